@@ -1,0 +1,5 @@
+import sys
+
+from megadare.cli import main
+
+sys.exit(main())

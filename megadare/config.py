@@ -1,0 +1,218 @@
+"""One typed config tree for every command: dataclasses + OmegaConf, a YAML file plus ``key=value`` overrides.
+
+    cfg = load_config("examples/configs/sdar_tiny.yaml", ["parallel.tp=2", "model.dtype=bf16"])
+    validate(cfg, arch, world_size)   # layouts against the model, before any process starts
+
+Unknown keys, wrong types, bad choices and impossible layouts raise ``ConfigError`` naming the dotted key and
+the fix. Later sections (train, sft, rl, rollout, eval) are added as dataclasses here.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf  # noqa: F401
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from megadare.models.family import ModelArch
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the dotted key and how to fix it."""
+
+
+@dataclass
+class ModelSection:
+    hf_path: Optional[str] = None          # HF checkpoint directory (config.json + safetensors)
+    family: Optional[str] = None           # build a random tiny model of this family instead (tests, demo)
+    tiny: bool = False
+    dtype: str = "fp32"                    # fp32 | bf16 | fp16 (bf16 keeps fp32 master weights)
+    block_size: Optional[int] = None       # denoising block (block-diffusion families); None = family default
+    attention_backend: str = "auto"        # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1                            # tensor parallel
+    pp: int = 1                            # pipeline parallel
+    vpp: Optional[int] = None              # virtual pipeline stages per rank (interleaved 1F1B)
+    ep: int = 1                            # expert parallel
+    etp: int = 1                           # expert tensor parallel
+    cp: int = 1                            # context parallel
+    sp: bool = False                       # sequence parallel (needs tp > 1)
+    world_size: Optional[int] = None       # None = from the launcher environment
+
+
+@dataclass
+class CheckpointSection:
+    load: Optional[str] = None
+    save: Optional[str] = None
+    save_interval: int = 0                 # steps; 0 = only at the end and on SIGTERM
+    async_save: bool = False
+
+
+@dataclass
+class LoggingSection:
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+    jsonl: bool = True
+    log_interval: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    seed: int = 1234
+
+
+CHOICES = {
+    "model.dtype": ("fp32", "bf16", "fp16"),
+    "model.attention_backend": ("auto", "flex", "sdpa", "reference"),
+}
+POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parallel.cp", "parallel.vpp",
+            "parallel.world_size", "model.block_size", "logging.log_interval")
+
+
+def _all_keys(dc: Any, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(dc):
+        v = getattr(dc, f.name)
+        key = f"{prefix}{f.name}"
+        out.append(key)
+        if is_dataclass(v):
+            out.extend(_all_keys(v, key + "."))
+    return out
+
+
+def _unknown(key: str) -> ConfigError:
+    valid = _all_keys(Config())
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _translate(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, ConfigKeyError):
+        return _unknown(key)
+    if isinstance(e, ValidationError):
+        return ConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e} (in {source})")
+    return ConfigError(f"{source}: {e}")
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> Config:
+    base = OmegaConf.structured(Config)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.create(data))
+    except OmegaConfBaseException as e:
+        raise _translate(e, source) from None
+    return _finish(merged)
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """YAML file (optional) then dotted ``key=value`` overrides; checked field by field."""
+    conf = OmegaConf.structured(Config)
+    try:
+        if path:
+            try:
+                file_conf = OmegaConf.load(path)
+            except FileNotFoundError:
+                raise ConfigError(f"config file {path!r} not found") from None
+            conf = OmegaConf.merge(conf, file_conf)
+        for ov in overrides or []:
+            if "=" not in ov:
+                raise ConfigError(f"override {ov!r} must look like key=value (e.g. parallel.tp=2)")
+            key = ov.split("=", 1)[0].strip()
+            if key not in _all_keys(Config()):
+                raise _unknown(key)
+            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([ov]))
+    except OmegaConfBaseException as e:
+        raise _translate(e, path or "overrides") from None
+    return _finish(conf)
+
+
+def _finish(conf) -> Config:
+    cfg: Config = OmegaConf.to_object(conf)
+    for key, options in CHOICES.items():
+        v = _get(cfg, key)
+        if v not in options:
+            raise ConfigError(f"{key}={v!r} is not one of {', '.join(options)}")
+    for key in POSITIVE:
+        v = _get(cfg, key)
+        if v is not None and v < 1:
+            raise ConfigError(f"{key}={v} must be a positive integer")
+    if cfg.model.hf_path is None and cfg.model.family is None:
+        pass  # commands that need a model say so themselves
+    return cfg
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _divisors(n: int) -> str:
+    return "{" + ",".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def validate_layout(arch: ModelArch, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
+                    etp: int = 1, cp: int = 1, sp: bool = False, world_size: Optional[int] = None) -> None:
+    """Fail before any process starts when a layout cannot hold the model (megatron's own rules)."""
+    P = "parallel."
+    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{P}{name}={v!r} must be a positive integer")
+    if arch.num_attention_heads % tp:
+        raise ConfigError(f"{P}tp={tp}: model has {arch.num_attention_heads} attention heads, not divisible by "
+                          f"{tp}; use tp in {_divisors(arch.num_attention_heads)}")
+    if arch.num_kv_heads % tp:
+        raise ConfigError(f"{P}tp={tp}: model has {arch.num_kv_heads} key/value heads (query groups), not "
+                          f"divisible by {tp}; use tp in {_divisors(arch.num_kv_heads)}")
+    if arch.ffn_hidden_size % tp:
+        raise ConfigError(f"{P}tp={tp}: MLP width {arch.ffn_hidden_size} is not divisible by {tp}")
+    if arch.is_moe:
+        if arch.num_experts % ep:
+            raise ConfigError(f"{P}ep={ep}: model has {arch.num_experts} experts, not divisible by {ep}; "
+                              f"use ep in {_divisors(arch.num_experts)}")
+        if arch.moe_ffn_hidden_size % etp:
+            raise ConfigError(f"{P}etp={etp}: expert width {arch.moe_ffn_hidden_size} is not divisible by {etp}")
+    elif ep > 1:
+        raise ConfigError(f"{P}ep={ep}: the model has no experts; set parallel.ep=1")
+    stages = pp * (vpp or 1)
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise ConfigError(f"{P}vpp={vpp} needs parallel.pp > 1 (virtual stages interleave pipeline stages)")
+    if arch.num_layers % stages:
+        raise ConfigError(f"{P}pp={pp}" + (f", {P}vpp={vpp}" if vpp else "") +
+                          f": {arch.num_layers} layers do not split evenly into {stages} stages; "
+                          f"use pp*vpp in {_divisors(arch.num_layers)}")
+    if sp and tp == 1:
+        raise ConfigError(f"{P}sp=true needs {P}tp > 1 (sequence parallelism splits activations over TP)")
+    if world_size is not None:
+        if world_size % (tp * pp * cp):
+            raise ConfigError(f"{P}world_size={world_size} is not divisible by tp*pp*cp={tp * pp * cp}")
+        if world_size % (etp * ep * pp):
+            raise ConfigError(f"{P}world_size={world_size} is not divisible by etp*ep*pp={etp * ep * pp}; "
+                              f"lower {P}ep or launch more processes")
+
+
+def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None) -> None:
+    """Cross-checks of a whole config against the model (when known) and the world size."""
+    p = cfg.parallel
+    ws = world_size or p.world_size
+    if arch is not None:
+        validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=ws)
+        if cfg.model.block_size is not None and arch.attention != "block_causal":
+            raise ConfigError(f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
+                              "attention and has no denoising blocks; remove model.block_size")
+    elif p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp=true needs parallel.tp > 1")

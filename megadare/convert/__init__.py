@@ -1,0 +1,145 @@
+"""HF <-> Megatron conversion: one mapping table per family, streamed tensor by tensor.
+
+* ``hf_to_megatron(hf_dir, out_dir, tp, pp, ep)``: HF safetensors -> a Megatron distributed checkpoint. The
+  checkpoint's keys are layout-independent (see mcore_ckpt), so it loads under the requested layout and under
+  any other; the layout is validated up front against the architecture and recorded as the default.
+* ``megatron_to_hf(ckpt_dir, out_dir)``: back to HF safetensors in the publisher's names, with config.json and
+  tokenizer files carried from the source.
+* ``load_hf_into_model(chunks, hf_dir)``: an HF checkpoint straight into a sharded live model, no conversion.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from megadare.convert.mapping import ParamMap, check_table
+from megadare.convert.mcore_ckpt import (
+    HF_SUBDIR,
+    checkpoint_keys,
+    load_checkpoint,
+    read_meta,
+    read_tensors,
+    resolve_checkpoint_dir,
+    save_checkpoint,
+    write_tensors,
+)
+from megadare.convert.safetensors_io import (
+    SafetensorsReader,
+    ShardedSafetensorsWriter,
+    copy_passthrough_files,
+)
+from megadare.convert.sharded_load import fill_model_from_global
+from megadare.models.family import Family, ModelArch, family_of, read_hf_config
+
+__all__ = ["hf_to_megatron", "megatron_to_hf", "load_hf_into_model", "save_checkpoint", "load_checkpoint",
+           "mapping_for", "HFSource"]
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
+
+
+def mapping_for(hf_config: dict) -> tuple[Family, ModelArch, list[ParamMap]]:
+    fam = family_of(hf_config)
+    if fam.mapping is None:
+        raise NotImplementedError(f"family {fam.name} has no HF <-> Megatron table")
+    return fam, fam.arch(hf_config), fam.mapping(hf_config)
+
+
+class HFSource:
+    """Global Megatron tensors produced on demand from an HF checkpoint through the family table."""
+
+    def __init__(self, hf_dir: str, dtype: Optional[torch.dtype] = None):
+        self.hf_dir = hf_dir
+        self.config = read_hf_config(hf_dir)
+        self.family, self.arch, self.table = mapping_for(self.config)
+        self.reader = SafetensorsReader(hf_dir)
+        ignore = self.family.extra.get("ignore_hf", ())
+        names = {k for k in self.reader.keys() if not any(k.endswith(s) for s in ignore)}
+        check_table(self.table, names, hf_dir)
+        self.rows = {r.mcore: r for r in self.table}
+        self.dtype = dtype
+
+    def shapes(self) -> dict[str, tuple[list[int], torch.dtype]]:
+        out = {}
+        for r in self.table:
+            dt = self.dtype if self.dtype is not None else self.reader.dtype(r.hf[0])
+            out[r.mcore] = (r.mcore_shape([self.reader.shape(h) for h in r.hf]), dt)
+        return out
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.rows:
+            raise KeyError(f"{self.hf_dir}: the {self.family.name} table has no Megatron key {key!r}")
+        r = self.rows[key]
+        t = r.to_mcore([self.reader.get(h) for h in r.hf])
+        return t.to(self.dtype) if self.dtype is not None else t
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
+                   dtype: Optional[torch.dtype] = None, progress: bool = True) -> str:
+    """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming)."""
+    src = HFSource(hf_dir, dtype)
+    from megadare.config import validate_layout
+
+    validate_layout(src.arch, tp=tp, pp=pp, ep=ep, vpp=vpp)
+    shapes = src.shapes()
+    bar = _progress(len(shapes), "hf -> megatron", progress)
+
+    def produce(key: str) -> torch.Tensor:
+        t = src(key)
+        bar.update(1)
+        return t
+
+    meta = {"family": src.family.name, "architecture": src.arch.architecture, "source": os.path.abspath(hf_dir),
+            "layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp}, "format": "megadare-torch_dist-v1"}
+    try:
+        write_tensors(out_dir, shapes, produce, meta=meta, hf_files_from=hf_dir)
+    finally:
+        bar.close()
+    return out_dir
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
+                   dtype: Optional[torch.dtype] = None, progress: bool = True) -> str:
+    """Export a Megatron distributed checkpoint (written by megadare) to HF safetensors, tensor by tensor."""
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    read_meta(ckpt_dir)
+    hf_files = os.path.join(ckpt_dir, HF_SUBDIR)
+    with open(os.path.join(hf_files, "config.json")) as f:
+        config = json.load(f)
+    fam, arch, table = mapping_for(config)
+    known = checkpoint_keys(ckpt_dir)
+    missing = [r.mcore for r in table if r.mcore not in known]
+    if missing:
+        raise ValueError(f"{ckpt_dir}: checkpoint lacks {len(missing)} tensors of the {fam.name} table, "
+                         f"e.g. {missing[:4]}; was it written for another config.json?")
+    bar = _progress(len(table), "megatron -> hf", progress)
+    with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
+        for r in table:
+            t = read_tensors(ckpt_dir, [r.mcore], known)[r.mcore]
+            for name, h in zip(r.hf, r.to_hf(t)):
+                w.add(name, h.to(dtype) if dtype is not None else h)
+            bar.update(1)
+        copy_passthrough_files(hf_files, w.staging_dir)
+    bar.close()
+    return out_dir
+
+
+def load_hf_into_model(chunks: list[torch.nn.Module], hf_dir: str) -> None:
+    """Load an HF checkpoint straight into this rank's sharded model chunks (every rank calls this)."""
+    src = HFSource(hf_dir)
+    cache: dict[str, torch.Tensor] = {}
+
+    def produce(key: str) -> torch.Tensor:
+        # A key can be asked twice on one rank (tied embedding on the first and last PP stage).
+        if key not in cache:
+            cache.clear()
+            cache[key] = src(key)
+        return cache[key]
+
+    fill_model_from_global(chunks, produce)

@@ -1,0 +1,231 @@
+"""Megatron distributed checkpoints (torch_dist): save/load live sharded models, stream tensors in and out.
+
+Every checkpoint is written with ``singleton_local_shards`` metadata, so each key is one plain tensor with a
+global shape that does not depend on TP/PP/EP/VPP: a checkpoint saved under one layout loads under any other.
+
+* ``save_checkpoint`` / ``load_checkpoint``: megatron's ``dist_checkpointing`` on live model chunks (all ranks).
+  Saves go to a temp directory that rank 0 renames into place after every rank finished: a crash never leaves
+  a half-written checkpoint under the final name.
+* ``write_tensors``: one process writes a checkpoint tensor by tensor (the HF -> Megatron converter). It uses
+  torch.distributed.checkpoint directly with a planner that produces each tensor only when the writer asks
+  for it, so peak memory stays near the largest tensor, not the model.
+* ``read_tensor`` / ``checkpoint_keys``: read one tensor at a time (the Megatron -> HF converter).
+
+The checkpoint directory also holds ``hf/`` (the source config.json and tokenizer files) so an export needs
+nothing but the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+SHARDED_SD_METADATA = {"singleton_local_shards": True}
+HF_SUBDIR = "hf"
+MEGADARE_META = "megadare.json"
+# What megatron's dist_checkpointing writes as metadata.json for the torch_dist backend.
+_MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}
+
+
+class MegatronCheckpointError(ValueError):
+    """A directory is not a megadare/megatron distributed checkpoint, or lacks a tensor."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _tmp(path: str) -> str:
+    return path.rstrip(os.sep) + ".tmp"
+
+
+def _finalise(tmp: str, final: str) -> None:
+    """Atomically move tmp into place (replacing an older checkpoint of the same name)."""
+    if os.path.exists(final):
+        old = final.rstrip(os.sep) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def write_meta(ckpt_dir: str, meta: dict[str, Any], hf_files_from: Optional[str] = None) -> None:
+    """megadare.json (family, architecture, what wrote it) and hf/ (config.json + tokenizer files)."""
+    from megadare.convert.safetensors_io import copy_passthrough_files
+
+    with open(os.path.join(ckpt_dir, MEGADARE_META), "w") as f:
+        json.dump(meta, f, indent=2)
+    if hf_files_from:
+        os.makedirs(os.path.join(ckpt_dir, HF_SUBDIR), exist_ok=True)
+        copy_passthrough_files(hf_files_from, os.path.join(ckpt_dir, HF_SUBDIR))
+
+
+def read_meta(ckpt_dir: str) -> dict[str, Any]:
+    p = os.path.join(ckpt_dir, MEGADARE_META)
+    if not os.path.exists(p):
+        raise MegatronCheckpointError(f"{ckpt_dir}: no {MEGADARE_META}; not a checkpoint written by megadare")
+    with open(p) as f:
+        return json.load(f)
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """A checkpoint dir itself, or a run's checkpoint root holding latest_checkpointed_iteration.txt."""
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.exists(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+        if os.path.exists(os.path.join(sub, "metadata.json")):
+            return sub
+        raise MegatronCheckpointError(f"{tracker} points to {sub}, which is not a checkpoint")
+    raise MegatronCheckpointError(
+        f"{path}: not a Megatron distributed checkpoint (no metadata.json, no latest_checkpointed_iteration.txt)")
+
+
+# ============================================================== live sharded models (every rank calls these)
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    """The sharded state dict of this rank's model chunks; keys inside are layout-independent."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict(metadata=SHARDED_SD_METADATA)}
+    return {f"model{i}": c.sharded_state_dict(metadata=SHARDED_SD_METADATA) for i, c in enumerate(chunks)}
+
+
+def _drop_extra_state(sd: dict) -> dict:
+    """Drop ``_extra_state`` entries of non-TE layers (always None): converted checkpoints carry none."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out[k] = _drop_extra_state(v)
+        elif isinstance(v, ShardedObject) and k.endswith("_extra_state") and v.data is None:
+            continue
+        else:
+            out[k] = v
+    return out
+
+
+def save_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, meta: Optional[dict] = None,
+                    hf_files_from: Optional[str] = None) -> str:
+    """Save this rank's model chunks (collective). Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    tmp = _tmp(ckpt_dir)
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(_drop_extra_state(model_sharded_state_dict(chunks)), tmp)
+    _barrier()
+    if _rank() == 0:
+        write_meta(tmp, meta or {}, hf_files_from)
+        _finalise(tmp, ckpt_dir)
+    _barrier()
+    return ckpt_dir
+
+
+def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
+    """Load a checkpoint saved under any layout into this rank's model chunks (collective)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    sd = _drop_extra_state(model_sharded_state_dict(chunks))
+    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    for i, c in enumerate(chunks):
+        part = loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"]
+        missing, unexpected = c.load_state_dict(part, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise MegatronCheckpointError(f"{ckpt_dir}: missing {missing} unexpected {unexpected}")
+
+
+# ============================================================== single-process streaming IO (converters)
+class _LazySavePlanner(DefaultSavePlanner):
+    """Plans with meta tensors; produces each real tensor only when the writer asks for it."""
+
+    def __init__(self, produce: Callable[[str], torch.Tensor]):
+        super().__init__()
+        self._produce = produce
+
+    def resolve_data(self, write_item):
+        key = write_item.index.fqn
+        t = self._produce(key)
+        want = self.state_dict[key]
+        if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
+            raise MegatronCheckpointError(
+                f"{key}: produced {tuple(t.shape)} {t.dtype}, planned {tuple(want.shape)} {want.dtype}")
+        return t.contiguous()
+
+
+def write_tensors(ckpt_dir: str, shapes: dict[str, tuple[list[int], torch.dtype]],
+                  produce: Callable[[str], torch.Tensor], meta: Optional[dict] = None,
+                  hf_files_from: Optional[str] = None) -> str:
+    """Write a torch_dist checkpoint from one process, one tensor in memory at a time.
+
+    shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it.
+    """
+    tmp = _tmp(ckpt_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    state = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
+    writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
+    try:
+        dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(produce), no_dist=True)
+    except CheckpointException as e:  # DCP wraps per-rank errors; surface the real one
+        shutil.rmtree(tmp, ignore_errors=True)
+        for f in getattr(e, "failures", {}).values():
+            err = f[0] if isinstance(f, tuple) else f  # (exception, stack summary) in torch >= 2.1
+            if isinstance(err, BaseException):
+                raise err from None
+        raise
+    torch.save({}, os.path.join(tmp, "common.pt"))
+    with open(os.path.join(tmp, "metadata.json"), "w") as f:
+        json.dump(_MCORE_METADATA, f)
+    write_meta(tmp, meta or {}, hf_files_from)
+    _finalise(tmp, ckpt_dir)
+    return ckpt_dir
+
+
+def checkpoint_keys(ckpt_dir: str) -> dict[str, tuple[list[int], torch.dtype]]:
+    """Tensor keys of a checkpoint with their global shapes and dtypes (reads metadata only)."""
+    md = FileSystemReader(resolve_checkpoint_dir(ckpt_dir)).read_metadata()
+    out = {}
+    for k, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            out[k] = (list(m.size), m.properties.dtype)
+    return out
+
+
+def read_tensors(ckpt_dir: str, keys: Iterable[str],
+                 known: Optional[dict[str, tuple[list[int], torch.dtype]]] = None) -> dict[str, torch.Tensor]:
+    """Read the given keys (full global tensors) from a checkpoint; only those bytes are read."""
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    known = known or checkpoint_keys(ckpt_dir)
+    state = {}
+    for k in keys:
+        if k not in known:
+            raise MegatronCheckpointError(f"{ckpt_dir}: checkpoint has no tensor {k!r}")
+        shape, dtype = known[k]
+        state[k] = torch.empty(shape, dtype=dtype)
+    dcp.load(state, storage_reader=FileSystemReader(ckpt_dir), no_dist=True)
+    return state

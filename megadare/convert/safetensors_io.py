@@ -1,0 +1,213 @@
+"""Streaming safetensors IO in the HF layout: one tensor in memory at a time on read, one shard on write.
+
+Reader: a directory with ``model.safetensors`` or ``model.safetensors.index.json`` + shards. Tensors are read
+one by one (``safe_open``), so peak memory stays near the largest tensor.
+Writer: buffers tensors until a shard reaches ``max_shard_bytes``, then writes it; at close it names the shards
+``model-0000i-of-0000n.safetensors`` and writes the index, exactly as ``transformers`` ``save_pretrained``
+does. Output goes to ``<out>.tmp-<pid>`` and is renamed into place at close, so a crash never leaves a
+half-written checkpoint under the final name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files a converter copies from the source checkpoint so the output loads in the published layout.
+PASSTHROUGH_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing files, or names a tensor it does not hold."""
+
+
+class SafetensorsReader:
+    """Lazy reader over an HF checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        index = os.path.join(self.path, INDEX_NAME)
+        single = os.path.join(self.path, SINGLE_NAME)
+        if os.path.exists(index):
+            with open(index) as f:
+                try:
+                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from e
+            for fn in sorted(set(self.weight_map.values())):
+                if not os.path.exists(os.path.join(self.path, fn)):
+                    raise CheckpointError(f"{index} names shard {fn!r}, which is missing from {self.path}")
+        elif os.path.exists(single):
+            with safe_open(single, framework="pt") as f:
+                self.weight_map = {k: SINGLE_NAME for k in f.keys()}
+        else:
+            files = sorted(x for x in os.listdir(self.path) if x.endswith(".safetensors")) if os.path.isdir(self.path) else []
+            if not files:
+                raise CheckpointError(f"{self.path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files")
+            self.weight_map = {}
+            for fn in files:
+                with safe_open(os.path.join(self.path, fn), framework="pt") as f:
+                    for k in f.keys():
+                        self.weight_map[k] = fn
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _handle(self, fn: str):
+        h = self._handles.get(fn)
+        if h is None:
+            h = safe_open(os.path.join(self.path, fn), framework="pt")
+            self._handles[fn] = h
+        return h
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        return self._handle(self.weight_map[name]).get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        return list(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        if name not in self.weight_map:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
+        return _DTYPES[self._handle(self.weight_map[name]).get_slice(name).get_dtype()]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.keys():
+            yield name, self.get(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShardedSafetensorsWriter:
+    """Writes HF-layout sharded safetensors atomically (temp dir, renamed at close)."""
+
+    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30,
+                 metadata: Optional[dict[str, str]] = None):
+        self.out_dir = os.fspath(out_dir)
+        self.tmp_dir = f"{self.out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
+        if os.path.exists(self.tmp_dir):
+            shutil.rmtree(self.tmp_dir)
+        os.makedirs(self.tmp_dir)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._buf: dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+        self._closed = False
+
+    @property
+    def staging_dir(self) -> str:
+        """Where extra files (config.json, tokenizer) go before the atomic rename."""
+        return self.tmp_dir
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._closed:
+            raise RuntimeError("writer already closed")
+        if name in self._buf or any(name in s for s in self._shards):
+            raise CheckpointError(f"tensor {name!r} written twice")
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._buf and self._buf_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._buf[name] = tensor.detach().contiguous().cpu()
+        self._buf_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        i = len(self._shards)
+        save_file(self._buf, os.path.join(self.tmp_dir, f"shard-{i:05d}.part"), metadata=self.metadata)
+        self._shards.append(list(self._buf))
+        self._buf = {}
+        self._buf_bytes = 0
+
+    def close(self) -> str:
+        """Finish: name the shards, write the index, rename into place. Returns the output directory."""
+        self._flush()
+        n = len(self._shards)
+        if n == 0:
+            raise CheckpointError("no tensors were written")
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(self._shards):
+            final = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.tmp_dir, f"shard-{i:05d}.part"), os.path.join(self.tmp_dir, final))
+            weight_map.update({k: final for k in names})
+        if n > 1:
+            with open(os.path.join(self.tmp_dir, INDEX_NAME), "w") as f:
+                json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
+        if os.path.exists(self.out_dir):
+            old = f"{self.out_dir.rstrip(os.sep)}.old-{os.getpid()}"
+            os.replace(self.out_dir, old)
+            os.replace(self.tmp_dir, self.out_dir)
+            shutil.rmtree(old)
+        else:
+            os.replace(self.tmp_dir, self.out_dir)
+        self._closed = True
+        return self.out_dir
+
+    def abort(self) -> None:
+        self._closed = True
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "ShardedSafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._closed:
+            self.close()
+
+
+def copy_passthrough_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copy config.json, generation config and tokenizer files from src to dst; returns what was copied."""
+    copied = []
+    for fn in PASSTHROUGH_FILES:
+        s = os.path.join(src_dir, fn)
+        if os.path.exists(s):
+            shutil.copy2(s, os.path.join(dst_dir, fn))
+            copied.append(fn)
+    return copied
+
+
+def save_hf_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str | os.PathLike,
+                       max_shard_bytes: int = 2 << 30) -> str:
+    """Write a state dict + config.json as an HF checkpoint directory (tests, tiny models, exports)."""
+    with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
+        for k, v in state.items():
+            w.add(k, v)
+        with open(os.path.join(w.staging_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+    return os.fspath(out_dir)

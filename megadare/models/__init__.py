@@ -1,0 +1,58 @@
+"""Model families: recognise a checkpoint, build its hf/ reference model or its Megatron model.
+
+    load_hf_model(path)             config.json + *.safetensors (single or sharded) -> hf/ model, strict
+    build_hf_model(cfg)             random-initialised hf/ model for a config.json dict
+    save_hf_model(model, cfg, dir)  HF-layout checkpoint (sharded safetensors + index + config.json)
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megadare.models.family import (
+    FAMILIES,
+    Family,
+    ModelArch,
+    ModelConfigError,
+    family_of,
+    get_family,
+    read_hf_config,
+)
+
+__all__ = ["FAMILIES", "Family", "ModelArch", "ModelConfigError", "family_of", "get_family", "read_hf_config",
+           "build_hf_model", "load_hf_model", "save_hf_model"]
+
+
+def build_hf_model(cfg: dict) -> torch.nn.Module:
+    return family_of(cfg).hf_model(cfg)
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The family's hf/ model with the checkpoint's weights; missing or unexpected tensors are errors."""
+    from megadare.convert.safetensors_io import CheckpointError, SafetensorsReader
+
+    cfg = read_hf_config(path)
+    fam = family_of(cfg)
+    with torch.device("meta"):
+        model = fam.hf_model(cfg)
+    want = model.state_dict()
+    ignore = fam.extra.get("ignore_hf", ())
+    with SafetensorsReader(path) as r:
+        have = {k for k in r.keys() if not any(k.endswith(s) for s in ignore)}
+        missing, unexpected = sorted(set(want) - have), sorted(have - set(want))
+        if missing or unexpected:
+            raise CheckpointError(f"{os.fspath(path)}: checkpoint does not match config.json: "
+                                  f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+        state = {k: r.get(k).to(dtype) for k in want}
+    model.load_state_dict(state, assign=True)
+    return model.to(device).eval()
+
+
+def save_hf_model(model: torch.nn.Module, cfg: dict, out_dir: str | os.PathLike,
+                  max_shard_bytes: int = 2 << 30) -> str:
+    from megadare.convert.safetensors_io import save_hf_checkpoint
+
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    return save_hf_checkpoint(state, cfg, out_dir, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,259 @@
+"""dLLM attention masks and the core-attention module used by every model family.
+
+One definition of each mask serves training (Megatron), the hf/ reference models and the rollout engine.
+Every mask is a ``MaskSpec``: a pure ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` in FlexAttention's
+signature (True = query may attend key), plus ``dense(q_len, kv_len)`` which materialises it for SDPA or a
+plain reference. Megatron's own convention is the opposite (True = masked out); ``to_megatron_mask`` is the
+one place that flips it.
+
+Masks (block index b(i) = pos(i) // block_size, positions counted on the global prompt+response grid):
+
+* bidirectional (LLaDA, Dream): every token attends every token of its own sample.
+* block-causal inference (SDAR, TraDo, LLaDA2): i attends j iff b(j) <= b(i) -- the own block is
+  bidirectional, earlier blocks are causal (KV-cached at inference).
+* block-diffusion training (SDAR / BD3-LM, arXiv:2503.09573, Fig. 2): the input is x_t ++ x_0 (length 2L).
+  x_t token i attends x_t tokens of its own block and x_0 tokens of strictly earlier blocks; x_0 token i
+  attends x_0 tokens of its own and earlier blocks; x_0 never attends x_t. One forward gives every block's
+  denoising loss.
+
+Sequence packing: every mask also takes optional per-position segment ids; tokens attend only within their
+segment, and block indices use the position inside the segment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+MASK_KINDS = ("bidirectional", "block_causal", "block_diffusion")
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A dLLM attention mask as a FlexAttention-style ``mask_mod``.
+
+    kind: one of MASK_KINDS.
+    block_size: block length for block-causal / block-diffusion masks (ignored for bidirectional).
+    seq_len: for block_diffusion, L = the length of x_t (the input is 2L long); unused otherwise.
+    q_offset / kv_offset: global grid position of the first query / key (KV-cached inference: the queries
+        of the current block sit after the cached prefix).
+    segment_ids: optional [B, S] int tensor for packed sequences (S = query length = key length);
+        position_ids: optional [B, S] positions inside each packed sample (block index = position // block).
+    """
+
+    kind: str
+    block_size: int = 1
+    seq_len: int = 0
+    q_offset: int = 0
+    kv_offset: int = 0
+    segment_ids: Optional[torch.Tensor] = None
+    position_ids: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in MASK_KINDS:
+            raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {MASK_KINDS}")
+        if self.kind != "bidirectional" and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 for a {self.kind} mask, got {self.block_size}")
+        if self.kind == "block_diffusion" and self.seq_len < 1:
+            raise ValueError("a block_diffusion mask needs seq_len = L, the length of x_t (input is 2L)")
+
+    # ------------------------------------------------------------------ the mask itself
+    def _pos(self, b: torch.Tensor, idx: torch.Tensor, offset: int) -> torch.Tensor:
+        if self.position_ids is not None:
+            return self.position_ids[b, idx]
+        return idx + offset
+
+    def mask_mod(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        """True where query q_idx may attend key kv_idx (FlexAttention signature)."""
+        if self.kind == "block_diffusion":
+            allowed = self._block_diffusion(q_idx, kv_idx)
+        else:
+            qp = self._pos(b, q_idx, self.q_offset)
+            kp = self._pos(b, kv_idx, self.kv_offset)
+            if self.kind == "bidirectional":
+                allowed = torch.ones_like(qp + kp, dtype=torch.bool)
+            else:  # block_causal
+                allowed = (kp // self.block_size) <= (qp // self.block_size)
+        if self.segment_ids is not None:
+            allowed = allowed & (self.segment_ids[b, q_idx] == self.segment_ids[b, kv_idx])
+        return allowed
+
+    def _block_diffusion(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        L, bs = self.seq_len, self.block_size
+        q_is_x0 = q_idx >= L
+        k_is_x0 = kv_idx >= L
+        qb = torch.where(q_is_x0, q_idx - L, q_idx) // bs
+        kb = torch.where(k_is_x0, kv_idx - L, kv_idx) // bs
+        xt_xt = (~q_is_x0) & (~k_is_x0) & (qb == kb)          # own noisy block, bidirectional
+        xt_x0 = (~q_is_x0) & k_is_x0 & (kb < qb)              # clean context of earlier blocks
+        x0_x0 = q_is_x0 & k_is_x0 & (kb <= qb)                # clean stream, block-causal
+        return xt_xt | xt_x0 | x0_x0
+
+    # ------------------------------------------------------------------ materialised forms
+    def dense(self, q_len: int, kv_len: int, batch_size: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[B, 1, q_len, kv_len] bool, True = may attend (SDPA / HF 4D-mask convention)."""
+        if self.segment_ids is None and self.position_ids is None:
+            batch_size = 1
+        b = torch.arange(batch_size, device=device).view(-1, 1, 1)
+        q = torch.arange(q_len, device=device).view(1, -1, 1)
+        k = torch.arange(kv_len, device=device).view(1, 1, -1)
+        h = torch.zeros((), dtype=torch.long, device=device)
+        return self.mask_mod(b, h, q, k).expand(batch_size, q_len, kv_len).unsqueeze(1)
+
+
+def bidirectional(**kw) -> MaskSpec:
+    return MaskSpec("bidirectional", **kw)
+
+
+def block_causal(block_size: int, **kw) -> MaskSpec:
+    return MaskSpec("block_causal", block_size=block_size, **kw)
+
+
+def block_diffusion(seq_len: int, block_size: int, **kw) -> MaskSpec:
+    return MaskSpec("block_diffusion", block_size=block_size, seq_len=seq_len, **kw)
+
+
+def to_megatron_mask(allowed: torch.Tensor) -> torch.Tensor:
+    """Megatron / TE convention: True = masked out."""
+    return ~allowed
+
+
+def padding_to_allowed(attention_mask_2d: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Combine a HF-style [B, S] key padding mask (1 = real token) with a [B|1, 1, Q, S] allowed mask."""
+    keys = attention_mask_2d.bool()[:, None, None, :]
+    return base & keys
+
+
+# ====================================================================== core attention (Megatron spec module)
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "reference")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' -> FlexAttention on CUDA (never materialises the score matrix), SDPA elsewhere."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r} unknown; choose one of {ATTENTION_BACKENDS}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type != "cuda":
+        raise ValueError("attention backend 'flex' needs a CUDA device; use 'sdpa' or 'auto' on CPU")
+    return backend
+
+
+def allowed_from_megatron(attention_mask, q_len: int, kv_len: int, device) -> Optional[torch.Tensor]:
+    """Normalise what Megatron passes as ``attention_mask`` to an allowed [B|1, 1, Q, K] bool (or None = all)."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, MaskSpec):
+        return attention_mask.dense(q_len, kv_len, _mask_batch(attention_mask), device=device)
+    if attention_mask.dtype != torch.bool:
+        raise TypeError("a tensor attention_mask must be bool in Megatron convention (True = masked out)")
+    m = ~attention_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m
+
+
+def _mask_batch(spec: MaskSpec) -> int:
+    for t in (spec.segment_ids, spec.position_ids):
+        if t is not None:
+            return t.shape[0]
+    return 1
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor],
+                   scale: float) -> torch.Tensor:
+    """q [B, H, Q, D], k/v [B, G, K, D] (G kv groups, H % G == 0); allowed [B|1, 1, Q, K] or None."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor],
+                        scale: float) -> torch.Tensor:
+    """Plain softmax(QK^T * scale + mask) V in fp32: the readable reference for the other backends."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+_FLEX_CACHE: dict = {}
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, scale: float) -> torch.Tensor:
+    """FlexAttention with a block-sparse mask built from the spec's mask_mod (CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention as _flex
+
+    key = (spec.kind, spec.block_size, spec.seq_len, spec.q_offset, spec.kv_offset,
+           id(spec.segment_ids), id(spec.position_ids), q.shape[-2], k.shape[-2], q.device)
+    block_mask = _FLEX_CACHE.get(key)
+    if block_mask is None:
+        B = _mask_batch(spec) if (spec.segment_ids is not None or spec.position_ids is not None) else None
+        block_mask = create_block_mask(spec.mask_mod, B, None, q.shape[-2], k.shape[-2], device=q.device)
+        if len(_FLEX_CACHE) > 64:
+            _FLEX_CACHE.clear()
+        _FLEX_CACHE[key] = block_mask
+    fn = _compiled_flex() if q.is_cuda else _flex
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_COMPILED = None
+
+
+def _compiled_flex():
+    global _COMPILED
+    if _COMPILED is None:
+        from torch.nn.attention.flex_attention import flex_attention as _flex
+        _COMPILED = torch.compile(_flex, dynamic=False)
+    return _COMPILED
+
+
+class DLLMCoreAttention(torch.nn.Module):
+    """Megatron core-attention module for dLLM masks (drop-in for ``DotProductAttention`` in a layer spec).
+
+    Takes Megatron's [S, B, heads, D] q/k/v and returns [S, B, heads_per_partition * D]. ``attention_mask``
+    is a ``MaskSpec`` (preferred: FlexAttention builds a block-sparse mask from it and SDPA materialises it)
+    or a bool tensor in Megatron convention (True = masked out). Never materialises the score matrix on the
+    flex path; SDPA uses its fused kernels where the mask allows.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, backend: str = "auto"):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        if config.context_parallel_size != 1:
+            raise ValueError("DLLMCoreAttention does not implement context parallelism; set parallel.cp=1")
+        self.config = config
+        self.backend = backend
+        tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
+        self.heads_per_partition = config.num_attention_heads // tp
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else (
+            config.softmax_scale if getattr(config, "softmax_scale", None) else self.head_dim ** -0.5)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("DLLMCoreAttention: pass packing through MaskSpec(segment_ids=...), not packed_seq_params")
+        if self.training and self.dropout_p > 0:
+            raise ValueError("attention dropout is not supported by DLLMCoreAttention (dLLM recipes use 0)")
+        sq, b = query.shape[0], query.shape[1]
+        q = query.permute(1, 2, 0, 3)  # [B, H, S, D]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        backend = resolve_backend(self.backend, q.device)
+        if backend == "flex" and (attention_mask is None or isinstance(attention_mask, MaskSpec)):
+            spec = attention_mask if attention_mask is not None else bidirectional()
+            out = flex_attention(q, k, v, spec, self.scale)
+        else:
+            allowed = allowed_from_megatron(attention_mask, q.shape[-2], k.shape[-2], q.device)
+            fn = reference_attention if backend == "reference" else sdpa_attention
+            out = fn(q, k, v, allowed, self.scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)

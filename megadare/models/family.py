@@ -1,0 +1,153 @@
+"""What every model family states, and the registry that recognises a checkpoint's family.
+
+A family file (sdar.py, llada2.py, llada.py, dream.py) defines one or more ``Family`` objects and registers
+them. A family is recognised by the ``architectures`` entry of the checkpoint's config.json. The family is the
+single place that states: the mask token id, the default block size, the attention kind, how config.json maps
+to a Megatron ``TransformerConfig`` and layer spec, and the one HF <-> Megatron parameter table.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from megadare.convert.mapping import ParamMap
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json is missing a key, has a bad value, or is of no known family."""
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture facts of one checkpoint, normalised across families (read from config.json)."""
+
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int                 # dense MLP width (dense layers of a MoE model too)
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    mask_token_id: int
+    attention: str                       # "block_causal" | "bidirectional"
+    block_size: int                      # default denoising block (block-diffusion families); 0 otherwise
+    rotary_percent: float = 1.0
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    logits_shift: int = 0                # Dream: logits at i predict token i+1
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    num_shared_experts: int = 0
+    first_k_dense: int = 0               # leading dense layers of a MoE model
+    moe_score_function: str = "softmax"  # "softmax" | "sigmoid"
+    moe_norm_topk_prob: bool = True
+    moe_routed_scaling: float = 1.0
+    moe_num_groups: int = 0              # group-limited routing (0 = off)
+    moe_topk_groups: int = 0
+    moe_expert_bias: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layers(self) -> list[int]:
+        """Indices of MoE layers (all but the leading dense ones) -- empty for dense models."""
+        if not self.is_moe:
+            return []
+        return list(range(self.first_k_dense, self.num_layers))
+
+
+@dataclass
+class Family:
+    """One model family. Concrete families fill in the callables in their own file."""
+
+    name: str
+    architectures: tuple[str, ...]
+    # config.json dict -> normalised facts (validates keys, raises ModelConfigError naming the key)
+    arch: Callable[[dict], ModelArch]
+    # config.json dict -> the HF-layout torch model class instance (megadare.models.hf)
+    hf_model: Callable[[dict], "torch.nn.Module"]
+    # config.json dict -> the one HF <-> Megatron parameter table (list of ParamMap rows)
+    mapping: Optional[Callable[[dict], list["ParamMap"]]] = None
+    # small config.json for tests and the demo (random weights); kwargs override fields
+    tiny_config: Optional[Callable[..., dict]] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {}
+_BY_ARCH: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    if family.name in FAMILIES:
+        raise ValueError(f"family {family.name!r} registered twice")
+    FAMILIES[family.name] = family
+    for a in family.architectures:
+        _BY_ARCH[a] = family
+    return family
+
+
+def _ensure_loaded() -> None:
+    # Import the family files so they register themselves.
+    from megadare.models import dream, llada, llada2, sdar  # noqa: F401
+
+
+def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
+    """config.json as a dict, from a checkpoint directory, a config.json path, or a dict."""
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    if not os.path.exists(p):
+        raise ModelConfigError(f"{p}: no config.json found; point to an HF checkpoint directory")
+    with open(p) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{p}: not valid JSON ({e})") from e
+
+
+def family_of(hf_config: str | os.PathLike | dict) -> Family:
+    """The family that serves a checkpoint, recognised by config.json's ``architectures``."""
+    _ensure_loaded()
+    cfg = read_hf_config(hf_config)
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in _BY_ARCH:
+            return _BY_ARCH[a]
+    known = ", ".join(sorted(_BY_ARCH))
+    raise ModelConfigError(
+        f"config.json architectures={archs!r} is not a known dLLM family; known architectures: {known}"
+    )
+
+
+def get_family(name: str) -> Family:
+    _ensure_loaded()
+    if name not in FAMILIES:
+        raise ModelConfigError(f"unknown family {name!r}; known: {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
+def require(cfg: dict, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    """cfg[key], checked for presence and type, with an error naming the key and the checkpoint."""
+    if key not in cfg:
+        raise ModelConfigError(f"{where}: config.json has no {key!r}; it is required for this family")
+    v = cfg[key]
+    if isinstance(v, bool) and typ in (int, float):
+        raise ModelConfigError(f"{where}: config.json {key!r}={v!r} must be a number")
+    if not isinstance(v, typ):
+        raise ModelConfigError(f"{where}: config.json {key!r}={v!r} has type {type(v).__name__}, expected {typ}")
+    return v

@@ -1,0 +1,216 @@
+"""Build the Megatron ``GPTModel`` of any family from its normalised ``ModelArch``.
+
+Every family is a decoder-only transformer that megatron-core already knows; what differs is captured by
+``ModelArch`` (QK norm, QKV bias, partial RoPE, MoE routing, leading dense layers). This file turns it into a
+``TransformerConfig`` and a layer spec: megatron's local (non-TE) linear layers, our SP-capable RMSNorm and our
+dLLM core attention (models/attention.py), swapped in as spec submodules -- no fork of megatron's layers.
+
+``DLLMGPTModel`` adds one thing to ``GPTModel``: RoPE from explicit ``position_ids`` (block-diffusion training
+feeds x_t ++ x_0 where x_0 token i sits at position i again, and packed samples restart at 0).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from megadare.convert.mapping import padded_vocab_size
+from megadare.models.attention import DLLMCoreAttention
+from megadare.models.family import ModelArch
+from megadare.models.norm import RMSNorm
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(arch: ModelArch, dtype: str = "fp32", **overrides) -> TransformerConfig:
+    """ModelArch (+ the live parallel layout) -> megatron TransformerConfig."""
+    ps = parallel_state
+    params_dtype = DTYPES[dtype]
+    kw = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=params_dtype,
+        bf16=dtype == "bf16",
+        fp16=dtype == "fp16",
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
+        sequence_parallel=False,
+    )
+    if arch.is_moe:
+        kw.update(
+            num_moe_experts=arch.num_experts,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_topk=arch.moe_topk,
+            moe_router_score_function=arch.moe_score_function,
+            # softmax + renormalised top-k == softmax over the top-k logits (megatron's default order);
+            # softmax without renormalisation == softmax over all experts first.
+            moe_router_pre_softmax=arch.moe_score_function == "softmax" and not arch.moe_norm_topk_prob,
+            moe_router_enable_expert_bias=arch.moe_expert_bias,
+            moe_router_topk_scaling_factor=arch.moe_routed_scaling if arch.moe_routed_scaling != 1.0 else None,
+            moe_router_num_groups=arch.moe_num_groups or None,
+            moe_router_group_topk=arch.moe_topk_groups or None,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_layer_freq=[0 if i < arch.first_k_dense else 1 for i in range(arch.num_layers)],
+            moe_shared_expert_intermediate_size=(
+                arch.num_shared_experts * arch.moe_ffn_hidden_size if arch.num_shared_experts else None),
+            moe_shared_expert_overlap=False,
+        )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _norm(config: TransformerConfig):
+    return RMSNorm
+
+
+def _dense_mlp() -> ModuleSpec:
+    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                          linear_fc2=RowParallelLinear))
+
+
+def _moe_mlp() -> ModuleSpec:
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+                                 shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp)),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
+def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> ModuleSpec:
+    """One transformer layer: RMSNorm -> attention (fused QKV, optional QK norm) -> RMSNorm -> MLP or MoE.
+
+    Checkpoint keys follow megatron's TE-spec names (input norm fused into linear_qkv, dense pre-MLP norm
+    fused into linear_fc1), so our distributed checkpoints load into TE-spec models and back.
+    """
+    keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if not moe:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.arbitrary},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=functools.partial(DLLMCoreAttention, backend=attention_backend),
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=RMSNorm if arch.qk_norm else IdentityOp,
+                    k_layernorm=RMSNorm if arch.qk_norm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=_moe_mlp() if moe else _dense_mlp(),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None,
+               attention_backend: str = "auto") -> TransformerBlockSubmodules:
+    """The layers this pipeline stage (and virtual stage) builds, dense or MoE per layer."""
+    moe_layers = set(arch.moe_layers())
+    specs = [layer_spec(arch, i in moe_layers, attention_backend) for i in range(arch.num_layers)]
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + n], layer_norm=RMSNorm)
+
+
+class DLLMGPTModel(GPTModel):
+    """GPTModel whose RoPE follows explicit ``position_ids`` ([B, S] or [S]) when they are given."""
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        if position_ids is None or self.position_embedding_type != "rope":
+            return out
+        pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
+        table = self.rotary_pos_emb(int(pos.max()) + 1)  # [P, 1, 1, rot_dim]
+        if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
+            emb = table[pos.t()].squeeze(2).squeeze(2).unsqueeze(2)  # [S, B, 1, rot_dim]
+        else:
+            emb = table[pos[0]]                                    # [S, 1, 1, rot_dim]
+        return (out[0], emb, *out[2:])
+
+
+def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None,
+                attention_backend: str = "auto") -> DLLMGPTModel:
+    """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered."""
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return DLLMGPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(arch, config, vp_stage, attention_backend),
+        vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=arch.rotary_percent,
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+        parallel_output=True,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(arch: ModelArch, config: TransformerConfig,
+                       attention_backend: str = "auto") -> list[DLLMGPTModel]:
+    """All model chunks of this rank: one per virtual pipeline stage (one without interleaving)."""
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    if vpp == 1:
+        return [build_model(arch, config, None, attention_backend)]
+    return [build_model(arch, config, i, attention_backend) for i in range(vpp)]

@@ -1,0 +1,74 @@
+"""Run a function in N local processes with torch.distributed env vars set (CPU gloo runs, tests, the demo).
+
+``spawn(fn, world_size, *args)`` starts ``world_size`` processes (start method 'spawn'), calls
+``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in any rank is raised in
+the parent with that rank's traceback; a hung collective fails after ``timeout_s`` instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        # plain pickle copies tensor data: torch's fd sharing would die with this process
+        queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        import queue as _q
+
+        for _ in range(world_size):
+            try:
+                rank, ok, val = queue.get(timeout=timeout_s)
+            except _q.Empty:
+                errors.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                break
+            if ok:
+                results[rank] = pickle.loads(val)
+            else:
+                errors.append(f"rank {rank} failed:\n{val}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise WorkerError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

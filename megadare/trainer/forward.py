@@ -1,0 +1,65 @@
+"""Forward-only passes of a (pipelined) Megatron model through megatron's own schedules.
+
+``forward_logits`` runs the model chunks of this rank over micro-batches with ``get_forward_backward_func``
+(1F1B or interleaved under PP, plain loop otherwise) and returns full-vocabulary logits on the last pipeline
+stage (gathered over TP, vocab padding cut off); other stages get None. Used for parity tests, reference/old
+log-probs and weight-sync checks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from megadare.models.attention import MaskSpec
+
+
+def _gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :vocab_size]
+
+
+@torch.no_grad()
+def forward_logits(chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab_size: int,
+                   mask: Optional[MaskSpec] = None, position_ids: Optional[torch.Tensor] = None,
+                   micro_batch_size: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Logits [B, S, vocab] on the last pipeline stage (None elsewhere). Every rank passes the same batch."""
+    B, S = input_ids.shape
+    mbs = micro_batch_size or B
+    if B % mbs:
+        raise ValueError(f"batch {B} is not divisible by micro_batch_size {mbs}")
+    n_micro = B // mbs
+    if position_ids is None:
+        position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+    for c in chunks:
+        c.eval()
+    micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs]) for i in range(n_micro)]
+
+    def forward_step(data_iterator, model):
+        ids, pos = next(data_iterator)
+        out = model(ids, pos, mask)
+
+        def collect(output_tensor, non_loss_data=False):
+            return _gather_vocab(output_tensor, vocab_size)
+
+        return out, collect
+
+    vpp = len(chunks)
+    iters = [iter(micro) for _ in range(vpp)] if vpp > 1 else iter(micro)
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iters,
+        model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=n_micro,
+        seq_length=S,  # megatron divides by TP itself under sequence parallelism
+        micro_batch_size=mbs,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat(list(out), dim=0)

@@ -1,0 +1,92 @@
+"""The config tree: bad configs fail with their own message, overrides beat the file, YAML round trips."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from megadare.config import ConfigError, load_config, to_yaml, validate, validate_layout
+from megadare.models import get_family
+
+
+def _arch(name="sdar_moe", **over):
+    fam = get_family(name)
+    return fam.arch(fam.tiny_config(**over))
+
+
+BAD_OVERRIDES = [
+    (["parallel.tpp=2"], "did you mean 'parallel.tp'"),
+    (["parallel.tp=two"], "parallel.tp"),
+    (["model.dtype=fp8"], "model.dtype='fp8' is not one of fp32, bf16, fp16"),
+    (["model.attention_backend=xformers"], "model.attention_backend"),
+    (["parallel.tp=0"], "parallel.tp=0 must be a positive integer"),
+    (["parallel.tp"], "must look like key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_OVERRIDES)
+def test_bad_overrides(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+BAD_LAYOUTS = [
+    (dict(tp=3), "4 attention heads, not divisible by 3"),
+    (dict(tp=4), "2 key/value heads"),
+    (dict(ep=3), "8 experts, not divisible by 3"),
+    (dict(pp=3), "2 layers do not split evenly into 3 stages"),
+    (dict(pp=2, vpp=2), "into 4 stages"),
+    (dict(vpp=2), "vpp=2 needs parallel.pp > 1"),
+    (dict(tp=1, sp=True), "sp=true needs parallel.tp > 1"),
+    (dict(tp=2, world_size=3), "world_size=3 is not divisible by tp\\*pp\\*cp=2"),
+    (dict(ep=4, world_size=2), "not divisible by etp\\*ep\\*pp=4"),
+    (dict(etp=3), "expert width 32"),
+]
+
+
+@pytest.mark.parametrize("layout,message", BAD_LAYOUTS)
+def test_bad_layouts(layout, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_layout(_arch(), **layout)
+
+
+def test_ep_on_dense_model():
+    with pytest.raises(ConfigError, match="no experts"):
+        validate_layout(_arch("sdar"), ep=2)
+
+
+def test_block_size_on_full_attention_family():
+    cfg = load_config(None, ["model.block_size=4"])
+    with pytest.raises(ConfigError, match="full attention"):
+        validate(cfg, _arch("llada"))
+
+
+def test_good_layout_and_overrides_beat_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("parallel:\n  tp: 2\n  sp: true\nmodel:\n  dtype: bf16\n")
+    cfg = load_config(str(p), ["parallel.tp=1", "parallel.sp=false"])
+    assert cfg.parallel.tp == 1 and cfg.parallel.sp is False and cfg.model.dtype == "bf16"
+    validate_layout(_arch(), tp=2, ep=2, pp=2, sp=True, world_size=4)
+    again = tmp_path / "again.yaml"
+    again.write_text(to_yaml(cfg))
+    assert load_config(str(again), []) == cfg
+
+
+def test_unknown_key_in_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("parallel:\n  expert_parallel: 2\n")
+    with pytest.raises(ConfigError, match="parallel.expert_parallel"):
+        load_config(str(p), [])
+
+
+def test_cli_dry_run_and_errors():
+    ok = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",
+                         "parallel.tp=2", "--dry-run"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "tp: 2" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",
+                          "parallel.tp=3"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "parallel.tp=3" in bad.stderr and "Traceback" not in bad.stderr
+    not_yet = subprocess.run([sys.executable, "-m", "megadare", "sft"], capture_output=True, text=True)
+    assert not_yet.returncode == 2 and "not available" in not_yet.stderr

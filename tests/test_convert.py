@@ -1,0 +1,177 @@
+"""Converter pieces in one process: transforms, tables, streaming, atomic writes and error messages."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import weakref
+
+import pytest
+import torch
+
+from megadare.convert.mapping import ParamMap, interleave_qkv, split_qkv
+
+FAMILIES = ["sdar", "sdar_moe", "llada2", "llada", "dream"]
+
+
+def test_interleave_qkv_layout_is_megatrons():
+    """Rows of group g are [q heads of g, k_g, v_g], written out by hand for 4 heads, 2 groups, d=1."""
+    q = torch.tensor([[10.], [11.], [12.], [13.]])
+    k = torch.tensor([[20.], [21.]])
+    v = torch.tensor([[30.], [31.]])
+    fused = interleave_qkv(q, k, v, heads=4, groups=2, head_dim=1)
+    assert fused.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
+    back = split_qkv(fused, heads=4, groups=2, head_dim=1)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
+
+
+def test_fused_qkv_and_bias_roundtrip():
+    heads, groups, d, h = 8, 2, 4, 6
+    w = torch.randn((heads + 2 * groups) * d, h)
+    row = ParamMap("x", ("qkv",), "fused_qkv", heads=heads, groups=groups, head_dim=d)
+    assert torch.equal(row.to_hf(row.to_mcore([w]))[0], w)
+    b = [torch.randn(heads * d), torch.randn(groups * d), torch.randn(groups * d)]
+    rb = ParamMap("y", ("q", "k", "v"), "qkv", heads=heads, groups=groups, head_dim=d)
+    assert all(torch.equal(x, y) for x, y in zip(rb.to_hf(rb.to_mcore(b)), b))
+
+
+def test_vocab_padding():
+    row = ParamMap("e", ("emb",), "vocab", vocab=250, padded_vocab=256)
+    t = torch.randn(250, 8)
+    m = row.to_mcore([t])
+    assert m.shape == (256, 8) and torch.equal(m[250:], torch.zeros(6, 8))
+    assert torch.equal(row.to_hf(m)[0], t)
+    with pytest.raises(ValueError, match="rows, config says vocab 250"):
+        row.to_mcore([torch.randn(251, 8)])
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    from megadare.models import build_hf_model, get_family, save_hf_model
+
+    out = {}
+    for i, name in enumerate(FAMILIES):
+        torch.manual_seed(i)
+        cfg = get_family(name).tiny_config()
+        model = build_hf_model(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        d = str(tmp_path_factory.mktemp("hf") / name)
+        save_hf_model(model, cfg, d, max_shard_bytes=32 << 10)
+        with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "Test"}, f)
+        out[name] = d
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_convert_roundtrip_bitwise(name, hf_dirs, tmp_path):
+    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.convert.safetensors_io import SafetensorsReader
+
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    hf_to_megatron(hf_dirs[name], ck, progress=False)
+    megatron_to_hf(ck, out, max_shard_bytes=16 << 10, progress=False)
+    a, b = SafetensorsReader(hf_dirs[name]), SafetensorsReader(out)
+    assert sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        assert torch.equal(a.get(k), b.get(k)), k
+    assert os.path.exists(os.path.join(out, "model.safetensors.index.json"))  # sharded like the publisher
+    for fn in ("config.json", "tokenizer_config.json"):
+        with open(os.path.join(hf_dirs[name], fn)) as f1, open(os.path.join(out, fn)) as f2:
+            assert f1.read() == f2.read()
+
+
+def test_converter_streams_one_tensor_at_a_time(hf_dirs, tmp_path):
+    """The writer asks for tensors one by one and drops each before asking for the next."""
+    from megadare.convert import HFSource
+    from megadare.convert.mcore_ckpt import write_tensors
+
+    src = HFSource(hf_dirs["sdar_moe"])
+    alive: list[weakref.ref] = []
+    max_alive = 0
+
+    def produce(key):
+        nonlocal max_alive
+        gc.collect()
+        max_alive = max(max_alive, sum(r() is not None for r in alive))
+        t = src(key).clone()
+        alive.append(weakref.ref(t))
+        return t
+
+    write_tensors(str(tmp_path / "ck"), src.shapes(), produce)
+    assert len(alive) == len(src.table)
+    assert max_alive <= 1, f"{max_alive} produced tensors alive at once"
+
+
+def test_failed_write_leaves_previous_checkpoint_intact(hf_dirs, tmp_path):
+    from megadare.convert import HFSource, hf_to_megatron
+    from megadare.convert.mcore_ckpt import checkpoint_keys, write_tensors
+
+    ck = str(tmp_path / "ck")
+    hf_to_megatron(hf_dirs["sdar"], ck, progress=False)
+    before = checkpoint_keys(ck)
+    src = HFSource(hf_dirs["sdar"])
+    calls = {"n": 0}
+
+    def failing(key):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("disk full")
+        return src(key)
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_tensors(ck, src.shapes(), failing)
+    assert checkpoint_keys(ck) == before
+
+
+def test_missing_and_unexpected_tensors_are_named(hf_dirs, tmp_path):
+    from megadare.convert import hf_to_megatron
+    from megadare.convert.safetensors_io import SafetensorsReader, save_hf_checkpoint
+
+    src = hf_dirs["sdar"]
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    state = dict(SafetensorsReader(src).items())
+    dropped = sorted(state)[3]
+    del state[dropped]
+    state["model.layers.0.mystery.weight"] = torch.zeros(2)
+    bad = str(tmp_path / "bad")
+    save_hf_checkpoint(state, cfg, bad)
+    with pytest.raises(ValueError) as e:
+        hf_to_megatron(bad, str(tmp_path / "ck"), progress=False)
+    assert dropped in str(e.value) and "model.layers.0.mystery.weight" in str(e.value)
+
+
+def test_bad_layout_fails_before_writing(hf_dirs, tmp_path):
+    from megadare.convert import hf_to_megatron
+
+    with pytest.raises(ValueError, match="tp"):
+        hf_to_megatron(hf_dirs["sdar"], str(tmp_path / "ck"), tp=3, progress=False)
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_not_a_checkpoint(tmp_path):
+    from megadare.convert import megatron_to_hf
+    from megadare.convert.mcore_ckpt import MegatronCheckpointError
+
+    with pytest.raises(MegatronCheckpointError, match="not a Megatron distributed checkpoint"):
+        megatron_to_hf(str(tmp_path), str(tmp_path / "out"))
+
+
+def test_cli_tools_convert(hf_dirs, tmp_path):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    env = {**os.environ, "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, os.path.join(root, "tools/checkpoint_convert/hf_to_megatron.py"),
+                        "--hf", hf_dirs["llada2"], "--out", ck, "--tp", "2", "--ep", "2"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, os.path.join(root, "tools/checkpoint_convert/megatron_to_hf.py"),
+                        "--ckpt", ck, "--out", out], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert os.path.exists(os.path.join(out, "config.json"))
