@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from parity_workers import megatron_logits, resave
+from megadare.convert.verify import megatron_logits, resave
 
 FAMILIES = ["sdar", "sdar_moe", "llada2", "llada", "dream"]
 MOE = ["sdar_moe", "llada2"]
@@ -91,6 +91,12 @@ def pp2(checkpoints, tp2_sp):
 
 
 @pytest.fixture(scope="module")
+def pp2_vpp2(checkpoints):
+    """Interleaved pipeline (2 stages x 2 virtual chunks): LLaDA2 has 4 layers, one per chunk."""
+    return _merge(run_distributed(megatron_logits, 2, dict(pp=2, vpp=2), _cases(checkpoints, ["llada2"])))
+
+
+@pytest.fixture(scope="module")
 def ep2(checkpoints):
     return _merge(run_distributed(megatron_logits, 2, dict(ep=2), _cases(checkpoints, MOE)))
 
@@ -114,6 +120,10 @@ def test_parity_tp2_sp(name, checkpoints, tp2_sp):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_parity_pp2(name, checkpoints, pp2):
     _close(pp2[name], checkpoints[name]["ref"])
+
+
+def test_parity_pp2_interleaved(checkpoints, pp2_vpp2):
+    _close(pp2_vpp2["llada2"], checkpoints["llada2"]["ref"])
 
 
 @pytest.mark.parametrize("name", MOE)

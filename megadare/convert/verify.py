@@ -1,4 +1,9 @@
-"""Per-rank workers for the Megatron parity / conversion tests (run under tests/dist.py, gloo)."""
+"""Per-rank workers that check Megatron layouts against the hf/ reference (tests, the demo, `spawn`).
+
+``megatron_logits`` builds a family's Megatron model under a layout, loads an HF checkpoint straight into the
+shards (optionally also a Megatron checkpoint), and returns full logits; ``resave`` loads a checkpoint under a
+layout and saves it again from the sharded model. Run them with ``megadare.parallel.launch.spawn``.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -18,7 +23,8 @@ def _build(hf_dir: str, sp: bool):
     return arch, chunks
 
 
-def family_mask(arch, seq_len: int):
+def family_mask(arch):
+    """The family's inference mask (block-causal with its block size, or bidirectional)."""
     from megadare.models.attention import bidirectional, block_causal
 
     return block_causal(arch.block_size) if arch.attention == "block_causal" else bidirectional()
@@ -44,7 +50,7 @@ def megatron_logits(rank: int, world: int, layout: dict, cases: list[dict], save
         for case in cases:
             name, hf_dir, ids = case["name"], case["hf_dir"], case["input_ids"]
             arch, chunks = _build(hf_dir, layout.get("sp", False))
-            mask = family_mask(arch, ids.shape[1])
+            mask = family_mask(arch)
             load_hf_into_model(chunks, hf_dir)
             results = {name: forward_logits(chunks, ids, arch.vocab_size, mask)}
             if save_to and name in save_to:
