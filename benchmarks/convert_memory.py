@@ -23,13 +23,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CHILD = r"""
-import resource, sys, time, torch
+import sys, time, torch
 sys.path.insert(0, {root!r})
+def hwm_kb():  # VmHWM: peak resident set of this process (reset at exec, unlike ru_maxrss)
+    return int([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
 {imports}
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = hwm_kb()
 t0 = time.time()
 {body}
-print("PEAK_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "BASE_KB", base, "SECONDS", time.time() - t0)
+print("PEAK_KB", hwm_kb(), "BASE_KB", base, "SECONDS", time.time() - t0)
 """
 
 

@@ -83,26 +83,36 @@ def test_convert_roundtrip_bitwise(name, hf_dirs, tmp_path):
             assert f1.read() == f2.read()
 
 
-def test_converter_streams_one_tensor_at_a_time(hf_dirs, tmp_path):
-    """The writer asks for tensors one by one and drops each before asking for the next."""
+class _Buf(bytearray):
+    """A buffer that can be weakly referenced: tensors made with frombuffer keep it alive."""
+
+
+@pytest.mark.parametrize("file_bytes", [1, 16 << 10])
+def test_converter_streams_with_bounded_memory(hf_dirs, tmp_path, file_bytes):
+    """The writer asks for tensors one by one and frees each file's tensors once the file is written."""
     from megadare.convert import HFSource
     from megadare.convert.mcore_ckpt import write_tensors
 
     src = HFSource(hf_dirs["sdar_moe"])
-    alive: list[weakref.ref] = []
-    max_alive = 0
+    alive: list[tuple[weakref.ref, int]] = []
+    worst = 0
 
     def produce(key):
-        nonlocal max_alive
+        nonlocal worst
         gc.collect()
-        max_alive = max(max_alive, sum(r() is not None for r in alive))
-        t = src(key).clone()
-        alive.append(weakref.ref(t))
-        return t
+        worst = max(worst, sum(n for r, n in alive if r() is not None))
+        t = src(key)
+        buf = _Buf(t.numel() * t.element_size())
+        out = torch.frombuffer(buf, dtype=t.dtype).reshape(t.shape)
+        out.copy_(t)
+        alive.append((weakref.ref(buf), len(buf)))
+        return out
 
-    write_tensors(str(tmp_path / "ck"), src.shapes(), produce)
+    write_tensors(str(tmp_path / "ck"), src.shapes(), produce, file_bytes=file_bytes)
+    largest = max(n for _, n in alive)
     assert len(alive) == len(src.table)
-    assert max_alive <= 1, f"{max_alive} produced tensors alive at once"
+    assert worst <= file_bytes + largest, f"{worst} bytes of produced tensors alive at once"
+    assert worst < sum(n for _, n in alive) / 4  # far from holding the model
 
 
 def test_failed_write_leaves_previous_checkpoint_intact(hf_dirs, tmp_path):

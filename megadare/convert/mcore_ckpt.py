@@ -177,10 +177,42 @@ class _LazySavePlanner(DefaultSavePlanner):
         return t.contiguous()
 
 
+class _BoundedFileWriter(FileSystemWriter):
+    """FileSystemWriter that packs tensors into files of at most ``file_bytes``.
+
+    torch's writer keeps every tensor of a file alive until the file is closed, so one file per rank would hold
+    the whole model; bounded files keep at most ``file_bytes`` (or one tensor, if larger) in memory.
+    """
+
+    def __init__(self, path: str, file_bytes: int):
+        super().__init__(path, single_file_per_rank=True, thread_count=1, sync_files=True)
+        self.file_bytes = file_bytes
+
+    def write_data(self, plan, planner):
+        import queue
+
+        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _item_size
+
+        files: list[list] = [[]]
+        size = 0
+        for item in plan.items:
+            n = _item_size(item)
+            if files[-1] and size + n > self.file_bytes:
+                files.append([])
+                size = 0
+            files[-1].append(item)
+            size += n
+        q: queue.Queue = queue.Queue()
+        for i, bucket in enumerate(f for f in files if f):
+            name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
+            q.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, q)
+
+
 def write_tensors(ckpt_dir: str, shapes: dict[str, tuple[list[int], torch.dtype]],
                   produce: Callable[[str], torch.Tensor], meta: Optional[dict] = None,
-                  hf_files_from: Optional[str] = None) -> str:
-    """Write a torch_dist checkpoint from one process, one tensor in memory at a time.
+                  hf_files_from: Optional[str] = None, file_bytes: int = 256 << 20) -> str:
+    """Write a torch_dist checkpoint from one process; at most ``file_bytes`` (or one tensor) in memory.
 
     shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it.
     """
@@ -188,7 +220,7 @@ def write_tensors(ckpt_dir: str, shapes: dict[str, tuple[list[int], torch.dtype]
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     state = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
-    writer = FileSystemWriter(tmp, single_file_per_rank=True, thread_count=1, sync_files=True)
+    writer = _BoundedFileWriter(tmp, file_bytes)
     try:
         dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(produce), no_dist=True)
     except CheckpointException as e:  # DCP wraps per-rank errors; surface the real one

@@ -1,7 +1,7 @@
 """Streaming safetensors IO in the HF layout: one tensor in memory at a time on read, one shard on write.
 
 Reader: a directory with ``model.safetensors`` or ``model.safetensors.index.json`` + shards. Tensors are read
-one by one (``safe_open``), so peak memory stays near the largest tensor.
+one by one with plain reads (no mmap), so peak memory stays near the largest tensor.
 Writer: buffers tensors until a shard reaches ``max_shard_bytes``, then writes it; at close it names the shards
 ``model-0000i-of-0000n.safetensors`` and writes the index, exactly as ``transformers`` ``save_pretrained``
 does. Output goes to ``<out>.tmp-<pid>`` and is renamed into place at close, so a crash never leaves a
@@ -65,7 +65,7 @@ class SafetensorsReader:
                 with safe_open(os.path.join(self.path, fn), framework="pt") as f:
                     for k in f.keys():
                         self.weight_map[k] = fn
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, tuple[int, dict]] = {}
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -73,27 +73,41 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def _handle(self, fn: str):
+    def _header(self, fn: str) -> tuple[int, dict]:
+        """(data start offset, header) of one safetensors file: 8-byte little-endian length + JSON."""
         h = self._handles.get(fn)
         if h is None:
-            h = safe_open(os.path.join(self.path, fn), framework="pt")
+            with open(os.path.join(self.path, fn), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                h = (8 + n, json.loads(f.read(n)))
             self._handles[fn] = h
         return h
 
-    def get(self, name: str) -> torch.Tensor:
+    def _entry(self, name: str) -> tuple[str, int, dict]:
         if name not in self.weight_map:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
-        return self._handle(self.weight_map[name]).get_tensor(name)
+        fn = self.weight_map[name]
+        start, header = self._header(fn)
+        return fn, start, header[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read with plain file reads into fresh memory (no mmap: file pages never pile up)."""
+        fn, start, e = self._entry(name)
+        begin, end = e["data_offsets"]
+        buf = bytearray(end - begin)
+        with open(os.path.join(self.path, fn), "rb") as f:
+            f.seek(start + begin)
+            f.readinto(memoryview(buf))
+        dtype = _DTYPES[e["dtype"]]
+        if not buf:
+            return torch.empty(e["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
 
     def shape(self, name: str) -> list[int]:
-        if name not in self.weight_map:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
-        return list(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        return list(self._entry(name)[2]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        if name not in self.weight_map:
-            raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
-        return _DTYPES[self._handle(self.weight_map[name]).get_slice(name).get_dtype()]
+        return _DTYPES[self._entry(name)[2]["dtype"]]
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.keys():

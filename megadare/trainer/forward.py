@@ -29,7 +29,11 @@ def forward_logits(chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab
                    micro_batch_size: Optional[int] = None) -> Optional[torch.Tensor]:
     """Logits [B, S, vocab] on the last pipeline stage (None elsewhere). Every rank passes the same batch."""
     B, S = input_ids.shape
-    mbs = micro_batch_size or B
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if micro_batch_size is None:
+        # the interleaved schedule needs at least PP micro-batches
+        micro_batch_size = B // pp if len(chunks) > 1 and B % pp == 0 else B
+    mbs = micro_batch_size
     if B % mbs:
         raise ValueError(f"batch {B} is not divisible by micro_batch_size {mbs}")
     n_micro = B // mbs
