@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
-from omegaconf import MISSING, OmegaConf  # noqa: F401
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from megadare.models.family import ModelArch
@@ -145,8 +145,6 @@ def _finish(conf) -> Config:
         v = _get(cfg, key)
         if v is not None and v < 1:
             raise ConfigError(f"{key}={v} must be a positive integer")
-    if cfg.model.hf_path is None and cfg.model.family is None:
-        pass  # commands that need a model say so themselves
     return cfg
 
 

@@ -150,13 +150,17 @@ def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     sd = _drop_extra_state(model_sharded_state_dict(chunks))
-    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    load_into_chunks(chunks, dist_checkpointing.load(sd, ckpt_dir), ckpt_dir)
+
+
+def load_into_chunks(chunks: list[torch.nn.Module], state: dict, source: str) -> None:
+    """Load a (merged) state dict shaped like ``model_sharded_state_dict`` into the chunks, strictly."""
     for i, c in enumerate(chunks):
-        part = loaded["model"] if len(chunks) == 1 else loaded[f"model{i}"]
+        part = state["model"] if len(chunks) == 1 else state[f"model{i}"]
         missing, unexpected = c.load_state_dict(part, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise MegatronCheckpointError(f"{ckpt_dir}: missing {missing} unexpected {unexpected}")
+            raise MegatronCheckpointError(f"{source}: model chunk {i}: missing {missing}, unexpected {unexpected}")
 
 
 # ============================================================== single-process streaming IO (converters)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from megadare.convert.mcore_ckpt import _drop_extra_state, model_sharded_state_dict
+from megadare.convert.mcore_ckpt import _drop_extra_state, load_into_chunks, model_sharded_state_dict
 
 
 def _local_slice(global_t: torch.Tensor, sh) -> torch.Tensor:
@@ -51,11 +51,5 @@ def fill_model_from_global(chunks: list[torch.nn.Module], produce: Callable[[str
         return x
 
     dict_list_map_inplace(load_one, sd)
-    sd = apply_factory_merges(sd, factories)
-    for i, chunk in enumerate(chunks):
-        part = sd["model"] if len(chunks) == 1 else sd[f"model{i}"]
-        missing, unexpected = chunk.load_state_dict(part, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise ValueError(f"model chunk {i}: missing {missing}, unexpected {unexpected}")
+    load_into_chunks(chunks, apply_factory_merges(sd, factories), "HF checkpoint")
     return used
