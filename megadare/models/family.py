@@ -80,7 +80,7 @@ class Family:
     # config.json dict -> the HF-layout torch model class instance (megadare.models.hf)
     hf_model: Callable[[dict], "torch.nn.Module"]
     # config.json dict -> the one HF <-> Megatron parameter table (list of ParamMap rows)
-    mapping: Optional[Callable[[dict], list["ParamMap"]]] = None
+    mapping: Callable[[dict], list["ParamMap"]]
     # small config.json for tests and the demo (random weights); kwargs override fields
     tiny_config: Optional[Callable[..., dict]] = None
     extra: dict[str, Any] = field(default_factory=dict)
