@@ -40,6 +40,9 @@ class MaskSpec:
         of the current block sit after the cached prefix).
     segment_ids: optional [B, S] int tensor for packed sequences (S = query length = key length);
         position_ids: optional [B, S] positions inside each packed sample (block index = position // block).
+    stream_ids: optional [B, S] for packed block diffusion: 0 = noisy x_t token, 1 = clean x_0 token. With it
+        (and position_ids) samples of the form x_t ++ x_0 can be packed in any order; without it the input is
+        one x_t ++ x_0 of length 2 * seq_len.
     """
 
     kind: str
@@ -49,13 +52,16 @@ class MaskSpec:
     kv_offset: int = 0
     segment_ids: Optional[torch.Tensor] = None
     position_ids: Optional[torch.Tensor] = None
+    stream_ids: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.kind not in MASK_KINDS:
             raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {MASK_KINDS}")
         if self.kind != "bidirectional" and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 for a {self.kind} mask, got {self.block_size}")
-        if self.kind == "block_diffusion" and self.seq_len < 1:
+        if self.kind == "block_diffusion" and self.stream_ids is not None and self.position_ids is None:
+            raise ValueError("a packed block_diffusion mask (stream_ids) needs position_ids for block indices")
+        if self.kind == "block_diffusion" and self.seq_len < 1 and self.stream_ids is None:
             raise ValueError("a block_diffusion mask needs seq_len = L, the length of x_t (input is 2L)")
 
     # ------------------------------------------------------------------ the mask itself
@@ -67,7 +73,7 @@ class MaskSpec:
     def mask_mod(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """True where query q_idx may attend key kv_idx (FlexAttention signature)."""
         if self.kind == "block_diffusion":
-            allowed = self._block_diffusion(q_idx, kv_idx)
+            allowed = self._block_diffusion(b, q_idx, kv_idx)
         else:
             qp = self._pos(b, q_idx, self.q_offset)
             kp = self._pos(b, kv_idx, self.kv_offset)
@@ -79,12 +85,18 @@ class MaskSpec:
             allowed = allowed & (self.segment_ids[b, q_idx] == self.segment_ids[b, kv_idx])
         return allowed
 
-    def _block_diffusion(self, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    def _block_diffusion(self, b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         L, bs = self.seq_len, self.block_size
-        q_is_x0 = q_idx >= L
-        k_is_x0 = kv_idx >= L
-        qb = torch.where(q_is_x0, q_idx - L, q_idx) // bs
-        kb = torch.where(k_is_x0, kv_idx - L, kv_idx) // bs
+        if self.stream_ids is not None:
+            q_is_x0 = self.stream_ids[b, q_idx].bool()
+            k_is_x0 = self.stream_ids[b, kv_idx].bool()
+            qb = self.position_ids[b, q_idx] // bs
+            kb = self.position_ids[b, kv_idx] // bs
+        else:
+            q_is_x0 = q_idx >= L
+            k_is_x0 = kv_idx >= L
+            qb = torch.where(q_is_x0, q_idx - L, q_idx) // bs
+            kb = torch.where(k_is_x0, kv_idx - L, kv_idx) // bs
         xt_xt = (~q_is_x0) & (~k_is_x0) & (qb == kb)          # own noisy block, bidirectional
         xt_x0 = (~q_is_x0) & k_is_x0 & (kb < qb)              # clean context of earlier blocks
         x0_x0 = q_is_x0 & k_is_x0 & (kb <= qb)                # clean stream, block-causal
@@ -93,7 +105,7 @@ class MaskSpec:
     # ------------------------------------------------------------------ materialised forms
     def dense(self, q_len: int, kv_len: int, batch_size: int = 1, device: torch.device | str = "cpu") -> torch.Tensor:
         """[B, 1, q_len, kv_len] bool, True = may attend (SDPA / HF 4D-mask convention)."""
-        if self.segment_ids is None and self.position_ids is None:
+        if self.segment_ids is None and self.position_ids is None and self.stream_ids is None:
             batch_size = 1
         b = torch.arange(batch_size, device=device).view(-1, 1, 1)
         q = torch.arange(q_len, device=device).view(1, -1, 1)
@@ -155,7 +167,7 @@ def allowed_from_megatron(attention_mask, q_len: int, kv_len: int, device) -> Op
 
 
 def _mask_batch(spec: MaskSpec) -> int:
-    for t in (spec.segment_ids, spec.position_ids):
+    for t in (spec.segment_ids, spec.position_ids, spec.stream_ids):
         if t is not None:
             return t.shape[0]
     return 1
@@ -189,10 +201,11 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mask
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention as _flex
 
     key = (spec.kind, spec.block_size, spec.seq_len, spec.q_offset, spec.kv_offset,
-           id(spec.segment_ids), id(spec.position_ids), q.shape[-2], k.shape[-2], q.device)
+           id(spec.segment_ids), id(spec.position_ids), id(spec.stream_ids), q.shape[-2], k.shape[-2], q.device)
     block_mask = _FLEX_CACHE.get(key)
     if block_mask is None:
-        B = _mask_batch(spec) if (spec.segment_ids is not None or spec.position_ids is not None) else None
+        packed = any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids))
+        B = _mask_batch(spec) if packed else None
         block_mask = create_block_mask(spec.mask_mod, B, None, q.shape[-2], k.shape[-2], device=q.device)
         if len(_FLEX_CACHE) > 64:
             _FLEX_CACHE.clear()

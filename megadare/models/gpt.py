@@ -36,9 +36,12 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megadare.convert.mapping import padded_vocab_size
+from megadare.models import mcore_fixes
 from megadare.models.attention import DLLMCoreAttention
 from megadare.models.family import ModelArch
 from megadare.models.norm import RMSNorm
+
+mcore_fixes.apply()
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

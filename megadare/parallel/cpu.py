@@ -11,7 +11,13 @@ answers those calls on CPU:
    streams, events);
 3. megatron's CUDA RNG state accessors mapped to the CPU generator;
 4. ``moe_utils.te_general_gemm = None`` where megatron forgot to define it;
-5. ``all_to_all_single`` with tensor split sizes (the alltoall MoE dispatcher) converted to Python lists.
+5. ``all_to_all_single`` with tensor split sizes (the alltoall MoE dispatcher) converted to Python lists;
+6. ``Tensor.type()`` (no arguments) answers ``torch.cuda.*Tensor`` as megatron's optimizers expect;
+7. ``reduce_scatter_tensor`` (gloo has none; megatron's distributed optimizer uses it) as all-reduce + copy;
+8. pipeline p2p with tags per direction: with PP=2 the previous and the next stage are the same peer, and
+   gloo matches messages between a pair of ranks in posting order, so a batch holding an activation and a
+   gradient for the same peer could swap two same-shaped tensors (NCCL groups them); activations travel
+   with tag 1, gradients with tag 2.
 
 It is installed only when no GPU is used, and ``install_cpu_compat`` refuses to run when CUDA is in use, so it
 can never change GPU behaviour. See ../shared/reference/megatron_cpu.md.
@@ -50,6 +56,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to:
             args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers check param.type() == 'torch.cuda.FloatTensor': answer as CUDA would
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         return func(*args, **kwargs)
 
 
@@ -82,6 +92,34 @@ class _NullStream:
 
     def __hash__(self) -> int:
         return 0
+
+
+class _DoneWork:
+    """A completed async collective handle."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_ACT_TAG, _GRAD_TAG = 1, 2
+
+
+def _tagged_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                    prev_pipeline_rank: int, next_pipeline_rank: int):
+    """megatron's pipeline p2p with activations (forward) and gradients (backward) on separate tags."""
+    ops = []
+    if tensor_send_prev is not None:
+        ops.append(dist.P2POp(dist.isend, tensor_send_prev, prev_pipeline_rank, group, tag=_GRAD_TAG))
+    if tensor_recv_prev is not None:
+        ops.append(dist.P2POp(dist.irecv, tensor_recv_prev, prev_pipeline_rank, group, tag=_ACT_TAG))
+    if tensor_send_next is not None:
+        ops.append(dist.P2POp(dist.isend, tensor_send_next, next_pipeline_rank, group, tag=_ACT_TAG))
+    if tensor_recv_next is not None:
+        ops.append(dist.P2POp(dist.irecv, tensor_recv_next, next_pipeline_rank, group, tag=_GRAD_TAG))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def cuda_in_use() -> bool:
@@ -135,6 +173,24 @@ def install_cpu_compat(force: bool = False) -> bool:
         return _orig_a2a(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     dist.all_to_all_single = all_to_all_single
+
+    _orig_rs = dist.reduce_scatter_tensor
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_backend(group) != "gloo":
+            return _orig_rs(output, input, op=op, group=group, async_op=async_op)
+        buf = input.clone()
+        dist.all_reduce(buf, op=op, group=group)
+        r = dist.get_rank(group)
+        output.copy_(buf.view(-1)[r * output.numel():(r + 1) * output.numel()].view_as(output))
+        return _DoneWork() if async_op else None
+
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
+
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+
+    p2p._batched_p2p_ops = _tagged_p2p_ops
+    p2p._p2p_ops = _tagged_p2p_ops
     _INSTALLED = True
     return True
 

@@ -1,0 +1,136 @@
+"""Tokenizers behind one small protocol: a byte tokenizer for tiny test models, and a wrapper over HF's.
+
+The SFT pipeline needs only ``encode``, ``decode``, ``chat_prompt`` (a conversation rendered up to and
+including the assistant generation prompt) and four special ids: eos, pad and the diffusion mask token.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the data pipeline and the generator need from a tokenizer."""
+
+    vocab_size: int
+    eos_token_id: int
+    pad_token_id: int
+    mask_token_id: int
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, without any special tokens added."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens skipped."""
+        ...
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` ({'role', 'content'} dicts) ending with the assistant generation prompt."""
+        ...
+
+
+class ByteTokenizer:
+    """Deterministic ASCII byte tokenizer with a 256-id vocabulary, for tiny test models.
+
+    Ids 0..127 are the ASCII bytes; 250/251/252 are the ``<|user|>``/``<|assistant|>``/``<|system|>`` role
+    tokens, 253 is eos, 254 pad and 255 the mask token; 128..249 are unused. ``decode`` skips every id >= 250
+    unless ``render_roles=True``, in which case role tokens come out as their strings (eos/pad/mask are
+    still skipped).
+    """
+
+    vocab_size = 256
+    USER, ASSISTANT, SYSTEM = 250, 251, 252
+    eos_token_id = 253
+    pad_token_id = 254
+    mask_token_id = 255
+    ROLE_IDS = {"user": USER, "assistant": ASSISTANT, "system": SYSTEM}
+    ROLE_STRINGS = {USER: "<|user|>", ASSISTANT: "<|assistant|>", SYSTEM: "<|system|>"}
+
+    def encode(self, text: str) -> list[int]:
+        """ASCII code points of ``text``; a non-ASCII character raises ValueError naming it."""
+        ids = []
+        for pos, ch in enumerate(text):
+            code = ord(ch)
+            if code > 127:
+                raise ValueError(
+                    f"ByteTokenizer handles ASCII only: character {ch!r} (U+{code:04X}) at position {pos}"
+                )
+            ids.append(code)
+        return ids
+
+    def decode(self, ids: Sequence[int], render_roles: bool = False) -> str:
+        """Text of ``ids``; special ids (>= 250) are skipped, role tokens rendered if ``render_roles``."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if 0 <= i <= 127:
+                out.append(chr(i))
+            elif i in self.ROLE_STRINGS:
+                if render_roles:
+                    out.append(self.ROLE_STRINGS[i])
+            elif 250 <= i < self.vocab_size:
+                continue
+            else:
+                raise ValueError(f"ByteTokenizer: id {i} is not a valid token (0..127 or 250..255)")
+        return "".join(out)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Each message as role token + content bytes + newline, then the assistant token."""
+        ids: list[int] = []
+        for n, msg in enumerate(messages):
+            role = msg.get("role")
+            if role not in self.ROLE_IDS:
+                raise ValueError(
+                    f"ByteTokenizer: message {n} has role {role!r}; expected one of {', '.join(self.ROLE_IDS)}"
+                )
+            ids.append(self.ROLE_IDS[role])
+            ids.extend(self.encode(str(msg.get("content", ""))))
+            ids.append(ord("\n"))
+        ids.append(self.ASSISTANT)
+        return ids
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer behind the ``Tokenizer`` protocol.
+
+    ``mask_token_id`` comes from the caller (the model family knows it); eos and pad come from the tokenizer,
+    pad falling back to eos. Nothing is downloaded and no remote code runs.
+    """
+
+    def __init__(self, path: str, mask_token_id: int) -> None:
+        from transformers import AutoTokenizer  # lazy: heavy import, optional for byte-level tests
+
+        self.path = path
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        eos = self.tok.eos_token_id
+        if eos is None:
+            raise ValueError(f"tokenizer at {path} defines no eos token")
+        pad = self.tok.pad_token_id
+        self.eos_token_id: int = int(eos)
+        self.pad_token_id: int = int(pad) if pad is not None else int(eos)
+        self.mask_token_id: int = int(mask_token_id)
+        self.vocab_size: int = len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without BOS/EOS or other added special tokens."""
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens skipped."""
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The conversation through the tokenizer's chat template, with the generation prompt appended."""
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError(
+                f"tokenizer at {self.path} has no chat template; cannot render chat prompts "
+                "(add 'chat_template' to tokenizer_config.json)"
+            )
+        out: Any = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # newer transformers return a BatchEncoding
+            out = out["input_ids"]
+        return [int(i) for i in out]

@@ -1,0 +1,158 @@
+"""Training rows, sequence packing and micro-batches.
+
+A ``Row`` is one training sequence as the model sees it (already corrupted): input tokens, targets, a float
+loss weight per token (0 = not scored) and positions (restarting at 0 for every sample; block diffusion rows
+hold x_t ++ x_0 with the positions repeated and ``stream_ids`` 0/1). Its ``denom`` is its share of the global
+loss denominator, so that
+
+    loss = sum_{rows, tokens} weight * CE  /  sum_{rows} denom
+
+is one number for the whole global batch, however the rows are packed, split into micro-batches or spread
+over data-parallel ranks (the per-token mean over the global batch, not a mean of means).
+
+``pack_rows`` packs rows first-fit-decreasing into sequences of ``seq_length`` tokens; packed samples get
+their own segment ids, so attention never crosses samples (the masks of models/attention.py respect them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megadare.models.attention import MaskSpec
+
+
+@dataclass
+class Row:
+    tokens: torch.Tensor                     # [n] long, model input
+    labels: torch.Tensor                     # [n] long, target token at each position
+    weight: torch.Tensor                     # [n] float, loss weight (0 = not scored)
+    position_ids: torch.Tensor               # [n] long, position inside the sample (global prompt+response grid)
+    stream_ids: Optional[torch.Tensor] = None  # [n] long, block diffusion: 0 = x_t, 1 = x_0
+    denom: float = 0.0                       # share of the global loss denominator
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        for name in ("labels", "weight", "position_ids", "stream_ids"):
+            t = getattr(self, name)
+            if t is not None and t.shape != (n,):
+                raise ValueError(f"Row.{name} has shape {tuple(t.shape)}, expected ({n},)")
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor        # [b, S]
+    labels: torch.Tensor        # [b, S]
+    weight: torch.Tensor        # [b, S] float
+    position_ids: torch.Tensor  # [b, S]
+    segment_ids: torch.Tensor   # [b, S]; padding has its own segment
+    stream_ids: Optional[torch.Tensor] = None
+    padding: Optional[torch.Tensor] = None  # [b, S] bool, True = packing padding (kept out of MoE routing stats)
+    denom: float = 0.0
+    num_rows: int = 0
+    extras: dict = field(default_factory=dict)
+
+    def mask(self, kind: str, block_size: int) -> MaskSpec:
+        """The attention mask of this micro-batch (packing-aware)."""
+        return MaskSpec(kind, block_size=max(1, block_size), segment_ids=self.segment_ids,
+                        position_ids=self.position_ids,
+                        stream_ids=self.stream_ids if kind == "block_diffusion" else None)
+
+    @property
+    def num_tokens(self) -> int:
+        return int((self.weight != 0).sum())
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        for b, f in enumerate(free):
+            if lengths[i] <= f:
+                bins[b].append(i)
+                free[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - lengths[i])
+    return bins
+
+
+def _concat_bin(rows: list[Row], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    n = sum(len(r) for r in rows)
+    pad = seq_length - n
+    streams = any(r.stream_ids is not None for r in rows)
+    seg = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(rows)]
+                    + [torch.full((pad,), len(rows), dtype=torch.long)])
+    out = {
+        "tokens": torch.cat([r.tokens for r in rows] + [torch.full((pad,), pad_id, dtype=torch.long)]),
+        "labels": torch.cat([r.labels for r in rows] + [torch.zeros(pad, dtype=torch.long)]),
+        "weight": torch.cat([r.weight.float() for r in rows] + [torch.zeros(pad)]),
+        "position_ids": torch.cat([r.position_ids for r in rows] + [torch.arange(pad, dtype=torch.long)]),
+        "segment_ids": seg,
+        "padding": torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(pad, dtype=torch.bool)]),
+    }
+    if streams:
+        out["stream_ids"] = torch.cat(
+            [r.stream_ids if r.stream_ids is not None else torch.zeros(len(r), dtype=torch.long) for r in rows]
+            + [torch.zeros(pad, dtype=torch.long)])
+    return out
+
+
+def pack_rows(rows: list[Row], seq_length: int, micro_batch_size: int = 1, pad_id: int = 0) -> list[MicroBatch]:
+    """Pack rows into sequences of ``seq_length`` (first-fit decreasing) and group them into micro-batches."""
+    for i, r in enumerate(rows):
+        if len(r) > seq_length:
+            raise ValueError(f"row {i} has {len(r)} tokens, more than train.seq_length={seq_length}; "
+                             "raise train.seq_length or lower data.max_length")
+    bins = _first_fit_decreasing([len(r) for r in rows], seq_length)
+    seqs = [(_concat_bin([rows[i] for i in b], seq_length, pad_id), sum(rows[i].denom for i in b), len(b))
+            for b in bins]
+    out = []
+    for k in range(0, len(seqs), micro_batch_size):
+        group = seqs[k:k + micro_batch_size]
+        while len(group) < micro_batch_size:  # fill the last micro-batch with padding rows
+            group.append((_concat_bin([], seq_length, pad_id), 0.0, 0))
+        stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0] if key != "stream_ids"}
+        streams = None
+        if any("stream_ids" in g[0] for g in group):
+            streams = torch.stack([g[0].get("stream_ids", torch.zeros(seq_length, dtype=torch.long)) for g in group])
+        out.append(MicroBatch(stream_ids=streams, denom=sum(g[1] for g in group),
+                              num_rows=sum(g[2] for g in group), **stack))
+    return out
+
+
+def empty_micro_batch(like: MicroBatch) -> MicroBatch:
+    """A micro-batch of padding with zero weight (evens out micro-batch counts across ranks)."""
+    b, s = like.tokens.shape
+    z = torch.zeros(b, s, dtype=torch.long)
+    return MicroBatch(tokens=z.clone(), labels=z.clone(), weight=torch.zeros(b, s),
+                      position_ids=torch.arange(s).expand(b, s).clone(), segment_ids=z.clone(),
+                      stream_ids=None if like.stream_ids is None else z.clone(),
+                      padding=torch.ones(b, s, dtype=torch.bool), denom=0.0, num_rows=0)
+
+
+def split_for_data_parallel(micro_batches: list[MicroBatch], dp_size: int, dp_rank: int,
+                            multiple_of: int = 1) -> list[MicroBatch]:
+    """This DP rank's micro-batches (round robin); every rank gets the same count, a multiple of
+    ``multiple_of`` (the interleaved pipeline schedule needs one), padded with empty micro-batches."""
+    if not micro_batches:
+        raise ValueError("no micro-batches to split: the global batch is empty")
+    per_rank = -(-len(micro_batches) // dp_size)
+    per_rank = -(-per_rank // multiple_of) * multiple_of
+    mine = micro_batches[dp_rank::dp_size]
+    while len(mine) < per_rank:
+        mine.append(empty_micro_batch(micro_batches[0]))
+    return mine
+
+
+def global_denominator(micro_batches: list[MicroBatch]) -> float:
+    d = float(sum(m.denom for m in micro_batches))
+    if d <= 0:
+        raise ValueError("the global batch has no scored tokens (loss denominator is 0)")
+    return d

@@ -1,0 +1,60 @@
+"""Megatron DDP, the (distributed) optimizer and the LR schedule for a list of model chunks.
+
+bf16/fp16 models keep fp32 master weights in megatron's mixed-precision optimizer; fp32 models (CPU) train
+in fp32. ``use_distributed_optimizer`` shards the optimizer state over data-parallel ranks (ZeRO-1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    lr_decay_style: str = "cosine"       # cosine | constant | linear
+    total_steps: int = 1
+    distributed_optimizer: bool = True
+    dtype: str = "fp32"
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], distributed_optimizer: bool) -> list[DistributedDataParallel]:
+    """Megatron DDP around every chunk (contiguous grad buffers; grads reduced once per step)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=False)
+    out = []
+    for i, c in enumerate(chunks):
+        out.append(DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
+                                           disable_bucketing=i > 0))
+    return out
+
+
+def build_optimizer(ddp_chunks: list[DistributedDataParallel], s: OptimSettings):
+    """Adam(W) through megatron's optimizer factory, plus its LR / weight-decay scheduler."""
+    cfg = OptimizerConfig(
+        optimizer="adam", lr=s.lr, min_lr=s.min_lr, weight_decay=s.weight_decay,
+        adam_beta1=s.adam_beta1, adam_beta2=s.adam_beta2, adam_eps=s.adam_eps,
+        clip_grad=s.clip_grad, bf16=s.dtype == "bf16", fp16=s.dtype == "fp16",
+        params_dtype=torch.float32 if s.dtype == "fp32" else (torch.bfloat16 if s.dtype == "bf16" else torch.float16),
+        use_distributed_optimizer=s.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(cfg, ddp_chunks)
+    decay_steps = max(1, s.total_steps)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if s.warmup_steps else s.lr, max_lr=s.lr, min_lr=min(s.min_lr, s.lr),
+        lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+        lr_decay_style=s.lr_decay_style, start_wd=s.weight_decay, end_wd=s.weight_decay,
+        wd_incr_steps=decay_steps, wd_incr_style="constant")
+    return optimizer, scheduler

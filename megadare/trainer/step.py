@@ -1,0 +1,151 @@
+"""One optimizer step through megatron's pipeline schedules.
+
+``train_step`` runs this rank's micro-batches through ``get_forward_backward_func`` (no pipelining, 1F1B, or
+interleaved 1F1B with virtual stages), then megatron's ``finalize_model_grads`` (DP / expert-DP grad reduction,
+tied-embedding and SP-norm all-reduces, MoE expert-bias updates) and the optimizer step with gradient clipping.
+
+Loss scaling. The objective of a micro-batch returns a sum over its tokens, sum_k w_k * l_k. The step minimises
+
+    L = sum_{global batch} w_k * l_k / D,     D = sum of the rows' ``denom`` over the global batch,
+
+computed on the host before the step. megatron divides each micro-batch loss by the number of micro-batches
+(and multiplies by CP), and DDP averages gradients over the DP x CP ranks; the loss handed to megatron is
+therefore sum_k w_k l_k / D * n_micro * dp, which makes the reduced gradient exactly dL/dtheta -- the
+per-token mean over the global batch, not a mean of micro-batch means.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megadare.trainer.batch import MicroBatch
+from megadare.trainer.logprob import token_logprobs
+
+
+class Objective(Protocol):
+    """Turns one micro-batch's per-token log-probs into (sum of weighted per-token losses, report sums)."""
+
+    def __call__(self, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+def weighted_nll(mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SFT objective: sum_k w_k * (-log p_theta(y_k | x_t)) (the ELBO weights live in ``mb.weight``)."""
+    loss = -(mb.weight * logp).sum()
+    return loss, {"loss": loss.detach()}
+
+
+def cp_slice(mb: MicroBatch) -> MicroBatch:
+    """This context-parallel rank's contiguous chunk of the sequence (the mask keeps the full sequence)."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return mb
+    r = ps.get_context_parallel_rank()
+    S = mb.tokens.shape[1]
+    if S % cp:
+        raise ValueError(f"sequence length {S} is not divisible by parallel.cp={cp}")
+    sl = slice(r * S // cp, (r + 1) * S // cp)
+    extras = {k: (v[:, sl] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == S else v)
+              for k, v in mb.extras.items()}
+    return MicroBatch(tokens=mb.tokens[:, sl], labels=mb.labels[:, sl], weight=mb.weight[:, sl],
+                      position_ids=mb.position_ids[:, sl], segment_ids=mb.segment_ids[:, sl],
+                      stream_ids=None if mb.stream_ids is None else mb.stream_ids[:, sl],
+                      padding=None if mb.padding is None else mb.padding[:, sl], denom=mb.denom, num_rows=mb.num_rows, extras=extras)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    if device.type == "cpu":
+        return mb
+    mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return MicroBatch(tokens=mv(mb.tokens), labels=mv(mb.labels), weight=mv(mb.weight),
+                      position_ids=mv(mb.position_ids), segment_ids=mv(mb.segment_ids),
+                      stream_ids=mv(mb.stream_ids), padding=mv(mb.padding), denom=mb.denom, num_rows=mb.num_rows,
+                      extras={k: mv(v) if torch.is_tensor(v) else v for k, v in mb.extras.items()})
+
+
+def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], mask_kind: str,
+                      block_size: int, vocab_size: int, objective: Objective, loss_scale: float,
+                      forward_only: bool = False) -> dict[str, float]:
+    """Forward (and backward) of this rank's micro-batches; returns report sums reduced over the whole
+    global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc)."""
+    device = _device()
+    n_micro = len(micro_batches)
+    dp = ps.get_data_parallel_world_size()
+    seq_len = micro_batches[0].tokens.shape[1]
+    mbs = micro_batches[0].tokens.shape[0]
+
+    def forward_step(data_iterator, model):
+        full = _to(next(data_iterator), device)
+        mb = cp_slice(full)
+        mask = full.mask(mask_kind, block_size)
+        moe = getattr(chunks[0].config, "num_moe_experts", None)
+        out = model(mb.tokens, mb.position_ids, mask, padding_mask=mb.padding if moe else None)
+
+        def loss_func(logits: torch.Tensor):
+            logp = token_logprobs(logits, mb.labels, vocab_size)
+            loss_sum, report = objective(mb, logp)
+            return loss_sum * (loss_scale * n_micro * dp), report
+
+        return out, loss_func
+
+    vpp = len(chunks)
+    iters = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iters, model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=n_micro, seq_length=seq_len // ps.get_context_parallel_world_size(),
+        micro_batch_size=mbs, forward_only=forward_only)
+    return _reduce_reports(reports, loss_scale, device)
+
+
+def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> dict[str, float]:
+    keys = sorted(reports[0].keys()) if reports else []
+    # every pipeline stage must agree on the key set: the last stage broadcasts its count first
+    n = torch.tensor([len(keys)], dtype=torch.long, device=device)
+    pp_group = ps.get_pipeline_model_parallel_group()
+    last = ps.get_pipeline_model_parallel_last_rank()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(n, src=last, group=pp_group)
+        names = [keys]
+        dist.broadcast_object_list(names, src=last, group=pp_group)
+        keys = names[0]
+    vals = torch.zeros(len(keys), dtype=torch.float64, device=device)
+    for r in reports:
+        for i, k in enumerate(keys):
+            vals[i] += r[k].double().sum()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(vals, src=last, group=pp_group)
+    dist.all_reduce(vals, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return {k: float(v) * scale for k, v in zip(keys, vals.tolist())}
+
+
+def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batches: list[MicroBatch],
+               global_denom: float, mask_kind: str, block_size: int, vocab_size: int,
+               objective: Objective = weighted_nll,
+               before_step: Optional[Callable[[], None]] = None) -> dict[str, float]:
+    """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank)."""
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    for c in chunks:
+        c.train()
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    metrics = run_micro_batches(chunks, micro_batches, mask_kind, block_size, vocab_size, objective,
+                                loss_scale=1.0 / global_denom)
+    if before_step is not None:
+        before_step()
+    metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=1)
+    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    metrics["skipped"] = 0.0 if ok else 1.0
+    return metrics
