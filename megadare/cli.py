@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", help="YAML config file")
         p.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, exit")
+        p.add_argument("--nproc", type=int, default=1,
+                       help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
     return ap
 
@@ -43,6 +45,24 @@ def _dtype(name: str):
     import torch
 
     return {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _run_sft(cfg, nproc: int) -> int:
+    import os
+
+    from megadare.trainer.sft_loop import run_sft, sft_worker
+
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from megadare.parallel.launch import spawn
+
+        out = spawn(sft_worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
+    else:
+        out = run_sft(cfg)
+    last = out["history"][-1] if out["history"] else {}
+    how = "stopped by signal" if out["stopped_by_signal"] else "done"
+    print(f"sft {how} at step {out['step']}: loss {last.get('loss', float('nan')):.4f}; "
+          f"checkpoints in {out['checkpoint_root']}")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -86,6 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.dry_run:
             print(to_yaml(cfg), end="")
             return 0
+        if args.command == "sft":
+            return _run_sft(cfg, args.nproc)
         print(f"megadare: '{args.command}' is not available in this version yet (config is valid)", file=sys.stderr)
         return 2
     except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError) as e:

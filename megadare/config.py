@@ -27,6 +27,7 @@ class ModelSection:
     hf_path: Optional[str] = None          # HF checkpoint directory (config.json + safetensors)
     family: Optional[str] = None           # build a random tiny model of this family instead (tests, demo)
     tiny: bool = False
+    tiny_config: dict = field(default_factory=dict)   # config.json overrides of the tiny model (e.g. num_hidden_layers)
     dtype: str = "fp32"                    # fp32 | bf16 | fp16 (bf16 keeps fp32 master weights)
     block_size: Optional[int] = None       # denoising block (block-diffusion families); None = family default
     attention_backend: str = "auto"        # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference
@@ -61,9 +62,61 @@ class LoggingSection:
 
 
 @dataclass
+class TrainSection:
+    steps: int = 100                       # optimizer steps
+    global_batch_size: int = 8             # examples per optimizer step (over all DP ranks)
+    micro_batch_size: int = 1              # packed sequences per micro-batch
+    seq_length: int = 512                  # packed sequence length (block mode rows are 2x prompt+response)
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    lr_decay_style: str = "cosine"         # cosine | constant | linear
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = True     # shard optimizer state over DP (ZeRO-1)
+    recompute: str = "none"                # none | selective (core attention) | full (whole layers)
+    moe_aux_loss_coeff: Optional[float] = None   # None = the family's default
+    moe_bias_update_rate: float = 1e-3     # aux-loss-free expert-bias balancing (families with expert bias)
+
+
+@dataclass
+class DataSection:
+    path: Optional[str] = None             # .jsonl / .parquet with `messages`, prompt/response, or *_ids fields
+    synthetic: Optional[str] = None        # "addition": generated task (tests, demo) instead of a file
+    synthetic_size: int = 512
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: str = "messages"
+    max_length: int = 512                  # prompt + response tokens
+    overlong: str = "truncate"             # truncate | drop | error
+    shuffle: bool = True
+
+
+@dataclass
+class SFTSection:
+    mode: str = "auto"                     # auto (block for block-diffusion families, else random) | random |
+                                           # block | semi_ar | trace
+    noise_low: float = 1e-3                # t ~ U(noise_low, noise_high)
+    noise_high: float = 1.0
+    weighting: str = "inv_t"               # inv_t (ELBO) | none
+    normalize: str = "answer_length"       # answer_length (LLaDA) | masked_tokens (DARE)
+    t_per: str = "block"                   # block mode: one t per block | per sample
+    trace_shrink: int = 1
+    lora_rank: int = 0                     # 0 = full fine-tuning
+    lora_alpha: float = 16.0
+    lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    sft: SFTSection = field(default_factory=SFTSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     seed: int = 1234
@@ -72,9 +125,19 @@ class Config:
 CHOICES = {
     "model.dtype": ("fp32", "bf16", "fp16"),
     "model.attention_backend": ("auto", "flex", "sdpa", "reference"),
+    "train.lr_decay_style": ("cosine", "constant", "linear"),
+    "train.recompute": ("none", "selective", "full"),
+    "data.overlong": ("truncate", "drop", "error"),
+    "data.synthetic": (None, "addition"),
+    "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
+    "sft.weighting": ("inv_t", "none"),
+    "sft.normalize": ("answer_length", "masked_tokens"),
+    "sft.t_per": ("block", "sample"),
 }
 POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parallel.cp", "parallel.vpp",
-            "parallel.world_size", "model.block_size", "logging.log_interval")
+            "parallel.world_size", "model.block_size", "logging.log_interval", "train.steps",
+            "train.global_batch_size", "train.micro_batch_size", "train.seq_length", "data.max_length",
+            "data.synthetic_size", "sft.trace_shrink")
 
 
 def _all_keys(dc: Any, prefix: str = "") -> list[str]:
@@ -203,6 +266,15 @@ def validate_layout(arch: ModelArch, tp: int = 1, pp: int = 1, ep: int = 1, vpp:
                               f"lower {P}ep or launch more processes")
 
 
+def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
+    """sft.mode with 'auto' resolved: block diffusion for block-causal families, random masking otherwise."""
+    if cfg.sft.mode != "auto":
+        return cfg.sft.mode
+    if arch is None:
+        return "auto"
+    return "block" if arch.attention == "block_causal" else "random"
+
+
 def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None) -> None:
     """Cross-checks of a whole config against the model (when known) and the world size."""
     p = cfg.parallel
@@ -214,3 +286,20 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
                               "attention and has no denoising blocks; remove model.block_size")
     elif p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1")
+    t, sft = cfg.train, cfg.sft
+    if not 0.0 < sft.noise_low <= sft.noise_high <= 1.0:
+        raise ConfigError(f"sft.noise_low={sft.noise_low}, sft.noise_high={sft.noise_high}: need "
+                          "0 < noise_low <= noise_high <= 1")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr and lr > 0")
+    if t.warmup_steps < 0 or t.warmup_steps > t.steps:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
+    if sft.lora_rank < 0:
+        raise ConfigError(f"sft.lora_rank={sft.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
+    if row > t.seq_length:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "
+                          f"rows hold x_t ++ x_0), more than train.seq_length={t.seq_length}; raise "
+                          "train.seq_length or lower data.max_length")
+    if t.seq_length % p.cp:
+        raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Optional, Any, Iterable
 
 from megadare.data.tokenizer import Tokenizer
 
@@ -33,6 +33,7 @@ class SFTExample:
 
     prompt_ids: list[int]
     response_ids: list[int]
+    steps: Optional[list[int]] = None   # trace SFT: denoising step at which each response token was committed
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -145,9 +146,15 @@ def record_to_example(
     response_key: str = "response",
     messages_key: str = "messages",
 ) -> SFTExample:
-    """Tokenize one record (chat or prompt/response shape); ``where`` prefixes every error message."""
+    """Tokenize one record (chat or prompt/response shape); ``where`` prefixes every error message.
+
+    A record may also be pre-tokenized -- ``prompt_ids`` + ``response_ids`` (lists of ints), as rollouts
+    record them -- and carry ``steps`` (one committed-at denoising step per response token) for trace SFT.
+    """
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
+    if "prompt_ids" in rec or "response_ids" in rec:
+        return _pretokenized(rec, tok, where)
     if messages_key in rec:
         msgs = _check_messages(rec[messages_key], where, messages_key)
         prompt = _render_prompt(tok, msgs[:-1], where, messages_key)
@@ -165,6 +172,35 @@ def record_to_example(
     return SFTExample(prompt, _response_ids(tok, response_text, where, response_key))
 
 
+def _int_list(rec: dict, key: str, where: str, vocab: Optional[int] = None) -> list[int]:
+    v = rec.get(key)
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise DataError(f"{where}: field {key!r} must be a list of integers")
+    if vocab is not None and any(x < 0 or x >= vocab for x in v):
+        raise DataError(f"{where}: field {key!r} holds token ids outside [0, {vocab})")
+    return v
+
+
+def _pretokenized(rec: dict, tok: Tokenizer, where: str) -> SFTExample:
+    for key in ("prompt_ids", "response_ids"):
+        if key not in rec:
+            raise DataError(f"{where}: a pre-tokenized record needs both 'prompt_ids' and 'response_ids' "
+                            f"(missing {key!r})")
+    prompt = _int_list(rec, "prompt_ids", where, tok.vocab_size)
+    response = _int_list(rec, "response_ids", where, tok.vocab_size)
+    if not response:
+        raise DataError(f"{where}: field 'response_ids': the response is empty")
+    steps = None
+    if "steps" in rec:
+        steps = _int_list(rec, "steps", where)
+        if len(steps) != len(response):
+            raise DataError(f"{where}: field 'steps' has {len(steps)} entries for {len(response)} response tokens; "
+                            "a trace needs exactly one committed-at step per response token")
+        if any(x < 0 for x in steps):
+            raise DataError(f"{where}: field 'steps' holds negative steps")
+    return SFTExample(prompt, response, steps)
+
+
 def _fit(ex: SFTExample, max_len: int, overlong: str, where: str) -> tuple[SFTExample | None, str]:
     """(example or None, outcome) with outcome one of 'kept', 'truncated', 'dropped'."""
     if len(ex) <= max_len:
@@ -176,7 +212,9 @@ def _fit(ex: SFTExample, max_len: int, overlong: str, where: str) -> tuple[SFTEx
         )
     if overlong == "drop" or len(ex.prompt_ids) >= max_len:
         return None, "dropped"
-    return SFTExample(ex.prompt_ids, ex.response_ids[: max_len - len(ex.prompt_ids)]), "truncated"
+    keep = max_len - len(ex.prompt_ids)
+    steps = ex.steps[:keep] if ex.steps is not None else None
+    return SFTExample(ex.prompt_ids, ex.response_ids[:keep], steps), "truncated"
 
 
 def build_sft_examples(

@@ -21,6 +21,7 @@ segment, and block indices use the position inside the segment.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -232,6 +233,15 @@ class DLLMCoreAttention(torch.nn.Module):
     is a ``MaskSpec`` (preferred: FlexAttention builds a block-sparse mask from it and SDPA materialises it)
     or a bool tensor in Megatron convention (True = masked out). Never materialises the score matrix on the
     flex path; SDPA uses its fused kernels where the mask allows.
+
+    Context parallelism (``config.context_parallel_size`` = cp > 1) is Ulysses-style: every CP rank holds the
+    contiguous sequence chunk [r*S/cp, (r+1)*S/cp) of q/k/v ([S/cp, B, h, D]); an all-to-all over the CP group
+    turns that into the whole sequence for h/cp heads ([S, B, h/cp, D]), the backend runs unchanged with the
+    FULL-sequence mask (the ``MaskSpec``'s segment/position/stream ids are [B, S] over the whole sequence), and
+    a second all-to-all returns [S/cp, B, h * D]. Any dLLM mask is therefore exact. Query heads per TP partition
+    must be divisible by cp; GQA kv heads are repeated up to lcm(kv heads, cp) when needed. Both exchanges are
+    differentiable. On backends without ``all_to_all_single`` (some CPU gloo builds) the exchange falls back to
+    an ``all_gather`` -- correct, cp times the traffic.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
@@ -240,12 +250,22 @@ class DLLMCoreAttention(torch.nn.Module):
         super().__init__()
         from megatron.core import parallel_state
 
-        if config.context_parallel_size != 1:
-            raise ValueError("DLLMCoreAttention does not implement context parallelism; set parallel.cp=1")
         self.config = config
         self.backend = backend
         tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
         self.heads_per_partition = config.num_attention_heads // tp
+        self.cp_size = config.context_parallel_size
+        self.cp_group = None
+        if self.cp_size > 1:
+            self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            if self.cp_group is None:
+                self.cp_group = parallel_state.get_context_parallel_group()
+            if self.heads_per_partition % self.cp_size:
+                raise ValueError(
+                    f"parallel.cp={self.cp_size}: Ulysses context parallelism scatters attention heads over the CP "
+                    f"ranks, but each tensor-parallel partition holds {self.heads_per_partition} query heads "
+                    f"({config.num_attention_heads} heads / tp={tp}), not divisible by cp={self.cp_size}; "
+                    f"choose parallel.cp (times parallel.tp) dividing {config.num_attention_heads}")
         self.head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else (
             config.softmax_scale if getattr(config, "softmax_scale", None) else self.head_dim ** -0.5)
@@ -257,6 +277,12 @@ class DLLMCoreAttention(torch.nn.Module):
             raise ValueError("DLLMCoreAttention: pass packing through MaskSpec(segment_ids=...), not packed_seq_params")
         if self.training and self.dropout_p > 0:
             raise ValueError("attention dropout is not supported by DLLMCoreAttention (dLLM recipes use 0)")
+        if self.cp_size > 1:
+            return self._forward_cp(query, key, value, attention_mask)
+        return self._attend(query, key, value, attention_mask)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> torch.Tensor:
+        """The local computation: [S, B, h, D] q/k/v over the whole sequence -> [S, B, h * D]."""
         sq, b = query.shape[0], query.shape[1]
         q = query.permute(1, 2, 0, 3)  # [B, H, S, D]
         k = key.permute(1, 2, 0, 3)
@@ -269,4 +295,97 @@ class DLLMCoreAttention(torch.nn.Module):
             allowed = allowed_from_megatron(attention_mask, q.shape[-2], k.shape[-2], q.device)
             fn = reference_attention if backend == "reference" else sdpa_attention
             out = fn(q, k, v, allowed, self.scale)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads_per_partition * self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, q.shape[1] * self.head_dim)
+
+    def _forward_cp(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> torch.Tensor:
+        """Ulysses context parallelism: [S/cp, B, h, D] chunks -> all-to-all -> [S, B, h/cp, D] -> attention
+        with the full-sequence mask -> all-to-all back -> [S/cp, B, h * D]."""
+        cp, group = self.cp_size, self.cp_group
+        s, b = query.shape[0], query.shape[1]
+        if query.shape[2] % cp:
+            raise ValueError(f"parallel.cp={cp}: {query.shape[2]} query heads per partition are not divisible by cp")
+        key, value = _kv_heads_for_cp(key, query.shape[2], cp), _kv_heads_for_cp(value, query.shape[2], cp)
+        q = seq_to_head_parallel(query, group)
+        k = seq_to_head_parallel(key, group)
+        v = seq_to_head_parallel(value, group)
+        out = self._attend(q, k, v, attention_mask)                      # [S, B, h/cp * D]
+        out = out.view(s * cp, b, q.shape[2], self.head_dim)
+        return head_to_seq_parallel(out, group).reshape(s, b, query.shape[2] * self.head_dim)
+
+
+# ====================================================================== Ulysses context parallelism
+def _kv_heads_for_cp(x: torch.Tensor, q_heads: int, cp: int) -> torch.Tensor:
+    """Repeat GQA kv heads ([S, B, G, D]) to lcm(G, cp) groups so they scatter evenly over the CP ranks.
+
+    Query head i uses group i // (H / G); with every group repeated r times it uses group i // (H / (G r)),
+    the r-th copy of the same group, so the result is unchanged. lcm(G, cp) divides H (G and cp both do)."""
+    g = x.shape[2]
+    if g % cp == 0:
+        return x
+    target = g * cp // math.gcd(g, cp)
+    if q_heads % target:
+        raise ValueError(f"parallel.cp={cp}: cannot spread {g} kv heads over cp ranks for {q_heads} query heads")
+    return x.repeat_interleave(target // g, dim=2)
+
+
+_A2A_SUPPORTED: dict = {}
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 ([cp, ...]: block j goes to rank j; block i of the result came from
+    rank i). Uses ``all_to_all_single``; where the backend lacks it (older gloo builds) falls back to an
+    ``all_gather`` of every rank's whole buffer, from which each rank picks its blocks (cp times the traffic:
+    a CPU-only fallback, correct but not meant for speed)."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    key = dist.get_backend(group)
+    if _A2A_SUPPORTED.get(key, True):
+        out = torch.empty_like(x)
+        try:
+            dist.all_to_all_single(out, x, group=group)
+            _A2A_SUPPORTED[key] = True
+            return out
+        except (RuntimeError, NotImplementedError):
+            if key == "nccl" or _A2A_SUPPORTED.get(key) is True:
+                raise
+            _A2A_SUPPORTED[key] = False
+    cp, me = dist.get_world_size(group), dist.get_rank(group)
+    bufs = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(bufs, x, group=group)
+    return torch.stack([bufs[i][me] for i in range(cp)])
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable equal-split all-to-all over dim 0; it is its own adjoint (a block transpose across
+    ranks), so the backward is the same exchange of the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.group), None
+
+
+def seq_to_head_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """[S/cp, B, h, D] (this rank's contiguous sequence chunk, all heads) -> [S, B, h/cp, D] (the whole sequence
+    in rank order, this rank's contiguous slice of heads)."""
+    import torch.distributed as dist
+
+    cp = dist.get_world_size(group)
+    s, b, h, d = x.shape
+    send = x.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)       # [cp, s, B, h/cp, D]
+    return _AllToAll.apply(send, group).reshape(cp * s, b, h // cp, d)
+
+
+def head_to_seq_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of ``seq_to_head_parallel``: [S, B, h/cp, D] -> [S/cp, B, h, D]."""
+    import torch.distributed as dist
+
+    cp = dist.get_world_size(group)
+    S, b, hc, d = x.shape
+    recv = _AllToAll.apply(x.reshape(cp, S // cp, b, hc, d), group)    # [cp (head slice), s, B, h/cp, D]
+    return recv.permute(1, 2, 0, 3, 4).reshape(S // cp, b, cp * hc, d)

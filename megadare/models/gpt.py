@@ -174,19 +174,44 @@ def block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[in
 
 
 class DLLMGPTModel(GPTModel):
-    """GPTModel whose RoPE follows explicit ``position_ids`` ([B, S] or [S]) when they are given."""
+    """GPTModel whose RoPE follows explicit ``position_ids`` ([B, S] or [S]) when they are given.
+
+    Under context parallelism the caller passes this rank's contiguous chunk of ``position_ids`` (with the
+    matching token chunk); the RoPE table is indexed by those positions directly. megatron's
+    ``RotaryEmbedding.forward`` would cut its table into the zigzag CP layout, which is not ours, so the table is
+    built here from ``inv_freq`` (``rope_table``) and megatron's own rotary computation is skipped.
+    """
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
-        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
         if position_ids is None or self.position_embedding_type != "rope":
-            return out
+            return super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        # skip megatron's (CP-sliced, discarded) table: with no rope type _preprocess builds none
+        self.position_embedding_type = "none"
+        try:
+            out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        finally:
+            self.position_embedding_type = "rope"
         pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
-        table = self.rotary_pos_emb(int(pos.max()) + 1)  # [P, 1, 1, rot_dim]
         if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
-            emb = table[pos.t()].squeeze(2).squeeze(2).unsqueeze(2)  # [S, B, 1, rot_dim]
+            emb = rope_table(self.rotary_pos_emb, pos.t()).unsqueeze(2)   # [S, B, 1, rot_dim]
         else:
-            emb = table[pos[0]]                                    # [S, 1, 1, rot_dim]
+            emb = rope_table(self.rotary_pos_emb, pos[0])[:, None, None]  # [S, 1, 1, rot_dim]
         return (out[0], emb, *out[2:])
+
+
+def rope_table(rope, positions: torch.Tensor) -> torch.Tensor:
+    """megatron's unsliced RoPE embedding (``RotaryEmbedding.get_emb`` before any CP slicing) at arbitrary
+    positions: [..., rot_dim] for ``positions`` of shape [...]. Bitwise equal to ``get_emb(P)[positions]``."""
+    inv_freq = rope.inv_freq
+    if inv_freq.device != positions.device:
+        inv_freq = inv_freq.to(positions.device)
+    seq = positions.to(inv_freq.dtype)
+    if rope.seq_len_interpolation_factor is not None:
+        seq = seq * (1 / rope.seq_len_interpolation_factor)
+    freqs = seq.unsqueeze(-1) * inv_freq                                   # == torch.outer for 1-D positions
+    if not rope.rotary_interleaved:
+        return torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((freqs, freqs), dim=-1).flatten(-2)
 
 
 def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None,

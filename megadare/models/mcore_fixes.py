@@ -3,7 +3,13 @@
 * ``TopKRouter._apply_expert_bias`` masks padding with ``routing_map & ~padding_mask`` where routing_map is
   [tokens, experts] and padding_mask is [tokens]: the shapes do not broadcast, so passing a padding mask (to keep
   packing padding out of the expert-bias load statistics) crashes. Replaced by the same update with the mask
-  broadcast over experts. Applied once, at import of models/gpt.py; a no-op on versions that fixed it.
+  broadcast over experts.
+* ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every key of the torch-Adam state,
+  including the ``step`` entry megatron itself adds on the non-TE/non-Apex path, from tensors that never
+  hold ``step`` (it travels in the param groups): loading a distributed-optimizer checkpoint raises
+  ``KeyError: 'step'``. The fix keeps the (already restored) step.
+
+Applied once, at import of models/gpt.py.
 """
 from __future__ import annotations
 
@@ -22,11 +28,27 @@ def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: Optional[t
             self.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
+def _keep_step(original):
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    return set_main_param_and_optimizer_states
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.moe.router import TopKRouter
 
     TopKRouter._apply_expert_bias = _apply_expert_bias
+    DistributedOptimizer._set_main_param_and_optimizer_states = _keep_step(
+        DistributedOptimizer._set_main_param_and_optimizer_states)
     _APPLIED = True

@@ -1,0 +1,1 @@
+"""Training objectives: SFT modes and the RL algorithm zoo."""

@@ -1,0 +1,183 @@
+"""Training checkpoints: model + optimizer + LR schedule + RNG + data position, saved atomically, resumable.
+
+Layout of a run's checkpoint root (Megatron-LM's, so megatron tools and our converters read it):
+
+    <root>/iter_0000006/            megatron distributed checkpoint (torch_dist): model keys as written by the
+                                    converter ("model." / "model<i>.") plus "optimizer." (fully reshardable)
+    <root>/iter_0000006/train_state.json   step, data position, scheduler state, config
+    <root>/iter_0000006/rng/rank_00000.pt  per-rank torch + megatron RNG tracker states
+    <root>/latest_checkpointed_iteration.txt
+
+A save goes to ``iter_X.tmp`` and is renamed once every rank finished; the tracker file is replaced atomically
+after that, so a crash at any point leaves the previous checkpoint loadable. ``keep_last`` old checkpoints are
+kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megadare.convert.mcore_ckpt import (
+    SHARDED_SD_METADATA,
+    _barrier,
+    _drop_extra_state,
+    _finalise,
+    _rank,
+    _tmp,
+    load_into_chunks,
+    model_sharded_state_dict,
+    resolve_checkpoint_dir,
+    write_meta,
+)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TRAIN_STATE = "train_state.json"
+OPTIM_METADATA = {**SHARDED_SD_METADATA, "distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _unwrap(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    return [getattr(c, "module", c) for c in chunks]
+
+
+def iteration_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def _init_empty_optimizer_state(optimizer) -> bool:
+    """Give a fresh Adam its state tensors (zeros, step 0) so megatron can describe the state it will load.
+    Returns True if the state was empty (megatron's torch-Adam path needs a 'step' entry per parameter)."""
+    fresh = False
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = o.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    fresh = True
+                    inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+                    inner.state[p]["step"] = torch.tensor(0.0)
+    return fresh
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron's torch-Adam load path gives every parameter the SAME 'step' tensor; torch's foreach Adam then
+    increments it once per parameter per step (wrong bias correction after a resume). One tensor each."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in o.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
+def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
+    model_sd = model_sharded_state_dict(_unwrap(chunks))
+    sd = dict(model_sd)
+    if optimizer is not None:
+        fresh = is_loading and _init_empty_optimizer_state(optimizer)
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
+        if fresh:  # back to unallocated: megatron's load_state_dict allocates the state it restores
+            for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+                o.optimizer.state.clear()
+    return _drop_extra_state(sd)
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], optimizer, scheduler,
+                          train_state: dict[str, Any], meta: Optional[dict] = None,
+                          hf_files_from: Optional[str] = None, keep_last: int = 2) -> str:
+    """Save everything needed to resume at ``step`` (collective). Returns the checkpoint directory."""
+    from megatron.core import dist_checkpointing
+
+    final = iteration_dir(root, step)
+    tmp = _tmp(final)
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+    _barrier()
+    if _rank() == 0:
+        state = dict(train_state, step=step, world_size=world,
+                     scheduler=scheduler.state_dict() if scheduler is not None else None)
+        with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
+            json.dump(state, f, indent=2, default=str)
+        write_meta(tmp, meta or {}, hf_files_from)
+        _finalise(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        _prune(root, keep_last, step)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep_last: int, current: int) -> None:
+    if keep_last <= 0:
+        return
+    its = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit())
+    for it in its[:-keep_last]:
+        if it != current:
+            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+def latest_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint under a run's checkpoint root, or None."""
+    if not root or not os.path.exists(os.path.join(root, TRACKER)):
+        return None
+    return resolve_checkpoint_dir(root)
+
+
+def load_train_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, scheduler,
+                          load_optimizer: bool = True) -> dict[str, Any]:
+    """Restore model (+ optimizer, scheduler, RNG when present) from a checkpoint dir or root (collective).
+
+    Returns the saved train state ({} for a model-only checkpoint, e.g. one written by the converter).
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = resolve_checkpoint_dir(path)
+    state_file = os.path.join(ckpt, TRAIN_STATE)
+    has_train_state = os.path.exists(state_file)
+    with_opt = load_optimizer and has_train_state and optimizer is not None
+    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer if with_opt else None, is_loading=True), ckpt)
+    load_into_chunks(_unwrap(chunks), loaded, ckpt)
+    if not has_train_state:
+        return {}
+    with open(state_file) as f:
+        state = json.load(f)
+    if with_opt:
+        optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(optimizer)
+        if scheduler is not None and state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+    rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if os.path.exists(rng_file) and state.get("world_size") == world:
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return state

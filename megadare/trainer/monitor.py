@@ -1,0 +1,67 @@
+"""What a run shows while it trains: a console progress bar with ETA, tensorboard scalars and JSONL metrics.
+
+Only global rank 0 writes. Tensorboard event files go to ``<run_dir>/tensorboard``; one JSON object per logged
+step goes to ``<run_dir>/metrics.jsonl`` (appended, so a resumed run continues the same file).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class Monitor:
+    def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, tensorboard: bool = True,
+                 jsonl: bool = True, log_interval: int = 1, desc: str = "train", enabled: Optional[bool] = None):
+        self.enabled = _is_rank0() if enabled is None else enabled
+        self.log_interval = max(1, log_interval)
+        self.writer = None
+        self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
+        self.bar = None
+        self._t0 = time.perf_counter()
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
+
+    def step_timer(self) -> float:
+        """Seconds since the previous call (or construction)."""
+        now = time.perf_counter()
+        dt, self._t0 = now - self._t0, now
+        return dt
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "grad_norm", "lr", "tokens_per_s") if k in metrics}
+            self.bar.set_postfix(shown, refresh=False)
+        if step % self.log_interval:
+            return
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(f"train/{k}", v, step)
+            self.writer.flush()
+        if self.jsonl_path:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
