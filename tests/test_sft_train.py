@@ -50,7 +50,7 @@ def _model_tensors(ckpt_root: str) -> dict[str, torch.Tensor]:
     from megadare.convert.mcore_ckpt import checkpoint_keys, read_tensors, resolve_checkpoint_dir
 
     d = resolve_checkpoint_dir(ckpt_root)
-    keys = [k for k in checkpoint_keys(d) if k.startswith("model")]
+    keys = [k for k in checkpoint_keys(d) if not k.startswith("optimizer.")]
     return dict(read_tensors(d, keys))
 
 
@@ -58,6 +58,7 @@ LAYOUTS = {
     "tp2_sp": (2, {"parallel__tp": 2, "parallel__sp": True}),
     "pp2_vpp2": (2, {"parallel__pp": 2, "parallel__vpp": 2}),
     "dp2": (2, {}),
+    "cp2": (2, {"parallel__cp": 2}),
 }
 
 

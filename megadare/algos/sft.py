@@ -96,7 +96,7 @@ def _random(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) -
     c = torch.tensor(ex.prompt_ids, dtype=torch.long)
     y = torch.tensor(ex.response_ids, dtype=torch.long)
     t = r.schedule.sample(1, g)
-    masked = iid_mask(torch.ones(len(y), dtype=torch.bool), t, g, force_one=True)
+    masked = iid_mask(torch.ones(len(y), dtype=torch.bool), t, g)  # LLaDA: no forced token (unbiased ELBO)
     x0 = torch.cat([c, y])
     xt = torch.cat([c, mask_tokens(y, masked, arch.mask_token_id)])
     div, denom = _norm(r, len(y), int(masked.sum()))
