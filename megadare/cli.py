@@ -107,6 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(to_yaml(cfg), end="")
             return 0
         if args.command == "sft":
+            if arch is None:
+                raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
             return _run_sft(cfg, args.nproc)
         print(f"megadare: '{args.command}' is not available in this version yet (config is valid)", file=sys.stderr)
         return 2

@@ -30,7 +30,8 @@ class ModelSection:
     tiny_config: dict = field(default_factory=dict)   # config.json overrides of the tiny model (e.g. num_hidden_layers)
     dtype: str = "fp32"                    # fp32 | bf16 | fp16 (bf16 keeps fp32 master weights)
     block_size: Optional[int] = None       # denoising block (block-diffusion families); None = family default
-    attention_backend: str = "auto"        # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference
+    attention_backend: str = "auto"        # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference |
+                                           # local (megatron's DotProductAttention: baseline, dense masks only)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class TrainSection:
     steps: int = 100                       # optimizer steps
     global_batch_size: int = 8             # examples per optimizer step (over all DP ranks)
     micro_batch_size: int = 1              # packed sequences per micro-batch
-    seq_length: int = 512                  # packed sequence length (block mode rows are 2x prompt+response)
+    seq_length: int = 2048                 # packed sequence length (block mode rows are 2x prompt+response)
     lr: float = 1e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -90,7 +91,7 @@ class DataSection:
     prompt_key: str = "prompt"
     response_key: str = "response"
     messages_key: str = "messages"
-    max_length: int = 512                  # prompt + response tokens
+    max_length: int = 1024                 # prompt + response tokens
     overlong: str = "truncate"             # truncate | drop | error
     shuffle: bool = True
 
@@ -124,7 +125,7 @@ class Config:
 
 CHOICES = {
     "model.dtype": ("fp32", "bf16", "fp16"),
-    "model.attention_backend": ("auto", "flex", "sdpa", "reference"),
+    "model.attention_backend": ("auto", "flex", "sdpa", "reference", "local"),
     "train.lr_decay_style": ("cosine", "constant", "linear"),
     "train.recompute": ("none", "selective", "full"),
     "data.overlong": ("truncate", "drop", "error"),
@@ -239,6 +240,10 @@ def validate_layout(arch: ModelArch, tp: int = 1, pp: int = 1, ep: int = 1, vpp:
     if arch.num_kv_heads % tp:
         raise ConfigError(f"{P}tp={tp}: model has {arch.num_kv_heads} key/value heads (query groups), not "
                           f"divisible by {tp}; use tp in {_divisors(arch.num_kv_heads)}")
+    if cp > 1 and (arch.num_attention_heads // tp) % cp:
+        raise ConfigError(f"{P}cp={cp}: context parallelism splits the {arch.num_attention_heads // tp} attention "
+                          f"heads per TP rank over {cp} ranks (all-to-all); use cp in "
+                          f"{_divisors(arch.num_attention_heads // tp)}")
     if arch.ffn_hidden_size % tp:
         raise ConfigError(f"{P}tp={tp}: MLP width {arch.ffn_hidden_size} is not divisible by {tp}")
     if arch.is_moe:

@@ -42,6 +42,7 @@ BAD_LAYOUTS = [
     (dict(tp=2, world_size=3), "world_size=3 is not divisible by tp\\*pp\\*cp=2"),
     (dict(ep=4, world_size=2), "not divisible by etp\\*ep\\*pp=4"),
     (dict(etp=3), "expert width 32"),
+    (dict(tp=2, cp=4), "splits the 2 attention heads per TP rank over 4 ranks"),
 ]
 
 
@@ -49,6 +50,26 @@ BAD_LAYOUTS = [
 def test_bad_layouts(layout, message):
     with pytest.raises(ConfigError, match=message):
         validate_layout(_arch(), **layout)
+
+
+SFT_BAD = [
+    (["train.lr=0"], "train.lr=0.0"),
+    (["sft.noise_low=0"], "noise_low=0.0"),
+    (["train.warmup_steps=500", "train.steps=10"], "warmup_steps=500"),
+    (["sft.lora_rank=-1"], "lora_rank=-1"),
+    (["data.max_length=300", "train.seq_length=512"], "rows of up to 600 tokens"),
+    (["train.seq_length=63", "parallel.cp=2", "data.max_length=16"], "divisible by parallel.cp=2"),
+    (["sft.mode=diffusion"], "sft.mode='diffusion' is not one of"),
+    (["data.overlong=cut"], "data.overlong"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", SFT_BAD)
+def test_bad_training_settings(overrides, message):
+    from megadare.config import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, ["model.family=sdar", "model.tiny=true"] + overrides), _arch("sdar"))
 
 
 def test_ep_on_dense_model():
@@ -88,5 +109,7 @@ def test_cli_dry_run_and_errors():
     bad = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",
                           "parallel.tp=3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "parallel.tp=3" in bad.stderr and "Traceback" not in bad.stderr
-    not_yet = subprocess.run([sys.executable, "-m", "megadare", "sft"], capture_output=True, text=True)
+    not_yet = subprocess.run([sys.executable, "-m", "megadare", "eval"], capture_output=True, text=True)
     assert not_yet.returncode == 2 and "not available" in not_yet.stderr
+    no_model = subprocess.run([sys.executable, "-m", "megadare", "sft"], capture_output=True, text=True)
+    assert no_model.returncode == 2 and "no model" in no_model.stderr and "Traceback" not in no_model.stderr

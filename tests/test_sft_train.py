@@ -59,6 +59,8 @@ LAYOUTS = {
     "pp2_vpp2": (2, {"parallel__pp": 2, "parallel__vpp": 2}),
     "dp2": (2, {}),
     "cp2": (2, {"parallel__cp": 2}),
+    # megatron's own DotProductAttention on dense masks + full activation recomputation
+    "local_attention_recompute": (1, {"model__attention_backend": "local", "train__recompute": "full"}),
 }
 
 
@@ -130,6 +132,22 @@ def test_tiny_sft_lowers_the_loss_and_writes_tensorboard(tmp_path):
     assert abs(scalars[-1].value - losses[-1]) < 1e-4
     lines = open(os.path.join(cfg.logging.run_dir, "metrics.jsonl")).read().splitlines()
     assert len(lines) == 40 and json.loads(lines[0])["step"] == 1
+
+    # the training checkpoint (with optimizer state) exports to HF and holds the trained weights
+    from megadare.convert import megatron_to_hf
+    from megadare.models import load_hf_model
+
+    out_dir = megatron_to_hf(os.path.join(cfg.logging.run_dir, "ckpt"), str(tmp_path / "hf_out"))
+    hf = load_hf_model(out_dir).state_dict()
+    trained = _model_tensors(os.path.join(cfg.logging.run_dir, "ckpt"))
+    assert torch.equal(hf["model.embed_tokens.weight"], trained["embedding.word_embeddings.weight"][:256])
+
+
+def test_bf16_training_tracks_fp32(tmp_path):
+    fp32 = _losses(_run(_cfg(tmp_path, "fp32", steps=3), 1))
+    bf16 = _losses(_run(_cfg(tmp_path, "bf16", steps=3, model__dtype="bf16"), 1))
+    assert all(abs(a - b) / b < 5e-2 for a, b in zip(bf16, fp32)), (bf16, fp32)
+    assert bf16 != fp32
 
 
 def test_sigterm_leaves_a_loadable_checkpoint(tmp_path):

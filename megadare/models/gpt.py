@@ -130,6 +130,16 @@ def _moe_mlp() -> ModuleSpec:
     )
 
 
+def _core_attention(backend: str):
+    """Our dLLM core attention, or megatron's own ``DotProductAttention`` ("local": the baseline that
+    materialises the score matrix; it takes Megatron-convention bool mask tensors, not MaskSpecs)."""
+    if backend == "local":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention
+    return functools.partial(DLLMCoreAttention, backend=backend)
+
+
 def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> ModuleSpec:
     """One transformer layer: RMSNorm -> attention (fused QKV, optional QK norm) -> RMSNorm -> MLP or MoE.
 
@@ -148,7 +158,7 @@ def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> M
                 params={"attn_mask_type": AttnMaskType.arbitrary},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=functools.partial(DLLMCoreAttention, backend=attention_backend),
+                    core_attention=_core_attention(attention_backend),
                     linear_proj=RowParallelLinear,
                     q_layernorm=RMSNorm if arch.qk_norm else IdentityOp,
                     k_layernorm=RMSNorm if arch.qk_norm else IdentityOp,

@@ -62,6 +62,12 @@ class MicroBatch:
                         position_ids=self.position_ids,
                         stream_ids=self.stream_ids if kind == "block_diffusion" else None)
 
+    def megatron_mask(self, kind: str, block_size: int) -> torch.Tensor:
+        """The same mask materialised in Megatron's convention ([b, 1, S, S] bool, True = masked out), for
+        megatron's own DotProductAttention (the ``local`` attention backend)."""
+        S = self.tokens.shape[1]
+        return ~self.mask(kind, block_size).dense(S, S, self.tokens.shape[0], device=self.tokens.device)
+
     @property
     def num_tokens(self) -> int:
         return int((self.weight != 0).sum())

@@ -65,6 +65,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
+    from megadare.trainer.moe_stats import MoELoadStats
     from megadare.trainer.monitor import Monitor
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.signals import StopSignal
@@ -113,6 +114,9 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         pad_id = getattr(tok, "pad_token_id", 0) or 0
         multiple = p.pp if (p.vpp or 1) > 1 else 1
         history: list[dict[str, float]] = []
+        moe_stats = MoELoadStats(model)
+        mask_fn = ((lambda mb: mb.megatron_mask(kind, recipe.block_size))
+                   if cfg.model.attention_backend == "local" else None)
         start_step, stopped = step, False
         while step < t.steps:
             monitor.step_timer()
@@ -125,9 +129,10 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                                            multiple_of=multiple)
             metrics = train_step(model, optimizer, scheduler, mine, denom, kind, recipe.block_size,
-                                 arch.vocab_size)
+                                 arch.vocab_size, mask_fn=mask_fn)
             step += 1
             dt = monitor.step_timer()
+            metrics.update(moe_stats.collect())
             metrics.update(tokens_per_s=n_tokens / dt, step_time_s=dt, epoch=sampler.epoch(step),
                            memory_gib=_memory_gib(), micro_batches=float(len(mine)))
             history.append(metrics)

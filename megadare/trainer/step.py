@@ -15,7 +15,7 @@ per-token mean over the global batch, not a mean of micro-batch means.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -73,7 +73,8 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
 
 def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], mask_kind: str,
                       block_size: int, vocab_size: int, objective: Objective, loss_scale: float,
-                      forward_only: bool = False) -> dict[str, float]:
+                      forward_only: bool = False, mask_fn: Optional[Callable[[MicroBatch], Any]] = None
+                      ) -> dict[str, float]:
     """Forward (and backward) of this rank's micro-batches; returns report sums reduced over the whole
     global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc)."""
     device = _device()
@@ -85,7 +86,7 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
     def forward_step(data_iterator, model):
         full = _to(next(data_iterator), device)
         mb = cp_slice(full)
-        mask = full.mask(mask_kind, block_size)
+        mask = mask_fn(full) if mask_fn is not None else full.mask(mask_kind, block_size)
         moe = getattr(chunks[0].config, "num_moe_experts", None)
         out = model(mb.tokens, mb.position_ids, mask, padding_mask=mb.padding if moe else None)
 
@@ -129,7 +130,8 @@ def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> 
 def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batches: list[MicroBatch],
                global_denom: float, mask_kind: str, block_size: int, vocab_size: int,
                objective: Objective = weighted_nll,
-               before_step: Optional[Callable[[], None]] = None) -> dict[str, float]:
+               before_step: Optional[Callable[[], None]] = None,
+               mask_fn: Optional[Callable[[MicroBatch], Any]] = None) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank)."""
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
@@ -139,7 +141,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
         c.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = run_micro_batches(chunks, micro_batches, mask_kind, block_size, vocab_size, objective,
-                                loss_scale=1.0 / global_denom)
+                                loss_scale=1.0 / global_denom, mask_fn=mask_fn)
     if before_step is not None:
         before_step()
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
