@@ -6,8 +6,7 @@
 Prints tokens/s, model TFLOP/s and MFU (GPU) for each backend in the same process, and the ratio against
 megatron's local DotProductAttention (the baseline that materialises the score matrix). The mask is
 bidirectional (LLaDA-style) or block diffusion (x_t ++ x_0, --mask block_diffusion); a batch that runs out of
-memory is reported as OOM. FLOPs: 6 * active params * tokens + 12 * layers * hidden * S^2 per sequence
-(attention scores and values, forward + backward; the dense count, also for sparse block masks).
+memory is reported as OOM. FLOPs as in megadare/trainer/flops.py (dense attention count, also for block masks).
 """
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from dataclasses import replace
 import torch
 
 from megadare.models.family import ModelArch
-
-H100_BF16_PEAK_TFLOPS = 989.0
+from megadare.trainer.flops import peak_tflops, step_flops
 
 SHAPES = {
     # SDAR-1.7B-like dense (Qwen3 1.7B shape, ~1.8B params with embeddings)
@@ -43,17 +41,6 @@ def cpu_shape(arch: ModelArch) -> ModelArch:
     """The same family at a size a CPU runs in seconds."""
     moe_keys = ("moe_ffn_hidden_size", "num_experts", "moe_topk")
     return replace(arch, **{k: v for k, v in CPU_SHAPE.items() if arch.is_moe or k not in moe_keys})
-
-
-def active_params(arch: ModelArch) -> float:
-    h, L = arch.hidden_size, arch.num_layers
-    attn = h * arch.head_dim * (arch.num_attention_heads * 2 + arch.num_kv_heads * 2)
-    mlp = 3 * h * (arch.moe_ffn_hidden_size * arch.moe_topk if arch.is_moe else arch.ffn_hidden_size)
-    return L * (attn + mlp) + 2 * arch.vocab_size * h
-
-
-def flops_per_step(arch: ModelArch, batch: int, seq: int) -> float:
-    return 6 * active_params(arch) * batch * seq + 12 * arch.num_layers * arch.hidden_size * seq * seq * batch
 
 
 def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, steps: int, dtype: str):
@@ -136,8 +123,9 @@ def main() -> None:
                     print(f"{name:6} {backend:8} {batch:5d} {'OOM':>10}")
                     continue
                 tok_s = batch * args.seq / dt
-                tflops = flops_per_step(arch, batch, args.seq) / dt / 1e12
-                mfu = f"{tflops / H100_BF16_PEAK_TFLOPS:6.1%}" if gpu else "   n/a"
+                tflops = step_flops(arch, [args.seq] * batch) / dt / 1e12
+                peak = peak_tflops()
+                mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
                 base = base or (tok_s if backend == "local" else None)
                 ratio = f"{tok_s / base:7.2f}x" if base else "      -"
                 print(f"{name:6} {backend:8} {batch:5d} {tok_s:10.0f} {tflops:8.2f} {mfu} {mem:8.1f} {ratio}")

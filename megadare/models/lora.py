@@ -296,7 +296,9 @@ def apply_lora(chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, include
             setattr(parent, attr, LoRALinear(base, rank, alpha, layer_number, seed_name, glu, seed))
             names.append(full)
     if not names:
-        raise ValueError(f"apply_lora: no ColumnParallelLinear/RowParallelLinear named {tuple(targets)} found")
+        again = any(isinstance(m, LoRALinear) for c in chunks for m in _unwrap(c).modules())
+        raise ValueError("apply_lora: the chunks already carry LoRA adapters" if again else
+                         f"apply_lora: no ColumnParallelLinear/RowParallelLinear named {tuple(targets)} found")
     return names
 
 

@@ -65,6 +65,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
+    from megadare.trainer.flops import peak_tflops, step_flops
     from megadare.trainer.moe_stats import MoELoadStats
     from megadare.trainer.monitor import Monitor
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
@@ -115,6 +116,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         multiple = p.pp if (p.vpp or 1) > 1 else 1
         history: list[dict[str, float]] = []
         moe_stats = MoELoadStats(model)
+        peak = peak_tflops()
         mask_fn = ((lambda mb: mb.megatron_mask(kind, recipe.block_size))
                    if cfg.model.attention_backend == "local" else None)
         start_step, stopped = step, False
@@ -133,6 +135,10 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             step += 1
             dt = monitor.step_timer()
             metrics.update(moe_stats.collect())
+            tflops = step_flops(arch, [m.tokens.shape[1] for m in mbs for _ in range(m.tokens.shape[0])]) / dt / 1e12
+            metrics["tflops"] = tflops / dist.get_world_size()  # per GPU
+            if peak:
+                metrics["mfu"] = metrics["tflops"] / peak
             metrics.update(tokens_per_s=n_tokens / dt, step_time_s=dt, epoch=sampler.epoch(step),
                            memory_gib=_memory_gib(), micro_batches=float(len(mine)))
             history.append(metrics)
