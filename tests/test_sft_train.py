@@ -206,3 +206,46 @@ def test_every_sft_mode_trains_end_to_end(family, mode, tmp_path):
     losses = _losses(out)
     assert len(losses) == 3 and all(0 < x < float("inf") for x in losses)
     assert out["data"]["kept"] == (16 if mode == "trace" else 64)
+
+
+def _lora_logits_worker(rank, world, cfg, ids):
+    """Logits of the LoRA model restored from a LoRA SFT checkpoint (not merged)."""
+    from megadare.models.lora import apply_lora
+    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.trainer.checkpoint import load_train_checkpoint
+    from megadare.trainer.forward import forward_logits
+    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
+
+    init_distributed(tp=cfg.parallel.tp, sp=cfg.parallel.sp)
+    try:
+        src = resolve_model_source(cfg)
+        chunks = build_training_chunks(cfg, src)
+        apply_lora(chunks, cfg.sft.lora_rank, cfg.sft.lora_alpha)
+        load_train_checkpoint(os.path.join(cfg.logging.run_dir, "ckpt"), chunks, None, None, load_optimizer=False)
+        from megadare.models.attention import block_causal
+
+        return forward_logits(chunks, ids, src.arch.vocab_size, block_causal(src.arch.block_size))
+    finally:
+        destroy_distributed()
+
+
+def test_lora_sft_exports_merged_weights(tmp_path):
+    cfg = _cfg(tmp_path, "lora", steps=3, sft__lora_rank=4, sft__lora_alpha=8.0, train__lr=1e-2,
+               parallel__tp=2, parallel__sp=True)
+    _run(cfg, 2)
+    from megadare.convert import megatron_to_hf
+    from megadare.models import load_hf_model
+    from megadare.models.attention import block_causal
+
+    tensors = _model_tensors(os.path.join(cfg.logging.run_dir, "ckpt"))
+    assert any(k.endswith("lora_B") and tensors[k].abs().sum() > 0 for k in tensors)  # adapters trained
+    out = megatron_to_hf(os.path.join(cfg.logging.run_dir, "ckpt"), str(tmp_path / "merged"), progress=False)
+    hf = load_hf_model(out).eval()
+    base = load_hf_model(os.path.join(cfg.logging.run_dir, "init_hf")).eval()
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = block_causal(4).dense(12, 12)
+    with torch.no_grad():
+        merged, untouched = hf(ids, attention_mask=mask), base(ids, attention_mask=mask)
+    lora = [x for x in run_distributed(_lora_logits_worker, 2, cfg, ids, timeout_s=300) if x is not None][0]
+    assert (merged - lora).abs().max() < 1e-4
+    assert (merged - untouched).abs().max() > 1e-3

@@ -106,7 +106,7 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
                    dtype: Optional[torch.dtype] = None, progress: bool = True) -> str:
     """Export a Megatron distributed checkpoint (written by megadare) to HF safetensors, tensor by tensor."""
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    read_meta(ckpt_dir)
+    meta = read_meta(ckpt_dir)
     hf_files = os.path.join(ckpt_dir, HF_SUBDIR)
     with open(os.path.join(hf_files, "config.json")) as f:
         config = json.load(f)
@@ -119,13 +119,32 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
     bar = _progress(len(table), "megatron -> hf", progress)
     with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
         for r in table:
-            t = read_tensors(ckpt_dir, [r.mcore], known)[r.mcore]
+            t = _merged_lora(ckpt_dir, r.mcore, known, meta)
             for name, h in zip(r.hf, r.to_hf(t)):
                 w.add(name, h.to(dtype) if dtype is not None else h)
             bar.update(1)
         copy_passthrough_files(hf_files, w.staging_dir)
     bar.close()
     return out_dir
+
+
+def _merged_lora(ckpt_dir: str, key: str, known: dict, meta: dict) -> torch.Tensor:
+    """A checkpoint tensor, with a LoRA adapter pair folded in when the checkpoint has one for it:
+    W + (alpha / r) * B @ A on the global (layout-independent) tensors, computed in fp32."""
+    t = read_tensors(ckpt_dir, [key], known)[key]
+    module, _, leaf = key.rpartition(".")
+    if leaf not in ("weight", "weight_w", "weight_v"):  # _w / _v: megatron's split halves of a SwiGLU fc1
+        return t
+    a_key, b_key = f"{module}.lora_A", f"{module}.lora_B{leaf[len('weight'):]}"
+    if a_key not in known:
+        return t
+    lora = meta.get("lora")
+    if not lora:
+        raise ValueError(f"{ckpt_dir}: holds LoRA adapters ({a_key}) but megadare.json has no 'lora' "
+                         "{rank, alpha} entry to scale them")
+    ab = read_tensors(ckpt_dir, [a_key, b_key], known)
+    scale = float(lora["alpha"]) / float(lora["rank"])
+    return (t.float() + scale * ab[b_key].float() @ ab[a_key].float()).to(t.dtype)
 
 
 def load_hf_into_model(chunks: list[torch.nn.Module], hf_dir: str) -> None:

@@ -112,6 +112,8 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                           jsonl=cfg.logging.jsonl, log_interval=cfg.logging.log_interval, desc="sft")
         stopper = StopSignal()
         meta = {"family": src.family.name, "architecture": arch.architecture, "written_by": "megadare sft"}
+        if cfg.sft.lora_rank > 0:
+            meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
         pad_id = getattr(tok, "pad_token_id", 0) or 0
         multiple = p.pp if (p.vpp or 1) > 1 else 1
         history: list[dict[str, float]] = []
