@@ -48,10 +48,10 @@ class ParallelSection:
 
 @dataclass
 class CheckpointSection:
-    load: Optional[str] = None
-    save: Optional[str] = None
+    load: Optional[str] = None             # initial weights: a Megatron checkpoint (model only, any layout)
+    save: Optional[str] = None             # checkpoint root; None = <run_dir>/ckpt. A run resumes from its newest
     save_interval: int = 0                 # steps; 0 = only at the end and on SIGTERM
-    async_save: bool = False
+    keep_last: int = 2                     # complete checkpoints kept under the root
 
 
 @dataclass

@@ -105,6 +105,18 @@ def test_resume_continues_identically(tmp_path):
     assert init, "training did not change the weights"
 
 
+def test_resume_under_another_layout(tmp_path):
+    """Checkpoint at DP=2 (distributed optimizer sharded over 2 ranks), resume at TP=2 + SP."""
+    straight = _cfg(tmp_path, "straight", steps=4)
+    ref = _losses(_run(straight, 1))
+    dp2 = _cfg(tmp_path, "moved", steps=4, checkpoint__save_interval=2)
+    first = _losses(_run(dp2, 2, max_steps=2))
+    tp2 = _cfg(tmp_path, "moved", steps=4, checkpoint__save_interval=2, parallel__tp=2, parallel__sp=True)
+    second = _losses(_run(tp2, 2))
+    assert len(second) == 2
+    assert all(abs(a - b) / b < 1e-5 for a, b in zip(first + second, ref)), (first + second, ref)
+
+
 def _model_tensors_from_hf_differs(trained: dict, cfg) -> bool:
     from megadare.models import load_hf_model
 

@@ -150,7 +150,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             if at_interval or stop or step == t.steps:
                 save_train_checkpoint(save_root, step, model, optimizer, scheduler,
                                       {"consumed_examples": step * t.global_batch_size, "data": data_stats},
-                                      meta=meta, hf_files_from=src.hf_dir)
+                                      meta=meta, hf_files_from=src.hf_dir, keep_last=cfg.checkpoint.keep_last)
             if stop:
                 stopped = True
                 break
