@@ -17,6 +17,7 @@ setup(
         "tqdm",
         "psutil",  # megatron's checkpoint writer needs it (and hangs without it)
         "tensorboard",
+        "pyarrow",  # parquet datasets (the format verl/DARE data comes in)
     ],
     extras_require={
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)

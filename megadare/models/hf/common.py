@@ -21,6 +21,30 @@ from megadare.models.attention import MaskSpec, bidirectional, block_causal
 from megadare.models.family import ModelArch
 
 
+class KVCache:
+    """Per-layer keys/values [B, kv_heads, T, head_dim] (after RoPE and QK norm) of tokens already decoded.
+
+    Block diffusion caches every completed block (exact: a block-causal model's keys of earlier blocks do not
+    depend on later tokens); full-attention samplers may cache a prefix as an approximation (Fast-dLLM).
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.v: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.k[0] is None else int(self.k[0].shape[2])
+
+    def extended(self, i: int, k: torch.Tensor, v: torch.Tensor, commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the cache followed by the new ones; stored when ``commit``."""
+        if self.k[i] is not None:
+            k = torch.cat([self.k[i], k], dim=2)
+            v = torch.cat([self.v[i], v], dim=2)
+        if commit:
+            self.k[i], self.v[i] = k, v
+        return k, v
+
+
 class RMSNorm(nn.Module):
     """weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype) -- the op order of HF's Qwen3RMSNorm."""
 
@@ -186,12 +210,21 @@ class DecoderLM(nn.Module):
         return m
 
     def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids: Optional[torch.Tensor] = None,
-                block_size: Optional[int] = None) -> torch.Tensor:
+                block_size: Optional[int] = None, kv_cache: Optional[KVCache] = None,
+                commit: bool = False) -> torch.Tensor:
+        """Logits [B, S, vocab]. With ``kv_cache`` the queries are ``input_ids`` and the keys are the cached tokens
+        followed by them; ``attention_mask`` must then be an explicit bool [B|1, 1, S, T + S] (True = attend)
+        and ``position_ids`` are required. ``commit`` appends this call's keys/values to the cache."""
         a, n = self.arch, self.names
         B, S = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
-        allowed = self._allowed(attention_mask, S, input_ids.device, block_size)
+        if kv_cache is not None:
+            if not (torch.is_tensor(attention_mask) and attention_mask.dim() == 4 and position_ids is not None):
+                raise ValueError("decoding with a KV cache needs position_ids and a [B, 1, S, T+S] bool mask")
+            allowed = attention_mask.bool()
+        else:
+            if position_ids is None:
+                position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+            allowed = self._allowed(attention_mask, S, input_ids.device, block_size)
         rot = int(a.head_dim * a.rotary_percent)
         cos, sin = rope_cos_sin(position_ids, rot, a.rope_theta)
         x = self.sub(n.embed)(input_ids)
@@ -199,7 +232,7 @@ class DecoderLM(nn.Module):
         for i in range(a.num_layers):
             f = lambda t, **kw: t.format(i=i, **kw)  # noqa: E731
             h = self.sub(f(n.input_norm))(x)
-            x = x + self._attention(h, i, allowed, cos, sin)
+            x = x + self._attention(h, i, allowed, cos, sin, kv_cache, commit)
             h = self.sub(f(n.post_norm))(x)
             x = x + (self._moe(h, i) if i in moe else _mlp(h, self.sub(f(n.gate)), self.sub(f(n.up)),
                                                           self.sub(f(n.down))))
@@ -207,7 +240,7 @@ class DecoderLM(nn.Module):
         w = self.sub(n.embed).weight if a.tie_word_embeddings else self.sub(n.lm_head).weight
         return F.linear(x, w)
 
-    def _attention(self, h, i, allowed, cos, sin):
+    def _attention(self, h, i, allowed, cos, sin, kv_cache: Optional[KVCache] = None, commit: bool = False):
         a, n = self.arch, self.names
         f = lambda t: t.format(i=i)  # noqa: E731
         B, S, _ = h.shape
@@ -222,6 +255,8 @@ class DecoderLM(nn.Module):
         if a.qk_norm:
             q, k = self.sub(f(n.q_norm))(q), self.sub(f(n.k_norm))(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.extended(i, k, v, commit)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=H != G)
         return self.sub(f(n.o))(out.transpose(1, 2).reshape(B, S, H * D))
 

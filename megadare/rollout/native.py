@@ -1,0 +1,275 @@
+"""The built-in rollout engine: the family's hf/ model, batched dLLM decoding with a KV cache, full traces.
+
+Block diffusion (SDAR, TraDo, LLaDA2; SDAR's ``generate.py``): the prompt's first floor(P/B)*B tokens are
+prefilled block-causally into the KV cache; its remainder sits, unmasked, at the start of the first decode
+block. Each block of B tokens starts fully masked (apart from that remainder) and is denoised in at most S
+forwards that see the cached earlier blocks and the whole current block; a finished block is run once more to
+store its keys/values (exact: under the block-causal mask earlier blocks never see later tokens). Because every
+sample's blocks sit on its own global prompt+response grid, aligning the batch at each sample's first decode
+block puts all samples' blocks in the same tensor columns: one forward serves the whole batch, and the
+per-sample result does not depend on who else is in the batch.
+
+Full attention (LLaDA, Dream; LLaDA's ``generate``): prompt ++ masks, semi-autoregressive blocks over the
+response, S steps per block, every step a full bidirectional forward (Dream reads logits shifted by one).
+Positions beyond the current block are never committed.
+
+Every committed token records its global step (the sample's denoising forward index), its block-local step and
+its log-prob under the sampling distribution; ``use_cache=False`` recomputes the whole sequence each step (the
+reference the cache is tested against).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+
+from megadare.models.attention import bidirectional
+from megadare.models.family import ModelArch
+from megadare.models.hf.common import KVCache
+from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.rollout.sampling import sample_tokens, select_commits, transfer_schedule
+
+
+class _Recorder:
+    """Per-sample trace of committed tokens: step counters advance only when the sample had work."""
+
+    def __init__(self, n: int, record_steps: bool):
+        self.steps = [0] * n
+        self.commit: list[dict[int, tuple[int, int, float]]] = [dict() for _ in range(n)]
+        self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
+        self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
+
+    def step(self, b: int, cols: torch.Tensor, block_step: int, logp: torch.Tensor, col_offset: int,
+             preds: Optional[torch.Tensor] = None, confs: Optional[torch.Tensor] = None) -> None:
+        for c in cols.tolist():
+            self.commit[b][c + col_offset] = (self.steps[b], block_step, float(logp[c]))
+        if self.preds is not None and preds is not None:
+            self.preds[b].append(preds.tolist())
+            self.confs[b].append(confs.tolist())
+        self.steps[b] += 1
+
+
+class NativeEngine:
+    """Decodes with the hf/ model of a family (CPU or one GPU). Implements the rollout engine protocol."""
+
+    def __init__(self, model: torch.nn.Module, arch: ModelArch, eos_token_id: int, pad_token_id: int = 0,
+                 device: Optional[str] = None, use_cache: bool = True):
+        self.model = model.eval()
+        self.arch = arch
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model.to(self.device)
+        self.use_cache = use_cache
+        self.version = 0
+        self.forwards = 0          # model forwards, all calls (benchmarks: forwards per token)
+        self.asleep = False
+
+    # ------------------------------------------------------------------ protocol
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+        if self.asleep:
+            raise RuntimeError("engine is asleep: call wake() before generate()")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs non-empty prompts")
+        if self.arch.attention == "block_causal":
+            if params.block_size != self.arch.block_size:
+                raise ValueError(f"sampling block_size={params.block_size} differs from the model's block size "
+                                 f"{self.arch.block_size} ({self.arch.family}); they must agree")
+            return self._block_diffusion(prompts, params)
+        return self._semi_ar(prompts, params)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        """Copy HF-named tensors into the model (any subset, e.g. one bucket); names must exist."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        n, nbytes = 0, 0
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if name not in params:
+                    raise KeyError(f"update_weights: the {self.arch.family} model has no tensor {name!r}")
+                if params[name].shape != t.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, model expects "
+                                     f"{tuple(params[name].shape)}")
+                params[name].copy_(t.to(params[name].device, params[name].dtype))
+                n += 1
+                nbytes += t.numel() * t.element_size()
+        self.version = version
+        return {"tensors": n, "bytes": nbytes, "version": version}
+
+    def sleep(self) -> None:
+        """Release accelerator memory (weights to host) while the trainer uses the GPU."""
+        self.model.to("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+
+    def wake(self) -> None:
+        self.model.to(self.device)
+        self.asleep = False
+
+    def health(self) -> dict[str, Any]:
+        return {"alive": True, "version": self.version, "device": str(self.device), "asleep": self.asleep,
+                "forwards": self.forwards}
+
+    # ------------------------------------------------------------------ helpers
+    def _forward(self, ids, allowed, pos, cache=None, commit=False) -> torch.Tensor:
+        self.forwards += 1
+        return self.model(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, commit=commit)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator:
+        return torch.Generator().manual_seed(params.seed)
+
+    # ------------------------------------------------------------------ block diffusion
+    @torch.no_grad()
+    def _block_diffusion(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+        dev, Bs, S, M = self.device, params.block_size, params.steps_per_block, self.arch.mask_token_id
+        n = len(prompts)
+        pre = [len(p) // Bs * Bs for p in prompts]
+        rem = [len(p) - q for p, q in zip(prompts, pre)]
+        need = [math.ceil((r + params.max_new_tokens) / Bs) for r in rem]
+        Q = max(pre)
+        # prefix: complete prompt blocks, left-padded to Q columns
+        prefix = torch.full((n, Q), self.pad, dtype=torch.long)
+        prefix_pos = torch.zeros((n, Q), dtype=torch.long)
+        valid = torch.zeros((n, Q), dtype=torch.bool)
+        for b, p in enumerate(prompts):
+            if pre[b]:
+                prefix[b, Q - pre[b]:] = torch.tensor(p[:pre[b]])
+                prefix_pos[b, Q - pre[b]:] = torch.arange(pre[b])
+                valid[b, Q - pre[b]:] = True
+        gen = self._generator(params)
+        rec = _Recorder(n, params.record_steps)
+        done = [False] * n
+        blocks: list[torch.Tensor] = []        # decoded blocks [n, Bs]
+        cache = KVCache(self.arch.num_layers) if self.use_cache else None
+        if self.use_cache and Q:
+            # padded rows see themselves (never NaN keys/values in the cache); real rows never see padding
+            allowed = self._bc_mask(prefix_pos, valid, prefix_pos, Bs) | torch.eye(Q, dtype=torch.bool)[None, None]
+            self._forward(prefix.to(dev), allowed.to(dev), prefix_pos.to(dev), cache, commit=True)
+        for k in range(max(need)):
+            active = [not done[b] and k < need[b] for b in range(n)]
+            if not any(active):
+                break
+            cur = torch.full((n, Bs), M, dtype=torch.long)
+            if k == 0:
+                for b, p in enumerate(prompts):
+                    cur[b, :rem[b]] = torch.tensor(p[pre[b]:], dtype=torch.long)
+            pos = torch.tensor(pre).unsqueeze(1) + k * Bs + torch.arange(Bs)
+            counts = transfer_schedule(Bs, S)
+            for s in range(S):
+                masked = (cur == M) & torch.tensor(active).unsqueeze(1)
+                if not masked.any():
+                    break
+                logits = self._block_logits(cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs)
+                tok, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
+                commit = select_commits(conf, masked, torch.tensor([counts[s]] * n), params.algorithm,
+                                        params.threshold, gen)
+                for b in range(n):
+                    if masked[b].any():
+                        cols = commit[b].nonzero().squeeze(1)
+                        rec.step(b, cols, s, logp[b], k * Bs, tok[b] if params.record_steps else None,
+                                 conf[b] if params.record_steps else None)
+                cur = torch.where(commit, tok, cur)
+            blocks.append(cur)
+            if self.use_cache:
+                all_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) - 1), dim=1)
+                allowed = torch.cat([all_valid, torch.ones(n, Bs, dtype=torch.bool)], dim=1)[:, None, None, :]
+                self._forward(cur.to(dev), allowed.expand(n, 1, Bs, -1).to(dev), pos.to(dev), cache, commit=True)
+            for b in range(n):
+                if active[b] and params.stop_at_eos:
+                    resp = torch.cat(blocks, dim=1)[b, rem[b]:]
+                    if (resp == self.eos).any():
+                        done[b] = True
+        decoded = torch.cat(blocks, dim=1)
+        return [self._trajectory(prompts[b], decoded[b, rem[b]:], rec, b, params, rem[b]) for b in range(n)]
+
+    @staticmethod
+    def _bc_mask(q_pos, k_valid, k_pos, Bs) -> torch.Tensor:
+        """Block-causal allowed mask [n, 1, Q, K] from positions on each sample's own grid + key validity."""
+        allowed = (k_pos[:, None, :] // Bs) <= (q_pos[:, :, None] // Bs)
+        return (allowed & k_valid[:, None, :]).unsqueeze(1)
+
+    def _block_logits(self, cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs) -> torch.Tensor:
+        n, dev = cur.shape[0], self.device
+        if cache is not None:
+            k_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) + 1), dim=1)
+            allowed = k_valid[:, None, None, :].expand(n, 1, Bs, k_valid.shape[1])
+            return self._forward(cur.to(dev), allowed.to(dev), pos.to(dev), cache).float().cpu()
+        ids = torch.cat([prefix] + blocks + [cur], dim=1)
+        all_pos = torch.cat([prefix_pos] + [pos - Bs * (len(blocks) - j) for j in range(len(blocks))] + [pos], dim=1)
+        k_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) + 1), dim=1)
+        allowed = self._bc_mask(all_pos, k_valid, all_pos, Bs)
+        # padded query rows attend nothing: let them see themselves (their outputs are discarded)
+        allowed = allowed | torch.eye(ids.shape[1], dtype=torch.bool)[None, None]
+        return self._forward(ids.to(dev), allowed.to(dev), all_pos.to(dev))[:, -Bs:].float().cpu()
+
+    # ------------------------------------------------------------------ full attention (LLaDA / Dream)
+    @torch.no_grad()
+    def _semi_ar(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+        dev, Bs, S, M = self.device, params.block_size, params.steps_per_block, self.arch.mask_token_id
+        n = len(prompts)
+        n_blocks = math.ceil(params.max_new_tokens / Bs)
+        G = n_blocks * Bs
+        P = max(len(p) for p in prompts)
+        x = torch.full((n, P + G), M, dtype=torch.long)
+        valid = torch.ones((n, P + G), dtype=torch.bool)
+        pos = torch.zeros((n, P + G), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            pad = P - len(p)
+            x[b, :pad] = self.pad
+            x[b, pad:P] = torch.tensor(p)
+            valid[b, :pad] = False
+            pos[b, pad:] = torch.arange(len(p) + G)
+        allowed = bidirectional().dense(P + G, P + G) & valid[:, None, None, :]
+        allowed = allowed | torch.eye(P + G, dtype=torch.bool)[None, None]
+        gen = self._generator(params)
+        rec = _Recorder(n, params.record_steps)
+        done = [False] * n
+        counts = transfer_schedule(Bs, S)
+        for k in range(n_blocks):
+            active = torch.tensor([not d for d in done]).unsqueeze(1)
+            if not active.any():
+                break
+            lo, hi = P + k * Bs, P + (k + 1) * Bs
+            for s in range(S):
+                masked = torch.zeros_like(x, dtype=torch.bool)
+                masked[:, lo:hi] = (x[:, lo:hi] == M) & active
+                if not masked.any():
+                    break
+                logits = self._forward(x.to(dev), allowed.to(dev), pos.to(dev)).float().cpu()
+                if self.arch.logits_shift:  # Dream: logits at i-1 predict token i
+                    logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+                tok, logp, conf = sample_tokens(logits[:, lo:hi], params.temperature, params.top_k,
+                                                params.top_p, gen)
+                commit = select_commits(conf, masked[:, lo:hi], torch.tensor([counts[s]] * n), params.algorithm,
+                                        params.threshold, gen)
+                for b in range(n):
+                    if masked[b].any():
+                        rec.step(b, commit[b].nonzero().squeeze(1), s, logp[b], k * Bs,
+                                 tok[b] if params.record_steps else None, conf[b] if params.record_steps else None)
+                x[:, lo:hi] = torch.where(commit, tok, x[:, lo:hi])
+            if params.stop_at_eos:
+                for b in range(n):
+                    if not done[b] and (x[b, P:hi] == self.eos).any():
+                        done[b] = True
+        return [self._trajectory(prompts[b], x[b, P:], rec, b, params, 0) for b in range(n)]
+
+    # ------------------------------------------------------------------ result
+    def _trajectory(self, prompt: list[int], decoded: torch.Tensor, rec: _Recorder, b: int,
+                    params: SamplingParams, col_offset: int) -> Trajectory:
+        """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens."""
+        toks = decoded.tolist()
+        finish = "length"
+        end = min(len(toks), params.max_new_tokens)
+        if params.stop_at_eos and self.eos in toks[:end]:
+            end = toks.index(self.eos) + 1
+            finish = "eos"
+        commits = [rec.commit[b][c + col_offset] for c in range(end)]
+        traj = Trajectory(
+            prompt_ids=list(prompt), response_ids=toks[:end], commit_step=[c[0] for c in commits],
+            block_step=[c[1] for c in commits], logprobs=[c[2] for c in commits], finish_reason=finish,
+            num_forwards=rec.steps[b], params=params, policy_version=self.version,
+            step_predictions=rec.preds[b] if rec.preds is not None else None,
+            step_confidences=rec.confs[b] if rec.confs is not None else None)
+        return traj.validate()
