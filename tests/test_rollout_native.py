@@ -76,6 +76,7 @@ def _reference_block_diffusion(model, prompt, params) -> tuple[list[int], list[i
             if not masked.any():
                 break
             logits = model(x[:, :hi], attention_mask=mask[..., :hi, :hi])[0, lo:hi].float()
+            logits[:, MASK] = -math.inf
             probs = F.softmax(logits, -1)
             tok = probs.argmax(-1)
             conf = torch.where(masked, probs.gather(-1, tok[:, None])[:, 0], torch.tensor(-math.inf))
@@ -117,6 +118,7 @@ def _reference_llada(model, prompt, params, shift: bool) -> tuple[list[int], lis
             logits = model(x)[0].float()
             if shift:
                 logits = torch.cat([logits[:1], logits[:-1]])
+            logits[:, MASK] = -math.inf
             probs = F.softmax(logits, -1)
             tok = probs.argmax(-1)
             conf = probs.gather(-1, tok[:, None])[:, 0]
@@ -161,7 +163,9 @@ def test_recorded_logprobs_equal_the_model_at_the_recorded_step(family):
             else:  # whole sequence (the response region is max_new_tokens long), bidirectional
                 ids = torch.cat([torch.tensor(t.prompt_ids), state])
                 logits = eng.model(ids[None])[0, P + k]
-            ref = F.log_softmax(filter_logits(logits.float()[None] / 0.7, 40, 0.95), -1)[0, tok]
+            logits = logits.float()
+            logits[MASK] = -math.inf
+            ref = F.log_softmax(filter_logits(logits[None] / 0.7, 40, 0.95), -1)[0, tok]
             assert abs(float(ref) - lp) < 1e-4, (k, float(ref), lp)
         assert len(set(t.commit_step)) > 1 and all(lp < 0 for lp in t.logprobs)
 

@@ -162,6 +162,7 @@ class NativeEngine:
                 if not masked.any():
                     break
                 logits = self._block_logits(cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs)
+                logits[..., M] = float("-inf")  # the mask token is never a prediction
                 tok, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
                 commit = select_commits(conf, masked, torch.tensor([counts[s]] * n), params.algorithm,
                                         params.threshold, gen)
@@ -240,6 +241,7 @@ class NativeEngine:
                 logits = self._forward(x.to(dev), allowed.to(dev), pos.to(dev)).float().cpu()
                 if self.arch.logits_shift:  # Dream: logits at i-1 predict token i
                     logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+                logits[..., M] = float("-inf")  # the mask token is never a prediction
                 tok, logp, conf = sample_tokens(logits[:, lo:hi], params.temperature, params.top_k,
                                                 params.top_p, gen)
                 commit = select_commits(conf, masked[:, lo:hi], torch.tensor([counts[s]] * n), params.algorithm,
