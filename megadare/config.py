@@ -40,7 +40,7 @@ class ParallelSection:
     pp: int = 1                            # pipeline parallel
     vpp: Optional[int] = None              # virtual pipeline stages per rank (interleaved 1F1B)
     ep: int = 1                            # expert parallel
-    etp: int = 1                           # expert tensor parallel
+    etp: Optional[int] = None              # expert tensor parallel; None = tp (megatron's default)
     cp: int = 1                            # context parallel
     sp: bool = False                       # sequence parallel (needs tp > 1)
     world_size: Optional[int] = None       # None = from the launcher environment
@@ -228,9 +228,11 @@ def _divisors(n: int) -> str:
 
 
 def validate_layout(arch: ModelArch, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
-                    etp: int = 1, cp: int = 1, sp: bool = False, world_size: Optional[int] = None) -> None:
+                    etp: Optional[int] = None, cp: int = 1, sp: bool = False,
+                    world_size: Optional[int] = None) -> None:
     """Fail before any process starts when a layout cannot hold the model (megatron's own rules)."""
     P = "parallel."
+    etp = tp if etp is None else etp
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"{P}{name}={v!r} must be a positive integer")
@@ -252,6 +254,10 @@ def validate_layout(arch: ModelArch, tp: int = 1, pp: int = 1, ep: int = 1, vpp:
                               f"use ep in {_divisors(arch.num_experts)}")
         if arch.moe_ffn_hidden_size % etp:
             raise ConfigError(f"{P}etp={etp}: expert width {arch.moe_ffn_hidden_size} is not divisible by {etp}")
+        if ep == 1 and etp != tp:
+            raise ConfigError(f"{P}etp={etp} with {P}ep=1 must equal {P}tp={tp}: without expert parallelism megatron "
+                              "reduces expert gradients over the dense data-parallel group, so experts replicated "
+                              "over TP ranks would drift apart; leave etp unset or use ep > 1")
     elif ep > 1:
         raise ConfigError(f"{P}ep={ep}: the model has no experts; set parallel.ep=1")
     stages = pp * (vpp or 1)
@@ -286,6 +292,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     ws = world_size or p.world_size
     if arch is not None:
         validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=ws)
+        if arch.is_moe and p.tp > 1 and not p.sp:
+            raise ConfigError(f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
+                              "(megatron trains MoE layers under TP only with sequence parallelism)")
         if cfg.model.block_size is not None and arch.attention != "block_causal":
             raise ConfigError(f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
                               "attention and has no denoising blocks; remove model.block_size")

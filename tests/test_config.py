@@ -60,6 +60,7 @@ SFT_BAD = [
     (["data.max_length=300", "train.seq_length=512"], "rows of up to 600 tokens"),
     (["train.seq_length=63", "parallel.cp=2", "data.max_length=16"], "divisible by parallel.cp=2"),
     (["sft.mode=diffusion"], "sft.mode='diffusion' is not one of"),
+    (["model.family=llada2", "parallel.tp=2"], "needs parallel.sp=true"),
     (["data.overlong=cut"], "data.overlong"),
 ]
 
@@ -69,7 +70,8 @@ def test_bad_training_settings(overrides, message):
     from megadare.config import validate
 
     with pytest.raises(ConfigError, match=message):
-        validate(load_config(None, ["model.family=sdar", "model.tiny=true"] + overrides), _arch("sdar"))
+        cfg = load_config(None, ["model.family=sdar", "model.tiny=true"] + overrides)
+        validate(cfg, _arch(cfg.model.family))
 
 
 def test_ep_on_dense_model():
@@ -88,7 +90,7 @@ def test_good_layout_and_overrides_beat_file(tmp_path):
     p.write_text("parallel:\n  tp: 2\n  sp: true\nmodel:\n  dtype: bf16\n")
     cfg = load_config(str(p), ["parallel.tp=1", "parallel.sp=false"])
     assert cfg.parallel.tp == 1 and cfg.parallel.sp is False and cfg.model.dtype == "bf16"
-    validate_layout(_arch(), tp=2, ep=2, pp=2, sp=True, world_size=4)
+    validate_layout(_arch(), tp=2, ep=2, pp=2, etp=1, sp=True, world_size=4)
     again = tmp_path / "again.yaml"
     again.write_text(to_yaml(cfg))
     assert load_config(str(again), []) == cfg

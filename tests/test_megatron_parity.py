@@ -157,7 +157,7 @@ def test_roundtrip_hf_megatron_tp2_pp2_ep2_hf_bitwise(name, checkpoints, tmp_pat
     c = checkpoints[name]
     ck1, ck2, out = str(tmp_path / "ck1"), str(tmp_path / "ck2"), str(tmp_path / "hf_out")
     moe = name in MOE
-    layout = dict(tp=2, pp=2, ep=2) if moe else dict(tp=2, pp=2)
+    layout = dict(tp=2, pp=2, ep=2, etp=1) if moe else dict(tp=2, pp=2)
     hf_to_megatron(c["hf_dir"], ck1, progress=False, **layout)
     run_distributed(resave, 4, layout, c["hf_dir"], ck1, ck2)
     megatron_to_hf(ck2, out, progress=False)

@@ -59,7 +59,7 @@ def check_sizes(world: int, tp: int, pp: int, ep: int, etp: int, cp: int, vpp: O
     return world // (tp * pp * cp)
 
 
-def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: int = 1,
+def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
                      cp: int = 1, sp: bool = False, seed: int = 1234, backend: Optional[str] = None,
                      timeout_s: int = 600) -> Layout:
     """Initialise torch.distributed (env:// or a single process) and megatron's parallel groups."""
@@ -80,6 +80,7 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: in
         dist.init_process_group(backend or ("gloo" if cpu else "nccl"), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()
+    etp = tp if etp is None else etp  # megatron's default: experts split like the dense layers
     dp = check_sizes(world, tp, pp, ep, etp, cp, vpp, sp)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
