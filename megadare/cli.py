@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         h2m.add_argument(f"--{k}", type=int, default=1, help=f"target {k.upper()} size (validated; the checkpoint "
                          "itself loads under any layout)")
     h2m.add_argument("--vpp", type=int, default=None)
+    h2m.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
     h2m.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
     m2h = csub.add_parser("megatron-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
     m2h.add_argument("--ckpt", required=True, help="checkpoint dir (or a run's checkpoint root)")
@@ -78,7 +79,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             if args.direction == "hf-to-megatron":
                 out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp,
-                                             dtype=_dtype(args.dtype))
+                                             etp=args.etp, dtype=_dtype(args.dtype))
             else:
                 out = convert.megatron_to_hf(args.ckpt, args.out, dtype=_dtype(args.dtype),
                                              max_shard_bytes=int(args.max_shard_gb * 2**30))

@@ -79,12 +79,12 @@ class HFSource:
 
 
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
-                   dtype: Optional[torch.dtype] = None, progress: bool = True) -> str:
+                   dtype: Optional[torch.dtype] = None, progress: bool = True, etp: Optional[int] = None) -> str:
     """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming)."""
     src = HFSource(hf_dir, dtype)
     from megadare.config import validate_layout
 
-    validate_layout(src.arch, tp=tp, pp=pp, ep=ep, vpp=vpp)
+    validate_layout(src.arch, tp=tp, pp=pp, ep=ep, vpp=vpp, etp=etp)
     shapes = src.shapes()
     bar = _progress(len(shapes), "hf -> megatron", progress)
 
