@@ -18,6 +18,7 @@ setup(
         "psutil",  # megatron's checkpoint writer needs it (and hangs without it)
         "tensorboard",
         "pyarrow",  # parquet datasets (the format verl/DARE data comes in)
+        "ray>=2.40",  # rollout engines as actors (local cluster on a laptop, the allocation on Slurm)
     ],
     extras_require={
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)

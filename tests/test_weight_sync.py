@@ -6,23 +6,14 @@ import pytest
 import torch
 
 from dist import run_distributed
+from tiny import write_tiny_hf
 from megadare.rollout.weight_sync import plan_buckets
 
 SEQ = 12
 
 
 def _hf(tmp, name: str, seed: int) -> str:
-    from megadare.models import build_hf_model, get_family, save_hf_model
-
-    torch.manual_seed(seed)
-    cfg = get_family(name).tiny_config(num_hidden_layers=4, **({"block_size": 4} if name != "llada" else {}))
-    model = build_hf_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    d = str(tmp / f"{name}_{seed}")
-    save_hf_model(model, cfg, d)
-    return d
+    return write_tiny_hf(tmp, name, seed, num_hidden_layers=4, **({"block_size": 4} if name != "llada" else {}))
 
 
 def _worker(rank, world, layout, trainer_hf, engine_hf, ids, bucket_bytes):

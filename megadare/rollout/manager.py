@@ -1,0 +1,186 @@
+"""Ray-managed rollout engines: N engine actors, requests spread by load, restarts with replay on failure.
+
+    manager = RolloutManager(EngineSpec(build_native_engine, hf_dir=...), num_engines=2,
+                             resources={"num_cpus": 1})            # {"num_gpus": 1} on a cluster
+    trajectories = manager.generate(prompts, SamplingParams(...))  # every prompt exactly once, in order
+    sync_weights(trainer_chunks, table, [manager], version=step)   # manager.update_weights fans out
+
+Placement: the actors live in one placement group (one bundle per engine; ``strategy='PACK'`` to colocate them
+with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``; each
+chunk goes to the engine with the fewest outstanding chunks; chunk c samples with seed ``params.seed + c`` so a
+re-issued chunk reproduces its trajectories. If an engine dies mid-rollout (RayActorError), the manager starts a
+replacement, replays the latest weights into it (kept as object refs) and re-issues the dead engine's chunks; the
+rollout still returns every trajectory exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from megadare.rollout.engine import SamplingParams, Trajectory
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError as e:  # pragma: no cover - ray is a dependency, but keep the message clear
+        raise ImportError("the rollout manager needs Ray: pip install 'ray>=2.40'") from e
+    return ray
+
+
+@dataclass
+class EngineSpec:
+    """How an actor builds its engine: ``factory(**kwargs)`` runs inside the actor process."""
+
+    factory: Callable[..., Any]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class _EngineActor:
+    """Holds one engine inside a Ray actor process."""
+
+    def __init__(self, spec: EngineSpec):
+        self.engine = spec.factory(**spec.kwargs)
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, named, version):
+        return self.engine.update_weights(named, version)
+
+    def call(self, method: str, *args):
+        return getattr(self.engine, method)(*args)
+
+
+class RolloutManager:
+    def __init__(self, spec: EngineSpec, num_engines: int = 1, resources: Optional[dict[str, float]] = None,
+                 strategy: str = "PACK", chunk_size: int = 8, max_restarts: int = 3):
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
+        self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, max_restarts
+        self.resources = dict(resources or {"num_cpus": 1})
+        bundle = {("GPU" if k == "num_gpus" else "CPU" if k == "num_cpus" else k): v
+                  for k, v in self.resources.items()}
+        self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=strategy)
+        ray.get(self.pg.ready(), timeout=300)
+        self._strategy = PlacementGroupSchedulingStrategy
+        self._actor_cls = ray.remote(_EngineActor)
+        self.actors = [self._start(i) for i in range(num_engines)]
+        self.weights: Optional[tuple[list, int]] = None   # (bucket refs, version) of the latest sync
+        self._pending_buckets: list = []
+        self.restarts = 0
+
+    def _start(self, slot: int):
+        return self._actor_cls.options(
+            **self.resources, max_concurrency=1,
+            scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=slot),
+        ).remote(self.spec)
+
+    # ------------------------------------------------------------------ weights
+    def pause(self) -> None:
+        self._pending_buckets = []
+
+    def update_weights(self, named: list, version: int) -> None:
+        """One bucket to every engine (one object in Ray's store, shared by all actors)."""
+        ray = _ray()
+        ref = ray.put(named)
+        self._pending_buckets.append(ref)
+        ray.get([a.update_weights.remote(ref, version) for a in self.actors])
+        self.weights = (list(self._pending_buckets), version)
+
+    def resume(self) -> None:
+        pass
+
+    def _replay_weights(self, actor) -> None:
+        if self.weights is not None:
+            ray = _ray()
+            refs, version = self.weights
+            ray.get([actor.update_weights.remote(r, version) for r in refs])
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+        ray = _ray()
+        from ray.exceptions import RayActorError
+
+        chunks = [prompts[i:i + self.chunk_size] for i in range(0, len(prompts), self.chunk_size)]
+        results: dict[int, list[Trajectory]] = {}
+        todo = list(range(len(chunks)))
+        restarts_left = self.max_restarts
+        while todo:
+            load = [0] * len(self.actors)
+            inflight = {}
+            for c in todo:
+                slot = min(range(len(self.actors)), key=lambda s: load[s])
+                load[slot] += 1
+                p = dataclasses.replace(params, seed=params.seed + c)
+                inflight[self.actors[slot].generate.remote(chunks[c], p)] = (c, slot)
+            todo = []
+            dead: set[int] = set()
+            for ref, (c, slot) in inflight.items():
+                try:
+                    results[c] = ray.get(ref)
+                except RayActorError:
+                    dead.add(slot)
+                    todo.append(c)
+            for slot in sorted(dead):
+                if restarts_left <= 0:
+                    raise RuntimeError(f"rollout engine {slot} died and the restart budget ({self.max_restarts}) "
+                                       "is used up")
+                restarts_left -= 1
+                self.restarts += 1
+                self.actors[slot] = self._start(slot)
+                self._replay_weights(self.actors[slot])
+        return [t for c in range(len(chunks)) for t in results[c]]
+
+    def call_all(self, method: str, *args) -> list[Any]:
+        """Call an engine method on every actor (sleep, wake, health, logits, ...)."""
+        ray = _ray()
+        return ray.get([a.call.remote(method, *args) for a in self.actors])
+
+    def shutdown(self) -> None:
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            ray.kill(a)
+        remove_placement_group(self.pg)
+
+
+def build_native_engine(hf_dir: str, eos_token_id: int, device: Optional[str] = None,
+                        fail_once_marker: Optional[str] = None):
+    """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir``.
+
+    ``fail_once_marker`` (fault-injection for tests): the first engine whose generate() finds no file at that
+    path creates it and kills its process, as a crashed engine would.
+    """
+    from megadare.models import load_hf_model
+    from megadare.models.family import family_of, read_hf_config
+    from megadare.rollout.native import NativeEngine
+
+    cfg = read_hf_config(hf_dir)
+    engine = NativeEngine(load_hf_model(hf_dir), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
+                          device=device or "cpu")
+    if fail_once_marker:
+        engine = _FailOnce(engine, fail_once_marker)
+    return engine
+
+
+class _FailOnce:
+    def __init__(self, engine, marker: str):
+        self.engine, self.marker = engine, marker
+
+    def generate(self, prompts, params):
+        import os
+
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return self.engine.generate(prompts, params)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

@@ -1,0 +1,115 @@
+"""Ray-managed engines on a local Ray cluster (CPU): every prompt once and in order, recovery from a dead engine,
+weight sync from a TP2 Megatron trainer into two engine actors."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from dist import run_distributed
+from tiny import write_tiny_hf  # noqa: E402
+from megadare.rollout.engine import SamplingParams  # noqa: E402
+from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine  # noqa: E402
+
+EOS = 253
+PARAMS = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, temperature=1.0, seed=11,
+                        stop_at_eos=False)
+PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 5)] for i in range(10)]
+
+
+def _hf(path, seed: int, name: str = "sdar") -> str:
+    return write_tiny_hf(path, name, seed, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])}})
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _expected(hf_dir: str) -> list:
+    """The same chunks (3 prompts, seed + chunk index) on a local engine."""
+    eng = build_native_engine(hf_dir, EOS)
+    out = []
+    for c in range(0, len(PROMPTS), 3):
+        out += eng.generate(PROMPTS[c:c + 3], dataclasses.replace(PARAMS, seed=PARAMS.seed + c // 3))
+    return [t.response_ids for t in out]
+
+
+def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp_path):
+    hf_dir = _hf(tmp_path, 0)
+    expected = _expected(hf_dir)
+    healthy = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS}),
+                             num_engines=2, chunk_size=3)
+    got = healthy.generate(PROMPTS, PARAMS)
+    assert [t.prompt_ids for t in got] == PROMPTS and [t.response_ids for t in got] == expected
+    healthy.shutdown()
+
+    marker = str(tmp_path / "crashed")
+    flaky = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS,
+                                                            "fail_once_marker": marker}),
+                           num_engines=2, chunk_size=3)
+    got = flaky.generate(PROMPTS, PARAMS)
+    assert os.path.exists(marker) and flaky.restarts == 1          # one engine really died
+    assert [t.prompt_ids for t in got] == PROMPTS and [t.response_ids for t in got] == expected
+    assert all(h["alive"] for h in flaky.call_all("health"))
+    flaky.shutdown()
+
+
+def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids):
+    from megadare.convert import load_hf_into_model, mapping_for
+    from megadare.convert.verify import family_mask
+    from megadare.models.family import family_of, read_hf_config
+    from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.rollout.weight_sync import sync_weights
+    from megadare.trainer.batch import Row, pack_rows
+    from megadare.trainer.forward import forward_logits
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.step import train_step
+
+    init_distributed(tp=2, sp=True)
+    try:
+        cfg = read_hf_config(trainer_hf)
+        arch = family_of(cfg).arch(cfg)
+        chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=True), attention_backend="sdpa")
+        load_hf_into_model(chunks, trainer_hf)
+        model = wrap_ddp(chunks, True)
+        opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, total_steps=2))
+        g = torch.Generator().manual_seed(0)
+        rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
+                    weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(2)]
+        train_step(model, opt, sched, pack_rows(rows, 20), 20.0, "bidirectional", 4, arch.vocab_size)
+        _, _, table = mapping_for(cfg)
+        managers = []
+        if rank == 0:
+            ray.init(address=gcs, log_to_driver=False)
+            managers = [RolloutManager(EngineSpec(build_native_engine, {"hf_dir": engine_hf, "eos_token_id": EOS}),
+                                       num_engines=2)]
+        stats = sync_weights(model, table, managers, version=5, bucket_bytes=64 << 10)
+        out = {"trainer": forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)), "stats": stats}
+        if rank == 0:
+            out["engines"] = managers[0].call_all("logits", ids)
+            out["versions"] = [h["version"] for h in managers[0].call_all("health")]
+            managers[0].shutdown()
+            ray.shutdown()
+        return out
+    finally:
+        destroy_distributed()
+
+
+def test_tp2_trainer_syncs_into_two_engine_actors(cluster, tmp_path):
+    trainer_hf, engine_hf = _hf(tmp_path, 0), _hf(tmp_path, 1)
+    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(3))
+    outs = run_distributed(_trainer_worker, 2, cluster, trainer_hf, engine_hf, ids, timeout_s=400)
+    trainer = outs[0]["trainer"]
+    assert outs[0]["versions"] == [5, 5] and outs[0]["stats"]["sync_buckets"] > 2
+    for logits in outs[0]["engines"]:
+        assert (logits - trainer).abs().max() < 1e-4
