@@ -17,7 +17,8 @@ EOS, MASK = 253, 255
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63], [4, 5, 6, 7]]
 
 
-def _engine(family: str, use_cache: bool = True, seed: int = 0, **over) -> NativeEngine:
+def _engine(family: str, use_cache: bool = True, seed: int = 0, full_attention_cache: str = "none",
+            **over) -> NativeEngine:
     torch.manual_seed(seed)
     fam = get_family(family)
     if fam.arch(fam.tiny_config()).attention == "block_causal":
@@ -27,7 +28,8 @@ def _engine(family: str, use_cache: bool = True, seed: int = 0, **over) -> Nativ
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.3)  # peaked predictions, so confidences differ clearly
-    return NativeEngine(model, fam.arch(cfg), eos_token_id=EOS, device="cpu", use_cache=use_cache)
+    return NativeEngine(model, fam.arch(cfg), eos_token_id=EOS, device="cpu", use_cache=use_cache,
+                        full_attention_cache=full_attention_cache)
 
 
 BLOCK_FAMILIES = ["sdar", "llada2"]
@@ -218,3 +220,43 @@ def test_commit_selection_rules():
     assert transfer_schedule(10, 4) == [3, 3, 2, 2]
     rnd = select_commits(conf, masked, torch.tensor([2, 3]), "random", generator=torch.Generator().manual_seed(0))
     assert rnd.sum(1).tolist() == [2, 3] and not (rnd & ~masked).any()
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_full_attention_cache_reproduces_the_state_it_was_built_from(family, mode):
+    """Fast-dLLM caches: right after the block-start forward (no token committed since), recomputing only the
+    block (and suffix for 'prefix') against the cache gives exactly the full forward's logits."""
+    eng = _engine(family, full_attention_cache=mode)
+    S, lo, hi = 14, 6, 10
+    x = torch.randint(0, 250, (2, S), generator=torch.Generator().manual_seed(0))
+    x[:, lo:] = MASK
+    x[1, 3] = 17
+    valid = torch.ones(2, S, dtype=torch.bool)
+    valid[1, :2] = False                                       # left padding in the second row
+    allowed = (valid[:, None, None, :] | torch.eye(S, dtype=torch.bool)[None, None])
+    pos = (torch.arange(S) - (~valid).sum(1, keepdim=True)).clamp(min=0)
+    first, cache = eng._block_logits_full(x, allowed, pos, lo, hi, None)
+    again, _ = eng._block_logits_full(x, allowed, pos, lo, hi, cache)
+    qs = lo - (family == "dream")
+    assert cache is not None and len(cache) == (qs if mode == "prefix" else qs + S - hi)
+    assert torch.allclose(first, again, atol=1e-5)
+    x2 = x.clone()
+    x2[:, lo] = 5                                              # a commit: the cached approximation now differs
+    exact, _ = NativeEngine._block_logits_full.__get__(_engine(family))(x2, allowed, pos, lo, hi, None)
+    approx, _ = eng._block_logits_full(x2, allowed, pos, lo, hi, cache)
+    assert not torch.allclose(exact, approx, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_full_attention_cache_decodes_valid_trajectories(mode):
+    params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False)
+    eng = _engine("llada", full_attention_cache=mode)
+    trajs = eng.generate(PROMPTS, params)
+    plain = _engine("llada").generate(PROMPTS, params)
+    assert all(len(t.response_ids) == 8 for t in trajs)
+    assert eng.forwards > 0
+    # the first commit happens before any cache is used: identical to exact decoding
+    for t, p in zip(trajs, plain):
+        first = [k for k in range(8) if t.commit_step[k] == 0]
+        assert first and [t.response_ids[k] for k in first] == [p.response_ids[k] for k in first]

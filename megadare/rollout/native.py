@@ -11,7 +11,10 @@ per-sample result does not depend on who else is in the batch.
 
 Full attention (LLaDA, Dream; LLaDA's ``generate``): prompt ++ masks, semi-autoregressive blocks over the
 response, S steps per block, every step a full bidirectional forward (Dream reads logits shifted by one).
-Positions beyond the current block are never committed.
+Positions beyond the current block are never committed. ``full_attention_cache`` (Fast-dLLM, arXiv:2505.22618):
+'prefix' keeps the keys/values of everything before the current block from the forward at the block's start,
+'dual' also those after it, and later steps of the block recompute only the block (an approximation: in a
+bidirectional model those keys would change as the block fills in); 'none' (default) is exact.
 
 Every committed token records its global step (the sample's denoising forward index), its block-local step and
 its log-prob under the sampling distribution; ``use_cache=False`` recomputes the whole sequence each step (the
@@ -54,7 +57,10 @@ class NativeEngine:
     """Decodes with the hf/ model of a family (CPU or one GPU). Implements the rollout engine protocol."""
 
     def __init__(self, model: torch.nn.Module, arch: ModelArch, eos_token_id: int, pad_token_id: int = 0,
-                 device: Optional[str] = None, use_cache: bool = True):
+                 device: Optional[str] = None, use_cache: bool = True, full_attention_cache: str = "none"):
+        if full_attention_cache not in ("none", "prefix", "dual"):
+            raise ValueError(f"full_attention_cache={full_attention_cache!r}: choose none, prefix or dual")
+        self.full_attention_cache = full_attention_cache
         self.model = model.eval()
         self.arch = arch
         self.eos = eos_token_id
@@ -242,17 +248,15 @@ class NativeEngine:
             if not active.any():
                 break
             lo, hi = P + k * Bs, P + (k + 1) * Bs
+            cache = None
             for s in range(S):
                 masked = torch.zeros_like(x, dtype=torch.bool)
                 masked[:, lo:hi] = (x[:, lo:hi] == M) & active
                 if not masked.any():
                     break
-                logits = self._forward(x.to(dev), allowed.to(dev), pos.to(dev)).float().cpu()
-                if self.arch.logits_shift:  # Dream: logits at i-1 predict token i
-                    logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+                logits, cache = self._block_logits_full(x, allowed, pos, lo, hi, cache)
                 logits[..., M] = float("-inf")  # the mask token is never a prediction
-                tok, logp, conf = sample_tokens(logits[:, lo:hi], params.temperature, params.top_k,
-                                                params.top_p, gen)
+                tok, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
                 commit = select_commits(conf, masked[:, lo:hi], torch.tensor([counts[s]] * n), params.algorithm,
                                         params.threshold, gen)
                 for b in range(n):
@@ -265,6 +269,27 @@ class NativeEngine:
                     if not done[b] and (x[b, P:hi] == self.eos).any():
                         done[b] = True
         return [self._trajectory(prompts[b], x[b, P:], rec, b, params, 0) for b in range(n)]
+
+    def _block_logits_full(self, x, allowed, pos, lo: int, hi: int, cache: Optional[KVCache]
+                           ) -> tuple[torch.Tensor, Optional[KVCache]]:
+        """Logits predicting the tokens of block [lo, hi) (Dream: read one position to the left), and the block's
+        prefix/dual cache: built by the block's first forward (full sequence), used by its later steps.
+
+        Later steps recompute positions [qs, re): the block (from the query that predicts its first token) and,
+        for 'prefix', everything after it; the keys of all other positions come from the cache."""
+        dev, end = self.device, x.shape[1]
+        qs, qe = lo - self.arch.logits_shift, hi - self.arch.logits_shift
+        re = end if self.full_attention_cache == "prefix" else hi
+        if self.full_attention_cache == "none" or cache is None:
+            fresh = KVCache(self.arch.num_layers) if self.full_attention_cache != "none" else None
+            out = self._forward(x.to(dev), allowed.to(dev), pos.to(dev), fresh, commit=fresh is not None)
+            if fresh is not None:
+                cache = fresh.select(torch.cat([torch.arange(qs), torch.arange(re, end)]).to(dev))
+            return out[:, qs:qe].float().cpu(), cache
+        cols = torch.cat([cache.columns, torch.arange(qs, re)])
+        sub = allowed[:, :, qs:re][..., cols]
+        out = self._forward(x[:, qs:re].to(dev), sub.to(dev), pos[:, qs:re].to(dev), cache)
+        return out[:, : qe - qs].float().cpu(), cache
 
     # ------------------------------------------------------------------ result
     def _trajectory(self, prompt: list[int], decoded: torch.Tensor, rec: _Recorder, b: int,

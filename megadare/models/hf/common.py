@@ -31,9 +31,18 @@ class KVCache:
     def __init__(self, num_layers: int):
         self.k: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.columns: Optional[torch.Tensor] = None   # after select(): the sequence positions of the keys
 
     def __len__(self) -> int:
         return 0 if self.k[0] is None else int(self.k[0].shape[2])
+
+    def select(self, index: torch.Tensor) -> "KVCache":
+        """A cache holding only the key columns ``index`` (order is free: RoPE is already in the keys)."""
+        out = KVCache(len(self.k))
+        out.k = [None if t is None else t[:, :, index] for t in self.k]
+        out.v = [None if t is None else t[:, :, index] for t in self.v]
+        out.columns = index.cpu()
+        return out
 
     def extended(self, i: int, k: torch.Tensor, v: torch.Tensor, commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of the cache followed by the new ones; stored when ``commit``."""
