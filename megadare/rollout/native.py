@@ -223,7 +223,7 @@ class NativeEngine:
     # ------------------------------------------------------------------ full attention (LLaDA / Dream)
     @torch.no_grad()
     def _semi_ar(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        dev, Bs, S, M = self.device, params.block_size, params.steps_per_block, self.arch.mask_token_id
+        Bs, S, M = params.block_size, params.steps_per_block, self.arch.mask_token_id
         n = len(prompts)
         n_blocks = math.ceil(params.max_new_tokens / Bs)
         G = n_blocks * Bs
