@@ -114,8 +114,9 @@ class LoRALinear(torch.nn.Module):
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         tp = base.tp_group.size()
         if getattr(base, "explicit_expert_comm", False) and tp > 1:
-            raise NotImplementedError(
-                f"{name}: LoRA on expert layers with expert tensor parallelism > 1 is not supported")
+            raise ValueError(
+                f"{name}: LoRA on routed experts split by expert tensor parallelism ({tp} ranks) is not supported; "
+                "leave the experts out of LoRA (the default) or use parallel.ep > 1 with parallel.etp=1")
         self.base = base
         self.r = int(rank)
         self.alpha = float(alpha)
