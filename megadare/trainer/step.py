@@ -108,12 +108,10 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
 
 def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> dict[str, float]:
     keys = sorted(reports[0].keys()) if reports else []
-    # every pipeline stage must agree on the key set: the last stage broadcasts its count first
-    n = torch.tensor([len(keys)], dtype=torch.long, device=device)
+    # only the last pipeline stage has reports: it tells the other stages the key set, then the sums
     pp_group = ps.get_pipeline_model_parallel_group()
     last = ps.get_pipeline_model_parallel_last_rank()
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(n, src=last, group=pp_group)
         names = [keys]
         dist.broadcast_object_list(names, src=last, group=pp_group)
         keys = names[0]
