@@ -1,0 +1,215 @@
+"""Math rewards: answer extraction, normalisation, equivalence (own checker and math-verify), the killable pool."""
+import threading
+import time
+
+import pytest
+
+from megadare.rewards import math_verify as mv
+from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
+from megadare.rewards.math_answer import extract_answer, extract_boxed, gsm8k_gold, normalize_answer
+from megadare.rewards.math_verify import VerifierPool, answers_equal, math_reward
+from megadare.rewards.registry import score_batch
+
+# ------------------------------------------------------------------------------------------------- extraction
+BOXED_CASES = [
+    (r"so \boxed{42}", "42"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"nested \boxed{\left\{ x \mid x^{2} > \frac{1}{4} \right\}} done",
+     r"\left\{ x \mid x^{2} > \frac{1}{4} \right\}"),
+    (r"first \boxed{1} then \boxed{2} finally \boxed{3}.", "3"),
+    (r"\fbox{7}", "7"),
+    (r"the answer is $\boxed 5$.", "5"),
+    (r"\boxed{12", None),                 # truncated generation: unclosed box
+    ("no box here", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("text,want", BOXED_CASES)
+def test_extract_boxed(text, want):
+    assert extract_boxed(text) == want
+
+
+ANSWER_CASES = [
+    (r"Thus \boxed{\dfrac{3}{4}}. Also the answer is 5.", r"\dfrac{3}{4}"),   # boxed wins
+    ("The answer is 42.", "42"),
+    ("so the final ANSWER IS $-7$.", "-7"),
+    ("Answer: 3/4", "3/4"),
+    ("**Answer:** 17", "17"),
+    ("We get 12 apples, then 1,234,567 in total", "1234567"),
+    ("temperature drops to -15 degrees", "-15"),
+    ("the ratio is 3/4 of it", "3/4"),
+    ("it costs 2.50 dollars", "2.50"),
+    ("no numbers at all", None),
+    ("", None),
+]
+
+
+@pytest.mark.parametrize("text,want", ANSWER_CASES)
+def test_extract_answer(text, want):
+    assert extract_answer(text) == want
+
+
+def test_gsm8k_gold():
+    sol = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nShe sold 48+24 = <<48+24=72>>72 clips.\n#### 1,072"
+    assert gsm8k_gold(sol) == "1072"
+    assert gsm8k_gold("#### -3") == "-3"
+    assert gsm8k_gold("18") == "18"
+
+
+NORMALIZE_CASES = [
+    (r"$\dfrac{3}{4}$", r"\frac{3}{4}"),
+    (r"\text{(A)}", "(A)"),
+    (r"\left( 1, 2 \right)", "(1,2)"),
+    (r"50\%", "50"),
+    (r"90^\circ", "90"),
+    (r"5 \text{ cm}", "5"),
+    (r"x = 5.", "5"),
+    (r"1,000", "1000"),
+    (r"\frac12", r"\frac{1}{2}"),
+    (r"\sqrt3", r"\sqrt{3}"),
+    (".5", "0.5"),
+    (r"10\!000", "10000"),
+]
+
+
+@pytest.mark.parametrize("raw,want", NORMALIZE_CASES)
+def test_normalize_answer(raw, want):
+    assert normalize_answer(raw) == want
+
+
+# ------------------------------------------------------------------------------------------------ equivalence
+EQUAL = [
+    (r"\frac{1}{2}", "0.5"), ("1/2", "0.5"), (r"\frac{1}{2}", "1/2"), (r"\dfrac{3}{4}", "0.75"),
+    (r"2\sqrt{3}", r"\sqrt{12}"), (r"50\%", "50"), ("(1,2)", "(1, 2)"), ("x^2+2x+1", "(x+1)^2"),
+    ("10", "10.0"), ("1,000", "1000"), (r"\sqrt[3]{8}", "2"), (r"\pi r^2", r"r^2\pi"),
+    (r"(1, \frac{1}{2})", "(1,0.5)"), (r"\frac{\sqrt{3}}{2}", r"\frac{1}{2}\sqrt{3}"),
+]
+NOT_EQUAL = [
+    ("0.33", r"\frac{1}{3}"), (r"\sqrt{2}", "1.41"), ("3", "4"), ("(1,2)", "(2,1)"), ("x+1", "x-1"),
+    (r"2\sqrt{3}", r"\sqrt{13}"),
+]
+MALFORMED = [r"\frac{1}{", "}{", r"\sqrt", "^^", "(((", r"\frac{}{}", "", r"\boxed{", "1/0", r"\unknowncmd{3}"]
+
+
+@pytest.fixture(params=["own", "math_verify"])
+def backend(request, monkeypatch):
+    """Run the equivalence tables through our own checker, and through math-verify when it is installed."""
+    if request.param == "own":
+        monkeypatch.setattr(mv, "_MV", False)
+    else:
+        pytest.importorskip("math_verify")
+        monkeypatch.setattr(mv, "_MV", None)
+    return request.param
+
+
+@pytest.mark.parametrize("pred,gold", EQUAL)
+def test_equivalent_forms(backend, pred, gold):
+    assert answers_equal(pred, gold)
+    assert answers_equal(gold, pred)
+
+
+@pytest.mark.parametrize("pred,gold", NOT_EQUAL)
+def test_wrong_answers(backend, pred, gold):
+    assert not answers_equal(pred, gold)
+
+
+@pytest.mark.parametrize("bad", MALFORMED)
+def test_malformed_is_false_not_exception(backend, bad):
+    assert answers_equal(bad, "1") is False
+    assert answers_equal("1", bad) is False
+
+
+def test_percent_and_own_parser_details(monkeypatch):
+    monkeypatch.setattr(mv, "_MV", False)
+    assert answers_equal(r"50\%", "0.5")
+    assert answers_equal(r"\{1,2\}", r"\{2,1\}")         # sets are unordered
+    assert not answers_equal("(1,2)", "[1,2]")           # open vs closed interval
+    assert answers_equal(r"e^{i\pi}", "-1")
+    assert answers_equal(r"\sin^2 x + \cos^2 x", "1")
+    assert not answers_equal(None, "1")
+
+
+# ------------------------------------------------------------------------------------------------------- pool
+@pytest.fixture(scope="module")
+def pool():
+    p = VerifierPool(num_workers=2)
+    yield p
+    p.close()
+
+
+def test_pool_verifies(pool):
+    assert pool.verify(r"2\sqrt{3}", r"\sqrt{12}", timeout=20).equal
+    r = pool.verify("0.33", r"\frac{1}{3}", timeout=20)
+    assert r.status == "ok" and not r.equal
+
+
+def test_huge_expression_times_out_and_pool_recovers(pool):
+    timeout = 2.0
+    t0 = time.monotonic()
+    r = pool.verify(r"9^{9^{9^{9}}}", "1", timeout=timeout)
+    elapsed = time.monotonic() - t0
+    assert r.status == "timeout" and r.equal is False
+    assert timeout <= r.wall_s < timeout + 1.0, r.wall_s   # the call itself (a worker's startup is not billed)
+    assert elapsed < 60, elapsed                              # and no hang, whatever the machine's load
+    restarts = pool.stats["restarts"]
+    assert restarts >= 1
+    # the pool still answers, including a case that needs the replacement worker (both may be busy otherwise)
+    for _ in range(3):
+        ok = pool.verify(r"\frac{1}{2}", "0.5", timeout=30)
+        assert ok.status == "ok" and ok.equal
+
+
+def test_pool_concurrent_callers(pool):
+    pairs = [(r"\frac{1}{2}", "0.5", True), ("0.33", r"\frac{1}{3}", False)] * 4
+    out = [None] * len(pairs)
+
+    def work(k):
+        out[k] = pool.verify(pairs[k][0], pairs[k][1], timeout=30).equal
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(pairs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [want for _, _, want in pairs]
+
+
+def test_math_reward(pool):
+    assert math_reward(r"... so the result is \boxed{\dfrac{1}{2}}.", "0.5", pool=pool) == 1.0
+    assert math_reward("The answer is 0.33", r"\frac{1}{3}", pool=pool) == 0.0
+    assert math_reward("I do not know", "3", pool=pool) == 0.0
+    # a MATH-style gold solution with its own box
+    assert math_reward(r"\boxed{2\sqrt{3}}", r"so $x = \boxed{\sqrt{12}}$", pool=pool) == 1.0
+
+
+def test_registry_math_and_gsm8k():
+    responses = [r"\boxed{1,072}", "so she has 1072 clips", "The answer is 71.", "x"]
+    records = [{"answer": "#### 1,072"}] * 4
+    scores, stats = score_batch("gsm8k", responses, records, workers=2)
+    assert scores == [1.0, 1.0, 0.0, 0.0] and stats.errors == 0 and stats.timeouts == 0
+    scores, _ = score_batch("math", [r"\boxed{\frac{2}{4}}", r"\boxed{3}"], [{"answer": "0.5"}] * 2)
+    assert scores == [1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------------------------------- format
+@pytest.mark.parametrize("text,at_least,exactly", [
+    (r"\boxed{3}", 1.0, 1.0), (r"\boxed{1} and \boxed{2}", 1.0, 0.0), ("3", 0.0, 0.0),
+    (r"\boxed{}", 0.0, 0.0), (r"\boxed{3", 0.0, 0.0),
+])
+def test_boxed_format(text, at_least, exactly):
+    assert boxed_format_reward(text) == at_least
+    assert boxed_format_reward(text, exactly_one=True) == exactly
+
+
+@pytest.mark.parametrize("text,want", [
+    ("<think>reason</think><answer>4</answer>", 1.0),
+    ("  <think>\nstep 1\nstep 2\n</think>\n<answer> 4 </answer>\n", 1.0),
+    ("<answer>4</answer><think>r</think>", 0.0),
+    ("<think>r</think>", 0.0),
+    ("<think>r</think><answer>4</answer> trailing", 0.0),
+    ("<think></think><answer>4</answer>", 0.0),
+    ("<think>a<think>b</think><answer>4</answer>", 0.0),
+])
+def test_think_answer_format(text, want):
+    assert think_answer_format_reward(text) == want
