@@ -16,9 +16,10 @@ Positions beyond the current block are never committed. ``full_attention_cache``
 'dual' also those after it, and later steps of the block recompute only the block (an approximation: in a
 bidirectional model those keys would change as the block fills in); 'none' (default) is exact.
 
-Every committed token records its global step (the sample's denoising forward index), its block-local step and
-its log-prob under the sampling distribution; ``use_cache=False`` recomputes the whole sequence each step (the
-reference the cache is tested against).
+Each denoising step of a block is ``dllm_step.dllm_step`` (shared with the SGLang plugin) and its records go
+through a ``dllm_step.BlockTrace``. Every committed token records its global step (the sample's denoising forward
+index), its block-local step and its log-prob under the sampling distribution; ``use_cache=False`` recomputes the
+whole sequence each step (the reference the cache is tested against).
 """
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ import torch
 from megadare.models.attention import bidirectional
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import KVCache
+from megadare.rollout.dllm_step import BlockTrace, dllm_step
 from megadare.rollout.engine import SamplingParams, Trajectory
-from megadare.rollout.sampling import sample_tokens, select_commits, transfer_schedule
 
 
 class _Recorder:
-    """Per-sample trace of committed tokens: step counters advance only when the sample had work."""
+    """Per-sample trace of committed tokens over the whole generation: step counters advance only when the sample
+    had work. Each decoded block's :class:`BlockTrace` is absorbed into it once the block is done."""
 
     def __init__(self, n: int, record_steps: bool):
         self.steps = [0] * n
@@ -43,14 +45,16 @@ class _Recorder:
         self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
         self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
 
-    def step(self, b: int, cols: torch.Tensor, block_step: int, logp: torch.Tensor, col_offset: int,
-             preds: Optional[torch.Tensor] = None, confs: Optional[torch.Tensor] = None) -> None:
-        for c in cols.tolist():
-            self.commit[b][c + col_offset] = (self.steps[b], block_step, float(logp[c]))
-        if self.preds is not None and preds is not None:
-            self.preds[b].append(preds.tolist())
-            self.confs[b].append(confs.tolist())
-        self.steps[b] += 1
+    def absorb(self, trace: BlockTrace, col_offset: int) -> None:
+        """Add one block's records; its positions start at column ``col_offset`` of the decoded grid."""
+        for b in range(len(self.steps)):
+            for c, (f, block_step, lp) in trace.records[b].items():
+                self.commit[b][c + col_offset] = (self.steps[b] + f, block_step, lp)
+            if self.preds is not None and self.confs is not None and trace.preds is not None \
+                    and trace.confs is not None:
+                self.preds[b].extend(trace.preds[b])
+                self.confs[b].extend(trace.confs[b])
+            self.steps[b] += trace.num_steps[b]
 
 
 class NativeEngine:
@@ -171,22 +175,16 @@ class NativeEngine:
                 for b, p in enumerate(prompts):
                     cur[b, :rem[b]] = torch.tensor(p[pre[b]:], dtype=torch.long)
             pos = torch.tensor(pre).unsqueeze(1) + k * Bs + torch.arange(Bs)
-            counts = transfer_schedule(Bs, S)
+            trace = BlockTrace(n, params.record_steps)
             for s in range(S):
                 masked = (cur == M) & torch.tensor(active).unsqueeze(1)
                 if not masked.any():
                     break
                 logits = self._block_logits(cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs)
-                logits[..., M] = float("-inf")  # the mask token is never a prediction
-                tok, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
-                commit = select_commits(conf, masked, torch.tensor([counts[s]] * n), params.algorithm,
-                                        params.threshold, gen)
-                for b in range(n):
-                    if masked[b].any():
-                        cols = commit[b].nonzero().squeeze(1)
-                        rec.step(b, cols, s, logp[b], k * Bs, tok[b] if params.record_steps else None,
-                                 conf[b] if params.record_steps else None)
-                cur = torch.where(commit, tok, cur)
+                step = dllm_step(logits, cur, masked, s, params, gen, mask_token_id=M)
+                trace.add(step, s)
+                cur = step.tokens
+            rec.absorb(trace, k * Bs)
             blocks.append(cur)
             if self.use_cache:
                 all_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) - 1), dim=1)
@@ -242,28 +240,22 @@ class NativeEngine:
         gen = self._generator(params)
         rec = _Recorder(n, params.record_steps)
         done = [False] * n
-        counts = transfer_schedule(Bs, S)
         for k in range(n_blocks):
             active = torch.tensor([not d for d in done]).unsqueeze(1)
             if not active.any():
                 break
             lo, hi = P + k * Bs, P + (k + 1) * Bs
             cache = None
+            trace = BlockTrace(n, params.record_steps)
             for s in range(S):
-                masked = torch.zeros_like(x, dtype=torch.bool)
-                masked[:, lo:hi] = (x[:, lo:hi] == M) & active
+                masked = (x[:, lo:hi] == M) & active
                 if not masked.any():
                     break
                 logits, cache = self._block_logits_full(x, allowed, pos, lo, hi, cache)
-                logits[..., M] = float("-inf")  # the mask token is never a prediction
-                tok, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, gen)
-                commit = select_commits(conf, masked[:, lo:hi], torch.tensor([counts[s]] * n), params.algorithm,
-                                        params.threshold, gen)
-                for b in range(n):
-                    if masked[b].any():
-                        rec.step(b, commit[b].nonzero().squeeze(1), s, logp[b], k * Bs,
-                                 tok[b] if params.record_steps else None, conf[b] if params.record_steps else None)
-                x[:, lo:hi] = torch.where(commit, tok, x[:, lo:hi])
+                step = dllm_step(logits, x[:, lo:hi], masked, s, params, gen, mask_token_id=M)
+                trace.add(step, s)
+                x[:, lo:hi] = step.tokens
+            rec.absorb(trace, k * Bs)
             if params.stop_at_eos:
                 for b in range(n):
                     if not done[b] and (x[b, P:hi] == self.eos).any():

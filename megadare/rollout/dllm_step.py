@@ -1,0 +1,146 @@
+"""One denoising step of one block, engine-independent (pure torch), and the trace it leaves.
+
+Both rollout engines decode a block of B tokens the same way; this module is the part they share:
+
+* the built-in engine (``native.py``) calls :func:`dllm_step` once per forward for the whole batch, with one
+  ``torch.Generator`` for the batch;
+* the SGLang plugin (``sglang_plugin.py``) calls it once per forward and per request (``n = 1``), with a
+  generator per request, inside sglang's dLLM algorithm hook.
+
+A step takes the block's logits ``[n, B, V]`` (rows = requests), the block's current tokens ``[n, B]``, which
+positions are still masked, and the block-local step index, and
+
+1. forbids the mask token as a prediction (``mask_token_id``), samples a proposal x0 at every position with the
+   request's temperature / top-k / top-p (``sampling.sample_tokens``: log-prob under the sampling distribution,
+   confidence under the model distribution);
+2. asks the static schedule how many tokens this step commits (``sampling.transfer_schedule`` over the block
+   size and ``steps_per_block``; a step index past the schedule commits every masked position);
+3. picks the positions (``sampling.select_commits``: low-confidence static / dynamic threshold / random);
+4. writes the committed proposals into the block.
+
+Rows without a masked position take no step (``active`` is False for them): step counters advance only where a
+request had work, which is how both engines count the global denoising step of a request.
+
+:class:`BlockTrace` accumulates successive :class:`StepResult` of one block into per-token records
+(forward index inside the block, block-local step, log-prob) from which a ``Trajectory`` is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from megadare.rollout.engine import SamplingParams
+from megadare.rollout.sampling import sample_tokens, select_commits, transfer_schedule
+
+StepIndex = Union[int, Sequence[int], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one denoising step did to a block of ``n`` rows x ``B`` positions."""
+
+    tokens: torch.Tensor        # [n, B] block tokens after the step
+    committed: torch.Tensor     # [n, B] bool: positions committed at this step
+    proposals: torch.Tensor     # [n, B] the sampled proposal x0 at every position
+    logprobs: torch.Tensor      # [n, B] log-prob of the proposal under the sampling distribution (0 when greedy)
+    confidence: torch.Tensor    # [n, B] model probability of the proposal (what low-confidence remasking ranks)
+    active: torch.Tensor        # [n] bool: the row had a masked position, i.e. this step counts for it
+
+
+def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams) -> torch.Tensor:
+    """Tokens the static schedule asks each row to commit at its block-local ``step`` ([n] long).
+
+    ``transfer_schedule(block_size, steps_per_block)[step]``; a step index at or past ``steps_per_block`` (only
+    reachable when a caller keeps stepping a block the schedule has already exhausted) commits every masked
+    position so that a block always finishes."""
+    n = masked.shape[0]
+    schedule = transfer_schedule(params.block_size, params.steps_per_block)
+    if isinstance(step, int):
+        steps = [step] * n
+    else:
+        steps = [int(s) for s in (step.tolist() if isinstance(step, torch.Tensor) else step)]
+        if len(steps) != n:
+            raise ValueError(f"dllm_step: {len(steps)} step indices for {n} rows")
+    counts = []
+    for b, s in enumerate(steps):
+        if s < 0:
+            raise ValueError(f"dllm_step: negative block-local step {s}")
+        counts.append(schedule[s] if s < len(schedule) else int(masked[b].sum()))
+    return torch.tensor(counts, dtype=torch.long)
+
+
+def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step: StepIndex,
+              params: SamplingParams, generator: Optional[torch.Generator],
+              mask_token_id: Optional[int] = None,
+              commit_generator: Optional[torch.Generator] = None) -> StepResult:
+    """One denoising step of a block.
+
+    logits [n, B, V] (any float dtype; computed in float32), tokens [n, B], masked [n, B] bool (positions that may
+    be committed: the still-masked ones of requests that are still decoding), step: the block-local step index
+    (one int for all rows, or one per row), params: temperature / top_k / top_p / algorithm / threshold /
+    block_size / steps_per_block, generator: the RNG for sampling and random remasking (CPU or on the logits'
+    device), mask_token_id: if given, the mask token is never a prediction, commit_generator: the RNG for random
+    remasking if it must differ from ``generator`` (``select_commits`` draws a CPU ``randperm``, so a caller that
+    samples with a CUDA generator passes a CPU one here); defaults to ``generator``.
+    """
+    if logits.dim() != 3 or tokens.dim() != 2 or logits.shape[:2] != tokens.shape or masked.shape != tokens.shape:
+        raise ValueError(f"dllm_step: need logits [n, B, V], tokens and masked [n, B]; got {tuple(logits.shape)}, "
+                         f"{tuple(tokens.shape)}, {tuple(masked.shape)}")
+    if tokens.shape[1] != params.block_size:
+        raise ValueError(f"dllm_step: the block has {tokens.shape[1]} positions, params.block_size="
+                         f"{params.block_size}")
+    logits = logits.float()
+    if mask_token_id is not None:  # out of place: the caller's logits stay untouched
+        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
+    proposals, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator)
+    counts = commit_counts(masked, step, params)
+    committed = select_commits(conf, masked, counts, params.algorithm, params.threshold,
+                               generator if commit_generator is None else commit_generator)
+    new_tokens = torch.where(committed, proposals.to(tokens.device), tokens)
+    return StepResult(tokens=new_tokens, committed=committed, proposals=proposals, logprobs=logp, confidence=conf,
+                      active=masked.any(dim=1))
+
+
+class BlockTrace:
+    """Per-row records of one block's denoising: which step committed each position, and with which log-prob.
+
+    ``records[b][pos] = (forward, block_step, logprob)``: ``forward`` counts the steps row ``b`` took in this block
+    before the one that committed ``pos`` (a global step is ``forwards before the block + forward``),
+    ``block_step`` is the block-local step index the step ran with. ``num_steps[b]``: steps row ``b`` took.
+    With ``record_steps`` the proposals and confidences of every step are kept per row (MDPO)."""
+
+    def __init__(self, n: int, record_steps: bool = False):
+        self.num_steps = [0] * n
+        self.records: list[dict[int, tuple[int, int, float]]] = [dict() for _ in range(n)]
+        self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
+        self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
+
+    def add(self, result: StepResult, step: StepIndex) -> None:
+        """Record one step (``step``: the block-local step index it ran with, one int or one per row)."""
+        n = len(self.num_steps)
+        steps = [step] * n if isinstance(step, int) else [int(s) for s in (
+            step.tolist() if isinstance(step, torch.Tensor) else step)]
+        active = result.active.tolist()
+        for b in range(n):
+            if not active[b]:
+                continue
+            lp = result.logprobs[b]
+            for c in result.committed[b].nonzero().squeeze(1).tolist():
+                self.records[b][c] = (self.num_steps[b], steps[b], float(lp[c]))
+            if self.preds is not None and self.confs is not None:
+                self.preds[b].append(result.proposals[b].tolist())
+                self.confs[b].append(result.confidence[b].tolist())
+            self.num_steps[b] += 1
+
+    def entries(self, b: int, positions: Sequence[int], forwards_before: int = 0) -> list[tuple[int, int, float]]:
+        """(global step, block-local step, log-prob) of row ``b`` at ``positions``; every position must have
+        been committed."""
+        out = []
+        for p in positions:
+            if p not in self.records[b]:
+                raise ValueError(f"BlockTrace: position {p} of row {b} was never committed")
+            f, s, lp = self.records[b][p]
+            out.append((forwards_before + f, s, lp))
+        return out

@@ -1,0 +1,507 @@
+"""The SGLang rollout engine: the engine protocol (generate / update_weights / sleep / wake / health) on sglang's
+offline ``Engine``, decoding with megadare's own dLLM algorithm (``sglang_plugin.MegadareBlockDiffusion``).
+
+    engine = SGLangEngine("/ckpt/SDAR-1.7B-Chat", eos_token_id=151643, max_running_requests=128)
+    trajs = engine.generate(prompts, SamplingParams(max_new_tokens=256, block_size=4, steps_per_block=4,
+                                                    temperature=1.0, seed=step))
+    sync_weights(chunks, table, [engine], version=step)     # pause -> update_weights per bucket -> resume
+    # separate GPUs: engine.connect_distributed(...) on the engine side, DistributedWeightSender on the trainer
+
+Install: ``pip install "megadare[sglang]"`` (pins ``sglang>=0.5.20,<0.5.24``), and install megadare itself into the
+same environment (``pip install -e .``): sglang finds the algorithm through megadare's entry point in the group
+``sglang.srt.plugins``, which it loads in every sglang process.
+
+Followed (sglang 0.5.20 / 0.5.22 / 0.5.23 wheels): ``sglang/srt/entrypoints/engine.py`` (``Engine(**server_args)``,
+``generate(input_ids=..., sampling_params=[...])`` -> one dict per prompt with ``output_ids`` and ``meta_info``
+(``finish_reason = {"type": "stop" | "length" | "abort", ...}``, ``weight_version``, customized per-token info),
+``update_weights_from_tensor(named_tensors, load_format, flush_cache)`` (``load_format="flattened_bucket"``: the
+caller passes one serialized ``{"flattened_tensor", "metadata"}`` payload per TP rank, built with
+``sglang/srt/weight_sync/tensor_bucket.py::FlattenedTensorBucket`` and ``sglang.srt.utils.MultiprocessingSerializer``),
+``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)``,
+``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache, load_format)`` (the receiver
+allocates every listed tensor, then receives one ``broadcast(src=0)`` per tensor in list order: so the sender
+chunks), ``begin_weight_update`` / ``end_weight_update`` (0.5.22+: weight updates must run inside such a session,
+``managers/scheduler_components/weight_updater.py``), ``flush_cache`` (-> ``.success``; fails while requests are
+in flight, so it is retried), ``release_memory_occupation`` / ``resume_memory_occupation`` (need
+``enable_memory_saver``), ``get_model_info`` (``weight_version``), ``get_server_info``, ``shutdown``);
+``sglang/srt/dllm/config.py`` (``DLLM_PARAMS``: SDAR / SDAR-MoE block 4, LLaDA2 block 32; ``max_running_requests``
+defaults to 1 in dLLM mode, so it is always passed); ``sglang/srt/sampling/sampling_params.py`` (``temperature``,
+``top_p``, ``top_k`` (-1 = off), ``max_new_tokens``, ``ignore_eos``, ``stop_token_ids``, ``sampling_seed``,
+``custom_params``); ``sglang/srt/utils/common.py::init_custom_process_group`` (what the sender's group must match).
+
+Gaps (documented, not hidden): sglang's ``Engine.update_weights_from_tensor`` / ``..._from_distributed`` take no
+weight version (the request structs have one, the Engine methods do not pass it), so the policy version is kept
+here and stamped on every trajectory; ``health()`` also reports sglang's own ``weight_version``. Everything that
+needs a GPU (a real Engine, CUDA IPC, NCCL) is unverified on CPU; the argument translation is tested against a stub.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.rollout.sglang_plugin import (ALGORITHM_NAME, CUSTOM_PARAMS_KEY, SGLANG_REQUIREMENT,
+                                            SUPPORTED_ARCHITECTURES, TRACE_KEY)
+
+INSTALL_HINT = f'pip install "megadare[sglang]" (i.e. "{SGLANG_REQUIREMENT}")'
+DEFAULT_BLOCK_SIZE = {"SDARForCausalLM": 4, "SDARMoeForCausalLM": 4, "LLaDA2MoeModelLM": 32}  # sglang DLLM_PARAMS
+PLUGIN_ENTRY_POINT = "megadare.rollout.sglang_plugin:register"
+PLUGIN_GROUP = "sglang.srt.plugins"
+_SEED_STRIDE = 1_000_003
+
+
+def _import_sglang():
+    try:
+        import sglang
+    except ImportError as e:
+        raise ImportError(f"the SGLang rollout engine needs sglang: {INSTALL_HINT}; the built-in engine "
+                          "(rollout.engine=native) needs nothing extra") from e
+    return sglang
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The sampling seed of the ``index``-th prompt of a generate() call (prompt 0 gets ``seed`` itself, so a
+    single prompt follows the same random stream as the built-in engine with that seed)."""
+    return (int(seed) + int(index) * _SEED_STRIDE) % (2 ** 63)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (sglang resolves names with ``getattr(torch, name)``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def chunk_named(named: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int, by_dtype: bool = False
+                ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive chunks of at most ``chunk_bytes`` (a larger tensor gets its own chunk); with ``by_dtype`` each
+    chunk holds one dtype (a flattened bucket is sliced back with ``.view(dtype)``, which needs aligned offsets)."""
+    groups: dict[Any, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        groups.setdefault(t.dtype if by_dtype else None, []).append((name, t))
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    for items in groups.values():
+        cur: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, t in items:
+            n = t.numel() * t.element_size()
+            if cur and size + n > chunk_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append((name, t))
+            size += n
+        if cur:
+            out.append(cur)
+    return out
+
+
+def _ok(result: Any, what: str) -> None:
+    """sglang control calls answer (success, message) or an object with ``.success``; raise on failure."""
+    if result is None:
+        return
+    if isinstance(result, tuple) and result and isinstance(result[0], bool):
+        success, message = result[0], (result[1] if len(result) > 1 else "")
+    elif hasattr(result, "success"):
+        success, message = bool(result.success), getattr(result, "message", "")
+    else:
+        return
+    if not success:
+        raise RuntimeError(f"sglang {what} failed: {message}")
+
+
+def read_architecture(model_path: str) -> tuple[str, dict[str, Any]]:
+    """(architectures[0], config) of a HF checkpoint directory."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"SGLangEngine: no config.json in {model_path!r}")
+    with open(path) as f:
+        cfg = json.load(f)
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"SGLangEngine: {path} declares no architectures")
+    return archs[0], cfg
+
+
+def plugin_registered() -> bool:
+    """Whether sglang will load megadare's algorithm: the entry point is installed (``pip install -e .``) and not
+    filtered out by ``SGLANG_PLUGINS``."""
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT]
+    if not eps:
+        return False
+    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    if allowed.strip():
+        names = {x.strip() for x in allowed.split(",") if x.strip()}
+        return any(ep.name in names for ep in eps)
+    return True
+
+
+def trajectory_from_output(prompt: list[int], out: dict[str, Any], params: SamplingParams, eos_token_id: int,
+                           policy_version: int) -> Trajectory:
+    """One sglang generate() output (``output_ids`` + ``meta_info`` with the plugin's per-token trace) as a
+    validated Trajectory."""
+    ids = [int(t) for t in out.get("output_ids") or []]
+    meta = out.get("meta_info") or {}
+    fr = meta.get("finish_reason")
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind == "abort":
+        raise RuntimeError(f"sglang aborted a request: {fr}")
+    trace = meta.get(TRACE_KEY)
+    if trace is None:
+        raise RuntimeError(f"sglang returned no {TRACE_KEY!r}: megadare's dLLM algorithm did not run (is megadare "
+                           f"installed in sglang's environment, its entry point in {PLUGIN_GROUP!r}, and "
+                           "SGLANG_PLUGINS unset or naming 'megadare'?)")
+    if (kind == "stop" and params.stop_at_eos and isinstance(fr, dict) and fr.get("matched") == eos_token_id
+            and (not ids or ids[-1] != eos_token_id) and len(trace) > len(ids)):
+        ids.append(eos_token_id)   # a trimmed stop token: its trace entry is still there
+    ids = ids[:params.max_new_tokens]
+    if len(trace) < len(ids):
+        raise RuntimeError(f"sglang returned {len(trace)} trace entries for {len(ids)} output tokens")
+    trace = trace[:len(ids)]
+    if any(e is None for e in trace):
+        raise RuntimeError("sglang returned output tokens without a trace entry (a retracted request?)")
+    finish = "length"
+    if params.stop_at_eos and eos_token_id in ids:
+        ids = ids[:ids.index(eos_token_id) + 1]
+        trace = trace[:len(ids)]
+        finish = "eos"
+    num_forwards = max((int(e[3]) for e in trace), default=0)
+    return Trajectory(prompt_ids=list(prompt), response_ids=ids, commit_step=[int(e[0]) for e in trace],
+                      block_step=[int(e[1]) for e in trace], logprobs=[float(e[2]) for e in trace],
+                      finish_reason=finish, num_forwards=num_forwards, params=params, policy_version=policy_version,
+                      extra={"sglang_weight_version": meta.get("weight_version")}).validate()
+
+
+class SGLangEngine:
+    """Rollout engine protocol on ``sglang.Engine`` with ``dllm_algorithm="MegadareBlockDiffusion"``.
+
+    Architectures: SDAR, SDAR-MoE (and TraDo, which is SDAR), LLaDA2. ``block_size`` defaults to the checkpoint's
+    ``block_size`` or sglang's default for the architecture and is written, with the default ``steps_per_block`` /
+    ``algorithm`` / ``threshold``, to the YAML passed as ``dllm_algorithm_config``; per-request sampling parameters
+    travel in each request (``custom_params``), so one engine serves any ``SamplingParams`` with its block size.
+    ``max_running_requests`` is always passed (sglang's dLLM mode would otherwise decode one request at a time).
+    ``engine_kwargs`` go to ``sglang.Engine`` unchanged (any ``ServerArgs`` field, e.g. ``dllm_fdfo``).
+    """
+
+    def __init__(self, model_path: str, eos_token_id: int, *, block_size: Optional[int] = None,
+                 steps_per_block: Optional[int] = None, algorithm: str = "low_confidence_static",
+                 threshold: float = 0.9, max_running_requests: int = 128, tp_size: int = 1,
+                 mem_fraction_static: float = 0.7, enable_memory_saver: bool = True, random_seed: int = 0,
+                 chunk_bytes: int = 512 << 20, flush_retries: int = 60, flush_interval_s: float = 1.0,
+                 weight_group_name: str = "megadare_weights", engine_kwargs: Optional[dict[str, Any]] = None,
+                 check_plugin: bool = True):
+        sglang = _import_sglang()
+        arch, cfg = read_architecture(model_path)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"SGLangEngine supports {list(SUPPORTED_ARCHITECTURES)} (SDAR, SDAR-MoE / TraDo, "
+                             f"LLaDA2); {model_path!r} is {arch!r}: use the built-in engine (rollout.engine=native)")
+        if not isinstance(max_running_requests, int) or max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be a positive int, got {max_running_requests!r}")
+        if check_plugin and not plugin_registered():
+            raise RuntimeError(f"megadare's sglang plugin is not registered: install megadare into this environment "
+                               f"(pip install -e .) so that the entry point {PLUGIN_GROUP!r} -> {PLUGIN_ENTRY_POINT} "
+                               "exists, and leave SGLANG_PLUGINS unset or include 'megadare' in it")
+        self.block_size = int(block_size or cfg.get("block_size") or DEFAULT_BLOCK_SIZE[arch])
+        steps = int(steps_per_block or self.block_size)
+        SamplingParams(block_size=self.block_size, steps_per_block=steps, algorithm=algorithm)  # validates
+        self.architecture = arch
+        self.eos = int(eos_token_id)
+        self.tp_size = int(tp_size)
+        self.max_running_requests = max_running_requests
+        self.enable_memory_saver = enable_memory_saver
+        self.chunk_bytes = int(chunk_bytes)
+        self.flush_retries, self.flush_interval_s = int(flush_retries), float(flush_interval_s)
+        self.weight_group_name = weight_group_name
+        self.version = 0
+        self.asleep = False
+        self._session_open = False
+        self._paused = False
+        self._tmpdir = tempfile.mkdtemp(prefix="megadare_sglang_")
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
+        self.algorithm_config = {"block_size": self.block_size, "steps_per_block": steps, "algorithm": algorithm,
+                                 "threshold": float(threshold)}
+        self.algorithm_config_path = os.path.join(self._tmpdir, "dllm_algorithm.yaml")
+        import yaml
+
+        with open(self.algorithm_config_path, "w") as f:
+            yaml.safe_dump(self.algorithm_config, f)
+        extra = dict(engine_kwargs or {})
+        fixed = {"dllm_algorithm", "dllm_algorithm_config", "model_path"}
+        if fixed & set(extra):
+            raise ValueError(f"engine_kwargs may not set {sorted(fixed & set(extra))}: SGLangEngine owns them")
+        self.engine_kwargs: dict[str, Any] = {
+            "model_path": model_path, "dllm_algorithm": ALGORITHM_NAME,
+            "dllm_algorithm_config": self.algorithm_config_path, "max_running_requests": max_running_requests,
+            "tp_size": self.tp_size, "mem_fraction_static": mem_fraction_static,
+            "enable_memory_saver": enable_memory_saver, "random_seed": random_seed, "skip_tokenizer_init": True,
+            "trust_remote_code": True, **extra}
+        self._engine = sglang.Engine(**self.engine_kwargs)
+
+    # ------------------------------------------------------------------ generation
+    def sampling_params(self, params: SamplingParams, index: int) -> dict[str, Any]:
+        """sglang sampling parameters of the ``index``-th prompt."""
+        seed = prompt_seed(params.seed, index)
+        sp: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1, "sampling_seed": seed,
+            "ignore_eos": not params.stop_at_eos, "skip_special_tokens": False,
+            "custom_params": {CUSTOM_PARAMS_KEY: {"algorithm": params.algorithm,
+                                                  "steps_per_block": params.steps_per_block,
+                                                  "threshold": params.threshold, "seed": seed}}}
+        if params.stop_at_eos:
+            sp["stop_token_ids"] = [self.eos]
+        return sp
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+        if self.asleep:
+            raise RuntimeError("engine is asleep: call wake() before generate()")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs non-empty prompts")
+        if params.block_size != self.block_size:
+            raise ValueError(f"sampling block_size={params.block_size} differs from the engine's block size "
+                             f"{self.block_size} ({self.architecture}); they must agree")
+        if params.record_steps:
+            raise ValueError("record_steps (per-step predictions, MDPO) is not supported by the SGLang engine; "
+                             "use the built-in engine")
+        outs = self._engine.generate(input_ids=[list(map(int, p)) for p in prompts],
+                                     sampling_params=[self.sampling_params(params, i) for i in range(len(prompts))])
+        if isinstance(outs, dict):
+            outs = [outs]
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"sglang returned {len(outs)} outputs for {len(prompts)} prompts")
+        return [trajectory_from_output(p, o, params, self.eos, self.version) for p, o in zip(prompts, outs)]
+
+    # ------------------------------------------------------------------ weights
+    def _begin(self) -> bool:
+        """Open sglang's weight-update session (0.5.22+) if none is open; True if this call opened it."""
+        if self._session_open or not hasattr(self._engine, "begin_weight_update"):
+            return False
+        _ok(self._engine.begin_weight_update(), "begin_weight_update")
+        self._session_open = True
+        return True
+
+    def _end(self) -> None:
+        if self._session_open:
+            _ok(self._engine.end_weight_update(), "end_weight_update")
+            self._session_open = False
+
+    def flush_cache(self) -> None:
+        """sglang's flush_cache fails while requests are in flight: retry (slime: 60 x 1 s)."""
+        for attempt in range(self.flush_retries):
+            res = self._engine.flush_cache()
+            ok = res.success if hasattr(res, "success") else (res[0] if isinstance(res, tuple) else res is not False)
+            if ok:
+                return
+            if attempt + 1 < self.flush_retries:
+                time.sleep(self.flush_interval_s)
+        raise RuntimeError(f"sglang flush_cache still failing after {self.flush_retries} attempts")
+
+    def pause(self) -> None:
+        """Start a weight sync (``sync_weights`` calls it before the first bucket): one sglang update session
+        and one cache flush for all buckets."""
+        self._begin()
+        self._paused = True
+
+    def resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._end()
+            self.flush_cache()
+
+    def _flattened_payload(self, chunk: list[tuple[str, torch.Tensor]]) -> Any:
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            try:  # device indices by UUID across processes (what sglang's own weight_sync helper does)
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+                monkey_patch_torch_reductions()
+            except ImportError:
+                pass
+        bucket = FlattenedTensorBucket(named_tensors=[(n, t.detach().to(device).contiguous()) for n, t in chunk])
+        data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+        return MultiprocessingSerializer.serialize(data, output_str=True)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        """Load HF-named tensors (one bucket or the whole model) with ``update_weights_from_tensor`` (colocated:
+        CUDA IPC of a flattened bucket per dtype and chunk, the same payload for every TP rank), then flush the
+        cache (unless inside pause()/resume(), which flush once at the end)."""
+        named = list(named_tensors)
+        t0 = time.perf_counter()
+        opened = self._begin()
+        nbytes, chunks = 0, 0
+        try:
+            for chunk in chunk_named(named, self.chunk_bytes, by_dtype=True):
+                payload = self._flattened_payload(chunk)
+                _ok(self._engine.update_weights_from_tensor(named_tensors=[payload] * self.tp_size,
+                                                            load_format="flattened_bucket", flush_cache=False),
+                    "update_weights_from_tensor")
+                if torch.cuda.is_available():
+                    torch.cuda.ipc_collect()
+                nbytes += sum(t.numel() * t.element_size() for _, t in chunk)
+                chunks += 1
+        finally:
+            if opened and not self._paused:
+                self._end()
+        if not self._paused:
+            self.flush_cache()
+        self.version = version
+        return {"tensors": len(named), "bytes": nbytes, "chunks": chunks, "version": version,
+                "seconds": time.perf_counter() - t0}
+
+    def connect_distributed(self, master_addr: str, port: int, world_size: int, rank_offset: int,
+                            group_name: Optional[str] = None, backend: str = "nccl") -> None:
+        """Join the trainer's weight-update group (separate GPUs): this engine's TP ranks become ranks
+        ``rank_offset .. rank_offset + tp_size - 1`` of a ``world_size`` group whose rank 0 is the trainer
+        (:func:`init_weight_sender_group`). Blocks until every member joined, so the trainer must join
+        concurrently (call this through Ray ``.remote``)."""
+        if group_name is not None:
+            self.weight_group_name = group_name
+        _ok(self._engine.init_weights_update_group(master_address=master_addr, master_port=int(port),
+                                                   rank_offset=int(rank_offset), world_size=int(world_size),
+                                                   group_name=self.weight_group_name, backend=backend),
+            "init_weights_update_group")
+
+    def receive_weights(self, meta: Sequence[tuple[str, str, Sequence[int]]], version: int) -> dict[str, Any]:
+        """Receive one chunk broadcast by :class:`DistributedWeightSender` (``meta``: (name, dtype name, shape)
+        in broadcast order) with ``update_weights_from_distributed``."""
+        opened = self._begin()
+        try:
+            _ok(self._engine.update_weights_from_distributed(
+                names=[m[0] for m in meta], dtypes=[m[1] for m in meta], shapes=[list(m[2]) for m in meta],
+                group_name=self.weight_group_name, flush_cache=False), "update_weights_from_distributed")
+        finally:
+            if opened and not self._paused:
+                self._end()
+        if not self._paused:
+            self.flush_cache()
+        self.version = version
+        return {"tensors": len(meta), "version": version}
+
+    # ------------------------------------------------------------------ memory, health
+    def sleep(self) -> None:
+        """Release weights, KV cache and CUDA graphs (``release_memory_occupation``) while the trainer runs."""
+        if not self.enable_memory_saver:
+            raise RuntimeError("sleep() needs the engine started with enable_memory_saver=True")
+        self._engine.release_memory_occupation()
+        self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self._engine.resume_memory_occupation()
+        self.asleep = False
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"alive": True, "engine": "sglang", "version": self.version, "asleep": self.asleep,
+                               "architecture": self.architecture, "block_size": self.block_size,
+                               "max_running_requests": self.max_running_requests}
+        try:
+            info = self._engine.get_model_info() if hasattr(self._engine, "get_model_info") else {}
+            out["weight_version"] = info.get("weight_version")
+            server = self._engine.get_server_info()
+            out["sglang_version"] = server.get("version")
+            out["dllm_algorithm"] = server.get("dllm_algorithm")
+            out["server_max_running_requests"] = server.get("max_running_requests")
+        except Exception as e:  # a dead engine: report, don't raise
+            out["alive"] = False
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            self._engine.shutdown()
+        finally:
+            self._cleanup()
+
+
+def build_sglang_engine(model_path: str, eos_token_id: int, **kwargs: Any) -> SGLangEngine:
+    """Engine factory for ``manager.EngineSpec`` (runs inside the Ray actor that owns the GPU)."""
+    return SGLangEngine(model_path, eos_token_id, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- trainer side
+def init_weight_sender_group(master_addr: str, port: int, world_size: int, group_name: str = "megadare_weights",
+                             backend: str = "nccl", timeout: Optional[timedelta] = None):
+    """The trainer's end (rank 0) of sglang's weight-update group, built the way sglang builds its end
+    (``sglang/srt/utils/common.py::init_custom_process_group``): TCP rendezvous at ``master_addr:port`` (rank 0
+    hosts the store), a ``PrefixStore`` named after the group, a process group that leaves the default group
+    alone. Engines join with :meth:`SGLangEngine.connect_distributed` at the same time."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    default_pg_timeout, rendezvous)
+
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(f"tcp://{master_addr}:{int(port)}", 0, int(world_size),
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+Receiver = Callable[[list, int], Callable[[], Any]]
+
+
+def ray_receiver(actor: Any) -> Receiver:
+    """A receiver for :class:`DistributedWeightSender` from a rollout-manager engine actor: starts
+    ``SGLangEngine.receive_weights`` in the actor and returns the function that waits for it."""
+    def start(meta: list, version: int) -> Callable[[], Any]:
+        import ray
+
+        ref = actor.call.remote("receive_weights", meta, version)
+        return lambda: ray.get(ref)
+    return start
+
+
+class DistributedWeightSender:
+    """Trainer side of ``update_weights_from_distributed`` in the form ``weight_sync.sync_weights`` expects of an
+    engine (``pause`` / ``update_weights(named, version)`` / ``resume``): each bucket is cut into chunks of at most
+    ``chunk_bytes`` (sglang allocates a whole chunk at once); per chunk every receiver is started (it calls
+    ``update_weights_from_distributed`` with the chunk's names/dtypes/shapes), the tensors are broadcast from rank
+    0 in that order, and the receivers are awaited.
+
+    ``receivers``: ``start(meta, version) -> wait()`` callables (:func:`ray_receiver`); ``pausers`` /
+    ``resumers``: optional callables run by pause() / resume() (e.g. the engines' own pause/resume)."""
+
+    def __init__(self, group: Any, receivers: Sequence[Receiver], chunk_bytes: int = 512 << 20,
+                 device: Optional[str] = None, broadcast: Optional[Callable[..., Any]] = None,
+                 pausers: Sequence[Callable[[], Any]] = (), resumers: Sequence[Callable[[], Any]] = ()):
+        self.group, self.receivers, self.chunk_bytes = group, list(receivers), int(chunk_bytes)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._broadcast = broadcast
+        self.pausers, self.resumers = list(pausers), list(resumers)
+
+    def pause(self) -> None:
+        for p in self.pausers:
+            p()
+
+    def resume(self) -> None:
+        for r in self.resumers:
+            r()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        broadcast = self._broadcast
+        if broadcast is None:
+            import torch.distributed as dist
+
+            broadcast = dist.broadcast
+        named = list(named_tensors)
+        chunks = chunk_named(named, self.chunk_bytes)
+        for chunk in chunks:
+            meta = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in chunk]
+            waits = [start(meta, version) for start in self.receivers]
+            for _, t in chunk:
+                broadcast(t.detach().to(self.device).contiguous(), src=0, group=self.group)
+            for w in waits:
+                w()
+        return {"tensors": len(named), "chunks": len(chunks), "version": version}
