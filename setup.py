@@ -19,11 +19,22 @@ setup(
         "tensorboard",
         "pyarrow",  # parquet datasets (the format verl/DARE data comes in)
         "ray>=2.40",  # rollout engines as actors (local cluster on a laptop, the allocation on Slurm)
+        "matplotlib",  # the demo's reward curve (PNG)
     ],
+    package_data={"megadare": ["configs/*.yaml"]},
     extras_require={
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)
         "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51"],
-        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.6,<0.6", "nvidia-modelopt"],
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.20,<0.5.24", "nvidia-modelopt"],
+        # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
+        # from 0.5.20; internals churn between releases, so widen it only after checking a new release)
+        "sglang": ["sglang>=0.5.20,<0.5.24"],
+        "math": ["math-verify"],  # megadare.rewards uses it first when installed (own sympy checker otherwise)
     },
-    entry_points={"console_scripts": ["megadare = megadare.cli:main"]},
+    entry_points={
+        "console_scripts": ["megadare = megadare.cli:main"],
+        # sglang's general-plugin group, loaded in every sglang process: registers --dllm-algorithm
+        # MegadareBlockDiffusion (megadare/rollout/sglang_plugin.py)
+        "sglang.srt.plugins": ["megadare = megadare.rollout.sglang_plugin:register"],
+    },
 )

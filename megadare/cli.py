@@ -66,11 +66,36 @@ def _run_sft(cfg, nproc: int) -> int:
     return 0
 
 
+def _run_rl(cfg, nproc: int) -> int:
+    import os
+
+    from megadare.trainer.rl import rl_worker, run_rl
+
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from megadare.parallel.launch import spawn
+
+        out = spawn(rl_worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
+    else:
+        out = run_rl(cfg)
+    evals = out["evals"]
+    acc = (f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
+           if evals else "")
+    how = "stopped by signal" if out["stopped_by_signal"] else "done"
+    print(f"rl {how} at step {out['step']}{acc}; checkpoints in {out['checkpoint_root']}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:  # the demo parses its own options
+        from megadare import demo
+
+        return demo.main(argv[1:])
     args = _parser().parse_args(argv)
     from megadare.config import ConfigError
     from megadare.convert.mcore_ckpt import MegatronCheckpointError
     from megadare.convert.safetensors_io import CheckpointError
+    from megadare.data.sft_data import DataError
     from megadare.models.family import ModelConfigError
 
     try:
@@ -111,9 +136,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             if arch is None:
                 raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
             return _run_sft(cfg, args.nproc)
+        if args.command == "rl":
+            if arch is None:
+                raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
+            return _run_rl(cfg, args.nproc)
         print(f"megadare: '{args.command}' is not available in this version yet (config is valid)", file=sys.stderr)
         return 2
-    except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError) as e:
+    except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError, DataError) as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
 

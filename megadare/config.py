@@ -86,8 +86,10 @@ class TrainSection:
 @dataclass
 class DataSection:
     path: Optional[str] = None             # .jsonl / .parquet with `messages`, prompt/response, or *_ids fields
-    synthetic: Optional[str] = None        # "addition": generated task (tests, demo) instead of a file
+    synthetic: Optional[str] = None        # "addition" | "reverse": generated task (tests, demo) instead of a file
     synthetic_size: int = 512
+    synthetic_correct: float = 1.0         # reverse task: fraction of correct demonstrations (rest copy the input)
+    eval_path: Optional[str] = None        # RL: held-out prompts (.jsonl / .parquet); synthetic tasks make their own
     prompt_key: str = "prompt"
     response_key: str = "response"
     messages_key: str = "messages"
@@ -112,12 +114,60 @@ class SFTSection:
 
 
 @dataclass
+class RolloutSection:
+    engine: str = "native"                 # native (built-in torch engine) | sglang
+    num_engines: int = 1                   # Ray engine actors
+    engine_resources: dict = field(default_factory=lambda: {"num_cpus": 1})   # per actor, e.g. {num_gpus: 1}
+    max_new_tokens: int = 64
+    block_size: Optional[int] = None       # None = the model's block size (block families) / 32 (full attention)
+    steps_per_block: Optional[int] = None  # None = block_size (one token per step)
+    algorithm: str = "low_confidence_static"   # low_confidence_static | low_confidence_dynamic | random
+    threshold: float = 0.9
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eval_temperature: float = 0.0          # held-out evaluation decodes greedily by default
+    chunk_size: int = 16                   # prompts per engine request
+    bucket_mb: int = 512                   # weight-sync bucket size
+
+
+@dataclass
+class AlgoSection:
+    name: str = "tracerl"                  # see megadare.algos.REGISTRY
+    params: dict = field(default_factory=dict)   # the algorithm's hyper-parameters (eps_low, kl_coef, n_mc, ...);
+                                                  # unset keys take the published defaults
+
+
+@dataclass
+class RLSection:
+    steps: int = 100                       # RL steps (rollout -> update -> weight sync)
+    mode: str = "sync"                     # sync | one_step_off (step k+1's rollout overlaps step k's training)
+    max_staleness: int = 1                 # policy versions a rollout may lag behind (checked; sync gives 0)
+    prompts_per_step: int = 16
+    n_samples: int = 8                     # responses per prompt (group size)
+    advantage: str = "grpo"                # grpo | rloo | reinforce_pp
+    advantage_std: str = "unbiased"        # unbiased | population | none
+    filter_all_equal: bool = False         # drop groups whose rewards are all equal
+    accuracy_band: Optional[list] = None   # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
+    truncated_as_wrong: bool = False       # responses that hit max_new_tokens get reward 0
+    ppo_epochs: int = 1                    # passes over each rollout batch
+    mini_batches: int = 1                  # optimizer steps per epoch
+    reward: str = "exact_match"            # built-in reward name or "pkg.module:function"
+    eval_interval: int = 0                 # steps; 0 = only before and after training
+    eval_size: int = 64                    # held-out prompts evaluated
+    answer_key: str = "answer"
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     data: DataSection = field(default_factory=DataSection)
     sft: SFTSection = field(default_factory=SFTSection)
+    rl: RLSection = field(default_factory=RLSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     seed: int = 1234
@@ -129,7 +179,12 @@ CHOICES = {
     "train.lr_decay_style": ("cosine", "constant", "linear"),
     "train.recompute": ("none", "selective", "full"),
     "data.overlong": ("truncate", "drop", "error"),
-    "data.synthetic": (None, "addition"),
+    "data.synthetic": (None, "addition", "reverse"),
+    "rollout.engine": ("native", "sglang"),
+    "rollout.algorithm": ("low_confidence_static", "low_confidence_dynamic", "random"),
+    "rl.advantage": ("grpo", "rloo", "reinforce_pp"),
+    "rl.mode": ("sync", "one_step_off"),
+    "rl.advantage_std": ("unbiased", "population", "none"),
     "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
     "sft.weighting": ("inv_t", "none"),
     "sft.normalize": ("answer_length", "masked_tokens"),
@@ -138,7 +193,9 @@ CHOICES = {
 POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parallel.cp", "parallel.vpp",
             "parallel.world_size", "model.block_size", "logging.log_interval", "train.steps",
             "train.global_batch_size", "train.micro_batch_size", "train.seq_length", "data.max_length",
-            "data.synthetic_size", "sft.trace_shrink")
+            "data.synthetic_size", "sft.trace_shrink", "rl.steps", "rl.prompts_per_step", "rl.n_samples",
+            "rl.ppo_epochs", "rl.mini_batches", "rl.eval_size", "rollout.num_engines", "rollout.max_new_tokens",
+            "rollout.block_size", "rollout.steps_per_block", "rollout.chunk_size", "rollout.bucket_mb")
 
 
 def _all_keys(dc: Any, prefix: str = "") -> list[str]:
@@ -201,6 +258,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 
 def _finish(conf) -> Config:
     cfg: Config = OmegaConf.to_object(conf)
+    for k, v in cfg.model.tiny_config.items():
+        if v is None:
+            raise ConfigError(f"model.tiny_config has key {k!r} without a value; on the command line write "
+                              "'model.tiny_config={hidden_size: 128}' (a space after each colon)")
     for key, options in CHOICES.items():
         v = _get(cfg, key)
         if v not in options:

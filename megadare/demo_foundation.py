@@ -1,10 +1,10 @@
-"""`megadare demo`: the foundation end to end on CPU, in about a minute.
+"""`megadare demo --foundation`: the conversion/parallelism foundation end to end on CPU, in about a minute.
 
 For every family: a tiny random checkpoint in the publisher's HF layout -> the converter -> a Megatron
 distributed checkpoint -> loaded by a sharded Megatron model on 2 CPU processes (TP=2 with sequence
 parallelism; EP=2 for the MoE families) -> logits compared with the hf/ reference model -> saved again from the
 shards -> exported back to HF and compared bitwise with the source. Prints one row per family.
-(The SFT -> RL demo of the RL issue will replace this.)
+(The main demo, ``megadare demo``, is SFT -> RL: megadare/demo.py.)
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _make_checkpoint(name: str, root: str, seed: int) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="megadare demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="megadare demo --foundation", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--workdir", default=None, help="keep outputs here (default: a temp dir)")

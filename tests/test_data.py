@@ -49,8 +49,10 @@ def test_byte_tokenizer_decode_specials():
     ids = [250, ord("a"), 251, ord("b"), 253, 254, 255, 252]
     assert TOK.decode(ids) == "ab"
     assert TOK.decode(ids, render_roles=True) == "<|user|>a<|assistant|>b<|system|>"
-    with pytest.raises(ValueError, match="200"):
-        TOK.decode([200])
+    # unused ids (a model may sample them) render as U+FFFD; ids outside the vocabulary are errors
+    assert TOK.decode([ord("a"), 200, ord("b")]) == "a\ufffdb"
+    with pytest.raises(ValueError, match="300"):
+        TOK.decode([300])
 
 
 def test_chat_prompt_layout():

@@ -1,5 +1,5 @@
 """Ray-managed engines on a local Ray cluster (CPU): every prompt once and in order, recovery from a dead engine,
-weight sync from a TP2 Megatron trainer into two engine actors."""
+weight sync from a Megatron trainer under TP2+SP, PP2 and EP2 (MoE) into two engine actors."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,7 +63,7 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
     flaky.shutdown()
 
 
-def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids):
+def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids, layout):
     from megadare.convert import load_hf_into_model, mapping_for
     from megadare.convert.verify import family_mask
     from megadare.models.family import family_of, read_hf_config
@@ -75,11 +75,12 @@ def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids):
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step
 
-    init_distributed(tp=2, sp=True)
+    init_distributed(**layout)
     try:
         cfg = read_hf_config(trainer_hf)
         arch = family_of(cfg).arch(cfg)
-        chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=True), attention_backend="sdpa")
+        chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=layout.get("sp", False)),
+                                    attention_backend="sdpa")
         load_hf_into_model(chunks, trainer_hf)
         model = wrap_ddp(chunks, True)
         opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, total_steps=2))
@@ -105,11 +106,14 @@ def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids):
         destroy_distributed()
 
 
-def test_tp2_trainer_syncs_into_two_engine_actors(cluster, tmp_path):
-    trainer_hf, engine_hf = _hf(tmp_path, 0), _hf(tmp_path, 1)
+@pytest.mark.parametrize("name,layout", [("sdar", {"tp": 2, "sp": True}), ("sdar", {"pp": 2}),
+                                         ("sdar_moe", {"ep": 2})], ids=["tp2sp", "pp2", "ep2-moe"])
+def test_trainer_syncs_into_two_engine_actors(cluster, tmp_path, name, layout):
+    """After a training step changed the weights, both engine actors hold the trainer's weights."""
+    trainer_hf, engine_hf = _hf(tmp_path, 0, name), _hf(tmp_path, 1, name)
     ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(3))
-    outs = run_distributed(_trainer_worker, 2, cluster, trainer_hf, engine_hf, ids, timeout_s=400)
-    trainer = outs[0]["trainer"]
+    outs = run_distributed(_trainer_worker, 2, cluster, trainer_hf, engine_hf, ids, layout, timeout_s=400)
+    trainer = outs[-1]["trainer"]  # the last pipeline stage holds the logits
     assert outs[0]["versions"] == [5, 5] and outs[0]["stats"]["sync_buckets"] > 2
     for logits in outs[0]["engines"]:
         assert (logits - trainer).abs().max() < 1e-4

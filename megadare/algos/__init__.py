@@ -1,1 +1,30 @@
-"""Training objectives: SFT modes and the RL algorithm zoo."""
+"""The RL algorithm zoo: ``REGISTRY[name](overrides)`` builds an algorithm (chosen by ``algo.name``).
+
+Each file states its paper, objective, estimator and published defaults; shared parts live in base.py
+(views, rows, slots), corruption.py / trace_replay.py (estimators), advantages.py and policy_loss.py.
+"""
+from __future__ import annotations
+
+from megadare.algos.algorithm import Algorithm
+from megadare.config import ConfigError
+from megadare.algos.bgpo import BGPO
+from megadare.algos.cj_grpo import CJGRPO
+from megadare.algos.coupled_grpo import CoupledGRPO
+from megadare.algos.d1 import D1
+from megadare.algos.d_treerpo import DTreeRPO
+from megadare.algos.ebpo import EBPO
+from megadare.algos.mdpo import MDPO
+from megadare.algos.random_mask_rl import RandomMaskRL
+from megadare.algos.spg import SPG
+from megadare.algos.tracerl import TraceRL
+from megadare.algos.vrpo import VRPO
+
+REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (D1, CoupledGRPO, RandomMaskRL, TraceRL, CJGRPO,
+                                                                   BGPO, EBPO, SPG, VRPO, MDPO,
+                                                                   DTreeRPO)}
+
+
+def build_algorithm(name: str, overrides: dict | None = None) -> Algorithm:
+    if name not in REGISTRY:
+        raise ConfigError(f"algo.name={name!r} unknown; choose one of {sorted(REGISTRY)}")
+    return REGISTRY[name](overrides)

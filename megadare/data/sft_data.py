@@ -110,7 +110,8 @@ def _render_prompt(tok: Tokenizer, messages: list[dict], where: str, field: str)
         raise DataError(f"{where}: field {field!r}: {e}") from e
 
 
-def _check_messages(msgs: Any, where: str, key: str) -> list[dict]:
+def _check_messages(msgs: Any, where: str, key: str, ends_with_response: bool = True) -> list[dict]:
+    """A well-formed conversation; SFT records end with the assistant's response, RL prompts before it."""
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} messages")
     for n, msg in enumerate(msgs):
@@ -122,6 +123,11 @@ def _check_messages(msgs: Any, where: str, key: str) -> list[dict]:
             if not isinstance(msg[part], str):
                 raise DataError(f"{where}: field {key!r}[{n}].{part} must be a string")
     last = msgs[-1]["role"]
+    if not ends_with_response:
+        if last == "assistant":
+            raise DataError(f"{where}: field {key!r}: a prompt must end before the assistant's turn (the model "
+                            "writes it); drop the last message")
+        return msgs
     if last != "assistant":
         raise DataError(
             f"{where}: field {key!r}: the last message must have role 'assistant' (the response), got {last!r}"

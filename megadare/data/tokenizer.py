@@ -63,7 +63,8 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], render_roles: bool = False) -> str:
-        """Text of ``ids``; special ids (>= 250) are skipped, role tokens rendered if ``render_roles``."""
+        """Text of ``ids``; special ids (>= 250) are skipped, role tokens rendered if ``render_roles``; the unused
+        ids 128..249 (a model may sample them) decode to U+FFFD, as HF tokenizers render undecodable bytes."""
         out = []
         for i in ids:
             i = int(i)
@@ -74,8 +75,10 @@ class ByteTokenizer:
                     out.append(self.ROLE_STRINGS[i])
             elif 250 <= i < self.vocab_size:
                 continue
+            elif 128 <= i < 250:
+                out.append("\ufffd")
             else:
-                raise ValueError(f"ByteTokenizer: id {i} is not a valid token (0..127 or 250..255)")
+                raise ValueError(f"ByteTokenizer: id {i} is outside the vocabulary (0..255)")
         return "".join(out)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:

@@ -104,38 +104,21 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        ray = _ray()
-        from ray.exceptions import RayActorError
+        """Every prompt's trajectory, in order (blocks until done)."""
+        return self.submit(prompts, params).result()
 
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> "PendingRollout":
+        """Start a rollout and return at once (one-step-off training overlaps it with a train step); the engines
+        serve it before any weight update sent after this call, so it uses the weights they hold now."""
         chunks = [prompts[i:i + self.chunk_size] for i in range(0, len(prompts), self.chunk_size)]
-        results: dict[int, list[Trajectory]] = {}
-        todo = list(range(len(chunks)))
-        restarts_left = self.max_restarts
-        while todo:
-            load = [0] * len(self.actors)
-            inflight = {}
-            for c in todo:
-                slot = min(range(len(self.actors)), key=lambda s: load[s])
-                load[slot] += 1
-                p = dataclasses.replace(params, seed=params.seed + c)
-                inflight[self.actors[slot].generate.remote(chunks[c], p)] = (c, slot)
-            todo = []
-            dead: set[int] = set()
-            for ref, (c, slot) in inflight.items():
-                try:
-                    results[c] = ray.get(ref)
-                except RayActorError:
-                    dead.add(slot)
-                    todo.append(c)
-            for slot in sorted(dead):
-                if restarts_left <= 0:
-                    raise RuntimeError(f"rollout engine {slot} died and the restart budget ({self.max_restarts}) "
-                                       "is used up")
-                restarts_left -= 1
-                self.restarts += 1
-                self.actors[slot] = self._start(slot)
-                self._replay_weights(self.actors[slot])
-        return [t for c in range(len(chunks)) for t in results[c]]
+        pending = PendingRollout(self, chunks, params)
+        pending.issue(list(range(len(chunks))))
+        return pending
+
+    def _restart(self, slot: int) -> None:
+        self.restarts += 1
+        self.actors[slot] = self._start(slot)
+        self._replay_weights(self.actors[slot])
 
     def call_all(self, method: str, *args) -> list[Any]:
         """Call an engine method on every actor (sleep, wake, health, logits, ...)."""
@@ -149,6 +132,48 @@ class RolloutManager:
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
+
+
+class PendingRollout:
+    """A rollout in flight: chunk c goes to the least-loaded engine with seed ``params.seed + c``; ``result()``
+    collects them, restarting dead engines (weights replayed) and re-issuing their chunks."""
+
+    def __init__(self, manager: RolloutManager, chunks: list[list[list[int]]], params: SamplingParams):
+        self.manager, self.chunks, self.params = manager, chunks, params
+        self.inflight: dict[Any, tuple[int, int]] = {}
+        self.results: dict[int, list[Trajectory]] = {}
+        self.restarts_left = manager.max_restarts
+
+    def issue(self, todo: list[int]) -> None:
+        m = self.manager
+        load = [0] * len(m.actors)
+        for c in todo:
+            slot = min(range(len(m.actors)), key=lambda s: load[s])
+            load[slot] += 1
+            p = dataclasses.replace(self.params, seed=self.params.seed + c)
+            self.inflight[m.actors[slot].generate.remote(self.chunks[c], p)] = (c, slot)
+
+    def result(self) -> list[Trajectory]:
+        ray = _ray()
+        from ray.exceptions import RayActorError
+
+        while self.inflight:
+            inflight, self.inflight = self.inflight, {}
+            todo, dead = [], set()
+            for ref, (c, slot) in inflight.items():
+                try:
+                    self.results[c] = ray.get(ref)
+                except RayActorError:
+                    dead.add(slot)
+                    todo.append(c)
+            for slot in sorted(dead):
+                if self.restarts_left <= 0:
+                    raise RuntimeError(f"rollout engine {slot} died and the restart budget "
+                                       f"({self.manager.max_restarts}) is used up")
+                self.restarts_left -= 1
+                self.manager._restart(slot)
+            self.issue(todo)
+        return [t for c in range(len(self.chunks)) for t in self.results[c]]
 
 
 def build_native_engine(hf_dir: str, eos_token_id: int, device: Optional[str] = None,

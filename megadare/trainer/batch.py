@@ -31,13 +31,24 @@ class Row:
     position_ids: torch.Tensor               # [n] long, position inside the sample (global prompt+response grid)
     stream_ids: Optional[torch.Tensor] = None  # [n] long, block diffusion: 0 = x_t, 1 = x_0
     denom: float = 0.0                       # share of the global loss denominator
+    segment_ids: Optional[torch.Tensor] = None  # [n] long, 0.. : several views of one sample kept in one row
+                                                # (attention never crosses them); None = one segment
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-position [n] tensors (RL: advantages,
+                                                # old log-probs, estimator slots), carried through packing
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        for name in ("labels", "weight", "position_ids", "stream_ids"):
+        for name in ("labels", "weight", "position_ids", "stream_ids", "segment_ids"):
             t = getattr(self, name)
             if t is not None and t.shape != (n,):
                 raise ValueError(f"Row.{name} has shape {tuple(t.shape)}, expected ({n},)")
+        for name, t in self.extras.items():
+            if t.shape != (n,):
+                raise ValueError(f"Row.extras[{name!r}] has shape {tuple(t.shape)}, expected ({n},)")
+
+    @property
+    def num_segments(self) -> int:
+        return 1 if self.segment_ids is None else int(self.segment_ids.max()) + 1
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -93,8 +104,11 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int) -> dict[str, torc
     n = sum(len(r) for r in rows)
     pad = seq_length - n
     streams = any(r.stream_ids is not None for r in rows)
-    seg = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(rows)]
-                    + [torch.full((pad,), len(rows), dtype=torch.long)])
+    segs, first = [], 0
+    for r in rows:
+        segs.append(first + (r.segment_ids if r.segment_ids is not None else torch.zeros(len(r), dtype=torch.long)))
+        first += r.num_segments
+    seg = torch.cat(segs + [torch.full((pad,), first, dtype=torch.long)])
     out = {
         "tokens": torch.cat([r.tokens for r in rows] + [torch.full((pad,), pad_id, dtype=torch.long)]),
         "labels": torch.cat([r.labels for r in rows] + [torch.zeros(pad, dtype=torch.long)]),
@@ -102,7 +116,18 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int) -> dict[str, torc
         "position_ids": torch.cat([r.position_ids for r in rows] + [torch.arange(pad, dtype=torch.long)]),
         "segment_ids": seg,
         "padding": torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(pad, dtype=torch.bool)]),
+        # which row of the bin each position came from (-1 = padding): per-row quantities survive packing
+        "row_ids": torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(rows)]
+                             + [torch.full((pad,), -1, dtype=torch.long)]),
     }
+    for key in sorted({k for r in rows for k in r.extras}):
+        parts = []
+        for r in rows:
+            if key not in r.extras:
+                raise ValueError(f"rows packed together disagree on extras: one lacks {key!r}")
+            parts.append(r.extras[key])
+        fill = -1 if not parts[0].is_floating_point() else 0.0
+        out["x:" + key] = torch.cat(parts + [torch.full((pad,), fill, dtype=parts[0].dtype)])
     if streams:
         out["stream_ids"] = torch.cat(
             [r.stream_ids if r.stream_ids is not None else torch.zeros(len(r), dtype=torch.long) for r in rows]
@@ -124,12 +149,19 @@ def pack_rows(rows: list[Row], seq_length: int, micro_batch_size: int = 1, pad_i
         group = seqs[k:k + micro_batch_size]
         while len(group) < micro_batch_size:  # fill the last micro-batch with padding rows
             group.append((_concat_bin([], seq_length, pad_id), 0.0, 0))
-        stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0] if key != "stream_ids"}
+        stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0]
+                 if key != "stream_ids" and key != "row_ids" and not key.startswith("x:")}
         streams = None
         if any("stream_ids" in g[0] for g in group):
             streams = torch.stack([g[0].get("stream_ids", torch.zeros(seq_length, dtype=torch.long)) for g in group])
+        extras = {"row_ids": torch.stack([g[0]["row_ids"] for g in group])}
+        for key in sorted({k for g in group for k in g[0] if k.startswith("x:")}):
+            like = next(g[0][key] for g in group if key in g[0])
+            fill = -1 if not like.is_floating_point() else 0.0
+            extras[key[2:]] = torch.stack([g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype))
+                                           for g in group])
         out.append(MicroBatch(stream_ids=streams, denom=sum(g[1] for g in group),
-                              num_rows=sum(g[2] for g in group), **stack))
+                              num_rows=sum(g[2] for g in group), extras=extras, **stack))
     return out
 
 
@@ -137,10 +169,11 @@ def empty_micro_batch(like: MicroBatch) -> MicroBatch:
     """A micro-batch of padding with zero weight (evens out micro-batch counts across ranks)."""
     b, s = like.tokens.shape
     z = torch.zeros(b, s, dtype=torch.long)
+    extras = {k: torch.full_like(v, 0.0 if v.is_floating_point() else -1) for k, v in like.extras.items()}
     return MicroBatch(tokens=z.clone(), labels=z.clone(), weight=torch.zeros(b, s),
                       position_ids=torch.arange(s).expand(b, s).clone(), segment_ids=z.clone(),
                       stream_ids=None if like.stream_ids is None else z.clone(),
-                      padding=torch.ones(b, s, dtype=torch.bool), denom=0.0, num_rows=0)
+                      padding=torch.ones(b, s, dtype=torch.bool), denom=0.0, num_rows=0, extras=extras)
 
 
 def split_for_data_parallel(micro_batches: list[MicroBatch], dp_size: int, dp_rank: int,

@@ -43,18 +43,22 @@ class Monitor:
         dt, self._t0 = now - self._t0, now
         return dt
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """Metrics of ``step``; names with a '/' keep their own tensorboard group (e.g. 'eval/accuracy'), the rest
+        go under 'train/'. ``advance=False`` logs without moving the progress bar (evaluations)."""
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.update(1)
-            shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "grad_norm", "lr", "tokens_per_s") if k in metrics}
+            if advance:
+                self.bar.update(1)
+            shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "reward", "grad_norm", "lr", "tokens_per_s",
+                                                       "eval/accuracy") if k in metrics}
             self.bar.set_postfix(shown, refresh=False)
-        if step % self.log_interval:
+        if advance and step % self.log_interval:
             return
         if self.writer is not None:
             for k, v in metrics.items():
-                self.writer.add_scalar(f"train/{k}", v, step)
+                self.writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
             self.writer.flush()
         if self.jsonl_path:
             with open(self.jsonl_path, "a") as f:

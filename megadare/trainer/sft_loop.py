@@ -29,12 +29,13 @@ def sft_recipe(cfg: Config, arch):
 
 def load_examples(cfg: Config, tok) -> tuple[list, dict]:
     """Tokenized, length-checked SFT examples from data.path or a synthetic task."""
+    from megadare.data.prompt_data import synthetic_split
     from megadare.data.sft_data import build_sft_examples, load_records
-    from megadare.data.synthetic import addition_task
 
     d = cfg.data
-    if d.synthetic == "addition":
-        records, source = addition_task(d.synthetic_size, seed=cfg.seed), "synthetic:addition"
+    if d.synthetic:  # the train split; the held-out split (rl.eval_size records) stays unseen for evaluation
+        records = synthetic_split(d.synthetic, d.synthetic_size, cfg.rl.eval_size, cfg.seed, d.synthetic_correct)[0]
+        source = f"synthetic:{d.synthetic}"
     elif d.path:
         records, source = load_records(d.path), d.path
     else:

@@ -73,10 +73,14 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
 
 def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], mask_kind: str,
                       block_size: int, vocab_size: int, objective: Objective, loss_scale: float,
-                      forward_only: bool = False, mask_fn: Optional[Callable[[MicroBatch], Any]] = None
+                      forward_only: bool = False, mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
+                      per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None
                       ) -> dict[str, float]:
     """Forward (and backward) of this rank's micro-batches; returns report sums reduced over the whole
-    global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc)."""
+    global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc).
+
+    The objective sees per-position label log-probs, or ``per_position(model output, micro-batch)`` when given
+    (a value head's outputs)."""
     device = _device()
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
@@ -91,7 +95,8 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
         out = model(mb.tokens, mb.position_ids, mask, padding_mask=mb.padding if moe else None)
 
         def loss_func(logits: torch.Tensor):
-            logp = token_logprobs(logits, mb.labels, vocab_size)
+            logp = (per_position(logits, mb) if per_position is not None
+                    else token_logprobs(logits, mb.labels, vocab_size))
             loss_sum, report = objective(mb, logp)
             return loss_sum * (loss_scale * n_micro * dp), report
 
@@ -129,7 +134,9 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
                global_denom: float, mask_kind: str, block_size: int, vocab_size: int,
                objective: Objective = weighted_nll,
                before_step: Optional[Callable[[], None]] = None,
-               mask_fn: Optional[Callable[[MicroBatch], Any]] = None) -> dict[str, float]:
+               mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
+               per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None
+               ) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank)."""
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
@@ -139,7 +146,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
         c.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = run_micro_batches(chunks, micro_batches, mask_kind, block_size, vocab_size, objective,
-                                loss_scale=1.0 / global_denom, mask_fn=mask_fn)
+                                loss_scale=1.0 / global_denom, mask_fn=mask_fn, per_position=per_position)
     if before_step is not None:
         before_step()
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])

@@ -1,0 +1,76 @@
+"""Advantages from group rewards, and the group filters of the RL loop. Shared by every algorithm.
+
+Rewards come in groups of G responses to one prompt (``rewards`` is [N] with N = n_prompts * G, grouped
+contiguously). With r_i the reward of response i in its group g:
+
+* ``grpo`` (DeepSeekMath, arXiv:2402.03300; d1, DARE/verl):   A_i = (r_i - mean_g r) / (std_g r + eps)
+  ``std='unbiased'`` (verl, torch.std), ``'population'`` (dLLM-RL's z-score), ``'none'`` (Dr. GRPO,
+  arXiv:2503.20783; DiffuCoder's ``scale_rewards: false``): A_i = r_i - mean_g r.
+* ``rloo`` (Ahmadian et al., arXiv:2402.14740):   A_i = r_i - (sum_g r - r_i) / (G - 1)
+* ``reinforce_pp`` (REINFORCE++, arXiv:2501.03262, group-baseline variant): A_i = r_i - mean_g r, then
+  normalised over the whole batch: (A - mean A) / (std A + eps).
+
+``filter_groups`` implements the dynamic-sampling filters: drop groups whose rewards are all equal (no learning
+signal under a group baseline) and groups whose accuracy lies outside a band (dLLM-RL keeps 0.2..0.8).
+``truncated_as_wrong`` zeroes the reward of responses that hit the length limit (dLLM-RL, DAPO's overlong).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp")
+STDS = ("unbiased", "population", "none")
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of rl.n_samples={group_size}")
+    return r.view(-1, group_size)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo", std: str = "unbiased",
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Per-response advantages [N] (float32) from rewards [N] grouped contiguously by prompt."""
+    if kind not in ADVANTAGES:
+        raise ValueError(f"rl.advantage={kind!r} unknown; choose one of {ADVANTAGES}")
+    if std not in STDS:
+        raise ValueError(f"rl.advantage_std={std!r} unknown; choose one of {STDS}")
+    g = _groups(rewards, group_size)
+    G = g.shape[1]
+    if kind == "rloo":
+        if G < 2:
+            raise ValueError("rloo needs at least 2 responses per prompt (rl.n_samples >= 2)")
+        adv = g - (g.sum(1, keepdim=True) - g) / (G - 1)
+        return adv.flatten().float()
+    adv = g - g.mean(1, keepdim=True)
+    if kind == "reinforce_pp":
+        flat = adv.flatten()
+        return ((flat - flat.mean()) / (flat.std(unbiased=False) + eps)).float()
+    if std != "none":
+        s = g.std(1, unbiased=(std == "unbiased"), keepdim=True) if G > 1 else torch.zeros_like(g[:, :1])
+        adv = adv / (s + eps)
+    return adv.flatten().float()
+
+
+def filter_groups(rewards: torch.Tensor, group_size: int, drop_all_equal: bool = False,
+                  accuracy_band: Optional[tuple[float, float]] = None) -> torch.Tensor:
+    """Keep-mask [N] over responses: whole groups are dropped or kept."""
+    g = _groups(rewards, group_size)
+    keep = torch.ones(g.shape[0], dtype=torch.bool)
+    if drop_all_equal:
+        keep &= (g.max(1).values - g.min(1).values) > 0
+    if accuracy_band is not None:
+        lo, hi = accuracy_band
+        acc = g.mean(1)
+        keep &= (acc >= lo) & (acc <= hi)
+    return keep.repeat_interleave(group_size)
+
+
+def truncated_as_wrong(rewards: torch.Tensor, truncated: torch.Tensor, wrong: float = 0.0) -> torch.Tensor:
+    """Rewards with those of truncated responses (hit max length) replaced by ``wrong``."""
+    r = torch.as_tensor(rewards, dtype=torch.float32).clone()
+    r[torch.as_tensor(truncated, dtype=torch.bool)] = wrong
+    return r

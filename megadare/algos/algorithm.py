@@ -1,0 +1,118 @@
+"""The algorithm base class: an RL algorithm states its estimator (views), its objective (slot loss), its rollout
+contract and its published defaults; a new algorithm is one small file overriding what differs.
+
+Hyper-parameters resolve as: the algorithm's ``defaults`` (as published), then the non-null keys of the config
+section ``algo`` and its ``algo.params`` dict. Unknown ``algo.params`` keys are errors naming the valid ones.
+
+The default objective is the token-level clipped policy gradient shared by most of the zoo (GRPO form):
+
+    L = sum_s w_s [ -min(rho_s A_s, clip(rho_s, 1 - eps_low, 1 + eps_high) A_s) + beta KL_k(pi_theta || anchor) ]
+        / sum w,      rho_s = exp(l_s - l_s^old)
+
+with l_s the algorithm's likelihood estimate of slot s (algos/base.py) and the KL anchor named by the algorithm
+(the reference model, the old policy, or none).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from megadare.algos.base import RLSample, Slots, View, aggregation, views_to_row
+from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+from megadare.config import ConfigError
+from megadare.models.family import ModelArch
+from megadare.trainer.batch import Row
+
+COMMON = {"eps_low": 0.2, "eps_high": None, "dual_clip": None, "kl_coef": 0.0, "kl_estimator": "k3",
+          "kl_anchor": "none", "loss_agg": "token_mean", "log_ratio_clamp": 20.0}
+
+
+def rows_for_views(s: RLSample, views: list[View], arch: ModelArch, loss_agg: str,
+                   slot_weight: dict[int, float] | None = None, denom: float | None = None) -> list[Row]:
+    """Rows of one sample's views: one row when a slot spans several views (its estimate sums over them and
+    must see them in one micro-batch), else one row per view (shorter rows pack better)."""
+    slots = sorted({int(x) for v in views for x in v.slot.tolist() if x >= 0})
+    if slot_weight is None or denom is None:
+        w, denom = aggregation(loss_agg, len(slots), len(s.response_ids))
+        slot_weight = {k: w for k in slots}
+    block = arch.attention == "block_causal"
+    per_view = [set(int(x) for x in v.slot.tolist() if x >= 0) for v in views]
+    shared = sum(len(x) for x in per_view) != len(set().union(*per_view)) if per_view else False
+    if shared:
+        return [views_to_row(s, views, arch, block, slot_weight, denom)]
+    return [views_to_row(s, [v], arch, block, slot_weight, denom if i == 0 else 0.0) for i, v in enumerate(views)]
+
+
+class Algorithm:
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
+    needs_step_predictions: ClassVar[bool] = False
+    lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
+    defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
+
+    def __init__(self, overrides: dict[str, Any] | None = None):
+        resolved = dict(COMMON)
+        resolved.update(self.defaults)
+        for k, v in (overrides or {}).items():
+            if k not in resolved:
+                raise ConfigError(f"algo.params.{k}: {self.name} has no parameter {k!r}; valid: {sorted(resolved)}")
+            if v is not None:
+                resolved[k] = v
+        if resolved["kl_anchor"] not in ("ref", "old", "none"):
+            raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
+        self.p = resolved
+
+    # ------------------------------------------------------------------ rollout contract
+    def check_sample(self, s: RLSample) -> None:
+        if self.needs_trace and (s.commit_step is None or s.block_step is None):
+            raise ValueError(f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "
+                             "engine returned none")
+
+    def objective(self, on_policy: bool):
+        """The trainer objective of this algorithm (slots -> loss)."""
+        from megadare.algos.base import SlotObjective
+
+        beta = self.p[self.lse_beta] if self.lse_beta else None
+        return SlotObjective(self.slot_loss, on_policy=on_policy, lse_beta=beta)
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.p["kl_anchor"] == "ref" and self.p["kl_coef"] > 0
+
+    # ------------------------------------------------------------------ estimator
+    def views(self, s: RLSample, arch: ModelArch, block_size: int, g: torch.Generator) -> list[View]:
+        raise NotImplementedError
+
+    def rows(self, s: RLSample, arch: ModelArch, block_size: int, g: torch.Generator) -> list[Row]:
+        """Training rows of one sample: its views in one row, aggregated per ``loss_agg``."""
+        self.check_sample(s)
+        views = self.views(s, arch, block_size, g)
+        if not views:
+            return []
+        return rows_for_views(s, views, arch, self.p["loss_agg"])
+
+    def batch_rows(self, samples: list[RLSample], arch: ModelArch, block_size: int,
+                   generator_for) -> list[Row]:
+        """Rows of a mini-batch of samples (``generator_for(index)`` seeds each sample's corruptions).
+        Per-sample by default; pairwise objectives (VRPO) override it."""
+        rows: list[Row] = []
+        for s in samples:
+            rows.extend(self.rows(s, arch, block_size, generator_for(s.index)))
+        return rows
+
+    # ------------------------------------------------------------------ objective
+    def slot_loss(self, s: Slots) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        p = self.p
+        loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"],
+                                      p["log_ratio_clamp"])
+        parts = {"clipfrac": clipped, "ratio_dev": (torch.exp(s.logp - s.old) - 1.0).abs().detach()}
+        if p["kl_coef"] > 0 and p["kl_anchor"] != "none":
+            anchor = s.ref if p["kl_anchor"] == "ref" else s.old
+            if anchor is None:
+                raise RuntimeError(f"{self.name}: KL to the reference model needs reference log-probs")
+            kl = kl_penalty(s.logp, anchor, p["kl_estimator"])
+            loss = loss + p["kl_coef"] * kl
+            parts["kl"] = kl
+        return loss, parts

@@ -1,0 +1,242 @@
+"""The pieces every RL algorithm is made of: samples, views (corruptions), rows, and the slot objective.
+
+An algorithm = corruption sampler x likelihood estimator x objective x rollout contract (DESIGN.md section 6).
+
+* A ``RLSample`` is one rollout response with its reward/advantage and, when the engine recorded it, its
+  decoding trace (the step at which every token was committed).
+* A ``View`` is one corrupted copy of prompt ++ response: the model input x_t, which positions are scored and
+  with which coefficient, and into which *slot* each scored position's log-prob goes. A slot is one quantity
+  the objective puts in a ratio: a token (d1, Coupled-GRPO, TraceRL), or a whole sequence (BGPO, VRPO). The
+  estimate of a slot is linear in the per-view log-probs,
+
+      l_s = sum_{views v} sum_{positions k of v in slot s} c_{v,k} log p_theta(y_k | x_t^{(v)}),
+
+  which covers one-step (d1), coupled/antithetic (Coupled-GRPO), Monte-Carlo ELBO (VRPO/BGPO/SPG) and trace
+  replay (TraceRL, CJ-GRPO) estimators.
+* ``views_to_row`` lays views out as one training row (several segments that never attend to each other, so a
+  slot's views always share a micro-batch): ``c ++ x_t`` for full-attention families, ``x_t ++ x_0`` with the
+  block-diffusion mask for block families (one forward scores every block against its clean predecessors), and
+  Dream's shifted logits.
+* ``SlotObjective`` turns a micro-batch's per-position log-probs into slot estimates (current, old, reference)
+  and hands them to the algorithm's per-slot loss; slots are weighted by their ``head`` weight and the trainer
+  divides by the global denominator (token-mean or sequence-mean aggregation).
+
+Corruptions are drawn from a generator seeded by (seed, step, sample, iteration) and stored in the rows, so
+old, reference and current log-probs all see the same masks (never a global reseed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from megadare.models.family import ModelArch
+from megadare.trainer.batch import MicroBatch, Row
+
+LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
+
+
+@dataclass
+class RLSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float
+    advantage: float | list[float]         # per response, or per response token (value-model baselines)
+    index: int = 0                         # position in the global batch (seeds its corruptions)
+    group: int = 0                         # prompt group
+    commit_step: Optional[list[int]] = None   # global denoising step of each response token (trace estimators)
+    block_step: Optional[list[int]] = None    # step inside the token's block
+    truncated: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def token_advantages(self) -> torch.Tensor:
+        L = len(self.response_ids)
+        if isinstance(self.advantage, (list, tuple, torch.Tensor)):
+            a = torch.as_tensor(self.advantage, dtype=torch.float32)
+            if a.shape != (L,):
+                raise ValueError(f"sample {self.index}: {a.numel()} token advantages for {L} response tokens")
+            return a
+        return torch.full((L,), float(self.advantage))
+
+
+@dataclass
+class View:
+    """One corrupted copy of prompt ++ response (possibly cut after ``length`` positions)."""
+
+    tokens: torch.Tensor          # [n] model input x_t (n <= P + L)
+    coef: torch.Tensor            # [n] float, c_{v,k} (0 where not scored)
+    slot: torch.Tensor            # [n] long, slot of each scored position (-1 = not scored)
+    labels: Optional[torch.Tensor] = None   # [n] targets when not the response itself (MDPO's intermediate x0)
+    adv: Optional[torch.Tensor] = None      # [n] advantages when they differ per view (MDPO's step advantages)
+
+
+def response_slots(P: int, L: int) -> torch.Tensor:
+    """Slot ids for token-level estimators: response token k -> slot k; prompt -> -1."""
+    return torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(L)])
+
+
+def slot_heads(slot: torch.Tensor) -> torch.Tensor:
+    """True at the first position of every slot (where per-slot quantities are read)."""
+    head = torch.zeros_like(slot, dtype=torch.bool)
+    seen: set[int] = set()
+    for i, s in enumerate(slot.tolist()):
+        if s >= 0 and s not in seen:
+            seen.add(s)
+            head[i] = True
+    return head
+
+
+def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_diffusion: bool,
+                 slot_weight: dict[int, float], denom: float, token_adv: Optional[torch.Tensor] = None) -> Row:
+    """One row holding every view of a sample (one segment each).
+
+    ``slot_weight[s]``: the aggregation weight of slot s (1 for token-mean, 1/L for sequence-mean ...), put on
+    the slot's first position as ``head``; ``denom``: the sample's share of the global denominator.
+    ``token_adv``: advantage per response token (default: the sample's advantage everywhere).
+    """
+    x0 = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
+    P = len(sample.prompt_ids)
+    adv_tok = sample.token_advantages() if token_adv is None else token_adv
+    adv_pos = torch.cat([torch.zeros(P), adv_tok])
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "labels", "weight", "pos", "stream", "seg",
+                                                            "slot", "head", "adv", "tok")}
+    tok_pos = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(len(sample.response_ids))])
+    seen: set[int] = set()
+    for vi, v in enumerate(views):
+        n = v.tokens.shape[0]
+        pos = torch.arange(n)
+        labels = (x0[:n] if v.labels is None else v.labels).clone()
+        coef, slot = v.coef.float().clone(), v.slot.clone()
+        adv = (adv_pos[:n] if v.adv is None else v.adv.float()).clone()
+        tok = tok_pos[:n].clone()  # which response token each position's target is (-1: prompt)
+        if arch.logits_shift:  # Dream: position k-1 predicts token k
+            if P == 0:
+                raise ValueError("a shifted-logit family (Dream) needs a non-empty prompt")
+            labels = torch.cat([labels[1:], labels[:1]])
+            coef = torch.cat([coef[1:], torch.zeros(1)])
+            slot = torch.cat([slot[1:], torch.full((1,), -1, dtype=torch.long)])
+            adv = torch.cat([adv[1:], torch.zeros(1)])
+            tok = torch.cat([tok[1:], torch.full((1,), -1, dtype=torch.long)])
+        head = torch.zeros(n)
+        for i in (slot >= 0).nonzero().flatten().tolist():
+            s = int(slot[i])
+            if s not in seen:
+                seen.add(s)
+                head[i] = slot_weight.get(s, 0.0)
+        if block_diffusion:  # x_t ++ x_0: the clean half is context only
+            z, zl = torch.zeros(n), torch.full((n,), -1, dtype=torch.long)
+            cat = lambda a, b: torch.cat([a, b])  # noqa: E731
+            tokens, labels = cat(v.tokens, x0[:n]), cat(labels, x0[:n])
+            coef, slot, head, adv, tok = cat(coef, z), cat(slot, zl), cat(head, z), cat(adv, z), cat(tok, zl)
+            pos = cat(pos, pos)
+            stream = cat(torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long))
+        else:
+            tokens, stream = v.tokens, torch.zeros(n, dtype=torch.long)
+        m = tokens.shape[0]
+        parts["tokens"].append(tokens)
+        parts["labels"].append(labels)
+        parts["weight"].append(coef)
+        parts["pos"].append(pos)
+        parts["stream"].append(stream)
+        parts["seg"].append(torch.full((m,), vi, dtype=torch.long))
+        parts["slot"].append(slot)
+        parts["head"].append(head)
+        parts["adv"].append(adv)
+        parts["tok"].append(tok)
+    cat_ = {k: torch.cat(v) for k, v in parts.items()}
+    return Row(tokens=cat_["tokens"], labels=cat_["labels"], weight=cat_["weight"], position_ids=cat_["pos"],
+               stream_ids=cat_["stream"] if block_diffusion else None, denom=denom,
+               segment_ids=cat_["seg"] if len(views) > 1 else None,
+               extras={"slot": cat_["slot"], "head": cat_["head"], "adv": cat_["adv"], "tok": cat_["tok"],
+                       "sample": torch.full_like(cat_["tok"], sample.index)})
+
+
+def aggregation(loss_agg: str, n_slots: int, length: int = 0) -> tuple[float, float]:
+    """(head weight of each slot, the sample's denominator share) for a sample with ``n_slots`` slots.
+
+    token_mean: every slot of the global batch counts once, divided by the number of slots (DAPO / verl
+    ``token-mean``); seq_mean_token_mean: mean over a sample's slots, then over samples (GRPO's original);
+    seq_mean_token_sum: sum over a sample's slots, mean over samples (Dr. GRPO-style, constant normaliser);
+    seq_mean_length: sum over a sample's slots / its response length, mean over samples (dLLM-RL's sum / L1)."""
+    if loss_agg == "token_mean":
+        return 1.0, float(n_slots)
+    if loss_agg == "seq_mean_token_mean":
+        return 1.0 / max(n_slots, 1), 1.0
+    if loss_agg == "seq_mean_token_sum":
+        return 1.0, 1.0
+    if loss_agg == "seq_mean_length":
+        return 1.0 / max(length, 1), 1.0
+    raise ValueError(f"rl.loss_agg={loss_agg!r} unknown; choose one of {LOSS_AGG}")
+
+
+@dataclass
+class Slots:
+    """Per-slot tensors of one micro-batch, handed to an algorithm's slot loss."""
+
+    logp: torch.Tensor             # current estimate l_s (differentiable)
+    old: torch.Tensor              # same estimate under the old policy (no grad)
+    ref: Optional[torch.Tensor]    # under the reference policy (None when the algorithm has no ref KL)
+    adv: torch.Tensor
+    weight: torch.Tensor           # aggregation (head) weight
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+SlotLoss = Callable[[Slots], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _lse(inv: torch.Tensor, n: int, logp: torch.Tensor, coef: torch.Tensor, beta: float) -> torch.Tensor:
+    """(1/beta) log sum_{positions of s} coef * p^beta per slot (SPG's Renyi upper bound; coef > 0)."""
+    z = beta * logp + torch.log(coef.clamp_min(1e-30))
+    m = torch.full((n,), float("-inf"), dtype=z.dtype, device=z.device).scatter_reduce(
+        0, inv, z.detach(), reduce="amax")
+    tot = torch.zeros(n, dtype=z.dtype, device=z.device).index_add(0, inv, torch.exp(z - m[inv]))
+    return (m + torch.log(tot)) / beta
+
+
+def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: Optional[float] = None) -> Slots:
+    """Per-slot estimates from per-position log-probs (sum of coef * log p over each slot's positions); with
+    ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``)."""
+    x = mb.extras
+    slot, row = x["slot"], x["row_ids"]
+    sel = slot >= 0
+    b_idx = torch.arange(slot.shape[0], device=slot.device).unsqueeze(1).expand_as(slot)
+    key = (b_idx[sel] * (int(row.max()) + 2) + row[sel]) * (int(slot.max()) + 2) + slot[sel]
+    uniq, inv = torch.unique(key, return_inverse=True)
+    n = uniq.numel()
+    w = mb.weight[sel].float()
+
+    def reduce(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=v.dtype, device=v.device).index_add(0, inv, v)
+
+    lp = reduce(w * logp[sel])
+    old = lp.detach() if on_policy or "old" not in x else reduce(w * x["old"][sel].float())
+    ref = reduce(w * x["ref"][sel].float()) if "ref" in x else None
+    head = reduce(x["head"][sel].float())
+    # the advantage is constant over a slot: read it at any position (the max of a constant is the constant)
+    adv = torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(
+        0, inv, x["adv"][sel].float(), reduce="amax")
+    extra = {}
+    if lse_beta is not None:
+        extra["lse"] = _lse(inv, n, logp[sel], w, lse_beta)
+        extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x
+                            else _lse(inv, n, x["old"][sel].float(), w, lse_beta))
+    return Slots(logp=lp, old=old, ref=ref, adv=adv, weight=head, extra=extra)
+
+
+class SlotObjective:
+    """trainer.step objective: per-position log-probs -> slots -> sum_s head_s * loss_s."""
+
+    def __init__(self, slot_loss: SlotLoss, on_policy: bool = False, lse_beta: Optional[float] = None):
+        self.slot_loss = slot_loss
+        self.on_policy = on_policy
+        self.lse_beta = lse_beta
+
+    def __call__(self, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        s = gather_slots(mb, logp, self.on_policy, self.lse_beta)
+        loss, parts = self.slot_loss(s)
+        total = (s.weight * loss).sum() + (logp * 0).sum()  # (an all-padding micro-batch still has a graph)
+        report = {"pg_loss": total.detach()}
+        for k, v in parts.items():
+            report[k] = (s.weight * v.detach()).sum()
+        return total, report

@@ -1,0 +1,37 @@
+"""CJ-GRPO: consistency-trajectory GRPO (Yang, Chen, Hu, Shao, arXiv:2509.23924; DARE
+``workers/actor/llada_dp_actor_cj_grpo.py``, ``block_diffusion_utils.py::compute_cj_block_step_token_weights``).
+
+Estimator: replay every decoding step of the recorded trajectory (shrink 1): the state x_k before step k
+(tokens committed earlier clean, the rest masked), scoring the tokens committed at k. Objective: per-step
+token PPO-clip averaged within each step, then over the steps of a sample ("paper-exact" weighting):
+
+    L = -(1/G) sum_i (1/K_i) sum_k (1/|U_ik|) sum_{j in U_ik} min(rho_j A_i, clip(rho_j, 1 +- eps) A_i)
+
+with U_ik the tokens committed at step k. Defaults: eps 0.2, no KL; pairs with few-step decoding (EOSER/ASS).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from megadare.algos.algorithm import Algorithm
+from megadare.algos.algorithm import rows_for_views
+from megadare.algos.trace_replay import replay_views
+
+
+class CJGRPO(Algorithm):
+    name = "cj_grpo"
+    paper = "arXiv:2509.23924"
+    needs_trace = True
+    defaults = {"eps_low": 0.2}
+
+    def rows(self, s, arch, block_size, g):
+        self.check_sample(s)
+        block = arch.attention == "block_causal"
+        views = [v for v, _ in replay_views(s, arch.mask_token_id, block_size, 1, block_family=block)]
+        # one "step" = (block, block-local step) for block families, the global step otherwise
+        P = len(s.prompt_ids)
+        key = [((P + k) // block_size, s.block_step[k]) if block else s.commit_step[k]
+               for k in range(len(s.response_ids))]
+        sizes = Counter(key)
+        weights = {k: 1.0 / (len(sizes) * sizes[key[k]]) for k in range(len(key))}
+        return rows_for_views(s, views, arch, "", weights, 1.0) if views else []

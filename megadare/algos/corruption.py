@@ -1,0 +1,139 @@
+"""Corruption samplers of the first estimator kind: views of prompt ++ response drawn from a generator.
+
+Notation: prompt c (length P), response y (length L), x_t the corrupted sequence, M the mask token. Each
+function returns ``View``s (algos/base.py) whose scored positions add c_{v,k} * log p(y_k | x_t^{(v)}) into a
+slot. ``token`` slots: one per response token (shared by all views: the estimate sums over views); ``view``
+slots: one per (view, token); ``sequence`` slots: one per view (the whole response), or one per sample.
+
+* ``one_step``   d1 (arXiv:2504.12216): y fully masked, each prompt token masked w.p. p_prompt; c = 1.
+                 log pi(y_k | c) ~= log p(y_k | c', M..M) (mean-field one-step estimate).
+* ``coupled``    Coupled-GRPO (DiffuCoder, arXiv:2506.20639, ``coupled_grpo.py::forward_process``):
+                 t ~ U(t_low, t_high), one uniform draw u per token; views a = all masked, b = {u < t},
+                 c = {u >= t} (complementary: every token masked exactly once in b or c);
+                 l_k = 1/2 [ log f^a_k + w_k log f^{b|c}_k ],  w_k = 1/t if masked in b else 1/(1 - t).
+* ``random_mask`` dLLM-RL random-masking RL (arXiv:2509.06949 appendix; ``train/rl_*.py`` random_masking):
+                 block families: per block p_b ~ U(0.1, 0.9), tokens masked i.i.d. w.p. p_b; full attention:
+                 t ~ U(0.1, 0.9) i.i.d.; ``coupled`` adds the exact complement. c = 1 on masked tokens, no 1/t.
+* ``stratified`` count-stratified discrete ELBO (LLaDA 1.5 / VRPO arXiv:2505.19223, BGPO arXiv:2510.11683;
+                 DARE ``_forward_process_vrpo``): n counts m_j evenly spaced over [1, L] with a random offset,
+                 a uniform subset of size m_j masked, c = L / m_j (p_mask = m_j / L); B_j = sum_masked c log p.
+* ``blockwise``  block-wise ELBO (SPG arXiv:2510.09541, ``_forward_process_spg``): a uniformly chosen response
+                 block b (earlier blocks clean, later ones fully masked), m ~ U{1..|b|} of its tokens masked,
+                 prompt tokens masked w.p. p_prompt; c = n_blocks * |b| / m on the masked tokens of b.
+"""
+from __future__ import annotations
+
+import torch
+
+from megadare.algos.base import View
+from megadare.diffusion.masking import mask_tokens
+
+
+def _seq(prompt: list[int], response: list[int]) -> tuple[torch.Tensor, int, int]:
+    x0 = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+    return x0, len(prompt), len(response)
+
+
+def _slots(P: int, L: int, scored: torch.Tensor, kind: str, view: int) -> torch.Tensor:
+    """Slot ids for the scored positions of view ``view`` (scored: [P + L] bool)."""
+    k = torch.arange(P + L) - P
+    if kind == "token":
+        s = k
+    elif kind == "view":
+        s = view * L + k
+    elif kind == "sequence_per_view":
+        s = torch.full((P + L,), view, dtype=torch.long)
+    elif kind == "sequence":
+        s = torch.zeros(P + L, dtype=torch.long)
+    else:
+        raise ValueError(f"slot kind {kind!r} unknown")
+    return torch.where(scored, s, torch.full_like(s, -1))
+
+
+def _view(x0: torch.Tensor, masked: torch.Tensor, coef: torch.Tensor, P: int, L: int, mask_id: int,
+          slots: str, vi: int, scored: torch.Tensor | None = None) -> View:
+    scored = masked.clone() if scored is None else scored
+    scored[:P] = False
+    return View(tokens=mask_tokens(x0, masked, mask_id), coef=torch.where(scored, coef, torch.zeros_like(coef)),
+                slot=_slots(P, L, scored, slots, vi))
+
+
+def one_step(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator,
+             p_prompt: float = 0.15, slots: str = "token") -> list[View]:
+    x0, P, L = _seq(prompt, response)
+    masked = torch.zeros(P + L, dtype=torch.bool)
+    masked[P:] = True
+    masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
+    return [_view(x0, masked, torch.ones(P + L), P, L, mask_id, slots, 0)]
+
+
+def coupled(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, t_low: float = 0.2,
+            t_high: float = 0.8) -> list[View]:
+    x0, P, L = _seq(prompt, response)
+    t = t_low + (t_high - t_low) * float(torch.rand((), generator=g, dtype=torch.float64))
+    u = torch.cat([torch.ones(P, dtype=torch.float64), torch.rand(L, generator=g, dtype=torch.float64)])
+    resp = torch.arange(P + L) >= P
+    full = resp.clone()
+    b = (u < t) & resp
+    c = resp & ~b
+    return [_view(x0, full, torch.full((P + L,), 0.5), P, L, mask_id, "token", 0),
+            _view(x0, b, torch.full((P + L,), 0.5 / t), P, L, mask_id, "token", 1),
+            _view(x0, c, torch.full((P + L,), 0.5 / (1.0 - t)), P, L, mask_id, "token", 2)]
+
+
+def random_mask(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int = 0,
+                p_low: float = 0.1, p_high: float = 0.9, n_views: int = 1, couple: bool = False) -> list[View]:
+    """``block_size`` > 0: one masking probability per block of the global grid (block families)."""
+    x0, P, L = _seq(prompt, response)
+    resp = torch.arange(P + L) >= P
+    views = []
+    for j in range(n_views):
+        if block_size > 0:
+            blocks = torch.arange(P + L) // block_size
+            p = p_low + (p_high - p_low) * torch.rand(int(blocks[-1]) + 1, generator=g, dtype=torch.float64)
+            p_pos = p[blocks]
+        else:
+            p_pos = torch.full((P + L,), p_low + (p_high - p_low) * float(torch.rand((), generator=g)),
+                               dtype=torch.float64)
+        masked = (torch.rand(P + L, generator=g, dtype=torch.float64) < p_pos) & resp
+        views.append(_view(x0, masked, torch.ones(P + L), P, L, mask_id, "view", len(views)))
+        if couple:
+            views.append(_view(x0, resp & ~masked, torch.ones(P + L), P, L, mask_id, "view", len(views)))
+    return views
+
+
+def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, n_mc: int = 4,
+               slots: str = "sequence_per_view", normalize_length: bool = False) -> list[View]:
+    """``normalize_length`` divides each estimate by L (BGPO's per-length ELBO)."""
+    x0, P, L = _seq(prompt, response)
+    if L == 0:
+        return []
+    offset = float(torch.rand((), generator=g, dtype=torch.float64))
+    views = []
+    for j in range(n_mc):
+        m = min(L, max(1, int(1 + (j + offset) * L / n_mc)))
+        pick = torch.randperm(L, generator=g)[:m] + P
+        masked = torch.zeros(P + L, dtype=torch.bool)
+        masked[pick] = True
+        c = (L / m) / (L if normalize_length else 1.0) / (n_mc if slots == "sequence" else 1.0)
+        views.append(_view(x0, masked, torch.full((P + L,), c), P, L, mask_id, slots, j))
+    return views
+
+
+def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
+              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view") -> list[View]:
+    x0, P, L = _seq(prompt, response)
+    n_blocks = -(-L // block_size)
+    views = []
+    for j in range(n_mc):
+        b = int(torch.randint(n_blocks, (1,), generator=g))
+        lo, hi = P + b * block_size, min(P + L, P + (b + 1) * block_size)
+        m = int(torch.randint(1, hi - lo + 1, (1,), generator=g))
+        in_b = torch.zeros(P + L, dtype=torch.bool)
+        in_b[lo + torch.randperm(hi - lo, generator=g)[:m]] = True
+        masked = in_b.clone()
+        masked[hi:] = True
+        masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
+        coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
+        views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=in_b))
+    return views

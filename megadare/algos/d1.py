@@ -1,0 +1,27 @@
+"""d1 / diffu-GRPO (Zhao, Gupta, Zheng, Grover, arXiv:2504.12216; code: dllm-reasoning/d1 ``diffu_grpo``).
+
+Estimator (one-step mean-field): the whole response is masked, each prompt token is masked with probability
+p_prompt (a fresh draw per inner iteration, stored with the batch), one forward:
+
+    log pi(y_k | c) ~= log p_theta(y_k | c', M ... M)
+
+Objective: token-level GRPO with a k3 KL to a reference model,
+
+    L = -(1 / sum_i |y_i|) sum_i sum_k [ min(rho_ik A_i, clip(rho_ik, 1 - eps, 1 + eps) A_i) - beta KL3_ik ].
+
+Defaults as published (``diffu-grpo/slurm_scripts/train.yaml``): eps 0.5, beta 0.04, p_prompt 0.15, G 6,
+mu 12 inner updates (DARE runs 1), lr 3e-6, temperature 0.9. Rollout contract: final sequences only.
+"""
+from __future__ import annotations
+
+from megadare.algos.algorithm import Algorithm
+from megadare.algos.corruption import one_step
+
+
+class D1(Algorithm):
+    name = "d1"
+    paper = "arXiv:2504.12216"
+    defaults = {"eps_low": 0.5, "kl_coef": 0.04, "kl_anchor": "ref", "kl_estimator": "k3", "p_prompt": 0.15}
+
+    def views(self, s, arch, block_size, g):
+        return one_step(s.prompt_ids, s.response_ids, arch.mask_token_id, g, p_prompt=self.p["p_prompt"])

@@ -1,0 +1,29 @@
+"""Random-masking RL and coupled RL (dLLM-RL, Wang et al., arXiv:2509.06949; ``train/rl_*.py``,
+``random_masking`` / ``coupled`` training modes).
+
+Estimator: block families draw a masking probability p_b ~ U(0.1, 0.9) per block of the global grid and mask
+response tokens i.i.d. with it (one noisy copy, x_t ++ x_0 layout); full-attention families draw t ~ U(0.1, 0.9)
+and mask i.i.d., ``n_views`` fragments per response (dLLM-RL: 35). ``couple=true`` adds the exact complement
+of each fragment with the same advantage (coupled RL). Every masked token has its own ratio (no 1/t weight):
+
+    L = -(1/L1) sum_fragments sum_{k masked} min(rho_k A, clip(rho_k, 1 +- eps) A) + beta KL3(pi_theta || pi_old)
+
+Defaults as TraceRL's loss: eps 0.2, beta 0.01 to the old policy, sum over targets / response length.
+"""
+from __future__ import annotations
+
+from megadare.algos.algorithm import Algorithm
+from megadare.algos.corruption import random_mask
+
+
+class RandomMaskRL(Algorithm):
+    name = "random_mask_rl"
+    paper = "arXiv:2509.06949"
+    defaults = {"eps_low": 0.2, "kl_coef": 0.01, "kl_anchor": "old", "kl_estimator": "k3",
+                "loss_agg": "seq_mean_length", "p_low": 0.1, "p_high": 0.9, "n_views": None, "couple": False}
+
+    def views(self, s, arch, block_size, g):
+        block = arch.attention == "block_causal"
+        n = self.p["n_views"] or (1 if block else 35)
+        return random_mask(s.prompt_ids, s.response_ids, arch.mask_token_id, g, block_size if block else 0,
+                           self.p["p_low"], self.p["p_high"], n, self.p["couple"])

@@ -1,0 +1,43 @@
+"""SPG: sandwiched policy gradient (Wang et al., arXiv:2510.09541; code: facebookresearch/SPG; DARE
+``compute_policy_loss_spg``, ``_forward_process_spg``).
+
+Estimator: block-wise masking (algos/corruption.py ``blockwise``): a random response block b, earlier blocks
+clean, later ones fully masked, m ~ U{1..|b|} of b's tokens masked, prompt tokens masked w.p. 0.15; ``n_mc``
+draws per iteration, each masked token of b weighted by c = n_blocks |b| / (m n_mc). Per token k:
+
+    ELBO_k = sum_m c_m log p_theta(y_k | x_m)                       (lower bound, linear in log-probs)
+    EUBO_k = (1/beta) log sum_m c_m p_theta(y_k | x_m)^beta          (Renyi-type upper bound)
+
+Objective (no ratio, no clipping): maximise J = (1/G) sum_i A_i L_i with the sequence mean over tokens of
+
+    L_i = ELBO_i                              if A_i > 0  (raising a lower bound raises the likelihood)
+    L_i = w EUBO_i + (1 - w) ELBO_i           if A_i <= 0 (lowering an upper bound lowers it; w = mix)
+
+Defaults (``spg/slurm_scripts/spg_mix/*.sbatch``): beta 1.5 (math), mix w 0.5, n_mc 2, mu 4, no KL, lr 3e-6.
+"""
+from __future__ import annotations
+
+import torch
+
+from megadare.algos.algorithm import Algorithm
+from megadare.algos.base import Slots
+from megadare.algos.corruption import blockwise
+
+
+class SPG(Algorithm):
+    name = "spg"
+    paper = "arXiv:2510.09541"
+    lse_beta = "eubo_beta"
+    defaults = {"loss_agg": "seq_mean_token_mean", "eubo_beta": 1.5, "mix": 0.5, "n_mc": 2, "p_prompt": 0.15,
+                "block": 32}
+
+    def views(self, s, arch, block_size, g):
+        b = block_size if arch.attention == "block_causal" else self.p["block"]
+        return blockwise(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"],
+                         self.p["p_prompt"], slots="token")
+
+    def slot_loss(self, s: Slots):
+        elbo, eubo = s.logp, s.extra["lse"]
+        w = self.p["mix"]
+        bound = torch.where(s.adv > 0, elbo, w * eubo + (1.0 - w) * elbo)
+        return -s.adv * bound, {"elbo": elbo.detach(), "eubo": eubo.detach()}

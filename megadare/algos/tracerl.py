@@ -1,0 +1,36 @@
+"""TraceRL (Wang, Yang, Li, Tian, Shen, Wang, arXiv:2509.06949; code: Gen-Verse/dLLM-RL ``train/rl_trado.py``,
+``rl_llada.py``).
+
+Estimator: replay the recorded decoding trajectory (algos/trace_replay.py). Tokens are grouped by the step at
+which the sampler committed them; ``shrink`` s merges every s consecutive distinct steps (per block for block
+families) into one fragment; each fragment scores its tokens from the state before them:
+
+    L = -(1/L1) sum_fragments sum_{k in fragment} min(rho_k A_k, clip(rho_k, 1 +- eps) A_k)
+        + beta KL3(pi_theta || pi_old),      rho_k = exp(log p_theta(y_k | x_frag) - log p_old(y_k | x_frag)),
+
+log-ratio clamped to +-10. Advantages: per-prompt z-score of 0/1 rewards with the population std
+(``rl.advantage_std=population``), responses truncated at max length counted wrong, prompts with accuracy
+outside [0.2, 0.8] dropped (``rl.accuracy_band``). Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01,
+shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6, temperature 1.0, ``low_confidence_dynamic`` 0.9.
+With ``value_model=true`` a second Megatron model (same backbone, zero-initialised scalar head, own optimizer,
+``value_lr`` 5e-6) gives token-wise values and the advantages become TraceRL's step-level GAE
+(algos/value_model.py; gamma = lambda = 1 by default, value clip 0.2); otherwise they are group-relative.
+"""
+from __future__ import annotations
+
+from megadare.algos.algorithm import Algorithm
+from megadare.algos.trace_replay import replay_views
+
+
+class TraceRL(Algorithm):
+    name = "tracerl"
+    paper = "arXiv:2509.06949"
+    needs_trace = True
+    defaults = {"eps_low": 0.2, "kl_coef": 0.01, "kl_anchor": "old", "kl_estimator": "k3",
+                "loss_agg": "seq_mean_length", "log_ratio_clamp": 10.0, "shrink": None,
+                "value_model": False, "value_lr": 5e-6, "value_clip": 0.2, "gamma": 1.0, "lam": 1.0}
+
+    def views(self, s, arch, block_size, g):
+        block = arch.attention == "block_causal"
+        shrink = self.p["shrink"] or (1 if block else 8)
+        return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, shrink, block_family=block)]

@@ -1,0 +1,87 @@
+"""`megadare demo`: SFT then RL of a tiny block-diffusion model on CPU, through the real path.
+
+1. SFT (megadare/configs/demo_sft.yaml): a tiny random SDAR (block diffusion, block 4) learns to reverse
+   3-letter strings from noisy demonstrations -- half of them copy the string instead -- so it imitates the
+   mistake.
+2. RL (megadare/configs/demo_rl.yaml): the SFT checkpoint is trained with a zoo algorithm (TraceRL by
+   default) and a verifiable reward (exact match with the true reversal): a Megatron actor, a Ray-managed
+   built-in rollout engine, weights synced into the engine every step.
+3. Held-out accuracy (strings never seen in SFT or RL, greedy decoding) before and after RL; tensorboard logs
+   and ``reward_curve.png`` under the work directory. The last line reads
+
+       held-out accuracy: SFT <a> -> RL <b>
+
+``megadare demo --foundation`` runs the conversion / parallelism demo of the foundation instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from importlib import resources
+from typing import Optional
+
+
+def demo_configs(workdir: str, sft_steps: Optional[int], rl_steps: Optional[int], algo: str, nproc: int,
+                 overrides: list[str]):
+    """(SFT config, RL config) of the demo, with outputs under ``workdir``."""
+    from megadare.config import load_config
+
+    base = resources.files("megadare") / "configs"
+    sft_over = [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={sft_steps}"] if sft_steps else [])
+    rl_over = [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt", f"algo.name={algo}"]
+    rl_over += [f"rl.steps={rl_steps}"] if rl_steps else []
+    if nproc > 1:
+        sft_over.append(f"parallel.world_size={nproc}")
+        rl_over.append(f"parallel.world_size={nproc}")
+    sft = load_config(str(base / "demo_sft.yaml"), sft_over + [o for o in overrides if not o.startswith("rl.")])
+    rl = load_config(str(base / "demo_rl.yaml"), rl_over + [o for o in overrides if not o.startswith("sft.")])
+    return sft, rl
+
+
+def run_demo(workdir: str, sft_steps: Optional[int] = None, rl_steps: Optional[int] = None, algo: str = "tracerl",
+             nproc: int = 1, overrides: Optional[list[str]] = None) -> dict:
+    """SFT -> RL; returns {'sft_accuracy', 'rl_accuracy', 'history', 'evals', 'png', 'seconds'}."""
+    from megadare.parallel.launch import spawn
+    from megadare.trainer.plots import plot_rl_curve
+    from megadare.trainer.rl import rl_worker
+    from megadare.trainer.sft_loop import sft_worker
+
+    t0 = time.time()
+    sft_cfg, rl_cfg = demo_configs(workdir, sft_steps, rl_steps, algo, nproc, overrides or [])
+    spawn(sft_worker, nproc, sft_cfg, timeout_s=3600)
+    out = spawn(rl_worker, nproc, rl_cfg, timeout_s=3600)[0]
+    evals = out["evals"]
+    first, last = min(evals), max(evals)
+    png = plot_rl_curve(out["history"], evals, os.path.join(workdir, "reward_curve.png"),
+                        title=f"{algo} on a tiny SDAR (reverse task)")
+    return {"sft_accuracy": evals[first]["accuracy"], "rl_accuracy": evals[last]["accuracy"],
+            "history": out["history"], "evals": evals, "png": png, "seconds": time.time() - t0}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--foundation" in argv:
+        from megadare import demo_foundation
+
+        argv.remove("--foundation")
+        return demo_foundation.main(argv)
+    ap = argparse.ArgumentParser(prog="megadare demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="runs/demo", help="outputs (checkpoints, tensorboard, PNG)")
+    ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
+    ap.add_argument("--sft-steps", type=int, default=None)
+    ap.add_argument("--rl-steps", type=int, default=None)
+    ap.add_argument("--nproc", type=int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    warnings.filterwarnings("ignore")
+    print(f"megadare demo: SFT then RL ({a.algo}) of a tiny SDAR on CPU; outputs in {a.workdir}", flush=True)
+    res = run_demo(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, a.overrides)
+    print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {a.workdir}; "
+          f"{res['seconds']:.0f} s")
+    print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
+    return 0

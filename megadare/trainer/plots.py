@@ -1,0 +1,33 @@
+"""PNG plots of a run (matplotlib, headless)."""
+from __future__ import annotations
+
+import os
+
+
+def plot_rl_curve(history: list[dict[str, float]], evals: dict[int, dict[str, float]], path: str,
+                  title: str = "RL") -> str:
+    """Mean rollout reward per RL step, with held-out accuracy at the evaluated steps, written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    steps = list(range(1, len(history) + 1))
+    ax.plot(steps, [h.get("reward", float("nan")) for h in history], label="rollout reward (train prompts)")
+    if evals:
+        xs = sorted(evals)
+        ax.plot(xs, [evals[x]["accuracy"] for x in xs], "o--", label="held-out accuracy (greedy)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

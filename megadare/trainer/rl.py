@@ -1,0 +1,439 @@
+"""The RL loop: prompts -> Ray-managed rollout engines -> rewards -> advantages -> the algorithm's rows ->
+Megatron train step(s) -> weight sync -> next step.
+
+    megadare rl --config examples/configs/rl_sdar_tiny.yaml [--nproc N] [key=value ...]
+
+Every rank runs this function (torchrun / Slurm / ``--nproc``); rank 0 owns the Ray engines, scores rewards and
+broadcasts the step's samples; all ranks build the same rows (corruptions seeded per (seed, step, sample)), take
+their data-parallel share, and train. Checkpoints hold model, optimizer, scheduler and the RL step; a restarted
+run resumes from the newest one and pushes its weights into fresh engines before the first rollout.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megadare.config import Config, ConfigError, to_yaml
+
+
+def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, record_steps: bool = False):
+    """The rollout's SamplingParams (block size checked against the model's)."""
+    from megadare.rollout.engine import SamplingParams
+
+    r = cfg.rollout
+    block = r.block_size or (arch.block_size if arch.attention == "block_causal" else 32)
+    if arch.attention == "block_causal" and block != arch.block_size:
+        raise ConfigError(f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "
+                          "sampler, the trainer and the model must agree (set model.block_size to change it)")
+    return SamplingParams(max_new_tokens=r.max_new_tokens, block_size=block,
+                          steps_per_block=r.steps_per_block or block, algorithm=r.algorithm, threshold=r.threshold,
+                          temperature=r.eval_temperature if evaluation else r.temperature, top_k=r.top_k,
+                          top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation)
+
+
+def score(reward_fn, tok, trajectories, records) -> tuple[list[float], dict[str, float]]:
+    """Rewards of decoded responses (one implementation for RL and evaluation)."""
+    from megadare.rewards import score_batch
+
+    texts = [tok.decode(t.response_ids) for t in trajectories]
+    scores, stats = score_batch(reward_fn, texts, records)
+    return [float(x) for x in scores], {k: float(v) for k, v in stats.to_dict().items()
+                                       if k in ("errors", "timeouts", "wall_s")}
+
+
+def evaluate(manager, tok, reward_fn, prompts, params) -> dict[str, float]:
+    """Held-out accuracy (mean reward) and mean response length under ``params``."""
+    if not prompts:
+        return {}
+    traj = manager.generate([p.prompt_ids for p in prompts], params)
+    scores, _ = score(reward_fn, tok, traj, [p.record for p in prompts])
+    return {"accuracy": sum(scores) / len(scores),
+            "response_length": sum(len(t.response_ids) for t in traj) / len(traj)}
+
+
+def _store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
+    """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
+    into ``mb.extras[key]`` (on the last pipeline stage)."""
+    from megadare.trainer.step import run_micro_batches
+
+    got: list[torch.Tensor] = []
+
+    def grab(mb, logp):
+        got.append(logp.detach())
+        return (logp * 0).sum(), {}
+
+    with torch.no_grad():
+        run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
+                          per_position=per_position)
+    for mb, lp in zip(micro_batches, got):
+        mb.extras[key] = lp.to(mb.weight.device)
+
+
+def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list, dict]:
+    """RLSamples with advantages (after the group filters) and the step's rollout metrics."""
+    from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
+    from megadare.algos.base import RLSample
+
+    rl = cfg.rl
+    G = rl.n_samples
+    r = torch.tensor(rewards)
+    truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
+    if rl.truncated_as_wrong:
+        r = truncated_as_wrong(r, truncated)
+    adv = group_advantages(r, G, rl.advantage, rl.advantage_std)
+    keep = filter_groups(r, G, rl.filter_all_equal, tuple(rl.accuracy_band) if rl.accuracy_band else None)
+    samples = []
+    for i, t in enumerate(trajectories):
+        if not keep[i] or not t.response_ids:
+            continue
+        extra = {}
+        if t.step_predictions is not None:
+            extra = {"step_predictions": t.step_predictions, "step_confidences": t.step_confidences}
+        samples.append(RLSample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), reward=float(r[i]),
+                                advantage=float(adv[i]), index=i, group=i // G, commit_step=list(t.commit_step),
+                                block_step=list(t.block_step), truncated=bool(truncated[i]), extra=extra))
+    metrics = {"reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+               "kept_fraction": float(keep.float().mean()), "truncated": float(truncated.float().mean()),
+               "response_length": sum(len(t.response_ids) for t in trajectories) / max(len(trajectories), 1),
+               "forwards_per_token": sum(t.num_forwards for t in trajectories)
+               / max(sum(len(t.response_ids) for t in trajectories), 1)}
+    return samples, metrics
+
+
+def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
+    """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
+    from megadare.algos import build_algorithm
+    from megadare.algos.sft import example_generator
+    from megadare.config import validate
+    from megadare.convert import mapping_for
+    from megadare.data.prompt_data import build_prompts, load_prompt_splits
+    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.rewards import load_reward
+    from megadare.rollout.weight_sync import sync_weights
+    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
+    from megadare.trainer.data_order import StepSampler
+    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
+    from megadare.trainer.monitor import Monitor
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.signals import StopSignal
+
+    p, t, rl = cfg.parallel, cfg.train, cfg.rl
+    # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the rollout engines route with the synced bias,
+    # and forward-only passes (old / reference log-probs) must not feed the balancing statistics
+    t.moe_bias_update_rate = 0.0
+    if p.cp > 1:
+        raise ConfigError("parallel.cp > 1 is not supported by the RL loop yet (slot estimates would span CP ranks)")
+    init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    manager = None
+    try:
+        src = resolve_model_source(cfg)
+        arch = src.arch
+        validate(cfg, arch, dist.get_world_size())
+        algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+        tok = tokenizer_for(cfg, src)
+        reward_fn = load_reward(rl.reward)
+        train_recs, held_recs, source = load_prompt_splits(cfg.data, rl, cfg.seed)
+        train_prompts = build_prompts(train_recs, tok, source, cfg.data.prompt_key, rl.answer_key,
+                                      cfg.data.messages_key)
+        held_prompts = build_prompts(held_recs, tok, source + " (held-out)", cfg.data.prompt_key, rl.answer_key,
+                                     cfg.data.messages_key)
+        block = sampling_params(cfg, arch, 0).block_size
+        kind = "block_diffusion" if arch.attention == "block_causal" else "bidirectional"
+        if algo.needs_step_predictions and block < cfg.rollout.max_new_tokens:
+            raise ConfigError(f"algo.name={algo.name} scores every intermediate answer, so the whole response must be "
+                              f"one block: rollout.block_size={block} < rollout.max_new_tokens="
+                              f"{cfg.rollout.max_new_tokens} (a full-attention family with rollout.block_size >= "
+                              "max_new_tokens)")
+
+        def load_init(chunks):
+            if cfg.checkpoint.load:
+                load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+
+        chunks = build_training_chunks(cfg, src)
+        load_init(chunks)
+        model = wrap_ddp(chunks, t.distributed_optimizer)
+        updates = rl.steps * rl.ppo_epochs * rl.mini_batches
+        optimizer, scheduler = build_optimizer(model, OptimSettings(
+            lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps,
+            lr_decay_style=t.lr_decay_style, total_steps=updates, distributed_optimizer=t.distributed_optimizer,
+            dtype=cfg.model.dtype))
+        ref_chunks = None
+        if algo.needs_ref:
+            ref_chunks = build_training_chunks(cfg, src)
+            load_init(ref_chunks)
+            for c in ref_chunks:
+                c.eval().requires_grad_(False)
+
+        save_root = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt")
+        value = None
+        if algo.p.get("value_model"):
+            value = _build_value_model(cfg, src, algo, load_init, updates)
+        step = 0
+        resume_from = latest_checkpoint(save_root)
+        if resume_from:
+            step = int(load_train_checkpoint(resume_from, model, optimizer, scheduler)["step"])
+            if value is not None:
+                load_train_checkpoint(latest_checkpoint(save_root + "_value"), *value)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            os.makedirs(cfg.logging.run_dir, exist_ok=True)
+            with open(os.path.join(cfg.logging.run_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+            manager = _start_engines(cfg, src, tok)
+        table = mapping_for(src.hf_config)[2]
+        bucket = cfg.rollout.bucket_mb << 20
+        sync_weights(model, table, [manager] if rank0 else [], version=step, bucket_bytes=bucket)
+
+        sampler = StepSampler(len(train_prompts), rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+        monitor = Monitor(cfg.logging.run_dir, rl.steps, start_step=step, tensorboard=cfg.logging.tensorboard,
+                          jsonl=cfg.logging.jsonl, log_interval=cfg.logging.log_interval, desc="rl")
+        eval_params = sampling_params(cfg, arch, cfg.seed, evaluation=True)
+        evals: dict[int, dict] = {}
+
+        def run_eval(at: int) -> None:
+            res = [evaluate(manager, tok, reward_fn, held_prompts, eval_params) if rank0 else None]
+            dist.broadcast_object_list(res, src=0)
+            if res[0]:
+                evals[at] = res[0]
+                monitor.log(at, {f"eval/{k}": v for k, v in res[0].items()}, advance=False)
+
+        run_eval(step)
+        stopper = StopSignal()
+        meta = {"family": src.family.name, "architecture": arch.architecture, "written_by": "megadare rl",
+                "algo": algo.name}
+        objective = algo.objective(on_policy=(rl.ppo_epochs * rl.mini_batches == 1))
+        pad_id = getattr(tok, "pad_token_id", 0) or 0
+        multiple = p.pp if (p.vpp or 1) > 1 else 1
+        history: list[dict[str, float]] = []
+        start_step, stopped = step, False
+
+        def start_rollout(at: int):
+            """(prompt batch, rollout in flight) of RL step ``at`` (rank 0)."""
+            batch = [train_prompts[i] for i in sampler.batch(at)]
+            params = sampling_params(cfg, arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
+            if hasattr(algo, "rollout"):  # algorithms with their own rollout shape (d-TreeRPO's trees): blocking
+                return batch, algo.rollout(manager.generate, [b.prompt_ids for b in batch], params, rl.n_samples)
+            return batch, manager.submit([b.prompt_ids for b in batch for _ in range(rl.n_samples)], params)
+
+        if rl.mode == "one_step_off" and hasattr(algo, "rollout"):
+            raise ConfigError(f"rl.mode=one_step_off: {algo.name} builds its rollout in several dependent rounds; "
+                              "use rl.mode=sync")
+        pending = None
+        while step < rl.steps:
+            monitor.step_timer()
+            t0 = time.perf_counter()
+            payload: list[Any] = [None]
+            if rank0:
+                if pending is None:
+                    pending = start_rollout(step)
+                batch, fut = pending
+                t_wait = time.perf_counter()
+                traj = fut.result() if hasattr(fut, "result") else fut
+                wait_s = time.perf_counter() - t_wait
+                # one-step-off: the next rollout starts now, on the weights the engines hold (this step's policy
+                # version), and overlaps this step's training; it is served before the next weight update
+                pending = start_rollout(step + 1) if rl.mode == "one_step_off" and step + 1 < rl.steps else None
+                for tr in traj:
+                    tr.validate()
+                recs = [b.record for b in batch for _ in range(rl.n_samples)]
+                rewards, rstats = score(reward_fn, tok, traj, recs)
+                samples, metrics = build_samples(cfg, traj, rewards)
+                if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
+                    samples = algo.samples_from(traj, rewards, rl.n_samples)
+                if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
+                    from megadare.rewards import score_batch
+
+                    def score_ids(responses, indices):
+                        texts = [tok.decode(r) for r in responses]
+                        return [float(x) for x in score_batch(reward_fn, texts, [recs[i] for i in indices])[0]]
+
+                    algo.prepare(samples, score_ids, rl.n_samples)
+                metrics.update({f"reward_{k}": v for k, v in rstats.items()})
+                stale = [step - t.policy_version for t in traj]
+                if max(stale) > rl.max_staleness:
+                    raise RuntimeError(f"rollout of step {step} used policy version {min(t.policy_version for t in traj)}"
+                                       f", staler than rl.max_staleness={rl.max_staleness}")
+                metrics.update(staleness_mean=sum(stale) / len(stale), staleness_max=float(max(stale)),
+                               rollout_wait_s=wait_s)
+                payload = [(samples, metrics)]
+            dist.broadcast_object_list(payload, src=0)
+            samples, metrics = payload[0]
+            metrics["rollout_s"] = time.perf_counter() - t0
+            if samples:
+                metrics.update(_update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
+                                       optimizer, scheduler, objective, example_generator, value))
+            t1 = time.perf_counter()
+            step += 1
+            metrics.update({f"sync_{k[5:]}" if k.startswith("sync_") else k: v for k, v in
+                            sync_weights(model, table, [manager] if rank0 else [], version=step,
+                                         bucket_bytes=bucket).items()})
+            metrics["sync_s"] = time.perf_counter() - t1
+            metrics["step_time_s"] = monitor.step_timer()
+            history.append(metrics)
+            monitor.log(step, metrics)
+            if rl.eval_interval and step % rl.eval_interval == 0 and step < rl.steps:
+                run_eval(step)
+            stop = stopper.should_stop()
+            at_interval = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
+            if at_interval or stop or step == rl.steps:
+                save_train_checkpoint(save_root, step, model, optimizer, scheduler,
+                                      {"rl_step": step, "consumed_prompts": step * rl.prompts_per_step},
+                                      meta=meta, hf_files_from=src.hf_dir, keep_last=cfg.checkpoint.keep_last)
+                if value is not None:
+                    save_train_checkpoint(save_root + "_value", step, *value, {"rl_step": step},
+                                          meta={**meta, "value_model": True}, keep_last=cfg.checkpoint.keep_last)
+            if stop:
+                stopped = True
+                break
+            if max_steps is not None and step - start_step >= max_steps:
+                break
+        if step == rl.steps and step not in evals:
+            run_eval(step)
+        monitor.close()
+        stopper.restore()
+        return {"step": step, "stopped_by_signal": stopped, "history": history, "evals": evals,
+                "checkpoint_root": save_root}
+    finally:
+        if manager is not None:
+            manager.shutdown()
+        destroy_distributed()
+
+
+def _start_engines(cfg: Config, src, tok):
+    """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
+    import ray
+
+    from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine
+
+    r = cfg.rollout
+    if r.engine == "sglang":  # fail here, not inside an actor, when sglang or the plugin is missing
+        from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
+
+        _import_sglang()
+        spec = EngineSpec(build_sglang_engine, {
+            "model_path": src.hf_dir, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
+            "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
+            "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20})
+    else:
+        spec = EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id})
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
+                 num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))
+    return RolloutManager(spec, num_engines=cfg.rollout.num_engines, resources=dict(cfg.rollout.engine_resources),
+                          chunk_size=cfg.rollout.chunk_size)
+
+
+def _build_value_model(cfg: Config, src, algo, load_init, updates: int):
+    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone + a zero-init value head."""
+    from megadare.algos.value_model import attach_value_head
+    from megadare.trainer.model_setup import build_training_chunks
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+
+    t = cfg.train
+    chunks = build_training_chunks(cfg, src)
+    load_init(chunks)
+    attach_value_head(chunks)
+    model = wrap_ddp(chunks, t.distributed_optimizer)
+    opt, sched = build_optimizer(model, OptimSettings(
+        lr=algo.p["value_lr"], weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps, clip_grad=t.clip_grad, lr_decay_style="constant", total_steps=updates,
+        distributed_optimizer=t.distributed_optimizer, dtype=cfg.model.dtype))
+    return model, opt, sched
+
+
+def _value_advantages(algo, samples, micro_batches) -> dict[str, float]:
+    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
+    the micro-batches' extras; values of a sample may sit on other data-parallel ranks (gathered)."""
+    from megatron.core import parallel_state as ps
+
+    from megadare.algos.value_model import step_advantages
+
+    if not micro_batches or "v_old" not in micro_batches[0].extras:
+        return {}  # not the last pipeline stage
+    local = []
+    for mb in micro_batches:
+        x = mb.extras
+        sel = (x["head"] != 0) & (x["tok"] >= 0)
+        local.extend(zip(x["sample"][sel].tolist(), x["tok"][sel].tolist(), x["v_old"][sel].tolist()))
+    everything = [local]
+    if ps.get_data_parallel_world_size() > 1:
+        everything = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(everything, local, group=ps.get_data_parallel_group())
+    values: dict[tuple[int, int], float] = {(s, k): v for part in everything for s, k, v in part}
+    table: dict[tuple[int, int], tuple[float, float]] = {}
+    for s in samples:
+        vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
+        adv, ret = step_advantages(vs, s.commit_step, s.reward, algo.p["gamma"], algo.p["lam"])
+        for k in range(len(vs)):
+            table[(s.index, k)] = (adv[k], ret[k])
+    for mb in micro_batches:
+        x = mb.extras
+        keys = list(zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist()))
+        pairs = [table.get(key, (0.0, 0.0)) for key in keys]
+        x["adv"] = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(x["tok"])
+        x["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(x["tok"])
+    vals = torch.tensor([v for part in everything for _, _, v in part] or [0.0])
+    return {"value_mean": float(vals.mean())}
+
+
+def _update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
+            objective, generator_for, value=None) -> dict[str, float]:
+    """The algorithm's rows -> (old / ref log-probs) -> ppo_epochs x mini_batches optimizer steps."""
+    from megatron.core import parallel_state as ps
+
+    from megadare.trainer.batch import global_denominator, pack_rows, split_for_data_parallel
+    from megadare.trainer.step import train_step
+
+    rl, t = cfg.rl, cfg.train
+    prompt_groups = sorted({s.group for s in samples})
+    n_mb = min(rl.mini_batches, len(prompt_groups))
+    groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
+    prepared = []
+    n_rows = 0
+    for group in groups:
+        rows = algo.batch_rows(group, arch, block, lambda index: generator_for(cfg.seed, step, index))
+        if not rows:
+            continue
+        n_rows += len(rows)
+        mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=pad_id)
+        denom = global_denominator(mbs)
+        mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+                                       multiple_of=multiple)
+        if not objective.on_policy:
+            _store_outputs(model, mine, "old", kind, block, arch.vocab_size)
+        if ref_chunks is not None:
+            _store_outputs(ref_chunks, mine, "ref", kind, block, arch.vocab_size)
+        if value is not None:
+            from megadare.algos.value_model import values_of
+
+            _store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
+            _value_advantages(algo, group, mine)
+        prepared.append((mine, denom))
+    out: dict[str, float] = {"train_rows": float(n_rows)}
+    n = rl.ppo_epochs * len(prepared)
+    for _ in range(rl.ppo_epochs):
+        for mine, denom in prepared:
+            m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective)
+            if value is not None:
+                from megadare.algos.value_model import ValueObjective, values_of
+
+                vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
+                                objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)
+                m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
+                          "value_grad_norm": vm["grad_norm"]})
+            for k, v in m.items():
+                out[k] = out.get(k, 0.0) + v / n
+    return out
+
+
+def rl_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
+    """Entry for megadare.parallel.launch.spawn (local multi-process runs, tests)."""
+    return run_rl(cfg, max_steps=max_steps)
+
+
+__all__ = ["run_rl", "rl_worker", "evaluate", "score", "sampling_params", "build_samples"]
