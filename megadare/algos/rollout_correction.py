@@ -1,0 +1,343 @@
+"""Rollout correction: importance weights, rejection and the decoupled / bypass PPO objectives for off-policy
+(stale, asynchronous or mismatched-engine) rollouts.
+
+Notation. mu = behaviour policy (the engine version that produced the sample), pi_prox = proximal policy (the
+trainer's weights before this update, recomputed on the trainer), pi_theta = current policy. Every function is
+elementwise over *elements*: a token, or a slot of algos/base.py (a token, or a whole sequence for
+sequence-level estimators). ``group_ids`` says which sequence each element belongs to (None: every element is
+its own sequence, which is what slot-per-sequence estimators such as BGPO / VRPO want).
+
+Importance weights (verl ``verl/trainer/ppo/mismatch_helper.py::compute_rollout_importance_weights`` -- the
+October-2025 API that D-ARL's ``rollout_is`` / ``rollout_is_threshold`` knobs come from -- and its successor
+``verl/trainer/ppo/rollout_corr_helper.py::compute_rollout_correction_weights`` /
+``compute_rollout_rejection_mask`` / ``compute_offpolicy_metrics``; maths in verl ``docs/algo/rollout_corr_math.md``):
+
+    token      log w_k = t_k - b_k                                  (t = target log-prob, b = behaviour log-prob)
+    sequence   log w_k = sum_{j in seq(k)} (t_j - b_j)              (one weight per sequence, broadcast)
+    geometric  log w_k = mean_{j in seq(k)} (t_j - b_j)             (length-invariant; "Geo-RS")
+    w = exp(clamp(log w, -20, 20))                                  (verl's SAFETY_BOUND, before exp)
+    truncate   w <- min(w, C_high)                                  (TIS: Ionides 2008; Yao et al. "Your efficient
+                                                                     RL framework secretly brings you off-policy RL
+                                                                     training", fengyao.notion.site/off-policy-rl)
+    mask       keep = C_low <= w <= C_high, w <- w * keep           (MIS / rejection sampling; Liu, Li et al.
+                                                                     "When Speed Kills Stability", 2025)
+    veto       a sequence with any token ratio t_k - b_k < log C_veto is dropped entirely (both modes)
+
+Decoupled PPO (Hilton, Cobbe, Schulman, "Batch size-invariance for policy optimization", arXiv:2110.00641;
+AReaL, Fu et al., arXiv:2505.24298, ``areal/utils/functional/functional.py::ppo_actor_loss_fn`` with
+``apply_rejection_sampling``):
+
+    L = -w_prox * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A),   r = exp(logp - l_prox),
+    w_prox = sg(min(exp(l_prox - l_behave), C))
+
+Bypass mode (verl ``verl/trainer/ppo/core_algos.py::compute_policy_loss_bypass_mode``,
+``rollout_corr_helper.py::apply_bypass_mode``): pi_prox := mu (no proximal forward); ``ppo_clip`` clips
+r = pi_theta / mu and applies *no* extra IS weight (the ratio already is the IS ratio; rejection still masks);
+``reinforce`` is L = -sg(w) log pi_theta A with w = min(pi_theta / mu, C) (``compute_policy_loss_reinforce``).
+
+Diffusion LLMs: which log-probs may go into a ratio
+----------------------------------------------------
+A ratio pi_target / mu means something only when both log-probs are *the same estimator evaluated on the same
+trace states*; with identical weights it must then be exactly 1 (tests/test_rollout_correction.py checks the
+function side of that; the caller must check its inputs, e.g. ``ratio == 1`` before the first update).
+
+* Second estimator kind (trace replay: TraceRL, CJ-GRPO, algos/trace_replay.py). The engine records, per
+  committed token y_k, b_k = log q_mu(y_k | x_s): the log-prob of the committed token under the *sampling
+  distribution* of step s (after temperature / top-k / top-p, with the mask token excluded;
+  rollout/dllm_step.py), in the state x_s before that step. The trainer's replay view of step s rebuilds x_s
+  and scores t_k = log p_theta(y_k | x_s). Token ratios exp(t_k - b_k) are then per-step IS ratios and the
+  sequence product is the ratio of the token choices *given the unmasking order*; which positions confidence
+  remasking picked is not in b_k, so it is not corrected. Conditions: the trainer applies the same logit
+  processing as the sampler (temperature, truncation, mask exclusion); one replay state per recorded step
+  (``shrink = 1``, CJ-GRPO): TraceRL's ``shrink > 1`` scores tokens committed at later steps of a fragment from
+  the fragment's first state, which is not the state the engine sampled them in, so engine log-probs are not
+  the same estimator there; greedy decoding records 0, which is not a density; and the tokens of the last block
+  after the EOS cut are replayed from states with fewer masked positions than the engine saw
+  (trace_replay.py's stated deviation).
+* First estimator kind (corruption sampling: d1, Coupled-GRPO, random-mask RL, VRPO, BGPO, SPG,
+  algos/corruption.py). A slot estimate is a Monte-Carlo surrogate of log pi(y | c) over corruptions the engine
+  never saw, so there is **no per-token behaviour log-prob from the engine**. IS must then use sequence-level
+  estimates computed by the trainer for both sides: the same estimator, on the same stored corruptions and
+  coefficients, evaluated once with the behaviour version's weights and once with the target's (``level=
+  "sequence"`` over token slots with ``group_ids`` = sample, or ``group_ids=None`` when a slot already is a
+  sequence). exp(l_target - l_behave) of two ELBO estimates is a surrogate, not an unbiased estimate of
+  pi_target(y) / mu(y) (bound gap and Jensen), but it is exactly 1 when the weights agree.
+
+Metrics (floats; "units" are elements at ``level="token"``, sequences at ``"sequence"`` / ``"geometric"``;
+``is_*``, ``ess``, ``chi2`` use the log-clamped, not-yet-truncated weights w_u of the valid units, n of them):
+
+    is_mean, is_std (population), is_max, is_min
+    ess   = (sum_u w_u)^2 / (n sum_u w_u^2)          in (0, 1]; = 1/E[(w/E w)^2], verl's rollout_is_eff_sample_size
+    chi2  = mean_u w_u^2 - 1                          estimates chi^2(pi_target || mu) = E_mu[rho^2] - 1 (verl
+                                                      chi2_token / chi2_seq)
+    k3_kl = mean_k [exp(t_k - b_k) - (t_k - b_k) - 1] over valid elements: Schulman's k3 with samples from mu,
+            i.e. an unbiased estimate of KL(mu || pi_target) = E_mu[b - t] per element (verl ``k3_kl``,
+            "KL(pi_rollout || pi_training)"). Note the direction: exp(b - t) - (b - t) - 1 would be k3 for
+            KL(pi_target || mu) and needs samples from pi_target, which we do not have.
+    kl    = mean_k (b_k - t_k)                        k1 estimate of the same KL(mu || pi_target)
+    rejected_fraction      valid elements with keep = False (mask, veto, NaN log-ratios)
+    rejected_seq_fraction  sequences with at least one rejected valid element
+    truncated_fraction     valid kept elements whose weight was changed by truncation
+    veto_fraction          sequences dropped by the veto
+    applied_mean, applied_ess  the same statistics of the weights actually returned (after truncation/masking)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+SAFETY_BOUND = 20.0   # verl rollout_corr_helper.SAFETY_BOUND: log-ratios are clamped to +-20 before exp
+
+
+def _log_threshold(x: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """log(x) in the working dtype (so that a log-ratio built as torch.log(tensor(x)) compares equal);
+    log(0) = -inf, log(inf) = inf."""
+    if x == 0.0:
+        return torch.tensor(float("-inf"), dtype=dtype, device=device)
+    return torch.log(torch.tensor(x, dtype=dtype, device=device))
+
+
+def _group_index(group_ids: Optional[torch.Tensor], n: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    if group_ids is None:
+        return torch.arange(n, device=device), n
+    if group_ids.shape != (n,):
+        raise ValueError(f"rollout correction: group_ids has shape {tuple(group_ids.shape)}, expected ({n},)")
+    uniq, inv = torch.unique(group_ids.to(device), return_inverse=True)
+    return inv, int(uniq.numel())
+
+
+def _stats(u: torch.Tensor) -> dict[str, float]:
+    """mean / std / max / min / ess / chi2 of a 1-D weight vector (NaN when empty)."""
+    if u.numel() == 0:
+        return {k: float("nan") for k in ("mean", "std", "max", "min", "ess", "chi2")}
+    s, s2, n = u.sum(), (u * u).sum(), u.numel()
+    return {"mean": float(u.mean()), "std": float(u.std(unbiased=False)), "max": float(u.max()),
+            "min": float(u.min()), "ess": float(s * s / (n * s2)) if s2 > 0 else 0.0, "chi2": float(s2 / n - 1.0)}
+
+
+def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       group_ids: Optional[torch.Tensor] = None, level: str = "token", mode: str = "truncate",
+                       threshold_high: Optional[float] = 2.0, threshold_low: Optional[float] = None,
+                       log_clamp: float = SAFETY_BOUND, veto_threshold: Optional[float] = None,
+                       valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Importance weights pi_target / mu for off-policy elements: (weights [N], keep [N] bool, metrics).
+
+    Follows verl ``mismatch_helper.py::compute_rollout_importance_weights`` (levels token / sequence / geometric,
+    modes truncate / mask, lower threshold defaulting to 1 / upper, per-token veto, +-20 log clamp) and
+    ``rollout_corr_helper.py::compute_offpolicy_metrics`` (k3_kl, chi2) -- see the module docstring for the
+    formulas, the metric definitions and the dLLM estimator conditions.
+
+    * ``target_logp``, ``behaviour_logp``: [N] per-element log-probs (target: pi_theta in bypass mode,
+      pi_prox in decoupled mode). Both are detached: the weights never carry a gradient (verl
+      ``rollout_corr_math.md`` section 3.2.2: IS changes the measure, it is not optimised).
+    * ``group_ids`` [N]: the sequence of each element (any integer labels); None = each element alone.
+    * ``level``: token (w_k = exp(t_k - b_k)), sequence (exp of the sequence's sum, broadcast), geometric (exp of
+      the sequence's mean).
+    * ``mode``: ``truncate`` (TIS): w = min(w, threshold_high); no lower truncation unless ``threshold_low`` is
+      given, in which case w = clamp(w, threshold_low, threshold_high) (AReaL's ``action="clamp"``). ``mask``
+      (MIS / rejection sampling): units with w outside [threshold_low, threshold_high] (bounds inclusive, as
+      verl) get keep = False and weight 0; ``threshold_low`` defaults to 1 / threshold_high. At sequence and
+      geometric level the whole sequence is kept or dropped. ``threshold_high=None``: no upper bound (plain IS).
+      Threshold tests compare log-ratios with log(threshold) in the working dtype, before the log clamp.
+    * ``veto_threshold``: a sequence with any valid token ratio exp(t_k - b_k) < veto_threshold is dropped
+      (keep = False, weight 0), in either mode.
+    * ``valid`` [N] bool: padding / unused elements (weight 0, keep False, excluded from sums and metrics).
+    Kept elements carry their (possibly truncated) weight, dropped ones weight 0 -- unlike verl, which keeps
+    the raw ratio in the weights and drops via the response mask only; multiply by ``weights`` and the rejected
+    elements contribute nothing. A NaN log-ratio (e.g. -inf - -inf) rejects its element (its whole sequence at
+    sequence / geometric level) instead of propagating.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"rollout_is level={level!r} unknown; choose one of {IS_LEVELS}")
+    if mode not in IS_MODES:
+        raise ValueError(f"rollout_is mode={mode!r} unknown; choose one of {IS_MODES}")
+    if target_logp.shape != behaviour_logp.shape or target_logp.dim() != 1:
+        raise ValueError(f"rollout_is: target {tuple(target_logp.shape)} and behaviour "
+                         f"{tuple(behaviour_logp.shape)} log-probs must both be [N]")
+    if threshold_high is not None and threshold_high <= 0:
+        raise ValueError(f"rollout_is threshold_high={threshold_high} must be > 0 (or None)")
+    if threshold_low is not None and (threshold_low < 0 or (threshold_high is not None
+                                                            and threshold_low > threshold_high)):
+        raise ValueError(f"rollout_is threshold_low={threshold_low} must lie in [0, threshold_high]")
+    if veto_threshold is not None and veto_threshold <= 0:
+        raise ValueError(f"rollout_is veto_threshold={veto_threshold} must be > 0 (or None)")
+    if log_clamp <= 0:
+        raise ValueError(f"rollout_is log_clamp={log_clamp} must be > 0")
+
+    n = target_logp.shape[0]
+    device = target_logp.device
+    dtype = torch.promote_types(target_logp.dtype, torch.float32)
+    with torch.no_grad():
+        t = target_logp.detach().to(dtype)
+        b = behaviour_logp.detach().to(dtype)
+        valid_b = torch.ones(n, dtype=torch.bool, device=device) if valid is None else valid.to(device).bool()
+        if valid_b.shape != (n,):
+            raise ValueError(f"rollout_is: valid has shape {tuple(valid_b.shape)}, expected ({n},)")
+        inv, n_groups = _group_index(group_ids, n, device)
+        log_r = torch.where(valid_b, t - b, torch.zeros((), dtype=dtype, device=device))  # token log-ratios
+        count = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, valid_b.to(dtype))
+        has_valid = count > 0
+
+        if level == "token":
+            elem_log = log_r
+        else:
+            g = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, log_r)
+            if level == "geometric":
+                g = g / count.clamp_min(1.0)
+            elem_log = g[inv]
+        raw = torch.exp(elem_log.clamp(-log_clamp, log_clamp))
+
+        low = threshold_low
+        if low is None and mode == "mask":
+            low = 1.0 / threshold_high if threshold_high is not None else 0.0
+        log_hi = _log_threshold(threshold_high if threshold_high is not None else math.inf, dtype, device)
+        log_lo = _log_threshold(low if low is not None else 0.0, dtype, device)
+
+        keep = valid_b & ~torch.isnan(elem_log)
+        truncated = torch.zeros_like(keep)
+        if mode == "mask":
+            keep = keep & (elem_log >= log_lo) & (elem_log <= log_hi)
+            w = raw
+        else:
+            w = raw
+            if threshold_high is not None:
+                w = w.clamp(max=threshold_high)
+                truncated = truncated | (elem_log > log_hi)
+            if low is not None:
+                w = w.clamp(min=low)
+                truncated = truncated | (elem_log < log_lo)
+
+        vetoed_seq = torch.zeros(n_groups, dtype=torch.bool, device=device)
+        if veto_threshold is not None:
+            bad = valid_b & (log_r < _log_threshold(veto_threshold, dtype, device))
+            vetoed_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, bad.to(dtype)) > 0
+            keep = keep & ~vetoed_seq[inv]
+        weights = torch.where(keep, w, torch.zeros((), dtype=dtype, device=device))
+        truncated = truncated & keep
+
+        # ---- metrics -------------------------------------------------------------------------------------
+        n_valid = int(valid_b.sum())
+        ok = valid_b & ~torch.isnan(log_r)
+        if level == "token":
+            unit_raw, unit_applied = raw[ok], weights[valid_b]
+        else:
+            # one representative (its first valid element) per sequence that has a valid element
+            rep = torch.full((n_groups,), n, dtype=torch.long, device=device).scatter_reduce(
+                0, inv[valid_b], torch.arange(n, device=device)[valid_b], reduce="amin")[has_valid]
+            unit_raw = raw[rep][~torch.isnan(elem_log[rep])]
+            unit_applied = weights[rep]
+        raw_stats, applied_stats = _stats(unit_raw), _stats(unit_applied)
+        rejected = valid_b & ~keep
+        rej_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, rejected.to(dtype)) > 0
+        n_seq = int(has_valid.sum())
+        metrics = {f"is_{k}": raw_stats[k] for k in ("mean", "std", "max", "min")}
+        metrics.update({
+            "ess": raw_stats["ess"],
+            "chi2": raw_stats["chi2"],
+            "k3_kl": float(kl_penalty(b[ok], t[ok], "k3").mean()) if bool(ok.any()) else float("nan"),
+            "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
+            "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
+            "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
+            "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
+            "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
+            "applied_mean": applied_stats["mean"],
+            "applied_ess": applied_stats["ess"],
+        })
+    return weights, keep, metrics
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                       adv: torch.Tensor, eps_low: float = 0.2, eps_high: Optional[float] = None,
+                       is_threshold: Optional[float] = 2.0, *, is_mode: str = "truncate",
+                       is_threshold_low: Optional[float] = None, is_level: str = "token",
+                       group_ids: Optional[torch.Tensor] = None, veto_threshold: Optional[float] = None,
+                       dual_clip: Optional[float] = None, log_ratio_clamp: float = SAFETY_BOUND,
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (Hilton et al., arXiv:2110.00641; AReaL arXiv:2505.24298): (per-element loss, parts).
+
+        L_k = -w_k * min(r_k A_k, clip(r_k, 1 - eps_low, 1 + eps_high) A_k),   r_k = exp(logp_k - prox_k),
+        w_k = sg(min(exp(prox_k - behave_k), is_threshold))
+
+    Followed: AReaL ``areal/utils/functional/functional.py::ppo_actor_loss_fn`` (``logprobs`` = logp,
+    ``proximal_logprobs`` = proximal, ``old_logprobs`` = behaviour; the behaviour weight comes from
+    ``apply_rejection_sampling``: ``action="clamp"`` is ``is_mode="truncate"``, ``action="mask"`` is
+    ``is_mode="mask"``) and verl's decoupled mode (``docs/algo/rollout_corr_math.md`` 3.1.1: IS on
+    rollout -> old, PPO clip on old -> current). The PPO part is ``policy_loss.ppo_clip_loss`` (same
+    ``eps_high`` / ``dual_clip`` / log-ratio clamp), multiplied by w; w is built by ``rollout_is_weights`` on
+    (proximal, behaviour) with ``is_level`` / ``group_ids`` / ``veto_threshold``. ``is_threshold=None`` turns
+    the behaviour weight off (w = 1, or 0 on vetoed sequences; AReaL's ``rejection_sampling=None``);
+    ``float('inf')`` gives the untruncated weight.
+
+    Returns the per-element loss (aggregate it with the slot weights, as ``SlotObjective`` does: rejected
+    elements add 0 to the numerator and stay in the denominator, AReaL's choice; verl's ``agg_loss`` divides by
+    the kept tokens instead) and per-element detached parts: ``clipped``, ``behave_weight``, ``behave_keep``,
+    ``ppo_ratio``. Batch summaries of the behaviour weights: ``rollout_is_weights(proximal, behaviour, ...)[2]``.
+    The gradient w.r.t. ``logp`` is -w A r inside the clip range and 0 where the clipped branch is active.
+    """
+    if not (logp.shape == proximal_logp.shape == behaviour_logp.shape == adv.shape):
+        raise ValueError("decoupled_ppo_loss: logp, proximal_logp, behaviour_logp and adv must have one shape")
+    prox = proximal_logp.detach()
+    loss, clipped = ppo_clip_loss(logp, prox, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
+    if is_threshold is None and veto_threshold is None:
+        w = torch.ones_like(loss).detach()
+        keep = torch.ones_like(loss, dtype=torch.bool)
+    else:
+        w, keep, _ = rollout_is_weights(prox, behaviour_logp, group_ids, level=is_level, mode=is_mode,
+                                        threshold_high=is_threshold if is_threshold is not None else math.inf,
+                                        threshold_low=is_threshold_low, log_clamp=log_ratio_clamp,
+                                        veto_threshold=veto_threshold)
+        w = keep.to(loss.dtype) if is_threshold is None else w.to(loss.dtype)   # None: only the veto
+    ratio = torch.exp((logp.detach() - prox).clamp(-log_ratio_clamp, log_ratio_clamp))
+    return w * loss, {"clipped": clipped, "behave_weight": w, "behave_keep": keep.to(loss.dtype), "ppo_ratio": ratio}
+
+
+def bypass_ppo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
+                    eps_low: float = 0.2, eps_high: Optional[float] = None, *, loss_type: str = "ppo_clip",
+                    is_threshold: Optional[float] = 2.0, is_mode: str = "truncate",
+                    is_threshold_low: Optional[float] = None, is_level: str = "token",
+                    group_ids: Optional[torch.Tensor] = None, veto_threshold: Optional[float] = None,
+                    dual_clip: Optional[float] = None, log_ratio_clamp: float = SAFETY_BOUND,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bypass mode (verl ``core_algos.py::compute_policy_loss_bypass_mode``): pi_prox := mu, one ratio against
+    the behaviour policy, no proximal forward. (per-element loss, parts).
+
+    * ``loss_type="ppo_clip"`` (verl's default): L = -keep * min(r A, clip(r) A), r = exp(logp - behave)
+      (``ppo_clip_loss``). No IS weight is applied -- the PPO ratio already is pi_theta / mu, applying w too
+      would double-count (verl comment) -- but the rejection mask is: with ``is_mode="mask"`` (and/or a veto)
+      elements whose ratio pi_theta / mu falls outside the bounds get keep = False (verl's RS via the response
+      mask). ``is_mode="truncate"`` leaves keep = True except for vetoed sequences.
+    * ``loss_type="reinforce"`` (``compute_policy_loss_reinforce``): L = -sg(w) * logp * A with
+      w = rollout_is_weights(logp, behave) (truncated, or masked with rejected elements at 0).
+
+    ``is_threshold=None``: no weight / no rejection (plain PPO against mu, or plain REINFORCE). Equals
+    ``decoupled_ppo_loss`` with proximal = behaviour (then w_prox = 1) for ``ppo_clip`` with truncate mode.
+    Parts: ``clipped`` (ppo_clip only), ``is_weight``, ``keep`` (detached, per element).
+    """
+    if loss_type not in BYPASS_LOSS_TYPES:
+        raise ValueError(f"bypass loss_type={loss_type!r} unknown; choose one of {BYPASS_LOSS_TYPES}")
+    if not (logp.shape == behaviour_logp.shape == adv.shape):
+        raise ValueError("bypass_ppo_loss: logp, behaviour_logp and adv must have one shape")
+    behave = behaviour_logp.detach()
+    if is_threshold is None and veto_threshold is None:
+        w = torch.ones_like(logp).detach()
+        keep = torch.ones_like(logp, dtype=torch.bool)
+    else:
+        w, keep, _ = rollout_is_weights(logp, behave, group_ids, level=is_level, mode=is_mode,
+                                        threshold_high=is_threshold if is_threshold is not None else math.inf,
+                                        threshold_low=is_threshold_low, log_clamp=log_ratio_clamp,
+                                        veto_threshold=veto_threshold)
+        w = w.to(logp.dtype)
+    keep_f = keep.to(logp.dtype)
+    if loss_type == "ppo_clip":
+        loss, clipped = ppo_clip_loss(logp, behave, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
+        return keep_f * loss, {"clipped": clipped, "is_weight": w, "keep": keep_f}
+    if is_threshold is None:
+        w = keep_f   # no IS weight, only the veto
+    return -w * logp * adv, {"is_weight": w, "keep": keep_f}
