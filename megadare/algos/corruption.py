@@ -121,13 +121,16 @@ def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Ge
 
 
 def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
-              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view") -> list[View]:
+              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view", global_grid: bool = False) -> list[View]:
+    """``global_grid``: blocks of the prompt+response grid (block families: the blocks the model's x_t ++ x_0
+    mask uses), else counted from the response start (LLaDA's semi-AR blocks)."""
     x0, P, L = _seq(prompt, response)
-    n_blocks = -(-L // block_size)
+    off = P % block_size if global_grid else 0   # response tokens sharing the prompt's last block
+    n_blocks = -(-(L + off) // block_size)
     views = []
     for j in range(n_mc):
         b = int(torch.randint(n_blocks, (1,), generator=g))
-        lo, hi = P + b * block_size, min(P + L, P + (b + 1) * block_size)
+        lo, hi = max(P, P - off + b * block_size), min(P + L, P - off + (b + 1) * block_size)
         m = int(torch.randint(1, hi - lo + 1, (1,), generator=g))
         in_b = torch.zeros(P + L, dtype=torch.bool)
         in_b[lo + torch.randperm(hi - lo, generator=g)[:m]] = True
