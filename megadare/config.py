@@ -378,3 +378,6 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
                           "train.seq_length or lower data.max_length")
     if t.seq_length % p.cp:
         raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
+    from megadare.algos import build_algorithm  # the name and algo.params, before any process starts
+
+    build_algorithm(cfg.algo.name, dict(cfg.algo.params))

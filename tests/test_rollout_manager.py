@@ -10,7 +10,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from dist import run_distributed
+from dist import run_distributed  # noqa: E402
 from tiny import write_tiny_hf  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine  # noqa: E402
