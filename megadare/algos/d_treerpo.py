@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import torch
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import RLSample
-from megadare.algos.corruption import _view
+from megadare.algos.corruption import one_step
 
 
 def local_advantages(leaf_rewards: list[float], branch: int, depth: int) -> list[list[float]]:
@@ -120,7 +119,5 @@ class DTreeRPO(Algorithm):
         return out
 
     def views(self, s, arch, block_size, g):
-        P, L = len(s.prompt_ids), len(s.response_ids)
-        x0 = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
-        masked = torch.arange(P + L) >= P
-        return [_view(x0, masked, torch.ones(P + L), P, L, arch.mask_token_id, "token", 0)]
+        """The segment scored from one forward on the parent state: d1's one-step view without prompt masking."""
+        return one_step(s.prompt_ids, s.response_ids, arch.mask_token_id, g, p_prompt=0.0)
