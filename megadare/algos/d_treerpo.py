@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import RLSample
 from megadare.algos.corruption import one_step
