@@ -2,8 +2,8 @@
 a toy dLLM with parameters, PPO clipping / dual clip / BGPO's bounds, KL estimators, advantages, loss
 aggregation across packed and split micro-batches, algorithm parameters, and Dream's shifted rows.
 
-The toy model, its micro-batch evaluator and the synthetic decoding traces come from test_algos_estimators.py
-(the toy is checked there against exact enumeration and the real slot path)."""
+The toy model, its micro-batch evaluator and the synthetic decoding traces come from algo_toy.py (the toy is
+checked in test_algos_estimators.py against exact enumeration and the real slot path)."""
 from __future__ import annotations
 
 import math
@@ -23,19 +23,11 @@ from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec
 from megadare.trainer.batch import pack_rows
 
-from test_algos_estimators import MASK, Toy, mb_logps, sample, synthetic_trace, toy_archs, view_logps
+from algo_toy import one_thread  # noqa: F401  (autouse fixture)
+from algo_toy import MASK, Toy, mb_logps, sample, synthetic_trace, toy_archs, view_logps
 
 SAMPLES = [([1, 2], [0, 2, 1, 1], 1.0), ([1], [2, 2, 0], -0.5), ([0, 1], [1, 0, 2], 0.75), ([2], [0, 1], -1.0)]
 RATIO_ALGOS = ["d1", "coupled_grpo", "random_mask_rl", "tracerl", "cj_grpo", "bgpo", "ebpo"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread (two spin-waiting threads on a busy 2-core machine run ~50x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _samples(block_size: int):
