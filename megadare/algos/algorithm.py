@@ -14,6 +14,7 @@ with l_s the algorithm's likelihood estimate of slot s (algos/base.py) and the K
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -44,7 +45,7 @@ def rows_for_views(s: RLSample, views: list[View], arch: ModelArch, loss_agg: st
     return [views_to_row(s, [v], arch, block, slot_weight, denom if i == 0 else 0.0) for i, v in enumerate(views)]
 
 
-class Algorithm:
+class Algorithm(ABC):
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
@@ -82,8 +83,9 @@ class Algorithm:
         return self.p["kl_anchor"] == "ref" and self.p["kl_coef"] > 0
 
     # ------------------------------------------------------------------ estimator
+    @abstractmethod
     def views(self, s: RLSample, arch: ModelArch, block_size: int, g: torch.Generator) -> list[View]:
-        raise NotImplementedError
+        """The corrupted copies (or replayed states) of one sample whose log-probs make its slot estimates."""
 
     def rows(self, s: RLSample, arch: ModelArch, block_size: int, g: torch.Generator) -> list[Row]:
         """Training rows of one sample: its views in one row, aggregated per ``loss_agg``."""

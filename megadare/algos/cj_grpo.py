@@ -24,10 +24,15 @@ class CJGRPO(Algorithm):
     needs_trace = True
     defaults = {"eps_low": 0.2}
 
+    def views(self, s, arch, block_size, g):
+        """Every decoding step replayed (no shrinkage)."""
+        return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, 1,
+                                           block_family=arch.attention == "block_causal")]
+
     def rows(self, s, arch, block_size, g):
         self.check_sample(s)
         block = arch.attention == "block_causal"
-        views = [v for v, _ in replay_views(s, arch.mask_token_id, block_size, 1, block_family=block)]
+        views = self.views(s, arch, block_size, g)
         # one "step" = (block, block-local step) for block families, the global step otherwise
         P = len(s.prompt_ids)
         key = [((P + k) // block_size, s.block_step[k]) if block else s.commit_step[k]

@@ -17,6 +17,8 @@ Defaults (DARE recipe): beta 0.2, n = 4 (paper main runs 8), lr 5e-7.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -52,11 +54,14 @@ class VRPO(Algorithm):
     def needs_ref(self) -> bool:
         return True
 
+    def views(self, s, arch, block_size, g):
+        """n count-stratified masks of the response, one sequence slot: B(y) = mean_j (L/m_j) sum log p."""
+        return stratified(s.prompt_ids, s.response_ids, arch.mask_token_id, g, self.p["n_mc"], slots="sequence")
+
     def _row(self, s: RLSample, arch, g, sign: float, head: float) -> Row:
-        views = stratified(s.prompt_ids, s.response_ids, arch.mask_token_id, g, self.p["n_mc"], slots="sequence")
-        s2 = RLSample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, reward=s.reward, advantage=sign,
-                      index=s.index, group=s.group)
-        return views_to_row(s2, views, arch, arch.attention == "block_causal", {0: head}, head)
+        """The sample's row; its advantage slot carries the pair role (+1 chosen, -1 rejected)."""
+        return views_to_row(dataclasses.replace(s, advantage=sign), self.views(s, arch, 0, g), arch,
+                            arch.attention == "block_causal", {0: head}, head)
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         rows = []
@@ -71,9 +76,6 @@ class VRPO(Algorithm):
             rows.append(concat_rows([self._row(hi, arch, generator_for(hi.index), +1.0, 1.0),
                                      self._row(lo, arch, generator_for(lo.index), -1.0, 0.0)]))
         return rows
-
-    def rows(self, s, arch, block_size, g):
-        raise NotImplementedError("VRPO builds pairs over a prompt group: use batch_rows")
 
     def slot_loss(self, s: Slots):
         if s.ref is None:
