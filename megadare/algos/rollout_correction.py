@@ -253,6 +253,20 @@ def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     return weights, keep, metrics
 
 
+def _weights_or_identity(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
+                         group_ids: Optional[torch.Tensor], level: str, mode: str, threshold: Optional[float],
+                         threshold_low: Optional[float], log_clamp: float, veto_threshold: Optional[float]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(detached IS weights, keep mask) of ``rollout_is_weights``, or (ones, all kept) when neither a threshold nor
+    a veto is set; ``threshold=None`` with a veto means no cap (only the veto)."""
+    if threshold is None and veto_threshold is None:
+        return torch.ones_like(target_logp).detach(), torch.ones_like(target_logp, dtype=torch.bool)
+    w, keep, _ = rollout_is_weights(target_logp, behaviour_logp, group_ids, level=level, mode=mode,
+                                    threshold_high=threshold if threshold is not None else math.inf,
+                                    threshold_low=threshold_low, log_clamp=log_clamp, veto_threshold=veto_threshold)
+    return w, keep
+
+
 def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
                        adv: torch.Tensor, eps_low: float = 0.2, eps_high: Optional[float] = None,
                        is_threshold: Optional[float] = 2.0, *, is_mode: str = "truncate",
@@ -285,15 +299,9 @@ def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviou
         raise ValueError("decoupled_ppo_loss: logp, proximal_logp, behaviour_logp and adv must have one shape")
     prox = proximal_logp.detach()
     loss, clipped = ppo_clip_loss(logp, prox, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
-    if is_threshold is None and veto_threshold is None:
-        w = torch.ones_like(loss).detach()
-        keep = torch.ones_like(loss, dtype=torch.bool)
-    else:
-        w, keep, _ = rollout_is_weights(prox, behaviour_logp, group_ids, level=is_level, mode=is_mode,
-                                        threshold_high=is_threshold if is_threshold is not None else math.inf,
-                                        threshold_low=is_threshold_low, log_clamp=log_ratio_clamp,
-                                        veto_threshold=veto_threshold)
-        w = keep.to(loss.dtype) if is_threshold is None else w.to(loss.dtype)   # None: only the veto
+    w, keep = _weights_or_identity(prox, behaviour_logp, group_ids, is_level, is_mode, is_threshold,
+                                   is_threshold_low, log_ratio_clamp, veto_threshold)
+    w = keep.to(loss.dtype) if is_threshold is None else w.to(loss.dtype)   # None: only the veto
     ratio = torch.exp((logp.detach() - prox).clamp(-log_ratio_clamp, log_ratio_clamp))
     return w * loss, {"clipped": clipped, "behave_weight": w, "behave_keep": keep.to(loss.dtype), "ppo_ratio": ratio}
 
@@ -325,15 +333,9 @@ def bypass_ppo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch
     if not (logp.shape == behaviour_logp.shape == adv.shape):
         raise ValueError("bypass_ppo_loss: logp, behaviour_logp and adv must have one shape")
     behave = behaviour_logp.detach()
-    if is_threshold is None and veto_threshold is None:
-        w = torch.ones_like(logp).detach()
-        keep = torch.ones_like(logp, dtype=torch.bool)
-    else:
-        w, keep, _ = rollout_is_weights(logp, behave, group_ids, level=is_level, mode=is_mode,
-                                        threshold_high=is_threshold if is_threshold is not None else math.inf,
-                                        threshold_low=is_threshold_low, log_clamp=log_ratio_clamp,
-                                        veto_threshold=veto_threshold)
-        w = w.to(logp.dtype)
+    w, keep = _weights_or_identity(logp, behave, group_ids, is_level, is_mode, is_threshold, is_threshold_low,
+                                   log_ratio_clamp, veto_threshold)
+    w = w.to(logp.dtype)
     keep_f = keep.to(logp.dtype)
     if loss_type == "ppo_clip":
         loss, clipped = ppo_clip_loss(logp, behave, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
