@@ -36,6 +36,7 @@ needs a GPU (a real Engine, CUDA IPC, NCCL) is unverified on CPU; the argument t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -331,15 +332,28 @@ class SGLangEngine:
         data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
         return MultiprocessingSerializer.serialize(data, output_str=True)
 
+    @contextlib.contextmanager
+    def _weight_update(self, version: int):
+        """Around one weight load: open sglang's update session unless pause() holds one, close it whatever
+        happens; on success flush the cache (pause/resume flush once at the end instead) and take ``version``."""
+        opened = self._begin()
+        try:
+            yield
+        finally:
+            if opened and not self._paused:
+                self._end()
+        if not self._paused:
+            self.flush_cache()
+        self.version = version
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         """Load HF-named tensors (one bucket or the whole model) with ``update_weights_from_tensor`` (colocated:
         CUDA IPC of a flattened bucket per dtype and chunk, the same payload for every TP rank), then flush the
         cache (unless inside pause()/resume(), which flush once at the end)."""
         named = list(named_tensors)
         t0 = time.perf_counter()
-        opened = self._begin()
         nbytes, chunks = 0, 0
-        try:
+        with self._weight_update(version):
             for chunk in chunk_named(named, self.chunk_bytes, by_dtype=True):
                 payload = self._flattened_payload(chunk)
                 _ok(self._engine.update_weights_from_tensor(named_tensors=[payload] * self.tp_size,
@@ -349,12 +363,6 @@ class SGLangEngine:
                     torch.cuda.ipc_collect()
                 nbytes += sum(t.numel() * t.element_size() for _, t in chunk)
                 chunks += 1
-        finally:
-            if opened and not self._paused:
-                self._end()
-        if not self._paused:
-            self.flush_cache()
-        self.version = version
         return {"tensors": len(named), "bytes": nbytes, "chunks": chunks, "version": version,
                 "seconds": time.perf_counter() - t0}
 
@@ -374,17 +382,10 @@ class SGLangEngine:
     def receive_weights(self, meta: Sequence[tuple[str, str, Sequence[int]]], version: int) -> dict[str, Any]:
         """Receive one chunk broadcast by :class:`DistributedWeightSender` (``meta``: (name, dtype name, shape)
         in broadcast order) with ``update_weights_from_distributed``."""
-        opened = self._begin()
-        try:
+        with self._weight_update(version):
             _ok(self._engine.update_weights_from_distributed(
                 names=[m[0] for m in meta], dtypes=[m[1] for m in meta], shapes=[list(m[2]) for m in meta],
                 group_name=self.weight_group_name, flush_cache=False), "update_weights_from_distributed")
-        finally:
-            if opened and not self._paused:
-                self._end()
-        if not self._paused:
-            self.flush_cache()
-        self.version = version
         return {"tensors": len(meta), "version": version}
 
     # ------------------------------------------------------------------ memory, health
