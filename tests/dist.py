@@ -1,2 +1,34 @@
-"""Multi-process test runs (gloo): a thin name for megadare.parallel.launch.spawn."""
+"""Multi-process test runs (gloo): a thin name for megadare.parallel.launch.spawn, and a trainer that has taken a
+step (what the weight-sync tests push into engines)."""
+from __future__ import annotations
+
 from megadare.parallel.launch import spawn as run_distributed  # noqa: F401
+
+
+def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2):
+    """(chunks, DDP model, arch, HF config) of the checkpoint ``hf_dir`` sharded under ``layout`` (distributed
+    already initialised with it), after one optimizer step on random rows, so its weights differ from the
+    checkpoint's."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megadare.convert import load_hf_into_model
+    from megadare.models.family import family_of, read_hf_config
+    from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.trainer.batch import Row, pack_rows, split_for_data_parallel
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.step import train_step
+
+    cfg = read_hf_config(hf_dir)
+    arch = family_of(cfg).arch(cfg)
+    chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=layout.get("sp", False)),
+                                attention_backend="sdpa")
+    load_hf_into_model(chunks, hf_dir)
+    model = wrap_ddp(chunks, True)
+    opt, sched = build_optimizer(model, OptimSettings(lr=lr, total_steps=2))
+    g = torch.Generator().manual_seed(0)
+    rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
+                weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(n_rows)]
+    mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    train_step(model, opt, sched, mbs, 10.0 * n_rows, "bidirectional", 4, arch.vocab_size)
+    return chunks, model, arch, cfg

@@ -10,7 +10,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from dist import run_distributed  # noqa: E402
+from dist import run_distributed, stepped_trainer  # noqa: E402
 from tiny import write_tiny_hf  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine  # noqa: E402
@@ -64,30 +64,15 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
 
 
 def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids, layout):
-    from megadare.convert import load_hf_into_model, mapping_for
+    from megadare.convert import mapping_for
     from megadare.convert.verify import family_mask
-    from megadare.models.family import family_of, read_hf_config
-    from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.weight_sync import sync_weights
-    from megadare.trainer.batch import Row, pack_rows
     from megadare.trainer.forward import forward_logits
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
 
     init_distributed(**layout)
     try:
-        cfg = read_hf_config(trainer_hf)
-        arch = family_of(cfg).arch(cfg)
-        chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=layout.get("sp", False)),
-                                    attention_backend="sdpa")
-        load_hf_into_model(chunks, trainer_hf)
-        model = wrap_ddp(chunks, True)
-        opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, total_steps=2))
-        g = torch.Generator().manual_seed(0)
-        rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
-                    weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(2)]
-        train_step(model, opt, sched, pack_rows(rows, 20), 20.0, "bidirectional", 4, arch.vocab_size)
+        chunks, model, arch, cfg = stepped_trainer(layout, trainer_hf, n_rows=2)
         _, _, table = mapping_for(cfg)
         managers = []
         if rank == 0:

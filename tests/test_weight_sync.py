@@ -2,10 +2,12 @@
 step changed the weights, every engine's logits equal the trainer's."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from dist import run_distributed
+from dist import run_distributed, stepped_trainer
 from tiny import write_tiny_hf
 from megadare.rollout.weight_sync import plan_buckets
 
@@ -17,36 +19,18 @@ def _hf(tmp, name: str, seed: int) -> str:
 
 
 def _worker(rank, world, layout, trainer_hf, engine_hf, ids, bucket_bytes):
-    from megatron.core import parallel_state as ps
-
-    from megadare.convert import load_hf_into_model, mapping_for
+    from megadare.convert import mapping_for
     from megadare.convert.verify import family_mask
     from megadare.models import load_hf_model
-    from megadare.models.family import family_of, read_hf_config
-    from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.native import NativeEngine
     from megadare.rollout.weight_sync import sync_weights
-    from megadare.trainer.batch import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.forward import forward_logits
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
 
     init_distributed(**layout)
     try:
-        cfg = read_hf_config(trainer_hf)
-        arch = family_of(cfg).arch(cfg)
-        chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=layout.get("sp", False)),
-                                    attention_backend="sdpa")
-        load_hf_into_model(chunks, trainer_hf)
-        model = wrap_ddp(chunks, True)
-        opt, sched = build_optimizer(model, OptimSettings(lr=float(__import__("os").environ.get("LR", "1e-2")), total_steps=2))
-        g = torch.Generator().manual_seed(0)
-        rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
-                    weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(4)]
-        mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(),
-                                      ps.get_data_parallel_rank())
-        train_step(model, opt, sched, mbs, 40.0, "bidirectional", 4, arch.vocab_size)
+        chunks, model, arch, cfg = stepped_trainer(layout, trainer_hf, n_rows=4,
+                                                   lr=float(os.environ.get("LR", "1e-2")))
         _, _, table = mapping_for(cfg)
         engines = []
         if rank == 0:
