@@ -71,22 +71,6 @@ class View:
     adv: Optional[torch.Tensor] = None      # [n] advantages when they differ per view (MDPO's step advantages)
 
 
-def response_slots(P: int, L: int) -> torch.Tensor:
-    """Slot ids for token-level estimators: response token k -> slot k; prompt -> -1."""
-    return torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(L)])
-
-
-def slot_heads(slot: torch.Tensor) -> torch.Tensor:
-    """True at the first position of every slot (where per-slot quantities are read)."""
-    head = torch.zeros_like(slot, dtype=torch.bool)
-    seen: set[int] = set()
-    for i, s in enumerate(slot.tolist()):
-        if s >= 0 and s not in seen:
-            seen.add(s)
-            head[i] = True
-    return head
-
-
 def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_diffusion: bool,
                  slot_weight: dict[int, float], denom: float, token_adv: Optional[torch.Tensor] = None) -> Row:
     """One row holding every view of a sample (one segment each).
