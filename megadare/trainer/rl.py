@@ -386,6 +386,7 @@ def _update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model
     """The algorithm's rows -> (old / ref log-probs) -> ppo_epochs x mini_batches optimizer steps."""
     from megatron.core import parallel_state as ps
 
+    from megadare.algos.value_model import ValueObjective, values_of
     from megadare.trainer.batch import global_denominator, pack_rows, split_for_data_parallel
     from megadare.trainer.step import train_step
 
@@ -409,8 +410,6 @@ def _update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model
         if ref_chunks is not None:
             _store_outputs(ref_chunks, mine, "ref", kind, block, arch.vocab_size)
         if value is not None:
-            from megadare.algos.value_model import values_of
-
             _store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
             _value_advantages(algo, group, mine)
         prepared.append((mine, denom))
@@ -420,8 +419,6 @@ def _update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model
         for mine, denom in prepared:
             m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective)
             if value is not None:
-                from megadare.algos.value_model import ValueObjective, values_of
-
                 vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
                                 objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)
                 m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
