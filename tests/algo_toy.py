@@ -260,11 +260,11 @@ class Exact:
                 out[frozenset(S)] = {k: self.lp(self.ctx(set(S)), k) for k in S}
         return out
 
-    def eubo_limit(self, bs, future, beta, glob=True):
-        """The infinite-sample limit of the implemented per-token EUBO of block-wise masking:
-        sum_k (1/beta) log E_{b, m, S}[ 1[k in S] (n_blocks |b| / m) p(y_k | x_S)^beta ]."""
+    def eubo_inner(self, bs, future, beta, glob=True) -> dict[int, float]:
+        """{k: E_{b, m, S}[1[k in S] (n_blocks |b| / m) p(y_k | x_S)^beta]} for block-wise masking (a block b
+        uniformly, m ~ U{1..|b|}, S a uniform m-subset of b): the expectation inside SPG's per-token EUBO."""
         blocks = self.blocks(bs, glob)
-        tot = 0.0
+        out = {}
         for b, toks in blocks.items():
             for k in toks:
                 acc = 0.0
@@ -273,8 +273,41 @@ class Exact:
                     hit = sum(math.exp(beta * self.lp(self.ctx(set(S), bs, b, future, glob), k))
                               for S in subs if k in S)
                     acc += (1 / len(blocks)) * (1 / len(toks)) * (len(blocks) * len(toks) / m) * hit / len(subs)
-                tot += math.log(acc) / beta
-        return tot
+                out[k] = acc
+        return out
+
+    def eubo_limit(self, bs, future, beta, glob=True):
+        """SPG's per-token EUBO at n_mc -> infinity: sum_k (1/beta) log eubo_inner_k."""
+        return sum(math.log(v) / beta for v in self.eubo_inner(bs, future, beta, glob).values())
+
+
+class JointToy(torch.nn.Module):
+    """A toy whose conditionals are consistent: a fixed random joint J(y) over the 3^L responses (any prompt),
+    and every position predicts p(y_k = v | the visible response tokens other than k) = the marginal of J.
+    Its generative likelihood is then log J(y) for every unmasking order (the setting of SPG's EUBO)."""
+
+    def __init__(self, seed: int, prompt_len: int, resp_len: int = 4, scale: float = 2.0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.P, self.L = prompt_len, resp_len
+        self.table = torch.tensor(list(itertools.product(range(V), repeat=resp_len)))      # [V^L, L]
+        self.log_joint = F.log_softmax(torch.randn(V ** resp_len, generator=g, dtype=torch.float64) * scale, 0)
+
+    def joint_logp(self, y) -> float:
+        return float(self.log_joint[(self.table == torch.tensor(y)).all(-1)][0])
+
+    def logp(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.as_tensor(x)
+        r = x[:, self.P:self.P + self.L]
+        vis = r < V
+        agree = (self.table.unsqueeze(0) == r.unsqueeze(1)) | ~vis.unsqueeze(1)              # [N, V^L, L]
+        out = torch.full((x.shape[0], NMAX, V), -math.log(V), dtype=torch.float64)
+        joint = self.log_joint.exp()
+        for k in range(self.L):
+            ok = torch.cat([agree[..., :k], agree[..., k + 1:]], -1).all(-1)                 # ignore position k
+            w = (ok * joint) @ F.one_hot(self.table[:, k], V).double()                       # [N, V]
+            out[:, self.P + k] = torch.log(w / w.sum(-1, keepdim=True))
+        return out
 
 
 def uniform_mean(f, lo: float, hi: float, n: int = 40) -> float:

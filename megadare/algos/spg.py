@@ -15,11 +15,20 @@ Objective (no ratio, no clipping): maximise J = (1/G) sum_i A_i L_i with the seq
 
 Defaults (``spg/slurm_scripts/spg_mix/*.sbatch``): beta 1.5 (math), mix w 0.5, n_mc 2, mu 4, no KL, lr 3e-6.
 
-Measured on an exact toy (tests/test_algos_estimators.py, enumeration): the ELBO side is an unbiased estimate of
-the block ELBO and below log p, but this per-token EUBO (the form in the reference notes / DARE) is NOT an upper
-bound in general -- its expectation falls below the exact log-likelihood in 188 of 1080 toy cases, and with
-n_mc = 8 even the average estimate does (a log of a Monte-Carlo mean is biased low). Two strict xfail tests hold
-the numbers; check the SPG repository's sequence-level EUBO before relying on the upper side.
+Weights: c is the importance weight of block-wise masking (block picked w.p. 1/n_blocks, m ~ U{1..|b|}), so
+sum_m c_m p^beta is an unbiased estimate of E[1[k in S] (n_blocks |b| / m) p(y_k | x_S)^beta], the expectation
+inside the EUBO's log. SPG's code (``spg_trainer._get_per_seq_logps``) divides by the masked fraction of the whole
+completion instead (later blocks count as masked in its full-attention layout); for block-causal families later
+blocks are not visible, so the block-local weight is the one that matches the bound. Tokens no draw covered are
+left out of the token mean, as in SPG's ``loss_mask``.
+
+What holds (tests/test_algos_estimators.py, exact enumeration): when the denoiser's conditionals are consistent
+(marginals of one joint, the setting of the paper's Rényi bound) ELBO = log p <= EUBO at every block size and
+beta in {1, 1.5, 2}; the estimators above are unbiased for the ELBO and for the EUBO's inner expectation, so
+(1/beta) log of its mean converges to the bound -- one draw's log of an n_mc-sample mean is biased low, so a
+single estimate can fall below log p. For an arbitrary network (inconsistent conditionals) the per-token EUBO
+is not guaranteed: on the MLP toy it falls below the order-averaged likelihood in 188 of 1080 cases
+(toy 28: -5.339 vs -5.162), a limitation of the per-token form, not of this implementation.
 """
 from __future__ import annotations
 
