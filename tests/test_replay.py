@@ -233,6 +233,29 @@ def test_balance_heuristic_is_unbiased_by_enumeration(case):
         assert float(w) == pytest.approx(float(p[x] / mix), rel=1e-12)
 
 
+def test_balance_heuristic_is_unbiased_on_the_exact_toy_dllm():
+    """Three versions of the toy dLLM (algo_toy.Toy seeds 0, 1 = behaviour policies, 2 = the current policy) over
+    the 27 responses of length 3: every probability is the toy's exact any-order generative likelihood
+    (enumerated orders, sums to 1), every joint draw of one sample per behaviour policy is enumerated, and the
+    balance-heuristic estimate (1/n) sum w f with w = p / sum_j (n_j/n) q_j equals E_p[f] exactly; the naive
+    estimate without weights does not."""
+    from algo_toy import Exact, Toy
+
+    c = [1, 2]
+    ys = list(itertools.product(range(3), repeat=3))
+    def dist(seed):
+        return [math.exp(Exact(Toy(seed), c, list(y)).loglik()) for y in ys]
+    q0, q1, p = dist(0), dist(1), dist(2)
+    for d in (q0, q1, p):
+        assert sum(d) == pytest.approx(1.0, abs=1e-12)
+    f = [float(sum(y)) - 2.0 * y[0] * y[2] for y in ys]              # any function of the response (a reward)
+    exact = sum(pi * fi for pi, fi in zip(p, f))
+    got = _exact_mixture_expectation(p, [q0, q1], [1, 1], f, _bh(p, [q0, q1], [1, 1]))
+    assert got == pytest.approx(exact, abs=1e-12)
+    naive = _exact_mixture_expectation(p, [q0, q1], [1, 1], f, lambda xs, plan: torch.ones(len(xs)))
+    assert abs(naive - exact) > 1e-3
+
+
 def test_per_source_is_unbiased_too_when_every_behaviour_covers_p():
     p = [0.2, 0.5, 0.3]
     qs = [[0.6, 0.2, 0.2], [0.1, 0.1, 0.8]]

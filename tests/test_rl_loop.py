@@ -61,6 +61,17 @@ def test_demo_rl_improves_over_sft(tmp_path):
     with open(res["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert glob.glob(str(tmp_path / "rl" / "ckpt" / "iter_*"))
+    # the same SFT checkpoint trained one-step-off (rollout k+1 overlaps update k): it learns like the sync run
+    from megadare.demo import demo_configs
+
+    _, cfg = demo_configs(str(tmp_path), 300, 10, "tracerl", 1,
+                          ["rl.eval_size=64", "rl.eval_interval=0", "rl.mode=one_step_off"])
+    cfg.logging.run_dir = str(tmp_path / "rl_off")
+    off = _run(cfg)
+    off_acc = off["evals"][max(off["evals"])]["accuracy"]
+    print(f"one-step-off: SFT {sft:.3f} -> RL {off_acc:.3f}")
+    assert off_acc >= sft + 0.15, (sft, off_acc)
+    assert [h["async/staleness_max"] for h in off["history"]][1:] == [1.0] * 9
 
 
 def letters_reward(response: str, record: dict) -> float:
@@ -140,8 +151,8 @@ def test_one_step_off_overlaps_with_staleness_one(tmp_path):
     the first step is the sync run's first step exactly; max_staleness=0 refuses the stale rollouts."""
     sync = _run(_rl_cfg(tmp_path / "sync", "rl.steps=2", "checkpoint.save_interval=0"))
     off = _run(_rl_cfg(tmp_path / "off", "rl.steps=2", "rl.mode=one_step_off", "checkpoint.save_interval=0"))
-    assert [h["staleness_max"] for h in off["history"]] == [0.0, 1.0]
-    assert [h["staleness_max"] for h in sync["history"]] == [0.0, 0.0]
+    assert [h["async/staleness_max"] for h in off["history"]] == [0.0, 1.0]
+    assert [h["async/staleness_max"] for h in sync["history"]] == [0.0, 0.0]
     for k in ("reward", "pg_loss", "grad_norm"):
         assert sync["history"][0][k] == off["history"][0][k], k
     with pytest.raises(Exception, match="max_staleness=0"):

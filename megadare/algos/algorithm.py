@@ -71,12 +71,17 @@ class Algorithm(ABC):
             raise ValueError(f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "
                              "engine returned none")
 
-    def objective(self, on_policy: bool):
-        """The trainer objective of this algorithm (slots -> loss)."""
+    def objective(self, on_policy: bool, loss_mode: str = "ppo"):
+        """The trainer objective of this algorithm (slots -> loss); ``loss_mode`` see ``SlotObjective``."""
         from megadare.algos.base import SlotObjective
 
         beta = self.p[self.lse_beta] if self.lse_beta else None
-        return SlotObjective(self.slot_loss, on_policy=on_policy, lse_beta=beta)
+        return SlotObjective(self.slot_loss, on_policy=on_policy, lse_beta=beta, loss_mode=loss_mode)
+
+    def engine_logprobs_match(self, arch: ModelArch) -> bool:
+        """Whether the engine's per-token sampler log-probs are this algorithm's own estimator on the same states
+        (then ``rl.behaviour_logp=engine`` is allowed): trace replay with one replay state per recorded step."""
+        return False
 
     @property
     def needs_ref(self) -> bool:

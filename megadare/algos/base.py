@@ -164,6 +164,8 @@ class Slots:
     adv: torch.Tensor
     weight: torch.Tensor           # aggregation (head) weight
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    behave: Optional[torch.Tensor] = None   # under the behaviour policy (rollout correction, trainer/rl_correction.py)
+    is_weight: Optional[torch.Tensor] = None  # behaviour -> proximal IS weight (0 = rejected), constant per slot
 
 
 SlotLoss = Callable[[Slots], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -200,25 +202,46 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     # the advantage is constant over a slot: read it at any position (the max of a constant is the constant)
     adv = torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(
         0, inv, x["adv"][sel].float(), reduce="amax")
+    behave = reduce(w * x["behave"][sel].float()) if "behave" in x else None
+    is_w = (torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(0, inv, x["is_w"][sel].float(),
+                                                                             reduce="amax")
+            if "is_w" in x else None)
     extra = {}
     if lse_beta is not None:
         extra["lse"] = _lse(inv, n, logp[sel], w, lse_beta)
         extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x
                             else _lse(inv, n, x["old"][sel].float(), w, lse_beta))
-    return Slots(logp=lp, old=old, ref=ref, adv=adv, weight=head, extra=extra)
+    return Slots(logp=lp, old=old, ref=ref, adv=adv, weight=head, extra=extra, behave=behave, is_weight=is_w)
 
 
 class SlotObjective:
-    """trainer.step objective: per-position log-probs -> slots -> sum_s head_s * loss_s."""
+    """trainer.step objective: per-position log-probs -> slots -> sum_s head_s * loss_s.
 
-    def __init__(self, slot_loss: SlotLoss, on_policy: bool = False, lse_beta: Optional[float] = None):
+    ``loss_mode`` (off-policy rollouts, algos/rollout_correction.py): ``ppo`` the algorithm's slot loss as is;
+    ``decoupled`` its loss times the behaviour -> proximal IS weight of the slot (``extras['is_w']``, computed
+    before the update; 0 = rejected), i.e. Hilton et al.'s decoupled PPO when the slot loss is the PPO clip;
+    ``bypass`` the ratio is taken against the behaviour estimate (``old := behave``, no proximal pass) and
+    rejected slots (``is_w == 0``) are left out."""
+
+    def __init__(self, slot_loss: SlotLoss, on_policy: bool = False, lse_beta: Optional[float] = None,
+                 loss_mode: str = "ppo"):
         self.slot_loss = slot_loss
         self.on_policy = on_policy
         self.lse_beta = lse_beta
+        self.loss_mode = loss_mode
+        self.reject: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None  # bypass: keep(cur, mu)
 
     def __call__(self, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        s = gather_slots(mb, logp, self.on_policy, self.lse_beta)
+        s = gather_slots(mb, logp, self.on_policy and self.loss_mode == "ppo", self.lse_beta)
+        if self.loss_mode == "bypass" and s.behave is not None:
+            s.old = s.behave
+            if self.reject is not None:
+                s.is_weight = self.reject(s.logp, s.behave).to(s.logp.dtype)
         loss, parts = self.slot_loss(s)
+        if self.loss_mode != "ppo" and s.is_weight is not None:
+            w = s.is_weight if self.loss_mode == "decoupled" else (s.is_weight > 0).to(loss.dtype)
+            loss = w * loss
+            parts = dict(parts, is_weight=w)
         total = (s.weight * loss).sum() + (logp * 0).sum()  # (an all-padding micro-batch still has a graph)
         report = {"pg_loss": total.detach()}
         for k, v in parts.items():

@@ -24,6 +24,9 @@ class CJGRPO(Algorithm):
     needs_trace = True
     defaults = {"eps_low": 0.2}
 
+    def engine_logprobs_match(self, arch) -> bool:
+        return True   # one replay state per recorded step
+
     def views(self, s, arch, block_size, g):
         """Every decoding step replayed (no shrinkage)."""
         return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, 1,

@@ -30,7 +30,13 @@ class TraceRL(Algorithm):
                 "loss_agg": "seq_mean_length", "log_ratio_clamp": 10.0, "shrink": None,
                 "value_model": False, "value_lr": 5e-6, "value_clip": 0.2, "gamma": 1.0, "lam": 1.0}
 
+    def shrink(self, arch) -> int:
+        return self.p["shrink"] or (1 if arch.attention == "block_causal" else 8)
+
+    def engine_logprobs_match(self, arch) -> bool:
+        return self.shrink(arch) == 1   # s > 1 scores later tokens of a fragment from its first state
+
     def views(self, s, arch, block_size, g):
         block = arch.attention == "block_causal"
-        shrink = self.p["shrink"] or (1 if block else 8)
+        shrink = self.shrink(arch)
         return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, shrink, block_family=block)]

@@ -15,6 +15,7 @@ rollout still returns every trajectory exactly once.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -44,7 +45,13 @@ class _EngineActor:
         self.engine = spec.factory(**spec.kwargs)
 
     def generate(self, prompts, params):
-        return self.engine.generate(prompts, params)
+        """The engine's trajectories; the first carries the chunk's generation seconds in ``extra['engine_s']``
+        (rollout-side busy time for the async health metrics)."""
+        t0 = time.perf_counter()
+        out = self.engine.generate(prompts, params)
+        if out:
+            out[0].extra["engine_s"] = time.perf_counter() - t0
+        return out
 
     def update_weights(self, named, version):
         return self.engine.update_weights(named, version)

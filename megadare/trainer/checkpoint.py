@@ -105,8 +105,14 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], optimizer, scheduler,
                           train_state: dict[str, Any], meta: Optional[dict] = None,
-                          hf_files_from: Optional[str] = None, keep_last: int = 2) -> str:
-    """Save everything needed to resume at ``step`` (collective). Returns the checkpoint directory."""
+                          hf_files_from: Optional[str] = None, keep_last: int = 2,
+                          objects: Optional[dict[str, Any]] = None,
+                          rank_objects: Optional[dict[str, Any]] = None) -> str:
+    """Save everything needed to resume at ``step`` (collective). Returns the checkpoint directory.
+
+    ``objects``: picklable state saved by rank 0 as ``<name>.pt`` (e.g. the RL loop's queued rollouts and replay
+    buffer); ``rank_objects``: per-rank state saved as ``<name>/rank_XXXXX.pt`` (e.g. weight snapshots of this
+    rank's shards). Both land inside the same atomic rename; read them with ``load_checkpoint_object``."""
     from megatron.core import dist_checkpointing
 
     final = iteration_dir(root, step)
@@ -120,6 +126,12 @@ def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], o
     world = dist.get_world_size() if dist.is_initialized() else 1
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+    for name, obj in (rank_objects or {}).items():
+        os.makedirs(os.path.join(tmp, name), exist_ok=True)
+        torch.save(obj, os.path.join(tmp, name, f"rank_{_rank():05d}.pt"))
+    if _rank() == 0:
+        for name, obj in (objects or {}).items():
+            torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
     if _rank() == 0:
         state = dict(train_state, step=step, world_size=world,
@@ -144,6 +156,14 @@ def _prune(root: str, keep_last: int, current: int) -> None:
     for it in its[:-keep_last]:
         if it != current:
             shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+def load_checkpoint_object(path: str, name: str, per_rank: bool = False) -> Any:
+    """An object saved with ``save_train_checkpoint(objects=...)`` (or this rank's of ``rank_objects``); None
+    when the checkpoint has none."""
+    ckpt = resolve_checkpoint_dir(path)
+    f = os.path.join(ckpt, name, f"rank_{_rank():05d}.pt") if per_rank else os.path.join(ckpt, f"{name}.pt")
+    return torch.load(f, weights_only=False) if os.path.exists(f) else None
 
 
 def latest_checkpoint(root: str) -> Optional[str]:

@@ -55,24 +55,6 @@ def evaluate(manager, tok, reward_fn, prompts, params) -> dict[str, float]:
             "response_length": sum(len(t.response_ids) for t in traj) / len(traj)}
 
 
-def _store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
-    """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
-    into ``mb.extras[key]`` (on the last pipeline stage)."""
-    from megadare.trainer.step import run_micro_batches
-
-    got: list[torch.Tensor] = []
-
-    def grab(mb, logp):
-        got.append(logp.detach())
-        return (logp * 0).sum(), {}
-
-    with torch.no_grad():
-        run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
-                          per_position=per_position)
-    for mb, lp in zip(micro_batches, got):
-        mb.extras[key] = lp.to(mb.weight.device)
-
-
 def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list, dict]:
     """RLSamples with advantages (after the group filters) and the step's rollout metrics."""
     from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
@@ -114,7 +96,13 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rewards import load_reward
     from megadare.rollout.weight_sync import sync_weights
-    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
+    from megadare.algos.replay import ReplayBuffer
+    from megadare.trainer.checkpoint import (latest_checkpoint, load_checkpoint_object, load_train_checkpoint,
+                                             save_train_checkpoint)
+    from megadare.trainer.rl_async import RolloutQueue, WeightSnapshots, lookahead, staleness_metrics
+    from megadare.trainer.rl_correction import (bypass_rejection, check_correction_config, engine_table,
+                                                needs_snapshots, oldest_needed, reindex, version_table)
+    from megadare.trainer.rl_update import Correction, build_value_model, replay_select, update
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
     from megadare.trainer.monitor import Monitor
@@ -172,13 +160,33 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         save_root = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt")
         value = None
         if algo.p.get("value_model"):
-            value = _build_value_model(cfg, src, algo, load_init, updates)
+            value = build_value_model(cfg, src, algo, load_init, updates)
+        check_correction_config(cfg, algo, arch)
+        ahead = lookahead(rl.mode, rl.max_staleness)
+        if ahead > rl.max_staleness:
+            raise ConfigError(f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
+                              f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync")
+        if ahead and hasattr(algo, "rollout"):
+            raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
+                              "use rl.mode=sync")
+        snapshots = WeightSnapshots(model) if needs_snapshots(cfg, ahead) else None
+        buffer = ReplayBuffer(cfg.replay.k, cfg.replay.warmup) if cfg.replay.enable else None
         step = 0
         resume_from = latest_checkpoint(save_root)
+        async_state = None
         if resume_from:
             step = int(load_train_checkpoint(resume_from, model, optimizer, scheduler)["step"])
             if value is not None:
                 load_train_checkpoint(latest_checkpoint(save_root + "_value"), *value)
+            async_state = load_checkpoint_object(resume_from, "rl_async")
+            if snapshots is not None:
+                snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
+                if snaps is None and ahead:
+                    raise RuntimeError(f"{resume_from} has no weight snapshots for this rank (a different layout or "
+                                       "rl.loss_mode?): the queued stale rollouts cannot be corrected")
+                snapshots.load_state_dict(snaps or {})
+            if buffer is not None and async_state is not None and async_state.get("replay"):
+                buffer.load_state_dict(async_state["replay"])
         rank0 = dist.get_rank() == 0
         if rank0:
             os.makedirs(cfg.logging.run_dir, exist_ok=True)
@@ -206,38 +214,37 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         stopper = StopSignal()
         meta = {"family": src.family.name, "architecture": arch.architecture, "written_by": "megadare rl",
                 "algo": algo.name}
-        objective = algo.objective(on_policy=(rl.ppo_epochs * rl.mini_batches == 1))
+        objective = algo.objective(on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and rl.loss_mode == "ppo"),
+                                   loss_mode=rl.loss_mode)
+        if rl.loss_mode == "bypass" and rl.rollout_is is not None:
+            objective.reject = bypass_rejection(cfg)
         pad_id = getattr(tok, "pad_token_id", 0) or 0
         multiple = p.pp if (p.vpp or 1) > 1 else 1
         history: list[dict[str, float]] = []
         start_step, stopped = step, False
 
         def start_rollout(at: int):
-            """(prompt batch, rollout in flight) of RL step ``at`` (rank 0)."""
-            batch = [train_prompts[i] for i in sampler.batch(at)]
+            """(prompt indices, rollout in flight) of RL step ``at`` (rank 0)."""
+            indices = sampler.batch(at)
+            prompts = [train_prompts[i].prompt_ids for i in indices]
             params = sampling_params(cfg, arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
             if hasattr(algo, "rollout"):  # algorithms with their own rollout shape (d-TreeRPO's trees): blocking
-                return batch, algo.rollout(manager.generate, [b.prompt_ids for b in batch], params, rl.n_samples)
-            return batch, manager.submit([b.prompt_ids for b in batch for _ in range(rl.n_samples)], params)
+                return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples)
+            return indices, manager.submit([q for q in prompts for _ in range(rl.n_samples)], params)
 
-        if rl.mode == "one_step_off" and hasattr(algo, "rollout"):
-            raise ConfigError(f"rl.mode=one_step_off: {algo.name} builds its rollout in several dependent rounds; "
-                              "use rl.mode=sync")
-        pending = None
+        queue = RolloutQueue(start_rollout, ahead, rl.steps) if rank0 else None
+        if rank0 and async_state is not None:
+            queue.restore(async_state.get("queue", {}))
         while step < rl.steps:
             monitor.step_timer()
             t0 = time.perf_counter()
+            if snapshots is not None:  # the weights of version `step` (behaviour of rollouts queued now)
+                snapshots.keep_from(oldest_needed(cfg, step, ahead))
+                snapshots.take(step)
             payload: list[Any] = [None]
             if rank0:
-                if pending is None:
-                    pending = start_rollout(step)
-                batch, fut = pending
-                t_wait = time.perf_counter()
-                traj = fut.result() if hasattr(fut, "result") else fut
-                wait_s = time.perf_counter() - t_wait
-                # one-step-off: the next rollout starts now, on the weights the engines hold (this step's policy
-                # version), and overlaps this step's training; it is served before the next weight update
-                pending = start_rollout(step + 1) if rl.mode == "one_step_off" and step + 1 < rl.steps else None
+                q, traj, wait_s = queue.take(step)
+                batch = [train_prompts[i] for i in q.batch_indices]
                 for tr in traj:
                     tr.validate()
                 recs = [b.record for b in batch for _ in range(rl.n_samples)]
@@ -258,15 +265,35 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                 if max(stale) > rl.max_staleness:
                     raise RuntimeError(f"rollout of step {step} used policy version {min(t.policy_version for t in traj)}"
                                        f", staler than rl.max_staleness={rl.max_staleness}")
-                metrics.update(staleness_mean=sum(stale) / len(stale), staleness_max=float(max(stale)),
-                               rollout_wait_s=wait_s)
+                version = [t.policy_version for t in traj]
+                for s in samples:
+                    s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
+                    s.extra["rollout_step"] = step
+                    if rl.behaviour_logp == "engine":
+                        s.extra["engine_logprobs"] = list(traj[s.index].logprobs)
+                metrics.update(staleness_metrics(stale))
+                engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
+                metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
+                                                         "async/queue_depth": float(len(queue.queue))})
                 payload = [(samples, metrics)]
             dist.broadcast_object_list(payload, src=0)
             samples, metrics = payload[0]
             metrics["rollout_s"] = time.perf_counter() - t0
+            correction = None
+            if rl.loss_mode != "ppo":
+                correction = Correction({}, step, snapshots)
+                if buffer is not None:
+                    want = int(round(cfg.replay.fraction * len(samples)))
+                    replayed = replay_select(cfg, algo, buffer, want, step, arch, block, kind, pad_id, multiple,
+                                             model, example_generator, correction)
+                    buffer.add([s for s in samples], version=None)
+                    samples = samples + reindex(replayed, samples)
+                    metrics.update(correction.metrics)
+                correction.version_of = version_table(samples)
+                correction.engine_logprobs = engine_table(samples) if rl.behaviour_logp == "engine" else None
             if samples:
-                metrics.update(_update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
-                                       optimizer, scheduler, objective, example_generator, value))
+                metrics.update(update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
+                                      optimizer, scheduler, objective, example_generator, value, correction))
             t1 = time.perf_counter()
             step += 1
             metrics.update({f"sync_{k[5:]}" if k.startswith("sync_") else k: v for k, v in
@@ -274,6 +301,9 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                                          bucket_bytes=bucket).items()})
             metrics["sync_s"] = time.perf_counter() - t1
             metrics["step_time_s"] = monitor.step_timer()
+            metrics["async/trainer_idle_ratio"] = metrics.get("rollout_wait_s", 0.0) / max(metrics["step_time_s"], 1e-9)
+            metrics["async/rollout_idle_ratio"] = max(0.0, 1.0 - metrics.get("async/rollout_busy_s", 0.0) / max(
+                cfg.rollout.num_engines * metrics["step_time_s"], 1e-9))
             history.append(metrics)
             monitor.log(step, metrics)
             if rl.eval_interval and step % rl.eval_interval == 0 and step < rl.steps:
@@ -281,9 +311,14 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             stop = stopper.should_stop()
             at_interval = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
             if at_interval or stop or step == rl.steps:
+                state = [{"queue": queue.drain(), "replay": buffer.state_dict() if buffer is not None else None}
+                         if rank0 else None]
                 save_train_checkpoint(save_root, step, model, optimizer, scheduler,
                                       {"rl_step": step, "consumed_prompts": step * rl.prompts_per_step},
-                                      meta=meta, hf_files_from=src.hf_dir, keep_last=cfg.checkpoint.keep_last)
+                                      meta=meta, hf_files_from=src.hf_dir, keep_last=cfg.checkpoint.keep_last,
+                                      objects={"rl_async": state[0]} if rank0 else None,
+                                      rank_objects={"weight_snapshots": snapshots.state_dict()}
+                                      if snapshots is not None else None)
                 if value is not None:
                     save_train_checkpoint(save_root + "_value", step, *value, {"rl_step": step},
                                           meta={**meta, "value_model": True}, keep_last=cfg.checkpoint.keep_last)
@@ -326,106 +361,6 @@ def _start_engines(cfg: Config, src, tok):
                  num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))
     return RolloutManager(spec, num_engines=cfg.rollout.num_engines, resources=dict(cfg.rollout.engine_resources),
                           chunk_size=cfg.rollout.chunk_size)
-
-
-def _build_value_model(cfg: Config, src, algo, load_init, updates: int):
-    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone + a zero-init value head."""
-    from megadare.algos.value_model import attach_value_head
-    from megadare.trainer.model_setup import build_training_chunks
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-
-    t = cfg.train
-    chunks = build_training_chunks(cfg, src)
-    load_init(chunks)
-    attach_value_head(chunks)
-    model = wrap_ddp(chunks, t.distributed_optimizer)
-    opt, sched = build_optimizer(model, OptimSettings(
-        lr=algo.p["value_lr"], weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps, clip_grad=t.clip_grad, lr_decay_style="constant", total_steps=updates,
-        distributed_optimizer=t.distributed_optimizer, dtype=cfg.model.dtype))
-    return model, opt, sched
-
-
-def _value_advantages(algo, samples, micro_batches) -> dict[str, float]:
-    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
-    the micro-batches' extras; values of a sample may sit on other data-parallel ranks (gathered)."""
-    from megatron.core import parallel_state as ps
-
-    from megadare.algos.value_model import step_advantages
-
-    if not micro_batches or "v_old" not in micro_batches[0].extras:
-        return {}  # not the last pipeline stage
-    local = []
-    for mb in micro_batches:
-        x = mb.extras
-        sel = (x["head"] != 0) & (x["tok"] >= 0)
-        local.extend(zip(x["sample"][sel].tolist(), x["tok"][sel].tolist(), x["v_old"][sel].tolist()))
-    everything = [local]
-    if ps.get_data_parallel_world_size() > 1:
-        everything = [None] * ps.get_data_parallel_world_size()
-        dist.all_gather_object(everything, local, group=ps.get_data_parallel_group())
-    values: dict[tuple[int, int], float] = {(s, k): v for part in everything for s, k, v in part}
-    table: dict[tuple[int, int], tuple[float, float]] = {}
-    for s in samples:
-        vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
-        adv, ret = step_advantages(vs, s.commit_step, s.reward, algo.p["gamma"], algo.p["lam"])
-        for k in range(len(vs)):
-            table[(s.index, k)] = (adv[k], ret[k])
-    for mb in micro_batches:
-        x = mb.extras
-        keys = list(zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist()))
-        pairs = [table.get(key, (0.0, 0.0)) for key in keys]
-        x["adv"] = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(x["tok"])
-        x["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(x["tok"])
-    vals = torch.tensor([v for part in everything for _, _, v in part] or [0.0])
-    return {"value_mean": float(vals.mean())}
-
-
-def _update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
-            objective, generator_for, value=None) -> dict[str, float]:
-    """The algorithm's rows -> (old / ref log-probs) -> ppo_epochs x mini_batches optimizer steps."""
-    from megatron.core import parallel_state as ps
-
-    from megadare.algos.value_model import ValueObjective, values_of
-    from megadare.trainer.batch import global_denominator, pack_rows, split_for_data_parallel
-    from megadare.trainer.step import train_step
-
-    rl, t = cfg.rl, cfg.train
-    prompt_groups = sorted({s.group for s in samples})
-    n_mb = min(rl.mini_batches, len(prompt_groups))
-    groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
-    prepared = []
-    n_rows = 0
-    for group in groups:
-        rows = algo.batch_rows(group, arch, block, lambda index: generator_for(cfg.seed, step, index))
-        if not rows:
-            continue
-        n_rows += len(rows)
-        mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=pad_id)
-        denom = global_denominator(mbs)
-        mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                                       multiple_of=multiple)
-        if not objective.on_policy:
-            _store_outputs(model, mine, "old", kind, block, arch.vocab_size)
-        if ref_chunks is not None:
-            _store_outputs(ref_chunks, mine, "ref", kind, block, arch.vocab_size)
-        if value is not None:
-            _store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
-            _value_advantages(algo, group, mine)
-        prepared.append((mine, denom))
-    out: dict[str, float] = {"train_rows": float(n_rows)}
-    n = rl.ppo_epochs * len(prepared)
-    for _ in range(rl.ppo_epochs):
-        for mine, denom in prepared:
-            m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective)
-            if value is not None:
-                vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
-                                objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)
-                m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
-                          "value_grad_norm": vm["grad_norm"]})
-            for k, v in m.items():
-                out[k] = out.get(k, 0.0) + v / n
-    return out
 
 
 def rl_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:

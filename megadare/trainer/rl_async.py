@@ -1,0 +1,142 @@
+"""Asynchronous RL plumbing: the rollout queue (how far rollouts run ahead of training) and the weight snapshots
+of the behaviour policies the trainer still needs.
+
+Modes (``rl.mode``), counted in policy versions (version v = the weights after v optimizer updates; the engines
+hold version v while RL step v trains):
+
+    sync          rollout of step k submitted at step k                      lookahead 0, staleness 0
+    one_step_off  rollout of step k+1 submitted at step k, before training   lookahead 1, staleness <= 1
+    fully_async   rollouts of steps k+1 .. k+s in flight at once             lookahead s = rl.max_staleness
+
+A rollout submitted while the engines hold version v is served before any later weight update (Ray runs an
+actor's calls in order), so its trajectories carry version v and are consumed at step v + d with d <= lookahead:
+staleness d (verl ``one_step_off_policy`` / ``fully_async_policy``, AReaL's bounded staleness). Partial rollouts
+(a response paused for a weight update and continued on the new weights) need the engine to suspend a request
+mid-block and are not implemented.
+
+Snapshots: with ``rl.loss_mode`` decoupled or bypass and ``rl.behaviour_logp=trainer`` the behaviour log-probs
+of a stale sample are the algorithm's own estimator evaluated with the weights of the version that generated it;
+the trainer keeps a CPU copy of its local parameter shards for every version still referenced (lookahead or the
+replay window) and swaps it in for that forward pass. Cost: one copy of the local shards per retained version.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+LOOKAHEAD = {"sync": 0, "one_step_off": 1}
+
+
+def lookahead(mode: str, max_staleness: int) -> int:
+    """Rollouts in flight ahead of the step being trained."""
+    return LOOKAHEAD.get(mode, max_staleness)
+
+
+@dataclass
+class QueuedRollout:
+    step: int                              # the RL step that will train on it
+    batch_indices: list[int]               # prompt indices (StepSampler.batch(step))
+    pending: Any = None                    # PendingRollout, or the finished trajectories
+    submitted_at: float = field(default_factory=time.perf_counter)
+
+
+class RolloutQueue:
+    """Rank 0's rollouts in flight, keyed by the step that trains on them."""
+
+    def __init__(self, start: Callable[[int], tuple[list[int], Any]], ahead: int, last_step: int):
+        self.start, self.ahead, self.last_step = start, ahead, last_step
+        self.queue: dict[int, QueuedRollout] = {}
+        self.floor = 0
+
+    def _ensure(self, upto: int) -> None:
+        for k in range(self.floor, min(upto, self.last_step - 1) + 1):
+            if k not in self.queue:
+                indices, pending = self.start(k)
+                self.queue[k] = QueuedRollout(k, indices, pending)
+
+    def take(self, step: int) -> tuple[QueuedRollout, list, float]:
+        """(the queued rollout of ``step``, its trajectories, seconds waited); then tops the queue up to
+        ``step + ahead`` on the weights the engines hold now (before this step's update)."""
+        self.floor = step
+        self._ensure(step)
+        q = self.queue.pop(step)
+        t0 = time.perf_counter()
+        fut = q.pending
+        traj = fut.result() if hasattr(fut, "result") else fut
+        wait = time.perf_counter() - t0
+        self._ensure(step + self.ahead)
+        return q, traj, wait
+
+    def drain(self) -> dict[int, tuple[list[int], list]]:
+        """Finish every queued rollout and return {step: (prompt indices, trajectories)} (for a checkpoint; the
+        queue keeps them, now finished)."""
+        out = {}
+        for k, q in sorted(self.queue.items()):
+            if hasattr(q.pending, "result"):
+                q.pending = q.pending.result()
+            out[k] = (q.batch_indices, q.pending)
+        return out
+
+    def restore(self, state: dict[int, tuple[list[int], list]]) -> None:
+        for k, (indices, traj) in state.items():
+            self.queue[int(k)] = QueuedRollout(int(k), list(indices), traj)
+
+
+class WeightSnapshots:
+    """CPU copies of this rank's local parameter shards, one per policy version still needed."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        self.params = [p for c in chunks for p in c.parameters()]
+        self.store: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, version: int) -> None:
+        self.store[version] = [p.detach().to("cpu", copy=True) for p in self.params]
+
+    def keep_from(self, oldest: int) -> None:
+        for v in [v for v in self.store if v < oldest]:
+            del self.store[v]
+
+    def __contains__(self, version: int) -> bool:
+        return version in self.store
+
+    @contextlib.contextmanager
+    def swapped_in(self, version: Optional[int]) -> Iterator[None]:
+        """The model holds version ``version``'s weights inside the block (None or a missing version: no swap is
+        an error -- the caller decides what is current)."""
+        if version is None:
+            yield
+            return
+        if version not in self.store:
+            raise RuntimeError(f"no weight snapshot of policy version {version} (have {sorted(self.store)})")
+        saved = [p.detach().clone() for p in self.params]
+        try:
+            with torch.no_grad():
+                for p, s in zip(self.params, self.store[version]):
+                    p.copy_(s)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+
+    def state_dict(self) -> dict[int, list[torch.Tensor]]:
+        return dict(self.store)
+
+    def load_state_dict(self, state: dict[int, list[torch.Tensor]]) -> None:
+        self.store = {int(k): v for k, v in state.items()}
+
+
+def staleness_metrics(stale: list[int], prefix: str = "async/") -> dict[str, float]:
+    """Mean / max and the histogram (one scalar per staleness value) of the trajectories' staleness."""
+    out = {f"{prefix}staleness_mean": sum(stale) / max(len(stale), 1),
+           f"{prefix}staleness_max": float(max(stale, default=0))}
+    for d in sorted(set(stale)):
+        out[f"{prefix}staleness_hist/{d}"] = stale.count(d) / len(stale)
+    return out
+
+
+__all__ = ["lookahead", "RolloutQueue", "QueuedRollout", "WeightSnapshots", "staleness_metrics"]

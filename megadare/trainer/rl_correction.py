@@ -1,0 +1,243 @@
+"""Rollout correction inside the RL loop: behaviour log-probs, per-slot importance weights, multi-behaviour
+(balance-heuristic) weights and the replay match scores. The formulas live in algos/rollout_correction.py and
+algos/replay.py; this module feeds them the right numbers.
+
+Which log-probs go into a ratio (``rl.behaviour_logp``; algos/rollout_correction.py explains why):
+
+* ``trainer`` (every algorithm): the behaviour estimate of slot s is the algorithm's own estimator, on the same
+  stored corruptions / replay states, evaluated with the weights of the version that generated the sample
+  (``WeightSnapshots``); for a sample of the current version it *is* the proximal estimate, so its ratio is
+  exactly 1 -- the correction is the identity when the weights did not change.
+* ``engine`` (trace-replay algorithms whose views are one state per recorded step: CJ-GRPO, TraceRL at shrink 1;
+  rollout temperature 1, no top-k / top-p): the engine's sampler log-prob of each committed token at the state
+  it was committed in. Includes the engine/trainer numerical mismatch (and the engine's exclusion of the mask
+  token from the distribution), which is what a mismatch correction is for; the ratio is then 1 only up to it.
+
+Per-slot weights (``rl.loss_mode=decoupled``): w_s = IS(l_s^prox, l_s^behave) from ``rollout_is_weights`` at
+``rl.rollout_is`` level (token: per slot; sequence / geometric: over the slots of a sample), truncated or masked
+at ``rl.rollout_is_threshold``. With ``replay.pmis`` and several behaviour versions in the batch the weight of a
+sample is the balance-heuristic weight p(x) / sum_j (n_j / n) q_j(x) over the versions j present (sequence
+estimates; Veach & Guibas 1995), truncated at the same threshold.
+
+Slot values are summed per (sample, slot) on the ranks that hold the last pipeline stage and gathered over the
+whole world (slots of one sample may sit on different data-parallel ranks), so every rank computes the same
+weights, selections and metrics.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megadare.config import Config
+from megadare.trainer.batch import MicroBatch
+
+Key = tuple[int, int]   # (sample index, slot)
+
+
+def gather_slot_sums(micro_batches: list[MicroBatch], keys: list[str]) -> dict[Key, list[float]]:
+    """{(sample, slot): [sum over the slot's positions of weight * extras[key] for key in keys]} over the world."""
+    local: dict[Key, list[float]] = {}
+    for mb in micro_batches:
+        x = mb.extras
+        if any(k not in x for k in keys):
+            continue  # not the last pipeline stage (or an empty micro-batch)
+        sel = x["slot"] >= 0
+        if not bool(sel.any()):
+            continue
+        w = mb.weight[sel].double()
+        sample, slot = x["sample"][sel].tolist(), x["slot"][sel].tolist()
+        vals = [(w * x[k][sel].double()).tolist() for k in keys]
+        for i, key in enumerate(zip(sample, slot)):
+            acc = local.setdefault(key, [0.0] * len(keys))
+            for j in range(len(keys)):
+                acc[j] += vals[j][i]
+    parts = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local)
+    out: dict[Key, list[float]] = {}
+    for p in parts:
+        out.update(p)  # a slot lives in one micro-batch: tensor-parallel copies carry the same sums
+    return out
+
+
+def put_slot_values(micro_batches: list[MicroBatch], key: str, table: dict[Key, float], default: float = 0.0) -> None:
+    """extras[key] at every position = the value of its (sample, slot) (``default`` where unscored)."""
+    for mb in micro_batches:
+        x = mb.extras
+        if "slot" not in x:
+            continue
+        keys = zip(x["sample"].flatten().tolist(), x["slot"].flatten().tolist())
+        x[key] = torch.tensor([table.get(k, default) for k in keys], dtype=torch.float32).view_as(x["slot"])
+
+
+def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_of: dict[int, int], current: int,
+                    versions: set[int], kind: str, block: int, vocab: int) -> None:
+    """extras['lp_v<v>'] for every v in ``versions`` (the current one is the proximal pass 'old') and
+    extras['behave'] = lp under each position's own sample version."""
+    from megadare.trainer.rl_update import store_outputs
+
+    for v in sorted(versions):
+        if v == current:
+            for mb in micro_batches:
+                if "old" in mb.extras:
+                    mb.extras[f"lp_v{v}"] = mb.extras["old"]
+            continue
+        with snapshots.swapped_in(v):
+            store_outputs(model, micro_batches, f"lp_v{v}", kind, block, vocab)
+    for mb in micro_batches:
+        x = mb.extras
+        if "old" not in x:
+            continue
+        own = torch.tensor([version_of.get(s, current) for s in x["sample"].flatten().tolist()]).view_as(x["sample"])
+        behave = x["old"].clone()
+        for v in versions:
+            behave = torch.where(own == v, x[f"lp_v{v}"], behave)
+        x["behave"] = behave
+
+
+def store_engine_behaviour(micro_batches: list[MicroBatch], engine_logprobs: dict[int, list[float]]) -> None:
+    """extras['behave'] = the engine's sampler log-prob of the token each scored position predicts."""
+    for mb in micro_batches:
+        x = mb.extras
+        if "slot" not in x:
+            continue
+        vals = [engine_logprobs[s][k] if sl >= 0 and k >= 0 else 0.0 for s, k, sl in
+                zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist(), x["slot"].flatten().tolist())]
+        x["behave"] = torch.tensor(vals, dtype=torch.float32).view_as(x["slot"])
+
+
+def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int],
+                       versions: set[int]) -> dict[str, float]:
+    """Per-slot IS weights into extras['is_w'] (decoupled loss); returns the IS / mixture metrics."""
+    from megadare.algos.replay import balance_heuristic_weights
+    from megadare.algos.rollout_correction import rollout_is_weights
+
+    rl = cfg.rl
+    pmis = cfg.replay.enable and cfg.replay.pmis and len(versions) > 1
+    keys = ["old", "behave"] + ([f"lp_v{v}" for v in sorted(versions)] if pmis else [])
+    sums = gather_slot_sums(micro_batches, keys)
+    if not sums:
+        return {}
+    order = sorted(sums)
+    old = torch.tensor([sums[k][0] for k in order], dtype=torch.float64)
+    behave = torch.tensor([sums[k][1] for k in order], dtype=torch.float64)
+    group = torch.tensor([k[0] for k in order])
+    w, _, m = rollout_is_weights(old, behave, group, level=rl.rollout_is or "token", mode=rl.rollout_is_mode,
+                                 threshold_high=rl.rollout_is_threshold, threshold_low=rl.rollout_is_threshold_low,
+                                 veto_threshold=rl.rollout_is_veto)
+    metrics = {f"is/{k}": v for k, v in m.items()}
+    if pmis:
+        samples = sorted({k[0] for k in order})
+        pos = {s: i for i, s in enumerate(samples)}
+        seq = torch.zeros(len(versions) + 1, len(samples), dtype=torch.float64)
+        for k in order:  # row 0: proximal (target); rows 1..: each behaviour version
+            seq[:, pos[k[0]]] += torch.tensor([sums[k][0]] + sums[k][2:], dtype=torch.float64)
+        ver = sorted(versions)
+        counts = torch.tensor([sum(version_of[s] == v for s in samples) for v in ver], dtype=torch.float64)
+        ws = balance_heuristic_weights(seq[0], seq[1:], counts, log_clamp=20.0, threshold=rl.rollout_is_threshold)
+        w = torch.stack([ws[pos[k[0]]] for k in order])
+        metrics.update({"is/mixture_weight_mean": float(ws.mean()), "is/mixture_weight_max": float(ws.max()),
+                        "is/mixture_ess": float(ws.sum() ** 2 / (len(ws) * (ws * ws).sum()))})
+    put_slot_values(micro_batches, "is_w", {k: float(wi) for k, wi in zip(order, w)})
+    return metrics
+
+
+def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float]:
+    """{sample: variance-guided score} from the per-slot log ratios l_s^cur - l_s^behave of each sample
+    (algos/replay.py ``variance_guided_scores``; lower = better matched to the current policy)."""
+    from megadare.algos.replay import variance_guided_scores
+
+    sums = gather_slot_sums(micro_batches, ["old", "behave"])
+    by: dict[int, list[float]] = {}
+    for (s, _), (cur, beh) in sorted(sums.items()):
+        by.setdefault(s, []).append(cur - beh)
+    if not by:
+        return {}
+    samples = sorted(by)
+    scores = variance_guided_scores([torch.tensor(by[s], dtype=torch.float64) for s in samples], kind=kind)
+    return {s: float(v) for s, v in zip(samples, scores)}
+
+
+def check_correction_config(cfg: Config, algo, arch) -> None:
+    """Combinations of rl.loss_mode / rl.rollout_is / rl.behaviour_logp that cannot work, named."""
+    from megadare.config import ConfigError
+
+    rl, r = cfg.rl, cfg.rollout
+    if rl.loss_mode == "ppo" and rl.rollout_is is not None:
+        raise ConfigError(f"rl.rollout_is={rl.rollout_is!r} needs rl.loss_mode=decoupled (IS behaviour -> proximal) "
+                          "or bypass (ratio against the behaviour policy); rl.loss_mode=ppo ignores the behaviour")
+    if rl.loss_mode == "bypass" and rl.rollout_is is not None and rl.rollout_is != "token":
+        raise ConfigError(f"rl.loss_mode=bypass rejects slot by slot against the current policy: rl.rollout_is "
+                          f"must be token or null, not {rl.rollout_is!r}")
+    if rl.behaviour_logp == "engine":
+        if not algo.engine_logprobs_match(arch):
+            raise ConfigError(f"rl.behaviour_logp=engine: {algo.name}'s estimator is not the engine's per-step "
+                              "sampler log-prob (only trace replay with one state per step is: cj_grpo, tracerl "
+                              "with shrink 1); use rl.behaviour_logp=trainer")
+        if r.temperature != 1.0 or r.top_k or r.top_p != 1.0:
+            raise ConfigError(f"rl.behaviour_logp=engine needs rollout.temperature=1, top_k=0, top_p=1 (got "
+                              f"{r.temperature}, {r.top_k}, {r.top_p}): the trainer scores untempered, untruncated "
+                              "log-probs")
+    if cfg.replay.enable and rl.loss_mode == "ppo":
+        raise ConfigError("replay.enable=true trains on samples of older policies: set rl.loss_mode=decoupled (or "
+                          "bypass) so they are importance-corrected")
+    if cfg.replay.enable and rl.behaviour_logp == "engine":
+        raise ConfigError("replay.enable=true scores and weights samples under several versions with the trainer's "
+                          "estimator: use rl.behaviour_logp=trainer")
+
+
+def needs_snapshots(cfg: Config, ahead: int) -> bool:
+    """Weight snapshots are needed when samples of older versions reach the trainer (queued rollouts or replay)
+    and their behaviour log-probs come from the trainer."""
+    return (cfg.rl.loss_mode != "ppo" and cfg.rl.behaviour_logp == "trainer"
+            and (ahead > 0 or cfg.replay.enable))
+
+
+def bypass_rejection(cfg: Config):
+    """keep(logp_current, logp_behave) per slot for ``rl.loss_mode=bypass`` with ``rl.rollout_is=token``:
+    ``rollout_is_weights`` at token level on the current / behaviour slot estimates (mask mode rejects outside
+    the thresholds, truncate mode keeps everything but vetoed slots)."""
+    from megadare.algos.rollout_correction import rollout_is_weights
+
+    rl = cfg.rl
+
+    def keep(current: torch.Tensor, behave: torch.Tensor) -> torch.Tensor:
+        return rollout_is_weights(current.detach(), behave.detach(), None, level="token", mode=rl.rollout_is_mode,
+                                  threshold_high=rl.rollout_is_threshold, threshold_low=rl.rollout_is_threshold_low,
+                                  veto_threshold=rl.rollout_is_veto)[1]
+    return keep
+
+
+def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
+    """Replayed samples with indices and prompt groups after the fresh ones' (groups kept whole)."""
+    first = max((s.index for s in fresh), default=-1) + 1
+    gfirst = max((s.group for s in fresh), default=-1) + 1
+    groups: dict[tuple[int, int], int] = {}
+    for j, s in enumerate(replayed):
+        key = (int(s.extra.get("policy_version", 0)), s.group)
+        s.group = groups.setdefault(key, gfirst + len(groups))
+        s.index = first + j
+    return replayed
+
+
+def oldest_needed(cfg: Config, step: int, ahead: int) -> int:
+    """The oldest policy version a sample trained at ``step`` or later can still come from."""
+    return step - max(ahead, cfg.replay.k if cfg.replay.enable else 0)
+
+
+def version_table(samples: list[Any]) -> dict[int, int]:
+    return {s.index: int(s.extra.get("policy_version", 0)) for s in samples}
+
+
+def engine_table(samples: list[Any]) -> Optional[dict[int, list[float]]]:
+    if not samples or "engine_logprobs" not in samples[0].extra:
+        return None
+    return {s.index: s.extra["engine_logprobs"] for s in samples}
+
+
+__all__ = ["gather_slot_sums", "put_slot_values", "store_behaviour", "store_engine_behaviour", "correction_weights",
+           "replay_scores", "check_correction_config", "needs_snapshots", "bypass_rejection", "reindex",
+           "oldest_needed", "version_table", "engine_table"]

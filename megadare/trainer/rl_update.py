@@ -1,0 +1,205 @@
+"""One RL update on the trainer: the algorithm's rows -> packed micro-batches -> old / reference / value /
+behaviour passes -> rollout-correction weights -> ``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps.
+Also the distribution-matched replay selection, which needs the same passes on the buffer's candidates."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megadare.config import Config
+
+
+def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
+    """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
+    into ``mb.extras[key]`` (on the last pipeline stage)."""
+    from megadare.trainer.step import run_micro_batches
+
+    got: list[torch.Tensor] = []
+
+    def grab(mb, logp):
+        got.append(logp.detach())
+        return (logp * 0).sum(), {}
+
+    with torch.no_grad():
+        run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
+                          per_position=per_position)
+    for mb, lp in zip(micro_batches, got):
+        mb.extras[key] = lp.to(mb.weight.device)
+
+
+def build_value_model(cfg: Config, src, algo, load_init, updates: int):
+    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone + a zero-init value head."""
+    from megadare.algos.value_model import attach_value_head
+    from megadare.trainer.model_setup import build_training_chunks
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+
+    t = cfg.train
+    chunks = build_training_chunks(cfg, src)
+    load_init(chunks)
+    attach_value_head(chunks)
+    model = wrap_ddp(chunks, t.distributed_optimizer)
+    opt, sched = build_optimizer(model, OptimSettings(
+        lr=algo.p["value_lr"], weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps, clip_grad=t.clip_grad, lr_decay_style="constant", total_steps=updates,
+        distributed_optimizer=t.distributed_optimizer, dtype=cfg.model.dtype))
+    return model, opt, sched
+
+
+def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
+    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
+    the micro-batches' extras; values of a sample may sit on other data-parallel ranks (gathered)."""
+    from megatron.core import parallel_state as ps
+
+    from megadare.algos.value_model import step_advantages
+
+    if not micro_batches or "v_old" not in micro_batches[0].extras:
+        return {}  # not the last pipeline stage
+    local = []
+    for mb in micro_batches:
+        x = mb.extras
+        sel = (x["head"] != 0) & (x["tok"] >= 0)
+        local.extend(zip(x["sample"][sel].tolist(), x["tok"][sel].tolist(), x["v_old"][sel].tolist()))
+    everything = [local]
+    if ps.get_data_parallel_world_size() > 1:
+        everything = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(everything, local, group=ps.get_data_parallel_group())
+    values: dict[tuple[int, int], float] = {(s, k): v for part in everything for s, k, v in part}
+    table: dict[tuple[int, int], tuple[float, float]] = {}
+    for s in samples:
+        vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
+        adv, ret = step_advantages(vs, s.commit_step, s.reward, algo.p["gamma"], algo.p["lam"])
+        for k in range(len(vs)):
+            table[(s.index, k)] = (adv[k], ret[k])
+    for mb in micro_batches:
+        x = mb.extras
+        keys = list(zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist()))
+        pairs = [table.get(key, (0.0, 0.0)) for key in keys]
+        x["adv"] = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(x["tok"])
+        x["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(x["tok"])
+    vals = torch.tensor([v for part in everything for _, _, v in part] or [0.0])
+    return {"value_mean": float(vals.mean())}
+
+
+@dataclass
+class Correction:
+    """What an off-policy update needs (``rl.loss_mode`` decoupled / bypass): each sample's behaviour version,
+    the trainer's weight snapshots (``rl.behaviour_logp=trainer``) or the engine's log-probs (``engine``)."""
+
+    version_of: dict[int, int]                       # sample index -> behaviour policy version
+    current: int                                     # the version the trainer holds (= the RL step)
+    snapshots: Any = None                            # rl_async.WeightSnapshots
+    engine_logprobs: Optional[dict[int, list[float]]] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, generator_for, need_old: bool):
+    """Rows -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
+    from megatron.core import parallel_state as ps
+
+    from megadare.trainer.batch import global_denominator, pack_rows, split_for_data_parallel
+
+    rows = algo.batch_rows(samples, arch, block, lambda index: generator_for(cfg.seed, step, index))
+    if not rows:
+        return None, None, 0
+    mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=pad_id)
+    denom = global_denominator(mbs)
+    mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+                                   multiple_of=multiple)
+    if need_old:
+        store_outputs(model, mine, "old", kind, block, arch.vocab_size)
+    return mine, denom, len(rows)
+
+
+def _behaviour(cfg, corr: Correction, mine, versions: set[int], model, kind, block, vocab) -> None:
+    from megadare.trainer.rl_correction import store_behaviour, store_engine_behaviour
+
+    if corr.engine_logprobs is not None:
+        store_engine_behaviour(mine, corr.engine_logprobs)
+    else:
+        store_behaviour(model, corr.snapshots, mine, corr.version_of, corr.current, versions, kind, block, vocab)
+
+
+def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
+           objective, generator_for, value=None, correction: Optional[Correction] = None) -> dict[str, float]:
+    """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
+    optimizer steps."""
+    from megadare.algos.value_model import ValueObjective, values_of
+    from megadare.trainer.rl_correction import correction_weights
+    from megadare.trainer.step import train_step
+
+    rl = cfg.rl
+    prompt_groups = sorted({s.group for s in samples})
+    n_mb = min(rl.mini_batches, len(prompt_groups))
+    groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
+    prepared = []
+    n_rows = 0
+    out: dict[str, float] = {}
+    versions = set(correction.version_of.values()) if correction is not None else set()
+    for group in groups:
+        mine, denom, n = _prepare(cfg, algo, group, step, arch, block, kind, pad_id, multiple, model, generator_for,
+                                  need_old=not objective.on_policy)
+        if mine is None:
+            continue
+        n_rows += n
+        if ref_chunks is not None:
+            store_outputs(ref_chunks, mine, "ref", kind, block, arch.vocab_size)
+        if value is not None:
+            store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
+            value_advantages(algo, group, mine)
+        if correction is not None:
+            _behaviour(cfg, correction, mine, versions, model, kind, block, arch.vocab_size)
+            if rl.loss_mode == "decoupled":
+                for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
+                    out[k] = out.get(k, 0.0) + v / len(groups)
+        prepared.append((mine, denom))
+    out["train_rows"] = float(n_rows)
+    n = rl.ppo_epochs * len(prepared)
+    for _ in range(rl.ppo_epochs):
+        for mine, denom in prepared:
+            m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective)
+            if value is not None:
+                vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
+                                objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)
+                m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
+                          "value_grad_norm": vm["grad_norm"]})
+            for k, v in m.items():
+                out[k] = out.get(k, 0.0) + v / n
+    return out
+
+
+def replay_select(cfg, algo, buffer, n: int, step, arch, block, kind, pad_id, multiple, model, generator_for,
+                  correction: Correction) -> list:
+    """Up to ``n`` replayed samples, chosen by ``ReplayBuffer.select`` with D-ARL's variance-guided score of each
+    candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
+    corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are copies
+    with new indices ``offset + j`` (the caller re-indexes them) and keep their version and advantage."""
+    import copy
+
+    from megadare.trainer.rl_correction import replay_scores
+
+    cands = buffer.entries(step)
+    if n <= 0 or not cands or not buffer.ready:
+        return []
+    base = 10_000_000
+    scored = []
+    for i, e in enumerate(cands):
+        s = copy.copy(e.sample)
+        s.extra = dict(s.extra)
+        s.index, s.group = base + i, base + s.group + 1000 * e.version
+        scored.append(s)
+    version_of = {s.index: e.version for s, e in zip(scored, cands)}
+    mine, _, _ = _prepare(cfg, algo, scored, step, arch, block, kind, pad_id, multiple, model, generator_for,
+                          need_old=True)
+    if mine is None:
+        return []
+    ctx = Correction(version_of, correction.current, correction.snapshots)
+    _behaviour(cfg, ctx, mine, set(version_of.values()), model, kind, block, arch.vocab_size)
+    by_sample = replay_scores(mine, cfg.replay.score)
+    scores = torch.tensor([by_sample.get(base + i, float("inf")) for i in range(len(cands))], dtype=torch.float64)
+    sel = buffer.select(n, step, scores=scores, level=cfg.replay.level, max_score=cfg.replay.max_score,
+                        generator=torch.Generator().manual_seed(cfg.seed * 7919 + step))
+    correction.metrics.update(buffer.metrics(step, sel))
+    return list(sel.samples)
