@@ -141,8 +141,22 @@ class AlgoSection:
 @dataclass
 class RLSection:
     steps: int = 100                       # RL steps (rollout -> update -> weight sync)
-    mode: str = "sync"                     # sync | one_step_off (step k+1's rollout overlaps step k's training)
-    max_staleness: int = 1                 # policy versions a rollout may lag behind (checked; sync gives 0)
+    mode: str = "sync"                     # sync | one_step_off (step k+1's rollout overlaps step k's training) |
+                                           # fully_async (rollouts stream ahead, bounded by max_staleness)
+    max_staleness: int = 1                 # policy versions a rollout may lag behind (enforced; sync gives 0)
+    partial_rollout: int = 0               # blocks per segment of a queued rollout (0: whole responses); each
+                                           # weight update continues the queued responses on the new weights
+    loss_mode: str = "ppo"                 # ppo (ratio to the trainer's pre-update policy) | decoupled (IS
+                                           # behaviour -> proximal, clip proximal -> current) | bypass (clip
+                                           # current / behaviour, no proximal pass)
+    behaviour_logp: str = "trainer"        # where behaviour log-probs come from: trainer (the same estimator on
+                                           # a snapshot of the behaviour version's weights) | engine (sampler
+                                           # log-probs; trace-replay algorithms at shrink 1, temperature 1 only)
+    rollout_is: Optional[str] = None       # None | token | sequence | geometric (D-ARL algorithm.rollout_is)
+    rollout_is_mode: str = "truncate"      # truncate (TIS) | mask (MIS / rejection)
+    rollout_is_threshold: float = 2.0      # upper threshold (D-ARL algorithm.rollout_is_threshold)
+    rollout_is_threshold_low: Optional[float] = None   # None: 1/upper in mask mode, no lower bound in truncate
+    rollout_is_veto: Optional[float] = None            # drop a sequence with any token ratio below this
     prompts_per_step: int = 16
     n_samples: int = 8                     # responses per prompt (group size)
     advantage: str = "grpo"                # grpo | rloo | reinforce_pp
@@ -159,6 +173,44 @@ class RLSection:
 
 
 @dataclass
+class ReplaySection:
+    enable: bool = False                   # D-ARL replay.enable: distribution-matched replay of stale samples
+    k: int = 2                             # replay.k: keep the samples of the last k behaviour versions
+    pmis: bool = True                      # replay.pmis: balance-heuristic weights over the k behaviour policies
+    warmup: int = 1                        # replay.warmup: policy versions seen before replay starts
+    fraction: float = 0.25                 # replayed samples per step, as a fraction of the fresh ones
+    score: str = "token_chi2"              # variance-guided match score (algos/replay.py SCORES)
+    level: str = "group"                   # sample | group (keep prompt groups whole) | version
+    max_score: Optional[float] = None      # never replay units scoring above this
+
+
+@dataclass
+class EvalSection:
+    tasks: list = field(default_factory=lambda: ["gsm8k"])   # gsm8k | math500 | aime24 | aime25 | humaneval | mbpp
+    data_dir: Optional[str] = None         # directory holding <task>.jsonl / <task>.parquet
+    paths: dict = field(default_factory=dict)   # {task: file} (overrides data_dir)
+    n_samples: int = 1                     # responses per problem (mean@n, pass@k, maj@k)
+    k: list = field(default_factory=lambda: [1])   # pass@k / maj@k values (k <= n_samples)
+    temperature: Optional[float] = None    # None: rollout.eval_temperature (n_samples > 1 needs > 0)
+    limit: Optional[int] = None            # first N problems per task
+    output_dir: Optional[str] = None       # per-sample JSONL + summary.json; None = <logging.run_dir>/eval
+    prompt_style: str = "boxed"            # math prompts: boxed (dLLM-RL / SDAR, OpenCompass MATH 0-shot) | d1
+
+
+@dataclass
+class PlanSection:
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0            # usable memory per GPU (H100 80 GB, H200 141 GB)
+    rollout_gpus: int = 0                  # GPUs given to rollout engines (0: colocated with the trainer)
+    rollout_tp: int = 1                    # tensor parallel size of one rollout engine
+    rollout_batch: int = 64                # concurrent sequences per engine (KV cache sizing)
+    job: str = "rl"                        # rl (trainer + rollout engines) | sft (trainer only)
+    prompt_length: int = 512               # prompt tokens per rollout sequence (KV cache: + rollout.max_new_tokens)
+    reserve_gb: float = 3.0                # per GPU: CUDA context, NCCL buffers, allocator fragmentation
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -168,6 +220,9 @@ class Config:
     rl: RLSection = field(default_factory=RLSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    plan: PlanSection = field(default_factory=PlanSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     seed: int = 1234
@@ -183,7 +238,13 @@ CHOICES = {
     "rollout.engine": ("native", "sglang"),
     "rollout.algorithm": ("low_confidence_static", "low_confidence_dynamic", "random"),
     "rl.advantage": ("grpo", "rloo", "reinforce_pp"),
-    "rl.mode": ("sync", "one_step_off"),
+    "rl.mode": ("sync", "one_step_off", "fully_async"),
+    "rl.loss_mode": ("ppo", "decoupled", "bypass"),
+    "rl.behaviour_logp": ("trainer", "engine"),
+    "rl.rollout_is": (None, "token", "sequence", "geometric"),
+    "rl.rollout_is_mode": ("truncate", "mask"),
+    "replay.score": ("token_chi2", "seq_chi2", "token_k2", "token_k3", "log_ratio_var"),
+    "replay.level": ("sample", "group", "version"),
     "rl.advantage_std": ("unbiased", "population", "none"),
     "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
     "sft.weighting": ("inv_t", "none"),
@@ -195,7 +256,9 @@ POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parall
             "train.global_batch_size", "train.micro_batch_size", "train.seq_length", "data.max_length",
             "data.synthetic_size", "sft.trace_shrink", "rl.steps", "rl.prompts_per_step", "rl.n_samples",
             "rl.ppo_epochs", "rl.mini_batches", "rl.eval_size", "rollout.num_engines", "rollout.max_new_tokens",
-            "rollout.block_size", "rollout.steps_per_block", "rollout.chunk_size", "rollout.bucket_mb")
+            "rollout.block_size", "rollout.steps_per_block", "rollout.chunk_size", "rollout.bucket_mb",
+            "replay.k", "eval.n_samples", "eval.limit", "plan.nodes", "plan.gpus_per_node", "plan.rollout_tp",
+            "plan.rollout_batch")
 
 
 def _all_keys(dc: Any, prefix: str = "") -> list[str]:

@@ -82,11 +82,27 @@ def test_fully_async_replay_survives_resume(tmp_path):
             assert math.isclose(la[k], lb[k], rel_tol=1e-6, abs_tol=1e-9), (k, la[k], lb[k])
 
 
+def test_partial_rollouts_continue_on_new_weights(tmp_path):
+    """Responses of 2 blocks generated one block per segment, one rollout queued ahead: the second block of a
+    rollout queued at step k is generated after update k, so trajectories mix versions k and k+1 (per-token
+    versions), the stitched traces are valid, and the decoupled loss takes each token's own behaviour version."""
+    run = _run(_rl_cfg(tmp_path / "p", "rl.steps=3", "rl.mode=one_step_off", "rl.partial_rollout=1",
+                       "rollout.max_new_tokens=8", "rl.loss_mode=decoupled", "rl.rollout_is=token",
+                       "checkpoint.save_interval=0"))
+    h = run["history"]
+    assert h[0]["async/mixed_version_fraction"] == 0.0                  # step 0: every segment on version 0
+    assert h[1]["async/mixed_version_fraction"] > 0.5 and h[2]["async/mixed_version_fraction"] > 0.5
+    assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 1.0]
+    assert h[1]["is/is_std"] > 0.0
+
+
 def test_async_config_errors(tmp_path):
     with pytest.raises(Exception, match="rl.loss_mode=decoupled"):
         _run(_rl_cfg(tmp_path / "x", "rl.rollout_is=token"))
     with pytest.raises(Exception, match="rl.behaviour_logp=engine"):
         _run(_rl_cfg(tmp_path / "y", "rl.loss_mode=decoupled", "rl.behaviour_logp=engine",
                      "algo.name=d1"))
+    with pytest.raises(Exception, match="rl.partial_rollout"):
+        _run(_rl_cfg(tmp_path / "w", "rl.partial_rollout=1"))
     with pytest.raises(Exception, match="replay.enable"):
         _run(_rl_cfg(tmp_path / "z", "replay.enable=true"))

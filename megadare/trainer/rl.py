@@ -99,7 +99,8 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     from megadare.algos.replay import ReplayBuffer
     from megadare.trainer.checkpoint import (latest_checkpoint, load_checkpoint_object, load_train_checkpoint,
                                              save_train_checkpoint)
-    from megadare.trainer.rl_async import RolloutQueue, WeightSnapshots, lookahead, staleness_metrics
+    from megadare.trainer.rl_async import (PartialRollout, RolloutQueue, WeightSnapshots, lookahead,
+                                           staleness_metrics)
     from megadare.trainer.rl_correction import (bypass_rejection, check_correction_config, engine_table,
                                                 needs_snapshots, oldest_needed, reindex, version_table)
     from megadare.trainer.rl_update import Correction, build_value_model, replay_select, update
@@ -166,6 +167,9 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         if ahead > rl.max_staleness:
             raise ConfigError(f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
                               f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync")
+        if rl.partial_rollout and not ahead:
+            raise ConfigError(f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
+                              f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)")
         if ahead and hasattr(algo, "rollout"):
             raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
                               "use rl.mode=sync")
@@ -230,7 +234,11 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             params = sampling_params(cfg, arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
             if hasattr(algo, "rollout"):  # algorithms with their own rollout shape (d-TreeRPO's trees): blocking
                 return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples)
-            return indices, manager.submit([q for q in prompts for _ in range(rl.n_samples)], params)
+            expanded = [q for q in prompts for _ in range(rl.n_samples)]
+            if rl.partial_rollout and ahead:
+                return indices, PartialRollout(manager.submit, expanded, params, rl.partial_rollout,
+                                               global_grid=arch.attention == "block_causal")
+            return indices, manager.submit(expanded, params)
 
         queue = RolloutQueue(start_rollout, ahead, rl.steps) if rank0 else None
         if rank0 and async_state is not None:
@@ -269,9 +277,14 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                 for s in samples:
                     s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
                     s.extra["rollout_step"] = step
+                    if s.index < len(traj) and "token_versions" in traj[s.index].extra:
+                        s.extra["token_versions"] = traj[s.index].extra["token_versions"]
                     if rl.behaviour_logp == "engine":
                         s.extra["engine_logprobs"] = list(traj[s.index].logprobs)
                 metrics.update(staleness_metrics(stale))
+                mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
+                if mixed:
+                    metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
                 engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
                 metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
                                                          "async/queue_depth": float(len(queue.queue))})
@@ -290,6 +303,8 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                     samples = samples + reindex(replayed, samples)
                     metrics.update(correction.metrics)
                 correction.version_of = version_table(samples)
+                correction.token_versions = {s.index: s.extra["token_versions"] for s in samples
+                                             if "token_versions" in s.extra}
                 correction.engine_logprobs = engine_table(samples) if rl.behaviour_logp == "engine" else None
             if samples:
                 metrics.update(update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
@@ -299,6 +314,8 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             metrics.update({f"sync_{k[5:]}" if k.startswith("sync_") else k: v for k, v in
                             sync_weights(model, table, [manager] if rank0 else [], version=step,
                                          bucket_bytes=bucket).items()})
+            if rank0:
+                queue.advance()  # partial rollouts continue on the new weights
             metrics["sync_s"] = time.perf_counter() - t1
             metrics["step_time_s"] = monitor.step_timer()
             metrics["async/trainer_idle_ratio"] = metrics.get("rollout_wait_s", 0.0) / max(metrics["step_time_s"], 1e-9)

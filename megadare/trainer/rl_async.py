@@ -10,9 +10,16 @@ hold version v while RL step v trains):
 
 A rollout submitted while the engines hold version v is served before any later weight update (Ray runs an
 actor's calls in order), so its trajectories carry version v and are consumed at step v + d with d <= lookahead:
-staleness d (verl ``one_step_off_policy`` / ``fully_async_policy``, AReaL's bounded staleness). Partial rollouts
-(a response paused for a weight update and continued on the new weights) need the engine to suspend a request
-mid-block and are not implemented.
+staleness d (verl ``one_step_off_policy`` / ``fully_async_policy``, AReaL's bounded staleness).
+
+Partial rollouts (``rl.partial_rollout = n`` blocks, modes with lookahead): a queued rollout is generated n blocks
+at a time; after every weight update the queue collects each running segment and submits the next one on the new
+weights (prompt ++ the response so far), so a response's blocks may come from several versions
+(``Trajectory.extra['token_versions']``; the trajectory's ``policy_version`` is its oldest token's, which bounds
+its staleness). Segments end on block boundaries of the model's grid (block families: the global
+prompt+response grid, so the first segment of a prompt with P mod B = r tokens is n*B - r long; full attention:
+blocks counted from the response start), so no block is ever split between versions and the stitched trace --
+commit steps offset by the earlier segments' forwards -- is a valid trace of one decoding.
 
 Snapshots: with ``rl.loss_mode`` decoupled or bypass and ``rl.behaviour_logp=trainer`` the behaviour log-probs
 of a stale sample are the algorithm's own estimator evaluated with the weights of the version that generated it;
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -40,8 +47,78 @@ def lookahead(mode: str, max_staleness: int) -> int:
 class QueuedRollout:
     step: int                              # the RL step that will train on it
     batch_indices: list[int]               # prompt indices (StepSampler.batch(step))
-    pending: Any = None                    # PendingRollout, or the finished trajectories
+    pending: Any = None                    # PendingRollout / PartialRollout, or the finished trajectories
     submitted_at: float = field(default_factory=time.perf_counter)
+
+
+class PartialRollout:
+    """One queued rollout generated in block-aligned segments (see the module docstring). ``submit(prompts,
+    params)`` is ``RolloutManager.submit``; ``advance()`` collects the running segments and submits the next;
+    ``result()`` drives it to the end and returns the stitched trajectories in prompt order."""
+
+    def __init__(self, submit: Callable, prompts: list[list[int]], params, blocks: int, global_grid: bool):
+        self.submit, self.prompts, self.params = submit, prompts, params
+        B = params.block_size
+        self.first = [blocks * B - (len(p) % B if global_grid else 0) for p in prompts]
+        self.every = blocks * B
+        self.parts: list[list] = [[] for _ in prompts]    # per prompt: its segments' trajectories
+        self.done = [False] * len(prompts)
+        self.rounds = 0
+        self.inflight: list[tuple[list[int], Any]] = []
+        self._submit_next()
+
+    def _length(self, i: int) -> int:
+        return sum(len(t.response_ids) for t in self.parts[i])
+
+    def _submit_next(self) -> None:
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(self.prompts):
+            left = self.params.max_new_tokens - self._length(i)
+            if self.done[i] or left <= 0:
+                self.done[i] = True
+                continue
+            seg = min(self.first[i] if not self.parts[i] else self.every, left)
+            groups.setdefault(seg, []).append(i)
+        self.inflight = []
+        for seg, idx in sorted(groups.items()):
+            params = replace(self.params, max_new_tokens=seg, seed=self.params.seed + 7919 * self.rounds)
+            prompts = [self.prompts[i] + [t for tr in self.parts[i] for t in tr.response_ids] for i in idx]
+            self.inflight.append((idx, self.submit(prompts, params)))
+        self.rounds += 1
+
+    def advance(self) -> None:
+        if not self.inflight:
+            return
+        for idx, fut in self.inflight:
+            for i, tr in zip(idx, fut.result()):
+                self.parts[i].append(tr)
+                if tr.finish_reason != "length" or not tr.response_ids:
+                    self.done[i] = True
+        self._submit_next()
+
+    def result(self) -> list:
+        while self.inflight:
+            self.advance()
+        return [self._stitch(i) for i in range(len(self.prompts))]
+
+    def _stitch(self, i: int):
+        segs = self.parts[i]
+        out = replace(segs[0], prompt_ids=list(self.prompts[i]), response_ids=[], commit_step=[], block_step=[],
+                      logprobs=[], params=self.params, extra=dict(segs[0].extra))
+        versions: list[int] = []
+        offset = 0
+        for tr in segs:
+            out.response_ids += tr.response_ids
+            out.commit_step += [c + offset for c in tr.commit_step]
+            out.block_step += tr.block_step
+            out.logprobs += tr.logprobs
+            versions += [tr.policy_version] * len(tr.response_ids)
+            offset += tr.num_forwards
+        out.num_forwards, out.finish_reason = offset, segs[-1].finish_reason
+        out.policy_version = min(versions, default=segs[0].policy_version)
+        out.extra["token_versions"] = versions
+        out.extra["engine_s"] = sum(t.extra.get("engine_s", 0.0) for t in segs)
+        return out
 
 
 class RolloutQueue:
@@ -70,6 +147,12 @@ class RolloutQueue:
         wait = time.perf_counter() - t0
         self._ensure(step + self.ahead)
         return q, traj, wait
+
+    def advance(self) -> None:
+        """After a weight update: partial rollouts collect their running segment and continue on the new weights."""
+        for k in sorted(self.queue):
+            if isinstance(self.queue[k].pending, PartialRollout):
+                self.queue[k].pending.advance()
 
     def drain(self) -> dict[int, tuple[list[int], list]]:
         """Finish every queued rollout and return {step: (prompt indices, trajectories)} (for a checkpoint; the
@@ -139,4 +222,4 @@ def staleness_metrics(stale: list[int], prefix: str = "async/") -> dict[str, flo
     return out
 
 
-__all__ = ["lookahead", "RolloutQueue", "QueuedRollout", "WeightSnapshots", "staleness_metrics"]
+__all__ = ["lookahead", "RolloutQueue", "PartialRollout", "QueuedRollout", "WeightSnapshots", "staleness_metrics"]

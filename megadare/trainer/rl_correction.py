@@ -74,9 +74,12 @@ def put_slot_values(micro_batches: list[MicroBatch], key: str, table: dict[Key, 
 
 
 def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_of: dict[int, int], current: int,
-                    versions: set[int], kind: str, block: int, vocab: int) -> None:
+                    versions: set[int], kind: str, block: int, vocab: int,
+                    token_versions: Optional[dict[int, list[int]]] = None) -> None:
     """extras['lp_v<v>'] for every v in ``versions`` (the current one is the proximal pass 'old') and
-    extras['behave'] = lp under each position's own sample version."""
+    extras['behave'] = lp under each position's own version: the version of the token it predicts when the
+    response was generated across weight updates (``token_versions``, partial rollouts), else the sample's.
+    (A sequence slot of such a response mixes versions; it takes each position's token version.)"""
     from megadare.trainer.rl_update import store_outputs
 
     for v in sorted(versions):
@@ -91,7 +94,10 @@ def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_o
         x = mb.extras
         if "old" not in x:
             continue
-        own = torch.tensor([version_of.get(s, current) for s in x["sample"].flatten().tolist()]).view_as(x["sample"])
+        tv = token_versions or {}
+        own = torch.tensor([tv[s][k] if s in tv and 0 <= k < len(tv[s]) else version_of.get(s, current)
+                            for s, k in zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist())]
+                           ).view_as(x["sample"])
         behave = x["old"].clone()
         for v in versions:
             behave = torch.where(own == v, x[f"lp_v{v}"], behave)

@@ -92,6 +92,7 @@ class Correction:
     current: int                                     # the version the trainer holds (= the RL step)
     snapshots: Any = None                            # rl_async.WeightSnapshots
     engine_logprobs: Optional[dict[int, list[float]]] = None
+    token_versions: dict[int, list[int]] = field(default_factory=dict)   # partial rollouts: version per token
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -119,7 +120,8 @@ def _behaviour(cfg, corr: Correction, mine, versions: set[int], model, kind, blo
     if corr.engine_logprobs is not None:
         store_engine_behaviour(mine, corr.engine_logprobs)
     else:
-        store_behaviour(model, corr.snapshots, mine, corr.version_of, corr.current, versions, kind, block, vocab)
+        store_behaviour(model, corr.snapshots, mine, corr.version_of, corr.current, versions, kind, block, vocab,
+                        corr.token_versions)
 
 
 def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
@@ -138,6 +140,8 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
     n_rows = 0
     out: dict[str, float] = {}
     versions = set(correction.version_of.values()) if correction is not None else set()
+    if correction is not None:
+        versions |= {v for vs in correction.token_versions.values() for v in vs}
     for group in groups:
         mine, denom, n = _prepare(cfg, algo, group, step, arch, block, kind, pad_id, multiple, model, generator_for,
                                   need_old=not objective.on_policy)
