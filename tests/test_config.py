@@ -111,7 +111,8 @@ def test_cli_dry_run_and_errors():
     bad = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",
                           "parallel.tp=3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "parallel.tp=3" in bad.stderr and "Traceback" not in bad.stderr
-    not_yet = subprocess.run([sys.executable, "-m", "megadare", "eval"], capture_output=True, text=True)
-    assert not_yet.returncode == 2 and "not available" in not_yet.stderr
+    no_eval_model = subprocess.run([sys.executable, "-m", "megadare", "eval"], capture_output=True, text=True)
+    assert no_eval_model.returncode == 2 and "--model" in no_eval_model.stderr
+    assert "Traceback" not in no_eval_model.stderr
     no_model = subprocess.run([sys.executable, "-m", "megadare", "sft"], capture_output=True, text=True)
     assert no_model.returncode == 2 and "no model" in no_model.stderr and "Traceback" not in no_model.stderr

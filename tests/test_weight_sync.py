@@ -75,3 +75,54 @@ def test_buckets_are_bounded_and_experts_come_last():
     assert [len(b) for b in buckets] == [2, 2, 2]
     flat = [r.mcore for b in buckets for r in b]
     assert all(".experts." not in k for k in flat[:3]) and all(".experts." in k for k in flat[3:])
+
+
+class _Recorder:
+    def __init__(self):
+        self.named: dict[str, torch.Tensor] = {}
+
+    def update_weights(self, named, version):
+        self.named.update({n: t.clone() for n, t in named})
+
+
+def _fp8_worker(rank, world, layout, trainer_hf):
+    """Syncs plainly and in fp8 into two recorders; returns what arrived (fp8 tensors as their uint8 bytes and the
+    dequantized float32 values: fp8 storages do not cross process boundaries)."""
+    from megadare.convert import mapping_for
+    from megadare.convert.fp8 import dequantize_fp8
+    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.rollout.weight_sync import sync_weights
+
+    init_distributed(**layout)
+    try:
+        _, model, _, cfg = stepped_trainer(layout, trainer_hf, n_rows=4, lr=1e-2)
+        _, _, table = mapping_for(cfg)
+        plain, fp8 = _Recorder(), _Recorder()
+        sync_weights(model, table, [plain] if rank == 0 else [], version=1, bucket_bytes=64 << 10)
+        sync_weights(model, table, [fp8] if rank == 0 else [], version=1, bucket_bytes=64 << 10, fp8_block=(128, 128))
+        deq = {n[: -len("_scale_inv")]: dequantize_fp8(fp8.named[n[: -len("_scale_inv")]], t, block=(128, 128))
+               for n, t in fp8.named.items() if n.endswith("weight_scale_inv")}
+        dtypes = {n: str(t.dtype) for n, t in fp8.named.items()}
+        fp8_named = {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for n, t in fp8.named.items()}
+        return {"plain": plain.named, "fp8": fp8_named, "dtypes": dtypes, "deq": deq}
+    finally:
+        destroy_distributed()
+
+
+def test_fp8_rollout_weights_through_sync():
+    """sync_weights(fp8_block=(128, 128)) from a TP2 trainer: every linear weight arrives as float8_e4m3fn with a
+    weight_scale_inv per 128x128 block, its dequantization is the plain sync's tensor within fp8 precision (e4m3:
+    3 mantissa bits, relative error <= 1/16), and every other tensor arrives unchanged."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_distributed(_fp8_worker, 2, {"tp": 2, "sp": True}, _hf(tmp, "sdar", 0), timeout_s=300)[0]
+    plain, fp8, deq = out["plain"], out["fp8"], out["deq"]
+    scales = [n for n in fp8 if n.endswith("weight_scale_inv")]
+    assert len(scales) >= 4 * 7 and set(fp8) == set(plain) | set(scales)   # 4 layers x (q, k, v, o, gate, up, down)
+    for w, d in deq.items():
+        assert out["dtypes"][w] == "torch.float8_e4m3fn"
+        ref = plain[w].float()
+        assert ((d - ref).abs() <= torch.maximum(ref.abs() / 16, torch.full_like(ref, 1e-3))).all(), w
+    for n in set(plain) - set(deq):
+        assert torch.equal(fp8[n], plain[n]), n

@@ -117,12 +117,20 @@ def hf_buckets(chunks: list[torch.nn.Module], table: Sequence[ParamMap], bucket_
 
 
 def sync_weights(chunks: list[torch.nn.Module], table: Sequence[ParamMap], engines: Sequence[Any], version: int,
-                 bucket_bytes: int = 512 << 20, dst: int = 0) -> dict[str, float]:
+                 bucket_bytes: int = 512 << 20, dst: int = 0,
+                 fp8_block: Optional[tuple[int, int]] = None) -> dict[str, float]:
     """Push the trainer's current weights into every engine (collective over the trainer's ranks).
 
     ``engines`` (meaningful on ``dst``): objects with ``update_weights(named_tensors, version)`` and optional
-    ``pause()`` / ``resume()``. Returns bytes, seconds, GB/s and the number of buckets.
+    ``pause()`` / ``resume()``. ``fp8_block=(128, 128)`` sends the family's linear weights as float8_e4m3fn with
+    one ``weight_scale_inv`` per block (megadare/convert/fp8.py), for SGLang engines started from a
+    ``quantize_export(..., fmt="fp8-block")`` checkpoint. Returns bytes, seconds, GB/s and the number of buckets.
     """
+    linear = None
+    if fp8_block:
+        from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
+
+        linear = linear_hf_names(table)
     rank = dist.get_rank() if dist.is_initialized() else 0
     t0 = time.perf_counter()
     if rank == dst:
@@ -133,6 +141,9 @@ def sync_weights(chunks: list[torch.nn.Module], table: Sequence[ParamMap], engin
         n_buckets += 1
         if named is None:
             continue
+        if linear is not None:
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            named = list(fp8_rollout_weights(((n, t.to(dev)) for n, t in named), linear, block=fp8_block))
         nbytes += sum(t.numel() * t.element_size() for _, t in named)
         for e in engines:
             e.update_weights(named, version)

@@ -199,7 +199,11 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             manager = _start_engines(cfg, src, tok)
         table = mapping_for(src.hf_config)[2]
         bucket = cfg.rollout.bucket_mb << 20
-        sync_weights(model, table, [manager] if rank0 else [], version=step, bucket_bytes=bucket)
+        if cfg.rollout.fp8_weights and cfg.rollout.engine != "sglang":
+            raise ConfigError("rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
+                              "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false")
+        fp8 = (128, 128) if cfg.rollout.fp8_weights else None
+        sync_weights(model, table, [manager] if rank0 else [], version=step, bucket_bytes=bucket, fp8_block=fp8)
 
         sampler = StepSampler(len(train_prompts), rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
         monitor = Monitor(cfg.logging.run_dir, rl.steps, start_step=step, tensorboard=cfg.logging.tensorboard,
@@ -313,7 +317,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             step += 1
             metrics.update({f"sync_{k[5:]}" if k.startswith("sync_") else k: v for k, v in
                             sync_weights(model, table, [manager] if rank0 else [], version=step,
-                                         bucket_bytes=bucket).items()})
+                                         bucket_bytes=bucket, fp8_block=fp8).items()})
             if rank0:
                 queue.advance()  # partial rollouts continue on the new weights
             metrics["sync_s"] = time.perf_counter() - t1

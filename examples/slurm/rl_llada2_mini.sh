@@ -1,0 +1,49 @@
+#!/bin/bash
+#SBATCH --job-name=megadare-rl-llada2-mini
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@300
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+#
+# LLaDA2.0-mini (16B-A1.4B MoE, block diffusion) RL with TraceRL on math prompts (math reward;
+# examples/configs/rl_llada2_mini.yaml). The Megatron actor (EP 8, data parallel over the rest) trains on the first
+# node(s), SGLang rollout engines (one per GPU, ~32 GB of bf16 weights each) run on the last ROLLOUT_NODES nodes;
+# one Ray cluster spans the allocation and megadare's rank 0 drives the engines through it.
+#
+#   sbatch examples/slurm/rl_llada2_mini.sh                      # from the repository root
+#   MODEL=/ckpt/LLaDA2.0-mini DATA=/data/math_train.jsonl sbatch -p gpu --nodes=3 examples/slurm/rl_llada2_mini.sh
+#
+# Partition / account / time limit: sbatch -p / -A / -t, or SBATCH_PARTITION / SBATCH_ACCOUNT / SBATCH_TIMELIMIT
+# in the environment; node count: sbatch --nodes=N (trainer nodes = N - ROLLOUT_NODES). Every knob below (and the
+# shared ones documented in examples/slurm/common.sh) can be set in the environment at submission. When the time
+# limit nears (USR1) or the job is preempted (TERM), megadare checkpoints, Ray stops and the job requeues itself;
+# the next run resumes from the newest checkpoint under CKPT.
+
+: "${MODEL:=/checkpoints/LLaDA2.0-mini}"      # HF checkpoint directory (config.json, safetensors, tokenizer)
+: "${DATA:=/data/math/train.jsonl}"            # RL prompts: `prompt` (or `messages`) + `answer`
+: "${EVAL_DATA:=}"                             # held-out prompts (optional)
+: "${RUN_DIR:=runs/rl_llada2_mini}"            # keep fixed across submissions: requeues resume from here
+: "${CKPT:=$RUN_DIR/ckpt}"                     # checkpoint.save root
+: "${INIT_CKPT:=}"                             # checkpoint.load (e.g. an SFT checkpoint); empty: MODEL's weights
+: "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
+: "${ROLLOUT_NODES:=1}"                        # nodes that only run SGLang engines (0: engines share trainer GPUs)
+: "${ENGINE_GPUS:=1}"                          # GPUs per engine (Ray num_gpus)
+: "${NCCL_DEBUG:=WARN}"
+: "${NCCL_IB_HCA:=}"                           # e.g. mlx5_0,mlx5_1 (empty: NCCL's choice)
+: "${NCCL_SOCKET_IFNAME:=}"                    # e.g. ib0 or eth0 (empty: NCCL's choice)
+: "${EXTRA_OVERRIDES:=}"                       # more key=value overrides, e.g. "rl.steps=50 train.lr=5e-7"
+
+set -uo pipefail
+MEGADARE_ROOT=${MEGADARE_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
+[[ -f $MEGADARE_ROOT/examples/slurm/common.sh ]] || {
+  echo "megadare: $MEGADARE_ROOT is not the repository: submit from its root or set MEGADARE_ROOT" >&2
+  exit 1
+}
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$MEGADARE_ROOT/examples/slurm/common.sh"
+md_main rl examples/configs/rl_llada2_mini.yaml

