@@ -136,7 +136,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from megadare.models import get_family
 
             fam = get_family(cfg.model.family)
-            arch = fam.arch(fam.tiny_config())
+            over = dict(cfg.model.tiny_config)
+            if cfg.model.block_size and fam.arch(fam.tiny_config()).attention == "block_causal":
+                over["block_size"] = cfg.model.block_size
+            arch = fam.arch(fam.tiny_config(**over))
         validate(cfg, arch)
         if args.dry_run:
             print(to_yaml(cfg), end="")

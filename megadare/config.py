@@ -118,6 +118,7 @@ class RolloutSection:
     engine: str = "native"                 # native (built-in torch engine) | sglang
     num_engines: int = 1                   # Ray engine actors
     engine_resources: dict = field(default_factory=lambda: {"num_cpus": 1})   # per actor, e.g. {num_gpus: 1}
+    engine_tp: int = 1                     # sglang: tensor-parallel size of one engine (num_gpus >= engine_tp)
     max_new_tokens: int = 64
     block_size: Optional[int] = None       # None = the model's block size (block families) / 32 (full attention)
     steps_per_block: Optional[int] = None  # None = block_size (one token per step)
@@ -205,7 +206,6 @@ class PlanSection:
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0            # usable memory per GPU (H100 80 GB, H200 141 GB)
     rollout_gpus: int = 0                  # GPUs given to rollout engines (0: colocated with the trainer)
-    rollout_tp: int = 1                    # tensor parallel size of one rollout engine
     rollout_batch: int = 64                # concurrent sequences per engine (KV cache sizing)
     job: str = "rl"                        # rl (trainer + rollout engines) | sft (trainer only)
     prompt_length: int = 512               # prompt tokens per rollout sequence (KV cache: + rollout.max_new_tokens)
@@ -259,7 +259,8 @@ POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parall
             "data.synthetic_size", "sft.trace_shrink", "rl.steps", "rl.prompts_per_step", "rl.n_samples",
             "rl.ppo_epochs", "rl.mini_batches", "rl.eval_size", "rollout.num_engines", "rollout.max_new_tokens",
             "rollout.block_size", "rollout.steps_per_block", "rollout.chunk_size", "rollout.bucket_mb",
-            "replay.k", "eval.n_samples", "eval.limit", "plan.nodes", "plan.gpus_per_node", "plan.rollout_tp",
+            "rollout.engine_tp",
+            "replay.k", "eval.n_samples", "eval.limit", "plan.nodes", "plan.gpus_per_node",
             "plan.rollout_batch")
 
 

@@ -10,6 +10,8 @@ from fractions import Fraction
 
 import pytest
 
+from ray_fixture import ray_cluster  # noqa: F401  (module-scoped local Ray cluster)
+
 from megadare.config import ConfigError, load_config
 from megadare.data.sft_data import DataError
 from megadare.data.tokenizer import ByteTokenizer
@@ -222,19 +224,6 @@ def test_atomic_jsonl_leaves_no_temp_files(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- end to end
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster; the eval command's engines join it through RAY_ADDRESS (as on Slurm)."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    old = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    yield
-    if old is None:
-        os.environ.pop("RAY_ADDRESS", None)
-    else:
-        os.environ["RAY_ADDRESS"] = old
-    ray.shutdown()
 
 
 @pytest.mark.timeout(300)

@@ -14,7 +14,8 @@ import math
 
 import pytest
 
-from test_rl_loop import _events, _rl_cfg, _run, ray_cluster  # noqa: F401  (module-scoped Ray fixture)
+from ray_fixture import ray_cluster  # noqa: F401  (module-scoped local Ray cluster)
+from test_rl_loop import _events, _rl_cfg, _run
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]
 
@@ -25,33 +26,38 @@ def _learning(h: dict) -> dict:
     return {k: v for k, v in h.items() if not any(t in k for t in TIMING)}
 
 
-def test_fully_async_with_zero_staleness_is_the_sync_loop(tmp_path):
+def test_fully_async_zero_staleness_is_sync_and_correction_is_identity(tmp_path):
+    """fully_async with max_staleness 0 == sync, every learning metric bit for bit; the decoupled objective with
+    trainer-side behaviour log-probs on fresh samples: IS weights exactly 1, the same step as plain PPO."""
     sync = _run(_rl_cfg(tmp_path / "sync", "rl.steps=2", "checkpoint.save_interval=0"))
     fa = _run(_rl_cfg(tmp_path / "fa", "rl.steps=2", "rl.mode=fully_async", "rl.max_staleness=0",
                       "checkpoint.save_interval=0"))
     assert len(sync["history"]) == len(fa["history"]) == 2
     for a, b in zip(sync["history"], fa["history"]):
-        assert _learning(a) == _learning(b)                         # every learning metric, bit for bit
+        assert _learning(a) == _learning(b)
     assert sync["evals"] == fa["evals"]
-
-
-def test_decoupled_correction_is_the_identity_without_staleness(tmp_path):
-    ppo = _run(_rl_cfg(tmp_path / "ppo", "rl.steps=1", "checkpoint.save_interval=0"))
     dec = _run(_rl_cfg(tmp_path / "dec", "rl.steps=1", "checkpoint.save_interval=0", "rl.loss_mode=decoupled",
                        "rl.rollout_is=sequence", "rl.rollout_is_mode=mask"))
-    a, b = ppo["history"][0], dec["history"][0]
+    a, b = sync["history"][0], dec["history"][0]
     assert b["is/is_mean"] == b["is/is_max"] == b["is/is_min"] == 1.0 and b["is/rejected_fraction"] == 0.0
     assert b["is/kl"] == 0.0
     for k in ("reward", "pg_loss", "grad_norm", "clipfrac"):
         assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], b[k])
 
 
-def test_one_step_off_decoupled_weights_stale_samples(tmp_path):
+def test_one_step_off_partial_rollouts_with_decoupled_weights(tmp_path):
+    """One rollout queued ahead, generated one block per segment (responses of 2 blocks): the second block of a
+    rollout queued at step k is generated after update k, so trajectories mix versions k and k+1 (per-token
+    versions; the stitched traces validate); stale tokens get IS weights != 1 against their own behaviour
+    version; the health metrics reach tensorboard."""
     run = tmp_path / "off"
-    off = _run(_rl_cfg(run, "rl.steps=3", "rl.mode=one_step_off", "checkpoint.save_interval=0",
-                       "rl.loss_mode=decoupled", "rl.rollout_is=token", "rl.rollout_is_threshold=5.0"))
+    off = _run(_rl_cfg(run, "rl.steps=3", "rl.mode=one_step_off", "rl.partial_rollout=1", "rollout.max_new_tokens=8",
+                       "rl.loss_mode=decoupled", "rl.rollout_is=token", "rl.rollout_is_threshold=5.0",
+                       "checkpoint.save_interval=0"))
     h = off["history"]
     assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 1.0]
+    assert h[0]["async/mixed_version_fraction"] == 0.0                  # step 0: every segment on version 0
+    assert h[1]["async/mixed_version_fraction"] > 0.5 and h[2]["async/mixed_version_fraction"] > 0.5
     assert h[0]["is/is_std"] == 0.0 and h[0]["is/is_mean"] == 1.0    # fresh: identity
     assert h[1]["is/is_std"] > 0.0 and h[1]["is/kl"] != 0.0            # stale: behaviour != proximal
     assert h[1]["async/staleness_hist/1"] == 1.0
@@ -82,27 +88,26 @@ def test_fully_async_replay_survives_resume(tmp_path):
             assert math.isclose(la[k], lb[k], rel_tol=1e-6, abs_tol=1e-9), (k, la[k], lb[k])
 
 
-def test_partial_rollouts_continue_on_new_weights(tmp_path):
-    """Responses of 2 blocks generated one block per segment, one rollout queued ahead: the second block of a
-    rollout queued at step k is generated after update k, so trajectories mix versions k and k+1 (per-token
-    versions), the stitched traces are valid, and the decoupled loss takes each token's own behaviour version."""
-    run = _run(_rl_cfg(tmp_path / "p", "rl.steps=3", "rl.mode=one_step_off", "rl.partial_rollout=1",
-                       "rollout.max_new_tokens=8", "rl.loss_mode=decoupled", "rl.rollout_is=token",
-                       "checkpoint.save_interval=0"))
-    h = run["history"]
-    assert h[0]["async/mixed_version_fraction"] == 0.0                  # step 0: every segment on version 0
-    assert h[1]["async/mixed_version_fraction"] > 0.5 and h[2]["async/mixed_version_fraction"] > 0.5
-    assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 1.0]
-    assert h[1]["is/is_std"] > 0.0
+@pytest.mark.parametrize("over,match", [
+    (["rl.rollout_is=token"], "rl.loss_mode=decoupled"),
+    (["rl.loss_mode=decoupled", "rl.behaviour_logp=engine", "algo.name=d1"], "rl.behaviour_logp=engine"),
+    (["rl.loss_mode=decoupled", "rl.behaviour_logp=engine", "algo.name=cj_grpo", "rollout.temperature=0.7"],
+     "temperature=1"),
+    (["replay.enable=true"], "replay.enable"),
+    (["rl.partial_rollout=1"], "rl.partial_rollout"),
+    (["rl.mode=fully_async", "rl.max_staleness=0", "rl.partial_rollout=1"], "queues none"),
+    (["rl.mode=one_step_off", "rl.max_staleness=0"], "max_staleness=0"),
+    (["rl.mode=one_step_off", "algo.name=d_treerpo"], "dependent rounds"),
+])
+def test_async_config_errors(tmp_path, over, match):
+    from megadare.algos import build_algorithm
+    from megadare.config import ConfigError
+    from megadare.models import get_family
+    from megadare.trainer.rl_async import lookahead
+    from megadare.trainer.rl_correction import check_correction_config
 
-
-def test_async_config_errors(tmp_path):
-    with pytest.raises(Exception, match="rl.loss_mode=decoupled"):
-        _run(_rl_cfg(tmp_path / "x", "rl.rollout_is=token"))
-    with pytest.raises(Exception, match="rl.behaviour_logp=engine"):
-        _run(_rl_cfg(tmp_path / "y", "rl.loss_mode=decoupled", "rl.behaviour_logp=engine",
-                     "algo.name=d1"))
-    with pytest.raises(Exception, match="rl.partial_rollout"):
-        _run(_rl_cfg(tmp_path / "w", "rl.partial_rollout=1"))
-    with pytest.raises(Exception, match="replay.enable"):
-        _run(_rl_cfg(tmp_path / "z", "replay.enable=true"))
+    cfg = _rl_cfg(tmp_path, *over)
+    fam = get_family("sdar")
+    algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+    with pytest.raises(ConfigError, match=match):
+        check_correction_config(cfg, algo, fam.arch(fam.tiny_config()), lookahead(cfg.rl.mode, cfg.rl.max_staleness))

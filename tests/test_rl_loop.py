@@ -16,25 +16,14 @@ import os
 
 import pytest
 
+from ray_fixture import ray_cluster  # noqa: F401  (module-scoped local Ray cluster)
+
 from megadare.config import ConfigError, load_config
 from megadare.parallel.launch import spawn
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray cluster for the module; every run's rank 0 joins it through RAY_ADDRESS (as on Slurm)."""
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    old = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    yield
-    if old is None:
-        os.environ.pop("RAY_ADDRESS", None)
-    else:
-        os.environ["RAY_ADDRESS"] = old
-    ray.shutdown()
 
 
 def _events(run_dir: str) -> dict[str, list[tuple[int, float]]]:

@@ -338,3 +338,20 @@ def test_register_resolves_the_algorithm_and_delivers_traces(fake_sglang, fdfo):
     trace0, trace1 = (r.customized_info[sp.TRACE_KEY] for r in reqs)
     assert all(e[2] == 0.0 for e in trace0)                   # greedy: point-mass log-probs
     assert any(e[2] < 0 for e in trace1) and sorted(e[1] for e in trace1[-4:]) == [0, 1, 2, 3]  # 1 per step
+
+
+def test_engine_spec_tensor_parallel_engines(monkeypatch):
+    """rollout.engine_tp reaches sglang's tp_size; a built-in engine or too few GPUs per actor are config errors."""
+    from megadare.config import ConfigError, load_config
+    from megadare.trainer.rl import engine_spec
+
+    monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())
+    src, tok = types.SimpleNamespace(hf_dir="/ckpt/x"), types.SimpleNamespace(eos_token_id=1)
+    spec = engine_spec(load_config(None, ["rollout.engine=sglang", "rollout.engine_tp=4",
+                                          "rollout.engine_resources={num_gpus: 4}"]), src, tok)
+    assert spec.factory is se.build_sglang_engine and spec.kwargs["tp_size"] == 4
+    with pytest.raises(ConfigError, match="num_gpus >= 4"):
+        engine_spec(load_config(None, ["rollout.engine=sglang", "rollout.engine_tp=4",
+                                       "rollout.engine_resources={num_gpus: 1}"]), src, tok)
+    with pytest.raises(ConfigError, match="rollout.engine_tp=2"):
+        engine_spec(load_config(None, ["rollout.engine_tp=2"]), src, tok)

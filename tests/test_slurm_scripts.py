@@ -26,9 +26,9 @@ HF = {"sdar30b": "SDAR-30B-A3B", "llada2_mini": "LLaDA2.0-mini", "llada2_flash":
 
 # (script, megadare command, config, HF model, nodes, trainer nodes, rollout engines)
 LAUNCHERS = [
-    ("rl_sdar30b.sh", "rl", "examples/configs/rl_sdar30b.yaml", "sdar30b", 4, 2, 16),
+    ("rl_sdar30b.sh", "rl", "examples/configs/rl_sdar30b.yaml", "sdar30b", 4, 2, 8),            # 2 GPUs / engine
     ("rl_llada2_mini.sh", "rl", "examples/configs/rl_llada2_mini.yaml", "llada2_mini", 2, 1, 8),
-    ("rl_llada2_flash.sh", "rl", "examples/configs/rl_llada2_flash.yaml", "llada2_flash", 6, 4, 16),
+    ("rl_llada2_flash.sh", "rl", "examples/configs/rl_llada2_flash.yaml", "llada2_flash", 6, 4, 4),  # 4 / engine
     ("sft_sdar.sh", "sft", "examples/configs/sft_sdar.yaml", "sdar30b", 2, 2, 0),
 ]
 
@@ -399,7 +399,9 @@ def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engine
     expect = {"model.hf_path": c.model, "data.path": c.data, "logging.run_dir": c.run_dir,
               "checkpoint.save": c.run_dir + "/ckpt", "parallel.world_size": str(world)}
     if rl:
-        expect.update({"rollout.num_engines": str(engines), "rollout.engine_resources": "{num_gpus: 1}"})
+        engine_gpus = 16 // engines if script != "rl_llada2_mini.sh" else 1   # the rollout nodes' GPUs / engines
+        expect.update({"rollout.num_engines": str(engines), "rollout.engine_resources": f"{{num_gpus: {engine_gpus}}}",
+                       "rollout.engine_tp": str(engine_gpus)})
     assert dict(o.split("=", 1) for o in overrides) == expect
     # the overrides validate against the config and the model (no GPU needed)
     from megadare.cli import main

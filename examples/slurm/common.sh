@@ -27,7 +27,8 @@
 #   CPUS_PER_NODE       --cpus-per-task of every job step (default: $SLURM_CPUS_ON_NODE)
 #   ROLLOUT_NODES       rl: the last ROLLOUT_NODES nodes run only SGLang engines (Ray advertises no GPUs on the
 #                       trainer nodes); 0 = engines share the trainer's GPUs
-#   ENGINE_GPUS         rl: GPUs per rollout engine (rollout.engine_resources num_gpus; default 1)
+#   ENGINE_GPUS         rl: GPUs per rollout engine = its tensor-parallel size (rollout.engine_resources num_gpus,
+#                       rollout.engine_tp; default 1)
 #   NUM_ENGINES         rl: rollout.num_engines (default: the rollout GPUs / ENGINE_GPUS)
 #   HEAD_IP             Ray head and torch master address (default: `hostname --ip-address` on the first node)
 #   RAY_PORT (6379)  MASTER_PORT (29500)
@@ -264,7 +265,8 @@ md_overrides() {  # MD_OVERRIDES: the key=value overrides the trainer (and the p
   [[ -n $EVAL_DATA ]] && MD_OVERRIDES+=("data.eval_path=$EVAL_DATA")
   [[ -n $INIT_CKPT ]] && MD_OVERRIDES+=("checkpoint.load=$INIT_CKPT")
   if [[ $MD_CMD == rl ]]; then
-    MD_OVERRIDES+=("rollout.num_engines=$NUM_ENGINES" "rollout.engine_resources={num_gpus: $ENGINE_GPUS}")
+    MD_OVERRIDES+=("rollout.num_engines=$NUM_ENGINES" "rollout.engine_resources={num_gpus: $ENGINE_GPUS}"
+      "rollout.engine_tp=$ENGINE_GPUS")
   fi
   local extra
   read -ra extra <<<"$EXTRA_OVERRIDES"

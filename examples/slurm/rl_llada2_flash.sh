@@ -14,8 +14,7 @@
 # examples/configs/rl_llada2_flash.yaml). The Megatron actor (TP 2 + sequence parallel, PP 2, EP 16, ETP 1: a
 # multiple of 32 GPUs, default 4 x 8) trains on the first nodes, SGLang rollout engines on the last ROLLOUT_NODES
 # nodes; one Ray cluster spans the allocation and megadare's rank 0 drives the engines through it.
-# Note: megadare starts each SGLang engine with tensor parallel size 1 and the bf16 model is ~200 GB, more than
-# one GPU holds: until the rollout engine's TP size is configurable this layout needs that support (README "Slurm").
+# The bf16 model is ~200 GB: each SGLang engine spans ENGINE_GPUS=4 GPUs (rollout.engine_tp).
 #
 #   sbatch examples/slurm/rl_llada2_flash.sh                     # from the repository root
 #   MODEL=/ckpt/LLaDA2.0-flash DATA=/data/math_train.jsonl sbatch -p gpu examples/slurm/rl_llada2_flash.sh
@@ -34,7 +33,7 @@
 : "${INIT_CKPT:=}"                             # checkpoint.load (e.g. an SFT checkpoint); empty: MODEL's weights
 : "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
 : "${ROLLOUT_NODES:=2}"                        # nodes that only run SGLang engines (0: engines share trainer GPUs)
-: "${ENGINE_GPUS:=1}"                          # GPUs per engine (Ray num_gpus)
+: "${ENGINE_GPUS:=4}"                          # GPUs per engine = its tensor-parallel size
 : "${NCCL_DEBUG:=WARN}"
 : "${NCCL_IB_HCA:=}"                           # e.g. mlx5_0,mlx5_1 (empty: NCCL's choice)
 : "${NCCL_SOCKET_IFNAME:=}"                    # e.g. ib0 or eth0 (empty: NCCL's choice)

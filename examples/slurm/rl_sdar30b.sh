@@ -22,8 +22,8 @@
 # in the environment; node count: sbatch --nodes=N (trainer nodes = N - ROLLOUT_NODES). Every knob below (and the
 # shared ones documented in examples/slurm/common.sh) can be set in the environment at submission. When the time
 # limit nears (USR1) or the job is preempted (TERM), megadare checkpoints, Ray stops and the job requeues itself;
-# the next run resumes from the newest checkpoint under CKPT. The engines hold the whole model on one GPU (~61 GB
-# in bf16): give them 96 GB+ GPUs (H200) or see README "Slurm".
+# the next run resumes from the newest checkpoint under CKPT. The bf16 model is ~61 GB: each SGLang engine spans
+# ENGINE_GPUS=2 GPUs (rollout.engine_tp).
 
 : "${MODEL:=/checkpoints/SDAR-30B-A3B-Chat}"  # HF checkpoint directory (config.json, safetensors, tokenizer)
 : "${DATA:=/data/math/train.jsonl}"            # RL prompts: `prompt` (or `messages`) + `answer`
@@ -33,7 +33,7 @@
 : "${INIT_CKPT:=}"                             # checkpoint.load (e.g. an SFT checkpoint); empty: MODEL's weights
 : "${GPUS_PER_NODE:=${SLURM_GPUS_ON_NODE:-8}}"
 : "${ROLLOUT_NODES:=2}"                        # nodes that only run SGLang engines (0: engines share trainer GPUs)
-: "${ENGINE_GPUS:=1}"                          # GPUs per engine (Ray num_gpus)
+: "${ENGINE_GPUS:=2}"                          # GPUs per engine = its tensor-parallel size
 : "${NCCL_DEBUG:=WARN}"
 : "${NCCL_IB_HCA:=}"                           # e.g. mlx5_0,mlx5_1 (empty: NCCL's choice)
 : "${NCCL_SOCKET_IFNAME:=}"                    # e.g. ib0 or eth0 (empty: NCCL's choice)

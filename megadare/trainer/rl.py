@@ -123,6 +123,8 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         arch = src.arch
         validate(cfg, arch, dist.get_world_size())
         algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+        ahead = lookahead(rl.mode, rl.max_staleness)
+        check_correction_config(cfg, algo, arch, ahead)
         tok = tokenizer_for(cfg, src)
         reward_fn = load_reward(rl.reward)
         train_recs, held_recs, source = load_prompt_splits(cfg.data, rl, cfg.seed)
@@ -162,17 +164,6 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         value = None
         if algo.p.get("value_model"):
             value = build_value_model(cfg, src, algo, load_init, updates)
-        check_correction_config(cfg, algo, arch)
-        ahead = lookahead(rl.mode, rl.max_staleness)
-        if ahead > rl.max_staleness:
-            raise ConfigError(f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
-                              f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync")
-        if rl.partial_rollout and not ahead:
-            raise ConfigError(f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
-                              f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)")
-        if ahead and hasattr(algo, "rollout"):
-            raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
-                              "use rl.mode=sync")
         snapshots = WeightSnapshots(model) if needs_snapshots(cfg, ahead) else None
         buffer = ReplayBuffer(cfg.replay.k, cfg.replay.warmup) if cfg.replay.enable else None
         step = 0
@@ -360,23 +351,38 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         destroy_distributed()
 
 
+def engine_spec(cfg: Config, src, tok):
+    """How each engine actor builds its engine: the built-in torch engine, or SGLang (``rollout.engine_tp`` GPUs
+    of tensor parallelism per engine)."""
+    from megadare.rollout.manager import EngineSpec, build_native_engine
+
+    r = cfg.rollout
+    gpus = r.engine_resources.get("num_gpus")
+    if r.engine != "sglang":
+        if r.engine_tp != 1:
+            raise ConfigError(f"rollout.engine_tp={r.engine_tp}: the built-in engine runs on one device; tensor-"
+                              "parallel engines need rollout.engine=sglang")
+        return EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id})
+    if gpus is not None and gpus < r.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={r.engine_tp} needs rollout.engine_resources num_gpus >= "
+                          f"{r.engine_tp} per engine actor (got {gpus})")
+    # fail here, not inside an actor, when sglang or the plugin is missing
+    from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
+
+    _import_sglang()
+    return EngineSpec(build_sglang_engine, {
+        "model_path": src.hf_dir, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
+        "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
+        "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20, "tp_size": r.engine_tp})
+
+
 def _start_engines(cfg: Config, src, tok):
     """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
     import ray
 
-    from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine
+    from megadare.rollout.manager import RolloutManager
 
-    r = cfg.rollout
-    if r.engine == "sglang":  # fail here, not inside an actor, when sglang or the plugin is missing
-        from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
-
-        _import_sglang()
-        spec = EngineSpec(build_sglang_engine, {
-            "model_path": src.hf_dir, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
-            "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
-            "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20})
-    else:
-        spec = EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id})
+    spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
                  num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))

@@ -167,11 +167,21 @@ def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float
     return {s: float(v) for s, v in zip(samples, scores)}
 
 
-def check_correction_config(cfg: Config, algo, arch) -> None:
-    """Combinations of rl.loss_mode / rl.rollout_is / rl.behaviour_logp that cannot work, named."""
+def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
+    """Combinations of rl.mode / rl.loss_mode / rl.rollout_is / rl.behaviour_logp / replay that cannot work,
+    named (``ahead``: rollouts queued ahead of training, rl_async.lookahead)."""
     from megadare.config import ConfigError
 
     rl, r = cfg.rl, cfg.rollout
+    if ahead > rl.max_staleness:
+        raise ConfigError(f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
+                          f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync")
+    if rl.partial_rollout and not ahead:
+        raise ConfigError(f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
+                          f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)")
+    if ahead and hasattr(algo, "rollout"):
+        raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
+                          "use rl.mode=sync")
     if rl.loss_mode == "ppo" and rl.rollout_is is not None:
         raise ConfigError(f"rl.rollout_is={rl.rollout_is!r} needs rl.loss_mode=decoupled (IS behaviour -> proximal) "
                           "or bypass (ratio against the behaviour policy); rl.loss_mode=ppo ignores the behaviour")

@@ -1,0 +1,164 @@
+"""The plan of one config: parameter counts, trainer memory per pipeline stage, rollout engine memory, verdict.
+
+Rollout engines (RL jobs) hold, per GPU of an engine of ``rollout.engine_tp`` GPUs:
+
+    weights  = P_total * w / engine_tp
+    KV cache = 2 * L * ceil(g / engine_tp) * d * w * T * B      K and V of every layer, T = plan.prompt_length +
+                                                                 rollout.max_new_tokens tokens, B = plan.rollout_batch
+                                                                 sequences (KV heads replicate when engine_tp > g)
+    logits   = B * block * V * 4                                 fp32 logits of the block being denoised
+
+(= 2 * layers * kv_heads * head_dim * bytes * tokens * rollout_batch / engine_tp when engine_tp divides g.)
+With ``plan.rollout_gpus`` = 0 the engines share the trainer's GPUs: during rollout the trainer's weights,
+gradients and optimizer states stay resident and its activations are freed, so the GPU peak is
+max(trainer total, trainer static + engine). Otherwise the engines have GPUs of their own and are checked apart.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from megadare.config import Config, ConfigError, validate_layout
+from megadare.models.family import ModelArch
+from megadare.plan.memory import GIB, WEIGHT_BYTES, Layout, StageMemory, trainer_layout, trainer_stages
+from megadare.plan.params import ParamCounts, count_params
+
+JOBS = ("rl", "sft")
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    engines: int
+    tp: int
+    colocated: bool
+    tokens: int           # per sequence: prompt + generated
+    batch: int            # sequences per engine
+    weights: float        # bytes per engine GPU
+    kv_cache: float
+    logits: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.kv_cache + self.logits
+
+
+@dataclass
+class PlanReport:
+    model: str
+    layout: Layout
+    params: ParamCounts
+    stages: list[StageMemory]
+    rollout: RolloutMemory | None
+    gpu_memory: float                                   # bytes per GPU
+    dtype: str
+    recompute: str
+    distributed_optimizer: bool
+    advice: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def trainer_peak(self) -> float:
+        return max(s.total for s in self.stages)
+
+    @property
+    def worst_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def peak(self) -> float:
+        """The fullest GPU of the job (trainer, colocated trainer + engine, or an engine GPU of its own)."""
+        peak = self.trainer_peak
+        if self.rollout is not None:
+            if self.rollout.colocated:
+                peak = max(peak, max(s.static for s in self.stages) + self.rollout.total)
+            else:
+                peak = max(peak, self.rollout.total + self.stages[0].reserve)
+        return peak
+
+    @property
+    def bottleneck(self) -> str:
+        """'trainer' or 'rollout': which phase sets the peak."""
+        return "trainer" if self.peak <= self.trainer_peak else "rollout"
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.gpu_memory
+
+    def as_dict(self) -> dict[str, Any]:
+        gb = lambda x: round(x / GIB, 3)  # noqa: E731
+        stages = [{**{k: (gb(v) if isinstance(v, float) else v) for k, v in asdict(s).items()}, "total": gb(s.total)}
+                  for s in self.stages]
+        out: dict[str, Any] = {
+            "model": self.model, "dtype": self.dtype, "recompute": self.recompute,
+            "distributed_optimizer": self.distributed_optimizer,
+            "layout": {**asdict(self.layout), "dp": self.layout.dp, "expert_dp": self.layout.expert_dp},
+            "params": {**asdict(self.params), "active_non_embedding": self.params.active_non_embedding},
+            "stages_gb": stages, "rollout_gb": None, "gpu_memory_gb": gb(self.gpu_memory),
+            "trainer_peak_gb": gb(self.trainer_peak), "peak_gb": gb(self.peak), "fits": self.fits,
+            "bottleneck": self.bottleneck, "advice": self.advice,
+        }
+        if self.rollout is not None:
+            r = self.rollout
+            out["rollout_gb"] = {"engines": r.engines, "tp": r.tp, "colocated": r.colocated, "tokens": r.tokens,
+                                 "batch": r.batch, "weights": gb(r.weights), "kv_cache": gb(r.kv_cache),
+                                 "logits": gb(r.logits), "total": gb(r.total)}
+        return out
+
+
+def rollout_memory(cfg: Config, arch: ModelArch, params: ParamCounts, lay: Layout) -> RolloutMemory:
+    pl = cfg.plan
+    w = WEIGHT_BYTES[cfg.model.dtype]
+    tokens = pl.prompt_length + cfg.rollout.max_new_tokens
+    kv_heads = math.ceil(arch.num_kv_heads / cfg.rollout.engine_tp)
+    kv = 2 * arch.num_layers * kv_heads * arch.head_dim * w * tokens * pl.rollout_batch
+    block = cfg.rollout.block_size or arch.block_size or 32
+    colocated = pl.rollout_gpus == 0
+    gpus = lay.world if colocated else pl.rollout_gpus
+    return RolloutMemory(engines=gpus // cfg.rollout.engine_tp, tp=cfg.rollout.engine_tp, colocated=colocated, tokens=tokens,
+                         batch=pl.rollout_batch, weights=float(params.total * w / cfg.rollout.engine_tp), kv_cache=float(kv),
+                         logits=float(pl.rollout_batch * block * arch.vocab_size * 4))
+
+
+def check_plan_config(cfg: Config, arch: ModelArch) -> Layout:
+    """The trainer layout, validated against the GPUs the plan gives the trainer."""
+    pl = cfg.plan
+    if pl.job not in JOBS:
+        raise ConfigError(f"plan.job={pl.job!r} is not one of {', '.join(JOBS)}")
+    if pl.gpu_memory_gb <= 0 or pl.reserve_gb < 0 or pl.prompt_length < 0 or pl.rollout_gpus < 0:
+        raise ConfigError("plan.gpu_memory_gb must be > 0 and plan.reserve_gb, plan.prompt_length, "
+                          "plan.rollout_gpus >= 0")
+    total = pl.nodes * pl.gpus_per_node
+    if pl.rollout_gpus >= total:
+        raise ConfigError(f"plan.rollout_gpus={pl.rollout_gpus} leaves no trainer GPU of the {total} "
+                          f"(plan.nodes * plan.gpus_per_node)")
+    if pl.rollout_gpus and pl.rollout_gpus % cfg.rollout.engine_tp:
+        raise ConfigError(f"plan.rollout_gpus={pl.rollout_gpus} is not a multiple of rollout.engine_tp={cfg.rollout.engine_tp}")
+    if arch.num_attention_heads % cfg.rollout.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the {arch.num_attention_heads} "
+                          "attention heads")
+    lay = trainer_layout(cfg)
+    p = cfg.parallel
+    try:
+        validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=lay.world)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (the trainer has plan.nodes * plan.gpus_per_node - plan.rollout_gpus = {lay.world} "
+                          "GPUs)") from None
+    if arch.is_moe and p.tp > 1 and not p.sp:
+        raise ConfigError(f"parallel.tp={p.tp} on a MoE model needs parallel.sp=true")
+    return lay
+
+
+def plan(cfg: Config, arch: ModelArch, advise: bool = True) -> PlanReport:
+    """The memory plan of ``cfg`` for the model ``arch`` (pure: reads nothing but its arguments)."""
+    lay = check_plan_config(cfg, arch)
+    params = count_params(arch)
+    rollout = rollout_memory(cfg, arch, params, lay) if cfg.plan.job == "rl" else None
+    report = PlanReport(model=f"{arch.architecture} ({arch.family})", layout=lay, params=params,
+                        stages=trainer_stages(cfg, arch, lay), rollout=rollout,
+                        gpu_memory=cfg.plan.gpu_memory_gb * GIB, dtype=cfg.model.dtype,
+                        recompute=cfg.train.recompute, distributed_optimizer=cfg.train.distributed_optimizer)
+    if advise and not report.fits:
+        from megadare.plan.advise import advise_knobs
+
+        report.advice = advise_knobs(cfg, arch, report)
+    return report
