@@ -331,7 +331,8 @@ def _finish(conf) -> Config:
     for key, options in CHOICES.items():
         v = _get(cfg, key)
         if v not in options:
-            raise ConfigError(f"{key}={v!r} is not one of {', '.join(options)}")
+            shown = ", ".join("null" if o is None else str(o) for o in options)
+            raise ConfigError(f"{key}={v!r} is not one of {shown}")
     for key in POSITIVE:
         v = _get(cfg, key)
         if v is not None and v < 1:
@@ -442,6 +443,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "
                           f"rows hold x_t ++ x_0), more than train.seq_length={t.seq_length}; raise "
                           "train.seq_length or lower data.max_length")
+    if cfg.rollout.fp8_weights and cfg.rollout.engine != "sglang":
+        raise ConfigError("rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
+                          "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false")
     if t.seq_length % p.cp:
         raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
     from megadare.algos import build_algorithm  # the name and algo.params, before any process starts

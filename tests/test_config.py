@@ -62,6 +62,10 @@ SFT_BAD = [
     (["sft.mode=diffusion"], "sft.mode='diffusion' is not one of"),
     (["model.family=llada2", "parallel.tp=2"], "needs parallel.sp=true"),
     (["data.overlong=cut"], "data.overlong"),
+    (["rollout.fp8_weights=true"], "rollout.fp8_weights=true"),
+    (["rl.mode=async"], "rl.mode='async' is not one of"),
+    (["rl.rollout_is=tokens"], "rl.rollout_is"),
+    (["replay.k=0"], "replay.k=0"),
 ]
 
 

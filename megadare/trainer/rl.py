@@ -99,8 +99,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     from megadare.algos.replay import ReplayBuffer
     from megadare.trainer.checkpoint import (latest_checkpoint, load_checkpoint_object, load_train_checkpoint,
                                              save_train_checkpoint)
-    from megadare.trainer.rl_async import (PartialRollout, RolloutQueue, WeightSnapshots, lookahead,
-                                           staleness_metrics)
+    from megadare.trainer.rl_async import PartialRollout, RolloutQueue, WeightSnapshots, lookahead
     from megadare.trainer.rl_correction import (bypass_rejection, check_correction_config, engine_table,
                                                 needs_snapshots, oldest_needed, reindex, version_table)
     from megadare.trainer.rl_update import Correction, build_value_model, replay_select, update
@@ -190,9 +189,6 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             manager = _start_engines(cfg, src, tok)
         table = mapping_for(src.hf_config)[2]
         bucket = cfg.rollout.bucket_mb << 20
-        if cfg.rollout.fp8_weights and cfg.rollout.engine != "sglang":
-            raise ConfigError("rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
-                              "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false")
         fp8 = (128, 128) if cfg.rollout.fp8_weights else None
         sync_weights(model, table, [manager] if rank0 else [], version=step, bucket_bytes=bucket, fp8_block=fp8)
 
@@ -246,44 +242,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                 snapshots.take(step)
             payload: list[Any] = [None]
             if rank0:
-                q, traj, wait_s = queue.take(step)
-                batch = [train_prompts[i] for i in q.batch_indices]
-                for tr in traj:
-                    tr.validate()
-                recs = [b.record for b in batch for _ in range(rl.n_samples)]
-                rewards, rstats = score(reward_fn, tok, traj, recs)
-                samples, metrics = build_samples(cfg, traj, rewards)
-                if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
-                    samples = algo.samples_from(traj, rewards, rl.n_samples)
-                if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
-                    from megadare.rewards import score_batch
-
-                    def score_ids(responses, indices):
-                        texts = [tok.decode(r) for r in responses]
-                        return [float(x) for x in score_batch(reward_fn, texts, [recs[i] for i in indices])[0]]
-
-                    algo.prepare(samples, score_ids, rl.n_samples)
-                metrics.update({f"reward_{k}": v for k, v in rstats.items()})
-                stale = [step - t.policy_version for t in traj]
-                if max(stale) > rl.max_staleness:
-                    raise RuntimeError(f"rollout of step {step} used policy version {min(t.policy_version for t in traj)}"
-                                       f", staler than rl.max_staleness={rl.max_staleness}")
-                version = [t.policy_version for t in traj]
-                for s in samples:
-                    s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
-                    s.extra["rollout_step"] = step
-                    if s.index < len(traj) and "token_versions" in traj[s.index].extra:
-                        s.extra["token_versions"] = traj[s.index].extra["token_versions"]
-                    if rl.behaviour_logp == "engine":
-                        s.extra["engine_logprobs"] = list(traj[s.index].logprobs)
-                metrics.update(staleness_metrics(stale))
-                mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
-                if mixed:
-                    metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
-                engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
-                metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
-                                                         "async/queue_depth": float(len(queue.queue))})
-                payload = [(samples, metrics)]
+                payload = [_collect(cfg, algo, queue, step, train_prompts, tok, reward_fn)]
             dist.broadcast_object_list(payload, src=0)
             samples, metrics = payload[0]
             metrics["rollout_s"] = time.perf_counter() - t0
@@ -294,7 +253,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
                     want = int(round(cfg.replay.fraction * len(samples)))
                     replayed = replay_select(cfg, algo, buffer, want, step, arch, block, kind, pad_id, multiple,
                                              model, example_generator, correction)
-                    buffer.add([s for s in samples], version=None)
+                    buffer.add(samples)
                     samples = samples + reindex(replayed, samples)
                     metrics.update(correction.metrics)
                 correction.version_of = version_table(samples)
@@ -349,6 +308,52 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         if manager is not None:
             manager.shutdown()
         destroy_distributed()
+
+
+def _collect(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn) -> tuple[list, dict[str, float]]:
+    """Rank 0: the queued rollout of ``step`` -> rewards -> samples (with their behaviour versions) + metrics."""
+    from megadare.trainer.rl_async import staleness_metrics
+
+    rl = cfg.rl
+    q, traj, wait_s = queue.take(step)
+    batch = [train_prompts[i] for i in q.batch_indices]
+    for tr in traj:
+        tr.validate()
+    recs = [b.record for b in batch for _ in range(rl.n_samples)]
+    rewards, rstats = score(reward_fn, tok, traj, recs)
+    samples, metrics = build_samples(cfg, traj, rewards)
+    if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
+        samples = algo.samples_from(traj, rewards, rl.n_samples)
+    if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
+        from megadare.rewards import score_batch
+
+        def score_ids(responses, indices):
+            texts = [tok.decode(r) for r in responses]
+            return [float(x) for x in score_batch(reward_fn, texts, [recs[i] for i in indices])[0]]
+
+        algo.prepare(samples, score_ids, rl.n_samples)
+    metrics.update({f"reward_{k}": v for k, v in rstats.items()})
+    stale = [step - t.policy_version for t in traj]
+    if max(stale) > rl.max_staleness:
+        oldest = min(t.policy_version for t in traj)
+        raise RuntimeError(f"rollout of step {step} used policy version {oldest}, staler than "
+                           f"rl.max_staleness={rl.max_staleness}")
+    version = [t.policy_version for t in traj]
+    for s in samples:
+        s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
+        s.extra["rollout_step"] = step
+        if s.index < len(traj) and "token_versions" in traj[s.index].extra:
+            s.extra["token_versions"] = traj[s.index].extra["token_versions"]
+        if rl.behaviour_logp == "engine":
+            s.extra["engine_logprobs"] = list(traj[s.index].logprobs)
+    metrics.update(staleness_metrics(stale))
+    mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
+    if mixed:
+        metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
+    engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
+    metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
+                                             "async/queue_depth": float(len(queue.queue))})
+    return samples, metrics
 
 
 def engine_spec(cfg: Config, src, tok):
