@@ -68,20 +68,22 @@ def test_one_step_off_partial_rollouts_with_decoupled_weights(tmp_path):
 
 
 def test_fully_async_replay_survives_resume(tmp_path):
-    """max_staleness 2, decoupled IS, D-ARL replay (k=2, warm-up 1 version): queued rollouts, the replay buffer
-    and the weight snapshots are checkpointed; the resumed run continues exactly."""
-    over = ("rl.steps=3", "rl.mode=fully_async", "rl.max_staleness=2", "rl.loss_mode=decoupled",
+    """max_staleness 2, decoupled IS, D-ARL replay (k=2, warm-up 1 version), 5 steps: replayed samples up to
+    ahead + k versions old are weighted with their own version's snapshot; queued rollouts, the replay buffer and
+    the weight snapshots are checkpointed; 2 steps + resume + 3 steps == 5 steps straight."""
+    over = ("rl.steps=5", "rl.mode=fully_async", "rl.max_staleness=2", "rl.loss_mode=decoupled",
             "rl.rollout_is=token", "replay.enable=true", "replay.k=2", "replay.warmup=1", "replay.fraction=0.5",
             "replay.level=sample")
     straight = _run(_rl_cfg(tmp_path / "a", *over))
     h = straight["history"]
-    assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 2.0]
-    assert h[1]["replay/replayed"] > 0 and h[2]["replay/replayed"] > 0
-    first = _run(_rl_cfg(tmp_path / "b", *over), max_steps=1)
-    assert first["step"] == 1
+    assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert all(x["replay/replayed"] > 0 for x in h[1:])
+    assert h[4]["replay/replayed_staleness_max"] >= 3                 # older than the queue: snapshots kept for it
+    first = _run(_rl_cfg(tmp_path / "b", *over), max_steps=2)
+    assert first["step"] == 2
     resumed = _run(_rl_cfg(tmp_path / "b", *over))
-    assert resumed["step"] == 3 and len(resumed["history"]) == 2
-    for a, b in zip(h[1:], resumed["history"]):
+    assert resumed["step"] == 5 and len(resumed["history"]) == 3
+    for a, b in zip(h[2:], resumed["history"]):
         la, lb = _learning(a), _learning(b)
         assert la.keys() == lb.keys()
         for k in la:

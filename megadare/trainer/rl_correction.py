@@ -240,8 +240,10 @@ def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
 
 
 def oldest_needed(cfg: Config, step: int, ahead: int) -> int:
-    """The oldest policy version a sample trained at ``step`` or later can still come from."""
-    return step - max(ahead, cfg.replay.k if cfg.replay.enable else 0)
+    """The oldest policy version a sample trained at ``step`` or later can still come from: a queued rollout is at
+    most ``ahead`` versions old; the replay buffer holds k versions below its newest, which itself can be
+    ``ahead`` versions older than the step that added it (step - 1)."""
+    return step - ahead - (cfg.replay.k if cfg.replay.enable else 0)
 
 
 def version_table(samples: list[Any]) -> dict[int, int]:
