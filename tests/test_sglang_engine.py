@@ -355,3 +355,26 @@ def test_engine_spec_tensor_parallel_engines(monkeypatch):
                                        "rollout.engine_resources={num_gpus: 1}"]), src, tok)
     with pytest.raises(ConfigError, match="rollout.engine_tp=2"):
         engine_spec(load_config(None, ["rollout.engine_tp=2"]), src, tok)
+
+
+def test_fp8_engines_start_from_a_block_fp8_export(monkeypatch, tmp_path):
+    """rollout.fp8_weights: the engines' model_path is a block-fp8 export of the trainer's model (made once, reused),
+    so the fp8 weights the sync sends match what the engine serves."""
+    import json as _json
+
+    from megadare.config import load_config
+    from megadare.trainer.rl import engine_spec
+    from tiny import write_tiny_hf
+
+    monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())
+    hf = write_tiny_hf(tmp_path, "sdar", 0, num_hidden_layers=2)
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.fp8_weights=true", f"logging.run_dir={tmp_path}/run"])
+    src, tok = types.SimpleNamespace(hf_dir=hf), types.SimpleNamespace(eos_token_id=1)
+    path = engine_spec(cfg, src, tok).kwargs["model_path"]
+    assert path == str(tmp_path / "run" / "engine_fp8")
+    with open(f"{path}/config.json") as f:
+        q = _json.load(f)["quantization_config"]
+    assert q["quant_method"] == "fp8" and q["weight_block_size"] == [128, 128]
+    stamp = (tmp_path / "run" / "engine_fp8" / "config.json").stat().st_mtime_ns
+    assert engine_spec(cfg, src, tok).kwargs["model_path"] == path          # reused, not re-exported
+    assert (tmp_path / "run" / "engine_fp8" / "config.json").stat().st_mtime_ns == stamp

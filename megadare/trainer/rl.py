@@ -358,7 +358,8 @@ def _collect(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn)
 
 def engine_spec(cfg: Config, src, tok):
     """How each engine actor builds its engine: the built-in torch engine, or SGLang (``rollout.engine_tp`` GPUs
-    of tensor parallelism per engine)."""
+    of tensor parallelism per engine; with ``rollout.fp8_weights`` started from a block-fp8 export of the model
+    under ``<run_dir>/engine_fp8``, which the weight sync then updates in the same format)."""
     from megadare.rollout.manager import EngineSpec, build_native_engine
 
     r = cfg.rollout
@@ -375,8 +376,15 @@ def engine_spec(cfg: Config, src, tok):
     from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
 
     _import_sglang()
+    model_path = src.hf_dir
+    if r.fp8_weights:  # the engines serve block fp8, so they start from the fp8-block export of the model
+        from megadare.convert.quantize import quantize_export
+
+        model_path = os.path.join(cfg.logging.run_dir, "engine_fp8")
+        if not os.path.exists(os.path.join(model_path, "config.json")):
+            quantize_export(src.hf_dir, model_path, fmt="fp8-block", progress=False)
     return EngineSpec(build_sglang_engine, {
-        "model_path": src.hf_dir, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
+        "model_path": model_path, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
         "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
         "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20, "tp_size": r.engine_tp})
 
