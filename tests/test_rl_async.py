@@ -27,8 +27,9 @@ def _learning(h: dict) -> dict:
 
 
 def test_fully_async_zero_staleness_is_sync_and_correction_is_identity(tmp_path):
-    """fully_async with max_staleness 0 == sync, every learning metric bit for bit; the decoupled objective with
-    trainer-side behaviour log-probs on fresh samples: IS weights exactly 1, the same step as plain PPO."""
+    """fully_async with max_staleness 0 == sync, every learning metric bit for bit; the decoupled and the bypass
+    objectives with trainer-side behaviour log-probs on fresh samples: IS weights exactly 1 / nothing rejected,
+    the same step as plain PPO."""
     sync = _run(_rl_cfg(tmp_path / "sync", "rl.steps=2", "checkpoint.save_interval=0"))
     fa = _run(_rl_cfg(tmp_path / "fa", "rl.steps=2", "rl.mode=fully_async", "rl.max_staleness=0",
                       "checkpoint.save_interval=0"))
@@ -38,11 +39,15 @@ def test_fully_async_zero_staleness_is_sync_and_correction_is_identity(tmp_path)
     assert sync["evals"] == fa["evals"]
     dec = _run(_rl_cfg(tmp_path / "dec", "rl.steps=1", "checkpoint.save_interval=0", "rl.loss_mode=decoupled",
                        "rl.rollout_is=sequence", "rl.rollout_is_mode=mask"))
-    a, b = sync["history"][0], dec["history"][0]
+    byp = _run(_rl_cfg(tmp_path / "byp", "rl.steps=1", "checkpoint.save_interval=0", "rl.loss_mode=bypass",
+                       "rl.rollout_is=token", "rl.rollout_is_mode=mask"))
+    a, b, c = sync["history"][0], dec["history"][0], byp["history"][0]
     assert b["is/is_mean"] == b["is/is_max"] == b["is/is_min"] == 1.0 and b["is/rejected_fraction"] == 0.0
     assert b["is/kl"] == 0.0
+    assert c["is_weight"] > 0                                          # bypass: nothing rejected, weights reported
     for k in ("reward", "pg_loss", "grad_norm", "clipfrac"):
         assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], b[k])
+        assert math.isclose(a[k], c[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], c[k])
 
 
 def test_one_step_off_partial_rollouts_with_decoupled_weights(tmp_path):
