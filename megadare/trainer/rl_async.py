@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -48,7 +48,6 @@ class QueuedRollout:
     step: int                              # the RL step that will train on it
     batch_indices: list[int]               # prompt indices (StepSampler.batch(step))
     pending: Any = None                    # PendingRollout / PartialRollout, or the finished trajectories
-    submitted_at: float = field(default_factory=time.perf_counter)
 
 
 class PartialRollout:
@@ -183,16 +182,9 @@ class WeightSnapshots:
         for v in [v for v in self.store if v < oldest]:
             del self.store[v]
 
-    def __contains__(self, version: int) -> bool:
-        return version in self.store
-
     @contextlib.contextmanager
-    def swapped_in(self, version: Optional[int]) -> Iterator[None]:
-        """The model holds version ``version``'s weights inside the block (None or a missing version: no swap is
-        an error -- the caller decides what is current)."""
-        if version is None:
-            yield
-            return
+    def swapped_in(self, version: int) -> Iterator[None]:
+        """The model holds version ``version``'s weights inside the block and its own weights again after it."""
         if version not in self.store:
             raise RuntimeError(f"no weight snapshot of policy version {version} (have {sorted(self.store)})")
         saved = [p.detach().clone() for p in self.params]

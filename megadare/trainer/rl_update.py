@@ -114,7 +114,7 @@ def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, mode
     return mine, denom, len(rows)
 
 
-def _behaviour(cfg, corr: Correction, mine, versions: set[int], model, kind, block, vocab) -> None:
+def _behaviour(corr: Correction, mine, versions: set[int], model, kind, block, vocab) -> None:
     from megadare.trainer.rl_correction import store_behaviour, store_engine_behaviour
 
     if corr.engine_logprobs is not None:
@@ -154,7 +154,7 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
             store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
             value_advantages(algo, group, mine)
         if correction is not None:
-            _behaviour(cfg, correction, mine, versions, model, kind, block, arch.vocab_size)
+            _behaviour(correction, mine, versions, model, kind, block, arch.vocab_size)
             if rl.loss_mode == "decoupled":
                 for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
                     out[k] = out.get(k, 0.0) + v / len(groups)
@@ -200,7 +200,7 @@ def replay_select(cfg, algo, buffer, n: int, step, arch, block, kind, pad_id, mu
     if mine is None:
         return []
     ctx = Correction(version_of, correction.current, correction.snapshots)
-    _behaviour(cfg, ctx, mine, set(version_of.values()), model, kind, block, arch.vocab_size)
+    _behaviour(ctx, mine, set(version_of.values()), model, kind, block, arch.vocab_size)
     by_sample = replay_scores(mine, cfg.replay.score)
     scores = torch.tensor([by_sample.get(base + i, float("inf")) for i in range(len(cands))], dtype=torch.float64)
     sel = buffer.select(n, step, scores=scores, level=cfg.replay.level, max_score=cfg.replay.max_score,
