@@ -52,7 +52,7 @@ def bench_config(target_gb: float) -> dict:
 
 def generate(cfg: dict, out_dir: str, shard_bytes: int) -> tuple[int, int]:
     """Random weights written one tensor at a time; returns (total bytes, largest tensor bytes)."""
-    from megadare.convert.safetensors_io import ShardedSafetensorsWriter
+    from megadare.models.safetensors_io import ShardedSafetensorsWriter
     from megadare.models import build_hf_model
 
     with torch.device("meta"):
@@ -99,7 +99,7 @@ def main() -> None:
     rows.append(("hf_to_megatron", peak, base, sec))
     peak, base, sec = run_child("from megadare.convert import megatron_to_hf", f"megatron_to_hf({ck!r}, {back!r}, max_shard_bytes={a.shard_mb << 20}, progress=False)")
     rows.append(("megatron_to_hf", peak, base, sec))
-    peak, base, sec = run_child("from megadare.convert.safetensors_io import SafetensorsReader", f"sd = dict(SafetensorsReader({hf!r}).items())")
+    peak, base, sec = run_child("from megadare.models.safetensors_io import SafetensorsReader", f"sd = dict(SafetensorsReader({hf!r}).items())")
     rows.append(("baseline: load whole state dict", peak, base, sec))
     print(f"{'step':34s} {'peak RSS GiB':>12s} {'after imports':>13s} {'delta GiB':>9s} {'delta/largest':>13s} {'delta/model':>11s} {'s':>5s}")
     for name, peak, base, sec in rows:

@@ -45,7 +45,7 @@ def cpu_shape(arch: ModelArch) -> ModelArch:
 
 def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, steps: int, dtype: str):
     from megadare.models.gpt import build_model_chunks, transformer_config
-    from megadare.trainer.batch import Row, pack_rows
+    from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step
 

@@ -95,9 +95,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return demo.main(argv[1:])
     args = _parser().parse_args(argv)
-    from megadare.config import ConfigError
+    from megadare.errors import ConfigError
     from megadare.convert.mcore_ckpt import MegatronCheckpointError
-    from megadare.convert.safetensors_io import CheckpointError
+    from megadare.models.safetensors_io import CheckpointError
     from megadare.data.sft_data import DataError
     from megadare.models.family import ModelConfigError
 

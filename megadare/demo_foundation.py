@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
 
     from megadare.convert import hf_to_megatron, megatron_to_hf
-    from megadare.convert.safetensors_io import SafetensorsReader
-    from megadare.convert.verify import family_mask, megatron_logits, resave
+    from megadare.models.safetensors_io import SafetensorsReader
+    from megadare.models.attention import family_mask
+    from megadare.trainer.verify import megatron_logits, resave
     from megadare.models import get_family, load_hf_model
     from megadare.parallel.launch import spawn
 

@@ -15,7 +15,7 @@ def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2
     from megadare.convert import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
-    from megadare.trainer.batch import Row, pack_rows, split_for_data_parallel
+    from megadare.data.rows import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step
 

@@ -34,7 +34,7 @@ from megadare.algos.trace_replay import replay_views
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine
-from megadare.trainer.batch import pack_rows
+from megadare.data.rows import pack_rows
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from algo_toy import (Toy, JointToy, toy_archs, sample, synthetic_trace, draws, mc_arrays, direct_slots, mb_logps, Exact, uniform_mean, assert_mc, MASK, Z, FULL_C, FULL_Y, BLOCK_C, BLOCK_Y)

@@ -18,10 +18,10 @@ from megadare.algos.algorithm import rows_for_views
 from megadare.algos.base import Slots, gather_slots
 from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
 from megadare.algos.trace_replay import replay_views
-from megadare.config import ConfigError
+from megadare.errors import ConfigError
 from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec
-from megadare.trainer.batch import pack_rows
+from megadare.data.rows import pack_rows
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from algo_toy import MASK, Toy, mb_logps, sample, synthetic_trace, toy_archs, view_logps

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from megadare.config import ConfigError, load_config, to_yaml, validate, validate_layout
+from megadare.config import load_config, to_yaml, validate
+from megadare.models.layout import validate_layout
+from megadare.errors import ConfigError
 from megadare.models import get_family
 
 

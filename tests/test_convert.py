@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from megadare.convert.mapping import ParamMap, interleave_qkv, split_qkv
+from megadare.models.mapping import ParamMap, interleave_qkv, split_qkv
 
 FAMILIES = ["sdar", "sdar_moe", "llada2", "llada", "dream"]
 
@@ -68,7 +68,7 @@ def hf_dirs(tmp_path_factory):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_convert_roundtrip_bitwise(name, hf_dirs, tmp_path):
     from megadare.convert import hf_to_megatron, megatron_to_hf
-    from megadare.convert.safetensors_io import SafetensorsReader
+    from megadare.models.safetensors_io import SafetensorsReader
 
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
     hf_to_megatron(hf_dirs[name], ck, progress=False)
@@ -138,7 +138,7 @@ def test_failed_write_leaves_previous_checkpoint_intact(hf_dirs, tmp_path):
 
 def test_missing_and_unexpected_tensors_are_named(hf_dirs, tmp_path):
     from megadare.convert import hf_to_megatron
-    from megadare.convert.safetensors_io import SafetensorsReader, save_hf_checkpoint
+    from megadare.models.safetensors_io import SafetensorsReader, save_hf_checkpoint
 
     src = hf_dirs["sdar"]
     with open(os.path.join(src, "config.json")) as f:

@@ -11,7 +11,7 @@ from megadare.diffusion.masking import complementary, iid_mask, mask_tokens
 from megadare.diffusion.schedule import NoiseSchedule, elbo_weight
 from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec, block_causal
-from megadare.trainer.batch import pack_rows
+from megadare.data.rows import pack_rows
 
 MASK = 255
 

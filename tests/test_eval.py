@@ -12,7 +12,8 @@ import pytest
 
 from ray_fixture import ray_cluster  # noqa: F401  (module-scoped local Ray cluster)
 
-from megadare.config import ConfigError, load_config
+from megadare.config import load_config
+from megadare.errors import ConfigError
 from megadare.data.sft_data import DataError
 from megadare.data.tokenizer import ByteTokenizer
 from megadare.eval import TASKS, maj_at_k, pass_at_k, task_metrics

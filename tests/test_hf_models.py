@@ -130,7 +130,7 @@ def test_load_roundtrip_and_errors(tmp_path):
     ids = torch.randint(0, 250, (2, S))
     with torch.no_grad():
         assert torch.equal(load_hf_model(d)(ids), m(ids))
-    from megadare.convert.safetensors_io import CheckpointError, SafetensorsReader, save_hf_checkpoint
+    from megadare.models.safetensors_io import CheckpointError, SafetensorsReader, save_hf_checkpoint
 
     state = dict(SafetensorsReader(d).items())
     gone = "model.layers.1.mlp.gate.expert_bias"

@@ -24,7 +24,7 @@ LAYOUTS = ["tp1", "tp2_sp", "tp2"]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from megadare.models import build_hf_model, get_family, save_hf_model
-    from megadare.trainer.batch import Row
+    from megadare.data.rows import Row
 
     root = tmp_path_factory.mktemp("lora")
     torch.manual_seed(0)
@@ -93,7 +93,8 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
 
     from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
     from megadare.convert.mcore_ckpt import model_sharded_state_dict
-    from megadare.convert.verify import _build, family_mask
+    from megadare.models.attention import family_mask
+    from megadare.trainer.verify import _build
     from megadare.models.lora import (
         LoRALinear,
         apply_lora,
@@ -103,7 +104,7 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
         merge_lora,
     )
     from megadare.parallel import init_distributed
-    from megadare.trainer.batch import pack_rows, global_denominator, split_for_data_parallel
+    from megadare.data.rows import pack_rows, global_denominator, split_for_data_parallel
     from megadare.trainer.forward import forward_logits
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from megadare.convert.verify import megatron_logits, resave
+from megadare.trainer.verify import megatron_logits, resave
 
 FAMILIES = ["sdar", "sdar_moe", "llada2", "llada", "dream"]
 MOE = ["sdar_moe", "llada2"]
@@ -152,7 +152,7 @@ def test_block_mask_matters(checkpoints):
 def test_roundtrip_hf_megatron_tp2_pp2_ep2_hf_bitwise(name, checkpoints, tmp_path):
     """HF -> converter -> load + save by a TP2 PP2 (EP2 for MoE) sharded model -> converter -> HF: bitwise."""
     from megadare.convert import hf_to_megatron, megatron_to_hf
-    from megadare.convert.safetensors_io import SafetensorsReader
+    from megadare.models.safetensors_io import SafetensorsReader
 
     c = checkpoints[name]
     ck1, ck2, out = str(tmp_path / "ck1"), str(tmp_path / "ck2"), str(tmp_path / "hf_out")

@@ -56,7 +56,7 @@ def test_parameter_count_equals_built_model(family):
     pc = count_params(arch)
     assert pc.total == sum(p.numel() for p in build_hf_model(cfg).parameters())
     # the Megatron model (padded vocabulary) on one GPU == the HF count + vocabulary padding rows
-    from megadare.convert.mapping import padded_vocab_size
+    from megadare.models.mapping import padded_vocab_size
 
     pad = (padded_vocab_size(arch.vocab_size) - arch.vocab_size) * arch.hidden_size
     assert rank_params(arch).total == pc.total + pad * (1 if arch.tie_word_embeddings else 2)
@@ -106,7 +106,7 @@ def _measure_worker(rank, world, cases):
 
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.batch import Row, pack_rows, split_for_data_parallel
+    from megadare.data.rows import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step
 

@@ -18,7 +18,7 @@ import torch
 from megadare.convert.fp8 import (BLOCK, FP8_MAX, dequantize_fp8, fp8_block_quant_config, fp8_rollout_weights,
                                   linear_hf_names, quantize_fp8_block, quantize_fp8_per_tensor)
 from megadare.convert.quantize import MODELOPT_INSTALL, ModelOptMissing, quantize_export
-from megadare.convert.safetensors_io import SafetensorsReader
+from megadare.models.safetensors_io import SafetensorsReader
 from megadare.models import read_hf_config as read_config
 from tiny import write_tiny_hf
 

@@ -108,7 +108,7 @@ def test_fully_async_replay_survives_resume(tmp_path):
 ])
 def test_async_config_errors(tmp_path, over, match):
     from megadare.algos import build_algorithm
-    from megadare.config import ConfigError
+    from megadare.errors import ConfigError
     from megadare.models import get_family
     from megadare.trainer.rl_async import lookahead
     from megadare.trainer.rl_correction import check_correction_config

@@ -18,7 +18,8 @@ import pytest
 
 from ray_fixture import ray_cluster  # noqa: F401  (module-scoped local Ray cluster)
 
-from megadare.config import ConfigError, load_config
+from megadare.config import load_config
+from megadare.errors import ConfigError
 from megadare.parallel.launch import spawn
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]

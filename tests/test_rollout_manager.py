@@ -65,7 +65,7 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
 
 def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids, layout):
     from megadare.convert import mapping_for
-    from megadare.convert.verify import family_mask
+    from megadare.models.attention import family_mask
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.weight_sync import sync_weights
     from megadare.trainer.forward import forward_logits

@@ -342,7 +342,8 @@ def test_register_resolves_the_algorithm_and_delivers_traces(fake_sglang, fdfo):
 
 def test_engine_spec_tensor_parallel_engines(monkeypatch):
     """rollout.engine_tp reaches sglang's tp_size; a built-in engine or too few GPUs per actor are config errors."""
-    from megadare.config import ConfigError, load_config
+    from megadare.config import load_config
+    from megadare.errors import ConfigError
     from megadare.trainer.rl import engine_spec
 
     monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())

@@ -59,10 +59,10 @@ def _train_value(rank, world, hf_dir):
     from megadare.algos.value_model import ValueObjective, attach_value_head, values_of
     from megadare.config import config_from_dict
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.batch import global_denominator, pack_rows
+    from megadare.data.rows import global_denominator, pack_rows
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.rl_update import store_outputs as _store_outputs
+    from megadare.trainer.step import store_outputs as _store_outputs
     from megadare.trainer.step import train_step
 
     init_distributed()

@@ -20,7 +20,7 @@ def _hf(tmp, name: str, seed: int) -> str:
 
 def _worker(rank, world, layout, trainer_hf, engine_hf, ids, bucket_bytes):
     from megadare.convert import mapping_for
-    from megadare.convert.verify import family_mask
+    from megadare.models.attention import family_mask
     from megadare.models import load_hf_model
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.native import NativeEngine
@@ -66,7 +66,7 @@ def test_engines_match_the_trained_megatron_model(family, layout, tmp_path):
 
 
 def test_buckets_are_bounded_and_experts_come_last():
-    from megadare.convert.mapping import ParamMap
+    from megadare.models.mapping import ParamMap
 
     table = [ParamMap(f"decoder.layers.{i}.mlp.experts.linear_fc1.weight{i}", (f"e{i}",)) for i in range(3)]
     table += [ParamMap(f"decoder.layers.{i}.self_attention.linear_proj.weight", (f"a{i}",)) for i in range(3)]

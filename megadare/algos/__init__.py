@@ -6,7 +6,7 @@ Each file states its paper, objective, estimator and published defaults; shared 
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.config import ConfigError
+from megadare.errors import ConfigError
 from megadare.algos.bgpo import BGPO
 from megadare.algos.cj_grpo import CJGRPO
 from megadare.algos.coupled_grpo import CoupledGRPO

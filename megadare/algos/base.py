@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megadare.models.family import ModelArch
-from megadare.trainer.batch import MicroBatch, Row
+from megadare.data.rows import MicroBatch, Row
 
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
 

@@ -1,4 +1,4 @@
-"""SFT modes for diffusion LMs: each turns one tokenized example into training rows (trainer/batch.py).
+"""SFT modes for diffusion LMs: each turns one tokenized example into training rows (data/rows.py).
 
 Every row carries per-token loss weights so that the trainer minimises sum(w * CE) / D over the global batch.
 Notation: prompt c (never masked), response y of length L, mask token M, t the masking probability.
@@ -35,7 +35,7 @@ from megadare.data.sft_data import SFTExample
 from megadare.diffusion.masking import block_index, iid_mask, mask_tokens
 from megadare.diffusion.schedule import NoiseSchedule
 from megadare.models.family import ModelArch
-from megadare.trainer.batch import Row
+from megadare.data.rows import Row
 
 SFT_MODES = ("random", "block", "semi_ar", "trace")
 NORMALIZE = ("answer_length", "masked_tokens")

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from megadare.trainer.batch import MicroBatch
+from megadare.data.rows import MicroBatch
 
 
 class ValueHead(torch.nn.Module):

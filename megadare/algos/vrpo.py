@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import RLSample, Slots, views_to_row
 from megadare.algos.corruption import stratified
-from megadare.trainer.batch import Row
+from megadare.data.rows import Row
 
 
 def concat_rows(rows: list[Row]) -> Row:

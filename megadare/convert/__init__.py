@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megadare.convert.mapping import ParamMap, check_table
+from megadare.models.mapping import ParamMap, check_table
 from megadare.convert.mcore_ckpt import (
     HF_SUBDIR,
     checkpoint_keys,
@@ -26,7 +26,7 @@ from megadare.convert.mcore_ckpt import (
     save_checkpoint,
     write_tensors,
 )
-from megadare.convert.safetensors_io import (
+from megadare.models.safetensors_io import (
     SafetensorsReader,
     ShardedSafetensorsWriter,
     copy_passthrough_files,
@@ -82,7 +82,7 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
                    dtype: Optional[torch.dtype] = None, progress: bool = True, etp: Optional[int] = None) -> str:
     """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming)."""
     src = HFSource(hf_dir, dtype)
-    from megadare.config import validate_layout
+    from megadare.models.layout import validate_layout
 
     validate_layout(src.arch, tp=tp, pp=pp, ep=ep, vpp=vpp, etp=etp)
     shapes = src.shapes()

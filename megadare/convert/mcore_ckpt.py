@@ -69,7 +69,7 @@ def _finalise(tmp: str, final: str) -> None:
 
 def write_meta(ckpt_dir: str, meta: dict[str, Any], hf_files_from: Optional[str] = None) -> None:
     """megadare.json (family, architecture, what wrote it) and hf/ (config.json + tokenizer files)."""
-    from megadare.convert.safetensors_io import copy_passthrough_files
+    from megadare.models.safetensors_io import copy_passthrough_files
 
     with open(os.path.join(ckpt_dir, MEGADARE_META), "w") as f:
         json.dump(meta, f, indent=2)

@@ -38,7 +38,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megadare.convert.fp8 import BLOCK, fp8_block_quant_config, fp8_rollout_weights, linear_hf_names
-from megadare.convert.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter, copy_passthrough_files
+from megadare.models.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter, copy_passthrough_files
 
 __all__ = ["FORMATS", "MODELOPT_INSTALL", "DEFAULT_PROMPTS", "ModelOptMissing", "require_modelopt",
            "quantize_export", "calibration_batches"]

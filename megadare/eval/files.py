@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import Any, Iterable
 
-from megadare.config import ConfigError
+from megadare.errors import ConfigError
 from megadare.data.sft_data import DataError, load_records
 
 __all__ = ["task_file", "load_rows", "write_text_atomic", "write_jsonl_atomic", "write_json_atomic"]

@@ -21,7 +21,8 @@ import os
 import time
 from typing import Any
 
-from megadare.config import Config, ConfigError
+from megadare.config import Config
+from megadare.errors import ConfigError
 from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec

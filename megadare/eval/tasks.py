@@ -192,7 +192,7 @@ def task_spec(name: str) -> TaskSpec:
     """The registered task ``name``; a ConfigError naming ``eval.tasks`` otherwise."""
     import difflib
 
-    from megadare.config import ConfigError
+    from megadare.errors import ConfigError
 
     if name not in TASKS:
         close = difflib.get_close_matches(str(name), list(TASKS), n=1)

@@ -31,7 +31,7 @@ def build_hf_model(cfg: dict) -> torch.nn.Module:
 def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> torch.nn.Module:
     """The family's hf/ model with the checkpoint's weights; missing or unexpected tensors are errors."""
-    from megadare.convert.safetensors_io import CheckpointError, SafetensorsReader
+    from megadare.models.safetensors_io import CheckpointError, SafetensorsReader
 
     cfg = read_hf_config(path)
     fam = family_of(cfg)
@@ -52,7 +52,7 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
 def save_hf_model(model: torch.nn.Module, cfg: dict, out_dir: str | os.PathLike,
                   max_shard_bytes: int = 2 << 30) -> str:
-    from megadare.convert.safetensors_io import save_hf_checkpoint
+    from megadare.models.safetensors_io import save_hf_checkpoint
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
     return save_hf_checkpoint(state, cfg, out_dir, max_shard_bytes=max_shard_bytes)

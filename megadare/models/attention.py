@@ -389,3 +389,8 @@ def head_to_seq_parallel(x: torch.Tensor, group) -> torch.Tensor:
     S, b, hc, d = x.shape
     recv = _AllToAll.apply(x.reshape(cp, S // cp, b, hc, d), group)    # [cp (head slice), s, B, h/cp, D]
     return recv.permute(1, 2, 0, 3, 4).reshape(S // cp, b, cp * hc, d)
+
+
+def family_mask(arch) -> MaskSpec:
+    """The family's inference mask (block-causal with its block size, or bidirectional)."""
+    return block_causal(arch.block_size) if arch.attention == "block_causal" else bidirectional()

@@ -9,7 +9,7 @@ returns plain lm_head logits.
 """
 from __future__ import annotations
 
-from megadare.convert.mapping import HFNames, build_table
+from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, ModelArch, register
 from megadare.models.sdar import qwen_common
 

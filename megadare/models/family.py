@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from megadare.convert.mapping import ParamMap
+    from megadare.models.mapping import ParamMap
 
 
 class ModelConfigError(ValueError):

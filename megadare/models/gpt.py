@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from megadare.convert.mapping import padded_vocab_size
+from megadare.models.mapping import padded_vocab_size
 from megadare.models import mcore_fixes
 from megadare.models.attention import DLLMCoreAttention
 from megadare.models.family import ModelArch

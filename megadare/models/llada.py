@@ -13,7 +13,7 @@ Rejected: include_bias true, attention_layer_norm true, block_type other than "l
 """
 from __future__ import annotations
 
-from megadare.convert.mapping import HFNames, build_table
+from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, ModelArch, ModelConfigError, register, require
 
 MASK_TOKEN_ID = 126336

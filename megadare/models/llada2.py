@@ -19,7 +19,7 @@ num_experts_per_tok == 2 * topk_group (true for mini and flash: 8 and 4) -- chec
 """
 from __future__ import annotations
 
-from megadare.convert.mapping import HFNames, build_table
+from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, ModelArch, ModelConfigError, register, require
 
 MASK_TOKEN_ID = 156895

@@ -15,7 +15,7 @@ Unsupported (rejected with a message): Qwen3-MoE ``decoder_sparse_step`` != 1, n
 """
 from __future__ import annotations
 
-from megadare.convert.mapping import HFNames, build_table
+from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, ModelArch, ModelConfigError, register, require
 
 MASK_TOKEN_ID = 151669

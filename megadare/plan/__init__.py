@@ -16,7 +16,8 @@ from typing import Optional
 from megadare.config import Config
 from megadare.models.family import ModelArch
 from megadare.plan.params import ParamCounts, count_params, rank_params
-from megadare.plan.report import PlanReport, plan
+from megadare.plan.advise import plan
+from megadare.plan.report import PlanReport
 from megadare.plan.table import format_report
 
 __all__ = ["ParamCounts", "PlanReport", "count_params", "format_report", "plan", "rank_params", "run_plan_command"]

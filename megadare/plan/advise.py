@@ -8,11 +8,13 @@ changes are chained greedily (largest saving first, up to ``MAX_STEPS``) and the
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from megadare.config import Config, ConfigError
+from megadare.config import Config
+from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.plan.memory import GIB, QUADRATIC
+from megadare.plan.report import PlanReport, plan_memory
 
 MAX_STEPS = 10
 Change = dict[str, Any]
@@ -60,14 +62,14 @@ def _candidates(cfg: Config, arch: ModelArch, bottleneck: str) -> list[tuple[Cha
     return out
 
 
-def _try(cfg: Config, arch: ModelArch, changes: Change, plan_fn: Callable) -> Optional[Any]:
+def _try(cfg: Config, arch: ModelArch, changes: Change) -> Optional[Any]:
     new = _set(cfg, changes)
     if new.parallel.tp > new.plan.gpus_per_node:
         return None
     if new.train.seq_length % new.parallel.cp:
         return None
     try:
-        return plan_fn(new, arch, advise=False)
+        return plan_memory(new, arch)
     except ConfigError:
         return None
 
@@ -76,14 +78,12 @@ def _describe(changes: Change) -> str:
     return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
 
 
-def advise_knobs(cfg: Config, arch: ModelArch, report) -> list[dict[str, Any]]:
+def advise_knobs(cfg: Config, arch: ModelArch, report: PlanReport) -> list[dict[str, Any]]:
     """Single changes that lower the peak (fitting ones first, cheapest first), then a greedy chain if needed."""
-    from megadare.plan.report import plan as plan_fn
-
     base = report.peak
     options = []
     for order, (changes, cost) in enumerate(_candidates(cfg, arch, report.bottleneck)):
-        new = _try(cfg, arch, changes, plan_fn)
+        new = _try(cfg, arch, changes)
         if new is None or new.peak >= base - 0.01 * GIB:
             continue
         options.append({"change": _describe(changes), "peak_gb": round(new.peak / GIB, 2),
@@ -93,21 +93,21 @@ def advise_knobs(cfg: Config, arch: ModelArch, report) -> list[dict[str, Any]]:
     for o in options:
         del o["_order"]
     if options and not options[0]["fits"]:
-        chain = _greedy(cfg, arch, plan_fn)
+        chain = _greedy(cfg, arch)
         if chain is not None:
             options.insert(0, chain)
     return options
 
 
-def _greedy(cfg: Config, arch: ModelArch, plan_fn: Callable) -> Optional[dict[str, Any]]:
+def _greedy(cfg: Config, arch: ModelArch) -> Optional[dict[str, Any]]:
     """Apply the largest single saving repeatedly until the plan fits; None when it never does."""
     applied: Change = {}
-    current = plan_fn(cfg, arch, advise=False)
+    current = plan_memory(cfg, arch)
     start = current.peak
     for _ in range(MAX_STEPS):
         best = None
         for changes, _cost in _candidates(_set(cfg, applied), arch, current.bottleneck):
-            new = _try(cfg, arch, {**applied, **changes}, plan_fn)
+            new = _try(cfg, arch, {**applied, **changes})
             if new is not None and new.peak < current.peak - 0.01 * GIB and (best is None or new.peak < best[1].peak):
                 best = (changes, new)
         if best is None:
@@ -119,3 +119,11 @@ def _greedy(cfg: Config, arch: ModelArch, plan_fn: Callable) -> Optional[dict[st
                     "saves_gb": round((start - current.peak) / GIB, 2), "fits": True,
                     "cost": "combined: each change's cost"}
     return None
+
+
+def plan(cfg: Config, arch: ModelArch, advise: bool = True) -> PlanReport:
+    """The memory plan of ``cfg`` for ``arch``; when it does not fit (and ``advise``), the knobs that fix it."""
+    report = plan_memory(cfg, arch)
+    if advise and not report.fits:
+        report.advice = advise_knobs(cfg, arch, report)
+    return report

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megadare.config import Config
-from megadare.convert.mapping import padded_vocab_size
+from megadare.models.mapping import padded_vocab_size
 from megadare.models.family import ModelArch
 from megadare.plan.params import rank_params, stage_layers
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megadare.convert.mapping import padded_vocab_size
+from megadare.models.mapping import padded_vocab_size
 from megadare.models.family import ModelArch
 
 

@@ -19,7 +19,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megadare.config import Config, ConfigError, validate_layout
+from megadare.config import Config
+from megadare.models.layout import validate_layout
+from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.plan.memory import GIB, WEIGHT_BYTES, Layout, StageMemory, trainer_layout, trainer_stages
 from megadare.plan.params import ParamCounts, count_params
@@ -148,8 +150,8 @@ def check_plan_config(cfg: Config, arch: ModelArch) -> Layout:
     return lay
 
 
-def plan(cfg: Config, arch: ModelArch, advise: bool = True) -> PlanReport:
-    """The memory plan of ``cfg`` for the model ``arch`` (pure: reads nothing but its arguments)."""
+def plan_memory(cfg: Config, arch: ModelArch) -> PlanReport:
+    """The memory plan of ``cfg`` for the model ``arch``, without advice (pure: reads nothing but its arguments)."""
     lay = check_plan_config(cfg, arch)
     params = count_params(arch)
     rollout = rollout_memory(cfg, arch, params, lay) if cfg.plan.job == "rl" else None
@@ -157,8 +159,4 @@ def plan(cfg: Config, arch: ModelArch, advise: bool = True) -> PlanReport:
                         stages=trainer_stages(cfg, arch, lay), rollout=rollout,
                         gpu_memory=cfg.plan.gpu_memory_gb * GIB, dtype=cfg.model.dtype,
                         recompute=cfg.train.recompute, distributed_optimizer=cfg.train.distributed_optimizer)
-    if advise and not report.fits:
-        from megadare.plan.advise import advise_knobs
-
-        report.advice = advise_knobs(cfg, arch, report)
     return report

@@ -122,7 +122,7 @@ class NativeEngine:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of the engine's model for [B, S] ids under the family's inference mask (block-causal or
         bidirectional, Dream unshifted): what weight-sync checks compare with the trainer."""
-        from megadare.convert.verify import family_mask
+        from megadare.models.attention import family_mask
 
         S = input_ids.shape[1]
         return self.model(input_ids.to(self.device), attention_mask=family_mask(self.arch).dense(S, S, device=self.device)).float().cpu()

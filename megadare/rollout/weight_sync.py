@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megadare.convert.mapping import ParamMap
+from megadare.models.mapping import ParamMap
 from megadare.convert.mcore_ckpt import _drop_extra_state, model_sharded_state_dict
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megadare.config import Config, ConfigError
+from megadare.config import Config
+from megadare.errors import ConfigError
 from megadare.models.family import Family, ModelArch, family_of, get_family, read_hf_config
 
 

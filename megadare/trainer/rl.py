@@ -17,7 +17,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megadare.config import Config, ConfigError, to_yaml
+from megadare.config import Config, to_yaml
+from megadare.errors import ConfigError
 
 
 def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, record_steps: bool = False):

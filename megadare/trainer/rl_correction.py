@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from megadare.config import Config
-from megadare.trainer.batch import MicroBatch
+from megadare.data.rows import MicroBatch
+from megadare.trainer.step import store_outputs
 
 Key = tuple[int, int]   # (sample index, slot)
 
@@ -80,8 +81,6 @@ def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_o
     extras['behave'] = lp under each position's own version: the version of the token it predicts when the
     response was generated across weight updates (``token_versions``, partial rollouts), else the sample's.
     (A sequence slot of such a response mixes versions; it takes each position's token version.)"""
-    from megadare.trainer.rl_update import store_outputs
-
     for v in sorted(versions):
         if v == current:
             for mb in micro_batches:
@@ -170,7 +169,7 @@ def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float
 def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
     """Combinations of rl.mode / rl.loss_mode / rl.rollout_is / rl.behaviour_logp / replay that cannot work,
     named (``ahead``: rollouts queued ahead of training, rl_async.lookahead)."""
-    from megadare.config import ConfigError
+    from megadare.errors import ConfigError
 
     rl, r = cfg.rl, cfg.rollout
     if ahead > rl.max_staleness:

@@ -10,24 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.config import Config
-
-
-def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
-    """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
-    into ``mb.extras[key]`` (on the last pipeline stage)."""
-    from megadare.trainer.step import run_micro_batches
-
-    got: list[torch.Tensor] = []
-
-    def grab(mb, logp):
-        got.append(logp.detach())
-        return (logp * 0).sum(), {}
-
-    with torch.no_grad():
-        run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
-                          per_position=per_position)
-    for mb, lp in zip(micro_batches, got):
-        mb.extras[key] = lp.to(mb.weight.device)
+from megadare.trainer.step import store_outputs
 
 
 def build_value_model(cfg: Config, src, algo, load_init, updates: int):
@@ -100,7 +83,7 @@ def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, mode
     """Rows -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
     from megatron.core import parallel_state as ps
 
-    from megadare.trainer.batch import global_denominator, pack_rows, split_for_data_parallel
+    from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
 
     rows = algo.batch_rows(samples, arch, block, lambda index: generator_for(cfg.seed, step, index))
     if not rows:

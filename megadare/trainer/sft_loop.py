@@ -13,8 +13,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megadare.config import Config, ConfigError, resolve_sft_mode, to_yaml
-from megadare.trainer.batch import pack_rows, split_for_data_parallel, global_denominator
+from megadare.config import Config, resolve_sft_mode, to_yaml
+from megadare.errors import ConfigError
+from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
 
 
 def sft_recipe(cfg: Config, arch):

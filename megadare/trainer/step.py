@@ -23,7 +23,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megadare.trainer.batch import MicroBatch
+from megadare.data.rows import MicroBatch
 from megadare.trainer.logprob import token_logprobs
 
 
@@ -109,6 +109,22 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
         num_microbatches=n_micro, seq_length=seq_len // ps.get_context_parallel_world_size(),
         micro_batch_size=mbs, forward_only=forward_only)
     return _reduce_reports(reports, loss_scale, device)
+
+
+def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
+    """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
+    into ``mb.extras[key]`` (on the last pipeline stage)."""
+    got: list[torch.Tensor] = []
+
+    def grab(mb, logp):
+        got.append(logp.detach())
+        return (logp * 0).sum(), {}
+
+    with torch.no_grad():
+        run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
+                          per_position=per_position)
+    for mb, lp in zip(micro_batches, got):
+        mb.extras[key] = lp.to(mb.weight.device)
 
 
 def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> dict[str, float]:

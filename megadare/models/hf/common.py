@@ -1,6 +1,6 @@
 """Lean HF-layout decoder used by every family: parameter names come from the family's ``HFNames`` table.
 
-The family table (convert/mapping.py ``HFNames``) is the single statement of a checkpoint's parameter names:
+The family table (models/mapping.py ``HFNames``) is the single statement of a checkpoint's parameter names:
 the converter maps them to Megatron keys, and this module registers every parameter under exactly that name,
 so ``load_state_dict`` of a published checkpoint works and the names can never drift between the two.
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megadare.convert.mapping import HFNames
+from megadare.models.mapping import HFNames
 from megadare.models.attention import MaskSpec, bidirectional, block_causal
 from megadare.models.family import ModelArch
 

@@ -23,13 +23,6 @@ def _build(hf_dir: str, sp: bool):
     return arch, chunks
 
 
-def family_mask(arch):
-    """The family's inference mask (block-causal with its block size, or bidirectional)."""
-    from megadare.models.attention import bidirectional, block_causal
-
-    return block_causal(arch.block_size) if arch.attention == "block_causal" else bidirectional()
-
-
 def megatron_logits(rank: int, world: int, layout: dict, cases: list[dict], save_to: Optional[dict] = None,
                     load_from: Optional[dict] = None) -> dict:
     """For each case (hf_dir, input_ids): logits of the Megatron model under ``layout``.
@@ -42,6 +35,7 @@ def megatron_logits(rank: int, world: int, layout: dict, cases: list[dict], save
 
     from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
     from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.models.attention import family_mask
     from megadare.trainer.forward import forward_logits
 
     init_distributed(**layout)
