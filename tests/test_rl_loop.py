@@ -129,11 +129,11 @@ def test_rl_config_errors(tmp_path):
     except ImportError:  # without sglang, choosing it fails at once, saying how to install it
         from types import SimpleNamespace
 
-        from megadare.trainer.rl import _start_engines
+        from megadare.trainer.rl_rollout import start_engines
 
         cfg = load_config(None, ["rollout.engine=sglang"])
         with pytest.raises(ImportError, match=r"pip install"):
-            _start_engines(cfg, SimpleNamespace(hf_dir=str(tmp_path)), SimpleNamespace(eos_token_id=1))
+            start_engines(cfg, SimpleNamespace(hf_dir=str(tmp_path)), SimpleNamespace(eos_token_id=1))
 
 
 def test_one_step_off_overlaps_with_staleness_one(tmp_path):

@@ -292,52 +292,9 @@ class ReplayBuffer:
         cands = self.entries(current_version, max_staleness)
         if any(current_version < e.version for e in cands):
             raise ValueError(f"current_version={current_version} is older than a stored sample")
-        N = len(cands)
-        if log_ratios is not None:
-            if len(log_ratios) != N:
-                raise ValueError(f"{len(log_ratios)} log-ratio rows for {N} candidates (see ReplayBuffer.entries)")
-            s = variance_guided_scores(log_ratios, kind=kind, log_clamp=log_clamp)
-        elif scores is not None:
-            s = torch.as_tensor(scores, dtype=torch.float64).flatten()
-        else:
-            s = torch.as_tensor(score_fn([e.sample for e in cands]), dtype=torch.float64).flatten()
-        if s.numel() != N:
-            raise ValueError(f"{s.numel()} scores for {N} candidates")
-        s = s.to(torch.float64)
-
-        # units: lists of candidate positions, pooled score each
-        keep = torch.ones(N, dtype=torch.bool)
-        if drop_degenerate_groups:
-            keep &= ~_degenerate_group_mask(cands)
-        if level == "sample":
-            units = [[i] for i in range(N) if keep[i]]
-        else:
-            key = ((lambda e: e.version) if level == "version"
-                   else (lambda e: (e.version, int(getattr(e.sample, "group", 0)))))
-            by: dict[Any, list[int]] = {}
-            for i, e in enumerate(cands):
-                if keep[i]:
-                    by.setdefault(key(e), []).append(i)
-            units = list(by.values())
-        u_score = torch.tensor([float(s[u].mean()) for u in units], dtype=torch.float64)
-        ok = torch.isfinite(u_score)
-        if max_score is not None:
-            ok &= u_score <= max_score
-        units = [u for u, good in zip(units, ok.tolist()) if good]
-        u_score = u_score[ok]
-
-        order = _order(u_score, temperature, generator)
-        chosen: list[int] = []
-        pooled: list[float] = []
-        for j in order.tolist():
-            if len(chosen) >= n:
-                break
-            u = units[j]
-            if len(chosen) + len(u) > n:
-                continue
-            chosen.extend(u)
-            pooled.extend([float(u_score[j])] * len(u))
-
+        s = _candidate_scores(cands, log_ratios, scores, score_fn, kind, log_clamp)
+        units, u_score = _scored_units(cands, s, level, drop_degenerate_groups, max_score)
+        chosen, pooled = _fill(units, u_score, _order(u_score, temperature, generator), n)
         picked = [cands[i] for i in chosen]
         for e in picked:
             e.uses += 1
@@ -620,3 +577,59 @@ __all__ = ["ReplayBuffer", "ReplayEntry", "ReplaySelection", "SCORES", "LEVELS",
            "variance_guided_scores", "chi2_ess", "version_counts", "balance_heuristic_weights",
            "mis_weights", "own_behaviour_weights", "per_version_normalised_advantages", "per_version_loss_weights",
            "mixture_estimate"]
+
+def _candidate_scores(cands: list, log_ratios, scores, score_fn, kind: str, log_clamp: float) -> torch.Tensor:
+    """[N] float64 match scores of the candidates (lower = better matched), from whichever input was given."""
+    N = len(cands)
+    if log_ratios is not None:
+        if len(log_ratios) != N:
+            raise ValueError(f"{len(log_ratios)} log-ratio rows for {N} candidates (see ReplayBuffer.entries)")
+        s = variance_guided_scores(log_ratios, kind=kind, log_clamp=log_clamp)
+    elif scores is not None:
+        s = torch.as_tensor(scores, dtype=torch.float64).flatten()
+    else:
+        s = torch.as_tensor(score_fn([e.sample for e in cands]), dtype=torch.float64).flatten()
+    if s.numel() != N:
+        raise ValueError(f"{s.numel()} scores for {N} candidates")
+    return s.to(torch.float64)
+
+
+def _scored_units(cands: list, s: torch.Tensor, level: str, drop_degenerate_groups: bool,
+                  max_score: Optional[float]) -> tuple[list[list[int]], torch.Tensor]:
+    """Selection units (lists of candidate positions: a sample, a prompt group or a behaviour version) with
+    their pooled (mean) score; units with a non-finite score or one above ``max_score`` are left out."""
+    keep = torch.ones(len(cands), dtype=torch.bool)
+    if drop_degenerate_groups:
+        keep &= ~_degenerate_group_mask(cands)
+    if level == "sample":
+        units = [[i] for i in range(len(cands)) if keep[i]]
+    else:
+        key = ((lambda e: e.version) if level == "version"
+               else (lambda e: (e.version, int(getattr(e.sample, "group", 0)))))
+        by: dict[Any, list[int]] = {}
+        for i, e in enumerate(cands):
+            if keep[i]:
+                by.setdefault(key(e), []).append(i)
+        units = list(by.values())
+    u_score = torch.tensor([float(s[u].mean()) for u in units], dtype=torch.float64)
+    ok = torch.isfinite(u_score)
+    if max_score is not None:
+        ok &= u_score <= max_score
+    return [u for u, good in zip(units, ok.tolist()) if good], u_score[ok]
+
+
+def _fill(units: list[list[int]], u_score: torch.Tensor, order: torch.Tensor, n: int
+          ) -> tuple[list[int], list[float]]:
+    """Take units in ``order`` until ``n`` samples are filled, skipping a unit that would overflow ``n``.
+    Returns (candidate positions, the pooled score of each)."""
+    chosen: list[int] = []
+    pooled: list[float] = []
+    for j in order.tolist():
+        if len(chosen) >= n:
+            break
+        u = units[j]
+        if len(chosen) + len(u) > n:
+            continue
+        chosen.extend(u)
+        pooled.extend([float(u_score[j])] * len(u))
+    return chosen, pooled

@@ -154,6 +154,36 @@ def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     elements contribute nothing. A NaN log-ratio (e.g. -inf - -inf) rejects its element (its whole sequence at
     sequence / geometric level) instead of propagating.
     """
+    _check_is_args(target_logp, behaviour_logp, level, mode, threshold_high, threshold_low, veto_threshold,
+                   log_clamp)
+    n = target_logp.shape[0]
+    device = target_logp.device
+    dtype = torch.promote_types(target_logp.dtype, torch.float32)
+    with torch.no_grad():
+        t = target_logp.detach().to(dtype)
+        b = behaviour_logp.detach().to(dtype)
+        valid_b = torch.ones(n, dtype=torch.bool, device=device) if valid is None else valid.to(device).bool()
+        if valid_b.shape != (n,):
+            raise ValueError(f"rollout_is: valid has shape {tuple(valid_b.shape)}, expected ({n},)")
+        inv, n_groups = _group_index(group_ids, n, device)
+        log_r = torch.where(valid_b, t - b, torch.zeros((), dtype=dtype, device=device))  # token log-ratios
+        elem_log = _unit_log_ratios(log_r, valid_b, inv, n_groups, level)
+        raw = torch.exp(elem_log.clamp(-log_clamp, log_clamp))
+        keep, w, truncated = _apply_thresholds(raw, elem_log, valid_b, mode, threshold_high, threshold_low)
+        vetoed_seq = torch.zeros(n_groups, dtype=torch.bool, device=device)
+        if veto_threshold is not None:
+            bad = valid_b & (log_r < _log_threshold(veto_threshold, dtype, device))
+            vetoed_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, bad.to(dtype)) > 0
+            keep = keep & ~vetoed_seq[inv]
+        weights = torch.where(keep, w, torch.zeros((), dtype=dtype, device=device))
+        metrics = _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated & keep, valid_b, vetoed_seq,
+                              inv, n_groups, level)
+    return weights, keep, metrics
+
+
+def _check_is_args(target_logp: torch.Tensor, behaviour_logp: torch.Tensor, level: str, mode: str,
+                   threshold_high: Optional[float], threshold_low: Optional[float],
+                   veto_threshold: Optional[float], log_clamp: float) -> None:
     if level not in IS_LEVELS:
         raise ValueError(f"rollout_is level={level!r} unknown; choose one of {IS_LEVELS}")
     if mode not in IS_MODES:
@@ -171,86 +201,78 @@ def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     if log_clamp <= 0:
         raise ValueError(f"rollout_is log_clamp={log_clamp} must be > 0")
 
-    n = target_logp.shape[0]
-    device = target_logp.device
-    dtype = torch.promote_types(target_logp.dtype, torch.float32)
-    with torch.no_grad():
-        t = target_logp.detach().to(dtype)
-        b = behaviour_logp.detach().to(dtype)
-        valid_b = torch.ones(n, dtype=torch.bool, device=device) if valid is None else valid.to(device).bool()
-        if valid_b.shape != (n,):
-            raise ValueError(f"rollout_is: valid has shape {tuple(valid_b.shape)}, expected ({n},)")
-        inv, n_groups = _group_index(group_ids, n, device)
-        log_r = torch.where(valid_b, t - b, torch.zeros((), dtype=dtype, device=device))  # token log-ratios
-        count = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, valid_b.to(dtype))
-        has_valid = count > 0
 
-        if level == "token":
-            elem_log = log_r
-        else:
-            g = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, log_r)
-            if level == "geometric":
-                g = g / count.clamp_min(1.0)
-            elem_log = g[inv]
-        raw = torch.exp(elem_log.clamp(-log_clamp, log_clamp))
+def _unit_log_ratios(log_r: torch.Tensor, valid: torch.Tensor, inv: torch.Tensor, n_groups: int,
+                     level: str) -> torch.Tensor:
+    """Per element, the log-ratio of its unit: the token's own (token), its sequence's sum (sequence) or mean
+    (geometric)."""
+    if level == "token":
+        return log_r
+    g = torch.zeros(n_groups, dtype=log_r.dtype, device=log_r.device).index_add(0, inv, log_r)
+    if level == "geometric":
+        count = torch.zeros(n_groups, dtype=log_r.dtype, device=log_r.device).index_add(0, inv, valid.to(log_r.dtype))
+        g = g / count.clamp_min(1.0)
+    return g[inv]
 
-        low = threshold_low
-        if low is None and mode == "mask":
-            low = 1.0 / threshold_high if threshold_high is not None else 0.0
-        log_hi = _log_threshold(threshold_high if threshold_high is not None else math.inf, dtype, device)
-        log_lo = _log_threshold(low if low is not None else 0.0, dtype, device)
 
-        keep = valid_b & ~torch.isnan(elem_log)
-        truncated = torch.zeros_like(keep)
-        if mode == "mask":
-            keep = keep & (elem_log >= log_lo) & (elem_log <= log_hi)
-            w = raw
-        else:
-            w = raw
-            if threshold_high is not None:
-                w = w.clamp(max=threshold_high)
-                truncated = truncated | (elem_log > log_hi)
-            if low is not None:
-                w = w.clamp(min=low)
-                truncated = truncated | (elem_log < log_lo)
+def _apply_thresholds(raw: torch.Tensor, elem_log: torch.Tensor, valid: torch.Tensor, mode: str,
+                      threshold_high: Optional[float], threshold_low: Optional[float]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keep, weight, truncated) under truncation (TIS) or masking (MIS); bounds compared in log space."""
+    dtype, device = raw.dtype, raw.device
+    low = threshold_low
+    if low is None and mode == "mask":
+        low = 1.0 / threshold_high if threshold_high is not None else 0.0
+    log_hi = _log_threshold(threshold_high if threshold_high is not None else math.inf, dtype, device)
+    log_lo = _log_threshold(low if low is not None else 0.0, dtype, device)
+    keep = valid & ~torch.isnan(elem_log)
+    truncated = torch.zeros_like(keep)
+    w = raw
+    if mode == "mask":
+        return keep & (elem_log >= log_lo) & (elem_log <= log_hi), w, truncated
+    if threshold_high is not None:
+        w = w.clamp(max=threshold_high)
+        truncated = truncated | (elem_log > log_hi)
+    if low is not None:
+        w = w.clamp(min=low)
+        truncated = truncated | (elem_log < log_lo)
+    return keep, w, truncated
 
-        vetoed_seq = torch.zeros(n_groups, dtype=torch.bool, device=device)
-        if veto_threshold is not None:
-            bad = valid_b & (log_r < _log_threshold(veto_threshold, dtype, device))
-            vetoed_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, bad.to(dtype)) > 0
-            keep = keep & ~vetoed_seq[inv]
-        weights = torch.where(keep, w, torch.zeros((), dtype=dtype, device=device))
-        truncated = truncated & keep
 
-        # ---- metrics -------------------------------------------------------------------------------------
-        n_valid = int(valid_b.sum())
-        ok = valid_b & ~torch.isnan(log_r)
-        if level == "token":
-            unit_raw, unit_applied = raw[ok], weights[valid_b]
-        else:
-            # one representative (its first valid element) per sequence that has a valid element
-            rep = torch.full((n_groups,), n, dtype=torch.long, device=device).scatter_reduce(
-                0, inv[valid_b], torch.arange(n, device=device)[valid_b], reduce="amin")[has_valid]
-            unit_raw = raw[rep][~torch.isnan(elem_log[rep])]
-            unit_applied = weights[rep]
-        raw_stats, applied_stats = _stats(unit_raw), _stats(unit_applied)
-        rejected = valid_b & ~keep
-        rej_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, rejected.to(dtype)) > 0
-        n_seq = int(has_valid.sum())
-        metrics = {f"is_{k}": raw_stats[k] for k in ("mean", "std", "max", "min")}
-        metrics.update({
-            "ess": raw_stats["ess"],
-            "chi2": raw_stats["chi2"],
-            "k3_kl": float(kl_penalty(b[ok], t[ok], "k3").mean()) if bool(ok.any()) else float("nan"),
-            "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
-            "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
-            "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
-            "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
-            "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
-            "applied_mean": applied_stats["mean"],
-            "applied_ess": applied_stats["ess"],
-        })
-    return weights, keep, metrics
+def _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vetoed_seq, inv, n_groups: int,
+                level: str) -> dict[str, float]:
+    """The metrics of the module docstring, over units (elements, or one representative per sequence)."""
+    n, dtype, device = t.shape[0], t.dtype, t.device
+    count = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, valid.to(dtype))
+    has_valid = count > 0
+    n_valid = int(valid.sum())
+    ok = valid & ~torch.isnan(log_r)
+    if level == "token":
+        unit_raw, unit_applied = raw[ok], weights[valid]
+    else:
+        # one representative (its first valid element) per sequence that has a valid element
+        rep = torch.full((n_groups,), n, dtype=torch.long, device=device).scatter_reduce(
+            0, inv[valid], torch.arange(n, device=device)[valid], reduce="amin")[has_valid]
+        unit_raw = raw[rep][~torch.isnan(elem_log[rep])]
+        unit_applied = weights[rep]
+    raw_stats, applied_stats = _stats(unit_raw), _stats(unit_applied)
+    rejected = valid & ~keep
+    rej_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, rejected.to(dtype)) > 0
+    n_seq = int(has_valid.sum())
+    metrics = {f"is_{k}": raw_stats[k] for k in ("mean", "std", "max", "min")}
+    metrics.update({
+        "ess": raw_stats["ess"],
+        "chi2": raw_stats["chi2"],
+        "k3_kl": float(kl_penalty(b[ok], t[ok], "k3").mean()) if bool(ok.any()) else float("nan"),
+        "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
+        "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
+        "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
+        "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
+        "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
+        "applied_mean": applied_stats["mean"],
+        "applied_ess": applied_stats["ess"],
+    })
+    return metrics
 
 
 def _weights_or_identity(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,

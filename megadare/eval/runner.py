@@ -121,7 +121,7 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
     from tqdm import tqdm
 
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
-    from megadare.trainer.rl import _start_engines, sampling_params
+    from megadare.trainer.rl_rollout import sampling_params, start_engines
 
     if nproc > 1:
         raise ConfigError(f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "
@@ -141,7 +141,7 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
         "model": src.hf_dir, "family": src.family.name, "n_samples": e.n_samples, "k": list(e.k),
         "prompt_style": e.prompt_style, "limit": e.limit, "seed": cfg.seed, "sampling": dataclasses.asdict(params),
         "tasks": {}}
-    manager = _start_engines(cfg, src, tok)
+    manager = start_engines(cfg, src, tok)
     try:
         group = cfg.rollout.chunk_size * cfg.rollout.num_engines
         for spec in specs:

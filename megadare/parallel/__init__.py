@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.parallel.cpu import install_cpu_compat
+from megadare.parallel.launch import free_port
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: in
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:  # a launcher sets it; alone, take a free port (no clash with a
+            os.environ["MASTER_PORT"] = str(free_port() if world == 1 else 29500)  # second run here)
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         dist.init_process_group(backend or ("gloo" if cpu else "nccl"), rank=rank, world_size=world,

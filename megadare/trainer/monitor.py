@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megadare.config import to_yaml
+
 
 def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
@@ -69,3 +71,10 @@ class Monitor:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def write_run_config(cfg) -> None:
+    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0)."""
+    os.makedirs(cfg.logging.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.logging.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))

@@ -5,7 +5,7 @@ in fp32. ``use_distributed_optimizer`` shards the optimizer state over data-para
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -27,6 +27,16 @@ class OptimSettings:
     total_steps: int = 1
     distributed_optimizer: bool = True
     dtype: str = "fp32"
+
+
+def optim_settings(cfg, total_steps: int, **overrides) -> OptimSettings:
+    """The ``train`` section's optimizer settings for ``total_steps`` updates; ``overrides`` replace fields
+    (e.g. the value model's own learning rate)."""
+    t = cfg.train
+    return replace(OptimSettings(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, lr_decay_style=t.lr_decay_style,
+        total_steps=total_steps, distributed_optimizer=t.distributed_optimizer, dtype=cfg.model.dtype), **overrides)
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], distributed_optimizer: bool) -> list[DistributedDataParallel]:

@@ -17,17 +17,15 @@ def build_value_model(cfg: Config, src, algo, load_init, updates: int):
     """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone + a zero-init value head."""
     from megadare.algos.value_model import attach_value_head
     from megadare.trainer.model_setup import build_training_chunks
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
     t = cfg.train
     chunks = build_training_chunks(cfg, src)
     load_init(chunks)
     attach_value_head(chunks)
     model = wrap_ddp(chunks, t.distributed_optimizer)
-    opt, sched = build_optimizer(model, OptimSettings(
-        lr=algo.p["value_lr"], weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps, clip_grad=t.clip_grad, lr_decay_style="constant", total_steps=updates,
-        distributed_optimizer=t.distributed_optimizer, dtype=cfg.model.dtype))
+    opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=algo.p["value_lr"], min_lr=0.0,
+                                                        warmup_steps=0, lr_decay_style="constant"))
     return model, opt, sched
 
 

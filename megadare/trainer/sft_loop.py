@@ -8,12 +8,13 @@ newest checkpoint under ``checkpoint.save``; SIGTERM finishes the current step, 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from megadare.config import Config, resolve_sft_mode, to_yaml
+from megadare.config import Config, resolve_sft_mode
 from megadare.errors import ConfigError
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
 
@@ -53,117 +54,164 @@ def _memory_gib() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+@dataclass
+class SFTRun:
+    """What an SFT run holds, built once by ``setup_sft``."""
+
+    cfg: Config
+    src: Any
+    recipe: Any                  # SFTRecipe
+    kind: str                    # training mask kind
+    tok: Any
+    examples: list
+    data_stats: dict
+    model: list                  # DDP-wrapped chunks
+    optimizer: Any
+    scheduler: Any
+    save_root: str
+    step: int = 0
+
+    @property
+    def arch(self):
+        return self.src.arch
+
+
 def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks).
 
     ``max_steps`` stops early after that many steps of this invocation (tests of resume), without the final
     checkpoint unless a save interval falls there.
     """
-    from megatron.core import parallel_state as ps
-
-    from megadare.algos.sft import example_generator, example_rows, mask_kind
-    from megadare.config import validate
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint, save_train_checkpoint
     from megadare.trainer.data_order import StepSampler
-    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
-    from megadare.trainer.flops import peak_tflops, step_flops
-    from megadare.trainer.moe_stats import MoELoadStats
     from megadare.trainer.monitor import Monitor
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.signals import StopSignal
-    from megadare.trainer.step import train_step
 
-    p, t = cfg.parallel, cfg.train
+    p, t, lg = cfg.parallel, cfg.train, cfg.logging
     layout = init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
     try:
-        src = resolve_model_source(cfg)
-        arch = src.arch
-        validate(cfg, arch, dist.get_world_size())
-        recipe = sft_recipe(cfg, arch)
-        kind = mask_kind(recipe, arch)
-        tok = tokenizer_for(cfg, src)
-        examples, data_stats = load_examples(cfg, tok)
-
-        chunks = build_training_chunks(cfg, src)
-        if cfg.checkpoint.load:
-            load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
-        if cfg.sft.lora_rank > 0:
-            from megadare.models.lora import apply_lora
-
-            apply_lora(chunks, cfg.sft.lora_rank, cfg.sft.lora_alpha, targets=tuple(cfg.sft.lora_targets))
-        model = wrap_ddp(chunks, t.distributed_optimizer)
-        optimizer, scheduler = build_optimizer(model, OptimSettings(
-            lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps,
-            lr_decay_style=t.lr_decay_style, total_steps=t.steps, distributed_optimizer=t.distributed_optimizer,
-            dtype=cfg.model.dtype))
-
-        save_root = cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt")
-        step = 0
-        resume_from = latest_checkpoint(save_root)
-        if resume_from:
-            step = int(load_train_checkpoint(resume_from, model, optimizer, scheduler)["step"])
-        if dist.get_rank() == 0:
-            os.makedirs(cfg.logging.run_dir, exist_ok=True)
-            with open(os.path.join(cfg.logging.run_dir, "config.yaml"), "w") as f:
-                f.write(to_yaml(cfg))
-
-        sampler = StepSampler(len(examples), t.global_batch_size, cfg.seed, cfg.data.shuffle)
-        monitor = Monitor(cfg.logging.run_dir, t.steps, start_step=step, tensorboard=cfg.logging.tensorboard,
-                          jsonl=cfg.logging.jsonl, log_interval=cfg.logging.log_interval, desc="sft")
-        stopper = StopSignal()
-        meta = {"family": src.family.name, "architecture": arch.architecture, "written_by": "megadare sft"}
-        if cfg.sft.lora_rank > 0:
-            meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
-        pad_id = getattr(tok, "pad_token_id", 0) or 0
-        multiple = p.pp if (p.vpp or 1) > 1 else 1
+        run = setup_sft(cfg)
+        sampler = StepSampler(len(run.examples), t.global_batch_size, cfg.seed, cfg.data.shuffle)
+        monitor = Monitor(lg.run_dir, t.steps, start_step=run.step, tensorboard=lg.tensorboard, jsonl=lg.jsonl,
+                          log_interval=lg.log_interval, desc="sft")
+        stopper, step_fn = StopSignal(), SFTStep(run)
         history: list[dict[str, float]] = []
-        moe_stats = MoELoadStats(model)
-        peak = peak_tflops()
-        mask_fn = ((lambda mb: mb.megatron_mask(kind, recipe.block_size))
-                   if cfg.model.attention_backend == "local" else None)
-        start_step, stopped = step, False
-        while step < t.steps:
+        start_step, stopped = run.step, False
+        while run.step < t.steps:
             monitor.step_timer()
-            rows = []
-            for i in sampler.batch(step):
-                rows.extend(example_rows(examples[i], arch, recipe, example_generator(cfg.seed, step, i)))
-            mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=pad_id)
-            denom = global_denominator(mbs)
-            n_tokens = sum(int((~m.padding).sum()) for m in mbs)
-            mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                                           multiple_of=multiple)
-            metrics = train_step(model, optimizer, scheduler, mine, denom, kind, recipe.block_size,
-                                 arch.vocab_size, mask_fn=mask_fn)
-            step += 1
-            dt = monitor.step_timer()
-            metrics.update(moe_stats.collect())
-            tflops = step_flops(arch, [m.tokens.shape[1] for m in mbs for _ in range(m.tokens.shape[0])]) / dt / 1e12
-            metrics["tflops"] = tflops / dist.get_world_size()  # per GPU
-            if peak:
-                metrics["mfu"] = metrics["tflops"] / peak
-            metrics.update(tokens_per_s=n_tokens / dt, step_time_s=dt, epoch=sampler.epoch(step),
-                           memory_gib=_memory_gib(), micro_batches=float(len(mine)))
+            metrics = step_fn(sampler.batch(run.step))
+            run.step += 1
+            step_fn.add_speed(metrics, monitor.step_timer(), sampler.epoch(run.step))
             history.append(metrics)
-            monitor.log(step, metrics)
-            stop = stopper.should_stop()
-            at_interval = cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0
-            if at_interval or stop or step == t.steps:
-                save_train_checkpoint(save_root, step, model, optimizer, scheduler,
-                                      {"consumed_examples": step * t.global_batch_size, "data": data_stats},
-                                      meta=meta, hf_files_from=src.hf_dir, keep_last=cfg.checkpoint.keep_last)
-            if stop:
-                stopped = True
-                break
-            if max_steps is not None and step - start_step >= max_steps:
+            monitor.log(run.step, metrics)
+            stopped = stopper.should_stop()
+            interval = cfg.checkpoint.save_interval
+            if stopped or run.step == t.steps or (interval and run.step % interval == 0):
+                save_sft(run)
+            if stopped or (max_steps is not None and run.step - start_step >= max_steps):
                 break
         monitor.close()
         stopper.restore()
-        return {"step": step, "stopped_by_signal": stopped, "history": history, "layout": layout.__dict__,
-                "checkpoint_root": save_root, "data": data_stats}
+        return {"step": run.step, "stopped_by_signal": stopped, "history": history, "layout": layout.__dict__,
+                "checkpoint_root": run.save_root, "data": run.data_stats}
     finally:
         destroy_distributed()
+
+
+def setup_sft(cfg: Config) -> SFTRun:
+    """Model (from ``checkpoint.load``, with LoRA adapters if asked), optimizer, data; resumed from the newest
+    checkpoint of the run when there is one."""
+    from megadare.algos.sft import mask_kind
+    from megadare.config import validate
+    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint
+    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
+    from megadare.trainer.monitor import write_run_config
+    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
+
+    src = resolve_model_source(cfg)
+    validate(cfg, src.arch, dist.get_world_size())
+    recipe = sft_recipe(cfg, src.arch)
+    tok = tokenizer_for(cfg, src)
+    examples, data_stats = load_examples(cfg, tok)
+    chunks = build_training_chunks(cfg, src)
+    if cfg.checkpoint.load:
+        load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+    if cfg.sft.lora_rank > 0:
+        from megadare.models.lora import apply_lora
+
+        apply_lora(chunks, cfg.sft.lora_rank, cfg.sft.lora_alpha, targets=tuple(cfg.sft.lora_targets))
+    model = wrap_ddp(chunks, cfg.train.distributed_optimizer)
+    optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
+    run = SFTRun(cfg=cfg, src=src, recipe=recipe, kind=mask_kind(recipe, src.arch), tok=tok, examples=examples,
+                 data_stats=data_stats, model=model, optimizer=optimizer, scheduler=scheduler,
+                 save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+    resume_from = latest_checkpoint(run.save_root)
+    if resume_from:
+        run.step = int(load_train_checkpoint(resume_from, model, optimizer, scheduler)["step"])
+    if dist.get_rank() == 0:
+        write_run_config(cfg)
+    return run
+
+
+class SFTStep:
+    """One SFT step: the step's examples -> corruption rows -> packed micro-batches -> this rank's data-parallel
+    share -> megatron train step; plus the speed metrics (tokens/s, TFLOP/s per GPU, MFU, memory)."""
+
+    def __init__(self, run: SFTRun):
+        from megadare.trainer.flops import peak_tflops
+        from megadare.trainer.moe_stats import MoELoadStats
+
+        self.run = run
+        self.moe_stats = MoELoadStats(run.model)
+        self.peak = peak_tflops()
+        cfg = run.cfg
+        self.mask_fn = ((lambda mb: mb.megatron_mask(run.kind, run.recipe.block_size))
+                        if cfg.model.attention_backend == "local" else None)
+        self.pad_id = getattr(run.tok, "pad_token_id", 0) or 0
+        self.multiple = cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1
+
+    def __call__(self, indices: list[int]) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        from megadare.algos.sft import example_generator, example_rows
+        from megadare.trainer.step import train_step
+
+        run, t = self.run, self.run.cfg.train
+        rows = []
+        for i in indices:
+            rows.extend(example_rows(run.examples[i], run.arch, run.recipe,
+                                     example_generator(run.cfg.seed, run.step, i)))
+        mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=self.pad_id)
+        self.n_tokens = sum(int((~m.padding).sum()) for m in mbs)
+        self.lengths = [m.tokens.shape[1] for m in mbs for _ in range(m.tokens.shape[0])]
+        mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
+                                       multiple_of=self.multiple)
+        metrics = train_step(run.model, run.optimizer, run.scheduler, mine, global_denominator(mbs), run.kind,
+                             run.recipe.block_size, run.arch.vocab_size, mask_fn=self.mask_fn)
+        metrics["micro_batches"] = float(len(mine))
+        return metrics
+
+    def add_speed(self, metrics: dict[str, float], dt: float, epoch: float) -> None:
+        from megadare.trainer.flops import step_flops
+
+        metrics.update(self.moe_stats.collect())
+        metrics["tflops"] = step_flops(self.run.arch, self.lengths) / dt / 1e12 / dist.get_world_size()  # per GPU
+        if self.peak:
+            metrics["mfu"] = metrics["tflops"] / self.peak
+        metrics.update(tokens_per_s=self.n_tokens / dt, step_time_s=dt, epoch=epoch, memory_gib=_memory_gib())
+
+
+def save_sft(run: SFTRun) -> None:
+    """Atomic checkpoint of model, optimizer, schedule and data position (LoRA rank / alpha in the meta)."""
+    from megadare.trainer.checkpoint import save_train_checkpoint
+
+    cfg = run.cfg
+    meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": "megadare sft"}
+    if cfg.sft.lora_rank > 0:
+        meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
+    save_train_checkpoint(run.save_root, run.step, run.model, run.optimizer, run.scheduler,
+                          {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},
+                          meta=meta, hf_files_from=run.src.hf_dir, keep_last=cfg.checkpoint.keep_last)
 
 
 def sft_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:

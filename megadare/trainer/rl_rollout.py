@@ -1,0 +1,198 @@
+"""The rollout side of the RL loop: sampling parameters, engine actors, rewards, and the step's samples.
+
+Rank 0 owns the engines (``start_engines``); ``collect_step`` turns the queued rollout of a step into scored
+``RLSample``s with advantages and behaviour versions; ``evaluate`` is the held-out accuracy; ``score`` the one
+reward path shared by RL and ``megadare eval``.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megadare.config import Config
+from megadare.errors import ConfigError
+
+
+def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, record_steps: bool = False):
+    """The rollout's SamplingParams (block size checked against the model's)."""
+    from megadare.rollout.engine import SamplingParams
+
+    r = cfg.rollout
+    block = r.block_size or (arch.block_size if arch.attention == "block_causal" else 32)
+    if arch.attention == "block_causal" and block != arch.block_size:
+        raise ConfigError(f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "
+                          "sampler, the trainer and the model must agree (set model.block_size to change it)")
+    return SamplingParams(max_new_tokens=r.max_new_tokens, block_size=block,
+                          steps_per_block=r.steps_per_block or block, algorithm=r.algorithm, threshold=r.threshold,
+                          temperature=r.eval_temperature if evaluation else r.temperature, top_k=r.top_k,
+                          top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation)
+
+
+def score(reward_fn, tok, trajectories, records) -> tuple[list[float], dict[str, float]]:
+    """Rewards of decoded responses (one implementation for RL and evaluation)."""
+    from megadare.rewards import score_batch
+
+    texts = [tok.decode(t.response_ids) for t in trajectories]
+    scores, stats = score_batch(reward_fn, texts, records)
+    return [float(x) for x in scores], {k: float(v) for k, v in stats.to_dict().items()
+                                       if k in ("errors", "timeouts", "wall_s")}
+
+
+def evaluate(manager, tok, reward_fn, prompts, params) -> dict[str, float]:
+    """Held-out accuracy (mean reward) and mean response length under ``params``."""
+    if not prompts:
+        return {}
+    traj = manager.generate([p.prompt_ids for p in prompts], params)
+    scores, _ = score(reward_fn, tok, traj, [p.record for p in prompts])
+    return {"accuracy": sum(scores) / len(scores),
+            "response_length": sum(len(t.response_ids) for t in traj) / len(traj)}
+
+
+def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list, dict]:
+    """RLSamples with advantages (after the group filters) and the step's rollout metrics."""
+    from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
+    from megadare.algos.base import RLSample
+
+    rl = cfg.rl
+    G = rl.n_samples
+    r = torch.tensor(rewards)
+    truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
+    if rl.truncated_as_wrong:
+        r = truncated_as_wrong(r, truncated)
+    adv = group_advantages(r, G, rl.advantage, rl.advantage_std)
+    keep = filter_groups(r, G, rl.filter_all_equal, tuple(rl.accuracy_band) if rl.accuracy_band else None)
+    samples = []
+    for i, t in enumerate(trajectories):
+        if not keep[i] or not t.response_ids:
+            continue
+        extra = {}
+        if t.step_predictions is not None:
+            extra = {"step_predictions": t.step_predictions, "step_confidences": t.step_confidences}
+        samples.append(RLSample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), reward=float(r[i]),
+                                advantage=float(adv[i]), index=i, group=i // G, commit_step=list(t.commit_step),
+                                block_step=list(t.block_step), truncated=bool(truncated[i]), extra=extra))
+    metrics = {"reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+               "kept_fraction": float(keep.float().mean()), "truncated": float(truncated.float().mean()),
+               "response_length": sum(len(t.response_ids) for t in trajectories) / max(len(trajectories), 1),
+               "forwards_per_token": sum(t.num_forwards for t in trajectories)
+               / max(sum(len(t.response_ids) for t in trajectories), 1)}
+    return samples, metrics
+
+
+class RolloutStarter:
+    """Rank 0: starts the rollout of RL step ``at`` -> (prompt indices, rollout in flight): ``rl.n_samples``
+    responses per prompt, seeded per step; d-TreeRPO's trees block (their own shape); partial rollouts with a
+    queue go in block-aligned segments."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self, at: int):
+        from megadare.trainer.rl_async import PartialRollout
+
+        run = self.run
+        cfg, rl, algo, manager = run.cfg, run.cfg.rl, run.algo, run.manager
+        indices = run.sampler.batch(at)
+        prompts = [run.train_prompts[i].prompt_ids for i in indices]
+        params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
+        if hasattr(algo, "rollout"):
+            return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples)
+        expanded = [q for q in prompts for _ in range(rl.n_samples)]
+        if rl.partial_rollout and run.ahead:
+            return indices, PartialRollout(manager.submit, expanded, params, rl.partial_rollout,
+                                           global_grid=run.arch.attention == "block_causal")
+        return indices, manager.submit(expanded, params)
+
+
+def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn) -> tuple[list, dict[str, float]]:
+    """Rank 0: the queued rollout of ``step`` -> rewards -> samples (with their behaviour versions) + metrics."""
+    from megadare.trainer.rl_async import staleness_metrics
+
+    rl = cfg.rl
+    q, traj, wait_s = queue.take(step)
+    batch = [train_prompts[i] for i in q.batch_indices]
+    for tr in traj:
+        tr.validate()
+    recs = [b.record for b in batch for _ in range(rl.n_samples)]
+    rewards, rstats = score(reward_fn, tok, traj, recs)
+    samples, metrics = build_samples(cfg, traj, rewards)
+    if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
+        samples = algo.samples_from(traj, rewards, rl.n_samples)
+    if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
+        from megadare.rewards import score_batch
+
+        def score_ids(responses, indices):
+            texts = [tok.decode(r) for r in responses]
+            return [float(x) for x in score_batch(reward_fn, texts, [recs[i] for i in indices])[0]]
+
+        algo.prepare(samples, score_ids, rl.n_samples)
+    metrics.update({f"reward_{k}": v for k, v in rstats.items()})
+    stale = [step - t.policy_version for t in traj]
+    if max(stale) > rl.max_staleness:
+        oldest = min(t.policy_version for t in traj)
+        raise RuntimeError(f"rollout of step {step} used policy version {oldest}, staler than "
+                           f"rl.max_staleness={rl.max_staleness}")
+    version = [t.policy_version for t in traj]
+    for s in samples:
+        s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
+        s.extra["rollout_step"] = step
+        if s.index < len(traj) and "token_versions" in traj[s.index].extra:
+            s.extra["token_versions"] = traj[s.index].extra["token_versions"]
+        if rl.behaviour_logp == "engine":
+            s.extra["engine_logprobs"] = list(traj[s.index].logprobs)
+    metrics.update(staleness_metrics(stale))
+    mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
+    if mixed:
+        metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
+    engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
+    metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
+                                             "async/queue_depth": float(len(queue.queue))})
+    return samples, metrics
+
+
+def engine_spec(cfg: Config, src, tok):
+    """How each engine actor builds its engine: the built-in torch engine, or SGLang (``rollout.engine_tp`` GPUs
+    of tensor parallelism per engine; with ``rollout.fp8_weights`` started from a block-fp8 export of the model
+    under ``<run_dir>/engine_fp8``, which the weight sync then updates in the same format)."""
+    from megadare.rollout.manager import EngineSpec, build_native_engine
+
+    r = cfg.rollout
+    gpus = r.engine_resources.get("num_gpus")
+    if r.engine != "sglang":
+        if r.engine_tp != 1:
+            raise ConfigError(f"rollout.engine_tp={r.engine_tp}: the built-in engine runs on one device; tensor-"
+                              "parallel engines need rollout.engine=sglang")
+        return EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id})
+    if gpus is not None and gpus < r.engine_tp:
+        raise ConfigError(f"rollout.engine_tp={r.engine_tp} needs rollout.engine_resources num_gpus >= "
+                          f"{r.engine_tp} per engine actor (got {gpus})")
+    # fail here, not inside an actor, when sglang or the plugin is missing
+    from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
+
+    _import_sglang()
+    model_path = src.hf_dir
+    if r.fp8_weights:  # the engines serve block fp8, so they start from the fp8-block export of the model
+        from megadare.convert.quantize import quantize_export
+
+        model_path = os.path.join(cfg.logging.run_dir, "engine_fp8")
+        if not os.path.exists(os.path.join(model_path, "config.json")):
+            quantize_export(src.hf_dir, model_path, fmt="fp8-block", progress=False)
+    return EngineSpec(build_sglang_engine, {
+        "model_path": model_path, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
+        "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
+        "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20, "tp_size": r.engine_tp})
+
+
+def start_engines(cfg: Config, src, tok):
+    """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
+    import ray
+
+    from megadare.rollout.manager import RolloutManager
+
+    spec = engine_spec(cfg, src, tok)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
+                 num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))
+    return RolloutManager(spec, num_engines=cfg.rollout.num_engines, resources=dict(cfg.rollout.engine_resources),
+                          chunk_size=cfg.rollout.chunk_size)

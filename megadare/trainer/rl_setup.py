@@ -1,0 +1,199 @@
+"""Everything an RL run holds, built once: ``setup_run(cfg) -> RLRun``, and its checkpoint (``save_run``).
+
+The run is: the model source and algorithm, the tokenizer / reward / prompts, the policy (DDP-wrapped chunks,
+optimizer, scheduler), the reference and value models when the algorithm needs them, the async state (weight
+snapshots, replay buffer, the rollout queue), the engines (rank 0) and the bookkeeping (monitor, evals, history).
+A restarted run resumes here from the newest checkpoint under ``checkpoint.save`` (or ``<run_dir>/ckpt``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megadare.config import Config, validate
+from megadare.errors import ConfigError
+
+
+@dataclass
+class Policy:
+    """The trained model and what trains with it."""
+
+    model: list                      # DDP-wrapped chunks
+    optimizer: Any
+    scheduler: Any
+    ref_chunks: Optional[list] = None   # frozen reference (KL algorithms)
+    value: Optional[tuple] = None       # (chunks, optimizer, scheduler) of the value model (TraceRL)
+
+
+@dataclass
+class RLRun:
+    cfg: Config
+    src: Any                         # ModelSource (arch, family, hf_dir, hf_config)
+    algo: Any
+    tok: Any
+    reward_fn: Any
+    train_prompts: list
+    held_prompts: list
+    policy: Policy
+    block: int                       # denoising block size of sampler and trainer
+    kind: str                        # 'block_diffusion' | 'bidirectional' (the training mask)
+    save_root: str
+    sampler: Any = None              # StepSampler: which prompts each step takes
+    step: int = 0
+    snapshots: Any = None            # WeightSnapshots (async correction)
+    buffer: Any = None               # ReplayBuffer (D-ARL)
+    async_state: Optional[dict] = None  # the checkpoint's queue / replay state (resume)
+    manager: Any = None              # RolloutManager (rank 0)
+    queue: Any = None                # RolloutQueue (rank 0)
+    monitor: Any = None
+    evals: dict = field(default_factory=dict)
+    history: list = field(default_factory=list)
+
+    @property
+    def arch(self):
+        return self.src.arch
+
+    @property
+    def rank0(self) -> bool:
+        return dist.get_rank() == 0
+
+    @property
+    def ahead(self) -> int:
+        from megadare.trainer.rl_async import lookahead
+
+        return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
+
+
+def setup_run(cfg: Config) -> RLRun:
+    """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
+    from megadare.algos import build_algorithm
+    from megadare.algos.replay import ReplayBuffer
+    from megadare.rewards import load_reward
+    from megadare.trainer.data_order import StepSampler
+    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.monitor import write_run_config
+    from megadare.trainer.rl_async import WeightSnapshots, lookahead
+    from megadare.trainer.rl_correction import check_correction_config, needs_snapshots
+    from megadare.trainer.rl_rollout import sampling_params, start_engines
+
+    src = resolve_model_source(cfg)
+    validate(cfg, src.arch, dist.get_world_size())
+    algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+    check_correction_config(cfg, algo, src.arch, lookahead(cfg.rl.mode, cfg.rl.max_staleness))
+    block = sampling_params(cfg, src.arch, 0).block_size
+    _check_algorithm_fits(cfg, algo, block)
+    tok = tokenizer_for(cfg, src)
+    train_prompts, held_prompts = _prompts(cfg, tok)
+    run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
+                train_prompts=train_prompts, held_prompts=held_prompts, policy=_build_policy(cfg, src, algo),
+                block=block, kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
+                save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+    run.sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+    run.snapshots = WeightSnapshots(run.policy.model) if needs_snapshots(cfg, run.ahead) else None
+    run.buffer = ReplayBuffer(cfg.replay.k, cfg.replay.warmup) if cfg.replay.enable else None
+    _resume(run)
+    if run.rank0:
+        write_run_config(cfg)
+        run.manager = start_engines(cfg, src, tok)
+    return run
+
+
+def _check_algorithm_fits(cfg: Config, algo, block: int) -> None:
+    if algo.needs_step_predictions and block < cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algo.name={algo.name} scores every intermediate answer, so the whole response must be "
+                          f"one block: rollout.block_size={block} < rollout.max_new_tokens="
+                          f"{cfg.rollout.max_new_tokens} (a full-attention family with rollout.block_size >= "
+                          "max_new_tokens)")
+
+
+def _prompts(cfg: Config, tok) -> tuple[list, list]:
+    """(training prompts, held-out prompts), tokenized through the chat template."""
+    from megadare.data.prompt_data import build_prompts, load_prompt_splits
+
+    d, rl = cfg.data, cfg.rl
+    train_recs, held_recs, source = load_prompt_splits(d, rl, cfg.seed)
+    train = build_prompts(train_recs, tok, source, d.prompt_key, rl.answer_key, d.messages_key)
+    held = build_prompts(held_recs, tok, source + " (held-out)", d.prompt_key, rl.answer_key, d.messages_key)
+    return train, held
+
+
+def _build_policy(cfg: Config, src, algo) -> Policy:
+    """Policy chunks (from ``checkpoint.load`` if set), optimizer over every update of the run, and the frozen
+    reference / value model when the algorithm asks for them."""
+    from megadare.trainer.model_setup import build_training_chunks
+    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
+    from megadare.trainer.rl_update import build_value_model
+
+    t, rl = cfg.train, cfg.rl
+    load_init = _initial_weights(cfg)
+    chunks = build_training_chunks(cfg, src)
+    load_init(chunks)
+    model = wrap_ddp(chunks, t.distributed_optimizer)
+    updates = rl.steps * rl.ppo_epochs * rl.mini_batches
+    optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
+    policy = Policy(model, optimizer, scheduler)
+    if algo.needs_ref:
+        policy.ref_chunks = build_training_chunks(cfg, src)
+        load_init(policy.ref_chunks)
+        for c in policy.ref_chunks:
+            c.eval().requires_grad_(False)
+    if algo.p.get("value_model"):
+        policy.value = build_value_model(cfg, src, algo, load_init, updates)
+    return policy
+
+
+def _initial_weights(cfg: Config):
+    """chunks -> None: load ``checkpoint.load`` (model weights only) into freshly built chunks, if set."""
+    from megadare.trainer.checkpoint import load_train_checkpoint
+
+    def load_init(chunks) -> None:
+        if cfg.checkpoint.load:
+            load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+
+    return load_init
+
+
+def _resume(run: RLRun) -> None:
+    """Restore step, optimizer, value model, weight snapshots, replay buffer and queue state from the newest
+    checkpoint of the run (nothing when there is none)."""
+    from megadare.trainer.checkpoint import latest_checkpoint, load_checkpoint_object, load_train_checkpoint
+
+    resume_from = latest_checkpoint(run.save_root)
+    if not resume_from:
+        return
+    pol = run.policy
+    run.step = int(load_train_checkpoint(resume_from, pol.model, pol.optimizer, pol.scheduler)["step"])
+    if pol.value is not None:
+        load_train_checkpoint(latest_checkpoint(run.save_root + "_value"), *pol.value)
+    run.async_state = load_checkpoint_object(resume_from, "rl_async")
+    if run.snapshots is not None:
+        snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
+        if snaps is None and run.ahead:
+            raise RuntimeError(f"{resume_from} has no weight snapshots for this rank (a different layout or "
+                               "rl.loss_mode?): the queued stale rollouts cannot be corrected")
+        run.snapshots.load_state_dict(snaps or {})
+    if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
+        run.buffer.load_state_dict(run.async_state["replay"])
+
+
+def save_run(run: RLRun) -> None:
+    """Atomic checkpoint of the policy (and value model), the queued rollouts, replay buffer and snapshots."""
+    from megadare.trainer.checkpoint import save_train_checkpoint
+
+    cfg, pol, step = run.cfg, run.policy, run.step
+    meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": "megadare rl",
+            "algo": run.algo.name}
+    state = ({"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
+             if run.rank0 else None)
+    save_train_checkpoint(run.save_root, step, pol.model, pol.optimizer, pol.scheduler,
+                          {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step},
+                          meta=meta, hf_files_from=run.src.hf_dir, keep_last=cfg.checkpoint.keep_last,
+                          objects={"rl_async": state} if run.rank0 else None,
+                          rank_objects={"weight_snapshots": run.snapshots.state_dict()}
+                          if run.snapshots is not None else None)
+    if pol.value is not None:
+        save_train_checkpoint(run.save_root + "_value", step, *pol.value, {"rl_step": step},
+                              meta={**meta, "value_model": True}, keep_last=cfg.checkpoint.keep_last)
