@@ -5,8 +5,16 @@
 computed by megatron's vocab-parallel cross-entropy (each TP rank holds V/tp logits). Vocabulary padding
 (added so V divides by 128 * tp) is masked to -inf first, so the result equals the HF model's log-softmax
 over the true vocabulary.
+
+Rows may score under a sampler's distribution instead of the model's (JustGRPO: the likelihood of a token is
+its probability under the rollout's sampling distribution): per-position ``logit_scale`` s (1/T) and
+``excluded_token`` e (a token the sampler never proposes, e.g. the mask token; -1 none) give
+
+    log p(y_k) = s z_k[y_k] - logsumexp_{v != e} s z_k[v].
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -25,9 +33,28 @@ def mask_vocab_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits.masked_fill(pad, float("-inf"))
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """log p(labels) per position, fp32, differentiable. logits [..., V/tp] (this TP rank's slice)."""
-    z = mask_vocab_padding(logits.float(), vocab_size)
+def exclude_tokens(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """-inf at vocabulary entry ``token[...]`` of each position (-1: none) of this TP rank's logit slice."""
+    part = logits.shape[-1]
+    local = token - parallel_state.get_tensor_model_parallel_rank() * part
+    hit = (token >= 0) & (local >= 0) & (local < part)
+    if not bool(hit.any()):
+        return logits
+    idx = hit.nonzero(as_tuple=True)
+    return logits.index_put(idx + (local[hit],), torch.tensor(float("-inf"), device=logits.device))
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   logit_scale: Optional[torch.Tensor] = None,
+                   excluded_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """log p(labels) per position, fp32, differentiable. logits [..., V/tp] (this TP rank's slice); optional
+    per-position ``logit_scale`` and ``excluded_token`` [...] (module doc)."""
+    z = logits.float()
+    if logit_scale is not None:
+        z = z * logit_scale.unsqueeze(-1).to(z.dtype)
+    z = mask_vocab_padding(z, vocab_size)
+    if excluded_token is not None:
+        z = exclude_tokens(z, excluded_token)
     if z is logits:
         z = z.clone()  # megatron's kernel subtracts the max in place
     return -vocab_parallel_cross_entropy(z, labels)

@@ -96,7 +96,8 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
 
         def loss_func(logits: torch.Tensor):
             logp = (per_position(logits, mb) if per_position is not None
-                    else token_logprobs(logits, mb.labels, vocab_size))
+                    else token_logprobs(logits, mb.labels, vocab_size, mb.extras.get("logit_scale"),
+                                        mb.extras.get("excluded_token")))
             loss_sum, report = objective(mb, logp)
             return loss_sum * (loss_scale * n_micro * dp), report
 
