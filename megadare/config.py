@@ -166,11 +166,29 @@ class RLSection:
     accuracy_band: Optional[list] = None   # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
     truncated_as_wrong: bool = False       # responses that hit max_new_tokens get reward 0
     ppo_epochs: int = 1                    # passes over each rollout batch
+    redraw_corruptions: Optional[bool] = None   # each epoch draws its own corruptions (epoch in the seed; old
+                                           # log-probs of every epoch's rows before the first update); None = the
+                                           # algorithm's choice (ESPO, d1: redraw; the rest keep one draw)
+    canvas: Optional[str] = None           # full (sample, mask, score and normalise all rollout.max_new_tokens
+                                           # positions, post-EOS tokens included: DARE's LLaDA/Dream) | eos (cut at
+                                           # the first EOS); None = the family's default (full attention: full,
+                                           # block diffusion: eos)
     mini_batches: int = 1                  # optimizer steps per epoch
     reward: str = "exact_match"            # built-in reward name or "pkg.module:function"
     eval_interval: int = 0                 # steps; 0 = only before and after training
     eval_size: int = 64                    # held-out prompts evaluated
     answer_key: str = "answer"
+
+
+@dataclass
+class DPOSection:
+    beta: float = 0.2                      # DPO temperature (LLaDA 1.5 / DARE recipe 0.2)
+    n_mc: int = 4                          # count-stratified masks per response, shared by policy and reference
+    margin_norm: str = "none"              # none | canvas: divide the margin by the response canvas R (DARE's
+                                           # VRPO; its effective beta is beta / R)
+    canvas_length: int = 512               # R for margin_norm=canvas (DARE's data.max_response_length)
+    chosen_key: str = "chosen"             # preference records: prompt (data.prompt_key), chosen, rejected
+    rejected_key: str = "rejected"
 
 
 @dataclass
@@ -221,6 +239,7 @@ class Config:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     replay: ReplaySection = field(default_factory=ReplaySection)
+    dpo: DPOSection = field(default_factory=DPOSection)
     eval: EvalSection = field(default_factory=EvalSection)
     plan: PlanSection = field(default_factory=PlanSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -246,6 +265,8 @@ CHOICES = {
     "replay.score": ("token_chi2", "seq_chi2", "token_k2", "token_k3", "log_ratio_var"),
     "replay.level": ("sample", "group", "version"),
     "rl.advantage_std": ("unbiased", "population", "none"),
+    "rl.canvas": (None, "full", "eos"),
+    "dpo.margin_norm": ("none", "canvas"),
     "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
     "sft.weighting": ("inv_t", "none"),
     "sft.normalize": ("answer_length", "masked_tokens"),
@@ -257,7 +278,7 @@ POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parall
             "data.synthetic_size", "sft.trace_shrink", "rl.steps", "rl.prompts_per_step", "rl.n_samples",
             "rl.ppo_epochs", "rl.mini_batches", "rl.eval_size", "rollout.num_engines", "rollout.max_new_tokens",
             "rollout.block_size", "rollout.steps_per_block", "rollout.chunk_size", "rollout.bucket_mb",
-            "rollout.engine_tp",
+            "rollout.engine_tp", "dpo.n_mc", "dpo.canvas_length",
             "replay.k", "eval.n_samples", "eval.limit", "plan.nodes", "plan.gpus_per_node",
             "plan.rollout_batch")
 
@@ -358,6 +379,19 @@ def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
     return "block" if arch.attention == "block_causal" else "random"
 
 
+def resolve_canvas(cfg: Config, arch: Optional[ModelArch]) -> str:
+    """rl.canvas with the family default: ``full`` for full-attention families (LLaDA, Dream: their samplers
+    decode a fixed canvas bidirectionally, so every position -- the EOS/pad tokens after the answer included --
+    conditions every step, and the trainer sees the sampler's states only on the same canvas; LLaDA's SFT trains
+    that EOS padding; DARE keeps it), ``eos`` for block-diffusion families (decoding stops after the block with
+    the first EOS, and later blocks never influence earlier ones under the block-causal mask; DARE cuts there)."""
+    if cfg.rl.canvas is not None:
+        return cfg.rl.canvas
+    if arch is None:
+        return "eos"
+    return "eos" if arch.attention == "block_causal" else "full"
+
+
 def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None) -> None:
     """Cross-checks of a whole config against the model (when known) and the world size."""
     p = cfg.parallel
@@ -392,6 +426,11 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
                           "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false")
     if t.seq_length % p.cp:
         raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
+    if resolve_canvas(cfg, arch) == "full" and cfg.rl.partial_rollout:
+        raise ConfigError(f"rl.partial_rollout={cfg.rl.partial_rollout} continues a response as a new prompt, which "
+                          "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0")
     from megadare.algos import build_algorithm  # the name and algo.params, before any process starts
 
-    build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+    algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+    if arch is not None:
+        algo.check_run(cfg, arch)

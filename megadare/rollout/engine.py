@@ -33,7 +33,8 @@ class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
     top_k: int = 0                    # 0 = off
     top_p: float = 1.0
-    stop_at_eos: bool = True          # finish after the block holding the first EOS
+    stop_at_eos: bool = True          # finish after the block holding the first EOS (False: decode the whole
+                                      # canvas of max_new_tokens, rl.canvas=full)
     seed: int = 0
     record_steps: bool = False        # keep per-step predictions and confidences (MDPO)
 
@@ -56,13 +57,19 @@ class Trajectory:
     commit_step: list[int]            # global denoising step (model forward index) that committed each token
     block_step: list[int]             # step inside the token's block
     logprobs: list[float]             # log-prob of the committed token under the step's sampling distribution
-    finish_reason: str
+    finish_reason: str                # "eos": the response holds an EOS (the answer ended), "length": it does not
     num_forwards: int
     params: SamplingParams
     policy_version: int = 0
     step_predictions: Optional[list[list[int]]] = None    # MDPO: per step, the argmax/sample at every position
     step_confidences: Optional[list[list[float]]] = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def answer_ids(self, eos_token_id: int) -> list[int]:
+        """The answer: the response up to its first EOS (inclusive); a full-canvas response (``stop_at_eos``
+        off) also holds the tokens the sampler decoded after it, which belong to no answer."""
+        ids = self.response_ids
+        return ids[:ids.index(eos_token_id) + 1] if eos_token_id in ids else list(ids)
 
     def validate(self) -> "Trajectory":
         n = len(self.response_ids)

@@ -286,13 +286,13 @@ class NativeEngine:
     # ------------------------------------------------------------------ result
     def _trajectory(self, prompt: list[int], decoded: torch.Tensor, rec: _Recorder, b: int,
                     params: SamplingParams, col_offset: int) -> Trajectory:
-        """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens."""
+        """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens; without ``stop_at_eos``
+        the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended)."""
         toks = decoded.tolist()
-        finish = "length"
         end = min(len(toks), params.max_new_tokens)
-        if params.stop_at_eos and self.eos in toks[:end]:
+        finish = "eos" if self.eos in toks[:end] else "length"
+        if params.stop_at_eos and finish == "eos":
             end = toks.index(self.eos) + 1
-            finish = "eos"
         commits = [rec.commit[b][c + col_offset] for c in range(end)]
         traj = Trajectory(
             prompt_ids=list(prompt), response_ids=toks[:end], commit_step=[c[0] for c in commits],

@@ -168,11 +168,10 @@ def trajectory_from_output(prompt: list[int], out: dict[str, Any], params: Sampl
     trace = trace[:len(ids)]
     if any(e is None for e in trace):
         raise RuntimeError("sglang returned output tokens without a trace entry (a retracted request?)")
-    finish = "length"
-    if params.stop_at_eos and eos_token_id in ids:
+    finish = "eos" if eos_token_id in ids else "length"   # the answer ended (a full canvas keeps what follows)
+    if params.stop_at_eos and finish == "eos":
         ids = ids[:ids.index(eos_token_id) + 1]
         trace = trace[:len(ids)]
-        finish = "eos"
     num_forwards = max((int(e[3]) for e in trace), default=0)
     return Trajectory(prompt_ids=list(prompt), response_ids=ids, commit_step=[int(e[0]) for e in trace],
                       block_step=[int(e[1]) for e in trace], logprobs=[float(e[2]) for e in trace],

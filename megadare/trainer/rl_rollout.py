@@ -15,7 +15,10 @@ from megadare.errors import ConfigError
 
 
 def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, record_steps: bool = False):
-    """The rollout's SamplingParams (block size checked against the model's)."""
+    """The rollout's SamplingParams (block size checked against the model's). Training rollouts decode the
+    response canvas of ``rl.canvas`` (full: every max_new_tokens position; eos: stop after the EOS block);
+    evaluation stops at EOS (blocks are committed left to right, so the answer is the same)."""
+    from megadare.config import resolve_canvas
     from megadare.rollout.engine import SamplingParams
 
     r = cfg.rollout
@@ -26,14 +29,16 @@ def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, reco
     return SamplingParams(max_new_tokens=r.max_new_tokens, block_size=block,
                           steps_per_block=r.steps_per_block or block, algorithm=r.algorithm, threshold=r.threshold,
                           temperature=r.eval_temperature if evaluation else r.temperature, top_k=r.top_k,
-                          top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation)
+                          top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation,
+                          stop_at_eos=evaluation or resolve_canvas(cfg, arch) == "eos")
 
 
 def score(reward_fn, tok, trajectories, records) -> tuple[list[float], dict[str, float]]:
-    """Rewards of decoded responses (one implementation for RL and evaluation)."""
+    """Rewards of decoded answers (one implementation for RL and evaluation): a full-canvas response is scored
+    up to its first EOS."""
     from megadare.rewards import score_batch
 
-    texts = [tok.decode(t.response_ids) for t in trajectories]
+    texts = [tok.decode(t.answer_ids(tok.eos_token_id)) for t in trajectories]
     scores, stats = score_batch(reward_fn, texts, records)
     return [float(x) for x in scores], {k: float(v) for k, v in stats.to_dict().items()
                                        if k in ("errors", "timeouts", "wall_s")}
@@ -66,9 +71,9 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
     for i, t in enumerate(trajectories):
         if not keep[i] or not t.response_ids:
             continue
-        extra = {}
+        extra: dict = {"sampling_temperature": t.params.temperature}   # JustGRPO scores at the sampler's T
         if t.step_predictions is not None:
-            extra = {"step_predictions": t.step_predictions, "step_confidences": t.step_confidences}
+            extra.update(step_predictions=t.step_predictions, step_confidences=t.step_confidences)
         samples.append(RLSample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), reward=float(r[i]),
                                 advantage=float(adv[i]), index=i, group=i // G, commit_step=list(t.commit_step),
                                 block_step=list(t.block_step), truncated=bool(truncated[i]), extra=extra))
