@@ -51,6 +51,7 @@ class Algorithm(ABC):
     needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
     needs_step_predictions: ClassVar[bool] = False
     lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
+    redraw_corruptions: ClassVar[bool] = False   # rl.ppo_epochs draw fresh corruptions per epoch (rl.redraw_corruptions)
     defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
 
     def __init__(self, overrides: dict[str, Any] | None = None):
@@ -77,6 +78,10 @@ class Algorithm(ABC):
 
         beta = self.p[self.lse_beta] if self.lse_beta else None
         return SlotObjective(self.slot_loss, on_policy=on_policy, lse_beta=beta, loss_mode=loss_mode)
+
+    def check_run(self, cfg, arch: ModelArch) -> None:
+        """Refuse (ConfigError naming the key) a run configuration this algorithm cannot train on; ``cfg`` is the
+        run's megadare.config.Config, read only. Called by the config check, before any process starts."""
 
     def engine_logprobs_match(self, arch: ModelArch) -> bool:
         """Whether the engine's per-token sampler log-probs are this algorithm's own estimator on the same states

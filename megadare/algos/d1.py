@@ -1,7 +1,8 @@
 """d1 / diffu-GRPO (Zhao, Gupta, Zheng, Grover, arXiv:2504.12216; code: dllm-reasoning/d1 ``diffu_grpo``).
 
 Estimator (one-step mean-field): the whole response is masked, each prompt token is masked with probability
-p_prompt (a fresh draw per inner iteration, stored with the batch), one forward:
+p_prompt (a fresh draw per inner iteration -- ``rl.ppo_epochs`` epochs each draw their own, ``rl.redraw_corruptions``
+-- stored with the batch so old, reference and current log-probs share it), one forward:
 
     log pi(y_k | c) ~= log p_theta(y_k | c', M ... M)
 
@@ -20,6 +21,7 @@ from megadare.algos.corruption import one_step
 
 class D1(Algorithm):
     name = "d1"
+    redraw_corruptions = True
     paper = "arXiv:2504.12216"
     defaults = {"eps_low": 0.5, "kl_coef": 0.04, "kl_anchor": "ref", "kl_estimator": "k3", "p_prompt": 0.15}
 

@@ -190,6 +190,10 @@ def example_rows(ex: SFTExample, arch: ModelArch, recipe: SFTRecipe, generator: 
     return rows
 
 
-def example_generator(seed: int, step: int, index: int) -> torch.Generator:
-    """The corruption RNG of one example at one step: independent of layout, rank and packing."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_033 + index)
+def example_generator(seed: int, step: int, index: int, epoch: int = 0) -> torch.Generator:
+    """The corruption RNG of one example at one step (and RL epoch, when corruptions are redrawn per epoch):
+    independent of layout, rank and packing. Epoch 0 is the example's stream at that step."""
+    key = (seed * 1_000_003 + step) * 1_000_033 + index
+    if epoch:
+        key = (key * 1_000_037 + epoch) % (1 << 63)
+    return torch.Generator().manual_seed(key)

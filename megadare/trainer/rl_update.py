@@ -77,13 +77,14 @@ class Correction:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, generator_for, need_old: bool):
-    """Rows -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
+def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, generator_for, need_old: bool,
+             epoch: int = 0):
+    """Rows (corruptions of ``epoch``) -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
     from megatron.core import parallel_state as ps
 
     from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
 
-    rows = algo.batch_rows(samples, arch, block, lambda index: generator_for(cfg.seed, step, index))
+    rows = algo.batch_rows(samples, arch, block, lambda index: generator_for(cfg.seed, step, index, epoch))
     if not rows:
         return None, None, 0
     mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=pad_id)
@@ -105,45 +106,71 @@ def _behaviour(corr: Correction, mine, versions: set[int], model, kind, block, v
                         corr.token_versions)
 
 
+def corruption_draws(cfg, algo) -> int:
+    """How many corruption sets a step draws: one per epoch when ``rl.redraw_corruptions`` (None: the algorithm's
+    choice) is on, else one shared by every epoch."""
+    redraw = cfg.rl.redraw_corruptions if cfg.rl.redraw_corruptions is not None else algo.redraw_corruptions
+    return cfg.rl.ppo_epochs if redraw else 1
+
+
+def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, model, ref_chunks, objective,
+                 generator_for, value, correction, out) -> tuple[list[list], int]:
+    """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
+    the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
+    from megadare.trainer.rl_correction import correction_weights
+
+    versions = set(correction.version_of.values()) if correction is not None else set()
+    if correction is not None:
+        versions |= {v for vs in correction.token_versions.values() for v in vs}
+    draws, n_rows = corruption_draws(cfg, algo), 0
+    prepared: list[list] = []
+    for epoch in range(draws):
+        sets = []
+        for group in groups:
+            mine, denom, n = _prepare(cfg, algo, group, step, arch, block, kind, pad_id, multiple, model,
+                                      generator_for, need_old=not objective.on_policy, epoch=epoch)
+            if mine is None:
+                continue
+            n_rows += n
+            _reference_passes(algo, group, mine, ref_chunks, value, kind, block, arch.vocab_size)
+            if correction is not None:
+                _behaviour(correction, mine, versions, model, kind, block, arch.vocab_size)
+                if cfg.rl.loss_mode == "decoupled":
+                    for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
+                        out[k] = out.get(k, 0.0) + v / (len(groups) * draws)
+            sets.append((mine, denom))
+        prepared.append(sets)
+    return prepared, n_rows
+
+
+def _reference_passes(algo, group, mine, ref_chunks, value, kind, block, vocab) -> None:
+    from megadare.algos.value_model import values_of
+
+    if ref_chunks is not None:
+        store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
+    if value is not None:
+        store_outputs(value[0], mine, "v_old", kind, block, vocab, per_position=values_of)
+        value_advantages(algo, group, mine)
+
+
 def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
            objective, generator_for, value=None, correction: Optional[Correction] = None) -> dict[str, float]:
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
-    optimizer steps."""
+    optimizer steps; epoch e trains on corruption set e when they are redrawn (``corruption_draws``)."""
     from megadare.algos.value_model import ValueObjective, values_of
-    from megadare.trainer.rl_correction import correction_weights
     from megadare.trainer.step import train_step
 
     rl = cfg.rl
     prompt_groups = sorted({s.group for s in samples})
     n_mb = min(rl.mini_batches, len(prompt_groups))
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
-    prepared = []
-    n_rows = 0
     out: dict[str, float] = {}
-    versions = set(correction.version_of.values()) if correction is not None else set()
-    if correction is not None:
-        versions |= {v for vs in correction.token_versions.values() for v in vs}
-    for group in groups:
-        mine, denom, n = _prepare(cfg, algo, group, step, arch, block, kind, pad_id, multiple, model, generator_for,
-                                  need_old=not objective.on_policy)
-        if mine is None:
-            continue
-        n_rows += n
-        if ref_chunks is not None:
-            store_outputs(ref_chunks, mine, "ref", kind, block, arch.vocab_size)
-        if value is not None:
-            store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
-            value_advantages(algo, group, mine)
-        if correction is not None:
-            _behaviour(correction, mine, versions, model, kind, block, arch.vocab_size)
-            if rl.loss_mode == "decoupled":
-                for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
-                    out[k] = out.get(k, 0.0) + v / len(groups)
-        prepared.append((mine, denom))
-    out["train_rows"] = float(n_rows)
-    n = rl.ppo_epochs * len(prepared)
-    for _ in range(rl.ppo_epochs):
-        for mine, denom in prepared:
+    prepared, n_rows = _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
+                                    objective, generator_for, value, correction, out)
+    out["train_rows"] = float(n_rows) / len(prepared)
+    n = rl.ppo_epochs * len(prepared[0])
+    for epoch in range(rl.ppo_epochs):
+        for mine, denom in prepared[epoch % len(prepared)]:
             m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective)
             if value is not None:
                 vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
