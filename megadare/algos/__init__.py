@@ -13,6 +13,8 @@ from megadare.algos.coupled_grpo import CoupledGRPO
 from megadare.algos.d1 import D1
 from megadare.algos.d_treerpo import DTreeRPO
 from megadare.algos.ebpo import EBPO
+from megadare.algos.espo import ESPO
+from megadare.algos.justgrpo import JustGRPO
 from megadare.algos.mdpo import MDPO
 from megadare.algos.random_mask_rl import RandomMaskRL
 from megadare.algos.spg import SPG
@@ -21,7 +23,7 @@ from megadare.algos.vrpo import VRPO
 
 REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (D1, CoupledGRPO, RandomMaskRL, TraceRL, CJGRPO,
                                                                    BGPO, EBPO, SPG, VRPO, MDPO,
-                                                                   DTreeRPO)}
+                                                                   DTreeRPO, JustGRPO, ESPO)}
 
 
 def build_algorithm(name: str, overrides: dict | None = None) -> Algorithm:

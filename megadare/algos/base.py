@@ -34,6 +34,7 @@ import torch
 from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
 
+SLOT_CONST = "per_slot_"      # row extras constant over a slot, handed to the slot loss in Slots.extra
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
 
 
@@ -182,7 +183,8 @@ def _lse(inv: torch.Tensor, n: int, logp: torch.Tensor, coef: torch.Tensor, beta
 
 def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: Optional[float] = None) -> Slots:
     """Per-slot estimates from per-position log-probs (sum of coef * log p over each slot's positions); with
-    ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``)."""
+    ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``); a row extra
+    ``per_slot_<name>`` (constant over a slot, e.g. ESPO's canvas length) becomes ``extra['<name>']``."""
     x = mb.extras
     slot, row = x["slot"], x["row_ids"]
     sel = slot >= 0
@@ -206,7 +208,8 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     is_w = (torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(0, inv, x["is_w"][sel].float(),
                                                                              reduce="amax")
             if "is_w" in x else None)
-    extra = {}
+    extra = {k[len(SLOT_CONST):]: torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(
+        0, inv, v[sel].float(), reduce="amax") for k, v in x.items() if k.startswith(SLOT_CONST)}
     if lse_beta is not None:
         extra["lse"] = _lse(inv, n, logp[sel], w, lse_beta)
         extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x
