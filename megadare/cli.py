@@ -1,4 +1,4 @@
-"""The ``megadare`` command: convert, demo, plan, sft, rl, eval."""
+"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the end-to-end demo on CPU")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
 
-    for name, text in (("sft", "supervised fine-tuning"), ("rl", "reinforcement learning"),
+    for name, text in (("sft", "supervised fine-tuning"), ("dpo", "offline preference optimisation (VRPO)"),
+                       ("rl", "reinforcement learning"),
                        ("eval", "benchmark evaluation"), ("plan", "memory / layout planner")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", help="YAML config file")
@@ -51,17 +52,21 @@ def _dtype(name: str):
     return {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def _run_sft(cfg, nproc: int) -> int:
+def _launch(worker, run, cfg, nproc: int) -> dict:
+    """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
     import os
-
-    from megadare.trainer.sft_loop import run_sft, sft_worker
 
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         from megadare.parallel.launch import spawn
 
-        out = spawn(sft_worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
-    else:
-        out = run_sft(cfg)
+        return spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
+    return run(cfg)
+
+
+def _run_sft(cfg, nproc: int) -> int:
+    from megadare.trainer.sft_loop import run_sft, sft_worker
+
+    out = _launch(sft_worker, run_sft, cfg, nproc)
     last = out["history"][-1] if out["history"] else {}
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
     print(f"sft {how} at step {out['step']}: loss {last.get('loss', float('nan')):.4f}; "
@@ -69,17 +74,22 @@ def _run_sft(cfg, nproc: int) -> int:
     return 0
 
 
-def _run_rl(cfg, nproc: int) -> int:
-    import os
+def _run_dpo(cfg, nproc: int) -> int:
+    from megadare.trainer.dpo_loop import dpo_worker, run_dpo
 
+    out = _launch(dpo_worker, run_dpo, cfg, nproc)
+    h = out["history"]
+    how = "stopped by signal" if out["stopped_by_signal"] else "done"
+    shown = (f": loss {h[-1]['loss']:.4f}, margin {h[0]['margin']:.4f} -> {h[-1]['margin']:.4f}, pair accuracy "
+             f"{h[-1]['pair_accuracy']:.2f}" if h else "")
+    print(f"dpo {how} at step {out['step']}{shown}; checkpoints in {out['checkpoint_root']}")
+    return 0
+
+
+def _run_rl(cfg, nproc: int) -> int:
     from megadare.trainer.rl import rl_worker, run_rl
 
-    if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from megadare.parallel.launch import spawn
-
-        out = spawn(rl_worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
-    else:
-        out = run_rl(cfg)
+    out = _launch(rl_worker, run_rl, cfg, nproc)
     evals = out["evals"]
     acc = (f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
            if evals else "")
@@ -141,6 +151,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 over["block_size"] = cfg.model.block_size
             arch = fam.arch(fam.tiny_config(**over))
         validate(cfg, arch)
+        if args.command == "dpo":
+            from megadare.trainer.dpo_loop import check_dpo
+
+            check_dpo(cfg, arch)
         if args.dry_run:
             print(to_yaml(cfg), end="")
             return 0
@@ -148,6 +162,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             if arch is None:
                 raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
             return _run_sft(cfg, args.nproc)
+        if args.command == "dpo":
+            if arch is None:
+                raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
+            return _run_dpo(cfg, args.nproc)
         if args.command == "rl":
             if arch is None:
                 raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")

@@ -11,9 +11,12 @@ Variance reduction as published: n Monte-Carlo samples all spent on timesteps (o
 stratified over [1, L]), and antithetic sampling -- the policy and the reference score the *same* stored masks
 (here: the reference log-probs are computed on the very rows the policy trains on).
 
-Deviation (stated): the paper trains on offline preference pairs; in this online loop each prompt group gives
-one pair, chosen = the highest-reward response, rejected = the lowest (groups with equal rewards give none).
-Defaults (DARE recipe): beta 0.2, n = 4 (paper main runs 8), lr 5e-7.
+The paper trains on offline preference pairs: ``megadare dpo`` (trainer/dpo_loop.py) runs exactly this estimator
+and loss on a preference dataset. In the online RL loop (``algo.name=vrpo``) each prompt group gives one pair,
+chosen = the highest-reward response, rejected = the lowest (groups with equal rewards give none).
+``margin_norm=canvas`` divides the margin by the response canvas R = ``canvas_length`` as DARE does
+(``llada_dp_actor_vrpo.py``: B / R; its effective beta is beta / R). Defaults (DARE recipe): beta 0.2, n = 4
+(paper main runs 8), lr 5e-7, no margin normalisation (the paper's form).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import RLSample, Slots, views_to_row
 from megadare.algos.corruption import stratified
 from megadare.data.rows import Row
+from megadare.errors import ConfigError
 
 
 def concat_rows(rows: list[Row]) -> Row:
@@ -48,7 +52,16 @@ def concat_rows(rows: list[Row]) -> Row:
 class VRPO(Algorithm):
     name = "vrpo"
     paper = "arXiv:2505.19223"
-    defaults = {"beta": 0.2, "n_mc": 4, "kl_anchor": "ref"}
+    defaults = {"beta": 0.2, "n_mc": 4, "kl_anchor": "ref", "margin_norm": "none", "canvas_length": None}
+
+    def __init__(self, overrides=None):
+        super().__init__(overrides)
+        norm, R = self.p["margin_norm"], self.p["canvas_length"]
+        if norm not in ("none", "canvas"):
+            raise ConfigError(f"algo.params.margin_norm={norm!r}: choose none or canvas")
+        if norm == "canvas" and not (isinstance(R, int) and R > 0):
+            raise ConfigError(f"algo.params.margin_norm=canvas divides the margin by the response canvas: set "
+                              f"algo.params.canvas_length to it (a positive integer, got {R!r})")
 
     @property
     def needs_ref(self) -> bool:
@@ -73,9 +86,13 @@ class VRPO(Algorithm):
             lo, hi = ranked[0], ranked[-1]
             if hi.reward <= lo.reward or not lo.response_ids or not hi.response_ids:
                 continue
-            rows.append(concat_rows([self._row(hi, arch, generator_for(hi.index), +1.0, 1.0),
-                                     self._row(lo, arch, generator_for(lo.index), -1.0, 0.0)]))
+            rows.append(self.pair_row(hi, lo, arch, generator_for(hi.index), generator_for(lo.index)))
         return rows
+
+    def pair_row(self, chosen: RLSample, rejected: RLSample, arch, g_chosen, g_rejected) -> Row:
+        """One row holding a preference pair (chosen first), each response with its own stored masks."""
+        return concat_rows([self._row(chosen, arch, g_chosen, +1.0, 1.0),
+                            self._row(rejected, arch, g_rejected, -1.0, 0.0)])
 
     def slot_loss(self, s: Slots):
         if s.ref is None:
@@ -88,6 +105,8 @@ class VRPO(Algorithm):
         if not bool(((sign[:, 0] > 0) & (sign[:, 1] < 0)).all()):
             raise RuntimeError("VRPO: pair slots out of order")
         margin = self.p["beta"] * (d[:, 0] - d[:, 1])
+        if self.p["margin_norm"] == "canvas":
+            margin = margin / self.p["canvas_length"]
         loss = torch.stack([-F.logsigmoid(margin), torch.zeros_like(margin)], 1).view(-1)
         acc = torch.stack([(margin > 0).float(), torch.zeros_like(margin)], 1).view(-1)
         return loss, {"pair_accuracy": acc, "margin": torch.stack([margin, torch.zeros_like(margin)], 1).view(-1)}

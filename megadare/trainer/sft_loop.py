@@ -75,6 +75,10 @@ class SFTRun:
     def arch(self):
         return self.src.arch
 
+    @property
+    def block_size(self) -> int:
+        return self.recipe.block_size
+
 
 def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks).
@@ -83,39 +87,50 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     checkpoint unless a save interval falls there.
     """
     from megadare.parallel import destroy_distributed, init_distributed
+
+    p = cfg.parallel
+    layout = init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    try:
+        run = setup_sft(cfg)
+        out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
+        return {**out, "layout": layout.__dict__, "data": run.data_stats}
+    finally:
+        destroy_distributed()
+
+
+def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optional[int] = None) -> dict[str, Any]:
+    """The offline training loop shared by SFT and DPO: ``train.steps`` global batches of ``train.global_batch_size``
+    example indices (a pure function of seed and step) -> ``step_fn`` -> metrics (console, tensorboard, JSONL);
+    ``save(run)`` every ``checkpoint.save_interval`` steps, at the end and on SIGTERM. ``run`` has cfg, step and
+    save_root; ``step_fn(indices)`` returns the step's metrics and ``step_fn.add_speed`` adds the speed ones."""
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.monitor import Monitor
     from megadare.trainer.signals import StopSignal
 
-    p, t, lg = cfg.parallel, cfg.train, cfg.logging
-    layout = init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
-    try:
-        run = setup_sft(cfg)
-        sampler = StepSampler(len(run.examples), t.global_batch_size, cfg.seed, cfg.data.shuffle)
-        monitor = Monitor(lg.run_dir, t.steps, start_step=run.step, tensorboard=lg.tensorboard, jsonl=lg.jsonl,
-                          log_interval=lg.log_interval, desc="sft")
-        stopper, step_fn = StopSignal(), SFTStep(run)
-        history: list[dict[str, float]] = []
-        start_step, stopped = run.step, False
-        while run.step < t.steps:
-            monitor.step_timer()
-            metrics = step_fn(sampler.batch(run.step))
-            run.step += 1
-            step_fn.add_speed(metrics, monitor.step_timer(), sampler.epoch(run.step))
-            history.append(metrics)
-            monitor.log(run.step, metrics)
-            stopped = stopper.should_stop()
-            interval = cfg.checkpoint.save_interval
-            if stopped or run.step == t.steps or (interval and run.step % interval == 0):
-                save_sft(run)
-            if stopped or (max_steps is not None and run.step - start_step >= max_steps):
-                break
-        monitor.close()
-        stopper.restore()
-        return {"step": run.step, "stopped_by_signal": stopped, "history": history, "layout": layout.__dict__,
-                "checkpoint_root": run.save_root, "data": run.data_stats}
-    finally:
-        destroy_distributed()
+    cfg = run.cfg
+    t, lg = cfg.train, cfg.logging
+    sampler = StepSampler(n_examples, t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    monitor = Monitor(lg.run_dir, t.steps, start_step=run.step, tensorboard=lg.tensorboard, jsonl=lg.jsonl,
+                      log_interval=lg.log_interval, desc=desc)
+    stopper = StopSignal()
+    history: list[dict[str, float]] = []
+    start_step, stopped = run.step, False
+    while run.step < t.steps:
+        monitor.step_timer()
+        metrics = step_fn(sampler.batch(run.step))
+        run.step += 1
+        step_fn.add_speed(metrics, monitor.step_timer(), sampler.epoch(run.step))
+        history.append(metrics)
+        monitor.log(run.step, metrics)
+        stopped = stopper.should_stop()
+        interval = cfg.checkpoint.save_interval
+        if stopped or run.step == t.steps or (interval and run.step % interval == 0):
+            save(run)
+        if stopped or (max_steps is not None and run.step - start_step >= max_steps):
+            break
+    monitor.close()
+    stopper.restore()
+    return {"step": run.step, "stopped_by_signal": stopped, "history": history, "checkpoint_root": run.save_root}
 
 
 def setup_sft(cfg: Config) -> SFTRun:
@@ -123,9 +138,7 @@ def setup_sft(cfg: Config) -> SFTRun:
     checkpoint of the run when there is one."""
     from megadare.algos.sft import mask_kind
     from megadare.config import validate
-    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint
-    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source, tokenizer_for
-    from megadare.trainer.monitor import write_run_config
+    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
     src = resolve_model_source(cfg)
@@ -133,9 +146,7 @@ def setup_sft(cfg: Config) -> SFTRun:
     recipe = sft_recipe(cfg, src.arch)
     tok = tokenizer_for(cfg, src)
     examples, data_stats = load_examples(cfg, tok)
-    chunks = build_training_chunks(cfg, src)
-    if cfg.checkpoint.load:
-        load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+    chunks = initial_chunks(cfg, src)
     if cfg.sft.lora_rank > 0:
         from megadare.models.lora import apply_lora
 
@@ -145,12 +156,32 @@ def setup_sft(cfg: Config) -> SFTRun:
     run = SFTRun(cfg=cfg, src=src, recipe=recipe, kind=mask_kind(recipe, src.arch), tok=tok, examples=examples,
                  data_stats=data_stats, model=model, optimizer=optimizer, scheduler=scheduler,
                  save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+    resume(run)
+    return run
+
+
+def initial_chunks(cfg: Config, src) -> list:
+    """This rank's model chunks with the source weights, then ``checkpoint.load`` (model only) when set."""
+    from megadare.trainer.checkpoint import load_train_checkpoint
+    from megadare.trainer.model_setup import build_training_chunks
+
+    chunks = build_training_chunks(cfg, src)
+    if cfg.checkpoint.load:
+        load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+    return chunks
+
+
+def resume(run) -> None:
+    """Resume ``run`` (model, optimizer, scheduler, step) from the newest checkpoint under its save root, if any;
+    rank 0 writes the run's config."""
+    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint
+    from megadare.trainer.monitor import write_run_config
+
     resume_from = latest_checkpoint(run.save_root)
     if resume_from:
-        run.step = int(load_train_checkpoint(resume_from, model, optimizer, scheduler)["step"])
+        run.step = int(load_train_checkpoint(resume_from, run.model, run.optimizer, run.scheduler)["step"])
     if dist.get_rank() == 0:
-        write_run_config(cfg)
-    return run
+        write_run_config(run.cfg)
 
 
 class SFTStep:
@@ -165,29 +196,47 @@ class SFTStep:
         self.moe_stats = MoELoadStats(run.model)
         self.peak = peak_tflops()
         cfg = run.cfg
-        self.mask_fn = ((lambda mb: mb.megatron_mask(run.kind, run.recipe.block_size))
+        self.mask_fn = ((lambda mb: mb.megatron_mask(run.kind, run.block_size))
                         if cfg.model.attention_backend == "local" else None)
         self.pad_id = getattr(run.tok, "pad_token_id", 0) or 0
         self.multiple = cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1
 
     def __call__(self, indices: list[int]) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
+        return self.train(self.rows(indices))
 
+    def rows(self, indices: list[int]) -> list:
+        """The training rows of the step's examples (corruptions seeded per (seed, step, example))."""
         from megadare.algos.sft import example_generator, example_rows
-        from megadare.trainer.step import train_step
 
-        run, t = self.run, self.run.cfg.train
-        rows = []
+        run, rows = self.run, []
         for i in indices:
             rows.extend(example_rows(run.examples[i], run.arch, run.recipe,
                                      example_generator(run.cfg.seed, run.step, i)))
+        return rows
+
+    def passes(self, mine: list) -> None:
+        """Forward-only passes the objective needs before the step (none for SFT; DPO: the reference)."""
+
+    def objective(self):
+        from megadare.trainer.step import weighted_nll
+
+        return weighted_nll
+
+    def train(self, rows: list) -> dict[str, float]:
+        """Rows -> packed micro-batches -> this rank's data-parallel share -> one megatron train step."""
+        from megatron.core import parallel_state as ps
+
+        from megadare.trainer.step import train_step
+
+        run, t = self.run, self.run.cfg.train
         mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=self.pad_id)
         self.n_tokens = sum(int((~m.padding).sum()) for m in mbs)
         self.lengths = [m.tokens.shape[1] for m in mbs for _ in range(m.tokens.shape[0])]
         mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
                                        multiple_of=self.multiple)
+        self.passes(mine)
         metrics = train_step(run.model, run.optimizer, run.scheduler, mine, global_denominator(mbs), run.kind,
-                             run.recipe.block_size, run.arch.vocab_size, mask_fn=self.mask_fn)
+                             run.block_size, run.arch.vocab_size, objective=self.objective(), mask_fn=self.mask_fn)
         metrics["micro_batches"] = float(len(mine))
         return metrics
 
@@ -201,13 +250,14 @@ class SFTStep:
         metrics.update(tokens_per_s=self.n_tokens / dt, step_time_s=dt, epoch=epoch, memory_gib=_memory_gib())
 
 
-def save_sft(run: SFTRun) -> None:
-    """Atomic checkpoint of model, optimizer, schedule and data position (LoRA rank / alpha in the meta)."""
+def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
+    """Atomic checkpoint of model, optimizer, schedule and data position (LoRA rank / alpha in the meta); also
+    ``megadare dpo``'s (``written_by``)."""
     from megadare.trainer.checkpoint import save_train_checkpoint
 
     cfg = run.cfg
-    meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": "megadare sft"}
-    if cfg.sft.lora_rank > 0:
+    meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
+    if cfg.sft.lora_rank > 0 and written_by == "megadare sft":
         meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
     save_train_checkpoint(run.save_root, run.step, run.model, run.optimizer, run.scheduler,
                           {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},

@@ -1,0 +1,159 @@
+"""Offline preference optimisation of a dLLM: VRPO (LLaDA 1.5, arXiv:2505.19223) on a preference dataset.
+
+    megadare dpo --config FILE [key=value ...] [--dry-run]
+
+Each step takes ``train.global_batch_size`` (prompt, chosen, rejected) pairs (data.path: .jsonl / .parquet in
+DARE's ultrafeedback layout or with strings, data/preference_data.py). Per pair, algos/vrpo.py's estimator: for
+each response n = ``dpo.n_mc`` count-stratified masks (counts evenly spaced over [1, L] with a random offset, a
+uniform subset of each size, weight L / m_j), one row holding both responses; the frozen reference (the initial
+weights) scores the very same stored masks (VRPO's antithetic sampling), then
+
+    L = mean_pairs -log sigmoid( beta [ (B_theta(y_w) - B_ref(y_w)) - (B_theta(y_l) - B_ref(y_l)) ] / N ),
+
+N = 1, or the response canvas ``dpo.canvas_length`` with ``dpo.margin_norm=canvas`` (DARE). Logged per step:
+``loss``, ``margin`` (the implicit-reward margin inside the sigmoid) and ``pair_accuracy`` (margin > 0).
+Checkpoints, resume, SIGTERM and export (``megadare convert megatron-to-hf``) work as for SFT; the loop, step and
+checkpoint pieces are trainer/sft_loop.py's.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megadare.config import Config
+from megadare.errors import ConfigError
+from megadare.trainer.sft_loop import SFTStep, save_sft
+
+
+@dataclass
+class DPORun:
+    cfg: Config
+    src: Any
+    tok: Any
+    examples: list
+    data_stats: dict
+    model: list
+    optimizer: Any
+    scheduler: Any
+    ref_chunks: list
+    algo: Any                    # algos.vrpo.VRPO: estimator and loss
+    kind: str                    # training mask kind
+    block_size: int
+    save_root: str
+    step: int = 0
+
+    @property
+    def arch(self):
+        return self.src.arch
+
+
+def vrpo_for(cfg: Config):
+    from megadare.algos.vrpo import VRPO
+
+    d = cfg.dpo
+    return VRPO({"beta": d.beta, "n_mc": d.n_mc, "margin_norm": d.margin_norm,
+                 "canvas_length": d.canvas_length if d.margin_norm == "canvas" else None})
+
+
+def check_dpo(cfg: Config, arch) -> None:
+    """A preference pair is one row of 2 x dpo.n_mc views (x_t ++ x_0 for block families): it must fit
+    ``train.seq_length``; the data must be a file."""
+    if not cfg.data.path:
+        raise ConfigError("megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, "
+                          "chosen, rejected)")
+    vrpo_for(cfg)
+    block = arch is not None and arch.attention == "block_causal"
+    row = 2 * cfg.dpo.n_mc * cfg.data.max_length * (2 if block else 1)
+    if row > cfg.train.seq_length:
+        raise ConfigError(f"a preference pair is one row of 2 x dpo.n_mc={cfg.dpo.n_mc} views of up to "
+                          f"data.max_length={cfg.data.max_length} tokens{' (x2: x_t ++ x_0)' if block else ''} = {row}, "
+                          f"more than train.seq_length={cfg.train.seq_length}; raise train.seq_length or lower "
+                          "dpo.n_mc / data.max_length")
+
+
+def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
+    """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
+    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.trainer.sft_loop import train_steps
+
+    p = cfg.parallel
+    init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    try:
+        run = setup_dpo(cfg)
+        out = train_steps(run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples), "dpo",
+                          max_steps)
+        return {**out, "data": run.data_stats}
+    finally:
+        destroy_distributed()
+
+
+def setup_dpo(cfg: Config) -> DPORun:
+    """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
+    preference pairs; resumed from the newest checkpoint of the run when there is one."""
+    from megadare.config import validate
+    from megadare.data.preference_data import build_preference_examples
+    from megadare.data.sft_data import load_records
+    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
+    from megadare.trainer.sft_loop import initial_chunks, resume
+
+    src = resolve_model_source(cfg)
+    validate(cfg, src.arch, dist.get_world_size())
+    check_dpo(cfg, src.arch)
+    tok = tokenizer_for(cfg, src)
+    d = cfg.data
+    examples, stats = build_preference_examples(load_records(d.path), tok, d.max_length, d.overlong, source=d.path,
+                                                prompt_key=d.prompt_key, chosen_key=cfg.dpo.chosen_key,
+                                                rejected_key=cfg.dpo.rejected_key)
+    model = wrap_ddp(initial_chunks(cfg, src), cfg.train.distributed_optimizer)
+    optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
+    ref = initial_chunks(cfg, src)
+    for c in ref:
+        c.eval().requires_grad_(False)
+    block = src.arch.attention == "block_causal"
+    run = DPORun(cfg=cfg, src=src, tok=tok, examples=examples, data_stats=stats, model=model, optimizer=optimizer,
+                 scheduler=scheduler, ref_chunks=ref, algo=vrpo_for(cfg),
+                 kind="block_diffusion" if block else "bidirectional", block_size=src.arch.block_size if block else 1,
+                 save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+    resume(run)
+    return run
+
+
+class DPOStep(SFTStep):
+    """One DPO step: the step's pairs -> VRPO rows -> reference pass on the same rows -> one train step."""
+
+    def rows(self, indices: list[int]) -> list:
+        from megadare.algos.base import RLSample
+        from megadare.algos.sft import example_generator
+
+        run, rows = self.run, []
+        for i in indices:
+            ex = run.examples[i]
+            chosen = RLSample(ex.prompt_ids, ex.chosen_ids, reward=1.0, advantage=1.0, index=2 * i)
+            rejected = RLSample(ex.prompt_ids, ex.rejected_ids, reward=0.0, advantage=-1.0, index=2 * i + 1)
+            rows.append(run.algo.pair_row(chosen, rejected, run.arch,
+                                          example_generator(run.cfg.seed, run.step, 2 * i),
+                                          example_generator(run.cfg.seed, run.step, 2 * i + 1)))
+        return rows
+
+    def passes(self, mine: list) -> None:
+        from megadare.trainer.step import store_outputs
+
+        store_outputs(self.run.ref_chunks, mine, "ref", self.run.kind, self.run.block_size, self.run.arch.vocab_size)
+
+    def objective(self):
+        return self.run.algo.objective(on_policy=True)
+
+    def train(self, rows: list) -> dict[str, float]:
+        metrics = super().train(rows)
+        metrics["loss"] = metrics.pop("pg_loss")
+        return metrics
+
+
+def dpo_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
+    """Entry for megadare.parallel.launch.spawn (local multi-process runs, tests)."""
+    return run_dpo(cfg, max_steps=max_steps)
