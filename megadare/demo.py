@@ -11,6 +11,8 @@
 
        held-out accuracy: SFT <a> -> RL <b>
 
+``--family sdar|llada|dream|llada2`` runs the same task on a tiny model of that family (full-attention algorithms
+such as JustGRPO need LLaDA or Dream: ``megadare demo --family llada --algo justgrpo``).
 ``megadare demo --foundation`` runs the conversion / parallelism demo of the foundation instead.
 """
 from __future__ import annotations
@@ -24,25 +26,47 @@ from importlib import resources
 from typing import Optional
 
 
+# ``--family``: a tiny model of that family on the same task. Full-attention families (LLaDA, Dream) train with
+# random-masking SFT and decode the 4-token answer as one semi-AR block; block families keep the 4-token block.
+FAMILIES = {
+    "sdar": [],
+    "llada2": ["model.family=llada2"],
+    "llada": ["model.family=llada", "model.block_size=null", "sft.mode=random", "rollout.block_size=4"],
+    "dream": ["model.family=dream", "model.block_size=null", "sft.mode=random", "rollout.block_size=4"],
+}
+# what an algorithm's rollout contract needs on the demo task (JustGRPO: autoregressive order; ESPO: its
+# published RLOO advantages and several updates per rollout, each on its own masks)
+ALGO_DEMO = {
+    "justgrpo": ["rollout.block_size=1", "rollout.steps_per_block=1"],
+    "espo": ["rl.advantage=rloo", "rl.ppo_epochs=4"],
+}
+
+
 def demo_configs(workdir: str, sft_steps: Optional[int], rl_steps: Optional[int], algo: str, nproc: int,
-                 overrides: list[str]):
+                 overrides: list[str], family: str = "sdar"):
     """(SFT config, RL config) of the demo, with outputs under ``workdir``."""
     from megadare.config import load_config
 
     base = resources.files("megadare") / "configs"
-    sft_over = [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={sft_steps}"] if sft_steps else [])
-    rl_over = [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt", f"algo.name={algo}"]
+    if family not in FAMILIES:
+        raise ValueError(f"--family {family!r}: choose one of {sorted(FAMILIES)}")
+    fam = FAMILIES[family]
+    sft_over = fam + [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={sft_steps}"] if sft_steps else [])
+    rl_over = fam + ALGO_DEMO.get(algo, []) + [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt",
+                                               f"algo.name={algo}"]
     rl_over += [f"rl.steps={rl_steps}"] if rl_steps else []
     if nproc > 1:
         sft_over.append(f"parallel.world_size={nproc}")
         rl_over.append(f"parallel.world_size={nproc}")
-    sft = load_config(str(base / "demo_sft.yaml"), sft_over + [o for o in overrides if not o.startswith("rl.")])
-    rl = load_config(str(base / "demo_rl.yaml"), rl_over + [o for o in overrides if not o.startswith("sft.")])
+    sft = load_config(str(base / "demo_sft.yaml"), [o for o in sft_over if not o.startswith("rollout.")]
+                      + [o for o in overrides if not o.startswith("rl.")])
+    rl = load_config(str(base / "demo_rl.yaml"), [o for o in rl_over if not o.startswith("sft.")]
+                     + [o for o in overrides if not o.startswith("sft.")])
     return sft, rl
 
 
 def run_demo(workdir: str, sft_steps: Optional[int] = None, rl_steps: Optional[int] = None, algo: str = "tracerl",
-             nproc: int = 1, overrides: Optional[list[str]] = None) -> dict:
+             nproc: int = 1, overrides: Optional[list[str]] = None, family: str = "sdar") -> dict:
     """SFT -> RL; returns {'sft_accuracy', 'rl_accuracy', 'history', 'evals', 'png', 'seconds'}."""
     from megadare.parallel.launch import spawn
     from megadare.trainer.plots import plot_rl_curve
@@ -50,13 +74,13 @@ def run_demo(workdir: str, sft_steps: Optional[int] = None, rl_steps: Optional[i
     from megadare.trainer.sft_loop import sft_worker
 
     t0 = time.time()
-    sft_cfg, rl_cfg = demo_configs(workdir, sft_steps, rl_steps, algo, nproc, overrides or [])
+    sft_cfg, rl_cfg = demo_configs(workdir, sft_steps, rl_steps, algo, nproc, overrides or [], family)
     spawn(sft_worker, nproc, sft_cfg, timeout_s=3600)
     out = spawn(rl_worker, nproc, rl_cfg, timeout_s=3600)[0]
     evals = out["evals"]
     first, last = min(evals), max(evals)
     png = plot_rl_curve(out["history"], evals, os.path.join(workdir, "reward_curve.png"),
-                        title=f"{algo} on a tiny SDAR (reverse task)")
+                        title=f"{algo} on a tiny {family} (reverse task)")
     return {"sft_accuracy": evals[first]["accuracy"], "rl_accuracy": evals[last]["accuracy"],
             "history": out["history"], "evals": evals, "png": png, "seconds": time.time() - t0}
 
@@ -72,6 +96,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="runs/demo", help="outputs (checkpoints, tensorboard, PNG)")
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
+    ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--rl-steps", type=int, default=None)
     ap.add_argument("--nproc", type=int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
@@ -79,8 +104,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.filterwarnings("ignore")
-    print(f"megadare demo: SFT then RL ({a.algo}) of a tiny SDAR on CPU; outputs in {a.workdir}", flush=True)
-    res = run_demo(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, a.overrides)
+    print(f"megadare demo: SFT then RL ({a.algo}) of a tiny {a.family} on CPU; outputs in {a.workdir}", flush=True)
+    res = run_demo(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, a.overrides, a.family)
     print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {a.workdir}; "
           f"{res['seconds']:.0f} s")
     print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
