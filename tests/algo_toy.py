@@ -179,7 +179,11 @@ def mb_logps(toy: Toy, mb, block_size: int = 0) -> torch.Tensor:
                 pos_of.append(p)
                 lab.append(int(mb.labels[b, q]))
             i = j
-    lp = toy.logp(torch.stack(ctxs))
+    logits = toy.forward(torch.stack(ctxs))
+    if "logit_scale" in mb.extras:  # rows scored under a tempered sampler (JustGRPO), as trainer/logprob.py does
+        bi, qi = zip(*where)
+        logits = logits * mb.extras["logit_scale"][torch.tensor(bi), torch.tensor(qi)].double().view(-1, 1, 1)
+    lp = F.log_softmax(logits, -1)
     vals = lp[torch.arange(len(ctxs)), torch.tensor(pos_of), torch.tensor(lab)]
     out = torch.zeros(B, S, dtype=vals.dtype)
     bi, qi = zip(*where)
