@@ -239,3 +239,27 @@ def test_redrawn_corruptions_per_epoch():
         for a, b in ((0, 1), (1, 2)):
             assert any(not torch.equal(x.tokens, y.tokens) or not torch.equal(x.weight, y.weight)
                        for x, y in zip(per_epoch[a], per_epoch[b])), (name, a, b)
+
+
+def test_config_check_refuses_what_justgrpo_and_espo_cannot_train():
+    from megadare.config import validate
+    from megadare.errors import ConfigError
+    from megadare.models import get_family
+
+    def arch(name):
+        fam = get_family(name)
+        return fam.arch(fam.tiny_config())
+
+    ok = {"algo": {"name": "justgrpo"}, "rollout": {"block_size": 1, "steps_per_block": 1}}
+    validate(config_from_dict(ok), arch("llada"))
+    for over, arch_name, msg in (({"rollout": {"block_size": 4}}, "llada", "rollout.block_size=1"),
+                                 ({"rollout": {"block_size": 1, "temperature": 0.0}}, "llada", "temperature"),
+                                 ({"rollout": {"block_size": 1, "top_p": 0.9}}, "dream", "top_p"),
+                                 ({}, "sdar", "full-attention family")):
+        cfg = config_from_dict({"algo": {"name": "justgrpo"}, **over})
+        with pytest.raises(ConfigError, match=msg):
+            validate(cfg, arch(arch_name))
+    with pytest.raises(ConfigError, match="dual clip"):
+        validate(config_from_dict({"algo": {"name": "espo", "params": {"dual_clip": 3.0}}}), arch("llada"))
+    with pytest.raises(ConfigError, match="rl.partial_rollout"):
+        validate(config_from_dict({"rl": {"partial_rollout": 1}}), arch("llada"))

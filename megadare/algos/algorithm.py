@@ -51,7 +51,7 @@ class Algorithm(ABC):
     needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
     needs_step_predictions: ClassVar[bool] = False
     lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
-    redraw_corruptions: ClassVar[bool] = False   # rl.ppo_epochs draw fresh corruptions per epoch (rl.redraw_corruptions)
+    redraw_corruptions: ClassVar[bool] = False   # epochs draw fresh corruptions (default of rl.redraw_corruptions)
     defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
 
     def __init__(self, overrides: dict[str, Any] | None = None):

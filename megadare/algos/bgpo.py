@@ -11,6 +11,9 @@ lower bound that is a sum of per-sample terms (so each MC sample can be back-pro
     L = -(1/n) sum_j min(r_j A, clip(r_j, 1 +- eps) A)
 
 equal in value and gradient to the ELBO objective on-policy. Defaults: n = 16, eps 0.2, no KL.
+
+Canvas (``rl.canvas``): DARE's BGPO uses the full canvas on LLaDA/Dream (``full``, their default; L in the weights
+is then R) and the response up to EOS on SDAR/LLaDA2 (``eos``).
 """
 from __future__ import annotations
 

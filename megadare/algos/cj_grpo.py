@@ -8,6 +8,9 @@ token PPO-clip averaged within each step, then over the steps of a sample ("pape
     L = -(1/G) sum_i (1/K_i) sum_k (1/|U_ik|) sum_{j in U_ik} min(rho_j A_i, clip(rho_j, 1 +- eps) A_i)
 
 with U_ik the tokens committed at step k. Defaults: eps 0.2, no KL; pairs with few-step decoding (EOSER/ASS).
+
+Canvas (``rl.canvas``): DARE replays the full LLaDA/Dream canvas (``full``, those families' default) and, for block
+families, the terminal block in full; here block families replay up to the EOS (``eos``).
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ Objective: token-level GRPO (as d1) on rho_k = exp(l_k - l_k^old), k3 KL to the 
 Defaults (``recipes/config_coupled_code.yaml``): G 10, mu 2, eps 0.5, beta 0.01, rewards not std-scaled
 (``rl.advantage_std=none``), temperature 1.0, prompt never masked. DARE's version reseeds a global RNG on every
 call (same t and mask everywhere); here masks come from a generator per (step, sample, iteration).
+
+Canvas (``rl.canvas``): DARE's Coupled-GRPO corrupts, scores and normalises the full LLaDA/Dream canvas (``full``,
+those families' default); block families use ``eos``.
 """
 from __future__ import annotations
 

@@ -12,6 +12,9 @@ Objective: token-level GRPO with a k3 KL to a reference model,
 
 Defaults as published (``diffu-grpo/slurm_scripts/train.yaml``): eps 0.5, beta 0.04, p_prompt 0.15, G 6,
 mu 12 inner updates (DARE runs 1), lr 3e-6, temperature 0.9. Rollout contract: final sequences only.
+
+Canvas (``rl.canvas``): DARE's d1 masks, scores and normalises the whole LLaDA/Dream canvas of R positions
+(post-EOS tokens included): ``full``, those families' default; block families use ``eos``.
 """
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ Deviations (stated): the time-scheduled self-distillation term (softmax(A/tau) o
 is not included; branching happens at segment boundaries on the response (not at arbitrary denoising steps);
 DARE's contraction (fewer children deeper in the tree) is not modelled. Defaults: branch 4 (contraction off ->
 ``rl.n_samples = branch^depth``), eps 0.4, lr 3e-5 (LoRA), temperature 0.9.
+
+Canvas (``rl.canvas``): DARE's d-TreeRPO scores transitions of the full LLaDA/Dream canvas states, tokens up to
+the first EOS.
 """
 from __future__ import annotations
 

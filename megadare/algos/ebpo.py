@@ -10,6 +10,9 @@ block b, p_mask = count / |b|. The sequence log-likelihood estimate is the compo
 and PPO clipping is applied once to the sequence ratio exp(l - l_old) (log-ratio clamped); KL k2 to the
 reference model when enabled. Defaults: N = 16 (mc_num), eps 0.2, no KL. DARE back-propagates row by row with
 a proxy gradient (constant memory); here all rows of a sample share one micro-batch row (same gradient).
+
+Canvas (``rl.canvas``): EBPO's families (LLaDA2.x, SDAR in DARE) stop at the EOS (``eos``, the block families'
+default).
 """
 from __future__ import annotations
 

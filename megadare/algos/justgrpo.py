@@ -62,8 +62,8 @@ class JustGRPO(Algorithm):
             raise ConfigError(f"algo.name=justgrpo samples in autoregressive order: set rollout.block_size=1 "
                               f"rollout.steps_per_block=1 (got {r.block_size}, {r.steps_per_block})")
         if r.temperature <= 0 or r.top_k or r.top_p != 1.0:
-            raise ConfigError(f"algo.name=justgrpo scores the sampler's tempered softmax: need rollout.temperature > 0, "
-                              f"top_k=0, top_p=1 (got {r.temperature}, {r.top_k}, {r.top_p})")
+            raise ConfigError(f"algo.name=justgrpo scores the sampler's tempered softmax: need rollout.temperature > "
+                              f"0, top_k=0, top_p=1 (got {r.temperature}, {r.top_k}, {r.top_p})")
 
     def views(self, s, arch, block_size, g):
         return ar_views(s.prompt_ids, s.response_ids, arch.mask_token_id)

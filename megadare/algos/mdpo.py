@@ -17,6 +17,8 @@ probability of the intermediate prediction, rho = p_theta(x0_{t,k} | x_t) / p_ol
 
 Defaults (paper): lr 7e-7, temperature 0.4, one block over the whole answer. This file needs the whole response
 in one block (``rollout.block_size >= rollout.max_new_tokens``) so that x0_t is a complete answer.
+
+Canvas (``rl.canvas``): DARE's MDPO rollouts keep the full LLaDA/Dream canvas (``full``, those families' default).
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ of each fragment with the same advantage (coupled RL). Every masked token has it
     L = -(1/L1) sum_fragments sum_{k masked} min(rho_k A, clip(rho_k, 1 +- eps) A) + beta KL3(pi_theta || pi_old)
 
 Defaults as TraceRL's loss: eps 0.2, beta 0.01 to the old policy, sum over targets / response length.
+
+Canvas (``rl.canvas``): dLLM-RL trains TraDo/SDAR on the response up to its EOS block (``eos``, the block
+families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms.
 """
 from __future__ import annotations
 

@@ -29,6 +29,8 @@ beta in {1, 1.5, 2}; the estimators above are unbiased for the ELBO and for the 
 single estimate can fall below log p. For an arbitrary network (inconsistent conditionals) the per-token EUBO
 is not guaranteed: on the MLP toy it falls below the order-averaged likelihood in 188 of 1080 cases
 (toy 28: -5.339 vs -5.162), a limitation of the per-token form, not of this implementation.
+
+Canvas (``rl.canvas``): DARE's SPG masks and scores the full LLaDA/Dream canvas (``full``, those families' default).
 """
 from __future__ import annotations
 

@@ -18,8 +18,10 @@ every step.
 * Full-attention families (LLaDA, Dream): one row per group of global steps, state = every token committed at a
   later step masked.
 
-Deviation (stated): the engine cuts the response after the first EOS; positions of the last block after it
-(which the sampler also denoised) are not replayed, so the last block's states hold fewer masked positions.
+Canvas: with ``rl.canvas=eos`` the engine cuts the response after the first EOS; positions of the last block after
+it (which the sampler also denoised) are not replayed, so the last block's states hold fewer masked positions.
+With ``rl.canvas=full`` (LLaDA/Dream's default) every decoded position is replayed and each state is the
+sampler's.
 """
 from __future__ import annotations
 

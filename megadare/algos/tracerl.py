@@ -15,6 +15,10 @@ shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6, temperature 1.0, ``low
 With ``value_model=true`` a second Megatron model (same backbone, zero-initialised scalar head, own optimizer,
 ``value_lr`` 5e-6) gives token-wise values and the advantages become TraceRL's step-level GAE
 (algos/value_model.py; gamma = lambda = 1 by default, value clip 0.2); otherwise they are group-relative.
+
+Canvas (``rl.canvas``): TraDo/SDAR (the paper's main models) replay the response up to its EOS block (``eos``, the
+block families' default); on LLaDA/Dream the full canvas (default there) replays every decoded position, the
+post-EOS ones included, so each replayed state is the sampler's.
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ chosen = the highest-reward response, rejected = the lowest (groups with equal r
 ``margin_norm=canvas`` divides the margin by the response canvas R = ``canvas_length`` as DARE does
 (``llada_dp_actor_vrpo.py``: B / R; its effective beta is beta / R). Defaults (DARE recipe): beta 0.2, n = 4
 (paper main runs 8), lr 5e-7, no margin normalisation (the paper's form).
+
+Canvas: offline pairs are the responses as written (ending with EOS); online (``algo.name=vrpo``) the
+rollout's ``rl.canvas``. DARE's VRPO scores the response up to EOS and divides the margin by the canvas R.
 """
 from __future__ import annotations
 
