@@ -26,29 +26,20 @@ import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.errors import ConfigError
-from megadare.trainer.sft_loop import SFTStep, save_sft
+from megadare.trainer.sft_loop import SFTRun, SFTStep, save_sft
 
 
 @dataclass
-class DPORun:
-    cfg: Config
-    src: Any
-    tok: Any
-    examples: list
-    data_stats: dict
-    model: list
-    optimizer: Any
-    scheduler: Any
-    ref_chunks: list
-    algo: Any                    # algos.vrpo.VRPO: estimator and loss
-    kind: str                    # training mask kind
-    block_size: int
-    save_root: str
-    step: int = 0
+class DPORun(SFTRun):
+    """An SFT run's parts (no SFT recipe) plus the frozen reference and VRPO (estimator and loss)."""
+
+    ref_chunks: Optional[list] = None
+    algo: Any = None
+    block: int = 1
 
     @property
-    def arch(self):
-        return self.src.arch
+    def block_size(self) -> int:
+        return self.block
 
 
 def vrpo_for(cfg: Config):
@@ -115,10 +106,10 @@ def setup_dpo(cfg: Config) -> DPORun:
     for c in ref:
         c.eval().requires_grad_(False)
     block = src.arch.attention == "block_causal"
-    run = DPORun(cfg=cfg, src=src, tok=tok, examples=examples, data_stats=stats, model=model, optimizer=optimizer,
-                 scheduler=scheduler, ref_chunks=ref, algo=vrpo_for(cfg),
-                 kind="block_diffusion" if block else "bidirectional", block_size=src.arch.block_size if block else 1,
-                 save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+    run = DPORun(cfg=cfg, src=src, recipe=None, kind="block_diffusion" if block else "bidirectional", tok=tok,
+                 examples=examples, data_stats=stats, model=model, optimizer=optimizer, scheduler=scheduler,
+                 save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"), ref_chunks=ref,
+                 algo=vrpo_for(cfg), block=src.arch.block_size if block else 1)
     resume(run)
     return run
 
