@@ -263,3 +263,17 @@ def test_config_check_refuses_what_justgrpo_and_espo_cannot_train():
         validate(config_from_dict({"algo": {"name": "espo", "params": {"dual_clip": 3.0}}}), arch("llada"))
     with pytest.raises(ConfigError, match="rl.partial_rollout"):
         validate(config_from_dict({"rl": {"partial_rollout": 1}}), arch("llada"))
+
+
+def test_full_canvas_rewards_read_the_answer_up_to_its_first_eos():
+    from megadare.data.tokenizer import ByteTokenizer
+    from megadare.rollout.engine import SamplingParams, Trajectory
+    from megadare.trainer.rl_rollout import score
+
+    tok = ByteTokenizer()
+    canvas = tok.encode("cba") + [tok.eos_token_id] + tok.encode("xy")     # decoded past the EOS
+    t = Trajectory(prompt_ids=[1], response_ids=canvas, commit_step=list(range(6)), block_step=[0] * 6,
+                   logprobs=[0.0] * 6, finish_reason="eos", num_forwards=6, params=SamplingParams(max_new_tokens=6))
+    assert t.answer_ids(tok.eos_token_id) == canvas[:4]
+    scores, _ = score(lambda text, rec: float(text == rec["answer"]), tok, [t], [{"answer": "cba"}])
+    assert scores == [1.0]

@@ -68,8 +68,7 @@ class Trajectory:
     def answer_ids(self, eos_token_id: int) -> list[int]:
         """The answer: the response up to its first EOS (inclusive); a full-canvas response (``stop_at_eos``
         off) also holds the tokens the sampler decoded after it, which belong to no answer."""
-        ids = self.response_ids
-        return ids[:ids.index(eos_token_id) + 1] if eos_token_id in ids else list(ids)
+        return answer_ids(self.response_ids, eos_token_id)
 
     def validate(self) -> "Trajectory":
         n = len(self.response_ids)
@@ -85,6 +84,12 @@ class Trajectory:
         if any(lp > 1e-6 for lp in self.logprobs):
             raise ValueError("trajectory: a log-prob is positive")
         return self
+
+
+def answer_ids(ids: list[int], eos_token_id: int) -> list[int]:
+    """``ids`` up to the first EOS (inclusive), all of them when there is none."""
+    ids = list(ids)
+    return ids[:ids.index(eos_token_id) + 1] if eos_token_id in ids else ids
 
 
 class RolloutEngine(Protocol):

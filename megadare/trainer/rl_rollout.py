@@ -128,7 +128,9 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
         from megadare.rewards import score_batch
 
         def score_ids(responses, indices):
-            texts = [tok.decode(r) for r in responses]
+            from megadare.rollout.engine import answer_ids
+
+            texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
             return [float(x) for x in score_batch(reward_fn, texts, [recs[i] for i in indices])[0]]
 
         algo.prepare(samples, score_ids, rl.n_samples)
