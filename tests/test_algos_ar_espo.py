@@ -194,8 +194,10 @@ def test_espo_on_policy_gradient_clip_and_kl():
 
 # ================================================================== canvas and per-epoch corruptions
 def test_full_canvas_rows_cover_every_position():
-    """A full-canvas response (answer 0 2, EOS 1, then two decoded pad positions): d1 masks and scores all five,
-    its token mean counts five; ESPO's weights use L = R = 5 and the normaliser R; JustGRPO makes five views."""
+    """A full-canvas response (answer 0 2, EOS 1, then two decoded pad positions) is corrupted, scored and
+    normalised over all R = 5 positions, by DARE's formulas written out here: d1 masks and scores all five (token
+    mean over five); ESPO's weights (R+1)/k / (2 n_mc R); JustGRPO one view per position; Coupled-GRPO's three
+    views; BGPO's count-stratified weights (R/m)/R."""
     full, _ = toy_archs()
     s = sample([1, 2], [0, 2, 1, 1, 0], extra={"sampling_temperature": 1.0})
     (row,) = REGISTRY["d1"]().rows(s, full, 0, torch.Generator().manual_seed(0))
@@ -205,6 +207,17 @@ def test_full_canvas_rows_cover_every_position():
         n = int((v.coef > 0).sum())
         assert torch.allclose(v.coef[v.coef > 0], torch.tensor(6 / n / (2 * 5)))
     assert len(REGISTRY["justgrpo"]().rows(s, full, 0, torch.Generator())) == 5
+    # Coupled-GRPO: view a masks all five (1/2), b and c split the five between them (1/(2t), 1/(2(1-t)))
+    a, b, c = REGISTRY["coupled_grpo"]().views(s, full, 0, torch.Generator().manual_seed(4))
+    assert a.tokens[2:].tolist() == [MASK] * 5 and a.coef[2:].tolist() == [0.5] * 5
+    mb, mc = b.tokens[2:] == MASK, c.tokens[2:] == MASK
+    assert (mb ^ mc).all() and mb.any() and mc.any()
+    t = 0.5 / float(b.coef[2:][mb][0])
+    assert torch.allclose(c.coef[2:][mc], torch.tensor(0.5 / (1 - t))) and 0.2 <= t <= 0.8
+    # BGPO: count-stratified masks over R = 5 positions, weight (R / m) / R = 1 / m
+    for v in REGISTRY["bgpo"]({"n_mc": 4}).views(s, full, 0, torch.Generator().manual_seed(5)):
+        m = int((v.tokens[2:] == MASK).sum())
+        assert torch.allclose(v.coef[2:][v.tokens[2:] == MASK], torch.tensor(1.0 / m))
 
 
 def test_canvas_defaults_and_sampling():
