@@ -158,18 +158,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.dry_run:
             print(to_yaml(cfg), end="")
             return 0
-        if args.command == "sft":
+        if args.command in ("sft", "dpo", "rl"):
             if arch is None:
                 raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
-            return _run_sft(cfg, args.nproc)
-        if args.command == "dpo":
-            if arch is None:
-                raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
-            return _run_dpo(cfg, args.nproc)
-        if args.command == "rl":
-            if arch is None:
-                raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
-            return _run_rl(cfg, args.nproc)
+            return {"sft": _run_sft, "dpo": _run_dpo, "rl": _run_rl}[args.command](cfg, args.nproc)
         if args.command == "eval":
             if arch is None:
                 raise ConfigError("no model: --model /path/to/hf_checkpoint (or model.hf_path / model.family)")
