@@ -18,6 +18,7 @@ setup(
         "psutil",  # megatron's checkpoint writer needs it (and hangs without it)
         "tensorboard",
         "pyarrow",  # parquet datasets (the format verl/DARE data comes in)
+        "math-verify>=0.8",  # math answer equivalence (what DARE, verl and OpenCompass use); megadare.rewards.math_verify
         "ray>=2.40",  # rollout engines as actors (local cluster on a laptop, the allocation on Slurm)
         "matplotlib",  # the demo's reward curve (PNG)
     ],
@@ -33,9 +34,8 @@ setup(
         # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
         # from 0.5.20; internals churn between releases, so widen it only after checking a new release)
         "sglang": ["sglang>=0.5.20,<0.5.24"],
-        "math": ["math-verify"],
         # FP8 / NVFP4 export (megadare/convert/quantize.py); 0.47 is the version tested
-        "quant": ["nvidia-modelopt>=0.47"],  # megadare.rewards uses it first when installed (own sympy checker otherwise)
+        "quant": ["nvidia-modelopt>=0.47"],
     },
     entry_points={
         "console_scripts": ["megadare = megadare.cli:main"],

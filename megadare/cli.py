@@ -1,4 +1,4 @@
-"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval."""
+"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval, data inspect."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,15 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--out", required=True)
     m2h.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
     m2h.add_argument("--max-shard-gb", type=float, default=2.0)
+
+    data = sub.add_parser("data", help="data files")
+    dsub = data.add_subparsers(dest="action", required=True)
+    ins = dsub.add_parser("inspect", help="schema, fields, lengths, a rendered prompt and the reward of the gold "
+                          "answers of data files")
+    ins.add_argument("files", nargs="+", help=".jsonl / .parquet files")
+    ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
+    ins.add_argument("--model", help="HF checkpoint directory whose tokenizer to use (default: the demo's)")
+    ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
 
     demo = sub.add_parser("demo", help="the end-to-end demo on CPU")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
@@ -98,6 +107,19 @@ def _run_rl(cfg, nproc: int) -> int:
     return 0
 
 
+def _run_convert(args) -> int:
+    from megadare import convert
+
+    if args.direction == "hf-to-megatron":
+        out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp,
+                                     etp=args.etp, dtype=_dtype(args.dtype))
+    else:
+        out = convert.megatron_to_hf(args.ckpt, args.out, dtype=_dtype(args.dtype),
+                                     max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options
@@ -108,21 +130,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megadare.errors import ConfigError
     from megadare.convert.mcore_ckpt import MegatronCheckpointError
     from megadare.models.safetensors_io import CheckpointError
-    from megadare.data.sft_data import DataError
+    from megadare.data.files import DataError
     from megadare.models.family import ModelConfigError
+    from megadare.rewards import RewardError, RewardSpecError
 
     try:
         if args.command == "convert":
-            from megadare import convert
+            return _run_convert(args)
+        if args.command == "data":
+            from megadare.eval.data_inspect import inspect_command
 
-            if args.direction == "hf-to-megatron":
-                out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp,
-                                             etp=args.etp, dtype=_dtype(args.dtype))
-            else:
-                out = convert.megatron_to_hf(args.ckpt, args.out, dtype=_dtype(args.dtype),
-                                             max_shard_bytes=int(args.max_shard_gb * 2**30))
-            print(f"wrote {out}")
-            return 0
+            return inspect_command(args.files, args.reward, args.model, args.limit)
         if args.command == "demo":
             from megadare import demo
 
@@ -171,7 +189,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from megadare.plan import run_plan_command
 
         return run_plan_command(cfg, arch)
-    except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError, DataError) as e:
+    except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError, DataError, RewardError,
+            RewardSpecError) as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
 

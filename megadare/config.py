@@ -83,12 +83,13 @@ class TrainSection:
 
 @dataclass
 class DataSection:
-    path: Optional[str] = None             # .jsonl / .parquet with `messages`, prompt/response, or *_ids fields
+    path: Any = None                       # .jsonl / .parquet (or a list of them) with `messages`, prompt/response,
+                                           # *_ids fields, or verl/DARE rows (prompt messages + reward_model)
     synthetic: Optional[str] = None        # "addition" | "reverse": generated task (tests, demo) instead of a file
     synthetic_size: int = 512
     synthetic_correct: float = 1.0         # reverse task: fraction of correct demonstrations (rest copy the input)
-    eval_path: Optional[str] = None        # RL: held-out prompts (.jsonl / .parquet); synthetic tasks make their own
-    prompt_key: str = "prompt"
+    eval_path: Any = None                  # RL: held-out prompts (a file or a list); synthetic tasks make their own
+    prompt_key: str = "prompt"             # field names; dotted for nested fields (extra_info.question)
     response_key: str = "response"
     messages_key: str = "messages"
     max_length: int = 1024                 # prompt + response tokens
@@ -174,10 +175,16 @@ class RLSection:
                                            # the first EOS); None = the family's default (full attention: full,
                                            # block diffusion: eos)
     mini_batches: int = 1                  # optimizer steps per epoch
-    reward: str = "exact_match"            # built-in reward name or "pkg.module:function"
+    reward: str = "auto"                   # built-in reward name or "pkg.module:function"; auto: per row by
+                                           # data_source / extra_info.task (megadare.rewards.registry.auto_rule)
+    max_reward_error_fraction: float = 0.0   # a step (or evaluation) whose rewards could not be computed for more
+                                             # than this fraction of samples stops the run (a program or verifier
+                                             # running past its own limit is a wrong answer, not a failure)
     eval_interval: int = 0                 # steps; 0 = only before and after training
     eval_size: int = 64                    # held-out prompts evaluated
-    answer_key: str = "answer"
+    answer_key: str = "answer"             # gold field (dotted: reward_model.ground_truth, verl's, is the fallback)
+    skip_rows_without_answer: bool = False   # leave out (and list) prompt rows whose gold is null / empty instead of
+                                             # refusing the file (DARE's MATH train file has 4 such rows)
 
 
 @dataclass
@@ -356,6 +363,13 @@ def _finish(conf) -> Config:
         v = _get(cfg, key)
         if v is not None and v < 1:
             raise ConfigError(f"{key}={v} must be a positive integer")
+    for key in ("data.path", "data.eval_path"):
+        v = _get(cfg, key)
+        if v is not None and not (isinstance(v, str) or (isinstance(v, list) and v and
+                                                          all(isinstance(x, str) for x in v))):
+            raise ConfigError(f"{key}={v!r}: give a file or a list of files, e.g. {key}=[math.parquet,gsm8k.parquet]")
+    if not 0.0 <= cfg.rl.max_reward_error_fraction <= 1.0:
+        raise ConfigError(f"rl.max_reward_error_fraction={cfg.rl.max_reward_error_fraction} must be within [0, 1]")
     return cfg
 
 

@@ -32,3 +32,23 @@ def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2
     mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
     train_step(model, opt, sched, mbs, 10.0 * n_rows, "bidirectional", 4, arch.vocab_size)
     return chunks, model, arch, cfg
+
+
+def reward_error_on_every_rank(rank: int, world: int) -> str:
+    """Rank 0 fails to score (RewardError) inside ``rank0_result``: what each rank then raises."""
+    import torch.distributed as dist
+
+    from megadare.rewards import RewardError
+    from megadare.trainer.reward_step import rank0_result
+
+    def failing():
+        raise RewardError("reward 'auto' failed at data.parquet:row 5")
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rank0_result(failing, rank == 0)
+    except RewardError as e:
+        return f"rank {rank}: {e}"
+    finally:
+        dist.destroy_process_group()
+    return f"rank {rank}: no error"

@@ -85,16 +85,28 @@ def test_loader_and_prompt_on_fixture(task):
     for p in prompts:
         content = p.record["messages"][0]["content"]
         assert p.prompt_ids == TOK.chat_prompt([{"role": "user", "content": content}])  # the chat template
-        instruction = MATH_BOXED_INSTRUCTION if spec.kind == "math" else CODE_BLOCK_INSTRUCTION
-        assert content.endswith(instruction)
+        if spec.kind == "planning":
+            assert "inside <answer></answer> tags" in content or "<answer>\n[16-character solution" in content
+        else:
+            assert content.endswith(MATH_BOXED_INSTRUCTION if spec.kind == "math" else CODE_BLOCK_INSTRUCTION)
         assert p.record[spec.gold_field]
     rec = prompts[0].record
     expected = {"gsm8k": ("answer", "#### 7"), "math500": ("answer", "\\frac{3}{4}"), "aime24": ("answer", "401"),
                 "aime25": ("answer", "15"), "humaneval": ("tests", "check(add)"),
-                "mbpp": ("tests", "assert set(similar_elements")}[task]
+                "mbpp": ("tests", "assert set(similar_elements"), "countdown": ("answer", "13"),
+                "sudoku": ("answer", "1234341221434321")}[task]
     assert expected[1] in rec[expected[0]]
     assert rec["problem_id"] == {"gsm8k": None, "math500": "test/prealgebra/1.json", "aime24": "60",
-                                 "aime25": "I-1", "humaneval": "HumanEval/0", "mbpp": "2"}[task]
+                                 "aime25": "I-1", "humaneval": "HumanEval/0", "mbpp": "2", "countdown": "c1",
+                                 "sudoku": "s1"}[task]
+    if task == "countdown":  # DARE's prompt, from Countdown-Tasks fields and from d1's "input"/"output" rows
+        assert "Using only the numbers [3, 5, 2], create an arithmetic expression that evaluates to exactly 13" in \
+            prompts[0].record["messages"][0]["content"]
+        assert "numbers [30, 100, 93]" in prompts[1].record["messages"][0]["content"]
+        assert prompts[1].record["numbers"] == [30, 100, 93] and prompts[1].record["answer"] == "23"
+    if task == "sudoku":
+        assert prompts[1].record["puzzle"] == "2100300012000301"
+        assert "Solve the following Sudoku puzzle: 2100300012000301" in prompts[1].record["messages"][0]["content"]
     if task == "math500":  # a row without 'answer' falls back to its solution (the reward takes the last box)
         assert "\\boxed{2\\sqrt{3}}" in prompts[2].record["answer"]
     if task == "mbpp":  # the full-MBPP row: 'text' + test_setup_code
@@ -126,6 +138,10 @@ CANNED = {  # (a correct response, a wrong one) for the first two problems of ev
               "```python\ndef similar_elements(a, b):\n    return a\n```"),
              ("```python\nimport math\ndef is_square(n):\n    return math.isqrt(n) ** 2 == n\n```",
               "```python\ndef is_square(n):\n    return True\n```")],
+    "countdown": [("<reasoning>3*5=15</reasoning>\n<answer>\n3*5-2\n</answer>", "<answer>3*5*2</answer>"),
+                  ("<answer>30-(100-93)</answer>", "<answer>30+100-93</answer>")],
+    "sudoku": [("<answer>\n1234341221434321\n</answer>", "<answer>1234341221434312</answer>"),
+               ("<answer>2143341212344321</answer>", "no answer")],
 }
 
 
@@ -142,6 +158,10 @@ def test_extraction_and_shared_verifier_on_canned_responses(task):
     if spec.kind == "math":
         assert rows[2]["extracted"] == {"gsm8k": "1200", "math500": "4", "aime24": "9", "aime25": "23"}[task]
         assert rows[0]["gold"] == {"gsm8k": "7", "math500": "\\frac{3}{4}", "aime24": "401", "aime25": "15"}[task]
+    elif spec.kind == "planning":
+        assert rows[2]["extracted"] == {"countdown": "30-(100-93)", "sudoku": "2143341212344321"}[task]
+        assert rows[0]["gold"] == {"countdown": "13", "sudoku": "1234341221434321"}[task]
+        assert rows[1]["reward"] == {"countdown": 0.1, "sudoku": 7 / 8}[task]   # DARE's partial rules
     else:
         assert rows[0]["extracted"].startswith("def ") and rows[0]["gold"] is None
 
@@ -258,4 +278,6 @@ def test_cli_eval_end_to_end_on_tiny_sdar(tmp_path, ray_cluster):
         by = {(r["index"], r["sample"]): r["response"] for r in rows}
         differ += sum(by[(i, 0)] != by[(i, 1)] for i in range(2))
     assert differ > 0   # distinct per-sample seeds: the two samples of a problem are not copies
+    table = (out / "summary.csv").read_text().splitlines()   # the printed table, one row per task
+    assert table[0].startswith("task,problems,samples,mean@2,pass@1,pass@2") and len(table) == 1 + len(TASKS)
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]

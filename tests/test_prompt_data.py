@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megadare.data.prompt_data import build_prompts, load_prompt_splits, synthetic_split
+from megadare.data.prompt_data import build_prompts, load_rl_prompts, synthetic_split
 from megadare.data.sft_data import DataError, load_records
 from megadare.data.tokenizer import ByteTokenizer
 
@@ -28,12 +28,11 @@ def test_errors_name_file_line_and_field(tmp_path):
     recs = load_records(str(p))
     with pytest.raises(DataError, match=r"train.jsonl:2: missing field 'answer'.*rl.answer_key"):
         build_prompts(recs, TOK, str(p))
-    with pytest.raises(DataError, match=r"mem:1: .*must end before the assistant"):
-        build_prompts([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                        "answer": "b"}], TOK, "mem")
+    with pytest.raises(DataError, match=r"mem:1: .*needs a message before an assistant prefill"):
+        build_prompts([{"messages": [{"role": "assistant", "content": "b"}], "answer": "b"}], TOK, "mem")
     with pytest.raises(DataError, match=r"mem:1: no prompt"):
         build_prompts([{"question": "a", "answer": "b"}], TOK, "mem")
-    with pytest.raises(DataError, match=r"mem:1: field 'prompt' must be a string"):
+    with pytest.raises(DataError, match=r"mem:1: field 'prompt' must be a string or a list of"):
         build_prompts([{"prompt": 3, "answer": "b"}], TOK, "mem")
     with pytest.raises(DataError, match=r"mem:1: prompt has 10 tokens, more than 4"):  # role tokens + 7 + NL
         build_prompts([{"prompt": "abcdefg", "answer": "b"}], TOK, "mem", max_prompt_length=4)
@@ -61,5 +60,6 @@ def test_load_splits_from_files(tmp_path):
     tr.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(5)))
     ev.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(9)))
     cfg = load_config(None, [f"data.path={tr}", f"data.eval_path={ev}", "rl.eval_size=4"])
-    train, held, source = load_prompt_splits(cfg.data, cfg.rl, cfg.seed)
-    assert len(train) == 5 and len(held) == 4 and source == str(tr)
+    train, held = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
+    assert len(train) == 5 and len(held) == 4
+    assert train[2].where == f"{tr}:3" and held[0].where == f"{ev}:1" and train[2].record["answer"] == "2"

@@ -9,7 +9,8 @@ import uuid
 import pytest
 
 from megadare.rewards.code import code_reward, extract_code, run_tests
-from megadare.rewards.registry import RewardSpecError, combine, load_reward, score_batch
+from megadare.rewards.registry import RewardSpecError, combine, load_reward
+from megadare.rewards.scoring import score_batch
 from megadare.rewards.sandbox import OUTPUT_LIMIT, run_program
 
 

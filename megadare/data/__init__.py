@@ -1,4 +1,5 @@
-"""SFT data: tokenizers, record loading and tokenization, and deterministic synthetic tasks."""
+"""Data: tokenizers, record files (with each record's file:row), SFT / RL prompt / preference records in megadare's
+and verl / DARE's schemas, and deterministic synthetic tasks."""
 from __future__ import annotations
 
 from megadare.data.sft_data import (
@@ -9,6 +10,8 @@ from megadare.data.sft_data import (
     load_records,
     record_to_example,
 )
+from megadare.data.files import load_many, load_rows
+from megadare.data.preference_data import PreferenceExample, load_preference_examples
 from megadare.data.synthetic import addition_task, exact_match, write_jsonl
 from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -20,6 +23,10 @@ __all__ = [
     "SFTExample",
     "OVERLONG_CHOICES",
     "load_records",
+    "load_rows",
+    "load_many",
+    "PreferenceExample",
+    "load_preference_examples",
     "record_to_example",
     "build_sft_examples",
     "addition_task",

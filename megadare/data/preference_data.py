@@ -1,23 +1,29 @@
 """Preference records (prompt, chosen, rejected) -> tokenized pairs for offline DPO / VRPO (``megadare dpo``).
 
-Accepted shapes (DARE's ultrafeedback layout, ``verl/utils/preprocess/preprocess_dpo.py``, and plain strings):
+Accepted shapes (DARE's ultrafeedback layout, ``verl/utils/preprocess/preprocess_dpo.py``, and plain strings; keys
+configurable and dotted for nested fields, :mod:`.fields`):
 
 * ``prompt``: a string (rendered as one user message) or a list of {role, content} messages ending before the
-  assistant's turn (rendered with ``tok.chat_prompt``);
+  assistant's turn (rendered with the chat template up to that turn, as DARE's ``dLLMRMDataset`` does);
 * ``chosen`` / ``rejected``: a string, or a list holding exactly one assistant message (DARE's form).
 
-Responses end with eos. Every error is a ``DataError`` naming ``source:record`` and the field.
+Responses end with eos. Every error is a ``DataError`` naming the record's ``file:row`` (or ``source:N``) and the
+field.
+
+    examples, stats = load_preference_examples(["ultrafeedback.parquet"], tok, max_len=1024)
+    examples[0].prompt_ids, examples[0].chosen_ids, examples[0].rejected_ids, examples[0].where
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
-from megadare.data.sft_data import (OVERLONG_CHOICES, DataError, _check_messages, _render_prompt, _response_ids,
-                                    _text_field)
+from megadare.data.fields import MISSING, encode_text, get_field, prompt_messages, render_prompt, response_text
+from megadare.data.files import DataError, load_many
+from megadare.data.sft_data import OVERLONG_CHOICES
 from megadare.data.tokenizer import Tokenizer
 
-__all__ = ["PreferenceExample", "record_to_preference", "build_preference_examples"]
+__all__ = ["PreferenceExample", "record_to_preference", "build_preference_examples", "load_preference_examples"]
 
 
 @dataclass
@@ -25,27 +31,19 @@ class PreferenceExample:
     prompt_ids: list[int]
     chosen_ids: list[int]
     rejected_ids: list[int]
+    where: str = ""            # file:row of the record
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
 
 
-def _prompt(rec: dict, tok: Tokenizer, where: str, key: str) -> list[int]:
-    value = rec[key]
-    if isinstance(value, str):
-        return _render_prompt(tok, [{"role": "user", "content": value}], where, key)
-    return _render_prompt(tok, _check_messages(value, where, key, ends_with_response=False), where, key)
-
-
 def _response(rec: dict, tok: Tokenizer, where: str, key: str) -> list[int]:
-    value: Any = rec[key]
-    if isinstance(value, list):
-        msg = value[0] if len(value) == 1 and isinstance(value[0], dict) else {}
-        if msg.get("role") != "assistant" or not isinstance(msg.get("content"), str):
-            raise DataError(f"{where}: field {key!r} must be a string or a list of exactly one assistant message "
-                            "{role: assistant, content: <text>} (DARE's layout)")
-        return _response_ids(tok, msg["content"], where, f"{key}[0].content")
-    return _response_ids(tok, _text_field(rec, key, where), where, key)
+    value = get_field(rec, key)
+    if isinstance(value, list) and not (len(value) == 1 and isinstance(value[0], dict)
+                                        and value[0].get("role") == "assistant"):
+        raise DataError(f"{where}: field {key!r} must be a string or a list of exactly one assistant message "
+                        "{role: assistant, content: <text>} (DARE's layout)")
+    return encode_text(tok, response_text(value, where, key), where, key) + [tok.eos_token_id]
 
 
 def record_to_preference(rec: dict, tok: Tokenizer, where: str, *, prompt_key: str = "prompt",
@@ -53,13 +51,18 @@ def record_to_preference(rec: dict, tok: Tokenizer, where: str, *, prompt_key: s
     """Tokenize one preference record; ``where`` prefixes every error."""
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
-    missing = [k for k in (prompt_key, chosen_key, rejected_key) if k not in rec]
+    missing = [k for k in (prompt_key, chosen_key, rejected_key) if get_field(rec, k) is MISSING]
     if missing:
         raise DataError(f"{where}: missing field {' and '.join(repr(k) for k in missing)}; a preference record needs "
                         f"{prompt_key!r}, {chosen_key!r} and {rejected_key!r} (dpo.chosen_key / dpo.rejected_key / "
                         f"data.prompt_key name them); found keys {sorted(rec)}")
-    return PreferenceExample(_prompt(rec, tok, where, prompt_key), _response(rec, tok, where, chosen_key),
-                             _response(rec, tok, where, rejected_key))
+    msgs = prompt_messages(get_field(rec, prompt_key), where, prompt_key)
+    if msgs[-1]["role"] == "assistant":
+        raise DataError(f"{where}: field {prompt_key!r}: a prompt must end before the assistant's turn (the chosen / "
+                        "rejected responses are that turn); drop the last message")
+    prompt_ids, _ = render_prompt(tok, msgs, where, prompt_key)
+    return PreferenceExample(prompt_ids, _response(rec, tok, where, chosen_key),
+                             _response(rec, tok, where, rejected_key), where)
 
 
 def _fit(ex: PreferenceExample, max_len: int, overlong: str, where: str) -> Optional[PreferenceExample]:
@@ -71,21 +74,22 @@ def _fit(ex: PreferenceExample, max_len: int, overlong: str, where: str) -> Opti
     keep = max_len - len(ex.prompt_ids)
     if overlong == "drop" or keep < 1:
         return None
-    return PreferenceExample(ex.prompt_ids, ex.chosen_ids[:keep], ex.rejected_ids[:keep])
+    return PreferenceExample(ex.prompt_ids, ex.chosen_ids[:keep], ex.rejected_ids[:keep], ex.where)
 
 
 def build_preference_examples(records: Iterable[dict], tok: Tokenizer, max_len: int, overlong: str = "truncate",
-                              source: str = "<records>", **keys: str) -> tuple[list[PreferenceExample], dict]:
+                              source: str = "<records>", sources: Optional[Sequence[str]] = None,
+                              **keys: str) -> tuple[list[PreferenceExample], dict]:
     """Tokenized pairs fitted into ``max_len`` (prompt + the longer response): 'truncate' cuts both responses
     (dropping pairs whose prompt fills max_len), 'drop' drops the pair, 'error' raises. Pairs whose chosen and
-    rejected responses are identical are refused (no preference). Returns the pairs and {'records', 'kept',
-    'dropped'}."""
+    rejected responses are identical are refused (no preference). Errors name ``sources[i]`` (else ``source:N``).
+    Returns the pairs and {'records', 'kept', 'dropped'}."""
     if overlong not in OVERLONG_CHOICES:
         raise ValueError(f"overlong={overlong!r} is not one of {', '.join(OVERLONG_CHOICES)}")
     examples: list[PreferenceExample] = []
     stats = {"records": 0, "kept": 0, "dropped": 0}
     for n, rec in enumerate(records, start=1):
-        where = f"{source}:{n}"
+        where = sources[n - 1] if sources is not None else f"{source}:{n}"
         stats["records"] += 1
         ex = _fit(record_to_preference(rec, tok, where, **keys), max_len, overlong, where)
         if ex is None:
@@ -96,3 +100,12 @@ def build_preference_examples(records: Iterable[dict], tok: Tokenizer, max_len: 
         examples.append(ex)
         stats["kept"] += 1
     return examples, stats
+
+
+def load_preference_examples(paths: Union[str, Sequence[str]], tok: Tokenizer, max_len: int,
+                             overlong: str = "truncate", **keys: str) -> tuple[list[PreferenceExample], dict]:
+    """:func:`build_preference_examples` over one file or a list of files (.jsonl / .parquet), errors naming
+    ``file:row``."""
+    located = load_many(paths)
+    return build_preference_examples([r for _, r in located], tok, max_len, overlong,
+                                     sources=[w for w, _ in located], **keys)

@@ -1,61 +1,104 @@
-"""Prompt datasets for RL and evaluation: records with a prompt (or chat messages) and an answer field.
+"""Prompt datasets for RL and evaluation: records with a prompt (or chat messages) and a gold answer field.
 
-A record is ``{"prompt": "...", "answer": "..."}`` (keys configurable), or ``{"messages": [...], "answer": ...}``
-whose messages end before the assistant turn, or pre-tokenized ``{"prompt_ids": [...], "answer": ...}``. The
-prompt is rendered with the tokenizer's chat template (the same rendering SFT uses, so an SFT model sees
-the format it was trained on). Other fields (tests for code rewards, ...) ride along to the reward function.
+A record is ``{"prompt": "...", "answer": "..."}`` (keys configurable, dotted for nested fields), or
+``{"messages": [...], "answer": ...}``, or pre-tokenized ``{"prompt_ids": [...], "answer": ...}``, or a verl / DARE
+row ``{"data_source", "prompt": [messages], "reward_model": {"ground_truth"}, "extra_info"}``, recognised with the
+default keys (:mod:`.fields`). The prompt is rendered with the tokenizer's chat template (the same rendering SFT
+uses, so an SFT model sees the format it was trained on); messages may end with an assistant prefill (DARE's MBPP
+``[BEGIN]``), which the response continues and the reward sees in front of it.
+
+The record handed to the reward is the row itself with the gold copied to ``answer`` (so the built-in rewards
+read the configured field); other fields (``tests``, ``data_source``, ``extra_info`` ...) ride along. Every
+record keeps its source (``file:row``) for errors.
 
 The generated tasks of ``data.synthetic`` produce a train and a held-out split from one place, so SFT, RL
 and evaluation agree on what is held out.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from megadare.data.sft_data import DataError, _check_messages, _int_list, _render_prompt, load_records
+from megadare.data.fields import DARE_GOLD, MISSING, get_field, prompt_messages, render_prompt
+from megadare.data.files import DataError, load_many
+from megadare.data.sft_data import int_list
 from megadare.data.tokenizer import Tokenizer
 
-__all__ = ["PromptRecord", "build_prompts", "synthetic_split", "load_prompt_splits"]
+__all__ = ["PromptRecord", "build_prompts", "synthetic_split", "load_rl_prompts", "rl_keys"]
 
 
 @dataclass
 class PromptRecord:
     prompt_ids: list[int]
-    record: dict[str, Any]     # the source record (answer, tests, ...), handed to the reward function
-    where: str = ""
+    record: dict[str, Any]     # the source record with its gold under "answer", handed to the reward function
+    where: str = ""            # file:row (or source:N) of the record
+    prefill: str = ""          # an assistant prefill ending the prompt: the response continues it
+
+    def reward_text(self, response: str) -> str:
+        """What the reward scores: the prefill and the model's continuation."""
+        return self.prefill + response
+
+
+def rl_keys(rec: dict, prompt_key: str = "prompt", answer_key: str = "answer",
+            messages_key: str = "messages") -> tuple[Optional[str], Optional[str]]:
+    """(prompt field, gold field) of an RL record: ``prompt_ids`` / ``messages_key`` / ``prompt_key``, and
+    ``answer_key``, else verl's ``reward_model.ground_truth`` when ``answer_key`` is the default; None if absent."""
+    prompt = next((k for k in ("prompt_ids", messages_key, prompt_key) if get_field(rec, k) is not MISSING), None)
+    gold = answer_key if get_field(rec, answer_key) is not MISSING else None
+    if gold is None and answer_key == "answer" and get_field(rec, DARE_GOLD) is not MISSING:
+        gold = DARE_GOLD
+    return prompt, gold
+
+
+def _prompt_ids(rec: dict, key: str, tok: Tokenizer, where: str) -> tuple[list[int], str]:
+    if key == "prompt_ids":
+        return int_list(rec, "prompt_ids", where, tok.vocab_size), ""
+    return render_prompt(tok, prompt_messages(get_field(rec, key), where, key), where, key)
+
+
+def _gold_missing(rec: dict, key: Optional[str]) -> bool:
+    if key is None:
+        return True
+    gold = get_field(rec, key)
+    return gold is None or (isinstance(gold, str) and not gold.strip())
 
 
 def build_prompts(records: list[dict], tok: Tokenizer, source: str, prompt_key: str = "prompt",
                   answer_key: str = "answer", messages_key: str = "messages",
-                  max_prompt_length: Optional[int] = None) -> list[PromptRecord]:
-    """Tokenized prompts; errors name ``source:line`` and the field."""
+                  max_prompt_length: Optional[int] = None, sources: Optional[Sequence[str]] = None,
+                  skipped: Optional[list] = None) -> list[PromptRecord]:
+    """Tokenized prompts; errors name the record's ``sources[i]`` (else ``source:N``) and the field. With a
+    ``skipped`` list, records without a gold answer (absent, null or empty) are left out and their sources put
+    there instead of raising."""
     out = []
     for i, rec in enumerate(records):
-        where = f"{source}:{i + 1}"
+        where = sources[i] if sources is not None else f"{source}:{i + 1}"
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
-        if answer_key not in rec:
+        pkey, gkey = rl_keys(rec, prompt_key, answer_key, messages_key)
+        if skipped is not None and _gold_missing(rec, gkey):
+            skipped.append(where)
+            continue
+        if gkey is None:
             raise DataError(f"{where}: missing field {answer_key!r} (the reference answer the reward checks; set "
-                            f"rl.answer_key if the file calls it differently); found keys {sorted(rec)}")
-        if "prompt_ids" in rec:
-            ids = _int_list(rec, "prompt_ids", where, tok.vocab_size)
-        elif messages_key in rec:
-            msgs = _check_messages(rec[messages_key], where, messages_key, ends_with_response=False)
-            ids = _render_prompt(tok, msgs, where, messages_key)
-        elif prompt_key in rec:
-            if not isinstance(rec[prompt_key], str):
-                raise DataError(f"{where}: field {prompt_key!r} must be a string")
-            ids = _render_prompt(tok, [{"role": "user", "content": rec[prompt_key]}], where, prompt_key)
-        else:
+                            f"rl.answer_key if the file calls it differently, dotted for nested fields); found "
+                            f"keys {sorted(rec)}")
+        if pkey is None:
             raise DataError(f"{where}: no prompt: expected {prompt_key!r}, {messages_key!r} or 'prompt_ids'; found "
                             f"keys {sorted(rec)}")
+        ids, prefill = _prompt_ids(rec, pkey, tok, where)
         if not ids:
             raise DataError(f"{where}: the prompt is empty")
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise DataError(f"{where}: prompt has {len(ids)} tokens, more than {max_prompt_length}; shorten it or "
                             "raise data.max_length")
-        out.append(PromptRecord(ids, rec, where))
+        gold = get_field(rec, gkey)
+        if _gold_missing(rec, gkey):
+            raise DataError(f"{where}: field {gkey!r} (the reference answer) is {'null' if gold is None else 'empty'}; "
+                            "drop the row, or set rl.skip_rows_without_answer=true to leave such rows out")
+        out.append(PromptRecord(ids, dict(rec, answer=gold), where, prefill))
     return out
 
 
@@ -77,13 +120,30 @@ def synthetic_split(name: str, size: int, eval_size: int, seed: int, correct_fra
     raise DataError(f"data.synthetic={name!r} unknown; choose addition or reverse")
 
 
-def load_prompt_splits(data_cfg, rl_cfg, seed: int) -> tuple[list[dict], list[dict], str]:
-    """(train records, held-out records, source name) from data.path / data.eval_path or a synthetic task."""
+def _located(data_cfg, rl_cfg, seed: int) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """(train, held-out) ``(source, record)`` pairs from data.path / data.eval_path or a synthetic task."""
     if data_cfg.synthetic:
         train, held = synthetic_split(data_cfg.synthetic, data_cfg.synthetic_size, rl_cfg.eval_size, seed)
-        return train, held, f"synthetic:{data_cfg.synthetic}"
+        name = f"synthetic:{data_cfg.synthetic}"
+        return ([(f"{name}:{i + 1}", r) for i, r in enumerate(train)],
+                [(f"{name} (held-out):{i + 1}", r) for i, r in enumerate(held)])
     if not data_cfg.path:
-        raise DataError("no prompts: set data.path (.jsonl / .parquet with prompt + answer fields) or data.synthetic")
-    train = load_records(data_cfg.path)
-    held = load_records(data_cfg.eval_path)[: rl_cfg.eval_size] if data_cfg.eval_path else []
-    return train, held, data_cfg.path
+        raise DataError("no prompts: set data.path (.jsonl / .parquet with prompt + answer fields, or a list of "
+                        "files) or data.synthetic")
+    held = load_many(data_cfg.eval_path, "data.eval_path")[: rl_cfg.eval_size] if data_cfg.eval_path else []
+    return load_many(data_cfg.path, "data.path"), held
+
+
+def load_rl_prompts(data_cfg, rl_cfg, seed: int, tok: Tokenizer) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(train prompts, held-out prompts) from data.path / data.eval_path (a file or a list of files) or a synthetic
+    task, with the keys data.prompt_key / data.messages_key / rl.answer_key."""
+    out = []
+    for pairs in _located(data_cfg, rl_cfg, seed):
+        skipped: Optional[list] = [] if rl_cfg.skip_rows_without_answer else None
+        out.append(build_prompts([r for _, r in pairs], tok, "", data_cfg.prompt_key, rl_cfg.answer_key,
+                                 data_cfg.messages_key, sources=[w for w, _ in pairs], skipped=skipped))
+        if skipped and os.environ.get("RANK", "0") == "0":
+            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            print(f"data: left out {len(skipped)} rows without a gold answer (rl.skip_rows_without_answer): {shown}",
+                  file=sys.stderr)
+    return out[0], out[1]

@@ -1,30 +1,33 @@
 """SFT records -> tokenized (prompt, response) examples.
 
-Records come from .jsonl or .parquet files and take one of two shapes:
+Records come from .jsonl or .parquet files and take one of these shapes (keys configurable, dotted for nested
+fields; :mod:`.fields`):
 
 * chat: ``{"messages": [{"role": ..., "content": ...}, ..., {"role": "assistant", "content": ...}]}``; the last
   message is the response, everything before it the prompt (rendered with ``tok.chat_prompt``);
-* pair: ``{"prompt": ..., "response": ...}``; the prompt is rendered as a single user message.
+* pair: ``{"prompt": ..., "response": ...}``; the prompt is text (one user message) or a list of messages, the
+  response text or one assistant message;
+* DARE's SFT schema (verl): when the pair keys are the defaults and absent, ``extra_info.question`` and
+  ``extra_info.answer`` (the fields DARE's SFT recipes read: ``data.prompt_key=extra_info``,
+  ``data.prompt_dict_keys=['question']``, ...);
+* pre-tokenized ``prompt_ids`` + ``response_ids`` (+ ``steps`` for trace SFT).
 
-Every error is a ``DataError`` naming where it happened (``file:line`` or ``source:record``) and the field.
+Every error is a ``DataError`` naming where it happened (``file:line`` / ``file:row N``) and the field.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from typing import Optional, Any, Iterable
+from typing import Iterable, Optional, Sequence
 
+from megadare.data.fields import (DARE_SFT_PROMPT, DARE_SFT_RESPONSE, MISSING, check_messages, encode_text,
+                                  first_present, get_field, prompt_messages, render_prompt, response_text)
+from megadare.data.files import DataError, load_records
 from megadare.data.tokenizer import Tokenizer
 
-__all__ = ["DataError", "SFTExample", "load_records", "record_to_example", "build_sft_examples", "OVERLONG_CHOICES"]
+__all__ = ["DataError", "SFTExample", "load_records", "record_to_example", "build_sft_examples", "sft_keys",
+           "int_list", "OVERLONG_CHOICES"]
 
-SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 OVERLONG_CHOICES = ("truncate", "drop", "error")
-
-
-class DataError(ValueError):
-    """A data file or record that cannot be used; the message says where and why."""
 
 
 @dataclass
@@ -39,108 +42,30 @@ class SFTExample:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-# ----------------------------------------------------------------------------------------------- loading
-
-
-def load_records(path: str) -> list[dict]:
-    """All records of a .jsonl or .parquet file, as dicts."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in SUPPORTED_EXTENSIONS:
-        raise DataError(
-            f"{path}: unsupported data file extension {ext or '(none)'!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
-        )
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: data file not found")
-    return _load_jsonl(path) if ext == ".jsonl" else _load_parquet(path)
-
-
-def _load_jsonl(path: str) -> list[dict]:
-    records = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason})") from e
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            records.append(rec)
-    return records
-
-
-def _load_parquet(path: str) -> list[dict]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises several types for corrupt files
-        raise DataError(f"{path}: cannot read parquet file ({e})") from e
-    return table.to_pylist()
-
-
 # ------------------------------------------------------------------------------------------- conversion
-
-
-def _text_field(rec: dict, key: str, where: str) -> str:
-    value = rec[key]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
-    return value
-
-
-def _encode(tok: Tokenizer, text: str, where: str, field: str) -> list[int]:
-    try:
-        return list(tok.encode(text))
-    except ValueError as e:
-        raise DataError(f"{where}: field {field!r}: {e}") from e
-
-
-def _render_prompt(tok: Tokenizer, messages: list[dict], where: str, field: str) -> list[int]:
-    try:
-        return list(tok.chat_prompt(messages))
-    except ValueError as e:
-        raise DataError(f"{where}: field {field!r}: {e}") from e
-
-
-def _check_messages(msgs: Any, where: str, key: str, ends_with_response: bool = True) -> list[dict]:
-    """A well-formed conversation; SFT records end with the assistant's response, RL prompts before it."""
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} messages")
-    for n, msg in enumerate(msgs):
-        if not isinstance(msg, dict):
-            raise DataError(f"{where}: field {key!r}[{n}] must be an object with 'role' and 'content'")
-        for part in ("role", "content"):
-            if part not in msg:
-                raise DataError(f"{where}: field {key!r}[{n}] is missing {part!r}")
-            if not isinstance(msg[part], str):
-                raise DataError(f"{where}: field {key!r}[{n}].{part} must be a string")
-    last = msgs[-1]["role"]
-    if not ends_with_response:
-        if last == "assistant":
-            raise DataError(f"{where}: field {key!r}: a prompt must end before the assistant's turn (the model "
-                            "writes it); drop the last message")
-        return msgs
-    if last != "assistant":
-        raise DataError(
-            f"{where}: field {key!r}: the last message must have role 'assistant' (the response), got {last!r}"
-        )
-    if len(msgs) < 2:
-        raise DataError(f"{where}: field {key!r}: needs at least one message before the assistant response")
-    return msgs
 
 
 def _response_ids(tok: Tokenizer, text: str, where: str, field: str) -> list[int]:
     if not text.strip():
         raise DataError(f"{where}: field {field!r}: the response is empty")
-    return _encode(tok, text, where, field) + [tok.eos_token_id]
+    return encode_text(tok, text, where, field) + [tok.eos_token_id]
+
+
+def sft_keys(rec: dict, prompt_key: str = "prompt", response_key: str = "response",
+             messages_key: str = "messages") -> tuple[str, ...]:
+    """The fields an SFT record is read from: ``("pretokenized",)``, ``("chat", messages)`` or ``("pair", prompt,
+    response)`` (DARE's ``extra_info.question`` / ``extra_info.answer`` when the default pair keys are absent);
+    an empty tuple when none fits."""
+    if "prompt_ids" in rec or "response_ids" in rec:
+        return ("pretokenized",)
+    if get_field(rec, messages_key) is not MISSING:
+        return ("chat", messages_key)
+    if get_field(rec, prompt_key) is not MISSING and get_field(rec, response_key) is not MISSING:
+        return ("pair", prompt_key, response_key)
+    if (prompt_key, response_key) == ("prompt", "response") and \
+            first_present(rec, (DARE_SFT_PROMPT,)) and first_present(rec, (DARE_SFT_RESPONSE,)):
+        return ("pair", DARE_SFT_PROMPT, DARE_SFT_RESPONSE)
+    return ()
 
 
 def record_to_example(
@@ -152,33 +77,32 @@ def record_to_example(
     response_key: str = "response",
     messages_key: str = "messages",
 ) -> SFTExample:
-    """Tokenize one record (chat or prompt/response shape); ``where`` prefixes every error message.
+    """Tokenize one record (chat, pair, DARE or pre-tokenized shape); ``where`` prefixes every error message.
 
-    A record may also be pre-tokenized -- ``prompt_ids`` + ``response_ids`` (lists of ints), as rollouts
-    record them -- and carry ``steps`` (one committed-at denoising step per response token) for trace SFT.
+    A pre-tokenized record -- ``prompt_ids`` + ``response_ids`` (lists of ints), as rollouts record them -- may
+    carry ``steps`` (one committed-at denoising step per response token) for trace SFT.
     """
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
-    if "prompt_ids" in rec or "response_ids" in rec:
-        return _pretokenized(rec, tok, where)
-    if messages_key in rec:
-        msgs = _check_messages(rec[messages_key], where, messages_key)
-        prompt = _render_prompt(tok, msgs[:-1], where, messages_key)
-        return SFTExample(prompt, _response_ids(tok, msgs[-1]["content"], where, f"{messages_key}[-1].content"))
-    has_p, has_r = prompt_key in rec, response_key in rec
-    if not (has_p and has_r):
-        missing = [k for k, has in ((prompt_key, has_p), (response_key, has_r)) if not has]
+    keys = sft_keys(rec, prompt_key, response_key, messages_key)
+    if not keys:
+        missing = [k for k in (prompt_key, response_key) if get_field(rec, k) is MISSING]
         raise DataError(
             f"{where}: missing field {' and '.join(repr(k) for k in missing)}; expected either {messages_key!r} "
-            f"(chat format) or {prompt_key!r} + {response_key!r} (pair format); found keys {sorted(rec)}"
-        )
-    prompt_text = _text_field(rec, prompt_key, where)
-    response_text = _text_field(rec, response_key, where)
-    prompt = _render_prompt(tok, [{"role": "user", "content": prompt_text}], where, prompt_key)
-    return SFTExample(prompt, _response_ids(tok, response_text, where, response_key))
+            f"(chat format), {prompt_key!r} + {response_key!r} (pair format) or DARE's {DARE_SFT_PROMPT!r} + "
+            f"{DARE_SFT_RESPONSE!r}; found keys {sorted(rec)}")
+    if keys[0] == "pretokenized":
+        return _pretokenized(rec, tok, where)
+    if keys[0] == "chat":
+        msgs = check_messages(get_field(rec, messages_key), where, messages_key, ends_with_response=True)
+        prompt, _ = render_prompt(tok, msgs[:-1], where, messages_key)
+        return SFTExample(prompt, _response_ids(tok, msgs[-1]["content"], where, f"{messages_key}[-1].content"))
+    _, pkey, rkey = keys
+    prompt, _ = render_prompt(tok, prompt_messages(get_field(rec, pkey), where, pkey), where, pkey)
+    return SFTExample(prompt, _response_ids(tok, response_text(get_field(rec, rkey), where, rkey), where, rkey))
 
 
-def _int_list(rec: dict, key: str, where: str, vocab: Optional[int] = None) -> list[int]:
+def int_list(rec: dict, key: str, where: str, vocab: Optional[int] = None) -> list[int]:
     v = rec.get(key)
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise DataError(f"{where}: field {key!r} must be a list of integers")
@@ -192,13 +116,13 @@ def _pretokenized(rec: dict, tok: Tokenizer, where: str) -> SFTExample:
         if key not in rec:
             raise DataError(f"{where}: a pre-tokenized record needs both 'prompt_ids' and 'response_ids' "
                             f"(missing {key!r})")
-    prompt = _int_list(rec, "prompt_ids", where, tok.vocab_size)
-    response = _int_list(rec, "response_ids", where, tok.vocab_size)
+    prompt = int_list(rec, "prompt_ids", where, tok.vocab_size)
+    response = int_list(rec, "response_ids", where, tok.vocab_size)
     if not response:
         raise DataError(f"{where}: field 'response_ids': the response is empty")
     steps = None
     if "steps" in rec:
-        steps = _int_list(rec, "steps", where)
+        steps = int_list(rec, "steps", where)
         if len(steps) != len(response):
             raise DataError(f"{where}: field 'steps' has {len(steps)} entries for {len(response)} response tokens; "
                             "a trace needs exactly one committed-at step per response token")
@@ -229,14 +153,15 @@ def build_sft_examples(
     max_len: int,
     overlong: str = "truncate",
     source: str = "<records>",
+    sources: Optional[Sequence[str]] = None,
     **keys: str,
 ) -> tuple[list[SFTExample], dict]:
     """Tokenize ``records`` and fit them into ``max_len`` tokens.
 
     ``overlong``: 'truncate' cuts the response (keeping at least one token; a truncated response loses its
     eos, since the text did not end there) and drops examples whose prompt alone fills ``max_len``; 'drop'
-    drops every overlong example; 'error' raises DataError. Errors name ``source:N`` with N the 1-based record
-    index (the line number for a .jsonl file without blank lines). ``keys`` are ``prompt_key``,
+    drops every overlong example; 'error' raises DataError. Errors name ``sources[i]`` (a record's ``file:row``,
+    :func:`~megadare.data.files.load_many`) or else ``source:N`` with N the 1-based record index. ``keys`` are ``prompt_key``,
     ``response_key``, ``messages_key`` for ``record_to_example``. Returns the examples and stats
     ``{'records', 'kept', 'truncated', 'dropped'}`` ('kept' counts every returned example, truncated or not).
     """
@@ -250,7 +175,7 @@ def build_sft_examples(
     examples: list[SFTExample] = []
     stats = {"records": 0, "kept": 0, "truncated": 0, "dropped": 0}
     for n, rec in enumerate(records, start=1):
-        where = f"{source}:{n}"
+        where = sources[n - 1] if sources is not None else f"{source}:{n}"
         stats["records"] += 1
         ex, outcome = _fit(record_to_example(rec, tok, where, **keys), max_len, overlong, where)
         if ex is None:

@@ -28,8 +28,9 @@ class Tokenizer(Protocol):
         """Text of ``ids`` with special tokens skipped."""
         ...
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` ({'role', 'content'} dicts) ending with the assistant generation prompt."""
+    def chat_prompt(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        """Token ids of ``messages`` ({'role', 'content'} dicts) ending with the assistant generation prompt; with
+        ``continue_final`` the last (assistant) message is the start of that turn, left open (a prefill)."""
         ...
 
 
@@ -81,8 +82,13 @@ class ByteTokenizer:
                 raise ValueError(f"ByteTokenizer: id {i} is outside the vocabulary (0..255)")
         return "".join(out)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Each message as role token + content bytes + newline, then the assistant token."""
+    def chat_prompt(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        """Each message as role token + content bytes + newline, then the assistant token; with ``continue_final``
+        the last message (an assistant prefill) follows that token, with no newline after it."""
+        if continue_final:
+            if not messages or messages[-1].get("role") != "assistant":
+                raise ValueError("continue_final needs a last message with role 'assistant' (the prefill)")
+            return self.chat_prompt(messages[:-1]) + self.encode(str(messages[-1].get("content", "")))
         ids: list[int] = []
         for n, msg in enumerate(messages):
             role = msg.get("role")
@@ -126,14 +132,16 @@ class HFTokenizer:
         """Text of ``ids`` with special tokens skipped."""
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """The conversation through the tokenizer's chat template, with the generation prompt appended."""
+    def chat_prompt(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        """The conversation through the tokenizer's chat template, with the generation prompt appended; with
+        ``continue_final`` the last (assistant) message is rendered open, its turn not closed (a prefill)."""
         if not getattr(self.tok, "chat_template", None):
             raise ValueError(
                 f"tokenizer at {self.path} has no chat template; cannot render chat prompts "
                 "(add 'chat_template' to tokenizer_config.json)"
             )
-        out: Any = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out: Any = self.tok.apply_chat_template(messages, add_generation_prompt=not continue_final,
+                                                continue_final_message=continue_final, tokenize=True)
         if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # newer transformers return a BatchEncoding
             out = out["input_ids"]
         return [int(i) for i in out]

@@ -1,7 +1,7 @@
 """Where a task's data lives, reading it with each row's location, and atomic output files.
 
 A task's file is ``eval.paths.<task>`` when set, else ``<eval.data_dir>/<task>.jsonl`` or ``.parquet``; nothing is
-ever downloaded. Rows are read by :func:`megadare.data.sft_data.load_records` (the SFT / RL reader, whose errors
+ever downloaded. Rows are read by :func:`megadare.data.files.load_rows` (the SFT / RL reader, whose errors
 name ``file:line``); each row keeps its location (``file:line`` for JSONL, ``file:row N`` for parquet) so a
 missing or malformed field is reported where it is.
 """
@@ -13,7 +13,8 @@ import tempfile
 from typing import Any, Iterable
 
 from megadare.errors import ConfigError
-from megadare.data.sft_data import DataError, load_records
+from megadare.data.files import DataError
+from megadare.data.files import load_rows as load_file_rows
 
 __all__ = ["task_file", "load_rows", "write_text_atomic", "write_jsonl_atomic", "write_json_atomic"]
 
@@ -42,23 +43,12 @@ def task_file(data_dir: str | None, paths: dict, task: str) -> str:
     return found[0]
 
 
-def _jsonl_lines(path: str) -> list[int]:
-    """Line numbers of the non-blank lines of a JSONL file (the lines load_records turns into rows)."""
-    with open(path, "rb") as f:
-        return [n for n, raw in enumerate(f, start=1) if raw.strip()]
-
-
 def load_rows(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
     """``(location, row)`` of the first ``limit`` rows (all when None) of a .jsonl / .parquet file."""
-    rows = load_records(path)
-    if path.lower().endswith(".jsonl"):
-        where = [f"{path}:{n}" for n in _jsonl_lines(path)]
-    else:
-        where = [f"{path}:row {i + 1}" for i in range(len(rows))]
+    rows = load_file_rows(path)
     if not rows:
         raise DataError(f"{path}: the file holds no rows")
-    out = list(zip(where, rows))
-    return out if limit is None else out[:limit]
+    return rows if limit is None else rows[:limit]
 
 
 def write_text_atomic(path: str, text: str) -> None:

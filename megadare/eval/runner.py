@@ -12,23 +12,30 @@ reproduces them. Responses are scored by :func:`megadare.rewards.score_batch` wi
 Outputs in ``eval.output_dir`` (default ``<logging.run_dir>/eval``), each written atomically after its task:
 ``samples_<task>.jsonl`` (one row per sample: task, index, problem_id, prompt, sample, response, extracted, gold,
 correct, reward, length, forwards, finish_reason) and ``summary.json`` (settings + per-task metrics,
-:mod:`megadare.eval.metrics`).
+:mod:`megadare.eval.metrics`); at the end the per-task table is printed and written as ``summary.csv``. A task's
+rewards that could not be computed for more than ``rl.max_reward_error_fraction`` of its samples stop the command
+(:func:`megadare.rewards.check_reward_errors`, naming the first failing row's file:row).
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import os
 import time
 from typing import Any
 
 from megadare.config import Config
+from megadare.data.fields import is_verl_row
+from megadare.data.prompt_data import build_prompts
 from megadare.errors import ConfigError
-from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic
+from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
+from megadare.rewards import check_reward_errors, load_reward, score_batch
 
 __all__ = ["run_eval_command", "check_eval_config", "load_task_prompts", "generate_samples", "score_samples",
-           "SEED_STRIDE"]
+           "summary_table", "write_summary", "SEED_STRIDE"]
 
 SEED_STRIDE = 1_000_003   # seed distance between sample rounds (more than any task's number of engine chunks)
 
@@ -40,6 +47,11 @@ def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
     if not names:
         raise ConfigError(f"eval.tasks is empty; choose from {', '.join(TASKS)}")
     specs = [task_spec(str(n)) for n in dict.fromkeys(names)]
+    seen = [s.name for s in specs]
+    if len(set(seen)) < len(seen):
+        twice = sorted({n for n in seen if seen.count(n) > 1})
+        raise ConfigError(f"eval.tasks: two tasks are named {', '.join(twice)} (file tasks are named after their file); "
+                          "rename or copy one of the files")
     for key in e.paths:
         if key not in TASKS:
             raise ConfigError(f"eval.paths.{key}: unknown task {key!r} (known: {', '.join(TASKS)})")
@@ -64,11 +76,12 @@ def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
 
 
 def load_task_prompts(spec: TaskSpec, path: str, limit: int | None, style: str, tok) -> list:
-    """The task's PromptRecords (chat-rendered prompt ids + the evaluation record) from its data file."""
-    from megadare.data.prompt_data import build_prompts
-
-    records = [spec.record(raw, where, style) for where, raw in load_rows(path, limit)]
-    return build_prompts(records, tok, path, answer_key=spec.gold_field)
+    """The task's PromptRecords (chat-rendered prompt ids + the evaluation record) from its data file; DARE rows
+    keep their gold in ``reward_model.ground_truth`` (the prompt builder's fallback for ``answer``)."""
+    rows = load_rows(path, limit)
+    records = [spec.record(raw, where, style) for where, raw in rows]
+    answer_key = "answer" if is_verl_row(rows[0][1]) else spec.gold_field
+    return build_prompts(records, tok, path, answer_key=answer_key, sources=[where for where, _ in rows])
 
 
 def generate_samples(manager, prompt_ids: list[list[int]], params, n_samples: int, group: int, chunk_size: int,
@@ -91,29 +104,65 @@ def generate_samples(manager, prompt_ids: list[list[int]], params, n_samples: in
     return traj
 
 
-def score_samples(spec: TaskSpec, tok, prompts: list, traj: list[list[Any]]) -> tuple[list[dict], dict[str, Any]]:
-    """Per-sample rows (decoded response, extracted answer, verdict) and the scorer's error / timeout counts."""
-    from megadare.rewards import load_reward, score_batch
+def _last_user_turn(rec: dict) -> str:
+    msgs = rec.get("messages") or rec.get("prompt") or []
+    return next((m["content"] for m in reversed(msgs) if m.get("role") == "user"), "")
 
+
+def score_samples(spec: TaskSpec, tok, prompts: list, traj: list[list[Any]], max_error_fraction: float = 0.0
+                  ) -> tuple[list[dict], dict[str, Any]]:
+    """Per-sample rows (decoded response, extracted answer, verdict) and the scorer's error / timeout counts; more
+    than ``max_error_fraction`` of samples whose reward could not be computed raise RewardError (naming file:row)."""
     flat = [(i, j, t) for i, samples in enumerate(traj) for j, t in enumerate(samples)]
     texts = [tok.decode(t.response_ids) for _, _, t in flat]
+    full = [prompts[i].reward_text(text) for (i, _, _), text in zip(flat, texts)]
     records = [prompts[i].record for i, _, _ in flat]
-    scores, stats = score_batch(load_reward(spec.reward), texts, records)
+    scores, stats = score_batch(load_reward(spec.reward), full, records)
+    check_reward_errors(stats, spec.reward, [prompts[i].where for i, _, _ in flat], max_error_fraction,
+                        f"eval task {spec.name}")
     rows = []
-    for (i, j, t), rec, text, reward in zip(flat, records, texts, scores):
-        gold = spec.reference(rec["answer"]) if spec.reference else None
+    for (i, j, t), rec, text, shown, reward in zip(flat, records, texts, full, scores):
+        gold = spec.reference(str(rec["answer"])) if spec.reference else None
         rows.append({"task": spec.name, "index": i, "problem_id": rec["problem_id"],
-                     "prompt": rec["messages"][-1]["content"], "sample": j, "response": text,
-                     "extracted": spec.extract(text), "gold": gold, "correct": reward >= 1.0, "reward": float(reward),
-                     "length": len(t.response_ids), "forwards": int(t.num_forwards), "finish_reason": t.finish_reason})
+                     "prompt": _last_user_turn(rec), "sample": j, "response": text, "extracted": spec.extract(shown),
+                     "gold": gold, "correct": reward >= 1.0, "reward": float(reward), "length": len(t.response_ids),
+                     "forwards": int(t.num_forwards), "finish_reason": t.finish_reason})
     return rows, {"reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
-                  "first_reward_error": stats.first_error}
+                  "answer_timeouts": stats.answer_timeouts, "first_reward_error": stats.first_error}
 
 
 def _print_task(name: str, metrics: dict[str, Any]) -> None:
     shown = "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
                       if k.split("@")[0] in ("mean", "pass", "maj") or k in ("response_length", "forwards_per_token"))
     print(f"eval {name}: {shown}  ({metrics['problems']} problems x {metrics['samples_per_problem']} samples)")
+
+
+def summary_table(tasks: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the per-task summary: problems, samples, every mean@ / pass@ / maj@ metric, response
+    length, forwards per token and the reward error counts (blank where a task has no such metric)."""
+    metric_keys = list(dict.fromkeys(k for m in tasks.values() for k in m if k.split("@")[0] in ("mean", "pass", "maj")))
+    header = ["task", "problems", "samples", *metric_keys, "response_length", "forwards_per_token", "reward_errors",
+              "reward_timeouts", "answer_timeouts"]
+    rows = []
+    for name, m in tasks.items():
+        values = [m.get("problems"), m.get("samples_per_problem"), *(m.get(k) for k in metric_keys),
+                  m.get("response_length"), m.get("forwards_per_token"), m.get("reward_errors"),
+                  m.get("reward_timeouts"), m.get("answer_timeouts")]
+        rows.append([name] + ["" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v) for v in values])
+    return header, rows
+
+
+def write_summary(out_dir: str, tasks: dict[str, dict[str, Any]]) -> str:
+    """Print the summary table and write it as ``summary.csv`` (one row per task); returns the csv path."""
+    header, rows = summary_table(tasks)
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows([header, *rows])
+    path = os.path.join(out_dir, "summary.csv")
+    write_text_atomic(path, buf.getvalue())
+    return path
 
 
 def run_eval_command(cfg: Config, nproc: int = 1) -> int:
@@ -133,7 +182,7 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
     e = cfg.eval
     src = resolve_model_source(cfg)
     tok = tokenizer_for(cfg, src)
-    files = {s.name: task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
+    files = {s.name: s.path or task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
     prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
     params = dataclasses.replace(sampling_params(cfg, src.arch, cfg.seed, evaluation=True), temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
@@ -152,7 +201,7 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
                 traj = generate_samples(manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, group,
                                         cfg.rollout.chunk_size, bar)
                 bar.set_postfix_str("scoring")
-                rows, reward_stats = score_samples(spec, tok, task_prompts, traj)
+                rows, reward_stats = score_samples(spec, tok, task_prompts, traj, cfg.rl.max_reward_error_fraction)
             metrics: dict[str, Any] = {"file": files[spec.name], "problems": len(task_prompts),
                                        "samples_per_problem": e.n_samples}
             metrics.update(task_metrics(rows, list(e.k), spec.vote_key))
@@ -163,5 +212,6 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
             _print_task(spec.name, metrics)
     finally:
         manager.shutdown()
-    print(f"eval: wrote {os.path.join(out_dir, 'summary.json')} and samples_<task>.jsonl")
+    csv_path = write_summary(out_dir, summary["tasks"])
+    print(f"eval: wrote {os.path.join(out_dir, 'summary.json')}, {csv_path} and samples_<task>.jsonl")
     return 0

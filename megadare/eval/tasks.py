@@ -13,33 +13,50 @@ aime24/25  problem | question | Problem                answer | Answer          
 humaneval  prompt, test, entry_point                   ``test`` + ``check(entry_point)``          ``code``
 mbpp       prompt | text, test_list, test_imports |    imports / setup + the ``assert`` lines     ``code``
            test_setup_code
+countdown  nums | numbers, target (or d1's input        the target; the numbers                    ``countdown``
+           "30,100,93" + output)
+sudoku     puzzle | Puzzle                             solution | Solution (16 digits)            ``sudoku``
 =========  ==========================================  =========================================  ===========
 
 Field names follow the public releases (openai/gsm8k, HuggingFaceH4/MATH-500, HuggingFaceH4/aime_2024,
-AIME 2025 sets, openai_humaneval, MBPP full and sanitized). Prompts (``eval.prompt_style`` for math):
+AIME 2025 sets, openai_humaneval, MBPP full and sanitized, Countdown-Tasks-3to4, 4x4 sudoku CSVs). A row in the
+verl / DARE schema (``prompt`` messages + ``reward_model.ground_truth``: DARE's ``data/preprocessed/rl/test``
+files) is taken as it is, its prompt unchanged. A task may also be a file path (``--tasks
+data/preprocessed/rl/test/mbpp_1.parquet``): its rows are DARE rows, scored by ``auto`` (per ``data_source``), and
+the task is named after the file. Prompts of the built-in tasks (``eval.prompt_style`` for math):
 
-* ``boxed``: ``"{problem}\\nPlease reason step by step, and put your final answer within \\boxed{}."``, the
+* ``boxed``: ``"{problem}\nPlease reason step by step, and put your final answer within \boxed{}."``, the
   chain-of-thought prompt of dLLM-RL (TraDo / SDAR evaluation) and of OpenCompass' MATH 0-shot config that
   DARE uses for MATH / AIME;
 * ``d1``: d1's (Zhao et al. 2025, arXiv:2504.12216) math system prompt asking for ``<reasoning>`` and an
-  ``<answer>`` holding ``\\boxed{}``, prepended to the question in the user turn as d1's evaluation does;
+  ``<answer>`` holding ``\boxed{}``, prepended to the question in the user turn as d1's evaluation does;
 * code (both styles): dLLM-RL's function-style instruction "Place your code within a single Python code block";
-  MBPP states its tests as in Austin et al. 2021 (arXiv:2108.07732).
+  MBPP states its tests as in Austin et al. 2021 (arXiv:2108.07732);
+* countdown and sudoku: DARE's prompts (``verl/utils/preprocess/preprocess_sudoku_countdown.py``), which ask for
+  the expression / the 16-digit grid inside ``<answer></answer>``.
 
-Extraction is the rewards' own: math takes :func:`~megadare.rewards.extract_answer` (last ``\\boxed{}``, then
-"answer is", then the last number), code :func:`~megadare.rewards.extract_code` (last ```` ```python ```` block).
-A code sample is correct when the program passes every test (the tests form one case, so the reward is 0 or 1).
+Extraction is the rewards' own: math takes :func:`~megadare.rewards.extract_answer` (last ``\boxed{}``, then
+"answer is", then the last number), code :func:`~megadare.rewards.extract_code` (last ```` ```python ```` block;
+MBPP rows of DARE: ``[BEGIN]``/``[DONE]``), countdown / sudoku the last ``<answer>``. A sample is correct when its
+reward is 1.0 (code: every test passed; sudoku: every empty cell right).
 """
 from __future__ import annotations
 
+import difflib
+import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from megadare.data.sft_data import DataError
-from megadare.rewards import extract_answer, extract_boxed, extract_code, gsm8k_gold, normalize_answer
+from megadare.data.fields import is_verl_row
+from megadare.data.files import DataError, load_rows
+from megadare.errors import ConfigError
+from megadare.rewards import (auto_rule, extract_answer, extract_boxed, extract_code, extract_code_mbpp, gsm8k_gold,
+                              normalize_answer)
+from megadare.rewards.planning import last_answer_tag
 
-__all__ = ["TaskSpec", "TASKS", "PROMPT_STYLES", "task_spec", "MATH_BOXED_INSTRUCTION", "D1_MATH_SYSTEM_PROMPT",
-           "CODE_BLOCK_INSTRUCTION"]
+__all__ = ["TaskSpec", "TASKS", "PROMPT_STYLES", "task_spec", "file_task", "countdown_prompt", "SUDOKU_PROMPT",
+           "MATH_BOXED_INSTRUCTION", "D1_MATH_SYSTEM_PROMPT", "CODE_BLOCK_INSTRUCTION"]
 
 MATH_BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 D1_MATH_SYSTEM_PROMPT = ("You are a math expert. You will be given a question to solve. Solve it step by step. "
@@ -135,6 +152,50 @@ def _mbpp(raw: dict, where: str, style: str) -> dict:
     return {"messages": _user(content), "tests": "\n".join([*imports, setup, *asserts]).strip() + "\n"}
 
 
+COUNTDOWN_FORMAT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
+SUDOKU_PROMPT = (
+    'Please solve the following 4x4 Sudoku puzzle. The puzzle is provided as a 16-character string reading '
+    'left-to-right, top-to-bottom, where \'0\' represents empty cells.\n\nRules:\n- Fill empty cells with digits '
+    '1-4\n- Each row must contain digits 1-4 exactly once\n- Each column must contain digits 1-4 exactly once\n- '
+    'Each 2x2 box must contain digits 1-4 exactly once\n\nImportant: Your solution must be a COMPLETE 16-character '
+    'string with only the digits 1-4, representing your final solved grid.\n\nRespond in this exact format:\n'
+    '<reasoning>\nYour step-by-step solving process\n</reasoning>\n<answer>\n[16-character solution string with '
+    'no spaces or separators]\n</answer>\n')
+
+
+def countdown_prompt(numbers: list[int], target: int) -> str:
+    """DARE's countdown question (preprocess_sudoku_countdown.py)."""
+    return (f"{COUNTDOWN_FORMAT}\nUsing only the numbers {numbers}, create an arithmetic expression that evaluates "
+            f"to exactly {target}. You must use all numbers from the list, and each number must be used exactly "
+            "once. You may use the operations +, -, *, and / as needed. After reasoning, provide only your final "
+            "expression inside <answer></answer> tags without including an equals sign or the target number. For "
+            "example, if the numbers are [2, 3, 4] and the target is 5, a valid answer is: <answer>\n2*4-3\n</answer>")
+
+
+def _countdown(raw: dict, where: str, style: str) -> dict:
+    if raw.get("input") is not None and raw.get("output") is not None and raw.get("target") is None:
+        numbers, target = str(raw["input"]).split(","), raw["output"]   # d1's countdown_cd3_test.jsonl
+    else:
+        numbers, target = _field(raw, ("nums", "numbers"), where, "the numbers"), \
+            _field(raw, ("target", "answer"), where, "the target")
+    try:
+        numbers = [int(str(n).strip()) for n in (json.loads(numbers) if isinstance(numbers, str) else numbers)]
+        target = int(str(target).strip())
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{where}: countdown numbers / target must be integers ({e})") from e
+    return {"messages": _user(countdown_prompt(numbers, target)), "answer": str(target), "numbers": numbers}
+
+
+def _sudoku(raw: dict, where: str, style: str) -> dict:
+    puzzle = _text(raw, ("puzzle", "Puzzle"), where, "the 16-digit puzzle, 0 for empty cells")
+    solution = _text(raw, ("solution", "Solution", "answer"), where, "the 16-digit solution")
+    for name, grid in (("puzzle", puzzle), ("solution", solution)):
+        if len(grid.strip()) != 16 or not grid.strip().isdigit():
+            raise DataError(f"{where}: field {name!r} must be 16 digits (a 4x4 grid row by row), got {grid!r}")
+    return {"messages": _user(f"{SUDOKU_PROMPT}\n\nSolve the following Sudoku puzzle: {puzzle.strip()}\n"),
+            "answer": solution.strip(), "puzzle": puzzle.strip()}
+
+
 def _reference_answer(answer: str) -> str:
     """The final answer inside a gold field: a full solution's last box, else the text (as ``math_reward`` reads it)."""
     return (extract_boxed(answer) or answer) if "\\boxed" in answer or "\\fbox" in answer else answer
@@ -154,18 +215,23 @@ class TaskSpec:
     (None: maj@k is not defined, as for code)."""
 
     name: str
-    kind: str                                                   # math | code
+    kind: str                                                   # math | code | planning
     reward: str
     gold_field: str                                             # record field the reward checks
     build: Callable[[dict, str, str], dict]
     extract: Callable[[str], Optional[str]]
     reference: Optional[Callable[[str], str]]
     vote_key: Optional[Callable[[Optional[str]], Optional[str]]]
+    path: Optional[str] = None                                  # a file task: its data file
 
     def record(self, raw: dict, where: str, style: str) -> dict:
-        """The evaluation record of a dataset row (prompt messages, gold / tests, the row's id if it has one)."""
-        rec = self.build(raw, where, style)
+        """The evaluation record of a dataset row (prompt messages, gold / tests, the row's id if it has one); a
+        verl / DARE row is kept as it is (its prompt, its ``reward_model.ground_truth``)."""
+        rec = dict(raw) if is_verl_row(raw) else self.build(raw, where, style)
         rec["problem_id"] = next((str(raw[k]) for k in ID_FIELDS if raw.get(k) is not None), None)
+        if rec["problem_id"] is None and isinstance(raw.get("extra_info"), dict) and \
+                raw["extra_info"].get("index") is not None:
+            rec["problem_id"] = str(raw["extra_info"]["index"])
         return rec
 
 
@@ -174,8 +240,12 @@ def _math_task(name: str, reward: str, build: Callable[[dict, str, str], dict]) 
     return TaskSpec(name, "math", reward, "answer", build, extract_answer, reference, _math_vote_key)
 
 
-def _code_task(name: str, build: Callable[[dict, str, str], dict]) -> TaskSpec:
-    return TaskSpec(name, "code", "code", "tests", build, extract_code, None, None)
+def _code_task(name: str, build: Callable[[dict, str, str], dict], extract=extract_code) -> TaskSpec:
+    return TaskSpec(name, "code", "code", "tests", build, extract, None, None)
+
+
+def _planning_task(name: str, build: Callable[[dict, str, str], dict]) -> TaskSpec:
+    return TaskSpec(name, "planning", name, "answer", build, last_answer_tag, str, None)
 
 
 TASKS: dict[str, TaskSpec] = {t.name: t for t in (
@@ -185,17 +255,49 @@ TASKS: dict[str, TaskSpec] = {t.name: t for t in (
     _math_task("aime25", "math", _aime),
     _code_task("humaneval", _humaneval),
     _code_task("mbpp", _mbpp),
+    _planning_task("countdown", _countdown),
+    _planning_task("sudoku", _sudoku),
 )}
 
 
+def _unbuildable(raw: dict, where: str, style: str) -> dict:
+    raise DataError(f"{where}: a file task takes rows in the verl / DARE schema (prompt messages + "
+                    f"reward_model.ground_truth); found keys {sorted(raw)}")
+
+
+def file_task(path: str) -> TaskSpec:
+    """The task of a DARE test file: named after the file, scored by ``auto``, shown by the rule of its first row."""
+    rows = load_rows(path)
+    if not rows:
+        raise DataError(f"{path}: the file holds no rows")
+    where, first = rows[0]
+    if not is_verl_row(first):
+        _unbuildable(first, where, "")
+    try:
+        rule = auto_rule(dict(first, answer=first["reward_model"].get("ground_truth")))
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from e
+    name = os.path.splitext(os.path.basename(path))[0]
+    source = str(first.get("data_source", "")).lower()
+    if rule in ("math", "gsm8k"):
+        return TaskSpec(name, "math", "auto", "answer", _unbuildable, extract_answer,
+                        gsm8k_gold if rule == "gsm8k" else _reference_answer, _math_vote_key, path)
+    if rule.startswith("code"):
+        extract = extract_code_mbpp if source in ("mbpp", "kodcode") else extract_code
+        return TaskSpec(name, "code", "auto", "answer", _unbuildable, extract, None, None, path)
+    return TaskSpec(name, "planning", "auto", "answer", _unbuildable, last_answer_tag, str, None, path)
+
+
 def task_spec(name: str) -> TaskSpec:
-    """The registered task ``name``; a ConfigError naming ``eval.tasks`` otherwise."""
-    import difflib
-
-    from megadare.errors import ConfigError
-
-    if name not in TASKS:
-        close = difflib.get_close_matches(str(name), list(TASKS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"eval.tasks: unknown task {name!r}{hint} (known: {', '.join(TASKS)})")
-    return TASKS[name]
+    """The registered task ``name``, or the file task of a data file path; a ConfigError naming ``eval.tasks``
+    otherwise."""
+    if name in TASKS:
+        return TASKS[name]
+    if str(name).lower().endswith((".jsonl", ".parquet")):
+        if not os.path.isfile(name):
+            raise DataError(f"{name}: data file given in eval.tasks not found")
+        return file_task(str(name))
+    close = difflib.get_close_matches(str(name), list(TASKS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"eval.tasks: unknown task {name!r}{hint} (known: {', '.join(TASKS)}, or a .jsonl / .parquet "
+                      "file of DARE rows)")

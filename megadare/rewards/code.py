@@ -5,15 +5,21 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
 * the program is the last fenced ```` ```python ```` block of the response (``py``/``python3`` tags too), else the
   last fenced block of any language, else the whole response;
 * tests are either stdin/stdout cases ``{"inputs": [...], "outputs": [...]}`` (APPS / TACO / DeepCoder style;
-  outputs compared line by line after stripping trailing whitespace and blank edges), or assert-style test
-  code appended to the program (AceCoder / KodCode style): a string is one case, a list of strings one case
-  each, ``{"test_code": str | list}`` the same. A case passes when the run ends "ok" (and, for stdin cases, the
-  output matches). Call-based cases (``fn_name``) are not supported and raise ValueError;
+  outputs compared line by line after stripping trailing whitespace and blank edges), call-based cases (the same
+  with ``"fn_name"``: each input is the argument list, or newline-separated JSON arguments, and the function's
+  return value -- a tuple read as a list -- must equal the output; a ``class Solution`` method when the program
+  defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
+  MBPP / HumanEval style): a string is one case, a list of strings one case each, ``{"test_code": str | list}``
+  the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
+  early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``;
+* no test case at all, or test code that does not compile, raises ValueError: no test ran, which is no pass;
 * ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass); cases run
   concurrently on a small thread pool, each in its own sandbox.
 """
 from __future__ import annotations
 
+import ast
+import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.sandbox import SandboxResult, run_program
 
-__all__ = ["extract_code", "TestCase", "CaseResult", "parse_tests", "run_tests", "code_reward", "summarize"]
+__all__ = ["extract_code", "TestCase", "CaseResult", "call_case", "parse_tests", "run_tests", "code_reward", "summarize"]
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PY_TAGS = {"python", "py", "python3", "py3"}
@@ -46,7 +52,7 @@ def extract_code(response: str) -> str:
 
 @dataclass
 class TestCase:
-    """One test: ``stdin`` + ``expected`` stdout (stdin/stdout style), or ``test_code`` appended to the program."""
+    """One test: ``stdin`` + ``expected`` stdout (stdin/stdout style), or ``test_code`` run after the program."""
     __test__ = False  # not a pytest class
 
     stdin: str = ""
@@ -67,24 +73,68 @@ def _as_text(x: Any) -> str:
     return "" if x is None else str(x)
 
 
-def parse_tests(tests: Union[dict, str, Sequence[str]]) -> List[TestCase]:
-    """Normalise the accepted test formats (see the module docstring) into a list of :class:`TestCase`."""
-    if isinstance(tests, str):
-        return [TestCase(test_code=tests)]
-    if isinstance(tests, dict):
-        if tests.get("fn_name"):
-            raise ValueError("call-based tests (fn_name) are not supported; give stdin/stdout or assert tests")
+def _code_case(test_code: str) -> TestCase:
+    """A test-code case, checked to compile and to hold something that can fail (an assert or a raise)."""
+    try:
+        tree = ast.parse(test_code, "tests.py")
+    except SyntaxError as e:
+        raise ValueError(f"test code does not compile (line {e.lineno}: {e.msg})") from e
+    if not any(isinstance(node, (ast.Assert, ast.Raise)) for node in ast.walk(tree)):
+        raise ValueError("test code holds no assert and no raise: it would pass any program; "
+                         f"got {test_code[:200]!r}")
+    return TestCase(test_code=test_code)
+
+
+def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
+    """A call-based case: ``fn_name(*args)`` (a ``Solution`` method when the program defines the class) must
+    return ``expected``. ``args``: a list, or newline-separated JSON values; ``expected``: a value or JSON text."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(fn_name)):
+        raise ValueError(f"fn_name {fn_name!r} is not a Python identifier")
+    if isinstance(args, str):
+        args = [json.loads(line) for line in args.split("\n") if line.strip()]
+    if isinstance(expected, str):
+        expected = json.loads(expected)
+    code = (f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
+            f"_want = _json.loads({json.dumps(json.dumps(expected))})\n"
+            f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
+            "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n"
+            "assert _got == _want, 'wrong answer'\n")
+    return TestCase(test_code=code)
+
+
+def _io_cases(tests: dict) -> List[TestCase]:
+    inputs, outputs = list(tests.get("inputs") or []), list(tests.get("outputs") or [])
+    if len(inputs) != len(outputs):
+        raise ValueError(f"tests have {len(inputs)} inputs but {len(outputs)} outputs")
+    if tests.get("fn_name"):
+        return [call_case(tests["fn_name"], i, o) for i, o in zip(inputs, outputs)]
+    return [TestCase(stdin=_as_text(i), expected=_as_text(o)) for i, o in zip(inputs, outputs)]
+
+
+Tests = Union[dict, str, Sequence[str], Sequence[TestCase]]
+
+
+def parse_tests(tests: Tests) -> List[TestCase]:
+    """Normalise the accepted test formats (see the module docstring) into a non-empty list of :class:`TestCase`
+    (a list of TestCase passes through)."""
+    if isinstance(tests, (list, tuple)) and tests and all(isinstance(t, TestCase) for t in tests):
+        cases = list(tests)
+    elif isinstance(tests, str):
+        cases = [_code_case(tests)]
+    elif isinstance(tests, dict):
         if "inputs" in tests or "outputs" in tests:
-            inputs, outputs = list(tests.get("inputs") or []), list(tests.get("outputs") or [])
-            if len(inputs) != len(outputs):
-                raise ValueError(f"tests have {len(inputs)} inputs but {len(outputs)} outputs")
-            return [TestCase(stdin=_as_text(i), expected=_as_text(o)) for i, o in zip(inputs, outputs)]
-        if "test_code" in tests:
-            return parse_tests(tests["test_code"])
-        raise ValueError(f"unknown test format: keys {sorted(tests)}; expected inputs/outputs or test_code")
-    if isinstance(tests, (list, tuple)) and all(isinstance(t, str) for t in tests):
-        return [TestCase(test_code=t) for t in tests]
-    raise ValueError(f"unknown test format: {type(tests).__name__}")
+            cases = _io_cases(tests)
+        elif "test_code" in tests:
+            cases = parse_tests(tests["test_code"])
+        else:
+            raise ValueError(f"unknown test format: keys {sorted(tests)}; expected inputs/outputs or test_code")
+    elif isinstance(tests, (list, tuple)) and all(isinstance(t, str) for t in tests):
+        cases = [_code_case(t) for t in tests]
+    else:
+        raise ValueError(f"unknown test format: {type(tests).__name__}")
+    if not cases:
+        raise ValueError("no test cases: nothing would run, so no program could be judged")
+    return cases
 
 
 def _lines(text: str) -> List[str]:
@@ -93,33 +143,36 @@ def _lines(text: str) -> List[str]:
 
 def _run_case(code: str, case: TestCase, sandbox_kw: dict) -> CaseResult:
     if case.test_code is not None:
-        run = run_program(code + "\n\n" + case.test_code + "\n", "", **sandbox_kw)
-        return CaseResult(run.ok, run)
+        run = run_program(code, "", tests=case.test_code, **sandbox_kw)
+        return CaseResult(bool(run.tests_passed), run)
     run = run_program(code, case.stdin, **sandbox_kw)
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 
-def run_tests(code: str, tests: Union[dict, str, Sequence[str]], *, timeout_s: float = 5.0, memory_mb: int = 512,
-              workers: int = 4, **sandbox_kw: Any) -> List[CaseResult]:
+def run_tests(code: str, tests: Tests, *, timeout_s: float = 5.0, memory_mb: int = 512, workers: int = 4,
+              **sandbox_kw: Any) -> List[CaseResult]:
     """Run ``code`` on every test case (concurrently, ``workers`` sandboxes at a time), in case order."""
     cases = parse_tests(tests)
-    if not cases:
-        return []
     kw = dict(sandbox_kw, timeout_s=timeout_s, memory_mb=memory_mb)
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case") as ex:
         return list(ex.map(lambda c: _run_case(code, c, kw), cases))
 
 
-def code_reward(response: str, tests: Union[dict, str, Sequence[str]], *, timeout_s: float = 5.0,
-                memory_mb: int = 512, workers: int = 4, all_or_nothing: bool = False,
-                **sandbox_kw: Any) -> float:
-    """Fraction of ``tests`` passed by the program in ``response`` (0.0 for no cases or an empty program)."""
-    code = extract_code(response)
-    if not code.strip():
+def code_reward(response: str, tests: Tests, *, timeout_s: float = 5.0,
+                memory_mb: int = 512, workers: int = 4, all_or_nothing: bool = False, preamble: str = "",
+                code: Optional[str] = None, **sandbox_kw: Any) -> float:
+    """Fraction of ``tests`` passed by the program in ``response`` (0.0 for an empty program).
+
+    ``code``: the program when the caller extracted it already (else :func:`extract_code`); ``preamble``: source
+    put before it (imports the program may rely on). Test formats are checked before anything runs, so bad tests
+    raise ValueError even for an empty program.
+    """
+    cases = parse_tests(tests)
+    program = extract_code(response) if code is None else code
+    if not program.strip():
         return 0.0
-    results = run_tests(code, tests, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers, **sandbox_kw)
-    if not results:
-        return 0.0
+    results = run_tests(preamble + program, cases, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers,
+                        **sandbox_kw)
     passed = sum(r.passed for r in results)
     if all_or_nothing:
         return 1.0 if passed == len(results) else 0.0

@@ -1,61 +1,95 @@
-"""Reward functions by name, weighted combinations, and the one batch scorer that RL and evaluation share.
+"""Reward functions by name, the per-row ``auto`` rule, and weighted combinations.
 
-A reward function is ``RewardFn = Callable[[str, dict], float]``: the response text and the sample record
-(the dataset row: ``answer`` for math, ``tests`` for code, ...). Built-ins:
+A reward function is ``RewardFn = Callable[[str, dict], float]``: the response text (an assistant prefill of the
+prompt included) and the sample record (the dataset row, with its gold answer under ``answer`` whatever
+``rl.answer_key`` named it; ``tests`` for megadare's code rows). Built-ins:
 
-=====================  ========================================================================================
-``math``               ``record["answer"]`` vs :func:`extract_answer` of the response (:func:`math_reward`)
-``gsm8k``              the same with the gold taken after ``####`` (:func:`gsm8k_gold`)
-``exact_match``        stripped response == stripped ``record["answer"]``
-``code``               :func:`code_reward` on ``record["tests"]`` (``record["timeout_s"]``/``["memory_mb"]``)
-``boxed_format``       :func:`boxed_format_reward`
-``think_answer_format`` :func:`think_answer_format_reward`
-=====================  ========================================================================================
+=========================  ================================================================================
+``math``                   ``answer`` vs :func:`extract_answer` of the response (:func:`math_reward`)
+``gsm8k``                  the same with the gold taken after ``####`` (:func:`gsm8k_gold`)
+``exact_match``            stripped response == stripped ``answer``
+``countdown``              DARE's rule on target ``answer`` and ``numbers`` (:func:`countdown_reward`)
+``sudoku``                 DARE's rule on solution ``answer`` and ``puzzle`` (:func:`sudoku_reward`)
+``code``                   fraction of ``tests`` passed (:func:`code_reward`), or of DARE's test form of the
+                           row's ``answer`` by ``data_source`` (:mod:`.code_forms`)
+``code_all_or_nothing``    the same, 1.0 only when every test passes (DARE's rule)
+``boxed_format``           :func:`boxed_format_reward`
+``think_answer_format``    :func:`think_answer_format_reward`
+``auto``                   per row, by ``data_source`` / ``extra_info.task`` (:func:`auto_rule`)
+=========================  ================================================================================
 
+``numbers`` / ``puzzle`` are read from the record or its ``extra_info`` (where DARE keeps them).
 ``load_reward(spec)`` takes a built-in name or an import path ``"pkg.module:function"``; ``combine`` builds a
 weighted sum (e.g. DiffuCoder's ``[("code", 2.0), ("boxed_format", 0.5)]``-style code + format reward).
 """
 from __future__ import annotations
 
 import importlib
-import math
-import queue
-import threading
-import time
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.code import code_reward
+from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import math_reward
+from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
 
-__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "score_batch", "ScoreStats"]
+__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",
+           "reward_name"]
 
 RewardFn = Callable[[str, dict], float]
 RewardSpec = Union[str, RewardFn]
+MATH_SOURCES = ("math", "math500", "aime", "amc", "openr1", "deepscaler", "lighteval/math", "olympiad", "numina",
+                "minerva")
 
 
 class RewardSpecError(ValueError):
     """A reward spec that names no built-in and no importable callable."""
 
 
+def _gold(record: dict) -> str:
+    if "answer" not in record:
+        raise KeyError(f"the record has no gold answer 'answer' (set rl.answer_key to the field holding it); "
+                       f"record keys {sorted(record)}")
+    return str(record["answer"])
+
+
+def _extra_field(record: dict, name: str) -> Any:
+    extra = record.get("extra_info")
+    if name in record:
+        return record[name]
+    if isinstance(extra, dict) and name in extra:
+        return extra[name]
+    raise KeyError(f"the record has no {name!r} (top level or extra_info.{name})")
+
+
 def _math(response: str, record: dict) -> float:
-    return math_reward(response, str(record["answer"]), timeout=float(record.get("verify_timeout", 5.0)))
+    return math_reward(response, _gold(record), timeout=float(record.get("verify_timeout", 5.0)))
 
 
 def _gsm8k(response: str, record: dict) -> float:
-    return math_reward(response, gsm8k_gold(str(record["answer"])),
-                       timeout=float(record.get("verify_timeout", 5.0)))
+    return math_reward(response, gsm8k_gold(_gold(record)), timeout=float(record.get("verify_timeout", 5.0)))
 
 
 def _exact_match(response: str, record: dict) -> float:
-    return 1.0 if response.strip() == str(record["answer"]).strip() else 0.0
+    return 1.0 if response.strip() == _gold(record).strip() else 0.0
 
 
-def _code(response: str, record: dict) -> float:
-    return code_reward(response, record["tests"], timeout_s=float(record.get("timeout_s", 5.0)),
-                       memory_mb=int(record.get("memory_mb", 512)))
+def _countdown(response: str, record: dict) -> float:
+    return countdown_reward(response, _gold(record), _extra_field(record, "numbers"))
+
+
+def _sudoku(response: str, record: dict) -> float:
+    return sudoku_reward(response, _gold(record), _extra_field(record, "puzzle"))
+
+
+def _code_with(all_or_nothing: bool) -> RewardFn:
+    def code(response: str, record: dict) -> float:
+        if "tests" not in record:
+            return dare_code_reward(response, record, all_or_nothing=all_or_nothing)
+        return code_reward(response, record["tests"], timeout_s=float(record.get("timeout_s", 5.0)),
+                           memory_mb=int(record.get("memory_mb", 512)), all_or_nothing=all_or_nothing)
+    return code
 
 
 def _boxed_format(response: str, record: dict) -> float:
@@ -66,10 +100,62 @@ def _think_answer_format(response: str, record: dict) -> float:
     return think_answer_format_reward(response)
 
 
+def auto_rule(record: dict) -> str:
+    """The built-in that scores ``record`` under ``rl.reward=auto``, as DARE's ``dllm_rm`` dispatches.
+
+    ``data_source`` sudoku* / countdown* -> sudoku / countdown; a ``tests`` field, ``extra_info.task == "code"`` or
+    a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; a source containing gsm8k -> gsm8k;
+    ``task == "math"`` or a math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither
+    source nor task (megadare's own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
+    """
+    source = str(record.get("data_source") or "").lower()
+    extra = record.get("extra_info")
+    task = str(extra.get("task") or "").lower() if isinstance(extra, dict) else ""
+    if source.startswith("sudoku"):
+        return "sudoku"
+    if source.startswith("countdown"):
+        return "countdown"
+    if "tests" in record or task == "code" or source in CODE_SOURCES:
+        return "code_all_or_nothing"
+    if "gsm8k" in source:
+        return "gsm8k"
+    if task == "math" or source.startswith(MATH_SOURCES):
+        return "math"
+    if not source and not task:
+        return "exact_match"
+    raise ValueError(f"rl.reward=auto has no rule for data_source={source!r}, extra_info.task={task!r}; name the "
+                     f"reward (rl.reward=math | gsm8k | countdown | sudoku | code | ...) or give rows a known source")
+
+
+def _auto(response: str, record: dict) -> float:
+    return BUILTIN_REWARDS[auto_rule(record)](response, record)
+
+
 BUILTIN_REWARDS: Dict[str, RewardFn] = {
-    "math": _math, "gsm8k": _gsm8k, "exact_match": _exact_match, "code": _code,
-    "boxed_format": _boxed_format, "think_answer_format": _think_answer_format,
+    "math": _math, "gsm8k": _gsm8k, "exact_match": _exact_match, "countdown": _countdown, "sudoku": _sudoku,
+    "code": _code_with(False), "code_all_or_nothing": _code_with(True), "boxed_format": _boxed_format,
+    "think_answer_format": _think_answer_format, "auto": _auto,
 }
+
+
+def gold_response(rule: str, record: dict) -> Optional[str]:
+    """The row's gold answer stated as a correct response states it, for the built-in ``rule``; None where the
+    row holds no answer (a countdown target, code tests) or the rule checks no answer (format rewards)."""
+    if rule == "auto":
+        rule = auto_rule(record)
+    gold = _gold(record) if rule in ("math", "gsm8k", "exact_match", "sudoku") else None
+    if rule == "math":
+        return gold if "\\boxed" in gold else f"The answer is \\boxed{{{gold}}}."
+    if rule == "gsm8k":
+        return f"The answer is \\boxed{{{gsm8k_gold(gold)}}}."
+    if rule == "sudoku":
+        return f"<answer>\n{check_sudoku_grid(gold, 'solution')}\n</answer>"
+    return gold if rule == "exact_match" else None
+
+
+def reward_name(spec: RewardSpec) -> str:
+    """How a reward spec is named in messages: the built-in name / import path, or the callable's name."""
+    return spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
 
 
 def load_reward(spec: RewardSpec) -> RewardFn:
@@ -119,70 +205,3 @@ def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple
     return combined
 
 
-@dataclass
-class ScoreStats:
-    """What happened in one :func:`score_batch` call (errors and timeouts scored 0.0)."""
-    n: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    mean: float = 0.0
-    wall_s: float = 0.0
-    first_error: Optional[str] = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict], workers: int = 8,
-                timeout_s: float = 60.0) -> Tuple[List[float], ScoreStats]:
-    """Score every ``(response, record)`` pair with ``fn`` on up to ``workers`` threads; returns (scores, stats).
-
-    A call that raises, returns a non-finite / non-numeric value, or runs longer than ``timeout_s`` (measured
-    from its own start) scores 0.0 and is counted in the stats. A timed-out call's thread cannot be killed: it
-    is abandoned (daemon thread, its slot handed to the next call) and its late result ignored; the heavy
-    rewards bound their own work (the verifier pool and the sandbox kill their processes).
-    """
-    fn = load_reward(fn)
-    if len(responses) != len(records):
-        raise ValueError(f"{len(responses)} responses but {len(records)} records")
-    t0 = time.monotonic()
-    n = len(responses)
-    scores = [0.0] * n
-    stats = ScoreStats(n=n)
-    done_q: "queue.Queue[Tuple[int, bool, Any]]" = queue.Queue()
-
-    def call(i: int) -> None:
-        try:
-            value = float(fn(responses[i], records[i]))
-            if not math.isfinite(value):
-                raise ValueError(f"reward returned {value}")
-            done_q.put((i, True, value))
-        except BaseException as e:  # noqa: B902 - a reward must never take the batch down
-            done_q.put((i, False, f"{type(e).__name__}: {e}"))
-
-    running: Dict[int, float] = {}   # index -> start time
-    next_i = 0
-    while next_i < n or running:
-        while next_i < n and len(running) < max(1, workers):
-            running[next_i] = time.monotonic()
-            threading.Thread(target=call, args=(next_i,), daemon=True, name=f"reward-{next_i}").start()
-            next_i += 1
-        wait = min(s + timeout_s for s in running.values()) - time.monotonic()
-        try:
-            i, ok, value = done_q.get(timeout=max(0.0, wait))
-            if i in running:
-                del running[i]
-                if ok:
-                    scores[i] = value
-                else:
-                    stats.errors += 1
-                    stats.first_error = stats.first_error or value
-        except queue.Empty:
-            pass
-        now = time.monotonic()
-        for i in [i for i, s in running.items() if now - s >= timeout_s]:
-            del running[i]
-            stats.timeouts += 1
-    stats.wall_s = time.monotonic() - t0
-    stats.mean = sum(scores) / n if n else 0.0
-    return scores, stats

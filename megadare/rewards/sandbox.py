@@ -36,7 +36,9 @@ import fcntl
 import math
 import os
 import platform
+import re
 import resource
+import secrets
 import selectors
 import shutil
 import signal
@@ -46,14 +48,16 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
+
+from megadare.rewards import sandbox_child
+from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED
 
 __all__ = ["SandboxResult", "run_program", "OUTPUT_LIMIT", "STATUSES"]
 
 OUTPUT_LIMIT = 1 << 20          # bytes of stdout + stderr kept; beyond it the program is killed
 STATUSES = ("ok", "error", "timeout", "memory", "refused")
-_EXIT_REFUSED = 121             # bootstrap exit code: an audit-hook refusal was not caught
-_EXIT_MEMORY = 122              # bootstrap exit code: uncaught MemoryError
 _NPROC_SLACK = 64               # RLIMIT_NPROC headroom for threads of other processes of the same (non-root) user
 
 
@@ -72,6 +76,7 @@ class SandboxResult:
     wall_s: float
     protections: Tuple[str, ...] = ()
     truncated: bool = False
+    tests_passed: Optional[bool] = None   # test mode: the tests ran to their end (token received); else None
 
     @property
     def ok(self) -> bool:
@@ -79,143 +84,7 @@ class SandboxResult:
 
 
 # ---------------------------------------------------------------------------------------------- child bootstrap
-_BOOTSTRAP = r'''
-import sys, os, builtins, traceback, types
-def _boot():
-    rep, path, root, maxc, audit = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
-    with open(path, "rb") as f:
-        src = f.read()
-    try:
-        code = compile(src, "main.py", "exec")
-    except (SyntaxError, ValueError):
-        traceback.print_exc(limit=0)
-        sys.exit(1)
-    if not hasattr(builtins, "exit"):  # -S skips site, which defines exit()/quit()
-        builtins.exit = builtins.quit = sys.exit
-    if audit:
-        if maxc == 0:
-            stub = types.ModuleType("_posixsubprocess")
-            def fork_exec(*a, **k):
-                raise SandboxRefused("sandbox: process creation refused (_posixsubprocess)")
-            stub.fork_exec = fork_exec
-            sys.modules["_posixsubprocess"] = stub
-        sys.addaudithook(_make_hook(root, maxc))
-        os.write(rep, b"audit_hook\n")
-    os.close(rep)
-    mod = types.ModuleType("__main__")
-    mod.__file__ = path
-    mod.__builtins__ = builtins
-    sys.modules["__main__"] = mod
-    sys.argv = [path]
-    try:
-        exec(code, mod.__dict__)
-    except SystemExit:
-        raise
-    except BaseException as e:
-        refused, memory, seen = False, False, set()
-        while e is not None and id(e) not in seen:
-            seen.add(id(e))
-            refused |= isinstance(e, SandboxRefused)
-            memory |= isinstance(e, MemoryError)
-            e = e.__cause__ or e.__context__
-        try:
-            traceback.print_exc()
-        except BaseException:
-            pass
-        for s in (sys.stdout, sys.stderr):
-            try:
-                s.flush()
-            except BaseException:
-                pass
-        os._exit(%(refused)d if refused else %(memory)d if memory else 1)
-
-class SandboxRefused(PermissionError):
-    pass
-
-def _make_hook(root, maxc):
-    realpath, fspath, fsdecode, readlink, isdir = os.path.realpath, os.fspath, os.fsdecode, os.readlink, os.path.isdir
-    getpid, getpgrp = os.getpid, os.getpgrp
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-    root_slash = root.rstrip("/") + "/"
-    dev_ok = ("/dev/null", "/dev/stdout", "/dev/stderr")
-    proc_events = frozenset(("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
-                             "subprocess.Popen", "os.startfile", "pty.spawn"))
-    deny_events = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "os.killpg",
-                             "signal.pthread_kill", "sys.remote_exec", "os.symlink"))
-    deny_imports = frozenset(("_ctypes", "_posixsubprocess") if maxc == 0 else ("_ctypes",))
-    # event -> (indices of path args, index of the dir_fd arg or None)
-    path_events = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.chmod": ((0,), 2),
-                   "os.chown": ((0,), 3), "os.utime": ((0,), 3), "os.truncate": ((0,), None),
-                   "os.rename": ((0, 1), 2), "os.link": ((0, 1), 2), "os.chdir": ((0,), None),
-                   "os.setxattr": ((0,), None), "os.removexattr": ((0,), None), "os.chflags": ((0,), None),
-                   "os.lchflags": ((0,), None), "os.lchmod": ((0,), None), "shutil.rmtree": ((0,), 1)}
-    spawned = [0]
-
-    def resolve(p, dir_fd=None):
-        if isinstance(p, int):
-            return readlink("/proc/self/fd/%%d" %% p)
-        p = fsdecode(fspath(p))
-        if ".." in p.split("/"):
-            raise ValueError("no '..' in checked paths")  # cwd changes by another thread could re-aim them
-        if dir_fd is not None and dir_fd >= 0 and not p.startswith("/"):  # audit events say -1 for "none"
-            p = readlink("/proc/self/fd/%%d" %% dir_fd) + "/" + p
-        return p
-
-    def inside(p, dir_fd=None):
-        try:
-            p = resolve(p, dir_fd)
-        except (OSError, TypeError, ValueError):
-            return False
-        if p in dev_ok:
-            return True
-        rp = realpath(p)
-        return rp == root or rp.startswith(root_slash)
-
-    def refuse(what):
-        raise SandboxRefused("sandbox: %%s refused" %% what)
-
-    def hook(event, args):
-        if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
-                or (isinstance(flags, int) and flags & write_flags)
-            if writing and not inside(path):
-                refuse("writing %%r outside the sandbox dir" %% (path,))
-            if not inside(path):
-                try:
-                    if isdir(path):
-                        refuse("opening directory %%r outside the sandbox dir" %% (path,))
-                except (TypeError, ValueError):
-                    pass
-        elif event.startswith("socket."):
-            refuse("network (%%s)" %% event)
-        elif event.startswith("ctypes."):
-            refuse("ctypes (%%s)" %% event)
-        elif event in proc_events:
-            if spawned[0] >= maxc:
-                refuse("process creation (%%s)" %% event)
-            spawned[0] += 1
-        elif event in path_events:
-            idx, dfd = path_events[event]
-            dir_fd = args[dfd] if dfd is not None and dfd < len(args) else None
-            for k in idx:
-                if not inside(args[k], dir_fd):
-                    refuse("%%s on %%r outside the sandbox dir" %% (event, args[k]))
-        elif event == "os.kill":
-            pid = args[0]
-            if pid not in (0, getpid(), -getpgrp()) and (maxc == 0 or pid < 0):
-                refuse("signal to pid %%r" %% (pid,))
-        elif event == "import":
-            if args[0] in deny_imports:
-                refuse("import of %%s" %% args[0])
-        elif event in deny_events:
-            refuse(event)
-    return hook
-
-_boot()
-''' % {"refused": _EXIT_REFUSED, "memory": _EXIT_MEMORY}
+_BOOTSTRAP = Path(sandbox_child.__file__).read_text(encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------------ kernel layers
@@ -400,63 +269,84 @@ def _classify(rc: Optional[int], timed_out: bool, truncated: bool, stderr: str, 
         return "timeout"
     if rc == 0:
         return "ok"
-    if rc == _EXIT_REFUSED:
+    if rc == EXIT_REFUSED:
         return "refused"
-    if rc == _EXIT_MEMORY or rc == -signal.SIGKILL or "MemoryError" in stderr[-2000:]:
+    if rc == EXIT_MEMORY or rc == -signal.SIGKILL or "MemoryError" in stderr[-2000:]:
         return "memory"  # an unexplained SIGKILL is the OOM killer (our own kills are timeouts)
     return "error"
 
 
+def _limits(memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, max_processes: int,
+            is_root: bool) -> List[Tuple[str, int, Tuple[int, int]]]:
+    mem, fsize = int(memory_mb) * 2**20, int(file_size_mb) * 2**20
+    limits = [("rlimit_as", resource.RLIMIT_AS, (mem, mem)),
+              ("rlimit_cpu", resource.RLIMIT_CPU, (cpu, cpu + 1)),
+              ("rlimit_fsize", resource.RLIMIT_FSIZE, (fsize, fsize)),
+              ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
+              ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files))]
+    if not is_root:  # the kernel ignores RLIMIT_NPROC for uid 0
+        nproc = _user_task_count(os.getuid()) + max(1, max_processes) + _NPROC_SLACK
+        limits.append(("rlimit_nproc", resource.RLIMIT_NPROC, (nproc, nproc)))
+    return limits
+
+
+def _write(path: str, text: str) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
 def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-                max_processes: int = 1, cpu_s: Optional[float] = None, *, output_limit: int = OUTPUT_LIMIT,
-                file_size_mb: int = 16, max_open_files: int = 256, allow_site_packages: bool = False,
-                audit_hook: bool = True) -> SandboxResult:
+                max_processes: int = 1, cpu_s: Optional[float] = None, *, tests: Optional[str] = None,
+                preload: Sequence[str] = (),
+                output_limit: int = OUTPUT_LIMIT, file_size_mb: int = 16, max_open_files: int = 256,
+                allow_site_packages: bool = False, audit_hook: bool = True) -> SandboxResult:
     """Run the Python program ``code`` with ``stdin`` in a fresh sandbox (see the module docstring).
 
-    ``max_processes`` counts the program itself: 1 (default) forbids child processes; more allows that many
-    (audit-hook counter, plus RLIMIT_NPROC when not root). ``cpu_s`` defaults to ``timeout_s + 1``.
-    ``audit_hook=False`` leaves only the OS layers: for testing them, never for real use.
+    ``tests``: Python test code run after the program, in test mode (:mod:`.sandbox_child`); the result's
+    ``tests_passed`` is True only when the tests ran to their end (proven with a one-time token), never from the
+    exit status or the output alone. ``preload``: modules imported before the audit hook is installed (trusted
+    packages the tests need whose import the hook would refuse: numpy loads ctypes). ``max_processes`` counts the program itself: 1 (default) forbids child
+    processes; more allows that many (audit-hook counter, plus RLIMIT_NPROC when not root). ``cpu_s`` defaults to
+    ``timeout_s + 1``. ``audit_hook=False`` leaves only the OS layers: for testing them, never for real use.
+    Raises RuntimeError when the sandbox itself cannot start (that is no verdict on the program).
     """
+    if tests is not None and not audit_hook:
+        raise ValueError("test mode needs the audit hook (it carries the proof that the tests ran)")
+    if not all(re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in preload):
+        raise ValueError(f"preload={list(preload)!r}: module names only")
     t0 = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
-    read_fd, write_fd = os.pipe()
+    fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())   # report, token, proof (read, write each)
     is_root = os.geteuid() == 0
+    token = secrets.token_hex(16).encode()
     try:
-        main = os.path.join(workdir, "main.py")
-        with open(main, "w", encoding="utf-8") as f:
-            f.write(code)
+        main = _write(os.path.join(workdir, "main.py"), code)
+        tests_path = _write(os.path.join(workdir, "tests.py"), tests) if tests is not None else ""
+        os.write(fds[3], token)
         cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s + 1))
-        mem = int(memory_mb) * 2**20
-        fsize = int(file_size_mb) * 2**20
-        limits = [("rlimit_as", resource.RLIMIT_AS, (mem, mem)),
-                  ("rlimit_cpu", resource.RLIMIT_CPU, (cpu, cpu + 1)),
-                  ("rlimit_fsize", resource.RLIMIT_FSIZE, (fsize, fsize)),
-                  ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
-                  ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files))]
-        if not is_root:  # the kernel ignores RLIMIT_NPROC for uid 0
-            nproc = _user_task_count(os.getuid()) + max(1, max_processes) + _NPROC_SLACK
-            limits.append(("rlimit_nproc", resource.RLIMIT_NPROC, (nproc, nproc)))
+        limits = _limits(memory_mb, cpu, file_size_mb, max_open_files, max_processes, is_root)
         seccomp = (max_processes <= 1) if platform.machine() == "x86_64" and _LIBC else None
         argv = [sys.executable, "-I", "-B", "-X", "utf8"] + ([] if allow_site_packages else ["-S"])
-        argv += ["-c", _BOOTSTRAP, str(write_fd), main, workdir, str(max(0, max_processes - 1)),
-                 "1" if audit_hook else "0"]
+        argv += ["-c", _BOOTSTRAP, str(fds[1]), main, workdir, str(max(0, max_processes - 1)),
+                 "1" if audit_hook else "0", tests_path, str(fds[2]), str(fds[5]), ",".join(preload)]
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode("utf-8"))
             stdin_file.seek(0)
             try:
                 proc = subprocess.Popen(argv, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         cwd=workdir, env=_env(workdir), start_new_session=True, close_fds=True,
-                                        pass_fds=(write_fd,),
-                                        preexec_fn=_make_preexec(write_fd, limits, is_root, seccomp))
+                                        pass_fds=(fds[1], fds[2], fds[5]),
+                                        preexec_fn=_make_preexec(fds[1], limits, is_root, seccomp))
             except (OSError, subprocess.SubprocessError) as e:
-                return SandboxResult("error", None, "", f"sandbox: could not start: {e}", time.monotonic() - t0)
-        os.close(write_fd)
-        write_fd = -1
+                raise RuntimeError(f"sandbox: could not start the program: {e}") from e
+        for k in (1, 2, 3, 5):  # the child's ends, and the token (written)
+            os.close(fds[k])
+            fds[k] = -1
         out, err, timed_out, truncated = _collect(proc, t0 + timeout_s, output_limit)
         rc, cpu_used = _reap(proc)
-        wall = time.monotonic() - t0
         protections = ["new_session", "scrubbed_env", "wall_timeout", "output_cap", "fresh_tmpdir"]
-        protections += _read_report(read_fd)
+        protections += _read_report(fds[0])
         stdout = out.decode("utf-8", errors="replace")
         stderr = err.decode("utf-8", errors="replace")
         if truncated:
@@ -464,9 +354,11 @@ def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: i
         if timed_out:
             stderr += f"\n[sandbox] wall-clock timeout after {timeout_s:g}s; process group killed"
         status = _classify(rc, timed_out, truncated, stderr, cpu_used >= cpu)
-        return SandboxResult(status, rc, stdout, stderr, wall, tuple(protections), truncated)
+        passed = None if tests is None else (status == "ok" and _drain(fds[4]) == token)
+        return SandboxResult(status, rc, stdout, stderr, time.monotonic() - t0, tuple(protections), truncated,
+                             passed)
     finally:
-        for fd in (read_fd, write_fd):
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
         _rmtree(workdir)
@@ -549,16 +441,21 @@ def _read(fd: int) -> Optional[bytes]:
         return b""
 
 
-def _read_report(fd: int) -> List[str]:
-    """Names of the layers the child reported (nothing if it died before reporting)."""
+def _drain(fd: int, limit: int = 4096) -> bytes:
+    """What the (exited) child wrote to a pipe, up to ``limit`` bytes, without blocking."""
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
     data = b""
     try:
-        while len(data) < 4096:
-            chunk = os.read(fd, 4096)
+        while len(data) < limit:
+            chunk = os.read(fd, limit)
             if not chunk:
                 break
             data += chunk
     except BlockingIOError:
         pass
-    return [line for line in data.decode(errors="replace").split() if line]
+    return data
+
+
+def _read_report(fd: int) -> List[str]:
+    """Names of the layers the child reported (nothing if it died before reporting)."""
+    return [line for line in _drain(fd).decode(errors="replace").split() if line]

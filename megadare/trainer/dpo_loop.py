@@ -86,8 +86,7 @@ def setup_dpo(cfg: Config) -> DPORun:
     """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
     preference pairs; resumed from the newest checkpoint of the run when there is one."""
     from megadare.config import validate
-    from megadare.data.preference_data import build_preference_examples
-    from megadare.data.sft_data import load_records
+    from megadare.data.preference_data import load_preference_examples
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.sft_loop import initial_chunks, resume
@@ -97,9 +96,8 @@ def setup_dpo(cfg: Config) -> DPORun:
     check_dpo(cfg, src.arch)
     tok = tokenizer_for(cfg, src)
     d = cfg.data
-    examples, stats = build_preference_examples(load_records(d.path), tok, d.max_length, d.overlong, source=d.path,
-                                                prompt_key=d.prompt_key, chosen_key=cfg.dpo.chosen_key,
-                                                rejected_key=cfg.dpo.rejected_key)
+    examples, stats = load_preference_examples(d.path, tok, d.max_length, d.overlong, prompt_key=d.prompt_key,
+                                               chosen_key=cfg.dpo.chosen_key, rejected_key=cfg.dpo.rejected_key)
     model = wrap_ddp(initial_chunks(cfg, src), cfg.train.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
     ref = initial_chunks(cfg, src)

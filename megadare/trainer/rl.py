@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.errors import ConfigError
+from megadare.trainer.reward_step import rank0_result
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 
 
@@ -111,10 +111,8 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    payload: list[Any] = [collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts, run.tok,
-                                       run.reward_fn) if run.rank0 else None]
-    dist.broadcast_object_list(payload, src=0)
-    samples, metrics = payload[0]
+    samples, metrics = rank0_result(lambda: collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts,
+                                                         run.tok, run.reward_fn), run.rank0)
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 
@@ -176,11 +174,11 @@ def evaluate_at(run: RLRun) -> None:
     from megadare.trainer.rl_rollout import evaluate, sampling_params
 
     params = sampling_params(run.cfg, run.arch, run.cfg.seed, evaluation=True)
-    res = [evaluate(run.manager, run.tok, run.reward_fn, run.held_prompts, params) if run.rank0 else None]
-    dist.broadcast_object_list(res, src=0)
-    if res[0]:
-        run.evals[run.step] = res[0]
-        run.monitor.log(run.step, {f"eval/{k}": v for k, v in res[0].items()}, advance=False)
+    res = rank0_result(lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params),
+                       run.rank0)
+    if res:
+        run.evals[run.step] = res
+        run.monitor.log(run.step, {f"eval/{k}": v for k, v in res.items()}, advance=False)
 
 
 def _pad_id(run: RLRun) -> int:

@@ -1,8 +1,8 @@
 """The rollout side of the RL loop: sampling parameters, engine actors, rewards, and the step's samples.
 
 Rank 0 owns the engines (``start_engines``); ``collect_step`` turns the queued rollout of a step into scored
-``RLSample``s with advantages and behaviour versions; ``evaluate`` is the held-out accuracy; ``score`` the one
-reward path shared by RL and ``megadare eval``.
+``RLSample``s with advantages and behaviour versions (rewards through :mod:`.reward_step`, which stops the run when
+they cannot be computed); ``evaluate`` is the held-out accuracy.
 """
 from __future__ import annotations
 
@@ -33,23 +33,14 @@ def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, reco
                           stop_at_eos=evaluation or resolve_canvas(cfg, arch) == "eos")
 
 
-def score(reward_fn, tok, trajectories, records) -> tuple[list[float], dict[str, float]]:
-    """Rewards of decoded answers (one implementation for RL and evaluation): a full-canvas response is scored
-    up to its first EOS."""
-    from megadare.rewards import score_batch
-
-    texts = [tok.decode(t.answer_ids(tok.eos_token_id)) for t in trajectories]
-    scores, stats = score_batch(reward_fn, texts, records)
-    return [float(x) for x in scores], {k: float(v) for k, v in stats.to_dict().items()
-                                       if k in ("errors", "timeouts", "wall_s")}
-
-
-def evaluate(manager, tok, reward_fn, prompts, params) -> dict[str, float]:
+def evaluate(cfg: Config, manager, tok, reward_fn, prompts, params) -> dict[str, float]:
     """Held-out accuracy (mean reward) and mean response length under ``params``."""
+    from megadare.trainer.reward_step import score_rollouts
+
     if not prompts:
         return {}
     traj = manager.generate([p.prompt_ids for p in prompts], params)
-    scores, _ = score(reward_fn, tok, traj, [p.record for p in prompts])
+    scores, _ = score_rollouts(cfg, reward_fn, tok, traj, prompts, "held-out evaluation")
     return {"accuracy": sum(scores) / len(scores),
             "response_length": sum(len(t.response_ids) for t in traj) / len(traj)}
 
@@ -112,6 +103,7 @@ class RolloutStarter:
 
 def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn) -> tuple[list, dict[str, float]]:
     """Rank 0: the queued rollout of ``step`` -> rewards -> samples (with their behaviour versions) + metrics."""
+    from megadare.trainer.reward_step import score_rollouts, score_texts
     from megadare.trainer.rl_async import staleness_metrics
 
     rl = cfg.rl
@@ -119,19 +111,18 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
     batch = [train_prompts[i] for i in q.batch_indices]
     for tr in traj:
         tr.validate()
-    recs = [b.record for b in batch for _ in range(rl.n_samples)]
-    rewards, rstats = score(reward_fn, tok, traj, recs)
+    prompts = [b for b in batch for _ in range(rl.n_samples)]
+    rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
     samples, metrics = build_samples(cfg, traj, rewards)
     if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
         samples = algo.samples_from(traj, rewards, rl.n_samples)
     if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
-        from megadare.rewards import score_batch
-
         def score_ids(responses, indices):
             from megadare.rollout.engine import answer_ids
 
             texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
-            return [float(x) for x in score_batch(reward_fn, texts, [recs[i] for i in indices])[0]]
+            return score_texts(cfg, reward_fn, texts, [prompts[i] for i in indices],
+                               f"RL step {step + 1} (intermediate answers)")[0]
 
         algo.prepare(samples, score_ids, rl.n_samples)
     metrics.update({f"reward_{k}": v for k, v in rstats.items()})

@@ -110,14 +110,10 @@ def _check_algorithm_fits(cfg: Config, algo, block: int) -> None:
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
-    """(training prompts, held-out prompts), tokenized through the chat template."""
-    from megadare.data.prompt_data import build_prompts, load_prompt_splits
+    """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row."""
+    from megadare.data.prompt_data import load_rl_prompts
 
-    d, rl = cfg.data, cfg.rl
-    train_recs, held_recs, source = load_prompt_splits(d, rl, cfg.seed)
-    train = build_prompts(train_recs, tok, source, d.prompt_key, rl.answer_key, d.messages_key)
-    held = build_prompts(held_recs, tok, source + " (held-out)", d.prompt_key, rl.answer_key, d.messages_key)
-    return train, held
+    return load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok)
 
 
 def _build_policy(cfg: Config, src, algo) -> Policy:

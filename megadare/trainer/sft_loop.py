@@ -31,19 +31,22 @@ def sft_recipe(cfg: Config, arch):
 
 def load_examples(cfg: Config, tok) -> tuple[list, dict]:
     """Tokenized, length-checked SFT examples from data.path or a synthetic task."""
+    from megadare.data.files import load_many
     from megadare.data.prompt_data import synthetic_split
-    from megadare.data.sft_data import build_sft_examples, load_records
+    from megadare.data.sft_data import build_sft_examples
 
     d = cfg.data
+    sources = None
     if d.synthetic:  # the train split; the held-out split (rl.eval_size records) stays unseen for evaluation
         records = synthetic_split(d.synthetic, d.synthetic_size, cfg.rl.eval_size, cfg.seed, d.synthetic_correct)[0]
         source = f"synthetic:{d.synthetic}"
     elif d.path:
-        records, source = load_records(d.path), d.path
+        located = load_many(d.path, "data.path")
+        records, sources, source = [r for _, r in located], [w for w, _ in located], str(d.path)
     else:
-        raise ConfigError("no data: set data.path (.jsonl / .parquet) or data.synthetic=addition")
-    return build_sft_examples(records, tok, d.max_length, d.overlong, source=source, prompt_key=d.prompt_key,
-                              response_key=d.response_key, messages_key=d.messages_key)
+        raise ConfigError("no data: set data.path (.jsonl / .parquet, or a list of files) or data.synthetic=addition")
+    return build_sft_examples(records, tok, d.max_length, d.overlong, source=source, sources=sources,
+                              prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key)
 
 
 def _memory_gib() -> float:

@@ -1,0 +1,100 @@
+"""Data files: .jsonl / .parquet records, each with where it came from, and the one error type of the data layer.
+
+``load_records(path)`` reads every record of one file; ``load_rows(path)`` pairs each with its location
+(``file:line`` for JSONL, ``file:row N`` for parquet, 1-based) so that every later error can name it;
+``load_many(paths)`` does that over a list of files (``data.path`` may be one file or a list: DARE's recipes mix
+math + gsm8k).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence, Union
+
+__all__ = ["DataError", "SUPPORTED_EXTENSIONS", "load_records", "load_rows", "load_many", "as_paths"]
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+
+
+class DataError(ValueError):
+    """A data file or record that cannot be used; the message says where and why."""
+
+
+def load_records(path: str) -> list[dict]:
+    """All records of a .jsonl or .parquet file, as dicts."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in SUPPORTED_EXTENSIONS:
+        raise DataError(
+            f"{path}: unsupported data file extension {ext or '(none)'!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
+        )
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: data file not found")
+    return _load_jsonl(path) if ext == ".jsonl" else _load_parquet(path)
+
+
+def _load_jsonl(path: str) -> list[dict]:
+    records = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8 ({e.reason})") from e
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            records.append(rec)
+    return records
+
+
+def _load_parquet(path: str) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise DataError(f"{path}: cannot read parquet file ({e})") from e
+    return table.to_pylist()
+
+
+def _jsonl_lines(path: str) -> list[int]:
+    """Line numbers of the non-blank lines of a JSONL file (the lines load_records turns into records)."""
+    with open(path, "rb") as f:
+        return [n for n, raw in enumerate(f, start=1) if raw.strip()]
+
+
+def load_rows(path: str) -> list[tuple[str, dict]]:
+    """``(location, record)`` of every record of a .jsonl / .parquet file."""
+    rows = load_records(path)
+    if path.lower().endswith(".jsonl"):
+        return list(zip((f"{path}:{n}" for n in _jsonl_lines(path)), rows))
+    return [(f"{path}:row {i + 1}", r) for i, r in enumerate(rows)]
+
+
+def as_paths(value: Union[None, str, Sequence[str]], key: str = "data.path") -> list[str]:
+    """A path setting as a list of files (one string, or a list of strings); DataError naming ``key`` otherwise."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise DataError(f"{key}={value!r}: give a file or a list of files (e.g. {key}=[math.parquet,gsm8k.parquet])")
+
+
+def load_many(paths: Union[str, Sequence[str]], key: str = "data.path") -> list[tuple[str, dict]]:
+    """``(location, record)`` of every record of every file, in the order given; an empty file is an error."""
+    out: list[tuple[str, dict]] = []
+    for path in as_paths(paths, key):
+        rows = load_rows(path)
+        if not rows:
+            raise DataError(f"{path}: the file holds no records ({key})")
+        out.extend(rows)
+    return out

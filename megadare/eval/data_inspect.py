@@ -1,0 +1,176 @@
+"""``megadare data inspect FILE... [--reward NAME] [--model DIR]``: what megadare reads from data files, before a run.
+
+For every file: the schema detected and the fields used (RL prompts, SFT examples, preference pairs; megadare's or
+verl / DARE's), the record count, prompt (and response) length percentiles in tokens, one rendered prompt (the chat
+template visible), and the reward of each record's gold answer stated as a correct response states it (boxed, in
+``<answer>`` tags; :func:`~megadare.rewards.gold_response`) over the first ``--limit`` records. That mean should be
+about 1.0; a lower one is the sign of a wrong key or a wrong reward. Records without a checkable gold (a countdown
+target, code tests) are not counted. The tokenizer is the demo's (:class:`ByteTokenizer`), or the model's with
+``--model``. The last line is
+
+    reward of gold answers: <mean> over <n> records (<reward name>)
+
+and the exit status is 1 when any record could not be read, tokenized or scored; each such error names
+``file:row`` and the field.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from megadare.data.fields import MISSING, get_field, is_verl_row
+from megadare.data.files import DataError, load_rows
+from megadare.data.preference_data import record_to_preference
+from megadare.data.prompt_data import build_prompts, rl_keys
+from megadare.data.sft_data import record_to_example, sft_keys
+from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from megadare.rewards import auto_rule, gold_response, load_reward, score_batch
+
+__all__ = ["inspect_command", "inspect_file", "percentiles", "load_tokenizer"]
+
+PERCENTILES = (50, 90, 99)
+MAX_SHOWN_ERRORS = 20
+
+
+def load_tokenizer(model: Optional[str]) -> Tokenizer:
+    """The demo's byte tokenizer, or the HF tokenizer of the checkpoint at ``model``."""
+    if not model:
+        return ByteTokenizer()
+    from megadare.models import family_of, read_hf_config
+
+    hf = read_hf_config(model)
+    return HFTokenizer(model, mask_token_id=family_of(hf).arch(hf).mask_token_id)
+
+
+def percentiles(lengths: list[int]) -> str:
+    """``p50 a  p90 b  p99 c  max d`` (nearest rank) of token counts."""
+    if not lengths:
+        return "none"
+    s = sorted(lengths)
+    parts = [f"p{q} {s[min(len(s) - 1, max(0, -(-q * len(s) // 100) - 1))]}" for q in PERCENTILES]
+    return "  ".join(parts + [f"max {s[-1]}"])
+
+
+def _rendered(tok: Tokenizer, ids: list[int]) -> str:
+    if isinstance(tok, ByteTokenizer):
+        return tok.decode(ids, render_roles=True)
+    if isinstance(tok, HFTokenizer):
+        return tok.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return tok.decode(ids)
+
+
+def _each(rows: list[tuple[str, dict]], build: Callable[[str, dict], object], errors: list[str]) -> list:
+    """``build(where, record)`` for every row; a DataError is recorded (it names file:row and the field)."""
+    out = []
+    for where, rec in rows:
+        try:
+            out.append(build(where, rec))
+        except DataError as e:
+            errors.append(str(e))
+    return out
+
+
+def _schema_line(rows: list[tuple[str, dict]], views: list[str]) -> str:
+    rec = rows[0][1]
+    if "preference" in views:
+        dare = isinstance(rec.get("prompt"), list) and isinstance(rec.get("chosen"), list)
+        return "preference rows" + (" (verl / DARE: prompt, chosen and rejected as messages)" if dare else "")
+    if is_verl_row(rec):
+        sources = {}
+        for _, r in rows:
+            sources[str(r.get("data_source"))] = sources.get(str(r.get("data_source")), 0) + 1
+        return "verl / DARE rows; data_source: " + ", ".join(f"{k} {v}" for k, v in sources.items())
+    return "megadare rows; keys " + ", ".join(sorted(rec))
+
+
+def _views(rec: dict) -> list[str]:
+    views = []
+    if all(get_field(rec, k) is not MISSING for k in ("prompt", "chosen", "rejected")):
+        views.append("preference")
+    if all(k is not None for k in rl_keys(rec)):
+        views.append("rl")
+    if sft_keys(rec) and "preference" not in views:
+        views.append("sft")
+    return views
+
+
+def _gold_scores(prompts: list, reward: str, limit: int, errors: list[str]) -> list[float]:
+    """Rewards of the gold answers of the first ``limit`` prompts that have one. Rows without a checkable gold are
+    scored on an empty response instead (not counted): their fields must still let the reward compute a value.
+    A reward that fails is a record error."""
+    texts, records, wheres, counted = [], [], [], []
+    for p in prompts[:limit]:
+        try:
+            text = gold_response(auto_rule(p.record) if reward == "auto" else reward, p.record)
+        except (KeyError, ValueError) as e:
+            errors.append(f"{p.where}: field 'answer' (reward_model.ground_truth) / data_source: {e}")
+            continue
+        texts.append("" if text is None else text)
+        records.append(p.record)
+        wheres.append(p.where)
+        counted.append(text is not None)
+    scores, stats = score_batch(load_reward(reward), texts, records)
+    for i, message in sorted(stats.failed.items()):
+        errors.append(f"{wheres[i]}: field 'answer': reward {reward!r} could not score the record: {message}")
+    return [s for i, s in enumerate(scores) if counted[i] and i not in stats.failed]
+
+
+def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callable[[str], None]
+                 ) -> tuple[list[float], list[str]]:
+    """Print the report of one file; returns (gold-answer rewards, record errors)."""
+    rows = load_rows(path)
+    errors: list[str] = []
+    out(f"== {path}")
+    if not rows:
+        return [], [f"{path}: the file holds no records"]
+    views = _views(rows[0][1])
+    out(f"schema: {_schema_line(rows, views)}")
+    out(f"records: {len(rows)}")
+    if not views:
+        return [], [f"{rows[0][0]}: no known schema (RL prompt + gold, SFT prompt + response, or prompt + chosen + "
+                    f"rejected); found keys {sorted(rows[0][1])}"]
+    gold: list[float] = []
+    if "preference" in views:
+        pairs = _each(rows, lambda w, r: record_to_preference(r, tok, w), errors)
+        out("preference pairs: prompt <- prompt, chosen <- chosen, rejected <- rejected")
+        out(f"prompt tokens: {percentiles([len(p.prompt_ids) for p in pairs])}")
+        out(f"chosen tokens: {percentiles([len(p.chosen_ids) for p in pairs])}")
+        out(f"rejected tokens: {percentiles([len(p.rejected_ids) for p in pairs])}")
+        if pairs:
+            out(f"rendered prompt ({pairs[0].where}):\n{_rendered(tok, pairs[0].prompt_ids)}")
+    if "rl" in views:
+        pkey, gkey = rl_keys(rows[0][1])
+        built = _each(rows, lambda w, r: build_prompts([r], tok, "", sources=[w])[0], errors)
+        prefills = sum(bool(p.prefill) for p in built)
+        out(f"RL prompts: prompt <- {pkey}" + (f" ({prefills} end in an assistant prefill)" if prefills else "")
+            + f", gold <- {gkey}, reward {reward}")
+        out(f"prompt tokens: {percentiles([len(p.prompt_ids) for p in built])}")
+        if built:
+            out(f"rendered prompt ({built[0].where}):\n{_rendered(tok, built[0].prompt_ids)}")
+        gold = _gold_scores(built, reward, limit, errors)
+    if "sft" in views:
+        keys = sft_keys(rows[0][1])
+        examples = _each(rows, lambda w, r: record_to_example(r, tok, w), errors)
+        out(f"SFT examples: {' + '.join(keys[1:]) or keys[0]}")
+        out(f"prompt tokens: {percentiles([len(e.prompt_ids) for e in examples])}")
+        out(f"response tokens: {percentiles([len(e.response_ids) for e in examples])}")
+    return gold, errors
+
+
+def inspect_command(paths: list[str], reward: str = "auto", model: Optional[str] = None, limit: int = 100,
+                    out: Callable[[str], None] = print) -> int:
+    """The command: a report per file, every record error, then the gold-answer line; 1 on record errors."""
+    load_reward(reward)   # an unknown reward fails before any file is read
+    tok = load_tokenizer(model)
+    scores: list[float] = []
+    errors: list[str] = []
+    for path in paths:
+        file_scores, file_errors = inspect_file(path, tok, reward, limit, out)
+        scores += file_scores
+        errors += file_errors
+    for e in errors[:MAX_SHOWN_ERRORS]:
+        out(f"error: {e}")
+    if len(errors) > MAX_SHOWN_ERRORS:
+        out(f"error: ... and {len(errors) - MAX_SHOWN_ERRORS} more records with errors")
+    mean = f"{sum(scores) / len(scores):.3f}" if scores else "n/a"
+    out(f"reward of gold answers: {mean} over {len(scores)} records ({reward})")
+    return 1 if errors else 0

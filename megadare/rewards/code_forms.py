@@ -1,0 +1,169 @@
+"""DARE's code ground truths as test cases, and its MBPP answer extraction (``verl/utils/reward_score/code_reward.py``,
+DARE @83ae8a3).
+
+DARE's RL rows keep the tests in ``reward_model.ground_truth`` (the record's ``answer`` here), by ``data_source``:
+
+=====================================  =====================================================================
+humaneval                              test code defining ``check(candidate)``; DARE appends ``check(<entry>)``
+                                       (here the ``entry_point`` field, else the last ``def`` of the prompt)
+humanevalplus                          a full harness (numpy, ``check(...)`` called at its end)
+mbpp, kodcode                          a JSON list of ``assert`` lines (one case each)
+taco, apps, code_contests              ``{"inputs", "outputs"[, "fn_name"]}`` (JSON text or dict); call-based
+                                       outputs are wrapped in a list, as DARE's ``taco_to_lcb_format`` reads them
+lcbv5, livecodebench, codeforces,      a list of ``{"input", "output", "testtype"}``; ``functional`` cases call
+primeintellect                         ``extra_info.metadata.func_name`` (JSON lines of arguments)
+=====================================  =====================================================================
+
+Programs get DARE's standard-library imports in front (its ``BASE_IMPORTS`` without numpy/pandas: ``List``,
+``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. MBPP responses continue
+the prompt's ``[BEGIN]`` prefill; the program is what DARE's OpenCompass-style patterns take between ``[BEGIN]`` and
+``[DONE]`` (other responses: :func:`~megadare.rewards.code.extract_code`). DARE's code reward is binary: all cases
+must pass.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any, List, Optional
+
+from megadare.rewards.code import TestCase, call_case, code_reward, extract_code, parse_tests
+
+__all__ = ["CODE_SOURCES", "PREAMBLE", "extract_code_mbpp", "entry_point", "dare_test_cases", "dare_code_reward"]
+
+HUMANEVAL, HUMANEVALPLUS = "humaneval", "humanevalplus"
+ASSERT_LISTS = ("mbpp", "kodcode")
+IO_DICTS = ("taco", "apps", "code_contests")
+LCB_LISTS = ("lcbv5", "livecodebench", "codeforces", "primeintellect")
+CODE_SOURCES = frozenset((HUMANEVAL, HUMANEVALPLUS) + ASSERT_LISTS + IO_DICTS + LCB_LISTS)
+
+PREAMBLE = """from itertools import accumulate, chain, combinations, count, permutations, product, groupby, islice, repeat
+from copy import deepcopy
+from string import ascii_lowercase, ascii_uppercase
+from math import floor, log2, log10, sqrt, comb, gcd, ceil, inf, isqrt, factorial, atan2, pi, log, prod
+from collections import defaultdict, deque, Counter, OrderedDict
+from bisect import bisect, bisect_left, bisect_right, insort
+from heapq import heappush, heappop, heapify, merge, nlargest, nsmallest, heapreplace
+from functools import reduce, cache, lru_cache, cmp_to_key, partial
+from typing import List, Tuple, Dict, Set, Optional, Union, Any, Callable, Iterable, Iterator, Generator, Deque
+import copy, string, math, collections, bisect, heapq, functools, random, itertools, operator, re, datetime, sys
+"""
+
+# OpenCompass' MBPPEvaluator patterns, in DARE's order (extract_code_from_model_mbpp)
+_MBPP_PATTERNS = [re.compile(p, re.DOTALL) for p in (
+    r"\[BEGIN\]\s*'(.*)'\s*\[DONE\]", r"BEGIN\s*'(.*)'\s*\[DONE\]", r"\[BEGIN\]\s*'(.*)'\s*DONE",
+    r"BEGIN\s*'(.*)'\s*DONE", r"\[BEGIN\]\s*'(.*)\s*\[DONE\]", r"BEGIN\s*'(.*)\s*\[DONE\]",
+    r"\[BEGIN\]\s*'(.*)\s*DONE", r"BEGIN\s*'(.*)\s*DONE", r"\[BEGIN\]\s*(.*)\s*\[DONE\]", r"BEGIN\s*(.*)\s*\[DONE\]",
+    r"\[BEGIN\]\s*(.*)\s*DONE", r"BEGIN\s*(.*)\s*DONE", r"```python\s*(.*)\s*```", r"```\s*(.*)\s*```",
+    r"```python\s*(.*)\s*$", r"```\s*(.*)\s*$", r"(.*)\s*```.*", r"\[BEGIN\]\s*'(.*)", r"\[BEGIN\](.*)",
+    r"'(.*)'\s*\[DONE\]")]
+
+
+def extract_code_mbpp(text: str) -> Optional[str]:
+    """The program of an MBPP response (prefill included), by DARE's patterns; None when under 10 characters."""
+    for pattern in _MBPP_PATTERNS:
+        m = pattern.search(text or "")
+        if m:
+            text = m.group(1)
+            break
+    text = re.split(r"'?\s*\[?DONE\]?", (text or "").split("```")[0])[0].replace("\\_", "_").strip()
+    return text if len(text) >= 10 else None
+
+
+def _extra(record: dict) -> dict:
+    extra = record.get("extra_info")
+    return extra if isinstance(extra, dict) else {}
+
+
+def entry_point(record: dict) -> str:
+    """The function HumanEval's ``check`` is called on: ``entry_point`` (top level or in extra_info), else the
+    last top-level ``def`` of the prompt's last user message (DARE's rows carry no entry point)."""
+    name = record.get("entry_point") or _extra(record).get("entry_point")
+    if name:
+        return str(name)
+    prompt = record.get("prompt")
+    text = prompt if isinstance(prompt, str) else next(
+        (m.get("content", "") for m in reversed(prompt or []) if isinstance(m, dict) and m.get("role") == "user"), "")
+    found = re.findall(r"^def\s+([A-Za-z_]\w*)\s*\(", text or "", re.MULTILINE)
+    if not found:
+        raise ValueError("humaneval record: no entry_point field and no top-level 'def' in its prompt; the tests' "
+                         "check(candidate) would not know which function to test")
+    return found[-1]
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _calls_check(test_code: str) -> bool:
+    tree = ast.parse(test_code)
+    return any(isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+               and n.value.func.id == "check" for n in tree.body)
+
+
+def _humaneval(test_code: str, record: dict) -> List[TestCase]:
+    if "def check" not in test_code:
+        raise ValueError("humaneval tests must define check(candidate)")
+    if _calls_check(test_code):
+        return parse_tests(test_code)
+    return parse_tests(f"{test_code}\n\ncheck({entry_point(record)})\n")
+
+
+def _lcb(cases: Any, record: dict) -> List[TestCase]:
+    cases = _json(cases)
+    fn_name = (_json(_extra(record).get("metadata") or record.get("metadata") or {}) or {}).get("func_name")
+    out = []
+    for case in cases:
+        if case.get("testtype") == "functional":
+            if not fn_name:
+                raise ValueError("functional (call-based) test without extra_info.metadata.func_name")
+            out.append(call_case(fn_name, case["input"], case["output"]))
+        else:
+            out.append(TestCase(stdin=str(case["input"]), expected=str(case["output"])))
+    return parse_tests(out)
+
+
+def _io_dict(tests: Any) -> List[TestCase]:
+    tests = dict(_json(tests))
+    if tests.get("fn_name"):   # DARE (taco_to_lcb_format) reads a call's output as the first of a list
+        tests["outputs"] = [o[0] if isinstance(o, list) and o else o for o in tests.get("outputs") or []]
+    return parse_tests(tests)
+
+
+def dare_test_cases(record: dict) -> List[TestCase]:
+    """The test cases of a DARE code row (its ``answer`` = ``reward_model.ground_truth``; see the table above)."""
+    source, gold = str(record.get("data_source", "")).lower(), record["answer"]
+    if source == HUMANEVAL or source == HUMANEVALPLUS:
+        return _humaneval(str(gold), record)
+    if source in ASSERT_LISTS:
+        asserts = _json(gold)
+        if not isinstance(asserts, list) or not all(isinstance(a, str) for a in asserts):
+            raise ValueError(f"{source} tests must be a JSON list of assert lines, got {str(gold)[:200]!r}")
+        return parse_tests(asserts)
+    if source in IO_DICTS:
+        return _io_dict(gold)
+    if source in LCB_LISTS:
+        return _lcb(gold, record)
+    raise ValueError(f"no DARE code-test format for data_source {source!r} (known: {', '.join(sorted(CODE_SOURCES))})")
+
+
+def _harness_timeout(test_code: str, base: float) -> float:
+    """DARE's humanevalplus budget: 1 s per entry of the harness's ``inputs`` list (at least ``base``)."""
+    for node in ast.walk(ast.parse(test_code)):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List) and \
+                any(isinstance(t, ast.Name) and t.id == "inputs" for t in node.targets):
+            return max(base, float(len(node.value.elts)))
+    return base
+
+
+def dare_code_reward(response: str, record: dict, all_or_nothing: bool = True) -> float:
+    """DARE's code score of ``response`` (the prompt's prefill included) on the row's tests."""
+    source = str(record.get("data_source", "")).lower()
+    cases = dare_test_cases(record)
+    code = extract_code_mbpp(response) if source in ASSERT_LISTS else extract_code(response)
+    timeout = float(record.get("timeout_s", 5.0))
+    if source == HUMANEVALPLUS:
+        timeout = _harness_timeout(str(record["answer"]), timeout)
+    return code_reward(response, cases, code=code or "", preamble=PREAMBLE, timeout_s=timeout,
+                       memory_mb=int(record.get("memory_mb", 1024)), all_or_nothing=all_or_nothing,
+                       **({"allow_site_packages": True, "preload": ("numpy",)} if source == HUMANEVALPLUS else {}))

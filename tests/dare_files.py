@@ -1,0 +1,64 @@
+"""Small files in DARE's schemas (written here, following verl/utils/preprocess/*.py of DARE @83ae8a3; no DARE data
+is copied): RL rows, SFT rows and preference rows, as parquet with the nested structs DARE's files have."""
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def rl_row(source: str, prompt, gold: str, index: int, task: str = "math", **extra) -> dict:
+    msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return {"data_source": source, "prompt": msgs, "reward_model": {"ground_truth": gold, "style": "rule"},
+            "extra_info": {"index": index, "split": "train", "task": task, **extra}}
+
+
+def math_rows(n: int = 3) -> list[dict]:
+    return [rl_row("math", f"What is {i} + {i + 2}?", str(2 * i + 2), i) for i in range(n)]
+
+
+def countdown_rows(n: int = 3) -> list[dict]:
+    return [rl_row("countdown", f"Use [{i + 1}, {i + 3}] to make {2 * i + 4}. Answer in <answer></answer>.",
+                   str(2 * i + 4), i, numbers=json.dumps([i + 1, i + 3])) for i in range(n)]
+
+
+def sudoku_rows() -> list[dict]:
+    return [rl_row("sudoku", "Solve 1030041020004301 in <answer></answer>.", "1234341221434321", 0,
+                   puzzle="1030041020004301")]
+
+
+MBPP_PREFILL = [{"role": "user", "content": "Write add(a, b). Tests:\nassert add(1, 2) == 3"},
+                {"role": "assistant", "content": "[BEGIN]\n"}]
+
+
+def mbpp_rows() -> list[dict]:
+    return [rl_row("mbpp", MBPP_PREFILL, json.dumps(["assert add(1, 2) == 3", "assert add(2, 2) == 4"]), 0,
+                   task="code")]
+
+
+def sft_rows(n: int = 3) -> list[dict]:
+    out = []
+    for i in range(n):
+        q = f"Tom has {i} apples and buys 2. How many?"
+        out.append({"data_source": "openai/gsm8k",
+                    "prompt": [{"role": "user", "content": q + " Let's think step by step and output the final "
+                                                               "answer after \"####\"."}],
+                    "ability": "math", "reward_model": {"ground_truth": str(i + 2), "style": "rule"},
+                    "extra_info": {"answer": f"{i} + 2 = {i + 2}.\n#### {i + 2}", "index": i, "question": q,
+                                   "split": "train"}})
+    return out
+
+
+def preference_rows(n: int = 2) -> list[dict]:
+    return [{"data_source": "ultrafeedback", "prompt": [{"role": "user", "content": f"Say hi {i}"}],
+             "chosen": [{"role": "assistant", "content": f"Hi {i}!"}],
+             "rejected": [{"role": "assistant", "content": "no"}], "extra_info": {"split": "train", "index": i}}
+            for i in range(n)]
+
+
+def write_parquet(path, rows: list[dict]) -> str:
+    os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)
