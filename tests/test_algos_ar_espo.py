@@ -279,14 +279,16 @@ def test_config_check_refuses_what_justgrpo_and_espo_cannot_train():
 
 
 def test_full_canvas_rewards_read_the_answer_up_to_its_first_eos():
+    from megadare.data.prompt_data import PromptRecord
     from megadare.data.tokenizer import ByteTokenizer
     from megadare.rollout.engine import SamplingParams, Trajectory
-    from megadare.trainer.rl_rollout import score
+    from megadare.trainer.reward_step import score_rollouts
 
     tok = ByteTokenizer()
     canvas = tok.encode("cba") + [tok.eos_token_id] + tok.encode("xy")     # decoded past the EOS
     t = Trajectory(prompt_ids=[1], response_ids=canvas, commit_step=list(range(6)), block_step=[0] * 6,
                    logprobs=[0.0] * 6, finish_reason="eos", num_forwards=6, params=SamplingParams(max_new_tokens=6))
     assert t.answer_ids(tok.eos_token_id) == canvas[:4]
-    scores, _ = score(lambda text, rec: float(text == rec["answer"]), tok, [t], [{"answer": "cba"}])
+    scores, _ = score_rollouts(config_from_dict({}), lambda text, rec: float(text == rec["answer"]), tok, [t],
+                               [PromptRecord([1], {"answer": "cba"}, "mem:1")], "test")
     assert scores == [1.0]
