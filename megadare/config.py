@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
+from megadare.rollout.engine import ALGORITHMS, CONFIDENCES, SCHEDULES, SamplingParams
 
 
 @dataclass
@@ -121,8 +122,18 @@ class RolloutSection:
     max_new_tokens: int = 64
     block_size: Optional[int] = None       # None = the model's block size (block families) / 32 (full attention)
     steps_per_block: Optional[int] = None  # None = block_size (one token per step)
-    algorithm: str = "low_confidence_static"   # low_confidence_static | low_confidence_dynamic | random
+    algorithm: str = "low_confidence_static"   # low_confidence_static | low_confidence_dynamic | random |
+                                           # editing (LLaDA2.1 token editing)
     threshold: float = 0.9
+    confidence: str = "model_prob"         # what low-confidence remasking ranks: model_prob | Dream's maskgit_plus,
+                                           # topk_margin, entropy
+    schedule: str = "even"                 # tokens per step: even | linspace (Dream) | linspace_first (DARE's Dream
+                                           # block sampler: the block's first position alone, then linspace)
+    eps: float = 1e-3                      # Dream: end point of the linspace schedule
+    alg_temp: float = 0.0                  # Dream: > 0 draws the committed positions ~ softmax(confidence / alg_temp)
+    editing_threshold: float = 0.9         # editing: replace a decoded token whose new prediction is this confident
+    max_post_steps: int = 16               # editing: refinement forwards after a block has no masks
+    num_to_transfer: int = 1               # editing: masked positions committed per step at least
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -262,7 +273,9 @@ CHOICES = {
     "data.overlong": ("truncate", "drop", "error"),
     "data.synthetic": (None, "addition", "reverse"),
     "rollout.engine": ("native", "sglang"),
-    "rollout.algorithm": ("low_confidence_static", "low_confidence_dynamic", "random"),
+    "rollout.algorithm": ALGORITHMS,
+    "rollout.confidence": CONFIDENCES,
+    "rollout.schedule": SCHEDULES,
     "rl.advantage": ("grpo", "rloo", "reinforce_pp"),
     "rl.mode": ("sync", "one_step_off", "fully_async"),
     "rl.loss_mode": ("ppo", "decoupled", "bypass"),
@@ -443,8 +456,39 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     if resolve_canvas(cfg, arch) == "full" and cfg.rl.partial_rollout:
         raise ConfigError(f"rl.partial_rollout={cfg.rl.partial_rollout} continues a response as a new prompt, which "
                           "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0")
+    check_decoder(cfg, arch)
     from megadare.algos import build_algorithm  # the name and algo.params, before any process starts
 
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
     if arch is not None:
         algo.check_run(cfg, arch)
+
+
+_SAMPLER_KEYS = ("max_new_tokens", "algorithm", "threshold", "top_k", "top_p", "confidence", "schedule", "eps",
+                 "alg_temp", "editing_threshold", "max_post_steps", "num_to_transfer")
+
+
+def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
+    """The rollout's decoder as the engines will build it (``SamplingParams`` at the rollout and the evaluation
+    temperature), and whether the RL algorithm can replay a token-editing trace (algos/trace_replay.py)."""
+    r = cfg.rollout
+    block = r.block_size or (arch.block_size if arch is not None and arch.attention == "block_causal" else 32)
+    for temperature in (r.temperature, r.eval_temperature):
+        try:
+            SamplingParams(block_size=block, steps_per_block=r.steps_per_block or block, temperature=temperature,
+                           **{k: getattr(r, k) for k in _SAMPLER_KEYS})
+        except ValueError as e:
+            named = sorted((str(e).find(k), k) for k in _SAMPLER_KEYS + ("steps_per_block", "block_size",
+                                                                          "temperature") if k in str(e))
+            raise ConfigError(f"rollout.{named[0][1] if named else 'algorithm'}: {e}") from None
+    if r.algorithm != "editing":
+        return
+    if cfg.algo.name in ("mdpo", "d_treerpo"):
+        raise ConfigError(f"rollout.algorithm=editing: {cfg.algo.name} rebuilds decoding states from the final "
+                          "tokens and cannot replay token edits; use another rollout.algorithm or algorithm")
+    shrink = (cfg.algo.params or {}).get("shrink")
+    if cfg.algo.name == "tracerl" and arch is not None and shrink is None:
+        shrink = 1 if arch.attention == "block_causal" else 8
+    if cfg.algo.name == "tracerl" and shrink is not None and shrink != 1:
+        raise ConfigError(f"rollout.algorithm=editing with tracerl shrink={shrink}: a fragment of several steps "
+                          "would score two commits of one position from one state; set algo.params.shrink=1")

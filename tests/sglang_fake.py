@@ -126,6 +126,9 @@ class FakeDllmAlgorithm:
     def init_step_state(self, forward_batch):
         return [None] * forward_batch.batch_size
 
+    def max_steps(self, block_size):
+        return block_size + 1
+
     def run(self, model_runner, forward_batch, algo_states=None):
         n, Bs = forward_batch.batch_size, self.block_size
         start = (forward_batch.input_ids.view(n, Bs) != self.mask_id).sum(1).tolist()
@@ -140,7 +143,7 @@ class FakeDllmAlgorithm:
         out = model_runner.forward(forward_batch)
         if all(s == Bs for s in start):
             return out, [], None, None, False
-        for _ in range(Bs + 1):
+        for _ in range(self.max_steps(Bs)):
             if all(self.step(forward_batch, out.full_logits, states)):
                 break
             out = model_runner.forward(forward_batch)

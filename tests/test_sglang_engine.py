@@ -92,7 +92,10 @@ def test_engine_generate_translates_params_and_outputs(fake_sglang, ckpt):
     assert s0["sampling_seed"] == 3 and s1["sampling_seed"] == se.prompt_seed(3, 1) != 3
     assert s0["ignore_eos"] is False and s0["stop_token_ids"] == [EOS]
     assert s1["custom_params"] == {"megadare": {"algorithm": "low_confidence_static", "steps_per_block": 2,
-                                                "threshold": 0.9, "seed": se.prompt_seed(3, 1)}}
+                                                "threshold": 0.9, "seed": se.prompt_seed(3, 1),
+                                                "confidence": "model_prob", "schedule": "even", "eps": 1e-3,
+                                                "alg_temp": 0.0, "editing_threshold": 0.9, "max_post_steps": 16,
+                                                "num_to_transfer": 1}}
     assert t1.response_ids == [6, 7, EOS] and t1.finish_reason == "eos" and t1.commit_step == [0, 1, 1]
     assert t1.block_step == [0, 1, 1] and t1.logprobs == [-0.5, -0.25, -1.0] and t1.num_forwards == 2
     assert t1.policy_version == 7 and t1.extra["sglang_weight_version"] == "7"

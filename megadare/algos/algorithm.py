@@ -49,6 +49,7 @@ class Algorithm(ABC):
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
     needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
+    replays_edits: ClassVar[bool] = False        # its trace replay scores token edits (superseded commits)
     needs_step_predictions: ClassVar[bool] = False
     lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
     redraw_corruptions: ClassVar[bool] = False   # epochs draw fresh corruptions (default of rl.redraw_corruptions)
@@ -71,6 +72,9 @@ class Algorithm(ABC):
         if self.needs_trace and (s.commit_step is None or s.block_step is None):
             raise ValueError(f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "
                              "engine returned none")
+        if self.needs_trace and s.superseded and not self.replays_edits:
+            raise ValueError(f"sample {s.index}: {self.name} cannot replay a trace with token edits "
+                             "(rollout.algorithm=editing); use tracerl or cj_grpo, or another rollout.algorithm")
 
     def objective(self, on_policy: bool, loss_mode: str = "ppo"):
         """The trainer objective of this algorithm (slots -> loss); ``loss_mode`` see ``SlotObjective``."""

@@ -48,6 +48,7 @@ class RLSample:
     group: int = 0                         # prompt group
     commit_step: Optional[list[int]] = None   # global denoising step of each response token (trace estimators)
     block_step: Optional[list[int]] = None    # step inside the token's block
+    superseded: Optional[list] = None         # token editing: overwritten commits (rollout.engine.Superseded)
     truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 

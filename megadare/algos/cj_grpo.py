@@ -18,13 +18,14 @@ from collections import Counter
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.algorithm import rows_for_views
-from megadare.algos.trace_replay import replay_views
+from megadare.algos.trace_replay import replay_views, trace_commits
 
 
 class CJGRPO(Algorithm):
     name = "cj_grpo"
     paper = "arXiv:2509.23924"
     needs_trace = True
+    replays_edits = True
     defaults = {"eps_low": 0.2}
 
     def engine_logprobs_match(self, arch) -> bool:
@@ -39,10 +40,11 @@ class CJGRPO(Algorithm):
         self.check_sample(s)
         block = arch.attention == "block_causal"
         views = self.views(s, arch, block_size, g)
-        # one "step" = (block, block-local step) for block families, the global step otherwise
+        # one "step" = (block, block-local step) for block families, the global step otherwise; U_ik holds every
+        # commit of the step, token edits included (one slot each, algos/trace_replay.py)
         P = len(s.prompt_ids)
-        key = [((P + k) // block_size, s.block_step[k]) if block else s.commit_step[k]
-               for k in range(len(s.response_ids))]
+        commits = trace_commits(s)
+        key = [((P + c.position) // block_size, c.block_step) if block else c.step for c in commits]
         sizes = Counter(key)
-        weights = {k: 1.0 / (len(sizes) * sizes[key[k]]) for k in range(len(key))}
+        weights = {c.slot: 1.0 / (len(sizes) * sizes[kc]) for c, kc in zip(commits, key)}
         return rows_for_views(s, views, arch, "", weights, 1.0) if views else []

@@ -58,6 +58,9 @@ class DTreeRPO(Algorithm):
     def rollout(self, generate: Callable, prompts: list[list[int]], params, n_samples: int):
         """Leaf trajectories (n_samples per prompt, grouped by prompt), the tree recorded in ``extra['tree']``."""
         b, d = self.p["branch"], self.p["depth"]
+        if params.algorithm == "editing":
+            raise ValueError("d_treerpo: its tree stitches segments' traces without token edits; "
+                             "rollout.algorithm=editing is not supported")
         if b ** d != n_samples:
             raise ValueError(f"d_treerpo: rl.n_samples={n_samples} must equal branch^depth = {b}^{d} = {b ** d}")
         seg = self.p["segment_tokens"] or -(-params.max_new_tokens // d)

@@ -18,6 +18,16 @@ every step.
 * Full-attention families (LLaDA, Dream): one row per group of global steps, state = every token committed at a
   later step masked.
 
+Token editing (LLaDA2.1, ``rollout.algorithm=editing``): a position may be committed more than once (the
+trajectory's ``superseded`` commits, then the final one). Each commit is one action of the sampler, so the
+trajectory's log-likelihood is the sum over *every* commit, superseded ones included, of
+log p_theta(token | state before its step), where the state holds at each position its latest commit before
+that step (masked if none) -- an edit is scored with the token it replaced in its input. Every commit is its own
+slot (its own PPO ratio): slot k for the commit that wrote response token k, slot L + j for the j-th superseded
+commit; it takes the advantage of its position. CJ-GRPO's per-step average runs over all commits of a step,
+edits included. TraceRL's shrinkage would score two commits of one position from one state: refused (shrink
+must be 1 for an edited trace; the config check says so before a run starts).
+
 Canvas: with ``rl.canvas=eos`` the engine cuts the response after the first EOS; positions of the last block after
 it (which the sampler also denoised) are not replayed, so the last block's states hold fewer masked positions.
 With ``rl.canvas=full`` (LLaDA/Dream's default) every decoded position is replayed and each state is the
@@ -25,10 +35,32 @@ sampler's.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple, Optional
+
 import torch
 
 from megadare.algos.base import RLSample, View
-from megadare.diffusion.masking import mask_tokens
+
+
+class Commit(NamedTuple):
+    """One commit of the trace: response position, token written, global and block-local step, slot."""
+
+    position: int
+    token: int
+    step: int
+    block_step: int
+    slot: int
+
+
+def trace_commits(s: RLSample) -> list[Commit]:
+    """Every commit of the sample's trace: the one that wrote response token k (slot k), then the commits later
+    edits overwrote (slot L + j for ``s.superseded[j]`` = (position, token, global step, block step, log-prob))."""
+    L = len(s.response_ids)
+    out = [Commit(k, int(s.response_ids[k]), int(s.commit_step[k]), int(s.block_step[k]), k)  # type: ignore[index]
+           for k in range(L)]
+    for j, e in enumerate(s.superseded or []):
+        out.append(Commit(int(e[0]), int(e[1]), int(e[2]), int(e[3]), L + j))
+    return out
 
 
 def _groups(ids: list[int], shrink: int) -> list[list[int]]:
@@ -43,38 +75,60 @@ def _require_trace(s: RLSample, name: str) -> None:
     if len(s.commit_step) != len(s.response_ids) or len(s.block_step) != len(s.response_ids):
         raise ValueError(f"sample {s.index}: the trace has {len(s.commit_step)} steps for "
                          f"{len(s.response_ids)} response tokens")
+    if any(not 0 <= int(e[0]) < len(s.response_ids) for e in s.superseded or []):
+        raise ValueError(f"sample {s.index}: a superseded commit lies outside the {len(s.response_ids)} response "
+                         "tokens")
+
+
+def _round_view(s: RLSample, x0: torch.Tensor, chains: dict[int, list[Commit]], mask_id: int,
+                start: Callable[[int], Optional[int]], group: Callable[[int], set], key: Callable[[Commit], int]
+                ) -> tuple[View, list[int]]:
+    """The state before one replay round and what it scores. Per response position k: ``start(k)`` the first
+    step (under ``key``) of k's unit in this round (None: the unit has no such round, k holds its final token
+    and is not scored); the input holds k's latest commit before it (or the mask); the commit of k whose step is
+    in ``group(k)`` is scored, with its own token as the target."""
+    P = len(s.prompt_ids)
+    tokens, labels = x0.clone(), x0.clone()
+    coef = torch.zeros(len(x0))
+    slot = torch.full((len(x0),), -1, dtype=torch.long)
+    steps: set[int] = set()
+    for k, chain in chains.items():
+        first = start(k)
+        if first is None:
+            continue
+        before = [c for c in chain if key(c) < first]
+        tokens[P + k] = before[-1].token if before else mask_id
+        scored = [c for c in chain if key(c) in group(k)]
+        if len(scored) > 1:
+            raise ValueError(f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
+                             f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
+                             "(algo.params.shrink=1)")
+        if scored:
+            c = scored[0]
+            coef[P + k], slot[P + k], labels[P + k] = 1.0, c.slot, c.token
+            steps.add(c.step)
+    view = View(tokens=tokens, coef=coef, slot=slot, labels=labels if s.superseded else None)
+    return view, sorted(steps)
 
 
 def replay_views(s: RLSample, mask_id: int, block_size: int, shrink: int = 1,
                  block_family: bool = True) -> list[tuple[View, list[int]]]:
-    """(view, steps it scores) for every replay round; token slots (each token is scored exactly once)."""
+    """(view, steps it scores) for every replay round; commit slots (each commit is scored exactly once)."""
     _require_trace(s, "trace-replay")
-    P, L = len(s.prompt_ids), len(s.response_ids)
+    P = len(s.prompt_ids)
     x0 = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
-    slot_all = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(L)])
-    out: list[tuple[View, list[int]]] = []
+    commits = trace_commits(s)
+    chains: dict[int, list[Commit]] = {}
+    for c in sorted(commits, key=lambda c: c.step):
+        chains.setdefault(c.position, []).append(c)
     if block_family:
-        blocks = [(P + k) // block_size for k in range(L)]
-        per_block: dict[int, list[list[int]]] = {}
-        for b in sorted(set(blocks)):
-            per_block[b] = _groups([s.block_step[k] for k in range(L) if blocks[k] == b], shrink)
-        rounds = max(len(g) for g in per_block.values()) if per_block else 0
-        for j in range(rounds):
-            masked = torch.zeros(P + L, dtype=torch.bool)
-            scored = torch.zeros(P + L, dtype=torch.bool)
-            for k in range(L):
-                gs = per_block[blocks[k]]
-                if j < len(gs):
-                    masked[P + k] = s.block_step[k] >= gs[j][0]
-                    scored[P + k] = s.block_step[k] in gs[j]
-            steps = sorted({s.commit_step[k] for k in range(L) if scored[P + k]})
-            out.append((View(tokens=mask_tokens(x0, masked, mask_id), coef=scored.float(),
-                             slot=torch.where(scored, slot_all, torch.full_like(slot_all, -1))), steps))
-    else:
-        for group in _groups(s.commit_step, shrink):
-            step = torch.tensor([-1] * P + list(s.commit_step))
-            masked = step >= group[0]
-            scored = torch.isin(step, torch.tensor(group))
-            out.append((View(tokens=mask_tokens(x0, masked, mask_id), coef=scored.float(),
-                             slot=torch.where(scored, slot_all, torch.full_like(slot_all, -1))), list(group)))
-    return out
+        blk = {k: (P + k) // block_size for k in chains}
+        per_block = {b: _groups([c.block_step for c in commits if blk[c.position] == b], shrink)
+                     for b in set(blk.values())}
+        rounds = max((len(g) for g in per_block.values()), default=0)
+        return [_round_view(s, x0, chains, mask_id,
+                            lambda k, j=j: per_block[blk[k]][j][0] if j < len(per_block[blk[k]]) else None,
+                            lambda k, j=j: set(per_block[blk[k]][j]), lambda c: c.block_step)
+                for j in range(rounds)]
+    return [_round_view(s, x0, chains, mask_id, lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
+            for g in _groups([c.step for c in commits], shrink)]

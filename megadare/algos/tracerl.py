@@ -30,6 +30,7 @@ class TraceRL(Algorithm):
     name = "tracerl"
     paper = "arXiv:2509.06949"
     needs_trace = True
+    replays_edits = True
     defaults = {"eps_low": 0.2, "kl_coef": 0.01, "kl_anchor": "old", "kl_estimator": "k3",
                 "loss_agg": "seq_mean_length", "log_ratio_clamp": 10.0, "shrink": None,
                 "value_model": False, "value_lr": 5e-6, "value_clip": 0.2, "gamma": 1.0, "lam": 1.0}

@@ -16,6 +16,14 @@ Megatron-Bridge's Bailing MoE V2 bridge; architecture ``LLaDA2MoeModelLM``):
   token id 156895, default block size 32 (sglang DLLM_PARAMS).
 megatron-core ranks groups by the sum of the top (topk / topk_group) scores, so a checkpoint must have
 num_experts_per_tok == 2 * topk_group (true for mini and flash: 8 and 4) -- checked.
+
+LLaDA2.1 (mini, flash) has the same weights layout and config as 2.0 and loads as this family; it decodes with
+token editing (``rollout.algorithm=editing``, rollout/editing.py, after its ``generate()``). Attention mask: the
+2.1 ``generate()`` builds its block mask as 0/1 and passes it to attention without the ``.log()`` that 2.0's
+applies, so it acts as an additive +1 bias, not a mask: in the publisher's own 2.1 decoding every position of
+the window (prompt and earlier blocks included) attends to the current, partly masked block. megadare keeps the
+strict block-causal mask for 2.1 as for 2.0 (the one the training forward and both rollout engines use, so the
+recorded trace is the trainer's), so its 2.1 decodes differ from the publisher's code there by design.
 """
 from __future__ import annotations
 

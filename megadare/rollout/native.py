@@ -19,7 +19,9 @@ bidirectional model those keys would change as the block fills in); 'none' (defa
 Each denoising step of a block is ``dllm_step.dllm_step`` (shared with the SGLang plugin) and its records go
 through a ``dllm_step.BlockTrace``. Every committed token records its global step (the sample's denoising forward
 index), its block-local step and its log-prob under the sampling distribution; ``use_cache=False`` recomputes the
-whole sequence each step (the reference the cache is tested against).
+whole sequence each step (the reference the cache is tested against). Token editing (LLaDA2.1,
+``algorithm='editing'``) runs a block until ``editing.Refinement`` closes it and records the commits its edits
+overwrote (``Trajectory.superseded``).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from megadare.models.attention import bidirectional
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import KVCache
 from megadare.rollout.dllm_step import BlockTrace, dllm_step
-from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.rollout.editing import Refinement
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
 
 
 class _Recorder:
@@ -42,6 +45,7 @@ class _Recorder:
     def __init__(self, n: int, record_steps: bool):
         self.steps = [0] * n
         self.commit: list[dict[int, tuple[int, int, float]]] = [dict() for _ in range(n)]
+        self.superseded: list[dict[int, list[tuple[int, int, float, int]]]] = [dict() for _ in range(n)]
         self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
         self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
 
@@ -50,6 +54,8 @@ class _Recorder:
         for b in range(len(self.steps)):
             for c, (f, block_step, lp) in trace.records[b].items():
                 self.commit[b][c + col_offset] = (self.steps[b] + f, block_step, lp)
+            for c, chain in trace.superseded[b].items():
+                self.superseded[b][c + col_offset] = [(self.steps[b] + f, s, lp, tok) for f, s, lp, tok in chain]
             if self.preds is not None and self.confs is not None and trace.preds is not None \
                     and trace.confs is not None:
                 self.preds[b].extend(trace.preds[b])
@@ -142,7 +148,7 @@ class NativeEngine:
     # ------------------------------------------------------------------ block diffusion
     @torch.no_grad()
     def _block_diffusion(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        dev, Bs, S, M = self.device, params.block_size, params.steps_per_block, self.arch.mask_token_id
+        dev, Bs, M = self.device, params.block_size, self.arch.mask_token_id
         n = len(prompts)
         pre = [len(p) // Bs * Bs for p in prompts]
         rem = [len(p) - q for p, q in zip(prompts, pre)]
@@ -176,12 +182,16 @@ class NativeEngine:
                     cur[b, :rem[b]] = torch.tensor(p[pre[b]:], dtype=torch.long)
             pos = torch.tensor(pre).unsqueeze(1) + k * Bs + torch.arange(Bs)
             trace = BlockTrace(n, params.record_steps)
-            for s in range(S):
+            refine = Refinement(cur == M, params) if params.algorithm == "editing" else None
+            for s in range(params.block_forwards()):
                 masked = (cur == M) & torch.tensor(active).unsqueeze(1)
-                if not masked.any():
+                editable = refine.editable(cur, M) if refine is not None else None
+                if not masked.any() and (editable is None or not editable.any()):
                     break
                 logits = self._block_logits(cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs)
-                step = dllm_step(logits, cur, masked, s, params, gen, mask_token_id=M)
+                step = dllm_step(logits, cur, masked, s, params, gen, mask_token_id=M, editable=editable)
+                if refine is not None:
+                    refine.after(masked, step)
                 trace.add(step, s)
                 cur = step.tokens
             rec.absorb(trace, k * Bs)
@@ -221,7 +231,7 @@ class NativeEngine:
     # ------------------------------------------------------------------ full attention (LLaDA / Dream)
     @torch.no_grad()
     def _semi_ar(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        Bs, S, M = params.block_size, params.steps_per_block, self.arch.mask_token_id
+        Bs, M = params.block_size, self.arch.mask_token_id
         n = len(prompts)
         n_blocks = math.ceil(params.max_new_tokens / Bs)
         G = n_blocks * Bs
@@ -247,12 +257,16 @@ class NativeEngine:
             lo, hi = P + k * Bs, P + (k + 1) * Bs
             cache = None
             trace = BlockTrace(n, params.record_steps)
-            for s in range(S):
+            refine = Refinement((x[:, lo:hi] == M) & active, params) if params.algorithm == "editing" else None
+            for s in range(params.block_forwards()):
                 masked = (x[:, lo:hi] == M) & active
-                if not masked.any():
+                editable = refine.editable(x[:, lo:hi], M) if refine is not None else None
+                if not masked.any() and (editable is None or not editable.any()):
                     break
                 logits, cache = self._block_logits_full(x, allowed, pos, lo, hi, cache)
-                step = dllm_step(logits, x[:, lo:hi], masked, s, params, gen, mask_token_id=M)
+                step = dllm_step(logits, x[:, lo:hi], masked, s, params, gen, mask_token_id=M, editable=editable)
+                if refine is not None:
+                    refine.after(masked, step)
                 trace.add(step, s)
                 x[:, lo:hi] = step.tokens
             rec.absorb(trace, k * Bs)
@@ -294,10 +308,13 @@ class NativeEngine:
         if params.stop_at_eos and finish == "eos":
             end = toks.index(self.eos) + 1
         commits = [rec.commit[b][c + col_offset] for c in range(end)]
+        superseded = [Superseded(c, tok, g, s, lp) for c in range(end)
+                      for g, s, lp, tok in rec.superseded[b].get(c + col_offset, [])]
         traj = Trajectory(
             prompt_ids=list(prompt), response_ids=toks[:end], commit_step=[c[0] for c in commits],
             block_step=[c[1] for c in commits], logprobs=[c[2] for c in commits], finish_reason=finish,
             num_forwards=rec.steps[b], params=params, policy_version=self.version,
             step_predictions=rec.preds[b] if rec.preds is not None else None,
-            step_confidences=rec.confs[b] if rec.confs is not None else None)
+            step_confidences=rec.confs[b] if rec.confs is not None else None,
+            superseded=superseded if params.algorithm == "editing" else None)
         return traj.validate()

@@ -48,8 +48,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from megadare.rollout.engine import SamplingParams, Trajectory
-from megadare.rollout.sglang_plugin import (ALGORITHM_NAME, CUSTOM_PARAMS_KEY, SGLANG_REQUIREMENT,
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
+from megadare.rollout.sglang_plugin import (ALGORITHM_NAME, CUSTOM_PARAMS_KEY, DECODER_KEYS, SGLANG_REQUIREMENT,
                                             SUPPORTED_ARCHITECTURES, TRACE_KEY)
 
 INSTALL_HINT = f'pip install "megadare[sglang]" (i.e. "{SGLANG_REQUIREMENT}")'
@@ -173,9 +173,12 @@ def trajectory_from_output(prompt: list[int], out: dict[str, Any], params: Sampl
         ids = ids[:ids.index(eos_token_id) + 1]
         trace = trace[:len(ids)]
     num_forwards = max((int(e[3]) for e in trace), default=0)
+    superseded = [Superseded(k, int(tok), int(g), int(s), float(lp)) for k, e in enumerate(trace)
+                  for g, s, lp, tok in (e[4] if len(e) > 4 else [])]
     return Trajectory(prompt_ids=list(prompt), response_ids=ids, commit_step=[int(e[0]) for e in trace],
                       block_step=[int(e[1]) for e in trace], logprobs=[float(e[2]) for e in trace],
                       finish_reason=finish, num_forwards=num_forwards, params=params, policy_version=policy_version,
+                      superseded=superseded if params.algorithm == "editing" else (superseded or None),
                       extra={"sglang_weight_version": meta.get("weight_version")}).validate()
 
 
@@ -254,7 +257,8 @@ class SGLangEngine:
             "ignore_eos": not params.stop_at_eos, "skip_special_tokens": False,
             "custom_params": {CUSTOM_PARAMS_KEY: {"algorithm": params.algorithm,
                                                   "steps_per_block": params.steps_per_block,
-                                                  "threshold": params.threshold, "seed": seed}}}
+                                                  "threshold": params.threshold, "seed": seed,
+                                                  **{k: getattr(params, k) for k in DECODER_KEYS}}}}
         if params.stop_at_eos:
             sp["stop_token_ids"] = [self.eos]
         return sp

@@ -41,13 +41,19 @@ algorithm for the duration of the call; the algorithm reads each request's sampl
 ``Req`` and, when a block is done, appends one entry per emitted token to ``req.customized_info["megadare_trace"]``
 *before* the scheduler appends the tokens, so sglang's own streamer slices the trace with the tokens and the
 client finds it in ``meta_info["megadare_trace"]``: ``[global_step, block_step, logprob, forwards_so_far]`` per
-token (``forwards_so_far``: denoising steps of the request up to and including the token's block). The step
+token (``forwards_so_far``: denoising steps of the request up to and including the token's block; under token
+editing a fifth item lists the commits of that position an edit overwrote, ``[[global_step, block_step,
+logprob, token], ...]``). The step
 counter and the per-request generators live on the ``Req`` (``_megadare_forwards``, ``_megadare_rng``).
 
 Per-request parameters: ``temperature`` / ``top_p`` / ``top_k`` of sglang's ``SamplingParams`` (sglang turns
 temperature 0 into ``top_k=1``, which is greedy here too), the seed from ``custom_params["megadare"]["seed"]``,
 else ``sampling_seed``, else a CRC of the request id (identical on every TP rank), and ``algorithm`` /
-``steps_per_block`` / ``threshold`` from ``custom_params["megadare"]`` over the YAML defaults.
+``steps_per_block`` / ``threshold`` and the decoder keys (Dream's ``confidence`` / ``schedule`` / ``eps`` /
+``alg_temp``, LLaDA2.1's ``editing`` with ``editing_threshold`` / ``max_post_steps`` / ``num_to_transfer``) from
+``custom_params["megadare"]`` over the YAML defaults. Token editing keeps a block open for up to block size +
+``max_post_steps`` steps: the adapter answers sglang's ``max_steps`` (the synchronous loop's bound, 0.5.21+)
+accordingly.
 
 Structure: :class:`BlockDenoiser` (plain torch, tested without sglang) does the work; the sglang class built by
 :func:`algorithm_class` is a thin adapter that subclasses sglang's ``DllmAlgorithm`` when sglang is importable.
@@ -71,6 +77,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from megadare.rollout.dllm_step import BlockTrace, dllm_step
+from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import ALGORITHMS, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,8 +88,11 @@ CUSTOM_PARAMS_KEY = "megadare"                  # sampling_params["custom_params
 SUPPORTED_ARCHITECTURES = ("SDARForCausalLM", "SDARMoeForCausalLM", "LLaDA2MoeModelLM")
 SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.24"   # the versions whose dLLM/plugin internals this module follows
 WORKER_HOOK_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker._forward_batch_generation_dllm"
-CONFIG_KEYS = ("block_size", "steps_per_block", "algorithm", "threshold", "seed")
-REQUEST_KEYS = ("steps_per_block", "algorithm", "threshold", "seed")
+DECODER_KEYS = ("confidence", "schedule", "eps", "alg_temp", "editing_threshold", "max_post_steps", "num_to_transfer")
+CONFIG_KEYS = ("block_size", "steps_per_block", "algorithm", "threshold", "seed") + DECODER_KEYS
+REQUEST_KEYS = ("steps_per_block", "algorithm", "threshold", "seed") + DECODER_KEYS
+_DECODER_TYPES = {"confidence": str, "schedule": str, "eps": float, "alg_temp": float, "editing_threshold": float,
+                  "max_post_steps": int, "num_to_transfer": int}
 _TOP_K_ALL = 1 << 30                             # sglang's "no top-k" (sampling_params.TOP_K_ALL)
 _SEED_MOD = 2 ** 63
 
@@ -106,7 +116,8 @@ def request_params(block_size: int, defaults: Mapping[str, Any], temperature: fl
 
     temperature / top_p / top_k as sglang stores them (``top_k`` -1, 0 or ``1 << 30`` = off; ``top_k == 1`` or
     temperature 0 = greedy), ``custom_params[CUSTOM_PARAMS_KEY]`` overrides ``defaults`` (the YAML) for
-    ``steps_per_block`` / ``algorithm`` / ``threshold`` / ``seed``. Raises ValueError on bad values."""
+    ``steps_per_block`` / ``algorithm`` / ``threshold`` / ``seed`` and the decoder keys (``DECODER_KEYS``:
+    Dream's confidence rules and schedule, LLaDA2.1's token editing). Raises ValueError on bad values."""
     over = dict((custom_params or {}).get(CUSTOM_PARAMS_KEY) or {})
     unknown = sorted(set(over) - set(REQUEST_KEYS))
     if unknown:
@@ -130,7 +141,18 @@ def request_params(block_size: int, defaults: Mapping[str, Any], temperature: fl
         threshold=float(merged.get("threshold", 0.9)),
         temperature=0.0 if greedy else temperature,
         top_k=0 if (greedy or top_k <= 0 or top_k >= _TOP_K_ALL) else top_k,
-        top_p=float(top_p if top_p is not None else 1.0), seed=seed % _SEED_MOD)
+        top_p=float(top_p if top_p is not None else 1.0), seed=seed % _SEED_MOD, **_decoder_fields(merged))
+
+
+def _decoder_fields(merged: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k in DECODER_KEYS:
+        if k in merged:
+            try:
+                out[k] = _DECODER_TYPES[k](merged[k])
+            except (TypeError, ValueError):
+                raise ValueError(f"{k}={merged[k]!r} is not a {_DECODER_TYPES[k].__name__}") from None
+    return out
 
 
 class RequestRng:
@@ -160,6 +182,7 @@ class RequestState:
     emit: Optional[list[int]] = None       # positions masked when the block started: the tokens it emits
     trace: BlockTrace = field(default_factory=lambda: BlockTrace(1))
     delivered: bool = False
+    refine: Optional[Refinement] = None    # token editing: the block's post-step bookkeeping
 
 
 # ---------------------------------------------------------------------------------------------- the core
@@ -207,23 +230,33 @@ class BlockDenoiser:
             row = masked[i:i + 1]
             if st.emit is None:
                 st.emit = row[0].nonzero().squeeze(1).tolist()
-            if not bool(row.any()):
+                if st.params.algorithm == "editing":
+                    st.refine = Refinement(row, st.params)
+            editable = st.refine.editable(tokens[i:i + 1], self.mask_id) if st.refine is not None else None
+            if not bool(row.any()) and (editable is None or not bool(editable.any())):
                 done.append(True)
                 continue
             gen, commit_gen = st.rng.get(logits.device)
             res = dllm_step(logits[i:i + 1], tokens[i:i + 1], row, st.block_step, st.params, gen,
-                            mask_token_id=self.mask_id, commit_generator=commit_gen)
+                            mask_token_id=self.mask_id, commit_generator=commit_gen, editable=editable)
+            if st.refine is not None:
+                st.refine.after(row, res)
             st.trace.add(res, st.block_step)
             st.block_step += 1
             new[i] = res.tokens[0]
-            done.append(False)
+            done.append(st.refine is not None and st.refine.is_closed(0))  # a step that edited nothing closed it
         return new, done
+
+    def max_steps(self, params: Sequence[SamplingParams] = ()) -> int:
+        """Step calls a block may need in sglang's synchronous loop: one per denoising step plus the one that
+        reports the block done (token editing: up to block size + max_post_steps steps)."""
+        return max([p.block_forwards() for p in params] + [self.block_size]) + 1
 
     def denoise_block(self, forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor,
                       states: Sequence[RequestState], prompt_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Synchronous loop over one block: ``forward(tokens [n, B]) -> logits [n, B, V]``."""
         logits = forward(tokens)
-        for _ in range(self.block_size + 1):
+        for _ in range(self.max_steps([st.params for st in states])):
             tokens, done = self.step(logits, tokens, states, prompt_mask)
             if all(done):
                 break
@@ -232,11 +265,17 @@ class BlockDenoiser:
 
     @staticmethod
     def trace_entries(state: RequestState, forwards_before: int) -> tuple[list[list[Any]], int]:
-        """Per emitted token ``[global_step, block_step, logprob, forwards_after]`` and the request's step count
-        after the block."""
+        """Per emitted token ``[global_step, block_step, logprob, forwards_after]`` (token editing: a fifth item,
+        the commits an edit overwrote, ``[[global_step, block_step, logprob, token], ...]``, when there are
+        any) and the request's step count after the block."""
         after = forwards_before + state.trace.num_steps[0]
-        entries = state.trace.entries(0, state.emit or [], forwards_before)
-        return [[g, s, lp, after] for g, s, lp in entries], after
+        emit = state.emit or []
+        entries = state.trace.entries(0, emit, forwards_before)
+        out: list[list[Any]] = []
+        for p, (g, s, lp) in zip(emit, entries):
+            old = state.trace.superseded_entries(0, p, forwards_before)
+            out.append([g, s, lp, after, old] if old else [g, s, lp, after])
+        return out, after
 
 
 # ---------------------------------------------------------------------------------------------- sglang adapter
@@ -263,15 +302,19 @@ def _deliver(req: Any, state: RequestState) -> None:
     trace.extend(entries)
 
 
-def _request_state(core: BlockDenoiser, req: Any) -> RequestState:
+def _request_params(core: BlockDenoiser, req: Any) -> SamplingParams:
     sp = req.sampling_params
     rid = str(getattr(req, "rid", ""))
     try:
-        params = core.params_for(sp.temperature, sp.top_p, sp.top_k, getattr(sp, "custom_params", None),
-                                 getattr(sp, "sampling_seed", None), rid)
+        return core.params_for(sp.temperature, sp.top_p, sp.top_k, getattr(sp, "custom_params", None),
+                               getattr(sp, "sampling_seed", None), rid)
     except ValueError as e:  # validate_request rejects these before they get here; never crash the scheduler
         logger.error("%s: request %s: %s; using the engine defaults", ALGORITHM_NAME, rid, e)
-        params = core.params_for(sp.temperature, sp.top_p, sp.top_k, None, getattr(sp, "sampling_seed", None), rid)
+        return core.params_for(sp.temperature, sp.top_p, sp.top_k, None, getattr(sp, "sampling_seed", None), rid)
+
+
+def _request_state(core: BlockDenoiser, req: Any) -> RequestState:
+    params = _request_params(core, req)
     rng = getattr(req, "_megadare_rng", None)
     if rng is None or rng.seed != params.seed:
         rng = RequestRng(params.seed)
@@ -292,6 +335,12 @@ class _AdapterMixin:
         self.core = BlockDenoiser(config.block_size, config.mask_id, getattr(config, "algorithm_config", None))
         self._reqs = None
         self._warned_unbound = False
+
+    def max_steps(self, block_size: int) -> int:
+        """sglang's ``DllmAlgorithm.max_steps`` (0.5.21+; the synchronous loop's bound): room for token editing's
+        refinement steps of the bound requests (the YAML defaults otherwise)."""
+        params = [_request_params(self.core, r) for r in self._reqs or [] if getattr(r, "sampling_params", None)]
+        return self.core.max_steps(params + [self.core.params_for()])
 
     def bind_requests(self, reqs: Optional[Sequence[Any]]) -> None:
         """Set by the worker hook for the duration of one ``run``: the ``Req`` of every forward-batch row."""

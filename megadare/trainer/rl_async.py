@@ -103,10 +103,14 @@ class PartialRollout:
     def _stitch(self, i: int):
         segs = self.parts[i]
         out = replace(segs[0], prompt_ids=list(self.prompts[i]), response_ids=[], commit_step=[], block_step=[],
-                      logprobs=[], params=self.params, extra=dict(segs[0].extra))
+                      logprobs=[], params=self.params, extra=dict(segs[0].extra),
+                      superseded=[] if any(t.superseded is not None for t in segs) else None)
         versions: list[int] = []
         offset = 0
         for tr in segs:
+            if out.superseded is not None:   # token editing: positions and steps on the stitched grid
+                out.superseded += [e._replace(position=e.position + len(out.response_ids),
+                                              commit_step=e.commit_step + offset) for e in tr.superseded or []]
             out.response_ids += tr.response_ids
             out.commit_step += [c + offset for c in tr.commit_step]
             out.block_step += tr.block_step

@@ -104,12 +104,14 @@ def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_o
 
 
 def store_engine_behaviour(micro_batches: list[MicroBatch], engine_logprobs: dict[int, list[float]]) -> None:
-    """extras['behave'] = the engine's sampler log-prob of the token each scored position predicts."""
+    """extras['behave'] = the engine's sampler log-prob of the commit each scored position predicts: indexed by
+    slot, which trace replay numbers as the engine does (token k, then the superseded commits of token editing;
+    only trace replay at one state per step may use engine log-probs, ``check_correction_config``)."""
     for mb in micro_batches:
         x = mb.extras
         if "slot" not in x:
             continue
-        vals = [engine_logprobs[s][k] if sl >= 0 and k >= 0 else 0.0 for s, k, sl in
+        vals = [engine_logprobs[s][sl] if sl >= 0 and k >= 0 else 0.0 for s, k, sl in
                 zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist(), x["slot"].flatten().tolist())]
         x["behave"] = torch.tensor(vals, dtype=torch.float32).view_as(x["slot"])
 

@@ -30,6 +30,9 @@ def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, reco
                           steps_per_block=r.steps_per_block or block, algorithm=r.algorithm, threshold=r.threshold,
                           temperature=r.eval_temperature if evaluation else r.temperature, top_k=r.top_k,
                           top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation,
+                          confidence=r.confidence, schedule=r.schedule, eps=r.eps, alg_temp=r.alg_temp,
+                          editing_threshold=r.editing_threshold, max_post_steps=r.max_post_steps,
+                          num_to_transfer=r.num_to_transfer,
                           stop_at_eos=evaluation or resolve_canvas(cfg, arch) == "eos")
 
 
@@ -67,7 +70,8 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
             extra.update(step_predictions=t.step_predictions, step_confidences=t.step_confidences)
         samples.append(RLSample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), reward=float(r[i]),
                                 advantage=float(adv[i]), index=i, group=i // G, commit_step=list(t.commit_step),
-                                block_step=list(t.block_step), truncated=bool(truncated[i]), extra=extra))
+                                block_step=list(t.block_step), superseded=list(t.superseded or []) or None,
+                                truncated=bool(truncated[i]), extra=extra))
     metrics = {"reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
                "kept_fraction": float(keep.float().mean()), "truncated": float(truncated.float().mean()),
                "response_length": sum(len(t.response_ids) for t in trajectories) / max(len(trajectories), 1),
@@ -138,7 +142,9 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
         if s.index < len(traj) and "token_versions" in traj[s.index].extra:
             s.extra["token_versions"] = traj[s.index].extra["token_versions"]
         if rl.behaviour_logp == "engine":
-            s.extra["engine_logprobs"] = list(traj[s.index].logprobs)
+            # per slot of the trace replay: token k, then the commits token edits overwrote (trace_replay.py)
+            t = traj[s.index]
+            s.extra["engine_logprobs"] = list(t.logprobs) + [e.logprob for e in t.superseded or []]
     metrics.update(staleness_metrics(stale))
     mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
     if mixed:

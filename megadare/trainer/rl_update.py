@@ -42,6 +42,8 @@ def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
     for mb in micro_batches:
         x = mb.extras
         sel = (x["head"] != 0) & (x["tok"] >= 0)
+        if "slot" in x:   # token editing: a token's value is read where its final commit is scored (slot == token)
+            sel = sel & (x["slot"] == x["tok"])
         local.extend(zip(x["sample"][sel].tolist(), x["tok"][sel].tolist(), x["v_old"][sel].tolist()))
     everything = [local]
     if ps.get_data_parallel_world_size() > 1:
