@@ -213,6 +213,26 @@ def test_algorithm_slot_loss_wires_clip_parameters():
     assert parts["clipfrac"].tolist() == [0.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_dual_clip_is_one_option_of_every_ppo_clip_algorithm(name):
+    """algo.params.dual_clip caps -rho A at -c A for A < 0 (rho = 5 > c = 3: loss 3, no gradient) in every
+    PPO-clip algorithm; objectives without a clipped ratio refuse the key."""
+    cls = REGISTRY[name]
+    if not cls.clipped_ratio:
+        with pytest.raises(ConfigError, match="dual_clip"):
+            cls({"dual_clip": 3.0})
+        return
+    for c, want in ((None, 5.0), (3.0, 3.0)):
+        lp, s = _slots([math.log(5.0), math.log(5.0)], [0.0, 0.0], [-1.0, 1.0])
+        loss, _ = cls({"dual_clip": c, "kl_coef": 0.0, "eps_low": 0.2, "eps_high": 0.2}).slot_loss(s)
+        (g,) = torch.autograd.grad(loss.sum(), lp)
+        assert loss[0].item() == pytest.approx(want)
+        assert g[0].item() == pytest.approx(0.0 if c else 5.0)
+        assert loss[1].item() == pytest.approx(-1.2)            # A > 0: the ordinary clip, untouched
+    with pytest.raises(ConfigError, match="dual_clip"):
+        cls({"dual_clip": 1.0})
+
+
 def test_bgpo_tangent_and_exp_bounds():
     """A >= 0: r = 1 + (l - l_old) (tangent, <= exp); A < 0: r = exp(l - l_old); both inside the clip. On-policy
     the two forms agree with the ratio objective in value (-A) and gradient (-A)."""

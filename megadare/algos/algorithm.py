@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from megadare.algos.base import RLSample, Slots, View, aggregation, views_to_row
-from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+from megadare.algos.policy_loss import check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.data.rows import Row
@@ -51,6 +51,7 @@ class Algorithm(ABC):
     needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
     needs_step_predictions: ClassVar[bool] = False
     lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
+    clipped_ratio: ClassVar[bool] = True         # a PPO-clip objective (takes eps_low / eps_high / dual_clip)
     defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
 
     def __init__(self, overrides: dict[str, Any] | None = None):
@@ -63,6 +64,10 @@ class Algorithm(ABC):
                 resolved[k] = v
         if resolved["kl_anchor"] not in ("ref", "old", "none"):
             raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
+        check_dual_clip(resolved["dual_clip"])
+        if resolved["dual_clip"] is not None and not self.clipped_ratio:
+            raise ConfigError(f"algo.params.dual_clip={resolved['dual_clip']}: {self.name} has no clipped ratio "
+                              "(its objective is not PPO-clip); remove the key")
         self.p = resolved
 
     # ------------------------------------------------------------------ rollout contract

@@ -43,6 +43,7 @@ class SPG(Algorithm):
     name = "spg"
     paper = "arXiv:2510.09541"
     lse_beta = "eubo_beta"
+    clipped_ratio = False
     defaults = {"loss_agg": "seq_mean_token_mean", "eubo_beta": 1.5, "mix": 0.5, "n_mc": 2, "p_prompt": 0.15,
                 "block": 32}
 
