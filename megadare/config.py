@@ -392,6 +392,6 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
                           "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false")
     if t.seq_length % p.cp:
         raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
-    from megadare.algos import build_algorithm  # the name and algo.params, before any process starts
+    from megadare.algos import build_algorithm  # the name, algo.params and the algorithm's own checks
 
-    build_algorithm(cfg.algo.name, dict(cfg.algo.params))
+    build_algorithm(cfg.algo.name, dict(cfg.algo.params)).check_config(cfg, arch)

@@ -71,6 +71,14 @@ class Algorithm(ABC):
         self.p = resolved
 
     # ------------------------------------------------------------------ rollout contract
+    def check_config(self, cfg: Any, arch: ModelArch | None) -> None:
+        """Refuse (ConfigError naming the key) a run config this algorithm cannot train on, before any process
+        starts (``config.validate``; ``arch`` is None when the model is not known yet)."""
+        if self.needs_step_predictions and cfg.rollout.engine != "native":
+            raise ConfigError(f"algo.name={self.name} scores every intermediate answer and needs the per-step "
+                              f"predictions only the built-in engine records: set rollout.engine=native (not "
+                              f"{cfg.rollout.engine})")
+
     def check_sample(self, s: RLSample) -> None:
         if self.needs_trace and (s.commit_step is None or s.block_step is None):
             raise ValueError(f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "

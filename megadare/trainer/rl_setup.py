@@ -14,7 +14,6 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megadare.config import Config, validate
-from megadare.errors import ConfigError
 
 
 @dataclass
@@ -84,7 +83,6 @@ def setup_run(cfg: Config) -> RLRun:
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
     check_correction_config(cfg, algo, src.arch, lookahead(cfg.rl.mode, cfg.rl.max_staleness))
     block = sampling_params(cfg, src.arch, 0).block_size
-    _check_algorithm_fits(cfg, algo, block)
     tok = tokenizer_for(cfg, src)
     train_prompts, held_prompts = _prompts(cfg, tok)
     run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
@@ -99,14 +97,6 @@ def setup_run(cfg: Config) -> RLRun:
         write_run_config(cfg)
         run.manager = start_engines(cfg, src, tok)
     return run
-
-
-def _check_algorithm_fits(cfg: Config, algo, block: int) -> None:
-    if algo.needs_step_predictions and block < cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algo.name={algo.name} scores every intermediate answer, so the whole response must be "
-                          f"one block: rollout.block_size={block} < rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens} (a full-attention family with rollout.block_size >= "
-                          "max_new_tokens)")
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
