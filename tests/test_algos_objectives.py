@@ -137,6 +137,29 @@ def test_on_policy_gradient_is_the_reinforce_gradient(name, kind):
     assert float(loss) == pytest.approx(val, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("name,params", [("ebpo", {"n_mc": 4}), ("coupled_grpo", {}), ("vrpo", {"n_mc": 3})])
+def test_rows_longer_than_seq_length_split_into_one_micro_batch(name, params):
+    """A row whose views exceed train.seq_length is cut at view boundaries into sequences of one micro-batch:
+    off-policy (old policy != current, clipping active) the loss and gradient equal those of the unsplit row, and
+    the trainer refuses when the micro-batch cannot hold the views."""
+    full, blk = toy_archs()
+    algo = REGISTRY[name](params)
+    toy, old = Toy(0), Toy(5)
+    samples = _samples(2)
+    for i, s in enumerate(samples):   # VRPO pairs the best and the worst of a group
+        s.reward, s.group = float(i % 2), 0 if name != "vrpo" else i // 2
+    rows = algo.batch_rows(samples, blk, 2, lambda index: torch.Generator().manual_seed(11 + index))
+    longest_view = max(int(torch.bincount(r.segment_ids).max()) for r in rows)
+    whole, D, _ = _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=max(len(r) for r in rows))
+    seq = max(longest_view, max(len(r) for r in rows) // 2)
+    cut, D_cut, mbs = _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=seq, mbs_size=4)
+    assert seq < max(len(r) for r in rows) and D_cut == pytest.approx(D)
+    assert float(cut) == pytest.approx(float(whole), rel=1e-5)
+    assert torch.allclose(_grads(cut, toy), _grads(whole, toy), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="train.micro_batch_size=1"):
+        _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=seq, mbs_size=1)
+
+
 def test_spg_gradient_uses_the_bound_of_the_advantage_sign():
     """SPG (no ratio): grad loss = -(1/D) sum_i A_i grad L_i with L_i the sequence mean over token slots of
     ELBO_k for A_i > 0 and w EUBO_k + (1 - w) ELBO_k for A_i <= 0 (EUBO_k = (1/beta) log sum_v c_v p_v^beta)."""

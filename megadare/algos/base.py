@@ -186,8 +186,8 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     x = mb.extras
     slot, row = x["slot"], x["row_ids"]
     sel = slot >= 0
-    b_idx = torch.arange(slot.shape[0], device=slot.device).unsqueeze(1).expand_as(slot)
-    key = (b_idx[sel] * (int(row.max()) + 2) + row[sel]) * (int(slot.max()) + 2) + slot[sel]
+    # a slot is (input row, slot id): the pieces of a row split over the micro-batch's sequences count as one
+    key = row[sel] * (int(slot.max()) + 2) + slot[sel]
     uniq, inv = torch.unique(key, return_inverse=True)
     n = uniq.numel()
     w = mb.weight[sel].float()
