@@ -160,6 +160,28 @@ def test_rows_longer_than_seq_length_split_into_one_micro_batch(name, params):
         _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=seq, mbs_size=1)
 
 
+def test_d_treerpo_self_distillation_enters_the_trainer_loss_as_its_coefficients():
+    """Through rows -> packing -> SlotObjective, switching the SD term on adds exactly -sum_(i,j) c_ij grad log
+    p(y_ij | parent) (c from DTreeRPO.self_distillation, log p from the views directly), whatever the packing."""
+    full, _ = toy_archs()
+    on = REGISTRY["d_treerpo"]({"sd_lambda_max": 0.5, "sd_max_steps": 2, "kl_coef": 0.0})
+    off = REGISTRY["d_treerpo"]({"self_distillation": False, "kl_coef": 0.0})
+    toy = Toy(3)
+    samples = [sample([1, 2], y, adv=a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 1})
+               for i, (y, a) in enumerate([([0, 2, 1], 1.0), ([0, 1], 0.5), ([2, 2, 1], -1.5)])]
+    gen = lambda index: torch.Generator().manual_seed(index)  # noqa: E731
+    loss_on, D, _ = _trainer_loss(on, toy, on.batch_rows(samples, full, 0, gen), 0, ref=False, mbs_size=2)
+    loss_off, _, _ = _trainer_loss(off, toy, off.batch_rows(samples, full, 0, gen), 0, ref=False, mbs_size=2)
+    coef = on.self_distillation(samples)
+    direct = 0.0
+    for s in samples:
+        lin, _ = _direct(toy, on.views(s, full, 0, gen(s.index)), torch.tensor(s.prompt_ids + s.response_ids), 0)
+        direct = direct - sum(c * lin[j] for (i, j), c in coef.items() if i == s.index)
+    assert coef and D == 3
+    got = _grads(loss_on, toy) - _grads(loss_off, toy)
+    assert torch.allclose(got, _grads(direct, toy), rtol=1e-5, atol=1e-7)
+
+
 def test_spg_gradient_uses_the_bound_of_the_advantage_sign():
     """SPG (no ratio): grad loss = -(1/D) sum_i A_i grad L_i with L_i the sequence mean over token slots of
     ELBO_k for A_i > 0 and w EUBO_k + (1 - w) ELBO_k for A_i <= 0 (EUBO_k = (1/beta) log sum_v c_v p_v^beta)."""
@@ -183,6 +205,36 @@ def test_spg_gradient_uses_the_bound_of_the_advantage_sign():
         # the EUBO term matters: with mix 0 (ELBO everywhere) the gradient differs
         loss0, _, _ = _trainer_loss(REGISTRY["spg"]({"block": 2, "n_mc": 3, "mix": 0.0}), toy, rows, bs, ref=False)
         assert not torch.allclose(_grads(loss0, toy), got, rtol=1e-3)
+
+
+def test_spg_dare_estimator_equals_dare_formula():
+    """estimator=dare through the trainer path == DARE's per-sequence value written out from the views' masks
+    (``llada_dp_actor_spg.py``: unweighted ELBO over the masked response tokens, 1/t EUBO, mix), loss and
+    gradient; later blocks are masked and scored."""
+    full, blk = toy_archs()
+    for arch, bs in ((full, 0), (blk, 2)):
+        algo = REGISTRY["spg"]({"estimator": "dare", "block": 2, "n_mc": 3})
+        beta, w = algo.p["eubo_beta"], algo.p["mix"]
+        toy = Toy(2)
+        rows, total = [], 0.0
+        for s in _samples(bs):
+            rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(5 + s.index))
+            views = algo.views(s, arch, bs, torch.Generator().manual_seed(5 + s.index))
+            P, L = len(s.prompt_ids), len(s.response_ids)
+            lp = view_logps(toy, torch.tensor(s.prompt_ids + s.response_ids), [v.tokens for v in views], bs)[:, P:]
+            masked = torch.stack([v.tokens[P:] == MASK for v in views])           # [n_mc, L]
+            assert any(bool(m[-1]) for m in masked)                              # the last block is always masked
+            elbo = torch.stack([lp[m][mk].sum() / mk.sum() for m, mk in enumerate(masked)]).mean()
+            t = masked.sum(1, keepdim=True) / L
+            avg = (lp.exp() ** beta * masked / t).mean(0)
+            eubo = (avg[avg > 0].log() / beta).mean()
+            value = elbo if s.advantage > 0 else w * eubo + (1 - w) * elbo
+            total = total - s.advantage * value
+        want = total / len(SAMPLES)
+        loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
+        assert D == len(SAMPLES)
+        assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)       # fp32 trainer path
+        assert torch.allclose(_grads(loss, toy), _grads(want, toy), rtol=1e-4, atol=1e-6)
 
 
 # ================================================================== clipping, dual clip, BGPO's bounds

@@ -86,10 +86,68 @@ def test_step_predictions_sit_on_response_positions(family):
             assert 0 < len(got) <= 4 and got == list(range(got[0], got[-1] + 1))
 
 
-def test_d_treerpo_local_advantages():
+def test_d_treerpo_local_advantages_exclude_the_node():
     from megadare.algos.d_treerpo import local_advantages
 
-    # branch 2, depth 2: leaves [1, 0 | 1, 1] -> node values [0.5, 1.0]
+    # branch 2, depth 2: leaves [1, 0 | 1, 1] -> node values [0.5, 1.0]; baseline = the other siblings (DARE)
     adv = local_advantages([1.0, 0.0, 1.0, 1.0], branch=2, depth=2)
-    assert adv[0] == pytest.approx([-0.25, 0.25])          # nodes vs the mean of siblings (0.75)
-    assert adv[1] == pytest.approx([0.5, -0.5, 0.0, 0.0])  # leaves vs their siblings
+    assert adv[0] == pytest.approx([-0.5, 0.5])
+    assert adv[1] == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    # root fan-out 3, branch 2: 6 leaves; the root's children are compared with the 2 others
+    adv = local_advantages([1, 1, 1, 0, 0, 0], branch=2, depth=2, fanout=3)
+    assert adv[0] == pytest.approx([1.0 - 0.25, 0.5 - 0.5, 0.0 - 0.75])
+    assert adv[1] == pytest.approx([0.0, 0.0, 1.0, -1.0, 0.0, 0.0])
+
+
+def test_d_treerpo_fans_out_to_the_group_size_or_refuses_in_the_dry_run():
+    from megadare.algos.d_treerpo import DTreeRPO
+    from megadare.config import load_config, validate
+    from megadare.errors import ConfigError
+
+    assert DTreeRPO().fanout(8) == 2 and DTreeRPO().fanout(16) == 4 and DTreeRPO({"root_fanout": 4}).fanout(16) == 4
+    with pytest.raises(ConfigError, match="rl.n_samples=6"):
+        validate(load_config(None, ["algo.name=d_treerpo", "rl.n_samples=6"]), None)
+    with pytest.raises(ConfigError, match="root_fanout"):
+        validate(load_config(None, ["algo.name=d_treerpo", "rl.n_samples=8", "algo.params={root_fanout: 4}"]), None)
+
+
+def test_d_treerpo_branch_points_fall_on_blocks():
+    from megadare.algos.d_treerpo import level_ends
+
+    # full attention, 8 blocks of 32 over 256 tokens, depth 2: branch after 4 blocks (DARE's [T, T/2, 0])
+    assert level_ends(50, 256, 32, 2, global_grid=False) == [128, 256]
+    # the demo: SDAR block 4, prompt of 7 (3 in the first decode block), 4 new tokens: blocks [1 | 3]
+    assert level_ends(7, 4, 4, 2, global_grid=True) == [1, 4]
+    assert level_ends(7, 12, 4, 3, global_grid=True) == [1, 5, 12]
+
+
+def test_d_treerpo_self_distillation_gradient_equals_dare_kl():
+    """The coefficients put on the siblings' token slots reproduce the gradient of DARE's
+    lambda_t mean_{(parent, j)} KL(q_j || p(. | parent)_j) (``_compute_self_distillation_loss``), computed here
+    directly from q and a table of parent log-probs."""
+    from megadare.algos.d_treerpo import DTreeRPO, sd_schedule
+
+    algo = DTreeRPO({"sd_max_steps": 10})
+    sibs = [RLSample([1], y, 0.0, a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 4})
+            for i, (y, a) in enumerate([([5, 6, 7], 1.0), ([5, 8], 0.5), ([9, 6, 7], -0.5), ([5], 2.0)])]
+    other = [RLSample([2], [3], 0.0, 1.0, index=9, extra={"parent": (1, 1, 0), "rollout_step": 4})]  # only child
+    coef = algo.self_distillation(sibs + other)
+    V, J = 12, 3
+    logits = torch.randn(J, V, dtype=torch.float64, requires_grad=True)   # the parent state's predictions
+    logp = torch.log_softmax(logits, -1)
+    lam, tau = sd_schedule(4, algo.p)
+    pos = [s for s in sibs if s.advantage > 0]
+    w = torch.softmax(torch.tensor([s.advantage for s in pos], dtype=torch.float64) / tau, 0)
+    kls = []
+    for j in range(J):
+        q = torch.zeros(V, dtype=torch.float64)
+        for s, wi in zip(pos, w):
+            if j < len(s.response_ids):
+                q[s.response_ids[j]] += wi
+        q = q / q.sum()
+        kls.append((q[q > 0] * (q[q > 0].log() - logp[j][q > 0])).sum())
+    (want,) = torch.autograd.grad(lam * torch.stack(kls).mean(), logits, retain_graph=True)
+    mine = -sum(c * logp[j][sibs[i].response_ids[j]] for (i, j), c in coef.items())
+    (got,) = torch.autograd.grad(mine, logits)
+    assert lam > 0 and torch.allclose(got, want, atol=1e-12)
+    assert all(i != 9 for i, _ in coef) and all(sibs[i].advantage > 0 for i, _ in coef)

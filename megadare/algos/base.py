@@ -206,7 +206,8 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     is_w = (torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(0, inv, x["is_w"][sel].float(),
                                                                              reduce="amax")
             if "is_w" in x else None)
-    extra = {}
+    extra = {k: torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(0, inv, v[sel].float(), reduce="amax")
+             for k, v in x.items() if k.startswith("slot_")}   # per-slot constants an algorithm put in its rows
     if lse_beta is not None:
         extra["lse"] = _lse(inv, n, logp[sel], w, lse_beta)
         extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x
