@@ -70,6 +70,8 @@ class MicroBatch:
     denom: float = 0.0
     num_rows: int = 0
     extras: dict = field(default_factory=dict)
+    context: Optional[dict] = None   # context parallelism: this is one CP rank's slice; the whole sequence's
+                                     # {'slot', 'row_ids'} extras, the CP 'group' and its 'size' (trainer/step.py)
 
     def mask(self, kind: str, block_size: int) -> MaskSpec:
         """The attention mask of this micro-batch (packing-aware)."""

@@ -16,7 +16,6 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megadare.config import Config
-from megadare.errors import ConfigError
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 
 
@@ -32,8 +31,6 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the rollout engines route with the synced bias,
     # and forward-only passes (old / reference log-probs) must not feed the balancing statistics
     cfg.train.moe_bias_update_rate = 0.0
-    if p.cp > 1:
-        raise ConfigError("parallel.cp > 1 is not supported by the RL loop yet (slot estimates would span CP ranks)")
     init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
     run = None
     try:
