@@ -171,6 +171,9 @@ class RLSection:
     eval_interval: int = 0                 # steps; 0 = only before and after training
     eval_size: int = 64                    # held-out prompts evaluated
     answer_key: str = "answer"
+    lora_rank: int = 0                     # > 0: train LoRA adapters (reference = adapters off, no second model)
+    lora_alpha: float = 16.0
+    lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
@@ -380,8 +383,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr and lr > 0")
     if t.warmup_steps < 0 or t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
-    if sft.lora_rank < 0:
-        raise ConfigError(f"sft.lora_rank={sft.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    for key in ("sft.lora_rank", "rl.lora_rank"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 = full fine-tuning)")
     row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
     if row > t.seq_length:
         raise ConfigError(f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "

@@ -25,6 +25,7 @@ class Policy:
     scheduler: Any
     ref_chunks: Optional[list] = None   # frozen reference (KL algorithms)
     value: Optional[tuple] = None       # (chunks, optimizer, scheduler) of the value model (TraceRL)
+    ref_adapters_off: bool = False      # LoRA: the reference is ``model`` with its adapters off
 
 
 @dataclass
@@ -111,8 +112,9 @@ def _prompts(cfg: Config, tok) -> tuple[list, list]:
 
 
 def _build_policy(cfg: Config, src, algo) -> Policy:
-    """Policy chunks (from ``checkpoint.load`` if set), optimizer over every update of the run, and the frozen
-    reference / value model when the algorithm asks for them."""
+    """Policy chunks (from ``checkpoint.load`` if set; LoRA adapters on top with ``rl.lora_rank``), optimizer
+    over every update of the run, and the frozen reference (a second model, or with LoRA the policy's own
+    adapters off) / value model when the algorithm asks for them."""
     from megadare.trainer.model_setup import build_training_chunks
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.rl_update import build_value_model
@@ -121,11 +123,15 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     load_init = _initial_weights(cfg)
     chunks = build_training_chunks(cfg, src)
     load_init(chunks)
+    if rl.lora_rank > 0:
+        from megadare.models.lora import apply_lora
+
+        apply_lora(chunks, rl.lora_rank, rl.lora_alpha, targets=tuple(rl.lora_targets))
     model = wrap_ddp(chunks, t.distributed_optimizer)
     updates = rl.steps * rl.ppo_epochs * rl.mini_batches
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
-    policy = Policy(model, optimizer, scheduler)
-    if algo.needs_ref:
+    policy = Policy(model, optimizer, scheduler, ref_adapters_off=algo.needs_ref and rl.lora_rank > 0)
+    if algo.needs_ref and not policy.ref_adapters_off:
         policy.ref_chunks = build_training_chunks(cfg, src)
         load_init(policy.ref_chunks)
         for c in policy.ref_chunks:
@@ -176,6 +182,8 @@ def save_run(run: RLRun) -> None:
     cfg, pol, step = run.cfg, run.policy, run.step
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": "megadare rl",
             "algo": run.algo.name}
+    if cfg.rl.lora_rank > 0:  # the export folds the adapters in (convert._merged_lora)
+        meta["lora"] = {"rank": cfg.rl.lora_rank, "alpha": cfg.rl.lora_alpha}
     state = ({"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
              if run.rank0 else None)
     save_train_checkpoint(run.save_root, step, pol.model, pol.optimizer, pol.scheduler,

@@ -106,9 +106,11 @@ def _behaviour(corr: Correction, mine, versions: set[int], model, kind, block, v
 
 
 def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
-           objective, generator_for, value=None, correction: Optional[Correction] = None) -> dict[str, float]:
+           objective, generator_for, value=None, correction: Optional[Correction] = None,
+           ref_adapters_off: bool = False) -> dict[str, float]:
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
-    optimizer steps."""
+    optimizer steps. ``ref_adapters_off``: the reference is ``model`` with its LoRA adapters off."""
+    from megadare.models.lora import adapters_disabled
     from megadare.algos.value_model import ValueObjective, values_of
     from megadare.trainer.rl_correction import correction_weights
     from megadare.trainer.step import train_step
@@ -131,6 +133,9 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
         n_rows += n
         if ref_chunks is not None:
             store_outputs(ref_chunks, mine, "ref", kind, block, arch.vocab_size)
+        elif ref_adapters_off:
+            with adapters_disabled(model):
+                store_outputs(model, mine, "ref", kind, block, arch.vocab_size)
         if value is not None:
             store_outputs(value[0], mine, "v_old", kind, block, arch.vocab_size, per_position=values_of)
             value_advantages(algo, group, mine)
