@@ -57,10 +57,12 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
                 tree = build_algorithm(name, {"branch": 2, "depth": 2})
                 params = SamplingParams(max_new_tokens=8, block_size=block, steps_per_block=block // 2,
                                         temperature=1.0, seed=5)
+                engine.version = 3   # the leaves carry the weights' version their segments were decoded with
                 leaves = tree.rollout(engine.generate, prompts, params, 4,
                                       global_grid=arch.attention == "block_causal")
                 for t in leaves:
                     t.validate()
+                    assert t.policy_version == 3
                 samples = tree.samples_from(leaves, rewards, 4)
                 out["tree_nodes"] = len(samples)
             chunks = build_training_chunks(cfg, src)

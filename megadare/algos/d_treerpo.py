@@ -126,11 +126,12 @@ class DTreeRPO(Algorithm):
         the prompt+response grid."""
         f, b, d = self.fanout(n_samples), self.p["branch"], self.p["depth"]
         states = [{"root": i, "prompt": p, "resp": [], "commit": [], "block": [], "logp": [], "fwd": 0,
-                   "done": False, "finish": "length", "nodes": [],
+                   "done": False, "finish": "length", "nodes": [], "versions": [],
                    "ends": level_ends(len(p), params.max_new_tokens, params.block_size, d, global_grid)}
                   for i, p in enumerate(prompts)]
         for level in range(d):
-            children = [{**st, "nodes": list(st["nodes"])} for st in states for _ in range(f if level == 0 else b)]
+            children = [{**st, "nodes": list(st["nodes"]), "versions": list(st["versions"])}
+                        for st in states for _ in range(f if level == 0 else b)]
             self._grow(generate, [c for c in children if not c["done"]], params, level)
             for c in children:
                 if len(c["nodes"]) <= level:
@@ -138,10 +139,15 @@ class DTreeRPO(Algorithm):
             states = children
         from megadare.rollout.engine import Trajectory
 
+        every = [v for st in states for v in st["versions"]]
+        if not every:
+            raise RuntimeError("d_treerpo: the tree decoded no token (every level ended before its first block)")
+        # a leaf's behaviour policy: the oldest weights any of its segments were decoded with
         return [Trajectory(prompt_ids=list(prompts[st["root"]]), response_ids=st["resp"], commit_step=st["commit"],
                            block_step=st["block"], logprobs=st["logp"],
                            finish_reason=st["finish"] if st["resp"] else "length", num_forwards=max(st["fwd"], 1),
-                           params=params, extra={"tree_segments": st["nodes"]}) for st in states]
+                           params=params, policy_version=min(st["versions"] or every),
+                           extra={"tree_segments": st["nodes"]}) for st in states]
 
     def _grow(self, generate: Callable, todo: list[dict], params, level: int) -> None:
         """Decode every open node's level: one engine call per distinct segment length."""
@@ -159,6 +165,7 @@ class DTreeRPO(Algorithm):
                 c["logp"] = c["logp"] + list(t.logprobs)
                 c["resp"] = c["resp"] + list(t.response_ids)
                 c["fwd"] += t.num_forwards
+                c["versions"].append(t.policy_version)
                 c["done"] = t.finish_reason == "eos" or len(c["resp"]) >= params.max_new_tokens
                 c["finish"] = t.finish_reason
 
