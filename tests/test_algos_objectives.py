@@ -182,59 +182,58 @@ def test_d_treerpo_self_distillation_enters_the_trainer_loss_as_its_coefficients
     assert torch.allclose(got, _grads(direct, toy), rtol=1e-5, atol=1e-7)
 
 
+def _check_spg(params: dict, seed: int, value_of):
+    """SPG's trainer loss and gradient == -(1/G) sum_i A_i value_of(algo, toy, sample, views, bs) on both archs;
+    returns the last arch's (toy, rows, bs, loss)."""
+    full, blk = toy_archs()
+    for arch, bs in ((full, 0), (blk, 2)):
+        algo = REGISTRY["spg"](params)
+        toy = Toy(seed)
+        rows, surrogate = [], 0.0
+        for s in _samples(bs):
+            rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(seed + s.index))
+            views = algo.views(s, arch, bs, torch.Generator().manual_seed(seed + s.index))
+            surrogate = surrogate + s.advantage * value_of(algo, toy, s, views, bs)
+        want = -surrogate / len(SAMPLES)
+        loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
+        assert D == len(SAMPLES)
+        assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)       # fp32 trainer path
+        got = _grads(loss, toy)
+        assert torch.allclose(got, _grads(want, toy), rtol=1e-4, atol=1e-6)
+    return toy, rows, bs, got
+
+
 def test_spg_gradient_uses_the_bound_of_the_advantage_sign():
     """SPG (no ratio): grad loss = -(1/D) sum_i A_i grad L_i with L_i the sequence mean over token slots of
     ELBO_k for A_i > 0 and w EUBO_k + (1 - w) ELBO_k for A_i <= 0 (EUBO_k = (1/beta) log sum_v c_v p_v^beta)."""
-    full, blk = toy_archs()
-    for arch, bs in ((full, 0), (blk, 2)):
-        algo = REGISTRY["spg"]({"block": 2, "n_mc": 3})
-        beta, mix = algo.p["eubo_beta"], algo.p["mix"]
-        toy = Toy(1)
-        rows, surrogate = [], 0.0
-        for s in _samples(bs):
-            rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(3 + s.index))
-            views = algo.views(s, arch, bs, torch.Generator().manual_seed(3 + s.index))
-            lin, lse = _direct(toy, views, torch.tensor(s.prompt_ids + s.response_ids), bs, beta)
-            bound = {k: lin[k] if s.advantage > 0 else mix * lse[k] + (1 - mix) * lin[k] for k in lin}
-            surrogate = surrogate + s.advantage * sum(bound.values()) / len(bound)
-        loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
-        assert D == len(SAMPLES)
-        got, want = _grads(loss, toy), _grads(-surrogate / D, toy)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-        assert float(loss) == pytest.approx(float(-surrogate / D), rel=1e-6)
-        # the EUBO term matters: with mix 0 (ELBO everywhere) the gradient differs
-        loss0, _, _ = _trainer_loss(REGISTRY["spg"]({"block": 2, "n_mc": 3, "mix": 0.0}), toy, rows, bs, ref=False)
-        assert not torch.allclose(_grads(loss0, toy), got, rtol=1e-3)
+    def value(algo, toy, s, views, bs):
+        lin, lse = _direct(toy, views, torch.tensor(s.prompt_ids + s.response_ids), bs, algo.p["eubo_beta"])
+        mix = algo.p["mix"]
+        bound = {k: lin[k] if s.advantage > 0 else mix * lse[k] + (1 - mix) * lin[k] for k in lin}
+        return sum(bound.values()) / len(bound)
+
+    toy, rows, bs, got = _check_spg({"block": 2, "n_mc": 3}, 1, value)
+    # the EUBO term matters: with mix 0 (ELBO everywhere) the gradient differs
+    loss0, _, _ = _trainer_loss(REGISTRY["spg"]({"block": 2, "n_mc": 3, "mix": 0.0}), toy, rows, bs, ref=False)
+    assert not torch.allclose(_grads(loss0, toy), got, rtol=1e-3)
 
 
 def test_spg_dare_estimator_equals_dare_formula():
     """estimator=dare through the trainer path == DARE's per-sequence value written out from the views' masks
     (``llada_dp_actor_spg.py``: unweighted ELBO over the masked response tokens, 1/t EUBO, mix), loss and
     gradient; later blocks are masked and scored."""
-    full, blk = toy_archs()
-    for arch, bs in ((full, 0), (blk, 2)):
-        algo = REGISTRY["spg"]({"estimator": "dare", "block": 2, "n_mc": 3})
+    def value(algo, toy, s, views, bs):
         beta, w = algo.p["eubo_beta"], algo.p["mix"]
-        toy = Toy(2)
-        rows, total = [], 0.0
-        for s in _samples(bs):
-            rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(5 + s.index))
-            views = algo.views(s, arch, bs, torch.Generator().manual_seed(5 + s.index))
-            P, L = len(s.prompt_ids), len(s.response_ids)
-            lp = view_logps(toy, torch.tensor(s.prompt_ids + s.response_ids), [v.tokens for v in views], bs)[:, P:]
-            masked = torch.stack([v.tokens[P:] == MASK for v in views])           # [n_mc, L]
-            assert any(bool(m[-1]) for m in masked)                              # the last block is always masked
-            elbo = torch.stack([lp[m][mk].sum() / mk.sum() for m, mk in enumerate(masked)]).mean()
-            t = masked.sum(1, keepdim=True) / L
-            avg = (lp.exp() ** beta * masked / t).mean(0)
-            eubo = (avg[avg > 0].log() / beta).mean()
-            value = elbo if s.advantage > 0 else w * eubo + (1 - w) * elbo
-            total = total - s.advantage * value
-        want = total / len(SAMPLES)
-        loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
-        assert D == len(SAMPLES)
-        assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)       # fp32 trainer path
-        assert torch.allclose(_grads(loss, toy), _grads(want, toy), rtol=1e-4, atol=1e-6)
+        P, L = len(s.prompt_ids), len(s.response_ids)
+        lp = view_logps(toy, torch.tensor(s.prompt_ids + s.response_ids), [v.tokens for v in views], bs)[:, P:]
+        masked = torch.stack([v.tokens[P:] == MASK for v in views])           # [n_mc, L]
+        assert all(bool(m[-1]) for m in masked)                              # the last block is always masked
+        elbo = torch.stack([lp[m][mk].sum() / mk.sum() for m, mk in enumerate(masked)]).mean()
+        avg = (lp.exp() ** beta * masked / (masked.sum(1, keepdim=True) / L)).mean(0)
+        eubo = (avg[avg > 0].log() / beta).mean()
+        return elbo if s.advantage > 0 else w * eubo + (1 - w) * elbo
+
+    _check_spg({"estimator": "dare", "block": 2, "n_mc": 3}, 2, value)
 
 
 # ================================================================== clipping, dual clip, BGPO's bounds

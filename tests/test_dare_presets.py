@@ -29,39 +29,32 @@ _TREE = dict(lr=3e-5, batch_size=16, train_temperature=0.9, block_length=32, max
              enable_self_distillation=True)
 _SDAR = dict(lr=5e-7, n_rollout=8, train_temperature=1.0, block_length=4, max_response_length=2048,
              steps_per_block=4, top_k=50)
+_BGPO_SDAR = dict(_SDAR, batch_size=14, mc_num=16, threshold=0.9)                # engine=lmdeploy
+_EBPO_SDAR = dict(_SDAR, batch_size=16, mc_num=16, top_p=1.0, val_temperature=0.0, threshold=0.95)   # sglang
 _LLADA2 = dict(lr=5e-7, batch_size=16, n_rollout=8, train_temperature=0.6, block_length=32, max_response_length=2048,
                num_diffusion_steps=1024, val_temperature=0.0)
+def _full_attention(model: str, script_model: str, base: dict, **per_algo: dict) -> dict:
+    """The seven LLaDA / Dream recipes of one model (their scripts share every setting but the model's)."""
+    short = dict(max_response_length=256, num_diffusion_steps=128)
+    algos = {"d1": {}, "coupled_grpo": {}, "bgpo": dict(mc_num=16), "cj_grpo": short,
+             "spg": dict(logp_estimation="mix"), "mdpo": dict(sample_train_steps=16)}
+    out = {f"{a}_{model}": (f"recipe/{model}/run_{a}_{script_model}.sh", dict(base, **extra, **per_algo.get(a, {})))
+           for a, extra in algos.items()}
+    out[f"d_treerpo_{model}"] = (f"recipe/{model}/run_dtreerpo_{script_model}.sh", _TREE)
+    return out
+
+
 DARE = {
-    "d1_llada": ("recipe/llada/run_d1_llada_8b_instruct.sh", _LLADA),
-    "coupled_grpo_llada": ("recipe/llada/run_coupled_grpo_llada_8b_instruct.sh", _LLADA),
-    "bgpo_llada": ("recipe/llada/run_bgpo_llada_8b_instruct.sh", dict(_LLADA, mc_num=16)),
-    "cj_grpo_llada": ("recipe/llada/run_cj_grpo_llada_8b_instruct.sh",
-                      dict(_LLADA, max_response_length=256, num_diffusion_steps=128)),
-    "spg_llada": ("recipe/llada/run_spg_llada_8b_instruct.sh", dict(_LLADA, logp_estimation="mix")),
-    "mdpo_llada": ("recipe/llada/run_mdpo_llada_8b_instruct.sh", dict(_LLADA, sample_train_steps=16)),
-    "d_treerpo_llada": ("recipe/llada/run_dtreerpo_llada_8b_instruct.sh", _TREE),
-    "d1_dream": ("recipe/dream/run_d1_dream_7b_instruct.sh", _DREAM),
-    "coupled_grpo_dream": ("recipe/dream/run_coupled_grpo_dream_7b_instruct.sh", dict(_DREAM, batch_size=8)),
-    "bgpo_dream": ("recipe/dream/run_bgpo_dream_7b_instruct.sh", dict(_DREAM, mc_num=16)),
-    "cj_grpo_dream": ("recipe/dream/run_cj_grpo_dream_7b_instruct.sh",
-                      dict(_DREAM, max_response_length=256, num_diffusion_steps=128)),
-    "spg_dream": ("recipe/dream/run_spg_dream_7b_instruct.sh", dict(_DREAM, logp_estimation="mix")),
-    "mdpo_dream": ("recipe/dream/run_mdpo_dream_7b_instruct.sh", dict(_DREAM, sample_train_steps=16)),
-    "d_treerpo_dream": ("recipe/dream/run_dtreerpo_dream_7b_instruct.sh", _TREE),
+    **_full_attention("llada", "llada_8b_instruct", _LLADA),
+    **_full_attention("dream", "dream_7b_instruct", _DREAM, coupled_grpo=dict(batch_size=8)),
     # SDAR: bgpo defaults to engine=lmdeploy (batch 14, low_confidence_dynamic 0.9), ebpo / cj to sglang (batch 16,
     # LowConfidence threshold 0.95 from recipe/sdar/sglang_low_confidence_sdar.yaml)
-    "bgpo_sdar_1dot7b": ("recipe/sdar/run_bgpo_sdar_1dot7b_chat.sh",
-                         dict(_SDAR, batch_size=14, mc_num=16, top_p=0.95, val_temperature=1.0, threshold=0.9)),
-    "bgpo_sdar_4b": ("recipe/sdar/run_bgpo_sdar_4b_chat.sh",
-                     dict(_SDAR, batch_size=14, mc_num=16, top_p=0.95, val_temperature=1.0, threshold=0.9)),
-    "bgpo_sdar_8b": ("recipe/sdar/run_bgpo_sdar_8b_chat.sh",
-                     dict(_SDAR, batch_size=14, mc_num=16, top_p=1.0, val_temperature=0.0, threshold=0.9)),
-    "ebpo_sdar_1dot7b": ("recipe/sdar/run_ebpo_sdar_1dot7b_chat.sh",
-                         dict(_SDAR, batch_size=16, mc_num=16, top_p=1.0, val_temperature=0.0, threshold=0.95)),
-    "ebpo_sdar_4b": ("recipe/sdar/run_ebpo_sdar_4b_chat.sh",
-                     dict(_SDAR, batch_size=16, mc_num=16, top_p=1.0, val_temperature=0.0, threshold=0.95)),
-    "ebpo_sdar_8b": ("recipe/sdar/run_ebpo_sdar_8b_chat.sh",
-                     dict(_SDAR, batch_size=16, mc_num=16, top_p=1.0, val_temperature=0.0, threshold=0.95)),
+    "bgpo_sdar_1dot7b": ("recipe/sdar/run_bgpo_sdar_1dot7b_chat.sh", dict(_BGPO_SDAR, top_p=0.95, val_temperature=1.0)),
+    "bgpo_sdar_4b": ("recipe/sdar/run_bgpo_sdar_4b_chat.sh", dict(_BGPO_SDAR, top_p=0.95, val_temperature=1.0)),
+    "bgpo_sdar_8b": ("recipe/sdar/run_bgpo_sdar_8b_chat.sh", dict(_BGPO_SDAR, top_p=1.0, val_temperature=0.0)),
+    "ebpo_sdar_1dot7b": ("recipe/sdar/run_ebpo_sdar_1dot7b_chat.sh", _EBPO_SDAR),
+    "ebpo_sdar_4b": ("recipe/sdar/run_ebpo_sdar_4b_chat.sh", _EBPO_SDAR),
+    "ebpo_sdar_8b": ("recipe/sdar/run_ebpo_sdar_8b_chat.sh", _EBPO_SDAR),
     "cj_grpo_sdar_8b": ("recipe/sdar/run_cj_grpo_sdar_8b_chat.sh",
                         dict(_SDAR, batch_size=16, top_p=1.0, val_temperature=0.0, threshold=0.95)),
     "bgpo_llada2_mini": ("recipe/llada2_mini/run_bgpo_llada2_mini.sh", dict(_LLADA2, mc_num=16)),
