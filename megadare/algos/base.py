@@ -34,6 +34,7 @@ import torch
 from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
 
+SLOT_CONST = "per_slot_"      # row extras constant over a slot, handed to the slot loss in Slots.extra
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
 
 
@@ -214,7 +215,8 @@ class SlotIndex:
 
 def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: Optional[float] = None) -> Slots:
     """Per-slot estimates from per-position log-probs (sum of coef * log p over each slot's positions); with
-    ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``)."""
+    ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``); a row extra
+    ``per_slot_<name>`` (constant over a slot) becomes ``extra['<name>']``."""
     x = mb.extras
     idx = SlotIndex(mb)
     sel = idx.sel
@@ -227,7 +229,7 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     adv = idx.amax(x["adv"][sel].float())
     behave = idx.sum(w * x["behave"][sel].float()) if "behave" in x else None
     is_w = idx.amax(x["is_w"][sel].float()) if "is_w" in x else None
-    extra = {k: idx.amax(v[sel].float()) for k, v in x.items() if k.startswith("slot_")}  # per-slot constants
+    extra = {k[len(SLOT_CONST):]: idx.amax(v[sel].float()) for k, v in x.items() if k.startswith(SLOT_CONST)}
     if lse_beta is not None:
         extra["lse"] = idx.lse(logp[sel], w, lse_beta)
         extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x

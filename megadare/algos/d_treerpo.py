@@ -26,7 +26,8 @@ over the segment's tokens and then over nodes; + k3 KL to the reference (0.01, L
 
 its gradient -lambda_t (w_i / W_j) / N grad log p(y_ij | parent) is put on the sibling's token slot (the same forward
 scores it); the mean runs over the (parent, position) pairs of the update's batch (DARE: of a micro-batch).
-DARE's ``max_steps`` default is 30000 and its recipe leaves it, so lambda_t stays ~1e-9 in short runs.
+DARE's ``max_steps`` default is 30000 and its recipe leaves it, so lambda_t stays below 4e-5 over the first
+1000 steps (3e-8 at step 1): the term is nearly off in DARE's runs, as here with the same defaults.
 
 Deviations (stated): for full-attention families the parent state holds prompt + decoded prefix + the masked
 segment, not the whole masked canvas of R positions after it (megadare cuts at EOS, DARE decodes the full canvas
@@ -43,7 +44,7 @@ from typing import Callable, Optional
 import torch
 
 from megadare.algos.algorithm import Algorithm
-from megadare.algos.base import RLSample, Slots
+from megadare.algos.base import SLOT_CONST, RLSample, Slots
 from megadare.algos.corruption import one_step
 from megadare.errors import ConfigError
 
@@ -199,7 +200,7 @@ class DTreeRPO(Algorithm):
         return one_step(s.prompt_ids, s.response_ids, arch.mask_token_id, g, p_prompt=0.0)
 
     def batch_rows(self, samples, arch, block_size, generator_for):
-        """Rows per node, with each token slot's self-distillation coefficient in ``extras['slot_sd']``."""
+        """Rows per node, with each token slot's self-distillation coefficient in ``extras['per_slot_sd']``."""
         rows = super().batch_rows(samples, arch, block_size, generator_for)
         coef = self.self_distillation(samples) if self.p["self_distillation"] else {}
         D = sum(r.denom for r in rows)
@@ -208,7 +209,7 @@ class DTreeRPO(Algorithm):
             head_of = {int(k): float(h) for k, h in zip(slot.tolist(), head.tolist()) if k >= 0 and h != 0}
             sd = [coef.get((i, k), 0.0) * D / head_of[k] if k in head_of else 0.0
                   for i, k in zip(sample.tolist(), slot.tolist())]
-            row.extras["slot_sd"] = torch.tensor(sd, dtype=torch.float32)
+            row.extras[SLOT_CONST + "sd"] = torch.tensor(sd, dtype=torch.float32)
         return rows
 
     def self_distillation(self, samples: list[RLSample]) -> dict[tuple[int, int], float]:
@@ -235,7 +236,7 @@ class DTreeRPO(Algorithm):
 
     def slot_loss(self, s: Slots):
         loss, parts = super().slot_loss(s)
-        sd = s.extra.get("slot_sd")
+        sd = s.extra.get("sd")
         if sd is not None:
             loss = loss - sd * s.logp
             parts["sd"] = (-sd * s.logp).detach()

@@ -24,7 +24,7 @@ all later blocks, which are masked -- and
 
 (``mix`` w as above; w = 1 is DARE's ``eubo``, w = 0 its ``elbo``), loss -A_i L_i averaged over sequences. Here
 a token slot k carries c = 1 / (n_mc t_m) (the EUBO's weights; its log-sum-exp is EUBO_k) and its linear sum is
-L x the ELBO's share, rescaled per slot by |covered| / L (``extras['slot_scale']``), so the sequence mean over
+L x the ELBO's share, rescaled per slot by |covered| / L (``extras['per_slot_scale']``), so the sequence mean over
 slots gives ELBO_i exactly. For block-causal families the later blocks are predicted from the clean earlier
 blocks (the x_t ++ x_0 mask), DARE has no SPG for them.
 
@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
-from megadare.algos.base import Slots
+from megadare.algos.base import SLOT_CONST, Slots
 from megadare.algos.corruption import blockwise
 from megadare.errors import ConfigError
 
@@ -87,11 +87,11 @@ class SPG(Algorithm):
         covered = len({int(x) for v in views for x in v.slot.tolist() if x >= 0})
         scale = covered / len(s.response_ids) if self.p["estimator"] == "dare" else 1.0
         for r in rows:
-            r.extras["slot_scale"] = torch.full_like(r.weight, scale)
+            r.extras[SLOT_CONST + "scale"] = torch.full_like(r.weight, scale)
         return rows
 
     def slot_loss(self, s: Slots):
-        elbo, eubo = s.logp * s.extra.get("slot_scale", 1.0), s.extra["lse"]
+        elbo, eubo = s.logp * s.extra.get("scale", 1.0), s.extra["lse"]
         w = self.p["mix"]
         bound = torch.where(s.adv > 0, elbo, w * eubo + (1.0 - w) * elbo)
         return -s.adv * bound, {"elbo": elbo.detach(), "eubo": eubo.detach()}
