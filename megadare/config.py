@@ -196,6 +196,9 @@ class RLSection:
     answer_key: str = "answer"             # gold field (dotted: reward_model.ground_truth, verl's, is the fallback)
     skip_rows_without_answer: bool = False   # leave out (and list) prompt rows whose gold is null / empty instead of
                                              # refusing the file (DARE's MATH train file has 4 such rows)
+    lora_rank: int = 0                     # > 0: train LoRA adapters (reference = adapters off, no second model)
+    lora_alpha: float = 16.0
+    lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
@@ -441,8 +444,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr and lr > 0")
     if t.warmup_steps < 0 or t.warmup_steps > t.steps:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
-    if sft.lora_rank < 0:
-        raise ConfigError(f"sft.lora_rank={sft.lora_rank} must be >= 0 (0 = full fine-tuning)")
+    for key in ("sft.lora_rank", "rl.lora_rank"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 = full fine-tuning)")
     row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
     if row > t.seq_length:
         raise ConfigError(f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "
@@ -457,11 +461,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"rl.partial_rollout={cfg.rl.partial_rollout} continues a response as a new prompt, which "
                           "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0")
     check_decoder(cfg, arch)
-    from megadare.algos import build_algorithm  # the name and algo.params, before any process starts
+    from megadare.algos import build_algorithm  # the name, algo.params and the algorithm's own checks
 
-    algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
-    if arch is not None:
-        algo.check_run(cfg, arch)
+    build_algorithm(cfg.algo.name, dict(cfg.algo.params)).check_config(cfg, arch)
 
 
 _SAMPLER_KEYS = ("max_new_tokens", "algorithm", "threshold", "top_k", "top_p", "confidence", "schedule", "eps",

@@ -86,17 +86,16 @@ def test_packed_slot_path_equals_direct_combination(name, params, arch):
         with torch.no_grad():
             logp = mb_logps(toy, mb, bs)
         got = gather_slots(mb, logp, on_policy=True, lse_beta=algo.p.get("eubo_beta"))
-        # expected values in gather_slots' order: (micro-batch row, packed row, slot) ascending
+        # expected values in gather_slots' order: (input row, slot) ascending
         want_lin, want_lse, want_adv = [], [], []
-        for b in range(mb.tokens.shape[0]):
-            for r in sorted(set(mb.extras["row_ids"][b].tolist()) - {-1}):
-                at = (mb.extras["row_ids"][b] == r)
-                tag = int(mb.extras["tag"][b][at][0])
-                lin, lse, adv = expected[tag]
-                for s in sorted(lin):
-                    want_lin.append(float(lin[s]))
-                    want_lse.append(float(lse[s]) if lse else 0.0)
-                    want_adv.append(adv)
+        for r in sorted(set(mb.extras["row_ids"].flatten().tolist()) - {-1}):
+            at = (mb.extras["row_ids"] == r)
+            tag = int(mb.extras["tag"][at][0])
+            lin, lse, adv = expected[tag]
+            for s in sorted(lin):
+                want_lin.append(float(lin[s]))
+                want_lse.append(float(lse[s]) if lse else 0.0)
+                want_adv.append(adv)
         assert got.logp.shape[0] == len(want_lin)
         assert torch.allclose(got.logp, torch.tensor(want_lin, dtype=got.logp.dtype), atol=1e-5, rtol=1e-5)
         assert torch.allclose(got.adv, torch.tensor(want_adv, dtype=got.adv.dtype))

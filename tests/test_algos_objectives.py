@@ -137,29 +137,103 @@ def test_on_policy_gradient_is_the_reinforce_gradient(name, kind):
     assert float(loss) == pytest.approx(val, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("name,params", [("ebpo", {"n_mc": 4}), ("coupled_grpo", {}), ("vrpo", {"n_mc": 3})])
+def test_rows_longer_than_seq_length_split_into_one_micro_batch(name, params):
+    """A row whose views exceed train.seq_length is cut at view boundaries into sequences of one micro-batch:
+    off-policy (old policy != current, clipping active) the loss and gradient equal those of the unsplit row, and
+    the trainer refuses when the micro-batch cannot hold the views."""
+    full, blk = toy_archs()
+    algo = REGISTRY[name](params)
+    toy, old = Toy(0), Toy(5)
+    samples = _samples(2)
+    for i, s in enumerate(samples):   # VRPO pairs the best and the worst of a group
+        s.reward, s.group = float(i % 2), 0 if name != "vrpo" else i // 2
+    rows = algo.batch_rows(samples, blk, 2, lambda index: torch.Generator().manual_seed(11 + index))
+    longest_view = max(int(torch.bincount(r.segment_ids).max()) for r in rows)
+    whole, D, _ = _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=max(len(r) for r in rows))
+    seq = max(longest_view, max(len(r) for r in rows) // 2)
+    cut, D_cut, mbs = _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=seq, mbs_size=4)
+    assert seq < max(len(r) for r in rows) and D_cut == pytest.approx(D)
+    assert float(cut) == pytest.approx(float(whole), rel=1e-5)
+    assert torch.allclose(_grads(cut, toy), _grads(whole, toy), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="train.micro_batch_size=1"):
+        _trainer_loss(algo, toy, rows, 2, old_toy=old, seq_length=seq, mbs_size=1)
+
+
+def test_d_treerpo_self_distillation_enters_the_trainer_loss_as_its_coefficients():
+    """Through rows -> packing -> SlotObjective, switching the SD term on adds exactly -sum_(i,j) c_ij grad log
+    p(y_ij | parent) (c from DTreeRPO.self_distillation, log p from the views directly), whatever the packing."""
+    full, _ = toy_archs()
+    on = REGISTRY["d_treerpo"]({"sd_lambda_max": 0.5, "sd_max_steps": 2, "kl_coef": 0.0})
+    off = REGISTRY["d_treerpo"]({"self_distillation": False, "kl_coef": 0.0})
+    toy = Toy(3)
+    samples = [sample([1, 2], y, adv=a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 1})
+               for i, (y, a) in enumerate([([0, 2, 1], 1.0), ([0, 1], 0.5), ([2, 2, 1], -1.5)])]
+    gen = lambda index: torch.Generator().manual_seed(index)  # noqa: E731
+    loss_on, D, _ = _trainer_loss(on, toy, on.batch_rows(samples, full, 0, gen), 0, ref=False, mbs_size=2)
+    loss_off, _, _ = _trainer_loss(off, toy, off.batch_rows(samples, full, 0, gen), 0, ref=False, mbs_size=2)
+    coef = on.self_distillation(samples)
+    direct = 0.0
+    for s in samples:
+        lin, _ = _direct(toy, on.views(s, full, 0, gen(s.index)), torch.tensor(s.prompt_ids + s.response_ids), 0)
+        direct = direct - sum(c * lin[j] for (i, j), c in coef.items() if i == s.index)
+    assert coef and D == 3
+    got = _grads(loss_on, toy) - _grads(loss_off, toy)
+    assert torch.allclose(got, _grads(direct, toy), rtol=1e-5, atol=1e-7)
+
+
+def _check_spg(params: dict, seed: int, value_of):
+    """SPG's trainer loss and gradient == -(1/G) sum_i A_i value_of(algo, toy, sample, views, bs) on both archs;
+    returns the last arch's (toy, rows, bs, loss)."""
+    full, blk = toy_archs()
+    for arch, bs in ((full, 0), (blk, 2)):
+        algo = REGISTRY["spg"](params)
+        toy = Toy(seed)
+        rows, surrogate = [], 0.0
+        for s in _samples(bs):
+            rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(seed + s.index))
+            views = algo.views(s, arch, bs, torch.Generator().manual_seed(seed + s.index))
+            surrogate = surrogate + s.advantage * value_of(algo, toy, s, views, bs)
+        want = -surrogate / len(SAMPLES)
+        loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
+        assert D == len(SAMPLES)
+        assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)       # fp32 trainer path
+        got = _grads(loss, toy)
+        assert torch.allclose(got, _grads(want, toy), rtol=1e-4, atol=1e-6)
+    return toy, rows, bs, got
+
+
 def test_spg_gradient_uses_the_bound_of_the_advantage_sign():
     """SPG (no ratio): grad loss = -(1/D) sum_i A_i grad L_i with L_i the sequence mean over token slots of
     ELBO_k for A_i > 0 and w EUBO_k + (1 - w) ELBO_k for A_i <= 0 (EUBO_k = (1/beta) log sum_v c_v p_v^beta)."""
-    full, blk = toy_archs()
-    for arch, bs in ((full, 0), (blk, 2)):
-        algo = REGISTRY["spg"]({"block": 2, "n_mc": 3})
-        beta, mix = algo.p["eubo_beta"], algo.p["mix"]
-        toy = Toy(1)
-        rows, surrogate = [], 0.0
-        for s in _samples(bs):
-            rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(3 + s.index))
-            views = algo.views(s, arch, bs, torch.Generator().manual_seed(3 + s.index))
-            lin, lse = _direct(toy, views, torch.tensor(s.prompt_ids + s.response_ids), bs, beta)
-            bound = {k: lin[k] if s.advantage > 0 else mix * lse[k] + (1 - mix) * lin[k] for k in lin}
-            surrogate = surrogate + s.advantage * sum(bound.values()) / len(bound)
-        loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
-        assert D == len(SAMPLES)
-        got, want = _grads(loss, toy), _grads(-surrogate / D, toy)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-        assert float(loss) == pytest.approx(float(-surrogate / D), rel=1e-6)
-        # the EUBO term matters: with mix 0 (ELBO everywhere) the gradient differs
-        loss0, _, _ = _trainer_loss(REGISTRY["spg"]({"block": 2, "n_mc": 3, "mix": 0.0}), toy, rows, bs, ref=False)
-        assert not torch.allclose(_grads(loss0, toy), got, rtol=1e-3)
+    def value(algo, toy, s, views, bs):
+        lin, lse = _direct(toy, views, torch.tensor(s.prompt_ids + s.response_ids), bs, algo.p["eubo_beta"])
+        mix = algo.p["mix"]
+        bound = {k: lin[k] if s.advantage > 0 else mix * lse[k] + (1 - mix) * lin[k] for k in lin}
+        return sum(bound.values()) / len(bound)
+
+    toy, rows, bs, got = _check_spg({"block": 2, "n_mc": 3}, 1, value)
+    # the EUBO term matters: with mix 0 (ELBO everywhere) the gradient differs
+    loss0, _, _ = _trainer_loss(REGISTRY["spg"]({"block": 2, "n_mc": 3, "mix": 0.0}), toy, rows, bs, ref=False)
+    assert not torch.allclose(_grads(loss0, toy), got, rtol=1e-3)
+
+
+def test_spg_dare_estimator_equals_dare_formula():
+    """estimator=dare through the trainer path == DARE's per-sequence value written out from the views' masks
+    (``llada_dp_actor_spg.py``: unweighted ELBO over the masked response tokens, 1/t EUBO, mix), loss and
+    gradient; later blocks are masked and scored."""
+    def value(algo, toy, s, views, bs):
+        beta, w = algo.p["eubo_beta"], algo.p["mix"]
+        P, L = len(s.prompt_ids), len(s.response_ids)
+        lp = view_logps(toy, torch.tensor(s.prompt_ids + s.response_ids), [v.tokens for v in views], bs)[:, P:]
+        masked = torch.stack([v.tokens[P:] == MASK for v in views])           # [n_mc, L]
+        assert all(bool(m[-1]) for m in masked)                              # the last block is always masked
+        elbo = torch.stack([lp[m][mk].sum() / mk.sum() for m, mk in enumerate(masked)]).mean()
+        avg = (lp.exp() ** beta * masked / (masked.sum(1, keepdim=True) / L)).mean(0)
+        eubo = (avg[avg > 0].log() / beta).mean()
+        return elbo if s.advantage > 0 else w * eubo + (1 - w) * elbo
+
+    _check_spg({"estimator": "dare", "block": 2, "n_mc": 3}, 2, value)
 
 
 # ================================================================== clipping, dual clip, BGPO's bounds
@@ -211,6 +285,27 @@ def test_algorithm_slot_loss_wires_clip_parameters():
     assert loss.tolist() == pytest.approx([-1.25, 3.0, 0.8])
     assert g.tolist() == pytest.approx([-1.25, 0.0, 0.0])
     assert parts["clipfrac"].tolist() == [0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_dual_clip_is_one_option_of_every_ppo_clip_algorithm(name):
+    """algo.params.dual_clip caps -rho A at -c A for A < 0 (rho = 5 > c = 3: loss 3, no gradient) in every
+    PPO-clip algorithm; objectives without a clipped ratio refuse the key."""
+    cls = REGISTRY[name]
+    if not cls.clipped_ratio:
+        with pytest.raises(ConfigError, match="dual_clip"):
+            cls({"dual_clip": 3.0})
+        return
+    cases = ((None, 5.0), (3.0, 3.0)) if cls.defaults.get("dual_clip") is None else ((3.0, 3.0),)  # None = default
+    for c, want in cases:
+        lp, s = _slots([math.log(5.0), math.log(5.0)], [0.0, 0.0], [-1.0, 1.0])
+        loss, _ = cls({"dual_clip": c, "kl_coef": 0.0, "eps_low": 0.2, "eps_high": 0.2}).slot_loss(s)
+        (g,) = torch.autograd.grad(loss.sum(), lp)
+        assert loss[0].item() == pytest.approx(want)
+        assert g[0].item() == pytest.approx(0.0 if c else 5.0)
+        assert loss[1].item() == pytest.approx(-1.2)            # A > 0: the ordinary clip, untouched
+    with pytest.raises(ConfigError, match="dual_clip"):
+        cls({"dual_clip": 1.0})
 
 
 def test_bgpo_tangent_and_exp_bounds():

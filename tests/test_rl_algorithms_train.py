@@ -5,7 +5,7 @@ the weights move, and -- with old log-probs computed by a separate forward pass 
 multi-update run does -- every ratio-based algorithm sees ratio == 1 at the first update (stored corruptions,
 packing and old log-probs line up position by position).
 Block-diffusion (SDAR), full attention (LLaDA) and shifted logits (Dream) are covered; MDPO runs on the
-engine's recorded per-step predictions (one block over the whole response).
+engine's recorded per-step predictions over 4 semi-AR blocks (LLaDA, block 2 of 8 tokens) and over the SDAR grid.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
         arch = src.arch
         hf_cfg = read_hf_config(hf_dir)
         needs_steps = any(build_algorithm(a).needs_step_predictions for a in algos)
-        block = arch.block_size if arch.attention == "block_causal" else (8 if needs_steps else 4)
+        block = arch.block_size if arch.attention == "block_causal" else (2 if needs_steps else 4)
         kind = "block_diffusion" if arch.attention == "block_causal" else "bidirectional"
         engine = NativeEngine(load_hf_model(hf_dir), family_of(hf_cfg).arch(hf_cfg), eos_token_id=3)
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
@@ -57,9 +57,12 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
                 tree = build_algorithm(name, {"branch": 2, "depth": 2})
                 params = SamplingParams(max_new_tokens=8, block_size=block, steps_per_block=block // 2,
                                         temperature=1.0, seed=5)
-                leaves = tree.rollout(engine.generate, prompts, params, 4)
+                engine.version = 3   # the leaves carry the weights' version their segments were decoded with
+                leaves = tree.rollout(engine.generate, prompts, params, 4,
+                                      global_grid=arch.attention == "block_causal")
                 for t in leaves:
                     t.validate()
+                    assert t.policy_version == 3
                 samples = tree.samples_from(leaves, rewards, 4)
                 out["tree_nodes"] = len(samples)
             chunks = build_training_chunks(cfg, src)
@@ -69,6 +72,9 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
             if hasattr(algo, "prepare"):  # MDPO: a toy reward on every intermediate answer (share of even ids)
                 algo.prepare(samples, lambda rs, idx: [sum(t % 2 == 0 for t in r) / len(r) for r in rs], 4)
                 assert all(len(s.extra["step_rewards"]) == len(s.extra["step_predictions"]) for s in samples)
+                out["mdpo_blocks"] = min(len({j // block for pred in s.extra["step_predictions"]
+                                              for j, p in enumerate(pred) if p >= 0}) for s in samples)
+                out["mdpo_steps"] = sorted({t for s in samples for t in s.extra["steps"]})
             ref = None
             if algo.needs_ref:
                 ref = build_training_chunks(cfg, src)
@@ -89,12 +95,17 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
               "d_treerpo")),
     ("llada", ("d1", "tracerl", "random_mask_rl")),
     ("llada", ("mdpo",)),
+    ("sdar", ("mdpo",)),
     ("dream", ("coupled_grpo", "tracerl")),
 ])
 def test_every_algorithm_trains(tmp_path, family, algos):
     over = {"block_size": 4} if family == "sdar" else {}
     hf = write_tiny_hf(tmp_path, family, seed=1, **over)
     res = spawn(_worker, 1, hf, algos, {}, timeout_s=600)[0]
+    if algos == ("mdpo",):  # steps chosen across the batch (DARE): one shared set of step indices
+        if family == "llada":
+            assert res["mdpo_blocks"] == 4
+        assert 0 < len(res["mdpo_steps"]) <= 16
     if "d_treerpo" in algos:  # 3 prompts x (2 + 4) nodes, minus empty segments of branches that hit EOS
         assert 0 < res["tree_nodes"] <= 18
     for name in algos:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from megadare.algos.base import RLSample, Slots, View, aggregation, views_to_row
-from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+from megadare.algos.policy_loss import check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.data.rows import Row
@@ -53,6 +53,7 @@ class Algorithm(ABC):
     needs_step_predictions: ClassVar[bool] = False
     lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
     redraw_corruptions: ClassVar[bool] = False   # epochs draw fresh corruptions (default of rl.redraw_corruptions)
+    clipped_ratio: ClassVar[bool] = True         # a PPO-clip objective (takes eps_low / eps_high / dual_clip)
     defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
 
     def __init__(self, overrides: dict[str, Any] | None = None):
@@ -65,9 +66,21 @@ class Algorithm(ABC):
                 resolved[k] = v
         if resolved["kl_anchor"] not in ("ref", "old", "none"):
             raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
+        check_dual_clip(resolved["dual_clip"])
+        if resolved["dual_clip"] is not None and not self.clipped_ratio:
+            raise ConfigError(f"algo.params.dual_clip={resolved['dual_clip']}: {self.name} has no clipped ratio "
+                              "(its objective is not PPO-clip); remove the key")
         self.p = resolved
 
     # ------------------------------------------------------------------ rollout contract
+    def check_config(self, cfg: Any, arch: ModelArch | None) -> None:
+        """Refuse (ConfigError naming the key) a run config this algorithm cannot train on, before any process
+        starts (``config.validate``; ``arch`` is None when the model is not known yet)."""
+        if self.needs_step_predictions and cfg.rollout.engine != "native":
+            raise ConfigError(f"algo.name={self.name} scores every intermediate answer and needs the per-step "
+                              f"predictions only the built-in engine records: set rollout.engine=native (not "
+                              f"{cfg.rollout.engine})")
+
     def check_sample(self, s: RLSample) -> None:
         if self.needs_trace and (s.commit_step is None or s.block_step is None):
             raise ValueError(f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "
@@ -82,10 +95,6 @@ class Algorithm(ABC):
 
         beta = self.p[self.lse_beta] if self.lse_beta else None
         return SlotObjective(self.slot_loss, on_policy=on_policy, lse_beta=beta, loss_mode=loss_mode)
-
-    def check_run(self, cfg, arch: ModelArch) -> None:
-        """Refuse (ConfigError naming the key) a run configuration this algorithm cannot train on; ``cfg`` is the
-        run's megadare.config.Config, read only. Called by the config check, before any process starts."""
 
     def engine_logprobs_match(self, arch: ModelArch) -> bool:
         """Whether the engine's per-token sampler log-probs are this algorithm's own estimator on the same states

@@ -173,13 +173,45 @@ class Slots:
 SlotLoss = Callable[[Slots], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def _lse(inv: torch.Tensor, n: int, logp: torch.Tensor, coef: torch.Tensor, beta: float) -> torch.Tensor:
-    """(1/beta) log sum_{positions of s} coef * p^beta per slot (SPG's Renyi upper bound; coef > 0)."""
-    z = beta * logp + torch.log(coef.clamp_min(1e-30))
-    m = torch.full((n,), float("-inf"), dtype=z.dtype, device=z.device).scatter_reduce(
-        0, inv, z.detach(), reduce="amax")
-    tot = torch.zeros(n, dtype=z.dtype, device=z.device).index_add(0, inv, torch.exp(z - m[inv]))
-    return (m + torch.log(tot)) / beta
+class SlotIndex:
+    """Which slot each scored position of a micro-batch adds into: slots are (input row, slot id), so the pieces
+    of a row split over the micro-batch's sequences count as one. Under context parallelism the micro-batch is
+    this rank's slice of the sequence (``mb.context``, set by trainer/step.py ``cp_slice``): the slots are those
+    of the whole sequence, in the same order on every CP rank, and each per-slot sum is completed over the CP
+    group by a differentiable all-reduce (max: a plain one), so a slot whose positions span CP ranks gets its
+    full estimate everywhere."""
+
+    def __init__(self, mb: MicroBatch):
+        x, ctx = mb.extras, mb.context
+        self.sel = x["slot"] >= 0
+        whole_slot, whole_row = (x["slot"], x["row_ids"]) if ctx is None else (ctx["slot"], ctx["row_ids"])
+        width = int(whole_slot.max()) + 2
+        whole = whole_slot >= 0
+        uniq = torch.unique(whole_row[whole] * width + whole_slot[whole])
+        self.inv = torch.searchsorted(uniq, x["row_ids"][self.sel] * width + x["slot"][self.sel])
+        self.n = uniq.numel()
+        self.group = None if ctx is None else ctx["group"]
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.n, dtype=v.dtype, device=v.device).index_add(0, self.inv, v)
+        if self.group is not None:
+            import torch.distributed.nn.functional as dist_nn
+
+            out = dist_nn.all_reduce(out, group=self.group)
+        return out
+
+    def amax(self, v: torch.Tensor) -> torch.Tensor:
+        out = torch.full((self.n,), float("-inf"), dtype=v.dtype, device=v.device).scatter_reduce(
+            0, self.inv, v.detach(), reduce="amax")
+        if self.group is not None:
+            torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return out
+
+    def lse(self, logp: torch.Tensor, coef: torch.Tensor, beta: float) -> torch.Tensor:
+        """(1/beta) log sum_{positions of s} coef * p^beta per slot (SPG's Renyi upper bound; coef > 0)."""
+        z = beta * logp + torch.log(coef.clamp_min(1e-30))
+        m = self.amax(z)
+        return (m + torch.log(self.sum(torch.exp(z - m[self.inv])))) / beta
 
 
 def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: Optional[float] = None) -> Slots:
@@ -187,34 +219,22 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``); a row extra
     ``per_slot_<name>`` (constant over a slot, e.g. ESPO's canvas length) becomes ``extra['<name>']``."""
     x = mb.extras
-    slot, row = x["slot"], x["row_ids"]
-    sel = slot >= 0
-    b_idx = torch.arange(slot.shape[0], device=slot.device).unsqueeze(1).expand_as(slot)
-    key = (b_idx[sel] * (int(row.max()) + 2) + row[sel]) * (int(slot.max()) + 2) + slot[sel]
-    uniq, inv = torch.unique(key, return_inverse=True)
-    n = uniq.numel()
+    idx = SlotIndex(mb)
+    sel = idx.sel
     w = mb.weight[sel].float()
-
-    def reduce(v: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n, dtype=v.dtype, device=v.device).index_add(0, inv, v)
-
-    lp = reduce(w * logp[sel])
-    old = lp.detach() if on_policy or "old" not in x else reduce(w * x["old"][sel].float())
-    ref = reduce(w * x["ref"][sel].float()) if "ref" in x else None
-    head = reduce(x["head"][sel].float())
+    lp = idx.sum(w * logp[sel])
+    old = lp.detach() if on_policy or "old" not in x else idx.sum(w * x["old"][sel].float())
+    ref = idx.sum(w * x["ref"][sel].float()) if "ref" in x else None
+    head = idx.sum(x["head"][sel].float())
     # the advantage is constant over a slot: read it at any position (the max of a constant is the constant)
-    adv = torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(
-        0, inv, x["adv"][sel].float(), reduce="amax")
-    behave = reduce(w * x["behave"][sel].float()) if "behave" in x else None
-    is_w = (torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(0, inv, x["is_w"][sel].float(),
-                                                                             reduce="amax")
-            if "is_w" in x else None)
-    extra = {k[len(SLOT_CONST):]: torch.full((n,), float("-inf"), device=lp.device).scatter_reduce(
-        0, inv, v[sel].float(), reduce="amax") for k, v in x.items() if k.startswith(SLOT_CONST)}
+    adv = idx.amax(x["adv"][sel].float())
+    behave = idx.sum(w * x["behave"][sel].float()) if "behave" in x else None
+    is_w = idx.amax(x["is_w"][sel].float()) if "is_w" in x else None
+    extra = {k[len(SLOT_CONST):]: idx.amax(v[sel].float()) for k, v in x.items() if k.startswith(SLOT_CONST)}
     if lse_beta is not None:
-        extra["lse"] = _lse(inv, n, logp[sel], w, lse_beta)
+        extra["lse"] = idx.lse(logp[sel], w, lse_beta)
         extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x
-                            else _lse(inv, n, x["old"][sel].float(), w, lse_beta))
+                            else idx.lse(x["old"][sel].float(), w, lse_beta))
     return Slots(logp=lp, old=old, ref=ref, adv=adv, weight=head, extra=extra, behave=behave, is_weight=is_w)
 
 
@@ -246,8 +266,10 @@ class SlotObjective:
             w = s.is_weight if self.loss_mode == "decoupled" else (s.is_weight > 0).to(loss.dtype)
             loss = w * loss
             parts = dict(parts, is_weight=w)
-        total = (s.weight * loss).sum() + (logp * 0).sum()  # (an all-padding micro-batch still has a graph)
+        # context parallelism: every CP rank holds the whole slots, the trainer sums the ranks' shares
+        share = 1.0 / mb.context["size"] if mb.context is not None else 1.0
+        total = (s.weight * loss).sum() * share + (logp * 0).sum()  # (an all-padding micro-batch still has a graph)
         report = {"pg_loss": total.detach()}
         for k, v in parts.items():
-            report[k] = (s.weight * v.detach()).sum()
+            report[k] = (s.weight * v.detach()).sum() * share
         return total, report

@@ -8,9 +8,10 @@ lower bound that is a sum of per-sample terms (so each MC sample can be back-pro
 
     A >= 0:  r_j = 1 + (l_j - l_j^old)        (tangent, <= exp)
     A <  0:  r_j = exp(l_j - l_j^old)         (Jensen)
-    L = -(1/n) sum_j min(r_j A, clip(r_j, 1 +- eps) A)
+    L = -(1/n) sum_j min(r_j A, clip(r_j, 1 +- eps) A)      (+ dual clip min(., -c A) for A < 0 when set)
 
-equal in value and gradient to the ELBO objective on-policy. Defaults: n = 16, eps 0.2, no KL.
+equal in value and gradient to the ELBO objective on-policy. Defaults: n = 16, eps 0.2, no KL, dual clip off
+(DARE's ``compute_policy_loss_bgpo`` applies c = 3: ``algo.params.dual_clip=3``).
 
 Canvas (``rl.canvas``): DARE's BGPO uses the full canvas on LLaDA/Dream (``full``, their default; L in the weights
 is then R) and the response up to EOS on SDAR/LLaDA2 (``eos``).
@@ -23,6 +24,7 @@ from megadare.algos.algorithm import Algorithm
 from megadare.algos.algorithm import rows_for_views
 from megadare.algos.base import Slots
 from megadare.algos.corruption import stratified
+from megadare.algos.policy_loss import clip_surrogate
 
 
 class BGPO(Algorithm):
@@ -42,6 +44,5 @@ class BGPO(Algorithm):
     def slot_loss(self, s: Slots):
         d = s.logp - s.old
         r = torch.where(s.adv >= 0, 1.0 + d, torch.exp(d.clamp(max=20.0)))
-        eps_h = self.p["eps_high"] if self.p["eps_high"] is not None else self.p["eps_low"]
-        unclipped, clipped = -r * s.adv, -r.clamp(1 - self.p["eps_low"], 1 + eps_h) * s.adv
-        return torch.maximum(unclipped, clipped), {"clipfrac": (clipped > unclipped).float()}
+        loss, clipped = clip_surrogate(r, s.adv, self.p["eps_low"], self.p["eps_high"], self.p["dual_clip"])
+        return loss, {"clipfrac": clipped}

@@ -20,6 +20,9 @@ slots: one per (view, token); ``sequence`` slots: one per view (the whole respon
 * ``blockwise``  block-wise ELBO (SPG arXiv:2510.09541, ``_forward_process_spg``): a uniformly chosen response
                  block b (earlier blocks clean, later ones fully masked), m ~ U{1..|b|} of its tokens masked,
                  prompt tokens masked w.p. p_prompt; c = n_blocks * |b| / m on the masked tokens of b.
+                 ``score_later`` (DARE's ``_forward_process_spg`` + ``llada_dp_actor_spg.py``): every masked
+                 response token is scored -- the m of b and all later blocks -- with c = 1 / (n_mc t_v),
+                 t_v = (masked response tokens of draw v) / L, the empirical masking rate.
 """
 from __future__ import annotations
 
@@ -121,9 +124,11 @@ def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Ge
 
 
 def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
-              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view", global_grid: bool = False) -> list[View]:
+              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view", global_grid: bool = False,
+              score_later: bool = False) -> list[View]:
     """``global_grid``: blocks of the prompt+response grid (block families: the blocks the model's x_t ++ x_0
-    mask uses), else counted from the response start (LLaDA's semi-AR blocks)."""
+    mask uses), else counted from the response start (LLaDA's semi-AR blocks). ``score_later``: DARE's variant
+    (module docstring)."""
     x0, P, L = _seq(prompt, response)
     off = P % block_size if global_grid else 0   # response tokens sharing the prompt's last block
     n_blocks = -(-(L + off) // block_size)
@@ -137,6 +142,12 @@ def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Gen
         masked = in_b.clone()
         masked[hi:] = True
         masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
-        coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
-        views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=in_b))
+        if score_later:
+            scored = masked.clone()
+            scored[:P] = False
+            coef = torch.full((P + L,), L / (int(scored.sum()) * n_mc))
+        else:
+            scored = in_b
+            coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
+        views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=scored))
     return views

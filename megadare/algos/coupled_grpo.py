@@ -8,8 +8,13 @@ in exactly one of b, c, so the pair covers the response once (lower variance tha
 
 Objective: token-level GRPO (as d1) on rho_k = exp(l_k - l_k^old), k3 KL to the reference model.
 Defaults (``recipes/config_coupled_code.yaml``): G 10, mu 2, eps 0.5, beta 0.01, rewards not std-scaled
-(``rl.advantage_std=none``), temperature 1.0, prompt never masked. DARE's version reseeds a global RNG on every
-call (same t and mask everywhere); here masks come from a generator per (step, sample, iteration).
+(``rl.advantage_std=none``), temperature 1.0, prompt never masked.
+
+Masks are per sample: t and u come from a generator seeded per (seed, step, sample), stored in the rows so the
+old, reference and current passes see the same views. DARE's ``_forward_process_coupled_grpo`` calls
+``set_seed(42)`` on every call (``dllm_core_algos.py:925``), so its t is always 0.58366 and its u one fixed
+pattern for every sample of every step (and the global RNGs restart after each call); that is not copied here:
+one mask pattern for all samples removes the Monte-Carlo averaging across samples the estimator relies on.
 
 Canvas (``rl.canvas``): DARE's Coupled-GRPO corrupts, scores and normalises the full LLaDA/Dream canvas (``full``,
 those families' default); block families use ``eos``.

@@ -15,7 +15,7 @@ sum_m g_m / m (g_m = E_{|S|=m} sum_{j in S} log p(y_j | x_S)); ELBO = (E1 + E2) 
     l = (1 / n_mc) sum_draws ELBO / R,          R = the response canvas length (L on ``rl.canvas=eos``).
 
 Objective: sequence-level PPO on rho = exp(l - l_old), clip eps 0.2 (0 for countdown in DARE's recipe), no dual
-clip, mean over sequences, plus k2 KL on the raw ELBO to the reference scored on the same masks,
+clip by default (``algo.params.dual_clip`` as for every PPO-clip algorithm), mean over sequences, plus k2 KL on the raw ELBO to the reference scored on the same masks,
 
     beta * (1/2) (R l - R l_ref)^2 / R  =  beta * R * k2(l, l_ref),      beta 1e-3 (math) .. 1e-2 (code),
 
@@ -79,11 +79,10 @@ class ESPO(Algorithm):
     redraw_corruptions = True
     defaults = {"eps_low": 0.2, "kl_coef": 1e-3, "kl_anchor": "ref", "kl_estimator": "k2", "n_mc": 2}
 
-    def check_run(self, cfg, arch) -> None:
+    def check_config(self, cfg, arch) -> None:
+        super().check_config(cfg, arch)
         if self.p["kl_estimator"] != "k2" and self.p["kl_coef"] > 0:
             raise ConfigError(f"algo.params.kl_estimator={self.p['kl_estimator']!r}: espo's KL is k2 on the raw ELBO")
-        if self.p["dual_clip"] is not None:
-            raise ConfigError("algo.params.dual_clip: espo clips the sequence ratio without a dual clip (DARE, paper)")
 
     def views(self, s, arch, block_size, g):
         counts = stratified_counts([len(s.response_ids)], self.p["n_mc"], g)[0]
@@ -115,7 +114,8 @@ class ESPO(Algorithm):
 
     def slot_loss(self, s: Slots):
         p = self.p
-        loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], None, p["log_ratio_clamp"])
+        loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"],
+                                      p["log_ratio_clamp"])
         parts = {"clipfrac": clipped, "ratio_dev": (torch.exp(s.logp - s.old) - 1.0).abs().detach()}
         if p["kl_coef"] > 0:
             if s.ref is None:

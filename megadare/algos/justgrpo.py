@@ -53,9 +53,10 @@ class JustGRPO(Algorithm):
     paper = "arXiv:2601.15165"
     defaults = {"eps_low": 0.2, "dual_clip": 3.0, "kl_coef": 0.0, "loss_agg": "token_mean"}
 
-    def check_run(self, cfg, arch) -> None:
+    def check_config(self, cfg, arch) -> None:
+        super().check_config(cfg, arch)
         r = cfg.rollout
-        if arch.attention == "block_causal":
+        if arch is not None and arch.attention == "block_causal":
             raise ConfigError(f"algo.name=justgrpo decodes one token per block; the {arch.family} family is "
                               "block diffusion with the model's block size: use a full-attention family (llada, dream)")
         if r.block_size != 1 or (r.steps_per_block or 1) != 1:

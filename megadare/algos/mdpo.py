@@ -1,22 +1,39 @@
 """MDPO: masked diffusion policy optimisation (He, Renz, Cao, Geiger, arXiv:2508.13148; code:
-autonomousvision/mdpo; DARE ``trainer/ppo/mdpo_algos.py``, ``workers/actor/llada_dp_actor_mdpo.py``).
+autonomousvision/mdpo; DARE ``trainer/ppo/mdpo_algos.py``, ``workers/actor/llada_dp_actor_mdpo.py``,
+``workers/rollout/mdpo_llada_rollout.py``).
 
-Rollout contract: for every denoising step t the engine records the model's full prediction x0_t of the
-response (``step_predictions``) and the per-token confidences (``step_confidences``); the state x_t before the
-step follows from the commit steps. Every intermediate answer is scored: r_t = reward(x0_t).
+Rollout contract: for every denoising step (forward) t the engine records its proposal x0 at the response
+positions it predicted (``step_predictions``, -1 elsewhere) and their confidences (``step_confidences``); the
+state x_t before the step follows from the commit steps. Every intermediate answer is scored: r_t =
+reward(a_t), a_t = the tokens committed before t, the step's proposals where they were still masked, cut at the
+first position the step did not predict.
 
 Advantage (``compute_step_wise_advantage``): s_t = (r_t - r_{t-1}) + 1 + mean_{t' > t} r_{t'} (the last step uses
-r_T, r_{-1} = 0), GRPO-normalised per step across the prompt's group; the K steps with the largest |A| are kept
-(K = 16 in DARE, 8 in the paper).
+r_T, r_{-1} = 0), GRPO-normalised per step across the prompt's group. Steps kept for training
+(``select_top_k_steps``): ``top_k_scope=batch`` (DARE) the K step indices with the largest sum over the whole
+batch of |A_t|, the same steps for every sample; ``sample`` (an option) each sample's own K steps by |A_t|.
+K = 16 in DARE, 8 in the paper.
 
-Loss (``compute_mdpo_policy_loss``): at step t, for the tokens still masked in x_t, the ratio of the model's
-probability of the intermediate prediction, rho = p_theta(x0_{t,k} | x_t) / p_old(x0_{t,k} | x_t), PPO-clipped
-(eps 0.2), weighted by the confidence c_{t,k} and scaled by lambda_t = L_max / |masked_t|, divided by |masked_t|:
+Loss (``compute_mdpo_policy_loss``): at step t, for the positions M_t still masked in x_t that the step
+predicted, the ratio of the model's probability of the intermediate prediction, rho = p_theta(x0_{t,k} | x_t) /
+p_old(x0_{t,k} | x_t), PPO-clipped (eps 0.2; dual clip when ``dual_clip`` is set), weighted by the confidence
+c_{t,k} and lambda_t = L / |M_t|, averaged over the positions (Σ / |M_t|) and over the sample's K_s kept steps:
 
-    L = -(1/K) sum_t lambda_t / |M_t| sum_{k in M_t} c_{t,k} min(rho A_t, clip(rho, 1 +- eps) A_t)
+    L = -(1/K_s) sum_t lambda_t / |M_t| sum_{k in M_t} c_{t,k} min(rho A_t, clip(rho, 1 +- eps) A_t)
 
-Defaults (paper): lr 7e-7, temperature 0.4, one block over the whole answer. This file needs the whole response
-in one block (``rollout.block_size >= rollout.max_new_tokens``) so that x0_t is a complete answer.
+Semi-autoregressive blocks (DARE's recipe: LLaDA block 32, R = 512): any block size works. A step predicts its
+own block only -- block-causal families cannot see later blocks, and the engines sample only the current block
+-- so a_t holds the committed earlier blocks plus the current block's proposal, and M_t is the current block's
+masked positions. DARE's LLaDA rollout also samples x0 at the later (masked) blocks from the same forward and
+scores them: with one block over the whole answer the two agree. Deviations (stated): lambda uses the sample's
+length L, not the canvas R; one optimizer step per RL step (DARE's verl mini-batches give about K); confidence
+is the untempered model probability (DARE's is under the sampling temperature).
+
+Why the demo (reverse a 3-letter string, SDAR block 4) once unlearned (0.28 -> 0.16): the prompt's last 3
+tokens share the first response block, so the response spans two blocks, and the recorded proposals were
+indexed as if the block started at the response (every intermediate answer and target shifted by the prompt
+remainder). Proposals are now placed on response positions by the engine (``rollout/native.py``).
+Defaults (paper): lr 7e-7, temperature 0.4.
 
 Canvas (``rl.canvas``): DARE's MDPO rollouts keep the full LLaDA/Dream canvas (``full``, those families' default).
 """
@@ -29,6 +46,9 @@ import torch
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import RLSample, View
 from megadare.diffusion.masking import mask_tokens
+from megadare.errors import ConfigError
+
+TOP_K_SCOPES = ("batch", "sample")
 
 
 def step_scores(rewards: list[float]) -> list[float]:
@@ -42,26 +62,57 @@ def step_scores(rewards: list[float]) -> list[float]:
     return out
 
 
+def intermediate_answer(response: list[int], commit_step: list[int], prediction: list[int], t: int) -> list[int]:
+    """a_t: committed tokens (commit step < t) and step t's proposals elsewhere, up to the first position step t
+    did not predict (-1) that was not committed yet."""
+    out = []
+    for tok, step, pred in zip(response, commit_step, prediction):
+        if step < t:
+            out.append(tok)
+        elif pred >= 0:
+            out.append(pred)
+        else:
+            break
+    return out
+
+
+def top_steps(samples: list[RLSample], k: int, scope: str) -> None:
+    """``extra['steps']`` of every sample: the K steps with the largest |A_t| over the batch (same indices for
+    all samples, DARE's ``select_top_k_steps``; a sample keeps those it has) or per sample."""
+    if scope == "sample":
+        for s in samples:
+            adv = s.extra.get("step_adv", {})
+            s.extra["steps"] = sorted(adv, key=lambda t: -abs(adv[t]))[:k]
+        return
+    importance: dict[int, float] = {}
+    for s in samples:
+        for t, a in s.extra.get("step_adv", {}).items():
+            importance[t] = importance.get(t, 0.0) + abs(a)
+    chosen = set(sorted(importance, key=lambda t: (-importance[t], t))[:k])
+    for s in samples:
+        s.extra["steps"] = sorted(t for t in s.extra.get("step_adv", {}) if t in chosen)
+
+
 class MDPO(Algorithm):
     name = "mdpo"
     paper = "arXiv:2508.13148"
     needs_trace = True
     needs_step_predictions = True
-    defaults = {"eps_low": 0.2, "top_k_steps": 16, "loss_agg": "seq_mean_token_sum"}
+    defaults = {"eps_low": 0.2, "top_k_steps": 16, "top_k_scope": "batch", "loss_agg": "seq_mean_token_sum"}
+
+    def __init__(self, overrides=None):
+        super().__init__(overrides)
+        if self.p["top_k_scope"] not in TOP_K_SCOPES:
+            raise ConfigError(f"algo.params.top_k_scope={self.p['top_k_scope']!r}: choose one of {TOP_K_SCOPES}")
 
     def prepare(self, samples: list[RLSample], score: Callable[[list[list[int]], list[int]], list[float]],
                 group_size: int) -> None:
-        """Per-step rewards and GRPO-normalised step advantages (``score(responses, sample indices)``)."""
+        """Per-step rewards, GRPO-normalised step advantages and the kept steps (``score(responses, indices)``)."""
         for s in samples:
             preds = s.extra.get("step_predictions")
             if preds is None:
                 raise ValueError("mdpo needs per-step predictions (the rollout sets record_steps)")
-            L = len(s.response_ids)
-            steps = torch.tensor(s.commit_step)
-            answers = []
-            for t, pred in enumerate(preds):
-                cur = torch.tensor(pred[:L])
-                answers.append(torch.where(steps < t, torch.tensor(s.response_ids), cur).tolist())
+            answers = [intermediate_answer(s.response_ids, s.commit_step, pred, t) for t, pred in enumerate(preds)]
             s.extra["step_rewards"] = score(answers, [s.index] * len(answers))
             s.extra["step_scores"] = step_scores(s.extra["step_rewards"])
         groups: dict[int, list[RLSample]] = {}
@@ -75,9 +126,7 @@ class MDPO(Algorithm):
                 a = (v - v.mean()) / (v.std(unbiased=True) + 1e-6) if len(have) > 1 else v * 0
                 for m, x in zip(have, a.tolist()):
                     m.extra.setdefault("step_adv", {})[t] = x
-        for s in samples:
-            adv = s.extra.get("step_adv", {})
-            s.extra["steps"] = sorted(adv, key=lambda t: -abs(adv[t]))[: self.p["top_k_steps"]]
+        top_steps(samples, self.p["top_k_steps"], self.p["top_k_scope"])
 
     def _views_and_weights(self, s: RLSample, arch) -> tuple[list[View], dict[int, float]]:
         if "steps" not in s.extra:
@@ -86,19 +135,20 @@ class MDPO(Algorithm):
         x0 = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
         commit = torch.tensor([-1] * P + list(s.commit_step))
         views, weights = [], {}
-        K = len(s.extra["steps"])
+        K = max(len(s.extra["steps"]), 1)
         for j, t in enumerate(sorted(s.extra["steps"])):
+            pred = torch.tensor(list(s.prompt_ids) + list(s.extra["step_predictions"][t]))
             masked = commit >= t
-            n_masked = int(masked.sum())
-            if n_masked == 0:
+            scored = masked & (pred >= 0)
+            n_scored = int(scored.sum())
+            if n_scored == 0:
                 continue
-            pred = torch.tensor(list(s.prompt_ids) + list(s.extra["step_predictions"][t][:L]))
-            conf = [0.0] * P + list(s.extra["step_confidences"][t][:L])
-            slot = torch.where(masked, j * L + torch.arange(P + L) - P, torch.full((P + L,), -1))
-            for i in masked.nonzero().flatten().tolist():  # lambda_t / |M_t| * confidence, averaged over steps
-                weights[int(slot[i])] = (L / n_masked) / n_masked * conf[i] / K
-            views.append(View(tokens=mask_tokens(x0, masked, arch.mask_token_id), coef=masked.float(), slot=slot,
-                              labels=torch.where(masked, pred, x0),
+            conf = torch.tensor([0.0] * P + list(s.extra["step_confidences"][t]))
+            slot = torch.where(scored, j * L + torch.arange(P + L) - P, torch.full((P + L,), -1))
+            for i in scored.nonzero().flatten().tolist():  # lambda_t / |M_t| * confidence, averaged over steps
+                weights[int(slot[i])] = (L / n_scored) / n_scored * float(conf[i]) / K
+            views.append(View(tokens=mask_tokens(x0, masked, arch.mask_token_id), coef=scored.float(), slot=slot,
+                              labels=torch.where(scored, pred, x0),
                               adv=torch.full((P + L,), float(s.extra["step_adv"][t]))))
         return views, weights
 

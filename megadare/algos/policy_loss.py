@@ -11,6 +11,10 @@ PPO clip (Schulman et al., arXiv:1707.06347), asymmetric (DAPO's clip-higher, ar
     l   = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
     l   = min(l, -c A)  for A < 0     (dual clip, c > 1; off when c is None)
 
+``clip_surrogate`` is that objective on a given ratio (BGPO's bound surrogates r, JustGRPO's token ratios),
+``ppo_clip_loss`` builds rho from log-probs first; ``check_dual_clip`` validates the ``algo.params.dual_clip``
+every PPO-clip algorithm takes (DARE's ``clip_ratio_c``, 3.0 in its recipes; off by default here).
+
 KL estimators of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman, "Approximating KL divergence"),
 with d = logp_ref - logp:   k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1  (unbiased, >= 0; GRPO's choice).
 """
@@ -20,26 +24,39 @@ from typing import Optional
 
 import torch
 
+from megadare.errors import ConfigError
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def ppo_clip_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
-                  eps_high: Optional[float] = None, dual_clip: Optional[float] = None,
-                  log_ratio_clamp: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per-slot loss, per-slot clipped indicator)."""
+def check_dual_clip(dual_clip: Optional[float]) -> None:
+    """``algo.params.dual_clip`` is null (off) or a number c > 1."""
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
+        raise ConfigError(f"algo.params.dual_clip={dual_clip!r} must be a number > 1 (DARE uses 3.0) or null to "
+                          "disable")
+
+
+def clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2, eps_high: Optional[float] = None,
+                   dual_clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-slot loss, per-slot clipped indicator) of the clipped surrogate on ``ratio`` (module docstring)."""
+    check_dual_clip(dual_clip)
     eps_high = eps_low if eps_high is None else eps_high
-    log_ratio = (logp - old).clamp(-log_ratio_clamp, log_ratio_clamp)
-    ratio = torch.exp(log_ratio)
     unclipped = -ratio * adv
     clipped = -ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv
     loss = torch.maximum(unclipped, clipped)
     was_clipped = (clipped > unclipped).float()
     if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"rl.dual_clip={dual_clip} must be > 1 (or null to disable)")
         capped = torch.minimum(loss, -dual_clip * adv)
         loss = torch.where(adv < 0, capped, loss)
     return loss, was_clipped
+
+
+def ppo_clip_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
+                  eps_high: Optional[float] = None, dual_clip: Optional[float] = None,
+                  log_ratio_clamp: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-slot loss, per-slot clipped indicator) with rho = exp(clamp(logp - old))."""
+    ratio = torch.exp((logp - old).clamp(-log_ratio_clamp, log_ratio_clamp))
+    return clip_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:

@@ -15,6 +15,19 @@ Objective (no ratio, no clipping): maximise J = (1/G) sum_i A_i L_i with the seq
 
 Defaults (``spg/slurm_scripts/spg_mix/*.sbatch``): beta 1.5 (math), mix w 0.5, n_mc 2, mu 4, no KL, lr 3e-6.
 
+``estimator=dare``: SPG as DARE codes it (``_forward_process_spg``, ``llada_dp_actor_spg.py:189-213``, recipe
+``logp_estimation=mix``, mc_num 1): the same draw, but every masked response token is scored -- the m of b and
+all later blocks, which are masked -- and
+
+    ELBO_i = (1/n_mc) sum_m (1/|M_m|) sum_{k in M_m} log p(y_k | x_m)            (unweighted mean over masked)
+    EUBO_i = mean_{k covered} (1/beta) log (1/n_mc) sum_{m: k in M_m} p(y_k | x_m)^beta / t_m,   t_m = |M_m| / L
+
+(``mix`` w as above; w = 1 is DARE's ``eubo``, w = 0 its ``elbo``), loss -A_i L_i averaged over sequences. Here
+a token slot k carries c = 1 / (n_mc t_m) (the EUBO's weights; its log-sum-exp is EUBO_k) and its linear sum is
+L x the ELBO's share, rescaled per slot by |covered| / L (``extras['per_slot_scale']``), so the sequence mean over
+slots gives ELBO_i exactly. For block-causal families the later blocks are predicted from the clean earlier
+blocks (the x_t ++ x_0 mask), DARE has no SPG for them.
+
 Weights: c is the importance weight of block-wise masking (block picked w.p. 1/n_blocks, m ~ U{1..|b|}), so
 sum_m c_m p^beta is an unbiased estimate of E[1[k in S] (n_blocks |b| / m) p(y_k | x_S)^beta], the expectation
 inside the EUBO's log. SPG's code (``spg_trainer._get_per_seq_logps``) divides by the masked fraction of the whole
@@ -36,25 +49,51 @@ from __future__ import annotations
 
 import torch
 
-from megadare.algos.algorithm import Algorithm
-from megadare.algos.base import Slots
+from megadare.algos.algorithm import Algorithm, rows_for_views
+from megadare.algos.base import SLOT_CONST, Slots
 from megadare.algos.corruption import blockwise
+from megadare.errors import ConfigError
+
+ESTIMATORS = ("block", "dare")
 
 
 class SPG(Algorithm):
     name = "spg"
     paper = "arXiv:2510.09541"
     lse_beta = "eubo_beta"
+    clipped_ratio = False
     defaults = {"loss_agg": "seq_mean_token_mean", "eubo_beta": 1.5, "mix": 0.5, "n_mc": 2, "p_prompt": 0.15,
-                "block": 32}
+                "block": 32, "estimator": "block"}
+
+    def __init__(self, overrides=None):
+        super().__init__(overrides)
+        if self.p["estimator"] not in ESTIMATORS:
+            raise ConfigError(f"algo.params.estimator={self.p['estimator']!r}: choose one of {ESTIMATORS}")
+        if self.p["estimator"] == "dare" and self.p["loss_agg"] != "seq_mean_token_mean":
+            raise ConfigError("algo.params.estimator=dare averages the EUBO over tokens and the loss over sequences:"
+                              f" loss_agg must be seq_mean_token_mean (got {self.p['loss_agg']})")
 
     def views(self, s, arch, block_size, g):
         b = block_size if arch.attention == "block_causal" else self.p["block"]
         return blockwise(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"],
-                         self.p["p_prompt"], slots="token", global_grid=arch.attention == "block_causal")
+                         self.p["p_prompt"], slots="token", global_grid=arch.attention == "block_causal",
+                         score_later=self.p["estimator"] == "dare")
+
+    def rows(self, s, arch, block_size, g):
+        """The views in one row; DARE's estimator also records each slot's ELBO scale |covered| / L."""
+        self.check_sample(s)
+        views = self.views(s, arch, block_size, g)
+        if not views:
+            return []
+        rows = rows_for_views(s, views, arch, self.p["loss_agg"])
+        covered = len({int(x) for v in views for x in v.slot.tolist() if x >= 0})
+        scale = covered / len(s.response_ids) if self.p["estimator"] == "dare" else 1.0
+        for r in rows:
+            r.extras[SLOT_CONST + "scale"] = torch.full_like(r.weight, scale)
+        return rows
 
     def slot_loss(self, s: Slots):
-        elbo, eubo = s.logp, s.extra["lse"]
+        elbo, eubo = s.logp * s.extra.get("scale", 1.0), s.extra["lse"]
         w = self.p["mix"]
         bound = torch.where(s.adv > 0, elbo, w * eubo + (1.0 - w) * elbo)
         return -s.adv * bound, {"elbo": elbo.detach(), "eubo": eubo.detach()}

@@ -12,6 +12,10 @@ over data-parallel ranks (the per-token mean over the global batch, not a mean o
 
 ``pack_rows`` packs rows first-fit-decreasing into sequences of ``seq_length`` tokens; packed samples get
 their own segment ids, so attention never crosses samples (the masks of models/attention.py respect them).
+A row longer than ``seq_length`` made of several segments (the views of one RL sample whose estimate spans them)
+is cut at segment boundaries into pieces that share one micro-batch (up to ``micro_batch_size`` sequences), so an
+estimate over all its views is still formed in one forward; ``extras['row_ids']`` names the input row of every
+position, wherever it was packed.
 """
 from __future__ import annotations
 
@@ -66,6 +70,8 @@ class MicroBatch:
     denom: float = 0.0
     num_rows: int = 0
     extras: dict = field(default_factory=dict)
+    context: Optional[dict] = None   # context parallelism: this is one CP rank's slice; the whole sequence's
+                                     # {'slot', 'row_ids'} extras, the CP 'group' and its 'size' (trainer/step.py)
 
     def mask(self, kind: str, block_size: int) -> MaskSpec:
         """The attention mask of this micro-batch (packing-aware)."""
@@ -100,7 +106,7 @@ def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def _concat_bin(rows: list[Row], seq_length: int, pad_id: int) -> dict[str, torch.Tensor]:
+def _concat_bin(rows: list[Row], seq_length: int, pad_id: int, origins: list[int]) -> dict[str, torch.Tensor]:
     n = sum(len(r) for r in rows)
     pad = seq_length - n
     streams = any(r.stream_ids is not None for r in rows)
@@ -116,8 +122,8 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int) -> dict[str, torc
         "position_ids": torch.cat([r.position_ids for r in rows] + [torch.arange(pad, dtype=torch.long)]),
         "segment_ids": seg,
         "padding": torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(pad, dtype=torch.bool)]),
-        # which row of the bin each position came from (-1 = padding): per-row quantities survive packing
-        "row_ids": torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(rows)]
+        # which input row each position came from (-1 = padding): per-row quantities survive packing and splits
+        "row_ids": torch.cat([torch.full((len(r),), o, dtype=torch.long) for o, r in zip(origins, rows)]
                              + [torch.full((pad,), -1, dtype=torch.long)]),
     }
     for key in sorted({k for r in rows for k in r.extras}):
@@ -135,33 +141,79 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int) -> dict[str, torc
     return out
 
 
+def split_at_segments(row: Row, seq_length: int, where: str = "row") -> list[Row]:
+    """Pieces of ``row``, cut at segment boundaries, each at most ``seq_length`` tokens (greedy, in order); the
+    first piece carries the row's ``denom``. A single segment longer than ``seq_length`` cannot be cut."""
+    seg = row.segment_ids if row.segment_ids is not None else torch.zeros(len(row), dtype=torch.long)
+    bounds = [0] + (torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1).tolist() + [len(row)]
+    pieces, lo = [], 0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b - a > seq_length:
+            raise ValueError(f"{where} has a view of {b - a} tokens, more than train.seq_length={seq_length}; "
+                             "raise train.seq_length or lower data.max_length / rollout.max_new_tokens")
+        if b - lo > seq_length:
+            pieces.append((lo, a))
+            lo = a
+    pieces.append((lo, len(row)))
+    out = []
+    for i, (a, b) in enumerate(pieces):
+        sl = slice(a, b)
+        out.append(Row(tokens=row.tokens[sl], labels=row.labels[sl], weight=row.weight[sl],
+                       position_ids=row.position_ids[sl],
+                       stream_ids=None if row.stream_ids is None else row.stream_ids[sl],
+                       denom=row.denom if i == 0 else 0.0, segment_ids=seg[sl] - seg[a],
+                       extras={k: v[sl] for k, v in row.extras.items()}))
+    return out
+
+
+def _micro_batch(group: list[tuple[dict, float, int]], seq_length: int, pad_id: int,
+                 micro_batch_size: int) -> MicroBatch:
+    """Stack packed sequences (filled up with padding sequences) into one micro-batch."""
+    group = list(group)
+    while len(group) < micro_batch_size:
+        group.append((_concat_bin([], seq_length, pad_id, []), 0.0, 0))
+    stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0]
+             if key != "stream_ids" and key != "row_ids" and not key.startswith("x:")}
+    streams = None
+    if any("stream_ids" in g[0] for g in group):
+        streams = torch.stack([g[0].get("stream_ids", torch.zeros(seq_length, dtype=torch.long)) for g in group])
+    extras = {"row_ids": torch.stack([g[0]["row_ids"] for g in group])}
+    for key in sorted({k for g in group for k in g[0] if k.startswith("x:")}):
+        like = next(g[0][key] for g in group if key in g[0])
+        fill = -1 if not like.is_floating_point() else 0.0
+        extras[key[2:]] = torch.stack([g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype))
+                                       for g in group])
+    return MicroBatch(stream_ids=streams, denom=sum(g[1] for g in group), num_rows=sum(g[2] for g in group),
+                      extras=extras, **stack)
+
+
 def pack_rows(rows: list[Row], seq_length: int, micro_batch_size: int = 1, pad_id: int = 0) -> list[MicroBatch]:
-    """Pack rows into sequences of ``seq_length`` (first-fit decreasing) and group them into micro-batches."""
+    """Pack rows into sequences of ``seq_length`` (first-fit decreasing) and group them into micro-batches; a
+    longer multi-segment row is split at segment boundaries into one micro-batch of its own."""
+    fits, split = [], []
     for i, r in enumerate(rows):
-        if len(r) > seq_length:
+        if len(r) <= seq_length:
+            fits.append(i)
+        elif r.num_segments == 1:
             raise ValueError(f"row {i} has {len(r)} tokens, more than train.seq_length={seq_length}; "
                              "raise train.seq_length or lower data.max_length")
-    bins = _first_fit_decreasing([len(r) for r in rows], seq_length)
-    seqs = [(_concat_bin([rows[i] for i in b], seq_length, pad_id), sum(rows[i].denom for i in b), len(b))
-            for b in bins]
-    out = []
-    for k in range(0, len(seqs), micro_batch_size):
-        group = seqs[k:k + micro_batch_size]
-        while len(group) < micro_batch_size:  # fill the last micro-batch with padding rows
-            group.append((_concat_bin([], seq_length, pad_id), 0.0, 0))
-        stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0]
-                 if key != "stream_ids" and key != "row_ids" and not key.startswith("x:")}
-        streams = None
-        if any("stream_ids" in g[0] for g in group):
-            streams = torch.stack([g[0].get("stream_ids", torch.zeros(seq_length, dtype=torch.long)) for g in group])
-        extras = {"row_ids": torch.stack([g[0]["row_ids"] for g in group])}
-        for key in sorted({k for g in group for k in g[0] if k.startswith("x:")}):
-            like = next(g[0][key] for g in group if key in g[0])
-            fill = -1 if not like.is_floating_point() else 0.0
-            extras[key[2:]] = torch.stack([g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype))
-                                           for g in group])
-        out.append(MicroBatch(stream_ids=streams, denom=sum(g[1] for g in group),
-                              num_rows=sum(g[2] for g in group), extras=extras, **stack))
+        else:
+            split.append(i)
+    bins = _first_fit_decreasing([len(rows[i]) for i in fits], seq_length)
+    seqs = [(_concat_bin([rows[fits[j]] for j in b], seq_length, pad_id, [fits[j] for j in b]),
+             sum(rows[fits[j]].denom for j in b), len(b)) for b in bins]
+    out = [_micro_batch(seqs[k:k + micro_batch_size], seq_length, pad_id, micro_batch_size)
+           for k in range(0, len(seqs), micro_batch_size)]
+    for i in split:
+        pieces = split_at_segments(rows[i], seq_length, f"row {i}")
+        piece_bins = _first_fit_decreasing([len(p) for p in pieces], seq_length)
+        if len(piece_bins) > micro_batch_size:
+            raise ValueError(f"row {i} has {len(rows[i])} tokens in views that must share a micro-batch, more than "
+                             f"train.micro_batch_size={micro_batch_size} x train.seq_length={seq_length} hold; "
+                             "raise either, or lower the algorithm's Monte-Carlo samples (algo.params.n_mc)")
+        group = [(_concat_bin([pieces[j] for j in b], seq_length, pad_id, [i] * len(b)),
+                  sum(pieces[j].denom for j in b), int(k == 0)) for k, b in enumerate(piece_bins)]
+        out.append(_micro_batch(group, seq_length, pad_id, micro_batch_size))
     return out
 
 

@@ -41,6 +41,11 @@ Replicated adapters (column A, row B) carry no ``tensor_model_parallel`` attribu
 counts them once; sharded ones (column B, row A) are marked TP-partitioned like the base weight. No adapter
 is marked ``sequence_parallel`` (their grads are already complete, finalize_model_grads must not reduce them).
 
+RL (``rl.lora_rank``): the reference model is the same chunks with the adapters off (``adapters_disabled``,
+DARE's ``compute_dtreerpo_log_prob``), and the rollout engines get the merged weights W + s B A
+(``merged_weights``: the base weight's data is swapped for the merged tensor while the sync reads it, then put
+back untouched).
+
 Checkpoints: ``LoRALinear.state_dict`` / ``load_state_dict`` / ``sharded_state_dict`` keep the base layer's
 keys unchanged (``...linear_qkv.weight``) and add ``...linear_qkv.lora_A`` / ``...lora_B``, sharded over TP as
 above (``lora_B`` of a gated ``linear_fc1`` goes through megatron's SwiGLU factory like the weight), so a LoRA
@@ -48,9 +53,10 @@ checkpoint loads under another TP layout.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +124,7 @@ class LoRALinear(torch.nn.Module):
                 f"{name}: LoRA on routed experts split by expert tensor parallelism ({tp} ranks) is not supported; "
                 "leave the experts out of LoRA (the default) or use parallel.ep > 1 with parallel.etp=1")
         self.base = base
+        self.enabled = True          # False: the base layer alone (the reference model of RL)
         self.r = int(rank)
         self.alpha = float(alpha)
         self.scaling = self.alpha / self.r
@@ -184,6 +191,8 @@ class LoRALinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
         out, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
         gather = False
         if self.kind == "column":
             rt = kwargs.get("runtime_gather_output", args[1] if len(args) > 1 else None)
@@ -343,3 +352,33 @@ def merge_lora(chunks) -> list[str]:
             setattr(parent, attr, mod.base)
             merged.append(name)
     return merged
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks) -> Iterator[None]:
+    """Inside, every adapter of ``chunks`` is off: the chunks compute the frozen base model."""
+    mods = [m for _, m in lora_modules(chunks)]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.enabled = True
+
+
+@contextlib.contextmanager
+def merged_weights(chunks) -> Iterator[None]:
+    """Inside, each wrapped base weight holds W + s B A (what ``merge_lora`` would write), so readers of the
+    state dict (the weight sync) see the merged model; the original tensors are put back afterwards."""
+    saved = []
+    with torch.no_grad():
+        for _, m in lora_modules(chunks):
+            w = m.base.weight
+            saved.append((w, w.data))
+            w.data = m.merged_weight()
+    try:
+        yield
+    finally:
+        for w, data in saved:
+            w.data = data

@@ -143,8 +143,9 @@ class Trajectory:
     num_forwards: int
     params: SamplingParams
     policy_version: int = 0
-    step_predictions: Optional[list[list[int]]] = None    # MDPO: per step, the argmax/sample at every position
-    step_confidences: Optional[list[list[float]]] = None
+    step_predictions: Optional[list[list[int]]] = None    # MDPO: per forward, the proposal x0 at every response
+                                                          # position that forward predicted (its block), else -1
+    step_confidences: Optional[list[list[float]]] = None  # model probability of each proposal (0 where -1)
     superseded: Optional[list[Superseded]] = None          # token editing: overwritten commits, in step order
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -168,6 +169,11 @@ class Trajectory:
             raise ValueError(f"trajectory: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
         if any(lp > 1e-6 for lp in self.logprobs):
             raise ValueError("trajectory: a log-prob is positive")
+        if self.step_predictions is not None:
+            shapes = {len(p) for p in self.step_predictions} | {len(c) for c in self.step_confidences or [[]]}
+            if len(self.step_predictions) != self.num_forwards or shapes != {n}:
+                raise ValueError(f"trajectory: step_predictions must hold one row of {n} response positions per "
+                                 f"forward ({self.num_forwards}); got {len(self.step_predictions)} rows of {shapes}")
         if self.superseded:
             self._validate_edits()
         return self

@@ -48,6 +48,7 @@ class _Recorder:
         self.superseded: list[dict[int, list[tuple[int, int, float, int]]]] = [dict() for _ in range(n)]
         self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
         self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
+        self.pred_cols: list[list[int]] = [[] for _ in range(n)]   # first decoded column of each recorded step
 
     def absorb(self, trace: BlockTrace, col_offset: int) -> None:
         """Add one block's records; its positions start at column ``col_offset`` of the decoded grid."""
@@ -60,6 +61,7 @@ class _Recorder:
                     and trace.confs is not None:
                 self.preds[b].extend(trace.preds[b])
                 self.confs[b].extend(trace.confs[b])
+                self.pred_cols[b].extend([col_offset] * len(trace.preds[b]))
             self.steps[b] += trace.num_steps[b]
 
 
@@ -314,7 +316,22 @@ class NativeEngine:
             prompt_ids=list(prompt), response_ids=toks[:end], commit_step=[c[0] for c in commits],
             block_step=[c[1] for c in commits], logprobs=[c[2] for c in commits], finish_reason=finish,
             num_forwards=rec.steps[b], params=params, policy_version=self.version,
-            step_predictions=rec.preds[b] if rec.preds is not None else None,
-            step_confidences=rec.confs[b] if rec.confs is not None else None,
             superseded=superseded if params.algorithm == "editing" else None)
+        if rec.preds is not None and rec.confs is not None:
+            traj.step_predictions, traj.step_confidences = _response_aligned(rec, b, col_offset, end)
         return traj.validate()
+
+
+def _response_aligned(rec: _Recorder, b: int, col_offset: int, end: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Row ``b``'s per-step block proposals placed on its response positions [0, end): -1 (confidence 0) where
+    the step predicted nothing (positions of other blocks; the prompt's remainder in the first block)."""
+    preds, confs = [], []
+    for block_preds, block_confs, first in zip(rec.preds[b], rec.confs[b], rec.pred_cols[b]):
+        p, c = [-1] * end, [0.0] * end
+        for i, (tok, conf) in enumerate(zip(block_preds, block_confs)):
+            j = first + i - col_offset
+            if 0 <= j < end:
+                p[j], c[j] = int(tok), float(conf)
+        preds.append(p)
+        confs.append(c)
+    return preds, confs

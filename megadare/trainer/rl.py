@@ -15,7 +15,6 @@ from typing import Any, Optional
 
 
 from megadare.config import Config
-from megadare.errors import ConfigError
 from megadare.trainer.reward_step import rank0_result
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 
@@ -32,8 +31,6 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the rollout engines route with the synced bias,
     # and forward-only passes (old / reference log-probs) must not feed the balancing statistics
     cfg.train.moe_bias_update_rate = 0.0
-    if p.cp > 1:
-        raise ConfigError("parallel.cp > 1 is not supported by the RL loop yet (slot estimates would span CP ranks)")
     init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
     run = None
     try:
@@ -74,13 +71,15 @@ def push_weights(run: RLRun) -> dict[str, float]:
     """Sync the trainer's weights into every engine as version ``run.step``; queued partial rollouts then
     continue on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
     from megadare.convert import mapping_for
+    from megadare.models.lora import merged_weights
     from megadare.rollout.weight_sync import sync_weights
 
     t0 = time.perf_counter()
     r = run.cfg.rollout
-    stats = sync_weights(run.policy.model, mapping_for(run.src.hf_config)[2], [run.manager] if run.rank0 else [],
-                         version=run.step, bucket_bytes=r.bucket_mb << 20,
-                         fp8_block=(128, 128) if r.fp8_weights else None)
+    with merged_weights(run.policy.model):  # LoRA: the engines decode with W + s B A
+        stats = sync_weights(run.policy.model, mapping_for(run.src.hf_config)[2],
+                             [run.manager] if run.rank0 else [], version=run.step, bucket_bytes=r.bucket_mb << 20,
+                             fp8_block=(128, 128) if r.fp8_weights else None)
     if run.rank0 and run.queue is not None:
         run.queue.advance()
     return {**stats, "sync_s": time.perf_counter() - t0}
@@ -156,7 +155,7 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
         objective.reject = bypass_rejection(run.cfg)
     return update(run.cfg, run.algo, samples, run.step, run.arch, run.block, run.kind, _pad_id(run),
                   _stage_multiple(run.cfg), pol.model, pol.ref_chunks, pol.optimizer, pol.scheduler, objective,
-                  example_generator, pol.value, correction)
+                  example_generator, pol.value, correction, ref_adapters_off=pol.ref_adapters_off)
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:

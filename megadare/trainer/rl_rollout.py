@@ -97,7 +97,8 @@ class RolloutStarter:
         prompts = [run.train_prompts[i].prompt_ids for i in indices]
         params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
         if hasattr(algo, "rollout"):
-            return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples)
+            return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples,
+                                         global_grid=run.arch.attention == "block_causal")
         expanded = [q for q in prompts for _ in range(rl.n_samples)]
         if rl.partial_rollout and run.ahead:
             return indices, PartialRollout(manager.submit, expanded, params, rl.partial_rollout,

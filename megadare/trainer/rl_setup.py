@@ -14,7 +14,6 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megadare.config import Config, validate
-from megadare.errors import ConfigError
 
 
 @dataclass
@@ -26,6 +25,7 @@ class Policy:
     scheduler: Any
     ref_chunks: Optional[list] = None   # frozen reference (KL algorithms)
     value: Optional[tuple] = None       # (chunks, optimizer, scheduler) of the value model (TraceRL)
+    ref_adapters_off: bool = False      # LoRA: the reference is ``model`` with its adapters off
 
 
 @dataclass
@@ -84,7 +84,6 @@ def setup_run(cfg: Config) -> RLRun:
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
     check_correction_config(cfg, algo, src.arch, lookahead(cfg.rl.mode, cfg.rl.max_staleness))
     block = sampling_params(cfg, src.arch, 0).block_size
-    _check_algorithm_fits(cfg, algo, block)
     tok = tokenizer_for(cfg, src)
     train_prompts, held_prompts = _prompts(cfg, tok)
     run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
@@ -101,14 +100,6 @@ def setup_run(cfg: Config) -> RLRun:
     return run
 
 
-def _check_algorithm_fits(cfg: Config, algo, block: int) -> None:
-    if algo.needs_step_predictions and block < cfg.rollout.max_new_tokens:
-        raise ConfigError(f"algo.name={algo.name} scores every intermediate answer, so the whole response must be "
-                          f"one block: rollout.block_size={block} < rollout.max_new_tokens="
-                          f"{cfg.rollout.max_new_tokens} (a full-attention family with rollout.block_size >= "
-                          "max_new_tokens)")
-
-
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
     """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row."""
     from megadare.data.prompt_data import load_rl_prompts
@@ -117,8 +108,9 @@ def _prompts(cfg: Config, tok) -> tuple[list, list]:
 
 
 def _build_policy(cfg: Config, src, algo) -> Policy:
-    """Policy chunks (from ``checkpoint.load`` if set), optimizer over every update of the run, and the frozen
-    reference / value model when the algorithm asks for them."""
+    """Policy chunks (from ``checkpoint.load`` if set; LoRA adapters on top with ``rl.lora_rank``), optimizer
+    over every update of the run, and the frozen reference (a second model, or with LoRA the policy's own
+    adapters off) / value model when the algorithm asks for them."""
     from megadare.trainer.model_setup import build_training_chunks
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.rl_update import build_value_model
@@ -127,11 +119,15 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     load_init = _initial_weights(cfg)
     chunks = build_training_chunks(cfg, src)
     load_init(chunks)
+    if rl.lora_rank > 0:
+        from megadare.models.lora import apply_lora
+
+        apply_lora(chunks, rl.lora_rank, rl.lora_alpha, targets=tuple(rl.lora_targets))
     model = wrap_ddp(chunks, t.distributed_optimizer)
     updates = rl.steps * rl.ppo_epochs * rl.mini_batches
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
-    policy = Policy(model, optimizer, scheduler)
-    if algo.needs_ref:
+    policy = Policy(model, optimizer, scheduler, ref_adapters_off=algo.needs_ref and rl.lora_rank > 0)
+    if algo.needs_ref and not policy.ref_adapters_off:
         policy.ref_chunks = build_training_chunks(cfg, src)
         load_init(policy.ref_chunks)
         for c in policy.ref_chunks:
@@ -182,6 +178,8 @@ def save_run(run: RLRun) -> None:
     cfg, pol, step = run.cfg, run.policy, run.step
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": "megadare rl",
             "algo": run.algo.name}
+    if cfg.rl.lora_rank > 0:  # the export folds the adapters in (convert._merged_lora)
+        meta["lora"] = {"rank": cfg.rl.lora_rank, "alpha": cfg.rl.lora_alpha}
     state = ({"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
              if run.rank0 else None)
     save_train_checkpoint(run.save_root, step, pol.model, pol.optimizer, pol.scheduler,

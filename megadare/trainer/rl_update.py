@@ -3,6 +3,7 @@ behaviour passes -> rollout-correction weights -> ``rl.ppo_epochs`` x ``rl.mini_
 Also the distribution-matched replay selection, which needs the same passes on the buffer's candidates."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -116,7 +117,7 @@ def corruption_draws(cfg, algo) -> int:
 
 
 def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, model, ref_chunks, objective,
-                 generator_for, value, correction, out) -> tuple[list[list], int]:
+                 generator_for, value, correction, out, ref_adapters_off: bool = False) -> tuple[list[list], int]:
     """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
     the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
     from megadare.trainer.rl_correction import correction_weights
@@ -134,7 +135,8 @@ def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, m
             if mine is None:
                 continue
             n_rows += n
-            _reference_passes(algo, group, mine, ref_chunks, value, kind, block, arch.vocab_size)
+            _reference_passes(algo, group, mine, model if ref_adapters_off else ref_chunks, ref_adapters_off, value,
+                              kind, block, arch.vocab_size)
             if correction is not None:
                 _behaviour(correction, mine, versions, model, kind, block, arch.vocab_size)
                 if cfg.rl.loss_mode == "decoupled":
@@ -145,20 +147,26 @@ def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, m
     return prepared, n_rows
 
 
-def _reference_passes(algo, group, mine, ref_chunks, value, kind, block, vocab) -> None:
+def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, kind, block, vocab) -> None:
+    """extras['ref'] from the reference (``ref_chunks``; with ``adapters_off`` the policy's own chunks with their
+    LoRA adapters off) and the value model's V_old with its advantages."""
     from megadare.algos.value_model import values_of
+    from megadare.models.lora import adapters_disabled
 
     if ref_chunks is not None:
-        store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
+        with adapters_disabled(ref_chunks) if adapters_off else contextlib.nullcontext():
+            store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
     if value is not None:
         store_outputs(value[0], mine, "v_old", kind, block, vocab, per_position=values_of)
         value_advantages(algo, group, mine)
 
 
 def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
-           objective, generator_for, value=None, correction: Optional[Correction] = None) -> dict[str, float]:
+           objective, generator_for, value=None, correction: Optional[Correction] = None,
+           ref_adapters_off: bool = False) -> dict[str, float]:
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
-    optimizer steps; epoch e trains on corruption set e when they are redrawn (``corruption_draws``)."""
+    optimizer steps; epoch e trains on corruption set e when they are redrawn (``corruption_draws``).
+    ``ref_adapters_off``: the reference is ``model`` with its LoRA adapters off."""
     from megadare.algos.value_model import ValueObjective, values_of
     from megadare.trainer.step import train_step
 
@@ -168,7 +176,8 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
     prepared, n_rows = _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
-                                    objective, generator_for, value, correction, out)
+                                    objective, generator_for, value, correction, out,
+                                    ref_adapters_off)
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):

@@ -40,7 +40,8 @@ def weighted_nll(mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict
 
 
 def cp_slice(mb: MicroBatch) -> MicroBatch:
-    """This context-parallel rank's contiguous chunk of the sequence (the mask keeps the full sequence)."""
+    """This context-parallel rank's contiguous chunk of the sequence (the mask keeps the full sequence); RL
+    micro-batches also carry the whole sequence's slots (``context``: algos/base.py ``SlotIndex``)."""
     cp = ps.get_context_parallel_world_size()
     if cp == 1:
         return mb
@@ -51,10 +52,13 @@ def cp_slice(mb: MicroBatch) -> MicroBatch:
     sl = slice(r * S // cp, (r + 1) * S // cp)
     extras = {k: (v[:, sl] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == S else v)
               for k, v in mb.extras.items()}
+    context = ({"slot": mb.extras["slot"], "row_ids": mb.extras["row_ids"], "size": cp,
+                "group": ps.get_context_parallel_group()} if "slot" in mb.extras else None)
     return MicroBatch(tokens=mb.tokens[:, sl], labels=mb.labels[:, sl], weight=mb.weight[:, sl],
                       position_ids=mb.position_ids[:, sl], segment_ids=mb.segment_ids[:, sl],
                       stream_ids=None if mb.stream_ids is None else mb.stream_ids[:, sl],
-                      padding=None if mb.padding is None else mb.padding[:, sl], denom=mb.denom, num_rows=mb.num_rows, extras=extras)
+                      padding=None if mb.padding is None else mb.padding[:, sl], denom=mb.denom, num_rows=mb.num_rows,
+                      extras=extras, context=context)
 
 
 def _device() -> torch.device:
@@ -124,7 +128,12 @@ def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab:
     with torch.no_grad():
         run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
                           per_position=per_position)
+    cp = ps.get_context_parallel_world_size()
     for mb, lp in zip(micro_batches, got):
+        if cp > 1:  # each CP rank scored its slice: the whole sequence, in rank order (cp_slice)
+            parts = [torch.empty_like(lp) for _ in range(cp)]
+            dist.all_gather(parts, lp.contiguous(), group=ps.get_context_parallel_group())
+            lp = torch.cat(parts, dim=1)
         mb.extras[key] = lp.to(mb.weight.device)
 
 
