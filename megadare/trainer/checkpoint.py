@@ -77,7 +77,9 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     model_sd = model_sharded_state_dict(_unwrap(chunks))
     sd = dict(model_sd)
     if optimizer is not None:
-        fresh = is_loading and _init_empty_optimizer_state(optimizer)
+        # a fresh Adam (loading, or saving before the first update: an RL run whose first steps kept no
+        # group) gets zero moments at step 0, which megatron can describe; they save and load as a fresh Adam
+        fresh = _init_empty_optimizer_state(optimizer)
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
         if fresh:  # back to unallocated: megatron's load_state_dict allocates the state it restores
             for o in getattr(optimizer, "chained_optimizers", [optimizer]):
