@@ -61,6 +61,8 @@ LAYOUTS = {
     "cp2": (2, {"parallel__cp": 2}),
     # megatron's own DotProductAttention on dense masks + full activation recomputation
     "local_attention_recompute": (1, {"model__attention_backend": "local", "train__recompute": "full"}),
+    # the default backend's MaskSpec mask through megatron's checkpoint (train.recompute=full, the shipped configs)
+    "recompute_full": (1, {"train__recompute": "full"}),
 }
 
 
