@@ -151,22 +151,29 @@ cmd_start() {
   printf 'export SLURM_CONF=%q MEGADARE_SLURM=%q\n' "$CONF" "$DIR"
 }
 
-stop_pid() {  # stop_pid PIDFILE NAME: SIGTERM, then SIGKILL after 15 s
-  local f=$1 pid i
-  [[ -f $f ]] || return 0
-  pid=$(cat "$f")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid"
-    for ((i = 0; i < 150; i++)); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
+stop_pids() {  # stop_pids PIDFILE...: SIGTERM to all, SIGKILL to those still running after 15 s
+  local f pid pids=() i
+  for f in "$@"; do
+    [[ -f $f ]] || continue
+    pid=$(cat "$f")
+    kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+    rm -f "$f"
+  done
+  for ((i = 0; i < 150; i++)); do
+    for pid in "${pids[@]}"; do
+      if kill -0 "$pid" 2>/dev/null; then
+        sleep 0.1
+        continue 2
+      fi
     done
+    return 0
+  done
+  for pid in "${pids[@]}"; do
     if kill -0 "$pid" 2>/dev/null; then
-      log "$2 (pid $pid) ignored SIGTERM: SIGKILL"
+      log "pid $pid ignored SIGTERM for 15 s: SIGKILL"
       kill -KILL "$pid"
     fi
-  fi
-  rm -f "$f"
+  done
 }
 
 cmd_stop() {
@@ -180,11 +187,8 @@ cmd_stop() {
       sleep 0.2
     done
   fi
-  for f in "$DIR"/slurmd-n*.pid; do
-    [[ -e $f ]] && stop_pid "$f" slurmd
-  done
-  stop_pid "$DIR/slurmctld.pid" slurmctld
-  stop_pid "$DIR/munge/munged.pid" munged
+  stop_pids "$DIR"/slurmd-n*.pid "$DIR/slurmctld.pid"
+  stop_pids "$DIR/munge/munged.pid"
   local left=() p cmd
   for p in /proc/[0-9]*; do
     cmd=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null) || continue

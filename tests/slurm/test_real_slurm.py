@@ -249,7 +249,7 @@ def test_convert_hf_to_megatron_round_trips(converted, tiny, tmp_path):
     import torch
 
     from megadare.convert import megatron_to_hf
-    from megadare.convert.safetensors_io import SafetensorsReader
+    from megadare.models.safetensors_io import SafetensorsReader
 
     j, rc, out = converted
     assert rc == 0, j.output()[-4000:]
