@@ -36,6 +36,8 @@
 #   RAY_WAIT_TIMEOUT_S  seconds to wait for every node to join Ray (default 300)
 #   RAY_POLL_S          seconds between `ray status` polls (default 5)
 #   RAY_STOP_S          seconds each node's Ray gets to shut down at the end before its step is killed (default 60)
+#   RAY_AUTH_MODE       Ray token authentication (default: token, with a fresh RAY_AUTH_TOKEN per run unless
+#                       RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH is set; `disabled` turns it off)
 #   STOP_GRACE_S        seconds the trainer gets to checkpoint after SIGTERM before its step is killed (default
 #                       240, inside the 300 s of `#SBATCH --signal=B:USR1@300`)
 #   REQUEUE_ON_TERM     1: SIGTERM to the batch script (preemption) requeues like USR1 does (default 1);
