@@ -5,19 +5,13 @@ from __future__ import annotations
 from megadare.parallel.launch import spawn as run_distributed  # noqa: F401
 
 
-def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2):
-    """(chunks, DDP model, arch, HF config) of the checkpoint ``hf_dir`` sharded under ``layout`` (distributed
-    already initialised with it), after one optimizer step on random rows, so its weights differ from the
-    checkpoint's."""
-    import torch
-    from megatron.core import parallel_state as ps
-
+def tiny_trainer(layout: dict, hf_dir: str, lr: float = 1e-2):
+    """(chunks, DDP model, optimizer, scheduler, arch, HF config) of the checkpoint ``hf_dir`` sharded under
+    ``layout`` (distributed already initialised with it), before any step."""
     from megadare.convert import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
-    from megadare.data.rows import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
 
     cfg = read_hf_config(hf_dir)
     arch = family_of(cfg).arch(cfg)
@@ -26,11 +20,30 @@ def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2
     load_hf_into_model(chunks, hf_dir)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=lr, total_steps=2))
+    return chunks, model, opt, sched, arch, cfg
+
+
+def random_step(model, opt, sched, arch, n_rows: int = 4) -> None:
+    """One optimizer step on random rows (the same rows on every call)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megadare.data.rows import Row, pack_rows, split_for_data_parallel
+    from megadare.trainer.step import train_step
+
     g = torch.Generator().manual_seed(0)
     rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
                 weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(n_rows)]
     mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
     train_step(model, opt, sched, mbs, 10.0 * n_rows, "bidirectional", 4, arch.vocab_size)
+
+
+def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2):
+    """(chunks, DDP model, arch, HF config) of the checkpoint ``hf_dir`` sharded under ``layout`` (distributed
+    already initialised with it), after one optimizer step on random rows, so its weights differ from the
+    checkpoint's."""
+    chunks, model, opt, sched, arch, cfg = tiny_trainer(layout, hf_dir, lr)
+    random_step(model, opt, sched, arch, n_rows)
     return chunks, model, arch, cfg
 
 

@@ -102,3 +102,14 @@ def test_trainer_syncs_into_two_engine_actors(cluster, tmp_path, name, layout):
     assert outs[0]["versions"] == [5, 5] and outs[0]["stats"]["sync_buckets"] > 2
     for logits in outs[0]["engines"]:
         assert (logits - trainer).abs().max() < 1e-4
+
+
+def test_engines_no_node_can_hold_fail_at_once(cluster, tmp_path):
+    """An infeasible engine bundle (a GPU on a CPU cluster, more CPUs than a node has) is refused before the
+    placement group would wait out its timeout (and end in GetTimeoutError, not this error)."""
+    from megadare.errors import ConfigError
+
+    spec = EngineSpec(build_native_engine, {"hf_dir": str(tmp_path), "eos_token_id": EOS})
+    for resources in ({"num_cpus": 1, "num_gpus": 1}, {"num_cpus": 64}):
+        with pytest.raises(ConfigError, match=r"rollout.engine_resources=.*no node of the Ray cluster has"):
+            RolloutManager(spec, num_engines=1, resources=resources)

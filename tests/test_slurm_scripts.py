@@ -3,8 +3,10 @@
 The fakes append one JSON line per call to a log. The fake srun runs its command once per node of the step (as
 its own session, with SLURMD_NODENAME / SLURM_NODEID set), forwards SIGUSR1/SIGUSR2 to every process of the step
 and SIGKILLs them on SIGTERM, like the real one. The fake ray keeps a node registry in a state directory: `ray
-start` registers its node (a blocking start lasts until `ray stop` on that node), `ray status` lists the registered
-nodes. The fake torchrun starts one fake rank that waits, checkpoints on SIGTERM and exits 0.
+start` registers its node (a blocking start lasts until SIGTERM, then logs `ray-stopped` and leaves the
+registry, as the real one stops the Ray processes it started), `ray status` lists the registered nodes; `ray
+stop` is logged (the scripts must not call it). The fake torchrun starts one fake rank that waits, checkpoints on
+SIGTERM and exits 0. tests/slurm/ runs the same scripts under a real Slurm, Ray and torchrun.
 """
 from __future__ import annotations
 
@@ -128,15 +130,15 @@ def ray():
             signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
             end = time.time() + 60
             while not stop and time.time() < end:
-                if os.path.exists(os.path.join(STATE, "ray_stopped_" + HOST)):
-                    break
                 time.sleep(0.05)
+            log(event="ray-stopped", by="SIGTERM" if stop else "timeout",
+                usr2_ignored=signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)
+            if os.path.exists(mine):
+                os.remove(mine)
+            sys.exit(1 if stop else 0)
         return
     if sub == "stop":
         log(argv=ARGS)
-        open(os.path.join(STATE, "ray_stopped_" + HOST), "w").close()
-        if os.path.exists(mine):
-            os.remove(mine)
         return
     if sub == "status":
         log(argv=ARGS)
@@ -307,8 +309,25 @@ class Cluster:
         return [r for r in rows if (tool is None or r["tool"] == tool) and all(r.get(k) == v for k, v in match.items())]
 
     def steps(self, *prefix: str) -> list[dict]:
-        """srun calls whose command starts with ``prefix``."""
-        return [r for r in self.calls("srun") if "cmd" in r and tuple(r["cmd"][: len(prefix)]) == prefix]
+        """srun calls whose command starts with ``prefix`` (after `bash common.sh node-run`, the node wrapper)."""
+        out = []
+        for r in self.calls("srun"):
+            cmd = r.get("cmd", [])
+            if cmd[1:3] == [str(SLURM / "common.sh"), "node-run"]:
+                cmd = cmd[3:]
+            if tuple(cmd[: len(prefix)]) == prefix:
+                out.append(r)
+        return out
+
+    def ray_teardown_ok(self) -> float:
+        """Every node's Ray was stopped by SIGTERM to its `ray start --block` (SIGUSR2 ignored, so only the wrapper
+        acted on srun's forward), `ray stop` never ran and no step was killed; the time of the last stop."""
+        stopped = self.calls("ray", event="ray-stopped")
+        assert sorted(s["host"] for s in stopped) == sorted(self.hosts), stopped
+        assert all(s["by"] == "SIGTERM" and s["usr2_ignored"] for s in stopped), stopped
+        assert self.calls("ray", argv=["stop"]) == [] and self.calls("ray", argv=["stop", "--force"]) == []
+        assert self.calls("srun", event="kill") == []
+        return max(s["t"] for s in stopped)
 
 
 def opt(argv: list[str], name: str) -> str:
@@ -334,6 +353,28 @@ def test_scripts_parse_and_share_common():
         assert not any(w in line for line in code for w in ("srun ", "ray ", "torchrun", "scontrol")), name
         assert code[-1] in ("md_convert",) or code[-1].startswith("md_main "), name
         assert 'source "$MEGADARE_ROOT/examples/slurm/common.sh"' in text, name
+
+
+def test_configs_carry_the_scripts_cluster_shape():
+    """Each launcher's defaults (#SBATCH --nodes / --gpus-per-node, ROLLOUT_NODES, ENGINE_GPUS) are the cluster its
+    config describes (plan.*, parallel.world_size, rollout.num_engines / engine_tp / engine_resources)."""
+    import re
+
+    from megadare.config import load_config
+
+    for script, cmd, config, _, _, _, _ in LAUNCHERS:
+        text = (SLURM / script).read_text()
+        nodes = int(re.search(r"#SBATCH --nodes=(\d+)", text).group(1))
+        gpus = int(re.search(r"#SBATCH --gpus-per-node=(\d+)", text).group(1))
+        knob = lambda name: int(re.search(rf': "\${{{name}:=(\d+)}}"', text).group(1)) if name in text else 0  # noqa
+        rollout_nodes, engine_gpus = knob("ROLLOUT_NODES"), knob("ENGINE_GPUS")
+        cfg = load_config(str(REPO / config))
+        assert (cfg.plan.nodes, cfg.plan.gpus_per_node, cfg.plan.job) == (nodes, gpus, cmd), script
+        assert cfg.plan.rollout_gpus == rollout_nodes * gpus, script
+        assert cfg.parallel.world_size == (nodes - rollout_nodes) * gpus, script
+        if cmd == "rl":
+            assert cfg.rollout.engine_tp == engine_gpus == cfg.rollout.engine_resources["num_gpus"], script
+            assert cfg.rollout.num_engines == rollout_nodes * gpus // engine_gpus, script
 
 
 def test_shellcheck_clean():
@@ -375,7 +416,7 @@ def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engine
         assert starts == [] and c.calls("ray") == []
 
     # the trainer: one step over the trainer nodes, one torchrun per node with its node rank
-    [step] = c.steps("bash")
+    [step] = [s for s in c.steps("bash") if s["cmd"][2] == "node-torchrun"]
     assert step["nodes"] == c.hosts[:train_nodes] and "--overlap" in step["opts"]
     assert step["cmd"][1:4] == [str(SLURM / "common.sh"), "node-torchrun", ",".join(c.hosts[:train_nodes])]
     runs = sorted(c.calls("torchrun"), key=lambda r: c.hosts.index(r["host"]))
@@ -411,11 +452,11 @@ def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engine
         assert (Path(c.run_dir) / "slurm" / "resolved-config.yaml").read_text().startswith("model:")
 
     # teardown: Ray stopped on every node after the trainer; no requeue after a normal end
-    stops = c.calls("ray", argv=["stop", "--force"])
     if rl:
-        assert sorted(s["host"] for s in stops) == sorted(c.hosts)
-        assert min(s["t"] for s in stops) > max(r["t"] for r in c.calls("rank"))
-        assert max(s["t"] for s in c.calls("ray") if s["argv"][0] == "start") < min(r["t"] for r in runs)
+        c.ray_teardown_ok()
+        stopped = c.calls("ray", event="ray-stopped")
+        assert min(s["t"] for s in stopped) > max(r["t"] for r in c.calls("rank"))
+        assert max(s["t"] for s in c.calls("ray") if s.get("argv", [""])[0] == "start") < min(r["t"] for r in runs)
     assert c.calls("scontrol") == [] and c.calls("srun", event="kill") == []
     assert "job 4242 restart 0" in (Path(c.run_dir) / "slurm" / "jobs.log").read_text()
 
@@ -450,10 +491,8 @@ def test_preemption_checkpoints_and_requeues(tmp_path, script, sig, model, nodes
     # then Ray stops everywhere and the job requeues itself
     [requeue] = c.calls("scontrol")
     assert requeue["argv"] == ["requeue", "4242"]
-    stops = c.calls("ray", argv=["stop", "--force"])
     if script.startswith("rl_"):
-        assert sorted(s["host"] for s in stops) == sorted(c.hosts)
-        assert max(s["t"] for s in stops) < requeue["t"]
+        assert c.ray_teardown_ok() < requeue["t"]
     assert max(r["t"] for r in c.calls("rank", event="checkpointed")) < requeue["t"]
     assert "requeued job 4242" in out
 
@@ -465,7 +504,7 @@ def test_ray_wait_times_out_with_a_clear_error(tmp_path):
     assert rc != 0
     assert "only 1 of 2 nodes joined 10.0.0.1:6379 within 3s (RAY_WAIT_TIMEOUT_S)" in out
     assert c.calls("torchrun") == [] and c.calls("scontrol") == []
-    assert sorted(s["host"] for s in c.calls("ray", argv=["stop", "--force"])) == c.hosts  # still torn down
+    c.ray_teardown_ok()  # still torn down, the node that never joined included
 
 
 def test_bad_layout_fails_before_any_step(tmp_path):
@@ -478,7 +517,7 @@ def test_bad_layout_fails_before_any_step(tmp_path):
 def test_convert(tmp_path):
     c = Cluster(tmp_path, 1, "sdar30b", PYTHON="fakepython", OUT=str(tmp_path / "mcore"))
     assert c.run("convert_hf_to_megatron.sh") == 0, c.output()
-    [step] = c.steps("bash")
+    [step] = c.steps("fakepython")
     assert step["nodes"] == ["gpu01"] and step["cmd"][2] == "node-run"
     [call] = c.calls("fakepython")
     argv = call["argv"]

@@ -30,10 +30,14 @@
 #   ENGINE_GPUS         rl: GPUs per rollout engine = its tensor-parallel size (rollout.engine_resources num_gpus,
 #                       rollout.engine_tp; default 1)
 #   NUM_ENGINES         rl: rollout.num_engines (default: the rollout GPUs / ENGINE_GPUS)
+#   ENGINE_CPUS         rl: CPUs per engine actor (rollout.engine_resources num_cpus; default: the config's)
 #   HEAD_IP             Ray head and torch master address (default: `hostname --ip-address` on the first node)
 #   RAY_PORT (6379)  MASTER_PORT (29500)
 #   RAY_WAIT_TIMEOUT_S  seconds to wait for every node to join Ray (default 300)
 #   RAY_POLL_S          seconds between `ray status` polls (default 5)
+#   RAY_STOP_S          seconds each node's Ray gets to shut down at the end before its step is killed (default 60)
+#   RAY_AUTH_MODE       Ray token authentication (default: token, with a fresh RAY_AUTH_TOKEN per run unless
+#                       RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH is set; `disabled` turns it off)
 #   STOP_GRACE_S        seconds the trainer gets to checkpoint after SIGTERM before its step is killed (default
 #                       240, inside the 300 s of `#SBATCH --signal=B:USR1@300`)
 #   REQUEUE_ON_TERM     1: SIGTERM to the batch script (preemption) requeues like USR1 does (default 1);
@@ -78,18 +82,20 @@ md_defaults() {
   : "${ROLLOUT_NODES:=0}"
   : "${ENGINE_GPUS:=1}"
   : "${NUM_ENGINES:=}"
+  : "${ENGINE_CPUS:=}"
   : "${HEAD_IP:=}"
   : "${RAY_PORT:=6379}"
   : "${MASTER_PORT:=29500}"
   : "${RAY_WAIT_TIMEOUT_S:=300}"
   : "${RAY_POLL_S:=5}"
+  : "${RAY_STOP_S:=60}"
   : "${STOP_GRACE_S:=240}"
   : "${REQUEUE_ON_TERM:=1}"
   : "${MAX_REQUEUES:=100}"
   : "${PREFLIGHT:=1}"
   : "${EXTRA_OVERRIDES:=}"
   local v
-  for v in GPUS_PER_NODE ROLLOUT_NODES ENGINE_GPUS RAY_PORT MASTER_PORT RAY_WAIT_TIMEOUT_S STOP_GRACE_S \
+  for v in GPUS_PER_NODE ROLLOUT_NODES ENGINE_GPUS RAY_PORT MASTER_PORT RAY_WAIT_TIMEOUT_S RAY_STOP_S STOP_GRACE_S \
     MAX_REQUEUES; do
     [[ ${!v} =~ ^[0-9]+$ ]] || md_die "$v=${!v} must be a non-negative integer"
   done
@@ -194,8 +200,20 @@ md_head_ip() {
 
 # ---------------------------------------------------------------------------------------------------- Ray
 
+md_ray_auth() {  # one token per run for every Ray process of the job (workers, `ray status`, rank 0's driver).
+  # Ray with token authentication turns it on in `ray start` when ~/.ray/auth_token exists, but `ray status` and
+  # drivers only send a token when RAY_AUTH_MODE=token: without this the nodes never show as joined. Older Ray
+  # ignores these variables. RAY_AUTH_MODE set by the user (e.g. disabled, or token + RAY_AUTH_TOKEN_PATH) wins.
+  [[ -n ${RAY_AUTH_MODE:-} ]] && return 0
+  export RAY_AUTH_MODE=token
+  if [[ -z ${RAY_AUTH_TOKEN:-} && -z ${RAY_AUTH_TOKEN_PATH:-} ]]; then
+    RAY_AUTH_TOKEN=$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n')
+    export RAY_AUTH_TOKEN
+  fi
+}
+
 md_ray_count() {  # nodes `ray status` lists as active or idle (Ray >= 2.10 prints idle nodes apart)
-  ray status --address="$HEAD_IP:$RAY_PORT" 2>/dev/null | awk '
+  ray status --address="$HEAD_IP:$RAY_PORT" 2>"$LOG_DIR/ray-status.err" | awk '
     /^(Active|Idle):/ { on = 1; next }
     /^[A-Za-z].*:/    { on = 0 }
     on && $2 ~ /^node_/ { n += $1 }
@@ -216,45 +234,53 @@ md_ray_wait() {  # md_ray_wait N: until N nodes joined, or die after RAY_WAIT_TI
         md_die "ray: \`ray start\` on ${MD_HOSTS[i]} exited; see $LOG_DIR/ray-${MD_HOSTS[i]}.log"
     done
     ((SECONDS < deadline)) || md_die "ray: only $have of $want nodes joined $HEAD_IP:$RAY_PORT within \
-${RAY_WAIT_TIMEOUT_S}s (RAY_WAIT_TIMEOUT_S); see $LOG_DIR/ray-*.log"
+${RAY_WAIT_TIMEOUT_S}s (RAY_WAIT_TIMEOUT_S); see $LOG_DIR/ray-*.log; the last \`ray status\` said: \
+$(tail -n 3 "$LOG_DIR/ray-status.err")"
     sleep "$RAY_POLL_S"
   done
 }
 
 md_ray_up() {  # head on the first node, workers on the others, each `ray start --block` in its own job step
+  # (under the node wrapper: a SIGUSR2 to the step becomes SIGTERM to `ray start`, which stops this node's Ray)
   local i host
   ((MD_STOPPING)) && exit 0
   md_head_ip
+  md_ray_auth
   md_log "ray: head on $MD_HEAD ($HEAD_IP:$RAY_PORT)"
   md_step "$MD_HEAD"
-  "${MD_STEP[@]}" ray start --head --block --node-ip-address="$HEAD_IP" --port="$RAY_PORT" \
-    --num-gpus="$(md_ray_gpus 0)" --include-dashboard=false --disable-usage-stats \
+  "${MD_STEP[@]}" bash "$MD_COMMON" node-run ray start --head --block --node-ip-address="$HEAD_IP" \
+    --port="$RAY_PORT" --num-gpus="$(md_ray_gpus 0)" --include-dashboard=false --disable-usage-stats \
     >"$LOG_DIR/ray-$MD_HEAD.log" 2>&1 &
   MD_RAY_PIDS=($!)
   md_ray_wait 1
   for ((i = 1; i < ${#MD_HOSTS[@]}; i++)); do
     host=${MD_HOSTS[i]}
     md_step "$host"
-    "${MD_STEP[@]}" ray start --block --address="$HEAD_IP:$RAY_PORT" --num-gpus="$(md_ray_gpus "$i")" \
-      --disable-usage-stats >"$LOG_DIR/ray-$host.log" 2>&1 &
+    "${MD_STEP[@]}" bash "$MD_COMMON" node-run ray start --block --address="$HEAD_IP:$RAY_PORT" \
+      --num-gpus="$(md_ray_gpus "$i")" --disable-usage-stats >"$LOG_DIR/ray-$host.log" 2>&1 &
     MD_RAY_PIDS+=($!)
   done
   md_ray_wait "${#MD_HOSTS[@]}"
   export RAY_ADDRESS="$HEAD_IP:$RAY_PORT"  # megadare's rank 0 joins this cluster (ray.init(address=...))
 }
 
-md_ray_down() {
+md_ray_down() {  # this job's Ray only: SIGUSR2 to each `ray start --block` step (srun forwards it; the wrapper
+  # sends SIGTERM to `ray start`, which stops the Ray processes it started). Not `ray stop`: that kills every Ray
+  # process of the user on the node, other jobs' included. A step still running after RAY_STOP_S is killed.
   ((${#MD_RAY_PIDS[@]})) || return 0
-  local pid deadline=$((SECONDS + 30))
+  local pid deadline=$((SECONDS + RAY_STOP_S))
   md_log "ray: stopping on ${#MD_HOSTS[@]} nodes"
-  md_step "$MD_ALL_HOSTS"
-  timeout 120 "${MD_STEP[@]}" ray stop --force >>"$LOG_DIR/ray-stop.log" 2>&1 || md_log "ray: \`ray stop\` failed"
-  for pid in "${MD_RAY_PIDS[@]}"; do  # the `ray start --block` steps end with their node
+  for pid in "${MD_RAY_PIDS[@]}"; do kill -USR2 "$pid" 2>/dev/null; done
+  for pid in "${MD_RAY_PIDS[@]}"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-    kill -0 "$pid" 2>/dev/null && kill -TERM "$pid" 2>/dev/null
+    if kill -0 "$pid" 2>/dev/null; then
+      md_log "ray: a node's Ray still running after ${RAY_STOP_S}s (RAY_STOP_S): killing its step"
+      kill -TERM "$pid" 2>/dev/null
+    fi
     wait "$pid" 2>/dev/null
   done
   MD_RAY_PIDS=()
+  md_log "ray: stopped"
 }
 
 # ---------------------------------------------------------------------------------------------------- trainer
@@ -265,7 +291,8 @@ md_overrides() {  # MD_OVERRIDES: the key=value overrides the trainer (and the p
   [[ -n $EVAL_DATA ]] && MD_OVERRIDES+=("data.eval_path=$EVAL_DATA")
   [[ -n $INIT_CKPT ]] && MD_OVERRIDES+=("checkpoint.load=$INIT_CKPT")
   if [[ $MD_CMD == rl ]]; then
-    MD_OVERRIDES+=("rollout.num_engines=$NUM_ENGINES" "rollout.engine_resources={num_gpus: $ENGINE_GPUS}"
+    MD_OVERRIDES+=("rollout.num_engines=$NUM_ENGINES"
+      "rollout.engine_resources={num_gpus: $ENGINE_GPUS${ENGINE_CPUS:+, num_cpus: $ENGINE_CPUS}}"
       "rollout.engine_tp=$ENGINE_GPUS")
   fi
   local extra

@@ -8,6 +8,9 @@
   including the ``step`` entry megatron itself adds on the non-TE/non-Apex path, from tensors that never
   hold ``step`` (it travels in the param groups): loading a distributed-optimizer checkpoint raises
   ``KeyError: 'step'``. The fix keeps the (already restored) step.
+* ``tensor_parallel.checkpoint`` (``train.recompute=full``) hands every argument to ``save_for_backward``, so a
+  non-tensor attention mask (megadare's ``MaskSpec``, every backend but ``local``) raises ``TypeError``. The fix
+  binds non-tensor arguments into the recomputed function and checkpoints only the tensors.
 
 Applied once, at import of models/gpt.py.
 """
@@ -41,6 +44,23 @@ def _keep_step(original):
     return set_main_param_and_optimizer_states
 
 
+def _checkpoint_tensors_only(original):
+    def checkpoint(function, distribute_saved_activations, *args):
+        saved = [i for i, a in enumerate(args) if a is None or torch.is_tensor(a)]
+        if len(saved) == len(args):
+            return original(function, distribute_saved_activations, *args)
+
+        def bound(*tensors):  # hidden_states stays the first argument (distribute_saved_activations splits it)
+            full = list(args)
+            for i, t in zip(saved, tensors):
+                full[i] = t
+            return function(*full)
+
+        return original(bound, distribute_saved_activations, *(args[i] for i in saved))
+
+    return checkpoint
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
@@ -48,7 +68,10 @@ def apply() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from megatron.core import tensor_parallel
+
     TopKRouter._apply_expert_bias = _apply_expert_bias
+    tensor_parallel.checkpoint = _checkpoint_tensors_only(tensor_parallel.checkpoint)
     DistributedOptimizer._set_main_param_and_optimizer_states = _keep_step(
         DistributedOptimizer._set_main_param_and_optimizer_states)
     _APPLIED = True

@@ -140,6 +140,10 @@ def check_plan_config(cfg: Config, arch: ModelArch) -> Layout:
                           "attention heads")
     lay = trainer_layout(cfg)
     p = cfg.parallel
+    if p.world_size is not None and p.world_size != lay.world:
+        raise ConfigError(f"parallel.world_size={p.world_size} but the plan gives the trainer plan.nodes * "
+                          f"plan.gpus_per_node - plan.rollout_gpus = {lay.world} GPUs: make them agree (e.g. "
+                          f"parallel.world_size={lay.world} when planning another cluster shape)")
     try:
         validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=lay.world)
     except ConfigError as e:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from megadare.errors import ConfigError
 from megadare.rollout.engine import SamplingParams, Trajectory
 
 
@@ -60,6 +61,18 @@ class _EngineActor:
         return getattr(self.engine, method)(*args)
 
 
+def _check_feasible(ray, bundle: dict[str, float], resources: dict) -> None:
+    """Fail at once when no live node of the Ray cluster can hold one engine: an infeasible placement group would
+    wait for the 300 s timeout and end in an opaque GetTimeoutError (e.g. the config's num_cpus on small nodes)."""
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    if any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
+        return
+    have = "; ".join(", ".join(f"{k} {node.get(k, 0):g}" for k in bundle) for node in nodes) or "no live node"
+    raise ConfigError(f"rollout.engine_resources={resources}: no node of the Ray cluster has {bundle} for one engine "
+                      f"(its nodes: {have}); lower the request (Slurm scripts: ENGINE_GPUS / ENGINE_CPUS) or give "
+                      "the nodes more")
+
+
 class RolloutManager:
     def __init__(self, spec: EngineSpec, num_engines: int = 1, resources: Optional[dict[str, float]] = None,
                  strategy: str = "PACK", chunk_size: int = 8, max_restarts: int = 3):
@@ -73,6 +86,7 @@ class RolloutManager:
         self.resources = dict(resources or {"num_cpus": 1})
         bundle = {("GPU" if k == "num_gpus" else "CPU" if k == "num_cpus" else k): v
                   for k, v in self.resources.items()}
+        _check_feasible(ray, bundle, self.resources)
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=strategy)
         ray.get(self.pg.ready(), timeout=300)
         self._strategy = PlacementGroupSchedulingStrategy

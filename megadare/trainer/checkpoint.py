@@ -48,20 +48,20 @@ def iteration_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")
 
 
-def _init_empty_optimizer_state(optimizer) -> bool:
-    """Give a fresh Adam its state tensors (zeros, step 0) so megatron can describe the state it will load.
-    Returns True if the state was empty (megatron's torch-Adam path needs a 'step' entry per parameter)."""
-    fresh = False
+def _init_empty_optimizer_state(optimizer) -> list[tuple[dict, torch.Tensor]]:
+    """Give the parameters of a fresh Adam their state tensors (zeros, step 0) so megatron can describe the state
+    (megatron's torch-Adam path needs a 'step' entry per parameter). Returns the (state, parameter) pairs filled."""
+    filled = []
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = o.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 if len(inner.state[p]) == 0:
-                    fresh = True
+                    filled.append((inner.state, p))
                     inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
                     inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
                     inner.state[p]["step"] = torch.tensor(0.0)
-    return fresh
+    return filled
 
 
 def _unshare_adam_steps(optimizer) -> None:
@@ -77,11 +77,12 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     model_sd = model_sharded_state_dict(_unwrap(chunks))
     sd = dict(model_sd)
     if optimizer is not None:
-        fresh = is_loading and _init_empty_optimizer_state(optimizer)
+        # a fresh Adam (loading, or saving before the first update: an RL run whose first steps kept no
+        # group) gets zero moments at step 0, which megatron can describe; they save and load as a fresh Adam
+        filled = _init_empty_optimizer_state(optimizer)
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
-        if fresh:  # back to unallocated: megatron's load_state_dict allocates the state it restores
-            for o in getattr(optimizer, "chained_optimizers", [optimizer]):
-                o.optimizer.state.clear()
+        for state, p in filled:  # back to unallocated (only what was filled here): megatron's load_state_dict
+            del state[p]         # allocates the state it restores, a fresh Adam allocates at its first step
     return _drop_extra_state(sd)
 
 
