@@ -186,6 +186,8 @@ def rank():
         log(tool="rank", event="TERM")
         time.sleep(0.2)  # the final checkpoint
         log(tool="rank", event="checkpointed")
+    else:
+        log(tool="rank", event="trained-out")  # FAKE_TRAIN_S over without a stop request
     sys.exit(0)
 
 
@@ -474,14 +476,19 @@ def test_preemption_checkpoints_and_requeues(tmp_path, script, sig, model, nodes
             assert p.poll() is None, c.output()
             assert time.time() < deadline, c.output()
             time.sleep(0.05)
-        t0 = time.time()
+        signalled = time.time()
         p.send_signal(sig)
-        rc = p.wait(timeout=30)
+        rc = p.wait(timeout=60)  # a hang guard, longer than FAKE_TRAIN_S: unstopped ranks end as trained-out
     finally:
         c.stop(p)
     out = c.output()
     assert rc == 0, out
-    assert time.time() - t0 < 20  # stopped, did not train on
+    # the batch script caught the signal and asked the ranks to stop; they stopped on that request, not at the end
+    # of their training, and within the grace: the kill path (STOP_GRACE_S over -> SIGTERM to srun) was not taken
+    assert f"caught {signal.Signals(sig).name}" in out and "trainer: forwarding SIGTERM to every rank" in out, out
+    assert c.calls("rank", event="trained-out") == [], out
+    assert "still running" not in out and "killing it" not in out, out
+    assert min(r["t"] for r in c.calls("rank", event="TERM")) > signalled
     # SIGTERM reached every rank (through srun's SIGUSR2 forwarding, never a SIGTERM to srun: that SIGKILLs)
     assert sorted(r["host"] for r in c.calls("rank", event="TERM")) == c.hosts[:train_nodes]
     assert sorted(r["host"] for r in c.calls("rank", event="checkpointed")) == c.hosts[:train_nodes]
