@@ -16,6 +16,8 @@ import torch
 
 ALGORITHMS = ("low_confidence_static", "low_confidence_dynamic", "random")
 FINISH_REASONS = ("eos", "length")
+WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync.py)
+ENGINE_DEVICES = ("auto", "cpu", "cuda")                                   # rollout.device (built-in engine)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     sd = dict(model_sd)
     if optimizer is not None:
         fresh = is_loading and _init_empty_optimizer_state(optimizer)
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIM_METADATA))
         if fresh:  # back to unallocated: megatron's load_state_dict allocates the state it restores
             for o in getattr(optimizer, "chained_optimizers", [optimizer]):
                 o.optimizer.state.clear()
