@@ -136,17 +136,20 @@ class RolloutManager:
         ray = _ray()
         from ray.exceptions import RayActorError
 
-        for slot, a in enumerate(self.actors):
+        for slot, ref in enumerate([a.info.remote() for a in self.actors]):
             try:
-                ray.get(a.info.remote())
+                ray.get(ref)
             except RayActorError:
                 self._restart(slot)
 
-    def group_world(self, how: str) -> int:
-        """Size of each weight group: the sender plus every engine's ranks."""
+    def weight_group_setup(self, how: str, trainer_device) -> tuple[int, str]:
+        """Size of each weight group (the sender plus every engine's ranks) and its backend: NCCL when the
+        trainer and every engine run on GPUs (an SGLang engine does) and the bytes travel over it, else gloo."""
         infos = self.engine_info()
         self._group_ranks = [i["group_ranks"] if how == "broadcast" else 1 for i in infos]
-        return 1 + sum(self._group_ranks)
+        gpus = str(trainer_device).startswith("cuda") and all(i["own_groups"] or i["device"].startswith("cuda")
+                                                              for i in infos)
+        return 1 + sum(self._group_ranks), "nccl" if how == "broadcast" and gpus else "gloo"
 
     def join_weight_groups(self, specs: Sequence[GroupSpec], how: str, generation: str) -> list:
         """Start every engine joining the groups (engine i after the sender and engines < i); returns refs."""

@@ -11,8 +11,8 @@ same way is what lets an SGLang engine and the built-in engine join the same kin
 (prefixes) must match for the rendezvous to meet, which a hand-made ``ProcessGroupGloo`` would not. The group is
 registered with identity rank mapping, so collectives address it by group rank (``group_src=0`` = the sender).
 
-Engine side (:class:`WeightReceiver`, inside the engine's Ray actor): joins one group per pipeline stage (in
-threads: every join blocks until all members arrived) and receives every stage's buckets concurrently, one
+Engine side (:class:`WeightReceiver`, inside the engine's Ray actor): joins one group per pipeline stage (one
+after the other, like SGLang) and receives every stage's buckets concurrently (a thread per group), one
 broadcast per flattened buffer, loading each into the engine as it arrives. The colocated variant maps the
 sender's shared buffer (``/dev/shm`` on CPU, CUDA IPC on GPU) instead, waits for a one-element "bucket ready"
 broadcast, loads from the mapped memory and acknowledges with a barrier: no bytes through sockets.
@@ -157,10 +157,10 @@ class WeightReceiver:
         self.groups: dict[str, Any] = {}
 
     def join(self, specs: Sequence[GroupSpec]) -> None:
-        """Leave the previous groups (a restart rebuilds them all) and join ``specs``, concurrently."""
+        """Leave the previous groups (a restart rebuilds them all) and join ``specs`` in order (every engine joins
+        in the same order; each stage's sender waits in its own rendezvous meanwhile)."""
         self.close()
-        pgs = _in_threads([lambda s=s: join_group(s, self.timeout) for s in specs])
-        self.groups = {s.name: pg for s, pg in zip(specs, pgs)}
+        self.groups = {s.name: join_group(s, self.timeout) for s in specs}
 
     def close(self) -> None:
         for pg in self.groups.values():

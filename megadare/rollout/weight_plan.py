@@ -83,6 +83,8 @@ class Piece:
 
 @dataclass
 class Bucket:
+    """Table rows assembled and sent together, their flats, and who sends the sender which shards."""
+
     rows: list[ParamMap]
     flats: list[Flat]
     key_dtype: dict[str, torch.dtype]                               # Megatron key -> its dtype
@@ -96,6 +98,8 @@ class Bucket:
 
 @dataclass
 class StagePlan:
+    """One pipeline stage: its ranks, its sender and its buckets in send order."""
+
     stage: int
     sender: int                     # global trainer rank that assembles and sends the stage's buckets
     ranks: list[int]
@@ -104,29 +108,17 @@ class StagePlan:
 
 @dataclass
 class SyncPlan:
-    """Identical on every trainer rank. ``engine_plan()`` is what the engines need (names, dtypes, shapes)."""
+    """Identical on every trainer rank; the engines get each stage's buckets' flats (names, dtypes, shapes)."""
 
     stages: list[StagePlan]
-    global_meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    pieces: dict[str, list[tuple[int, Piece]]]          # key -> [(rank, piece)]
-    signature: list[tuple]                              # per rank: its (key, offset, shape) list (consistency check)
+    global_meta: dict[str, tuple[tuple[int, ...], torch.dtype]]   # key -> global shape, dtype
+    signature: list[list[tuple]]                        # per rank: its shards' metadata (checked at every push)
 
     def stage_of(self, rank: int) -> StagePlan:
         return next(s for s in self.stages if rank in s.ranks)
 
-    def engine_plan(self) -> list[list[list[Flat]]]:
-        """Per stage (= per sender group), per bucket, its flats in send order."""
-        return [[b.flats for b in s.buckets] for s in self.stages]
-
-    def max_bucket_bytes(self) -> int:
-        return max((_bucket_bytes(b) for s in self.stages for b in s.buckets), default=0)
-
     def total_bytes(self) -> int:
         return sum(f.nbytes for s in self.stages for b in s.buckets for f in b.flats)
-
-
-def _bucket_bytes(b: Bucket) -> int:
-    return flat_layout(b.flats)[1]
 
 
 def flat_layout(flats: Sequence[Flat]) -> tuple[list[int], int]:
@@ -205,7 +197,7 @@ def build_plan(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], buc
                                           f"{sorted(other)}; one stage must hold a whole tensor")
         stages.append(StagePlan(st, ranks[0], ranks, _buckets(rows, global_meta, pieces, ranks[0], bucket_bytes,
                                                                 transform)))
-    return SyncPlan(stages, global_meta, pieces, [sig for _, sig in every])
+    return SyncPlan(stages, global_meta, [sig for _, sig in every])
 
 
 def _is_expert(key: str) -> bool:

@@ -29,11 +29,14 @@ import torch
 import torch.distributed as dist
 
 from megadare.models.mapping import ParamMap
+from megadare.rollout.engine import WEIGHT_TRANSPORTS
 from megadare.rollout.weight_gather import stage_buckets
 from megadare.rollout.weight_groups import DEFAULT_TIMEOUT, host_ip
 from megadare.rollout.weight_plan import SyncPlan, Transform, build_plan, plain_hf
-from megadare.rollout.engine import WEIGHT_TRANSPORTS
-from megadare.rollout.weight_transport import GroupTransport, ObjectStoreTransport, _all_gather, _rank
+from megadare.rollout.weight_transport import GroupTransport, ObjectStoreTransport, gather_objects, trainer_rank
+
+
+_HOW = {"distributed": "broadcast", "colocated": "shared"}     # what the engines do with a group transport
 
 
 def fp8_transform(table: Sequence[ParamMap], block: tuple[int, int]) -> Transform:
@@ -54,7 +57,7 @@ class WeightSync:
                  timeout: timedelta = DEFAULT_TIMEOUT):
         if transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight transport {transport!r}: choose one of {WEIGHT_TRANSPORTS}")
-        if _rank() == 0 and transport in ("distributed", "colocated") and isinstance(engines, (list, tuple)):
+        if trainer_rank() == 0 and transport in ("distributed", "colocated") and isinstance(engines, (list, tuple)):
             raise ValueError(f"weight transport {transport!r} needs engine actors (a RolloutManager); in-process "
                              "engines take transport='object_store'")
         self.chunks, self.table, self.engines, self.requested = list(chunks), list(table), engines, transport
@@ -73,14 +76,14 @@ class WeightSync:
             self.plan = build_plan(self.chunks, self.table, self.bucket_bytes, self.transform)
         header = self._header()
         if self.transport is None:
-            self.transport = self._make_transport(header["transport"])
+            self.transport = self._make_transport(header)
         self.transport.connect(header)
         self.transport.begin(version, self.device)
         for i, bucket, flats in stage_buckets(self.chunks, self.plan, self.transform, self.transport.alloc(),
                                               self.device):
             self.transport.send(i, bucket, flats)
         self.transport.end()
-        if _rank() == 0 and hasattr(self.engines, "synced"):
+        if trainer_rank() == 0 and hasattr(self.engines, "synced"):
             self.engines.synced(version)
         dt = time.perf_counter() - t0
         nbytes = float(self.plan.total_bytes())
@@ -96,18 +99,20 @@ class WeightSync:
         """Rank 0's decision for this push, broadcast to every rank: transport, whether to (re)build the groups
         (first push, an engine restarted since, or the engines joined another sync's groups), the group size and
         the groups' name."""
-        ips = _all_gather(host_ip()) if self.requested == "auto" and not self.transport_name else None
+        ips = gather_objects(host_ip()) if self.requested == "auto" and not self.transport_name else None
         header: list[Any] = [None]
-        if _rank() == 0:
+        if trainer_rank() == 0:
             name = self.transport_name or self._resolve(ips)
-            rebuild, world = False, 0
+            if hasattr(self.engines, "check_engines"):
+                self.engines.check_engines()           # replace dead actors before the push reaches them
+            rebuild, world, backend = False, 0, "gloo"
             if name in ("distributed", "colocated"):
-                self.engines.check_engines()
                 rebuild = self.engines.weight_groups != self.generation
-                world = self.engines.group_world("broadcast" if name == "distributed" else "shared")
+                world, backend = self.engines.weight_group_setup(_HOW[name], self.device)
             if rebuild:
                 self.generation = uuid.uuid4().hex[:12]
-            header[0] = {"transport": name, "rebuild": rebuild, "world": world, "generation": self.generation}
+            header[0] = {"transport": name, "rebuild": rebuild, "world": world, "backend": backend,
+                         "generation": self.generation}
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(header, src=0)
         self.transport_name = header[0]["transport"]
@@ -122,12 +127,10 @@ class WeightSync:
         same_host = len(set(ips or []) | engine_ips) == 1
         return "colocated" if same_host and self.device.type == "cpu" else "distributed"
 
-    def _make_transport(self, name: str):
-        if name == "object_store":
+    def _make_transport(self, header: dict):
+        if header["transport"] == "object_store":
             return ObjectStoreTransport(self.plan, self.engines)
-        backend = "nccl" if name == "distributed" and self.device.type == "cuda" else "gloo"
-        return GroupTransport(self.plan, self.engines, "broadcast" if name == "distributed" else "shared", backend,
-                              self.timeout)
+        return GroupTransport(self.plan, self.engines, _HOW[header["transport"]], self.timeout)
 
 
 def sync_weights(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], engines: Any, version: int,

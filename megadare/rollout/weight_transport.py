@@ -33,11 +33,13 @@ from megadare.rollout.weight_plan import Bucket, Flat, SyncPlan, flat_layout
 _FORWARD_TAG = 1 << 20
 
 
-def _rank() -> int:
+def trainer_rank() -> int:
+    """This process's rank in the trainer's world (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def gather_objects(obj: Any) -> list[Any]:
+    """Every trainer rank's ``obj`` (small metadata only)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -48,10 +50,10 @@ def _all_gather(obj: Any) -> list[Any]:
 class GroupTransport:
     """``distributed`` (``how='broadcast'``) and ``colocated`` (``how='shared'``): a group per stage."""
 
-    def __init__(self, plan: SyncPlan, engines: Any, how: str, backend: str, timeout: timedelta = DEFAULT_TIMEOUT):
-        self.plan, self.engines, self.how, self.backend, self.timeout = plan, engines, how, backend, timeout
-        self.stage = plan.stage_of(_rank())
-        self.sender = _rank() == self.stage.sender
+    def __init__(self, plan: SyncPlan, engines: Any, how: str, timeout: timedelta = DEFAULT_TIMEOUT):
+        self.plan, self.engines, self.how, self.timeout = plan, engines, how, timeout
+        self.stage = plan.stage_of(trainer_rank())
+        self.sender = trainer_rank() == self.stage.sender
         self.pg: Any = None
         self.names: list[str] = []
         self.shared: Optional[SharedBuffer] = None
@@ -65,11 +67,12 @@ class GroupTransport:
         if self.pg is not None:
             leave_group(self.pg)
             self.pg = None
-        addrs = _all_gather((host_ip(), free_port()) if self.sender else None)
+        addrs = gather_objects((host_ip(), free_port()) if self.sender else None)
         world, gen = header["world"], header["generation"]
         self.names = [f"megadare_w{gen}_s{s.stage}" for s in self.plan.stages]
-        specs = [GroupSpec(n, *addrs[s.sender], world, 0, self.backend) for n, s in zip(self.names, self.plan.stages)]
-        refs = self.engines.join_weight_groups(specs, self.how, gen) if _rank() == 0 else None
+        specs = [GroupSpec(n, *addrs[s.sender], world, 0, header["backend"])
+                 for n, s in zip(self.names, self.plan.stages)]
+        refs = self.engines.join_weight_groups(specs, self.how, gen) if trainer_rank() == 0 else None
         if self.sender:
             self.pg = join_group(specs[self.plan.stages.index(self.stage)], self.timeout)
         if refs is not None:
@@ -86,8 +89,8 @@ class GroupTransport:
             size = max((flat_layout(b.flats)[1] for b in self.stage.buckets), default=1)
             self.shared = SharedBuffer(size, device)
             handle = self.shared.handle
-        handles = _all_gather(handle) if self.how == "shared" else None
-        if _rank() == 0:
+        handles = gather_objects(handle) if self.how == "shared" else None
+        if trainer_rank() == 0:
             plan = [(n, [b.flats for b in s.buckets]) for n, s in zip(self.names, self.plan.stages)]
             self.refs = self.engines.start_receive(self.how, plan, version,
                                                    [handles[s.sender] for s in self.plan.stages] if handles else None)
@@ -104,7 +107,7 @@ class GroupTransport:
         if self.shared is not None:
             self.shared.close()
             self.shared = None
-        if _rank() == 0:
+        if trainer_rank() == 0:
             self.engines.wait(self.refs)
             self.refs = None
 
@@ -121,7 +124,7 @@ class ObjectStoreTransport:
 
     def __init__(self, plan: SyncPlan, engines: Any):
         self.plan, self.engines = plan, engines
-        self.stage = plan.stage_of(_rank())
+        self.stage = plan.stage_of(trainer_rank())
         self.version = 0
 
     def connect(self, header: dict) -> None:
@@ -132,19 +135,19 @@ class ObjectStoreTransport:
 
     def begin(self, version: int, device: torch.device) -> None:
         self.version, self.device = version, device
-        if _rank() == 0 and isinstance(self.engines, (list, tuple)):
+        if trainer_rank() == 0 and isinstance(self.engines, (list, tuple)):
             for e in self.engines:
                 getattr(e, "pause", lambda: None)()
 
     def send(self, index: int, bucket: Bucket, flats: list[torch.Tensor]) -> None:
-        if _rank() == 0:
+        if trainer_rank() == 0:
             self._deliver(bucket.flats, flats)
             return
         for buf in flats:
             dist.send(buf, dst=0, tag=_FORWARD_TAG + index)
 
     def end(self) -> None:
-        if _rank() != 0:
+        if trainer_rank() != 0:
             return
         for s in self.plan.stages:
             if s.sender == 0:
