@@ -220,15 +220,16 @@ def test_a_sender_group_reaches_a_receiver_built_like_sglangs():
     """The trainer's end of a weight group (weight_groups.join_group, rank 0) and a flattened buffer broadcast
     over gloo, against a receiver process that joins and receives the way sglang's ``init_weights_update_group`` /
     ``update_weights_from_distributed(load_format="flattened_bucket")`` do: same rendezvous, same bytes."""
-    from megadare.rollout.weight_groups import GroupSpec, broadcast_from_sender, free_port, join_group, leave_group
+    from megadare.rollout.weight_groups import (GroupSpec, broadcast_from_sender, host_ip, host_store, join_group,
+                                                leave_group)
     from megadare.rollout.weight_plan import Flat
 
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, "127.0.0.1", str(port), "mg_weights"],
+    store = host_store()
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, host_ip(), str(store.port), "mg_weights"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     pg = None
     try:
-        pg = join_group(GroupSpec("mg_weights", "127.0.0.1", port, 2, 0, "gloo"))
+        pg = join_group(GroupSpec("mg_weights", host_ip(), store.port, 2, 0, "gloo"), store=store)
         results = []
         for flat, tensors in ((Flat(torch.float32, ("w1", "w3"), ((2, 3), (5,))),
                                [torch.arange(6.).reshape(2, 3), torch.full((5,), 2.0)]),

@@ -1,11 +1,13 @@
 """Per-stage gather of the trainer's shards into HF-named flattened buckets, with tensor collectives.
 
 Every pipeline stage runs this at the same time, independently: the stage's other ranks send the shards of the
-next bucket (one byte buffer per rank, point-to-point ``isend`` on the trainer's group; this is the TP gather and
+next bucket (one byte buffer per rank, point-to-point on the trainer's group; this is the TP gather and
 the expert gather over the EP ranks of the stage), the stage's sender receives them and assembles the bucket's
 global tensors straight into its flattened per-dtype buffers through the family table (``ParamMap.to_hf``, or the
 plan's transform), then hands the buffers to the transport. Memory on the sender: the received pieces (the
-bucket minus its own shards) plus the bucket's flats; other ranks hold one packed buffer of their own pieces.
+bucket minus its own shards) plus the bucket's flats, in staging areas allocated once per push and reused bucket
+after bucket (no page faults per bucket); other ranks hold one packed buffer of their own pieces.
+(Receiving the next bucket's pieces while the current one is sent was slower on a 2-core CPU: not done.)
 Nothing is pickled; the plan (weight_plan.py) says who sends what.
 """
 from __future__ import annotations
@@ -36,8 +38,9 @@ def current_shards(chunks, plan: SyncPlan, rank: int) -> dict[str, list[tuple[tu
     return {k: [(off, d) for _, off, d in v] for k, v in local.items()}
 
 
-def _pack(bucket: Bucket, rank: int, mine: dict, device: torch.device) -> torch.Tensor:
-    buf = _empty(bucket.source_bytes(rank), device)
+def _pack(bucket: Bucket, rank: int, mine: dict, area: torch.Tensor) -> torch.Tensor:
+    """This rank's pieces of ``bucket`` packed into the front of ``area`` (the plan's byte layout)."""
+    buf = area[:bucket.source_bytes(rank)]
     for p in bucket.sources[rank]:
         data = next(d for off, d in mine[p.key] if off == p.offset)
         n = data.numel() * data.element_size()
@@ -90,26 +93,31 @@ def _assemble(bucket: Bucket, flats: list[torch.Tensor], pieces: dict, plan: Syn
 def stage_buckets(chunks, plan: SyncPlan, transform: Transform = plain_hf, alloc: Optional[Alloc] = None,
                   device: Optional[torch.device] = None) -> Iterator[tuple[int, Bucket, list[torch.Tensor]]]:
     """Collective over the trainer's ranks. On each stage's sender yields ``(bucket index, bucket, flats)`` (flats:
-    uint8 buffers laid out as ``bucket.flats``, valid until the next step of the iterator); yields nothing on
-    the other ranks, which send their pieces to their stage's sender."""
+    uint8 buffers laid out as ``bucket.flats``, in a staging area the next bucket overwrites: send them before
+    asking for it); yields nothing on the other ranks, which send their pieces to their stage's sender."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     stage = plan.stage_of(rank)
     mine = current_shards(chunks, plan, rank)
     dev = device or next((d.device for v in mine.values() for _, d in v), torch.device("cpu"))
     if rank != stage.sender:
+        area = _empty(max(b.source_bytes(rank) for b in stage.buckets), dev)   # reused bucket after bucket
         for i, bucket in enumerate(stage.buckets):
             if rank in bucket.sources:
-                dist.send(_pack(bucket, rank, mine, dev), dst=stage.sender, tag=i)
+                dist.send(_pack(bucket, rank, mine, area), dst=stage.sender, tag=i)
         return
+    # one staging area per source and one for the flats, reused bucket after bucket (allocated once per push)
+    areas = {r: _empty(max(b.source_bytes(r) for b in stage.buckets), dev)
+             for r in {r for b in stage.buckets for r in b.sources}}
+    flat_area = None if alloc else _empty(max(flat_layout(b.flats)[1] for b in stage.buckets), dev)
     for i, bucket in enumerate(stage.buckets):
-        bufs = {r: _empty(bucket.source_bytes(r), dev) for r in bucket.sources}
+        bufs = {r: areas[r][:bucket.source_bytes(r)] for r in bucket.sources}
         for w in [dist.irecv(b, src=r, tag=i) for r, b in bufs.items()]:
             w.wait()
         pieces = _received_pieces(bucket, bufs)
         for key, v in mine.items():
             if key in bucket.key_dtype:
                 pieces.setdefault(key, []).extend(v)
-        flats = _flat_buffers(bucket.flats, alloc or (lambda n: _empty(n, dev)))
+        flats = _flat_buffers(bucket.flats, alloc or (lambda n: flat_area[:n]))
         _assemble(bucket, flats, pieces, plan, transform)
         del bufs, pieces
         yield i, bucket, flats

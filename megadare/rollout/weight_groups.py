@@ -4,8 +4,9 @@ A trainer process already belongs to the trainer's world (its default process gr
 none or to its own (SGLang's TP world). ``torch.distributed.new_group`` can only carve groups out of the default
 world, so the group of a stage's sender and the engines is a *second, independent* process group built from its
 own TCP rendezvous, exactly what SGLang's ``init_weights_update_group`` does on the engine side
-(``sglang/srt/utils/common.py::init_custom_process_group``): ``rendezvous("tcp://addr:port", rank, world)`` -> a
-``TCPStore`` hosted by rank 0 (the sender), wrapped in a ``PrefixStore`` named after the group, and
+(``sglang/srt/utils/common.py::init_custom_process_group``): a ``TCPStore`` hosted by rank 0 (the sender, on a port
+the OS picks) that the others reach through ``rendezvous("tcp://addr:port", rank, world)``, wrapped in a
+``PrefixStore`` named after the group, and
 ``_new_process_group_helper`` to make the gloo / NCCL group without touching the default group. Building ours the
 same way is what lets an SGLang engine and the built-in engine join the same kind of group; the store layout
 (prefixes) must match for the rendezvous to meet, which a hand-made ``ProcessGroupGloo`` would not. The group is
@@ -63,23 +64,27 @@ def host_ip() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def host_store(timeout: timedelta = DEFAULT_TIMEOUT):
+    """A sender's rendezvous store (the group's rank 0 hosts it) on a port the OS picks while binding, so no other
+    process can take the port between choosing and binding it; members reach it at ``(host_ip(), store.port)``."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host_ip(), 0, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-def join_group(spec: GroupSpec, timeout: timedelta = DEFAULT_TIMEOUT):
-    """Join (rank 0: host) the group ``spec`` describes; blocks until every member joined."""
+def join_group(spec: GroupSpec, timeout: timedelta = DEFAULT_TIMEOUT, store=None):
+    """Join the group ``spec`` describes (the sender passes the ``store`` it hosts); blocks until every member
+    joined."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
                                                     rendezvous)
 
-    store, rank, world = next(rendezvous(f"tcp://{spec.addr}:{spec.port}", spec.rank, spec.world_size,
-                                         timeout=timeout))
+    if store is None:
+        store, _, _ = next(rendezvous(f"tcp://{spec.addr}:{spec.port}", spec.rank, spec.world_size, timeout=timeout))
     store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world, rank, [], Backend(spec.backend), PrefixStore(spec.name, store),
-                                      group_name=spec.name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    pg, _ = _new_process_group_helper(spec.world_size, spec.rank, [], Backend(spec.backend),
+                                      PrefixStore(spec.name, store), group_name=spec.name, backend_options=None,
+                                      timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(spec.world_size)}
     return pg
 
 
@@ -168,14 +173,15 @@ class WeightReceiver:
         self.groups = {}
 
     def receive(self, plan: Sequence[GroupPlan], load: Load) -> int:
-        """Every stage's buckets, stages concurrently: per flat one broadcast from the sender, then ``load``."""
+        """Every stage's buckets, stages concurrently: per flat one broadcast from the sender into a buffer reused
+        flat after flat, then ``load`` (which copies the tensors into the model)."""
         def stage(name: str, buckets: list[list[Flat]]) -> int:
-            n = 0
+            n, area = 0, torch.empty(max((f.nbytes for fs in buckets for f in fs), default=0), dtype=torch.uint8,
+                                     device=self.device)                  # reused flat after flat
             for flats in buckets:
                 for f in flats:
-                    buf = torch.empty(f.nbytes, dtype=torch.uint8, device=self.device)
-                    broadcast_from_sender(buf, self.groups[name])
-                    load(f.views(buf))
+                    broadcast_from_sender(area[:f.nbytes], self.groups[name])
+                    load(f.views(area[:f.nbytes]))
                     n += f.nbytes
             return n
         return sum(_in_threads([lambda g=g: stage(*g) for g in plan]))

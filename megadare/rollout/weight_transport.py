@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.rollout.weight_groups import (DEFAULT_TIMEOUT, GroupSpec, SharedBuffer, broadcast_from_sender,
-                                            free_port, host_ip, join_group, leave_group)
+                                            host_ip, host_store, join_group, leave_group)
 from megadare.rollout.weight_plan import Bucket, Flat, SyncPlan, flat_layout
 
 _FORWARD_TAG = 1 << 20
@@ -61,20 +61,21 @@ class GroupTransport:
 
     def connect(self, header: dict) -> None:
         """Collective. Rebuild the groups when rank 0 says so (first sync, or an engine was restarted): every
-        sender hosts a rendezvous on a free port, rank 0 sends the engines their specs, all join at once."""
+        sender hosts a rendezvous store, rank 0 sends the engines their specs, all join at once."""
         if not header["rebuild"]:
             return
         if self.pg is not None:
             leave_group(self.pg)
             self.pg = None
-        addrs = gather_objects((host_ip(), free_port()) if self.sender else None)
+        store = host_store(self.timeout) if self.sender else None
+        addrs = gather_objects((host_ip(), store.port) if self.sender else None)
         world, gen = header["world"], header["generation"]
         self.names = [f"megadare_w{gen}_s{s.stage}" for s in self.plan.stages]
         specs = [GroupSpec(n, *addrs[s.sender], world, 0, header["backend"])
                  for n, s in zip(self.names, self.plan.stages)]
         refs = self.engines.join_weight_groups(specs, self.how, gen) if trainer_rank() == 0 else None
         if self.sender:
-            self.pg = join_group(specs[self.plan.stages.index(self.stage)], self.timeout)
+            self.pg = join_group(specs[self.plan.stages.index(self.stage)], self.timeout, store)
         if refs is not None:
             self.engines.wait(refs)
 
