@@ -275,3 +275,22 @@ def test_a_flat_is_sglangs_flattened_bucket_layout():
     assert f.nbytes == buf.numel() and [torch.equal(t, x) for (_, t), x in zip(f.views(buf), (a, b))] == [True, True]
     g = Flat(torch.bfloat16, ("c",), ((3,),))
     assert flat_layout([g, f]) == ([0, 16], 16 + 48)
+
+
+def test_auto_transport_is_colocated_only_on_one_cpu_host():
+    from types import SimpleNamespace
+
+    from megadare.errors import ConfigError
+    from megadare.rollout.weight_sync import WeightSync
+
+    def engines(*ips):
+        return SimpleNamespace(engine_info=lambda: [{"ip": ip} for ip in ips])
+
+    def resolve(transport, trainer_ips, engine_ips):
+        return WeightSync([], [], engines(*engine_ips), transport=transport)._resolve(trainer_ips)
+
+    assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1"] * 2) == "colocated"
+    assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1", "10.0.0.2"]) == "distributed"
+    assert WeightSync([], [], [object()], transport="auto")._resolve(None) == "object_store"   # in-process engines
+    with pytest.raises(ConfigError, match="engines on .*10.0.0.2.*weight_transport=distributed"):
+        resolve("colocated", ["10.0.0.1"], ["10.0.0.2"])

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megadare.errors import ConfigError
 from megadare.models.mapping import ParamMap
 from megadare.rollout.engine import WEIGHT_TRANSPORTS
 from megadare.rollout.weight_gather import stage_buckets
@@ -99,7 +100,7 @@ class WeightSync:
         """Rank 0's decision for this push, broadcast to every rank: transport, whether to (re)build the groups
         (first push, an engine restarted since, or the engines joined another sync's groups), the group size and
         the groups' name."""
-        ips = gather_objects(host_ip()) if self.requested == "auto" and not self.transport_name else None
+        ips = gather_objects(host_ip()) if self.requested in ("auto", "colocated") and not self.transport_name else None
         header: list[Any] = [None]
         if trainer_rank() == 0:
             name = self.transport_name or self._resolve(ips)
@@ -119,13 +120,19 @@ class WeightSync:
         return header[0]
 
     def _resolve(self, ips: Optional[list[str]]) -> str:
-        if self.requested != "auto":
+        """The transport ``auto`` stands for here; ``colocated`` checked to be possible (one host)."""
+        if self.requested in ("distributed", "object_store"):
             return self.requested
-        if isinstance(self.engines, (list, tuple)) or self.engines is None:
+        if self.requested == "auto" and (isinstance(self.engines, (list, tuple)) or self.engines is None):
             return "object_store"
-        engine_ips = {i["ip"] for i in self.engines.engine_info()}
-        same_host = len(set(ips or []) | engine_ips) == 1
-        return "colocated" if same_host and self.device.type == "cpu" else "distributed"
+        engine_ips = sorted({i["ip"] for i in self.engines.engine_info()})
+        same_host = len(set(ips or []) | set(engine_ips)) == 1
+        if self.requested == "colocated" and not same_host:
+            raise ConfigError(f"rollout.weight_transport=colocated needs the engines on the trainer's host: trainer "
+                              f"ranks on {sorted(set(ips or []))}, engines on {engine_ips}; set "
+                              "rollout.weight_transport=distributed (or auto)")
+        return "colocated" if same_host and (self.device.type == "cpu" or self.requested == "colocated") \
+            else "distributed"
 
     def _make_transport(self, header: dict):
         if header["transport"] == "object_store":
