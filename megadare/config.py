@@ -18,7 +18,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
-from megadare.rollout.engine import ALGORITHMS, CONFIDENCES, SCHEDULES, SamplingParams
+from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, SCHEDULES, WEIGHT_TRANSPORTS,
+                                      SamplingParams)
 
 
 @dataclass
@@ -140,6 +141,11 @@ class RolloutSection:
     eval_temperature: float = 0.0          # held-out evaluation decodes greedily by default
     chunk_size: int = 16                   # prompts per engine request
     bucket_mb: int = 512                   # weight-sync bucket size
+    weight_transport: str = "auto"         # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all
+                                           # engines) | colocated (shared memory / CUDA IPC) | object_store (no
+                                           # group: through rank 0 and Ray); auto = colocated on a one-host CPU run
+    device: str = "auto"                   # built-in engine: auto (the GPU Ray assigned to the actor, else CPU) |
+                                           # cpu | cuda
     fp8_weights: bool = False              # sglang: push linear weights as 128x128 block fp8 (engines started from a
                                            # tools/checkpoint_convert/quantize.py --format fp8-block checkpoint)
 
@@ -279,6 +285,8 @@ CHOICES = {
     "rollout.algorithm": ALGORITHMS,
     "rollout.confidence": CONFIDENCES,
     "rollout.schedule": SCHEDULES,
+    "rollout.weight_transport": WEIGHT_TRANSPORTS,
+    "rollout.device": ENGINE_DEVICES,
     "rl.advantage": ("grpo", "rloo", "reinforce_pp"),
     "rl.mode": ("sync", "one_step_off", "fully_async"),
     "rl.loss_mode": ("ppo", "decoupled", "bypass"),

@@ -48,20 +48,32 @@ def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2
 
 
 def reward_error_on_every_rank(rank: int, world: int) -> str:
-    """Rank 0 fails to score (RewardError) inside ``rank0_result``: what each rank then raises."""
+    """Rank 0 fails to score (RewardError) inside ``run_on_rank0``: what each rank then raises."""
     import torch.distributed as dist
 
     from megadare.rewards import RewardError
-    from megadare.trainer.reward_step import rank0_result
+    from megadare.rollout.weight_sync import run_on_rank0
 
     def failing():
         raise RewardError("reward 'auto' failed at data.parquet:row 5")
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rank0_result(failing, rank == 0)
+        run_on_rank0(failing)
     except RewardError as e:
         return f"rank {rank}: {e}"
     finally:
         dist.destroy_process_group()
     return f"rank {rank}: no error"
+
+
+def relayout(layout: dict) -> None:
+    """Megatron's parallel groups for ``layout`` in an already running process group (one launch serves several
+    layouts: the process group stays, the model-parallel groups are rebuilt)."""
+    from megatron.core import parallel_state as ps
+
+    from megadare.parallel import init_distributed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    init_distributed(**layout)

@@ -97,13 +97,18 @@ def test_rl_resume_matches_straight_run(tmp_path):
     for k in ("reward", "pg_loss", "grad_norm", "train_rows", "value_loss", "value_grad_norm"):
         assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], b[k])
     assert straight["evals"][2] == resumed["evals"][2]
+    # step k trained, its weights pushed as version k+1 (colocated: a one-host CPU run), the next rollout used them
+    assert [h["async/staleness_max"] for h in straight["history"]] == [0.0, 0.0]
+    assert all(h["sync_bytes"] > 0 and h["sync_buckets"] >= 1 for h in straight["history"])
 
 
 def test_rl_tp2_matches_tp1(tmp_path):
-    """Also the multi-update path: 2 PPO epochs x 2 mini-batches, old log-probs from a separate pass."""
+    """Also the multi-update path: 2 PPO epochs x 2 mini-batches, old log-probs from a separate pass; the TP2 run
+    pushes its weights over the distributed transport (a gloo group with the engine), the TP1 run colocated."""
     common = ("rl.steps=1", "rl.ppo_epochs=2", "rl.mini_batches=2")
     one = _run(_rl_cfg(tmp_path / "tp1", *common))
-    two = _run(_rl_cfg(tmp_path / "tp2", *common, "parallel.tp=2", "parallel.sp=true"), nproc=2)
+    two = _run(_rl_cfg(tmp_path / "tp2", *common, "parallel.tp=2", "parallel.sp=true",
+                       "rollout.weight_transport=distributed"), nproc=2)
     assert one["evals"][0] == two["evals"][0]
     a, b = one["history"][0], two["history"][0]
     assert a["reward"] == b["reward"]

@@ -28,7 +28,7 @@ def _worker(rank, world, hf_dir):
     from megadare.convert import mapping_for
     from megadare.models.lora import adapters_disabled, lora_parameters, merge_lora, merged_weights
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync import hf_buckets
+    from megadare.rollout.weight_sync import WeightSync
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.rl_setup import _build_policy
     from megadare.trainer.rl_update import _prepare, update
@@ -67,17 +67,33 @@ def _worker(rank, world, hf_dir):
         out["policy_vs_plain"] = max(float((mb.extras["old"] - mb.extras["plain"]).abs().max()) for mb in mine)
         # the weight sync sees the merged weights; the trainer's base weights come back unchanged
         table = mapping_for(src.hf_config)[2]
+
+        def received() -> dict:   # what an engine receives from the weight sync
+            engine = _Capture()
+            WeightSync(pol.model, table, [engine], transport="object_store").push(1)
+            return engine.got
+
         with merged_weights(pol.model):
-            synced = {n: t for bucket in hf_buckets(pol.model, table) for n, t in bucket}
+            synced = received()
         out["restored"] = max(float((p.detach() - before[n]).abs().max())
                               for n, p in pol.model[0].named_parameters() if "lora_" not in n)
         merge_lora(pol.model)
-        merged = {n: t for bucket in hf_buckets(pol.model, table) for n, t in bucket}
+        merged = received()
         out["sync_vs_merge"] = max(float((synced[n] - merged[n]).abs().max()) for n in merged)
         out["same_names"] = sorted(synced) == sorted(merged)
         return out
     finally:
         destroy_distributed()
+
+
+class _Capture:
+    """An in-process engine that keeps the named tensors the weight sync gives it."""
+
+    def __init__(self):
+        self.got = {}
+
+    def update_weights(self, named, version):
+        self.got.update({n: t.clone() for n, t in named})
 
 
 def test_rl_with_lora_reference_is_the_base_and_engines_get_merged_weights(tmp_path):

@@ -1,16 +1,14 @@
 """Ray-managed engines on a local Ray cluster (CPU): every prompt once and in order, recovery from a dead engine,
-weight sync from a Megatron trainer under TP2+SP, PP2 and EP2 (MoE) into two engine actors."""
+the engine's device from Ray's assignment and the config. (Weight sync into engine actors: test_weight_sync.py.)"""
 from __future__ import annotations
 
 import dataclasses
 import os
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
-from dist import run_distributed, stepped_trainer  # noqa: E402
 from tiny import write_tiny_hf  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine  # noqa: E402
@@ -63,45 +61,31 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
     flaky.shutdown()
 
 
-def _trainer_worker(rank, world, gcs, trainer_hf, engine_hf, ids, layout):
-    from megadare.convert import mapping_for
-    from megadare.models.attention import family_mask
-    from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync import sync_weights
-    from megadare.trainer.forward import forward_logits
+def test_engine_device_follows_ray_and_the_config(tmp_path):
+    """rollout.device: ``auto`` takes the GPU Ray assigned to the actor; ``cuda`` without a GPU and a Ray-assigned
+    GPU without CUDA fail, naming the fix; the config reaches the engine factory. (Inside real actors without a GPU,
+    ``auto`` gives CPU: test_weight_sync.py.)"""
+    from types import SimpleNamespace
 
-    init_distributed(**layout)
-    try:
-        chunks, model, arch, cfg = stepped_trainer(layout, trainer_hf, n_rows=2)
-        _, _, table = mapping_for(cfg)
-        managers = []
-        if rank == 0:
-            ray.init(address=gcs, log_to_driver=False)
-            managers = [RolloutManager(EngineSpec(build_native_engine, {"hf_dir": engine_hf, "eos_token_id": EOS}),
-                                       num_engines=2)]
-        stats = sync_weights(model, table, managers, version=5, bucket_bytes=64 << 10)
-        out = {"trainer": forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)), "stats": stats}
-        if rank == 0:
-            out["engines"] = managers[0].call_all("logits", ids)
-            out["versions"] = [h["version"] for h in managers[0].call_all("health")]
-            managers[0].shutdown()
-            ray.shutdown()
-        return out
-    finally:
-        destroy_distributed()
+    from megadare.config import load_config
+    from megadare.errors import ConfigError
+    from megadare.rollout.manager import resolve_engine_device
+    from megadare.trainer.rl_rollout import engine_spec
 
-
-@pytest.mark.parametrize("name,layout", [("sdar", {"tp": 2, "sp": True}), ("sdar", {"pp": 2}),
-                                         ("sdar_moe", {"ep": 2})], ids=["tp2sp", "pp2", "ep2-moe"])
-def test_trainer_syncs_into_two_engine_actors(cluster, tmp_path, name, layout):
-    """After a training step changed the weights, both engine actors hold the trainer's weights."""
-    trainer_hf, engine_hf = _hf(tmp_path, 0, name), _hf(tmp_path, 1, name)
-    ids = torch.randint(0, 250, (2, 12), generator=torch.Generator().manual_seed(3))
-    outs = run_distributed(_trainer_worker, 2, cluster, trainer_hf, engine_hf, ids, layout, timeout_s=400)
-    trainer = outs[-1]["trainer"]  # the last pipeline stage holds the logits
-    assert outs[0]["versions"] == [5, 5] and outs[0]["stats"]["sync_buckets"] > 2
-    for logits in outs[0]["engines"]:
-        assert (logits - trainer).abs().max() < 1e-4
+    assert resolve_engine_device("auto", gpu_ids=[], cuda_available=True) == "cpu"
+    assert resolve_engine_device("auto", gpu_ids=[0], cuda_available=True) == "cuda:0"
+    assert resolve_engine_device("cpu", gpu_ids=[0], cuda_available=True) == "cpu"
+    with pytest.raises(RuntimeError, match=r"assigned GPU\(s\) \[0\].*no CUDA"):
+        resolve_engine_device("auto", gpu_ids=[0], cuda_available=False)
+    with pytest.raises(RuntimeError, match="num_gpus: 1"):
+        resolve_engine_device("cuda", gpu_ids=[], cuda_available=False)
+    with pytest.raises(ConfigError, match="rollout.device"):
+        load_config(None, ["rollout.device=gpu"])
+    cfg = load_config(None, ["rollout.device=cpu"])
+    spec = engine_spec(cfg, SimpleNamespace(hf_dir=_hf(tmp_path, 0)), SimpleNamespace(eos_token_id=EOS))
+    assert spec.kwargs["device"] == "cpu" and spec.factory is build_native_engine
+    assert engine_spec(load_config(None, []), SimpleNamespace(hf_dir="x"), SimpleNamespace(eos_token_id=EOS)
+                       ).kwargs["device"] == "auto"
 
 
 def test_engines_no_node_can_hold_fail_at_once(cluster, tmp_path):

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -169,31 +168,29 @@ def test_engine_sleep_wake_health(fake_sglang, ckpt):
         no_saver.sleep()
 
 
-def test_engine_distributed_receiver_and_sender(fake_sglang, ckpt):
+def test_engine_joins_weight_groups_and_receives_flattened_buckets(fake_sglang, ckpt):
+    """A ``distributed`` weight push into an SGLang engine: it joins one group per trainer pipeline stage and
+    receives every flattened buffer with ``update_weights_from_distributed(load_format="flattened_bucket")``,
+    inside one update session with one cache flush."""
+    from megadare.rollout.weight_groups import GroupSpec
+    from megadare.rollout.weight_plan import Flat
+
     eng = se.SGLangEngine(ckpt(), EOS, tp_size=2, flush_interval_s=0.0, check_plugin=False)
-    eng.connect_distributed("10.0.0.1", 29600, world_size=3, rank_offset=1)
-    (init,) = fake_sglang.named("init_weights_update_group")
-    assert (init["master_address"], init["master_port"], init["rank_offset"], init["world_size"]) == \
-        ("10.0.0.1", 29600, 1, 3) and init["group_name"] == "megadare_weights" and init["backend"] == "nccl"
-    sent: list[tuple[str, torch.Tensor]] = []
-    started: list[list] = []
-
-    def receiver(meta, version):           # what ray_receiver does for an engine actor, inline
-        started.append(meta)
-        return lambda: eng.receive_weights(meta, version)
-
-    sender = se.DistributedWeightSender(group="G", receivers=[receiver], chunk_bytes=100, device="cpu",
-                                        broadcast=lambda t, src, group: sent.append((src, group, t.clone())))
-    named = [("x", torch.randn(10)), ("y", torch.randn(20, dtype=torch.bfloat16)), ("z", torch.randn(30))]
-    out = sender.update_weights(named, version=9)
-    assert out["chunks"] == len(started) == 2 and eng.version == 9
-    flat_meta = [m for chunk in started for m in chunk]
-    assert flat_meta == [("x", "float32", [10]), ("y", "bfloat16", [20]), ("z", "float32", [30])]
-    assert [s[:2] for s in sent] == [(0, "G")] * 3 and all(torch.equal(s[2], t) for s, (_, t) in zip(sent, named))
+    eng.join_weight_groups([GroupSpec("w_s0", "10.0.0.1", 29600, 5, 1, "nccl"),
+                            GroupSpec("w_s1", "10.0.0.2", 29601, 5, 1, "nccl")])
+    inits = fake_sglang.named("init_weights_update_group")
+    assert [(i["group_name"], i["master_address"], i["master_port"], i["rank_offset"], i["world_size"], i["backend"])
+            for i in inits] == [("w_s0", "10.0.0.1", 29600, 1, 5, "nccl"), ("w_s1", "10.0.0.2", 29601, 1, 5, "nccl")]
+    f32 = Flat(torch.float32, ("x", "z"), ((2, 5), (30,)))
+    bf16 = Flat(torch.bfloat16, ("y",), ((20,),))
+    out = eng.receive_weights([("w_s0", [[f32, bf16]]), ("w_s1", [[Flat(torch.float32, ("h",), ((4,),))]])], 9)
+    assert eng.version == 9 and out["bytes"] == f32.nbytes + bf16.nbytes + 16
     recv = fake_sglang.named("update_weights_from_distributed")
-    assert [c["names"] for c in recv] == [[m[0] for m in chunk] for chunk in started]
-    assert recv[0]["dtypes"] == ["float32", "bfloat16"] and recv[0]["flush_cache"] is False
-    assert recv[0]["group_name"] == "megadare_weights"
+    assert [(c["group_name"], c["names"], c["dtypes"], c["shapes"]) for c in recv] == [
+        ("w_s0", ["x", "z"], ["float32", "float32"], [[2, 5], [30]]), ("w_s0", ["y"], ["bfloat16"], [[20]]),
+        ("w_s1", ["h"], ["float32"], [[4]])]
+    assert all(c["load_format"] == "flattened_bucket" and c["flush_cache"] is False for c in recv)
+    assert len(fake_sglang.named("flush_cache")) == 1
 
 
 _RECEIVER = textwrap.dedent("""
@@ -201,48 +198,58 @@ _RECEIVER = textwrap.dedent("""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
                                                     default_pg_timeout, rendezvous)
     addr, port, group_name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    # sglang/srt/utils/common.py::init_custom_process_group, as init_weights_update_group runs it (rank_offset 1)
     store, rank, world = next(rendezvous(f"tcp://{addr}:{port}", 1, 2, timeout=default_pg_timeout))
     pg, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), PrefixStore(group_name, store),
                                       group_name=group_name, backend_options=None, timeout=default_pg_timeout)
-    _world.pg_group_ranks[pg] = {0: 0, 1: 1}
-    for line in sys.stdin:                       # one chunk's (name, dtype, shape) list per line
-        meta = json.loads(line)
-        bufs = [torch.empty(shape, dtype=getattr(torch, dtype)) for _, dtype, shape in meta]
-        for b in bufs:                           # sglang's receiver: one broadcast from rank 0 per listed tensor
-            dist.broadcast(b, src=0, group=pg)
-        print(json.dumps([[n, float(b.float().sum())] for (n, _, _), b in zip(meta, bufs)]), flush=True)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    for line in sys.stdin:                       # one flat's (names, dtypes, shapes) per line
+        names, dtypes, shapes = json.loads(line)
+        # sglang's _receive_bucketed_weights_from_distributed: a FlattenedTensorBucket of empty tensors (uint8
+        # views concatenated in list order), one broadcast from rank 0, then the tensors sliced back out
+        named = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
+        flat = torch.cat([t.flatten().view(torch.uint8) for _, t in named])
+        dist.broadcast(flat, src=0, group=pg)
+        out, at = [], 0
+        for n, t in named:
+            k = t.numel() * t.element_size()
+            out.append([n, float(flat[at:at + k].view(t.dtype).float().sum())])
+            at += k
+        print(json.dumps(out), flush=True)
 """)
 
 
-def test_sender_group_broadcasts_chunks_to_a_receiver_process():
-    """The trainer-side group and sender over gloo against a receiver process that joins the group and receives
-    the way sglang's ``init_weights_update_group`` / ``update_weights_from_distributed`` do."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, "127.0.0.1", str(port), "mg_weights"],
+def test_a_sender_group_reaches_a_receiver_built_like_sglangs():
+    """The trainer's end of a weight group (weight_groups.join_group, rank 0) and a flattened buffer broadcast
+    over gloo, against a receiver process that joins and receives the way sglang's ``init_weights_update_group`` /
+    ``update_weights_from_distributed(load_format="flattened_bucket")`` do: same rendezvous, same bytes."""
+    from megadare.rollout.weight_groups import (GroupSpec, broadcast_from_sender, host_ip, host_store, join_group,
+                                                leave_group)
+    from megadare.rollout.weight_plan import Flat
+
+    store = host_store()
+    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, host_ip(), str(store.port), "mg_weights"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pg = None
     try:
-        pg = se.init_weight_sender_group("127.0.0.1", port, world_size=2, group_name="mg_weights", backend="gloo")
-        results: list = []
-
-        def receiver(meta, version):
-            proc.stdin.write(json.dumps(meta) + "\n")
+        pg = join_group(GroupSpec("mg_weights", host_ip(), store.port, 2, 0, "gloo"), store=store)
+        results = []
+        for flat, tensors in ((Flat(torch.float32, ("w1", "w3"), ((2, 3), (5,))),
+                               [torch.arange(6.).reshape(2, 3), torch.full((5,), 2.0)]),
+                              (Flat(torch.bfloat16, ("w2",), ((4,),)), [torch.ones(4, dtype=torch.bfloat16)])):
+            proc.stdin.write(json.dumps([list(flat.names), [se.dtype_name(flat.dtype)] * len(flat.names),
+                                         [list(s) for s in flat.shapes]]) + "\n")
             proc.stdin.flush()
-            return lambda: results.append(json.loads(proc.stdout.readline()))
-
-        named = [("w1", torch.arange(6.).reshape(2, 3)), ("w2", torch.ones(4, dtype=torch.bfloat16)),
-                 ("w3", torch.full((5,), 2.0))]
-        out = se.DistributedWeightSender(pg, [receiver], chunk_bytes=30, device="cpu").update_weights(named, 1)
-        assert out["chunks"] == 2
-        assert [r for chunk in results for r in chunk] == [["w1", 15.0], ["w2", 4.0], ["w3", 10.0]]
+            buf = torch.cat([t.flatten() for t in tensors]).view(torch.uint8)
+            assert buf.numel() == flat.nbytes
+            broadcast_from_sender(buf, pg)
+            results += json.loads(proc.stdout.readline())
+        assert results == [["w1", 15.0], ["w3", 10.0], ["w2", 4.0]]
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
-        import torch.distributed as dist
-
-        dist.destroy_process_group(pg) if "pg" in locals() else None
+        if pg is not None:
+            leave_group(pg)
     assert proc.returncode == 0
 
 

@@ -1,80 +1,63 @@
-"""Weight sync from a sharded Megatron trainer (TP2, PP2, EP2 on gloo) into built-in engines: after a training
-step changed the weights, every engine's logits equal the trainer's."""
+"""Weight sync from a sharded Megatron trainer (2 gloo ranks) into 2 built-in engine actors on a local Ray cluster.
+
+One launch serves every case (the model-parallel groups are rebuilt between layouts): for TP2+SP, PP2, PP2+VPP2,
+EP2 SDAR-MoE and EP2 LLaDA2, after a training step changed the weights, a push over the ``distributed`` transport
+(a gloo group per pipeline-stage sender and both engines) leaves both engines with the trainer's logits. On the
+TP2+SP trainer also: the ``colocated`` (shared memory) and ``object_store`` transports, an engine killed between
+steps (it comes back with the current version; Ray's object store holds nothing after a push), an engine killed
+before a rollout (its chunks go to the engine that holds the current weights), every engine restarted during a
+rollout (the rollout waits for a push of the current weights, which both ranks join), and block-fp8 weights.
+"""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
-from dist import run_distributed, stepped_trainer
-from tiny import write_tiny_hf
-from megadare.rollout.weight_sync import plan_buckets
+ray = pytest.importorskip("ray")
 
-SEQ = 12
+from dist import relayout, run_distributed, stepped_trainer  # noqa: E402
+from ray_fixture import ray_cluster  # noqa: E402,F401  (module-scoped local Ray cluster)
+from tiny import write_tiny_hf  # noqa: E402
+from megadare.models.mapping import ParamMap  # noqa: E402
+from megadare.rollout.engine import SamplingParams  # noqa: E402
+from megadare.rollout.weight_plan import Flat, _buckets, flat_layout  # noqa: E402
 
-
-def _hf(tmp, name: str, seed: int) -> str:
-    return write_tiny_hf(tmp, name, seed, num_hidden_layers=4, **({"block_size": 4} if name != "llada" else {}))
-
-
-def _worker(rank, world, layout, trainer_hf, engine_hf, ids, bucket_bytes):
-    from megadare.convert import mapping_for
-    from megadare.models.attention import family_mask
-    from megadare.models import load_hf_model
-    from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.native import NativeEngine
-    from megadare.rollout.weight_sync import sync_weights
-    from megadare.trainer.forward import forward_logits
-
-    init_distributed(**layout)
-    try:
-        chunks, model, arch, cfg = stepped_trainer(layout, trainer_hf, n_rows=4,
-                                                   lr=float(os.environ.get("LR", "1e-2")))
-        _, _, table = mapping_for(cfg)
-        engines = []
-        if rank == 0:
-            engines = [NativeEngine(load_hf_model(engine_hf), arch, eos_token_id=253, device="cpu") for _ in range(2)]
-            before = engines[0].model(ids, attention_mask=family_mask(arch).dense(SEQ, SEQ))
-        stats = sync_weights(model, table, engines, version=3, bucket_bytes=bucket_bytes)
-        out = {"trainer": forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)), "stats": stats}
-        if rank == 0:
-            with torch.no_grad():
-                out["engines"] = [e.model(ids, attention_mask=family_mask(arch).dense(SEQ, SEQ)) for e in engines]
-            out["before"] = before.detach()
-            out["versions"] = [e.health()["version"] for e in engines]
-        return out
-    finally:
-        destroy_distributed()
+SEQ, EOS = 12, 253
+LAYOUTS = [("sdar-tp2sp", "sdar", {"tp": 2, "sp": True}), ("sdar-pp2", "sdar", {"pp": 2}),
+           ("sdar-pp2vpp2", "sdar", {"pp": 2, "vpp": 2}), ("sdar_moe-ep2", "sdar_moe", {"ep": 2}),
+           ("llada2-ep2", "llada2", {"ep": 2})]
+PARAMS = SamplingParams(max_new_tokens=4, block_size=4, steps_per_block=4, temperature=1.0, seed=3, stop_at_eos=False)
+PROMPTS = [[(5 * i + j) % 200 + 1 for j in range(3 + i % 4)] for i in range(6)]
+BUCKET = 64 << 10
 
 
-CASES = [("sdar", {"tp": 2, "sp": True}), ("sdar", {"pp": 2}), ("sdar_moe", {"ep": 2}), ("llada2", {"tp": 2, "sp": True})]
+def plasma_objects(settle_s: float = 0.0) -> int:
+    """Objects in Ray's shared-memory object store (what a retained weight bucket would occupy). Ray frees released
+    objects asynchronously: with ``settle_s`` wait up to that long for the count to reach 0 (a retained object
+    never goes)."""
+    import time
+
+    from ray._private.internal_api import memory_summary
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+        n = int(re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", text).group(1))
+        if n == 0 or time.monotonic() >= deadline:
+            return n
+        time.sleep(0.2)
 
 
-@pytest.mark.parametrize("family,layout", CASES, ids=["sdar-tp2sp", "sdar-pp2", "sdar_moe-ep2", "llada2-tp2sp"])
-def test_engines_match_the_trained_megatron_model(family, layout, tmp_path):
-    trainer_hf, engine_hf = _hf(tmp_path, family, 0), _hf(tmp_path, family, 1)
-    ids = torch.randint(0, 250, (2, SEQ), generator=torch.Generator().manual_seed(5))
-    outs = run_distributed(_worker, 2, layout, trainer_hf, engine_hf, ids, 64 << 10, timeout_s=300)
-    trainer = [o["trainer"] for o in outs if o["trainer"] is not None][0]
-    r0 = outs[0]
-    assert r0["versions"] == [3, 3]
-    assert r0["stats"]["sync_buckets"] > 2 and r0["stats"]["sync_bytes"] > 0   # bucketed
-    assert (r0["before"] - trainer).abs().max() > 1e-2                             # the engines really changed
-    for logits in r0["engines"]:
-        assert (logits - trainer).abs().max() < 1e-4
-
-
-def test_buckets_are_bounded_and_experts_come_last():
-    from megadare.models.mapping import ParamMap
-
-    table = [ParamMap(f"decoder.layers.{i}.mlp.experts.linear_fc1.weight{i}", (f"e{i}",)) for i in range(3)]
-    table += [ParamMap(f"decoder.layers.{i}.self_attention.linear_proj.weight", (f"a{i}",)) for i in range(3)]
-    shapes = {r.mcore: ((256, 256), torch.float32) for r in table}   # 256 KiB each
-    buckets = plan_buckets(table, shapes, bucket_bytes=600 << 10)
-    assert [len(b) for b in buckets] == [2, 2, 2]
-    flat = [r.mcore for b in buckets for r in b]
-    assert all(".experts." not in k for k in flat[:3]) and all(".experts." in k for k in flat[3:])
+def _perturb(chunks, seed: int) -> None:
+    """The same noise sequence on every rank: replicated parameters stay identical across ranks."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for c in chunks:
+            for p in c.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
 
 
 class _Recorder:
@@ -85,38 +68,177 @@ class _Recorder:
         self.named.update({n: t.clone() for n, t in named})
 
 
-def _fp8_worker(rank, world, layout, trainer_hf):
-    """Syncs plainly and in fp8 into two recorders; returns what arrived (fp8 tensors as their uint8 bytes and the
-    dequantized float32 values: fp8 storages do not cross process boundaries)."""
+def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
     from megadare.convert import mapping_for
-    from megadare.convert.fp8 import dequantize_fp8
-    from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync import sync_weights
+    from megadare.models.attention import family_mask
+    from megadare.rollout.weight_sync import WeightSync
+    from megadare.trainer.forward import forward_logits
 
-    init_distributed(**layout)
+    relayout(layout)
+    chunks, model, arch, cfg = stepped_trainer(layout, hfs[0], n_rows=4, lr=lr)
+    table = mapping_for(cfg)[2]
+
+    def logits():
+        return forward_logits(chunks, ids, arch.vocab_size, family_mask(arch))
+
+    def engines():
+        return manager.call_all("logits", ids) if rank == 0 else None
+
+    out = {"before": engines()}
+    sync = WeightSync(model, table, manager if rank == 0 else None, transport="distributed", bucket_bytes=BUCKET)
+    health = manager.call_all("health") if rank == 0 else None
+    out.update(stats=sync.push(version), trainer=logits(), engines=engines(),
+               versions=[h["version"] for h in manager.call_all("health")] if rank == 0 else None,
+               devices=[h["device"] for h in health] if rank == 0 else None)
+    if extras:
+        out.update(_extras(rank, chunks, model, table, manager, sync, logits, engines))
+    sync.close()
+    return out
+
+
+def _extras(rank, chunks, model, table, manager, sync, logits, engines):
+    from megadare.rollout.weight_sync import WeightSync, run_on_rank0, sync_weights
+
+    out = {}
+    r0 = rank == 0
+    for version, transport in ((2, "colocated"), (3, "object_store")):
+        _perturb(chunks, version)
+        other = WeightSync(model, table, manager if r0 else None, transport=transport, bucket_bytes=256 << 10)
+        other.push(version)
+        other.close()
+        out[transport] = {"trainer": logits(), "engines": engines(), "plasma": plasma_objects(10) if r0 else None}
+    if r0:   # the probe sees an object that is held
+        ref = ray.put(torch.zeros(1 << 20, dtype=torch.uint8))
+        out["probe_held"] = plasma_objects()
+        del ref
+        ray.kill(manager.actors[1])                 # dies between steps
+    _perturb(chunks, 4)
+    sync.push(4)                                    # replaces it, rebuilds the groups, reaches it
+    out["restarted"] = {"trainer": logits(), "engines": engines(), "plasma": plasma_objects(10) if r0 else None,
+                        "versions": [h["version"] for h in manager.call_all("health")] if r0 else None,
+                        "restarts": manager.restarts if r0 else None}
+    if r0:
+        ray.kill(manager.actors[0])                 # dies before the rollout
+        trajs = manager.generate(PROMPTS, PARAMS)
+        out["one_dead"] = {"versions": [t.policy_version for t in trajs], "fresh": list(manager.fresh),
+                           "n": len(trajs)}
+        for a in manager.actors:                    # the engine that served is killed too: no engine holds v4
+            ray.kill(a)
+    trajs = run_on_rank0(lambda: manager.generate(PROMPTS, PARAMS), lambda: sync.push(4), manager if r0 else None)
+    out["all_dead"] = {"versions": [t.policy_version for t in trajs], "engines": engines(),
+                       "restarts": manager.restarts if r0 else None}
+    plain, fp8 = _Recorder(), _Recorder()
+    sync_weights(model, table, [plain] if r0 else [], version=1, bucket_bytes=BUCKET)
+    sync_weights(model, table, [fp8] if r0 else [], version=1, bucket_bytes=BUCKET, fp8_block=(128, 128))
+    out["fp8"] = _fp8_summary(plain.named, fp8.named) if r0 else None
+    return out
+
+
+def _fp8_summary(plain, fp8):
+    """What arrived: fp8 tensors as their bytes and dequantized (fp8 storages do not cross processes)."""
+    from megadare.convert.fp8 import dequantize_fp8
+
+    deq = {n[: -len("_scale_inv")]: dequantize_fp8(fp8[n[: -len("_scale_inv")]], t, block=(128, 128))
+           for n, t in fp8.items() if n.endswith("weight_scale_inv")}
+    return {"plain": plain, "deq": deq, "dtypes": {n: str(t.dtype) for n, t in fp8.items()},
+            "fp8": {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for n, t in fp8.items()}}
+
+
+def _worker(rank, world, hf, ids):
+    from megadare.parallel import destroy_distributed
+    from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine
+
+    if rank == 0:
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    results, version = {}, 0
     try:
-        _, model, _, cfg = stepped_trainer(layout, trainer_hf, n_rows=4, lr=1e-2)
-        _, _, table = mapping_for(cfg)
-        plain, fp8 = _Recorder(), _Recorder()
-        sync_weights(model, table, [plain] if rank == 0 else [], version=1, bucket_bytes=64 << 10)
-        sync_weights(model, table, [fp8] if rank == 0 else [], version=1, bucket_bytes=64 << 10, fp8_block=(128, 128))
-        deq = {n[: -len("_scale_inv")]: dequantize_fp8(fp8.named[n[: -len("_scale_inv")]], t, block=(128, 128))
-               for n, t in fp8.named.items() if n.endswith("weight_scale_inv")}
-        dtypes = {n: str(t.dtype) for n, t in fp8.named.items()}
-        fp8_named = {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for n, t in fp8.named.items()}
-        return {"plain": plain.named, "fp8": fp8_named, "dtypes": dtypes, "deq": deq}
+        for family in dict.fromkeys(f for _, f, _ in LAYOUTS):
+            manager = None
+            if rank == 0:
+                manager = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf[family][1],
+                                                                          "eos_token_id": EOS}), num_engines=2)
+            for i, (case, fam, layout) in enumerate(LAYOUTS):
+                if fam == family:
+                    version += 1
+                    results[case] = _layout_case(rank, fam, layout, 1e-2 * (1 + i), hf[fam], ids, manager, version,
+                                                 extras=case == LAYOUTS[0][0])
+            if manager is not None:
+                manager.shutdown()
+        return results
     finally:
         destroy_distributed()
 
 
-def test_fp8_rollout_weights_through_sync():
-    """sync_weights(fp8_block=(128, 128)) from a TP2 trainer: every linear weight arrives as float8_e4m3fn with a
-    weight_scale_inv per 128x128 block, its dequantization is the plain sync's tensor within fp8 precision (e4m3:
-    3 mantissa bits, relative error <= 1/16), and every other tensor arrives unchanged."""
-    import tempfile
+@pytest.fixture(scope="module")
+def synced(ray_cluster, tmp_path_factory):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("weight_sync")
+    hf = {fam: tuple(write_tiny_hf(tmp, fam, seed, num_hidden_layers=4, block_size=4) for seed in (0, 1))
+          for fam in dict.fromkeys(f for _, f, _ in LAYOUTS)}
+    ids = torch.randint(0, 250, (2, SEQ), generator=torch.Generator().manual_seed(5))
+    outs = run_distributed(_worker, 2, hf, ids, timeout_s=900)
+    merged = {}
+    for case in outs[0]:
+        merged[case] = dict(outs[0][case])
+        merged[case]["trainer"] = next(o[case]["trainer"] for o in outs if o[case]["trainer"] is not None)
+    return merged, outs
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = run_distributed(_fp8_worker, 2, {"tp": 2, "sp": True}, _hf(tmp, "sdar", 0), timeout_s=300)[0]
+
+def _close(engines, trainer) -> None:
+    assert len(engines) == 2
+    for logits in engines:
+        assert (logits - trainer).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", [c for c, _, _ in LAYOUTS])
+def test_engines_hold_the_trained_weights_after_a_distributed_push(synced, case):
+    r = synced[0][case]
+    v = [c for c, _, _ in LAYOUTS].index(case) + 1
+    assert r["versions"] == [v, v]
+    assert r["devices"] == ["cpu", "cpu"]         # rollout.device=auto in an actor Ray gave no GPU
+    assert r["stats"]["sync_buckets"] > 2 and r["stats"]["sync_bytes"] > 0          # bucketed
+    assert (r["before"][0] - r["trainer"]).abs().max() > 1e-2                       # the engines really changed
+    _close(r["engines"], r["trainer"])
+
+
+def _last_stage(outs, key):
+    return next(o["sdar-tp2sp"][key]["trainer"] for o in outs if o["sdar-tp2sp"][key]["trainer"] is not None)
+
+
+@pytest.mark.parametrize("transport", ["colocated", "object_store"])
+def test_colocated_and_object_store_transports(synced, transport):
+    merged, outs = synced
+    r = merged["sdar-tp2sp"][transport]
+    trainer = _last_stage(outs, transport)
+    assert (trainer - merged["sdar-tp2sp"]["trainer"]).abs().max() > 1e-3          # perturbed since the last push
+    _close(r["engines"], trainer)
+    assert r["plasma"] == 0                                                          # no bucket left in Ray's store
+
+
+def test_an_engine_killed_between_steps_gets_the_current_version(synced):
+    merged, outs = synced
+    r = merged["sdar-tp2sp"]
+    assert r["probe_held"] >= 1                      # the object-store probe does see a held object
+    back = r["restarted"]
+    assert back["restarts"] == 1 and back["versions"] == [4, 4] and back["plasma"] == 0
+    _close(back["engines"], _last_stage(outs, "restarted"))
+
+
+def test_rollouts_use_engines_that_hold_the_current_weights(synced):
+    merged, outs = synced
+    r = merged["sdar-tp2sp"]
+    one = r["one_dead"]      # engine 0 died before the rollout: its replacement serves nothing yet
+    assert one["n"] == len(PROMPTS) and one["versions"] == [4] * len(PROMPTS) and one["fresh"] == [False, True]
+    every = r["all_dead"]    # no engine held v4: the rollout waited for a push of v4 that both ranks joined
+    assert every["versions"] == [4] * len(PROMPTS) and every["restarts"] == 4
+    assert outs[1]["sdar-tp2sp"]["all_dead"]["versions"] == every["versions"]
+    _close(every["engines"], _last_stage(outs, "restarted"))
+
+
+def test_fp8_rollout_weights_through_sync(synced):
+    """fp8_block=(128, 128) from the TP2 trainer: every linear weight arrives as float8_e4m3fn with a
+    weight_scale_inv per 128x128 block, its dequantization is the plain push's tensor within fp8 precision (e4m3:
+    3 mantissa bits, relative error <= 1/16), and every other tensor arrives unchanged."""
+    out = synced[0]["sdar-tp2sp"]["fp8"]
     plain, fp8, deq = out["plain"], out["fp8"], out["deq"]
     scales = [n for n in fp8 if n.endswith("weight_scale_inv")]
     assert len(scales) >= 4 * 7 and set(fp8) == set(plain) | set(scales)   # 4 layers x (q, k, v, o, gate, up, down)
@@ -126,3 +248,49 @@ def test_fp8_rollout_weights_through_sync():
         assert ((d - ref).abs() <= torch.maximum(ref.abs() / 16, torch.full_like(ref, 1e-3))).all(), w
     for n in set(plain) - set(deq):
         assert torch.equal(fp8[n], plain[n]), n
+
+
+# ---------------------------------------------------------------------------------------------- the plan alone
+def test_buckets_are_bounded_per_dtype_and_experts_come_last():
+    from megadare.rollout.weight_plan import Piece
+
+    table = [ParamMap(f"decoder.layers.{i}.mlp.experts.experts.0.linear_fc2.weight", (f"e{i}",)) for i in range(3)]
+    table += [ParamMap(f"decoder.layers.{i}.self_attention.linear_proj.weight", (f"a{i}",)) for i in range(3)]
+    meta = {r.mcore: ((256, 256), torch.float32) for r in table}                  # 256 KiB each
+    meta[table[3].mcore] = ((256, 256), torch.bfloat16)
+    pieces = {r.mcore: [(0, Piece(r.mcore, (0, 0), (256, 128))), (1, Piece(r.mcore, (0, 128), (256, 128)))]
+              for r in table}
+    buckets = _buckets(table, meta, pieces, sender=0, bucket_bytes=600 << 10, transform=lambda r, t: [(r.hf[0], t)])
+    assert [[r.hf[0] for r in b.rows] for b in buckets] == [["a0", "a1"], ["a2", "e0"], ["e1", "e2"]]
+    assert [[f.dtype for f in b.flats] for b in buckets][0] == [torch.bfloat16, torch.float32]   # one flat per dtype
+    assert all(list(b.sources) == [1] for b in buckets)                            # rank 1 sends its halves
+    assert buckets[0].source_bytes(1) == (256 * 128 * 2) + (256 * 128 * 4)
+
+
+def test_a_flat_is_sglangs_flattened_bucket_layout():
+    """Tensors of one dtype back to back in list order (sglang FlattenedTensorBucket), each flat 16-byte aligned."""
+    a, b = torch.arange(6.).reshape(2, 3), torch.arange(5.)
+    f = Flat(torch.float32, ("a", "b"), ((2, 3), (5,)))
+    buf = torch.cat([a.flatten(), b]).view(torch.uint8)
+    assert f.nbytes == buf.numel() and [torch.equal(t, x) for (_, t), x in zip(f.views(buf), (a, b))] == [True, True]
+    g = Flat(torch.bfloat16, ("c",), ((3,),))
+    assert flat_layout([g, f]) == ([0, 16], 16 + 48)
+
+
+def test_auto_transport_is_colocated_only_on_one_cpu_host():
+    from types import SimpleNamespace
+
+    from megadare.errors import ConfigError
+    from megadare.rollout.weight_sync import WeightSync
+
+    def engines(*ips):
+        return SimpleNamespace(engine_info=lambda: [{"ip": ip} for ip in ips])
+
+    def resolve(transport, trainer_ips, engine_ips):
+        return WeightSync([], [], engines(*engine_ips), transport=transport)._resolve(trainer_ips)
+
+    assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1"] * 2) == "colocated"
+    assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1", "10.0.0.2"]) == "distributed"
+    assert WeightSync([], [], [object()], transport="auto")._resolve(None) == "object_store"   # in-process engines
+    with pytest.raises(ConfigError, match="engines on .*10.0.0.2.*weight_transport=distributed"):
+        resolve("colocated", ["10.0.0.1"], ["10.0.0.2"])

@@ -104,10 +104,12 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 # ============================================================== live sharded models (every rank calls these)
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
-    """The sharded state dict of this rank's model chunks; keys inside are layout-independent."""
+    """The sharded state dict of this rank's model chunks; keys inside are layout-independent. Each call gets its
+    own metadata dict: megatron stores the current data-parallel group in it (``ensure_metadata_has_dp_cp_group``),
+    which must not outlive a change of layout."""
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(metadata=SHARDED_SD_METADATA)}
-    return {f"model{i}": c.sharded_state_dict(metadata=SHARDED_SD_METADATA) for i, c in enumerate(chunks)}
+        return {"model": chunks[0].sharded_state_dict(metadata=dict(SHARDED_SD_METADATA))}
+    return {f"model{i}": c.sharded_state_dict(metadata=dict(SHARDED_SD_METADATA)) for i, c in enumerate(chunks)}
 
 
 def _drop_extra_state(sd: dict) -> dict:

@@ -25,6 +25,8 @@ ALGORITHMS = ("low_confidence_static", "low_confidence_dynamic", "random", "edit
 CONFIDENCES = ("model_prob", "maskgit_plus", "topk_margin", "entropy")
 SCHEDULES = ("even", "linspace", "linspace_first")
 FINISH_REASONS = ("eos", "length")
+WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync.py)
+ENGINE_DEVICES = ("auto", "cpu", "cuda")                                   # rollout.device (built-in engine)
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,10 @@ def answer_ids(ids: list[int], eos_token_id: int) -> list[int]:
 
 
 class RolloutEngine(Protocol):
+    """What every engine implements. Weight pushes (rollout/weight_sync.py) reach it through its Ray actor, which
+    calls ``update_weights`` with views of each received bucket; an engine with weight groups of its own (SGLang's
+    TP ranks) also has ``join_weight_groups(specs)`` and ``receive_weights(plan, version)``."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...

@@ -1,26 +1,32 @@
-"""Ray-managed rollout engines: N engine actors, requests spread by load, restarts with replay on failure.
+"""Ray-managed rollout engines: N engine actors, requests spread by load, restarts without a model copy.
 
     manager = RolloutManager(EngineSpec(build_native_engine, hf_dir=...), num_engines=2,
                              resources={"num_cpus": 1})            # {"num_gpus": 1} on a cluster
     trajectories = manager.generate(prompts, SamplingParams(...))  # every prompt exactly once, in order
-    sync_weights(trainer_chunks, table, [manager], version=step)   # manager.update_weights fans out
+    WeightSync(trainer_chunks, table, manager).push(version=step)  # weight_sync.py drives the engines' side here
 
 Placement: the actors live in one placement group (one bundle per engine; ``strategy='PACK'`` to colocate them
 with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``; each
 chunk goes to the engine with the fewest outstanding chunks; chunk c samples with seed ``params.seed + c`` so a
 re-issued chunk reproduces its trajectories. If an engine dies mid-rollout (RayActorError), the manager starts a
-replacement, replays the latest weights into it (kept as object refs) and re-issues the dead engine's chunks; the
-rollout still returns every trajectory exactly once.
+replacement and re-issues the dead engine's chunks to engines that hold the current weights; the rollout still
+returns every trajectory exactly once. No copy of the model is kept anywhere: a replacement serves nothing until
+the next weight push reaches it (``fresh``), which rebuilds the weight groups with it; if no engine holds the
+current weights any more, the rollout waits for that push (``on_stale``: the RL driver pushes the current
+version again) or fails with a message. Before every push ``check_engines`` replaces dead actors, so an engine
+that died between steps gets the new version with the others.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from megadare.errors import ConfigError
-from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.rollout.engine import ENGINE_DEVICES, SamplingParams, Trajectory
+from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, host_ip
+from megadare.rollout.weight_plan import Flat
 
 
 def _ray():
@@ -40,10 +46,11 @@ class EngineSpec:
 
 
 class _EngineActor:
-    """Holds one engine inside a Ray actor process."""
+    """Holds one engine inside a Ray actor process, and its end of the weight transports."""
 
     def __init__(self, spec: EngineSpec):
         self.engine = spec.factory(**spec.kwargs)
+        self.receiver: Optional[WeightReceiver] = None
 
     def generate(self, prompts, params):
         """The engine's trajectories; the first carries the chunk's generation seconds in ``extra['engine_s']``
@@ -54,11 +61,40 @@ class _EngineActor:
             out[0].extra["engine_s"] = time.perf_counter() - t0
         return out
 
-    def update_weights(self, named, version):
-        return self.engine.update_weights(named, version)
-
     def call(self, method: str, *args):
         return getattr(self.engine, method)(*args)
+
+    def info(self) -> dict[str, Any]:
+        """Host, device and how many ranks the engine takes in a weight group (SGLang: its TP ranks join)."""
+        own = hasattr(self.engine, "join_weight_groups")
+        return {"ip": host_ip(), "device": str(getattr(self.engine, "device", "cpu")), "own_groups": own,
+                "group_ranks": int(getattr(self.engine, "tp_size", 1)) if own else 1}
+
+    def join_weight_groups(self, specs: Sequence[GroupSpec], how: str) -> None:
+        if how == "broadcast" and hasattr(self.engine, "join_weight_groups"):
+            return self.engine.join_weight_groups(specs)
+        if self.receiver is None:
+            self.receiver = WeightReceiver(getattr(self.engine, "device", "cpu"))
+        self.receiver.join(specs)
+
+    def receive_weights(self, how: str, plan: Sequence[GroupPlan], version: int, handles=None) -> dict[str, Any]:
+        """One push: every stage's buckets over the groups (``broadcast``) or from the senders' shared buffers
+        (``shared``); the engine holds ``version`` afterwards."""
+        if how == "broadcast" and hasattr(self.engine, "receive_weights"):
+            return self.engine.receive_weights(plan, version)
+        if self.receiver is None:
+            raise RuntimeError("receive_weights before join_weight_groups")
+
+        def load(named):
+            self.engine.update_weights(named, version)
+        n = self.receiver.receive(plan, load) if how == "broadcast" else self.receiver.receive_shared(
+            plan, handles, load)
+        return {"bytes": n, "version": version}
+
+    def load_flats(self, flats: Sequence[Flat], version: int, *bufs) -> None:
+        """The object-store fallback: one bucket's flats (resolved from Ray's store by the call)."""
+        for f, buf in zip(flats, bufs):
+            self.engine.update_weights(f.views(buf), version)
 
 
 def _check_feasible(ray, bundle: dict[str, float], resources: dict) -> None:
@@ -92,9 +128,12 @@ class RolloutManager:
         self._strategy = PlacementGroupSchedulingStrategy
         self._actor_cls = ray.remote(_EngineActor)
         self.actors = [self._start(i) for i in range(num_engines)]
-        self.weights: Optional[tuple[list, int]] = None   # (bucket refs, version) of the latest sync
-        self._pending_buckets: list = []
         self.restarts = 0
+        self.version: Optional[int] = None      # the version of the latest push (None: none yet)
+        self.fresh = [True] * num_engines       # slot holds the latest version (a replacement does not)
+        self.weight_groups: Optional[str] = None   # generation of the weight groups every engine has joined
+        self.on_stale: Optional[Callable[[], None]] = None   # pushes the current version again (RL driver)
+        self._group_ranks = [1] * num_engines
 
     def _start(self, slot: int):
         return self._actor_cls.options(
@@ -102,26 +141,55 @@ class RolloutManager:
             scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=slot),
         ).remote(self.spec)
 
-    # ------------------------------------------------------------------ weights
-    def pause(self) -> None:
-        self._pending_buckets = []
+    # ------------------------------------------------------------------ weights (weight_sync.py drives these)
+    def engine_info(self) -> list[dict[str, Any]]:
+        return _ray().get([a.info.remote() for a in self.actors])
 
-    def update_weights(self, named: list, version: int) -> None:
-        """One bucket to every engine (one object in Ray's store, shared by all actors)."""
+    def check_engines(self) -> None:
+        """Replace every dead actor now (before a push, so the push reaches the replacement)."""
         ray = _ray()
-        ref = ray.put(named)
-        self._pending_buckets.append(ref)
-        ray.get([a.update_weights.remote(ref, version) for a in self.actors])
-        self.weights = (list(self._pending_buckets), version)
+        from ray.exceptions import RayActorError
 
-    def resume(self) -> None:
-        pass
+        for slot, ref in enumerate([a.info.remote() for a in self.actors]):
+            try:
+                ray.get(ref)
+            except RayActorError:
+                self._restart(slot)
 
-    def _replay_weights(self, actor) -> None:
-        if self.weights is not None:
-            ray = _ray()
-            refs, version = self.weights
-            ray.get([actor.update_weights.remote(r, version) for r in refs])
+    def weight_group_setup(self, how: str, trainer_device) -> tuple[int, str]:
+        """Size of each weight group (the sender plus every engine's ranks) and its backend: NCCL when the
+        trainer and every engine run on GPUs (an SGLang engine does) and the bytes travel over it, else gloo."""
+        infos = self.engine_info()
+        self._group_ranks = [i["group_ranks"] if how == "broadcast" else 1 for i in infos]
+        gpus = str(trainer_device).startswith("cuda") and all(i["own_groups"] or i["device"].startswith("cuda")
+                                                              for i in infos)
+        return 1 + sum(self._group_ranks), "nccl" if how == "broadcast" and gpus else "gloo"
+
+    def join_weight_groups(self, specs: Sequence[GroupSpec], how: str, generation: str) -> list:
+        """Start every engine joining the groups (engine i after the sender and engines < i); returns refs."""
+        refs, offset = [], 1
+        for a, n in zip(self.actors, self._group_ranks):
+            refs.append(a.join_weight_groups.remote([dataclasses.replace(s, rank=offset) for s in specs], how))
+            offset += n
+        self.weight_groups = generation
+        return refs
+
+    def start_receive(self, how: str, plan: Sequence[GroupPlan], version: int, handles=None) -> list:
+        return [a.receive_weights.remote(how, plan, version, handles) for a in self.actors]
+
+    def wait(self, refs: list) -> list:
+        return _ray().get(refs)
+
+    def load_flats(self, flats: Sequence[Flat], bufs: list, version: int) -> None:
+        """Object-store fallback: one bucket into every engine; its objects are released right after."""
+        ray = _ray()
+        refs = [ray.put(b) for b in bufs]
+        ray.get([a.load_flats.remote(list(flats), version, *refs) for a in self.actors])
+        del refs
+
+    def synced(self, version: int) -> None:
+        self.version = version
+        self.fresh = [True] * len(self.actors)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
@@ -137,9 +205,23 @@ class RolloutManager:
         return pending
 
     def _restart(self, slot: int) -> None:
+        """A replacement actor (the model as loaded by its factory): fresh only while nothing was pushed yet."""
         self.restarts += 1
         self.actors[slot] = self._start(slot)
-        self._replay_weights(self.actors[slot])
+        self.fresh[slot] = self.version is None
+        self.weight_groups = None
+
+    def fresh_slots(self) -> list[int]:
+        """Slots holding the current weights; when none is left, the current version is pushed again first."""
+        slots = [s for s, f in enumerate(self.fresh) if f]
+        if slots:
+            return slots
+        if self.on_stale is None:
+            raise RuntimeError(f"no rollout engine holds weight version {self.version} any more (every one was "
+                               "restarted) and nothing can push it again here; restarted engines receive the "
+                               "current weights at the next weight sync")
+        self.on_stale()
+        return [s for s, f in enumerate(self.fresh) if f]
 
     def call_all(self, method: str, *args) -> list[Any]:
         """Call an engine method on every actor (sleep, wake, health, logits, ...)."""
@@ -156,8 +238,8 @@ class RolloutManager:
 
 
 class PendingRollout:
-    """A rollout in flight: chunk c goes to the least-loaded engine with seed ``params.seed + c``; ``result()``
-    collects them, restarting dead engines (weights replayed) and re-issuing their chunks."""
+    """A rollout in flight: chunk c goes to the least-loaded fresh engine with seed ``params.seed + c``;
+    ``result()`` collects them, restarting dead engines and re-issuing their chunks to fresh ones."""
 
     def __init__(self, manager: RolloutManager, chunks: list[list[list[int]]], params: SamplingParams):
         self.manager, self.chunks, self.params = manager, chunks, params
@@ -168,8 +250,9 @@ class PendingRollout:
     def issue(self, todo: list[int]) -> None:
         m = self.manager
         load = [0] * len(m.actors)
+        slots = m.fresh_slots() if todo else []
         for c in todo:
-            slot = min(range(len(m.actors)), key=lambda s: load[s])
+            slot = min(slots, key=lambda s: load[s])
             load[slot] += 1
             p = dataclasses.replace(self.params, seed=self.params.seed + c)
             self.inflight[m.actors[slot].generate.remote(self.chunks[c], p)] = (c, slot)
@@ -197,9 +280,45 @@ class PendingRollout:
         return [t for c in range(len(self.chunks)) for t in self.results[c]]
 
 
-def build_native_engine(hf_dir: str, eos_token_id: int, device: Optional[str] = None,
+def resolve_engine_device(device: str, gpu_ids: Optional[Sequence] = None,
+                          cuda_available: Optional[bool] = None) -> str:
+    """The built-in engine's device from ``rollout.device`` and the GPUs Ray assigned to its actor (``gpu_ids``,
+    default ``ray.get_gpu_ids()`` inside an actor): ``auto`` = the assigned GPU (Ray sets CUDA_VISIBLE_DEVICES, so
+    it is ``cuda:0`` in the actor), CPU when none was assigned; ``cuda`` needs one."""
+    if device not in ENGINE_DEVICES:
+        raise ValueError(f"rollout.device={device!r}: choose one of {ENGINE_DEVICES}")
+    if gpu_ids is None:
+        gpu_ids = _assigned_gpus()
+    cuda = torch_cuda_available() if cuda_available is None else cuda_available
+    if device == "cpu" or (device == "auto" and not gpu_ids):
+        return "cpu"
+    if gpu_ids and not cuda:
+        raise RuntimeError(f"Ray assigned GPU(s) {list(gpu_ids)} to the engine actor, but torch sees no CUDA device "
+                           "(a CPU-only torch build?); install a CUDA build of torch or set rollout.device=cpu")
+    if not cuda:
+        raise RuntimeError("rollout.device=cuda but the engine actor has no GPU: give it one with "
+                           "rollout.engine_resources={num_gpus: 1}, or set rollout.device=cpu / auto")
+    return "cuda:0" if gpu_ids else "cuda"
+
+
+def _assigned_gpus() -> list:
+    try:
+        import ray
+    except ImportError:
+        return []
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto",
                         fail_once_marker: Optional[str] = None):
-    """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir``.
+    """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir``, on the
+    device :func:`resolve_engine_device` picks (the GPU Ray assigned to the actor under ``auto``).
 
     ``fail_once_marker`` (fault-injection for tests): the first engine whose generate() finds no file at that
     path creates it and kills its process, as a crashed engine would.
@@ -210,7 +329,7 @@ def build_native_engine(hf_dir: str, eos_token_id: int, device: Optional[str] = 
 
     cfg = read_hf_config(hf_dir)
     engine = NativeEngine(load_hf_model(hf_dir), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
-                          device=device or "cpu")
+                          device=resolve_engine_device(device))
     if fail_once_marker:
         engine = _FailOnce(engine, fail_once_marker)
     return engine

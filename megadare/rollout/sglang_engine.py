@@ -4,8 +4,8 @@ offline ``Engine``, decoding with megadare's own dLLM algorithm (``sglang_plugin
     engine = SGLangEngine("/ckpt/SDAR-1.7B-Chat", eos_token_id=151643, max_running_requests=128)
     trajs = engine.generate(prompts, SamplingParams(max_new_tokens=256, block_size=4, steps_per_block=4,
                                                     temperature=1.0, seed=step))
-    sync_weights(chunks, table, [engine], version=step)     # pause -> update_weights per bucket -> resume
-    # separate GPUs: engine.connect_distributed(...) on the engine side, DistributedWeightSender on the trainer
+    # in a Ray engine actor, driven by rollout.weight_sync.WeightSync: join_weight_groups + receive_weights
+    # (distributed: flattened buckets broadcast by every pipeline stage's sender), or update_weights (colocated)
 
 Install: ``pip install "megadare[sglang]"`` (pins ``sglang>=0.5.20,<0.5.24``), and install megadare itself into the
 same environment (``pip install -e .``): sglang finds the algorithm through megadare's entry point in the group
@@ -43,8 +43,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from datetime import timedelta
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
@@ -198,8 +197,7 @@ class SGLangEngine:
                  threshold: float = 0.9, max_running_requests: int = 128, tp_size: int = 1,
                  mem_fraction_static: float = 0.7, enable_memory_saver: bool = True, random_seed: int = 0,
                  chunk_bytes: int = 512 << 20, flush_retries: int = 60, flush_interval_s: float = 1.0,
-                 weight_group_name: str = "megadare_weights", engine_kwargs: Optional[dict[str, Any]] = None,
-                 check_plugin: bool = True):
+                 engine_kwargs: Optional[dict[str, Any]] = None, check_plugin: bool = True):
         sglang = _import_sglang()
         arch, cfg = read_architecture(model_path)
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -221,7 +219,6 @@ class SGLangEngine:
         self.enable_memory_saver = enable_memory_saver
         self.chunk_bytes = int(chunk_bytes)
         self.flush_retries, self.flush_interval_s = int(flush_retries), float(flush_interval_s)
-        self.weight_group_name = weight_group_name
         self.version = 0
         self.asleep = False
         self._session_open = False
@@ -369,27 +366,31 @@ class SGLangEngine:
         return {"tensors": len(named), "bytes": nbytes, "chunks": chunks, "version": version,
                 "seconds": time.perf_counter() - t0}
 
-    def connect_distributed(self, master_addr: str, port: int, world_size: int, rank_offset: int,
-                            group_name: Optional[str] = None, backend: str = "nccl") -> None:
-        """Join the trainer's weight-update group (separate GPUs): this engine's TP ranks become ranks
-        ``rank_offset .. rank_offset + tp_size - 1`` of a ``world_size`` group whose rank 0 is the trainer
-        (:func:`init_weight_sender_group`). Blocks until every member joined, so the trainer must join
-        concurrently (call this through Ray ``.remote``)."""
-        if group_name is not None:
-            self.weight_group_name = group_name
-        _ok(self._engine.init_weights_update_group(master_address=master_addr, master_port=int(port),
-                                                   rank_offset=int(rank_offset), world_size=int(world_size),
-                                                   group_name=self.weight_group_name, backend=backend),
-            "init_weights_update_group")
+    def join_weight_groups(self, groups: Sequence[Any]) -> None:
+        """Join the weight-update groups of a ``distributed`` weight sync (one per trainer pipeline stage; its
+        sender is rank 0): this engine's TP ranks become ranks ``g.rank .. g.rank + tp_size - 1`` of each. Blocks
+        until every member joined, so the trainer joins concurrently (the call comes through Ray ``.remote``)."""
+        for g in groups:
+            _ok(self._engine.init_weights_update_group(master_address=g.addr, master_port=int(g.port),
+                                                       rank_offset=int(g.rank), world_size=int(g.world_size),
+                                                       group_name=g.name, backend=g.backend),
+                "init_weights_update_group")
 
-    def receive_weights(self, meta: Sequence[tuple[str, str, Sequence[int]]], version: int) -> dict[str, Any]:
-        """Receive one chunk broadcast by :class:`DistributedWeightSender` (``meta``: (name, dtype name, shape)
-        in broadcast order) with ``update_weights_from_distributed``."""
+    def receive_weights(self, plan: Sequence[tuple[str, list]], version: int) -> dict[str, Any]:
+        """One weight push over the groups: per group, per bucket, per flattened buffer (``weight_plan.Flat``: one
+        dtype, tensors packed in order = sglang's ``flattened_bucket`` layout) one
+        ``update_weights_from_distributed(load_format="flattened_bucket")``, which receives one broadcast."""
+        n = 0
         with self._weight_update(version):
-            _ok(self._engine.update_weights_from_distributed(
-                names=[m[0] for m in meta], dtypes=[m[1] for m in meta], shapes=[list(m[2]) for m in meta],
-                group_name=self.weight_group_name, flush_cache=False), "update_weights_from_distributed")
-        return {"tensors": len(meta), "version": version}
+            for group_name, buckets in plan:
+                for flats in buckets:
+                    for f in flats:
+                        _ok(self._engine.update_weights_from_distributed(
+                            names=list(f.names), dtypes=[dtype_name(f.dtype)] * len(f.names),
+                            shapes=[list(s) for s in f.shapes], group_name=group_name, flush_cache=False,
+                            load_format="flattened_bucket"), "update_weights_from_distributed")
+                        n += f.nbytes
+        return {"bytes": n, "version": version}
 
     # ------------------------------------------------------------------ memory, health
     def sleep(self) -> None:
@@ -430,82 +431,3 @@ class SGLangEngine:
 def build_sglang_engine(model_path: str, eos_token_id: int, **kwargs: Any) -> SGLangEngine:
     """Engine factory for ``manager.EngineSpec`` (runs inside the Ray actor that owns the GPU)."""
     return SGLangEngine(model_path, eos_token_id, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------- trainer side
-def init_weight_sender_group(master_addr: str, port: int, world_size: int, group_name: str = "megadare_weights",
-                             backend: str = "nccl", timeout: Optional[timedelta] = None):
-    """The trainer's end (rank 0) of sglang's weight-update group, built the way sglang builds its end
-    (``sglang/srt/utils/common.py::init_custom_process_group``): TCP rendezvous at ``master_addr:port`` (rank 0
-    hosts the store), a ``PrefixStore`` named after the group, a process group that leaves the default group
-    alone. Engines join with :meth:`SGLangEngine.connect_distributed` at the same time."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    default_pg_timeout, rendezvous)
-
-    timeout = timeout or default_pg_timeout
-    store, rank, world_size = next(rendezvous(f"tcp://{master_addr}:{int(port)}", 0, int(world_size),
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-Receiver = Callable[[list, int], Callable[[], Any]]
-
-
-def ray_receiver(actor: Any) -> Receiver:
-    """A receiver for :class:`DistributedWeightSender` from a rollout-manager engine actor: starts
-    ``SGLangEngine.receive_weights`` in the actor and returns the function that waits for it."""
-    def start(meta: list, version: int) -> Callable[[], Any]:
-        import ray
-
-        ref = actor.call.remote("receive_weights", meta, version)
-        return lambda: ray.get(ref)
-    return start
-
-
-class DistributedWeightSender:
-    """Trainer side of ``update_weights_from_distributed`` in the form ``weight_sync.sync_weights`` expects of an
-    engine (``pause`` / ``update_weights(named, version)`` / ``resume``): each bucket is cut into chunks of at most
-    ``chunk_bytes`` (sglang allocates a whole chunk at once); per chunk every receiver is started (it calls
-    ``update_weights_from_distributed`` with the chunk's names/dtypes/shapes), the tensors are broadcast from rank
-    0 in that order, and the receivers are awaited.
-
-    ``receivers``: ``start(meta, version) -> wait()`` callables (:func:`ray_receiver`); ``pausers`` /
-    ``resumers``: optional callables run by pause() / resume() (e.g. the engines' own pause/resume)."""
-
-    def __init__(self, group: Any, receivers: Sequence[Receiver], chunk_bytes: int = 512 << 20,
-                 device: Optional[str] = None, broadcast: Optional[Callable[..., Any]] = None,
-                 pausers: Sequence[Callable[[], Any]] = (), resumers: Sequence[Callable[[], Any]] = ()):
-        self.group, self.receivers, self.chunk_bytes = group, list(receivers), int(chunk_bytes)
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self._broadcast = broadcast
-        self.pausers, self.resumers = list(pausers), list(resumers)
-
-    def pause(self) -> None:
-        for p in self.pausers:
-            p()
-
-    def resume(self) -> None:
-        for r in self.resumers:
-            r()
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
-        broadcast = self._broadcast
-        if broadcast is None:
-            import torch.distributed as dist
-
-            broadcast = dist.broadcast
-        named = list(named_tensors)
-        chunks = chunk_named(named, self.chunk_bytes)
-        for chunk in chunks:
-            meta = [(name, dtype_name(t.dtype), list(t.shape)) for name, t in chunk]
-            waits = [start(meta, version) for start in self.receivers]
-            for _, t in chunk:
-                broadcast(t.detach().to(self.device).contiguous(), src=0, group=self.group)
-            for w in waits:
-                w()
-        return {"tensors": len(named), "chunks": len(chunks), "version": version}

@@ -1,155 +1,202 @@
-"""Weight sync: the trainer's TP/PP/EP/VPP shards -> full HF-named tensors -> size-bounded buckets -> engines.
+"""Weight sync: the trainer's TP/PP/EP/VPP shards -> HF-named flattened buckets -> every engine, every RL step.
 
-Each RL step:
+    sync = WeightSync(chunks, table, manager if rank == 0 else None, transport="auto", bucket_bytes=512 << 20)
+    stats = sync.push(version=step)          # collective over the trainer's ranks
 
-    pause engines -> for each bucket: gather shards -> map to HF names -> engine.update_weights(bucket, version)
-                  -> resume engines
+One push: rank 0 checks the engines (a dead actor is restarted now and joins the rebuilt groups) and tells every
+rank which transport to use and whether to rebuild the groups; the engines start receiving; every pipeline stage
+gathers its own buckets with tensor collectives and its sender hands each one to the transport, all stages at
+once (weight_gather.py); rank 0 waits for the engines and records the version. The plan (weight_plan.py: who
+sends what, buckets, flats) is built once from megatron's own sharding metadata, so every layout takes the same
+code path. Transports (weight_transport.py): ``distributed`` (a torch.distributed group per stage sender and all
+engines), ``colocated`` (shared memory / CUDA IPC), ``object_store`` (no group: through rank 0 and Ray, one bucket
+at a time); ``auto`` takes ``colocated`` when the trainer runs on CPU and every sender and engine share one host,
+else ``distributed``. Nothing keeps a copy of the model: a restarted engine gets the current version at the next
+push (the rollout manager waits for it, see manager.py).
 
-* Which slice of which global tensor a rank holds comes from megatron's own ``sharded_state_dict`` (the same
-  layout-independent keys the checkpoint converter writes), so every layout is handled by one code path.
-* Keys go in the family's mapping-table order, non-expert tensors first, then experts; a bucket closes when it
-  reaches ``bucket_bytes`` (global size), so an expert batch is bounded by the bucket, not by the model.
-* Global tensors are assembled on one rank (``dst``, the rank that talks to the engines) from the main replica
-  of every shard; they become HF tensors through the family table (``ParamMap.to_hf``: the converter's code).
-
-This generic path moves shards as Python objects over torch.distributed (``gather_object``): correct for every
-layout and backend, measured in benchmarks/rollout_throughput.py. Time, bytes and GB/s are returned per sync.
+``fp8_block=(128, 128)`` sends the family's linear weights as float8_e4m3fn with one ``weight_scale_inv`` per block
+(megadare/convert/fp8.py), for SGLang engines started from a ``quantize_export(..., fmt="fp8-block")`` checkpoint.
+Returns bytes, seconds, GB/s and the number of buckets per push.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Any, Optional, Sequence
+import uuid
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megadare.errors import ConfigError
 from megadare.models.mapping import ParamMap
-from megadare.convert.mcore_ckpt import _drop_extra_state, model_sharded_state_dict
+from megadare.rollout.engine import WEIGHT_TRANSPORTS
+from megadare.rollout.weight_gather import stage_buckets
+from megadare.rollout.weight_groups import DEFAULT_TIMEOUT, host_ip
+from megadare.rollout.weight_plan import SyncPlan, Transform, build_plan, plain_hf
+from megadare.rollout.weight_transport import GroupTransport, ObjectStoreTransport, gather_objects, trainer_rank
 
 
-def _main_replica(replica_id) -> bool:
-    if isinstance(replica_id, int):
-        return replica_id == 0
-    return all(r == 0 for r in replica_id)
+_HOW = {"distributed": "broadcast", "colocated": "shared"}     # what the engines do with a group transport
 
 
-def _local_shards(chunks: list[torch.nn.Module]) -> dict[str, list[tuple[tuple, tuple, torch.Tensor, torch.dtype]]]:
-    """key -> [(global_shape, global_offset, local data)] of this rank's main replicas."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+def fp8_transform(table: Sequence[ParamMap], block: tuple[int, int]) -> Transform:
+    """Megatron -> HF, then every linear weight as its block-fp8 pair (convert/fp8.py)."""
+    from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
 
-    sd = _drop_extra_state(model_sharded_state_dict([getattr(c, "module", c) for c in chunks]))
-    apply_factories(sd)
-    out: dict[str, list] = {}
-    for x in nested_values(sd):
-        if isinstance(x, ShardedTensor) and _main_replica(x.replica_id):
-            out.setdefault(x.key, []).append((tuple(x.global_shape), tuple(x.global_offset), x.data, x.data.dtype))
-    return out
+    linear = linear_hf_names(table)
+    return lambda row, full: list(fp8_rollout_weights(plain_hf(row, full), linear, block=block))
 
 
-def _is_expert(key: str) -> bool:
-    return ".experts." in key
+class WeightSync:
+    """Pushes the trainer's weights into the engines; one per run on every trainer rank. ``engines`` (rank 0): a
+    ``RolloutManager``, or a list of in-process engine objects (``update_weights(named, version)``, optional
+    ``pause()`` / ``resume()``), which take the ``object_store`` path."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], engines: Any = None,
+                 transport: str = "auto", bucket_bytes: int = 512 << 20, fp8_block: Optional[tuple[int, int]] = None,
+                 timeout: timedelta = DEFAULT_TIMEOUT):
+        if transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight transport {transport!r}: choose one of {WEIGHT_TRANSPORTS}")
+        if trainer_rank() == 0 and transport in ("distributed", "colocated") and isinstance(engines, (list, tuple)):
+            raise ValueError(f"weight transport {transport!r} needs engine actors (a RolloutManager); in-process "
+                             "engines take transport='object_store'")
+        self.chunks, self.table, self.engines, self.requested = list(chunks), list(table), engines, transport
+        self.bucket_bytes, self.timeout = int(bucket_bytes), timeout
+        self.transform = fp8_transform(table, fp8_block) if fp8_block else plain_hf
+        self.plan: Optional[SyncPlan] = None
+        self.transport: Any = None
+        self.transport_name = ""
+        self.generation = ""            # rank 0: name of the weight groups this sync built (engines joined)
+        self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
+
+    def push(self, version: int) -> dict[str, float]:
+        """Collective over the trainer's ranks: every engine holds ``version`` when this returns on rank 0."""
+        t0 = time.perf_counter()
+        if self.plan is None:
+            self.plan = build_plan(self.chunks, self.table, self.bucket_bytes, self.transform)
+        header = self._header()
+        if self.transport is None:
+            self.transport = self._make_transport(header)
+        self.transport.connect(header)
+        self.transport.begin(version, self.device)
+        for i, bucket, flats in stage_buckets(self.chunks, self.plan, self.transform, self.transport.alloc(),
+                                              self.device):
+            self.transport.send(i, bucket, flats)
+        self.transport.end()
+        if trainer_rank() == 0 and hasattr(self.engines, "synced"):
+            self.engines.synced(version)
+        dt = time.perf_counter() - t0
+        nbytes = float(self.plan.total_bytes())
+        return {"sync_bytes": nbytes, "sync_seconds": dt, "sync_gbps": nbytes / max(dt, 1e-9) / 1e9,
+                "sync_buckets": float(sum(len(s.buckets) for s in self.plan.stages))}
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # ------------------------------------------------------------------ rank 0 decides, everyone follows
+    def _header(self) -> dict:
+        """Rank 0's decision for this push, broadcast to every rank: transport, whether to (re)build the groups
+        (first push, an engine restarted since, or the engines joined another sync's groups), the group size and
+        the groups' name."""
+        ips = gather_objects(host_ip()) if self.requested in ("auto", "colocated") and not self.transport_name else None
+        header: list[Any] = [None]
+        if trainer_rank() == 0:
+            name = self.transport_name or self._resolve(ips)
+            if hasattr(self.engines, "check_engines"):
+                self.engines.check_engines()           # replace dead actors before the push reaches them
+            rebuild, world, backend = False, 0, "gloo"
+            if name in ("distributed", "colocated"):
+                rebuild = self.engines.weight_groups != self.generation
+                world, backend = self.engines.weight_group_setup(_HOW[name], self.device)
+            if rebuild:
+                self.generation = uuid.uuid4().hex[:12]
+            header[0] = {"transport": name, "rebuild": rebuild, "world": world, "backend": backend,
+                         "generation": self.generation}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(header, src=0)
+        self.transport_name = header[0]["transport"]
+        return header[0]
+
+    def _resolve(self, ips: Optional[list[str]]) -> str:
+        """The transport ``auto`` stands for here; ``colocated`` checked to be possible (one host)."""
+        if self.requested in ("distributed", "object_store"):
+            return self.requested
+        if self.requested == "auto" and (isinstance(self.engines, (list, tuple)) or self.engines is None):
+            return "object_store"
+        engine_ips = sorted({i["ip"] for i in self.engines.engine_info()})
+        same_host = len(set(ips or []) | set(engine_ips)) == 1
+        if self.requested == "colocated" and not same_host:
+            raise ConfigError(f"rollout.weight_transport=colocated needs the engines on the trainer's host: trainer "
+                              f"ranks on {sorted(set(ips or []))}, engines on {engine_ips}; set "
+                              "rollout.weight_transport=distributed (or auto)")
+        return "colocated" if same_host and (self.device.type == "cpu" or self.requested == "colocated") \
+            else "distributed"
+
+    def _make_transport(self, header: dict):
+        if header["transport"] == "object_store":
+            return ObjectStoreTransport(self.plan, self.engines)
+        return GroupTransport(self.plan, self.engines, _HOW[header["transport"]], self.timeout)
 
 
-def plan_buckets(table: Sequence[ParamMap], shapes: dict[str, tuple[tuple, torch.dtype]],
-                 bucket_bytes: int) -> list[list[ParamMap]]:
-    """Table rows grouped into buckets of at most ``bucket_bytes`` (a larger tensor gets its own bucket),
-    non-expert rows first."""
-    rows = [r for r in table if not _is_expert(r.mcore)] + [r for r in table if _is_expert(r.mcore)]
-    buckets: list[list[ParamMap]] = [[]]
-    size = 0
-    for r in rows:
-        shape, dtype = shapes[r.mcore]
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        if buckets[-1] and size + n > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(r)
-        size += n
-    return [b for b in buckets if b]
+def sync_weights(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], engines: Any, version: int,
+                 bucket_bytes: int = 512 << 20, fp8_block: Optional[tuple[int, int]] = None,
+                 transport: str = "object_store") -> dict[str, float]:
+    """One push without keeping the plan (collective): ``WeightSync(...).push(version)``."""
+    sync = WeightSync(chunks, table, engines, transport, bucket_bytes, fp8_block)
+    try:
+        return sync.push(version)
+    finally:
+        sync.close()
 
 
-def _assemble(key: str, pieces: list[tuple]) -> torch.Tensor:
-    shape, dtype = pieces[0][0], pieces[0][3]
-    full = torch.empty(shape, dtype=dtype)
-    covered = 0
-    for _, offset, data, _ in pieces:
-        idx = tuple(slice(o, o + n) for o, n in zip(offset, data.shape))
-        full[idx] = data.to("cpu")
-        covered += data.numel()
-    if covered != full.numel():
-        raise RuntimeError(f"weight sync: shards of {key} cover {covered} of {full.numel()} elements")
-    return full
+def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = None, manager: Any = None) -> Any:
+    """Collective: rank 0 runs ``work()`` (a rollout, scoring) while the other ranks stand by; returns its result on
+    every rank. An exception on rank 0 is raised on every rank (the same exception when it pickles, e.g. a
+    ``RewardError``), so no rank waits on a broadcast that never comes. With ``push`` and the rollout ``manager``:
+    should the rollout find no engine holding the current weights (every one was restarted), rank 0 calls for a
+    push (``manager.on_stale``) and every rank runs ``push()`` before rank 0 goes on."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
 
+    def tell(kind: str, value: Any = None) -> None:
+        if multi:
+            dist.broadcast_object_list([(kind, value)], src=0)
 
-def hf_buckets(chunks: list[torch.nn.Module], table: Sequence[ParamMap], bucket_bytes: int = 512 << 20,
-               dst: int = 0) -> Iterator[Optional[list[tuple[str, torch.Tensor]]]]:
-    """Collective generator: yields, bucket by bucket, HF-named full tensors on ``dst`` (None elsewhere)."""
-    local = _local_shards(chunks)
-    meta = {k: (v[0][0], v[0][3]) for k, v in local.items()}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        metas: list[Any] = [None] * world
-        dist.all_gather_object(metas, meta)
-        for m in metas:
-            meta.update(m)
-    missing = [r.mcore for r in table if r.mcore not in meta]
-    if missing:
-        raise KeyError(f"weight sync: the model has no shards for table keys {missing[:4]}")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for bucket in plan_buckets(table, meta, bucket_bytes):
-        mine = {r.mcore: [(s, o, d.detach().cpu(), t) for s, o, d, t in local.get(r.mcore, [])] for r in bucket}
-        if world > 1:
-            gathered: list[Any] = [None] * world if rank == dst else None
-            dist.gather_object(mine, gathered, dst=dst)
+    if trainer_rank() == 0:
+        def stale() -> None:
+            tell("push")
+            push()
+        if manager is not None and push is not None:
+            manager.on_stale = stale
+        try:
+            result = work()
+        except Exception as e:
+            tell("error", _picklable(e))
+            raise
+        finally:
+            if manager is not None:
+                manager.on_stale = None
+        tell("done", result)
+        return result
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "push":
+            push()
+        elif kind == "error":
+            raise value
         else:
-            gathered = [mine]
-        if rank != dst:
-            yield None
-            continue
-        named: list[tuple[str, torch.Tensor]] = []
-        for r in bucket:
-            pieces = [p for g in gathered for p in g.get(r.mcore, [])]
-            full = _assemble(r.mcore, pieces)
-            named.extend(zip(r.hf, r.to_hf(full)))
-        yield named
+            return value
 
 
-def sync_weights(chunks: list[torch.nn.Module], table: Sequence[ParamMap], engines: Sequence[Any], version: int,
-                 bucket_bytes: int = 512 << 20, dst: int = 0,
-                 fp8_block: Optional[tuple[int, int]] = None) -> dict[str, float]:
-    """Push the trainer's current weights into every engine (collective over the trainer's ranks).
+def _picklable(e: Exception) -> Exception:
+    """``e`` itself when it survives pickling, else a RuntimeError with its type and message."""
+    import pickle
 
-    ``engines`` (meaningful on ``dst``): objects with ``update_weights(named_tensors, version)`` and optional
-    ``pause()`` / ``resume()``. ``fp8_block=(128, 128)`` sends the family's linear weights as float8_e4m3fn with
-    one ``weight_scale_inv`` per block (megadare/convert/fp8.py), for SGLang engines started from a
-    ``quantize_export(..., fmt="fp8-block")`` checkpoint. Returns bytes, seconds, GB/s and the number of buckets.
-    """
-    linear = None
-    if fp8_block:
-        from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
-
-        linear = linear_hf_names(table)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    t0 = time.perf_counter()
-    if rank == dst:
-        for e in engines:
-            getattr(e, "pause", lambda: None)()
-    nbytes, n_buckets = 0, 0
-    for named in hf_buckets(chunks, table, bucket_bytes, dst):
-        n_buckets += 1
-        if named is None:
-            continue
-        if linear is not None:
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-            named = list(fp8_rollout_weights(((n, t.to(dev)) for n, t in named), linear, block=fp8_block))
-        nbytes += sum(t.numel() * t.element_size() for _, t in named)
-        for e in engines:
-            e.update_weights(named, version)
-    if rank == dst:
-        for e in engines:
-            getattr(e, "resume", lambda: None)()
-    dt = time.perf_counter() - t0
-    return {"sync_bytes": float(nbytes), "sync_seconds": dt, "sync_gbps": nbytes / max(dt, 1e-9) / 1e9,
-            "sync_buckets": float(n_buckets)}
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
+        return RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")

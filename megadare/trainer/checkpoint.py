@@ -80,7 +80,7 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
         # a fresh Adam (loading, or saving before the first update: an RL run whose first steps kept no
         # group) gets zero moments at step 0, which megatron can describe; they save and load as a fresh Adam
         filled = _init_empty_optimizer_state(optimizer)
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIM_METADATA))
         for state, p in filled:  # back to unallocated (only what was filled here): megatron's load_state_dict
             del state[p]         # allocates the state it restores, a fresh Adam allocates at its first step
     return _drop_extra_state(sd)

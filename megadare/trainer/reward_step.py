@@ -5,21 +5,19 @@
 Each response is scored with the prompt's assistant prefill in front (the text the reward checks), by
 :func:`megadare.rewards.score_batch`; when more than ``rl.max_reward_error_fraction`` of the batch raised or ran
 past the time limit, :class:`~megadare.rewards.RewardError` names the reward, the first failing record's
-``file:row`` and its exception. Rank 0 scores; :func:`rank0_result` carries its result, or that error, to every
-rank, so all ranks stop before the update instead of waiting on a broadcast that never comes.
+``file:row`` and its exception. Rank 0 scores; ``rollout.weight_sync.run_on_rank0`` carries its result, or that
+error, to every rank, so all ranks stop before the update instead of waiting on a broadcast that never comes.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch.distributed as dist
-
-from megadare.rewards import RewardError, check_reward_errors, score_batch
+from megadare.rewards import check_reward_errors, score_batch
 
 if TYPE_CHECKING:
     from megadare.config import Config
 
-__all__ = ["score_rollouts", "score_texts", "rank0_result"]
+__all__ = ["score_rollouts", "score_texts"]
 
 
 def score_texts(cfg: Config, reward_fn, texts: Sequence[str], prompts: Sequence, where: str
@@ -38,17 +36,3 @@ def score_rollouts(cfg: Config, reward_fn, tok, trajectories, prompts: Sequence,
     """:func:`score_texts` of the trajectories' decoded answers (a full-canvas response up to its first EOS)."""
     texts = [tok.decode(t.answer_ids(tok.eos_token_id)) for t in trajectories]
     return score_texts(cfg, reward_fn, texts, prompts, where)
-
-
-def rank0_result(fn: Callable[[], Any], rank0: bool) -> Any:
-    """``fn()`` run on rank 0 and broadcast to every rank; a RewardError there is raised on every rank."""
-    payload: list[Any] = [None]
-    if rank0:
-        try:
-            payload = [fn()]
-        except RewardError as e:
-            payload = [e]
-    dist.broadcast_object_list(payload, src=0)
-    if isinstance(payload[0], RewardError):
-        raise payload[0]
-    return payload[0]

@@ -13,9 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-
 from megadare.config import Config
-from megadare.trainer.reward_step import rank0_result
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 
 
@@ -35,7 +33,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     run = None
     try:
         run = setup_run(cfg)
-        push_weights(run)
+        push_weights(run, queued=False)
         start_loop(run)
         evaluate_at(run)
         stopper, start, stopped = StopSignal(), run.step, False
@@ -62,27 +60,33 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         return {"step": run.step, "stopped_by_signal": stopped, "history": run.history, "evals": run.evals,
                 "checkpoint_root": run.save_root}
     finally:
+        if run is not None and run.weight_sync is not None:
+            run.weight_sync.close()
         if run is not None and run.manager is not None:
             run.manager.shutdown()
         destroy_distributed()
 
 
-def push_weights(run: RLRun) -> dict[str, float]:
-    """Sync the trainer's weights into every engine as version ``run.step``; queued partial rollouts then
-    continue on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
-    from megadare.convert import mapping_for
+def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
+    """Sync the trainer's weights into every engine as version ``run.step`` (``rollout.weight_transport``; with
+    LoRA the engines get W + s B A); ``queued``: the rollout queue exists and its partial rollouts then continue
+    on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
     from megadare.models.lora import merged_weights
-    from megadare.rollout.weight_sync import sync_weights
 
     t0 = time.perf_counter()
-    r = run.cfg.rollout
-    with merged_weights(run.policy.model):  # LoRA: the engines decode with W + s B A
-        stats = sync_weights(run.policy.model, mapping_for(run.src.hf_config)[2],
-                             [run.manager] if run.rank0 else [], version=run.step, bucket_bytes=r.bucket_mb << 20,
-                             fp8_block=(128, 128) if r.fp8_weights else None)
-    if run.rank0 and run.queue is not None:
-        run.queue.advance()
+    with merged_weights(run.policy.model):
+        stats = run.weight_sync.push(run.step)
+    if queued:
+        on_rank0(run, lambda: run.queue.advance())
     return {**stats, "sync_s": time.perf_counter() - t0}
+
+
+def on_rank0(run: RLRun, work):
+    """``work()`` on rank 0 (the engines' owner) while the other ranks stand by to push the current weights again
+    should every engine have been restarted meanwhile; its result on every rank."""
+    from megadare.rollout.weight_sync import run_on_rank0
+
+    return run_on_rank0(work, lambda: run.weight_sync.push(run.step), run.manager)
 
 
 def start_loop(run: RLRun) -> None:
@@ -110,8 +114,8 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    samples, metrics = rank0_result(lambda: collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts,
-                                                         run.tok, run.reward_fn), run.rank0)
+    samples, metrics = on_rank0(run, lambda: collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts,
+                                                          run.tok, run.reward_fn))
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 
@@ -173,8 +177,7 @@ def evaluate_at(run: RLRun) -> None:
     from megadare.trainer.rl_rollout import evaluate, sampling_params
 
     params = sampling_params(run.cfg, run.arch, run.cfg.seed, evaluation=True)
-    res = rank0_result(lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params),
-                       run.rank0)
+    res = on_rank0(run, lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params))
     if res:
         run.evals[run.step] = res
         run.monitor.log(run.step, {f"eval/{k}": v for k, v in res.items()}, advance=False)

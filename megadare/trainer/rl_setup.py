@@ -47,6 +47,7 @@ class RLRun:
     buffer: Any = None               # ReplayBuffer (D-ARL)
     async_state: Optional[dict] = None  # the checkpoint's queue / replay state (resume)
     manager: Any = None              # RolloutManager (rank 0)
+    weight_sync: Any = None          # WeightSync: pushes the policy into the engines (every rank)
     queue: Any = None                # RolloutQueue (rank 0)
     monitor: Any = None
     evals: dict = field(default_factory=dict)
@@ -97,7 +98,19 @@ def setup_run(cfg: Config) -> RLRun:
     if run.rank0:
         write_run_config(cfg)
         run.manager = start_engines(cfg, src, tok)
+    run.weight_sync = _weight_sync(cfg, run)
     return run
+
+
+def _weight_sync(cfg: Config, run: RLRun):
+    """The run's weight sync (every rank; rank 0 drives the engines): transport and bucket size from the config,
+    block-fp8 linear weights for SGLang engines serving an fp8 export."""
+    from megadare.convert import mapping_for
+    from megadare.rollout.weight_sync import WeightSync
+
+    r = cfg.rollout
+    return WeightSync(run.policy.model, mapping_for(run.src.hf_config)[2], run.manager, transport=r.weight_transport,
+                      bucket_bytes=r.bucket_mb << 20, fp8_block=(128, 128) if r.fp8_weights else None)
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
