@@ -26,7 +26,7 @@ class FakeSGLang:
     MODULES = ["sglang", "sglang.srt", "sglang.srt.dllm", "sglang.srt.dllm.algorithm",
                "sglang.srt.dllm.algorithm.base", "sglang.srt.plugins", "sglang.srt.plugins.hook_registry",
                "sglang.srt.managers", "sglang.srt.managers.tp_worker", "sglang.srt.utils", "sglang.srt.weight_sync",
-               "sglang.srt.weight_sync.tensor_bucket"]
+               "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.models", "sglang.srt.models.sdar"]
 
     def __init__(self):
         self.mods = {name: types.ModuleType(name) for name in self.MODULES}
@@ -100,7 +100,9 @@ class FakeSGLang:
         HookRegistry.hooks = []
         self.mods["sglang.srt.plugins.hook_registry"].HookRegistry = HookRegistry
         self.mods["sglang.srt.plugins.hook_registry"].HookType = HookType
-        self.mods["sglang.srt.managers.tp_worker"].TpModelWorker = FakeTpModelWorker
+        # per-fake subclasses: the hooks a test applies patch these, not the classes below
+        self.mods["sglang.srt.managers.tp_worker"].TpModelWorker = type("TpModelWorker", (FakeTpModelWorker,), {})
+        self.mods["sglang.srt.models.sdar"].SDARForCausalLM = type("SDARForCausalLM", (FakeSDARForCausalLM,), {})
         self.mods["sglang.srt.utils"].MultiprocessingSerializer = FakeSerializer
         self.mods["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorBucket = FakeFlattenedBucket
 
@@ -160,6 +162,31 @@ class FakeTpModelWorker:
         return self.dllm_algorithm.run(self.model_runner, forward_batch, states)
 
 
+class FakeSDARForCausalLM(torch.nn.Module):
+    """sglang 0.5.20-0.5.23's SDARForCausalLM at the point megadare fixes: with tied embeddings at TP 1 ``lm_head``
+    is ``model.embed_tokens`` (no ``lm_head.weight`` parameter), and ``load_weights`` looks one up for the
+    embedding when ``config.tie_word_embeddings`` (sglang/srt/models/sdar.py, the ``model.embed_tokens.weight``
+    branch); other names load into ``named_parameters()`` or are skipped with a warning."""
+
+    def __init__(self, tie: bool):
+        super().__init__()
+        self.config = types.SimpleNamespace(tie_word_embeddings=tie)
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(8, 4)
+        self.lm_head = self.model.embed_tokens if tie else torch.nn.Linear(4, 8, bias=False)
+        self.skipped: list[str] = []
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
+                params["lm_head.weight"].data.copy_(w)            # KeyError when lm_head is the embedding
+            if name in params:
+                params[name].data.copy_(w)
+            else:
+                self.skipped.append(name)
+
+
 class FakeSerializer:
     @staticmethod
     def serialize(obj, output_str=False):
@@ -196,11 +223,21 @@ def fake_sglang(monkeypatch):
     return FakeSGLang().install(monkeypatch)
 
 
+SERVABLE_VOCAB = 157184           # holds sglang's mask ids (SDAR 151669, LLaDA2 156895)
+
+
 @pytest.fixture
 def ckpt(tmp_path):
+    """A config.json (no weights) of the family serving ``arch``: its tiny config with sglang's mask id and a
+    vocabulary that holds it, ``extra`` on top."""
+    from megadare.models.family import family_of
+    from megadare.rollout.sglang_engine import SGLANG_MASK_ID
+
     def make(arch="SDARForCausalLM", **extra):
         d = tmp_path / arch
         d.mkdir(exist_ok=True)
-        (d / "config.json").write_text(json.dumps({"architectures": [arch], **extra}))
+        over = {"vocab_size": SERVABLE_VOCAB, "mask_token_id": SGLANG_MASK_ID[arch]} if arch in SGLANG_MASK_ID else {}
+        cfg = family_of({"architectures": [arch]}).tiny_config(**over)
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
         return str(d)
     return make

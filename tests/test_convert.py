@@ -83,6 +83,68 @@ def test_convert_roundtrip_bitwise(name, hf_dirs, tmp_path):
             assert f1.read() == f2.read()
 
 
+@pytest.mark.parametrize("name", ["sdar", "sdar_moe", "llada2"])
+def test_exports_load_in_transformers(name, hf_dirs, tmp_path):
+    """megatron_to_hf exports of the families SGLang serves load in transformers the way SGLang reads them
+    (AutoConfig, trust_remote_code): SDAR / SDAR-MoE configs megadare writes are Qwen3 / Qwen3-MoE configs, and
+    AutoModelForCausalLM builds the same network (same logits under the block-causal mask); LLaDA2's carries
+    megadare's configuration_llada2_moe.py."""
+    transformers = pytest.importorskip("transformers")
+    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.models import load_hf_model
+    from megadare.models.attention import block_causal
+
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    hf_to_megatron(hf_dirs[name], ck, progress=False)
+    megatron_to_hf(ck, out, progress=False)
+    conf = transformers.AutoConfig.from_pretrained(out, trust_remote_code=True)
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert conf.architectures == written["architectures"] and conf.model_type == written["model_type"]
+    assert conf.mask_token_id == written["mask_token_id"] and conf.vocab_size == written["vocab_size"]
+    if name == "llada2":
+        assert os.path.exists(os.path.join(out, "configuration_llada2_moe.py")) and conf.embedding_dropout == 0.0
+        return
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ours = load_hf_model(out)
+    ids = torch.randint(0, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+    allowed = block_causal(4).dense(8, 8)
+    with torch.no_grad():
+        ref = theirs(input_ids=ids, attention_mask=torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")))
+        assert torch.allclose(ref.logits, ours(ids, attention_mask=allowed), atol=1e-4)
+
+
+def test_exports_carry_the_publishers_remote_code(hf_dirs, tmp_path):
+    """A source checkpoint with model_type 'sdar' and its remote code (auto_map + configuration_sdar.py, as the
+    publishers ship it): the converted checkpoint and its export carry the code, and the export loads in
+    transformers through it."""
+    pytest.importorskip("transformers")
+    import shutil
+
+    from transformers import AutoConfig
+
+    from megadare.convert import hf_to_megatron, megatron_to_hf
+
+    src = str(tmp_path / "publisher")
+    shutil.copytree(hf_dirs["sdar"], src)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(model_type="sdar", auto_map={"AutoConfig": "configuration_sdar.SDARConfig"})
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(src, "configuration_sdar.py"), "w") as f:
+        f.write("from transformers import Qwen3Config\n\n\nclass SDARConfig(Qwen3Config):\n    model_type = 'sdar'\n")
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    hf_to_megatron(src, ck, progress=False)
+    megatron_to_hf(ck, out, progress=False)
+    assert os.path.exists(os.path.join(ck, "hf", "configuration_sdar.py"))
+    conf = AutoConfig.from_pretrained(out, trust_remote_code=True)
+    assert type(conf).__name__ == "SDARConfig" and conf.model_type == "sdar" and conf.block_size == 4
+    os.remove(os.path.join(out, "configuration_sdar.py"))     # what exports did before: no remote code
+    with pytest.raises((ValueError, OSError)):
+        AutoConfig.from_pretrained(out, trust_remote_code=True)
+
+
 class _Buf(bytearray):
     """A buffer that can be weakly referenced: tensors made with frombuffer keep it alive."""
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
 from megadare.rollout.dllm_step import BlockTrace, dllm_step
-from megadare.rollout.engine import SamplingParams
+from megadare.rollout.engine import SamplingParams, prompt_seed
 from megadare.rollout.native import NativeEngine
 
 from block_toy import V, MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
@@ -38,8 +38,9 @@ def _ref_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return out
 
 
-def _ref_step(logits, tokens, masked, s, params, gen):
-    """SDAR generate.py's step (block of B, S steps) with LLaDA-style temperature/top-k/top-p sampling."""
+def _ref_step(logits, tokens, masked, s, params, gens):
+    """SDAR generate.py's step (block of B, S steps) with LLaDA-style temperature/top-k/top-p sampling; row b
+    draws from its own generator gens[b], and only while it has a masked position."""
     logits = logits.clone().float()
     logits[..., MASK] = -math.inf
     n, Bn, _ = logits.shape
@@ -48,7 +49,10 @@ def _ref_step(logits, tokens, masked, s, params, gen):
         logp = torch.zeros(n, Bn)
     else:
         lp_all = F.log_softmax(_ref_filter(logits / params.temperature, params.top_k, params.top_p), -1)
-        tok = torch.multinomial(lp_all.exp().reshape(-1, V), 1, generator=gen).view(n, Bn)
+        tok = tokens.clone()
+        for b in range(n):
+            if masked[b].any():
+                tok[b] = torch.multinomial(lp_all[b].exp(), 1, generator=gens[b]).view(Bn)
         logp = lp_all.gather(-1, tok[..., None])[..., 0]
     conf = F.softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
     S = params.steps_per_block
@@ -85,7 +89,8 @@ def test_dllm_step_matches_reference(params):
     tokens[0, :3] = torch.tensor([1, 2, 3])          # a prompt remainder at the block start
     tokens[2, :1] = torch.tensor([4])
     ref_tokens = tokens.clone()
-    g, g_ref = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    g = [torch.Generator().manual_seed(7 + b) for b in range(3)]
+    g_ref = [torch.Generator().manual_seed(7 + b) for b in range(3)]
     trace = BlockTrace(3)
     for s in range(params.steps_per_block):
         masked = tokens == MASK
@@ -97,7 +102,8 @@ def test_dllm_step_matches_reference(params):
         ref_new, ref_pick, ref_logp, ref_conf = _ref_step(logits, ref_tokens, ref_tokens == MASK, s, params, g_ref)
         assert torch.equal(res.committed, ref_pick) and torch.equal(res.tokens, ref_new)
         assert torch.allclose(res.logprobs[res.committed], ref_logp[ref_pick], atol=1e-6)
-        assert torch.allclose(res.confidence, ref_conf, atol=1e-6)
+        act = masked.any(1)
+        assert torch.equal(res.active, act) and torch.allclose(res.confidence[act], ref_conf[act], atol=1e-6)
         assert (res.tokens != MASK).sum() > (tokens != MASK).sum()       # every step commits something
         trace.add(res, s)
         tokens, ref_tokens = res.tokens, ref_new
@@ -113,25 +119,28 @@ def test_dllm_step_never_predicts_mask_and_finishes_past_schedule():
     logits = torch.zeros(1, 4, V)
     logits[..., MASK] = 100.0                        # the model loves the mask token
     tokens = torch.full((1, 4), MASK)
-    res = dllm_step(logits, tokens, tokens == MASK, 9, SamplingParams(block_size=4, steps_per_block=2), None,
+    res = dllm_step(logits, tokens, tokens == MASK, 9, SamplingParams(block_size=4, steps_per_block=2), [None],
                     mask_token_id=MASK)
     assert res.committed.all() and not (res.tokens == MASK).any()   # step 9 > S: commits every masked position
     with pytest.raises(ValueError, match="block has 3 positions"):
         dllm_step(torch.zeros(1, 3, V), torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool), 0,
-                  SamplingParams(block_size=4, steps_per_block=2), None)
+                  SamplingParams(block_size=4, steps_per_block=2), [None])
+    with pytest.raises(ValueError, match="one per row"):
+        dllm_step(torch.zeros(2, 4, V), torch.full((2, 4), MASK), torch.ones(2, 4, dtype=torch.bool), 0,
+                  SamplingParams(block_size=4, steps_per_block=2), [None])
 
 
 # ---------------------------------------------------------------------------------------------- (b) the core loop
-def drive_request(core: sp.BlockDenoiser, model: ToyBlockLM, prompt: list[int], params: SamplingParams
-                  ) -> dict[str, Any]:
-    """One request through the plugin core the way sglang serves it: complete prompt blocks are prefilled, the
-    first decode block starts with the prompt's remainder, each block is denoised by ``denoise_block`` (forward,
-    step, ..., final forward), the trace goes out per emitted token; stop after the block holding EOS.
-    Returns what sglang's generate() returns for the request."""
+def drive_request(core: sp.BlockDenoiser, model: ToyBlockLM, prompt: list[int], params: SamplingParams,
+                  index: int = 0) -> dict[str, Any]:
+    """One request (the ``index``-th prompt of a generate() call) through the plugin core the way sglang serves
+    it: complete prompt blocks are prefilled, the first decode block starts with the prompt's remainder, each block
+    is denoised by ``denoise_block`` (forward, step, ..., final forward), the trace goes out per emitted token; stop
+    after the block holding EOS. Returns what sglang's generate() returns for the request."""
     pre = len(prompt) // B * B
     grid, out, trace, forwards = list(prompt[:pre]), [], [], 0
     custom = {sp.CUSTOM_PARAMS_KEY: {"algorithm": params.algorithm, "steps_per_block": params.steps_per_block,
-                                     "threshold": params.threshold, "seed": params.seed}}
+                                     "threshold": params.threshold, "seed": prompt_seed(params.seed, index)}}
     rparams = core.params_for(params.temperature if params.temperature > 0 else 0.0, params.top_p,
                               params.top_k if params.top_k > 0 else -1, custom)
     rng = sp.RequestRng(rparams.seed)              # lives on the Req for the whole generation
@@ -166,7 +175,7 @@ CORE_PARAMS = [
                    seed=3, stop_at_eos=False),
     SamplingParams(max_new_tokens=12, block_size=B, steps_per_block=2, algorithm="random", temperature=1.0,
                    seed=11, stop_at_eos=False),
-    SamplingParams(max_new_tokens=16, block_size=B, steps_per_block=4, temperature=1.2, seed=5),
+    SamplingParams(max_new_tokens=16, block_size=B, steps_per_block=4, temperature=1.2, seed=6),
 ]
 
 
@@ -176,12 +185,11 @@ def test_plugin_core_reproduces_native_engine(params):
     native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
     core = sp.BlockDenoiser(B, MASK, {"block_size": B, "steps_per_block": 4})
     greedy = params.temperature == 0
-    # greedy: one batched native call (the batch changes no sample); sampled: one prompt per native call, so the
-    # native engine's single generator and the request's generator draw the same stream
-    natives = native.generate(PROMPTS, params) if greedy else [native.generate([p], params)[0] for p in PROMPTS]
+    # one batched native call: prompt i draws from its own stream seeded prompt_seed(seed, i) in both engines
+    natives = native.generate(PROMPTS, params)
     finishes = set()
-    for prompt, nat in zip(PROMPTS, natives):
-        out = drive_request(core, model, prompt, params)
+    for i, (prompt, nat) in enumerate(zip(PROMPTS, natives)):
+        out = drive_request(core, model, prompt, params, index=i)
         traj = se.trajectory_from_output(prompt, out, params, EOS, policy_version=4)   # validates
         assert traj.response_ids == nat.response_ids
         assert traj.commit_step == nat.commit_step and traj.block_step == nat.block_step

@@ -53,6 +53,39 @@ def test_engine_launch_arguments(fake_sglang, ckpt):
         se.SGLangEngine(ckpt(), EOS, max_running_requests=0, check_plugin=False)
 
 
+def test_engine_refuses_a_mask_id_sglang_does_not_use(fake_sglang, ckpt):
+    """sglang decodes SDAR with mask id 151669 and LLaDA2 with 156895 whatever config.json says: another mask id
+    is refused, naming both ids, before sglang.Engine is built."""
+    with pytest.raises(ValueError, match=r"mask token id 255, but sglang hard-codes mask id 151669 for "
+                                         r"SDARForCausalLM"):
+        se.SGLangEngine(ckpt(mask_token_id=255), EOS, check_plugin=False)
+    with pytest.raises(ValueError, match=r"mask token id 151669, but sglang hard-codes mask id 156895"):
+        se.SGLangEngine(ckpt("LLaDA2MoeModelLM", mask_token_id=151669), EOS, check_plugin=False)
+    with pytest.raises(ValueError, match=r"vocab_size=256, which does not hold sglang's mask id 151669"):
+        se.SGLangEngine(ckpt("SDARMoeForCausalLM", vocab_size=256), EOS, check_plugin=False)
+    assert not fake_sglang.named("Engine")                    # refused before the engine started
+    se.SGLangEngine(ckpt("SDARMoeForCausalLM"), EOS, check_plugin=False)
+    assert len(fake_sglang.named("Engine")) == 1
+
+
+def test_tied_sdar_checkpoints_load_through_the_plugin_hook(fake_sglang):
+    """sglang's SDAR loader raises KeyError('lm_head.weight') for a tied checkpoint (its head is the embedding);
+    through megadare's hook the embedding loads into the one shared tensor, and untied models are untouched."""
+    model_cls = sys.modules["sglang.srt.models.sdar"].SDARForCausalLM
+    emb, head = torch.randn(8, 4), torch.randn(8, 4)
+    tied = model_cls(tie=True)
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        tied.load_weights([("model.embed_tokens.weight", emb)])                # the bug, without the hook
+    sp.register()
+    sys.modules["sglang.srt.plugins.hook_registry"].HookRegistry.apply_hooks()
+    tied.load_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", head)])
+    assert torch.equal(tied.lm_head.weight, emb) and tied.config.tie_word_embeddings is True
+    assert tied.skipped == ["lm_head.weight"]                 # sglang skips a tied checkpoint's copy of the head
+    untied = model_cls(tie=False)
+    untied.load_weights([("model.embed_tokens.weight", emb), ("lm_head.weight", head)])
+    assert torch.equal(untied.model.embed_tokens.weight, emb) and torch.equal(untied.lm_head.weight, head)
+
+
 def test_engine_requires_the_plugin_entry_point(fake_sglang, ckpt, monkeypatch):
     import importlib.metadata as md
 
@@ -280,9 +313,10 @@ def test_register_resolves_the_algorithm_and_delivers_traces(fake_sglang, fdfo):
     assert cls.__name__ == sp.ALGORITHM_NAME and issubclass(cls, FakeDllmAlgorithm)
     assert set(cls.supported_architectures) == {"SDARForCausalLM", "SDARMoeForCausalLM", "LLaDA2MoeModelLM"}
     registry = sys.modules["sglang.srt.plugins.hook_registry"].HookRegistry
-    assert [(t, h.name) for t, _, h in registry.hooks] == [(sp.WORKER_HOOK_TARGET, "AROUND")]
+    assert [(t, h.name) for t, _, h in registry.hooks] == [(sp.WORKER_HOOK_TARGET, "AROUND"),
+                                                          (sp.SDAR_LOAD_HOOK_TARGET, "AROUND")]
     sp.register()                                             # idempotent
-    assert len(registry.hooks) == 1
+    assert len(registry.hooks) == 2
     registry.apply_hooks()                                    # what load_plugins() does after the plugins ran
 
     config = types.SimpleNamespace(algorithm=sp.ALGORITHM_NAME, block_size=B, mask_id=MASK,

@@ -10,7 +10,7 @@ returns plain lm_head logits.
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, register
+from megadare.models.family import Family, ModelArch, canonical_config, register
 from megadare.models.sdar import qwen_common
 
 MASK_TOKEN_ID = 151666
@@ -26,6 +26,7 @@ NAMES = HFNames(
 
 
 def arch(cfg: dict) -> ModelArch:
+    cfg = canonical_config(cfg, "DreamModel")
     kw = qwen_common(cfg, "DreamModel")
     return ModelArch(family="dream", architecture="DreamModel", qkv_bias=True, logits_shift=1,
                      mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)), attention="bidirectional",

@@ -141,6 +141,46 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
+# Names a config.json may use for a key megadare reads: the attribute_map of transformers' own config classes
+# (transformers 5 saves Qwen3-MoE's ``num_experts`` as ``num_local_experts``: Qwen3MoeConfig.attribute_map).
+# tests/test_hf_models.py checks this table against the installed transformers' config classes.
+KEY_ALIASES: dict[str, tuple[str, ...]] = {"num_experts": ("num_local_experts",)}
+# transformers 5 saves ``rope_theta`` (and ``partial_rotary_factor`` where a model has one) inside ``rope_parameters``
+ROPE_PARAMETER_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def canonical_config(cfg: dict, where: str) -> dict:
+    """config.json with the keys megadare reads under their canonical names: a key written under an alias that
+    transformers accepts for it (``KEY_ALIASES``) or inside transformers 5's ``rope_parameters`` is copied to its
+    canonical name. The same key under two names with different values is an error; so is a ``rope_parameters``
+    of a ``rope_type`` other than ``default`` (a RoPE scaling megadare does not implement)."""
+    out = dict(cfg)
+    found: dict[str, list[tuple[str, Any]]] = {}
+    for key, names in KEY_ALIASES.items():
+        for name in names:
+            if out.get(name) is not None:
+                found.setdefault(key, []).append((name, out[name]))
+    rope = out.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict):
+            raise ModelConfigError(f"{where}: config.json rope_parameters={rope!r} must be a mapping")
+        if rope.get("rope_type", "default") != "default":
+            raise ModelConfigError(f"{where}: config.json rope_parameters={rope!r}: rope_type "
+                                   f"{rope['rope_type']!r} is not supported; megadare implements plain RoPE "
+                                   "(rope_type 'default'), as the published dLLM checkpoints use")
+        for key in ROPE_PARAMETER_KEYS:
+            if rope.get(key) is not None:
+                found.setdefault(key, []).append((f"rope_parameters.{key}", rope[key]))
+    for key, values in found.items():
+        if out.get(key) is not None:
+            values = [(key, out[key])] + values
+        if len({v for _, v in values}) > 1:
+            raise ModelConfigError(f"{where}: config.json gives {key!r} different values under different names: "
+                                   + ", ".join(f"{n}={v!r}" for n, v in values) + "; keep one")
+        out[key] = values[0][1]
+    return out
+
+
 def require(cfg: dict, key: str, typ: type | tuple[type, ...], where: str) -> Any:
     """cfg[key], checked for presence and type, with an error naming the key and the checkpoint."""
     if key not in cfg:

@@ -14,7 +14,7 @@ Rejected: include_bias true, attention_layer_norm true, block_type other than "l
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, ModelConfigError, register, require
+from megadare.models.family import Family, ModelArch, ModelConfigError, canonical_config, register, require
 
 MASK_TOKEN_ID = 126336
 _B = "model.transformer.blocks.{i}."
@@ -29,6 +29,7 @@ NAMES = HFNames(
 
 def arch(cfg: dict) -> ModelArch:
     w = "LLaDAModelLM"
+    cfg = canonical_config(cfg, w)
     for key, bad in (("include_bias", True), ("attention_layer_norm", True)):
         if cfg.get(key) == bad:
             raise ModelConfigError(f"{w}: config.json {key}={bad} is not supported")

@@ -28,10 +28,13 @@ recorded trace is the trainer's), so its 2.1 decodes differ from the publisher's
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, ModelConfigError, register, require
+from megadare.models.family import Family, ModelArch, ModelConfigError, canonical_config, register, require
 
 MASK_TOKEN_ID = 156895
 BLOCK_SIZE = 32
+# transformers has no llada2_moe: configs megadare writes name its own configuration file (models/remote_code/),
+# which save_hf_model puts beside them, so AutoConfig (SGLang) reads them with trust_remote_code
+AUTO_MAP = {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig"}
 _L = "model.layers.{i}."
 NAMES = HFNames(
     embed="model.word_embeddings.weight", final_norm="model.norm.weight", lm_head="lm_head.weight",
@@ -49,6 +52,7 @@ NAMES = HFNames(
 
 def arch(cfg: dict) -> ModelArch:
     w = "LLaDA2MoeModelLM"
+    cfg = canonical_config(cfg, w)
     for key in ("use_qkv_bias", "use_bias"):
         if cfg.get(key):
             raise ModelConfigError(f"{w}: config.json {key}=true is not supported (published LLaDA2 has none)")
@@ -85,7 +89,7 @@ def arch(cfg: dict) -> ModelArch:
 
 def tiny_config(**over) -> dict:
     cfg = {
-        "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe",
+        "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "auto_map": dict(AUTO_MAP),
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
         "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 512,
@@ -94,6 +98,7 @@ def tiny_config(**over) -> dict:
         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
         "score_function": "sigmoid", "moe_router_enable_expert_bias": True, "first_k_dense_replace": 1,
         "hidden_act": "silu", "torch_dtype": "float32", "mask_token_id": 255, "block_size": BLOCK_SIZE,
+        "embedding_dropout": 0.0,
     }
     cfg.update(over)
     return cfg

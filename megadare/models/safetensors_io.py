@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megadare.models.remote_code import write_remote_code
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Files a converter copies from the source checkpoint so the output loads in the published layout.
@@ -206,9 +208,14 @@ class ShardedSafetensorsWriter:
 
 
 def copy_passthrough_files(src_dir: str, dst_dir: str) -> list[str]:
-    """Copy config.json, generation config and tokenizer files from src to dst; returns what was copied."""
+    """Copy config.json, generation config, tokenizer files and the remote code (every ``*.py`` beside config.json:
+    the ``configuration_*.py`` / ``modeling_*.py`` its ``auto_map`` names and what they import) from src to dst;
+    returns what was copied. Without the remote code an export of a checkpoint whose ``model_type`` transformers
+    does not know (``sdar``, ``llada2_moe``) would load neither in transformers nor in SGLang."""
     copied = []
-    for fn in PASSTHROUGH_FILES:
+    remote_code = sorted(f for f in os.listdir(src_dir)
+                         if f.endswith(".py") and os.path.isfile(os.path.join(src_dir, f)))
+    for fn in PASSTHROUGH_FILES + tuple(remote_code):
         s = os.path.join(src_dir, fn)
         if os.path.exists(s):
             shutil.copy2(s, os.path.join(dst_dir, fn))
@@ -218,10 +225,12 @@ def copy_passthrough_files(src_dir: str, dst_dir: str) -> list[str]:
 
 def save_hf_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str | os.PathLike,
                        max_shard_bytes: int = 2 << 30) -> str:
-    """Write a state dict + config.json as an HF checkpoint directory (tests, tiny models, exports)."""
+    """Write a state dict + config.json as an HF checkpoint directory (tests, tiny models, exports), with the
+    remote code megadare ships for the modules config.json's ``auto_map`` names (models/remote_code)."""
     with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
         for k, v in state.items():
             w.add(k, v)
         with open(os.path.join(w.staging_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        write_remote_code(config, w.staging_dir)
     return os.fspath(out_dir)

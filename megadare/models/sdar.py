@@ -10,13 +10,18 @@ Qwen3 / Qwen3-MoE modeling files the SDAR checkpoints reuse):
   training over x_t ++ x_0. Mask token id 151669, default block size 4 (sglang DLLM_PARAMS).
 * ``mask_token_id`` / ``block_size`` keys in config.json win when present (tiny test configs set them so a
   small vocabulary can hold the mask token).
+* ``model_type``: the publishers write ``sdar`` / ``sdar_moe`` and ship ``configuration_sdar*.py`` /
+  ``modeling_sdar*.py`` with an ``auto_map`` (megadare's exports copy those files along). Configs megadare writes
+  from scratch say ``qwen3`` / ``qwen3_moe``: SDAR's config keys and weights are Qwen3's, so transformers'
+  AutoConfig and AutoModelForCausalLM load them without remote code, and SGLang serves them as SDAR (it picks the
+  model class from ``architectures``).
 Unsupported (rejected with a message): Qwen3-MoE ``decoder_sparse_step`` != 1, non-empty ``mlp_only_layers``,
 ``rope_scaling``.
 """
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, ModelConfigError, register, require
+from megadare.models.family import Family, ModelArch, ModelConfigError, canonical_config, register, require
 
 MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
@@ -58,6 +63,7 @@ def qwen_common(cfg: dict, where: str) -> dict:
 def _arch(cfg: dict, moe: bool) -> ModelArch:
     arch_name = "SDARMoeForCausalLM" if moe else "SDARForCausalLM"
     where = arch_name
+    cfg = canonical_config(cfg, where)
     kw = qwen_common(cfg, where)
     if moe:
         if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
@@ -76,7 +82,7 @@ def _arch(cfg: dict, moe: bool) -> ModelArch:
 def _tiny(moe: bool, **over) -> dict:
     cfg = {
         "architectures": ["SDARMoeForCausalLM" if moe else "SDARForCausalLM"],
-        "model_type": "sdar_moe" if moe else "sdar",
+        "model_type": "qwen3_moe" if moe else "qwen3",
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": not moe,

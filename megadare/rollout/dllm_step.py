@@ -2,10 +2,13 @@
 
 Both rollout engines decode a block of B tokens the same way; this module is the part they share:
 
-* the built-in engine (``native.py``) calls :func:`dllm_step` once per forward for the whole batch, with one
-  ``torch.Generator`` for the batch;
-* the SGLang plugin (``sglang_plugin.py``) calls it once per forward and per request (``n = 1``), with a
-  generator per request, inside sglang's dLLM algorithm hook.
+* the built-in engine (``native.py``) calls :func:`dllm_step` once per forward for the whole batch;
+* the SGLang plugin (``sglang_plugin.py``) calls it once per forward and per request (``n = 1``), inside sglang's
+  dLLM algorithm hook.
+
+Both give every request its own ``torch.Generator``, seeded ``engine.prompt_seed(seed, prompt index)``: a request
+draws from it only in the steps where it has work (a masked position, or editable ones under token editing), so the
+same prompt at the same index gives the same trajectory in a batch of any size and in either engine.
 
 A step takes the block's logits ``[n, B, V]`` (rows = requests), the block's current tokens ``[n, B]``, which
 positions are still masked, and the block-local step index, and
@@ -49,7 +52,7 @@ class StepResult:
 
     tokens: torch.Tensor        # [n, B] block tokens after the step
     committed: torch.Tensor     # [n, B] bool: positions committed at this step
-    proposals: torch.Tensor     # [n, B] the sampled proposal x0 at every position
+    proposals: torch.Tensor     # [n, B] the sampled proposal x0 at every position (rows without work: their tokens)
     logprobs: torch.Tensor      # [n, B] log-prob of the proposal under the sampling distribution (0 when greedy)
     confidence: torch.Tensor    # [n, B] what low-confidence remasking ranks (params.confidence of the proposal)
     active: torch.Tensor        # [n] bool: the row had a masked position (or made an edit), i.e. this step counts
@@ -121,21 +124,24 @@ def block_start_commit(committed: torch.Tensor, masked: torch.Tensor, step: Step
 
 
 def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step: StepIndex,
-              params: SamplingParams, generator: Optional[torch.Generator],
+              params: SamplingParams, generators: Sequence[Optional[torch.Generator]],
               mask_token_id: Optional[int] = None,
-              commit_generator: Optional[torch.Generator] = None,
+              commit_generators: Optional[Sequence[Optional[torch.Generator]]] = None,
               editable: Optional[torch.Tensor] = None) -> StepResult:
     """One denoising step of a block.
 
     logits [n, B, V] (any float dtype; computed in float32), tokens [n, B], masked [n, B] bool (positions that may
     be committed: the still-masked ones of requests that are still decoding), step: the block-local step index
     (one int for all rows, or one per row), params: temperature / top_k / top_p / algorithm / threshold /
-    block_size / steps_per_block, generator: the RNG for sampling and random remasking (CPU or on the logits'
-    device), mask_token_id: if given, the mask token is never a prediction, commit_generator: the RNG for random
-    remasking if it must differ from ``generator`` (``select_commits`` draws a CPU ``randperm``, so a caller that
-    samples with a CUDA generator passes a CPU one here); defaults to ``generator``. editable [n, B] bool: token
-    editing only (``editing.Refinement.editable``): decoded positions whose token a confident, different
-    prediction replaces.
+    block_size / steps_per_block, generators: one RNG per row (its request's stream, see ``engine.prompt_seed``;
+    CPU or on the logits' device; None where nothing is drawn, e.g. greedy), mask_token_id: if given, the mask token
+    is never a prediction, commit_generators: per row, the RNG for random remasking if it must differ from the
+    row's generator (``select_commits`` draws a CPU ``randperm``, so a caller that samples with a CUDA generator
+    passes CPU ones here). editable [n, B] bool: token editing only (``editing.Refinement.editable``): decoded
+    positions whose token a confident, different prediction replaces.
+
+    A row draws (proposals, then random remasking) only in a step where it has work, so its stream advances with
+    its own steps alone: the result of a row does not depend on the other rows.
     """
     if logits.dim() != 3 or tokens.dim() != 2 or logits.shape[:2] != tokens.shape or masked.shape != tokens.shape:
         raise ValueError(f"dllm_step: need logits [n, B, V], tokens and masked [n, B]; got {tuple(logits.shape)}, "
@@ -143,14 +149,27 @@ def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, 
     if tokens.shape[1] != params.block_size:
         raise ValueError(f"dllm_step: the block has {tokens.shape[1]} positions, params.block_size="
                          f"{params.block_size}")
+    n = tokens.shape[0]
+    gens = list(generators)
+    commit_gens = gens if commit_generators is None else list(commit_generators)
+    if len(gens) != n or len(commit_gens) != n:
+        raise ValueError(f"dllm_step: {len(gens)} generators and {len(commit_gens)} commit generators for {n} rows "
+                         "(one per row)")
     logits = logits.float()
     if mask_token_id is not None:  # out of place: the caller's logits stay untouched
         logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
-    proposals, logp, conf = sample_tokens(logits, params.temperature, params.top_k, params.top_p, generator)
-    conf = ranking_confidence(logits, proposals, conf, params)
+    work = masked.any(dim=1) if editable is None else masked.any(dim=1) | editable.any(dim=1)
+    proposals = tokens.clone().to(logits.device)
+    logp = torch.zeros(tokens.shape, device=logits.device)
+    conf = torch.zeros(tokens.shape, device=logits.device)
+    committed = torch.zeros_like(masked)
     counts = commit_counts(masked, step, params)
-    committed = select_commits(conf, masked, counts, params.algorithm, params.threshold,
-                               generator if commit_generator is None else commit_generator, params.alg_temp)
+    for b in work.nonzero().squeeze(1).tolist():
+        p, lp, c = sample_tokens(logits[b:b + 1], params.temperature, params.top_k, params.top_p, gens[b])
+        proposals[b], logp[b] = p[0], lp[0]
+        conf[b] = ranking_confidence(logits[b:b + 1], p, c, params)[0]
+        committed[b] = select_commits(conf[b:b + 1], masked[b:b + 1], counts[b:b + 1], params.algorithm,
+                                      params.threshold, commit_gens[b], params.alg_temp)[0]
     committed = block_start_commit(committed, masked, step, params)
     edited = None
     if editable is not None:

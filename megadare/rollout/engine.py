@@ -27,6 +27,16 @@ SCHEDULES = ("even", "linspace", "linspace_first")
 FINISH_REASONS = ("eos", "length")
 WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync.py)
 ENGINE_DEVICES = ("auto", "cpu", "cuda")                                   # rollout.device (built-in engine)
+_SEED_STRIDE = 1_000_003
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of the random stream of the ``index``-th prompt of a generate() call with ``params.seed=seed``.
+
+    Every engine draws one stream per prompt (sampling, then random remasking, step by step, only in the steps
+    where the prompt has work), seeded from (seed, prompt index): a trajectory depends on its prompt,
+    its index and the weights, not on the other prompts of the batch nor on the engine. Prompt 0 gets ``seed``."""
+    return (int(seed) + int(index) * _SEED_STRIDE) % (2 ** 63)
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop_at_eos: bool = True          # finish after the block holding the first EOS (False: decode the whole
                                       # canvas of max_new_tokens, rl.canvas=full)
-    seed: int = 0
+    seed: int = 0                     # prompt i draws from its own stream, seeded prompt_seed(seed, i)
     record_steps: bool = False        # keep per-step predictions and confidences (MDPO)
     confidence: str = "model_prob"    # what low-confidence remasking ranks (CONFIDENCES)
     schedule: str = "even"            # how many tokens a static step commits (SCHEDULES)

@@ -16,12 +16,13 @@ Positions beyond the current block are never committed. ``full_attention_cache``
 'dual' also those after it, and later steps of the block recompute only the block (an approximation: in a
 bidirectional model those keys would change as the block fills in); 'none' (default) is exact.
 
-Each denoising step of a block is ``dllm_step.dllm_step`` (shared with the SGLang plugin) and its records go
-through a ``dllm_step.BlockTrace``. Every committed token records its global step (the sample's denoising forward
-index), its block-local step and its log-prob under the sampling distribution; ``use_cache=False`` recomputes the
-whole sequence each step (the reference the cache is tested against). Token editing (LLaDA2.1,
-``algorithm='editing'``) runs a block until ``editing.Refinement`` closes it and records the commits its edits
-overwrote (``Trajectory.superseded``).
+Each denoising step of a block is ``dllm_step.dllm_step`` (shared with the SGLang plugin) and its records go through
+a ``dllm_step.BlockTrace``. Each prompt samples from its own generator, seeded from (seed, prompt index)
+(``engine.prompt_seed``), so its trajectory does not depend on the rest of the batch. Every committed token records
+its global step (the sample's denoising forward index), its block-local step and its log-prob under the sampling
+distribution; ``use_cache=False`` recomputes the whole sequence each step (the reference the cache is tested
+against). Token editing (LLaDA2.1, ``algorithm='editing'``) runs a block until ``editing.Refinement`` closes it and
+records the commits its edits overwrote (``Trajectory.superseded``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from megadare.models.family import ModelArch
 from megadare.models.hf.common import KVCache
 from megadare.rollout.dllm_step import BlockTrace, dllm_step
 from megadare.rollout.editing import Refinement
-from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 
 
 class _Recorder:
@@ -144,8 +145,10 @@ class NativeEngine:
         self.forwards += 1
         return self.model(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, commit=commit)
 
-    def _generator(self, params: SamplingParams) -> torch.Generator:
-        return torch.Generator().manual_seed(params.seed)
+    @staticmethod
+    def _generators(params: SamplingParams, n: int) -> list[torch.Generator]:
+        """One CPU generator per prompt, seeded from (seed, prompt index) (``engine.prompt_seed``)."""
+        return [torch.Generator().manual_seed(prompt_seed(params.seed, i)) for i in range(n)]
 
     # ------------------------------------------------------------------ block diffusion
     @torch.no_grad()
@@ -165,7 +168,7 @@ class NativeEngine:
                 prefix[b, Q - pre[b]:] = torch.tensor(p[:pre[b]])
                 prefix_pos[b, Q - pre[b]:] = torch.arange(pre[b])
                 valid[b, Q - pre[b]:] = True
-        gen = self._generator(params)
+        gens = self._generators(params, n)
         rec = _Recorder(n, params.record_steps)
         done = [False] * n
         blocks: list[torch.Tensor] = []        # decoded blocks [n, Bs]
@@ -191,7 +194,7 @@ class NativeEngine:
                 if not masked.any() and (editable is None or not editable.any()):
                     break
                 logits = self._block_logits(cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs)
-                step = dllm_step(logits, cur, masked, s, params, gen, mask_token_id=M, editable=editable)
+                step = dllm_step(logits, cur, masked, s, params, gens, mask_token_id=M, editable=editable)
                 if refine is not None:
                     refine.after(masked, step)
                 trace.add(step, s)
@@ -249,7 +252,7 @@ class NativeEngine:
             pos[b, pad:] = torch.arange(len(p) + G)
         allowed = bidirectional().dense(P + G, P + G) & valid[:, None, None, :]
         allowed = allowed | torch.eye(P + G, dtype=torch.bool)[None, None]
-        gen = self._generator(params)
+        gens = self._generators(params, n)
         rec = _Recorder(n, params.record_steps)
         done = [False] * n
         for k in range(n_blocks):
@@ -266,7 +269,7 @@ class NativeEngine:
                 if not masked.any() and (editable is None or not editable.any()):
                     break
                 logits, cache = self._block_logits_full(x, allowed, pos, lo, hi, cache)
-                step = dllm_step(logits, x[:, lo:hi], masked, s, params, gen, mask_token_id=M, editable=editable)
+                step = dllm_step(logits, x[:, lo:hi], masked, s, params, gens, mask_token_id=M, editable=editable)
                 if refine is not None:
                     refine.after(masked, step)
                 trace.add(step, s)

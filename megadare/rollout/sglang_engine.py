@@ -11,7 +11,7 @@ Install: ``pip install "megadare[sglang]"`` (pins ``sglang>=0.5.20,<0.5.24``), a
 same environment (``pip install -e .``): sglang finds the algorithm through megadare's entry point in the group
 ``sglang.srt.plugins``, which it loads in every sglang process.
 
-Followed (sglang 0.5.20 / 0.5.22 / 0.5.23 wheels): ``sglang/srt/entrypoints/engine.py`` (``Engine(**server_args)``,
+Followed (sglang 0.5.20 / 0.5.21 / 0.5.22 / 0.5.23 wheels): ``sglang/srt/entrypoints/engine.py`` (``Engine(**server_args)``,
 ``generate(input_ids=..., sampling_params=[...])`` -> one dict per prompt with ``output_ids`` and ``meta_info``
 (``finish_reason = {"type": "stop" | "length" | "abort", ...}``, ``weight_version``, customized per-token info),
 ``update_weights_from_tensor(named_tensors, load_format, flush_cache)`` (``load_format="flattened_bucket"``: the
@@ -20,19 +20,26 @@ caller passes one serialized ``{"flattened_tensor", "metadata"}`` payload per TP
 ``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)``,
 ``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache, load_format)`` (the receiver
 allocates every listed tensor, then receives one ``broadcast(src=0)`` per tensor in list order: so the sender
-chunks), ``begin_weight_update`` / ``end_weight_update`` (0.5.22+: weight updates must run inside such a session,
+chunks), ``begin_weight_update`` / ``end_weight_update`` (0.5.21+: weight updates must run inside such a session,
 ``managers/scheduler_components/weight_updater.py``), ``flush_cache`` (-> ``.success``; fails while requests are
 in flight, so it is retried), ``release_memory_occupation`` / ``resume_memory_occupation`` (need
 ``enable_memory_saver``), ``get_model_info`` (``weight_version``), ``get_server_info``, ``shutdown``);
-``sglang/srt/dllm/config.py`` (``DLLM_PARAMS``: SDAR / SDAR-MoE block 4, LLaDA2 block 32; ``max_running_requests``
-defaults to 1 in dLLM mode, so it is always passed); ``sglang/srt/sampling/sampling_params.py`` (``temperature``,
+``sglang/srt/dllm/config.py`` (``DLLM_PARAMS``: SDAR / SDAR-MoE block 4 and mask id 151669, LLaDA2 block 32 and
+mask id 156895, hard-coded by architecture: config.json's ``mask_token_id`` is ignored, so a checkpoint with another
+mask id is refused here before the engine starts; ``max_running_requests`` defaults to 1 in dLLM mode, so it is
+always passed); ``sglang/srt/sampling/sampling_params.py`` (``temperature``,
 ``top_p``, ``top_k`` (-1 = off), ``max_new_tokens``, ``ignore_eos``, ``stop_token_ids``, ``sampling_seed``,
 ``custom_params``); ``sglang/srt/utils/common.py::init_custom_process_group`` (what the sender's group must match).
 
 Gaps (documented, not hidden): sglang's ``Engine.update_weights_from_tensor`` / ``..._from_distributed`` take no
 weight version (the request structs have one, the Engine methods do not pass it), so the policy version is kept
-here and stamped on every trajectory; ``health()`` also reports sglang's own ``weight_version``. Everything that
-needs a GPU (a real Engine, CUDA IPC, NCCL) is unverified on CPU; the argument translation is tested against a stub.
+here and stamped on every trajectory; ``health()`` also reports sglang's own ``weight_version``.
+
+Tested: against a fake of the sglang boundary (tests/test_sglang_engine.py) and against a real sglang 0.5.21 Engine
+on CPU (tests/sglang_cpu/, run by tests/sglang_cpu/run.sh in CI): trajectories equal the built-in engine's for
+SDAR, SDAR-MoE and LLaDA2, weight updates from sharded Megatron trainers (``update_weights_from_tensor``) and over a
+gloo group (``update_weights_from_distributed``), restart through the Ray manager. Unverified without a GPU: CUDA
+IPC, NCCL, ``release_memory_occupation`` (``enable_memory_saver`` needs the CUDA-only torch_memory_saver), TP > 1.
 """
 from __future__ import annotations
 
@@ -47,15 +54,17 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
+from megadare.models.family import family_of
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sglang_plugin import (ALGORITHM_NAME, CUSTOM_PARAMS_KEY, DECODER_KEYS, SGLANG_REQUIREMENT,
                                             SUPPORTED_ARCHITECTURES, TRACE_KEY)
 
 INSTALL_HINT = f'pip install "megadare[sglang]" (i.e. "{SGLANG_REQUIREMENT}")'
-DEFAULT_BLOCK_SIZE = {"SDARForCausalLM": 4, "SDARMoeForCausalLM": 4, "LLaDA2MoeModelLM": 32}  # sglang DLLM_PARAMS
+# sglang/srt/dllm/config.py DLLM_PARAMS (0.5.20-0.5.23; tests/sglang_cpu checks them against the installed sglang)
+DEFAULT_BLOCK_SIZE = {"SDARForCausalLM": 4, "SDARMoeForCausalLM": 4, "LLaDA2MoeModelLM": 32}
+SGLANG_MASK_ID = {"SDARForCausalLM": 151669, "SDARMoeForCausalLM": 151669, "LLaDA2MoeModelLM": 156895}
 PLUGIN_ENTRY_POINT = "megadare.rollout.sglang_plugin:register"
 PLUGIN_GROUP = "sglang.srt.plugins"
-_SEED_STRIDE = 1_000_003
 
 
 def _import_sglang():
@@ -65,12 +74,6 @@ def _import_sglang():
         raise ImportError(f"the SGLang rollout engine needs sglang: {INSTALL_HINT}; the built-in engine "
                           "(rollout.engine=native) needs nothing extra") from e
     return sglang
-
-
-def prompt_seed(seed: int, index: int) -> int:
-    """The sampling seed of the ``index``-th prompt of a generate() call (prompt 0 gets ``seed`` itself, so a
-    single prompt follows the same random stream as the built-in engine with that seed)."""
-    return (int(seed) + int(index) * _SEED_STRIDE) % (2 ** 63)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -126,6 +129,23 @@ def read_architecture(model_path: str) -> tuple[str, dict[str, Any]]:
     if not archs:
         raise ValueError(f"SGLangEngine: {path} declares no architectures")
     return archs[0], cfg
+
+
+def check_mask_id(model_path: str, arch: str, cfg: dict[str, Any]) -> None:
+    """Refuse a checkpoint sglang would decode with the wrong mask token: sglang takes the mask id from the
+    architecture (``SGLANG_MASK_ID``) and ignores config.json, so the checkpoint's own mask id (the family's
+    reading of config.json) must be that one, and inside the vocabulary."""
+    facts = family_of(cfg).arch(cfg)
+    want = SGLANG_MASK_ID[arch]
+    where = os.path.join(model_path, "config.json")
+    if facts.mask_token_id != want:
+        raise ValueError(f"SGLangEngine: {where} has mask token id {facts.mask_token_id}, but sglang hard-codes mask "
+                         f"id {want} for {arch} (sglang/srt/dllm/config.py, DLLM_PARAMS) and ignores config.json: it "
+                         f"would decode with the wrong mask. Serve this checkpoint with the built-in engine "
+                         f"(rollout.engine=native), or use one whose mask token id is {want}")
+    if want >= facts.vocab_size:
+        raise ValueError(f"SGLangEngine: {where} has vocab_size={facts.vocab_size}, which does not hold sglang's "
+                         f"mask id {want} for {arch}; use a checkpoint whose vocabulary holds it")
 
 
 def plugin_registered() -> bool:
@@ -205,6 +225,7 @@ class SGLangEngine:
                              f"LLaDA2); {model_path!r} is {arch!r}: use the built-in engine (rollout.engine=native)")
         if not isinstance(max_running_requests, int) or max_running_requests < 1:
             raise ValueError(f"max_running_requests must be a positive int, got {max_running_requests!r}")
+        check_mask_id(model_path, arch, cfg)
         if check_plugin and not plugin_registered():
             raise RuntimeError(f"megadare's sglang plugin is not registered: install megadare into this environment "
                                f"(pip install -e .) so that the entry point {PLUGIN_GROUP!r} -> {PLUGIN_ENTRY_POINT} "
@@ -281,7 +302,7 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ weights
     def _begin(self) -> bool:
-        """Open sglang's weight-update session (0.5.22+) if none is open; True if this call opened it."""
+        """Open sglang's weight-update session (0.5.21+) if none is open; True if this call opened it."""
         if self._session_open or not hasattr(self._engine, "begin_weight_update"):
             return False
         _ok(self._engine.begin_weight_update(), "begin_weight_update")

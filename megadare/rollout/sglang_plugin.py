@@ -6,12 +6,12 @@ shared step is :func:`megadare.rollout.dllm_step.dllm_step`: temperature / top-k
 dynamic low-confidence or random remasking, a seeded generator per request) and records, for every response token,
 its global denoising step, its block-local step and its sampling log-prob.
 
-Followed: sglang 0.5.20, 0.5.22 and 0.5.23 (the wheels from PyPI), files
+Followed: sglang 0.5.20, 0.5.21, 0.5.22 and 0.5.23 (the wheels from PyPI), files
 
 * ``sglang/srt/dllm/algorithm/__init__.py``: algorithms are the ``Algorithm`` attribute of the modules inside that
   package, found with ``pkgutil.iter_modules`` when the package is imported and stored in the module-global dict
   ``algo_name_to_cls`` keyed by class ``__name__``; ``--dllm-algorithm NAME`` resolves through
-  ``algo_name_to_cls[NAME]`` (``get_algorithm_cls`` in 0.5.22+, ``get_algorithm`` in 0.5.20). A third-party
+  ``algo_name_to_cls[NAME]`` (``get_algorithm_cls`` in 0.5.21+, ``get_algorithm`` in 0.5.20). A third-party
   package cannot add a module to that package, so :func:`register` inserts the class into that dict.
 * ``sglang/srt/dllm/algorithm/base.py``: ``DllmAlgorithm(config)`` owns the loops (``run`` -> ``_run_sync`` or,
   with ``--dllm-fdfo`` (default on), ``_run_fdfo``); a subclass implements ``init_step_state(forward_batch)`` and
@@ -57,11 +57,16 @@ accordingly.
 
 Structure: :class:`BlockDenoiser` (plain torch, tested without sglang) does the work; the sglang class built by
 :func:`algorithm_class` is a thin adapter that subclasses sglang's ``DllmAlgorithm`` when sglang is importable.
-Tests (tests/test_sglang_engine.py) run the adapter against a fake of the boundary above. Checked once by hand on
-CPU against the real sglang 0.5.23 modules (not in CI): ``register()`` resolves through the real
-``get_algorithm_cls``, the real ``HookRegistry`` patches ``TpModelWorker``, and the real ``DllmAlgorithm`` sync
-and FDFO loops drive this adapter to identical tokens and traces. Unverified without a GPU: a real Engine end to
-end (scheduler, streamer slicing of ``customized_info``, CUDA generators, TP > 1).
+Tests: tests/test_sglang_engine.py runs the adapter against a fake of the boundary above; tests/sglang_cpu/ runs
+it in a real sglang 0.5.21 Engine on CPU (CI), loaded through the entry point, sync and FDFO loops, and compares
+the trajectories with the built-in engine's. Unverified without a GPU: CUDA generators, TP > 1.
+
+A fix for sglang's SDAR loader (0.5.20-0.5.23, ``sglang/srt/models/sdar.py`` ``SDARForCausalLM.load_weights``):
+with ``tie_word_embeddings`` at TP 1 its ``lm_head`` *is* ``model.embed_tokens``, so the model has no
+``lm_head.weight`` parameter, yet loading ``model.embed_tokens.weight`` looks one up (``KeyError:
+'lm_head.weight'``): no tied SDAR checkpoint loads, at start or in a weight update. :func:`register` wraps that
+method (:func:`tied_sdar_load_weights_hook`): while the head is the embedding, the load runs with the tie flag
+down, so the embedding loads into the one shared tensor. SDAR-MoE's and LLaDA2's loaders handle ties already.
 
 Cost: the step runs per request (its own generator and parameters), so each denoising step launches a few small
 kernels per request and syncs on ``.any()``; fine for correctness-first RL rollouts, a batched fast path for
@@ -88,6 +93,7 @@ CUSTOM_PARAMS_KEY = "megadare"                  # sampling_params["custom_params
 SUPPORTED_ARCHITECTURES = ("SDARForCausalLM", "SDARMoeForCausalLM", "LLaDA2MoeModelLM")
 SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.24"   # the versions whose dLLM/plugin internals this module follows
 WORKER_HOOK_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker._forward_batch_generation_dllm"
+SDAR_LOAD_HOOK_TARGET = "sglang.srt.models.sdar.SDARForCausalLM.load_weights"
 DECODER_KEYS = ("confidence", "schedule", "eps", "alg_temp", "editing_threshold", "max_post_steps", "num_to_transfer")
 CONFIG_KEYS = ("block_size", "steps_per_block", "algorithm", "threshold", "seed") + DECODER_KEYS
 REQUEST_KEYS = ("steps_per_block", "algorithm", "threshold", "seed") + DECODER_KEYS
@@ -237,8 +243,8 @@ class BlockDenoiser:
                 done.append(True)
                 continue
             gen, commit_gen = st.rng.get(logits.device)
-            res = dllm_step(logits[i:i + 1], tokens[i:i + 1], row, st.block_step, st.params, gen,
-                            mask_token_id=self.mask_id, commit_generator=commit_gen, editable=editable)
+            res = dllm_step(logits[i:i + 1], tokens[i:i + 1], row, st.block_step, st.params, [gen],
+                            mask_token_id=self.mask_id, commit_generators=[commit_gen], editable=editable)
             if st.refine is not None:
                 st.refine.after(row, res)
             st.trace.add(res, st.block_step)
@@ -430,13 +436,30 @@ def bind_requests_hook(original: Callable, *args: Any, **kwargs: Any) -> Any:
         bind(None)
 
 
+def tied_sdar_load_weights_hook(original: Callable, model: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook on sglang's ``SDARForCausalLM.load_weights(self, weights)``: when the model's ``lm_head`` is its
+    ``model.embed_tokens`` (tied embeddings, one shared tensor), run the load with ``config.tie_word_embeddings``
+    down, so sglang loads the embedding as a plain parameter instead of looking up the missing
+    ``lm_head.weight`` (see the module docstring). Anything else goes to the original unchanged."""
+    config = getattr(model, "config", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    shared = embed is not None and getattr(model, "lm_head", None) is embed
+    if not (shared and getattr(config, "tie_word_embeddings", False)):
+        return original(model, *args, **kwargs)
+    config.tie_word_embeddings = False
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        config.tie_word_embeddings = True
+
+
 _HOOK_REGISTERED = False
 
 
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group (setup.py: ``megadare = megadare.rollout.sglang_plugin:
     register``), run by sglang's ``load_plugins()`` in every sglang process: makes ``--dllm-algorithm
-    MegadareBlockDiffusion`` resolvable and installs the request-binding worker hook."""
+    MegadareBlockDiffusion`` resolvable and installs the request-binding worker hook and the tied-SDAR load fix."""
     global _HOOK_REGISTERED
     import sglang.srt.dllm.algorithm as algorithms
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -444,4 +467,5 @@ def register() -> None:
     algorithms.algo_name_to_cls[ALGORITHM_NAME] = algorithm_class()
     if not _HOOK_REGISTERED:
         HookRegistry.register(WORKER_HOOK_TARGET, bind_requests_hook, HookType.AROUND)
+        HookRegistry.register(SDAR_LOAD_HOOK_TARGET, tied_sdar_load_weights_hook, HookType.AROUND)
         _HOOK_REGISTERED = True
