@@ -11,25 +11,26 @@ Install: ``pip install "megadare[sglang]"`` (pins ``sglang>=0.5.20,<0.5.24``), a
 same environment (``pip install -e .``): sglang finds the algorithm through megadare's entry point in the group
 ``sglang.srt.plugins``, which it loads in every sglang process.
 
-Followed (sglang 0.5.20 / 0.5.21 / 0.5.22 / 0.5.23 wheels): ``sglang/srt/entrypoints/engine.py`` (``Engine(**server_args)``,
-``generate(input_ids=..., sampling_params=[...])`` -> one dict per prompt with ``output_ids`` and ``meta_info``
-(``finish_reason = {"type": "stop" | "length" | "abort", ...}``, ``weight_version``, customized per-token info),
-``update_weights_from_tensor(named_tensors, load_format, flush_cache)`` (``load_format="flattened_bucket"``: the
-caller passes one serialized ``{"flattened_tensor", "metadata"}`` payload per TP rank, built with
-``sglang/srt/weight_sync/tensor_bucket.py::FlattenedTensorBucket`` and ``sglang.srt.utils.MultiprocessingSerializer``),
-``init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)``,
-``update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache, load_format)`` (the receiver
-allocates every listed tensor, then receives one ``broadcast(src=0)`` per tensor in list order: so the sender
-chunks), ``begin_weight_update`` / ``end_weight_update`` (0.5.21+: weight updates must run inside such a session,
-``managers/scheduler_components/weight_updater.py``), ``flush_cache`` (-> ``.success``; fails while requests are
-in flight, so it is retried), ``release_memory_occupation`` / ``resume_memory_occupation`` (need
+Followed (sglang 0.5.20 / 0.5.21 / 0.5.22 / 0.5.23 wheels): ``sglang/srt/entrypoints/engine.py``
+(``Engine(**server_args)``, ``generate(input_ids=..., sampling_params=[...])`` -> one dict per prompt with
+``output_ids`` and ``meta_info`` (``finish_reason = {"type": "stop" | "length" | "abort", ...}``,
+``weight_version``, customized per-token info), ``update_weights_from_tensor(named_tensors, load_format,
+flush_cache)`` (``load_format="flattened_bucket"``: the caller passes one serialized ``{"flattened_tensor",
+"metadata"}`` payload per TP rank, built with ``sglang/srt/weight_sync/tensor_bucket.py::FlattenedTensorBucket`` and
+``sglang.srt.utils.MultiprocessingSerializer``), ``init_weights_update_group(master_address, master_port,
+rank_offset, world_size, group_name, backend)``, ``update_weights_from_distributed(names, dtypes, shapes,
+group_name, flush_cache, load_format)`` (the receiver allocates every listed tensor, then receives one
+``broadcast(src=0)`` per tensor in list order: so the sender chunks), ``begin_weight_update`` /
+``end_weight_update`` (0.5.21+: weight updates must run inside such a session,
+``managers/scheduler_components/weight_updater.py``), ``flush_cache`` (-> ``.success``; fails while requests are in
+flight, so it is retried), ``release_memory_occupation`` / ``resume_memory_occupation`` (need
 ``enable_memory_saver``), ``get_model_info`` (``weight_version``), ``get_server_info``, ``shutdown``);
-``sglang/srt/dllm/config.py`` (``DLLM_PARAMS``: SDAR / SDAR-MoE block 4 and mask id 151669, LLaDA2 block 32 and
-mask id 156895, hard-coded by architecture: config.json's ``mask_token_id`` is ignored, so a checkpoint with another
-mask id is refused here before the engine starts; ``max_running_requests`` defaults to 1 in dLLM mode, so it is
-always passed); ``sglang/srt/sampling/sampling_params.py`` (``temperature``,
-``top_p``, ``top_k`` (-1 = off), ``max_new_tokens``, ``ignore_eos``, ``stop_token_ids``, ``sampling_seed``,
-``custom_params``); ``sglang/srt/utils/common.py::init_custom_process_group`` (what the sender's group must match).
+``sglang/srt/dllm/config.py`` (``DLLM_PARAMS``: SDAR / SDAR-MoE block 4 and mask id 151669, LLaDA2 block 32 and mask
+id 156895, hard-coded by architecture: config.json's ``mask_token_id`` is ignored, so a checkpoint with another mask
+id is refused here before the engine starts; ``max_running_requests`` defaults to 1 in dLLM mode, so it is always
+passed); ``sglang/srt/sampling/sampling_params.py`` (``temperature``, ``top_p``, ``top_k`` (-1 = off),
+``max_new_tokens``, ``ignore_eos``, ``stop_token_ids``, ``sampling_seed``, ``custom_params``);
+``sglang/srt/utils/common.py::init_custom_process_group`` (what the sender's group must match).
 
 Gaps (documented, not hidden): sglang's ``Engine.update_weights_from_tensor`` / ``..._from_distributed`` take no
 weight version (the request structs have one, the Engine methods do not pass it), so the policy version is kept
