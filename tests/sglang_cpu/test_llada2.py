@@ -18,7 +18,7 @@ from megadare.rollout.sglang_engine import build_sglang_engine  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28],
            [3] * 40]
-PARAMS = greedy_and_sampled(32)
+PARAMS = greedy_and_sampled(32, 8)
 
 
 @pytest.fixture(scope="module")

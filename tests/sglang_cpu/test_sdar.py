@@ -29,7 +29,7 @@ from megadare.rollout import sglang_engine as se  # noqa: E402
 from megadare.rollout.sglang_plugin import ALGORITHM_NAME  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9], [9, 10], [3, 4, 5, 6, 7, 8, 9, 10, 11], [151000, 7, 12, 99]]
-PARAMS = greedy_and_sampled(4)
+PARAMS = greedy_and_sampled(4, 4)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from real_sglang import (assert_same_trajectories, export_checkpoint, greedy_and
                          native_engine, set_weights, start_engine, sync_from_trainer)
 
 PROMPTS = [[5, 6, 7, 8, 9], [9, 10], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
-PARAMS = greedy_and_sampled(4)
+PARAMS = greedy_and_sampled(4, 4)
 
 
 @pytest.fixture(scope="module")
