@@ -70,7 +70,7 @@ def native_engine(path: str) -> NativeEngine:
 
 
 def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
-    from megadare.convert.safetensors_io import SafetensorsReader
+    from megadare.models.safetensors_io import SafetensorsReader
 
     with SafetensorsReader(path) as r:
         return [(k, r.get(k)) for k in sorted(r.keys())]
