@@ -192,12 +192,12 @@ def sync_from_trainer(layout: dict, hf_dir: str, engines: Sequence[Any], version
 
 def greedy_and_sampled(block: int, steps: int) -> list[tuple[str, SamplingParams]]:
     """The decoding settings the equality tests run: blocks of ``block`` tokens in ``steps`` steps (sampled: half
-    as many), two to three blocks per prompt."""
+    as many), two or three blocks per prompt."""
     half = max(1, steps // 2)
     return [
         ("greedy", SamplingParams(max_new_tokens=block + 3, block_size=block, steps_per_block=steps,
                                   stop_at_eos=False)),
-        ("sampled", SamplingParams(max_new_tokens=2 * block, block_size=block, steps_per_block=half,
+        ("sampled", SamplingParams(max_new_tokens=block + 4, block_size=block, steps_per_block=half,
                                    temperature=1.0, top_k=50, top_p=0.95, seed=7, stop_at_eos=False)),
         ("sampled-random-remasking", SamplingParams(max_new_tokens=block + 2, block_size=block,
                                                     steps_per_block=half, algorithm="random", temperature=0.8,
