@@ -3,18 +3,15 @@ megadare's dLLM algorithm, in sglang's synchronous loop (``dllm_fdfo=False``):
 
 * the plugin loads through the ``sglang.srt.plugins`` entry point; the mask ids megadare checks are sglang's;
 * trajectories equal the built-in engine's, greedy and sampled, for several prompts in one batch;
-* ``update_weights`` from a TP2 + sequence-parallel Megatron trainer through ``weight_sync.sync_weights``, and
-  ``update_weights_from_distributed`` over a gloo group: afterwards the engine's greedy trajectories equal the
-  built-in engine's with the same weights, stamped with the new policy version.
+* ``update_weights`` (``update_weights_from_tensor``, flattened buckets) from a TP2 + sequence-parallel Megatron
+  trainer through ``weight_sync.sync_weights``: afterwards the engine's greedy trajectories equal the built-in
+  engine's with the same weights, stamped with the new policy version.
+(``update_weights_from_distributed`` over gloo and a restart through the Ray manager: test_llada2.py.)
 """
 from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from importlib.metadata import entry_points
 
 import pytest
@@ -24,7 +21,6 @@ sglang = pytest.importorskip("sglang", reason="real-SGLang tests: run tests/sgla
 from real_sglang import (assert_same_trajectories, greedy_and_sampled, native_engine, set_weights,  # noqa: E402
                          start_engine, sync_from_trainer)
 
-from megadare.parallel.launch import free_port  # noqa: E402
 from megadare.rollout import sglang_engine as se  # noqa: E402
 from megadare.rollout.sglang_plugin import ALGORITHM_NAME  # noqa: E402
 
@@ -83,65 +79,9 @@ def test_update_weights_from_a_tp2_sp_megatron_trainer(engine, ckpts):
     before = engine.generate(PROMPTS, greedy)
     native = native_engine(ckpts["served"])
     stats = sync_from_trainer({"tp": 2, "sp": True}, ckpts["other"], [engine, native], version=5)
-    assert stats["buckets_received"] == stats["sync_buckets"] > 2
+    assert stats["buckets_received"] >= stats["sync_buckets"] > 2          # one call per bucket and dtype
     after = engine.generate(PROMPTS, greedy)
     assert [t.response_ids for t in after] != [t.response_ids for t in before]      # the weights changed
     assert all(t.policy_version == 5 for t in after)
     assert_same_trajectories("sdar after sync_weights from a TP2+SP trainer, greedy", after,
-                             native.generate(PROMPTS, greedy))
-
-
-_SENDER = textwrap.dedent("""
-    import json, sys
-    from megadare.rollout.sglang_engine import DistributedWeightSender, init_weight_sender_group
-    from real_sglang import checkpoint_tensors
-
-    port, path, chunk_bytes = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    group = init_weight_sender_group("127.0.0.1", port, world_size=2, group_name="mg_test", backend="gloo")
-
-    def receiver(meta, version):                 # the engine side runs in the test process: tell it, await it
-        print(json.dumps(meta), flush=True)
-        return lambda: sys.stdin.readline()
-
-    out = DistributedWeightSender(group, [receiver], chunk_bytes=chunk_bytes, device="cpu").update_weights(
-        checkpoint_tensors(path), version=9)
-    print(json.dumps({"done": out}), flush=True)
-""")
-
-
-def test_update_weights_from_distributed_over_gloo(engine, ckpts):
-    """The engine joins a gloo group as rank 1 (``connect_distributed``: sglang's ``init_weights_update_group``)
-    and receives chunks broadcast by a sender process (rank 0) with ``receive_weights`` (sglang's
-    ``update_weights_from_distributed``)."""
-    set_weights([engine], ckpts["served"], version=0)
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), ckpts["other"], str(8 << 20)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        engine.connect_distributed("127.0.0.1", port, world_size=2, rank_offset=1, group_name="mg_test",
-                                   backend="gloo")
-        chunks = 0
-        while True:
-            line = proc.stdout.readline()
-            assert line, "the sender exited early"
-            msg = json.loads(line)
-            if isinstance(msg, dict):
-                assert msg["done"]["chunks"] == chunks
-                break
-            engine.receive_weights([tuple(m) for m in msg], version=9)
-            proc.stdin.write("ok\n")
-            proc.stdin.flush()
-            chunks += 1
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert chunks >= 2
-    greedy = PARAMS[0][1]
-    got = engine.generate(PROMPTS, greedy)
-    assert all(t.policy_version == 9 for t in got)
-    native = native_engine(ckpts["other"])
-    native.version = 9
-    assert_same_trajectories("sdar after update_weights_from_distributed (gloo), greedy", got,
                              native.generate(PROMPTS, greedy))
