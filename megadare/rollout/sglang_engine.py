@@ -38,9 +38,10 @@ here and stamped on every trajectory; ``health()`` also reports sglang's own ``w
 
 Tested: against a fake of the sglang boundary (tests/test_sglang_engine.py) and against a real sglang 0.5.21 Engine
 on CPU (tests/sglang_cpu/, run by tests/sglang_cpu/run.sh in CI): trajectories equal the built-in engine's for
-SDAR, SDAR-MoE and LLaDA2, weight updates from sharded Megatron trainers (``update_weights_from_tensor``) and over a
-gloo group (``update_weights_from_distributed``), restart through the Ray manager. Unverified without a GPU: CUDA
-IPC, NCCL, ``release_memory_occupation`` (``enable_memory_saver`` needs the CUDA-only torch_memory_saver), TP > 1.
+SDAR, SDAR-MoE and LLaDA2; weight pushes from sharded Megatron trainers, in process (``update_weights_from_tensor``,
+TP2+SP) and as a Ray engine actor over gloo groups (``join_weight_groups`` / ``receive_weights``, EP2); an engine
+restarted through the Ray manager. Unverified without a GPU: CUDA IPC, NCCL, ``release_memory_occupation``
+(``enable_memory_saver`` needs the CUDA-only torch_memory_saver), TP > 1.
 """
 from __future__ import annotations
 
