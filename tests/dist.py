@@ -47,6 +47,27 @@ def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2
     return chunks, model, arch, cfg
 
 
+def fresh_update(cfg, src, algo, samples, block: int, kind: str) -> dict:
+    """One RL update (``trainer.rl_update.update``, off-policy objective) of a freshly built model (and reference,
+    when the algorithm needs one) on ``samples``: the update's metrics plus ``moved``, the largest weight change."""
+    from megadare.algos.sft import example_generator
+    from megadare.trainer.model_setup import build_training_chunks
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.rl_update import update
+
+    model = wrap_ddp(build_training_chunks(cfg, src), True)
+    opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
+    ref = None
+    if algo.needs_ref:
+        ref = build_training_chunks(cfg, src)
+        for c in ref:
+            c.eval().requires_grad_(False)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    m = update(cfg, algo, samples, 0, src.arch, block, kind, 0, 1, model, ref, opt, sched,
+               algo.objective(on_policy=False), example_generator)
+    return {**m, "moved": max(float((p.detach() - b).abs().max()) for p, b in zip(model[0].parameters(), before))}
+
+
 def reward_error_on_every_rank(rank: int, world: int) -> str:
     """Rank 0 fails to score (RewardError) inside ``run_on_rank0``: what each rank then raises."""
     import torch.distributed as dist

@@ -148,14 +148,12 @@ def test_replayed_logprobs_of_every_commit_equal_the_engine():
 
 def _megatron_worker(rank, world, hf_dir):
     from megadare.algos import build_algorithm
-    from megadare.algos.sft import example_generator
     from megadare.config import config_from_dict, validate
     from megadare.models import load_hf_model
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.model_setup import resolve_model_source
     from megadare.trainer.rl_rollout import build_samples, sampling_params
-    from megadare.trainer.rl_update import update
+    from dist import fresh_update
 
     init_distributed()
     try:
@@ -172,14 +170,7 @@ def _megatron_worker(rank, world, hf_dir):
         samples, _ = build_samples(cfg, traj, [float(i % 2) for i in range(len(traj))])
         out = {"edits": sum(len(s.superseded or []) for s in samples)}
         for name in ("tracerl", "cj_grpo"):
-            model = wrap_ddp(build_training_chunks(cfg, src), True)
-            opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
-            algo = build_algorithm(name)
-            before = [p.detach().clone() for p in model[0].parameters()]
-            m = update(cfg, algo, samples, 0, src.arch, 4, "block_diffusion", 0, 1, model, None, opt, sched,
-                       algo.objective(on_policy=False), example_generator)
-            out[name] = {**m, "moved": max(float((p.detach() - b).abs().max())
-                                           for p, b in zip(model[0].parameters(), before))}
+            out[name] = fresh_update(cfg, src, build_algorithm(name), samples, 4, "block_diffusion")
         return out
     finally:
         destroy_distributed()

@@ -27,11 +27,9 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.engine import SamplingParams
     from megadare.rollout.native import NativeEngine
-    from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.model_setup import resolve_model_source
     from megadare.trainer.rl_rollout import build_samples
-    from megadare.trainer.rl_update import update as _update
-    from megadare.algos.sft import example_generator
+    from dist import fresh_update
 
     init_distributed()
     try:
@@ -65,9 +63,6 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
                     assert t.policy_version == 3
                 samples = tree.samples_from(leaves, rewards, 4)
                 out["tree_nodes"] = len(samples)
-            chunks = build_training_chunks(cfg, src)
-            model = wrap_ddp(chunks, True)
-            opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
             algo = build_algorithm(name, {"branch": 2, "depth": 2} if name == "d_treerpo" else None)
             if hasattr(algo, "prepare"):  # MDPO: a toy reward on every intermediate answer (share of even ids)
                 algo.prepare(samples, lambda rs, idx: [sum(t % 2 == 0 for t in r) / len(r) for r in rs], 4)
@@ -75,16 +70,7 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
                 out["mdpo_blocks"] = min(len({j // block for pred in s.extra["step_predictions"]
                                               for j, p in enumerate(pred) if p >= 0}) for s in samples)
                 out["mdpo_steps"] = sorted({t for s in samples for t in s.extra["steps"]})
-            ref = None
-            if algo.needs_ref:
-                ref = build_training_chunks(cfg, src)
-                for c in ref:
-                    c.eval().requires_grad_(False)
-            before = [p.detach().clone() for p in model[0].parameters()]
-            m = _update(cfg, algo, samples, 0, arch, block, kind, 0, 1, model, ref, opt, sched,
-                        algo.objective(on_policy=False), example_generator)
-            moved = max(float((p.detach() - b).abs().max()) for p, b in zip(model[0].parameters(), before))
-            out[name] = {**m, "moved": moved}
+            out[name] = fresh_update(cfg, src, algo, samples, block, kind)
         return out
     finally:
         destroy_distributed()
@@ -119,8 +105,6 @@ def test_every_algorithm_trains(tmp_path, family, algos):
 def _ar_worker(rank, world, hf_dir):
     """LLaDA: the engine's autoregressive-order rollout (block 1, one step) on the full canvas, JustGRPO's
     estimator through Megatron against the engine's recorded log-probs, then JustGRPO and ESPO updates."""
-    import torch
-
     from megadare.algos import build_algorithm
     from megadare.algos.sft import example_generator
     from megadare.config import config_from_dict
@@ -130,10 +114,9 @@ def _ar_worker(rank, world, hf_dir):
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.native import NativeEngine
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.rl_rollout import build_samples, sampling_params
-    from megadare.trainer.rl_update import update as _update
     from megadare.trainer.step import store_outputs
+    from dist import fresh_update
 
     init_distributed()
     try:
@@ -161,15 +144,7 @@ def _ar_worker(rank, world, hf_dir):
         out["engine_vs_trainer"] = diff
         for name, epochs in (("justgrpo", 1), ("espo", 2)):
             cfg = config_from_dict({**over, "rl": {"n_samples": 4, "ppo_epochs": epochs, "advantage": "rloo"}})
-            algo = build_algorithm(name)
-            model = wrap_ddp(build_training_chunks(cfg, src), True)
-            opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
-            ref = build_training_chunks(cfg, src) if algo.needs_ref else None
-            before = [p.detach().clone() for p in model[0].parameters()]
-            m = _update(cfg, algo, samples, 0, arch, 1, "bidirectional", 0, 1, model, ref, opt, sched,
-                        algo.objective(on_policy=False), example_generator)
-            out[name] = {**m, "moved": max(float((p.detach() - b).abs().max())
-                                           for p, b in zip(model[0].parameters(), before))}
+            out[name] = fresh_update(cfg, src, build_algorithm(name), samples, 1, "bidirectional")
         return out
     finally:
         destroy_distributed()
