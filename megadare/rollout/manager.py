@@ -7,8 +7,9 @@
 
 Placement: the actors live in one placement group (one bundle per engine; ``strategy='PACK'`` to colocate them
 with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``; each
-chunk goes to the engine with the fewest outstanding chunks; chunk c samples with seed ``params.seed + c`` so a
-re-issued chunk reproduces its trajectories. If an engine dies mid-rollout (RayActorError), the manager starts a
+chunk goes to the engine with the fewest outstanding chunks; prompt j of the rollout samples from the stream
+``prompt_seed(params.seed, j)`` (chunk c is sent with the seed of its first prompt), so the trajectories equal one
+generate() call on one engine and a re-issued chunk reproduces its own. If an engine dies mid-rollout (RayActorError), the manager starts a
 replacement and re-issues the dead engine's chunks to engines that hold the current weights; the rollout still
 returns every trajectory exactly once. No copy of the model is kept anywhere: a replacement serves nothing until
 the next weight push reaches it (``fresh``), which rebuilds the weight groups with it; if no engine holds the
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from megadare.errors import ConfigError
-from megadare.rollout.engine import ENGINE_DEVICES, SamplingParams, Trajectory
+from megadare.rollout.engine import ENGINE_DEVICES, SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, host_ip
 from megadare.rollout.weight_plan import Flat
 
@@ -238,11 +239,15 @@ class RolloutManager:
 
 
 class PendingRollout:
-    """A rollout in flight: chunk c goes to the least-loaded fresh engine with seed ``params.seed + c``;
-    ``result()`` collects them, restarting dead engines and re-issuing their chunks to fresh ones."""
+    """A rollout in flight: chunk c goes to the least-loaded fresh engine with seed ``prompt_seed(params.seed,
+    index of its first prompt)``, so prompt j of the rollout draws the stream ``prompt_seed(params.seed, j)``
+    whatever the chunking and the engine (the seeds are linear in the index): the trajectories equal one
+    ``generate`` call on one engine. ``result()`` collects them, restarting dead engines and re-issuing their
+    chunks to fresh ones."""
 
     def __init__(self, manager: RolloutManager, chunks: list[list[list[int]]], params: SamplingParams):
         self.manager, self.chunks, self.params = manager, chunks, params
+        self.first = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]   # index of each chunk's prompt 0
         self.inflight: dict[Any, tuple[int, int]] = {}
         self.results: dict[int, list[Trajectory]] = {}
         self.restarts_left = manager.max_restarts
@@ -254,7 +259,7 @@ class PendingRollout:
         for c in todo:
             slot = min(slots, key=lambda s: load[s])
             load[slot] += 1
-            p = dataclasses.replace(self.params, seed=self.params.seed + c)
+            p = dataclasses.replace(self.params, seed=prompt_seed(self.params.seed, self.first[c]))
             self.inflight[m.actors[slot].generate.remote(self.chunks[c], p)] = (c, slot)
 
     def result(self) -> list[Trajectory]:
