@@ -12,7 +12,9 @@
 # node gets the machine's CPUs (CPUs, and slurmd's config_overrides so the nodes do not drain), an equal share of
 # its memory (RealMemory; memory is not a consumable: CR_Core) and MEGADARE_SLURM_GPUS count-only "GPUs" (gres
 # gpu, default 1, no device files): --gpus-per-node works and sets SLURM_GPUS_ON_NODE as on a GPU cluster, nothing
-# is bound. Start is idempotent: a running cluster with its nodes up returns at once.
+# is bound. Start is idempotent: a running cluster with its nodes up returns at once. A start that finds no running
+# controller begins from a clean slate: it stops daemons left behind, and drops the saved controller state and the
+# spools (jobs of an earlier, killed run would otherwise come back and hold the nodes).
 set -euo pipefail
 
 DIR=${MEGADARE_SLURM_DIR:-/tmp/megadare-slurm}
@@ -137,12 +139,18 @@ wait_idle() {  # until every node is idle (or die naming the state)
   done
 }
 
+clean_slate() {  # no controller running: stop what an earlier run left, forget its jobs, write a new config
+  stop_pids "$DIR"/slurmd-n*.pid "$DIR/slurmctld.pid"
+  rm -rf "$DIR/ctld" "$DIR/spool" "$DIR/junit.xml"
+  write_config
+}
+
 cmd_start() {
   mkdir -p "$DIR"
   install_packages
   export SLURM_CONF=$CONF
   if ! { alive "$DIR/slurmctld.pid" && [[ -f $CONF ]]; }; then
-    write_config
+    clean_slate
   fi
   start_munge
   start_slurm
@@ -195,7 +203,7 @@ cmd_stop() {
     [[ $cmd == *"$DIR/"* ]] && left+=("${p#/proc/}: $cmd")
   done
   ((${#left[@]} == 0)) || die "still running with $DIR on the command line: ${left[*]}"
-  log "stopped; state kept in $DIR (rm -rf it to start afresh)"
+  log "stopped; logs kept in $DIR/log (the next start begins from a clean slate)"
 }
 
 cmd_status() {

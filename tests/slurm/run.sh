@@ -7,7 +7,8 @@ cd "$(dirname "$0")/../.."
 start=$(date +%s)
 cluster=tests/slurm/cluster.sh
 trap '"$cluster" stop || true' EXIT
-eval "$("$cluster" start)"
+exports=$("$cluster" start)  # a failed start stops here (set -e), not at the first use of its exports
+eval "$exports"
 echo "real Slurm up in $(($(date +%s) - start)) s"
 export MEGADARE_SLURM SLURM_CONF
 set +e

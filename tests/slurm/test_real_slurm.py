@@ -3,7 +3,7 @@
 tests/slurm/run.sh starts the cluster (tests/slurm/cluster.sh: slurmctld + 2 slurmd on one host, 1 count-only GPU
 each), runs this file and stops it; MEGADARE_SLURM (the cluster's state directory) switches these tests on. The
 main suite skips them. Tiny random models on CPU; the knobs that make a CPU run of a 30B config (the tiny model,
-fp32, one GPU per node, short steps) go through the scripts' environment (MODEL, EXTRA_OVERRIDES, ENGINE_CPUS, ...)
+fp32, one GPU per node, engines on the CPU although Ray hands them a count-only GPU, short steps) go through the scripts' environment (MODEL, EXTRA_OVERRIDES, ENGINE_CPUS, ...)
 exactly as a user's would: the scripts and configs are the shipped ones.
 
 What a single host cannot show (many hosts, real GPUs, NCCL) stays in tests/test_slurm_scripts.py (shims).
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(not CLUSTER, reason="needs a real Slurm: tests/s
 RL_TINY = ("model.tiny=true model.dtype=fp32 parallel.tp=1 parallel.sp=false parallel.pp=1 parallel.ep=1 "
            "parallel.etp=null train.seq_length=128 data.max_length=48 rl.prompts_per_step=2 rl.n_samples=4 "
            "rl.reward=slurm_reward:parity rl.truncated_as_wrong=false rollout.engine=native "
-           "rollout.max_new_tokens=8 rollout.steps_per_block=4")
+           "rollout.max_new_tokens=8 rollout.steps_per_block=4 "
+           "rollout.device=cpu")   # the nodes' GPUs are count-only: rollout.device=auto would (rightly) refuse them
 JOB_TIMEOUT_S = 900
 NEVER = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "JobHeldAdmin")
 
