@@ -28,7 +28,11 @@ die() {
   exit 1
 }
 
-alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+alive() {  # alive PIDFILE: its process runs and is ours (a pid file left by a killed run may name a reused pid)
+  local pid
+  [[ -f $1 ]] && pid=$(cat "$1") && kill -0 "$pid" 2>/dev/null &&
+    [[ $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) == *"$DIR/"* ]]
+}
 
 install_packages() {
   local need=()
@@ -164,7 +168,7 @@ stop_pids() {  # stop_pids PIDFILE...: SIGTERM to all, SIGKILL to those still ru
   for f in "$@"; do
     [[ -f $f ]] || continue
     pid=$(cat "$f")
-    kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+    alive "$f" && kill -TERM "$pid" 2>/dev/null && pids+=("$pid")  # never a stranger that reused the pid
     rm -f "$f"
   done
   for ((i = 0; i < 150; i++)); do
