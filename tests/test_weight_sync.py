@@ -267,6 +267,23 @@ def test_buckets_are_bounded_per_dtype_and_experts_come_last():
     assert buckets[0].source_bytes(1) == (256 * 128 * 2) + (256 * 128 * 4)
 
 
+def test_each_stage_takes_its_own_rows_and_a_key_spanning_stages_is_refused():
+    """Ranks 0, 1 form stage 0, ranks 2, 3 stage 1: a key goes to the stage whose ranks hold its main shards; a key
+    with main shards on both stages (inconsistent metadata: megatron keeps every parameter on one stage) is
+    refused, naming the key and the stages."""
+    from megadare.rollout.weight_plan import Piece, stage_rows
+
+    emb, head = ParamMap("embedding.word_embeddings.weight", ("e",)), ParamMap("output_layer.weight", ("h",))
+    on = {emb.mcore: (0, 1), head.mcore: (2, 3)}
+    pieces = {k: [(r, Piece(k, (i * 4, 0), (4, 8))) for i, r in enumerate(rs)] for k, rs in on.items()}
+    stage_of_rank = [0, 0, 1, 1]
+    assert stage_rows([emb, head], pieces, stage_of_rank, 0) == [emb]
+    assert stage_rows([emb, head], pieces, stage_of_rank, 1) == [head]
+    pieces[emb.mcore].append((3, Piece(emb.mcore, (8, 0), (4, 8))))
+    with pytest.raises(RuntimeError, match=r"embedding\.word_embeddings\.weight on pipeline stages \[0, 1\]"):
+        stage_rows([emb, head], pieces, stage_of_rank, 0)
+
+
 def test_a_flat_is_sglangs_flattened_bucket_layout():
     """Tensors of one dtype back to back in list order (sglang FlattenedTensorBucket), each flat 16-byte aligned."""
     a, b = torch.arange(6.).reshape(2, 3), torch.arange(5.)

@@ -189,15 +189,27 @@ def build_plan(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], buc
     stages = []
     for st in sorted(set(stage_of_rank)):
         ranks = [r for r in range(world) if stage_of_rank[r] == st]
-        rows = [r for r in table if stage_of_rank[pieces[r.mcore][0][0]] == st]
-        for r in rows:
-            other = {stage_of_rank[rank] for rank, _ in pieces[r.mcore]} - {st}
-            if other:
-                raise NotImplementedError(f"weight sync: shards of {r.mcore} lie on pipeline stages {st} and "
-                                          f"{sorted(other)}; one stage must hold a whole tensor")
+        rows = stage_rows(table, pieces, stage_of_rank, st)
         stages.append(StagePlan(st, ranks[0], ranks, _buckets(rows, global_meta, pieces, ranks[0], bucket_bytes,
                                                                 transform)))
     return SyncPlan(stages, global_meta, [sig for _, sig in every])
+
+
+def stage_rows(table: Sequence[ParamMap], pieces: dict[str, list[tuple[int, Piece]]], stage_of_rank: list[int],
+               stage: int) -> list[ParamMap]:
+    """The table rows whose main-replica shards lie on pipeline ``stage``. In megatron-core every parameter lives on
+    one stage (the last stage's copy of tied embeddings is a replica, not a main shard), so a key whose main shards
+    span stages means the sharded-state-dict metadata is inconsistent: refused, naming the key and the stages."""
+    rows = []
+    for row in table:
+        stages = sorted({stage_of_rank[rank] for rank, _ in pieces[row.mcore]})
+        if len(stages) > 1:
+            raise RuntimeError(f"weight sync: megatron's sharded state dict gives main-replica shards of {row.mcore} "
+                               f"on pipeline stages {stages}; every parameter must live on one stage (a model whose "
+                               "sharded_state_dict marks a cross-stage copy with replica_id 0 breaks this)")
+        if stages[0] == stage:
+            rows.append(row)
+    return rows
 
 
 def _is_expert(key: str) -> bool:
