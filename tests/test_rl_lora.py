@@ -3,6 +3,8 @@ second model) and equals a separately built copy of the initial model; the rollo
 weights W + s B A, equal to what ``merge_lora`` writes, and the trainer's own weights are left untouched."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ def _worker(rank, world, hf_dir):
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.weight_sync import WeightSync
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
+    from megadare.trainer.rl import on_rank0
     from megadare.trainer.rl_setup import _build_policy
     from megadare.trainer.rl_update import _prepare, update
     from megadare.trainer.step import store_outputs
@@ -77,9 +80,15 @@ def _worker(rank, world, hf_dir):
             synced = received()
         out["restored"] = max(float((p.detach() - before[n]).abs().max())
                               for n, p in pol.model[0].named_parameters() if "lora_" not in n)
+        # a repeat push to restarted engines (the manager's on_stale, inside the trainer's on_rank0) is merged too
+        engine = _Capture()
+        run = SimpleNamespace(policy=pol, step=1, manager=SimpleNamespace(on_stale=None),
+                              weight_sync=WeightSync(pol.model, table, [engine], transport="object_store"))
+        on_rank0(run, lambda: run.manager.on_stale())
         merge_lora(pol.model)
         merged = received()
         out["sync_vs_merge"] = max(float((synced[n] - merged[n]).abs().max()) for n in merged)
+        out["repush_vs_merge"] = max(float((engine.got[n] - merged[n]).abs().max()) for n in merged)
         out["same_names"] = sorted(synced) == sorted(merged)
         return out
     finally:
@@ -107,3 +116,4 @@ def test_rl_with_lora_reference_is_the_base_and_engines_get_merged_weights(tmp_p
     assert res["ref_vs_plain"] < 1e-5 and res["policy_vs_plain"] > 1e-3
     assert res["restored"] == 0.0
     assert res["same_names"] and res["sync_vs_merge"] == 0.0
+    assert res["repush_vs_merge"] == 0.0

@@ -71,14 +71,20 @@ def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
     """Sync the trainer's weights into every engine as version ``run.step`` (``rollout.weight_transport``; with
     LoRA the engines get W + s B A); ``queued``: the rollout queue exists and its partial rollouts then continue
     on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
-    from megadare.models.lora import merged_weights
-
     t0 = time.perf_counter()
-    with merged_weights(run.policy.model):
-        stats = run.weight_sync.push(run.step)
+    stats = push_current(run)
     if queued:
         on_rank0(run, lambda: run.queue.advance())
     return {**stats, "sync_s": time.perf_counter() - t0}
+
+
+def push_current(run: RLRun) -> dict[str, float]:
+    """The one push of the current weights as version ``run.step`` (collective), for the step's sync and for a
+    repeat push to restarted engines alike: with LoRA inside ``merged_weights``, so the engines get W + s B A."""
+    from megadare.models.lora import merged_weights
+
+    with merged_weights(run.policy.model):
+        return run.weight_sync.push(run.step)
 
 
 def on_rank0(run: RLRun, work):
@@ -86,7 +92,7 @@ def on_rank0(run: RLRun, work):
     should every engine have been restarted meanwhile; its result on every rank."""
     from megadare.rollout.weight_sync import run_on_rank0
 
-    return run_on_rank0(work, lambda: run.weight_sync.push(run.step), run.manager)
+    return run_on_rank0(work, lambda: push_current(run), run.manager)
 
 
 def start_loop(run: RLRun) -> None:
