@@ -80,22 +80,4 @@ set +e
 rc=$?
 set -e
 echo "sglang-cpu: step took $(( $(date +%s) - STEP_START )) s (venv $VENV_STATE)"
-"$V/python" - "$JUNIT" "$rc" <<'PY'
-import sys
-import xml.etree.ElementTree as ET
-
-path, rc = sys.argv[1], int(sys.argv[2])
-try:
-    root = ET.parse(path).getroot()
-except (OSError, ET.ParseError) as e:
-    sys.exit(f"sglang-cpu: no test report ({e}); pytest exit code {rc}")
-suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-failed = n["failures"] + n["errors"]
-passed = n["tests"] - failed - n["skipped"]
-if rc != 0 or passed == 0 or n["skipped"] or failed:
-    print(f"sglang-cpu: FAILED (pytest exit code {rc}): a failure, an error, a skip or no test at all fails this step",
-          file=sys.stderr)
-print(f"sglang-cpu: {passed} passed, {failed} failed, {n['skipped']} skipped")
-sys.exit(0 if rc == 0 and passed and not n["skipped"] and not failed else 1)
-PY
+"$V/python" "$REPO/tests/junit_gate.py" sglang-cpu "$JUNIT" "$rc"
