@@ -1,4 +1,4 @@
-"""The benchmark registry: per task, the fields read from a dataset row, the prompt, the reward and the extractor.
+r"""The benchmark registry: per task, the fields read from a dataset row, the prompt, the reward and the extractor.
 
 Every task turns a raw row into an evaluation record ``{"messages": [user turn], "answer" | "tests": ...}`` that
 :func:`megadare.data.prompt_data.build_prompts` renders with the tokenizer's chat template (as RL prompts are) and
