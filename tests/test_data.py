@@ -104,6 +104,22 @@ def test_load_jsonl(tmp_path):
     assert load_records(str(path)) == RECORDS
 
 
+def test_load_rows_names_each_records_line(tmp_path):
+    """Locations are the lines the records were read from: blank lines count (a no-break space too, blank to
+    str.strip though not to bytes.strip), parquet rows are numbered from 1."""
+    from megadare.data.files import load_rows
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"a": 1}\n\u00a0\n\n{"a": 2}\n', encoding="utf-8")
+    assert load_rows(str(path)) == [(f"{path}:1", {"a": 1}), (f"{path}:4", {"a": 2})]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"a": 1}, {"a": 2}]), str(tmp_path / "d.parquet"))
+    assert [w for w, _ in load_rows(str(tmp_path / "d.parquet"))] == [f"{tmp_path}/d.parquet:row 1",
+                                                                      f"{tmp_path}/d.parquet:row 2"]
+
+
 def test_load_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

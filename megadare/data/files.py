@@ -22,6 +22,11 @@ class DataError(ValueError):
 
 def load_records(path: str) -> list[dict]:
     """All records of a .jsonl or .parquet file, as dicts."""
+    return [rec for _, rec in load_rows(path)]
+
+
+def load_rows(path: str) -> list[tuple[str, dict]]:
+    """``(location, record)`` of every record of a .jsonl / .parquet file (one read of the file)."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in SUPPORTED_EXTENSIONS:
         raise DataError(
@@ -29,10 +34,12 @@ def load_records(path: str) -> list[dict]:
         )
     if not os.path.isfile(path):
         raise DataError(f"{path}: data file not found")
-    return _load_jsonl(path) if ext == ".jsonl" else _load_parquet(path)
+    if ext == ".jsonl":
+        return _load_jsonl(path)
+    return [(f"{path}:row {i + 1}", r) for i, r in enumerate(_load_parquet(path))]
 
 
-def _load_jsonl(path: str) -> list[dict]:
+def _load_jsonl(path: str) -> list[tuple[str, dict]]:
     records = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
@@ -48,7 +55,7 @@ def _load_jsonl(path: str) -> list[dict]:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            records.append(rec)
+            records.append((f"{path}:{lineno}", rec))
     return records
 
 
@@ -62,20 +69,6 @@ def _load_parquet(path: str) -> list[dict]:
     except Exception as e:  # pyarrow raises several types for corrupt files
         raise DataError(f"{path}: cannot read parquet file ({e})") from e
     return table.to_pylist()
-
-
-def _jsonl_lines(path: str) -> list[int]:
-    """Line numbers of the non-blank lines of a JSONL file (the lines load_records turns into records)."""
-    with open(path, "rb") as f:
-        return [n for n, raw in enumerate(f, start=1) if raw.strip()]
-
-
-def load_rows(path: str) -> list[tuple[str, dict]]:
-    """``(location, record)`` of every record of a .jsonl / .parquet file."""
-    rows = load_records(path)
-    if path.lower().endswith(".jsonl"):
-        return list(zip((f"{path}:{n}" for n in _jsonl_lines(path)), rows))
-    return [(f"{path}:row {i + 1}", r) for i, r in enumerate(rows)]
 
 
 def as_paths(value: Union[None, str, Sequence[str]], key: str = "data.path") -> list[str]:
