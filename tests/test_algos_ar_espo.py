@@ -190,6 +190,15 @@ def test_espo_on_policy_gradient_clip_and_kl():
     loss, _ = REGISTRY["espo"]({"kl_coef": 0.0, "eps_low": 0.0}).slot_loss(s)
     (g,) = torch.autograd.grad(loss.sum(), lp)
     assert loss.tolist() == pytest.approx([-0.9, -1.0]) and g.tolist() == pytest.approx([-0.9, 0.0])
+    # kl_anchor: none trains without reference log-probs; old takes the same canvas-scaled k2 against the old ELBO
+    canvas = torch.tensor([3.0, 5.0], dtype=torch.float64)
+    _, s = _slot([-1.0, -2.0], [-1.5, -1.0], [1.0, 1.0], canvas=canvas)
+    plain, _ = REGISTRY["espo"]({"kl_coef": 0.0}).slot_loss(s)
+    none, parts = REGISTRY["espo"]({"kl_coef": 0.05, "kl_anchor": "none"}).slot_loss(s)
+    assert torch.equal(none, plain) and "kl" not in parts
+    old, parts = REGISTRY["espo"]({"kl_coef": 0.05, "kl_anchor": "old"}).slot_loss(s)
+    k2 = canvas * 0.5 * torch.tensor([0.5, -1.0], dtype=torch.float64) ** 2
+    assert torch.allclose(parts["kl"], k2) and torch.allclose(old, plain + 0.05 * k2)
 
 
 # ================================================================== canvas and per-epoch corruptions

@@ -128,6 +128,10 @@ class Algorithm(ABC):
         return rows
 
     # ------------------------------------------------------------------ objective
+    def kl_scale(self, s: Slots) -> torch.Tensor | float:
+        """Per-slot factor on the KL penalty (1: the estimator of the slot's own log-likelihood estimate)."""
+        return 1.0
+
     def slot_loss(self, s: Slots) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p = self.p
         loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"],
@@ -137,7 +141,7 @@ class Algorithm(ABC):
             anchor = s.ref if p["kl_anchor"] == "ref" else s.old
             if anchor is None:
                 raise RuntimeError(f"{self.name}: KL to the reference model needs reference log-probs")
-            kl = kl_penalty(s.logp, anchor, p["kl_estimator"])
+            kl = self.kl_scale(s) * kl_penalty(s.logp, anchor, p["kl_estimator"])
             loss = loss + p["kl_coef"] * kl
             parts["kl"] = kl
         return loss, parts

@@ -32,7 +32,6 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import SLOT_CONST, RLSample, Slots, View
-from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
 from megadare.diffusion.masking import mask_tokens
 from megadare.errors import ConfigError
 
@@ -112,15 +111,6 @@ class ESPO(Algorithm):
     def rows(self, s, arch, block_size, g):
         return self._rows(s, self.views(s, arch, block_size, g), arch, len(s.response_ids))
 
-    def slot_loss(self, s: Slots):
-        p = self.p
-        loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"],
-                                      p["log_ratio_clamp"])
-        parts = {"clipfrac": clipped, "ratio_dev": (torch.exp(s.logp - s.old) - 1.0).abs().detach()}
-        if p["kl_coef"] > 0:
-            if s.ref is None:
-                raise RuntimeError("espo: the KL to the reference needs reference log-probs")
-            kl = s.extra["canvas"] * kl_penalty(s.logp, s.ref, "k2")   # k2 of the raw ELBO R l, divided by R
-            loss = loss + p["kl_coef"] * kl
-            parts["kl"] = kl
-        return loss, parts
+    def kl_scale(self, s: Slots) -> torch.Tensor:
+        """k2 of the raw ELBO R l, divided by R: R times the k2 of the per-token ELBO l."""
+        return s.extra["canvas"]
