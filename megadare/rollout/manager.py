@@ -307,10 +307,7 @@ def resolve_engine_device(device: str, gpu_ids: Optional[Sequence] = None,
 
 
 def _assigned_gpus() -> list:
-    try:
-        import ray
-    except ImportError:
-        return []
+    ray = _ray()
     return list(ray.get_gpu_ids()) if ray.is_initialized() else []
 
 

@@ -107,10 +107,9 @@ class WeightSync:
             if hasattr(self.engines, "check_engines"):
                 self.engines.check_engines()           # replace dead actors before the push reaches them
             rebuild, world, backend = False, 0, "gloo"
-            if name in ("distributed", "colocated"):
-                rebuild = self.engines.weight_groups != self.generation
+            rebuild = name in ("distributed", "colocated") and self.engines.weight_groups != self.generation
+            if rebuild:                                # group size and backend matter only to a (re)build
                 world, backend = self.engines.weight_group_setup(_HOW[name], self.device)
-            if rebuild:
                 self.generation = uuid.uuid4().hex[:12]
             header[0] = {"transport": name, "rebuild": rebuild, "world": world, "backend": backend,
                          "generation": self.generation}

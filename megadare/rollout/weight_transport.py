@@ -121,11 +121,8 @@ class GroupTransport:
 class ObjectStoreTransport:
     """Fallback without a group: stage senders forward flats to rank 0, which hands them to the engines."""
 
-    how = "object_store"
-
     def __init__(self, plan: SyncPlan, engines: Any):
         self.plan, self.engines = plan, engines
-        self.stage = plan.stage_of(trainer_rank())
         self.version = 0
 
     def connect(self, header: dict) -> None:
