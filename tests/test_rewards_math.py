@@ -202,3 +202,16 @@ def test_boxed_format(text, at_least, exactly):
 ])
 def test_think_answer_format(text, want):
     assert think_answer_format_reward(text) == want
+
+
+def test_a_missing_math_verify_is_refused_when_the_pool_starts(monkeypatch):
+    """math-verify loads in the verifier workers only; without it the pool refuses to start, naming the package,
+    instead of every comparison coming back as a dead worker's error."""
+    import importlib.util
+
+    from megadare.rewards.math_verify import VerifierPool
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(ImportError, match="math-verify"):
+        VerifierPool(1)

@@ -23,7 +23,7 @@ from megadare.rewards.math_verify import (VerifierPool, VerifyResult, answers_eq
                                           verify_answer)
 from megadare.rewards.planning import countdown_reward, sudoku_reward
 from megadare.rewards.registry import (BUILTIN_REWARDS, RewardFn, RewardSpecError, auto_rule, combine,
-                                       gold_response, load_reward, reward_name)
+                                       gold_response, load_reward)
 from megadare.rewards.sandbox import SandboxResult, run_program
 from megadare.rewards.scoring import ScoreStats, check_reward_errors, score_batch
 
@@ -35,5 +35,5 @@ __all__ = [
     "countdown_reward", "sudoku_reward",
     "boxed_format_reward", "think_answer_format_reward",
     "RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",
-    "reward_name", "score_batch", "ScoreStats", "check_reward_errors", "AnswerTimeout", "RewardError",
+    "score_batch", "ScoreStats", "check_reward_errors", "AnswerTimeout", "RewardError",
 ]

@@ -16,6 +16,7 @@ computed is an error, not a wrong answer).
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import multiprocessing
 import os
 import queue
@@ -23,9 +24,6 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
-
-from math_verify import parse as mv_parse
-from math_verify import verify as mv_verify
 
 from megadare.rewards.errors import AnswerTimeout
 from megadare.rewards.math_answer import extract_answer, extract_boxed, normalize_answer
@@ -55,6 +53,9 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
         return False
     if np_ == ng:
         return True
+    from math_verify import parse as mv_parse      # sympy + latex2sympy2: loaded by the verifier workers only
+    from math_verify import verify as mv_verify
+
     t = MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     g = mv_parse(_dollars(gold), parsing_timeout=t)
     p = mv_parse(_dollars(pred), parsing_timeout=t)
@@ -119,6 +120,8 @@ class VerifierPool:
                  startup_timeout: float = 120.0):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if importlib.util.find_spec("math_verify") is None:   # here, not as a dead worker's "error" verdict
+            raise ImportError("the math verifier needs math-verify: pip install 'math-verify>=0.8'")
         if context not in multiprocessing.get_all_start_methods():
             context = "spawn"
         self._ctx = multiprocessing.get_context(context)
@@ -193,10 +196,6 @@ class VerifierPool:
                 return VerifyResult(False, "error", time.monotonic() - t0)
         finally:
             self._idle.put(w)
-
-    def equal(self, pred: Optional[str], gold: Optional[str], timeout: float = 5.0) -> bool:
-        """``verify(...).equal``: False on timeout or error."""
-        return self.verify(pred, gold, timeout).equal
 
     def close(self) -> None:
         """Stop every worker (idempotent)."""

@@ -34,8 +34,7 @@ from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
 
-__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",
-           "reward_name"]
+__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response"]
 
 RewardFn = Callable[[str, dict], float]
 RewardSpec = Union[str, RewardFn]
@@ -151,11 +150,6 @@ def gold_response(rule: str, record: dict) -> Optional[str]:
     if rule == "sudoku":
         return f"<answer>\n{check_sudoku_grid(gold, 'solution')}\n</answer>"
     return gold if rule == "exact_match" else None
-
-
-def reward_name(spec: RewardSpec) -> str:
-    """How a reward spec is named in messages: the built-in name / import path, or the callable's name."""
-    return spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
 
 
 def load_reward(spec: RewardSpec) -> RewardFn:
