@@ -480,7 +480,7 @@ _SAMPLER_KEYS = ("max_new_tokens", "algorithm", "threshold", "top_k", "top_p", "
 
 def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
     """The rollout's decoder as the engines will build it (``SamplingParams`` at the rollout and the evaluation
-    temperature), and whether the RL algorithm can replay a token-editing trace (algos/trace_replay.py)."""
+    temperature). Whether the RL algorithm can replay a token-editing trace is its own ``check_config``."""
     r = cfg.rollout
     block = r.block_size or (arch.block_size if arch is not None and arch.attention == "block_causal" else 32)
     for temperature in (r.temperature, r.eval_temperature):
@@ -491,14 +491,3 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
             named = sorted((str(e).find(k), k) for k in _SAMPLER_KEYS + ("steps_per_block", "block_size",
                                                                           "temperature") if k in str(e))
             raise ConfigError(f"rollout.{named[0][1] if named else 'algorithm'}: {e}") from None
-    if r.algorithm != "editing":
-        return
-    if cfg.algo.name in ("mdpo", "d_treerpo"):
-        raise ConfigError(f"rollout.algorithm=editing: {cfg.algo.name} rebuilds decoding states from the final "
-                          "tokens and cannot replay token edits; use another rollout.algorithm or algorithm")
-    shrink = (cfg.algo.params or {}).get("shrink")
-    if cfg.algo.name == "tracerl" and arch is not None and shrink is None:
-        shrink = 1 if arch.attention == "block_causal" else 8
-    if cfg.algo.name == "tracerl" and shrink is not None and shrink != 1:
-        raise ConfigError(f"rollout.algorithm=editing with tracerl shrink={shrink}: a fragment of several steps "
-                          "would score two commits of one position from one state; set algo.params.shrink=1")

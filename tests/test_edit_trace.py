@@ -290,3 +290,29 @@ def test_sglang_plugin_reproduces_the_native_decoders(fake_sglang, params, fdfo)
         assert [e.logprob for e in t.superseded or []] == pytest.approx([e.logprob for e in nat.superseded or []])
         edits += len(nat.superseded or [])
     assert (edits > 0) == (params.algorithm == "editing")
+
+
+@pytest.mark.parametrize("algo,params,arch_name,refused", [
+    ("mdpo", {}, "llada2", "mdpo rebuilds decoding states"),
+    ("d_treerpo", {}, "llada2", "d_treerpo rebuilds decoding states"),
+    ("tracerl", {"shrink": 2}, "llada2", "tracerl shrink=2"),
+    ("tracerl", {}, "llada", "tracerl shrink=8"),        # the full-attention default shrink
+    ("tracerl", {}, "llada2", None),                     # block families default to shrink 1
+    ("tracerl", {"shrink": 1}, "llada", None),
+    ("cj_grpo", {}, "llada2", None)])
+def test_config_refuses_an_edited_trace_the_algorithm_cannot_replay(algo, params, arch_name, refused):
+    """rollout.algorithm=editing: each algorithm's own check_config refuses, before any process starts, what its
+    trace replay cannot score (MDPO and d-TreeRPO rebuild states from the final tokens; TraceRL fragments of
+    several steps would score two commits of one position from one state)."""
+    from megadare.config import config_from_dict, validate
+    from megadare.errors import ConfigError
+    from megadare.models import get_family
+
+    fam = get_family(arch_name)
+    cfg = config_from_dict({"algo": {"name": algo, "params": params}, "rl": {"n_samples": 4},
+                            "rollout": {"algorithm": "editing", "block_size": 4}})
+    if refused is None:
+        validate(cfg, fam.arch(fam.tiny_config()))
+        return
+    with pytest.raises(ConfigError, match=f"rollout.algorithm=editing.*{refused}"):
+        validate(cfg, fam.arch(fam.tiny_config()))

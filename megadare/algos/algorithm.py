@@ -80,6 +80,12 @@ class Algorithm(ABC):
             raise ConfigError(f"algo.name={self.name} scores every intermediate answer and needs the per-step "
                               f"predictions only the built-in engine records: set rollout.engine=native (not "
                               f"{cfg.rollout.engine})")
+        if cfg.rollout.algorithm == "editing" and self.needs_trace and not self.replays_edits:
+            self.refuse_edits()
+
+    def refuse_edits(self) -> None:
+        raise ConfigError(f"rollout.algorithm=editing: {self.name} rebuilds decoding states from the final tokens "
+                          "and cannot replay token edits; use another rollout.algorithm or algorithm")
 
     def check_sample(self, s: RLSample) -> None:
         if self.needs_trace and (s.commit_step is None or s.block_step is None):

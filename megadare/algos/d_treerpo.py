@@ -121,6 +121,8 @@ class DTreeRPO(Algorithm):
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)
         self.fanout(cfg.rl.n_samples)
+        if cfg.rollout.algorithm == "editing":    # its tree stitches segments' traces (no trace contract)
+            self.refuse_edits()
 
     # ------------------------------------------------------------------ rollout: the tree
     def rollout(self, generate: Callable, prompts: list[list[int]], params, n_samples: int,

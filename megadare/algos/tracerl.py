@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.trace_replay import replay_views
+from megadare.errors import ConfigError
 
 
 class TraceRL(Algorithm):
@@ -37,6 +38,13 @@ class TraceRL(Algorithm):
 
     def shrink(self, arch) -> int:
         return self.p["shrink"] or (1 if arch.attention == "block_causal" else 8)
+
+    def check_config(self, cfg, arch) -> None:
+        super().check_config(cfg, arch)
+        shrink = self.p["shrink"] or (self.shrink(arch) if arch is not None else None)
+        if cfg.rollout.algorithm == "editing" and shrink not in (None, 1):
+            raise ConfigError(f"rollout.algorithm=editing with tracerl shrink={shrink}: a fragment of several steps "
+                              "would score two commits of one position from one state; set algo.params.shrink=1")
 
     def engine_logprobs_match(self, arch) -> bool:
         return self.shrink(arch) == 1   # s > 1 scores later tokens of a fragment from its first state
