@@ -300,3 +300,24 @@ def test_full_canvas_rewards_read_the_answer_up_to_its_first_eos():
     scores, _ = score_rollouts(config_from_dict({}), lambda text, rec: float(text == rec["answer"]), tok, [t],
                                [PromptRecord([1], {"answer": "cba"}, "mem:1")], "test")
     assert scores == [1.0]
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_exclude_tokens_masks_only_this_ranks_entry(monkeypatch, tp_rank):
+    """-inf exactly at each position's excluded token when it lies in this TP rank's vocabulary slice (-1: none;
+    another rank's token: nothing here); every other logit unchanged and differentiable."""
+    from megatron.core import parallel_state
+
+    from megadare.trainer.logprob import exclude_tokens
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
+    logits = torch.randn(2, 3, 4, requires_grad=True)            # this rank's slice: 4 entries (fp32, as scored)
+    token = torch.tensor([[1, -1, 6], [4, 7, 0]])                # global vocabulary ids
+    out = exclude_tokens(logits, token)
+    want = logits.detach().clone()
+    for (i, j), t in zip([(i, j) for i in range(2) for j in range(3)], token.flatten().tolist()):
+        if t >= 0 and tp_rank * 4 <= t < tp_rank * 4 + 4:
+            want[i, j, t - tp_rank * 4] = float("-inf")
+    assert torch.equal(out.detach(), want) and int(torch.isinf(want).sum()) == [2, 3][tp_rank]
+    (g,) = torch.autograd.grad(out.masked_fill(torch.isinf(want), 0.0).sum(), logits)
+    assert torch.equal(g, (~torch.isinf(want)).float())

@@ -37,11 +37,9 @@ def exclude_tokens(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """-inf at vocabulary entry ``token[...]`` of each position (-1: none) of this TP rank's logit slice."""
     part = logits.shape[-1]
     local = token - parallel_state.get_tensor_model_parallel_rank() * part
-    hit = (token >= 0) & (local >= 0) & (local < part)
-    if not bool(hit.any()):
-        return logits
-    idx = hit.nonzero(as_tuple=True)
-    return logits.index_put(idx + (local[hit],), torch.tensor(float("-inf"), device=logits.device))
+    hit = ((token >= 0) & (local >= 0) & (local < part)).unsqueeze(-1)
+    idx = local.clamp(0, part - 1).unsqueeze(-1)        # no host sync: a miss writes its own value back
+    return logits.scatter(-1, idx, logits.gather(-1, idx).masked_fill(hit, float("-inf")))
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
