@@ -34,7 +34,7 @@ from megadare.rollout.native import NativeEngine
 from megadare.trainer.rl_async import PartialRollout
 from megadare.trainer.rl_correction import store_engine_behaviour
 
-from block_toy import V, MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
+from block_toy import MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
 from sglang_fake import fake_sglang  # noqa: F401  (fixture)
 from test_decoders import LLADA2_SMALL, _engine
 
