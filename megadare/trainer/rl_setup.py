@@ -124,14 +124,12 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     """Policy chunks (from ``checkpoint.load`` if set; LoRA adapters on top with ``rl.lora_rank``), optimizer
     over every update of the run, and the frozen reference (a second model, or with LoRA the policy's own
     adapters off) / value model when the algorithm asks for them."""
-    from megadare.trainer.model_setup import build_training_chunks
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.rl_update import build_value_model
+    from megadare.trainer.sft_loop import initial_chunks
 
     t, rl = cfg.train, cfg.rl
-    load_init = _initial_weights(cfg)
-    chunks = build_training_chunks(cfg, src)
-    load_init(chunks)
+    chunks = initial_chunks(cfg, src)
     if rl.lora_rank > 0:
         from megadare.models.lora import apply_lora
 
@@ -141,24 +139,12 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
     policy = Policy(model, optimizer, scheduler, ref_adapters_off=algo.needs_ref and rl.lora_rank > 0)
     if algo.needs_ref and not policy.ref_adapters_off:
-        policy.ref_chunks = build_training_chunks(cfg, src)
-        load_init(policy.ref_chunks)
+        policy.ref_chunks = initial_chunks(cfg, src)
         for c in policy.ref_chunks:
             c.eval().requires_grad_(False)
     if algo.p.get("value_model"):
-        policy.value = build_value_model(cfg, src, algo, load_init, updates)
+        policy.value = build_value_model(cfg, src, algo, updates)
     return policy
-
-
-def _initial_weights(cfg: Config):
-    """chunks -> None: load ``checkpoint.load`` (model weights only) into freshly built chunks, if set."""
-    from megadare.trainer.checkpoint import load_train_checkpoint
-
-    def load_init(chunks) -> None:
-        if cfg.checkpoint.load:
-            load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
-
-    return load_init
 
 
 def _resume(run: RLRun) -> None:

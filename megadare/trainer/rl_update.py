@@ -14,15 +14,15 @@ from megadare.config import Config
 from megadare.trainer.step import store_outputs
 
 
-def build_value_model(cfg: Config, src, algo, load_init, updates: int):
-    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone + a zero-init value head."""
+def build_value_model(cfg: Config, src, algo, updates: int):
+    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone (``checkpoint.load`` when
+    set) + a zero-init value head."""
     from megadare.algos.value_model import attach_value_head
-    from megadare.trainer.model_setup import build_training_chunks
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
+    from megadare.trainer.sft_loop import initial_chunks
 
     t = cfg.train
-    chunks = build_training_chunks(cfg, src)
-    load_init(chunks)
+    chunks = initial_chunks(cfg, src)
     attach_value_head(chunks)
     model = wrap_ddp(chunks, t.distributed_optimizer)
     opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=algo.p["value_lr"], min_lr=0.0,
