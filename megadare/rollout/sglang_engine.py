@@ -57,7 +57,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from megadare.models.family import family_of
-from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, answer_ids, prompt_seed
 from megadare.rollout.sglang_plugin import (ALGORITHM_NAME, CUSTOM_PARAMS_KEY, DECODER_KEYS, SGLANG_REQUIREMENT,
                                             SUPPORTED_ARCHITECTURES, TRACE_KEY)
 
@@ -191,7 +191,7 @@ def trajectory_from_output(prompt: list[int], out: dict[str, Any], params: Sampl
         raise RuntimeError("sglang returned output tokens without a trace entry (a retracted request?)")
     finish = "eos" if eos_token_id in ids else "length"   # the answer ended (a full canvas keeps what follows)
     if params.stop_at_eos and finish == "eos":
-        ids = ids[:ids.index(eos_token_id) + 1]
+        ids = answer_ids(ids, eos_token_id)
         trace = trace[:len(ids)]
     num_forwards = max((int(e[3]) for e in trace), default=0)
     superseded = [Superseded(k, int(tok), int(g), int(s), float(lp)) for k, e in enumerate(trace)
