@@ -15,6 +15,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
@@ -388,10 +389,10 @@ def _finish(conf) -> Config:
         if v is not None and v < 1:
             raise ConfigError(f"{key}={v} must be a positive integer")
     for key in ("data.path", "data.eval_path"):
-        v = _get(cfg, key)
-        if v is not None and not (isinstance(v, str) or (isinstance(v, list) and v and
-                                                          all(isinstance(x, str) for x in v))):
-            raise ConfigError(f"{key}={v!r}: give a file or a list of files, e.g. {key}=[math.parquet,gsm8k.parquet]")
+        try:
+            as_paths(_get(cfg, key), key)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
     if not 0.0 <= cfg.rl.max_reward_error_fraction <= 1.0:
         raise ConfigError(f"rl.max_reward_error_fraction={cfg.rl.max_reward_error_fraction} must be within [0, 1]")
     return cfg
