@@ -20,13 +20,13 @@ it. Errors are :class:`DataError` naming ``file:row``, the field and what was fo
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from megadare.data.files import DataError
 from megadare.data.tokenizer import Tokenizer
 
 __all__ = ["MISSING", "get_field", "check_messages", "render_prompt", "prompt_messages", "response_text",
-           "encode_text", "first_present", "is_verl_row", "DARE_GOLD", "DARE_SFT_PROMPT", "DARE_SFT_RESPONSE"]
+           "encode_text", "is_verl_row", "DARE_GOLD", "DARE_SFT_PROMPT", "DARE_SFT_RESPONSE"]
 
 MISSING: Any = object()
 DARE_GOLD = "reward_model.ground_truth"
@@ -115,11 +115,6 @@ def render_prompt(tok: Tokenizer, messages: list[dict], where: str, field: str) 
         return list(tok.chat_prompt(messages, continue_final=continues)), messages[-1]["content"] if continues else ""
     except ValueError as e:
         raise DataError(f"{where}: field {field!r}: {e}") from e
-
-
-def first_present(rec: dict, keys: tuple[str, ...]) -> Optional[str]:
-    """The first of ``keys`` the record has (dotted), else None."""
-    return next((k for k in keys if get_field(rec, k) is not MISSING), None)
 
 
 def is_verl_row(rec: dict) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from megadare.data.fields import (DARE_SFT_PROMPT, DARE_SFT_RESPONSE, MISSING, check_messages, encode_text,
-                                  first_present, get_field, prompt_messages, render_prompt, response_text)
+                                  get_field, prompt_messages, render_prompt, response_text)
 from megadare.data.files import DataError, load_records
 from megadare.data.tokenizer import Tokenizer
 
@@ -63,7 +63,7 @@ def sft_keys(rec: dict, prompt_key: str = "prompt", response_key: str = "respons
     if get_field(rec, prompt_key) is not MISSING and get_field(rec, response_key) is not MISSING:
         return ("pair", prompt_key, response_key)
     if (prompt_key, response_key) == ("prompt", "response") and \
-            first_present(rec, (DARE_SFT_PROMPT,)) and first_present(rec, (DARE_SFT_RESPONSE,)):
+            get_field(rec, DARE_SFT_PROMPT) is not MISSING and get_field(rec, DARE_SFT_RESPONSE) is not MISSING:
         return ("pair", DARE_SFT_PROMPT, DARE_SFT_RESPONSE)
     return ()
 
