@@ -51,8 +51,8 @@ from typing import Any, Callable, Optional
 from megadare.data.fields import is_verl_row
 from megadare.data.files import DataError, load_rows
 from megadare.errors import ConfigError
-from megadare.rewards import (auto_rule, extract_answer, extract_boxed, extract_code, extract_code_mbpp, gsm8k_gold,
-                              normalize_answer)
+from megadare.rewards import (auto_rule, extract_answer, extract_boxed, extract_code, gsm8k_gold, normalize_answer,
+                              program_extractor)
 from megadare.rewards.planning import last_answer_tag
 
 __all__ = ["TaskSpec", "TASKS", "PROMPT_STYLES", "task_spec", "file_task", "countdown_prompt", "SUDOKU_PROMPT",
@@ -274,7 +274,7 @@ def file_task(path: str) -> TaskSpec:
     if not is_verl_row(first):
         _unbuildable(first, where, "")
     try:
-        rule = auto_rule(dict(first, answer=first["reward_model"].get("ground_truth")))
+        rule = auto_rule(first)
     except ValueError as e:
         raise DataError(f"{where}: {e}") from e
     name = os.path.splitext(os.path.basename(path))[0]
@@ -283,8 +283,7 @@ def file_task(path: str) -> TaskSpec:
         return TaskSpec(name, "math", "auto", "answer", _unbuildable, extract_answer,
                         gsm8k_gold if rule == "gsm8k" else _reference_answer, _math_vote_key, path)
     if rule.startswith("code"):
-        extract = extract_code_mbpp if source in ("mbpp", "kodcode") else extract_code
-        return TaskSpec(name, "code", "auto", "answer", _unbuildable, extract, None, None, path)
+        return TaskSpec(name, "code", "auto", "answer", _unbuildable, program_extractor(source), None, None, path)
     return TaskSpec(name, "planning", "auto", "answer", _unbuildable, last_answer_tag, str, None, path)
 
 

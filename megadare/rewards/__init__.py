@@ -15,7 +15,7 @@
   rewards cannot be computed (:func:`check_reward_errors`).
 """
 from megadare.rewards.code import code_reward, extract_code, parse_tests, run_tests
-from megadare.rewards.code_forms import dare_code_reward, extract_code_mbpp
+from megadare.rewards.code_forms import dare_code_reward, extract_code_mbpp, program_extractor
 from megadare.rewards.errors import AnswerTimeout, RewardError
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.math_answer import extract_answer, extract_boxed, gsm8k_gold, normalize_answer
@@ -32,6 +32,7 @@ __all__ = [
     "answers_equal", "verify_answer", "math_reward", "VerifierPool", "VerifyResult", "default_pool",
     "run_program", "SandboxResult",
     "extract_code", "parse_tests", "run_tests", "code_reward", "dare_code_reward", "extract_code_mbpp",
+    "program_extractor",
     "countdown_reward", "sudoku_reward",
     "boxed_format_reward", "think_answer_format_reward",
     "RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",

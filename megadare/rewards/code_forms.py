@@ -25,11 +25,12 @@ from __future__ import annotations
 import ast
 import json
 import re
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from megadare.rewards.code import TestCase, call_case, code_reward, extract_code, parse_tests
 
-__all__ = ["CODE_SOURCES", "PREAMBLE", "extract_code_mbpp", "entry_point", "dare_test_cases", "dare_code_reward"]
+__all__ = ["CODE_SOURCES", "PREAMBLE", "extract_code_mbpp", "program_extractor", "entry_point", "dare_test_cases",
+           "dare_code_reward"]
 
 HUMANEVAL, HUMANEVALPLUS = "humaneval", "humanevalplus"
 ASSERT_LISTS = ("mbpp", "kodcode")
@@ -156,11 +157,17 @@ def _harness_timeout(test_code: str, base: float) -> float:
     return base
 
 
+def program_extractor(source: str) -> Callable[[str], Optional[str]]:
+    """How DARE takes the program out of a response of ``data_source`` ``source``: MBPP's ``[BEGIN]..[DONE]``
+    patterns for assert-list sources, the last code block otherwise."""
+    return extract_code_mbpp if str(source).lower() in ASSERT_LISTS else extract_code
+
+
 def dare_code_reward(response: str, record: dict, all_or_nothing: bool = True) -> float:
     """DARE's code score of ``response`` (the prompt's prefill included) on the row's tests."""
     source = str(record.get("data_source", "")).lower()
     cases = dare_test_cases(record)
-    code = extract_code_mbpp(response) if source in ASSERT_LISTS else extract_code(response)
+    code = program_extractor(source)(response)
     timeout = float(record.get("timeout_s", 5.0))
     if source == HUMANEVALPLUS:
         timeout = _harness_timeout(str(record["answer"]), timeout)
