@@ -17,7 +17,6 @@ checkpoint pieces are trainer/sft_loop.py's.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -89,7 +88,7 @@ def setup_dpo(cfg: Config) -> DPORun:
     from megadare.data.preference_data import load_preference_examples
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
-    from megadare.trainer.sft_loop import initial_chunks, resume
+    from megadare.trainer.sft_loop import checkpoint_root, frozen_chunks, initial_chunks, resume
 
     src = resolve_model_source(cfg)
     validate(cfg, src.arch, dist.get_world_size())
@@ -100,13 +99,11 @@ def setup_dpo(cfg: Config) -> DPORun:
                                                chosen_key=cfg.dpo.chosen_key, rejected_key=cfg.dpo.rejected_key)
     model = wrap_ddp(initial_chunks(cfg, src), cfg.train.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
-    ref = initial_chunks(cfg, src)
-    for c in ref:
-        c.eval().requires_grad_(False)
+    ref = frozen_chunks(cfg, src)
     block = src.arch.attention == "block_causal"
     run = DPORun(cfg=cfg, src=src, recipe=None, kind="block_diffusion" if block else "bidirectional", tok=tok,
                  examples=examples, data_stats=stats, model=model, optimizer=optimizer, scheduler=scheduler,
-                 save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"), ref_chunks=ref,
+                 save_root=checkpoint_root(cfg), ref_chunks=ref,
                  algo=vrpo_for(cfg), block=src.arch.block_size if block else 1)
     resume(run)
     return run

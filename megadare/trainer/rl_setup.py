@@ -7,7 +7,6 @@ A restarted run resumes here from the newest checkpoint under ``checkpoint.save`
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -79,6 +78,7 @@ def setup_run(cfg: Config) -> RLRun:
     from megadare.trainer.rl_async import WeightSnapshots, lookahead
     from megadare.trainer.rl_correction import check_correction_config, needs_snapshots
     from megadare.trainer.rl_rollout import sampling_params, start_engines
+    from megadare.trainer.sft_loop import checkpoint_root
 
     src = resolve_model_source(cfg)
     validate(cfg, src.arch, dist.get_world_size())
@@ -90,7 +90,7 @@ def setup_run(cfg: Config) -> RLRun:
     run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
                 train_prompts=train_prompts, held_prompts=held_prompts, policy=_build_policy(cfg, src, algo),
                 block=block, kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
-                save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+                save_root=checkpoint_root(cfg))
     run.sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
     run.snapshots = WeightSnapshots(run.policy.model) if needs_snapshots(cfg, run.ahead) else None
     run.buffer = ReplayBuffer(cfg.replay.k, cfg.replay.warmup) if cfg.replay.enable else None
@@ -126,7 +126,7 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     adapters off) / value model when the algorithm asks for them."""
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.rl_update import build_value_model
-    from megadare.trainer.sft_loop import initial_chunks
+    from megadare.trainer.sft_loop import frozen_chunks, initial_chunks
 
     t, rl = cfg.train, cfg.rl
     chunks = initial_chunks(cfg, src)
@@ -139,9 +139,7 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
     policy = Policy(model, optimizer, scheduler, ref_adapters_off=algo.needs_ref and rl.lora_rank > 0)
     if algo.needs_ref and not policy.ref_adapters_off:
-        policy.ref_chunks = initial_chunks(cfg, src)
-        for c in policy.ref_chunks:
-            c.eval().requires_grad_(False)
+        policy.ref_chunks = frozen_chunks(cfg, src)
     if algo.p.get("value_model"):
         policy.value = build_value_model(cfg, src, algo, updates)
     return policy

@@ -158,9 +158,14 @@ def setup_sft(cfg: Config) -> SFTRun:
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
     run = SFTRun(cfg=cfg, src=src, recipe=recipe, kind=mask_kind(recipe, src.arch), tok=tok, examples=examples,
                  data_stats=data_stats, model=model, optimizer=optimizer, scheduler=scheduler,
-                 save_root=cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt"))
+                 save_root=checkpoint_root(cfg))
     resume(run)
     return run
+
+
+def checkpoint_root(cfg: Config) -> str:
+    """Where a run's checkpoints go: ``checkpoint.save``, else ``<logging.run_dir>/ckpt``."""
+    return cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt")
 
 
 def initial_chunks(cfg: Config, src) -> list:
@@ -171,6 +176,14 @@ def initial_chunks(cfg: Config, src) -> list:
     chunks = build_training_chunks(cfg, src)
     if cfg.checkpoint.load:
         load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+    return chunks
+
+
+def frozen_chunks(cfg: Config, src) -> list:
+    """:func:`initial_chunks` in eval mode without gradients: the frozen reference model of DPO and RL."""
+    chunks = initial_chunks(cfg, src)
+    for c in chunks:
+        c.eval().requires_grad_(False)
     return chunks
 
 
