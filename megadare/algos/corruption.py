@@ -23,6 +23,10 @@ slots: one per (view, token); ``sequence`` slots: one per view (the whole respon
                  ``score_later`` (DARE's ``_forward_process_spg`` + ``llada_dp_actor_spg.py``): every masked
                  response token is scored -- the m of b and all later blocks -- with c = 1 / (n_mc t_v),
                  t_v = (masked response tokens of draw v) / L, the empirical masking rate.
+* ``antithetic_views``  ESPO (arXiv:2512.03759): per draw k masked tokens (coefficient (L+1)/k) and the exact
+                 complement ((L+1)/(L-k)), each / (2 n_mc canvas), all in one sequence slot (a sequence ELBO).
+* ``ar_views``   JustGRPO (arXiv:2601.15165): one view per response position t, c ++ y_<t ++ M..M, scoring t
+                 into token slot t (the autoregressive likelihood on a diffusion model); c = 1.
 """
 from __future__ import annotations
 
@@ -151,3 +155,29 @@ def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Gen
             coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
         views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=scored))
     return views
+
+
+def antithetic_views(prompt: list[int], response: list[int], mask_id: int, counts: list[int], g: torch.Generator,
+                     canvas: int) -> list[View]:
+    """Per draw: k masked (coefficient (L+1)/k) and the exact complement ((L+1)/(L-k)), each / (2 n_mc canvas),
+    all in sequence slot 0; empty views are left out."""
+    x0, P, L = _seq(prompt, response)
+    views = []
+    for k in counts:
+        masked = torch.zeros(P + L, dtype=torch.bool)
+        masked[torch.randperm(L, generator=g)[:k] + P] = True
+        comp = (torch.arange(P + L) >= P) & ~masked
+        for m, n in ((masked, k), (comp, L - k)):
+            if n == 0:
+                continue
+            c = (L + 1) / n / (2 * len(counts) * canvas)
+            views.append(_view(x0, m, torch.full((P + L,), c), P, L, mask_id, "sequence", 0))
+    return views
+
+
+def ar_views(prompt: list[int], response: list[int], mask_id: int) -> list[View]:
+    """One view per response position t: c ++ y_<t ++ M..M, scoring position t into token slot t."""
+    x0, P, L = _seq(prompt, response)
+    pos = torch.arange(P + L)
+    return [_view(x0, pos >= P + t, torch.ones(P + L), P, L, mask_id, "token", 0, scored=pos == P + t)
+            for t in range(L)]

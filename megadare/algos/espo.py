@@ -32,7 +32,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import SLOT_CONST, RLSample, Slots, View
-from megadare.diffusion.masking import mask_tokens
+from megadare.algos.corruption import antithetic_views
 from megadare.errors import ConfigError
 
 
@@ -48,28 +48,6 @@ def stratified_counts(lengths: list[int], n_mc: int, g: torch.Generator) -> list
             for i, r in enumerate(rows):
                 out[r][d] = int(round(k0 + i * (L + 1) / B)) % (L + 1)
     return out
-
-
-def antithetic_views(prompt: list[int], response: list[int], mask_id: int, counts: list[int], g: torch.Generator,
-                     canvas: int) -> list[View]:
-    """Per draw: k masked (coefficient (L+1)/k) and the exact complement ((L+1)/(L-k)), each / (2 n_mc canvas),
-    all in sequence slot 0; empty views are left out."""
-    P, L = len(prompt), len(response)
-    x0 = torch.tensor(list(prompt) + list(response), dtype=torch.long)
-    views = []
-    for k in counts:
-        pick = torch.randperm(L, generator=g)[:k] + P
-        masked = torch.zeros(P + L, dtype=torch.bool)
-        masked[pick] = True
-        comp = torch.arange(P + L) >= P
-        comp &= ~masked
-        for m, n in ((masked, k), (comp, L - k)):
-            if n == 0:
-                continue
-            c = (L + 1) / n / (2 * len(counts) * canvas)
-            views.append(View(tokens=mask_tokens(x0, m, mask_id), coef=m.float() * c,
-                              slot=torch.where(m, torch.tensor(0), torch.tensor(-1))))
-    return views
 
 
 class ESPO(Algorithm):

@@ -30,22 +30,9 @@ from __future__ import annotations
 import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
-from megadare.algos.base import RLSample, View
-from megadare.diffusion.masking import mask_tokens
+from megadare.algos.base import RLSample
+from megadare.algos.corruption import ar_views
 from megadare.errors import ConfigError
-
-
-def ar_views(prompt: list[int], response: list[int], mask_id: int) -> list[View]:
-    """One view per response position t: c ++ y_<t ++ M..M, scoring position t into token slot t."""
-    P, L = len(prompt), len(response)
-    x0 = torch.tensor(list(prompt) + list(response), dtype=torch.long)
-    pos = torch.arange(P + L)
-    views = []
-    for t in range(L):
-        scored = pos == P + t
-        views.append(View(tokens=mask_tokens(x0, pos >= P + t, mask_id), coef=scored.float(),
-                          slot=torch.where(scored, torch.tensor(t), torch.tensor(-1))))
-    return views
 
 
 class JustGRPO(Algorithm):
