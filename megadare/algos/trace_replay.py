@@ -98,7 +98,8 @@ def _round_view(s: RLSample, x0: torch.Tensor, chains: dict[int, list[Commit]], 
             continue
         before = [c for c in chain if key(c) < first]
         tokens[P + k] = before[-1].token if before else mask_id
-        scored = [c for c in chain if key(c) in group(k)]
+        in_group = group(k)
+        scored = [c for c in chain if key(c) in in_group]
         if len(scored) > 1:
             raise ValueError(f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
                              f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
