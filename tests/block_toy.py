@@ -25,12 +25,14 @@ class ToyBlockLM(torch.nn.Module):
         self.register_buffer("U", torch.randint(-2, 3, (V, V), generator=g).float())
         self.register_buffer("P", torch.randint(-4, 5, (64, V), generator=g).float())
 
-    def forward(self, ids, attention_mask=None, position_ids=None, **_):
+    def forward(self, ids, attention_mask=None, position_ids=None, logits_index=None, **_):
+        """The engine's model protocol without a KV cache; ``logits_index`` [n, m]: those positions' logits."""
         n, L = ids.shape
         onehot = F.one_hot(ids, V).float()
         vis = attention_mask[:, 0].float() if attention_mask is not None else torch.ones(n, L, L)
         pos = position_ids if position_ids is not None else torch.arange(L).expand(n, L)
-        return (onehot @ self.W + (vis @ onehot) @ self.U + self.P[pos]) * 0.125
+        out = (onehot @ self.W + (vis @ onehot) @ self.U + self.P[pos]) * 0.125
+        return out if logits_index is None else out.gather(1, logits_index[..., None].expand(-1, -1, V))
 
 
 def toy_arch() -> ModelArch:

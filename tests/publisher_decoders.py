@@ -15,12 +15,40 @@ over the whole block instead of over its masked positions only (the draw layout 
 decoding draws nothing, so there the loop is the publisher's), and LLaDA2.1 attends through a strict block-causal
 mask (its ``generate()`` omits the ``.log()``, models/llada2.py). Each loop also returns the trace it went
 through: per response position, the (forward index, token) of every commit.
+
+The random draw: the publishers draw a categorical with torch's global RNG (Dream ``dists.Categorical(probs)
+.sample()``, LLaDA2.1 ``torch.multinomial(probs, 1)``); megadare's engines draw from a counter-based stream per
+prompt (``sampling.stream_uniforms``). Every draw here goes through :data:`DRAW` ``(probs [R, V], step) -> [R]``
+(change: the loop passes its step index, the forward count of its trace), the global RNG by default; a test sets
+it to megadare's stream (:func:`stream_draw`) so both sides use the same random numbers and everything else -- the
+filters, the distributions, the rules and schedules -- is the publisher's.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributions as dists
 import torch.nn.functional as F
+
+
+def global_rng_draw(probs: torch.Tensor, step: int) -> torch.Tensor:
+    """What the publishers do: one categorical draw per row from torch's global RNG."""
+    return dists.Categorical(probs=probs).sample()
+
+
+def stream_draw(key: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """megadare's draw for the prompt whose stream key is ``key``: row r of a step's block takes the uniform number
+    of block position r at the step (``sampling.stream_uniforms``) and inverts the CDF (``sampling.categorical``)."""
+    from megadare.rollout.sampling import SAMPLE, categorical, stream_uniforms
+
+    def draw(probs: torch.Tensor, step: int) -> torch.Tensor:
+        u = stream_uniforms(torch.tensor([key]), torch.tensor([step]), SAMPLE, probs.shape[0])[0]
+        return categorical(probs.float(), u)[0]
+    return draw
+
+
+DRAW: Callable[[torch.Tensor, int], torch.Tensor] = global_rng_draw
 
 
 # ---------------------------------------------------------------------------------------------- Dream
@@ -42,7 +70,7 @@ def dream_top_k_logits(logits, top_k=None):
 
 
 def dream_sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
-                        neg_entropy=False):
+                        neg_entropy=False, step=0):
     """Dream's ``sample_tokens`` (its bare ``except`` fallback dropped: it never fires on finite logits)."""
     if temperature > 0:
         logits = logits / temperature
@@ -52,7 +80,7 @@ def dream_sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_
         logits = dream_top_k_logits(logits, top_k)
     probs = torch.softmax(logits, dim=-1)
     if temperature > 0:
-        x0 = dists.Categorical(probs=probs).sample()
+        x0 = DRAW(probs, step)                                   # change: the DRAW hook
         confidence = torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
     else:
         confidence, x0 = probs.max(dim=-1)
@@ -74,10 +102,10 @@ def _dream_logits(model, x, mask_id):
     return logits
 
 
-def _block_draw(logits, lo, hi, mask_index, temperature, top_p, top_k, alg_kw):
+def _block_draw(logits, lo, hi, mask_index, temperature, top_p, top_k, alg_kw, step):
     """Dream's sample_tokens over the block rows (change: the publisher draws over the masked rows only), read
     at the masked positions."""
-    conf, x0 = dream_sample_tokens(logits[0, lo:hi], temperature, top_p=top_p, top_k=top_k, **alg_kw)
+    conf, x0 = dream_sample_tokens(logits[0, lo:hi], temperature, top_p=top_p, top_k=top_k, step=step, **alg_kw)
     sel = mask_index[0, lo:hi]
     return conf[sel], x0[sel]
 
@@ -96,7 +124,7 @@ def dream_generate(model, prompt, gen_length, steps, alg, mask_id, eps=1e-3, tem
         logits = _dream_logits(model, x, mask_id)
         t, s = timesteps[i], timesteps[i + 1]
         confidence, x0 = _block_draw(logits, P, P + gen_length, mask_index, temperature, top_p, top_k,
-                                     DREAM_ALG[alg])
+                                     DREAM_ALG[alg], i)
         num_mask_token = mask_index.sum() / mask_index.shape[0]
         number_transfer_tokens = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
         full_confidence = torch.full_like(x, -torch.inf, dtype=logits.dtype)
@@ -128,7 +156,7 @@ def dare_dream_block_generate(model, prompt, gen_length, block_length, steps, ma
     for num_block in range(num_blocks):
         start, end = P + num_block * block_length, P + (num_block + 1) * block_length
         logits = _dream_logits(model, x, mask_id)
-        _, x0 = _block_draw(logits, start, end, x == mask_id, temperature, top_p, top_k, {})
+        _, x0 = _block_draw(logits, start, end, x == mask_id, temperature, top_p, top_k, {}, forward)
         x[:, start] = x0[0]          # change: x0 drawn over the block (the publisher: over the whole sequence)
         trace.setdefault(start - P, []).append((forward, int(x[0, start])))
         forward += 1
@@ -144,7 +172,7 @@ def dare_dream_block_generate(model, prompt, gen_length, block_length, steps, ma
             full_mask = torch.zeros_like(x, dtype=torch.bool)
             full_mask[:, start:] = mask_index
             confidence, x0 = _block_draw(full_logits, start, end, full_mask, temperature, top_p, top_k,
-                                         {"neg_entropy": True})
+                                         {"neg_entropy": True}, forward)
             num_mask_token = mask_index.sum() / mask_index.shape[0]
             number_transfer_tokens = (int(num_mask_token * (1 - s / t)) if i < steps_per_block - 1
                                       else int(num_mask_token))
@@ -187,8 +215,8 @@ def llada21_top_p_logits(logits, p):
     return logits.masked_fill(mask_indices, float("-inf"))
 
 
-def llada21_sample(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """LLaDA2.1's ``_sample_with_temperature_topk_topp`` (the global RNG draws)."""
+def llada21_sample(logits, temperature=1.0, top_k=0, top_p=1.0, step=0):
+    """LLaDA2.1's ``_sample_with_temperature_topk_topp`` (the draw through :data:`DRAW`)."""
     orig_shape = logits.shape[:-1]
     vocab_size = logits.shape[-1]
     logits = logits.reshape(-1, vocab_size)
@@ -202,7 +230,7 @@ def llada21_sample(logits, temperature=1.0, top_k=0, top_p=1.0):
     logits = llada21_top_k_logits(logits, top_k)
     logits = llada21_top_p_logits(logits, top_p)
     probs = F.softmax(logits, dim=-1)
-    token = torch.multinomial(probs, num_samples=1)
+    token = DRAW(probs, step)[:, None]                           # change: the DRAW hook
     token_prob = torch.gather(probs, -1, token)
     return token.view(*orig_shape), token_prob.view(*orig_shape)
 
@@ -240,7 +268,7 @@ def llada21_generate(model, prompt, gen_length, block_length, mask_id, temperatu
             logits = model(cur_x, attention_mask=block_mask[:, :, :end, :end], position_ids=position_ids[:, :end])
             active_logits = logits[:, -block_length:, :].float()
             active_logits[..., mask_id] = float("-inf")                  # change: never the mask token
-            x0, x0_p = llada21_sample(active_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            x0, x0_p = llada21_sample(active_logits, temperature=temperature, top_k=top_k, top_p=top_p, step=step)
             mask_transfer_index = torch.zeros_like(x0, dtype=torch.bool)
             if active_block_mask.sum() > 0:
                 mask_confidence = torch.where(active_block_mask, x0_p, -torch.inf)

@@ -1,6 +1,7 @@
 """The publishers' decoders in megadare's samplers, against the publishers' own logic (tests/publisher_decoders.py):
 
-(a) the pure pieces, exhaustively on random logits with one fixed RNG stream: Dream's ``sample_tokens``
+(a) the pure pieces, exhaustively on random logits with the same random numbers on both sides (the
+    publishers' draw replaced by megadare's stream, ``publisher_decoders.DRAW``): Dream's ``sample_tokens``
     (proposal and maskgit_plus / topk_margin / entropy confidence, every filter and temperature), LLaDA2.1's
     ``_sample_with_temperature_topk_topp`` (proposal and x0_p), Dream's linspace counts, ``alg_temp`` draws;
 (b) whole decodes on tiny random models, token for token and step for step: Dream's ``_sample`` (one block,
@@ -15,16 +16,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+import publisher_decoders
 from megadare.config import load_config, validate
 from megadare.errors import ConfigError
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.dllm_step import ranking_confidence
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine
-from megadare.rollout.sampling import dream_confidence, linspace_count, sample_tokens, select_commits
+from megadare.rollout.sampling import (REMASK, SAMPLE, dream_confidence, linspace_count, sample_tokens,
+                                       select_commits, stream_uniforms)
 
 from publisher_decoders import (DREAM_ALG, dare_dream_block_generate, dream_generate, dream_sample_tokens,
-                                llada21_generate, llada21_sample)
+                                llada21_generate, llada21_sample, stream_draw)
 
 EOS, MASK = 253, 255
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 9]]
@@ -47,16 +50,26 @@ def _engine(family: str, **over) -> NativeEngine:
 FILTERS = [(0, 1.0), (5, 1.0), (0, 0.9)]          # (top_k, top_p): Dream filters top-p before top-k, so never both
 
 
+@pytest.fixture
+def draws_from(monkeypatch):
+    """The publishers' draws from megadare's stream with key ``k`` (publisher_decoders.DRAW)."""
+    return lambda key: monkeypatch.setattr(publisher_decoders, "DRAW", stream_draw(key))
+
+
+def _uniforms(key: int, step: int, width: int) -> torch.Tensor:
+    return stream_uniforms(torch.tensor([key]), torch.tensor([step]), SAMPLE, width)[0]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
-def test_dream_sample_tokens_and_confidence_rules(temperature):
+def test_dream_sample_tokens_and_confidence_rules(temperature, draws_from):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(40, 50, generator=gen) * 3
+    draws_from(11)
     for top_k, top_p in FILTERS:
         for rule, kw in DREAM_ALG.items():
-            torch.manual_seed(11)                  # Dream draws from the global stream ...
-            ref_conf, ref_x0 = dream_sample_tokens(logits, temperature, top_p=top_p, top_k=top_k or None, **kw)
-            g = torch.Generator().manual_seed(11)  # ... megadare from a generator seeded the same
-            x0, logp, _ = sample_tokens(logits, temperature, top_k, top_p, g)
+            ref_conf, ref_x0 = dream_sample_tokens(logits, temperature, top_p=top_p, top_k=top_k or None, step=3,
+                                                   **kw)
+            x0, logp, _ = sample_tokens(logits, temperature, top_k, top_p, _uniforms(11, 3, 40))
             assert torch.equal(x0, ref_x0), (rule, top_k, top_p)
             conf = dream_confidence(logits, x0, rule, temperature, top_k, top_p)
             assert torch.allclose(conf, ref_conf, atol=1e-6), (rule, top_k, top_p)
@@ -66,15 +79,15 @@ def test_dream_sample_tokens_and_confidence_rules(temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8, 1.0])
-def test_llada21_proposal_and_confidence(temperature):
+def test_llada21_proposal_and_confidence(temperature, draws_from):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(1, 32, 60, generator=gen) * 3
+    draws_from(5)
     for top_k, top_p in FILTERS + [(7, 0.8)]:
-        torch.manual_seed(5)
-        ref_x0, ref_p = llada21_sample(logits, temperature, top_k, top_p)
+        ref_x0, ref_p = llada21_sample(logits, temperature, top_k, top_p, step=2)
         params = SamplingParams(block_size=32, steps_per_block=1, algorithm="editing", temperature=temperature,
                                 top_k=top_k, top_p=top_p)
-        x0, _, model_prob = sample_tokens(logits, temperature, top_k, top_p, torch.Generator().manual_seed(5))
+        x0, _, model_prob = sample_tokens(logits, temperature, top_k, top_p, _uniforms(5, 2, 32)[None])
         assert torch.equal(x0, ref_x0)
         assert torch.allclose(ranking_confidence(logits, x0, model_prob, params), ref_p, atol=1e-6)
 
@@ -97,14 +110,13 @@ def test_alg_temp_draws_positions_with_dreams_probabilities():
     masked = torch.tensor([[True, True, False, True, True, True]])
     full = torch.where(masked, conf / 0.5, torch.tensor(float("-inf")))
     expect = torch.softmax(full, -1)[0]
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(6)
-    draws = 4000
-    for _ in range(draws):
-        counts += select_commits(conf, masked, torch.tensor([1]), "low_confidence_static", generator=g,
-                                 alg_temp=0.5)[0].float()
-    assert torch.allclose(counts / draws, expect, atol=0.03) and counts[2] == 0
-    three = select_commits(conf, masked, torch.tensor([3]), "low_confidence_static", generator=g, alg_temp=0.5)
+    draws = 4000                                   # one row per draw: the stream of key 0 at counters 0..3999
+    u = stream_uniforms(torch.zeros(draws, dtype=torch.long), torch.arange(draws), REMASK, 6)
+    picks = select_commits(conf.expand(draws, 6), masked.expand(draws, 6), torch.ones(draws, dtype=torch.long),
+                           "low_confidence_static", uniforms=u, alg_temp=0.5)
+    counts = picks.float().sum(0)
+    assert torch.allclose(counts / draws, expect, atol=0.03) and counts[2] == 0 and (picks.sum(1) == 1).all()
+    three = select_commits(conf, masked, torch.tensor([3]), "low_confidence_static", uniforms=u[:1], alg_temp=0.5)
     assert int(three.sum()) == 3 and not three[0, 2]
     top = select_commits(conf, masked, torch.tensor([2]), "low_confidence_static")
     assert top[0].nonzero().flatten().tolist() == [0, 3]
@@ -131,11 +143,11 @@ DREAM_RUNS = [  # (sampling params, reference): Dream's own (the response is one
 
 @pytest.mark.parametrize("params,ref", DREAM_RUNS, ids=["entropy", "margin", "maskgit-sampled", "dare-block",
                                                         "dare-block-sampled"])
-def test_dream_decoders_match_the_publishers(params, ref):
+def test_dream_decoders_match_the_publishers(params, ref, draws_from):
     eng = _engine("dream")
     G, rule = params.max_new_tokens, params.confidence
+    draws_from(params.seed)                       # each prompt alone: prompt 0's stream, key = the seed
     for p in PROMPTS:
-        torch.manual_seed(params.seed)            # the reference's global stream = the engine's generator
         if ref == "dream":
             tokens, trace = dream_generate(eng.model, p, G, params.steps_per_block, rule, MASK, params.eps,
                                            params.temperature, params.top_p, params.top_k or None)
@@ -161,11 +173,11 @@ EDIT_RUNS = [  # (params, prompt): one prompt each, one whose decode edits (each
 
 
 @pytest.mark.parametrize("params,p", EDIT_RUNS, ids=["greedy", "sampled"])
-def test_llada21_editing_matches_the_publisher(params, p):
+def test_llada21_editing_matches_the_publisher(params, p, draws_from):
     """The built-in engine (block KV cache) against LLaDA2.1's generate(): tokens, the step of every commit, and
     the commits edits overwrote; the runs do edit."""
     eng = _engine("llada2", **LLADA2_SMALL)
-    torch.manual_seed(params.seed)
+    draws_from(params.seed)
     tokens, trace = llada21_generate(eng.model, p, params.max_new_tokens, params.block_size, MASK,
                                      params.temperature, params.top_k, params.top_p, params.threshold,
                                      params.editing_threshold, params.max_post_steps, params.num_to_transfer)

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
-from megadare.rollout.dllm_step import BlockTrace, dllm_step
+from megadare.rollout.dllm_step import BlockTrace, Streams, dllm_step
 from megadare.rollout.engine import SamplingParams, prompt_seed
 from megadare.rollout.native import NativeEngine
+from megadare.rollout.sampling import SAMPLE, stream_uniforms
 
 from block_toy import V, MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
 
@@ -38,9 +39,16 @@ def _ref_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return out
 
 
-def _ref_step(logits, tokens, masked, s, params, gens):
+def _ref_draw(probs: torch.Tensor, u: float) -> int:
+    """Inverse CDF in float64: the first index whose cumulative probability exceeds u."""
+    cum = probs.double().cumsum(0)
+    return min(int((cum <= u * float(cum[-1])).sum()), int(probs.nonzero().max()))
+
+
+def _ref_step(logits, tokens, masked, s, params, keys, counters):
     """SDAR generate.py's step (block of B, S steps) with LLaDA-style temperature/top-k/top-p sampling; row b
-    draws from its own generator gens[b], and only while it has a masked position."""
+    draws from its own stream (key keys[b], at its step count counters[b]), and only while it has a masked
+    position."""
     logits = logits.clone().float()
     logits[..., MASK] = -math.inf
     n, Bn, _ = logits.shape
@@ -49,10 +57,11 @@ def _ref_step(logits, tokens, masked, s, params, gens):
         logp = torch.zeros(n, Bn)
     else:
         lp_all = F.log_softmax(_ref_filter(logits / params.temperature, params.top_k, params.top_p), -1)
+        u = stream_uniforms(torch.tensor(keys), torch.tensor(counters), SAMPLE, Bn)
         tok = tokens.clone()
         for b in range(n):
             if masked[b].any():
-                tok[b] = torch.multinomial(lp_all[b].exp(), 1, generator=gens[b]).view(Bn)
+                tok[b] = torch.tensor([_ref_draw(lp_all[b, c].exp(), float(u[b, c])) for c in range(Bn)])
         logp = lp_all.gather(-1, tok[..., None])[..., 0]
     conf = F.softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
     S = params.steps_per_block
@@ -89,8 +98,7 @@ def test_dllm_step_matches_reference(params):
     tokens[0, :3] = torch.tensor([1, 2, 3])          # a prompt remainder at the block start
     tokens[2, :1] = torch.tensor([4])
     ref_tokens = tokens.clone()
-    g = [torch.Generator().manual_seed(7 + b) for b in range(3)]
-    g_ref = [torch.Generator().manual_seed(7 + b) for b in range(3)]
+    keys, counters = [7, 8, 9], [0, 4, 1]             # any stream keys, any step counts so far
     trace = BlockTrace(3)
     for s in range(params.steps_per_block):
         masked = tokens == MASK
@@ -98,14 +106,16 @@ def test_dllm_step_matches_reference(params):
             break
         # a function of the block's current tokens: token, position and block-context terms
         logits = W[tokens] + Pz + (F.one_hot(tokens, V).float().sum(1) @ U)[:, None]
-        res = dllm_step(logits, tokens, masked, s, params, g, mask_token_id=MASK)
-        ref_new, ref_pick, ref_logp, ref_conf = _ref_step(logits, ref_tokens, ref_tokens == MASK, s, params, g_ref)
+        res = dllm_step(logits, tokens, masked, s, params, Streams.of(keys, counters), mask_token_id=MASK)
+        ref_new, ref_pick, ref_logp, ref_conf = _ref_step(logits, ref_tokens, ref_tokens == MASK, s, params, keys,
+                                                          counters)
         assert torch.equal(res.committed, ref_pick) and torch.equal(res.tokens, ref_new)
         assert torch.allclose(res.logprobs[res.committed], ref_logp[ref_pick], atol=1e-6)
         act = masked.any(1)
         assert torch.equal(res.active, act) and torch.allclose(res.confidence[act], ref_conf[act], atol=1e-6)
         assert (res.tokens != MASK).sum() > (tokens != MASK).sum()       # every step commits something
         trace.add(res, s)
+        counters = [c + int(a) for c, a in zip(counters, act)]
         tokens, ref_tokens = res.tokens, ref_new
     assert not (tokens == MASK).any()                 # S steps finish a block
     for b in range(3):                                # every decoded position recorded once, at its step
@@ -119,15 +129,15 @@ def test_dllm_step_never_predicts_mask_and_finishes_past_schedule():
     logits = torch.zeros(1, 4, V)
     logits[..., MASK] = 100.0                        # the model loves the mask token
     tokens = torch.full((1, 4), MASK)
-    res = dllm_step(logits, tokens, tokens == MASK, 9, SamplingParams(block_size=4, steps_per_block=2), [None],
-                    mask_token_id=MASK)
+    res = dllm_step(logits, tokens, tokens == MASK, 9, SamplingParams(block_size=4, steps_per_block=2),
+                    Streams.of([0]), mask_token_id=MASK)
     assert res.committed.all() and not (res.tokens == MASK).any()   # step 9 > S: commits every masked position
     with pytest.raises(ValueError, match="block has 3 positions"):
         dllm_step(torch.zeros(1, 3, V), torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool), 0,
-                  SamplingParams(block_size=4, steps_per_block=2), [None])
+                  SamplingParams(block_size=4, steps_per_block=2), Streams.of([0]))
     with pytest.raises(ValueError, match="one per row"):
         dllm_step(torch.zeros(2, 4, V), torch.full((2, 4), MASK), torch.ones(2, 4, dtype=torch.bool), 0,
-                  SamplingParams(block_size=4, steps_per_block=2), [None])
+                  SamplingParams(block_size=4, steps_per_block=2), Streams.of([0]))
 
 
 # ---------------------------------------------------------------------------------------------- (b) the core loop
@@ -143,7 +153,7 @@ def drive_request(core: sp.BlockDenoiser, model: ToyBlockLM, prompt: list[int], 
                                      "threshold": params.threshold, "seed": prompt_seed(params.seed, index)}}
     rparams = core.params_for(params.temperature if params.temperature > 0 else 0.0, params.top_p,
                               params.top_k if params.top_k > 0 else -1, custom)
-    rng = sp.RequestRng(rparams.seed)              # lives on the Req for the whole generation
+    rng = sp.RequestStream(rparams.seed)           # lives on the Req for the whole generation
     first = True
     while len(out) < params.max_new_tokens:
         head = list(prompt[pre:]) if first else []
@@ -175,7 +185,7 @@ CORE_PARAMS = [
                    seed=3, stop_at_eos=False),
     SamplingParams(max_new_tokens=12, block_size=B, steps_per_block=2, algorithm="random", temperature=1.0,
                    seed=11, stop_at_eos=False),
-    SamplingParams(max_new_tokens=16, block_size=B, steps_per_block=4, temperature=1.2, seed=6),
+    SamplingParams(max_new_tokens=16, block_size=B, steps_per_block=4, temperature=1.2, seed=1),
 ]
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.native import NativeEngine
-from megadare.rollout.sampling import filter_logits, select_commits, transfer_schedule
+from megadare.rollout.native import NativeEngine, _SemiAR
+from megadare.rollout.sampling import REMASK, filter_logits, select_commits, stream_uniforms, transfer_schedule
 
 EOS, MASK = 253, 255
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63], [4, 5, 6, 7]]
@@ -235,34 +235,34 @@ def test_commit_selection_rules():
     assert dyn[0].tolist() == [True, False, True, False]          # both above threshold (>= n)
     assert dyn[1].tolist() == [False, True, False, True]          # none above: top-n
     assert transfer_schedule(10, 4) == [3, 3, 2, 2]
-    rnd = select_commits(conf, masked, torch.tensor([2, 3]), "random", generator=torch.Generator().manual_seed(0))
+    u = stream_uniforms(torch.tensor([0, 1]), torch.tensor([0, 0]), REMASK, 4)
+    rnd = select_commits(conf, masked, torch.tensor([2, 3]), "random", uniforms=u)
     assert rnd.sum(1).tolist() == [2, 3] and not (rnd & ~masked).any()
+    assert rnd[0].tolist() == [bool(i in u[0, :3].argsort()[:2]) for i in range(4)]    # the smallest keys
+    assert rnd[1].tolist() == u[1].argsort().argsort().lt(3).tolist()
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("mode", ["prefix", "dual"])
 def test_full_attention_cache_reproduces_the_state_it_was_built_from(family, mode):
     """Fast-dLLM caches: right after the block-start forward (no token committed since), recomputing only the
-    block (and suffix for 'prefix') against the cache gives exactly the full forward's logits."""
-    eng = _engine(family, full_attention_cache=mode)
-    S, lo, hi = 14, 6, 10
-    x = torch.randint(0, 250, (2, S), generator=torch.Generator().manual_seed(0))
-    x[:, lo:] = MASK
-    x[1, 3] = 17
-    valid = torch.ones(2, S, dtype=torch.bool)
-    valid[1, :2] = False                                       # left padding in the second row
-    allowed = (valid[:, None, None, :] | torch.eye(S, dtype=torch.bool)[None, None])
-    pos = (torch.arange(S) - (~valid).sum(1, keepdim=True)).clamp(min=0)
-    first, cache = eng._block_logits_full(x, allowed, pos, lo, hi, None)
-    again, _ = eng._block_logits_full(x, allowed, pos, lo, hi, cache)
-    qs = lo - (family == "dream")
-    assert cache is not None and len(cache) == (qs if mode == "prefix" else qs + S - hi)
-    assert torch.allclose(first, again, atol=1e-5)
-    x2 = x.clone()
-    x2[:, lo] = 5                                              # a commit: the cached approximation now differs
-    exact, _ = NativeEngine._block_logits_full.__get__(_engine(family))(x2, allowed, pos, lo, hi, None)
-    approx, _ = eng._block_logits_full(x2, allowed, pos, lo, hi, cache)
-    assert not torch.allclose(exact, approx, atol=1e-6)
+    block (and the suffix for 'prefix') against the cache gives exactly the full forward's logits; after a commit
+    the cached approximation differs from an exact forward."""
+    params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False)
+    prompts = [[5, 17, 99, 3, 42, 7], [11, 2, 9, 4]]          # the second row is left-padded
+    decoders = []
+    for m in (mode, "none"):
+        dec = _SemiAR(_engine(family, full_attention_cache=m), prompts, params)
+        dec.admit(0, [0, 1])
+        decoders.append(dec)
+    cached, exact = decoders
+    cols = cached.dev["start"][:2, None] + torch.arange(4)
+    first = cached.block_logits(2, cols, 0)
+    assert torch.allclose(first, cached.block_logits(2, cols, 1), atol=1e-5)
+    assert torch.allclose(first, exact.block_logits(2, cols, 1), atol=1e-5)
+    for dec in decoders:                                        # a commit at the block's first position
+        dec.dev["tokens"][:, int(cols[0, 0])] = 5
+    assert not torch.allclose(exact.block_logits(2, cols, 1), cached.block_logits(2, cols, 1), atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["prefix", "dual"])

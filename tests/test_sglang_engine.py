@@ -344,7 +344,7 @@ def test_register_resolves_the_algorithm_and_delivers_traces(fake_sglang, fdfo):
     for r, grid in zip(reqs, grids):
         params = core.params_for(r.sampling_params.temperature, 1.0, r.sampling_params.top_k,
                                  r.sampling_params.custom_params, None, r.rid)
-        ref.append({"params": params, "rng": sp.RequestRng(params.seed), "forwards": 0, "trace": [],
+        ref.append({"params": params, "rng": sp.RequestStream(params.seed), "forwards": 0, "trace": [],
                     "grid": list(grid)})
     for blk in range(2):                                      # two blocks: global steps continue across them
         hd = heads if blk == 0 else [[], []]

@@ -6,19 +6,22 @@ Both rollout engines decode a block of B tokens the same way; this module is the
 * the SGLang plugin (``sglang_plugin.py``) calls it once per forward and per request (``n = 1``), inside sglang's
   dLLM algorithm hook.
 
-Both give every request its own ``torch.Generator``, seeded ``engine.prompt_seed(seed, prompt index)``: a request
-draws from it only in the steps where it has work (a masked position, or editable ones under token editing), so the
-same prompt at the same index gives the same trajectory in a batch of any size and in either engine.
+Both give every request its own random stream (:class:`Streams`): the key ``engine.prompt_seed(seed, prompt
+index)`` and a counter, the request's denoising steps so far (``sampling.stream_uniforms``). A step that counts
+(the row had work) uses the numbers at the row's counter; the caller then advances the counters of the rows that
+stepped. So the same prompt at the same index gives the same trajectory in a batch of any size, in either engine,
+on any device.
 
 A step takes the block's logits ``[n, B, V]`` (rows = requests), the block's current tokens ``[n, B]``, which
-positions are still masked, and the block-local step index, and
+positions are still masked, and the block-local step index, and, as tensor ops over all rows at once (no per-row
+Python, no host synchronisation),
 
 1. forbids the mask token as a prediction (``mask_token_id``), samples a proposal x0 at every position with the
    request's temperature / top-k / top-p (``sampling.sample_tokens``: log-prob under the sampling distribution,
    confidence under the model distribution), and ranks by ``params.confidence`` (:func:`ranking_confidence`:
    Dream's rules, LLaDA2.1's own under token editing);
 2. asks the schedule how many tokens this step commits (``sampling.transfer_schedule`` over the block size and
-   ``steps_per_block``, Dream's ``linspace_count``, LLaDA2.1's ``num_to_transfer``; a step index past the
+   ``steps_per_block``, Dream's ``linspace_counts``, LLaDA2.1's ``num_to_transfer``; a step index past the
    schedule commits every masked position);
 3. picks the positions (``sampling.select_commits``: low-confidence static / dynamic threshold / random; DARE's
    ``linspace_first`` commits the block's first masked position alone at step 0: :func:`block_start_commit`);
@@ -29,19 +32,20 @@ Rows without a masked position take no step (``active`` is False for them; under
 masks steps when it is given editable positions, and its step counts when it edits): step counters advance only
 where a request had work, which is how both engines count the global denoising step of a request.
 
-:class:`BlockTrace` accumulates successive :class:`StepResult` of one block into per-token records
-(forward index inside the block, block-local step, log-prob) from which a ``Trajectory`` is built.
+:class:`BlockTrace` accumulates successive :class:`StepResult` of one block on the device (which step committed
+each position, with which log-prob) and turns them into per-token host records once, when they are read.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
 from megadare.rollout.engine import SamplingParams
-from megadare.rollout.sampling import (dream_confidence, linspace_count, sample_tokens, select_commits,
-                                       transfer_schedule)
+from megadare.rollout.sampling import (REMASK, SAMPLE, dream_confidence, linspace_counts, sample_tokens,
+                                       select_commits, stream_uniforms, transfer_schedule)
 
 StepIndex = Union[int, Sequence[int], torch.Tensor]
 
@@ -59,16 +63,42 @@ class StepResult:
     edited: Optional[torch.Tensor] = None   # [n, B] bool: token edits of already decoded positions (editing)
 
 
-def _row_steps(step: StepIndex, n: int) -> list[int]:
-    if isinstance(step, int):
-        steps = [step] * n
+@dataclass
+class Streams:
+    """The random streams of ``n`` rows: ``keys`` (``engine.prompt_seed``) and ``counters`` (each row's
+    denoising steps so far), int64 [n] on the device the step runs on."""
+
+    keys: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: Sequence[int], counters: Optional[Sequence[int]] = None, device=None) -> "Streams":
+        k = torch.tensor(list(keys), dtype=torch.long, device=device)
+        c = torch.tensor(list(counters), dtype=torch.long, device=device) if counters is not None \
+            else torch.zeros_like(k)
+        return cls(k, c)
+
+    def uniforms(self, purpose: int, width: int) -> torch.Tensor:
+        return stream_uniforms(self.keys, self.counters, purpose, width)
+
+
+def step_tensor(step: StepIndex, n: int, device) -> torch.Tensor:
+    """Block-local step indices as a long tensor [n] (one int for all rows, or one per row)."""
+    if isinstance(step, torch.Tensor):
+        out = step.to(device=device, dtype=torch.long).reshape(-1)
     else:
-        steps = [int(s) for s in (step.tolist() if isinstance(step, torch.Tensor) else step)]
-        if len(steps) != n:
-            raise ValueError(f"dllm_step: {len(steps)} step indices for {n} rows")
-    if any(s < 0 for s in steps):
-        raise ValueError(f"dllm_step: negative block-local step in {steps}")
-    return steps
+        steps = [int(step)] * n if isinstance(step, int) else [int(s) for s in step]
+        if any(s < 0 for s in steps):
+            raise ValueError(f"dllm_step: negative block-local step in {steps}")
+        out = torch.tensor(steps, dtype=torch.long, device=device)
+    if out.numel() != n:
+        raise ValueError(f"dllm_step: {out.numel()} step indices for {n} rows")
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(block_size: int, steps: int, device: str) -> torch.Tensor:
+    return torch.tensor(transfer_schedule(block_size, steps), dtype=torch.long, device=device)
 
 
 def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams) -> torch.Tensor:
@@ -79,19 +109,16 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
     commits every masked position so that a block always finishes. ``linspace``: Dream's count of the row's
     current masked positions; ``linspace_first``: 0 at step 0 (:func:`block_start_commit` commits the first
     position), the linspace count after. ``editing``: ``num_to_transfer``."""
-    schedule = transfer_schedule(params.block_size, params.steps_per_block)
-    counts = []
-    for b, s in enumerate(_row_steps(step, masked.shape[0])):
-        left = int(masked[b].sum())
-        if params.algorithm == "editing":
-            counts.append(params.num_to_transfer)
-        elif params.schedule == "linspace" or (params.schedule == "linspace_first" and s > 0):
-            counts.append(linspace_count(left, s, params.steps_per_block, params.eps))
-        elif params.schedule == "linspace_first":
-            counts.append(0)
-        else:
-            counts.append(schedule[s] if s < len(schedule) else left)
-    return torch.tensor(counts, dtype=torch.long)
+    n, S = masked.shape[0], params.steps_per_block
+    s = step_tensor(step, n, masked.device)
+    left = masked.sum(dim=1)
+    if params.algorithm == "editing":
+        return torch.full_like(left, params.num_to_transfer)
+    if params.schedule == "even":
+        sched = _schedule(params.block_size, S, str(masked.device))
+        return torch.where(s < S, sched[s.clamp(max=S - 1)], left)
+    counts = linspace_counts(left, s, S, params.eps)
+    return torch.where(s == 0, 0, counts) if params.schedule == "linspace_first" else counts
 
 
 def ranking_confidence(logits: torch.Tensor, proposals: torch.Tensor, model_prob: torch.Tensor,
@@ -115,118 +142,169 @@ def block_start_commit(committed: torch.Tensor, masked: torch.Tensor, step: Step
     first masked position alone (``x[:, block_start] = x0[:, block_start]``); other steps unchanged."""
     if params.schedule != "linspace_first":
         return committed
-    out = committed.clone()
-    for b, s in enumerate(_row_steps(step, masked.shape[0])):
-        idx = masked[b].nonzero().squeeze(1)
-        if s == 0 and len(idx):
-            out[b, int(idx[0])] = True
-    return out
+    first = masked & (masked.long().cumsum(dim=1) == 1)
+    return committed | (first & (step_tensor(step, masked.shape[0], masked.device) == 0)[:, None])
 
 
-def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step: StepIndex,
-              params: SamplingParams, generators: Sequence[Optional[torch.Generator]],
-              mask_token_id: Optional[int] = None,
-              commit_generators: Optional[Sequence[Optional[torch.Generator]]] = None,
-              editable: Optional[torch.Tensor] = None) -> StepResult:
-    """One denoising step of a block.
-
-    logits [n, B, V] (any float dtype; computed in float32), tokens [n, B], masked [n, B] bool (positions that may
-    be committed: the still-masked ones of requests that are still decoding), step: the block-local step index
-    (one int for all rows, or one per row), params: temperature / top_k / top_p / algorithm / threshold /
-    block_size / steps_per_block, generators: one RNG per row (its request's stream, see ``engine.prompt_seed``;
-    CPU or on the logits' device; None where nothing is drawn, e.g. greedy), mask_token_id: if given, the mask token
-    is never a prediction, commit_generators: per row, the RNG for random remasking if it must differ from the
-    row's generator (``select_commits`` draws a CPU ``randperm``, so a caller that samples with a CUDA generator
-    passes CPU ones here). editable [n, B] bool: token editing only (``editing.Refinement.editable``): decoded
-    positions whose token a confident, different prediction replaces.
-
-    A row draws (proposals, then random remasking) only in a step where it has work, so its stream advances with
-    its own steps alone: the result of a row does not depend on the other rows.
-    """
+def _check(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, params: SamplingParams,
+           streams: Streams) -> None:
     if logits.dim() != 3 or tokens.dim() != 2 or logits.shape[:2] != tokens.shape or masked.shape != tokens.shape:
         raise ValueError(f"dllm_step: need logits [n, B, V], tokens and masked [n, B]; got {tuple(logits.shape)}, "
                          f"{tuple(tokens.shape)}, {tuple(masked.shape)}")
     if tokens.shape[1] != params.block_size:
         raise ValueError(f"dllm_step: the block has {tokens.shape[1]} positions, params.block_size="
                          f"{params.block_size}")
-    n = tokens.shape[0]
-    gens = list(generators)
-    commit_gens = gens if commit_generators is None else list(commit_generators)
-    if len(gens) != n or len(commit_gens) != n:
-        raise ValueError(f"dllm_step: {len(gens)} generators and {len(commit_gens)} commit generators for {n} rows "
-                         "(one per row)")
+    if streams.keys.shape != (tokens.shape[0],) or streams.counters.shape != (tokens.shape[0],):
+        raise ValueError(f"dllm_step: streams of {tuple(streams.keys.shape)} keys and {tuple(streams.counters.shape)}"
+                         f" counters for {tokens.shape[0]} rows (one per row)")
+
+
+def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step: StepIndex,
+              params: SamplingParams, streams: Streams, mask_token_id: Optional[int] = None,
+              editable: Optional[torch.Tensor] = None) -> StepResult:
+    """One denoising step of a block.
+
+    logits [n, B, V] (any float dtype; computed in float32), tokens [n, B], masked [n, B] bool (positions that may
+    be committed: the still-masked ones of requests that are still decoding), step: the block-local step index
+    (one int for all rows, or one per row), params: temperature / top_k / top_p / algorithm / threshold /
+    block_size / steps_per_block, streams: the rows' random streams (:class:`Streams`, on the logits' device),
+    mask_token_id: if given, the mask token is never a prediction. editable [n, B] bool: token editing only
+    (``editing.Refinement.editable``): decoded positions whose token a confident, different prediction replaces.
+    Everything runs on the logits' device; the result too.
+    """
+    _check(logits, tokens, masked, params, streams)
+    dev, B = logits.device, tokens.shape[1]
     logits = logits.float()
     if mask_token_id is not None:  # out of place: the caller's logits stay untouched
-        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
-    work = masked.any(dim=1) if editable is None else masked.any(dim=1) | editable.any(dim=1)
-    proposals = tokens.clone().to(logits.device)
-    logp = torch.zeros(tokens.shape, device=logits.device)
-    conf = torch.zeros(tokens.shape, device=logits.device)
-    committed = torch.zeros_like(masked)
-    counts = commit_counts(masked, step, params)
-    for b in work.nonzero().squeeze(1).tolist():
-        p, lp, c = sample_tokens(logits[b:b + 1], params.temperature, params.top_k, params.top_p, gens[b])
-        proposals[b], logp[b] = p[0], lp[0]
-        conf[b] = ranking_confidence(logits[b:b + 1], p, c, params)[0]
-        committed[b] = select_commits(conf[b:b + 1], masked[b:b + 1], counts[b:b + 1], params.algorithm,
-                                      params.threshold, commit_gens[b], params.alg_temp)[0]
+        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=dev), float("-inf"))
+    tokens, masked = tokens.to(dev), masked.to(dev)
+    work = masked.any(dim=1) if editable is None else masked.any(dim=1) | editable.to(dev).any(dim=1)
+    draws = streams.uniforms(SAMPLE, B) if params.temperature > 0 else None
+    proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws)
+    conf = ranking_confidence(logits, proposals, model_prob, params)
+    picks = streams.uniforms(REMASK, B) if params.algorithm == "random" or params.alg_temp > 0 else None
+    committed = select_commits(conf, masked, commit_counts(masked, step, params), params.algorithm,
+                               params.threshold, picks, params.alg_temp)
     committed = block_start_commit(committed, masked, step, params)
+    proposals = torch.where(work[:, None], proposals, tokens)
+    logp = torch.where(work[:, None], logp, 0.0)
+    conf = torch.where(work[:, None], conf, 0.0)
     edited = None
     if editable is not None:
-        confident = conf.to(editable.device) > params.editing_threshold
-        edited = editable & confident & (proposals.to(tokens.device) != tokens)
+        edited = editable.to(dev) & (conf > params.editing_threshold) & (proposals != tokens)
         committed = committed | edited
-    new_tokens = torch.where(committed, proposals.to(tokens.device), tokens)
+    new_tokens = torch.where(committed, proposals, tokens)
     active = masked.any(dim=1) if edited is None else masked.any(dim=1) | edited.any(dim=1)
     return StepResult(tokens=new_tokens, committed=committed, proposals=proposals, logprobs=logp, confidence=conf,
                       active=active, edited=edited)
 
 
 class BlockTrace:
-    """Per-row records of one block's denoising: which step committed each position, and with which log-prob.
+    """Per-row records of one block's denoising, kept on the device step by step and read once.
 
-    ``records[b][pos] = (forward, block_step, logprob)``: ``forward`` counts the steps row ``b`` took in this block
-    before the one that committed ``pos`` (a global step is ``forwards before the block + forward``),
-    ``block_step`` is the block-local step index the step ran with. ``num_steps[b]``: steps row ``b`` took.
-    Under token editing a position may be committed again: ``records`` keeps the latest commit and
-    ``superseded[b][pos]`` the earlier ones in order, as ``(forward, block_step, logprob, token)``.
-    With ``record_steps`` the proposals and confidences of every step are kept per row (MDPO)."""
+    Device tensors, updated by :meth:`add` without host synchronisation: ``count`` [n] (steps each row took in
+    this block), ``forward`` / ``block_step`` / ``logprob`` [n, B] (for each committed position the row's step
+    count before the step that committed it, the block-local step index it ran with, the log-prob; -1 / -1 / 0
+    where nothing was committed). ``keep_history`` (token editing's overwritten commits) and ``record_steps``
+    (the proposals and confidences of every step, MDPO) also keep each step's tensors.
 
-    def __init__(self, n: int, record_steps: bool = False):
-        self.num_steps = [0] * n
-        self.records: list[dict[int, tuple[int, int, float]]] = [dict() for _ in range(n)]
-        self.tokens: list[dict[int, int]] = [dict() for _ in range(n)]
-        self.superseded: list[dict[int, list[tuple[int, int, float, int]]]] = [dict() for _ in range(n)]
-        self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
-        self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
+    Host views, built on first read (one copy): ``records[b][pos] = (forward, block_step, logprob)`` (the latest
+    commit), ``superseded[b][pos]`` the earlier commits of an edited position, in order, as ``(forward,
+    block_step, logprob, token)``, ``num_steps[b]``, and with ``record_steps`` ``preds[b]`` / ``confs[b]`` (one list
+    per step the row took)."""
+
+    def __init__(self, n: int, record_steps: bool = False, keep_history: bool = False):
+        self.n, self.record_steps = n, record_steps
+        self.keep_history = keep_history or record_steps
+        self.count: Optional[torch.Tensor] = None
+        self.forward = self.block_step = self.logprob = None
+        self._history: list[tuple[torch.Tensor, ...]] = []
+        self._host: Optional[dict] = None
+
+    def _start(self, like: torch.Tensor) -> None:
+        self.count = torch.zeros(self.n, dtype=torch.long, device=like.device)
+        self.forward = torch.full(like.shape, -1, dtype=torch.long, device=like.device)
+        self.block_step = torch.full(like.shape, -1, dtype=torch.long, device=like.device)
+        self.logprob = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
 
     def add(self, result: StepResult, step: StepIndex) -> None:
         """Record one step (``step``: the block-local step index it ran with, one int or one per row)."""
-        n = len(self.num_steps)
-        steps = _row_steps(step, n)
-        active = result.active.tolist()
-        for b in range(n):
-            if not active[b]:
-                continue
-            lp = result.logprobs[b]
-            for c in result.committed[b].nonzero().squeeze(1).tolist():
-                if c in self.records[b]:
-                    self.superseded[b].setdefault(c, []).append(self.records[b][c] + (self.tokens[b][c],))
-                self.records[b][c] = (self.num_steps[b], steps[b], float(lp[c]))
-                self.tokens[b][c] = int(result.tokens[b, c])
-            if self.preds is not None and self.confs is not None:
-                self.preds[b].append(result.proposals[b].tolist())
-                self.confs[b].append(result.confidence[b].tolist())
-            self.num_steps[b] += 1
+        if self.count is None:
+            self._start(result.tokens)
+        s = step_tensor(step, self.n, result.tokens.device)
+        c = result.committed & result.active[:, None]
+        self.forward = torch.where(c, self.count[:, None], self.forward)
+        self.block_step = torch.where(c, s[:, None], self.block_step)
+        self.logprob = torch.where(c, result.logprobs.float(), self.logprob)
+        if self.keep_history:
+            self._history.append((c, self.count.clone(), s, result.logprobs.float(), result.tokens,
+                                  result.active, result.proposals, result.confidence))
+        self.count = self.count + result.active.long()
+        self._host = None
+
+    # ------------------------------------------------------------------ host views
+    def _read(self) -> dict:
+        if self._host is not None:
+            return self._host
+        n = self.n
+        h: dict = {"records": [dict() for _ in range(n)], "superseded": [dict() for _ in range(n)],
+                   "num_steps": [0] * n, "preds": [[] for _ in range(n)], "confs": [[] for _ in range(n)]}
+        if self.count is not None:
+            h["num_steps"] = self.count.tolist()
+            fwd, bstep, lp = self.forward.tolist(), self.block_step.tolist(), self.logprob.tolist()
+            for b in range(n):
+                h["records"][b] = {c: (f, s, lp[b][c]) for c, (f, s) in enumerate(zip(fwd[b], bstep[b])) if f >= 0}
+            if self._history:
+                self._read_history(h)
+        self._host = h
+        return h
+
+    def _read_history(self, h: dict) -> None:
+        """Overwritten commits (a position committed again replaces its record) and per-step proposals."""
+        steps = [[t.tolist() for t in entry] for entry in self._history]
+        last: list[dict[int, tuple]] = [dict() for _ in range(self.n)]
+        for committed, count, s, logp, tokens, active, proposals, confidence in steps:
+            for b in range(self.n):
+                if not active[b]:
+                    continue
+                for c, hit in enumerate(committed[b]):
+                    if hit:
+                        if c in last[b]:
+                            h["superseded"][b].setdefault(c, []).append(last[b][c])
+                        last[b][c] = (count[b], s[b], logp[b][c], tokens[b][c])
+                if self.record_steps:
+                    h["preds"][b].append(proposals[b])
+                    h["confs"][b].append(confidence[b])
+
+    @property
+    def records(self) -> list[dict[int, tuple[int, int, float]]]:
+        return self._read()["records"]
+
+    @property
+    def superseded(self) -> list[dict[int, list[tuple[int, int, float, int]]]]:
+        return self._read()["superseded"]
+
+    @property
+    def num_steps(self) -> list[int]:
+        return self._read()["num_steps"]
+
+    @property
+    def preds(self) -> Optional[list[list[list[int]]]]:
+        return self._read()["preds"] if self.record_steps else None
+
+    @property
+    def confs(self) -> Optional[list[list[list[float]]]]:
+        return self._read()["confs"] if self.record_steps else None
 
     def entries(self, b: int, positions: Sequence[int], forwards_before: int = 0) -> list[tuple[int, int, float]]:
         """(global step, block-local step, log-prob) of row ``b`` at ``positions``; every position must have
         been committed."""
+        records = self.records[b]
         out = []
         for p in positions:
-            if p not in self.records[b]:
+            if p not in records:
                 raise ValueError(f"BlockTrace: position {p} of row {b} was never committed")
-            f, s, lp = self.records[b][p]
+            f, s, lp = records[p]
             out.append((forwards_before + f, s, lp))
         return out
 

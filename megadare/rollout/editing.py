@@ -34,32 +34,31 @@ from megadare.rollout.engine import SamplingParams
 
 class Refinement:
     """Post-step bookkeeping of ``n`` rows over one block (``start_masked`` [n, B]: the positions masked when
-    the block started, i.e. the ones this block decodes and may edit)."""
+    the block started, i.e. the ones this block decodes and may edit), as device tensors: no host
+    synchronisation."""
 
     def __init__(self, start_masked: torch.Tensor, params: SamplingParams):
         self.start = start_masked.clone().bool()
         self.max_post_steps = params.max_post_steps
         n = start_masked.shape[0]
-        self.post_steps = [0] * n
-        self.closed = [False] * n
+        self.post_steps = torch.zeros(n, dtype=torch.long, device=self.start.device)
+        self.closed = torch.zeros(n, dtype=torch.bool, device=self.start.device)
 
     def editable(self, tokens: torch.Tensor, mask_id: int) -> torch.Tensor:
         """Before a forward: count a post step for every open row without masks (closing it past
         ``max_post_steps``); the decoded positions of the still open rows ([n, B] bool)."""
-        has_mask = ((tokens == mask_id) & self.start.to(tokens.device)).any(dim=1).tolist()
-        for b, m in enumerate(has_mask):
-            if not self.closed[b] and not m:
-                self.post_steps[b] += 1
-                self.closed[b] = self.post_steps[b] > self.max_post_steps
-        open_rows = torch.tensor([not c for c in self.closed], device=tokens.device)
-        return self.start.to(tokens.device) & (tokens != mask_id) & open_rows[:, None]
+        start = self.start.to(tokens.device)
+        has_mask = ((tokens == mask_id) & start).any(dim=1)
+        post = ~self.closed.to(tokens.device) & ~has_mask
+        self.post_steps = self.post_steps.to(tokens.device) + post.long()
+        self.closed = self.closed.to(tokens.device) | (post & (self.post_steps > self.max_post_steps))
+        return start & (tokens != mask_id) & ~self.closed[:, None]
 
     def after(self, masked: torch.Tensor, result: StepResult) -> None:
         """After a step: a row that had no masked position and made no edit is done."""
         edited = result.edited if result.edited is not None else torch.zeros_like(masked)
-        quiet = ~masked.any(dim=1) & ~edited.any(dim=1)
-        for b in quiet.nonzero().squeeze(1).tolist():
-            self.closed[b] = True
+        quiet = ~masked.any(dim=1) & ~edited.to(masked.device).any(dim=1)
+        self.closed = self.closed.to(masked.device) | quiet
 
     def is_closed(self, b: int) -> bool:
-        return self.closed[b]
+        return bool(self.closed[b])

@@ -1,86 +1,85 @@
-"""The built-in rollout engine: the family's hf/ model, batched dLLM decoding with a KV cache, full traces.
+"""The built-in rollout engine: the family's hf/ model, batched dLLM decoding with a static KV cache, full traces.
 
 Block diffusion (SDAR, TraDo, LLaDA2; SDAR's ``generate.py``): the prompt's first floor(P/B)*B tokens are
 prefilled block-causally into the KV cache; its remainder sits, unmasked, at the start of the first decode
 block. Each block of B tokens starts fully masked (apart from that remainder) and is denoised in at most S
 forwards that see the cached earlier blocks and the whole current block; a finished block is run once more to
-store its keys/values (exact: under the block-causal mask earlier blocks never see later tokens). Because every
-sample's blocks sit on its own global prompt+response grid, aligning the batch at each sample's first decode
-block puts all samples' blocks in the same tensor columns: one forward serves the whole batch, and the
-per-sample result does not depend on who else is in the batch.
+store its keys/values (exact: under the block-causal mask earlier blocks never see later tokens). Every sample
+sits on its own grid (position = cache column), so one forward serves the whole batch and the per-sample result
+does not depend on who else is in the batch.
 
 Full attention (LLaDA, Dream; LLaDA's ``generate``): prompt ++ masks, semi-autoregressive blocks over the
-response, S steps per block, every step a full bidirectional forward (Dream reads logits shifted by one).
-Positions beyond the current block are never committed. ``full_attention_cache`` (Fast-dLLM, arXiv:2505.22618):
-'prefix' keeps the keys/values of everything before the current block from the forward at the block's start,
-'dual' also those after it, and later steps of the block recompute only the block (an approximation: in a
-bidirectional model those keys would change as the block fills in); 'none' (default) is exact.
+response, S steps per block, every step a full bidirectional forward whose head runs on the block alone (Dream
+reads logits shifted by one). Positions beyond the current block are never committed. ``full_attention_cache``
+(Fast-dLLM, arXiv:2505.22618): 'prefix' keeps the keys/values of everything before the current block from the
+forward at the block's start, 'dual' also those after it, and later steps of the block recompute only the block
+(an approximation: in a bidirectional model those keys would change as the block fills in); 'none' (default) is
+exact.
 
-Each denoising step of a block is ``dllm_step.dllm_step`` (shared with the SGLang plugin) and its records go through
-a ``dllm_step.BlockTrace``. Each prompt samples from its own generator, seeded from (seed, prompt index)
-(``engine.prompt_seed``), so its trajectory does not depend on the rest of the batch. Every committed token records
-its global step (the sample's denoising forward index), its block-local step and its log-prob under the sampling
-distribution; ``use_cache=False`` recomputes the whole sequence each step (the reference the cache is tested
-against). Token editing (LLaDA2.1, ``algorithm='editing'``) runs a block until ``editing.Refinement`` closes it and
-records the commits its edits overwrote (``Trajectory.superseded``).
+How it runs (issue 27):
+
+* The KV cache is static (:class:`~megadare.models.hf.common.KVCache`: max batch x max length per layer,
+  allocated once per engine and reused while it fits) and written in place; the model runs in the engine's dtype
+  (bf16 on CUDA, float32 on CPU) and looks up no module by name.
+* Each denoising step of a block is ``dllm_step.dllm_step`` (shared with the SGLang plugin) over the whole batch on
+  the model's device; each prompt samples from its own counter-based stream keyed (seed, prompt index)
+  (``engine.prompt_seed``), so its trajectory depends on neither the batch nor the engine. The trace (global
+  step, block-local step, log-prob of every commit) is kept on the device; the host reads one row of flags per
+  block (who finished) and a finished row's trace once. A block's forwards run without a host read when the
+  schedule is static (the number of steps follows from the masked counts); the dynamic threshold and token
+  editing read one flag per step to stop early.
+* Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
+  a row that finishes leaves at the end of its block, a queued prompt takes its place, and the batch is compacted
+  so the forward never carries finished rows.
+* ``compile=True`` runs the model forward through ``torch.compile`` (CUDA graphs on CUDA via ``reduce-overhead``);
+  the key length is padded to a multiple of 64 columns so few shapes occur. Off by default: not measured faster
+  on CPU (benchmarks/rollout_throughput.py).
+
+Every committed token records its global step (the sample's denoising forward index), its block-local step and
+its log-prob under the sampling distribution; ``use_cache=False`` recomputes the whole sequence each step (the
+reference the cache is tested against). Token editing (LLaDA2.1, ``algorithm='editing'``) runs a block until
+``editing.Refinement`` closes it and records the commits its edits overwrote (``Trajectory.superseded``).
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections import deque
 from typing import Any, Iterable, Optional
 
 import torch
 
-from megadare.models.attention import bidirectional
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import KVCache
-from megadare.rollout.dllm_step import BlockTrace, dllm_step
+from megadare.rollout.dllm_step import BlockTrace, Streams, commit_counts, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 
-
-class _Recorder:
-    """Per-sample trace of committed tokens over the whole generation: step counters advance only when the sample
-    had work. Each decoded block's :class:`BlockTrace` is absorbed into it once the block is done."""
-
-    def __init__(self, n: int, record_steps: bool):
-        self.steps = [0] * n
-        self.commit: list[dict[int, tuple[int, int, float]]] = [dict() for _ in range(n)]
-        self.superseded: list[dict[int, list[tuple[int, int, float, int]]]] = [dict() for _ in range(n)]
-        self.preds: Optional[list[list[list[int]]]] = [[] for _ in range(n)] if record_steps else None
-        self.confs: Optional[list[list[list[float]]]] = [[] for _ in range(n)] if record_steps else None
-        self.pred_cols: list[list[int]] = [[] for _ in range(n)]   # first decoded column of each recorded step
-
-    def absorb(self, trace: BlockTrace, col_offset: int) -> None:
-        """Add one block's records; its positions start at column ``col_offset`` of the decoded grid."""
-        for b in range(len(self.steps)):
-            for c, (f, block_step, lp) in trace.records[b].items():
-                self.commit[b][c + col_offset] = (self.steps[b] + f, block_step, lp)
-            for c, chain in trace.superseded[b].items():
-                self.superseded[b][c + col_offset] = [(self.steps[b] + f, s, lp, tok) for f, s, lp, tok in chain]
-            if self.preds is not None and self.confs is not None and trace.preds is not None \
-                    and trace.confs is not None:
-                self.preds[b].extend(trace.preds[b])
-                self.confs[b].extend(trace.confs[b])
-                self.pred_cols[b].extend([col_offset] * len(trace.preds[b]))
-            self.steps[b] += trace.num_steps[b]
+_KEY_BUCKET = 64        # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
 
 
 class NativeEngine:
     """Decodes with the hf/ model of a family (CPU or one GPU). Implements the rollout engine protocol."""
 
     def __init__(self, model: torch.nn.Module, arch: ModelArch, eos_token_id: int, pad_token_id: int = 0,
-                 device: Optional[str] = None, use_cache: bool = True, full_attention_cache: str = "none"):
+                 device: Optional[str] = None, use_cache: bool = True, full_attention_cache: str = "none",
+                 max_batch: int = 0, dtype: Optional[torch.dtype] = None, compile: bool = False):
         if full_attention_cache not in ("none", "prefix", "dual"):
             raise ValueError(f"full_attention_cache={full_attention_cache!r}: choose none, prefix or dual")
+        if max_batch < 0:
+            raise ValueError(f"max_batch={max_batch}: rows decoded together, >= 1 (0: every prompt of a call)")
         self.full_attention_cache = full_attention_cache
-        self.model = model.eval()
         self.arch = arch
         self.eos = eos_token_id
         self.pad = pad_token_id
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model.to(self.device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model = model.eval().to(self.device, self.dtype)
         self.use_cache = use_cache
+        self.max_batch = max_batch
+        self.compile = compile
+        self._fn = self._compiled() if compile else self.model
+        self._cache: Optional[KVCache] = None
         self.version = 0
         self.forwards = 0          # model forwards, all calls (benchmarks: forwards per token)
         self.asleep = False
@@ -95,8 +94,11 @@ class NativeEngine:
             if params.block_size != self.arch.block_size:
                 raise ValueError(f"sampling block_size={params.block_size} differs from the model's block size "
                                  f"{self.arch.block_size} ({self.arch.family}); they must agree")
-            return self._block_diffusion(prompts, params)
-        return self._semi_ar(prompts, params)
+            decoder: _Decoder = _BlockDiffusion(self, prompts, params)
+        else:
+            decoder = _SemiAR(self, prompts, params)
+        with torch.no_grad():
+            return decoder.run()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
         """Copy HF-named tensors into the model (any subset, e.g. one bucket); names must exist."""
@@ -117,8 +119,9 @@ class NativeEngine:
         return {"tensors": n, "bytes": nbytes, "version": version}
 
     def sleep(self) -> None:
-        """Release accelerator memory (weights to host) while the trainer uses the GPU."""
+        """Release accelerator memory (weights and KV cache to host / freed) while the trainer uses the GPU."""
         self.model.to("cpu")
+        self._cache = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -134,207 +137,370 @@ class NativeEngine:
         from megadare.models.attention import family_mask
 
         S = input_ids.shape[1]
-        return self.model(input_ids.to(self.device), attention_mask=family_mask(self.arch).dense(S, S, device=self.device)).float().cpu()
+        mask = family_mask(self.arch).dense(S, S, device=self.device)
+        return self.model(input_ids.to(self.device), attention_mask=mask).float().cpu()
 
     def health(self) -> dict[str, Any]:
         return {"alive": True, "version": self.version, "device": str(self.device), "asleep": self.asleep,
-                "forwards": self.forwards}
+                "forwards": self.forwards, "dtype": str(self.dtype).replace("torch.", "")}
 
     # ------------------------------------------------------------------ helpers
-    def _forward(self, ids, allowed, pos, cache=None, commit=False) -> torch.Tensor:
+    def forward(self, ids, allowed, pos, cache: Optional[KVCache] = None,
+                logits_index: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         self.forwards += 1
-        return self.model(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, commit=commit)
+        return self._fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
 
-    @staticmethod
-    def _generators(params: SamplingParams, n: int) -> list[torch.Generator]:
-        """One CPU generator per prompt, seeded from (seed, prompt index) (``engine.prompt_seed``)."""
-        return [torch.Generator().manual_seed(prompt_seed(params.seed, i)) for i in range(n)]
+    def kv_cache(self, rows: int, length: int) -> KVCache:
+        """The engine's static cache, reallocated only when a call needs more rows or columns than it has."""
+        a = self.arch
+        if self._cache is None or not self._cache.fits(rows, length, self.dtype, self.device):
+            if self._cache is not None:
+                rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
+            self._cache = None
+            self._cache = KVCache(a.num_layers, rows, length, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        return self._cache
 
-    # ------------------------------------------------------------------ block diffusion
-    @torch.no_grad()
-    def _block_diffusion(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        dev, Bs, M = self.device, params.block_size, self.arch.mask_token_id
-        n = len(prompts)
-        pre = [len(p) // Bs * Bs for p in prompts]
-        rem = [len(p) - q for p, q in zip(prompts, pre)]
-        need = [math.ceil((r + params.max_new_tokens) / Bs) for r in rem]
-        Q = max(pre)
-        # prefix: complete prompt blocks, left-padded to Q columns
-        prefix = torch.full((n, Q), self.pad, dtype=torch.long)
-        prefix_pos = torch.zeros((n, Q), dtype=torch.long)
-        valid = torch.zeros((n, Q), dtype=torch.bool)
-        for b, p in enumerate(prompts):
-            if pre[b]:
-                prefix[b, Q - pre[b]:] = torch.tensor(p[:pre[b]])
-                prefix_pos[b, Q - pre[b]:] = torch.arange(pre[b])
-                valid[b, Q - pre[b]:] = True
-        gens = self._generators(params, n)
-        rec = _Recorder(n, params.record_steps)
-        done = [False] * n
-        blocks: list[torch.Tensor] = []        # decoded blocks [n, Bs]
-        cache = KVCache(self.arch.num_layers) if self.use_cache else None
-        if self.use_cache and Q:
-            # padded rows see themselves (never NaN keys/values in the cache); real rows never see padding
-            allowed = self._bc_mask(prefix_pos, valid, prefix_pos, Bs) | torch.eye(Q, dtype=torch.bool)[None, None]
-            self._forward(prefix.to(dev), allowed.to(dev), prefix_pos.to(dev), cache, commit=True)
-        for k in range(max(need)):
-            active = [not done[b] and k < need[b] for b in range(n)]
-            if not any(active):
-                break
-            cur = torch.full((n, Bs), M, dtype=torch.long)
-            if k == 0:
-                for b, p in enumerate(prompts):
-                    cur[b, :rem[b]] = torch.tensor(p[pre[b]:], dtype=torch.long)
-            pos = torch.tensor(pre).unsqueeze(1) + k * Bs + torch.arange(Bs)
-            trace = BlockTrace(n, params.record_steps)
-            refine = Refinement(cur == M, params) if params.algorithm == "editing" else None
-            for s in range(params.block_forwards()):
-                masked = (cur == M) & torch.tensor(active).unsqueeze(1)
-                editable = refine.editable(cur, M) if refine is not None else None
-                if not masked.any() and (editable is None or not editable.any()):
+    def key_len(self, need: int, limit: int) -> int:
+        """Key columns a forward attends: ``need``, padded to a multiple of 64 when compiled (at most ``limit``)."""
+        return min(limit, -(-need // _KEY_BUCKET) * _KEY_BUCKET) if self.compile else need
+
+    def _compiled(self):
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        return torch.compile(self.model, mode=mode, dynamic=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _steps_needed(params: SamplingParams, masked: int) -> int:
+    """Forwards a static schedule takes to commit ``masked`` positions (each step commits its count, clamped)."""
+    left, s = masked, 0
+    while left > 0:
+        row = torch.zeros(1, params.block_size, dtype=torch.bool)
+        row[0, :left] = True
+        left -= min(int(commit_counts(row, s, params)[0]), left)
+        s += 1
+    return s
+
+
+class _Decoder:
+    """The continuous-batching driver and the per-slot state both decoders share.
+
+    A slot is a row of the running batch (rows [0, n) are live). Device tensors per slot live in ``self.dev``
+    (moved together when the batch is compacted), host lists in ``self.host``. Columns: every slot has a token
+    store (block diffusion: the sample's grid from position 0; full attention: prompt ++ canvas) and the response
+    trace buffers ``fwd`` / ``bstep`` / ``logp`` over decode columns (column 0 = the first decoded position of
+    the first block, i.e. grid column ``first``)."""
+
+    def __init__(self, engine: NativeEngine, prompts: list[list[int]], params: SamplingParams, width: int,
+                 decode_cols: int):
+        self.e, self.prompts, self.params = engine, prompts, params
+        self.M, self.B = engine.arch.mask_token_id, params.block_size
+        self.cap = min(engine.max_batch or len(prompts), len(prompts))
+        dev, cap = engine.device, self.cap
+        self.dev: dict[str, torch.Tensor] = {
+            "tokens": torch.full((cap, width), self.M, dtype=torch.long, device=dev),
+            "keys": torch.zeros(cap, dtype=torch.long, device=dev),
+            "steps": torch.zeros(cap, dtype=torch.long, device=dev),
+            "start": torch.zeros(cap, dtype=torch.long, device=dev),        # grid column of the current block
+            "first": torch.zeros(cap, dtype=torch.long, device=dev),        # grid column of decode column 0
+            "resp": torch.zeros(cap, dtype=torch.long, device=dev),         # decode column of response token 0
+            "fwd": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
+            "bstep": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
+            "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev)}
+        self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
+        self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> list[Trajectory]:
+        queue = deque(range(len(self.prompts)))
+        out: list[Optional[Trajectory]] = [None] * len(self.prompts)
+        while queue or self.host["prompt"]:
+            live = len(self.host["prompt"])
+            if queue and live < self.cap:
+                new = [queue.popleft() for _ in range(min(self.cap - live, len(queue)))]
+                self.admit(live, new)
+            done = self.round(len(self.host["prompt"]))
+            for i in (i for i, d in enumerate(done) if d):
+                out[self.host["prompt"][i]] = self.trajectory(i)
+            self.compact([i for i, d in enumerate(done) if not d])
+        return out  # type: ignore[return-value]
+
+    def admit(self, start: int, indices: list[int]) -> None:
+        """Put prompts ``indices`` into slots [start, start + len): subclass fills tokens / columns first."""
+        dev = self.e.device
+        seeds = [prompt_seed(self.params.seed, i) for i in indices]
+        rows = slice(start, start + len(indices))
+        self.dev["keys"][rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
+        self.dev["steps"][rows] = 0
+        self.host["prompt"] += indices
+        self.host["block"] += [0] * len(indices)
+        self.host["superseded"] += [{} for _ in indices]
+        self.host["preds"] += [[] for _ in indices]
+
+    def compact(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (in order) as rows [0, len(keep))."""
+        moved = [(s, d) for d, s in enumerate(keep) if s != d]
+        if moved:
+            src = torch.tensor([s for s, _ in moved], device=self.e.device)
+            dst = torch.tensor([d for _, d in moved], device=self.e.device)
+            for t in self.dev.values():
+                t.index_copy_(0, dst, t.index_select(0, src))
+            self.move_cache(src, dst)
+        for k, v in self.host.items():
+            self.host[k] = [v[i] for i in keep]
+
+    def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block diffusion keeps keys/values across blocks: they move with their rows."""
+
+    # ------------------------------------------------------------------ one block of every live row
+    def round(self, n: int) -> list[bool]:
+        """Decode the current block of rows [0, n); returns per row whether it finished."""
+        p, M = self.params, self.M
+        cols = self.dev["start"][:n, None] + torch.arange(self.B, device=self.e.device)
+        self.begin_block(n, cols)
+        cur = self.dev["tokens"][:n].gather(1, cols)
+        trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
+        refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
+        steps = self.block_steps(n) if self.static_steps else p.block_forwards()
+        for s in range(steps):
+            masked = cur == M
+            editable = refine.editable(cur, M) if refine is not None else None
+            if not self.static_steps:   # dynamic threshold / token editing: one flag read per step
+                work = masked.any() if editable is None else masked.any() | editable.any()
+                if not bool(work):
                     break
-                logits = self._block_logits(cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs)
-                step = dllm_step(logits, cur, masked, s, params, gens, mask_token_id=M, editable=editable)
-                if refine is not None:
-                    refine.after(masked, step)
-                trace.add(step, s)
-                cur = step.tokens
-            rec.absorb(trace, k * Bs)
-            blocks.append(cur)
-            if self.use_cache:
-                all_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) - 1), dim=1)
-                allowed = torch.cat([all_valid, torch.ones(n, Bs, dtype=torch.bool)], dim=1)[:, None, None, :]
-                self._forward(cur.to(dev), allowed.expand(n, 1, Bs, -1).to(dev), pos.to(dev), cache, commit=True)
-            for b in range(n):
-                if active[b] and params.stop_at_eos:
-                    resp = torch.cat(blocks, dim=1)[b, rem[b]:]
-                    if (resp == self.eos).any():
-                        done[b] = True
-        decoded = torch.cat(blocks, dim=1)
-        return [self._trajectory(prompts[b], decoded[b, rem[b]:], rec, b, params, rem[b]) for b in range(n)]
+            logits = self.block_logits(n, cols, s)
+            counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
+            step = dllm_step(logits, cur, masked, s, p, Streams(self.dev["keys"][:n], counters), M, editable)
+            if refine is not None:
+                refine.after(masked, step)
+            trace.add(step, s)
+            cur = step.tokens
+            self.dev["tokens"][:n].scatter_(1, cols, cur)
+        self.end_block(n, cols)
+        return self.record(n, cols, cur, trace)
 
-    @staticmethod
-    def _bc_mask(q_pos, k_valid, k_pos, Bs) -> torch.Tensor:
-        """Block-causal allowed mask [n, 1, Q, K] from positions on each sample's own grid + key validity."""
-        allowed = (k_pos[:, None, :] // Bs) <= (q_pos[:, :, None] // Bs)
-        return (allowed & k_valid[:, None, :]).unsqueeze(1)
+    def block_steps(self, n: int) -> int:
+        """Forwards the block takes (static schedules): the most any live row needs."""
+        return max(_steps_needed(self.params, self.masked_at_start(i)) for i in range(n))
 
-    def _block_logits(self, cur, pos, prefix, prefix_pos, valid, blocks, cache, Bs) -> torch.Tensor:
-        n, dev = cur.shape[0], self.device
-        if cache is not None:
-            k_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) + 1), dim=1)
-            allowed = k_valid[:, None, None, :].expand(n, 1, Bs, k_valid.shape[1])
-            return self._forward(cur.to(dev), allowed.to(dev), pos.to(dev), cache).float().cpu()
-        ids = torch.cat([prefix] + blocks + [cur], dim=1)
-        all_pos = torch.cat([prefix_pos] + [pos - Bs * (len(blocks) - j) for j in range(len(blocks))] + [pos], dim=1)
-        k_valid = torch.cat([valid] + [torch.ones(n, Bs, dtype=torch.bool)] * (len(blocks) + 1), dim=1)
-        allowed = self._bc_mask(all_pos, k_valid, all_pos, Bs)
-        # padded query rows attend nothing: let them see themselves (their outputs are discarded)
-        allowed = allowed | torch.eye(ids.shape[1], dtype=torch.bool)[None, None]
-        return self._forward(ids.to(dev), allowed.to(dev), all_pos.to(dev))[:, -Bs:].float().cpu()
+    def record(self, n: int, cols: torch.Tensor, cur: torch.Tensor, trace: BlockTrace) -> list[bool]:
+        """The block's trace into the rows' buffers (on the device), the host's per-block read, who finished."""
+        d = self.dev
+        if trace.count is not None:
+            dcols = cols - d["first"][:n, None]
+            committed = trace.forward >= 0
+            for name, new in (("fwd", d["steps"][:n, None] + trace.forward), ("bstep", trace.block_step),
+                              ("logp", trace.logprob)):
+                old = d[name][:n].gather(1, dcols)
+                d[name][:n].scatter_(1, dcols, torch.where(committed, new, old))
+            if trace.keep_history:
+                self.record_history(n, trace)
+            d["steps"][:n] += trace.count
+        d["start"][:n] += self.B
+        eos = torch.zeros(n, dtype=torch.bool, device=cur.device)
+        if self.params.stop_at_eos:
+            in_resp = (cols - d["first"][:n, None]) >= d["resp"][:n, None]
+            eos = ((cur == self.e.eos) & in_resp).any(dim=1)
+        flags = eos.tolist()
+        for i in range(n):
+            self.host["block"][i] += 1
+            self.host["start"][i] += self.B
+        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(flags)]
 
-    # ------------------------------------------------------------------ full attention (LLaDA / Dream)
-    @torch.no_grad()
-    def _semi_ar(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        Bs, M = params.block_size, self.arch.mask_token_id
-        n = len(prompts)
-        n_blocks = math.ceil(params.max_new_tokens / Bs)
-        G = n_blocks * Bs
-        P = max(len(p) for p in prompts)
-        x = torch.full((n, P + G), M, dtype=torch.long)
-        valid = torch.ones((n, P + G), dtype=torch.bool)
-        pos = torch.zeros((n, P + G), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            pad = P - len(p)
-            x[b, :pad] = self.pad
-            x[b, pad:P] = torch.tensor(p)
-            valid[b, :pad] = False
-            pos[b, pad:] = torch.arange(len(p) + G)
-        allowed = bidirectional().dense(P + G, P + G) & valid[:, None, None, :]
-        allowed = allowed | torch.eye(P + G, dtype=torch.bool)[None, None]
-        gens = self._generators(params, n)
-        rec = _Recorder(n, params.record_steps)
-        done = [False] * n
-        for k in range(n_blocks):
-            active = torch.tensor([not d for d in done]).unsqueeze(1)
-            if not active.any():
-                break
-            lo, hi = P + k * Bs, P + (k + 1) * Bs
-            cache = None
-            trace = BlockTrace(n, params.record_steps)
-            refine = Refinement((x[:, lo:hi] == M) & active, params) if params.algorithm == "editing" else None
-            for s in range(params.block_forwards()):
-                masked = (x[:, lo:hi] == M) & active
-                editable = refine.editable(x[:, lo:hi], M) if refine is not None else None
-                if not masked.any() and (editable is None or not editable.any()):
-                    break
-                logits, cache = self._block_logits_full(x, allowed, pos, lo, hi, cache)
-                step = dllm_step(logits, x[:, lo:hi], masked, s, params, gens, mask_token_id=M, editable=editable)
-                if refine is not None:
-                    refine.after(masked, step)
-                trace.add(step, s)
-                x[:, lo:hi] = step.tokens
-            rec.absorb(trace, k * Bs)
-            if params.stop_at_eos:
-                for b in range(n):
-                    if not done[b] and (x[b, P:hi] == self.eos).any():
-                        done[b] = True
-        return [self._trajectory(prompts[b], x[b, P:], rec, b, params, 0) for b in range(n)]
-
-    def _block_logits_full(self, x, allowed, pos, lo: int, hi: int, cache: Optional[KVCache]
-                           ) -> tuple[torch.Tensor, Optional[KVCache]]:
-        """Logits predicting the tokens of block [lo, hi) (Dream: read one position to the left), and the block's
-        prefix/dual cache: built by the block's first forward (full sequence), used by its later steps.
-
-        Later steps recompute positions [qs, re): the block (from the query that predicts its first token) and,
-        for 'prefix', everything after it; the keys of all other positions come from the cache."""
-        dev, end = self.device, x.shape[1]
-        qs, qe = lo - self.arch.logits_shift, hi - self.arch.logits_shift
-        re = end if self.full_attention_cache == "prefix" else hi
-        if self.full_attention_cache == "none" or cache is None:
-            fresh = KVCache(self.arch.num_layers) if self.full_attention_cache != "none" else None
-            out = self._forward(x.to(dev), allowed.to(dev), pos.to(dev), fresh, commit=fresh is not None)
-            if fresh is not None:
-                cache = fresh.select(torch.cat([torch.arange(qs), torch.arange(re, end)]).to(dev))
-            return out[:, qs:qe].float().cpu(), cache
-        cols = torch.cat([cache.columns, torch.arange(qs, re)])
-        sub = allowed[:, :, qs:re][..., cols]
-        out = self._forward(x[:, qs:re].to(dev), sub.to(dev), pos[:, qs:re].to(dev), cache)
-        return out[:, : qe - qs].float().cpu(), cache
+    def record_history(self, n: int, trace: BlockTrace) -> None:
+        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block)."""
+        before = self.dev["steps"][:n].tolist()
+        first = (self.dev["start"][:n] - self.dev["first"][:n]).tolist()
+        for i in range(n):
+            for c, chain in trace.superseded[i].items():
+                self.host["superseded"][i][c + first[i]] = [(before[i] + f, s, lp, tok) for f, s, lp, tok in chain]
+            if trace.preds is not None and trace.confs is not None:
+                self.host["preds"][i] += [(first[i], pr, cf) for pr, cf in zip(trace.preds[i], trace.confs[i])]
 
     # ------------------------------------------------------------------ result
-    def _trajectory(self, prompt: list[int], decoded: torch.Tensor, rec: _Recorder, b: int,
-                    params: SamplingParams, col_offset: int) -> Trajectory:
+    def trajectory(self, i: int) -> Trajectory:
         """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens; without ``stop_at_eos``
         the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended)."""
-        toks = decoded.tolist()
-        end = min(len(toks), params.max_new_tokens)
-        finish = "eos" if self.eos in toks[:end] else "length"
-        if params.stop_at_eos and finish == "eos":
-            end = toks.index(self.eos) + 1
-        commits = [rec.commit[b][c + col_offset] for c in range(end)]
+        p, d = self.params, self.dev
+        first, resp = int(d["first"][i]), int(d["resp"][i])
+        cols = self.host["block"][i] * self.B - resp
+        toks = d["tokens"][i, first + resp:first + resp + cols].tolist()
+        end = min(len(toks), p.max_new_tokens)
+        finish = "eos" if self.e.eos in toks[:end] else "length"
+        if p.stop_at_eos and finish == "eos":
+            end = toks.index(self.e.eos) + 1
+        fwd, bstep, logp = (d[k][i, resp:resp + end].tolist() for k in ("fwd", "bstep", "logp"))
         superseded = [Superseded(c, tok, g, s, lp) for c in range(end)
-                      for g, s, lp, tok in rec.superseded[b].get(c + col_offset, [])]
+                      for g, s, lp, tok in self.host["superseded"][i].get(c + resp, [])]
         traj = Trajectory(
-            prompt_ids=list(prompt), response_ids=toks[:end], commit_step=[c[0] for c in commits],
-            block_step=[c[1] for c in commits], logprobs=[c[2] for c in commits], finish_reason=finish,
-            num_forwards=rec.steps[b], params=params, policy_version=self.version,
-            superseded=superseded if params.algorithm == "editing" else None)
-        if rec.preds is not None and rec.confs is not None:
-            traj.step_predictions, traj.step_confidences = _response_aligned(rec, b, col_offset, end)
+            prompt_ids=list(self.prompts[self.host["prompt"][i]]), response_ids=toks[:end], commit_step=fwd,
+            block_step=bstep, logprobs=logp, finish_reason=finish, num_forwards=int(d["steps"][i]), params=p,
+            policy_version=self.e.version, superseded=superseded if p.algorithm == "editing" else None)
+        if p.record_steps:
+            traj.step_predictions, traj.step_confidences = _response_aligned(self.host["preds"][i], resp, end)
         return traj.validate()
 
+    # ------------------------------------------------------------------ per decoder
+    def masked_at_start(self, i: int) -> int:
+        return self.B
 
-def _response_aligned(rec: _Recorder, b: int, col_offset: int, end: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Row ``b``'s per-step block proposals placed on its response positions [0, end): -1 (confidence 0) where
-    the step predicted nothing (positions of other blocks; the prompt's remainder in the first block)."""
-    preds, confs = [], []
-    for block_preds, block_confs, first in zip(rec.preds[b], rec.confs[b], rec.pred_cols[b]):
+    def begin_block(self, n: int, cols: torch.Tensor) -> None:
+        """Once per block, before its forwards (bind the cache, build the masks)."""
+
+    def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def end_block(self, n: int, cols: torch.Tensor) -> None:
+        """Once per block, after its last step."""
+
+
+class _BlockDiffusion(_Decoder):
+    """Block diffusion over each sample's own grid; the static cache's column = the token's position."""
+
+    def __init__(self, engine: NativeEngine, prompts: list[list[int]], params: SamplingParams):
+        B = params.block_size
+        self.pre = [len(p) // B * B for p in prompts]
+        self.rem = [len(p) - q for p, q in zip(prompts, self.pre)]
+        self.need = [math.ceil((r + params.max_new_tokens) / B) for r in self.rem]
+        width = max(q + k * B for q, k in zip(self.pre, self.need))
+        super().__init__(engine, prompts, params, width, max(self.need) * B)
+        self.width = width
+        self.host.update(pre=[], rem=[])
+        self.cache = engine.kv_cache(self.cap, width) if engine.use_cache else None
+        self._allowed: Optional[torch.Tensor] = None
+
+    def admit(self, start: int, indices: list[int]) -> None:
+        d, dev, B = self.dev, self.e.device, self.B
+        for j, i in enumerate(indices):
+            row, q, p = start + j, self.pre[i], self.prompts[i]
+            d["tokens"][row] = self.M
+            d["tokens"][row, :len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+        pre = torch.tensor([self.pre[i] for i in indices], dtype=torch.long, device=dev)
+        rows = slice(start, start + len(indices))
+        d["start"][rows], d["first"][rows] = pre, pre
+        d["resp"][rows] = torch.tensor([self.rem[i] for i in indices], dtype=torch.long, device=dev)
+        self.host["pre"] += [self.pre[i] for i in indices]
+        self.host["rem"] += [self.rem[i] for i in indices]
+        self.host["start"] += [self.pre[i] for i in indices]
+        self.host["blocks"] += [self.need[i] for i in indices]
+        super().admit(start, indices)
+        if self.cache is not None:
+            self._prefill(start, indices)
+
+    def _prefill(self, start: int, indices: list[int]) -> None:
+        """The prompts' complete blocks into the cache (block-causal), right-padded to the longest."""
+        Q = max(self.pre[i] for i in indices)
+        if Q == 0:
+            return
+        dev, m = self.e.device, len(indices)
+        ids = self.dev["tokens"][start:start + m, :Q]
+        pos = torch.arange(Q, device=dev).expand(m, Q)
+        valid = pos < torch.tensor([self.pre[i] for i in indices], device=dev)[:, None]
+        # padding queries see themselves (no NaN keys/values in the cache); real queries never see padding
+        allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(Q, dtype=torch.bool, device=dev)
+        self.cache.bind(start, pos, Q)
+        self.e.forward(ids, allowed, pos, self.cache, logits_index=pos[:, :0])
+
+    def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache.move_rows(src, dst)
+
+    def masked_at_start(self, i: int) -> int:
+        return self.B - self.host["rem"][i] if self.host["block"][i] == 0 else self.B
+
+    def begin_block(self, n: int, cols: torch.Tensor) -> None:
+        if self.cache is None:
+            return
+        T = self.e.key_len(max(self.host["start"][:n]) + self.B, self.width)
+        keys = torch.arange(T, device=self.e.device)
+        self._allowed = (keys < self.dev["start"][:n, None] + self.B)[:, None, None, :]
+        self.cache.bind(0, cols, T)
+
+    def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
+        if self.cache is not None:
+            return self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache)
+        T = max(self.host["start"][:n]) + self.B            # no cache: the whole grid up to the block, every step
+        pos = torch.arange(T, device=self.e.device).expand(n, T)
+        valid = pos < self.dev["start"][:n, None] + self.B
+        allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(T, dtype=torch.bool, device=self.e.device)
+        return self.e.forward(self.dev["tokens"][:n, :T], allowed, pos, logits_index=cols)
+
+    def end_block(self, n: int, cols: torch.Tensor) -> None:
+        if self.cache is not None:   # store the finished block's keys/values: no head
+            self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache,
+                           logits_index=cols[:, :0])
+
+
+def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:
+    """Block-causal allowed mask [n, 1, Q, K] from positions on each sample's own grid + key validity."""
+    allowed = (k_pos[:, None, :] // B) <= (q_pos[:, :, None] // B)
+    return (allowed & k_valid[:, None, :]).unsqueeze(1)
+
+
+class _SemiAR(_Decoder):
+    """Full attention: every row is its prompt, left-padded to the longest of the call, then the canvas."""
+
+    def __init__(self, engine: NativeEngine, prompts: list[list[int]], params: SamplingParams):
+        B = params.block_size
+        self.n_blocks = math.ceil(params.max_new_tokens / B)
+        self.P = max(len(p) for p in prompts)
+        self.L = self.P + self.n_blocks * B
+        super().__init__(engine, prompts, params, self.L, self.n_blocks * B)
+        cap, dev = self.cap, engine.device
+        self.dev["valid"] = torch.zeros((cap, self.L), dtype=torch.bool, device=dev)
+        self.dev["pos"] = torch.zeros((cap, self.L), dtype=torch.long, device=dev)
+        self.shift = engine.arch.logits_shift
+        self.mode = engine.full_attention_cache
+        self.cache = engine.kv_cache(self.cap, self.L) if self.mode != "none" else None
+
+    def admit(self, start: int, indices: list[int]) -> None:
+        d, dev, P = self.dev, self.e.device, self.P
+        for j, i in enumerate(indices):
+            row, p = start + j, self.prompts[i]
+            pad = P - len(p)
+            d["tokens"][row] = self.M
+            d["tokens"][row, :pad] = self.e.pad
+            d["tokens"][row, pad:P] = torch.tensor(p, dtype=torch.long, device=dev)
+            d["valid"][row] = torch.arange(self.L, device=dev) >= pad
+            d["pos"][row] = (torch.arange(self.L, device=dev) - pad).clamp(min=0)
+        rows = slice(start, start + len(indices))
+        d["start"][rows], d["first"][rows], d["resp"][rows] = P, P, 0
+        self.host["start"] += [P] * len(indices)
+        self.host["blocks"] += [self.n_blocks] * len(indices)
+        super().admit(start, indices)
+
+    def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
+        """Logits predicting the block's tokens (Dream: read one position to the left). 'prefix' / 'dual': the
+        block's first forward (the whole row) fills the cache, later ones recompute the block (and, for 'prefix',
+        everything after it) and take the other keys/values from it."""
+        d, L = self.dev, self.L
+        ids, pos = d["tokens"][:n], d["pos"][:n]
+        allowed = d["valid"][:n, None, None, :]
+        if self.cache is None or s == 0:
+            if self.cache is not None:
+                self.cache.bind(0, torch.arange(L, device=self.e.device).expand(n, L), L)
+            return self.e.forward(ids, allowed, pos, self.cache, logits_index=cols - self.shift)
+        W = self.B + self.shift if self.mode == "dual" else L - min(self.host["start"][:n]) + self.shift
+        window = cols[:, :1] - self.shift + torch.arange(W, device=self.e.device)
+        inside = window < L
+        at = window.clamp(max=L - 1)
+        self.cache.bind(0, torch.where(inside, window, self.cache.length), L)
+        return self.e.forward(ids.gather(1, at), allowed, pos.gather(1, at), self.cache,
+                              logits_index=torch.arange(self.B, device=self.e.device).expand(n, self.B))
+
+
+def _response_aligned(preds: list[tuple[int, list[int], list[float]]], resp: int, end: int
+                      ) -> tuple[list[list[int]], list[list[float]]]:
+    """A row's per-step block proposals placed on its response positions [0, end): -1 (confidence 0) where the
+    step predicted nothing (positions of other blocks; the prompt's remainder in the first block). ``preds``:
+    (decode column of the block's first position, proposals, confidences) per step the row took."""
+    out_p, out_c = [], []
+    for first, block_preds, block_confs in preds:
         p, c = [-1] * end, [0.0] * end
-        for i, (tok, conf) in enumerate(zip(block_preds, block_confs)):
-            j = first + i - col_offset
-            if 0 <= j < end:
-                p[j], c[j] = int(tok), float(conf)
-        preds.append(p)
-        confs.append(c)
-    return preds, confs
+        for j, (tok, conf) in enumerate(zip(block_preds, block_confs)):
+            k = first + j - resp
+            if 0 <= k < end:
+                p[k], c[k] = int(tok), float(conf)
+        out_p.append(p)
+        out_c.append(c)
+    return out_p, out_c

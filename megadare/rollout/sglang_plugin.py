@@ -3,7 +3,7 @@
 SGLang's built-in dLLM algorithms (``LowConfidence``, ``JointThreshold``) decode greedily and return no trace. This
 module adds one, ``MegadareBlockDiffusion``, that decodes a block exactly like megadare's built-in engine (the
 shared step is :func:`megadare.rollout.dllm_step.dllm_step`: temperature / top-k / top-p sampling, static or
-dynamic low-confidence or random remasking, a seeded generator per request) and records, for every response token,
+dynamic low-confidence or random remasking, a seeded random stream per request) and records, for every response token,
 its global denoising step, its block-local step and its sampling log-prob.
 
 Followed: sglang 0.5.20, 0.5.21, 0.5.22 and 0.5.23 (the wheels from PyPI), files
@@ -44,7 +44,7 @@ client finds it in ``meta_info["megadare_trace"]``: ``[global_step, block_step, 
 token (``forwards_so_far``: denoising steps of the request up to and including the token's block; under token
 editing a fifth item lists the commits of that position an edit overwrote, ``[[global_step, block_step,
 logprob, token], ...]``). The step
-counter and the per-request generators live on the ``Req`` (``_megadare_forwards``, ``_megadare_rng``).
+counter and the per-request random stream live on the ``Req`` (``_megadare_forwards``, ``_megadare_rng``).
 
 Per-request parameters: ``temperature`` / ``top_p`` / ``top_k`` of sglang's ``SamplingParams`` (sglang turns
 temperature 0 into ``top_k=1``, which is greedy here too), the seed from ``custom_params["megadare"]["seed"]``,
@@ -59,7 +59,8 @@ Structure: :class:`BlockDenoiser` (plain torch, tested without sglang) does the 
 :func:`algorithm_class` is a thin adapter that subclasses sglang's ``DllmAlgorithm`` when sglang is importable.
 Tests: tests/test_sglang_engine.py runs the adapter against a fake of the boundary above; tests/sglang_cpu/ runs
 it in a real sglang 0.5.21 Engine on CPU (CI), loaded through the entry point, sync and FDFO loops, and compares
-the trajectories with the built-in engine's. Unverified without a GPU: CUDA generators, TP > 1.
+the trajectories with the built-in engine's. Unverified without a GPU: TP > 1 (the random streams are integer
+arithmetic, the same on every device).
 
 A fix for sglang's SDAR loader (0.5.20-0.5.23, ``sglang/srt/models/sdar.py`` ``SDARForCausalLM.load_weights``):
 with ``tie_word_embeddings`` at TP 1 its ``lm_head`` *is* ``model.embed_tokens``, so the model has no
@@ -68,7 +69,7 @@ with ``tie_word_embeddings`` at TP 1 its ``lm_head`` *is* ``model.embed_tokens``
 method (:func:`tied_sdar_load_weights_hook`): while the head is the embedding, the load runs with the tie flag
 down, so the embedding loads into the one shared tensor. SDAR-MoE's and LLaDA2's loaders handle ties already.
 
-Cost: the step runs per request (its own generator and parameters), so each denoising step launches a few small
+Cost: the step runs per request (its own stream and parameters), so each denoising step launches a few small
 kernels per request and syncs on ``.any()``; fine for correctness-first RL rollouts, a batched fast path for
 requests without a seed is future work.
 """
@@ -81,7 +82,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megadare.rollout.dllm_step import BlockTrace, dllm_step
+from megadare.rollout.dllm_step import BlockTrace, Streams, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import ALGORITHMS, SamplingParams
 
@@ -161,21 +162,18 @@ def _decoder_fields(merged: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class RequestRng:
-    """A request's generators, kept for its whole generation (across blocks): one for sampling on the logits'
-    device and one CPU generator for ``select_commits``' random remasking (the same object on CPU, so a single
-    request reproduces the built-in engine's random stream exactly)."""
+class RequestStream:
+    """A request's random stream, kept for its whole generation (across blocks): its key (the seed,
+    ``engine.prompt_seed`` of the prompt's index when it comes from ``SGLangEngine``) and its counter, the
+    denoising steps it took so far (``dllm_step.Streams``); the built-in engine keeps the same two numbers per
+    prompt, so a request reproduces its trajectory exactly."""
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        self.sample: Optional[torch.Generator] = None
-        self.commit: Optional[torch.Generator] = None
+        self.steps = 0
 
-    def get(self, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
-        if self.sample is None or self.commit is None:
-            self.sample = torch.Generator(device=device).manual_seed(self.seed)
-            self.commit = self.sample if device.type == "cpu" else torch.Generator().manual_seed(self.seed)
-        return self.sample, self.commit
+    def streams(self, device: torch.device) -> Streams:
+        return Streams.of([self.seed], [self.steps], device=device)
 
 
 @dataclass
@@ -183,10 +181,10 @@ class RequestState:
     """One request's progress through one block."""
 
     params: SamplingParams
-    rng: RequestRng
+    rng: RequestStream
     block_step: int = 0
     emit: Optional[list[int]] = None       # positions masked when the block started: the tokens it emits
-    trace: BlockTrace = field(default_factory=lambda: BlockTrace(1))
+    trace: BlockTrace = field(default_factory=lambda: BlockTrace(1, keep_history=True))
     delivered: bool = False
     refine: Optional[Refinement] = None    # token editing: the block's post-step bookkeeping
 
@@ -197,7 +195,7 @@ class BlockDenoiser:
 
     ``step`` is what sglang's ``DllmAlgorithm.step`` must do: given the logits of the forward that just ran on the
     current block tokens, report per row whether the block was already complete (done: nothing masked on entry),
-    otherwise take one :func:`dllm_step` with the row's own parameters and generator. ``denoise_block`` is the
+    otherwise take one :func:`dllm_step` with the row's own parameters and stream. ``denoise_block`` is the
     synchronous loop (forward, step, ..., until every row reports done after a final forward) as
     ``DllmAlgorithm._run_sync`` drives it."""
 
@@ -216,8 +214,8 @@ class BlockDenoiser:
         return request_params(self.block_size, self.config, temperature, top_p, top_k, custom_params,
                               sampling_seed, rid)
 
-    def new_state(self, params: SamplingParams, rng: Optional[RequestRng] = None) -> RequestState:
-        return RequestState(params=params, rng=rng if rng is not None else RequestRng(params.seed))
+    def new_state(self, params: SamplingParams, rng: Optional[RequestStream] = None) -> RequestState:
+        return RequestState(params=params, rng=rng if rng is not None else RequestStream(params.seed))
 
     def step(self, logits: torch.Tensor, tokens: torch.Tensor, states: Sequence[RequestState],
              prompt_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[bool]]:
@@ -242,12 +240,12 @@ class BlockDenoiser:
             if not bool(row.any()) and (editable is None or not bool(editable.any())):
                 done.append(True)
                 continue
-            gen, commit_gen = st.rng.get(logits.device)
-            res = dllm_step(logits[i:i + 1], tokens[i:i + 1], row, st.block_step, st.params, [gen],
-                            mask_token_id=self.mask_id, commit_generators=[commit_gen], editable=editable)
+            res = dllm_step(logits[i:i + 1], tokens[i:i + 1], row, st.block_step, st.params,
+                            st.rng.streams(logits.device), mask_token_id=self.mask_id, editable=editable)
             if st.refine is not None:
                 st.refine.after(row, res)
             st.trace.add(res, st.block_step)
+            st.rng.steps += int(res.active[0])
             st.block_step += 1
             new[i] = res.tokens[0]
             done.append(st.refine is not None and st.refine.is_closed(0))  # a step that edited nothing closed it
@@ -323,7 +321,7 @@ def _request_state(core: BlockDenoiser, req: Any) -> RequestState:
     params = _request_params(core, req)
     rng = getattr(req, "_megadare_rng", None)
     if rng is None or rng.seed != params.seed:
-        rng = RequestRng(params.seed)
+        rng = RequestStream(params.seed)
         req._megadare_rng = rng
     return core.new_state(params, rng)
 

@@ -22,36 +22,53 @@ from megadare.models.family import ModelArch
 
 
 class KVCache:
-    """Per-layer keys/values [B, kv_heads, T, head_dim] (after RoPE and QK norm) of tokens already decoded.
+    """A static, preallocated key/value cache: per layer ``[rows, kv_heads, length + 1, head_dim]`` (after RoPE
+    and QK norm), written in place. Column ``length`` is a scratch column for padding queries.
 
-    Block diffusion caches every completed block (exact: a block-causal model's keys of earlier blocks do not
-    depend on later tokens); full-attention samplers may cache a prefix as an approximation (Fast-dLLM).
+    Before a forward the caller :meth:`bind` s it: the rows ``[start, start + n)`` the forward's batch occupies,
+    the cache column each query's keys/values go to (``write_cols`` [n, W], the query count W; the scratch column
+    for a query whose keys nobody reads), and how many leading columns the queries attend (``key_len``; the mask
+    passed to the model is ``[n, 1, W, key_len]``). :meth:`update` (called by every layer) writes the new
+    keys/values at their columns and returns the first ``key_len`` columns of the rows. Block diffusion caches
+    every completed block (exact: a block-causal model's keys of earlier blocks do not depend on later tokens);
+    full-attention samplers may cache everything but the current block as an approximation (Fast-dLLM).
     """
 
-    def __init__(self, num_layers: int):
-        self.k: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.v: list[Optional[torch.Tensor]] = [None] * num_layers
-        self.columns: Optional[torch.Tensor] = None   # after select(): the sequence positions of the keys
+    def __init__(self, num_layers: int, rows: int, length: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        shape = (rows, kv_heads, length + 1, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.rows, self.length, self.dtype = rows, length, dtype
+        self._rows = slice(0, 0)
+        self._index: Optional[torch.Tensor] = None
+        self._keys = 0
 
-    def __len__(self) -> int:
-        return 0 if self.k[0] is None else int(self.k[0].shape[2])
+    def fits(self, rows: int, length: int, dtype: torch.dtype, device) -> bool:
+        return (rows <= self.rows and length <= self.length and dtype == self.dtype
+                and torch.device(device) == self.k[0].device)
 
-    def select(self, index: torch.Tensor) -> "KVCache":
-        """A cache holding only the key columns ``index`` (order is free: RoPE is already in the keys)."""
-        out = KVCache(len(self.k))
-        out.k = [None if t is None else t[:, :, index] for t in self.k]
-        out.v = [None if t is None else t[:, :, index] for t in self.v]
-        out.columns = index.cpu()
-        return out
+    def bind(self, start: int, write_cols: torch.Tensor, key_len: int) -> None:
+        n, w = write_cols.shape
+        if start + n > self.rows or key_len > self.length:
+            raise ValueError(f"KVCache: rows [{start}, {start + n}) and {key_len} key columns exceed the cache "
+                             f"({self.rows} rows x {self.length} columns)")
+        _, g, _, d = self.k[0].shape
+        self._rows = slice(start, start + n)
+        self._index = write_cols[:, None, :, None].expand(n, g, w, d)
+        self._keys = key_len
 
-    def extended(self, i: int, k: torch.Tensor, v: torch.Tensor, commit: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of the cache followed by the new ones; stored when ``commit``."""
-        if self.k[i] is not None:
-            k = torch.cat([self.k[i], k], dim=2)
-            v = torch.cat([self.v[i], v], dim=2)
-        if commit:
-            self.k[i], self.v[i] = k, v
-        return k, v
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``i``'s new keys/values [n, kv_heads, W, head_dim]; the keys/values the queries attend."""
+        kc, vc = self.k[i][self._rows], self.v[i][self._rows]
+        kc.scatter_(2, self._index, k.to(kc.dtype))
+        vc.scatter_(2, self._index, v.to(vc.dtype))
+        return kc[:, :, :self._keys], vc[:, :, :self._keys]
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy rows ``src`` to rows ``dst`` (disjoint sets), every layer, every column."""
+        for t in self.k + self.v:
+            t.index_copy_(0, dst, t.index_select(0, src))
 
 
 class RMSNorm(nn.Module):
@@ -177,6 +194,7 @@ class DecoderLM(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
                 if getattr(m, "bias", None) is not None:
                     nn.init.zeros_(m.bias)
+        self._resolve()
 
     # ----------------------------------------------------------------- construction by name
     def _place(self, param_name: str, module: nn.Module) -> None:
@@ -199,6 +217,15 @@ class DecoderLM(nn.Module):
     def sub(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])
 
+    def _resolve(self) -> None:
+        """Direct references to every module the forward uses, looked up once by name (not registered: the
+        parameters keep their single HF names)."""
+        a, n = self.arch, self.names
+        head = None if a.tie_word_embeddings else self.sub(n.lm_head)
+        self._io = (self.sub(n.embed), self.sub(n.final_norm), head)   # a tuple: not registered again
+        moe = set(a.moe_layers())
+        self._layers = [_Layer(self, i, i in moe) for i in range(a.num_layers)]
+
     # ----------------------------------------------------------------- forward
     def default_mask(self, block_size: Optional[int] = None) -> MaskSpec:
         if self.arch.attention == "block_causal":
@@ -219,71 +246,94 @@ class DecoderLM(nn.Module):
         return m
 
     def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids: Optional[torch.Tensor] = None,
-                block_size: Optional[int] = None, kv_cache: Optional[KVCache] = None,
-                commit: bool = False) -> torch.Tensor:
-        """Logits [B, S, vocab]. With ``kv_cache`` the queries are ``input_ids`` and the keys are the cached tokens
-        followed by them; ``attention_mask`` must then be an explicit bool [B|1, 1, S, T + S] (True = attend)
-        and ``position_ids`` are required. ``commit`` appends this call's keys/values to the cache."""
-        a, n = self.arch, self.names
+                block_size: Optional[int] = None, kv_cache=None,
+                logits_index: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Logits [B, S, vocab]. With ``kv_cache`` (a :class:`KVCache` bound for this call, or anything with its
+        ``update(layer, k, v) -> (keys, values)``) the queries are ``input_ids`` and the keys are what the cache
+        returns; ``attention_mask`` must then be an explicit bool [B|1, 1, S, keys] (True = attend) and
+        ``position_ids`` are required. ``logits_index`` [B, m]: the logits of those positions only, [B, m, vocab]
+        (the head runs on them alone; m = 0: no head, returns None)."""
+        a = self.arch
         B, S = input_ids.shape
         if kv_cache is not None:
             if not (torch.is_tensor(attention_mask) and attention_mask.dim() == 4 and position_ids is not None):
-                raise ValueError("decoding with a KV cache needs position_ids and a [B, 1, S, T+S] bool mask")
+                raise ValueError("decoding with a KV cache needs position_ids and a [B, 1, S, keys] bool mask")
             allowed = attention_mask.bool()
         else:
             if position_ids is None:
                 position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
             allowed = self._allowed(attention_mask, S, input_ids.device, block_size)
-        rot = int(a.head_dim * a.rotary_percent)
-        cos, sin = rope_cos_sin(position_ids, rot, a.rope_theta)
-        x = self.sub(n.embed)(input_ids)
-        moe = set(a.moe_layers())
-        for i in range(a.num_layers):
-            f = lambda t, **kw: t.format(i=i, **kw)  # noqa: E731
-            h = self.sub(f(n.input_norm))(x)
-            x = x + self._attention(h, i, allowed, cos, sin, kv_cache, commit)
-            h = self.sub(f(n.post_norm))(x)
-            x = x + (self._moe(h, i) if i in moe else _mlp(h, self.sub(f(n.gate)), self.sub(f(n.up)),
-                                                          self.sub(f(n.down))))
-        x = self.sub(n.final_norm)(x)
-        w = self.sub(n.embed).weight if a.tie_word_embeddings else self.sub(n.lm_head).weight
-        return F.linear(x, w)
+        cos, sin = rope_cos_sin(position_ids, int(a.head_dim * a.rotary_percent), a.rope_theta)
+        embed, final_norm, head = self._io
+        x = embed(input_ids)
+        for i, layer in enumerate(self._layers):
+            x = x + self._attention(layer.input_norm(x), layer, allowed, cos, sin, kv_cache, i)
+            h = layer.post_norm(x)
+            x = x + (self._moe(h, layer) if layer.moe else _mlp(h, *layer.mlp))
+        if logits_index is not None:
+            if logits_index.shape[1] == 0:
+                return None
+            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+        return F.linear(final_norm(x), embed.weight if head is None else head.weight)
 
-    def _attention(self, h, i, allowed, cos, sin, kv_cache: Optional[KVCache] = None, commit: bool = False):
-        a, n = self.arch, self.names
-        f = lambda t: t.format(i=i)  # noqa: E731
+    def _attention(self, h, layer: "_Layer", allowed, cos, sin, kv_cache, i: int):
+        a = self.arch
         B, S, _ = h.shape
         H, G, D = a.num_attention_heads, a.num_kv_heads, a.head_dim
-        if n.qkv:
-            q, k, v = self.sub(f(n.qkv))(h).view(B, S, H + 2 * G, D).split([H, G, G], dim=2)
+        if layer.qkv is not None:
+            q, k, v = layer.qkv(h).view(B, S, H + 2 * G, D).split([H, G, G], dim=2)
         else:
-            q = self.sub(f(n.q))(h).view(B, S, H, D)
-            k = self.sub(f(n.k))(h).view(B, S, G, D)
-            v = self.sub(f(n.v))(h).view(B, S, G, D)
+            q, k, v = layer.q(h).view(B, S, H, D), layer.k(h).view(B, S, G, D), layer.v(h).view(B, S, G, D)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if a.qk_norm:
-            q, k = self.sub(f(n.q_norm))(q), self.sub(f(n.k_norm))(k)
+        if layer.q_norm is not None:
+            q, k = layer.q_norm(q), layer.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.extended(i, k, v, commit)
+            k, v = kv_cache.update(i, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=H != G)
-        return self.sub(f(n.o))(out.transpose(1, 2).reshape(B, S, H * D))
+        return layer.o(out.transpose(1, 2).reshape(B, S, H * D))
 
-    def _moe(self, h, i):
-        a, n = self.arch, self.names
-        f = lambda t, **kw: t.format(i=i, **kw)  # noqa: E731
+    def _moe(self, h, layer: "_Layer"):
+        """Experts in token-sorted order: one host read of the per-expert token counts per layer."""
+        a = self.arch
         B, S, C = h.shape
         x = h.reshape(-1, C)
-        router = self.sub(f(n.router))
-        topi, topw = route(F.linear(x.float(), router.weight.float()), a, router.expert_bias)
+        topi, topw = route(F.linear(x.float(), layer.router.weight.float()), a, layer.router.expert_bias)
+        flat = topi.reshape(-1)
+        order = flat.argsort(stable=True)
+        tok, slot = order // a.moe_topk, order % a.moe_topk
+        counts = torch.bincount(flat, minlength=a.num_experts).tolist()
         y = torch.zeros_like(x, dtype=torch.float32)
-        for e in range(a.num_experts):
-            tok, slot = (topi == e).nonzero(as_tuple=True)
-            if tok.numel():
-                out = _mlp(x[tok], self.sub(f(n.expert_gate, e=e)), self.sub(f(n.expert_up, e=e)),
-                           self.sub(f(n.expert_down, e=e)))
-                y.index_add_(0, tok, out.float() * topw[tok, slot, None])
+        start = 0
+        for (gate, up, down), c in zip(layer.experts, counts):
+            if c:
+                t, sl = tok[start:start + c], slot[start:start + c]
+                y.index_add_(0, t, _mlp(x[t], gate, up, down).float() * topw[t, sl, None])
+            start += c
         y = y.to(h.dtype).view(B, S, C)
-        if a.num_shared_experts:
-            y = y + _mlp(h, self.sub(f(n.shared_gate)), self.sub(f(n.shared_up)), self.sub(f(n.shared_down)))
+        if layer.shared is not None:
+            y = y + _mlp(h, *layer.shared)
         return y
+
+
+class _Layer:
+    """One layer's modules, resolved by name once (plain references: the forward does no lookups)."""
+
+    def __init__(self, model: DecoderLM, i: int, moe: bool):
+        n = model.names
+
+        def get(template: str, **kw) -> nn.Module:
+            return model.sub(template.format(i=i, **kw))
+
+        self.input_norm, self.post_norm, self.o = get(n.input_norm), get(n.post_norm), get(n.o)
+        self.qkv = get(n.qkv) if n.qkv else None
+        self.q, self.k, self.v = (None, None, None) if n.qkv else (get(n.q), get(n.k), get(n.v))
+        qk = model.arch.qk_norm
+        self.q_norm, self.k_norm = (get(n.q_norm), get(n.k_norm)) if qk else (None, None)
+        self.moe = moe
+        self.mlp = None if moe else (get(n.gate), get(n.up), get(n.down))
+        self.router = get(n.router) if moe else None
+        self.experts = [(get(n.expert_gate, e=e), get(n.expert_up, e=e), get(n.expert_down, e=e))
+                        for e in range(model.arch.num_experts)] if moe else []
+        shared = moe and model.arch.num_shared_experts
+        self.shared = (get(n.shared_gate), get(n.shared_up), get(n.shared_down)) if shared else None
