@@ -146,9 +146,11 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ helpers
     def forward(self, ids, allowed, pos, cache: Optional[KVCache] = None,
-                logits_index: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                logits_index: Optional[torch.Tensor] = None, eager: bool = False) -> Optional[torch.Tensor]:
+        """One model forward (compiled when ``compile`` is on, unless ``eager``: prefills, whose shapes vary)."""
         self.forwards += 1
-        return self._fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
+        fn = self.model if eager else self._fn
+        return fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
 
     def kv_cache(self, rows: int, length: int) -> KVCache:
         """The engine's static cache, reallocated only when a call needs more rows or columns than it has."""
@@ -329,7 +331,9 @@ class _Decoder:
         finish = "eos" if self.e.eos in toks[:end] else "length"
         if p.stop_at_eos and finish == "eos":
             end = toks.index(self.e.eos) + 1
-        fwd, bstep, logp = (d[k][i, resp:resp + end].tolist() for k in ("fwd", "bstep", "logp"))
+        fwd = d["fwd"][i, resp:resp + end].tolist()
+        bstep = d["bstep"][i, resp:resp + end].tolist()
+        logp = d["logp"][i, resp:resp + end].tolist()
         superseded = [Superseded(c, tok, g, s, lp) for c in range(end)
                       for g, s, lp, tok in self.host["superseded"][i].get(c + resp, [])]
         traj = Trajectory(
@@ -399,7 +403,7 @@ class _BlockDiffusion(_Decoder):
         # padding queries see themselves (no NaN keys/values in the cache); real queries never see padding
         allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(Q, dtype=torch.bool, device=dev)
         self.cache.bind(start, pos, Q)
-        self.e.forward(ids, allowed, pos, self.cache, logits_index=pos[:, :0])
+        self.e.forward(ids, allowed, pos, self.cache, logits_index=pos[:, :0], eager=True)
 
     def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self.cache is not None:
