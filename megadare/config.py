@@ -19,8 +19,8 @@ from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
-from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, SCHEDULES, WEIGHT_TRANSPORTS,
-                                      SamplingParams)
+from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, ENGINE_DTYPES, SCHEDULES,
+                                      WEIGHT_TRANSPORTS, SamplingParams)
 
 
 @dataclass
@@ -147,6 +147,11 @@ class RolloutSection:
                                            # group: through rank 0 and Ray); auto = colocated on a one-host CPU run
     device: str = "auto"                   # built-in engine: auto (the GPU Ray assigned to the actor, else CPU) |
                                            # cpu | cuda
+    dtype: str = "auto"                    # built-in engine weights and KV cache: auto (bfloat16 on CUDA, float32
+                                           # on CPU) | float32 | bfloat16
+    max_batch: int = 0                     # built-in engine: rows decoded together; a request's further prompts
+                                           # queue and enter as rows finish (continuous batching); 0 = all at once
+    compile: bool = False                  # built-in engine: torch.compile the block forward (CUDA graphs on CUDA)
     fp8_weights: bool = False              # sglang: push linear weights as 128x128 block fp8 (engines started from a
                                            # tools/checkpoint_convert/quantize.py --format fp8-block checkpoint)
 
@@ -288,6 +293,7 @@ CHOICES = {
     "rollout.schedule": SCHEDULES,
     "rollout.weight_transport": WEIGHT_TRANSPORTS,
     "rollout.device": ENGINE_DEVICES,
+    "rollout.dtype": ENGINE_DTYPES,
     "rl.advantage": ("grpo", "rloo", "reinforce_pp"),
     "rl.mode": ("sync", "one_step_off", "fully_async"),
     "rl.loss_mode": ("ppo", "decoupled", "bypass"),
@@ -456,6 +462,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     for key in ("sft.lora_rank", "rl.lora_rank"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 = full fine-tuning)")
+    if cfg.rollout.max_batch < 0:
+        raise ConfigError(f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request "
+                          "at once)")
     row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
     if row > t.seq_length:
         raise ConfigError(f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "

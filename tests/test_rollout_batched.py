@@ -192,3 +192,25 @@ def test_compiled_step_gives_the_same_tokens(monkeypatch):
     for a, b in zip(got, eager):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert any(lp < 0 for t in got for lp in t.logprobs)
+
+
+def test_rollout_keys_reach_the_engine(tmp_path):
+    """rollout.dtype / max_batch / compile -> the actors' engine factory -> the engine (loaded in its dtype)."""
+    from types import SimpleNamespace
+
+    from megadare.config import load_config, validate
+    from megadare.errors import ConfigError
+    from megadare.rollout.manager import build_native_engine
+    from megadare.trainer.rl_rollout import engine_spec
+    from tiny import write_tiny_hf
+
+    cfg = load_config(None, ["rollout.dtype=bfloat16", "rollout.max_batch=3"])
+    spec = engine_spec(cfg, SimpleNamespace(hf_dir=write_tiny_hf(tmp_path, "sdar", 0)), SimpleNamespace(eos_token_id=2))
+    eng = spec.factory(**spec.kwargs)
+    assert (eng.dtype, eng.max_batch, eng.compile) == (torch.bfloat16, 3, False)
+    assert {p.dtype for p in eng.model.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="rollout.dtype='fp16'"):
+        build_native_engine(spec.kwargs["hf_dir"], 2, dtype="fp16")
+    for bad, key in (("rollout.dtype=fp16", "rollout.dtype"), ("rollout.max_batch=-1", "rollout.max_batch")):
+        with pytest.raises(ConfigError, match=key):
+            validate(load_config(None, [bad]), None)

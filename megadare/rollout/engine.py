@@ -27,6 +27,7 @@ SCHEDULES = ("even", "linspace", "linspace_first")
 FINISH_REASONS = ("eos", "length")
 WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync.py)
 ENGINE_DEVICES = ("auto", "cpu", "cuda")                                   # rollout.device (built-in engine)
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")                           # rollout.dtype (built-in engine)
 _SEED_STRIDE = 1_000_003
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from megadare.errors import ConfigError
-from megadare.rollout.engine import ENGINE_DEVICES, SamplingParams, Trajectory, prompt_seed
+from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, host_ip
 from megadare.rollout.weight_plan import Flat
 
@@ -317,10 +317,11 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto",
-                        fail_once_marker: Optional[str] = None):
-    """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir``, on the
-    device :func:`resolve_engine_device` picks (the GPU Ray assigned to the actor under ``auto``).
+def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dtype: str = "auto",
+                        max_batch: int = 0, compile: bool = False, fail_once_marker: Optional[str] = None):
+    """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir`` in the
+    engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
+    (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile``: ``NativeEngine``'s.
 
     ``fail_once_marker`` (fault-injection for tests): the first engine whose generate() finds no file at that
     path creates it and kills its process, as a crashed engine would.
@@ -329,9 +330,17 @@ def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto",
     from megadare.models.family import family_of, read_hf_config
     from megadare.rollout.native import NativeEngine
 
+    import torch
+
     cfg = read_hf_config(hf_dir)
-    engine = NativeEngine(load_hf_model(hf_dir), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
-                          device=resolve_engine_device(device))
+    dev = resolve_engine_device(device)
+    if dtype not in ENGINE_DTYPES:
+        raise ValueError(f"rollout.dtype={dtype!r}: choose one of {ENGINE_DTYPES}")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    dt = getattr(torch, dtype)
+    engine = NativeEngine(load_hf_model(hf_dir, dtype=dt), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
+                          device=dev, dtype=dt, max_batch=max_batch, compile=compile)
     if fail_once_marker:
         engine = _FailOnce(engine, fail_once_marker)
     return engine

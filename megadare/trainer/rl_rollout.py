@@ -169,7 +169,8 @@ def engine_spec(cfg: Config, src, tok):
             raise ConfigError(f"rollout.engine_tp={r.engine_tp}: the built-in engine runs on one device; tensor-"
                               "parallel engines need rollout.engine=sglang")
         return EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id,
-                                                "device": r.device})
+                                                "device": r.device, "dtype": r.dtype, "max_batch": r.max_batch,
+                                                "compile": r.compile})
     if gpus is not None and gpus < r.engine_tp:
         raise ConfigError(f"rollout.engine_tp={r.engine_tp} needs rollout.engine_resources num_gpus >= "
                           f"{r.engine_tp} per engine actor (got {gpus})")
