@@ -1,86 +1,529 @@
-"""Built-in engine throughput: block-diffusion decoding with the block KV cache vs the same sampler without it.
+"""Built-in engine throughput: today's engine (a git ref, run from its source) against the current one, and
+DARE's generate loops on the same model, in one process, rounds alternated.
 
-    python benchmarks/rollout_throughput.py            # GPU: SDAR-1.7B shape, bf16; CPU: a small shape
+    python benchmarks/rollout_throughput.py                       # GPU: SDAR-1.7B shape, bf16; CPU: small shapes
     python benchmarks/rollout_throughput.py --batch 32 --prompt 128 --new 256 --steps 4
+    python benchmarks/rollout_throughput.py --family sdar llada dream --cache none prefix dual
+    python benchmarks/rollout_throughput.py --peer-repo ~/DARE   # also DARE's generate functions (batched)
+    python benchmarks/rollout_throughput.py --varied             # half the prompts end early: continuous batching
+    python benchmarks/rollout_throughput.py --sampling-check     # one step's sampling at batch 32, vocab 151,936
 
-Prints tokens/s, model forwards per generated token (the cache adds one forward per block to store it) and the
-ratio cached / uncached, both measured in this run; then the engine's weight-update bandwidth (GB/s) for a full
-state dict pushed through ``update_weights``.
+Per engine: tokens/s, ms per model forward, forwards per generated token (batch-wide), the share of the wall time
+spent outside the model forward, and the speed relative to the current engine. Every engine decodes the same
+prompts with the same model weights and decoder (static low-confidence remasking, temperature 1, blocks of 4
+for SDAR / 8 for the full-attention families); ratios are medians over ``--rounds`` alternated rounds, so they
+hold on a shared machine where absolute numbers drift.
+
+* today's engine: ``--baseline-ref`` (default: main before issue 27) is read with ``git show`` from this checkout
+  and imported as a private copy (its hf/ model, sampling, step, editing and engine files); nothing of it is kept
+  in the package. ``--baseline-ref none`` skips it.
+* DARE (``--peer-repo``: a checkout of yjyddq/DARE; never vendored): SDAR ``block_diffusion_generate``
+  (opencompass/opencompass/models/sdar_generate.py, one call for the whole batch); LLaDA
+  ``generate_with_prefix_cache`` / ``generate_with_dual_cache`` (verl/workers/rollout/generate.py; the dual one
+  without its ``torch.compile`` decorator, which needs the Fast-dLLM model class); Dream
+  ``DreamGenerationMixin._sample`` (verl/workers/rollout/generation_utils.py, entropy). They call the same hf/
+  model through a thin adapter that gives it the publishers' calling conventions and cache behaviour (HF
+  ``DynamicCache`` concatenation; Fast-dLLM's per-row replacement for the dual cache). Modules of the peer files
+  that their generate functions do not use (pandas, tqdm) are stubbed when absent.
+* ``--varied``: 2 x batch prompts, half of which end in their first two blocks (EOS chosen from a greedy run),
+  through the current engine as chunks of ``--batch`` prompts (static batching: a chunk waits for its longest
+  row) and as one call with ``max_batch=--batch`` (continuous batching: a finished row's slot takes the next
+  prompt), and through today's engine in chunks.
+* ``--sampling-check``: one ``dllm_step`` (temperature 1) on [32, 4, 151936] logits against the SDAR-1.7B LM head
+  on the same 128 positions (a lower bound of a forward), today's step on the same logits for reference.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import replace
+import types
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 
 from megadare.models import get_family
+from megadare.rollout.dllm_step import Streams, dllm_step
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASELINE_REF = "ce9edaf"        # main before issue 27 (per-row host sampling, growing KV cache)
+BASELINE_FILES = {"common": "megadare/models/hf/common.py", "sampling": "megadare/rollout/sampling.py",
+                  "dllm_step": "megadare/rollout/dllm_step.py", "editing": "megadare/rollout/editing.py",
+                  "native": "megadare/rollout/native.py"}
+SDAR_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, block_size=4, mask_token_id=151669,
+                 max_position_embeddings=32768)
+CPU_SHAPES = {  # small models: the loop around the forward is what differs between engines
+    "sdar": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=32, block_size=4, max_position_embeddings=4096),
+    "llada": dict(d_model=256, n_heads=8, n_kv_heads=8, n_layers=4, mlp_hidden_size=768, max_sequence_length=4096),
+    "dream": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=4096)}
+GPU_SHAPES = {"sdar": SDAR_1_7B,
+              "llada": dict(d_model=4096, n_heads=32, n_kv_heads=32, n_layers=32, mlp_hidden_size=12288,
+                            vocab_size=126464, embedding_size=126464, mask_token_id=126336,
+                            max_sequence_length=4096),
+              "dream": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, vocab_size=152064, mask_token_id=151666,
+                            max_position_embeddings=4096)}
 
-def build(gpu: bool):
-    fam = get_family("sdar")
-    if gpu:  # SDAR-1.7B shape (Qwen3-1.7B)
-        cfg = fam.tiny_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, block_size=4,
-                              mask_token_id=151669, max_position_embeddings=32768)
-    else:
-        cfg = fam.tiny_config(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                              num_key_value_heads=4, head_dim=32, block_size=4, max_position_embeddings=4096)
-    model = fam.hf_model(cfg)
+
+# ---------------------------------------------------------------------------------------------- models
+def build(family: str, gpu: bool, vocab: Optional[int] = None, layers: Optional[int] = None):
+    """The family's hf/ model in a benchmark shape (random weights) and its arch."""
+    fam = get_family(family)
+    over = dict((GPU_SHAPES if gpu else CPU_SHAPES)[family])
+    if vocab:
+        over.update(vocab_size=vocab, mask_token_id=vocab - 1)
+        if family == "llada":
+            over["embedding_size"] = vocab
+    if layers:
+        over["n_layers" if family == "llada" else "num_hidden_layers"] = layers
+    cfg = fam.tiny_config(**over)
     if gpu:
-        model = model.to(torch.bfloat16)
-    return model, fam.arch(cfg)
+        with torch.device("cuda"):
+            model = fam.hf_model(cfg).to(torch.bfloat16)
+    else:
+        model = fam.hf_model(cfg)
+    return model.eval(), fam.arch(cfg)
 
 
-def run(engine: NativeEngine, prompts, params) -> tuple[float, float, int]:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    engine.generate(prompts[:2], replace(params, max_new_tokens=params.block_size))  # warm-up
-    engine.forwards = 0
-    sync()
-    t0 = time.perf_counter()
-    trajs = engine.generate(prompts, params)
-    sync()
-    dt = time.perf_counter() - t0
-    tokens = sum(len(t.response_ids) for t in trajs)
-    return tokens / dt, engine.forwards / (tokens / len(prompts)), tokens
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class ForwardClock:
+    """Times the model forwards of one engine (synchronising on CUDA) by wrapping the callable through which it
+    runs them (``obj.attr``: the engine's forward method, a peer adapter's model); per-run counters."""
+
+    def __init__(self, obj: Any, attr: str):
+        self.calls, self.seconds = 0, 0.0
+        inner = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            sync()
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            sync()
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            return out
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+
+# ---------------------------------------------------------------------------------------------- today's engine
+def load_baseline(ref: str) -> Optional[types.SimpleNamespace]:
+    """Today's engine at git ``ref``, imported from its source as a private package; None (and a note) when the
+    checkout cannot show it (no git, a shallow clone)."""
+    pkg = "_megadare_baseline_" + "".join(c for c in ref if c.isalnum())
+    root = tempfile.mkdtemp(prefix="megadare-baseline-")
+    os.makedirs(os.path.join(root, pkg))
+    open(os.path.join(root, pkg, "__init__.py"), "w").close()
+    for name, path in BASELINE_FILES.items():
+        try:
+            src = subprocess.run(["git", "-C", REPO, "show", f"{ref}:{path}"], check=True, capture_output=True,
+                                 text=True).stdout
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"baseline: cannot read {path} at {ref} ({getattr(e, 'stderr', e)!s:.120}); skipping today's "
+                  "engine")
+            return None
+        for mod in BASELINE_FILES:
+            src = src.replace(f"megadare.{BASELINE_FILES[mod][9:-3].replace('/', '.')}", f"{pkg}.{mod}")
+        with open(os.path.join(root, pkg, f"{name}.py"), "w") as f:
+            f.write(src)
+    sys.path.insert(0, root)
+    return types.SimpleNamespace(**{m: importlib.import_module(f"{pkg}.{m}") for m in BASELINE_FILES})
+
+
+def baseline_model(base: types.SimpleNamespace, model: torch.nn.Module) -> torch.nn.Module:
+    """Today's hf/ model class holding the same weight tensors as ``model``."""
+    with torch.device("meta"):
+        old = base.common.DecoderLM(model.arch, model.names)
+    old.load_state_dict(model.state_dict(), assign=True)
+    return old.eval()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+@dataclass
+class Runner:
+    name: str
+    run: Callable[[], int]              # decodes the workload, returns generated tokens
+    clock: Optional[ForwardClock]
+    results: list[dict] = field(default_factory=list)
+
+
+def measure(runners: list[Runner], rounds: int) -> None:
+    """Warm every runner once, then ``rounds`` alternated rounds; per round tokens/s and the forward split."""
+    for r in runners:
+        r.run()
+    for _ in range(rounds):
+        for r in runners:
+            if r.clock:
+                r.clock.reset()
+            sync()
+            t0 = time.perf_counter()
+            tokens = r.run()
+            sync()
+            dt = time.perf_counter() - t0
+            fw = (r.clock.calls, r.clock.seconds) if r.clock else (0, 0.0)
+            r.results.append({"tok_s": tokens / dt, "s": dt, "tokens": tokens, "forwards": fw[0],
+                              "forward_s": fw[1]})
+
+
+def report(title: str, runners: list[Runner], ref: str, batch: int) -> None:
+    print(title)
+    print(f"  {'engine':44s} {'tok/s':>10s} {'ms/forward':>11s} {'fwd/token':>10s} {'outside fwd':>12s} "
+          f"{'vs ' + ref:>10s}")
+    med = {r.name: statistics.median(x["tok_s"] for x in r.results) for r in runners if r.results}
+    for r in runners:
+        if not r.results:
+            continue
+        last = r.results[-1]
+        ms = 1e3 * last["forward_s"] / last["forwards"] if last["forwards"] else float("nan")
+        fpt = last["forwards"] / (last["tokens"] / batch) if last["forwards"] else float("nan")
+        outside = statistics.median(1 - x["forward_s"] / x["s"] for x in r.results) if r.clock else float("nan")
+        rel = med[r.name] / med[ref] if ref in med else float("nan")
+        print(f"rollout {r.name:44s} {med[r.name]:10.1f} {ms:11.2f} {fpt:10.2f} {100 * outside:11.1f}% "
+              f"{rel:9.2f}x")
+
+
+def engine_runner(name: str, engine: Any, clock: ForwardClock, prompts: list[list[int]], params: SamplingParams,
+                  chunk: int = 0) -> Runner:
+    """An engine's generate over the prompts (``chunk``: in calls of that many prompts, static batching)."""
+    def run() -> int:
+        parts = [prompts[i:i + chunk] for i in range(0, len(prompts), chunk)] if chunk else [prompts]
+        return sum(len(t.response_ids) for part in parts for t in engine.generate(part, params))
+    return Runner(name, run, clock)
+
+
+# ---------------------------------------------------------------------------------------------- DARE's loops
+def import_peer(repo: str, rel: str, name: str, patch: Optional[dict[str, str]] = None) -> types.ModuleType:
+    """A peer file as a module (``patch``: textual replacements, each must apply); modules it imports but its
+    generate functions never use are stubbed if absent."""
+    for mod in ("pandas", "tqdm"):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            stub = types.ModuleType(mod)
+            stub.__spec__ = importlib.machinery.ModuleSpec(mod, None)
+            stub.tqdm = None
+            sys.modules[mod] = stub
+            print(f"peer: {mod} is not installed; stubbed (DARE's generate functions do not use it)")
+    with open(os.path.join(repo, rel)) as f:
+        src = f.read()
+    for old, new in (patch or {}).items():
+        if old not in src:
+            raise SystemExit(f"peer: {rel} has no {old!r} to patch; this benchmark follows DARE at 83ae8a3")
+        src = src.replace(old, new)
+    module = types.ModuleType(name)
+    module.__file__ = os.path.join(repo, rel)
+    sys.modules[name] = module
+    exec(compile(src, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+class _KV:
+    """The hf/ model's cache protocol with a publisher's cache behaviour. ``past``: per layer (k, v) or None;
+    ``keep``: store the concatenation (HF ``DynamicCache`` / ``store_kv``); ``replace``: Fast-dLLM's dual cache,
+    the block's keys written into the past at ``replace`` [B, L] (in place, row by row, as its model does)."""
+
+    def __init__(self, layers: int, past=None, keep: bool = False, replace: Optional[torch.Tensor] = None):
+        self.past = list(past) if past is not None else [None] * layers
+        self.keep, self.replace = keep, replace
+
+    def update(self, i: int, k: torch.Tensor, v: torch.Tensor):
+        if self.past[i] is not None:
+            pk, pv = self.past[i]
+            if self.replace is not None:
+                for b in range(k.shape[0]):
+                    idx = self.replace[b].nonzero(as_tuple=True)[0]
+                    pk[b, :, idx], pv[b, :, idx] = k[b, :, :len(idx)], v[b, :, :len(idx)]
+                k, v = pk, pv
+            else:
+                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        if self.keep:
+            self.past[i] = (k, v)
+        return k, v
+
+
+class PeerModel:
+    """The hf/ model with the calling conventions DARE's loops expect (``.device``, ``.logits``,
+    ``past_key_values``), for SDAR's block-diffusion loop, LLaDA's Fast-dLLM loops and Dream's ``_sample``. Its
+    logits never favour the mask token (a trained model's do not; DARE's SDAR loop would write a predicted mask
+    back and step past its schedule)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.mask_id = model.arch.mask_token_id
+        self.model = self._no_mask(model)
+        self.device = next(model.parameters()).device
+        self.layers = model.arch.num_layers
+
+    def eval(self):
+        return self
+
+    def _no_mask(self, model: torch.nn.Module) -> Callable:
+        def call(*args, **kwargs):
+            logits = model(*args, **kwargs)
+            logits[..., self.mask_id] = float("-inf")
+            return logits
+        call.arch = model.arch
+        return call
+
+    def __call__(self, x, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                 store_kv=False, replace_position=None, **_):
+        B, S = x.shape
+        if hasattr(past_key_values, "get_seq_length"):            # SDAR: an HF DynamicCache, block-causal mask
+            kv = getattr(past_key_values, "_megadare_kv", None) or _KV(self.layers)
+            past_key_values._megadare_kv = kv
+            kv.keep = bool(store_kv)
+            mask = attention_mask.bool()[:, None].expand(B, 1, S, attention_mask.shape[-1])
+            logits = self.model(x, attention_mask=mask, position_ids=position_ids.expand(B, S), kv_cache=kv)
+            return types.SimpleNamespace(logits=logits)
+        if isinstance(attention_mask, torch.Tensor) or attention_mask == "full" or not use_cache:   # Dream
+            return types.SimpleNamespace(logits=self.model(x))
+        kv = _KV(self.layers, past_key_values, keep=past_key_values is None,  # LLaDA: Fast-dLLM prefix / dual
+                 replace=replace_position)
+        if past_key_values is None:
+            pos = torch.arange(S, device=x.device).expand(B, S)
+        elif replace_position is not None:
+            pos = replace_position.nonzero(as_tuple=True)[1].view(B, -1)
+        else:
+            start = past_key_values[0][0].shape[2]
+            pos = torch.arange(start, start + S, device=x.device).expand(B, S)
+        allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=x.device)
+        logits = self.model(x, attention_mask=allowed, position_ids=pos, kv_cache=kv)
+        return types.SimpleNamespace(logits=logits, past_key_values=kv.past)
+
+
+def peer_runners(repo: str, family: str, cache: str, model: torch.nn.Module, arch, prompts: list[list[int]],
+                 params: SamplingParams) -> list[Runner]:
+    """DARE's generate functions for the workload, batched (one call for all prompts of equal length)."""
+    peer, M = PeerModel(model), arch.mask_token_id
+    clock = ForwardClock(peer, "model")
+    ids = torch.tensor(prompts, device=peer.device)
+    G, S = params.max_new_tokens, params.steps_per_block * params.max_new_tokens // params.block_size
+    if family == "sdar":   # as shipped it allocates x for one prompt; batched: x for the batch (one line)
+        rel = "opencompass/opencompass/models/sdar_generate.py"
+        shipped = import_peer(repo, rel, "dare_sdar_generate")
+        batched = import_peer(repo, rel, "dare_sdar_generate_batched", {
+            "x = torch.full((1, total_length), mask_id,": "x = torch.full((input_ids.shape[0], total_length), mask_id,"})
+
+        def sdar(module, x):
+            return module.block_diffusion_generate(peer, {"input_ids": x}, M, gen_length=G,
+                                                   block_length=params.block_size,
+                                                   denoising_steps=params.steps_per_block,
+                                                   temperature=params.temperature, remasking_strategy=params.algorithm)
+        return [Runner("DARE block_diffusion_generate (batched)", lambda: sdar(batched, ids) is not None and
+                       ids.shape[0] * G, clock),
+                Runner("DARE block_diffusion_generate (per prompt)", lambda: sum(
+                    G for i in range(ids.shape[0]) if sdar(shipped, ids[i:i + 1]) is not None), clock)]
+    if family == "llada" and cache in ("prefix", "dual"):
+        gen = import_peer(repo, "verl/workers/rollout/generate.py", "dare_generate")
+        fn = gen.generate_with_prefix_cache if cache == "prefix" else \
+            getattr(gen.generate_with_dual_cache, "_torchdynamo_orig_callable", gen.generate_with_dual_cache)
+        run = lambda: fn(peer, ids, steps=S, gen_length=G, block_length=params.block_size,  # noqa: E731
+                         temperature=params.temperature, remasking="low_confidence", mask_id=M)
+        return [Runner(f"DARE generate_with_{cache}_cache (batched)", lambda: run() is not None and ids.shape[0] * G,
+                       clock)]
+    if family == "dream" and cache == "none":
+        du = import_peer(repo, "verl/workers/rollout/generation_utils.py", "dare_generation_utils")
+        conf = du.DreamGenerationConfig(temperature=params.temperature, top_p=params.top_p, steps=S,
+                                        max_length=ids.shape[1] + G, mask_token_id=M, alg="entropy", alg_temp=0.0,
+                                        eps=params.eps)
+        hooks = dict(generation_tokens_hook_func=lambda s, x, lg: x, generation_logits_hook_func=lambda s, x, lg: lg)
+        run = lambda: du.DreamGenerationMixin._sample(peer, ids, None, conf, **hooks)  # noqa: E731
+        return [Runner("DARE DreamGenerationMixin._sample (batched)", lambda: run() is not None and ids.shape[0] * G,
+                       clock)]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+def timed_engines(args, cache: str, model, arch, base, **over) -> dict[str, tuple[Any, ForwardClock]]:
+    """The current engine (``compiled`` too with ``--compile``; today's from ``base``) on ``model``, each with the
+    clock of its forwards."""
+    dev = "cuda" if args.gpu else "cpu"
+    out = {}
+    for name, comp in (("new", False), ("compiled", True)) if args.compile else (("new", False),):
+        eng = NativeEngine(model, arch, eos_token_id=args.eos, device=dev, full_attention_cache=cache, compile=comp,
+                           **over)
+        out[name] = (eng, ForwardClock(eng, "forward"))
+    if base is not None:
+        kw = {"full_attention_cache": cache} if arch.attention != "block_causal" else {}
+        old = base.native.NativeEngine(baseline_model(base, model), arch, eos_token_id=args.eos, device=dev, **kw)
+        out["old"] = (old, ForwardClock(old, "_forward"))
+    return out
+
+
+def decoder(family: str, args) -> SamplingParams:
+    """SDAR: blocks of 4; LLaDA: blocks of ``--full-block``, as many tokens per step; Dream: DARE's Dream rollout
+    (``_sample``: one block over the response, linspace schedule, entropy ranking) at that rate."""
+    if family == "dream":
+        steps = args.new * min(args.steps, args.full_block) // args.full_block
+        return SamplingParams(max_new_tokens=args.new, block_size=args.new, steps_per_block=steps,
+                              schedule="linspace", confidence="entropy", temperature=1.0, stop_at_eos=False, seed=1)
+    block = 4 if family == "sdar" else args.full_block
+    return SamplingParams(max_new_tokens=args.new, block_size=block, steps_per_block=min(args.steps, block),
+                          algorithm=args.algorithm, temperature=1.0, stop_at_eos=False, seed=1)
+
+
+def fixed_workload(args, family: str, cache: str, base) -> None:
+    """Equal-length prompts, every response max_new_tokens long: today's engine, the current one, DARE's loop."""
+    model, arch = build(family, args.gpu, args.vocab, args.layers)
+    params = decoder(family, args)
+    block = params.block_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, arch.vocab_size - 3, (args.batch, args.prompt), generator=g).tolist()
+    eng = timed_engines(args, cache, model, arch, base)
+    runners = [engine_runner("megadare (this checkout)", *eng["new"], prompts, params)]
+    if "compiled" in eng:
+        runners.append(engine_runner("megadare (this checkout, compile=True)", *eng["compiled"], prompts, params))
+    if "old" in eng:
+        runners.insert(0, engine_runner(f"megadare today ({args.baseline_ref})", *eng["old"], prompts, params))
+    if args.peer_repo:
+        runners += peer_runners(args.peer_repo, family, cache, model, arch, prompts, params)
+    measure(runners, args.rounds)
+    mode = f", {cache} cache" if arch.attention != "block_causal" else ""
+    rule = params.confidence if family == "dream" else params.algorithm
+    report(f"{family}{mode}: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, block {block}, "
+           f"{params.steps_per_block} steps/block, {params.schedule}, {rule}, T=1, vocab {arch.vocab_size}",
+           runners, "megadare (this checkout)", args.batch)
+
+
+def varied_prompts(engine: NativeEngine, arch, args, params: SamplingParams) -> tuple[list[list[int]], int]:
+    """2 x batch prompts, half of whose greedy responses hold the returned EOS id in their first two blocks and
+    half never: a workload where half the prompts end early."""
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randint(0, arch.vocab_size - 3, (8 * args.batch, args.prompt), generator=g).tolist()
+    free = engine.generate(pool, replace(params, stop_at_eos=False))
+    early = 2 * params.block_size
+    counts = torch.bincount(torch.tensor([t for tr in free for t in tr.response_ids[:early]]),
+                            minlength=arch.vocab_size)
+    for eos in counts.argsort(descending=True).tolist():
+        short = [p for p, tr in zip(pool, free) if eos in tr.response_ids[:early]]
+        long = [p for p, tr in zip(pool, free) if eos not in tr.response_ids]
+        if len(short) >= args.batch and len(long) >= args.batch:
+            mixed = [x for pair in zip(short[:args.batch], long[:args.batch]) for x in pair]
+            return mixed, eos
+    raise SystemExit("varied workload: no EOS id splits the prompts; try another --prompt / --new")
+
+
+def varied_workload(args, base) -> None:
+    """Continuous batching on a workload where half the prompts end early (SDAR)."""
+    model, arch = build("sdar", args.gpu, args.vocab, args.layers)
+    greedy = SamplingParams(max_new_tokens=args.new, block_size=4, steps_per_block=min(args.steps, 4),
+                            algorithm=args.algorithm)
+    probe = NativeEngine(model, arch, eos_token_id=-1, device="cuda" if args.gpu else "cpu")
+    prompts, args.eos = varied_prompts(probe, arch, args, greedy)
+    eng = timed_engines(args, "none", model, arch, base)
+    cont = timed_engines(args, "none", model, arch, None, max_batch=args.batch)["new"]
+    runners = [engine_runner(f"continuous (max_batch {args.batch}, one call)", *cont, prompts, greedy),
+               engine_runner(f"static (calls of {args.batch})", *eng["new"], prompts, greedy, chunk=args.batch)]
+    if "old" in eng:
+        runners.append(engine_runner(f"today ({args.baseline_ref}), calls of {args.batch}", *eng["old"], prompts,
+                                     greedy, chunk=args.batch))
+    measure(runners, args.rounds)
+    report(f"sdar varied lengths: {len(prompts)} prompts (half end in their first 2 blocks, EOS {args.eos}), "
+           f"prompt {args.prompt}, up to {args.new} new tokens, greedy", runners, runners[0].name, args.batch)
+
+
+def sampling_check(args, base) -> None:
+    """One step's sampling and commit selection at batch 32, vocab 151,936 against the LM head alone."""
+    dev = "cuda" if args.gpu else "cpu"
+    n, B, V, H = 32, 4, 151936, 2048
+    g = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(n, B, V, generator=g, device=dev) * 3
+    tokens = torch.full((n, B), V - 1, device=dev)
+    params = SamplingParams(block_size=B, steps_per_block=4, temperature=1.0)
+    streams = Streams.of(range(n), device=dev)
+    hidden = torch.randn(n * B, H, device=dev, dtype=logits.dtype)
+    head = torch.randn(V, H, device=dev, dtype=logits.dtype) * 0.02
+    fns = {"dllm_step (this checkout)": lambda: dllm_step(logits, tokens, tokens == V - 1, 0, params, streams, V - 1),
+           "LM head [128 x 2048] x [2048 x 151936]": lambda: torch.nn.functional.linear(hidden, head)}
+    if base is not None:
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        fns[f"dllm_step today ({args.baseline_ref}, host)"] = lambda: base.dllm_step.dllm_step(
+            logits.float().cpu(), tokens.cpu(), (tokens == V - 1).cpu(), 0, params, gens, mask_token_id=V - 1)
+    times = {k: [] for k in fns}
+    for _ in range(args.rounds + 1):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    print(f"sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}")
+    head_ms = 1e3 * statistics.median(times["LM head [128 x 2048] x [2048 x 151936]"][1:])
+    for k, ts in times.items():
+        ms = 1e3 * statistics.median(ts[1:])
+        print(f"rollout sampling {k:44s} {ms:10.1f} ms  {100 * ms / head_ms:6.1f}% of the LM head")
 
 
 def main() -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", nargs="+", default=["sdar"], choices=["sdar", "llada", "dream"])
+    ap.add_argument("--cache", nargs="+", default=["none"], choices=["none", "prefix", "dual"],
+                    help="full-attention families: Fast-dLLM cache modes to run")
     ap.add_argument("--batch", type=int, default=32 if gpu else 4)
     ap.add_argument("--prompt", type=int, default=128 if gpu else 32)
     ap.add_argument("--new", type=int, default=256 if gpu else 32)
-    ap.add_argument("--steps", type=int, default=4, help="denoising steps per block of 4")
+    ap.add_argument("--steps", type=int, default=4, help="denoising steps per block (at most the block size)")
+    ap.add_argument("--full-block", type=int, default=8, help="block size of the full-attention families")
     ap.add_argument("--algorithm", default="low_confidence_static")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the shape's)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternated measured rounds after one warm-up")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--compile", action="store_true", help="also the current engine with compile=True (its first "
+                    "calls compile: the warm-up round)")
+    ap.add_argument("--baseline-ref", default=BASELINE_REF, help="git ref of today's engine ('none': skip it)")
+    ap.add_argument("--peer-repo", default=None, help="a DARE checkout: also time its generate functions")
+    ap.add_argument("--varied", action="store_true", help="continuous batching on a varied-length workload")
+    ap.add_argument("--sampling-check", action="store_true", help="one step's sampling at vocab 151,936, batch 32")
     args = ap.parse_args()
+    args.gpu, args.eos = gpu, -1
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, arch = build(gpu)
-    params = SamplingParams(max_new_tokens=args.new, block_size=4, steps_per_block=args.steps,
-                            algorithm=args.algorithm, temperature=1.0, stop_at_eos=False)
-    prompts = torch.randint(0, arch.vocab_size - 2, (args.batch, args.prompt)).tolist()
-    device = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"device: {device}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, block 4, "
-          f"{args.steps} steps/block, {params.algorithm}")
-    results = {}
-    for use_cache in (False, True):
-        eng = NativeEngine(model, arch, eos_token_id=arch.vocab_size - 3, use_cache=use_cache)
-        tok_s, fwd_per_tok, _ = run(eng, prompts, params)
-        results[use_cache] = tok_s
-        print(f"  {'block KV cache' if use_cache else 'no cache      '}: {tok_s:10.1f} tok/s   "
-              f"{fwd_per_tok:.2f} forwards per token (batch-wide)")
-    print(f"  cache speed-up: {results[True] / results[False]:.2f}x")
+    device = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds alternated, medians")
+    base = load_baseline(args.baseline_ref) if args.baseline_ref != "none" else None
+    if args.sampling_check:
+        sampling_check(args, base)
+    if args.varied:
+        varied_workload(args, base)
+    if not (args.sampling_check or args.varied):
+        for family in args.family:
+            for cache in (args.cache if family != "sdar" else ["none"]):
+                fixed_workload(args, family, cache, base)
+        weight_update(args)
+
+
+def weight_update(args) -> None:
+    """The engine's weight-update bandwidth for a full state dict pushed through ``update_weights``."""
+    model, arch = build("sdar", args.gpu, args.vocab, args.layers)
+    eng = NativeEngine(model, arch, eos_token_id=-1, device="cuda" if args.gpu else "cpu")
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+    sync()
     t0 = time.perf_counter()
     eng.update_weights(sd.items(), version=1)
-    if gpu:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    print(f"weight update (in-process, {nbytes / 2**20:.0f} MiB): {nbytes / dt / 1e9:.2f} GB/s")
+    sync()
+    print(f"weight update (in-process, {nbytes / 2**20:.0f} MiB): {nbytes / (time.perf_counter() - t0) / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":

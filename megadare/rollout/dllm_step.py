@@ -37,7 +37,6 @@ each position, with which log-prob) and turns them into per-token host records o
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -45,7 +44,7 @@ import torch
 
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.sampling import (REMASK, SAMPLE, dream_confidence, linspace_counts, sample_tokens,
-                                       select_commits, stream_uniforms, transfer_schedule)
+                                       select_commits, stream_uniforms)
 
 StepIndex = Union[int, Sequence[int], torch.Tensor]
 
@@ -66,10 +65,12 @@ class StepResult:
 @dataclass
 class Streams:
     """The random streams of ``n`` rows: ``keys`` (``engine.prompt_seed``) and ``counters`` (each row's
-    denoising steps so far), int64 [n] on the device the step runs on."""
+    denoising steps so far), int64 [n] on the device the step runs on; ``base``: ``sampling.mix64(keys)`` when
+    the caller keeps it (an engine does, per row)."""
 
     keys: torch.Tensor
     counters: torch.Tensor
+    base: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, keys: Sequence[int], counters: Optional[Sequence[int]] = None, device=None) -> "Streams":
@@ -79,7 +80,7 @@ class Streams:
         return cls(k, c)
 
     def uniforms(self, purpose: int, width: int) -> torch.Tensor:
-        return stream_uniforms(self.keys, self.counters, purpose, width)
+        return stream_uniforms(self.keys, self.counters, purpose, width, self.base)
 
 
 def step_tensor(step: StepIndex, n: int, device) -> torch.Tensor:
@@ -96,11 +97,6 @@ def step_tensor(step: StepIndex, n: int, device) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(block_size: int, steps: int, device: str) -> torch.Tensor:
-    return torch.tensor(transfer_schedule(block_size, steps), dtype=torch.long, device=device)
-
-
 def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams) -> torch.Tensor:
     """Tokens the schedule asks each row to commit at its block-local ``step`` ([n] long).
 
@@ -114,9 +110,9 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
     left = masked.sum(dim=1)
     if params.algorithm == "editing":
         return torch.full_like(left, params.num_to_transfer)
-    if params.schedule == "even":
-        sched = _schedule(params.block_size, S, str(masked.device))
-        return torch.where(s < S, sched[s.clamp(max=S - 1)], left)
+    if params.schedule == "even":    # transfer_schedule(block_size, S)[s]: B // S each, the remainder first
+        per_step = params.block_size // S + (s < params.block_size % S).long()
+        return torch.where(s < S, per_step, left)
     counts = linspace_counts(left, s, S, params.eps)
     return torch.where(s == 0, 0, counts) if params.schedule == "linspace_first" else counts
 

@@ -54,6 +54,7 @@ from megadare.models.hf.common import KVCache
 from megadare.rollout.dllm_step import BlockTrace, Streams, commit_counts, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
+from megadare.rollout.sampling import mix64
 
 _KEY_BUCKET = 64        # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
 
@@ -78,7 +79,7 @@ class NativeEngine:
         self.use_cache = use_cache
         self.max_batch = max_batch
         self.compile = compile
-        self._fn = self._compiled() if compile else self.model
+        self._fn, self.step = self._compiled() if compile else (self.model, dllm_step)
         self._cache: Optional[KVCache] = None
         self.version = 0
         self.forwards = 0          # model forwards, all calls (benchmarks: forwards per token)
@@ -160,15 +161,25 @@ class NativeEngine:
                 rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
             self._cache = None
             self._cache = KVCache(a.num_layers, rows, length, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+            if self.compile and self.device.type == "cuda":   # CUDA graphs write into it in place
+                for t in self._cache.k + self._cache.v:
+                    torch._dynamo.mark_static_address(t)
         return self._cache
 
     def key_len(self, need: int, limit: int) -> int:
-        """Key columns a forward attends: ``need``, padded to a multiple of 64 when compiled (at most ``limit``)."""
-        return min(limit, -(-need // _KEY_BUCKET) * _KEY_BUCKET) if self.compile else need
+        """Key columns a forward attends: ``need``, padded to a multiple of 64 under CUDA graphs (one graph per
+        shape; at most ``limit``)."""
+        graphs = self.compile and self.device.type == "cuda"
+        return min(limit, -(-need // _KEY_BUCKET) * _KEY_BUCKET) if graphs else need
 
     def _compiled(self):
-        mode = "reduce-overhead" if self.device.type == "cuda" else None
-        return torch.compile(self.model, mode=mode, dynamic=False)
+        """The model forward and the denoising step through torch.compile: on CUDA with CUDA graphs
+        (``reduce-overhead``, static shapes: key lengths bucketed), elsewhere with dynamic shapes (one graph for
+        every batch and key length)."""
+        if self.device.type == "cuda":
+            return (torch.compile(self.model, mode="reduce-overhead", dynamic=False),
+                    torch.compile(dllm_step, dynamic=False))
+        return torch.compile(self.model, dynamic=True), torch.compile(dllm_step, dynamic=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -201,6 +212,7 @@ class _Decoder:
         self.dev: dict[str, torch.Tensor] = {
             "tokens": torch.full((cap, width), self.M, dtype=torch.long, device=dev),
             "keys": torch.zeros(cap, dtype=torch.long, device=dev),
+            "base": torch.zeros(cap, dtype=torch.long, device=dev),         # mix64(keys): the streams' start
             "steps": torch.zeros(cap, dtype=torch.long, device=dev),
             "start": torch.zeros(cap, dtype=torch.long, device=dev),        # grid column of the current block
             "first": torch.zeros(cap, dtype=torch.long, device=dev),        # grid column of decode column 0
@@ -232,6 +244,7 @@ class _Decoder:
         seeds = [prompt_seed(self.params.seed, i) for i in indices]
         rows = slice(start, start + len(indices))
         self.dev["keys"][rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
+        self.dev["base"][rows] = mix64(self.dev["keys"][rows])
         self.dev["steps"][rows] = 0
         self.host["prompt"] += indices
         self.host["block"] += [0] * len(indices)
@@ -263,6 +276,7 @@ class _Decoder:
         trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
         refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
+        step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)   # a tensor: no recompile per step
         for s in range(steps):
             masked = cur == M
             editable = refine.editable(cur, M) if refine is not None else None
@@ -272,10 +286,12 @@ class _Decoder:
                     break
             logits = self.block_logits(n, cols, s)
             counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
-            step = dllm_step(logits, cur, masked, s, p, Streams(self.dev["keys"][:n], counters), M, editable)
+            streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
+            step = self.e.step(logits, cur, masked, step_index, p, streams, M, editable)
             if refine is not None:
                 refine.after(masked, step)
-            trace.add(step, s)
+            trace.add(step, step_index)
+            step_index = step_index + 1
             cur = step.tokens
             self.dev["tokens"][:n].scatter_(1, cols, cur)
         self.end_block(n, cols)

@@ -51,6 +51,7 @@ _GOLDEN = _signed(0x9E3779B97F4A7C15)          # SplitMix64's increment
 _MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 _COUNTER_SHIFT, _PURPOSE_SHIFT = 21, 20        # stream index = counter << 21 | purpose << 20 | position
 SAMPLE, REMASK = 0, 1                          # purposes: token proposals, random / alg_temp commit selection
+_ONE_LEVEL = 16384                             # categorical: one cumulative sum up to this vocabulary size
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -65,16 +66,17 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor, purpose: int, width: int) -> torch.Tensor:
+def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor, purpose: int, width: int,
+                    base: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Uniform numbers in (0, 1), float64 [n, width]: row r's numbers at its counter ``counters[r]`` for one
     ``purpose`` and positions 0..width-1, ``u = (top 52 bits of mix64(mix64(key) + (index + 1) * golden) + 1/2)
-    / 2^52``; keys, counters: int64 [n] on the device the numbers are wanted on."""
+    / 2^52``; keys, counters: int64 [n] on the device the numbers are wanted on (``base``: ``mix64(keys)`` if the
+    caller keeps it)."""
     if width > 1 << _PURPOSE_SHIFT:
         raise ValueError(f"stream_uniforms: {width} positions per step; at most {1 << _PURPOSE_SHIFT}")
-    base = mix64(keys.long())
-    index = (counters.long() << _COUNTER_SHIFT) + (purpose << _PURPOSE_SHIFT)
-    index = index[:, None] + torch.arange(width, device=keys.device)
-    bits = _shr(mix64(base[:, None] + (index + 1) * _GOLDEN), 12)
+    base = mix64(keys.long()) if base is None else base
+    start = base + ((counters.long() << _COUNTER_SHIFT) + ((purpose << _PURPOSE_SHIFT) + 1)) * _GOLDEN
+    bits = _shr(mix64(start[:, None] + torch.arange(width, device=keys.device) * _GOLDEN), 12)
     return (bits.double() + 0.5) * (2.0 ** -52)
 
 
@@ -93,9 +95,14 @@ def _chunk(n: int) -> int:
 
 def categorical(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw: for non-negative weights [R, V] (not all 0) and u [R] in (0, 1), the first index i with
-    cumsum(weights)[i] > u * sum(weights), in float64 (two levels: chunk sums, then one chunk); an index with
-    weight 0 is never drawn. Returns (index [R], float64 sum of the weights [R])."""
+    cumsum(weights)[i] > u * sum(weights), in float64 (vocabularies over 16384: two levels, chunk sums, then one
+    chunk); an index with weight 0 is never drawn. Returns (index [R], float64 sum of the weights [R])."""
     R, V = weights.shape
+    if V <= _ONE_LEVEL:
+        cum = weights.cumsum(-1, dtype=torch.float64)
+        total = cum[:, -1]
+        x = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))   # < total
+        return torch.searchsorted(cum, x[:, None], right=True).squeeze(1), total
     C = _chunk(V)
     chunks = weights.view(R, V // C, C)
     mass = chunks.sum(-1, dtype=torch.float64)                      # [R, K]
@@ -194,9 +201,7 @@ def dream_confidence(logits: torch.Tensor, tokens: torch.Tensor, rule: str, temp
 def top_ranked(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """[n, L] bool: the k[r] highest scores of each row (ties: the earlier position first)."""
     order = torch.argsort(score, dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(score.shape[1], device=score.device)
-                                            .expand_as(order).contiguous())
-    return rank < k[:, None]
+    return torch.argsort(order, dim=1) < k[:, None]
 
 
 def select_commits(confidence: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, algorithm: str,
