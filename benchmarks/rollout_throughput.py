@@ -320,7 +320,8 @@ def peer_runners(repo: str, family: str, cache: str, model: torch.nn.Module, arc
         rel = "opencompass/opencompass/models/sdar_generate.py"
         shipped = import_peer(repo, rel, "dare_sdar_generate")
         batched = import_peer(repo, rel, "dare_sdar_generate_batched", {
-            "x = torch.full((1, total_length), mask_id,": "x = torch.full((input_ids.shape[0], total_length), mask_id,"})
+            "x = torch.full((1, total_length), mask_id,":
+                "x = torch.full((input_ids.shape[0], total_length), mask_id,"})
 
         def sdar(module, x):
             return module.block_diffusion_generate(peer, {"input_ids": x}, M, gen_length=G,
@@ -440,8 +441,40 @@ def varied_workload(args, base) -> None:
            f"prompt {args.prompt}, up to {args.new} new tokens, greedy", runners, runners[0].name, args.batch)
 
 
+def forward_estimate(args, n: int, B: int) -> float:
+    """Seconds of one SDAR-1.7B-shape block forward of [n, B] queries over 128 cached positions: embedding, LM
+    head and one layer measured, the other 27 layers counted as that one (a 28-layer fp32 copy would not fit)."""
+    times = {}
+    for layers in (1, 2):
+        model, arch = build("sdar", args.gpu, layers=layers) if args.gpu else build_shape(SDAR_1_7B, layers)
+        eng = NativeEngine(model, arch, eos_token_id=-1, device="cuda" if args.gpu else "cpu")
+        cache = eng.kv_cache(n, 256)
+        cols = 128 + torch.arange(B, device=eng.device).expand(n, B)
+        cache.bind(0, cols, 128 + B)
+        ids = torch.randint(0, 1000, (n, B), device=eng.device)
+        allowed = torch.ones(n, 1, 1, 128 + B, dtype=torch.bool, device=eng.device)
+        runs = []
+        for _ in range(args.rounds + 1):
+            sync()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                eng.forward(ids, allowed, cols, cache)
+            sync()
+            runs.append(time.perf_counter() - t0)
+        times[layers] = statistics.median(runs[1:])
+        del model, eng, cache
+    return times[1] + 27 * (times[2] - times[1])
+
+
+def build_shape(shape: dict, layers: int):
+    fam = get_family("sdar")
+    cfg = fam.tiny_config(**{**shape, "num_hidden_layers": layers})
+    return fam.hf_model(cfg).eval(), fam.arch(cfg)
+
+
 def sampling_check(args, base) -> None:
-    """One step's sampling and commit selection at batch 32, vocab 151,936 against the LM head alone."""
+    """One step's sampling and commit selection at batch 32, vocab 151,936 against the LM head alone and an
+    SDAR-1.7B forward."""
     dev = "cuda" if args.gpu else "cpu"
     n, B, V, H = 32, 4, 151936, 2048
     g = torch.Generator(device=dev).manual_seed(0)
@@ -465,11 +498,15 @@ def sampling_check(args, base) -> None:
             fn()
             sync()
             times[k].append(time.perf_counter() - t0)
-    print(f"sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}")
+    del logits, hidden, head
+    fwd_ms = 1e3 * forward_estimate(args, n, B)
+    print(f"sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward of these "
+          f"{n * B} queries: {fwd_ms:.0f} ms (1 layer measured, x28)")
     head_ms = 1e3 * statistics.median(times["LM head [128 x 2048] x [2048 x 151936]"][1:])
     for k, ts in times.items():
         ms = 1e3 * statistics.median(ts[1:])
-        print(f"rollout sampling {k:44s} {ms:10.1f} ms  {100 * ms / head_ms:6.1f}% of the LM head")
+        print(f"rollout sampling {k:44s} {ms:10.1f} ms  {100 * ms / head_ms:6.1f}% of the LM head  "
+              f"{100 * ms / fwd_ms:6.1f}% of the forward")
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63], [4,
 LLADA2_SMALL = dict(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1)
 
 
-def build(family: str, **over: Any) -> tuple[torch.nn.Module, Any]:
+def build(family: str, seed: int = 0, **over: Any) -> tuple[torch.nn.Module, Any]:
     """The tiny model of a family, seeded and perturbed (peaked predictions: confidences differ clearly)."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     fam = get_family(family)
     if fam.arch(fam.tiny_config()).attention == "block_causal":
         over.setdefault("block_size", 4)

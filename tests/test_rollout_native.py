@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megadare.models import build_hf_model, get_family
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.native import NativeEngine, _SemiAR
 from megadare.rollout.sampling import REMASK, filter_logits, select_commits, stream_uniforms, transfer_schedule
+
+from native_traces import build
 
 EOS, MASK = 253, 255
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63], [4, 5, 6, 7]]
@@ -20,16 +21,8 @@ PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63], [4,
 
 def _engine(family: str, use_cache: bool = True, seed: int = 0, full_attention_cache: str = "none",
             **over) -> NativeEngine:
-    torch.manual_seed(seed)
-    fam = get_family(family)
-    if fam.arch(fam.tiny_config()).attention == "block_causal":
-        over.setdefault("block_size", 4)
-    cfg = fam.tiny_config(**over)
-    model = build_hf_model(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.3)  # peaked predictions, so confidences differ clearly
-    return NativeEngine(model, fam.arch(cfg), eos_token_id=EOS, device="cpu", use_cache=use_cache,
+    model, arch = build(family, seed, **over)      # tiny, perturbed: peaked predictions, confidences differ clearly
+    return NativeEngine(model, arch, eos_token_id=EOS, device="cpu", use_cache=use_cache,
                         full_attention_cache=full_attention_cache)
 
 
