@@ -3,8 +3,9 @@
 Block diffusion (SDAR, TraDo, LLaDA2; SDAR's ``generate.py``): the prompt's first floor(P/B)*B tokens are
 prefilled block-causally into the KV cache; its remainder sits, unmasked, at the start of the first decode
 block. Each block of B tokens starts fully masked (apart from that remainder) and is denoised in at most S
-forwards that see the cached earlier blocks and the whole current block; a finished block is run once more to
-store its keys/values (exact: under the block-causal mask earlier blocks never see later tokens). Every sample
+forwards that see the cached earlier blocks and the whole current block; a finished block's final tokens are run
+once more to store their keys/values (exact: under the block-causal mask earlier blocks never see later tokens),
+as extra queries of the next block's first forward (no forward of its own). Every sample
 sits on its own grid (position = cache column), so one forward serves the whole batch and the per-sample result
 does not depend on who else is in the batch.
 
@@ -385,9 +386,10 @@ class _BlockDiffusion(_Decoder):
         width = max(q + k * B for q, k in zip(self.pre, self.need))
         super().__init__(engine, prompts, params, width, max(self.need) * B)
         self.width = width
-        self.host.update(pre=[], rem=[])
+        self.host.update(pre=[], rem=[], pending=[])
         self.cache = engine.kv_cache(self.cap, width) if engine.use_cache else None
         self._allowed: Optional[torch.Tensor] = None
+        self._first: Optional[tuple[torch.Tensor, ...]] = None
 
     def admit(self, start: int, indices: list[int]) -> None:
         d, dev, B = self.dev, self.e.device, self.B
@@ -403,6 +405,7 @@ class _BlockDiffusion(_Decoder):
         self.host["rem"] += [self.rem[i] for i in indices]
         self.host["start"] += [self.pre[i] for i in indices]
         self.host["blocks"] += [self.need[i] for i in indices]
+        self.host["pending"] += [False] * len(indices)
         super().admit(start, indices)
         if self.cache is not None:
             self._prefill(start, indices)
@@ -429,14 +432,37 @@ class _BlockDiffusion(_Decoder):
         return self.B - self.host["rem"][i] if self.host["block"][i] == 0 else self.B
 
     def begin_block(self, n: int, cols: torch.Tensor) -> None:
+        """Masks and cache binding of the block's forwards. A row whose previous block is finished but not yet
+        stored (``pending``) stores it in the block's first forward: its queries are [previous block, block]
+        (the previous block's see the cache before it, the block's see both: exactly the keys/values a separate
+        forward would store), so a block costs S forwards, not S + 1, and a finishing row never pays for it."""
         if self.cache is None:
             return
-        T = self.e.key_len(max(self.host["start"][:n]) + self.B, self.width)
-        keys = torch.arange(T, device=self.e.device)
-        self._allowed = (keys < self.dev["start"][:n, None] + self.B)[:, None, None, :]
+        dev, B = self.e.device, self.B
+        T = self.e.key_len(max(self.host["start"][:n]) + B, self.width)
+        keys = torch.arange(T, device=dev)
+        start = self.dev["start"][:n]
+        self._allowed = (keys < start[:, None] + B)[:, None, None, :]
+        self._first = None
+        if any(self.host["pending"][:n]):
+            pending = torch.tensor(self.host["pending"][:n], device=dev)
+            prev = cols - B
+            write = torch.cat([torch.where(pending[:, None], prev, self.cache.length), cols], dim=1)
+            limit = torch.cat([torch.where(pending, start, start + B)[:, None].expand(n, B),
+                               (start + B)[:, None].expand(n, B)], dim=1)
+            queries = torch.cat([prev, cols], dim=1).clamp(min=0)
+            self._first = (queries, write, (keys < limit[:, :, None])[:, None], T)
         self.cache.bind(0, cols, T)
 
     def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
+        if self.cache is not None and s == 0 and self._first is not None:
+            queries, write, allowed, T = self._first
+            self.cache.bind(0, write, T)
+            head = torch.arange(self.B, 2 * self.B, device=self.e.device).expand(n, self.B)
+            out = self.e.forward(self.dev["tokens"][:n].gather(1, queries), allowed, queries, self.cache,
+                                 logits_index=head)
+            self.cache.bind(0, cols, T)
+            return out
         if self.cache is not None:
             return self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache)
         T = max(self.host["start"][:n]) + self.B            # no cache: the whole grid up to the block, every step
@@ -446,9 +472,8 @@ class _BlockDiffusion(_Decoder):
         return self.e.forward(self.dev["tokens"][:n, :T], allowed, pos, logits_index=cols)
 
     def end_block(self, n: int, cols: torch.Tensor) -> None:
-        if self.cache is not None:   # store the finished block's keys/values: no head
-            self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache,
-                           logits_index=cols[:, :0])
+        """The block's keys/values are stored by the next block's first forward (``begin_block``)."""
+        self.host["pending"][:n] = [self.cache is not None] * n
 
 
 def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:
