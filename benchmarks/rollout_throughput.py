@@ -167,9 +167,14 @@ class Runner:
 
 
 def measure(runners: list[Runner], rounds: int) -> None:
-    """Warm every runner once, then ``rounds`` alternated rounds; per round tokens/s and the forward split."""
-    for r in runners:
-        r.run()
+    """Warm every runner once (one that fails is reported in a line and left out), then ``rounds`` alternated
+    rounds; per round tokens/s and the forward split."""
+    for r in list(runners):
+        try:
+            r.run()
+        except Exception as e:  # noqa: BLE001 -- a broken runner must not hide the others' numbers
+            print(f"rollout {r.name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]}); left out")
+            runners.remove(r)
     for _ in range(rounds):
         for r in runners:
             if r.clock:
