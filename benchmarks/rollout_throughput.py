@@ -190,20 +190,19 @@ def measure(runners: list[Runner], rounds: int) -> None:
 
 
 def report(title: str, runners: list[Runner], ref: str, batch: int) -> None:
-    print(title)
-    print(f"  {'engine':44s} {'tok/s':>10s} {'ms/forward':>11s} {'fwd/token':>10s} {'outside fwd':>12s} "
-          f"{'vs ' + ref:>10s}")
+    print(f"{title}; ratio: tok/s over {ref}'s")
+    print(f"  {'engine':52s} {'tok/s':>10s} {'ms/forward':>11s} {'fwd/token':>10s} {'outside fwd':>12s} "
+          f"{'ratio':>7s}")
     med = {r.name: statistics.median(x["tok_s"] for x in r.results) for r in runners if r.results}
     for r in runners:
         if not r.results:
             continue
-        last = r.results[-1]
-        ms = 1e3 * last["forward_s"] / last["forwards"] if last["forwards"] else float("nan")
-        fpt = last["forwards"] / (last["tokens"] / batch) if last["forwards"] else float("nan")
-        outside = statistics.median(1 - x["forward_s"] / x["s"] for x in r.results) if r.clock else float("nan")
+        ms = 1e3 * statistics.median(x["forward_s"] / max(x["forwards"], 1) for x in r.results)
+        fpt = statistics.median(x["forwards"] / (x["tokens"] / batch) for x in r.results)
+        outside = statistics.median(1 - x["forward_s"] / x["s"] for x in r.results)
         rel = med[r.name] / med[ref] if ref in med else float("nan")
-        print(f"rollout {r.name:44s} {med[r.name]:10.1f} {ms:11.2f} {fpt:10.2f} {100 * outside:11.1f}% "
-              f"{rel:9.2f}x")
+        print(f"rollout {r.name:46s} {med[r.name]:10.1f} {ms:11.2f} {fpt:10.2f} {100 * outside:11.1f}% "
+              f"{rel:6.2f}x")
 
 
 def engine_runner(name: str, engine: Any, clock: ForwardClock, prompts: list[list[int]], params: SamplingParams,
@@ -413,7 +412,7 @@ def varied_prompts(engine: NativeEngine, arch, args, params: SamplingParams) -> 
     """2 x batch prompts, half of whose greedy responses hold the returned EOS id in their first two blocks and
     half never: a workload where half the prompts end early."""
     g = torch.Generator().manual_seed(1)
-    pool = torch.randint(0, arch.vocab_size - 3, (8 * args.batch, args.prompt), generator=g).tolist()
+    pool = torch.randint(0, arch.vocab_size - 3, (32 * args.batch, args.prompt), generator=g).tolist()
     free = engine.generate(pool, replace(params, stop_at_eos=False))
     early = 2 * params.block_size
     counts = torch.bincount(torch.tensor([t for tr in free for t in tr.response_ids[:early]]),

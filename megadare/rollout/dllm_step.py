@@ -118,18 +118,19 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
 
 
 def ranking_confidence(logits: torch.Tensor, proposals: torch.Tensor, model_prob: torch.Tensor,
-                       params: SamplingParams) -> torch.Tensor:
+                       params: SamplingParams, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What the commit rule ranks: ``model_prob`` (the model probability of the proposal, from
     ``sample_tokens``), one of Dream's rules (``sampling.dream_confidence``), or under token editing LLaDA2.1's
     ``x0_p``: the model probability when greedy, the probability under the sampling distribution otherwise
-    (``_sample_with_temperature_topk_topp`` of its ``modeling_llada2_moe.py``)."""
+    (``_sample_with_temperature_topk_topp`` of its ``modeling_llada2_moe.py``). ``probs``: the sampling
+    distribution when ``sample_tokens`` built it (temperature > 0)."""
     rule = params.confidence
     if params.algorithm == "editing":
         rule = "model_prob" if params.temperature == 0 else "maskgit_plus"
     if rule == "model_prob":
         return model_prob
     return dream_confidence(logits, proposals.to(logits.device), rule, params.temperature, params.top_k,
-                            params.top_p)
+                            params.top_p, probs)
 
 
 def block_start_commit(committed: torch.Tensor, masked: torch.Tensor, step: StepIndex,
@@ -176,8 +177,9 @@ def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, 
     tokens, masked = tokens.to(dev), masked.to(dev)
     work = masked.any(dim=1) if editable is None else masked.any(dim=1) | editable.to(dev).any(dim=1)
     draws = streams.uniforms(SAMPLE, B) if params.temperature > 0 else None
-    proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws)
-    conf = ranking_confidence(logits, proposals, model_prob, params)
+    dist: Optional[list] = [] if params.confidence != "model_prob" or params.algorithm == "editing" else None
+    proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws, dist)
+    conf = ranking_confidence(logits, proposals, model_prob, params, dist[0] if dist else None)
     picks = streams.uniforms(REMASK, B) if params.algorithm == "random" or params.alg_temp > 0 else None
     committed = select_commits(conf, masked, commit_counts(masked, step, params), params.algorithm,
                                params.threshold, picks, params.alg_temp)

@@ -137,9 +137,11 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                  uniforms: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  uniforms: Optional[torch.Tensor], probs: Optional[list] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, log-prob under the sampling distribution, model confidence) for logits [..., V]; ``uniforms``
-    [...] (one per position, from the row's stream; unused when greedy)."""
+    [...] (one per position, from the row's stream; unused when greedy). ``probs``: a list that receives the
+    sampling distribution [..., V] when one was built (temperature > 0; Dream's rules rank on it)."""
     shape = logits.shape[:-1]
     flat = logits.float().reshape(-1, logits.shape[-1])
     if temperature == 0:
@@ -151,8 +153,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
                          f"{tuple(shape)}")
     z = filter_logits(flat / temperature if temperature != 1.0 else flat, top_k, top_p)
     top = z.amax(dim=-1, keepdim=True)
-    tokens, total = categorical((z - top).exp_(), uniforms.reshape(-1))
+    weights = (z - top).exp_()
+    tokens, total = categorical(weights, uniforms.reshape(-1))
     logp = _at(z, tokens) - top.squeeze(-1) - total.log().float()
+    if probs is not None:
+        probs.append(weights.div_(total.float()[:, None]).view(*shape, -1))
     if temperature == 1.0 and top_k == 0 and top_p >= 1.0:       # the sampling distribution is the model's
         conf = logp.exp()
     else:
@@ -182,12 +187,14 @@ def linspace_count(n_masked: int, step: int, steps: int, eps: float) -> int:
 
 
 def dream_confidence(logits: torch.Tensor, tokens: torch.Tensor, rule: str, temperature: float, top_k: int,
-                     top_p: float) -> torch.Tensor:
+                     top_p: float, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dream's confidence of the proposals ``tokens`` [...] for logits [..., V] under ``rule`` (maskgit_plus,
     topk_margin, entropy), computed on Dream's sampling distribution softmax(filter(logits / T)) (T = 0: the
-    logits unscaled). Follows ``sample_tokens`` of Dream's ``generation_utils.py``."""
-    logits = logits.float()
-    probs = F.softmax(filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p), dim=-1)
+    logits unscaled; ``probs``: that distribution when the caller has it). Follows ``sample_tokens`` of Dream's
+    ``generation_utils.py``."""
+    if probs is None:
+        logits = logits.float()
+        probs = F.softmax(filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p), dim=-1)
     if rule == "maskgit_plus":
         return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if rule == "topk_margin":
