@@ -8,8 +8,10 @@ DARE's generate loops on the same model, in one process, rounds alternated.
     python benchmarks/rollout_throughput.py --varied             # half the prompts end early: continuous batching
     python benchmarks/rollout_throughput.py --sampling-check     # one step's sampling at batch 32, vocab 151,936
 
-Per engine: tokens/s, ms per model forward, forwards per generated token (batch-wide), the share of the wall time
-spent outside the model forward, and the speed relative to the current engine. Every engine decodes the same
+Per engine: tokens/s, ms per model forward, forwards per generated token (batch-wide), the share of the time
+spent outside the model forward, and the speed relative to the current engine. Time is wall time on CUDA and the
+process's CPU time on a CPU (a shared machine's descheduled time does not count; with several torch threads it is
+their sum). Every engine decodes the same
 prompts with the same model weights and decoder (static low-confidence remasking, temperature 1, blocks of 4
 for SDAR / 8 for the full-attention families); ratios are medians over ``--rounds`` alternated rounds, so they
 hold on a shared machine where absolute numbers drift.
@@ -103,6 +105,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def now() -> float:
+    """The benchmark's clock: wall time on CUDA; on CPU the process's CPU time, so that a machine shared with other
+    jobs (time spent descheduled) does not count against whichever engine happened to be running."""
+    return time.perf_counter() if torch.cuda.is_available() else time.process_time()
+
+
 class ForwardClock:
     """Times the model forwards of one engine (synchronising on CUDA) by wrapping the callable through which it
     runs them (``obj.attr``: the engine's forward method, a peer adapter's model); per-run counters."""
@@ -113,10 +121,10 @@ class ForwardClock:
 
         def timed(*args, **kwargs):
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             out = inner(*args, **kwargs)
             sync()
-            self.seconds += time.perf_counter() - t0
+            self.seconds += now() - t0
             self.calls += 1
             return out
         setattr(obj, attr, timed)
@@ -180,10 +188,10 @@ def measure(runners: list[Runner], rounds: int) -> None:
             if r.clock:
                 r.clock.reset()
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             tokens = r.run()
             sync()
-            dt = time.perf_counter() - t0
+            dt = now() - t0
             fw = (r.clock.calls, r.clock.seconds) if r.clock else (0, 0.0)
             r.results.append({"tok_s": tokens / dt, "s": dt, "tokens": tokens, "forwards": fw[0],
                               "forward_s": fw[1]})
@@ -460,11 +468,11 @@ def forward_estimate(args, n: int, B: int) -> float:
         runs = []
         for _ in range(args.rounds + 1):
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             with torch.no_grad():
                 eng.forward(ids, allowed, cols, cache)
             sync()
-            runs.append(time.perf_counter() - t0)
+            runs.append(now() - t0)
         times[layers] = statistics.median(runs[1:])
         del model, eng, cache
     return times[1] + 27 * (times[2] - times[1])
@@ -498,10 +506,10 @@ def sampling_check(args, base) -> None:
     for _ in range(args.rounds + 1):
         for k, fn in fns.items():
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
             sync()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(now() - t0)
     del logits, hidden, head
     fwd_ms = 1e3 * forward_estimate(args, n, B)
     print(f"sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward of these "
@@ -541,7 +549,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.cuda.get_device_name() if gpu else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds alternated, medians")
+    clock = "wall time" if gpu else "process CPU time"
+    print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds alternated, medians of {clock}")
     base = load_baseline(args.baseline_ref) if args.baseline_ref != "none" else None
     if args.sampling_check:
         sampling_check(args, base)
