@@ -8,19 +8,20 @@ DARE's generate loops on the same model, in one process, rounds alternated.
     python benchmarks/rollout_throughput.py --varied             # half the prompts end early: continuous batching
     python benchmarks/rollout_throughput.py --sampling-check     # one step's sampling at batch 32, vocab 151,936
 
-Per engine: tokens/s, ms per model forward, forwards per generated token (batch-wide), the share of the time
-spent outside the model forward, and the speed relative to the current engine. Time is wall time on CUDA and the
-process's CPU time on a CPU (a shared machine's descheduled time does not count; with several torch threads it is
-their sum). Every engine decodes the same
-prompts with the same model weights and decoder (static low-confidence remasking, temperature 1, blocks of 4
-for SDAR / 8 for the full-attention families); ratios are medians over ``--rounds`` alternated rounds, so they
-hold on a shared machine where absolute numbers drift.
+Every result line starts with ``rollout `` (benchmarks/gpu_check.py keeps those). Per engine: tokens/s, ms per
+model forward, forwards per generated token (batch-wide), the share of the time spent outside the model forward,
+and the speed relative to the current engine. Time is wall time on CUDA and the process's CPU time on a CPU (a
+shared machine's descheduled time does not count; with several torch threads it is their sum). Every engine
+decodes the same prompts with the same model weights and decoder (temperature 1; SDAR: blocks of 4, static
+low-confidence remasking; LLaDA: blocks of ``--full-block``, the same; Dream: DARE's rollout, one block over the
+response with the linspace schedule and entropy ranking); ratios are medians over ``--rounds`` alternated rounds.
 
 * today's engine: ``--baseline-ref`` (default: main before issue 27) is read with ``git show`` from this checkout
   and imported as a private copy (its hf/ model, sampling, step, editing and engine files); nothing of it is kept
   in the package. ``--baseline-ref none`` skips it.
 * DARE (``--peer-repo``: a checkout of yjyddq/DARE; never vendored): SDAR ``block_diffusion_generate``
-  (opencompass/opencompass/models/sdar_generate.py, one call for the whole batch); LLaDA
+  (opencompass/opencompass/models/sdar_generate.py) per prompt as shipped, and on the whole batch (it allocates its
+  canvas for one prompt: that one line is patched); LLaDA
   ``generate_with_prefix_cache`` / ``generate_with_dual_cache`` (verl/workers/rollout/generate.py; the dual one
   without its ``torch.compile`` decorator, which needs the Fast-dLLM model class); Dream
   ``DreamGenerationMixin._sample`` (verl/workers/rollout/generation_utils.py, entropy). They call the same hf/
@@ -32,7 +33,8 @@ hold on a shared machine where absolute numbers drift.
   row) and as one call with ``max_batch=--batch`` (continuous batching: a finished row's slot takes the next
   prompt), and through today's engine in chunks.
 * ``--sampling-check``: one ``dllm_step`` (temperature 1) on [32, 4, 151936] logits against the SDAR-1.7B LM head
-  on the same 128 positions (a lower bound of a forward), today's step on the same logits for reference.
+  on the same 128 positions and an estimated SDAR-1.7B forward of them (one layer measured, x28), today's step on
+  the same logits for reference.
 """
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def measure(runners: list[Runner], rounds: int) -> None:
 
 
 def report(title: str, runners: list[Runner], ref: str, batch: int) -> None:
-    print(f"{title}; ratio: tok/s over {ref}'s")
+    print(f"rollout {title}; ratio: tok/s over {ref}'s")
     print(f"  {'engine':52s} {'tok/s':>10s} {'ms/forward':>11s} {'fwd/token':>10s} {'outside fwd':>12s} "
           f"{'ratio':>7s}")
     med = {r.name: statistics.median(x["tok_s"] for x in r.results) for r in runners if r.results}
@@ -512,8 +514,8 @@ def sampling_check(args, base) -> None:
             times[k].append(now() - t0)
     del logits, hidden, head
     fwd_ms = 1e3 * forward_estimate(args, n, B)
-    print(f"sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward of these "
-          f"{n * B} queries: {fwd_ms:.0f} ms (1 layer measured, x28)")
+    print(f"rollout sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward "
+          f"of these {n * B} queries: {fwd_ms:.0f} ms (1 layer measured, x28)")
     head_ms = 1e3 * statistics.median(times["LM head [128 x 2048] x [2048 x 151936]"][1:])
     for k, ts in times.items():
         ms = 1e3 * statistics.median(ts[1:])
