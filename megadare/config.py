@@ -19,6 +19,7 @@ from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
+from megadare.rewards.sandbox import ISOLATIONS
 from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, SCHEDULES, WEIGHT_TRANSPORTS,
                                       SamplingParams)
 
@@ -257,6 +258,18 @@ class PlanSection:
 
 
 @dataclass
+class CodeRewardSection:
+    isolation: str = "namespaces"          # namespaces: the OS sandbox (README "Code sandbox") | process: the weaker
+                                           # guard (seccomp + audit hook, writable filesystem) where the kernel
+                                           # refuses namespaces; code rewards refuse to run rather than fall back
+
+
+@dataclass
+class RewardsSection:
+    code: CodeRewardSection = field(default_factory=CodeRewardSection)
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -272,6 +285,7 @@ class Config:
     plan: PlanSection = field(default_factory=PlanSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    rewards: RewardsSection = field(default_factory=RewardsSection)
     seed: int = 1234
 
 
@@ -298,6 +312,7 @@ CHOICES = {
     "replay.level": ("sample", "group", "version"),
     "rl.advantage_std": ("unbiased", "population", "none"),
     "rl.canvas": (None, "full", "eos"),
+    "rewards.code.isolation": ISOLATIONS,
     "dpo.margin_norm": ("none", "canvas"),
     "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
     "sft.weighting": ("inv_t", "none"),

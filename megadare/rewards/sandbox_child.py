@@ -1,8 +1,10 @@
 """The sandbox's child side: run by ``python -I -S -B -c <this file's source>`` (see :mod:`.sandbox`).
 
 Standalone on purpose (stdlib only, nothing from megadare): it is the first code of the sandboxed interpreter. It
-reads the program (and in test mode the tests) before any untrusted code runs, installs the audit hook, closes the
-report pipe, then executes the program as ``__main__``.
+reads the program (and in test mode the tests) from unlinked files the parent passed as fds and closes them (the
+program cannot read its tests back), enters the OS isolation in ``namespaces`` mode (:mod:`.sandbox_jail`, whose
+source the parent passes too), writes ``main.py`` into its cwd, installs the audit hook, closes the report pipe,
+then executes the program as ``__main__``.
 
 Test mode (the parent passed a tests file): the program runs as module ``solution`` (so an
 ``if __name__ == "__main__"`` block does not run, as DARE strips it), then the tests run in a copy of its
@@ -35,9 +37,31 @@ class SandboxRefused(PermissionError):
     pass
 
 
-def _read(path):
-    with open(path, "rb") as f:
-        return f.read()
+def _read_fd(fd):
+    """All of an inherited (unlinked) file, then the fd closed: the program cannot read it back."""
+    chunks = []
+    while True:
+        chunk = os.pread(fd, 1 << 20, sum(map(len, chunks)))
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _jail(plan, source, rep):
+    """OS isolation (:mod:`.sandbox_jail`, its source passed by the parent); returns in the isolated program."""
+    import json
+    namespace = {"__name__": "sandbox_jail"}
+    exec(compile(source, "sandbox_jail.py", "exec"), namespace)
+    namespace["enter"](json.loads(plan), rep)
+    for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
+        del sys.modules[name]   # importing ctypes again meets the audit hook
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _exit_for(e):
@@ -78,11 +102,18 @@ def _no_signal_handlers(*args, **kwargs):
 
 
 def _boot():
-    rep, path, root, maxc, audit_on = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
-    tests_path, token_fd, proof_fd, preload = sys.argv[6], int(sys.argv[7]), int(sys.argv[8]), sys.argv[9]
+    rep, code_fd, tests_fd, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    maxc, audit_on, token_fd, proof_fd = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8])
+    preload, jail_plan, jail_source = sys.argv[9], sys.argv[10], sys.argv[11]
+    source = _read_fd(code_fd)
+    test_source = _read_fd(tests_fd) if tests_fd >= 0 else None
+    if jail_plan:
+        _jail(jail_plan, jail_source, rep)
+    path = os.path.join(root, "main.py")
+    _write(path, source)
     try:
-        code = compile(_read(path), "main.py", "exec")
-        tests = compile(_read(tests_path), "tests.py", "exec") if tests_path else None
+        code = compile(source, "main.py", "exec")
+        tests = compile(test_source, "tests.py", "exec") if test_source is not None else None
     except (SyntaxError, ValueError):
         traceback.print_exc(limit=0)
         sys.exit(1)
@@ -253,8 +284,8 @@ def _make_hook(root, maxc, proof):
                 if not inside(args[k], dir_fd):
                     _refuse("%s on %r outside the sandbox dir" % (event, args[k]))
         elif event == "os.kill":
-            pid = args[0]
-            if pid not in (0, getpid(), -getpgrp()) and (maxc == 0 or pid < 0):
+            pid, group = args[0], getpgrp()   # 0 in a PID namespace: the group is the keeper's, outside it
+            if pid not in ((getpid(), 0, -group) if group else (getpid(),)) and (maxc == 0 or pid < 0):
                 _refuse("signal to pid %r" % (pid,))
         elif event == "import":
             if args[0] in deny_imports:

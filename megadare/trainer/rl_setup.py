@@ -71,7 +71,7 @@ def setup_run(cfg: Config) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
     from megadare.algos import build_algorithm
     from megadare.algos.replay import ReplayBuffer
-    from megadare.rewards import load_reward
+    from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.monitor import write_run_config
@@ -87,6 +87,9 @@ def setup_run(cfg: Config) -> RLRun:
     block = sampling_params(cfg, src.arch, 0).block_size
     tok = tokenizer_for(cfg, src)
     train_prompts, held_prompts = _prompts(cfg, tok)
+    set_isolation(cfg.rewards.code.isolation)
+    if runs_code(cfg.rl.reward, [p.record for p in train_prompts + held_prompts]):
+        check_isolation()   # refuse now, not at the first scored step, where the kernel refuses the sandbox
     run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
                 train_prompts=train_prompts, held_prompts=held_prompts, policy=_build_policy(cfg, src, algo),
                 block=block, kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
