@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import json
 import math
 import os
 import platform
@@ -295,8 +294,9 @@ def _refused(detail: str) -> SandboxUnavailable:
         f"sandbox: this machine refused the OS isolation code rewards run in ({detail}), so no code reward runs. "
         "Set rewards.code.isolation=process to accept the weaker guard (rlimits, seccomp and an audit hook in a "
         "temp dir: the filesystem stays writable to C code and the home and run directory readable), or allow "
-        "namespaces here (unprivileged user namespaces: sysctl kernel.unprivileged_userns_clone=1 and "
-        "user.max_user_namespaces > 0; in a container: run it with CAP_SYS_ADMIN or without its seccomp profile)")
+        "namespaces here (for a non-root trainer, unprivileged user namespaces: sysctl user.max_user_namespaces > 0, "
+        "kernel.unprivileged_userns_clone=1 on Debian, kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu; in a "
+        "container: run it with CAP_SYS_ADMIN, or without its seccomp / AppArmor profile)")
 
 
 def _python_dirs(site_packages: bool) -> List[str]:
@@ -499,7 +499,7 @@ def _start(mode: str, boot: list, stdin_f, allow_site_packages: bool, limits: li
     if mode == "namespaces":
         seccomp = _seccomp_program(deny, 1, own_group=False) if deny is not None else None
         plan = _jail_plan(workdir, is_root, max(64, 4 * file_size_mb), seccomp, allow_site_packages)
-        jail = [json.dumps(plan), _JAIL]
+        jail = [repr(plan), _JAIL]
     argv = [sys.executable, "-I", "-B", "-X", "utf8"] + ([] if allow_site_packages else ["-S"])
     argv += ["-c", _BOOTSTRAP] + [str(a) for a in boot] + jail
     passed = tuple(fd for fd in (boot[0], boot[1], boot[2], boot[6], boot[7]) if fd >= 0)
