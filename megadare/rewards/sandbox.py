@@ -338,15 +338,17 @@ def _jail_plan(workdir: str, is_root: bool, tmpfs_mb: int, seccomp: Optional[byt
                            "read-only; point TMPDIR elsewhere")
     uid, gid = (_NOBODY, _NOBODY) if is_root else (os.geteuid(), os.getegid())
     paths = sysconfig.get_paths()
-    return {"workdir": workdir, "root": workdir, "symlinks": links, "binds": binds, "uid": uid, "gid": gid,
+    return {"workdir": workdir, "symlinks": links, "binds": binds, "uid": uid, "gid": gid,
             "tmpfs_mb": tmpfs_mb, "tmpfs_inodes": _TMPFS_INODES, "seccomp": seccomp.hex() if seccomp else "",
             "pivot_root_nr": nr, "must_see": sorted({paths["stdlib"], paths["platstdlib"], paths["purelib"],
                                                      os.path.dirname(os.__file__)})}
 
 
 def _required_layers(seccomp: bool) -> frozenset:
+    """The isolation layers a ``namespaces`` run must report (the rlimits are best effort, as in ``process``: a
+    trainer's own lower hard limit stands)."""
     return frozenset(("netns", "pidns", "mntns", "ipcns", "read_only_root", "private_tmpfs", "no_capabilities",
-                      "no_new_privs", "rlimit_as", "rlimit_cpu", "rlimit_fsize") + (("seccomp",) if seccomp else ()))
+                      "no_new_privs") + (("seccomp",) if seccomp else ()))
 
 
 # ------------------------------------------------------------------------------------------------------- runner

@@ -126,7 +126,7 @@ def _jail(libc, plan, userns):
     """PID 1 of the new namespaces: build the new root, enter it, drop every privilege; the layers' names."""
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0, libc, "prctl(PR_SET_PDEATHSIG)")
     os.umask(0o022)
-    new = plan["root"]
+    new = plan["workdir"]        # on the machine an empty dir: the new root is staged on it, and shows it again
     work = new + plan["workdir"]
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, what="making the mounts private")
     _mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
