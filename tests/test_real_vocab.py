@@ -65,10 +65,11 @@ def test_sft_then_rl_steps_with_the_real_vocabulary(tmp_path, sdar_dir, ray_clus
     rl_data = write_parquet(tmp_path / "rl" / "gsm8k.parquet", unicode_rl_rows())
     cfg = load_config(None, [f"model.hf_path={sdar_dir}", "model.attention_backend=sdpa",
                              f"checkpoint.load={sft['checkpoint_root']}", f"data.path={rl_data}",
-                             f"data.eval_path={rl_data}", "data.max_length=128", "rl.steps=2",
+                             f"data.eval_path={rl_data}", "data.max_length=96", "rl.steps=2",
                              "rl.prompts_per_step=2", "rl.n_samples=2", "rl.eval_size=2", "rl.eval_interval=0",
-                             "rl.reward=test_real_vocab:cjk_share", "train.global_batch_size=4",
-                             "train.micro_batch_size=2", "train.seq_length=256", "rollout.max_new_tokens=8",
+                             "rl.reward=test_real_vocab:cjk_share", "algo.params={shrink: 4}",   # a row per block
+                             "train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_length=192",
+                             "rollout.max_new_tokens=8",
                              "rollout.num_engines=1", f"logging.run_dir={tmp_path / 'rl_run'}",
                              "logging.tensorboard=false", "seed=3"])
     rl = spawn(rl_worker, 1, cfg, None, timeout_s=500)[0]
