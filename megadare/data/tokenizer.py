@@ -144,8 +144,10 @@ LOCAL_TOKENIZER_CLASSES = {"DreamTokenizer": "Qwen2Tokenizer"}
 
 def load_hf_tokenizer(path: str):
     """The transformers tokenizer of a checkpoint or tokenizer directory (tokenizer.json, or vocab.json +
-    merges.txt, with tokenizer_config.json), local files only and no remote code: a class in
-    ``LOCAL_TOKENIZER_CLASSES`` loads as its transformers twin, others through ``AutoTokenizer``."""
+    merges.txt, with tokenizer_config.json), local files only and no remote code. The class tokenizer_config.json
+    names loads directly when transformers has it (a class in ``LOCAL_TOKENIZER_CLASSES`` as its twin): no detour
+    through the model's config.json, whose remote ``model_type`` (sdar, Dream) transformers would warn about;
+    anything else goes through ``AutoTokenizer``."""
     import transformers  # lazy: heavy import, optional for byte-level tests
 
     cfg_path = os.path.join(path, "tokenizer_config.json")
@@ -153,8 +155,11 @@ def load_hf_tokenizer(path: str):
     if os.path.isfile(cfg_path):
         with open(cfg_path, encoding="utf-8") as f:
             name = json.load(f).get("tokenizer_class")
-    if name in LOCAL_TOKENIZER_CLASSES:
-        cls = getattr(transformers, LOCAL_TOKENIZER_CLASSES[name])
+    cls = None
+    if isinstance(name, str):   # the fast (tokenizers-backed) class where transformers 4.x has both
+        local = LOCAL_TOKENIZER_CLASSES.get(name, name).removesuffix("Fast")
+        cls = getattr(transformers, local + "Fast", None) or getattr(transformers, local, None)
+    if cls is not None and hasattr(cls, "from_pretrained"):
         return cls.from_pretrained(path, local_files_only=True)
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
