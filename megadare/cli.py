@@ -1,4 +1,4 @@
-"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval, data inspect."""
+"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval, data inspect, data tokenizer."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
     ins.add_argument("--model", help="HF checkpoint directory whose tokenizer to use (default: the demo's)")
     ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
+    tkn = dsub.add_parser("tokenizer", help="write the Qwen tokenizer files of SDAR / TraDo or Dream, built offline "
+                          "from the dashscope wheel's Qwen ranks (no model hub)")
+    tkn.add_argument("out", help="a new directory for the tokenizer files")
+    tkn.add_argument("--family", choices=("sdar", "dream"), default="sdar", help="whose specials / chat template")
 
     demo = sub.add_parser("demo", help="the end-to-end demo on CPU")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
@@ -137,6 +141,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command == "convert":
             return _run_convert(args)
+        if args.command == "data" and args.action == "tokenizer":
+            from megadare.data.qwen_tokenizer import write_qwen_tokenizer
+
+            print(f"wrote {write_qwen_tokenizer(args.out, args.family)}")
+            return 0
         if args.command == "data":
             from megadare.eval.data_inspect import inspect_command
 
