@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -206,6 +207,74 @@ def test_the_kernel_alone_refuses_writes(visible_dir):
 # ------------------------------------------------------------------------------------------------------------------
 # Red team (i24r): native code, forged test verdicts, the weaker `process` isolation, syscalls the filter missed.
 # ------------------------------------------------------------------------------------------------------------------
+HUMANEVAL_ROW = {"data_source": "humaneval", "prompt": "def add(a, b):\n", "entry_point": "add",
+                 "answer": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(5, 5) == 10\n"}
+WRONG = "def add(a, b):\n    return 0\n"
+
+# Ways a wrong program could make its tests "pass" (or read them) from pure Python, with the audit hook on: each gets
+# a frame object `fr` of its own; from there f_back leads to the bootstrap (FORGE).
+SAVEALL = """
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    def f():
+        try:
+            raise ValueError
+        except ValueError as e:
+            err = e
+    f()
+    gc.collect()
+    fr = next(o for o in gc.garbage if type(o).__name__ == 'frame')
+"""
+FORGE = """
+    while fr is not None and 'audit' not in fr.f_locals:
+        fr = fr.f_back
+    print('tests:', fr.f_locals.get('test_source'))
+    sys.audit('megadare.tests_passed', fr)
+    os._exit(0)
+"""
+FORGERIES = {
+    # DEBUG_SAVEALL puts collected cycles in gc.garbage: a frame of a function that caught an exception
+    "gc_garbage": _prog("import gc, os, sys") + _prog(SAVEALL) + _prog(FORGE),
+    # a second _signal module (BuiltinImporter) has the real signal(): a handler receives the interrupted frame
+    "signal_module_copy": _prog("""
+        import importlib.machinery as m, os, sys
+        s = m.BuiltinImporter.create_module(m.ModuleSpec('_signal', m.BuiltinImporter, origin='built-in'))
+        m.BuiltinImporter.exec_module(s)
+        got = []
+        s.signal(s.SIGALRM, lambda n, f: got.append(f))
+        s.setitimer(s.ITIMER_REAL, 0.01)
+        while not got:
+            pass
+        fr = got[0]
+    """) + _prog(FORGE),
+    # a gc module copy, for the gc_garbage route once gc.set_debug is gone
+    "gc_module_copy": _prog("""
+        import importlib.machinery as m, os, sys
+        gc = m.BuiltinImporter.create_module(m.ModuleSpec('gc', m.BuiltinImporter, origin='built-in'))
+        m.BuiltinImporter.exec_module(gc)
+    """) + _prog(SAVEALL) + _prog(FORGE),
+}
+
+
+@pytest.mark.parametrize("how", sorted(FORGERIES))
+def test_a_wrong_program_cannot_forge_its_tests(how):
+    """Through the reward RL uses (rl.reward=auto on a DARE humaneval row): a wrong answer scores 0."""
+    from megadare.rewards import score_batch
+    response = "```python\n" + WRONG + _prog(FORGERIES[how]) + "```"
+    scores, stats = score_batch("auto", [response], [HUMANEVAL_ROW])
+    assert scores == [0.0], (how, stats)
+    r = run_program(WRONG + _prog(FORGERIES[how]), tests="assert add(1, 2) == 3\n")
+    assert not r.tests_passed and "assert add" not in r.stdout, (how, r)
+
+
+def test_no_subinterpreter_without_the_hook():
+    """A sub-interpreter has no audit hook (ctypes would work there)."""
+    r = run_program(_prog("""
+        import _xxsubinterpreters as x
+        x.run_string(x.create(), "import ctypes, sys; print('ctypes', ctypes.CDLL(None).getpid()); sys.stdout.flush()")
+    """))
+    assert "ctypes" not in r.stdout and r.status != "ok", r   # CPython reports the refusal as "creation failed"
+
+
 def _extension() -> Path:
     """A C extension module of this Python (a shared object the program copies: native code it chose)."""
     import importlib.util
@@ -283,6 +352,19 @@ def test_syscalls_refused_to_native_code():
     assert {k: v for k, v in got.items() if v != "EPERM"} == {}, got
 
 
+@pytest.mark.parametrize("how", ["pidfd", "kill_with_children_allowed"])
+def test_process_isolation_signals_reach_nobody_outside(sleeper, how):
+    """The weaker `process` isolation (the trainer's pid is visible there): no signal to another process."""
+    if how == "pidfd":
+        r = run_program(f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({sleeper.pid}), signal.SIGKILL)\n"
+                        "print('sent')", isolation="process")
+    else:
+        r = run_program(f"import os, signal\nos.kill({sleeper.pid}, signal.SIGKILL)\nprint('sent')",
+                        isolation="process", max_processes=2)
+    time.sleep(0.2)
+    assert sleeper.poll() is None and "sent" not in r.stdout, r
+
+
 def test_etc_shows_only_what_python_needs():
     """/etc is not the machine's: a world-readable credential there (pip.conf, gitconfig, npmrc, environment hold
     index tokens and proxy passwords) does not exist inside; what programs use (loader cache, users, time zone,
@@ -308,3 +390,54 @@ def test_etc_shows_only_what_python_needs():
         planted.unlink()
     assert token not in r.stdout and r.status == "error", r
     assert r.stdout.splitlines()[:2] == ["False", "True text/plain True ['db', 'history', 'main.py']"], r
+
+
+def _proof_event_at(guard, proof, offset):
+    """Raise the proof event with this frame, the proof expecting it ``offset`` lines below the next line."""
+    frame = sys._getframe(0)
+    proof[0], proof[3] = frame, frame.f_lineno + 1 + offset
+    return guard("megadare.tests_passed", (frame,))
+
+
+@pytest.mark.parametrize("offset,token", [(0, b"token"), (-1, b""), (5, b"")])
+def test_the_proof_is_accepted_only_at_the_end_of_the_tests(offset, token):
+    """Defense in depth: a program that got hold of the bootstrap's frame (by a way not closed yet) and raises the
+    proof event with it before the tests ended (the frame is elsewhere) burns the token instead of passing."""
+    from megadare.rewards.sandbox_child import _test_guard
+    r, w = os.pipe()
+    try:
+        proof = [None, b"token", w, 0]
+        assert _proof_event_at(_test_guard(proof), proof, offset) is True
+        assert proof[1] is None   # one shot either way
+        os.set_blocking(r, False)
+        try:
+            got = os.read(r, 64)
+        except BlockingIOError:
+            got = b""
+        assert got == token
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_no_test_module_in_test_mode():
+    """_testcapi (unmarshalling code objects without an audit event, frame_new, raw sys objects) stays refused in
+    test mode when a program names it by a str subclass that answers the hook's name checks with other text."""
+    import importlib.util
+    spec = importlib.util.find_spec("_testcapi")
+    if spec is None or not str(spec.origin).endswith(".so"):
+        pytest.skip("this Python has no _testcapi extension module")
+    r = run_program(_prog(f"""
+        import _imp
+        class Name(str):
+            def startswith(self, *a):
+                return False
+            def __eq__(self, other):
+                return False
+            __hash__ = str.__hash__
+        class Spec:
+            name = Name('_testcapi')
+            origin = {spec.origin!r}
+        print('loaded', _imp.create_dynamic(Spec()))
+    """), tests="assert 1\n")
+    assert "loaded" not in r.stdout and not r.tests_passed, r
