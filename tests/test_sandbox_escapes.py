@@ -7,13 +7,20 @@ like the run directory) and /dev/shm, directly and through /proc/self/root and /
 process of this test, network to listeners it opens (TCP on 127.0.0.1, a unix socket path, an abstract unix
 socket), reads to secrets in the home and a hidden directory. Only run_program's long-standing API is used, so the
 file also runs against older code (the readline and sqlite3 writes succeed there: see /work/notes/i24a.md).
+
+The red team's part (below; /work/notes/i24r.md): native code the program writes (a shared object in its tmpfs or a
+memfd, the stdin file), forged test verdicts through the reward RL uses (gc.garbage frames, second copies of
+_signal / gc, sub-interpreters), syscalls the seccomp filter missed (as native code would call them), the
+`process` isolation's signals, /etc's credentials, and the OOM killer's choice.
 """
+import json
 import os
 import select
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -195,3 +202,242 @@ def test_the_kernel_alone_refuses_writes(visible_dir):
                 t.rmdir()
             elif t.exists():
                 t.unlink()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Red team (i24r): native code, forged test verdicts, the weaker `process` isolation, syscalls the filter missed.
+# ------------------------------------------------------------------------------------------------------------------
+HUMANEVAL_ROW = {"data_source": "humaneval", "prompt": "def add(a, b):\n", "entry_point": "add",
+                 "answer": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(5, 5) == 10\n"}
+WRONG = "def add(a, b):\n    return 0\n"
+
+# Ways a wrong program could make its tests "pass" (or read them) from pure Python, with the audit hook on: each gets
+# a frame object `fr` of its own; from there f_back leads to the bootstrap (FORGE).
+SAVEALL = """
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    def f():
+        try:
+            raise ValueError
+        except ValueError as e:
+            err = e
+    f()
+    gc.collect()
+    fr = next(o for o in gc.garbage if type(o).__name__ == 'frame')
+"""
+FORGE = """
+    while fr is not None and 'audit' not in fr.f_locals:
+        fr = fr.f_back
+    print('tests:', fr.f_locals.get('test_source'))
+    sys.audit('megadare.tests_passed', fr)
+    os._exit(0)
+"""
+FORGERIES = {
+    # DEBUG_SAVEALL puts collected cycles in gc.garbage: a frame of a function that caught an exception
+    "gc_garbage": _prog("import gc, os, sys") + _prog(SAVEALL) + _prog(FORGE),
+    # a second _signal module (BuiltinImporter) has the real signal(): a handler receives the interrupted frame
+    "signal_module_copy": _prog("""
+        import importlib.machinery as m, os, sys
+        s = m.BuiltinImporter.create_module(m.ModuleSpec('_signal', m.BuiltinImporter, origin='built-in'))
+        m.BuiltinImporter.exec_module(s)
+        got = []
+        s.signal(s.SIGALRM, lambda n, f: got.append(f))
+        s.setitimer(s.ITIMER_REAL, 0.01)
+        while not got:
+            pass
+        fr = got[0]
+    """) + _prog(FORGE),
+    # a gc module copy, for the gc_garbage route once gc.set_debug is gone
+    "gc_module_copy": _prog("""
+        import importlib.machinery as m, os, sys
+        gc = m.BuiltinImporter.create_module(m.ModuleSpec('gc', m.BuiltinImporter, origin='built-in'))
+        m.BuiltinImporter.exec_module(gc)
+    """) + _prog(SAVEALL) + _prog(FORGE),
+}
+
+
+@pytest.mark.parametrize("how", sorted(FORGERIES))
+def test_a_wrong_program_cannot_forge_its_tests(how):
+    """Through the reward RL uses (rl.reward=auto on a DARE humaneval row): a wrong answer scores 0."""
+    from megadare.rewards import score_batch
+    response = "```python\n" + WRONG + _prog(FORGERIES[how]) + "```"
+    scores, stats = score_batch("auto", [response], [HUMANEVAL_ROW])
+    assert scores == [0.0], (how, stats)
+    r = run_program(WRONG + _prog(FORGERIES[how]), tests="assert add(1, 2) == 3\n")
+    assert not r.tests_passed and "assert add" not in r.stdout, (how, r)
+
+
+def test_no_subinterpreter_without_the_hook():
+    """A sub-interpreter has no audit hook (ctypes would work there)."""
+    r = run_program(_prog("""
+        import _xxsubinterpreters as x
+        x.run_string(x.create(), "import ctypes, sys; print('ctypes', ctypes.CDLL(None).getpid()); sys.stdout.flush()")
+    """))
+    assert "ctypes" not in r.stdout and r.status != "ok", r   # CPython reports the refusal as "creation failed"
+
+
+def _extension() -> Path:
+    """A C extension module of this Python (a shared object the program copies: native code it chose)."""
+    import importlib.util
+    for name in ("_bisect", "_json", "_heapq", "_random", "math"):
+        spec = importlib.util.find_spec(name)
+        if spec and spec.origin and spec.origin.endswith(".so"):
+            return Path(spec.origin)
+    pytest.skip("no shared-object extension module in this Python")
+
+
+LOAD_NATIVE = """
+    import importlib.machinery as m, importlib.util as u, os
+    data = open({ext!r}, 'rb').read()
+    if {where!r} == 'tmpfs':
+        path = os.path.abspath({name!r} + '.so')
+        with open(path, 'wb') as f:
+            f.write(data)
+    else:
+        fd = os.memfd_create('x')
+        os.write(fd, data)
+        path = '/proc/self/fd/%d' % fd
+    mod = u.module_from_spec(u.spec_from_file_location({name!r}, path, loader=m.ExtensionFileLoader({name!r}, path)))
+    print('loaded native code', mod)
+"""
+
+
+@pytest.mark.parametrize("hook", [True, False])
+@pytest.mark.parametrize("where", ["tmpfs", "memfd"])
+def test_no_native_code_from_writable_memory(where, hook):
+    """A program that writes a shared object (its own native code: no audit hook, no proof) cannot load it: the
+    private tmpfs is noexec, memfd_create is refused, and the hook refuses extensions from outside sys.path."""
+    ext = _extension()
+    name = ext.name.split(".")[0]
+    r = run_program(_prog(LOAD_NATIVE.format(ext=str(ext), where=where, name=name)), audit_hook=hook)
+    assert "loaded native code" not in r.stdout and r.status != "ok", (where, hook, r)
+
+
+def test_stdin_cannot_be_written():
+    """stdin is a sealed memfd: no write to the trainer's file, no executable file the program filled."""
+    r = run_program("import os\nprint(os.write(0, b'\\x7fELF'))\n", stdin="data\n")
+    assert r.status != "ok" and r.stdout == "", r
+    r = run_program("import sys\nprint(sys.stdin.read().upper())", stdin="data\n")
+    assert r.stdout == "DATA\n\n", r
+
+
+def test_the_sandbox_is_the_first_oom_victim():
+    """A memory bomb on a small machine: the kernel's OOM killer takes a sandboxed program, not the trainer."""
+    r = run_program("print(open('/proc/self/oom_score_adj').read().strip())")
+    assert r.stdout == "1000\n", r
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+def test_syscalls_refused_to_native_code():
+    """With the hook off (as native code would be): the syscalls the seccomp filter must refuse, each EPERM."""
+    prog = _prog("""
+        import ctypes, json, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        def call(nr, *args):
+            ret = libc.syscall(nr, *args)
+            return 'EPERM' if ret == -1 and ctypes.get_errno() == 1 else 'ret=%d errno=%d' % (ret, ctypes.get_errno())
+        buf = ctypes.create_string_buffer(4096)
+        got = {'io_uring_setup': call(425, 8, buf), 'memfd_create': call(319, b'x', 0),
+               'memfd_secret': call(447, 0), 'pidfd_send_signal': call(424, 0, 0, None, 0),
+               'pidfd_getfd': call(438, 0, 0, 0), 'rt_sigqueueinfo': call(129, 1, 10, buf),
+               'rt_tgsigqueueinfo': call(297, 1, 1, 10, buf), 'syslog': call(103, 3, buf, 4096),
+               'set_dumpable': call(157, 4, 1, 0, 0, 0), 'mount': call(165, None, b'/usr', None, 32 | 4096, None),
+               'umount2': call(166, b'/usr', 2), 'unshare': call(272, 0x10000000), 'chroot': call(161, b'/'),
+               'ptrace': call(101, 0, 0, 0, 0), 'keyctl': call(250, 0, -3, 0), 'bpf': call(321, 0, buf, 48)}
+        got['dumpable'] = libc.prctl(3, 0, 0, 0, 0)
+        print(json.dumps(got))
+    """)
+    r = run_program(prog, audit_hook=False)
+    got = json.loads(r.stdout)
+    assert got.pop("dumpable") == 0, got
+    assert {k: v for k, v in got.items() if v != "EPERM"} == {}, got
+
+
+@pytest.mark.parametrize("how", ["pidfd", "kill_with_children_allowed"])
+def test_process_isolation_signals_reach_nobody_outside(sleeper, how):
+    """The weaker `process` isolation (the trainer's pid is visible there): no signal to another process."""
+    if how == "pidfd":
+        r = run_program(f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({sleeper.pid}), signal.SIGKILL)\n"
+                        "print('sent')", isolation="process")
+    else:
+        r = run_program(f"import os, signal\nos.kill({sleeper.pid}, signal.SIGKILL)\nprint('sent')",
+                        isolation="process", max_processes=2)
+    time.sleep(0.2)
+    assert sleeper.poll() is None and "sent" not in r.stdout, r
+
+
+def test_etc_shows_only_what_python_needs():
+    """/etc is not the machine's: a world-readable credential there (pip.conf, gitconfig, npmrc, environment hold
+    index tokens and proxy passwords) does not exist inside; what programs use (loader cache, users, time zone,
+    MIME types) does, and C libraries still load (sqlite3, readline into the cwd)."""
+    token = uuid.uuid4().hex
+    planted = Path("/etc") / f"megadare_escape_{token[:8]}.conf"
+    if not os.access("/etc", os.W_OK):
+        pytest.skip("/etc is not writable here: nothing to plant")
+    planted.write_text(f"index-url = https://user:{token}@pypi.example/simple\n")
+    planted.chmod(0o644)
+    try:
+        r = run_program(_prog(f"""
+            import mimetypes, os, pwd, readline, sqlite3, time
+            print(os.path.exists({str(planted)!r}))
+            sqlite3.connect('db').execute('create table t(x)')
+            readline.add_history('x')
+            readline.write_history_file('history')
+            print(bool(pwd.getpwuid(os.getuid()).pw_name), mimetypes.guess_type('a.txt')[0],
+                  bool(time.localtime().tm_zone), sorted(os.listdir('.')))
+            print(open({str(planted)!r}).read())
+        """))
+    finally:
+        planted.unlink()
+    assert token not in r.stdout and r.status == "error", r
+    assert r.stdout.splitlines()[:2] == ["False", "True text/plain True ['db', 'history', 'main.py']"], r
+
+
+def _proof_event_at(guard, proof, offset):
+    """Raise the proof event with this frame, the proof expecting it ``offset`` lines below the next line."""
+    frame = sys._getframe(0)
+    proof[0], proof[3] = frame, frame.f_lineno + 1 + offset
+    return guard("megadare.tests_passed", (frame,))
+
+
+@pytest.mark.parametrize("offset,token", [(0, b"token"), (-1, b""), (5, b"")])
+def test_the_proof_is_accepted_only_at_the_end_of_the_tests(offset, token):
+    """Defense in depth: a program that got hold of the bootstrap's frame (by a way not closed yet) and raises the
+    proof event with it before the tests ended (the frame is elsewhere) burns the token instead of passing."""
+    from megadare.rewards.sandbox_child import _test_guard
+    r, w = os.pipe()
+    try:
+        proof = [None, b"token", w, 0]
+        assert _proof_event_at(_test_guard(proof), proof, offset) is True
+        assert proof[1] is None   # one shot either way
+        os.set_blocking(r, False)
+        try:
+            got = os.read(r, 64)
+        except BlockingIOError:
+            got = b""
+        assert got == token
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_no_test_module_in_test_mode():
+    """_testcapi (unmarshalling code objects without an audit event, frame_new, raw sys objects) stays refused in
+    test mode when a program names it by a str subclass that answers the hook's name checks with other text."""
+    import importlib.util
+    spec = importlib.util.find_spec("_testcapi")
+    if spec is None or not str(spec.origin).endswith(".so"):
+        pytest.skip("this Python has no _testcapi extension module")
+    r = run_program(_prog(f"""
+        import _imp
+        class Name(str):
+            def startswith(self, *a):
+                return False
+            def __eq__(self, other):
+                return False
+            __hash__ = str.__hash__
+        class Spec:
+            name = Name('_testcapi')
+            origin = {spec.origin!r}
+        print('loaded', _imp.create_dynamic(Spec()))
+    """), tests="assert 1\n")
+    assert "loaded" not in r.stdout and not r.tests_passed, r

@@ -3,17 +3,19 @@
 ``run_program(code, stdin)`` starts ``sys.executable -I -S -B`` (isolated mode, stdlib only unless
 ``allow_site_packages``) in a fresh subprocess, in its own session (``start_new_session=True``), and returns a
 :class:`SandboxResult`. The program and its tests reach the child as unlinked files (never as files it could
-read back: tests read by the program would let it print their answers). Two isolations
+read back: tests read by the program would let it print their answers); stdin is a sealed memfd (readable, never
+writable: no file of the trainer's changes, and the program gets no executable file it could fill). Two isolations
 (``rewards.code.isolation``, :func:`set_isolation`):
 
 ``namespaces`` (default): isolation by the operating system (:mod:`.sandbox_jail`, run by the child before any
 untrusted code). New mount, PID, network, IPC, UTS and cgroup namespaces (and a user namespace when the trainer is
 not root); the program is PID 1 of its PID namespace (nothing outside it can be named, and every process it starts
-dies with it); the root is a tmpfs holding read-only, nosuid binds of the system directories (/usr, /bin, /lib*,
-/etc) and of this Python (its prefix, base prefix and venv) only, a minimal /dev, a fresh read-only /proc; the only
-writable place is a private, size-limited tmpfs at the workdir path (its cwd, HOME and TMPDIR); homes, /root,
-the run directory, credentials and the rest of /tmp do not exist in it. It runs as uid/gid 65534 (nobody) when
-the trainer is root, with no capabilities (bounding set emptied, checked) and ``no_new_privs``; no network (a
+dies with it); the root is a tmpfs holding read-only, nosuid binds of the system directories (/usr, /bin, /lib*),
+of the few /etc entries a Python program uses (:data:`_ETC_ENTRIES`) and of this Python (its prefix, base prefix
+and venv) only, a minimal /dev, a fresh read-only /proc; the only writable place is a private, size-limited,
+``noexec`` tmpfs at the workdir path (its cwd, HOME and TMPDIR); homes, /root, the run directory, credentials
+(the rest of /etc too) and the rest of /tmp do not exist in it. It runs as uid/gid 65534 (nobody) when the
+trainer is root, with no capabilities (bounding set emptied, checked), not dumpable, ``no_new_privs``; no network (a
 new network namespace: only a down loopback). Where the kernel refuses any of this (unprivileged user namespaces
 disabled, a container that forbids unshare or mount), code rewards are refused with
 :class:`~megadare.rewards.errors.SandboxUnavailable`, naming ``rewards.code.isolation=process``: never a silent
@@ -24,22 +26,27 @@ namespace when the kernel allows it and, as root, an empty capability bounding s
 
 Both keep the other layers, outermost first:
 
-* parent side: scrubbed environment (minimal PATH, no proxies, HOME/TMPDIR = the temp dir), stdin from a file,
+* parent side: scrubbed environment (minimal PATH, no proxies, HOME/TMPDIR = the temp dir), stdin from a memfd,
   stdout/stderr read with a size cap (default 1 MiB; an overflowing program is killed), a wall-clock deadline
   after which the whole process group gets SIGKILL (``os.killpg``), and the group is killed after every run;
+  ``oom_score_adj`` 1000 (the OOM killer takes sandboxed programs before the trainer);
 * kernel side: ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE=0``, ``RLIMIT_NOFILE``,
   ``RLIMIT_NPROC`` (non-root only: it counts every task of the user, so it is set to the current count +
   ``max_processes`` + slack; the kernel ignores it for root), set before exec; on x86-64 a seccomp filter: no new
   processes unless ``max_processes > 1`` (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so
-  threads fall back to clone), no sockets except AF_UNIX, no ptrace/process_vm_*,
-  mount/namespaces/chroot/mknod/modules/bpf/kexec/reboot, signals only to itself (any pid but -1 when
-  ``max_processes > 1``);
+  threads fall back to clone), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,
+  mount/namespaces/chroot/mknod/modules/bpf/kexec/reboot, io_uring, memfd_create/memfd_secret, syslog,
+  prctl(PR_SET_DUMPABLE), signals only to itself (any pid but -1 when ``max_processes > 1``; never through
+  pidfd_send_signal or rt_(tg)sigqueueinfo, whose target kill's check does not see);
 * inside the child, a bootstrap passed with ``-c`` installs ``sys.addaudithook`` before the user code runs. It
   refuses sockets, ctypes, ``_posixsubprocess`` (stubbed out), process creation (fork, posix_spawn,
   subprocess, os.system, exec; counted when ``max_processes > 1``), writing/creating/removing/renaming/linking/
   chmod-ing paths outside the temp dir (paths resolved; no ``..`` in them, no new symlinks and no chdir out
   of it, so a racing thread cannot re-aim a checked path), opening directories outside it (no ``dir_fd``
-  tricks), signals to other processes, and gc object walks (that could reach the hook). A refusal raises
+  tricks), signals to other processes (with ``max_processes > 1``: outside its own process group), gc object
+  walks (that could reach the hook), sub-interpreters (they have no audit hook) and native code from files outside
+  this Python's directories (a shared object the program wrote; test mode closes more, see
+  :mod:`.sandbox_child`). A refusal raises
   ``PermissionError``; when uncaught the program exits with status "refused". The hook sees only what Python
   reports: C libraries (readline, sqlite3) write files without an ``open`` event, which is why the namespaces
   exist.
@@ -47,7 +54,9 @@ Both keep the other layers, outermost first:
 Which layers really took effect is reported per run in ``SandboxResult.protections`` (the child reports them
 through a pipe it closes before the user code starts); in ``namespaces`` mode a run whose report lacks one of them
 raises instead of returning. Known gaps of ``process`` mode: the program keeps uid 0 as root and reads whatever
-the trainer's user can; C-level writes outside the temp dir go through.
+the trainer's user can; C-level writes outside the temp dir go through (and a ``str`` subclass shows the hook's path
+checks another path than the syscall uses), so no file of the trainer's user is safe and a test verdict can be
+forged; children that call ``setsid`` outlive the run.
 """
 from __future__ import annotations
 
@@ -126,7 +135,8 @@ _AUDIT_ARCH_X86_64 = 0xC000003E
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _EPERM, _ENOSYS = 1, 38
 # x86-64 syscall numbers
-_NR = {"socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace": 101, "mknod": 133,
+_NR = {"socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace": 101, "syslog": 103,
+       "rt_sigqueueinfo": 129, "mknod": 133, "prctl": 157,
        "pivot_root": 155, "chroot": 161, "mount": 165, "umount2": 166, "swapon": 167, "swapoff": 168,
        "reboot": 169, "init_module": 175, "delete_module": 176, "tkill": 200, "tgkill": 234,
        "kexec_load": 246, "add_key": 248,
@@ -134,12 +144,20 @@ _NR = {"socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace":
        "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308, "process_vm_readv": 310,
        "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323,
        "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-       "clone3": 435}
+       "clone3": 435, "rt_tgsigqueueinfo": 297, "memfd_create": 319, "pidfd_send_signal": 424, "io_uring_setup": 425,
+       "io_uring_enter": 426, "io_uring_register": 427, "pidfd_getfd": 438, "memfd_secret": 447}
 _ALWAYS_DENIED = ("ptrace", "mknod", "mknodat", "pivot_root", "chroot", "mount", "umount2", "swapon", "swapoff",
                   "reboot", "init_module", "delete_module", "finit_module", "kexec_load", "kexec_file_load",
                   "add_key", "request_key", "keyctl", "unshare", "setns", "perf_event_open", "name_to_handle_at",
                   "open_by_handle_at", "process_vm_readv", "process_vm_writev", "bpf", "userfaultfd",
-                  "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick")
+                  "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
+                  # signals that bypass kill's target check; fds of other processes
+                  "pidfd_send_signal", "pidfd_getfd", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
+                  # an executable file of the program's own making (native code: no audit hook, no proof)
+                  "memfd_create", "memfd_secret",
+                  # io_uring (a second syscall interface seccomp does not see into), the kernel log
+                  "io_uring_setup", "io_uring_enter", "io_uring_register", "syslog")
+_PR_SET_DUMPABLE = 4
 
 
 def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -161,6 +179,8 @@ def _seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> 
     p += [_bpf(jeq, _NR["clone3"], 0, 1), _bpf(ret, _RET_ERRNO | _ENOSYS)]   # glibc falls back to clone
     p += [_bpf(jeq, _NR["socket"], 0, 4), _bpf(ld, 16),    # socket(family, ...): AF_UNIX only
           _bpf(jeq, 1, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
+    p += [_bpf(jeq, _NR["prctl"], 0, 4), _bpf(ld, 16),     # prctl(PR_SET_DUMPABLE, ...): no core dumps
+          _bpf(jeq, _PR_SET_DUMPABLE, 0, 1), _bpf(ret, errno), _bpf(ret, _RET_ALLOW)]
     if deny_processes and own_group:  # signals only to itself / its own group
         p += [_bpf(jeq, _NR["kill"], 0, 6), _bpf(ld, 16),
               _bpf(jeq, 0, 3, 0), _bpf(jeq, pid, 2, 0), _bpf(jeq, -pid, 1, 0), _bpf(ret, errno),
@@ -231,6 +251,8 @@ def _make_preexec(report_fd: int, limits: List[Tuple[str, int, Tuple[int, int]]]
                 done.append(name)
             except (ValueError, OSError):
                 pass
+        if _oom_first():
+            done.append("oom_first")
         if not namespaces:
             done += _process_layers(root, seccomp_deny_processes)
         try:
@@ -238,6 +260,20 @@ def _make_preexec(report_fd: int, limits: List[Tuple[str, int, Tuple[int, int]]]
         except OSError:
             pass
     return preexec
+
+
+def _oom_first() -> bool:
+    """Make this process (and all it starts) the OOM killer's first choice, so a program's memory never gets the
+    trainer killed (raising ``oom_score_adj`` needs no privilege; as root it also cannot be lowered again)."""
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
 
 
 def _process_layers(root: bool, seccomp_deny_processes: Optional[bool]) -> List[str]:
@@ -267,7 +303,13 @@ def _process_layers(root: bool, seccomp_deny_processes: Optional[bool]) -> List[
 ISOLATIONS = ("namespaces", "process")
 _isolation = ["namespaces"]        # rewards.code.isolation, set by the run's entry point (set_isolation)
 _refusal: List[str] = []           # why the kernel refused the namespaces, once it did (it will again)
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32", "/etc")
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
+# what of /etc a Python program uses (dynamic loader, users, time zone, MIME types, terminfo, services, locale
+# aliases, alternatives, a distribution's python3.X config); the rest of /etc (pip.conf, gitconfig, npmrc,
+# environment, apt sources, ... where credentials can live) does not exist in the sandbox
+_ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "passwd", "group", "hosts", "host.conf",
+                "protocols", "services", "localtime", "timezone", "mime.types", "inputrc", "terminfo", "os-release",
+                "locale.alias", "alternatives", "mtab")
 _PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _NOBODY = 65534
 _TMPFS_INODES = 4096
@@ -314,12 +356,21 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
+def _etc_python() -> List[str]:
+    try:
+        return [e for e in os.listdir("/etc") if e.startswith("python")]
+    except OSError:
+        return []
+
+
 def _visible_paths(site_packages: bool) -> Tuple[List[List[str]], List[List[str]]]:
     """``(symlinks, binds)`` that show the system directories and this Python in the sandbox's root, and nothing
     else. A directory under another bind or a symlink of the list is visible already (the prefixes are listed as
     spelled and as real paths); parents come first, so no directory is ever made through a bind."""
-    links = [[os.readlink(d), d] for d in _SYSTEM_DIRS if os.path.islink(d)]
+    etc = [os.path.join("/etc", e) for e in _ETC_ENTRIES + tuple(sorted(_etc_python()))]
+    links = [[os.readlink(d), d] for d in _SYSTEM_DIRS + tuple(etc) if os.path.islink(d)]
     binds = [[d, d] for d in _SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    binds += [[e, e] for e in etc if os.path.exists(e) and not os.path.islink(e)]
     for d in _python_dirs(site_packages):
         if d != "/" and os.path.isdir(d) and not any(_under(d, dst) for _, dst in binds + links):
             binds.append([d, d])
@@ -412,6 +463,23 @@ def _limits(memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, ma
 
 
 @contextlib.contextmanager
+def _sealed(text: str):
+    """``text`` in a sealed memfd at offset 0: the program's stdin, which it can read but never write (no file of the
+    trainer's changed, and no executable file of the program's own making: a writable inherited file would be one)."""
+    fd = os.memfd_create("megadare_stdin", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(text.encode("utf-8"))
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def _unlinked(text: Optional[str]):
     """``text`` in an unlinked temp file (rewound), or None: what the child reads from an inherited fd."""
     if text is None:
@@ -457,7 +525,7 @@ def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: i
     try:
         os.write(fds[3], token)
         cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s + 1))
-        with _unlinked(code) as code_f, _unlinked(tests) as tests_f, _unlinked(stdin) as stdin_f:
+        with _unlinked(code) as code_f, _unlinked(tests) as tests_f, _sealed(stdin) as stdin_f:
             boot = [fds[1], code_f.fileno(), tests_f.fileno() if tests_f else -1, workdir,
                     max(0, max_processes - 1), int(audit_hook), fds[2], fds[5], ",".join(preload)]
             proc = _start(mode, boot, stdin_f, allow_site_packages,

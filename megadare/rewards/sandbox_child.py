@@ -17,10 +17,16 @@ frame, which only the bootstrap has and raises after the tests ran to their end.
 ``os._exit``, ``SystemExit`` inside a test), printing "PASS" or a zero exit status prove nothing. While the
 program or tests run, every way to a frame object is closed (``sys._getframe``, traceback / generator /
 coroutine frames, tracing and profiling hooks, new audit hooks, signal handlers, which receive the interrupted
-frame), and so are ``/proc/*/mem``, gc walks, ctypes and hand-made code objects (imports compile from source, so
-``marshal.loads`` is refused too): the token cannot be read back from memory. Known limit, as in DARE, evalplus
-and OpenCompass: a program can still return an object whose ``__eq__`` always says True, or patch an attribute of
-a module the tests use (``math.isclose``).
+frame, ``gc.set_debug`` whose DEBUG_SAVEALL hands collected frames out in ``gc.garbage``, second copies of builtin
+modules that would bring those back, CPython's test modules), and so are ``/proc/*/mem``, gc walks, ctypes,
+sub-interpreters, native code of the program's own and hand-made code objects (imports compile from source, so
+``marshal.loads`` is refused too): the token cannot be read back from memory. As a second line, the hook accepts the
+proof only while the frame is at ``_boot``'s last line, where it is only after the tests ran to their end (a
+program holding the frame burns the token). Known limits: a program that reaches its own memory (numpy's
+``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass; and, as in DARE, evalplus
+and OpenCompass, a program can return an object whose ``__eq__`` always says True, define a global named like a
+builtin the tests call (``abs``: the tests run in a copy of the program's namespace), or patch an attribute of a
+module the tests use (``math.isclose``).
 """
 import builtins
 import os
@@ -101,6 +107,51 @@ def _no_signal_handlers(*args, **kwargs):
     raise SandboxRefused("sandbox: installing signal handlers is refused while tests run")
 
 
+def _no_gc_debug(*args, **kwargs):
+    raise SandboxRefused("sandbox: gc.set_debug is refused while tests run (DEBUG_SAVEALL hands out frames)")
+
+
+def _no_module_copies(*args, **kwargs):
+    raise SandboxRefused("sandbox: creating a builtin module again is refused while tests run")
+
+
+def _close_frame_sources():
+    """Test mode, before the program: the ways to a frame object the audit hook cannot see. Signal handlers receive
+    the interrupted frame; ``gc.set_debug(DEBUG_SAVEALL)`` puts every collected cycle (frames of exceptions caught
+    in a function) in ``gc.garbage``; a second copy of ``_signal`` or ``gc`` (``BuiltinImporter.create_module``)
+    would bring both back, so every builtin module is imported now and ``_imp.create_builtin`` is gone (the
+    replaced functions are referenced nowhere else)."""
+    import _imp
+    for name in sys.builtin_module_names:
+        if name not in sys.modules:
+            __import__(name)
+    import _signal
+    import gc
+    import signal
+    _signal.signal = signal.signal = _no_signal_handlers
+    gc.set_debug = _no_gc_debug
+    _imp.create_builtin = _no_module_copies
+
+
+def _proof(root, token_fd, proof_fd):
+    """Test mode: what the hook needs to accept the proof once (see the module docstring): the bootstrap's frame,
+    the token (read and its pipe closed), the proof pipe, and the line the frame must be at then (``_boot``'s last,
+    which it reaches only after the tests ran to their end: a program holding the frame cannot be there)."""
+    _close_frame_sources()
+    sys.pycache_prefix = os.path.join(root, "no_pycache")   # imports compile from source: no marshal.loads
+    frame = sys._getframe(1)
+    last_line = max(line for _, _, line in frame.f_code.co_lines() if line is not None)
+    proof = [frame, os.read(token_fd, 64), proof_fd, last_line]
+    os.close(token_fd)
+    return proof
+
+
+def _passed(audit, frame):
+    audit("megadare.tests_passed", frame)
+    _flush()
+    os._exit(0)
+
+
 def _boot():
     rep, code_fd, tests_fd, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     maxc, audit_on, token_fd, proof_fd = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8])
@@ -132,13 +183,8 @@ def _boot():
             sys.modules["_posixsubprocess"] = stub
         proof = None
         if tests is not None:
-            import signal
-            import _signal
-            _signal.signal = signal.signal = _no_signal_handlers
-            sys.pycache_prefix = os.path.join(root, "no_pycache")   # imports compile from source: no marshal.loads
-            frame = sys._getframe(0)
-            proof = [frame, os.read(token_fd, 64), proof_fd]
-            os.close(token_fd)
+            proof = _proof(root, token_fd, proof_fd)
+            frame = proof[0]
         sys.addaudithook(_make_hook(root, maxc, proof))
         del proof
         os.write(rep, b"audit_hook\n")
@@ -164,20 +210,20 @@ def _boot():
         run(tests, namespace)
     except BaseException as e:  # a failed assert, SystemExit inside a test, anything
         _die(e, audit, frame, "sandbox: the tests did not pass")
-    audit("megadare.tests_passed", frame)
-    _flush()
-    os._exit(0)
+    _passed(audit, frame)   # must stay the last line of _boot (the proof is accepted only from there)
 
 
 PROC_EVENTS = frozenset(("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
                          "subprocess.Popen", "os.startfile", "pty.spawn"))
 DENY_EVENTS = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "os.killpg", "signal.pthread_kill",
-                         "sys.remote_exec", "os.symlink"))
+                         "sys.remote_exec", "os.symlink",
+                         "cpython.PyInterpreterState_New"))   # a sub-interpreter has no audit hook
 # test mode: no frame objects (they reach the hook's closure), no tracing, no new hooks, no re-imported _signal,
 # no hand-made code objects (bytecode can read memory)
 FRAME_EVENTS = frozenset(("sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace",
                           "sys.setprofile", "sys.addaudithook"))
-TEST_IMPORTS = frozenset(("_signal", "_testcapi", "_testinternalcapi"))
+TEST_IMPORTS = frozenset(("_signal", "gc"))   # again, after sys.modules lost them: _close_frame_sources
+TEST_IMPORT_PREFIXES = ("_test", "_xx")     # CPython's test modules (_testcapi, _testbuffer, ...), sub-interpreters
 TEST_DENIED = frozenset(("code.__new__", "marshal.loads", "marshal.load"))
 # event -> (indices of path args, index of the dir_fd arg or None)
 PATH_EVENTS = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.chmod": ((0,), 2),
@@ -185,6 +231,12 @@ PATH_EVENTS = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,),
                "os.rename": ((0, 1), 2), "os.link": ((0, 1), 2), "os.chdir": ((0,), None),
                "os.setxattr": ((0,), None), "os.removexattr": ((0,), None), "os.chflags": ((0,), None),
                "os.lchflags": ((0,), None), "os.lchmod": ((0,), None), "shutil.rmtree": ((0,), 1)}
+
+
+def _exact(value):
+    """A str (or str subclass) as an exact str, other values as they are: a subclass cannot answer the hook's
+    checks (``startswith``, ``__eq__``, ``split``) with other text than the one CPython uses."""
+    return "".join((value,)) if isinstance(value, str) else value
 
 
 def _refuse(what):
@@ -199,31 +251,30 @@ def _test_guard(proof):
         """True when ``event`` was handled here: the proof, and what could reach it."""
         if event == "megadare.tests_passed" or event == "megadare.tests_failed":
             if args and args[0] is proof[0]:
-                if event == "megadare.tests_passed" and proof[1]:
+                if event == "megadare.tests_passed" and proof[1] and args[0].f_lineno == proof[3]:
                     write(proof[2], proof[1])
-                proof[0] = proof[1] = None   # one shot; frames are harmless once the token is gone
+                proof[0] = proof[1] = None   # one shot (a forgery burns it); frames are harmless once it is gone
             return True
         if proof[1] is None:
             return False
         if event in FRAME_EVENTS or (event == "object.__getattr__" and args[1] in FRAME_ATTRS):
             raise ValueError("sandbox: frame access is refused while tests run")  # the error stdlib callers expect
-        if event == "import" and args[0] in TEST_IMPORTS:
-            _refuse("import of %s" % args[0])
+        if event == "import":
+            name = _exact(args[0])
+            if isinstance(name, str) and (name in TEST_IMPORTS or name.startswith(TEST_IMPORT_PREFIXES)):
+                _refuse("import of %s" % name)
         if event in TEST_DENIED:
             _refuse(event)
         return False
     return test_mode
 
 
-def _make_hook(root, maxc, proof):
-    realpath, fspath, fsdecode, readlink, isdir = os.path.realpath, os.fspath, os.fsdecode, os.readlink, os.path.isdir
-    getpid, getpgrp = os.getpid, os.getpgrp
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+def _path_guard(root):
+    """``inside(path, dir_fd=None)``: does ``path`` (str, bytes, path-like or fd) resolve into the sandbox dir
+    ``root`` (or /dev/null, /dev/stdout, /dev/stderr)?"""
+    realpath, fspath, fsdecode, readlink = os.path.realpath, os.fspath, os.fsdecode, os.readlink
     root_slash = root.rstrip("/") + "/"
     dev_ok = ("/dev/null", "/dev/stdout", "/dev/stderr")
-    deny_imports = frozenset(("_ctypes", "_posixsubprocess") if maxc == 0 else ("_ctypes",))
-    test_mode = _test_guard(proof) if proof is not None else None
-    spawned = [0]
 
     def resolve(p, dir_fd=None):
         if isinstance(p, int):
@@ -244,31 +295,86 @@ def _make_hook(root, maxc, proof):
             return True
         rp = realpath(p)
         return rp == root or rp.startswith(root_slash)
+    return inside
+
+
+def _open_guard(inside):
+    """The check of an ``open`` event: no writing outside the sandbox dir, no directory outside it (no ``dir_fd``
+    tricks), no ``/proc/*/mem``."""
+    realpath, fspath, fsdecode, isdir = os.path.realpath, os.fspath, os.fsdecode, os.path.isdir
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def check_open(path, mode, flags):
+        if isinstance(path, int):
+            return
+        writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
+            or (isinstance(flags, int) and flags & write_flags)
+        if writing and not inside(path):
+            _refuse("writing %r outside the sandbox dir" % (path,))
+        if not inside(path):
+            try:
+                is_dir = isdir(path)
+            except (TypeError, ValueError):
+                is_dir = False
+            if is_dir:
+                _refuse("opening directory %r outside the sandbox dir" % (path,))
+            try:
+                real = realpath(fsdecode(fspath(path)))
+            except (OSError, TypeError, ValueError):
+                real = ""
+            if real.startswith("/proc/") and real.endswith("/mem"):
+                _refuse("reading process memory (%r)" % (path,))
+    return check_open
+
+
+def _import_guard(maxc):
+    """The check of an ``import`` event: refused modules, and native code (``_imp.create_dynamic``, which names
+    the file) only from this Python's own directories (``sys.path`` now: read-only in the sandbox), never from a
+    file the program wrote (its dir, a memfd, ``/proc/self/fd/N``)."""
+    realpath = os.path.realpath
+    deny = frozenset(("_ctypes", "_posixsubprocess") if maxc == 0 else ("_ctypes",))
+    lib_dirs = tuple(realpath(p).rstrip("/") + "/" for p in sys.path if p)
+
+    def check_import(name, filename=None, *rest):
+        name, filename = _exact(name), _exact(filename)
+        if name in deny:
+            _refuse("import of %s" % name)
+        if filename is not None and not (isinstance(filename, str) and realpath(filename).startswith(lib_dirs)):
+            _refuse("loading native code from %r (not a directory of this Python)" % (filename,))
+    return check_import
+
+
+def _kill_guard(maxc):
+    """The check of an ``os.kill`` event: itself (and its group) only; with children allowed, any process of its
+    own process group (its children) but no other (in ``process`` isolation the trainer's pid is visible)."""
+    getpid, getpgrp, getpgid = os.getpid, os.getpgrp, os.getpgid
+
+    def group_of(pid):
+        try:
+            return getpgid(pid)
+        except OSError:
+            return -1
+
+    def check_kill(pid, *rest):
+        group = getpgrp()   # 0 in a PID namespace: the group is the keeper's, outside it
+        if pid in ((getpid(), 0, -group) if group else (getpid(),)):
+            return
+        if maxc == 0 or pid < 0 or (group and group_of(pid) != group):
+            _refuse("signal to pid %r" % (pid,))
+    return check_kill
+
+
+def _make_hook(root, maxc, proof):
+    inside = _path_guard(root)
+    check_open, check_import, check_kill = _open_guard(inside), _import_guard(maxc), _kill_guard(maxc)
+    test_mode = _test_guard(proof) if proof is not None else None
+    spawned = [0]
 
     def hook(event, args):
         if test_mode is not None and test_mode(event, args):
             return
         if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
-                or (isinstance(flags, int) and flags & write_flags)
-            if writing and not inside(path):
-                _refuse("writing %r outside the sandbox dir" % (path,))
-            if not inside(path):
-                try:
-                    is_dir = isdir(path)
-                except (TypeError, ValueError):
-                    is_dir = False
-                if is_dir:
-                    _refuse("opening directory %r outside the sandbox dir" % (path,))
-                try:
-                    real = realpath(fsdecode(fspath(path)))
-                except (OSError, TypeError, ValueError):
-                    real = ""
-                if real.startswith("/proc/") and real.endswith("/mem"):
-                    _refuse("reading process memory (%r)" % (path,))
+            check_open(*args)
         elif event.startswith("socket."):
             _refuse("network (%s)" % event)
         elif event.startswith("ctypes."):
@@ -284,12 +390,9 @@ def _make_hook(root, maxc, proof):
                 if not inside(args[k], dir_fd):
                     _refuse("%s on %r outside the sandbox dir" % (event, args[k]))
         elif event == "os.kill":
-            pid, group = args[0], getpgrp()   # 0 in a PID namespace: the group is the keeper's, outside it
-            if pid not in ((getpid(), 0, -group) if group else (getpid(),)) and (maxc == 0 or pid < 0):
-                _refuse("signal to pid %r" % (pid,))
+            check_kill(*args)
         elif event == "import":
-            if args[0] in deny_imports:
-                _refuse("import of %s" % args[0])
+            check_import(*args)
         elif event in DENY_EVENTS:
             _refuse(event)
     return hook

@@ -12,13 +12,14 @@ privileges. Run by the sandbox bootstrap (:mod:`.sandbox_child`) before any untr
    with the child (the kernel ends a PID namespace with its init);
 3. in the child, the new root: a tmpfs holding read-only binds of the plan's paths only (system directories and
    the Python the program needs), a minimal ``/dev`` (null, zero, full, random, urandom), a fresh read-only
-   ``/proc`` of the new PID namespace, and one writable tmpfs (size- and inode-limited) at the workdir, which
-   is the program's cwd, HOME and TMPDIR. Every other mount is remounted read-only, nosuid (and nodev, but
-   for the device binds); ``pivot_root`` into it and the old root is detached: nothing else of the machine
+   ``/proc`` of the new PID namespace, and one writable tmpfs (size- and inode-limited, ``noexec``) at the
+   workdir, which is the program's cwd, HOME and TMPDIR. Every other mount is remounted read-only, nosuid (and
+   nodev, but for the device binds); ``pivot_root`` into it and the old root is detached: nothing else of the machine
    (homes, /root, the run directory, credentials, other /tmp files) exists for the program;
 4. privileges: the capability bounding set emptied, then the unprivileged uid/gid (root: ``plan["uid"]``,
    65534 = nobody, which clears every capability) or, in a user namespace, the capabilities dropped with
-   ``capset``; checked in ``/proc/self/status``; ``PR_SET_NO_NEW_PRIVS``; the seccomp filter of the plan.
+   ``capset``; checked in ``/proc/self/status``; not dumpable; ``PR_SET_NO_NEW_PRIVS``; the seccomp filter of the
+   plan.
 
 Any step the kernel refuses ends the child with :data:`EXIT_UNAVAILABLE` after writing one line
 ``unavailable <step>: <error>`` to the report pipe; the parent refuses to run code rewards then (it never runs
@@ -37,7 +38,7 @@ MS_PRIVATE = 1 << 18
 MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
                       "nodiratime": 2048, "relatime": 1 << 21, "strictatime": 1 << 24}
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 22, 24, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 24, 38
 SECCOMP_MODE_FILTER = 2
 CAP_VERSION_3 = 0x20080522
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -160,7 +161,11 @@ def _build_root(libc, plan, new, work):
         os.makedirs(os.path.dirname(new + dst), 0o755, exist_ok=True)
         os.symlink(target, new + dst)
     for src, dst in plan["binds"]:
-        os.makedirs(new + dst, 0o755, exist_ok=True)
+        if os.path.isdir(src):
+            os.makedirs(new + dst, 0o755, exist_ok=True)
+        else:   # a file of /etc
+            os.makedirs(os.path.dirname(new + dst), 0o755, exist_ok=True)
+            os.close(os.open(new + dst, os.O_CREAT | os.O_WRONLY, 0o644))
         _mount(libc, src, new + dst, None, MS_BIND | MS_REC)
     dev = new + "/dev"
     os.makedirs(dev, 0o755, exist_ok=True)
@@ -175,7 +180,7 @@ def _build_root(libc, plan, new, work):
     _mount(libc, "proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY,
            what="mounting /proc of the new PID namespace")
     os.makedirs(work, 0o755, exist_ok=True)
-    _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV,
+    _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,   # noexec: no native code of its own
            "mode=0700,uid=%d,gid=%d,size=%dm,nr_inodes=%d" % (plan["uid"], plan["gid"], plan["tmpfs_mb"],
                                                                plan["tmpfs_inodes"]))
 
@@ -231,6 +236,9 @@ def _drop_privileges(libc, plan, userns):
     held = [k for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb") if int(status.get(k, "0"), 16)]
     if held or (not userns and int(status["Uid"].split()[0]) != plan["uid"]):
         raise _Refused("privileges still held after dropping them: %s uid %s" % (held, status["Uid"].split()))
+    # no core dump (a pipe core_pattern hands it to a helper on the machine whatever RLIMIT_CORE says); the seccomp
+    # filter refuses to turn it back on
+    _check(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0, libc, "prctl(PR_SET_DUMPABLE)")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0, libc, "prctl(PR_SET_NO_NEW_PRIVS)")
 
 
