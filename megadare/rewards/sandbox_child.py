@@ -8,8 +8,8 @@ then executes the program as ``__main__``.
 
 Test mode (the parent passed a tests file): the program runs as module ``solution`` (so an
 ``if __name__ == "__main__"`` block does not run, as DARE strips it), then the tests run in a copy of its
-namespace with the builtins as they were before the program ran (a program that rebinds ``abs`` or ``exec`` cannot
-change them). Modules named by the parent (``preload``, e.g. numpy, which loads ctypes) are imported before the
+namespace with the builtins as they were before the program ran (a program that rebinds ``abs`` or ``exec``, or
+defines a global of that name, cannot change them for the tests). Modules named by the parent (``preload``, e.g. numpy, which loads ctypes) are imported before the
 hook, so they load; ctypes' calls stay refused. The tests passed only if the parent receives a one-time token:
 the token was read from a pipe before the program started and lives only in the audit hook's closure; the hook
 writes it to the proof pipe only when the event ``megadare.tests_passed`` is raised with this bootstrap's own
@@ -24,9 +24,9 @@ sub-interpreters, native code of the program's own and hand-made code objects (i
 proof only while the frame is at ``_boot``'s last line, where it is only after the tests ran to their end (a
 program holding the frame burns the token). Known limits: a program that reaches its own memory (numpy's
 ``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass; and, as in DARE, evalplus
-and OpenCompass, a program can return an object whose ``__eq__`` always says True, define a global named like a
-builtin the tests call (``abs``: the tests run in a copy of the program's namespace), or patch an attribute of a
-module the tests use (``math.isclose``).
+and OpenCompass, a program can return an object whose ``__eq__`` always says True, or patch an attribute of a module
+the tests use (``math.isclose``). A global of the program's named like a builtin (``abs``) is left out of the tests'
+copy of its namespace, so the tests call the true builtin.
 """
 import builtins
 import os
@@ -205,7 +205,10 @@ def _boot():
         _die(e, audit, frame)
     if tests is None:
         return
-    namespace = dict(mod.__dict__, __builtins__=pristine, __name__="tests")
+    # the tests see the program's names but the true builtins: a global ``abs`` of the program's cannot change what
+    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's)
+    namespace = {k: v for k, v in mod.__dict__.items() if k not in pristine}
+    namespace.update(__builtins__=pristine, __name__="tests")
     try:
         run(tests, namespace)
     except BaseException as e:  # a failed assert, SystemExit inside a test, anything
