@@ -22,7 +22,7 @@ segment, and block indices use the position inside the segment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -64,6 +64,12 @@ class MaskSpec:
             raise ValueError("a packed block_diffusion mask (stream_ids) needs position_ids for block indices")
         if self.kind == "block_diffusion" and self.seq_len < 1 and self.stream_ids is None:
             raise ValueError("a block_diffusion mask needs seq_len = L, the length of x_t (input is 2L)")
+
+    def to(self, device) -> "MaskSpec":
+        """The same mask with its per-position tensors on ``device``."""
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, segment_ids=mv(self.segment_ids), position_ids=mv(self.position_ids),
+                       stream_ids=mv(self.stream_ids))
 
     # ------------------------------------------------------------------ the mask itself
     def _pos(self, b: torch.Tensor, idx: torch.Tensor, offset: int) -> torch.Tensor:
