@@ -108,6 +108,8 @@ class WeightSync:
         header: list[Any] = [None]
         if trainer_rank() == 0:
             name = self.transport_name or self._resolve(ranks)
+            if not self.transport_name:
+                print(f"weight sync transport: {name} (rollout.weight_transport={self.requested})", flush=True)
             if hasattr(self.engines, "check_engines"):
                 self.engines.check_engines()           # replace dead actors before the push reaches them
             rebuild, world, backend = False, 0, "gloo"

@@ -41,7 +41,7 @@ def forward_logits(chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab
     input_ids = input_ids.to(device)
     position_ids = (torch.arange(S, device=device).unsqueeze(0).expand(B, S) if position_ids is None
                     else position_ids.to(device))
-    if isinstance(mask, MaskSpec):
+    if mask is not None:                                      # a MaskSpec, or a bool tensor (``local`` attention)
         mask = mask.to(device)
     for c in chunks:
         c.eval()
