@@ -17,11 +17,12 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
   profile    one profiled training run: the top kernels by GPU time (profile_top_kernels.txt)
   rl         `megadare rl` two steps per weight transport (needs Ray: carry benchmarks/carry/ray)
 
-Each step runs in its own process under a timeout (its share of what is left of ``--budget``); a crash, a hang or
-an error becomes that step's result and the next step runs. Results go to ``--out`` (default ``$OUT``, else
-runs/gpu_check): ``results.json`` (every row), ``summary.md`` (the tables), ``gpu_check.log`` (every step's
-output), ``profile_top_kernels.txt``. ``--carry DIR`` first installs the wheels under DIR (made here by
-benchmarks/gpu_carry.sh) into a site folder the steps import from; benchmarks/GPU.md says how they travel.
+Each step runs in its own process group under a timeout (its share of what is left of ``--budget``); a crash, a
+hang or an error becomes that step's result and the next step runs. Results go to ``--out`` (default ``$OUT``,
+else runs/gpu_check), four files: ``results.json`` (every row), ``summary.md`` (the tables), ``gpu_check.log``
+(every step's output), ``profile_top_kernels.txt`` (a step writes its rows to a temporary folder as it goes).
+``--carry DIR`` first installs the wheels under DIR (made here by benchmarks/gpu_carry.sh) into a site folder the
+steps import from; benchmarks/GPU.md says how they travel.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -79,8 +81,9 @@ def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
 
 def build_steps(args, py: str) -> list[Step]:
     limits = TINY_TIMEOUTS if args.tiny else TIMEOUTS
-    common = ["--out", args.out, "--device", args.device, "--families", args.families] + (["--tiny"] if args.tiny
-                                                                                          else [])
+    rows_dir = os.path.join(tempfile.gettempdir(), f"gpu_check_rows_{os.getpid()}")   # merged into results.json
+    common = ["--out", args.out, "--rows", rows_dir, "--device", args.device, "--families", args.families] + \
+        (["--tiny"] if args.tiny else [])
     steps = []
     for name in [n for n in ORDER if n in args.only]:
         if name == "train":
@@ -89,7 +92,7 @@ def build_steps(args, py: str) -> list[Step]:
             cmds, rows = rollout_commands(py, args.tiny), ""
         else:
             cmds = [[py, os.path.join(HERE, "gpu_steps.py"), name] + common + ["--budget", BUDGET]]
-            rows = os.path.join(args.out, f"{name}.json")
+            rows = os.path.join(rows_dir, f"{name}.json")
         steps.append(Step(name, cmds, limits[name] * args.timeout_scale, rows))
     return steps
 

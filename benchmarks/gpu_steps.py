@@ -1,8 +1,8 @@
 """The in-process steps of benchmarks/gpu_check.py (each runs in its own process, started by gpu_check.py).
 
-    python benchmarks/gpu_steps.py STEP --out DIR --device cuda|cpu [--tiny] [--families sdar,llada]
+    python benchmarks/gpu_steps.py STEP --out DIR [--rows DIR] --device cuda|cpu [--tiny] [--families sdar,llada]
 
-Every step appends result rows to ``DIR/STEP.json`` as it goes (a step cut off by its timeout leaves what it
+Every step appends result rows to ``ROWS/STEP.json`` as it goes (a step cut off by its timeout leaves what it
 measured) and prints one line per row. A row: ``check`` (what), ``ok`` (True / False / None = a measurement
 without a verdict), ``value`` and details. A failing check records its error in one line and the next check runs.
 """
@@ -524,15 +524,18 @@ STEPS = {"env": step_env, "parity": step_parity, "attention": step_attention, "e
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=sorted(STEPS))
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="where files meant for people go (the profile table)")
+    ap.add_argument("--rows", help="where this step's rows go (STEP.json); default --out")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--budget", type=float, default=600, help="seconds this step may take (its subprocesses)")
     args = ap.parse_args()
     args.families = [f for f in args.families.split(",") if f]
-    os.makedirs(args.out, exist_ok=True)
-    rep = Report(args.out, args.step)
+    args.rows = args.rows or args.out
+    for d in (args.out, args.rows):
+        os.makedirs(d, exist_ok=True)
+    rep = Report(args.rows, args.step)
     STEPS[args.step](rep, args)
     sys.exit(0 if all(r["ok"] is not False for r in rep.rows) else 1)
 
