@@ -31,6 +31,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,7 +82,7 @@ def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
 
 def build_steps(args, py: str) -> list[Step]:
     limits = TINY_TIMEOUTS if args.tiny else TIMEOUTS
-    rows_dir = os.path.join(tempfile.gettempdir(), f"gpu_check_rows_{os.getpid()}")   # merged into results.json
+    rows_dir = args.rows_dir
     common = ["--out", args.out, "--rows", rows_dir, "--device", args.device, "--families", args.families] + \
         (["--tiny"] if args.tiny else [])
     steps = []
@@ -286,7 +287,11 @@ def main(argv=None) -> int:
         print(install_carry(args.carry, site), flush=True)
     print(f"megadare GPU check: device {args.device}{' (tiny)' if args.tiny else ''}, steps {args.only}, budget "
           f"{args.budget:.0f} s, results in {args.out}", flush=True)
-    results = run_all(build_steps(args, sys.executable), args.out, args.budget, step_env_vars(args, site))
+    args.rows_dir = tempfile.mkdtemp(prefix="gpu_check_rows_")      # each step's rows; merged into results.json
+    try:
+        results = run_all(build_steps(args, sys.executable), args.out, args.budget, step_env_vars(args, site))
+    finally:
+        shutil.rmtree(args.rows_dir, ignore_errors=True)
     print(summary_markdown(results).split("\n## ")[0], flush=True)
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
 
