@@ -88,7 +88,8 @@ def check_export_target(out: str, kind: str, sources: Iterable[str]) -> None:
                               "choose a directory outside it")
     root = checkpoint_root_of(target)
     if root:
-        raise OutputError(f"--out {out} lies inside the checkpoint root {root}, which a training run prunes and "
+        how = "is" if root == target else "lies inside"
+        raise OutputError(f"--out {out} {how} the checkpoint root {root}, which a training run prunes and "
                           "replaces; choose a directory outside it")
     if os.path.lexists(target) and not os.path.isdir(target):
         raise OutputError(f"--out {out} is a file; choose a directory")

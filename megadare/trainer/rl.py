@@ -59,8 +59,8 @@ def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
             run.step += 1
             metrics.update(push_weights(run))
             log_step(run, metrics)
-            if cfg.rl.eval_interval and run.step % cfg.rl.eval_interval == 0 and run.step < cfg.rl.steps:
-                evaluate_at(run)
+            if (cfg.rl.eval_interval and run.step % cfg.rl.eval_interval == 0) or run.step == cfg.rl.steps:
+                evaluate_at(run)   # before the save: the checkpoint knows it (a resumed run does not repeat it)
             stopped = stopper.should_stop()
             interval = cfg.checkpoint.save_interval
             if stopped or run.step == cfg.rl.steps or (interval and run.step % interval == 0):
