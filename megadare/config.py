@@ -371,10 +371,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     conf = OmegaConf.structured(Config)
     try:
         if path:
-            try:
-                file_conf = OmegaConf.load(path)
-            except FileNotFoundError:
-                raise ConfigError(f"config file {path!r} not found") from None
+            file_conf = _load_yaml(path)
             conf = OmegaConf.merge(conf, file_conf)
         for ov in overrides or []:
             if "=" not in ov:
@@ -386,6 +383,28 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     except OmegaConfBaseException as e:
         raise _translate(e, path or "overrides") from None
     return _finish(conf)
+
+
+def _load_yaml(path: str):
+    """A config file as an OmegaConf mapping; a missing, unreadable or malformed file raises ConfigError in one
+    line (the YAML error's line and column)."""
+    import yaml
+
+    try:
+        conf = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path!r} is not valid YAML: {what}{where}") from None
+    if not OmegaConf.is_dict(conf):
+        raise ConfigError(f"config file {path!r} must hold a mapping of sections (model:, train:, ...), "
+                          f"not a {type(OmegaConf.to_object(conf)).__name__}")
+    return conf
 
 
 def _finish(conf) -> Config:
