@@ -130,7 +130,7 @@ def check_data(command: str, cfg: Config, tok) -> None:
 def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     """RL prompt rows build, fit the prompt budget under data.overlong, and have a reward rule."""
     from megadare.data.prompt_data import build_prompts
-    from megadare.rewards import load_reward
+    from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.rewards.registry import auto_rule
     from megadare.trainer.rl_setup import prompt_budget
 
@@ -144,6 +144,9 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
         _note(f"data.overlong={d.overlong} applies to {len(overlong)} of the first {len(rows)} prompts (longer than "
               f"{prompt_budget(cfg)} tokens), e.g. {overlong[0]}")
     load_reward(rl.reward)
+    if runs_code(rl.reward, [p.record for p in built]):
+        set_isolation(cfg.rewards.code.isolation)
+        check_isolation()   # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
     if rl.reward == "auto":
         from megadare.rewards import RewardSpecError
 

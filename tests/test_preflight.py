@@ -167,3 +167,22 @@ def test_rl_prompts_over_the_budget_follow_data_overlong_when_loaded(tmp_path, c
     full = tok.chat_prompt([{"role": "user", "content": "x" * 40}])
     assert len(train) == 3 and train[1].prompt_ids == full[-20:]
     assert f"kept the last tokens of 1 prompts longer than 20 tokens" in capsys.readouterr().err
+
+
+def test_code_rewards_need_the_sandbox_before_anything_starts(tmp_path, data, capsys, monkeypatch):
+    """A run whose reward runs programs checks at pre-flight that the kernel accepts the code sandbox (as RL and eval
+    set-up do), so a Slurm job does not start only to be refused at its first scored step."""
+    import megadare.rewards as rewards
+
+    calls = []
+
+    def refuse(mode=None):
+        calls.append(mode)
+        raise rewards.SandboxUnavailable("sandbox: this machine refused the OS isolation (unshare: Operation not "
+                                         "permitted). Set rewards.code.isolation=process to accept the weaker guard")
+
+    monkeypatch.setattr(rewards, "check_isolation", refuse)
+    err = refused(capsys, *rl(tmp_path, data, "rl.reward=code"))
+    assert "rewards.code.isolation=process" in err and len(calls) == 1
+    rc, _, _ = dry(capsys, *rl(tmp_path, data, "rl.reward=exact_match"))   # no program runs: not checked
+    assert rc == 0 and len(calls) == 1
