@@ -12,10 +12,13 @@ volcengine/verl), on identical random draws or on cases enumerated exactly:
 """
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 
 from megadare.algos import REGISTRY
+from megadare.algos.advantages import group_advantages
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from algo_toy import MASK, Toy, sample, toy_archs, view_logps
@@ -201,3 +204,68 @@ def test_spg_dare_estimator_scores_masked_earlier_blocks():
         clean = (~masked).nonzero().flatten()   # a masked token before a clean one precedes the chosen block
         seen += bool(len(clean)) and bool(masked[:int(clean[-1])].any())
     assert seen > 0
+
+
+# ================================================================== verl's REINFORCE++-baseline, transcribed
+def verl_masked_mean(values, mask, axis=None):
+    return (values * mask).sum(axis=axis) / (mask.sum(axis=axis) + 1e-8)
+
+
+def verl_masked_var(values, mask, unbiased=True):
+    mean = verl_masked_mean(values, mask)
+    variance = verl_masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        mask_sum = mask.sum()
+        variance = variance * (mask_sum / (mask_sum - 1))
+    return variance
+
+
+def verl_masked_whiten(values, mask, shift_mean=True):
+    mean, var = verl_masked_mean(values, mask), verl_masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened += mean
+    return whitened
+
+
+def verl_reinforce_pp_baseline(token_level_rewards, response_mask, index):
+    """``verl/trainer/ppo/core_algos.py::compute_reinforce_plus_plus_baseline_outcome_advantage``."""
+    response_length = token_level_rewards.shape[-1]
+    scores = token_level_rewards.sum(dim=-1)
+    id2score, id2mean = defaultdict(list), {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+            else:
+                id2mean[idx] = torch.mean(torch.stack(id2score[idx]))
+        for i in range(bsz):
+            scores[i] = scores[i] - id2mean[index[i]]
+        scores = scores.unsqueeze(-1).tile([1, response_length]) * response_mask
+        scores = verl_masked_whiten(scores, response_mask) * response_mask
+    return scores
+
+
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_reinforce_pp_is_verls_reinforce_pp_baseline(G):
+    """rl.advantage=reinforce_pp == verl's REINFORCE++-baseline (group mean removed, a group of one keeps its
+    reward, then token-weighted masked whitening with Bessel over tokens) on random batches with varied response
+    lengths, and a response of no tokens gets 0 as in verl."""
+    g = torch.Generator().manual_seed(G)
+    for _ in range(20):
+        n, R = 4 * G, 12
+        rewards = torch.randint(0, 3, (n,), generator=g).float() / 2
+        lengths = torch.randint(0, R + 1, (n,), generator=g)
+        lengths[0] = R
+        mask = (torch.arange(R).unsqueeze(0) < lengths.unsqueeze(1)).float()
+        token_rewards = torch.zeros(n, R)
+        token_rewards[torch.arange(n), (lengths - 1).clamp(min=0)] = rewards * (lengths > 0)
+        want = verl_reinforce_pp_baseline(token_rewards, mask, [i // G for i in range(n)])[:, 0]
+        scores = token_rewards.sum(-1)   # the reward verl sees (0 for an empty response)
+        got = group_advantages(scores, G, "reinforce_pp", lengths=lengths.tolist())
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    with pytest.raises(ValueError, match="token counts"):
+        group_advantages(scores, G, "reinforce_pp")

@@ -402,10 +402,10 @@ def test_group_advantages_against_hand_computation():
     assert group_advantages(r, 4)[8:].tolist() == [0.0] * 4                 # all-equal group: no signal
     rloo = group_advantages(r, 4, "rloo")
     assert rloo[:4].tolist() == pytest.approx([1 - 2 / 3, 0 - 1.0, 1 - 2 / 3, 1 - 2 / 3])
-    rpp = group_advantages(r, 4, "reinforce_pp")
+    rpp = group_advantages(r, 4, "reinforce_pp", lengths=[3] * 12)   # equal lengths: whitening over responses
     c = (g - mean).flatten()
-    assert torch.allclose(rpp, ((c - c.mean()) / (c.std(unbiased=False) + 1e-6)).float(), atol=1e-6)
-    assert abs(float(rpp.mean())) < 1e-6 and abs(float(rpp.std(unbiased=False)) - 1) < 1e-4
+    assert torch.allclose(rpp, ((c - c.mean()) / c.std(unbiased=False) * math.sqrt(35 / 36)).float(), atol=1e-6)
+    assert abs(float(rpp.mean())) < 1e-6 and abs(float(rpp.std(unbiased=False)) - math.sqrt(35 / 36)) < 1e-4
     assert group_advantages(torch.tensor([1.0, 0.0]), 1).tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="groups of rl.n_samples=5"):
         group_advantages(r, 5)
