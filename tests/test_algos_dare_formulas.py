@@ -269,3 +269,22 @@ def test_reinforce_pp_is_verls_reinforce_pp_baseline(G):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     with pytest.raises(ValueError, match="token counts"):
         group_advantages(scores, G, "reinforce_pp")
+
+
+# ================================================================== one response per prompt
+def test_group_relative_advantages_with_one_sample_are_refused():
+    """rl.n_samples=1 with grpo / rloo: every advantage would be 0 -- the config check refuses it naming both
+    keys; reinforce_pp (verl: a group of one keeps its reward) and TraceRL with a value model still run; online
+    VRPO needs two responses to pair."""
+    from megadare.config import load_config, validate
+    from megadare.errors import ConfigError
+
+    for adv in ("grpo", "rloo"):
+        for algo in ("d1", "tracerl", "bgpo"):
+            with pytest.raises(ConfigError, match=f"rl.n_samples=1 with rl.advantage={adv}"):
+                validate(load_config(None, [f"algo.name={algo}", "rl.n_samples=1", f"rl.advantage={adv}"]), None)
+    validate(load_config(None, ["algo.name=d1", "rl.n_samples=1", "rl.advantage=reinforce_pp"]), None)
+    validate(load_config(None, ["algo.name=tracerl", "rl.n_samples=1", "algo.params={value_model: true}"]), None)
+    validate(load_config(None, ["algo.name=d1", "rl.n_samples=2"]), None)
+    with pytest.raises(ConfigError, match="rl.n_samples=1: online VRPO pairs"):
+        validate(load_config(None, ["algo.name=vrpo", "rl.n_samples=1", "rl.advantage=reinforce_pp"]), None)

@@ -17,6 +17,10 @@ contiguously). With r_i the reward of response i in its group g:
   (token-weighted mean and Bessel-corrected variance over tokens; verl's masked_mean adds 1e-8 to N). Responses
   of dropped groups (``filter_groups``) get n_i = 0: verl filters before computing advantages.
 
+A group of one response has no group baseline: ``grpo`` gives A = 0 (verl: A = r), ``rloo`` is refused; the
+config check refuses ``rl.n_samples=1`` with either for algorithms that train on these advantages
+(``Algorithm.check_config``).
+
 ``filter_groups`` implements the dynamic-sampling filters: drop groups whose rewards are all equal (no learning
 signal under a group baseline) and groups whose accuracy lies outside a band (dLLM-RL keeps 0.2..0.8).
 ``truncated_as_wrong`` zeroes the reward of responses that hit the length limit (dLLM-RL, DAPO's overlong).

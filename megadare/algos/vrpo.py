@@ -80,6 +80,12 @@ class VRPO(Algorithm):
         return views_to_row(dataclasses.replace(s, advantage=sign), self.views(s, arch, 0, g), arch,
                             arch.attention == "block_causal", {0: head}, head)
 
+    def check_config(self, cfg, arch) -> None:
+        super().check_config(cfg, arch)
+        if cfg.rl.n_samples < 2:
+            raise ConfigError(f"rl.n_samples={cfg.rl.n_samples}: online VRPO pairs the best and the worst response "
+                              "of a prompt's group and needs rl.n_samples >= 2")
+
     def batch_rows(self, samples, arch, block_size, generator_for):
         rows = []
         by_group: dict[int, list[RLSample]] = {}
