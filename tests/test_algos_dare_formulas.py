@@ -12,7 +12,8 @@ volcengine/verl), on identical random draws or on cases enumerated exactly:
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
+from fractions import Fraction
 
 import pytest
 import torch
@@ -288,3 +289,49 @@ def test_group_relative_advantages_with_one_sample_are_refused():
     validate(load_config(None, ["algo.name=d1", "rl.n_samples=2"]), None)
     with pytest.raises(ConfigError, match="rl.n_samples=1: online VRPO pairs"):
         validate(load_config(None, ["algo.name=vrpo", "rl.n_samples=1", "rl.advantage=reinforce_pp"]), None)
+
+
+# ================================================================== count stratification, enumerated
+def megadare_count_distribution(L: int, n: int) -> list[Fraction]:
+    """P(m = 1..L) pooled over the n draws of ``stratified``, exactly: the offset u ~ U[0, 1) is cut where
+    (j + u) L / n crosses an integer, and ``stratified_count`` is read at each piece's midpoint."""
+    from megadare.algos.corruption import stratified_count
+
+    prob = [Fraction(0)] * (L + 1)
+    for j in range(n):
+        cuts = sorted({Fraction(0), Fraction(1)} | {Fraction(i * n, L) - j for i in range(L * (j + 2) // n + 2)
+                                                     if 0 < Fraction(i * n, L) - j < 1})
+        for a, b in zip(cuts, cuts[1:]):
+            prob[stratified_count(j, float((a + b) / 2), L, n)] += (b - a) / n
+    return prob[1:]
+
+
+def dare_count_distribution(L: int, n: int) -> list[Fraction]:
+    """P(m = 1..L) pooled over the n masks of DARE's ``_forward_process_bgpo`` / ``_forward_process_vrpo``
+    (b = n rows, target_len = L), exactly: k ~ U{1..L} enumerated through DARE's own lines."""
+    prob = [Fraction(0)] * (L + 1)
+    for k in range(1, L + 1):
+        x = torch.round(torch.linspace(float(k), k + (n - 1) * (L / n), steps=n)).long()
+        x = ((x - 1) % L) + 1
+        for m in x.tolist():
+            prob[m] += Fraction(1, L * n)
+    return prob[1:]
+
+
+def test_count_stratification_megadare_uniform_dare_as_stated():
+    """The statement of algos/corruption.py ``stratified``: megadare's pooled counts are exactly uniform on
+    1..L; DARE's are uniform iff n / gcd(n, L) is odd, else they take the probabilities (1 +- gcd(n, L) / n) / L
+    (VRPO's n = 4 at L = 6: 0.5x and 1.5x), for every L <= 40 and n in {1, 2, 3, 4, 8, 16}."""
+    from math import gcd
+
+    for n in (1, 2, 3, 4, 8, 16):
+        for L in range(1, 41):
+            assert megadare_count_distribution(L, n) == [Fraction(1, L)] * L, (L, n)
+            factors = Counter(p * L for p in dare_count_distribution(L, n))
+            d = gcd(n, L)
+            if (n // d) % 2 or L == 1:
+                assert factors == Counter({1: L}), (L, n)
+            else:
+                lo, hi = 1 - Fraction(d, n), 1 + Fraction(d, n)
+                assert set(factors) <= {lo, 1, hi} and factors[lo] == factors[hi] > 0, (L, n, factors)
+    assert Counter(p * 6 for p in dare_count_distribution(6, 4)) == {Fraction(1, 2): 3, Fraction(3, 2): 3}

@@ -15,8 +15,17 @@ slots: one per (view, token); ``sequence`` slots: one per view (the whole respon
                  block families: per block p_b ~ U(0.1, 0.9), tokens masked i.i.d. w.p. p_b; full attention:
                  t ~ U(0.1, 0.9) i.i.d.; ``coupled`` adds the exact complement. c = 1 on masked tokens, no 1/t.
 * ``stratified`` count-stratified discrete ELBO (LLaDA 1.5 / VRPO arXiv:2505.19223, BGPO arXiv:2510.11683;
-                 DARE ``_forward_process_vrpo``): n counts m_j evenly spaced over [1, L] with a random offset,
-                 a uniform subset of size m_j masked, c = L / m_j (p_mask = m_j / L); B_j = sum_masked c log p.
+                 DARE ``_forward_process_vrpo`` / ``_forward_process_bgpo``): one offset u ~ U[0, 1) per sample,
+                 m_j = floor(1 + (j + u) L / n) for j < n (draw j in its own stratum), a uniform subset of size
+                 m_j masked, c = L / m_j (p_mask = m_j / L); B_j = sum_masked c log p. Pooled over the n draws
+                 every count 1..L is exactly equally likely (``stratified_count``), which makes the mean of the
+                 B_j an unbiased estimate of the ELBO. DARE's draws differ: k ~ U{1..L},
+                 m_j = ((round(k + j L / n) - 1) mod L) + 1 with torch.round (half to even), which is uniform
+                 only when n / gcd(n, L) is odd (e.g. n divides L); otherwise the gcd(n, L) draws whose offset
+                 j L / n is a half-integer take every other count only, and pooled the counts have
+                 probabilities (1 +- gcd(n, L) / n) / L -- VRPO's n = 4 at L = 6: 0.5x and 1.5x uniform; BGPO's
+                 n = 16 at L = 12: 0.75x and 1.25x -- so its L/m-weighted mean is biased there
+                 (tests/test_algos_dare_formulas.py enumerates both).
 * ``blockwise``  block-wise ELBO (SPG arXiv:2510.09541, facebookresearch/SPG): a uniformly chosen response block
                  b (earlier blocks clean, later ones fully masked), m ~ U{1..|b|} of its tokens masked, prompt
                  tokens masked w.p. p_prompt; c = n_blocks * |b| / m on the masked tokens of b.
@@ -111,6 +120,11 @@ def random_mask(prompt: list[int], response: list[int], mask_id: int, g: torch.G
     return views
 
 
+def stratified_count(j: int, offset: float, L: int, n: int) -> int:
+    """The masked count of draw j of n for a response of L tokens with the sample's offset in [0, 1)."""
+    return min(L, max(1, int(1 + (j + offset) * L / n)))
+
+
 def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, n_mc: int = 4,
                slots: str = "sequence_per_view", normalize_length: bool = False) -> list[View]:
     """``normalize_length`` divides each estimate by L (BGPO's per-length ELBO)."""
@@ -120,7 +134,7 @@ def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Ge
     offset = float(torch.rand((), generator=g, dtype=torch.float64))
     views = []
     for j in range(n_mc):
-        m = min(L, max(1, int(1 + (j + offset) * L / n_mc)))
+        m = stratified_count(j, offset, L, n_mc)
         pick = torch.randperm(L, generator=g)[:m] + P
         masked = torch.zeros(P + L, dtype=torch.bool)
         masked[pick] = True
