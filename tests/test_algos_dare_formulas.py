@@ -20,6 +20,7 @@ import torch
 
 from megadare.algos import REGISTRY
 from megadare.algos.advantages import group_advantages
+from megadare.algos.policy_loss import kl_penalty
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from algo_toy import MASK, Toy, sample, toy_archs, view_logps
@@ -270,6 +271,33 @@ def test_reinforce_pp_is_verls_reinforce_pp_baseline(G):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     with pytest.raises(ValueError, match="token counts"):
         group_advantages(scores, G, "reinforce_pp")
+
+
+# ================================================================== verl's k3 KL
+def verl_kl_penalty_forward(logprob, ref_logprob):
+    """``verl/trainer/ppo/core_algos.py::kl_penalty_forward``, ``low_var_kl`` / ``k3`` (DARE's is the same)."""
+    kl = ref_logprob - logprob
+    kl = torch.clamp(kl, min=-20, max=20)
+    ratio = torch.exp(kl)
+    kld = (ratio - kl - 1).contiguous()
+    return torch.clamp(kld, min=-10, max=10)
+
+
+def test_k3_kl_is_verls_low_var_kl():
+    """The loss's k3 == verl's low_var_kl on d = ref - logp over [-30, 30], value and gradient: beyond
+    d ~ 2.6 (k3 = 10) a slot adds 10 and no gradient, where the unclamped weight 1 - exp(d) reached -e^20; the
+    metric form (``k3_bound=None``) is the plain estimator."""
+    d = torch.linspace(-30, 30, 601, dtype=torch.float64)
+    logp = torch.full_like(d, -1.0, requires_grad=True)
+    got = kl_penalty(logp, logp.detach() + d, "k3")
+    want = verl_kl_penalty_forward(logp, logp.detach() + d)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    (g,) = torch.autograd.grad(got.sum(), logp)
+    (gw,) = torch.autograd.grad(want.sum(), logp)
+    assert torch.equal(g, gw) and float(g.abs().max()) < 13.5 and float(got.max()) == 10.0
+    plain = kl_penalty(logp, logp.detach() + d, "k3", k3_bound=None)
+    dc = d.clamp(-20, 20)
+    assert torch.allclose(plain, torch.exp(dc) - dc - 1) and float(plain.max()) > 1e8
 
 
 # ================================================================== one response per prompt
