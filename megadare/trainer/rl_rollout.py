@@ -60,8 +60,9 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
     truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
     if rl.truncated_as_wrong:
         r = truncated_as_wrong(r, truncated)
-    adv = group_advantages(r, G, rl.advantage, rl.advantage_std)
     keep = filter_groups(r, G, rl.filter_all_equal, tuple(rl.accuracy_band) if rl.accuracy_band else None)
+    lengths = [len(t.response_ids) if keep[i] else 0 for i, t in enumerate(trajectories)]   # reinforce_pp's weights
+    adv = group_advantages(r, G, rl.advantage, rl.advantage_std, lengths=lengths)
     samples = []
     for i, t in enumerate(trajectories):
         if not keep[i] or not t.response_ids:
