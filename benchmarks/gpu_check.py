@@ -72,12 +72,16 @@ def train_commands(py: str, tiny: bool) -> list[list[str]]:
 
 
 def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
-    """benchmarks/rollout_throughput.py through its command line (the one place that builds it). LLaDA / Dream
-    shapes: add their invocations here once the script takes a family (issue 27 rewrites it)."""
+    """benchmarks/rollout_throughput.py through its command line (the one place that builds it): SDAR-1.7B shape
+    (today's engine runs too, its CUDA failure reported in a line), then the LLaDA-8B (dual cache) and Dream-7B
+    shapes, one round each (a full forward of the canvas per step is their cost)."""
     rt = os.path.join(HERE, "rollout_throughput.py")
     if tiny:
         return [[py, rt, "--batch", "2", "--prompt", "8", "--new", "8", "--steps", "2"]]
-    return [[py, rt, "--batch", "32", "--prompt", "128", "--new", new, "--steps", "4"] for new in ("128", "256")]
+    sdar = [[py, rt, "--batch", "32", "--prompt", "128", "--new", new, "--steps", "4"] for new in ("128", "256")]
+    full = [py, rt, "--batch", "32", "--prompt", "128", "--new", "128", "--steps", "4", "--rounds", "1",
+            "--baseline-ref", "none"]
+    return sdar + [full + ["--family", "llada", "--cache", "dual"], full + ["--family", "dream"]]
 
 
 def build_steps(args, py: str) -> list[Step]:
@@ -149,8 +153,7 @@ def _rows(step: Step, lines: list[str]) -> list[dict]:
         with open(step.rows_file) as f:
             return json.load(f)["rows"]
     # an external benchmark: its own table lines, as printed
-    keep = ("device:", "dense ", "moe ", "  no cache", "  block KV cache", "  cache speed-up", "weight update",
-            "shape  ")
+    keep = ("device:", "dense ", "moe ", "rollout ", "weight update", "shape  ")
     return [{"check": ln.rstrip(), "ok": None, "value": None} for ln in lines if ln.startswith(keep)]
 
 
