@@ -146,7 +146,9 @@ def _trainer_cases(out: dict, name: str, hf_dir: str) -> None:
 
     def weight_sync():
         chunks = gpt.build_model_chunks(arch, gpt.transformer_config(arch), attention_backend="sdpa")
-        engine = NativeEngine(load_hf_model(hf_dir), arch, eos_token_id=arch.vocab_size - 3, device="cuda")
+        # float32: compared with the float32 trainer at 1e-4 (the engine's own default on CUDA is bfloat16)
+        engine = NativeEngine(load_hf_model(hf_dir), arch, eos_token_id=arch.vocab_size - 3, device="cuda",
+                              dtype=torch.float32)
         sync = WeightSync(chunks, fam.mapping(cfg), [engine], transport="object_store")
         sync.push(1)
         ids = torch.randint(0, arch.vocab_size - 3, (1, 8), generator=torch.Generator().manual_seed(1))
