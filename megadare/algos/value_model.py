@@ -24,7 +24,9 @@ from megadare.data.rows import MicroBatch
 
 class ValueHead(torch.nn.Module):
     """Drop-in for the GPT model's ``output_layer``: hidden [s, b, h] -> values [s, b, 1] (zero-initialised).
-    Under sequence parallelism the hidden states are gathered over TP first (as the vocab projection does)."""
+    Under sequence parallelism the hidden states are gathered over TP first (as the vocab projection does); the
+    head is replicated, so every TP rank's input gradient is already complete and the gather's backward only
+    splits it (the vocab projection's are partial sums and get reduce-scattered)."""
 
     def __init__(self, hidden_size: int, sequence_parallel: bool = False):
         super().__init__()
@@ -38,7 +40,7 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype)), None
 
 
