@@ -45,13 +45,15 @@ class ValueHead(torch.nn.Module):
 
 
 def attach_value_head(chunks: list[torch.nn.Module]) -> None:
-    """Replace the vocab projection of the last pipeline stage by a value head (the backbone stays)."""
+    """Replace the vocab projection of the last pipeline stage by a value head (the backbone stays). The word
+    embedding is no longer tied to any output layer, on every stage: under PP a tied family's first stage would
+    otherwise wait for the last stage in megatron's embedding-gradient all-reduce."""
     for c in chunks:
         m = getattr(c, "module", c)
         if getattr(m, "post_process", False):
             cfg = m.config
             m.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel)
-            m.share_embeddings_and_output_weights = False
+        m.share_embeddings_and_output_weights = False
 
 
 def values_of(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

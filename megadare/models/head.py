@@ -18,14 +18,18 @@ in, per-token result out), and the last pipeline stage
    with the per-position ``logit_scale`` s (1/temperature) and ``excluded_token`` of trainer/logprob.py.
    Backward, per chunk: d log p_k/dz_k = e_{y_k} - p_k and dH_k/dz_k = -p_k (z_k - E_p z_k), so with upstream
    grads (a_k, b_k) g_k = s_k (a_k (e_{y_k} - p_k) - b_k p_k (z_k - E_p z_k)); dh_k = g_k W (a partial sum over this
-   rank's rows, completed by the copy / gather region's all-reduce) and dW += g^T h. When all scored tokens fit
-   in one chunk the forward keeps p for backward (as megatron's cross entropy keeps its softmax); otherwise every
-   chunk's logits are recomputed in backward, so at most one chunk of [tokens, vocab] exists at a time.
+   rank's rows, completed by the copy / gather region's all-reduce) and dW += g^T h (straight into megatron
+   DDP's fp32 ``main_grad``, as its fused grad accumulation does, so no [V/tp, h] gradient tensor is made; a
+   bf16 model's product goes through ``chunk_mb`` of vocabulary rows at a time). When
+   all scored tokens fit in one chunk the forward keeps p for backward (as megatron's cross entropy keeps its
+   softmax); otherwise every chunk's logits are recomputed in backward, so at most one chunk of [tokens, vocab]
+   exists at a time.
 
 A value head (TraceRL's value model, algos/value_model.py: replicated weights, no vocabulary) runs on the same
 gathered hidden states; its output is [n, k] already.
 
-The chunk holds ``chunk_tokens(V/tp, chunk_mb)`` tokens: ``chunk_mb`` MiB of fp32 logits (the planner,
+(megatron is imported where it is used: the planner reads ``chunk_tokens`` without it.) The chunk holds
+``chunk_tokens(V/tp, chunk_mb)`` tokens: ``chunk_mb`` MiB of fp32 logits (the planner,
 plan/memory.py, uses the same function). On a GPU, Liger-Kernel's fused linear cross entropy is the well-kept
 kernel for the TP = 1 case; it has no vocab-parallel path, no per-token temperature and no entropy, so this torch
 path is the one megadare runs everywhere (see the note in benchmarks/train_memory.py).
@@ -37,8 +41,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
 HEAD_MODES = ("scored", "full")
 NEG = torch.finfo(torch.float32).min     # an excluded token's logit: exp() is exactly 0, 0 * NEG is 0 (no NaN)
@@ -88,6 +90,8 @@ class ScoredOutput:
 
 def scored_output(model, hidden: torch.Tensor, targets: ScoredTargets) -> ScoredOutput:
     """The last stage's head on the scored positions of ``hidden`` [s(/tp), b, h] (module doc)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
     out_layer = model.output_layer
     sp = bool(getattr(out_layer, "sequence_parallel", False))
     vocab_head = targets.labels is not None
@@ -124,6 +128,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     """(log p(labels) [n] fp32, entropy [n] or None) of ``hidden`` [n, h] under the vocab projection ``weight``
     (this TP rank's rows [V_pad/tp, h]), without the [n, V] logits (module doc). ``hidden`` must already be
     replicated over TP (``scored_output`` does it)."""
+    from megatron.core import parallel_state
+
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() \
         else 1
     rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
@@ -132,7 +138,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     vocab = _Vocab(start=rank * part, n_real=max(0, min(part, vocab_size - rank * part)),
                    group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
-                   chunk=chunk, entropy=entropy, keep_probs=grad and hidden.shape[0] <= chunk)
+                   chunk=chunk, entropy=entropy, keep_probs=grad and hidden.shape[0] <= chunk,
+                   wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())))
     scale = None if logit_scale is None else logit_scale.float()
     logp, ent = LinearLogProb.apply(hidden, weight, labels, scale, excluded_token, vocab)
     return logp, (ent if entropy else None)
@@ -146,6 +153,7 @@ class _Vocab:
     chunk: int          # tokens per chunk
     entropy: bool       # also the entropy
     keep_probs: bool    # one chunk holds every token: keep p for backward instead of recomputing the logits
+    wgrad_rows: int     # bf16 / fp16 weight gradient: vocabulary rows per product (chunk_mb of model dtype)
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, scale, excluded, v: _Vocab) -> torch.Tensor:
@@ -194,7 +202,8 @@ class LinearLogProb(torch.autograd.Function):
             tgt = _target(z, labels[sl], v)
             d = z.sub_(m.unsqueeze(1))                               # z - m, in place
             e = d.exp() if v.entropy else d.exp_()
-            sums = _all_reduce(torch.stack([tgt, e.sum(1)] + ([(e * d).sum(1)] if v.entropy else [])), v)
+            parts = [tgt, e.sum(1)] + ([e.mul_(d).sum(1)] if v.entropy else [])   # entropy: e is spent, d kept
+            sums = _all_reduce(torch.stack(parts), v)
             log_s = sums[1].log()
             logp[sl], lse[sl], shift[sl] = sums[0] - m - log_s, m + log_s, m
             if v.entropy:
@@ -214,7 +223,7 @@ class LinearLogProb(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight[:v.n_real]
         grad_h = torch.zeros_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_w = _weight_grad_buffer(weight) if need_w else None
         n = hidden.shape[0] if (g_logp is not None or g_ent is not None) else 0
         for a in range(0, n, v.chunk):
             sl = slice(a, min(n, a + v.chunk))
@@ -227,9 +236,23 @@ class LinearLogProb(torch.autograd.Function):
                 grad_h[sl] = g @ w
             if need_w and weight.dtype == grad_w.dtype:
                 grad_w[:v.n_real].addmm_(g.t(), hidden[sl])
-            elif need_w:   # bf16 / fp16: each chunk's product in the model dtype, summed over chunks in fp32
-                grad_w[:v.n_real] += g.t() @ hidden[sl]
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+            elif need_w:   # bf16 / fp16: the product in the model dtype, <= chunk_mb at a time, summed in fp32
+                for r in range(0, v.n_real, v.wgrad_rows):
+                    rs = slice(r, min(v.n_real, r + v.wgrad_rows))
+                    grad_w[rs] += g[:, rs].t() @ hidden[sl]
+        if grad_w is None or grad_w is getattr(weight, "main_grad", None):
+            return grad_h, None, None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+
+
+def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
+    """Where the weight gradient is summed: megatron DDP's fp32 ``main_grad`` when there is one (its grad-
+    accumulation contract: no [V/tp, h] gradient tensor beside it; other uses of a tied weight still arrive
+    through ``.grad`` and DDP's hook), else a new fp32 buffer."""
+    main = getattr(weight, "main_grad", None)
+    if main is not None and main.dtype == torch.float32 and main.shape == weight.shape:
+        return main
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 
 
 def _part(t: Optional[torch.Tensor], sl: slice) -> Optional[torch.Tensor]:
