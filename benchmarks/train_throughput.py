@@ -300,7 +300,8 @@ def main() -> None:
     dtype = "bf16" if gpu else "fp32"
     device = torch.cuda.get_device_name() if gpu else "CPU"
     print(f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps")
-    print(f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}")
+    print(f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}")
     for name in args.shape:
         arch = SHAPES[name] if gpu else cpu_shape(SHAPES[name])
         for batch in args.batch:

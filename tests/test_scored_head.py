@@ -145,8 +145,9 @@ def _sft_rows(mode: str, arch, n: int = 6):
     rows = []
     for i in range(n):
         P, L = 2 + i % 3, 6 + i % 4
-        ex = SFTExample(torch.randint(4, 200, (P,), generator=g).tolist(),
-                        torch.randint(4, 200, (L,), generator=g).tolist(), steps=torch.randperm(L, generator=g).tolist())
+        prompt = torch.randint(4, 200, (P,), generator=g).tolist()
+        response = torch.randint(4, 200, (L,), generator=g).tolist()
+        ex = SFTExample(prompt, response, steps=torch.randperm(L, generator=g).tolist())
         rows += example_rows(ex, arch, SFTRecipe(mode, block_size=4), example_generator(5, 0, i))
     return rows
 
