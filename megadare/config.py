@@ -19,6 +19,7 @@ from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
+from megadare.rewards.sandbox import ISOLATIONS
 from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, SCHEDULES, WEIGHT_TRANSPORTS,
                                       SamplingParams)
 
@@ -260,6 +261,18 @@ class PlanSection:
 
 
 @dataclass
+class CodeRewardSection:
+    isolation: str = "namespaces"          # namespaces: the OS sandbox (README "Code sandbox") | process: the weaker
+                                           # guard (seccomp + audit hook, writable filesystem) where the kernel
+                                           # refuses namespaces; code rewards refuse to run rather than fall back
+
+
+@dataclass
+class RewardsSection:
+    code: CodeRewardSection = field(default_factory=CodeRewardSection)
+
+
+@dataclass
 class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -275,6 +288,7 @@ class Config:
     plan: PlanSection = field(default_factory=PlanSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    rewards: RewardsSection = field(default_factory=RewardsSection)
     seed: int = 1234
 
 
@@ -302,6 +316,7 @@ CHOICES = {
     "replay.level": ("sample", "group", "version"),
     "rl.advantage_std": ("unbiased", "population", "none"),
     "rl.canvas": (None, "full", "eos"),
+    "rewards.code.isolation": ISOLATIONS,
     "dpo.margin_norm": ("none", "canvas"),
     "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
     "sft.weighting": ("inv_t", "none"),
@@ -360,10 +375,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     conf = OmegaConf.structured(Config)
     try:
         if path:
-            try:
-                file_conf = OmegaConf.load(path)
-            except FileNotFoundError:
-                raise ConfigError(f"config file {path!r} not found") from None
+            file_conf = _load_yaml(path)
             conf = OmegaConf.merge(conf, file_conf)
         for ov in overrides or []:
             if "=" not in ov:
@@ -375,6 +387,28 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     except OmegaConfBaseException as e:
         raise _translate(e, path or "overrides") from None
     return _finish(conf)
+
+
+def _load_yaml(path: str):
+    """A config file as an OmegaConf mapping; a missing, unreadable or malformed file raises ConfigError in one
+    line (the YAML error's line and column)."""
+    import yaml
+
+    try:
+        conf = OmegaConf.load(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path!r} is not valid YAML: {what}{where}") from None
+    if not OmegaConf.is_dict(conf):
+        raise ConfigError(f"config file {path!r} must hold a mapping of sections (model:, train:, ...), "
+                          f"not a {type(OmegaConf.to_object(conf)).__name__}")
+    return conf
 
 
 def _finish(conf) -> Config:

@@ -4,3 +4,11 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A bad config: the message names the dotted key and how to fix it."""
+
+
+class OutputError(ValueError):
+    """An output path a command refuses to write: it holds what the command did not write, or a source."""
+
+
+class RunStateError(ValueError):
+    """A run directory's state refuses the command: held by another run, or trained from another model."""

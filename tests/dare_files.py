@@ -62,3 +62,30 @@ def write_parquet(path, rows: list[dict]) -> str:
     os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), str(path))
     return str(path)
+
+
+# Text in the scripts and symbols DARE's files hold (curly quotes and dashes in GSM8K / MBPP, unicode math in MATH and
+# AIME, arrows and inequality signs in HumanEval docstrings), plus CJK and an emoji: written here, not copied.
+UNICODE_QUESTIONS = [
+    "Janet’s hens lay 16 eggs a day; she sells each for €2. How many euros does she make?",
+    "Let f(x) = √(x² + 1). Compute ∑_{k=1}^{3} f(k)² – is it ≤ 6π?",
+    "A function maps “abc” ➞ “cba”. How many characters does it return for “abcde” (0 ≤ n ≤ 10⁶)?",
+    "小明有 3 个苹果，又买了 2 个。他现在有几个苹果？🍎",
+]
+
+
+def unicode_rl_rows() -> list[dict]:
+    golds = ["32", "17", "5", "5"]
+    return [rl_row("openai/gsm8k", q + " Let's think step by step and output the final answer after \"####\".", g, i)
+            for i, (q, g) in enumerate(zip(UNICODE_QUESTIONS, golds))]
+
+
+def unicode_sft_rows() -> list[dict]:
+    answers = ["16 × 2 = 32 €.\n#### 32", "f(k)² = k² + 1, so ∑ = 2 + 5 + 10 = 17 ≤ 6π ≈ 18.85.\n#### 17",
+               "It keeps every character: “edcba” has 5.\n#### 5", "3 + 2 = 5（个）。\n#### 5"]
+    rows = sft_rows(len(UNICODE_QUESTIONS))
+    for row, q, a in zip(rows, UNICODE_QUESTIONS, answers):
+        row["prompt"][0]["content"] = q + " Let's think step by step and output the final answer after \"####\"."
+        row["extra_info"].update(question=q, answer=a)
+        row["reward_model"]["ground_truth"] = a.rsplit("#### ", 1)[1]
+    return rows

@@ -59,3 +59,40 @@ def test_backend_choice():
         resolve_backend("flex", torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown"):
         resolve_backend("xformers", torch.device("cpu"))
+
+
+def test_flex_compiles_once_per_mask_structure_across_micro_batches(monkeypatch):
+    """FlexAttention under torch.compile (issue 23, item 6): a fresh MaskSpec per micro-batch -- new packing ids,
+    KV-cache offsets that move every block, a new block-diffusion length -- must reuse one compiled graph per mask
+    structure; a Python int in the mask_mod would recompile per value and, past dynamo's limit of 8, fall back to
+    the kernel that materialises the scores. Counted with a counting backend on the CPU (the product compiles only
+    on CUDA); every output is checked against SDPA on the dense mask."""
+    import megadare.models.attention as A
+    from megadare.models.attention import MaskSpec
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex
+
+    graphs = []
+    torch._dynamo.reset()
+    kernel = torch.compile(eager_flex, backend=lambda gm, _: graphs.append(gm) or gm.forward, dynamic=False)
+    monkeypatch.setattr(A, "_flex_kernel", lambda device: kernel)
+    B, H, S, D = 2, 2, 64, 16
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for i in range(10):                              # more micro-batches than dynamo's recompile limit
+        seg = torch.cumsum(torch.rand(B, S, generator=g) < 0.1, dim=1)
+        pos = torch.arange(S).repeat(B, 1)
+        specs = [MaskSpec("block_causal", block_size=4, segment_ids=seg, position_ids=pos),   # packed training
+                 MaskSpec("block_causal", block_size=4, q_offset=4 * i),                      # KV-cached decoding
+                 MaskSpec("block_diffusion", block_size=4, seq_len=S // 2 + i)]               # x_t ++ x_0, L varies
+        for spec in specs:
+            q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+            out = A.flex_attention(q, k, v, spec, D ** -0.5)
+            assert A.flex_block_mask(spec, S, S, q.device) is A.flex_block_mask(spec, S, S, q.device)  # per layer
+            ref = sdpa_attention(q, k, v, spec.dense(S, S, B), D ** -0.5)
+            worst = max(worst, float((out - ref).abs().max()))
+    assert worst < 1e-5
+    assert len(graphs) == 3, f"{len(graphs)} compiled graphs for 3 mask structures over 30 micro-batches"
+    assert len(A._BLOCK_MASKS) <= A._BLOCK_MASKS_KEPT
+    spec = MaskSpec("bidirectional")                  # no per-position tensors: an equal spec hits the cache
+    assert A.flex_block_mask(spec, S, S, torch.device("cpu")) is \
+        A.flex_block_mask(MaskSpec("bidirectional"), S, S, torch.device("cpu"))

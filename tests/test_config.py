@@ -110,8 +110,8 @@ def test_unknown_key_in_file(tmp_path):
 
 
 def test_cli_dry_run_and_errors():
-    ok = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",
-                         "parallel.tp=2", "--dry-run"], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-m", "megadare", "sft", "--nproc", "2", "--dry-run", "--config",
+                         "examples/configs/sft_sdar_tiny.yaml", "parallel.tp=2"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "tp: 2" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",

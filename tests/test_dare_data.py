@@ -126,11 +126,11 @@ def test_data_inspect_on_each_schema(tmp_path):
     assert "schema: verl / DARE rows; data_source: math 3" in lines
     assert "RL prompts: prompt <- prompt (1 end in an assistant prefill), gold <- reward_model.ground_truth, " \
            "reward auto" in lines
-    assert any(line.startswith("prompt tokens: p50 ") for line in lines)
+    assert any(line.startswith("prompt bytes: p50 ") for line in lines)   # no --model: UTF-8 bytes
     assert lines[-1] == "reward of gold answers: 1.000 over 4 records (auto)"   # math 3 + sudoku 1 (not targets)
     rc, lines = _inspect([f["sft"]])
     assert rc == 0 and "SFT examples: extra_info.question + extra_info.answer" in lines
-    assert any(line.startswith("response tokens: ") for line in lines)
+    assert any(line.startswith("response bytes: ") for line in lines)
     assert lines[-1] == "reward of gold answers: 1.000 over 3 records (auto)"
     rc, lines = _inspect([f["dpo"]])
     assert rc == 0 and "preference pairs: prompt <- prompt, chosen <- chosen, rejected <- rejected" in lines

@@ -182,9 +182,59 @@ def test_dpo_preset_reproduces_the_dare_recipe(name):
 
 
 def test_every_preset_loads_with_dry_run(capsys):
+    """The presets' paths are placeholders (config.json-only models, DARE's data paths), so the config-only
+    pre-flight: the config, its layout and its memory plan on the declared cluster."""
     from megadare.cli import main
 
     for name in sorted({**DARE, **DARE_DPO}):
         command = "dpo" if name in DARE_DPO else "rl"
-        assert main([command, "--config", os.path.join(ROOT, f"{name}.yaml"), "--dry-run"]) == 0, name
+        assert main([command, "--config", os.path.join(ROOT, f"{name}.yaml"), "--dry-run", "--config-only"]) == 0, \
+            (name, capsys.readouterr().err)
         assert f"run_dir: runs/dare/{name}\n" in capsys.readouterr().out, name    # the resolved config is printed
+
+
+# trainer.save_freq of each DARE script (verl's checkpoint interval; espo / justgrpo: their --save_freq default 100)
+SAVE_FREQ = {
+    "recipe/dream/run_bgpo_dream_7b_instruct.sh": 20, "recipe/dream/run_cj_grpo_dream_7b_instruct.sh": 100,
+    "recipe/dream/run_coupled_grpo_dream_7b_instruct.sh": 20, "recipe/dream/run_d1_dream_7b_instruct.sh": 1,
+    "recipe/dream/run_dtreerpo_dream_7b_instruct.sh": 20, "recipe/dream/run_mdpo_dream_7b_instruct.sh": 20,
+    "recipe/dream/run_spg_dream_7b_instruct.sh": 20, "recipe/dream/run_vrpo_dream_7b_instruct.sh": 20,
+    "recipe/llada/run_bgpo_llada_8b_instruct.sh": 20, "recipe/llada/run_cj_grpo_llada_8b_instruct.sh": 20,
+    "recipe/llada/run_coupled_grpo_llada_8b_instruct.sh": 20, "recipe/llada/run_d1_llada_8b_instruct.sh": 20,
+    "recipe/llada/run_dtreerpo_llada_8b_instruct.sh": 20, "recipe/llada/run_espo_llada_8b_instruct.sh": 100,
+    "recipe/llada/run_justgrpo_llada_8b_instruct.sh": 100, "recipe/llada/run_mdpo_llada_8b_instruct.sh": 20,
+    "recipe/llada/run_spg_llada_8b_instruct.sh": 20, "recipe/llada/run_vrpo_llada_8b_instruct.sh": 20,
+    "recipe/llada2_mini/run_bgpo_llada2_mini.sh": 100, "recipe/llada2_mini/run_cj_grpo_llada2_mini.sh": 100,
+    "recipe/llada2_mini/run_ebpo_llada2_mini.sh": 100, "recipe/sdar/run_bgpo_sdar_1dot7b_chat.sh": 100,
+    "recipe/sdar/run_bgpo_sdar_4b_chat.sh": 100, "recipe/sdar/run_bgpo_sdar_8b_chat.sh": 100,
+    "recipe/sdar/run_cj_grpo_sdar_8b_chat.sh": 100, "recipe/sdar/run_ebpo_sdar_1dot7b_chat.sh": 100,
+    "recipe/sdar/run_ebpo_sdar_4b_chat.sh": 100, "recipe/sdar/run_ebpo_sdar_8b_chat.sh": 100,
+}
+# the files of DARE's task=math (RL) and ultrafeedback (VRPO) runs: train_files / val_files of the scripts
+RL_FILES = (["data/preprocessed/rl/train/math_1.parquet", "data/preprocessed/rl/train/gsm8k_1.parquet"],
+            ["data/preprocessed/rl/test/math500_1.parquet", "data/preprocessed/rl/test/gsm8k_1.parquet"])
+DPO_FILE = "data/preprocessed/dpo/train/ultrafeedback.parquet"
+
+
+@pytest.mark.parametrize("name", sorted({**DARE, **DARE_DPO}))
+def test_preset_saves_at_dares_interval_and_fits_its_cluster(name):
+    """A crash hours into a preset run loses at most DARE's checkpoint interval; the memory plan of the layout the
+    preset sets fits the cluster it declares (plan.*); its data are DARE's own files, read as they are (the
+    README's promise), which its comment says."""
+    from megadare.models import family_of, read_hf_config
+    from megadare.plan import plan
+
+    script = {**DARE, **DARE_DPO}[name][0]
+    cfg = _load(name, script)
+    assert cfg.checkpoint.save_interval == SAVE_FREQ[script], name
+    hf = read_hf_config(os.path.join(ROOT, "..", "..", "..", cfg.model.hf_path))
+    report = plan(cfg, family_of(hf).arch(hf), advise=False)
+    assert report.fits, (name, report.peak / 2**30, cfg.plan)
+    assert (cfg.plan.nodes, cfg.plan.gpus_per_node, cfg.plan.gpu_memory_gb) == (1, 8, 80), name
+    assert cfg.plan.job == ("sft" if name in DARE_DPO else "rl"), name
+    text = open(os.path.join(ROOT, f"{name}.yaml")).read()
+    assert "flattened" not in text and "read as it is" in text.replace("read as they are", "read as it is"), name
+    if name in DARE_DPO:
+        assert cfg.data.path == DPO_FILE, name
+    else:
+        assert (list(cfg.data.path), list(cfg.data.eval_path)) == RL_FILES, name

@@ -129,6 +129,18 @@ def test_trap_closed_wrong_programs_score_zero():
         AUTO(RIGHT, dare_row("humaneval", "assert True", task="code"))
 
 
+def test_a_global_named_like_a_builtin_does_not_change_the_tests():
+    """A program that defines ``abs`` (or ``len``, ``sorted``) at top level used to change what the tests' calls
+    meant: the tests ran in a copy of its namespace. The tests now call the true builtins; the program's own
+    functions still see its global."""
+    tests = dare_row("humaneval", "\n\ndef check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n",
+                     task="code", prompt="def add(a, b):\n")
+    cheat = "def add(a, b):\n    return 0\n\ndef abs(x):\n    return 0\n"
+    assert AUTO(f"```python\n{cheat}```", tests) == 0.0
+    own = "def abs(x):\n    return -x if x < 0 else x\n\ndef add(a, b):\n    return abs(a) + b if a > 0 else a + b\n"
+    assert AUTO(f"```python\n{own}```", tests) == 1.0
+
+
 def test_mbpp_extraction_follows_dare_patterns():
     assert extract_code_mbpp("[BEGIN]\n 'def f(x):\r\n    return x' \n[DONE]") == "def f(x):\r\n    return x"
     assert extract_code_mbpp("[BEGIN]\ndef f(x):\n    return x\n[DONE]\nmore") == "def f(x):\n    return x"

@@ -28,7 +28,7 @@ def _tiny(name: str) -> dict:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """A random HF checkpoint per family (all parameters perturbed, several shards) + inputs + HF logits."""
-    from megadare.models import build_hf_model, get_family, save_hf_model
+    from megadare.models import build_hf_model, get_family, perturb_, save_hf_model
     from megadare.models.attention import bidirectional, block_causal
 
     root = tmp_path_factory.mktemp("hf")
@@ -39,13 +39,7 @@ def checkpoints(tmp_path_factory):
         if "block_size" in cfg:
             cfg["block_size"] = TEST_BLOCK
         fam = get_family(name)
-        model = build_hf_model(cfg).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
-            for n, b in model.named_buffers():
-                if "expert_bias" in n:
-                    b.copy_(torch.randn_like(b) * 0.1)
+        model = perturb_(build_hf_model(cfg).eval())
         d = str(root / name)
         save_hf_model(model, cfg, d, max_shard_bytes=64 << 10)
         arch = fam.arch(cfg)

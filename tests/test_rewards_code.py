@@ -1,6 +1,7 @@
 """Code rewards and the sandbox: correct/wrong programs, and hostile ones (loops, memory, fork bombs, file
 escapes, network, output floods) that must be stopped without harming the test process or the machine."""
 import os
+import signal
 import socket
 import textwrap
 import time
@@ -116,16 +117,18 @@ def test_infinite_loop_times_out_and_group_is_killed():
     r = run_program(prog, timeout_s=4.0, max_processes=2)   # room to start and print the child's pid under load
     assert time.monotonic() - t0 < 4.0 + 5.0
     assert r.status == "timeout", r
-    child = int(r.stdout.split()[0])
-    deadline = time.monotonic() + 3.0
-    while _alive(child) and time.monotonic() < deadline:
+    assert int(r.stdout.split()[0]) > 0   # the grandchild started (its pid in the sandbox's PID namespace)
+    deadline = time.monotonic() + 3.0      # found here by its process group: the run's, on this machine
+    while _group_members(r.pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child), f"grandchild {child} survived the sandbox"
+    assert _group_members(r.pgid) == [], f"the grandchild in group {r.pgid} survived the sandbox"
 
 
 def test_cpu_limit():
-    r = run_program("while True:\n    pass", timeout_s=20, cpu_s=1)
-    assert r.status == "timeout" and r.wall_s < 10, r
+    # the CPU limit (1 s) ends it, not the wall deadline: the deadline is far enough that a loaded machine
+    # cannot reach it first, and the returncode is the CPU limit's signal
+    r = run_program("while True:\n    pass", timeout_s=300, cpu_s=1)
+    assert r.status == "timeout" and r.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and r.wall_s < 300, r
 
 
 def test_huge_allocation_is_stopped():
@@ -137,9 +140,9 @@ def test_huge_allocation_is_stopped():
 def test_fork_bomb_is_refused(layers):
     # never run a fork bomb unless the refusal is in place before the user code starts
     assert "audit_hook" in layers
-    r = run_program("import os\nprint(os.getpgrp(), flush=True)\nwhile True:\n    os.fork()", timeout_s=15)
+    r = run_program("import os\nwhile True:\n    os.fork()", timeout_s=15)
     assert r.status == "refused", r                            # ended by the refusal, not by the deadline
-    assert _group_members(int(r.stdout.split()[0])) == []      # nothing of the bomb is left running
+    assert _group_members(r.pgid) == []                        # nothing of the bomb is left running
     r2 = run_program("import subprocess\nsubprocess.run(['true'])", timeout_s=5)
     assert r2.status == "refused", r2
     r3 = run_program("import _posixsubprocess\n_posixsubprocess.fork_exec()", timeout_s=5)

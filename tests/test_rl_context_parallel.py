@@ -1,7 +1,11 @@
 """RL updates under context parallelism (parallel.cp=2) equal cp=1: the same rows, old log-probs from a separate
 pass (gathered over the CP ranks), slot estimates completed across the ranks (a sequence slot's views, token
 slots shared by coupled views, SPG's log-sum-exp), one optimizer step. Compared: loss, gradient norm and every
-weight after the step. Sequences are packed so that slots straddle the two CP halves."""
+parameter's gradient (all-reduced over the CP ranks). Sequences are packed so that slots straddle the two CP halves.
+
+Weights after the step are not compared: Adam's first step moves every parameter by about lr * sign(gradient), so
+float noise on a near-zero gradient becomes an lr-sized difference (1.3e-4 at lr 1e-2 on an AMD EPYC), which says
+nothing about context parallelism. The gradient is what CP must reproduce; the step only has to move the weights."""
 from __future__ import annotations
 
 import pytest
@@ -46,14 +50,17 @@ def _worker(rank, world, hf_dir, cp):
         out = {}
         for name, params in ALGOS.items():
             torch.manual_seed(0)
-            model = wrap_ddp(build_training_chunks(cfg, src), True)
-            opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, total_steps=2, clip_grad=0.0))
+            # no distributed optimizer: every rank's grad buffer then holds the whole all-reduced gradient
+            model = wrap_ddp(build_training_chunks(cfg, src), False)
+            opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, total_steps=2, clip_grad=0.0,
+                                                              distributed_optimizer=False))
             algo = build_algorithm(name, params)
             before = [p.detach().clone() for p in model[0].parameters()]
             m = update(cfg, algo, _samples(), 0, src.arch, src.arch.block_size, "block_diffusion", 0, 1, model,
                        None, opt, sched, algo.objective(on_policy=False), example_generator)
             after = [p.detach().clone() for p in model[0].parameters()]
-            out[name] = {"pg_loss": m["pg_loss"], "grad_norm": m["grad_norm"], "weights": after,
+            grads = {n: p.main_grad.detach().clone() for n, p in model[0].module.named_parameters()}
+            out[name] = {"pg_loss": m["pg_loss"], "grad_norm": m["grad_norm"], "grads": grads,
                          "moved": max(float((a - b).abs().max()) for a, b in zip(after, before))}
         out["cp"] = ps.get_context_parallel_world_size()
         return out
@@ -70,6 +77,11 @@ def test_rl_update_with_context_parallelism_equals_cp1(tmp_path):
         for res in two:
             assert res[name]["pg_loss"] == pytest.approx(one[name]["pg_loss"], rel=1e-4, abs=1e-6), name
             assert res[name]["grad_norm"] == pytest.approx(one[name]["grad_norm"], rel=1e-4), name
-            diff = max(float((a - b).abs().max()) for a, b in zip(res[name]["weights"], one[name]["weights"]))
-            assert diff < 1e-5, (name, diff)
+            g1, g2 = one[name]["grads"], res[name]["grads"]
+            assert sorted(g2) == sorted(g1), name
+            scale = max(float(g.abs().max()) for g in g1.values())
+            assert scale > 1e-3, name
+            for key, g in g1.items():   # relative to the largest gradient entry: float noise, not CP, below 1e-4
+                diff = float((g2[key] - g).abs().max())
+                assert diff <= 1e-4 * scale, (name, key, diff, scale)
         assert one[name]["moved"] > 1e-4, name

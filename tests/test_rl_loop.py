@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 
@@ -97,6 +98,9 @@ def test_rl_resume_matches_straight_run(tmp_path):
     for k in ("reward", "pg_loss", "grad_norm", "train_rows", "value_loss", "value_grad_norm"):
         assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], b[k])
     assert straight["evals"][2] == resumed["evals"][2]
+    logged = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
+    kinds = [(m["step"], any(k.startswith("eval/") for k in m)) for m in logged]
+    assert len(kinds) == len(set(kinds)) and (2, True) in kinds, kinds   # no step or evaluation twice
     # step k trained, its weights pushed as version k+1 (colocated: a one-host CPU run), the next rollout used them
     assert [h["async/staleness_max"] for h in straight["history"]] == [0.0, 0.0]
     assert all(h["sync_bytes"] > 0 and h["sync_buckets"] >= 1 for h in straight["history"])

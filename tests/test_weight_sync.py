@@ -301,13 +301,42 @@ def test_auto_transport_is_colocated_only_on_one_cpu_host():
     from megadare.rollout.weight_sync import WeightSync
 
     def engines(*ips):
-        return SimpleNamespace(engine_info=lambda: [{"ip": ip} for ip in ips])
+        return SimpleNamespace(engine_info=lambda: [{"ip": ip, "gpu": None} for ip in ips])
 
     def resolve(transport, trainer_ips, engine_ips):
-        return WeightSync([], [], engines(*engine_ips), transport=transport)._resolve(trainer_ips)
+        ranks = [(ip, None) for ip in trainer_ips]
+        return WeightSync([], [], engines(*engine_ips), transport=transport)._resolve(ranks)
 
     assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1"] * 2) == "colocated"
     assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1", "10.0.0.2"]) == "distributed"
     assert WeightSync([], [], [object()], transport="auto")._resolve(None) == "object_store"   # in-process engines
     with pytest.raises(ConfigError, match="engines on .*10.0.0.2.*weight_transport=distributed"):
         resolve("colocated", ["10.0.0.1"], ["10.0.0.2"])
+
+
+def test_auto_transport_on_gpus_never_puts_two_nccl_ranks_on_one_gpu():
+    """Trainer on GPUs (issue 23): an engine on the trainer's own GPU gets CUDA IPC (colocated), never NCCL, which
+    refuses two ranks of one group on one device; engines on GPUs of their own get NCCL (distributed)."""
+    from types import SimpleNamespace
+
+    from megadare.errors import ConfigError
+    from megadare.rollout.weight_sync import WeightSync
+
+    def resolve(transport, trainer_gpus, engine_gpus, ip2="h1"):
+        manager = SimpleNamespace(engine_info=lambda: [{"ip": ip2, "gpu": g} for g in engine_gpus])
+        sync = WeightSync([], [], manager, transport=transport)
+        sync.device = torch.device("cuda", 0)         # what a trainer on a GPU reports (no GPU needed to decide)
+        return sync._resolve([("h1", g) for g in trainer_gpus])
+
+    assert resolve("auto", ["GPU-a"], ["GPU-a"]) == "colocated"            # one GPU: trainer and engine share it
+    assert resolve("auto", ["GPU-a"], ["GPU-a", "GPU-a"]) == "colocated"
+    assert resolve("auto", ["GPU-a", "GPU-b"], ["GPU-c", "GPU-d"]) == "distributed"   # engines on GPUs of their own
+    assert resolve("auto", ["GPU-a"], [None]) == "distributed"              # a CPU engine cannot map CUDA IPC
+    assert resolve("auto", ["GPU-a"], ["GPU-c"], ip2="h2") == "distributed"
+    # engines on GPU-a and GPU-b, the sender (rank 0) on GPU-a: NCCL clashes on GPU-a, and the engine on GPU-b
+    # cannot map the sender's buffer on GPU-a
+    assert resolve("auto", ["GPU-a", "GPU-b"], ["GPU-a", "GPU-b"]) == "object_store"
+    with pytest.raises(ConfigError, match="NCCL refuses two ranks .*weight_transport=auto"):
+        resolve("distributed", ["GPU-a"], ["GPU-a"])
+    with pytest.raises(ConfigError, match="colocated on GPUs needs every engine on the GPU"):
+        resolve("colocated", ["GPU-a"], ["GPU-c"])

@@ -43,7 +43,9 @@
 #   REQUEUE_ON_TERM     1: SIGTERM to the batch script (preemption) requeues like USR1 does (default 1);
 #                       SIGINT never requeues (`scancel --batch --signal=INT JOBID` ends a run for good)
 #   MAX_REQUEUES        no requeue once $SLURM_RESTART_COUNT reaches it (default 100)
-#   PREFLIGHT           1: `megadare rl|sft --dry-run` with the trainer's overrides before anything starts
+#   PREFLIGHT           1: `megadare rl|sft --dry-run` with the trainer's overrides before anything starts (config,
+#                       memory plan, model, tokenizer, data rows, reward, engine, run directory); config: the config
+#                       and memory plan only (--config-only); 0: none
 #   EXTRA_OVERRIDES     more key=value config overrides, whitespace-separated (e.g. "rl.steps=50 train.lr=5e-7")
 #   NCCL_DEBUG, NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...   exported when non-empty (GLOO_SOCKET_IFNAME follows
 #                       NCCL_SOCKET_IFNAME unless set)
@@ -300,10 +302,16 @@ md_overrides() {  # MD_OVERRIDES: the key=value overrides the trainer (and the p
   MD_OVERRIDES+=("${extra[@]}")
 }
 
-md_preflight() {  # the config, the overrides and the layout against the model, before any step starts
-  ((PREFLIGHT)) || return 0
-  md_log "checking $MD_CONFIG with the trainer's overrides (megadare $MD_CMD --dry-run)"
-  "$PYTHON" -m megadare "$MD_CMD" --config "$MD_CONFIG" --dry-run "${MD_OVERRIDES[@]}" \
+md_preflight() {  # the config, the overrides, the model, the data and the run directory, before any step starts
+  local only=()
+  case $PREFLIGHT in
+    0) return 0 ;;
+    1) ;;
+    config) only=(--config-only) ;;
+    *) md_die "PREFLIGHT=$PREFLIGHT must be 1, config or 0" ;;
+  esac
+  md_log "checking $MD_CONFIG with the trainer's overrides (megadare $MD_CMD --dry-run ${only[*]})"
+  "$PYTHON" -m megadare "$MD_CMD" --config "$MD_CONFIG" --dry-run "${only[@]}" "${MD_OVERRIDES[@]}" \
     >"$LOG_DIR/resolved-config.yaml" || md_die "megadare $MD_CMD --dry-run rejected the config (see above)"
 }
 

@@ -7,8 +7,19 @@ contiguously). With r_i the reward of response i in its group g:
   ``std='unbiased'`` (verl, torch.std), ``'population'`` (dLLM-RL's z-score), ``'none'`` (Dr. GRPO,
   arXiv:2503.20783; DiffuCoder's ``scale_rewards: false``): A_i = r_i - mean_g r.
 * ``rloo`` (Ahmadian et al., arXiv:2402.14740):   A_i = r_i - (sum_g r - r_i) / (G - 1)
-* ``reinforce_pp`` (REINFORCE++, arXiv:2501.03262, group-baseline variant): A_i = r_i - mean_g r, then
-  normalised over the whole batch: (A - mean A) / (std A + eps).
+* ``reinforce_pp`` (REINFORCE++-baseline, arXiv:2501.03262) as verl computes it
+  (``core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage``): a_i = r_i - mean_g r (a group of one
+  keeps a_i = r_i), then whitened over every response token of the batch (``verl_F.masked_whiten``): with n_i
+  the response's token count and N = sum_i n_i,
+
+      mu = sum_i n_i a_i / N,   var = [sum_i n_i (a_i - mu)^2 / N] * N / (N - 1),   A_i = (a_i - mu) / sqrt(var + 1e-8)
+
+  (token-weighted mean and Bessel-corrected variance over tokens; verl's masked_mean adds 1e-8 to N). Responses
+  of dropped groups (``filter_groups``) get n_i = 0: verl filters before computing advantages.
+
+A group of one response has no group baseline: ``grpo`` gives A = 0 (verl: A = r), ``rloo`` is refused; the
+config check refuses ``rl.n_samples=1`` with either for algorithms that train on these advantages
+(``Algorithm.check_config``).
 
 ``filter_groups`` implements the dynamic-sampling filters: drop groups whose rewards are all equal (no learning
 signal under a group baseline) and groups whose accuracy lies outside a band (dLLM-RL keeps 0.2..0.8).
@@ -32,8 +43,9 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo", std: str = "unbiased",
-                     eps: float = 1e-6) -> torch.Tensor:
-    """Per-response advantages [N] (float32) from rewards [N] grouped contiguously by prompt."""
+                     eps: float = 1e-6, lengths: Optional[list[int]] = None) -> torch.Tensor:
+    """Per-response advantages [N] (float32) from rewards [N] grouped contiguously by prompt; ``lengths``: the
+    responses' token counts (``reinforce_pp`` weighs by them; 0 leaves a response out of the statistics)."""
     if kind not in ADVANTAGES:
         raise ValueError(f"rl.advantage={kind!r} unknown; choose one of {ADVANTAGES}")
     if std not in STDS:
@@ -45,14 +57,31 @@ def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo",
             raise ValueError("rloo needs at least 2 responses per prompt (rl.n_samples >= 2)")
         adv = g - (g.sum(1, keepdim=True) - g) / (G - 1)
         return adv.flatten().float()
-    adv = g - g.mean(1, keepdim=True)
     if kind == "reinforce_pp":
-        flat = adv.flatten()
-        return ((flat - flat.mean()) / (flat.std(unbiased=False) + eps)).float()
+        return reinforce_pp_baseline(g, lengths)
+    adv = g - g.mean(1, keepdim=True)
     if std != "none":
         s = g.std(1, unbiased=(std == "unbiased"), keepdim=True) if G > 1 else torch.zeros_like(g[:, :1])
         adv = adv / (s + eps)
     return adv.flatten().float()
+
+
+def reinforce_pp_baseline(groups: torch.Tensor, lengths: Optional[list[int]]) -> torch.Tensor:
+    """verl's REINFORCE++-baseline (module docstring) from rewards [n_groups, G] and token counts [N]."""
+    if lengths is None or len(lengths) != groups.numel():
+        raise ValueError(f"rl.advantage=reinforce_pp whitens over response tokens: give the token counts of all "
+                         f"{groups.numel()} responses (got {None if lengths is None else len(lengths)})")
+    a = (groups - groups.mean(1, keepdim=True) if groups.shape[1] > 1 else groups).flatten()
+    n = torch.as_tensor(lengths, dtype=torch.float64)
+    N = float(n.sum())
+    if N == 0:                  # every group dropped: nothing trains on these
+        return torch.zeros(groups.numel())
+    if N < 2:
+        raise ValueError(f"rl.advantage=reinforce_pp: {N:.0f} response tokens in the batch, the whitening "
+                         "variance needs at least 2")
+    mean = (a * n).sum() / (N + 1e-8)
+    var = ((a - mean) ** 2 * n).sum() / (N + 1e-8) * (N / (N - 1))
+    return ((a - mean) * torch.rsqrt(var + 1e-8) * (n > 0)).float()
 
 
 def filter_groups(rewards: torch.Tensor, group_size: int, drop_all_equal: bool = False,

@@ -82,6 +82,17 @@ class Algorithm(ABC):
                               f"{cfg.rollout.engine})")
         if cfg.rollout.algorithm == "editing" and self.needs_trace and not self.replays_edits:
             self.refuse_edits()
+        rl = cfg.rl
+        if rl.n_samples < 2 and rl.advantage in ("grpo", "rloo") and self.uses_group_baseline():
+            raise ConfigError(f"rl.n_samples={rl.n_samples} with rl.advantage={rl.advantage}: one response per prompt "
+                              f"has no group baseline (every advantage would be 0, so {self.name} would never "
+                              "learn); set rl.n_samples >= 2, or rl.advantage=reinforce_pp (verl's REINFORCE++-"
+                              "baseline: a group of one keeps its reward, whitened over the batch)")
+
+    def uses_group_baseline(self) -> bool:
+        """Whether its advantages are ``rl.advantage``'s group-relative ones (a value model or a tree of its own
+        replaces them)."""
+        return True
 
     def refuse_edits(self) -> None:
         raise ConfigError(f"rollout.algorithm=editing: {self.name} rebuilds decoding states from the final tokens "

@@ -3,6 +3,10 @@
 
 Estimator: n Monte-Carlo count-stratified ELBO samples per response (algos/corruption.py ``stratified``),
 each normalised by the response length: l_j = (1/L) (L/m_j) sum_{k masked in j} log p_theta(y_k | x_j).
+The counts m_j are exactly uniform on 1..L pooled over the n draws, so mean_j l_j is unbiased for the ELBO / L.
+DARE's ``_forward_process_bgpo`` rounds its evenly spaced counts half to even: unless n / gcd(n, L) is odd
+(16 divides L at n = 16) some counts are (1 + gcd(n, L)/n)x and others (1 - gcd(n, L)/n)x as likely as
+uniform (L = 12: 1.25x / 0.75x); megadare keeps the uniform counts (corruption.py states and enumerates both).
 Objective: the sequence ratio exp(mean_j l_j - mean_j l_j^old) is not linear in the samples; BGPO maximises a
 lower bound that is a sum of per-sample terms (so each MC sample can be back-propagated on its own):
 

@@ -15,13 +15,24 @@ slots: one per (view, token); ``sequence`` slots: one per view (the whole respon
                  block families: per block p_b ~ U(0.1, 0.9), tokens masked i.i.d. w.p. p_b; full attention:
                  t ~ U(0.1, 0.9) i.i.d.; ``coupled`` adds the exact complement. c = 1 on masked tokens, no 1/t.
 * ``stratified`` count-stratified discrete ELBO (LLaDA 1.5 / VRPO arXiv:2505.19223, BGPO arXiv:2510.11683;
-                 DARE ``_forward_process_vrpo``): n counts m_j evenly spaced over [1, L] with a random offset,
-                 a uniform subset of size m_j masked, c = L / m_j (p_mask = m_j / L); B_j = sum_masked c log p.
-* ``blockwise``  block-wise ELBO (SPG arXiv:2510.09541, ``_forward_process_spg``): a uniformly chosen response
-                 block b (earlier blocks clean, later ones fully masked), m ~ U{1..|b|} of its tokens masked,
-                 prompt tokens masked w.p. p_prompt; c = n_blocks * |b| / m on the masked tokens of b.
-                 ``score_later`` (DARE's ``_forward_process_spg`` + ``llada_dp_actor_spg.py``): every masked
-                 response token is scored -- the m of b and all later blocks -- with c = 1 / (n_mc t_v),
+                 DARE ``_forward_process_vrpo`` / ``_forward_process_bgpo``): one offset u ~ U[0, 1) per sample,
+                 m_j = floor(1 + (j + u) L / n) for j < n (draw j in its own stratum), a uniform subset of size
+                 m_j masked, c = L / m_j (p_mask = m_j / L); B_j = sum_masked c log p. Pooled over the n draws
+                 every count 1..L is exactly equally likely (``stratified_count``), which makes the mean of the
+                 B_j an unbiased estimate of the ELBO. DARE's draws differ: k ~ U{1..L},
+                 m_j = ((round(k + j L / n) - 1) mod L) + 1 with torch.round (half to even), which is uniform
+                 only when n / gcd(n, L) is odd (e.g. n divides L); otherwise the gcd(n, L) draws whose offset
+                 j L / n is a half-integer take every other count only, and pooled the counts have
+                 probabilities (1 +- gcd(n, L) / n) / L -- VRPO's n = 4 at L = 6: 0.5x and 1.5x uniform; BGPO's
+                 n = 16 at L = 12: 0.75x and 1.25x -- so its L/m-weighted mean is biased there
+                 (tests/test_algos_dare_formulas.py enumerates both).
+* ``blockwise``  block-wise ELBO (SPG arXiv:2510.09541, facebookresearch/SPG): a uniformly chosen response block
+                 b (earlier blocks clean, later ones fully masked), m ~ U{1..|b|} of its tokens masked, prompt
+                 tokens masked w.p. p_prompt; c = n_blocks * |b| / m on the masked tokens of b.
+* ``blockwise_dare``  SPG as DARE codes it (``_forward_process_spg`` + ``llada_dp_actor_spg.py``), drawn in DARE's
+                 order: the n_mc blocks b_v from one permutation; everything before b_v -- the prompt AND the
+                 earlier response blocks -- masked w.p. p_prompt, m ~ U{1..|b|} of b_v and all later blocks
+                 masked; every masked response token is scored (earlier blocks' included), c = 1 / (n_mc t_v),
                  t_v = (masked response tokens of draw v) / L, the empirical masking rate.
 * ``antithetic_views``  ESPO (arXiv:2512.03759): per draw k masked tokens (coefficient (L+1)/k) and the exact
                  complement ((L+1)/(L-k)), each / (2 n_mc canvas), all in one sequence slot (a sequence ELBO).
@@ -109,6 +120,11 @@ def random_mask(prompt: list[int], response: list[int], mask_id: int, g: torch.G
     return views
 
 
+def stratified_count(j: int, offset: float, L: int, n: int) -> int:
+    """The masked count of draw j of n for a response of L tokens with the sample's offset in [0, 1)."""
+    return min(L, max(1, int(1 + (j + offset) * L / n)))
+
+
 def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, n_mc: int = 4,
                slots: str = "sequence_per_view", normalize_length: bool = False) -> list[View]:
     """``normalize_length`` divides each estimate by L (BGPO's per-length ELBO)."""
@@ -118,7 +134,7 @@ def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Ge
     offset = float(torch.rand((), generator=g, dtype=torch.float64))
     views = []
     for j in range(n_mc):
-        m = min(L, max(1, int(1 + (j + offset) * L / n_mc)))
+        m = stratified_count(j, offset, L, n_mc)
         pick = torch.randperm(L, generator=g)[:m] + P
         masked = torch.zeros(P + L, dtype=torch.bool)
         masked[pick] = True
@@ -127,15 +143,19 @@ def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Ge
     return views
 
 
+def _block_bounds(P: int, L: int, block_size: int, global_grid: bool) -> tuple[int, int]:
+    """(offset, number of response blocks): ``global_grid`` counts blocks on the prompt+response grid (block
+    families: the blocks the model's x_t ++ x_0 mask uses), else from the response start (LLaDA's semi-AR blocks);
+    the offset is the number of response tokens sharing the prompt's last block."""
+    off = P % block_size if global_grid else 0
+    return off, -(-(L + off) // block_size)
+
+
 def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
-              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view", global_grid: bool = False,
-              score_later: bool = False) -> list[View]:
-    """``global_grid``: blocks of the prompt+response grid (block families: the blocks the model's x_t ++ x_0
-    mask uses), else counted from the response start (LLaDA's semi-AR blocks). ``score_later``: DARE's variant
-    (module docstring)."""
+              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view", global_grid: bool = False) -> list[View]:
+    """SPG's block-wise ELBO draws (module docstring); ``global_grid`` see ``_block_bounds``."""
     x0, P, L = _seq(prompt, response)
-    off = P % block_size if global_grid else 0   # response tokens sharing the prompt's last block
-    n_blocks = -(-(L + off) // block_size)
+    off, n_blocks = _block_bounds(P, L, block_size, global_grid)
     views = []
     for j in range(n_mc):
         b = int(torch.randint(n_blocks, (1,), generator=g))
@@ -146,14 +166,42 @@ def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Gen
         masked = in_b.clone()
         masked[hi:] = True
         masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
-        if score_later:
-            scored = masked.clone()
-            scored[:P] = False
-            coef = torch.full((P + L,), L / (int(scored.sum()) * n_mc))
-        else:
-            scored = in_b
-            coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
-        views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=scored))
+        coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
+        views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=in_b))
+    return views
+
+
+def blockwise_dare(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
+                   n_mc: int = 1, p_prompt: float = 0.15, global_grid: bool = False) -> list[View]:
+    """DARE's ``_forward_process_spg`` for one sample, drawing from ``g`` in DARE's order (so a generator seeded
+    as DARE's ``seed`` gives DARE's masks): the n_mc chosen blocks from one permutation of the response blocks
+    (without replacement; past n_blocks draws a fresh permutation continues, where DARE asserts
+    n_mc <= n_blocks); per draw m ~ U{1..|b|} and the positions i of b with perm[i] < m masked; then one
+    uniform draw per position for all draws: every position before b -- prompt and earlier response blocks --
+    masked w.p. ``p_prompt``, b's m and every later position masked. Scored (token slots): every masked
+    response token, c = L / (n_mc |masked response tokens of the draw|) (module docstring)."""
+    x0, P, L = _seq(prompt, response)
+    if L == 0:
+        return []
+    off, n_blocks = _block_bounds(P, L, block_size, global_grid)
+    order = torch.cat([torch.randperm(n_blocks, generator=g) for _ in range(-(-n_mc // n_blocks))])
+    pos = torch.arange(P + L)
+    starts, following = [], []
+    for j in range(n_mc):
+        b = int(order[j])
+        lo, hi = max(P, P - off + b * block_size), min(P + L, P - off + (b + 1) * block_size)
+        m = int(torch.randint(1, hi - lo + 1, (1, 1), generator=g))
+        f = pos >= lo
+        f[lo:hi] = torch.randperm(hi - lo, generator=g) < m
+        starts.append(lo)
+        following.append(f)
+    u = torch.rand((n_mc, P + L), generator=g)        # DARE's random_matrix (float32)
+    views = []
+    for j, (lo, f) in enumerate(zip(starts, following)):
+        masked = f | ((pos < lo) & (u[j] < p_prompt))
+        scored = masked & (pos >= P)
+        coef = torch.full((P + L,), L / (int(scored.sum()) * n_mc))
+        views.append(_view(x0, masked, coef, P, L, mask_id, "token", j, scored=scored))
     return views
 
 

@@ -118,6 +118,9 @@ class DTreeRPO(Algorithm):
                               "depth")
         return f
 
+    def uses_group_baseline(self) -> bool:
+        return False          # local advantages of its tree (samples_from)
+
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)
         self.fanout(cfg.rl.n_samples)

@@ -16,7 +16,15 @@ PPO clip (Schulman et al., arXiv:1707.06347), asymmetric (DAPO's clip-higher, ar
 every PPO-clip algorithm takes (DARE's ``clip_ratio_c``, 3.0 in its recipes; off by default here).
 
 KL estimators of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman, "Approximating KL divergence"),
-with d = logp_ref - logp:   k1 = -d,   k2 = d^2 / 2,   k3 = exp(d) - d - 1  (unbiased, >= 0; GRPO's choice).
+with d = logp_ref - logp:   k1 = -d,   k2 = d^2 / 2,   k3 = min(exp(d) - d - 1, 10)  (>= 0; GRPO's choice).
+
+k3 as verl (``low_var_kl``) and DARE (``kl_penalty``) compute it: d clamped to +-20, the estimate to 10, so a
+slot whose reference probability exceeds ~13.5x its current estimate (d > 2.6) adds 10 and no gradient. Unclamped
+(TRL, d1's own trainer), k3's gradient weight 1 - exp(d) is unbounded, and it is unbounded in expectation too when
+``logp`` is not the log-probability the sampler drew the token with -- d1's one-step estimate, Coupled-GRPO's:
+on the demo (30 steps at lr 5e-4, 4 denoising steps per block) d1 at its published KL 0.04 rose to 0.58-0.78
+held out and fell back to 0.29-0.45 by step 30 over 4 rollout seeds, its KL climbing to 1-3 nats per token;
+clamped it ends at 0.88-1.00. ``kl_penalty(..., k3_bound=None)`` is the plain k3 (a metric: verl's ``k3_kl``).
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import torch
 from megadare.errors import ConfigError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_BOUND = 10.0            # verl's low_var_kl / DARE's kl_penalty (module docstring)
 
 
 def check_dual_clip(dual_clip: Optional[float]) -> None:
@@ -59,8 +68,9 @@ def ppo_clip_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_
     return clip_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
 
 
-def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-slot estimate of KL(pi_theta || pi_ref) (differentiable in ``logp``)."""
+def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str = "k3",
+               k3_bound: Optional[float] = K3_BOUND) -> torch.Tensor:
+    """Per-slot estimate of KL(pi_theta || pi_ref) (differentiable in ``logp``); k3 capped at ``k3_bound``."""
     d = ref - logp
     if kind == "k1":
         return -d
@@ -68,5 +78,6 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str = "k3") -> torch
         return 0.5 * d * d
     if kind == "k3":
         d = d.clamp(-20.0, 20.0)
-        return torch.exp(d) - d - 1.0
+        k3 = torch.exp(d) - d - 1.0
+        return k3 if k3_bound is None else k3.clamp(max=k3_bound)
     raise ValueError(f"rl.kl_estimator={kind!r} unknown; choose one of {KL_ESTIMATORS}")

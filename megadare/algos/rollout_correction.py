@@ -263,7 +263,7 @@ def _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vet
     metrics.update({
         "ess": raw_stats["ess"],
         "chi2": raw_stats["chi2"],
-        "k3_kl": float(kl_penalty(b[ok], t[ok], "k3").mean()) if bool(ok.any()) else float("nan"),
+        "k3_kl": float(kl_penalty(b[ok], t[ok], "k3", k3_bound=None).mean()) if bool(ok.any()) else float("nan"),
         "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
         "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
         "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),

@@ -15,18 +15,28 @@ Objective (no ratio, no clipping): maximise J = (1/G) sum_i A_i L_i with the seq
 
 Defaults (``spg/slurm_scripts/spg_mix/*.sbatch``): beta 1.5 (math), mix w 0.5, n_mc 2, mu 4, no KL, lr 3e-6.
 
-``estimator=dare``: SPG as DARE codes it (``_forward_process_spg``, ``llada_dp_actor_spg.py:189-213``, recipe
-``logp_estimation=mix``, mc_num 1): the same draw, but every masked response token is scored -- the m of b and
-all later blocks, which are masked -- and
+``estimator=dare``: SPG as DARE codes it (corruption.py ``blockwise_dare`` = ``_forward_process_spg`` drawn in
+DARE's order, so a generator seeded as DARE's ``seed`` gives DARE's masks; ``llada_dp_actor_spg.py:162-220``,
+recipe ``logp_estimation=mix``, mc_num 1). Its masking differs from the paper's: everything before the chosen
+block b -- the prompt AND the earlier response blocks -- is masked w.p. p_prompt (DARE masks with ``p_mask_prompt``
+over ``~is_mask``, and ``is_mask`` starts at b), m ~ U{1..|b|} of b and all later blocks are masked, and every
+masked response token is scored: the earlier blocks' masked tokens too. With n_mc > 1 the blocks come from one
+permutation (without replacement; DARE asserts n_mc <= n_blocks, here a fresh permutation continues). With
+M_m the masked response tokens of draw m and t_m = |M_m| / L:
 
     ELBO_i = (1/n_mc) sum_m (1/|M_m|) sum_{k in M_m} log p(y_k | x_m)            (unweighted mean over masked)
-    EUBO_i = mean_{k covered} (1/beta) log (1/n_mc) sum_{m: k in M_m} p(y_k | x_m)^beta / t_m,   t_m = |M_m| / L
+    EUBO_i = mean_{k covered} (1/beta) log (1/n_mc) sum_{m: k in M_m} p(y_k | x_m)^beta / t_m
 
-(``mix`` w as above; w = 1 is DARE's ``eubo``, w = 0 its ``elbo``), loss -A_i L_i averaged over sequences. Here
-a token slot k carries c = 1 / (n_mc t_m) (the EUBO's weights; its log-sum-exp is EUBO_k) and its linear sum is
-L x the ELBO's share, rescaled per slot by |covered| / L (``extras['per_slot_scale']``), so the sequence mean over
-slots gives ELBO_i exactly. For block-causal families the later blocks are predicted from the clean earlier
-blocks (the x_t ++ x_0 mask), DARE has no SPG for them.
+(``mix`` w as above; w = 1 is DARE's ``eubo``, w = 0 its ``elbo``), loss -A_i L_i averaged over sequences
+(DARE's ``compute_policy_loss_spg`` weights sequences by their completion length: all R on its full LLaDA canvas,
+so the same mean; with ``rl.canvas=eos`` megadare's mean is unweighted). Here a token slot k carries
+c = 1 / (n_mc t_m) (the EUBO's weights; its log-sum-exp is EUBO_k) and its linear sum is L x the ELBO's share,
+rescaled per slot by |covered| / L (``extras['per_slot_scale']``), so the sequence mean over slots gives ELBO_i
+exactly (tests/test_algos_dare_formulas.py: masks identical to DARE's function, loss and gradient equal to its
+actor's on the same seeds). Blocks are those of ``block`` from the response start (DARE: the rollout block
+length; its ``% completion_num_blocks`` is the identity on the full canvas); for block-causal families the
+blocks are the model's on the global grid and later blocks are predicted from the clean earlier blocks (the
+x_t ++ x_0 mask): DARE has no SPG for them.
 
 Weights: c is the importance weight of block-wise masking (block picked w.p. 1/n_blocks, m ~ U{1..|b|}), so
 sum_m c_m p^beta is an unbiased estimate of E[1[k in S] (n_blocks |b| / m) p(y_k | x_S)^beta], the expectation
@@ -51,7 +61,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import SLOT_CONST, Slots
-from megadare.algos.corruption import blockwise
+from megadare.algos.corruption import blockwise, blockwise_dare
 from megadare.errors import ConfigError
 
 ESTIMATORS = ("block", "dare")
@@ -75,9 +85,12 @@ class SPG(Algorithm):
 
     def views(self, s, arch, block_size, g):
         b = block_size if arch.attention == "block_causal" else self.p["block"]
-        return blockwise(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"],
-                         self.p["p_prompt"], slots="token", global_grid=arch.attention == "block_causal",
-                         score_later=self.p["estimator"] == "dare")
+        grid = arch.attention == "block_causal"
+        if self.p["estimator"] == "dare":
+            return blockwise_dare(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"],
+                                  self.p["p_prompt"], global_grid=grid)
+        return blockwise(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"], self.p["p_prompt"],
+                         slots="token", global_grid=grid)
 
     def rows(self, s, arch, block_size, g):
         """The views in one row; DARE's estimator also records each slot's ELBO scale |covered| / L."""

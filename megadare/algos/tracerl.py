@@ -39,6 +39,9 @@ class TraceRL(Algorithm):
     def shrink(self, arch) -> int:
         return self.p["shrink"] or (1 if arch.attention == "block_causal" else 8)
 
+    def uses_group_baseline(self) -> bool:
+        return not self.p["value_model"]
+
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)
         shrink = self.p["shrink"] or (self.shrink(arch) if arch is not None else None)

@@ -52,7 +52,8 @@ def attach_value_head(chunks: list[torch.nn.Module]) -> None:
         m = getattr(c, "module", c)
         if getattr(m, "post_process", False):
             cfg = m.config
-            m.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel)
+            device = next(m.parameters()).device                  # the backbone's GPU, where there is one
+            m.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel).to(device)
         m.share_embeddings_and_output_weights = False
 
 

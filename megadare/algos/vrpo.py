@@ -8,8 +8,12 @@ Objective: DPO with ELBO surrogates B for the intractable log-likelihoods,
     B(y) = (1/n) sum_j (L/m_j) sum_{k masked in j} log p(y_k | x_j)     (count-stratified ELBO, n MC samples)
 
 Variance reduction as published: n Monte-Carlo samples all spent on timesteps (one mask per count m_j,
-stratified over [1, L]), and antithetic sampling -- the policy and the reference score the *same* stored masks
-(here: the reference log-probs are computed on the very rows the policy trains on).
+stratified over [1, L]: pooled over the n draws each count is exactly equally likely, algos/corruption.py
+``stratified``; DARE's ``_forward_process_vrpo`` rounds its counts half to even, so unless n / gcd(n, L) is odd
+-- n = 4: 4 divides L -- some counts are more likely than others, at L = 6 half of them 1.5x and half 0.5x
+uniform, which biases its L/m-weighted ELBO; megadare keeps the uniform counts), and antithetic sampling --
+the policy and the reference score the *same* stored masks (here: the reference log-probs are computed on the
+very rows the policy trains on).
 
 The paper trains on offline preference pairs: ``megadare dpo`` (trainer/dpo_loop.py) runs exactly this estimator
 and loss on a preference dataset. In the online RL loop (``algo.name=vrpo``) each prompt group gives one pair,
@@ -79,6 +83,12 @@ class VRPO(Algorithm):
         """The sample's row; its advantage slot carries the pair role (+1 chosen, -1 rejected)."""
         return views_to_row(dataclasses.replace(s, advantage=sign), self.views(s, arch, 0, g), arch,
                             arch.attention == "block_causal", {0: head}, head)
+
+    def check_config(self, cfg, arch) -> None:
+        super().check_config(cfg, arch)
+        if cfg.rl.n_samples < 2:
+            raise ConfigError(f"rl.n_samples={cfg.rl.n_samples}: online VRPO pairs the best and the worst response "
+                              "of a prompt's group and needs rl.n_samples >= 2")
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         rows = []

@@ -16,8 +16,10 @@ from typing import Optional
 import torch
 
 from megadare.models.mapping import ParamMap, check_table
+from megadare.convert.outputs import check_export_target, mark_export
 from megadare.convert.mcore_ckpt import (
     HF_SUBDIR,
+    intact_checkpoint_dir,
     checkpoint_keys,
     load_checkpoint,
     read_meta,
@@ -80,8 +82,10 @@ class HFSource:
 
 def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
                    dtype: Optional[torch.dtype] = None, progress: bool = True, etp: Optional[int] = None) -> str:
-    """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming)."""
+    """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming).
+    ``out_dir`` must be new, empty or a previous Megatron export, outside the source (``outputs``)."""
     src = HFSource(hf_dir, dtype)
+    check_export_target(out_dir, "megatron", [hf_dir])
     from megadare.models.layout import validate_layout
 
     validate_layout(src.arch, tp=tp, pp=pp, ep=ep, vpp=vpp, etp=etp)
@@ -96,7 +100,8 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
     meta = {"family": src.family.name, "architecture": src.arch.architecture, "source": os.path.abspath(hf_dir),
             "layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp}, "format": "megadare-torch_dist-v1"}
     try:
-        write_tensors(out_dir, shapes, produce, meta=meta, hf_files_from=hf_dir)
+        write_tensors(out_dir, shapes, produce, meta=meta, hf_files_from=hf_dir,
+                      before_publish=lambda staging: mark_export(staging, "megatron", [hf_dir]))
     finally:
         bar.close()
     return out_dir
@@ -104,8 +109,10 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
 
 def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
                    dtype: Optional[torch.dtype] = None, progress: bool = True) -> str:
-    """Export a Megatron distributed checkpoint (written by megadare) to HF safetensors, tensor by tensor."""
-    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    """Export a Megatron distributed checkpoint (written by megadare) to HF safetensors, tensor by tensor.
+    ``out_dir`` must be new, empty or a previous HF export, outside the checkpoint and its run (``outputs``)."""
+    check_export_target(out_dir, "hf", [ckpt_dir, resolve_checkpoint_dir(ckpt_dir)])
+    ckpt_dir = intact_checkpoint_dir(ckpt_dir)
     meta = read_meta(ckpt_dir)
     hf_files = os.path.join(ckpt_dir, HF_SUBDIR)
     with open(os.path.join(hf_files, "config.json")) as f:
@@ -117,14 +124,17 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
         raise ValueError(f"{ckpt_dir}: checkpoint lacks {len(missing)} tensors of the {fam.name} table, "
                          f"e.g. {missing[:4]}; was it written for another config.json?")
     bar = _progress(len(table), "megatron -> hf", progress)
-    with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
-        for r in table:
-            t = _merged_lora(ckpt_dir, r.mcore, known, meta)
-            for name, h in zip(r.hf, r.to_hf(t)):
-                w.add(name, h.to(dtype) if dtype is not None else h)
-            bar.update(1)
-        copy_passthrough_files(hf_files, w.staging_dir)
-    bar.close()
+    try:
+        with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
+            for r in table:
+                t = _merged_lora(ckpt_dir, r.mcore, known, meta)
+                for name, h in zip(r.hf, r.to_hf(t)):
+                    w.add(name, h.to(dtype) if dtype is not None else h)
+                bar.update(1)
+            copy_passthrough_files(hf_files, w.staging_dir)
+            mark_export(w.staging_dir, "hf", [ckpt_dir])
+    finally:
+        bar.close()
     return out_dir
 
 

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -29,6 +30,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megadare.convert.manifest import check_checkpoint, write_manifest
+from megadare.convert.outputs import TRACKER, publish, staging_dir
 
 SHARDED_SD_METADATA = {"singleton_local_shards": True}
 HF_SUBDIR = "hf"
@@ -56,15 +60,9 @@ def _tmp(path: str) -> str:
 
 
 def _finalise(tmp: str, final: str) -> None:
-    """Atomically move tmp into place (replacing an older checkpoint of the same name)."""
-    if os.path.exists(final):
-        old = final.rstrip(os.sep) + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    """Write tmp's manifest (last), then move tmp into place (replacing an older checkpoint of the same name)."""
+    write_manifest(tmp)
+    publish(tmp, final)
 
 
 def write_meta(ckpt_dir: str, meta: dict[str, Any], hf_files_from: Optional[str] = None) -> None:
@@ -82,24 +80,95 @@ def read_meta(ckpt_dir: str) -> dict[str, Any]:
     p = os.path.join(ckpt_dir, MEGADARE_META)
     if not os.path.exists(p):
         raise MegatronCheckpointError(f"{ckpt_dir}: no {MEGADARE_META}; not a checkpoint written by megadare")
-    with open(p) as f:
-        return json.load(f)
+    return read_json(p)
+
+
+def read_json(path: str) -> Any:
+    """A JSON file of a checkpoint; a damaged one raises MegatronCheckpointError naming the file."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise MegatronCheckpointError(f"{path}: cannot be read as JSON ({e})") from None
+
+
+def read_tracker(root: str) -> Optional[str]:
+    """The iteration named by ``<root>/latest_checkpointed_iteration.txt`` ("release" or a step number as text);
+    None without the file. A garbled file raises MegatronCheckpointError naming it."""
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker, errors="replace") as f:
+        it = f.read().strip()
+    if it != "release" and not it.isdigit():
+        raise MegatronCheckpointError(f"{tracker} holds {it[:40]!r}, not a step number; write the newest complete "
+                                      "step into it (the iter_* directory names), or remove it")
+    return it
 
 
 def resolve_checkpoint_dir(path: str) -> str:
     """A checkpoint dir itself, or a run's checkpoint root holding latest_checkpointed_iteration.txt."""
     if os.path.exists(os.path.join(path, "metadata.json")):
         return path
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if os.path.exists(tracker):
-        with open(tracker) as f:
-            it = f.read().strip()
+    it = read_tracker(path)
+    if it is not None:
+        tracker = os.path.join(path, TRACKER)
         sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
         if os.path.exists(os.path.join(sub, "metadata.json")):
             return sub
         raise MegatronCheckpointError(f"{tracker} points to {sub}, which is not a checkpoint")
     raise MegatronCheckpointError(
         f"{path}: not a Megatron distributed checkpoint (no metadata.json, no latest_checkpointed_iteration.txt)")
+
+
+@dataclass
+class Resumable:
+    """The newest intact checkpoint under a run's root, and what was passed over on the way (newest first)."""
+
+    path: Optional[str]
+    skipped: list[tuple[str, str]] = field(default_factory=list)   # (iter dir, what is wrong with it)
+    legacy: bool = False                                           # chosen one has no manifest (older megadare)
+    tracker_problem: str = ""                                      # the tracker file could not be used
+
+
+def iteration_dirs(root: str) -> list[str]:
+    """``iter_<digits>`` directories under ``root``, newest first (temporary ``.tmp`` / ``.old`` names excluded)."""
+    names = [d for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()] if os.path.isdir(root) else []
+    return [os.path.join(root, d) for d in sorted(names, key=lambda d: int(d[5:]), reverse=True)]
+
+
+def newest_intact(root: str, required: tuple[str, ...] = ()) -> Resumable:
+    """The newest ``iter_*`` checkpoint under ``root`` whose manifest holds (``convert.manifest``) and that has the
+    ``required`` files; the tracker is only a hint (a crash between the rename and the tracker update leaves a
+    newer complete checkpoint). ``path`` is None when there is no checkpoint at all."""
+    out = Resumable(None)
+    try:
+        read_tracker(root)
+    except MegatronCheckpointError as e:
+        out.tracker_problem = str(e)
+    for d in iteration_dirs(root):
+        v = check_checkpoint(d)
+        missing = [f for f in required if not os.path.exists(os.path.join(d, f))]
+        if v.intact and missing:
+            v.intact, v.problem = False, f"{os.path.join(d, missing[0])} is missing"
+        if v.intact:
+            out.path, out.legacy = d, v.legacy
+            return out
+        out.skipped.append((d, v.problem))
+    return out
+
+
+def intact_checkpoint_dir(path: str) -> str:
+    """``resolve_checkpoint_dir(path)``, verified against its manifest: a damaged checkpoint raises
+    MegatronCheckpointError naming the damaged file (and the newest intact one of the same root, if any)."""
+    ckpt = resolve_checkpoint_dir(path)
+    v = check_checkpoint(ckpt)
+    if v.intact:
+        return ckpt
+    root = os.path.dirname(os.path.abspath(ckpt))
+    alt = newest_intact(root).path if os.path.basename(ckpt).startswith("iter_") else None
+    hint = f"; {alt} is intact: pass it explicitly" if alt else ""
+    raise MegatronCheckpointError(f"{ckpt} is damaged: {v.problem}{hint}")
 
 
 # ============================================================== live sharded models (every rank calls these)
@@ -217,30 +286,36 @@ class _BoundedFileWriter(FileSystemWriter):
 
 def write_tensors(ckpt_dir: str, shapes: dict[str, tuple[list[int], torch.dtype]],
                   produce: Callable[[str], torch.Tensor], meta: Optional[dict] = None,
-                  hf_files_from: Optional[str] = None, file_bytes: int = 256 << 20) -> str:
+                  hf_files_from: Optional[str] = None, file_bytes: int = 256 << 20,
+                  before_publish: Optional[Callable[[str], None]] = None) -> str:
     """Write a torch_dist checkpoint from one process; at most ``file_bytes`` (or one tensor) in memory.
 
-    shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it.
+    shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it. The
+    checkpoint is assembled in a fresh sibling of ``ckpt_dir`` (``before_publish(staging)`` adds files to it) and
+    renamed into place; on any error the sibling is removed and ``ckpt_dir`` is untouched.
     """
-    tmp = _tmp(ckpt_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    state = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
-    writer = _BoundedFileWriter(tmp, file_bytes)
+    tmp = staging_dir(ckpt_dir)
     try:
-        dcp.save(state, storage_writer=writer, planner=_LazySavePlanner(produce), no_dist=True)
-    except CheckpointException as e:  # DCP wraps per-rank errors; surface the real one
+        state = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
+        try:
+            dcp.save(state, storage_writer=_BoundedFileWriter(tmp, file_bytes), planner=_LazySavePlanner(produce),
+                     no_dist=True)
+        except CheckpointException as e:  # DCP wraps per-rank errors; surface the real one
+            for f in getattr(e, "failures", {}).values():
+                err = f[0] if isinstance(f, tuple) else f  # (exception, stack summary) in torch >= 2.1
+                if isinstance(err, BaseException):
+                    raise err from None
+            raise
+        torch.save({}, os.path.join(tmp, "common.pt"))
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump(_MCORE_METADATA, f)
+        write_meta(tmp, meta or {}, hf_files_from)
+        if before_publish is not None:
+            before_publish(tmp)
+        _finalise(tmp, ckpt_dir)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for f in getattr(e, "failures", {}).values():
-            err = f[0] if isinstance(f, tuple) else f  # (exception, stack summary) in torch >= 2.1
-            if isinstance(err, BaseException):
-                raise err from None
         raise
-    torch.save({}, os.path.join(tmp, "common.pt"))
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-        json.dump(_MCORE_METADATA, f)
-    write_meta(tmp, meta or {}, hf_files_from)
-    _finalise(tmp, ckpt_dir)
     return ckpt_dir
 
 

@@ -22,7 +22,8 @@ Calibration (ModelOpt formats): each prompt is run as the serving engine sees it
 ``gen_tokens`` mask tokens (the response being denoised), and once more with half of the prompt tokens masked
 (the noised inputs of training), under the family's own attention mask. Only the family's linear layers are
 quantized (``fp8.linear_hf_names``); the LM head, embeddings, norms and routers stay in the source dtype.
-The output is assembled in ``out + ".tmp"`` and renamed into place, so a crash never leaves a partial ``out``.
+The output is assembled in a fresh sibling of ``out`` and renamed into place, so a crash never leaves a partial
+``out``; ``out`` must be new, empty or a previous export of the same format, outside the source (convert.outputs).
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from typing import Any, Optional, Union
 import torch
 
 from megadare.convert.fp8 import BLOCK, fp8_block_quant_config, fp8_rollout_weights, linear_hf_names
-from megadare.models.safetensors_io import SafetensorsReader, ShardedSafetensorsWriter, copy_passthrough_files
+from megadare.convert.outputs import check_export_target, mark_export, publish, staging_dir
+from megadare.models.safetensors_io import (SafetensorsReader, ShardedSafetensorsWriter, copy_passthrough_files,
+                                           fresh_sibling)
 
 __all__ = ["FORMATS", "MODELOPT_INSTALL", "DEFAULT_PROMPTS", "ModelOptMissing", "require_modelopt",
            "quantize_export", "calibration_batches"]
@@ -89,19 +92,19 @@ def quantize_export(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "
         raise ValueError(f"quantize_export: fmt={fmt!r}; choose one of {', '.join(FORMATS)}")
     modelopt = require_modelopt() if fmt != "fp8-block" else None  # fail before any conversion work
     src, out = os.fspath(src), os.fspath(out).rstrip(os.sep)
-    if os.path.abspath(src) == os.path.abspath(out):
-        raise ValueError(f"quantize_export: out={out!r} is the source checkpoint; write to a new directory")
-    staging = out + ".tmp"
-    shutil.rmtree(staging, ignore_errors=True)
+    ckpt = _megatron_source(src)
+    check_export_target(out, f"hf-{fmt}", [src] + ([ckpt] if ckpt else []))
+    staging = staging_dir(out)
     tmp_hf = None
     try:
-        hf_dir, tmp_hf = _hf_dir(src, out, progress)
+        hf_dir, tmp_hf = _hf_dir(src, ckpt, out, progress)
         cfg = _read_config(hf_dir)
         if fmt == "fp8-block":
             _export_fp8_block(hf_dir, cfg, staging, block)
         else:
             _export_modelopt(modelopt, hf_dir, cfg, staging, fmt, calib, gen_tokens, max_len, device)
-        _publish(staging, out)
+        mark_export(staging, f"hf-{fmt}", [src])
+        publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -112,20 +115,27 @@ def quantize_export(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "
 
 
 # ---------------------------------------------------------------------------------------------- source and output
-def _hf_dir(src: str, out: str, progress: bool) -> tuple[str, Optional[str]]:
-    """(HF checkpoint dir, temporary dir to remove afterwards or None)."""
+def _megatron_source(src: str) -> Optional[str]:
+    """None for an HF checkpoint directory, else the megadare Megatron checkpoint ``src`` names (ValueError when
+    it is neither)."""
     if os.path.exists(os.path.join(src, "config.json")):
-        return src, None
-    from megadare.convert import megatron_to_hf
+        return None
     from megadare.convert.mcore_ckpt import MegatronCheckpointError, resolve_checkpoint_dir
 
     try:
-        ckpt = resolve_checkpoint_dir(src)
+        return resolve_checkpoint_dir(src)
     except MegatronCheckpointError as e:
         raise ValueError(f"{src}: neither an HF checkpoint directory (config.json + *.safetensors) nor a megadare "
                          f"Megatron checkpoint ({e})") from e
-    tmp = out + ".tmp-hf"
-    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _hf_dir(src: str, ckpt: Optional[str], out: str, progress: bool) -> tuple[str, Optional[str]]:
+    """(HF checkpoint dir, temporary dir to remove afterwards or None)."""
+    if ckpt is None:
+        return src, None
+    from megadare.convert import megatron_to_hf
+
+    tmp = fresh_sibling(out, "hf", create=False)
     megatron_to_hf(ckpt, tmp, progress=progress)
     return tmp, tmp
 
@@ -139,17 +149,6 @@ def _read_config(hf_dir: str) -> dict:
                          f"({cfg['quantization_config'].get('quant_method', '?')}); quantize the full-precision "
                          "checkpoint instead")
     return cfg
-
-
-def _publish(staging: str, out: str) -> None:
-    """Rename the finished ``staging`` dir to ``out`` (an existing ``out`` is replaced only after that)."""
-    if os.path.exists(out):
-        old = f"{out}.old-{os.getpid()}"
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out)
 
 
 def _export_fp8_block(hf_dir: str, cfg: dict, staging: str, block: Sequence[int]) -> None:

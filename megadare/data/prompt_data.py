@@ -68,10 +68,13 @@ def _gold_missing(rec: dict, key: Optional[str]) -> bool:
 def build_prompts(records: list[dict], tok: Tokenizer, source: str, prompt_key: str = "prompt",
                   answer_key: str = "answer", messages_key: str = "messages",
                   max_prompt_length: Optional[int] = None, sources: Optional[Sequence[str]] = None,
-                  skipped: Optional[list] = None) -> list[PromptRecord]:
+                  skipped: Optional[list] = None, overlong: str = "error",
+                  overlong_rows: Optional[list] = None) -> list[PromptRecord]:
     """Tokenized prompts; errors name the record's ``sources[i]`` (else ``source:N``) and the field. With a
     ``skipped`` list, records without a gold answer (absent, null or empty) are left out and their sources put
-    there instead of raising."""
+    there instead of raising. A prompt longer than ``max_prompt_length`` raises (``overlong='error'``), is left out
+    (``'drop'``) or keeps its last ``max_prompt_length`` tokens (``'truncate'``: the question's end and the
+    generation prompt); dropped / truncated rows are listed in ``overlong_rows``."""
     out = []
     for i, rec in enumerate(records):
         where = sources[i] if sources is not None else f"{source}:{i + 1}"
@@ -92,8 +95,15 @@ def build_prompts(records: list[dict], tok: Tokenizer, source: str, prompt_key: 
         if not ids:
             raise DataError(f"{where}: the prompt is empty")
         if max_prompt_length is not None and len(ids) > max_prompt_length:
-            raise DataError(f"{where}: prompt has {len(ids)} tokens, more than {max_prompt_length}; shorten it or "
-                            "raise data.max_length")
+            if overlong == "error":
+                raise DataError(f"{where}: prompt has {len(ids)} tokens, more than {max_prompt_length} (data.max_length "
+                                "minus rollout.max_new_tokens); shorten it, raise data.max_length, or set "
+                                "data.overlong=truncate (keep its end) or drop")
+            if overlong_rows is not None:
+                overlong_rows.append(f"{where} ({len(ids)} tokens)")
+            if overlong == "drop":
+                continue
+            ids = ids[-max_prompt_length:]
         gold = get_field(rec, gkey)
         if _gold_missing(rec, gkey):
             raise DataError(f"{where}: field {gkey!r} (the reference answer) is {'null' if gold is None else 'empty'}; "
@@ -134,16 +144,27 @@ def _located(data_cfg, rl_cfg, seed: int) -> tuple[list[tuple[str, dict]], list[
     return load_many(data_cfg.path, "data.path"), held
 
 
-def load_rl_prompts(data_cfg, rl_cfg, seed: int, tok: Tokenizer) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def load_rl_prompts(data_cfg, rl_cfg, seed: int, tok: Tokenizer, max_prompt_length: Optional[int] = None
+                    ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(train prompts, held-out prompts) from data.path / data.eval_path (a file or a list of files) or a synthetic
-    task, with the keys data.prompt_key / data.messages_key / rl.answer_key."""
+    task, with the keys data.prompt_key / data.messages_key / rl.answer_key. Prompts longer than
+    ``max_prompt_length`` (data.max_length minus rollout.max_new_tokens) follow data.overlong, naming file and row."""
     out = []
     for pairs in _located(data_cfg, rl_cfg, seed):
         skipped: Optional[list] = [] if rl_cfg.skip_rows_without_answer else None
+        overlong: list = []
         out.append(build_prompts([r for _, r in pairs], tok, "", data_cfg.prompt_key, rl_cfg.answer_key,
-                                 data_cfg.messages_key, sources=[w for w, _ in pairs], skipped=skipped))
-        if skipped and os.environ.get("RANK", "0") == "0":
-            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            print(f"data: left out {len(skipped)} rows without a gold answer (rl.skip_rows_without_answer): {shown}",
-                  file=sys.stderr)
+                                 data_cfg.messages_key, max_prompt_length, sources=[w for w, _ in pairs],
+                                 skipped=skipped, overlong=data_cfg.overlong, overlong_rows=overlong))
+        _report(skipped, "left out {n} rows without a gold answer (rl.skip_rows_without_answer)")
+        verb = "left out" if data_cfg.overlong == "drop" else "kept the last tokens of"
+        _report(overlong, f"{verb} {{n}} prompts longer than {max_prompt_length} tokens (data.max_length minus "
+                          f"rollout.max_new_tokens; data.overlong={data_cfg.overlong})")
     return out[0], out[1]
+
+
+def _report(rows: Optional[list], what: str) -> None:
+    """One line on rank 0: what happened to how many rows, the first few named."""
+    if rows and os.environ.get("RANK", "0") == "0":
+        shown = ", ".join(rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+        print(f"data: {what.format(n=len(rows))}: {shown}", file=sys.stderr)

@@ -1,14 +1,17 @@
-"""Tokenizers behind one small protocol: a byte tokenizer for tiny test models, and a wrapper over HF's.
+"""Tokenizers behind one small protocol: a byte tokenizer for tiny test models, a UTF-8 byte counter for any text,
+and a wrapper over HF's.
 
 The SFT pipeline needs only ``encode``, ``decode``, ``chat_prompt`` (a conversation rendered up to and
 including the assistant generation prompt) and four special ids: eos, pad and the diffusion mask token.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "Utf8ByteTokenizer", "HFTokenizer", "load_hf_tokenizer"]
 
 
 @runtime_checkable
@@ -103,25 +106,86 @@ class ByteTokenizer:
         return ids
 
 
+class Utf8ByteTokenizer(ByteTokenizer):
+    """Any text as its UTF-8 bytes: ids 0..255 are the bytes, 256/257/258 the user/assistant/system role tokens,
+    259 eos, 260 pad, 261 mask. It measures lengths of text in any script when no model's tokenizer is at hand
+    (``megadare data inspect`` without ``--model``); no model is trained with it."""
+
+    vocab_size = 262
+    USER, ASSISTANT, SYSTEM, eos_token_id, pad_token_id, mask_token_id = range(256, 262)
+    ROLE_IDS = dict(zip(ByteTokenizer.ROLE_IDS, (USER, ASSISTANT, SYSTEM)))            # the byte tokenizer's roles
+    ROLE_STRINGS = dict(zip((USER, ASSISTANT, SYSTEM), ByteTokenizer.ROLE_STRINGS.values()))
+
+    def encode(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text`` (a lone surrogate, which no UTF-8 text holds, raises ValueError)."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], render_roles: bool = False) -> str:
+        """Text of ``ids``: byte runs decoded as UTF-8 (invalid sequences as U+FFFD), role tokens rendered if
+        ``render_roles``, eos / pad / mask skipped."""
+        out, run = [], bytearray()
+        for i in (int(i) for i in ids):
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            if not 256 <= i < self.vocab_size:
+                raise ValueError(f"Utf8ByteTokenizer: id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            if render_roles and i in self.ROLE_STRINGS:
+                out.append(self.ROLE_STRINGS[i])
+        return "".join(out) + run.decode("utf-8", errors="replace")
+
+
+# tokenizer classes that checkpoints name as remote code but that are a transformers class under another name:
+# Dream-v0's tokenization_dream.py is Qwen2Tokenizer copied ("Copied from transformers...", the same BPE and files)
+LOCAL_TOKENIZER_CLASSES = {"DreamTokenizer": "Qwen2Tokenizer"}
+
+
+def load_hf_tokenizer(path: str):
+    """The transformers tokenizer of a checkpoint or tokenizer directory (tokenizer.json, or vocab.json +
+    merges.txt, with tokenizer_config.json), local files only and no remote code. The class tokenizer_config.json
+    names loads directly when transformers has it (a class in ``LOCAL_TOKENIZER_CLASSES`` as its twin): no detour
+    through the model's config.json, whose remote ``model_type`` (sdar, Dream) transformers would warn about;
+    anything else goes through ``AutoTokenizer``."""
+    import transformers  # lazy: heavy import, optional for byte-level tests
+
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    name = None
+    if os.path.isfile(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    cls = None
+    if isinstance(name, str):   # the fast (tokenizers-backed) class where transformers 4.x has both
+        local = LOCAL_TOKENIZER_CLASSES.get(name, name).removesuffix("Fast")
+        cls = getattr(transformers, local + "Fast", None) or getattr(transformers, local, None)
+    if cls is not None and hasattr(cls, "from_pretrained"):
+        return cls.from_pretrained(path, local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer behind the ``Tokenizer`` protocol.
 
-    ``mask_token_id`` comes from the caller (the model family knows it); eos and pad come from the tokenizer,
-    pad falling back to eos. Nothing is downloaded and no remote code runs.
+    ``mask_token_id`` comes from the caller (the model family knows it), or else from the tokenizer's own
+    ``mask_token`` (a tokenizer directory without a model); eos and pad come from the tokenizer, pad falling back
+    to eos. Nothing is downloaded and no remote code runs (:func:`load_hf_tokenizer`).
     """
 
-    def __init__(self, path: str, mask_token_id: int) -> None:
-        from transformers import AutoTokenizer  # lazy: heavy import, optional for byte-level tests
-
+    def __init__(self, path: str, mask_token_id: Optional[int] = None) -> None:
         self.path = path
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        self.tok = load_hf_tokenizer(path)
         eos = self.tok.eos_token_id
         if eos is None:
             raise ValueError(f"tokenizer at {path} defines no eos token")
+        mask = self.tok.mask_token_id if mask_token_id is None else mask_token_id
+        if mask is None:
+            raise ValueError(f"tokenizer at {path} names no mask token (mask_token in tokenizer_config.json) and no "
+                             "model config gives one (config.json mask_token_id)")
         pad = self.tok.pad_token_id
         self.eos_token_id: int = int(eos)
         self.pad_token_id: int = int(pad) if pad is not None else int(eos)
-        self.mask_token_id: int = int(mask_token_id)
+        self.mask_token_id: int = int(mask)
         self.vocab_size: int = len(self.tok)
 
     def encode(self, text: str) -> list[int]:

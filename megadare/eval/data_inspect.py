@@ -5,8 +5,9 @@ verl / DARE's), the record count, prompt (and response) length percentiles in to
 template visible), and the reward of each record's gold answer stated as a correct response states it (boxed, in
 ``<answer>`` tags; :func:`~megadare.rewards.gold_response`) over the first ``--limit`` records. That mean should be
 about 1.0; a lower one is the sign of a wrong key or a wrong reward. Records without a checkable gold (a countdown
-target, code tests) are not counted. The tokenizer is the demo's (:class:`ByteTokenizer`), or the model's with
-``--model``. The last line is
+target, code tests) are not counted. Lengths are in the tokens of ``--model`` (a checkpoint, or a tokenizer directory
+such as ``megadare data tokenizer`` writes); without it they are in UTF-8 bytes (:class:`Utf8ByteTokenizer`, any
+script), and the report says so. The last line is
 
     reward of gold answers: <mean> over <n> records (<reward name>)
 
@@ -15,6 +16,7 @@ and the exit status is 1 when any record could not be read, tokenized or scored;
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 from megadare.data.fields import MISSING, get_field, is_verl_row
@@ -22,7 +24,7 @@ from megadare.data.files import DataError, load_rows
 from megadare.data.preference_data import record_to_preference
 from megadare.data.prompt_data import build_prompts, rl_keys
 from megadare.data.sft_data import record_to_example, sft_keys
-from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, Utf8ByteTokenizer
 from megadare.rewards import auto_rule, gold_response, load_reward, score_batch
 
 __all__ = ["inspect_command", "inspect_file", "percentiles", "load_tokenizer"]
@@ -32,13 +34,30 @@ MAX_SHOWN_ERRORS = 20
 
 
 def load_tokenizer(model: Optional[str]) -> Tokenizer:
-    """The demo's byte tokenizer, or the HF tokenizer of the checkpoint at ``model``."""
+    """UTF-8 bytes without ``model``; else the HF tokenizer at ``model``: a checkpoint (its family's mask id) or a
+    tokenizer directory without config.json (the tokenizer's own mask token)."""
     if not model:
-        return ByteTokenizer()
-    from megadare.models import family_of, read_hf_config
+        return Utf8ByteTokenizer()
+    if not os.path.isdir(model):
+        raise DataError(f"--model {model}: not a directory (a checkpoint or a tokenizer directory)")
+    mask = None
+    if os.path.isfile(os.path.join(model, "config.json")):
+        from megadare.models import family_of, read_hf_config
 
-    hf = read_hf_config(model)
-    return HFTokenizer(model, mask_token_id=family_of(hf).arch(hf).mask_token_id)
+        hf = read_hf_config(model)
+        mask = family_of(hf).arch(hf).mask_token_id
+    try:
+        return HFTokenizer(model, mask_token_id=mask)
+    except (OSError, ValueError) as e:
+        raise DataError(f"--model {model}: its tokenizer does not load: {e}") from e
+
+
+def tokenizer_line(tok: Tokenizer) -> str:
+    """What the lengths count."""
+    if isinstance(tok, HFTokenizer):
+        return f"lengths: tokens of {tok.path} ({type(tok.tok).__name__}, {tok.vocab_size} ids)"
+    return ("lengths: UTF-8 bytes, roles as one byte each (no --model given: pass --model DIR, a checkpoint or a "
+            "tokenizer directory, for token counts)")
 
 
 def percentiles(lengths: list[int]) -> str:
@@ -48,6 +67,10 @@ def percentiles(lengths: list[int]) -> str:
     s = sorted(lengths)
     parts = [f"p{q} {s[min(len(s) - 1, max(0, -(-q * len(s) // 100) - 1))]}" for q in PERCENTILES]
     return "  ".join(parts + [f"max {s[-1]}"])
+
+
+def _unit(tok: Tokenizer) -> str:
+    return "bytes" if isinstance(tok, Utf8ByteTokenizer) else "tokens"
 
 
 def _rendered(tok: Tokenizer, ids: list[int]) -> str:
@@ -129,12 +152,13 @@ def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callab
         return [], [f"{rows[0][0]}: no known schema (RL prompt + gold, SFT prompt + response, or prompt + chosen + "
                     f"rejected); found keys {sorted(rows[0][1])}"]
     gold: list[float] = []
+    unit = _unit(tok)
     if "preference" in views:
         pairs = _each(rows, lambda w, r: record_to_preference(r, tok, w), errors)
         out("preference pairs: prompt <- prompt, chosen <- chosen, rejected <- rejected")
-        out(f"prompt tokens: {percentiles([len(p.prompt_ids) for p in pairs])}")
-        out(f"chosen tokens: {percentiles([len(p.chosen_ids) for p in pairs])}")
-        out(f"rejected tokens: {percentiles([len(p.rejected_ids) for p in pairs])}")
+        out(f"prompt {unit}: {percentiles([len(p.prompt_ids) for p in pairs])}")
+        out(f"chosen {unit}: {percentiles([len(p.chosen_ids) for p in pairs])}")
+        out(f"rejected {unit}: {percentiles([len(p.rejected_ids) for p in pairs])}")
         if pairs:
             out(f"rendered prompt ({pairs[0].where}):\n{_rendered(tok, pairs[0].prompt_ids)}")
     if "rl" in views:
@@ -143,7 +167,7 @@ def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callab
         prefills = sum(bool(p.prefill) for p in built)
         out(f"RL prompts: prompt <- {pkey}" + (f" ({prefills} end in an assistant prefill)" if prefills else "")
             + f", gold <- {gkey}, reward {reward}")
-        out(f"prompt tokens: {percentiles([len(p.prompt_ids) for p in built])}")
+        out(f"prompt {unit}: {percentiles([len(p.prompt_ids) for p in built])}")
         if built:
             out(f"rendered prompt ({built[0].where}):\n{_rendered(tok, built[0].prompt_ids)}")
         gold = _gold_scores(built, reward, limit, errors)
@@ -151,8 +175,8 @@ def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callab
         keys = sft_keys(rows[0][1])
         examples = _each(rows, lambda w, r: record_to_example(r, tok, w), errors)
         out(f"SFT examples: {' + '.join(keys[1:]) or keys[0]}")
-        out(f"prompt tokens: {percentiles([len(e.prompt_ids) for e in examples])}")
-        out(f"response tokens: {percentiles([len(e.response_ids) for e in examples])}")
+        out(f"prompt {unit}: {percentiles([len(e.prompt_ids) for e in examples])}")
+        out(f"response {unit}: {percentiles([len(e.response_ids) for e in examples])}")
     return gold, errors
 
 
@@ -161,6 +185,7 @@ def inspect_command(paths: list[str], reward: str = "auto", model: Optional[str]
     """The command: a report per file, every record error, then the gold-answer line; 1 on record errors."""
     load_reward(reward)   # an unknown reward fails before any file is read
     tok = load_tokenizer(model)
+    out(tokenizer_line(tok))
     scores: list[float] = []
     errors: list[str] = []
     for path in paths:

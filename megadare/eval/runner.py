@@ -32,7 +32,7 @@ from megadare.errors import ConfigError
 from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
-from megadare.rewards import check_reward_errors, load_reward, score_batch
+from megadare.rewards import check_isolation, check_reward_errors, load_reward, runs_code, score_batch, set_isolation
 
 __all__ = ["run_eval_command", "check_eval_config", "load_task_prompts", "generate_samples", "score_samples",
            "summary_table", "write_summary", "SEED_STRIDE"]
@@ -184,6 +184,9 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
     tok = tokenizer_for(cfg, src)
     files = {s.name: s.path or task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
     prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
+    set_isolation(cfg.rewards.code.isolation)
+    if any(runs_code(s.reward, [p.record for p in prompts[s.name]]) for s in specs):
+        check_isolation()   # refuse before the engines start, where the kernel refuses the code sandbox
     params = dataclasses.replace(sampling_params(cfg, src.arch, cfg.seed, evaluation=True), temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
     summary: dict[str, Any] = {

@@ -2,6 +2,7 @@
 
     load_hf_model(path)             config.json + *.safetensors (single or sharded) -> hf/ model, strict
     build_hf_model(cfg)             random-initialised hf/ model for a config.json dict
+    perturb_(model)                 random weights that all matter (norms off one, expert biases off zero)
     save_hf_model(model, cfg, dir)  HF-layout checkpoint (sharded safetensors + index + config.json)
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from megadare.models.family import (
 )
 
 __all__ = ["FAMILIES", "Family", "ModelArch", "ModelConfigError", "family_of", "get_family", "read_hf_config",
-           "build_hf_model", "load_hf_model", "save_hf_model"]
+           "build_hf_model", "load_hf_model", "perturb_", "save_hf_model"]
 
 
 def build_hf_model(cfg: dict) -> torch.nn.Module:
@@ -48,6 +49,18 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         state = {k: r.get(k).to(dtype) for k in want}
     model.load_state_dict(state, assign=True)
     return model.to(device).eval()
+
+
+def perturb_(model: torch.nn.Module, scale: float = 0.05, expert_bias_scale: float = 0.1) -> torch.nn.Module:
+    """Random weights that all matter (parity tests and checks): every parameter moved by N(0, scale^2) (a fresh
+    model's norms are all ones, its biases zeros), every MoE expert-bias buffer drawn from N(0, expert_bias_scale^2)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+        for n, b in model.named_buffers():
+            if "expert_bias" in n:
+                b.copy_(torch.randn_like(b) * expert_bias_scale)
+    return model
 
 
 def save_hf_model(model: torch.nn.Module, cfg: dict, out_dir: str | os.PathLike,

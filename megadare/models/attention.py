@@ -22,8 +22,9 @@ segment, and block indices use the position inside the segment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 
@@ -64,6 +65,12 @@ class MaskSpec:
             raise ValueError("a packed block_diffusion mask (stream_ids) needs position_ids for block indices")
         if self.kind == "block_diffusion" and self.seq_len < 1 and self.stream_ids is None:
             raise ValueError("a block_diffusion mask needs seq_len = L, the length of x_t (input is 2L)")
+
+    def to(self, device) -> "MaskSpec":
+        """The same mask with its per-position tensors on ``device``."""
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, segment_ids=mv(self.segment_ids), position_ids=mv(self.position_ids),
+                       stream_ids=mv(self.stream_ids))
 
     # ------------------------------------------------------------------ the mask itself
     def _pos(self, b: torch.Tensor, idx: torch.Tensor, offset: int) -> torch.Tensor:
@@ -194,34 +201,70 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-_FLEX_CACHE: dict = {}
+_BLOCK_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()   # most recent block masks (all layers of a forward)
+_BLOCK_MASKS_KEPT = 8
+
+
+def _graph_mask(spec: MaskSpec, device: torch.device) -> Callable:
+    """``spec.mask_mod`` as a plain 4-argument function whose per-batch values are tensors on ``device``.
+
+    A compiled FlexAttention treats what its mask_mod reads as part of the graph: tensors are inputs, but Python
+    ints are constants, so a spec whose offsets change every call (KV-cached decoding moves ``q_offset`` by a block
+    each step) or whose block-diffusion length L changes would compile a new graph each time and, after dynamo's
+    recompile limit (8), fall back to the unfused kernel that materialises the scores. Offsets and L therefore go
+    in as 0-dim tensors; what stays constant is the mask's structure (kind, block size, which tensors it carries,
+    shapes), so one graph serves every micro-batch of one structure. (A plain function also because
+    ``create_block_mask`` counts a bound method's ``self`` as a fifth positional argument and refuses it.)
+    """
+    as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    graph_spec = replace(spec, q_offset=as_t(spec.q_offset), kv_offset=as_t(spec.kv_offset),
+                         seq_len=as_t(spec.seq_len))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return graph_spec.mask_mod(b, h, q_idx, kv_idx)
+
+    return mask_mod
+
+
+def flex_block_mask(spec: MaskSpec, q_len: int, kv_len: int, device: torch.device):
+    """The block-sparse mask of ``spec`` (built once per spec and shape: every layer of a forward reuses it).
+
+    A spec without per-position tensors is keyed by value (an equal spec of the next micro-batch hits); one with
+    segment / position / stream ids by identity (its contents are the micro-batch's own), holding the spec so its
+    id cannot be reused while cached."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    packed = any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids))
+    key = (id(spec) if packed else spec, q_len, kv_len, str(device))
+    hit = _BLOCK_MASKS.get(key)
+    if hit is not None:
+        _BLOCK_MASKS.move_to_end(key)
+        return hit[1]
+    block_mask = create_block_mask(_graph_mask(spec, device), _mask_batch(spec) if packed else None, None, q_len,
+                                   kv_len, device=device)
+    _BLOCK_MASKS[key] = (spec, block_mask)
+    while len(_BLOCK_MASKS) > _BLOCK_MASKS_KEPT:
+        _BLOCK_MASKS.popitem(last=False)
+    return block_mask
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, scale: float) -> torch.Tensor:
     """FlexAttention with a block-sparse mask built from the spec's mask_mod (CUDA)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention as _flex
-
-    key = (spec.kind, spec.block_size, spec.seq_len, spec.q_offset, spec.kv_offset,
-           id(spec.segment_ids), id(spec.position_ids), id(spec.stream_ids), q.shape[-2], k.shape[-2], q.device)
-    block_mask = _FLEX_CACHE.get(key)
-    if block_mask is None:
-        packed = any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids))
-        B = _mask_batch(spec) if packed else None
-        block_mask = create_block_mask(spec.mask_mod, B, None, q.shape[-2], k.shape[-2], device=q.device)
-        if len(_FLEX_CACHE) > 64:
-            _FLEX_CACHE.clear()
-        _FLEX_CACHE[key] = block_mask
-    fn = _compiled_flex() if q.is_cuda else _flex
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    block_mask = flex_block_mask(spec, q.shape[-2], k.shape[-2], q.device)
+    return _flex_kernel(q.device)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 _COMPILED = None
 
 
-def _compiled_flex():
+def _flex_kernel(device: torch.device) -> Callable:
+    """The compiled FlexAttention on CUDA (the eager one materialises the scores), the eager one elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention as _flex
+
     global _COMPILED
+    if device.type != "cuda":
+        return _flex
     if _COMPILED is None:
-        from torch.nn.attention.flex_attention import flex_attention as _flex
         _COMPILED = torch.compile(_flex, dynamic=False)
     return _COMPILED
 

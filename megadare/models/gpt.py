@@ -262,8 +262,13 @@ def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[i
 
 def build_model_chunks(arch: ModelArch, config: TransformerConfig, attention_backend: str = "auto",
                        head: Optional[HeadSettings] = None) -> list[DLLMGPTModel]:
-    """All model chunks of this rank: one per virtual pipeline stage (one without interleaving)."""
+    """All model chunks of this rank: one per virtual pipeline stage (one without interleaving), on this rank's
+    GPU when there is one. megatron creates most weights there already (``use_cpu_initialization=False``), but
+    modules built by plain torch (our RMSNorm, the MoE router's weight) start on the CPU; megatron's own trainer
+    moves every chunk with ``.cuda()`` as this does. ``head``: how a training step runs the output layer."""
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    if vpp == 1:
-        return [build_model(arch, config, None, attention_backend, head)]
-    return [build_model(arch, config, i, attention_backend, head) for i in range(vpp)]
+    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend, head) for i in range(vpp)]
+    if torch.cuda.is_available():
+        for c in chunks:
+            c.cuda(torch.cuda.current_device())
+    return chunks

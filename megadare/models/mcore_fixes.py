@@ -11,6 +11,10 @@
 * ``tensor_parallel.checkpoint`` (``train.recompute=full``) hands every argument to ``save_for_backward``, so a
   non-tensor attention mask (megadare's ``MaskSpec``, every backend but ``local``) raises ``TypeError``. The fix
   binds non-tensor arguments into the recomputed function and checkpoints only the tensors.
+* ``moe_utils`` defines ``te_general_gemm`` only when Transformer Engine imports, yet
+  ``RouterGatingLinearFunction`` reads the name whatever the router dtype: without TE (CPU, and GPU images
+  without it) every MoE forward raises ``NameError``. The fix assigns None, what megatron itself assigns when TE
+  lacks the function (the gating then takes its plain ``torch.mm`` path).
 
 Applied once, at import of models/gpt.py.
 """
@@ -69,7 +73,10 @@ def apply() -> None:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
 
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     TopKRouter._apply_expert_bias = _apply_expert_bias
     tensor_parallel.checkpoint = _checkpoint_tensors_only(tensor_parallel.checkpoint)
     DistributedOptimizer._set_main_param_and_optimizer_states = _keep_step(

@@ -4,7 +4,7 @@ Reader: a directory with ``model.safetensors`` or ``model.safetensors.index.json
 one by one with plain reads (no mmap), so peak memory stays near the largest tensor.
 Writer: buffers tensors until a shard reaches ``max_shard_bytes``, then writes it; at close it names the shards
 ``model-0000i-of-0000n.safetensors`` and writes the index, exactly as ``transformers`` ``save_pretrained``
-does. Output goes to ``<out>.tmp-<pid>`` and is renamed into place at close, so a crash never leaves a
+does. Output goes to a fresh sibling ``.<out>.tmp-XXXX`` and is renamed into place at close, so a crash never leaves a
 half-written checkpoint under the final name.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Optional
 
@@ -39,6 +40,15 @@ class CheckpointError(ValueError):
     """A checkpoint directory is missing files, or names a tensor it does not hold."""
 
 
+def _tensor_names(path: str) -> list[str]:
+    """The tensor names of one safetensors file; a damaged file raises CheckpointError naming it."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError) on a damaged file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 class SafetensorsReader:
     """Lazy reader over an HF checkpoint directory (single file or sharded with an index)."""
 
@@ -56,17 +66,15 @@ class SafetensorsReader:
                 if not os.path.exists(os.path.join(self.path, fn)):
                     raise CheckpointError(f"{index} names shard {fn!r}, which is missing from {self.path}")
         elif os.path.exists(single):
-            with safe_open(single, framework="pt") as f:
-                self.weight_map = {k: SINGLE_NAME for k in f.keys()}
+            self.weight_map = {k: SINGLE_NAME for k in _tensor_names(single)}
         else:
             files = sorted(x for x in os.listdir(self.path) if x.endswith(".safetensors")) if os.path.isdir(self.path) else []
             if not files:
                 raise CheckpointError(f"{self.path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files")
             self.weight_map = {}
             for fn in files:
-                with safe_open(os.path.join(self.path, fn), framework="pt") as f:
-                    for k in f.keys():
-                        self.weight_map[k] = fn
+                for k in _tensor_names(os.path.join(self.path, fn)):
+                    self.weight_map[k] = fn
         self._handles: dict[str, tuple[int, dict]] = {}
 
     def keys(self) -> list[str]:
@@ -79,9 +87,15 @@ class SafetensorsReader:
         """(data start offset, header) of one safetensors file: 8-byte little-endian length + JSON."""
         h = self._handles.get(fn)
         if h is None:
-            with open(os.path.join(self.path, fn), "rb") as f:
+            path = os.path.join(self.path, fn)
+            with open(path, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
-                h = (8 + n, json.loads(f.read(n)))
+                if n > os.path.getsize(path) - 8:
+                    raise CheckpointError(f"{path}: not a complete safetensors file (its header claims {n} bytes)")
+                try:
+                    h = (8 + n, json.loads(f.read(n)))
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise CheckpointError(f"{path}: the safetensors header is not valid JSON ({e})") from None
             self._handles[fn] = h
         return h
 
@@ -99,7 +113,10 @@ class SafetensorsReader:
         buf = bytearray(end - begin)
         with open(os.path.join(self.path, fn), "rb") as f:
             f.seek(start + begin)
-            f.readinto(memoryview(buf))
+            got = f.readinto(memoryview(buf))
+        if got != len(buf):
+            raise CheckpointError(f"{os.path.join(self.path, fn)}: truncated: tensor {name!r} needs bytes "
+                                  f"{start + begin}..{start + end}, the file ends at {start + begin + got}")
         dtype = _DTYPES[e["dtype"]]
         if not buf:
             return torch.empty(e["shape"], dtype=dtype)
@@ -125,16 +142,27 @@ class SafetensorsReader:
         self.close()
 
 
+def fresh_sibling(path: str, tag: str, create: bool) -> str:
+    """A fresh, unique name beside ``path`` (``.<name>.<tag>-XXXX``; the directory is made when ``create``)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    d = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.{tag}-", dir=parent)
+    if not create:
+        os.rmdir(d)
+    else:  # mkdtemp makes it private (0700); the output gets the usual permissions
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(d, 0o777 & ~umask)
+    return d
+
+
 class ShardedSafetensorsWriter:
     """Writes HF-layout sharded safetensors atomically (temp dir, renamed at close)."""
 
     def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30,
                  metadata: Optional[dict[str, str]] = None):
-        self.out_dir = os.fspath(out_dir)
-        self.tmp_dir = f"{self.out_dir.rstrip(os.sep)}.tmp-{os.getpid()}"
-        if os.path.exists(self.tmp_dir):
-            shutil.rmtree(self.tmp_dir)
-        os.makedirs(self.tmp_dir)
+        self.out_dir = os.fspath(out_dir).rstrip(os.sep)
+        self.tmp_dir = fresh_sibling(self.out_dir, "tmp", create=True)
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {"format": "pt", **(metadata or {})}
         self._buf: dict[str, torch.Tensor] = {}
@@ -183,8 +211,8 @@ class ShardedSafetensorsWriter:
         if n > 1:
             with open(os.path.join(self.tmp_dir, INDEX_NAME), "w") as f:
                 json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
-        if os.path.exists(self.out_dir):
-            old = f"{self.out_dir.rstrip(os.sep)}.old-{os.getpid()}"
+        if os.path.exists(self.out_dir):  # callers decide whether out_dir may be replaced (convert.outputs)
+            old = fresh_sibling(self.out_dir, "old", create=False)
             os.replace(self.out_dir, old)
             os.replace(self.tmp_dir, self.out_dir)
             shutil.rmtree(old)
@@ -204,7 +232,11 @@ class ShardedSafetensorsWriter:
         if exc_type is not None:
             self.abort()
         elif not self._closed:
-            self.close()
+            try:
+                self.close()
+            except BaseException:   # e.g. a full disk writing the last shard: nothing half-written stays
+                self.abort()
+                raise
 
 
 def copy_passthrough_files(src_dir: str, dst_dir: str) -> list[str]:

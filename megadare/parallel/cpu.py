@@ -2,19 +2,18 @@
 
 megatron-core assumes CUDA: ``torch.cuda.current_device()`` as the device of new tensors, literal
 ``device="cuda"`` / ``.cuda()`` in schedules, optimizer and MoE code, the CUDA RNG tracker, CUDA streams and
-events in the MoE token dispatchers, and (without TE) a ``te_general_gemm`` name in the router. This module
-answers those calls on CPU:
+events in the MoE token dispatchers. This module answers those calls on CPU (the router's missing
+``te_general_gemm`` without TE is not CPU-specific: models/mcore_fixes.py defines it on every device):
 
 1. a ``TorchFunctionMode`` (the mechanism ``torch.set_default_device`` uses) that rewrites CUDA devices in
    ``device=`` arguments and ``Tensor.to(...)`` to CPU and makes ``Tensor.cuda()`` / ``pin_memory()`` identity;
 2. stubs for the ``torch.cuda`` API that is not a torch function (current device, RNG state, synchronize,
    streams, events);
 3. megatron's CUDA RNG state accessors mapped to the CPU generator;
-4. ``moe_utils.te_general_gemm = None`` where megatron forgot to define it;
-5. ``all_to_all_single`` with tensor split sizes (the alltoall MoE dispatcher) converted to Python lists;
-6. ``Tensor.type()`` (no arguments) answers ``torch.cuda.*Tensor`` as megatron's optimizers expect;
-7. ``reduce_scatter_tensor`` (gloo has none; megatron's distributed optimizer uses it) as all-reduce + copy;
-8. pipeline p2p with tags per direction: with PP=2 the previous and the next stage are the same peer, and
+4. ``all_to_all_single`` with tensor split sizes (the alltoall MoE dispatcher) converted to Python lists;
+5. ``Tensor.type()`` (no arguments) answers ``torch.cuda.*Tensor`` as megatron's optimizers expect;
+6. ``reduce_scatter_tensor`` (gloo has none; megatron's distributed optimizer uses it) as all-reduce + copy;
+7. pipeline p2p with tags per direction: with PP=2 the previous and the next stage are the same peer, and
    gloo matches messages between a pair of ranks in posting order, so a batch holding an activation and a
    gradient for the same peer could swap two same-shaped tensors (NCCL groups them); activations travel
    with tag 1, gradients with tag 2;
@@ -160,11 +159,6 @@ def install_cpu_compat(force: bool = False) -> bool:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
     _orig_a2a = dist.all_to_all_single
 

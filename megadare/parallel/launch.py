@@ -2,7 +2,7 @@
 
 ``spawn(fn, world_size, *args)`` starts ``world_size`` processes (start method 'spawn'), calls
 ``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in any rank is raised in
-the parent with that rank's traceback; a hung collective fails after ``timeout_s`` instead of hanging.
+the parent with that rank's traceback (megadare's own one-line errors as themselves, the traceback as their cause); a hung collective fails after ``timeout_s`` instead of hanging.
 """
 from __future__ import annotations
 
@@ -34,8 +34,19 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
     try:
         # plain pickle copies tensor data: torch's fd sharing would die with this process
         queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, (traceback.format_exc(), _one_line_error(e))))
+
+
+def _one_line_error(e: BaseException):
+    """megadare's own one-line errors (ValueError subclasses defined in megadare: ConfigError, DataError, ...),
+    pickled to be raised again in the parent as they are; None for anything else."""
+    if isinstance(e, ValueError) and type(e).__module__.startswith("megadare."):
+        try:
+            return pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - an unpicklable error is reported by its traceback
+            return None
+    return None
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
@@ -48,6 +59,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    own: list[BaseException] = []
     try:
         import queue as _q
 
@@ -60,7 +72,10 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
             if ok:
                 results[rank] = pickle.loads(val)
             else:
-                errors.append(f"rank {rank} failed:\n{val}")
+                tb, err = val
+                errors.append(f"rank {rank} failed:\n{tb}")
+                if err is not None:
+                    own.append(pickle.loads(err))
                 break
     finally:
         for p in procs:
@@ -69,6 +84,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
             if p.is_alive():
                 p.kill()
                 p.join()
+    if own:
+        raise own[0] from WorkerError("\n".join(errors))
     if errors:
         raise WorkerError("\n".join(errors))
     return [results[r] for r in range(world_size)]

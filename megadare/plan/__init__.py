@@ -24,11 +24,11 @@ __all__ = ["ParamCounts", "PlanReport", "count_params", "format_report", "plan",
 
 
 def run_plan_command(cfg: Config, arch: Optional[ModelArch]) -> int:
-    """Print the plan table; 0 when planned (fitting or not), 2 without a model."""
+    """Print the plan table; 0 when it fits, 1 when it does not (DOES NOT FIT), 2 without a model."""
     if arch is None:
         print("megadare: error: megadare plan needs a model: set model.hf_path to a directory holding config.json "
               "(e.g. examples/configs/hf/SDAR-30B-A3B) or model.family", file=sys.stderr)
         return 2
     report = plan(cfg, arch)
     print(format_report(report))
-    return 0
+    return 0 if report.fits else 1

@@ -1,7 +1,7 @@
 """What a reward raises when it cannot give a score, as opposed to a low one."""
 from __future__ import annotations
 
-__all__ = ["AnswerTimeout", "RewardError"]
+__all__ = ["AnswerTimeout", "RewardError", "SandboxUnavailable"]
 
 
 class AnswerTimeout(TimeoutError):
@@ -12,3 +12,8 @@ class AnswerTimeout(TimeoutError):
 class RewardError(RuntimeError):
     """Too many samples of a batch whose reward could not be computed; the message names the reward, the first
     failing record (file:row) and its exception."""
+
+
+class SandboxUnavailable(RewardError):
+    """The kernel refused the OS isolation code rewards run in (``rewards.code.isolation=namespaces``): no code
+    reward runs, whatever ``rl.max_reward_error_fraction`` tolerates; the message names the weaker setting."""

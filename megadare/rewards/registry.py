@@ -34,7 +34,8 @@ from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
 
-__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response"]
+__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",
+           "runs_code"]
 
 RewardFn = Callable[[str, dict], float]
 RewardSpec = Union[str, RewardFn]
@@ -150,6 +151,21 @@ def gold_response(rule: str, record: dict) -> Optional[str]:
     if rule == "sudoku":
         return f"<answer>\n{check_sudoku_grid(gold, 'solution')}\n</answer>"
     return gold if rule == "exact_match" else None
+
+
+def runs_code(reward: str, records: Sequence[dict]) -> bool:
+    """Will ``reward`` run programs in the sandbox on these ``records``? (a code built-in, or ``auto`` with a row
+    ruled to one); rows ``auto`` has no rule for are left to fail when scored."""
+    code = ("code", "code_all_or_nothing")
+    if reward != "auto":
+        return reward in code
+    for record in records:
+        try:
+            if auto_rule(record) in code:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 def load_reward(spec: RewardSpec) -> RewardFn:

@@ -1,13 +1,15 @@
 """The sandbox's child side: run by ``python -I -S -B -c <this file's source>`` (see :mod:`.sandbox`).
 
 Standalone on purpose (stdlib only, nothing from megadare): it is the first code of the sandboxed interpreter. It
-reads the program (and in test mode the tests) before any untrusted code runs, installs the audit hook, closes the
-report pipe, then executes the program as ``__main__``.
+reads the program (and in test mode the tests) from unlinked files the parent passed as fds and closes them (the
+program cannot read its tests back), enters the OS isolation in ``namespaces`` mode (:mod:`.sandbox_jail`, whose
+source the parent passes too), writes ``main.py`` into its cwd, installs the audit hook, closes the report pipe,
+then executes the program as ``__main__``.
 
 Test mode (the parent passed a tests file): the program runs as module ``solution`` (so an
 ``if __name__ == "__main__"`` block does not run, as DARE strips it), then the tests run in a copy of its
-namespace with the builtins as they were before the program ran (a program that rebinds ``abs`` or ``exec`` cannot
-change them). Modules named by the parent (``preload``, e.g. numpy, which loads ctypes) are imported before the
+namespace with the builtins as they were before the program ran (a program that rebinds ``abs`` or ``exec``, or
+defines a global of that name, cannot change them for the tests). Modules named by the parent (``preload``, e.g. numpy, which loads ctypes) are imported before the
 hook, so they load; ctypes' calls stay refused. The tests passed only if the parent receives a one-time token:
 the token was read from a pipe before the program started and lives only in the audit hook's closure; the hook
 writes it to the proof pipe only when the event ``megadare.tests_passed`` is raised with this bootstrap's own
@@ -15,10 +17,16 @@ frame, which only the bootstrap has and raises after the tests ran to their end.
 ``os._exit``, ``SystemExit`` inside a test), printing "PASS" or a zero exit status prove nothing. While the
 program or tests run, every way to a frame object is closed (``sys._getframe``, traceback / generator /
 coroutine frames, tracing and profiling hooks, new audit hooks, signal handlers, which receive the interrupted
-frame), and so are ``/proc/*/mem``, gc walks, ctypes and hand-made code objects (imports compile from source, so
-``marshal.loads`` is refused too): the token cannot be read back from memory. Known limit, as in DARE, evalplus
-and OpenCompass: a program can still return an object whose ``__eq__`` always says True, or patch an attribute of
-a module the tests use (``math.isclose``).
+frame, ``gc.set_debug`` whose DEBUG_SAVEALL hands collected frames out in ``gc.garbage``, second copies of builtin
+modules that would bring those back, CPython's test modules), and so are ``/proc/*/mem``, gc walks, ctypes,
+sub-interpreters, native code of the program's own and hand-made code objects (imports compile from source, so
+``marshal.loads`` is refused too): the token cannot be read back from memory. As a second line, the hook accepts the
+proof only while the frame is at ``_boot``'s last line, where it is only after the tests ran to their end (a
+program holding the frame burns the token). Known limits: a program that reaches its own memory (numpy's
+``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass; and, as in DARE, evalplus
+and OpenCompass, a program can return an object whose ``__eq__`` always says True, or patch an attribute of a module
+the tests use (``math.isclose``). A global of the program's named like a builtin (``abs``) is left out of the tests'
+copy of its namespace, so the tests call the true builtin.
 """
 import builtins
 import os
@@ -35,9 +43,31 @@ class SandboxRefused(PermissionError):
     pass
 
 
-def _read(path):
-    with open(path, "rb") as f:
-        return f.read()
+def _read_fd(fd):
+    """All of an inherited (unlinked) file, then the fd closed: the program cannot read it back."""
+    chunks = []
+    while True:
+        chunk = os.pread(fd, 1 << 20, sum(map(len, chunks)))
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _jail(plan, source, rep):
+    """OS isolation (:mod:`.sandbox_jail`, its source passed by the parent, with the plan as a Python literal, which
+    costs no import); returns in the isolated program."""
+    namespace = {"__name__": "sandbox_jail"}
+    exec(compile(source, "sandbox_jail.py", "exec"), namespace)
+    namespace["enter"](eval(plan, {"__builtins__": {}}), rep)
+    for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
+        del sys.modules[name]   # importing ctypes again meets the audit hook
+
+
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _exit_for(e):
@@ -77,12 +107,64 @@ def _no_signal_handlers(*args, **kwargs):
     raise SandboxRefused("sandbox: installing signal handlers is refused while tests run")
 
 
+def _no_gc_debug(*args, **kwargs):
+    raise SandboxRefused("sandbox: gc.set_debug is refused while tests run (DEBUG_SAVEALL hands out frames)")
+
+
+def _no_module_copies(*args, **kwargs):
+    raise SandboxRefused("sandbox: creating a builtin module again is refused while tests run")
+
+
+def _close_frame_sources():
+    """Test mode, before the program: the ways to a frame object the audit hook cannot see. Signal handlers receive
+    the interrupted frame; ``gc.set_debug(DEBUG_SAVEALL)`` puts every collected cycle (frames of exceptions caught
+    in a function) in ``gc.garbage``; a second copy of ``_signal`` or ``gc`` (``BuiltinImporter.create_module``)
+    would bring both back, so every builtin module is imported now and ``_imp.create_builtin`` is gone (the
+    replaced functions are referenced nowhere else)."""
+    import _imp
+    for name in sys.builtin_module_names:
+        if name not in sys.modules:
+            __import__(name)
+    import _signal
+    import gc
+    import signal
+    _signal.signal = signal.signal = _no_signal_handlers
+    gc.set_debug = _no_gc_debug
+    _imp.create_builtin = _no_module_copies
+
+
+def _proof(root, token_fd, proof_fd):
+    """Test mode: what the hook needs to accept the proof once (see the module docstring): the bootstrap's frame,
+    the token (read and its pipe closed), the proof pipe, and the line the frame must be at then (``_boot``'s last,
+    which it reaches only after the tests ran to their end: a program holding the frame cannot be there)."""
+    _close_frame_sources()
+    sys.pycache_prefix = os.path.join(root, "no_pycache")   # imports compile from source: no marshal.loads
+    frame = sys._getframe(1)
+    last_line = max(line for _, _, line in frame.f_code.co_lines() if line is not None)
+    proof = [frame, os.read(token_fd, 64), proof_fd, last_line]
+    os.close(token_fd)
+    return proof
+
+
+def _passed(audit, frame):
+    audit("megadare.tests_passed", frame)
+    _flush()
+    os._exit(0)
+
+
 def _boot():
-    rep, path, root, maxc, audit_on = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
-    tests_path, token_fd, proof_fd, preload = sys.argv[6], int(sys.argv[7]), int(sys.argv[8]), sys.argv[9]
+    rep, code_fd, tests_fd, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    maxc, audit_on, token_fd, proof_fd = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8])
+    preload, jail_plan, jail_source = sys.argv[9], sys.argv[10], sys.argv[11]
+    source = _read_fd(code_fd)
+    test_source = _read_fd(tests_fd) if tests_fd >= 0 else None
+    if jail_plan:
+        _jail(jail_plan, jail_source, rep)
+    path = os.path.join(root, "main.py")
+    _write(path, source)
     try:
-        code = compile(_read(path), "main.py", "exec")
-        tests = compile(_read(tests_path), "tests.py", "exec") if tests_path else None
+        code = compile(source, "main.py", "exec")
+        tests = compile(test_source, "tests.py", "exec") if test_source is not None else None
     except (SyntaxError, ValueError):
         traceback.print_exc(limit=0)
         sys.exit(1)
@@ -101,13 +183,8 @@ def _boot():
             sys.modules["_posixsubprocess"] = stub
         proof = None
         if tests is not None:
-            import signal
-            import _signal
-            _signal.signal = signal.signal = _no_signal_handlers
-            sys.pycache_prefix = os.path.join(root, "no_pycache")   # imports compile from source: no marshal.loads
-            frame = sys._getframe(0)
-            proof = [frame, os.read(token_fd, 64), proof_fd]
-            os.close(token_fd)
+            proof = _proof(root, token_fd, proof_fd)
+            frame = proof[0]
         sys.addaudithook(_make_hook(root, maxc, proof))
         del proof
         os.write(rep, b"audit_hook\n")
@@ -128,25 +205,28 @@ def _boot():
         _die(e, audit, frame)
     if tests is None:
         return
-    namespace = dict(mod.__dict__, __builtins__=pristine, __name__="tests")
+    # the tests see the program's names but the true builtins: a global ``abs`` of the program's cannot change what
+    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's)
+    namespace = {k: v for k, v in mod.__dict__.items() if k not in pristine}
+    namespace.update(__builtins__=pristine, __name__="tests")
     try:
         run(tests, namespace)
     except BaseException as e:  # a failed assert, SystemExit inside a test, anything
         _die(e, audit, frame, "sandbox: the tests did not pass")
-    audit("megadare.tests_passed", frame)
-    _flush()
-    os._exit(0)
+    _passed(audit, frame)   # must stay the last line of _boot (the proof is accepted only from there)
 
 
 PROC_EVENTS = frozenset(("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
                          "subprocess.Popen", "os.startfile", "pty.spawn"))
 DENY_EVENTS = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "os.killpg", "signal.pthread_kill",
-                         "sys.remote_exec", "os.symlink"))
+                         "sys.remote_exec", "os.symlink",
+                         "cpython.PyInterpreterState_New"))   # a sub-interpreter has no audit hook
 # test mode: no frame objects (they reach the hook's closure), no tracing, no new hooks, no re-imported _signal,
 # no hand-made code objects (bytecode can read memory)
 FRAME_EVENTS = frozenset(("sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace",
                           "sys.setprofile", "sys.addaudithook"))
-TEST_IMPORTS = frozenset(("_signal", "_testcapi", "_testinternalcapi"))
+TEST_IMPORTS = frozenset(("_signal", "gc"))   # again, after sys.modules lost them: _close_frame_sources
+TEST_IMPORT_PREFIXES = ("_test", "_xx")     # CPython's test modules (_testcapi, _testbuffer, ...), sub-interpreters
 TEST_DENIED = frozenset(("code.__new__", "marshal.loads", "marshal.load"))
 # event -> (indices of path args, index of the dir_fd arg or None)
 PATH_EVENTS = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.chmod": ((0,), 2),
@@ -154,6 +234,12 @@ PATH_EVENTS = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,),
                "os.rename": ((0, 1), 2), "os.link": ((0, 1), 2), "os.chdir": ((0,), None),
                "os.setxattr": ((0,), None), "os.removexattr": ((0,), None), "os.chflags": ((0,), None),
                "os.lchflags": ((0,), None), "os.lchmod": ((0,), None), "shutil.rmtree": ((0,), 1)}
+
+
+def _exact(value):
+    """A str (or str subclass) as an exact str, other values as they are: a subclass cannot answer the hook's
+    checks (``startswith``, ``__eq__``, ``split``) with other text than the one CPython uses."""
+    return "".join((value,)) if isinstance(value, str) else value
 
 
 def _refuse(what):
@@ -168,31 +254,30 @@ def _test_guard(proof):
         """True when ``event`` was handled here: the proof, and what could reach it."""
         if event == "megadare.tests_passed" or event == "megadare.tests_failed":
             if args and args[0] is proof[0]:
-                if event == "megadare.tests_passed" and proof[1]:
+                if event == "megadare.tests_passed" and proof[1] and args[0].f_lineno == proof[3]:
                     write(proof[2], proof[1])
-                proof[0] = proof[1] = None   # one shot; frames are harmless once the token is gone
+                proof[0] = proof[1] = None   # one shot (a forgery burns it); frames are harmless once it is gone
             return True
         if proof[1] is None:
             return False
         if event in FRAME_EVENTS or (event == "object.__getattr__" and args[1] in FRAME_ATTRS):
             raise ValueError("sandbox: frame access is refused while tests run")  # the error stdlib callers expect
-        if event == "import" and args[0] in TEST_IMPORTS:
-            _refuse("import of %s" % args[0])
+        if event == "import":
+            name = _exact(args[0])
+            if isinstance(name, str) and (name in TEST_IMPORTS or name.startswith(TEST_IMPORT_PREFIXES)):
+                _refuse("import of %s" % name)
         if event in TEST_DENIED:
             _refuse(event)
         return False
     return test_mode
 
 
-def _make_hook(root, maxc, proof):
-    realpath, fspath, fsdecode, readlink, isdir = os.path.realpath, os.fspath, os.fsdecode, os.readlink, os.path.isdir
-    getpid, getpgrp = os.getpid, os.getpgrp
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+def _path_guard(root):
+    """``inside(path, dir_fd=None)``: does ``path`` (str, bytes, path-like or fd) resolve into the sandbox dir
+    ``root`` (or /dev/null, /dev/stdout, /dev/stderr)?"""
+    realpath, fspath, fsdecode, readlink = os.path.realpath, os.fspath, os.fsdecode, os.readlink
     root_slash = root.rstrip("/") + "/"
     dev_ok = ("/dev/null", "/dev/stdout", "/dev/stderr")
-    deny_imports = frozenset(("_ctypes", "_posixsubprocess") if maxc == 0 else ("_ctypes",))
-    test_mode = _test_guard(proof) if proof is not None else None
-    spawned = [0]
 
     def resolve(p, dir_fd=None):
         if isinstance(p, int):
@@ -213,31 +298,86 @@ def _make_hook(root, maxc, proof):
             return True
         rp = realpath(p)
         return rp == root or rp.startswith(root_slash)
+    return inside
+
+
+def _open_guard(inside):
+    """The check of an ``open`` event: no writing outside the sandbox dir, no directory outside it (no ``dir_fd``
+    tricks), no ``/proc/*/mem``."""
+    realpath, fspath, fsdecode, isdir = os.path.realpath, os.fspath, os.fsdecode, os.path.isdir
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def check_open(path, mode, flags):
+        if isinstance(path, int):
+            return
+        writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
+            or (isinstance(flags, int) and flags & write_flags)
+        if writing and not inside(path):
+            _refuse("writing %r outside the sandbox dir" % (path,))
+        if not inside(path):
+            try:
+                is_dir = isdir(path)
+            except (TypeError, ValueError):
+                is_dir = False
+            if is_dir:
+                _refuse("opening directory %r outside the sandbox dir" % (path,))
+            try:
+                real = realpath(fsdecode(fspath(path)))
+            except (OSError, TypeError, ValueError):
+                real = ""
+            if real.startswith("/proc/") and real.endswith("/mem"):
+                _refuse("reading process memory (%r)" % (path,))
+    return check_open
+
+
+def _import_guard(maxc):
+    """The check of an ``import`` event: refused modules, and native code (``_imp.create_dynamic``, which names
+    the file) only from this Python's own directories (``sys.path`` now: read-only in the sandbox), never from a
+    file the program wrote (its dir, a memfd, ``/proc/self/fd/N``)."""
+    realpath = os.path.realpath
+    deny = frozenset(("_ctypes", "_posixsubprocess") if maxc == 0 else ("_ctypes",))
+    lib_dirs = tuple(realpath(p).rstrip("/") + "/" for p in sys.path if p)
+
+    def check_import(name, filename=None, *rest):
+        name, filename = _exact(name), _exact(filename)
+        if name in deny:
+            _refuse("import of %s" % name)
+        if filename is not None and not (isinstance(filename, str) and realpath(filename).startswith(lib_dirs)):
+            _refuse("loading native code from %r (not a directory of this Python)" % (filename,))
+    return check_import
+
+
+def _kill_guard(maxc):
+    """The check of an ``os.kill`` event: itself (and its group) only; with children allowed, any process of its
+    own process group (its children) but no other (in ``process`` isolation the trainer's pid is visible)."""
+    getpid, getpgrp, getpgid = os.getpid, os.getpgrp, os.getpgid
+
+    def group_of(pid):
+        try:
+            return getpgid(pid)
+        except OSError:
+            return -1
+
+    def check_kill(pid, *rest):
+        group = getpgrp()   # 0 in a PID namespace: the group is the keeper's, outside it
+        if pid in ((getpid(), 0, -group) if group else (getpid(),)):
+            return
+        if maxc == 0 or pid < 0 or (group and group_of(pid) != group):
+            _refuse("signal to pid %r" % (pid,))
+    return check_kill
+
+
+def _make_hook(root, maxc, proof):
+    inside = _path_guard(root)
+    check_open, check_import, check_kill = _open_guard(inside), _import_guard(maxc), _kill_guard(maxc)
+    test_mode = _test_guard(proof) if proof is not None else None
+    spawned = [0]
 
     def hook(event, args):
         if test_mode is not None and test_mode(event, args):
             return
         if event == "open":
-            path, mode, flags = args
-            if isinstance(path, int):
-                return
-            writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
-                or (isinstance(flags, int) and flags & write_flags)
-            if writing and not inside(path):
-                _refuse("writing %r outside the sandbox dir" % (path,))
-            if not inside(path):
-                try:
-                    is_dir = isdir(path)
-                except (TypeError, ValueError):
-                    is_dir = False
-                if is_dir:
-                    _refuse("opening directory %r outside the sandbox dir" % (path,))
-                try:
-                    real = realpath(fsdecode(fspath(path)))
-                except (OSError, TypeError, ValueError):
-                    real = ""
-                if real.startswith("/proc/") and real.endswith("/mem"):
-                    _refuse("reading process memory (%r)" % (path,))
+            check_open(*args)
         elif event.startswith("socket."):
             _refuse("network (%s)" % event)
         elif event.startswith("ctypes."):
@@ -253,12 +393,9 @@ def _make_hook(root, maxc, proof):
                 if not inside(args[k], dir_fd):
                     _refuse("%s on %r outside the sandbox dir" % (event, args[k]))
         elif event == "os.kill":
-            pid = args[0]
-            if pid not in (0, getpid(), -getpgrp()) and (maxc == 0 or pid < 0):
-                _refuse("signal to pid %r" % (pid,))
+            check_kill(*args)
         elif event == "import":
-            if args[0] in deny_imports:
-                _refuse("import of %s" % args[0])
+            check_import(*args)
         elif event in DENY_EVENTS:
             _refuse(event)
     return hook

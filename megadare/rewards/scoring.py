@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from megadare.rewards.errors import AnswerTimeout, RewardError
+from megadare.rewards.errors import AnswerTimeout, RewardError, SandboxUnavailable
 from megadare.rewards.registry import RewardSpec, load_reward
 
 __all__ = ["ScoreStats", "score_batch", "check_reward_errors"]
@@ -58,9 +58,11 @@ def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict
     """Score every ``(response, record)`` pair with ``fn`` on up to ``workers`` threads; returns (scores, stats).
 
     A call that raises, returns a non-finite / non-numeric value, or runs longer than ``timeout_s`` (measured
-    from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a stop). A timed-out call's thread cannot be killed: it
-    is abandoned (daemon thread, its slot handed to the next call) and its late result ignored; the heavy
-    rewards bound their own work (the verifier pool and the sandbox kill their processes).
+    from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a
+    stop). A timed-out call's thread cannot be killed: it is abandoned (daemon thread, its slot handed to the next
+    call) and its late result ignored; the heavy rewards bound their own work (the verifier pool and the sandbox
+    kill their processes). :class:`SandboxUnavailable` (the kernel refused the code sandbox) is raised, never
+    counted: no tolerance turns it into scores.
     """
     fn = load_reward(fn)
     if len(responses) != len(records):
@@ -70,6 +72,7 @@ def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict
     scores = [0.0] * n
     stats = ScoreStats(n=n)
     done_q: "queue.Queue[Tuple[int, bool, Any]]" = queue.Queue()
+    refused: List[SandboxUnavailable] = []
 
     def call(i: int) -> None:
         try:
@@ -79,6 +82,9 @@ def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict
             done_q.put((i, True, value))
         except AnswerTimeout:
             done_q.put((i, True, None))
+        except SandboxUnavailable as e:
+            refused.append(e)
+            done_q.put((i, False, str(e)))
         except BaseException as e:  # noqa: B902 - counted, named, and the run stops on them (check_reward_errors)
             done_q.put((i, False, f"{type(e).__name__}: {e}"))
 
@@ -92,6 +98,8 @@ def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict
         wait = min(s + timeout_s for s in running.values()) - time.monotonic()
         try:
             i, ok, value = done_q.get(timeout=max(0.0, wait))
+            if refused:
+                raise refused[0]
             if i in running:
                 del running[i]
                 if ok and value is None:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from megadare.errors import ConfigError
 from megadare.rollout.engine import ENGINE_DEVICES, SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, host_ip
+from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
 from megadare.rollout.weight_plan import Flat
 
 
@@ -68,7 +68,8 @@ class _EngineActor:
     def info(self) -> dict[str, Any]:
         """Host, device and how many ranks the engine takes in a weight group (SGLang: its TP ranks join)."""
         own = hasattr(self.engine, "join_weight_groups")
-        return {"ip": host_ip(), "device": str(getattr(self.engine, "device", "cpu")), "own_groups": own,
+        device = getattr(self.engine, "device", "cpu")
+        return {"ip": host_ip(), "device": str(device), "gpu": gpu_uuid(device), "own_groups": own,
                 "group_ranks": int(getattr(self.engine, "tp_size", 1)) if own else 1}
 
     def join_weight_groups(self, specs: Sequence[GroupSpec], how: str) -> None:

@@ -97,9 +97,39 @@ def broadcast_from_sender(t: torch.Tensor, pg) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- shared memory
+def gpu_uuid(device: Any) -> Optional[str]:
+    """The physical identity of a CUDA device: the same GPU has the same UUID in every process, whatever index
+    ``CUDA_VISIBLE_DEVICES`` (Ray sets it per actor) gives it there. None for a CPU device."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def cuda_index_of(uuid: str) -> int:
+    """This process's index of the GPU ``uuid``."""
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    raise RuntimeError(f"weight sync (colocated): GPU {uuid}, which holds the sender's buffer, is not visible in this "
+                       f"engine process (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); colocated "
+                       "needs the engine on the trainer's GPU: set rollout.weight_transport=distributed")
+
+
+def device_sync(device: Any) -> None:
+    """Wait for the device's queued work (a GPU copy into or out of a shared buffer is asynchronous: the other
+    process must not read or overwrite the buffer before it finished). Nothing to wait for on the CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_IPC_DEVICE_ARG = 6   # rebuild_cuda_tensor(..., storage_device, ...): the sender's device index (sglang patch_torch.py)
+
+
 class SharedBuffer:
     """A byte buffer other processes on this host map without a copy: a file in ``/dev/shm`` (CPU) or a CUDA IPC
-    handle (GPU). ``handle`` is what :func:`open_shared` takes."""
+    handle (GPU). ``handle`` is what :func:`open_shared` takes; a CUDA handle names its GPU by UUID, since the
+    sender's device index means another GPU (or none) in an engine process with its own CUDA_VISIBLE_DEVICES."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.path: Optional[str] = None
@@ -107,7 +137,7 @@ class SharedBuffer:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self.handle: Any = ("cuda", reduce_tensor(self.tensor))
+            self.handle: Any = ("cuda", gpu_uuid(device), reduce_tensor(self.tensor))
             return
         free = os.statvfs("/dev/shm")
         if free.f_bavail * free.f_frsize < nbytes:
@@ -125,7 +155,9 @@ class SharedBuffer:
 
 def open_shared(handle) -> torch.Tensor:
     if handle[0] == "cuda":
-        fn, args = handle[1]
+        _, uuid, (fn, args) = handle
+        args = list(args)
+        args[_IPC_DEVICE_ARG] = cuda_index_of(uuid)
         return fn(*args)
     _, path, nbytes = handle
     return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
@@ -199,6 +231,7 @@ class WeightReceiver:
                 for f, at in zip(flats, flat_layout(flats)[0]):
                     load(f.views(mem[at:at + f.nbytes].to(self.device)))
                     n += f.nbytes
+                device_sync(self.device)          # the loads out of the buffer finished: the sender may refill it
                 dist.barrier(group=pg)
             return n
         return sum(_in_threads([lambda g=g, h=h: stage(g[0], g[1], h) for g, h in zip(plan, handles)]))

@@ -11,8 +11,11 @@ sends what, buckets, flats) is built once from megatron's own sharding metadata,
 code path. Transports (weight_transport.py): ``distributed`` (a torch.distributed group per stage sender and all
 engines), ``colocated`` (shared memory / CUDA IPC), ``object_store`` (no group: through rank 0 and Ray, one bucket
 at a time); ``auto`` takes ``colocated`` when the trainer runs on CPU and every sender and engine share one host,
-else ``distributed``. Nothing keeps a copy of the model: a restarted engine gets the current version at the next
-push (the rollout manager waits for it, see manager.py).
+else ``distributed``; with the trainer on GPUs, ``colocated`` (CUDA IPC) when every engine runs on the GPU of the
+trainer's sender, ``distributed`` (NCCL) when no engine shares a GPU with a member of its group (NCCL refuses two
+ranks of one group on one GPU), ``object_store`` otherwise (``_gpu_transport``). Nothing keeps a copy of the
+model: a restarted engine gets the current version at the next push (the rollout manager waits for it, see
+manager.py).
 
 ``fp8_block=(128, 128)`` sends the family's linear weights as float8_e4m3fn with one ``weight_scale_inv`` per block
 (megadare/convert/fp8.py), for SGLang engines started from a ``quantize_export(..., fmt="fp8-block")`` checkpoint.
@@ -32,7 +35,7 @@ from megadare.errors import ConfigError
 from megadare.models.mapping import ParamMap
 from megadare.rollout.engine import WEIGHT_TRANSPORTS
 from megadare.rollout.weight_gather import stage_buckets
-from megadare.rollout.weight_groups import DEFAULT_TIMEOUT, host_ip
+from megadare.rollout.weight_groups import DEFAULT_TIMEOUT, gpu_uuid, host_ip
 from megadare.rollout.weight_plan import SyncPlan, Transform, build_plan, plain_hf
 from megadare.rollout.weight_transport import GroupTransport, ObjectStoreTransport, gather_objects, trainer_rank
 
@@ -100,10 +103,13 @@ class WeightSync:
         """Rank 0's decision for this push, broadcast to every rank: transport, whether to (re)build the groups
         (first push, an engine restarted since, or the engines joined another sync's groups), the group size and
         the groups' name."""
-        ips = gather_objects(host_ip()) if self.requested in ("auto", "colocated") and not self.transport_name else None
+        ranks = gather_objects((host_ip(), gpu_uuid(self.device))) \
+            if self.requested != "object_store" and not self.transport_name else None
         header: list[Any] = [None]
         if trainer_rank() == 0:
-            name = self.transport_name or self._resolve(ips)
+            name = self.transport_name or self._resolve(ranks)
+            if not self.transport_name:
+                print(f"weight sync transport: {name} (rollout.weight_transport={self.requested})", flush=True)
             if hasattr(self.engines, "check_engines"):
                 self.engines.check_engines()           # replace dead actors before the push reaches them
             rebuild, world, backend = False, 0, "gloo"
@@ -118,25 +124,60 @@ class WeightSync:
         self.transport_name = header[0]["transport"]
         return header[0]
 
-    def _resolve(self, ips: Optional[list[str]]) -> str:
-        """The transport ``auto`` stands for here; ``colocated`` checked to be possible (one host)."""
-        if self.requested in ("distributed", "object_store"):
-            return self.requested
-        if self.requested == "auto" and (isinstance(self.engines, (list, tuple)) or self.engines is None):
+    def _resolve(self, ranks: Optional[list[tuple[str, Optional[str]]]]) -> str:
+        """The transport ``auto`` stands for here, and a requested one checked to be possible. ``ranks``: every
+        trainer rank's (host, GPU UUID or None). On GPUs the choice follows who shares a GPU: NCCL refuses two
+        members of one group on the same GPU, and CUDA IPC reaches only a GPU the engine itself uses."""
+        if self.requested == "object_store" or isinstance(self.engines, (list, tuple)) or self.engines is None:
             return "object_store"
-        engine_ips = sorted({i["ip"] for i in self.engines.engine_info()})
-        same_host = len(set(ips or []) | set(engine_ips)) == 1
+        ranks = ranks or []
+        infos = self.engines.engine_info()
+        engine_ips = sorted({i["ip"] for i in infos})
+        same_host = len({ip for ip, _ in ranks} | set(engine_ips)) == 1
         if self.requested == "colocated" and not same_host:
             raise ConfigError(f"rollout.weight_transport=colocated needs the engines on the trainer's host: trainer "
-                              f"ranks on {sorted(set(ips or []))}, engines on {engine_ips}; set "
+                              f"ranks on {sorted({ip for ip, _ in ranks})}, engines on {engine_ips}; set "
                               "rollout.weight_transport=distributed (or auto)")
-        return "colocated" if same_host and (self.device.type == "cpu" or self.requested == "colocated") \
-            else "distributed"
+        if self.device.type != "cuda":               # shared memory reaches any engine process of the host
+            return self.requested if self.requested != "auto" else ("colocated" if same_host else "distributed")
+        return _gpu_transport(self.requested, same_host, self._sender_gpus(ranks), [i.get("gpu") for i in infos])
+
+    def _sender_gpus(self, ranks: list[tuple[str, Optional[str]]]) -> list[Optional[str]]:
+        senders = [s.sender for s in self.plan.stages] if self.plan is not None else [0]
+        return [ranks[r][1] if r < len(ranks) else None for r in senders]
 
     def _make_transport(self, header: dict):
         if header["transport"] == "object_store":
             return ObjectStoreTransport(self.plan, self.engines)
         return GroupTransport(self.plan, self.engines, _HOW[header["transport"]], self.timeout)
+
+
+def _gpu_transport(requested: str, same_host: bool, senders: list[Optional[str]],
+                   engines: list[Optional[str]]) -> str:
+    """The transport for a trainer on GPUs (``senders``: each stage sender's GPU UUID; ``engines``: each engine's,
+    None for an engine off the GPU). colocated (CUDA IPC) works when every engine runs on the one sender's GPU;
+    distributed (NCCL) when no two members of a group share a GPU; otherwise only object_store works."""
+    ipc_ok = same_host and len(set(senders)) == 1 and all(g is not None and g in senders for g in engines)
+    on_gpus = [g for g in engines if g is not None]
+    clash = any(g in senders for g in on_gpus) or len(set(on_gpus)) < len(on_gpus)
+    if requested == "colocated" and not ipc_ok:
+        raise ConfigError("rollout.weight_transport=colocated on GPUs needs every engine on the GPU of the trainer's "
+                          f"sender (CUDA IPC): sender GPUs {senders}, engine GPUs {engines}; set "
+                          "rollout.weight_transport=auto")
+    if requested == "distributed" and clash:
+        raise ConfigError("rollout.weight_transport=distributed: an engine shares a GPU with the trainer's sender or "
+                          f"another engine, and NCCL refuses two ranks of one group on one GPU (sender GPUs {senders}, "
+                          f"engine GPUs {engines}); set rollout.weight_transport=auto (colocated: CUDA IPC)")
+    if requested != "auto":
+        return requested
+    if ipc_ok:
+        return "colocated"
+    if not clash:
+        return "distributed"
+    print(f"weight sync: engines share GPUs with the trainer but not one sender's GPU (sender GPUs {senders}, engine "
+          f"GPUs {engines}): neither NCCL nor CUDA IPC can reach them all; weights travel through the object store",
+          flush=True)
+    return "object_store"
 
 
 def sync_weights(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], engines: Any, version: int,

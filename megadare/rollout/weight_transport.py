@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.rollout.weight_groups import (DEFAULT_TIMEOUT, GroupSpec, SharedBuffer, broadcast_from_sender,
-                                            host_ip, host_store, join_group, leave_group)
+                                            device_sync, host_ip, host_store, join_group, leave_group)
 from megadare.rollout.weight_plan import Bucket, Flat, SyncPlan, flat_layout
 
 _FORWARD_TAG = 1 << 20
@@ -101,6 +101,7 @@ class GroupTransport:
             for buf in flats:
                 broadcast_from_sender(buf, self.pg)
             return
+        device_sync(self.shared.tensor.device)                                      # its bytes are written
         broadcast_from_sender(torch.tensor([index], dtype=torch.int64), self.pg)   # bucket `index` is ready
         dist.barrier(group=self.pg)                                                 # every engine loaded it
 

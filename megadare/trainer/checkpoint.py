@@ -6,36 +6,55 @@ Layout of a run's checkpoint root (Megatron-LM's, so megatron tools and our conv
                                     converter ("model." / "model<i>.") plus "optimizer." (fully reshardable)
     <root>/iter_0000006/train_state.json   step, data position, scheduler state, config
     <root>/iter_0000006/rng/rank_00000.pt  per-rank torch + megatron RNG tracker states
+    <root>/iter_0000006/manifest.json      every file with its size (sha256 of the small ones), written last
     <root>/latest_checkpointed_iteration.txt
 
 A save goes to ``iter_X.tmp`` and is renamed once every rank finished; the tracker file is replaced atomically
-after that, so a crash at any point leaves the previous checkpoint loadable. ``keep_last`` old checkpoints are
-kept.
+after that, so a crash at any point leaves the previous checkpoint loadable; a failed write (a full disk) removes
+the partial ``iter_X.tmp``. ``keep_last`` old checkpoints are kept. megatron's writer processes die with the
+trainer (convert/ckpt_writers.py).
+
+Resume (``resume_run``) takes the newest checkpoint whose manifest holds, passing over damaged ones and saying
+which and why (the tracker file is a hint, not the authority); checkpoints of older megadare versions, without a
+manifest, are checked against their .metadata. It refuses a checkpoint of another model or command, and applies
+this run's LR-schedule settings over the checkpoint's, saying which changed.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
+import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megadare.convert.ckpt_writers import writers_die_with_trainer
+from megadare.errors import RunStateError
 from megadare.convert.mcore_ckpt import (
+    HF_SUBDIR,
+    MEGADARE_META,
     SHARDED_SD_METADATA,
+    TRACKER,
+    MegatronCheckpointError,
     _barrier,
     _drop_extra_state,
     _finalise,
     _rank,
     _tmp,
+    intact_checkpoint_dir,
+    iteration_dirs,
+    newest_intact,
     load_into_chunks,
     model_sharded_state_dict,
+    read_json,
     resolve_checkpoint_dir,
     write_meta,
 )
-
-TRACKER = "latest_checkpointed_iteration.txt"
 TRAIN_STATE = "train_state.json"
 OPTIM_METADATA = {**SHARDED_SD_METADATA, "distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -113,17 +132,47 @@ def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], o
 
     ``objects``: picklable state saved by rank 0 as ``<name>.pt`` (e.g. the RL loop's queued rollouts and replay
     buffer); ``rank_objects``: per-rank state saved as ``<name>/rank_XXXXX.pt`` (e.g. weight snapshots of this
-    rank's shards). Both land inside the same atomic rename; read them with ``load_checkpoint_object``."""
-    from megatron.core import dist_checkpointing
-
+    rank's shards). Both land inside the same atomic rename; read them with ``load_checkpoint_object``. A failed
+    write (a full disk) removes the partial ``iter_X.tmp`` and raises MegatronCheckpointError in one line."""
     final = iteration_dir(root, step)
     tmp = _tmp(final)
+    meta = dict(meta or {}, **({"source": os.path.abspath(hf_files_from)} if hf_files_from else {}))
+    try:
+        _write_train_checkpoint(tmp, root, step, chunks, optimizer, scheduler, train_state, meta, hf_files_from,
+                                objects, rank_objects)
+        if _rank() == 0:
+            _finalise(tmp, final)
+    except (Exception, CheckpointException) as e:   # torch's CheckpointException is a BaseException
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_iteration(root)
+        raise MegatronCheckpointError(
+            f"saving {final} failed: {_os_reason(e)}; the partial {os.path.basename(tmp)} was removed"
+            + (f" and {previous} is intact: fix the cause, then rerun the same command to resume from it" if previous
+               else "")) from None
+    if _rank() == 0:
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        _prune(root, keep_last, step)
+    _barrier()
+    return final
+
+
+def _write_train_checkpoint(tmp: str, root: str, step: int, chunks, optimizer, scheduler, train_state: dict,
+                            meta: dict, hf_files_from: Optional[str], objects: Optional[dict],
+                            rank_objects: Optional[dict]) -> None:
+    """Every file of the checkpoint into ``tmp`` (collective); rank 0 writes train_state.json and the meta last."""
+    from megatron.core import dist_checkpointing
+
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # a crashed save of this very step: ours
         os.makedirs(tmp)
     _barrier()
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
+    with writers_die_with_trainer():
+        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
     world = dist.get_world_size() if dist.is_initialized() else 1
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
@@ -139,15 +188,38 @@ def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], o
                      scheduler=scheduler.state_dict() if scheduler is not None else None)
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
             json.dump(state, f, indent=2, default=str)
-        write_meta(tmp, meta or {}, hf_files_from)
-        _finalise(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(step))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        _prune(root, keep_last, step)
-    _barrier()
-    return final
+        write_meta(tmp, meta, hf_files_from)
+
+
+def _os_reason(e: BaseException) -> str:
+    """The operating-system error behind a failed save or load (through megatron's and torch's wrappers, which
+    gather per-rank errors as pickles: the OSError may survive only as its text), in words."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [e]
+    innermost = e
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return f"{x.strerror or os.strerror(x.errno)}" + (f" ({x.filename})" if x.filename else "")
+        m = re.search(r"\[Errno \d+\] ([^:\n]+)(?:: '([^'\n]+)')?", str(x))
+        if m and not isinstance(x, CheckpointException):
+            return m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")
+        todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+        for f in getattr(x, "failures", {}).values():   # torch.distributed.checkpoint's per-rank failures
+            inner = [y for y in (f if isinstance(f, tuple) else (f,)) if isinstance(y, BaseException)]
+            innermost = inner[0] if inner else innermost
+            todo += inner
+    first = str(innermost).strip().splitlines()
+    return f"{type(innermost).__name__}: {first[0] if first else ''}"
+
+
+def latest_iteration(root: str) -> Optional[str]:
+    """The newest ``iter_*`` directory under ``root`` (unchecked), or None."""
+    its = iteration_dirs(root)
+    return its[0] if its else None
 
 
 def _prune(root: str, keep_last: int, current: int) -> None:
@@ -174,31 +246,151 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return resolve_checkpoint_dir(root)
 
 
+# a checkpoint's model must be this model: these ModelArch fields shape its tensors
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
+                "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "num_shared_experts", "first_k_dense",
+                "qk_norm", "qkv_bias", "tie_word_embeddings")
+
+
+def check_same_model(ckpt: str, src) -> None:
+    """Refuse (MegatronCheckpointError, one line) a checkpoint of another model than ``src`` (a ModelSource):
+    the family and architecture first, then the config.json fields that shape the tensors, naming what differs."""
+    meta_file = os.path.join(ckpt, MEGADARE_META)
+    meta = read_json(meta_file) if os.path.exists(meta_file) else {}
+    fam, arch = meta.get("family"), meta.get("architecture")
+    if fam and fam != src.family.name or arch and arch != src.arch.architecture:
+        raise MegatronCheckpointError(
+            f"{ckpt} is a checkpoint of a {fam} model ({arch}); this run builds a {src.family.name} model "
+            f"({src.arch.architecture}) from {src.hf_dir}: point checkpoint.load / checkpoint.save at a checkpoint "
+            "of this model, or model.hf_path at the model it was trained from")
+    hf_config = os.path.join(ckpt, HF_SUBDIR, "config.json")
+    if not os.path.exists(hf_config):
+        return
+    from megadare.models.family import ModelConfigError, family_of
+
+    try:
+        cfg = read_json(hf_config)
+        theirs = family_of(cfg).arch(cfg)
+    except ModelConfigError as e:
+        raise MegatronCheckpointError(f"{hf_config}: {e}") from None
+    diff = [f"{k} {getattr(theirs, k)} vs {getattr(src.arch, k)}" for k in SHAPE_FIELDS
+            if getattr(theirs, k) != getattr(src.arch, k)]
+    if theirs.family != src.arch.family or diff:
+        raise MegatronCheckpointError(
+            f"{ckpt} holds another {theirs.family} model than this run's {src.hf_dir} (checkpoint vs run: "
+            f"{', '.join(diff) or 'family ' + theirs.family + ' vs ' + src.arch.family}): point checkpoint.load / "
+            "checkpoint.save at a checkpoint of this model, or model.hf_path at the model it was trained from")
+
+
 def load_train_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, scheduler,
-                          load_optimizer: bool = True) -> dict[str, Any]:
+                          load_optimizer: bool = True, src=None) -> dict[str, Any]:
     """Restore model (+ optimizer, scheduler, RNG when present) from a checkpoint dir or root (collective).
 
-    Returns the saved train state ({} for a model-only checkpoint, e.g. one written by the converter).
-    """
+    The checkpoint is verified against its manifest first (a damaged one raises naming the file) and, with
+    ``src`` (the run's ModelSource), against the model. Returns the saved train state ({} for a model-only
+    checkpoint, e.g. one written by the converter), with ``schedule_changes``: the LR-schedule settings of this
+    run that replaced the checkpoint's (the run's config applies; the caller says so)."""
     from megatron.core import dist_checkpointing
 
-    ckpt = resolve_checkpoint_dir(path)
+    ckpt = intact_checkpoint_dir(path)
+    if src is not None:
+        check_same_model(ckpt, src)
     state_file = os.path.join(ckpt, TRAIN_STATE)
     has_train_state = os.path.exists(state_file)
+    state = read_json(state_file) if has_train_state else {}
+    if has_train_state and not isinstance(state.get("step"), int):
+        raise MegatronCheckpointError(f"{state_file} has no integer 'step'; the checkpoint is damaged")
     with_opt = load_optimizer and has_train_state and optimizer is not None
-    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer if with_opt else None, is_loading=True), ckpt)
+    try:
+        with warnings.catch_warnings():   # megatron 0.16 calls torch's deprecated name on every load
+            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
+                                    module=r"megatron\.core\.dist_checkpointing")
+            loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer if with_opt else None,
+                                                            is_loading=True), ckpt)
+    except (Exception, CheckpointException) as e:  # megatron / torch raise anything on a damaged checkpoint
+        raise MegatronCheckpointError(f"{ckpt} cannot be loaded ({_os_reason(e)}); move it aside to resume from "
+                                      "the checkpoint before it") from None
     load_into_chunks(_unwrap(chunks), loaded, ckpt)
     if not has_train_state:
         return {}
-    with open(state_file) as f:
-        state = json.load(f)
     if with_opt:
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_adam_steps(optimizer)
         if scheduler is not None and state.get("scheduler"):
+            state["schedule_changes"] = schedule_changes(scheduler, state["scheduler"])
+            scheduler.override_opt_param_scheduler = True   # the run's settings, the checkpoint's step count
             scheduler.load_state_dict(state["scheduler"])
     rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if os.path.exists(rng_file) and state.get("world_size") == world:
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+_SCHEDULE_KEYS = {"max_lr": "lr", "min_lr": "min lr", "lr_warmup_steps": "warmup steps",
+                  "lr_decay_steps": "decay steps", "lr_decay_style": "decay style"}
+
+
+def schedule_changes(scheduler, saved: dict) -> list[str]:
+    """``'<setting> <checkpoint's> -> <run's>'`` for each LR-schedule setting that this run changes."""
+    out = []
+    for key, name in _SCHEDULE_KEYS.items():
+        if key in saved and saved[key] != getattr(scheduler, key):
+            out.append(f"{name} {saved[key]} -> {getattr(scheduler, key)}")
+    return out
+
+
+def describe_schedule(scheduler, optimizer) -> str:
+    """The LR schedule in words, with the learning rate of the next step."""
+    lr = scheduler.get_lr(optimizer.param_groups[0]) if optimizer is not None else scheduler.max_lr
+    return (f"{scheduler.lr_decay_style}, lr {scheduler.max_lr:g} -> {scheduler.min_lr:g}, warmup "
+            f"{scheduler.lr_warmup_steps}, over {scheduler.lr_decay_steps} steps; lr now {lr:.3g}")
+
+
+def _say(msg: str) -> None:
+    if _rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _decided_on_rank0(make):
+    """``make()`` on rank 0, the same object on every rank (one view of a shared filesystem)."""
+    box = [make() if _rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def resume_run(root: str, chunks, optimizer, scheduler, src, written_by: str,
+               source: Optional[str] = None) -> dict[str, Any]:
+    """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
+
+    Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
+    another command (``written_by``, e.g. an SFT checkpoint under an RL run) or another ``source`` checkpoint
+    directory (model.hf_path) is refused. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
+    schedule settings of this run that replace the checkpoint's."""
+    pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,)))
+    if pick.tracker_problem:
+        _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")
+    for d, problem in pick.skipped:
+        _say(f"checkpoint: passing over {d}: {problem}")
+    if pick.path is None:
+        if pick.skipped:
+            raise MegatronCheckpointError(f"no intact checkpoint under {root} ({len(pick.skipped)} damaged, listed "
+                                          "above); move them aside to start the run over")
+        return {}
+    if pick.legacy:
+        _say(f"checkpoint: {pick.path} predates checkpoint manifests; checked its shards against .metadata only")
+    meta = read_json(os.path.join(pick.path, MEGADARE_META))
+    if meta.get("written_by") and meta["written_by"] != written_by:
+        raise RunStateError(f"{pick.path} was written by {meta['written_by']}, this is {written_by}: start from it "
+                            f"with checkpoint.load={root} and a new logging.run_dir / checkpoint.save")
+    if source and meta.get("source") and os.path.realpath(meta["source"]) != os.path.realpath(source):
+        raise RunStateError(f"the run in {root} was trained from {meta['source']}, this config names model.hf_path="
+                            f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
+                            "start a new run (logging.run_dir / checkpoint.save)")
+    state = load_train_checkpoint(pick.path, chunks, optimizer, scheduler, src=src)
+    changes = state.get("schedule_changes") or []
+    applied = f"; this run's settings replace the checkpoint's: {', '.join(changes)}" if changes else ""
+    schedule = describe_schedule(scheduler, optimizer) if scheduler is not None else "none"
+    _say(f"resumed from {pick.path} at step {state['step']} (lr schedule: {schedule}{applied})")
+    return dict(state, resumed_from=pick.path)

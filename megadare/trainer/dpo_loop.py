@@ -68,14 +68,16 @@ def check_dpo(cfg: Config, arch) -> None:
 def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
     from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.trainer.run_lock import run_dir_lock
     from megadare.trainer.sft_loop import train_steps
 
     p = cfg.parallel
     init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
     try:
-        run = setup_dpo(cfg)
-        out = train_steps(run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples), "dpo",
-                          max_steps)
+        with run_dir_lock(cfg.logging.run_dir):
+            run = setup_dpo(cfg)
+            out = train_steps(run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples),
+                              "dpo", max_steps)
         return {**out, "data": run.data_stats}
     finally:
         destroy_distributed()
@@ -105,7 +107,7 @@ def setup_dpo(cfg: Config) -> DPORun:
                  examples=examples, data_stats=stats, model=model, optimizer=optimizer, scheduler=scheduler,
                  save_root=checkpoint_root(cfg), ref_chunks=ref,
                  algo=vrpo_for(cfg), block=src.arch.block_size if block else 1)
-    resume(run)
+    resume(run, "megadare dpo")
     return run
 
 

@@ -37,8 +37,12 @@ def forward_logits(chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab
     if B % mbs:
         raise ValueError(f"batch {B} is not divisible by micro_batch_size {mbs}")
     n_micro = B // mbs
-    if position_ids is None:
-        position_ids = torch.arange(S).unsqueeze(0).expand(B, S)
+    device = next(chunks[0].parameters()).device              # the callers' tensors usually sit on the CPU
+    input_ids = input_ids.to(device)
+    position_ids = (torch.arange(S, device=device).unsqueeze(0).expand(B, S) if position_ids is None
+                    else position_ids.to(device))
+    if mask is not None:                                      # a MaskSpec, or a bool tensor (``local`` attention)
+        mask = mask.to(device)
     for c in chunks:
         c.eval()
     micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs]) for i in range(n_micro)]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.config import Config
-from megadare.errors import ConfigError
+from megadare.errors import ConfigError, RunStateError
 from megadare.models.family import Family, ModelArch, family_of, get_family, read_hf_config
 
 
@@ -47,7 +47,9 @@ def resolve_model_source(cfg: Config) -> ModelSource:
             over["block_size"] = m.block_size
         hf = fam.tiny_config(**over)
         hf_dir = os.path.join(cfg.logging.run_dir, "init_hf")
-        if _rank0() and not os.path.exists(os.path.join(hf_dir, "config.json")):
+        if os.path.exists(os.path.join(hf_dir, "config.json")):
+            _check_same_tiny(hf_dir, hf)
+        elif _rank0():
             from megadare.models import build_hf_model, save_hf_model
 
             g = torch.random.fork_rng()
@@ -68,6 +70,20 @@ def resolve_model_source(cfg: Config) -> ModelSource:
     if m.block_size is not None and arch.attention == "block_causal" and m.block_size != arch.block_size:
         arch = _with_block(arch, m.block_size)
     return ModelSource(family=fam, arch=arch, hf_dir=hf_dir, hf_config=hf)
+
+
+def _check_same_tiny(hf_dir: str, want: dict) -> None:
+    """The run directory's tiny model must be the one the config asks for (model.family, model.tiny_config): an
+    earlier run there wrote it, and its checkpoints hold that model."""
+    import json
+
+    have = read_hf_config(hf_dir)
+    diff = sorted(k for k in set(have) | set(want) if json.dumps(have.get(k)) != json.dumps(want.get(k)))
+    if diff:
+        shown = ", ".join(f"{k} {have.get(k)!r} vs {want.get(k)!r}" for k in diff[:4])
+        raise RunStateError(f"{hf_dir} holds the tiny model an earlier run in this directory trained, which differs "
+                            f"from this config's (there vs here: {shown}); use a new logging.run_dir, or restore "
+                            "model.family / model.tiny_config")
 
 
 def _with_block(arch: ModelArch, block: int) -> ModelArch:
@@ -109,6 +125,9 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
     return chunks
 
 
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")   # one holds the vocabulary
+
+
 def tokenizer_for(cfg: Config, src: ModelSource):
     """The HF tokenizer of the checkpoint, or the byte tokenizer for tiny random models."""
     from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -120,4 +139,14 @@ def tokenizer_for(cfg: Config, src: ModelSource):
                               f"the tiny {src.arch.family} model (vocab {src.arch.vocab_size}, mask "
                               f"{src.arch.mask_token_id})")
         return tok
-    return HFTokenizer(src.hf_dir, mask_token_id=src.arch.mask_token_id)
+    if not any(os.path.exists(os.path.join(src.hf_dir, f)) for f in VOCABULARY_FILES):
+        # transformers >= 5 then builds an empty tokenizer of the model type instead of failing
+        raise ConfigError(f"model.hf_path={src.hf_dir} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
+                          "copy the model's tokenizer files into it")
+    try:
+        return HFTokenizer(src.hf_dir, mask_token_id=src.arch.mask_token_id)
+    except (OSError, ValueError, TypeError) as e:   # transformers: OSError without files, ValueError for bad ones
+        lines = str(e).strip().splitlines()
+        raise ConfigError(f"model.hf_path={src.hf_dir}: no usable tokenizer ({type(e).__name__}: "
+                          f"{lines[0] if lines else ''}); copy the model's tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json, ...) into it") from None

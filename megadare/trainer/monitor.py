@@ -1,7 +1,10 @@
 """What a run shows while it trains: a console progress bar with ETA, tensorboard scalars and JSONL metrics.
 
 Only global rank 0 writes. Tensorboard event files go to ``<run_dir>/tensorboard``; one JSON object per logged
-step goes to ``<run_dir>/metrics.jsonl`` (appended, so a resumed run continues the same file).
+step goes to ``<run_dir>/metrics.jsonl`` (appended, so a resumed run continues the same file). A run that starts
+at step N (resumed from its checkpoint of step N) first moves the records of later steps -- steps it rolled
+back and is about to train again -- to ``metrics.rolled_back.jsonl``, so no step appears twice; tensorboard
+purges them itself.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ class Monitor:
         if not self.enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        if self.jsonl_path:
+            roll_back_jsonl(self.jsonl_path, start_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -71,6 +76,32 @@ class Monitor:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def roll_back_jsonl(path: str, step: int) -> int:
+    """Keep the records of steps <= ``step`` in ``path``; append the others to ``metrics.rolled_back.jsonl`` beside it
+    (nothing is lost). Atomic: the kept records replace the file in one rename. Returns how many were moved."""
+    if not os.path.exists(path):
+        return 0
+    keep, later = [], []
+    with open(path, errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                s = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                s = None   # a torn last line of a killed run: not a record of any step
+            (keep if isinstance(s, int) and s <= step else later).append(line if line.endswith("\n") else line + "\n")
+    if not later:
+        return 0
+    with open(os.path.join(os.path.dirname(path), "metrics.rolled_back.jsonl"), "a") as f:
+        f.writelines(later)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+    return len(later)
 
 
 def write_run_config(cfg) -> None:

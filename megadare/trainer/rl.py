@@ -21,21 +21,35 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks).
 
     set-up -> push weights (version = step) -> eval -> per step: generate -> score -> train -> push weights ->
-    log / eval / save."""
+    log / eval / save. The run directory is locked meanwhile (trainer/run_lock.py)."""
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.signals import StopSignal
+    from megadare.trainer.run_lock import run_dir_lock
 
     p = cfg.parallel
     # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the rollout engines route with the synced bias,
     # and forward-only passes (old / reference log-probs) must not feed the balancing statistics
     cfg.train.moe_bias_update_rate = 0.0
     init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    try:
+        with run_dir_lock(cfg.logging.run_dir):
+            return _train(cfg, max_steps)
+    finally:
+        destroy_distributed()
+
+
+def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
+    """The loop of ``run_rl``; engines and weight-sync groups are closed however it ends."""
+    from megadare.trainer.signals import StopSignal
+
     run = None
     try:
         run = setup_run(cfg)
+        if run.step >= cfg.rl.steps:
+            return finished_run(run)
         push_weights(run, queued=False)
         start_loop(run)
-        evaluate_at(run)
+        if run.step not in run.evals:   # a resumed run evaluated this step before its checkpoint
+            evaluate_at(run)
         stopper, start, stopped = StopSignal(), run.step, False
         while run.step < cfg.rl.steps:
             run.monitor.step_timer()
@@ -45,8 +59,8 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             run.step += 1
             metrics.update(push_weights(run))
             log_step(run, metrics)
-            if cfg.rl.eval_interval and run.step % cfg.rl.eval_interval == 0 and run.step < cfg.rl.steps:
-                evaluate_at(run)
+            if (cfg.rl.eval_interval and run.step % cfg.rl.eval_interval == 0) or run.step == cfg.rl.steps:
+                evaluate_at(run)   # before the save: the checkpoint knows it (a resumed run does not repeat it)
             stopped = stopper.should_stop()
             interval = cfg.checkpoint.save_interval
             if stopped or run.step == cfg.rl.steps or (interval and run.step % interval == 0):
@@ -64,7 +78,12 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             run.weight_sync.close()
         if run is not None and run.manager is not None:
             run.manager.shutdown()
-        destroy_distributed()
+
+
+def finished_run(run: RLRun) -> dict[str, Any]:
+    """The summary of a run resumed at its last step (nothing to train: the CLI says so)."""
+    return {"step": run.step, "stopped_by_signal": False, "history": [], "evals": run.evals,
+            "checkpoint_root": run.save_root, "already_finished": True}
 
 
 def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:

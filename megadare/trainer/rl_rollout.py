@@ -6,6 +6,7 @@ they cannot be computed); ``evaluate`` is the held-out accuracy.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -59,8 +60,9 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
     truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
     if rl.truncated_as_wrong:
         r = truncated_as_wrong(r, truncated)
-    adv = group_advantages(r, G, rl.advantage, rl.advantage_std)
     keep = filter_groups(r, G, rl.filter_all_equal, tuple(rl.accuracy_band) if rl.accuracy_band else None)
+    lengths = [len(t.response_ids) if keep[i] else 0 for i, t in enumerate(trajectories)]   # reinforce_pp's weights
+    adv = group_advantages(r, G, rl.advantage, rl.advantage_std, lengths=lengths)
     samples = []
     for i, t in enumerate(trajectories):
         if not keep[i] or not t.response_ids:
@@ -190,6 +192,21 @@ def engine_spec(cfg: Config, src, tok):
         "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20, "tp_size": r.engine_tp})
 
 
+class _DropRayTokenNotice(logging.Filter):
+    """Ray >= 2.5x logs at every local ``ray.init()`` that it enabled token authentication (its default, which we
+    keep); that one notice, and nothing else of Ray's authentication logger (its warning that authentication is
+    disabled stays), is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
+
+
+def _quiet_ray_token_notice() -> None:
+    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropRayTokenNotice) for f in log.filters):
+        log.addFilter(_DropRayTokenNotice())
+
+
 def start_engines(cfg: Config, src, tok):
     """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
     import ray
@@ -198,6 +215,7 @@ def start_engines(cfg: Config, src, tok):
 
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():
+        _quiet_ray_token_notice()
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
                  num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))
     return RolloutManager(spec, num_engines=cfg.rollout.num_engines, resources=dict(cfg.rollout.engine_resources),

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megadare.config import Config, validate
+from megadare.errors import ConfigError
 
 
 @dataclass
@@ -71,7 +72,7 @@ def setup_run(cfg: Config) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
     from megadare.algos import build_algorithm
     from megadare.algos.replay import ReplayBuffer
-    from megadare.rewards import load_reward
+    from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.monitor import write_run_config
@@ -87,6 +88,9 @@ def setup_run(cfg: Config) -> RLRun:
     block = sampling_params(cfg, src.arch, 0).block_size
     tok = tokenizer_for(cfg, src)
     train_prompts, held_prompts = _prompts(cfg, tok)
+    set_isolation(cfg.rewards.code.isolation)
+    if runs_code(cfg.rl.reward, [p.record for p in train_prompts + held_prompts]):
+        check_isolation()   # refuse now, not at the first scored step, where the kernel refuses the sandbox
     run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
                 train_prompts=train_prompts, held_prompts=held_prompts, policy=_build_policy(cfg, src, algo),
                 block=block, kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
@@ -117,7 +121,16 @@ def _prompts(cfg: Config, tok) -> tuple[list, list]:
     """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row."""
     from megadare.data.prompt_data import load_rl_prompts
 
-    return load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok)
+    return load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, prompt_budget(cfg))
+
+
+def prompt_budget(cfg: Config) -> int:
+    """The longest RL prompt: data.max_length (prompt + response) minus rollout.max_new_tokens."""
+    budget = cfg.data.max_length - cfg.rollout.max_new_tokens
+    if budget < 1:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} (prompt + response tokens) leaves no room for a "
+                          f"prompt beside rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise data.max_length")
+    return budget
 
 
 def _build_policy(cfg: Config, src, algo) -> Policy:
@@ -148,15 +161,17 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
 def _resume(run: RLRun) -> None:
     """Restore step, optimizer, value model, weight snapshots, replay buffer and queue state from the newest
     checkpoint of the run (nothing when there is none)."""
-    from megadare.trainer.checkpoint import latest_checkpoint, load_checkpoint_object, load_train_checkpoint
+    from megadare.trainer.checkpoint import iteration_dir, load_checkpoint_object, load_train_checkpoint, resume_run
 
-    resume_from = latest_checkpoint(run.save_root)
-    if not resume_from:
+    pol, cfg = run.policy, run.cfg
+    state = resume_run(run.save_root, pol.model, pol.optimizer, pol.scheduler, run.src, "megadare rl",
+                       source=None if cfg.model.tiny else cfg.model.hf_path)
+    if not state:
         return
-    pol = run.policy
-    run.step = int(load_train_checkpoint(resume_from, pol.model, pol.optimizer, pol.scheduler)["step"])
-    if pol.value is not None:
-        load_train_checkpoint(latest_checkpoint(run.save_root + "_value"), *pol.value)
+    resume_from, run.step = state["resumed_from"], int(state["step"])
+    run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
+    if pol.value is not None:   # the value model's checkpoint of the same step
+        load_train_checkpoint(iteration_dir(run.save_root + "_value", run.step), *pol.value)
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
     if run.snapshots is not None:
         snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
@@ -180,7 +195,7 @@ def save_run(run: RLRun) -> None:
     state = ({"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
              if run.rank0 else None)
     save_train_checkpoint(run.save_root, step, pol.model, pol.optimizer, pol.scheduler,
-                          {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step},
+                          {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
                           meta=meta, hf_files_from=run.src.hf_dir, keep_last=cfg.checkpoint.keep_last,
                           objects={"rl_async": state} if run.rank0 else None,
                           rank_objects={"weight_snapshots": run.snapshots.state_dict()}

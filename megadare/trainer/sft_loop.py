@@ -90,12 +90,14 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     checkpoint unless a save interval falls there.
     """
     from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.trainer.run_lock import run_dir_lock
 
     p = cfg.parallel
     layout = init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
     try:
-        run = setup_sft(cfg)
-        out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
+        with run_dir_lock(cfg.logging.run_dir):
+            run = setup_sft(cfg)
+            out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
         return {**out, "layout": layout.__dict__, "data": run.data_stats}
     finally:
         destroy_distributed()
@@ -133,7 +135,8 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
             break
     monitor.close()
     stopper.restore()
-    return {"step": run.step, "stopped_by_signal": stopped, "history": history, "checkpoint_root": run.save_root}
+    return {"step": run.step, "stopped_by_signal": stopped, "history": history, "checkpoint_root": run.save_root,
+            "already_finished": start_step >= t.steps}
 
 
 def setup_sft(cfg: Config) -> SFTRun:
@@ -159,7 +162,7 @@ def setup_sft(cfg: Config) -> SFTRun:
     run = SFTRun(cfg=cfg, src=src, recipe=recipe, kind=mask_kind(recipe, src.arch), tok=tok, examples=examples,
                  data_stats=data_stats, model=model, optimizer=optimizer, scheduler=scheduler,
                  save_root=checkpoint_root(cfg))
-    resume(run)
+    resume(run, "megadare sft")
     return run
 
 
@@ -175,7 +178,7 @@ def initial_chunks(cfg: Config, src) -> list:
 
     chunks = build_training_chunks(cfg, src)
     if cfg.checkpoint.load:
-        load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False)
+        load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False, src=src)
     return chunks
 
 
@@ -187,17 +190,20 @@ def frozen_chunks(cfg: Config, src) -> list:
     return chunks
 
 
-def resume(run) -> None:
-    """Resume ``run`` (model, optimizer, scheduler, step) from the newest checkpoint under its save root, if any;
-    rank 0 writes the run's config."""
-    from megadare.trainer.checkpoint import latest_checkpoint, load_train_checkpoint
+def resume(run, written_by: str) -> dict:
+    """Resume ``run`` (model, optimizer, scheduler, step) from the newest intact checkpoint under its save root, if
+    any (``checkpoint.resume_run``: written by ``written_by`` from this model); rank 0 writes the run's config.
+    Returns the checkpoint's train state ({} for a fresh run)."""
+    from megadare.trainer.checkpoint import resume_run
     from megadare.trainer.monitor import write_run_config
 
-    resume_from = latest_checkpoint(run.save_root)
-    if resume_from:
-        run.step = int(load_train_checkpoint(resume_from, run.model, run.optimizer, run.scheduler)["step"])
+    cfg = run.cfg
+    state = resume_run(run.save_root, run.model, run.optimizer, run.scheduler, run.src, written_by,
+                       source=None if cfg.model.tiny else cfg.model.hf_path)
+    run.step = int(state.get("step", 0))
     if dist.get_rank() == 0:
-        write_run_config(run.cfg)
+        write_run_config(cfg)
+    return state
 
 
 class SFTStep:

@@ -57,7 +57,7 @@ def megatron_logits(rank: int, world: int, layout: dict, cases: list[dict], save
                 parallel_state.get_tensor_model_parallel_rank() == 0 and \
                 parallel_state.get_data_parallel_rank() == 0
             if holder:
-                out.update({k: v for k, v in results.items() if v is not None})
+                out.update({k: v.cpu() for k, v in results.items() if v is not None})
     finally:
         destroy_distributed()
     return out

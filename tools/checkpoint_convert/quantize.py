@@ -70,8 +70,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         out = quantize_export(args.hf or args.ckpt, args.out, fmt=args.format, calib=calib,
                               gen_tokens=args.gen_tokens, max_len=args.max_len, device=args.device,
                               block=tuple(args.block), progress=not args.quiet)
-    except ModelOptMissing as e:
+    except (ModelOptMissing, ValueError) as e:   # megadare's one-line errors (OutputError, CheckpointError, ...)
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # a full disk: the export was assembled aside and removed
+        print(f"error: writing {args.out} failed: {e.strerror or e}; nothing of this export was kept and {args.out} "
+              "is as it was", file=sys.stderr)
         return 2
     print(f"wrote {args.format} checkpoint {out}")
     return 0

@@ -83,9 +83,12 @@ class Router(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, S, rot_dim] for positions [B, S]: inv_freq_j = theta^(-2j/rot_dim), halves duplicated."""
+    """cos/sin [B, S, rot_dim] for positions [B, S]: inv_freq_j = theta^(-2j/rot_dim), halves duplicated.
+
+    inv_freq is computed on the CPU (as HF's rotary embedding computes its buffer) and then moved to the
+    positions' device, so the engine on a GPU uses the same frequencies bit for bit."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 

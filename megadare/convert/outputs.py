@@ -1,0 +1,126 @@
+"""Where an export may write (``megadare convert``, tools/checkpoint_convert/quantize.py): it replaces nothing it
+did not write, and its output never overlaps its source.
+
+``check_export_target(out, kind, sources)`` refuses, in one line naming the path and the fix, an ``out`` that
+* equals, contains or lies inside a source (a source checkpoint's run root counts as a source: converting
+  ``runs/x/ckpt/iter_0000500`` into ``runs/x`` would replace the run's checkpoints, logs and metrics);
+* lies inside any run's checkpoint root (a directory holding ``latest_checkpointed_iteration.txt``), which the
+  run prunes and replaces;
+* is a file, or a non-empty directory that is not a previous export of the same kind (its ``EXPORT_MARK`` says
+  which; a Megatron checkpoint that ``hf-to-megatron`` wrote before the mark existed is recognised by its
+  megadare.json).
+The writers then assemble the output in a fresh sibling (``staging_dir``), put the mark in (``mark_export``) and
+rename it into place (``publish``); a previous export is removed only after the new one is in place.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+
+from megadare.errors import OutputError
+from megadare.models.safetensors_io import fresh_sibling
+
+EXPORT_MARK = ".megadare-export.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+KINDS = ("megatron", "hf", "hf-fp8", "hf-nvfp4", "hf-fp8-block")
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def _within(inner: str, outer: str) -> bool:
+    """``inner`` equals ``outer`` or lies below it (both real paths)."""
+    return os.path.commonpath([inner, outer]) == outer
+
+
+def checkpoint_root_of(path: str) -> str | None:
+    """The run checkpoint root ``path`` is or lies in (the nearest directory holding the tracker), else None."""
+    p = _real(path)
+    while True:
+        if os.path.isfile(os.path.join(p, TRACKER)):
+            return p
+        parent = os.path.dirname(p)
+        if parent == p:
+            return None
+        p = parent
+
+
+def export_kind(path: str) -> str | None:
+    """The kind of the megadare export at ``path`` (its mark; megadare.json for older Megatron exports), else None."""
+    mark = os.path.join(path, EXPORT_MARK)
+    if os.path.isfile(mark):
+        try:
+            with open(mark) as f:
+                return str(json.load(f).get("kind"))
+        except (OSError, ValueError, AttributeError):
+            return None
+    meta = os.path.join(path, "megadare.json")
+    if os.path.isfile(meta) and not os.path.exists(os.path.join(path, "train_state.json")):
+        try:
+            with open(meta) as f:
+                m = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if isinstance(m, dict) and m.get("format") == "megadare-torch_dist-v1" and m.get("source"):
+            return "megatron"
+    return None
+
+
+def check_export_target(out: str, kind: str, sources: Iterable[str]) -> None:
+    """Refuse (OutputError) an ``out`` that overlaps a source, lies in a checkpoint root, or holds something that is
+    not a previous ``kind`` export; see the module docstring."""
+    assert kind in KINDS, kind
+    target = _real(out)
+    roots = set()
+    for s in sources:
+        src = _real(s)
+        roots.add(src)
+        root = checkpoint_root_of(src)
+        if root:
+            roots.add(root)
+    for src in sorted(roots):
+        if _within(target, src) or _within(src, target):
+            how = "is" if target == src else ("lies inside" if _within(target, src) else "contains")
+            raise OutputError(f"--out {out} {how} the source {src}; an export must not overlap what it reads: "
+                              "choose a directory outside it")
+    root = checkpoint_root_of(target)
+    if root:
+        how = "is" if root == target else "lies inside"
+        raise OutputError(f"--out {out} {how} the checkpoint root {root}, which a training run prunes and "
+                          "replaces; choose a directory outside it")
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise OutputError(f"--out {out} is a file; choose a directory")
+    if os.path.isdir(target) and os.listdir(target):
+        found = export_kind(target)
+        if found != kind:
+            what = f"a {found} export" if found else "not an export megadare wrote (no " + EXPORT_MARK + ")"
+            raise OutputError(f"--out {out} is not empty and is {what}; megadare only replaces a previous {kind} "
+                              "export: choose a new directory, or empty this one yourself")
+
+
+def staging_dir(out: str) -> str:
+    """A new, empty sibling of ``out`` to assemble it in (a unique name: never an existing path)."""
+    return fresh_sibling(os.fspath(out).rstrip(os.sep), "tmp", create=True)
+
+
+def mark_export(staging: str, kind: str, sources: Iterable[str], **extra) -> None:
+    """Write the export mark (kind, sources, anything else) into the staging directory."""
+    with open(os.path.join(staging, EXPORT_MARK), "w") as f:
+        json.dump({"kind": kind, "sources": [os.path.abspath(s) for s in sources], **extra}, f, indent=2)
+
+
+def publish(staging: str, out: str) -> str:
+    """Rename the finished ``staging`` to ``out``; a previous export there (checked by ``check_export_target``) is
+    moved aside first and removed once the new one is in place. Returns ``out``."""
+    out = os.fspath(out).rstrip(os.sep)
+    if os.path.isdir(out):
+        old = fresh_sibling(out, "old", create=False)
+        os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out)
+    return out

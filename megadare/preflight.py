@@ -1,0 +1,216 @@
+"""``megadare sft|dpo|rl|eval --dry-run``: everything that can be checked before Ray and torchrun start (the Slurm
+scripts run it first), each failure one line naming the file, row or key and the fix.
+
+* the config's shape (``config.validate``, the command's own checks) and the memory plan on the cluster it
+  declares (``plan.*``; on ``parallel.world_size`` trainer GPUs when that is set): DOES NOT FIT is an error that
+  names the first change that fits;
+* the model: config.json, readable safetensors headers, a tokenizer (an HF model; tiny models use the byte
+  tokenizer); ``checkpoint.load`` intact and of this model;
+* the data: every file exists and parses, its first ``ROWS`` records build (fields, chat template) and fit
+  ``data.max_length`` under ``data.overlong`` (RL prompts: ``data.max_length - rollout.max_new_tokens``);
+* RL: the reward resolves (``rl.reward=auto``: a rule for each of those rows); the engine imports (sglang);
+* eval: the eval section (``eval.k <= eval.n_samples`` ...) and each task's data file;
+* the run directory: not held by another live run; what a start would resume from.
+
+``--config-only`` keeps to the first point (a config for a cluster checked from a laptop: its paths are the
+cluster's).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from typing import Optional
+
+from megadare.config import Config
+from megadare.errors import ConfigError, RunStateError
+from megadare.models.family import ModelArch
+
+ROWS = 64   # records of each data file built and length-checked
+
+
+def _note(msg: str) -> None:
+    print(f"pre-flight: {msg}", file=sys.stderr)
+
+
+def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -> None:
+    """The memory plan fits the declared cluster (``plan.*``; with a known world size -- ``parallel.world_size``,
+    ``--nproc``, torchrun's WORLD_SIZE -- that many trainer GPUs of ``plan.gpu_memory_gb``); ConfigError naming
+    the peak, the bottleneck and the first change that fits."""
+    from megadare.plan import plan
+    from megadare.plan.memory import trainer_layout
+
+    pl, ws = cfg.plan, cfg.parallel.world_size or world
+    planned = cfg
+    if ws is not None and ws != trainer_layout(cfg).world:   # the run's own GPU count, of the declared kind
+        planned = replace(cfg, plan=replace(pl, nodes=1, gpus_per_node=ws + pl.rollout_gpus))
+    report = plan(planned, arch)
+    if report.fits:
+        return
+    gib = 2 ** 30
+    fix = next((a["change"] for a in report.advice if a["fits"]), None)
+    cluster = f"{planned.plan.nodes} x {planned.plan.gpus_per_node} GPUs of {pl.gpu_memory_gb:g} GB"
+    raise ConfigError(f"the memory plan does not fit: peak {report.peak / gib:.1f} GB per GPU ({report.bottleneck} "
+                      f"phase) on {cluster} (plan.*); "
+                      + (f"{fix} fits" if fix else "no change of layout fits: add GPUs (plan.nodes) or larger ones")
+                      + " -- `megadare plan` shows the table")
+
+
+def check_model(cfg: Config, arch: Optional[ModelArch]):
+    """The model source as the run will build it: weights readable, a tokenizer; ``checkpoint.load`` intact and of
+    this model. Returns (ModelSource or None without a model, tokenizer)."""
+    from megadare.data.tokenizer import ByteTokenizer
+    from megadare.models.family import family_of, get_family, read_hf_config
+    from megadare.trainer.model_setup import ModelSource, tokenizer_for
+
+    m = cfg.model
+    if arch is None:
+        return None, ByteTokenizer()
+    if m.hf_path:
+        hf = read_hf_config(m.hf_path)
+        src = ModelSource(family=family_of(hf), arch=arch, hf_dir=m.hf_path, hf_config=hf)
+        _check_weights(m.hf_path)
+        tok = tokenizer_for(cfg, src)
+    else:   # a tiny random model: the run writes it; its family and shapes are known
+        src = ModelSource(family=get_family(m.family), arch=arch, hf_dir=f"a tiny {m.family} model", hf_config={})
+        tok = ByteTokenizer()
+    if cfg.checkpoint.load:
+        from megadare.convert.mcore_ckpt import intact_checkpoint_dir
+        from megadare.trainer.checkpoint import check_same_model
+
+        check_same_model(intact_checkpoint_dir(cfg.checkpoint.load), src)
+    return src, tok
+
+
+def _check_weights(hf_dir: str) -> None:
+    """Every safetensors file of the checkpoint has a readable header (the index, the shards it names); the
+    reader's CheckpointError names the damaged file."""
+    from megadare.models.safetensors_io import SafetensorsReader
+
+    reader = SafetensorsReader(hf_dir)
+    for fn in sorted(set(reader.weight_map.values())):
+        reader._header(fn)
+
+
+def _first_rows(paths, key: str) -> list[tuple[str, dict]]:
+    """The first ROWS records of each file of ``paths`` (every file exists, parses and holds records)."""
+    from megadare.data.files import as_paths, load_many
+
+    out = []
+    for path in as_paths(paths, key):
+        out.extend(load_many(path, key)[:ROWS])
+    return out
+
+
+def check_data(command: str, cfg: Config, tok) -> None:
+    """The command's data files: present, parsing, their first records building and fitting (see module doc)."""
+    d = cfg.data
+    if d.synthetic or command == "eval":
+        return
+    if not d.path:
+        raise ConfigError("no data: set data.path (.jsonl / .parquet, or a list of files) or data.synthetic")
+    rows = _first_rows(d.path, "data.path")
+    records, where = [r for _, r in rows], [w for w, _ in rows]
+    if command == "sft":
+        from megadare.data.sft_data import build_sft_examples
+
+        build_sft_examples(records, tok, d.max_length, d.overlong, source=str(d.path), sources=where,
+                           prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key)
+    elif command == "dpo":
+        from megadare.data.preference_data import build_preference_examples
+
+        build_preference_examples(records, tok, d.max_length, d.overlong, sources=where, prompt_key=d.prompt_key,
+                                  chosen_key=cfg.dpo.chosen_key, rejected_key=cfg.dpo.rejected_key)
+    elif command == "rl":
+        check_prompts(cfg, tok, rows)
+        if d.eval_path:
+            check_prompts(cfg, tok, _first_rows(d.eval_path, "data.eval_path"))
+
+
+def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
+    """RL prompt rows build, fit the prompt budget under data.overlong, and have a reward rule."""
+    from megadare.data.prompt_data import build_prompts
+    from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
+    from megadare.rewards.registry import auto_rule
+    from megadare.trainer.rl_setup import prompt_budget
+
+    d, rl = cfg.data, cfg.rl
+    skipped: Optional[list] = [] if rl.skip_rows_without_answer else None
+    overlong: list = []
+    built = build_prompts([r for _, r in rows], tok, "", d.prompt_key, rl.answer_key, d.messages_key,
+                          prompt_budget(cfg), sources=[w for w, _ in rows], skipped=skipped, overlong=d.overlong,
+                          overlong_rows=overlong)
+    if overlong:
+        _note(f"data.overlong={d.overlong} applies to {len(overlong)} of the first {len(rows)} prompts (longer than "
+              f"{prompt_budget(cfg)} tokens), e.g. {overlong[0]}")
+    load_reward(rl.reward)
+    if runs_code(rl.reward, [p.record for p in built]):
+        set_isolation(cfg.rewards.code.isolation)
+        check_isolation()   # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
+    if rl.reward == "auto":
+        from megadare.rewards import RewardSpecError
+
+        for p in built:
+            try:
+                auto_rule(p.record)
+            except ValueError as e:
+                raise RewardSpecError(f"{p.where}: {e}") from None
+
+
+def check_engine(cfg: Config) -> None:
+    """The rollout engine can be imported here (sglang for rollout.engine=sglang)."""
+    if cfg.rollout.engine == "sglang":
+        from megadare.rollout.sglang_engine import _import_sglang
+
+        try:
+            _import_sglang()
+        except ImportError as e:
+            raise ConfigError(f"rollout.engine=sglang: {e}") from None
+
+
+def check_eval(cfg: Config) -> None:
+    """The eval section and every task's data file (``megadare eval``)."""
+    from megadare.eval.files import task_file
+    from megadare.eval.runner import check_eval_config
+
+    specs, _ = check_eval_config(cfg)
+    for s in specs:
+        if not s.path:
+            task_file(cfg.eval.data_dir, dict(cfg.eval.paths), s.name)
+
+
+def check_run_dir(command: str, cfg: Config) -> None:
+    """The run directory is not held by another live run; say what a start would resume from."""
+    from megadare.convert.mcore_ckpt import newest_intact
+    from megadare.trainer.run_lock import holder_alive
+    from megadare.trainer.sft_loop import checkpoint_root
+
+    held = holder_alive(cfg.logging.run_dir)
+    if held:
+        raise RunStateError(held)
+    root = checkpoint_root(cfg)
+    pick = newest_intact(root, required=("train_state.json",))
+    for d, problem in pick.skipped:
+        _note(f"a start would pass over {d}: {problem}")
+    if pick.path:
+        _note(f"a start would resume from {pick.path}")
+    elif pick.skipped:
+        raise RunStateError(f"no intact checkpoint under {root}; move the damaged ones aside to start over")
+
+
+def preflight(command: str, cfg: Config, arch: Optional[ModelArch], config_only: bool = False,
+              world: Optional[int] = None) -> None:
+    """Everything ``--dry-run`` checks (module docstring); raises the first problem as a one-line error. ``world``:
+    the trainer processes the run will have, when known (``--nproc``, WORLD_SIZE)."""
+    if arch is not None and command in ("sft", "dpo", "rl"):
+        check_plan_fits(cfg, arch, world)
+    if config_only:
+        return
+    if command == "eval":
+        check_eval(cfg)
+    _, tok = check_model(cfg, arch)
+    check_data(command, cfg, tok)
+    if command in ("rl", "eval"):
+        check_engine(cfg)
+    if command in ("sft", "dpo", "rl"):
+        check_run_dir(command, cfg)

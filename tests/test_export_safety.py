@@ -1,0 +1,129 @@
+"""Outputs never clobber (issue 24, item 2): ``megadare convert`` and the quantized export refuse an ``--out`` that
+overlaps a source or a run's checkpoint root, or holds anything but a previous export of the same kind, in one
+line, touching nothing; a previous export of the same kind is replaced only once the new one is complete."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+import pytest
+
+from megadare.cli import main
+from tiny import write_tiny_hf
+
+
+def tree(path) -> dict[str, str]:
+    """Every file under ``path`` with a hash of its bytes (what "untouched" means)."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, path)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """A tiny HF model and a run directory whose checkpoint root holds its conversion (as a training run's)."""
+    tmp = tmp_path_factory.mktemp("export")
+    hf = write_tiny_hf(tmp, "sdar", seed=3, block_size=4)
+    run = tmp / "run"
+    assert main(["convert", "hf-to-megatron", "--hf", hf, "--out", str(run / "ckpt" / "iter_0000002")]) == 0
+    (run / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out").write_text("x")
+    return hf, run
+
+
+def refused(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err   # (a progress bar may stand before the error on its line)
+    assert "Traceback" not in err and err.count("megadare: error: ") == 1 and err.endswith("\n"), err
+    line = err.split("megadare: error: ")[1]
+    assert line.count("\n") == 1 and "--out " in line, err
+    return line
+
+
+def test_megatron_to_hf_refuses_every_out_that_would_clobber(sources, tmp_path, capsys):
+    hf, run = sources
+    before = tree(run)
+    ckpt = str(run / "ckpt")
+    to_hf = ["convert", "megatron-to-hf", "--ckpt", ckpt, "--out"]
+    assert "contains the source" in refused(capsys, to_hf + [str(run)])                   # the run directory
+    assert "is the source" in refused(capsys, to_hf + [ckpt])                               # the checkpoint root
+    assert "lies inside the source" in refused(capsys, to_hf + [str(run / "ckpt" / "hf")])
+    assert "is a file" in refused(capsys, to_hf + [str(run / "metrics.jsonl")])
+    other = tmp_path / "other_run"
+    shutil.copytree(run, other)
+    assert "lies inside the checkpoint root" in refused(capsys, to_hf + [str(other / "ckpt" / "export")])
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert "is not empty and is not an export megadare wrote" in refused(capsys, to_hf + [str(foreign)])
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    assert "is not empty and is not an export megadare wrote" in refused(capsys, to_hf + [hf])   # a published model
+    assert tree(run) == before
+
+
+def test_a_previous_export_of_the_same_kind_is_replaced_and_no_other(sources, tmp_path, capsys):
+    hf, run = sources
+    out = tmp_path / "exported"
+    for _ in range(2):   # the second run replaces the first export
+        assert main(["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)]) == 0
+    assert {"config.json", "model.safetensors", ".megadare-export.json"} <= set(os.listdir(out))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".exported.")]   # no staging or old copy left
+    capsys.readouterr()
+    # an HF export is not a Megatron export: hf-to-megatron refuses to write over it, and over its own source
+    assert "is not empty and is a hf export" in refused(capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out",
+                                                                 str(out)])
+    assert "is the source" in refused(capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out", hf])
+    assert "contains the source" in refused(capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out",
+                                                     os.path.dirname(hf)])
+    mcore = tmp_path / "mcore"
+    for _ in range(2):
+        assert main(["convert", "hf-to-megatron", "--hf", hf, "--out", str(mcore)]) == 0
+    assert os.path.exists(mcore / "manifest.json") and os.path.exists(mcore / ".megadare-export.json")
+
+
+def test_quantized_export_refuses_another_kind_and_its_source(sources, tmp_path, capsys):
+    from megadare.convert.quantize import quantize_export
+    from megadare.errors import OutputError
+
+    hf, run = sources
+    out = tmp_path / "fp8b"
+    quantize_export(hf, out, fmt="fp8-block", progress=False)
+    quantize_export(hf, out, fmt="fp8-block", progress=False)                # a previous fp8-block export: replaced
+    plain = tmp_path / "plain"
+    assert main(["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(plain)]) == 0
+    before = tree(plain)
+    with pytest.raises(OutputError, match="is not empty and is a hf export"):
+        quantize_export(hf, plain, fmt="fp8-block", progress=False)
+    with pytest.raises(OutputError, match="is the source"):
+        quantize_export(hf, hf, fmt="fp8-block", progress=False)
+    with pytest.raises(OutputError, match="contains the source"):
+        quantize_export(str(run / "ckpt"), run, fmt="fp8-block", progress=False)
+    assert tree(plain) == before
+
+
+def test_a_failing_export_leaves_out_untouched(sources, tmp_path, monkeypatch, capsys):
+    """The writer fails half-way (a full disk): the previous export stays as it was, no staging directory stays."""
+    import errno
+
+    import megadare.models.safetensors_io as st
+
+    hf, run = sources
+    out = tmp_path / "exported"
+    assert main(["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)]) == 0
+    before = tree(out)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(st, "save_file", full)
+    capsys.readouterr()
+    err = refused(capsys, ["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)])
+    assert f"writing --out {out} failed: No space left on device; nothing of this export was kept" in err
+    assert tree(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["exported"]

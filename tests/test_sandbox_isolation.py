@@ -1,0 +1,152 @@
+"""The code sandbox's OS isolation (rewards.code.isolation=namespaces): what a program sees from inside, the refusal
+where the kernel refuses namespaces (simulated with a seccomp filter in a child process: the kernel's own EPERM),
+the path a non-root trainer takes (a user namespace), and the config key."""
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megadare.config import load_config
+from megadare.errors import ConfigError
+from megadare.rewards import runs_code, set_isolation
+from megadare.rewards.sandbox import run_program
+
+INSIDE = textwrap.dedent("""
+    import json, os
+    status = dict(line.split(':', 1) for line in open('/proc/self/status'))
+    open('out', 'w').write('x')
+    print(json.dumps({
+        'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(), 'pid': os.getpid(),
+        'ppid': os.getppid(), 'caps': [int(status[k], 16) for k in ('CapPrm', 'CapEff', 'CapBnd', 'CapAmb')],
+        'no_new_privs': status['NoNewPrivs'].strip(), 'seccomp': status['Seccomp'].strip(),
+        'root': sorted(os.listdir('/')), 'pids': sorted(p for p in os.listdir('/proc') if p.isdigit()),
+        'host': os.uname().nodename, 'cwd': os.getcwd(), 'home': os.environ['HOME'],
+        'cwd_files': sorted(os.listdir('.')),
+        'repo_visible': os.path.exists(%r), 'writable': [p for p in ('/', '/tmp', '/usr', '/etc', '/dev/shm', %r)
+                                                          if os.access(p, os.W_OK)],
+    }))
+""")
+
+
+def test_what_a_program_sees_inside():
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = run_program(INSIDE % (os.path.join(repo, "megadare"), sys.prefix), isolation="namespaces")
+    assert r.status == "ok", r
+    seen = json.loads(r.stdout)
+    root = os.geteuid() == 0
+    assert (seen["uid"], seen["gid"]) == ((65534, 65534) if root else (os.geteuid(), os.getegid()))
+    assert seen["groups"] in ([], [seen["gid"]]) and seen["caps"] == [0, 0, 0, 0], seen
+    assert seen["no_new_privs"] == "1" and seen["seccomp"] == ("2" if platform.machine() == "x86_64" else "0")
+    assert seen["pid"] == 1 and seen["ppid"] == 0 and seen["pids"] == ["1"], seen   # its own PID namespace
+    assert seen["host"] == "sandbox" and seen["cwd"] == seen["home"] and seen["cwd_files"] == ["main.py", "out"]
+    assert not seen["repo_visible"], "the repository (like the run directory) must be hidden"
+    assert set(seen["root"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "usr",
+                                 "tmp", "root", "home", "work", "opt", "srv", "var", "mnt", "data"}, seen["root"]
+    assert seen["writable"] == [], seen["writable"]   # as seen by access(2); the cwd is the one writable place
+    layers = set(r.protections)
+    assert {"netns", "pidns", "mntns", "ipcns", "read_only_root", "private_tmpfs", "no_capabilities",
+            "no_new_privs", "audit_hook"} <= layers, layers
+
+
+def test_numpy_and_site_packages_stay_usable():
+    """What humanevalplus needs: the venv's packages (numpy, preloaded) inside the read-only root."""
+    pytest.importorskip("numpy")
+    r = run_program("import numpy as np\nprint(int(np.arange(5).sum()))", allow_site_packages=True,
+                    preload=("numpy",), isolation="namespaces")
+    assert r.status == "ok" and r.stdout == "10\n", r
+
+
+_DENY = """
+import ctypes, struct, sys
+def bpf(code, k, jt=0, jf=0):
+    return struct.pack("HBBI", code, jt, jf, k)
+prog = bpf(0x20, 0) + bpf(0x15, {nr}, 0, 1) + bpf(0x06, 0x00050001) + bpf(0x06, 0x7FFF0000)   # nr -> EPERM
+buf = ctypes.create_string_buffer(prog)
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+libc = ctypes.CDLL(None, use_errno=True)
+fprog = Fprog(len(prog) // 8, ctypes.addressof(buf))
+assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0
+"""
+
+_REFUSAL = """
+import time
+from megadare.rewards import SandboxUnavailable, code_reward, score_batch
+from megadare.rewards.sandbox import run_program
+try:
+    run_program("print(1)")
+    raise SystemExit("no refusal")
+except SandboxUnavailable as e:
+    print("REFUSED", str(e))
+t0 = time.monotonic()
+try:
+    run_program("print(1)")
+except SandboxUnavailable:
+    print("AGAIN", time.monotonic() - t0 < 0.05)
+try:
+    score_batch("code", ["```python\\nprint(1)\\n```"] * 3, [{{"tests": {{"inputs": [""], "outputs": ["1"]}}}}] * 3)
+except SandboxUnavailable:
+    print("BATCH raised")
+print("PROCESS", code_reward("```python\\nprint(1)\\n```", {{"inputs": [""], "outputs": ["1"]}}, isolation="process"))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the simulated refusal is an x86-64 seccomp filter")
+@pytest.mark.parametrize("syscall,nr", [("unshare", 272), ("mount", 165)])
+def test_refuses_code_rewards_where_the_kernel_refuses_namespaces(syscall, nr):
+    script = _DENY.format(nr=nr) + _REFUSAL.format()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    refused = next(line for line in lines if line.startswith("REFUSED"))
+    assert syscall in refused and "rewards.code.isolation=process" in refused, refused
+    assert "Operation not permitted" in refused
+    assert "AGAIN True" in lines        # remembered: no second child
+    assert "BATCH raised" in lines      # never counted as a wrong answer, whatever the tolerance
+    assert "PROCESS 1.0" in lines       # the weaker guard runs when asked for
+
+
+_NON_ROOT = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.geteuid(), os.getegid()
+assert libc.unshare(0x10000000) == 0, ctypes.get_errno()        # a user namespace where this process is uid 1000
+for name, text in (("setgroups", "deny"), ("uid_map", f"1000 {uid} 1"), ("gid_map", f"1000 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+from megadare.rewards.sandbox import run_program
+target = os.path.join(os.path.dirname(os.__file__), "megadare_escape_nonroot")
+r = run_program(f"import os, sqlite3\\nprint(os.getuid())\\nsqlite3.connect({target!r}).execute('create table t(x)')")
+print(json.dumps({"uid": os.geteuid(), "protections": r.protections, "stdout": r.stdout, "status": r.status,
+                  "escaped": os.path.exists(target)}))
+"""
+
+
+def test_a_non_root_trainer_gets_a_user_namespace():
+    """The path a non-root trainer takes (user namespace, its own uid mapped, capabilities dropped): here as uid
+    1000 of a user namespace this test makes (mapped to the real uid, so it still reads the venv)."""
+    out = subprocess.run([sys.executable, "-c", _NON_ROOT], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "assert" in out.stderr and "unshare" in out.stderr:
+        pytest.skip(f"this kernel refuses user namespaces: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["uid"] == 1000 and got["stdout"] == "1000\n" and got["status"] == "error", got
+    assert not got["escaped"]
+    assert {"userns", "read_only_root", "no_capabilities", "no_new_privs"} <= set(got["protections"]), got
+
+
+def test_isolation_setting():
+    assert load_config(None, ["rewards.code.isolation=process"]).rewards.code.isolation == "process"
+    assert load_config(None, []).rewards.code.isolation == "namespaces"
+    with pytest.raises(ConfigError, match="rewards.code.isolation='chroot' is not one of namespaces, process"):
+        load_config(None, ["rewards.code.isolation=chroot"])
+    with pytest.raises(ValueError, match="rewards.code.isolation"):
+        set_isolation("none")
+    r = run_program("import os\nprint(os.getpid() == 1)", isolation="process")
+    assert r.stdout == "False\n" and "read_only_root" not in r.protections
+    assert runs_code("code", []) and runs_code("auto", [{"data_source": "mbpp"}, {"data_source": "weird"}])
+    assert not runs_code("auto", [{"data_source": "gsm8k"}]) and not runs_code("math", [{"tests": []}])
