@@ -211,6 +211,7 @@ class LinearLogProb(torch.autograd.Function):
                 mean_z[sl] = m + sums[2] / sums[1]
             if v.keep_probs:   # one chunk: keep z - m (entropy) or p itself for backward
                 kept = d if v.entropy else e.div_(sums[1].unsqueeze(1))
+            del z, d, e        # before the next chunk's logits exist: one chunk at a time
         ctx.v = v
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept)
@@ -240,6 +241,7 @@ class LinearLogProb(torch.autograd.Function):
                 for r in range(0, v.n_real, v.wgrad_rows):
                     rs = slice(r, min(v.n_real, r + v.wgrad_rows))
                     grad_w[rs] += g[:, rs].t() @ hidden[sl]
+            del g
         if grad_w is None or grad_w is getattr(weight, "main_grad", None):
             return grad_h, None, None, None, None, None
         return grad_h, grad_w.to(weight.dtype), None, None, None, None

@@ -22,9 +22,8 @@ With ``entropy`` the micro-batch handed to the objective also carries the entrop
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
-
 import dataclasses
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
