@@ -1,17 +1,30 @@
-"""Training throughput of one train step (forward + backward + optimizer) per core-attention backend.
+"""Training throughput of one train step (forward + backward + optimizer) per core-attention backend, and against
+the publisher's SDAR model on DARE's loss path.
 
     python benchmarks/train_throughput.py                 # GPU: 1.8B dense + small MoE, bf16; CPU: tiny shapes
     python benchmarks/train_throughput.py --shape dense --batch 1 4 --backends local sdpa flex
+    python benchmarks/train_throughput.py --peer-repo /path/to/DARE --peer-python /path/to/dare-env/bin/python
 
 Prints tokens/s, model TFLOP/s and MFU (GPU) for each backend in the same process, and the ratio against
 megatron's local DotProductAttention (the baseline that materialises the score matrix). The mask is
 bidirectional (LLaDA-style) or block diffusion (x_t ++ x_0, --mask block_diffusion); a batch that runs out of
 memory is reported as OOM. FLOPs as in megadare/trainer/flops.py (dense attention count, also for block masks).
+
+``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
+of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:
+the same SDAR-shaped weights (one HF checkpoint both load), the same rows (megadare's block recipe; DARE gets the
+same noisy tokens, target mask and t), fp32, ``--threads`` threads each. Every contender runs in its own process,
+``--rounds`` rounds alternated in order, and the table gives the median over rounds of the mean step, split into
+forward (everything before the last hidden state), head (output layer + loss), head backward, backward (the rest)
+and optimizer, plus tokens/s and the ratio to the peer. Default shape: hidden 512, 8 layers, vocab 32k, seq 1024.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
+import sys
 import time
 from dataclasses import replace
 
@@ -94,16 +107,192 @@ def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, 
             torch.cuda.reset_peak_memory_stats()
 
 
+# ---------------------------------------------------------------------------------------------- against DARE
+PEER_PHASES = ("forward", "head", "head_bwd", "backward", "optimizer")
+
+
+def peer_shape(args) -> dict:
+    """The HF config.json of the compared model (SDAR / Qwen3 layout, head_dim 64)."""
+    h = args.hidden
+    return dict(vocab_size=args.vocab, hidden_size=h, num_hidden_layers=args.layers, intermediate_size=3 * h,
+                num_attention_heads=h // 64, num_key_value_heads=max(1, h // 128), head_dim=64,
+                mask_token_id=args.vocab - 1, block_size=4, tie_word_embeddings=False, rope_theta=1e6,
+                rms_norm_eps=1e-6, max_position_embeddings=32768)
+
+
+def write_checkpoint(args, out_dir: str) -> str:
+    """One random HF checkpoint (megadare's hf/ SDAR, the publisher's key layout) both contenders load."""
+    from megadare.models import build_hf_model, get_family, save_hf_model
+
+    cfg = get_family("sdar").tiny_config(**peer_shape(args))
+    torch.manual_seed(0)
+    model = build_hf_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return save_hf_model(model, cfg, out_dir)
+
+
+def block_samples(arch: ModelArch, seq: int, batch: int) -> list[dict]:
+    """Block-diffusion rows by megadare's recipe (prompt 16, t per block) and the same corruption as DARE's inputs
+    (x_0, x_t, target mask, p_mask = t, labels -100 on the prompt)."""
+    from megadare.algos.sft import SFTRecipe, example_generator, example_rows
+    from megadare.data.sft_data import SFTExample
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(batch):
+        ids = torch.randint(0, arch.vocab_size - 1, (seq // 2,), generator=g).tolist()
+        row = example_rows(SFTExample(ids[:16], ids[16:]), arch, SFTRecipe("block", block_size=arch.block_size),
+                           example_generator(1, 0, i))[0]
+        n, L = seq // 2, seq // 2 - 16
+        w = row.weight[:n]
+        target = w > 0
+        out.append({"row": row, "x0": row.labels[:n], "xt": row.tokens[:n], "target": target,
+                    "p_mask": torch.where(target, 1.0 / (w * L).clamp_min(1e-30), torch.ones(n)),
+                    "labels": torch.cat([torch.full((16,), -100), row.labels[16:n]])})
+    return out
+
+
+def megadare_steps(hf_dir: str, logits: str, seq: int, batch: int, steps: int) -> list[dict]:
+    """Timed train steps of megadare with per-phase marks (hooks on the decoder, the objective, before_step)."""
+    from megadare.convert import load_hf_into_model
+    from megadare.data.rows import pack_rows
+    from megadare.models.family import family_of, read_hf_config
+    from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.models.head import HeadSettings
+    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
+    from megadare.trainer.step import train_step, weighted_nll
+
+    cfg = read_hf_config(hf_dir)
+    arch = family_of(cfg).arch(cfg)
+    chunks = build_model_chunks(arch, transformer_config(arch), attention_backend="sdpa", head=HeadSettings(logits))
+    load_hf_into_model(chunks, hf_dir)
+    model = wrap_ddp(chunks, True)
+    opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=steps + 2, lr_decay_style="constant"))
+    mbs = pack_rows([s["row"] for s in block_samples(arch, seq, batch)], seq, batch)
+    marks: dict[str, float] = {}
+
+    def trunk_done(module, inputs, output):
+        marks["trunk"] = time.perf_counter()
+        output.register_hook(lambda g: marks.__setitem__("head_bwd", time.perf_counter()))
+
+    chunks[-1].decoder.register_forward_hook(trunk_done)
+
+    def objective(mb, logp):
+        out = weighted_nll(mb, logp)
+        marks["loss"] = time.perf_counter()
+        return out
+
+    out, first = [], 0.0
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        m = train_step(model, opt, sched, mbs, float(sum(mb.denom for mb in mbs)), "block_diffusion",
+                       arch.block_size, arch.vocab_size, objective=objective,
+                       before_step=lambda: marks.__setitem__("bwd", time.perf_counter()))
+        t1 = time.perf_counter()
+        first = first if i else m["loss"]
+        if i:
+            out.append({"forward": marks["trunk"] - t0, "head": marks["loss"] - marks["trunk"],
+                        "head_bwd": marks["head_bwd"] - marks["loss"], "backward": marks["bwd"] - marks["head_bwd"],
+                        "optimizer": t1 - marks["bwd"], "step": t1 - t0, "loss0": first})
+    return out
+
+
+def child(args) -> None:
+    """One contender in this process: prints its timed steps as JSON."""
+    from megadare.parallel import destroy_distributed, init_distributed
+
+    torch.set_num_threads(args.threads)
+    init_distributed()
+    res = megadare_steps(args.ckpt, args.child.split(":")[1], args.seq, args.batch[0], args.steps)
+    destroy_distributed()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def against_peer(args) -> None:
+    """Rounds of (megadare full, megadare scored, peer), each in a fresh process, alternated; the phase table."""
+    import subprocess
+    import tempfile
+
+    from megadare.models.family import family_of, read_hf_config
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from dare_peer import dare_batch
+
+    who = ["megadare:full", "megadare:scored", "peer"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(args, os.path.join(tmp, "hf"))
+        cfg = read_hf_config(ckpt)
+        batch_file = os.path.join(tmp, "dare_batch.pt")
+        torch.save(dare_batch(block_samples(family_of(cfg).arch(cfg), args.seq, args.batch[0])), batch_file)
+        runs: dict[str, list[dict]] = {w: [] for w in who}
+        for r in range(args.rounds):
+            for w in (who if r % 2 == 0 else who[::-1]):
+                cmd = ([args.peer_python, os.path.join(here, "dare_peer.py"), args.peer_repo, ckpt, batch_file,
+                        str(args.steps), str(args.threads)] if w == "peer" else
+                       [sys.executable, os.path.abspath(__file__), "--child", w, "--ckpt", ckpt,
+                        "--seq", str(args.seq), "--batch", str(args.batch[0]), "--steps", str(args.steps),
+                        "--threads", str(args.threads)])
+                p = subprocess.run(cmd, capture_output=True, text=True,
+                                   env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+                res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                if p.returncode or not res:
+                    raise SystemExit(f"{w} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+                steps = json.loads(res[-1][len("RESULT "):])
+                runs[w].append({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
+                print(f"round {r + 1}/{args.rounds} {w:16s} step {runs[w][-1]['step']:.3f} s "
+                      f"(first step's loss {runs[w][-1]['loss0']:.6f})", flush=True)
+    print_phase_table(args, runs)
+
+
+def print_phase_table(args, runs: dict[str, list[dict]]) -> None:
+    tokens = args.seq * args.batch[0]
+    med = {w: {k: _median([r[k] for r in rs]) for k in rs[0]} for w, rs in runs.items()}
+    # ratios per round (same round, alternated order), then their median: robust to a shared machine's drift
+    ratio = {w: _median([p["step"] / m["step"] for m, p in zip(rs, runs["peer"])]) for w, rs in runs.items()}
+    print(f"\nper step (s), median of {args.rounds} rounds; {tokens} tokens per step; shared CPU, "
+          f"{args.threads} thread(s) each; the first step's loss is the same for all (same weights, same rows)")
+    print(f"{'':18s}" + "".join(f"{k:>10s}" for k in PEER_PHASES + ("step", "tok/s", "vs peer")))
+    for w, m in med.items():
+        print(f"{w:18s}" + "".join(f"{m[k]:10.3f}" for k in PEER_PHASES + ("step",))
+              + f"{tokens / m['step']:10.0f}{ratio[w]:9.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = torch.cuda.is_available()
     ap.add_argument("--shape", nargs="+", default=["dense", "moe"], choices=sorted(SHAPES))
     ap.add_argument("--backends", nargs="+", default=["local", "sdpa", "flex"] if gpu else ["local", "sdpa"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 4] if gpu else [2])
-    ap.add_argument("--seq", type=int, default=2048 if gpu else 256)
+    ap.add_argument("--seq", type=int, default=None, help="tokens per row (default: 2048 GPU, 256 CPU; 1024 against "
+                                                          "the peer)")
     ap.add_argument("--mask", default="bidirectional", choices=["bidirectional", "block_diffusion"])
     ap.add_argument("--steps", type=int, default=5 if gpu else 3)
+    ap.add_argument("--peer-repo", help="a DARE checkout: time megadare against its SDAR model on DARE's loss path")
+    ap.add_argument("--peer-python", default=sys.executable, help="python of the DARE environment (transformers 4.52)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return child(args)
+    if args.peer_repo:
+        args.seq = args.seq or 1024
+        if args.batch == ap.get_default("batch"):
+            args.batch = [1]
+        return against_peer(args)
+    args.seq = args.seq or (2048 if gpu else 256)
 
     from megadare.parallel import destroy_distributed, init_distributed
 
@@ -111,7 +300,8 @@ def main() -> None:
     dtype = "bf16" if gpu else "fp32"
     device = torch.cuda.get_device_name() if gpu else "CPU"
     print(f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps")
-    print(f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}")
+    print(f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}")
     for name in args.shape:
         arch = SHAPES[name] if gpu else cpu_shape(SHAPES[name])
         for batch in args.batch:

@@ -81,6 +81,9 @@ class TrainSection:
     clip_grad: float = 1.0
     distributed_optimizer: bool = True     # shard optimizer state over DP (ZeRO-1)
     recompute: str = "none"                # none | selective (core attention) | full (whole layers)
+    logits: str = "scored"                 # scored: output layer only where the loss reads, no [tokens, vocab]
+                                           # logits (models/head.py) | full: logits of every position (old path)
+    logits_chunk_mb: float = 64.0          # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
     moe_aux_loss_coeff: Optional[float] = None   # None = the family's default
     moe_bias_update_rate: float = 1e-3     # aux-loss-free expert-bias balancing (families with expert bias)
 
@@ -299,6 +302,7 @@ CHOICES = {
     "model.attention_backend": ("auto", "flex", "sdpa", "reference", "local"),
     "train.lr_decay_style": ("cosine", "constant", "linear"),
     "train.recompute": ("none", "selective", "full"),
+    "train.logits": ("scored", "full"),
     "data.overlong": ("truncate", "drop", "error"),
     "data.synthetic": (None, "addition", "reverse"),
     "rollout.engine": ("native", "sglang"),
@@ -435,6 +439,8 @@ def _finish(conf) -> Config:
             raise ConfigError(str(e)) from None
     if not 0.0 <= cfg.rl.max_reward_error_fraction <= 1.0:
         raise ConfigError(f"rl.max_reward_error_fraction={cfg.rl.max_reward_error_fraction} must be within [0, 1]")
+    if not cfg.train.logits_chunk_mb > 0:
+        raise ConfigError(f"train.logits_chunk_mb={cfg.train.logits_chunk_mb} must be > 0 (MiB of logits per chunk)")
     return cfg
 
 

@@ -156,8 +156,9 @@ def test_planned_model_state_matches_measured_megatron_bytes():
         assert got["numel"] == numel, (family, dtype)
         for key, planned in (("weights", w), ("grads", g), ("optimizer", o)):
             assert abs(got[key] - planned) / planned < STATE_TOL, (family, dtype, key, got[key], planned)
+        # the logits of every position, as measured here (the scored head: benchmarks/train_memory.py)
         run = load_config(None, [f"model.dtype={dtype}", "model.attention_backend=sdpa", f"train.seq_length={ACT_SEQ}",
-                                 "train.micro_batch_size=1", "train.recompute=none"])
+                                 "train.micro_batch_size=1", "train.recompute=none", "train.logits=full"])
         planned = stage_activation_bytes(arch, lay, run, 1, 0) + logits_bytes(arch, lay, run)
         # routed tokens split unevenly over the EP ranks: compare the sum over both ranks
         got_act = sum(r[i]["activations"] for r in measured)

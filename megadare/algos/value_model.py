@@ -24,7 +24,9 @@ from megadare.data.rows import MicroBatch
 
 class ValueHead(torch.nn.Module):
     """Drop-in for the GPT model's ``output_layer``: hidden [s, b, h] -> values [s, b, 1] (zero-initialised).
-    Under sequence parallelism the hidden states are gathered over TP first (as the vocab projection does)."""
+    Under sequence parallelism the hidden states are gathered over TP first (as the vocab projection does); the
+    head is replicated, so every TP rank's input gradient is already complete and the gather's backward only
+    splits it (the vocab projection's are partial sums and get reduce-scattered)."""
 
     def __init__(self, hidden_size: int, sequence_parallel: bool = False):
         super().__init__()
@@ -38,19 +40,21 @@ class ValueHead(torch.nn.Module):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-            hidden = gather_from_sequence_parallel_region(hidden)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype)), None
 
 
 def attach_value_head(chunks: list[torch.nn.Module]) -> None:
-    """Replace the vocab projection of the last pipeline stage by a value head (the backbone stays)."""
+    """Replace the vocab projection of the last pipeline stage by a value head (the backbone stays). The word
+    embedding is no longer tied to any output layer, on every stage: under PP a tied family's first stage would
+    otherwise wait for the last stage in megatron's embedding-gradient all-reduce."""
     for c in chunks:
         m = getattr(c, "module", c)
         if getattr(m, "post_process", False):
             cfg = m.config
             device = next(m.parameters()).device                  # the backbone's GPU, where there is one
             m.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel).to(device)
-            m.share_embeddings_and_output_weights = False
+        m.share_embeddings_and_output_weights = False
 
 
 def values_of(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:

@@ -89,6 +89,15 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int((self.weight != 0).sum())
 
+    @property
+    def scored(self) -> torch.Tensor:
+        """[b, S] bool: the positions a loss reads -- a loss weight, or an RL slot (``extras['slot']`` >= 0,
+        algos/base.py) -- and the only ones where the trainer runs the output layer (models/head.py)."""
+        s = self.weight != 0
+        if "slot" in self.extras:
+            s = s | (self.extras["slot"] >= 0)
+        return s
+
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))

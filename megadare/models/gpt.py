@@ -5,8 +5,9 @@ Every family is a decoder-only transformer that megatron-core already knows; wha
 ``TransformerConfig`` and a layer spec: megatron's local (non-TE) linear layers, our SP-capable RMSNorm and our
 dLLM core attention (models/attention.py), swapped in as spec submodules -- no fork of megatron's layers.
 
-``DLLMGPTModel`` adds one thing to ``GPTModel``: RoPE from explicit ``position_ids`` (block-diffusion training
-feeds x_t ++ x_0 where x_0 token i sits at position i again, and packed samples restart at 0).
+``DLLMGPTModel`` adds two things to ``GPTModel``: RoPE from explicit ``position_ids`` (block-diffusion training
+feeds x_t ++ x_0 where x_0 token i sits at position i again, and packed samples restart at 0), and the output
+layer on the scored positions only when the trainer passes a ``ScoredTargets`` as ``labels`` (models/head.py).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from megadare.models.mapping import padded_vocab_size
 from megadare.models import mcore_fixes
 from megadare.models.attention import DLLMCoreAttention
 from megadare.models.family import ModelArch
+from megadare.models.head import HeadSettings, ScoredTargets, scored_output
 from megadare.models.norm import RMSNorm
 
 mcore_fixes.apply()
@@ -190,7 +192,17 @@ class DLLMGPTModel(GPTModel):
     matching token chunk); the RoPE table is indexed by those positions directly. megatron's
     ``RotaryEmbedding.forward`` would cut its table into the zigzag CP layout, which is not ours, so the table is
     built here from ``inv_freq`` (``rope_table``) and megatron's own rotary computation is skipped.
+
+    ``head_settings``: how a training step computes the output layer (trainer/step.py reads it).
     """
+
+    head_settings: HeadSettings = HeadSettings()
+
+    def _postprocess(self, hidden_states, labels=None, **kwargs):
+        """``labels`` a ``ScoredTargets``: the output layer at the scored positions only (models/head.py)."""
+        if isinstance(labels, ScoredTargets):
+            return scored_output(self, hidden_states, labels) if self.post_process else hidden_states
+        return super()._postprocess(hidden_states, labels=labels, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         if position_ids is None or self.position_embedding_type != "rope":
@@ -225,11 +237,11 @@ def rope_table(rope, positions: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None,
-                attention_backend: str = "auto") -> DLLMGPTModel:
+                attention_backend: str = "auto", head: Optional[HeadSettings] = None) -> DLLMGPTModel:
     """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered."""
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return DLLMGPTModel(
+    model = DLLMGPTModel(
         config=config,
         transformer_layer_spec=block_spec(arch, config, vp_stage, attention_backend),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
@@ -243,16 +255,19 @@ def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[i
         parallel_output=True,
         vp_stage=vp_stage,
     )
+    if head is not None:
+        model.head_settings = head
+    return model
 
 
-def build_model_chunks(arch: ModelArch, config: TransformerConfig,
-                       attention_backend: str = "auto") -> list[DLLMGPTModel]:
+def build_model_chunks(arch: ModelArch, config: TransformerConfig, attention_backend: str = "auto",
+                       head: Optional[HeadSettings] = None) -> list[DLLMGPTModel]:
     """All model chunks of this rank: one per virtual pipeline stage (one without interleaving), on this rank's
     GPU when there is one. megatron creates most weights there already (``use_cpu_initialization=False``), but
     modules built by plain torch (our RMSNorm, the MoE router's weight) start on the CPU; megatron's own trainer
-    moves every chunk with ``.cuda()`` as this does."""
+    moves every chunk with ``.cuda()`` as this does. ``head``: how a training step runs the output layer."""
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend) for i in range(vpp)]
+    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend, head) for i in range(vpp)]
     if torch.cuda.is_available():
         for c in chunks:
             c.cuda(torch.cuda.current_device())

@@ -16,7 +16,11 @@ events in the MoE token dispatchers. This module answers those calls on CPU (the
 7. pipeline p2p with tags per direction: with PP=2 the previous and the next stage are the same peer, and
    gloo matches messages between a pair of ranks in posting order, so a batch holding an activation and a
    gradient for the same peer could swap two same-shaped tensors (NCCL groups them); activations travel
-   with tag 1, gradients with tag 2.
+   with tag 1, gradients with tag 2;
+9. the grad-buffer reduce-scatter and param all-gather of megatron's DDP / distributed optimizer on a group of
+   one rank (data-parallel size 1: a laptop, one CPU process) are a local copy, or nothing when input and
+   output are the same memory (they are: the shard of one rank is the whole buffer); gloo would copy the
+   whole model through its buffers twice per step.
 
 It is installed only when no GPU is used, and ``install_cpu_compat`` refuses to run when CUDA is in use, so it
 can never change GPU behaviour. See ../shared/reference/megatron_cpu.md.
@@ -180,6 +184,7 @@ def install_cpu_compat(force: bool = False) -> bool:
         return _DoneWork() if async_op else None
 
     dist.reduce_scatter_tensor = reduce_scatter_tensor
+    _short_circuit_single_rank_buffers()
 
     import megatron.core.pipeline_parallel.p2p_communication as p2p
 
@@ -187,6 +192,23 @@ def install_cpu_compat(force: bool = False) -> bool:
     p2p._p2p_ops = _tagged_p2p_ops
     _INSTALLED = True
     return True
+
+
+def _short_circuit_single_rank_buffers() -> None:
+    """Item 9 of the module doc: megatron's grad-buffer collectives on a group of one rank."""
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    def single(fn):
+        def call(output, input, *args, group=None, async_op=False, **kwargs):
+            if dist.get_world_size(group) != 1:
+                return fn(output, input, *args, group=group, async_op=async_op, **kwargs)
+            if output.data_ptr() != input.data_ptr() or output.numel() != input.numel():
+                output.copy_(input.view_as(output))   # one rank: the reduction and the gather are the identity
+            return _DoneWork() if async_op else None
+        return call
+
+    pgb.dist_all_gather_func = single(pgb.dist_all_gather_func)
+    pgb.dist_reduce_scatter_func = single(pgb.dist_reduce_scatter_func)
 
 
 def is_installed() -> bool:

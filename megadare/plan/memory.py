@@ -43,15 +43,25 @@ while that layer is recomputed. Sequence-parallel regions divide by t only with 
 Pipeline (1F1B): pipeline rank r holds the activations of min(m, pp - r) micro-batches (m per optimizer step);
 interleaved (vpp > 1), min(m*vpp, 2(pp - r - 1) + (vpp - 1)pp + 1) model chunks of L/(pp*vpp) layers -- rank 0
 holds L(1 + (pp-1)/(pp*vpp)) layer-micro-batches (Korthikanti Sec. 4.2.3). The last stage also holds one
-micro-batch's final norm and loss: n_sp * h * (4 + 2a) + n * V_pad/t * (a + 4) (the model-dtype logits and the fp32
-softmax that vocab-parallel cross entropy keeps for backward).
+micro-batch's final norm n_sp * h * (4 + 2a) and its output layer + loss (``train.logits``, models/head.py):
+
+    full     n * V_pad/t * (a + 4)                  model-dtype logits of every position and the fp32 softmax that
+                                                    vocab-parallel cross entropy keeps for backward
+    scored   c * V_pad/t * (4 + a' + 4e)            one chunk of fp32 logits (a' = a for bf16 / fp16: the matmul
+           + n_s * h * a + min(V_pad/t * h * a',    output before the cast; e = 1 with the entropy RL reports), the
+                               chunk_mb)            gathered scored hidden states, a bf16 weight-gradient product
+                                                    (fp32 models add it straight into DDP's main_grad)
+
+with n_s = n / 2 scored positions at most for x_t ++ x_0 rows (block SFT, RL on a block family: only x_t is
+scored), n otherwise, and c = min(n_s, chunk_tokens(V_pad/t, train.logits_chunk_mb)) tokens per chunk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from megadare.config import Config
+from megadare.config import Config, resolve_sft_mode
+from megadare.models.head import chunk_tokens
 from megadare.models.mapping import padded_vocab_size
 from megadare.models.family import ModelArch
 from megadare.plan.params import rank_params, stage_layers
@@ -181,12 +191,37 @@ def stage_activation_bytes(arch: ModelArch, lay: Layout, cfg: Config, micro_batc
     return sum(full_layers) / (lay.vpp or 1) * chunks
 
 
+def scored_head(arch: ModelArch, lay: Layout, cfg: Config) -> tuple[float, int]:
+    """(scored positions of one micro-batch at most, tokens per logits chunk) on a last-stage GPU."""
+    n = cfg.train.seq_length * cfg.train.micro_batch_size / lay.cp
+    block_rows = arch.attention == "block_causal" and (cfg.plan.job == "rl" or resolve_sft_mode(cfg, arch) == "block")
+    scored = n / 2 if block_rows else n
+    vocab = padded_vocab_size(arch.vocab_size, lay.tp) // lay.tp
+    return scored, int(min(scored, chunk_tokens(vocab, cfg.train.logits_chunk_mb)))
+
+
 def logits_bytes(arch: ModelArch, lay: Layout, cfg: Config) -> float:
-    """One micro-batch's final norm, logits and loss on the last stage."""
+    """One micro-batch's final norm, output layer and loss on the last stage (``train.logits``, module doc)."""
     act = WEIGHT_BYTES[cfg.model.dtype]
     n = cfg.train.seq_length * cfg.train.micro_batch_size / lay.cp
     vocab = padded_vocab_size(arch.vocab_size, lay.tp) / lay.tp
-    return n * vocab * (act + 4) + (n / lay.tp if lay.sp else n) * arch.hidden_size * (4 + 2 * act)
+    norm = (n / lay.tp if lay.sp else n) * arch.hidden_size * (4 + 2 * act)
+    if cfg.train.logits == "full":
+        return n * vocab * (act + 4) + norm
+    scored, chunk = scored_head(arch, lay, cfg)
+    cast = act if act < 4 else 0
+    per_logit = 4 + cast + (4 if cfg.plan.job == "rl" else 0)
+    wgrad = min(vocab * arch.hidden_size * cast, cfg.train.logits_chunk_mb * 2**20) if cast else 0.0
+    return chunk * vocab * per_logit + scored * arch.hidden_size * act + wgrad + norm
+
+
+def logits_path(arch: ModelArch, lay: Layout, cfg: Config) -> str:
+    """How the output layer runs, for the report."""
+    if cfg.train.logits == "full":
+        return "full: logits of every position"
+    scored, chunk = scored_head(arch, lay, cfg)
+    return (f"scored: only the <= {int(scored)} scored positions of a micro-batch, logits in chunks of {chunk} "
+            "tokens")
 
 
 def micro_batches_per_step(cfg: Config, lay: Layout) -> int:

@@ -23,7 +23,7 @@ from megadare.config import Config
 from megadare.models.layout import validate_layout
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
-from megadare.plan.memory import GIB, WEIGHT_BYTES, Layout, StageMemory, trainer_layout, trainer_stages
+from megadare.plan.memory import GIB, WEIGHT_BYTES, Layout, StageMemory, logits_path, trainer_layout, trainer_stages
 from megadare.plan.params import ParamCounts, count_params
 
 JOBS = ("rl", "sft")
@@ -57,6 +57,7 @@ class PlanReport:
     recompute: str
     distributed_optimizer: bool
     advice: list[dict[str, Any]] = field(default_factory=list)
+    logits_path: str = ""                               # how the last stage's output layer runs (train.logits)
 
     @property
     def trainer_peak(self) -> float:
@@ -97,7 +98,7 @@ class PlanReport:
             "params": {**asdict(self.params), "active_non_embedding": self.params.active_non_embedding},
             "stages_gb": stages, "rollout_gb": None, "gpu_memory_gb": gb(self.gpu_memory),
             "trainer_peak_gb": gb(self.trainer_peak), "peak_gb": gb(self.peak), "fits": self.fits,
-            "bottleneck": self.bottleneck, "advice": self.advice,
+            "bottleneck": self.bottleneck, "advice": self.advice, "logits_path": self.logits_path,
         }
         if self.rollout is not None:
             r = self.rollout
@@ -162,5 +163,6 @@ def plan_memory(cfg: Config, arch: ModelArch) -> PlanReport:
     report = PlanReport(model=f"{arch.architecture} ({arch.family})", layout=lay, params=params,
                         stages=trainer_stages(cfg, arch, lay), rollout=rollout,
                         gpu_memory=cfg.plan.gpu_memory_gb * GIB, dtype=cfg.model.dtype,
-                        recompute=cfg.train.recompute, distributed_optimizer=cfg.train.distributed_optimizer)
+                        recompute=cfg.train.recompute, distributed_optimizer=cfg.train.distributed_optimizer,
+                        logits_path=logits_path(arch, lay, cfg))
     return report

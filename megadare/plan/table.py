@@ -54,6 +54,8 @@ def format_report(r: PlanReport) -> str:
         text = label.format(dtype=r.dtype, opt=opt, inflight=inflight, recompute=r.recompute)
         lines.append(f"  {text:{W}s}" + "".join(f"{_gb(v):>12s}" for v in values))
     lines.append(f"  {'trainer total':{W}s}" + "".join(f"{_gb(s.total):>12s}" for s in stages))
+    if r.logits_path:
+        lines.append(f"  output layer (train.logits) {r.logits_path}")
     if r.rollout is not None:
         ro = r.rollout
         where = "colocated with the trainer" if ro.colocated else "on GPUs of their own"

@@ -112,12 +112,15 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
 
 
 def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module]:
-    """This rank's model chunks with the source weights loaded (HF straight into the shards)."""
+    """This rank's model chunks with the source weights loaded (HF straight into the shards); their output layer
+    runs as ``train.logits`` says (models/head.py)."""
     from megadare.convert import load_hf_into_model
     from megadare.models.gpt import build_model_chunks
+    from megadare.models.head import HeadSettings
 
     tcfg = training_transformer_config(cfg, src.arch)
-    chunks = build_model_chunks(src.arch, tcfg, attention_backend=cfg.model.attention_backend)
+    chunks = build_model_chunks(src.arch, tcfg, attention_backend=cfg.model.attention_backend,
+                                head=HeadSettings(cfg.train.logits, cfg.train.logits_chunk_mb))
     load_hf_into_model(chunks, src.hf_dir)
     return chunks
 

@@ -182,7 +182,8 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):
         for mine, denom in prepared[epoch % len(prepared)]:
-            m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective)
+            m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective,
+                           entropy=True)
             if value is not None:
                 vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
                                 objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)

@@ -12,9 +12,17 @@ computed on the host before the step. megatron divides each micro-batch loss by 
 (and multiplies by CP), and DDP averages gradients over the DP x CP ranks; the loss handed to megatron is
 therefore sum_k w_k l_k / D * n_micro * dp, which makes the reduced gradient exactly dL/dtheta -- the
 per-token mean over the global batch, not a mean of micro-batch means.
+
+Output layer. The model runs its vocab projection only at the positions the objective reads
+(``MicroBatch.scored``), without [tokens, vocab] logits (models/head.py, the chunk's ``head_settings``); with
+``train.logits=full`` it returns the logits of every position and the log-probs come from trainer/logprob.py.
+Either way the objective sees per-position log-probs [b, S] (zero where not scored under the default path).
+With ``entropy`` the micro-batch handed to the objective also carries the entropy per position
+(``extras['entropy']``, differentiable) and the step reports its mean over the scored positions.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -24,7 +32,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megadare.data.rows import MicroBatch
-from megadare.trainer.logprob import token_logprobs
+from megadare.models.head import HeadSettings, ScoredOutput, ScoredTargets
+from megadare.trainer.logprob import token_entropy, token_logprobs
 
 
 class Objective(Protocol):
@@ -75,34 +84,73 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
                       extras={k: mv(v) if torch.is_tensor(v) else v for k, v in mb.extras.items()})
 
 
+def head_settings(chunks: list[torch.nn.Module]) -> HeadSettings:
+    """How the model chunks compute their output layer (``DLLMGPTModel.head_settings``, inside any wrapper)."""
+    m = chunks[-1]
+    while hasattr(m, "module"):
+        m = m.module
+    return getattr(m, "head_settings", HeadSettings())
+
+
+def _targets(mb: MicroBatch, head: HeadSettings, vocab_size: int, logprobs: bool,
+             entropy: bool) -> Optional[ScoredTargets]:
+    """What the model's output layer computes for ``mb``: the scored positions (None: logits everywhere)."""
+    if head.mode != "scored":
+        return None
+    x = mb.extras
+    return ScoredTargets(positions=mb.scored, labels=mb.labels if logprobs else None, vocab_size=vocab_size,
+                         logit_scale=x.get("logit_scale"), excluded_token=x.get("excluded_token"), entropy=entropy,
+                         chunk_mb=head.chunk_mb)
+
+
+def _per_position(out, mb: MicroBatch, vocab_size: int, per_position, entropy: bool):
+    """(per-position log-probs or ``per_position`` outputs [b, S], entropies or None) of a model output."""
+    if isinstance(out, ScoredOutput):
+        return (per_position(out.values, mb) if per_position is not None else out.values), out.entropy
+    if per_position is not None:
+        return per_position(out, mb), None
+    x = mb.extras
+    args = (x.get("logit_scale"), x.get("excluded_token"))
+    return (token_logprobs(out, mb.labels, vocab_size, *args),
+            token_entropy(out, vocab_size, *args) if entropy else None)
+
+
 def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], mask_kind: str,
                       block_size: int, vocab_size: int, objective: Objective, loss_scale: float,
                       forward_only: bool = False, mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
-                      per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None
-                      ) -> dict[str, float]:
+                      per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
+                      entropy: bool = False) -> dict[str, float]:
     """Forward (and backward) of this rank's micro-batches; returns report sums reduced over the whole
     global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc).
 
     The objective sees per-position label log-probs, or ``per_position(model output, micro-batch)`` when given
-    (a value head's outputs)."""
+    (a value head's outputs); ``entropy``: see the module doc."""
     device = _device()
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
     seq_len = micro_batches[0].tokens.shape[1]
     mbs = micro_batches[0].tokens.shape[0]
+    head = head_settings(chunks)
 
     def forward_step(data_iterator, model):
         full = _to(next(data_iterator), device)
         mb = cp_slice(full)
         mask = mask_fn(full) if mask_fn is not None else full.mask(mask_kind, block_size)
         moe = getattr(chunks[0].config, "num_moe_experts", None)
-        out = model(mb.tokens, mb.position_ids, mask, padding_mask=mb.padding if moe else None)
+        out = model(mb.tokens, mb.position_ids, mask, labels=_targets(mb, head, vocab_size, per_position is None,
+                                                                      entropy),
+                    padding_mask=mb.padding if moe else None)
 
-        def loss_func(logits: torch.Tensor):
-            logp = (per_position(logits, mb) if per_position is not None
-                    else token_logprobs(logits, mb.labels, vocab_size, mb.extras.get("logit_scale"),
-                                        mb.extras.get("excluded_token")))
-            loss_sum, report = objective(mb, logp)
+        def loss_func(output):
+            logp, ent = _per_position(output, mb, vocab_size, per_position, entropy)
+            seen = mb
+            if ent is not None:   # the objective may read it (an entropy bonus); the report takes its mean
+                seen = dataclasses.replace(mb, extras={**mb.extras, "entropy": ent})
+            loss_sum, report = objective(seen, logp)
+            if ent is not None:
+                scored = mb.scored
+                report = {**report, "entropy_sum": (ent.detach() * scored).sum(),
+                          "scored_tokens": scored.sum().to(ent.dtype)}
             return loss_sum * (loss_scale * n_micro * dp), report
 
         return out, loss_func
@@ -113,7 +161,10 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
         forward_step_func=forward_step, data_iterator=iters, model=chunks if vpp > 1 else chunks[0],
         num_microbatches=n_micro, seq_length=seq_len // ps.get_context_parallel_world_size(),
         micro_batch_size=mbs, forward_only=forward_only)
-    return _reduce_reports(reports, loss_scale, device)
+    metrics = _reduce_reports(reports, loss_scale, device)
+    if "entropy_sum" in metrics:
+        metrics["entropy"] = metrics.pop("entropy_sum") / max(metrics.pop("scored_tokens"), 1e-30)
+    return metrics
 
 
 def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
@@ -161,9 +212,10 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
                objective: Objective = weighted_nll,
                before_step: Optional[Callable[[], None]] = None,
                mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
-               per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None
-               ) -> dict[str, float]:
-    """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank)."""
+               per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
+               entropy: bool = False) -> dict[str, float]:
+    """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank); ``entropy``: also
+    the mean entropy of the scored positions (module doc)."""
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -172,7 +224,8 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
         c.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = run_micro_batches(chunks, micro_batches, mask_kind, block_size, vocab_size, objective,
-                                loss_scale=1.0 / global_denom, mask_fn=mask_fn, per_position=per_position)
+                                loss_scale=1.0 / global_denom, mask_fn=mask_fn, per_position=per_position,
+                                entropy=entropy)
     if before_step is not None:
         before_step()
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])

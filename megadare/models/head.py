@@ -1,0 +1,288 @@
+"""The output layer only where the loss reads, and log-probs / entropies without [tokens, vocab] logits.
+
+A training step reads the model's output at a few positions: an SFT row x_t ++ x_0 is scored at the masked
+positions of x_t (x_0 is context only), an RL view at its slots' positions. The trainer names them in a
+``ScoredTargets`` that ``DLLMGPTModel`` takes as megatron's ``labels`` argument (megatron's own contract: labels
+in, per-token result out), and the last pipeline stage
+
+1. gathers those hidden states before the vocab projection (under sequence parallelism after the all-gather
+   over TP that megatron's column-parallel output layer would do itself; the gather's backward reduce-scatters
+   the partial input gradients of the TP ranks' vocabulary slices, as megatron's does), then
+2. projects and scores them ``chunk`` tokens at a time (``LinearLogProb``), vocab-parallel over TP:
+
+       z_k = s_k (W h_k)            this rank's real vocabulary rows (padding dropped), an excluded token at -max
+       m_k = max_v z_kv,  S_k = sum_v exp(z_kv - m_k),  D_k = sum_v exp(z_kv - m_k)(z_kv - m_k)   (TP: max, sum)
+       log p(y_k) = z_k[y_k] - m_k - log S_k          (megatron's vocab_parallel_cross_entropy, negated)
+       H_k = log S_k - D_k / S_k                      (= -sum_v p_kv log p_kv)
+
+   with the per-position ``logit_scale`` s (1/temperature) and ``excluded_token`` of trainer/logprob.py.
+   Backward, per chunk: d log p_k/dz_k = e_{y_k} - p_k and dH_k/dz_k = -p_k (z_k - E_p z_k), so with upstream
+   grads (a_k, b_k) g_k = s_k (a_k (e_{y_k} - p_k) - b_k p_k (z_k - E_p z_k)); dh_k = g_k W (a partial sum over this
+   rank's rows, completed by the copy / gather region's all-reduce) and dW += g^T h (straight into megatron
+   DDP's fp32 ``main_grad``, as its fused grad accumulation does, so no [V/tp, h] gradient tensor is made; a
+   bf16 model's product goes through ``chunk_mb`` of vocabulary rows at a time). When
+   all scored tokens fit in one chunk the forward keeps p for backward (as megatron's cross entropy keeps its
+   softmax); otherwise every chunk's logits are recomputed in backward, so at most one chunk of [tokens, vocab]
+   exists at a time.
+
+A value head (TraceRL's value model, algos/value_model.py: replicated weights, no vocabulary) runs on the same
+gathered hidden states; its output is [n, k] already.
+
+(megatron is imported where it is used: the planner reads ``chunk_tokens`` without it.) The chunk holds
+``chunk_tokens(V/tp, chunk_mb)`` tokens: ``chunk_mb`` MiB of fp32 logits (the planner,
+plan/memory.py, uses the same function). On a GPU, Liger-Kernel's fused linear cross entropy is the well-kept
+kernel for the TP = 1 case; it has no vocab-parallel path, no per-token temperature and no entropy, so this torch
+path is the one megadare runs everywhere (see the note in benchmarks/train_memory.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+HEAD_MODES = ("scored", "full")
+NEG = torch.finfo(torch.float32).min     # an excluded token's logit: exp() is exactly 0, 0 * NEG is 0 (no NaN)
+
+
+@dataclass(frozen=True)
+class HeadSettings:
+    """How a training step computes its output layer (``train.logits``, ``train.logits_chunk_mb``)."""
+
+    mode: str = "scored"     # scored: head at the scored positions, chunked; full: logits everywhere (the old path)
+    chunk_mb: float = 64.0   # fp32 logits of one chunk, MiB
+
+    def __post_init__(self) -> None:
+        if self.mode not in HEAD_MODES:
+            raise ValueError(f"train.logits={self.mode!r}: choose one of {HEAD_MODES}")
+        if self.chunk_mb <= 0:
+            raise ValueError(f"train.logits_chunk_mb={self.chunk_mb} must be > 0")
+
+
+def chunk_tokens(vocab_local: int, chunk_mb: float) -> int:
+    """Tokens per chunk: ``chunk_mb`` MiB of fp32 logits over ``vocab_local`` (this TP rank's) entries."""
+    return max(1, int(chunk_mb * 2**20) // (4 * max(1, vocab_local)))
+
+
+@dataclass
+class ScoredTargets:
+    """What a loss reads of one micro-batch, handed to the model as ``labels``: positions [b, s] (bool) and,
+    for log-probs, their labels [b, s] (None: the head's raw outputs, e.g. a value head's)."""
+
+    positions: torch.Tensor
+    labels: Optional[torch.Tensor]
+    vocab_size: int = 0
+    logit_scale: Optional[torch.Tensor] = None
+    excluded_token: Optional[torch.Tensor] = None
+    entropy: bool = False
+    chunk_mb: float = 64.0
+
+
+@dataclass
+class ScoredOutput:
+    """Per-position results, zero where not scored: log p(label) [b, s] (or head outputs [b, s, k]) and, when
+    asked, the entropy [b, s]."""
+
+    values: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+
+
+def scored_output(model, hidden: torch.Tensor, targets: ScoredTargets) -> ScoredOutput:
+    """The last stage's head on the scored positions of ``hidden`` [s(/tp), b, h] (module doc)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    out_layer = model.output_layer
+    sp = bool(getattr(out_layer, "sequence_parallel", False))
+    vocab_head = targets.labels is not None
+    if sp:  # the vocab projection's input grads are partial sums over TP; a replicated head's are complete
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=vocab_head)
+    elif vocab_head:
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+    s, b, h = hidden.shape
+    pos_sb = targets.positions.t().reshape(-1)                     # (s, b) order, as hidden is laid out
+    idx = pos_sb.nonzero().squeeze(1)
+    picked = hidden.reshape(s * b, h).index_select(0, idx)
+    pick = lambda t: None if t is None else t.t().reshape(-1).index_select(0, idx)  # noqa: E731
+    if not vocab_head:
+        out = torch.nn.functional.linear(picked, out_layer.weight.to(picked.dtype),
+                                         None if out_layer.bias is None else out_layer.bias.to(picked.dtype))
+        return ScoredOutput(_scatter(out, idx, s, b))
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+        else out_layer.weight
+    logp, ent = linear_logprobs(picked, weight, pick(targets.labels), targets.vocab_size, pick(targets.logit_scale),
+                                pick(targets.excluded_token), targets.chunk_mb, targets.entropy)
+    return ScoredOutput(_scatter(logp, idx, s, b), None if ent is None else _scatter(ent, idx, s, b))
+
+
+def _scatter(values: torch.Tensor, idx: torch.Tensor, s: int, b: int) -> torch.Tensor:
+    """[n, ...] values at flat (s, b) positions ``idx`` -> [b, s, ...] with zeros elsewhere."""
+    full = values.new_zeros((s * b,) + values.shape[1:]).index_copy(0, idx, values)
+    return full.view(s, b, *values.shape[1:]).transpose(0, 1).contiguous()
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                    logit_scale: Optional[torch.Tensor] = None, excluded_token: Optional[torch.Tensor] = None,
+                    chunk_mb: float = 64.0, entropy: bool = False
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log p(labels) [n] fp32, entropy [n] or None) of ``hidden`` [n, h] under the vocab projection ``weight``
+    (this TP rank's rows [V_pad/tp, h]), without the [n, V] logits (module doc). ``hidden`` must already be
+    replicated over TP (``scored_output`` does it)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() \
+        else 1
+    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    part = weight.shape[0]
+    chunk = chunk_tokens(part, chunk_mb)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    vocab = _Vocab(start=rank * part, n_real=max(0, min(part, vocab_size - rank * part)),
+                   group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+                   chunk=chunk, entropy=entropy, keep_probs=grad and hidden.shape[0] <= chunk,
+                   wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())))
+    scale = None if logit_scale is None else logit_scale.float()
+    logp, ent = LinearLogProb.apply(hidden, weight, labels, scale, excluded_token, vocab)
+    return logp, (ent if entropy else None)
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    start: int          # first vocabulary id of this rank's rows
+    n_real: int         # rows that are real tokens (the rest is padding)
+    group: object       # TP process group (None: no TP)
+    chunk: int          # tokens per chunk
+    entropy: bool       # also the entropy
+    keep_probs: bool    # one chunk holds every token: keep p for backward instead of recomputing the logits
+    wgrad_rows: int     # bf16 / fp16 weight gradient: vocabulary rows per product (chunk_mb of model dtype)
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, scale, excluded, v: _Vocab) -> torch.Tensor:
+    """fp32 logits of one chunk over this rank's real rows (scaled, the excluded token at NEG)."""
+    z = (h @ w.t()).float()
+    if scale is not None:
+        z = z.mul_(scale.unsqueeze(1))
+    if excluded is not None and v.n_real:
+        local = excluded - v.start
+        hit = ((excluded >= 0) & (local >= 0) & (local < v.n_real)).unsqueeze(1)
+        col = local.clamp(0, v.n_real - 1).unsqueeze(1)
+        z.scatter_(1, col, z.gather(1, col).masked_fill(hit, NEG))     # a miss writes its own value back
+    return z
+
+
+def _target(z: torch.Tensor, labels: torch.Tensor, v: _Vocab) -> torch.Tensor:
+    """z[k, y_k] where this rank holds y_k, else 0 (summed over TP afterwards)."""
+    if not v.n_real:
+        return z.new_zeros(z.shape[0])
+    local = labels - v.start
+    here = (local >= 0) & (local < v.n_real)
+    return z.gather(1, local.clamp(0, v.n_real - 1).unsqueeze(1)).squeeze(1) * here
+
+
+def _all_reduce(t: torch.Tensor, v: _Vocab, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if v.group is not None:
+        dist.all_reduce(t, op=op, group=v.group)
+    return t
+
+
+class LinearLogProb(torch.autograd.Function):
+    """(log p(labels), entropy) of ``hidden`` under ``weight``, chunk by chunk (module doc)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, scale, excluded, v: _Vocab):
+        n = hidden.shape[0]
+        w = weight[:v.n_real]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse, shift = torch.empty_like(logp), torch.empty_like(logp)
+        ent, mean_z = (torch.empty_like(logp), torch.empty_like(logp)) if v.entropy else (None, None)
+        kept = None
+        for a in range(0, n, v.chunk):
+            sl = slice(a, min(n, a + v.chunk))
+            z = _logits(hidden[sl], w, _part(scale, sl), _part(excluded, sl), v)
+            m = _all_reduce(z.amax(1) if v.n_real else z.new_full((z.shape[0],), NEG), v, dist.ReduceOp.MAX)
+            tgt = _target(z, labels[sl], v)
+            d = z.sub_(m.unsqueeze(1))                               # z - m, in place
+            e = d.exp() if v.entropy else d.exp_()
+            parts = [tgt, e.sum(1)] + ([e.mul_(d).sum(1)] if v.entropy else [])   # entropy: e is spent, d kept
+            sums = _all_reduce(torch.stack(parts), v)
+            log_s = sums[1].log()
+            logp[sl], lse[sl], shift[sl] = sums[0] - m - log_s, m + log_s, m
+            if v.entropy:
+                ent[sl] = log_s - sums[2] / sums[1]
+                mean_z[sl] = m + sums[2] / sums[1]
+            if v.keep_probs:   # one chunk: keep z - m (entropy) or p itself for backward
+                kept = d if v.entropy else e.div_(sums[1].unsqueeze(1))
+            del z, d, e        # before the next chunk's logits exist: one chunk at a time
+        ctx.v = v
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept)
+        return logp, ent if v.entropy else logp.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept = ctx.saved_tensors
+        v: _Vocab = ctx.v
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight[:v.n_real]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = _weight_grad_buffer(weight) if need_w else None
+        n = hidden.shape[0] if (g_logp is not None or g_ent is not None) else 0
+        for a in range(0, n, v.chunk):
+            sl = slice(a, min(n, a + v.chunk))
+            g = _logit_grad(ctx, kept, sl, labels[sl], _part(g_logp, sl), _part(g_ent, sl), lse[sl], shift[sl],
+                            _part(mean_z, sl))
+            if scale is not None:
+                g.mul_(scale[sl].unsqueeze(1))
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[sl] = g @ w
+            if need_w and weight.dtype == grad_w.dtype:
+                grad_w[:v.n_real].addmm_(g.t(), hidden[sl])
+            elif need_w:   # bf16 / fp16: the product in the model dtype, <= chunk_mb at a time, summed in fp32
+                for r in range(0, v.n_real, v.wgrad_rows):
+                    rs = slice(r, min(v.n_real, r + v.wgrad_rows))
+                    grad_w[rs] += g[:, rs].t() @ hidden[sl]
+            del g
+        if grad_w is None or grad_w is getattr(weight, "main_grad", None):
+            return grad_h, None, None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+
+
+def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
+    """Where the weight gradient is summed: megatron DDP's fp32 ``main_grad`` when there is one (its grad-
+    accumulation contract: no [V/tp, h] gradient tensor beside it; other uses of a tied weight still arrive
+    through ``.grad`` and DDP's hook), else a new fp32 buffer."""
+    main = getattr(weight, "main_grad", None)
+    if main is not None and main.dtype == torch.float32 and main.shape == weight.shape:
+        return main
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def _part(t: Optional[torch.Tensor], sl: slice) -> Optional[torch.Tensor]:
+    return None if t is None else t[sl]
+
+
+def _logit_grad(ctx, kept, sl, labels, g_logp, g_ent, lse, shift, mean_z) -> torch.Tensor:
+    """d(sum_k a_k log p_k + b_k H_k)/dz of one chunk, before the logit scale (module doc): from the logits kept
+    by the forward (one chunk) or recomputed; p (and z when the entropy has a gradient) in place."""
+    hidden, weight, _, scale, excluded = ctx.saved_tensors[:5]
+    v: _Vocab = ctx.v
+    if kept is not None and not v.entropy:
+        z, p = None, kept                                            # the forward kept p itself
+    else:
+        if kept is None:
+            z = _logits(hidden[sl], weight[:v.n_real], _part(scale, sl), _part(excluded, sl), v)
+            shift = torch.zeros_like(shift)
+        else:
+            z = kept                                                 # z - shift
+        p = (z - (lse - shift).unsqueeze(1)).exp_() if g_ent is not None else z.sub_((lse - shift).unsqueeze(1)).exp_()
+    g = None
+    if g_ent is not None:                                            # -b p (z - E_p z)
+        g = z.sub_((mean_z - shift).unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))
+    if g_logp is None:
+        return g
+    p = p.mul_(-g_logp.unsqueeze(1))                                 # a (e_y - p)
+    if v.n_real:
+        local = labels - v.start
+        here = (local >= 0) & (local < v.n_real)
+        p.scatter_add_(1, local.clamp(0, v.n_real - 1).unsqueeze(1), (g_logp * here).unsqueeze(1).to(p.dtype))
+    return p if g is None else p.add_(g)
