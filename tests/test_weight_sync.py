@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -49,6 +50,24 @@ def plasma_objects(settle_s: float = 0.0) -> int:
         if n == 0 or time.monotonic() >= deadline:
             return n
         time.sleep(0.2)
+
+
+def _kill(actor, timeout_s: float = 60.0) -> None:
+    """ray.kill is asynchronous: wait until the actor answers as dead, so 'dies between steps' is what happens."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=10)
+        except RayActorError:
+            return
+        except GetTimeoutError:
+            continue
+        time.sleep(0.2)
+    raise AssertionError(f"actor still answers {timeout_s:.0f} s after ray.kill")
 
 
 def _perturb(chunks, seed: int) -> None:
@@ -111,7 +130,7 @@ def _extras(rank, chunks, model, table, manager, sync, logits, engines):
         ref = ray.put(torch.zeros(1 << 20, dtype=torch.uint8))
         out["probe_held"] = plasma_objects()
         del ref
-        ray.kill(manager.actors[1])                 # dies between steps
+        _kill(manager.actors[1])                    # dies between steps
     _perturb(chunks, 4)
     sync.push(4)                                    # replaces it, rebuilds the groups, reaches it
     out["restarted"] = {"trainer": logits(), "engines": engines(), "plasma": plasma_objects(10) if r0 else None,

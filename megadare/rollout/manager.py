@@ -145,18 +145,22 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ weights (weight_sync.py drives these)
     def engine_info(self) -> list[dict[str, Any]]:
-        return _ray().get([a.info.remote() for a in self.actors])
-
-    def check_engines(self) -> None:
-        """Replace every dead actor now (before a push, so the push reaches the replacement)."""
+        """Every engine's info; a dead actor is replaced first and the replacement answers for its slot."""
         ray = _ray()
         from ray.exceptions import RayActorError
 
+        infos = []
         for slot, ref in enumerate([a.info.remote() for a in self.actors]):
             try:
-                ray.get(ref)
+                infos.append(ray.get(ref))
             except RayActorError:
                 self._restart(slot)
+                infos.append(ray.get(self.actors[slot].info.remote()))
+        return infos
+
+    def check_engines(self) -> None:
+        """Replace every dead actor now (before a push, so the push reaches the replacement)."""
+        self.engine_info()
 
     def weight_group_setup(self, how: str, trainer_device) -> tuple[int, str]:
         """Size of each weight group (the sender plus every engine's ranks) and its backend: NCCL when the
