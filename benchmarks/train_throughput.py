@@ -5,10 +5,10 @@ the publisher's SDAR model on DARE's loss path.
     python benchmarks/train_throughput.py --shape dense --batch 1 4 --backends local sdpa flex
     python benchmarks/train_throughput.py --peer-repo /path/to/DARE --peer-python /path/to/dare-env/bin/python
 
-Prints tokens/s, model TFLOP/s and MFU (GPU) for each backend in the same process, and the ratio against
-megatron's local DotProductAttention (the baseline that materialises the score matrix). The mask is
-bidirectional (LLaDA-style) or block diffusion (x_t ++ x_0, --mask block_diffusion); a batch that runs out of
-memory is reported as OOM. FLOPs as in megadare/trainer/flops.py (dense attention count, also for block masks).
+Prints tokens/s, model TFLOP/s and MFU (GPU) for each backend, each case in a fresh process (its peak memory its
+own), and the ratio against megatron's local DotProductAttention (the baseline that materialises the score
+matrix). The mask is bidirectional (LLaDA-style) or block diffusion (x_t ++ x_0, --mask block_diffusion); a
+batch that runs out of memory is reported as OOM. FLOPs as in megadare/trainer/flops.py (dense attention count, also for block masks).
 
 ``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
 of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:
@@ -283,6 +283,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -293,34 +294,67 @@ def main() -> None:
             args.batch = [1]
         return against_peer(args)
     args.seq = args.seq or (2048 if gpu else 256)
-
-    from megadare.parallel import destroy_distributed, init_distributed
-
-    init_distributed()
+    if args.case:
+        return case(args)
     dtype = "bf16" if gpu else "fp32"
     device = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps")
+    print(f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps; "
+          "each case in a fresh process")
     print(f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}")
+          f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}", flush=True)
     for name in args.shape:
         arch = SHAPES[name] if gpu else cpu_shape(SHAPES[name])
         for batch in args.batch:
             base = None
             for backend in args.backends:
-                try:
-                    dt, mem = run_backend(arch, backend, batch, args.seq, args.mask, args.steps, dtype)
-                except torch.OutOfMemoryError:
-                    print(f"{name:6} {backend:8} {batch:5d} {'OOM':>10}")
+                res = run_case(args, name, backend, batch)
+                if "error" in res:
+                    print(f"{name:6} {backend:8} {batch:5d} {res['error']:>10} {res.get('detail', '')}", flush=True)
                     continue
+                dt, mem = res["dt"], res["mem"]
                 tok_s = batch * args.seq / dt
                 tflops = step_flops(arch, [args.seq] * batch) / dt / 1e12
                 peak = peak_tflops()
                 mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
                 base = base or (tok_s if backend == "local" else None)
                 ratio = f"{tok_s / base:7.2f}x" if base else "      -"
-                print(f"{name:6} {backend:8} {batch:5d} {tok_s:10.0f} {tflops:8.2f} {mfu} {mem:8.1f} {ratio}")
-    destroy_distributed()
+                print(f"{name:6} {backend:8} {batch:5d} {tok_s:10.0f} {tflops:8.2f} {mfu} {mem:8.1f} {ratio}",
+                      flush=True)
 
+
+def run_case(args, shape: str, backend: str, batch: int) -> dict:
+    """One (shape, backend, batch) in a fresh process: a case's peak memory is its own (in one process a
+    finished case's allocations inflated the next one's peak: 75.9 GiB for SDPA at batch 1 on an H200 where
+    alone it takes 41.7), and an OOM does not poison the cases after it."""
+    import subprocess
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{shape}:{backend}:{batch}", "--seq",
+           str(args.seq), "--mask", args.mask, "--steps", str(args.steps), "--threads", str(args.threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE ")]
+    if lines:
+        return json.loads(lines[-1][5:])
+    err = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+    return {"error": "FAILED", "detail": err[:200]}
+
+
+def case(args) -> None:
+    """The child of run_case: one case, its result as a ``CASE {json}`` line."""
+    from megadare.parallel import destroy_distributed, init_distributed
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        torch.set_num_threads(args.threads)
+    shape, backend, batch = args.case.split(":")
+    arch = SHAPES[shape] if gpu else cpu_shape(SHAPES[shape])
+    init_distributed()
+    try:
+        dt, mem = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, "bf16" if gpu else "fp32")
+        res = {"dt": dt, "mem": mem}
+    except torch.OutOfMemoryError:
+        res = {"error": "OOM"}
+    destroy_distributed()
+    print("CASE " + json.dumps(res), flush=True)
 
 if __name__ == "__main__":
     main()
