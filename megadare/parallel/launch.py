@@ -50,6 +50,25 @@ def _one_line_error(e: BaseException):
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+    """``fn`` in ``world_size`` fresh processes. ``free_port`` releases the port it found before rank 0 binds it, so
+    another process can take it in between (EADDRINUSE at rank 0's TCPStore): then the launch starts again on a new
+    port, up to three times, before the error is raised."""
+    for attempt in range(3):
+        results, errors, own = _spawn_once(fn, world_size, args, timeout_s)
+        port_taken = errors and not results and "EADDRINUSE" in errors[0]
+        if not (port_taken and attempt < 2):
+            break
+    if own:
+        raise own[0] from WorkerError("\n".join(errors))
+    if errors:
+        raise WorkerError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
+
+
+def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
+    """One launch: (results by rank, error texts, megadare's own errors)."""
+    import queue as _q
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -61,13 +80,12 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
     errors: list[str] = []
     own: list[BaseException] = []
     try:
-        import queue as _q
-
         for _ in range(world_size):
             try:
                 rank, ok, val = queue.get(timeout=timeout_s)
             except _q.Empty:
-                errors.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                waiting = sorted(set(range(world_size)) - set(results))
+                errors.append(f"timed out after {timeout_s}s waiting for ranks {waiting}")
                 break
             if ok:
                 results[rank] = pickle.loads(val)
@@ -84,8 +102,4 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
             if p.is_alive():
                 p.kill()
                 p.join()
-    if own:
-        raise own[0] from WorkerError("\n".join(errors))
-    if errors:
-        raise WorkerError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return results, errors, own
