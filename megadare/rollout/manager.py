@@ -3,7 +3,7 @@
     manager = RolloutManager(EngineSpec(build_native_engine, hf_dir=...), num_engines=2,
                              resources={"num_cpus": 1})            # {"num_gpus": 1} on a cluster
     trajectories = manager.generate(prompts, SamplingParams(...))  # every prompt exactly once, in order
-    WeightSync(trainer_chunks, table, manager).push(version=step)  # weight_sync.py drives the engines' side here
+    WeightSync(trainer_chunks, table, manager).push(version=step)  # weight_sync/ drives the engines' side here
 
 Placement: the actors live in one placement group (one bundle per engine; ``strategy='PACK'`` to colocate them
 with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``; each
@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from megadare.errors import ConfigError
 from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
-from megadare.rollout.weight_plan import Flat
+from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
+from megadare.rollout.weight_sync.plan import Flat
 
 
 def _ray():
@@ -143,7 +143,7 @@ class RolloutManager:
             scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=slot),
         ).remote(self.spec)
 
-    # ------------------------------------------------------------------ weights (weight_sync.py drives these)
+    # ------------------------------------------------------------------ weights (weight_sync/ drives these)
     def engine_info(self) -> list[dict[str, Any]]:
         """Every engine's info; a dead actor is replaced first and the replacement answers for its slot."""
         ray = _ray()

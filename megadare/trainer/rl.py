@@ -109,7 +109,7 @@ def push_current(run: RLRun) -> dict[str, float]:
 def on_rank0(run: RLRun, work):
     """``work()`` on rank 0 (the engines' owner) while the other ranks stand by to push the current weights again
     should every engine have been restarted meanwhile; its result on every rank."""
-    from megadare.rollout.weight_sync import run_on_rank0
+    from megadare.parallel.rank0 import run_on_rank0
 
     return run_on_rank0(work, lambda: push_current(run), run.manager)
 

@@ -110,7 +110,7 @@ def _weight_sync(cfg: Config, run: RLRun):
     """The run's weight sync (every rank; rank 0 drives the engines): transport and bucket size from the config,
     block-fp8 linear weights for SGLang engines serving an fp8 export."""
     from megadare.convert import mapping_for
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
 
     r = cfg.rollout
     return WeightSync(run.policy.model, mapping_for(run.src.hf_config)[2], run.manager, transport=r.weight_transport,
