@@ -323,13 +323,10 @@ def torch_cuda_available() -> bool:
 
 
 def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dtype: str = "auto",
-                        max_batch: int = 0, compile: bool = False, fail_once_marker: Optional[str] = None):
+                        max_batch: int = 0, compile: bool = False):
     """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir`` in the
     engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
     (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile``: ``NativeEngine``'s.
-
-    ``fail_once_marker`` (fault-injection for tests): the first engine whose generate() finds no file at that
-    path creates it and kills its process, as a crashed engine would.
     """
     from megadare.models import load_hf_model
     from megadare.models.family import family_of, read_hf_config
@@ -344,24 +341,5 @@ def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dt
     if dtype == "auto":
         dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     dt = getattr(torch, dtype)
-    engine = NativeEngine(load_hf_model(hf_dir, dtype=dt), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
-                          device=dev, dtype=dt, max_batch=max_batch, compile=compile)
-    if fail_once_marker:
-        engine = _FailOnce(engine, fail_once_marker)
-    return engine
-
-
-class _FailOnce:
-    def __init__(self, engine, marker: str):
-        self.engine, self.marker = engine, marker
-
-    def generate(self, prompts, params):
-        import os
-
-        if not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os._exit(1)
-        return self.engine.generate(prompts, params)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    return NativeEngine(load_hf_model(hf_dir, dtype=dt), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
+                        device=dev, dtype=dt, max_batch=max_batch, compile=compile)
