@@ -235,7 +235,7 @@ class ReplaySection:
     pmis: bool = True                      # replay.pmis: balance-heuristic weights over the k behaviour policies
     warmup: int = 1                        # replay.warmup: policy versions seen before replay starts
     fraction: float = 0.25                 # replayed samples per step, as a fraction of the fresh ones
-    score: str = "token_chi2"              # variance-guided match score (algos/replay.py SCORES)
+    score: str = "token_chi2"              # variance-guided match score (trainer/offpolicy/replay.py SCORES)
     level: str = "group"                   # sample | group (keep prompt groups whole) | version
     max_score: Optional[float] = None      # never replay units scoring above this
 

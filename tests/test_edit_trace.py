@@ -31,8 +31,8 @@ from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
 from megadare.rollout.native import NativeEngine
-from megadare.trainer.rl_async import PartialRollout
-from megadare.trainer.rl_correction import store_engine_behaviour
+from megadare.trainer.offpolicy.queue import PartialRollout
+from megadare.trainer.offpolicy.correction import store_engine_behaviour
 
 from block_toy import MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
 from sglang_fake import fake_sglang  # noqa: F401  (fixture)

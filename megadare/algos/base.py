@@ -166,7 +166,7 @@ class Slots:
     adv: torch.Tensor
     weight: torch.Tensor           # aggregation (head) weight
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    behave: Optional[torch.Tensor] = None   # under the behaviour policy (rollout correction, trainer/rl_correction.py)
+    behave: Optional[torch.Tensor] = None   # under the behaviour policy (rollout correction, trainer/offpolicy/)
     is_weight: Optional[torch.Tensor] = None  # behaviour -> proximal IS weight (0 = rejected), constant per slot
 
 
@@ -241,7 +241,7 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
 class SlotObjective:
     """trainer.step objective: per-position log-probs -> slots -> sum_s head_s * loss_s.
 
-    ``loss_mode`` (off-policy rollouts, algos/rollout_correction.py): ``ppo`` the algorithm's slot loss as is;
+    ``loss_mode`` (off-policy rollouts, trainer/offpolicy/importance.py): ``ppo`` the algorithm's slot loss as is;
     ``decoupled`` its loss times the behaviour -> proximal IS weight of the slot (``extras['is_w']``, computed
     before the update; 0 = rejected), i.e. Hilton et al.'s decoupled PPO when the slot loss is the PPO clip;
     ``bypass`` the ratio is taken against the behaviour estimate (``old := behave``, no proximal pass) and

@@ -117,7 +117,7 @@ def on_rank0(run: RLRun, work):
 def start_loop(run: RLRun) -> None:
     """The monitor and (rank 0) the rollout queue, restored from the checkpoint's queued rollouts."""
     from megadare.trainer.monitor import Monitor
-    from megadare.trainer.rl_async import RolloutQueue
+    from megadare.trainer.offpolicy.queue import RolloutQueue
     from megadare.trainer.rl_rollout import RolloutStarter
 
     cfg, lg = run.cfg, run.cfg.logging
@@ -132,7 +132,7 @@ def start_loop(run: RLRun) -> None:
 def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     """The step's scored samples on every rank: rank 0 takes the queued rollout and scores it, then broadcasts.
     With async correction, the weights of this version are snapshotted first (behaviour of rollouts queued now)."""
-    from megadare.trainer.rl_correction import oldest_needed
+    from megadare.trainer.offpolicy.correction import oldest_needed
     from megadare.trainer.rl_rollout import collect_step
 
     t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     """Off-policy correction state of the step (None under plain PPO) and, with D-ARL replay, the step's
     samples plus the best-matched replayed ones (the fresh samples join the buffer)."""
     from megadare.algos.sft import example_generator
-    from megadare.trainer.rl_correction import engine_table, reindex, version_table
+    from megadare.trainer.offpolicy.correction import engine_table, reindex, version_table
     from megadare.trainer.rl_update import Correction, replay_select
 
     cfg = run.cfg
@@ -172,7 +172,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
 def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples``."""
     from megadare.algos.sft import example_generator
-    from megadare.trainer.rl_correction import bypass_rejection
+    from megadare.trainer.offpolicy.correction import bypass_rejection
     from megadare.trainer.rl_update import update
 
     if not samples:

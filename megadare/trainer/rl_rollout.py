@@ -91,7 +91,7 @@ class RolloutStarter:
         self.run = run
 
     def __call__(self, at: int):
-        from megadare.trainer.rl_async import PartialRollout
+        from megadare.trainer.offpolicy.queue import PartialRollout
 
         run = self.run
         cfg, rl, algo, manager = run.cfg, run.cfg.rl, run.algo, run.manager
@@ -111,7 +111,7 @@ class RolloutStarter:
 def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn) -> tuple[list, dict[str, float]]:
     """Rank 0: the queued rollout of ``step`` -> rewards -> samples (with their behaviour versions) + metrics."""
     from megadare.trainer.reward_step import score_rollouts, score_texts
-    from megadare.trainer.rl_async import staleness_metrics
+    from megadare.trainer.offpolicy.queue import staleness_metrics
 
     rl = cfg.rl
     q, traj, wait_s = queue.take(step)

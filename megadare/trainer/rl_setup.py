@@ -63,7 +63,7 @@ class RLRun:
 
     @property
     def ahead(self) -> int:
-        from megadare.trainer.rl_async import lookahead
+        from megadare.trainer.offpolicy.queue import lookahead
 
         return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
 
@@ -71,13 +71,13 @@ class RLRun:
 def setup_run(cfg: Config) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
     from megadare.algos import build_algorithm
-    from megadare.algos.replay import ReplayBuffer
+    from megadare.trainer.offpolicy.replay import ReplayBuffer
     from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.monitor import write_run_config
-    from megadare.trainer.rl_async import WeightSnapshots, lookahead
-    from megadare.trainer.rl_correction import check_correction_config, needs_snapshots
+    from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
+    from megadare.trainer.offpolicy.correction import check_correction_config, needs_snapshots
     from megadare.trainer.rl_rollout import sampling_params, start_engines
     from megadare.trainer.sft_loop import checkpoint_root
 
