@@ -39,7 +39,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from megadare.algos.base import RLSample, View
+from megadare.algos.base import RLSample
+from megadare.diffusion.views import View
 
 
 class Commit(NamedTuple):

@@ -55,7 +55,7 @@ function side of that; the caller must check its inputs, e.g. ``ratio == 1`` bef
   after the EOS cut are replayed from states with fewer masked positions than the engine saw
   (trace_replay.py's stated deviation).
 * First estimator kind (corruption sampling: d1, Coupled-GRPO, random-mask RL, VRPO, BGPO, SPG,
-  algos/corruption.py). A slot estimate is a Monte-Carlo surrogate of log pi(y | c) over corruptions the engine
+  diffusion/corruption.py). A slot estimate is a Monte-Carlo surrogate of log pi(y | c) over corruptions the engine
   never saw, so there is **no per-token behaviour log-prob from the engine**. IS must then use sequence-level
   estimates computed by the trainer for both sides: the same estimator, on the same stored corruptions and
   coefficients, evaluated once with the behaviour version's weights and once with the target's (``level=
