@@ -152,7 +152,8 @@ def _megatron_worker(rank, world, hf_dir):
     from megadare.models import load_hf_model
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.model_setup import resolve_model_source
-    from megadare.trainer.rl_rollout import build_samples, sampling_params
+    from megadare.rollout.setup import sampling_params
+    from megadare.trainer.rl_rollout import build_samples
     from dist import fresh_update
 
     init_distributed()

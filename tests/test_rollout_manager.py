@@ -87,7 +87,7 @@ def test_engine_device_follows_ray_and_the_config(tmp_path):
     from megadare.config import load_config
     from megadare.errors import ConfigError
     from megadare.rollout.manager import resolve_engine_device
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
 
     assert resolve_engine_device("auto", gpu_ids=[], cuda_available=True) == "cpu"
     assert resolve_engine_device("auto", gpu_ids=[0], cuda_available=True) == "cuda:0"

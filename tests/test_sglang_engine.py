@@ -388,7 +388,7 @@ def test_engine_spec_tensor_parallel_engines(monkeypatch):
     """rollout.engine_tp reaches sglang's tp_size; a built-in engine or too few GPUs per actor are config errors."""
     from megadare.config import load_config
     from megadare.errors import ConfigError
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
 
     monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())
     src, tok = types.SimpleNamespace(hf_dir="/ckpt/x"), types.SimpleNamespace(eos_token_id=1)
@@ -408,7 +408,7 @@ def test_fp8_engines_start_from_a_block_fp8_export(monkeypatch, tmp_path):
     import json as _json
 
     from megadare.config import load_config
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
     from tiny import write_tiny_hf
 
     monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())

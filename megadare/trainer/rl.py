@@ -199,7 +199,8 @@ def log_step(run: RLRun, metrics: dict[str, float]) -> None:
 
 def evaluate_at(run: RLRun) -> None:
     """Held-out accuracy at ``run.step`` (rank 0 runs it on the engines; every rank records it)."""
-    from megadare.trainer.rl_rollout import evaluate, sampling_params
+    from megadare.rollout.setup import sampling_params
+    from megadare.trainer.rl_rollout import evaluate
 
     params = sampling_params(run.cfg, run.arch, run.cfg.seed, evaluation=True)
     res = on_rank0(run, lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params))

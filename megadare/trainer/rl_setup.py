@@ -78,7 +78,7 @@ def setup_run(cfg: Config) -> RLRun:
     from megadare.trainer.monitor import write_run_config
     from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
     from megadare.trainer.offpolicy.correction import check_correction_config, needs_snapshots
-    from megadare.trainer.rl_rollout import sampling_params, start_engines
+    from megadare.rollout.setup import sampling_params, start_engines
     from megadare.trainer.sft_loop import checkpoint_root
 
     src = resolve_model_source(cfg)
