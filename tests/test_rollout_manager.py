@@ -39,8 +39,8 @@ def _expected(hf_dir: str) -> list:
 
 def _fail_once(marker: str):
     """Fault injection (test only): an engine factory whose first engine to find no file at ``marker`` creates it
-    and kills its own process in generate(), as a crashed engine would. A closure, so Ray ships it to the actor by
-    value (this test module is not importable there)."""
+    and kills its own process in generate(), as a crashed engine would. A closure: Ray (cloudpickle) ships it to
+    the actor by value, not as a reference to this test module."""
     def build(**kwargs):
         class FailOnce:
             def __init__(self, engine):
