@@ -30,7 +30,7 @@ from megadare.algos import REGISTRY
 from megadare.diffusion import corruption as C
 from megadare.algos.base import RLSample, gather_slots
 from megadare.algos.ebpo import block_elbo_views
-from megadare.algos.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megadare.algos import REGISTRY
 from megadare.algos.base import RLSample, gather_slots
-from megadare.algos.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views
 from megadare.data.rows import pack_rows
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp

@@ -1,7 +1,7 @@
 """The RL algorithm zoo: ``REGISTRY[name](overrides)`` builds an algorithm (chosen by ``algo.name``).
 
 Each file states its paper, objective, estimator and published defaults; shared parts live in base.py
-(samples, rows, slots), trace_replay.py, advantages.py and policy_loss.py; the views and corruption samplers they
+(samples, rows, slots), advantages.py and policy_loss.py; the views, corruption samplers and trace replay they
 draw on are in megadare/diffusion/.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``tokens`` is the model input x_t; ``coef`` and ``slot`` say which positions are scored, with which coefficient
 c_{v,k}, and into which slot (a quantity the objective puts in a ratio: a token or a whole sequence) each scored
-position's log-prob adds. Corruption samplers (corruption.py) and trace replay (algos/trace_replay.py) return
+position's log-prob adds. Corruption samplers (corruption.py) and trace replay (trace_replay.py) return
 views; algos/base.py lays them out as training rows.
 """
 from __future__ import annotations

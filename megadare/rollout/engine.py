@@ -12,7 +12,7 @@ describe the commit that wrote the final token, and ``superseded`` lists every e
 of the same position overwrote (position, token, global step, block-local step, log-prob). ``validate`` checks
 that the commits of a position are strictly ordered in time, that each edit changed the token, and that edits
 exist only under the editing decoder. Trace replay scores every commit, superseded ones included
-(algos/trace_replay.py).
+(diffusion/trace_replay.py).
 """
 from __future__ import annotations
 
