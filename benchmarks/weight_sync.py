@@ -121,7 +121,7 @@ def legacy_push(chunks, table, manager, version: int, bucket_bytes: int, keep: l
     import ray
     import torch.distributed as dist
 
-    from megadare.rollout.weight_plan import local_shards
+    from megadare.rollout.weight_sync.plan import local_shards
 
     keep.clear()                                  # the old manager kept the latest push's buckets
     local = local_shards(chunks)
@@ -190,8 +190,8 @@ def _raw_broadcast(sync, manager, rank: int, nbytes: int, bucket_bytes: int) -> 
     """Seconds to broadcast ``nbytes`` from rank 0 over its stage-0 group to the engines, bucket by bucket."""
     import torch.distributed as dist
 
-    from megadare.rollout.weight_groups import broadcast_from_sender
-    from megadare.rollout.weight_plan import Flat
+    from megadare.rollout.weight_sync.groups import broadcast_from_sender
+    from megadare.rollout.weight_sync.plan import Flat
 
     sizes = [min(bucket_bytes, nbytes - at) for at in range(0, nbytes, bucket_bytes)]
     dist.barrier()
@@ -218,7 +218,7 @@ def _case_worker(rank, world, family, layout, config, bucket_mb, paths):
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.manager import EngineSpec, RolloutManager
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
 
     import weight_sync as bench   # this file, importable by name in the engine actors too
 

@@ -22,6 +22,7 @@ from megadare.models.layout import validate_layout
 from megadare.rewards.sandbox import ISOLATIONS
 from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, ENGINE_DTYPES, SCHEDULES,
                                       WEIGHT_TRANSPORTS, SamplingParams)
+from megadare.rollout.setup import resolve_canvas
 
 
 @dataclass
@@ -235,7 +236,7 @@ class ReplaySection:
     pmis: bool = True                      # replay.pmis: balance-heuristic weights over the k behaviour policies
     warmup: int = 1                        # replay.warmup: policy versions seen before replay starts
     fraction: float = 0.25                 # replayed samples per step, as a fraction of the fresh ones
-    score: str = "token_chi2"              # variance-guided match score (algos/replay.py SCORES)
+    score: str = "token_chi2"              # variance-guided match score (trainer/offpolicy/replay.py SCORES)
     level: str = "group"                   # sample | group (keep prompt groups whole) | version
     max_score: Optional[float] = None      # never replay units scoring above this
 
@@ -462,19 +463,6 @@ def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
     if arch is None:
         return "auto"
     return "block" if arch.attention == "block_causal" else "random"
-
-
-def resolve_canvas(cfg: Config, arch: Optional[ModelArch]) -> str:
-    """rl.canvas with the family default: ``full`` for full-attention families (LLaDA, Dream: their samplers
-    decode a fixed canvas bidirectionally, so every position -- the EOS/pad tokens after the answer included --
-    conditions every step, and the trainer sees the sampler's states only on the same canvas; LLaDA's SFT trains
-    that EOS padding; DARE keeps it), ``eos`` for block-diffusion families (decoding stops after the block with
-    the first EOS, and later blocks never influence earlier ones under the block-causal mask; DARE cuts there)."""
-    if cfg.rl.canvas is not None:
-        return cfg.rl.canvas
-    if arch is None:
-        return "eos"
-    return "eos" if arch.attention == "block_causal" else "full"
 
 
 def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None) -> None:

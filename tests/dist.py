@@ -73,7 +73,7 @@ def reward_error_on_every_rank(rank: int, world: int) -> str:
     import torch.distributed as dist
 
     from megadare.rewards import RewardError
-    from megadare.rollout.weight_sync import run_on_rank0
+    from megadare.parallel.rank0 import run_on_rank0
 
     def failing():
         raise RewardError("reward 'auto' failed at data.parquet:row 5")

@@ -230,8 +230,8 @@ def test_full_canvas_rows_cover_every_position():
 
 
 def test_canvas_defaults_and_sampling():
-    from megadare.config import resolve_canvas
-    from megadare.trainer.rl_rollout import sampling_params
+    from megadare.rollout.setup import resolve_canvas
+    from megadare.rollout.setup import sampling_params
 
     full, blk = toy_archs(4)
     cfg = config_from_dict({"rollout": {"block_size": 4}})

@@ -323,7 +323,7 @@ def test_group_relative_advantages_with_one_sample_are_refused():
 def megadare_count_distribution(L: int, n: int) -> list[Fraction]:
     """P(m = 1..L) pooled over the n draws of ``stratified``, exactly: the offset u ~ U[0, 1) is cut where
     (j + u) L / n crosses an integer, and ``stratified_count`` is read at each piece's midpoint."""
-    from megadare.algos.corruption import stratified_count
+    from megadare.diffusion.corruption import stratified_count
 
     prob = [Fraction(0)] * (L + 1)
     for j in range(n):
@@ -347,7 +347,7 @@ def dare_count_distribution(L: int, n: int) -> list[Fraction]:
 
 
 def test_count_stratification_megadare_uniform_dare_as_stated():
-    """The statement of algos/corruption.py ``stratified``: megadare's pooled counts are exactly uniform on
+    """The statement of diffusion/corruption.py ``stratified``: megadare's pooled counts are exactly uniform on
     1..L; DARE's are uniform iff n / gcd(n, L) is odd, else they take the probabilities (1 +- gcd(n, L) / n) / L
     (VRPO's n = 4 at L = 6: 0.5x and 1.5x), for every L <= 40 and n in {1, 2, 3, 4, 8, 16}."""
     from math import gcd

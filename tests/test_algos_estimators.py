@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from megadare.algos import REGISTRY
-from megadare.algos import corruption as C
+from megadare.diffusion import corruption as C
 from megadare.algos.base import RLSample, gather_slots
 from megadare.algos.ebpo import block_elbo_views
-from megadare.algos.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine

@@ -17,7 +17,7 @@ from megadare.algos.advantages import filter_groups, group_advantages, truncated
 from megadare.algos.algorithm import rows_for_views
 from megadare.algos.base import Slots, gather_slots
 from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
-from megadare.algos.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec

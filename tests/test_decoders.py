@@ -207,7 +207,7 @@ def test_decoder_keys_are_checked_up_front(overrides, message):
 
 
 def test_decoder_keys_reach_the_sampler():
-    from megadare.trainer.rl_rollout import sampling_params
+    from megadare.rollout.setup import sampling_params
 
     cfg = load_config(None, ["rollout.algorithm=editing", "rollout.editing_threshold=0.5",
                              "rollout.max_post_steps=4", "rollout.num_to_transfer=2", "rollout.threshold=0.7"])

@@ -129,7 +129,7 @@ def _trainer_cases(out: dict, name: str, hf_dir: str) -> None:
     from megadare.models.attention import family_mask
     from megadare.models.family import family_of, read_hf_config
     from megadare.rollout.native import NativeEngine
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
     from megadare.trainer.forward import forward_logits
 
     from device_standin import cpu_tensors
@@ -278,7 +278,7 @@ def test_cuda_ipc_handle_names_its_gpu_by_uuid(monkeypatch):
 
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    import megadare.rollout.weight_groups as wg
+    import megadare.rollout.weight_sync.groups as wg
 
     # the argument the engine rewrites is the storage's device in this torch's rebuild function
     assert list(inspect.signature(rebuild_cuda_tensor).parameters)[wg._IPC_DEVICE_ARG] == "storage_device"
@@ -298,9 +298,9 @@ def test_colocated_waits_for_the_device_before_each_hand_over(monkeypatch, tmp_p
     """GPU copies are asynchronous: the sender must finish writing a bucket into the shared buffer before it says
     "ready", and the engine must finish loading out of it before it acknowledges (the sender then overwrites it).
     Checked by the order of calls on the CPU path, which runs the same code (device_sync is a no-op here)."""
-    import megadare.rollout.weight_groups as wg
-    import megadare.rollout.weight_transport as wt
-    from megadare.rollout.weight_plan import Flat
+    import megadare.rollout.weight_sync.groups as wg
+    import megadare.rollout.weight_sync.transport as wt
+    from megadare.rollout.weight_sync.plan import Flat
 
     calls = []
     record = lambda name: (lambda *a, **k: calls.append(name))  # noqa: E731

@@ -25,14 +25,14 @@ import torch.nn.functional as F
 
 from megadare.algos import REGISTRY
 from megadare.algos.base import RLSample, gather_slots
-from megadare.algos.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views
 from megadare.data.rows import pack_rows
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
 from megadare.rollout.native import NativeEngine
-from megadare.trainer.rl_async import PartialRollout
-from megadare.trainer.rl_correction import store_engine_behaviour
+from megadare.trainer.offpolicy.queue import PartialRollout
+from megadare.trainer.offpolicy.correction import store_engine_behaviour
 
 from block_toy import MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
 from sglang_fake import fake_sglang  # noqa: F401  (fixture)
@@ -152,7 +152,8 @@ def _megatron_worker(rank, world, hf_dir):
     from megadare.models import load_hf_model
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.model_setup import resolve_model_source
-    from megadare.trainer.rl_rollout import build_samples, sampling_params
+    from megadare.rollout.setup import sampling_params
+    from megadare.trainer.rl_rollout import build_samples
     from dist import fresh_update
 
     init_distributed()

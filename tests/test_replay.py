@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megadare.algos.base import RLSample
-from megadare.algos.replay import (ReplayBuffer, balance_heuristic_weights, chi2_ess, mis_weights, mixture_estimate,
-                                   own_behaviour_weights, per_version_loss_weights,
-                                   per_version_normalised_advantages, sample_version, variance_guided_scores)
+from megadare.trainer.offpolicy.replay import (ReplayBuffer, balance_heuristic_weights, chi2_ess, mis_weights,
+                                               mixture_estimate, own_behaviour_weights, per_version_loss_weights,
+                                               per_version_normalised_advantages, sample_version,
+                                               variance_guided_scores)
 
 
 @dataclass

@@ -114,7 +114,8 @@ def _ar_worker(rank, world, hf_dir):
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.native import NativeEngine
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
-    from megadare.trainer.rl_rollout import build_samples, sampling_params
+    from megadare.rollout.setup import sampling_params
+    from megadare.trainer.rl_rollout import build_samples
     from megadare.trainer.step import store_outputs
     from dist import fresh_update
 

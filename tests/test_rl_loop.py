@@ -138,7 +138,7 @@ def test_rl_config_errors(tmp_path):
     except ImportError:  # without sglang, choosing it fails at once, saying how to install it
         from types import SimpleNamespace
 
-        from megadare.trainer.rl_rollout import start_engines
+        from megadare.rollout.setup import start_engines
 
         cfg = load_config(None, ["rollout.engine=sglang"])
         with pytest.raises(ImportError, match=r"pip install"):

@@ -30,7 +30,7 @@ def _worker(rank, world, hf_dir):
     from megadare.convert import mapping_for
     from megadare.models.lora import adapters_disabled, lora_parameters, merge_lora, merged_weights
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.rl import on_rank0
     from megadare.trainer.rl_setup import _build_policy

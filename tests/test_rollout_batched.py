@@ -202,7 +202,7 @@ def test_rollout_keys_reach_the_engine(tmp_path):
     from megadare.config import load_config, validate
     from megadare.errors import ConfigError
     from megadare.rollout.manager import build_native_engine
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
     from tiny import write_tiny_hf
 
     cfg = load_config(None, ["rollout.dtype=bfloat16", "rollout.max_batch=3"])

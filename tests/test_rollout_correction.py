@@ -1,4 +1,4 @@
-"""Rollout correction (algos/rollout_correction.py): IS weights / rejection at the thresholds, metrics against
+"""Rollout correction (trainer/offpolicy/importance.py): IS weights / rejection at the thresholds, metrics against
 closed forms, unbiasedness on an enumerable toy, and the decoupled / bypass PPO losses and their gradients."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megadare.algos.policy_loss import ppo_clip_loss
-from megadare.algos.rollout_correction import (bypass_ppo_loss, decoupled_ppo_loss, rollout_is_weights)
+from megadare.trainer.offpolicy.importance import (bypass_ppo_loss, decoupled_ppo_loss, rollout_is_weights)
 
 LEVELS = ("token", "sequence", "geometric")
 

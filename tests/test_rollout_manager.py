@@ -37,6 +37,28 @@ def _expected(hf_dir: str) -> list:
     return [t.response_ids for t in build_native_engine(hf_dir, EOS).generate(PROMPTS, PARAMS)]
 
 
+def _fail_once(marker: str):
+    """Fault injection (test only): an engine factory whose first engine to find no file at ``marker`` creates it
+    and kills its own process in generate(), as a crashed engine would. A closure: Ray (cloudpickle) ships it to
+    the actor by value, not as a reference to this test module."""
+    def build(**kwargs):
+        class FailOnce:
+            def __init__(self, engine):
+                self.engine = engine
+
+            def generate(self, prompts, params):
+                if not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(1)
+                return self.engine.generate(prompts, params)
+
+            def __getattr__(self, name):
+                return getattr(self.engine, name)
+
+        return FailOnce(build_native_engine(**kwargs))
+    return build
+
+
 def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp_path):
     hf_dir = _hf(tmp_path, 0)
     expected = _expected(hf_dir)
@@ -47,8 +69,7 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
     healthy.shutdown()
 
     marker = str(tmp_path / "crashed")
-    flaky = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS,
-                                                            "fail_once_marker": marker}),
+    flaky = RolloutManager(EngineSpec(_fail_once(marker), {"hf_dir": hf_dir, "eos_token_id": EOS}),
                            num_engines=2, chunk_size=3)
     got = flaky.generate(PROMPTS, PARAMS)
     assert os.path.exists(marker) and flaky.restarts == 1          # one engine really died
@@ -66,7 +87,7 @@ def test_engine_device_follows_ray_and_the_config(tmp_path):
     from megadare.config import load_config
     from megadare.errors import ConfigError
     from megadare.rollout.manager import resolve_engine_device
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
 
     assert resolve_engine_device("auto", gpu_ids=[], cuda_available=True) == "cpu"
     assert resolve_engine_device("auto", gpu_ids=[0], cuda_available=True) == "cuda:0"

@@ -205,8 +205,8 @@ def test_engine_joins_weight_groups_and_receives_flattened_buckets(fake_sglang, 
     """A ``distributed`` weight push into an SGLang engine: it joins one group per trainer pipeline stage and
     receives every flattened buffer with ``update_weights_from_distributed(load_format="flattened_bucket")``,
     inside one update session with one cache flush."""
-    from megadare.rollout.weight_groups import GroupSpec
-    from megadare.rollout.weight_plan import Flat
+    from megadare.rollout.weight_sync.groups import GroupSpec
+    from megadare.rollout.weight_sync.plan import Flat
 
     eng = se.SGLangEngine(ckpt(), EOS, tp_size=2, flush_interval_s=0.0, check_plugin=False)
     eng.join_weight_groups([GroupSpec("w_s0", "10.0.0.1", 29600, 5, 1, "nccl"),
@@ -253,12 +253,12 @@ _RECEIVER = textwrap.dedent("""
 
 
 def test_a_sender_group_reaches_a_receiver_built_like_sglangs():
-    """The trainer's end of a weight group (weight_groups.join_group, rank 0) and a flattened buffer broadcast
+    """The trainer's end of a weight group (weight_sync.groups.join_group, rank 0) and a flattened buffer broadcast
     over gloo, against a receiver process that joins and receives the way sglang's ``init_weights_update_group`` /
     ``update_weights_from_distributed(load_format="flattened_bucket")`` do: same rendezvous, same bytes."""
-    from megadare.rollout.weight_groups import (GroupSpec, broadcast_from_sender, host_ip, host_store, join_group,
-                                                leave_group)
-    from megadare.rollout.weight_plan import Flat
+    from megadare.rollout.weight_sync.groups import (GroupSpec, broadcast_from_sender, host_ip, host_store,
+                                                     join_group, leave_group)
+    from megadare.rollout.weight_sync.plan import Flat
 
     store = host_store()
     proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, host_ip(), str(store.port), "mg_weights"],
@@ -388,7 +388,7 @@ def test_engine_spec_tensor_parallel_engines(monkeypatch):
     """rollout.engine_tp reaches sglang's tp_size; a built-in engine or too few GPUs per actor are config errors."""
     from megadare.config import load_config
     from megadare.errors import ConfigError
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
 
     monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())
     src, tok = types.SimpleNamespace(hf_dir="/ckpt/x"), types.SimpleNamespace(eos_token_id=1)
@@ -408,7 +408,7 @@ def test_fp8_engines_start_from_a_block_fp8_export(monkeypatch, tmp_path):
     import json as _json
 
     from megadare.config import load_config
-    from megadare.trainer.rl_rollout import engine_spec
+    from megadare.rollout.setup import engine_spec
     from tiny import write_tiny_hf
 
     monkeypatch.setattr(se, "_import_sglang", lambda: types.SimpleNamespace())

@@ -24,7 +24,7 @@ from ray_fixture import ray_cluster  # noqa: E402,F401  (module-scoped local Ray
 from tiny import write_tiny_hf  # noqa: E402
 from megadare.models.mapping import ParamMap  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
-from megadare.rollout.weight_plan import Flat, _buckets, flat_layout  # noqa: E402
+from megadare.rollout.weight_sync.plan import Flat, _buckets, flat_layout  # noqa: E402
 
 SEQ, EOS = 12, 253
 LAYOUTS = [("sdar-tp2sp", "sdar", {"tp": 2, "sp": True}), ("sdar-pp2", "sdar", {"pp": 2}),
@@ -90,7 +90,7 @@ class _Recorder:
 def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
     from megadare.convert import mapping_for
     from megadare.models.attention import family_mask
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
     from megadare.trainer.forward import forward_logits
 
     relayout(layout)
@@ -116,7 +116,8 @@ def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
 
 
 def _extras(rank, chunks, model, table, manager, sync, logits, engines):
-    from megadare.rollout.weight_sync import WeightSync, run_on_rank0, sync_weights
+    from megadare.parallel.rank0 import run_on_rank0
+    from megadare.rollout.weight_sync.sync import WeightSync, sync_weights
 
     out = {}
     r0 = rank == 0
@@ -271,7 +272,7 @@ def test_fp8_rollout_weights_through_sync(synced):
 
 # ---------------------------------------------------------------------------------------------- the plan alone
 def test_buckets_are_bounded_per_dtype_and_experts_come_last():
-    from megadare.rollout.weight_plan import Piece
+    from megadare.rollout.weight_sync.plan import Piece
 
     table = [ParamMap(f"decoder.layers.{i}.mlp.experts.experts.0.linear_fc2.weight", (f"e{i}",)) for i in range(3)]
     table += [ParamMap(f"decoder.layers.{i}.self_attention.linear_proj.weight", (f"a{i}",)) for i in range(3)]
@@ -290,7 +291,7 @@ def test_each_stage_takes_its_own_rows_and_a_key_spanning_stages_is_refused():
     """Ranks 0, 1 form stage 0, ranks 2, 3 stage 1: a key goes to the stage whose ranks hold its main shards; a key
     with main shards on both stages (inconsistent metadata: megatron keeps every parameter on one stage) is
     refused, naming the key and the stages."""
-    from megadare.rollout.weight_plan import Piece, stage_rows
+    from megadare.rollout.weight_sync.plan import Piece, stage_rows
 
     emb, head = ParamMap("embedding.word_embeddings.weight", ("e",)), ParamMap("output_layer.weight", ("h",))
     on = {emb.mcore: (0, 1), head.mcore: (2, 3)}
@@ -317,7 +318,7 @@ def test_auto_transport_is_colocated_only_on_one_cpu_host():
     from types import SimpleNamespace
 
     from megadare.errors import ConfigError
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
 
     def engines(*ips):
         return SimpleNamespace(engine_info=lambda: [{"ip": ip, "gpu": None} for ip in ips])
@@ -339,7 +340,7 @@ def test_auto_transport_on_gpus_never_puts_two_nccl_ranks_on_one_gpu():
     from types import SimpleNamespace
 
     from megadare.errors import ConfigError
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
 
     def resolve(transport, trainer_gpus, engine_gpus, ip2="h1"):
         manager = SimpleNamespace(engine_info=lambda: [{"ip": ip2, "gpu": g} for g in engine_gpus])

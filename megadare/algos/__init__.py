@@ -1,7 +1,8 @@
 """The RL algorithm zoo: ``REGISTRY[name](overrides)`` builds an algorithm (chosen by ``algo.name``).
 
 Each file states its paper, objective, estimator and published defaults; shared parts live in base.py
-(views, rows, slots), corruption.py / trace_replay.py (estimators), advantages.py and policy_loss.py.
+(samples, rows, slots), advantages.py and policy_loss.py; the views, corruption samplers and trace replay they
+draw on are in megadare/diffusion/.
 """
 from __future__ import annotations
 

@@ -19,11 +19,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from megadare.algos.base import RLSample, Slots, View, aggregation, views_to_row
+from megadare.algos.base import RLSample, Slots, aggregation, views_to_row
 from megadare.algos.policy_loss import check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.data.rows import Row
+from megadare.diffusion.views import View
 
 COMMON = {"eps_low": 0.2, "eps_high": None, "dual_clip": None, "kl_coef": 0.0, "kl_estimator": "k3",
           "kl_anchor": "none", "loss_agg": "token_mean", "log_ratio_clamp": 20.0}

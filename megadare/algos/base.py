@@ -33,6 +33,7 @@ import torch
 
 from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
+from megadare.diffusion.views import View
 
 SLOT_CONST = "per_slot_"      # row extras constant over a slot, handed to the slot loss in Slots.extra
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
@@ -60,17 +61,6 @@ class RLSample:
                 raise ValueError(f"sample {self.index}: {a.numel()} token advantages for {L} response tokens")
             return a
         return torch.full((L,), float(self.advantage))
-
-
-@dataclass
-class View:
-    """One corrupted copy of prompt ++ response (possibly cut after ``length`` positions)."""
-
-    tokens: torch.Tensor          # [n] model input x_t (n <= P + L)
-    coef: torch.Tensor            # [n] float, c_{v,k} (0 where not scored)
-    slot: torch.Tensor            # [n] long, slot of each scored position (-1 = not scored)
-    labels: Optional[torch.Tensor] = None   # [n] targets when not the response itself (MDPO's intermediate x0)
-    adv: Optional[torch.Tensor] = None      # [n] advantages when they differ per view (MDPO's step advantages)
 
 
 def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_diffusion: bool,
@@ -166,7 +156,7 @@ class Slots:
     adv: torch.Tensor
     weight: torch.Tensor           # aggregation (head) weight
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    behave: Optional[torch.Tensor] = None   # under the behaviour policy (rollout correction, trainer/rl_correction.py)
+    behave: Optional[torch.Tensor] = None   # under the behaviour policy (rollout correction, trainer/offpolicy/)
     is_weight: Optional[torch.Tensor] = None  # behaviour -> proximal IS weight (0 = rejected), constant per slot
 
 
@@ -241,7 +231,7 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
 class SlotObjective:
     """trainer.step objective: per-position log-probs -> slots -> sum_s head_s * loss_s.
 
-    ``loss_mode`` (off-policy rollouts, algos/rollout_correction.py): ``ppo`` the algorithm's slot loss as is;
+    ``loss_mode`` (off-policy rollouts, trainer/offpolicy/importance.py): ``ppo`` the algorithm's slot loss as is;
     ``decoupled`` its loss times the behaviour -> proximal IS weight of the slot (``extras['is_w']``, computed
     before the update; 0 = rejected), i.e. Hilton et al.'s decoupled PPO when the slot loss is the PPO clip;
     ``bypass`` the ratio is taken against the behaviour estimate (``old := behave``, no proximal pass) and

@@ -1,7 +1,7 @@
 """BGPO: boundary-guided policy optimisation (Lin, Zhang, Hou, Li, arXiv:2510.11683; DARE
 ``compute_policy_loss_bgpo``, ``_forward_process_bgpo``).
 
-Estimator: n Monte-Carlo count-stratified ELBO samples per response (algos/corruption.py ``stratified``),
+Estimator: n Monte-Carlo count-stratified ELBO samples per response (diffusion/corruption.py ``stratified``),
 each normalised by the response length: l_j = (1/L) (L/m_j) sum_{k masked in j} log p_theta(y_k | x_j).
 The counts m_j are exactly uniform on 1..L pooled over the n draws, so mean_j l_j is unbiased for the ELBO / L.
 DARE's ``_forward_process_bgpo`` rounds its evenly spaced counts half to even: unless n / gcd(n, L) is odd
@@ -27,7 +27,7 @@ import torch
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.algorithm import rows_for_views
 from megadare.algos.base import Slots
-from megadare.algos.corruption import stratified
+from megadare.diffusion.corruption import stratified
 from megadare.algos.policy_loss import clip_surrogate
 
 

@@ -18,7 +18,7 @@ from collections import Counter
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.algorithm import rows_for_views
-from megadare.algos.trace_replay import replay_views, trace_commits
+from megadare.diffusion.trace_replay import replay_views, trace_commits
 
 
 class CJGRPO(Algorithm):
@@ -41,7 +41,7 @@ class CJGRPO(Algorithm):
         block = arch.attention == "block_causal"
         views = self.views(s, arch, block_size, g)
         # one "step" = (block, block-local step) for block families, the global step otherwise; U_ik holds every
-        # commit of the step, token edits included (one slot each, algos/trace_replay.py)
+        # commit of the step, token edits included (one slot each, diffusion/trace_replay.py)
         P = len(s.prompt_ids)
         commits = trace_commits(s)
         key = [((P + c.position) // block_size, c.block_step) if block else c.step for c in commits]

@@ -22,7 +22,7 @@ those families' default); block families use ``eos``.
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.algos.corruption import coupled
+from megadare.diffusion.corruption import coupled
 
 
 class CoupledGRPO(Algorithm):

@@ -30,7 +30,7 @@ Canvas (``rl.canvas``): DARE's d1 masks, scores and normalises the whole LLaDA/D
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.algos.corruption import one_step
+from megadare.diffusion.corruption import one_step
 
 
 class D1(Algorithm):

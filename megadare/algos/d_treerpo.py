@@ -48,7 +48,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import SLOT_CONST, RLSample, Slots
-from megadare.algos.corruption import one_step
+from megadare.diffusion.corruption import one_step
 from megadare.errors import ConfigError
 
 

@@ -20,8 +20,8 @@ import torch
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.algorithm import rows_for_views
-from megadare.algos.base import View
 from megadare.diffusion.masking import mask_tokens
+from megadare.diffusion.views import View
 
 
 def block_elbo_views(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,

@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
-from megadare.algos.base import SLOT_CONST, RLSample, Slots, View
-from megadare.algos.corruption import antithetic_views
+from megadare.algos.base import SLOT_CONST, RLSample, Slots
+from megadare.diffusion.corruption import antithetic_views
+from megadare.diffusion.views import View
 from megadare.errors import ConfigError
 
 

@@ -31,7 +31,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import RLSample
-from megadare.algos.corruption import ar_views
+from megadare.diffusion.corruption import ar_views
 from megadare.errors import ConfigError
 
 

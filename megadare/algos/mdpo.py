@@ -44,8 +44,9 @@ from typing import Callable
 import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
-from megadare.algos.base import RLSample, View
+from megadare.algos.base import RLSample
 from megadare.diffusion.masking import mask_tokens
+from megadare.diffusion.views import View
 from megadare.errors import ConfigError
 
 TOP_K_SCOPES = ("batch", "sample")

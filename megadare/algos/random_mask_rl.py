@@ -16,7 +16,7 @@ families' default); on LLaDA/Dream the default is the full canvas, like DARE's a
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.algos.corruption import random_mask
+from megadare.diffusion.corruption import random_mask
 
 
 class RandomMaskRL(Algorithm):

@@ -1,7 +1,7 @@
 """SPG: sandwiched policy gradient (Wang et al., arXiv:2510.09541; code: facebookresearch/SPG; DARE
 ``compute_policy_loss_spg``, ``_forward_process_spg``).
 
-Estimator: block-wise masking (algos/corruption.py ``blockwise``): a random response block b, earlier blocks
+Estimator: block-wise masking (diffusion/corruption.py ``blockwise``): a random response block b, earlier blocks
 clean, later ones fully masked, m ~ U{1..|b|} of b's tokens masked, prompt tokens masked w.p. 0.15; ``n_mc``
 draws per iteration, each masked token of b weighted by c = n_blocks |b| / (m n_mc). Per token k:
 
@@ -61,7 +61,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import SLOT_CONST, Slots
-from megadare.algos.corruption import blockwise, blockwise_dare
+from megadare.diffusion.corruption import blockwise, blockwise_dare
 from megadare.errors import ConfigError
 
 ESTIMATORS = ("block", "dare")

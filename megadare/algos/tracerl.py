@@ -1,7 +1,7 @@
 """TraceRL (Wang, Yang, Li, Tian, Shen, Wang, arXiv:2509.06949; code: Gen-Verse/dLLM-RL ``train/rl_trado.py``,
 ``rl_llada.py``).
 
-Estimator: replay the recorded decoding trajectory (algos/trace_replay.py). Tokens are grouped by the step at
+Estimator: replay the recorded decoding trajectory (diffusion/trace_replay.py). Tokens are grouped by the step at
 which the sampler committed them; ``shrink`` s merges every s consecutive distinct steps (per block for block
 families) into one fragment; each fragment scores its tokens from the state before them:
 
@@ -23,7 +23,7 @@ post-EOS ones included, so each replayed state is the sampler's.
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.algos.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 
 

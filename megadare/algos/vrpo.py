@@ -8,7 +8,7 @@ Objective: DPO with ELBO surrogates B for the intractable log-likelihoods,
     B(y) = (1/n) sum_j (L/m_j) sum_{k masked in j} log p(y_k | x_j)     (count-stratified ELBO, n MC samples)
 
 Variance reduction as published: n Monte-Carlo samples all spent on timesteps (one mask per count m_j,
-stratified over [1, L]: pooled over the n draws each count is exactly equally likely, algos/corruption.py
+stratified over [1, L]: pooled over the n draws each count is exactly equally likely, diffusion/corruption.py
 ``stratified``; DARE's ``_forward_process_vrpo`` rounds its counts half to even, so unless n / gcd(n, L) is odd
 -- n = 4: 4 divides L -- some counts are more likely than others, at L = 6 half of them 1.5x and half 0.5x
 uniform, which biases its L/m-weighted ELBO; megadare keeps the uniform counts), and antithetic sampling --
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import RLSample, Slots, views_to_row
-from megadare.algos.corruption import stratified
+from megadare.diffusion.corruption import stratified
 from megadare.data.rows import Row
 from megadare.errors import ConfigError
 

@@ -1,4 +1,6 @@
-"""Diffusion core: noise schedules, masking (random, block, complementary), SFT corruptions and the ELBO weights.
+"""Diffusion core: noise schedules, masking (random, block, complementary), SFT corruptions and the ELBO weights;
+the views (views.py), corruption samplers (corruption.py) and trace replay (trace_replay.py) of the RL
+likelihood estimators.
 
 Masked-diffusion language models (LLaDA arXiv:2502.09992, MDLM arXiv:2406.07524) corrupt a clean response
 x_0 by replacing each token with the mask token independently with probability t; the negative ELBO is

@@ -33,6 +33,7 @@ from megadare.eval.files import load_rows, task_file, write_json_atomic, write_j
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
 from megadare.rewards import check_isolation, check_reward_errors, load_reward, runs_code, score_batch, set_isolation
+from megadare.rollout.setup import sampling_params, start_engines
 
 __all__ = ["run_eval_command", "check_eval_config", "load_task_prompts", "generate_samples", "score_samples",
            "summary_table", "write_summary", "SEED_STRIDE"]
@@ -170,7 +171,6 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
     from tqdm import tqdm
 
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
-    from megadare.trainer.rl_rollout import sampling_params, start_engines
 
     if nproc > 1:
         raise ConfigError(f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "

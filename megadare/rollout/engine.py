@@ -12,7 +12,7 @@ describe the commit that wrote the final token, and ``superseded`` lists every e
 of the same position overwrote (position, token, global step, block-local step, log-prob). ``validate`` checks
 that the commits of a position are strictly ordered in time, that each edit changed the token, and that edits
 exist only under the editing decoder. Trace replay scores every commit, superseded ones included
-(algos/trace_replay.py).
+(diffusion/trace_replay.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ ALGORITHMS = ("low_confidence_static", "low_confidence_dynamic", "random", "edit
 CONFIDENCES = ("model_prob", "maskgit_plus", "topk_margin", "entropy")
 SCHEDULES = ("even", "linspace", "linspace_first")
 FINISH_REASONS = ("eos", "length")
-WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync.py)
+WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync/)
 ENGINE_DEVICES = ("auto", "cpu", "cuda")                                   # rollout.device (built-in engine)
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")                           # rollout.dtype (built-in engine)
 _SEED_STRIDE = 1_000_003
@@ -226,7 +226,7 @@ def answer_ids(ids: list[int], eos_token_id: int) -> list[int]:
 
 
 class RolloutEngine(Protocol):
-    """What every engine implements. Weight pushes (rollout/weight_sync.py) reach it through its Ray actor, which
+    """What every engine implements. Weight pushes (rollout/weight_sync/) reach it through its Ray actor, which
     calls ``update_weights`` with views of each received bucket; an engine with weight groups of its own (SGLang's
     TP ranks) also has ``join_weight_groups(specs)`` and ``receive_weights(plan, version)``."""
 

@@ -3,7 +3,7 @@
     manager = RolloutManager(EngineSpec(build_native_engine, hf_dir=...), num_engines=2,
                              resources={"num_cpus": 1})            # {"num_gpus": 1} on a cluster
     trajectories = manager.generate(prompts, SamplingParams(...))  # every prompt exactly once, in order
-    WeightSync(trainer_chunks, table, manager).push(version=step)  # weight_sync.py drives the engines' side here
+    WeightSync(trainer_chunks, table, manager).push(version=step)  # weight_sync/ drives the engines' side here
 
 Placement: the actors live in one placement group (one bundle per engine; ``strategy='PACK'`` to colocate them
 with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``; each
@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 
 from megadare.errors import ConfigError
 from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.weight_groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
-from megadare.rollout.weight_plan import Flat
+from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
+from megadare.rollout.weight_sync.plan import Flat
 
 
 def _ray():
@@ -143,7 +143,7 @@ class RolloutManager:
             scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=slot),
         ).remote(self.spec)
 
-    # ------------------------------------------------------------------ weights (weight_sync.py drives these)
+    # ------------------------------------------------------------------ weights (weight_sync/ drives these)
     def engine_info(self) -> list[dict[str, Any]]:
         """Every engine's info; a dead actor is replaced first and the replacement answers for its slot."""
         ray = _ray()
@@ -323,13 +323,10 @@ def torch_cuda_available() -> bool:
 
 
 def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dtype: str = "auto",
-                        max_batch: int = 0, compile: bool = False, fail_once_marker: Optional[str] = None):
+                        max_batch: int = 0, compile: bool = False):
     """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir`` in the
     engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
     (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile``: ``NativeEngine``'s.
-
-    ``fail_once_marker`` (fault-injection for tests): the first engine whose generate() finds no file at that
-    path creates it and kills its process, as a crashed engine would.
     """
     from megadare.models import load_hf_model
     from megadare.models.family import family_of, read_hf_config
@@ -344,24 +341,5 @@ def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dt
     if dtype == "auto":
         dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     dt = getattr(torch, dtype)
-    engine = NativeEngine(load_hf_model(hf_dir, dtype=dt), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
-                          device=dev, dtype=dt, max_batch=max_batch, compile=compile)
-    if fail_once_marker:
-        engine = _FailOnce(engine, fail_once_marker)
-    return engine
-
-
-class _FailOnce:
-    def __init__(self, engine, marker: str):
-        self.engine, self.marker = engine, marker
-
-    def generate(self, prompts, params):
-        import os
-
-        if not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os._exit(1)
-        return self.engine.generate(prompts, params)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    return NativeEngine(load_hf_model(hf_dir, dtype=dt), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
+                        device=dev, dtype=dt, max_batch=max_batch, compile=compile)

@@ -4,7 +4,7 @@ offline ``Engine``, decoding with megadare's own dLLM algorithm (``sglang_plugin
     engine = SGLangEngine("/ckpt/SDAR-1.7B-Chat", eos_token_id=151643, max_running_requests=128)
     trajs = engine.generate(prompts, SamplingParams(max_new_tokens=256, block_size=4, steps_per_block=4,
                                                     temperature=1.0, seed=step))
-    # in a Ray engine actor, driven by rollout.weight_sync.WeightSync: join_weight_groups + receive_weights
+    # in a Ray engine actor, driven by rollout.weight_sync.sync.WeightSync: join_weight_groups + receive_weights
     # (distributed: flattened buckets broadcast by every pipeline stage's sender), or update_weights (colocated)
 
 Install: ``pip install "megadare[sglang]"`` (pins ``sglang>=0.5.20,<0.5.24``), and install megadare itself into the
@@ -400,7 +400,7 @@ class SGLangEngine:
                 "init_weights_update_group")
 
     def receive_weights(self, plan: Sequence[tuple[str, list]], version: int) -> dict[str, Any]:
-        """One weight push over the groups: per group, per bucket, per flattened buffer (``weight_plan.Flat``: one
+        """One weight push over the groups: per group, per bucket, per flattened buffer (``weight_sync.plan.Flat``: one
         dtype, tensors packed in order = sglang's ``flattened_bucket`` layout) one
         ``update_weights_from_distributed(load_format="flattened_bucket")``, which receives one broadcast."""
         n = 0

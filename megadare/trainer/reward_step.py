@@ -5,7 +5,7 @@
 Each response is scored with the prompt's assistant prefill in front (the text the reward checks), by
 :func:`megadare.rewards.score_batch`; when more than ``rl.max_reward_error_fraction`` of the batch raised or ran
 past the time limit, :class:`~megadare.rewards.RewardError` names the reward, the first failing record's
-``file:row`` and its exception. Rank 0 scores; ``rollout.weight_sync.run_on_rank0`` carries its result, or that
+``file:row`` and its exception. Rank 0 scores; ``parallel.rank0.run_on_rank0`` carries its result, or that
 error, to every rank, so all ranks stop before the update instead of waiting on a broadcast that never comes.
 """
 from __future__ import annotations

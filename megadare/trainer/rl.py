@@ -109,7 +109,7 @@ def push_current(run: RLRun) -> dict[str, float]:
 def on_rank0(run: RLRun, work):
     """``work()`` on rank 0 (the engines' owner) while the other ranks stand by to push the current weights again
     should every engine have been restarted meanwhile; its result on every rank."""
-    from megadare.rollout.weight_sync import run_on_rank0
+    from megadare.parallel.rank0 import run_on_rank0
 
     return run_on_rank0(work, lambda: push_current(run), run.manager)
 
@@ -117,7 +117,7 @@ def on_rank0(run: RLRun, work):
 def start_loop(run: RLRun) -> None:
     """The monitor and (rank 0) the rollout queue, restored from the checkpoint's queued rollouts."""
     from megadare.trainer.monitor import Monitor
-    from megadare.trainer.rl_async import RolloutQueue
+    from megadare.trainer.offpolicy.queue import RolloutQueue
     from megadare.trainer.rl_rollout import RolloutStarter
 
     cfg, lg = run.cfg, run.cfg.logging
@@ -132,7 +132,7 @@ def start_loop(run: RLRun) -> None:
 def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     """The step's scored samples on every rank: rank 0 takes the queued rollout and scores it, then broadcasts.
     With async correction, the weights of this version are snapshotted first (behaviour of rollouts queued now)."""
-    from megadare.trainer.rl_correction import oldest_needed
+    from megadare.trainer.offpolicy.correction import oldest_needed
     from megadare.trainer.rl_rollout import collect_step
 
     t0 = time.perf_counter()
@@ -149,7 +149,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     """Off-policy correction state of the step (None under plain PPO) and, with D-ARL replay, the step's
     samples plus the best-matched replayed ones (the fresh samples join the buffer)."""
     from megadare.algos.sft import example_generator
-    from megadare.trainer.rl_correction import engine_table, reindex, version_table
+    from megadare.trainer.offpolicy.correction import engine_table, reindex, version_table
     from megadare.trainer.rl_update import Correction, replay_select
 
     cfg = run.cfg
@@ -172,7 +172,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
 def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples``."""
     from megadare.algos.sft import example_generator
-    from megadare.trainer.rl_correction import bypass_rejection
+    from megadare.trainer.offpolicy.correction import bypass_rejection
     from megadare.trainer.rl_update import update
 
     if not samples:
@@ -199,7 +199,8 @@ def log_step(run: RLRun, metrics: dict[str, float]) -> None:
 
 def evaluate_at(run: RLRun) -> None:
     """Held-out accuracy at ``run.step`` (rank 0 runs it on the engines; every rank records it)."""
-    from megadare.trainer.rl_rollout import evaluate, sampling_params
+    from megadare.rollout.setup import sampling_params
+    from megadare.trainer.rl_rollout import evaluate
 
     params = sampling_params(run.cfg, run.arch, run.cfg.seed, evaluation=True)
     res = on_rank0(run, lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params))

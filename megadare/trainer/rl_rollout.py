@@ -1,40 +1,16 @@
-"""The rollout side of the RL loop: sampling parameters, engine actors, rewards, and the step's samples.
+"""The rollout side of the RL loop: rewards and the step's samples (the sampling parameters and the engine actors
+come from rollout/setup.py).
 
-Rank 0 owns the engines (``start_engines``); ``collect_step`` turns the queued rollout of a step into scored
-``RLSample``s with advantages and behaviour versions (rewards through :mod:`.reward_step`, which stops the run when
-they cannot be computed); ``evaluate`` is the held-out accuracy.
+Rank 0 owns the engines (``rollout.setup.start_engines``); ``collect_step`` turns the queued rollout of a step into
+scored ``RLSample``s with advantages and behaviour versions (rewards through :mod:`.reward_step`, which stops the
+run when they cannot be computed); ``evaluate`` is the held-out accuracy.
 """
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 
 from megadare.config import Config
-from megadare.errors import ConfigError
-
-
-def sampling_params(cfg: Config, arch, seed: int, evaluation: bool = False, record_steps: bool = False):
-    """The rollout's SamplingParams (block size checked against the model's). Training rollouts decode the
-    response canvas of ``rl.canvas`` (full: every max_new_tokens position; eos: stop after the EOS block);
-    evaluation stops at EOS (blocks are committed left to right, so the answer is the same)."""
-    from megadare.config import resolve_canvas
-    from megadare.rollout.engine import SamplingParams
-
-    r = cfg.rollout
-    block = r.block_size or (arch.block_size if arch.attention == "block_causal" else 32)
-    if arch.attention == "block_causal" and block != arch.block_size:
-        raise ConfigError(f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "
-                          "sampler, the trainer and the model must agree (set model.block_size to change it)")
-    return SamplingParams(max_new_tokens=r.max_new_tokens, block_size=block,
-                          steps_per_block=r.steps_per_block or block, algorithm=r.algorithm, threshold=r.threshold,
-                          temperature=r.eval_temperature if evaluation else r.temperature, top_k=r.top_k,
-                          top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation,
-                          confidence=r.confidence, schedule=r.schedule, eps=r.eps, alg_temp=r.alg_temp,
-                          editing_threshold=r.editing_threshold, max_post_steps=r.max_post_steps,
-                          num_to_transfer=r.num_to_transfer,
-                          stop_at_eos=evaluation or resolve_canvas(cfg, arch) == "eos")
+from megadare.rollout.setup import sampling_params
 
 
 def evaluate(cfg: Config, manager, tok, reward_fn, prompts, params) -> dict[str, float]:
@@ -91,7 +67,7 @@ class RolloutStarter:
         self.run = run
 
     def __call__(self, at: int):
-        from megadare.trainer.rl_async import PartialRollout
+        from megadare.trainer.offpolicy.queue import PartialRollout
 
         run = self.run
         cfg, rl, algo, manager = run.cfg, run.cfg.rl, run.algo, run.manager
@@ -111,7 +87,7 @@ class RolloutStarter:
 def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn) -> tuple[list, dict[str, float]]:
     """Rank 0: the queued rollout of ``step`` -> rewards -> samples (with their behaviour versions) + metrics."""
     from megadare.trainer.reward_step import score_rollouts, score_texts
-    from megadare.trainer.rl_async import staleness_metrics
+    from megadare.trainer.offpolicy.queue import staleness_metrics
 
     rl = cfg.rl
     q, traj, wait_s = queue.take(step)
@@ -156,68 +132,3 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
     metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
                                              "async/queue_depth": float(len(queue.queue))})
     return samples, metrics
-
-
-def engine_spec(cfg: Config, src, tok):
-    """How each engine actor builds its engine: the built-in torch engine, or SGLang (``rollout.engine_tp`` GPUs
-    of tensor parallelism per engine; with ``rollout.fp8_weights`` started from a block-fp8 export of the model
-    under ``<run_dir>/engine_fp8``, which the weight sync then updates in the same format)."""
-    from megadare.rollout.manager import EngineSpec, build_native_engine
-
-    r = cfg.rollout
-    gpus = r.engine_resources.get("num_gpus")
-    if r.engine != "sglang":
-        if r.engine_tp != 1:
-            raise ConfigError(f"rollout.engine_tp={r.engine_tp}: the built-in engine runs on one device; tensor-"
-                              "parallel engines need rollout.engine=sglang")
-        return EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id,
-                                                "device": r.device, "dtype": r.dtype, "max_batch": r.max_batch,
-                                                "compile": r.compile})
-    if gpus is not None and gpus < r.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={r.engine_tp} needs rollout.engine_resources num_gpus >= "
-                          f"{r.engine_tp} per engine actor (got {gpus})")
-    # fail here, not inside an actor, when sglang or the plugin is missing
-    from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
-
-    _import_sglang()
-    model_path = src.hf_dir
-    if r.fp8_weights:  # the engines serve block fp8, so they start from the fp8-block export of the model
-        from megadare.convert.quantize import quantize_export
-
-        model_path = os.path.join(cfg.logging.run_dir, "engine_fp8")
-        if not os.path.exists(os.path.join(model_path, "config.json")):
-            quantize_export(src.hf_dir, model_path, fmt="fp8-block", progress=False)
-    return EngineSpec(build_sglang_engine, {
-        "model_path": model_path, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
-        "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
-        "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20, "tp_size": r.engine_tp})
-
-
-class _DropRayTokenNotice(logging.Filter):
-    """Ray >= 2.5x logs at every local ``ray.init()`` that it enabled token authentication (its default, which we
-    keep); that one notice, and nothing else of Ray's authentication logger (its warning that authentication is
-    disabled stays), is dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
-
-
-def _quiet_ray_token_notice() -> None:
-    log = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    if not any(isinstance(f, _DropRayTokenNotice) for f in log.filters):
-        log.addFilter(_DropRayTokenNotice())
-
-
-def start_engines(cfg: Config, src, tok):
-    """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
-    import ray
-
-    from megadare.rollout.manager import RolloutManager
-
-    spec = engine_spec(cfg, src, tok)
-    if not ray.is_initialized():
-        _quiet_ray_token_notice()
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
-                 num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))
-    return RolloutManager(spec, num_engines=cfg.rollout.num_engines, resources=dict(cfg.rollout.engine_resources),
-                          chunk_size=cfg.rollout.chunk_size)

@@ -63,7 +63,7 @@ class RLRun:
 
     @property
     def ahead(self) -> int:
-        from megadare.trainer.rl_async import lookahead
+        from megadare.trainer.offpolicy.queue import lookahead
 
         return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
 
@@ -71,14 +71,14 @@ class RLRun:
 def setup_run(cfg: Config) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
     from megadare.algos import build_algorithm
-    from megadare.algos.replay import ReplayBuffer
+    from megadare.trainer.offpolicy.replay import ReplayBuffer
     from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.trainer.data_order import StepSampler
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
     from megadare.trainer.monitor import write_run_config
-    from megadare.trainer.rl_async import WeightSnapshots, lookahead
-    from megadare.trainer.rl_correction import check_correction_config, needs_snapshots
-    from megadare.trainer.rl_rollout import sampling_params, start_engines
+    from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
+    from megadare.trainer.offpolicy.correction import check_correction_config, needs_snapshots
+    from megadare.rollout.setup import sampling_params, start_engines
     from megadare.trainer.sft_loop import checkpoint_root
 
     src = resolve_model_source(cfg)
@@ -110,7 +110,7 @@ def _weight_sync(cfg: Config, run: RLRun):
     """The run's weight sync (every rank; rank 0 drives the engines): transport and bucket size from the config,
     block-fp8 linear weights for SGLang engines serving an fp8 export."""
     from megadare.convert import mapping_for
-    from megadare.rollout.weight_sync import WeightSync
+    from megadare.rollout.weight_sync.sync import WeightSync
 
     r = cfg.rollout
     return WeightSync(run.policy.model, mapping_for(run.src.hf_config)[2], run.manager, transport=r.weight_transport,

@@ -74,7 +74,7 @@ class Correction:
 
     version_of: dict[int, int]                       # sample index -> behaviour policy version
     current: int                                     # the version the trainer holds (= the RL step)
-    snapshots: Any = None                            # rl_async.WeightSnapshots
+    snapshots: Any = None                            # offpolicy.queue.WeightSnapshots
     engine_logprobs: Optional[dict[int, list[float]]] = None
     token_versions: dict[int, list[int]] = field(default_factory=dict)   # partial rollouts: version per token
     metrics: dict[str, float] = field(default_factory=dict)
@@ -100,7 +100,7 @@ def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, mode
 
 
 def _behaviour(corr: Correction, mine, versions: set[int], model, kind, block, vocab) -> None:
-    from megadare.trainer.rl_correction import store_behaviour, store_engine_behaviour
+    from megadare.trainer.offpolicy.correction import store_behaviour, store_engine_behaviour
 
     if corr.engine_logprobs is not None:
         store_engine_behaviour(mine, corr.engine_logprobs)
@@ -120,7 +120,7 @@ def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, m
                  generator_for, value, correction, out, ref_adapters_off: bool = False) -> tuple[list[list], int]:
     """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
     the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
-    from megadare.trainer.rl_correction import correction_weights
+    from megadare.trainer.offpolicy.correction import correction_weights
 
     versions = set(correction.version_of.values()) if correction is not None else set()
     if correction is not None:
@@ -202,7 +202,7 @@ def replay_select(cfg, algo, buffer, n: int, step, arch, block, kind, pad_id, mu
     with new indices ``offset + j`` (the caller re-indexes them) and keep their version and advantage."""
     import copy
 
-    from megadare.trainer.rl_correction import replay_scores
+    from megadare.trainer.offpolicy.correction import replay_scores
 
     cands = buffer.entries(step)
     if n <= 0 or not cands or not buffer.ready:

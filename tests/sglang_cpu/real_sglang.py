@@ -132,7 +132,7 @@ def _trainer(rank: int, world: int, layout: dict, hf_dir: str, calls: Any, answe
     from dist import stepped_trainer
     from megadare.convert import mapping_for
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync import sync_weights
+    from megadare.rollout.weight_sync.sync import sync_weights
 
     init_distributed(**layout)
     try:

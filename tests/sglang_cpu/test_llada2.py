@@ -39,7 +39,8 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.manager import EngineSpec, RolloutManager
     from megadare.rollout.sglang_engine import build_sglang_engine
-    from megadare.rollout.weight_sync import WeightSync, run_on_rank0, sync_weights
+    from megadare.parallel.rank0 import run_on_rank0
+    from megadare.rollout.weight_sync.sync import WeightSync, sync_weights
 
     init_distributed(ep=2)
     r0 = rank == 0

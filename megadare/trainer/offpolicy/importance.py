@@ -41,7 +41,7 @@ A ratio pi_target / mu means something only when both log-probs are *the same es
 trace states*; with identical weights it must then be exactly 1 (tests/test_rollout_correction.py checks the
 function side of that; the caller must check its inputs, e.g. ``ratio == 1`` before the first update).
 
-* Second estimator kind (trace replay: TraceRL, CJ-GRPO, algos/trace_replay.py). The engine records, per
+* Second estimator kind (trace replay: TraceRL, CJ-GRPO, diffusion/trace_replay.py). The engine records, per
   committed token y_k, b_k = log q_mu(y_k | x_s): the log-prob of the committed token under the *sampling
   distribution* of step s (after temperature / top-k / top-p, with the mask token excluded;
   rollout/dllm_step.py), in the state x_s before that step. The trainer's replay view of step s rebuilds x_s
@@ -55,7 +55,7 @@ function side of that; the caller must check its inputs, e.g. ``ratio == 1`` bef
   after the EOS cut are replayed from states with fewer masked positions than the engine saw
   (trace_replay.py's stated deviation).
 * First estimator kind (corruption sampling: d1, Coupled-GRPO, random-mask RL, VRPO, BGPO, SPG,
-  algos/corruption.py). A slot estimate is a Monte-Carlo surrogate of log pi(y | c) over corruptions the engine
+  diffusion/corruption.py). A slot estimate is a Monte-Carlo surrogate of log pi(y | c) over corruptions the engine
   never saw, so there is **no per-token behaviour log-prob from the engine**. IS must then use sequence-level
   estimates computed by the trainer for both sides: the same estimator, on the same stored corruptions and
   coefficients, evaluated once with the behaviour version's weights and once with the target's (``level=

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megadare.rollout.weight_plan import Flat, flat_layout
+from megadare.rollout.weight_sync.plan import Flat, flat_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 # (group name, per bucket: its flats in send order): what an engine receives from one stage's sender

@@ -1,8 +1,8 @@
 """Rollout correction inside the RL loop: behaviour log-probs, per-slot importance weights, multi-behaviour
-(balance-heuristic) weights and the replay match scores. The formulas live in algos/rollout_correction.py and
-algos/replay.py; this module feeds them the right numbers.
+(balance-heuristic) weights and the replay match scores. The formulas live in importance.py and replay.py beside
+it; this module feeds them the right numbers.
 
-Which log-probs go into a ratio (``rl.behaviour_logp``; algos/rollout_correction.py explains why):
+Which log-probs go into a ratio (``rl.behaviour_logp``; importance.py explains why):
 
 * ``trainer`` (every algorithm): the behaviour estimate of slot s is the algorithm's own estimator, on the same
   stored corruptions / replay states, evaluated with the weights of the version that generated the sample
@@ -119,8 +119,8 @@ def store_engine_behaviour(micro_batches: list[MicroBatch], engine_logprobs: dic
 def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int],
                        versions: set[int]) -> dict[str, float]:
     """Per-slot IS weights into extras['is_w'] (decoupled loss); returns the IS / mixture metrics."""
-    from megadare.algos.replay import balance_heuristic_weights
-    from megadare.algos.rollout_correction import rollout_is_weights
+    from megadare.trainer.offpolicy.replay import balance_heuristic_weights
+    from megadare.trainer.offpolicy.importance import rollout_is_weights
 
     rl = cfg.rl
     pmis = cfg.replay.enable and cfg.replay.pmis and len(versions) > 1
@@ -154,8 +154,8 @@ def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of:
 
 def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float]:
     """{sample: variance-guided score} from the per-slot log ratios l_s^cur - l_s^behave of each sample
-    (algos/replay.py ``variance_guided_scores``; lower = better matched to the current policy)."""
-    from megadare.algos.replay import variance_guided_scores
+    (trainer/offpolicy/replay.py ``variance_guided_scores``; lower = better matched to the current policy)."""
+    from megadare.trainer.offpolicy.replay import variance_guided_scores
 
     sums = gather_slot_sums(micro_batches, ["old", "behave"])
     by: dict[int, list[float]] = {}
@@ -170,7 +170,7 @@ def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float
 
 def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
     """Combinations of rl.mode / rl.loss_mode / rl.rollout_is / rl.behaviour_logp / replay that cannot work,
-    named (``ahead``: rollouts queued ahead of training, rl_async.lookahead)."""
+    named (``ahead``: rollouts queued ahead of training, queue.lookahead)."""
     from megadare.errors import ConfigError
 
     rl, r = cfg.rl, cfg.rollout
@@ -217,7 +217,7 @@ def bypass_rejection(cfg: Config):
     """keep(logp_current, logp_behave) per slot for ``rl.loss_mode=bypass`` with ``rl.rollout_is=token``:
     ``rollout_is_weights`` at token level on the current / behaviour slot estimates (mask mode rejects outside
     the thresholds, truncate mode keeps everything but vetoed slots)."""
-    from megadare.algos.rollout_correction import rollout_is_weights
+    from megadare.trainer.offpolicy.importance import rollout_is_weights
 
     rl = cfg.rl
 

@@ -8,7 +8,7 @@ plan's transform), then hands the buffers to the transport. Memory on the sender
 bucket minus its own shards) plus the bucket's flats, in staging areas allocated once per push and reused bucket
 after bucket (no page faults per bucket); other ranks hold one packed buffer of their own pieces.
 (Receiving the next bucket's pieces while the current one is sent was slower on a 2-core CPU: not done.)
-Nothing is pickled; the plan (weight_plan.py) says who sends what.
+Nothing is pickled; the plan (plan.py) says who sends what.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megadare.rollout.weight_plan import (Bucket, Flat, SyncPlan, Transform, flat_layout, local_shards, plain_hf,
-                                         shard_signature)
+from megadare.rollout.weight_sync.plan import (Bucket, Flat, SyncPlan, Transform, flat_layout, local_shards,
+                                               plain_hf, shard_signature)
 
 # nbytes -> a uint8 buffer for a bucket's flats (the colocated transport hands out shared memory)
 Alloc = Callable[[int], torch.Tensor]

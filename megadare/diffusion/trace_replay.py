@@ -35,11 +35,22 @@ sampler's.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from megadare.algos.base import RLSample, View
+from megadare.diffusion.views import View
+
+
+class Trace(Protocol):
+    """What trace replay reads of a sample: its tokens and decoding trace (algos/base.py ``RLSample`` has them)."""
+
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    commit_step: Optional[list[int]]
+    block_step: Optional[list[int]]
+    superseded: Optional[list]
 
 
 class Commit(NamedTuple):
@@ -52,7 +63,7 @@ class Commit(NamedTuple):
     slot: int
 
 
-def trace_commits(s: RLSample) -> list[Commit]:
+def trace_commits(s: Trace) -> list[Commit]:
     """Every commit of the sample's trace: the one that wrote response token k (slot k), then the commits later
     edits overwrote (slot L + j for ``s.superseded[j]`` = (position, token, global step, block step, log-prob))."""
     L = len(s.response_ids)
@@ -68,7 +79,7 @@ def _groups(ids: list[int], shrink: int) -> list[list[int]]:
     return [distinct[i:i + shrink] for i in range(0, len(distinct), shrink)]
 
 
-def _require_trace(s: RLSample, name: str) -> None:
+def _require_trace(s: Trace, name: str) -> None:
     if s.commit_step is None or s.block_step is None:
         raise ValueError(f"sample {s.index}: the {name} estimator replays the decoding trace, but the rollout "
                          "recorded none (commit_step / block_step missing)")
@@ -80,7 +91,7 @@ def _require_trace(s: RLSample, name: str) -> None:
                          "tokens")
 
 
-def _round_view(s: RLSample, x0: torch.Tensor, chains: dict[int, list[Commit]], mask_id: int,
+def _round_view(s: Trace, x0: torch.Tensor, chains: dict[int, list[Commit]], mask_id: int,
                 start: Callable[[int], Optional[int]], group: Callable[[int], set], key: Callable[[Commit], int]
                 ) -> tuple[View, list[int]]:
     """The state before one replay round and what it scores. Per response position k: ``start(k)`` the first
@@ -112,7 +123,7 @@ def _round_view(s: RLSample, x0: torch.Tensor, chains: dict[int, list[Commit]], 
     return view, sorted(steps)
 
 
-def replay_views(s: RLSample, mask_id: int, block_size: int, shrink: int = 1,
+def replay_views(s: Trace, mask_id: int, block_size: int, shrink: int = 1,
                  block_family: bool = True) -> list[tuple[View, list[int]]]:
     """(view, steps it scores) for every replay round; commit slots (each commit is scored exactly once)."""
     _require_trace(s, "trace-replay")

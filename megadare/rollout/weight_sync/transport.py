@@ -1,7 +1,7 @@
 """Trainer side of the weight transports: how a stage sender's flattened buckets reach the engines.
 
 ``distributed``: one group per pipeline stage between its sender (rank 0 of the group) and every engine (gloo on
-CPU, NCCL on GPU; weight_groups.py); one broadcast per flat reaches all engines; the senders of all stages send at
+CPU, NCCL on GPU; groups.py); one broadcast per flat reaches all engines; the senders of all stages send at
 the same time. The built-in engine's actor joins these groups itself; an SGLang engine's TP ranks join them through
 ``init_weights_update_group`` and receive through ``update_weights_from_distributed(load_format=
 "flattened_bucket")``.
@@ -26,16 +26,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megadare.rollout.weight_groups import (DEFAULT_TIMEOUT, GroupSpec, SharedBuffer, broadcast_from_sender,
-                                            device_sync, host_ip, host_store, join_group, leave_group)
-from megadare.rollout.weight_plan import Bucket, Flat, SyncPlan, flat_layout
+from megadare.parallel.rank0 import trainer_rank
+from megadare.rollout.weight_sync.groups import (DEFAULT_TIMEOUT, GroupSpec, SharedBuffer, broadcast_from_sender,
+                                                 device_sync, host_ip, host_store, join_group, leave_group)
+from megadare.rollout.weight_sync.plan import Bucket, Flat, SyncPlan, flat_layout
 
 _FORWARD_TAG = 1 << 20
-
-
-def trainer_rank() -> int:
-    """This process's rank in the trainer's world (0 without torch.distributed)."""
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def gather_objects(obj: Any) -> list[Any]:

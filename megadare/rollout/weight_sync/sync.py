@@ -6,9 +6,9 @@
 One push: rank 0 checks the engines (a dead actor is restarted now and joins the rebuilt groups) and tells every
 rank which transport to use and whether to rebuild the groups; the engines start receiving; every pipeline stage
 gathers its own buckets with tensor collectives and its sender hands each one to the transport, all stages at
-once (weight_gather.py); rank 0 waits for the engines and records the version. The plan (weight_plan.py: who
+once (gather.py); rank 0 waits for the engines and records the version. The plan (plan.py: who
 sends what, buckets, flats) is built once from megatron's own sharding metadata, so every layout takes the same
-code path. Transports (weight_transport.py): ``distributed`` (a torch.distributed group per stage sender and all
+code path. Transports (transport.py): ``distributed`` (a torch.distributed group per stage sender and all
 engines), ``colocated`` (shared memory / CUDA IPC), ``object_store`` (no group: through rank 0 and Ray, one bucket
 at a time); ``auto`` takes ``colocated`` when the trainer runs on CPU and every sender and engine share one host,
 else ``distributed``; with the trainer on GPUs, ``colocated`` (CUDA IPC) when every engine runs on the GPU of the
@@ -33,11 +33,12 @@ import torch.distributed as dist
 
 from megadare.errors import ConfigError
 from megadare.models.mapping import ParamMap
+from megadare.parallel.rank0 import trainer_rank
 from megadare.rollout.engine import WEIGHT_TRANSPORTS
-from megadare.rollout.weight_gather import stage_buckets
-from megadare.rollout.weight_groups import DEFAULT_TIMEOUT, gpu_uuid, host_ip
-from megadare.rollout.weight_plan import SyncPlan, Transform, build_plan, plain_hf
-from megadare.rollout.weight_transport import GroupTransport, ObjectStoreTransport, gather_objects, trainer_rank
+from megadare.rollout.weight_sync.gather import stage_buckets
+from megadare.rollout.weight_sync.groups import DEFAULT_TIMEOUT, gpu_uuid, host_ip
+from megadare.rollout.weight_sync.plan import SyncPlan, Transform, build_plan, plain_hf
+from megadare.rollout.weight_sync.transport import GroupTransport, ObjectStoreTransport, gather_objects
 
 
 _HOW = {"distributed": "broadcast", "colocated": "shared"}     # what the engines do with a group transport
@@ -189,54 +190,3 @@ def sync_weights(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], e
         return sync.push(version)
     finally:
         sync.close()
-
-
-def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = None, manager: Any = None) -> Any:
-    """Collective: rank 0 runs ``work()`` (a rollout, scoring) while the other ranks stand by; returns its result on
-    every rank. An exception on rank 0 is raised on every rank (the same exception when it pickles, e.g. a
-    ``RewardError``), so no rank waits on a broadcast that never comes. With ``push`` and the rollout ``manager``:
-    should the rollout find no engine holding the current weights (every one was restarted), rank 0 calls for a
-    push (``manager.on_stale``) and every rank runs ``push()`` before rank 0 goes on."""
-    multi = dist.is_initialized() and dist.get_world_size() > 1
-
-    def tell(kind: str, value: Any = None) -> None:
-        if multi:
-            dist.broadcast_object_list([(kind, value)], src=0)
-
-    if trainer_rank() == 0:
-        def stale() -> None:
-            tell("push")
-            push()
-        if manager is not None and push is not None:
-            manager.on_stale = stale
-        try:
-            result = work()
-        except Exception as e:
-            tell("error", _picklable(e))
-            raise
-        finally:
-            if manager is not None:
-                manager.on_stale = None
-        tell("done", result)
-        return result
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        kind, value = box[0]
-        if kind == "push":
-            push()
-        elif kind == "error":
-            raise value
-        else:
-            return value
-
-
-def _picklable(e: Exception) -> Exception:
-    """``e`` itself when it survives pickling, else a RuntimeError with its type and message."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
-        return RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")

@@ -1,7 +1,7 @@
 """Corruption samplers of the first estimator kind: views of prompt ++ response drawn from a generator.
 
 Notation: prompt c (length P), response y (length L), x_t the corrupted sequence, M the mask token. Each
-function returns ``View``s (algos/base.py) whose scored positions add c_{v,k} * log p(y_k | x_t^{(v)}) into a
+function returns ``View``s (views.py) whose scored positions add c_{v,k} * log p(y_k | x_t^{(v)}) into a
 slot. ``token`` slots: one per response token (shared by all views: the estimate sums over views); ``view``
 slots: one per (view, token); ``sequence`` slots: one per view (the whole response), or one per sample.
 
@@ -43,8 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from megadare.algos.base import View
 from megadare.diffusion.masking import mask_tokens
+from megadare.diffusion.views import View
 
 
 def _seq(prompt: list[int], response: list[int]) -> tuple[torch.Tensor, int, int]:

@@ -1,0 +1,63 @@
+"""Collectives of the trainer's ranks around rank 0's work: its rank (``trainer_rank``) and ``run_on_rank0``
+(rank 0 runs a rollout or scoring while the other ranks stand by, and every rank gets its result or its error)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+
+def trainer_rank() -> int:
+    """This process's rank in the trainer's world (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = None, manager: Any = None) -> Any:
+    """Collective: rank 0 runs ``work()`` (a rollout, scoring) while the other ranks stand by; returns its result on
+    every rank. An exception on rank 0 is raised on every rank (the same exception when it pickles, e.g. a
+    ``RewardError``), so no rank waits on a broadcast that never comes. With ``push`` and the rollout ``manager``:
+    should the rollout find no engine holding the current weights (every one was restarted), rank 0 calls for a
+    push (``manager.on_stale``) and every rank runs ``push()`` before rank 0 goes on."""
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+
+    def tell(kind: str, value: Any = None) -> None:
+        if multi:
+            dist.broadcast_object_list([(kind, value)], src=0)
+
+    if trainer_rank() == 0:
+        def stale() -> None:
+            tell("push")
+            push()
+        if manager is not None and push is not None:
+            manager.on_stale = stale
+        try:
+            result = work()
+        except Exception as e:
+            tell("error", _picklable(e))
+            raise
+        finally:
+            if manager is not None:
+                manager.on_stale = None
+        tell("done", result)
+        return result
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "push":
+            push()
+        elif kind == "error":
+            raise value
+        else:
+            return value
+
+
+def _picklable(e: Exception) -> Exception:
+    """``e`` itself when it survives pickling, else a RuntimeError with its type and message."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
+        return RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")
