@@ -97,6 +97,7 @@ def sd_schedule(step: int, p: dict) -> tuple[float, float]:
 class DTreeRPO(Algorithm):
     name = "d_treerpo"
     paper = "arXiv:2512.09675"
+    own_rollout = True
     defaults = {"eps_low": 0.4, "branch": 4, "depth": 2, "root_fanout": None, "kl_coef": 0.01, "kl_anchor": "ref",
                 "kl_estimator": "k3", "loss_agg": "seq_mean_token_mean", "self_distillation": True,
                 "sd_lambda_max": 3e-3, "sd_gamma": 2.0, "sd_tau_max": 2.0, "sd_beta": 0.7, "sd_max_steps": 30000}

@@ -180,7 +180,7 @@ def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
     if rl.partial_rollout and not ahead:
         raise ConfigError(f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
                           f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)")
-    if ahead and hasattr(algo, "rollout"):
+    if ahead and algo.own_rollout:
         raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
                           "use rl.mode=sync")
     if rl.loss_mode == "ppo" and rl.rollout_is is not None:

@@ -98,7 +98,7 @@ class RolloutStarter:
         indices = run.sampler.batch(at)
         prompts = [run.train_prompts[i].prompt_ids for i in indices]
         params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
-        if hasattr(algo, "rollout"):
+        if algo.own_rollout:
             return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples,
                                          global_grid=run.arch.attention == "block_causal")
         expanded = [q for q in prompts for _ in range(rl.n_samples)]
@@ -121,17 +121,17 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
     prompts = [b for b in batch for _ in range(rl.n_samples)]
     rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
     samples, metrics = build_samples(cfg, traj, rewards)
-    if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
-        samples = algo.samples_from(traj, rewards, rl.n_samples)
-    if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
-        def score_ids(responses, indices):
-            from megadare.rollout.engine import answer_ids
+    own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
+    samples = samples if own is None else own
 
-            texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
-            return score_texts(cfg, reward_fn, texts, [prompts[i] for i in indices],
-                               f"RL step {step + 1} (intermediate answers)")[0]
+    def score_ids(responses, indices):
+        from megadare.rollout.engine import answer_ids
 
-        algo.prepare(samples, score_ids, rl.n_samples)
+        texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
+        return score_texts(cfg, reward_fn, texts, [prompts[i] for i in indices],
+                           f"RL step {step + 1} (intermediate answers)")[0]
+
+    algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
     metrics.update({f"reward_{k}": v for k, v in rstats.items()})
     stale = [step - t.policy_version for t in traj]
     if max(stale) > rl.max_staleness:

@@ -10,13 +10,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megadare.algos.algorithm import ValueModelSettings
 from megadare.config import Config
 from megadare.trainer.step import store_outputs
 
 
-def build_value_model(cfg: Config, src, algo, updates: int):
+def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: int):
     """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone (``checkpoint.load`` when
-    set) + a zero-init value head."""
+    set) + a zero-init value head, trained at ``settings.lr``."""
     from megadare.algos.value_model import attach_value_head
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.sft_loop import initial_chunks
@@ -25,12 +26,12 @@ def build_value_model(cfg: Config, src, algo, updates: int):
     chunks = initial_chunks(cfg, src)
     attach_value_head(chunks)
     model = wrap_ddp(chunks, t.distributed_optimizer)
-    opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=algo.p["value_lr"], min_lr=0.0,
+    opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0,
                                                         warmup_steps=0, lr_decay_style="constant"))
     return model, opt, sched
 
 
-def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
+def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
     """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
     the micro-batches' extras; values of a sample may sit on other data-parallel ranks (gathered)."""
     from megatron.core import parallel_state as ps
@@ -54,7 +55,7 @@ def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
     table: dict[tuple[int, int], tuple[float, float]] = {}
     for s in samples:
         vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
-        adv, ret = step_advantages(vs, s.commit_step, s.reward, algo.p["gamma"], algo.p["lam"])
+        adv, ret = step_advantages(vs, s.commit_step, s.reward, settings.gamma, settings.lam)
         for k in range(len(vs)):
             table[(s.index, k)] = (adv[k], ret[k])
     for mb in micro_batches:
@@ -158,7 +159,7 @@ def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, 
             store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
     if value is not None:
         store_outputs(value[0], mine, "v_old", kind, block, vocab, per_position=values_of)
-        value_advantages(algo, group, mine)
+        value_advantages(algo.value_model, group, mine)
 
 
 def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
@@ -186,7 +187,7 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
                            entropy=True)
             if value is not None:
                 vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
-                                objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)
+                                objective=ValueObjective(algo.value_model.clip), per_position=values_of)
                 m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
                           "value_grad_norm": vm["grad_norm"]})
             for k, v in m.items():
