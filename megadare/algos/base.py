@@ -50,7 +50,10 @@ class RLSample:
     block_step: Optional[list[int]] = None    # step inside the token's block
     superseded: Optional[list] = None         # token editing: overwritten commits (rollout.engine.Superseded)
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    policy_version: Optional[int] = None      # the behaviour policy's version (None: not recorded)
+    token_versions: Optional[list[int]] = None   # partial rollouts: the policy version of every response token
+    engine_logprobs: Optional[list[float]] = None   # the engine's sampler log-prob of every trace-replay slot
+    extra: dict[str, Any] = field(default_factory=dict)   # one algorithm's own (MDPO's steps, d-TreeRPO's parent ...)
 
     def token_advantages(self) -> torch.Tensor:
         L = len(self.response_ids)

@@ -164,7 +164,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
         samples = samples + reindex(replayed, samples)
         metrics.update(correction.metrics)
     correction.version_of = version_table(samples)
-    correction.token_versions = {s.index: s.extra["token_versions"] for s in samples if "token_versions" in s.extra}
+    correction.token_versions = {s.index: s.token_versions for s in samples if s.token_versions is not None}
     correction.engine_logprobs = engine_table(samples) if cfg.rl.behaviour_logp == "engine" else None
     return samples, correction
 

@@ -234,7 +234,7 @@ def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
     gfirst = max((s.group for s in fresh), default=-1) + 1
     groups: dict[tuple[int, int], int] = {}
     for j, s in enumerate(replayed):
-        key = (int(s.extra.get("policy_version", 0)), s.group)
+        key = (int(s.policy_version or 0), s.group)
         s.group = groups.setdefault(key, gfirst + len(groups))
         s.index = first + j
     return replayed
@@ -248,13 +248,13 @@ def oldest_needed(cfg: Config, step: int, ahead: int) -> int:
 
 
 def version_table(samples: list[Any]) -> dict[int, int]:
-    return {s.index: int(s.extra.get("policy_version", 0)) for s in samples}
+    return {s.index: int(s.policy_version or 0) for s in samples}
 
 
 def engine_table(samples: list[Any]) -> Optional[dict[int, list[float]]]:
-    if not samples or "engine_logprobs" not in samples[0].extra:
+    if not samples or samples[0].engine_logprobs is None:
         return None
-    return {s.index: s.extra["engine_logprobs"] for s in samples}
+    return {s.index: s.engine_logprobs for s in samples}
 
 
 __all__ = ["gather_slot_sums", "put_slot_values", "store_behaviour", "store_engine_behaviour", "correction_weights",

@@ -140,19 +140,19 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
                            f"rl.max_staleness={rl.max_staleness}")
     version = [t.policy_version for t in traj]
     for s in samples:
-        s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
+        s.policy_version = version[s.index] if s.index < len(version) else step
         s.extra["rollout_step"] = step
-        if s.index < len(traj) and "token_versions" in traj[s.index].extra:
-            s.extra["token_versions"] = traj[s.index].extra["token_versions"]
+        if s.index < len(traj) and traj[s.index].token_versions:
+            s.token_versions = traj[s.index].token_versions
         if rl.behaviour_logp == "engine":
             # per slot of the trace replay: token k, then the commits token edits overwrote (trace_replay.py)
             t = traj[s.index]
-            s.extra["engine_logprobs"] = list(t.logprobs) + [e.logprob for e in t.superseded or []]
+            s.engine_logprobs = list(t.logprobs) + [e.logprob for e in t.superseded or []]
     metrics.update(staleness_metrics(stale))
-    mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
+    mixed = [len(set(t.token_versions)) > 1 for t in traj if t.token_versions]
     if mixed:
         metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
-    engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
+    engine_s = sum(t.engine_s for t in traj)
     metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
                                              "async/queue_depth": float(len(queue.queue))})
     return samples, metrics
