@@ -139,8 +139,8 @@ def _ar_worker(rank, world, hf_dir):
         diff = 0.0
         for mb in mbs:
             sel = mb.weight > 0
-            for i, k, lp in zip(mb.extras["sample"][sel].tolist(), mb.extras["tok"][sel].tolist(),
-                                mb.extras["old"][sel].tolist()):
+            for i, k, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(),
+                                mb.old[sel].tolist()):
                 diff = max(diff, abs(lp - traj[i].logprobs[k]))
         out["engine_vs_trainer"] = diff
         for name, epochs in (("justgrpo", 1), ("espo", 2)):

@@ -66,8 +66,8 @@ def _worker(rank, world, hf_dir):
             store_outputs(pol.model, mine, "ref", kind, arch.block_size, arch.vocab_size)
         plain = build_training_chunks(cfg, src)
         store_outputs(plain, mine, "plain", kind, arch.block_size, arch.vocab_size)
-        out["ref_vs_plain"] = max(float((mb.extras["ref"] - mb.extras["plain"]).abs().max()) for mb in mine)
-        out["policy_vs_plain"] = max(float((mb.extras["old"] - mb.extras["plain"]).abs().max()) for mb in mine)
+        out["ref_vs_plain"] = max(float((mb.ref - mb.extras["plain"]).abs().max()) for mb in mine)
+        out["policy_vs_plain"] = max(float((mb.old - mb.extras["plain"]).abs().max()) for mb in mine)
         # the weight sync sees the merged weights; the trainer's base weights come back unchanged
         table = mapping_for(src.hf_config)[2]
 

@@ -217,7 +217,7 @@ class DTreeRPO(Algorithm):
         coef = self.self_distillation(samples) if self.p["self_distillation"] else {}
         D = sum(r.denom for r in rows)
         for row in rows:
-            sample, slot, head = row.extras["sample"], row.extras["slot"], row.extras["head"]
+            sample, slot, head = row.sample, row.slot, row.head
             head_of = {int(k): float(h) for k, h in zip(slot.tolist(), head.tolist()) if k >= 0 and h != 0}
             sd = [coef.get((i, k), 0.0) * D / head_of[k] if k in head_of else 0.0
                   for i, k in zip(sample.tolist(), slot.tolist())]

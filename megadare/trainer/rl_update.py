@@ -33,7 +33,7 @@ def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: i
 
 def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
     """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
-    the micro-batches' extras; values of a sample may sit on other data-parallel ranks (gathered)."""
+    the micro-batches (``adv``, extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
     from megatron.core import parallel_state as ps
 
     from megadare.algos.value_model import step_advantages
@@ -42,11 +42,10 @@ def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> di
         return {}  # not the last pipeline stage
     local = []
     for mb in micro_batches:
-        x = mb.extras
-        sel = (x["head"] != 0) & (x["tok"] >= 0)
-        if "slot" in x:   # token editing: a token's value is read where its final commit is scored (slot == token)
-            sel = sel & (x["slot"] == x["tok"])
-        local.extend(zip(x["sample"][sel].tolist(), x["tok"][sel].tolist(), x["v_old"][sel].tolist()))
+        sel = (mb.head != 0) & (mb.tok >= 0)
+        if mb.slot is not None:   # token editing: a value is read where the final commit is scored (slot == tok)
+            sel = sel & (mb.slot == mb.tok)
+        local.extend(zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(), mb.extras["v_old"][sel].tolist()))
     everything = [local]
     if ps.get_data_parallel_world_size() > 1:
         everything = [None] * ps.get_data_parallel_world_size()
@@ -59,11 +58,10 @@ def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> di
         for k in range(len(vs)):
             table[(s.index, k)] = (adv[k], ret[k])
     for mb in micro_batches:
-        x = mb.extras
-        keys = list(zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist()))
+        keys = list(zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist()))
         pairs = [table.get(key, (0.0, 0.0)) for key in keys]
-        x["adv"] = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(x["tok"])
-        x["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(x["tok"])
+        mb.adv = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(mb.tok)
+        mb.extras["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(mb.tok)
     vals = torch.tensor([v for part in everything for _, _, v in part] or [0.0])
     return {"value_mean": float(vals.mean())}
 
@@ -149,7 +147,7 @@ def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, m
 
 
 def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, kind, block, vocab) -> None:
-    """extras['ref'] from the reference (``ref_chunks``; with ``adapters_off`` the policy's own chunks with their
+    """``ref`` log-probs from the reference (``ref_chunks``; with ``adapters_off`` the policy's own chunks with their
     LoRA adapters off) and the value model's V_old with its advantages."""
     from megadare.algos.value_model import values_of
     from megadare.models.lora import adapters_disabled
