@@ -76,13 +76,14 @@ def put_slot_values(micro_batches: list[MicroBatch], key: str, table: dict[Key, 
         mb.put(key, torch.tensor([table.get(k, default) for k in keys], dtype=torch.float32).view_as(mb.slot))
 
 
-def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_of: dict[int, int], current: int,
-                    versions: set[int], kind: str, block: int, vocab: int,
-                    token_versions: Optional[dict[int, list[int]]] = None) -> None:
+def store_behaviour(shape, corr, micro_batches: list[MicroBatch], versions: set[int]) -> None:
     """``version_logp[v]`` for every v in ``versions`` (the current one is the proximal pass ``old``) and
     ``behave`` = lp under each position's own version: the version of the token it predicts when the
-    response was generated across weight updates (``token_versions``, partial rollouts), else the sample's.
-    (A sequence slot of such a response mixes versions; it takes each position's token version.)"""
+    response was generated across weight updates (``corr.token_versions``, partial rollouts), else the sample's
+    (``corr.version_of``). (A sequence slot of such a response mixes versions; it takes each position's token
+    version.) ``shape``: rl_update.TrainShape; ``corr``: rl_update.Correction (its weight ``snapshots``)."""
+    model, kind, block, vocab = shape.model, shape.kind, shape.block, shape.arch.vocab_size
+    version_of, current, snapshots = corr.version_of, corr.current, corr.snapshots
     for v in sorted(versions):
         if v == current:
             for mb in micro_batches:
@@ -95,7 +96,7 @@ def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_o
     for mb in micro_batches:
         if mb.old is None:
             continue
-        tv = token_versions or {}
+        tv = corr.token_versions or {}
         own = torch.tensor([tv[s][k] if s in tv and 0 <= k < len(tv[s]) else version_of.get(s, current)
                             for s, k in zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist())]
                            ).view_as(mb.sample)

@@ -120,8 +120,7 @@ def _behaviour(corr: Correction, mine, versions: set[int], shape: TrainShape) ->
     if corr.engine_logprobs is not None:
         store_engine_behaviour(mine, corr.engine_logprobs)
     else:
-        store_behaviour(shape.model, corr.snapshots, mine, corr.version_of, corr.current, versions, shape.kind,
-                        shape.block, shape.arch.vocab_size, corr.token_versions)
+        store_behaviour(shape, corr, mine, versions)
 
 
 def corruption_draws(cfg, algo) -> int:
