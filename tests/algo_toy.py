@@ -150,7 +150,7 @@ def mb_logps(toy: Toy, mb, block_size: int = 0) -> torch.Tensor:
     """The toy's per-position label log-probs of a packed micro-batch [b, S] (differentiable): every segment is
     one view of one sample; block rows (stream ids) are read with the block-diffusion visibility."""
     B, S = mb.tokens.shape
-    rows = mb.extras["row_ids"]
+    rows = mb.row_ids
     ctxs, where, pos_of, lab = [], [], [], []
     for b in range(B):
         i = 0

@@ -45,8 +45,8 @@ def _trainer_loss(algo, toy, rows, ref_toy=None):
     total = 0.0
     for mb in mbs:
         with torch.no_grad():
-            mb.extras["old"] = mb_logps(toy, mb)
-            mb.extras["ref"] = mb_logps(ref_toy or toy, mb)
+            mb.old = mb_logps(toy, mb)
+            mb.ref = mb_logps(ref_toy or toy, mb)
         total = total + objective(mb, mb_logps(toy, mb))[0]
     return total / D, D
 
@@ -86,7 +86,7 @@ def test_justgrpo_estimator_is_the_tempered_ar_likelihood():
     got: dict[tuple, float] = {}
     for mb in pack_rows(rows, seq_length=16, micro_batch_size=2):
         sl, idx = gather_slots(mb, mb_logps(toy, mb), on_policy=True), SlotIndex(mb)
-        sample, slot = mb.extras["sample"][idx.sel], mb.extras["slot"][idx.sel]
+        sample, slot = mb.sample[idx.sel], mb.slot[idx.sel]
         for j, v in enumerate(sl.logp.tolist()):   # slot j of the micro-batch: any of its positions names it
             k = int((idx.inv == j).nonzero()[0])
             got[(int(sample[k]), int(slot[k]))] = v
@@ -169,13 +169,13 @@ def test_espo_on_policy_gradient_clip_and_kl():
     surrogate, kl = 0.0, 0.0
     for mb in pack_rows(rows, seq_length=max(len(r) for r in rows) + 5, micro_batch_size=1):
         with torch.no_grad():
-            mb.extras["ref"] = mb_logps(ref, mb)
+            mb.ref = mb_logps(ref, mb)
         sl = gather_slots(mb, mb_logps(toy, mb), on_policy=True)
         R = sl.extra["canvas"]
         assert sorted(sl.adv.tolist()) == pytest.approx(sorted(samples[i].advantage for i in
-                                                               mb.extras["sample"][mb.weight > 0].unique().tolist()))
+                                                               mb.sample[mb.weight > 0].unique().tolist()))
         assert sorted(R.tolist()) == sorted(float(len(samples[i].response_ids)) for i in
-                                            mb.extras["sample"][mb.weight > 0].unique().tolist())
+                                            mb.sample[mb.weight > 0].unique().tolist())
         surrogate = surrogate + (sl.adv * sl.logp).sum()
         kl = kl + (0.5 * (R * sl.logp - R * sl.ref) ** 2 / R).sum()   # k2 of the raw ELBO, / R (DARE)
     want = -surrogate / D + 0.05 * kl / D

@@ -75,7 +75,7 @@ def test_packed_slot_path_equals_direct_combination(name, params, arch):
         x0 = torch.tensor(s.prompt_ids + s.response_ids)
         for row, vs in zip(r, groups):
             lin, lse = direct_slots(toy, x0, vs, bs, algo.p.get("eubo_beta"))
-            row.extras["tag"] = torch.full_like(row.extras["slot"], len(rows))
+            row.extras["tag"] = torch.full_like(row.slot, len(rows))
             rows.append(row)
             expected.append((lin, lse, s.advantage))
     seq = max(len(r) for r in rows) + 2
@@ -88,8 +88,8 @@ def test_packed_slot_path_equals_direct_combination(name, params, arch):
         got = gather_slots(mb, logp, on_policy=True, lse_beta=algo.p.get("eubo_beta"))
         # expected values in gather_slots' order: (input row, slot) ascending
         want_lin, want_lse, want_adv = [], [], []
-        for r in sorted(set(mb.extras["row_ids"].flatten().tolist()) - {-1}):
-            at = (mb.extras["row_ids"] == r)
+        for r in sorted(set(mb.row_ids.flatten().tolist()) - {-1}):
+            at = (mb.row_ids == r)
             tag = int(mb.extras["tag"][at][0])
             lin, lse, adv = expected[tag]
             for s in sorted(lin):
@@ -400,8 +400,8 @@ def _replayed_logprobs(eng: NativeEngine, samples: list[RLSample], algo, block: 
         logp = F.log_softmax(logits, -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
         slots = gather_slots(mb, logp, on_policy=True)
         assert torch.all(torch.isfinite(slots.logp))
-        sel = mb.extras["slot"] >= 0
-        for smp, tok, lp in zip(mb.extras["sample"][sel].tolist(), mb.extras["tok"][sel].tolist(),
+        sel = mb.slot >= 0
+        for smp, tok, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(),
                                 logp[sel].tolist()):
             out.setdefault((smp, tok), []).append(lp)
     return out

@@ -90,9 +90,9 @@ def _trainer_loss(algo, toy, rows, bs, old_toy=None, seq_length=None, mbs_size=1
     total = 0.0
     for mb in mbs:
         with torch.no_grad():
-            mb.extras["old"] = mb_logps(old_toy or toy, mb, bs)
+            mb.old = mb_logps(old_toy or toy, mb, bs)
             if ref:
-                mb.extras["ref"] = mb_logps(toy, mb, bs)
+                mb.ref = mb_logps(toy, mb, bs)
         loss, _ = objective(mb, mb_logps(toy, mb, bs))
         total = total + loss
     return total / D, D, mbs
@@ -453,7 +453,7 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
         views = algo.views(s, full, 0, torch.Generator().manual_seed(s.index))
         assert len(r) == len(views) == 3
         for i, row in enumerate(r):
-            row.extras["smp"] = torch.full_like(row.extras["slot"], s.index)
+            row.extras["smp"] = torch.full_like(row.slot, s.index)
         rows += r
         x0 = torch.tensor(s.prompt_ids + s.response_ids)
         with torch.no_grad():
@@ -570,10 +570,10 @@ def test_dream_rows_shift_one_position_and_slots_keep_their_tokens():
         assert torch.equal(row.tokens[seg], v.tokens)
         assert torch.equal(row.labels[seg][:-1], x0[1:])
         assert torch.equal(row.weight[seg][:-1], v.coef[1:]) and row.weight[seg][-1] == 0
-        assert torch.equal(row.extras["slot"][seg][:-1], v.slot[1:]) and row.extras["slot"][seg][-1] == -1
-        tok = row.extras["tok"][seg]
+        assert torch.equal(row.slot[seg][:-1], v.slot[1:]) and row.slot[seg][-1] == -1
+        tok = row.tok[seg]
         assert tok.tolist() == [-1, -1] + list(range(L)) + [-1]
-        assert torch.equal(row.extras["adv"][seg][P - 1:P - 1 + L], torch.full((L,), 0.5))
+        assert torch.equal(row.adv[seg][P - 1:P - 1 + L], torch.full((L,), 0.5))
     (mb,) = pack_rows([row], seq_length=len(row) + 2)
     S = mb.tokens.shape[1]
     mask = MaskSpec("bidirectional", segment_ids=mb.segment_ids).dense(S, S, 1)

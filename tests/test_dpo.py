@@ -56,7 +56,7 @@ def test_vrpo_pair_loss_equals_independent_computation(norm):
     total = 0.0
     for mb in mbs:
         with torch.no_grad():
-            mb.extras["ref"] = mb_logps(ref, mb)
+            mb.ref = mb_logps(ref, mb)
         total = total + objective(mb, mb_logps(pol, mb))[0]
     assert D == len(PAIRS)
     expected = torch.stack(want).mean()          # DARE's compute_dpo_loss: mean over pairs

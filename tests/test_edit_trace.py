@@ -100,7 +100,7 @@ def test_replay_of_an_edited_trace_by_hand():
     # CJ-GRPO: 1/K over the 7 (block, block step) keys, split among each key's commits, edits included
     weights = {}
     for row in REGISTRY["cj_grpo"]().rows(s, toy_arch(), 4, torch.Generator()):
-        slot, head = row.extras["slot"], row.extras["head"]
+        slot, head = row.slot, row.head
         weights.update({int(slot[i]): float(head[i]) for i in (head != 0).nonzero().flatten().tolist()})
     assert weights == pytest.approx({6: 1 / 7, 0: 1 / 7, 1: 1 / 7, 8: 1 / 7, 4: 1 / 7,
                                      2: 1 / 14, 3: 1 / 14, 7: 1 / 14, 5: 1 / 14})
@@ -135,9 +135,9 @@ def test_replayed_logprobs_of_every_commit_equal_the_engine():
             logits[..., eng.arch.mask_token_id] = float("-inf")
             logp = F.log_softmax(logits, -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
             assert torch.all(torch.isfinite(gather_slots(mb, logp, on_policy=True).logp))
-            sel = mb.extras["slot"] >= 0
-            assert torch.allclose(mb.extras["behave"][sel].double(), logp[sel], atol=1e-5)
-            for smp, slot, lp in zip(mb.extras["sample"][sel].tolist(), mb.extras["slot"][sel].tolist(),
+            sel = mb.slot >= 0
+            assert torch.allclose(mb.behave[sel].double(), logp[sel], atol=1e-5)
+            for smp, slot, lp in zip(mb.sample[sel].tolist(), mb.slot[sel].tolist(),
                                      logp[sel].tolist()):
                 assert (smp, slot) not in got
                 got[(smp, slot)] = lp

@@ -60,7 +60,7 @@ def test_keeps_exactly_last_k_versions_oldest_evicted_first():
 
 def test_capacity_per_version_is_fifo_and_versions_come_from_samples():
     buf = ReplayBuffer(k=2, capacity_per_version=2)
-    s = [RLSample([1], [2], reward=float(i), advantage=0.0, index=i, extra={"policy_version": 7}) for i in range(3)]
+    s = [RLSample([1], [2], reward=float(i), advantage=0.0, index=i, policy_version=7) for i in range(3)]
     assert sample_version(s[0]) == 7 and sample_version(Item("x", 3)) == 3 and sample_version("x") is None
     buf.add(s)
     assert [x.index for x in buf.samples(7)] == [1, 2] and buf.n_evicted == 1

@@ -13,6 +13,7 @@ import math
 
 import pytest
 
+from megadare.algos.algorithm import Algorithm
 from megadare.parallel.launch import spawn
 from tiny import write_tiny_hf  # noqa: E402
 
@@ -64,7 +65,7 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
                 samples = tree.samples_from(leaves, rewards, 4)
                 out["tree_nodes"] = len(samples)
             algo = build_algorithm(name, {"branch": 2, "depth": 2} if name == "d_treerpo" else None)
-            if hasattr(algo, "prepare"):  # MDPO: a toy reward on every intermediate answer (share of even ids)
+            if type(algo).prepare is not Algorithm.prepare:  # MDPO: a toy reward on every intermediate answer
                 algo.prepare(samples, lambda rs, idx: [sum(t % 2 == 0 for t in r) / len(r) for r in rs], 4)
                 assert all(len(s.extra["step_rewards"]) == len(s.extra["step_predictions"]) for s in samples)
                 out["mdpo_blocks"] = min(len({j // block for pred in s.extra["step_predictions"]
@@ -139,8 +140,8 @@ def _ar_worker(rank, world, hf_dir):
         diff = 0.0
         for mb in mbs:
             sel = mb.weight > 0
-            for i, k, lp in zip(mb.extras["sample"][sel].tolist(), mb.extras["tok"][sel].tolist(),
-                                mb.extras["old"][sel].tolist()):
+            for i, k, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(),
+                                mb.old[sel].tolist()):
                 diff = max(diff, abs(lp - traj[i].logprobs[k]))
         out["engine_vs_trainer"] = diff
         for name, epochs in (("justgrpo", 1), ("espo", 2)):

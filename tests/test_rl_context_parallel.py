@@ -40,7 +40,7 @@ def _worker(rank, world, hf_dir, cp):
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.rl_update import update
+    from megadare.trainer.rl_update import TrainShape, update
 
     init_distributed(cp=cp)
     try:
@@ -56,8 +56,9 @@ def _worker(rank, world, hf_dir, cp):
                                                               distributed_optimizer=False))
             algo = build_algorithm(name, params)
             before = [p.detach().clone() for p in model[0].parameters()]
-            m = update(cfg, algo, _samples(), 0, src.arch, src.arch.block_size, "block_diffusion", 0, 1, model,
-                       None, opt, sched, algo.objective(on_policy=False), example_generator)
+            shape = TrainShape(src.arch, src.arch.block_size, "block_diffusion", 0, 1, model, example_generator)
+            m = update(cfg, algo, _samples(), 0, shape, ref_chunks=None, optimizer=opt, scheduler=sched,
+                       objective=algo.objective(on_policy=False))
             after = [p.detach().clone() for p in model[0].parameters()]
             grads = {n: p.main_grad.detach().clone() for n, p in model[0].module.named_parameters()}
             out[name] = {"pg_loss": m["pg_loss"], "grad_norm": m["grad_norm"], "grads": grads,

@@ -34,7 +34,7 @@ def _worker(rank, world, hf_dir):
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.rl import on_rank0
     from megadare.trainer.rl_setup import _build_policy
-    from megadare.trainer.rl_update import _prepare, update
+    from megadare.trainer.rl_update import TrainShape, _prepare, update
     from megadare.trainer.step import store_outputs
 
     init_distributed()
@@ -51,8 +51,9 @@ def _worker(rank, world, hf_dir):
                "trainable": sorted(n for n, p in pol.model[0].named_parameters() if p.requires_grad)}
         before = {n: p.detach().clone() for n, p in pol.model[0].named_parameters()}
         for step in range(3):
-            m = update(cfg, algo, _samples(), step, arch, arch.block_size, kind, 0, 1, pol.model, pol.ref_chunks,
-                       pol.optimizer, pol.scheduler, algo.objective(on_policy=False), example_generator,
+            shape = TrainShape(arch, arch.block_size, kind, 0, 1, pol.model, example_generator)
+            m = update(cfg, algo, _samples(), step, shape, ref_chunks=pol.ref_chunks, optimizer=pol.optimizer,
+                       scheduler=pol.scheduler, objective=algo.objective(on_policy=False),
                        ref_adapters_off=pol.ref_adapters_off)
         out["kl"] = m["kl"]
         moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in pol.model[0].named_parameters()}
@@ -60,14 +61,14 @@ def _worker(rank, world, hf_dir):
         out["moved_base"] = max(v for n, v in moved.items() if "lora_" not in n)
         out["lora_names"] = len(lora_parameters(pol.model))
         # the reference pass (adapters off) == an independently built model with the initial weights
-        mine, _, _ = _prepare(cfg, algo, _samples(), 0, arch, arch.block_size, kind, 0, 1, pol.model,
-                              example_generator, need_old=True)
+        mine, _, _ = _prepare(cfg, algo, _samples(), 0, TrainShape(arch, arch.block_size, kind, 0, 1, pol.model,
+                                                                  example_generator), need_old=True)
         with adapters_disabled(pol.model):
             store_outputs(pol.model, mine, "ref", kind, arch.block_size, arch.vocab_size)
         plain = build_training_chunks(cfg, src)
         store_outputs(plain, mine, "plain", kind, arch.block_size, arch.vocab_size)
-        out["ref_vs_plain"] = max(float((mb.extras["ref"] - mb.extras["plain"]).abs().max()) for mb in mine)
-        out["policy_vs_plain"] = max(float((mb.extras["old"] - mb.extras["plain"]).abs().max()) for mb in mine)
+        out["ref_vs_plain"] = max(float((mb.ref - mb.extras["plain"]).abs().max()) for mb in mine)
+        out["policy_vs_plain"] = max(float((mb.old - mb.extras["plain"]).abs().max()) for mb in mine)
         # the weight sync sees the merged weights; the trainer's base weights come back unchanged
         table = mapping_for(src.hf_config)[2]
 

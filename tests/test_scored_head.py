@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from megadare.data.rows import PASSES
 from megadare.models.head import chunk_tokens, linear_logprobs
 from tiny import write_tiny_hf
 
@@ -276,7 +277,8 @@ def _run_case(chunks, model, opt, sched, arch, case, head):
                    per_position=per_position)
     grads = torch.cat([b.grad_data.detach().float().clone() for x in model
                        for b in x.buffers + x.expert_parallel_buffers])
-    logps = [(mb.extras[k] * mb.scored).flatten() for k in stored for mb in mine if k in mb.extras]
+    column = lambda mb, k: getattr(mb, k) if k in PASSES else mb.extras.get(k)  # noqa: E731
+    logps = [(column(mb, k) * mb.scored).flatten() for k in stored for mb in mine if column(mb, k) is not None]
     return m, grads, torch.cat(logps) if logps else torch.zeros(0)
 
 

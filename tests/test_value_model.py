@@ -110,8 +110,8 @@ def _train_value(rank, world, hf_dir):
         _store_outputs(model, mbs, "v", "block_diffusion", 4, src.arch.vocab_size, per_position=values_of)
         v_by_sample: dict[int, list[float]] = {}
         for mb in mbs:
-            sel = mb.extras["head"] != 0
-            for s, v in zip(mb.extras["sample"][sel].tolist(), mb.extras["v"][sel].tolist()):
+            sel = mb.head != 0
+            for s, v in zip(mb.sample[sel].tolist(), mb.extras["v"][sel].tolist()):
                 v_by_sample.setdefault(s, []).append(v)
         rewards = torch.tensor([s.reward for s in test])
         baseline = torch.tensor([sum(v_by_sample[s.index]) / len(v_by_sample[s.index]) for s in test])

@@ -15,7 +15,8 @@ with l_s the algorithm's likelihood estimate of slot s (algos/base.py) and the K
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -46,6 +47,17 @@ def rows_for_views(s: RLSample, views: list[View], arch: ModelArch, loss_agg: st
     return [views_to_row(s, [v], arch, block, slot_weight, denom if i == 0 else 0.0) for i, v in enumerate(views)]
 
 
+@dataclass(frozen=True)
+class ValueModelSettings:
+    """A learned value baseline trained beside the policy (TraceRL's, algos/value_model.py): its own optimizer's
+    learning rate, the value loss's clip and the step-level GAE's gamma and lambda."""
+
+    lr: float
+    clip: float
+    gamma: float
+    lam: float
+
+
 class Algorithm(ABC):
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
@@ -55,6 +67,7 @@ class Algorithm(ABC):
     lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
     redraw_corruptions: ClassVar[bool] = False   # epochs draw fresh corruptions (default of rl.redraw_corruptions)
     clipped_ratio: ClassVar[bool] = True         # a PPO-clip objective (takes eps_low / eps_high / dual_clip)
+    own_rollout: ClassVar[bool] = False          # builds its rollout itself in dependent rounds (``rollout``)
     defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
 
     def __init__(self, overrides: dict[str, Any] | None = None):
@@ -122,6 +135,30 @@ class Algorithm(ABC):
     @property
     def needs_ref(self) -> bool:
         return self.p["kl_anchor"] == "ref" and self.p["kl_coef"] > 0
+
+    @property
+    def value_model(self) -> Optional[ValueModelSettings]:
+        """The settings of a value model the trainer builds and trains beside the policy, whose values give the
+        advantages (TraceRL with ``value_model=true``); None: no value model."""
+        return None
+
+    # ------------------------------------------------------------------ rollout and samples (optional hooks)
+    def rollout(self, generate: Callable, prompts: list[list[int]], params, n_samples: int,
+                global_grid: bool = False) -> list:
+        """The step's trajectories when the algorithm builds its rollout itself (``own_rollout``: several
+        dependent rounds of ``generate(prompts, params)``, d-TreeRPO's tree); the trainer calls it only then.
+        Default: the plain rollout, ``n_samples`` responses per prompt in one round."""
+        return generate([q for q in prompts for _ in range(n_samples)], params)
+
+    def samples_from(self, trajectories: list, rewards: list[float], n_samples: int) -> Optional[list[RLSample]]:
+        """Training samples of the algorithm's own from the step's scored trajectories (d-TreeRPO: one per tree
+        node, local advantages); None (default): the trainer's, one per response with ``rl.advantage``'s."""
+        return None
+
+    def prepare(self, samples: list[RLSample], score: Callable[[list[list[int]], list[int]], list[float]],
+                group_size: int) -> None:
+        """Completes the step's samples before their rows are built, in place; ``score(responses, indices)``
+        rewards other answers of sample ``indices[j]`` (MDPO scores every intermediate answer). Default: nothing."""
 
     # ------------------------------------------------------------------ estimator
     @abstractmethod

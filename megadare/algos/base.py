@@ -51,7 +51,10 @@ class RLSample:
     block_step: Optional[list[int]] = None    # step inside the token's block
     superseded: Optional[list] = None         # token editing: overwritten commits (rollout.engine.Superseded)
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    policy_version: Optional[int] = None      # the behaviour policy's version (None: not recorded)
+    token_versions: Optional[list[int]] = None   # partial rollouts: the policy version of every response token
+    engine_logprobs: Optional[list[float]] = None   # the engine's sampler log-prob of every trace-replay slot
+    extra: dict[str, Any] = field(default_factory=dict)   # one algorithm's own (MDPO's steps, d-TreeRPO's parent ...)
 
     def token_advantages(self) -> torch.Tensor:
         L = len(self.response_ids)
@@ -123,9 +126,8 @@ def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_dif
     cat_ = {k: torch.cat(v) for k, v in parts.items()}
     return Row(tokens=cat_["tokens"], labels=cat_["labels"], weight=cat_["weight"], position_ids=cat_["pos"],
                stream_ids=cat_["stream"] if block_diffusion else None, denom=denom,
-               segment_ids=cat_["seg"] if len(views) > 1 else None,
-               extras={"slot": cat_["slot"], "head": cat_["head"], "adv": cat_["adv"], "tok": cat_["tok"],
-                       "sample": torch.full_like(cat_["tok"], sample.index)})
+               segment_ids=cat_["seg"] if len(views) > 1 else None, slot=cat_["slot"], head=cat_["head"],
+               adv=cat_["adv"], tok=cat_["tok"], sample=torch.full_like(cat_["tok"], sample.index))
 
 
 def aggregation(loss_agg: str, n_slots: int, length: int = 0) -> tuple[float, float]:
@@ -172,13 +174,13 @@ class SlotIndex:
     full estimate everywhere."""
 
     def __init__(self, mb: MicroBatch):
-        x, ctx = mb.extras, mb.context
-        self.sel = x["slot"] >= 0
-        whole_slot, whole_row = (x["slot"], x["row_ids"]) if ctx is None else (ctx["slot"], ctx["row_ids"])
+        ctx = mb.context
+        self.sel = mb.slot >= 0
+        whole_slot, whole_row = (mb.slot, mb.row_ids) if ctx is None else (ctx["slot"], ctx["row_ids"])
         width = int(whole_slot.max()) + 2
         whole = whole_slot >= 0
         uniq = torch.unique(whole_row[whole] * width + whole_slot[whole])
-        self.inv = torch.searchsorted(uniq, x["row_ids"][self.sel] * width + x["slot"][self.sel])
+        self.inv = torch.searchsorted(uniq, mb.row_ids[self.sel] * width + mb.slot[self.sel])
         self.n = uniq.numel()
         self.group = None if ctx is None else ctx["group"]
 
@@ -208,23 +210,22 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     """Per-slot estimates from per-position log-probs (sum of coef * log p over each slot's positions); with
     ``lse_beta`` also the log-sum-exp combination in ``extra['lse']`` (and ``extra['lse_old']``); a row extra
     ``per_slot_<name>`` (constant over a slot, e.g. ESPO's canvas length) becomes ``extra['<name>']``."""
-    x = mb.extras
     idx = SlotIndex(mb)
     sel = idx.sel
     w = mb.weight[sel].float()
     lp = idx.sum(w * logp[sel])
-    old = lp.detach() if on_policy or "old" not in x else idx.sum(w * x["old"][sel].float())
-    ref = idx.sum(w * x["ref"][sel].float()) if "ref" in x else None
-    head = idx.sum(x["head"][sel].float())
+    old = lp.detach() if on_policy or mb.old is None else idx.sum(w * mb.old[sel].float())
+    ref = idx.sum(w * mb.ref[sel].float()) if mb.ref is not None else None
+    head = idx.sum(mb.head[sel].float())
     # the advantage is constant over a slot: read it at any position (the max of a constant is the constant)
-    adv = idx.amax(x["adv"][sel].float())
-    behave = idx.sum(w * x["behave"][sel].float()) if "behave" in x else None
-    is_w = idx.amax(x["is_w"][sel].float()) if "is_w" in x else None
-    extra = {k[len(SLOT_CONST):]: idx.amax(v[sel].float()) for k, v in x.items() if k.startswith(SLOT_CONST)}
+    adv = idx.amax(mb.adv[sel].float())
+    behave = idx.sum(w * mb.behave[sel].float()) if mb.behave is not None else None
+    is_w = idx.amax(mb.is_weight[sel].float()) if mb.is_weight is not None else None
+    extra = {k[len(SLOT_CONST):]: idx.amax(v[sel].float()) for k, v in mb.extras.items() if k.startswith(SLOT_CONST)}
     if lse_beta is not None:
         extra["lse"] = idx.lse(logp[sel], w, lse_beta)
-        extra["lse_old"] = (extra["lse"].detach() if on_policy or "old" not in x
-                            else idx.lse(x["old"][sel].float(), w, lse_beta))
+        extra["lse_old"] = (extra["lse"].detach() if on_policy or mb.old is None
+                            else idx.lse(mb.old[sel].float(), w, lse_beta))
     return Slots(logp=lp, old=old, ref=ref, adv=adv, weight=head, extra=extra, behave=behave, is_weight=is_w)
 
 
@@ -232,7 +233,7 @@ class SlotObjective:
     """trainer.step objective: per-position log-probs -> slots -> sum_s head_s * loss_s.
 
     ``loss_mode`` (off-policy rollouts, trainer/offpolicy/importance.py): ``ppo`` the algorithm's slot loss as is;
-    ``decoupled`` its loss times the behaviour -> proximal IS weight of the slot (``extras['is_w']``, computed
+    ``decoupled`` its loss times the behaviour -> proximal IS weight of the slot (``mb.is_weight``, computed
     before the update; 0 = rejected), i.e. Hilton et al.'s decoupled PPO when the slot loss is the PPO clip;
     ``bypass`` the ratio is taken against the behaviour estimate (``old := behave``, no proximal pass) and
     rejected slots (``is_w == 0``) are left out."""

@@ -97,6 +97,7 @@ def sd_schedule(step: int, p: dict) -> tuple[float, float]:
 class DTreeRPO(Algorithm):
     name = "d_treerpo"
     paper = "arXiv:2512.09675"
+    own_rollout = True
     defaults = {"eps_low": 0.4, "branch": 4, "depth": 2, "root_fanout": None, "kl_coef": 0.01, "kl_anchor": "ref",
                 "kl_estimator": "k3", "loss_agg": "seq_mean_token_mean", "self_distillation": True,
                 "sd_lambda_max": 3e-3, "sd_gamma": 2.0, "sd_tau_max": 2.0, "sd_beta": 0.7, "sd_max_steps": 30000}
@@ -216,7 +217,7 @@ class DTreeRPO(Algorithm):
         coef = self.self_distillation(samples) if self.p["self_distillation"] else {}
         D = sum(r.denom for r in rows)
         for row in rows:
-            sample, slot, head = row.extras["sample"], row.extras["slot"], row.extras["head"]
+            sample, slot, head = row.sample, row.slot, row.head
             head_of = {int(k): float(h) for k, h in zip(slot.tolist(), head.tolist()) if k >= 0 and h != 0}
             sd = [coef.get((i, k), 0.0) * D / head_of[k] if k in head_of else 0.0
                   for i, k in zip(sample.tolist(), slot.tolist())]

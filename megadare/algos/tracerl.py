@@ -22,7 +22,7 @@ post-EOS ones included, so each replayed state is the sampler's.
 """
 from __future__ import annotations
 
-from megadare.algos.algorithm import Algorithm
+from megadare.algos.algorithm import Algorithm, ValueModelSettings
 from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 
@@ -39,8 +39,15 @@ class TraceRL(Algorithm):
     def shrink(self, arch) -> int:
         return self.p["shrink"] or (1 if arch.attention == "block_causal" else 8)
 
+    @property
+    def value_model(self) -> ValueModelSettings | None:
+        p = self.p
+        if not p["value_model"]:
+            return None
+        return ValueModelSettings(lr=p["value_lr"], clip=p["value_clip"], gamma=p["gamma"], lam=p["lam"])
+
     def uses_group_baseline(self) -> bool:
-        return not self.p["value_model"]
+        return self.value_model is None
 
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)

@@ -104,8 +104,8 @@ class ValueObjective:
 
     def __call__(self, mb: MicroBatch, v: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x = mb.extras
-        sel = x["head"] != 0
-        w = x["head"][sel].float()
+        sel = mb.head != 0
+        w = mb.head[sel].float()
         lv = value_loss(v[sel], x["v_old"][sel].float(), x["ret"][sel].float(), self.clip)
         total = (w * lv).sum() + (v * 0).sum()
         return total, {"value_loss": total.detach(), "value_mean": (w * v[sel].detach()).sum()}

@@ -45,14 +45,14 @@ def concat_rows(rows: list[Row]) -> Row:
     for r in rows:
         seg.append(first_seg + (r.segment_ids if r.segment_ids is not None else torch.zeros(len(r), dtype=torch.long)))
         first_seg += r.num_segments
-        sl = r.extras["slot"]
+        sl = r.slot
         slots.append(torch.where(sl >= 0, sl + first_slot, sl))
         first_slot += int(sl.max()) + 1 if (sl >= 0).any() else 0
     cat = lambda name: None if getattr(rows[0], name) is None else torch.cat([getattr(r, name) for r in rows])  # noqa: E731
-    extras = {k: torch.cat([r.extras[k] for r in rows]) for k in rows[0].extras if k != "slot"}
-    extras["slot"] = torch.cat(slots)
+    extras = {k: torch.cat([r.extras[k] for r in rows]) for k in rows[0].extras}
     return Row(tokens=cat("tokens"), labels=cat("labels"), weight=cat("weight"), position_ids=cat("position_ids"),
                stream_ids=cat("stream_ids"), denom=sum(r.denom for r in rows), segment_ids=torch.cat(seg),
+               head=cat("head"), adv=cat("adv"), tok=cat("tok"), sample=cat("sample"), slot=torch.cat(slots),
                extras=extras)
 
 

@@ -14,8 +14,12 @@ over data-parallel ranks (the per-token mean over the global batch, not a mean o
 their own segment ids, so attention never crosses samples (the masks of models/attention.py respect them).
 A row longer than ``seq_length`` made of several segments (the views of one RL sample whose estimate spans them)
 is cut at segment boundaries into pieces that share one micro-batch (up to ``micro_batch_size`` sequences), so an
-estimate over all its views is still formed in one forward; ``extras['row_ids']`` names the input row of every
+estimate over all its views is still formed in one forward; ``MicroBatch.row_ids`` names the input row of every
 position, wherever it was packed.
+
+What every RL algorithm's rows and micro-batches carry is a named field (``ROW_COLUMNS``: the estimator's slots,
+advantages, ...; ``PASSES``: the trainer's old / reference / behaviour log-probs); ``extras`` holds only what one
+algorithm (or one test) adds of its own. Both are per-position tensors, carried through packing and splits alike.
 """
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ from typing import Optional
 import torch
 
 from megadare.models.attention import MaskSpec
+
+ROW_COLUMNS = ("slot", "head", "adv", "tok", "sample")   # RL rows (algos/base.py views_to_row)
+PASSES = ("old", "ref", "behave", "is_weight")           # the trainer's passes over packed micro-batches
+MB_COLUMNS = ("row_ids",) + ROW_COLUMNS + PASSES         # every per-position field of a micro-batch
 
 
 @dataclass
@@ -37,12 +45,18 @@ class Row:
     denom: float = 0.0                       # share of the global loss denominator
     segment_ids: Optional[torch.Tensor] = None  # [n] long, 0.. : several views of one sample kept in one row
                                                 # (attention never crosses them); None = one segment
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-position [n] tensors (RL: advantages,
-                                                # old log-probs, estimator slots), carried through packing
+    # RL rows (algos/base.py views_to_row; None in SFT rows), each [n]:
+    slot: Optional[torch.Tensor] = None      # long, the estimator slot a scored position adds into (-1: none)
+    head: Optional[torch.Tensor] = None      # float, the slot's aggregation weight, on its first position
+    adv: Optional[torch.Tensor] = None       # float, advantage
+    tok: Optional[torch.Tensor] = None       # long, which response token the position's target is (-1: prompt)
+    sample: Optional[torch.Tensor] = None    # long, the RLSample's index
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # one algorithm's own per-position [n] tensors
+                                                # (JustGRPO's logit_scale, ``per_slot_<name>``), carried through packing
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
-        for name in ("labels", "weight", "position_ids", "stream_ids", "segment_ids"):
+        for name in ("labels", "weight", "position_ids", "stream_ids", "segment_ids") + ROW_COLUMNS:
             t = getattr(self, name)
             if t is not None and t.shape != (n,):
                 raise ValueError(f"Row.{name} has shape {tuple(t.shape)}, expected ({n},)")
@@ -69,9 +83,29 @@ class MicroBatch:
     padding: Optional[torch.Tensor] = None  # [b, S] bool, True = packing padding (kept out of MoE routing stats)
     denom: float = 0.0
     num_rows: int = 0
-    extras: dict = field(default_factory=dict)
+    row_ids: Optional[torch.Tensor] = None   # [b, S] long, the input row of every position (-1: padding)
+    # ROW_COLUMNS, packed ([b, S]; None when the rows have none):
+    slot: Optional[torch.Tensor] = None
+    head: Optional[torch.Tensor] = None
+    adv: Optional[torch.Tensor] = None
+    tok: Optional[torch.Tensor] = None
+    sample: Optional[torch.Tensor] = None
+    # PASSES ([b, S] per-position log-probs / weights; set on the last pipeline stage by the trainer's passes):
+    old: Optional[torch.Tensor] = None        # under the policy before the update (the proximal policy)
+    ref: Optional[torch.Tensor] = None        # under the reference model
+    behave: Optional[torch.Tensor] = None     # under each sample's behaviour policy (trainer/rl_correction.py)
+    is_weight: Optional[torch.Tensor] = None  # the slot's behaviour -> proximal IS weight (decoupled loss)
+    version_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # policy version -> log-probs under it
+    extras: dict = field(default_factory=dict)   # one algorithm's own per-position tensors (as Row.extras)
     context: Optional[dict] = None   # context parallelism: this is one CP rank's slice; the whole sequence's
-                                     # {'slot', 'row_ids'} extras, the CP 'group' and its 'size' (trainer/step.py)
+                                     # 'slot' and 'row_ids', the CP 'group' and its 'size' (trainer/step.py)
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        """Store a pass's per-position outputs: in its field when ``key`` is one of ``PASSES``, else in extras."""
+        if key in PASSES:
+            setattr(self, key, value)
+        else:
+            self.extras[key] = value
 
     def mask(self, kind: str, block_size: int) -> MaskSpec:
         """The attention mask of this micro-batch (packing-aware)."""
@@ -91,11 +125,11 @@ class MicroBatch:
 
     @property
     def scored(self) -> torch.Tensor:
-        """[b, S] bool: the positions a loss reads -- a loss weight, or an RL slot (``extras['slot']`` >= 0,
+        """[b, S] bool: the positions a loss reads -- a loss weight, or an RL slot (``slot`` >= 0,
         algos/base.py) -- and the only ones where the trainer runs the output layer (models/head.py)."""
         s = self.weight != 0
-        if "slot" in self.extras:
-            s = s | (self.extras["slot"] >= 0)
+        if self.slot is not None:
+            s = s | (self.slot >= 0)
         return s
 
 
@@ -113,6 +147,13 @@ def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
             bins.append([i])
             free.append(capacity - lengths[i])
     return bins
+
+
+def _columns(row: Row) -> dict[str, torch.Tensor]:
+    """The row's optional per-position tensors by packing key: ``f:<field>`` (ROW_COLUMNS), ``x:<extra>``."""
+    out = {"f:" + k: getattr(row, k) for k in ROW_COLUMNS if getattr(row, k) is not None}
+    out.update({"x:" + k: v for k, v in row.extras.items()})
+    return out
 
 
 def _concat_bin(rows: list[Row], seq_length: int, pad_id: int, origins: list[int]) -> dict[str, torch.Tensor]:
@@ -135,14 +176,15 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int, origins: list[int
         "row_ids": torch.cat([torch.full((len(r),), o, dtype=torch.long) for o, r in zip(origins, rows)]
                              + [torch.full((pad,), -1, dtype=torch.long)]),
     }
-    for key in sorted({k for r in rows for k in r.extras}):
+    columns = [_columns(r) for r in rows]
+    for key in sorted({k for c in columns for k in c}):
         parts = []
-        for r in rows:
-            if key not in r.extras:
-                raise ValueError(f"rows packed together disagree on extras: one lacks {key!r}")
-            parts.append(r.extras[key])
+        for c in columns:
+            if key not in c:
+                raise ValueError(f"rows packed together disagree on extras: one lacks {key[2:]!r}")
+            parts.append(c[key])
         fill = -1 if not parts[0].is_floating_point() else 0.0
-        out["x:" + key] = torch.cat(parts + [torch.full((pad,), fill, dtype=parts[0].dtype)])
+        out[key] = torch.cat(parts + [torch.full((pad,), fill, dtype=parts[0].dtype)])
     if streams:
         out["stream_ids"] = torch.cat(
             [r.stream_ids if r.stream_ids is not None else torch.zeros(len(r), dtype=torch.long) for r in rows]
@@ -171,7 +213,8 @@ def split_at_segments(row: Row, seq_length: int, where: str = "row") -> list[Row
                        position_ids=row.position_ids[sl],
                        stream_ids=None if row.stream_ids is None else row.stream_ids[sl],
                        denom=row.denom if i == 0 else 0.0, segment_ids=seg[sl] - seg[a],
-                       extras={k: v[sl] for k, v in row.extras.items()}))
+                       extras={k: v[sl] for k, v in row.extras.items()},
+                       **{k: None if getattr(row, k) is None else getattr(row, k)[sl] for k in ROW_COLUMNS}))
     return out
 
 
@@ -182,18 +225,19 @@ def _micro_batch(group: list[tuple[dict, float, int]], seq_length: int, pad_id: 
     while len(group) < micro_batch_size:
         group.append((_concat_bin([], seq_length, pad_id, []), 0.0, 0))
     stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0]
-             if key != "stream_ids" and key != "row_ids" and not key.startswith("x:")}
+             if key != "stream_ids" and key[:2] not in ("x:", "f:")}
     streams = None
     if any("stream_ids" in g[0] for g in group):
         streams = torch.stack([g[0].get("stream_ids", torch.zeros(seq_length, dtype=torch.long)) for g in group])
-    extras = {"row_ids": torch.stack([g[0]["row_ids"] for g in group])}
-    for key in sorted({k for g in group for k in g[0] if k.startswith("x:")}):
+    fields: dict[str, torch.Tensor] = {}
+    extras: dict[str, torch.Tensor] = {}
+    for key in sorted({k for g in group for k in g[0] if k[:2] in ("x:", "f:")}):
         like = next(g[0][key] for g in group if key in g[0])
         fill = -1 if not like.is_floating_point() else 0.0
-        extras[key[2:]] = torch.stack([g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype))
-                                       for g in group])
+        (fields if key.startswith("f:") else extras)[key[2:]] = torch.stack(
+            [g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype)) for g in group])
     return MicroBatch(stream_ids=streams, denom=sum(g[1] for g in group), num_rows=sum(g[2] for g in group),
-                      extras=extras, **stack)
+                      extras=extras, **fields, **stack)
 
 
 def pack_rows(rows: list[Row], seq_length: int, micro_batch_size: int = 1, pad_id: int = 0) -> list[MicroBatch]:
@@ -230,11 +274,13 @@ def empty_micro_batch(like: MicroBatch) -> MicroBatch:
     """A micro-batch of padding with zero weight (evens out micro-batch counts across ranks)."""
     b, s = like.tokens.shape
     z = torch.zeros(b, s, dtype=torch.long)
-    extras = {k: torch.full_like(v, 0.0 if v.is_floating_point() else -1) for k, v in like.extras.items()}
+    empty = lambda v: None if v is None else torch.full_like(v, 0.0 if v.is_floating_point() else -1)  # noqa: E731
+    extras = {k: empty(v) for k, v in like.extras.items()}
     return MicroBatch(tokens=z.clone(), labels=z.clone(), weight=torch.zeros(b, s),
                       position_ids=torch.arange(s).expand(b, s).clone(), segment_ids=z.clone(),
                       stream_ids=None if like.stream_ids is None else z.clone(),
-                      padding=torch.ones(b, s, dtype=torch.bool), denom=0.0, num_rows=0, extras=extras)
+                      padding=torch.ones(b, s, dtype=torch.bool), denom=0.0, num_rows=0, extras=extras,
+                      **{k: empty(getattr(like, k)) for k in MB_COLUMNS})
 
 
 def split_for_data_parallel(micro_batches: list[MicroBatch], dp_size: int, dp_rank: int,

@@ -160,7 +160,9 @@ class Trajectory:
                                                           # position that forward predicted (its block), else -1
     step_confidences: Optional[list[list[float]]] = None  # model probability of each proposal (0 where -1)
     superseded: Optional[list[Superseded]] = None          # token editing: overwritten commits, in step order
-    extra: dict[str, Any] = field(default_factory=dict)
+    token_versions: Optional[list[int]] = None             # partial rollouts: policy version of every response token
+    engine_s: float = 0.0                                  # engine seconds of the chunk (on its first trajectory)
+    extra: dict[str, Any] = field(default_factory=dict)   # one engine's or algorithm's own
 
     def answer_ids(self, eos_token_id: int) -> list[int]:
         """The answer: the response up to its first EOS (inclusive); a full-canvas response (``stop_at_eos``

@@ -54,12 +54,12 @@ class _EngineActor:
         self.receiver: Optional[WeightReceiver] = None
 
     def generate(self, prompts, params):
-        """The engine's trajectories; the first carries the chunk's generation seconds in ``extra['engine_s']``
+        """The engine's trajectories; the first carries the chunk's generation seconds in ``engine_s``
         (rollout-side busy time for the async health metrics)."""
         t0 = time.perf_counter()
         out = self.engine.generate(prompts, params)
         if out:
-            out[0].extra["engine_s"] = time.perf_counter() - t0
+            out[0].engine_s = time.perf_counter() - t0
         return out
 
     def call(self, method: str, *args):

@@ -148,7 +148,6 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
 def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     """Off-policy correction state of the step (None under plain PPO) and, with D-ARL replay, the step's
     samples plus the best-matched replayed ones (the fresh samples join the buffer)."""
-    from megadare.algos.sft import example_generator
     from megadare.trainer.offpolicy.correction import engine_table, reindex, version_table
     from megadare.trainer.rl_update import Correction, replay_select
 
@@ -158,20 +157,18 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     correction = Correction({}, run.step, run.snapshots)
     if run.buffer is not None:
         want = int(round(cfg.replay.fraction * len(samples)))
-        replayed = replay_select(cfg, run.algo, run.buffer, want, run.step, run.arch, run.block, run.kind,
-                                 _pad_id(run), _stage_multiple(cfg), run.policy.model, example_generator, correction)
+        replayed = replay_select(cfg, run.algo, run.buffer, want, run.step, _shape(run), correction)
         run.buffer.add(samples)
         samples = samples + reindex(replayed, samples)
         metrics.update(correction.metrics)
     correction.version_of = version_table(samples)
-    correction.token_versions = {s.index: s.extra["token_versions"] for s in samples if "token_versions" in s.extra}
+    correction.token_versions = {s.index: s.token_versions for s in samples if s.token_versions is not None}
     correction.engine_logprobs = engine_table(samples) if cfg.rl.behaviour_logp == "engine" else None
     return samples, correction
 
 
 def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples``."""
-    from megadare.algos.sft import example_generator
     from megadare.trainer.offpolicy.correction import bypass_rejection
     from megadare.trainer.rl_update import update
 
@@ -182,9 +179,9 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
                                    loss_mode=rl.loss_mode)
     if rl.loss_mode == "bypass" and rl.rollout_is is not None:
         objective.reject = bypass_rejection(run.cfg)
-    return update(run.cfg, run.algo, samples, run.step, run.arch, run.block, run.kind, _pad_id(run),
-                  _stage_multiple(run.cfg), pol.model, pol.ref_chunks, pol.optimizer, pol.scheduler, objective,
-                  example_generator, pol.value, correction, ref_adapters_off=pol.ref_adapters_off)
+    return update(run.cfg, run.algo, samples, run.step, _shape(run), ref_chunks=pol.ref_chunks,
+                  optimizer=pol.optimizer, scheduler=pol.scheduler, objective=objective, value=pol.value,
+                  correction=correction, ref_adapters_off=pol.ref_adapters_off)
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:
@@ -207,6 +204,15 @@ def evaluate_at(run: RLRun) -> None:
     if res:
         run.evals[run.step] = res
         run.monitor.log(run.step, {f"eval/{k}": v for k, v in res.items()}, advance=False)
+
+
+def _shape(run: RLRun):
+    """The run's ``TrainShape`` (trainer/rl_update.py) for this step's passes."""
+    from megadare.algos.sft import example_generator
+    from megadare.trainer.rl_update import TrainShape
+
+    return TrainShape(run.arch, run.block, run.kind, _pad_id(run), _stage_multiple(run.cfg), run.policy.model,
+                      example_generator)
 
 
 def _pad_id(run: RLRun) -> int:

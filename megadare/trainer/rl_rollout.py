@@ -74,7 +74,7 @@ class RolloutStarter:
         indices = run.sampler.batch(at)
         prompts = [run.train_prompts[i].prompt_ids for i in indices]
         params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
-        if hasattr(algo, "rollout"):
+        if algo.own_rollout:
             return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples,
                                          global_grid=run.arch.attention == "block_causal")
         expanded = [q for q in prompts for _ in range(rl.n_samples)]
@@ -97,17 +97,17 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
     prompts = [b for b in batch for _ in range(rl.n_samples)]
     rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
     samples, metrics = build_samples(cfg, traj, rewards)
-    if hasattr(algo, "samples_from"):  # one sample per tree node, local advantages
-        samples = algo.samples_from(traj, rewards, rl.n_samples)
-    if hasattr(algo, "prepare"):  # algorithms that score more than the final answer (MDPO)
-        def score_ids(responses, indices):
-            from megadare.rollout.engine import answer_ids
+    own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
+    samples = samples if own is None else own
 
-            texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
-            return score_texts(cfg, reward_fn, texts, [prompts[i] for i in indices],
-                               f"RL step {step + 1} (intermediate answers)")[0]
+    def score_ids(responses, indices):
+        from megadare.rollout.engine import answer_ids
 
-        algo.prepare(samples, score_ids, rl.n_samples)
+        texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
+        return score_texts(cfg, reward_fn, texts, [prompts[i] for i in indices],
+                           f"RL step {step + 1} (intermediate answers)")[0]
+
+    algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
     metrics.update({f"reward_{k}": v for k, v in rstats.items()})
     stale = [step - t.policy_version for t in traj]
     if max(stale) > rl.max_staleness:
@@ -116,19 +116,19 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
                            f"rl.max_staleness={rl.max_staleness}")
     version = [t.policy_version for t in traj]
     for s in samples:
-        s.extra["policy_version"] = version[s.index] if s.index < len(version) else step
+        s.policy_version = version[s.index] if s.index < len(version) else step
         s.extra["rollout_step"] = step
-        if s.index < len(traj) and "token_versions" in traj[s.index].extra:
-            s.extra["token_versions"] = traj[s.index].extra["token_versions"]
+        if s.index < len(traj) and traj[s.index].token_versions:
+            s.token_versions = traj[s.index].token_versions
         if rl.behaviour_logp == "engine":
             # per slot of the trace replay: token k, then the commits token edits overwrote (trace_replay.py)
             t = traj[s.index]
-            s.extra["engine_logprobs"] = list(t.logprobs) + [e.logprob for e in t.superseded or []]
+            s.engine_logprobs = list(t.logprobs) + [e.logprob for e in t.superseded or []]
     metrics.update(staleness_metrics(stale))
-    mixed = [len(set(t.extra["token_versions"])) > 1 for t in traj if t.extra.get("token_versions")]
+    mixed = [len(set(t.token_versions)) > 1 for t in traj if t.token_versions]
     if mixed:
         metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
-    engine_s = sum(t.extra.get("engine_s", 0.0) for t in traj)
+    engine_s = sum(t.engine_s for t in traj)
     metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
                                              "async/queue_depth": float(len(queue.queue))})
     return samples, metrics

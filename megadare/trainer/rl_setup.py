@@ -153,8 +153,8 @@ def _build_policy(cfg: Config, src, algo) -> Policy:
     policy = Policy(model, optimizer, scheduler, ref_adapters_off=algo.needs_ref and rl.lora_rank > 0)
     if algo.needs_ref and not policy.ref_adapters_off:
         policy.ref_chunks = frozen_chunks(cfg, src)
-    if algo.p.get("value_model"):
-        policy.value = build_value_model(cfg, src, algo, updates)
+    if algo.value_model is not None:
+        policy.value = build_value_model(cfg, src, algo.value_model, updates)
     return policy
 
 

@@ -5,18 +5,35 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megadare.algos.algorithm import ValueModelSettings
 from megadare.config import Config
+from megadare.models.family import ModelArch
 from megadare.trainer.step import store_outputs
 
 
-def build_value_model(cfg: Config, src, algo, updates: int):
+@dataclass(frozen=True)
+class TrainShape:
+    """What every pass of an RL update runs with: the model's architecture, block size and attention mask kind,
+    how rows are packed (``pad_id``; a micro-batch count ``multiple`` for interleaved pipelines), the policy's
+    model chunks and the corruption seeding (``generator_for(seed, step, sample index, epoch)``)."""
+
+    arch: ModelArch
+    block: int
+    kind: str
+    pad_id: int
+    multiple: int
+    model: Any
+    generator_for: Callable[[int, int, int, int], Any]
+
+
+def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: int):
     """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone (``checkpoint.load`` when
-    set) + a zero-init value head."""
+    set) + a zero-init value head, trained at ``settings.lr``."""
     from megadare.algos.value_model import attach_value_head
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.sft_loop import initial_chunks
@@ -25,14 +42,14 @@ def build_value_model(cfg: Config, src, algo, updates: int):
     chunks = initial_chunks(cfg, src)
     attach_value_head(chunks)
     model = wrap_ddp(chunks, t.distributed_optimizer)
-    opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=algo.p["value_lr"], min_lr=0.0,
+    opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0,
                                                         warmup_steps=0, lr_decay_style="constant"))
     return model, opt, sched
 
 
-def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
+def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
     """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
-    the micro-batches' extras; values of a sample may sit on other data-parallel ranks (gathered)."""
+    the micro-batches (``adv``, extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
     from megatron.core import parallel_state as ps
 
     from megadare.algos.value_model import step_advantages
@@ -41,11 +58,10 @@ def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
         return {}  # not the last pipeline stage
     local = []
     for mb in micro_batches:
-        x = mb.extras
-        sel = (x["head"] != 0) & (x["tok"] >= 0)
-        if "slot" in x:   # token editing: a token's value is read where its final commit is scored (slot == token)
-            sel = sel & (x["slot"] == x["tok"])
-        local.extend(zip(x["sample"][sel].tolist(), x["tok"][sel].tolist(), x["v_old"][sel].tolist()))
+        sel = (mb.head != 0) & (mb.tok >= 0)
+        if mb.slot is not None:   # token editing: a value is read where the final commit is scored (slot == tok)
+            sel = sel & (mb.slot == mb.tok)
+        local.extend(zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(), mb.extras["v_old"][sel].tolist()))
     everything = [local]
     if ps.get_data_parallel_world_size() > 1:
         everything = [None] * ps.get_data_parallel_world_size()
@@ -54,15 +70,14 @@ def value_advantages(algo, samples, micro_batches) -> dict[str, float]:
     table: dict[tuple[int, int], tuple[float, float]] = {}
     for s in samples:
         vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
-        adv, ret = step_advantages(vs, s.commit_step, s.reward, algo.p["gamma"], algo.p["lam"])
+        adv, ret = step_advantages(vs, s.commit_step, s.reward, settings.gamma, settings.lam)
         for k in range(len(vs)):
             table[(s.index, k)] = (adv[k], ret[k])
     for mb in micro_batches:
-        x = mb.extras
-        keys = list(zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist()))
+        keys = list(zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist()))
         pairs = [table.get(key, (0.0, 0.0)) for key in keys]
-        x["adv"] = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(x["tok"])
-        x["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(x["tok"])
+        mb.adv = torch.tensor([a for a, _ in pairs], dtype=torch.float32).view_as(mb.tok)
+        mb.extras["ret"] = torch.tensor([r for _, r in pairs], dtype=torch.float32).view_as(mb.tok)
     vals = torch.tensor([v for part in everything for _, _, v in part] or [0.0])
     return {"value_mean": float(vals.mean())}
 
@@ -80,33 +95,32 @@ class Correction:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _prepare(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, generator_for, need_old: bool,
-             epoch: int = 0):
+def _prepare(cfg, algo, samples, step, shape: TrainShape, *, need_old: bool, epoch: int = 0):
     """Rows (corruptions of ``epoch``) -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
     from megatron.core import parallel_state as ps
 
     from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
 
-    rows = algo.batch_rows(samples, arch, block, lambda index: generator_for(cfg.seed, step, index, epoch))
+    sh = shape
+    rows = algo.batch_rows(samples, sh.arch, sh.block, lambda index: sh.generator_for(cfg.seed, step, index, epoch))
     if not rows:
         return None, None, 0
-    mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=pad_id)
+    mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
     denom = global_denominator(mbs)
     mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                                   multiple_of=multiple)
+                                   multiple_of=sh.multiple)
     if need_old:
-        store_outputs(model, mine, "old", kind, block, arch.vocab_size)
+        store_outputs(sh.model, mine, "old", sh.kind, sh.block, sh.arch.vocab_size)
     return mine, denom, len(rows)
 
 
-def _behaviour(corr: Correction, mine, versions: set[int], model, kind, block, vocab) -> None:
+def _behaviour(corr: Correction, mine, versions: set[int], shape: TrainShape) -> None:
     from megadare.trainer.offpolicy.correction import store_behaviour, store_engine_behaviour
 
     if corr.engine_logprobs is not None:
         store_engine_behaviour(mine, corr.engine_logprobs)
     else:
-        store_behaviour(model, corr.snapshots, mine, corr.version_of, corr.current, versions, kind, block, vocab,
-                        corr.token_versions)
+        store_behaviour(shape, corr, mine, versions)
 
 
 def corruption_draws(cfg, algo) -> int:
@@ -116,8 +130,8 @@ def corruption_draws(cfg, algo) -> int:
     return cfg.rl.ppo_epochs if redraw else 1
 
 
-def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, model, ref_chunks, objective,
-                 generator_for, value, correction, out, ref_adapters_off: bool = False) -> tuple[list[list], int]:
+def _prepare_all(cfg, algo, groups, step, shape: TrainShape, *, ref_chunks, objective, value, correction, out,
+                 ref_adapters_off: bool = False) -> tuple[list[list], int]:
     """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
     the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
     from megadare.trainer.offpolicy.correction import correction_weights
@@ -130,15 +144,14 @@ def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, m
     for epoch in range(draws):
         sets = []
         for group in groups:
-            mine, denom, n = _prepare(cfg, algo, group, step, arch, block, kind, pad_id, multiple, model,
-                                      generator_for, need_old=not objective.on_policy, epoch=epoch)
+            mine, denom, n = _prepare(cfg, algo, group, step, shape, need_old=not objective.on_policy, epoch=epoch)
             if mine is None:
                 continue
             n_rows += n
-            _reference_passes(algo, group, mine, model if ref_adapters_off else ref_chunks, ref_adapters_off, value,
-                              kind, block, arch.vocab_size)
+            _reference_passes(algo, group, mine, shape.model if ref_adapters_off else ref_chunks, ref_adapters_off,
+                              value, shape)
             if correction is not None:
-                _behaviour(correction, mine, versions, model, kind, block, arch.vocab_size)
+                _behaviour(correction, mine, versions, shape)
                 if cfg.rl.loss_mode == "decoupled":
                     for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
                         out[k] = out.get(k, 0.0) + v / (len(groups) * draws)
@@ -147,26 +160,26 @@ def _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, m
     return prepared, n_rows
 
 
-def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, kind, block, vocab) -> None:
-    """extras['ref'] from the reference (``ref_chunks``; with ``adapters_off`` the policy's own chunks with their
+def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, shape: TrainShape) -> None:
+    """``ref`` log-probs from the reference (``ref_chunks``; with ``adapters_off`` the policy's own chunks with their
     LoRA adapters off) and the value model's V_old with its advantages."""
     from megadare.algos.value_model import values_of
     from megadare.models.lora import adapters_disabled
 
+    kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
     if ref_chunks is not None:
         with adapters_disabled(ref_chunks) if adapters_off else contextlib.nullcontext():
             store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
     if value is not None:
         store_outputs(value[0], mine, "v_old", kind, block, vocab, per_position=values_of)
-        value_advantages(algo, group, mine)
+        value_advantages(algo.value_model, group, mine)
 
 
-def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model, ref_chunks, optimizer, scheduler,
-           objective, generator_for, value=None, correction: Optional[Correction] = None,
-           ref_adapters_off: bool = False) -> dict[str, float]:
+def update(cfg, algo, samples, step: int, shape: TrainShape, *, ref_chunks, optimizer, scheduler, objective,
+           value=None, correction: Optional[Correction] = None, ref_adapters_off: bool = False) -> dict[str, float]:
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
-    optimizer steps; epoch e trains on corruption set e when they are redrawn (``corruption_draws``).
-    ``ref_adapters_off``: the reference is ``model`` with its LoRA adapters off."""
+    optimizer steps of ``shape.model``; epoch e trains on corruption set e when they are redrawn
+    (``corruption_draws``). ``ref_adapters_off``: the reference is the model with its LoRA adapters off."""
     from megadare.algos.value_model import ValueObjective, values_of
     from megadare.trainer.step import train_step
 
@@ -175,18 +188,18 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
     n_mb = min(rl.mini_batches, len(prompt_groups))
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
-    prepared, n_rows = _prepare_all(cfg, algo, groups, step, arch, block, kind, pad_id, multiple, model, ref_chunks,
-                                    objective, generator_for, value, correction, out,
-                                    ref_adapters_off)
+    prepared, n_rows = _prepare_all(cfg, algo, groups, step, shape, ref_chunks=ref_chunks, objective=objective,
+                                    value=value, correction=correction, out=out, ref_adapters_off=ref_adapters_off)
+    kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):
         for mine, denom in prepared[epoch % len(prepared)]:
-            m = train_step(model, optimizer, scheduler, mine, denom, kind, block, arch.vocab_size, objective=objective,
+            m = train_step(shape.model, optimizer, scheduler, mine, denom, kind, block, vocab, objective=objective,
                            entropy=True)
             if value is not None:
-                vm = train_step(*value, mine, denom, kind, block, arch.vocab_size,
-                                objective=ValueObjective(algo.p["value_clip"]), per_position=values_of)
+                vm = train_step(*value, mine, denom, kind, block, vocab,
+                                objective=ValueObjective(algo.value_model.clip), per_position=values_of)
                 m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
                           "value_grad_norm": vm["grad_norm"]})
             for k, v in m.items():
@@ -194,8 +207,7 @@ def update(cfg, algo, samples, step, arch, block, kind, pad_id, multiple, model,
     return out
 
 
-def replay_select(cfg, algo, buffer, n: int, step, arch, block, kind, pad_id, multiple, model, generator_for,
-                  correction: Correction) -> list:
+def replay_select(cfg, algo, buffer, n: int, step, shape: TrainShape, correction: Correction) -> list:
     """Up to ``n`` replayed samples, chosen by ``ReplayBuffer.select`` with D-ARL's variance-guided score of each
     candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
     corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are copies
@@ -215,12 +227,11 @@ def replay_select(cfg, algo, buffer, n: int, step, arch, block, kind, pad_id, mu
         s.index, s.group = base + i, base + s.group + 1000 * e.version
         scored.append(s)
     version_of = {s.index: e.version for s, e in zip(scored, cands)}
-    mine, _, _ = _prepare(cfg, algo, scored, step, arch, block, kind, pad_id, multiple, model, generator_for,
-                          need_old=True)
+    mine, _, _ = _prepare(cfg, algo, scored, step, shape, need_old=True)
     if mine is None:
         return []
     ctx = Correction(version_of, correction.current, correction.snapshots)
-    _behaviour(ctx, mine, set(version_of.values()), model, kind, block, arch.vocab_size)
+    _behaviour(ctx, mine, set(version_of.values()), shape)
     by_sample = replay_scores(mine, cfg.replay.score)
     scores = torch.tensor([by_sample.get(base + i, float("inf")) for i in range(len(cands))], dtype=torch.float64)
     sel = buffer.select(n, step, scores=scores, level=cfg.replay.level, max_score=cfg.replay.max_score,

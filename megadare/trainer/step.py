@@ -31,7 +31,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megadare.data.rows import MicroBatch
+from megadare.data.rows import MB_COLUMNS, MicroBatch
 from megadare.models.head import HeadSettings, ScoredOutput, ScoredTargets
 from megadare.trainer.logprob import token_entropy, token_logprobs
 
@@ -59,15 +59,15 @@ def cp_slice(mb: MicroBatch) -> MicroBatch:
     if S % cp:
         raise ValueError(f"sequence length {S} is not divisible by parallel.cp={cp}")
     sl = slice(r * S // cp, (r + 1) * S // cp)
-    extras = {k: (v[:, sl] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == S else v)
-              for k, v in mb.extras.items()}
-    context = ({"slot": mb.extras["slot"], "row_ids": mb.extras["row_ids"], "size": cp,
-                "group": ps.get_context_parallel_group()} if "slot" in mb.extras else None)
+    cut = lambda v: v[:, sl] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == S else v  # noqa: E731
+    extras = {k: cut(v) for k, v in mb.extras.items()}
+    context = ({"slot": mb.slot, "row_ids": mb.row_ids, "size": cp,
+                "group": ps.get_context_parallel_group()} if mb.slot is not None else None)
     return MicroBatch(tokens=mb.tokens[:, sl], labels=mb.labels[:, sl], weight=mb.weight[:, sl],
                       position_ids=mb.position_ids[:, sl], segment_ids=mb.segment_ids[:, sl],
                       stream_ids=None if mb.stream_ids is None else mb.stream_ids[:, sl],
                       padding=None if mb.padding is None else mb.padding[:, sl], denom=mb.denom, num_rows=mb.num_rows,
-                      extras=extras, context=context)
+                      extras=extras, context=context, **{k: cut(getattr(mb, k)) for k in MB_COLUMNS})
 
 
 def _device() -> torch.device:
@@ -81,7 +81,8 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
     return MicroBatch(tokens=mv(mb.tokens), labels=mv(mb.labels), weight=mv(mb.weight),
                       position_ids=mv(mb.position_ids), segment_ids=mv(mb.segment_ids),
                       stream_ids=mv(mb.stream_ids), padding=mv(mb.padding), denom=mb.denom, num_rows=mb.num_rows,
-                      extras={k: mv(v) if torch.is_tensor(v) else v for k, v in mb.extras.items()})
+                      extras={k: mv(v) if torch.is_tensor(v) else v for k, v in mb.extras.items()},
+                      **{k: mv(getattr(mb, k)) for k in MB_COLUMNS})
 
 
 def head_settings(chunks: list[torch.nn.Module]) -> HeadSettings:
@@ -169,7 +170,14 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
 
 def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
     """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
-    into ``mb.extras[key]`` (on the last pipeline stage)."""
+    into ``mb.put(key, ...)`` (a ``PASSES`` field, else extras; on the last pipeline stage)."""
+    for mb, out in zip(micro_batches, outputs_of(chunks, micro_batches, kind, block, vocab, per_position)):
+        mb.put(key, out)
+
+
+def outputs_of(chunks, micro_batches, kind: str, block: int, vocab: int, per_position=None) -> list[torch.Tensor]:
+    """Per-position log-probs (or ``per_position`` outputs) [b, S] of each micro-batch under ``chunks``, on the
+    micro-batches' device; empty on the stages before the last pipeline stage."""
     got: list[torch.Tensor] = []
 
     def grab(mb, logp):
@@ -180,12 +188,14 @@ def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab:
         run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
                           per_position=per_position)
     cp = ps.get_context_parallel_world_size()
+    out = []
     for mb, lp in zip(micro_batches, got):
         if cp > 1:  # each CP rank scored its slice: the whole sequence, in rank order (cp_slice)
             parts = [torch.empty_like(lp) for _ in range(cp)]
             dist.all_gather(parts, lp.contiguous(), group=ps.get_context_parallel_group())
             lp = torch.cat(parts, dim=1)
-        mb.extras[key] = lp.to(mb.weight.device)
+        out.append(lp.to(mb.weight.device))
+    return out
 
 
 def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> dict[str, float]:

@@ -25,34 +25,37 @@ weights, selections and metrics.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
-from megadare.trainer.step import store_outputs
+from megadare.trainer.step import outputs_of
 
 Key = tuple[int, int]   # (sample index, slot)
 
 
-def gather_slot_sums(micro_batches: list[MicroBatch], keys: list[str]) -> dict[Key, list[float]]:
-    """{(sample, slot): [sum over the slot's positions of weight * extras[key] for key in keys]} over the world."""
+Columns = Callable[[MicroBatch], list[Optional[torch.Tensor]]]   # per-position tensors of a micro-batch
+
+
+def gather_slot_sums(micro_batches: list[MicroBatch], columns: Columns) -> dict[Key, list[float]]:
+    """{(sample, slot): [sum over the slot's positions of weight * c for c in columns(mb)]} over the world."""
     local: dict[Key, list[float]] = {}
     for mb in micro_batches:
-        x = mb.extras
-        if any(k not in x for k in keys):
+        cols = columns(mb)
+        if any(c is None for c in cols):
             continue  # not the last pipeline stage (or an empty micro-batch)
-        sel = x["slot"] >= 0
+        sel = mb.slot >= 0
         if not bool(sel.any()):
             continue
         w = mb.weight[sel].double()
-        sample, slot = x["sample"][sel].tolist(), x["slot"][sel].tolist()
-        vals = [(w * x[k][sel].double()).tolist() for k in keys]
+        sample, slot = mb.sample[sel].tolist(), mb.slot[sel].tolist()
+        vals = [(w * c[sel].double()).tolist() for c in cols]
         for i, key in enumerate(zip(sample, slot)):
-            acc = local.setdefault(key, [0.0] * len(keys))
-            for j in range(len(keys)):
+            acc = local.setdefault(key, [0.0] * len(cols))
+            for j in range(len(cols)):
                 acc[j] += vals[j][i]
     parts = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -65,67 +68,66 @@ def gather_slot_sums(micro_batches: list[MicroBatch], keys: list[str]) -> dict[K
 
 
 def put_slot_values(micro_batches: list[MicroBatch], key: str, table: dict[Key, float], default: float = 0.0) -> None:
-    """extras[key] at every position = the value of its (sample, slot) (``default`` where unscored)."""
+    """``mb.put(key)`` at every position = the value of its (sample, slot) (``default`` where unscored)."""
     for mb in micro_batches:
-        x = mb.extras
-        if "slot" not in x:
+        if mb.slot is None:
             continue
-        keys = zip(x["sample"].flatten().tolist(), x["slot"].flatten().tolist())
-        x[key] = torch.tensor([table.get(k, default) for k in keys], dtype=torch.float32).view_as(x["slot"])
+        keys = zip(mb.sample.flatten().tolist(), mb.slot.flatten().tolist())
+        mb.put(key, torch.tensor([table.get(k, default) for k in keys], dtype=torch.float32).view_as(mb.slot))
 
 
-def store_behaviour(model, snapshots, micro_batches: list[MicroBatch], version_of: dict[int, int], current: int,
-                    versions: set[int], kind: str, block: int, vocab: int,
-                    token_versions: Optional[dict[int, list[int]]] = None) -> None:
-    """extras['lp_v<v>'] for every v in ``versions`` (the current one is the proximal pass 'old') and
-    extras['behave'] = lp under each position's own version: the version of the token it predicts when the
-    response was generated across weight updates (``token_versions``, partial rollouts), else the sample's.
-    (A sequence slot of such a response mixes versions; it takes each position's token version.)"""
+def store_behaviour(shape, corr, micro_batches: list[MicroBatch], versions: set[int]) -> None:
+    """``version_logp[v]`` for every v in ``versions`` (the current one is the proximal pass ``old``) and
+    ``behave`` = lp under each position's own version: the version of the token it predicts when the
+    response was generated across weight updates (``corr.token_versions``, partial rollouts), else the sample's
+    (``corr.version_of``). (A sequence slot of such a response mixes versions; it takes each position's token
+    version.) ``shape``: rl_update.TrainShape; ``corr``: rl_update.Correction (its weight ``snapshots``)."""
+    model, kind, block, vocab = shape.model, shape.kind, shape.block, shape.arch.vocab_size
+    version_of, current, snapshots = corr.version_of, corr.current, corr.snapshots
     for v in sorted(versions):
         if v == current:
             for mb in micro_batches:
-                if "old" in mb.extras:
-                    mb.extras[f"lp_v{v}"] = mb.extras["old"]
+                if mb.old is not None:
+                    mb.version_logp[v] = mb.old
             continue
         with snapshots.swapped_in(v):
-            store_outputs(model, micro_batches, f"lp_v{v}", kind, block, vocab)
+            for mb, lp in zip(micro_batches, outputs_of(model, micro_batches, kind, block, vocab)):
+                mb.version_logp[v] = lp
     for mb in micro_batches:
-        x = mb.extras
-        if "old" not in x:
+        if mb.old is None:
             continue
-        tv = token_versions or {}
+        tv = corr.token_versions or {}
         own = torch.tensor([tv[s][k] if s in tv and 0 <= k < len(tv[s]) else version_of.get(s, current)
-                            for s, k in zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist())]
-                           ).view_as(x["sample"])
-        behave = x["old"].clone()
+                            for s, k in zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist())]
+                           ).view_as(mb.sample)
+        behave = mb.old.clone()
         for v in versions:
-            behave = torch.where(own == v, x[f"lp_v{v}"], behave)
-        x["behave"] = behave
+            behave = torch.where(own == v, mb.version_logp[v], behave)
+        mb.behave = behave
 
 
 def store_engine_behaviour(micro_batches: list[MicroBatch], engine_logprobs: dict[int, list[float]]) -> None:
-    """extras['behave'] = the engine's sampler log-prob of the commit each scored position predicts: indexed by
+    """``behave`` = the engine's sampler log-prob of the commit each scored position predicts: indexed by
     slot, which trace replay numbers as the engine does (token k, then the superseded commits of token editing;
     only trace replay at one state per step may use engine log-probs, ``check_correction_config``)."""
     for mb in micro_batches:
-        x = mb.extras
-        if "slot" not in x:
+        if mb.slot is None:
             continue
         vals = [engine_logprobs[s][sl] if sl >= 0 and k >= 0 else 0.0 for s, k, sl in
-                zip(x["sample"].flatten().tolist(), x["tok"].flatten().tolist(), x["slot"].flatten().tolist())]
-        x["behave"] = torch.tensor(vals, dtype=torch.float32).view_as(x["slot"])
+                zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist(), mb.slot.flatten().tolist())]
+        mb.behave = torch.tensor(vals, dtype=torch.float32).view_as(mb.slot)
 
 
 def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int],
                        versions: set[int]) -> dict[str, float]:
-    """Per-slot IS weights into extras['is_w'] (decoupled loss); returns the IS / mixture metrics."""
+    """Per-slot IS weights into ``is_weight`` (decoupled loss); returns the IS / mixture metrics."""
     from megadare.trainer.offpolicy.replay import balance_heuristic_weights
     from megadare.trainer.offpolicy.importance import rollout_is_weights
 
     rl = cfg.rl
     pmis = cfg.replay.enable and cfg.replay.pmis and len(versions) > 1
-    keys = ["old", "behave"] + ([f"lp_v{v}" for v in sorted(versions)] if pmis else [])
-    sums = gather_slot_sums(micro_batches, keys)
+    ver = sorted(versions) if pmis else []
+    sums = gather_slot_sums(micro_batches, lambda mb: [mb.old, mb.behave] + [mb.version_logp.get(v) for v in ver])
     if not sums:
         return {}
     order = sorted(sums)
@@ -148,7 +150,7 @@ def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of:
         w = torch.stack([ws[pos[k[0]]] for k in order])
         metrics.update({"is/mixture_weight_mean": float(ws.mean()), "is/mixture_weight_max": float(ws.max()),
                         "is/mixture_ess": float(ws.sum() ** 2 / (len(ws) * (ws * ws).sum()))})
-    put_slot_values(micro_batches, "is_w", {k: float(wi) for k, wi in zip(order, w)})
+    put_slot_values(micro_batches, "is_weight", {k: float(wi) for k, wi in zip(order, w)})
     return metrics
 
 
@@ -157,7 +159,7 @@ def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float
     (trainer/offpolicy/replay.py ``variance_guided_scores``; lower = better matched to the current policy)."""
     from megadare.trainer.offpolicy.replay import variance_guided_scores
 
-    sums = gather_slot_sums(micro_batches, ["old", "behave"])
+    sums = gather_slot_sums(micro_batches, lambda mb: [mb.old, mb.behave])
     by: dict[int, list[float]] = {}
     for (s, _), (cur, beh) in sorted(sums.items()):
         by.setdefault(s, []).append(cur - beh)
@@ -180,7 +182,7 @@ def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
     if rl.partial_rollout and not ahead:
         raise ConfigError(f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
                           f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)")
-    if ahead and hasattr(algo, "rollout"):
+    if ahead and algo.own_rollout:
         raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
                           "use rl.mode=sync")
     if rl.loss_mode == "ppo" and rl.rollout_is is not None:
@@ -234,7 +236,7 @@ def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
     gfirst = max((s.group for s in fresh), default=-1) + 1
     groups: dict[tuple[int, int], int] = {}
     for j, s in enumerate(replayed):
-        key = (int(s.extra.get("policy_version", 0)), s.group)
+        key = (int(s.policy_version or 0), s.group)
         s.group = groups.setdefault(key, gfirst + len(groups))
         s.index = first + j
     return replayed
@@ -248,13 +250,13 @@ def oldest_needed(cfg: Config, step: int, ahead: int) -> int:
 
 
 def version_table(samples: list[Any]) -> dict[int, int]:
-    return {s.index: int(s.extra.get("policy_version", 0)) for s in samples}
+    return {s.index: int(s.policy_version or 0) for s in samples}
 
 
 def engine_table(samples: list[Any]) -> Optional[dict[int, list[float]]]:
-    if not samples or "engine_logprobs" not in samples[0].extra:
+    if not samples or samples[0].engine_logprobs is None:
         return None
-    return {s.index: s.extra["engine_logprobs"] for s in samples}
+    return {s.index: s.engine_logprobs for s in samples}
 
 
 __all__ = ["gather_slot_sums", "put_slot_values", "store_behaviour", "store_engine_behaviour", "correction_weights",

@@ -15,7 +15,7 @@ staleness d (verl ``one_step_off_policy`` / ``fully_async_policy``, AReaL's boun
 Partial rollouts (``rl.partial_rollout = n`` blocks, modes with lookahead): a queued rollout is generated n blocks
 at a time; after every weight update the queue collects each running segment and submits the next one on the new
 weights (prompt ++ the response so far), so a response's blocks may come from several versions
-(``Trajectory.extra['token_versions']``; the trajectory's ``policy_version`` is its oldest token's, which bounds
+(``Trajectory.token_versions``; the trajectory's ``policy_version`` is its oldest token's, which bounds
 its staleness). Segments end on block boundaries of the model's grid (block families: the global
 prompt+response grid, so the first segment of a prompt with P mod B = r tokens is n*B - r long; full attention:
 blocks counted from the response start), so no block is ever split between versions and the stitched trace --
@@ -119,8 +119,8 @@ class PartialRollout:
             offset += tr.num_forwards
         out.num_forwards, out.finish_reason = offset, segs[-1].finish_reason
         out.policy_version = min(versions, default=segs[0].policy_version)
-        out.extra["token_versions"] = versions
-        out.extra["engine_s"] = sum(t.extra.get("engine_s", 0.0) for t in segs)
+        out.token_versions = versions
+        out.engine_s = sum(t.engine_s for t in segs)
         return out
 
 

@@ -107,13 +107,8 @@ class ReplaySelection:
 
 
 def sample_version(sample: Any) -> Optional[int]:
-    """A sample's behaviour version: its ``policy_version`` attribute (``Trajectory``) or
-    ``extra['policy_version']`` (``RLSample``); None if it has neither."""
+    """A sample's behaviour version: its ``policy_version`` (``Trajectory``, ``RLSample``); None if it has none."""
     v = getattr(sample, "policy_version", None)
-    if v is None:
-        extra = getattr(sample, "extra", None)
-        if isinstance(extra, Mapping):
-            v = extra.get("policy_version")
     return None if v is None else int(v)
 
 
@@ -192,7 +187,7 @@ class ReplayBuffer:
             v = version if version is not None else sample_version(s)
             if v is None:
                 raise ValueError("ReplayBuffer.add: no version given and the sample has no policy_version "
-                                 "(attribute or extra['policy_version'])")
+                                 "(policy_version)")
             groups.setdefault(int(v), []).append(s)
         stored = 0
         for v in sorted(groups):
