@@ -512,7 +512,7 @@ def sampling_check(args, base) -> None:
             fn()
             sync()
             times[k].append(now() - t0)
-    del logits, hidden, head
+    logits = hidden = head = None         # free the device memory before the forward estimate
     fwd_ms = 1e3 * forward_estimate(args, n, B)
     print(f"rollout sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward "
           f"of these {n * B} queries: {fwd_ms:.0f} ms (1 layer measured, x28)")

@@ -17,7 +17,6 @@ cluster's).
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import replace
 from typing import Optional

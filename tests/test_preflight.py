@@ -161,12 +161,12 @@ def test_rl_prompts_over_the_budget_follow_data_overlong_when_loaded(tmp_path, c
     cfg = load_config(None, [f"data.path={path}", "data.overlong=drop"])
     train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
     assert [p.where for p in train] == [f"{path}:1", f"{path}:3"]
-    assert f"data: left out 1 prompts longer than 20 tokens" in capsys.readouterr().err
+    assert "data: left out 1 prompts longer than 20 tokens" in capsys.readouterr().err
     cfg = load_config(None, [f"data.path={path}"])                               # truncate: keep the end
     train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
     full = tok.chat_prompt([{"role": "user", "content": "x" * 40}])
     assert len(train) == 3 and train[1].prompt_ids == full[-20:]
-    assert f"kept the last tokens of 1 prompts longer than 20 tokens" in capsys.readouterr().err
+    assert "kept the last tokens of 1 prompts longer than 20 tokens" in capsys.readouterr().err
 
 
 def test_code_rewards_need_the_sandbox_before_anything_starts(tmp_path, data, capsys, monkeypatch):

@@ -18,7 +18,7 @@ import os
 import pytest
 
 from dare_files import unicode_rl_rows, unicode_sft_rows, write_parquet
-from qwen_files import IM_END, IM_START, NL, qwen_dir, sdar_user_prompt, tiktoken_ids
+from qwen_files import IM_END, IM_START, qwen_dir, sdar_user_prompt, tiktoken_ids
 from megadare.data.files import DataError
 from megadare.data.prompt_data import build_prompts
 from megadare.data.sft_data import record_to_example

@@ -392,9 +392,9 @@ class _BlockDiffusion(_Decoder):
         self._first: Optional[tuple[torch.Tensor, ...]] = None
 
     def admit(self, start: int, indices: list[int]) -> None:
-        d, dev, B = self.dev, self.e.device, self.B
+        d, dev = self.dev, self.e.device
         for j, i in enumerate(indices):
-            row, q, p = start + j, self.pre[i], self.prompts[i]
+            row, p = start + j, self.prompts[i]
             d["tokens"][row] = self.M
             d["tokens"][row, :len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
         pre = torch.tensor([self.pre[i] for i in indices], dtype=torch.long, device=dev)

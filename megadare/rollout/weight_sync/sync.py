@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
