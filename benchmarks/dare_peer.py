@@ -15,6 +15,7 @@ it); ``fused_flex_attention`` (FlexAttention has no backward on CPU) is SDPA und
 own ``mask_mod`` evaluated densely -- what megadare's CPU attention does too. The file targets transformers 4.52
 (``config.json``): run this with the DARE environment's python (``--peer-python``).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,18 +44,20 @@ def _install_standins() -> None:
     for name in ("flash_attn", "flash_attn.ops", "flash_attn.ops.triton", "flash_attn.ops.triton.layer_norm"):
         if name not in sys.modules:
             mod = types.ModuleType(name)
-            mod.__spec__ = importlib.machinery.ModuleSpec(name, None)   # transformers probes it; no distribution
+            mod.__spec__ = importlib.machinery.ModuleSpec(name, None)  # transformers probes it; no distribution
             sys.modules[name] = mod
     sys.modules["flash_attn.ops.triton.layer_norm"].rms_norm_fn = _rms_norm_fn
     fused = types.ModuleType(f"{PKG}.fused_linear_diffusion_cross_entropy")
 
-    class FusedLinearDiffusionCrossEntropyLoss(torch.nn.Module):   # Triton-only in the publisher's file
+    class FusedLinearDiffusionCrossEntropyLoss(torch.nn.Module):  # Triton-only in the publisher's file
         def __init__(self, *a, **k):
             super().__init__()
 
         def forward(self, *a, **k):
-            raise RuntimeError("the publisher's fused linear cross entropy is Triton/CUDA only; on CPU DARE's path "
-                               "is return_block_diffusion_token_loss=True")
+            raise RuntimeError(
+                "the publisher's fused linear cross entropy is Triton/CUDA only; on CPU DARE's path "
+                "is return_block_diffusion_token_loss=True"
+            )
 
     fused.FusedLinearDiffusionCrossEntropyLoss = FusedLinearDiffusionCrossEntropyLoss
     sys.modules[fused.__name__] = fused
@@ -70,10 +73,12 @@ def _sdpa_flex_standin(query, key, value, attention_mask, enable_gqa=True, scale
 
     if _DENSE.get("of") is not attention_mask:
         B, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
-        _DENSE.update(of=attention_mask, mask=create_mask(attention_mask.mask_mod, B, None, q_len, kv_len,
-                                                          device=query.device))
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=_DENSE["mask"], scale=scale,
-                                                           enable_gqa=enable_gqa)
+        _DENSE.update(
+            of=attention_mask, mask=create_mask(attention_mask.mask_mod, B, None, q_len, kv_len, device=query.device)
+        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=_DENSE["mask"], scale=scale, enable_gqa=enable_gqa
+    )
     return (out, None) if return_lse else out
 
 
@@ -100,9 +105,21 @@ def build(repo: str, ckpt: str):
         cfg = json.load(f)
     with open(os.path.join(ckpt, "config.json")) as f:
         shape = json.load(f)
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "mask_token_id", "block_size", "tie_word_embeddings", "rope_theta",
-            "rms_norm_eps", "max_position_embeddings")
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "mask_token_id",
+        "block_size",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    )
     cfg.update({k: shape[k] for k in keys}, torch_dtype="float32", use_cache=False)
     cfg.pop("auto_map", None)
     config = configuration.SDARConfig(**cfg)
@@ -120,11 +137,14 @@ def dare_batch(rows: list[dict]) -> dict:
     """DARE's step inputs from megadare's block rows (x_t ++ x_0 of one sample each): input_ids x_0, labels
     (-100 on the prompt), position ids, and the stored corruption (noisy ids, target mask, p_mask = t)."""
     x0 = torch.stack([r["x0"] for r in rows])
-    return {"input_ids": x0, "labels": torch.stack([r["labels"] for r in rows]),
-            "position_ids": torch.arange(x0.shape[1]).expand_as(x0).contiguous(),
-            "bd_noisy_input_ids": torch.stack([r["xt"] for r in rows]),
-            "bd_target_mask": torch.stack([r["target"] for r in rows]),
-            "bd_p_mask": torch.stack([r["p_mask"] for r in rows])}
+    return {
+        "input_ids": x0,
+        "labels": torch.stack([r["labels"] for r in rows]),
+        "position_ids": torch.arange(x0.shape[1]).expand_as(x0).contiguous(),
+        "bd_noisy_input_ids": torch.stack([r["xt"] for r in rows]),
+        "bd_target_mask": torch.stack([r["target"] for r in rows]),
+        "bd_p_mask": torch.stack([r["p_mask"] for r in rows]),
+    }
 
 
 def main() -> None:
@@ -159,9 +179,17 @@ def timed_steps(model, batch: dict, steps: int, warmup: int = 1, lr: float = 1e-
         t_end = time.perf_counter()
         first = first if i else float(loss.detach())
         if i >= warmup:
-            out.append({"forward": marks["trunk"] - t0, "head": t_loss - marks["trunk"],
-                        "head_bwd": marks["head_bwd"] - t_loss, "backward": t_bwd - marks["head_bwd"],
-                        "optimizer": t_end - t_bwd, "step": t_end - t0, "loss0": first})
+            out.append(
+                {
+                    "forward": marks["trunk"] - t0,
+                    "head": t_loss - marks["trunk"],
+                    "head_bwd": marks["head_bwd"] - t_loss,
+                    "backward": t_bwd - marks["head_bwd"],
+                    "optimizer": t_end - t_bwd,
+                    "step": t_end - t0,
+                    "loss0": first,
+                }
+            )
     return out
 
 

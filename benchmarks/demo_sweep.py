@@ -8,6 +8,7 @@ The full-attention algorithms (JustGRPO, ESPO) run on the tiny LLaDA (``megadare
 the tiny SDAR (block diffusion, the demo's default). Runs one after the other; each result line is printed as it
 comes (and the table at the end). Minutes are wall-clock on whatever machine runs it (shared or not).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FULL_ATTENTION = {"justgrpo": "llada", "espo": "llada"}   # README: these need a full-attention family
+FULL_ATTENTION = {"justgrpo": "llada", "espo": "llada"}  # README: these need a full-attention family
 
 
 def main() -> None:
@@ -50,8 +51,11 @@ def main() -> None:
             evals = spawn(rl_worker, 1, cfg, timeout_s=3600)[0]["evals"]
             before, after = evals[min(evals)]["accuracy"], evals[max(evals)]["accuracy"]
             rows.append((algo, family, before, after, (time.time() - t0) / 60))
-            print(f"{algo:15s} {family:6s} held-out {before:.2f} -> {after:.2f} ({after - before:+.2f}) "
-                  f"{rows[-1][-1]:.1f} min", flush=True)
+            print(
+                f"{algo:15s} {family:6s} held-out {before:.2f} -> {after:.2f} ({after - before:+.2f}) "
+                f"{rows[-1][-1]:.1f} min",
+                flush=True,
+            )
     print(f"\n{'algorithm':15s} {'family':6s} {'SFT acc':>8s} {'RL acc':>7s} {'gain':>6s} {'minutes':>8s}")
     for algo, family, before, after, minutes in rows:
         print(f"{algo:15s} {family:6s} {before:8.2f} {after:7.2f} {after - before:+6.2f} {minutes:8.1f}")

@@ -24,6 +24,7 @@ else runs/gpu_check), four files: ``results.json`` (every row), ``summary.md`` (
 ``--carry DIR`` first installs the wheels under DIR (made here by benchmarks/gpu_carry.sh) into a site folder the
 steps import from; benchmarks/GPU.md says how they travel.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,22 +42,42 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-BUDGET = "@BUDGET@"     # in a step's command: the seconds it has when it starts
-LOG_CHARS = 400_000     # of one command's output in gpu_check.log (the file comes back from the device)
+BUDGET = "@BUDGET@"  # in a step's command: the seconds it has when it starts
+LOG_CHARS = 400_000  # of one command's output in gpu_check.log (the file comes back from the device)
 ORDER = ["env", "parity", "attention", "engine", "sft", "train", "rollout", "planner", "profile", "rl"]
 # seconds each step may take on a GPU (--tiny on a CPU: TINY_TIMEOUTS)
-TIMEOUTS = {"env": 60, "parity": 150, "attention": 200, "engine": 90, "sft": 180, "train": 300, "rollout": 360,
-            "planner": 120, "profile": 120, "rl": 300}
-TINY_TIMEOUTS = {"env": 120, "parity": 300, "attention": 300, "engine": 300, "sft": 600, "train": 300,
-                 "rollout": 300, "planner": 300, "profile": 300, "rl": 900}
+TIMEOUTS = {
+    "env": 60,
+    "parity": 150,
+    "attention": 200,
+    "engine": 90,
+    "sft": 180,
+    "train": 300,
+    "rollout": 360,
+    "planner": 120,
+    "profile": 120,
+    "rl": 300,
+}
+TINY_TIMEOUTS = {
+    "env": 120,
+    "parity": 300,
+    "attention": 300,
+    "engine": 300,
+    "sft": 600,
+    "train": 300,
+    "rollout": 300,
+    "planner": 300,
+    "profile": 300,
+    "rl": 900,
+}
 
 
 @dataclass
 class Step:
     name: str
-    commands: list[list[str]]          # run one after the other, each under what is left of the step's time
+    commands: list[list[str]]  # run one after the other, each under what is left of the step's time
     timeout: float
-    rows_file: str = ""                # the step's own rows (in-process steps), else rows from the output
+    rows_file: str = ""  # the step's own rows (in-process steps), else rows from the output
     result: dict = field(default_factory=dict)
 
 
@@ -65,10 +86,13 @@ def train_commands(py: str, tiny: bool) -> list[list[str]]:
     """benchmarks/train_throughput.py through its command line (the one place that builds it)."""
     tt = os.path.join(HERE, "train_throughput.py")
     if tiny:
-        return [[py, tt, "--shape", "dense", "--batch", "1", "--seq", "64", "--steps", "1", "--backends", "local",
-                 "sdpa"]]
-    return [[py, tt, "--shape", "dense", "--batch", "1", "4", "--backends", "local", "sdpa", "flex"],
-            [py, tt, "--shape", "moe", "--batch", "4", "--backends", "sdpa", "flex"]]
+        return [
+            [py, tt, "--shape", "dense", "--batch", "1", "--seq", "64", "--steps", "1", "--backends", "local", "sdpa"]
+        ]
+    return [
+        [py, tt, "--shape", "dense", "--batch", "1", "4", "--backends", "local", "sdpa", "flex"],
+        [py, tt, "--shape", "moe", "--batch", "4", "--backends", "sdpa", "flex"],
+    ]
 
 
 def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
@@ -79,17 +103,32 @@ def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
     if tiny:
         return [[py, rt, "--batch", "2", "--prompt", "8", "--new", "8", "--steps", "2"]]
     sdar = [[py, rt, "--batch", "32", "--prompt", "128", "--new", new, "--steps", "4"] for new in ("128", "256")]
-    full = [py, rt, "--batch", "32", "--prompt", "128", "--new", "128", "--steps", "4", "--rounds", "1",
-            "--baseline-ref", "none"]
-    compiled = full + ["--compile"]                     # CUDA graphs: the path to 9k tok/s (minutes to compile)
+    full = [
+        py,
+        rt,
+        "--batch",
+        "32",
+        "--prompt",
+        "128",
+        "--new",
+        "128",
+        "--steps",
+        "4",
+        "--rounds",
+        "1",
+        "--baseline-ref",
+        "none",
+    ]
+    compiled = full + ["--compile"]  # CUDA graphs: the path to 9k tok/s (minutes to compile)
     return sdar + [full + ["--family", "llada", "--cache", "dual"], full + ["--family", "dream"], compiled]
 
 
 def build_steps(args, py: str) -> list[Step]:
     limits = TINY_TIMEOUTS if args.tiny else TIMEOUTS
     rows_dir = args.rows_dir
-    common = ["--out", args.out, "--rows", rows_dir, "--device", args.device, "--families", args.families] + \
-        (["--tiny"] if args.tiny else [])
+    common = ["--out", args.out, "--rows", rows_dir, "--device", args.device, "--families", args.families] + (
+        ["--tiny"] if args.tiny else []
+    )
     steps = []
     for name in [n for n in ORDER if n in args.only]:
         if name == "train":
@@ -110,7 +149,7 @@ def run_step(step: Step, left: float, env: dict, log) -> dict:
     limit = min(step.timeout, left)
     rc, status, lines = 0, "ok", []
     if step.rows_file and os.path.exists(step.rows_file):
-        os.remove(step.rows_file)                      # a warm machine keeps OUT: no rows of an older run
+        os.remove(step.rows_file)  # a warm machine keeps OUT: no rows of an older run
     for cmd in step.commands:
         remaining = limit - (time.perf_counter() - t0)
         log.write(f"\n===== [{step.name}] $ {' '.join(cmd)}  (timeout {remaining:.0f} s)\n")
@@ -128,16 +167,29 @@ def run_step(step: Step, left: float, env: dict, log) -> dict:
     rows = _rows(step, lines)
     if status == "ok" and any(r.get("ok") is False for r in rows):
         status = "fail"
-    return {"status": status, "rc": rc, "s": round(time.perf_counter() - t0, 1), "rows": rows,
-            "tail": lines[-12:] if status != "ok" else []}
+    return {
+        "status": status,
+        "rc": rc,
+        "s": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+        "tail": lines[-12:] if status != "ok" else [],
+    }
 
 
 def run_group(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     """``cmd`` in a process group of its own; on timeout the whole group is killed (the processes a step starts:
     a `megadare sft`, Ray's workers), so nothing of it keeps the GPU busy while the next step runs. (rc, output);
     rc 124 = timed out."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         errors="replace", start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
         return p.returncode, out
@@ -166,13 +218,21 @@ def run_all(steps: list[Step], out: str, budget: float, env: dict) -> dict:
         for step in steps:
             left = budget - (time.perf_counter() - t0) - 5
             if left < 20:
-                results[step.name] = {"status": "skipped", "rc": None, "s": 0, "rows": [],
-                                      "tail": [f"{left:.0f} s of the budget left"]}
+                results[step.name] = {
+                    "status": "skipped",
+                    "rc": None,
+                    "s": 0,
+                    "rows": [],
+                    "tail": [f"{left:.0f} s of the budget left"],
+                }
             else:
                 results[step.name] = run_step(step, left, env, log)
             r = results[step.name]
-            print(f"[{time.perf_counter() - t0:5.0f}s] {step.name:9s} {r['status']:8s} {r['s']:6.1f}s "
-                  f"{len(r['rows'])} rows", flush=True)
+            print(
+                f"[{time.perf_counter() - t0:5.0f}s] {step.name:9s} {r['status']:8s} {r['s']:6.1f}s "
+                f"{len(r['rows'])} rows",
+                flush=True,
+            )
             write_results(out, results)
     return results
 
@@ -190,13 +250,20 @@ def summary_markdown(results: dict) -> str:
     env = {r["check"]: r for r in results.get("env", {}).get("rows", [])}
     gpu = env.get("gpu", {}).get("value", "no GPU")
     torch_v = env.get("import torch", {}).get("value", "?")
-    lines = [f"# megadare GPU check: {gpu}, torch {torch_v}", "",
-             "| step | status | s | rows ok / failed / measured | first problem |", "|---|---|---|---|---|"]
+    lines = [
+        f"# megadare GPU check: {gpu}, torch {torch_v}",
+        "",
+        "| step | status | s | rows ok / failed / measured | first problem |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         rows = r["rows"]
         bad = [x for x in rows if x.get("ok") is False]
-        first = (bad[0]["check"] + ": " + _fmt(bad[0].get("error", bad[0].get("value")))) if bad else \
-            (" / ".join(r["tail"][-2:]) if r["status"] != "ok" else "")
+        first = (
+            (bad[0]["check"] + ": " + _fmt(bad[0].get("error", bad[0].get("value"))))
+            if bad
+            else (" / ".join(r["tail"][-2:]) if r["status"] != "ok" else "")
+        )
         counts = f"{sum(x.get('ok') is True for x in rows)} / {len(bad)} / {sum(x.get('ok') is None for x in rows)}"
         lines.append(f"| {name} | {r['status']} | {r['s']} | {counts} | {_fmt(first)[:200]} |")
     for name, r in results.items():
@@ -229,11 +296,27 @@ def install_carry(carry: str, site: str) -> str:
     if os.path.exists(mark) and open(mark).read() == stamp:
         return f"carry: {len(wheels)} wheels already installed in {site}"
     os.makedirs(site, exist_ok=True)
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--upgrade", "--target", site] + wheels, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--upgrade",
+            "--target",
+            site,
+        ]
+        + wheels,
+        capture_output=True,
+        text=True,
+    )
     how = "pip"
     if p.returncode != 0 and "No module named pip" in p.stderr:
-        for w in wheels:                               # an interpreter without pip: a wheel is a zip of its files
+        for w in wheels:  # an interpreter without pip: a wheel is a zip of its files
             unpack_wheel(w, site)
         how = "unzip (no pip)"
     elif p.returncode != 0:
@@ -260,9 +343,9 @@ def step_env_vars(args, site: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([p for p in (site, ROOT, env.get("PYTHONPATH", "")) if p])
     env.setdefault("PYTHONWARNINGS", "ignore")
     env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("TORCH_LOGS", "recompiles")      # a FlexAttention recompile shows in gpu_check.log
+    env.setdefault("TORCH_LOGS", "recompiles")  # a FlexAttention recompile shows in gpu_check.log
     if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""            # every process, benchmarks included, takes its CPU path
+        env["CUDA_VISIBLE_DEVICES"] = ""  # every process, benchmarks included, takes its CPU path
     return env
 
 
@@ -289,9 +372,12 @@ def main(argv=None) -> int:
     if args.carry:
         site = args.site
         print(install_carry(args.carry, site), flush=True)
-    print(f"megadare GPU check: device {args.device}{' (tiny)' if args.tiny else ''}, steps {args.only}, budget "
-          f"{args.budget:.0f} s, results in {args.out}", flush=True)
-    args.rows_dir = tempfile.mkdtemp(prefix="gpu_check_rows_")      # each step's rows; merged into results.json
+    print(
+        f"megadare GPU check: device {args.device}{' (tiny)' if args.tiny else ''}, steps {args.only}, budget "
+        f"{args.budget:.0f} s, results in {args.out}",
+        flush=True,
+    )
+    args.rows_dir = tempfile.mkdtemp(prefix="gpu_check_rows_")  # each step's rows; merged into results.json
     try:
         results = run_all(build_steps(args, sys.executable), args.out, args.budget, step_env_vars(args, site))
     finally:

@@ -6,6 +6,7 @@ Every step appends result rows to ``ROWS/STEP.json`` as it goes (a step cut off 
 measured) and prints one line per row. A row: ``check`` (what), ``ok`` (True / False / None = a measurement
 without a verdict), ``value`` and details. A failing check records its error in one line and the next check runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,18 +28,57 @@ FAMILIES = ["sdar", "sdar_moe", "llada", "llada2", "dream"]
 BLOCK = 4
 # head_dim 64 shapes (the GPU attention kernels' own path) for the parity and attention checks on a GPU
 MEDIUM = {
-    "sdar": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=64, mask_token_id=4095),
-    "sdar_moe": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=4, head_dim=64, mask_token_id=4095,
-                     moe_intermediate_size=256),
-    "llada": dict(d_model=512, n_heads=8, n_kv_heads=8, n_layers=2, mlp_hidden_size=1024, vocab_size=4090,
-                  embedding_size=4096, mask_token_id=4095),
-    "llada2": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, mask_token_id=4095,
-                   moe_intermediate_size=256),
-    "dream": dict(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                  num_key_value_heads=4, mask_token_id=4095, pad_token_id=4094),
+    "sdar": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        mask_token_id=4095,
+    ),
+    "sdar_moe": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        mask_token_id=4095,
+        moe_intermediate_size=256,
+    ),
+    "llada": dict(
+        d_model=512,
+        n_heads=8,
+        n_kv_heads=8,
+        n_layers=2,
+        mlp_hidden_size=1024,
+        vocab_size=4090,
+        embedding_size=4096,
+        mask_token_id=4095,
+    ),
+    "llada2": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        mask_token_id=4095,
+        moe_intermediate_size=256,
+    ),
+    "dream": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        mask_token_id=4095,
+        pad_token_id=4094,
+    ),
 }
 # bf16 verdict: the Megatron model's distance to the float64 reference may be at most BF16_FACTOR times the
 # distance of the plain hf/ model run in bf16 on the CPU (what bf16 rounding alone does to this model on these
@@ -101,25 +141,51 @@ def step_env(rep: Report, args) -> None:
     import platform
 
     rep.add("python", True, sys.version.split()[0], platform=platform.platform(), executable=sys.executable)
-    for mod in ("torch", "triton", "transformers", "megatron.core", "omegaconf", "math_verify", "safetensors", "numpy",
-                "yaml", "tqdm", "psutil", "tensorboard", "pyarrow", "matplotlib", "ray") + OPTIONAL + ("megadare",):
+    for mod in (
+        (
+            "torch",
+            "triton",
+            "transformers",
+            "megatron.core",
+            "omegaconf",
+            "math_verify",
+            "safetensors",
+            "numpy",
+            "yaml",
+            "tqdm",
+            "psutil",
+            "tensorboard",
+            "pyarrow",
+            "matplotlib",
+            "ray",
+        )
+        + OPTIONAL
+        + ("megadare",)
+    ):
         try:
             m = importlib.import_module(mod)
             rep.add(f"import {mod}", True, getattr(m, "__version__", "?"), where=os.path.dirname(m.__file__ or ""))
         except Exception as e:  # noqa: BLE001
-            optional = mod in OPTIONAL or (mod == "triton" and args.device != "cuda")   # FlexAttention on CUDA
+            optional = mod in OPTIONAL or (mod == "triton" and args.device != "cuda")  # FlexAttention on CUDA
             rep.add(f"import {mod}", None if optional else False, "missing", error=one_line_error(e))
-    import megatron.core.transformer.moe.moe_utils as mu        # before megadare's fixes are applied
+    import megatron.core.transformer.moe.moe_utils as mu  # before megadare's fixes are applied
 
     rep.add("megatron moe_utils defines te_general_gemm (TE present)", None, hasattr(mu, "te_general_gemm"))
     rep.add("torch.cuda.is_available", args.device != "cuda" or torch.cuda.is_available(), torch.cuda.is_available())
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         v = torch.cuda.nccl.version()
-        rep.add("gpu", True, torch.cuda.get_device_name(0), capability=f"{p.major}.{p.minor}",
-                mem_gib=round(p.total_memory / 2**30, 1),
-                sms=p.multi_processor_count, cuda=torch.version.cuda, bf16=torch.cuda.is_bf16_supported(),
-                nccl=".".join(map(str, v)) if isinstance(v, tuple) else str(v))
+        rep.add(
+            "gpu",
+            True,
+            torch.cuda.get_device_name(0),
+            capability=f"{p.major}.{p.minor}",
+            mem_gib=round(p.total_memory / 2**30, 1),
+            sms=p.multi_processor_count,
+            cuda=torch.version.cuda,
+            bf16=torch.cuda.is_bf16_supported(),
+            nccl=".".join(map(str, v)) if isinstance(v, tuple) else str(v),
+        )
     smi = shutil.which("nvidia-smi")
     if smi:
         q = "name,memory.total,memory.used,driver_version,clocks.max.sm,power.limit"
@@ -147,13 +213,20 @@ def make_case(name: str, root: str, seed: int, medium: bool) -> dict:
     S = 128 if medium else 16
     ids = torch.randint(0, arch.vocab_size, (2, S))
     if arch.mask_token_id < arch.vocab_size:
-        ids[:, S // 2:S // 2 + 3] = arch.mask_token_id
+        ids[:, S // 2 : S // 2 + 3] = arch.mask_token_id
     mask = family_mask(arch)
     with torch.no_grad():
         ref = model.double()(ids, attention_mask=mask.dense(S, S)).double()
         cpu_bf16 = model.to(torch.bfloat16)(ids, attention_mask=mask.dense(S, S))
-    return {"name": name, "hf_dir": hf_dir, "arch": arch, "ids": ids, "mask": mask, "ref": ref,
-            "hf_bf16_cpu_rel": rel(cpu_bf16, ref)}
+    return {
+        "name": name,
+        "hf_dir": hf_dir,
+        "arch": arch,
+        "ids": ids,
+        "mask": mask,
+        "ref": ref,
+        "hf_bf16_cpu_rel": rel(cpu_bf16, ref),
+    }
 
 
 def verdict(dtype: str, r: float, case: dict) -> dict:
@@ -193,6 +266,7 @@ def step_parity(rep: Report, args) -> None:
                 continue
             S = case["ids"].shape[1]
             for dtype, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+
                 def hf(tdt=tdt, dtype=dtype):
                     model = load_hf_model(case["hf_dir"], dtype=tdt, device=dev)
                     with torch.no_grad():
@@ -200,9 +274,10 @@ def step_parity(rep: Report, args) -> None:
                     return verdict(dtype, rel(out, case["ref"]), case)
 
                 rep.attempt(f"{name} hf/ {dtype} on {dev}", hf)
-                rep.attempt(f"{name} megatron sdpa {dtype} on {dev}",
-                            lambda dtype=dtype: verdict(dtype, rel(megatron_logits(case, dtype, "sdpa"), case["ref"]),
-                                                        case))
+                rep.attempt(
+                    f"{name} megatron sdpa {dtype} on {dev}",
+                    lambda dtype=dtype: verdict(dtype, rel(megatron_logits(case, dtype, "sdpa"), case["ref"]), case),
+                )
     finally:
         destroy_distributed()
         shutil.rmtree(root, ignore_errors=True)
@@ -252,10 +327,18 @@ def _kernels(rep: Report, dev: str) -> None:
     seg = torch.cat([torch.zeros(2, 96, dtype=torch.long), torch.ones(2, 160, dtype=torch.long)], dim=1)
     pos = torch.cat([torch.arange(48).repeat(2), torch.arange(80).repeat(2)]).repeat(2, 1)
     stream = torch.cat([torch.zeros(48), torch.ones(48), torch.zeros(80), torch.ones(80)]).long().repeat(2, 1)
-    cases = {"train: packed block diffusion": (MaskSpec("block_diffusion", block_size=BLOCK, segment_ids=seg,
-                                                         position_ids=pos, stream_ids=stream), 256, 256),
-             "infer: block-causal after a 124-token cache": (MaskSpec("block_causal", block_size=BLOCK, q_offset=124),
-                                                              4, 128)}
+    cases = {
+        "train: packed block diffusion": (
+            MaskSpec("block_diffusion", block_size=BLOCK, segment_ids=seg, position_ids=pos, stream_ids=stream),
+            256,
+            256,
+        ),
+        "infer: block-causal after a 124-token cache": (
+            MaskSpec("block_causal", block_size=BLOCK, q_offset=124),
+            4,
+            128,
+        ),
+    }
     for name, (spec, Q, K) in cases.items():
         for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
             q = torch.randn(2, 8, Q, 64, generator=g).to(dev, dtype)
@@ -263,12 +346,15 @@ def _kernels(rep: Report, dev: str) -> None:
             allowed = spec.dense(Q, K, 2).to(dev)
             ref = exact_attention(q, k, v, allowed, 0.125)
             backends = [("sdpa", lambda: sdpa_attention(q, k, v, allowed, 0.125))]
-            if dtype == torch.bfloat16 or dev != "cuda":      # on a GPU each dtype is a compile (~20 s): bf16
+            if dtype == torch.bfloat16 or dev != "cuda":  # on a GPU each dtype is a compile (~20 s): bf16
                 backends.append(("flex", lambda: flex_attention(q, k, v, spec.to(dev), 0.125)))
             for backend, fn in backends:
-                rep.attempt(f"kernel {backend} {name} {str(dtype)[6:]}",
-                            lambda fn=fn, tol=tol: (lambda d: {"ok": d < tol, "value": d, "tol": tol})(
-                                float((fn().double() - ref).abs().max())))
+                rep.attempt(
+                    f"kernel {backend} {name} {str(dtype)[6:]}",
+                    lambda fn=fn, tol=tol: (lambda d: {"ok": d < tol, "value": d, "tol": tol})(
+                        float((fn().double() - ref).abs().max())
+                    ),
+                )
 
 
 def _compiles(rep: Report, dev: str) -> None:
@@ -285,9 +371,11 @@ def _compiles(rep: Report, dev: str) -> None:
     g = torch.Generator().manual_seed(1)
     for i in range(10):
         seg = torch.cumsum(torch.rand(2, 256, generator=g) < 0.02, dim=1)
-        for spec in (MaskSpec("block_causal", block_size=BLOCK, segment_ids=seg, position_ids=torch.arange(256)
-                              .repeat(2, 1)), MaskSpec("block_causal", block_size=BLOCK, q_offset=4 * i),
-                     MaskSpec("bidirectional", segment_ids=seg)):
+        for spec in (
+            MaskSpec("block_causal", block_size=BLOCK, segment_ids=seg, position_ids=torch.arange(256).repeat(2, 1)),
+            MaskSpec("block_causal", block_size=BLOCK, q_offset=4 * i),
+            MaskSpec("bidirectional", segment_ids=seg),
+        ):
             q = torch.randn(2, 8, 256, 64, device=dev, dtype=torch.bfloat16)
             flex_attention(q, q, q, spec.to(dev), 0.125)
     graphs = counters["stats"]["unique_graphs"] - unique0
@@ -315,7 +403,7 @@ def step_attention(rep: Report, args) -> None:
             outs = {}
             for b, dtype in runs:
                 n = (x if x is not None else case["ids"]).shape[1]
-                mm = ~m.dense(n, n, 2) if b == "local" else m                  # megatron's own convention
+                mm = ~m.dense(n, n, 2) if b == "local" else m  # megatron's own convention
                 try:
                     outs[b, dtype] = megatron_logits(case, dtype, b, mask=mm, position_ids=p, ids=x)
                 except Exception as e:  # noqa: BLE001
@@ -350,6 +438,7 @@ def step_engine(rep: Report, args) -> None:
         return m, fam.arch(cfg)
 
     for family in args.families:
+
         def run(family=family):
             # float32 on both devices: a greedy token is an argmax, and the engine's default on CUDA (bfloat16)
             # flips near-ties of a random tiny model; its bfloat16 agreement is the measured row below
@@ -357,18 +446,23 @@ def step_engine(rep: Report, args) -> None:
             ref = NativeEngine(m, arch, eos_token_id=253, device="cpu").generate(prompts, params)
             fp32 = {"device": dev, "dtype": torch.float32}
             got = NativeEngine(model_of(family)[0], arch, eos_token_id=253, **fp32).generate(prompts, params)
-            plain = NativeEngine(model_of(family)[0], arch, eos_token_id=253, use_cache=False,
-                                 **fp32).generate(prompts, params)
+            plain = NativeEngine(model_of(family)[0], arch, eos_token_id=253, use_cache=False, **fp32).generate(
+                prompts, params
+            )
             same = sum(a.response_ids == b.response_ids for a, b in zip(ref, got))
             same_nc = sum(a.response_ids == b.response_ids for a, b in zip(got, plain))
-            return {"ok": same == same_nc == len(prompts), "value": f"{same}/{len(prompts)} == CPU",
-                    "cached_eq_uncached": f"{same_nc}/{len(prompts)}"}
+            return {
+                "ok": same == same_nc == len(prompts),
+                "value": f"{same}/{len(prompts)} == CPU",
+                "cached_eq_uncached": f"{same_nc}/{len(prompts)}",
+            }
 
         def run_bf16(family=family):
             m, arch = model_of(family)
             ref = NativeEngine(m, arch, eos_token_id=253, device="cpu").generate(prompts, params)
-            got = NativeEngine(model_of(family)[0], arch, eos_token_id=253, device=dev,
-                               dtype=torch.bfloat16).generate(prompts, params)
+            got = NativeEngine(model_of(family)[0], arch, eos_token_id=253, device=dev, dtype=torch.bfloat16).generate(
+                prompts, params
+            )
             agree = sum(x == y for a, b in zip(ref, got) for x, y in zip(a.response_ids, b.response_ids))
             return {"ok": None, "value": f"{agree}/{sum(len(a.response_ids) for a in ref)} tokens == CPU float32"}
 
@@ -391,9 +485,18 @@ def step_planner(rep: Report, args) -> None:
     gpu = args.device == "cuda"
     arch = tt.SHAPES["dense"] if gpu else tt.cpu_shape(tt.SHAPES["dense"])
     seq, dtype = (2048, "bf16") if gpu else (128, "fp32")
-    cfg = load_config(None, [f"model.dtype={dtype}", f"train.seq_length={seq}", "train.micro_batch_size=1",
-                             "train.global_batch_size=1", "model.attention_backend=sdpa", "plan.nodes=1",
-                             "plan.gpus_per_node=1"])
+    cfg = load_config(
+        None,
+        [
+            f"model.dtype={dtype}",
+            f"train.seq_length={seq}",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=1",
+            "model.attention_backend=sdpa",
+            "plan.nodes=1",
+            "plan.gpus_per_node=1",
+        ],
+    )
     report = plan(cfg, arch, advise=False)
     stage = report.worst_stage
     init_distributed()
@@ -401,12 +504,18 @@ def step_planner(rep: Report, args) -> None:
         _, measured = tt.run_backend(arch, "sdpa", 1, seq, "bidirectional", 1, dtype)
     finally:
         destroy_distributed()
-    planned = (stage.total - stage.reserve) / 2**30          # what the allocator hands out; reserve: context, slack
+    planned = (stage.total - stage.reserve) / 2**30  # what the allocator hands out; reserve: context, slack
     ratio = measured / planned
-    rep.add("max_memory_allocated / planned allocations (GiB)", ratio <= 1.1 if gpu else None, round(measured, 2),
-            planned=round(planned, 2), ratio=round(ratio, 3), reserve=round(stage.reserve / 2**30, 2),
-            activations=round(stage.activations / 2**30, 2), measured_is="max_memory_allocated" if gpu else
-            "RSS (CPU): not comparable")
+    rep.add(
+        "max_memory_allocated / planned allocations (GiB)",
+        ratio <= 1.1 if gpu else None,
+        round(measured, 2),
+        planned=round(planned, 2),
+        ratio=round(ratio, 3),
+        reserve=round(stage.reserve / 2**30, 2),
+        activations=round(stage.activations / 2**30, 2),
+        measured_is="max_memory_allocated" if gpu else "RSS (CPU): not comparable",
+    )
 
 
 # ============================================================================================== profile
@@ -466,9 +575,18 @@ def run_logged(cmd: list[str], log: str, timeout: float) -> tuple[int, str]:
 
 def sft_command(run_dir: str, steps: int, tiny: bool) -> list[str]:
     """``megadare sft`` of the tiny SDAR example (block diffusion on the addition task), as a user runs it."""
-    return [sys.executable, "-m", "megadare", "sft", "--config", "examples/configs/sft_sdar_tiny.yaml",
-            f"model.dtype={'fp32' if tiny else 'bf16'}", f"train.steps={steps}",
-            f"checkpoint.save_interval={max(2, steps // 2)}", f"logging.run_dir={run_dir}"]
+    return [
+        sys.executable,
+        "-m",
+        "megadare",
+        "sft",
+        "--config",
+        "examples/configs/sft_sdar_tiny.yaml",
+        f"model.dtype={'fp32' if tiny else 'bf16'}",
+        f"train.steps={steps}",
+        f"checkpoint.save_interval={max(2, steps // 2)}",
+        f"logging.run_dir={run_dir}",
+    ]
 
 
 def step_sft(rep: Report, args) -> None:
@@ -481,17 +599,27 @@ def step_sft(rep: Report, args) -> None:
     losses = [x["loss"] for x in m if "loss" in x]
     k = max(1, min(3, len(losses) // 3))
     first, last = (sum(losses[:k]) / k, sum(losses[-k:]) / k) if losses else (None, None)
-    rep.add(f"sft {n} steps ({'fp32' if args.tiny else 'bf16'})", rc == 0 and len(losses) == n and last < first,
-            f"loss {first:.4f} -> {last:.4f}" if losses else None, rc=rc, steps_logged=len(losses),
-            tokens_per_s=m[-1].get("tokens_per_s") if m else None, memory_gib=m[-1].get("memory_gib") if m else None,
-            **({} if rc == 0 else {"error": tail[-600:]}))
+    rep.add(
+        f"sft {n} steps ({'fp32' if args.tiny else 'bf16'})",
+        rc == 0 and len(losses) == n and last < first,
+        f"loss {first:.4f} -> {last:.4f}" if losses else None,
+        rc=rc,
+        steps_logged=len(losses),
+        tokens_per_s=m[-1].get("tokens_per_s") if m else None,
+        memory_gib=m[-1].get("memory_gib") if m else None,
+        **({} if rc == 0 else {"error": tail[-600:]}),
+    )
     if rc != 0:
         return
-    rc, tail = run_logged(sft_command(run_dir, n + extra, args.tiny), os.path.join(run_dir, "resume.log"),
-                          args.budget)
+    rc, tail = run_logged(sft_command(run_dir, n + extra, args.tiny), os.path.join(run_dir, "resume.log"), args.budget)
     steps = [x.get("step") for x in metrics(run_dir)]
-    rep.add(f"sft resume {n} -> {n + extra}", rc == 0 and steps == list(range(1, n + extra + 1)),
-            steps[-extra - 1:] if steps else None, rc=rc, **({} if rc == 0 else {"error": tail[-600:]}))
+    rep.add(
+        f"sft resume {n} -> {n + extra}",
+        rc == 0 and steps == list(range(1, n + extra + 1)),
+        steps[-extra - 1 :] if steps else None,
+        rc=rc,
+        **({} if rc == 0 else {"error": tail[-600:]}),
+    )
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -502,9 +630,22 @@ TRANSPORTS = {"auto": "gpu", "colocated": "gpu", "object_store": "gpu", "distrib
 
 def rl_command(run_dir: str, transport: str, engine_on: str, tiny: bool, steps: int = 2) -> list[str]:
     """``megadare rl`` of the demo task (tiny SDAR, TraceRL, a Ray-managed built-in engine), a few small steps."""
-    cmd = [sys.executable, "-m", "megadare", "rl", "--config", "megadare/configs/demo_rl.yaml", f"rl.steps={steps}",
-           "rl.prompts_per_step=4", "rl.n_samples=4", "rl.eval_size=8", f"model.dtype={'fp32' if tiny else 'bf16'}",
-           f"rollout.weight_transport={transport}", f"logging.run_dir={run_dir}", "model.attention_backend=sdpa"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megadare",
+        "rl",
+        "--config",
+        "megadare/configs/demo_rl.yaml",
+        f"rl.steps={steps}",
+        "rl.prompts_per_step=4",
+        "rl.n_samples=4",
+        "rl.eval_size=8",
+        f"model.dtype={'fp32' if tiny else 'bf16'}",
+        f"rollout.weight_transport={transport}",
+        f"logging.run_dir={run_dir}",
+        "model.attention_backend=sdpa",
+    ]
     if engine_on == "gpu" and not tiny:
         cmd += ["rollout.device=cuda", "rollout.engine_resources={num_gpus: 0.5, num_cpus: 1}"]
     else:
@@ -517,28 +658,53 @@ def step_rl(rep: Report, args) -> None:
     try:
         import ray  # noqa: F401
     except ImportError as e:
-        rep.add("rl", False, "ray does not import: carry benchmarks/carry/ray (see benchmarks/GPU.md)",
-                error=one_line_error(e))
+        rep.add(
+            "rl",
+            False,
+            "ray does not import: carry benchmarks/carry/ray (see benchmarks/GPU.md)",
+            error=one_line_error(e),
+        )
         return
     for transport, engine_on in TRANSPORTS.items():
         engine_on = "cpu" if args.tiny else engine_on
         run_dir = tempfile.mkdtemp(prefix=f"gpu_check_rl_{transport}_")
         t0 = time.perf_counter()
-        rc, tail = run_logged(rl_command(run_dir, transport, engine_on, args.tiny), os.path.join(run_dir, "rl.log"),
-                              min(args.budget / len(TRANSPORTS) * 1.5, args.budget))
+        rc, tail = run_logged(
+            rl_command(run_dir, transport, engine_on, args.tiny),
+            os.path.join(run_dir, "rl.log"),
+            min(args.budget / len(TRANSPORTS) * 1.5, args.budget),
+        )
         steps = [x for x in metrics(run_dir) if "reward" in x]
-        took = [ln.split("weight sync transport: ", 1)[1].split()[0] for ln in open(os.path.join(run_dir, "rl.log"),
-                errors="replace") if "weight sync transport: " in ln]
+        took = [
+            ln.split("weight sync transport: ", 1)[1].split()[0]
+            for ln in open(os.path.join(run_dir, "rl.log"), errors="replace")
+            if "weight sync transport: " in ln
+        ]
         last = steps[-1] if steps else {}
-        rep.add(f"rl 2 steps, weight_transport={transport}, engine on {engine_on}", rc == 0 and len(steps) >= 2,
-                f"transport {took[0] if took else '?'}", rc=rc, s=round(time.perf_counter() - t0, 1),
-                sync_gbps=last.get("sync_gbps"), sync_s=last.get("sync_s"), rollout_s=last.get("rollout_s"),
-                **({} if rc == 0 else {"error": tail[-600:]}))
+        rep.add(
+            f"rl 2 steps, weight_transport={transport}, engine on {engine_on}",
+            rc == 0 and len(steps) >= 2,
+            f"transport {took[0] if took else '?'}",
+            rc=rc,
+            s=round(time.perf_counter() - t0, 1),
+            sync_gbps=last.get("sync_gbps"),
+            sync_s=last.get("sync_s"),
+            rollout_s=last.get("rollout_s"),
+            **({} if rc == 0 else {"error": tail[-600:]}),
+        )
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-STEPS = {"env": step_env, "parity": step_parity, "attention": step_attention, "engine": step_engine,
-         "sft": step_sft, "planner": step_planner, "profile": step_profile, "rl": step_rl}
+STEPS = {
+    "env": step_env,
+    "parity": step_parity,
+    "attention": step_attention,
+    "engine": step_engine,
+    "sft": step_sft,
+    "planner": step_planner,
+    "profile": step_profile,
+    "rl": step_rl,
+}
 
 
 def main() -> None:

@@ -36,6 +36,7 @@ response with the linspace schedule and entropy ranking); ratios are medians ove
   on the same 128 positions and an estimated SDAR-1.7B forward of them (one layer measured, x28), today's step on
   the same logits for reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,26 +61,71 @@ from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASELINE_REF = "ce9edaf"        # main before issue 27 (per-row host sampling, growing KV cache)
-BASELINE_FILES = {"common": "megadare/models/hf/common.py", "sampling": "megadare/rollout/sampling.py",
-                  "dllm_step": "megadare/rollout/dllm_step.py", "editing": "megadare/rollout/editing.py",
-                  "native": "megadare/rollout/native.py"}
-SDAR_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, block_size=4, mask_token_id=151669,
-                 max_position_embeddings=32768)
+BASELINE_REF = "ce9edaf"  # main before issue 27 (per-row host sampling, growing KV cache)
+BASELINE_FILES = {
+    "common": "megadare/models/hf/common.py",
+    "sampling": "megadare/rollout/sampling.py",
+    "dllm_step": "megadare/rollout/dllm_step.py",
+    "editing": "megadare/rollout/editing.py",
+    "native": "megadare/rollout/native.py",
+}
+SDAR_1_7B = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    block_size=4,
+    mask_token_id=151669,
+    max_position_embeddings=32768,
+)
 CPU_SHAPES = {  # small models: the loop around the forward is what differs between engines
-    "sdar": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=32, block_size=4, max_position_embeddings=4096),
+    "sdar": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        block_size=4,
+        max_position_embeddings=4096,
+    ),
     "llada": dict(d_model=256, n_heads=8, n_kv_heads=8, n_layers=4, mlp_hidden_size=768, max_sequence_length=4096),
-    "dream": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=4096)}
-GPU_SHAPES = {"sdar": SDAR_1_7B,
-              "llada": dict(d_model=4096, n_heads=32, n_kv_heads=32, n_layers=32, mlp_hidden_size=12288,
-                            vocab_size=126464, embedding_size=126464, mask_token_id=126336,
-                            max_sequence_length=4096),
-              "dream": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, vocab_size=152064, mask_token_id=151666,
-                            max_position_embeddings=4096)}
+    "dream": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    ),
+}
+GPU_SHAPES = {
+    "sdar": SDAR_1_7B,
+    "llada": dict(
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=32,
+        n_layers=32,
+        mlp_hidden_size=12288,
+        vocab_size=126464,
+        embedding_size=126464,
+        mask_token_id=126336,
+        max_sequence_length=4096,
+    ),
+    "dream": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        mask_token_id=151666,
+        max_position_embeddings=4096,
+    ),
+}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -129,6 +175,7 @@ class ForwardClock:
             self.seconds += now() - t0
             self.calls += 1
             return out
+
         setattr(obj, attr, timed)
 
     def reset(self) -> None:
@@ -145,11 +192,11 @@ def load_baseline(ref: str) -> Optional[types.SimpleNamespace]:
     open(os.path.join(root, pkg, "__init__.py"), "w").close()
     for name, path in BASELINE_FILES.items():
         try:
-            src = subprocess.run(["git", "-C", REPO, "show", f"{ref}:{path}"], check=True, capture_output=True,
-                                 text=True).stdout
+            src = subprocess.run(
+                ["git", "-C", REPO, "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
+            ).stdout
         except (OSError, subprocess.CalledProcessError) as e:
-            print(f"baseline: cannot read {path} at {ref} ({getattr(e, 'stderr', e)!s:.120}); skipping today's "
-                  "engine")
+            print(f"baseline: cannot read {path} at {ref} ({getattr(e, 'stderr', e)!s:.120}); skipping today's engine")
             return None
         for mod in BASELINE_FILES:
             src = src.replace(f"megadare.{BASELINE_FILES[mod][9:-3].replace('/', '.')}", f"{pkg}.{mod}")
@@ -171,7 +218,7 @@ def baseline_model(base: types.SimpleNamespace, model: torch.nn.Module) -> torch
 @dataclass
 class Runner:
     name: str
-    run: Callable[[], int]              # decodes the workload, returns generated tokens
+    run: Callable[[], int]  # decodes the workload, returns generated tokens
     clock: Optional[ForwardClock]
     results: list[dict] = field(default_factory=list)
 
@@ -195,14 +242,12 @@ def measure(runners: list[Runner], rounds: int) -> None:
             sync()
             dt = now() - t0
             fw = (r.clock.calls, r.clock.seconds) if r.clock else (0, 0.0)
-            r.results.append({"tok_s": tokens / dt, "s": dt, "tokens": tokens, "forwards": fw[0],
-                              "forward_s": fw[1]})
+            r.results.append({"tok_s": tokens / dt, "s": dt, "tokens": tokens, "forwards": fw[0], "forward_s": fw[1]})
 
 
 def report(title: str, runners: list[Runner], ref: str, batch: int) -> None:
     print(f"rollout {title}; ratio: tok/s over {ref}'s")
-    print(f"  {'engine':52s} {'tok/s':>10s} {'ms/forward':>11s} {'fwd/token':>10s} {'outside fwd':>12s} "
-          f"{'ratio':>7s}")
+    print(f"  {'engine':52s} {'tok/s':>10s} {'ms/forward':>11s} {'fwd/token':>10s} {'outside fwd':>12s} {'ratio':>7s}")
     med = {r.name: statistics.median(x["tok_s"] for x in r.results) for r in runners if r.results}
     for r in runners:
         if not r.results:
@@ -211,16 +256,18 @@ def report(title: str, runners: list[Runner], ref: str, batch: int) -> None:
         fpt = statistics.median(x["forwards"] / (x["tokens"] / batch) for x in r.results)
         outside = statistics.median(1 - x["forward_s"] / x["s"] for x in r.results)
         rel = med[r.name] / med[ref] if ref in med else float("nan")
-        print(f"rollout {r.name:46s} {med[r.name]:10.1f} {ms:11.2f} {fpt:10.2f} {100 * outside:11.1f}% "
-              f"{rel:6.2f}x")
+        print(f"rollout {r.name:46s} {med[r.name]:10.1f} {ms:11.2f} {fpt:10.2f} {100 * outside:11.1f}% {rel:6.2f}x")
 
 
-def engine_runner(name: str, engine: Any, clock: ForwardClock, prompts: list[list[int]], params: SamplingParams,
-                  chunk: int = 0) -> Runner:
+def engine_runner(
+    name: str, engine: Any, clock: ForwardClock, prompts: list[list[int]], params: SamplingParams, chunk: int = 0
+) -> Runner:
     """An engine's generate over the prompts (``chunk``: in calls of that many prompts, static batching)."""
+
     def run() -> int:
-        parts = [prompts[i:i + chunk] for i in range(0, len(prompts), chunk)] if chunk else [prompts]
+        parts = [prompts[i : i + chunk] for i in range(0, len(prompts), chunk)] if chunk else [prompts]
         return sum(len(t.response_ids) for part in parts for t in engine.generate(part, params))
+
     return Runner(name, run, clock)
 
 
@@ -265,7 +312,7 @@ class _KV:
             if self.replace is not None:
                 for b in range(k.shape[0]):
                     idx = self.replace[b].nonzero(as_tuple=True)[0]
-                    pk[b, :, idx], pv[b, :, idx] = k[b, :, :len(idx)], v[b, :, :len(idx)]
+                    pk[b, :, idx], pv[b, :, idx] = k[b, :, : len(idx)], v[b, :, : len(idx)]
                 k, v = pk, pv
             else:
                 k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
@@ -294,23 +341,37 @@ class PeerModel:
             logits = model(*args, **kwargs)
             logits[..., self.mask_id] = float("-inf")
             return logits
+
         call.arch = model.arch
         return call
 
-    def __call__(self, x, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                 store_kv=False, replace_position=None, **_):
+    def __call__(
+        self,
+        x,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        store_kv=False,
+        replace_position=None,
+        **_,
+    ):
         B, S = x.shape
-        if hasattr(past_key_values, "get_seq_length"):            # SDAR: an HF DynamicCache, block-causal mask
+        if hasattr(past_key_values, "get_seq_length"):  # SDAR: an HF DynamicCache, block-causal mask
             kv = getattr(past_key_values, "_megadare_kv", None) or _KV(self.layers)
             past_key_values._megadare_kv = kv
             kv.keep = bool(store_kv)
             mask = attention_mask.bool()[:, None].expand(B, 1, S, attention_mask.shape[-1])
             logits = self.model(x, attention_mask=mask, position_ids=position_ids.expand(B, S), kv_cache=kv)
             return types.SimpleNamespace(logits=logits)
-        if isinstance(attention_mask, torch.Tensor) or attention_mask == "full" or not use_cache:   # Dream
+        if isinstance(attention_mask, torch.Tensor) or attention_mask == "full" or not use_cache:  # Dream
             return types.SimpleNamespace(logits=self.model(x))
-        kv = _KV(self.layers, past_key_values, keep=past_key_values is None,  # LLaDA: Fast-dLLM prefix / dual
-                 replace=replace_position)
+        kv = _KV(
+            self.layers,
+            past_key_values,
+            keep=past_key_values is None,  # LLaDA: Fast-dLLM prefix / dual
+            replace=replace_position,
+        )
         if past_key_values is None:
             pos = torch.arange(S, device=x.device).expand(B, S)
         elif replace_position is not None:
@@ -323,46 +384,87 @@ class PeerModel:
         return types.SimpleNamespace(logits=logits, past_key_values=kv.past)
 
 
-def peer_runners(repo: str, family: str, cache: str, model: torch.nn.Module, arch, prompts: list[list[int]],
-                 params: SamplingParams) -> list[Runner]:
+def peer_runners(
+    repo: str, family: str, cache: str, model: torch.nn.Module, arch, prompts: list[list[int]], params: SamplingParams
+) -> list[Runner]:
     """DARE's generate functions for the workload, batched (one call for all prompts of equal length)."""
     peer, M = PeerModel(model), arch.mask_token_id
     clock = ForwardClock(peer, "model")
     ids = torch.tensor(prompts, device=peer.device)
     G, S = params.max_new_tokens, params.steps_per_block * params.max_new_tokens // params.block_size
-    if family == "sdar":   # as shipped it allocates x for one prompt; batched: x for the batch (one line)
+    if family == "sdar":  # as shipped it allocates x for one prompt; batched: x for the batch (one line)
         rel = "opencompass/opencompass/models/sdar_generate.py"
         shipped = import_peer(repo, rel, "dare_sdar_generate")
-        batched = import_peer(repo, rel, "dare_sdar_generate_batched", {
-            "x = torch.full((1, total_length), mask_id,":
-                "x = torch.full((input_ids.shape[0], total_length), mask_id,"})
+        batched = import_peer(
+            repo,
+            rel,
+            "dare_sdar_generate_batched",
+            {
+                "x = torch.full((1, total_length), mask_id,": "x = torch.full((input_ids.shape[0], total_length), mask_id,"
+            },
+        )
 
         def sdar(module, x):
-            return module.block_diffusion_generate(peer, {"input_ids": x}, M, gen_length=G,
-                                                   block_length=params.block_size,
-                                                   denoising_steps=params.steps_per_block,
-                                                   temperature=params.temperature, remasking_strategy=params.algorithm)
-        return [Runner("DARE block_diffusion_generate (batched)", lambda: sdar(batched, ids) is not None and
-                       ids.shape[0] * G, clock),
-                Runner("DARE block_diffusion_generate (per prompt)", lambda: sum(
-                    G for i in range(ids.shape[0]) if sdar(shipped, ids[i:i + 1]) is not None), clock)]
+            return module.block_diffusion_generate(
+                peer,
+                {"input_ids": x},
+                M,
+                gen_length=G,
+                block_length=params.block_size,
+                denoising_steps=params.steps_per_block,
+                temperature=params.temperature,
+                remasking_strategy=params.algorithm,
+            )
+
+        return [
+            Runner(
+                "DARE block_diffusion_generate (batched)",
+                lambda: sdar(batched, ids) is not None and ids.shape[0] * G,
+                clock,
+            ),
+            Runner(
+                "DARE block_diffusion_generate (per prompt)",
+                lambda: sum(G for i in range(ids.shape[0]) if sdar(shipped, ids[i : i + 1]) is not None),
+                clock,
+            ),
+        ]
     if family == "llada" and cache in ("prefix", "dual"):
         gen = import_peer(repo, "verl/workers/rollout/generate.py", "dare_generate")
-        fn = gen.generate_with_prefix_cache if cache == "prefix" else \
-            getattr(gen.generate_with_dual_cache, "_torchdynamo_orig_callable", gen.generate_with_dual_cache)
-        run = lambda: fn(peer, ids, steps=S, gen_length=G, block_length=params.block_size,  # noqa: E731
-                         temperature=params.temperature, remasking="low_confidence", mask_id=M)
-        return [Runner(f"DARE generate_with_{cache}_cache (batched)", lambda: run() is not None and ids.shape[0] * G,
-                       clock)]
+        fn = (
+            gen.generate_with_prefix_cache
+            if cache == "prefix"
+            else getattr(gen.generate_with_dual_cache, "_torchdynamo_orig_callable", gen.generate_with_dual_cache)
+        )
+        run = lambda: fn(
+            peer,
+            ids,
+            steps=S,
+            gen_length=G,
+            block_length=params.block_size,  # noqa: E731
+            temperature=params.temperature,
+            remasking="low_confidence",
+            mask_id=M,
+        )
+        return [
+            Runner(f"DARE generate_with_{cache}_cache (batched)", lambda: run() is not None and ids.shape[0] * G, clock)
+        ]
     if family == "dream" and cache == "none":
         du = import_peer(repo, "verl/workers/rollout/generation_utils.py", "dare_generation_utils")
-        conf = du.DreamGenerationConfig(temperature=params.temperature, top_p=params.top_p, steps=S,
-                                        max_length=ids.shape[1] + G, mask_token_id=M, alg="entropy", alg_temp=0.0,
-                                        eps=params.eps)
+        conf = du.DreamGenerationConfig(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            steps=S,
+            max_length=ids.shape[1] + G,
+            mask_token_id=M,
+            alg="entropy",
+            alg_temp=0.0,
+            eps=params.eps,
+        )
         hooks = dict(generation_tokens_hook_func=lambda s, x, lg: x, generation_logits_hook_func=lambda s, x, lg: lg)
         run = lambda: du.DreamGenerationMixin._sample(peer, ids, None, conf, **hooks)  # noqa: E731
-        return [Runner("DARE DreamGenerationMixin._sample (batched)", lambda: run() is not None and ids.shape[0] * G,
-                       clock)]
+        return [
+            Runner("DARE DreamGenerationMixin._sample (batched)", lambda: run() is not None and ids.shape[0] * G, clock)
+        ]
     return []
 
 
@@ -373,8 +475,9 @@ def timed_engines(args, cache: str, model, arch, base, **over) -> dict[str, tupl
     dev = "cuda" if args.gpu else "cpu"
     out = {}
     for name, comp in (("new", False), ("compiled", True)) if args.compile else (("new", False),):
-        eng = NativeEngine(model, arch, eos_token_id=args.eos, device=dev, full_attention_cache=cache, compile=comp,
-                           **over)
+        eng = NativeEngine(
+            model, arch, eos_token_id=args.eos, device=dev, full_attention_cache=cache, compile=comp, **over
+        )
         out[name] = (eng, ForwardClock(eng, "forward"))
     if base is not None:
         kw = {"full_attention_cache": cache} if arch.attention != "block_causal" else {}
@@ -388,11 +491,26 @@ def decoder(family: str, args) -> SamplingParams:
     (``_sample``: one block over the response, linspace schedule, entropy ranking) at that rate."""
     if family == "dream":
         steps = args.new * min(args.steps, args.full_block) // args.full_block
-        return SamplingParams(max_new_tokens=args.new, block_size=args.new, steps_per_block=steps,
-                              schedule="linspace", confidence="entropy", temperature=1.0, stop_at_eos=False, seed=1)
+        return SamplingParams(
+            max_new_tokens=args.new,
+            block_size=args.new,
+            steps_per_block=steps,
+            schedule="linspace",
+            confidence="entropy",
+            temperature=1.0,
+            stop_at_eos=False,
+            seed=1,
+        )
     block = 4 if family == "sdar" else args.full_block
-    return SamplingParams(max_new_tokens=args.new, block_size=block, steps_per_block=min(args.steps, block),
-                          algorithm=args.algorithm, temperature=1.0, stop_at_eos=False, seed=1)
+    return SamplingParams(
+        max_new_tokens=args.new,
+        block_size=block,
+        steps_per_block=min(args.steps, block),
+        algorithm=args.algorithm,
+        temperature=1.0,
+        stop_at_eos=False,
+        seed=1,
+    )
 
 
 def fixed_workload(args, family: str, cache: str, base) -> None:
@@ -413,9 +531,13 @@ def fixed_workload(args, family: str, cache: str, base) -> None:
     measure(runners, args.rounds)
     mode = f", {cache} cache" if arch.attention != "block_causal" else ""
     rule = params.confidence if family == "dream" else params.algorithm
-    report(f"{family}{mode}: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, block {block}, "
-           f"{params.steps_per_block} steps/block, {params.schedule}, {rule}, T=1, vocab {arch.vocab_size}",
-           runners, "megadare (this checkout)", args.batch)
+    report(
+        f"{family}{mode}: batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, block {block}, "
+        f"{params.steps_per_block} steps/block, {params.schedule}, {rule}, T=1, vocab {arch.vocab_size}",
+        runners,
+        "megadare (this checkout)",
+        args.batch,
+    )
 
 
 def varied_prompts(engine: NativeEngine, arch, args, params: SamplingParams) -> tuple[list[list[int]], int]:
@@ -425,13 +547,14 @@ def varied_prompts(engine: NativeEngine, arch, args, params: SamplingParams) -> 
     pool = torch.randint(0, arch.vocab_size - 3, (32 * args.batch, args.prompt), generator=g).tolist()
     free = engine.generate(pool, replace(params, stop_at_eos=False))
     early = 2 * params.block_size
-    counts = torch.bincount(torch.tensor([t for tr in free for t in tr.response_ids[:early]]),
-                            minlength=arch.vocab_size)
+    counts = torch.bincount(
+        torch.tensor([t for tr in free for t in tr.response_ids[:early]]), minlength=arch.vocab_size
+    )
     for eos in counts.argsort(descending=True).tolist():
         short = [p for p, tr in zip(pool, free) if eos in tr.response_ids[:early]]
         long = [p for p, tr in zip(pool, free) if eos not in tr.response_ids]
         if len(short) >= args.batch and len(long) >= args.batch:
-            mixed = [x for pair in zip(short[:args.batch], long[:args.batch]) for x in pair]
+            mixed = [x for pair in zip(short[: args.batch], long[: args.batch]) for x in pair]
             return mixed, eos
     raise SystemExit("varied workload: no EOS id splits the prompts; try another --prompt / --new")
 
@@ -439,20 +562,31 @@ def varied_prompts(engine: NativeEngine, arch, args, params: SamplingParams) -> 
 def varied_workload(args, base) -> None:
     """Continuous batching on a workload where half the prompts end early (SDAR)."""
     model, arch = build("sdar", args.gpu, args.vocab, args.layers)
-    greedy = SamplingParams(max_new_tokens=args.new, block_size=4, steps_per_block=min(args.steps, 4),
-                            algorithm=args.algorithm)
+    greedy = SamplingParams(
+        max_new_tokens=args.new, block_size=4, steps_per_block=min(args.steps, 4), algorithm=args.algorithm
+    )
     probe = NativeEngine(model, arch, eos_token_id=-1, device="cuda" if args.gpu else "cpu")
     prompts, args.eos = varied_prompts(probe, arch, args, greedy)
     eng = timed_engines(args, "none", model, arch, base)
     cont = timed_engines(args, "none", model, arch, None, max_batch=args.batch)["new"]
-    runners = [engine_runner(f"continuous (max_batch {args.batch}, one call)", *cont, prompts, greedy),
-               engine_runner(f"static (calls of {args.batch})", *eng["new"], prompts, greedy, chunk=args.batch)]
+    runners = [
+        engine_runner(f"continuous (max_batch {args.batch}, one call)", *cont, prompts, greedy),
+        engine_runner(f"static (calls of {args.batch})", *eng["new"], prompts, greedy, chunk=args.batch),
+    ]
     if "old" in eng:
-        runners.append(engine_runner(f"today ({args.baseline_ref}), calls of {args.batch}", *eng["old"], prompts,
-                                     greedy, chunk=args.batch))
+        runners.append(
+            engine_runner(
+                f"today ({args.baseline_ref}), calls of {args.batch}", *eng["old"], prompts, greedy, chunk=args.batch
+            )
+        )
     measure(runners, args.rounds)
-    report(f"sdar varied lengths: {len(prompts)} prompts (half end in their first 2 blocks, EOS {args.eos}), "
-           f"prompt {args.prompt}, up to {args.new} new tokens, greedy", runners, runners[0].name, args.batch)
+    report(
+        f"sdar varied lengths: {len(prompts)} prompts (half end in their first 2 blocks, EOS {args.eos}), "
+        f"prompt {args.prompt}, up to {args.new} new tokens, greedy",
+        runners,
+        runners[0].name,
+        args.batch,
+    )
 
 
 def forward_estimate(args, n: int, B: int) -> float:
@@ -498,12 +632,15 @@ def sampling_check(args, base) -> None:
     streams = Streams.of(range(n), device=dev)
     hidden = torch.randn(n * B, H, device=dev, dtype=logits.dtype)
     head = torch.randn(V, H, device=dev, dtype=logits.dtype) * 0.02
-    fns = {"dllm_step (this checkout)": lambda: dllm_step(logits, tokens, tokens == V - 1, 0, params, streams, V - 1),
-           "LM head [128 x 2048] x [2048 x 151936]": lambda: torch.nn.functional.linear(hidden, head)}
+    fns = {
+        "dllm_step (this checkout)": lambda: dllm_step(logits, tokens, tokens == V - 1, 0, params, streams, V - 1),
+        "LM head [128 x 2048] x [2048 x 151936]": lambda: torch.nn.functional.linear(hidden, head),
+    }
     if base is not None:
         gens = [torch.Generator().manual_seed(i) for i in range(n)]
         fns[f"dllm_step today ({args.baseline_ref}, host)"] = lambda: base.dllm_step.dllm_step(
-            logits.float().cpu(), tokens.cpu(), (tokens == V - 1).cpu(), 0, params, gens, mask_token_id=V - 1)
+            logits.float().cpu(), tokens.cpu(), (tokens == V - 1).cpu(), 0, params, gens, mask_token_id=V - 1
+        )
     times = {k: [] for k in fns}
     for _ in range(args.rounds + 1):
         for k, fn in fns.items():
@@ -512,23 +649,32 @@ def sampling_check(args, base) -> None:
             fn()
             sync()
             times[k].append(now() - t0)
-    logits = hidden = head = None         # free the device memory before the forward estimate
+    logits = hidden = head = None  # free the device memory before the forward estimate
     fwd_ms = 1e3 * forward_estimate(args, n, B)
-    print(f"rollout sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward "
-          f"of these {n * B} queries: {fwd_ms:.0f} ms (1 layer measured, x28)")
+    print(
+        f"rollout sampling check: batch {n} x block {B}, vocab {V}, temperature 1, {dev}; an SDAR-1.7B forward "
+        f"of these {n * B} queries: {fwd_ms:.0f} ms (1 layer measured, x28)"
+    )
     head_ms = 1e3 * statistics.median(times["LM head [128 x 2048] x [2048 x 151936]"][1:])
     for k, ts in times.items():
         ms = 1e3 * statistics.median(ts[1:])
-        print(f"rollout sampling {k:44s} {ms:10.1f} ms  {100 * ms / head_ms:6.1f}% of the LM head  "
-              f"{100 * ms / fwd_ms:6.1f}% of the forward")
+        print(
+            f"rollout sampling {k:44s} {ms:10.1f} ms  {100 * ms / head_ms:6.1f}% of the LM head  "
+            f"{100 * ms / fwd_ms:6.1f}% of the forward"
+        )
 
 
 def main() -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", nargs="+", default=["sdar"], choices=["sdar", "llada", "dream"])
-    ap.add_argument("--cache", nargs="+", default=["none"], choices=["none", "prefix", "dual"],
-                    help="full-attention families: Fast-dLLM cache modes to run")
+    ap.add_argument(
+        "--cache",
+        nargs="+",
+        default=["none"],
+        choices=["none", "prefix", "dual"],
+        help="full-attention families: Fast-dLLM cache modes to run",
+    )
     ap.add_argument("--batch", type=int, default=32 if gpu else 4)
     ap.add_argument("--prompt", type=int, default=128 if gpu else 32)
     ap.add_argument("--new", type=int, default=256 if gpu else 32)
@@ -539,8 +685,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's)")
     ap.add_argument("--rounds", type=int, default=3, help="alternated measured rounds after one warm-up")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--compile", action="store_true", help="also the current engine with compile=True (its first "
-                    "calls compile: the warm-up round)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the current engine with compile=True (its first calls compile: the warm-up round)",
+    )
     ap.add_argument("--baseline-ref", default=BASELINE_REF, help="git ref of today's engine ('none': skip it)")
     ap.add_argument("--peer-repo", default=None, help="a DARE checkout: also time its generate functions")
     ap.add_argument("--varied", action="store_true", help="continuous batching on a varied-length workload")
@@ -560,7 +709,7 @@ def main() -> None:
         varied_workload(args, base)
     if not (args.sampling_check or args.varied):
         for family in args.family:
-            for cache in (args.cache if family != "sdar" else ["none"]):
+            for cache in args.cache if family != "sdar" else ["none"]:
                 fixed_workload(args, family, cache, base)
         weight_update(args)
 

@@ -8,6 +8,7 @@ Two programs: a trivial one (``print(1)``: pure sandbox overhead) and an assert-
 RL code reward runs, DARE's preamble included). Prints, per mode, the median wall time per program and the CPU time
 (user + system of the children, per program), and the ratio namespaces / process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,10 @@ def main() -> None:
     print(f"\n{'program':10s} {'mode':11s} {'wall ms (median)':>17s} {'cpu ms/program':>15s}")
     for name in programs:
         for mode in MODES:
-            print(f"{name:10s} {mode:11s} {1e3 * statistics.median(wall[name, mode]):17.1f} "
-                  f"{1e3 * statistics.median(cpu[name, mode]):15.1f}")
+            print(
+                f"{name:10s} {mode:11s} {1e3 * statistics.median(wall[name, mode]):17.1f} "
+                f"{1e3 * statistics.median(cpu[name, mode]):15.1f}"
+            )
         w = statistics.median(wall[name, "namespaces"]) / statistics.median(wall[name, "process"])
         c = statistics.median(cpu[name, "namespaces"]) / statistics.median(cpu[name, "process"])
         print(f"{name:10s} namespaces / process: wall x{w:.2f}, cpu x{c:.2f}")

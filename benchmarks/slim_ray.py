@@ -3,6 +3,7 @@ the Java worker jar (ray/jars/) and the dashboard's JavaScript source maps (*.js
 
     python benchmarks/slim_ray.py ray-2.60.0-cp312-...whl OUT/ray-2.60.0-cp312-...whl      (benchmarks/gpu_carry.sh)
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,7 +27,7 @@ def slim(src: str, dst: str) -> tuple[int, int]:
                 lines = [ln for ln in data.decode().splitlines() if ln and not dropped(ln.split(",")[0])]
                 data = ("\n".join(lines) + "\n").encode()
             out = zipfile.ZipInfo(info.filename, date_time=info.date_time)
-            out.external_attr = info.external_attr          # keeps the executable bits of raylet / gcs_server
+            out.external_attr = info.external_attr  # keeps the executable bits of raylet / gcs_server
             out.compress_type = zipfile.ZIP_DEFLATED
             zout.writestr(out, data, compresslevel=9)
             kept += 1

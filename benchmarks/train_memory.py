@@ -18,6 +18,7 @@ in the free RAM is skipped and says so. On a GPU the same step's CUDA peak would
 fused linear cross entropy (Triton) is the well-kept GPU kernel for TP = 1 without temperature / entropy, not wired
 in: megadare's torch path runs everywhere and is what this script measures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,19 +36,43 @@ PROMPT = 64
 def bench_arch(vocab: int, hidden: int, layers: int):
     from megadare.models.family import ModelArch
 
-    return ModelArch(family="sdar", architecture="SDARForCausalLM", vocab_size=vocab, hidden_size=hidden,
-                     num_layers=layers, num_attention_heads=max(1, hidden // 64), num_kv_heads=max(1, hidden // 128),
-                     head_dim=64, ffn_hidden_size=3 * hidden, rms_norm_eps=1e-6, rope_theta=1e6,
-                     max_position_embeddings=65536, mask_token_id=vocab - 1, attention="block_causal", block_size=4,
-                     qk_norm=True)
+    return ModelArch(
+        family="sdar",
+        architecture="SDARForCausalLM",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_kv_heads=max(1, hidden // 128),
+        head_dim=64,
+        ffn_hidden_size=3 * hidden,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=65536,
+        mask_token_id=vocab - 1,
+        attention="block_causal",
+        block_size=4,
+        qk_norm=True,
+    )
 
 
 def bench_config(seq: int, logits: str, chunk_mb: float):
     from megadare.config import load_config
 
-    return load_config(None, ["plan.job=sft", "plan.gpus_per_node=1", "model.dtype=fp32",
-                              "model.attention_backend=sdpa", f"train.seq_length={seq}", "train.micro_batch_size=1",
-                              "train.recompute=none", f"train.logits={logits}", f"train.logits_chunk_mb={chunk_mb}"])
+    return load_config(
+        None,
+        [
+            "plan.job=sft",
+            "plan.gpus_per_node=1",
+            "model.dtype=fp32",
+            "model.attention_backend=sdpa",
+            f"train.seq_length={seq}",
+            "train.micro_batch_size=1",
+            "train.recompute=none",
+            f"train.logits={logits}",
+            f"train.logits_chunk_mb={chunk_mb}",
+        ],
+    )
 
 
 def planned_bytes(arch, cfg) -> float:
@@ -91,13 +116,22 @@ def child(vocab: int, seq: int, hidden: int, layers: int, logits: str, chunk_mb:
 
     init_distributed()
     arch = bench_arch(vocab, hidden, layers)
-    chunks = build_model_chunks(arch, transformer_config(arch), attention_backend="sdpa",
-                                head=HeadSettings(logits, chunk_mb))
+    chunks = build_model_chunks(
+        arch, transformer_config(arch), attention_backend="sdpa", head=HeadSettings(logits, chunk_mb)
+    )
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=4))
     mbs = pack_rows(block_rows(arch, seq), seq, 1)
-    step = lambda: train_step(model, opt, sched, mbs, global_denominator(mbs), "block_diffusion",  # noqa: E731
-                              arch.block_size, vocab)
+    step = lambda: train_step(
+        model,
+        opt,
+        sched,
+        mbs,
+        global_denominator(mbs),
+        "block_diffusion",  # noqa: E731
+        arch.block_size,
+        vocab,
+    )
     step()
     gc.collect()
     base = _status_kb("VmRSS")
@@ -106,21 +140,39 @@ def child(vocab: int, seq: int, hidden: int, layers: int, logits: str, chunk_mb:
     m = step()
     peak = _status_kb("VmHWM")
     destroy_distributed()
-    return {"step_mb": (peak - base) / 1024, "base_mb": base / 1024, "loss": m["loss"],
-            "scored": int(sum(int(mb.scored.sum()) for mb in mbs))}
+    return {
+        "step_mb": (peak - base) / 1024,
+        "base_mb": base / 1024,
+        "loss": m["loss"],
+        "scored": int(sum(int(mb.scored.sum()) for mb in mbs)),
+    }
 
 
 def run_case(args, vocab: int, seq: int, logits: str) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072",
-               OMP_NUM_THREADS=str(args.threads))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(vocab), str(seq), logits,
-           "--hidden", str(args.hidden), "--layers", str(args.layers), "--chunk-mb", str(args.chunk_mb)]
+    env = dict(
+        os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072", OMP_NUM_THREADS=str(args.threads)
+    )
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        str(vocab),
+        str(seq),
+        logits,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--chunk-mb",
+        str(args.chunk_mb),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise RuntimeError(f"case vocab={vocab} seq={seq} {logits} failed (exit {out.returncode}):\n"
-                           + out.stderr[-3000:])
-    return json.loads(lines[-1][len("RESULT "):])
+        raise RuntimeError(
+            f"case vocab={vocab} seq={seq} {logits} failed (exit {out.returncode}):\n" + out.stderr[-3000:]
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -140,10 +192,15 @@ def main() -> None:
 
     import psutil
 
-    print(f"one block-diffusion SFT step, fp32 CPU, hidden {args.hidden}, {args.layers} layers; memory above the "
-          f"model (MB, peak RSS - RSS before the step, fresh process per case); chunk {args.chunk_mb} MB")
-    print(f"{'vocab':>7} {'seq':>5} {'scored':>6} {'full MB':>9} {'plan':>9} {'scored MB':>9} {'plan':>9} "
-          f"{'full/scored':>11}", flush=True)
+    print(
+        f"one block-diffusion SFT step, fp32 CPU, hidden {args.hidden}, {args.layers} layers; memory above the "
+        f"model (MB, peak RSS - RSS before the step, fresh process per case); chunk {args.chunk_mb} MB"
+    )
+    print(
+        f"{'vocab':>7} {'seq':>5} {'scored':>6} {'full MB':>9} {'plan':>9} {'scored MB':>9} {'plan':>9} "
+        f"{'full/scored':>11}",
+        flush=True,
+    )
     for vocab in args.vocab:
         arch = bench_arch(vocab, args.hidden, args.layers)
         for seq in args.seq:
@@ -152,16 +209,22 @@ def main() -> None:
                 plan = planned_bytes(arch, bench_config(seq, path, args.chunk_mb)) / MB
                 free = psutil.virtual_memory().available / MB
                 if plan * 1.5 > free:
-                    res[path] = {"step_mb": float("nan"), "plan": plan, "skipped": f"needs ~{plan:.0f} MB, "
-                                                                                     f"{free:.0f} MB free"}
+                    res[path] = {
+                        "step_mb": float("nan"),
+                        "plan": plan,
+                        "skipped": f"needs ~{plan:.0f} MB, {free:.0f} MB free",
+                    }
                     continue
                 res[path] = {**run_case(args, vocab, seq, path), "plan": plan}
             full, scored = res["full"], res["scored"]
             ratio = full["step_mb"] / scored["step_mb"] if scored["step_mb"] == scored["step_mb"] else float("nan")
             n = scored.get("scored", full.get("scored", 0))
-            print(f"{vocab:7d} {seq:5d} {n:6d} {full['step_mb']:9.0f} {full['plan']:9.0f} {scored['step_mb']:9.0f} "
-                  f"{scored['plan']:9.0f} {ratio:10.1f}x"
-                  + "".join(f"  ({p} skipped: {r['skipped']})" for p, r in res.items() if "skipped" in r), flush=True)
+            print(
+                f"{vocab:7d} {seq:5d} {n:6d} {full['step_mb']:9.0f} {full['plan']:9.0f} {scored['step_mb']:9.0f} "
+                f"{scored['plan']:9.0f} {ratio:10.1f}x"
+                + "".join(f"  ({p} skipped: {r['skipped']})" for p, r in res.items() if "skipped" in r),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ same noisy tokens, target mask and t), fp32, ``--threads`` threads each. Every c
 forward (everything before the last hidden state), head (output layer + loss), head backward, backward (the rest)
 and optimizer, plus tokens/s and the ratio to the peer. Default shape: hidden 512, 8 layers, vocab 32k, seq 1024.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,19 +36,59 @@ from megadare.trainer.flops import peak_tflops, step_flops
 
 SHAPES = {
     # SDAR-1.7B-like dense (Qwen3 1.7B shape, ~1.8B params with embeddings)
-    "dense": ModelArch(family="sdar", architecture="SDARForCausalLM", vocab_size=151936, hidden_size=2048,
-                       num_layers=28, num_attention_heads=16, num_kv_heads=8, head_dim=128, ffn_hidden_size=6144,
-                       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768, mask_token_id=151669,
-                       attention="block_causal", block_size=4, qk_norm=True),
+    "dense": ModelArch(
+        family="sdar",
+        architecture="SDARForCausalLM",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=28,
+        num_attention_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_hidden_size=6144,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        mask_token_id=151669,
+        attention="block_causal",
+        block_size=4,
+        qk_norm=True,
+    ),
     # a small MoE (SDAR-MoE / Qwen3-MoE layout): 12 layers, 32 experts top-4
-    "moe": ModelArch(family="sdar_moe", architecture="SDARMoeForCausalLM", vocab_size=151936, hidden_size=1024,
-                     num_layers=12, num_attention_heads=16, num_kv_heads=4, head_dim=64, ffn_hidden_size=3072,
-                     rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768, mask_token_id=151669,
-                     attention="block_causal", block_size=4, qk_norm=True, num_experts=32,
-                     moe_ffn_hidden_size=768, moe_topk=4),
+    "moe": ModelArch(
+        family="sdar_moe",
+        architecture="SDARMoeForCausalLM",
+        vocab_size=151936,
+        hidden_size=1024,
+        num_layers=12,
+        num_attention_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        ffn_hidden_size=3072,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        mask_token_id=151669,
+        attention="block_causal",
+        block_size=4,
+        qk_norm=True,
+        num_experts=32,
+        moe_ffn_hidden_size=768,
+        moe_topk=4,
+    ),
 }
-CPU_SHAPE = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_attention_heads=8, num_kv_heads=4,
-                 head_dim=32, ffn_hidden_size=768, moe_ffn_hidden_size=128, num_experts=8, moe_topk=2)
+CPU_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    num_layers=4,
+    num_attention_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    ffn_hidden_size=768,
+    moe_ffn_hidden_size=128,
+    num_experts=8,
+    moe_topk=2,
+)
 
 
 def cpu_shape(arch: ModelArch) -> ModelArch:
@@ -72,14 +113,20 @@ def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, 
     for _ in range(batch):
         toks = torch.randint(0, arch.vocab_size - 1, (n,), generator=g)
         if mask == "block_diffusion":
-            rows.append(Row(tokens=torch.cat([toks, toks]), labels=torch.cat([toks, toks]),
-                            weight=torch.cat([torch.ones(n), torch.zeros(n)]),
-                            position_ids=torch.cat([torch.arange(n), torch.arange(n)]),
-                            stream_ids=torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)]),
-                            denom=float(n)))
+            rows.append(
+                Row(
+                    tokens=torch.cat([toks, toks]),
+                    labels=torch.cat([toks, toks]),
+                    weight=torch.cat([torch.ones(n), torch.zeros(n)]),
+                    position_ids=torch.cat([torch.arange(n), torch.arange(n)]),
+                    stream_ids=torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)]),
+                    denom=float(n),
+                )
+            )
         else:
-            rows.append(Row(tokens=toks, labels=toks, weight=torch.ones(n), position_ids=torch.arange(n),
-                            denom=float(n)))
+            rows.append(
+                Row(tokens=toks, labels=toks, weight=torch.ones(n), position_ids=torch.arange(n), denom=float(n))
+            )
     mbs = pack_rows(rows, seq, micro_batch_size=batch)
     mask_fn = (lambda mb: mb.megatron_mask(mask, arch.block_size)) if backend == "local" else None
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -88,8 +135,9 @@ def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, 
             if i == 2:  # two warm-up steps (compilation, allocator)
                 sync()
                 t0 = time.perf_counter()
-            train_step(model, opt, sched, mbs, float(batch * n), mask, arch.block_size, arch.vocab_size,
-                       mask_fn=mask_fn)
+            train_step(
+                model, opt, sched, mbs, float(batch * n), mask, arch.block_size, arch.vocab_size, mask_fn=mask_fn
+            )
         sync()
         dt = (time.perf_counter() - t0) / steps
         if torch.cuda.is_available():
@@ -114,10 +162,21 @@ PEER_PHASES = ("forward", "head", "head_bwd", "backward", "optimizer")
 def peer_shape(args) -> dict:
     """The HF config.json of the compared model (SDAR / Qwen3 layout, head_dim 64)."""
     h = args.hidden
-    return dict(vocab_size=args.vocab, hidden_size=h, num_hidden_layers=args.layers, intermediate_size=3 * h,
-                num_attention_heads=h // 64, num_key_value_heads=max(1, h // 128), head_dim=64,
-                mask_token_id=args.vocab - 1, block_size=4, tie_word_embeddings=False, rope_theta=1e6,
-                rms_norm_eps=1e-6, max_position_embeddings=32768)
+    return dict(
+        vocab_size=args.vocab,
+        hidden_size=h,
+        num_hidden_layers=args.layers,
+        intermediate_size=3 * h,
+        num_attention_heads=h // 64,
+        num_key_value_heads=max(1, h // 128),
+        head_dim=64,
+        mask_token_id=args.vocab - 1,
+        block_size=4,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+    )
 
 
 def write_checkpoint(args, out_dir: str) -> str:
@@ -143,14 +202,25 @@ def block_samples(arch: ModelArch, seq: int, batch: int) -> list[dict]:
     out = []
     for i in range(batch):
         ids = torch.randint(0, arch.vocab_size - 1, (seq // 2,), generator=g).tolist()
-        row = example_rows(SFTExample(ids[:16], ids[16:]), arch, SFTRecipe("block", block_size=arch.block_size),
-                           example_generator(1, 0, i))[0]
+        row = example_rows(
+            SFTExample(ids[:16], ids[16:]),
+            arch,
+            SFTRecipe("block", block_size=arch.block_size),
+            example_generator(1, 0, i),
+        )[0]
         n, L = seq // 2, seq // 2 - 16
         w = row.weight[:n]
         target = w > 0
-        out.append({"row": row, "x0": row.labels[:n], "xt": row.tokens[:n], "target": target,
-                    "p_mask": torch.where(target, 1.0 / (w * L).clamp_min(1e-30), torch.ones(n)),
-                    "labels": torch.cat([torch.full((16,), -100), row.labels[16:n]])})
+        out.append(
+            {
+                "row": row,
+                "x0": row.labels[:n],
+                "xt": row.tokens[:n],
+                "target": target,
+                "p_mask": torch.where(target, 1.0 / (w * L).clamp_min(1e-30), torch.ones(n)),
+                "labels": torch.cat([torch.full((16,), -100), row.labels[16:n]]),
+            }
+        )
     return out
 
 
@@ -187,15 +257,32 @@ def megadare_steps(hf_dir: str, logits: str, seq: int, batch: int, steps: int) -
     out, first = [], 0.0
     for i in range(steps + 1):
         t0 = time.perf_counter()
-        m = train_step(model, opt, sched, mbs, float(sum(mb.denom for mb in mbs)), "block_diffusion",
-                       arch.block_size, arch.vocab_size, objective=objective,
-                       before_step=lambda: marks.__setitem__("bwd", time.perf_counter()))
+        m = train_step(
+            model,
+            opt,
+            sched,
+            mbs,
+            float(sum(mb.denom for mb in mbs)),
+            "block_diffusion",
+            arch.block_size,
+            arch.vocab_size,
+            objective=objective,
+            before_step=lambda: marks.__setitem__("bwd", time.perf_counter()),
+        )
         t1 = time.perf_counter()
         first = first if i else m["loss"]
         if i:
-            out.append({"forward": marks["trunk"] - t0, "head": marks["loss"] - marks["trunk"],
-                        "head_bwd": marks["head_bwd"] - marks["loss"], "backward": marks["bwd"] - marks["head_bwd"],
-                        "optimizer": t1 - marks["bwd"], "step": t1 - t0, "loss0": first})
+            out.append(
+                {
+                    "forward": marks["trunk"] - t0,
+                    "head": marks["loss"] - marks["trunk"],
+                    "head_bwd": marks["head_bwd"] - marks["loss"],
+                    "backward": marks["bwd"] - marks["head_bwd"],
+                    "optimizer": t1 - marks["bwd"],
+                    "step": t1 - t0,
+                    "loss0": first,
+                }
+            )
     return out
 
 
@@ -234,21 +321,48 @@ def against_peer(args) -> None:
         torch.save(dare_batch(block_samples(family_of(cfg).arch(cfg), args.seq, args.batch[0])), batch_file)
         runs: dict[str, list[dict]] = {w: [] for w in who}
         for r in range(args.rounds):
-            for w in (who if r % 2 == 0 else who[::-1]):
-                cmd = ([args.peer_python, os.path.join(here, "dare_peer.py"), args.peer_repo, ckpt, batch_file,
-                        str(args.steps), str(args.threads)] if w == "peer" else
-                       [sys.executable, os.path.abspath(__file__), "--child", w, "--ckpt", ckpt,
-                        "--seq", str(args.seq), "--batch", str(args.batch[0]), "--steps", str(args.steps),
-                        "--threads", str(args.threads)])
-                p = subprocess.run(cmd, capture_output=True, text=True,
-                                   env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+            for w in who if r % 2 == 0 else who[::-1]:
+                cmd = (
+                    [
+                        args.peer_python,
+                        os.path.join(here, "dare_peer.py"),
+                        args.peer_repo,
+                        ckpt,
+                        batch_file,
+                        str(args.steps),
+                        str(args.threads),
+                    ]
+                    if w == "peer"
+                    else [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        "--child",
+                        w,
+                        "--ckpt",
+                        ckpt,
+                        "--seq",
+                        str(args.seq),
+                        "--batch",
+                        str(args.batch[0]),
+                        "--steps",
+                        str(args.steps),
+                        "--threads",
+                        str(args.threads),
+                    ]
+                )
+                p = subprocess.run(
+                    cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+                )
                 res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 if p.returncode or not res:
                     raise SystemExit(f"{w} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-                steps = json.loads(res[-1][len("RESULT "):])
+                steps = json.loads(res[-1][len("RESULT ") :])
                 runs[w].append({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
-                print(f"round {r + 1}/{args.rounds} {w:16s} step {runs[w][-1]['step']:.3f} s "
-                      f"(first step's loss {runs[w][-1]['loss0']:.6f})", flush=True)
+                print(
+                    f"round {r + 1}/{args.rounds} {w:16s} step {runs[w][-1]['step']:.3f} s "
+                    f"(first step's loss {runs[w][-1]['loss0']:.6f})",
+                    flush=True,
+                )
     print_phase_table(args, runs)
 
 
@@ -257,12 +371,17 @@ def print_phase_table(args, runs: dict[str, list[dict]]) -> None:
     med = {w: {k: _median([r[k] for r in rs]) for k in rs[0]} for w, rs in runs.items()}
     # ratios per round (same round, alternated order), then their median: robust to a shared machine's drift
     ratio = {w: _median([p["step"] / m["step"] for m, p in zip(rs, runs["peer"])]) for w, rs in runs.items()}
-    print(f"\nper step (s), median of {args.rounds} rounds; {tokens} tokens per step; shared CPU, "
-          f"{args.threads} thread(s) each; the first step's loss is the same for all (same weights, same rows)")
+    print(
+        f"\nper step (s), median of {args.rounds} rounds; {tokens} tokens per step; shared CPU, "
+        f"{args.threads} thread(s) each; the first step's loss is the same for all (same weights, same rows)"
+    )
     print(f"{'':18s}" + "".join(f"{k:>10s}" for k in PEER_PHASES + ("step", "tok/s", "vs peer")))
     for w, m in med.items():
-        print(f"{w:18s}" + "".join(f"{m[k]:10.3f}" for k in PEER_PHASES + ("step",))
-              + f"{tokens / m['step']:10.0f}{ratio[w]:9.2f}x")
+        print(
+            f"{w:18s}"
+            + "".join(f"{m[k]:10.3f}" for k in PEER_PHASES + ("step",))
+            + f"{tokens / m['step']:10.0f}{ratio[w]:9.2f}x"
+        )
 
 
 def main() -> None:
@@ -271,8 +390,9 @@ def main() -> None:
     ap.add_argument("--shape", nargs="+", default=["dense", "moe"], choices=sorted(SHAPES))
     ap.add_argument("--backends", nargs="+", default=["local", "sdpa", "flex"] if gpu else ["local", "sdpa"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 4] if gpu else [2])
-    ap.add_argument("--seq", type=int, default=None, help="tokens per row (default: 2048 GPU, 256 CPU; 1024 against "
-                                                          "the peer)")
+    ap.add_argument(
+        "--seq", type=int, default=None, help="tokens per row (default: 2048 GPU, 256 CPU; 1024 against the peer)"
+    )
     ap.add_argument("--mask", default="bidirectional", choices=["bidirectional", "block_diffusion"])
     ap.add_argument("--steps", type=int, default=5 if gpu else 3)
     ap.add_argument("--peer-repo", help="a DARE checkout: time megadare against its SDAR model on DARE's loss path")
@@ -298,10 +418,15 @@ def main() -> None:
         return case(args)
     dtype = "bf16" if gpu else "fp32"
     device = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps; "
-          "each case in a fresh process")
-    print(f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-          f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}", flush=True)
+    print(
+        f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps; "
+        "each case in a fresh process"
+    )
+    print(
+        f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}",
+        flush=True,
+    )
     for name in args.shape:
         arch = SHAPES[name] if gpu else cpu_shape(SHAPES[name])
         for batch in args.batch:
@@ -318,8 +443,9 @@ def main() -> None:
                 mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
                 base = base or (tok_s if backend == "local" else None)
                 ratio = f"{tok_s / base:7.2f}x" if base else "      -"
-                print(f"{name:6} {backend:8} {batch:5d} {tok_s:10.0f} {tflops:8.2f} {mfu} {mem:8.1f} {ratio}",
-                      flush=True)
+                print(
+                    f"{name:6} {backend:8} {batch:5d} {tok_s:10.0f} {tflops:8.2f} {mfu} {mem:8.1f} {ratio}", flush=True
+                )
 
 
 def run_case(args, shape: str, backend: str, batch: int) -> dict:
@@ -328,8 +454,20 @@ def run_case(args, shape: str, backend: str, batch: int) -> dict:
     alone it takes 41.7), and an OOM does not poison the cases after it."""
     import subprocess
 
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", f"{shape}:{backend}:{batch}", "--seq",
-           str(args.seq), "--mask", args.mask, "--steps", str(args.steps), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--case",
+        f"{shape}:{backend}:{batch}",
+        "--seq",
+        str(args.seq),
+        "--mask",
+        args.mask,
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE ")]
     if lines:
@@ -355,6 +493,7 @@ def case(args) -> None:
         res = {"error": "OOM"}
     destroy_distributed()
     print("CASE " + json.dumps(res), flush=True)
+
 
 if __name__ == "__main__":
     main()

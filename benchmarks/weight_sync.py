@@ -25,6 +25,7 @@ The last line: ``weight sync: new <s> s vs old <s> s (<x>x); <e>% of raw broadca
 rank <y> x bucket`` (new = distributed; over the cases: the smallest speed-up, the smallest share of the raw
 broadcast and the largest RSS ratio).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,43 @@ import torch
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
-EOS = 4094                                   # inside every vocabulary here
+EOS = 4094  # inside every vocabulary here
 CASES = {
     # ~1.3 GB fp32: 4 layers of a 2048-wide SDAR, untied 32k vocabulary
-    "dense": ("sdar", {"pp": 2, "tp": 2}, dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                                                 num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
-                                                 head_dim=128, tie_word_embeddings=False, mask_token_id=31999)),
+    "dense": (
+        "sdar",
+        {"pp": 2, "tp": 2},
+        dict(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=4,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=False,
+            mask_token_id=31999,
+        ),
+    ),
     # ~1.2 GB fp32: 4 MoE layers of 16 experts
-    "moe": ("sdar_moe", {"pp": 2, "ep": 2}, dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                                                   moe_intermediate_size=1024, num_experts=16, num_experts_per_tok=2,
-                                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                                                   head_dim=128, tie_word_embeddings=False, mask_token_id=31999)),
+    "moe": (
+        "sdar_moe",
+        {"pp": 2, "ep": 2},
+        dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            moe_intermediate_size=1024,
+            num_experts=16,
+            num_experts_per_tok=2,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=128,
+            tie_word_embeddings=False,
+            mask_token_id=31999,
+        ),
+    ),
 }
 
 
@@ -123,7 +150,7 @@ def legacy_push(chunks, table, manager, version: int, bucket_bytes: int, keep: l
 
     from megadare.rollout.weight_sync.plan import local_shards
 
-    keep.clear()                                  # the old manager kept the latest push's buckets
+    keep.clear()  # the old manager kept the latest push's buckets
     local = local_shards(chunks)
     meta = {k: (v[0][0], v[0][2].dtype) for k, v in local.items()}
     metas: list = [None] * dist.get_world_size()
@@ -197,8 +224,9 @@ def _raw_broadcast(sync, manager, rank: int, nbytes: int, bucket_bytes: int) -> 
     dist.barrier()
     t0 = time.perf_counter()
     if rank == 0:
-        plan = [(sync.transport.names[0], [[Flat(torch.uint8, (f"__raw__{i}",), ((n,),))]
-                                           for i, n in enumerate(sizes)])]
+        plan = [
+            (sync.transport.names[0], [[Flat(torch.uint8, (f"__raw__{i}",), ((n,),))] for i, n in enumerate(sizes)])
+        ]
         for name in sync.transport.names[1:]:
             plan.append((name, []))
         refs = manager.start_receive("broadcast", plan, 0)
@@ -220,7 +248,7 @@ def _case_worker(rank, world, family, layout, config, bucket_mb, paths):
     from megadare.rollout.manager import EngineSpec, RolloutManager
     from megadare.rollout.weight_sync.sync import WeightSync
 
-    import weight_sync as bench   # this file, importable by name in the engine actors too
+    import weight_sync as bench  # this file, importable by name in the engine actors too
 
     init_distributed(**layout)
     fam = get_family(family)
@@ -267,8 +295,10 @@ def _report(case: str, r: dict) -> dict:
         trainer = " ".join(f"{x / 2**20:.0f}" for x in p["trainer_rss"])
         engines = " ".join(f"{x / 2**20:.0f}" for x in p["engine_rss"])
         extra = f"; {p['retained']} buckets retained in Ray's store" if "retained" in p else ""
-        print(f"  {name:13s} {p['s']:7.2f} s  {gb / p['s']:6.3f} GB/s  peak extra RSS MiB: trainer ranks "
-              f"[{trainer}] engines [{engines}] (max trainer {max(p['trainer_rss']) / bucket:.2f} x bucket){extra}")
+        print(
+            f"  {name:13s} {p['s']:7.2f} s  {gb / p['s']:6.3f} GB/s  peak extra RSS MiB: trainer ranks "
+            f"[{trainer}] engines [{engines}] (max trainer {max(p['trainer_rss']) / bucket:.2f} x bucket){extra}"
+        )
     out = {}
     if "raw_s" in r:
         print(f"  raw broadcast {r['raw_s']:7.2f} s  {gb / r['raw_s']:6.3f} GB/s  (rank 0 -> 2 engines, same group)")
@@ -293,22 +323,31 @@ def main() -> None:
 
     from megadare.parallel.launch import spawn
 
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"     # spawned trainer ranks and the engine actors inherit it
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # spawned trainer ranks and the engine actors inherit it
     with open("/proc/loadavg") as f:
         print(f"load average at start: {' '.join(f.read().split()[:3])}; CPU, gloo; no GPU in this run")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([REPO, BENCH_DIR]),
-                                       "MALLOC_MMAP_THRESHOLD_": "65536"}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([REPO, BENCH_DIR]), "MALLOC_MMAP_THRESHOLD_": "65536"}},
+    )
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     summary = []
     try:
         for case in args.cases.split(","):
             family, layout, config = CASES[case]
             if args.small:
-                config = {**config, "hidden_size": 512, "num_hidden_layers": 2, "vocab_size": 4096,
-                          "mask_token_id": 4095}
-            r = spawn(bench._case_worker, 4, family, layout, config, args.bucket_mb, args.paths.split(","),
-                      timeout_s=1800)[0]
+                config = {
+                    **config,
+                    "hidden_size": 512,
+                    "num_hidden_layers": 2,
+                    "vocab_size": 4096,
+                    "mask_token_id": 4095,
+                }
+            r = spawn(
+                bench._case_worker, 4, family, layout, config, args.bucket_mb, args.paths.split(","), timeout_s=1800
+            )[0]
             summary.append(_report(f"{case} {family} {layout}", r))
     finally:
         ray.shutdown()
@@ -317,9 +356,11 @@ def main() -> None:
     full = [s for s in summary if "x" in s]
     if full:
         worst = min(full, key=lambda s: s["x"])
-        print(f"weight sync: new {worst['new']:.2f} s vs old {worst['old']:.2f} s ({worst['x']:.1f}x); "
-              f"{min(s['e'] for s in full):.0f}% of raw broadcast; peak extra RSS on any trainer rank "
-              f"{max(s['y'] for s in full):.2f} x bucket")
+        print(
+            f"weight sync: new {worst['new']:.2f} s vs old {worst['old']:.2f} s ({worst['x']:.1f}x); "
+            f"{min(s['e'] for s in full):.0f}% of raw broadcast; peak extra RSS on any trainer rank "
+            f"{max(s['y'] for s in full):.2f} x bucket"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Unknown keys, wrong types, bad choices and impossible layouts raise ``ConfigError`` naming the dotted key and
 the fix. Later sections (train, sft, rl, rollout, eval) are added as dataclasses here.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -20,41 +21,48 @@ from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.models.layout import validate_layout
 from megadare.rewards.sandbox import ISOLATIONS
-from megadare.rollout.engine import (ALGORITHMS, CONFIDENCES, ENGINE_DEVICES, ENGINE_DTYPES, SCHEDULES,
-                                      WEIGHT_TRANSPORTS, SamplingParams)
+from megadare.rollout.engine import (
+    ALGORITHMS,
+    CONFIDENCES,
+    ENGINE_DEVICES,
+    ENGINE_DTYPES,
+    SCHEDULES,
+    WEIGHT_TRANSPORTS,
+    SamplingParams,
+)
 from megadare.rollout.setup import resolve_canvas
 
 
 @dataclass
 class ModelSection:
-    hf_path: Optional[str] = None          # HF checkpoint directory (config.json + safetensors)
-    family: Optional[str] = None           # build a random tiny model of this family instead (tests, demo)
+    hf_path: Optional[str] = None  # HF checkpoint directory (config.json + safetensors)
+    family: Optional[str] = None  # build a random tiny model of this family instead (tests, demo)
     tiny: bool = False
-    tiny_config: dict = field(default_factory=dict)   # config.json overrides of the tiny model (e.g. num_hidden_layers)
-    dtype: str = "fp32"                    # fp32 | bf16 | fp16 (bf16 keeps fp32 master weights)
-    block_size: Optional[int] = None       # denoising block (block-diffusion families); None = family default
-    attention_backend: str = "auto"        # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference |
-                                           # local (megatron's DotProductAttention: baseline, dense masks only)
+    tiny_config: dict = field(default_factory=dict)  # config.json overrides of the tiny model (e.g. num_hidden_layers)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (bf16 keeps fp32 master weights)
+    block_size: Optional[int] = None  # denoising block (block-diffusion families); None = family default
+    attention_backend: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference |
+    # local (megatron's DotProductAttention: baseline, dense masks only)
 
 
 @dataclass
 class ParallelSection:
-    tp: int = 1                            # tensor parallel
-    pp: int = 1                            # pipeline parallel
-    vpp: Optional[int] = None              # virtual pipeline stages per rank (interleaved 1F1B)
-    ep: int = 1                            # expert parallel
-    etp: Optional[int] = None              # expert tensor parallel; None = tp (megatron's default)
-    cp: int = 1                            # context parallel
-    sp: bool = False                       # sequence parallel (needs tp > 1)
-    world_size: Optional[int] = None       # None = from the launcher environment
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B)
+    ep: int = 1  # expert parallel
+    etp: Optional[int] = None  # expert tensor parallel; None = tp (megatron's default)
+    cp: int = 1  # context parallel
+    sp: bool = False  # sequence parallel (needs tp > 1)
+    world_size: Optional[int] = None  # None = from the launcher environment
 
 
 @dataclass
 class CheckpointSection:
-    load: Optional[str] = None             # initial weights: a Megatron checkpoint (model only, any layout)
-    save: Optional[str] = None             # checkpoint root; None = <run_dir>/ckpt. A run resumes from its newest
-    save_interval: int = 0                 # steps; 0 = only at the end and on SIGTERM
-    keep_last: int = 2                     # complete checkpoints kept under the root
+    load: Optional[str] = None  # initial weights: a Megatron checkpoint (model only, any layout)
+    save: Optional[str] = None  # checkpoint root; None = <run_dir>/ckpt. A run resumes from its newest
+    save_interval: int = 0  # steps; 0 = only at the end and on SIGTERM
+    keep_last: int = 2  # complete checkpoints kept under the root
 
 
 @dataclass
@@ -67,210 +75,210 @@ class LoggingSection:
 
 @dataclass
 class TrainSection:
-    steps: int = 100                       # optimizer steps
-    global_batch_size: int = 8             # examples per optimizer step (over all DP ranks)
-    micro_batch_size: int = 1              # packed sequences per micro-batch
-    seq_length: int = 2048                 # packed sequence length (block mode rows are 2x prompt+response)
+    steps: int = 100  # optimizer steps
+    global_batch_size: int = 8  # examples per optimizer step (over all DP ranks)
+    micro_batch_size: int = 1  # packed sequences per micro-batch
+    seq_length: int = 2048  # packed sequence length (block mode rows are 2x prompt+response)
     lr: float = 1e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
-    lr_decay_style: str = "cosine"         # cosine | constant | linear
+    lr_decay_style: str = "cosine"  # cosine | constant | linear
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    distributed_optimizer: bool = True     # shard optimizer state over DP (ZeRO-1)
-    recompute: str = "none"                # none | selective (core attention) | full (whole layers)
-    logits: str = "scored"                 # scored: output layer only where the loss reads, no [tokens, vocab]
-                                           # logits (models/head.py) | full: logits of every position (old path)
-    logits_chunk_mb: float = 64.0          # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
-    moe_aux_loss_coeff: Optional[float] = None   # None = the family's default
-    moe_bias_update_rate: float = 1e-3     # aux-loss-free expert-bias balancing (families with expert bias)
+    distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1)
+    recompute: str = "none"  # none | selective (core attention) | full (whole layers)
+    logits: str = "scored"  # scored: output layer only where the loss reads, no [tokens, vocab]
+    # logits (models/head.py) | full: logits of every position (old path)
+    logits_chunk_mb: float = 64.0  # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
+    moe_aux_loss_coeff: Optional[float] = None  # None = the family's default
+    moe_bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (families with expert bias)
 
 
 @dataclass
 class DataSection:
-    path: Any = None                       # .jsonl / .parquet (or a list of them) with `messages`, prompt/response,
-                                           # *_ids fields, or verl/DARE rows (prompt messages + reward_model)
-    synthetic: Optional[str] = None        # "addition" | "reverse": generated task (tests, demo) instead of a file
+    path: Any = None  # .jsonl / .parquet (or a list of them) with `messages`, prompt/response,
+    # *_ids fields, or verl/DARE rows (prompt messages + reward_model)
+    synthetic: Optional[str] = None  # "addition" | "reverse": generated task (tests, demo) instead of a file
     synthetic_size: int = 512
-    synthetic_correct: float = 1.0         # reverse task: fraction of correct demonstrations (rest copy the input)
-    eval_path: Any = None                  # RL: held-out prompts (a file or a list); synthetic tasks make their own
-    prompt_key: str = "prompt"             # field names; dotted for nested fields (extra_info.question)
+    synthetic_correct: float = 1.0  # reverse task: fraction of correct demonstrations (rest copy the input)
+    eval_path: Any = None  # RL: held-out prompts (a file or a list); synthetic tasks make their own
+    prompt_key: str = "prompt"  # field names; dotted for nested fields (extra_info.question)
     response_key: str = "response"
     messages_key: str = "messages"
-    max_length: int = 1024                 # prompt + response tokens
-    overlong: str = "truncate"             # truncate | drop | error
+    max_length: int = 1024  # prompt + response tokens
+    overlong: str = "truncate"  # truncate | drop | error
     shuffle: bool = True
 
 
 @dataclass
 class SFTSection:
-    mode: str = "auto"                     # auto (block for block-diffusion families, else random) | random |
-                                           # block | semi_ar | trace
-    noise_low: float = 1e-3                # t ~ U(noise_low, noise_high)
+    mode: str = "auto"  # auto (block for block-diffusion families, else random) | random |
+    # block | semi_ar | trace
+    noise_low: float = 1e-3  # t ~ U(noise_low, noise_high)
     noise_high: float = 1.0
-    weighting: str = "inv_t"               # inv_t (ELBO) | none
-    normalize: str = "answer_length"       # answer_length (LLaDA) | masked_tokens (DARE)
-    t_per: str = "block"                   # block mode: one t per block | per sample
+    weighting: str = "inv_t"  # inv_t (ELBO) | none
+    normalize: str = "answer_length"  # answer_length (LLaDA) | masked_tokens (DARE)
+    t_per: str = "block"  # block mode: one t per block | per sample
     trace_shrink: int = 1
-    lora_rank: int = 0                     # 0 = full fine-tuning
+    lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 16.0
     lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
 class RolloutSection:
-    engine: str = "native"                 # native (built-in torch engine) | sglang
-    num_engines: int = 1                   # Ray engine actors
-    engine_resources: dict = field(default_factory=lambda: {"num_cpus": 1})   # per actor, e.g. {num_gpus: 1}
-    engine_tp: int = 1                     # sglang: tensor-parallel size of one engine (num_gpus >= engine_tp)
+    engine: str = "native"  # native (built-in torch engine) | sglang
+    num_engines: int = 1  # Ray engine actors
+    engine_resources: dict = field(default_factory=lambda: {"num_cpus": 1})  # per actor, e.g. {num_gpus: 1}
+    engine_tp: int = 1  # sglang: tensor-parallel size of one engine (num_gpus >= engine_tp)
     max_new_tokens: int = 64
-    block_size: Optional[int] = None       # None = the model's block size (block families) / 32 (full attention)
+    block_size: Optional[int] = None  # None = the model's block size (block families) / 32 (full attention)
     steps_per_block: Optional[int] = None  # None = block_size (one token per step)
-    algorithm: str = "low_confidence_static"   # low_confidence_static | low_confidence_dynamic | random |
-                                           # editing (LLaDA2.1 token editing)
+    algorithm: str = "low_confidence_static"  # low_confidence_static | low_confidence_dynamic | random |
+    # editing (LLaDA2.1 token editing)
     threshold: float = 0.9
-    confidence: str = "model_prob"         # what low-confidence remasking ranks: model_prob | Dream's maskgit_plus,
-                                           # topk_margin, entropy
-    schedule: str = "even"                 # tokens per step: even | linspace (Dream) | linspace_first (DARE's Dream
-                                           # block sampler: the block's first position alone, then linspace)
-    eps: float = 1e-3                      # Dream: end point of the linspace schedule
-    alg_temp: float = 0.0                  # Dream: > 0 draws the committed positions ~ softmax(confidence / alg_temp)
-    editing_threshold: float = 0.9         # editing: replace a decoded token whose new prediction is this confident
-    max_post_steps: int = 16               # editing: refinement forwards after a block has no masks
-    num_to_transfer: int = 1               # editing: masked positions committed per step at least
+    confidence: str = "model_prob"  # what low-confidence remasking ranks: model_prob | Dream's maskgit_plus,
+    # topk_margin, entropy
+    schedule: str = "even"  # tokens per step: even | linspace (Dream) | linspace_first (DARE's Dream
+    # block sampler: the block's first position alone, then linspace)
+    eps: float = 1e-3  # Dream: end point of the linspace schedule
+    alg_temp: float = 0.0  # Dream: > 0 draws the committed positions ~ softmax(confidence / alg_temp)
+    editing_threshold: float = 0.9  # editing: replace a decoded token whose new prediction is this confident
+    max_post_steps: int = 16  # editing: refinement forwards after a block has no masks
+    num_to_transfer: int = 1  # editing: masked positions committed per step at least
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    eval_temperature: float = 0.0          # held-out evaluation decodes greedily by default
-    chunk_size: int = 16                   # prompts per engine request
-    bucket_mb: int = 512                   # weight-sync bucket size
-    weight_transport: str = "auto"         # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all
-                                           # engines) | colocated (shared memory / CUDA IPC) | object_store (no
-                                           # group: through rank 0 and Ray); auto = colocated on a one-host CPU run
-    device: str = "auto"                   # built-in engine: auto (the GPU Ray assigned to the actor, else CPU) |
-                                           # cpu | cuda
-    dtype: str = "auto"                    # built-in engine weights and KV cache: auto (bfloat16 on CUDA, float32
-                                           # on CPU) | float32 | bfloat16
-    max_batch: int = 0                     # built-in engine: rows decoded together; a request's further prompts
-                                           # queue and enter as rows finish (continuous batching); 0 = all at once
-    compile: bool = False                  # built-in engine: torch.compile the block forward (CUDA graphs on CUDA)
-    fp8_weights: bool = False              # sglang: push linear weights as 128x128 block fp8 (engines started from a
-                                           # tools/checkpoint_convert/quantize.py --format fp8-block checkpoint)
+    eval_temperature: float = 0.0  # held-out evaluation decodes greedily by default
+    chunk_size: int = 16  # prompts per engine request
+    bucket_mb: int = 512  # weight-sync bucket size
+    weight_transport: str = "auto"  # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all
+    # engines) | colocated (shared memory / CUDA IPC) | object_store (no
+    # group: through rank 0 and Ray); auto = colocated on a one-host CPU run
+    device: str = "auto"  # built-in engine: auto (the GPU Ray assigned to the actor, else CPU) |
+    # cpu | cuda
+    dtype: str = "auto"  # built-in engine weights and KV cache: auto (bfloat16 on CUDA, float32
+    # on CPU) | float32 | bfloat16
+    max_batch: int = 0  # built-in engine: rows decoded together; a request's further prompts
+    # queue and enter as rows finish (continuous batching); 0 = all at once
+    compile: bool = False  # built-in engine: torch.compile the block forward (CUDA graphs on CUDA)
+    fp8_weights: bool = False  # sglang: push linear weights as 128x128 block fp8 (engines started from a
+    # tools/checkpoint_convert/quantize.py --format fp8-block checkpoint)
 
 
 @dataclass
 class AlgoSection:
-    name: str = "tracerl"                  # see megadare.algos.REGISTRY
-    params: dict = field(default_factory=dict)   # the algorithm's hyper-parameters (eps_low, kl_coef, n_mc, ...);
-                                                  # unset keys take the published defaults
+    name: str = "tracerl"  # see megadare.algos.REGISTRY
+    params: dict = field(default_factory=dict)  # the algorithm's hyper-parameters (eps_low, kl_coef, n_mc, ...);
+    # unset keys take the published defaults
 
 
 @dataclass
 class RLSection:
-    steps: int = 100                       # RL steps (rollout -> update -> weight sync)
-    mode: str = "sync"                     # sync | one_step_off (step k+1's rollout overlaps step k's training) |
-                                           # fully_async (rollouts stream ahead, bounded by max_staleness)
-    max_staleness: int = 1                 # policy versions a rollout may lag behind (enforced; sync gives 0)
-    partial_rollout: int = 0               # blocks per segment of a queued rollout (0: whole responses); each
-                                           # weight update continues the queued responses on the new weights
-    loss_mode: str = "ppo"                 # ppo (ratio to the trainer's pre-update policy) | decoupled (IS
-                                           # behaviour -> proximal, clip proximal -> current) | bypass (clip
-                                           # current / behaviour, no proximal pass)
-    behaviour_logp: str = "trainer"        # where behaviour log-probs come from: trainer (the same estimator on
-                                           # a snapshot of the behaviour version's weights) | engine (sampler
-                                           # log-probs; trace-replay algorithms at shrink 1, temperature 1 only)
-    rollout_is: Optional[str] = None       # None | token | sequence | geometric (D-ARL algorithm.rollout_is)
-    rollout_is_mode: str = "truncate"      # truncate (TIS) | mask (MIS / rejection)
-    rollout_is_threshold: float = 2.0      # upper threshold (D-ARL algorithm.rollout_is_threshold)
-    rollout_is_threshold_low: Optional[float] = None   # None: 1/upper in mask mode, no lower bound in truncate
-    rollout_is_veto: Optional[float] = None            # drop a sequence with any token ratio below this
+    steps: int = 100  # RL steps (rollout -> update -> weight sync)
+    mode: str = "sync"  # sync | one_step_off (step k+1's rollout overlaps step k's training) |
+    # fully_async (rollouts stream ahead, bounded by max_staleness)
+    max_staleness: int = 1  # policy versions a rollout may lag behind (enforced; sync gives 0)
+    partial_rollout: int = 0  # blocks per segment of a queued rollout (0: whole responses); each
+    # weight update continues the queued responses on the new weights
+    loss_mode: str = "ppo"  # ppo (ratio to the trainer's pre-update policy) | decoupled (IS
+    # behaviour -> proximal, clip proximal -> current) | bypass (clip
+    # current / behaviour, no proximal pass)
+    behaviour_logp: str = "trainer"  # where behaviour log-probs come from: trainer (the same estimator on
+    # a snapshot of the behaviour version's weights) | engine (sampler
+    # log-probs; trace-replay algorithms at shrink 1, temperature 1 only)
+    rollout_is: Optional[str] = None  # None | token | sequence | geometric (D-ARL algorithm.rollout_is)
+    rollout_is_mode: str = "truncate"  # truncate (TIS) | mask (MIS / rejection)
+    rollout_is_threshold: float = 2.0  # upper threshold (D-ARL algorithm.rollout_is_threshold)
+    rollout_is_threshold_low: Optional[float] = None  # None: 1/upper in mask mode, no lower bound in truncate
+    rollout_is_veto: Optional[float] = None  # drop a sequence with any token ratio below this
     prompts_per_step: int = 16
-    n_samples: int = 8                     # responses per prompt (group size)
-    advantage: str = "grpo"                # grpo | rloo | reinforce_pp
-    advantage_std: str = "unbiased"        # unbiased | population | none
-    filter_all_equal: bool = False         # drop groups whose rewards are all equal
-    accuracy_band: Optional[list] = None   # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
-    truncated_as_wrong: bool = False       # responses that hit max_new_tokens get reward 0
-    ppo_epochs: int = 1                    # passes over each rollout batch
-    redraw_corruptions: Optional[bool] = None   # each epoch draws its own corruptions (epoch in the seed; old
-                                           # log-probs of every epoch's rows before the first update); None = the
-                                           # algorithm's choice (ESPO, d1: redraw; the rest keep one draw)
-    canvas: Optional[str] = None           # full (sample, mask, score and normalise all rollout.max_new_tokens
-                                           # positions, post-EOS tokens included: DARE's LLaDA/Dream) | eos (cut at
-                                           # the first EOS); None = the family's default (full attention: full,
-                                           # block diffusion: eos)
-    mini_batches: int = 1                  # optimizer steps per epoch
-    reward: str = "auto"                   # built-in reward name or "pkg.module:function"; auto: per row by
-                                           # data_source / extra_info.task (megadare.rewards.registry.auto_rule)
-    max_reward_error_fraction: float = 0.0   # a step (or evaluation) whose rewards could not be computed for more
-                                             # than this fraction of samples stops the run (a program or verifier
-                                             # running past its own limit is a wrong answer, not a failure)
-    eval_interval: int = 0                 # steps; 0 = only before and after training
-    eval_size: int = 64                    # held-out prompts evaluated
-    answer_key: str = "answer"             # gold field (dotted: reward_model.ground_truth, verl's, is the fallback)
-    skip_rows_without_answer: bool = False   # leave out (and list) prompt rows whose gold is null / empty instead of
-                                             # refusing the file (DARE's MATH train file has 4 such rows)
-    lora_rank: int = 0                     # > 0: train LoRA adapters (reference = adapters off, no second model)
+    n_samples: int = 8  # responses per prompt (group size)
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp
+    advantage_std: str = "unbiased"  # unbiased | population | none
+    filter_all_equal: bool = False  # drop groups whose rewards are all equal
+    accuracy_band: Optional[list] = None  # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
+    truncated_as_wrong: bool = False  # responses that hit max_new_tokens get reward 0
+    ppo_epochs: int = 1  # passes over each rollout batch
+    redraw_corruptions: Optional[bool] = None  # each epoch draws its own corruptions (epoch in the seed; old
+    # log-probs of every epoch's rows before the first update); None = the
+    # algorithm's choice (ESPO, d1: redraw; the rest keep one draw)
+    canvas: Optional[str] = None  # full (sample, mask, score and normalise all rollout.max_new_tokens
+    # positions, post-EOS tokens included: DARE's LLaDA/Dream) | eos (cut at
+    # the first EOS); None = the family's default (full attention: full,
+    # block diffusion: eos)
+    mini_batches: int = 1  # optimizer steps per epoch
+    reward: str = "auto"  # built-in reward name or "pkg.module:function"; auto: per row by
+    # data_source / extra_info.task (megadare.rewards.registry.auto_rule)
+    max_reward_error_fraction: float = 0.0  # a step (or evaluation) whose rewards could not be computed for more
+    # than this fraction of samples stops the run (a program or verifier
+    # running past its own limit is a wrong answer, not a failure)
+    eval_interval: int = 0  # steps; 0 = only before and after training
+    eval_size: int = 64  # held-out prompts evaluated
+    answer_key: str = "answer"  # gold field (dotted: reward_model.ground_truth, verl's, is the fallback)
+    skip_rows_without_answer: bool = False  # leave out (and list) prompt rows whose gold is null / empty instead of
+    # refusing the file (DARE's MATH train file has 4 such rows)
+    lora_rank: int = 0  # > 0: train LoRA adapters (reference = adapters off, no second model)
     lora_alpha: float = 16.0
     lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
 class DPOSection:
-    beta: float = 0.2                      # DPO temperature (LLaDA 1.5 / DARE recipe 0.2)
-    n_mc: int = 4                          # count-stratified masks per response, shared by policy and reference
-    margin_norm: str = "none"              # none | canvas: divide the margin by the response canvas R (DARE's
-                                           # VRPO; its effective beta is beta / R)
-    canvas_length: int = 512               # R for margin_norm=canvas (DARE's data.max_response_length)
-    chosen_key: str = "chosen"             # preference records: prompt (data.prompt_key), chosen, rejected
+    beta: float = 0.2  # DPO temperature (LLaDA 1.5 / DARE recipe 0.2)
+    n_mc: int = 4  # count-stratified masks per response, shared by policy and reference
+    margin_norm: str = "none"  # none | canvas: divide the margin by the response canvas R (DARE's
+    # VRPO; its effective beta is beta / R)
+    canvas_length: int = 512  # R for margin_norm=canvas (DARE's data.max_response_length)
+    chosen_key: str = "chosen"  # preference records: prompt (data.prompt_key), chosen, rejected
     rejected_key: str = "rejected"
 
 
 @dataclass
 class ReplaySection:
-    enable: bool = False                   # D-ARL replay.enable: distribution-matched replay of stale samples
-    k: int = 2                             # replay.k: keep the samples of the last k behaviour versions
-    pmis: bool = True                      # replay.pmis: balance-heuristic weights over the k behaviour policies
-    warmup: int = 1                        # replay.warmup: policy versions seen before replay starts
-    fraction: float = 0.25                 # replayed samples per step, as a fraction of the fresh ones
-    score: str = "token_chi2"              # variance-guided match score (trainer/offpolicy/replay.py SCORES)
-    level: str = "group"                   # sample | group (keep prompt groups whole) | version
-    max_score: Optional[float] = None      # never replay units scoring above this
+    enable: bool = False  # D-ARL replay.enable: distribution-matched replay of stale samples
+    k: int = 2  # replay.k: keep the samples of the last k behaviour versions
+    pmis: bool = True  # replay.pmis: balance-heuristic weights over the k behaviour policies
+    warmup: int = 1  # replay.warmup: policy versions seen before replay starts
+    fraction: float = 0.25  # replayed samples per step, as a fraction of the fresh ones
+    score: str = "token_chi2"  # variance-guided match score (trainer/offpolicy/replay.py SCORES)
+    level: str = "group"  # sample | group (keep prompt groups whole) | version
+    max_score: Optional[float] = None  # never replay units scoring above this
 
 
 @dataclass
 class EvalSection:
-    tasks: list = field(default_factory=lambda: ["gsm8k"])   # gsm8k | math500 | aime24 | aime25 | humaneval | mbpp
-    data_dir: Optional[str] = None         # directory holding <task>.jsonl / <task>.parquet
-    paths: dict = field(default_factory=dict)   # {task: file} (overrides data_dir)
-    n_samples: int = 1                     # responses per problem (mean@n, pass@k, maj@k)
-    k: list = field(default_factory=lambda: [1])   # pass@k / maj@k values (k <= n_samples)
-    temperature: Optional[float] = None    # None: rollout.eval_temperature (n_samples > 1 needs > 0)
-    limit: Optional[int] = None            # first N problems per task
-    output_dir: Optional[str] = None       # per-sample JSONL + summary.json; None = <logging.run_dir>/eval
-    prompt_style: str = "boxed"            # math prompts: boxed (dLLM-RL / SDAR, OpenCompass MATH 0-shot) | d1
+    tasks: list = field(default_factory=lambda: ["gsm8k"])  # gsm8k | math500 | aime24 | aime25 | humaneval | mbpp
+    data_dir: Optional[str] = None  # directory holding <task>.jsonl / <task>.parquet
+    paths: dict = field(default_factory=dict)  # {task: file} (overrides data_dir)
+    n_samples: int = 1  # responses per problem (mean@n, pass@k, maj@k)
+    k: list = field(default_factory=lambda: [1])  # pass@k / maj@k values (k <= n_samples)
+    temperature: Optional[float] = None  # None: rollout.eval_temperature (n_samples > 1 needs > 0)
+    limit: Optional[int] = None  # first N problems per task
+    output_dir: Optional[str] = None  # per-sample JSONL + summary.json; None = <logging.run_dir>/eval
+    prompt_style: str = "boxed"  # math prompts: boxed (dLLM-RL / SDAR, OpenCompass MATH 0-shot) | d1
 
 
 @dataclass
 class PlanSection:
     nodes: int = 1
     gpus_per_node: int = 8
-    gpu_memory_gb: float = 80.0            # usable memory per GPU (H100 80 GB, H200 141 GB)
-    rollout_gpus: int = 0                  # GPUs given to rollout engines (0: colocated with the trainer)
-    rollout_batch: int = 64                # concurrent sequences per engine (KV cache sizing)
-    job: str = "rl"                        # rl (trainer + rollout engines) | sft (trainer only)
-    prompt_length: int = 512               # prompt tokens per rollout sequence (KV cache: + rollout.max_new_tokens)
-    reserve_gb: float = 3.0                # per GPU: CUDA context, NCCL buffers, allocator fragmentation
+    gpu_memory_gb: float = 80.0  # usable memory per GPU (H100 80 GB, H200 141 GB)
+    rollout_gpus: int = 0  # GPUs given to rollout engines (0: colocated with the trainer)
+    rollout_batch: int = 64  # concurrent sequences per engine (KV cache sizing)
+    job: str = "rl"  # rl (trainer + rollout engines) | sft (trainer only)
+    prompt_length: int = 512  # prompt tokens per rollout sequence (KV cache: + rollout.max_new_tokens)
+    reserve_gb: float = 3.0  # per GPU: CUDA context, NCCL buffers, allocator fragmentation
 
 
 @dataclass
 class CodeRewardSection:
-    isolation: str = "namespaces"          # namespaces: the OS sandbox (README "Code sandbox") | process: the weaker
-                                           # guard (seccomp + audit hook, writable filesystem) where the kernel
-                                           # refuses namespaces; code rewards refuse to run rather than fall back
+    isolation: str = "namespaces"  # namespaces: the OS sandbox (README "Code sandbox") | process: the weaker
+    # guard (seccomp + audit hook, writable filesystem) where the kernel
+    # refuses namespaces; code rewards refuse to run rather than fall back
 
 
 @dataclass
@@ -330,15 +338,45 @@ CHOICES = {
     "sft.normalize": ("answer_length", "masked_tokens"),
     "sft.t_per": ("block", "sample"),
 }
-POSITIVE = ("parallel.tp", "parallel.pp", "parallel.ep", "parallel.etp", "parallel.cp", "parallel.vpp",
-            "parallel.world_size", "model.block_size", "logging.log_interval", "train.steps",
-            "train.global_batch_size", "train.micro_batch_size", "train.seq_length", "data.max_length",
-            "data.synthetic_size", "sft.trace_shrink", "rl.steps", "rl.prompts_per_step", "rl.n_samples",
-            "rl.ppo_epochs", "rl.mini_batches", "rl.eval_size", "rollout.num_engines", "rollout.max_new_tokens",
-            "rollout.block_size", "rollout.steps_per_block", "rollout.chunk_size", "rollout.bucket_mb",
-            "rollout.engine_tp", "dpo.n_mc", "dpo.canvas_length",
-            "replay.k", "eval.n_samples", "eval.limit", "plan.nodes", "plan.gpus_per_node",
-            "plan.rollout_batch")
+POSITIVE = (
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.ep",
+    "parallel.etp",
+    "parallel.cp",
+    "parallel.vpp",
+    "parallel.world_size",
+    "model.block_size",
+    "logging.log_interval",
+    "train.steps",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.seq_length",
+    "data.max_length",
+    "data.synthetic_size",
+    "sft.trace_shrink",
+    "rl.steps",
+    "rl.prompts_per_step",
+    "rl.n_samples",
+    "rl.ppo_epochs",
+    "rl.mini_batches",
+    "rl.eval_size",
+    "rollout.num_engines",
+    "rollout.max_new_tokens",
+    "rollout.block_size",
+    "rollout.steps_per_block",
+    "rollout.chunk_size",
+    "rollout.bucket_mb",
+    "rollout.engine_tp",
+    "dpo.n_mc",
+    "dpo.canvas_length",
+    "replay.k",
+    "eval.n_samples",
+    "eval.limit",
+    "plan.nodes",
+    "plan.gpus_per_node",
+    "plan.rollout_batch",
+)
 
 
 def _all_keys(dc: Any, prefix: str = "") -> list[str]:
@@ -413,8 +451,10 @@ def _load_yaml(path: str):
         what = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file {path!r} is not valid YAML: {what}{where}") from None
     if not OmegaConf.is_dict(conf):
-        raise ConfigError(f"config file {path!r} must hold a mapping of sections (model:, train:, ...), "
-                          f"not a {type(OmegaConf.to_object(conf)).__name__}")
+        raise ConfigError(
+            f"config file {path!r} must hold a mapping of sections (model:, train:, ...), "
+            f"not a {type(OmegaConf.to_object(conf)).__name__}"
+        )
     return conf
 
 
@@ -422,8 +462,10 @@ def _finish(conf) -> Config:
     cfg: Config = OmegaConf.to_object(conf)
     for k, v in cfg.model.tiny_config.items():
         if v is None:
-            raise ConfigError(f"model.tiny_config has key {k!r} without a value; on the command line write "
-                              "'model.tiny_config={hidden_size: 128}' (a space after each colon)")
+            raise ConfigError(
+                f"model.tiny_config has key {k!r} without a value; on the command line write "
+                "'model.tiny_config={hidden_size: 128}' (a space after each colon)"
+            )
     for key, options in CHOICES.items():
         v = _get(cfg, key)
         if v not in options:
@@ -472,17 +514,22 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     if arch is not None:
         validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=ws)
         if arch.is_moe and p.tp > 1 and not p.sp:
-            raise ConfigError(f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
-                              "(megatron trains MoE layers under TP only with sequence parallelism)")
+            raise ConfigError(
+                f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
+                "(megatron trains MoE layers under TP only with sequence parallelism)"
+            )
         if cfg.model.block_size is not None and arch.attention != "block_causal":
-            raise ConfigError(f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
-                              "attention and has no denoising blocks; remove model.block_size")
+            raise ConfigError(
+                f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
+                "attention and has no denoising blocks; remove model.block_size"
+            )
     elif p.sp and p.tp == 1:
         raise ConfigError("parallel.sp=true needs parallel.tp > 1")
     t, sft = cfg.train, cfg.sft
     if not 0.0 < sft.noise_low <= sft.noise_high <= 1.0:
-        raise ConfigError(f"sft.noise_low={sft.noise_low}, sft.noise_high={sft.noise_high}: need "
-                          "0 < noise_low <= noise_high <= 1")
+        raise ConfigError(
+            f"sft.noise_low={sft.noise_low}, sft.noise_high={sft.noise_high}: need 0 < noise_low <= noise_high <= 1"
+        )
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr and lr > 0")
     if t.warmup_steps < 0 or t.warmup_steps > t.steps:
@@ -491,29 +538,48 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 = full fine-tuning)")
     if cfg.rollout.max_batch < 0:
-        raise ConfigError(f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request "
-                          "at once)")
+        raise ConfigError(
+            f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request at once)"
+        )
     row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
     if row > t.seq_length:
-        raise ConfigError(f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "
-                          f"rows hold x_t ++ x_0), more than train.seq_length={t.seq_length}; raise "
-                          "train.seq_length or lower data.max_length")
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "
+            f"rows hold x_t ++ x_0), more than train.seq_length={t.seq_length}; raise "
+            "train.seq_length or lower data.max_length"
+        )
     if cfg.rollout.fp8_weights and cfg.rollout.engine != "sglang":
-        raise ConfigError("rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
-                          "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false")
+        raise ConfigError(
+            "rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
+            "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false"
+        )
     if t.seq_length % p.cp:
         raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
     if resolve_canvas(cfg, arch) == "full" and cfg.rl.partial_rollout:
-        raise ConfigError(f"rl.partial_rollout={cfg.rl.partial_rollout} continues a response as a new prompt, which "
-                          "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0")
+        raise ConfigError(
+            f"rl.partial_rollout={cfg.rl.partial_rollout} continues a response as a new prompt, which "
+            "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0"
+        )
     check_decoder(cfg, arch)
     from megadare.algos import build_algorithm  # the name, algo.params and the algorithm's own checks
 
     build_algorithm(cfg.algo.name, dict(cfg.algo.params)).check_config(cfg, arch)
 
 
-_SAMPLER_KEYS = ("max_new_tokens", "algorithm", "threshold", "top_k", "top_p", "confidence", "schedule", "eps",
-                 "alg_temp", "editing_threshold", "max_post_steps", "num_to_transfer")
+_SAMPLER_KEYS = (
+    "max_new_tokens",
+    "algorithm",
+    "threshold",
+    "top_k",
+    "top_p",
+    "confidence",
+    "schedule",
+    "eps",
+    "alg_temp",
+    "editing_threshold",
+    "max_post_steps",
+    "num_to_transfer",
+)
 
 
 def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
@@ -523,9 +589,16 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
     block = r.block_size or (arch.block_size if arch is not None and arch.attention == "block_causal" else 32)
     for temperature in (r.temperature, r.eval_temperature):
         try:
-            SamplingParams(block_size=block, steps_per_block=r.steps_per_block or block, temperature=temperature,
-                           **{k: getattr(r, k) for k in _SAMPLER_KEYS})
+            SamplingParams(
+                block_size=block,
+                steps_per_block=r.steps_per_block or block,
+                temperature=temperature,
+                **{k: getattr(r, k) for k in _SAMPLER_KEYS},
+            )
         except ValueError as e:
-            named = sorted((str(e).find(k), k) for k in _SAMPLER_KEYS + ("steps_per_block", "block_size",
-                                                                          "temperature") if k in str(e))
+            named = sorted(
+                (str(e).find(k), k)
+                for k in _SAMPLER_KEYS + ("steps_per_block", "block_size", "temperature")
+                if k in str(e)
+            )
             raise ConfigError(f"rollout.{named[0][1] if named else 'algorithm'}: {e}") from None

@@ -15,6 +15,7 @@
 such as JustGRPO need LLaDA or Dream: ``megadare demo --family llada --algo justgrpo``).
 ``megadare demo --foundation`` runs the conversion / parallelism demo of the foundation instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ ALGO_DEMO = {
 }
 
 
-def demo_configs(workdir: str, sft_steps: Optional[int], rl_steps: Optional[int], algo: str, nproc: int,
-                 overrides: list[str], family: str = "sdar"):
+def demo_configs(
+    workdir: str,
+    sft_steps: Optional[int],
+    rl_steps: Optional[int],
+    algo: str,
+    nproc: int,
+    overrides: list[str],
+    family: str = "sdar",
+):
     """(SFT config, RL config) of the demo, with outputs under ``workdir``."""
     from megadare.config import load_config
 
@@ -52,21 +60,35 @@ def demo_configs(workdir: str, sft_steps: Optional[int], rl_steps: Optional[int]
         raise ValueError(f"--family {family!r}: choose one of {sorted(FAMILIES)}")
     fam = FAMILIES[family]
     sft_over = fam + [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={sft_steps}"] if sft_steps else [])
-    rl_over = fam + ALGO_DEMO.get(algo, []) + [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt",
-                                               f"algo.name={algo}"]
+    rl_over = (
+        fam
+        + ALGO_DEMO.get(algo, [])
+        + [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt", f"algo.name={algo}"]
+    )
     rl_over += [f"rl.steps={rl_steps}"] if rl_steps else []
     if nproc > 1:
         sft_over.append(f"parallel.world_size={nproc}")
         rl_over.append(f"parallel.world_size={nproc}")
-    sft = load_config(str(base / "demo_sft.yaml"), [o for o in sft_over if not o.startswith("rollout.")]
-                      + [o for o in overrides if not o.startswith("rl.")])
-    rl = load_config(str(base / "demo_rl.yaml"), [o for o in rl_over if not o.startswith("sft.")]
-                     + [o for o in overrides if not o.startswith("sft.")])
+    sft = load_config(
+        str(base / "demo_sft.yaml"),
+        [o for o in sft_over if not o.startswith("rollout.")] + [o for o in overrides if not o.startswith("rl.")],
+    )
+    rl = load_config(
+        str(base / "demo_rl.yaml"),
+        [o for o in rl_over if not o.startswith("sft.")] + [o for o in overrides if not o.startswith("sft.")],
+    )
     return sft, rl
 
 
-def run_demo(workdir: str, sft_steps: Optional[int] = None, rl_steps: Optional[int] = None, algo: str = "tracerl",
-             nproc: int = 1, overrides: Optional[list[str]] = None, family: str = "sdar") -> dict:
+def run_demo(
+    workdir: str,
+    sft_steps: Optional[int] = None,
+    rl_steps: Optional[int] = None,
+    algo: str = "tracerl",
+    nproc: int = 1,
+    overrides: Optional[list[str]] = None,
+    family: str = "sdar",
+) -> dict:
     """SFT -> RL; returns {'sft_accuracy', 'rl_accuracy', 'history', 'evals', 'png', 'seconds'}."""
     from megadare.parallel.launch import spawn
     from megadare.trainer.plots import plot_rl_curve
@@ -79,10 +101,20 @@ def run_demo(workdir: str, sft_steps: Optional[int] = None, rl_steps: Optional[i
     out = spawn(rl_worker, nproc, rl_cfg, timeout_s=3600)[0]
     evals = out["evals"]
     first, last = min(evals), max(evals)
-    png = plot_rl_curve(out["history"], evals, os.path.join(workdir, "reward_curve.png"),
-                        title=f"{algo} on a tiny {family} (reverse task)")
-    return {"sft_accuracy": evals[first]["accuracy"], "rl_accuracy": evals[last]["accuracy"],
-            "history": out["history"], "evals": evals, "png": png, "seconds": time.time() - t0}
+    png = plot_rl_curve(
+        out["history"],
+        evals,
+        os.path.join(workdir, "reward_curve.png"),
+        title=f"{algo} on a tiny {family} (reverse task)",
+    )
+    return {
+        "sft_accuracy": evals[first]["accuracy"],
+        "rl_accuracy": evals[last]["accuracy"],
+        "history": out["history"],
+        "evals": evals,
+        "png": png,
+        "seconds": time.time() - t0,
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -92,8 +124,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         argv.remove("--foundation")
         return demo_foundation.main(argv)
-    ap = argparse.ArgumentParser(prog="megadare demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workdir", default="runs/demo", help="outputs (checkpoints, tensorboard, PNG)")
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
     ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
@@ -106,7 +139,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore")
     print(f"megadare demo: SFT then RL ({a.algo}) of a tiny {a.family} on CPU; outputs in {a.workdir}", flush=True)
     res = run_demo(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, a.overrides, a.family)
-    print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {a.workdir}; "
-          f"{res['seconds']:.0f} s")
+    print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {a.workdir}; {res['seconds']:.0f} s")
     print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
     return 0

@@ -6,6 +6,7 @@ parallelism; EP=2 for the MoE families) -> logits compared with the hf/ referenc
 shards -> exported back to HF and compared bitwise with the source. Prints one row per family.
 (The main demo, ``megadare demo``, is SFT -> RL: megadare/demo.py.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ def _make_checkpoint(name: str, root: str, seed: int) -> tuple[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="megadare demo --foundation", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="megadare demo --foundation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--workdir", default=None, help="keep outputs here (default: a temp dir)")
     ap.add_argument("--seq", type=int, default=32)
@@ -74,12 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         spawn(resave, 2, layout, hf_dir, ck, ck2)
         megatron_to_hf(ck2, back, progress=False)
         src, out = SafetensorsReader(hf_dir), SafetensorsReader(back)
-        bitwise = sorted(src.keys()) == sorted(out.keys()) and all(torch.equal(src.get(k), out.get(k))
-                                                                  for k in src.keys())
+        bitwise = sorted(src.keys()) == sorted(out.keys()) and all(
+            torch.equal(src.get(k), out.get(k)) for k in src.keys()
+        )
         n = sum(p.numel() for p in ref_model.parameters())
         lay = ",".join(f"{k}={v}" for k, v in layout.items())
-        print(f"{name:9s} {lay:12s} {n:8d} {diff:17.2e} {'bitwise' if bitwise else 'DIFFERS':>14s} "
-              f"{time.time() - t0:5.1f}")
+        print(
+            f"{name:9s} {lay:12s} {n:8d} {diff:17.2e} {'bitwise' if bitwise else 'DIFFERS':>14s} "
+            f"{time.time() - t0:5.1f}"
+        )
         ok &= diff < 1e-4 and bitwise
     print("all families match their reference models" if ok else "MISMATCH: see the table above")
     return 0 if ok else 1

@@ -1,4 +1,5 @@
 """Error types shared by every layer (the ground floor of the import layers: it imports nothing of megadare)."""
+
 from __future__ import annotations
 
 

@@ -15,6 +15,7 @@ scripts run it first), each failure one line naming the file, row or key and the
 ``--config-only`` keeps to the first point (a config for a cluster checked from a laptop: its paths are the
 cluster's).
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,7 +26,7 @@ from megadare.config import Config
 from megadare.errors import ConfigError, RunStateError
 from megadare.models.family import ModelArch
 
-ROWS = 64   # records of each data file built and length-checked
+ROWS = 64  # records of each data file built and length-checked
 
 
 def _note(msg: str) -> None:
@@ -41,18 +42,20 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
 
     pl, ws = cfg.plan, cfg.parallel.world_size or world
     planned = cfg
-    if ws is not None and ws != trainer_layout(cfg).world:   # the run's own GPU count, of the declared kind
+    if ws is not None and ws != trainer_layout(cfg).world:  # the run's own GPU count, of the declared kind
         planned = replace(cfg, plan=replace(pl, nodes=1, gpus_per_node=ws + pl.rollout_gpus))
     report = plan(planned, arch)
     if report.fits:
         return
-    gib = 2 ** 30
+    gib = 2**30
     fix = next((a["change"] for a in report.advice if a["fits"]), None)
     cluster = f"{planned.plan.nodes} x {planned.plan.gpus_per_node} GPUs of {pl.gpu_memory_gb:g} GB"
-    raise ConfigError(f"the memory plan does not fit: peak {report.peak / gib:.1f} GB per GPU ({report.bottleneck} "
-                      f"phase) on {cluster} (plan.*); "
-                      + (f"{fix} fits" if fix else "no change of layout fits: add GPUs (plan.nodes) or larger ones")
-                      + " -- `megadare plan` shows the table")
+    raise ConfigError(
+        f"the memory plan does not fit: peak {report.peak / gib:.1f} GB per GPU ({report.bottleneck} "
+        f"phase) on {cluster} (plan.*); "
+        + (f"{fix} fits" if fix else "no change of layout fits: add GPUs (plan.nodes) or larger ones")
+        + " -- `megadare plan` shows the table"
+    )
 
 
 def check_model(cfg: Config, arch: Optional[ModelArch]):
@@ -70,7 +73,7 @@ def check_model(cfg: Config, arch: Optional[ModelArch]):
         src = ModelSource(family=family_of(hf), arch=arch, hf_dir=m.hf_path, hf_config=hf)
         _check_weights(m.hf_path)
         tok = tokenizer_for(cfg, src)
-    else:   # a tiny random model: the run writes it; its family and shapes are known
+    else:  # a tiny random model: the run writes it; its family and shapes are known
         src = ModelSource(family=get_family(m.family), arch=arch, hf_dir=f"a tiny {m.family} model", hf_config={})
         tok = ByteTokenizer()
     if cfg.checkpoint.load:
@@ -113,13 +116,30 @@ def check_data(command: str, cfg: Config, tok) -> None:
     if command == "sft":
         from megadare.data.sft_data import build_sft_examples
 
-        build_sft_examples(records, tok, d.max_length, d.overlong, source=str(d.path), sources=where,
-                           prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key)
+        build_sft_examples(
+            records,
+            tok,
+            d.max_length,
+            d.overlong,
+            source=str(d.path),
+            sources=where,
+            prompt_key=d.prompt_key,
+            response_key=d.response_key,
+            messages_key=d.messages_key,
+        )
     elif command == "dpo":
         from megadare.data.preference_data import build_preference_examples
 
-        build_preference_examples(records, tok, d.max_length, d.overlong, sources=where, prompt_key=d.prompt_key,
-                                  chosen_key=cfg.dpo.chosen_key, rejected_key=cfg.dpo.rejected_key)
+        build_preference_examples(
+            records,
+            tok,
+            d.max_length,
+            d.overlong,
+            sources=where,
+            prompt_key=d.prompt_key,
+            chosen_key=cfg.dpo.chosen_key,
+            rejected_key=cfg.dpo.rejected_key,
+        )
     elif command == "rl":
         check_prompts(cfg, tok, rows)
         if d.eval_path:
@@ -136,16 +156,28 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     d, rl = cfg.data, cfg.rl
     skipped: Optional[list] = [] if rl.skip_rows_without_answer else None
     overlong: list = []
-    built = build_prompts([r for _, r in rows], tok, "", d.prompt_key, rl.answer_key, d.messages_key,
-                          prompt_budget(cfg), sources=[w for w, _ in rows], skipped=skipped, overlong=d.overlong,
-                          overlong_rows=overlong)
+    built = build_prompts(
+        [r for _, r in rows],
+        tok,
+        "",
+        d.prompt_key,
+        rl.answer_key,
+        d.messages_key,
+        prompt_budget(cfg),
+        sources=[w for w, _ in rows],
+        skipped=skipped,
+        overlong=d.overlong,
+        overlong_rows=overlong,
+    )
     if overlong:
-        _note(f"data.overlong={d.overlong} applies to {len(overlong)} of the first {len(rows)} prompts (longer than "
-              f"{prompt_budget(cfg)} tokens), e.g. {overlong[0]}")
+        _note(
+            f"data.overlong={d.overlong} applies to {len(overlong)} of the first {len(rows)} prompts (longer than "
+            f"{prompt_budget(cfg)} tokens), e.g. {overlong[0]}"
+        )
     load_reward(rl.reward)
     if runs_code(rl.reward, [p.record for p in built]):
         set_isolation(cfg.rewards.code.isolation)
-        check_isolation()   # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
+        check_isolation()  # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
     if rl.reward == "auto":
         from megadare.rewards import RewardSpecError
 
@@ -197,8 +229,9 @@ def check_run_dir(command: str, cfg: Config) -> None:
         raise RunStateError(f"no intact checkpoint under {root}; move the damaged ones aside to start over")
 
 
-def preflight(command: str, cfg: Config, arch: Optional[ModelArch], config_only: bool = False,
-              world: Optional[int] = None) -> None:
+def preflight(
+    command: str, cfg: Config, arch: Optional[ModelArch], config_only: bool = False, world: Optional[int] = None
+) -> None:
     """Everything ``--dry-run`` checks (module docstring); raises the first problem as a one-line error. ``world``:
     the trainer processes the run will have, when known (``--nproc``, WORLD_SIZE)."""
     if arch is not None and command in ("sft", "dpo", "rl"):

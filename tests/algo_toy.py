@@ -2,6 +2,7 @@
 log-probs on views and packed micro-batches, exact enumeration of the quantities the estimators aim at
 (``Exact``), synthetic decoding traces, and a Monte-Carlo assertion. See test_algos_estimators.py for what
 is enumerated and how it is checked."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,12 +17,12 @@ import torch.nn.functional as F
 from megadare.algos.base import RLSample
 from megadare.models import get_family
 
-V, MASK, ABSENT = 3, 3, 4        # real tokens 0..2, the mask id, "not visible" (later blocks of a block model)
-NMAX = 6                         # the toy's context length (prompt + response <= 6)
-Z = 4.5                          # MC tolerance in standard errors
+V, MASK, ABSENT = 3, 3, 4  # real tokens 0..2, the mask id, "not visible" (later blocks of a block model)
+NMAX = 6  # the toy's context length (prompt + response <= 6)
+Z = 4.5  # MC tolerance in standard errors
 
-FULL_C, FULL_Y = [1, 2], [0, 2, 1, 1]     # full-attention toy sample (blocks of 2 aligned with the response)
-BLOCK_C, BLOCK_Y = [2], [0, 1, 0, 2]      # block toy: global grid blocks {c,y0} {y1,y2} {y3} (block_size 2)
+FULL_C, FULL_Y = [1, 2], [0, 2, 1, 1]  # full-attention toy sample (blocks of 2 aligned with the response)
+BLOCK_C, BLOCK_Y = [2], [0, 1, 0, 2]  # block toy: global grid blocks {c,y0} {y1,y2} {y3} (block_size 2)
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +90,7 @@ def synthetic_trace(P: int, L: int, block_size: int, seed: int, per_step: int = 
     for b in sorted(blocks):
         order = [blocks[b][i] for i in torch.randperm(len(blocks[b]), generator=g).tolist()]
         for j in range(0, len(order), per_step):
-            for k in order[j:j + per_step]:
+            for k in order[j : j + per_step]:
                 commit[k], bstep[k] = step, j // per_step
             step += 1
     return commit, bstep
@@ -104,8 +105,7 @@ def contexts(x0: torch.Tensor, xt: torch.Tensor, block_size: int) -> torch.Tenso
         return xt.unsqueeze(0).expand(n, n)
     blk = torch.arange(n) // block_size
     qb, kb = blk.unsqueeze(1), blk.unsqueeze(0)
-    return torch.where(kb < qb, x0.unsqueeze(0),
-                       torch.where(kb == qb, xt.unsqueeze(0), torch.full((n, n), ABSENT)))
+    return torch.where(kb < qb, x0.unsqueeze(0), torch.where(kb == qb, xt.unsqueeze(0), torch.full((n, n), ABSENT)))
 
 
 def view_logps(toy: Toy, x0: torch.Tensor, tokens: list[torch.Tensor], block_size: int = 0) -> torch.Tensor:
@@ -114,7 +114,7 @@ def view_logps(toy: Toy, x0: torch.Tensor, tokens: list[torch.Tensor], block_siz
     ctx = torch.stack([contexts(x0, t, block_size) for t in tokens]).reshape(-1, n)
     lp = toy.logp(ctx).reshape(nv, n, NMAX, V)
     idx = torch.arange(n)
-    lp = lp[:, idx, idx]                                                   # position i read in its own context
+    lp = lp[:, idx, idx]  # position i read in its own context
     return lp.gather(-1, x0.expand(nv, n).unsqueeze(-1)).squeeze(-1)
 
 
@@ -274,8 +274,9 @@ class Exact:
                 acc = 0.0
                 for m in range(1, len(toks) + 1):
                     subs = list(itertools.combinations(toks, m))
-                    hit = sum(math.exp(beta * self.lp(self.ctx(set(S), bs, b, future, glob), k))
-                              for S in subs if k in S)
+                    hit = sum(
+                        math.exp(beta * self.lp(self.ctx(set(S), bs, b, future, glob), k)) for S in subs if k in S
+                    )
                     acc += (1 / len(blocks)) * (1 / len(toks)) * (len(blocks) * len(toks) / m) * hit / len(subs)
                 out[k] = acc
         return out
@@ -294,22 +295,22 @@ class JointToy(torch.nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.P, self.L = prompt_len, resp_len
-        self.table = torch.tensor(list(itertools.product(range(V), repeat=resp_len)))      # [V^L, L]
-        self.log_joint = F.log_softmax(torch.randn(V ** resp_len, generator=g, dtype=torch.float64) * scale, 0)
+        self.table = torch.tensor(list(itertools.product(range(V), repeat=resp_len)))  # [V^L, L]
+        self.log_joint = F.log_softmax(torch.randn(V**resp_len, generator=g, dtype=torch.float64) * scale, 0)
 
     def joint_logp(self, y) -> float:
         return float(self.log_joint[(self.table == torch.tensor(y)).all(-1)][0])
 
     def logp(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.as_tensor(x)
-        r = x[:, self.P:self.P + self.L]
+        r = x[:, self.P : self.P + self.L]
         vis = r < V
-        agree = (self.table.unsqueeze(0) == r.unsqueeze(1)) | ~vis.unsqueeze(1)              # [N, V^L, L]
+        agree = (self.table.unsqueeze(0) == r.unsqueeze(1)) | ~vis.unsqueeze(1)  # [N, V^L, L]
         out = torch.full((x.shape[0], NMAX, V), -math.log(V), dtype=torch.float64)
         joint = self.log_joint.exp()
         for k in range(self.L):
-            ok = torch.cat([agree[..., :k], agree[..., k + 1:]], -1).all(-1)                 # ignore position k
-            w = (ok * joint) @ F.one_hot(self.table[:, k], V).double()                       # [N, V]
+            ok = torch.cat([agree[..., :k], agree[..., k + 1 :]], -1).all(-1)  # ignore position k
+            w = (ok * joint) @ F.one_hot(self.table[:, k], V).double()  # [N, V]
             out[:, self.P + k] = torch.log(w / w.sum(-1, keepdim=True))
         return out
 

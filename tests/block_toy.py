@@ -1,6 +1,7 @@
 """A toy block-diffusion LM for the rollout-step and SGLang tests: integer-valued logits (exact in float32 for
 any batch or padding, so two engines see bit-identical logits), its arch, and the per-block logits the way
 sglang's model runner hands them to a dLLM algorithm."""
+
 from __future__ import annotations
 
 import torch
@@ -36,10 +37,23 @@ class ToyBlockLM(torch.nn.Module):
 
 
 def toy_arch() -> ModelArch:
-    return ModelArch(family="sdar", architecture="SDARForCausalLM", vocab_size=V, hidden_size=8, num_layers=1,
-                     num_attention_heads=1, num_kv_heads=1, head_dim=8, ffn_hidden_size=8, rms_norm_eps=1e-6,
-                     rope_theta=1e4, max_position_embeddings=64, mask_token_id=MASK, attention="block_causal",
-                     block_size=B)
+    return ModelArch(
+        family="sdar",
+        architecture="SDARForCausalLM",
+        vocab_size=V,
+        hidden_size=8,
+        num_layers=1,
+        num_attention_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        ffn_hidden_size=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        mask_token_id=MASK,
+        attention="block_causal",
+        block_size=B,
+    )
 
 
 def block_logits(model: ToyBlockLM, grid: list[int], block: torch.Tensor) -> torch.Tensor:

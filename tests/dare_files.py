@@ -1,5 +1,6 @@
 """Small files in DARE's schemas (written here, following verl/utils/preprocess/*.py of DARE @83ae8a3; no DARE data
 is copied): RL rows, SFT rows and preference rows, as parquet with the nested structs DARE's files have."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ import pyarrow.parquet as pq
 
 def rl_row(source: str, prompt, gold: str, index: int, task: str = "math", **extra) -> dict:
     msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    return {"data_source": source, "prompt": msgs, "reward_model": {"ground_truth": gold, "style": "rule"},
-            "extra_info": {"index": index, "split": "train", "task": task, **extra}}
+    return {
+        "data_source": source,
+        "prompt": msgs,
+        "reward_model": {"ground_truth": gold, "style": "rule"},
+        "extra_info": {"index": index, "split": "train", "task": task, **extra},
+    }
 
 
 def math_rows(n: int = 3) -> list[dict]:
@@ -20,42 +25,75 @@ def math_rows(n: int = 3) -> list[dict]:
 
 
 def countdown_rows(n: int = 3) -> list[dict]:
-    return [rl_row("countdown", f"Use [{i + 1}, {i + 3}] to make {2 * i + 4}. Answer in <answer></answer>.",
-                   str(2 * i + 4), i, numbers=json.dumps([i + 1, i + 3])) for i in range(n)]
+    return [
+        rl_row(
+            "countdown",
+            f"Use [{i + 1}, {i + 3}] to make {2 * i + 4}. Answer in <answer></answer>.",
+            str(2 * i + 4),
+            i,
+            numbers=json.dumps([i + 1, i + 3]),
+        )
+        for i in range(n)
+    ]
 
 
 def sudoku_rows() -> list[dict]:
-    return [rl_row("sudoku", "Solve 1030041020004301 in <answer></answer>.", "1234341221434321", 0,
-                   puzzle="1030041020004301")]
+    return [
+        rl_row(
+            "sudoku", "Solve 1030041020004301 in <answer></answer>.", "1234341221434321", 0, puzzle="1030041020004301"
+        )
+    ]
 
 
-MBPP_PREFILL = [{"role": "user", "content": "Write add(a, b). Tests:\nassert add(1, 2) == 3"},
-                {"role": "assistant", "content": "[BEGIN]\n"}]
+MBPP_PREFILL = [
+    {"role": "user", "content": "Write add(a, b). Tests:\nassert add(1, 2) == 3"},
+    {"role": "assistant", "content": "[BEGIN]\n"},
+]
 
 
 def mbpp_rows() -> list[dict]:
-    return [rl_row("mbpp", MBPP_PREFILL, json.dumps(["assert add(1, 2) == 3", "assert add(2, 2) == 4"]), 0,
-                   task="code")]
+    return [
+        rl_row("mbpp", MBPP_PREFILL, json.dumps(["assert add(1, 2) == 3", "assert add(2, 2) == 4"]), 0, task="code")
+    ]
 
 
 def sft_rows(n: int = 3) -> list[dict]:
     out = []
     for i in range(n):
         q = f"Tom has {i} apples and buys 2. How many?"
-        out.append({"data_source": "openai/gsm8k",
-                    "prompt": [{"role": "user", "content": q + " Let's think step by step and output the final "
-                                                               "answer after \"####\"."}],
-                    "ability": "math", "reward_model": {"ground_truth": str(i + 2), "style": "rule"},
-                    "extra_info": {"answer": f"{i} + 2 = {i + 2}.\n#### {i + 2}", "index": i, "question": q,
-                                   "split": "train"}})
+        out.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": q + ' Let\'s think step by step and output the final answer after "####".',
+                    }
+                ],
+                "ability": "math",
+                "reward_model": {"ground_truth": str(i + 2), "style": "rule"},
+                "extra_info": {
+                    "answer": f"{i} + 2 = {i + 2}.\n#### {i + 2}",
+                    "index": i,
+                    "question": q,
+                    "split": "train",
+                },
+            }
+        )
     return out
 
 
 def preference_rows(n: int = 2) -> list[dict]:
-    return [{"data_source": "ultrafeedback", "prompt": [{"role": "user", "content": f"Say hi {i}"}],
-             "chosen": [{"role": "assistant", "content": f"Hi {i}!"}],
-             "rejected": [{"role": "assistant", "content": "no"}], "extra_info": {"split": "train", "index": i}}
-            for i in range(n)]
+    return [
+        {
+            "data_source": "ultrafeedback",
+            "prompt": [{"role": "user", "content": f"Say hi {i}"}],
+            "chosen": [{"role": "assistant", "content": f"Hi {i}!"}],
+            "rejected": [{"role": "assistant", "content": "no"}],
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(n)
+    ]
 
 
 def write_parquet(path, rows: list[dict]) -> str:
@@ -76,16 +114,22 @@ UNICODE_QUESTIONS = [
 
 def unicode_rl_rows() -> list[dict]:
     golds = ["32", "17", "5", "5"]
-    return [rl_row("openai/gsm8k", q + " Let's think step by step and output the final answer after \"####\".", g, i)
-            for i, (q, g) in enumerate(zip(UNICODE_QUESTIONS, golds))]
+    return [
+        rl_row("openai/gsm8k", q + ' Let\'s think step by step and output the final answer after "####".', g, i)
+        for i, (q, g) in enumerate(zip(UNICODE_QUESTIONS, golds))
+    ]
 
 
 def unicode_sft_rows() -> list[dict]:
-    answers = ["16 × 2 = 32 €.\n#### 32", "f(k)² = k² + 1, so ∑ = 2 + 5 + 10 = 17 ≤ 6π ≈ 18.85.\n#### 17",
-               "It keeps every character: “edcba” has 5.\n#### 5", "3 + 2 = 5（个）。\n#### 5"]
+    answers = [
+        "16 × 2 = 32 €.\n#### 32",
+        "f(k)² = k² + 1, so ∑ = 2 + 5 + 10 = 17 ≤ 6π ≈ 18.85.\n#### 17",
+        "It keeps every character: “edcba” has 5.\n#### 5",
+        "3 + 2 = 5（个）。\n#### 5",
+    ]
     rows = sft_rows(len(UNICODE_QUESTIONS))
     for row, q, a in zip(rows, UNICODE_QUESTIONS, answers):
-        row["prompt"][0]["content"] = q + " Let's think step by step and output the final answer after \"####\"."
+        row["prompt"][0]["content"] = q + ' Let\'s think step by step and output the final answer after "####".'
         row["extra_info"].update(question=q, answer=a)
         row["reward_model"]["ground_truth"] = a.rsplit("#### ", 1)[1]
     return rows

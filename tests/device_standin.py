@@ -20,6 +20,7 @@ legal on CUDA, raises here (a wrapper cannot become another kind of tensor); 0-d
 (CUDA accepts them in elementwise ops only); nothing about speed, memory or streams is simulated.
 Used by tests/test_device_placement.py; runs in a spawned process (it patches torch.cuda and torch.distributed).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,17 @@ _SET_DATA = torch._C.TensorBase.data.__set__
 _FROM_DATA = (torch.tensor, torch.as_tensor, torch.asarray)
 _aten = torch.ops.aten
 # ops that CUDA runs with some arguments on the CPU: copies between devices and index tensors
-_CPU_ARGS_OK = {_aten._to_copy.default, _aten.copy_.default, _aten.index.Tensor, _aten.index_put_.default,
-                _aten.index_put.default, _aten._index_put_impl_.default, _aten.lift_fresh.default,
-                _aten.lift_fresh_copy.default, _aten._has_compatible_shallow_copy_type.default}
+_CPU_ARGS_OK = {
+    _aten._to_copy.default,
+    _aten.copy_.default,
+    _aten.index.Tensor,
+    _aten.index_put_.default,
+    _aten.index_put.default,
+    _aten._index_put_impl_.default,
+    _aten.lift_fresh.default,
+    _aten.lift_fresh_copy.default,
+    _aten._has_compatible_shallow_copy_type.default,
+}
 
 
 class Mismatch(RuntimeError):
@@ -54,8 +63,15 @@ class OnDevice(torch.Tensor):
     @staticmethod
     def __new__(cls, elem: torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, elem.size(), strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
-            layout=elem.layout, device=STANDIN, requires_grad=elem.requires_grad)
+            cls,
+            elem.size(),
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=STANDIN,
+            requires_grad=elem.requires_grad,
+        )
         r.elem = elem
         return r
 
@@ -85,8 +101,10 @@ class _Device(TorchDispatchMode):
         if not on_device:
             return func(*args, **kwargs)
         if any(type(a) is torch.Tensor and a.device.type == STANDIN.type for a in flat):
-            raise RuntimeError(f"{func}: a plain meta tensor (no values) reached the stand-in: a hole in "
-                               "tests/device_standin.py, not a finding about the code under test")
+            raise RuntimeError(
+                f"{func}: a plain meta tensor (no values) reached the stand-in: a hole in "
+                "tests/device_standin.py, not a finding about the code under test"
+            )
         if func not in _CPU_ARGS_OK:
             for a in flat:
                 if _plain_cpu(a) and a.dim() > 0:
@@ -94,8 +112,11 @@ class _Device(TorchDispatchMode):
         gen = kwargs.get("generator")
         if gen is not None and gen.device.type == "cpu":
             raise Mismatch(f"{func}: a CPU torch.Generator used for tensors on the GPU (stand-in)")
-        to_cpu = func is _aten._to_copy.default and kwargs.get("device") is not None and \
-            torch.device(kwargs["device"]).type == "cpu"
+        to_cpu = (
+            func is _aten._to_copy.default
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cpu"
+        )
         inner = [a.elem if isinstance(a, OnDevice) else a for a in flat]
         a2, k2 = pytree.tree_unflatten(inner, spec)
         if _is_standin(k2.get("device")):
@@ -106,7 +127,7 @@ class _Device(TorchDispatchMode):
         if "out" in kwargs:
             return kwargs["out"]
         if func._schema.name.endswith("_") and args and isinstance(args[0], torch.Tensor):
-            return args[0]                                   # in place: the caller's tensor, whatever its kind
+            return args[0]  # in place: the caller's tensor, whatever its kind
         return pytree.tree_map_only(torch.Tensor, OnDevice, out)
 
 
@@ -116,7 +137,7 @@ def _standin_device(d: Any) -> Any:
     if isinstance(d, torch.device) and d.type == "cuda":
         return STANDIN
     if isinstance(d, int) and not isinstance(d, bool):
-        return STANDIN                                       # an int device argument is a CUDA ordinal
+        return STANDIN  # an int device argument is a CUDA ordinal
     return d
 
 
@@ -132,43 +153,67 @@ class _CudaToStandin(TorchFunctionMode):
         if func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(args[0], OnDevice):
-            name = args[0].elem.type()                       # megatron's optimizers ask for torch.cuda.*
+            name = args[0].elem.type()  # megatron's optimizers ask for torch.cuda.*
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if func is torch.Tensor.tolist and isinstance(args[0], OnDevice):
-            return args[0].elem.tolist()                     # a device-to-host copy, as on CUDA
+            return args[0].elem.tolist()  # a device-to-host copy, as on CUDA
         if func is torch.Tensor.to:
             args = tuple(_standin_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
-        if func in _FROM_DATA:                               # torch.tensor([...]) reads values, as CUDA does
-            args = tuple(pytree.tree_map_only(OnDevice, lambda t: t.elem, a) if isinstance(a, (list, tuple)) else a
-                         for a in args)
+        if func in _FROM_DATA:  # torch.tensor([...]) reads values, as CUDA does
+            args = tuple(
+                pytree.tree_map_only(OnDevice, lambda t: t.elem, a) if isinstance(a, (list, tuple)) else a for a in args
+            )
             if _is_standin(kwargs.get("device")):
                 return OnDevice(func(*args, **{**kwargs, "device": "cpu"}))
         if func == _SET_DATA and not isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
-            raise RuntimeError("a CPU tensor's .data set to a GPU tensor: legal on CUDA (the tensor moves), not "
-                               "representable by the stand-in; move the module to the GPU first")
+            raise RuntimeError(
+                "a CPU tensor's .data set to a GPU tensor: legal on CUDA (the tensor moves), not "
+                "representable by the stand-in; move the module to the GPU first"
+            )
         out = func(*args, **kwargs)
         if func == _SET_DATA and isinstance(args[0], OnDevice) and isinstance(args[1], OnDevice):
-            args[0].elem = args[1].elem                      # ``t.data = u`` swaps the wrapper; keep the contents
+            args[0].elem = args[1].elem  # ``t.data = u`` swaps the wrapper; keep the contents
         return out
 
 
 def _unwrapped(fn):
     """A torch.distributed function that hands the CPU tensors inside stand-in tensors to the backend."""
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
         un = lambda t: t.elem if isinstance(t, OnDevice) else t  # noqa: E731
         return fn(*pytree.tree_map(un, args), **pytree.tree_map(un, kwargs))
+
     return call
 
 
-_CUDA_STUBS = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-               "set_device": lambda *a: None, "synchronize": lambda *a, **k: None,
-               "get_device_name": lambda *a: "stand-in GPU (CPU tensors reporting 'meta')",
-               "empty_cache": lambda: None, "memory_allocated": lambda *a, **k: 0,
-               "max_memory_allocated": lambda *a, **k: 0, "reset_peak_memory_stats": lambda *a, **k: None,
-               "is_bf16_supported": lambda *a, **k: True}
-_DIST = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv",
-         "isend", "irecv", "all_to_all_single", "_all_gather_base", "_reduce_scatter_base")
+_CUDA_STUBS = {
+    "is_available": lambda: True,
+    "device_count": lambda: 1,
+    "current_device": lambda: 0,
+    "set_device": lambda *a: None,
+    "synchronize": lambda *a, **k: None,
+    "get_device_name": lambda *a: "stand-in GPU (CPU tensors reporting 'meta')",
+    "empty_cache": lambda: None,
+    "memory_allocated": lambda *a, **k: 0,
+    "max_memory_allocated": lambda *a, **k: 0,
+    "reset_peak_memory_stats": lambda *a, **k: None,
+    "is_bf16_supported": lambda *a, **k: True,
+}
+_DIST = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "all_to_all_single",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """Multi-process test runs (gloo): a thin name for megadare.parallel.launch.spawn, and a trainer that has taken a
 step (what the weight-sync tests push into engines)."""
+
 from __future__ import annotations
 
 from megadare.parallel.launch import spawn as run_distributed  # noqa: F401
@@ -15,8 +16,9 @@ def tiny_trainer(layout: dict, hf_dir: str, lr: float = 1e-2):
 
     cfg = read_hf_config(hf_dir)
     arch = family_of(cfg).arch(cfg)
-    chunks = build_model_chunks(arch, transformer_config(arch, sequence_parallel=layout.get("sp", False)),
-                                attention_backend="sdpa")
+    chunks = build_model_chunks(
+        arch, transformer_config(arch, sequence_parallel=layout.get("sp", False)), attention_backend="sdpa"
+    )
     load_hf_into_model(chunks, hf_dir)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=lr, total_steps=2))
@@ -32,8 +34,16 @@ def random_step(model, opt, sched, arch, n_rows: int = 4) -> None:
     from megadare.trainer.step import train_step
 
     g = torch.Generator().manual_seed(0)
-    rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
-                weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(n_rows)]
+    rows = [
+        Row(
+            tokens=torch.randint(0, 250, (10,), generator=g),
+            labels=torch.randint(0, 250, (10,), generator=g),
+            weight=torch.ones(10),
+            position_ids=torch.arange(10),
+            denom=10.0,
+        )
+        for _ in range(n_rows)
+    ]
     mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
     train_step(model, opt, sched, mbs, 10.0 * n_rows, "bidirectional", 4, arch.vocab_size)
 
@@ -63,8 +73,17 @@ def fresh_update(cfg, src, algo, samples, block: int, kind: str) -> dict:
         for c in ref:
             c.eval().requires_grad_(False)
     before = [p.detach().clone() for p in model[0].parameters()]
-    m = update(cfg, algo, samples, 0, TrainShape(src.arch, block, kind, 0, 1, model, example_generator),
-               ref_chunks=ref, optimizer=opt, scheduler=sched, objective=algo.objective(on_policy=False))
+    m = update(
+        cfg,
+        algo,
+        samples,
+        0,
+        TrainShape(src.arch, block, kind, 0, 1, model, example_generator),
+        ref_chunks=ref,
+        optimizer=opt,
+        scheduler=sched,
+        objective=algo.objective(on_policy=False),
+    )
     return {**m, "moved": max(float((p.detach() - b).abs().max()) for p, b in zip(model[0].parameters(), before))}
 
 

@@ -2,6 +2,7 @@
 (tests/slurm/run.sh, tests/sglang_cpu/run.sh). Prints ``NAME: <p> passed, <f> failed, <s> skipped`` and exits 1 when
 pytest failed, when a test failed, errored or was skipped, or when no test ran: a test that did not run is not a
 pass. Standard library only (it runs under any of the suites' interpreters)."""
+
 import sys
 import xml.etree.ElementTree as ET
 
@@ -22,8 +23,10 @@ def main(name: str, path: str, rc: int) -> int:
     passed = n["tests"] - failed - n["skipped"]
     print(f"{name}: {passed} passed, {failed} failed, {n['skipped']} skipped")
     if rc != 0 or passed == 0 or n["skipped"] or failed:
-        print(f"{name}: FAILED (pytest exit code {rc}): a failure, an error, a skip or no test at all fails this step",
-              file=sys.stderr)
+        print(
+            f"{name}: FAILED (pytest exit code {rc}): a failure, an error, a skip or no test at all fails this step",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -9,6 +9,7 @@ greedy; per-step confidences, kept for MDPO, within float rounding). The weights
 tests/test_rollout_native.py; ``weights_sum`` pins them, so a change in how models are built cannot pass for an
 engine change. Used by tests/test_rollout_batched.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,38 +52,156 @@ def _p(**kw: Any) -> dict[str, Any]:
 CASES: list[tuple[str, str, dict, dict, dict]] = [
     ("sdar-static", "sdar", {}, {}, _p(max_new_tokens=14, block_size=4, steps_per_block=4)),
     ("sdar-static-2steps-eos", "sdar", {}, {"eos": 41}, _p(max_new_tokens=16, block_size=4, steps_per_block=2)),
-    ("sdar-dynamic", "sdar", {}, {}, _p(max_new_tokens=12, block_size=4, steps_per_block=4,
-                                        algorithm="low_confidence_dynamic", threshold=0.3, stop_at_eos=False)),
-    ("sdar-nocache-mdpo", "sdar", {}, {"use_cache": False}, _p(max_new_tokens=10, block_size=4, steps_per_block=2,
-                                                               record_steps=True, stop_at_eos=False)),
-    ("sdar-entropy-linspace", "sdar", {}, {}, _p(max_new_tokens=12, block_size=4, steps_per_block=3,
-                                                 schedule="linspace", confidence="entropy", stop_at_eos=False)),
-    ("llada2-dynamic", "llada2", LLADA2_SMALL, {}, _p(max_new_tokens=8, block_size=4, steps_per_block=4,
-                                                      algorithm="low_confidence_dynamic", threshold=0.4,
-                                                      stop_at_eos=False)),
-    ("llada2-editing", "llada2", LLADA2_SMALL, {}, _p(max_new_tokens=8, block_size=4, algorithm="editing",
-                                                      threshold=0.6, editing_threshold=0.3, max_post_steps=3,
-                                                      stop_at_eos=False)),
+    (
+        "sdar-dynamic",
+        "sdar",
+        {},
+        {},
+        _p(
+            max_new_tokens=12,
+            block_size=4,
+            steps_per_block=4,
+            algorithm="low_confidence_dynamic",
+            threshold=0.3,
+            stop_at_eos=False,
+        ),
+    ),
+    (
+        "sdar-nocache-mdpo",
+        "sdar",
+        {},
+        {"use_cache": False},
+        _p(max_new_tokens=10, block_size=4, steps_per_block=2, record_steps=True, stop_at_eos=False),
+    ),
+    (
+        "sdar-entropy-linspace",
+        "sdar",
+        {},
+        {},
+        _p(
+            max_new_tokens=12,
+            block_size=4,
+            steps_per_block=3,
+            schedule="linspace",
+            confidence="entropy",
+            stop_at_eos=False,
+        ),
+    ),
+    (
+        "llada2-dynamic",
+        "llada2",
+        LLADA2_SMALL,
+        {},
+        _p(
+            max_new_tokens=8,
+            block_size=4,
+            steps_per_block=4,
+            algorithm="low_confidence_dynamic",
+            threshold=0.4,
+            stop_at_eos=False,
+        ),
+    ),
+    (
+        "llada2-editing",
+        "llada2",
+        LLADA2_SMALL,
+        {},
+        _p(
+            max_new_tokens=8,
+            block_size=4,
+            algorithm="editing",
+            threshold=0.6,
+            editing_threshold=0.3,
+            max_post_steps=3,
+            stop_at_eos=False,
+        ),
+    ),
     ("llada-none-eos", "llada", {}, {"eos": 225}, _p(max_new_tokens=12, block_size=4, steps_per_block=4)),
-    ("llada-none-mdpo", "llada", {}, {}, _p(max_new_tokens=8, block_size=4, steps_per_block=2, record_steps=True,
-                                            stop_at_eos=False)),
-    ("llada-prefix", "llada", {}, {"full_attention_cache": "prefix"},
-     _p(max_new_tokens=12, block_size=4, steps_per_block=4, stop_at_eos=False)),
-    ("llada-dual", "llada", {}, {"full_attention_cache": "dual"},
-     _p(max_new_tokens=12, block_size=4, steps_per_block=4, stop_at_eos=False)),
-    ("llada-dual-dynamic-eos", "llada", {}, {"full_attention_cache": "dual", "eos": 37},
-     _p(max_new_tokens=12, block_size=4, steps_per_block=4, algorithm="low_confidence_dynamic", threshold=0.3)),
-    ("dream-entropy", "dream", {}, {}, _p(max_new_tokens=8, block_size=8, steps_per_block=4, schedule="linspace",
-                                          confidence="entropy", stop_at_eos=False)),
-    ("dream-margin", "dream", {}, {}, _p(max_new_tokens=8, block_size=8, steps_per_block=5, schedule="linspace",
-                                         confidence="topk_margin", stop_at_eos=False)),
-    ("dream-maskgit-topk", "dream", {}, {}, _p(max_new_tokens=8, block_size=8, steps_per_block=4,
-                                               schedule="linspace", confidence="maskgit_plus", top_k=5,
-                                               stop_at_eos=False)),
-    ("dream-dare-block", "dream", {}, {}, _p(max_new_tokens=12, block_size=4, steps_per_block=3,
-                                             schedule="linspace_first", confidence="entropy")),
-    ("dream-prefix-static", "dream", {}, {"full_attention_cache": "prefix"},
-     _p(max_new_tokens=8, block_size=4, steps_per_block=2, stop_at_eos=False)),
+    (
+        "llada-none-mdpo",
+        "llada",
+        {},
+        {},
+        _p(max_new_tokens=8, block_size=4, steps_per_block=2, record_steps=True, stop_at_eos=False),
+    ),
+    (
+        "llada-prefix",
+        "llada",
+        {},
+        {"full_attention_cache": "prefix"},
+        _p(max_new_tokens=12, block_size=4, steps_per_block=4, stop_at_eos=False),
+    ),
+    (
+        "llada-dual",
+        "llada",
+        {},
+        {"full_attention_cache": "dual"},
+        _p(max_new_tokens=12, block_size=4, steps_per_block=4, stop_at_eos=False),
+    ),
+    (
+        "llada-dual-dynamic-eos",
+        "llada",
+        {},
+        {"full_attention_cache": "dual", "eos": 37},
+        _p(max_new_tokens=12, block_size=4, steps_per_block=4, algorithm="low_confidence_dynamic", threshold=0.3),
+    ),
+    (
+        "dream-entropy",
+        "dream",
+        {},
+        {},
+        _p(
+            max_new_tokens=8,
+            block_size=8,
+            steps_per_block=4,
+            schedule="linspace",
+            confidence="entropy",
+            stop_at_eos=False,
+        ),
+    ),
+    (
+        "dream-margin",
+        "dream",
+        {},
+        {},
+        _p(
+            max_new_tokens=8,
+            block_size=8,
+            steps_per_block=5,
+            schedule="linspace",
+            confidence="topk_margin",
+            stop_at_eos=False,
+        ),
+    ),
+    (
+        "dream-maskgit-topk",
+        "dream",
+        {},
+        {},
+        _p(
+            max_new_tokens=8,
+            block_size=8,
+            steps_per_block=4,
+            schedule="linspace",
+            confidence="maskgit_plus",
+            top_k=5,
+            stop_at_eos=False,
+        ),
+    ),
+    (
+        "dream-dare-block",
+        "dream",
+        {},
+        {},
+        _p(max_new_tokens=12, block_size=4, steps_per_block=3, schedule="linspace_first", confidence="entropy"),
+    ),
+    (
+        "dream-prefix-static",
+        "dream",
+        {},
+        {"full_attention_cache": "prefix"},
+        _p(max_new_tokens=8, block_size=4, steps_per_block=2, stop_at_eos=False),
+    ),
 ]
 
 
@@ -95,10 +214,19 @@ def run_case(case: tuple[str, str, dict, dict, dict], **engine_over: Any) -> lis
     eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", **opts)
     out = []
     for t in eng.generate(PROMPTS, SamplingParams(**params)):
-        out.append({"response_ids": t.response_ids, "commit_step": t.commit_step, "block_step": t.block_step,
-                    "logprobs": t.logprobs, "finish_reason": t.finish_reason, "num_forwards": t.num_forwards,
-                    "superseded": [list(s) for s in t.superseded] if t.superseded is not None else None,
-                    "step_predictions": t.step_predictions, "step_confidences": t.step_confidences})
+        out.append(
+            {
+                "response_ids": t.response_ids,
+                "commit_step": t.commit_step,
+                "block_step": t.block_step,
+                "logprobs": t.logprobs,
+                "finish_reason": t.finish_reason,
+                "num_forwards": t.num_forwards,
+                "superseded": [list(s) for s in t.superseded] if t.superseded is not None else None,
+                "step_predictions": t.step_predictions,
+                "step_confidences": t.step_confidences,
+            }
+        )
     return out
 
 

@@ -23,6 +23,7 @@ prompt (``sampling.stream_uniforms``). Every draw here goes through :data:`DRAW`
 it to megadare's stream (:func:`stream_draw`) so both sides use the same random numbers and everything else -- the
 filters, the distributions, the rules and schedules -- is the publisher's.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -45,6 +46,7 @@ def stream_draw(key: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
     def draw(probs: torch.Tensor, step: int) -> torch.Tensor:
         u = stream_uniforms(torch.tensor([key]), torch.tensor([step]), SAMPLE, probs.shape[0])[0]
         return categorical(probs.float(), u)[0]
+
     return draw
 
 
@@ -69,8 +71,9 @@ def dream_top_k_logits(logits, top_k=None):
     return logits.masked_fill(indices_to_remove, torch.finfo(logits.dtype).min)
 
 
-def dream_sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False,
-                        neg_entropy=False, step=0):
+def dream_sample_tokens(
+    logits, temperature=0.0, top_p=None, top_k=None, margin_confidence=False, neg_entropy=False, step=0
+):
     """Dream's ``sample_tokens`` (its bare ``except`` fallback dropped: it never fires on finite logits)."""
     if temperature > 0:
         logits = logits / temperature
@@ -80,7 +83,7 @@ def dream_sample_tokens(logits, temperature=0.0, top_p=None, top_k=None, margin_
         logits = dream_top_k_logits(logits, top_k)
     probs = torch.softmax(logits, dim=-1)
     if temperature > 0:
-        x0 = DRAW(probs, step)                                   # change: the DRAW hook
+        x0 = DRAW(probs, step)  # change: the DRAW hook
         confidence = torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
     else:
         confidence, x0 = probs.max(dim=-1)
@@ -97,8 +100,8 @@ DREAM_ALG = {"maskgit_plus": {}, "topk_margin": {"margin_confidence": True}, "en
 
 def _dream_logits(model, x, mask_id):
     logits = model(x).float()
-    logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)   # Dream: position i-1 predicts token i
-    logits[..., mask_id] = float("-inf")                         # change: never the mask token
+    logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # Dream: position i-1 predicts token i
+    logits[..., mask_id] = float("-inf")  # change: never the mask token
     return logits
 
 
@@ -110,8 +113,7 @@ def _block_draw(logits, lo, hi, mask_index, temperature, top_p, top_k, alg_kw, s
     return conf[sel], x0[sel]
 
 
-def dream_generate(model, prompt, gen_length, steps, alg, mask_id, eps=1e-3, temperature=0.0, top_p=None,
-                   top_k=None):
+def dream_generate(model, prompt, gen_length, steps, alg, mask_id, eps=1e-3, temperature=0.0, top_p=None, top_k=None):
     """Dream's ``_sample`` (one sequence, alg_temp 0): x = prompt ++ masks; every step ranks the masked
     positions by ``alg``'s confidence and commits int(n * (1 - s/t)) of them (all at the last step)."""
     P = len(prompt)
@@ -123,8 +125,9 @@ def dream_generate(model, prompt, gen_length, steps, alg, mask_id, eps=1e-3, tem
         mask_index = x == mask_id
         logits = _dream_logits(model, x, mask_id)
         t, s = timesteps[i], timesteps[i + 1]
-        confidence, x0 = _block_draw(logits, P, P + gen_length, mask_index, temperature, top_p, top_k,
-                                     DREAM_ALG[alg], i)
+        confidence, x0 = _block_draw(
+            logits, P, P + gen_length, mask_index, temperature, top_p, top_k, DREAM_ALG[alg], i
+        )
         num_mask_token = mask_index.sum() / mask_index.shape[0]
         number_transfer_tokens = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
         full_confidence = torch.full_like(x, -torch.inf, dtype=logits.dtype)
@@ -140,8 +143,9 @@ def dream_generate(model, prompt, gen_length, steps, alg, mask_id, eps=1e-3, tem
     return x[0, P:].tolist(), trace
 
 
-def dare_dream_block_generate(model, prompt, gen_length, block_length, steps, mask_id, eps=1e-3,
-                              temperature=0.0, top_p=None, top_k=None):
+def dare_dream_block_generate(
+    model, prompt, gen_length, block_length, steps, mask_id, eps=1e-3, temperature=0.0, top_p=None, top_k=None
+):
     """DARE's ``generation_utils_block._sample`` (``dual_cache=False``, non-threshold alg: the entropy rule is
     hard-coded there), with full forwards (change: the publisher reuses the prefix keys of the block's first
     forward, megadare's ``full_attention_cache='prefix'``)."""
@@ -157,7 +161,7 @@ def dare_dream_block_generate(model, prompt, gen_length, block_length, steps, ma
         start, end = P + num_block * block_length, P + (num_block + 1) * block_length
         logits = _dream_logits(model, x, mask_id)
         _, x0 = _block_draw(logits, start, end, x == mask_id, temperature, top_p, top_k, {}, forward)
-        x[:, start] = x0[0]          # change: x0 drawn over the block (the publisher: over the whole sequence)
+        x[:, start] = x0[0]  # change: x0 drawn over the block (the publisher: over the whole sequence)
         trace.setdefault(start - P, []).append((forward, int(x[0, start])))
         forward += 1
         i = 1
@@ -171,11 +175,13 @@ def dare_dream_block_generate(model, prompt, gen_length, block_length, steps, ma
             mask_index[:, block_length:] = False
             full_mask = torch.zeros_like(x, dtype=torch.bool)
             full_mask[:, start:] = mask_index
-            confidence, x0 = _block_draw(full_logits, start, end, full_mask, temperature, top_p, top_k,
-                                         {"neg_entropy": True}, forward)
+            confidence, x0 = _block_draw(
+                full_logits, start, end, full_mask, temperature, top_p, top_k, {"neg_entropy": True}, forward
+            )
             num_mask_token = mask_index.sum() / mask_index.shape[0]
-            number_transfer_tokens = (int(num_mask_token * (1 - s / t)) if i < steps_per_block - 1
-                                      else int(num_mask_token))
+            number_transfer_tokens = (
+                int(num_mask_token * (1 - s / t)) if i < steps_per_block - 1 else int(num_mask_token)
+            )
             full_confidence = torch.full_like(x[:, start:], -torch.inf, dtype=logits.dtype)
             full_confidence[mask_index] = confidence
             full_confidence[:, block_length:] = -torch.inf
@@ -230,13 +236,25 @@ def llada21_sample(logits, temperature=1.0, top_k=0, top_p=1.0, step=0):
     logits = llada21_top_k_logits(logits, top_k)
     logits = llada21_top_p_logits(logits, top_p)
     probs = F.softmax(logits, dim=-1)
-    token = DRAW(probs, step)[:, None]                           # change: the DRAW hook
+    token = DRAW(probs, step)[:, None]  # change: the DRAW hook
     token_prob = torch.gather(probs, -1, token)
     return token.view(*orig_shape), token_prob.view(*orig_shape)
 
 
-def llada21_generate(model, prompt, gen_length, block_length, mask_id, temperature=0.0, top_k=None, top_p=None,
-                     threshold=0.95, editing_threshold=0.9, max_post_steps=16, num_to_transfer=1):
+def llada21_generate(
+    model,
+    prompt,
+    gen_length,
+    block_length,
+    mask_id,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    threshold=0.95,
+    editing_threshold=0.9,
+    max_post_steps=16,
+    num_to_transfer=1,
+):
     """LLaDA2.1's ``generate()`` (eos_early_stop off), one sequence. Changes: a strict block-causal bool mask
     (the publisher's 0/1 mask without ``.log()``), the mask token's logit -inf. The trace counts a forward as a
     step when its block had a masked position or it made an edit (the last, quiet forward of a block is not)."""
@@ -244,7 +262,7 @@ def llada21_generate(model, prompt, gen_length, block_length, mask_id, temperatu
     num_blocks = (prompt_length + gen_length + block_length - 1) // block_length
     total_length = num_blocks * block_length
     blocks = torch.arange(total_length) // block_length
-    block_mask = (blocks[None, :] <= blocks[:, None])[None, None]      # change: strict block-causal
+    block_mask = (blocks[None, :] <= blocks[:, None])[None, None]  # change: strict block-causal
     position_ids = torch.arange(total_length).unsqueeze(0)
     x = torch.full((1, total_length), mask_id, dtype=torch.long)
     x[:, :prompt_length] = torch.tensor(prompt)
@@ -264,10 +282,10 @@ def llada21_generate(model, prompt, gen_length, block_length, mask_id, temperatu
                 break
             prompt_mask_in_block = torch.zeros(block_length, dtype=torch.bool)
             if block_start_pos < prompt_length:
-                prompt_mask_in_block[:min(prompt_length - block_start_pos, block_length)] = True
+                prompt_mask_in_block[: min(prompt_length - block_start_pos, block_length)] = True
             logits = model(cur_x, attention_mask=block_mask[:, :, :end, :end], position_ids=position_ids[:, :end])
             active_logits = logits[:, -block_length:, :].float()
-            active_logits[..., mask_id] = float("-inf")                  # change: never the mask token
+            active_logits[..., mask_id] = float("-inf")  # change: never the mask token
             x0, x0_p = llada21_sample(active_logits, temperature=temperature, top_k=top_k, top_p=top_p, step=step)
             mask_transfer_index = torch.zeros_like(x0, dtype=torch.bool)
             if active_block_mask.sum() > 0:
@@ -293,4 +311,4 @@ def llada21_generate(model, prompt, gen_length, block_length, mask_id, temperatu
             if active_block_mask.sum() == 0 and not editing_transfer_index.any():
                 break
         x[:, :end] = cur_x
-    return x[0, prompt_length:prompt_length + gen_length].tolist(), trace
+    return x[0, prompt_length : prompt_length + gen_length].tolist(), trace

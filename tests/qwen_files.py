@@ -1,6 +1,7 @@
 """The real Qwen tokenizer of SDAR / Dream for tests: built offline from the dashscope wheel's ranks into
 ~/.cache/megadare/tokenizers (megadare.data.qwen_tokenizer), once per machine, a few seconds; and an independent
 encoder of the same ranks (tiktoken, OpenAI's BPE implementation) to check ids against."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """One local Ray cluster per test module; code under test joins it through RAY_ADDRESS, as on Slurm."""
+
 from __future__ import annotations
 
 import os

@@ -2,6 +2,7 @@
 ``sglang.srt.dllm.algorithm{,.base}``, ``sglang.srt.plugins.hook_registry``, ``sglang.srt.managers.tp_worker``,
 ``sglang.srt.utils``, ``sglang.srt.weight_sync.tensor_bucket``), installed into ``sys.modules`` per test by the
 ``fake_sglang`` fixture. It records what the engine asks of sglang; it is not sglang."""
+
 from __future__ import annotations
 
 import enum
@@ -23,10 +24,22 @@ class FakeSGLang:
     """A fake of sglang's module tree at megadare's boundary (not sglang: just the names and contracts the
     plugin and engine use, as read in sglang 0.5.20-0.5.23). Records every Engine call."""
 
-    MODULES = ["sglang", "sglang.srt", "sglang.srt.dllm", "sglang.srt.dllm.algorithm",
-               "sglang.srt.dllm.algorithm.base", "sglang.srt.plugins", "sglang.srt.plugins.hook_registry",
-               "sglang.srt.managers", "sglang.srt.managers.tp_worker", "sglang.srt.utils", "sglang.srt.weight_sync",
-               "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.models", "sglang.srt.models.sdar"]
+    MODULES = [
+        "sglang",
+        "sglang.srt",
+        "sglang.srt.dllm",
+        "sglang.srt.dllm.algorithm",
+        "sglang.srt.dllm.algorithm.base",
+        "sglang.srt.plugins",
+        "sglang.srt.plugins.hook_registry",
+        "sglang.srt.managers",
+        "sglang.srt.managers.tp_worker",
+        "sglang.srt.utils",
+        "sglang.srt.weight_sync",
+        "sglang.srt.weight_sync.tensor_bucket",
+        "sglang.srt.models",
+        "sglang.srt.models.sdar",
+    ]
 
     def __init__(self):
         self.mods = {name: types.ModuleType(name) for name in self.MODULES}
@@ -50,13 +63,13 @@ class FakeSGLang:
                     if name == "generate":
                         return fake.outputs
                     if name == "flush_cache":
-                        return types.SimpleNamespace(success=fake.flush_results.pop(0) if fake.flush_results
-                                                     else True)
+                        return types.SimpleNamespace(success=fake.flush_results.pop(0) if fake.flush_results else True)
                     if name == "get_model_info":
                         return {"weight_version": "default"}
                     if name == "get_server_info":
                         return {"version": "0.5.23", "dllm_algorithm": sp.ALGORITHM_NAME, "max_running_requests": 64}
                     return True, "Success"
+
                 return call
 
         self.mods["sglang"].Engine = Engine
@@ -94,8 +107,9 @@ class FakeSGLang:
                     mod_path, cls_name = owner_path.rsplit(".", 1)
                     owner = getattr(importlib.import_module(mod_path), cls_name)
                     original = getattr(owner, attr)
-                    setattr(owner, attr, functools.wraps(original)(
-                        lambda *a, _o=original, _h=hook, **k: _h(_o, *a, **k)))
+                    setattr(
+                        owner, attr, functools.wraps(original)(lambda *a, _o=original, _h=hook, **k: _h(_o, *a, **k))
+                    )
 
         HookRegistry.hooks = []
         self.mods["sglang.srt.plugins.hook_registry"].HookRegistry = HookRegistry
@@ -150,7 +164,7 @@ class FakeDllmAlgorithm:
                 break
             out = model_runner.forward(forward_batch)
         ids = forward_batch.input_ids.view(n, Bs)
-        return out, [ids[i, start[i]:] for i in range(n)], None, None, False
+        return out, [ids[i, start[i] :] for i in range(n)], None, None, False
 
 
 class FakeTpModelWorker:
@@ -180,7 +194,7 @@ class FakeSDARForCausalLM(torch.nn.Module):
         params = dict(self.named_parameters())
         for name, w in weights:
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings:
-                params["lm_head.weight"].data.copy_(w)            # KeyError when lm_head is the embedding
+                params["lm_head.weight"].data.copy_(w)  # KeyError when lm_head is the embedding
             if name in params:
                 params[name].data.copy_(w)
             else:
@@ -198,8 +212,11 @@ class FakeFlattenedBucket:
         parts, self.meta, off = [], [], 0
         for name, t in named_tensors:
             flat = t.flatten().view(torch.uint8)
-            self.meta.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=off,
-                                                   end_idx=off + flat.numel()))
+            self.meta.append(
+                types.SimpleNamespace(
+                    name=name, shape=t.shape, dtype=t.dtype, start_idx=off, end_idx=off + flat.numel()
+                )
+            )
             parts.append(flat)
             off += flat.numel()
         self.flat = torch.cat(parts)
@@ -214,8 +231,10 @@ class FakeFlattenedBucket:
 def unpack(payload) -> dict[str, torch.Tensor]:
     tag, data, as_str = payload
     assert tag == "serialized" and as_str
-    return {m.name: data["flattened_tensor"][m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)
-            for m in data["metadata"]}
+    return {
+        m.name: data["flattened_tensor"][m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)
+        for m in data["metadata"]
+    }
 
 
 @pytest.fixture
@@ -223,7 +242,7 @@ def fake_sglang(monkeypatch):
     return FakeSGLang().install(monkeypatch)
 
 
-SERVABLE_VOCAB = 157184           # holds sglang's mask ids (SDAR 151669, LLaDA2 156895)
+SERVABLE_VOCAB = 157184  # holds sglang's mask ids (SDAR 151669, LLaDA2 156895)
 
 
 @pytest.fixture
@@ -240,4 +259,5 @@ def ckpt(tmp_path):
         cfg = family_of({"architectures": [arch]}).tiny_config(**over)
         (d / "config.json").write_text(json.dumps({**cfg, **extra}))
         return str(d)
+
     return make

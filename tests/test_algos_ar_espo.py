@@ -10,6 +10,7 @@
 * Canvas: a full-canvas sample (post-EOS tokens kept) is masked, scored and normalised over every position.
 * ``rl.ppo_epochs`` with redrawn corruptions: epoch e draws from its own generator (epoch 0 is the old stream).
 """
+
 from __future__ import annotations
 
 import math
@@ -63,9 +64,14 @@ def _ar_logp(toy, c, y, t, temp):
 
 def _slot(s_lp, s_old, adv, **extra):
     lp = torch.tensor(s_lp, dtype=torch.float64, requires_grad=True)
-    return lp, Slots(logp=lp, old=torch.tensor(s_old, dtype=torch.float64), ref=extra.pop("ref", None),
-                     adv=torch.tensor(adv, dtype=torch.float64), weight=torch.ones(len(s_lp), dtype=torch.float64),
-                     extra=extra)
+    return lp, Slots(
+        logp=lp,
+        old=torch.tensor(s_old, dtype=torch.float64),
+        ref=extra.pop("ref", None),
+        adv=torch.tensor(adv, dtype=torch.float64),
+        weight=torch.ones(len(s_lp), dtype=torch.float64),
+        extra=extra,
+    )
 
 
 # ================================================================== JustGRPO
@@ -75,7 +81,7 @@ def test_justgrpo_estimator_is_the_tempered_ar_likelihood():
     rows, want = [], []
     for s in _samples():
         r = algo.rows(s, full, 0, torch.Generator())
-        assert len(r) == len(s.response_ids)               # one view per position
+        assert len(r) == len(s.response_ids)  # one view per position
         for t, row in enumerate(r):
             P = len(s.prompt_ids)
             assert row.tokens.tolist() == s.prompt_ids + s.response_ids[:t] + [MASK] * (len(s.response_ids) - t)
@@ -87,7 +93,7 @@ def test_justgrpo_estimator_is_the_tempered_ar_likelihood():
     for mb in pack_rows(rows, seq_length=16, micro_batch_size=2):
         sl, idx = gather_slots(mb, mb_logps(toy, mb), on_policy=True), SlotIndex(mb)
         sample, slot = mb.sample[idx.sel], mb.slot[idx.sel]
-        for j, v in enumerate(sl.logp.tolist()):   # slot j of the micro-batch: any of its positions names it
+        for j, v in enumerate(sl.logp.tolist()):  # slot j of the micro-batch: any of its positions names it
             k = int((idx.inv == j).nonzero()[0])
             got[(int(sample[k]), int(slot[k]))] = v
     for i, w in enumerate(want):
@@ -119,7 +125,7 @@ def test_justgrpo_on_policy_gradient_and_clipping():
     lp, s = _slot([math.log(1.5), math.log(5.0), math.log(2.0), math.log(0.5)], [0.0] * 4, [1.0, -1.0, -1.0, -1.0])
     loss, parts = algo.slot_loss(s)
     (g,) = torch.autograd.grad(loss.sum(), lp)
-    assert loss.tolist() == pytest.approx([-1.2, 3.0, 2.0, 0.8])        # clip, dual clip at -c A, inside, clip
+    assert loss.tolist() == pytest.approx([-1.2, 3.0, 2.0, 0.8])  # clip, dual clip at -c A, inside, clip
     assert g.tolist() == pytest.approx([0.0, 0.0, 2.0, 0.0])
 
 
@@ -133,7 +139,7 @@ def test_espo_views_are_unbiased_for_the_exact_elbo():
         vals = []
         for d in range(2500):
             views = algo.views(s, full, 0, torch.Generator().manual_seed(d))
-            for v in views:   # coefficient (L+1) / |masked| / (2 n_mc R), complement exactly the other half
+            for v in views:  # coefficient (L+1) / |masked| / (2 n_mc R), complement exactly the other half
                 n = int((v.coef > 0).sum())
                 assert torch.allclose(v.coef[v.coef > 0], torch.tensor((len(y) + 1) / n / (2 * len(y))))
             if len(views) == 2:
@@ -150,10 +156,10 @@ def test_espo_counts_are_stratified_and_uniform():
     seen = torch.zeros(B, L + 1)
     for _ in range(2000):
         ks = [k[0] for k in stratified_counts([L] * B, 1, g)]
-        assert sorted(ks) == list(range(L + 1))              # B = L + 1 rows cover every count once
+        assert sorted(ks) == list(range(L + 1))  # B = L + 1 rows cover every count once
         for i, k in enumerate(ks):
             seen[i, k] += 1
-    assert torch.allclose(seen / 2000, torch.full((B, L + 1), 1 / (L + 1)), atol=0.04)   # uniform per row
+    assert torch.allclose(seen / 2000, torch.full((B, L + 1), 1 / (L + 1)), atol=0.04)  # uniform per row
     mixed = stratified_counts([3, 4, 3, 2], 2, torch.Generator().manual_seed(1))
     assert all(0 <= k <= L for row in mixed for k in row) and mixed[0] != mixed[2]
 
@@ -163,7 +169,7 @@ def test_espo_on_policy_gradient_clip_and_kl():
     algo, toy, ref = REGISTRY["espo"]({"n_mc": 2, "kl_coef": 0.05}), Toy(3), Toy(4)
     samples = _samples()
     rows = algo.batch_rows(samples, full, 0, lambda i: example_generator(5, 0, i))
-    assert len(rows) == len(samples)                          # one row per sample: its views share the slot
+    assert len(rows) == len(samples)  # one row per sample: its views share the slot
     loss, D = _trainer_loss(algo, toy, rows, ref_toy=ref)
     assert D == len(samples)
     surrogate, kl = 0.0, 0.0
@@ -172,17 +178,23 @@ def test_espo_on_policy_gradient_clip_and_kl():
             mb.ref = mb_logps(ref, mb)
         sl = gather_slots(mb, mb_logps(toy, mb), on_policy=True)
         R = sl.extra["canvas"]
-        assert sorted(sl.adv.tolist()) == pytest.approx(sorted(samples[i].advantage for i in
-                                                               mb.sample[mb.weight > 0].unique().tolist()))
-        assert sorted(R.tolist()) == sorted(float(len(samples[i].response_ids)) for i in
-                                            mb.sample[mb.weight > 0].unique().tolist())
+        assert sorted(sl.adv.tolist()) == pytest.approx(
+            sorted(samples[i].advantage for i in mb.sample[mb.weight > 0].unique().tolist())
+        )
+        assert sorted(R.tolist()) == sorted(
+            float(len(samples[i].response_ids)) for i in mb.sample[mb.weight > 0].unique().tolist()
+        )
         surrogate = surrogate + (sl.adv * sl.logp).sum()
-        kl = kl + (0.5 * (R * sl.logp - R * sl.ref) ** 2 / R).sum()   # k2 of the raw ELBO, / R (DARE)
+        kl = kl + (0.5 * (R * sl.logp - R * sl.ref) ** 2 / R).sum()  # k2 of the raw ELBO, / R (DARE)
     want = -surrogate / D + 0.05 * kl / D
     assert torch.allclose(_grads(loss, toy), _grads(want, toy), rtol=1e-5, atol=1e-7)
     # sequence ratio clip (eps 0.2, and DARE's countdown eps 0), never a dual clip
-    lp, s = _slot([math.log(1.5), math.log(5.0), math.log(0.9), math.log(1.1)], [0.0] * 4, [1.0, -1.0, 1.0, 1.0],
-                  canvas=torch.ones(4, dtype=torch.float64))
+    lp, s = _slot(
+        [math.log(1.5), math.log(5.0), math.log(0.9), math.log(1.1)],
+        [0.0] * 4,
+        [1.0, -1.0, 1.0, 1.0],
+        canvas=torch.ones(4, dtype=torch.float64),
+    )
     loss, _ = REGISTRY["espo"]({"kl_coef": 0.0}).slot_loss(s)
     (g,) = torch.autograd.grad(loss.sum(), lp)
     assert loss.tolist() == pytest.approx([-1.2, 5.0, -0.9, -1.1]) and g.tolist() == pytest.approx([0, 5.0, -0.9, -1.1])
@@ -237,7 +249,7 @@ def test_canvas_defaults_and_sampling():
     cfg = config_from_dict({"rollout": {"block_size": 4}})
     assert resolve_canvas(cfg, full) == "full" and resolve_canvas(cfg, blk) == "eos"
     assert not sampling_params(cfg, full, 0).stop_at_eos and sampling_params(cfg, blk, 0).stop_at_eos
-    assert sampling_params(cfg, full, 0, evaluation=True).stop_at_eos    # evaluation always stops at EOS
+    assert sampling_params(cfg, full, 0, evaluation=True).stop_at_eos  # evaluation always stops at EOS
     cfg = config_from_dict({"rollout": {"block_size": 4}, "rl": {"canvas": "eos"}})
     assert sampling_params(cfg, full, 0).stop_at_eos
 
@@ -247,20 +259,29 @@ def test_redrawn_corruptions_per_epoch():
     cfg = config_from_dict({"rl": {"ppo_epochs": 3}})
     assert corruption_draws(cfg, REGISTRY["espo"]()) == 3 and corruption_draws(cfg, REGISTRY["d1"]()) == 3
     assert corruption_draws(cfg, REGISTRY["tracerl"]()) == 1
-    assert corruption_draws(config_from_dict({"rl": {"ppo_epochs": 3, "redraw_corruptions": False}}),
-                            REGISTRY["espo"]()) == 1
-    assert corruption_draws(config_from_dict({"rl": {"ppo_epochs": 3, "redraw_corruptions": True}}),
-                            REGISTRY["coupled_grpo"]()) == 3
+    assert (
+        corruption_draws(config_from_dict({"rl": {"ppo_epochs": 3, "redraw_corruptions": False}}), REGISTRY["espo"]())
+        == 1
+    )
+    assert (
+        corruption_draws(
+            config_from_dict({"rl": {"ppo_epochs": 3, "redraw_corruptions": True}}), REGISTRY["coupled_grpo"]()
+        )
+        == 3
+    )
     assert torch.equal(example_generator(1, 2, 3).get_state(), example_generator(1, 2, 3, 0).get_state())
     for name in ("espo", "d1"):
         algo = REGISTRY[name]()
-        per_epoch = [algo.batch_rows(_samples(), full, 0, lambda i, e=e: example_generator(1, 2, i, e))
-                     for e in range(3)]
+        per_epoch = [
+            algo.batch_rows(_samples(), full, 0, lambda i, e=e: example_generator(1, 2, i, e)) for e in range(3)
+        ]
         again = algo.batch_rows(_samples(), full, 0, lambda i: example_generator(1, 2, i, 1))
-        assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(per_epoch[1], again))   # deterministic
+        assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(per_epoch[1], again))  # deterministic
         for a, b in ((0, 1), (1, 2)):
-            assert any(not torch.equal(x.tokens, y.tokens) or not torch.equal(x.weight, y.weight)
-                       for x, y in zip(per_epoch[a], per_epoch[b])), (name, a, b)
+            assert any(
+                not torch.equal(x.tokens, y.tokens) or not torch.equal(x.weight, y.weight)
+                for x, y in zip(per_epoch[a], per_epoch[b])
+            ), (name, a, b)
 
 
 def test_config_check_refuses_what_justgrpo_and_espo_cannot_train():
@@ -274,14 +295,16 @@ def test_config_check_refuses_what_justgrpo_and_espo_cannot_train():
 
     ok = {"algo": {"name": "justgrpo"}, "rollout": {"block_size": 1, "steps_per_block": 1}}
     validate(config_from_dict(ok), arch("llada"))
-    for over, arch_name, msg in (({"rollout": {"block_size": 4}}, "llada", "rollout.block_size=1"),
-                                 ({"rollout": {"block_size": 1, "temperature": 0.0}}, "llada", "temperature"),
-                                 ({"rollout": {"block_size": 1, "top_p": 0.9}}, "dream", "top_p"),
-                                 ({}, "sdar", "full-attention family")):
+    for over, arch_name, msg in (
+        ({"rollout": {"block_size": 4}}, "llada", "rollout.block_size=1"),
+        ({"rollout": {"block_size": 1, "temperature": 0.0}}, "llada", "temperature"),
+        ({"rollout": {"block_size": 1, "top_p": 0.9}}, "dream", "top_p"),
+        ({}, "sdar", "full-attention family"),
+    ):
         cfg = config_from_dict({"algo": {"name": "justgrpo"}, **over})
         with pytest.raises(ConfigError, match=msg):
             validate(cfg, arch(arch_name))
-    assert REGISTRY["espo"]().p["dual_clip"] is None   # the paper's default: no dual clip (an option)
+    assert REGISTRY["espo"]().p["dual_clip"] is None  # the paper's default: no dual clip (an option)
     with pytest.raises(ConfigError, match="rl.partial_rollout"):
         validate(config_from_dict({"rl": {"partial_rollout": 1}}), arch("llada"))
 
@@ -293,12 +316,26 @@ def test_full_canvas_rewards_read_the_answer_up_to_its_first_eos():
     from megadare.trainer.reward_step import score_rollouts
 
     tok = ByteTokenizer()
-    canvas = tok.encode("cba") + [tok.eos_token_id] + tok.encode("xy")     # decoded past the EOS
-    t = Trajectory(prompt_ids=[1], response_ids=canvas, commit_step=list(range(6)), block_step=[0] * 6,
-                   logprobs=[0.0] * 6, finish_reason="eos", num_forwards=6, params=SamplingParams(max_new_tokens=6))
+    canvas = tok.encode("cba") + [tok.eos_token_id] + tok.encode("xy")  # decoded past the EOS
+    t = Trajectory(
+        prompt_ids=[1],
+        response_ids=canvas,
+        commit_step=list(range(6)),
+        block_step=[0] * 6,
+        logprobs=[0.0] * 6,
+        finish_reason="eos",
+        num_forwards=6,
+        params=SamplingParams(max_new_tokens=6),
+    )
     assert t.answer_ids(tok.eos_token_id) == canvas[:4]
-    scores, _ = score_rollouts(config_from_dict({}), lambda text, rec: float(text == rec["answer"]), tok, [t],
-                               [PromptRecord([1], {"answer": "cba"}, "mem:1")], "test")
+    scores, _ = score_rollouts(
+        config_from_dict({}),
+        lambda text, rec: float(text == rec["answer"]),
+        tok,
+        [t],
+        [PromptRecord([1], {"answer": "cba"}, "mem:1")],
+        "test",
+    )
     assert scores == [1.0]
 
 
@@ -311,8 +348,8 @@ def test_exclude_tokens_masks_only_this_ranks_entry(monkeypatch, tp_rank):
     from megadare.trainer.logprob import exclude_tokens
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: tp_rank)
-    logits = torch.randn(2, 3, 4, requires_grad=True)            # this rank's slice: 4 entries (fp32, as scored)
-    token = torch.tensor([[1, -1, 6], [4, 7, 0]])                # global vocabulary ids
+    logits = torch.randn(2, 3, 4, requires_grad=True)  # this rank's slice: 4 entries (fp32, as scored)
+    token = torch.tensor([[1, -1, 6], [4, 7, 0]])  # global vocabulary ids
     out = exclude_tokens(logits, token)
     want = logits.detach().clone()
     for (i, j), t in zip([(i, j) for i in range(2) for j in range(3)], token.flatten().tolist()):

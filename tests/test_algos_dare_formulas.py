@@ -10,6 +10,7 @@ volcengine/verl), on identical random draws or on cases enumerated exactly:
 * BGPO / VRPO count stratification: the exact distribution of the masked counts of megadare's sampler (uniform)
   and of DARE's ``_forward_process_bgpo`` / ``_forward_process_vrpo`` (``round(linspace)``, half to even).
 """
+
 from __future__ import annotations
 
 from collections import Counter, defaultdict
@@ -28,8 +29,19 @@ from test_algos_objectives import _trainer_loss
 
 
 # ================================================================== DARE's SPG, transcribed
-def dare_forward_process_spg(batch, attention_mask, prompt_len, seed=None, block_length=32, num_t=1, min_t=0,
-                             max_t=1, use_mask_prompt=True, p_mask_prompt=0.15, MASK_TOKEN_ID=126336):
+def dare_forward_process_spg(
+    batch,
+    attention_mask,
+    prompt_len,
+    seed=None,
+    block_length=32,
+    num_t=1,
+    min_t=0,
+    max_t=1,
+    use_mask_prompt=True,
+    p_mask_prompt=0.15,
+    MASK_TOKEN_ID=126336,
+):
     """``verl/trainer/ppo/dllm_core_algos.py::_forward_process_spg`` (DARE @83ae8a3, lines 962-1036), verbatim
     but for the unused ``block_mask`` and the debug comments."""
     generator = None
@@ -46,13 +58,14 @@ def dare_forward_process_spg(batch, attention_mask, prompt_len, seed=None, block
     assert num_t <= num_blocks
     indices = torch.arange(num_blocks, device=batch.device).repeat(b, 1)
     for i in range(b):
-        indices[i] = indices[i][torch.randperm(num_blocks, device=batch.device, generator=generator)] \
-            % completion_num_blocks[i]
+        indices[i] = (
+            indices[i][torch.randperm(num_blocks, device=batch.device, generator=generator)] % completion_num_blocks[i]
+        )
     mask_block_idx = indices[:, :num_t]
     is_mask = torch.zeros((b, num_t, l), dtype=torch.bool, device=batch.device)
     for i in range(b):
         for j in range(num_t):
-            is_mask[i, j, -(num_blocks - mask_block_idx[i, j]) * block_length:] = True
+            is_mask[i, j, -(num_blocks - mask_block_idx[i, j]) * block_length :] = True
     completion_length = completion_mask.sum(-1)
     is_mask_following = torch.ones((b, num_t, l), dtype=torch.bool, device=batch.device)
     for i in range(b):
@@ -63,24 +76,30 @@ def dare_forward_process_spg(batch, attention_mask, prompt_len, seed=None, block
             start_mask_num = max(int(mask_length * min_t), 1)
             end_mask_num = min(int(mask_length * max_t), mask_length)
             assert start_mask_num <= end_mask_num
-            mask_num = torch.randint(start_mask_num, end_mask_num + 1, (1, 1), device=batch.device,
-                                     generator=generator)
+            mask_num = torch.randint(start_mask_num, end_mask_num + 1, (1, 1), device=batch.device, generator=generator)
             mask_probability = mask_num.item() / mask_length
             indices = torch.arange(block_length, device=batch.device).repeat(1, 1, 1)
             is_mask_next = indices < mask_num.unsqueeze(2)
             if block_idx == num_blocks - 1 and mask_length == block_length:
                 is_mask_following[i, j, -block_length:] = is_mask_next[0, 0][
-                    torch.randperm(block_length, device=batch.device, generator=generator)]
+                    torch.randperm(block_length, device=batch.device, generator=generator)
+                ]
                 p_mask[i, j, -block_length:] = mask_probability
             else:
                 block_start = -(num_blocks - block_idx) * block_length
                 block_end = block_start + mask_length
                 is_mask_following[i, j, block_start:block_end] = is_mask_next[0, 0, :mask_length][
-                    torch.randperm(mask_length, device=batch.device, generator=generator)]
+                    torch.randperm(mask_length, device=batch.device, generator=generator)
+                ]
                 p_mask[i, j, block_start:block_end] = mask_probability
                 p_mask[i, j, block_end:] = 1
-    completion_mask_append = torch.cat((torch.ones(b, num_t, prompt_len, dtype=torch.bool, device=batch.device),
-                                        completion_mask.unsqueeze(1).repeat(1, num_t, 1)), dim=2).to(torch.bool)
+    completion_mask_append = torch.cat(
+        (
+            torch.ones(b, num_t, prompt_len, dtype=torch.bool, device=batch.device),
+            completion_mask.unsqueeze(1).repeat(1, num_t, 1),
+        ),
+        dim=2,
+    ).to(torch.bool)
     if use_mask_prompt:
         p_mask = torch.where(~is_mask, p_mask_prompt, p_mask)
         t_p = torch.ones(b, num_t, device=batch.device) * p_mask_prompt
@@ -93,33 +112,50 @@ def dare_forward_process_spg(batch, attention_mask, prompt_len, seed=None, block
     return noisy_batch.view(-1, l), is_mask.view(-1, l), p_mask.view(-1, l)
 
 
-def dare_spg_per_seq_logps(per_token_logps, per_token_probs, mask_indices, attention_mask, advantages,
-                           response_length, eubo_beta=1.5, mix_weight=0.5, logp_estimation="mix"):
+def dare_spg_per_seq_logps(
+    per_token_logps,
+    per_token_probs,
+    mask_indices,
+    attention_mask,
+    advantages,
+    response_length,
+    eubo_beta=1.5,
+    mix_weight=0.5,
+    logp_estimation="mix",
+):
     """The per-sequence value of ``llada_dp_actor_spg.py::_forward_micro_batch`` (lines 162-220; one iteration),
     from the per-token log-probs / probs [1, B, mc, R] the actor computes on each perturbed sequence."""
     num_iterations, batch_size, mc_num, _ = per_token_logps.shape
     response_mask = attention_mask[:, -response_length:].to(advantages.dtype)
     reward_mask = (advantages[:, -response_length:] * response_mask).sum(dim=-1) > 0
-    completion_mask_expanded = attention_mask[:, -response_length:].unsqueeze(0).unsqueeze(2).expand(
-        num_iterations, -1, mc_num, -1)
-    perturb_mask_expanded = mask_indices[:, :, -response_length:].view(
-        batch_size, num_iterations, mc_num, response_length).transpose(0, 1)
+    completion_mask_expanded = (
+        attention_mask[:, -response_length:].unsqueeze(0).unsqueeze(2).expand(num_iterations, -1, mc_num, -1)
+    )
+    perturb_mask_expanded = (
+        mask_indices[:, :, -response_length:].view(batch_size, num_iterations, mc_num, response_length).transpose(0, 1)
+    )
     denominator = (completion_mask_expanded * perturb_mask_expanded).sum(dim=3)
     per_seq_logps = (per_token_logps * completion_mask_expanded * perturb_mask_expanded).sum(dim=3) / denominator
     empirical_t = (completion_mask_expanded * perturb_mask_expanded).sum(dim=3) / completion_mask_expanded.sum(dim=3)
     empirical_t_expanded = empirical_t.unsqueeze(3).expand(-1, -1, -1, completion_mask_expanded.size(-1))
-    per_token_avg_ps = (per_token_probs.pow(eubo_beta) * perturb_mask_expanded * completion_mask_expanded
-                        / empirical_t_expanded.clamp(min=1e-8)).mean(dim=2)
+    per_token_avg_ps = (
+        per_token_probs.pow(eubo_beta)
+        * perturb_mask_expanded
+        * completion_mask_expanded
+        / empirical_t_expanded.clamp(min=1e-8)
+    ).mean(dim=2)
     per_token_avg_ps_dezero = per_token_avg_ps.clone()
     per_token_avg_ps_dezero[per_token_avg_ps_dezero == 0] = 1
     loss_mask = (per_token_avg_ps > 0).bool()
     per_seq_logps_positive = per_seq_logps.mean(dim=2)
     assert logp_estimation == "mix"
-    per_seq_logps_negative = mix_weight * (per_token_avg_ps_dezero.log() * loss_mask).sum(dim=2) \
-        / loss_mask.sum(dim=2).clamp(min=1e-8) / eubo_beta + (1 - mix_weight) * per_seq_logps.mean(dim=2)
+    per_seq_logps_negative = mix_weight * (per_token_avg_ps_dezero.log() * loss_mask).sum(dim=2) / loss_mask.sum(
+        dim=2
+    ).clamp(min=1e-8) / eubo_beta + (1 - mix_weight) * per_seq_logps.mean(dim=2)
     reward_mask_expanded = reward_mask.unsqueeze(0).expand(num_iterations, -1)
-    return reward_mask_expanded.float() * per_seq_logps_positive \
-        + (~reward_mask_expanded).float() * per_seq_logps_negative
+    return (
+        reward_mask_expanded.float() * per_seq_logps_positive + (~reward_mask_expanded).float() * per_seq_logps_negative
+    )
 
 
 def dare_compute_policy_loss_spg(log_prob, advantages, response_mask):
@@ -138,19 +174,33 @@ def dare_spg_loss(toy, samples, seed_of, block, n_mc, beta, mix):
     for s in samples:
         x0 = torch.tensor(s.prompt_ids + s.response_ids)
         P, L = len(s.prompt_ids), len(s.response_ids)
-        noisy, is_mask, _ = dare_forward_process_spg(x0.unsqueeze(0), torch.ones(P + L, dtype=torch.long), P,
-                                                     seed=seed_of(s.index), block_length=block, num_t=n_mc,
-                                                     MASK_TOKEN_ID=MASK)
-        lp = view_logps(toy, x0, list(noisy))[:, P:]                                  # [mc, R]
+        noisy, is_mask, _ = dare_forward_process_spg(
+            x0.unsqueeze(0),
+            torch.ones(P + L, dtype=torch.long),
+            P,
+            seed=seed_of(s.index),
+            block_length=block,
+            num_t=n_mc,
+            MASK_TOKEN_ID=MASK,
+        )
+        lp = view_logps(toy, x0, list(noisy))[:, P:]  # [mc, R]
         lps.append(lp)
         ps.append(lp.exp())
         masks.append(is_mask[:, P:])
         noisy_all.append(noisy)
     R = len(samples[0].response_ids)
     adv = torch.tensor([[s.advantage] * R for s in samples], dtype=torch.float64)
-    attention = torch.ones(len(samples), R, dtype=torch.long)   # (the actor reads its last R columns)
-    value = dare_spg_per_seq_logps(torch.stack(lps).unsqueeze(0), torch.stack(ps).unsqueeze(0),
-                                   torch.stack(masks).unsqueeze(1), attention, adv, R, beta, mix)
+    attention = torch.ones(len(samples), R, dtype=torch.long)  # (the actor reads its last R columns)
+    value = dare_spg_per_seq_logps(
+        torch.stack(lps).unsqueeze(0),
+        torch.stack(ps).unsqueeze(0),
+        torch.stack(masks).unsqueeze(1),
+        attention,
+        adv,
+        R,
+        beta,
+        mix,
+    )
     return dare_compute_policy_loss_spg(value, adv, attention[:, -R:].to(adv.dtype)), noisy_all
 
 
@@ -203,8 +253,8 @@ def test_spg_dare_estimator_scores_masked_earlier_blocks():
         masked = v.tokens[1:] == MASK
         assert torch.equal(v.slot[1:] >= 0, masked)
         assert torch.allclose(v.coef[1:][masked], torch.full((int(masked.sum()),), 5 / float(masked.sum())))
-        clean = (~masked).nonzero().flatten()   # a masked token before a clean one precedes the chosen block
-        seen += bool(len(clean)) and bool(masked[:int(clean[-1])].any())
+        clean = (~masked).nonzero().flatten()  # a masked token before a clean one precedes the chosen block
+        seen += bool(len(clean)) and bool(masked[: int(clean[-1])].any())
     assert seen > 0
 
 
@@ -266,7 +316,7 @@ def test_reinforce_pp_is_verls_reinforce_pp_baseline(G):
         token_rewards = torch.zeros(n, R)
         token_rewards[torch.arange(n), (lengths - 1).clamp(min=0)] = rewards * (lengths > 0)
         want = verl_reinforce_pp_baseline(token_rewards, mask, [i // G for i in range(n)])[:, 0]
-        scores = token_rewards.sum(-1)   # the reward verl sees (0 for an empty response)
+        scores = token_rewards.sum(-1)  # the reward verl sees (0 for an empty response)
         got = group_advantages(scores, G, "reinforce_pp", lengths=lengths.tolist())
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     with pytest.raises(ValueError, match="token counts"):
@@ -327,8 +377,10 @@ def megadare_count_distribution(L: int, n: int) -> list[Fraction]:
 
     prob = [Fraction(0)] * (L + 1)
     for j in range(n):
-        cuts = sorted({Fraction(0), Fraction(1)} | {Fraction(i * n, L) - j for i in range(L * (j + 2) // n + 2)
-                                                     if 0 < Fraction(i * n, L) - j < 1})
+        cuts = sorted(
+            {Fraction(0), Fraction(1)}
+            | {Fraction(i * n, L) - j for i in range(L * (j + 2) // n + 2) if 0 < Fraction(i * n, L) - j < 1}
+        )
         for a, b in zip(cuts, cuts[1:]):
             prob[stratified_count(j, float((a + b) / 2), L, n)] += (b - a) / n
     return prob[1:]

@@ -17,6 +17,7 @@ slot); a test runs the real path (``Algorithm.rows`` -> ``pack_rows`` -> toy for
 -> ``gather_slots``) and checks it equals that direct combination, then the Monte-Carlo tests use the direct
 (fast) one. MC tolerances are 4.5 standard errors from the sample std (fixed seeds: deterministic).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -37,20 +38,50 @@ from megadare.rollout.native import NativeEngine
 from megadare.data.rows import pack_rows
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
-from algo_toy import (Toy, JointToy, toy_archs, sample, synthetic_trace, draws, mc_arrays, direct_slots, mb_logps, Exact, uniform_mean, assert_mc, MASK, Z, FULL_C, FULL_Y, BLOCK_C, BLOCK_Y)
+from algo_toy import (
+    Toy,
+    JointToy,
+    toy_archs,
+    sample,
+    synthetic_trace,
+    draws,
+    mc_arrays,
+    direct_slots,
+    mb_logps,
+    Exact,
+    uniform_mean,
+    assert_mc,
+    MASK,
+    Z,
+    FULL_C,
+    FULL_Y,
+    BLOCK_C,
+    BLOCK_Y,
+)
 
 
 # ================================================================== the real slot path == the direct combination
 def _algo_cases():
     full, blk = toy_archs()
-    return [("d1", {}, full), ("coupled_grpo", {}, full), ("random_mask_rl", {"n_views": 3}, full),
-            ("random_mask_rl", {"couple": True}, blk), ("bgpo", {"n_mc": 4}, full), ("ebpo", {"n_mc": 3}, blk),
-            ("spg", {"block": 2}, full), ("spg", {}, blk), ("tracerl", {"shrink": 1}, full),
-            ("tracerl", {"shrink": 2}, blk), ("cj_grpo", {}, full), ("cj_grpo", {}, blk)]
+    return [
+        ("d1", {}, full),
+        ("coupled_grpo", {}, full),
+        ("random_mask_rl", {"n_views": 3}, full),
+        ("random_mask_rl", {"couple": True}, blk),
+        ("bgpo", {"n_mc": 4}, full),
+        ("ebpo", {"n_mc": 3}, blk),
+        ("spg", {"block": 2}, full),
+        ("spg", {}, blk),
+        ("tracerl", {"shrink": 1}, full),
+        ("tracerl", {"shrink": 2}, blk),
+        ("cj_grpo", {}, full),
+        ("cj_grpo", {}, blk),
+    ]
 
 
-@pytest.mark.parametrize("name,params,arch", _algo_cases(),
-                         ids=[f"{n}-{a.attention}-{i}" for i, (n, _, a) in enumerate(_algo_cases())])
+@pytest.mark.parametrize(
+    "name,params,arch", _algo_cases(), ids=[f"{n}-{a.attention}-{i}" for i, (n, _, a) in enumerate(_algo_cases())]
+)
 def test_packed_slot_path_equals_direct_combination(name, params, arch):
     """Algorithm.rows -> pack_rows (several rows per packed sequence where they fit, several micro-batches)
     -> toy forward -> gather_slots gives, for every slot, sum coef * log p of the views computed directly, with the
@@ -89,7 +120,7 @@ def test_packed_slot_path_equals_direct_combination(name, params, arch):
         # expected values in gather_slots' order: (input row, slot) ascending
         want_lin, want_lse, want_adv = [], [], []
         for r in sorted(set(mb.row_ids.flatten().tolist()) - {-1}):
-            at = (mb.row_ids == r)
+            at = mb.row_ids == r
             tag = int(mb.extras["tag"][at][0])
             lin, lse, adv = expected[tag]
             for s in sorted(lin):
@@ -113,8 +144,11 @@ def test_toy_identities_and_positions_depend_on_each_other():
     e = Exact(Toy(0), FULL_C, FULL_Y)
     L = e.L
     gm = [e.g(list(range(L)), m) for m in range(L + 1)[1:]]
-    cont = uniform_mean(lambda t: sum(math.comb(L, m) * t ** (m - 1) * (1 - t) ** (L - m) * gm[m - 1]
-                                      for m in range(1, L + 1)), 0.0, 1.0)
+    cont = uniform_mean(
+        lambda t: sum(math.comb(L, m) * t ** (m - 1) * (1 - t) ** (L - m) * gm[m - 1] for m in range(1, L + 1)),
+        0.0,
+        1.0,
+    )
     ao = 0.0
     for order in itertools.permutations(range(L)):
         ao += sum(e.lp(e.ctx(set(order[i:])), k) for i, k in enumerate(order)) / math.factorial(L)
@@ -134,7 +168,7 @@ def test_stratified_is_unbiased_for_the_elbo():
     coef, lp = mc_arrays(toy, x0, ds)
     est = (coef * lp).sum(2).mean(1)
     mean, se = assert_mc(est, e.elbo(), "stratified")
-    assert abs(mean - e.loglik()) > 10 * se                        # the test can tell ELBO from log p
+    assert abs(mean - e.loglik()) > 10 * se  # the test can tell ELBO from log p
     # the counts: every m in 1..L equally often
     counts = torch.tensor([[int((v.coef > 0).sum()) for v in d] for d in ds]).flatten()
     freq = torch.bincount(counts, minlength=5)[1:].double() / counts.numel()
@@ -155,8 +189,9 @@ def test_random_mask_estimates_the_unweighted_masked_loglik_not_the_elbo():
     e = Exact(toy, FULL_C, FULL_Y)
     L = e.L
     gm = {m: e.g(list(range(L)), m) for m in range(1, L + 1)}
-    target = uniform_mean(lambda t: sum(math.comb(L, m) * t ** m * (1 - t) ** (L - m) * gm[m]
-                                        for m in range(1, L + 1)), 0.1, 0.9)
+    target = uniform_mean(
+        lambda t: sum(math.comb(L, m) * t**m * (1 - t) ** (L - m) * gm[m] for m in range(1, L + 1)), 0.1, 0.9
+    )
     x0 = torch.tensor(FULL_C + FULL_Y)
     ds = draws(lambda g: C.random_mask(FULL_C, FULL_Y, MASK, g, n_views=2), 1200)
     coef, lp = mc_arrays(toy, x0, ds)
@@ -168,8 +203,9 @@ def test_random_mask_estimates_the_unweighted_masked_loglik_not_the_elbo():
     for b, toks in eb.blocks(2).items():
         n = len(toks)
         gb = {m: eb.g(toks, m, 2, b, "absent") for m in range(1, n + 1)}
-        target_b += uniform_mean(lambda t: sum(math.comb(n, m) * t ** m * (1 - t) ** (n - m) * gb[m]
-                                               for m in range(1, n + 1)), 0.1, 0.9)
+        target_b += uniform_mean(
+            lambda t: sum(math.comb(n, m) * t**m * (1 - t) ** (n - m) * gb[m] for m in range(1, n + 1)), 0.1, 0.9
+        )
     x0 = torch.tensor(BLOCK_C + BLOCK_Y)
     ds = draws(lambda g: C.random_mask(BLOCK_C, BLOCK_Y, MASK, g, block_size=2), 1500, seed=1)
     coef, lp = mc_arrays(toy, x0, ds, block_size=2)
@@ -188,18 +224,23 @@ def test_coupled_estimate_has_the_expectation_of_its_formula():
     full = frozenset(range(L))
     want = []
     for k in range(L):
+
         def f(t, k=k):
-            return sum((t ** (len(S) - 1) * (1 - t) ** (L - len(S)) + (1 - t) ** (len(S) - 1) * t ** (L - len(S)))
-                       * lps[k] for S, lps in subs.items() if k in S)
+            return sum(
+                (t ** (len(S) - 1) * (1 - t) ** (L - len(S)) + (1 - t) ** (len(S) - 1) * t ** (L - len(S))) * lps[k]
+                for S, lps in subs.items()
+                if k in S
+            )
+
         want.append(0.5 * subs[full][k] + 0.5 * uniform_mean(f, 0.2, 0.8))
     x0 = torch.tensor(FULL_C + FULL_Y)
     ds = draws(lambda g: C.coupled(FULL_C, FULL_Y, MASK, g), 2000)
     for a, b, c in ds[:50]:
         mb, mc_ = b.tokens[P:] == MASK, c.tokens[P:] == MASK
-        assert bool((a.tokens[P:] == MASK).all()) and bool((mb ^ mc_).all())       # b, c partition y
+        assert bool((a.tokens[P:] == MASK).all()) and bool((mb ^ mc_).all())  # b, c partition y
         assert not bool((b.tokens[:P] == MASK).any() or (c.tokens[:P] == MASK).any())
     coef, lp = mc_arrays(toy, x0, ds)
-    per_token = (coef * lp).sum(1)[:, P:]                                           # [N, L] slot estimates
+    per_token = (coef * lp).sum(1)[:, P:]  # [N, L] slot estimates
     for k in range(L):
         assert_mc(per_token[:, k], want[k], f"coupled token {k}")
     # summed over tokens it is neither the ELBO nor the one-step estimate
@@ -238,22 +279,22 @@ def test_block_wise_estimators_are_unbiased_for_the_block_elbo(how):
     counts = {len(t): [] for t in blocks}
     for d in ds[:300]:
         for v in d:
-            scored = v.coef[len(c):] > 0
+            scored = v.coef[len(c) :] > 0
             hit = [t for t in blocks if bool(scored[t].any())]
             assert len(hit) == (len(blocks) if how == "ebpo-block" else 1)
             for t in hit:
                 m = int(scored[t].sum())
                 k = 1 if how == "ebpo-block" else len(blocks)
-                assert torch.allclose(v.coef[len(c):][t][scored[t]], torch.tensor(k * len(t) / m / len(d)))
-                assert bool((v.tokens[len(c):][t] == MASK).eq(scored[t]).all())
+                assert torch.allclose(v.coef[len(c) :][t][scored[t]], torch.tensor(k * len(t) / m / len(d)))
+                assert bool((v.tokens[len(c) :][t] == MASK).eq(scored[t]).all())
                 counts[len(t)].append(m)
-    for size, ms in counts.items():   # the count is uniform on 1..|b|
+    for size, ms in counts.items():  # the count is uniform on 1..|b|
         freq = torch.bincount(torch.tensor(ms), minlength=size + 1)[1:].double() / len(ms)
         assert torch.allclose(freq, torch.full((size,), 1.0 / size, dtype=torch.float64), atol=0.06), (size, freq)
     coef, lp = mc_arrays(toy, torch.tensor(c + y), ds, block_size=bs)
     mean, se = assert_mc((coef * lp).sum((1, 2)), target, how)
     ll = e.block_loglik(2, "mask", glob=False) if bs == 0 else e.block_loglik(2, "absent")
-    assert target < ll and abs(mean - ll) > 3 * se                 # a lower bound, and the test can tell
+    assert target < ll and abs(mean - ll) > 3 * se  # a lower bound, and the test can tell
 
 
 # ================================================================== variance: coupled / antithetic masks
@@ -265,9 +306,9 @@ def test_coupled_and_antithetic_masks_lower_the_variance():
     x0 = torch.tensor(FULL_C + FULL_Y)
     N = 1000
     coef, lp = mc_arrays(toy, x0, draws(lambda g: C.coupled(FULL_C, FULL_Y, MASK, g), 2 * N))
-    per_view = (coef * lp).sum(2)                                   # [2N, 3]: a, b, c
+    per_view = (coef * lp).sum(2)  # [2N, 3]: a, b, c
     coupled = per_view[:, 1] + per_view[:, 2]
-    indep = per_view[0::2, 1] + per_view[1::2, 2]                   # b of one draw, c of another
+    indep = per_view[0::2, 1] + per_view[1::2, 2]  # b of one draw, c of another
     se = math.sqrt(coupled.var() / coupled.numel() + indep.var() / indep.numel())
     assert abs(float(coupled.mean() - indep.mean())) < Z * se
     ratio = float(coupled.var() / indep.var())
@@ -275,7 +316,7 @@ def test_coupled_and_antithetic_masks_lower_the_variance():
     c2, l2 = mc_arrays(toy, x0, draws(lambda g: C.random_mask(FULL_C, FULL_Y, MASK, g, couple=True), N, seed=1))
     c3, l3 = mc_arrays(toy, x0, draws(lambda g: C.random_mask(FULL_C, FULL_Y, MASK, g, n_views=2), N, seed=2))
     anti, ind = (c2 * l2).sum((1, 2)), (c3 * l3).sum((1, 2))
-    assert bool(((c2 > 0).sum(1)[:, 2:] == 1).all())               # the pair covers every response token once
+    assert bool(((c2 > 0).sum(1)[:, 2:] == 1).all())  # the pair covers every response token once
     se = math.sqrt(anti.var() / N + ind.var() / N)
     assert abs(float(anti.mean() - ind.mean())) < Z * se
     ratio = float(anti.var() / ind.var())
@@ -287,7 +328,7 @@ def _spg_mc(toy, c, y, n_mc, beta, n):
     """N draws of SPG's views through the algorithm: (ELBO estimates [N], per-token sum_v c_v p_v^beta [N, L])."""
     spg = REGISTRY["spg"]({"p_prompt": 0.0, "block": 2, "n_mc": n_mc, "eubo_beta": beta})
     coef, lp = mc_arrays(toy, torch.tensor(c + y), draws(lambda g: spg.views(sample(c, y), toy_archs()[0], 0, g), n))
-    return (coef * lp).sum((1, 2)), (coef * torch.exp(beta * lp)).sum(1)[:, len(c):]
+    return (coef * lp).sum((1, 2)), (coef * torch.exp(beta * lp)).sum(1)[:, len(c) :]
 
 
 @pytest.mark.parametrize("beta", [1.0, 1.5, 2.0])
@@ -330,7 +371,7 @@ def test_spg_eubo_is_no_bound_for_inconsistent_conditionals():
     e = Exact(Toy(28), [0, 0], [1, 1, 1, 1])
     ll, eubo = e.block_loglik(2, "mask", glob=False), e.eubo_limit(2, "mask", 1.5, glob=False)
     assert eubo < ll - 0.1, (eubo, ll)
-    assert e.block_elbo(2, "mask", glob=False) < ll                  # the lower side still holds
+    assert e.block_elbo(2, "mask", glob=False) < ll  # the lower side still holds
 
 
 # ================================================================== d1's one-step estimate
@@ -348,10 +389,10 @@ def test_d1_one_step_bias_is_zero_only_for_independent_positions():
         for seed in range(5):
             (view,) = d1.views(s, full, 0, torch.Generator().manual_seed(seed))
             lin, _ = direct_slots(toy, x0, [view])
-            assert sorted(lin) == list(range(len(FULL_Y)))          # one token slot per response token
+            assert sorted(lin) == list(range(len(FULL_Y)))  # one token slot per response token
             biases[independent] = float(sum(lin.values())) - e.loglik()
     assert abs(biases[True]) < 1e-10
-    assert abs(biases[False] - (-2.9657)) < 1e-3, biases            # the measured bias of toy 0
+    assert abs(biases[False] - (-2.9657)) < 1e-3, biases  # the measured bias of toy 0
 
 
 # ================================================================== trace replay on real engine runs
@@ -371,15 +412,28 @@ def _engine(family: str) -> NativeEngine:
 
 
 RUNS = {  # (prompts, params): prompt + response fill whole blocks, so the trajectory holds every decoded token
-    "sdar": [([[5, 17], [11, 2, 3, 4, 9, 8], [8, 8, 8, 8, 21, 60, 61, 62, 63, 1]],
-              SamplingParams(max_new_tokens=10, block_size=4, steps_per_block=4, temperature=1.0, seed=3,
-                             stop_at_eos=False)),
-             ([[4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 9]],
-              SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, seed=4,
-                             stop_at_eos=False))],
-    "llada": [([[5, 17, 99], [11, 2], [8, 8, 8, 8, 21, 60]],
-               SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, temperature=1.0, seed=3,
-                              stop_at_eos=False))],
+    "sdar": [
+        (
+            [[5, 17], [11, 2, 3, 4, 9, 8], [8, 8, 8, 8, 21, 60, 61, 62, 63, 1]],
+            SamplingParams(
+                max_new_tokens=10, block_size=4, steps_per_block=4, temperature=1.0, seed=3, stop_at_eos=False
+            ),
+        ),
+        (
+            [[4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 9]],
+            SamplingParams(
+                max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, seed=4, stop_at_eos=False
+            ),
+        ),
+    ],
+    "llada": [
+        (
+            [[5, 17, 99], [11, 2], [8, 8, 8, 8, 21, 60]],
+            SamplingParams(
+                max_new_tokens=8, block_size=4, steps_per_block=4, temperature=1.0, seed=3, stop_at_eos=False
+            ),
+        )
+    ],
 }
 
 
@@ -394,15 +448,17 @@ def _replayed_logprobs(eng: NativeEngine, samples: list[RLSample], algo, block: 
     for mb in pack_rows(rows, seq_length=max(len(r) for r in rows) * 2, micro_batch_size=2):
         S = mb.tokens.shape[1]
         with torch.no_grad():
-            logits = eng.model(mb.tokens, attention_mask=mb.mask(kind, block).dense(S, S, mb.tokens.shape[0]),
-                               position_ids=mb.position_ids).double()
+            logits = eng.model(
+                mb.tokens,
+                attention_mask=mb.mask(kind, block).dense(S, S, mb.tokens.shape[0]),
+                position_ids=mb.position_ids,
+            ).double()
         logits[..., arch.mask_token_id] = float("-inf")
         logp = F.log_softmax(logits, -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
         slots = gather_slots(mb, logp, on_policy=True)
         assert torch.all(torch.isfinite(slots.logp))
         sel = mb.slot >= 0
-        for smp, tok, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(),
-                                logp[sel].tolist()):
+        for smp, tok, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(), logp[sel].tolist()):
             out.setdefault((smp, tok), []).append(lp)
     return out
 
@@ -411,8 +467,15 @@ def _samples_from(trajs, base=0):
     out = []
     for i, t in enumerate(trajs):
         t.validate()
-        out.append(sample(t.prompt_ids, t.response_ids, index=base + i, commit_step=list(t.commit_step),
-                          block_step=list(t.block_step)))
+        out.append(
+            sample(
+                t.prompt_ids,
+                t.response_ids,
+                index=base + i,
+                commit_step=list(t.commit_step),
+                block_step=list(t.block_step),
+            )
+        )
     return out
 
 
@@ -439,7 +502,7 @@ def test_trace_replay_reproduces_the_engine_states(family):
         dec = [(P + k) // block if block_family else k // block for k in range(L)]
         for b in set(dec):
             assert len({s.commit_step[k] - s.block_step[k] for k in range(L) if dec[k] == b}) == 1
-        blocks = dec if block_family else [0] * L      # full attention replays global steps
+        blocks = dec if block_family else [0] * L  # full attention replays global steps
         rounds = replay_views(s, eng.arch.mask_token_id, block, 1, block_family=block_family)
         scored = []
         for j, (view, steps) in enumerate(rounds):
@@ -447,7 +510,7 @@ def test_trace_replay_reproduces_the_engine_states(family):
             for b in set(blocks):
                 ks = [k for k in range(L) if blocks[k] == b]
                 distinct = sorted({s.commit_step[k] for k in ks})
-                if j < len(distinct):   # the state before this block's j-th step: committed earlier = clean
+                if j < len(distinct):  # the state before this block's j-th step: committed earlier = clean
                     for k in ks:
                         x[P + k] = s.response_ids[k] if s.commit_step[k] < distinct[j] else eng.arch.mask_token_id
                     scored += [k for k in ks if s.commit_step[k] == distinct[j]]
@@ -478,7 +541,7 @@ def test_trace_shrinkage_merges_neighbouring_steps():
         count = torch.zeros(L, dtype=torch.long)
         for j, (view, _) in enumerate(rounds):
             for k in range(L):
-                grp = steps_in[blocks[k]][2 * j:2 * j + 2]
+                grp = steps_in[blocks[k]][2 * j : 2 * j + 2]
                 in_grp = s.block_step[k] in grp
                 count[k] += int(view.slot[P + k] >= 0)
                 assert (view.slot[P + k] >= 0) == in_grp

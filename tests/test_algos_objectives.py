@@ -4,6 +4,7 @@ aggregation across packed and split micro-batches, algorithm parameters, and Dre
 
 The toy model, its micro-batch evaluator and the synthetic decoding traces come from algo_toy.py (the toy is
 checked in test_algos_estimators.py against exact enumeration and the real slot path)."""
+
 from __future__ import annotations
 
 import math
@@ -49,13 +50,13 @@ def _weights(name: str, algo, s, views, bs: int) -> tuple[dict[int, float], floa
     here from each file's stated objective (not read from the rows)."""
     slots = sorted({int(x) for v in views for x in v.slot.tolist() if x >= 0})
     L, P = len(s.response_ids), len(s.prompt_ids)
-    if name == "cj_grpo":   # mean over a step's tokens, then over the sample's steps
+    if name == "cj_grpo":  # mean over a step's tokens, then over the sample's steps
         key = [((P + k) // bs, s.block_step[k]) if bs else s.commit_step[k] for k in range(L)]
         K = len(set(key))
         return {k: 1.0 / (K * key.count(key[k])) for k in range(L)}, 1.0
-    if name == "bgpo":      # mean over the n MC samples
+    if name == "bgpo":  # mean over the n MC samples
         return {j: 1.0 / len(views) for j in slots}, 1.0
-    if name == "ebpo":      # one sequence slot
+    if name == "ebpo":  # one sequence slot
         return {0: 1.0}, 1.0
     agg = algo.p["loss_agg"]
     if agg == "token_mean":
@@ -103,8 +104,12 @@ def _grads(loss, toy):
 
 
 # ================================================================== on-policy gradient == REINFORCE
-CASES = [(n, "full") for n in RATIO_ALGOS] + [("tracerl", "block"), ("ebpo", "block"), ("random_mask_rl", "block"),
-                                               ("cj_grpo", "block")]
+CASES = [(n, "full") for n in RATIO_ALGOS] + [
+    ("tracerl", "block"),
+    ("ebpo", "block"),
+    ("random_mask_rl", "block"),
+    ("cj_grpo", "block"),
+]
 
 
 @pytest.mark.parametrize("name,kind", CASES, ids=[f"{n}-{k}" for n, k in CASES])
@@ -132,8 +137,14 @@ def test_on_policy_gradient_is_the_reinforce_gradient(name, kind):
     assert want.abs().max() > 1e-3
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()  # old log-probs are fp32
     # and the loss value itself is -(1/D) sum w A (ratio 1, KL 0)
-    val = -sum(w * s.advantage for s in _samples(bs)
-               for w in _weights(name, algo, s, _views(algo, s, arch, bs, 7 + s.index), bs)[0].values()) / D_want
+    val = (
+        -sum(
+            w * s.advantage
+            for s in _samples(bs)
+            for w in _weights(name, algo, s, _views(algo, s, arch, bs, 7 + s.index), bs)[0].values()
+        )
+        / D_want
+    )
     assert float(loss) == pytest.approx(val, rel=1e-5, abs=1e-7)
 
 
@@ -146,7 +157,7 @@ def test_rows_longer_than_seq_length_split_into_one_micro_batch(name, params):
     algo = REGISTRY[name](params)
     toy, old = Toy(0), Toy(5)
     samples = _samples(2)
-    for i, s in enumerate(samples):   # VRPO pairs the best and the worst of a group
+    for i, s in enumerate(samples):  # VRPO pairs the best and the worst of a group
         s.reward, s.group = float(i % 2), 0 if name != "vrpo" else i // 2
     rows = algo.batch_rows(samples, blk, 2, lambda index: torch.Generator().manual_seed(11 + index))
     longest_view = max(int(torch.bincount(r.segment_ids).max()) for r in rows)
@@ -167,8 +178,10 @@ def test_d_treerpo_self_distillation_enters_the_trainer_loss_as_its_coefficients
     on = REGISTRY["d_treerpo"]({"sd_lambda_max": 0.5, "sd_max_steps": 2, "kl_coef": 0.0})
     off = REGISTRY["d_treerpo"]({"self_distillation": False, "kl_coef": 0.0})
     toy = Toy(3)
-    samples = [sample([1, 2], y, adv=a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 1})
-               for i, (y, a) in enumerate([([0, 2, 1], 1.0), ([0, 1], 0.5), ([2, 2, 1], -1.5)])]
+    samples = [
+        sample([1, 2], y, adv=a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 1})
+        for i, (y, a) in enumerate([([0, 2, 1], 1.0), ([0, 1], 0.5), ([2, 2, 1], -1.5)])
+    ]
     gen = lambda index: torch.Generator().manual_seed(index)  # noqa: E731
     loss_on, D, _ = _trainer_loss(on, toy, on.batch_rows(samples, full, 0, gen), 0, ref=False, mbs_size=2)
     loss_off, _, _ = _trainer_loss(off, toy, off.batch_rows(samples, full, 0, gen), 0, ref=False, mbs_size=2)
@@ -197,7 +210,7 @@ def _check_spg(params: dict, seed: int, value_of):
         want = -surrogate / len(SAMPLES)
         loss, D, _ = _trainer_loss(algo, toy, rows, bs, ref=False)
         assert D == len(SAMPLES)
-        assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)       # fp32 trainer path
+        assert float(loss) == pytest.approx(float(want), rel=1e-4, abs=1e-6)  # fp32 trainer path
         got = _grads(loss, toy)
         assert torch.allclose(got, _grads(want, toy), rtol=1e-4, atol=1e-6)
     return toy, rows, bs, got
@@ -206,6 +219,7 @@ def _check_spg(params: dict, seed: int, value_of):
 def test_spg_gradient_uses_the_bound_of_the_advantage_sign():
     """SPG (no ratio): grad loss = -(1/D) sum_i A_i grad L_i with L_i the sequence mean over token slots of
     ELBO_k for A_i > 0 and w EUBO_k + (1 - w) ELBO_k for A_i <= 0 (EUBO_k = (1/beta) log sum_v c_v p_v^beta)."""
+
     def value(algo, toy, s, views, bs):
         lin, lse = _direct(toy, views, torch.tensor(s.prompt_ids + s.response_ids), bs, algo.p["eubo_beta"])
         mix = algo.p["mix"]
@@ -222,11 +236,12 @@ def test_spg_dare_estimator_equals_dare_formula():
     """estimator=dare through the trainer path == DARE's per-sequence value written out from the views' masks
     (``llada_dp_actor_spg.py``: unweighted ELBO over the masked response tokens, 1/t EUBO, mix), loss and
     gradient, on both archs (tests/test_algos_dare_formulas.py checks the masks against DARE's own function)."""
+
     def value(algo, toy, s, views, bs):
         beta, w = algo.p["eubo_beta"], algo.p["mix"]
         P, L = len(s.prompt_ids), len(s.response_ids)
         lp = view_logps(toy, torch.tensor(s.prompt_ids + s.response_ids), [v.tokens for v in views], bs)[:, P:]
-        masked = torch.stack([v.tokens[P:] == MASK for v in views])           # [n_mc, L]
+        masked = torch.stack([v.tokens[P:] == MASK for v in views])  # [n_mc, L]
         elbo = torch.stack([lp[m][mk].sum() / mk.sum() for m, mk in enumerate(masked)]).mean()
         avg = (lp.exp() ** beta * masked / (masked.sum(1, keepdim=True) / L)).mean(0)
         eubo = (avg[avg > 0].log() / beta).mean()
@@ -238,8 +253,9 @@ def test_spg_dare_estimator_equals_dare_formula():
 # ================================================================== clipping, dual clip, BGPO's bounds
 def _clip_grad(ratio, adv, **kw):
     logp = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
-    loss, clipped = ppo_clip_loss(logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64),
-                                  **kw)
+    loss, clipped = ppo_clip_loss(
+        logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64), **kw
+    )
     (g,) = torch.autograd.grad(loss.sum(), logp)
     return float(loss), float(g), float(clipped)
 
@@ -257,7 +273,7 @@ def test_ppo_clipping_at_the_bounds():
     # asymmetric clip-higher: 1.25 is inside [0.8, 1.28] but outside [0.8, 1.2]
     assert _clip_grad(1.25, 1.0, eps_low=0.2, eps_high=0.28)[1] == pytest.approx(-1.25)
     assert _clip_grad(1.25, 1.0, eps_low=0.2)[1] == 0.0
-    assert _clip_grad(0.75, -1.0, eps_low=0.2, eps_high=0.28)[1] == 0.0     # eps_low unchanged
+    assert _clip_grad(0.75, -1.0, eps_low=0.2, eps_high=0.28)[1] == 0.0  # eps_low unchanged
     # dual clip: for A < 0 the loss is capped at -c A (no gradient there); A > 0 untouched
     assert _clip_grad(5.0, -1.0, dual_clip=3.0) == pytest.approx((3.0, 0.0, 0.0))
     assert _clip_grad(2.0, -1.0, dual_clip=3.0) == pytest.approx((2.0, 2.0, 0.0))
@@ -270,9 +286,13 @@ def test_ppo_clipping_at_the_bounds():
 
 def _slots(logp, old, adv, ref=None):
     lp = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
-    return lp, Slots(logp=lp, old=torch.tensor(old, dtype=torch.float64), adv=torch.tensor(adv, dtype=torch.float64),
-                     ref=None if ref is None else torch.tensor(ref, dtype=torch.float64),
-                     weight=torch.ones(len(logp), dtype=torch.float64))
+    return lp, Slots(
+        logp=lp,
+        old=torch.tensor(old, dtype=torch.float64),
+        adv=torch.tensor(adv, dtype=torch.float64),
+        ref=None if ref is None else torch.tensor(ref, dtype=torch.float64),
+        weight=torch.ones(len(logp), dtype=torch.float64),
+    )
 
 
 def test_algorithm_slot_loss_wires_clip_parameters():
@@ -302,7 +322,7 @@ def test_dual_clip_is_one_option_of_every_ppo_clip_algorithm(name):
         (g,) = torch.autograd.grad(loss.sum(), lp)
         assert loss[0].item() == pytest.approx(want)
         assert g[0].item() == pytest.approx(0.0 if c else 5.0)
-        assert loss[1].item() == pytest.approx(-1.2)            # A > 0: the ordinary clip, untouched
+        assert loss[1].item() == pytest.approx(-1.2)  # A > 0: the ordinary clip, untouched
     with pytest.raises(ConfigError, match="dual_clip"):
         cls({"dual_clip": 1.0})
 
@@ -323,9 +343,9 @@ def test_bgpo_tangent_and_exp_bounds():
     loss, _ = algo.slot_loss(s)
     (g,) = torch.autograd.grad(loss.sum(), lp)
     assert loss.tolist() == pytest.approx([-(1 + d) * 2.0, math.exp(d) * 2.0])
-    assert g.tolist() == pytest.approx([-2.0, math.exp(d) * 2.0])          # tangent: constant slope
-    assert -(1 + d) * 2.0 > -math.exp(d) * 2.0                              # tangent objective <= exp objective
-    lp, s = _slots([0.5, -0.5], [0.0, 0.0], [2.0, -2.0])                   # outside the trust region: clipped
+    assert g.tolist() == pytest.approx([-2.0, math.exp(d) * 2.0])  # tangent: constant slope
+    assert -(1 + d) * 2.0 > -math.exp(d) * 2.0  # tangent objective <= exp objective
+    lp, s = _slots([0.5, -0.5], [0.0, 0.0], [2.0, -2.0])  # outside the trust region: clipped
     loss, _ = algo.slot_loss(s)
     (g,) = torch.autograd.grad(loss.sum(), lp)
     assert loss.tolist() == pytest.approx([-1.2 * 2.0, 0.8 * 2.0]) and g.tolist() == [0.0, 0.0]
@@ -360,10 +380,17 @@ def test_kl_estimators_closed_forms_and_exact_expectation():
 
 def test_kl_term_enters_only_with_a_coefficient_and_an_anchor():
     lp_vals, old, ref, adv = [-1.0, -2.0], [-1.1, -1.8], [-0.5, -2.5], [1.0, -1.0]
-    base, _ = ppo_clip_loss(torch.tensor(lp_vals, dtype=torch.float64), torch.tensor(old, dtype=torch.float64),
-                            torch.tensor(adv, dtype=torch.float64), 0.2)
-    for params in ({"kl_coef": 0.1, "kl_anchor": "none"}, {"kl_coef": 0.0, "kl_anchor": "old"},
-                   {"kl_coef": 0.0, "kl_anchor": "ref"}):
+    base, _ = ppo_clip_loss(
+        torch.tensor(lp_vals, dtype=torch.float64),
+        torch.tensor(old, dtype=torch.float64),
+        torch.tensor(adv, dtype=torch.float64),
+        0.2,
+    )
+    for params in (
+        {"kl_coef": 0.1, "kl_anchor": "none"},
+        {"kl_coef": 0.0, "kl_anchor": "old"},
+        {"kl_coef": 0.0, "kl_anchor": "ref"},
+    ):
         algo = REGISTRY["tracerl"](params)
         assert not algo.needs_ref
         _, s = _slots(lp_vals, old, adv)
@@ -389,20 +416,23 @@ def test_group_advantages_against_hand_computation():
     r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0])
     g = r.view(3, 4).double()
     mean = g.mean(1, keepdim=True)
-    want = {"unbiased": (g - mean) / (g.std(1, unbiased=True, keepdim=True) + 1e-6),
-            "population": (g - mean) / (g.std(1, unbiased=False, keepdim=True) + 1e-6),
-            "none": g - mean}
+    want = {
+        "unbiased": (g - mean) / (g.std(1, unbiased=True, keepdim=True) + 1e-6),
+        "population": (g - mean) / (g.std(1, unbiased=False, keepdim=True) + 1e-6),
+        "none": g - mean,
+    }
     for std, w in want.items():
         assert torch.allclose(group_advantages(r, 4, "grpo", std), w.flatten().float(), atol=1e-6)
     # by hand, first group: mean 0.75, unbiased std 0.5, population std sqrt(3)/4
     assert group_advantages(r, 4)[:4].tolist() == pytest.approx([0.5, -1.5, 0.5, 0.5], rel=1e-5)
     assert group_advantages(r, 4, std="population")[:4].tolist() == pytest.approx(
         [0.25 / (math.sqrt(3) / 4), -0.75 / (math.sqrt(3) / 4), 0.25 / (math.sqrt(3) / 4), 0.25 / (math.sqrt(3) / 4)],
-        rel=1e-5)
-    assert group_advantages(r, 4)[8:].tolist() == [0.0] * 4                 # all-equal group: no signal
+        rel=1e-5,
+    )
+    assert group_advantages(r, 4)[8:].tolist() == [0.0] * 4  # all-equal group: no signal
     rloo = group_advantages(r, 4, "rloo")
     assert rloo[:4].tolist() == pytest.approx([1 - 2 / 3, 0 - 1.0, 1 - 2 / 3, 1 - 2 / 3])
-    rpp = group_advantages(r, 4, "reinforce_pp", lengths=[3] * 12)   # equal lengths: whitening over responses
+    rpp = group_advantages(r, 4, "reinforce_pp", lengths=[3] * 12)  # equal lengths: whitening over responses
     c = (g - mean).flatten()
     assert torch.allclose(rpp, ((c - c.mean()) / c.std(unbiased=False) * math.sqrt(35 / 36)).float(), atol=1e-6)
     assert abs(float(rpp.mean())) < 1e-6 and abs(float(rpp.std(unbiased=False)) - math.sqrt(35 / 36)) < 1e-4
@@ -418,11 +448,12 @@ def test_group_advantages_against_hand_computation():
 
 
 def test_group_filters_and_truncation():
-    r = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0,
-                      1.0, 0.0, 1.0, 0.0])
+    r = torch.tensor(
+        [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    )
     keep = filter_groups(r, 4, drop_all_equal=True)
     assert keep.tolist() == [False] * 4 + [True] * 4 + [False] * 4 + [True] * 8
-    keep = filter_groups(r, 4, accuracy_band=(0.3, 0.7))                    # accuracies 1, .25, 0, .75, .5
+    keep = filter_groups(r, 4, accuracy_band=(0.3, 0.7))  # accuracies 1, .25, 0, .75, .5
     assert keep.view(5, 4)[:, 0].tolist() == [False, False, False, False, True]
     keep = filter_groups(r, 4, accuracy_band=(0.2, 0.8))
     assert keep.view(5, 4)[:, 0].tolist() == [False, True, False, True, True]
@@ -464,7 +495,7 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
             rho = torch.exp(lin[k] - old[k])
             a = s.advantage
             d = old[k] - lin[k]
-            k3 = min(float(torch.exp(d) - d - 1), 10.0)       # verl's low_var_kl cap
+            k3 = min(float(torch.exp(d) - d - 1), 10.0)  # verl's low_var_kl cap
             losses.append(float(-torch.minimum(rho * a, rho.clamp(0.9, 1.1) * a)) + 0.05 * k3)
         per_sample.append((losses, len(s.response_ids)))
     loss, D, mbs = _trainer_loss(algo, toy, rows, 0, old_toy=old_toy, seq_length=14, mbs_size=1, ref=False)
@@ -515,29 +546,46 @@ def test_unknown_params_fail_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"algo\.params\.epsilon.*no parameter 'epsilon'.*valid: \[.*'eps_low'"):
         REGISTRY["d1"]({"epsilon": 0.2})
     with pytest.raises(ConfigError, match="'p_prompt'"):
-        REGISTRY["tracerl"]({"p_prompt": 0.1})          # d1's key is not tracerl's
+        REGISTRY["tracerl"]({"p_prompt": 0.1})  # d1's key is not tracerl's
     with pytest.raises(ConfigError, match="algo.name='grpo' unknown"):
         build_algorithm("grpo")
-    assert REGISTRY["d1"]({"eps_low": None}).p["eps_low"] == 0.5     # null keeps the published default
+    assert REGISTRY["d1"]({"eps_low": None}).p["eps_low"] == 0.5  # null keeps the published default
 
 
 def test_published_defaults():
     p = REGISTRY["d1"]().p
     assert (p["eps_low"], p["kl_coef"], p["kl_anchor"], p["kl_estimator"], p["p_prompt"]) == (
-        0.5, 0.04, "ref", "k3", 0.15)
+        0.5,
+        0.04,
+        "ref",
+        "k3",
+        0.15,
+    )
     p = REGISTRY["coupled_grpo"]().p
     assert (p["t_low"], p["t_high"], p["eps_low"], p["kl_coef"], p["kl_anchor"]) == (0.2, 0.8, 0.5, 0.01, "ref")
     p = REGISTRY["tracerl"]().p
     assert (p["eps_low"], p["kl_coef"], p["kl_anchor"], p["kl_estimator"], p["log_ratio_clamp"], p["loss_agg"]) == (
-        0.2, 0.01, "old", "k3", 10.0, "seq_mean_length")
+        0.2,
+        0.01,
+        "old",
+        "k3",
+        10.0,
+        "seq_mean_length",
+    )
     p = REGISTRY["random_mask_rl"]().p
     assert (p["p_low"], p["p_high"], p["eps_low"], p["kl_coef"], p["kl_anchor"], p["couple"]) == (
-        0.1, 0.9, 0.2, 0.01, "old", False)
+        0.1,
+        0.9,
+        0.2,
+        0.01,
+        "old",
+        False,
+    )
     full, blk = toy_archs()
     s = sample([1], [0, 1, 2])
     assert len(REGISTRY["random_mask_rl"]().views(s, full, 0, torch.Generator())) == 35
     assert len(REGISTRY["random_mask_rl"]().views(s, blk, 2, torch.Generator())) == 1
-    assert REGISTRY["tracerl"]().p["shrink"] is None                         # 1 for block families, 8 otherwise
+    assert REGISTRY["tracerl"]().p["shrink"] is None  # 1 for block families, 8 otherwise
     p = REGISTRY["bgpo"]().p
     assert (p["n_mc"], p["eps_low"], p["kl_coef"]) == (16, 0.2, 0.0)
     p = REGISTRY["ebpo"]().p
@@ -573,7 +621,7 @@ def test_dream_rows_shift_one_position_and_slots_keep_their_tokens():
         assert torch.equal(row.slot[seg][:-1], v.slot[1:]) and row.slot[seg][-1] == -1
         tok = row.tok[seg]
         assert tok.tolist() == [-1, -1] + list(range(L)) + [-1]
-        assert torch.equal(row.adv[seg][P - 1:P - 1 + L], torch.full((L,), 0.5))
+        assert torch.equal(row.adv[seg][P - 1 : P - 1 + L], torch.full((L,), 0.5))
     (mb,) = pack_rows([row], seq_length=len(row) + 2)
     S = mb.tokens.shape[1]
     mask = MaskSpec("bidirectional", segment_ids=mb.segment_ids).dense(S, S, 1)

@@ -1,5 +1,6 @@
 """MDPO step-wise scores, per-step group normalisation, top-K steps (batch / sample), intermediate answers over
 semi-AR blocks and the engine's response-aligned step predictions; d-TreeRPO local advantages."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,9 +17,17 @@ def test_step_scores_formula():
 
 
 def _sample(i, group, preds, response):
-    return RLSample(prompt_ids=[1, 2], response_ids=response, reward=0.0, advantage=0.0, index=i, group=group,
-                    commit_step=[0, 1, 2], block_step=[0, 1, 2],
-                    extra={"step_predictions": preds, "step_confidences": [[0.5] * 3] * 3})
+    return RLSample(
+        prompt_ids=[1, 2],
+        response_ids=response,
+        reward=0.0,
+        advantage=0.0,
+        index=i,
+        group=group,
+        commit_step=[0, 1, 2],
+        block_step=[0, 1, 2],
+        extra={"step_predictions": preds, "step_confidences": [[0.5] * 3] * 3},
+    )
 
 
 def test_prepare_normalises_per_step_and_keeps_top_k():
@@ -30,7 +39,7 @@ def test_prepare_normalises_per_step_and_keeps_top_k():
     assert good.extra["step_rewards"] == [1.0, 1.0, 1.0] and bad.extra["step_rewards"] == [0.0, 0.0, 0.0]
     for t in range(3):  # two members per step: +-1/sqrt(2) after unbiased-std normalisation
         a, b = good.extra["step_adv"][t], bad.extra["step_adv"][t]
-        assert a == pytest.approx(-b) and abs(a) == pytest.approx(1 / 2 ** 0.5, rel=1e-4)
+        assert a == pytest.approx(-b) and abs(a) == pytest.approx(1 / 2**0.5, rel=1e-4)
     assert len(good.extra["steps"]) == 2
     # the views replay x_t with the intermediate predictions as targets, scored only where x_t is masked
     from megadare.models import get_family
@@ -54,7 +63,7 @@ def test_intermediate_answer_over_blocks():
 def test_top_k_steps_across_the_batch_or_per_sample():
     a = RLSample([1], [2], 0.0, 0.0, index=0, extra={"step_adv": {0: 0.1, 1: 2.0, 2: 0.2}})
     b = RLSample([1], [2], 0.0, 0.0, index=1, extra={"step_adv": {0: 1.5, 1: 0.1, 2: 0.0, 3: 0.3}})
-    top_steps([a, b], 2, "batch")        # importance |A| summed over samples: 0 -> 1.6, 1 -> 2.1, 2 -> 0.2, 3 -> 0.3
+    top_steps([a, b], 2, "batch")  # importance |A| summed over samples: 0 -> 1.6, 1 -> 2.1, 2 -> 0.2, 3 -> 0.3
     assert a.extra["steps"] == [0, 1] and b.extra["steps"] == [0, 1]
     top_steps([a, b], 2, "sample")
     assert a.extra["steps"] == [1, 2] and b.extra["steps"] == [0, 3]
@@ -75,13 +84,14 @@ def test_step_predictions_sit_on_response_positions(family):
     fam = get_family(family)
     cfg = fam.tiny_config(**({"block_size": 4} if family == "sdar" else {}))
     eng = NativeEngine(build_hf_model(cfg), fam.arch(cfg), eos_token_id=253, device="cpu")
-    params = SamplingParams(max_new_tokens=9, block_size=4, steps_per_block=2, temperature=1.0, seed=1,
-                            stop_at_eos=False, record_steps=True)
+    params = SamplingParams(
+        max_new_tokens=9, block_size=4, steps_per_block=2, temperature=1.0, seed=1, stop_at_eos=False, record_steps=True
+    )
     for t in eng.generate([[5, 6, 7, 8, 9, 10, 11], [5, 6]], params):
         assert len(t.step_predictions) == t.num_forwards
         for j, (tok, step) in enumerate(zip(t.response_ids, t.commit_step)):
             assert t.step_predictions[step][j] == tok and t.step_confidences[step][j] > 0
-        for step, pred in enumerate(t.step_predictions):   # one block per step: at most 4 positions predicted
+        for step, pred in enumerate(t.step_predictions):  # one block per step: at most 4 positions predicted
             got = [j for j, p in enumerate(pred) if p >= 0]
             assert 0 < len(got) <= 4 and got == list(range(got[0], got[-1] + 1))
 
@@ -128,12 +138,14 @@ def test_d_treerpo_self_distillation_gradient_equals_dare_kl():
     from megadare.algos.d_treerpo import DTreeRPO, sd_schedule
 
     algo = DTreeRPO({"sd_max_steps": 10})
-    sibs = [RLSample([1], y, 0.0, a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 4})
-            for i, (y, a) in enumerate([([5, 6, 7], 1.0), ([5, 8], 0.5), ([9, 6, 7], -0.5), ([5], 2.0)])]
+    sibs = [
+        RLSample([1], y, 0.0, a, index=i, extra={"parent": (0, 1, 0), "rollout_step": 4})
+        for i, (y, a) in enumerate([([5, 6, 7], 1.0), ([5, 8], 0.5), ([9, 6, 7], -0.5), ([5], 2.0)])
+    ]
     other = [RLSample([2], [3], 0.0, 1.0, index=9, extra={"parent": (1, 1, 0), "rollout_step": 4})]  # only child
     coef = algo.self_distillation(sibs + other)
     V, J = 12, 3
-    logits = torch.randn(J, V, dtype=torch.float64, requires_grad=True)   # the parent state's predictions
+    logits = torch.randn(J, V, dtype=torch.float64, requires_grad=True)  # the parent state's predictions
     logp = torch.log_softmax(logits, -1)
     lam, tau = sd_schedule(4, algo.p)
     pos = [s for s in sibs if s.advantage > 0]

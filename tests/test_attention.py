@@ -1,4 +1,5 @@
 """dLLM masks against their definitions written as loops, and the core-attention backends against each other."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,12 +33,12 @@ def test_block_diffusion_mask_definition():
 
 
 def test_block_causal_with_offset_and_packing():
-    m = block_causal(2, q_offset=4).dense(2, 6)[0, 0]   # queries are global positions 4, 5
+    m = block_causal(2, q_offset=4).dense(2, 6)[0, 0]  # queries are global positions 4, 5
     assert m.tolist() == [[True] * 6, [True] * 6]
     seg = torch.tensor([[0, 0, 0, 1, 1, 1]])
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
     p = block_causal(2, segment_ids=seg, position_ids=pos).dense(6, 6)[0, 0]
-    assert not p[3, 0] and not p[0, 3]               # no attention across packed samples
+    assert not p[3, 0] and not p[0, 3]  # no attention across packed samples
     assert p[4, 3] and p[3, 4] and not p[3, 5] and p[5, 3]  # blocks restart inside each sample
     assert bidirectional(segment_ids=seg).dense(6, 6)[0, 0].sum() == 18
 
@@ -48,8 +49,8 @@ def test_sdpa_matches_reference(spec):
     S = 16
     q, k, v = torch.randn(2, 4, S, 8), torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8)
     allowed = spec.dense(S, S)
-    a = sdpa_attention(q, k, v, allowed, 8 ** -0.5)
-    b = reference_attention(q, k, v, allowed, 8 ** -0.5)
+    a = sdpa_attention(q, k, v, allowed, 8**-0.5)
+    b = reference_attention(q, k, v, allowed, 8**-0.5)
     assert (a - b).abs().max() < 1e-5
 
 
@@ -78,21 +79,24 @@ def test_flex_compiles_once_per_mask_structure_across_micro_batches(monkeypatch)
     B, H, S, D = 2, 2, 64, 16
     g = torch.Generator().manual_seed(0)
     worst = 0.0
-    for i in range(10):                              # more micro-batches than dynamo's recompile limit
+    for i in range(10):  # more micro-batches than dynamo's recompile limit
         seg = torch.cumsum(torch.rand(B, S, generator=g) < 0.1, dim=1)
         pos = torch.arange(S).repeat(B, 1)
-        specs = [MaskSpec("block_causal", block_size=4, segment_ids=seg, position_ids=pos),   # packed training
-                 MaskSpec("block_causal", block_size=4, q_offset=4 * i),                      # KV-cached decoding
-                 MaskSpec("block_diffusion", block_size=4, seq_len=S // 2 + i)]               # x_t ++ x_0, L varies
+        specs = [
+            MaskSpec("block_causal", block_size=4, segment_ids=seg, position_ids=pos),  # packed training
+            MaskSpec("block_causal", block_size=4, q_offset=4 * i),  # KV-cached decoding
+            MaskSpec("block_diffusion", block_size=4, seq_len=S // 2 + i),
+        ]  # x_t ++ x_0, L varies
         for spec in specs:
             q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
-            out = A.flex_attention(q, k, v, spec, D ** -0.5)
+            out = A.flex_attention(q, k, v, spec, D**-0.5)
             assert A.flex_block_mask(spec, S, S, q.device) is A.flex_block_mask(spec, S, S, q.device)  # per layer
-            ref = sdpa_attention(q, k, v, spec.dense(S, S, B), D ** -0.5)
+            ref = sdpa_attention(q, k, v, spec.dense(S, S, B), D**-0.5)
             worst = max(worst, float((out - ref).abs().max()))
     assert worst < 1e-5
     assert len(graphs) == 3, f"{len(graphs)} compiled graphs for 3 mask structures over 30 micro-batches"
     assert len(A._BLOCK_MASKS) <= A._BLOCK_MASKS_KEPT
-    spec = MaskSpec("bidirectional")                  # no per-position tensors: an equal spec hits the cache
-    assert A.flex_block_mask(spec, S, S, torch.device("cpu")) is \
-        A.flex_block_mask(MaskSpec("bidirectional"), S, S, torch.device("cpu"))
+    spec = MaskSpec("bidirectional")  # no per-position tensors: an equal spec hits the cache
+    assert A.flex_block_mask(spec, S, S, torch.device("cpu")) is A.flex_block_mask(
+        MaskSpec("bidirectional"), S, S, torch.device("cpu")
+    )

@@ -5,6 +5,7 @@ with the trainer (issue 24, items 3, 5, 7, 8).
 
 A tiny SFT run (``megadare sft``, one process, 4 steps, checkpoints at 2 and 4) is trained once per module; each
 test works on a copy of its run directory."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")
-TINY = ["data.synthetic_size=64", "train.global_batch_size=4", "train.warmup_steps=1", "checkpoint.save_interval=2",
-        "checkpoint.keep_last=3", "logging.tensorboard=false"]
+TINY = [
+    "data.synthetic_size=64",
+    "train.global_batch_size=4",
+    "train.warmup_steps=1",
+    "checkpoint.save_interval=2",
+    "checkpoint.keep_last=3",
+    "logging.tensorboard=false",
+]
 # the trainer with megatron's writer processes patched: they block mid-write (BLOCK_WRITERS: each first names
 # itself in that directory), or every write of a checkpoint file fails with ENOSPC (FULL_DISK)
 RUNNER = r"""
@@ -50,9 +57,14 @@ sys.exit(main(sys.argv[1:]))
 
 def megadare(run_dir, *overrides, env=None, timeout=300) -> subprocess.CompletedProcess:
     """``megadare sft`` on the tiny config in ``run_dir`` (through RUNNER, so env can patch the writers)."""
-    return subprocess.run([sys.executable, "-c", RUNNER, "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run_dir}",
-                           *overrides], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, "-c", RUNNER, "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run_dir}", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +110,10 @@ def test_every_checkpoint_has_a_manifest_that_finds_damage(run):
     assert not v.intact and v.problem == f"{shard} has 100 bytes, the manifest says {size}"
     pick = newest_intact(str(ckpt))
     assert pick.path == str(ckpt / "iter_0000002") and pick.skipped == [(str(ckpt / "iter_0000004"), v.problem)]
-    with pytest.raises(MegatronCheckpointError, match=f"{ckpt}/iter_0000004 is damaged: .*; {ckpt}/iter_0000002 is "
-                                                      "intact: pass it explicitly"):
+    with pytest.raises(
+        MegatronCheckpointError,
+        match=f"{ckpt}/iter_0000004 is damaged: .*; {ckpt}/iter_0000002 is intact: pass it explicitly",
+    ):
         intact_checkpoint_dir(str(ckpt))
     # a flipped byte in a small file, a missing file
     state = ckpt / "iter_0000002" / "train_state.json"
@@ -147,16 +161,24 @@ def test_resume_passes_over_a_damaged_checkpoint_and_rolls_metrics_back(run):
     r = megadare(run, "train.steps=6")
     assert r.returncode == 0, r.stderr
     ckpt = run / "ckpt"
-    assert (f"checkpoint: passing over {ckpt}/iter_0000004: {ckpt}/iter_0000004/__0_0.distcp has 100 bytes, the "
-            "manifest says") in r.stderr
-    assert (f"resumed from {ckpt}/iter_0000002 at step 2 (lr schedule: cosine, lr 0.003 -> 0, warmup 1, over 6 steps;"
-            in r.stderr)
+    assert (
+        f"checkpoint: passing over {ckpt}/iter_0000004: {ckpt}/iter_0000004/__0_0.distcp has 100 bytes, the "
+        "manifest says"
+    ) in r.stderr
+    assert (
+        f"resumed from {ckpt}/iter_0000002 at step 2 (lr schedule: cosine, lr 0.003 -> 0, warmup 1, over 6 steps;"
+        in r.stderr
+    )
     assert "this run's settings replace the checkpoint's: decay steps 4 -> 6)" in r.stderr
-    assert "FutureWarning" not in r.stderr                       # megatron's deprecation note, filtered precisely
+    assert "FutureWarning" not in r.stderr  # megatron's deprecation note, filtered precisely
     assert steps_logged(run) == [1, 2, 3, 4, 5, 6]
     assert [json.loads(line)["step"] for line in open(run / "metrics.rolled_back.jsonl")] == [3, 4]
-    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "iter_0000006",
-                                        "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt)) == [
+        "iter_0000002",
+        "iter_0000004",
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def test_rerunning_a_finished_run_says_so(run):
@@ -181,8 +203,10 @@ def test_resume_refuses_another_commands_or_another_source_checkpoint(run):
     from megadare.trainer.checkpoint import resume_run
 
     ckpt = str(run / "ckpt")
-    with pytest.raises(RunStateError, match="was written by megadare sft, this is megadare rl: start from it with "
-                                            f"checkpoint.load={ckpt}"):
+    with pytest.raises(
+        RunStateError,
+        match=f"was written by megadare sft, this is megadare rl: start from it with checkpoint.load={ckpt}",
+    ):
         resume_run(ckpt, None, None, None, None, "megadare rl")
     with pytest.raises(RunStateError, match="was trained from .*init_hf, this config names model.hf_path=/elsewhere"):
         resume_run(ckpt, None, None, None, None, "megadare sft", source="/elsewhere")
@@ -193,21 +217,30 @@ def test_one_run_per_run_directory(run):
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        lock = {"pid": holder.pid, "host": socket.gethostname(), "started": psutil.Process(holder.pid).create_time(),
-                "slurm_job": None, "time": "earlier"}
+        lock = {
+            "pid": holder.pid,
+            "host": socket.gethostname(),
+            "started": psutil.Process(holder.pid).create_time(),
+            "slurm_job": None,
+            "time": "earlier",
+        }
         (run / LOCK).write_text(json.dumps(lock))
         r = megadare(run, "train.steps=6")
         assert r.returncode == 2
-        assert (f"{run} is in use by pid {holder.pid} on {socket.gethostname()} (since earlier; {run}/{LOCK})"
-                in one_error_line(r.stderr))
+        assert (
+            f"{run} is in use by pid {holder.pid} on {socket.gethostname()} (since earlier; {run}/{LOCK})"
+            in one_error_line(r.stderr)
+        )
         assert steps_logged(run) == [1, 2, 3, 4] and "iter_0000006" not in os.listdir(run / "ckpt")
         assert holder_alive(str(run))
     finally:
         holder.kill()
         holder.wait()
-    assert holder_alive(str(run)) is None                       # a dead pid on this host: stale
-    assert acquire(str(run)) == f"{run}/{LOCK}: took over the lock of pid {holder.pid} on {socket.gethostname()}: " \
-                                f"pid {holder.pid} is no longer running"
+    assert holder_alive(str(run)) is None  # a dead pid on this host: stale
+    assert (
+        acquire(str(run)) == f"{run}/{LOCK}: took over the lock of pid {holder.pid} on {socket.gethostname()}: "
+        f"pid {holder.pid} is no longer running"
+    )
     assert json.loads((run / LOCK).read_text())["pid"] == os.getpid()
     release(str(run))
     assert not (run / LOCK).exists()
@@ -233,7 +266,7 @@ def test_a_full_disk_leaves_no_partial_checkpoint(run):
     assert sorted(os.listdir(run / "ckpt")) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     from megadare.convert.mcore_ckpt import newest_intact
 
-    assert newest_intact(str(run / "ckpt")).path == str(run / "ckpt" / "iter_0000004")   # what a rerun resumes
+    assert newest_intact(str(run / "ckpt")).path == str(run / "ckpt" / "iter_0000004")  # what a rerun resumes
 
 
 def _gone(pid: int) -> bool:
@@ -258,9 +291,23 @@ def test_checkpoint_writers_die_with_the_trainer(tmp_path):
     writers = tmp_path / "writers"
     writers.mkdir()
     log = open(tmp_path / "trainer.log", "w")
-    trainer = subprocess.Popen([sys.executable, "-c", RUNNER, "sft", "--config", CONFIG, *TINY, "train.steps=2",
-                                f"logging.run_dir={tmp_path / 'run'}"], cwd=ROOT, stdout=log, stderr=log,
-                               env=dict(os.environ, BLOCK_WRITERS=str(writers)))
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            RUNNER,
+            "sft",
+            "--config",
+            CONFIG,
+            *TINY,
+            "train.steps=2",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+        env=dict(os.environ, BLOCK_WRITERS=str(writers)),
+    )
     family: list[int] = []
     try:
         assert _wait(lambda: len(os.listdir(writers)) >= 2 or trainer.poll() is not None, 240), "no save started"
@@ -272,9 +319,10 @@ def test_checkpoint_writers_die_with_the_trainer(tmp_path):
         assert _wait(lambda: _gone(forked[0]), 5), "SIGTERM did not end the writer"
         trainer.kill()
         trainer.wait()
-        assert _wait(lambda: all(_gone(p) for p in family), 10), \
-            [psutil.Process(p).cmdline() for p in family if not _gone(p)]
-    finally:   # never leave a process behind, even when the test fails
+        assert _wait(lambda: all(_gone(p) for p in family), 10), [
+            psutil.Process(p).cmdline() for p in family if not _gone(p)
+        ]
+    finally:  # never leave a process behind, even when the test fails
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()

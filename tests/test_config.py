@@ -1,4 +1,5 @@
 """The config tree: bad configs fail with their own message, overrides beat the file, YAML round trips."""
+
 from __future__ import annotations
 
 import subprocess
@@ -110,12 +111,29 @@ def test_unknown_key_in_file(tmp_path):
 
 
 def test_cli_dry_run_and_errors():
-    ok = subprocess.run([sys.executable, "-m", "megadare", "sft", "--nproc", "2", "--dry-run", "--config",
-                         "examples/configs/sft_sdar_tiny.yaml", "parallel.tp=2"], capture_output=True, text=True)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megadare",
+            "sft",
+            "--nproc",
+            "2",
+            "--dry-run",
+            "--config",
+            "examples/configs/sft_sdar_tiny.yaml",
+            "parallel.tp=2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "tp: 2" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml",
-                          "parallel.tp=3"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "megadare", "rl", "--config", "examples/configs/sdar_tiny.yaml", "parallel.tp=3"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "parallel.tp=3" in bad.stderr and "Traceback" not in bad.stderr
     no_eval_model = subprocess.run([sys.executable, "-m", "megadare", "eval"], capture_output=True, text=True)
     assert no_eval_model.returncode == 2 and "--model" in no_eval_model.stderr

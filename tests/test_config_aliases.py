@@ -1,6 +1,7 @@
 """config.json written by newer transformers: the names transformers' own config classes accept for a key
 (``attribute_map``: transformers 5 saves Qwen3-MoE's ``num_experts`` as ``num_local_experts``) and transformers 5's
 ``rope_parameters`` read as the keys megadare knows, for every family."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,8 @@ FAMILY_NAMES = ("dream", "llada", "llada2", "sdar", "sdar_moe")
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_every_family_reads_aliased_keys(name):
     fam = get_family(name)
-    assert sorted(FAMILIES) == list(FAMILY_NAMES)          # a new family is added here too
-    cfg = fam.tiny_config(rope_theta=123456.0)            # not any family's default
+    assert sorted(FAMILIES) == list(FAMILY_NAMES)  # a new family is added here too
+    cfg = fam.tiny_config(rope_theta=123456.0)  # not any family's default
     moved = _as_transformers5_writes(cfg)
     assert moved != cfg
     assert fam.arch(moved) == fam.arch(cfg)
@@ -47,13 +48,13 @@ def test_configs_saved_by_transformers_read_the_same(name, tmp_path):
     """A family's tiny config saved by the installed transformers' own config class (what a checkpoint written
     with transformers 5 holds) gives the same architecture; the alias table covers that class's attribute_map."""
     cls = getattr(transformers, TRANSFORMERS_CLASS[name])
-    for alias, stored in cls.attribute_map.items():   # {name megadare reads: name transformers stores}
+    for alias, stored in cls.attribute_map.items():  # {name megadare reads: name transformers stores}
         assert stored in KEY_ALIASES.get(alias, ()), (cls.__name__, alias, stored)
     fam = get_family(name)
     cfg = fam.tiny_config(rope_theta=123456.0)
     cls.from_dict({k: v for k, v in cfg.items() if k != "model_type"}).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    if int(transformers.__version__.split(".")[0]) >= 5:   # the layout this is about
+    if int(transformers.__version__.split(".")[0]) >= 5:  # the layout this is about
         assert "rope_theta" not in saved and saved["rope_parameters"]["rope_theta"] == 123456.0
         assert name != "sdar_moe" or ("num_experts" not in saved and saved["num_local_experts"] == 8)
     assert fam.arch(saved) == fam.arch(cfg)

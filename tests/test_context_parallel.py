@@ -5,6 +5,7 @@ trainer/step.py does). Cases: SDAR with a block-causal mask and with a packed bl
 (stream / position / segment ids; one kv head, so the GQA kv-head repetition is exercised) and LLaDA
 (bidirectional, MHA). One 2-process run computes the cp=1 reference first (dp=2) and then cp=2.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,7 @@ BLOCK = 4
 
 def _packed_block_diffusion(batch: int):
     """Row 0: samples of L=5 and L=3 (x_t ++ x_0 each, 16 tokens); row 1: one sample of L=8 with x_0 first."""
+
     def sample(L, seg, x0_first=False):
         pos = list(range(L)) * 2
         stream = [1] * L + [0] * L if x0_first else [0] * L + [1] * L
@@ -44,7 +46,7 @@ def cases(tmp_path_factory):
         cfg = get_family(name).tiny_config()
         if name == "sdar":
             cfg["block_size"] = BLOCK
-            cfg["num_key_value_heads"] = 1       # fewer kv heads than cp: repeated for the exchange
+            cfg["num_key_value_heads"] = 1  # fewer kv heads than cp: repeated for the exchange
         model = build_hf_model(cfg).eval()
         with torch.no_grad():
             for p in model.parameters():
@@ -58,14 +60,16 @@ def cases(tmp_path_factory):
         # chunked backward stays well below the 1e-5 tolerance
         weights = torch.randn(2, SEQ, arch.vocab_size) / (2 * SEQ)
         if name == "sdar":
-            out.append(dict(name="sdar/block_causal", hf_dir=d, ids=ids, pos=arange, mask=block_causal(BLOCK),
-                            weights=weights))
+            out.append(
+                dict(name="sdar/block_causal", hf_dir=d, ids=ids, pos=arange, mask=block_causal(BLOCK), weights=weights)
+            )
             pos, stream, seg = _packed_block_diffusion(2)
             spec = MaskSpec("block_diffusion", block_size=BLOCK, segment_ids=seg, position_ids=pos, stream_ids=stream)
             out.append(dict(name="sdar/block_diffusion", hf_dir=d, ids=ids, pos=pos, mask=spec, weights=weights))
         else:
-            out.append(dict(name="llada/bidirectional", hf_dir=d, ids=ids, pos=arange, mask=bidirectional(),
-                            weights=weights))
+            out.append(
+                dict(name="llada/bidirectional", hf_dir=d, ids=ids, pos=arange, mask=bidirectional(), weights=weights)
+            )
     return out
 
 
@@ -89,7 +93,7 @@ def _run(cases: list[dict]) -> dict:
         model.train()
         S = case["ids"].shape[1]
         sl = slice(r * S // cp, (r + 1) * S // cp)
-        logits = model(case["ids"][:, sl], case["pos"][:, sl], case["mask"])[..., :arch.vocab_size]
+        logits = model(case["ids"][:, sl], case["pos"][:, sl], case["mask"])[..., : arch.vocab_size]
         (logits * case["weights"][:, sl]).sum().backward()
         grads = {}
         for n, p in model.named_parameters():
@@ -113,23 +117,24 @@ def _exchange_checks() -> None:
     group = ps.get_context_parallel_group()
     r = ps.get_context_parallel_rank()
     gen = torch.Generator().manual_seed(7)
-    full = torch.randn(8, 2, 4, 3, generator=gen)                       # [S, B, h, D], same on every rank
-    x = full[r * 4:(r + 1) * 4].clone().requires_grad_(True)
+    full = torch.randn(8, 2, 4, 3, generator=gen)  # [S, B, h, D], same on every rank
+    x = full[r * 4 : (r + 1) * 4].clone().requires_grad_(True)
     y = A.seq_to_head_parallel(x, group)
-    torch.testing.assert_close(y, full[:, :, r * 2:(r + 1) * 2], rtol=0, atol=0)
+    torch.testing.assert_close(y, full[:, :, r * 2 : (r + 1) * 2], rtol=0, atol=0)
     z = A.head_to_seq_parallel(y * 3.0, group)
     torch.testing.assert_close(z, 3.0 * x, rtol=0, atol=0)
     z.sum().backward()
     torch.testing.assert_close(x.grad, torch.full_like(x, 3.0), rtol=0, atol=0)
     saved = dict(A._A2A_SUPPORTED)
-    A._A2A_SUPPORTED["gloo"] = False                                     # force the all_gather fallback
+    A._A2A_SUPPORTED["gloo"] = False  # force the all_gather fallback
     try:
         torch.testing.assert_close(A.seq_to_head_parallel(x, group), y, rtol=0, atol=0)
     finally:
         A._A2A_SUPPORTED.clear()
         A._A2A_SUPPORTED.update(saved)
-    cfg = SimpleNamespace(context_parallel_size=2, num_attention_heads=3, kv_channels=8, softmax_scale=None,
-                          attention_dropout=0.0)
+    cfg = SimpleNamespace(
+        context_parallel_size=2, num_attention_heads=3, kv_channels=8, softmax_scale=None, attention_dropout=0.0
+    )
     with pytest.raises(ValueError, match="parallel.cp=2"):
         A.DLLMCoreAttention(cfg, layer_number=1)
 
@@ -139,7 +144,7 @@ def _worker(rank: int, world: int, cases: list[dict]) -> dict:
 
     from megadare.parallel import destroy_distributed, init_distributed
 
-    init_distributed(cp=1)                                               # reference: dp=2, full sequence
+    init_distributed(cp=1)  # reference: dp=2, full sequence
     try:
         ref = _run(cases)
         parallel_state.destroy_model_parallel()
@@ -179,4 +184,4 @@ def test_cp_masks_are_nontrivial(cases):
     """The block-diffusion case splits a sample across the CP chunk boundary and crosses segments."""
     spec = cases[1]["mask"]
     dense = spec.dense(SEQ, SEQ, 2)[:, 0]
-    assert bool(dense[:, :SEQ // 2, SEQ // 2:].any()) and not bool(dense.all())
+    assert bool(dense[:, : SEQ // 2, SEQ // 2 :].any()) and not bool(dense.all())

@@ -1,4 +1,5 @@
 """Converter pieces in one process: transforms, tables, streaming, atomic writes and error messages."""
+
 from __future__ import annotations
 
 import gc
@@ -16,9 +17,9 @@ FAMILIES = ["sdar", "sdar_moe", "llada2", "llada", "dream"]
 
 def test_interleave_qkv_layout_is_megatrons():
     """Rows of group g are [q heads of g, k_g, v_g], written out by hand for 4 heads, 2 groups, d=1."""
-    q = torch.tensor([[10.], [11.], [12.], [13.]])
-    k = torch.tensor([[20.], [21.]])
-    v = torch.tensor([[30.], [31.]])
+    q = torch.tensor([[10.0], [11.0], [12.0], [13.0]])
+    k = torch.tensor([[20.0], [21.0]])
+    v = torch.tensor([[30.0], [31.0]])
     fused = interleave_qkv(q, k, v, heads=4, groups=2, head_dim=1)
     assert fused.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
     back = split_qkv(fused, heads=4, groups=2, head_dim=1)
@@ -140,7 +141,7 @@ def test_exports_carry_the_publishers_remote_code(hf_dirs, tmp_path):
     assert os.path.exists(os.path.join(ck, "hf", "configuration_sdar.py"))
     conf = AutoConfig.from_pretrained(out, trust_remote_code=True)
     assert type(conf).__name__ == "SDARConfig" and conf.model_type == "sdar" and conf.block_size == 4
-    os.remove(os.path.join(out, "configuration_sdar.py"))     # what exports did before: no remote code
+    os.remove(os.path.join(out, "configuration_sdar.py"))  # what exports did before: no remote code
     with pytest.raises((ValueError, OSError)):
         AutoConfig.from_pretrained(out, trust_remote_code=True)
 
@@ -239,11 +240,29 @@ def test_cli_tools_convert(hf_dirs, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
     env = {**os.environ, "PYTHONPATH": root}
-    r = subprocess.run([sys.executable, os.path.join(root, "tools/checkpoint_convert/hf_to_megatron.py"),
-                        "--hf", hf_dirs["llada2"], "--out", ck, "--tp", "2", "--ep", "2"],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "tools/checkpoint_convert/hf_to_megatron.py"),
+            "--hf",
+            hf_dirs["llada2"],
+            "--out",
+            ck,
+            "--tp",
+            "2",
+            "--ep",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([sys.executable, os.path.join(root, "tools/checkpoint_convert/megatron_to_hf.py"),
-                        "--ckpt", ck, "--out", out], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "tools/checkpoint_convert/megatron_to_hf.py"), "--ckpt", ck, "--out", out],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert os.path.exists(os.path.join(out, "config.json"))

@@ -1,6 +1,7 @@
 """DARE's data files work as they are: RL / SFT / preference rows in verl's schema with no key overrides, dotted keys
 into nested fields, lists of files, assistant prefills through the chat template, ``megadare data inspect`` on each
 schema, and DARE's test files as ``megadare eval`` tasks (table + csv, and the stop on rewards that fail)."""
+
 from __future__ import annotations
 
 import csv
@@ -8,8 +9,16 @@ import json
 
 import pytest
 
-from dare_files import (countdown_rows, math_rows, mbpp_rows, preference_rows, rl_row, sft_rows, sudoku_rows,
-                        write_parquet)
+from dare_files import (
+    countdown_rows,
+    math_rows,
+    mbpp_rows,
+    preference_rows,
+    rl_row,
+    sft_rows,
+    sudoku_rows,
+    write_parquet,
+)
 from megadare.config import load_config
 from megadare.data.files import DataError, load_many
 from megadare.data.preference_data import load_preference_examples
@@ -26,12 +35,14 @@ TOK = ByteTokenizer()
 
 
 def _files(tmp_path) -> dict[str, str]:
-    return {"math": write_parquet(tmp_path / "rl" / "math.parquet", math_rows()),
-            "countdown": write_parquet(tmp_path / "rl" / "countdown.parquet", countdown_rows()),
-            "sudoku": write_parquet(tmp_path / "rl" / "sudoku.parquet", sudoku_rows()),
-            "mbpp": write_parquet(tmp_path / "rl" / "mbpp.parquet", mbpp_rows()),
-            "sft": write_parquet(tmp_path / "sft" / "gsm8k.parquet", sft_rows()),
-            "dpo": write_parquet(tmp_path / "dpo" / "ultrafeedback.parquet", preference_rows())}
+    return {
+        "math": write_parquet(tmp_path / "rl" / "math.parquet", math_rows()),
+        "countdown": write_parquet(tmp_path / "rl" / "countdown.parquet", countdown_rows()),
+        "sudoku": write_parquet(tmp_path / "rl" / "sudoku.parquet", sudoku_rows()),
+        "mbpp": write_parquet(tmp_path / "rl" / "mbpp.parquet", mbpp_rows()),
+        "sft": write_parquet(tmp_path / "sft" / "gsm8k.parquet", sft_rows()),
+        "dpo": write_parquet(tmp_path / "dpo" / "ultrafeedback.parquet", preference_rows()),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ datasets
@@ -44,19 +55,21 @@ def test_rl_rows_load_with_no_overrides_from_a_list_of_files(tmp_path):
     first = train[0]
     assert first.prompt_ids == TOK.chat_prompt([{"role": "user", "content": "What is 0 + 2?"}])
     assert first.record["answer"] == "2" and first.record["data_source"] == "math" and first.prefill == ""
-    assert train[3].record["extra_info"]["numbers"] == "[1, 3]"    # rides along to the reward
+    assert train[3].record["extra_info"]["numbers"] == "[1, 3]"  # rides along to the reward
 
 
 def test_dotted_keys_and_their_errors(tmp_path):
     rows = sft_rows(2)
-    out = build_prompts(rows, TOK, "mem", prompt_key="extra_info.question", answer_key="reward_model.ground_truth",
-                        messages_key="none")
+    out = build_prompts(
+        rows, TOK, "mem", prompt_key="extra_info.question", answer_key="reward_model.ground_truth", messages_key="none"
+    )
     assert out[1].prompt_ids == TOK.chat_prompt([{"role": "user", "content": rows[1]["extra_info"]["question"]}])
     assert out[1].record["answer"] == "3"
     with pytest.raises(DataError, match=r"mem:1: missing field 'reward_model.truth'"):
         build_prompts(rows, TOK, "mem", answer_key="reward_model.truth")
-    path = write_parquet(tmp_path / "x.parquet", [rl_row("math", "q", "1", 0), {**rl_row("math", "q", "1", 1),
-                                                                                  "prompt": []}])
+    path = write_parquet(
+        tmp_path / "x.parquet", [rl_row("math", "q", "1", 0), {**rl_row("math", "q", "1", 1), "prompt": []}]
+    )
     cfg = load_config(None, [f"data.path={path}"])
     with pytest.raises(DataError, match=r"x.parquet:row 2: field 'prompt' must be a non-empty list"):
         load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
@@ -67,13 +80,14 @@ def test_dotted_keys_and_their_errors(tmp_path):
 def _hf_tokenizer(tmp_path) -> HFTokenizer:
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    vocab = {"<unk>": 0, "<eos>": 1, "<mask>": 2, "hello": 3, "world": 4, "user": 5, "assistant": 6, ":": 7,
-             "<end>": 8}
+    vocab = {"<unk>": 0, "<eos>": 1, "<mask>": 2, "hello": 3, "world": 4, "user": 5, "assistant": 6, ":": 7, "<end>": 8}
     core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <end> {% endfor %}"
-                          "{% if add_generation_prompt %}assistant :{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <end> {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
     fast.save_pretrained(str(tmp_path / "tok"))
     return HFTokenizer(str(tmp_path / "tok"), mask_token_id=2)
 
@@ -82,12 +96,12 @@ def test_assistant_prefill_is_continued_not_closed(tmp_path):
     rec = mbpp_rows()[0]
     p = build_prompts([rec], TOK, "mem")[0]
     assert p.prefill == "[BEGIN]\n"
-    assert p.prompt_ids == TOK.chat_prompt(rec["prompt"][:1]) + TOK.encode("[BEGIN]\n")   # the open assistant turn
+    assert p.prompt_ids == TOK.chat_prompt(rec["prompt"][:1]) + TOK.encode("[BEGIN]\n")  # the open assistant turn
     assert p.reward_text(" 'def add(a, b): return a + b' \n[DONE]").startswith("[BEGIN]\n 'def add")
     hf = _hf_tokenizer(tmp_path)
     msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]
-    assert hf.chat_prompt(msgs[:1]) == [5, 7, 3, 8, 6, 7]                          # a new assistant turn
-    assert hf.chat_prompt(msgs, continue_final=True) == [5, 7, 3, 8, 6, 7, 4]      # "world" left open: no <end>
+    assert hf.chat_prompt(msgs[:1]) == [5, 7, 3, 8, 6, 7]  # a new assistant turn
+    assert hf.chat_prompt(msgs, continue_final=True) == [5, 7, 3, 8, 6, 7, 4]  # "world" left open: no <end>
     assert build_prompts([{"messages": msgs, "answer": "x"}], hf, "mem")[0].prompt_ids == [5, 7, 3, 8, 6, 7, 4]
 
 
@@ -97,12 +111,13 @@ def test_sft_and_preference_rows_load(tmp_path):
     examples, stats = build_sft_examples([r for _, r in located], TOK, 256, sources=[w for w, _ in located])
     q, a = sft_rows()[1]["extra_info"]["question"], sft_rows()[1]["extra_info"]["answer"]
     assert stats["kept"] == 3
-    assert examples[1].prompt_ids == TOK.chat_prompt([{"role": "user", "content": q}])   # DARE's recipe fields
+    assert examples[1].prompt_ids == TOK.chat_prompt([{"role": "user", "content": q}])  # DARE's recipe fields
     assert examples[1].response_ids == TOK.encode(a) + [TOK.eos_token_id]
-    same = record_to_example(sft_rows()[1], TOK, "mem", prompt_key="extra_info.question",
-                             response_key="extra_info.answer")
+    same = record_to_example(
+        sft_rows()[1], TOK, "mem", prompt_key="extra_info.question", response_key="extra_info.answer"
+    )
     assert same == examples[1]
-    pairs, stats = load_preference_examples([f["dpo"], f["dpo"]], TOK, 64)   # a list of files
+    pairs, stats = load_preference_examples([f["dpo"], f["dpo"]], TOK, 64)  # a list of files
     assert stats["kept"] == 4 and pairs[1].where == f"{f['dpo']}:row 2"
     assert pairs[1].prompt_ids == TOK.chat_prompt([{"role": "user", "content": "Say hi 1"}])
     assert pairs[1].chosen_ids == TOK.encode("Hi 1!") + [TOK.eos_token_id]
@@ -124,10 +139,12 @@ def test_data_inspect_on_each_schema(tmp_path):
     rc, lines = _inspect([f["math"], f["countdown"], f["sudoku"], f["mbpp"]])
     assert rc == 0, lines
     assert "schema: verl / DARE rows; data_source: math 3" in lines
-    assert "RL prompts: prompt <- prompt (1 end in an assistant prefill), gold <- reward_model.ground_truth, " \
-           "reward auto" in lines
-    assert any(line.startswith("prompt bytes: p50 ") for line in lines)   # no --model: UTF-8 bytes
-    assert lines[-1] == "reward of gold answers: 1.000 over 4 records (auto)"   # math 3 + sudoku 1 (not targets)
+    assert (
+        "RL prompts: prompt <- prompt (1 end in an assistant prefill), gold <- reward_model.ground_truth, "
+        "reward auto" in lines
+    )
+    assert any(line.startswith("prompt bytes: p50 ") for line in lines)  # no --model: UTF-8 bytes
+    assert lines[-1] == "reward of gold answers: 1.000 over 4 records (auto)"  # math 3 + sudoku 1 (not targets)
     rc, lines = _inspect([f["sft"]])
     assert rc == 0 and "SFT examples: extra_info.question + extra_info.answer" in lines
     assert any(line.startswith("response bytes: ") for line in lines)
@@ -140,13 +157,15 @@ def test_data_inspect_on_each_schema(tmp_path):
 def test_data_inspect_names_bad_records_and_wrong_rewards(tmp_path, capsys):
     from megadare.cli import main
 
-    bad = write_parquet(tmp_path / "bad.parquet", [rl_row("math", "q", "1", 0),
-                                                   rl_row("countdown", "q", "7", 1, numbers="[1, 2")])
+    bad = write_parquet(
+        tmp_path / "bad.parquet", [rl_row("math", "q", "1", 0), rl_row("countdown", "q", "7", 1, numbers="[1, 2")]
+    )
     rc, lines = _inspect([bad])
     assert rc == 1
-    assert any(line.startswith(f"error: {bad}:row 2: field 'answer'") and "countdown numbers" in line
-               for line in lines), lines
-    rc, lines = _inspect([write_parquet(tmp_path / "m.parquet", math_rows())], reward="sudoku")   # a wrong reward
+    assert any(
+        line.startswith(f"error: {bad}:row 2: field 'answer'") and "countdown numbers" in line for line in lines
+    ), lines
+    rc, lines = _inspect([write_parquet(tmp_path / "m.parquet", math_rows())], reward="sudoku")  # a wrong reward
     assert rc == 1 and "reward of gold answers: n/a over 0 records (sudoku)" == lines[-1]
     assert main(["data", "inspect", bad]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == "reward of gold answers: 1.000 over 1 records (auto)"
@@ -155,8 +174,16 @@ def test_data_inspect_names_bad_records_and_wrong_rewards(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------- eval on DARE files
 def _traj(text: str) -> Trajectory:
     ids = TOK.encode(text) + [TOK.eos_token_id]
-    return Trajectory(prompt_ids=[1], response_ids=ids, commit_step=list(range(len(ids))), block_step=[0] * len(ids),
-                      logprobs=[0.0] * len(ids), finish_reason="stop", num_forwards=len(ids), params=SamplingParams())
+    return Trajectory(
+        prompt_ids=[1],
+        response_ids=ids,
+        commit_step=list(range(len(ids))),
+        block_step=[0] * len(ids),
+        logprobs=[0.0] * len(ids),
+        finish_reason="stop",
+        num_forwards=len(ids),
+        params=SamplingParams(),
+    )
 
 
 def test_dare_test_files_are_eval_tasks(tmp_path):
@@ -174,9 +201,13 @@ def test_dare_test_files_are_eval_tasks(tmp_path):
     rows, _ = score_samples(spec, TOK, prompts, [[_traj("<answer>1+3</answer>")], [_traj("<answer>2+2</answer>")]])
     assert [r["reward"] for r in rows] == [1.0, 0.1] and rows[0]["gold"] == "4"
     out = tmp_path / "out"
-    path = write_summary(str(out), {"mbpp": {"problems": 1, "samples_per_problem": 2, "mean@2": 0.5, "pass@1": 0.5,
-                                             "reward_errors": 0},
-                                    "countdown": {"problems": 2, "samples_per_problem": 1, "mean@1": 0.5}})
+    path = write_summary(
+        str(out),
+        {
+            "mbpp": {"problems": 1, "samples_per_problem": 2, "mean@2": 0.5, "pass@1": 0.5, "reward_errors": 0},
+            "countdown": {"problems": 2, "samples_per_problem": 1, "mean@1": 0.5},
+        },
+    )
     with open(path) as fh:
         table = list(csv.reader(fh))
     assert table[0][:5] == ["task", "problems", "samples", "mean@2", "pass@1"]
@@ -187,12 +218,18 @@ def test_eval_stops_when_rewards_fail(tmp_path):
     broken = write_parquet(tmp_path / "sudoku_1.parquet", [rl_row("sudoku", "q", "1234341221434321", 0)])
     spec = task_spec(broken)
     prompts = load_task_prompts(spec, spec.path, None, "boxed", TOK)
-    with pytest.raises(RewardError, match=r"eval task sudoku_1: reward 'auto' could not be computed for 1 of 1 .*"
-                                          r"sudoku_1.parquet:row 1: KeyError: .*puzzle"):
+    with pytest.raises(
+        RewardError,
+        match=r"eval task sudoku_1: reward 'auto' could not be computed for 1 of 1 .*"
+        r"sudoku_1.parquet:row 1: KeyError: .*puzzle",
+    ):
         score_samples(spec, TOK, prompts, [[_traj("<answer>1</answer>")]])
     with pytest.raises(DataError, match="a file task takes rows in the verl / DARE schema"):
-        task_spec(str(tmp_path / "plain.jsonl") if (tmp_path / "plain.jsonl").write_text(
-            json.dumps({"question": "q", "answer": "1"}) + "\n") else "")
+        task_spec(
+            str(tmp_path / "plain.jsonl")
+            if (tmp_path / "plain.jsonl").write_text(json.dumps({"question": "q", "answer": "1"}) + "\n")
+            else ""
+        )
 
 
 def test_rows_without_a_gold_answer_are_refused_or_left_out_when_asked(tmp_path, capsys):
@@ -200,11 +237,15 @@ def test_rows_without_a_gold_answer_are_refused_or_left_out_when_asked(tmp_path,
     rows[1]["reward_model"]["ground_truth"] = None
     path = write_parquet(tmp_path / "math.parquet", rows)
     cfg = load_config(None, [f"data.path={path}"])
-    with pytest.raises(DataError, match=r"math.parquet:row 2: field 'reward_model.ground_truth' .* is null; drop the "
-                                        r"row, or set rl.skip_rows_without_answer=true"):
+    with pytest.raises(
+        DataError,
+        match=r"math.parquet:row 2: field 'reward_model.ground_truth' .* is null; drop the "
+        r"row, or set rl.skip_rows_without_answer=true",
+    ):
         load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
     cfg = load_config(None, [f"data.path={path}", "rl.skip_rows_without_answer=true"])
     train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
     assert [p.where for p in train] == [f"{path}:row 1", f"{path}:row 3"]
-    assert f"left out 1 rows without a gold answer (rl.skip_rows_without_answer): {path}:row 2" in \
-        capsys.readouterr().err
+    assert (
+        f"left out 1 rows without a gold answer (rl.skip_rows_without_answer): {path}:row 2" in capsys.readouterr().err
+    )

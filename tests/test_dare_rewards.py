@@ -1,14 +1,25 @@
 """DARE's rewards in megadare: countdown and sudoku by DARE's rules, code tests in DARE's forms (the trap of a wrong
 program scoring 1.0 closed), programs that fake a pass, the per-row ``auto`` rule, and the stop when a reward
 cannot be computed. Records are written here in DARE's schema (verl/utils/preprocess/preprocess.py), not copied."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from megadare.rewards import (RewardError, auto_rule, check_reward_errors, code_reward, countdown_reward,
-                              extract_code_mbpp, gold_response, load_reward, score_batch, sudoku_reward)
+from megadare.rewards import (
+    RewardError,
+    auto_rule,
+    check_reward_errors,
+    code_reward,
+    countdown_reward,
+    extract_code_mbpp,
+    gold_response,
+    load_reward,
+    score_batch,
+    sudoku_reward,
+)
 from megadare.rewards.code_forms import dare_test_cases, entry_point
 from megadare.rewards.sandbox import run_program
 
@@ -17,37 +28,44 @@ AUTO = load_reward("auto")
 
 def dare_row(source: str, gold, prompt="q", task="math", **extra) -> dict:
     """A record as the prompt builder hands it to the reward: the DARE row plus its gold under 'answer'."""
-    return {"data_source": source, "prompt": [{"role": "user", "content": prompt}],
-            "reward_model": {"ground_truth": gold, "style": "rule"},
-            "extra_info": {"index": 0, "split": "test", "task": task, **extra}, "answer": gold}
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": prompt}],
+        "reward_model": {"ground_truth": gold, "style": "rule"},
+        "extra_info": {"index": 0, "split": "test", "task": task, **extra},
+        "answer": gold,
+    }
 
 
 # --------------------------------------------------------------------------------------------------- countdown
 COUNTDOWN = dare_row("countdown", "23", numbers="[30, 100, 93]")
 
 
-@pytest.mark.parametrize("response, want", [
-    ("<reasoning>..</reasoning>\n<answer>\n30-(100-93)\n</answer>", 1.0),   # right
-    ("<answer>30 - (100 - 93)</answer>", 1.0),
-    ("<answer>100-93+30/2</answer>", 0.1),          # well formed, wrong value
-    ("<answer>30+100-93</answer>", 0.1),            # wrong value
-    ("<answer>30-(100-93)-0</answer>", 0.1),        # a number that was not given
-    ("<answer>30-(93-93)</answer>", 0.1),           # a number used twice, one missing
-    ("<answer>30-(100-93) = 23</answer>", 0.1),     # '=' and the target: invalid characters, extra number
-    ("<answer>abs(30-(100-93))</answer>", 0.1),     # a function call (letters)
-    ("<answer>(30)(100-93)</answer>", 0.1),         # a call on a number
-    ("<answer>30**100**93</answer>", 0.1),          # a huge exponent: refused at once, not computed
-    ("30-(100-93)", 0.0),                           # no answer tag
-    ("<answer>1</answer> then <answer>30-(100-93)</answer>", 1.0),   # the last tag counts
-])
+@pytest.mark.parametrize(
+    "response, want",
+    [
+        ("<reasoning>..</reasoning>\n<answer>\n30-(100-93)\n</answer>", 1.0),  # right
+        ("<answer>30 - (100 - 93)</answer>", 1.0),
+        ("<answer>100-93+30/2</answer>", 0.1),  # well formed, wrong value
+        ("<answer>30+100-93</answer>", 0.1),  # wrong value
+        ("<answer>30-(100-93)-0</answer>", 0.1),  # a number that was not given
+        ("<answer>30-(93-93)</answer>", 0.1),  # a number used twice, one missing
+        ("<answer>30-(100-93) = 23</answer>", 0.1),  # '=' and the target: invalid characters, extra number
+        ("<answer>abs(30-(100-93))</answer>", 0.1),  # a function call (letters)
+        ("<answer>(30)(100-93)</answer>", 0.1),  # a call on a number
+        ("<answer>30**100**93</answer>", 0.1),  # a huge exponent: refused at once, not computed
+        ("30-(100-93)", 0.0),  # no answer tag
+        ("<answer>1</answer> then <answer>30-(100-93)</answer>", 1.0),  # the last tag counts
+    ],
+)
 def test_countdown_rules(response, want):
     assert AUTO(response, COUNTDOWN) == pytest.approx(want)
 
 
 def test_countdown_exact_arithmetic_and_bad_records():
-    assert countdown_reward("<answer>(1+2)/3*7</answer>", 7, [1, 2, 3, 7]) == 1.0   # Fraction, not float
-    assert countdown_reward("<answer>7//2+1</answer>", 4, [7, 2, 1]) == 1.0          # DARE's eval accepts //
-    assert countdown_reward("<answer>5/(2-2)</answer>", 5, [2, 2, 5]) == 0.1         # division by zero
+    assert countdown_reward("<answer>(1+2)/3*7</answer>", 7, [1, 2, 3, 7]) == 1.0  # Fraction, not float
+    assert countdown_reward("<answer>7//2+1</answer>", 4, [7, 2, 1]) == 1.0  # DARE's eval accepts //
+    assert countdown_reward("<answer>5/(2-2)</answer>", 5, [2, 2, 5]) == 0.1  # division by zero
     with pytest.raises(ValueError, match="countdown numbers"):
         countdown_reward("<answer>1</answer>", 1, "[1, 'two']")
     with pytest.raises(ValueError):
@@ -55,18 +73,21 @@ def test_countdown_exact_arithmetic_and_bad_records():
 
 
 # ------------------------------------------------------------------------------------------------------ sudoku
-SOLUTION, PUZZLE = "1234341221434321", "1030041020004301"    # 8 empty cells
+SOLUTION, PUZZLE = "1234341221434321", "1030041020004301"  # 8 empty cells
 
 
-@pytest.mark.parametrize("response, want", [
-    (f"<answer>\n{SOLUTION}\n</answer>", 1.0),
-    ("<answer>1234 3412 2143 4321</answer>", 1.0),                  # digits only are read
-    ("<answer>1234341221434312</answer>", 7 / 8),                   # one empty cell wrong (a given cell too)
-    ("<answer>12343412</answer>", 4 / 8),                           # short: padded with zeros
-    (f"<answer>{SOLUTION}9999</answer>", 1.0),                      # long: truncated to 16
-    ("<answer>no digits</answer>", 0.0),
-    (SOLUTION, 0.0),                                                # no answer tag
-])
+@pytest.mark.parametrize(
+    "response, want",
+    [
+        (f"<answer>\n{SOLUTION}\n</answer>", 1.0),
+        ("<answer>1234 3412 2143 4321</answer>", 1.0),  # digits only are read
+        ("<answer>1234341221434312</answer>", 7 / 8),  # one empty cell wrong (a given cell too)
+        ("<answer>12343412</answer>", 4 / 8),  # short: padded with zeros
+        (f"<answer>{SOLUTION}9999</answer>", 1.0),  # long: truncated to 16
+        ("<answer>no digits</answer>", 0.0),
+        (SOLUTION, 0.0),  # no answer tag
+    ],
+)
 def test_sudoku_rules(response, want):
     assert AUTO(response, dare_row("sudoku", SOLUTION, puzzle=PUZZLE)) == pytest.approx(want)
 
@@ -87,31 +108,44 @@ def test_auto_rule_per_row():
     assert auto_rule(dare_row("sudoku", SOLUTION, puzzle=PUZZLE)) == "sudoku"
     assert auto_rule(dare_row("humaneval", "x", task="code")) == "code_all_or_nothing"
     assert auto_rule(dare_row("my_code_set", "x", task="code")) == "code_all_or_nothing"
-    assert auto_rule({"prompt": "p", "answer": "a"}) == "exact_match"          # megadare's own rows
+    assert auto_rule({"prompt": "p", "answer": "a"}) == "exact_match"  # megadare's own rows
     assert auto_rule({"prompt": "p", "tests": ["assert 1"]}) == "code_all_or_nothing"
     with pytest.raises(ValueError, match="no rule for data_source='poetry'"):
         auto_rule(dare_row("poetry", "x", task="writing"))
-    scores, stats = score_batch("auto", ["The answer is \\boxed{18}.", "<answer>30-(100-93)</answer>", "17"],
-                                [dare_row("gsm8k", "18"), COUNTDOWN, dare_row("math", "\\frac{1}{2}")])
+    scores, stats = score_batch(
+        "auto",
+        ["The answer is \\boxed{18}.", "<answer>30-(100-93)</answer>", "17"],
+        [dare_row("gsm8k", "18"), COUNTDOWN, dare_row("math", "\\frac{1}{2}")],
+    )
     assert scores == [1.0, 1.0, 0.0] and stats.failures == 0
 
 
 def test_gold_responses_score_one():
-    rows = [dare_row("gsm8k", "1,072"), dare_row("math500", "\\left( 3, \\frac{\\pi}{2} \\right)"),
-            dare_row("sudoku", SOLUTION, puzzle=PUZZLE), {"prompt": "ab>", "answer": "ba"}]
+    rows = [
+        dare_row("gsm8k", "1,072"),
+        dare_row("math500", "\\left( 3, \\frac{\\pi}{2} \\right)"),
+        dare_row("sudoku", SOLUTION, puzzle=PUZZLE),
+        {"prompt": "ab>", "answer": "ba"},
+    ]
     texts = [gold_response("auto", r) for r in rows]
     assert texts[2] == f"<answer>\n{SOLUTION}\n</answer>"
     assert score_batch("auto", texts, rows)[0] == [1.0] * 4
-    assert gold_response("auto", COUNTDOWN) is None            # a target is not an answer
+    assert gold_response("auto", COUNTDOWN) is None  # a target is not an answer
     assert gold_response("code", dare_row("mbpp", "[]", task="code")) is None
 
 
 # ------------------------------------------------------------------------------------------- DARE code forms
-HUMANEVAL_TEST = ("\n\nMETADATA = {'author': 'jt'}\n\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n"
-                  "    assert candidate(-1, 1) == 0\n\n")
-HUMANEVAL = dare_row("humaneval", HUMANEVAL_TEST, task="code",
-                     prompt="Complete the following python code:\ndef helper(x):\n    return x\n\n\n"
-                            "def add(a: int, b: int) -> int:\n    \"\"\"Add.\"\"\"\n")
+HUMANEVAL_TEST = (
+    "\n\nMETADATA = {'author': 'jt'}\n\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n"
+    "    assert candidate(-1, 1) == 0\n\n"
+)
+HUMANEVAL = dare_row(
+    "humaneval",
+    HUMANEVAL_TEST,
+    task="code",
+    prompt="Complete the following python code:\ndef helper(x):\n    return x\n\n\n"
+    'def add(a: int, b: int) -> int:\n    """Add."""\n',
+)
 MBPP = dare_row("mbpp", json.dumps(["assert add(1, 2) == 3", "assert add(0, 0) == 0"]), task="code")
 RIGHT, WRONG = "def add(a, b):\n    return a + b\n", "def add(a, b):\n    return a * b\n"
 
@@ -119,10 +153,10 @@ RIGHT, WRONG = "def add(a, b):\n    return a + b\n", "def add(a, b):\n    return
 def test_trap_closed_wrong_programs_score_zero():
     """DARE's ground truth mapped straight into megadare's tests gave wrong programs 1.0 (check never called;
     a JSON string of asserts evaluated as one no-op expression)."""
-    assert entry_point(HUMANEVAL) == "add"                  # the last def of the prompt, not the helper
+    assert entry_point(HUMANEVAL) == "add"  # the last def of the prompt, not the helper
     assert AUTO(f"```python\n{WRONG}```", HUMANEVAL) == 0.0
     assert AUTO(f"```python\n{RIGHT}```", HUMANEVAL) == 1.0
-    assert AUTO(f" '{WRONG}' \n[DONE]", MBPP) == 0.0        # the response continues the "[BEGIN]\n" prefill
+    assert AUTO(f" '{WRONG}' \n[DONE]", MBPP) == 0.0  # the response continues the "[BEGIN]\n" prefill
     assert AUTO(f"[BEGIN]\n '{RIGHT}' \n[DONE] \n\n", MBPP) == 1.0
     assert len(dare_test_cases(MBPP)) == 2
     with pytest.raises(ValueError, match="define check"):
@@ -133,8 +167,12 @@ def test_a_global_named_like_a_builtin_does_not_change_the_tests():
     """A program that defines ``abs`` (or ``len``, ``sorted``) at top level used to change what the tests' calls
     meant: the tests ran in a copy of its namespace. The tests now call the true builtins; the program's own
     functions still see its global."""
-    tests = dare_row("humaneval", "\n\ndef check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n",
-                     task="code", prompt="def add(a, b):\n")
+    tests = dare_row(
+        "humaneval",
+        "\n\ndef check(candidate):\n    assert abs(candidate(2, 3) - 5) < 1e-9\n",
+        task="code",
+        prompt="def add(a, b):\n",
+    )
     cheat = "def add(a, b):\n    return 0\n\ndef abs(x):\n    return 0\n"
     assert AUTO(f"```python\n{cheat}```", tests) == 0.0
     own = "def abs(x):\n    return -x if x < 0 else x\n\ndef add(a, b):\n    return abs(a) + b if a > 0 else a + b\n"
@@ -145,17 +183,26 @@ def test_mbpp_extraction_follows_dare_patterns():
     assert extract_code_mbpp("[BEGIN]\n 'def f(x):\r\n    return x' \n[DONE]") == "def f(x):\r\n    return x"
     assert extract_code_mbpp("[BEGIN]\ndef f(x):\n    return x\n[DONE]\nmore") == "def f(x):\n    return x"
     assert extract_code_mbpp("```python\ndef f(x):\n    return x\n```") == "def f(x):\n    return x"
-    assert extract_code_mbpp("[BEGIN]\n'x'\n[DONE]") is None        # under 10 characters: no code
+    assert extract_code_mbpp("[BEGIN]\n'x'\n[DONE]") is None  # under 10 characters: no code
 
 
 def test_call_based_and_lcb_forms():
-    taco = dare_row("taco", json.dumps({"fn_name": "add", "inputs": [[1, 2], [0, 5]], "outputs": [[3], [5]]}),
-                    task="code")
+    taco = dare_row(
+        "taco", json.dumps({"fn_name": "add", "inputs": [[1, 2], [0, 5]], "outputs": [[3], [5]]}), task="code"
+    )
     assert AUTO(f"```python\n{RIGHT}```", taco) == 1.0 and AUTO(f"```python\n{WRONG}```", taco) == 0.0
     leet = "class Solution:\n    def add(self, a, b):\n        return a + b\n"
-    lcb = dare_row("lcbv5", json.dumps([{"input": "1\n2", "output": "3", "testtype": "functional"},
-                                        {"input": "4\n4", "output": "8", "testtype": "functional"}]),
-                   task="code", metadata=json.dumps({"func_name": "add"}))
+    lcb = dare_row(
+        "lcbv5",
+        json.dumps(
+            [
+                {"input": "1\n2", "output": "3", "testtype": "functional"},
+                {"input": "4\n4", "output": "8", "testtype": "functional"},
+            ]
+        ),
+        task="code",
+        metadata=json.dumps({"func_name": "add"}),
+    )
     assert AUTO(f"```python\n{leet}```", lcb) == 1.0
     stdin = dare_row("codeforces", [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}], task="code")
     assert AUTO("```python\na, b = map(int, input().split())\nprint(a + b)\n```", stdin) == 1.0
@@ -171,13 +218,13 @@ def test_no_test_is_an_error_not_a_pass():
 
 
 # ------------------------------------------------------------------------------------- programs faking a pass
-FAKES = {   # each of these passed (exit status 0, or the test's own helper rebound) before test mode
+FAKES = {  # each of these passed (exit status 0, or the test's own helper rebound) before test mode
     "exit(0) before the tests": WRONG + "import sys\nsys.exit(0)\n",
     "os._exit(0) when called": "import os\ndef add(a, b):\n    os._exit(0)\n",
     "SystemExit inside check": "def add(a, b):\n    raise SystemExit(0)\n",
     "rebinds the test's helpers": WRONG + "import builtins\nbuiltins.abs = lambda x: 0\ncheck = lambda c: None\n",
     "writes to every fd": WRONG + "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'f' * 32)\n"
-                                  "    except OSError:\n        pass\n",
+    "    except OSError:\n        pass\n",
     "raises the proof event": WRONG + "import sys\nsys.audit('megadare.tests_passed', None)\n",
 }
 
@@ -187,31 +234,36 @@ def test_programs_that_fake_a_pass_score_zero(name):
     tests = "def check(candidate):\n    assert abs(candidate(2, 3) - 5) == 0\n\ncheck(add)\n"
     assert code_reward(f"```python\n{RIGHT}```", tests) == 1.0
     assert code_reward(f"```python\n{FAKES[name]}```", tests) == 0.0
-    if name != "rebinds the test's helpers":   # the same program outside test mode: exit status 0, "ok"
+    if name != "rebinds the test's helpers":  # the same program outside test mode: exit status 0, "ok"
         assert run_program(FAKES[name] + "\nadd(2, 3)\n").status == "ok"
 
 
-@pytest.mark.parametrize("attack, refusal", [
-    ("import sys\nsys._getframe(0)", "frame access is refused"),
-    ("try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    e.__traceback__.tb_frame", "frame access is refused"),
-    ("import sys\nsys.settrace(lambda *a: None)", "frame access is refused"),
-    ("import signal\nsignal.signal(signal.SIGALRM, lambda s, f: None)", "signal handlers is refused"),
-    ("open('/proc/self/mem', 'rb')", "reading process memory"),
-    ("(lambda: 0).__code__.replace(co_consts=())", "code.__new__ refused"),
-])
+@pytest.mark.parametrize(
+    "attack, refusal",
+    [
+        ("import sys\nsys._getframe(0)", "frame access is refused"),
+        ("try:\n    1 / 0\nexcept ZeroDivisionError as e:\n    e.__traceback__.tb_frame", "frame access is refused"),
+        ("import sys\nsys.settrace(lambda *a: None)", "frame access is refused"),
+        ("import signal\nsignal.signal(signal.SIGALRM, lambda s, f: None)", "signal handlers is refused"),
+        ("open('/proc/self/mem', 'rb')", "reading process memory"),
+        ("(lambda: 0).__code__.replace(co_consts=())", "code.__new__ refused"),
+    ],
+)
 def test_test_mode_closes_the_ways_to_the_token(attack, refusal):
     """The token proving a pass lives in the audit hook's closure: no frame, tracer, signal handler, memory read or
     hand-made code object can reach it while the program or its tests run."""
     r = run_program(attack + "\n", tests="assert True\n")
     assert not r.tests_passed and refusal in r.stderr, r.stderr
-    assert run_program(attack + "\n").status in ("ok", "refused")   # outside test mode only the usual limits
+    assert run_program(attack + "\n").status in ("ok", "refused")  # outside test mode only the usual limits
 
 
 def test_test_mode_passes_ordinary_programs():
-    prog = ("from collections import namedtuple\nfrom dataclasses import dataclass\nfrom typing import List\n"
-            "import logging\nP = namedtuple('P', 'x')\n@dataclass\nclass A:\n    v: int\n"
-            "def add(a: int, b: int) -> int:\n    logging.getLogger().debug('x')\n    return A(P(a).x).v + b\n"
-            "if __name__ == '__main__':\n    input()\n")
+    prog = (
+        "from collections import namedtuple\nfrom dataclasses import dataclass\nfrom typing import List\n"
+        "import logging\nP = namedtuple('P', 'x')\n@dataclass\nclass A:\n    v: int\n"
+        "def add(a: int, b: int) -> int:\n    logging.getLogger().debug('x')\n    return A(P(a).x).v + b\n"
+        "if __name__ == '__main__':\n    input()\n"
+    )
     r = run_program(prog, tests="assert add(2, 3) == 5\n")
     assert r.status == "ok" and r.tests_passed, r
     assert run_program(WRONG, tests="assert add(2, 3) == 5\n").tests_passed is False
@@ -220,11 +272,14 @@ def test_test_mode_passes_ordinary_programs():
 
 # ----------------------------------------------------------------------------------------- errors stop a run
 def test_reward_errors_name_reward_record_and_exception():
-    rows = [dare_row("gsm8k", "18"), dare_row("sudoku", SOLUTION), dare_row("gsm8k", "18")]   # no puzzle
+    rows = [dare_row("gsm8k", "18"), dare_row("sudoku", SOLUTION), dare_row("gsm8k", "18")]  # no puzzle
     sources = ["train/gsm8k.parquet:row 1", "train/sudoku.parquet:row 7", "train/gsm8k.parquet:row 2"]
     scores, stats = score_batch("auto", ["\\boxed{18}", "<answer>1</answer>", "\\boxed{18}"], rows)
     assert scores == [1.0, 0.0, 1.0] and stats.errors == 1 and stats.first_error_index == 1
-    with pytest.raises(RewardError, match=r"RL step 3: reward 'auto' could not be computed for 1 of 3 samples.*"
-                                          r"first failure: train/sudoku.parquet:row 7: KeyError:.*puzzle"):
+    with pytest.raises(
+        RewardError,
+        match=r"RL step 3: reward 'auto' could not be computed for 1 of 3 samples.*"
+        r"first failure: train/sudoku.parquet:row 7: KeyError:.*puzzle",
+    ):
         check_reward_errors(stats, "auto", sources, 0.0, "RL step 3")
-    check_reward_errors(stats, "auto", sources, 0.5)           # tolerated when asked for
+    check_reward_errors(stats, "auto", sources, 0.5)  # tolerated when asked for

@@ -1,4 +1,5 @@
 """SFT data: tokenizers, record loading and tokenization, overlong handling, synthetic tasks."""
+
 from __future__ import annotations
 
 import json
@@ -76,8 +77,10 @@ def _save_hf_tokenizer(path, chat_template):
 
 
 def test_hf_tokenizer(tmp_path):
-    template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}" \
-               "{% if add_generation_prompt %}assistant :{% endif %}"
+    template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
     _save_hf_tokenizer(tmp_path / "with", template)
     tok = HFTokenizer(str(tmp_path / "with"), mask_token_id=2)
     assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, tok.vocab_size) == (1, 1, 2, 8)
@@ -94,8 +97,10 @@ def test_hf_tokenizer(tmp_path):
 # -------------------------------------------------------------------------------------------- loading
 
 
-RECORDS = [{"prompt": "1+1=", "response": "2"}, {"messages": [{"role": "user", "content": "hi"},
-                                                               {"role": "assistant", "content": "yo"}]}]
+RECORDS = [
+    {"prompt": "1+1=", "response": "2"},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+]
 
 
 def test_load_jsonl(tmp_path):
@@ -116,16 +121,19 @@ def test_load_rows_names_each_records_line(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"a": 1}, {"a": 2}]), str(tmp_path / "d.parquet"))
-    assert [w for w, _ in load_rows(str(tmp_path / "d.parquet"))] == [f"{tmp_path}/d.parquet:row 1",
-                                                                      f"{tmp_path}/d.parquet:row 2"]
+    assert [w for w, _ in load_rows(str(tmp_path / "d.parquet"))] == [
+        f"{tmp_path}/d.parquet:row 1",
+        f"{tmp_path}/d.parquet:row 2",
+    ]
 
 
 def test_load_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "data.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]),
-                   str(path))
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]), str(path)
+    )
     assert load_records(str(path)) == [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
 
 

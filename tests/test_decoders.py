@@ -11,6 +11,7 @@
 (c) the config keys, refused up front with their names.
 (Traces with edits, their replay, the SGLang plugin: tests/test_edit_trace.py.)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,11 +24,25 @@ from megadare.models import build_hf_model, get_family
 from megadare.rollout.dllm_step import ranking_confidence
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine
-from megadare.rollout.sampling import (REMASK, SAMPLE, dream_confidence, linspace_count, sample_tokens,
-                                       select_commits, stream_uniforms)
+from megadare.rollout.sampling import (
+    REMASK,
+    SAMPLE,
+    dream_confidence,
+    linspace_count,
+    sample_tokens,
+    select_commits,
+    stream_uniforms,
+)
 
-from publisher_decoders import (DREAM_ALG, dare_dream_block_generate, dream_generate, dream_sample_tokens,
-                                llada21_generate, llada21_sample, stream_draw)
+from publisher_decoders import (
+    DREAM_ALG,
+    dare_dream_block_generate,
+    dream_generate,
+    dream_sample_tokens,
+    llada21_generate,
+    llada21_sample,
+    stream_draw,
+)
 
 EOS, MASK = 253, 255
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 9]]
@@ -47,7 +62,7 @@ def _engine(family: str, **over) -> NativeEngine:
 
 
 # ---------------------------------------------------------------------------------------------- (a) pure pieces
-FILTERS = [(0, 1.0), (5, 1.0), (0, 0.9)]          # (top_k, top_p): Dream filters top-p before top-k, so never both
+FILTERS = [(0, 1.0), (5, 1.0), (0, 0.9)]  # (top_k, top_p): Dream filters top-p before top-k, so never both
 
 
 @pytest.fixture
@@ -67,13 +82,12 @@ def test_dream_sample_tokens_and_confidence_rules(temperature, draws_from):
     draws_from(11)
     for top_k, top_p in FILTERS:
         for rule, kw in DREAM_ALG.items():
-            ref_conf, ref_x0 = dream_sample_tokens(logits, temperature, top_p=top_p, top_k=top_k or None, step=3,
-                                                   **kw)
+            ref_conf, ref_x0 = dream_sample_tokens(logits, temperature, top_p=top_p, top_k=top_k or None, step=3, **kw)
             x0, logp, _ = sample_tokens(logits, temperature, top_k, top_p, _uniforms(11, 3, 40))
             assert torch.equal(x0, ref_x0), (rule, top_k, top_p)
             conf = dream_confidence(logits, x0, rule, temperature, top_k, top_p)
             assert torch.allclose(conf, ref_conf, atol=1e-6), (rule, top_k, top_p)
-            if temperature > 0:   # the recorded log-prob is the proposal's under Dream's sampling distribution
+            if temperature > 0:  # the recorded log-prob is the proposal's under Dream's sampling distribution
                 p = dream_confidence(logits, x0, "maskgit_plus", temperature, top_k, top_p)
                 assert torch.allclose(logp.exp(), p, atol=1e-6)
 
@@ -85,8 +99,9 @@ def test_llada21_proposal_and_confidence(temperature, draws_from):
     draws_from(5)
     for top_k, top_p in FILTERS + [(7, 0.8)]:
         ref_x0, ref_p = llada21_sample(logits, temperature, top_k, top_p, step=2)
-        params = SamplingParams(block_size=32, steps_per_block=1, algorithm="editing", temperature=temperature,
-                                top_k=top_k, top_p=top_p)
+        params = SamplingParams(
+            block_size=32, steps_per_block=1, algorithm="editing", temperature=temperature, top_k=top_k, top_p=top_p
+        )
         x0, _, model_prob = sample_tokens(logits, temperature, top_k, top_p, _uniforms(5, 2, 32)[None])
         assert torch.equal(x0, ref_x0)
         assert torch.allclose(ranking_confidence(logits, x0, model_prob, params), ref_p, atol=1e-6)
@@ -98,7 +113,7 @@ def test_linspace_counts_are_dreams():
             ts = torch.linspace(1, eps, steps + 1)
             for n in range(0, 33):
                 for i in range(steps):
-                    num = torch.tensor([[True] * n + [False] * 3]).sum() / 1   # Dream: mask_index.sum() / batch
+                    num = torch.tensor([[True] * n + [False] * 3]).sum() / 1  # Dream: mask_index.sum() / batch
                     ref = int(num * (1 - ts[i + 1] / ts[i])) if i < steps - 1 else int(num)
                     assert linspace_count(n, i, steps, eps) == ref, (eps, steps, n, i)
 
@@ -110,10 +125,16 @@ def test_alg_temp_draws_positions_with_dreams_probabilities():
     masked = torch.tensor([[True, True, False, True, True, True]])
     full = torch.where(masked, conf / 0.5, torch.tensor(float("-inf")))
     expect = torch.softmax(full, -1)[0]
-    draws = 4000                                   # one row per draw: the stream of key 0 at counters 0..3999
+    draws = 4000  # one row per draw: the stream of key 0 at counters 0..3999
     u = stream_uniforms(torch.zeros(draws, dtype=torch.long), torch.arange(draws), REMASK, 6)
-    picks = select_commits(conf.expand(draws, 6), masked.expand(draws, 6), torch.ones(draws, dtype=torch.long),
-                           "low_confidence_static", uniforms=u, alg_temp=0.5)
+    picks = select_commits(
+        conf.expand(draws, 6),
+        masked.expand(draws, 6),
+        torch.ones(draws, dtype=torch.long),
+        "low_confidence_static",
+        uniforms=u,
+        alg_temp=0.5,
+    )
     counts = picks.float().sum(0)
     assert torch.allclose(counts / draws, expect, atol=0.03) and counts[2] == 0 and (picks.sum(1) == 1).all()
     three = select_commits(conf, masked, torch.tensor([3]), "low_confidence_static", uniforms=u[:1], alg_temp=0.5)
@@ -128,34 +149,104 @@ def _final_steps(trace: dict[int, list[tuple[int, int]]], n: int) -> list[int]:
 
 
 DREAM_RUNS = [  # (sampling params, reference): Dream's own (the response is one block) and DARE's block sampler
-    (SamplingParams(max_new_tokens=8, block_size=8, steps_per_block=4, schedule="linspace", confidence="entropy",
-                    stop_at_eos=False), "dream"),
-    (SamplingParams(max_new_tokens=8, block_size=8, steps_per_block=5, schedule="linspace",
-                    confidence="topk_margin", stop_at_eos=False), "dream"),
-    (SamplingParams(max_new_tokens=8, block_size=8, steps_per_block=4, schedule="linspace", eps=0.2,
-                    confidence="maskgit_plus", temperature=0.8, top_p=0.95, seed=4, stop_at_eos=False), "dream"),
-    (SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=3, schedule="linspace_first",
-                    confidence="entropy", stop_at_eos=False), "dare_block"),
-    (SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=3, schedule="linspace_first",
-                    confidence="entropy", temperature=1.0, seed=2, stop_at_eos=False), "dare_block"),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=8,
+            steps_per_block=4,
+            schedule="linspace",
+            confidence="entropy",
+            stop_at_eos=False,
+        ),
+        "dream",
+    ),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=8,
+            steps_per_block=5,
+            schedule="linspace",
+            confidence="topk_margin",
+            stop_at_eos=False,
+        ),
+        "dream",
+    ),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=8,
+            steps_per_block=4,
+            schedule="linspace",
+            eps=0.2,
+            confidence="maskgit_plus",
+            temperature=0.8,
+            top_p=0.95,
+            seed=4,
+            stop_at_eos=False,
+        ),
+        "dream",
+    ),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=4,
+            steps_per_block=3,
+            schedule="linspace_first",
+            confidence="entropy",
+            stop_at_eos=False,
+        ),
+        "dare_block",
+    ),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=4,
+            steps_per_block=3,
+            schedule="linspace_first",
+            confidence="entropy",
+            temperature=1.0,
+            seed=2,
+            stop_at_eos=False,
+        ),
+        "dare_block",
+    ),
 ]
 
 
-@pytest.mark.parametrize("params,ref", DREAM_RUNS, ids=["entropy", "margin", "maskgit-sampled", "dare-block",
-                                                        "dare-block-sampled"])
+@pytest.mark.parametrize(
+    "params,ref", DREAM_RUNS, ids=["entropy", "margin", "maskgit-sampled", "dare-block", "dare-block-sampled"]
+)
 def test_dream_decoders_match_the_publishers(params, ref, draws_from):
     eng = _engine("dream")
     G, rule = params.max_new_tokens, params.confidence
-    draws_from(params.seed)                       # each prompt alone: prompt 0's stream, key = the seed
+    draws_from(params.seed)  # each prompt alone: prompt 0's stream, key = the seed
     for p in PROMPTS:
         if ref == "dream":
-            tokens, trace = dream_generate(eng.model, p, G, params.steps_per_block, rule, MASK, params.eps,
-                                           params.temperature, params.top_p, params.top_k or None)
+            tokens, trace = dream_generate(
+                eng.model,
+                p,
+                G,
+                params.steps_per_block,
+                rule,
+                MASK,
+                params.eps,
+                params.temperature,
+                params.top_p,
+                params.top_k or None,
+            )
         else:
-            tokens, trace = dare_dream_block_generate(eng.model, p, G, params.block_size,
-                                                      params.steps_per_block * G // params.block_size, MASK,
-                                                      params.eps, params.temperature, params.top_p,
-                                                      params.top_k or None)
+            tokens, trace = dare_dream_block_generate(
+                eng.model,
+                p,
+                G,
+                params.block_size,
+                params.steps_per_block * G // params.block_size,
+                MASK,
+                params.eps,
+                params.temperature,
+                params.top_p,
+                params.top_k or None,
+            )
         t = eng.generate([p], params)[0]
         assert t.response_ids == tokens
         assert t.commit_step == _final_steps(trace, G)
@@ -165,10 +256,33 @@ def test_dream_decoders_match_the_publishers(params, ref, draws_from):
 
 
 EDIT_RUNS = [  # (params, prompt): one prompt each, one whose decode edits (each forward of the MoE model costs)
-    (SamplingParams(max_new_tokens=8, block_size=4, algorithm="editing", threshold=0.6, editing_threshold=0.3,
-                    max_post_steps=3, stop_at_eos=False), PROMPTS[1]),
-    (SamplingParams(max_new_tokens=8, block_size=4, algorithm="editing", threshold=0.9, editing_threshold=0.3,
-                    max_post_steps=2, temperature=0.9, top_k=40, seed=1, stop_at_eos=False), PROMPTS[0]),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=4,
+            algorithm="editing",
+            threshold=0.6,
+            editing_threshold=0.3,
+            max_post_steps=3,
+            stop_at_eos=False,
+        ),
+        PROMPTS[1],
+    ),
+    (
+        SamplingParams(
+            max_new_tokens=8,
+            block_size=4,
+            algorithm="editing",
+            threshold=0.9,
+            editing_threshold=0.3,
+            max_post_steps=2,
+            temperature=0.9,
+            top_k=40,
+            seed=1,
+            stop_at_eos=False,
+        ),
+        PROMPTS[0],
+    ),
 ]
 
 
@@ -178,9 +292,20 @@ def test_llada21_editing_matches_the_publisher(params, p, draws_from):
     the commits edits overwrote; the runs do edit."""
     eng = _engine("llada2", **LLADA2_SMALL)
     draws_from(params.seed)
-    tokens, trace = llada21_generate(eng.model, p, params.max_new_tokens, params.block_size, MASK,
-                                     params.temperature, params.top_k, params.top_p, params.threshold,
-                                     params.editing_threshold, params.max_post_steps, params.num_to_transfer)
+    tokens, trace = llada21_generate(
+        eng.model,
+        p,
+        params.max_new_tokens,
+        params.block_size,
+        MASK,
+        params.temperature,
+        params.top_k,
+        params.top_p,
+        params.threshold,
+        params.editing_threshold,
+        params.max_post_steps,
+        params.num_to_transfer,
+    )
     t = eng.generate([p], params)[0]
     assert t.response_ids == tokens
     assert t.commit_step == _final_steps(trace, len(tokens))
@@ -190,17 +315,20 @@ def test_llada21_editing_matches_the_publisher(params, p, draws_from):
 
 
 # ---------------------------------------------------------------------------------------------- (c) config
-@pytest.mark.parametrize("overrides,message", [
-    (["rollout.confidence=entropy", "rollout.algorithm=random"], "rollout.confidence"),
-    (["rollout.alg_temp=0.5", "rollout.algorithm=low_confidence_dynamic"], "rollout.alg_temp"),
-    (["rollout.schedule=linspace_first", "rollout.block_size=4", "rollout.steps_per_block=1"], "rollout.schedule"),
-    (["rollout.confidence=entropy", "rollout.top_k=5", "rollout.top_p=0.9"], "rollout.confidence"),
-    (["rollout.algorithm=editing", "rollout.schedule=linspace"], "rollout.algorithm"),
-    (["rollout.algorithm=editing", "rollout.editing_threshold=1.5"], "rollout.editing_threshold"),
-    (["rollout.algorithm=editing", "algo.name=mdpo"], "rollout.algorithm=editing: mdpo"),
-    (["rollout.algorithm=editing", "algo.name=tracerl", "algo.params={shrink: 4}"], "algo.params.shrink=1"),
-    (["rollout.confidence=bogus"], "rollout.confidence='bogus' is not one of"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["rollout.confidence=entropy", "rollout.algorithm=random"], "rollout.confidence"),
+        (["rollout.alg_temp=0.5", "rollout.algorithm=low_confidence_dynamic"], "rollout.alg_temp"),
+        (["rollout.schedule=linspace_first", "rollout.block_size=4", "rollout.steps_per_block=1"], "rollout.schedule"),
+        (["rollout.confidence=entropy", "rollout.top_k=5", "rollout.top_p=0.9"], "rollout.confidence"),
+        (["rollout.algorithm=editing", "rollout.schedule=linspace"], "rollout.algorithm"),
+        (["rollout.algorithm=editing", "rollout.editing_threshold=1.5"], "rollout.editing_threshold"),
+        (["rollout.algorithm=editing", "algo.name=mdpo"], "rollout.algorithm=editing: mdpo"),
+        (["rollout.algorithm=editing", "algo.name=tracerl", "algo.params={shrink: 4}"], "algo.params.shrink=1"),
+        (["rollout.confidence=bogus"], "rollout.confidence='bogus' is not one of"),
+    ],
+)
 def test_decoder_keys_are_checked_up_front(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate(load_config(None, overrides), None)
@@ -209,15 +337,37 @@ def test_decoder_keys_are_checked_up_front(overrides, message):
 def test_decoder_keys_reach_the_sampler():
     from megadare.rollout.setup import sampling_params
 
-    cfg = load_config(None, ["rollout.algorithm=editing", "rollout.editing_threshold=0.5",
-                             "rollout.max_post_steps=4", "rollout.num_to_transfer=2", "rollout.threshold=0.7"])
+    cfg = load_config(
+        None,
+        [
+            "rollout.algorithm=editing",
+            "rollout.editing_threshold=0.5",
+            "rollout.max_post_steps=4",
+            "rollout.num_to_transfer=2",
+            "rollout.threshold=0.7",
+        ],
+    )
     validate(cfg, None)
     arch = get_family("llada2").arch(get_family("llada2").tiny_config(block_size=4))
     p = sampling_params(cfg, arch, seed=0)
-    assert (p.algorithm, p.editing_threshold, p.max_post_steps, p.num_to_transfer, p.threshold) == \
-        ("editing", 0.5, 4, 2, 0.7)
-    cfg = load_config(None, ["rollout.confidence=entropy", "rollout.schedule=linspace_first", "rollout.eps=0.01",
-                             "rollout.alg_temp=0.2", "rollout.block_size=8", "rollout.steps_per_block=4"])
+    assert (p.algorithm, p.editing_threshold, p.max_post_steps, p.num_to_transfer, p.threshold) == (
+        "editing",
+        0.5,
+        4,
+        2,
+        0.7,
+    )
+    cfg = load_config(
+        None,
+        [
+            "rollout.confidence=entropy",
+            "rollout.schedule=linspace_first",
+            "rollout.eps=0.01",
+            "rollout.alg_temp=0.2",
+            "rollout.block_size=8",
+            "rollout.steps_per_block=4",
+        ],
+    )
     validate(cfg, None)
     p = sampling_params(cfg, get_family("dream").arch(get_family("dream").tiny_config()), seed=0)
     assert (p.confidence, p.schedule, p.eps, p.alg_temp) == ("entropy", "linspace_first", 0.01, 0.2)

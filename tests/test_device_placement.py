@@ -18,6 +18,7 @@ Also here: megatron-core's MoE router without Transformer Engine and without the
 FlexAttention block masks and compile count across micro-batches (item 6), and the colocated CUDA IPC path's
 device index and synchronisation (item 5; the transport choice is in tests/test_weight_sync.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,13 +34,12 @@ from dist import run_distributed
 from tiny import write_tiny_hf
 
 FAMILIES = ["sdar", "sdar_moe", "llada", "llada2", "dream"]
-TRAINED = ["sdar", "llada2"]          # one dense, one MoE (sigmoid router, expert bias, shared expert)
+TRAINED = ["sdar", "llada2"]  # one dense, one MoE (sigmoid router, expert bias, shared expert)
 
 
 def _error(e: BaseException) -> str:
     """The error and the innermost frame of megadare / megatron / torch.nn that raised it."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if "megadare" in f.filename or "megatron" in f.filename]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "megadare" in f.filename or "megatron" in f.filename]
     at = f" at {frames[-1].filename.rsplit('site-packages/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
     return f"{type(e).__name__}: {str(e)[:300]}{at}"
 
@@ -67,10 +67,13 @@ def _megatron_cases(out: dict, name: str, hf_dir: str, ids: torch.Tensor, ref: t
     chunks = gpt.build_model_chunks(arch, gpt.transformer_config(arch), attention_backend="sdpa")
     _record(out, f"{name}/megatron params on GPU", lambda: cpu_tensors(chunks[0]))
     for c in chunks:
-        c.cuda()                                     # as megatron's trainer does: the next case sees inputs only
+        c.cuda()  # as megatron's trainer does: the next case sees inputs only
     load_hf_into_model(chunks, hf_dir)
-    _record(out, f"{name}/forward_logits CPU inputs",
-            lambda: float((forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)).cpu() - ref).abs().max()))
+    _record(
+        out,
+        f"{name}/forward_logits CPU inputs",
+        lambda: float((forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)).cpu() - ref).abs().max()),
+    )
 
 
 def _hf_cases(out: dict, name: str, hf_dir: str, ids: torch.Tensor, ref: torch.Tensor) -> None:
@@ -92,8 +95,7 @@ def _hf_cases(out: dict, name: str, hf_dir: str, ids: torch.Tensor, ref: torch.T
 
     def engine_step():
         engine = NativeEngine(load_hf_model(hf_dir), arch, eos_token_id=arch.vocab_size - 3, device="cuda")
-        params = SamplingParams(max_new_tokens=4, block_size=4, steps_per_block=2, temperature=1.0,
-                                stop_at_eos=False)
+        params = SamplingParams(max_new_tokens=4, block_size=4, steps_per_block=2, temperature=1.0, stop_at_eos=False)
         return [len(t.response_ids) for t in engine.generate([[5, 6, 7]], params)]
 
     _record(out, f"{name}/hf forward on GPU", hf_forward)
@@ -117,8 +119,16 @@ def _train_step(hf_dir: str) -> dict:
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
     g = torch.Generator().manual_seed(0)
-    rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g), labels=torch.randint(0, 250, (10,), generator=g),
-                weight=torch.ones(10), position_ids=torch.arange(10), denom=10.0) for _ in range(4)]
+    rows = [
+        Row(
+            tokens=torch.randint(0, 250, (10,), generator=g),
+            labels=torch.randint(0, 250, (10,), generator=g),
+            weight=torch.ones(10),
+            position_ids=torch.arange(10),
+            denom=10.0,
+        )
+        for _ in range(4)
+    ]
     report = train_step(model, opt, sched, pack_rows(rows, 20), 40.0, "bidirectional", 4, arch.vocab_size)
     return {k: report[k] for k in ("loss", "grad_norm")}
 
@@ -147,13 +157,14 @@ def _trainer_cases(out: dict, name: str, hf_dir: str) -> None:
     def weight_sync():
         chunks = gpt.build_model_chunks(arch, gpt.transformer_config(arch), attention_backend="sdpa")
         # float32: compared with the float32 trainer at 1e-4 (the engine's own default on CUDA is bfloat16)
-        engine = NativeEngine(load_hf_model(hf_dir), arch, eos_token_id=arch.vocab_size - 3, device="cuda",
-                              dtype=torch.float32)
+        engine = NativeEngine(
+            load_hf_model(hf_dir), arch, eos_token_id=arch.vocab_size - 3, device="cuda", dtype=torch.float32
+        )
         sync = WeightSync(chunks, fam.mapping(cfg), [engine], transport="object_store")
         sync.push(1)
         ids = torch.randint(0, arch.vocab_size - 3, (1, 8), generator=torch.Generator().manual_seed(1))
         trainer = forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)).cpu()
-        return float((engine.logits(ids) - trainer).abs().max())   # a fresh random model: not the checkpoint's
+        return float((engine.logits(ids) - trainer).abs().max())  # a fresh random model: not the checkpoint's
 
     _record(out, f"{name}/value head on GPU", value_head)
     _record(out, f"{name}/weight sync into a GPU engine", weight_sync)
@@ -169,7 +180,7 @@ def _worker(rank: int, world: int, ckpts: dict) -> dict:
     init_distributed()
     out: dict = {}
     try:
-        for name in TRAINED:       # first: megatron keeps some tensors in globals (the MoE aux-loss scale)
+        for name in TRAINED:  # first: megatron keeps some tensors in globals (the MoE aux-loss scale)
             _record(out, f"{name}/train_step on CPU", lambda: _train_step(ckpts[name]))
         for name, hf_dir in ckpts.items():
             model = load_hf_model(hf_dir)
@@ -210,12 +221,12 @@ def test_megatron_chunks_live_on_the_gpu(placed, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_forward_logits_moves_cpu_inputs_to_the_model(placed, name):
-    assert _ok(placed, f"{name}/forward_logits CPU inputs") < 1e-4      # vs the hf/ model on the CPU, fp32
+    assert _ok(placed, f"{name}/forward_logits CPU inputs") < 1e-4  # vs the hf/ model on the CPU, fp32
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_hf_model_and_engine_run_on_the_gpu(placed, name):
-    assert _ok(placed, f"{name}/hf forward on GPU") < 1e-5                # the same model on the CPU
+    assert _ok(placed, f"{name}/hf forward on GPU") < 1e-5  # the same model on the CPU
     assert _ok(placed, f"{name}/engine step on GPU") == [4]
 
 
@@ -241,7 +252,7 @@ def test_standin_catches_a_cpu_tensor_meeting_the_gpu():
             torch.nn.functional.embedding(torch.zeros(2, dtype=torch.long), x)
         with pytest.raises(Mismatch, match="Generator"):
             torch.rand(3, device="cuda", generator=torch.Generator().manual_seed(0))
-        y = x * torch.tensor(2.0) + x[torch.tensor([0, 2])].sum()          # CPU scalars and CPU indices are fine
+        y = x * torch.tensor(2.0) + x[torch.tensor([0, 2])].sum()  # CPU scalars and CPU indices are fine
         assert torch.equal(y.cpu(), x.cpu() * 2 + x.cpu()[[0, 2]].sum())
         assert type(x.cpu()) is torch.Tensor and (x > 0).sum().item() == int((x.cpu() > 0).sum())
 
@@ -264,8 +275,13 @@ print("ROUTER_OK")
 def test_moe_router_runs_without_transformer_engine_or_the_cpu_layer():
     """megatron-core 0.16.1 reads ``moe_utils.te_general_gemm``, defined only when TE imports: without TE every MoE
     forward raised NameError on a GPU, where the CPU layer (which used to define it) is rightly inert."""
-    r = subprocess.run([sys.executable, "-c", _ROUTER_WITHOUT_CPU_LAYER], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    r = subprocess.run(
+        [sys.executable, "-c", _ROUTER_WITHOUT_CPU_LAYER],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert "ROUTER_OK" in r.stdout, r.stderr[-2000:]
 
 
@@ -289,7 +305,7 @@ def test_cuda_ipc_handle_names_its_gpu_by_uuid(monkeypatch):
     assert got == "tensor" and seen[0][wg._IPC_DEVICE_ARG] == 3
     assert [a for i, a in enumerate(seen[0]) if i != wg._IPC_DEVICE_ARG] == [a for i, a in enumerate(args) if i != 6]
     monkeypatch.undo()
-    if not torch.cuda.is_available():              # no GPU visible: a one-line error naming the fix
+    if not torch.cuda.is_available():  # no GPU visible: a one-line error naming the fix
         with pytest.raises(RuntimeError, match="not visible in this engine process.*weight_transport=distributed"):
             wg.cuda_index_of("GPU-7f")
 
@@ -303,7 +319,7 @@ def test_colocated_waits_for_the_device_before_each_hand_over(monkeypatch, tmp_p
     from megadare.rollout.weight_sync.plan import Flat
 
     calls = []
-    record = lambda name: (lambda *a, **k: calls.append(name))  # noqa: E731
+    record = lambda name: lambda *a, **k: calls.append(name)  # noqa: E731
     for mod in (wg, wt):
         monkeypatch.setattr(mod, "device_sync", record("sync"))
     monkeypatch.setattr(wt, "broadcast_from_sender", record("ready"))
@@ -320,8 +336,11 @@ def test_colocated_waits_for_the_device_before_each_hand_over(monkeypatch, tmp_p
         receiver = wg.WeightReceiver("cpu")
         receiver.groups = {"g": None}
         loaded = []
-        receiver.receive_shared([("g", [[flat]])], [sender.shared.handle],
-                                lambda named: (loaded.extend(t.clone() for _, t in named), calls.append("load")))
+        receiver.receive_shared(
+            [("g", [[flat]])],
+            [sender.shared.handle],
+            lambda named: (loaded.extend(t.clone() for _, t in named), calls.append("load")),
+        )
         assert calls == ["ready", "load", "sync", "ack"] and torch.equal(loaded[0], torch.arange(4.0))
     finally:
         sender.shared.close()

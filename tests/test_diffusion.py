@@ -1,4 +1,5 @@
 """Diffusion core and SFT corruptions, checked against independent computations."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,9 @@ def _arch(name: str, **over):
 
 def _example(P=5, L=11, seed=0, steps=None) -> SFTExample:
     g = torch.Generator().manual_seed(seed)
-    return SFTExample(torch.randint(0, 250, (P,), generator=g).tolist(),
-                      torch.randint(0, 250, (L,), generator=g).tolist(), steps)
+    return SFTExample(
+        torch.randint(0, 250, (P,), generator=g).tolist(), torch.randint(0, 250, (L,), generator=g).tolist(), steps
+    )
 
 
 def _weighted_ce(model, tokens, labels, weight, mask, positions) -> torch.Tensor:
@@ -45,8 +47,9 @@ def test_block_diffusion_loss_equals_sum_of_per_block_losses():
     ex = _example()
     (row,) = example_rows(ex, arch, recipe, torch.Generator().manual_seed(3))
     n = len(row) // 2
-    spec = MaskSpec("block_diffusion", block_size=4, position_ids=row.position_ids[None],
-                    stream_ids=row.stream_ids[None])
+    spec = MaskSpec(
+        "block_diffusion", block_size=4, position_ids=row.position_ids[None], stream_ids=row.stream_ids[None]
+    )
     one_pass = _weighted_ce(model, row.tokens, row.labels, row.weight, spec.dense(2 * n, 2 * n), row.position_ids)
 
     xt, x0, w = row.tokens[:n], row.tokens[n:], row.weight[:n]
@@ -60,8 +63,7 @@ def test_block_diffusion_loss_equals_sum_of_per_block_losses():
         n_scored_blocks += 1
         tokens = torch.cat([x0[:start], xt[start:end]])
         weight = torch.cat([torch.zeros(start), w[start:end]])
-        per_block += _weighted_ce(model, tokens, x0[:end], weight, block_causal(4).dense(end, end),
-                                  torch.arange(end))
+        per_block += _weighted_ce(model, tokens, x0[:end], weight, block_causal(4).dense(end, end), torch.arange(end))
     assert n_scored_blocks >= 2
     assert torch.allclose(one_pass, per_block, rtol=1e-5), (one_pass, per_block)
 
@@ -72,8 +74,9 @@ def test_packed_rows_do_not_see_each_other():
     cfg, arch = _arch("sdar", block_size=4)
     model = build_hf_model(cfg).eval()
     recipe = SFTRecipe("block", block_size=4)
-    rows = [example_rows(_example(seed=s, L=6 + s), arch, recipe, torch.Generator().manual_seed(s))[0]
-            for s in range(3)]
+    rows = [
+        example_rows(_example(seed=s, L=6 + s), arch, recipe, torch.Generator().manual_seed(s))[0] for s in range(3)
+    ]
     (mb,) = pack_rows(rows, seq_length=sum(len(r) for r in rows) + 3)
     spec = mb.mask("block_diffusion", 4)
     S = mb.tokens.shape[1]
@@ -94,9 +97,9 @@ def test_random_masking_row_layout_and_unbiased_elbo_weights():
     for s in range(20000):
         (row,) = example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))
         masked = row.tokens == arch.mask_token_id
-        assert not masked[:4].any()                         # the prompt is never masked
+        assert not masked[:4].any()  # the prompt is never masked
         assert torch.equal(row.labels, torch.tensor(ex.prompt_ids + ex.response_ids))
-        assert torch.equal(row.weight > 0, masked)          # scored exactly where masked
+        assert torch.equal(row.weight > 0, masked)  # scored exactly where masked
         totals.append(float(row.weight.sum()))
     # E_t E_mask [ (1/t) * #masked / L ] = 1: the 1/t-weighted estimator is unbiased for the token count
     assert abs(sum(totals) / len(totals) - 1.0) < 0.03
@@ -137,8 +140,7 @@ def test_masking_primitives():
 
 def test_block_rows_mask_only_the_response_with_per_block_t():
     _, arch = _arch("sdar", block_size=4)
-    recipe = SFTRecipe("block", block_size=4, schedule=NoiseSchedule(0.2, 0.9, "none"),
-                       normalize="masked_tokens")
+    recipe = SFTRecipe("block", block_size=4, schedule=NoiseSchedule(0.2, 0.9, "none"), normalize="masked_tokens")
     ex = _example(P=6, L=14)
     (row,) = example_rows(ex, arch, recipe, torch.Generator().manual_seed(5))
     n = 20
@@ -147,7 +149,7 @@ def test_block_rows_mask_only_the_response_with_per_block_t():
     masked = row.tokens[:n] == arch.mask_token_id
     assert not masked[:6].any() and masked.any()
     assert torch.equal(row.weight[:n] > 0, masked) and not row.weight[n:].any()
-    assert row.denom == float(masked.sum())                 # masked-token normalisation
+    assert row.denom == float(masked.sum())  # masked-token normalisation
     assert mask_kind(recipe, arch) == "block_diffusion"
     _, llada = _arch("llada")
     with pytest.raises(ValueError, match="full attention"):
@@ -165,8 +167,8 @@ def test_semi_ar_rows_slice_after_the_masked_block():
         masked = (resp == arch.mask_token_id).nonzero().squeeze(1)
         b = int(masked[0]) // 4
         seen.add(b)
-        assert len(resp) == min(10, (b + 1) * 4)            # later blocks sliced off
-        assert (masked // 4 == b).all()                      # only block b is noised
+        assert len(resp) == min(10, (b + 1) * 4)  # later blocks sliced off
+        assert (masked // 4 == b).all()  # only block b is noised
         assert torch.allclose(row.weight.sum(), torch.tensor(len(masked) * 3 / 10.0))  # n_blocks / L each
     assert seen == {0, 1, 2}
 
@@ -174,7 +176,7 @@ def test_semi_ar_rows_slice_after_the_masked_block():
 @pytest.mark.parametrize("family", ["sdar", "llada"])
 def test_trace_rows_score_every_token_once_from_the_recorded_state(family):
     _, arch = _arch(family, **({"block_size": 4} if family == "sdar" else {}))
-    steps = [0, 0, 1, 1, 2, 3, 3, 2, 4, 5, 5, 4]        # two tokens per step, blocks of 4 in order
+    steps = [0, 0, 1, 1, 2, 3, 3, 2, 4, 5, 5, 4]  # two tokens per step, blocks of 4 in order
     ex = _example(P=4, L=12, steps=steps)
     recipe = SFTRecipe("trace", block_size=4, trace_shrink=2)
     rows = example_rows(ex, arch, recipe, torch.Generator())

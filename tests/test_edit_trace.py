@@ -13,6 +13,7 @@ their replay by TraceRL / CJ-GRPO, partial rollouts, and the SGLang plugin path.
 (e) the SGLang plugin (through tests/sglang_fake.py's sglang boundary, synchronous and FDFO loops) reproduces the
     built-in engine with token editing and with Dream's confidence rules: tokens, steps, log-probs, edits.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,25 +46,34 @@ EDIT = SamplingParams(max_new_tokens=6, block_size=4, algorithm="editing", max_p
 def _edited(**over) -> Trajectory:
     """Prompt [1, 2]; response positions 0-1 in block 0 and 2-5 in block 1 (block size 4). Position 0: 10 at
     step 0, edited to 11 at step 2; position 4: 22 at step 4, 23 at step 5, 24 at step 6."""
-    kw = dict(prompt_ids=[1, 2], response_ids=[11, 12, 20, 21, 24, 25], commit_step=[2, 1, 3, 3, 6, 4],
-              block_step=[2, 1, 0, 0, 3, 1], logprobs=[-0.5, -0.2, -0.3, -0.4, -0.6, -0.7], finish_reason="length",
-              num_forwards=7, params=EDIT,
-              superseded=[Superseded(0, 10, 0, 0, -0.1), Superseded(4, 22, 4, 1, -0.8),
-                          Superseded(4, 23, 5, 2, -0.9)])
+    kw = dict(
+        prompt_ids=[1, 2],
+        response_ids=[11, 12, 20, 21, 24, 25],
+        commit_step=[2, 1, 3, 3, 6, 4],
+        block_step=[2, 1, 0, 0, 3, 1],
+        logprobs=[-0.5, -0.2, -0.3, -0.4, -0.6, -0.7],
+        finish_reason="length",
+        num_forwards=7,
+        params=EDIT,
+        superseded=[Superseded(0, 10, 0, 0, -0.1), Superseded(4, 22, 4, 1, -0.8), Superseded(4, 23, 5, 2, -0.9)],
+    )
     kw.update(over)
     return Trajectory(**kw)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"params": SamplingParams(max_new_tokens=6, block_size=4)}, "only algorithm='editing' edits tokens"),
-    ({"superseded": [Superseded(9, 10, 0, 0, -0.1)]}, "outside the response"),
-    ({"superseded": [Superseded(4, 23, 5, 2, -0.9), Superseded(4, 22, 4, 1, -0.8)]}, "not strictly ordered"),
-    ({"superseded": [Superseded(0, 10, 2, 2, -0.1)]}, "not strictly ordered"),
-    ({"superseded": [Superseded(0, 11, 0, 0, -0.1)]}, "an edit changes the token"),
-    ({"superseded": [Superseded(0, 10, 7, 0, -0.1)]}, "step out of range"),
-    ({"superseded": [Superseded(0, 10, 0, 0, 0.5)]}, "positive log-prob"),
-    ({"block_step": [2, 1, 0, 0, 7, 1]}, "outside \\[0, 7\\)"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"params": SamplingParams(max_new_tokens=6, block_size=4)}, "only algorithm='editing' edits tokens"),
+        ({"superseded": [Superseded(9, 10, 0, 0, -0.1)]}, "outside the response"),
+        ({"superseded": [Superseded(4, 23, 5, 2, -0.9), Superseded(4, 22, 4, 1, -0.8)]}, "not strictly ordered"),
+        ({"superseded": [Superseded(0, 10, 2, 2, -0.1)]}, "not strictly ordered"),
+        ({"superseded": [Superseded(0, 11, 0, 0, -0.1)]}, "an edit changes the token"),
+        ({"superseded": [Superseded(0, 10, 7, 0, -0.1)]}, "step out of range"),
+        ({"superseded": [Superseded(0, 10, 0, 0, 0.5)]}, "positive log-prob"),
+        ({"block_step": [2, 1, 0, 0, 7, 1]}, "outside \\[0, 7\\)"),
+    ],
+)
 def test_trajectory_contract_with_edits(change, message):
     _edited().validate()
     with pytest.raises(ValueError, match=message):
@@ -72,8 +82,15 @@ def test_trajectory_contract_with_edits(change, message):
 
 # ---------------------------------------------------------------------------------------------- (b) replay rule
 def _sample(t: Trajectory) -> RLSample:
-    return RLSample(prompt_ids=t.prompt_ids, response_ids=t.response_ids, reward=1.0, advantage=1.0,
-                    commit_step=t.commit_step, block_step=t.block_step, superseded=t.superseded)
+    return RLSample(
+        prompt_ids=t.prompt_ids,
+        response_ids=t.response_ids,
+        reward=1.0,
+        advantage=1.0,
+        commit_step=t.commit_step,
+        block_step=t.block_step,
+        superseded=t.superseded,
+    )
 
 
 def test_replay_of_an_edited_trace_by_hand():
@@ -81,30 +98,34 @@ def test_replay_of_an_edited_trace_by_hand():
     M = 99
     rounds = replay_views(s, M, 4, 1, block_family=True)
     # per round: (input at response positions, {position: (slot, target)}, global steps scored)
-    want = [([M, M, M, M, M, M], {0: (6, 10), 2: (2, 20), 3: (3, 21)}, [0, 3]),
-            ([10, M, 20, 21, M, M], {1: (1, 12), 4: (7, 22), 5: (5, 25)}, [1, 4]),
-            ([10, 12, 20, 21, 22, 25], {0: (0, 11), 4: (8, 23)}, [2, 5]),
-            ([11, 12, 20, 21, 23, 25], {4: (4, 24)}, [6])]
+    want = [
+        ([M, M, M, M, M, M], {0: (6, 10), 2: (2, 20), 3: (3, 21)}, [0, 3]),
+        ([10, M, 20, 21, M, M], {1: (1, 12), 4: (7, 22), 5: (5, 25)}, [1, 4]),
+        ([10, 12, 20, 21, 22, 25], {0: (0, 11), 4: (8, 23)}, [2, 5]),
+        ([11, 12, 20, 21, 23, 25], {4: (4, 24)}, [6]),
+    ]
     assert len(rounds) == len(want)
     for (view, steps), (inp, scored, st) in zip(rounds, want):
         assert view.tokens[2:].tolist() == inp and view.tokens[:2].tolist() == [1, 2]
-        assert {k: (int(view.slot[2 + k]), int(view.labels[2 + k])) for k in range(6)
-                if view.slot[2 + k] >= 0} == scored
+        assert {
+            k: (int(view.slot[2 + k]), int(view.labels[2 + k])) for k in range(6) if view.slot[2 + k] >= 0
+        } == scored
         assert steps == st and view.coef.sum() == len(scored)
     # full attention: one round per global step, the same state rule on global steps
     full = replay_views(s, M, 4, 1, block_family=False)
     assert [st for _, st in full] == [[g] for g in range(7)]
-    assert full[4][0].tokens[2:].tolist() == [11, 12, 20, 21, M, M]      # before step 4
-    assert full[5][0].tokens[2:].tolist() == [11, 12, 20, 21, 22, 25]    # before step 5: k4 holds 22, edited to 23
+    assert full[4][0].tokens[2:].tolist() == [11, 12, 20, 21, M, M]  # before step 4
+    assert full[5][0].tokens[2:].tolist() == [11, 12, 20, 21, 22, 25]  # before step 5: k4 holds 22, edited to 23
     assert int(full[5][0].labels[2 + 4]) == 23 and int(full[5][0].slot[2 + 4]) == 8
     # CJ-GRPO: 1/K over the 7 (block, block step) keys, split among each key's commits, edits included
     weights = {}
     for row in REGISTRY["cj_grpo"]().rows(s, toy_arch(), 4, torch.Generator()):
         slot, head = row.slot, row.head
         weights.update({int(slot[i]): float(head[i]) for i in (head != 0).nonzero().flatten().tolist()})
-    assert weights == pytest.approx({6: 1 / 7, 0: 1 / 7, 1: 1 / 7, 8: 1 / 7, 4: 1 / 7,
-                                     2: 1 / 14, 3: 1 / 14, 7: 1 / 14, 5: 1 / 14})
-    with pytest.raises(ValueError, match="shrink=1"):    # position 4 is committed twice in block 1's 2nd fragment
+    assert weights == pytest.approx(
+        {6: 1 / 7, 0: 1 / 7, 1: 1 / 7, 8: 1 / 7, 4: 1 / 7, 2: 1 / 14, 3: 1 / 14, 7: 1 / 14, 5: 1 / 14}
+    )
+    with pytest.raises(ValueError, match="shrink=1"):  # position 4 is committed twice in block 1's 2nd fragment
         replay_views(s, M, 4, shrink=2)
     with pytest.raises(ValueError, match="mdpo cannot replay a trace with token edits"):
         REGISTRY["mdpo"]().rows(s, toy_arch(), 4, torch.Generator())
@@ -113,14 +134,33 @@ def test_replay_of_an_edited_trace_by_hand():
 # ---------------------------------------------------------------------------------------------- (c) replay = engine
 def test_replayed_logprobs_of_every_commit_equal_the_engine():
     eng = _engine("llada2", **LLADA2_SMALL)
-    params = SamplingParams(max_new_tokens=6, block_size=4, algorithm="editing", threshold=0.9,
-                            editing_threshold=0.3, max_post_steps=2, temperature=1.0, seed=1, stop_at_eos=False)
-    prompts = [[5, 17], [11, 2, 9, 4, 8, 6]]          # prompt + response fill whole blocks
+    params = SamplingParams(
+        max_new_tokens=6,
+        block_size=4,
+        algorithm="editing",
+        threshold=0.9,
+        editing_threshold=0.3,
+        max_post_steps=2,
+        temperature=1.0,
+        seed=1,
+        stop_at_eos=False,
+    )
+    prompts = [[5, 17], [11, 2, 9, 4, 8, 6]]  # prompt + response fill whole blocks
     trajs = [eng.generate([p], params)[0] for p in prompts]
     assert sum(len(t.superseded) for t in trajs) > 0
-    samples = [RLSample(prompt_ids=t.prompt_ids, response_ids=t.response_ids, reward=1.0, advantage=1.0, index=i,
-                        commit_step=t.commit_step, block_step=t.block_step, superseded=t.superseded)
-               for i, t in enumerate(trajs)]
+    samples = [
+        RLSample(
+            prompt_ids=t.prompt_ids,
+            response_ids=t.response_ids,
+            reward=1.0,
+            advantage=1.0,
+            index=i,
+            commit_step=t.commit_step,
+            block_step=t.block_step,
+            superseded=t.superseded,
+        )
+        for i, t in enumerate(trajs)
+    ]
     engine_lp = {i: list(t.logprobs) + [e.logprob for e in t.superseded] for i, t in enumerate(trajs)}
     for algo in (REGISTRY["tracerl"]({"shrink": 1}), REGISTRY["cj_grpo"]()):
         rows = [r for s in samples for r in algo.rows(s, eng.arch, 4, torch.Generator())]
@@ -130,15 +170,17 @@ def test_replayed_logprobs_of_every_commit_equal_the_engine():
         for mb in mbs:
             S = mb.tokens.shape[1]
             with torch.no_grad():
-                logits = eng.model(mb.tokens, attention_mask=mb.mask("block_diffusion", 4).dense(S, S, mb.tokens.shape[0]),
-                                   position_ids=mb.position_ids).double()
+                logits = eng.model(
+                    mb.tokens,
+                    attention_mask=mb.mask("block_diffusion", 4).dense(S, S, mb.tokens.shape[0]),
+                    position_ids=mb.position_ids,
+                ).double()
             logits[..., eng.arch.mask_token_id] = float("-inf")
             logp = F.log_softmax(logits, -1).gather(-1, mb.labels.unsqueeze(-1)).squeeze(-1)
             assert torch.all(torch.isfinite(gather_slots(mb, logp, on_policy=True).logp))
             sel = mb.slot >= 0
             assert torch.allclose(mb.behave[sel].double(), logp[sel], atol=1e-5)
-            for smp, slot, lp in zip(mb.sample[sel].tolist(), mb.slot[sel].tolist(),
-                                     logp[sel].tolist()):
+            for smp, slot, lp in zip(mb.sample[sel].tolist(), mb.slot[sel].tolist(), logp[sel].tolist()):
                 assert (smp, slot) not in got
                 got[(smp, slot)] = lp
         assert sorted(got) == sorted((i, k) for i in engine_lp for k in range(len(engine_lp[i])))
@@ -158,16 +200,28 @@ def _megatron_worker(rank, world, hf_dir):
 
     init_distributed()
     try:
-        cfg = config_from_dict({"model": {"hf_path": hf_dir}, "data": {"max_length": 128},
-                                "train": {"seq_length": 512, "micro_batch_size": 2},
-                                "rl": {"n_samples": 4, "mini_batches": 1},
-                                "rollout": {"algorithm": "editing", "editing_threshold": 0.0, "threshold": 0.9,
-                                            "max_post_steps": 2, "max_new_tokens": 8}})
+        cfg = config_from_dict(
+            {
+                "model": {"hf_path": hf_dir},
+                "data": {"max_length": 128},
+                "train": {"seq_length": 512, "micro_batch_size": 2},
+                "rl": {"n_samples": 4, "mini_batches": 1},
+                "rollout": {
+                    "algorithm": "editing",
+                    "editing_threshold": 0.0,
+                    "threshold": 0.9,
+                    "max_post_steps": 2,
+                    "max_new_tokens": 8,
+                },
+            }
+        )
         src = resolve_model_source(cfg)
         validate(cfg, src.arch)
         engine = NativeEngine(load_hf_model(hf_dir), src.arch, eos_token_id=3)
-        traj = engine.generate([p for p in ([5, 6, 7], [9, 10, 11, 12, 13]) for _ in range(4)],
-                               replace(sampling_params(cfg, src.arch, seed=3), stop_at_eos=False))
+        traj = engine.generate(
+            [p for p in ([5, 6, 7], [9, 10, 11, 12, 13]) for _ in range(4)],
+            replace(sampling_params(cfg, src.arch, seed=3), stop_at_eos=False),
+        )
         samples, _ = build_samples(cfg, traj, [float(i % 2) for i in range(len(traj))])
         out = {"edits": sum(len(s.superseded or []) for s in samples)}
         for name in ("tracerl", "cj_grpo"):
@@ -195,8 +249,15 @@ def test_edited_rollouts_train_through_megatron(tmp_path):
 # ---------------------------------------------------------------------------------------------- (d) partial rollout
 def test_partial_rollout_stitches_edits():
     eng = NativeEngine(ToyBlockLM(), toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
-    params = SamplingParams(max_new_tokens=10, block_size=B, algorithm="editing", threshold=0.6,
-                            editing_threshold=0.3, max_post_steps=3, stop_at_eos=False)
+    params = SamplingParams(
+        max_new_tokens=10,
+        block_size=B,
+        algorithm="editing",
+        threshold=0.6,
+        editing_threshold=0.3,
+        max_post_steps=3,
+        stop_at_eos=False,
+    )
     segments: list[list[Trajectory]] = []
 
     def submit(prompts, p):
@@ -207,10 +268,13 @@ def test_partial_rollout_stitches_edits():
     stitched = PartialRollout(submit, PROMPTS, params, blocks=1, global_grid=True).result()
     for i, t in enumerate(stitched):
         t.validate()
-        parts = [seg[[j for j, x in enumerate(seg) if x.prompt_ids[:len(PROMPTS[i])] == PROMPTS[i]][0]]
-                 for seg in segments if any(x.prompt_ids[:len(PROMPTS[i])] == PROMPTS[i] for x in seg)]
+        parts = [
+            seg[[j for j, x in enumerate(seg) if x.prompt_ids[: len(PROMPTS[i])] == PROMPTS[i]][0]]
+            for seg in segments
+            if any(x.prompt_ids[: len(PROMPTS[i])] == PROMPTS[i] for x in seg)
+        ]
         assert len(t.superseded) == sum(len(x.superseded) for x in parts)
-        for e in t.superseded:   # an overwritten commit's step precedes its position's final commit
+        for e in t.superseded:  # an overwritten commit's step precedes its position's final commit
             assert e.commit_step < t.commit_step[e.position]
     assert sum(len(t.superseded) for t in stitched) > 0
 
@@ -220,14 +284,28 @@ def _sglang_generate(model: ToyBlockLM, prompt: list[int], params: SamplingParam
     """One request through the registered plugin and the fake sglang worker, block by block the way sglang's
     scheduler serves it; the request's parameters as SGLangEngine sends them."""
     algos = sys.modules["sglang.srt.dllm.algorithm"]
-    config = types.SimpleNamespace(algorithm=sp.ALGORITHM_NAME, block_size=B, mask_id=MASK,
-                                   first_done_first_out_mode=fdfo, algorithm_config={"block_size": B})
+    config = types.SimpleNamespace(
+        algorithm=sp.ALGORITHM_NAME,
+        block_size=B,
+        mask_id=MASK,
+        first_done_first_out_mode=fdfo,
+        algorithm_config={"block_size": B},
+    )
     algo = algos.get_algorithm(config)
     sent = se.SGLangEngine.sampling_params(types.SimpleNamespace(eos=EOS), params, 0)
-    req = types.SimpleNamespace(rid="r0", output_ids=[], customized_info=None, dllm_algo_state=None,
-                                sampling_params=types.SimpleNamespace(
-                                    temperature=sent["temperature"], top_p=sent["top_p"], top_k=sent["top_k"],
-                                    sampling_seed=sent["sampling_seed"], custom_params=sent["custom_params"]))
+    req = types.SimpleNamespace(
+        rid="r0",
+        output_ids=[],
+        customized_info=None,
+        dllm_algo_state=None,
+        sampling_params=types.SimpleNamespace(
+            temperature=sent["temperature"],
+            top_p=sent["top_p"],
+            top_k=sent["top_k"],
+            sampling_seed=sent["sampling_seed"],
+            custom_params=sent["custom_params"],
+        ),
+    )
     pre = len(prompt) // B * B
     grid, head = list(prompt[:pre]), list(prompt[pre:])
 
@@ -237,8 +315,9 @@ def _sglang_generate(model: ToyBlockLM, prompt: list[int], params: SamplingParam
 
     worker = sys.modules["sglang.srt.managers.tp_worker"].TpModelWorker(algo, Runner())
     while len(req.output_ids) < params.max_new_tokens:
-        fb = types.SimpleNamespace(batch_size=1, input_ids=torch.tensor(head + [MASK] * (B - len(head))),
-                                   dllm_prompt_mask=None)
+        fb = types.SimpleNamespace(
+            batch_size=1, input_ids=torch.tensor(head + [MASK] * (B - len(head))), dllm_prompt_mask=None
+        )
         for _ in range(64):
             _, ids, accept, states, _ = worker._forward_batch_generation_dllm(fb, types.SimpleNamespace(reqs=[req]))
             if not fdfo:
@@ -246,7 +325,7 @@ def _sglang_generate(model: ToyBlockLM, prompt: list[int], params: SamplingParam
                 break
             req.dllm_algo_state = states[0]
             if accept[0]:
-                emitted = ids[0][len(head):]
+                emitted = ids[0][len(head) :]
                 break
         req.output_ids.extend(emitted)
         grid += fb.input_ids.tolist()
@@ -255,21 +334,54 @@ def _sglang_generate(model: ToyBlockLM, prompt: list[int], params: SamplingParam
             break
     out, finish = list(req.output_ids), {"type": "length"}
     if params.stop_at_eos and EOS in out:
-        out, finish = out[:out.index(EOS) + 1], {"type": "stop", "matched": EOS}
-    trace = req.customized_info[sp.TRACE_KEY][:len(out)]
-    return se.trajectory_from_output(prompt, {"output_ids": out, "meta_info": {"finish_reason": finish,
-                                                                               sp.TRACE_KEY: trace}}, params, EOS, 0)
+        out, finish = out[: out.index(EOS) + 1], {"type": "stop", "matched": EOS}
+    trace = req.customized_info[sp.TRACE_KEY][: len(out)]
+    return se.trajectory_from_output(
+        prompt, {"output_ids": out, "meta_info": {"finish_reason": finish, sp.TRACE_KEY: trace}}, params, EOS, 0
+    )
 
 
 PLUGIN_PARAMS = [
-    SamplingParams(max_new_tokens=10, block_size=B, algorithm="editing", threshold=0.6, editing_threshold=0.3,
-                   max_post_steps=3, stop_at_eos=False),
-    SamplingParams(max_new_tokens=12, block_size=B, algorithm="editing", threshold=0.8, editing_threshold=0.2,
-                   max_post_steps=2, temperature=1.0, seed=5),
-    SamplingParams(max_new_tokens=10, block_size=B, steps_per_block=3, schedule="linspace_first",
-                   confidence="entropy", temperature=0.9, seed=3, stop_at_eos=False),
-    SamplingParams(max_new_tokens=10, block_size=B, steps_per_block=3, schedule="linspace", confidence="topk_margin",
-                   alg_temp=0.5, temperature=1.1, seed=7, stop_at_eos=False),
+    SamplingParams(
+        max_new_tokens=10,
+        block_size=B,
+        algorithm="editing",
+        threshold=0.6,
+        editing_threshold=0.3,
+        max_post_steps=3,
+        stop_at_eos=False,
+    ),
+    SamplingParams(
+        max_new_tokens=12,
+        block_size=B,
+        algorithm="editing",
+        threshold=0.8,
+        editing_threshold=0.2,
+        max_post_steps=2,
+        temperature=1.0,
+        seed=5,
+    ),
+    SamplingParams(
+        max_new_tokens=10,
+        block_size=B,
+        steps_per_block=3,
+        schedule="linspace_first",
+        confidence="entropy",
+        temperature=0.9,
+        seed=3,
+        stop_at_eos=False,
+    ),
+    SamplingParams(
+        max_new_tokens=10,
+        block_size=B,
+        steps_per_block=3,
+        schedule="linspace",
+        confidence="topk_margin",
+        alg_temp=0.5,
+        temperature=1.1,
+        seed=7,
+        stop_at_eos=False,
+    ),
 ]
 
 
@@ -281,7 +393,7 @@ def test_sglang_plugin_reproduces_the_native_decoders(fake_sglang, params, fdfo)
     model = ToyBlockLM()
     native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
     edits = 0
-    for prompt in PROMPTS[1:3]:   # a prompt inside the first block and one past it
+    for prompt in PROMPTS[1:3]:  # a prompt inside the first block and one past it
         nat = native.generate([prompt], params)[0]
         t = _sglang_generate(model, prompt, params, fdfo)
         assert t.response_ids == nat.response_ids and t.finish_reason == nat.finish_reason
@@ -293,14 +405,18 @@ def test_sglang_plugin_reproduces_the_native_decoders(fake_sglang, params, fdfo)
     assert (edits > 0) == (params.algorithm == "editing")
 
 
-@pytest.mark.parametrize("algo,params,arch_name,refused", [
-    ("mdpo", {}, "llada2", "mdpo rebuilds decoding states"),
-    ("d_treerpo", {}, "llada2", "d_treerpo rebuilds decoding states"),
-    ("tracerl", {"shrink": 2}, "llada2", "tracerl shrink=2"),
-    ("tracerl", {}, "llada", "tracerl shrink=8"),        # the full-attention default shrink
-    ("tracerl", {}, "llada2", None),                     # block families default to shrink 1
-    ("tracerl", {"shrink": 1}, "llada", None),
-    ("cj_grpo", {}, "llada2", None)])
+@pytest.mark.parametrize(
+    "algo,params,arch_name,refused",
+    [
+        ("mdpo", {}, "llada2", "mdpo rebuilds decoding states"),
+        ("d_treerpo", {}, "llada2", "d_treerpo rebuilds decoding states"),
+        ("tracerl", {"shrink": 2}, "llada2", "tracerl shrink=2"),
+        ("tracerl", {}, "llada", "tracerl shrink=8"),  # the full-attention default shrink
+        ("tracerl", {}, "llada2", None),  # block families default to shrink 1
+        ("tracerl", {"shrink": 1}, "llada", None),
+        ("cj_grpo", {}, "llada2", None),
+    ],
+)
 def test_config_refuses_an_edited_trace_the_algorithm_cannot_replay(algo, params, arch_name, refused):
     """rollout.algorithm=editing: each algorithm's own check_config refuses, before any process starts, what its
     trace replay cannot score (MDPO and d-TreeRPO rebuild states from the final tokens; TraceRL fragments of
@@ -310,8 +426,13 @@ def test_config_refuses_an_edited_trace_the_algorithm_cannot_replay(algo, params
     from megadare.models import get_family
 
     fam = get_family(arch_name)
-    cfg = config_from_dict({"algo": {"name": algo, "params": params}, "rl": {"n_samples": 4},
-                            "rollout": {"algorithm": "editing", "block_size": 4}})
+    cfg = config_from_dict(
+        {
+            "algo": {"name": algo, "params": params},
+            "rl": {"n_samples": 4},
+            "rollout": {"algorithm": "editing", "block_size": 4},
+        }
+    )
     if refused is None:
         validate(cfg, fam.arch(fam.tiny_config()))
         return

@@ -1,6 +1,7 @@
 """``megadare eval``: metrics against brute force, the task loaders / prompts / extractors on fixture files, the
 shared RL verifier on canned responses, errors that name the file, line, field or config key, and one end-to-end
 run of the CLI on a tiny random SDAR model served by a Ray engine."""
+
 from __future__ import annotations
 
 import itertools
@@ -40,7 +41,7 @@ def test_pass_at_k_equals_enumeration_over_subsets():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 assert pass_at_k(n, c, k) == pytest.approx(float(_brute_pass_at_k(n, c, k)), abs=1e-12), (n, c, k)
-    assert pass_at_k(200, 1, 1) == pytest.approx(1 / 200)   # large n stays stable
+    assert pass_at_k(200, 1, 1) == pytest.approx(1 / 200)  # large n stays stable
     for bad in ((3, 4, 1), (3, 1, 4), (3, 1, 0)):
         with pytest.raises(ValueError):
             pass_at_k(*bad)
@@ -49,14 +50,14 @@ def test_pass_at_k_equals_enumeration_over_subsets():
 def test_maj_at_k_hand_built():
     right = lambda keys, gold: [k == gold for k in keys]  # noqa: E731
     keys = ["5", "7", "5", "7", "7"]
-    assert maj_at_k(keys, right(keys, "7"), 5) == 1.0     # 3 votes for 7
+    assert maj_at_k(keys, right(keys, "7"), 5) == 1.0  # 3 votes for 7
     assert maj_at_k(keys, right(keys, "5"), 5) == 0.0
-    assert maj_at_k(keys, right(keys, "5"), 3) == 1.0     # only the first 3 vote: 5 wins 2-1
-    assert maj_at_k(keys, right(keys, "5"), 4) == 1.0     # 2-2 tie: the answer seen first (5) wins
+    assert maj_at_k(keys, right(keys, "5"), 3) == 1.0  # only the first 3 vote: 5 wins 2-1
+    assert maj_at_k(keys, right(keys, "5"), 4) == 1.0  # 2-2 tie: the answer seen first (5) wins
     assert maj_at_k(keys, right(keys, "7"), 4) == 0.0
     none_first = [None, None, "3", None]
-    assert maj_at_k(none_first, right(none_first, "3"), 4) == 1.0   # unanswered samples do not vote
-    assert maj_at_k(none_first, right(none_first, "3"), 2) == 0.0   # nobody voted: a miss
+    assert maj_at_k(none_first, right(none_first, "3"), 4) == 1.0  # unanswered samples do not vote
+    assert maj_at_k(none_first, right(none_first, "3"), 2) == 0.0  # nobody voted: a miss
     with pytest.raises(ValueError):
         maj_at_k(keys, right(keys, "7"), 6)
 
@@ -65,8 +66,14 @@ def test_task_metrics_on_hand_built_rows():
     def row(i, s, ans, ok, length=4, fwd=2):
         return {"index": i, "sample": s, "extracted": ans, "correct": ok, "length": length, "forwards": fwd}
 
-    rows = [row(0, 0, "1", True), row(0, 1, "2", False), row(0, 2, "1", True),
-            row(1, 2, "9", False, 8, 8), row(1, 0, "9", False), row(1, 1, "4", True)]  # out of order on purpose
+    rows = [
+        row(0, 0, "1", True),
+        row(0, 1, "2", False),
+        row(0, 2, "1", True),
+        row(1, 2, "9", False, 8, 8),
+        row(1, 0, "9", False),
+        row(1, 1, "4", True),
+    ]  # out of order on purpose
     m = task_metrics(rows, [1, 2], normalize_answer)
     assert m["mean@3"] == pytest.approx(3 / 6)
     assert m["pass@1"] == pytest.approx((2 / 3 + 1 / 3) / 2)
@@ -91,17 +98,35 @@ def test_loader_and_prompt_on_fixture(task):
             assert content.endswith(MATH_BOXED_INSTRUCTION if spec.kind == "math" else CODE_BLOCK_INSTRUCTION)
         assert p.record[spec.gold_field]
     rec = prompts[0].record
-    expected = {"gsm8k": ("answer", "#### 7"), "math500": ("answer", "\\frac{3}{4}"), "aime24": ("answer", "401"),
-                "aime25": ("answer", "15"), "humaneval": ("tests", "check(add)"),
-                "mbpp": ("tests", "assert set(similar_elements"), "countdown": ("answer", "13"),
-                "sudoku": ("answer", "1234341221434321")}[task]
+    expected = {
+        "gsm8k": ("answer", "#### 7"),
+        "math500": ("answer", "\\frac{3}{4}"),
+        "aime24": ("answer", "401"),
+        "aime25": ("answer", "15"),
+        "humaneval": ("tests", "check(add)"),
+        "mbpp": ("tests", "assert set(similar_elements"),
+        "countdown": ("answer", "13"),
+        "sudoku": ("answer", "1234341221434321"),
+    }[task]
     assert expected[1] in rec[expected[0]]
-    assert rec["problem_id"] == {"gsm8k": None, "math500": "test/prealgebra/1.json", "aime24": "60",
-                                 "aime25": "I-1", "humaneval": "HumanEval/0", "mbpp": "2", "countdown": "c1",
-                                 "sudoku": "s1"}[task]
+    assert (
+        rec["problem_id"]
+        == {
+            "gsm8k": None,
+            "math500": "test/prealgebra/1.json",
+            "aime24": "60",
+            "aime25": "I-1",
+            "humaneval": "HumanEval/0",
+            "mbpp": "2",
+            "countdown": "c1",
+            "sudoku": "s1",
+        }[task]
+    )
     if task == "countdown":  # DARE's prompt, from Countdown-Tasks fields and from d1's "input"/"output" rows
-        assert "Using only the numbers [3, 5, 2], create an arithmetic expression that evaluates to exactly 13" in \
-            prompts[0].record["messages"][0]["content"]
+        assert (
+            "Using only the numbers [3, 5, 2], create an arithmetic expression that evaluates to exactly 13"
+            in prompts[0].record["messages"][0]["content"]
+        )
         assert "numbers [30, 100, 93]" in prompts[1].record["messages"][0]["content"]
         assert prompts[1].record["numbers"] == [30, 100, 93] and prompts[1].record["answer"] == "23"
     if task == "sudoku":
@@ -123,8 +148,16 @@ def test_d1_prompt_style_and_limit():
 def _trajectory(text: str) -> Trajectory:
     ids = TOK.encode(text) + [TOK.eos_token_id]
     n = len(ids)
-    return Trajectory(prompt_ids=[1], response_ids=ids, commit_step=list(range(n)), block_step=[0] * n,
-                      logprobs=[0.0] * n, finish_reason="stop", num_forwards=n, params=SamplingParams())
+    return Trajectory(
+        prompt_ids=[1],
+        response_ids=ids,
+        commit_step=list(range(n)),
+        block_step=[0] * n,
+        logprobs=[0.0] * n,
+        finish_reason="stop",
+        num_forwards=n,
+        params=SamplingParams(),
+    )
 
 
 CANNED = {  # (a correct response, a wrong one) for the first two problems of every fixture
@@ -132,16 +165,31 @@ CANNED = {  # (a correct response, a wrong one) for the first two problems of ev
     "math500": [("So $\\boxed{\\dfrac{3}{4}}$.", "$\\boxed{0.7}$"), ("x = \\boxed{4}", "\\boxed{5}")],
     "aime24": [("\\boxed{401}", "\\boxed{2401}"), ("The answer is 9", "\\boxed{8}")],
     "aime25": [("\\boxed{15}", "\\boxed{16}"), ("\\boxed{23}", "\\boxed{21}")],
-    "humaneval": [("```python\ndef add(a: int, b: int) -> int:\n    return a + b\n```", "```python\ndef add(a, b):\n"
-                   "    return a - b\n```"), ("```python\ndef is_even(n):\n    return n % 2 == 0\n```", "no code")],
-    "mbpp": [("```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```",
-              "```python\ndef similar_elements(a, b):\n    return a\n```"),
-             ("```python\nimport math\ndef is_square(n):\n    return math.isqrt(n) ** 2 == n\n```",
-              "```python\ndef is_square(n):\n    return True\n```")],
-    "countdown": [("<reasoning>3*5=15</reasoning>\n<answer>\n3*5-2\n</answer>", "<answer>3*5*2</answer>"),
-                  ("<answer>30-(100-93)</answer>", "<answer>30+100-93</answer>")],
-    "sudoku": [("<answer>\n1234341221434321\n</answer>", "<answer>1234341221434312</answer>"),
-               ("<answer>2143341212344321</answer>", "no answer")],
+    "humaneval": [
+        (
+            "```python\ndef add(a: int, b: int) -> int:\n    return a + b\n```",
+            "```python\ndef add(a, b):\n    return a - b\n```",
+        ),
+        ("```python\ndef is_even(n):\n    return n % 2 == 0\n```", "no code"),
+    ],
+    "mbpp": [
+        (
+            "```python\ndef similar_elements(a, b):\n    return tuple(set(a) & set(b))\n```",
+            "```python\ndef similar_elements(a, b):\n    return a\n```",
+        ),
+        (
+            "```python\nimport math\ndef is_square(n):\n    return math.isqrt(n) ** 2 == n\n```",
+            "```python\ndef is_square(n):\n    return True\n```",
+        ),
+    ],
+    "countdown": [
+        ("<reasoning>3*5=15</reasoning>\n<answer>\n3*5-2\n</answer>", "<answer>3*5*2</answer>"),
+        ("<answer>30-(100-93)</answer>", "<answer>30+100-93</answer>"),
+    ],
+    "sudoku": [
+        ("<answer>\n1234341221434321\n</answer>", "<answer>1234341221434312</answer>"),
+        ("<answer>2143341212344321</answer>", "no answer"),
+    ],
 }
 
 
@@ -161,7 +209,7 @@ def test_extraction_and_shared_verifier_on_canned_responses(task):
     elif spec.kind == "planning":
         assert rows[2]["extracted"] == {"countdown": "30-(100-93)", "sudoku": "2143341212344321"}[task]
         assert rows[0]["gold"] == {"countdown": "13", "sudoku": "1234341221434321"}[task]
-        assert rows[1]["reward"] == {"countdown": 0.1, "sudoku": 7 / 8}[task]   # DARE's partial rules
+        assert rows[1]["reward"] == {"countdown": 0.1, "sudoku": 7 / 8}[task]  # DARE's partial rules
     else:
         assert rows[0]["extracted"].startswith("def ") and rows[0]["gold"] is None
 
@@ -174,7 +222,7 @@ def _write(path, lines):
 
 def test_bad_files_name_file_line_and_field(tmp_path):
     ok = json.dumps({"question": "q", "answer": "#### 1"})
-    path = _write(tmp_path / "gsm8k.jsonl", [ok, "", json.dumps({"question": "q2"})])   # blank line 2
+    path = _write(tmp_path / "gsm8k.jsonl", [ok, "", json.dumps({"question": "q2"})])  # blank line 2
     with pytest.raises(DataError, match=r"gsm8k.jsonl:3: missing field 'answer'.*found keys \['question'\]"):
         load_task_prompts(TASKS["gsm8k"], path, None, "boxed", TOK)
     path = _write(tmp_path / "bad.jsonl", [ok, "{not json"])
@@ -189,9 +237,15 @@ def test_bad_files_name_file_line_and_field(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.Table.from_pylist([{"prompt": "def f():", "test": "pass", "entry_point": "f"},
-                                         {"prompt": "def g():", "test": "pass", "entry_point": None}]),
-                   str(tmp_path / "he.parquet"))
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {"prompt": "def f():", "test": "pass", "entry_point": "f"},
+                {"prompt": "def g():", "test": "pass", "entry_point": None},
+            ]
+        ),
+        str(tmp_path / "he.parquet"),
+    )
     with pytest.raises(DataError, match=r"he.parquet:row 2: missing field 'entry_point'"):
         load_task_prompts(TASKS["humaneval"], str(tmp_path / "he.parquet"), None, "boxed", TOK)
     _write(tmp_path / "empty.jsonl", [""])
@@ -212,14 +266,17 @@ def test_missing_data_names_file_and_config_key(tmp_path):
         task_file(str(tmp_path), {}, "aime24")
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["eval.tasks=[gsm8k,gsm8kk]"], r"eval.tasks: unknown task 'gsm8kk'; did you mean 'gsm8k'"),
-    (["eval.n_samples=2", "eval.k=[1,4]", "eval.temperature=1.0"], r"eval.k=\[1, 4\]: k=4 > eval.n_samples=2"),
-    (["eval.n_samples=2"], r"eval.n_samples=2 with temperature 0 \(rollout.eval_temperature\).*eval.temperature"),
-    (["eval.n_samples=2", "eval.temperature=0"], r"temperature 0 \(eval.temperature\)"),
-    (["eval.paths={humaneva: x.jsonl}"], r"eval.paths.humaneva: unknown task"),
-    (["eval.prompt_style=cot"], r"eval.prompt_style='cot' is not one of boxed, d1"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["eval.tasks=[gsm8k,gsm8kk]"], r"eval.tasks: unknown task 'gsm8kk'; did you mean 'gsm8k'"),
+        (["eval.n_samples=2", "eval.k=[1,4]", "eval.temperature=1.0"], r"eval.k=\[1, 4\]: k=4 > eval.n_samples=2"),
+        (["eval.n_samples=2"], r"eval.n_samples=2 with temperature 0 \(rollout.eval_temperature\).*eval.temperature"),
+        (["eval.n_samples=2", "eval.temperature=0"], r"temperature 0 \(eval.temperature\)"),
+        (["eval.paths={humaneva: x.jsonl}"], r"eval.paths.humaneva: unknown task"),
+        (["eval.prompt_style=cot"], r"eval.prompt_style='cot' is not one of boxed, d1"),
+    ],
+)
 def test_config_errors_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         check_eval_config(load_config(None, overrides))
@@ -252,10 +309,26 @@ def test_cli_eval_end_to_end_on_tiny_sdar(tmp_path, ray_cluster):
     from megadare.cli import main
 
     out = tmp_path / "out"
-    rc = main(["eval", "--tasks", ",".join(TASKS), "model.family=sdar", "model.tiny=true", "model.block_size=4",
-               f"logging.run_dir={tmp_path}", f"eval.data_dir={FIXTURES}", "eval.paths={gsm8k: " + FILES["gsm8k"] + "}",
-               "eval.n_samples=2", "eval.k=[1,2]", "eval.temperature=1.0", "eval.limit=2", f"eval.output_dir={out}",
-               "rollout.max_new_tokens=8", "rollout.num_engines=1"])
+    rc = main(
+        [
+            "eval",
+            "--tasks",
+            ",".join(TASKS),
+            "model.family=sdar",
+            "model.tiny=true",
+            "model.block_size=4",
+            f"logging.run_dir={tmp_path}",
+            f"eval.data_dir={FIXTURES}",
+            "eval.paths={gsm8k: " + FILES["gsm8k"] + "}",
+            "eval.n_samples=2",
+            "eval.k=[1,2]",
+            "eval.temperature=1.0",
+            "eval.limit=2",
+            f"eval.output_dir={out}",
+            "rollout.max_new_tokens=8",
+            "rollout.num_engines=1",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["tasks"]) == set(TASKS) and summary["sampling"]["temperature"] == 1.0
@@ -265,19 +338,24 @@ def test_cli_eval_end_to_end_on_tiny_sdar(tmp_path, ray_cluster):
         assert len(rows) == 2 * 2
         assert {(r["index"], r["sample"]) for r in rows} == {(i, j) for i in range(2) for j in range(2)}
         for r in rows:
-            assert {"task", "index", "prompt", "sample", "response", "extracted", "correct", "length",
-                    "forwards"} <= set(r) and r["task"] == task and r["forwards"] >= 1
+            assert (
+                {"task", "index", "prompt", "sample", "response", "extracted", "correct", "length", "forwards"}
+                <= set(r)
+                and r["task"] == task
+                and r["forwards"] >= 1
+            )
         m = summary["tasks"][task]
         keys = {"mean@2", "pass@1", "pass@2", "response_length", "forwards_per_token", "problems", "file"}
         assert keys <= set(m) and m["problems"] == 2
         assert ("maj@2" in m) == (spec.kind == "math")
-        assert m["mean@2"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))   # recomputed
+        assert m["mean@2"] == pytest.approx(sum(r["correct"] for r in rows) / len(rows))  # recomputed
         assert m["response_length"] == pytest.approx(sum(r["length"] for r in rows) / len(rows))
-        assert m["forwards_per_token"] == pytest.approx(sum(r["forwards"] for r in rows)
-                                                        / sum(r["length"] for r in rows))
+        assert m["forwards_per_token"] == pytest.approx(
+            sum(r["forwards"] for r in rows) / sum(r["length"] for r in rows)
+        )
         by = {(r["index"], r["sample"]): r["response"] for r in rows}
         differ += sum(by[(i, 0)] != by[(i, 1)] for i in range(2))
-    assert differ > 0   # distinct per-sample seeds: the two samples of a problem are not copies
-    table = (out / "summary.csv").read_text().splitlines()   # the printed table, one row per task
+    assert differ > 0  # distinct per-sample seeds: the two samples of a problem are not copies
+    table = (out / "summary.csv").read_text().splitlines()  # the printed table, one row per task
     assert table[0].startswith("task,problems,samples,mean@2,pass@1,pass@2") and len(table) == 1 + len(TASKS)
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]

@@ -1,6 +1,7 @@
 """Outputs never clobber (issue 24, item 2): ``megadare convert`` and the quantized export refuse an ``--out`` that
 overlaps a source or a run's checkpoint root, or holds anything but a previous export of the same kind, in one
 line, touching nothing; a previous export of the same kind is replaced only once the new one is complete."""
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,7 @@ def sources(tmp_path_factory):
 
 def refused(capsys, argv: list[str]) -> str:
     assert main(argv) == 2
-    err = capsys.readouterr().err   # (a progress bar may stand before the error on its line)
+    err = capsys.readouterr().err  # (a progress bar may stand before the error on its line)
     assert "Traceback" not in err and err.count("megadare: error: ") == 1 and err.endswith("\n"), err
     line = err.split("megadare: error: ")[1]
     assert line.count("\n") == 1 and "--out " in line, err
@@ -51,8 +52,8 @@ def test_megatron_to_hf_refuses_every_out_that_would_clobber(sources, tmp_path, 
     before = tree(run)
     ckpt = str(run / "ckpt")
     to_hf = ["convert", "megatron-to-hf", "--ckpt", ckpt, "--out"]
-    assert "contains the source" in refused(capsys, to_hf + [str(run)])                   # the run directory
-    assert "is the source" in refused(capsys, to_hf + [ckpt])                               # the checkpoint root
+    assert "contains the source" in refused(capsys, to_hf + [str(run)])  # the run directory
+    assert "is the source" in refused(capsys, to_hf + [ckpt])  # the checkpoint root
     assert "lies inside the source" in refused(capsys, to_hf + [str(run / "ckpt" / "hf")])
     assert "is a file" in refused(capsys, to_hf + [str(run / "metrics.jsonl")])
     other = tmp_path / "other_run"
@@ -63,24 +64,26 @@ def test_megatron_to_hf_refuses_every_out_that_would_clobber(sources, tmp_path, 
     (foreign / "notes.txt").write_text("keep me")
     assert "is not empty and is not an export megadare wrote" in refused(capsys, to_hf + [str(foreign)])
     assert (foreign / "notes.txt").read_text() == "keep me"
-    assert "is not empty and is not an export megadare wrote" in refused(capsys, to_hf + [hf])   # a published model
+    assert "is not empty and is not an export megadare wrote" in refused(capsys, to_hf + [hf])  # a published model
     assert tree(run) == before
 
 
 def test_a_previous_export_of_the_same_kind_is_replaced_and_no_other(sources, tmp_path, capsys):
     hf, run = sources
     out = tmp_path / "exported"
-    for _ in range(2):   # the second run replaces the first export
+    for _ in range(2):  # the second run replaces the first export
         assert main(["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)]) == 0
     assert {"config.json", "model.safetensors", ".megadare-export.json"} <= set(os.listdir(out))
-    assert not [f for f in os.listdir(tmp_path) if f.startswith(".exported.")]   # no staging or old copy left
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".exported.")]  # no staging or old copy left
     capsys.readouterr()
     # an HF export is not a Megatron export: hf-to-megatron refuses to write over it, and over its own source
-    assert "is not empty and is a hf export" in refused(capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out",
-                                                                 str(out)])
+    assert "is not empty and is a hf export" in refused(
+        capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out", str(out)]
+    )
     assert "is the source" in refused(capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out", hf])
-    assert "contains the source" in refused(capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out",
-                                                     os.path.dirname(hf)])
+    assert "contains the source" in refused(
+        capsys, ["convert", "hf-to-megatron", "--hf", hf, "--out", os.path.dirname(hf)]
+    )
     mcore = tmp_path / "mcore"
     for _ in range(2):
         assert main(["convert", "hf-to-megatron", "--hf", hf, "--out", str(mcore)]) == 0
@@ -94,7 +97,7 @@ def test_quantized_export_refuses_another_kind_and_its_source(sources, tmp_path,
     hf, run = sources
     out = tmp_path / "fp8b"
     quantize_export(hf, out, fmt="fp8-block", progress=False)
-    quantize_export(hf, out, fmt="fp8-block", progress=False)                # a previous fp8-block export: replaced
+    quantize_export(hf, out, fmt="fp8-block", progress=False)  # a previous fp8-block export: replaced
     plain = tmp_path / "plain"
     assert main(["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(plain)]) == 0
     before = tree(plain)

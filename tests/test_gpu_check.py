@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py, the one-command GPU check: its runner (a failing, a hanging and a late step each become
 a result, and the rest runs) and its CPU plumbing run (``--device cpu --tiny``: the same steps on tiny models)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 def _gpu_check():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod                     # dataclasses look their module up by name
+    sys.modules["gpu_check"] = mod  # dataclasses look their module up by name
     spec.loader.exec_module(mod)
     return mod
 
@@ -25,7 +26,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:              # a zombie waiting for its parent counts as gone
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent counts as gone
         return f.read().split()[2] != "Z"
 
 
@@ -33,11 +34,15 @@ def test_runner_records_each_failure_and_goes_on(tmp_path):
     gc = _gpu_check()
     py = sys.executable
     pidfile = tmp_path / "grandchild.pid"
-    hang = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-            f"time.sleep(120)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)")
-    steps = [gc.Step("boom", [[py, "-c", "print('dense  local 1 100'); raise SystemExit(3)"]], 30),
-             gc.Step("hang", [[py, "-c", hang]], 4),
-             gc.Step("after", [[py, "-c", "print('dense  sdpa 1 200')"]], 30)]
+    hang = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        f"time.sleep(120)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    steps = [
+        gc.Step("boom", [[py, "-c", "print('dense  local 1 100'); raise SystemExit(3)"]], 30),
+        gc.Step("hang", [[py, "-c", hang]], 4),
+        gc.Step("after", [[py, "-c", "print('dense  sdpa 1 200')"]], 30),
+    ]
     results = gc.run_all(steps, str(tmp_path), budget=100, env=dict(os.environ))
     assert [results[s]["status"] for s in ("boom", "hang", "after")] == ["fail", "timeout", "ok"]
     assert results["boom"]["rc"] == 3 and results["boom"]["rows"][0]["check"].startswith("dense  local")
@@ -50,9 +55,11 @@ def test_runner_records_each_failure_and_goes_on(tmp_path):
 
 def test_budget_skips_steps_that_no_longer_fit(tmp_path):
     gc = _gpu_check()
-    steps = [gc.Step("slow", [[sys.executable, "-c", "import time; time.sleep(60)"]], 3),
-             gc.Step("next", [[sys.executable, "-c", "print(1)"]], 60)]
-    results = gc.run_all(steps, str(tmp_path), budget=27, env=dict(os.environ))   # 22 s usable; 19 s after slow
+    steps = [
+        gc.Step("slow", [[sys.executable, "-c", "import time; time.sleep(60)"]], 3),
+        gc.Step("next", [[sys.executable, "-c", "print(1)"]], 60),
+    ]
+    results = gc.run_all(steps, str(tmp_path), budget=27, env=dict(os.environ))  # 22 s usable; 19 s after slow
     assert results["slow"]["status"] == "timeout" and results["next"]["status"] == "skipped"
     assert "budget left" in results["next"]["tail"][0]
 
@@ -61,9 +68,27 @@ def test_cpu_tiny_plumbing(tmp_path):
     """The GPU run's steps on the CPU with tiny models: versions, Megatron vs hf/ parity in fp32 and bf16, the
     attention kernels and megatron's local attention against SDPA (one family, to stay within CI's time)."""
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--only", "env,parity,attention",
-                        "--families", "sdar", "--out", str(out), "--budget", "500"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--device",
+            "cpu",
+            "--tiny",
+            "--only",
+            "env,parity,attention",
+            "--families",
+            "sdar",
+            "--out",
+            str(out),
+            "--budget",
+            "500",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     results = json.loads((out / "results.json").read_text())
     assert r.returncode == 0, {k: (v["status"], v["tail"]) for k, v in results.items()}
     rows = {x["check"]: x for step in results.values() for x in step["rows"]}

@@ -1,4 +1,5 @@
 """hf/ reference models: parity with implementations we did not write, routers, RoPE, loading, config errors."""
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def _fuse_experts_if_needed(state: dict, theirs: dict) -> dict:
     for key in [k for k in theirs if k.endswith("mlp.experts.gate_up_proj")]:
         p = key[: -len("gate_up_proj")]
         n = theirs[key].shape[0]
-        state[key] = torch.stack([torch.cat([state.pop(f"{p}{e}.gate_proj.weight"),
-                                             state.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)])
+        state[key] = torch.stack(
+            [torch.cat([state.pop(f"{p}{e}.gate_proj.weight"), state.pop(f"{p}{e}.up_proj.weight")]) for e in range(n)]
+        )
         state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(n)])
     return state
 
@@ -55,11 +57,14 @@ def _hf_logits(model, ids, allowed):
         return model(input_ids=ids, attention_mask=add).logits
 
 
-@pytest.mark.parametrize("name,cls,conf,mask", [
-    ("sdar", "Qwen3ForCausalLM", "Qwen3Config", "block"),
-    ("sdar_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "block"),
-    ("dream", "Qwen2ForCausalLM", "Qwen2Config", "bidir"),
-])
+@pytest.mark.parametrize(
+    "name,cls,conf,mask",
+    [
+        ("sdar", "Qwen3ForCausalLM", "Qwen3Config", "block"),
+        ("sdar_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", "block"),
+        ("dream", "Qwen2ForCausalLM", "Qwen2Config", "bidir"),
+    ],
+)
 def test_parity_with_transformers(name, cls, conf, mask):
     cfg, ours = _perturbed(name)
     ref = _transformers_twin(cls, conf, cfg, ours.state_dict())
@@ -101,9 +106,9 @@ def test_sigmoid_group_router_against_loops():
     for t in range(20):
         s = torch.sigmoid(logits[t])
         sel = (s + bias).tolist()
-        groups = sorted(range(arch.moe_num_groups), key=lambda g: -sum(sorted(sel[g * gsize:(g + 1) * gsize])[-2:]))
-        allowed = [e for g in groups[:arch.moe_topk_groups] for e in range(g * gsize, (g + 1) * gsize)]
-        chosen = sorted(allowed, key=lambda e: -sel[e])[:arch.moe_topk]
+        groups = sorted(range(arch.moe_num_groups), key=lambda g: -sum(sorted(sel[g * gsize : (g + 1) * gsize])[-2:]))
+        allowed = [e for g in groups[: arch.moe_topk_groups] for e in range(g * gsize, (g + 1) * gsize)]
+        chosen = sorted(allowed, key=lambda e: -sel[e])[: arch.moe_topk]
         assert sorted(idx[t].tolist()) == sorted(chosen)
         ws = {e: s[e].item() for e in chosen}
         tot = sum(ws.values())
@@ -142,8 +147,10 @@ def test_load_roundtrip_and_errors(tmp_path):
     assert gone in str(e.value) and "model.layers.0.extra.weight" in str(e.value)
 
 
-@pytest.mark.parametrize("name,key", [("sdar", "hidden_size"), ("llada", "d_model"), ("llada2", "num_experts"),
-                                      ("dream", "num_hidden_layers")])
+@pytest.mark.parametrize(
+    "name,key",
+    [("sdar", "hidden_size"), ("llada", "d_model"), ("llada2", "num_experts"), ("dream", "num_hidden_layers")],
+)
 def test_missing_config_key_is_named(name, key, tmp_path):
     cfg = get_family(name).tiny_config()
     del cfg[key]

@@ -1,5 +1,6 @@
 """tests/junit_gate.py, the verdict of the extra CI suites (real Slurm, real SGLang): a skip, a failure, an error,
 no test at all, a missing report or a non-zero pytest exit fails the step; only tests that ran and passed pass."""
+
 import pytest
 
 from junit_gate import main
@@ -18,9 +19,18 @@ def test_only_tests_that_ran_and_passed_pass(tmp_path, capsys, wrapped):
     assert "suite: 5 passed, 0 failed, 0 skipped" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("fields,rc", [({"tests": 5, "skipped": 1}, 0), ({"tests": 5, "skipped": 5}, 0),
-                                       ({"tests": 0}, 5), ({"tests": 0}, 0), ({"tests": 5, "failures": 1}, 1),
-                                       ({"tests": 5, "errors": 1}, 1), ({"tests": 5}, 1)])
+@pytest.mark.parametrize(
+    "fields,rc",
+    [
+        ({"tests": 5, "skipped": 1}, 0),
+        ({"tests": 5, "skipped": 5}, 0),
+        ({"tests": 0}, 5),
+        ({"tests": 0}, 0),
+        ({"tests": 5, "failures": 1}, 1),
+        ({"tests": 5, "errors": 1}, 1),
+        ({"tests": 5}, 1),
+    ],
+)
 def test_a_skip_a_failure_or_no_test_fails_the_step(tmp_path, capsys, fields, rc):
     assert main("suite", report(tmp_path, **fields), rc) == 1
     assert "suite: FAILED" in capsys.readouterr().err

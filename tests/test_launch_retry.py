@@ -1,4 +1,5 @@
 """parallel/launch.py: a master port taken between ``free_port`` and rank 0's bind starts the launch again."""
+
 from __future__ import annotations
 
 import socket

@@ -8,6 +8,7 @@ One worker per layout (TP=1, TP=2 + SP, TP=2 without SP) does everything:
 (c) the per-step losses at TP=2 (+SP) equal those at TP=1 (same data, same layout-independent init).
 (d) save_checkpoint / load_checkpoint round-trips the adapters (same layout and TP=2 -> TP=1).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,15 @@ def setup(tmp_path_factory):
             tok = torch.randint(0, 250, (n,), generator=g)
             w = (torch.rand(n, generator=g) < 0.6).float()
             w[0] = 1.0
-            rows.append(Row(tokens=tok, labels=torch.randint(0, 250, (n,), generator=g), weight=w,
-                            position_ids=torch.arange(n), denom=float(w.sum())))
+            rows.append(
+                Row(
+                    tokens=tok,
+                    labels=torch.randint(0, 250, (n,), generator=g),
+                    weight=w,
+                    position_ids=torch.arange(n),
+                    denom=float(w.sum()),
+                )
+            )
         steps.append(rows)
     return {"hf_dir": hf_dir, "ids": ids, "steps": steps, "root": root}
 
@@ -63,9 +71,9 @@ def _random_b(m, name: str) -> torch.Tensor:
     if m.glu:  # per rank [gate shard; up shard]
         gate, up = full.chunk(2)
         h = n // 2
-        return torch.cat([gate[r * h:(r + 1) * h], up[r * h:(r + 1) * h]])
+        return torch.cat([gate[r * h : (r + 1) * h], up[r * h : (r + 1) * h]])
     assert full.shape[0] == n * tp
-    return full[r * n:(r + 1) * n]
+    return full[r * n : (r + 1) * n]
 
 
 def _worker(rank, world, runs, hf_dir, ids, steps):
@@ -121,8 +129,7 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
     wrapped = apply_lora(chunks, RANK, ALPHA)
     assert len(wrapped) == 4 * arch.num_layers, wrapped
     assert all(not p.requires_grad for n, p in chunks[0].named_parameters() if "lora_" not in n)
-    assert sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad) == sorted(
-        lora_parameters(chunks))
+    assert sorted(n for n, p in chunks[0].named_parameters() if p.requires_grad) == sorted(lora_parameters(chunks))
     with torch.no_grad():
         for name, m in lora_modules(chunks):
             m.lora_B.copy_(_random_b(m, name))
@@ -193,8 +200,10 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
 def runs(setup):
     root = setup["root"]
     args = (setup["hf_dir"], setup["ids"], setup["steps"])
-    two = [("tp2_sp", dict(tp=2, sp=True), str(root / "ck_tp2_sp"), None),
-           ("tp2", dict(tp=2), str(root / "ck_tp2"), None)]
+    two = [
+        ("tp2_sp", dict(tp=2, sp=True), str(root / "ck_tp2_sp"), None),
+        ("tp2", dict(tp=2), str(root / "ck_tp2"), None),
+    ]
     out = run_distributed(_worker, 2, two, *args)[0]
     one = [("tp1", dict(tp=1), str(root / "ck_tp1"), str(root / "ck_tp2_sp"))]
     out.update(run_distributed(_worker, 1, one, *args)[0])

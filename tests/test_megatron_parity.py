@@ -3,6 +3,7 @@
 Also: HF -> Megatron (TP2 PP2 EP2) -> HF round trips are bitwise, and a checkpoint saved at TP=2 loads at
 TP=1 and PP=2 with identical logits. Each layout is one multi-process run over all families (module fixtures).
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ def checkpoints(tmp_path_factory):
         arch = fam.arch(cfg)
         ids = torch.randint(0, arch.vocab_size, (2, SEQ))
         if arch.mask_token_id < arch.vocab_size:
-            ids[:, SEQ // 2:SEQ // 2 + 3] = arch.mask_token_id
+            ids[:, SEQ // 2 : SEQ // 2 + 3] = arch.mask_token_id
         spec = block_causal(arch.block_size) if arch.attention == "block_causal" else bidirectional()
         with torch.no_grad():
             ref = model(ids, attention_mask=spec.dense(SEQ, SEQ))

@@ -1,5 +1,6 @@
 """megadare switches megatron's fallback torch AdamW to torch's fused kernel (trainer/optim.py): the same update,
 and only where every parameter is on the CPU or every one on CUDA."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ def test_the_fused_update_is_the_single_tensor_update():
         opt.step()
     for a, b in zip(plain, fused):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
-    assert all(not torch.equal(a, b) for a, b in zip(fused, _params(0)))     # five steps moved every parameter
+    assert all(not torch.equal(a, b) for a, b in zip(fused, _params(0)))  # five steps moved every parameter
 
 
 def _wrapped(device_types: list[str]) -> torch.optim.AdamW:
@@ -40,8 +41,12 @@ def _wrapped(device_types: list[str]) -> torch.optim.AdamW:
 
 
 def test_fused_only_where_every_parameter_is_on_one_cpu_or_cuda_device_type():
-    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=_wrapped(kinds)) for kinds in
-                                                  (["cuda", "cuda"], ["cpu"], ["cpu", "cuda"], ["meta"])])
+    chained = SimpleNamespace(
+        chained_optimizers=[
+            SimpleNamespace(optimizer=_wrapped(kinds))
+            for kinds in (["cuda", "cuda"], ["cpu"], ["cpu", "cuda"], ["meta"])
+        ]
+    )
     fuse_torch_adam(chained)
     fused = [bool(o.optimizer.param_groups[0].get("fused")) for o in chained.chained_optimizers]
     assert fused == [True, True, False, False]

@@ -1,4 +1,5 @@
 """The CPU runtime: layout checks, the compatibility layer's guard, and the local launcher's error path."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,16 @@ from megadare.parallel.cpu import install_cpu_compat
 from megadare.parallel.launch import WorkerError, spawn
 
 
-@pytest.mark.parametrize("world,kw,msg", [
-    (3, dict(tp=2), "not divisible by tp\\*pp\\*cp"),
-    (2, dict(ep=4), "etp\\*ep\\*pp"),
-    (2, dict(tp=1, sp=True), "sp=true needs"),
-    (2, dict(vpp=2), "vpp=2 needs"),
-    (2, dict(tp=0), "positive integer"),
-])
+@pytest.mark.parametrize(
+    "world,kw,msg",
+    [
+        (3, dict(tp=2), "not divisible by tp\\*pp\\*cp"),
+        (2, dict(ep=4), "etp\\*ep\\*pp"),
+        (2, dict(tp=1, sp=True), "sp=true needs"),
+        (2, dict(vpp=2), "vpp=2 needs"),
+        (2, dict(tp=0), "positive integer"),
+    ],
+)
 def test_check_sizes(world, kw, msg):
     args = dict(tp=1, pp=1, ep=1, etp=1, cp=1, vpp=None, sp=False)
     args.update(kw)

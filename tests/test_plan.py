@@ -1,5 +1,6 @@
 """megadare plan: parameter counts against published totals and built models, planned vs measured model-state and
 activation memory of a real (gloo, CPU) Megatron model + distributed optimizer, the does-not-fit advice, the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,9 @@ PUBLISHED = {
     "LLaDA2.0-mini": dict(total=16_255_643_392, active=1.4e9, active_non_embedding=789e6, bias=19 * 256),
     "LLaDA2.0-flash": dict(total=102_889_705_216, active=6.1e9, active_non_embedding=4.8e9, bias=31 * 256),
 }
-ACTIVE_TOL = 0.03   # published active counts are rounded to 2 significant digits
-STATE_TOL = 0.01    # planned vs measured model-state bytes (megatron pads every param start to 64 elements)
-ACT_TOL = 0.05      # planned vs saved-for-backward bytes (CPU sdpa's output aliases the projection input)
+ACTIVE_TOL = 0.03  # published active counts are rounded to 2 significant digits
+STATE_TOL = 0.01  # planned vs measured model-state bytes (megatron pads every param start to 64 elements)
+ACT_TOL = 0.05  # planned vs saved-for-backward bytes (CPU sdpa's output aliases the projection input)
 ACT_SEQ = 256
 
 
@@ -42,7 +43,7 @@ def _arch(name: str):
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_match_published_totals(name):
     pub, pc = PUBLISHED[name], count_params(_arch(name))
-    assert pc.total + pub["bias"] == pub["total"]            # exact: shapes identical to the published checkpoint
+    assert pc.total + pub["bias"] == pub["total"]  # exact: shapes identical to the published checkpoint
     assert abs(pc.active - pub["active"]) / pub["active"] < ACTIVE_TOL, pc.active
     if "active_non_embedding" in pub:
         ne = pub["active_non_embedding"]
@@ -62,9 +63,10 @@ def test_parameter_count_equals_built_model(family):
     assert rank_params(arch).total == pc.total + pad * (1 if arch.tie_word_embeddings else 2)
 
 
-TINY = {"sdar": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=64),
-        "sdar_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32)}
+TINY = {
+    "sdar": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "sdar_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, head_dim=32),
+}
 MEASURE = [("sdar", "bf16", {}), ("sdar_moe", "bf16", {"ep": 2}), ("sdar", "fp32", {})]
 
 
@@ -120,26 +122,40 @@ def _measure_worker(rank, world, cases):
             model = wrap_ddp(chunks, True)
             opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2, dtype=dtype))
             g = torch.Generator().manual_seed(0)
-            rows = [Row(tokens=torch.randint(0, 250, (10,), generator=g),
-                        labels=torch.randint(0, 250, (10,), generator=g), weight=torch.ones(10),
-                        position_ids=torch.arange(10), denom=10.0) for _ in range(4)]
-            mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(),
-                                          ps.get_data_parallel_rank())
+            rows = [
+                Row(
+                    tokens=torch.randint(0, 250, (10,), generator=g),
+                    labels=torch.randint(0, 250, (10,), generator=g),
+                    weight=torch.ones(10),
+                    position_ids=torch.arange(10),
+                    denom=10.0,
+                )
+                for _ in range(4)
+            ]
+            mbs = split_for_data_parallel(
+                pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            )
             train_step(model, opt, sched, mbs, 40.0, "bidirectional", 4, arch.vocab_size)
             seen: set = set()
             params = [p for c in chunks for p in c.parameters()]
             weights = _storage_bytes(params, seen)
-            grads = _storage_bytes([b.grad_data for m in model for b in m.buffers + m.expert_parallel_buffers],
-                                   seen)
+            grads = _storage_bytes([b.grad_data for m in model for b in m.buffers + m.expert_parallel_buffers], seen)
             state = []
             for o in getattr(opt, "chained_optimizers", [opt]):
                 state += [v for st in o.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
                 state += [p for group in o.optimizer.param_groups for p in group["params"]]
-            out.append({"numel": sum(p.numel() for p in params), "weights": weights, "grads": grads,
-                        "optimizer": _storage_bytes(state, seen),
-                        "activations": _saved_activation_bytes(chunks[0], arch, {p.untyped_storage().data_ptr()
-                                                                                for p in params})})
-            ps.destroy_model_parallel()   # the next case re-initialises megatron's groups in the same processes
+            out.append(
+                {
+                    "numel": sum(p.numel() for p in params),
+                    "weights": weights,
+                    "grads": grads,
+                    "optimizer": _storage_bytes(state, seen),
+                    "activations": _saved_activation_bytes(
+                        chunks[0], arch, {p.untyped_storage().data_ptr() for p in params}
+                    ),
+                }
+            )
+            ps.destroy_model_parallel()  # the next case re-initialises megatron's groups in the same processes
     finally:
         destroy_distributed()
     return out
@@ -157,8 +173,17 @@ def test_planned_model_state_matches_measured_megatron_bytes():
         for key, planned in (("weights", w), ("grads", g), ("optimizer", o)):
             assert abs(got[key] - planned) / planned < STATE_TOL, (family, dtype, key, got[key], planned)
         # the logits of every position, as measured here (the scored head: benchmarks/train_memory.py)
-        run = load_config(None, [f"model.dtype={dtype}", "model.attention_backend=sdpa", f"train.seq_length={ACT_SEQ}",
-                                 "train.micro_batch_size=1", "train.recompute=none", "train.logits=full"])
+        run = load_config(
+            None,
+            [
+                f"model.dtype={dtype}",
+                "model.attention_backend=sdpa",
+                f"train.seq_length={ACT_SEQ}",
+                "train.micro_batch_size=1",
+                "train.recompute=none",
+                "train.logits=full",
+            ],
+        )
         planned = stage_activation_bytes(arch, lay, run, 1, 0) + logits_bytes(arch, lay, run)
         # routed tokens split unevenly over the EP ranks: compare the sum over both ranks
         got_act = sum(r[i]["activations"] for r in measured)
@@ -185,16 +210,29 @@ def test_too_small_gpu_names_the_knob_and_its_effect(monkeypatch):
     monkeypatch.chdir(ROOT)
     arch = _arch("LLaDA2.0-mini")
     # activation-bound SFT: long rows, no recomputation, megatron's materialising attention
-    cfg = _cfg("plan_llada2_mini.yaml", "train.recompute=none", "model.attention_backend=local",
-               "train.micro_batch_size=2", "plan.gpu_memory_gb=70")
+    cfg = _cfg(
+        "plan_llada2_mini.yaml",
+        "train.recompute=none",
+        "model.attention_backend=local",
+        "train.micro_batch_size=2",
+        "plan.gpu_memory_gb=70",
+    )
     report = plan(cfg, arch)
     assert not report.fits and report.bottleneck == "trainer"
     changes = {a["change"]: a for a in report.advice}
     full = changes["train.recompute=full"]
     assert full["fits"] and "train.recompute=selective" in changes and "train.micro_batch_size=1" in changes
     # the estimated effect is the plan of the changed config
-    redo = plan(_cfg("plan_llada2_mini.yaml", "model.attention_backend=local", "train.micro_batch_size=2",
-                     "plan.gpu_memory_gb=70", "train.recompute=full"), arch)
+    redo = plan(
+        _cfg(
+            "plan_llada2_mini.yaml",
+            "model.attention_backend=local",
+            "train.micro_batch_size=2",
+            "plan.gpu_memory_gb=70",
+            "train.recompute=full",
+        ),
+        arch,
+    )
     assert redo.fits and full["peak_gb"] == round(redo.peak / GIB, 2)
     assert full["saves_gb"] == pytest.approx((report.peak - redo.peak) / GIB, abs=0.01)
     assert report.advice[0]["fits"]
@@ -203,7 +241,7 @@ def test_too_small_gpu_names_the_knob_and_its_effect(monkeypatch):
     rl = plan(_cfg("plan_sdar30b.yaml", "plan.gpu_memory_gb=60"), _arch("SDAR-30B-A3B"))
     assert not rl.fits and rl.bottleneck == "rollout"
     assert rl.advice[0]["fits"]
-    wider = {a["change"]: a for a in rl.advice}["rollout.engine_tp=8"]   # halves the engine's weight shard
+    wider = {a["change"]: a for a in rl.advice}["rollout.engine_tp=8"]  # halves the engine's weight shard
     assert wider["saves_gb"] == pytest.approx(rl.rollout.weights / 2 / GIB, abs=0.01)
 
     # nothing single fits: a chain of changes is offered first
@@ -245,5 +283,4 @@ def test_plan_refuses_a_world_size_the_cluster_does_not_give(monkeypatch, capsys
     assert main(["plan", "--config", "examples/configs/rl_sdar30b.yaml", "plan.nodes=6"]) == 2
     err = capsys.readouterr().err
     assert "parallel.world_size=16 but the plan gives the trainer" in err and "= 32 GPUs" in err
-    assert main(["plan", "--config", "examples/configs/rl_sdar30b.yaml", "plan.nodes=6",
-                 "parallel.world_size=32"]) == 0
+    assert main(["plan", "--config", "examples/configs/rl_sdar30b.yaml", "plan.nodes=6", "parallel.world_size=32"]) == 0

@@ -3,6 +3,7 @@ declared cluster (and ``megadare plan`` exits non-zero when it does not fit), th
 ``checkpoint.load``, the data rows and their length, the reward, the engine, the eval section and the run
 directory -- each failure one line naming the file, row or key. RL prompts longer than the prompt budget follow
 ``data.overlong`` when loaded, naming file and row."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ from megadare.cli import main
 from tiny import write_tiny_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RL = os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml")        # tiny SDAR, max_length 24, 4 new tokens
+RL = os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml")  # tiny SDAR, max_length 24, 4 new tokens
 SFT = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")
 
 
@@ -44,8 +45,16 @@ def data(tmp_path):
 
 
 def rl(tmp_path, data, *over) -> list[str]:
-    return ["rl", "--dry-run", "--config", RL, "data.synthetic=null", f"data.path={data}",
-            f"logging.run_dir={tmp_path / 'run'}", *over]
+    return [
+        "rl",
+        "--dry-run",
+        "--config",
+        RL,
+        "data.synthetic=null",
+        f"data.path={data}",
+        f"logging.run_dir={tmp_path / 'run'}",
+        *over,
+    ]
 
 
 def test_a_runnable_config_passes_and_prints_itself(tmp_path, data, capsys):
@@ -63,29 +72,41 @@ def test_data_rows_are_checked(tmp_path, data, capsys):
     long = rows(tmp_path / "long.jsonl", "1+1?", "what is " + "one plus " * 10 + "one?")
     err = refused(capsys, *rl(tmp_path, long, "data.overlong=error"))
     assert "long.jsonl:2: prompt has 105 tokens, more than 20 (data.max_length minus rollout.max_new_tokens)" in err
-    rc, _, err = dry(capsys, *rl(tmp_path, long))                 # truncate (the default): said, not refused
+    rc, _, err = dry(capsys, *rl(tmp_path, long))  # truncate (the default): said, not refused
     assert rc == 0 and "data.overlong=truncate applies to 1 of the first 2 prompts" in err
     assert "leaves no room for a prompt" in refused(capsys, *rl(tmp_path, data, "rollout.max_new_tokens=24"))
     sft_long = tmp_path / "sft.jsonl"
     sft_long.write_text(json.dumps({"prompt": "a" * 10, "response": "b" * 40}) + "\n")
-    err = refused(capsys, "sft", "--dry-run", "--config", SFT, "data.synthetic=null", f"data.path={sft_long}",
-                  "data.overlong=error", f"logging.run_dir={tmp_path / 'sft'}")
+    err = refused(
+        capsys,
+        "sft",
+        "--dry-run",
+        "--config",
+        SFT,
+        "data.synthetic=null",
+        f"data.path={sft_long}",
+        "data.overlong=error",
+        f"logging.run_dir={tmp_path / 'sft'}",
+    )
     assert "sft.jsonl:1: example is 54 tokens (prompt 13 + response 41), longer than max_len=24" in err
 
 
 def test_reward_and_engine_are_resolved(tmp_path, data, capsys):
     assert "reward 'no_such_pkg.mod:fn': module 'no_such_pkg.mod' not found" in refused(
-        capsys, *rl(tmp_path, data, "rl.reward=no_such_pkg.mod:fn"))
+        capsys, *rl(tmp_path, data, "rl.reward=no_such_pkg.mod:fn")
+    )
     odd = tmp_path / "odd.jsonl"
     odd.write_text(json.dumps({"prompt": "1+1?", "answer": "2", "data_source": "chess"}) + "\n")
     assert f"{odd}:1: rl.reward=auto has no rule for data_source='chess'" in refused(
-        capsys, *rl(tmp_path, str(odd), "rl.reward=auto"))
-    pytest.importorskip("megadare")   # (sglang is not installed in CI's CPU environment)
+        capsys, *rl(tmp_path, str(odd), "rl.reward=auto")
+    )
+    pytest.importorskip("megadare")  # (sglang is not installed in CI's CPU environment)
     try:
         import sglang  # noqa: F401
     except ImportError:
         assert "rollout.engine=sglang: the SGLang rollout engine needs sglang" in refused(
-            capsys, *rl(tmp_path, data, "rollout.engine=sglang"))
+            capsys, *rl(tmp_path, data, "rollout.engine=sglang")
+        )
 
 
 def test_model_weights_tokenizer_and_initial_checkpoint(tmp_path, data, capsys):
@@ -93,7 +114,7 @@ def test_model_weights_tokenizer_and_initial_checkpoint(tmp_path, data, capsys):
     over = [f"model.hf_path={hf}", "model.tiny=false", "model.family=null"]
     err = refused(capsys, *rl(tmp_path, data, *over))
     assert f"model.hf_path={hf} has no tokenizer (none of tokenizer.json" in err
-    with open(os.path.join(hf, "model.safetensors"), "r+b") as f:   # a corrupt header: named, one line
+    with open(os.path.join(hf, "model.safetensors"), "r+b") as f:  # a corrupt header: named, one line
         f.write(b"\xff" * 16)
     assert f"{hf}/model.safetensors: not a readable safetensors file" in refused(capsys, *rl(tmp_path, data, *over))
     os.remove(os.path.join(hf, "model.safetensors"))
@@ -117,9 +138,19 @@ def test_the_memory_plan_must_fit_and_plan_exits_nonzero_when_it_does_not(tmp_pa
 
 def test_eval_settings_and_files(tmp_path, capsys):
     fixtures = os.path.join(ROOT, "tests", "fixtures", "eval")
+
     def base(task: str, data_dir: str) -> list[str]:
-        return ["eval", "--dry-run", "--tasks", task, "model.family=sdar", "model.tiny=true", "model.block_size=4",
-                f"eval.data_dir={data_dir}", f"logging.run_dir={tmp_path}"]
+        return [
+            "eval",
+            "--dry-run",
+            "--tasks",
+            task,
+            "model.family=sdar",
+            "model.tiny=true",
+            "model.block_size=4",
+            f"eval.data_dir={data_dir}",
+            f"logging.run_dir={tmp_path}",
+        ]
 
     rc, _, err = dry(capsys, *base("gsm8k", fixtures))
     assert rc == 0, err
@@ -139,8 +170,11 @@ def test_a_run_directory_in_use_is_refused(tmp_path, data, capsys):
     try:
         run = tmp_path / "run"
         run.mkdir()
-        (run / "megadare.lock").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
-                                                        "started": psutil.Process(holder.pid).create_time()}))
+        (run / "megadare.lock").write_text(
+            json.dumps(
+                {"pid": holder.pid, "host": socket.gethostname(), "started": psutil.Process(holder.pid).create_time()}
+            )
+        )
         assert f"{run} is in use by pid {holder.pid}" in refused(capsys, *rl(tmp_path, data))
     finally:
         holder.kill()
@@ -162,7 +196,7 @@ def test_rl_prompts_over_the_budget_follow_data_overlong_when_loaded(tmp_path, c
     train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
     assert [p.where for p in train] == [f"{path}:1", f"{path}:3"]
     assert "data: left out 1 prompts longer than 20 tokens" in capsys.readouterr().err
-    cfg = load_config(None, [f"data.path={path}"])                               # truncate: keep the end
+    cfg = load_config(None, [f"data.path={path}"])  # truncate: keep the end
     train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
     full = tok.chat_prompt([{"role": "user", "content": "x" * 40}])
     assert len(train) == 3 and train[1].prompt_ids == full[-20:]
@@ -178,11 +212,13 @@ def test_code_rewards_need_the_sandbox_before_anything_starts(tmp_path, data, ca
 
     def refuse(mode=None):
         calls.append(mode)
-        raise rewards.SandboxUnavailable("sandbox: this machine refused the OS isolation (unshare: Operation not "
-                                         "permitted). Set rewards.code.isolation=process to accept the weaker guard")
+        raise rewards.SandboxUnavailable(
+            "sandbox: this machine refused the OS isolation (unshare: Operation not "
+            "permitted). Set rewards.code.isolation=process to accept the weaker guard"
+        )
 
     monkeypatch.setattr(rewards, "check_isolation", refuse)
     err = refused(capsys, *rl(tmp_path, data, "rl.reward=code"))
     assert "rewards.code.isolation=process" in err and len(calls) == 1
-    rc, _, _ = dry(capsys, *rl(tmp_path, data, "rl.reward=exact_match"))   # no program runs: not checked
+    rc, _, _ = dry(capsys, *rl(tmp_path, data, "rl.reward=exact_match"))  # no program runs: not checked
     assert rc == 0 and len(calls) == 1

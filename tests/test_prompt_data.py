@@ -1,5 +1,6 @@
 """RL prompt sets: prompt / messages / pre-tokenized records, the tokenizer's chat rendering (as SFT), errors that
 name file:line and field, and synthetic train / held-out splits that never overlap."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,11 @@ TOK = ByteTokenizer()
 
 
 def test_record_shapes_render_like_sft():
-    recs = [{"prompt": "ab>", "answer": "ba"},
-            {"messages": [{"role": "user", "content": "ab>"}], "answer": "ba"},
-            {"prompt_ids": [1, 2, 3], "answer": "x", "tests": {"inputs": []}}]
+    recs = [
+        {"prompt": "ab>", "answer": "ba"},
+        {"messages": [{"role": "user", "content": "ab>"}], "answer": "ba"},
+        {"prompt_ids": [1, 2, 3], "answer": "x", "tests": {"inputs": []}},
+    ]
     out = build_prompts(recs, TOK, "mem")
     assert out[0].prompt_ids == TOK.chat_prompt([{"role": "user", "content": "ab>"}]) == out[1].prompt_ids
     assert out[2].prompt_ids == [1, 2, 3] and out[2].record["tests"] == {"inputs": []}

@@ -4,6 +4,7 @@ Always run: the torch-only fp8 casts (error bound, exact scales, SGLang names), 
 Megatron-checkpoint source, the CLI tool and the missing-ModelOpt error. Only where ``nvidia-modelopt`` imports
 (CI does not install it): a CPU FP8 calibration + HF export of a tiny model, checked against the original logits.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,16 @@ import sys
 import pytest
 import torch
 
-from megadare.convert.fp8 import (BLOCK, FP8_MAX, dequantize_fp8, fp8_block_quant_config, fp8_rollout_weights,
-                                  linear_hf_names, quantize_fp8_block, quantize_fp8_per_tensor)
+from megadare.convert.fp8 import (
+    BLOCK,
+    FP8_MAX,
+    dequantize_fp8,
+    fp8_block_quant_config,
+    fp8_rollout_weights,
+    linear_hf_names,
+    quantize_fp8_block,
+    quantize_fp8_per_tensor,
+)
 from megadare.convert.quantize import MODELOPT_INSTALL, ModelOptMissing, quantize_export
 from megadare.models.safetensors_io import SafetensorsReader
 from megadare.models import read_hf_config as read_config
@@ -32,7 +41,7 @@ LOGITS_RTOL = 0.15
 def _within_fp8_bound(deq: torch.Tensor, w: torch.Tensor, step: torch.Tensor) -> bool:
     """|deq - w| <= max(2^-4 |w|, 2^-10 s) elementwise (normal: half an ulp of 3 mantissa bits; subnormal:
     half the subnormal step 2^-9 s), with a 1e-6 relative allowance for fp32 arithmetic."""
-    bound = torch.maximum(w.abs() * 2.0 ** -4, step * 2.0 ** -10) * (1 + 1e-6) + 1e-12
+    bound = torch.maximum(w.abs() * 2.0**-4, step * 2.0**-10) * (1 + 1e-6) + 1e-12
     return bool(((deq - w).abs() <= bound).all())
 
 
@@ -44,21 +53,21 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 def test_block_fp8_error_bound_and_exact_scales(shape):
     torch.manual_seed(0)
     w = torch.randn(shape) * 0.02
-    w[0, 0] = 3.0                                   # an outlier only its own tile sees
+    w[0, 0] = 3.0  # an outlier only its own tile sees
     if shape[0] > 128 and shape[1] > 128:
-        w[128:256, 128:256] = 0                     # an all-zero tile: finite scale, exact zeros back
+        w[128:256, 128:256] = 0  # an all-zero tile: finite scale, exact zeros back
     q, s = quantize_fp8_block(w)
     nb, kb = -(-shape[0] // 128), -(-shape[1] // 128)
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
     assert s.dtype == torch.float32 and s.shape == (nb, kb)
-    for i in range(nb):                             # scale = amax(tile) / 448, tile by tile
+    for i in range(nb):  # scale = amax(tile) / 448, tile by tile
         for j in range(kb):
-            tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            tile = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             assert s[i, j] == tile.abs().max().clamp(min=1e-12) / FP8_MAX
     deq = dequantize_fp8(q, s, BLOCK)
     step = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]]
     assert _within_fp8_bound(deq, w, step)
-    assert deq.abs().max() == w.abs().max()         # the amax element is exactly representable (448 * s)
+    assert deq.abs().max() == w.abs().max()  # the amax element is exactly representable (448 * s)
     if shape[0] > 128 and shape[1] > 128:
         assert not deq[128:256, 128:256].any()
 
@@ -84,9 +93,20 @@ def test_rollout_weights_follow_sglang_names(family):
     linear = linear_hf_names(table)
     assert linear == linear_hf_names(cfg)
     named = list(build_hf_model(cfg).state_dict().items())
-    assert not any(n.endswith(("norm.weight", "embed_tokens.weight", "word_embeddings.weight", "mlp.gate.weight",
-                               "lm_head.weight", "transformer.ff_out.weight", "transformer.wte.weight"))
-                   for n in linear)
+    assert not any(
+        n.endswith(
+            (
+                "norm.weight",
+                "embed_tokens.weight",
+                "word_embeddings.weight",
+                "mlp.gate.weight",
+                "lm_head.weight",
+                "transformer.ff_out.weight",
+                "transformer.wte.weight",
+            )
+        )
+        for n in linear
+    )
     if family == "llada2":
         assert "model.layers.0.attention.query_key_value.weight" in linear
     out = list(fp8_rollout_weights(named, linear))
@@ -141,19 +161,27 @@ def test_fp8_block_checkpoint_matches_rollout_stream(sdar_dir, tmp_path):
     from megadare.models import load_hf_model
 
     out = str(tmp_path / "fp8b")
-    os.makedirs(out)                                        # an existing output is replaced, atomically
+    os.makedirs(out)  # an existing output is replaced, atomically
     assert quantize_export(sdar_dir, out, fmt="fp8-block") == out
     assert not os.path.exists(out + ".tmp") and sorted(os.listdir(tmp_path)) == ["fp8b"]
     with open(os.path.join(out, "config.json")) as f:
         cfg = json.load(f)
-    assert cfg["quantization_config"] == fp8_block_quant_config() == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert (
+        cfg["quantization_config"]
+        == fp8_block_quant_config()
+        == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    )
     src = SafetensorsReader(sdar_dir)
     stream = dict(fp8_rollout_weights(src.items(), linear_hf_names(cfg)))
     r = SafetensorsReader(out)
     assert set(r.keys()) == set(stream)
-    assert all(torch.equal(r.get(k).view(torch.uint8) if r.dtype(k) == torch.float8_e4m3fn else r.get(k),
-                           v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v) for k, v in stream.items())
+    assert all(
+        torch.equal(
+            r.get(k).view(torch.uint8) if r.dtype(k) == torch.float8_e4m3fn else r.get(k),
+            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+        )
+        for k, v in stream.items()
+    )
     ids = torch.arange(3, 40)[None]
     with torch.no_grad():
         ref = load_hf_model(sdar_dir)(ids)
@@ -183,7 +211,7 @@ def test_megatron_checkpoint_source(sdar_dir, tmp_path):
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_missing_modelopt_names_the_install(sdar_dir, tmp_path, monkeypatch, fmt):
     for mod in ("modelopt", "modelopt.torch", "modelopt.torch.quantization", "modelopt.torch.export"):
-        monkeypatch.setitem(sys.modules, mod, None)         # import of a None entry raises ImportError
+        monkeypatch.setitem(sys.modules, mod, None)  # import of a None entry raises ImportError
     with pytest.raises(ModelOptMissing, match="pip install nvidia-modelopt") as e:
         quantize_export(sdar_dir, str(tmp_path / "q"), fmt=fmt)
     assert isinstance(e.value, ImportError) and "megadare[quant]" in str(e.value)
@@ -191,15 +219,18 @@ def test_missing_modelopt_names_the_install(sdar_dir, tmp_path, monkeypatch, fmt
 
 
 def test_package_imports_without_modelopt():
-    code = ("import sys; sys.modules['modelopt'] = None; import megadare.convert.quantize, megadare.convert.fp8; "
-            "print('ok')")
+    code = (
+        "import sys; sys.modules['modelopt'] = None; import megadare.convert.quantize, megadare.convert.fp8; "
+        "print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("quantize_tool", os.path.join(ROOT, "tools/checkpoint_convert/"
-                                                                                "quantize.py"))
+    spec = importlib.util.spec_from_file_location(
+        "quantize_tool", os.path.join(ROOT, "tools/checkpoint_convert/quantize.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -272,11 +303,12 @@ def test_modelopt_fp8_export_cpu(sdar_dir, tmp_path):
     with torch.no_grad():
         ref = load_hf_model(sdar_dir)(ids)
         w8 = model(ids)
-        for name, mod in model.named_modules():             # activations through fp8 with the exported input_scale
+        for name, mod in model.named_modules():  # activations through fp8 with the exported input_scale
             if f"{name}.weight" in linear:
                 s = r.get(f"{name}.input_scale").float()
-                mod.register_forward_pre_hook(lambda m, a, s=s: (
-                    (a[0] / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s,))
+                mod.register_forward_pre_hook(
+                    lambda m, a, s=s: ((a[0] / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s,)
+                )
         w8a8 = model(ids)
     assert 0 < _rel(w8, ref) < LOGITS_RTOL
     assert 0 < _rel(w8a8, ref) < LOGITS_RTOL
@@ -297,7 +329,7 @@ def test_modelopt_fp8_moe_experts_without_tokens_get_scales(tmp_path):
         assert r.get(k[: -len("weight")] + "input_scale").item() > 0
     for proj in ("gate_proj", "up_proj", "down_proj"):
         scales = [r.get(f"model.layers.0.mlp.experts.{e}.{proj}.input_scale").item() for e in range(8)]
-        assert scales.count(max(scales)) >= 5                # >= 4 uncalibrated share the max of the calibrated
+        assert scales.count(max(scales)) >= 5  # >= 4 uncalibrated share the max of the calibrated
 
 
 def test_modelopt_nvfp4_needs_cuda(sdar_dir, tmp_path):

@@ -10,6 +10,7 @@ Published references used (cited where used):
 * alibaba/rtp-llm rtp_llm/test/tokenizer_test/qwen2_tokenizer_test.py (special tokens inside text);
 * the mask ids of SDAR's and Dream's config.json (151669, 151666).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,8 @@ def _git_blob_id(path: str) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-SDAR_VOCAB_BLOB = "4783fe10ac3adce15ac8f358ef5462739852c569"    # vocab.json of SDAR-1dot7B/4B/8B-Chat
-MERGES_BLOB = "31349551d90c7606f325fe0f11bbb8bd5fa0d7c7"        # merges.txt of every SDAR and Dream-v0-Instruct-7B
+SDAR_VOCAB_BLOB = "4783fe10ac3adce15ac8f358ef5462739852c569"  # vocab.json of SDAR-1dot7B/4B/8B-Chat
+MERGES_BLOB = "31349551d90c7606f325fe0f11bbb8bd5fa0d7c7"  # merges.txt of every SDAR and Dream-v0-Instruct-7B
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,17 @@ def test_the_publishers_vocab_and_merges_byte_for_byte(dream_dir, capsys):
     for d in (qwen_dir("sdar"), dream_dir):
         assert _git_blob_id(os.path.join(d, "vocab.json")) == SDAR_VOCAB_BLOB
         assert _git_blob_id(os.path.join(d, "merges.txt")) == MERGES_BLOB
-    assert sorted(os.listdir(qwen_dir("sdar"))) == ["added_tokens.json", "chat_template.jinja", "merges.txt",
-                                                    "special_tokens_map.json", "tokenizer.json",
-                                                    "tokenizer_config.json", "vocab.json"]
-    assert "tokenizer.json" not in os.listdir(dream_dir)   # as Dream-v0-Instruct-7B: vocab.json + merges.txt
-    assert main(["data", "tokenizer", dream_dir, "--family", "dream"]) == 2   # never replaces files
+    assert sorted(os.listdir(qwen_dir("sdar"))) == [
+        "added_tokens.json",
+        "chat_template.jinja",
+        "merges.txt",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+    ]
+    assert "tokenizer.json" not in os.listdir(dream_dir)  # as Dream-v0-Instruct-7B: vocab.json + merges.txt
+    assert main(["data", "tokenizer", dream_dir, "--family", "dream"]) == 2  # never replaces files
     assert "already holds vocab.json, merges.txt, tokenizer_config.json" in capsys.readouterr().err
 
 
@@ -81,20 +88,171 @@ def test_published_ids(sdar):
         "Transformers (formerly known as pytorch-transformers and pytorch-pretrained-bert) provides general-purpose "
         "architectures (BERT, GPT-2, RoBERTa, XLM, DistilBert, XLNet...) for Natural Language Understanding (NLU) and "
         "Natural Language Generation (NLG) with over 32+ pretrained models in 100+ languages and deep "
-        "interoperability between Jax, PyTorch and TensorFlow.":
-        [8963, 388, 320, 69514, 3881, 438, 4510, 27414, 32852, 388, 323, 4510, 27414, 21334, 35722, 1455, 529, 8,
-         5707, 4586, 58238, 77235, 320, 61437, 11, 479, 2828, 12, 17, 11, 11830, 61437, 64, 11, 1599, 10994, 11,
-         27604, 321, 33, 529, 11, 29881, 6954, 32574, 369, 18448, 11434, 45451, 320, 45, 23236, 8, 323, 18448, 11434,
-         23470, 320, 30042, 38, 8, 448, 916, 220, 18, 17, 10, 80669, 4119, 304, 220, 16, 15, 15, 10, 15459, 323,
-         5538, 94130, 2897, 1948, 619, 706, 11, 5355, 51, 21584, 323, 94986, 13],
+        "interoperability between Jax, PyTorch and TensorFlow.": [
+            8963,
+            388,
+            320,
+            69514,
+            3881,
+            438,
+            4510,
+            27414,
+            32852,
+            388,
+            323,
+            4510,
+            27414,
+            21334,
+            35722,
+            1455,
+            529,
+            8,
+            5707,
+            4586,
+            58238,
+            77235,
+            320,
+            61437,
+            11,
+            479,
+            2828,
+            12,
+            17,
+            11,
+            11830,
+            61437,
+            64,
+            11,
+            1599,
+            10994,
+            11,
+            27604,
+            321,
+            33,
+            529,
+            11,
+            29881,
+            6954,
+            32574,
+            369,
+            18448,
+            11434,
+            45451,
+            320,
+            45,
+            23236,
+            8,
+            323,
+            18448,
+            11434,
+            23470,
+            320,
+            30042,
+            38,
+            8,
+            448,
+            916,
+            220,
+            18,
+            17,
+            10,
+            80669,
+            4119,
+            304,
+            220,
+            16,
+            15,
+            15,
+            10,
+            15459,
+            323,
+            5538,
+            94130,
+            2897,
+            1948,
+            619,
+            706,
+            11,
+            5355,
+            51,
+            21584,
+            323,
+            94986,
+            13,
+        ],
         "🤗 Transformers 提供了可以轻松地下载并且训练先进的预训练模型的 API 和工具。使用预训练模型可以减少计算消耗和碳排放，并且节省"
-        "从头训练所需要的时间和资源。":
-        [144834, 80532, 93685, 83744, 34187, 73670, 104261, 29490, 62189, 103937, 104034, 102830, 98841, 104034,
-         104949, 9370, 5333, 58143, 102011, 1773, 37029, 98841, 104034, 104949, 73670, 101940, 100768, 104997, 33108,
-         100912, 105054, 90395, 100136, 106831, 45181, 64355, 104034, 113521, 101975, 33108, 85329, 1773],
-        '```python\ntokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen-tokenizer")\ntokenizer("世界，你好！")```':
-        [73594, 12669, 198, 85593, 284, 8979, 37434, 6387, 10442, 35722, 445, 48, 16948, 45274, 16948, 34841, 3135,
-         1138, 85593, 445, 99489, 3837, 108386, 6313, 899, 73594],
+        "从头训练所需要的时间和资源。": [
+            144834,
+            80532,
+            93685,
+            83744,
+            34187,
+            73670,
+            104261,
+            29490,
+            62189,
+            103937,
+            104034,
+            102830,
+            98841,
+            104034,
+            104949,
+            9370,
+            5333,
+            58143,
+            102011,
+            1773,
+            37029,
+            98841,
+            104034,
+            104949,
+            73670,
+            101940,
+            100768,
+            104997,
+            33108,
+            100912,
+            105054,
+            90395,
+            100136,
+            106831,
+            45181,
+            64355,
+            104034,
+            113521,
+            101975,
+            33108,
+            85329,
+            1773,
+        ],
+        '```python\ntokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen-tokenizer")\ntokenizer("世界，你好！")```': [
+            73594,
+            12669,
+            198,
+            85593,
+            284,
+            8979,
+            37434,
+            6387,
+            10442,
+            35722,
+            445,
+            48,
+            16948,
+            45274,
+            16948,
+            34841,
+            3135,
+            1138,
+            85593,
+            445,
+            99489,
+            3837,
+            108386,
+            6313,
+            899,
+            73594,
+        ],
     }
     for text, ids in published.items():
         assert sdar.encode(text) == ids
@@ -108,8 +266,11 @@ def test_tiktoken_agrees_on_dare_text(sdar):
     DARE's files hold; the SFT rows' answers and the RL rows' prompts."""
     texts = [r["extra_info"]["answer"] for r in unicode_sft_rows()]
     texts += [r["prompt"][0]["content"] for r in unicode_rl_rows()]
-    texts += ["e\u0301t\u00e9 \u03d2\u0301", "   spaces\t\ttabs\r\n\n\nend",   # NFC; whitespace runs; digits
-              "12345678 + 0.5e-3 = x_{10}"]
+    texts += [
+        "e\u0301t\u00e9 \u03d2\u0301",
+        "   spaces\t\ttabs\r\n\n\nend",  # NFC; whitespace runs; digits
+        "12345678 + 0.5e-3 = x_{10}",
+    ]
     for text in texts:
         ids = sdar.encode(text)
         assert ids == tiktoken_ids(text), text
@@ -117,25 +278,34 @@ def test_tiktoken_agrees_on_dare_text(sdar):
 
 
 def test_family_specials_and_chat_templates(sdar, dream):
-    assert (sdar.eos_token_id, sdar.pad_token_id, sdar.mask_token_id, sdar.vocab_size) == (151643, 151643, 151669,
-                                                                                           151670)
+    assert (sdar.eos_token_id, sdar.pad_token_id, sdar.mask_token_id, sdar.vocab_size) == (
+        151643,
+        151643,
+        151669,
+        151670,
+    )
     assert sdar.tok.convert_ids_to_tokens([151669, 151667, 151668]) == ["<|MASK|>", "<think>", "</think>"]
-    assert (dream.eos_token_id, dream.pad_token_id, dream.mask_token_id, dream.tok.bos_token_id) == (151643, 151643,
-                                                                                                    151666, 151665)
-    assert type(dream.tok).__name__ == "Qwen2Tokenizer"   # Dream names its remote DreamTokenizer; no remote code ran
+    assert (dream.eos_token_id, dream.pad_token_id, dream.mask_token_id, dream.tok.bos_token_id) == (
+        151643,
+        151643,
+        151666,
+        151665,
+    )
+    assert type(dream.tok).__name__ == "Qwen2Tokenizer"  # Dream names its remote DreamTokenizer; no remote code ran
     # transformers' Qwen2-Audio test: "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     # ... "What's that sound?<|im_end|>\n<|im_start|>assistant\n" (without its audio segment)
     system = [IM_START, 8948, 198, 2610, 525, 264, 10950, 17847, 13, IM_END, 198, IM_START, 872, 198]
     question = [3838, 594, 429, 5112, 30]
     turn_end = [IM_END, 198, IM_START, 77091, 198]
     msgs = [{"role": "user", "content": "What's that sound?"}]
-    assert dream.chat_prompt(msgs) == system + question + turn_end      # Qwen2.5's default system prompt
-    assert sdar.chat_prompt(msgs) == system[-3:] + question + turn_end   # Qwen3's template: none
+    assert dream.chat_prompt(msgs) == system + question + turn_end  # Qwen2.5's default system prompt
+    assert sdar.chat_prompt(msgs) == system[-3:] + question + turn_end  # Qwen3's template: none
     prefill = msgs + [{"role": "assistant", "content": "[BEGIN]\n"}]
     # SDAR's template renders the last assistant turn with an empty think block; the prefill stays open
     think, end_think = 151667, 151668
-    assert sdar.chat_prompt(prefill, continue_final=True) == system[-3:] + question + turn_end + \
-        [think] + tiktoken_ids("\n\n") + [end_think] + tiktoken_ids("\n\n") + tiktoken_ids("[BEGIN]\n")
+    assert sdar.chat_prompt(prefill, continue_final=True) == system[-3:] + question + turn_end + [think] + tiktoken_ids(
+        "\n\n"
+    ) + [end_think] + tiktoken_ids("\n\n") + tiktoken_ids("[BEGIN]\n")
 
 
 def test_dare_rows_through_sdar_template(sdar):
@@ -144,7 +314,7 @@ def test_dare_rows_through_sdar_template(sdar):
         assert p.prompt_ids == sdar_user_prompt(row["prompt"][0]["content"])
     for row in unicode_sft_rows():
         ex = record_to_example(row, sdar, "mem")
-        assert ex.prompt_ids == sdar_user_prompt(row["extra_info"]["question"])   # DARE's SFT recipe fields
+        assert ex.prompt_ids == sdar_user_prompt(row["extra_info"]["question"])  # DARE's SFT recipe fields
         assert ex.response_ids == tiktoken_ids(row["extra_info"]["answer"]) + [ENDOFTEXT]
 
 
@@ -173,7 +343,7 @@ def test_inspect_without_a_model_counts_utf8_bytes(tmp_path):
     # <|user|> + content bytes + "\n" + <|assistant|>
     rl_bytes = [len(r["prompt"][0]["content"].encode()) + 3 for r in unicode_rl_rows()]
     assert lines[lines.index(f"== {rl}") + 4] == f"prompt bytes: {_percentiles(rl_bytes)}"
-    answers = [len(r["extra_info"]["answer"].encode()) + 1 for r in unicode_sft_rows()]   # + eos
+    answers = [len(r["extra_info"]["answer"].encode()) + 1 for r in unicode_sft_rows()]  # + eos
     assert f"response bytes: {_percentiles(answers)}" in lines
     assert lines[-1] == "reward of gold answers: 1.000 over 8 records (auto)"
     assert Utf8ByteTokenizer().decode(Utf8ByteTokenizer().encode("Janet’s 小明 🍎")) == "Janet’s 小明 🍎"

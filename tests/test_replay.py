@@ -1,4 +1,5 @@
 """Replay over the last K behaviour policies: bookkeeping, checkpoint round trip, balance-heuristic MIS, selection."""
+
 from __future__ import annotations
 
 import io
@@ -12,10 +13,18 @@ import pytest
 import torch
 
 from megadare.algos.base import RLSample
-from megadare.trainer.offpolicy.replay import (ReplayBuffer, balance_heuristic_weights, chi2_ess, mis_weights,
-                                               mixture_estimate, own_behaviour_weights, per_version_loss_weights,
-                                               per_version_normalised_advantages, sample_version,
-                                               variance_guided_scores)
+from megadare.trainer.offpolicy.replay import (
+    ReplayBuffer,
+    balance_heuristic_weights,
+    chi2_ess,
+    mis_weights,
+    mixture_estimate,
+    own_behaviour_weights,
+    per_version_loss_weights,
+    per_version_normalised_advantages,
+    sample_version,
+    variance_guided_scores,
+)
 
 
 @dataclass
@@ -34,6 +43,7 @@ def _fill(buf: ReplayBuffer, versions, per: int = 2) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # bookkeeping
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_keeps_exactly_last_k_versions_oldest_evicted_first():
     buf = ReplayBuffer(k=3)
@@ -74,7 +84,7 @@ def test_warmup_gating_counts_distinct_versions():
     for v in (0, 0, 1, 2, 3):
         _fill(buf, [v])
         readiness.append(buf.ready)
-    assert readiness == [False, False, False, True, True]   # re-adding version 0 does not count
+    assert readiness == [False, False, False, True, True]  # re-adding version 0 does not count
     assert buf.versions_seen == 4 and buf.versions == [2, 3]  # evicted versions still count as seen
     assert ReplayBuffer(k=1, warmup=0).ready
 
@@ -100,6 +110,7 @@ def test_staleness_values_and_histogram():
 # checkpoint / resume
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _rl_buffer(seed: int = 0) -> ReplayBuffer:
     g = torch.Generator().manual_seed(seed)
     buf = ReplayBuffer(k=3, warmup=2, capacity_per_version=6)
@@ -108,8 +119,17 @@ def _rl_buffer(seed: int = 0) -> ReplayBuffer:
         for i in range(8):
             L = int(torch.randint(2, 6, (1,), generator=g))
             lr = (0.05 if i % 2 else 0.8) * torch.randn(L, generator=g)
-            batch.append(RLSample(list(range(3)), list(range(L)), reward=float(i % 3 == 0), advantage=0.1 * i,
-                                  index=i, group=i // 4, extra={"log_ratio": lr}))
+            batch.append(
+                RLSample(
+                    list(range(3)),
+                    list(range(L)),
+                    reward=float(i % 3 == 0),
+                    advantage=0.1 * i,
+                    index=i,
+                    group=i // 4,
+                    extra={"log_ratio": lr},
+                )
+            )
         buf.add(batch, version=v)
     return buf
 
@@ -141,10 +161,24 @@ def test_state_dict_round_trip_restores_selection_and_staleness(via):
     assert new.metrics(6) == buf.metrics(6)
     assert [e.uses for e in new.entries()] == [e.uses for e in buf.entries()]
     for temperature, level in ((0.0, "sample"), (0.5, "sample"), (0.0, "group")):
-        a = buf.select(5, 6, log_ratios=_lr(buf, 6, 3), generator=torch.Generator().manual_seed(7),
-                       temperature=temperature, level=level, max_staleness=3)
-        b = new.select(5, 6, log_ratios=_lr(new, 6, 3), generator=torch.Generator().manual_seed(7),
-                       temperature=temperature, level=level, max_staleness=3)
+        a = buf.select(
+            5,
+            6,
+            log_ratios=_lr(buf, 6, 3),
+            generator=torch.Generator().manual_seed(7),
+            temperature=temperature,
+            level=level,
+            max_staleness=3,
+        )
+        b = new.select(
+            5,
+            6,
+            log_ratios=_lr(new, 6, 3),
+            generator=torch.Generator().manual_seed(7),
+            temperature=temperature,
+            level=level,
+            max_staleness=3,
+        )
         assert a.uids == b.uids and len(a) > 0
         assert [s.index for s in a.samples] == [s.index for s in b.samples]
         assert torch.equal(a.versions, b.versions) and torch.equal(a.staleness, b.staleness)
@@ -164,6 +198,7 @@ def test_state_dict_round_trip_restores_selection_and_staleness(via):
 # balance heuristic, exact enumeration
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _log(x: float) -> float:
     return math.log(x) if x > 0 else float("-inf")
 
@@ -171,7 +206,7 @@ def _log(x: float) -> float:
 def _exact_mixture_expectation(p, qs, counts, f, weight_fn):
     """E over the joint draw of counts[j] i.i.d. samples from each qs[j] of (1/n) sum_samples w f, enumerating
     every joint outcome (no Monte Carlo). ``weight_fn(xs, sources) -> w [n]``."""
-    plan = [j for j, c in enumerate(counts) for _ in range(c)]   # the source of each sample slot
+    plan = [j for j, c in enumerate(counts) for _ in range(c)]  # the source of each sample slot
     n, M = len(plan), len(p)
     total, mass = 0.0, 0.0
     for xs in itertools.product(range(M), repeat=n):
@@ -190,6 +225,7 @@ def _bh(p, qs, counts):
         target = torch.tensor([_log(p[x]) for x in xs], dtype=torch.float64)
         beh = torch.tensor([[_log(q[x]) for x in xs] for q in qs], dtype=torch.float64)
         return balance_heuristic_weights(target, beh, torch.tensor(counts))
+
     return weight_fn
 
 
@@ -198,26 +234,35 @@ def _own(p, qs):
         target = torch.tensor([_log(p[x]) for x in xs], dtype=torch.float64)
         beh = torch.tensor([_log(qs[j][x]) for j, x in zip(plan, xs)], dtype=torch.float64)
         return own_behaviour_weights(target, beh)
+
     return weight_fn
 
 
 CASES = [
     # p, behaviour q_j, counts n_j, f
-    ([Fraction(1, 2), Fraction(3, 10), Fraction(1, 5)],
-     [[Fraction(7, 10), Fraction(3, 10), Fraction(0)], [Fraction(1, 10), Fraction(1, 5), Fraction(7, 10)]],
-     [2, 1], [Fraction(1), Fraction(-2), Fraction(5)]),
-    ([Fraction(1, 4), Fraction(1, 4), Fraction(1, 4), Fraction(1, 4)],
-     [[Fraction(1, 2), Fraction(1, 2), Fraction(0), Fraction(0)],
-      [Fraction(0), Fraction(1, 3), Fraction(1, 3), Fraction(1, 3)],
-      [Fraction(1, 10), Fraction(2, 10), Fraction(3, 10), Fraction(4, 10)]],
-     [1, 2, 1], [Fraction(3), Fraction(0), Fraction(-1), Fraction(7, 2)]),
+    (
+        [Fraction(1, 2), Fraction(3, 10), Fraction(1, 5)],
+        [[Fraction(7, 10), Fraction(3, 10), Fraction(0)], [Fraction(1, 10), Fraction(1, 5), Fraction(7, 10)]],
+        [2, 1],
+        [Fraction(1), Fraction(-2), Fraction(5)],
+    ),
+    (
+        [Fraction(1, 4), Fraction(1, 4), Fraction(1, 4), Fraction(1, 4)],
+        [
+            [Fraction(1, 2), Fraction(1, 2), Fraction(0), Fraction(0)],
+            [Fraction(0), Fraction(1, 3), Fraction(1, 3), Fraction(1, 3)],
+            [Fraction(1, 10), Fraction(2, 10), Fraction(3, 10), Fraction(4, 10)],
+        ],
+        [1, 2, 1],
+        [Fraction(3), Fraction(0), Fraction(-1), Fraction(7, 2)],
+    ),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_balance_heuristic_is_unbiased_by_enumeration(case):
     p, qs, counts, f = CASES[case]
-    exact = sum(pi * fi for pi, fi in zip(p, f))                 # E_p[f] as an exact fraction
+    exact = sum(pi * fi for pi, fi in zip(p, f))  # E_p[f] as an exact fraction
     pf, qf, ff = [float(x) for x in p], [[float(x) for x in q] for q in qs], [float(x) for x in f]
     got = _exact_mixture_expectation(pf, qf, counts, ff, _bh(pf, qf, counts))
     assert got == pytest.approx(float(exact), abs=1e-12)
@@ -228,9 +273,11 @@ def test_balance_heuristic_is_unbiased_by_enumeration(case):
     n = sum(counts)
     for x in range(len(p)):
         mix = sum(Fraction(c, n) * q[x] for c, q in zip(counts, qs))
-        w = balance_heuristic_weights(torch.tensor([_log(pf[x])], dtype=torch.float64),
-                                      torch.tensor([[_log(q[x])] for q in qf], dtype=torch.float64),
-                                      torch.tensor(counts))
+        w = balance_heuristic_weights(
+            torch.tensor([_log(pf[x])], dtype=torch.float64),
+            torch.tensor([[_log(q[x])] for q in qf], dtype=torch.float64),
+            torch.tensor(counts),
+        )
         assert float(w) == pytest.approx(float(p[x] / mix), rel=1e-12)
 
 
@@ -244,12 +291,14 @@ def test_balance_heuristic_is_unbiased_on_the_exact_toy_dllm():
 
     c = [1, 2]
     ys = list(itertools.product(range(3), repeat=3))
+
     def dist(seed):
         return [math.exp(Exact(Toy(seed), c, list(y)).loglik()) for y in ys]
+
     q0, q1, p = dist(0), dist(1), dist(2)
     for d in (q0, q1, p):
         assert sum(d) == pytest.approx(1.0, abs=1e-12)
-    f = [float(sum(y)) - 2.0 * y[0] * y[2] for y in ys]              # any function of the response (a reward)
+    f = [float(sum(y)) - 2.0 * y[0] * y[2] for y in ys]  # any function of the response (a reward)
     exact = sum(pi * fi for pi, fi in zip(p, f))
     got = _exact_mixture_expectation(p, [q0, q1], [1, 1], f, _bh(p, [q0, q1], [1, 1]))
     assert got == pytest.approx(exact, abs=1e-12)
@@ -281,10 +330,14 @@ def test_balance_heuristic_special_cases():
     # a zero count removes that policy from the mixture; scaling all counts changes nothing
     other = torch.randn(16, generator=g, dtype=torch.float64)
     both = torch.stack([beh, other])
-    assert torch.allclose(balance_heuristic_weights(target, both, torch.tensor([3, 0])),
-                          torch.exp(target - beh), rtol=1e-12)
-    assert torch.allclose(balance_heuristic_weights(target, both, torch.tensor([1, 2])),
-                          balance_heuristic_weights(target, both, torch.tensor([10, 20])), rtol=1e-12)
+    assert torch.allclose(
+        balance_heuristic_weights(target, both, torch.tensor([3, 0])), torch.exp(target - beh), rtol=1e-12
+    )
+    assert torch.allclose(
+        balance_heuristic_weights(target, both, torch.tensor([1, 2])),
+        balance_heuristic_weights(target, both, torch.tensor([10, 20])),
+        rtol=1e-12,
+    )
     # truncation caps, float32 in -> float32 out
     w = balance_heuristic_weights(target.float(), both.float(), torch.tensor([1, 1]), threshold=1.5)
     assert w.dtype == torch.float32 and float(w.max()) <= 1.5
@@ -293,8 +346,10 @@ def test_balance_heuristic_special_cases():
     # from per-sample versions: counts are taken from the batch, rows ordered by version
     versions = torch.tensor([5, 3, 5, 5] * 4)
     by_v = {3: other, 5: beh, 9: target}
-    assert torch.allclose(mis_weights(target, by_v, versions),
-                          balance_heuristic_weights(target, torch.stack([other, beh]), torch.tensor([4, 12])))
+    assert torch.allclose(
+        mis_weights(target, by_v, versions),
+        balance_heuristic_weights(target, torch.stack([other, beh]), torch.tensor([4, 12])),
+    )
     with pytest.raises(ValueError, match="versions \\[3\\]"):
         mis_weights(target, {5: beh}, versions)
     assert float(mixture_estimate(torch.tensor([1.0, 3.0]), torch.tensor([2.0, 0.0]))) == 1.0
@@ -307,9 +362,9 @@ def test_per_version_advantages_and_weights():
     for v in (0, 1):
         x = a[ver == v].double()
         assert abs(float(x.mean())) < 1e-6 and float(x.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
-    assert float(a[5]) == 0.0   # a lone sample of its version: centred
+    assert float(a[5]) == 0.0  # a lone sample of its version: centred
     assert torch.allclose(per_version_normalised_advantages(adv, ver, scale=False)[:2], torch.tensor([-1.0, 1.0]))
-    assert float(per_version_normalised_advantages(adv, ver, center=False)[5]) == -4.0   # never divided by eps
+    assert float(per_version_normalised_advantages(adv, ver, center=False)[5]) == -4.0  # never divided by eps
     w = per_version_loss_weights(ver)
     assert torch.allclose(w, torch.full((6,), 1 / 6, dtype=torch.float64))
     w = per_version_loss_weights(ver, "uniform")
@@ -321,6 +376,7 @@ def test_per_version_advantages_and_weights():
 # ---------------------------------------------------------------------------------------------------------------
 # selection
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _matched_buffer():
     """4 versions x 8 samples; odd samples' behaviour matches the current policy (tiny log ratios), even ones
@@ -346,7 +402,7 @@ def test_selection_prefers_matched_samples_and_is_deterministic():
     for kind in ("token_chi2", "token_k2", "token_k3", "log_ratio_var"):
         sel = buf.select(16, 4, log_ratios=lr, kind=kind, generator=torch.Generator().manual_seed(0))
         assert len(sel) == 16 and all(s.name.endswith("m") for s in sel.samples), kind
-        assert bool((sel.scores[1:] >= sel.scores[:-1]).all())          # best matched first
+        assert bool((sel.scores[1:] >= sel.scores[:-1]).all())  # best matched first
         assert sel.staleness.tolist() == (4 - sel.versions).tolist()
     # the sequence-level weight only sees sum_k l_k, so a mismatched sample whose token ratios cancel looks
     # matched to it (its sequence weight is ~1): most, not all, of its picks are the matched samples
@@ -363,8 +419,10 @@ def test_selection_prefers_matched_samples_and_is_deterministic():
     flat = torch.zeros(len(buf), dtype=torch.float64)
     orders = {tuple(buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(s)).uids) for s in range(4)}
     assert len(orders) > 1
-    assert (buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(2)).uids
-            == buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(2)).uids)
+    assert (
+        buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(2)).uids
+        == buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(2)).uids
+    )
     # metrics of the batch the selection joins
     m = buf.metrics(4, selection=sel, n_fresh=48)
     assert m["replay/replay_fraction"] == pytest.approx(0.25) and m["replay/replayed"] == 16
@@ -390,8 +448,14 @@ def test_selection_levels_thresholds_and_filters():
     sel = buf.select(32, 4, log_ratios=lr, drop_degenerate_groups=True, generator=gen())
     assert sorted({s.group for s in sel.samples}) == [0, 2]
     # staleness cap, score_fn, consume
-    sel = buf.select(32, 4, score_fn=lambda ss: torch.tensor([float(s.name.endswith("x")) for s in ss]),
-                     max_staleness=2, consume=True, generator=gen())
+    sel = buf.select(
+        32,
+        4,
+        score_fn=lambda ss: torch.tensor([float(s.name.endswith("x")) for s in ss]),
+        max_staleness=2,
+        consume=True,
+        generator=gen(),
+    )
     assert sorted(set(sel.versions.tolist())) == [2, 3] and len(sel) == 16 and len(buf) == 16
     assert buf.versions == [0, 1]
     with pytest.raises(ValueError, match="exactly one"):

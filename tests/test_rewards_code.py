@@ -1,5 +1,6 @@
 """Code rewards and the sandbox: correct/wrong programs, and hostile ones (loops, memory, fork bombs, file
 escapes, network, output floods) that must be stopped without harming the test process or the machine."""
+
 import os
 import signal
 import socket
@@ -72,7 +73,7 @@ def test_extract_code():
     assert extract_code("text\n```python\nprint(1)\n```\nmore\n```python\nprint(2)\n```\n") == "print(2)\n"
     assert extract_code("```py\nx=1\n```\n```\nplain\n```") == "x=1\n"
     assert extract_code("```\nplain\n```") == "plain\n"
-    assert extract_code("```python\nprint(3)\n") == "print(3)\n"   # unclosed fence (truncated)
+    assert extract_code("```python\nprint(3)\n") == "print(3)\n"  # unclosed fence (truncated)
     assert extract_code("print(4)") == "print(4)"
 
 
@@ -114,11 +115,11 @@ def test_infinite_loop_times_out_and_group_is_killed():
             pass
     """)
     t0 = time.monotonic()
-    r = run_program(prog, timeout_s=4.0, max_processes=2)   # room to start and print the child's pid under load
+    r = run_program(prog, timeout_s=4.0, max_processes=2)  # room to start and print the child's pid under load
     assert time.monotonic() - t0 < 4.0 + 5.0
     assert r.status == "timeout", r
-    assert int(r.stdout.split()[0]) > 0   # the grandchild started (its pid in the sandbox's PID namespace)
-    deadline = time.monotonic() + 3.0      # found here by its process group: the run's, on this machine
+    assert int(r.stdout.split()[0]) > 0  # the grandchild started (its pid in the sandbox's PID namespace)
+    deadline = time.monotonic() + 3.0  # found here by its process group: the run's, on this machine
     while _group_members(r.pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _group_members(r.pgid) == [], f"the grandchild in group {r.pgid} survived the sandbox"
@@ -141,8 +142,8 @@ def test_fork_bomb_is_refused(layers):
     # never run a fork bomb unless the refusal is in place before the user code starts
     assert "audit_hook" in layers
     r = run_program("import os\nwhile True:\n    os.fork()", timeout_s=15)
-    assert r.status == "refused", r                            # ended by the refusal, not by the deadline
-    assert _group_members(r.pgid) == []                        # nothing of the bomb is left running
+    assert r.status == "refused", r  # ended by the refusal, not by the deadline
+    assert _group_members(r.pgid) == []  # nothing of the bomb is left running
     r2 = run_program("import subprocess\nsubprocess.run(['true'])", timeout_s=5)
     assert r2.status == "refused", r2
     r3 = run_program("import _posixsubprocess\n_posixsubprocess.fork_exec()", timeout_s=5)
@@ -164,8 +165,9 @@ def test_fork_denied_by_kernel_layer(layers):
     r = run_program(prog, timeout_s=5, audit_hook=False)
     assert r.status == "error" and "forked" not in r.stdout, r
     assert "Operation not permitted" in r.stderr
-    threads = run_program("import threading\nt = threading.Thread(target=print, args=('t',))\nt.start()\nt.join()",
-                          audit_hook=False)
+    threads = run_program(
+        "import threading\nt = threading.Thread(target=print, args=('t',))\nt.start()\nt.join()", audit_hook=False
+    )
     assert threads.status == "ok" and threads.stdout == "t\n", threads
 
 
@@ -177,9 +179,12 @@ def test_signals_to_other_processes_are_refused(layers, hook):
     for target in ("os.kill(os.getppid(), 0)", "os.killpg(os.getpgid(os.getppid()), 0)", "os.kill(-1, 0)"):
         r = run_program(f"import os\n{target}\nprint('sent')", audit_hook=hook)
         assert r.status == ("refused" if hook else "error") and "sent" not in r.stdout, (target, r)
-    own = run_program("import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: print('got'))\n"
-                      "signal.raise_signal(signal.SIGUSR1)\nos.kill(os.getpid(), signal.SIGUSR1)\n"
-                      "print('self ok')", audit_hook=hook)
+    own = run_program(
+        "import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: print('got'))\n"
+        "signal.raise_signal(signal.SIGUSR1)\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print('self ok')",
+        audit_hook=hook,
+    )
     assert own.status == "ok" and own.stdout == "got\ngot\nself ok\n", own
 
 
@@ -192,7 +197,7 @@ def test_write_outside_tmpdir_is_refused(how):
         "symlink": f"import os\nos.symlink({target!r}, 'link')\nopen('link', 'w').write('escaped')",
         "rename": f"open('inside', 'w').write('escaped')\nimport os\nos.rename('inside', {target!r})",
         "dir_fd": "import os\nd = os.open('/tmp', os.O_RDONLY)\n"
-                  f"fd = os.open({os.path.basename(target)!r}, os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+        f"fd = os.open({os.path.basename(target)!r}, os.O_WRONLY | os.O_CREAT, dir_fd=d)",
         "dotdot": f"import os\nos.mkdir('a')\nopen('a/../../{os.path.basename(target)}', 'w').write('escaped')",
         "chdir": f"import os\nos.chdir('/tmp')\nopen({os.path.basename(target)!r}, 'w').write('escaped')",
     }
@@ -273,9 +278,14 @@ def test_output_flood_is_capped():
 
 
 def test_reward_worker_survives_hostile_cases():
-    hostile = ["import os\nwhile True:\n    os.fork()", "x = bytearray(100 * 2**30)", "while True:\n    pass",
-               "while True:\n    print('y' * 4096)", "import os\nos.kill(os.getppid(), 9)",
-               "import socket\nsocket.socket()"]
+    hostile = [
+        "import os\nwhile True:\n    os.fork()",
+        "x = bytearray(100 * 2**30)",
+        "while True:\n    pass",
+        "while True:\n    print('y' * 4096)",
+        "import os\nos.kill(os.getppid(), 9)",
+        "import socket\nsocket.socket()",
+    ]
     for src in hostile:
         assert code_reward(f"```python\n{src}\n```", {"inputs": [""], "outputs": ["1"]}, timeout_s=1.0) == 0.0
     assert code_reward(f"```python\n{SUM_PROG}```", IO_TESTS) == 1.0
@@ -291,7 +301,8 @@ def reward_module(tmp_path, monkeypatch):
         "def length_reward(response, record):\n    return len(response) / 10\n"
         "def boom(response, record):\n    raise RuntimeError('bad reward')\n"
         "def slow(response, record):\n    import time\n    time.sleep(float(record.get('sleep', 0)))\n    return 1.0\n"
-        "NOT_CALLABLE = 3\n")
+        "NOT_CALLABLE = 3\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
 
@@ -321,16 +332,14 @@ def test_combine_and_score_batch_stats(reward_module):
 
     slow = f"{reward_module}:slow"
     t0 = time.monotonic()
-    scores, stats = score_batch(slow, ["a", "b", "c"], [{"sleep": 30}, {}, {"sleep": 0.05}], workers=1,
-                                timeout_s=0.5)
+    scores, stats = score_batch(slow, ["a", "b", "c"], [{"sleep": 30}, {}, {"sleep": 0.05}], workers=1, timeout_s=0.5)
     assert time.monotonic() - t0 < 5.0
     assert scores == [0.0, 1.0, 1.0] and stats.timeouts == 1 and stats.errors == 0 and stats.n == 3
 
 
 def test_score_batch_code_builtin():
     good = f"```python\n{SUM_PROG}```"
-    scores, stats = score_batch("code", [good, "```python\nprint(-1)\n```", good], [{"tests": IO_TESTS}] * 3,
-                                workers=2)
+    scores, stats = score_batch("code", [good, "```python\nprint(-1)\n```", good], [{"tests": IO_TESTS}] * 3, workers=2)
     assert scores == [1.0, 0.0, 1.0] and stats.errors == 0
     scores, stats = score_batch("code", [good], [{}])
     assert scores == [0.0] and stats.errors == 1

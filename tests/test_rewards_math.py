@@ -1,4 +1,5 @@
 """Math rewards: answer extraction, normalisation, equivalence (through math-verify), the killable pool."""
+
 import threading
 import time
 
@@ -14,12 +15,14 @@ from megadare.rewards.scoring import score_batch
 BOXED_CASES = [
     (r"so \boxed{42}", "42"),
     (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
-    (r"nested \boxed{\left\{ x \mid x^{2} > \frac{1}{4} \right\}} done",
-     r"\left\{ x \mid x^{2} > \frac{1}{4} \right\}"),
+    (
+        r"nested \boxed{\left\{ x \mid x^{2} > \frac{1}{4} \right\}} done",
+        r"\left\{ x \mid x^{2} > \frac{1}{4} \right\}",
+    ),
     (r"first \boxed{1} then \boxed{2} finally \boxed{3}.", "3"),
     (r"\fbox{7}", "7"),
     (r"the answer is $\boxed 5$.", "5"),
-    (r"\boxed{12", None),                 # truncated generation: unclosed box
+    (r"\boxed{12", None),  # truncated generation: unclosed box
     ("no box here", None),
     ("", None),
 ]
@@ -31,7 +34,7 @@ def test_extract_boxed(text, want):
 
 
 ANSWER_CASES = [
-    (r"Thus \boxed{\dfrac{3}{4}}. Also the answer is 5.", r"\dfrac{3}{4}"),   # boxed wins
+    (r"Thus \boxed{\dfrac{3}{4}}. Also the answer is 5.", r"\dfrac{3}{4}"),  # boxed wins
     ("The answer is 42.", "42"),
     ("so the final ANSWER IS $-7$.", "-7"),
     ("Answer: 3/4", "3/4"),
@@ -80,13 +83,27 @@ def test_normalize_answer(raw, want):
 
 # ------------------------------------------------------------------------------------------------ equivalence
 EQUAL = [
-    (r"\frac{1}{2}", "0.5"), ("1/2", "0.5"), (r"\frac{1}{2}", "1/2"), (r"\dfrac{3}{4}", "0.75"),
-    (r"2\sqrt{3}", r"\sqrt{12}"), (r"50\%", "50"), ("(1,2)", "(1, 2)"), ("x^2+2x+1", "(x+1)^2"),
-    ("10", "10.0"), ("1,000", "1000"), (r"\sqrt[3]{8}", "2"), (r"\pi r^2", r"r^2\pi"),
-    (r"(1, \frac{1}{2})", "(1,0.5)"), (r"\frac{\sqrt{3}}{2}", r"\frac{1}{2}\sqrt{3}"),
+    (r"\frac{1}{2}", "0.5"),
+    ("1/2", "0.5"),
+    (r"\frac{1}{2}", "1/2"),
+    (r"\dfrac{3}{4}", "0.75"),
+    (r"2\sqrt{3}", r"\sqrt{12}"),
+    (r"50\%", "50"),
+    ("(1,2)", "(1, 2)"),
+    ("x^2+2x+1", "(x+1)^2"),
+    ("10", "10.0"),
+    ("1,000", "1000"),
+    (r"\sqrt[3]{8}", "2"),
+    (r"\pi r^2", r"r^2\pi"),
+    (r"(1, \frac{1}{2})", "(1,0.5)"),
+    (r"\frac{\sqrt{3}}{2}", r"\frac{1}{2}\sqrt{3}"),
 ]
 NOT_EQUAL = [
-    ("0.33", r"\frac{1}{3}"), (r"\sqrt{2}", "1.41"), ("3", "4"), ("(1,2)", "(2,1)"), ("x+1", "x-1"),
+    ("0.33", r"\frac{1}{3}"),
+    (r"\sqrt{2}", "1.41"),
+    ("3", "4"),
+    ("(1,2)", "(2,1)"),
+    ("x+1", "x-1"),
     (r"2\sqrt{3}", r"\sqrt{13}"),
 ]
 MALFORMED = [r"\frac{1}{", "}{", r"\sqrt", "^^", "(((", r"\frac{}{}", "", r"\boxed{", "1/0", r"\unknowncmd{3}"]
@@ -111,8 +128,8 @@ def test_malformed_is_false_not_exception(bad):
 
 def test_percent_sets_intervals():
     assert answers_equal(r"50\%", "0.5")
-    assert answers_equal(r"\{1,2\}", r"\{2,1\}")         # sets are unordered
-    assert not answers_equal("(1,2)", "[1,2]")           # open vs closed interval
+    assert answers_equal(r"\{1,2\}", r"\{2,1\}")  # sets are unordered
+    assert not answers_equal("(1,2)", "[1,2]")  # open vs closed interval
     assert answers_equal(r"\sin^2 x + \cos^2 x", "1")
     assert not answers_equal(None, "1")
 
@@ -137,9 +154,9 @@ def test_huge_expression_times_out_and_pool_recovers(pool):
     r = pool.verify(r"9^{9^{9^{9}}}", "1", timeout=timeout)
     elapsed = time.monotonic() - t0
     assert r.status == "timeout" and r.equal is False
-    assert timeout <= r.wall_s < timeout + 1.0, r.wall_s   # the call itself (a worker's startup is not billed)
-    assert elapsed < 60, elapsed                              # and no hang, whatever the machine's load
-    with pytest.raises(AnswerTimeout, match="no verdict within"):   # not a verdict: the reward says so
+    assert timeout <= r.wall_s < timeout + 1.0, r.wall_s  # the call itself (a worker's startup is not billed)
+    assert elapsed < 60, elapsed  # and no hang, whatever the machine's load
+    with pytest.raises(AnswerTimeout, match="no verdict within"):  # not a verdict: the reward says so
         verify_answer(r"9^{9^{9^{9}}}", "1", pool=pool, timeout=timeout)
     restarts = pool.stats["restarts"]
     assert restarts >= 1
@@ -182,24 +199,33 @@ def test_registry_math_and_gsm8k():
 
 
 # ----------------------------------------------------------------------------------------------------- format
-@pytest.mark.parametrize("text,at_least,exactly", [
-    (r"\boxed{3}", 1.0, 1.0), (r"\boxed{1} and \boxed{2}", 1.0, 0.0), ("3", 0.0, 0.0),
-    (r"\boxed{}", 0.0, 0.0), (r"\boxed{3", 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    "text,at_least,exactly",
+    [
+        (r"\boxed{3}", 1.0, 1.0),
+        (r"\boxed{1} and \boxed{2}", 1.0, 0.0),
+        ("3", 0.0, 0.0),
+        (r"\boxed{}", 0.0, 0.0),
+        (r"\boxed{3", 0.0, 0.0),
+    ],
+)
 def test_boxed_format(text, at_least, exactly):
     assert boxed_format_reward(text) == at_least
     assert boxed_format_reward(text, exactly_one=True) == exactly
 
 
-@pytest.mark.parametrize("text,want", [
-    ("<think>reason</think><answer>4</answer>", 1.0),
-    ("  <think>\nstep 1\nstep 2\n</think>\n<answer> 4 </answer>\n", 1.0),
-    ("<answer>4</answer><think>r</think>", 0.0),
-    ("<think>r</think>", 0.0),
-    ("<think>r</think><answer>4</answer> trailing", 0.0),
-    ("<think></think><answer>4</answer>", 0.0),
-    ("<think>a<think>b</think><answer>4</answer>", 0.0),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("<think>reason</think><answer>4</answer>", 1.0),
+        ("  <think>\nstep 1\nstep 2\n</think>\n<answer> 4 </answer>\n", 1.0),
+        ("<answer>4</answer><think>r</think>", 0.0),
+        ("<think>r</think>", 0.0),
+        ("<think>r</think><answer>4</answer> trailing", 0.0),
+        ("<think></think><answer>4</answer>", 0.0),
+        ("<think>a<think>b</think><answer>4</answer>", 0.0),
+    ],
+)
 def test_think_answer_format(text, want):
     assert think_answer_format_reward(text) == want
 

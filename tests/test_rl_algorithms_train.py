@@ -7,6 +7,7 @@ packing and old log-probs line up position by position).
 Block-diffusion (SDAR), full attention (LLaDA) and shifted logits (Dream) are covered; MDPO runs on the
 engine's recorded per-step predictions over 4 semi-AR blocks (LLaDA, block 2 of 8 tokens) and over the SDAR grid.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,13 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
 
     init_distributed()
     try:
-        cfg = config_from_dict({"model": {"hf_path": hf_dir}, "train": {"seq_length": 512, "micro_batch_size": 2},
-                                "rl": {"n_samples": 4, "mini_batches": 1, **cfg_over}})
+        cfg = config_from_dict(
+            {
+                "model": {"hf_path": hf_dir},
+                "train": {"seq_length": 512, "micro_batch_size": 2},
+                "rl": {"n_samples": 4, "mini_batches": 1, **cfg_over},
+            }
+        )
         src = resolve_model_source(cfg)
         arch = src.arch
         hf_cfg = read_hf_config(hf_dir)
@@ -45,20 +51,29 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
         engine = NativeEngine(load_hf_model(hf_dir), family_of(hf_cfg).arch(hf_cfg), eos_token_id=3)
         prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21]]
         ids = [p for p in prompts for _ in range(4)]
-        traj = engine.generate(ids, SamplingParams(max_new_tokens=8, block_size=block, steps_per_block=block // 2,
-                                                   temperature=1.0, seed=3, stop_at_eos=False,
-                                                   record_steps=needs_steps))
+        traj = engine.generate(
+            ids,
+            SamplingParams(
+                max_new_tokens=8,
+                block_size=block,
+                steps_per_block=block // 2,
+                temperature=1.0,
+                seed=3,
+                stop_at_eos=False,
+                record_steps=needs_steps,
+            ),
+        )
         rewards = [float(i % 4 < 2) if i // 4 != 2 else float(i % 4 == 0) for i in range(len(traj))]
         samples, _ = build_samples(cfg, traj, rewards)
         out = {}
         for name in algos:
             if name == "d_treerpo":  # tree rollouts: 2 levels x 2 branches = 4 leaves per prompt
                 tree = build_algorithm(name, {"branch": 2, "depth": 2})
-                params = SamplingParams(max_new_tokens=8, block_size=block, steps_per_block=block // 2,
-                                        temperature=1.0, seed=5)
-                engine.version = 3   # the leaves carry the weights' version their segments were decoded with
-                leaves = tree.rollout(engine.generate, prompts, params, 4,
-                                      global_grid=arch.attention == "block_causal")
+                params = SamplingParams(
+                    max_new_tokens=8, block_size=block, steps_per_block=block // 2, temperature=1.0, seed=5
+                )
+                engine.version = 3  # the leaves carry the weights' version their segments were decoded with
+                leaves = tree.rollout(engine.generate, prompts, params, 4, global_grid=arch.attention == "block_causal")
                 for t in leaves:
                     t.validate()
                     assert t.policy_version == 3
@@ -68,8 +83,10 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
             if type(algo).prepare is not Algorithm.prepare:  # MDPO: a toy reward on every intermediate answer
                 algo.prepare(samples, lambda rs, idx: [sum(t % 2 == 0 for t in r) / len(r) for r in rs], 4)
                 assert all(len(s.extra["step_rewards"]) == len(s.extra["step_predictions"]) for s in samples)
-                out["mdpo_blocks"] = min(len({j // block for pred in s.extra["step_predictions"]
-                                              for j, p in enumerate(pred) if p >= 0}) for s in samples)
+                out["mdpo_blocks"] = min(
+                    len({j // block for pred in s.extra["step_predictions"] for j, p in enumerate(pred) if p >= 0})
+                    for s in samples
+                )
                 out["mdpo_steps"] = sorted({t for s in samples for t in s.extra["steps"]})
             out[name] = fresh_update(cfg, src, algo, samples, block, kind)
         return out
@@ -77,14 +94,19 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
         destroy_distributed()
 
 
-@pytest.mark.parametrize("family,algos", [
-    ("sdar", ("d1", "coupled_grpo", "random_mask_rl", "tracerl", "cj_grpo", "bgpo", "ebpo", "spg", "vrpo",
-              "d_treerpo")),
-    ("llada", ("d1", "tracerl", "random_mask_rl")),
-    ("llada", ("mdpo",)),
-    ("sdar", ("mdpo",)),
-    ("dream", ("coupled_grpo", "tracerl")),
-])
+@pytest.mark.parametrize(
+    "family,algos",
+    [
+        (
+            "sdar",
+            ("d1", "coupled_grpo", "random_mask_rl", "tracerl", "cj_grpo", "bgpo", "ebpo", "spg", "vrpo", "d_treerpo"),
+        ),
+        ("llada", ("d1", "tracerl", "random_mask_rl")),
+        ("llada", ("mdpo",)),
+        ("sdar", ("mdpo",)),
+        ("dream", ("coupled_grpo", "tracerl")),
+    ],
+)
 def test_every_algorithm_trains(tmp_path, family, algos):
     over = {"block_size": 4} if family == "sdar" else {}
     hf = write_tiny_hf(tmp_path, family, seed=1, **over)
@@ -122,17 +144,24 @@ def _ar_worker(rank, world, hf_dir):
 
     init_distributed()
     try:
-        over = {"model": {"hf_path": hf_dir}, "train": {"seq_length": 256, "micro_batch_size": 2},
-                "rollout": {"block_size": 1, "steps_per_block": 1, "temperature": 0.7, "max_new_tokens": 6}}
+        over = {
+            "model": {"hf_path": hf_dir},
+            "train": {"seq_length": 256, "micro_batch_size": 2},
+            "rollout": {"block_size": 1, "steps_per_block": 1, "temperature": 0.7, "max_new_tokens": 6},
+        }
         cfg = config_from_dict({**over, "rl": {"n_samples": 4}})
         src = resolve_model_source(cfg)
         arch, hf_cfg = src.arch, read_hf_config(hf_dir)
         engine = NativeEngine(load_hf_model(hf_dir), family_of(hf_cfg).arch(hf_cfg), eos_token_id=3)
-        params = sampling_params(cfg, arch, seed=3)          # LLaDA's default canvas: the full one
+        params = sampling_params(cfg, arch, seed=3)  # LLaDA's default canvas: the full one
         traj = engine.generate([p for p in ([5, 6, 7], [9, 10, 11, 12], [20, 21]) for _ in range(4)], params)
-        out = {"stop_at_eos": params.stop_at_eos, "ar_order": all(t.commit_step == list(range(6)) for t in traj),
-               "canvas": all(len(t.response_ids) == 6 and (t.finish_reason == "eos") == (3 in t.response_ids)
-                             for t in traj)}
+        out = {
+            "stop_at_eos": params.stop_at_eos,
+            "ar_order": all(t.commit_step == list(range(6)) for t in traj),
+            "canvas": all(
+                len(t.response_ids) == 6 and (t.finish_reason == "eos") == (3 in t.response_ids) for t in traj
+            ),
+        }
         samples, _ = build_samples(cfg, traj, [float(i % 2) for i in range(len(traj))])
         algo = build_algorithm("justgrpo")
         mbs = pack_rows(algo.batch_rows(samples, arch, 1, lambda i: example_generator(cfg.seed, 0, i)), 256, 2)
@@ -140,8 +169,7 @@ def _ar_worker(rank, world, hf_dir):
         diff = 0.0
         for mb in mbs:
             sel = mb.weight > 0
-            for i, k, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(),
-                                mb.old[sel].tolist()):
+            for i, k, lp in zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(), mb.old[sel].tolist()):
                 diff = max(diff, abs(lp - traj[i].logprobs[k]))
         out["engine_vs_trainer"] = diff
         for name, epochs in (("justgrpo", 1), ("espo", 2)):

@@ -8,6 +8,7 @@
 * fully async with D-ARL replay: the replay buffer, the queued (stale) rollouts and the behaviour weight
   snapshots survive checkpoint/resume -- 1 step + resume + 2 steps == 3 steps straight.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,20 +32,39 @@ def test_fully_async_zero_staleness_is_sync_and_correction_is_identity(tmp_path)
     objectives with trainer-side behaviour log-probs on fresh samples: IS weights exactly 1 / nothing rejected,
     the same step as plain PPO."""
     sync = _run(_rl_cfg(tmp_path / "sync", "rl.steps=2", "checkpoint.save_interval=0"))
-    fa = _run(_rl_cfg(tmp_path / "fa", "rl.steps=2", "rl.mode=fully_async", "rl.max_staleness=0",
-                      "checkpoint.save_interval=0"))
+    fa = _run(
+        _rl_cfg(
+            tmp_path / "fa", "rl.steps=2", "rl.mode=fully_async", "rl.max_staleness=0", "checkpoint.save_interval=0"
+        )
+    )
     assert len(sync["history"]) == len(fa["history"]) == 2
     for a, b in zip(sync["history"], fa["history"]):
         assert _learning(a) == _learning(b)
     assert sync["evals"] == fa["evals"]
-    dec = _run(_rl_cfg(tmp_path / "dec", "rl.steps=1", "checkpoint.save_interval=0", "rl.loss_mode=decoupled",
-                       "rl.rollout_is=sequence", "rl.rollout_is_mode=mask"))
-    byp = _run(_rl_cfg(tmp_path / "byp", "rl.steps=1", "checkpoint.save_interval=0", "rl.loss_mode=bypass",
-                       "rl.rollout_is=token", "rl.rollout_is_mode=mask"))
+    dec = _run(
+        _rl_cfg(
+            tmp_path / "dec",
+            "rl.steps=1",
+            "checkpoint.save_interval=0",
+            "rl.loss_mode=decoupled",
+            "rl.rollout_is=sequence",
+            "rl.rollout_is_mode=mask",
+        )
+    )
+    byp = _run(
+        _rl_cfg(
+            tmp_path / "byp",
+            "rl.steps=1",
+            "checkpoint.save_interval=0",
+            "rl.loss_mode=bypass",
+            "rl.rollout_is=token",
+            "rl.rollout_is_mode=mask",
+        )
+    )
     a, b, c = sync["history"][0], dec["history"][0], byp["history"][0]
     assert b["is/is_mean"] == b["is/is_max"] == b["is/is_min"] == 1.0 and b["is/rejected_fraction"] == 0.0
     assert b["is/kl"] == 0.0
-    assert c["is_weight"] > 0                                          # bypass: nothing rejected, weights reported
+    assert c["is_weight"] > 0  # bypass: nothing rejected, weights reported
     for k in ("reward", "pg_loss", "grad_norm", "clipfrac"):
         assert math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], b[k])
         assert math.isclose(a[k], c[k], rel_tol=1e-6, abs_tol=1e-9), (k, a[k], c[k])
@@ -56,19 +76,28 @@ def test_one_step_off_partial_rollouts_with_decoupled_weights(tmp_path):
     versions; the stitched traces validate); stale tokens get IS weights != 1 against their own behaviour
     version; the health metrics reach tensorboard."""
     run = tmp_path / "off"
-    off = _run(_rl_cfg(run, "rl.steps=3", "rl.mode=one_step_off", "rl.partial_rollout=1", "rollout.max_new_tokens=8",
-                       "rl.loss_mode=decoupled", "rl.rollout_is=token", "rl.rollout_is_threshold=5.0",
-                       "checkpoint.save_interval=0"))
+    off = _run(
+        _rl_cfg(
+            run,
+            "rl.steps=3",
+            "rl.mode=one_step_off",
+            "rl.partial_rollout=1",
+            "rollout.max_new_tokens=8",
+            "rl.loss_mode=decoupled",
+            "rl.rollout_is=token",
+            "rl.rollout_is_threshold=5.0",
+            "checkpoint.save_interval=0",
+        )
+    )
     h = off["history"]
     assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 1.0]
-    assert h[0]["async/mixed_version_fraction"] == 0.0                  # step 0: every segment on version 0
+    assert h[0]["async/mixed_version_fraction"] == 0.0  # step 0: every segment on version 0
     assert h[1]["async/mixed_version_fraction"] > 0.5 and h[2]["async/mixed_version_fraction"] > 0.5
-    assert h[0]["is/is_std"] == 0.0 and h[0]["is/is_mean"] == 1.0    # fresh: identity
-    assert h[1]["is/is_std"] > 0.0 and h[1]["is/kl"] != 0.0            # stale: behaviour != proximal
+    assert h[0]["is/is_std"] == 0.0 and h[0]["is/is_mean"] == 1.0  # fresh: identity
+    assert h[1]["is/is_std"] > 0.0 and h[1]["is/kl"] != 0.0  # stale: behaviour != proximal
     assert h[1]["async/staleness_hist/1"] == 1.0
     ev = _events(str(run))
-    for tag in ("is/ess", "is/chi2", "async/staleness_hist/1", "async/trainer_idle_ratio",
-                "async/rollout_idle_ratio"):
+    for tag in ("is/ess", "is/chi2", "async/staleness_hist/1", "async/trainer_idle_ratio", "async/rollout_idle_ratio"):
         assert tag in ev, (tag, sorted(ev))
 
 
@@ -76,14 +105,23 @@ def test_fully_async_replay_survives_resume(tmp_path):
     """max_staleness 2, decoupled IS, D-ARL replay (k=2, warm-up 1 version), 5 steps: replayed samples up to
     ahead + k versions old are weighted with their own version's snapshot; queued rollouts, the replay buffer and
     the weight snapshots are checkpointed; 2 steps + resume + 3 steps == 5 steps straight."""
-    over = ("rl.steps=5", "rl.mode=fully_async", "rl.max_staleness=2", "rl.loss_mode=decoupled",
-            "rl.rollout_is=token", "replay.enable=true", "replay.k=2", "replay.warmup=1", "replay.fraction=0.5",
-            "replay.level=sample")
+    over = (
+        "rl.steps=5",
+        "rl.mode=fully_async",
+        "rl.max_staleness=2",
+        "rl.loss_mode=decoupled",
+        "rl.rollout_is=token",
+        "replay.enable=true",
+        "replay.k=2",
+        "replay.warmup=1",
+        "replay.fraction=0.5",
+        "replay.level=sample",
+    )
     straight = _run(_rl_cfg(tmp_path / "a", *over))
     h = straight["history"]
     assert [x["async/staleness_max"] for x in h] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert all(x["replay/replayed"] > 0 for x in h[1:])
-    assert h[4]["replay/replayed_staleness_max"] >= 3                 # older than the queue: snapshots kept for it
+    assert h[4]["replay/replayed_staleness_max"] >= 3  # older than the queue: snapshots kept for it
     first = _run(_rl_cfg(tmp_path / "b", *over), max_steps=2)
     assert first["step"] == 2
     resumed = _run(_rl_cfg(tmp_path / "b", *over))
@@ -95,17 +133,22 @@ def test_fully_async_replay_survives_resume(tmp_path):
             assert math.isclose(la[k], lb[k], rel_tol=1e-6, abs_tol=1e-9), (k, la[k], lb[k])
 
 
-@pytest.mark.parametrize("over,match", [
-    (["rl.rollout_is=token"], "rl.loss_mode=decoupled"),
-    (["rl.loss_mode=decoupled", "rl.behaviour_logp=engine", "algo.name=d1"], "rl.behaviour_logp=engine"),
-    (["rl.loss_mode=decoupled", "rl.behaviour_logp=engine", "algo.name=cj_grpo", "rollout.temperature=0.7"],
-     "temperature=1"),
-    (["replay.enable=true"], "replay.enable"),
-    (["rl.partial_rollout=1"], "rl.partial_rollout"),
-    (["rl.mode=fully_async", "rl.max_staleness=0", "rl.partial_rollout=1"], "queues none"),
-    (["rl.mode=one_step_off", "rl.max_staleness=0"], "max_staleness=0"),
-    (["rl.mode=one_step_off", "algo.name=d_treerpo"], "dependent rounds"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (["rl.rollout_is=token"], "rl.loss_mode=decoupled"),
+        (["rl.loss_mode=decoupled", "rl.behaviour_logp=engine", "algo.name=d1"], "rl.behaviour_logp=engine"),
+        (
+            ["rl.loss_mode=decoupled", "rl.behaviour_logp=engine", "algo.name=cj_grpo", "rollout.temperature=0.7"],
+            "temperature=1",
+        ),
+        (["replay.enable=true"], "replay.enable"),
+        (["rl.partial_rollout=1"], "rl.partial_rollout"),
+        (["rl.mode=fully_async", "rl.max_staleness=0", "rl.partial_rollout=1"], "queues none"),
+        (["rl.mode=one_step_off", "rl.max_staleness=0"], "max_staleness=0"),
+        (["rl.mode=one_step_off", "algo.name=d_treerpo"], "dependent rounds"),
+    ],
+)
 def test_async_config_errors(tmp_path, over, match):
     from megadare.algos import build_algorithm
     from megadare.errors import ConfigError

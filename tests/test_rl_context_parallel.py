@@ -6,6 +6,7 @@ parameter's gradient (all-reduced over the CP ranks). Sequences are packed so th
 Weights after the step are not compared: Adam's first step moves every parameter by about lr * sign(gradient), so
 float noise on a near-zero gradient becomes an lr-sized difference (1.3e-4 at lr 1e-2 on an AMD EPYC), which says
 nothing about context parallelism. The gradient is what CP must reproduce; the step only has to move the weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,9 +26,16 @@ def _samples():
     out = []
     for i in range(4):
         P, L = 3 + i % 2, 5 + i
-        out.append(RLSample(prompt_ids=torch.randint(5, 200, (P,), generator=g).tolist(),
-                            response_ids=torch.randint(5, 200, (L,), generator=g).tolist(), reward=float(i % 2),
-                            advantage=[1.0, -0.5, 0.75, -1.25][i], index=i, group=i // 2))
+        out.append(
+            RLSample(
+                prompt_ids=torch.randint(5, 200, (P,), generator=g).tolist(),
+                response_ids=torch.randint(5, 200, (L,), generator=g).tolist(),
+                reward=float(i % 2),
+                advantage=[1.0, -0.5, 0.75, -1.25][i],
+                index=i,
+                group=i // 2,
+            )
+        )
     return out
 
 
@@ -44,25 +52,40 @@ def _worker(rank, world, hf_dir, cp):
 
     init_distributed(cp=cp)
     try:
-        cfg = config_from_dict({"model": {"hf_path": hf_dir}, "parallel": {"cp": cp},
-                                "train": {"seq_length": 96, "micro_batch_size": 2}})
+        cfg = config_from_dict(
+            {"model": {"hf_path": hf_dir}, "parallel": {"cp": cp}, "train": {"seq_length": 96, "micro_batch_size": 2}}
+        )
         src = resolve_model_source(cfg)
         out = {}
         for name, params in ALGOS.items():
             torch.manual_seed(0)
             # no distributed optimizer: every rank's grad buffer then holds the whole all-reduced gradient
             model = wrap_ddp(build_training_chunks(cfg, src), False)
-            opt, sched = build_optimizer(model, OptimSettings(lr=1e-2, total_steps=2, clip_grad=0.0,
-                                                              distributed_optimizer=False))
+            opt, sched = build_optimizer(
+                model, OptimSettings(lr=1e-2, total_steps=2, clip_grad=0.0, distributed_optimizer=False)
+            )
             algo = build_algorithm(name, params)
             before = [p.detach().clone() for p in model[0].parameters()]
             shape = TrainShape(src.arch, src.arch.block_size, "block_diffusion", 0, 1, model, example_generator)
-            m = update(cfg, algo, _samples(), 0, shape, ref_chunks=None, optimizer=opt, scheduler=sched,
-                       objective=algo.objective(on_policy=False))
+            m = update(
+                cfg,
+                algo,
+                _samples(),
+                0,
+                shape,
+                ref_chunks=None,
+                optimizer=opt,
+                scheduler=sched,
+                objective=algo.objective(on_policy=False),
+            )
             after = [p.detach().clone() for p in model[0].parameters()]
             grads = {n: p.main_grad.detach().clone() for n, p in model[0].module.named_parameters()}
-            out[name] = {"pg_loss": m["pg_loss"], "grad_norm": m["grad_norm"], "grads": grads,
-                         "moved": max(float((a - b).abs().max()) for a, b in zip(after, before))}
+            out[name] = {
+                "pg_loss": m["pg_loss"],
+                "grad_norm": m["grad_norm"],
+                "grads": grads,
+                "moved": max(float((a - b).abs().max()) for a, b in zip(after, before)),
+            }
         out["cp"] = ps.get_context_parallel_world_size()
         return out
     finally:
@@ -82,7 +105,7 @@ def test_rl_update_with_context_parallelism_equals_cp1(tmp_path):
             assert sorted(g2) == sorted(g1), name
             scale = max(float(g.abs().max()) for g in g1.values())
             assert scale > 1e-3, name
-            for key, g in g1.items():   # relative to the largest gradient entry: float noise, not CP, below 1e-4
+            for key, g in g1.items():  # relative to the largest gradient entry: float noise, not CP, below 1e-4
                 diff = float((g2[key] - g).abs().max())
                 assert diff <= 1e-4 * scale, (name, key, diff, scale)
         assert one[name]["moved"] > 1e-4, name

@@ -8,6 +8,7 @@
   as TP1;
 * config errors name the key.
 """
+
 from __future__ import annotations
 
 import glob
@@ -24,8 +25,6 @@ from megadare.errors import ConfigError
 from megadare.parallel.launch import spawn
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("ray_cluster")]
-
-
 
 
 def _events(run_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -55,8 +54,9 @@ def test_demo_rl_improves_over_sft(tmp_path):
     # the same SFT checkpoint trained one-step-off (rollout k+1 overlaps update k): it learns like the sync run
     from megadare.demo import demo_configs
 
-    _, cfg = demo_configs(str(tmp_path), 300, 10, "tracerl", 1,
-                          ["rl.eval_size=64", "rl.eval_interval=0", "rl.mode=one_step_off"])
+    _, cfg = demo_configs(
+        str(tmp_path), 300, 10, "tracerl", 1, ["rl.eval_size=64", "rl.eval_interval=0", "rl.mode=one_step_off"]
+    )
     cfg.logging.run_dir = str(tmp_path / "rl_off")
     off = _run(cfg)
     off_acc = off["evals"][max(off["evals"])]["accuracy"]
@@ -74,9 +74,20 @@ def _rl_cfg(tmp, *over):
     from importlib import resources
 
     base = resources.files("megadare") / "configs" / "demo_rl.yaml"
-    return load_config(str(base), [f"logging.run_dir={tmp}", "rl.steps=2", "rl.eval_size=8", "rl.prompts_per_step=4",
-                                   "rl.n_samples=4", "train.micro_batch_size=2", "checkpoint.save_interval=1",
-                                   "rl.reward=test_rl_loop:letters_reward", *over])
+    return load_config(
+        str(base),
+        [
+            f"logging.run_dir={tmp}",
+            "rl.steps=2",
+            "rl.eval_size=8",
+            "rl.prompts_per_step=4",
+            "rl.n_samples=4",
+            "train.micro_batch_size=2",
+            "checkpoint.save_interval=1",
+            "rl.reward=test_rl_loop:letters_reward",
+            *over,
+        ],
+    )
 
 
 def _run(cfg, nproc=1, max_steps=None):
@@ -100,7 +111,7 @@ def test_rl_resume_matches_straight_run(tmp_path):
     assert straight["evals"][2] == resumed["evals"][2]
     logged = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
     kinds = [(m["step"], any(k.startswith("eval/") for k in m)) for m in logged]
-    assert len(kinds) == len(set(kinds)) and (2, True) in kinds, kinds   # no step or evaluation twice
+    assert len(kinds) == len(set(kinds)) and (2, True) in kinds, kinds  # no step or evaluation twice
     # step k trained, its weights pushed as version k+1 (colocated: a one-host CPU run), the next rollout used them
     assert [h["async/staleness_max"] for h in straight["history"]] == [0.0, 0.0]
     assert all(h["sync_bytes"] > 0 and h["sync_buckets"] >= 1 for h in straight["history"])
@@ -111,8 +122,10 @@ def test_rl_tp2_matches_tp1(tmp_path):
     pushes its weights over the distributed transport (a gloo group with the engine), the TP1 run colocated."""
     common = ("rl.steps=1", "rl.ppo_epochs=2", "rl.mini_batches=2")
     one = _run(_rl_cfg(tmp_path / "tp1", *common))
-    two = _run(_rl_cfg(tmp_path / "tp2", *common, "parallel.tp=2", "parallel.sp=true",
-                       "rollout.weight_transport=distributed"), nproc=2)
+    two = _run(
+        _rl_cfg(tmp_path / "tp2", *common, "parallel.tp=2", "parallel.sp=true", "rollout.weight_transport=distributed"),
+        nproc=2,
+    )
     assert one["evals"][0] == two["evals"][0]
     a, b = one["history"][0], two["history"][0]
     assert a["reward"] == b["reward"]

@@ -14,6 +14,7 @@ compiled step.
   minutes on a CPU).
 (The publishers' samplers against the engine: tests/test_decoders.py; the SGLang plugin: tests/test_dllm_step.py.)
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,7 @@ def test_recorded_traces_of_the_previous_engine(case):
     _same_as_recorded(case[0], nt.run_case(case))
 
 
-QUEUED = ["sdar-static-2steps-eos", "sdar-nocache-mdpo", "llada2-editing", "llada-dual-dynamic-eos",
-          "dream-dare-block"]
+QUEUED = ["sdar-static-2steps-eos", "sdar-nocache-mdpo", "llada2-editing", "llada-dual-dynamic-eos", "dream-dare-block"]
 
 
 @pytest.mark.parametrize("case_id", QUEUED)
@@ -65,22 +65,46 @@ def test_recorded_traces_through_a_batch_of_two(case_id):
     _same_as_recorded(case_id, nt.run_case(case, max_batch=2))
 
 
-SAMPLED = [SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=2, temperature=0.9, top_k=20, seed=4,
-                          algorithm="low_confidence_dynamic", threshold=0.2),
-           SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=4, temperature=1.0, algorithm="random",
-                          seed=7, stop_at_eos=False)]
+SAMPLED = [
+    SamplingParams(
+        max_new_tokens=12,
+        block_size=4,
+        steps_per_block=2,
+        temperature=0.9,
+        top_k=20,
+        seed=4,
+        algorithm="low_confidence_dynamic",
+        threshold=0.2,
+    ),
+    SamplingParams(
+        max_new_tokens=12,
+        block_size=4,
+        steps_per_block=4,
+        temperature=1.0,
+        algorithm="random",
+        seed=7,
+        stop_at_eos=False,
+    ),
+]
 
 
 @pytest.mark.parametrize("family,eos", [("sdar", 41), ("llada", 37)])
 @pytest.mark.parametrize("params", SAMPLED, ids=["dynamic-eos", "random"])
 def test_sampled_trajectories_do_not_depend_on_the_batch_size(family, eos, params):
     model, arch = nt.build(family)
-    runs = [NativeEngine(model, arch, eos_token_id=eos, device="cpu", max_batch=m).generate(nt.PROMPTS, params)
-            for m in (0, 2, 1)]
+    runs = [
+        NativeEngine(model, arch, eos_token_id=eos, device="cpu", max_batch=m).generate(nt.PROMPTS, params)
+        for m in (0, 2, 1)
+    ]
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
-            assert (a.response_ids, a.commit_step, a.block_step, a.num_forwards, a.finish_reason) == \
-                   (b.response_ids, b.commit_step, b.block_step, b.num_forwards, b.finish_reason)
+            assert (a.response_ids, a.commit_step, a.block_step, a.num_forwards, a.finish_reason) == (
+                b.response_ids,
+                b.commit_step,
+                b.block_step,
+                b.num_forwards,
+                b.finish_reason,
+            )
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert any(lp < 0 for t in runs[0] for lp in t.logprobs)
     if params.stop_at_eos:
@@ -96,15 +120,15 @@ def _splitmix(z: int) -> int:
 
 
 def test_stream_uniforms_are_splitmix64_in_python_integers():
-    keys = [0, 1, 7, 1_000_003, 2 ** 62 + 12345, 2 ** 63 - 1]
-    counters = [0, 3, 1, 2 ** 30, 99, 12]
+    keys = [0, 1, 7, 1_000_003, 2**62 + 12345, 2**63 - 1]
+    counters = [0, 3, 1, 2**30, 99, 12]
     got = stream_uniforms(torch.tensor(keys), torch.tensor(counters), 1, 5)
     for r, (k, c) in enumerate(zip(keys, counters)):
         base = _splitmix(k)
         for pos in range(5):
             index = (c << 21) + (1 << 20) + pos
             bits = _splitmix((base + (index + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 12
-            assert got[r, pos].item() == (bits + 0.5) / 2 ** 52
+            assert got[r, pos].item() == (bits + 0.5) / 2**52
     assert 0 < got.min() and got.max() < 1
     u = stream_uniforms(torch.zeros(4000, dtype=torch.long), torch.arange(4000), 0, 4).flatten()
     assert abs(u.mean().item() - 0.5) < 0.01 and abs((u < 0.1).double().mean().item() - 0.1) < 0.01
@@ -113,16 +137,16 @@ def test_stream_uniforms_are_splitmix64_in_python_integers():
 def test_categorical_is_the_exact_inverse_cdf():
     g = torch.Generator().manual_seed(0)
     w = torch.rand(3, 512, generator=g) ** 4
-    w[:, ::3] = 0                                   # zero weights (filtered tokens, the mask token)
-    w[2, 400:] = 0                                  # a zero tail: u near 1 must not land there
-    u = torch.cat([torch.tensor([2.0 ** -53, 0.5, 1 - 2.0 ** -53]), torch.rand(61, generator=g, dtype=torch.float64)])
+    w[:, ::3] = 0  # zero weights (filtered tokens, the mask token)
+    w[2, 400:] = 0  # a zero tail: u near 1 must not land there
+    u = torch.cat([torch.tensor([2.0**-53, 0.5, 1 - 2.0**-53]), torch.rand(61, generator=g, dtype=torch.float64)])
     for r in range(3):
         idx, total = categorical(w[r].expand(len(u), -1).contiguous(), u)
         cum = w[r].double().cumsum(0)
         want = [min(int((cum <= x * cum[-1]).sum()), int(w[r].nonzero().max())) for x in u.tolist()]
         assert idx.tolist() == want and (w[r][idx] > 0).all()
         assert total[0].item() == pytest.approx(cum[-1].item(), rel=1e-12)
-    many = torch.arange(20000, dtype=torch.float64).add(0.5).div(20000)   # a fine grid of u: frequencies = weights
+    many = torch.arange(20000, dtype=torch.float64).add(0.5).div(20000)  # a fine grid of u: frequencies = weights
     idx, _ = categorical(w[0].expand(len(many), -1).contiguous(), many)
     freq = torch.bincount(idx, minlength=512).double() / len(many)
     assert torch.allclose(freq, w[0].double() / w[0].sum(), atol=1.5 / len(many))
@@ -148,8 +172,9 @@ class HostReads(TorchFunctionMode):
 @pytest.mark.parametrize("family", ["sdar", "llada"])
 def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
     rounds = []
-    monkeypatch.setattr(native._Decoder, "record", lambda self, *a, _r=native._Decoder.record: (
-        rounds.append(1), _r(self, *a))[1])
+    monkeypatch.setattr(
+        native._Decoder, "record", lambda self, *a, _r=native._Decoder.record: (rounds.append(1), _r(self, *a))[1]
+    )
     model, arch = nt.build(family)
     eng = NativeEngine(model, arch, eos_token_id=41, device="cpu", max_batch=3)
     params = SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=2, temperature=1.0, seed=1)
@@ -157,7 +182,7 @@ def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
         trajs = eng.generate(nt.PROMPTS, params)
     per_site = {site: reads.where.count(site) for site in set(reads.where)}
     assert not [s for s in per_site if s.split(":")[0] in ("dllm_step.py", "sampling.py", "common.py")], per_site
-    assert per_site.pop("native.py:record") == len(rounds) >= 3          # one read per block
+    assert per_site.pop("native.py:record") == len(rounds) >= 3  # one read per block
     assert set(per_site) <= {"native.py:trajectory", "native.py:_steps_needed", "engine.py:validate"}, per_site
     assert len(trajs) == len(nt.PROMPTS)
 
@@ -172,7 +197,7 @@ def test_static_cache_is_reused_and_the_engine_keeps_its_dtype():
     cache = eng._cache
     assert cache is not None and cache.k[0].dtype == torch.bfloat16
     again = eng.generate(nt.PROMPTS[:2], params)
-    assert eng._cache is cache                                   # fits: not reallocated
+    assert eng._cache is cache  # fits: not reallocated
     assert [t.response_ids for t in again] == [t.response_ids for t in first[:2]]
     assert all(len(t.response_ids) == 8 for t in first)
 
@@ -181,8 +206,9 @@ def test_compiled_step_gives_the_same_tokens(monkeypatch):
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda m, **kw: compile_(m, backend="aot_eager", dynamic=False))
     model, arch = nt.build("sdar")
-    params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, seed=3,
-                            stop_at_eos=False)
+    params = SamplingParams(
+        max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, seed=3, stop_at_eos=False
+    )
     prompts = nt.PROMPTS[:3]
     eager = NativeEngine(model, arch, eos_token_id=253, device="cpu").generate(prompts, params)
     compiled = NativeEngine(model, arch, eos_token_id=253, device="cpu", compile=True)

@@ -1,5 +1,6 @@
 """Rollout correction (trainer/offpolicy/importance.py): IS weights / rejection at the thresholds, metrics against
 closed forms, unbiasedness on an enumerable toy, and the decoupled / bypass PPO losses and their gradients."""
+
 from __future__ import annotations
 
 import itertools
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from megadare.algos.policy_loss import ppo_clip_loss
-from megadare.trainer.offpolicy.importance import (bypass_ppo_loss, decoupled_ppo_loss, rollout_is_weights)
+from megadare.trainer.offpolicy.importance import bypass_ppo_loss, decoupled_ppo_loss, rollout_is_weights
 
 LEVELS = ("token", "sequence", "geometric")
 
@@ -22,14 +23,16 @@ def _log(x: float, dtype=torch.float32) -> torch.Tensor:
 # identity
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("mode", ("truncate", "mask"))
 def test_identity_weights_are_one(level, mode):
     g = torch.Generator().manual_seed(0)
     t = -torch.rand(12, generator=g) * 5
     groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])
-    w, keep, m = rollout_is_weights(t, t.clone(), groups, level=level, mode=mode, threshold_high=2.0,
-                                    veto_threshold=1e-4)
+    w, keep, m = rollout_is_weights(
+        t, t.clone(), groups, level=level, mode=mode, threshold_high=2.0, veto_threshold=1e-4
+    )
     assert torch.equal(w, torch.ones(12))
     assert bool(keep.all())
     assert m["ess"] == 1.0 and m["chi2"] == 0.0 and m["k3_kl"] == 0.0 and m["kl"] == 0.0
@@ -58,12 +61,13 @@ def test_decoupled_equals_ppo_clip_when_proximal_is_behaviour():
 # thresholds, table-driven
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _sequence(level: str, x: torch.Tensor) -> torch.Tensor:
     """Per-token log-ratios of a 2-token sequence whose aggregated log-ratio is exactly x at ``level``
     (token: each token alone carries x)."""
     if level == "geometric":
-        return torch.stack([x, x])              # mean of (x, x) is x exactly
-    return torch.stack([x, torch.zeros(())])    # token: element 0 carries x; sequence: x + 0 = x
+        return torch.stack([x, x])  # mean of (x, x) is x exactly
+    return torch.stack([x, torch.zeros(())])  # token: element 0 carries x; sequence: x + 0 = x
 
 
 D = 1e-3
@@ -75,7 +79,7 @@ CASES = [
     ("above_high", _log(HI) + D, (HI, True), False),
     ("at_low", _log(LO), (LO, False), True),
     ("above_low", _log(LO) + D, (math.exp(math.log(LO) + D), False), True),
-    ("below_low", _log(LO) - D, (math.exp(math.log(LO) - D), False), False),   # TIS: no lower truncation
+    ("below_low", _log(LO) - D, (math.exp(math.log(LO) - D), False), False),  # TIS: no lower truncation
     ("one", torch.zeros(()), (1.0, False), True),
 ]
 
@@ -85,7 +89,7 @@ CASES = [
 def test_threshold_table(level, case):
     _, x, (w_trunc, truncated), kept = case
     lr = _sequence(level, x)
-    b = torch.zeros(2)                    # behaviour 0, so t - b is the intended log-ratio bit for bit
+    b = torch.zeros(2)  # behaviour 0, so t - b is the intended log-ratio bit for bit
     t = lr.clone()
     assert torch.equal(t - b, lr)
     groups = torch.tensor([0, 0])
@@ -107,8 +111,9 @@ def test_threshold_table(level, case):
     assert keep.tolist() == expect_keep
     for i in range(2):
         if expect_keep[i]:
-            assert w[i].item() == pytest.approx(math.exp(float(lr[i])) if level == "token"
-                                                else math.exp(float(x)), rel=1e-6)
+            assert w[i].item() == pytest.approx(
+                math.exp(float(lr[i])) if level == "token" else math.exp(float(x)), rel=1e-6
+            )
         else:
             assert w[i].item() == 0.0
     assert m["rejected_fraction"] == expect_keep.count(False) / 2
@@ -118,8 +123,9 @@ def test_threshold_table(level, case):
 
 def test_truncate_with_explicit_lower_bound_clamps_from_below():
     lr = torch.stack([_log(0.25), _log(4.0), _log(1.0)])
-    w, keep, m = rollout_is_weights(lr, torch.zeros(3), level="token", mode="truncate", threshold_high=2.0,
-                                    threshold_low=0.5)
+    w, keep, m = rollout_is_weights(
+        lr, torch.zeros(3), level="token", mode="truncate", threshold_high=2.0, threshold_low=0.5
+    )
     assert w.tolist() == [0.5, 2.0, 1.0] and bool(keep.all())
     assert m["truncated_fraction"] == pytest.approx(2 / 3)
 
@@ -144,8 +150,9 @@ def test_veto_drops_the_whole_sequence(level, mode):
     # seq 0 has one catastrophic token (1e-5 < 1e-4); seq 1's smallest ratio equals the veto threshold (strict <)
     lr = torch.stack([_log(1.2), _log(1e-5), _log(1.0), _log(1e-4), _log(1.0)])
     groups = torch.tensor([0, 0, 0, 1, 1])
-    w, keep, m = rollout_is_weights(lr, torch.zeros(5), groups, level=level, mode=mode, threshold_high=1e9,
-                                    threshold_low=1e-9, veto_threshold=1e-4)
+    w, keep, m = rollout_is_weights(
+        lr, torch.zeros(5), groups, level=level, mode=mode, threshold_high=1e9, threshold_low=1e-9, veto_threshold=1e-4
+    )
     assert keep.tolist() == [False, False, False, True, True]
     assert w[:3].tolist() == [0.0, 0.0, 0.0] and bool((w[3:] > 0).all())
     assert m["veto_fraction"] == 0.5
@@ -158,7 +165,7 @@ def test_log_clamp_prevents_inf(level):
     t = torch.tensor([100.0, 100.0, 100.0, -100.0, -100.0, -100.0])
     b = torch.zeros(6)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
-    assert torch.isinf(torch.exp((t - b)[:3].sum()))       # what an unclamped sequence weight would be
+    assert torch.isinf(torch.exp((t - b)[:3].sum()))  # what an unclamped sequence weight would be
     w, keep, m = rollout_is_weights(t, b, groups, level=level, threshold_high=None)
     assert bool(torch.isfinite(w).all()) and bool(keep.all())
     assert torch.equal(w[:3], torch.exp(torch.tensor(20.0)).expand(3))
@@ -176,13 +183,13 @@ def test_valid_mask_nan_and_no_gradient():
     valid = torch.tensor([True, True, True, False])
     w, keep, m = rollout_is_weights(t, b, None, level="token", threshold_high=2.0, valid=valid)
     assert not w.requires_grad
-    assert keep.tolist() == [True, True, False, False]       # NaN log-ratio (-inf - -inf) and padding
+    assert keep.tolist() == [True, True, False, False]  # NaN log-ratio (-inf - -inf) and padding
     assert w.tolist() == [1.0, 2.0, 0.0, 0.0]
     assert m["rejected_fraction"] == pytest.approx(1 / 3)
-    assert m["is_max"] == pytest.approx(3.0) and m["is_min"] == 1.0   # padding and the NaN element excluded
+    assert m["is_max"] == pytest.approx(3.0) and m["is_min"] == 1.0  # padding and the NaN element excluded
     groups = torch.tensor([0, 0, 0, 1])
     w, keep, _ = rollout_is_weights(t, b, groups, level="sequence", threshold_high=None, valid=valid)
-    assert keep.tolist() == [False, False, False, False]     # the NaN rejects its whole sequence; seq 1 padding
+    assert keep.tolist() == [False, False, False, False]  # the NaN rejects its whole sequence; seq 1 padding
 
 
 def test_bad_arguments():
@@ -205,6 +212,7 @@ def test_bad_arguments():
 # metrics against hand computations and closed forms
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_metrics_by_hand():
     ratios = [1.0, 2.0, 0.5, 3.0]
     t = torch.tensor([math.log(r) for r in ratios], dtype=torch.float64)
@@ -216,28 +224,26 @@ def test_metrics_by_hand():
     assert m["is_mean"] == pytest.approx(1.625)
     assert m["is_std"] == pytest.approx(math.sqrt(s2 / n - mean * mean))
     assert m["is_max"] == pytest.approx(3.0) and m["is_min"] == pytest.approx(0.5)
-    assert m["ess"] == pytest.approx(s * s / (n * s2))                 # 42.25 / 57
+    assert m["ess"] == pytest.approx(s * s / (n * s2))  # 42.25 / 57
     assert m["ess"] == pytest.approx(42.25 / 57)
-    assert m["chi2"] == pytest.approx(s2 / n - 1)                      # 2.5625
+    assert m["chi2"] == pytest.approx(s2 / n - 1)  # 2.5625
     k3 = [r - math.log(r) - 1 for r in ratios]
     assert m["k3_kl"] == pytest.approx(sum(k3) / n)
-    assert m["kl"] == pytest.approx(-math.log(3.0) / 4)                # mean(b - t) = -(log 2 + log .5 + log 3)/4
+    assert m["kl"] == pytest.approx(-math.log(3.0) / 4)  # mean(b - t) = -(log 2 + log .5 + log 3)/4
     assert m["truncated_fraction"] == 0.25 and m["rejected_fraction"] == 0.0
     applied = [1.0, 2.0, 0.5, 2.0]
     assert m["applied_mean"] == pytest.approx(sum(applied) / n)
     assert m["applied_ess"] == pytest.approx(sum(applied) ** 2 / (n * sum(a * a for a in applied)))
     _, keep, m = rollout_is_weights(t, b, None, level="token", mode="mask", threshold_high=2.0)
-    assert keep.tolist() == [True, True, True, False]                  # 2.0 and 0.5 sit exactly on the bounds
+    assert keep.tolist() == [True, True, True, False]  # 2.0 and 0.5 sit exactly on the bounds
     assert m["rejected_fraction"] == 0.25 and m["truncated_fraction"] == 0.0
 
 
 def test_sequence_level_metrics_count_sequences():
     # 3 sequences of different lengths: products 4, 1, 0.5 -> stats over 3 units (verl chi2_seq)
-    lr = torch.tensor([math.log(2), math.log(2), math.log(2), math.log(0.5), 0.0, math.log(0.5)],
-                      dtype=torch.float64)
+    lr = torch.tensor([math.log(2), math.log(2), math.log(2), math.log(0.5), 0.0, math.log(0.5)], dtype=torch.float64)
     groups = torch.tensor([0, 0, 1, 1, 1, 2])
-    _, _, m = rollout_is_weights(lr, torch.zeros(6, dtype=torch.float64), groups, level="sequence",
-                                 threshold_high=None)
+    _, _, m = rollout_is_weights(lr, torch.zeros(6, dtype=torch.float64), groups, level="sequence", threshold_high=None)
     u = [4.0, 1.0, 0.5]
     assert m["is_mean"] == pytest.approx(sum(u) / 3)
     assert m["chi2"] == pytest.approx(sum(x * x for x in u) / 3 - 1)
@@ -253,7 +259,7 @@ F = [1.0, -2.0, 3.0]
 def test_metrics_are_the_divergences_under_behaviour_samples():
     """A batch whose outcome frequencies are exactly q: k3_kl = KL(q || p) (the direction stated in the module),
     chi2 = chi^2(p || q) = sum p^2/q - 1, ess = 1 / (1 + chi2)."""
-    counts = [5, 3, 2]                                        # 10 samples, frequencies exactly Q
+    counts = [5, 3, 2]  # 10 samples, frequencies exactly Q
     xs = [x for x, c in enumerate(counts) for _ in range(c)]
     t = torch.tensor([math.log(P[x]) for x in xs], dtype=torch.float64)
     b = torch.tensor([math.log(Q[x]) for x in xs], dtype=torch.float64)
@@ -263,7 +269,7 @@ def test_metrics_are_the_divergences_under_behaviour_samples():
     chi2 = sum(p * p / q for q, p in zip(Q, P)) - 1
     assert m["k3_kl"] == pytest.approx(kl_qp, abs=1e-12)
     assert m["kl"] == pytest.approx(kl_qp, abs=1e-12)
-    assert abs(m["k3_kl"] - kl_pq) > 1e-2                     # not the other direction
+    assert abs(m["k3_kl"] - kl_pq) > 1e-2  # not the other direction
     # exp(b - t) - (b - t) - 1 (k3 with the roles swapped) estimates neither KL from behaviour samples:
     # its q-mean is chi^2(q || p) - KL(q || p)
     d = b - t
@@ -271,7 +277,7 @@ def test_metrics_are_the_divergences_under_behaviour_samples():
     chi2_qp = sum(q * q / p for q, p in zip(Q, P)) - 1
     assert swapped == pytest.approx(chi2_qp - kl_qp, abs=1e-12)
     assert abs(swapped - kl_qp) > 1e-3 and abs(swapped - kl_pq) > 1e-3
-    assert m["is_mean"] == pytest.approx(1.0, abs=1e-12)      # E_q[p/q] = 1
+    assert m["is_mean"] == pytest.approx(1.0, abs=1e-12)  # E_q[p/q] = 1
     assert m["chi2"] == pytest.approx(chi2, abs=1e-12)
     assert m["ess"] == pytest.approx(1.0 / (1.0 + chi2), abs=1e-12)
 
@@ -279,6 +285,7 @@ def test_metrics_are_the_divergences_under_behaviour_samples():
 # ---------------------------------------------------------------------------------------------------------------
 # unbiasedness (exact enumeration)
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _expect(weights: list[float], probs: list[float], f: list[float]) -> float:
     return sum(pr * w * v for pr, w, v in zip(probs, weights, f))
@@ -292,7 +299,7 @@ def test_token_is_is_unbiased_and_truncation_biases_by_the_computed_amount():
     assert _expect(w.tolist(), Q, F) == pytest.approx(target, abs=1e-12)
     assert _expect(w.tolist(), Q, [1.0] * 3) == pytest.approx(1.0, abs=1e-12)
 
-    c = 2.0                                                    # ratio of outcome 2 is 2.5 > c
+    c = 2.0  # ratio of outcome 2 is 2.5 > c
     w, _, m = rollout_is_weights(t, b, None, level="token", threshold_high=c)
     rho = [p / q for p, q in zip(P, Q)]
     bias = -sum(q * max(r - c, 0.0) * v for q, r, v in zip(Q, rho, F))
@@ -315,8 +322,13 @@ def test_sequence_is_is_unbiased_over_all_two_token_sequences():
         t += [math.log(p1[y1]), math.log(p2[y1][y2])]
         b += [math.log(q1[y1]), math.log(q2[y1][y2])]
         groups += [i, i]
-    w, _, _ = rollout_is_weights(torch.tensor(t, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
-                                 torch.tensor(groups), level="sequence", threshold_high=None)
+    w, _, _ = rollout_is_weights(
+        torch.tensor(t, dtype=torch.float64),
+        torch.tensor(b, dtype=torch.float64),
+        torch.tensor(groups),
+        level="sequence",
+        threshold_high=None,
+    )
     ws = w[0::2].tolist()
     f = [float(y1 * 3 + y2) ** 1.5 - 2.0 for y1, y2 in seqs]
     qy = [q1[y1] * q2[y1][y2] for y1, y2 in seqs]
@@ -328,6 +340,7 @@ def test_sequence_is_is_unbiased_over_all_two_token_sequences():
 # ---------------------------------------------------------------------------------------------------------------
 # decoupled / bypass losses: reference formula and gradients
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_decoupled_matches_the_areal_formula():
     g = torch.Generator().manual_seed(2)
@@ -342,23 +355,32 @@ def test_decoupled_matches_the_areal_formula():
     loss, parts = decoupled_ppo_loss(logp, prox, beh, adv, eps_lo, eps_hi, is_threshold=cap)
     assert torch.allclose(loss, ref, atol=1e-6)
     assert torch.allclose(parts["behave_weight"], w_ref)
-    assert bool((parts["behave_weight"] == cap).any())        # the cap is exercised
+    assert bool((parts["behave_weight"] == cap).any())  # the cap is exercised
     # mask mode (AReaL action="mask"): outside [1/cap, cap] the element contributes nothing
     loss, parts = decoupled_ppo_loss(logp, prox, beh, adv, eps_lo, eps_hi, is_threshold=cap, is_mode="mask")
     ratio = torch.exp(prox - beh)
     inside = (ratio >= 1 / cap) & (ratio <= cap)
     assert bool((~inside).any()) and bool(inside.any())
     assert torch.equal(loss[~inside], torch.zeros(int((~inside).sum())))
-    assert torch.allclose(loss[inside], (-ratio * torch.minimum(r * adv, r.clamp(1 - eps_lo, 1 + eps_hi) * adv))[inside],
-                          atol=1e-6)
+    assert torch.allclose(
+        loss[inside], (-ratio * torch.minimum(r * adv, r.clamp(1 - eps_lo, 1 + eps_hi) * adv))[inside], atol=1e-6
+    )
     # no behaviour weight
     loss, _ = decoupled_ppo_loss(logp, prox, beh, adv, eps_lo, eps_hi, is_threshold=None)
     assert torch.equal(loss, ppo_clip_loss(logp, prox, adv, eps_lo, eps_hi)[0])
 
 
 # (advantage, ppo ratio r, inside the clip range?) with eps 0.2
-GRAD_CASES = [(1.0, 1.1, True), (1.0, 1.5, False), (1.0, 0.5, True), (-1.0, 0.5, False), (-1.0, 1.5, True),
-              (-1.0, 0.9, True), (2.0, 1.2 - 1e-3, True), (-0.5, 0.8 + 1e-3, True)]
+GRAD_CASES = [
+    (1.0, 1.1, True),
+    (1.0, 1.5, False),
+    (1.0, 0.5, True),
+    (-1.0, 0.5, False),
+    (-1.0, 1.5, True),
+    (-1.0, 0.9, True),
+    (2.0, 1.2 - 1e-3, True),
+    (-0.5, 0.8 + 1e-3, True),
+]
 
 
 @pytest.mark.parametrize("w_prox,cap", [(1.5, 2.0), (3.0, 2.0), (0.7, 2.0)])
@@ -376,7 +398,7 @@ def test_decoupled_gradient(w_prox, cap):
     inside = torch.tensor([c[2] for c in GRAD_CASES])
     expect = torch.where(inside, -w * adv * r, torch.zeros(n, dtype=torch.float64))
     assert torch.allclose(logp.grad, expect, atol=1e-12)
-    assert prox.grad is None and beh.grad is None             # weights and proximal are constants
+    assert prox.grad is None and beh.grad is None  # weights and proximal are constants
     assert parts["clipped"].tolist() == [0.0 if c[2] else 1.0 for c in GRAD_CASES]
 
 
@@ -389,7 +411,7 @@ def test_bypass_reinforce_and_rejection():
     w = torch.exp(logp.detach() - beh).clamp(max=2.0)
     assert torch.allclose(loss, -w * logp.detach() * adv, atol=1e-6)
     loss.sum().backward()
-    assert torch.allclose(logp.grad, -w * adv, atol=1e-6)     # sg(w): no d w / d logp term
+    assert torch.allclose(logp.grad, -w * adv, atol=1e-6)  # sg(w): no d w / d logp term
     # ppo_clip with rejection: no IS weight, but the elements outside [1/2, 2] are masked
     loss, parts = bypass_ppo_loss(logp.detach(), beh, adv, is_threshold=2.0, is_mode="mask")
     ratio = torch.exp(logp.detach() - beh)

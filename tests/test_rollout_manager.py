@@ -1,5 +1,6 @@
 """Ray-managed engines on a local Ray cluster (CPU): every prompt once and in order, recovery from a dead engine,
 the engine's device from Ray's assignment and the config. (Weight sync into engine actors: test_weight_sync.py.)"""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,7 @@ from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine  # noqa: E402
 
 EOS = 253
-PARAMS = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, temperature=1.0, seed=11,
-                        stop_at_eos=False)
+PARAMS = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, temperature=1.0, seed=11, stop_at_eos=False)
 PROMPTS = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 5)] for i in range(10)]
 
 
@@ -24,9 +24,14 @@ def _hf(path, seed: int, name: str = "sdar") -> str:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])}})
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__)))])}
+        },
+    )
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -41,6 +46,7 @@ def _fail_once(marker: str):
     """Fault injection (test only): an engine factory whose first engine to find no file at ``marker`` creates it
     and kills its own process in generate(), as a crashed engine would. A closure: Ray (cloudpickle) ships it to
     the actor by value, not as a reference to this test module."""
+
     def build(**kwargs):
         class FailOnce:
             def __init__(self, engine):
@@ -56,23 +62,26 @@ def _fail_once(marker: str):
                 return getattr(self.engine, name)
 
         return FailOnce(build_native_engine(**kwargs))
+
     return build
 
 
 def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp_path):
     hf_dir = _hf(tmp_path, 0)
     expected = _expected(hf_dir)
-    healthy = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS}),
-                             num_engines=2, chunk_size=3)
+    healthy = RolloutManager(
+        EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS}), num_engines=2, chunk_size=3
+    )
     got = healthy.generate(PROMPTS, PARAMS)
     assert [t.prompt_ids for t in got] == PROMPTS and [t.response_ids for t in got] == expected
     healthy.shutdown()
 
     marker = str(tmp_path / "crashed")
-    flaky = RolloutManager(EngineSpec(_fail_once(marker), {"hf_dir": hf_dir, "eos_token_id": EOS}),
-                           num_engines=2, chunk_size=3)
+    flaky = RolloutManager(
+        EngineSpec(_fail_once(marker), {"hf_dir": hf_dir, "eos_token_id": EOS}), num_engines=2, chunk_size=3
+    )
     got = flaky.generate(PROMPTS, PARAMS)
-    assert os.path.exists(marker) and flaky.restarts == 1          # one engine really died
+    assert os.path.exists(marker) and flaky.restarts == 1  # one engine really died
     assert [t.prompt_ids for t in got] == PROMPTS and [t.response_ids for t in got] == expected
     assert all(h["alive"] for h in flaky.call_all("health"))
     flaky.shutdown()
@@ -101,8 +110,12 @@ def test_engine_device_follows_ray_and_the_config(tmp_path):
     cfg = load_config(None, ["rollout.device=cpu"])
     spec = engine_spec(cfg, SimpleNamespace(hf_dir=_hf(tmp_path, 0)), SimpleNamespace(eos_token_id=EOS))
     assert spec.kwargs["device"] == "cpu" and spec.factory is build_native_engine
-    assert engine_spec(load_config(None, []), SimpleNamespace(hf_dir="x"), SimpleNamespace(eos_token_id=EOS)
-                       ).kwargs["device"] == "auto"
+    assert (
+        engine_spec(load_config(None, []), SimpleNamespace(hf_dir="x"), SimpleNamespace(eos_token_id=EOS)).kwargs[
+            "device"
+        ]
+        == "auto"
+    )
 
 
 def test_engines_no_node_can_hold_fail_at_once(cluster, tmp_path):

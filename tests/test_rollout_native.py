@@ -1,5 +1,6 @@
 """The built-in engine's samplers: cache vs no cache, batch invariance, independent re-implementations of the
 SDAR block-diffusion and LLaDA semi-AR samplers, recorded log-probs, the trajectory contract."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,17 +20,27 @@ EOS, MASK = 253, 255
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63], [4, 5, 6, 7]]
 
 
-def _engine(family: str, use_cache: bool = True, seed: int = 0, full_attention_cache: str = "none",
-            **over) -> NativeEngine:
-    model, arch = build(family, seed, **over)      # tiny, perturbed: peaked predictions, confidences differ clearly
-    return NativeEngine(model, arch, eos_token_id=EOS, device="cpu", use_cache=use_cache,
-                        full_attention_cache=full_attention_cache)
+def _engine(
+    family: str, use_cache: bool = True, seed: int = 0, full_attention_cache: str = "none", **over
+) -> NativeEngine:
+    model, arch = build(family, seed, **over)  # tiny, perturbed: peaked predictions, confidences differ clearly
+    return NativeEngine(
+        model, arch, eos_token_id=EOS, device="cpu", use_cache=use_cache, full_attention_cache=full_attention_cache
+    )
 
 
 BLOCK_FAMILIES = ["sdar", "llada2"]
-PARAMS = [SamplingParams(max_new_tokens=10, block_size=4, steps_per_block=4, stop_at_eos=False),
-          SamplingParams(max_new_tokens=10, block_size=4, steps_per_block=2, algorithm="low_confidence_dynamic",
-                         threshold=0.3, stop_at_eos=False)]
+PARAMS = [
+    SamplingParams(max_new_tokens=10, block_size=4, steps_per_block=4, stop_at_eos=False),
+    SamplingParams(
+        max_new_tokens=10,
+        block_size=4,
+        steps_per_block=2,
+        algorithm="low_confidence_dynamic",
+        threshold=0.3,
+        stop_at_eos=False,
+    ),
+]
 
 
 @pytest.mark.parametrize("family", BLOCK_FAMILIES)
@@ -42,11 +53,28 @@ def test_block_diffusion_cache_equals_no_cache(family, params):
         assert len(a.response_ids) == 10 and a.finish_reason == "length"
 
 
-BATCH_PARAMS = [SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False),
-                SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, top_k=20,
-                               algorithm="random", seed=5, stop_at_eos=False),
-                SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=4, temperature=0.9, threshold=0.05,
-                               algorithm="low_confidence_dynamic", seed=9)]
+BATCH_PARAMS = [
+    SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False),
+    SamplingParams(
+        max_new_tokens=8,
+        block_size=4,
+        steps_per_block=2,
+        temperature=1.0,
+        top_k=20,
+        algorithm="random",
+        seed=5,
+        stop_at_eos=False,
+    ),
+    SamplingParams(
+        max_new_tokens=12,
+        block_size=4,
+        steps_per_block=4,
+        temperature=0.9,
+        threshold=0.05,
+        algorithm="low_confidence_dynamic",
+        seed=9,
+    ),
+]
 
 
 @pytest.mark.parametrize("params", BATCH_PARAMS, ids=["greedy", "sampled-random", "sampled-dynamic-eos"])
@@ -61,8 +89,8 @@ def test_batch_does_not_change_any_sample(family, params):
     for i, (p, t) in enumerate(zip(PROMPTS, batch)):
         alone = eng.generate([p], dataclasses.replace(params, seed=prompt_seed(params.seed, i)))[0]
         assert (alone.response_ids, alone.commit_step) == (t.response_ids, t.commit_step)
-        assert alone.logprobs == pytest.approx(t.logprobs, abs=1e-5)      # padded batch vs alone: float rounding
-    if params.temperature > 0:   # reversed order: other indices, other streams
+        assert alone.logprobs == pytest.approx(t.logprobs, abs=1e-5)  # padded batch vs alone: float rounding
+    if params.temperature > 0:  # reversed order: other indices, other streams
         assert [t.response_ids for t in rev[::-1]] != [t.response_ids for t in batch]
         assert any(lp < 0 for t in batch for lp in t.logprobs)
 
@@ -101,8 +129,8 @@ def _reference_block_diffusion(model, prompt, params) -> tuple[list[int], list[i
             x[0, lo:hi] = torch.where(pick, tok, x[0, lo:hi])
             steps[lo:hi][pick] = step
             step += 1
-    resp = x[0, P:P + params.max_new_tokens]
-    return resp.tolist(), steps[P:P + params.max_new_tokens].tolist()
+    resp = x[0, P : P + params.max_new_tokens]
+    return resp.tolist(), steps[P : P + params.max_new_tokens].tolist()
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["static", "dynamic"])
@@ -156,8 +184,16 @@ def test_semi_ar_sampler_matches_llada_reference(family):
 @pytest.mark.parametrize("family", ["sdar", "llada"])
 def test_recorded_logprobs_equal_the_model_at_the_recorded_step(family):
     # lengths on the block grid (prompts of 6 and 2 tokens), so the trajectory holds every decoded token
-    params = SamplingParams(max_new_tokens=10 if family == "sdar" else 8, block_size=4, steps_per_block=4, temperature=0.7, top_k=40,
-                            top_p=0.95, seed=3, stop_at_eos=False)
+    params = SamplingParams(
+        max_new_tokens=10 if family == "sdar" else 8,
+        block_size=4,
+        steps_per_block=4,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.95,
+        seed=3,
+        stop_at_eos=False,
+    )
     eng = _engine(family)
     trajs = eng.generate(PROMPTS[:2], params)
     block_family = eng.arch.attention == "block_causal"
@@ -187,7 +223,7 @@ def test_recorded_logprobs_equal_the_model_at_the_recorded_step(family):
 def test_eos_stops_after_its_block(family):
     eng = _engine(family)
     free = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, block_size=4, stop_at_eos=False))[0]
-    eng.eos = free.response_ids[5]            # pretend the 6th response token is EOS
+    eng.eos = free.response_ids[5]  # pretend the 6th response token is EOS
     first = free.response_ids.index(eng.eos)
     t = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12, block_size=4))[0]
     assert t.finish_reason == "eos" and t.response_ids == free.response_ids[: first + 1]
@@ -197,8 +233,16 @@ def test_eos_stops_after_its_block(family):
 def test_trajectory_contract():
     eng = _engine("sdar")
     params = SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=4)
-    bad = Trajectory(prompt_ids=[1], response_ids=[2, 3], commit_step=[0], block_step=[0, 0], logprobs=[0.0, 0.0],
-                     finish_reason="eos", num_forwards=1, params=params)
+    bad = Trajectory(
+        prompt_ids=[1],
+        response_ids=[2, 3],
+        commit_step=[0],
+        block_step=[0, 0],
+        logprobs=[0.0, 0.0],
+        finish_reason="eos",
+        num_forwards=1,
+        params=params,
+    )
     with pytest.raises(ValueError, match="commit_step has 1 entries for 2"):
         bad.validate()
     with pytest.raises(ValueError, match="block_size=8 differs"):
@@ -223,15 +267,17 @@ def test_commit_selection_rules():
     masked = torch.tensor([[True, True, True, False], [True, True, True, True]])
     n = torch.tensor([1, 2])
     assert select_commits(conf, masked, n, "low_confidence_static").tolist() == [
-        [False, False, True, False], [False, True, False, True]]
+        [False, False, True, False],
+        [False, True, False, True],
+    ]
     dyn = select_commits(conf, masked, n, "low_confidence_dynamic", threshold=0.8)
-    assert dyn[0].tolist() == [True, False, True, False]          # both above threshold (>= n)
-    assert dyn[1].tolist() == [False, True, False, True]          # none above: top-n
+    assert dyn[0].tolist() == [True, False, True, False]  # both above threshold (>= n)
+    assert dyn[1].tolist() == [False, True, False, True]  # none above: top-n
     assert transfer_schedule(10, 4) == [3, 3, 2, 2]
     u = stream_uniforms(torch.tensor([0, 1]), torch.tensor([0, 0]), REMASK, 4)
     rnd = select_commits(conf, masked, torch.tensor([2, 3]), "random", uniforms=u)
     assert rnd.sum(1).tolist() == [2, 3] and not (rnd & ~masked).any()
-    assert rnd[0].tolist() == [bool(i in u[0, :3].argsort()[:2]) for i in range(4)]    # the smallest keys
+    assert rnd[0].tolist() == [bool(i in u[0, :3].argsort()[:2]) for i in range(4)]  # the smallest keys
     assert rnd[1].tolist() == u[1].argsort().argsort().lt(3).tolist()
 
 
@@ -242,7 +288,7 @@ def test_full_attention_cache_reproduces_the_state_it_was_built_from(family, mod
     block (and the suffix for 'prefix') against the cache gives exactly the full forward's logits; after a commit
     the cached approximation differs from an exact forward."""
     params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False)
-    prompts = [[5, 17, 99, 3, 42, 7], [11, 2, 9, 4]]          # the second row is left-padded
+    prompts = [[5, 17, 99, 3, 42, 7], [11, 2, 9, 4]]  # the second row is left-padded
     decoders = []
     for m in (mode, "none"):
         dec = _SemiAR(_engine(family, full_attention_cache=m), prompts, params)
@@ -253,7 +299,7 @@ def test_full_attention_cache_reproduces_the_state_it_was_built_from(family, mod
     first = cached.block_logits(2, cols, 0)
     assert torch.allclose(first, cached.block_logits(2, cols, 1), atol=1e-5)
     assert torch.allclose(first, exact.block_logits(2, cols, 1), atol=1e-5)
-    for dec in decoders:                                        # a commit at the block's first position
+    for dec in decoders:  # a commit at the block's first position
         dec.dev["tokens"][:, int(cols[0, 0])] = 5
     assert not torch.allclose(exact.block_logits(2, cols, 1), cached.block_logits(2, cols, 1), atol=1e-6)
 

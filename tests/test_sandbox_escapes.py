@@ -13,6 +13,7 @@ memfd, the stdin file), forged test verdicts through the reward RL uses (gc.garb
 _signal / gc, sub-interpreters), syscalls the seccomp filter missed (as native code would call them), the
 `process` isolation's signals, /etc's credentials, and the OOM killer's choice.
 """
+
 import json
 import os
 import select
@@ -37,7 +38,7 @@ WRITES = {
     "readline": "import readline\nreadline.add_history('escaped')\nreadline.write_history_file({target!r})",
     "sqlite3": "import sqlite3\nc = sqlite3.connect({target!r})\nc.execute('create table t(x)')\nc.commit()",
     "sqlite3_proc_self_root": "import sqlite3\nc = sqlite3.connect('/proc/self/root' + {target!r})\n"
-                              "c.execute('create table t(x)')\nc.commit()",
+    "c.execute('create table t(x)')\nc.commit()",
     "dbm": "import dbm\nd = dbm.open({target!r}, 'c')\nd['k'] = 'escaped'\nd.close()",
     "shutil": "import shutil\nopen('x', 'w').write('escaped')\nshutil.copyfile('x', {target!r})",
     "os_link": "import os\nopen('x', 'w').write('escaped')\nos.link('x', {target!r})",
@@ -68,7 +69,7 @@ def test_writes_leave_no_trace(how, where, visible_dir, tmp_path):
     try:
         r = run_program(WRITES[how].format(target=str(target)))
         assert _traces(target) == [], (r.status, r.stderr[-500:])
-        assert r.status != "ok", r   # the write failed inside too: the program was told, not fooled
+        assert r.status != "ok", r  # the write failed inside too: the program was told, not fooled
     finally:
         for name in _traces(target):
             os.remove(target.parent / name)
@@ -86,8 +87,7 @@ def victim(visible_dir):
 MODIFY = {
     "readline_overwrite": "import readline\nreadline.add_history('escaped')\nreadline.write_history_file({victim!r})",
     "readline_append": "import readline\nreadline.add_history('escaped')\nreadline.append_history_file(1, {victim!r})",
-    "mmap": "import mmap, os\nfd = os.open({victim!r}, os.O_RDWR)\nm = mmap.mmap(fd, 0)\nm[:7] = b'escaped'\n"
-            "m.flush()",
+    "mmap": "import mmap, os\nfd = os.open({victim!r}, os.O_RDWR)\nm = mmap.mmap(fd, 0)\nm[:7] = b'escaped'\nm.flush()",
     "chmod": "import os\nos.chmod({victim!r}, 0o777)",
     "unlink": "import os\nos.unlink({victim!r})",
     "proc_pid_fd": "import readline\nreadline.add_history('escaped')\nreadline.write_history_file({fd_path!r})",
@@ -97,7 +97,7 @@ MODIFY = {
 @pytest.mark.parametrize("how", sorted(MODIFY))
 def test_existing_files_stay_unchanged(how, victim):
     mode = victim.stat().st_mode
-    with open(victim, "a") as held:   # a writable fd of this process, named in /proc/<pid>/fd
+    with open(victim, "a") as held:  # a writable fd of this process, named in /proc/<pid>/fd
         fd_path = f"/proc/{os.getpid()}/fd/{held.fileno()}"
         r = run_program(MODIFY[how].format(victim=str(victim), fd_path=fd_path))
     assert victim.read_text() == "original" and victim.stat().st_mode == mode, (r.status, r.stderr[-500:])
@@ -114,8 +114,13 @@ def sleeper():
 
 @pytest.mark.parametrize("hook", [True, False])
 def test_signals_reach_nobody_outside(sleeper, hook):
-    attempts = [f"os.kill({sleeper.pid}, signal.SIGKILL)", f"os.killpg(os.getpgid({sleeper.pid}), signal.SIGKILL)",
-                "os.kill(os.getppid(), 0)", "os.killpg(os.getpgid(os.getppid()), 0)", "os.kill(-1, 0)"]
+    attempts = [
+        f"os.kill({sleeper.pid}, signal.SIGKILL)",
+        f"os.killpg(os.getpgid({sleeper.pid}), signal.SIGKILL)",
+        "os.kill(os.getppid(), 0)",
+        "os.killpg(os.getpgid(os.getppid()), 0)",
+        "os.kill(-1, 0)",
+    ]
     for attempt in attempts:
         r = run_program(f"import os, signal\n{attempt}\nprint('sent')", audit_hook=hook)
         assert "sent" not in r.stdout and r.status != "ok", (attempt, r)
@@ -177,9 +182,11 @@ def test_hidden_paths_cannot_be_read(secrets_outside, hook):
     token, paths = secrets_outside
     reads = [f"print(open({p!r}).read())" for p in paths]
     reads += [f"print(open('/proc/self/root' + {p!r}).read())" for p in paths]
-    reads += [f"print(open('/proc/{os.getpid()}/root' + {paths[0]!r}).read())",
-              f"print(open('/proc/{os.getpid()}/cmdline').read())",
-              f"import os\nprint(os.listdir({os.path.dirname(paths[0])!r}))"]
+    reads += [
+        f"print(open('/proc/{os.getpid()}/root' + {paths[0]!r}).read())",
+        f"print(open('/proc/{os.getpid()}/cmdline').read())",
+        f"import os\nprint(os.listdir({os.path.dirname(paths[0])!r}))",
+    ]
     for src in reads:
         r = run_program(src, audit_hook=hook)
         assert token not in r.stdout and "pytest" not in r.stdout, (src, r.stdout[-300:])
@@ -191,8 +198,10 @@ def test_the_kernel_alone_refuses_writes(visible_dir):
     name = f"megadare_escape_plain_{uuid.uuid4().hex[:8]}"
     targets = [visible_dir / name, Path("/etc") / name, Path("/tmp") / name]
     try:
-        for src in [f"open({str(t)!r}, 'w').write('escaped')" for t in targets[:2]] + \
-                   [f"import os\nos.mkdir({str(targets[2])!r})", "open('/proc/self/mem', 'r+b')"]:
+        for src in [f"open({str(t)!r}, 'w').write('escaped')" for t in targets[:2]] + [
+            f"import os\nos.mkdir({str(targets[2])!r})",
+            "open('/proc/self/mem', 'r+b')",
+        ]:
             r = run_program(src, audit_hook=False)
             assert r.status == "error", (src, r)
         assert [t for t in targets if t.exists()] == []
@@ -207,8 +216,12 @@ def test_the_kernel_alone_refuses_writes(visible_dir):
 # ------------------------------------------------------------------------------------------------------------------
 # Red team (i24r): native code, forged test verdicts, the weaker `process` isolation, syscalls the filter missed.
 # ------------------------------------------------------------------------------------------------------------------
-HUMANEVAL_ROW = {"data_source": "humaneval", "prompt": "def add(a, b):\n", "entry_point": "add",
-                 "answer": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(5, 5) == 10\n"}
+HUMANEVAL_ROW = {
+    "data_source": "humaneval",
+    "prompt": "def add(a, b):\n",
+    "entry_point": "add",
+    "answer": "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(5, 5) == 10\n",
+}
 WRONG = "def add(a, b):\n    return 0\n"
 
 # Ways a wrong program could make its tests "pass" (or read them) from pure Python, with the audit hook on: each gets
@@ -245,13 +258,16 @@ FORGERIES = {
         while not got:
             pass
         fr = got[0]
-    """) + _prog(FORGE),
+    """)
+    + _prog(FORGE),
     # a gc module copy, for the gc_garbage route once gc.set_debug is gone
     "gc_module_copy": _prog("""
         import importlib.machinery as m, os, sys
         gc = m.BuiltinImporter.create_module(m.ModuleSpec('gc', m.BuiltinImporter, origin='built-in'))
         m.BuiltinImporter.exec_module(gc)
-    """) + _prog(SAVEALL) + _prog(FORGE),
+    """)
+    + _prog(SAVEALL)
+    + _prog(FORGE),
 }
 
 
@@ -259,6 +275,7 @@ FORGERIES = {
 def test_a_wrong_program_cannot_forge_its_tests(how):
     """Through the reward RL uses (rl.reward=auto on a DARE humaneval row): a wrong answer scores 0."""
     from megadare.rewards import score_batch
+
     response = "```python\n" + WRONG + _prog(FORGERIES[how]) + "```"
     scores, stats = score_batch("auto", [response], [HUMANEVAL_ROW])
     assert scores == [0.0], (how, stats)
@@ -268,16 +285,19 @@ def test_a_wrong_program_cannot_forge_its_tests(how):
 
 def test_no_subinterpreter_without_the_hook():
     """A sub-interpreter has no audit hook (ctypes would work there)."""
-    r = run_program(_prog("""
+    r = run_program(
+        _prog("""
         import _xxsubinterpreters as x
         x.run_string(x.create(), "import ctypes, sys; print('ctypes', ctypes.CDLL(None).getpid()); sys.stdout.flush()")
-    """))
-    assert "ctypes" not in r.stdout and r.status != "ok", r   # CPython reports the refusal as "creation failed"
+    """)
+    )
+    assert "ctypes" not in r.stdout and r.status != "ok", r  # CPython reports the refusal as "creation failed"
 
 
 def _extension() -> Path:
     """A C extension module of this Python (a shared object the program copies: native code it chose)."""
     import importlib.util
+
     for name in ("_bisect", "_json", "_heapq", "_random", "math"):
         spec = importlib.util.find_spec(name)
         if spec and spec.origin and spec.origin.endswith(".so"):
@@ -356,11 +376,16 @@ def test_syscalls_refused_to_native_code():
 def test_process_isolation_signals_reach_nobody_outside(sleeper, how):
     """The weaker `process` isolation (the trainer's pid is visible there): no signal to another process."""
     if how == "pidfd":
-        r = run_program(f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({sleeper.pid}), signal.SIGKILL)\n"
-                        "print('sent')", isolation="process")
+        r = run_program(
+            f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({sleeper.pid}), signal.SIGKILL)\nprint('sent')",
+            isolation="process",
+        )
     else:
-        r = run_program(f"import os, signal\nos.kill({sleeper.pid}, signal.SIGKILL)\nprint('sent')",
-                        isolation="process", max_processes=2)
+        r = run_program(
+            f"import os, signal\nos.kill({sleeper.pid}, signal.SIGKILL)\nprint('sent')",
+            isolation="process",
+            max_processes=2,
+        )
     time.sleep(0.2)
     assert sleeper.poll() is None and "sent" not in r.stdout, r
 
@@ -376,7 +401,8 @@ def test_etc_shows_only_what_python_needs():
     planted.write_text(f"index-url = https://user:{token}@pypi.example/simple\n")
     planted.chmod(0o644)
     try:
-        r = run_program(_prog(f"""
+        r = run_program(
+            _prog(f"""
             import mimetypes, os, pwd, readline, sqlite3, time
             print(os.path.exists({str(planted)!r}))
             sqlite3.connect('db').execute('create table t(x)')
@@ -385,7 +411,8 @@ def test_etc_shows_only_what_python_needs():
             print(bool(pwd.getpwuid(os.getuid()).pw_name), mimetypes.guess_type('a.txt')[0],
                   bool(time.localtime().tm_zone), sorted(os.listdir('.')))
             print(open({str(planted)!r}).read())
-        """))
+        """)
+        )
     finally:
         planted.unlink()
     assert token not in r.stdout and r.status == "error", r
@@ -404,11 +431,12 @@ def test_the_proof_is_accepted_only_at_the_end_of_the_tests(offset, token):
     """Defense in depth: a program that got hold of the bootstrap's frame (by a way not closed yet) and raises the
     proof event with it before the tests ended (the frame is elsewhere) burns the token instead of passing."""
     from megadare.rewards.sandbox_child import _test_guard
+
     r, w = os.pipe()
     try:
         proof = [None, b"token", w, 0]
         assert _proof_event_at(_test_guard(proof), proof, offset) is True
-        assert proof[1] is None   # one shot either way
+        assert proof[1] is None  # one shot either way
         os.set_blocking(r, False)
         try:
             got = os.read(r, 64)
@@ -424,10 +452,12 @@ def test_no_test_module_in_test_mode():
     """_testcapi (unmarshalling code objects without an audit event, frame_new, raw sys objects) stays refused in
     test mode when a program names it by a str subclass that answers the hook's name checks with other text."""
     import importlib.util
+
     spec = importlib.util.find_spec("_testcapi")
     if spec is None or not str(spec.origin).endswith(".so"):
         pytest.skip("this Python has no _testcapi extension module")
-    r = run_program(_prog(f"""
+    r = run_program(
+        _prog(f"""
         import _imp
         class Name(str):
             def startswith(self, *a):
@@ -439,5 +469,7 @@ def test_no_test_module_in_test_mode():
             name = Name('_testcapi')
             origin = {spec.origin!r}
         print('loaded', _imp.create_dynamic(Spec()))
-    """), tests="assert 1\n")
+    """),
+        tests="assert 1\n",
+    )
     assert "loaded" not in r.stdout and not r.tests_passed, r

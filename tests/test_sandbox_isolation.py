@@ -1,6 +1,7 @@
 """The code sandbox's OS isolation (rewards.code.isolation=namespaces): what a program sees from inside, the refusal
 where the kernel refuses namespaces (simulated with a seccomp filter in a child process: the kernel's own EPERM),
 the path a non-root trainer takes (a user namespace), and the config key."""
+
 import json
 import os
 import platform
@@ -41,22 +42,54 @@ def test_what_a_program_sees_inside():
     assert (seen["uid"], seen["gid"]) == ((65534, 65534) if root else (os.geteuid(), os.getegid()))
     assert seen["groups"] in ([], [seen["gid"]]) and seen["caps"] == [0, 0, 0, 0], seen
     assert seen["no_new_privs"] == "1" and seen["seccomp"] == ("2" if platform.machine() == "x86_64" else "0")
-    assert seen["pid"] == 1 and seen["ppid"] == 0 and seen["pids"] == ["1"], seen   # its own PID namespace
+    assert seen["pid"] == 1 and seen["ppid"] == 0 and seen["pids"] == ["1"], seen  # its own PID namespace
     assert seen["host"] == "sandbox" and seen["cwd"] == seen["home"] and seen["cwd_files"] == ["main.py", "out"]
     assert not seen["repo_visible"], "the repository (like the run directory) must be hidden"
-    assert set(seen["root"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "usr",
-                                 "tmp", "root", "home", "work", "opt", "srv", "var", "mnt", "data"}, seen["root"]
-    assert seen["writable"] == [], seen["writable"]   # as seen by access(2); the cwd is the one writable place
+    assert set(seen["root"]) <= {
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib32",
+        "lib64",
+        "libx32",
+        "proc",
+        "sbin",
+        "usr",
+        "tmp",
+        "root",
+        "home",
+        "work",
+        "opt",
+        "srv",
+        "var",
+        "mnt",
+        "data",
+    }, seen["root"]
+    assert seen["writable"] == [], seen["writable"]  # as seen by access(2); the cwd is the one writable place
     layers = set(r.protections)
-    assert {"netns", "pidns", "mntns", "ipcns", "read_only_root", "private_tmpfs", "no_capabilities",
-            "no_new_privs", "audit_hook"} <= layers, layers
+    assert {
+        "netns",
+        "pidns",
+        "mntns",
+        "ipcns",
+        "read_only_root",
+        "private_tmpfs",
+        "no_capabilities",
+        "no_new_privs",
+        "audit_hook",
+    } <= layers, layers
 
 
 def test_numpy_and_site_packages_stay_usable():
     """What humanevalplus needs: the venv's packages (numpy, preloaded) inside the read-only root."""
     pytest.importorskip("numpy")
-    r = run_program("import numpy as np\nprint(int(np.arange(5).sum()))", allow_site_packages=True,
-                    preload=("numpy",), isolation="namespaces")
+    r = run_program(
+        "import numpy as np\nprint(int(np.arange(5).sum()))",
+        allow_site_packages=True,
+        preload=("numpy",),
+        isolation="namespaces",
+    )
     assert r.status == "ok" and r.stdout == "10\n", r
 
 
@@ -105,9 +138,9 @@ def test_refuses_code_rewards_where_the_kernel_refuses_namespaces(syscall, nr):
     refused = next(line for line in lines if line.startswith("REFUSED"))
     assert syscall in refused and "rewards.code.isolation=process" in refused, refused
     assert "Operation not permitted" in refused
-    assert "AGAIN True" in lines        # remembered: no second child
-    assert "BATCH raised" in lines      # never counted as a wrong answer, whatever the tolerance
-    assert "PROCESS 1.0" in lines       # the weaker guard runs when asked for
+    assert "AGAIN True" in lines  # remembered: no second child
+    assert "BATCH raised" in lines  # never counted as a wrong answer, whatever the tolerance
+    assert "PROCESS 1.0" in lines  # the weaker guard runs when asked for
 
 
 _NON_ROOT = """

@@ -13,6 +13,7 @@ the SFT objectives, so their gradients count too), grad norms, every gradient an
 1e-5 relative in fp32. Scored runs alternate between one chunk and many (``train.logits_chunk_mb``). A value model
 under TP2+SP also matches PP2's grad norm (ValueHead's sequence-parallel gather summed the TP ranks' gradients).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,19 @@ pytestmark = pytest.mark.timeout(900)
 
 TOL = 1e-5
 SEQ = 64
-RL_BLOCK = ("d1", "coupled_grpo", "random_mask_rl", "tracerl", "cj_grpo", "bgpo", "ebpo", "spg", "vrpo", "mdpo",
-            "d_treerpo")
+RL_BLOCK = (
+    "d1",
+    "coupled_grpo",
+    "random_mask_rl",
+    "tracerl",
+    "cj_grpo",
+    "bgpo",
+    "ebpo",
+    "spg",
+    "vrpo",
+    "mdpo",
+    "d_treerpo",
+)
 RL_FULL = ("d1", "tracerl", "justgrpo", "espo", "mdpo")
 RL_SHIFT = ("coupled_grpo", "tracerl")
 LAYOUTS = {"tp2_sp": dict(tp=2, sp=True), "pp2": dict(pp=2), "ep2": dict(ep=2), "cp2": dict(cp=2)}
@@ -59,7 +71,7 @@ def test_linear_logprobs_match_full_logits(chunk_mb):
     excluded = torch.randint(-1, vocab, (n,), generator=g)
     excluded[excluded == y] = -1
     a, b = torch.randn(n, generator=g, dtype=torch.float64), torch.randn(n, generator=g, dtype=torch.float64)
-    assert (chunk_tokens(padded, chunk_mb) >= n) == (chunk_mb == 1.0)      # one chunk, or several
+    assert (chunk_tokens(padded, chunk_mb) >= n) == (chunk_mb == 1.0)  # one chunk, or several
     lp0, ent0 = _reference(h, w, y, vocab, scale, excluded)
     rel = lambda x, ref: float((x.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
     for wa, wb in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
@@ -72,7 +84,7 @@ def test_linear_logprobs_match_full_logits(chunk_mb):
         lp0, ent0 = _reference(h, w, y, vocab, scale, excluded)
         ((wa * a * lp0).sum() + (wb * b * ent0).sum()).backward()
         assert rel(got[0], h.grad) < TOL and rel(got[1], w.grad) < TOL, (wa, wb)
-        assert float(got[1][vocab:].abs().max()) == 0.0          # vocabulary padding rows get no gradient
+        assert float(got[1][vocab:].abs().max()) == 0.0  # vocabulary padding rows get no gradient
 
 
 def test_bf16_weight_gradient_goes_into_main_grad():
@@ -84,7 +96,7 @@ def test_bf16_weight_gradient_goes_into_main_grad():
     w = torch.randn(vocab, hid, generator=g).bfloat16().requires_grad_()
     w.main_grad = torch.zeros(vocab, hid)
     y = torch.randint(0, vocab, (n,), generator=g)
-    lp, _ = linear_logprobs(h, w, y, vocab, chunk_mb=0.004)     # 3 tokens per chunk, 64 rows per product
+    lp, _ = linear_logprobs(h, w, y, vocab, chunk_mb=0.004)  # 3 tokens per chunk, 64 rows per product
     lp.sum().backward()
     assert w.grad is None and float(w.main_grad.abs().max()) > 0
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -111,10 +123,24 @@ def _samples(arch, n: int = 6, seed: int = 0):
         T = max(commit) + 1
         preds = [[int(t) if commit[k] >= s else -1 for k, t in enumerate(rnd(L))] for s in range(T)]
         confs = [torch.rand(L, generator=g).tolist() for _ in range(T)]
-        out.append(RLSample(prompt_ids=rnd(P), response_ids=rnd(L), reward=float(i % 2), advantage=(-1.0) ** i,
-                            index=i, group=i // 3, commit_step=commit, block_step=bstep,
-                            extra={"sampling_temperature": 0.7, "parent": (i // 3, 0, 0), "step_predictions": preds,
-                                   "step_confidences": confs}))
+        out.append(
+            RLSample(
+                prompt_ids=rnd(P),
+                response_ids=rnd(L),
+                reward=float(i % 2),
+                advantage=(-1.0) ** i,
+                index=i,
+                group=i // 3,
+                commit_step=commit,
+                block_step=bstep,
+                extra={
+                    "sampling_temperature": 0.7,
+                    "parent": (i // 3, 0, 0),
+                    "step_predictions": preds,
+                    "step_confidences": confs,
+                },
+            )
+        )
     return out
 
 
@@ -132,7 +158,7 @@ def _rl_rows(name: str, arch, samples):
 
     algo = _algo(name)
     samples = copy.deepcopy(samples)
-    if hasattr(algo, "prepare"):   # MDPO: a toy reward on every intermediate answer
+    if hasattr(algo, "prepare"):  # MDPO: a toy reward on every intermediate answer
         algo.prepare(samples, lambda rs, idx: [sum(t % 2 == 0 for t in r) / max(len(r), 1) for r in rs], 3)
     block = arch.block_size if arch.attention == "block_causal" else 4
     return algo.batch_rows(samples, arch, block, lambda i: example_generator(7, 0, i))
@@ -157,8 +183,10 @@ def _dpo_rows(arch, samples):
     from megadare.algos.sft import example_generator
 
     vrpo = _algo("vrpo")
-    return [vrpo.pair_row(samples[i], samples[i + 1], arch, example_generator(1, 0, i), example_generator(1, 0, i + 1))
-            for i in range(0, len(samples) - 1, 2)]
+    return [
+        vrpo.pair_row(samples[i], samples[i + 1], arch, example_generator(1, 0, i), example_generator(1, 0, i + 1))
+        for i in range(0, len(samples) - 1, 2)
+    ]
 
 
 def _value_rows(arch, samples):
@@ -177,25 +205,36 @@ def cases(tmp_path_factory):
     from megadare.models.family import family_of, read_hf_config
 
     root = tmp_path_factory.mktemp("hf")
-    hf = {"block": write_tiny_hf(root, "sdar", seed=1), "full": write_tiny_hf(root, "dream", seed=2),
-          "moe": write_tiny_hf(root, "sdar_moe", seed=3)}
+    hf = {
+        "block": write_tiny_hf(root, "sdar", seed=1),
+        "full": write_tiny_hf(root, "dream", seed=2),
+        "moe": write_tiny_hf(root, "sdar_moe", seed=3),
+    }
     arch = {k: family_of(read_hf_config(d)).arch(read_hf_config(d)) for k, d in hf.items()}
     block, shift = arch["block"], arch["full"]
-    full = dataclasses.replace(shift, logits_shift=0)     # LLaDA-style rows: full attention, no shift
+    full = dataclasses.replace(shift, logits_shift=0)  # LLaDA-style rows: full attention, no shift
     smp = {"block": _samples(block), "full": _samples(full), "shift": _samples(shift)}
     out = []
 
     def add(name, model, kind, rows, **spec):
         out.append((name, model, kind, 4, pack_rows(rows, SEQ, 2), spec))
 
-    for mode, a, kind in (("block", block, "block_diffusion"), ("trace", block, "block_causal"),
-                          ("random", full, "bidirectional"), ("semi_ar", full, "bidirectional"),
-                          ("trace", full, "bidirectional"), ("random", shift, "bidirectional")):
+    for mode, a, kind in (
+        ("block", block, "block_diffusion"),
+        ("trace", block, "block_causal"),
+        ("random", full, "bidirectional"),
+        ("semi_ar", full, "bidirectional"),
+        ("trace", full, "bidirectional"),
+        ("random", shift, "bidirectional"),
+    ):
         tag = "block" if a is block else "shift" if a is shift else "full"
         add(f"sft {mode} ({tag})", "block" if a is block else "full", kind, _sft_rows(mode, a), sft=True)
     add("sft block LoRA", "block", "block_diffusion", _sft_rows("block", block), sft=True, lora=True)
-    for names, tag, a, kind in ((RL_BLOCK, "block", block, "block_diffusion"), (RL_FULL, "full", full, "bidirectional"),
-                                (RL_SHIFT, "shift", shift, "bidirectional")):
+    for names, tag, a, kind in (
+        (RL_BLOCK, "block", block, "block_diffusion"),
+        (RL_FULL, "full", full, "bidirectional"),
+        (RL_SHIFT, "shift", shift, "bidirectional"),
+    ):
         for name in names:
             add(f"rl {name} ({tag})", "block" if a is block else "full", kind, _rl_rows(name, a, smp[tag]), algo=name)
     add("dpo vrpo pairs", "block", "block_diffusion", _dpo_rows(block, smp["block"]), dpo=True)
@@ -208,6 +247,7 @@ def _entropy_bonus(base, coef: float = 0.1):
     def objective(mb, logp):
         loss, report = base(mb, logp)
         return loss - coef * (mb.weight * mb.extras["entropy"]).sum(), report
+
     return objective
 
 
@@ -225,7 +265,7 @@ def _build(hf_dir: str, sp: bool, lora: bool, value: bool):
         from megadare.models.lora import apply_lora
 
         apply_lora(chunks, 4, 8.0)
-        for c in chunks:   # B starts at zero: move it so the adapters' path matters
+        for c in chunks:  # B starts at zero: move it so the adapters' path matters
             for n, p in c.named_parameters():
                 if n.endswith("lora_B"):
                     p.data.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(n)))
@@ -234,7 +274,7 @@ def _build(hf_dir: str, sp: bool, lora: bool, value: bool):
 
         attach_value_head(chunks)
         for c in chunks:
-            if c.post_process:   # a zero head would give the backbone no gradient
+            if c.post_process:  # a zero head would give the backbone no gradient
                 c.output_layer.weight.data.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(9))
     model = wrap_ddp(chunks, True)
     # lr ~ 0 and no clipping: the weights stay bitwise the same, the grad buffers keep the step's gradients
@@ -254,8 +294,9 @@ def _run_case(chunks, model, opt, sched, arch, case, head):
     for c in chunks:
         c.head_settings = head
     denom = global_denominator(mbs)
-    mine = copy.deepcopy(split_for_data_parallel(list(mbs), ps.get_data_parallel_world_size(),
-                                                 ps.get_data_parallel_rank()))
+    mine = copy.deepcopy(
+        split_for_data_parallel(list(mbs), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
+    )
     vocab, stored, per_position = arch.vocab_size, [], None
     if spec.get("sft"):
         objective, entropy = _entropy_bonus(weighted_nll), True
@@ -273,10 +314,22 @@ def _run_case(chunks, model, opt, sched, arch, case, head):
         if algo.needs_ref:
             store_outputs(model, mine, "ref", kind, block, vocab)
             stored.append("ref")
-    m = train_step(model, opt, sched, mine, denom, kind, block, vocab, objective=objective, entropy=entropy,
-                   per_position=per_position)
-    grads = torch.cat([b.grad_data.detach().float().clone() for x in model
-                       for b in x.buffers + x.expert_parallel_buffers])
+    m = train_step(
+        model,
+        opt,
+        sched,
+        mine,
+        denom,
+        kind,
+        block,
+        vocab,
+        objective=objective,
+        entropy=entropy,
+        per_position=per_position,
+    )
+    grads = torch.cat(
+        [b.grad_data.detach().float().clone() for x in model for b in x.buffers + x.expert_parallel_buffers]
+    )
     column = lambda mb, k: getattr(mb, k) if k in PASSES else mb.extras.get(k)  # noqa: E731
     logps = [(column(mb, k) * mb.scored).flatten() for k in stored for mb in mine if column(mb, k) is not None]
     return m, grads, torch.cat(logps) if logps else torch.zeros(0)
@@ -291,8 +344,12 @@ def _compare(full, scored) -> dict:
     (mf, gf, lf), (ms, gs, ls) = full, scored
     keys = sorted(k for k in mf if k in ("loss", "pg_loss", "value_loss", "entropy", "grad_norm"))
     out = {k: _rel(torch.tensor(ms[k]), torch.tensor(mf[k])) for k in keys}
-    out.update(grads=_rel(gs, gf), logp=_rel(ls, lf), grad_norm_value=mf["grad_norm"],
-               loss_value=mf.get("loss", mf.get("pg_loss", mf.get("value_loss"))))
+    out.update(
+        grads=_rel(gs, gf),
+        logp=_rel(ls, lf),
+        grad_norm_value=mf["grad_norm"],
+        loss_value=mf.get("loss", mf.get("pg_loss", mf.get("value_loss"))),
+    )
     return out
 
 
@@ -315,8 +372,9 @@ def _worker(rank, world, hf, cases, layouts):
                     built[key] = _build(hf[key[0]], layout.get("sp", False), key[1], key[2])
                 chunks, model, opt, sched, arch = built[key]
                 full = _run_case(chunks, model, opt, sched, arch, case, HeadSettings("full"))
-                scored = _run_case(chunks, model, opt, sched, arch, case,
-                                   HeadSettings("scored", 64.0 if i % 2 else 4e-4))
+                scored = _run_case(
+                    chunks, model, opt, sched, arch, case, HeadSettings("scored", 64.0 if i % 2 else 4e-4)
+                )
                 out[(lname, name)] = _compare(full, scored)
                 print(lname, name, f"{time.time() - t0:.1f}s", flush=True)
             ps.destroy_model_parallel()
@@ -331,10 +389,13 @@ def test_scored_head_equals_full_logits_in_every_layout(cases):
     hf, built = cases
     res = run_distributed(_worker, 2, hf, built, LAYOUTS, timeout_s=900)[0]
     assert len(res) == len(LAYOUTS) * len(built)
-    bad = {k: v for k, v in res.items()
-           if max(x for key, x in v.items() if key not in ("grad_norm_value", "loss_value")) >= TOL}
+    bad = {
+        k: v
+        for k, v in res.items()
+        if max(x for key, x in v.items() if key not in ("grad_norm_value", "loss_value")) >= TOL
+    }
     assert not bad, bad
-    for (layout, name), v in res.items():   # every case moved something and scored something
+    for (layout, name), v in res.items():  # every case moved something and scored something
         assert v["grad_norm_value"] > 0, (layout, name, v)
     # the value model: TP2+SP and PP2 give the same gradient (ValueHead's SP gather used to sum TP's copies)
     v_tp, v_pp = res[("tp2_sp", "value model (tracerl)")], res[("pp2", "value model (tracerl)")]

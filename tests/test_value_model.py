@@ -1,5 +1,6 @@
 """TraceRL's diffusion value model: step-level GAE against an independent computation, and a real Megatron
 value model (backbone + zero-init head, own optimizer) whose baseline lowers advantage variance on a toy."""
+
 from __future__ import annotations
 
 import random
@@ -22,7 +23,7 @@ def _gae_by_sums(values, steps, reward, gamma, lam):
     r = [0.0] * (T - 1) + [reward]
     delta = [r[t] - vbar[t] + gamma * vbar[t + 1] for t in range(T)]
     Astar = [sum((gamma * lam) ** l * delta[t + l] for l in range(T - t)) for t in range(T)] + [0.0]
-    Rstar = [sum(gamma ** l * r[t + l] for l in range(T - t)) for t in range(T)] + [0.0]
+    Rstar = [sum(gamma**l * r[t + l] for l in range(T - t)) for t in range(T)] + [0.0]
     adv, ret = [], []
     for v, s in zip(values, steps):
         t = order.index(s)
@@ -48,7 +49,7 @@ def test_value_loss_clipping():
     v = torch.tensor([0.5, 0.1], requires_grad=True)
     loss = value_loss(v, v_old, ret, clip=0.2)
     # first: clipped value 0.2 is further from the return -> the clipped term (constant in v) wins
-    assert loss.tolist() == pytest.approx([0.5 * 0.8 ** 2, 0.5 * 0.9 ** 2])
+    assert loss.tolist() == pytest.approx([0.5 * 0.8**2, 0.5 * 0.9**2])
     loss.sum().backward()
     assert v.grad.tolist() == pytest.approx([0.0, -0.9])
 
@@ -84,9 +85,18 @@ def _train_value(rank, world, hf_dir):
             for i in range(n):
                 kind = i % 2
                 r = float(rng.random() < p_success[kind])
-                samples.append(RLSample(prompt_ids=easy if kind == 0 else hard, response_ids=resp, reward=r,
-                                        advantage=0.0, index=i, group=kind, commit_step=[0, 1, 2, 3],
-                                        block_step=[0, 1, 2, 3]))
+                samples.append(
+                    RLSample(
+                        prompt_ids=easy if kind == 0 else hard,
+                        response_ids=resp,
+                        reward=r,
+                        advantage=0.0,
+                        index=i,
+                        group=kind,
+                        commit_step=[0, 1, 2, 3],
+                        block_step=[0, 1, 2, 3],
+                    )
+                )
             return samples
 
         def rows_of(samples):
@@ -103,8 +113,18 @@ def _train_value(rank, world, hf_dir):
             for mb in mbs:  # v_old from the current model (the clip acts around it)
                 mb.extras["v_old"] = torch.zeros_like(mb.weight)
             _store_outputs(model, mbs, "v_old", "block_diffusion", 4, src.arch.vocab_size, per_position=values_of)
-            train_step(model, opt, sched, mbs, global_denominator(mbs), "block_diffusion", 4, src.arch.vocab_size,
-                       objective=ValueObjective(clip=10.0), per_position=values_of)
+            train_step(
+                model,
+                opt,
+                sched,
+                mbs,
+                global_denominator(mbs),
+                "block_diffusion",
+                4,
+                src.arch.vocab_size,
+                objective=ValueObjective(clip=10.0),
+                per_position=values_of,
+            )
         test = batch(400)
         mbs = pack_rows(rows_of(test), 256, 4)
         _store_outputs(model, mbs, "v", "block_diffusion", 4, src.arch.vocab_size, per_position=values_of)
@@ -116,9 +136,12 @@ def _train_value(rank, world, hf_dir):
         rewards = torch.tensor([s.reward for s in test])
         baseline = torch.tensor([sum(v_by_sample[s.index]) / len(v_by_sample[s.index]) for s in test])
         kinds = torch.tensor([s.group for s in test])
-        return {"var_mean_baseline": float((rewards - rewards.mean()).var()),
-                "var_value_baseline": float((rewards - baseline).var()),
-                "v_easy": float(baseline[kinds == 0].mean()), "v_hard": float(baseline[kinds == 1].mean())}
+        return {
+            "var_mean_baseline": float((rewards - rewards.mean()).var()),
+            "var_value_baseline": float((rewards - baseline).var()),
+            "v_easy": float(baseline[kinds == 0].mean()),
+            "v_hard": float(baseline[kinds == 1].mean()),
+        }
     finally:
         destroy_distributed()
 

@@ -8,6 +8,7 @@ steps (it comes back with the current version; Ray's object store holds nothing 
 before a rollout (its chunks go to the engine that holds the current weights), every engine restarted during a
 rollout (the rollout waits for a push of the current weights, which both ranks join), and block-fp8 weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,13 @@ from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.weight_sync.plan import Flat, _buckets, flat_layout  # noqa: E402
 
 SEQ, EOS = 12, 253
-LAYOUTS = [("sdar-tp2sp", "sdar", {"tp": 2, "sp": True}), ("sdar-pp2", "sdar", {"pp": 2}),
-           ("sdar-pp2vpp2", "sdar", {"pp": 2, "vpp": 2}), ("sdar_moe-ep2", "sdar_moe", {"ep": 2}),
-           ("llada2-ep2", "llada2", {"ep": 2})]
+LAYOUTS = [
+    ("sdar-tp2sp", "sdar", {"tp": 2, "sp": True}),
+    ("sdar-pp2", "sdar", {"pp": 2}),
+    ("sdar-pp2vpp2", "sdar", {"pp": 2, "vpp": 2}),
+    ("sdar_moe-ep2", "sdar_moe", {"ep": 2}),
+    ("llada2-ep2", "llada2", {"ep": 2}),
+]
 PARAMS = SamplingParams(max_new_tokens=4, block_size=4, steps_per_block=4, temperature=1.0, seed=3, stop_at_eos=False)
 PROMPTS = [[(5 * i + j) % 200 + 1 for j in range(3 + i % 4)] for i in range(6)]
 BUCKET = 64 << 10
@@ -106,9 +111,13 @@ def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
     out = {"before": engines()}
     sync = WeightSync(model, table, manager if rank == 0 else None, transport="distributed", bucket_bytes=BUCKET)
     health = manager.call_all("health") if rank == 0 else None
-    out.update(stats=sync.push(version), trainer=logits(), engines=engines(),
-               versions=[h["version"] for h in manager.call_all("health")] if rank == 0 else None,
-               devices=[h["device"] for h in health] if rank == 0 else None)
+    out.update(
+        stats=sync.push(version),
+        trainer=logits(),
+        engines=engines(),
+        versions=[h["version"] for h in manager.call_all("health")] if rank == 0 else None,
+        devices=[h["device"] for h in health] if rank == 0 else None,
+    )
     if extras:
         out.update(_extras(rank, chunks, model, table, manager, sync, logits, engines))
     sync.close()
@@ -127,26 +136,32 @@ def _extras(rank, chunks, model, table, manager, sync, logits, engines):
         other.push(version)
         other.close()
         out[transport] = {"trainer": logits(), "engines": engines(), "plasma": plasma_objects(10) if r0 else None}
-    if r0:   # the probe sees an object that is held
+    if r0:  # the probe sees an object that is held
         ref = ray.put(torch.zeros(1 << 20, dtype=torch.uint8))
         out["probe_held"] = plasma_objects()
         del ref
-        _kill(manager.actors[1])                    # dies between steps
+        _kill(manager.actors[1])  # dies between steps
     _perturb(chunks, 4)
-    sync.push(4)                                    # replaces it, rebuilds the groups, reaches it
-    out["restarted"] = {"trainer": logits(), "engines": engines(), "plasma": plasma_objects(10) if r0 else None,
-                        "versions": [h["version"] for h in manager.call_all("health")] if r0 else None,
-                        "restarts": manager.restarts if r0 else None}
+    sync.push(4)  # replaces it, rebuilds the groups, reaches it
+    out["restarted"] = {
+        "trainer": logits(),
+        "engines": engines(),
+        "plasma": plasma_objects(10) if r0 else None,
+        "versions": [h["version"] for h in manager.call_all("health")] if r0 else None,
+        "restarts": manager.restarts if r0 else None,
+    }
     if r0:
-        ray.kill(manager.actors[0])                 # dies before the rollout
+        ray.kill(manager.actors[0])  # dies before the rollout
         trajs = manager.generate(PROMPTS, PARAMS)
-        out["one_dead"] = {"versions": [t.policy_version for t in trajs], "fresh": list(manager.fresh),
-                           "n": len(trajs)}
-        for a in manager.actors:                    # the engine that served is killed too: no engine holds v4
+        out["one_dead"] = {"versions": [t.policy_version for t in trajs], "fresh": list(manager.fresh), "n": len(trajs)}
+        for a in manager.actors:  # the engine that served is killed too: no engine holds v4
             ray.kill(a)
     trajs = run_on_rank0(lambda: manager.generate(PROMPTS, PARAMS), lambda: sync.push(4), manager if r0 else None)
-    out["all_dead"] = {"versions": [t.policy_version for t in trajs], "engines": engines(),
-                       "restarts": manager.restarts if r0 else None}
+    out["all_dead"] = {
+        "versions": [t.policy_version for t in trajs],
+        "engines": engines(),
+        "restarts": manager.restarts if r0 else None,
+    }
     plain, fp8 = _Recorder(), _Recorder()
     sync_weights(model, table, [plain] if r0 else [], version=1, bucket_bytes=BUCKET)
     sync_weights(model, table, [fp8] if r0 else [], version=1, bucket_bytes=BUCKET, fp8_block=(128, 128))
@@ -158,10 +173,17 @@ def _fp8_summary(plain, fp8):
     """What arrived: fp8 tensors as their bytes and dequantized (fp8 storages do not cross processes)."""
     from megadare.convert.fp8 import dequantize_fp8
 
-    deq = {n[: -len("_scale_inv")]: dequantize_fp8(fp8[n[: -len("_scale_inv")]], t, block=(128, 128))
-           for n, t in fp8.items() if n.endswith("weight_scale_inv")}
-    return {"plain": plain, "deq": deq, "dtypes": {n: str(t.dtype) for n, t in fp8.items()},
-            "fp8": {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for n, t in fp8.items()}}
+    deq = {
+        n[: -len("_scale_inv")]: dequantize_fp8(fp8[n[: -len("_scale_inv")]], t, block=(128, 128))
+        for n, t in fp8.items()
+        if n.endswith("weight_scale_inv")
+    }
+    return {
+        "plain": plain,
+        "deq": deq,
+        "dtypes": {n: str(t.dtype) for n, t in fp8.items()},
+        "fp8": {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t) for n, t in fp8.items()},
+    }
 
 
 def _worker(rank, world, hf, ids):
@@ -175,13 +197,15 @@ def _worker(rank, world, hf, ids):
         for family in dict.fromkeys(f for _, f, _ in LAYOUTS):
             manager = None
             if rank == 0:
-                manager = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf[family][1],
-                                                                          "eos_token_id": EOS}), num_engines=2)
+                manager = RolloutManager(
+                    EngineSpec(build_native_engine, {"hf_dir": hf[family][1], "eos_token_id": EOS}), num_engines=2
+                )
             for i, (case, fam, layout) in enumerate(LAYOUTS):
                 if fam == family:
                     version += 1
-                    results[case] = _layout_case(rank, fam, layout, 1e-2 * (1 + i), hf[fam], ids, manager, version,
-                                                 extras=case == LAYOUTS[0][0])
+                    results[case] = _layout_case(
+                        rank, fam, layout, 1e-2 * (1 + i), hf[fam], ids, manager, version, extras=case == LAYOUTS[0][0]
+                    )
             if manager is not None:
                 manager.shutdown()
         return results
@@ -192,8 +216,10 @@ def _worker(rank, world, hf, ids):
 @pytest.fixture(scope="module")
 def synced(ray_cluster, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("weight_sync")
-    hf = {fam: tuple(write_tiny_hf(tmp, fam, seed, num_hidden_layers=4, block_size=4) for seed in (0, 1))
-          for fam in dict.fromkeys(f for _, f, _ in LAYOUTS)}
+    hf = {
+        fam: tuple(write_tiny_hf(tmp, fam, seed, num_hidden_layers=4, block_size=4) for seed in (0, 1))
+        for fam in dict.fromkeys(f for _, f, _ in LAYOUTS)
+    }
     ids = torch.randint(0, 250, (2, SEQ), generator=torch.Generator().manual_seed(5))
     outs = run_distributed(_worker, 2, hf, ids, timeout_s=900)
     merged = {}
@@ -214,9 +240,9 @@ def test_engines_hold_the_trained_weights_after_a_distributed_push(synced, case)
     r = synced[0][case]
     v = [c for c, _, _ in LAYOUTS].index(case) + 1
     assert r["versions"] == [v, v]
-    assert r["devices"] == ["cpu", "cpu"]         # rollout.device=auto in an actor Ray gave no GPU
-    assert r["stats"]["sync_buckets"] > 2 and r["stats"]["sync_bytes"] > 0          # bucketed
-    assert (r["before"][0] - r["trainer"]).abs().max() > 1e-2                       # the engines really changed
+    assert r["devices"] == ["cpu", "cpu"]  # rollout.device=auto in an actor Ray gave no GPU
+    assert r["stats"]["sync_buckets"] > 2 and r["stats"]["sync_bytes"] > 0  # bucketed
+    assert (r["before"][0] - r["trainer"]).abs().max() > 1e-2  # the engines really changed
     _close(r["engines"], r["trainer"])
 
 
@@ -229,15 +255,15 @@ def test_colocated_and_object_store_transports(synced, transport):
     merged, outs = synced
     r = merged["sdar-tp2sp"][transport]
     trainer = _last_stage(outs, transport)
-    assert (trainer - merged["sdar-tp2sp"]["trainer"]).abs().max() > 1e-3          # perturbed since the last push
+    assert (trainer - merged["sdar-tp2sp"]["trainer"]).abs().max() > 1e-3  # perturbed since the last push
     _close(r["engines"], trainer)
-    assert r["plasma"] == 0                                                          # no bucket left in Ray's store
+    assert r["plasma"] == 0  # no bucket left in Ray's store
 
 
 def test_an_engine_killed_between_steps_gets_the_current_version(synced):
     merged, outs = synced
     r = merged["sdar-tp2sp"]
-    assert r["probe_held"] >= 1                      # the object-store probe does see a held object
+    assert r["probe_held"] >= 1  # the object-store probe does see a held object
     back = r["restarted"]
     assert back["restarts"] == 1 and back["versions"] == [4, 4] and back["plasma"] == 0
     _close(back["engines"], _last_stage(outs, "restarted"))
@@ -246,9 +272,9 @@ def test_an_engine_killed_between_steps_gets_the_current_version(synced):
 def test_rollouts_use_engines_that_hold_the_current_weights(synced):
     merged, outs = synced
     r = merged["sdar-tp2sp"]
-    one = r["one_dead"]      # engine 0 died before the rollout: its replacement serves nothing yet
+    one = r["one_dead"]  # engine 0 died before the rollout: its replacement serves nothing yet
     assert one["n"] == len(PROMPTS) and one["versions"] == [4] * len(PROMPTS) and one["fresh"] == [False, True]
-    every = r["all_dead"]    # no engine held v4: the rollout waited for a push of v4 that both ranks joined
+    every = r["all_dead"]  # no engine held v4: the rollout waited for a push of v4 that both ranks joined
     assert every["versions"] == [4] * len(PROMPTS) and every["restarts"] == 4
     assert outs[1]["sdar-tp2sp"]["all_dead"]["versions"] == every["versions"]
     _close(every["engines"], _last_stage(outs, "restarted"))
@@ -261,7 +287,7 @@ def test_fp8_rollout_weights_through_sync(synced):
     out = synced[0]["sdar-tp2sp"]["fp8"]
     plain, fp8, deq = out["plain"], out["fp8"], out["deq"]
     scales = [n for n in fp8 if n.endswith("weight_scale_inv")]
-    assert len(scales) >= 4 * 7 and set(fp8) == set(plain) | set(scales)   # 4 layers x (q, k, v, o, gate, up, down)
+    assert len(scales) >= 4 * 7 and set(fp8) == set(plain) | set(scales)  # 4 layers x (q, k, v, o, gate, up, down)
     for w, d in deq.items():
         assert out["dtypes"][w] == "torch.float8_e4m3fn"
         ref = plain[w].float()
@@ -276,14 +302,15 @@ def test_buckets_are_bounded_per_dtype_and_experts_come_last():
 
     table = [ParamMap(f"decoder.layers.{i}.mlp.experts.experts.0.linear_fc2.weight", (f"e{i}",)) for i in range(3)]
     table += [ParamMap(f"decoder.layers.{i}.self_attention.linear_proj.weight", (f"a{i}",)) for i in range(3)]
-    meta = {r.mcore: ((256, 256), torch.float32) for r in table}                  # 256 KiB each
+    meta = {r.mcore: ((256, 256), torch.float32) for r in table}  # 256 KiB each
     meta[table[3].mcore] = ((256, 256), torch.bfloat16)
-    pieces = {r.mcore: [(0, Piece(r.mcore, (0, 0), (256, 128))), (1, Piece(r.mcore, (0, 128), (256, 128)))]
-              for r in table}
+    pieces = {
+        r.mcore: [(0, Piece(r.mcore, (0, 0), (256, 128))), (1, Piece(r.mcore, (0, 128), (256, 128)))] for r in table
+    }
     buckets = _buckets(table, meta, pieces, sender=0, bucket_bytes=600 << 10, transform=lambda r, t: [(r.hf[0], t)])
     assert [[r.hf[0] for r in b.rows] for b in buckets] == [["a0", "a1"], ["a2", "e0"], ["e1", "e2"]]
-    assert [[f.dtype for f in b.flats] for b in buckets][0] == [torch.bfloat16, torch.float32]   # one flat per dtype
-    assert all(list(b.sources) == [1] for b in buckets)                            # rank 1 sends its halves
+    assert [[f.dtype for f in b.flats] for b in buckets][0] == [torch.bfloat16, torch.float32]  # one flat per dtype
+    assert all(list(b.sources) == [1] for b in buckets)  # rank 1 sends its halves
     assert buckets[0].source_bytes(1) == (256 * 128 * 2) + (256 * 128 * 4)
 
 
@@ -306,7 +333,7 @@ def test_each_stage_takes_its_own_rows_and_a_key_spanning_stages_is_refused():
 
 def test_a_flat_is_sglangs_flattened_bucket_layout():
     """Tensors of one dtype back to back in list order (sglang FlattenedTensorBucket), each flat 16-byte aligned."""
-    a, b = torch.arange(6.).reshape(2, 3), torch.arange(5.)
+    a, b = torch.arange(6.0).reshape(2, 3), torch.arange(5.0)
     f = Flat(torch.float32, ("a", "b"), ((2, 3), (5,)))
     buf = torch.cat([a.flatten(), b]).view(torch.uint8)
     assert f.nbytes == buf.numel() and [torch.equal(t, x) for (_, t), x in zip(f.views(buf), (a, b))] == [True, True]
@@ -329,7 +356,7 @@ def test_auto_transport_is_colocated_only_on_one_cpu_host():
 
     assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1"] * 2) == "colocated"
     assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1", "10.0.0.2"]) == "distributed"
-    assert WeightSync([], [], [object()], transport="auto")._resolve(None) == "object_store"   # in-process engines
+    assert WeightSync([], [], [object()], transport="auto")._resolve(None) == "object_store"  # in-process engines
     with pytest.raises(ConfigError, match="engines on .*10.0.0.2.*weight_transport=distributed"):
         resolve("colocated", ["10.0.0.1"], ["10.0.0.2"])
 
@@ -345,13 +372,13 @@ def test_auto_transport_on_gpus_never_puts_two_nccl_ranks_on_one_gpu():
     def resolve(transport, trainer_gpus, engine_gpus, ip2="h1"):
         manager = SimpleNamespace(engine_info=lambda: [{"ip": ip2, "gpu": g} for g in engine_gpus])
         sync = WeightSync([], [], manager, transport=transport)
-        sync.device = torch.device("cuda", 0)         # what a trainer on a GPU reports (no GPU needed to decide)
+        sync.device = torch.device("cuda", 0)  # what a trainer on a GPU reports (no GPU needed to decide)
         return sync._resolve([("h1", g) for g in trainer_gpus])
 
-    assert resolve("auto", ["GPU-a"], ["GPU-a"]) == "colocated"            # one GPU: trainer and engine share it
+    assert resolve("auto", ["GPU-a"], ["GPU-a"]) == "colocated"  # one GPU: trainer and engine share it
     assert resolve("auto", ["GPU-a"], ["GPU-a", "GPU-a"]) == "colocated"
-    assert resolve("auto", ["GPU-a", "GPU-b"], ["GPU-c", "GPU-d"]) == "distributed"   # engines on GPUs of their own
-    assert resolve("auto", ["GPU-a"], [None]) == "distributed"              # a CPU engine cannot map CUDA IPC
+    assert resolve("auto", ["GPU-a", "GPU-b"], ["GPU-c", "GPU-d"]) == "distributed"  # engines on GPUs of their own
+    assert resolve("auto", ["GPU-a"], [None]) == "distributed"  # a CPU engine cannot map CUDA IPC
     assert resolve("auto", ["GPU-a"], ["GPU-c"], ip2="h2") == "distributed"
     # engines on GPU-a and GPU-b, the sender (rank 0) on GPU-a: NCCL clashes on GPU-a, and the engine on GPU-b
     # cannot map the sender's buffer on GPU-a

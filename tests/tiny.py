@@ -1,4 +1,5 @@
 """Tiny random HF checkpoints of the real families for tests (perturbed so every weight matters)."""
+
 from __future__ import annotations
 
 import os

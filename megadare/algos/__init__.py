@@ -4,6 +4,7 @@ Each file states its paper, objective, estimator and published defaults; shared 
 (samples, rows, slots), advantages.py and policy_loss.py; the views, corruption samplers and trace replay they
 draw on are in megadare/diffusion/.
 """
+
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
@@ -22,9 +23,10 @@ from megadare.algos.spg import SPG
 from megadare.algos.tracerl import TraceRL
 from megadare.algos.vrpo import VRPO
 
-REGISTRY: dict[str, type[Algorithm]] = {cls.name: cls for cls in (D1, CoupledGRPO, RandomMaskRL, TraceRL, CJGRPO,
-                                                                   BGPO, EBPO, SPG, VRPO, MDPO,
-                                                                   DTreeRPO, JustGRPO, ESPO)}
+REGISTRY: dict[str, type[Algorithm]] = {
+    cls.name: cls
+    for cls in (D1, CoupledGRPO, RandomMaskRL, TraceRL, CJGRPO, BGPO, EBPO, SPG, VRPO, MDPO, DTreeRPO, JustGRPO, ESPO)
+}
 
 
 def build_algorithm(name: str, overrides: dict | None = None) -> Algorithm:

@@ -25,6 +25,7 @@ config check refuses ``rl.n_samples=1`` with either for algorithms that train on
 signal under a group baseline) and groups whose accuracy lies outside a band (dLLM-RL keeps 0.2..0.8).
 ``truncated_as_wrong`` zeroes the reward of responses that hit the length limit (dLLM-RL, DAPO's overlong).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -42,8 +43,14 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return r.view(-1, group_size)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo", std: str = "unbiased",
-                     eps: float = 1e-6, lengths: Optional[list[int]] = None) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    kind: str = "grpo",
+    std: str = "unbiased",
+    eps: float = 1e-6,
+    lengths: Optional[list[int]] = None,
+) -> torch.Tensor:
     """Per-response advantages [N] (float32) from rewards [N] grouped contiguously by prompt; ``lengths``: the
     responses' token counts (``reinforce_pp`` weighs by them; 0 leaves a response out of the statistics)."""
     if kind not in ADVANTAGES:
@@ -69,23 +76,30 @@ def group_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo",
 def reinforce_pp_baseline(groups: torch.Tensor, lengths: Optional[list[int]]) -> torch.Tensor:
     """verl's REINFORCE++-baseline (module docstring) from rewards [n_groups, G] and token counts [N]."""
     if lengths is None or len(lengths) != groups.numel():
-        raise ValueError(f"rl.advantage=reinforce_pp whitens over response tokens: give the token counts of all "
-                         f"{groups.numel()} responses (got {None if lengths is None else len(lengths)})")
+        raise ValueError(
+            f"rl.advantage=reinforce_pp whitens over response tokens: give the token counts of all "
+            f"{groups.numel()} responses (got {None if lengths is None else len(lengths)})"
+        )
     a = (groups - groups.mean(1, keepdim=True) if groups.shape[1] > 1 else groups).flatten()
     n = torch.as_tensor(lengths, dtype=torch.float64)
     N = float(n.sum())
-    if N == 0:                  # every group dropped: nothing trains on these
+    if N == 0:  # every group dropped: nothing trains on these
         return torch.zeros(groups.numel())
     if N < 2:
-        raise ValueError(f"rl.advantage=reinforce_pp: {N:.0f} response tokens in the batch, the whitening "
-                         "variance needs at least 2")
+        raise ValueError(
+            f"rl.advantage=reinforce_pp: {N:.0f} response tokens in the batch, the whitening variance needs at least 2"
+        )
     mean = (a * n).sum() / (N + 1e-8)
     var = ((a - mean) ** 2 * n).sum() / (N + 1e-8) * (N / (N - 1))
     return ((a - mean) * torch.rsqrt(var + 1e-8) * (n > 0)).float()
 
 
-def filter_groups(rewards: torch.Tensor, group_size: int, drop_all_equal: bool = False,
-                  accuracy_band: Optional[tuple[float, float]] = None) -> torch.Tensor:
+def filter_groups(
+    rewards: torch.Tensor,
+    group_size: int,
+    drop_all_equal: bool = False,
+    accuracy_band: Optional[tuple[float, float]] = None,
+) -> torch.Tensor:
     """Keep-mask [N] over responses: whole groups are dropped or kept."""
     g = _groups(rewards, group_size)
     keep = torch.ones(g.shape[0], dtype=torch.bool)

@@ -12,6 +12,7 @@ The default objective is the token-level clipped policy gradient shared by most 
 with l_s the algorithm's likelihood estimate of slot s (algos/base.py) and the KL anchor named by the algorithm
 (the reference model, the old policy, or none).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -27,12 +28,26 @@ from megadare.models.family import ModelArch
 from megadare.data.rows import Row
 from megadare.diffusion.views import View
 
-COMMON = {"eps_low": 0.2, "eps_high": None, "dual_clip": None, "kl_coef": 0.0, "kl_estimator": "k3",
-          "kl_anchor": "none", "loss_agg": "token_mean", "log_ratio_clamp": 20.0}
+COMMON = {
+    "eps_low": 0.2,
+    "eps_high": None,
+    "dual_clip": None,
+    "kl_coef": 0.0,
+    "kl_estimator": "k3",
+    "kl_anchor": "none",
+    "loss_agg": "token_mean",
+    "log_ratio_clamp": 20.0,
+}
 
 
-def rows_for_views(s: RLSample, views: list[View], arch: ModelArch, loss_agg: str,
-                   slot_weight: dict[int, float] | None = None, denom: float | None = None) -> list[Row]:
+def rows_for_views(
+    s: RLSample,
+    views: list[View],
+    arch: ModelArch,
+    loss_agg: str,
+    slot_weight: dict[int, float] | None = None,
+    denom: float | None = None,
+) -> list[Row]:
     """Rows of one sample's views: one row when a slot spans several views (its estimate sums over them and
     must see them in one micro-batch), else one row per view (shorter rows pack better)."""
     slots = sorted({int(x) for v in views for x in v.slot.tolist() if x >= 0})
@@ -61,14 +76,14 @@ class ValueModelSettings:
 class Algorithm(ABC):
     name: ClassVar[str] = ""
     paper: ClassVar[str] = ""
-    needs_trace: ClassVar[bool] = False          # rollout contract: commit steps per token
-    replays_edits: ClassVar[bool] = False        # its trace replay scores token edits (superseded commits)
+    needs_trace: ClassVar[bool] = False  # rollout contract: commit steps per token
+    replays_edits: ClassVar[bool] = False  # its trace replay scores token edits (superseded commits)
     needs_step_predictions: ClassVar[bool] = False
-    lse_beta: ClassVar[str | None] = None        # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
-    redraw_corruptions: ClassVar[bool] = False   # epochs draw fresh corruptions (default of rl.redraw_corruptions)
-    clipped_ratio: ClassVar[bool] = True         # a PPO-clip objective (takes eps_low / eps_high / dual_clip)
-    own_rollout: ClassVar[bool] = False          # builds its rollout itself in dependent rounds (``rollout``)
-    defaults: ClassVar[dict[str, Any]] = {}      # published defaults, algorithm-specific keys included
+    lse_beta: ClassVar[str | None] = None  # parameter name of a log-sum-exp slot estimate (SPG's EUBO)
+    redraw_corruptions: ClassVar[bool] = False  # epochs draw fresh corruptions (default of rl.redraw_corruptions)
+    clipped_ratio: ClassVar[bool] = True  # a PPO-clip objective (takes eps_low / eps_high / dual_clip)
+    own_rollout: ClassVar[bool] = False  # builds its rollout itself in dependent rounds (``rollout``)
+    defaults: ClassVar[dict[str, Any]] = {}  # published defaults, algorithm-specific keys included
 
     def __init__(self, overrides: dict[str, Any] | None = None):
         resolved = dict(COMMON)
@@ -82,8 +97,10 @@ class Algorithm(ABC):
             raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
         check_dual_clip(resolved["dual_clip"])
         if resolved["dual_clip"] is not None and not self.clipped_ratio:
-            raise ConfigError(f"algo.params.dual_clip={resolved['dual_clip']}: {self.name} has no clipped ratio "
-                              "(its objective is not PPO-clip); remove the key")
+            raise ConfigError(
+                f"algo.params.dual_clip={resolved['dual_clip']}: {self.name} has no clipped ratio "
+                "(its objective is not PPO-clip); remove the key"
+            )
         self.p = resolved
 
     # ------------------------------------------------------------------ rollout contract
@@ -91,17 +108,21 @@ class Algorithm(ABC):
         """Refuse (ConfigError naming the key) a run config this algorithm cannot train on, before any process
         starts (``config.validate``; ``arch`` is None when the model is not known yet)."""
         if self.needs_step_predictions and cfg.rollout.engine != "native":
-            raise ConfigError(f"algo.name={self.name} scores every intermediate answer and needs the per-step "
-                              f"predictions only the built-in engine records: set rollout.engine=native (not "
-                              f"{cfg.rollout.engine})")
+            raise ConfigError(
+                f"algo.name={self.name} scores every intermediate answer and needs the per-step "
+                f"predictions only the built-in engine records: set rollout.engine=native (not "
+                f"{cfg.rollout.engine})"
+            )
         if cfg.rollout.algorithm == "editing" and self.needs_trace and not self.replays_edits:
             self.refuse_edits()
         rl = cfg.rl
         if rl.n_samples < 2 and rl.advantage in ("grpo", "rloo") and self.uses_group_baseline():
-            raise ConfigError(f"rl.n_samples={rl.n_samples} with rl.advantage={rl.advantage}: one response per prompt "
-                              f"has no group baseline (every advantage would be 0, so {self.name} would never "
-                              "learn); set rl.n_samples >= 2, or rl.advantage=reinforce_pp (verl's REINFORCE++-"
-                              "baseline: a group of one keeps its reward, whitened over the batch)")
+            raise ConfigError(
+                f"rl.n_samples={rl.n_samples} with rl.advantage={rl.advantage}: one response per prompt "
+                f"has no group baseline (every advantage would be 0, so {self.name} would never "
+                "learn); set rl.n_samples >= 2, or rl.advantage=reinforce_pp (verl's REINFORCE++-"
+                "baseline: a group of one keeps its reward, whitened over the batch)"
+            )
 
     def uses_group_baseline(self) -> bool:
         """Whether its advantages are ``rl.advantage``'s group-relative ones (a value model or a tree of its own
@@ -109,16 +130,22 @@ class Algorithm(ABC):
         return True
 
     def refuse_edits(self) -> None:
-        raise ConfigError(f"rollout.algorithm=editing: {self.name} rebuilds decoding states from the final tokens "
-                          "and cannot replay token edits; use another rollout.algorithm or algorithm")
+        raise ConfigError(
+            f"rollout.algorithm=editing: {self.name} rebuilds decoding states from the final tokens "
+            "and cannot replay token edits; use another rollout.algorithm or algorithm"
+        )
 
     def check_sample(self, s: RLSample) -> None:
         if self.needs_trace and (s.commit_step is None or s.block_step is None):
-            raise ValueError(f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "
-                             "engine returned none")
+            raise ValueError(
+                f"{self.name} needs the decoding trace (commit steps) of every response; the rollout "
+                "engine returned none"
+            )
         if self.needs_trace and s.superseded and not self.replays_edits:
-            raise ValueError(f"sample {s.index}: {self.name} cannot replay a trace with token edits "
-                             "(rollout.algorithm=editing); use tracerl or cj_grpo, or another rollout.algorithm")
+            raise ValueError(
+                f"sample {s.index}: {self.name} cannot replay a trace with token edits "
+                "(rollout.algorithm=editing); use tracerl or cj_grpo, or another rollout.algorithm"
+            )
 
     def objective(self, on_policy: bool, loss_mode: str = "ppo"):
         """The trainer objective of this algorithm (slots -> loss); ``loss_mode`` see ``SlotObjective``."""
@@ -143,8 +170,9 @@ class Algorithm(ABC):
         return None
 
     # ------------------------------------------------------------------ rollout and samples (optional hooks)
-    def rollout(self, generate: Callable, prompts: list[list[int]], params, n_samples: int,
-                global_grid: bool = False) -> list:
+    def rollout(
+        self, generate: Callable, prompts: list[list[int]], params, n_samples: int, global_grid: bool = False
+    ) -> list:
         """The step's trajectories when the algorithm builds its rollout itself (``own_rollout``: several
         dependent rounds of ``generate(prompts, params)``, d-TreeRPO's tree); the trainer calls it only then.
         Default: the plain rollout, ``n_samples`` responses per prompt in one round."""
@@ -155,8 +183,9 @@ class Algorithm(ABC):
         node, local advantages); None (default): the trainer's, one per response with ``rl.advantage``'s."""
         return None
 
-    def prepare(self, samples: list[RLSample], score: Callable[[list[list[int]], list[int]], list[float]],
-                group_size: int) -> None:
+    def prepare(
+        self, samples: list[RLSample], score: Callable[[list[list[int]], list[int]], list[float]], group_size: int
+    ) -> None:
         """Completes the step's samples before their rows are built, in place; ``score(responses, indices)``
         rewards other answers of sample ``indices[j]`` (MDPO scores every intermediate answer). Default: nothing."""
 
@@ -173,8 +202,7 @@ class Algorithm(ABC):
             return []
         return rows_for_views(s, views, arch, self.p["loss_agg"])
 
-    def batch_rows(self, samples: list[RLSample], arch: ModelArch, block_size: int,
-                   generator_for) -> list[Row]:
+    def batch_rows(self, samples: list[RLSample], arch: ModelArch, block_size: int, generator_for) -> list[Row]:
         """Rows of a mini-batch of samples (``generator_for(index)`` seeds each sample's corruptions).
         Per-sample by default; pairwise objectives (VRPO) override it."""
         rows: list[Row] = []
@@ -189,8 +217,9 @@ class Algorithm(ABC):
 
     def slot_loss(self, s: Slots) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p = self.p
-        loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"],
-                                      p["log_ratio_clamp"])
+        loss, clipped = ppo_clip_loss(
+            s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"], p["log_ratio_clamp"]
+        )
         parts = {"clipfrac": clipped, "ratio_dev": (torch.exp(s.logp - s.old) - 1.0).abs().detach()}
         if p["kl_coef"] > 0 and p["kl_anchor"] != "none":
             anchor = s.ref if p["kl_anchor"] == "ref" else s.old

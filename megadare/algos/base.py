@@ -24,6 +24,7 @@ An algorithm = corruption sampler x likelihood estimator x objective x rollout c
 Corruptions are drawn from a generator seeded by (seed, step, sample, iteration) and stored in the rows, so
 old, reference and current log-probs all see the same masks (never a global reseed).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
 from megadare.diffusion.views import View
 
-SLOT_CONST = "per_slot_"      # row extras constant over a slot, handed to the slot loss in Slots.extra
+SLOT_CONST = "per_slot_"  # row extras constant over a slot, handed to the slot loss in Slots.extra
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
 
 
@@ -44,17 +45,17 @@ class RLSample:
     prompt_ids: list[int]
     response_ids: list[int]
     reward: float
-    advantage: float | list[float]         # per response, or per response token (value-model baselines)
-    index: int = 0                         # position in the global batch (seeds its corruptions)
-    group: int = 0                         # prompt group
-    commit_step: Optional[list[int]] = None   # global denoising step of each response token (trace estimators)
-    block_step: Optional[list[int]] = None    # step inside the token's block
-    superseded: Optional[list] = None         # token editing: overwritten commits (rollout.engine.Superseded)
+    advantage: float | list[float]  # per response, or per response token (value-model baselines)
+    index: int = 0  # position in the global batch (seeds its corruptions)
+    group: int = 0  # prompt group
+    commit_step: Optional[list[int]] = None  # global denoising step of each response token (trace estimators)
+    block_step: Optional[list[int]] = None  # step inside the token's block
+    superseded: Optional[list] = None  # token editing: overwritten commits (rollout.engine.Superseded)
     truncated: bool = False
-    policy_version: Optional[int] = None      # the behaviour policy's version (None: not recorded)
-    token_versions: Optional[list[int]] = None   # partial rollouts: the policy version of every response token
-    engine_logprobs: Optional[list[float]] = None   # the engine's sampler log-prob of every trace-replay slot
-    extra: dict[str, Any] = field(default_factory=dict)   # one algorithm's own (MDPO's steps, d-TreeRPO's parent ...)
+    policy_version: Optional[int] = None  # the behaviour policy's version (None: not recorded)
+    token_versions: Optional[list[int]] = None  # partial rollouts: the policy version of every response token
+    engine_logprobs: Optional[list[float]] = None  # the engine's sampler log-prob of every trace-replay slot
+    extra: dict[str, Any] = field(default_factory=dict)  # one algorithm's own (MDPO's steps, d-TreeRPO's parent ...)
 
     def token_advantages(self) -> torch.Tensor:
         L = len(self.response_ids)
@@ -66,8 +67,15 @@ class RLSample:
         return torch.full((L,), float(self.advantage))
 
 
-def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_diffusion: bool,
-                 slot_weight: dict[int, float], denom: float, token_adv: Optional[torch.Tensor] = None) -> Row:
+def views_to_row(
+    sample: RLSample,
+    views: list[View],
+    arch: ModelArch,
+    block_diffusion: bool,
+    slot_weight: dict[int, float],
+    denom: float,
+    token_adv: Optional[torch.Tensor] = None,
+) -> Row:
     """One row holding every view of a sample (one segment each).
 
     ``slot_weight[s]``: the aggregation weight of slot s (1 for token-mean, 1/L for sequence-mean ...), put on
@@ -78,8 +86,9 @@ def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_dif
     P = len(sample.prompt_ids)
     adv_tok = sample.token_advantages() if token_adv is None else token_adv
     adv_pos = torch.cat([torch.zeros(P), adv_tok])
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("tokens", "labels", "weight", "pos", "stream", "seg",
-                                                            "slot", "head", "adv", "tok")}
+    parts: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("tokens", "labels", "weight", "pos", "stream", "seg", "slot", "head", "adv", "tok")
+    }
     tok_pos = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(len(sample.response_ids))])
     seen: set[int] = set()
     for vi, v in enumerate(views):
@@ -124,10 +133,20 @@ def views_to_row(sample: RLSample, views: list[View], arch: ModelArch, block_dif
         parts["adv"].append(adv)
         parts["tok"].append(tok)
     cat_ = {k: torch.cat(v) for k, v in parts.items()}
-    return Row(tokens=cat_["tokens"], labels=cat_["labels"], weight=cat_["weight"], position_ids=cat_["pos"],
-               stream_ids=cat_["stream"] if block_diffusion else None, denom=denom,
-               segment_ids=cat_["seg"] if len(views) > 1 else None, slot=cat_["slot"], head=cat_["head"],
-               adv=cat_["adv"], tok=cat_["tok"], sample=torch.full_like(cat_["tok"], sample.index))
+    return Row(
+        tokens=cat_["tokens"],
+        labels=cat_["labels"],
+        weight=cat_["weight"],
+        position_ids=cat_["pos"],
+        stream_ids=cat_["stream"] if block_diffusion else None,
+        denom=denom,
+        segment_ids=cat_["seg"] if len(views) > 1 else None,
+        slot=cat_["slot"],
+        head=cat_["head"],
+        adv=cat_["adv"],
+        tok=cat_["tok"],
+        sample=torch.full_like(cat_["tok"], sample.index),
+    )
 
 
 def aggregation(loss_agg: str, n_slots: int, length: int = 0) -> tuple[float, float]:
@@ -152,13 +171,13 @@ def aggregation(loss_agg: str, n_slots: int, length: int = 0) -> tuple[float, fl
 class Slots:
     """Per-slot tensors of one micro-batch, handed to an algorithm's slot loss."""
 
-    logp: torch.Tensor             # current estimate l_s (differentiable)
-    old: torch.Tensor              # same estimate under the old policy (no grad)
-    ref: Optional[torch.Tensor]    # under the reference policy (None when the algorithm has no ref KL)
+    logp: torch.Tensor  # current estimate l_s (differentiable)
+    old: torch.Tensor  # same estimate under the old policy (no grad)
+    ref: Optional[torch.Tensor]  # under the reference policy (None when the algorithm has no ref KL)
     adv: torch.Tensor
-    weight: torch.Tensor           # aggregation (head) weight
+    weight: torch.Tensor  # aggregation (head) weight
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    behave: Optional[torch.Tensor] = None   # under the behaviour policy (rollout correction, trainer/offpolicy/)
+    behave: Optional[torch.Tensor] = None  # under the behaviour policy (rollout correction, trainer/offpolicy/)
     is_weight: Optional[torch.Tensor] = None  # behaviour -> proximal IS weight (0 = rejected), constant per slot
 
 
@@ -194,7 +213,8 @@ class SlotIndex:
 
     def amax(self, v: torch.Tensor) -> torch.Tensor:
         out = torch.full((self.n,), float("-inf"), dtype=v.dtype, device=v.device).scatter_reduce(
-            0, self.inv, v.detach(), reduce="amax")
+            0, self.inv, v.detach(), reduce="amax"
+        )
         if self.group is not None:
             torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return out
@@ -221,11 +241,12 @@ def gather_slots(mb: MicroBatch, logp: torch.Tensor, on_policy: bool, lse_beta: 
     adv = idx.amax(mb.adv[sel].float())
     behave = idx.sum(w * mb.behave[sel].float()) if mb.behave is not None else None
     is_w = idx.amax(mb.is_weight[sel].float()) if mb.is_weight is not None else None
-    extra = {k[len(SLOT_CONST):]: idx.amax(v[sel].float()) for k, v in mb.extras.items() if k.startswith(SLOT_CONST)}
+    extra = {k[len(SLOT_CONST) :]: idx.amax(v[sel].float()) for k, v in mb.extras.items() if k.startswith(SLOT_CONST)}
     if lse_beta is not None:
         extra["lse"] = idx.lse(logp[sel], w, lse_beta)
-        extra["lse_old"] = (extra["lse"].detach() if on_policy or mb.old is None
-                            else idx.lse(mb.old[sel].float(), w, lse_beta))
+        extra["lse_old"] = (
+            extra["lse"].detach() if on_policy or mb.old is None else idx.lse(mb.old[sel].float(), w, lse_beta)
+        )
     return Slots(logp=lp, old=old, ref=ref, adv=adv, weight=head, extra=extra, behave=behave, is_weight=is_w)
 
 
@@ -238,8 +259,9 @@ class SlotObjective:
     ``bypass`` the ratio is taken against the behaviour estimate (``old := behave``, no proximal pass) and
     rejected slots (``is_w == 0``) are left out."""
 
-    def __init__(self, slot_loss: SlotLoss, on_policy: bool = False, lse_beta: Optional[float] = None,
-                 loss_mode: str = "ppo"):
+    def __init__(
+        self, slot_loss: SlotLoss, on_policy: bool = False, lse_beta: Optional[float] = None, loss_mode: str = "ppo"
+    ):
         self.slot_loss = slot_loss
         self.on_policy = on_policy
         self.lse_beta = lse_beta

@@ -20,6 +20,7 @@ equal in value and gradient to the ELBO objective on-policy. Defaults: n = 16, e
 Canvas (``rl.canvas``): DARE's BGPO uses the full canvas on LLaDA/Dream (``full``, their default; L in the weights
 is then R) and the response up to EOS on SDAR/LLaDA2 (``eos``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,15 @@ class BGPO(Algorithm):
     defaults = {"eps_low": 0.2, "n_mc": 16}
 
     def views(self, s, arch, block_size, g):
-        return stratified(s.prompt_ids, s.response_ids, arch.mask_token_id, g, self.p["n_mc"],
-                          slots="sequence_per_view", normalize_length=True)
+        return stratified(
+            s.prompt_ids,
+            s.response_ids,
+            arch.mask_token_id,
+            g,
+            self.p["n_mc"],
+            slots="sequence_per_view",
+            normalize_length=True,
+        )
 
     def rows(self, s, arch, block_size, g):
         views = self.views(s, arch, block_size, g)

@@ -12,6 +12,7 @@ with U_ik the tokens committed at step k. Defaults: eps 0.2, no KL; pairs with f
 Canvas (``rl.canvas``): DARE replays the full LLaDA/Dream canvas (``full``, those families' default) and, for block
 families, the terminal block in full; here block families replay up to the EOS (``eos``).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -29,12 +30,16 @@ class CJGRPO(Algorithm):
     defaults = {"eps_low": 0.2}
 
     def engine_logprobs_match(self, arch) -> bool:
-        return True   # one replay state per recorded step
+        return True  # one replay state per recorded step
 
     def views(self, s, arch, block_size, g):
         """Every decoding step replayed (no shrinkage)."""
-        return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, 1,
-                                           block_family=arch.attention == "block_causal")]
+        return [
+            v
+            for v, _ in replay_views(
+                s, arch.mask_token_id, block_size, 1, block_family=arch.attention == "block_causal"
+            )
+        ]
 
     def rows(self, s, arch, block_size, g):
         self.check_sample(s)

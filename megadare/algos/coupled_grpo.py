@@ -19,6 +19,7 @@ one mask pattern for all samples removes the Monte-Carlo averaging across sample
 Canvas (``rl.canvas``): DARE's Coupled-GRPO corrupts, scores and normalises the full LLaDA/Dream canvas (``full``,
 those families' default); block families use ``eos``.
 """
+
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
@@ -28,8 +29,7 @@ from megadare.diffusion.corruption import coupled
 class CoupledGRPO(Algorithm):
     name = "coupled_grpo"
     paper = "arXiv:2506.20639"
-    defaults = {"eps_low": 0.5, "kl_coef": 0.01, "kl_anchor": "ref", "kl_estimator": "k3", "t_low": 0.2,
-                "t_high": 0.8}
+    defaults = {"eps_low": 0.5, "kl_coef": 0.01, "kl_anchor": "ref", "kl_estimator": "k3", "t_low": 0.2, "t_high": 0.8}
 
     def views(self, s, arch, block_size, g):
         return coupled(s.prompt_ids, s.response_ids, arch.mask_token_id, g, self.p["t_low"], self.p["t_high"])

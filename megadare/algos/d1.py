@@ -27,6 +27,7 @@ without KL (DARE's recipe) 0.98-0.99; uncapped but decoding each block in one st
 Canvas (``rl.canvas``): DARE's d1 masks, scores and normalises the whole LLaDA/Dream canvas of R positions
 (post-EOS tokens included): ``full``, those families' default; block families use ``eos``.
 """
+
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm

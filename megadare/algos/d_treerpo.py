@@ -38,6 +38,7 @@ eps 0.4, KL 0.01, 12 epochs, lr 3e-5, LoRA r 128 / alpha 64, temperature 0.9.
 Canvas (``rl.canvas``): DARE's d-TreeRPO scores transitions of the full LLaDA/Dream canvas states, tokens up to
 the first EOS.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,15 +58,18 @@ def tree_values(leaf_rewards: list[float], fanout: int, branch: int, depth: int)
     values = [list(map(float, leaf_rewards))]
     for _ in range(depth - 1):
         below = values[0]
-        values.insert(0, [sum(below[i:i + branch]) / branch for i in range(0, len(below), branch)])
+        values.insert(0, [sum(below[i : i + branch]) / branch for i in range(0, len(below), branch)])
     if len(values[0]) != fanout:
-        raise ValueError(f"d_treerpo: {len(leaf_rewards)} leaves do not make a tree of fan-out {fanout}, branch "
-                         f"{branch}, depth {depth}")
+        raise ValueError(
+            f"d_treerpo: {len(leaf_rewards)} leaves do not make a tree of fan-out {fanout}, branch "
+            f"{branch}, depth {depth}"
+        )
     return values
 
 
-def local_advantages(leaf_rewards: list[float], branch: int, depth: int,
-                     fanout: Optional[int] = None) -> list[list[float]]:
+def local_advantages(
+    leaf_rewards: list[float], branch: int, depth: int, fanout: Optional[int] = None
+) -> list[list[float]]:
     """Per level, per node (breadth-first): V(node) - mean V(its siblings other than itself)."""
     fanout = fanout or branch
     out = []
@@ -73,7 +77,7 @@ def local_advantages(leaf_rewards: list[float], branch: int, depth: int,
         size = fanout if level == 0 else branch
         adv = []
         for i in range(0, len(vals), size):
-            sib = vals[i:i + size]
+            sib = vals[i : i + size]
             total = sum(sib)
             adv.extend(v - ((total - v) / (len(sib) - 1) if len(sib) > 1 else 0.0) for v in sib)
         out.append(adv)
@@ -98,53 +102,86 @@ class DTreeRPO(Algorithm):
     name = "d_treerpo"
     paper = "arXiv:2512.09675"
     own_rollout = True
-    defaults = {"eps_low": 0.4, "branch": 4, "depth": 2, "root_fanout": None, "kl_coef": 0.01, "kl_anchor": "ref",
-                "kl_estimator": "k3", "loss_agg": "seq_mean_token_mean", "self_distillation": True,
-                "sd_lambda_max": 3e-3, "sd_gamma": 2.0, "sd_tau_max": 2.0, "sd_beta": 0.7, "sd_max_steps": 30000}
+    defaults = {
+        "eps_low": 0.4,
+        "branch": 4,
+        "depth": 2,
+        "root_fanout": None,
+        "kl_coef": 0.01,
+        "kl_anchor": "ref",
+        "kl_estimator": "k3",
+        "loss_agg": "seq_mean_token_mean",
+        "self_distillation": True,
+        "sd_lambda_max": 3e-3,
+        "sd_gamma": 2.0,
+        "sd_tau_max": 2.0,
+        "sd_beta": 0.7,
+        "sd_max_steps": 30000,
+    }
 
     def __init__(self, overrides=None):
         super().__init__(overrides)
         if self.p["branch"] < 2 or self.p["depth"] < 1:
-            raise ConfigError(f"algo.params.branch={self.p['branch']}, depth={self.p['depth']}: need branch >= 2 "
-                              "and depth >= 1")
+            raise ConfigError(
+                f"algo.params.branch={self.p['branch']}, depth={self.p['depth']}: need branch >= 2 and depth >= 1"
+            )
 
     def fanout(self, n_samples: int) -> int:
         """Root fan-out: the set one, or rl.n_samples / branch^(depth-1) (ConfigError when it does not fit)."""
         below = self.p["branch"] ** (self.p["depth"] - 1)
         f = self.p["root_fanout"] or n_samples // below
         if f < 1 or f * below != n_samples:
-            raise ConfigError(f"rl.n_samples={n_samples} leaves per prompt must equal root_fanout x branch^(depth-1)"
-                              f" = {self.p['root_fanout'] or '?'} x {self.p['branch']}^{self.p['depth'] - 1}; set "
-                              f"rl.n_samples to a multiple of {below} or change algo.params.root_fanout / branch / "
-                              "depth")
+            raise ConfigError(
+                f"rl.n_samples={n_samples} leaves per prompt must equal root_fanout x branch^(depth-1)"
+                f" = {self.p['root_fanout'] or '?'} x {self.p['branch']}^{self.p['depth'] - 1}; set "
+                f"rl.n_samples to a multiple of {below} or change algo.params.root_fanout / branch / "
+                "depth"
+            )
         return f
 
     def uses_group_baseline(self) -> bool:
-        return False          # local advantages of its tree (samples_from)
+        return False  # local advantages of its tree (samples_from)
 
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)
         self.fanout(cfg.rl.n_samples)
-        if cfg.rollout.algorithm == "editing":    # its tree stitches segments' traces (no trace contract)
+        if cfg.rollout.algorithm == "editing":  # its tree stitches segments' traces (no trace contract)
             self.refuse_edits()
 
     # ------------------------------------------------------------------ rollout: the tree
-    def rollout(self, generate: Callable, prompts: list[list[int]], params, n_samples: int,
-                global_grid: bool = False):
+    def rollout(self, generate: Callable, prompts: list[list[int]], params, n_samples: int, global_grid: bool = False):
         """Leaf trajectories (n_samples per prompt, grouped by prompt), each leaf's segments in
         ``extra['tree_segments']`` ((start, length) per level); ``global_grid``: blocks of a block family sit on
         the prompt+response grid."""
         f, b, d = self.fanout(n_samples), self.p["branch"], self.p["depth"]
         if params.algorithm == "editing":
-            raise ValueError("d_treerpo: its tree stitches segments' traces without token edits; "
-                             "rollout.algorithm=editing is not supported")
-        states = [{"root": i, "prompt": p, "resp": [], "commit": [], "block": [], "logp": [], "fwd": 0,
-                   "done": False, "finish": "length", "nodes": [], "versions": [],
-                   "ends": level_ends(len(p), params.max_new_tokens, params.block_size, d, global_grid)}
-                  for i, p in enumerate(prompts)]
+            raise ValueError(
+                "d_treerpo: its tree stitches segments' traces without token edits; "
+                "rollout.algorithm=editing is not supported"
+            )
+        states = [
+            {
+                "root": i,
+                "prompt": p,
+                "resp": [],
+                "commit": [],
+                "block": [],
+                "logp": [],
+                "fwd": 0,
+                "done": False,
+                "finish": "length",
+                "nodes": [],
+                "versions": [],
+                "ends": level_ends(len(p), params.max_new_tokens, params.block_size, d, global_grid),
+            }
+            for i, p in enumerate(prompts)
+        ]
         for level in range(d):
-            children = [{**st, "nodes": list(st["nodes"]), "versions": list(st["versions"])}
-                        for st in states for _ in range(f if level == 0 else b)]
+            children = [
+                {**st, "nodes": list(st["nodes"]), "versions": list(st["versions"])}
+                for st in states
+                for _ in range(f if level == 0 else b)
+            ]
             self._grow(generate, [c for c in children if not c["done"]], params, level)
             for c in children:
                 if len(c["nodes"]) <= level:
@@ -156,11 +193,21 @@ class DTreeRPO(Algorithm):
         if not every:
             raise RuntimeError("d_treerpo: the tree decoded no token (every level ended before its first block)")
         # a leaf's behaviour policy: the oldest weights any of its segments were decoded with
-        return [Trajectory(prompt_ids=list(prompts[st["root"]]), response_ids=st["resp"], commit_step=st["commit"],
-                           block_step=st["block"], logprobs=st["logp"],
-                           finish_reason=st["finish"] if st["resp"] else "length", num_forwards=max(st["fwd"], 1),
-                           params=params, policy_version=min(st["versions"] or every),
-                           extra={"tree_segments": st["nodes"]}) for st in states]
+        return [
+            Trajectory(
+                prompt_ids=list(prompts[st["root"]]),
+                response_ids=st["resp"],
+                commit_step=st["commit"],
+                block_step=st["block"],
+                logprobs=st["logp"],
+                finish_reason=st["finish"] if st["resp"] else "length",
+                num_forwards=max(st["fwd"], 1),
+                params=params,
+                policy_version=min(st["versions"] or every),
+                extra={"tree_segments": st["nodes"]},
+            )
+            for st in states
+        ]
 
     def _grow(self, generate: Callable, todo: list[dict], params, level: int) -> None:
         """Decode every open node's level: one engine call per distinct segment length."""
@@ -188,8 +235,8 @@ class DTreeRPO(Algorithm):
         f, b, d = self.fanout(n_samples), self.p["branch"], self.p["depth"]
         out = []
         for g in range(len(trajectories) // n_samples):
-            leaves = trajectories[g * n_samples:(g + 1) * n_samples]
-            r = rewards[g * n_samples:(g + 1) * n_samples]
+            leaves = trajectories[g * n_samples : (g + 1) * n_samples]
+            r = rewards[g * n_samples : (g + 1) * n_samples]
             adv = local_advantages(r, b, d, f)
             for level in range(d):
                 span = b ** (d - 1 - level)  # leaves under one node of this level
@@ -199,11 +246,17 @@ class DTreeRPO(Algorithm):
                     if length == 0:
                         continue
                     size = f if level == 0 else b
-                    out.append(RLSample(prompt_ids=list(leaf.prompt_ids) + leaf.response_ids[:start],
-                                        response_ids=leaf.response_ids[start:start + length],
-                                        reward=sum(r[node * span:(node + 1) * span]) / span,
-                                        advantage=adv[level][node], index=len(out), group=g,
-                                        extra={"parent": (g, level, node // size)}))
+                    out.append(
+                        RLSample(
+                            prompt_ids=list(leaf.prompt_ids) + leaf.response_ids[:start],
+                            response_ids=leaf.response_ids[start : start + length],
+                            reward=sum(r[node * span : (node + 1) * span]) / span,
+                            advantage=adv[level][node],
+                            index=len(out),
+                            group=g,
+                            extra={"parent": (g, level, node // size)},
+                        )
+                    )
         return out
 
     # ------------------------------------------------------------------ estimator and loss
@@ -219,8 +272,10 @@ class DTreeRPO(Algorithm):
         for row in rows:
             sample, slot, head = row.sample, row.slot, row.head
             head_of = {int(k): float(h) for k, h in zip(slot.tolist(), head.tolist()) if k >= 0 and h != 0}
-            sd = [coef.get((i, k), 0.0) * D / head_of[k] if k in head_of else 0.0
-                  for i, k in zip(sample.tolist(), slot.tolist())]
+            sd = [
+                coef.get((i, k), 0.0) * D / head_of[k] if k in head_of else 0.0
+                for i, k in zip(sample.tolist(), slot.tolist())
+            ]
             row.extras[SLOT_CONST + "sd"] = torch.tensor(sd, dtype=torch.float32)
         return rows
 
@@ -229,7 +284,7 @@ class DTreeRPO(Algorithm):
         by_parent: dict[tuple, list[RLSample]] = {}
         for s in samples:
             by_parent.setdefault(s.extra["parent"], []).append(s)
-        pairs: list[tuple[int, list[tuple[RLSample, float]], float]] = []   # (position, [(sibling, q)], lambda)
+        pairs: list[tuple[int, list[tuple[RLSample, float]], float]] = []  # (position, [(sibling, q)], lambda)
         for sibs in by_parent.values():
             pos = [s for s in sibs if float(s.advantage) > 0]
             if len(sibs) < 2 or not pos:

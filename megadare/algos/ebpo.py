@@ -14,6 +14,7 @@ a proxy gradient (constant memory); here all rows of a sample share one micro-ba
 Canvas (``rl.canvas``): EBPO's families (LLaDA2.x, SDAR in DARE) stop at the EOS (``eos``, the block families'
 default).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,9 @@ from megadare.diffusion.masking import mask_tokens
 from megadare.diffusion.views import View
 
 
-def block_elbo_views(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
-                     n_mc: int) -> list[View]:
+def block_elbo_views(
+    prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int, n_mc: int
+) -> list[View]:
     P, L = len(prompt), len(response)
     x0 = torch.tensor(list(prompt) + list(response), dtype=torch.long)
     pos = torch.arange(P + L)
@@ -44,8 +46,13 @@ def block_elbo_views(prompt: list[int], response: list[int], mask_id: int, g: to
             pick = members[torch.randperm(len(members), generator=g)[:count]]
             masked[pick] = True
             coef[pick] = len(members) / count / n_mc
-        views.append(View(tokens=mask_tokens(x0, masked, mask_id), coef=coef,
-                          slot=torch.where(masked, torch.zeros(P + L, dtype=torch.long), torch.full((P + L,), -1))))
+        views.append(
+            View(
+                tokens=mask_tokens(x0, masked, mask_id),
+                coef=coef,
+                slot=torch.where(masked, torch.zeros(P + L, dtype=torch.long), torch.full((P + L,), -1)),
+            )
+        )
     return views
 
 
@@ -55,8 +62,14 @@ class EBPO(Algorithm):
     defaults = {"eps_low": 0.2, "kl_estimator": "k2", "kl_anchor": "ref", "n_mc": 16}
 
     def views(self, s, arch, block_size, g):
-        return block_elbo_views(s.prompt_ids, s.response_ids, arch.mask_token_id, g,
-                                block_size if arch.attention == "block_causal" else 32, self.p["n_mc"])
+        return block_elbo_views(
+            s.prompt_ids,
+            s.response_ids,
+            arch.mask_token_id,
+            g,
+            block_size if arch.attention == "block_causal" else 32,
+            self.p["n_mc"],
+        )
 
     def rows(self, s, arch, block_size, g):
         views = self.views(s, arch, block_size, g)

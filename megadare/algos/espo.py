@@ -26,6 +26,7 @@ first update: ESPO redraws corruptions per epoch (``rl.redraw_corruptions``, tra
 Canvas: DARE scores the full canvas (``rl.canvas=full``, R = max_new_tokens, L = R); the paper's L is the
 response length, which is what ``rl.canvas=eos`` gives.
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,8 +73,9 @@ class ESPO(Algorithm):
         samples = sorted((s for s in samples if s.response_ids), key=lambda s: s.index)
         if not samples:
             return []
-        counts = stratified_counts([len(s.response_ids) for s in samples], self.p["n_mc"],
-                                   generator_for(-1 - samples[0].index))
+        counts = stratified_counts(
+            [len(s.response_ids) for s in samples], self.p["n_mc"], generator_for(-1 - samples[0].index)
+        )
         rows = []
         for s, ks in zip(samples, counts):
             R = len(s.response_ids)

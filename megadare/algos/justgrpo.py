@@ -25,6 +25,7 @@ every later canvas position, EOS/pad tokens after the answer are decoded, scored
 ``rl.canvas=eos`` the views end at the first EOS, so the trainer's states hold fewer trailing masks than the
 sampler's and l_t is no longer the sampler's likelihood.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,14 +45,20 @@ class JustGRPO(Algorithm):
         super().check_config(cfg, arch)
         r = cfg.rollout
         if arch is not None and arch.attention == "block_causal":
-            raise ConfigError(f"algo.name=justgrpo decodes one token per block; the {arch.family} family is "
-                              "block diffusion with the model's block size: use a full-attention family (llada, dream)")
+            raise ConfigError(
+                f"algo.name=justgrpo decodes one token per block; the {arch.family} family is "
+                "block diffusion with the model's block size: use a full-attention family (llada, dream)"
+            )
         if r.block_size != 1 or (r.steps_per_block or 1) != 1:
-            raise ConfigError(f"algo.name=justgrpo samples in autoregressive order: set rollout.block_size=1 "
-                              f"rollout.steps_per_block=1 (got {r.block_size}, {r.steps_per_block})")
+            raise ConfigError(
+                f"algo.name=justgrpo samples in autoregressive order: set rollout.block_size=1 "
+                f"rollout.steps_per_block=1 (got {r.block_size}, {r.steps_per_block})"
+            )
         if r.temperature <= 0 or r.top_k or r.top_p != 1.0:
-            raise ConfigError(f"algo.name=justgrpo scores the sampler's tempered softmax: need rollout.temperature > "
-                              f"0, top_k=0, top_p=1 (got {r.temperature}, {r.top_k}, {r.top_p})")
+            raise ConfigError(
+                f"algo.name=justgrpo scores the sampler's tempered softmax: need rollout.temperature > "
+                f"0, top_k=0, top_p=1 (got {r.temperature}, {r.top_k}, {r.top_p})"
+            )
 
     def views(self, s, arch, block_size, g):
         return ar_views(s.prompt_ids, s.response_ids, arch.mask_token_id)
@@ -59,8 +66,10 @@ class JustGRPO(Algorithm):
     def rows(self, s: RLSample, arch, block_size, g):
         T = s.extra.get("sampling_temperature")
         if not T or T <= 0:
-            raise ValueError(f"sample {s.index}: justgrpo scores at the rollout temperature, but the sample records "
-                             f"{T!r} (greedy or unknown sampling)")
+            raise ValueError(
+                f"sample {s.index}: justgrpo scores at the rollout temperature, but the sample records "
+                f"{T!r} (greedy or unknown sampling)"
+            )
         views = self.views(s, arch, block_size, g)
         rows = rows_for_views(s, views, arch, self.p["loss_agg"]) if views else []
         for r in rows:

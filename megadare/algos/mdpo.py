@@ -37,6 +37,7 @@ Defaults (paper): lr 7e-7, temperature 0.4.
 
 Canvas (``rl.canvas``): DARE's MDPO rollouts keep the full LLaDA/Dream canvas (``full``, those families' default).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -58,7 +59,7 @@ def step_scores(rewards: list[float]) -> list[float]:
     out = []
     for t in range(T):
         prev = rewards[t - 1] if t > 0 else 0.0
-        future = sum(rewards[t + 1:]) / (T - t - 1) if t < T - 1 else rewards[-1]
+        future = sum(rewards[t + 1 :]) / (T - t - 1) if t < T - 1 else rewards[-1]
         out.append((rewards[t] - prev) + 1.0 + future)
     return out
 
@@ -106,8 +107,9 @@ class MDPO(Algorithm):
         if self.p["top_k_scope"] not in TOP_K_SCOPES:
             raise ConfigError(f"algo.params.top_k_scope={self.p['top_k_scope']!r}: choose one of {TOP_K_SCOPES}")
 
-    def prepare(self, samples: list[RLSample], score: Callable[[list[list[int]], list[int]], list[float]],
-                group_size: int) -> None:
+    def prepare(
+        self, samples: list[RLSample], score: Callable[[list[list[int]], list[int]], list[float]], group_size: int
+    ) -> None:
         """Per-step rewards, GRPO-normalised step advantages and the kept steps (``score(responses, indices)``)."""
         for s in samples:
             preds = s.extra.get("step_predictions")
@@ -148,9 +150,15 @@ class MDPO(Algorithm):
             slot = torch.where(scored, j * L + torch.arange(P + L) - P, torch.full((P + L,), -1))
             for i in scored.nonzero().flatten().tolist():  # lambda_t / |M_t| * confidence, averaged over steps
                 weights[int(slot[i])] = (L / n_scored) / n_scored * float(conf[i]) / K
-            views.append(View(tokens=mask_tokens(x0, masked, arch.mask_token_id), coef=scored.float(), slot=slot,
-                              labels=torch.where(scored, pred, x0),
-                              adv=torch.full((P + L,), float(s.extra["step_adv"][t]))))
+            views.append(
+                View(
+                    tokens=mask_tokens(x0, masked, arch.mask_token_id),
+                    coef=scored.float(),
+                    slot=slot,
+                    labels=torch.where(scored, pred, x0),
+                    adv=torch.full((P + L,), float(s.extra["step_adv"][t])),
+                )
+            )
         return views, weights
 
     def views(self, s, arch, block_size, g):

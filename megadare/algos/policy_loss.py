@@ -26,6 +26,7 @@ on the demo (30 steps at lr 5e-4, 4 denoising steps per block) d1 at its publish
 held out and fell back to 0.29-0.45 by step 30 over 4 rollout seeds, its KL climbing to 1-3 nats per token;
 clamped it ends at 0.88-1.00. ``kl_penalty(..., k3_bound=None)`` is the plain k3 (a metric: verl's ``k3_kl``).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,18 +36,24 @@ import torch
 from megadare.errors import ConfigError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-K3_BOUND = 10.0            # verl's low_var_kl / DARE's kl_penalty (module docstring)
+K3_BOUND = 10.0  # verl's low_var_kl / DARE's kl_penalty (module docstring)
 
 
 def check_dual_clip(dual_clip: Optional[float]) -> None:
     """``algo.params.dual_clip`` is null (off) or a number c > 1."""
     if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
-        raise ConfigError(f"algo.params.dual_clip={dual_clip!r} must be a number > 1 (DARE uses 3.0) or null to "
-                          "disable")
+        raise ConfigError(
+            f"algo.params.dual_clip={dual_clip!r} must be a number > 1 (DARE uses 3.0) or null to disable"
+        )
 
 
-def clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2, eps_high: Optional[float] = None,
-                   dual_clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_surrogate(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-slot loss, per-slot clipped indicator) of the clipped surrogate on ``ratio`` (module docstring)."""
     check_dual_clip(dual_clip)
     eps_high = eps_low if eps_high is None else eps_high
@@ -60,16 +67,23 @@ def clip_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
     return loss, was_clipped
 
 
-def ppo_clip_loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
-                  eps_high: Optional[float] = None, dual_clip: Optional[float] = None,
-                  log_ratio_clamp: float = 20.0) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-slot loss, per-slot clipped indicator) with rho = exp(clamp(logp - old))."""
     ratio = torch.exp((logp - old).clamp(-log_ratio_clamp, log_ratio_clamp))
     return clip_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
 
 
-def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str = "k3",
-               k3_bound: Optional[float] = K3_BOUND) -> torch.Tensor:
+def kl_penalty(
+    logp: torch.Tensor, ref: torch.Tensor, kind: str = "k3", k3_bound: Optional[float] = K3_BOUND
+) -> torch.Tensor:
     """Per-slot estimate of KL(pi_theta || pi_ref) (differentiable in ``logp``); k3 capped at ``k3_bound``."""
     d = ref - logp
     if kind == "k1":

@@ -13,6 +13,7 @@ Defaults as TraceRL's loss: eps 0.2, beta 0.01 to the old policy, sum over targe
 Canvas (``rl.canvas``): dLLM-RL trains TraDo/SDAR on the response up to its EOS block (``eos``, the block
 families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms.
 """
+
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
@@ -22,11 +23,29 @@ from megadare.diffusion.corruption import random_mask
 class RandomMaskRL(Algorithm):
     name = "random_mask_rl"
     paper = "arXiv:2509.06949"
-    defaults = {"eps_low": 0.2, "kl_coef": 0.01, "kl_anchor": "old", "kl_estimator": "k3",
-                "loss_agg": "seq_mean_length", "p_low": 0.1, "p_high": 0.9, "n_views": None, "couple": False}
+    defaults = {
+        "eps_low": 0.2,
+        "kl_coef": 0.01,
+        "kl_anchor": "old",
+        "kl_estimator": "k3",
+        "loss_agg": "seq_mean_length",
+        "p_low": 0.1,
+        "p_high": 0.9,
+        "n_views": None,
+        "couple": False,
+    }
 
     def views(self, s, arch, block_size, g):
         block = arch.attention == "block_causal"
         n = self.p["n_views"] or (1 if block else 35)
-        return random_mask(s.prompt_ids, s.response_ids, arch.mask_token_id, g, block_size if block else 0,
-                           self.p["p_low"], self.p["p_high"], n, self.p["couple"])
+        return random_mask(
+            s.prompt_ids,
+            s.response_ids,
+            arch.mask_token_id,
+            g,
+            block_size if block else 0,
+            self.p["p_low"],
+            self.p["p_high"],
+            n,
+            self.p["couple"],
+        )

@@ -25,6 +25,7 @@ Notation: prompt c (never masked), response y of length L, mask token M, t the m
 Dream (``arch.logits_shift == 1``) predicts token k from position k-1: targets and weights move one left.
 All randomness comes from the generator passed in (seeded per step and example by the caller).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class SFTRecipe:
     block_size: int = 4
     schedule: NoiseSchedule = NoiseSchedule()
     normalize: str = "answer_length"
-    t_per: str = "block"           # block mode: one t per block or per sample
+    t_per: str = "block"  # block mode: one t per block or per sample
     trace_shrink: int = 1
 
     def __post_init__(self) -> None:
@@ -66,13 +67,17 @@ def mask_kind(recipe: SFTRecipe, arch: ModelArch) -> str:
     block_family = arch.attention == "block_causal"
     if recipe.mode == "block":
         if not block_family:
-            raise ValueError(f"sft.mode=block needs a block-diffusion family; {arch.family} uses full attention "
-                             "(use sft.mode=random or semi_ar)")
+            raise ValueError(
+                f"sft.mode=block needs a block-diffusion family; {arch.family} uses full attention "
+                "(use sft.mode=random or semi_ar)"
+            )
         return "block_diffusion"
     if recipe.mode in ("random", "semi_ar"):
         if block_family:
-            raise ValueError(f"sft.mode={recipe.mode} trains full attention; {arch.family} is a block-diffusion "
-                             "family (use sft.mode=block or trace)")
+            raise ValueError(
+                f"sft.mode={recipe.mode} trains full attention; {arch.family} is a block-diffusion "
+                "family (use sft.mode=block or trace)"
+            )
         return "bidirectional"
     return "block_causal" if block_family else "bidirectional"
 
@@ -81,8 +86,14 @@ def _shift(row: Row) -> Row:
     """Dream's convention: position k-1 predicts token k (targets and weights move one position left)."""
     labels = torch.cat([row.labels[1:], row.labels[:1]])
     weight = torch.cat([row.weight[1:], torch.zeros(1)])
-    return Row(tokens=row.tokens, labels=labels, weight=weight, position_ids=row.position_ids,
-               stream_ids=row.stream_ids, denom=row.denom)
+    return Row(
+        tokens=row.tokens,
+        labels=labels,
+        weight=weight,
+        position_ids=row.position_ids,
+        stream_ids=row.stream_ids,
+        denom=row.denom,
+    )
 
 
 def _norm(recipe: SFTRecipe, L: int, n_scored: int) -> tuple[float, float]:
@@ -119,10 +130,16 @@ def _block(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) ->
     xt = mask_tokens(x0, masked, arch.mask_token_id)
     div, denom = _norm(r, len(y), int(masked.sum()))
     w = masked.float() * r.schedule.weight(t_tok) / div
-    return [Row(tokens=torch.cat([xt, x0]), labels=torch.cat([x0, x0]), weight=torch.cat([w, torch.zeros(n)]),
-                position_ids=torch.cat([pos, pos]),
-                stream_ids=torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)]),
-                denom=denom)]
+    return [
+        Row(
+            tokens=torch.cat([xt, x0]),
+            labels=torch.cat([x0, x0]),
+            weight=torch.cat([w, torch.zeros(n)]),
+            position_ids=torch.cat([pos, pos]),
+            stream_ids=torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long)]),
+            denom=denom,
+        )
+    ]
 
 
 def _semi_ar(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) -> list[Row]:
@@ -132,7 +149,7 @@ def _semi_ar(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) 
     b = int(torch.randint(n_blocks, (1,), generator=g))
     end = min(len(y), (b + 1) * r.block_size)
     in_block = torch.zeros(end, dtype=torch.bool)
-    in_block[b * r.block_size:end] = True
+    in_block[b * r.block_size : end] = True
     t = r.schedule.sample(1, g)
     masked = iid_mask(in_block, t, g, force_one=True)
     x0 = torch.cat([c, y[:end]])
@@ -146,13 +163,15 @@ def _semi_ar(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) 
 def trace_groups(steps: list[int], shrink: int) -> list[list[int]]:
     """The distinct committed-at steps in order, grouped ``shrink`` consecutive steps at a time."""
     distinct = sorted(set(steps))
-    return [distinct[i:i + shrink] for i in range(0, len(distinct), shrink)]
+    return [distinct[i : i + shrink] for i in range(0, len(distinct), shrink)]
 
 
 def _trace(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) -> list[Row]:
     if ex.steps is None:
-        raise ValueError("sft.mode=trace needs records with a 'steps' field (one committed-at step per response "
-                         "token), e.g. written by a rollout with trace recording")
+        raise ValueError(
+            "sft.mode=trace needs records with a 'steps' field (one committed-at step per response "
+            "token), e.g. written by a rollout with trace recording"
+        )
     c = torch.tensor(ex.prompt_ids, dtype=torch.long)
     y = torch.tensor(ex.response_ids, dtype=torch.long)
     steps = torch.tensor(ex.steps, dtype=torch.long)
@@ -184,8 +203,10 @@ def example_rows(ex: SFTExample, arch: ModelArch, recipe: SFTRecipe, generator: 
     rows = _MODES[recipe.mode](ex, arch, recipe, generator)
     if arch.logits_shift:
         if not ex.prompt_ids:
-            raise ValueError("a shifted-logit family (Dream) needs a non-empty prompt: the first token has no "
-                             "predecessor to predict it")
+            raise ValueError(
+                "a shifted-logit family (Dream) needs a non-empty prompt: the first token has no "
+                "predecessor to predict it"
+            )
         rows = [_shift(row) for row in rows]
     return rows
 

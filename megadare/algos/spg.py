@@ -55,6 +55,7 @@ is not guaranteed: on the MLP toy it falls below the order-averaged likelihood i
 
 Canvas (``rl.canvas``): DARE's SPG masks and scores the full LLaDA/Dream canvas (``full``, those families' default).
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,25 +73,51 @@ class SPG(Algorithm):
     paper = "arXiv:2510.09541"
     lse_beta = "eubo_beta"
     clipped_ratio = False
-    defaults = {"loss_agg": "seq_mean_token_mean", "eubo_beta": 1.5, "mix": 0.5, "n_mc": 2, "p_prompt": 0.15,
-                "block": 32, "estimator": "block"}
+    defaults = {
+        "loss_agg": "seq_mean_token_mean",
+        "eubo_beta": 1.5,
+        "mix": 0.5,
+        "n_mc": 2,
+        "p_prompt": 0.15,
+        "block": 32,
+        "estimator": "block",
+    }
 
     def __init__(self, overrides=None):
         super().__init__(overrides)
         if self.p["estimator"] not in ESTIMATORS:
             raise ConfigError(f"algo.params.estimator={self.p['estimator']!r}: choose one of {ESTIMATORS}")
         if self.p["estimator"] == "dare" and self.p["loss_agg"] != "seq_mean_token_mean":
-            raise ConfigError("algo.params.estimator=dare averages the EUBO over tokens and the loss over sequences:"
-                              f" loss_agg must be seq_mean_token_mean (got {self.p['loss_agg']})")
+            raise ConfigError(
+                "algo.params.estimator=dare averages the EUBO over tokens and the loss over sequences:"
+                f" loss_agg must be seq_mean_token_mean (got {self.p['loss_agg']})"
+            )
 
     def views(self, s, arch, block_size, g):
         b = block_size if arch.attention == "block_causal" else self.p["block"]
         grid = arch.attention == "block_causal"
         if self.p["estimator"] == "dare":
-            return blockwise_dare(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"],
-                                  self.p["p_prompt"], global_grid=grid)
-        return blockwise(s.prompt_ids, s.response_ids, arch.mask_token_id, g, b, self.p["n_mc"], self.p["p_prompt"],
-                         slots="token", global_grid=grid)
+            return blockwise_dare(
+                s.prompt_ids,
+                s.response_ids,
+                arch.mask_token_id,
+                g,
+                b,
+                self.p["n_mc"],
+                self.p["p_prompt"],
+                global_grid=grid,
+            )
+        return blockwise(
+            s.prompt_ids,
+            s.response_ids,
+            arch.mask_token_id,
+            g,
+            b,
+            self.p["n_mc"],
+            self.p["p_prompt"],
+            slots="token",
+            global_grid=grid,
+        )
 
     def rows(self, s, arch, block_size, g):
         """The views in one row; DARE's estimator also records each slot's ELBO scale |covered| / L."""

@@ -20,6 +20,7 @@ Canvas (``rl.canvas``): TraDo/SDAR (the paper's main models) replay the response
 block families' default); on LLaDA/Dream the full canvas (default there) replays every decoded position, the
 post-EOS ones included, so each replayed state is the sampler's.
 """
+
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
@@ -32,9 +33,20 @@ class TraceRL(Algorithm):
     paper = "arXiv:2509.06949"
     needs_trace = True
     replays_edits = True
-    defaults = {"eps_low": 0.2, "kl_coef": 0.01, "kl_anchor": "old", "kl_estimator": "k3",
-                "loss_agg": "seq_mean_length", "log_ratio_clamp": 10.0, "shrink": None,
-                "value_model": False, "value_lr": 5e-6, "value_clip": 0.2, "gamma": 1.0, "lam": 1.0}
+    defaults = {
+        "eps_low": 0.2,
+        "kl_coef": 0.01,
+        "kl_anchor": "old",
+        "kl_estimator": "k3",
+        "loss_agg": "seq_mean_length",
+        "log_ratio_clamp": 10.0,
+        "shrink": None,
+        "value_model": False,
+        "value_lr": 5e-6,
+        "value_clip": 0.2,
+        "gamma": 1.0,
+        "lam": 1.0,
+    }
 
     def shrink(self, arch) -> int:
         return self.p["shrink"] or (1 if arch.attention == "block_causal" else 8)
@@ -53,11 +65,13 @@ class TraceRL(Algorithm):
         super().check_config(cfg, arch)
         shrink = self.p["shrink"] or (self.shrink(arch) if arch is not None else None)
         if cfg.rollout.algorithm == "editing" and shrink not in (None, 1):
-            raise ConfigError(f"rollout.algorithm=editing with tracerl shrink={shrink}: a fragment of several steps "
-                              "would score two commits of one position from one state; set algo.params.shrink=1")
+            raise ConfigError(
+                f"rollout.algorithm=editing with tracerl shrink={shrink}: a fragment of several steps "
+                "would score two commits of one position from one state; set algo.params.shrink=1"
+            )
 
     def engine_logprobs_match(self, arch) -> bool:
-        return self.shrink(arch) == 1   # s > 1 scores later tokens of a fragment from its first state
+        return self.shrink(arch) == 1  # s > 1 scores later tokens of a fragment from its first state
 
     def views(self, s, arch, block_size, g):
         block = arch.attention == "block_causal"

@@ -13,6 +13,7 @@ of the last step, r*_t = mean reward of step t's tokens, V*_t = mean value of st
 (gamma = lambda = 1 gives A_j = R - V_j.) Value loss, clipped like PPO's (clip 0.2), summed over a sample's
 tokens / its length:  L_V = 1/2 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,8 +36,9 @@ class ValueHead(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(1))
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, hidden: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                runtime_gather_output: Optional[bool] = None):
+    def forward(
+        self, hidden: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
+    ):
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -52,7 +54,7 @@ def attach_value_head(chunks: list[torch.nn.Module]) -> None:
         m = getattr(c, "module", c)
         if getattr(m, "post_process", False):
             cfg = m.config
-            device = next(m.parameters()).device                  # the backbone's GPU, where there is one
+            device = next(m.parameters()).device  # the backbone's GPU, where there is one
             m.output_layer = ValueHead(cfg.hidden_size, cfg.sequence_parallel).to(device)
         m.share_embeddings_and_output_weights = False
 
@@ -62,8 +64,9 @@ def values_of(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     return output[..., 0].float()
 
 
-def step_advantages(values: list[float], steps: list[int], reward: float, gamma: float = 1.0,
-                    lam: float = 1.0) -> tuple[list[float], list[float]]:
+def step_advantages(
+    values: list[float], steps: list[int], reward: float, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[list[float], list[float]]:
     """(A_j, R_j) per response token from token values, the tokens' decoding steps and the outcome reward."""
     order = sorted(set(steps))
     T = len(order)

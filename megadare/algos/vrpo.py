@@ -25,6 +25,7 @@ chosen = the highest-reward response, rejected = the lowest (groups with equal r
 Canvas: offline pairs are the responses as written (ending with EOS); online (``algo.name=vrpo``) the
 rollout's ``rl.canvas``. DARE's VRPO scores the response up to EOS and divides the margin by the canvas R.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,10 +51,21 @@ def concat_rows(rows: list[Row]) -> Row:
         first_slot += int(sl.max()) + 1 if (sl >= 0).any() else 0
     cat = lambda name: None if getattr(rows[0], name) is None else torch.cat([getattr(r, name) for r in rows])  # noqa: E731
     extras = {k: torch.cat([r.extras[k] for r in rows]) for k in rows[0].extras}
-    return Row(tokens=cat("tokens"), labels=cat("labels"), weight=cat("weight"), position_ids=cat("position_ids"),
-               stream_ids=cat("stream_ids"), denom=sum(r.denom for r in rows), segment_ids=torch.cat(seg),
-               head=cat("head"), adv=cat("adv"), tok=cat("tok"), sample=cat("sample"), slot=torch.cat(slots),
-               extras=extras)
+    return Row(
+        tokens=cat("tokens"),
+        labels=cat("labels"),
+        weight=cat("weight"),
+        position_ids=cat("position_ids"),
+        stream_ids=cat("stream_ids"),
+        denom=sum(r.denom for r in rows),
+        segment_ids=torch.cat(seg),
+        head=cat("head"),
+        adv=cat("adv"),
+        tok=cat("tok"),
+        sample=cat("sample"),
+        slot=torch.cat(slots),
+        extras=extras,
+    )
 
 
 class VRPO(Algorithm):
@@ -68,8 +80,10 @@ class VRPO(Algorithm):
         if norm not in ("none", "canvas"):
             raise ConfigError(f"algo.params.margin_norm={norm!r}: choose none or canvas")
         if norm == "canvas" and not (isinstance(R, int) and R > 0):
-            raise ConfigError(f"algo.params.margin_norm=canvas divides the margin by the response canvas: set "
-                              f"algo.params.canvas_length to it (a positive integer, got {R!r})")
+            raise ConfigError(
+                f"algo.params.margin_norm=canvas divides the margin by the response canvas: set "
+                f"algo.params.canvas_length to it (a positive integer, got {R!r})"
+            )
 
     @property
     def needs_ref(self) -> bool:
@@ -81,14 +95,22 @@ class VRPO(Algorithm):
 
     def _row(self, s: RLSample, arch, g, sign: float, head: float) -> Row:
         """The sample's row; its advantage slot carries the pair role (+1 chosen, -1 rejected)."""
-        return views_to_row(dataclasses.replace(s, advantage=sign), self.views(s, arch, 0, g), arch,
-                            arch.attention == "block_causal", {0: head}, head)
+        return views_to_row(
+            dataclasses.replace(s, advantage=sign),
+            self.views(s, arch, 0, g),
+            arch,
+            arch.attention == "block_causal",
+            {0: head},
+            head,
+        )
 
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)
         if cfg.rl.n_samples < 2:
-            raise ConfigError(f"rl.n_samples={cfg.rl.n_samples}: online VRPO pairs the best and the worst response "
-                              "of a prompt's group and needs rl.n_samples >= 2")
+            raise ConfigError(
+                f"rl.n_samples={cfg.rl.n_samples}: online VRPO pairs the best and the worst response "
+                "of a prompt's group and needs rl.n_samples >= 2"
+            )
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         rows = []
@@ -105,8 +127,9 @@ class VRPO(Algorithm):
 
     def pair_row(self, chosen: RLSample, rejected: RLSample, arch, g_chosen, g_rejected) -> Row:
         """One row holding a preference pair (chosen first), each response with its own stored masks."""
-        return concat_rows([self._row(chosen, arch, g_chosen, +1.0, 1.0),
-                            self._row(rejected, arch, g_rejected, -1.0, 0.0)])
+        return concat_rows(
+            [self._row(chosen, arch, g_chosen, +1.0, 1.0), self._row(rejected, arch, g_rejected, -1.0, 0.0)]
+        )
 
     def slot_loss(self, s: Slots):
         if s.ref is None:
@@ -114,7 +137,7 @@ class VRPO(Algorithm):
         n = s.logp.numel()
         if n % 2:
             raise RuntimeError("VRPO: a micro-batch holds an incomplete preference pair")
-        d = (s.logp - s.ref).view(-1, 2)           # (chosen, rejected) per pair, chosen first
+        d = (s.logp - s.ref).view(-1, 2)  # (chosen, rejected) per pair, chosen first
         sign = s.adv.view(-1, 2)
         if not bool(((sign[:, 0] > 0) & (sign[:, 1] < 0)).all()):
             raise RuntimeError("VRPO: pair slots out of order")

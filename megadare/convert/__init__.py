@@ -7,6 +7,7 @@
   tokenizer files carried from the source.
 * ``load_hf_into_model(chunks, hf_dir)``: an HF checkpoint straight into a sharded live model, no conversion.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,15 @@ from megadare.models.safetensors_io import (
 from megadare.convert.sharded_load import fill_model_from_global
 from megadare.models.family import Family, ModelArch, family_of, read_hf_config
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "load_hf_into_model", "save_checkpoint", "load_checkpoint",
-           "mapping_for", "HFSource"]
+__all__ = [
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "load_hf_into_model",
+    "save_checkpoint",
+    "load_checkpoint",
+    "mapping_for",
+    "HFSource",
+]
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -80,8 +88,17 @@ class HFSource:
         return t.to(self.dtype) if self.dtype is not None else t
 
 
-def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, vpp: Optional[int] = None,
-                   dtype: Optional[torch.dtype] = None, progress: bool = True, etp: Optional[int] = None) -> str:
+def hf_to_megatron(
+    hf_dir: str,
+    out_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    vpp: Optional[int] = None,
+    dtype: Optional[torch.dtype] = None,
+    progress: bool = True,
+    etp: Optional[int] = None,
+) -> str:
     """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming).
     ``out_dir`` must be new, empty or a previous Megatron export, outside the source (``outputs``)."""
     src = HFSource(hf_dir, dtype)
@@ -97,18 +114,34 @@ def hf_to_megatron(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int 
         bar.update(1)
         return t
 
-    meta = {"family": src.family.name, "architecture": src.arch.architecture, "source": os.path.abspath(hf_dir),
-            "layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp}, "format": "megadare-torch_dist-v1"}
+    meta = {
+        "family": src.family.name,
+        "architecture": src.arch.architecture,
+        "source": os.path.abspath(hf_dir),
+        "layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp},
+        "format": "megadare-torch_dist-v1",
+    }
     try:
-        write_tensors(out_dir, shapes, produce, meta=meta, hf_files_from=hf_dir,
-                      before_publish=lambda staging: mark_export(staging, "megatron", [hf_dir]))
+        write_tensors(
+            out_dir,
+            shapes,
+            produce,
+            meta=meta,
+            hf_files_from=hf_dir,
+            before_publish=lambda staging: mark_export(staging, "megatron", [hf_dir]),
+        )
     finally:
         bar.close()
     return out_dir
 
 
-def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
-                   dtype: Optional[torch.dtype] = None, progress: bool = True) -> str:
+def megatron_to_hf(
+    ckpt_dir: str,
+    out_dir: str,
+    max_shard_bytes: int = 2 << 30,
+    dtype: Optional[torch.dtype] = None,
+    progress: bool = True,
+) -> str:
     """Export a Megatron distributed checkpoint (written by megadare) to HF safetensors, tensor by tensor.
     ``out_dir`` must be new, empty or a previous HF export, outside the checkpoint and its run (``outputs``)."""
     check_export_target(out_dir, "hf", [ckpt_dir, resolve_checkpoint_dir(ckpt_dir)])
@@ -121,8 +154,10 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, max_shard_bytes: int = 2 << 30,
     known = checkpoint_keys(ckpt_dir)
     missing = [r.mcore for r in table if r.mcore not in known]
     if missing:
-        raise ValueError(f"{ckpt_dir}: checkpoint lacks {len(missing)} tensors of the {fam.name} table, "
-                         f"e.g. {missing[:4]}; was it written for another config.json?")
+        raise ValueError(
+            f"{ckpt_dir}: checkpoint lacks {len(missing)} tensors of the {fam.name} table, "
+            f"e.g. {missing[:4]}; was it written for another config.json?"
+        )
     bar = _progress(len(table), "megatron -> hf", progress)
     try:
         with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:
@@ -145,13 +180,15 @@ def _merged_lora(ckpt_dir: str, key: str, known: dict, meta: dict) -> torch.Tens
     module, _, leaf = key.rpartition(".")
     if leaf not in ("weight", "weight_w", "weight_v"):  # _w / _v: megatron's split halves of a SwiGLU fc1
         return t
-    a_key, b_key = f"{module}.lora_A", f"{module}.lora_B{leaf[len('weight'):]}"
+    a_key, b_key = f"{module}.lora_A", f"{module}.lora_B{leaf[len('weight') :]}"
     if a_key not in known:
         return t
     lora = meta.get("lora")
     if not lora:
-        raise ValueError(f"{ckpt_dir}: holds LoRA adapters ({a_key}) but megadare.json has no 'lora' "
-                         "{rank, alpha} entry to scale them")
+        raise ValueError(
+            f"{ckpt_dir}: holds LoRA adapters ({a_key}) but megadare.json has no 'lora' "
+            "{rank, alpha} entry to scale them"
+        )
     ab = read_tensors(ckpt_dir, [a_key, b_key], known)
     scale = float(lora["alpha"]) / float(lora["rank"])
     return (t.float() + scale * ab[b_key].float() @ ab[a_key].float()).to(t.dtype)

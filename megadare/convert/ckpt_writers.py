@@ -13,6 +13,7 @@ action, and SIGINT ignored (a Ctrl-C reaches the whole process group: the traine
 the writers finish writing); and megatron's results queue is an in-process ``queue.Queue`` (a synchronous save
 puts and gets in this very process), so no Manager and no resource tracker are started.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from typing import Iterator, Optional
 
 PR_SET_PDEATHSIG = 1
-_saving_pid: Optional[int] = None   # the trainer's pid while a save forks writers, else None
+_saving_pid: Optional[int] = None  # the trainer's pid while a save forks writers, else None
 
 
 def _die_with_parent() -> None:
@@ -44,7 +45,7 @@ def _in_forked_writer() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
-    if os.getppid() != parent:   # the trainer died before the death signal was armed
+    if os.getppid() != parent:  # the trainer died before the death signal was armed
         os._exit(1)
 
 

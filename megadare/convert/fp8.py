@@ -21,6 +21,7 @@ Only the linear layers of the transformer are cast (attention q/k/v/o or fused q
 embeddings, norms, routers, biases and the LM head stay in their dtype. Which HF names those are comes from the
 family's HF <-> Megatron table (``linear_hf_names``), not from name patterns that differ between families.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -33,16 +34,25 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 BLOCK = (128, 128)
 _TINY = 1e-12  # amax floor: an all-zero tile gets scale 1e-12 / 448 instead of 0 (no division by zero)
 # Megatron keys (ends) of the linear layers of the family table (mapping.build_table)
-_LINEAR_MCORE = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight_w", "linear_fc1.weight_v",
-                 "linear_fc2.weight")
+_LINEAR_MCORE = (
+    "linear_qkv.weight",
+    "linear_proj.weight",
+    "linear_fc1.weight_w",
+    "linear_fc1.weight_v",
+    "linear_fc2.weight",
+)
 
 LinearSpec = Union[Collection[str], Callable[[str], bool]]
 
 
 def fp8_block_quant_config(block: Sequence[int] = BLOCK) -> dict:
     """config.json ``quantization_config`` of a block-fp8 checkpoint, as SGLang's ``Fp8Config`` reads it."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [int(block[0]), int(block[1])]}
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [int(block[0]), int(block[1])],
+    }
 
 
 def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +74,14 @@ def quantize_fp8_block(w: torch.Tensor, block: Sequence[int] = BLOCK) -> tuple[t
     w32 = w.detach().float()
     padded = torch.nn.functional.pad(w32, (0, kb * bk - k, 0, nb * bn - n))
     tiles = padded.view(nb, bn, kb, bk)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_TINY) / FP8_MAX          # [nb, kb]
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_TINY) / FP8_MAX  # [nb, kb]
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: Optional[Sequence[int]] = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, block: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``W_fp8 * scale``: per tensor (``block=None``, scale of one element) or per ``block`` tile."""
     x = q.float()
     if block is None:
@@ -94,13 +105,16 @@ def linear_hf_names(table_or_config) -> frozenset[str]:
 
 def _scale_name(name: str, suffix: str) -> str:
     if not name.endswith(".weight"):
-        raise ValueError(f"fp8: {name!r} is selected as a linear weight but does not end in '.weight'; "
-                         "the scale could not be named (SGLang expects <module>.weight + <module>.weight_scale*)")
+        raise ValueError(
+            f"fp8: {name!r} is selected as a linear weight but does not end in '.weight'; "
+            "the scale could not be named (SGLang expects <module>.weight + <module>.weight_scale*)"
+        )
     return name[: -len("weight")] + suffix
 
 
-def fp8_rollout_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], linear: LinearSpec,
-                        block: Optional[Sequence[int]] = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
+def fp8_rollout_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], linear: LinearSpec, block: Optional[Sequence[int]] = BLOCK
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors -> the same stream with every linear weight replaced by its fp8 pair, for an SGLang engine
     that serves a block-fp8 checkpoint (``quantize_export(..., fmt="fp8-block")``).
 
@@ -115,8 +129,10 @@ def fp8_rollout_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], linea
             yield name, t
             continue
         if t.dim() != 2 or not t.is_floating_point():
-            raise ValueError(f"fp8: linear weight {name!r} has shape {tuple(t.shape)} / dtype {t.dtype}; expected a "
-                             "2-D floating-point [out, in] matrix")
+            raise ValueError(
+                f"fp8: linear weight {name!r} has shape {tuple(t.shape)} / dtype {t.dtype}; expected a "
+                "2-D floating-point [out, in] matrix"
+            )
         if block is None:
             q, s = quantize_fp8_per_tensor(t)
             yield name, q

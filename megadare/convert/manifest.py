@@ -6,6 +6,7 @@ there with its size, the small files hash to their sums. A checkpoint written be
 checked against its own ``.metadata`` instead (torch DCP's index: every storage file it names must exist and be
 long enough for the byte ranges it lists), which catches the common damage -- a truncated or missing shard.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 MANIFEST = "manifest.json"
-SMALL_FILE = 4 << 20          # files up to this size get a checksum
+SMALL_FILE = 4 << 20  # files up to this size get a checksum
 FORMAT = 1
 
 
@@ -55,8 +56,8 @@ def write_manifest(ckpt_dir: str) -> None:
 @dataclass
 class Verdict:
     intact: bool
-    problem: str = ""          # what is wrong (naming the file), when not intact
-    legacy: bool = False       # no manifest: checked against .metadata only
+    problem: str = ""  # what is wrong (naming the file), when not intact
+    legacy: bool = False  # no manifest: checked against .metadata only
 
 
 def check_checkpoint(ckpt_dir: str) -> Verdict:

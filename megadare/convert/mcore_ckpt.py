@@ -14,6 +14,7 @@ global shape that does not depend on TP/PP/EP/VPP: a checkpoint saved under one 
 The checkpoint directory also holds ``hf/`` (the source config.json and tokenizer files) so an export needs
 nothing but the checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,12 @@ SHARDED_SD_METADATA = {"singleton_local_shards": True}
 HF_SUBDIR = "hf"
 MEGADARE_META = "megadare.json"
 # What megatron's dist_checkpointing writes as metadata.json for the torch_dist backend.
-_MCORE_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}
+_MCORE_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 class MegatronCheckpointError(ValueError):
@@ -101,8 +106,10 @@ def read_tracker(root: str) -> Optional[str]:
     with open(tracker, errors="replace") as f:
         it = f.read().strip()
     if it != "release" and not it.isdigit():
-        raise MegatronCheckpointError(f"{tracker} holds {it[:40]!r}, not a step number; write the newest complete "
-                                      "step into it (the iter_* directory names), or remove it")
+        raise MegatronCheckpointError(
+            f"{tracker} holds {it[:40]!r}, not a step number; write the newest complete "
+            "step into it (the iter_* directory names), or remove it"
+        )
     return it
 
 
@@ -118,7 +125,8 @@ def resolve_checkpoint_dir(path: str) -> str:
             return sub
         raise MegatronCheckpointError(f"{tracker} points to {sub}, which is not a checkpoint")
     raise MegatronCheckpointError(
-        f"{path}: not a Megatron distributed checkpoint (no metadata.json, no latest_checkpointed_iteration.txt)")
+        f"{path}: not a Megatron distributed checkpoint (no metadata.json, no latest_checkpointed_iteration.txt)"
+    )
 
 
 @dataclass
@@ -126,9 +134,9 @@ class Resumable:
     """The newest intact checkpoint under a run's root, and what was passed over on the way (newest first)."""
 
     path: Optional[str]
-    skipped: list[tuple[str, str]] = field(default_factory=list)   # (iter dir, what is wrong with it)
-    legacy: bool = False                                           # chosen one has no manifest (older megadare)
-    tracker_problem: str = ""                                      # the tracker file could not be used
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (iter dir, what is wrong with it)
+    legacy: bool = False  # chosen one has no manifest (older megadare)
+    tracker_problem: str = ""  # the tracker file could not be used
 
 
 def iteration_dirs(root: str) -> list[str]:
@@ -196,8 +204,9 @@ def _drop_extra_state(sd: dict) -> dict:
     return out
 
 
-def save_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str, meta: Optional[dict] = None,
-                    hf_files_from: Optional[str] = None) -> str:
+def save_checkpoint(
+    chunks: list[torch.nn.Module], ckpt_dir: str, meta: Optional[dict] = None, hf_files_from: Optional[str] = None
+) -> str:
     """Save this rank's model chunks (collective). Returns the final directory."""
     from megatron.core import dist_checkpointing
 
@@ -248,7 +257,8 @@ class _LazySavePlanner(DefaultSavePlanner):
         want = self.state_dict[key]
         if tuple(t.shape) != tuple(want.shape) or t.dtype != want.dtype:
             raise MegatronCheckpointError(
-                f"{key}: produced {tuple(t.shape)} {t.dtype}, planned {tuple(want.shape)} {want.dtype}")
+                f"{key}: produced {tuple(t.shape)} {t.dtype}, planned {tuple(want.shape)} {want.dtype}"
+            )
         return t.contiguous()
 
 
@@ -284,10 +294,15 @@ class _BoundedFileWriter(FileSystemWriter):
         return self._write_data(planner, q)
 
 
-def write_tensors(ckpt_dir: str, shapes: dict[str, tuple[list[int], torch.dtype]],
-                  produce: Callable[[str], torch.Tensor], meta: Optional[dict] = None,
-                  hf_files_from: Optional[str] = None, file_bytes: int = 256 << 20,
-                  before_publish: Optional[Callable[[str], None]] = None) -> str:
+def write_tensors(
+    ckpt_dir: str,
+    shapes: dict[str, tuple[list[int], torch.dtype]],
+    produce: Callable[[str], torch.Tensor],
+    meta: Optional[dict] = None,
+    hf_files_from: Optional[str] = None,
+    file_bytes: int = 256 << 20,
+    before_publish: Optional[Callable[[str], None]] = None,
+) -> str:
     """Write a torch_dist checkpoint from one process; at most ``file_bytes`` (or one tensor) in memory.
 
     shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it. The
@@ -298,8 +313,12 @@ def write_tensors(ckpt_dir: str, shapes: dict[str, tuple[list[int], torch.dtype]
     try:
         state = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
         try:
-            dcp.save(state, storage_writer=_BoundedFileWriter(tmp, file_bytes), planner=_LazySavePlanner(produce),
-                     no_dist=True)
+            dcp.save(
+                state,
+                storage_writer=_BoundedFileWriter(tmp, file_bytes),
+                planner=_LazySavePlanner(produce),
+                no_dist=True,
+            )
         except CheckpointException as e:  # DCP wraps per-rank errors; surface the real one
             for f in getattr(e, "failures", {}).values():
                 err = f[0] if isinstance(f, tuple) else f  # (exception, stack summary) in torch >= 2.1
@@ -329,8 +348,9 @@ def checkpoint_keys(ckpt_dir: str) -> dict[str, tuple[list[int], torch.dtype]]:
     return out
 
 
-def read_tensors(ckpt_dir: str, keys: Iterable[str],
-                 known: Optional[dict[str, tuple[list[int], torch.dtype]]] = None) -> dict[str, torch.Tensor]:
+def read_tensors(
+    ckpt_dir: str, keys: Iterable[str], known: Optional[dict[str, tuple[list[int], torch.dtype]]] = None
+) -> dict[str, torch.Tensor]:
     """Read the given keys (full global tensors) from a checkpoint; only those bytes are read."""
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     known = known or checkpoint_keys(ckpt_dir)

@@ -12,6 +12,7 @@ did not write, and its output never overlaps its source.
 The writers then assemble the output in a fresh sibling (``staging_dir``), put the mark in (``mark_export``) and
 rename it into place (``publish``); a previous export is removed only after the new one is in place.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,21 +85,27 @@ def check_export_target(out: str, kind: str, sources: Iterable[str]) -> None:
     for src in sorted(roots):
         if _within(target, src) or _within(src, target):
             how = "is" if target == src else ("lies inside" if _within(target, src) else "contains")
-            raise OutputError(f"--out {out} {how} the source {src}; an export must not overlap what it reads: "
-                              "choose a directory outside it")
+            raise OutputError(
+                f"--out {out} {how} the source {src}; an export must not overlap what it reads: "
+                "choose a directory outside it"
+            )
     root = checkpoint_root_of(target)
     if root:
         how = "is" if root == target else "lies inside"
-        raise OutputError(f"--out {out} {how} the checkpoint root {root}, which a training run prunes and "
-                          "replaces; choose a directory outside it")
+        raise OutputError(
+            f"--out {out} {how} the checkpoint root {root}, which a training run prunes and "
+            "replaces; choose a directory outside it"
+        )
     if os.path.lexists(target) and not os.path.isdir(target):
         raise OutputError(f"--out {out} is a file; choose a directory")
     if os.path.isdir(target) and os.listdir(target):
         found = export_kind(target)
         if found != kind:
             what = f"a {found} export" if found else "not an export megadare wrote (no " + EXPORT_MARK + ")"
-            raise OutputError(f"--out {out} is not empty and is {what}; megadare only replaces a previous {kind} "
-                              "export: choose a new directory, or empty this one yourself")
+            raise OutputError(
+                f"--out {out} is not empty and is {what}; megadare only replaces a previous {kind} "
+                "export: choose a new directory, or empty this one yourself"
+            )
 
 
 def staging_dir(out: str) -> str:

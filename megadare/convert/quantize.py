@@ -25,6 +25,7 @@ quantized (``fp8.linear_hf_names``); the LM head, embeddings, norms and routers 
 The output is assembled in a fresh sibling of ``out`` and renamed into place, so a crash never leaves a partial
 ``out``; ``out`` must be new, empty or a previous export of the same format, outside the source (convert.outputs).
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,11 +41,22 @@ import torch
 
 from megadare.convert.fp8 import BLOCK, fp8_block_quant_config, fp8_rollout_weights, linear_hf_names
 from megadare.convert.outputs import check_export_target, mark_export, publish, staging_dir
-from megadare.models.safetensors_io import (SafetensorsReader, ShardedSafetensorsWriter, copy_passthrough_files,
-                                           fresh_sibling)
+from megadare.models.safetensors_io import (
+    SafetensorsReader,
+    ShardedSafetensorsWriter,
+    copy_passthrough_files,
+    fresh_sibling,
+)
 
-__all__ = ["FORMATS", "MODELOPT_INSTALL", "DEFAULT_PROMPTS", "ModelOptMissing", "require_modelopt",
-           "quantize_export", "calibration_batches"]
+__all__ = [
+    "FORMATS",
+    "MODELOPT_INSTALL",
+    "DEFAULT_PROMPTS",
+    "ModelOptMissing",
+    "require_modelopt",
+    "quantize_export",
+    "calibration_batches",
+]
 
 FORMATS = ("fp8", "nvfp4", "fp8-block")
 MODELOPT_INSTALL = 'pip install nvidia-modelopt  (or the extra: pip install "megadare[quant]")'
@@ -73,15 +85,26 @@ def require_modelopt() -> tuple[str, Any, Any]:
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
     except ImportError as e:
-        raise ModelOptMissing(f"quantized export with fmt 'fp8' / 'nvfp4' needs NVIDIA ModelOpt, which is not "
-                              f"installed ({e}); install it with: {MODELOPT_INSTALL}. fmt='fp8-block' needs only "
-                              "torch.") from e
+        raise ModelOptMissing(
+            f"quantized export with fmt 'fp8' / 'nvfp4' needs NVIDIA ModelOpt, which is not "
+            f"installed ({e}); install it with: {MODELOPT_INSTALL}. fmt='fp8-block' needs only "
+            "torch."
+        ) from e
     return str(getattr(modelopt, "__version__", "?")), mtq, export_hf_checkpoint
 
 
-def quantize_export(src: str | os.PathLike, out: str | os.PathLike, fmt: str = "fp8", calib: Calib = None, *,
-                    gen_tokens: int = 32, max_len: int = 512, device: Optional[str] = None,
-                    block: Sequence[int] = BLOCK, progress: bool = True) -> str:
+def quantize_export(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    fmt: str = "fp8",
+    calib: Calib = None,
+    *,
+    gen_tokens: int = 32,
+    max_len: int = 512,
+    device: Optional[str] = None,
+    block: Sequence[int] = BLOCK,
+    progress: bool = True,
+) -> str:
     """Quantize the checkpoint ``src`` (HF dir or megadare Megatron checkpoint) into the HF checkpoint ``out``.
 
     ``calib``: prompts (strings, tokenized with the checkpoint's tokenizer) or token-id lists; None = the built-in
@@ -125,8 +148,10 @@ def _megatron_source(src: str) -> Optional[str]:
     try:
         return resolve_checkpoint_dir(src)
     except MegatronCheckpointError as e:
-        raise ValueError(f"{src}: neither an HF checkpoint directory (config.json + *.safetensors) nor a megadare "
-                         f"Megatron checkpoint ({e})") from e
+        raise ValueError(
+            f"{src}: neither an HF checkpoint directory (config.json + *.safetensors) nor a megadare "
+            f"Megatron checkpoint ({e})"
+        ) from e
 
 
 def _hf_dir(src: str, ckpt: Optional[str], out: str, progress: bool) -> tuple[str, Optional[str]]:
@@ -145,9 +170,11 @@ def _read_config(hf_dir: str) -> dict:
 
     cfg = read_hf_config(hf_dir)
     if cfg.get("quantization_config"):
-        raise ValueError(f"{hf_dir}/config.json already has a quantization_config "
-                         f"({cfg['quantization_config'].get('quant_method', '?')}); quantize the full-precision "
-                         "checkpoint instead")
+        raise ValueError(
+            f"{hf_dir}/config.json already has a quantization_config "
+            f"({cfg['quantization_config'].get('quant_method', '?')}); quantize the full-precision "
+            "checkpoint instead"
+        )
     return cfg
 
 
@@ -156,8 +183,10 @@ def _export_fp8_block(hf_dir: str, cfg: dict, staging: str, block: Sequence[int]
     with SafetensorsReader(hf_dir) as r, ShardedSafetensorsWriter(staging) as w:
         missing = sorted(linear - set(r.keys()))
         if missing:
-            raise ValueError(f"{hf_dir}: the checkpoint lacks linear weights of its family table, e.g. "
-                             f"{missing[:4]}; does config.json match the safetensors?")
+            raise ValueError(
+                f"{hf_dir}: the checkpoint lacks linear weights of its family table, e.g. "
+                f"{missing[:4]}; does config.json match the safetensors?"
+            )
         for name, t in fp8_rollout_weights(r.items(), linear, block):
             w.add(name, t)
         copy_passthrough_files(hf_dir, w.staging_dir)
@@ -166,8 +195,9 @@ def _export_fp8_block(hf_dir: str, cfg: dict, staging: str, block: Sequence[int]
 
 
 # ---------------------------------------------------------------------------------------------- calibration
-def calibration_batches(hf_dir: str, cfg: dict, calib: Calib = None, gen_tokens: int = 32,
-                        max_len: int = 512, seed: int = 0) -> list[torch.Tensor]:
+def calibration_batches(
+    hf_dir: str, cfg: dict, calib: Calib = None, gen_tokens: int = 32, max_len: int = 512, seed: int = 0
+) -> list[torch.Tensor]:
     """Token sequences [S] the calibration runs: per prompt, ``prompt + [mask] * gen_tokens`` and the prompt
     with half of its tokens replaced by the mask token (seeded)."""
     from megadare.models.family import family_of
@@ -190,8 +220,10 @@ def calibration_batches(hf_dir: str, cfg: dict, calib: Calib = None, gen_tokens:
         if not p:
             raise ValueError(f"calibration prompt {n} is empty")
         if bad:
-            raise ValueError(f"calibration prompt {n}: token ids {bad[:4]} are outside the vocabulary "
-                             f"0..{arch.vocab_size - 1} of the checkpoint")
+            raise ValueError(
+                f"calibration prompt {n}: token ids {bad[:4]} are outside the vocabulary "
+                f"0..{arch.vocab_size - 1} of the checkpoint"
+            )
         p = torch.tensor(p[: max(1, max_len - gen_tokens)])
         out.append(torch.cat([p, torch.full((gen_tokens,), arch.mask_token_id)]))
         noised = p.clone()
@@ -207,21 +239,34 @@ def _tokenizer(hf_dir: str, vocab_size: int, mask_token_id: int):
         return HFTokenizer(hf_dir, mask_token_id)
     if vocab_size <= ByteTokenizer.vocab_size:  # the byte-level tiny models of tests and demos
         return ByteTokenizer()
-    raise ValueError(f"{hf_dir}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}) to tokenize the calibration "
-                     "prompts; copy the tokenizer into the checkpoint, or pass token ids (calib=[[ids], ...])")
+    raise ValueError(
+        f"{hf_dir}: no tokenizer files ({', '.join(_TOKENIZER_FILES)}) to tokenize the calibration "
+        "prompts; copy the tokenizer into the checkpoint, or pass token ids (calib=[[ids], ...])"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- modelopt
-def _export_modelopt(modelopt: tuple, hf_dir: str, cfg: dict, staging: str, fmt: str, calib: Calib,
-                     gen_tokens: int, max_len: int, device: Optional[str]) -> None:
+def _export_modelopt(
+    modelopt: tuple,
+    hf_dir: str,
+    cfg: dict,
+    staging: str,
+    fmt: str,
+    calib: Calib,
+    gen_tokens: int,
+    max_len: int,
+    device: Optional[str],
+) -> None:
     from megadare.models import load_hf_model
 
     version, mtq, export_hf_checkpoint = modelopt
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if fmt == "nvfp4" and dev.type != "cuda":
-        raise RuntimeError(f"fmt='nvfp4' needs a CUDA GPU: ModelOpt's NVFP4 quantizer (dynamic block "
-                           f"quantization, modelopt {version}) runs only on CUDA; run on a GPU machine or use "
-                           "fmt='fp8'")
+        raise RuntimeError(
+            f"fmt='nvfp4' needs a CUDA GPU: ModelOpt's NVFP4 quantizer (dynamic block "
+            f"quantization, modelopt {version}) runs only on CUDA; run on a GPU machine or use "
+            "fmt='fp8'"
+        )
     with SafetensorsReader(hf_dir) as r:
         src_dtype = r.dtype(r.keys()[0])
     model = load_hf_model(hf_dir, dtype=torch.float32 if dev.type == "cpu" else src_dtype, device=dev)
@@ -240,8 +285,10 @@ def _export_modelopt(modelopt: tuple, hf_dir: str, cfg: dict, staging: str, fmt:
     export_hf_checkpoint(model, dtype=src_dtype, export_dir=staging, max_shard_size=2 << 30)
     with open(os.path.join(staging, "config.json")) as f:
         if "quantization_config" not in json.load(f):
-            raise RuntimeError(f"modelopt {version} exported {staging} without a quantization_config in "
-                               "config.json: nothing was quantized (check the calibration and the model)")
+            raise RuntimeError(
+                f"modelopt {version} exported {staging} without a quantization_config in "
+                "config.json: nothing was quantized (check the calibration and the model)"
+            )
 
 
 def _only_linears(base: dict, model: torch.nn.Module, linear: frozenset[str]) -> dict:
@@ -250,9 +297,9 @@ def _only_linears(base: dict, model: torch.nn.Module, linear: frozenset[str]) ->
     qcfg = copy.deepcopy(base)
     skip = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and f"{n}.weight" not in linear]
     for n in skip:
-        if isinstance(qcfg["quant_cfg"], list):      # modelopt >= 0.4x: ordered list of entries
+        if isinstance(qcfg["quant_cfg"], list):  # modelopt >= 0.4x: ordered list of entries
             qcfg["quant_cfg"].append({"quantizer_name": f"{n}.*", "enable": False})
-        else:                                         # older: {pattern: attributes}
+        else:  # older: {pattern: attributes}
             qcfg["quant_cfg"][f"{n}.*"] = {"enable": False}
     return qcfg
 
@@ -268,7 +315,7 @@ def _fill_uncalibrated_experts(model: torch.nn.Module) -> int:
             continue
         try:
             amax = q.amax
-        except AssertionError:                        # dynamic quantizers have no calibrated amax
+        except AssertionError:  # dynamic quantizers have no calibrated amax
             continue
         groups.setdefault(re.sub(r"(experts?\.)\d+\.", r"\1*.", name), []).append((name, q, amax))
     filled = 0
@@ -278,8 +325,10 @@ def _fill_uncalibrated_experts(model: torch.nn.Module) -> int:
         if not todo:
             continue
         if not seen:
-            raise RuntimeError(f"calibration never reached {todo[0][0]} (nor any module like {key}): its input "
-                               "scale is unknown; calibrate with more or longer prompts")
+            raise RuntimeError(
+                f"calibration never reached {todo[0][0]} (nor any module like {key}): its input "
+                "scale is unknown; calibrate with more or longer prompts"
+            )
         top = torch.stack(seen).max()
         for _, q in todo:
             q.amax = top.clone()
@@ -294,8 +343,9 @@ def _as_pretrained(model: torch.nn.Module, cfg: dict, hf_dir: str, dtype: torch.
     model.config = types.SimpleNamespace(**{**cfg, "torch_dtype": dtype})
     model.device = dev
 
-    def save_pretrained(export_dir: str, state_dict: Optional[dict] = None, max_shard_size: Any = 2 << 30,
-                        **_: Any) -> None:
+    def save_pretrained(
+        export_dir: str, state_dict: Optional[dict] = None, max_shard_size: Any = 2 << 30, **_: Any
+    ) -> None:
         state = model.state_dict() if state_dict is None else state_dict
         shard = max_shard_size if isinstance(max_shard_size, int) else 2 << 30
         with ShardedSafetensorsWriter(export_dir, max_shard_bytes=shard) as w:

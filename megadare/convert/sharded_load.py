@@ -5,6 +5,7 @@ and which slice of the global tensor it holds (TP offsets, SwiGLU halves, expert
 this PP/VPP stage). We produce each global tensor through the family's mapping table and copy that slice in:
 the same slicing megatron's checkpoint loader does, with HF safetensors as the source.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,8 +20,9 @@ def _local_slice(global_t: torch.Tensor, sh) -> torch.Tensor:
     if sh.prepend_axis_num:
         raise ValueError(f"{sh.key}: prepended axes are not expected with singleton_local_shards")
     if list(global_t.shape) != list(sh.global_shape):
-        raise ValueError(f"{sh.key}: source tensor has shape {tuple(global_t.shape)}, model expects "
-                         f"{tuple(sh.global_shape)}")
+        raise ValueError(
+            f"{sh.key}: source tensor has shape {tuple(global_t.shape)}, model expects {tuple(sh.global_shape)}"
+        )
     idx = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, sh.local_shape))
     return global_t[idx]
 

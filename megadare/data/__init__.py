@@ -1,5 +1,6 @@
 """Data: tokenizers, record files (with each record's file:row), SFT / RL prompt / preference records in megadare's
 and verl / DARE's schemas, and deterministic synthetic tasks."""
+
 from __future__ import annotations
 
 from megadare.data.sft_data import (

@@ -18,6 +18,7 @@ A prompt given as messages may end with an assistant message: a prefill (DARE's 
 ``[BEGIN]\\n``), rendered through the chat template as the start of the assistant's turn, so the response continues
 it. Errors are :class:`DataError` naming ``file:row``, the field and what was found.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,8 +26,19 @@ from typing import Any
 from megadare.data.files import DataError
 from megadare.data.tokenizer import Tokenizer
 
-__all__ = ["MISSING", "get_field", "check_messages", "render_prompt", "prompt_messages", "response_text",
-           "encode_text", "is_verl_row", "DARE_GOLD", "DARE_SFT_PROMPT", "DARE_SFT_RESPONSE"]
+__all__ = [
+    "MISSING",
+    "get_field",
+    "check_messages",
+    "render_prompt",
+    "prompt_messages",
+    "response_text",
+    "encode_text",
+    "is_verl_row",
+    "DARE_GOLD",
+    "DARE_SFT_PROMPT",
+    "DARE_SFT_RESPONSE",
+]
 
 MISSING: Any = object()
 DARE_GOLD = "reward_model.ground_truth"
@@ -63,7 +75,8 @@ def check_messages(msgs: Any, where: str, key: str, ends_with_response: bool = F
     last = msgs[-1]["role"]
     if last != "assistant":
         raise DataError(
-            f"{where}: field {key!r}: the last message must have role 'assistant' (the response), got {last!r}")
+            f"{where}: field {key!r}: the last message must have role 'assistant' (the response), got {last!r}"
+        )
     if len(msgs) < 2:
         raise DataError(f"{where}: field {key!r}: needs at least one message before the assistant response")
     return msgs
@@ -80,8 +93,9 @@ def prompt_messages(value: Any, where: str, key: str) -> list[dict]:
         if msgs[-1]["role"] == "assistant" and len(msgs) == 1:
             raise DataError(f"{where}: field {key!r}: a prompt needs a message before an assistant prefill")
         return msgs
-    raise DataError(f"{where}: field {key!r} must be a string or a list of {{role, content}} messages, got "
-                    f"{type(value).__name__}")
+    raise DataError(
+        f"{where}: field {key!r} must be a string or a list of {{role, content}} messages, got {type(value).__name__}"
+    )
 
 
 def response_text(value: Any, where: str, key: str) -> str:
@@ -89,8 +103,9 @@ def response_text(value: Any, where: str, key: str) -> str:
     if isinstance(value, list):
         msgs = check_messages(value, where, key)
         if len(msgs) != 1 or msgs[0]["role"] != "assistant":
-            raise DataError(f"{where}: field {key!r}: expected a string or one assistant message, got "
-                            f"{[m['role'] for m in msgs]}")
+            raise DataError(
+                f"{where}: field {key!r}: expected a string or one assistant message, got {[m['role'] for m in msgs]}"
+            )
         value = msgs[0]["content"]
     if not isinstance(value, str):
         raise DataError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")

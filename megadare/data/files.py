@@ -5,6 +5,7 @@
 ``load_many(paths)`` does that over a list of files (``data.path`` may be one file or a list: DARE's recipes mix
 math + gsm8k).
 """
+
 from __future__ import annotations
 
 import json

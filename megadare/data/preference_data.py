@@ -13,6 +13,7 @@ field.
     examples, stats = load_preference_examples(["ultrafeedback.parquet"], tok, max_len=1024)
     examples[0].prompt_ids, examples[0].chosen_ids, examples[0].rejected_ids, examples[0].where
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ class PreferenceExample:
     prompt_ids: list[int]
     chosen_ids: list[int]
     rejected_ids: list[int]
-    where: str = ""            # file:row of the record
+    where: str = ""  # file:row of the record
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
@@ -39,47 +40,70 @@ class PreferenceExample:
 
 def _response(rec: dict, tok: Tokenizer, where: str, key: str) -> list[int]:
     value = get_field(rec, key)
-    if isinstance(value, list) and not (len(value) == 1 and isinstance(value[0], dict)
-                                        and value[0].get("role") == "assistant"):
-        raise DataError(f"{where}: field {key!r} must be a string or a list of exactly one assistant message "
-                        "{role: assistant, content: <text>} (DARE's layout)")
+    if isinstance(value, list) and not (
+        len(value) == 1 and isinstance(value[0], dict) and value[0].get("role") == "assistant"
+    ):
+        raise DataError(
+            f"{where}: field {key!r} must be a string or a list of exactly one assistant message "
+            "{role: assistant, content: <text>} (DARE's layout)"
+        )
     return encode_text(tok, response_text(value, where, key), where, key) + [tok.eos_token_id]
 
 
-def record_to_preference(rec: dict, tok: Tokenizer, where: str, *, prompt_key: str = "prompt",
-                         chosen_key: str = "chosen", rejected_key: str = "rejected") -> PreferenceExample:
+def record_to_preference(
+    rec: dict,
+    tok: Tokenizer,
+    where: str,
+    *,
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+) -> PreferenceExample:
     """Tokenize one preference record; ``where`` prefixes every error."""
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
     missing = [k for k in (prompt_key, chosen_key, rejected_key) if get_field(rec, k) is MISSING]
     if missing:
-        raise DataError(f"{where}: missing field {' and '.join(repr(k) for k in missing)}; a preference record needs "
-                        f"{prompt_key!r}, {chosen_key!r} and {rejected_key!r} (dpo.chosen_key / dpo.rejected_key / "
-                        f"data.prompt_key name them); found keys {sorted(rec)}")
+        raise DataError(
+            f"{where}: missing field {' and '.join(repr(k) for k in missing)}; a preference record needs "
+            f"{prompt_key!r}, {chosen_key!r} and {rejected_key!r} (dpo.chosen_key / dpo.rejected_key / "
+            f"data.prompt_key name them); found keys {sorted(rec)}"
+        )
     msgs = prompt_messages(get_field(rec, prompt_key), where, prompt_key)
     if msgs[-1]["role"] == "assistant":
-        raise DataError(f"{where}: field {prompt_key!r}: a prompt must end before the assistant's turn (the chosen / "
-                        "rejected responses are that turn); drop the last message")
+        raise DataError(
+            f"{where}: field {prompt_key!r}: a prompt must end before the assistant's turn (the chosen / "
+            "rejected responses are that turn); drop the last message"
+        )
     prompt_ids, _ = render_prompt(tok, msgs, where, prompt_key)
-    return PreferenceExample(prompt_ids, _response(rec, tok, where, chosen_key),
-                             _response(rec, tok, where, rejected_key), where)
+    return PreferenceExample(
+        prompt_ids, _response(rec, tok, where, chosen_key), _response(rec, tok, where, rejected_key), where
+    )
 
 
 def _fit(ex: PreferenceExample, max_len: int, overlong: str, where: str) -> Optional[PreferenceExample]:
     if len(ex) <= max_len:
         return ex
     if overlong == "error":
-        raise DataError(f"{where}: prompt {len(ex.prompt_ids)} + longest response "
-                        f"{max(len(ex.chosen_ids), len(ex.rejected_ids))} tokens, longer than max_len={max_len}")
+        raise DataError(
+            f"{where}: prompt {len(ex.prompt_ids)} + longest response "
+            f"{max(len(ex.chosen_ids), len(ex.rejected_ids))} tokens, longer than max_len={max_len}"
+        )
     keep = max_len - len(ex.prompt_ids)
     if overlong == "drop" or keep < 1:
         return None
     return PreferenceExample(ex.prompt_ids, ex.chosen_ids[:keep], ex.rejected_ids[:keep], ex.where)
 
 
-def build_preference_examples(records: Iterable[dict], tok: Tokenizer, max_len: int, overlong: str = "truncate",
-                              source: str = "<records>", sources: Optional[Sequence[str]] = None,
-                              **keys: str) -> tuple[list[PreferenceExample], dict]:
+def build_preference_examples(
+    records: Iterable[dict],
+    tok: Tokenizer,
+    max_len: int,
+    overlong: str = "truncate",
+    source: str = "<records>",
+    sources: Optional[Sequence[str]] = None,
+    **keys: str,
+) -> tuple[list[PreferenceExample], dict]:
     """Tokenized pairs fitted into ``max_len`` (prompt + the longer response): 'truncate' cuts both responses
     (dropping pairs whose prompt fills max_len), 'drop' drops the pair, 'error' raises. Pairs whose chosen and
     rejected responses are identical are refused (no preference). Errors name ``sources[i]`` (else ``source:N``).
@@ -102,10 +126,12 @@ def build_preference_examples(records: Iterable[dict], tok: Tokenizer, max_len: 
     return examples, stats
 
 
-def load_preference_examples(paths: Union[str, Sequence[str]], tok: Tokenizer, max_len: int,
-                             overlong: str = "truncate", **keys: str) -> tuple[list[PreferenceExample], dict]:
+def load_preference_examples(
+    paths: Union[str, Sequence[str]], tok: Tokenizer, max_len: int, overlong: str = "truncate", **keys: str
+) -> tuple[list[PreferenceExample], dict]:
     """:func:`build_preference_examples` over one file or a list of files (.jsonl / .parquet), errors naming
     ``file:row``."""
     located = load_many(paths)
-    return build_preference_examples([r for _, r in located], tok, max_len, overlong,
-                                     sources=[w for w, _ in located], **keys)
+    return build_preference_examples(
+        [r for _, r in located], tok, max_len, overlong, sources=[w for w, _ in located], **keys
+    )

@@ -14,6 +14,7 @@ record keeps its source (``file:row``) for errors.
 The generated tasks of ``data.synthetic`` produce a train and a held-out split from one place, so SFT, RL
 and evaluation agree on what is held out.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,17 +33,18 @@ __all__ = ["PromptRecord", "build_prompts", "synthetic_split", "load_rl_prompts"
 @dataclass
 class PromptRecord:
     prompt_ids: list[int]
-    record: dict[str, Any]     # the source record with its gold under "answer", handed to the reward function
-    where: str = ""            # file:row (or source:N) of the record
-    prefill: str = ""          # an assistant prefill ending the prompt: the response continues it
+    record: dict[str, Any]  # the source record with its gold under "answer", handed to the reward function
+    where: str = ""  # file:row (or source:N) of the record
+    prefill: str = ""  # an assistant prefill ending the prompt: the response continues it
 
     def reward_text(self, response: str) -> str:
         """What the reward scores: the prefill and the model's continuation."""
         return self.prefill + response
 
 
-def rl_keys(rec: dict, prompt_key: str = "prompt", answer_key: str = "answer",
-            messages_key: str = "messages") -> tuple[Optional[str], Optional[str]]:
+def rl_keys(
+    rec: dict, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages"
+) -> tuple[Optional[str], Optional[str]]:
     """(prompt field, gold field) of an RL record: ``prompt_ids`` / ``messages_key`` / ``prompt_key``, and
     ``answer_key``, else verl's ``reward_model.ground_truth`` when ``answer_key`` is the default; None if absent."""
     prompt = next((k for k in ("prompt_ids", messages_key, prompt_key) if get_field(rec, k) is not MISSING), None)
@@ -65,11 +67,19 @@ def _gold_missing(rec: dict, key: Optional[str]) -> bool:
     return gold is None or (isinstance(gold, str) and not gold.strip())
 
 
-def build_prompts(records: list[dict], tok: Tokenizer, source: str, prompt_key: str = "prompt",
-                  answer_key: str = "answer", messages_key: str = "messages",
-                  max_prompt_length: Optional[int] = None, sources: Optional[Sequence[str]] = None,
-                  skipped: Optional[list] = None, overlong: str = "error",
-                  overlong_rows: Optional[list] = None) -> list[PromptRecord]:
+def build_prompts(
+    records: list[dict],
+    tok: Tokenizer,
+    source: str,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    messages_key: str = "messages",
+    max_prompt_length: Optional[int] = None,
+    sources: Optional[Sequence[str]] = None,
+    skipped: Optional[list] = None,
+    overlong: str = "error",
+    overlong_rows: Optional[list] = None,
+) -> list[PromptRecord]:
     """Tokenized prompts; errors name the record's ``sources[i]`` (else ``source:N``) and the field. With a
     ``skipped`` list, records without a gold answer (absent, null or empty) are left out and their sources put
     there instead of raising. A prompt longer than ``max_prompt_length`` raises (``overlong='error'``), is left out
@@ -85,20 +95,26 @@ def build_prompts(records: list[dict], tok: Tokenizer, source: str, prompt_key: 
             skipped.append(where)
             continue
         if gkey is None:
-            raise DataError(f"{where}: missing field {answer_key!r} (the reference answer the reward checks; set "
-                            f"rl.answer_key if the file calls it differently, dotted for nested fields); found "
-                            f"keys {sorted(rec)}")
+            raise DataError(
+                f"{where}: missing field {answer_key!r} (the reference answer the reward checks; set "
+                f"rl.answer_key if the file calls it differently, dotted for nested fields); found "
+                f"keys {sorted(rec)}"
+            )
         if pkey is None:
-            raise DataError(f"{where}: no prompt: expected {prompt_key!r}, {messages_key!r} or 'prompt_ids'; found "
-                            f"keys {sorted(rec)}")
+            raise DataError(
+                f"{where}: no prompt: expected {prompt_key!r}, {messages_key!r} or 'prompt_ids'; found "
+                f"keys {sorted(rec)}"
+            )
         ids, prefill = _prompt_ids(rec, pkey, tok, where)
         if not ids:
             raise DataError(f"{where}: the prompt is empty")
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             if overlong == "error":
-                raise DataError(f"{where}: prompt has {len(ids)} tokens, more than {max_prompt_length} (data.max_length "
-                                "minus rollout.max_new_tokens); shorten it, raise data.max_length, or set "
-                                "data.overlong=truncate (keep its end) or drop")
+                raise DataError(
+                    f"{where}: prompt has {len(ids)} tokens, more than {max_prompt_length} (data.max_length "
+                    "minus rollout.max_new_tokens); shorten it, raise data.max_length, or set "
+                    "data.overlong=truncate (keep its end) or drop"
+                )
             if overlong_rows is not None:
                 overlong_rows.append(f"{where} ({len(ids)} tokens)")
             if overlong == "drop":
@@ -106,21 +122,25 @@ def build_prompts(records: list[dict], tok: Tokenizer, source: str, prompt_key: 
             ids = ids[-max_prompt_length:]
         gold = get_field(rec, gkey)
         if _gold_missing(rec, gkey):
-            raise DataError(f"{where}: field {gkey!r} (the reference answer) is {'null' if gold is None else 'empty'}; "
-                            "drop the row, or set rl.skip_rows_without_answer=true to leave such rows out")
+            raise DataError(
+                f"{where}: field {gkey!r} (the reference answer) is {'null' if gold is None else 'empty'}; "
+                "drop the row, or set rl.skip_rows_without_answer=true to leave such rows out"
+            )
         out.append(PromptRecord(ids, dict(rec, answer=gold), where, prefill))
     return out
 
 
-def synthetic_split(name: str, size: int, eval_size: int, seed: int, correct_fraction: float = 1.0
-                    ) -> tuple[list[dict], list[dict]]:
+def synthetic_split(
+    name: str, size: int, eval_size: int, seed: int, correct_fraction: float = 1.0
+) -> tuple[list[dict], list[dict]]:
     """(train records, held-out records) of a generated task; held-out records are always correct."""
     from megadare.data.synthetic import addition_task, reverse_task
 
     if name == "reverse":
         held = reverse_task(eval_size, seed=seed + 1)
-        train = reverse_task(size, seed=seed, correct_fraction=correct_fraction,
-                             exclude={r["prompt"][:-1] for r in held})
+        train = reverse_task(
+            size, seed=seed, correct_fraction=correct_fraction, exclude={r["prompt"][:-1] for r in held}
+        )
         return train, held
     if name == "addition":
         held = addition_task(eval_size, seed=seed + 1)
@@ -135,17 +155,22 @@ def _located(data_cfg, rl_cfg, seed: int) -> tuple[list[tuple[str, dict]], list[
     if data_cfg.synthetic:
         train, held = synthetic_split(data_cfg.synthetic, data_cfg.synthetic_size, rl_cfg.eval_size, seed)
         name = f"synthetic:{data_cfg.synthetic}"
-        return ([(f"{name}:{i + 1}", r) for i, r in enumerate(train)],
-                [(f"{name} (held-out):{i + 1}", r) for i, r in enumerate(held)])
+        return (
+            [(f"{name}:{i + 1}", r) for i, r in enumerate(train)],
+            [(f"{name} (held-out):{i + 1}", r) for i, r in enumerate(held)],
+        )
     if not data_cfg.path:
-        raise DataError("no prompts: set data.path (.jsonl / .parquet with prompt + answer fields, or a list of "
-                        "files) or data.synthetic")
+        raise DataError(
+            "no prompts: set data.path (.jsonl / .parquet with prompt + answer fields, or a list of "
+            "files) or data.synthetic"
+        )
     held = load_many(data_cfg.eval_path, "data.eval_path")[: rl_cfg.eval_size] if data_cfg.eval_path else []
     return load_many(data_cfg.path, "data.path"), held
 
 
-def load_rl_prompts(data_cfg, rl_cfg, seed: int, tok: Tokenizer, max_prompt_length: Optional[int] = None
-                    ) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def load_rl_prompts(
+    data_cfg, rl_cfg, seed: int, tok: Tokenizer, max_prompt_length: Optional[int] = None
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(train prompts, held-out prompts) from data.path / data.eval_path (a file or a list of files) or a synthetic
     task, with the keys data.prompt_key / data.messages_key / rl.answer_key. Prompts longer than
     ``max_prompt_length`` (data.max_length minus rollout.max_new_tokens) follow data.overlong, naming file and row."""
@@ -153,13 +178,28 @@ def load_rl_prompts(data_cfg, rl_cfg, seed: int, tok: Tokenizer, max_prompt_leng
     for pairs in _located(data_cfg, rl_cfg, seed):
         skipped: Optional[list] = [] if rl_cfg.skip_rows_without_answer else None
         overlong: list = []
-        out.append(build_prompts([r for _, r in pairs], tok, "", data_cfg.prompt_key, rl_cfg.answer_key,
-                                 data_cfg.messages_key, max_prompt_length, sources=[w for w, _ in pairs],
-                                 skipped=skipped, overlong=data_cfg.overlong, overlong_rows=overlong))
+        out.append(
+            build_prompts(
+                [r for _, r in pairs],
+                tok,
+                "",
+                data_cfg.prompt_key,
+                rl_cfg.answer_key,
+                data_cfg.messages_key,
+                max_prompt_length,
+                sources=[w for w, _ in pairs],
+                skipped=skipped,
+                overlong=data_cfg.overlong,
+                overlong_rows=overlong,
+            )
+        )
         _report(skipped, "left out {n} rows without a gold answer (rl.skip_rows_without_answer)")
         verb = "left out" if data_cfg.overlong == "drop" else "kept the last tokens of"
-        _report(overlong, f"{verb} {{n}} prompts longer than {max_prompt_length} tokens (data.max_length minus "
-                          f"rollout.max_new_tokens; data.overlong={data_cfg.overlong})")
+        _report(
+            overlong,
+            f"{verb} {{n}} prompts longer than {max_prompt_length} tokens (data.max_length minus "
+            f"rollout.max_new_tokens; data.overlong={data_cfg.overlong})",
+        )
     return out[0], out[1]
 
 

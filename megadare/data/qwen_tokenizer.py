@@ -19,6 +19,7 @@ ranks as ``dashscope/resources/qwen.tiktoken`` (base64 bytes and rank per line).
 ``cached_qwen_tokenizer(family)`` builds once into ``~/.cache/megadare/tokenizers`` (a few seconds) and returns
 the directory; ``megadare data tokenizer OUT --family sdar`` writes one where a user wants it.
 """
+
 from __future__ import annotations
 
 import base64
@@ -34,23 +35,58 @@ from typing import Optional
 
 from megadare.data.files import DataError
 
-__all__ = ["FAMILIES", "QWEN_PATTERN", "QWEN_RANKS", "qwen_ranks_path", "qwen_ranks", "qwen_merges",
-           "write_qwen_tokenizer", "cached_qwen_tokenizer"]
+__all__ = [
+    "FAMILIES",
+    "QWEN_PATTERN",
+    "QWEN_RANKS",
+    "qwen_ranks_path",
+    "qwen_ranks",
+    "qwen_merges",
+    "write_qwen_tokenizer",
+    "cached_qwen_tokenizer",
+]
 
 QWEN_RANKS = 151643
 # Qwen's pre-tokeniser (dashscope/tokenizers/qwen_tokenizer.py PAT_STR; Qwen2's tokenizer.json Split): digits one by
 # one, unlike cl100k's \p{N}{1,3}
-QWEN_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
-                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
-BUILD_VERSION = 1   # part of the cache key: bump when the files written change
+QWEN_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+BUILD_VERSION = 1  # part of the cache key: bump when the files written change
 
 # (content, special) from 151643 on, as the publishers' tokenizer_config.json added_tokens_decoder has them
-_QWEN2_ADDED = [(t, True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-                                    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
-                                    "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-                                    "<|image_pad|>", "<|video_pad|>")] + \
-               [(t, False) for t in ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-                                     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")]
+_QWEN2_ADDED = [
+    (t, True)
+    for t in (
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    )
+] + [
+    (t, False)
+    for t in (
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    )
+]
 _QWEN2_SPECIAL = [t for t, special in _QWEN2_ADDED if special and t != "<|endoftext|>"]
 
 # family -> its checkpoints' tokenizer files (SDAR-1dot7B/4B/8B-Chat; Dream-v0-Instruct-7B). SDAR's mask token is
@@ -59,27 +95,49 @@ _QWEN2_SPECIAL = [t for t, special in _QWEN2_ADDED if special and t != "<|endoft
 # DreamTokenizer (remote code, Qwen2Tokenizer copied) reads vocab.json + merges.txt, and so does the layout here.
 FAMILIES: dict[str, dict] = {
     "sdar": {
-        "added": _QWEN2_ADDED + [(t, False) for t in ("<tool_response>", "</tool_response>", "<think>", "</think>",
-                                                      "<|MASK|>")],
-        "config": {"add_bos_token": False, "add_prefix_space": False,
-                   "additional_special_tokens": _QWEN2_SPECIAL + ["<|MASK|>"],
-                   "auto_map": {"AutoTokenizer": ["tokenization_qwen2.Qwen2Tokenizer", None]},
-                   "bos_token": None, "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>",
-                   "mask_token": "<|MASK|>", "errors": "replace", "model_max_length": 131072,
-                   "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "Qwen2Tokenizer",
-                   "unk_token": None},
-        "template": "sdar.jinja", "template_file": True, "tokenizer_json": True,
+        "added": _QWEN2_ADDED
+        + [(t, False) for t in ("<tool_response>", "</tool_response>", "<think>", "</think>", "<|MASK|>")],
+        "config": {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "additional_special_tokens": _QWEN2_SPECIAL + ["<|MASK|>"],
+            "auto_map": {"AutoTokenizer": ["tokenization_qwen2.Qwen2Tokenizer", None]},
+            "bos_token": None,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|endoftext|>",
+            "mask_token": "<|MASK|>",
+            "errors": "replace",
+            "model_max_length": 131072,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        },
+        "template": "sdar.jinja",
+        "template_file": True,
+        "tokenizer_json": True,
     },
     "dream": {
         "added": _QWEN2_ADDED + [("<|beginoftext|>", True), ("<|mask|>", True)],
-        "config": {"add_bos_token": False, "add_prefix_space": False,
-                   "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
-                   "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
-                   "bos_token": "<|beginoftext|>", "clean_up_tokenization_spaces": False,
-                   "eos_token": "<|endoftext|>", "errors": "replace", "mask_token": "<|mask|>",
-                   "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-                   "tokenizer_class": "DreamTokenizer", "unk_token": None},
-        "template": "dream.jinja", "template_file": False, "tokenizer_json": False,
+        "config": {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
+            "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+            "bos_token": "<|beginoftext|>",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|endoftext|>",
+            "errors": "replace",
+            "mask_token": "<|mask|>",
+            "model_max_length": 131072,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "DreamTokenizer",
+            "unk_token": None,
+        },
+        "template": "dream.jinja",
+        "template_file": False,
+        "tokenizer_json": False,
     },
 }
 
@@ -88,12 +146,16 @@ def qwen_ranks_path() -> str:
     """Where the installed ``dashscope`` package keeps ``qwen.tiktoken`` (found without importing dashscope)."""
     spec = importlib.util.find_spec("dashscope")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the Qwen vocabulary comes from the dashscope wheel (dashscope/resources/qwen.tiktoken): "
-                        "pip install dashscope (it is in megadare's dev extra: pip install -e '.[dev]')")
+        raise DataError(
+            "the Qwen vocabulary comes from the dashscope wheel (dashscope/resources/qwen.tiktoken): "
+            "pip install dashscope (it is in megadare's dev extra: pip install -e '.[dev]')"
+        )
     path = os.path.join(list(spec.submodule_search_locations)[0], "resources", "qwen.tiktoken")
     if not os.path.isfile(path):
-        raise DataError(f"{path}: missing; this dashscope version does not ship the Qwen ranks (dashscope 1.x and "
-                        "2.x do: pip install -U dashscope)")
+        raise DataError(
+            f"{path}: missing; this dashscope version does not ship the Qwen ranks (dashscope 1.x and "
+            "2.x do: pip install -U dashscope)"
+        )
     return path
 
 
@@ -117,13 +179,13 @@ def qwen_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) == 1:
             continue
-        parts = [token[i:i + 1] for i in range(len(token))]
+        parts = [token[i : i + 1] for i in range(len(token))]
         while len(parts) > 2:
             best = min(((ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)))
             if best[0] >= rank:
                 break
             i = best[1]
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) != 2:
             raise DataError(f"qwen.tiktoken: token {token!r} (rank {rank}) is not a merge of two lower ranks")
         merges.append((parts[0], parts[1]))
@@ -150,12 +212,26 @@ def _backend(vocab: dict[str, int], merges: list[tuple[str, str]], added: list[t
     """tokenizer.json: Qwen2's BPE, NFC normaliser, regex split + byte-level pre-tokeniser, byte-level decoder."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False, ignore_merges=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     for n, (content, special) in enumerate(added):
@@ -171,15 +247,28 @@ def _config_files(family: str) -> dict[str, object]:
     spec = FAMILIES[family]
     template = (resources.files("megadare.data") / "chat_templates" / spec["template"]).read_text(encoding="utf-8")
     added = spec["added"]
-    decoder = {str(QWEN_RANKS + n): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                     "single_word": False, "special": special} for n, (t, special) in enumerate(added)}
+    decoder = {
+        str(QWEN_RANKS + n): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
+        for n, (t, special) in enumerate(added)
+    }
     cfg = dict(spec["config"], added_tokens_decoder=decoder, chat_template=template)
     token = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
-    special_map = {"additional_special_tokens": cfg["additional_special_tokens"],
-                   **{k: dict(token, content=cfg[k]) for k in ("bos_token", "eos_token", "mask_token", "pad_token")
-                      if cfg.get(k)}}
-    files: dict[str, object] = {"tokenizer_config.json": cfg, "special_tokens_map.json": special_map,
-                                "added_tokens.json": {t: QWEN_RANKS + n for n, (t, _) in enumerate(added)}}
+    special_map = {
+        "additional_special_tokens": cfg["additional_special_tokens"],
+        **{k: dict(token, content=cfg[k]) for k in ("bos_token", "eos_token", "mask_token", "pad_token") if cfg.get(k)},
+    }
+    files: dict[str, object] = {
+        "tokenizer_config.json": cfg,
+        "special_tokens_map.json": special_map,
+        "added_tokens.json": {t: QWEN_RANKS + n for n, (t, _) in enumerate(added)},
+    }
     if spec["template_file"]:
         files["chat_template.jinja"] = template
     return files
@@ -232,7 +321,7 @@ def cached_qwen_tokenizer(family: str = "sdar", cache_dir: Optional[str] = None)
         write_qwen_tokenizer(tmp, family, path)
         os.rename(tmp, target)
     except OSError:
-        if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):   # not another process's build
+        if not os.path.isfile(os.path.join(target, "tokenizer_config.json")):  # not another process's build
             raise
     finally:
         if os.path.isdir(tmp):

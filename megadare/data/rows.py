@@ -21,6 +21,7 @@ What every RL algorithm's rows and micro-batches carry is a named field (``ROW_C
 advantages, ...; ``PASSES``: the trainer's old / reference / behaviour log-probs); ``extras`` holds only what one
 algorithm (or one test) adds of its own. Both are per-position tensors, carried through packing and splits alike.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,29 +31,29 @@ import torch
 
 from megadare.models.attention import MaskSpec
 
-ROW_COLUMNS = ("slot", "head", "adv", "tok", "sample")   # RL rows (algos/base.py views_to_row)
-PASSES = ("old", "ref", "behave", "is_weight")           # the trainer's passes over packed micro-batches
-MB_COLUMNS = ("row_ids",) + ROW_COLUMNS + PASSES         # every per-position field of a micro-batch
+ROW_COLUMNS = ("slot", "head", "adv", "tok", "sample")  # RL rows (algos/base.py views_to_row)
+PASSES = ("old", "ref", "behave", "is_weight")  # the trainer's passes over packed micro-batches
+MB_COLUMNS = ("row_ids",) + ROW_COLUMNS + PASSES  # every per-position field of a micro-batch
 
 
 @dataclass
 class Row:
-    tokens: torch.Tensor                     # [n] long, model input
-    labels: torch.Tensor                     # [n] long, target token at each position
-    weight: torch.Tensor                     # [n] float, loss weight (0 = not scored)
-    position_ids: torch.Tensor               # [n] long, position inside the sample (global prompt+response grid)
+    tokens: torch.Tensor  # [n] long, model input
+    labels: torch.Tensor  # [n] long, target token at each position
+    weight: torch.Tensor  # [n] float, loss weight (0 = not scored)
+    position_ids: torch.Tensor  # [n] long, position inside the sample (global prompt+response grid)
     stream_ids: Optional[torch.Tensor] = None  # [n] long, block diffusion: 0 = x_t, 1 = x_0
-    denom: float = 0.0                       # share of the global loss denominator
+    denom: float = 0.0  # share of the global loss denominator
     segment_ids: Optional[torch.Tensor] = None  # [n] long, 0.. : several views of one sample kept in one row
-                                                # (attention never crosses them); None = one segment
+    # (attention never crosses them); None = one segment
     # RL rows (algos/base.py views_to_row; None in SFT rows), each [n]:
-    slot: Optional[torch.Tensor] = None      # long, the estimator slot a scored position adds into (-1: none)
-    head: Optional[torch.Tensor] = None      # float, the slot's aggregation weight, on its first position
-    adv: Optional[torch.Tensor] = None       # float, advantage
-    tok: Optional[torch.Tensor] = None       # long, which response token the position's target is (-1: prompt)
-    sample: Optional[torch.Tensor] = None    # long, the RLSample's index
+    slot: Optional[torch.Tensor] = None  # long, the estimator slot a scored position adds into (-1: none)
+    head: Optional[torch.Tensor] = None  # float, the slot's aggregation weight, on its first position
+    adv: Optional[torch.Tensor] = None  # float, advantage
+    tok: Optional[torch.Tensor] = None  # long, which response token the position's target is (-1: prompt)
+    sample: Optional[torch.Tensor] = None  # long, the RLSample's index
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # one algorithm's own per-position [n] tensors
-                                                # (JustGRPO's logit_scale, ``per_slot_<name>``), carried through packing
+    # (JustGRPO's logit_scale, ``per_slot_<name>``), carried through packing
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -74,16 +75,16 @@ class Row:
 
 @dataclass
 class MicroBatch:
-    tokens: torch.Tensor        # [b, S]
-    labels: torch.Tensor        # [b, S]
-    weight: torch.Tensor        # [b, S] float
+    tokens: torch.Tensor  # [b, S]
+    labels: torch.Tensor  # [b, S]
+    weight: torch.Tensor  # [b, S] float
     position_ids: torch.Tensor  # [b, S]
-    segment_ids: torch.Tensor   # [b, S]; padding has its own segment
+    segment_ids: torch.Tensor  # [b, S]; padding has its own segment
     stream_ids: Optional[torch.Tensor] = None
     padding: Optional[torch.Tensor] = None  # [b, S] bool, True = packing padding (kept out of MoE routing stats)
     denom: float = 0.0
     num_rows: int = 0
-    row_ids: Optional[torch.Tensor] = None   # [b, S] long, the input row of every position (-1: padding)
+    row_ids: Optional[torch.Tensor] = None  # [b, S] long, the input row of every position (-1: padding)
     # ROW_COLUMNS, packed ([b, S]; None when the rows have none):
     slot: Optional[torch.Tensor] = None
     head: Optional[torch.Tensor] = None
@@ -91,14 +92,14 @@ class MicroBatch:
     tok: Optional[torch.Tensor] = None
     sample: Optional[torch.Tensor] = None
     # PASSES ([b, S] per-position log-probs / weights; set on the last pipeline stage by the trainer's passes):
-    old: Optional[torch.Tensor] = None        # under the policy before the update (the proximal policy)
-    ref: Optional[torch.Tensor] = None        # under the reference model
-    behave: Optional[torch.Tensor] = None     # under each sample's behaviour policy (trainer/rl_correction.py)
+    old: Optional[torch.Tensor] = None  # under the policy before the update (the proximal policy)
+    ref: Optional[torch.Tensor] = None  # under the reference model
+    behave: Optional[torch.Tensor] = None  # under each sample's behaviour policy (trainer/rl_correction.py)
     is_weight: Optional[torch.Tensor] = None  # the slot's behaviour -> proximal IS weight (decoupled loss)
     version_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # policy version -> log-probs under it
-    extras: dict = field(default_factory=dict)   # one algorithm's own per-position tensors (as Row.extras)
-    context: Optional[dict] = None   # context parallelism: this is one CP rank's slice; the whole sequence's
-                                     # 'slot' and 'row_ids', the CP 'group' and its 'size' (trainer/step.py)
+    extras: dict = field(default_factory=dict)  # one algorithm's own per-position tensors (as Row.extras)
+    context: Optional[dict] = None  # context parallelism: this is one CP rank's slice; the whole sequence's
+    # 'slot' and 'row_ids', the CP 'group' and its 'size' (trainer/step.py)
 
     def put(self, key: str, value: torch.Tensor) -> None:
         """Store a pass's per-position outputs: in its field when ``key`` is one of ``PASSES``, else in extras."""
@@ -109,9 +110,13 @@ class MicroBatch:
 
     def mask(self, kind: str, block_size: int) -> MaskSpec:
         """The attention mask of this micro-batch (packing-aware)."""
-        return MaskSpec(kind, block_size=max(1, block_size), segment_ids=self.segment_ids,
-                        position_ids=self.position_ids,
-                        stream_ids=self.stream_ids if kind == "block_diffusion" else None)
+        return MaskSpec(
+            kind,
+            block_size=max(1, block_size),
+            segment_ids=self.segment_ids,
+            position_ids=self.position_ids,
+            stream_ids=self.stream_ids if kind == "block_diffusion" else None,
+        )
 
     def megatron_mask(self, kind: str, block_size: int) -> torch.Tensor:
         """The same mask materialised in Megatron's convention ([b, 1, S, S] bool, True = masked out), for
@@ -173,8 +178,10 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int, origins: list[int
         "segment_ids": seg,
         "padding": torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(pad, dtype=torch.bool)]),
         # which input row each position came from (-1 = padding): per-row quantities survive packing and splits
-        "row_ids": torch.cat([torch.full((len(r),), o, dtype=torch.long) for o, r in zip(origins, rows)]
-                             + [torch.full((pad,), -1, dtype=torch.long)]),
+        "row_ids": torch.cat(
+            [torch.full((len(r),), o, dtype=torch.long) for o, r in zip(origins, rows)]
+            + [torch.full((pad,), -1, dtype=torch.long)]
+        ),
     }
     columns = [_columns(r) for r in rows]
     for key in sorted({k for c in columns for k in c}):
@@ -188,7 +195,8 @@ def _concat_bin(rows: list[Row], seq_length: int, pad_id: int, origins: list[int
     if streams:
         out["stream_ids"] = torch.cat(
             [r.stream_ids if r.stream_ids is not None else torch.zeros(len(r), dtype=torch.long) for r in rows]
-            + [torch.zeros(pad, dtype=torch.long)])
+            + [torch.zeros(pad, dtype=torch.long)]
+        )
     return out
 
 
@@ -200,8 +208,10 @@ def split_at_segments(row: Row, seq_length: int, where: str = "row") -> list[Row
     pieces, lo = [], 0
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b - a > seq_length:
-            raise ValueError(f"{where} has a view of {b - a} tokens, more than train.seq_length={seq_length}; "
-                             "raise train.seq_length or lower data.max_length / rollout.max_new_tokens")
+            raise ValueError(
+                f"{where} has a view of {b - a} tokens, more than train.seq_length={seq_length}; "
+                "raise train.seq_length or lower data.max_length / rollout.max_new_tokens"
+            )
         if b - lo > seq_length:
             pieces.append((lo, a))
             lo = a
@@ -209,23 +219,34 @@ def split_at_segments(row: Row, seq_length: int, where: str = "row") -> list[Row
     out = []
     for i, (a, b) in enumerate(pieces):
         sl = slice(a, b)
-        out.append(Row(tokens=row.tokens[sl], labels=row.labels[sl], weight=row.weight[sl],
-                       position_ids=row.position_ids[sl],
-                       stream_ids=None if row.stream_ids is None else row.stream_ids[sl],
-                       denom=row.denom if i == 0 else 0.0, segment_ids=seg[sl] - seg[a],
-                       extras={k: v[sl] for k, v in row.extras.items()},
-                       **{k: None if getattr(row, k) is None else getattr(row, k)[sl] for k in ROW_COLUMNS}))
+        out.append(
+            Row(
+                tokens=row.tokens[sl],
+                labels=row.labels[sl],
+                weight=row.weight[sl],
+                position_ids=row.position_ids[sl],
+                stream_ids=None if row.stream_ids is None else row.stream_ids[sl],
+                denom=row.denom if i == 0 else 0.0,
+                segment_ids=seg[sl] - seg[a],
+                extras={k: v[sl] for k, v in row.extras.items()},
+                **{k: None if getattr(row, k) is None else getattr(row, k)[sl] for k in ROW_COLUMNS},
+            )
+        )
     return out
 
 
-def _micro_batch(group: list[tuple[dict, float, int]], seq_length: int, pad_id: int,
-                 micro_batch_size: int) -> MicroBatch:
+def _micro_batch(
+    group: list[tuple[dict, float, int]], seq_length: int, pad_id: int, micro_batch_size: int
+) -> MicroBatch:
     """Stack packed sequences (filled up with padding sequences) into one micro-batch."""
     group = list(group)
     while len(group) < micro_batch_size:
         group.append((_concat_bin([], seq_length, pad_id, []), 0.0, 0))
-    stack = {key: torch.stack([g[0][key] for g in group]) for key in group[0][0]
-             if key != "stream_ids" and key[:2] not in ("x:", "f:")}
+    stack = {
+        key: torch.stack([g[0][key] for g in group])
+        for key in group[0][0]
+        if key != "stream_ids" and key[:2] not in ("x:", "f:")
+    }
     streams = None
     if any("stream_ids" in g[0] for g in group):
         streams = torch.stack([g[0].get("stream_ids", torch.zeros(seq_length, dtype=torch.long)) for g in group])
@@ -235,9 +256,16 @@ def _micro_batch(group: list[tuple[dict, float, int]], seq_length: int, pad_id: 
         like = next(g[0][key] for g in group if key in g[0])
         fill = -1 if not like.is_floating_point() else 0.0
         (fields if key.startswith("f:") else extras)[key[2:]] = torch.stack(
-            [g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype)) for g in group])
-    return MicroBatch(stream_ids=streams, denom=sum(g[1] for g in group), num_rows=sum(g[2] for g in group),
-                      extras=extras, **fields, **stack)
+            [g[0].get(key, torch.full((seq_length,), fill, dtype=like.dtype)) for g in group]
+        )
+    return MicroBatch(
+        stream_ids=streams,
+        denom=sum(g[1] for g in group),
+        num_rows=sum(g[2] for g in group),
+        extras=extras,
+        **fields,
+        **stack,
+    )
 
 
 def pack_rows(rows: list[Row], seq_length: int, micro_batch_size: int = 1, pad_id: int = 0) -> list[MicroBatch]:
@@ -248,24 +276,42 @@ def pack_rows(rows: list[Row], seq_length: int, micro_batch_size: int = 1, pad_i
         if len(r) <= seq_length:
             fits.append(i)
         elif r.num_segments == 1:
-            raise ValueError(f"row {i} has {len(r)} tokens, more than train.seq_length={seq_length}; "
-                             "raise train.seq_length or lower data.max_length")
+            raise ValueError(
+                f"row {i} has {len(r)} tokens, more than train.seq_length={seq_length}; "
+                "raise train.seq_length or lower data.max_length"
+            )
         else:
             split.append(i)
     bins = _first_fit_decreasing([len(rows[i]) for i in fits], seq_length)
-    seqs = [(_concat_bin([rows[fits[j]] for j in b], seq_length, pad_id, [fits[j] for j in b]),
-             sum(rows[fits[j]].denom for j in b), len(b)) for b in bins]
-    out = [_micro_batch(seqs[k:k + micro_batch_size], seq_length, pad_id, micro_batch_size)
-           for k in range(0, len(seqs), micro_batch_size)]
+    seqs = [
+        (
+            _concat_bin([rows[fits[j]] for j in b], seq_length, pad_id, [fits[j] for j in b]),
+            sum(rows[fits[j]].denom for j in b),
+            len(b),
+        )
+        for b in bins
+    ]
+    out = [
+        _micro_batch(seqs[k : k + micro_batch_size], seq_length, pad_id, micro_batch_size)
+        for k in range(0, len(seqs), micro_batch_size)
+    ]
     for i in split:
         pieces = split_at_segments(rows[i], seq_length, f"row {i}")
         piece_bins = _first_fit_decreasing([len(p) for p in pieces], seq_length)
         if len(piece_bins) > micro_batch_size:
-            raise ValueError(f"row {i} has {len(rows[i])} tokens in views that must share a micro-batch, more than "
-                             f"train.micro_batch_size={micro_batch_size} x train.seq_length={seq_length} hold; "
-                             "raise either, or lower the algorithm's Monte-Carlo samples (algo.params.n_mc)")
-        group = [(_concat_bin([pieces[j] for j in b], seq_length, pad_id, [i] * len(b)),
-                  sum(pieces[j].denom for j in b), int(k == 0)) for k, b in enumerate(piece_bins)]
+            raise ValueError(
+                f"row {i} has {len(rows[i])} tokens in views that must share a micro-batch, more than "
+                f"train.micro_batch_size={micro_batch_size} x train.seq_length={seq_length} hold; "
+                "raise either, or lower the algorithm's Monte-Carlo samples (algo.params.n_mc)"
+            )
+        group = [
+            (
+                _concat_bin([pieces[j] for j in b], seq_length, pad_id, [i] * len(b)),
+                sum(pieces[j].denom for j in b),
+                int(k == 0),
+            )
+            for k, b in enumerate(piece_bins)
+        ]
         out.append(_micro_batch(group, seq_length, pad_id, micro_batch_size))
     return out
 
@@ -276,15 +322,24 @@ def empty_micro_batch(like: MicroBatch) -> MicroBatch:
     z = torch.zeros(b, s, dtype=torch.long)
     empty = lambda v: None if v is None else torch.full_like(v, 0.0 if v.is_floating_point() else -1)  # noqa: E731
     extras = {k: empty(v) for k, v in like.extras.items()}
-    return MicroBatch(tokens=z.clone(), labels=z.clone(), weight=torch.zeros(b, s),
-                      position_ids=torch.arange(s).expand(b, s).clone(), segment_ids=z.clone(),
-                      stream_ids=None if like.stream_ids is None else z.clone(),
-                      padding=torch.ones(b, s, dtype=torch.bool), denom=0.0, num_rows=0, extras=extras,
-                      **{k: empty(getattr(like, k)) for k in MB_COLUMNS})
+    return MicroBatch(
+        tokens=z.clone(),
+        labels=z.clone(),
+        weight=torch.zeros(b, s),
+        position_ids=torch.arange(s).expand(b, s).clone(),
+        segment_ids=z.clone(),
+        stream_ids=None if like.stream_ids is None else z.clone(),
+        padding=torch.ones(b, s, dtype=torch.bool),
+        denom=0.0,
+        num_rows=0,
+        extras=extras,
+        **{k: empty(getattr(like, k)) for k in MB_COLUMNS},
+    )
 
 
-def split_for_data_parallel(micro_batches: list[MicroBatch], dp_size: int, dp_rank: int,
-                            multiple_of: int = 1) -> list[MicroBatch]:
+def split_for_data_parallel(
+    micro_batches: list[MicroBatch], dp_size: int, dp_rank: int, multiple_of: int = 1
+) -> list[MicroBatch]:
     """This DP rank's micro-batches (round robin); every rank gets the same count, a multiple of
     ``multiple_of`` (the interleaved pipeline schedule needs one), padded with empty micro-batches."""
     if not micro_batches:

@@ -14,18 +14,36 @@ fields; :mod:`.fields`):
 
 Every error is a ``DataError`` naming where it happened (``file:line`` / ``file:row N``) and the field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from megadare.data.fields import (DARE_SFT_PROMPT, DARE_SFT_RESPONSE, MISSING, check_messages, encode_text,
-                                  get_field, prompt_messages, render_prompt, response_text)
+from megadare.data.fields import (
+    DARE_SFT_PROMPT,
+    DARE_SFT_RESPONSE,
+    MISSING,
+    check_messages,
+    encode_text,
+    get_field,
+    prompt_messages,
+    render_prompt,
+    response_text,
+)
 from megadare.data.files import DataError, load_records
 from megadare.data.tokenizer import Tokenizer
 
-__all__ = ["DataError", "SFTExample", "load_records", "record_to_example", "build_sft_examples", "sft_keys",
-           "int_list", "OVERLONG_CHOICES"]
+__all__ = [
+    "DataError",
+    "SFTExample",
+    "load_records",
+    "record_to_example",
+    "build_sft_examples",
+    "sft_keys",
+    "int_list",
+    "OVERLONG_CHOICES",
+]
 
 OVERLONG_CHOICES = ("truncate", "drop", "error")
 
@@ -36,7 +54,7 @@ class SFTExample:
 
     prompt_ids: list[int]
     response_ids: list[int]
-    steps: Optional[list[int]] = None   # trace SFT: denoising step at which each response token was committed
+    steps: Optional[list[int]] = None  # trace SFT: denoising step at which each response token was committed
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
@@ -51,8 +69,9 @@ def _response_ids(tok: Tokenizer, text: str, where: str, field: str) -> list[int
     return encode_text(tok, text, where, field) + [tok.eos_token_id]
 
 
-def sft_keys(rec: dict, prompt_key: str = "prompt", response_key: str = "response",
-             messages_key: str = "messages") -> tuple[str, ...]:
+def sft_keys(
+    rec: dict, prompt_key: str = "prompt", response_key: str = "response", messages_key: str = "messages"
+) -> tuple[str, ...]:
     """The fields an SFT record is read from: ``("pretokenized",)``, ``("chat", messages)`` or ``("pair", prompt,
     response)`` (DARE's ``extra_info.question`` / ``extra_info.answer`` when the default pair keys are absent);
     an empty tuple when none fits."""
@@ -62,8 +81,11 @@ def sft_keys(rec: dict, prompt_key: str = "prompt", response_key: str = "respons
         return ("chat", messages_key)
     if get_field(rec, prompt_key) is not MISSING and get_field(rec, response_key) is not MISSING:
         return ("pair", prompt_key, response_key)
-    if (prompt_key, response_key) == ("prompt", "response") and \
-            get_field(rec, DARE_SFT_PROMPT) is not MISSING and get_field(rec, DARE_SFT_RESPONSE) is not MISSING:
+    if (
+        (prompt_key, response_key) == ("prompt", "response")
+        and get_field(rec, DARE_SFT_PROMPT) is not MISSING
+        and get_field(rec, DARE_SFT_RESPONSE) is not MISSING
+    ):
         return ("pair", DARE_SFT_PROMPT, DARE_SFT_RESPONSE)
     return ()
 
@@ -90,7 +112,8 @@ def record_to_example(
         raise DataError(
             f"{where}: missing field {' and '.join(repr(k) for k in missing)}; expected either {messages_key!r} "
             f"(chat format), {prompt_key!r} + {response_key!r} (pair format) or DARE's {DARE_SFT_PROMPT!r} + "
-            f"{DARE_SFT_RESPONSE!r}; found keys {sorted(rec)}")
+            f"{DARE_SFT_RESPONSE!r}; found keys {sorted(rec)}"
+        )
     if keys[0] == "pretokenized":
         return _pretokenized(rec, tok, where)
     if keys[0] == "chat":
@@ -114,8 +137,9 @@ def int_list(rec: dict, key: str, where: str, vocab: Optional[int] = None) -> li
 def _pretokenized(rec: dict, tok: Tokenizer, where: str) -> SFTExample:
     for key in ("prompt_ids", "response_ids"):
         if key not in rec:
-            raise DataError(f"{where}: a pre-tokenized record needs both 'prompt_ids' and 'response_ids' "
-                            f"(missing {key!r})")
+            raise DataError(
+                f"{where}: a pre-tokenized record needs both 'prompt_ids' and 'response_ids' (missing {key!r})"
+            )
     prompt = int_list(rec, "prompt_ids", where, tok.vocab_size)
     response = int_list(rec, "response_ids", where, tok.vocab_size)
     if not response:
@@ -124,8 +148,10 @@ def _pretokenized(rec: dict, tok: Tokenizer, where: str) -> SFTExample:
     if "steps" in rec:
         steps = int_list(rec, "steps", where)
         if len(steps) != len(response):
-            raise DataError(f"{where}: field 'steps' has {len(steps)} entries for {len(response)} response tokens; "
-                            "a trace needs exactly one committed-at step per response token")
+            raise DataError(
+                f"{where}: field 'steps' has {len(steps)} entries for {len(response)} response tokens; "
+                "a trace needs exactly one committed-at step per response token"
+            )
         if any(x < 0 for x in steps):
             raise DataError(f"{where}: field 'steps' holds negative steps")
     return SFTExample(prompt, response, steps)

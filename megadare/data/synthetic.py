@@ -1,4 +1,5 @@
 """Deterministic generated tasks for tests and the demo: no network, no global RNG."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,14 @@ def addition_task(n: int, seed: int, max_operand: int = 99) -> list[dict]:
     return records
 
 
-def reverse_task(n: int, seed: int, length: int = 3, alphabet: str = "abcdefgh", correct_fraction: float = 1.0,
-                 exclude: Iterable[str] = ()) -> list[dict]:
+def reverse_task(
+    n: int,
+    seed: int,
+    length: int = 3,
+    alphabet: str = "abcdefgh",
+    correct_fraction: float = 1.0,
+    exclude: Iterable[str] = (),
+) -> list[dict]:
     """``n`` records ``{"prompt": "abc>", "response": "cba", "answer": "cba"}``: reverse a string.
 
     ``correct_fraction`` < 1 makes noisy demonstrations: the other responses copy the string unchanged (a

@@ -4,6 +4,7 @@ and a wrapper over HF's.
 The SFT pipeline needs only ``encode``, ``decode``, ``chat_prompt`` (a conversation rendered up to and
 including the assistant generation prompt) and four special ids: eos, pad and the diffusion mask token.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,9 +61,7 @@ class ByteTokenizer:
         for pos, ch in enumerate(text):
             code = ord(ch)
             if code > 127:
-                raise ValueError(
-                    f"ByteTokenizer handles ASCII only: character {ch!r} (U+{code:04X}) at position {pos}"
-                )
+                raise ValueError(f"ByteTokenizer handles ASCII only: character {ch!r} (U+{code:04X}) at position {pos}")
             ids.append(code)
         return ids
 
@@ -113,7 +112,7 @@ class Utf8ByteTokenizer(ByteTokenizer):
 
     vocab_size = 262
     USER, ASSISTANT, SYSTEM, eos_token_id, pad_token_id, mask_token_id = range(256, 262)
-    ROLE_IDS = dict(zip(ByteTokenizer.ROLE_IDS, (USER, ASSISTANT, SYSTEM)))            # the byte tokenizer's roles
+    ROLE_IDS = dict(zip(ByteTokenizer.ROLE_IDS, (USER, ASSISTANT, SYSTEM)))  # the byte tokenizer's roles
     ROLE_STRINGS = dict(zip((USER, ASSISTANT, SYSTEM), ByteTokenizer.ROLE_STRINGS.values()))
 
     def encode(self, text: str) -> list[int]:
@@ -156,7 +155,7 @@ def load_hf_tokenizer(path: str):
         with open(cfg_path, encoding="utf-8") as f:
             name = json.load(f).get("tokenizer_class")
     cls = None
-    if isinstance(name, str):   # the fast (tokenizers-backed) class where transformers 4.x has both
+    if isinstance(name, str):  # the fast (tokenizers-backed) class where transformers 4.x has both
         local = LOCAL_TOKENIZER_CLASSES.get(name, name).removesuffix("Fast")
         cls = getattr(transformers, local + "Fast", None) or getattr(transformers, local, None)
     if cls is not None and hasattr(cls, "from_pretrained"):
@@ -180,8 +179,10 @@ class HFTokenizer:
             raise ValueError(f"tokenizer at {path} defines no eos token")
         mask = self.tok.mask_token_id if mask_token_id is None else mask_token_id
         if mask is None:
-            raise ValueError(f"tokenizer at {path} names no mask token (mask_token in tokenizer_config.json) and no "
-                             "model config gives one (config.json mask_token_id)")
+            raise ValueError(
+                f"tokenizer at {path} names no mask token (mask_token in tokenizer_config.json) and no "
+                "model config gives one (config.json mask_token_id)"
+            )
         pad = self.tok.pad_token_id
         self.eos_token_id: int = int(eos)
         self.pad_token_id: int = int(pad) if pad is not None else int(eos)
@@ -204,8 +205,9 @@ class HFTokenizer:
                 f"tokenizer at {self.path} has no chat template; cannot render chat prompts "
                 "(add 'chat_template' to tokenizer_config.json)"
             )
-        out: Any = self.tok.apply_chat_template(messages, add_generation_prompt=not continue_final,
-                                                continue_final_message=continue_final, tokenize=True)
+        out: Any = self.tok.apply_chat_template(
+            messages, add_generation_prompt=not continue_final, continue_final_message=continue_final, tokenize=True
+        )
         if isinstance(out, Mapping) or hasattr(out, "input_ids"):  # newer transformers return a BatchEncoding
             out = out["input_ids"]
         return [int(i) for i in out]

@@ -10,6 +10,7 @@ x_0 by replacing each token with the mask token independently with probability t
 Block diffusion (BD3-LM arXiv:2503.09573, SDAR arXiv:2510.06303) applies it per block b, each block conditioned
 on the clean blocks before it; the x_t ++ x_0 input (models/attention.py) gives every block's term in one pass.
 """
+
 from megadare.diffusion.masking import block_index, complementary, iid_mask, mask_tokens
 from megadare.diffusion.schedule import NoiseSchedule, elbo_weight
 

@@ -39,6 +39,7 @@ slots: one per (view, token); ``sequence`` slots: one per view (the whole respon
 * ``ar_views``   JustGRPO (arXiv:2601.15165): one view per response position t, c ++ y_<t ++ M..M, scoring t
                  into token slot t (the autoregressive likelihood on a diffusion model); c = 1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,16 +69,34 @@ def _slots(P: int, L: int, scored: torch.Tensor, kind: str, view: int) -> torch.
     return torch.where(scored, s, torch.full_like(s, -1))
 
 
-def _view(x0: torch.Tensor, masked: torch.Tensor, coef: torch.Tensor, P: int, L: int, mask_id: int,
-          slots: str, vi: int, scored: torch.Tensor | None = None) -> View:
+def _view(
+    x0: torch.Tensor,
+    masked: torch.Tensor,
+    coef: torch.Tensor,
+    P: int,
+    L: int,
+    mask_id: int,
+    slots: str,
+    vi: int,
+    scored: torch.Tensor | None = None,
+) -> View:
     scored = masked.clone() if scored is None else scored
     scored[:P] = False
-    return View(tokens=mask_tokens(x0, masked, mask_id), coef=torch.where(scored, coef, torch.zeros_like(coef)),
-                slot=_slots(P, L, scored, slots, vi))
+    return View(
+        tokens=mask_tokens(x0, masked, mask_id),
+        coef=torch.where(scored, coef, torch.zeros_like(coef)),
+        slot=_slots(P, L, scored, slots, vi),
+    )
 
 
-def one_step(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator,
-             p_prompt: float = 0.15, slots: str = "token") -> list[View]:
+def one_step(
+    prompt: list[int],
+    response: list[int],
+    mask_id: int,
+    g: torch.Generator,
+    p_prompt: float = 0.15,
+    slots: str = "token",
+) -> list[View]:
     x0, P, L = _seq(prompt, response)
     masked = torch.zeros(P + L, dtype=torch.bool)
     masked[P:] = True
@@ -85,8 +104,9 @@ def one_step(prompt: list[int], response: list[int], mask_id: int, g: torch.Gene
     return [_view(x0, masked, torch.ones(P + L), P, L, mask_id, slots, 0)]
 
 
-def coupled(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, t_low: float = 0.2,
-            t_high: float = 0.8) -> list[View]:
+def coupled(
+    prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, t_low: float = 0.2, t_high: float = 0.8
+) -> list[View]:
     x0, P, L = _seq(prompt, response)
     t = t_low + (t_high - t_low) * float(torch.rand((), generator=g, dtype=torch.float64))
     u = torch.cat([torch.ones(P, dtype=torch.float64), torch.rand(L, generator=g, dtype=torch.float64)])
@@ -94,13 +114,24 @@ def coupled(prompt: list[int], response: list[int], mask_id: int, g: torch.Gener
     full = resp.clone()
     b = (u < t) & resp
     c = resp & ~b
-    return [_view(x0, full, torch.full((P + L,), 0.5), P, L, mask_id, "token", 0),
-            _view(x0, b, torch.full((P + L,), 0.5 / t), P, L, mask_id, "token", 1),
-            _view(x0, c, torch.full((P + L,), 0.5 / (1.0 - t)), P, L, mask_id, "token", 2)]
+    return [
+        _view(x0, full, torch.full((P + L,), 0.5), P, L, mask_id, "token", 0),
+        _view(x0, b, torch.full((P + L,), 0.5 / t), P, L, mask_id, "token", 1),
+        _view(x0, c, torch.full((P + L,), 0.5 / (1.0 - t)), P, L, mask_id, "token", 2),
+    ]
 
 
-def random_mask(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int = 0,
-                p_low: float = 0.1, p_high: float = 0.9, n_views: int = 1, couple: bool = False) -> list[View]:
+def random_mask(
+    prompt: list[int],
+    response: list[int],
+    mask_id: int,
+    g: torch.Generator,
+    block_size: int = 0,
+    p_low: float = 0.1,
+    p_high: float = 0.9,
+    n_views: int = 1,
+    couple: bool = False,
+) -> list[View]:
     """``block_size`` > 0: one masking probability per block of the global grid (block families)."""
     x0, P, L = _seq(prompt, response)
     resp = torch.arange(P + L) >= P
@@ -111,8 +142,9 @@ def random_mask(prompt: list[int], response: list[int], mask_id: int, g: torch.G
             p = p_low + (p_high - p_low) * torch.rand(int(blocks[-1]) + 1, generator=g, dtype=torch.float64)
             p_pos = p[blocks]
         else:
-            p_pos = torch.full((P + L,), p_low + (p_high - p_low) * float(torch.rand((), generator=g)),
-                               dtype=torch.float64)
+            p_pos = torch.full(
+                (P + L,), p_low + (p_high - p_low) * float(torch.rand((), generator=g)), dtype=torch.float64
+            )
         masked = (torch.rand(P + L, generator=g, dtype=torch.float64) < p_pos) & resp
         views.append(_view(x0, masked, torch.ones(P + L), P, L, mask_id, "view", len(views)))
         if couple:
@@ -125,8 +157,15 @@ def stratified_count(j: int, offset: float, L: int, n: int) -> int:
     return min(L, max(1, int(1 + (j + offset) * L / n)))
 
 
-def stratified(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, n_mc: int = 4,
-               slots: str = "sequence_per_view", normalize_length: bool = False) -> list[View]:
+def stratified(
+    prompt: list[int],
+    response: list[int],
+    mask_id: int,
+    g: torch.Generator,
+    n_mc: int = 4,
+    slots: str = "sequence_per_view",
+    normalize_length: bool = False,
+) -> list[View]:
     """``normalize_length`` divides each estimate by L (BGPO's per-length ELBO)."""
     x0, P, L = _seq(prompt, response)
     if L == 0:
@@ -151,8 +190,17 @@ def _block_bounds(P: int, L: int, block_size: int, global_grid: bool) -> tuple[i
     return off, -(-(L + off) // block_size)
 
 
-def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
-              n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view", global_grid: bool = False) -> list[View]:
+def blockwise(
+    prompt: list[int],
+    response: list[int],
+    mask_id: int,
+    g: torch.Generator,
+    block_size: int,
+    n_mc: int = 2,
+    p_prompt: float = 0.15,
+    slots: str = "view",
+    global_grid: bool = False,
+) -> list[View]:
     """SPG's block-wise ELBO draws (module docstring); ``global_grid`` see ``_block_bounds``."""
     x0, P, L = _seq(prompt, response)
     off, n_blocks = _block_bounds(P, L, block_size, global_grid)
@@ -171,8 +219,16 @@ def blockwise(prompt: list[int], response: list[int], mask_id: int, g: torch.Gen
     return views
 
 
-def blockwise_dare(prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, block_size: int,
-                   n_mc: int = 1, p_prompt: float = 0.15, global_grid: bool = False) -> list[View]:
+def blockwise_dare(
+    prompt: list[int],
+    response: list[int],
+    mask_id: int,
+    g: torch.Generator,
+    block_size: int,
+    n_mc: int = 1,
+    p_prompt: float = 0.15,
+    global_grid: bool = False,
+) -> list[View]:
     """DARE's ``_forward_process_spg`` for one sample, drawing from ``g`` in DARE's order (so a generator seeded
     as DARE's ``seed`` gives DARE's masks): the n_mc chosen blocks from one permutation of the response blocks
     (without replacement; past n_blocks draws a fresh permutation continues, where DARE asserts
@@ -195,7 +251,7 @@ def blockwise_dare(prompt: list[int], response: list[int], mask_id: int, g: torc
         f[lo:hi] = torch.randperm(hi - lo, generator=g) < m
         starts.append(lo)
         following.append(f)
-    u = torch.rand((n_mc, P + L), generator=g)        # DARE's random_matrix (float32)
+    u = torch.rand((n_mc, P + L), generator=g)  # DARE's random_matrix (float32)
     views = []
     for j, (lo, f) in enumerate(zip(starts, following)):
         masked = f | ((pos < lo) & (u[j] < p_prompt))
@@ -205,8 +261,9 @@ def blockwise_dare(prompt: list[int], response: list[int], mask_id: int, g: torc
     return views
 
 
-def antithetic_views(prompt: list[int], response: list[int], mask_id: int, counts: list[int], g: torch.Generator,
-                     canvas: int) -> list[View]:
+def antithetic_views(
+    prompt: list[int], response: list[int], mask_id: int, counts: list[int], g: torch.Generator, canvas: int
+) -> list[View]:
     """Per draw: k masked (coefficient (L+1)/k) and the exact complement ((L+1)/(L-k)), each / (2 n_mc canvas),
     all in sequence slot 0; empty views are left out."""
     x0, P, L = _seq(prompt, response)
@@ -227,5 +284,6 @@ def ar_views(prompt: list[int], response: list[int], mask_id: int) -> list[View]
     """One view per response position t: c ++ y_<t ++ M..M, scoring position t into token slot t."""
     x0, P, L = _seq(prompt, response)
     pos = torch.arange(P + L)
-    return [_view(x0, pos >= P + t, torch.ones(P + L), P, L, mask_id, "token", 0, scored=pos == P + t)
-            for t in range(L)]
+    return [
+        _view(x0, pos >= P + t, torch.ones(P + L), P, L, mask_id, "token", 0, scored=pos == P + t) for t in range(L)
+    ]

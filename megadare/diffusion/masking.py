@@ -3,6 +3,7 @@
 All randomness comes from an explicit ``torch.Generator`` (never the global RNG), so old, reference and
 current log-probs can be computed on the same stored corruptions.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -10,8 +11,9 @@ from typing import Optional
 import torch
 
 
-def iid_mask(eligible: torch.Tensor, p: torch.Tensor | float, generator: torch.Generator,
-             force_one: bool = False) -> torch.Tensor:
+def iid_mask(
+    eligible: torch.Tensor, p: torch.Tensor | float, generator: torch.Generator, force_one: bool = False
+) -> torch.Tensor:
     """Mask each eligible position independently with probability p (scalar or per position).
 
     eligible: bool [..., L]; p broadcastable to it. With ``force_one`` a row with eligible positions but no
@@ -50,8 +52,9 @@ def block_index(positions: torch.Tensor, block_size: int, offset: int = 0) -> to
     return (positions + offset) // block_size
 
 
-def per_block_t(positions: torch.Tensor, block_size: int, t_blocks: torch.Tensor,
-                first_block: Optional[int] = None) -> torch.Tensor:
+def per_block_t(
+    positions: torch.Tensor, block_size: int, t_blocks: torch.Tensor, first_block: Optional[int] = None
+) -> torch.Tensor:
     """Broadcast one masking probability per block (t_blocks[k] for block first_block + k) to positions."""
     blocks = block_index(positions, block_size)
     first = int(blocks.min()) if first_block is None else first_block

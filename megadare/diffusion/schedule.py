@@ -5,6 +5,7 @@ ELBO weights a masked token's cross-entropy by w(t) = -alpha'_t / (1 - alpha_t) 
 t ~ U(0, 1) and uses p_mask = (1 - eps) t + eps, i.e. t ~ U(eps, 1) with eps = 1e-3; LLaDA2's SFT draws
 t ~ U(0.3, 0.8) with no weighting (``weighting='none'``); dLLM-RL draws U(0.1, 0.9).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

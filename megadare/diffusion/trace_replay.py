@@ -33,6 +33,7 @@ it (which the sampler also denoised) are not replayed, so the last block's state
 With ``rl.canvas=full`` (LLaDA/Dream's default) every decoded position is replayed and each state is the
 sampler's.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional, Protocol
@@ -67,8 +68,10 @@ def trace_commits(s: Trace) -> list[Commit]:
     """Every commit of the sample's trace: the one that wrote response token k (slot k), then the commits later
     edits overwrote (slot L + j for ``s.superseded[j]`` = (position, token, global step, block step, log-prob))."""
     L = len(s.response_ids)
-    out = [Commit(k, int(s.response_ids[k]), int(s.commit_step[k]), int(s.block_step[k]), k)  # type: ignore[index]
-           for k in range(L)]
+    out = [
+        Commit(k, int(s.response_ids[k]), int(s.commit_step[k]), int(s.block_step[k]), k)  # type: ignore[index]
+        for k in range(L)
+    ]
     for j, e in enumerate(s.superseded or []):
         out.append(Commit(int(e[0]), int(e[1]), int(e[2]), int(e[3]), L + j))
     return out
@@ -76,24 +79,34 @@ def trace_commits(s: Trace) -> list[Commit]:
 
 def _groups(ids: list[int], shrink: int) -> list[list[int]]:
     distinct = sorted(set(ids))
-    return [distinct[i:i + shrink] for i in range(0, len(distinct), shrink)]
+    return [distinct[i : i + shrink] for i in range(0, len(distinct), shrink)]
 
 
 def _require_trace(s: Trace, name: str) -> None:
     if s.commit_step is None or s.block_step is None:
-        raise ValueError(f"sample {s.index}: the {name} estimator replays the decoding trace, but the rollout "
-                         "recorded none (commit_step / block_step missing)")
+        raise ValueError(
+            f"sample {s.index}: the {name} estimator replays the decoding trace, but the rollout "
+            "recorded none (commit_step / block_step missing)"
+        )
     if len(s.commit_step) != len(s.response_ids) or len(s.block_step) != len(s.response_ids):
-        raise ValueError(f"sample {s.index}: the trace has {len(s.commit_step)} steps for "
-                         f"{len(s.response_ids)} response tokens")
+        raise ValueError(
+            f"sample {s.index}: the trace has {len(s.commit_step)} steps for {len(s.response_ids)} response tokens"
+        )
     if any(not 0 <= int(e[0]) < len(s.response_ids) for e in s.superseded or []):
-        raise ValueError(f"sample {s.index}: a superseded commit lies outside the {len(s.response_ids)} response "
-                         "tokens")
+        raise ValueError(
+            f"sample {s.index}: a superseded commit lies outside the {len(s.response_ids)} response tokens"
+        )
 
 
-def _round_view(s: Trace, x0: torch.Tensor, chains: dict[int, list[Commit]], mask_id: int,
-                start: Callable[[int], Optional[int]], group: Callable[[int], set], key: Callable[[Commit], int]
-                ) -> tuple[View, list[int]]:
+def _round_view(
+    s: Trace,
+    x0: torch.Tensor,
+    chains: dict[int, list[Commit]],
+    mask_id: int,
+    start: Callable[[int], Optional[int]],
+    group: Callable[[int], set],
+    key: Callable[[Commit], int],
+) -> tuple[View, list[int]]:
     """The state before one replay round and what it scores. Per response position k: ``start(k)`` the first
     step (under ``key``) of k's unit in this round (None: the unit has no such round, k holds its final token
     and is not scored); the input holds k's latest commit before it (or the mask); the commit of k whose step is
@@ -112,9 +125,11 @@ def _round_view(s: Trace, x0: torch.Tensor, chains: dict[int, list[Commit]], mas
         in_group = group(k)
         scored = [c for c in chain if key(c) in in_group]
         if len(scored) > 1:
-            raise ValueError(f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
-                             f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
-                             "(algo.params.shrink=1)")
+            raise ValueError(
+                f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
+                f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
+                "(algo.params.shrink=1)"
+            )
         if scored:
             c = scored[0]
             coef[P + k], slot[P + k], labels[P + k] = 1.0, c.slot, c.token
@@ -123,8 +138,9 @@ def _round_view(s: Trace, x0: torch.Tensor, chains: dict[int, list[Commit]], mas
     return view, sorted(steps)
 
 
-def replay_views(s: Trace, mask_id: int, block_size: int, shrink: int = 1,
-                 block_family: bool = True) -> list[tuple[View, list[int]]]:
+def replay_views(
+    s: Trace, mask_id: int, block_size: int, shrink: int = 1, block_family: bool = True
+) -> list[tuple[View, list[int]]]:
     """(view, steps it scores) for every replay round; commit slots (each commit is scored exactly once)."""
     _require_trace(s, "trace-replay")
     P = len(s.prompt_ids)
@@ -135,12 +151,23 @@ def replay_views(s: Trace, mask_id: int, block_size: int, shrink: int = 1,
         chains.setdefault(c.position, []).append(c)
     if block_family:
         blk = {k: (P + k) // block_size for k in chains}
-        per_block = {b: _groups([c.block_step for c in commits if blk[c.position] == b], shrink)
-                     for b in set(blk.values())}
+        per_block = {
+            b: _groups([c.block_step for c in commits if blk[c.position] == b], shrink) for b in set(blk.values())
+        }
         rounds = max((len(g) for g in per_block.values()), default=0)
-        return [_round_view(s, x0, chains, mask_id,
-                            lambda k, j=j: per_block[blk[k]][j][0] if j < len(per_block[blk[k]]) else None,
-                            lambda k, j=j: set(per_block[blk[k]][j]), lambda c: c.block_step)
-                for j in range(rounds)]
-    return [_round_view(s, x0, chains, mask_id, lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
-            for g in _groups([c.step for c in commits], shrink)]
+        return [
+            _round_view(
+                s,
+                x0,
+                chains,
+                mask_id,
+                lambda k, j=j: per_block[blk[k]][j][0] if j < len(per_block[blk[k]]) else None,
+                lambda k, j=j: set(per_block[blk[k]][j]),
+                lambda c: c.block_step,
+            )
+            for j in range(rounds)
+        ]
+    return [
+        _round_view(s, x0, chains, mask_id, lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
+        for g in _groups([c.step for c in commits], shrink)
+    ]

@@ -5,6 +5,7 @@ c_{v,k}, and into which slot (a quantity the objective puts in a ratio: a token 
 position's log-prob adds. Corruption samplers (corruption.py) and trace replay (trace_replay.py) return
 views; algos/base.py lays them out as training rows.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ import torch
 class View:
     """One corrupted copy of prompt ++ response (possibly cut after ``length`` positions)."""
 
-    tokens: torch.Tensor          # [n] model input x_t (n <= P + L)
-    coef: torch.Tensor            # [n] float, c_{v,k} (0 where not scored)
-    slot: torch.Tensor            # [n] long, slot of each scored position (-1 = not scored)
-    labels: Optional[torch.Tensor] = None   # [n] targets when not the response itself (MDPO's intermediate x0)
-    adv: Optional[torch.Tensor] = None      # [n] advantages when they differ per view (MDPO's step advantages)
+    tokens: torch.Tensor  # [n] model input x_t (n <= P + L)
+    coef: torch.Tensor  # [n] float, c_{v,k} (0 where not scored)
+    slot: torch.Tensor  # [n] long, slot of each scored position (-1 = not scored)
+    labels: Optional[torch.Tensor] = None  # [n] targets when not the response itself (MDPO's intermediate x0)
+    adv: Optional[torch.Tensor] = None  # [n] advantages when they differ per view (MDPO's step advantages)

@@ -8,9 +8,18 @@
 * :mod:`.metrics`: mean@n, unbiased pass@k (Chen et al. 2021), maj@k, response length, forwards per token;
 * :mod:`.runner`: the command: Ray rollout engines (as in RL), the shared RL rewards, JSONL + summary.json.
 """
+
 from megadare.eval.metrics import maj_at_k, majority_winner, pass_at_k, task_metrics
 from megadare.eval.runner import run_eval_command
 from megadare.eval.tasks import TASKS, TaskSpec, task_spec
 
-__all__ = ["run_eval_command", "pass_at_k", "maj_at_k", "majority_winner", "task_metrics", "TASKS", "TaskSpec",
-           "task_spec"]
+__all__ = [
+    "run_eval_command",
+    "pass_at_k",
+    "maj_at_k",
+    "majority_winner",
+    "task_metrics",
+    "TASKS",
+    "TaskSpec",
+    "task_spec",
+]

@@ -14,6 +14,7 @@ script), and the report says so. The last line is
 and the exit status is 1 when any record could not be read, tokenized or scored; each such error names
 ``file:row`` and the field.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,10 @@ def tokenizer_line(tok: Tokenizer) -> str:
     """What the lengths count."""
     if isinstance(tok, HFTokenizer):
         return f"lengths: tokens of {tok.path} ({type(tok.tok).__name__}, {tok.vocab_size} ids)"
-    return ("lengths: UTF-8 bytes, roles as one byte each (no --model given: pass --model DIR, a checkpoint or a "
-            "tokenizer directory, for token counts)")
+    return (
+        "lengths: UTF-8 bytes, roles as one byte each (no --model given: pass --model DIR, a checkpoint or a "
+        "tokenizer directory, for token counts)"
+    )
 
 
 def percentiles(lengths: list[int]) -> str:
@@ -137,8 +140,9 @@ def _gold_scores(prompts: list, reward: str, limit: int, errors: list[str]) -> l
     return [s for i, s in enumerate(scores) if counted[i] and i not in stats.failed]
 
 
-def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callable[[str], None]
-                 ) -> tuple[list[float], list[str]]:
+def inspect_file(
+    path: str, tok: Tokenizer, reward: str, limit: int, out: Callable[[str], None]
+) -> tuple[list[float], list[str]]:
     """Print the report of one file; returns (gold-answer rewards, record errors)."""
     rows = load_rows(path)
     errors: list[str] = []
@@ -149,8 +153,10 @@ def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callab
     out(f"schema: {_schema_line(rows, views)}")
     out(f"records: {len(rows)}")
     if not views:
-        return [], [f"{rows[0][0]}: no known schema (RL prompt + gold, SFT prompt + response, or prompt + chosen + "
-                    f"rejected); found keys {sorted(rows[0][1])}"]
+        return [], [
+            f"{rows[0][0]}: no known schema (RL prompt + gold, SFT prompt + response, or prompt + chosen + "
+            f"rejected); found keys {sorted(rows[0][1])}"
+        ]
     gold: list[float] = []
     unit = _unit(tok)
     if "preference" in views:
@@ -165,8 +171,11 @@ def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callab
         pkey, gkey = rl_keys(rows[0][1])
         built = _each(rows, lambda w, r: build_prompts([r], tok, "", sources=[w])[0], errors)
         prefills = sum(bool(p.prefill) for p in built)
-        out(f"RL prompts: prompt <- {pkey}" + (f" ({prefills} end in an assistant prefill)" if prefills else "")
-            + f", gold <- {gkey}, reward {reward}")
+        out(
+            f"RL prompts: prompt <- {pkey}"
+            + (f" ({prefills} end in an assistant prefill)" if prefills else "")
+            + f", gold <- {gkey}, reward {reward}"
+        )
         out(f"prompt {unit}: {percentiles([len(p.prompt_ids) for p in built])}")
         if built:
             out(f"rendered prompt ({built[0].where}):\n{_rendered(tok, built[0].prompt_ids)}")
@@ -180,10 +189,15 @@ def inspect_file(path: str, tok: Tokenizer, reward: str, limit: int, out: Callab
     return gold, errors
 
 
-def inspect_command(paths: list[str], reward: str = "auto", model: Optional[str] = None, limit: int = 100,
-                    out: Callable[[str], None] = print) -> int:
+def inspect_command(
+    paths: list[str],
+    reward: str = "auto",
+    model: Optional[str] = None,
+    limit: int = 100,
+    out: Callable[[str], None] = print,
+) -> int:
     """The command: a report per file, every record error, then the gold-answer line; 1 on record errors."""
-    load_reward(reward)   # an unknown reward fails before any file is read
+    load_reward(reward)  # an unknown reward fails before any file is read
     tok = load_tokenizer(model)
     out(tokenizer_line(tok))
     scores: list[float] = []

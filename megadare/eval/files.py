@@ -5,6 +5,7 @@ ever downloaded. Rows are read by :func:`megadare.data.files.load_rows` (the SFT
 name ``file:line``); each row keeps its location (``file:line`` for JSONL, ``file:row N`` for parquet) so a
 missing or malformed field is reported where it is.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,17 +30,23 @@ def task_file(data_dir: str | None, paths: dict, task: str) -> str:
             raise DataError(f"{path}: data file of task {task!r} not found (set by eval.paths.{task})")
         return path
     if not data_dir:
-        raise ConfigError(f"no data for task {task!r}: set eval.data_dir (a directory holding {task}.jsonl or "
-                          f"{task}.parquet) or eval.paths.{task} (a file); nothing is downloaded")
-    found = [os.path.join(data_dir, task + ext) for ext in EXTENSIONS
-             if os.path.isfile(os.path.join(data_dir, task + ext))]
+        raise ConfigError(
+            f"no data for task {task!r}: set eval.data_dir (a directory holding {task}.jsonl or "
+            f"{task}.parquet) or eval.paths.{task} (a file); nothing is downloaded"
+        )
+    found = [
+        os.path.join(data_dir, task + ext) for ext in EXTENSIONS if os.path.isfile(os.path.join(data_dir, task + ext))
+    ]
     if not found:
         tried = " or ".join(os.path.join(data_dir, task + ext) for ext in EXTENSIONS)
-        raise DataError(f"{tried}: data file of task {task!r} not found (eval.data_dir={data_dir!r}); "
-                        f"put the benchmark there or point eval.paths.{task} at it")
+        raise DataError(
+            f"{tried}: data file of task {task!r} not found (eval.data_dir={data_dir!r}); "
+            f"put the benchmark there or point eval.paths.{task} at it"
+        )
     if len(found) > 1:
-        raise ConfigError(f"task {task!r}: both {found[0]} and {found[1]} exist in eval.data_dir; choose one with "
-                          f"eval.paths.{task}")
+        raise ConfigError(
+            f"task {task!r}: both {found[0]} and {found[1]} exist in eval.data_dir; choose one with eval.paths.{task}"
+        )
     return found[0]
 
 

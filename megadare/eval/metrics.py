@@ -17,6 +17,7 @@ For a problem with n samples of which c are correct:
 * response length: mean generated tokens per sample; forwards per token: total model forwards (denoising steps)
   over total generated tokens, the dLLM decoding-efficiency figure (1 = one token per forward, as AR decoding).
 """
+
 from __future__ import annotations
 
 import math
@@ -49,14 +50,17 @@ def majority_winner(keys: Sequence[Optional[str]]) -> Optional[int]:
 def maj_at_k(keys: Sequence[Optional[str]], correct: Sequence[bool], k: int) -> float:
     """1.0 when the majority answer of the first ``k`` samples is correct, else 0.0 (see :func:`majority_winner`)."""
     if not 1 <= k <= len(keys) or len(keys) != len(correct):
-        raise ValueError(f"maj@k needs 1 <= k <= n and one verdict per answer, got k={k}, {len(keys)} answers, "
-                         f"{len(correct)} verdicts")
+        raise ValueError(
+            f"maj@k needs 1 <= k <= n and one verdict per answer, got k={k}, {len(keys)} answers, "
+            f"{len(correct)} verdicts"
+        )
     winner = majority_winner(keys[:k])
     return 0.0 if winner is None else float(bool(correct[winner]))
 
 
-def task_metrics(rows: Sequence[dict], ks: Sequence[int],
-                 vote_key: Optional[Callable[[Optional[str]], Optional[str]]]) -> dict[str, float]:
+def task_metrics(
+    rows: Sequence[dict], ks: Sequence[int], vote_key: Optional[Callable[[Optional[str]], Optional[str]]]
+) -> dict[str, float]:
     """Summary of one task's per-sample rows (fields ``index``, ``sample``, ``correct``, ``extracted``,
     ``length``, ``forwards``); every problem must have the same number n of samples. Keys: ``mean@n``,
     ``pass@k`` and (with ``vote_key``) ``maj@k`` for each k, ``response_length``, ``forwards_per_token``."""
@@ -74,8 +78,9 @@ def task_metrics(rows: Sequence[dict], ks: Sequence[int],
         out[f"pass@{k}"] = sum(pass_at_k(n, sum(bool(r["correct"]) for r in g), k) for g in groups) / len(groups)
     if vote_key is not None:
         for k in ks:
-            out[f"maj@{k}"] = sum(maj_at_k([vote_key(r["extracted"]) for r in g], [r["correct"] for r in g], k)
-                                  for g in groups) / len(groups)
+            out[f"maj@{k}"] = sum(
+                maj_at_k([vote_key(r["extracted"]) for r in g], [r["correct"] for r in g], k) for g in groups
+            ) / len(groups)
     tokens = sum(r["length"] for r in rows)
     out["response_length"] = tokens / len(rows)
     out["forwards_per_token"] = sum(r["forwards"] for r in rows) / max(tokens, 1)

@@ -16,6 +16,7 @@ correct, reward, length, forwards, finish_reason) and ``summary.json`` (settings
 rewards that could not be computed for more than ``rl.max_reward_error_fraction`` of its samples stop the command
 (:func:`megadare.rewards.check_reward_errors`, naming the first failing row's file:row).
 """
+
 from __future__ import annotations
 
 import csv
@@ -35,10 +36,18 @@ from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
 from megadare.rewards import check_isolation, check_reward_errors, load_reward, runs_code, score_batch, set_isolation
 from megadare.rollout.setup import sampling_params, start_engines
 
-__all__ = ["run_eval_command", "check_eval_config", "load_task_prompts", "generate_samples", "score_samples",
-           "summary_table", "write_summary", "SEED_STRIDE"]
+__all__ = [
+    "run_eval_command",
+    "check_eval_config",
+    "load_task_prompts",
+    "generate_samples",
+    "score_samples",
+    "summary_table",
+    "write_summary",
+    "SEED_STRIDE",
+]
 
-SEED_STRIDE = 1_000_003   # seed distance between sample rounds (more than any task's number of engine chunks)
+SEED_STRIDE = 1_000_003  # seed distance between sample rounds (more than any task's number of engine chunks)
 
 
 def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
@@ -51,8 +60,10 @@ def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
     seen = [s.name for s in specs]
     if len(set(seen)) < len(seen):
         twice = sorted({n for n in seen if seen.count(n) > 1})
-        raise ConfigError(f"eval.tasks: two tasks are named {', '.join(twice)} (file tasks are named after their file); "
-                          "rename or copy one of the files")
+        raise ConfigError(
+            f"eval.tasks: two tasks are named {', '.join(twice)} (file tasks are named after their file); "
+            "rename or copy one of the files"
+        )
     for key in e.paths:
         if key not in TASKS:
             raise ConfigError(f"eval.paths.{key}: unknown task {key!r} (known: {', '.join(TASKS)})")
@@ -64,15 +75,19 @@ def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"eval.k={list(e.k)}: every k must be a positive integer")
         if k > e.n_samples:
-            raise ConfigError(f"eval.k={list(e.k)}: k={k} > eval.n_samples={e.n_samples}; pass@k and maj@k need at "
-                              f"least k samples per problem (raise eval.n_samples or drop k={k})")
+            raise ConfigError(
+                f"eval.k={list(e.k)}: k={k} > eval.n_samples={e.n_samples}; pass@k and maj@k need at "
+                f"least k samples per problem (raise eval.n_samples or drop k={k})"
+            )
     temperature = cfg.rollout.eval_temperature if e.temperature is None else float(e.temperature)
     key = "rollout.eval_temperature" if e.temperature is None else "eval.temperature"
     if temperature < 0:
         raise ConfigError(f"{key}={temperature} must be >= 0")
     if e.n_samples > 1 and temperature == 0:
-        raise ConfigError(f"eval.n_samples={e.n_samples} with temperature 0 ({key}) gives n identical greedy samples; "
-                          "set eval.temperature > 0 (e.g. eval.temperature=1.0) or eval.n_samples=1")
+        raise ConfigError(
+            f"eval.n_samples={e.n_samples} with temperature 0 ({key}) gives n identical greedy samples; "
+            "set eval.temperature > 0 (e.g. eval.temperature=1.0) or eval.n_samples=1"
+        )
     return specs, temperature
 
 
@@ -85,8 +100,9 @@ def load_task_prompts(spec: TaskSpec, path: str, limit: int | None, style: str, 
     return build_prompts(records, tok, path, answer_key=answer_key, sources=[where for where, _ in rows])
 
 
-def generate_samples(manager, prompt_ids: list[list[int]], params, n_samples: int, group: int, chunk_size: int,
-                     bar) -> list[list[Any]]:
+def generate_samples(
+    manager, prompt_ids: list[list[int]], params, n_samples: int, group: int, chunk_size: int, bar
+) -> list[list[Any]]:
     """``traj[i][j]``: sample j of problem i. Every (sample round, group of problems) is one engine request, all
     submitted at once so the engines stay busy; round j uses seed ``params.seed + j * SEED_STRIDE + c`` for the
     c-th chunk of ``chunk_size`` problems."""
@@ -94,7 +110,7 @@ def generate_samples(manager, prompt_ids: list[list[int]], params, n_samples: in
     for j in range(n_samples):
         for start in range(0, len(prompt_ids), group):
             seed = params.seed + j * SEED_STRIDE + start // chunk_size
-            batch = prompt_ids[start:start + group]
+            batch = prompt_ids[start : start + group]
             pending.append((j, start, manager.submit(batch, dataclasses.replace(params, seed=seed))))
     traj: list[list[Any]] = [[None] * n_samples for _ in prompt_ids]
     for j, start, fut in pending:
@@ -110,8 +126,9 @@ def _last_user_turn(rec: dict) -> str:
     return next((m["content"] for m in reversed(msgs) if m.get("role") == "user"), "")
 
 
-def score_samples(spec: TaskSpec, tok, prompts: list, traj: list[list[Any]], max_error_fraction: float = 0.0
-                  ) -> tuple[list[dict], dict[str, Any]]:
+def score_samples(
+    spec: TaskSpec, tok, prompts: list, traj: list[list[Any]], max_error_fraction: float = 0.0
+) -> tuple[list[dict], dict[str, Any]]:
     """Per-sample rows (decoded response, extracted answer, verdict) and the scorer's error / timeout counts; more
     than ``max_error_fraction`` of samples whose reward could not be computed raise RewardError (naming file:row)."""
     flat = [(i, j, t) for i, samples in enumerate(traj) for j, t in enumerate(samples)]
@@ -119,36 +136,75 @@ def score_samples(spec: TaskSpec, tok, prompts: list, traj: list[list[Any]], max
     full = [prompts[i].reward_text(text) for (i, _, _), text in zip(flat, texts)]
     records = [prompts[i].record for i, _, _ in flat]
     scores, stats = score_batch(load_reward(spec.reward), full, records)
-    check_reward_errors(stats, spec.reward, [prompts[i].where for i, _, _ in flat], max_error_fraction,
-                        f"eval task {spec.name}")
+    check_reward_errors(
+        stats, spec.reward, [prompts[i].where for i, _, _ in flat], max_error_fraction, f"eval task {spec.name}"
+    )
     rows = []
     for (i, j, t), rec, text, shown, reward in zip(flat, records, texts, full, scores):
         gold = spec.reference(str(rec["answer"])) if spec.reference else None
-        rows.append({"task": spec.name, "index": i, "problem_id": rec["problem_id"],
-                     "prompt": _last_user_turn(rec), "sample": j, "response": text, "extracted": spec.extract(shown),
-                     "gold": gold, "correct": reward >= 1.0, "reward": float(reward), "length": len(t.response_ids),
-                     "forwards": int(t.num_forwards), "finish_reason": t.finish_reason})
-    return rows, {"reward_errors": stats.errors, "reward_timeouts": stats.timeouts,
-                  "answer_timeouts": stats.answer_timeouts, "first_reward_error": stats.first_error}
+        rows.append(
+            {
+                "task": spec.name,
+                "index": i,
+                "problem_id": rec["problem_id"],
+                "prompt": _last_user_turn(rec),
+                "sample": j,
+                "response": text,
+                "extracted": spec.extract(shown),
+                "gold": gold,
+                "correct": reward >= 1.0,
+                "reward": float(reward),
+                "length": len(t.response_ids),
+                "forwards": int(t.num_forwards),
+                "finish_reason": t.finish_reason,
+            }
+        )
+    return rows, {
+        "reward_errors": stats.errors,
+        "reward_timeouts": stats.timeouts,
+        "answer_timeouts": stats.answer_timeouts,
+        "first_reward_error": stats.first_error,
+    }
 
 
 def _print_task(name: str, metrics: dict[str, Any]) -> None:
-    shown = "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
-                      if k.split("@")[0] in ("mean", "pass", "maj") or k in ("response_length", "forwards_per_token"))
+    shown = "  ".join(
+        f"{k} {v:.3f}"
+        for k, v in metrics.items()
+        if k.split("@")[0] in ("mean", "pass", "maj") or k in ("response_length", "forwards_per_token")
+    )
     print(f"eval {name}: {shown}  ({metrics['problems']} problems x {metrics['samples_per_problem']} samples)")
 
 
 def summary_table(tasks: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the per-task summary: problems, samples, every mean@ / pass@ / maj@ metric, response
     length, forwards per token and the reward error counts (blank where a task has no such metric)."""
-    metric_keys = list(dict.fromkeys(k for m in tasks.values() for k in m if k.split("@")[0] in ("mean", "pass", "maj")))
-    header = ["task", "problems", "samples", *metric_keys, "response_length", "forwards_per_token", "reward_errors",
-              "reward_timeouts", "answer_timeouts"]
+    metric_keys = list(
+        dict.fromkeys(k for m in tasks.values() for k in m if k.split("@")[0] in ("mean", "pass", "maj"))
+    )
+    header = [
+        "task",
+        "problems",
+        "samples",
+        *metric_keys,
+        "response_length",
+        "forwards_per_token",
+        "reward_errors",
+        "reward_timeouts",
+        "answer_timeouts",
+    ]
     rows = []
     for name, m in tasks.items():
-        values = [m.get("problems"), m.get("samples_per_problem"), *(m.get(k) for k in metric_keys),
-                  m.get("response_length"), m.get("forwards_per_token"), m.get("reward_errors"),
-                  m.get("reward_timeouts"), m.get("answer_timeouts")]
+        values = [
+            m.get("problems"),
+            m.get("samples_per_problem"),
+            *(m.get(k) for k in metric_keys),
+            m.get("response_length"),
+            m.get("forwards_per_token"),
+            m.get("reward_errors"),
+            m.get("reward_timeouts"),
+            m.get("answer_timeouts"),
+        ]
         rows.append([name] + ["" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v) for v in values])
     return header, rows
 
@@ -173,11 +229,15 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
     from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
 
     if nproc > 1:
-        raise ConfigError(f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "
-                          "rollout.num_engines (engine actors) instead")
+        raise ConfigError(
+            f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "
+            "rollout.num_engines (engine actors) instead"
+        )
     if cfg.checkpoint.load:
-        raise ConfigError(f"checkpoint.load={cfg.checkpoint.load!r}: the engines load HF checkpoints; export it with "
-                          "'megadare convert megatron-to-hf' and pass the result as --model")
+        raise ConfigError(
+            f"checkpoint.load={cfg.checkpoint.load!r}: the engines load HF checkpoints; export it with "
+            "'megadare convert megatron-to-hf' and pass the result as --model"
+        )
     specs, temperature = check_eval_config(cfg)
     e = cfg.eval
     src = resolve_model_source(cfg)
@@ -186,27 +246,45 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
     prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
     set_isolation(cfg.rewards.code.isolation)
     if any(runs_code(s.reward, [p.record for p in prompts[s.name]]) for s in specs):
-        check_isolation()   # refuse before the engines start, where the kernel refuses the code sandbox
+        check_isolation()  # refuse before the engines start, where the kernel refuses the code sandbox
     params = dataclasses.replace(sampling_params(cfg, src.arch, cfg.seed, evaluation=True), temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
     summary: dict[str, Any] = {
-        "model": src.hf_dir, "family": src.family.name, "n_samples": e.n_samples, "k": list(e.k),
-        "prompt_style": e.prompt_style, "limit": e.limit, "seed": cfg.seed, "sampling": dataclasses.asdict(params),
-        "tasks": {}}
+        "model": src.hf_dir,
+        "family": src.family.name,
+        "n_samples": e.n_samples,
+        "k": list(e.k),
+        "prompt_style": e.prompt_style,
+        "limit": e.limit,
+        "seed": cfg.seed,
+        "sampling": dataclasses.asdict(params),
+        "tasks": {},
+    }
     manager = start_engines(cfg, src, tok)
     try:
         group = cfg.rollout.chunk_size * cfg.rollout.num_engines
         for spec in specs:
             t0 = time.perf_counter()
             task_prompts = prompts[spec.name]
-            with tqdm(total=len(task_prompts) * e.n_samples, desc=f"eval {spec.name}", unit="sample",
-                      dynamic_ncols=True) as bar:
-                traj = generate_samples(manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, group,
-                                        cfg.rollout.chunk_size, bar)
+            with tqdm(
+                total=len(task_prompts) * e.n_samples, desc=f"eval {spec.name}", unit="sample", dynamic_ncols=True
+            ) as bar:
+                traj = generate_samples(
+                    manager,
+                    [p.prompt_ids for p in task_prompts],
+                    params,
+                    e.n_samples,
+                    group,
+                    cfg.rollout.chunk_size,
+                    bar,
+                )
                 bar.set_postfix_str("scoring")
                 rows, reward_stats = score_samples(spec, tok, task_prompts, traj, cfg.rl.max_reward_error_fraction)
-            metrics: dict[str, Any] = {"file": files[spec.name], "problems": len(task_prompts),
-                                       "samples_per_problem": e.n_samples}
+            metrics: dict[str, Any] = {
+                "file": files[spec.name],
+                "problems": len(task_prompts),
+                "samples_per_problem": e.n_samples,
+            }
             metrics.update(task_metrics(rows, list(e.k), spec.vote_key))
             metrics.update(reward_stats, seconds=time.perf_counter() - t0)
             summary["tasks"][spec.name] = metrics

@@ -40,6 +40,7 @@ Extraction is the rewards' own: math takes :func:`~megadare.rewards.extract_answ
 MBPP rows of DARE: ``[BEGIN]``/``[DONE]``), countdown / sudoku the last ``<answer>``. A sample is correct when its
 reward is 1.0 (code: every test passed; sudoku: every empty cell right).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -51,19 +52,39 @@ from typing import Any, Callable, Optional
 from megadare.data.fields import is_verl_row
 from megadare.data.files import DataError, load_rows
 from megadare.errors import ConfigError
-from megadare.rewards import (auto_rule, extract_answer, extract_boxed, extract_code, gsm8k_gold, normalize_answer,
-                              program_extractor)
+from megadare.rewards import (
+    auto_rule,
+    extract_answer,
+    extract_boxed,
+    extract_code,
+    gsm8k_gold,
+    normalize_answer,
+    program_extractor,
+)
 from megadare.rewards.planning import last_answer_tag
 
-__all__ = ["TaskSpec", "TASKS", "PROMPT_STYLES", "task_spec", "file_task", "countdown_prompt", "SUDOKU_PROMPT",
-           "MATH_BOXED_INSTRUCTION", "D1_MATH_SYSTEM_PROMPT", "CODE_BLOCK_INSTRUCTION"]
+__all__ = [
+    "TaskSpec",
+    "TASKS",
+    "PROMPT_STYLES",
+    "task_spec",
+    "file_task",
+    "countdown_prompt",
+    "SUDOKU_PROMPT",
+    "MATH_BOXED_INSTRUCTION",
+    "D1_MATH_SYSTEM_PROMPT",
+    "CODE_BLOCK_INSTRUCTION",
+]
 
 MATH_BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-D1_MATH_SYSTEM_PROMPT = ("You are a math expert. You will be given a question to solve. Solve it step by step. "
-                         "Wrap the final answer in a \\boxed{}. \nRespond in the following format:\n<reasoning>\n"
-                         "Your reasoning here\n</reasoning>\n<answer>\n\\boxed{...}\n</answer>")
-CODE_BLOCK_INSTRUCTION = ("Place your code within a single Python code block ```python ```. "
-                          "Do not include more than one code block.")
+D1_MATH_SYSTEM_PROMPT = (
+    "You are a math expert. You will be given a question to solve. Solve it step by step. "
+    "Wrap the final answer in a \\boxed{}. \nRespond in the following format:\n<reasoning>\n"
+    "Your reasoning here\n</reasoning>\n<answer>\n\\boxed{...}\n</answer>"
+)
+CODE_BLOCK_INSTRUCTION = (
+    "Place your code within a single Python code block ```python ```. Do not include more than one code block."
+)
 PROMPT_STYLES = ("boxed", "d1")
 ID_FIELDS = ("task_id", "unique_id", "id", "ID", "idx")
 
@@ -74,8 +95,9 @@ def _field(raw: dict, names: tuple[str, ...], where: str, what: str) -> Any:
         if raw.get(name) is not None:
             return raw[name]
     accepted = " | ".join(repr(n) for n in names)
-    raise DataError(f"{where}: missing field {names[0]!r} ({what}; accepted names: {accepted}); "
-                    f"found keys {sorted(raw)}")
+    raise DataError(
+        f"{where}: missing field {names[0]!r} ({what}; accepted names: {accepted}); found keys {sorted(raw)}"
+    )
 
 
 def _text(raw: dict, names: tuple[str, ...], where: str, what: str, numbers_ok: bool = False) -> str:
@@ -121,8 +143,9 @@ def _gsm8k(raw: dict, where: str, style: str) -> dict:
 
 def _math500(raw: dict, where: str, style: str) -> dict:
     problem = _text(raw, ("problem", "question"), where, "the problem statement")
-    answer = _text(raw, ("answer", "solution"), where, "the final answer (or a solution with \\boxed{})",
-                   numbers_ok=True)
+    answer = _text(
+        raw, ("answer", "solution"), where, "the final answer (or a solution with \\boxed{})", numbers_ok=True
+    )
     return {"messages": _user(_math_prompt(problem, style)), "answer": answer}
 
 
@@ -136,8 +159,7 @@ def _humaneval(raw: dict, where: str, style: str) -> dict:
     prompt = _text(raw, ("prompt",), where, "the function signature and docstring")
     test = _text(raw, ("test",), where, "the test code defining check(candidate)")
     entry = _text(raw, ("entry_point",), where, "the name of the function under test")
-    return {"messages": _user(f"{prompt}\n{CODE_BLOCK_INSTRUCTION}"),
-            "tests": f"{test}\n\ncheck({entry})\n"}
+    return {"messages": _user(f"{prompt}\n{CODE_BLOCK_INSTRUCTION}"), "tests": f"{test}\n\ncheck({entry})\n"}
 
 
 def _mbpp(raw: dict, where: str, style: str) -> dict:
@@ -154,30 +176,35 @@ def _mbpp(raw: dict, where: str, style: str) -> dict:
 
 COUNTDOWN_FORMAT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>\n"
 SUDOKU_PROMPT = (
-    'Please solve the following 4x4 Sudoku puzzle. The puzzle is provided as a 16-character string reading '
-    'left-to-right, top-to-bottom, where \'0\' represents empty cells.\n\nRules:\n- Fill empty cells with digits '
-    '1-4\n- Each row must contain digits 1-4 exactly once\n- Each column must contain digits 1-4 exactly once\n- '
-    'Each 2x2 box must contain digits 1-4 exactly once\n\nImportant: Your solution must be a COMPLETE 16-character '
-    'string with only the digits 1-4, representing your final solved grid.\n\nRespond in this exact format:\n'
-    '<reasoning>\nYour step-by-step solving process\n</reasoning>\n<answer>\n[16-character solution string with '
-    'no spaces or separators]\n</answer>\n')
+    "Please solve the following 4x4 Sudoku puzzle. The puzzle is provided as a 16-character string reading "
+    "left-to-right, top-to-bottom, where '0' represents empty cells.\n\nRules:\n- Fill empty cells with digits "
+    "1-4\n- Each row must contain digits 1-4 exactly once\n- Each column must contain digits 1-4 exactly once\n- "
+    "Each 2x2 box must contain digits 1-4 exactly once\n\nImportant: Your solution must be a COMPLETE 16-character "
+    "string with only the digits 1-4, representing your final solved grid.\n\nRespond in this exact format:\n"
+    "<reasoning>\nYour step-by-step solving process\n</reasoning>\n<answer>\n[16-character solution string with "
+    "no spaces or separators]\n</answer>\n"
+)
 
 
 def countdown_prompt(numbers: list[int], target: int) -> str:
     """DARE's countdown question (preprocess_sudoku_countdown.py)."""
-    return (f"{COUNTDOWN_FORMAT}\nUsing only the numbers {numbers}, create an arithmetic expression that evaluates "
-            f"to exactly {target}. You must use all numbers from the list, and each number must be used exactly "
-            "once. You may use the operations +, -, *, and / as needed. After reasoning, provide only your final "
-            "expression inside <answer></answer> tags without including an equals sign or the target number. For "
-            "example, if the numbers are [2, 3, 4] and the target is 5, a valid answer is: <answer>\n2*4-3\n</answer>")
+    return (
+        f"{COUNTDOWN_FORMAT}\nUsing only the numbers {numbers}, create an arithmetic expression that evaluates "
+        f"to exactly {target}. You must use all numbers from the list, and each number must be used exactly "
+        "once. You may use the operations +, -, *, and / as needed. After reasoning, provide only your final "
+        "expression inside <answer></answer> tags without including an equals sign or the target number. For "
+        "example, if the numbers are [2, 3, 4] and the target is 5, a valid answer is: <answer>\n2*4-3\n</answer>"
+    )
 
 
 def _countdown(raw: dict, where: str, style: str) -> dict:
     if raw.get("input") is not None and raw.get("output") is not None and raw.get("target") is None:
-        numbers, target = str(raw["input"]).split(","), raw["output"]   # d1's countdown_cd3_test.jsonl
+        numbers, target = str(raw["input"]).split(","), raw["output"]  # d1's countdown_cd3_test.jsonl
     else:
-        numbers, target = _field(raw, ("nums", "numbers"), where, "the numbers"), \
-            _field(raw, ("target", "answer"), where, "the target")
+        numbers, target = (
+            _field(raw, ("nums", "numbers"), where, "the numbers"),
+            _field(raw, ("target", "answer"), where, "the target"),
+        )
     try:
         numbers = [int(str(n).strip()) for n in (json.loads(numbers) if isinstance(numbers, str) else numbers)]
         target = int(str(target).strip())
@@ -192,8 +219,11 @@ def _sudoku(raw: dict, where: str, style: str) -> dict:
     for name, grid in (("puzzle", puzzle), ("solution", solution)):
         if len(grid.strip()) != 16 or not grid.strip().isdigit():
             raise DataError(f"{where}: field {name!r} must be 16 digits (a 4x4 grid row by row), got {grid!r}")
-    return {"messages": _user(f"{SUDOKU_PROMPT}\n\nSolve the following Sudoku puzzle: {puzzle.strip()}\n"),
-            "answer": solution.strip(), "puzzle": puzzle.strip()}
+    return {
+        "messages": _user(f"{SUDOKU_PROMPT}\n\nSolve the following Sudoku puzzle: {puzzle.strip()}\n"),
+        "answer": solution.strip(),
+        "puzzle": puzzle.strip(),
+    }
 
 
 def _reference_answer(answer: str) -> str:
@@ -215,22 +245,25 @@ class TaskSpec:
     (None: maj@k is not defined, as for code)."""
 
     name: str
-    kind: str                                                   # math | code | planning
+    kind: str  # math | code | planning
     reward: str
-    gold_field: str                                             # record field the reward checks
+    gold_field: str  # record field the reward checks
     build: Callable[[dict, str, str], dict]
     extract: Callable[[str], Optional[str]]
     reference: Optional[Callable[[str], str]]
     vote_key: Optional[Callable[[Optional[str]], Optional[str]]]
-    path: Optional[str] = None                                  # a file task: its data file
+    path: Optional[str] = None  # a file task: its data file
 
     def record(self, raw: dict, where: str, style: str) -> dict:
         """The evaluation record of a dataset row (prompt messages, gold / tests, the row's id if it has one); a
         verl / DARE row is kept as it is (its prompt, its ``reward_model.ground_truth``)."""
         rec = dict(raw) if is_verl_row(raw) else self.build(raw, where, style)
         rec["problem_id"] = next((str(raw[k]) for k in ID_FIELDS if raw.get(k) is not None), None)
-        if rec["problem_id"] is None and isinstance(raw.get("extra_info"), dict) and \
-                raw["extra_info"].get("index") is not None:
+        if (
+            rec["problem_id"] is None
+            and isinstance(raw.get("extra_info"), dict)
+            and raw["extra_info"].get("index") is not None
+        ):
             rec["problem_id"] = str(raw["extra_info"]["index"])
         return rec
 
@@ -248,21 +281,26 @@ def _planning_task(name: str, build: Callable[[dict, str, str], dict]) -> TaskSp
     return TaskSpec(name, "planning", name, "answer", build, last_answer_tag, str, None)
 
 
-TASKS: dict[str, TaskSpec] = {t.name: t for t in (
-    _math_task("gsm8k", "gsm8k", _gsm8k),
-    _math_task("math500", "math", _math500),
-    _math_task("aime24", "math", _aime),
-    _math_task("aime25", "math", _aime),
-    _code_task("humaneval", _humaneval),
-    _code_task("mbpp", _mbpp),
-    _planning_task("countdown", _countdown),
-    _planning_task("sudoku", _sudoku),
-)}
+TASKS: dict[str, TaskSpec] = {
+    t.name: t
+    for t in (
+        _math_task("gsm8k", "gsm8k", _gsm8k),
+        _math_task("math500", "math", _math500),
+        _math_task("aime24", "math", _aime),
+        _math_task("aime25", "math", _aime),
+        _code_task("humaneval", _humaneval),
+        _code_task("mbpp", _mbpp),
+        _planning_task("countdown", _countdown),
+        _planning_task("sudoku", _sudoku),
+    )
+}
 
 
 def _unbuildable(raw: dict, where: str, style: str) -> dict:
-    raise DataError(f"{where}: a file task takes rows in the verl / DARE schema (prompt messages + "
-                    f"reward_model.ground_truth); found keys {sorted(raw)}")
+    raise DataError(
+        f"{where}: a file task takes rows in the verl / DARE schema (prompt messages + "
+        f"reward_model.ground_truth); found keys {sorted(raw)}"
+    )
 
 
 def file_task(path: str) -> TaskSpec:
@@ -280,8 +318,17 @@ def file_task(path: str) -> TaskSpec:
     name = os.path.splitext(os.path.basename(path))[0]
     source = str(first.get("data_source", "")).lower()
     if rule in ("math", "gsm8k"):
-        return TaskSpec(name, "math", "auto", "answer", _unbuildable, extract_answer,
-                        gsm8k_gold if rule == "gsm8k" else _reference_answer, _math_vote_key, path)
+        return TaskSpec(
+            name,
+            "math",
+            "auto",
+            "answer",
+            _unbuildable,
+            extract_answer,
+            gsm8k_gold if rule == "gsm8k" else _reference_answer,
+            _math_vote_key,
+            path,
+        )
     if rule.startswith("code"):
         return TaskSpec(name, "code", "auto", "answer", _unbuildable, program_extractor(source), None, None, path)
     return TaskSpec(name, "planning", "auto", "answer", _unbuildable, last_answer_tag, str, None, path)
@@ -298,5 +345,6 @@ def task_spec(name: str) -> TaskSpec:
         return file_task(str(name))
     close = difflib.get_close_matches(str(name), list(TASKS), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"eval.tasks: unknown task {name!r}{hint} (known: {', '.join(TASKS)}, or a .jsonl / .parquet "
-                      "file of DARE rows)")
+    raise ConfigError(
+        f"eval.tasks: unknown task {name!r}{hint} (known: {', '.join(TASKS)}, or a .jsonl / .parquet file of DARE rows)"
+    )

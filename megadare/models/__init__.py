@@ -1,10 +1,11 @@
 """Model families: recognise a checkpoint, build its hf/ reference model or its Megatron model.
 
-    load_hf_model(path)             config.json + *.safetensors (single or sharded) -> hf/ model, strict
-    build_hf_model(cfg)             random-initialised hf/ model for a config.json dict
-    perturb_(model)                 random weights that all matter (norms off one, expert biases off zero)
-    save_hf_model(model, cfg, dir)  HF-layout checkpoint (sharded safetensors + index + config.json)
+load_hf_model(path)             config.json + *.safetensors (single or sharded) -> hf/ model, strict
+build_hf_model(cfg)             random-initialised hf/ model for a config.json dict
+perturb_(model)                 random weights that all matter (norms off one, expert biases off zero)
+save_hf_model(model, cfg, dir)  HF-layout checkpoint (sharded safetensors + index + config.json)
 """
+
 from __future__ import annotations
 
 import os
@@ -21,16 +22,28 @@ from megadare.models.family import (
     read_hf_config,
 )
 
-__all__ = ["FAMILIES", "Family", "ModelArch", "ModelConfigError", "family_of", "get_family", "read_hf_config",
-           "build_hf_model", "load_hf_model", "perturb_", "save_hf_model"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "ModelArch",
+    "ModelConfigError",
+    "family_of",
+    "get_family",
+    "read_hf_config",
+    "build_hf_model",
+    "load_hf_model",
+    "perturb_",
+    "save_hf_model",
+]
 
 
 def build_hf_model(cfg: dict) -> torch.nn.Module:
     return family_of(cfg).hf_model(cfg)
 
 
-def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_hf_model(
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> torch.nn.Module:
     """The family's hf/ model with the checkpoint's weights; missing or unexpected tensors are errors."""
     from megadare.models.safetensors_io import CheckpointError, SafetensorsReader
 
@@ -44,8 +57,10 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         have = {k for k in r.keys() if not any(k.endswith(s) for s in ignore)}
         missing, unexpected = sorted(set(want) - have), sorted(have - set(want))
         if missing or unexpected:
-            raise CheckpointError(f"{os.fspath(path)}: checkpoint does not match config.json: "
-                                  f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+            raise CheckpointError(
+                f"{os.fspath(path)}: checkpoint does not match config.json: "
+                f"missing {missing[:8]}, unexpected {unexpected[:8]}"
+            )
         state = {k: r.get(k).to(dtype) for k in want}
     model.load_state_dict(state, assign=True)
     return model.to(device).eval()
@@ -63,8 +78,7 @@ def perturb_(model: torch.nn.Module, scale: float = 0.05, expert_bias_scale: flo
     return model
 
 
-def save_hf_model(model: torch.nn.Module, cfg: dict, out_dir: str | os.PathLike,
-                  max_shard_bytes: int = 2 << 30) -> str:
+def save_hf_model(model: torch.nn.Module, cfg: dict, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> str:
     from megadare.models.safetensors_io import save_hf_checkpoint
 
     state = {k: v.detach() for k, v in model.state_dict().items()}

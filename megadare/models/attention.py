@@ -19,6 +19,7 @@ Masks (block index b(i) = pos(i) // block_size, positions counted on the global 
 Sequence packing: every mask also takes optional per-position segment ids; tokens attend only within their
 segment, and block indices use the position inside the segment.
 """
+
 from __future__ import annotations
 
 import math
@@ -69,8 +70,9 @@ class MaskSpec:
     def to(self, device) -> "MaskSpec":
         """The same mask with its per-position tensors on ``device``."""
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(self, segment_ids=mv(self.segment_ids), position_ids=mv(self.position_ids),
-                       stream_ids=mv(self.stream_ids))
+        return replace(
+            self, segment_ids=mv(self.segment_ids), position_ids=mv(self.position_ids), stream_ids=mv(self.stream_ids)
+        )
 
     # ------------------------------------------------------------------ the mask itself
     def _pos(self, b: torch.Tensor, idx: torch.Tensor, offset: int) -> torch.Tensor:
@@ -105,9 +107,9 @@ class MaskSpec:
             k_is_x0 = kv_idx >= L
             qb = torch.where(q_is_x0, q_idx - L, q_idx) // bs
             kb = torch.where(k_is_x0, kv_idx - L, kv_idx) // bs
-        xt_xt = (~q_is_x0) & (~k_is_x0) & (qb == kb)          # own noisy block, bidirectional
-        xt_x0 = (~q_is_x0) & k_is_x0 & (kb < qb)              # clean context of earlier blocks
-        x0_x0 = q_is_x0 & k_is_x0 & (kb <= qb)                # clean stream, block-causal
+        xt_xt = (~q_is_x0) & (~k_is_x0) & (qb == kb)  # own noisy block, bidirectional
+        xt_x0 = (~q_is_x0) & k_is_x0 & (kb < qb)  # clean context of earlier blocks
+        x0_x0 = q_is_x0 & k_is_x0 & (kb <= qb)  # clean stream, block-causal
         return xt_xt | xt_x0 | x0_x0
 
     # ------------------------------------------------------------------ materialised forms
@@ -181,15 +183,18 @@ def _mask_batch(spec: MaskSpec) -> int:
     return 1
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor],
-                   scale: float) -> torch.Tensor:
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
     """q [B, H, Q, D], k/v [B, G, K, D] (G kv groups, H % G == 0); allowed [B|1, 1, Q, K] or None."""
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        q, k, v, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor],
-                        scale: float) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
     """Plain softmax(QK^T * scale + mask) V in fp32: the readable reference for the other backends."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
@@ -201,7 +206,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-_BLOCK_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()   # most recent block masks (all layers of a forward)
+_BLOCK_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # most recent block masks (all layers of a forward)
 _BLOCK_MASKS_KEPT = 8
 
 
@@ -217,8 +222,7 @@ def _graph_mask(spec: MaskSpec, device: torch.device) -> Callable:
     ``create_block_mask`` counts a bound method's ``self`` as a fifth positional argument and refuses it.)
     """
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    graph_spec = replace(spec, q_offset=as_t(spec.q_offset), kv_offset=as_t(spec.kv_offset),
-                         seq_len=as_t(spec.seq_len))
+    graph_spec = replace(spec, q_offset=as_t(spec.q_offset), kv_offset=as_t(spec.kv_offset), seq_len=as_t(spec.seq_len))
 
     def mask_mod(b, h, q_idx, kv_idx):
         return graph_spec.mask_mod(b, h, q_idx, kv_idx)
@@ -240,8 +244,9 @@ def flex_block_mask(spec: MaskSpec, q_len: int, kv_len: int, device: torch.devic
     if hit is not None:
         _BLOCK_MASKS.move_to_end(key)
         return hit[1]
-    block_mask = create_block_mask(_graph_mask(spec, device), _mask_batch(spec) if packed else None, None, q_len,
-                                   kv_len, device=device)
+    block_mask = create_block_mask(
+        _graph_mask(spec, device), _mask_batch(spec) if packed else None, None, q_len, kv_len, device=device
+    )
     _BLOCK_MASKS[key] = (spec, block_mask)
     while len(_BLOCK_MASKS) > _BLOCK_MASKS_KEPT:
         _BLOCK_MASKS.popitem(last=False)
@@ -287,9 +292,18 @@ class DLLMCoreAttention(torch.nn.Module):
     an ``all_gather`` -- correct, cp times the traffic.
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, backend: str = "auto"):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        backend: str = "auto",
+    ):
         super().__init__()
         from megatron.core import parallel_state
 
@@ -308,14 +322,26 @@ class DLLMCoreAttention(torch.nn.Module):
                     f"parallel.cp={self.cp_size}: Ulysses context parallelism scatters attention heads over the CP "
                     f"ranks, but each tensor-parallel partition holds {self.heads_per_partition} query heads "
                     f"({config.num_attention_heads} heads / tp={tp}), not divisible by cp={self.cp_size}; "
-                    f"choose parallel.cp (times parallel.tp) dividing {config.num_attention_heads}")
+                    f"choose parallel.cp (times parallel.tp) dividing {config.num_attention_heads}"
+                )
         self.head_dim = config.kv_channels
-        self.scale = softmax_scale if softmax_scale is not None else (
-            config.softmax_scale if getattr(config, "softmax_scale", None) else self.head_dim ** -0.5)
+        self.scale = (
+            softmax_scale
+            if softmax_scale is not None
+            else (config.softmax_scale if getattr(config, "softmax_scale", None) else self.head_dim**-0.5)
+        )
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("DLLMCoreAttention: pass packing through MaskSpec(segment_ids=...), not packed_seq_params")
         if self.training and self.dropout_p > 0:
@@ -351,7 +377,7 @@ class DLLMCoreAttention(torch.nn.Module):
         q = seq_to_head_parallel(query, group)
         k = seq_to_head_parallel(key, group)
         v = seq_to_head_parallel(value, group)
-        out = self._attend(q, k, v, attention_mask)                      # [S, B, h/cp * D]
+        out = self._attend(q, k, v, attention_mask)  # [S, B, h/cp * D]
         out = out.view(s * cp, b, q.shape[2], self.head_dim)
         return head_to_seq_parallel(out, group).reshape(s, b, query.shape[2] * self.head_dim)
 
@@ -420,7 +446,7 @@ def seq_to_head_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
     cp = dist.get_world_size(group)
     s, b, h, d = x.shape
-    send = x.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)       # [cp, s, B, h/cp, D]
+    send = x.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp, s, B, h/cp, D]
     return _AllToAll.apply(send, group).reshape(cp * s, b, h // cp, d)
 
 
@@ -430,7 +456,7 @@ def head_to_seq_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
     cp = dist.get_world_size(group)
     S, b, hc, d = x.shape
-    recv = _AllToAll.apply(x.reshape(cp, S // cp, b, hc, d), group)    # [cp (head slice), s, B, h/cp, D]
+    recv = _AllToAll.apply(x.reshape(cp, S // cp, b, hc, d), group)  # [cp (head slice), s, B, h/cp, D]
     return recv.permute(1, 2, 0, 3, 4).reshape(S // cp, b, cp * hc, d)
 
 

@@ -7,6 +7,7 @@ the model's logits at position i predict token i+1 (Dream was adapted from an AR
 losses read ``logits[:, i-1]`` for a masked token at i -- recorded as ``logits_shift = 1``; the model itself
 returns plain lm_head logits.
 """
+
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
@@ -16,30 +17,57 @@ from megadare.models.sdar import qwen_common
 MASK_TOKEN_ID = 151666
 _L = "model.layers.{i}."
 NAMES = HFNames(
-    embed="model.embed_tokens.weight", final_norm="model.norm.weight", lm_head="lm_head.weight",
-    input_norm=_L + "input_layernorm.weight", post_norm=_L + "post_attention_layernorm.weight",
-    q=_L + "self_attn.q_proj.weight", k=_L + "self_attn.k_proj.weight", v=_L + "self_attn.v_proj.weight",
-    q_bias=_L + "self_attn.q_proj.bias", k_bias=_L + "self_attn.k_proj.bias", v_bias=_L + "self_attn.v_proj.bias",
+    embed="model.embed_tokens.weight",
+    final_norm="model.norm.weight",
+    lm_head="lm_head.weight",
+    input_norm=_L + "input_layernorm.weight",
+    post_norm=_L + "post_attention_layernorm.weight",
+    q=_L + "self_attn.q_proj.weight",
+    k=_L + "self_attn.k_proj.weight",
+    v=_L + "self_attn.v_proj.weight",
+    q_bias=_L + "self_attn.q_proj.bias",
+    k_bias=_L + "self_attn.k_proj.bias",
+    v_bias=_L + "self_attn.v_proj.bias",
     o=_L + "self_attn.o_proj.weight",
-    gate=_L + "mlp.gate_proj.weight", up=_L + "mlp.up_proj.weight", down=_L + "mlp.down_proj.weight",
+    gate=_L + "mlp.gate_proj.weight",
+    up=_L + "mlp.up_proj.weight",
+    down=_L + "mlp.down_proj.weight",
 )
 
 
 def arch(cfg: dict) -> ModelArch:
     cfg = canonical_config(cfg, "DreamModel")
     kw = qwen_common(cfg, "DreamModel")
-    return ModelArch(family="dream", architecture="DreamModel", qkv_bias=True, logits_shift=1,
-                     mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)), attention="bidirectional",
-                     block_size=0, **kw)
+    return ModelArch(
+        family="dream",
+        architecture="DreamModel",
+        qkv_bias=True,
+        logits_shift=1,
+        mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
+        attention="bidirectional",
+        block_size=0,
+        **kw,
+    )
 
 
 def tiny_config(**over) -> dict:
     cfg = {
-        "architectures": ["DreamModel"], "model_type": "Dream",
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "max_position_embeddings": 512, "tie_word_embeddings": False, "hidden_act": "silu",
-        "torch_dtype": "float32", "mask_token_id": 255, "pad_token_id": 254,
+        "architectures": ["DreamModel"],
+        "model_type": "Dream",
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "mask_token_id": 255,
+        "pad_token_id": 254,
     }
     cfg.update(over)
     return cfg
@@ -51,6 +79,14 @@ def _hf(cfg: dict):
     return DecoderLM(arch(cfg), NAMES)
 
 
-DREAM = register(Family(name="dream", architectures=("DreamModel",), arch=arch, hf_model=_hf,
-                        mapping=lambda c: build_table(arch(c), NAMES), tiny_config=tiny_config,
-                        extra={"ignore_hf": ("rotary_emb.inv_freq",)}))
+DREAM = register(
+    Family(
+        name="dream",
+        architectures=("DreamModel",),
+        arch=arch,
+        hf_model=_hf,
+        mapping=lambda c: build_table(arch(c), NAMES),
+        tiny_config=tiny_config,
+        extra={"ignore_hf": ("rotary_emb.inv_freq",)},
+    )
+)

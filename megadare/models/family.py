@@ -5,6 +5,7 @@ them. A family is recognised by the ``architectures`` entry of the checkpoint's 
 single place that states: the mask token id, the default block size, the attention kind, how config.json maps
 to a Megatron ``TransformerConfig`` and layer spec, and the one HF <-> Megatron parameter table.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,27 +35,27 @@ class ModelArch:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
-    ffn_hidden_size: int                 # dense MLP width (dense layers of a MoE model too)
+    ffn_hidden_size: int  # dense MLP width (dense layers of a MoE model too)
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
     mask_token_id: int
-    attention: str                       # "block_causal" | "bidirectional"
-    block_size: int                      # default denoising block (block-diffusion families); 0 otherwise
+    attention: str  # "block_causal" | "bidirectional"
+    block_size: int  # default denoising block (block-diffusion families); 0 otherwise
     rotary_percent: float = 1.0
     qk_norm: bool = False
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
-    logits_shift: int = 0                # Dream: logits at i predict token i+1
+    logits_shift: int = 0  # Dream: logits at i predict token i+1
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 0
     num_shared_experts: int = 0
-    first_k_dense: int = 0               # leading dense layers of a MoE model
+    first_k_dense: int = 0  # leading dense layers of a MoE model
     moe_score_function: str = "softmax"  # "softmax" | "sigmoid"
     moe_norm_topk_prob: bool = True
     moe_routed_scaling: float = 1.0
-    moe_num_groups: int = 0              # group-limited routing (0 = off)
+    moe_num_groups: int = 0  # group-limited routing (0 = off)
     moe_topk_groups: int = 0
     moe_expert_bias: bool = False
 
@@ -165,9 +166,11 @@ def canonical_config(cfg: dict, where: str) -> dict:
         if not isinstance(rope, dict):
             raise ModelConfigError(f"{where}: config.json rope_parameters={rope!r} must be a mapping")
         if rope.get("rope_type", "default") != "default":
-            raise ModelConfigError(f"{where}: config.json rope_parameters={rope!r}: rope_type "
-                                   f"{rope['rope_type']!r} is not supported; megadare implements plain RoPE "
-                                   "(rope_type 'default'), as the published dLLM checkpoints use")
+            raise ModelConfigError(
+                f"{where}: config.json rope_parameters={rope!r}: rope_type "
+                f"{rope['rope_type']!r} is not supported; megadare implements plain RoPE "
+                "(rope_type 'default'), as the published dLLM checkpoints use"
+            )
         for key in ROPE_PARAMETER_KEYS:
             if rope.get(key) is not None:
                 found.setdefault(key, []).append((f"rope_parameters.{key}", rope[key]))
@@ -175,8 +178,11 @@ def canonical_config(cfg: dict, where: str) -> dict:
         if out.get(key) is not None:
             values = [(key, out[key])] + values
         if len({v for _, v in values}) > 1:
-            raise ModelConfigError(f"{where}: config.json gives {key!r} different values under different names: "
-                                   + ", ".join(f"{n}={v!r}" for n, v in values) + "; keep one")
+            raise ModelConfigError(
+                f"{where}: config.json gives {key!r} different values under different names: "
+                + ", ".join(f"{n}={v!r}" for n, v in values)
+                + "; keep one"
+            )
         out[key] = values[0][1]
     return out
 

@@ -9,6 +9,7 @@ dLLM core attention (models/attention.py), swapped in as spec submodules -- no f
 feeds x_t ++ x_0 where x_0 token i sits at position i again, and packed samples restart at 0), and the output
 layer on the scored positions only when the trainer passes a ``ScoredTargets`` as ``labels`` (models/head.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -106,7 +107,8 @@ def transformer_config(arch: ModelArch, dtype: str = "fp32", **overrides) -> Tra
             moe_grouped_gemm=False,
             moe_layer_freq=[0 if i < arch.first_k_dense else 1 for i in range(arch.num_layers)],
             moe_shared_expert_intermediate_size=(
-                arch.num_shared_experts * arch.moe_ffn_hidden_size if arch.num_shared_experts else None),
+                arch.num_shared_experts * arch.moe_ffn_hidden_size if arch.num_shared_experts else None
+            ),
             moe_shared_expert_overlap=False,
         )
     kw.update(overrides)
@@ -118,16 +120,19 @@ def _norm(config: TransformerConfig):
 
 
 def _dense_mlp() -> ModuleSpec:
-    return ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                          linear_fc2=RowParallelLinear))
+    return ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    )
 
 
 def _moe_mlp() -> ModuleSpec:
     mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return ModuleSpec(
         module=MoELayer,
-        submodules=MoESubmodules(experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
-                                 shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp)),
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp),
+        ),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )
 
@@ -175,14 +180,15 @@ def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> M
     )
 
 
-def block_spec(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None,
-               attention_backend: str = "auto") -> TransformerBlockSubmodules:
+def block_spec(
+    arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None, attention_backend: str = "auto"
+) -> TransformerBlockSubmodules:
     """The layers this pipeline stage (and virtual stage) builds, dense or MoE per layer."""
     moe_layers = set(arch.moe_layers())
     specs = [layer_spec(arch, i in moe_layers, attention_backend) for i in range(arch.num_layers)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=specs[offset:offset + n], layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + n], layer_norm=RMSNorm)
 
 
 class DLLMGPTModel(GPTModel):
@@ -215,7 +221,7 @@ class DLLMGPTModel(GPTModel):
             self.position_embedding_type = "rope"
         pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
         if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
-            emb = rope_table(self.rotary_pos_emb, pos.t()).unsqueeze(2)   # [S, B, 1, rot_dim]
+            emb = rope_table(self.rotary_pos_emb, pos.t()).unsqueeze(2)  # [S, B, 1, rot_dim]
         else:
             emb = rope_table(self.rotary_pos_emb, pos[0])[:, None, None]  # [S, 1, 1, rot_dim]
         return (out[0], emb, *out[2:])
@@ -230,14 +236,19 @@ def rope_table(rope, positions: torch.Tensor) -> torch.Tensor:
     seq = positions.to(inv_freq.dtype)
     if rope.seq_len_interpolation_factor is not None:
         seq = seq * (1 / rope.seq_len_interpolation_factor)
-    freqs = seq.unsqueeze(-1) * inv_freq                                   # == torch.outer for 1-D positions
+    freqs = seq.unsqueeze(-1) * inv_freq  # == torch.outer for 1-D positions
     if not rope.rotary_interleaved:
         return torch.cat((freqs, freqs), dim=-1)
     return torch.stack((freqs, freqs), dim=-1).flatten(-2)
 
 
-def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None,
-                attention_backend: str = "auto", head: Optional[HeadSettings] = None) -> DLLMGPTModel:
+def build_model(
+    arch: ModelArch,
+    config: TransformerConfig,
+    vp_stage: Optional[int] = None,
+    attention_backend: str = "auto",
+    head: Optional[HeadSettings] = None,
+) -> DLLMGPTModel:
     """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered."""
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -260,8 +271,9 @@ def build_model(arch: ModelArch, config: TransformerConfig, vp_stage: Optional[i
     return model
 
 
-def build_model_chunks(arch: ModelArch, config: TransformerConfig, attention_backend: str = "auto",
-                       head: Optional[HeadSettings] = None) -> list[DLLMGPTModel]:
+def build_model_chunks(
+    arch: ModelArch, config: TransformerConfig, attention_backend: str = "auto", head: Optional[HeadSettings] = None
+) -> list[DLLMGPTModel]:
     """All model chunks of this rank: one per virtual pipeline stage (one without interleaving), on this rank's
     GPU when there is one. megatron creates most weights there already (``use_cpu_initialization=False``), but
     modules built by plain torch (our RMSNorm, the MoE router's weight) start on the CPU; megatron's own trainer

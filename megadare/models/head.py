@@ -34,6 +34,7 @@ plan/memory.py, uses the same function). On a GPU, Liger-Kernel's fused linear c
 kernel for the TP = 1 case; it has no vocab-parallel path, no per-token temperature and no entropy, so this torch
 path is the one megadare runs everywhere (see the note in benchmarks/train_memory.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,15 +44,15 @@ import torch
 import torch.distributed as dist
 
 HEAD_MODES = ("scored", "full")
-NEG = torch.finfo(torch.float32).min     # an excluded token's logit: exp() is exactly 0, 0 * NEG is 0 (no NaN)
+NEG = torch.finfo(torch.float32).min  # an excluded token's logit: exp() is exactly 0, 0 * NEG is 0 (no NaN)
 
 
 @dataclass(frozen=True)
 class HeadSettings:
     """How a training step computes its output layer (``train.logits``, ``train.logits_chunk_mb``)."""
 
-    mode: str = "scored"     # scored: head at the scored positions, chunked; full: logits everywhere (the old path)
-    chunk_mb: float = 64.0   # fp32 logits of one chunk, MiB
+    mode: str = "scored"  # scored: head at the scored positions, chunked; full: logits everywhere (the old path)
+    chunk_mb: float = 64.0  # fp32 logits of one chunk, MiB
 
     def __post_init__(self) -> None:
         if self.mode not in HEAD_MODES:
@@ -100,18 +101,30 @@ def scored_output(model, hidden: torch.Tensor, targets: ScoredTargets) -> Scored
     elif vocab_head:
         hidden = copy_to_tensor_model_parallel_region(hidden)
     s, b, h = hidden.shape
-    pos_sb = targets.positions.t().reshape(-1)                     # (s, b) order, as hidden is laid out
+    pos_sb = targets.positions.t().reshape(-1)  # (s, b) order, as hidden is laid out
     idx = pos_sb.nonzero().squeeze(1)
     picked = hidden.reshape(s * b, h).index_select(0, idx)
     pick = lambda t: None if t is None else t.t().reshape(-1).index_select(0, idx)  # noqa: E731
     if not vocab_head:
-        out = torch.nn.functional.linear(picked, out_layer.weight.to(picked.dtype),
-                                         None if out_layer.bias is None else out_layer.bias.to(picked.dtype))
+        out = torch.nn.functional.linear(
+            picked,
+            out_layer.weight.to(picked.dtype),
+            None if out_layer.bias is None else out_layer.bias.to(picked.dtype),
+        )
         return ScoredOutput(_scatter(out, idx, s, b))
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
-        else out_layer.weight
-    logp, ent = linear_logprobs(picked, weight, pick(targets.labels), targets.vocab_size, pick(targets.logit_scale),
-                                pick(targets.excluded_token), targets.chunk_mb, targets.entropy)
+    weight = (
+        model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else out_layer.weight
+    )
+    logp, ent = linear_logprobs(
+        picked,
+        weight,
+        pick(targets.labels),
+        targets.vocab_size,
+        pick(targets.logit_scale),
+        pick(targets.excluded_token),
+        targets.chunk_mb,
+        targets.entropy,
+    )
     return ScoredOutput(_scatter(logp, idx, s, b), None if ent is None else _scatter(ent, idx, s, b))
 
 
@@ -121,25 +134,35 @@ def _scatter(values: torch.Tensor, idx: torch.Tensor, s: int, b: int) -> torch.T
     return full.view(s, b, *values.shape[1:]).transpose(0, 1).contiguous()
 
 
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                    logit_scale: Optional[torch.Tensor] = None, excluded_token: Optional[torch.Tensor] = None,
-                    chunk_mb: float = 64.0, entropy: bool = False
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    logit_scale: Optional[torch.Tensor] = None,
+    excluded_token: Optional[torch.Tensor] = None,
+    chunk_mb: float = 64.0,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log p(labels) [n] fp32, entropy [n] or None) of ``hidden`` [n, h] under the vocab projection ``weight``
     (this TP rank's rows [V_pad/tp, h]), without the [n, V] logits (module doc). ``hidden`` must already be
     replicated over TP (``scored_output`` does it)."""
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() \
-        else 1
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
     part = weight.shape[0]
     chunk = chunk_tokens(part, chunk_mb)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    vocab = _Vocab(start=rank * part, n_real=max(0, min(part, vocab_size - rank * part)),
-                   group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
-                   chunk=chunk, entropy=entropy, keep_probs=grad and hidden.shape[0] <= chunk,
-                   wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())))
+    vocab = _Vocab(
+        start=rank * part,
+        n_real=max(0, min(part, vocab_size - rank * part)),
+        group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+        chunk=chunk,
+        entropy=entropy,
+        keep_probs=grad and hidden.shape[0] <= chunk,
+        wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())),
+    )
     scale = None if logit_scale is None else logit_scale.float()
     logp, ent = LinearLogProb.apply(hidden, weight, labels, scale, excluded_token, vocab)
     return logp, (ent if entropy else None)
@@ -147,13 +170,13 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 @dataclass(frozen=True)
 class _Vocab:
-    start: int          # first vocabulary id of this rank's rows
-    n_real: int         # rows that are real tokens (the rest is padding)
-    group: object       # TP process group (None: no TP)
-    chunk: int          # tokens per chunk
-    entropy: bool       # also the entropy
-    keep_probs: bool    # one chunk holds every token: keep p for backward instead of recomputing the logits
-    wgrad_rows: int     # bf16 / fp16 weight gradient: vocabulary rows per product (chunk_mb of model dtype)
+    start: int  # first vocabulary id of this rank's rows
+    n_real: int  # rows that are real tokens (the rest is padding)
+    group: object  # TP process group (None: no TP)
+    chunk: int  # tokens per chunk
+    entropy: bool  # also the entropy
+    keep_probs: bool  # one chunk holds every token: keep p for backward instead of recomputing the logits
+    wgrad_rows: int  # bf16 / fp16 weight gradient: vocabulary rows per product (chunk_mb of model dtype)
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, scale, excluded, v: _Vocab) -> torch.Tensor:
@@ -165,7 +188,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor, scale, excluded, v: _Vocab) -> tor
         local = excluded - v.start
         hit = ((excluded >= 0) & (local >= 0) & (local < v.n_real)).unsqueeze(1)
         col = local.clamp(0, v.n_real - 1).unsqueeze(1)
-        z.scatter_(1, col, z.gather(1, col).masked_fill(hit, NEG))     # a miss writes its own value back
+        z.scatter_(1, col, z.gather(1, col).masked_fill(hit, NEG))  # a miss writes its own value back
     return z
 
 
@@ -190,7 +213,7 @@ class LinearLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, scale, excluded, v: _Vocab):
         n = hidden.shape[0]
-        w = weight[:v.n_real]
+        w = weight[: v.n_real]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse, shift = torch.empty_like(logp), torch.empty_like(logp)
         ent, mean_z = (torch.empty_like(logp), torch.empty_like(logp)) if v.entropy else (None, None)
@@ -200,18 +223,18 @@ class LinearLogProb(torch.autograd.Function):
             z = _logits(hidden[sl], w, _part(scale, sl), _part(excluded, sl), v)
             m = _all_reduce(z.amax(1) if v.n_real else z.new_full((z.shape[0],), NEG), v, dist.ReduceOp.MAX)
             tgt = _target(z, labels[sl], v)
-            d = z.sub_(m.unsqueeze(1))                               # z - m, in place
+            d = z.sub_(m.unsqueeze(1))  # z - m, in place
             e = d.exp() if v.entropy else d.exp_()
-            parts = [tgt, e.sum(1)] + ([e.mul_(d).sum(1)] if v.entropy else [])   # entropy: e is spent, d kept
+            parts = [tgt, e.sum(1)] + ([e.mul_(d).sum(1)] if v.entropy else [])  # entropy: e is spent, d kept
             sums = _all_reduce(torch.stack(parts), v)
             log_s = sums[1].log()
             logp[sl], lse[sl], shift[sl] = sums[0] - m - log_s, m + log_s, m
             if v.entropy:
                 ent[sl] = log_s - sums[2] / sums[1]
                 mean_z[sl] = m + sums[2] / sums[1]
-            if v.keep_probs:   # one chunk: keep z - m (entropy) or p itself for backward
+            if v.keep_probs:  # one chunk: keep z - m (entropy) or p itself for backward
                 kept = d if v.entropy else e.div_(sums[1].unsqueeze(1))
-            del z, d, e        # before the next chunk's logits exist: one chunk at a time
+            del z, d, e  # before the next chunk's logits exist: one chunk at a time
         ctx.v = v
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept)
@@ -222,22 +245,23 @@ class LinearLogProb(torch.autograd.Function):
         hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept = ctx.saved_tensors
         v: _Vocab = ctx.v
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w = weight[:v.n_real]
+        w = weight[: v.n_real]
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = _weight_grad_buffer(weight) if need_w else None
         n = hidden.shape[0] if (g_logp is not None or g_ent is not None) else 0
         for a in range(0, n, v.chunk):
             sl = slice(a, min(n, a + v.chunk))
-            g = _logit_grad(ctx, kept, sl, labels[sl], _part(g_logp, sl), _part(g_ent, sl), lse[sl], shift[sl],
-                            _part(mean_z, sl))
+            g = _logit_grad(
+                ctx, kept, sl, labels[sl], _part(g_logp, sl), _part(g_ent, sl), lse[sl], shift[sl], _part(mean_z, sl)
+            )
             if scale is not None:
                 g.mul_(scale[sl].unsqueeze(1))
             g = g.to(weight.dtype)
             if need_h:
                 grad_h[sl] = g @ w
             if need_w and weight.dtype == grad_w.dtype:
-                grad_w[:v.n_real].addmm_(g.t(), hidden[sl])
-            elif need_w:   # bf16 / fp16: the product in the model dtype, <= chunk_mb at a time, summed in fp32
+                grad_w[: v.n_real].addmm_(g.t(), hidden[sl])
+            elif need_w:  # bf16 / fp16: the product in the model dtype, <= chunk_mb at a time, summed in fp32
                 for r in range(0, v.n_real, v.wgrad_rows):
                     rs = slice(r, min(v.n_real, r + v.wgrad_rows))
                     grad_w[rs] += g[:, rs].t() @ hidden[sl]
@@ -267,20 +291,20 @@ def _logit_grad(ctx, kept, sl, labels, g_logp, g_ent, lse, shift, mean_z) -> tor
     hidden, weight, _, scale, excluded = ctx.saved_tensors[:5]
     v: _Vocab = ctx.v
     if kept is not None and not v.entropy:
-        z, p = None, kept                                            # the forward kept p itself
+        z, p = None, kept  # the forward kept p itself
     else:
         if kept is None:
-            z = _logits(hidden[sl], weight[:v.n_real], _part(scale, sl), _part(excluded, sl), v)
+            z = _logits(hidden[sl], weight[: v.n_real], _part(scale, sl), _part(excluded, sl), v)
             shift = torch.zeros_like(shift)
         else:
-            z = kept                                                 # z - shift
+            z = kept  # z - shift
         p = (z - (lse - shift).unsqueeze(1)).exp_() if g_ent is not None else z.sub_((lse - shift).unsqueeze(1)).exp_()
     g = None
-    if g_ent is not None:                                            # -b p (z - E_p z)
+    if g_ent is not None:  # -b p (z - E_p z)
         g = z.sub_((mean_z - shift).unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))
     if g_logp is None:
         return g
-    p = p.mul_(-g_logp.unsqueeze(1))                                 # a (e_y - p)
+    p = p.mul_(-g_logp.unsqueeze(1))  # a (e_y - p)
     if v.n_real:
         local = labels - v.start
         here = (local >= 0) & (local < v.n_real)

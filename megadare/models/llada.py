@@ -11,6 +11,7 @@ architecture ``LLaDAModelLM``; Megatron-Bridge's LLaDA 1.5 bridge uses the same 
   mask token id 126336.
 Rejected: include_bias true, attention_layer_norm true, block_type other than "llama".
 """
+
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
@@ -19,11 +20,18 @@ from megadare.models.family import Family, ModelArch, ModelConfigError, canonica
 MASK_TOKEN_ID = 126336
 _B = "model.transformer.blocks.{i}."
 NAMES = HFNames(
-    embed="model.transformer.wte.weight", final_norm="model.transformer.ln_f.weight",
+    embed="model.transformer.wte.weight",
+    final_norm="model.transformer.ln_f.weight",
     lm_head="model.transformer.ff_out.weight",
-    input_norm=_B + "attn_norm.weight", post_norm=_B + "ff_norm.weight",
-    q=_B + "q_proj.weight", k=_B + "k_proj.weight", v=_B + "v_proj.weight", o=_B + "attn_out.weight",
-    gate=_B + "ff_proj.weight", up=_B + "up_proj.weight", down=_B + "ff_out.weight",
+    input_norm=_B + "attn_norm.weight",
+    post_norm=_B + "ff_norm.weight",
+    q=_B + "q_proj.weight",
+    k=_B + "k_proj.weight",
+    v=_B + "v_proj.weight",
+    o=_B + "attn_out.weight",
+    gate=_B + "ff_proj.weight",
+    up=_B + "up_proj.weight",
+    down=_B + "ff_out.weight",
 )
 
 
@@ -39,23 +47,45 @@ def arch(cfg: dict) -> ModelArch:
     d = require(cfg, "d_model", int, w)
     vocab = int(cfg.get("embedding_size") or require(cfg, "vocab_size", int, w))
     return ModelArch(
-        family="llada", architecture=w, vocab_size=vocab, hidden_size=d,
-        num_layers=require(cfg, "n_layers", int, w), num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("n_kv_heads") or heads), head_dim=d // heads,
+        family="llada",
+        architecture=w,
+        vocab_size=vocab,
+        hidden_size=d,
+        num_layers=require(cfg, "n_layers", int, w),
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("n_kv_heads") or heads),
+        head_dim=d // heads,
         ffn_hidden_size=require(cfg, "mlp_hidden_size", int, w),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
         max_position_embeddings=int(cfg.get("max_sequence_length", 4096)),
         tie_word_embeddings=bool(cfg.get("weight_tying", False)),
-        mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)), attention="bidirectional", block_size=0)
+        mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
+        attention="bidirectional",
+        block_size=0,
+    )
 
 
 def tiny_config(**over) -> dict:
     cfg = {
-        "architectures": ["LLaDAModelLM"], "model_type": "llada",
-        "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2, "mlp_hidden_size": 128,
-        "vocab_size": 250, "embedding_size": 256, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-        "max_sequence_length": 512, "weight_tying": False, "include_bias": False, "block_type": "llama",
-        "layer_norm_type": "rms", "activation_type": "silu", "mask_token_id": 255,
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "d_model": 64,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "n_layers": 2,
+        "mlp_hidden_size": 128,
+        "vocab_size": 250,
+        "embedding_size": 256,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_sequence_length": 512,
+        "weight_tying": False,
+        "include_bias": False,
+        "block_type": "llama",
+        "layer_norm_type": "rms",
+        "activation_type": "silu",
+        "mask_token_id": 255,
     }
     cfg.update(over)
     return cfg
@@ -67,5 +97,13 @@ def _hf(cfg: dict):
     return DecoderLM(arch(cfg), NAMES)
 
 
-LLADA = register(Family(name="llada", architectures=("LLaDAModelLM",), arch=arch, hf_model=_hf,
-                        mapping=lambda c: build_table(arch(c), NAMES), tiny_config=tiny_config))
+LLADA = register(
+    Family(
+        name="llada",
+        architectures=("LLaDAModelLM",),
+        arch=arch,
+        hf_model=_hf,
+        mapping=lambda c: build_table(arch(c), NAMES),
+        tiny_config=tiny_config,
+    )
+)

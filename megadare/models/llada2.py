@@ -25,6 +25,7 @@ the window (prompt and earlier blocks included) attends to the current, partly m
 strict block-causal mask for 2.1 as for 2.0 (the one the training forward and both rollout engines use, so the
 recorded trace is the trainer's), so its 2.1 decodes differ from the publisher's code there by design.
 """
+
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
@@ -37,15 +38,25 @@ BLOCK_SIZE = 32
 AUTO_MAP = {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig"}
 _L = "model.layers.{i}."
 NAMES = HFNames(
-    embed="model.word_embeddings.weight", final_norm="model.norm.weight", lm_head="lm_head.weight",
-    input_norm=_L + "input_layernorm.weight", post_norm=_L + "post_attention_layernorm.weight",
-    qkv=_L + "attention.query_key_value.weight", o=_L + "attention.dense.weight",
-    q_norm=_L + "attention.query_layernorm.weight", k_norm=_L + "attention.key_layernorm.weight",
-    gate=_L + "mlp.gate_proj.weight", up=_L + "mlp.up_proj.weight", down=_L + "mlp.down_proj.weight",
-    router=_L + "mlp.gate.weight", expert_bias=_L + "mlp.gate.expert_bias",
-    expert_gate=_L + "mlp.experts.{e}.gate_proj.weight", expert_up=_L + "mlp.experts.{e}.up_proj.weight",
+    embed="model.word_embeddings.weight",
+    final_norm="model.norm.weight",
+    lm_head="lm_head.weight",
+    input_norm=_L + "input_layernorm.weight",
+    post_norm=_L + "post_attention_layernorm.weight",
+    qkv=_L + "attention.query_key_value.weight",
+    o=_L + "attention.dense.weight",
+    q_norm=_L + "attention.query_layernorm.weight",
+    k_norm=_L + "attention.key_layernorm.weight",
+    gate=_L + "mlp.gate_proj.weight",
+    up=_L + "mlp.up_proj.weight",
+    down=_L + "mlp.down_proj.weight",
+    router=_L + "mlp.gate.weight",
+    expert_bias=_L + "mlp.gate.expert_bias",
+    expert_gate=_L + "mlp.experts.{e}.gate_proj.weight",
+    expert_up=_L + "mlp.experts.{e}.up_proj.weight",
     expert_down=_L + "mlp.experts.{e}.down_proj.weight",
-    shared_gate=_L + "mlp.shared_experts.gate_proj.weight", shared_up=_L + "mlp.shared_experts.up_proj.weight",
+    shared_gate=_L + "mlp.shared_experts.gate_proj.weight",
+    shared_up=_L + "mlp.shared_experts.up_proj.weight",
     shared_down=_L + "mlp.shared_experts.down_proj.weight",
 )
 
@@ -63,41 +74,80 @@ def arch(cfg: dict) -> ModelArch:
     topk = require(cfg, "num_experts_per_tok", int, w)
     n_group, topk_group = int(cfg.get("n_group") or 0), int(cfg.get("topk_group") or 0)
     if n_group and topk != 2 * topk_group:
-        raise ModelConfigError(f"{w}: num_experts_per_tok={topk} must equal 2 * topk_group={topk_group} (groups "
-                               "are ranked by their top-2 scores, megatron-core uses top-(topk/topk_group))")
+        raise ModelConfigError(
+            f"{w}: num_experts_per_tok={topk} must equal 2 * topk_group={topk_group} (groups "
+            "are ranked by their top-2 scores, megatron-core uses top-(topk/topk_group))"
+        )
     if not cfg.get("norm_topk_prob", True) and topk > 1:
         raise ModelConfigError(f"{w}: norm_topk_prob=false is not supported by megatron's sigmoid router")
     return ModelArch(
-        family="llada2", architecture=w, vocab_size=require(cfg, "vocab_size", int, w), hidden_size=hidden,
-        num_layers=require(cfg, "num_hidden_layers", int, w), num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or hidden // heads),
+        family="llada2",
+        architecture=w,
+        vocab_size=require(cfg, "vocab_size", int, w),
+        hidden_size=hidden,
+        num_layers=require(cfg, "num_hidden_layers", int, w),
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
         ffn_hidden_size=require(cfg, "intermediate_size", int, w),
         rms_norm_eps=float(require(cfg, "rms_norm_eps", (int, float), w)),
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-        rotary_percent=float(cfg.get("partial_rotary_factor", 1.0)), qk_norm=bool(cfg.get("use_qk_norm", True)),
+        rotary_percent=float(cfg.get("partial_rotary_factor", 1.0)),
+        qk_norm=bool(cfg.get("use_qk_norm", True)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)), attention="block_causal",
+        mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
+        attention="block_causal",
         block_size=int(cfg.get("block_size", BLOCK_SIZE)),
-        num_experts=require(cfg, "num_experts", int, w), moe_ffn_hidden_size=require(cfg, "moe_intermediate_size", int, w),
-        moe_topk=topk, num_shared_experts=int(cfg.get("num_shared_experts") or 0),
-        first_k_dense=int(cfg.get("first_k_dense_replace", 0)), moe_score_function="sigmoid",
-        moe_norm_topk_prob=True, moe_routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
-        moe_num_groups=n_group, moe_topk_groups=topk_group,
-        moe_expert_bias=bool(cfg.get("moe_router_enable_expert_bias", True)))
+        num_experts=require(cfg, "num_experts", int, w),
+        moe_ffn_hidden_size=require(cfg, "moe_intermediate_size", int, w),
+        moe_topk=topk,
+        num_shared_experts=int(cfg.get("num_shared_experts") or 0),
+        first_k_dense=int(cfg.get("first_k_dense_replace", 0)),
+        moe_score_function="sigmoid",
+        moe_norm_topk_prob=True,
+        moe_routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
+        moe_num_groups=n_group,
+        moe_topk_groups=topk_group,
+        moe_expert_bias=bool(cfg.get("moe_router_enable_expert_bias", True)),
+    )
 
 
 def tiny_config(**over) -> dict:
     cfg = {
-        "architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "auto_map": dict(AUTO_MAP),
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "rope_theta": 600000.0, "partial_rotary_factor": 0.5, "max_position_embeddings": 512,
-        "use_qk_norm": True, "use_qkv_bias": False, "use_bias": False, "tie_word_embeddings": False,
-        "num_experts": 8, "num_shared_experts": 1, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
-        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
-        "score_function": "sigmoid", "moe_router_enable_expert_bias": True, "first_k_dense_replace": 1,
-        "hidden_act": "silu", "torch_dtype": "float32", "mask_token_id": 255, "block_size": BLOCK_SIZE,
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "auto_map": dict(AUTO_MAP),
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 600000.0,
+        "partial_rotary_factor": 0.5,
+        "max_position_embeddings": 512,
+        "use_qk_norm": True,
+        "use_qkv_bias": False,
+        "use_bias": False,
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32,
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "first_k_dense_replace": 1,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "mask_token_id": 255,
+        "block_size": BLOCK_SIZE,
         "embedding_dropout": 0.0,
     }
     cfg.update(over)
@@ -110,5 +160,13 @@ def _hf(cfg: dict):
     return DecoderLM(arch(cfg), NAMES)
 
 
-LLADA2 = register(Family(name="llada2", architectures=("LLaDA2MoeModelLM",), arch=arch, hf_model=_hf,
-                         mapping=lambda c: build_table(arch(c), NAMES), tiny_config=tiny_config))
+LLADA2 = register(
+    Family(
+        name="llada2",
+        architectures=("LLaDA2MoeModelLM",),
+        arch=arch,
+        hf_model=_hf,
+        mapping=lambda c: build_table(arch(c), NAMES),
+        tiny_config=tiny_config,
+    )
+)

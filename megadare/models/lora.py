@@ -51,6 +51,7 @@ keys unchanged (``...linear_qkv.weight``) and add ``...linear_qkv.lora_A`` / ``.
 above (``lora_B`` of a gated ``linear_fc1`` goes through megatron's SwiGLU factory like the weight), so a LoRA
 checkpoint loads under another TP layout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -107,8 +108,16 @@ class LoRALinear(torch.nn.Module):
     ``config``, ``tp_group``...) are read from the base module.
     """
 
-    def __init__(self, base: torch.nn.Module, rank: int, alpha: float, layer_number: int = 0, name: str = "",
-                 glu: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        rank: int,
+        alpha: float,
+        layer_number: int = 0,
+        name: str = "",
+        glu: bool = False,
+        seed: int = 0,
+    ):
         super().__init__()
         if isinstance(base, ColumnParallelLinear):
             self.kind = "column"
@@ -122,9 +131,10 @@ class LoRALinear(torch.nn.Module):
         if getattr(base, "explicit_expert_comm", False) and tp > 1:
             raise ValueError(
                 f"{name}: LoRA on routed experts split by expert tensor parallelism ({tp} ranks) is not supported; "
-                "leave the experts out of LoRA (the default) or use parallel.ep > 1 with parallel.etp=1")
+                "leave the experts out of LoRA (the default) or use parallel.ep > 1 with parallel.etp=1"
+            )
         self.base = base
-        self.enabled = True          # False: the base layer alone (the reference model of RL)
+        self.enabled = True  # False: the base layer alone (the reference model of RL)
         self.r = int(rank)
         self.alpha = float(alpha)
         self.scaling = self.alpha / self.r
@@ -140,7 +150,7 @@ class LoRALinear(torch.nn.Module):
             b = torch.zeros(base.output_size_per_partition, self.r)
         else:
             n = base.input_size_per_partition
-            a = a_full[:, tp_rank * n:(tp_rank + 1) * n]
+            a = a_full[:, tp_rank * n : (tp_rank + 1) * n]
             b = torch.zeros(base.output_size, self.r)
         self.lora_A = torch.nn.Parameter(a.to(device=w.device, dtype=w.dtype).contiguous())
         self.lora_B = torch.nn.Parameter(b.to(device=w.device, dtype=w.dtype).contiguous())
@@ -219,13 +229,19 @@ class LoRALinear(torch.nn.Module):
         sd = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         axis = {"lora_B": 0} if self.kind == "column" else {"lora_A": 1}
         adapters = make_sharded_tensors_for_checkpoint(
-            {"lora_A": self.lora_A, "lora_B": self.lora_B}, prefix, axis, sharded_offsets,
-            tp_group=self.base.tp_group, dp_cp_group=(metadata or {})["dp_cp_group"])
+            {"lora_A": self.lora_A, "lora_B": self.lora_B},
+            prefix,
+            axis,
+            sharded_offsets,
+            tp_group=self.base.tp_group,
+            dp_cp_group=(metadata or {})["dp_cp_group"],
+        )
         if self.glu:
             # [gate_shard; up_shard] per rank, like the fc1 weight: split so the global tensor is layout-free
             singleton = (metadata or {}).get("singleton_local_shards", False)
             adapters[f"{prefix}lora_B"] = apply_swiglu_sharded_factory(
-                adapters[f"{prefix}lora_B"], sharded_offsets, singleton)
+                adapters[f"{prefix}lora_B"], sharded_offsets, singleton
+            )
         sd.update(adapters)
         return sd
 
@@ -237,13 +253,13 @@ def _strip_base_prefix(module, state_dict, prefix, local_metadata):
     """state_dict(): ``prefix.base.X`` -> ``prefix.X`` (the plain layer's keys)."""
     p = prefix + "base."
     for k in [k for k in state_dict if k.startswith(p)]:
-        state_dict[prefix + k[len(p):]] = state_dict.pop(k)
+        state_dict[prefix + k[len(p) :]] = state_dict.pop(k)
 
 
 def _add_base_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """load_state_dict(): ``prefix.X`` -> ``prefix.base.X`` for everything but the adapters."""
     for k in [k for k in state_dict if k.startswith(prefix)]:
-        rest = k[len(prefix):]
+        rest = k[len(prefix) :]
         if rest.split(".", 1)[0] not in ADAPTERS and not rest.startswith("base."):
             state_dict[prefix + "base." + rest] = state_dict.pop(k)
 
@@ -260,7 +276,7 @@ def _global_expert_name(layer, rel: str) -> str:
     ep_group = getattr(experts, "ep_group", None)
     if ep_group is not None:
         offset = ep_group.rank() * experts.num_local_experts
-    parts[i:i + 2] = [str(offset + int(parts[i + 1]))]
+    parts[i : i + 2] = [str(offset + int(parts[i + 1]))]
     return ".".join(parts)
 
 
@@ -284,13 +300,15 @@ def _targets_in(chunk: torch.nn.Module, targets: Iterable[str], include_experts:
                 continue
             parent = layer.get_submodule(parent_name) if parent_name else layer
             glu = attr == "linear_fc1" and isinstance(parent, MLP) and bool(parent.config.gated_linear_unit)
-            found.append((parent, attr, f"{lname}.{rel}", int(layer.layer_number),
-                          _global_expert_name(layer, rel), glu))
+            found.append(
+                (parent, attr, f"{lname}.{rel}", int(layer.layer_number), _global_expert_name(layer, rel), glu)
+            )
     return found
 
 
-def apply_lora(chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, include_experts: bool = False,
-               seed: int = 0) -> list[str]:
+def apply_lora(
+    chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, include_experts: bool = False, seed: int = 0
+) -> list[str]:
     """Wrap the matching linears of every chunk in ``LoRALinear`` and freeze all other parameters.
 
     Call it on the bare chunks (before ``wrap_ddp`` / ``build_optimizer``). The adapters' init depends only on
@@ -307,8 +325,11 @@ def apply_lora(chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, include
             names.append(full)
     if not names:
         again = any(isinstance(m, LoRALinear) for c in chunks for m in _unwrap(c).modules())
-        raise ValueError("apply_lora: the chunks already carry LoRA adapters" if again else
-                         f"apply_lora: no ColumnParallelLinear/RowParallelLinear named {tuple(targets)} found")
+        raise ValueError(
+            "apply_lora: the chunks already carry LoRA adapters"
+            if again
+            else f"apply_lora: no ColumnParallelLinear/RowParallelLinear named {tuple(targets)} found"
+        )
     return names
 
 

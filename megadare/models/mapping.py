@@ -12,6 +12,7 @@ Transforms (the only places where tensors change shape):
 * ``fused_qkv``: LLaDA2's ``query_key_value`` = [q; k; v] stacked <-> the interleaved layout.
 * ``vocab``: rows padded to the layout-independent padded vocabulary (models/gpt.py) <-> cut back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,10 +42,10 @@ class ParamMap:
     mcore: str
     hf: tuple[str, ...]
     op: str = "copy"
-    heads: int = 0          # qkv ops: attention heads, kv groups, head dim
+    heads: int = 0  # qkv ops: attention heads, kv groups, head dim
     groups: int = 0
     head_dim: int = 0
-    vocab: int = 0          # vocab op: real rows, padded rows
+    vocab: int = 0  # vocab op: real rows, padded rows
     padded_vocab: int = 0
 
     def __post_init__(self) -> None:
@@ -96,8 +97,9 @@ class ParamMap:
         return [self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim]
 
 
-def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int,
-                   head_dim: int) -> torch.Tensor:
+def interleave_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, head_dim: int
+) -> torch.Tensor:
     """[q; k; v] (HF rows) -> megatron's per-group interleaved rows. Works for weights and biases."""
     rest = q.shape[1:]
     qg = q.reshape(groups, heads // groups * head_dim, *rest)
@@ -112,8 +114,8 @@ def split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int) -> tuple[
     per = heads // groups * head_dim
     g = t.reshape(groups, per + 2 * head_dim, *rest)
     q = g[:, :per].reshape(heads * head_dim, *rest)
-    k = g[:, per: per + head_dim].reshape(groups * head_dim, *rest)
-    v = g[:, per + head_dim:].reshape(groups * head_dim, *rest)
+    k = g[:, per : per + head_dim].reshape(groups * head_dim, *rest)
+    v = g[:, per + head_dim :].reshape(groups * head_dim, *rest)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
@@ -157,8 +159,7 @@ def build_table(arch: ModelArch, n: HFNames, padded_vocab: Optional[int] = None)
     """The full table of a checkpoint: every Megatron key with the HF tensors it is made of."""
     pv = padded_vocab or padded_vocab_size(arch.vocab_size)
     qkv = dict(heads=arch.num_attention_heads, groups=arch.num_kv_heads, head_dim=arch.head_dim)
-    rows = [ParamMap("embedding.word_embeddings.weight", (n.embed,), "vocab", vocab=arch.vocab_size,
-                     padded_vocab=pv)]
+    rows = [ParamMap("embedding.word_embeddings.weight", (n.embed,), "vocab", vocab=arch.vocab_size, padded_vocab=pv)]
     moe_layers = set(arch.moe_layers())
     for i in range(arch.num_layers):
         L = f"decoder.layers.{i}."
@@ -169,8 +170,9 @@ def build_table(arch: ModelArch, n: HFNames, padded_vocab: Optional[int] = None)
         else:
             rows.append(ParamMap(L + "self_attention.linear_qkv.weight", (f(n.q), f(n.k), f(n.v)), "qkv", **qkv))
         if arch.qkv_bias:
-            rows.append(ParamMap(L + "self_attention.linear_qkv.bias",
-                                 (f(n.q_bias), f(n.k_bias), f(n.v_bias)), "qkv", **qkv))
+            rows.append(
+                ParamMap(L + "self_attention.linear_qkv.bias", (f(n.q_bias), f(n.k_bias), f(n.v_bias)), "qkv", **qkv)
+            )
         if arch.qk_norm:
             rows.append(ParamMap(L + "self_attention.q_layernorm.weight", (f(n.q_norm),)))
             rows.append(ParamMap(L + "self_attention.k_layernorm.weight", (f(n.k_norm),)))

@@ -18,6 +18,7 @@
 
 Applied once, at import of models/gpt.py.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -80,5 +81,6 @@ def apply() -> None:
     TopKRouter._apply_expert_bias = _apply_expert_bias
     tensor_parallel.checkpoint = _checkpoint_tensors_only(tensor_parallel.checkpoint)
     DistributedOptimizer._set_main_param_and_optimizer_states = _keep_step(
-        DistributedOptimizer._set_main_param_and_optimizer_states)
+        DistributedOptimizer._set_main_param_and_optimizer_states
+    )
     _APPLIED = True

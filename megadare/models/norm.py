@@ -6,6 +6,7 @@ Under sequence parallelism each TP rank normalises its own slice of the sequence
 partial sum: the weight is tagged ``sequence_parallel`` and megatron's finalize_model_grads all-reduces it over
 TP, exactly as for TE's / apex's norms (megatron's torch norm refuses SP instead).
 """
+
 from __future__ import annotations
 
 import torch

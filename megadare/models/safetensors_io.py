@@ -7,6 +7,7 @@ Writer: buffers tensors until a shard reaches ``max_shard_bytes``, then writes i
 does. Output goes to a fresh sibling ``.<out>.tmp-XXXX`` and is renamed into place at close, so a crash never leaves a
 half-written checkpoint under the final name.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,14 +27,33 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Files a converter copies from the source checkpoint so the output loads in the published layout.
 PASSTHROUGH_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
 )
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class CheckpointError(ValueError):
@@ -68,7 +88,11 @@ class SafetensorsReader:
         elif os.path.exists(single):
             self.weight_map = {k: SINGLE_NAME for k in _tensor_names(single)}
         else:
-            files = sorted(x for x in os.listdir(self.path) if x.endswith(".safetensors")) if os.path.isdir(self.path) else []
+            files = (
+                sorted(x for x in os.listdir(self.path) if x.endswith(".safetensors"))
+                if os.path.isdir(self.path)
+                else []
+            )
             if not files:
                 raise CheckpointError(f"{self.path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files")
             self.weight_map = {}
@@ -115,8 +139,10 @@ class SafetensorsReader:
             f.seek(start + begin)
             got = f.readinto(memoryview(buf))
         if got != len(buf):
-            raise CheckpointError(f"{os.path.join(self.path, fn)}: truncated: tensor {name!r} needs bytes "
-                                  f"{start + begin}..{start + end}, the file ends at {start + begin + got}")
+            raise CheckpointError(
+                f"{os.path.join(self.path, fn)}: truncated: tensor {name!r} needs bytes "
+                f"{start + begin}..{start + end}, the file ends at {start + begin + got}"
+            )
         dtype = _DTYPES[e["dtype"]]
         if not buf:
             return torch.empty(e["shape"], dtype=dtype)
@@ -159,8 +185,9 @@ def fresh_sibling(path: str, tag: str, create: bool) -> str:
 class ShardedSafetensorsWriter:
     """Writes HF-layout sharded safetensors atomically (temp dir, renamed at close)."""
 
-    def __init__(self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30,
-                 metadata: Optional[dict[str, str]] = None):
+    def __init__(
+        self, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30, metadata: Optional[dict[str, str]] = None
+    ):
         self.out_dir = os.fspath(out_dir).rstrip(os.sep)
         self.tmp_dir = fresh_sibling(self.out_dir, "tmp", create=True)
         self.max_shard_bytes = max_shard_bytes
@@ -234,7 +261,7 @@ class ShardedSafetensorsWriter:
         elif not self._closed:
             try:
                 self.close()
-            except BaseException:   # e.g. a full disk writing the last shard: nothing half-written stays
+            except BaseException:  # e.g. a full disk writing the last shard: nothing half-written stays
                 self.abort()
                 raise
 
@@ -245,8 +272,9 @@ def copy_passthrough_files(src_dir: str, dst_dir: str) -> list[str]:
     returns what was copied. Without the remote code an export of a checkpoint whose ``model_type`` transformers
     does not know (``sdar``, ``llada2_moe``) would load neither in transformers nor in SGLang."""
     copied = []
-    remote_code = sorted(f for f in os.listdir(src_dir)
-                         if f.endswith(".py") and os.path.isfile(os.path.join(src_dir, f)))
+    remote_code = sorted(
+        f for f in os.listdir(src_dir) if f.endswith(".py") and os.path.isfile(os.path.join(src_dir, f))
+    )
     for fn in PASSTHROUGH_FILES + tuple(remote_code):
         s = os.path.join(src_dir, fn)
         if os.path.exists(s):
@@ -255,8 +283,9 @@ def copy_passthrough_files(src_dir: str, dst_dir: str) -> list[str]:
     return copied
 
 
-def save_hf_checkpoint(state: dict[str, torch.Tensor], config: dict, out_dir: str | os.PathLike,
-                       max_shard_bytes: int = 2 << 30) -> str:
+def save_hf_checkpoint(
+    state: dict[str, torch.Tensor], config: dict, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30
+) -> str:
     """Write a state dict + config.json as an HF checkpoint directory (tests, tiny models, exports), with the
     remote code megadare ships for the modules config.json's ``auto_map`` names (models/remote_code)."""
     with ShardedSafetensorsWriter(out_dir, max_shard_bytes=max_shard_bytes) as w:

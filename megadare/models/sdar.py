@@ -18,6 +18,7 @@ Qwen3 / Qwen3-MoE modeling files the SDAR checkpoints reuse):
 Unsupported (rejected with a message): Qwen3-MoE ``decoder_sparse_step`` != 1, non-empty ``mlp_only_layers``,
 ``rope_scaling``.
 """
+
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
@@ -27,13 +28,23 @@ MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
 _L = "model.layers.{i}."
 NAMES = HFNames(
-    embed="model.embed_tokens.weight", final_norm="model.norm.weight", lm_head="lm_head.weight",
-    input_norm=_L + "input_layernorm.weight", post_norm=_L + "post_attention_layernorm.weight",
-    q=_L + "self_attn.q_proj.weight", k=_L + "self_attn.k_proj.weight", v=_L + "self_attn.v_proj.weight",
-    o=_L + "self_attn.o_proj.weight", q_norm=_L + "self_attn.q_norm.weight", k_norm=_L + "self_attn.k_norm.weight",
-    gate=_L + "mlp.gate_proj.weight", up=_L + "mlp.up_proj.weight", down=_L + "mlp.down_proj.weight",
+    embed="model.embed_tokens.weight",
+    final_norm="model.norm.weight",
+    lm_head="lm_head.weight",
+    input_norm=_L + "input_layernorm.weight",
+    post_norm=_L + "post_attention_layernorm.weight",
+    q=_L + "self_attn.q_proj.weight",
+    k=_L + "self_attn.k_proj.weight",
+    v=_L + "self_attn.v_proj.weight",
+    o=_L + "self_attn.o_proj.weight",
+    q_norm=_L + "self_attn.q_norm.weight",
+    k_norm=_L + "self_attn.k_norm.weight",
+    gate=_L + "mlp.gate_proj.weight",
+    up=_L + "mlp.up_proj.weight",
+    down=_L + "mlp.down_proj.weight",
     router=_L + "mlp.gate.weight",
-    expert_gate=_L + "mlp.experts.{e}.gate_proj.weight", expert_up=_L + "mlp.experts.{e}.up_proj.weight",
+    expert_gate=_L + "mlp.experts.{e}.gate_proj.weight",
+    expert_up=_L + "mlp.experts.{e}.up_proj.weight",
     expert_down=_L + "mlp.experts.{e}.down_proj.weight",
 )
 
@@ -41,8 +52,10 @@ NAMES = HFNames(
 def qwen_common(cfg: dict, where: str) -> dict:
     """The Qwen2/Qwen3-style keys shared by SDAR, SDAR-MoE and Dream."""
     if cfg.get("rope_scaling"):
-        raise ModelConfigError(f"{where}: config.json rope_scaling={cfg['rope_scaling']!r} is not supported; "
-                               "remove it (the published dLLM checkpoints use plain RoPE)")
+        raise ModelConfigError(
+            f"{where}: config.json rope_scaling={cfg['rope_scaling']!r} is not supported; "
+            "remove it (the published dLLM checkpoints use plain RoPE)"
+        )
     heads = require(cfg, "num_attention_heads", int, where)
     hidden = require(cfg, "hidden_size", int, where)
     return dict(
@@ -67,31 +80,58 @@ def _arch(cfg: dict, moe: bool) -> ModelArch:
     kw = qwen_common(cfg, where)
     if moe:
         if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
-            raise ModelConfigError(f"{where}: decoder_sparse_step != 1 / mlp_only_layers are not supported "
-                                   "(SDAR-MoE checkpoints make every layer MoE)")
-        kw.update(num_experts=require(cfg, "num_experts", int, where),
-                  moe_topk=require(cfg, "num_experts_per_tok", int, where),
-                  moe_ffn_hidden_size=require(cfg, "moe_intermediate_size", int, where),
-                  moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                  moe_score_function="softmax")
-    return ModelArch(family="sdar_moe" if moe else "sdar", architecture=arch_name, qk_norm=True,
-                     mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)), attention="block_causal",
-                     block_size=int(cfg.get("block_size", BLOCK_SIZE)), **kw)
+            raise ModelConfigError(
+                f"{where}: decoder_sparse_step != 1 / mlp_only_layers are not supported "
+                "(SDAR-MoE checkpoints make every layer MoE)"
+            )
+        kw.update(
+            num_experts=require(cfg, "num_experts", int, where),
+            moe_topk=require(cfg, "num_experts_per_tok", int, where),
+            moe_ffn_hidden_size=require(cfg, "moe_intermediate_size", int, where),
+            moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            moe_score_function="softmax",
+        )
+    return ModelArch(
+        family="sdar_moe" if moe else "sdar",
+        architecture=arch_name,
+        qk_norm=True,
+        mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
+        attention="block_causal",
+        block_size=int(cfg.get("block_size", BLOCK_SIZE)),
+        **kw,
+    )
 
 
 def _tiny(moe: bool, **over) -> dict:
     cfg = {
         "architectures": ["SDARMoeForCausalLM" if moe else "SDARForCausalLM"],
         "model_type": "qwen3_moe" if moe else "qwen3",
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": not moe,
-        "attention_bias": False, "hidden_act": "silu", "torch_dtype": "float32",
-        "mask_token_id": 255, "block_size": BLOCK_SIZE,
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": not moe,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "mask_token_id": 255,
+        "block_size": BLOCK_SIZE,
     }
     if moe:
-        cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                   decoder_sparse_step=1, mlp_only_layers=[])
+        cfg.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     cfg.update(over)
     return cfg
 
@@ -102,11 +142,25 @@ def _hf(cfg: dict, moe: bool):
     return DecoderLM(_arch(cfg, moe), NAMES)
 
 
-SDAR = register(Family(
-    name="sdar", architectures=("SDARForCausalLM",), arch=lambda c: _arch(c, False),
-    hf_model=lambda c: _hf(c, False), mapping=lambda c: build_table(_arch(c, False), NAMES),
-    tiny_config=lambda **o: _tiny(False, **o), extra={"ignore_hf": ("rotary_emb.inv_freq",)}))
-SDAR_MOE = register(Family(
-    name="sdar_moe", architectures=("SDARMoeForCausalLM",), arch=lambda c: _arch(c, True),
-    hf_model=lambda c: _hf(c, True), mapping=lambda c: build_table(_arch(c, True), NAMES),
-    tiny_config=lambda **o: _tiny(True, **o), extra={"ignore_hf": ("rotary_emb.inv_freq",)}))
+SDAR = register(
+    Family(
+        name="sdar",
+        architectures=("SDARForCausalLM",),
+        arch=lambda c: _arch(c, False),
+        hf_model=lambda c: _hf(c, False),
+        mapping=lambda c: build_table(_arch(c, False), NAMES),
+        tiny_config=lambda **o: _tiny(False, **o),
+        extra={"ignore_hf": ("rotary_emb.inv_freq",)},
+    )
+)
+SDAR_MOE = register(
+    Family(
+        name="sdar_moe",
+        architectures=("SDARMoeForCausalLM",),
+        arch=lambda c: _arch(c, True),
+        hf_model=lambda c: _hf(c, True),
+        mapping=lambda c: build_table(_arch(c, True), NAMES),
+        tiny_config=lambda **o: _tiny(True, **o),
+        extra={"ignore_hf": ("rotary_emb.inv_freq",)},
+    )
+)

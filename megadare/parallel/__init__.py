@@ -3,6 +3,7 @@
 nccl on GPUs, gloo on CPU (where the compatibility layer in cpu.py is installed first). A single process with no
 launcher environment runs as world size 1.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,11 +49,15 @@ def check_sizes(world: int, tp: int, pp: int, ep: int, etp: int, cp: int, vpp: O
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"parallel.{name}={v!r} must be a positive integer")
     if world % (tp * pp * cp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
-                         f"launch a multiple of {tp * pp * cp} processes")
+        raise ValueError(
+            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
+            f"launch a multiple of {tp * pp * cp} processes"
+        )
     if world % (etp * ep * pp):
-        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}; "
-                         f"change parallel.ep or the number of processes")
+        raise ValueError(
+            f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}; "
+            f"change parallel.ep or the number of processes"
+        )
     if sp and tp == 1:
         raise ValueError("parallel.sp=true needs parallel.tp > 1")
     if vpp is not None and vpp > 1 and pp == 1:
@@ -60,9 +65,18 @@ def check_sizes(world: int, tp: int, pp: int, ep: int, etp: int, cp: int, vpp: O
     return world // (tp * pp * cp)
 
 
-def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1, etp: Optional[int] = None,
-                     cp: int = 1, sp: bool = False, seed: int = 1234, backend: Optional[str] = None,
-                     timeout_s: int = 600) -> Layout:
+def init_distributed(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    cp: int = 1,
+    sp: bool = False,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    timeout_s: int = 600,
+) -> Layout:
     """Initialise torch.distributed (env:// or a single process) and megatron's parallel groups."""
     global _LAYOUT
     from megatron.core import parallel_state
@@ -79,8 +93,9 @@ def init_distributed(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: in
             os.environ["MASTER_PORT"] = str(free_port() if world == 1 else 29500)  # second run here)
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
-        dist.init_process_group(backend or ("gloo" if cpu else "nccl"), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend or ("gloo" if cpu else "nccl"), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
     world = dist.get_world_size()
     etp = tp if etp is None else etp  # megatron's default: experts split like the dense layers
     dp = check_sizes(world, tp, pp, ep, etp, cp, vpp, sp)

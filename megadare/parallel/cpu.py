@@ -25,6 +25,7 @@ events in the MoE token dispatchers. This module answers those calls on CPU (the
 It is installed only when no GPU is used, and ``install_cpu_compat`` refuses to run when CUDA is in use, so it
 can never change GPU behaviour. See ../shared/reference/megatron_cpu.md.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -110,8 +111,16 @@ class _DoneWork:
 _ACT_TAG, _GRAD_TAG = 1, 2
 
 
-def _tagged_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
-                    prev_pipeline_rank: int, next_pipeline_rank: int):
+def _tagged_p2p_ops(
+    *,
+    tensor_send_prev,
+    tensor_recv_prev,
+    tensor_send_next,
+    tensor_recv_next,
+    group,
+    prev_pipeline_rank: int,
+    next_pipeline_rank: int,
+):
     """megatron's pipeline p2p with activations (forward) and gradients (backward) on separate tags."""
     ops = []
     if tensor_send_prev is not None:
@@ -149,7 +158,7 @@ def install_cpu_compat(force: bool = False) -> bool:
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: None          # the CPU generator is seeded by torch.manual_seed
+    cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by torch.manual_seed
     cuda.manual_seed_all = lambda seed: None
     cuda.empty_cache = lambda: None
     cuda.memory_allocated = lambda *a, **k: 0
@@ -162,8 +171,7 @@ def install_cpu_compat(force: bool = False) -> bool:
 
     _orig_a2a = dist.all_to_all_single
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
         if isinstance(output_split_sizes, torch.Tensor):
             output_split_sizes = output_split_sizes.tolist()
         if isinstance(input_split_sizes, torch.Tensor):
@@ -180,7 +188,7 @@ def install_cpu_compat(force: bool = False) -> bool:
         buf = input.clone()
         dist.all_reduce(buf, op=op, group=group)
         r = dist.get_rank(group)
-        output.copy_(buf.view(-1)[r * output.numel():(r + 1) * output.numel()].view_as(output))
+        output.copy_(buf.view(-1)[r * output.numel() : (r + 1) * output.numel()].view_as(output))
         return _DoneWork() if async_op else None
 
     dist.reduce_scatter_tensor = reduce_scatter_tensor
@@ -203,8 +211,9 @@ def _short_circuit_single_rank_buffers() -> None:
             if dist.get_world_size(group) != 1:
                 return fn(output, input, *args, group=group, async_op=async_op, **kwargs)
             if output.data_ptr() != input.data_ptr() or output.numel() != input.numel():
-                output.copy_(input.view_as(output))   # one rank: the reduction and the gather are the identity
+                output.copy_(input.view_as(output))  # one rank: the reduction and the gather are the identity
             return _DoneWork() if async_op else None
+
         return call
 
     pgb.dist_all_gather_func = single(pgb.dist_all_gather_func)

@@ -4,6 +4,7 @@
 ``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in any rank is raised in
 the parent with that rank's traceback (megadare's own one-line errors as themselves, the traceback as their cause); a hung collective fails after ``timeout_s`` instead of hanging.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
     import torch
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     try:
         # plain pickle copies tensor data: torch's fd sharing would die with this process
@@ -72,8 +74,9 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -1,5 +1,6 @@
 """Collectives of the trainer's ranks around rank 0's work: its rank (``trainer_rank``) and ``run_on_rank0``
 (rank 0 runs a rollout or scoring while the other ranks stand by, and every rank gets its result or its error)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -25,9 +26,11 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
             dist.broadcast_object_list([(kind, value)], src=0)
 
     if trainer_rank() == 0:
+
         def stale() -> None:
             tell("push")
             push()
+
         if manager is not None and push is not None:
             manager.on_stale = stale
         try:

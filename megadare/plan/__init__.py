@@ -8,6 +8,7 @@ gradients, optimizer states and activations (megatron DistributedOptimizer accou
 activation formulas), report.py the rollout engines and the verdict, advise.py which knob to turn when it does
 not fit. Every formula is in its module's docstring.
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,8 +27,11 @@ __all__ = ["ParamCounts", "PlanReport", "count_params", "format_report", "plan",
 def run_plan_command(cfg: Config, arch: Optional[ModelArch]) -> int:
     """Print the plan table; 0 when it fits, 1 when it does not (DOES NOT FIT), 2 without a model."""
     if arch is None:
-        print("megadare: error: megadare plan needs a model: set model.hf_path to a directory holding config.json "
-              "(e.g. examples/configs/hf/SDAR-30B-A3B) or model.family", file=sys.stderr)
+        print(
+            "megadare: error: megadare plan needs a model: set model.hf_path to a directory holding config.json "
+            "(e.g. examples/configs/hf/SDAR-30B-A3B) or model.family",
+            file=sys.stderr,
+        )
         return 2
     report = plan(cfg, arch)
     print(format_report(report))

@@ -5,6 +5,7 @@ recomputed with it and the change in the fullest GPU's memory is its estimated e
 cheapest first (by the cost stated with each), fitting ones before the rest. When no single change fits, the
 changes are chained greedily (largest saving first, up to ``MAX_STEPS``) and the chain is reported too.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,7 +54,7 @@ def _candidates(cfg: Config, arch: ModelArch, bottleneck: str) -> list[tuple[Cha
     if t.recompute != "full":
         out.append(({"train.recompute": "full"}, "~33% more compute (one extra forward)"))
     tp_change: Change = {"parallel.tp": p.tp * 2, "parallel.sp": True}
-    if arch.is_moe and p.ep > 1:   # experts keep their split; only the dense layers widen
+    if arch.is_moe and p.ep > 1:  # experts keep their split; only the dense layers widen
         tp_change["parallel.etp"] = p.tp if p.etp is None else p.etp
     out.append((tp_change, f"TP all-reduces every layer; keep tp <= plan.gpus_per_node={pl.gpus_per_node}"))
     out.append(({"parallel.pp": p.pp * 2}, "pipeline bubble ~ (pp-1)/micro-batches"))
@@ -86,9 +87,16 @@ def advise_knobs(cfg: Config, arch: ModelArch, report: PlanReport) -> list[dict[
         new = _try(cfg, arch, changes)
         if new is None or new.peak >= base - 0.01 * GIB:
             continue
-        options.append({"change": _describe(changes), "peak_gb": round(new.peak / GIB, 2),
-                        "saves_gb": round((base - new.peak) / GIB, 2), "fits": new.fits, "cost": cost,
-                        "_order": order})
+        options.append(
+            {
+                "change": _describe(changes),
+                "peak_gb": round(new.peak / GIB, 2),
+                "saves_gb": round((base - new.peak) / GIB, 2),
+                "fits": new.fits,
+                "cost": cost,
+                "_order": order,
+            }
+        )
     options.sort(key=lambda o: (not o["fits"], o["_order"] if o["fits"] else -o["saves_gb"]))
     for o in options:
         del o["_order"]
@@ -115,9 +123,13 @@ def _greedy(cfg: Config, arch: ModelArch) -> Optional[dict[str, Any]]:
         applied.update(best[0])
         current = best[1]
         if current.fits:
-            return {"change": _describe(applied), "peak_gb": round(current.peak / GIB, 2),
-                    "saves_gb": round((start - current.peak) / GIB, 2), "fits": True,
-                    "cost": "combined: each change's cost"}
+            return {
+                "change": _describe(applied),
+                "peak_gb": round(current.peak / GIB, 2),
+                "saves_gb": round((start - current.peak) / GIB, 2),
+                "fits": True,
+                "cost": "combined: each change's cost",
+            }
     return None
 
 

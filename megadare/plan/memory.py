@@ -55,6 +55,7 @@ micro-batch's final norm n_sp * h * (4 + 2a) and its output layer + loss (``trai
 with n_s = n / 2 scored positions at most for x_t ++ x_0 rows (block SFT, RL on a block family: only x_t is
 scored), n otherwise, and c = min(n_s, chunk_tokens(V_pad/t, train.logits_chunk_mb)) tokens per chunk.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -70,13 +71,13 @@ GIB = float(2**30)
 WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIM_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
 GRAD_BYTES = 4
-MATERIALISED = ("local", "reference")   # attention backends that store the S x S softmax
-QUADRATIC = MATERIALISED + ("sdpa",)    # ... or an S x S mask; auto (flex on GPU) and flex keep neither
+MATERIALISED = ("local", "reference")  # attention backends that store the S x S softmax
+QUADRATIC = MATERIALISED + ("sdpa",)  # ... or an S x S mask; auto (flex on GPU) and flex keep neither
 
 
 @dataclass(frozen=True)
 class Layout:
-    world: int            # trainer GPUs
+    world: int  # trainer GPUs
     tp: int
     pp: int
     vpp: Optional[int]
@@ -107,12 +108,13 @@ class StageMemory:
     logits: float
     reference: float
     reserve: float
-    in_flight: int        # micro-batches (model chunks with vpp) whose activations are held
+    in_flight: int  # micro-batches (model chunks with vpp) whose activations are held
 
     @property
     def total(self) -> float:
-        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference
-                + self.reserve)
+        return (
+            self.weights + self.grads + self.optimizer + self.activations + self.logits + self.reference + self.reserve
+        )
 
     @property
     def static(self) -> float:
@@ -123,23 +125,37 @@ class StageMemory:
 def trainer_layout(cfg: Config) -> Layout:
     p, pl = cfg.parallel, cfg.plan
     world = pl.nodes * pl.gpus_per_node - pl.rollout_gpus
-    return Layout(world=world, tp=p.tp, pp=p.pp, vpp=p.vpp if (p.vpp or 1) > 1 else None, ep=p.ep,
-                  etp=p.tp if p.etp is None else p.etp, cp=p.cp, sp=p.sp)
+    return Layout(
+        world=world,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp if (p.vpp or 1) > 1 else None,
+        ep=p.ep,
+        etp=p.tp if p.etp is None else p.etp,
+        cp=p.cp,
+        sp=p.sp,
+    )
 
 
-def model_state_bytes(arch: ModelArch, lay: Layout, dtype: str, distributed_optimizer: bool,
-                      rank: int = 0) -> tuple[int, float, float, float]:
+def model_state_bytes(
+    arch: ModelArch, lay: Layout, dtype: str, distributed_optimizer: bool, rank: int = 0
+) -> tuple[int, float, float, float]:
     """(parameters, weight, gradient, optimizer bytes) on one GPU of pipeline rank ``rank``."""
     rp = rank_params(arch, lay.tp, lay.pp, lay.vpp, lay.ep, lay.etp, rank)
     o = OPTIM_BYTES[dtype]
     d_dense = lay.dp * lay.cp if distributed_optimizer else 1
     d_expert = lay.expert_dp if distributed_optimizer else 1
-    return (rp.total, float(rp.total * WEIGHT_BYTES[dtype]), float(rp.total * GRAD_BYTES),
-            o * rp.dense / d_dense + o * rp.expert / d_expert)
+    return (
+        rp.total,
+        float(rp.total * WEIGHT_BYTES[dtype]),
+        float(rp.total * GRAD_BYTES),
+        o * rp.dense / d_dense + o * rp.expert / d_expert,
+    )
 
 
-def layer_activation_bytes(arch: ModelArch, moe: bool, lay: Layout, seq: int, mbs: int, act: int,
-                           backend: str) -> tuple[float, float]:
+def layer_activation_bytes(
+    arch: ModelArch, moe: bool, lay: Layout, seq: int, mbs: int, act: int, backend: str
+) -> tuple[float, float]:
     """(bytes kept under selective recompute, core-attention bytes it drops) of one layer and micro-batch."""
     h, d, t = arch.hidden_size, arch.head_dim, lay.tp
     heads, q, kv = arch.num_attention_heads, arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -180,8 +196,9 @@ def stage_activation_bytes(arch: ModelArch, lay: Layout, cfg: Config, micro_batc
     layers = stage_layers(arch, lay.pp, lay.vpp, rank)
     full_layers = []
     for i in layers:
-        kept, core = layer_activation_bytes(arch, i in moe_layers, lay, t.seq_length, t.micro_batch_size, act,
-                                            cfg.model.attention_backend)
+        kept, core = layer_activation_bytes(
+            arch, i in moe_layers, lay, t.seq_length, t.micro_batch_size, act, cfg.model.attention_backend
+        )
         full_layers.append(kept + (0.0 if t.recompute == "selective" else core))
     chunks = in_flight(lay, micro_batches, rank)
     per_chunk = len(layers) / (lay.vpp or 1)
@@ -220,15 +237,17 @@ def logits_path(arch: ModelArch, lay: Layout, cfg: Config) -> str:
     if cfg.train.logits == "full":
         return "full: logits of every position"
     scored, chunk = scored_head(arch, lay, cfg)
-    return (f"scored: only the <= {int(scored)} scored positions of a micro-batch, logits in chunks of {chunk} "
-            "tokens")
+    return f"scored: only the <= {int(scored)} scored positions of a micro-batch, logits in chunks of {chunk} tokens"
 
 
 def micro_batches_per_step(cfg: Config, lay: Layout) -> int:
     """Micro-batches per optimizer step on one DP rank: SFT from train.global_batch_size, RL from the rollout
     batch (prompts_per_step * n_samples / mini_batches rows)."""
-    rows = (cfg.train.global_batch_size if cfg.plan.job == "sft"
-            else cfg.rl.prompts_per_step * cfg.rl.n_samples // cfg.rl.mini_batches)
+    rows = (
+        cfg.train.global_batch_size
+        if cfg.plan.job == "sft"
+        else cfg.rl.prompts_per_step * cfg.rl.n_samples // cfg.rl.mini_batches
+    )
     return max(1, -(-rows // (cfg.train.micro_batch_size * lay.dp)))
 
 
@@ -248,9 +267,18 @@ def trainer_stages(cfg: Config, arch: ModelArch, lay: Layout) -> list[StageMemor
     out = []
     for r in range(lay.pp):
         n, w, g, o = model_state_bytes(arch, lay, dtype, cfg.train.distributed_optimizer, r)
-        out.append(StageMemory(
-            rank=r, params=n, weights=w, grads=g, optimizer=o,
-            activations=stage_activation_bytes(arch, lay, cfg, m, r),
-            logits=logits_bytes(arch, lay, cfg) if r == lay.pp - 1 else 0.0,
-            reference=w if ref else 0.0, reserve=cfg.plan.reserve_gb * GIB, in_flight=in_flight(lay, m, r)))
+        out.append(
+            StageMemory(
+                rank=r,
+                params=n,
+                weights=w,
+                grads=g,
+                optimizer=o,
+                activations=stage_activation_bytes(arch, lay, cfg, m, r),
+                logits=logits_bytes(arch, lay, cfg) if r == lay.pp - 1 else 0.0,
+                reference=w if ref else 0.0,
+                reserve=cfg.plan.reserve_gb * GIB,
+                in_flight=in_flight(lay, m, r),
+            )
+        )
     return out

@@ -21,6 +21,7 @@ router replicated; the embedding and lm head split over TP with the vocabulary p
 pp * vpp virtual stages, stage v*pp + r living on pipeline rank r; the embedding on the first stage, the lm head
 and final norm on the last (a tied embedding is kept on both).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,20 +33,20 @@ from megadare.models.family import ModelArch
 
 @dataclass(frozen=True)
 class LayerParams:
-    attention: int        # fused QKV (+ bias) and output projection: split over TP
-    norms: int            # input / pre-MLP RMSNorm and QK norms: replicated
-    mlp: int              # dense SwiGLU, or the shared expert of a MoE layer: split over TP
-    router: int           # MoE router weight: replicated
-    experts: int          # all routed experts: split over EP x ETP
-    active_experts: int   # the top-k experts one token uses
+    attention: int  # fused QKV (+ bias) and output projection: split over TP
+    norms: int  # input / pre-MLP RMSNorm and QK norms: replicated
+    mlp: int  # dense SwiGLU, or the shared expert of a MoE layer: split over TP
+    router: int  # MoE router weight: replicated
+    experts: int  # all routed experts: split over EP x ETP
+    active_experts: int  # the top-k experts one token uses
 
 
 @dataclass(frozen=True)
 class ParamCounts:
     total: int
     active: int
-    embedding: int        # input embedding + lm head (one copy when tied)
-    experts: int          # routed experts of all layers
+    embedding: int  # input embedding + lm head (one copy when tied)
+    experts: int  # routed experts of all layers
 
     @property
     def active_non_embedding(self) -> int:
@@ -72,8 +73,14 @@ def layer_params(arch: ModelArch, moe: bool) -> LayerParams:
     if not moe:
         return LayerParams(attention, norms, 3 * h * arch.ffn_hidden_size, 0, 0, 0)
     one = 3 * h * arch.moe_ffn_hidden_size
-    return LayerParams(attention, norms, arch.num_shared_experts * one, arch.num_experts * h,
-                       arch.num_experts * one, arch.moe_topk * one)
+    return LayerParams(
+        attention,
+        norms,
+        arch.num_shared_experts * one,
+        arch.num_experts * h,
+        arch.num_experts * one,
+        arch.moe_topk * one,
+    )
 
 
 def count_params(arch: ModelArch) -> ParamCounts:
@@ -98,8 +105,15 @@ def stage_layers(arch: ModelArch, pp: int, vpp: Optional[int], rank: int) -> lis
     return [i for s in range(v) for i in range((s * pp + rank) * per, (s * pp + rank + 1) * per)]
 
 
-def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                etp: Optional[int] = None, rank: int = 0) -> RankParams:
+def rank_params(
+    arch: ModelArch,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    rank: int = 0,
+) -> RankParams:
     """Parameters on one GPU of pipeline rank ``rank`` (the Megatron model: padded vocabulary)."""
     etp = tp if etp is None else etp
     moe_layers = set(arch.moe_layers())

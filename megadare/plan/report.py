@@ -13,6 +13,7 @@ With ``plan.rollout_gpus`` = 0 the engines share the trainer's GPUs: during roll
 gradients and optimizer states stay resident and its activations are freed, so the GPU peak is
 max(trainer total, trainer static + engine). Otherwise the engines have GPUs of their own and are checked apart.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,9 +35,9 @@ class RolloutMemory:
     engines: int
     tp: int
     colocated: bool
-    tokens: int           # per sequence: prompt + generated
-    batch: int            # sequences per engine
-    weights: float        # bytes per engine GPU
+    tokens: int  # per sequence: prompt + generated
+    batch: int  # sequences per engine
+    weights: float  # bytes per engine GPU
     kv_cache: float
     logits: float
 
@@ -52,12 +53,12 @@ class PlanReport:
     params: ParamCounts
     stages: list[StageMemory]
     rollout: RolloutMemory | None
-    gpu_memory: float                                   # bytes per GPU
+    gpu_memory: float  # bytes per GPU
     dtype: str
     recompute: str
     distributed_optimizer: bool
     advice: list[dict[str, Any]] = field(default_factory=list)
-    logits_path: str = ""                               # how the last stage's output layer runs (train.logits)
+    logits_path: str = ""  # how the last stage's output layer runs (train.logits)
 
     @property
     def trainer_peak(self) -> float:
@@ -89,22 +90,40 @@ class PlanReport:
 
     def as_dict(self) -> dict[str, Any]:
         gb = lambda x: round(x / GIB, 3)  # noqa: E731
-        stages = [{**{k: (gb(v) if isinstance(v, float) else v) for k, v in asdict(s).items()}, "total": gb(s.total)}
-                  for s in self.stages]
+        stages = [
+            {**{k: (gb(v) if isinstance(v, float) else v) for k, v in asdict(s).items()}, "total": gb(s.total)}
+            for s in self.stages
+        ]
         out: dict[str, Any] = {
-            "model": self.model, "dtype": self.dtype, "recompute": self.recompute,
+            "model": self.model,
+            "dtype": self.dtype,
+            "recompute": self.recompute,
             "distributed_optimizer": self.distributed_optimizer,
             "layout": {**asdict(self.layout), "dp": self.layout.dp, "expert_dp": self.layout.expert_dp},
             "params": {**asdict(self.params), "active_non_embedding": self.params.active_non_embedding},
-            "stages_gb": stages, "rollout_gb": None, "gpu_memory_gb": gb(self.gpu_memory),
-            "trainer_peak_gb": gb(self.trainer_peak), "peak_gb": gb(self.peak), "fits": self.fits,
-            "bottleneck": self.bottleneck, "advice": self.advice, "logits_path": self.logits_path,
+            "stages_gb": stages,
+            "rollout_gb": None,
+            "gpu_memory_gb": gb(self.gpu_memory),
+            "trainer_peak_gb": gb(self.trainer_peak),
+            "peak_gb": gb(self.peak),
+            "fits": self.fits,
+            "bottleneck": self.bottleneck,
+            "advice": self.advice,
+            "logits_path": self.logits_path,
         }
         if self.rollout is not None:
             r = self.rollout
-            out["rollout_gb"] = {"engines": r.engines, "tp": r.tp, "colocated": r.colocated, "tokens": r.tokens,
-                                 "batch": r.batch, "weights": gb(r.weights), "kv_cache": gb(r.kv_cache),
-                                 "logits": gb(r.logits), "total": gb(r.total)}
+            out["rollout_gb"] = {
+                "engines": r.engines,
+                "tp": r.tp,
+                "colocated": r.colocated,
+                "tokens": r.tokens,
+                "batch": r.batch,
+                "weights": gb(r.weights),
+                "kv_cache": gb(r.kv_cache),
+                "logits": gb(r.logits),
+                "total": gb(r.total),
+            }
         return out
 
 
@@ -117,9 +136,16 @@ def rollout_memory(cfg: Config, arch: ModelArch, params: ParamCounts, lay: Layou
     block = cfg.rollout.block_size or arch.block_size or 32
     colocated = pl.rollout_gpus == 0
     gpus = lay.world if colocated else pl.rollout_gpus
-    return RolloutMemory(engines=gpus // cfg.rollout.engine_tp, tp=cfg.rollout.engine_tp, colocated=colocated, tokens=tokens,
-                         batch=pl.rollout_batch, weights=float(params.total * w / cfg.rollout.engine_tp), kv_cache=float(kv),
-                         logits=float(pl.rollout_batch * block * arch.vocab_size * 4))
+    return RolloutMemory(
+        engines=gpus // cfg.rollout.engine_tp,
+        tp=cfg.rollout.engine_tp,
+        colocated=colocated,
+        tokens=tokens,
+        batch=pl.rollout_batch,
+        weights=float(params.total * w / cfg.rollout.engine_tp),
+        kv_cache=float(kv),
+        logits=float(pl.rollout_batch * block * arch.vocab_size * 4),
+    )
 
 
 def check_plan_config(cfg: Config, arch: ModelArch) -> Layout:
@@ -128,28 +154,37 @@ def check_plan_config(cfg: Config, arch: ModelArch) -> Layout:
     if pl.job not in JOBS:
         raise ConfigError(f"plan.job={pl.job!r} is not one of {', '.join(JOBS)}")
     if pl.gpu_memory_gb <= 0 or pl.reserve_gb < 0 or pl.prompt_length < 0 or pl.rollout_gpus < 0:
-        raise ConfigError("plan.gpu_memory_gb must be > 0 and plan.reserve_gb, plan.prompt_length, "
-                          "plan.rollout_gpus >= 0")
+        raise ConfigError(
+            "plan.gpu_memory_gb must be > 0 and plan.reserve_gb, plan.prompt_length, plan.rollout_gpus >= 0"
+        )
     total = pl.nodes * pl.gpus_per_node
     if pl.rollout_gpus >= total:
-        raise ConfigError(f"plan.rollout_gpus={pl.rollout_gpus} leaves no trainer GPU of the {total} "
-                          f"(plan.nodes * plan.gpus_per_node)")
+        raise ConfigError(
+            f"plan.rollout_gpus={pl.rollout_gpus} leaves no trainer GPU of the {total} "
+            f"(plan.nodes * plan.gpus_per_node)"
+        )
     if pl.rollout_gpus and pl.rollout_gpus % cfg.rollout.engine_tp:
-        raise ConfigError(f"plan.rollout_gpus={pl.rollout_gpus} is not a multiple of rollout.engine_tp={cfg.rollout.engine_tp}")
+        raise ConfigError(
+            f"plan.rollout_gpus={pl.rollout_gpus} is not a multiple of rollout.engine_tp={cfg.rollout.engine_tp}"
+        )
     if arch.num_attention_heads % cfg.rollout.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the {arch.num_attention_heads} "
-                          "attention heads")
+        raise ConfigError(
+            f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the {arch.num_attention_heads} attention heads"
+        )
     lay = trainer_layout(cfg)
     p = cfg.parallel
     if p.world_size is not None and p.world_size != lay.world:
-        raise ConfigError(f"parallel.world_size={p.world_size} but the plan gives the trainer plan.nodes * "
-                          f"plan.gpus_per_node - plan.rollout_gpus = {lay.world} GPUs: make them agree (e.g. "
-                          f"parallel.world_size={lay.world} when planning another cluster shape)")
+        raise ConfigError(
+            f"parallel.world_size={p.world_size} but the plan gives the trainer plan.nodes * "
+            f"plan.gpus_per_node - plan.rollout_gpus = {lay.world} GPUs: make them agree (e.g. "
+            f"parallel.world_size={lay.world} when planning another cluster shape)"
+        )
     try:
         validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=lay.world)
     except ConfigError as e:
-        raise ConfigError(f"{e} (the trainer has plan.nodes * plan.gpus_per_node - plan.rollout_gpus = {lay.world} "
-                          "GPUs)") from None
+        raise ConfigError(
+            f"{e} (the trainer has plan.nodes * plan.gpus_per_node - plan.rollout_gpus = {lay.world} GPUs)"
+        ) from None
     if arch.is_moe and p.tp > 1 and not p.sp:
         raise ConfigError(f"parallel.tp={p.tp} on a MoE model needs parallel.sp=true")
     return lay
@@ -160,9 +195,16 @@ def plan_memory(cfg: Config, arch: ModelArch) -> PlanReport:
     lay = check_plan_config(cfg, arch)
     params = count_params(arch)
     rollout = rollout_memory(cfg, arch, params, lay) if cfg.plan.job == "rl" else None
-    report = PlanReport(model=f"{arch.architecture} ({arch.family})", layout=lay, params=params,
-                        stages=trainer_stages(cfg, arch, lay), rollout=rollout,
-                        gpu_memory=cfg.plan.gpu_memory_gb * GIB, dtype=cfg.model.dtype,
-                        recompute=cfg.train.recompute, distributed_optimizer=cfg.train.distributed_optimizer,
-                        logits_path=logits_path(arch, lay, cfg))
+    report = PlanReport(
+        model=f"{arch.architecture} ({arch.family})",
+        layout=lay,
+        params=params,
+        stages=trainer_stages(cfg, arch, lay),
+        rollout=rollout,
+        gpu_memory=cfg.plan.gpu_memory_gb * GIB,
+        dtype=cfg.model.dtype,
+        recompute=cfg.train.recompute,
+        distributed_optimizer=cfg.train.distributed_optimizer,
+        logits_path=logits_path(arch, lay, cfg),
+    )
     return report

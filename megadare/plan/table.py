@@ -1,14 +1,20 @@
 """The printed plan: parameter counts, a per-GPU memory table (GB = 2^30 bytes), the rollout engines, the verdict
 and, when it does not fit, the knobs with their estimated effect."""
+
 from __future__ import annotations
 
 from megadare.plan.memory import GIB
 from megadare.plan.report import PlanReport
 
-ROWS = (("weights", "weights ({dtype})"), ("grads", "gradients (fp32 buffer)"),
-        ("optimizer", "optimizer ({opt})"), ("activations", "activations ({inflight}, recompute={recompute})"),
-        ("logits", "logits + loss (last stage)"), ("reference", "reference model (KL)"),
-        ("reserve", "reserve (context, NCCL, fragmentation)"))
+ROWS = (
+    ("weights", "weights ({dtype})"),
+    ("grads", "gradients (fp32 buffer)"),
+    ("optimizer", "optimizer ({opt})"),
+    ("activations", "activations ({inflight}, recompute={recompute})"),
+    ("logits", "logits + loss (last stage)"),
+    ("reference", "reference model (KL)"),
+    ("reserve", "reserve (context, NCCL, fragmentation)"),
+)
 
 
 W = 46
@@ -34,12 +40,15 @@ def format_report(r: PlanReport) -> str:
     heads = ["GPU"] if lay.pp == 1 else [f"stage {s.rank}" for s in stages]
     opt = ("master+Adam" if r.dtype != "fp32" else "Adam m,v") + (
         f" /{lay.dp * lay.cp} dp" + (f", /{lay.expert_dp} edp" if pc.experts else "")
-        if r.distributed_optimizer else ", unsharded")
+        if r.distributed_optimizer
+        else ", unsharded"
+    )
     lines = [
         f"megadare plan: {r.model}",
         f"  parameters: total {_b(pc.total)}, active {_b(pc.active)} (non-embedding {_b(pc.active_non_embedding)})"
         + (f", routed experts {_b(pc.experts)}" if pc.experts else ""),
-        f"  trainer: {lay.world} GPUs, tp={lay.tp} pp={lay.pp}" + (f" vpp={lay.vpp}" if lay.vpp else "")
+        f"  trainer: {lay.world} GPUs, tp={lay.tp} pp={lay.pp}"
+        + (f" vpp={lay.vpp}" if lay.vpp else "")
         + f" cp={lay.cp} ep={lay.ep} etp={lay.etp} sp={'on' if lay.sp else 'off'} -> dp={lay.dp}"
         + (f", expert-dp={lay.expert_dp}" if pc.experts else "")
         + f"; {_b(r.stages[0].params)} parameters on a first-stage GPU",
@@ -59,23 +68,28 @@ def format_report(r: PlanReport) -> str:
     if r.rollout is not None:
         ro = r.rollout
         where = "colocated with the trainer" if ro.colocated else "on GPUs of their own"
-        lines += ["", f"  rollout: {ro.engines} engines x tp={ro.tp}, {where}; {ro.batch} sequences x {ro.tokens} "
-                      "tokens each",
-                  f"  {'engine weights':{W}s}{_gb(ro.weights):>12s}",
-                  f"  {'KV cache':{W}s}{_gb(ro.kv_cache):>12s}",
-                  f"  {'block logits (fp32)':{W}s}{_gb(ro.logits):>12s}",
-                  f"  {'engine total':{W}s}{_gb(ro.total):>12s}"]
+        lines += [
+            "",
+            f"  rollout: {ro.engines} engines x tp={ro.tp}, {where}; {ro.batch} sequences x {ro.tokens} tokens each",
+            f"  {'engine weights':{W}s}{_gb(ro.weights):>12s}",
+            f"  {'KV cache':{W}s}{_gb(ro.kv_cache):>12s}",
+            f"  {'block logits (fp32)':{W}s}{_gb(ro.logits):>12s}",
+            f"  {'engine total':{W}s}{_gb(ro.total):>12s}",
+        ]
         if ro.colocated:
             static = max(s.static for s in r.stages)
             lines.append(f"  {'rollout phase (trainer state + engine)':{W}s}{_gb(static + ro.total):>12s}")
     verdict = "fits" if r.fits else "DOES NOT FIT"
-    lines += ["", f"  peak {r.peak / GIB:.2f} GB of {r.gpu_memory / GIB:.0f} GB per GPU ({r.bottleneck} phase): "
-                  f"{verdict}"]
+    lines += [
+        "",
+        f"  peak {r.peak / GIB:.2f} GB of {r.gpu_memory / GIB:.0f} GB per GPU ({r.bottleneck} phase): {verdict}",
+    ]
     if not r.fits:
         if not r.advice:
             lines.append("  no single knob or chain of knobs found that fits; add GPUs (plan.nodes) or a larger GPU")
         for a in r.advice:
             mark = "fits" if a["fits"] else "    "
-            lines.append(f"  -> {a['change']:58s} peak {a['peak_gb']:7.2f} GB (-{a['saves_gb']:.2f})  {mark}  "
-                         f"cost: {a['cost']}")
+            lines.append(
+                f"  -> {a['change']:58s} peak {a['peak_gb']:7.2f} GB (-{a['saves_gb']:.2f})  {mark}  cost: {a['cost']}"
+            )
     return "\n".join(lines)

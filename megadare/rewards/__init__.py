@@ -15,27 +15,72 @@
   weighted sums; :mod:`.scoring`: :func:`score_batch`, the scorer shared by RL and evaluation, and the stop when
   rewards cannot be computed (:func:`check_reward_errors`).
 """
+
 from megadare.rewards.code import code_reward, extract_code, parse_tests, run_tests
 from megadare.rewards.code_forms import dare_code_reward, extract_code_mbpp, program_extractor
 from megadare.rewards.errors import AnswerTimeout, RewardError, SandboxUnavailable
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.math_answer import extract_answer, extract_boxed, gsm8k_gold, normalize_answer
-from megadare.rewards.math_verify import (VerifierPool, VerifyResult, answers_equal, default_pool, math_reward,
-                                          verify_answer)
+from megadare.rewards.math_verify import (
+    VerifierPool,
+    VerifyResult,
+    answers_equal,
+    default_pool,
+    math_reward,
+    verify_answer,
+)
 from megadare.rewards.planning import countdown_reward, sudoku_reward
-from megadare.rewards.registry import (BUILTIN_REWARDS, RewardFn, RewardSpecError, auto_rule, combine,
-                                       gold_response, load_reward, runs_code)
+from megadare.rewards.registry import (
+    BUILTIN_REWARDS,
+    RewardFn,
+    RewardSpecError,
+    auto_rule,
+    combine,
+    gold_response,
+    load_reward,
+    runs_code,
+)
 from megadare.rewards.sandbox import SandboxResult, check_isolation, run_program, set_isolation
 from megadare.rewards.scoring import ScoreStats, check_reward_errors, score_batch
 
 __all__ = [
-    "extract_boxed", "extract_answer", "gsm8k_gold", "normalize_answer",
-    "answers_equal", "verify_answer", "math_reward", "VerifierPool", "VerifyResult", "default_pool",
-    "run_program", "SandboxResult", "set_isolation", "check_isolation", "SandboxUnavailable",
-    "extract_code", "parse_tests", "run_tests", "code_reward", "dare_code_reward", "extract_code_mbpp",
+    "extract_boxed",
+    "extract_answer",
+    "gsm8k_gold",
+    "normalize_answer",
+    "answers_equal",
+    "verify_answer",
+    "math_reward",
+    "VerifierPool",
+    "VerifyResult",
+    "default_pool",
+    "run_program",
+    "SandboxResult",
+    "set_isolation",
+    "check_isolation",
+    "SandboxUnavailable",
+    "extract_code",
+    "parse_tests",
+    "run_tests",
+    "code_reward",
+    "dare_code_reward",
+    "extract_code_mbpp",
     "program_extractor",
-    "countdown_reward", "sudoku_reward",
-    "boxed_format_reward", "think_answer_format_reward",
-    "RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",
-    "runs_code", "score_batch", "ScoreStats", "check_reward_errors", "AnswerTimeout", "RewardError",
+    "countdown_reward",
+    "sudoku_reward",
+    "boxed_format_reward",
+    "think_answer_format_reward",
+    "RewardFn",
+    "RewardSpecError",
+    "BUILTIN_REWARDS",
+    "load_reward",
+    "combine",
+    "auto_rule",
+    "gold_response",
+    "runs_code",
+    "score_batch",
+    "ScoreStats",
+    "check_reward_errors",
+    "AnswerTimeout",
+    "RewardError",
 ]

@@ -16,6 +16,7 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
 * ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass); cases run
   concurrently on a small thread pool, each in its own sandbox.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,16 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.sandbox import SandboxResult, run_program
 
-__all__ = ["extract_code", "TestCase", "CaseResult", "call_case", "parse_tests", "run_tests", "code_reward", "summarize"]
+__all__ = [
+    "extract_code",
+    "TestCase",
+    "CaseResult",
+    "call_case",
+    "parse_tests",
+    "run_tests",
+    "code_reward",
+    "summarize",
+]
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PY_TAGS = {"python", "py", "python3", "py3"}
@@ -53,6 +63,7 @@ def extract_code(response: str) -> str:
 @dataclass
 class TestCase:
     """One test: ``stdin`` + ``expected`` stdout (stdin/stdout style), or ``test_code`` run after the program."""
+
     __test__ = False  # not a pytest class
 
     stdin: str = ""
@@ -63,6 +74,7 @@ class TestCase:
 @dataclass
 class CaseResult:
     """A test case's verdict and the sandbox run behind it."""
+
     passed: bool
     run: SandboxResult
 
@@ -80,8 +92,7 @@ def _code_case(test_code: str) -> TestCase:
     except SyntaxError as e:
         raise ValueError(f"test code does not compile (line {e.lineno}: {e.msg})") from e
     if not any(isinstance(node, (ast.Assert, ast.Raise)) for node in ast.walk(tree)):
-        raise ValueError("test code holds no assert and no raise: it would pass any program; "
-                         f"got {test_code[:200]!r}")
+        raise ValueError(f"test code holds no assert and no raise: it would pass any program; got {test_code[:200]!r}")
     return TestCase(test_code=test_code)
 
 
@@ -94,11 +105,13 @@ def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
         args = [json.loads(line) for line in args.split("\n") if line.strip()]
     if isinstance(expected, str):
         expected = json.loads(expected)
-    code = (f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
-            f"_want = _json.loads({json.dumps(json.dumps(expected))})\n"
-            f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
-            "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n"
-            "assert _got == _want, 'wrong answer'\n")
+    code = (
+        f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
+        f"_want = _json.loads({json.dumps(json.dumps(expected))})\n"
+        f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
+        "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n"
+        "assert _got == _want, 'wrong answer'\n"
+    )
     return TestCase(test_code=code)
 
 
@@ -149,8 +162,9 @@ def _run_case(code: str, case: TestCase, sandbox_kw: dict) -> CaseResult:
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 
-def run_tests(code: str, tests: Tests, *, timeout_s: float = 5.0, memory_mb: int = 512, workers: int = 4,
-              **sandbox_kw: Any) -> List[CaseResult]:
+def run_tests(
+    code: str, tests: Tests, *, timeout_s: float = 5.0, memory_mb: int = 512, workers: int = 4, **sandbox_kw: Any
+) -> List[CaseResult]:
     """Run ``code`` on every test case (concurrently, ``workers`` sandboxes at a time), in case order."""
     cases = parse_tests(tests)
     kw = dict(sandbox_kw, timeout_s=timeout_s, memory_mb=memory_mb)
@@ -158,9 +172,18 @@ def run_tests(code: str, tests: Tests, *, timeout_s: float = 5.0, memory_mb: int
         return list(ex.map(lambda c: _run_case(code, c, kw), cases))
 
 
-def code_reward(response: str, tests: Tests, *, timeout_s: float = 5.0,
-                memory_mb: int = 512, workers: int = 4, all_or_nothing: bool = False, preamble: str = "",
-                code: Optional[str] = None, **sandbox_kw: Any) -> float:
+def code_reward(
+    response: str,
+    tests: Tests,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    workers: int = 4,
+    all_or_nothing: bool = False,
+    preamble: str = "",
+    code: Optional[str] = None,
+    **sandbox_kw: Any,
+) -> float:
     """Fraction of ``tests`` passed by the program in ``response`` (0.0 for an empty program).
 
     ``code``: the program when the caller extracted it already (else :func:`extract_code`); ``preamble``: source
@@ -171,8 +194,9 @@ def code_reward(response: str, tests: Tests, *, timeout_s: float = 5.0,
     program = extract_code(response) if code is None else code
     if not program.strip():
         return 0.0
-    results = run_tests(preamble + program, cases, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers,
-                        **sandbox_kw)
+    results = run_tests(
+        preamble + program, cases, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers, **sandbox_kw
+    )
     passed = sum(r.passed for r in results)
     if all_or_nothing:
         return 1.0 if passed == len(results) else 0.0

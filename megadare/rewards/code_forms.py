@@ -20,6 +20,7 @@ the prompt's ``[BEGIN]`` prefill; the program is what DARE's OpenCompass-style p
 ``[DONE]`` (other responses: :func:`~megadare.rewards.code.extract_code`). DARE's code reward is binary: all cases
 must pass.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,15 @@ from typing import Any, Callable, List, Optional
 
 from megadare.rewards.code import TestCase, call_case, code_reward, extract_code, parse_tests
 
-__all__ = ["CODE_SOURCES", "PREAMBLE", "extract_code_mbpp", "program_extractor", "entry_point", "dare_test_cases",
-           "dare_code_reward"]
+__all__ = [
+    "CODE_SOURCES",
+    "PREAMBLE",
+    "extract_code_mbpp",
+    "program_extractor",
+    "entry_point",
+    "dare_test_cases",
+    "dare_code_reward",
+]
 
 HUMANEVAL, HUMANEVALPLUS = "humaneval", "humanevalplus"
 ASSERT_LISTS = ("mbpp", "kodcode")
@@ -51,13 +59,31 @@ import copy, string, math, collections, bisect, heapq, functools, random, iterto
 """
 
 # OpenCompass' MBPPEvaluator patterns, in DARE's order (extract_code_from_model_mbpp)
-_MBPP_PATTERNS = [re.compile(p, re.DOTALL) for p in (
-    r"\[BEGIN\]\s*'(.*)'\s*\[DONE\]", r"BEGIN\s*'(.*)'\s*\[DONE\]", r"\[BEGIN\]\s*'(.*)'\s*DONE",
-    r"BEGIN\s*'(.*)'\s*DONE", r"\[BEGIN\]\s*'(.*)\s*\[DONE\]", r"BEGIN\s*'(.*)\s*\[DONE\]",
-    r"\[BEGIN\]\s*'(.*)\s*DONE", r"BEGIN\s*'(.*)\s*DONE", r"\[BEGIN\]\s*(.*)\s*\[DONE\]", r"BEGIN\s*(.*)\s*\[DONE\]",
-    r"\[BEGIN\]\s*(.*)\s*DONE", r"BEGIN\s*(.*)\s*DONE", r"```python\s*(.*)\s*```", r"```\s*(.*)\s*```",
-    r"```python\s*(.*)\s*$", r"```\s*(.*)\s*$", r"(.*)\s*```.*", r"\[BEGIN\]\s*'(.*)", r"\[BEGIN\](.*)",
-    r"'(.*)'\s*\[DONE\]")]
+_MBPP_PATTERNS = [
+    re.compile(p, re.DOTALL)
+    for p in (
+        r"\[BEGIN\]\s*'(.*)'\s*\[DONE\]",
+        r"BEGIN\s*'(.*)'\s*\[DONE\]",
+        r"\[BEGIN\]\s*'(.*)'\s*DONE",
+        r"BEGIN\s*'(.*)'\s*DONE",
+        r"\[BEGIN\]\s*'(.*)\s*\[DONE\]",
+        r"BEGIN\s*'(.*)\s*\[DONE\]",
+        r"\[BEGIN\]\s*'(.*)\s*DONE",
+        r"BEGIN\s*'(.*)\s*DONE",
+        r"\[BEGIN\]\s*(.*)\s*\[DONE\]",
+        r"BEGIN\s*(.*)\s*\[DONE\]",
+        r"\[BEGIN\]\s*(.*)\s*DONE",
+        r"BEGIN\s*(.*)\s*DONE",
+        r"```python\s*(.*)\s*```",
+        r"```\s*(.*)\s*```",
+        r"```python\s*(.*)\s*$",
+        r"```\s*(.*)\s*$",
+        r"(.*)\s*```.*",
+        r"\[BEGIN\]\s*'(.*)",
+        r"\[BEGIN\](.*)",
+        r"'(.*)'\s*\[DONE\]",
+    )
+]
 
 
 def extract_code_mbpp(text: str) -> Optional[str]:
@@ -83,12 +109,20 @@ def entry_point(record: dict) -> str:
     if name:
         return str(name)
     prompt = record.get("prompt")
-    text = prompt if isinstance(prompt, str) else next(
-        (m.get("content", "") for m in reversed(prompt or []) if isinstance(m, dict) and m.get("role") == "user"), "")
+    text = (
+        prompt
+        if isinstance(prompt, str)
+        else next(
+            (m.get("content", "") for m in reversed(prompt or []) if isinstance(m, dict) and m.get("role") == "user"),
+            "",
+        )
+    )
     found = re.findall(r"^def\s+([A-Za-z_]\w*)\s*\(", text or "", re.MULTILINE)
     if not found:
-        raise ValueError("humaneval record: no entry_point field and no top-level 'def' in its prompt; the tests' "
-                         "check(candidate) would not know which function to test")
+        raise ValueError(
+            "humaneval record: no entry_point field and no top-level 'def' in its prompt; the tests' "
+            "check(candidate) would not know which function to test"
+        )
     return found[-1]
 
 
@@ -98,8 +132,13 @@ def _json(value: Any) -> Any:
 
 def _calls_check(test_code: str) -> bool:
     tree = ast.parse(test_code)
-    return any(isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
-               and n.value.func.id == "check" for n in tree.body)
+    return any(
+        isinstance(n, ast.Expr)
+        and isinstance(n.value, ast.Call)
+        and isinstance(n.value.func, ast.Name)
+        and n.value.func.id == "check"
+        for n in tree.body
+    )
 
 
 def _humaneval(test_code: str, record: dict) -> List[TestCase]:
@@ -126,7 +165,7 @@ def _lcb(cases: Any, record: dict) -> List[TestCase]:
 
 def _io_dict(tests: Any) -> List[TestCase]:
     tests = dict(_json(tests))
-    if tests.get("fn_name"):   # DARE (taco_to_lcb_format) reads a call's output as the first of a list
+    if tests.get("fn_name"):  # DARE (taco_to_lcb_format) reads a call's output as the first of a list
         tests["outputs"] = [o[0] if isinstance(o, list) and o else o for o in tests.get("outputs") or []]
     return parse_tests(tests)
 
@@ -151,8 +190,11 @@ def dare_test_cases(record: dict) -> List[TestCase]:
 def _harness_timeout(test_code: str, base: float) -> float:
     """DARE's humanevalplus budget: 1 s per entry of the harness's ``inputs`` list (at least ``base``)."""
     for node in ast.walk(ast.parse(test_code)):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.List) and \
-                any(isinstance(t, ast.Name) and t.id == "inputs" for t in node.targets):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.List)
+            and any(isinstance(t, ast.Name) and t.id == "inputs" for t in node.targets)
+        ):
             return max(base, float(len(node.value.elts)))
     return base
 
@@ -171,6 +213,13 @@ def dare_code_reward(response: str, record: dict, all_or_nothing: bool = True) -
     timeout = float(record.get("timeout_s", 5.0))
     if source == HUMANEVALPLUS:
         timeout = _harness_timeout(str(record["answer"]), timeout)
-    return code_reward(response, cases, code=code or "", preamble=PREAMBLE, timeout_s=timeout,
-                       memory_mb=int(record.get("memory_mb", 1024)), all_or_nothing=all_or_nothing,
-                       **({"allow_site_packages": True, "preload": ("numpy",)} if source == HUMANEVALPLUS else {}))
+    return code_reward(
+        response,
+        cases,
+        code=code or "",
+        preamble=PREAMBLE,
+        timeout_s=timeout,
+        memory_mb=int(record.get("memory_mb", 1024)),
+        all_or_nothing=all_or_nothing,
+        **({"allow_site_packages": True, "preload": ("numpy",)} if source == HUMANEVALPLUS else {}),
+    )

@@ -1,4 +1,5 @@
 """What a reward raises when it cannot give a score, as opposed to a low one."""
+
 from __future__ import annotations
 
 __all__ = ["AnswerTimeout", "RewardError", "SandboxUnavailable"]

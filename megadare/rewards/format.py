@@ -5,6 +5,7 @@
 * ``think_answer_format_reward``: the d1 / DeepSeek-R1 ``<think>...</think>`` then ``<answer>...</answer>``
   layout, checked with one anchored regex (only whitespace around and between the two blocks).
 """
+
 from __future__ import annotations
 
 import re
@@ -13,21 +14,22 @@ from megadare.rewards.math_answer import _BOX_RE, _match_braces
 
 __all__ = ["boxed_format_reward", "think_answer_format_reward", "count_boxed"]
 
-_THINK_ANSWER_RE = re.compile(r"^\s*<think>(?:(?!</?think>).)+</think>\s*<answer>(?:(?!</?answer>).)+</answer>\s*$",
-                              re.DOTALL)
+_THINK_ANSWER_RE = re.compile(
+    r"^\s*<think>(?:(?!</?think>).)+</think>\s*<answer>(?:(?!</?answer>).)+</answer>\s*$", re.DOTALL
+)
 
 
 def count_boxed(text: str) -> int:
     """Number of ``\\boxed{..}`` / ``\\fbox{..}`` with a closed, non-empty body in ``text``."""
     n = 0
     for m in _BOX_RE.finditer(text or ""):
-        rest = text[m.end():]
+        rest = text[m.end() :]
         stripped = rest.lstrip()
         if not stripped.startswith("{"):
             continue
         open_idx = m.end() + len(rest) - len(stripped)
         close = _match_braces(text, open_idx)
-        if close is not None and text[open_idx + 1:close].strip():
+        if close is not None and text[open_idx + 1 : close].strip():
             n += 1
     return n
 

@@ -9,6 +9,7 @@ Conventions follow the reward functions of DARE / dLLM-RL / d1, which descend fr
 * without a box, "the answer is X" / "Answer: X", then the last number in the text (the GSM8K fallback);
 * GSM8K gold solutions end with ``#### 1,234``: the gold is the text after ``####`` with commas removed.
 """
+
 from __future__ import annotations
 
 import re
@@ -58,7 +59,7 @@ def extract_boxed(text: str) -> Optional[str]:
     if stripped.startswith("{"):
         open_idx = end + (len(rest) - len(stripped))
         close = _match_braces(text, open_idx)
-        return None if close is None else text[open_idx + 1:close].strip()
+        return None if close is None else text[open_idx + 1 : close].strip()
     if rest[:1].isspace():
         token = re.match(r"[^\s$]+", stripped)
         return token.group(0) if token else None

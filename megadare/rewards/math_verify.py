@@ -13,6 +13,7 @@ is SIGKILLed and replaced, so the pool stays usable. :func:`verify_answer` and :
 default pool unless one is passed); a timed-out or crashed comparison raises there (a reward that could not be
 computed is an error, not a wrong answer).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,7 +31,7 @@ from megadare.rewards.math_answer import extract_answer, extract_boxed, normaliz
 
 __all__ = ["answers_equal", "VerifierPool", "VerifyResult", "verify_answer", "math_reward", "default_pool"]
 
-MV_TIMEOUT_S = 3   # math-verify's own per-parse / per-verify alarm (main thread only); the pool's timeout is the bound
+MV_TIMEOUT_S = 3  # math-verify's own per-parse / per-verify alarm (main thread only); the pool's timeout is the bound
 
 
 def _dollars(s: str) -> str:
@@ -53,7 +54,7 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
         return False
     if np_ == ng:
         return True
-    from math_verify import parse as mv_parse      # sympy + latex2sympy2: loaded by the verifier workers only
+    from math_verify import parse as mv_parse  # sympy + latex2sympy2: loaded by the verifier workers only
     from math_verify import verify as mv_verify
 
     t = MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
@@ -66,6 +67,7 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
 @dataclass
 class VerifyResult:
     """Outcome of one pooled comparison: ``status`` is "ok", "timeout" (worker killed) or "error"."""
+
     equal: bool
     status: str
     wall_s: float
@@ -76,11 +78,12 @@ def _worker_main(conn: Any, memory_mb: int) -> None:
     None/EOF."""
     try:
         import resource
+
         lim = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     except (ImportError, ValueError, OSError):
         pass
-    answers_equal("2\\sqrt{3}", "\\sqrt{12}")   # warm the parser so that the first request is not billed for it
+    answers_equal("2\\sqrt{3}", "\\sqrt{12}")  # warm the parser so that the first request is not billed for it
     conn.send(("ready", None))
     while True:
         try:
@@ -116,11 +119,17 @@ class VerifierPool:
     (importing sympy) is not billed to the call's timeout.
     """
 
-    def __init__(self, num_workers: int = 2, *, context: str = "forkserver", memory_mb: int = 4096,
-                 startup_timeout: float = 120.0):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        *,
+        context: str = "forkserver",
+        memory_mb: int = 4096,
+        startup_timeout: float = 120.0,
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if importlib.util.find_spec("math_verify") is None:   # here, not as a dead worker's "error" verdict
+        if importlib.util.find_spec("math_verify") is None:  # here, not as a dead worker's "error" verdict
             raise ImportError("the math verifier needs math-verify: pip install 'math-verify>=0.8'")
         if context not in multiprocessing.get_all_start_methods():
             context = "spawn"
@@ -137,8 +146,9 @@ class VerifierPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self._memory_mb), daemon=True,
-                                 name="megadare-verifier")
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self._memory_mb), daemon=True, name="megadare-verifier"
+        )
         proc.start()
         child.close()
         w = _Worker(proc, parent)
@@ -235,8 +245,9 @@ def default_pool() -> VerifierPool:
         return _DEFAULT_POOL
 
 
-def verify_answer(pred: Optional[str], gold: Optional[str], pool: Optional[VerifierPool] = None,
-                  timeout: float = 5.0) -> bool:
+def verify_answer(
+    pred: Optional[str], gold: Optional[str], pool: Optional[VerifierPool] = None, timeout: float = 5.0
+) -> bool:
     """:func:`answers_equal` with a timeout: normalised-string matches are decided here, the rest in the pool.
 
     Raises :class:`AnswerTimeout` when the comparison ran past ``timeout`` (its worker was killed) and RuntimeError
@@ -251,8 +262,9 @@ def verify_answer(pred: Optional[str], gold: Optional[str], pool: Optional[Verif
         return True
     result = (pool or default_pool()).verify(pred, gold, timeout)
     if result.status == "timeout":
-        raise AnswerTimeout(f"math verifier: no verdict within {timeout:g}s comparing {pred[:200]!r} with "
-                            f"{gold[:200]!r}")
+        raise AnswerTimeout(
+            f"math verifier: no verdict within {timeout:g}s comparing {pred[:200]!r} with {gold[:200]!r}"
+        )
     if result.status != "ok":
         raise RuntimeError(f"math verifier: the worker failed comparing {pred[:200]!r} with {gold[:200]!r}")
     return result.equal

@@ -13,6 +13,7 @@ Both read the LAST ``<answer>...</answer>`` of the response (DOTALL), as DARE's 
   reward is the fraction of the puzzle's empty cells (``'0'``) holding the solution's digit (0.0 for a puzzle
   without empty cells or an answer without digits).
 """
+
 from __future__ import annotations
 
 import ast
@@ -41,8 +42,11 @@ def countdown_numbers(numbers: Union[str, Sequence[int]]) -> list[int]:
             numbers = json.loads(numbers)
         except json.JSONDecodeError as e:
             raise ValueError(f"countdown numbers must be a JSON list of integers, got {numbers!r} ({e})") from e
-    if not isinstance(numbers, (list, tuple)) or not numbers or \
-            not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+    if (
+        not isinstance(numbers, (list, tuple))
+        or not numbers
+        or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers)
+    ):
         raise ValueError(f"countdown numbers must be a non-empty list of integers, got {numbers!r}")
     return list(numbers)
 
@@ -80,8 +84,9 @@ def _evaluate(expression: str) -> Optional[Fraction]:
         return None
 
 
-def countdown_reward(response: str, target: Union[int, str], numbers: Union[str, Sequence[int]],
-                     format_score: float = 0.1) -> float:
+def countdown_reward(
+    response: str, target: Union[int, str], numbers: Union[str, Sequence[int]], format_score: float = 0.1
+) -> float:
     """DARE's countdown score of ``response`` for reaching ``target`` with ``numbers`` (module docstring)."""
     goal = int(str(target).strip())
     given = countdown_numbers(numbers)

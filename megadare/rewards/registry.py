@@ -22,6 +22,7 @@ prompt included) and the sample record (the dataset row, with its gold answer un
 ``load_reward(spec)`` takes a built-in name or an import path ``"pkg.module:function"``; ``combine`` builds a
 weighted sum (e.g. DiffuCoder's ``[("code", 2.0), ("boxed_format", 0.5)]``-style code + format reward).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,13 +35,31 @@ from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
 
-__all__ = ["RewardFn", "RewardSpecError", "BUILTIN_REWARDS", "load_reward", "combine", "auto_rule", "gold_response",
-           "runs_code"]
+__all__ = [
+    "RewardFn",
+    "RewardSpecError",
+    "BUILTIN_REWARDS",
+    "load_reward",
+    "combine",
+    "auto_rule",
+    "gold_response",
+    "runs_code",
+]
 
 RewardFn = Callable[[str, dict], float]
 RewardSpec = Union[str, RewardFn]
-MATH_SOURCES = ("math", "math500", "aime", "amc", "openr1", "deepscaler", "lighteval/math", "olympiad", "numina",
-                "minerva")
+MATH_SOURCES = (
+    "math",
+    "math500",
+    "aime",
+    "amc",
+    "openr1",
+    "deepscaler",
+    "lighteval/math",
+    "olympiad",
+    "numina",
+    "minerva",
+)
 
 
 class RewardSpecError(ValueError):
@@ -49,8 +68,10 @@ class RewardSpecError(ValueError):
 
 def _gold(record: dict) -> str:
     if "answer" not in record:
-        raise KeyError(f"the record has no gold answer 'answer' (set rl.answer_key to the field holding it); "
-                       f"record keys {sorted(record)}")
+        raise KeyError(
+            f"the record has no gold answer 'answer' (set rl.answer_key to the field holding it); "
+            f"record keys {sorted(record)}"
+        )
     return str(record["answer"])
 
 
@@ -87,8 +108,14 @@ def _code_with(all_or_nothing: bool) -> RewardFn:
     def code(response: str, record: dict) -> float:
         if "tests" not in record:
             return dare_code_reward(response, record, all_or_nothing=all_or_nothing)
-        return code_reward(response, record["tests"], timeout_s=float(record.get("timeout_s", 5.0)),
-                           memory_mb=int(record.get("memory_mb", 512)), all_or_nothing=all_or_nothing)
+        return code_reward(
+            response,
+            record["tests"],
+            timeout_s=float(record.get("timeout_s", 5.0)),
+            memory_mb=int(record.get("memory_mb", 512)),
+            all_or_nothing=all_or_nothing,
+        )
+
     return code
 
 
@@ -123,8 +150,10 @@ def auto_rule(record: dict) -> str:
         return "math"
     if not source and not task:
         return "exact_match"
-    raise ValueError(f"rl.reward=auto has no rule for data_source={source!r}, extra_info.task={task!r}; name the "
-                     f"reward (rl.reward=math | gsm8k | countdown | sudoku | code | ...) or give rows a known source")
+    raise ValueError(
+        f"rl.reward=auto has no rule for data_source={source!r}, extra_info.task={task!r}; name the "
+        f"reward (rl.reward=math | gsm8k | countdown | sudoku | code | ...) or give rows a known source"
+    )
 
 
 def _auto(response: str, record: dict) -> float:
@@ -132,9 +161,16 @@ def _auto(response: str, record: dict) -> float:
 
 
 BUILTIN_REWARDS: Dict[str, RewardFn] = {
-    "math": _math, "gsm8k": _gsm8k, "exact_match": _exact_match, "countdown": _countdown, "sudoku": _sudoku,
-    "code": _code_with(False), "code_all_or_nothing": _code_with(True), "boxed_format": _boxed_format,
-    "think_answer_format": _think_answer_format, "auto": _auto,
+    "math": _math,
+    "gsm8k": _gsm8k,
+    "exact_match": _exact_match,
+    "countdown": _countdown,
+    "sudoku": _sudoku,
+    "code": _code_with(False),
+    "code_all_or_nothing": _code_with(True),
+    "boxed_format": _boxed_format,
+    "think_answer_format": _think_answer_format,
+    "auto": _auto,
 }
 
 
@@ -177,8 +213,10 @@ def load_reward(spec: RewardSpec) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
-        raise RewardSpecError(f"unknown reward {spec!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
-                              "and not an import path 'pkg.module:function'")
+        raise RewardSpecError(
+            f"unknown reward {spec!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
+            "and not an import path 'pkg.module:function'"
+        )
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise RewardSpecError(f"reward {spec!r}: expected 'pkg.module:function'")
@@ -213,5 +251,3 @@ def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple
 
     combined.components = parts  # type: ignore[attr-defined]
     return combined
-
-

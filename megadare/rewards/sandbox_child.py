@@ -28,14 +28,15 @@ and OpenCompass, a program can return an object whose ``__eq__`` always says Tru
 the tests use (``math.isclose``). A global of the program's named like a builtin (``abs``) is left out of the tests'
 copy of its namespace, so the tests call the true builtin.
 """
+
 import builtins
 import os
 import sys
 import traceback
 import types
 
-EXIT_REFUSED = 121     # an audit-hook refusal was not caught
-EXIT_MEMORY = 122      # uncaught MemoryError
+EXIT_REFUSED = 121  # an audit-hook refusal was not caught
+EXIT_MEMORY = 122  # uncaught MemoryError
 FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"))
 
 
@@ -62,7 +63,7 @@ def _jail(plan, source, rep):
     exec(compile(source, "sandbox_jail.py", "exec"), namespace)
     namespace["enter"](eval(plan, {"__builtins__": {}}), rep)
     for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
-        del sys.modules[name]   # importing ctypes again meets the audit hook
+        del sys.modules[name]  # importing ctypes again meets the audit hook
 
 
 def _write(path, data):
@@ -122,12 +123,14 @@ def _close_frame_sources():
     would bring both back, so every builtin module is imported now and ``_imp.create_builtin`` is gone (the
     replaced functions are referenced nowhere else)."""
     import _imp
+
     for name in sys.builtin_module_names:
         if name not in sys.modules:
             __import__(name)
     import _signal
     import gc
     import signal
+
     _signal.signal = signal.signal = _no_signal_handlers
     gc.set_debug = _no_gc_debug
     _imp.create_builtin = _no_module_copies
@@ -138,7 +141,7 @@ def _proof(root, token_fd, proof_fd):
     the token (read and its pipe closed), the proof pipe, and the line the frame must be at then (``_boot``'s last,
     which it reaches only after the tests ran to their end: a program holding the frame cannot be there)."""
     _close_frame_sources()
-    sys.pycache_prefix = os.path.join(root, "no_pycache")   # imports compile from source: no marshal.loads
+    sys.pycache_prefix = os.path.join(root, "no_pycache")  # imports compile from source: no marshal.loads
     frame = sys._getframe(1)
     last_line = max(line for _, _, line in frame.f_code.co_lines() if line is not None)
     proof = [frame, os.read(token_fd, 64), proof_fd, last_line]
@@ -179,6 +182,7 @@ def _boot():
 
             def fork_exec(*a, **k):
                 raise SandboxRefused("sandbox: process creation refused (_posixsubprocess)")
+
             stub.fork_exec = fork_exec
             sys.modules["_posixsubprocess"] = stub
         proof = None
@@ -213,27 +217,68 @@ def _boot():
         run(tests, namespace)
     except BaseException as e:  # a failed assert, SystemExit inside a test, anything
         _die(e, audit, frame, "sandbox: the tests did not pass")
-    _passed(audit, frame)   # must stay the last line of _boot (the proof is accepted only from there)
+    _passed(audit, frame)  # must stay the last line of _boot (the proof is accepted only from there)
 
 
-PROC_EVENTS = frozenset(("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system",
-                         "subprocess.Popen", "os.startfile", "pty.spawn"))
-DENY_EVENTS = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "os.killpg", "signal.pthread_kill",
-                         "sys.remote_exec", "os.symlink",
-                         "cpython.PyInterpreterState_New"))   # a sub-interpreter has no audit hook
+PROC_EVENTS = frozenset(
+    (
+        "os.fork",
+        "os.forkpty",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.exec",
+        "os.system",
+        "subprocess.Popen",
+        "os.startfile",
+        "pty.spawn",
+    )
+)
+DENY_EVENTS = frozenset(
+    (
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "os.killpg",
+        "signal.pthread_kill",
+        "sys.remote_exec",
+        "os.symlink",
+        "cpython.PyInterpreterState_New",
+    )
+)  # a sub-interpreter has no audit hook
 # test mode: no frame objects (they reach the hook's closure), no tracing, no new hooks, no re-imported _signal,
 # no hand-made code objects (bytecode can read memory)
-FRAME_EVENTS = frozenset(("sys._getframe", "sys._current_frames", "sys._current_exceptions", "sys.settrace",
-                          "sys.setprofile", "sys.addaudithook"))
-TEST_IMPORTS = frozenset(("_signal", "gc"))   # again, after sys.modules lost them: _close_frame_sources
-TEST_IMPORT_PREFIXES = ("_test", "_xx")     # CPython's test modules (_testcapi, _testbuffer, ...), sub-interpreters
+FRAME_EVENTS = frozenset(
+    (
+        "sys._getframe",
+        "sys._current_frames",
+        "sys._current_exceptions",
+        "sys.settrace",
+        "sys.setprofile",
+        "sys.addaudithook",
+    )
+)
+TEST_IMPORTS = frozenset(("_signal", "gc"))  # again, after sys.modules lost them: _close_frame_sources
+TEST_IMPORT_PREFIXES = ("_test", "_xx")  # CPython's test modules (_testcapi, _testbuffer, ...), sub-interpreters
 TEST_DENIED = frozenset(("code.__new__", "marshal.loads", "marshal.load"))
 # event -> (indices of path args, index of the dir_fd arg or None)
-PATH_EVENTS = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.chmod": ((0,), 2),
-               "os.chown": ((0,), 3), "os.utime": ((0,), 3), "os.truncate": ((0,), None),
-               "os.rename": ((0, 1), 2), "os.link": ((0, 1), 2), "os.chdir": ((0,), None),
-               "os.setxattr": ((0,), None), "os.removexattr": ((0,), None), "os.chflags": ((0,), None),
-               "os.lchflags": ((0,), None), "os.lchmod": ((0,), None), "shutil.rmtree": ((0,), 1)}
+PATH_EVENTS = {
+    "os.remove": ((0,), 1),
+    "os.rmdir": ((0,), 1),
+    "os.mkdir": ((0,), 2),
+    "os.chmod": ((0,), 2),
+    "os.chown": ((0,), 3),
+    "os.utime": ((0,), 3),
+    "os.truncate": ((0,), None),
+    "os.rename": ((0, 1), 2),
+    "os.link": ((0, 1), 2),
+    "os.chdir": ((0,), None),
+    "os.setxattr": ((0,), None),
+    "os.removexattr": ((0,), None),
+    "os.chflags": ((0,), None),
+    "os.lchflags": ((0,), None),
+    "os.lchmod": ((0,), None),
+    "shutil.rmtree": ((0,), 1),
+}
 
 
 def _exact(value):
@@ -256,7 +301,7 @@ def _test_guard(proof):
             if args and args[0] is proof[0]:
                 if event == "megadare.tests_passed" and proof[1] and args[0].f_lineno == proof[3]:
                     write(proof[2], proof[1])
-                proof[0] = proof[1] = None   # one shot (a forgery burns it); frames are harmless once it is gone
+                proof[0] = proof[1] = None  # one shot (a forgery burns it); frames are harmless once it is gone
             return True
         if proof[1] is None:
             return False
@@ -269,6 +314,7 @@ def _test_guard(proof):
         if event in TEST_DENIED:
             _refuse(event)
         return False
+
     return test_mode
 
 
@@ -298,6 +344,7 @@ def _path_guard(root):
             return True
         rp = realpath(p)
         return rp == root or rp.startswith(root_slash)
+
     return inside
 
 
@@ -310,8 +357,9 @@ def _open_guard(inside):
     def check_open(path, mode, flags):
         if isinstance(path, int):
             return
-        writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) \
-            or (isinstance(flags, int) and flags & write_flags)
+        writing = (isinstance(mode, str) and ("w" in mode or "a" in mode or "x" in mode or "+" in mode)) or (
+            isinstance(flags, int) and flags & write_flags
+        )
         if writing and not inside(path):
             _refuse("writing %r outside the sandbox dir" % (path,))
         if not inside(path):
@@ -327,6 +375,7 @@ def _open_guard(inside):
                 real = ""
             if real.startswith("/proc/") and real.endswith("/mem"):
                 _refuse("reading process memory (%r)" % (path,))
+
     return check_open
 
 
@@ -344,6 +393,7 @@ def _import_guard(maxc):
             _refuse("import of %s" % name)
         if filename is not None and not (isinstance(filename, str) and realpath(filename).startswith(lib_dirs)):
             _refuse("loading native code from %r (not a directory of this Python)" % (filename,))
+
     return check_import
 
 
@@ -359,11 +409,12 @@ def _kill_guard(maxc):
             return -1
 
     def check_kill(pid, *rest):
-        group = getpgrp()   # 0 in a PID namespace: the group is the keeper's, outside it
+        group = getpgrp()  # 0 in a PID namespace: the group is the keeper's, outside it
         if pid in ((getpid(), 0, -group) if group else (getpid(),)):
             return
         if maxc == 0 or pid < 0 or (group and group_of(pid) != group):
             _refuse("signal to pid %r" % (pid,))
+
     return check_kill
 
 
@@ -398,6 +449,7 @@ def _make_hook(root, maxc, proof):
             check_import(*args)
         elif event in DENY_EVENTS:
             _refuse(event)
+
     return hook
 
 

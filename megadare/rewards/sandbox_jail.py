@@ -25,6 +25,7 @@ Any step the kernel refuses ends the child with :data:`EXIT_UNAVAILABLE` after w
 ``unavailable <step>: <error>`` to the report pipe; the parent refuses to run code rewards then (it never runs
 the program with less). On success the names of the layers in place are written to the report pipe.
 """
+
 import ctypes
 import os
 import signal
@@ -35,15 +36,26 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x0200000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 MS_PRIVATE = 1 << 18
-MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": 1024,
-                      "nodiratime": 2048, "relatime": 1 << 21, "strictatime": 1 << 24}
+MOUNT_OPTION_FLAGS = {
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": 1024,
+    "nodiratime": 2048,
+    "relatime": 1 << 21,
+    "strictatime": 1 << 24,
+}
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 24, 38
 SECCOMP_MODE_FILTER = 2
 CAP_VERSION_3 = 0x20080522
 DEVICES = ("null", "zero", "full", "random", "urandom")
-DEV_LINKS = (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-             ("stderr", "/proc/self/fd/2"))
+DEV_LINKS = (
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+)
 
 
 class _Refused(Exception):
@@ -85,18 +97,28 @@ def _check(ok, libc, what):
 def _unshare(libc, plan):
     """New namespaces for this process (its next child is PID 1 of the new PID namespace); True when a user
     namespace was needed (not root)."""
-    uid, gid = os.geteuid(), os.getegid()   # read before the new user namespace, where they are unmapped
+    uid, gid = os.geteuid(), os.getegid()  # read before the new user namespace, where they are unmapped
     userns = uid != 0
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
     if userns:
         flags |= CLONE_NEWUSER
-    _check(libc.unshare(flags) == 0, libc, "unshare(%s)" % ("user, mount, pid, net, ipc, uts, cgroup namespaces"
-                                                           if userns else "mount, pid, net, ipc, uts, cgroup "
-                                                           "namespaces"))
+    _check(
+        libc.unshare(flags) == 0,
+        libc,
+        "unshare(%s)"
+        % (
+            "user, mount, pid, net, ipc, uts, cgroup namespaces"
+            if userns
+            else "mount, pid, net, ipc, uts, cgroup namespaces"
+        ),
+    )
     if userns:
         try:
-            for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)),
-                               ("gid_map", "%d %d 1" % (gid, gid))):
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", "%d %d 1" % (uid, uid)),
+                ("gid_map", "%d %d 1" % (gid, gid)),
+            ):
                 with open("/proc/self/" + name, "w") as f:
                     f.write(text)
         except OSError as e:
@@ -119,15 +141,18 @@ def _keep(pid):
 
 def _mount(libc, src, dst, fstype, flags, data=None, what=None):
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
-    _check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) == 0, libc,
-           what or "mount %s on %s" % (src or fstype, dst))
+    _check(
+        libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) == 0,
+        libc,
+        what or "mount %s on %s" % (src or fstype, dst),
+    )
 
 
 def _jail(libc, plan, userns):
     """PID 1 of the new namespaces: build the new root, enter it, drop every privilege; the layers' names."""
     _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0, libc, "prctl(PR_SET_PDEATHSIG)")
     os.umask(0o022)
-    new = plan["workdir"]        # on the machine an empty dir: the new root is staged on it, and shows it again
+    new = plan["workdir"]  # on the machine an empty dir: the new root is staged on it, and shows it again
     work = new + plan["workdir"]
     _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, what="making the mounts private")
     _mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
@@ -144,8 +169,10 @@ def _jail(libc, plan, userns):
     _drop_privileges(libc, plan, userns)
     unreadable = [p for p in plan["must_see"] if not os.access(p, os.R_OK | os.X_OK)]
     if unreadable:
-        raise _Refused("uid %d cannot read %s in the sandbox, which this Python needs (make it world-readable)"
-                       % (os.getuid(), ", ".join(unreadable)))
+        raise _Refused(
+            "uid %d cannot read %s in the sandbox, which this Python needs (make it world-readable)"
+            % (os.getuid(), ", ".join(unreadable))
+        )
     layers = ["netns", "pidns", "mntns", "ipcns", "utsns"] + (["userns"] if userns else [])
     layers += ["read_only_root", "private_tmpfs", "no_capabilities", "no_new_privs"]
     layers += [] if userns else ["unprivileged_uid"]
@@ -163,7 +190,7 @@ def _build_root(libc, plan, new, work):
     for src, dst in plan["binds"]:
         if os.path.isdir(src):
             os.makedirs(new + dst, 0o755, exist_ok=True)
-        else:   # a file of /etc
+        else:  # a file of /etc
             os.makedirs(os.path.dirname(new + dst), 0o755, exist_ok=True)
             os.close(os.open(new + dst, os.O_CREAT | os.O_WRONLY, 0o644))
         _mount(libc, src, new + dst, None, MS_BIND | MS_REC)
@@ -177,20 +204,32 @@ def _build_root(libc, plan, new, work):
         os.symlink(target, dev + "/" + name)
     os.mkdir(dev + "/shm")
     os.makedirs(new + "/proc", 0o755, exist_ok=True)
-    _mount(libc, "proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY,
-           what="mounting /proc of the new PID namespace")
+    _mount(
+        libc,
+        "proc",
+        new + "/proc",
+        "proc",
+        MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY,
+        what="mounting /proc of the new PID namespace",
+    )
     os.makedirs(work, 0o755, exist_ok=True)
-    _mount(libc, "tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,   # noexec: no native code of its own
-           "mode=0700,uid=%d,gid=%d,size=%dm,nr_inodes=%d" % (plan["uid"], plan["gid"], plan["tmpfs_mb"],
-                                                               plan["tmpfs_inodes"]))
+    _mount(
+        libc,
+        "tmpfs",
+        work,
+        "tmpfs",
+        MS_NOSUID | MS_NODEV | MS_NOEXEC,  # noexec: no native code of its own
+        "mode=0700,uid=%d,gid=%d,size=%dm,nr_inodes=%d"
+        % (plan["uid"], plan["gid"], plan["tmpfs_mb"], plan["tmpfs_inodes"]),
+    )
 
 
 def _unescape(field):
     """A /proc/self/mountinfo path field (octal escapes for space, tab, newline, backslash) as text."""
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])
@@ -213,12 +252,12 @@ def _read_only(libc, new, keep_writable):
             flags |= MOUNT_OPTION_FLAGS.get(opt, 0)
         if not point.startswith(new + "/dev/"):
             flags |= MS_NODEV
-        _mount(libc, None, point, None, flags, what="remounting %s read-only" % point[len(new):])
+        _mount(libc, None, point, None, flags, what="remounting %s read-only" % point[len(new) :])
 
 
 def _drop_privileges(libc, plan, userns):
     for cap in range(64):
-        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:   # EINVAL: no such cap
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: no such cap
             _check(False, libc, "emptying the capability bounding set")
     if userns:
         header = ctypes.create_string_buffer(struct.pack("Ii", CAP_VERSION_3, 0))
@@ -245,5 +284,8 @@ def _drop_privileges(libc, plan, userns):
 def _seccomp(libc, code):
     buf = ctypes.create_string_buffer(code)
     prog = _Fprog(len(code) // 8, ctypes.addressof(buf))
-    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0, libc,
-           "installing the seccomp filter")
+    _check(
+        libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0,
+        libc,
+        "installing the seccomp filter",
+    )

@@ -6,6 +6,7 @@ reward, the first failing record's source (``file:row``) and its exception. An a
 (:class:`AnswerTimeout`: a verifier on a pathological expression) is a wrong answer, not a failure, as a program
 that runs past its limit fails its test.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,6 +31,7 @@ class ScoreStats:
     limit (:class:`AnswerTimeout`, scored 0.0 as wrong answers); ``first_error`` / ``first_error_index``: the first
     failed sample in batch order and its exception; ``failed``: every failed sample's exception.
     """
+
     n: int = 0
     errors: int = 0
     timeouts: int = 0
@@ -38,7 +40,7 @@ class ScoreStats:
     wall_s: float = 0.0
     first_error: Optional[str] = None
     first_error_index: Optional[int] = None
-    failed: Dict[int, str] = field(default_factory=dict)   # sample index -> its exception
+    failed: Dict[int, str] = field(default_factory=dict)  # sample index -> its exception
 
     @property
     def failures(self) -> int:
@@ -53,8 +55,9 @@ class ScoreStats:
         return asdict(self)
 
 
-def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict], workers: int = 8,
-                timeout_s: float = 60.0) -> Tuple[List[float], ScoreStats]:
+def score_batch(
+    fn: RewardSpec, responses: Sequence[str], records: Sequence[dict], workers: int = 8, timeout_s: float = 60.0
+) -> Tuple[List[float], ScoreStats]:
     """Score every ``(response, record)`` pair with ``fn`` on up to ``workers`` threads; returns (scores, stats).
 
     A call that raises, returns a non-finite / non-numeric value, or runs longer than ``timeout_s`` (measured
@@ -88,7 +91,7 @@ def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict
         except BaseException as e:  # noqa: B902 - counted, named, and the run stops on them (check_reward_errors)
             done_q.put((i, False, f"{type(e).__name__}: {e}"))
 
-    running: Dict[int, float] = {}   # index -> start time
+    running: Dict[int, float] = {}  # index -> start time
     next_i = 0
     while next_i < n or running:
         while next_i < n and len(running) < max(1, workers):
@@ -121,8 +124,14 @@ def score_batch(fn: RewardSpec, responses: Sequence[str], records: Sequence[dict
     return scores, stats
 
 
-def check_reward_errors(stats: ScoreStats, reward: str, sources: Sequence[str], max_fraction: float,
-                        where: str = "", key: str = "rl.max_reward_error_fraction") -> None:
+def check_reward_errors(
+    stats: ScoreStats,
+    reward: str,
+    sources: Sequence[str],
+    max_fraction: float,
+    where: str = "",
+    key: str = "rl.max_reward_error_fraction",
+) -> None:
     """Raise :class:`RewardError` when more than ``max_fraction`` of the batch's rewards failed.
 
     ``sources[i]``: the source (``file:row``) of sample i's record; ``where`` says which batch (e.g. "RL step 3").
@@ -136,4 +145,5 @@ def check_reward_errors(stats: ScoreStats, reward: str, sources: Sequence[str], 
         f"samples ({stats.errors} raised, {stats.timeouts} ran past the time limit), more than {key}="
         f"{max_fraction:g}; first failure: {source}: {stats.first_error}. A reward that cannot be computed is not a "
         f"wrong answer: fix the data or the reward ('megadare data inspect FILE --reward {reward}' checks a file), "
-        f"or raise {key} to tolerate it (failed samples then score 0.0)")
+        f"or raise {key} to tolerate it (failed samples then score 0.0)"
+    )

@@ -35,6 +35,7 @@ where a request had work, which is how both engines count the global denoising s
 :class:`BlockTrace` accumulates successive :class:`StepResult` of one block on the device (which step committed
 each position, with which log-prob) and turns them into per-token host records once, when they are read.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,15 @@ from typing import Optional, Sequence, Union
 import torch
 
 from megadare.rollout.engine import SamplingParams
-from megadare.rollout.sampling import (REMASK, SAMPLE, dream_confidence, linspace_counts, sample_tokens,
-                                       select_commits, stream_uniforms)
+from megadare.rollout.sampling import (
+    REMASK,
+    SAMPLE,
+    dream_confidence,
+    linspace_counts,
+    sample_tokens,
+    select_commits,
+    stream_uniforms,
+)
 
 StepIndex = Union[int, Sequence[int], torch.Tensor]
 
@@ -53,13 +61,13 @@ StepIndex = Union[int, Sequence[int], torch.Tensor]
 class StepResult:
     """What one denoising step did to a block of ``n`` rows x ``B`` positions."""
 
-    tokens: torch.Tensor        # [n, B] block tokens after the step
-    committed: torch.Tensor     # [n, B] bool: positions committed at this step
-    proposals: torch.Tensor     # [n, B] the sampled proposal x0 at every position (rows without work: their tokens)
-    logprobs: torch.Tensor      # [n, B] log-prob of the proposal under the sampling distribution (0 when greedy)
-    confidence: torch.Tensor    # [n, B] what low-confidence remasking ranks (params.confidence of the proposal)
-    active: torch.Tensor        # [n] bool: the row had a masked position (or made an edit), i.e. this step counts
-    edited: Optional[torch.Tensor] = None   # [n, B] bool: token edits of already decoded positions (editing)
+    tokens: torch.Tensor  # [n, B] block tokens after the step
+    committed: torch.Tensor  # [n, B] bool: positions committed at this step
+    proposals: torch.Tensor  # [n, B] the sampled proposal x0 at every position (rows without work: their tokens)
+    logprobs: torch.Tensor  # [n, B] log-prob of the proposal under the sampling distribution (0 when greedy)
+    confidence: torch.Tensor  # [n, B] what low-confidence remasking ranks (params.confidence of the proposal)
+    active: torch.Tensor  # [n] bool: the row had a masked position (or made an edit), i.e. this step counts
+    edited: Optional[torch.Tensor] = None  # [n, B] bool: token edits of already decoded positions (editing)
 
 
 @dataclass
@@ -75,8 +83,11 @@ class Streams:
     @classmethod
     def of(cls, keys: Sequence[int], counters: Optional[Sequence[int]] = None, device=None) -> "Streams":
         k = torch.tensor(list(keys), dtype=torch.long, device=device)
-        c = torch.tensor(list(counters), dtype=torch.long, device=device) if counters is not None \
+        c = (
+            torch.tensor(list(counters), dtype=torch.long, device=device)
+            if counters is not None
             else torch.zeros_like(k)
+        )
         return cls(k, c)
 
     def uniforms(self, purpose: int, width: int) -> torch.Tensor:
@@ -110,15 +121,20 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
     left = masked.sum(dim=1)
     if params.algorithm == "editing":
         return torch.full_like(left, params.num_to_transfer)
-    if params.schedule == "even":    # transfer_schedule(block_size, S)[s]: B // S each, the remainder first
+    if params.schedule == "even":  # transfer_schedule(block_size, S)[s]: B // S each, the remainder first
         per_step = params.block_size // S + (s < params.block_size % S).long()
         return torch.where(s < S, per_step, left)
     counts = linspace_counts(left, s, S, params.eps)
     return torch.where(s == 0, 0, counts) if params.schedule == "linspace_first" else counts
 
 
-def ranking_confidence(logits: torch.Tensor, proposals: torch.Tensor, model_prob: torch.Tensor,
-                       params: SamplingParams, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def ranking_confidence(
+    logits: torch.Tensor,
+    proposals: torch.Tensor,
+    model_prob: torch.Tensor,
+    params: SamplingParams,
+    probs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """What the commit rule ranks: ``model_prob`` (the model probability of the proposal, from
     ``sample_tokens``), one of Dream's rules (``sampling.dream_confidence``), or under token editing LLaDA2.1's
     ``x0_p``: the model probability when greedy, the probability under the sampling distribution otherwise
@@ -129,12 +145,14 @@ def ranking_confidence(logits: torch.Tensor, proposals: torch.Tensor, model_prob
         rule = "model_prob" if params.temperature == 0 else "maskgit_plus"
     if rule == "model_prob":
         return model_prob
-    return dream_confidence(logits, proposals.to(logits.device), rule, params.temperature, params.top_k,
-                            params.top_p, probs)
+    return dream_confidence(
+        logits, proposals.to(logits.device), rule, params.temperature, params.top_k, params.top_p, probs
+    )
 
 
-def block_start_commit(committed: torch.Tensor, masked: torch.Tensor, step: StepIndex,
-                       params: SamplingParams) -> torch.Tensor:
+def block_start_commit(
+    committed: torch.Tensor, masked: torch.Tensor, step: StepIndex, params: SamplingParams
+) -> torch.Tensor:
     """DARE's Dream block sampler (``schedule='linspace_first'``): at block-local step 0 a row commits its block's
     first masked position alone (``x[:, block_start] = x0[:, block_start]``); other steps unchanged."""
     if params.schedule != "linspace_first":
@@ -143,22 +161,33 @@ def block_start_commit(committed: torch.Tensor, masked: torch.Tensor, step: Step
     return committed | (first & (step_tensor(step, masked.shape[0], masked.device) == 0)[:, None])
 
 
-def _check(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, params: SamplingParams,
-           streams: Streams) -> None:
+def _check(
+    logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, params: SamplingParams, streams: Streams
+) -> None:
     if logits.dim() != 3 or tokens.dim() != 2 or logits.shape[:2] != tokens.shape or masked.shape != tokens.shape:
-        raise ValueError(f"dllm_step: need logits [n, B, V], tokens and masked [n, B]; got {tuple(logits.shape)}, "
-                         f"{tuple(tokens.shape)}, {tuple(masked.shape)}")
+        raise ValueError(
+            f"dllm_step: need logits [n, B, V], tokens and masked [n, B]; got {tuple(logits.shape)}, "
+            f"{tuple(tokens.shape)}, {tuple(masked.shape)}"
+        )
     if tokens.shape[1] != params.block_size:
-        raise ValueError(f"dllm_step: the block has {tokens.shape[1]} positions, params.block_size="
-                         f"{params.block_size}")
+        raise ValueError(f"dllm_step: the block has {tokens.shape[1]} positions, params.block_size={params.block_size}")
     if streams.keys.shape != (tokens.shape[0],) or streams.counters.shape != (tokens.shape[0],):
-        raise ValueError(f"dllm_step: streams of {tuple(streams.keys.shape)} keys and {tuple(streams.counters.shape)}"
-                         f" counters for {tokens.shape[0]} rows (one per row)")
+        raise ValueError(
+            f"dllm_step: streams of {tuple(streams.keys.shape)} keys and {tuple(streams.counters.shape)}"
+            f" counters for {tokens.shape[0]} rows (one per row)"
+        )
 
 
-def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, step: StepIndex,
-              params: SamplingParams, streams: Streams, mask_token_id: Optional[int] = None,
-              editable: Optional[torch.Tensor] = None) -> StepResult:
+def dllm_step(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    masked: torch.Tensor,
+    step: StepIndex,
+    params: SamplingParams,
+    streams: Streams,
+    mask_token_id: Optional[int] = None,
+    editable: Optional[torch.Tensor] = None,
+) -> StepResult:
     """One denoising step of a block.
 
     logits [n, B, V] (any float dtype; computed in float32), tokens [n, B], masked [n, B] bool (positions that may
@@ -181,8 +210,9 @@ def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, 
     proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws, dist)
     conf = ranking_confidence(logits, proposals, model_prob, params, dist[0] if dist else None)
     picks = streams.uniforms(REMASK, B) if params.algorithm == "random" or params.alg_temp > 0 else None
-    committed = select_commits(conf, masked, commit_counts(masked, step, params), params.algorithm,
-                               params.threshold, picks, params.alg_temp)
+    committed = select_commits(
+        conf, masked, commit_counts(masked, step, params), params.algorithm, params.threshold, picks, params.alg_temp
+    )
     committed = block_start_commit(committed, masked, step, params)
     proposals = torch.where(work[:, None], proposals, tokens)
     logp = torch.where(work[:, None], logp, 0.0)
@@ -193,8 +223,15 @@ def dllm_step(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, 
         committed = committed | edited
     new_tokens = torch.where(committed, proposals, tokens)
     active = masked.any(dim=1) if edited is None else masked.any(dim=1) | edited.any(dim=1)
-    return StepResult(tokens=new_tokens, committed=committed, proposals=proposals, logprobs=logp, confidence=conf,
-                      active=active, edited=edited)
+    return StepResult(
+        tokens=new_tokens,
+        committed=committed,
+        proposals=proposals,
+        logprobs=logp,
+        confidence=conf,
+        active=active,
+        edited=edited,
+    )
 
 
 class BlockTrace:
@@ -235,8 +272,18 @@ class BlockTrace:
         self.block_step = torch.where(c, s[:, None], self.block_step)
         self.logprob = torch.where(c, result.logprobs.float(), self.logprob)
         if self.keep_history:
-            self._history.append((c, self.count.clone(), s, result.logprobs.float(), result.tokens,
-                                  result.active, result.proposals, result.confidence))
+            self._history.append(
+                (
+                    c,
+                    self.count.clone(),
+                    s,
+                    result.logprobs.float(),
+                    result.tokens,
+                    result.active,
+                    result.proposals,
+                    result.confidence,
+                )
+            )
         self.count = self.count + result.active.long()
         self._host = None
 
@@ -245,8 +292,13 @@ class BlockTrace:
         if self._host is not None:
             return self._host
         n = self.n
-        h: dict = {"records": [dict() for _ in range(n)], "superseded": [dict() for _ in range(n)],
-                   "num_steps": [0] * n, "preds": [[] for _ in range(n)], "confs": [[] for _ in range(n)]}
+        h: dict = {
+            "records": [dict() for _ in range(n)],
+            "superseded": [dict() for _ in range(n)],
+            "num_steps": [0] * n,
+            "preds": [[] for _ in range(n)],
+            "confs": [[] for _ in range(n)],
+        }
         if self.count is not None:
             h["num_steps"] = self.count.tolist()
             fwd, bstep, lp = self.forward.tolist(), self.block_step.tolist(), self.logprob.tolist()

@@ -24,6 +24,7 @@ could "edit" a token back to the mask id); the publisher's block mask is passed 
 so its own code lets a block attend to later blocks -- megadare keeps the strict block-causal mask
 (models/llada2.py).
 """
+
 from __future__ import annotations
 
 import torch

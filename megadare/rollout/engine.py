@@ -14,6 +14,7 @@ that the commits of a position are strictly ordered in time, that each edit chan
 exist only under the editing decoder. Trace replay scores every commit, superseded ones included
 (diffusion/trace_replay.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,9 +26,9 @@ ALGORITHMS = ("low_confidence_static", "low_confidence_dynamic", "random", "edit
 CONFIDENCES = ("model_prob", "maskgit_plus", "topk_margin", "entropy")
 SCHEDULES = ("even", "linspace", "linspace_first")
 FINISH_REASONS = ("eos", "length")
-WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")   # rollout.weight_transport (weight_sync/)
-ENGINE_DEVICES = ("auto", "cpu", "cuda")                                   # rollout.device (built-in engine)
-ENGINE_DTYPES = ("auto", "float32", "bfloat16")                           # rollout.dtype (built-in engine)
+WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")  # rollout.weight_transport (weight_sync/)
+ENGINE_DEVICES = ("auto", "cpu", "cuda")  # rollout.device (built-in engine)
+ENGINE_DTYPES = ("auto", "float32", "bfloat16")  # rollout.dtype (built-in engine)
 _SEED_STRIDE = 1_000_003
 
 
@@ -37,7 +38,7 @@ def prompt_seed(seed: int, index: int) -> int:
     Every engine draws one stream per prompt (sampling, then random remasking, step by step, only in the steps
     where the prompt has work), seeded from (seed, prompt index): a trajectory depends on its prompt,
     its index and the weights, not on the other prompts of the batch nor on the engine. Prompt 0 gets ``seed``."""
-    return (int(seed) + int(index) * _SEED_STRIDE) % (2 ** 63)
+    return (int(seed) + int(index) * _SEED_STRIDE) % (2**63)
 
 
 @dataclass(frozen=True)
@@ -68,20 +69,20 @@ class SamplingParams:
     steps_per_block: int = 4
     algorithm: str = "low_confidence_static"
     threshold: float = 0.9
-    temperature: float = 0.0          # 0 = greedy
-    top_k: int = 0                    # 0 = off
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
     top_p: float = 1.0
-    stop_at_eos: bool = True          # finish after the block holding the first EOS (False: decode the whole
-                                      # canvas of max_new_tokens, rl.canvas=full)
-    seed: int = 0                     # prompt i draws from its own stream, seeded prompt_seed(seed, i)
-    record_steps: bool = False        # keep per-step predictions and confidences (MDPO)
-    confidence: str = "model_prob"    # what low-confidence remasking ranks (CONFIDENCES)
-    schedule: str = "even"            # how many tokens a static step commits (SCHEDULES)
-    eps: float = 1e-3                 # Dream: the last point of the linspace schedule
-    alg_temp: float = 0.0             # Dream: 0 = top-n by confidence, > 0 = n positions drawn ~ softmax(conf/alg_temp)
-    editing_threshold: float = 0.9    # LLaDA2.1: edit a decoded token when the new prediction's confidence exceeds it
-    max_post_steps: int = 16          # LLaDA2.1: refinement forwards after the block has no masks
-    num_to_transfer: int = 1          # LLaDA2.1: masked positions committed per step at least
+    stop_at_eos: bool = True  # finish after the block holding the first EOS (False: decode the whole
+    # canvas of max_new_tokens, rl.canvas=full)
+    seed: int = 0  # prompt i draws from its own stream, seeded prompt_seed(seed, i)
+    record_steps: bool = False  # keep per-step predictions and confidences (MDPO)
+    confidence: str = "model_prob"  # what low-confidence remasking ranks (CONFIDENCES)
+    schedule: str = "even"  # how many tokens a static step commits (SCHEDULES)
+    eps: float = 1e-3  # Dream: the last point of the linspace schedule
+    alg_temp: float = 0.0  # Dream: 0 = top-n by confidence, > 0 = n positions drawn ~ softmax(conf/alg_temp)
+    editing_threshold: float = 0.9  # LLaDA2.1: edit a decoded token when the new prediction's confidence exceeds it
+    max_post_steps: int = 16  # LLaDA2.1: refinement forwards after the block has no masks
+    num_to_transfer: int = 1  # LLaDA2.1: masked positions committed per step at least
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -89,8 +90,10 @@ class SamplingParams:
         if self.block_size < 1 or self.steps_per_block < 1 or self.max_new_tokens < 1:
             raise ValueError("block_size, steps_per_block and max_new_tokens must be >= 1")
         if self.steps_per_block > self.block_size:
-            raise ValueError(f"steps_per_block={self.steps_per_block} > block_size={self.block_size}: a step "
-                             "must commit at least one token")
+            raise ValueError(
+                f"steps_per_block={self.steps_per_block} > block_size={self.block_size}: a step "
+                "must commit at least one token"
+            )
         if not 0.0 < self.top_p <= 1.0 or self.top_k < 0 or self.temperature < 0:
             raise ValueError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
         self._check_decoder()
@@ -105,23 +108,33 @@ class SamplingParams:
         if not 0.0 < self.eps < 1.0 or self.alg_temp < 0:
             raise ValueError(f"eps={self.eps} must lie in (0, 1) and alg_temp={self.alg_temp} be >= 0")
         if not 0.0 <= self.editing_threshold <= 1.0 or self.max_post_steps < 0 or self.num_to_transfer < 1:
-            raise ValueError(f"need 0 <= editing_threshold <= 1 (got {self.editing_threshold}), max_post_steps >= 0 "
-                             f"(got {self.max_post_steps}), num_to_transfer >= 1 (got {self.num_to_transfer})")
+            raise ValueError(
+                f"need 0 <= editing_threshold <= 1 (got {self.editing_threshold}), max_post_steps >= 0 "
+                f"(got {self.max_post_steps}), num_to_transfer >= 1 (got {self.num_to_transfer})"
+            )
         if self.algorithm == "editing" and (self.confidence != "model_prob" or self.schedule != "even"):
-            raise ValueError(f"algorithm='editing' ranks by LLaDA2.1's own confidence and commits at least "
-                             f"num_to_transfer per step: leave confidence (got {self.confidence!r}) and schedule "
-                             f"(got {self.schedule!r}) at their defaults")
+            raise ValueError(
+                f"algorithm='editing' ranks by LLaDA2.1's own confidence and commits at least "
+                f"num_to_transfer per step: leave confidence (got {self.confidence!r}) and schedule "
+                f"(got {self.schedule!r}) at their defaults"
+            )
         if self.algorithm == "random" and self.confidence != "model_prob":
             raise ValueError(f"confidence={self.confidence!r} ranks nothing under algorithm='random'")
         if self.alg_temp > 0 and self.algorithm != "low_confidence_static":
-            raise ValueError(f"alg_temp={self.alg_temp} draws the committed positions of algorithm="
-                             f"'low_confidence_static' only (got {self.algorithm!r})")
+            raise ValueError(
+                f"alg_temp={self.alg_temp} draws the committed positions of algorithm="
+                f"'low_confidence_static' only (got {self.algorithm!r})"
+            )
         if self.schedule == "linspace_first" and self.steps_per_block < 2 and self.block_size > 1:
-            raise ValueError("schedule='linspace_first' spends step 0 on the block's first position: it needs "
-                             f"steps_per_block >= 2 (got {self.steps_per_block})")
+            raise ValueError(
+                "schedule='linspace_first' spends step 0 on the block's first position: it needs "
+                f"steps_per_block >= 2 (got {self.steps_per_block})"
+            )
         if self.confidence != "model_prob" and self.top_k > 0 and self.top_p < 1.0:
-            raise ValueError(f"confidence={self.confidence!r} follows Dream, which applies top-p before top-k; "
-                             "megadare filters top-k first: set only one of top_k / top_p")
+            raise ValueError(
+                f"confidence={self.confidence!r} follows Dream, which applies top-p before top-k; "
+                "megadare filters top-k first: set only one of top_k / top_p"
+            )
 
     def block_step_limit(self) -> int:
         """Block-local step indices lie in [0, limit): steps_per_block, or for the editing decoder at most one
@@ -138,31 +151,31 @@ class SamplingParams:
 class Superseded(NamedTuple):
     """A commit that a later edit of the same position overwrote (token editing)."""
 
-    position: int                     # index in response_ids
+    position: int  # index in response_ids
     token: int
-    commit_step: int                  # global denoising step
+    commit_step: int  # global denoising step
     block_step: int
-    logprob: float                    # log-prob of ``token`` under that step's sampling distribution
+    logprob: float  # log-prob of ``token`` under that step's sampling distribution
 
 
 @dataclass
 class Trajectory:
     prompt_ids: list[int]
     response_ids: list[int]
-    commit_step: list[int]            # global denoising step (model forward index) that committed each token
-    block_step: list[int]             # step inside the token's block
-    logprobs: list[float]             # log-prob of the committed token under the step's sampling distribution
-    finish_reason: str                # "eos": the response holds an EOS (the answer ended), "length": it does not
+    commit_step: list[int]  # global denoising step (model forward index) that committed each token
+    block_step: list[int]  # step inside the token's block
+    logprobs: list[float]  # log-prob of the committed token under the step's sampling distribution
+    finish_reason: str  # "eos": the response holds an EOS (the answer ended), "length": it does not
     num_forwards: int
     params: SamplingParams
     policy_version: int = 0
-    step_predictions: Optional[list[list[int]]] = None    # MDPO: per forward, the proposal x0 at every response
-                                                          # position that forward predicted (its block), else -1
+    step_predictions: Optional[list[list[int]]] = None  # MDPO: per forward, the proposal x0 at every response
+    # position that forward predicted (its block), else -1
     step_confidences: Optional[list[list[float]]] = None  # model probability of each proposal (0 where -1)
-    superseded: Optional[list[Superseded]] = None          # token editing: overwritten commits, in step order
-    token_versions: Optional[list[int]] = None             # partial rollouts: policy version of every response token
-    engine_s: float = 0.0                                  # engine seconds of the chunk (on its first trajectory)
-    extra: dict[str, Any] = field(default_factory=dict)   # one engine's or algorithm's own
+    superseded: Optional[list[Superseded]] = None  # token editing: overwritten commits, in step order
+    token_versions: Optional[list[int]] = None  # partial rollouts: policy version of every response token
+    engine_s: float = 0.0  # engine seconds of the chunk (on its first trajectory)
+    extra: dict[str, Any] = field(default_factory=dict)  # one engine's or algorithm's own
 
     def answer_ids(self, eos_token_id: int) -> list[int]:
         """The answer: the response up to its first EOS (inclusive); a full-canvas response (``stop_at_eos``
@@ -178,8 +191,10 @@ class Trajectory:
             raise ValueError("trajectory: a commit step lies outside [0, num_forwards)")
         limit = self.params.block_step_limit()
         if any(s < 0 or s >= limit for s in self.block_step):
-            raise ValueError(f"trajectory: a block-local step lies outside [0, {limit}) (steps_per_block, or block "
-                             "size + max_post_steps under token editing)")
+            raise ValueError(
+                f"trajectory: a block-local step lies outside [0, {limit}) (steps_per_block, or block "
+                "size + max_post_steps under token editing)"
+            )
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"trajectory: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
         if any(lp > 1e-6 for lp in self.logprobs):
@@ -187,8 +202,10 @@ class Trajectory:
         if self.step_predictions is not None:
             shapes = {len(p) for p in self.step_predictions} | {len(c) for c in self.step_confidences or [[]]}
             if len(self.step_predictions) != self.num_forwards or shapes != {n}:
-                raise ValueError(f"trajectory: step_predictions must hold one row of {n} response positions per "
-                                 f"forward ({self.num_forwards}); got {len(self.step_predictions)} rows of {shapes}")
+                raise ValueError(
+                    f"trajectory: step_predictions must hold one row of {n} response positions per "
+                    f"forward ({self.num_forwards}); got {len(self.step_predictions)} rows of {shapes}"
+                )
         if self.superseded:
             self._validate_edits()
         return self
@@ -197,13 +214,17 @@ class Trajectory:
         """Superseded commits: only under token editing; per position strictly earlier than the final commit and
         ordered in time (global and block-local), each edit changing the token; steps and log-probs in range."""
         if self.params.algorithm != "editing":
-            raise ValueError(f"trajectory: {len(self.superseded or [])} superseded commits, but only "
-                             f"algorithm='editing' edits tokens (got {self.params.algorithm!r})")
+            raise ValueError(
+                f"trajectory: {len(self.superseded or [])} superseded commits, but only "
+                f"algorithm='editing' edits tokens (got {self.params.algorithm!r})"
+            )
         per_pos: dict[int, list[Superseded]] = {}
         for e in self.superseded or []:
             if not 0 <= e.position < len(self.response_ids):
-                raise ValueError(f"trajectory: a superseded commit at position {e.position} outside the response "
-                                 f"({len(self.response_ids)} tokens)")
+                raise ValueError(
+                    f"trajectory: a superseded commit at position {e.position} outside the response "
+                    f"({len(self.response_ids)} tokens)"
+                )
             if not 0 <= e.commit_step < self.num_forwards or not 0 <= e.block_step < self.params.block_step_limit():
                 raise ValueError(f"trajectory: superseded commit {tuple(e)} has a step out of range")
             if e.logprob > 1e-6:
@@ -214,17 +235,21 @@ class Trajectory:
             steps.append((self.commit_step[k], self.block_step[k], self.response_ids[k]))
             for (g0, b0, t0), (g1, b1, t1) in zip(steps, steps[1:]):
                 if not (g0 < g1 and b0 < b1):
-                    raise ValueError(f"trajectory: the commits of position {k} are not strictly ordered in time "
-                                     f"(global, block-local, token: {steps}); list superseded commits in step order")
+                    raise ValueError(
+                        f"trajectory: the commits of position {k} are not strictly ordered in time "
+                        f"(global, block-local, token: {steps}); list superseded commits in step order"
+                    )
                 if t0 == t1:
-                    raise ValueError(f"trajectory: position {k} was 'edited' at step {g1} to the token it held "
-                                     f"({t1}); an edit changes the token")
+                    raise ValueError(
+                        f"trajectory: position {k} was 'edited' at step {g1} to the token it held "
+                        f"({t1}); an edit changes the token"
+                    )
 
 
 def answer_ids(ids: list[int], eos_token_id: int) -> list[int]:
     """``ids`` up to the first EOS (inclusive), all of them when there is none."""
     ids = list(ids)
-    return ids[:ids.index(eos_token_id) + 1] if eos_token_id in ids else ids
+    return ids[: ids.index(eos_token_id) + 1] if eos_token_id in ids else ids
 
 
 class RolloutEngine(Protocol):

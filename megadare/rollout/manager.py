@@ -17,6 +17,7 @@ current weights any more, the rollout waits for that push (``on_stale``: the RL 
 version again) or fails with a message. Before every push ``check_engines`` replaces dead actors, so an engine
 that died between steps gets the new version with the others.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,13 @@ class _EngineActor:
         """Host, device and how many ranks the engine takes in a weight group (SGLang: its TP ranks join)."""
         own = hasattr(self.engine, "join_weight_groups")
         device = getattr(self.engine, "device", "cpu")
-        return {"ip": host_ip(), "device": str(device), "gpu": gpu_uuid(device), "own_groups": own,
-                "group_ranks": int(getattr(self.engine, "tp_size", 1)) if own else 1}
+        return {
+            "ip": host_ip(),
+            "device": str(device),
+            "gpu": gpu_uuid(device),
+            "own_groups": own,
+            "group_ranks": int(getattr(self.engine, "tp_size", 1)) if own else 1,
+        }
 
     def join_weight_groups(self, specs: Sequence[GroupSpec], how: str) -> None:
         if how == "broadcast" and hasattr(self.engine, "join_weight_groups"):
@@ -89,8 +95,12 @@ class _EngineActor:
 
         def load(named):
             self.engine.update_weights(named, version)
-        n = self.receiver.receive(plan, load) if how == "broadcast" else self.receiver.receive_shared(
-            plan, handles, load)
+
+        n = (
+            self.receiver.receive(plan, load)
+            if how == "broadcast"
+            else self.receiver.receive_shared(plan, handles, load)
+        )
         return {"bytes": n, "version": version}
 
     def load_flats(self, flats: Sequence[Flat], version: int, *bufs) -> None:
@@ -106,14 +116,23 @@ def _check_feasible(ray, bundle: dict[str, float], resources: dict) -> None:
     if any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
         return
     have = "; ".join(", ".join(f"{k} {node.get(k, 0):g}" for k in bundle) for node in nodes) or "no live node"
-    raise ConfigError(f"rollout.engine_resources={resources}: no node of the Ray cluster has {bundle} for one engine "
-                      f"(its nodes: {have}); lower the request (Slurm scripts: ENGINE_GPUS / ENGINE_CPUS) or give "
-                      "the nodes more")
+    raise ConfigError(
+        f"rollout.engine_resources={resources}: no node of the Ray cluster has {bundle} for one engine "
+        f"(its nodes: {have}); lower the request (Slurm scripts: ENGINE_GPUS / ENGINE_CPUS) or give "
+        "the nodes more"
+    )
 
 
 class RolloutManager:
-    def __init__(self, spec: EngineSpec, num_engines: int = 1, resources: Optional[dict[str, float]] = None,
-                 strategy: str = "PACK", chunk_size: int = 8, max_restarts: int = 3):
+    def __init__(
+        self,
+        spec: EngineSpec,
+        num_engines: int = 1,
+        resources: Optional[dict[str, float]] = None,
+        strategy: str = "PACK",
+        chunk_size: int = 8,
+        max_restarts: int = 3,
+    ):
         ray = _ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -122,8 +141,7 @@ class RolloutManager:
             raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
         self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, max_restarts
         self.resources = dict(resources or {"num_cpus": 1})
-        bundle = {("GPU" if k == "num_gpus" else "CPU" if k == "num_cpus" else k): v
-                  for k, v in self.resources.items()}
+        bundle = {("GPU" if k == "num_gpus" else "CPU" if k == "num_cpus" else k): v for k, v in self.resources.items()}
         _check_feasible(ray, bundle, self.resources)
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=strategy)
         ray.get(self.pg.ready(), timeout=300)
@@ -131,15 +149,16 @@ class RolloutManager:
         self._actor_cls = ray.remote(_EngineActor)
         self.actors = [self._start(i) for i in range(num_engines)]
         self.restarts = 0
-        self.version: Optional[int] = None      # the version of the latest push (None: none yet)
-        self.fresh = [True] * num_engines       # slot holds the latest version (a replacement does not)
-        self.weight_groups: Optional[str] = None   # generation of the weight groups every engine has joined
-        self.on_stale: Optional[Callable[[], None]] = None   # pushes the current version again (RL driver)
+        self.version: Optional[int] = None  # the version of the latest push (None: none yet)
+        self.fresh = [True] * num_engines  # slot holds the latest version (a replacement does not)
+        self.weight_groups: Optional[str] = None  # generation of the weight groups every engine has joined
+        self.on_stale: Optional[Callable[[], None]] = None  # pushes the current version again (RL driver)
         self._group_ranks = [1] * num_engines
 
     def _start(self, slot: int):
         return self._actor_cls.options(
-            **self.resources, max_concurrency=1,
+            **self.resources,
+            max_concurrency=1,
             scheduling_strategy=self._strategy(placement_group=self.pg, placement_group_bundle_index=slot),
         ).remote(self.spec)
 
@@ -167,8 +186,9 @@ class RolloutManager:
         trainer and every engine run on GPUs (an SGLang engine does) and the bytes travel over it, else gloo."""
         infos = self.engine_info()
         self._group_ranks = [i["group_ranks"] if how == "broadcast" else 1 for i in infos]
-        gpus = str(trainer_device).startswith("cuda") and all(i["own_groups"] or i["device"].startswith("cuda")
-                                                              for i in infos)
+        gpus = str(trainer_device).startswith("cuda") and all(
+            i["own_groups"] or i["device"].startswith("cuda") for i in infos
+        )
         return 1 + sum(self._group_ranks), "nccl" if how == "broadcast" and gpus else "gloo"
 
     def join_weight_groups(self, specs: Sequence[GroupSpec], how: str, generation: str) -> list:
@@ -205,7 +225,7 @@ class RolloutManager:
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> "PendingRollout":
         """Start a rollout and return at once (one-step-off training overlaps it with a train step); the engines
         serve it before any weight update sent after this call, so it uses the weights they hold now."""
-        chunks = [prompts[i:i + self.chunk_size] for i in range(0, len(prompts), self.chunk_size)]
+        chunks = [prompts[i : i + self.chunk_size] for i in range(0, len(prompts), self.chunk_size)]
         pending = PendingRollout(self, chunks, params)
         pending.issue(list(range(len(chunks))))
         return pending
@@ -223,9 +243,11 @@ class RolloutManager:
         if slots:
             return slots
         if self.on_stale is None:
-            raise RuntimeError(f"no rollout engine holds weight version {self.version} any more (every one was "
-                               "restarted) and nothing can push it again here; restarted engines receive the "
-                               "current weights at the next weight sync")
+            raise RuntimeError(
+                f"no rollout engine holds weight version {self.version} any more (every one was "
+                "restarted) and nothing can push it again here; restarted engines receive the "
+                "current weights at the next weight sync"
+            )
         self.on_stale()
         return [s for s, f in enumerate(self.fresh) if f]
 
@@ -252,7 +274,7 @@ class PendingRollout:
 
     def __init__(self, manager: RolloutManager, chunks: list[list[list[int]]], params: SamplingParams):
         self.manager, self.chunks, self.params = manager, chunks, params
-        self.first = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]   # index of each chunk's prompt 0
+        self.first = [sum(len(c) for c in chunks[:i]) for i in range(len(chunks))]  # index of each chunk's prompt 0
         self.inflight: dict[Any, tuple[int, int]] = {}
         self.results: dict[int, list[Trajectory]] = {}
         self.restarts_left = manager.max_restarts
@@ -282,16 +304,18 @@ class PendingRollout:
                     todo.append(c)
             for slot in sorted(dead):
                 if self.restarts_left <= 0:
-                    raise RuntimeError(f"rollout engine {slot} died and the restart budget "
-                                       f"({self.manager.max_restarts}) is used up")
+                    raise RuntimeError(
+                        f"rollout engine {slot} died and the restart budget ({self.manager.max_restarts}) is used up"
+                    )
                 self.restarts_left -= 1
                 self.manager._restart(slot)
             self.issue(todo)
         return [t for c in range(len(self.chunks)) for t in self.results[c]]
 
 
-def resolve_engine_device(device: str, gpu_ids: Optional[Sequence] = None,
-                          cuda_available: Optional[bool] = None) -> str:
+def resolve_engine_device(
+    device: str, gpu_ids: Optional[Sequence] = None, cuda_available: Optional[bool] = None
+) -> str:
     """The built-in engine's device from ``rollout.device`` and the GPUs Ray assigned to its actor (``gpu_ids``,
     default ``ray.get_gpu_ids()`` inside an actor): ``auto`` = the assigned GPU (Ray sets CUDA_VISIBLE_DEVICES, so
     it is ``cuda:0`` in the actor), CPU when none was assigned; ``cuda`` needs one."""
@@ -303,11 +327,15 @@ def resolve_engine_device(device: str, gpu_ids: Optional[Sequence] = None,
     if device == "cpu" or (device == "auto" and not gpu_ids):
         return "cpu"
     if gpu_ids and not cuda:
-        raise RuntimeError(f"Ray assigned GPU(s) {list(gpu_ids)} to the engine actor, but torch sees no CUDA device "
-                           "(a CPU-only torch build?); install a CUDA build of torch or set rollout.device=cpu")
+        raise RuntimeError(
+            f"Ray assigned GPU(s) {list(gpu_ids)} to the engine actor, but torch sees no CUDA device "
+            "(a CPU-only torch build?); install a CUDA build of torch or set rollout.device=cpu"
+        )
     if not cuda:
-        raise RuntimeError("rollout.device=cuda but the engine actor has no GPU: give it one with "
-                           "rollout.engine_resources={num_gpus: 1}, or set rollout.device=cpu / auto")
+        raise RuntimeError(
+            "rollout.device=cuda but the engine actor has no GPU: give it one with "
+            "rollout.engine_resources={num_gpus: 1}, or set rollout.device=cpu / auto"
+        )
     return "cuda:0" if gpu_ids else "cuda"
 
 
@@ -322,8 +350,9 @@ def torch_cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dtype: str = "auto",
-                        max_batch: int = 0, compile: bool = False):
+def build_native_engine(
+    hf_dir: str, eos_token_id: int, device: str = "auto", dtype: str = "auto", max_batch: int = 0, compile: bool = False
+):
     """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir`` in the
     engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
     (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile``: ``NativeEngine``'s.
@@ -341,5 +370,12 @@ def build_native_engine(hf_dir: str, eos_token_id: int, device: str = "auto", dt
     if dtype == "auto":
         dtype = "bfloat16" if dev.startswith("cuda") else "float32"
     dt = getattr(torch, dtype)
-    return NativeEngine(load_hf_model(hf_dir, dtype=dt), family_of(cfg).arch(cfg), eos_token_id=eos_token_id,
-                        device=dev, dtype=dt, max_batch=max_batch, compile=compile)
+    return NativeEngine(
+        load_hf_model(hf_dir, dtype=dt),
+        family_of(cfg).arch(cfg),
+        eos_token_id=eos_token_id,
+        device=dev,
+        dtype=dt,
+        max_batch=max_batch,
+        compile=compile,
+    )

@@ -41,6 +41,7 @@ its log-prob under the sampling distribution; ``use_cache=False`` recomputes the
 reference the cache is tested against). Token editing (LLaDA2.1, ``algorithm='editing'``) runs a block until
 ``editing.Refinement`` closes it and records the commits its edits overwrote (``Trajectory.superseded``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,15 +58,25 @@ from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
 
-_KEY_BUCKET = 64        # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
+_KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
 
 
 class NativeEngine:
     """Decodes with the hf/ model of a family (CPU or one GPU). Implements the rollout engine protocol."""
 
-    def __init__(self, model: torch.nn.Module, arch: ModelArch, eos_token_id: int, pad_token_id: int = 0,
-                 device: Optional[str] = None, use_cache: bool = True, full_attention_cache: str = "none",
-                 max_batch: int = 0, dtype: Optional[torch.dtype] = None, compile: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        arch: ModelArch,
+        eos_token_id: int,
+        pad_token_id: int = 0,
+        device: Optional[str] = None,
+        use_cache: bool = True,
+        full_attention_cache: str = "none",
+        max_batch: int = 0,
+        dtype: Optional[torch.dtype] = None,
+        compile: bool = False,
+    ):
         if full_attention_cache not in ("none", "prefix", "dual"):
             raise ValueError(f"full_attention_cache={full_attention_cache!r}: choose none, prefix or dual")
         if max_batch < 0:
@@ -83,7 +94,7 @@ class NativeEngine:
         self._fn, self.step = self._compiled() if compile else (self.model, dllm_step)
         self._cache: Optional[KVCache] = None
         self.version = 0
-        self.forwards = 0          # model forwards, all calls (benchmarks: forwards per token)
+        self.forwards = 0  # model forwards, all calls (benchmarks: forwards per token)
         self.asleep = False
 
     # ------------------------------------------------------------------ protocol
@@ -94,8 +105,10 @@ class NativeEngine:
             raise ValueError("generate needs non-empty prompts")
         if self.arch.attention == "block_causal":
             if params.block_size != self.arch.block_size:
-                raise ValueError(f"sampling block_size={params.block_size} differs from the model's block size "
-                                 f"{self.arch.block_size} ({self.arch.family}); they must agree")
+                raise ValueError(
+                    f"sampling block_size={params.block_size} differs from the model's block size "
+                    f"{self.arch.block_size} ({self.arch.family}); they must agree"
+                )
             decoder: _Decoder = _BlockDiffusion(self, prompts, params)
         else:
             decoder = _SemiAR(self, prompts, params)
@@ -112,8 +125,9 @@ class NativeEngine:
                 if name not in params:
                     raise KeyError(f"update_weights: the {self.arch.family} model has no tensor {name!r}")
                 if params[name].shape != t.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(t.shape)}, model expects "
-                                     f"{tuple(params[name].shape)}")
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(t.shape)}, model expects {tuple(params[name].shape)}"
+                    )
                 params[name].copy_(t.to(params[name].device, params[name].dtype))
                 n += 1
                 nbytes += t.numel() * t.element_size()
@@ -143,12 +157,25 @@ class NativeEngine:
         return self.model(input_ids.to(self.device), attention_mask=mask).float().cpu()
 
     def health(self) -> dict[str, Any]:
-        return {"alive": True, "version": self.version, "device": str(self.device), "asleep": self.asleep,
-                "forwards": self.forwards, "dtype": str(self.dtype).replace("torch.", "")}
+        return {
+            "alive": True,
+            "version": self.version,
+            "device": str(self.device),
+            "asleep": self.asleep,
+            "forwards": self.forwards,
+            "dtype": str(self.dtype).replace("torch.", ""),
+        }
 
     # ------------------------------------------------------------------ helpers
-    def forward(self, ids, allowed, pos, cache: Optional[KVCache] = None,
-                logits_index: Optional[torch.Tensor] = None, eager: bool = False) -> Optional[torch.Tensor]:
+    def forward(
+        self,
+        ids,
+        allowed,
+        pos,
+        cache: Optional[KVCache] = None,
+        logits_index: Optional[torch.Tensor] = None,
+        eager: bool = False,
+    ) -> Optional[torch.Tensor]:
         """One model forward (compiled when ``compile`` is on, unless ``eager``: prefills, whose shapes vary)."""
         self.forwards += 1
         fn = self.model if eager else self._fn
@@ -162,7 +189,7 @@ class NativeEngine:
                 rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
             self._cache = None
             self._cache = KVCache(a.num_layers, rows, length, a.num_kv_heads, a.head_dim, self.dtype, self.device)
-            if self.compile and self.device.type == "cuda":   # CUDA graphs write into it in place
+            if self.compile and self.device.type == "cuda":  # CUDA graphs write into it in place
                 for t in self._cache.k + self._cache.v:
                     torch._dynamo.mark_static_address(t)
         return self._cache
@@ -178,8 +205,10 @@ class NativeEngine:
         (``reduce-overhead``, static shapes: key lengths bucketed), elsewhere with dynamic shapes (one graph for
         every batch and key length)."""
         if self.device.type == "cuda":
-            return (torch.compile(self.model, mode="reduce-overhead", dynamic=False),
-                    torch.compile(dllm_step, dynamic=False))
+            return (
+                torch.compile(self.model, mode="reduce-overhead", dynamic=False),
+                torch.compile(dllm_step, dynamic=False),
+            )
         return torch.compile(self.model, dynamic=True), torch.compile(dllm_step, dynamic=True)
 
 
@@ -204,8 +233,9 @@ class _Decoder:
     trace buffers ``fwd`` / ``bstep`` / ``logp`` over decode columns (column 0 = the first decoded position of
     the first block, i.e. grid column ``first``)."""
 
-    def __init__(self, engine: NativeEngine, prompts: list[list[int]], params: SamplingParams, width: int,
-                 decode_cols: int):
+    def __init__(
+        self, engine: NativeEngine, prompts: list[list[int]], params: SamplingParams, width: int, decode_cols: int
+    ):
         self.e, self.prompts, self.params = engine, prompts, params
         self.M, self.B = engine.arch.mask_token_id, params.block_size
         self.cap = min(engine.max_batch or len(prompts), len(prompts))
@@ -213,14 +243,15 @@ class _Decoder:
         self.dev: dict[str, torch.Tensor] = {
             "tokens": torch.full((cap, width), self.M, dtype=torch.long, device=dev),
             "keys": torch.zeros(cap, dtype=torch.long, device=dev),
-            "base": torch.zeros(cap, dtype=torch.long, device=dev),         # mix64(keys): the streams' start
+            "base": torch.zeros(cap, dtype=torch.long, device=dev),  # mix64(keys): the streams' start
             "steps": torch.zeros(cap, dtype=torch.long, device=dev),
-            "start": torch.zeros(cap, dtype=torch.long, device=dev),        # grid column of the current block
-            "first": torch.zeros(cap, dtype=torch.long, device=dev),        # grid column of decode column 0
-            "resp": torch.zeros(cap, dtype=torch.long, device=dev),         # decode column of response token 0
+            "start": torch.zeros(cap, dtype=torch.long, device=dev),  # grid column of the current block
+            "first": torch.zeros(cap, dtype=torch.long, device=dev),  # grid column of decode column 0
+            "resp": torch.zeros(cap, dtype=torch.long, device=dev),  # decode column of response token 0
             "fwd": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
             "bstep": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
-            "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev)}
+            "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev),
+        }
         self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
         self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
 
@@ -277,11 +308,11 @@ class _Decoder:
         trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
         refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
-        step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)   # a tensor: no recompile per step
+        step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
         for s in range(steps):
             masked = cur == M
             editable = refine.editable(cur, M) if refine is not None else None
-            if not self.static_steps:   # dynamic threshold / token editing: one flag read per step
+            if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
                 work = masked.any() if editable is None else masked.any() | editable.any()
                 if not bool(work):
                     break
@@ -308,8 +339,11 @@ class _Decoder:
         if trace.count is not None:
             dcols = cols - d["first"][:n, None]
             committed = trace.forward >= 0
-            for name, new in (("fwd", d["steps"][:n, None] + trace.forward), ("bstep", trace.block_step),
-                              ("logp", trace.logprob)):
+            for name, new in (
+                ("fwd", d["steps"][:n, None] + trace.forward),
+                ("bstep", trace.block_step),
+                ("logp", trace.logprob),
+            ):
                 old = d[name][:n].gather(1, dcols)
                 d[name][:n].scatter_(1, dcols, torch.where(committed, new, old))
             if trace.keep_history:
@@ -343,20 +377,31 @@ class _Decoder:
         p, d = self.params, self.dev
         first, resp = int(d["first"][i]), int(d["resp"][i])
         cols = self.host["block"][i] * self.B - resp
-        toks = d["tokens"][i, first + resp:first + resp + cols].tolist()
+        toks = d["tokens"][i, first + resp : first + resp + cols].tolist()
         end = min(len(toks), p.max_new_tokens)
         finish = "eos" if self.e.eos in toks[:end] else "length"
         if p.stop_at_eos and finish == "eos":
             end = toks.index(self.e.eos) + 1
-        fwd = d["fwd"][i, resp:resp + end].tolist()
-        bstep = d["bstep"][i, resp:resp + end].tolist()
-        logp = d["logp"][i, resp:resp + end].tolist()
-        superseded = [Superseded(c, tok, g, s, lp) for c in range(end)
-                      for g, s, lp, tok in self.host["superseded"][i].get(c + resp, [])]
+        fwd = d["fwd"][i, resp : resp + end].tolist()
+        bstep = d["bstep"][i, resp : resp + end].tolist()
+        logp = d["logp"][i, resp : resp + end].tolist()
+        superseded = [
+            Superseded(c, tok, g, s, lp)
+            for c in range(end)
+            for g, s, lp, tok in self.host["superseded"][i].get(c + resp, [])
+        ]
         traj = Trajectory(
-            prompt_ids=list(self.prompts[self.host["prompt"][i]]), response_ids=toks[:end], commit_step=fwd,
-            block_step=bstep, logprobs=logp, finish_reason=finish, num_forwards=int(d["steps"][i]), params=p,
-            policy_version=self.e.version, superseded=superseded if p.algorithm == "editing" else None)
+            prompt_ids=list(self.prompts[self.host["prompt"][i]]),
+            response_ids=toks[:end],
+            commit_step=fwd,
+            block_step=bstep,
+            logprobs=logp,
+            finish_reason=finish,
+            num_forwards=int(d["steps"][i]),
+            params=p,
+            policy_version=self.e.version,
+            superseded=superseded if p.algorithm == "editing" else None,
+        )
         if p.record_steps:
             traj.step_predictions, traj.step_confidences = _response_aligned(self.host["preds"][i], resp, end)
         return traj.validate()
@@ -396,7 +441,7 @@ class _BlockDiffusion(_Decoder):
         for j, i in enumerate(indices):
             row, p = start + j, self.prompts[i]
             d["tokens"][row] = self.M
-            d["tokens"][row, :len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+            d["tokens"][row, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
         pre = torch.tensor([self.pre[i] for i in indices], dtype=torch.long, device=dev)
         rows = slice(start, start + len(indices))
         d["start"][rows], d["first"][rows] = pre, pre
@@ -416,7 +461,7 @@ class _BlockDiffusion(_Decoder):
         if Q == 0:
             return
         dev, m = self.e.device, len(indices)
-        ids = self.dev["tokens"][start:start + m, :Q]
+        ids = self.dev["tokens"][start : start + m, :Q]
         pos = torch.arange(Q, device=dev).expand(m, Q)
         valid = pos < torch.tensor([self.pre[i] for i in indices], device=dev)[:, None]
         # padding queries see themselves (no NaN keys/values in the cache); real queries never see padding
@@ -448,8 +493,9 @@ class _BlockDiffusion(_Decoder):
             pending = torch.tensor(self.host["pending"][:n], device=dev)
             prev = cols - B
             write = torch.cat([torch.where(pending[:, None], prev, self.cache.length), cols], dim=1)
-            limit = torch.cat([torch.where(pending, start, start + B)[:, None].expand(n, B),
-                               (start + B)[:, None].expand(n, B)], dim=1)
+            limit = torch.cat(
+                [torch.where(pending, start, start + B)[:, None].expand(n, B), (start + B)[:, None].expand(n, B)], dim=1
+            )
             queries = torch.cat([prev, cols], dim=1).clamp(min=0)
             self._first = (queries, write, (keys < limit[:, :, None])[:, None], T)
         self.cache.bind(0, cols, T)
@@ -459,13 +505,14 @@ class _BlockDiffusion(_Decoder):
             queries, write, allowed, T = self._first
             self.cache.bind(0, write, T)
             head = torch.arange(self.B, 2 * self.B, device=self.e.device).expand(n, self.B)
-            out = self.e.forward(self.dev["tokens"][:n].gather(1, queries), allowed, queries, self.cache,
-                                 logits_index=head)
+            out = self.e.forward(
+                self.dev["tokens"][:n].gather(1, queries), allowed, queries, self.cache, logits_index=head
+            )
             self.cache.bind(0, cols, T)
             return out
         if self.cache is not None:
             return self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache)
-        T = max(self.host["start"][:n]) + self.B            # no cache: the whole grid up to the block, every step
+        T = max(self.host["start"][:n]) + self.B  # no cache: the whole grid up to the block, every step
         pos = torch.arange(T, device=self.e.device).expand(n, T)
         valid = pos < self.dev["start"][:n, None] + self.B
         allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(T, dtype=torch.bool, device=self.e.device)
@@ -530,12 +577,18 @@ class _SemiAR(_Decoder):
         inside = window < L
         at = window.clamp(max=L - 1)
         self.cache.bind(0, torch.where(inside, window, self.cache.length), L)
-        return self.e.forward(ids.gather(1, at), allowed, pos.gather(1, at), self.cache,
-                              logits_index=torch.arange(self.B, device=self.e.device).expand(n, self.B))
+        return self.e.forward(
+            ids.gather(1, at),
+            allowed,
+            pos.gather(1, at),
+            self.cache,
+            logits_index=torch.arange(self.B, device=self.e.device).expand(n, self.B),
+        )
 
 
-def _response_aligned(preds: list[tuple[int, list[int], list[float]]], resp: int, end: int
-                      ) -> tuple[list[list[int]], list[list[float]]]:
+def _response_aligned(
+    preds: list[tuple[int, list[int], list[float]]], resp: int, end: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """A row's per-step block proposals placed on its response positions [0, end): -1 (confidence 0) where the
     step predicted nothing (positions of other blocks; the prompt's remainder in the first block). ``preds``:
     (decode column of the block's first position, proposals, confidences) per step the row took."""

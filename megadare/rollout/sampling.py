@@ -35,6 +35,7 @@ arithmetic is exact everywhere; :func:`stream_uniforms`).
 The draws differ from ``torch.multinomial`` with a per-row ``torch.Generator`` (what megadare used before): those
 streams are Mersenne-Twister state that only a per-row loop can advance. The distributions are the same.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -47,11 +48,11 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_GOLDEN = _signed(0x9E3779B97F4A7C15)          # SplitMix64's increment
+_GOLDEN = _signed(0x9E3779B97F4A7C15)  # SplitMix64's increment
 _MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-_COUNTER_SHIFT, _PURPOSE_SHIFT = 21, 20        # stream index = counter << 21 | purpose << 20 | position
-SAMPLE, REMASK = 0, 1                          # purposes: token proposals, random / alg_temp commit selection
-_ONE_LEVEL = 16384                             # categorical: one cumulative sum up to this vocabulary size
+_COUNTER_SHIFT, _PURPOSE_SHIFT = 21, 20  # stream index = counter << 21 | purpose << 20 | position
+SAMPLE, REMASK = 0, 1  # purposes: token proposals, random / alg_temp commit selection
+_ONE_LEVEL = 16384  # categorical: one cumulative sum up to this vocabulary size
 
 
 def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -66,8 +67,9 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor, purpose: int, width: int,
-                    base: Optional[torch.Tensor] = None) -> torch.Tensor:
+def stream_uniforms(
+    keys: torch.Tensor, counters: torch.Tensor, purpose: int, width: int, base: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Uniform numbers in (0, 1), float64 [n, width]: row r's numbers at its counter ``counters[r]`` for one
     ``purpose`` and positions 0..width-1, ``u = (top 52 bits of mix64(mix64(key) + (index + 1) * golden) + 1/2)
     / 2^52``; keys, counters: int64 [n] on the device the numbers are wanted on (``base``: ``mix64(keys)`` if the
@@ -77,7 +79,7 @@ def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor, purpose: int, wi
     base = mix64(keys.long()) if base is None else base
     start = base + ((counters.long() << _COUNTER_SHIFT) + ((purpose << _PURPOSE_SHIFT) + 1)) * _GOLDEN
     bits = _shr(mix64(start[:, None] + torch.arange(width, device=keys.device) * _GOLDEN), 12)
-    return (bits.double() + 0.5) * (2.0 ** -52)
+    return (bits.double() + 0.5) * (2.0**-52)
 
 
 def _last_positive(w: torch.Tensor) -> torch.Tensor:
@@ -101,17 +103,17 @@ def categorical(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, t
     if V <= _ONE_LEVEL:
         cum = weights.cumsum(-1, dtype=torch.float64)
         total = cum[:, -1]
-        x = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))   # < total
+        x = torch.minimum(u.double() * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
         return torch.searchsorted(cum, x[:, None], right=True).squeeze(1), total
     C = _chunk(V)
     chunks = weights.view(R, V // C, C)
-    mass = chunks.sum(-1, dtype=torch.float64)                      # [R, K]
+    mass = chunks.sum(-1, dtype=torch.float64)  # [R, K]
     cum = mass.cumsum(-1)
     x = u.double() * cum[:, -1]
     k = torch.searchsorted(cum, x[:, None], right=True).squeeze(1)
     k = torch.minimum(k, _last_positive(mass))
     before = torch.where(k > 0, cum.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(x))
-    inner = chunks.gather(1, k[:, None, None].expand(R, 1, C)).squeeze(1).double()   # [R, C]
+    inner = chunks.gather(1, k[:, None, None].expand(R, 1, C)).squeeze(1).double()  # [R, C]
     j = torch.searchsorted(inner.cumsum(-1), (x - before)[:, None], right=True).squeeze(1)
     j = torch.minimum(j, _last_positive(inner))
     return k * C + j, cum[:, -1]
@@ -136,9 +138,14 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, index[:, None]).squeeze(-1)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                  uniforms: Optional[torch.Tensor], probs: Optional[list] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    uniforms: Optional[torch.Tensor],
+    probs: Optional[list] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, log-prob under the sampling distribution, model confidence) for logits [..., V]; ``uniforms``
     [...] (one per position, from the row's stream; unused when greedy). ``probs``: a list that receives the
     sampling distribution [..., V] when one was built (temperature > 0; Dream's rules rank on it)."""
@@ -149,8 +156,9 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         conf = (_at(flat, tokens) - torch.logsumexp(flat, dim=-1)).exp()
         return tokens.view(shape), torch.zeros(shape, device=logits.device), conf.view(shape)
     if uniforms is None or uniforms.shape != shape:
-        raise ValueError(f"sample_tokens: temperature {temperature} needs one uniform number per position "
-                         f"{tuple(shape)}")
+        raise ValueError(
+            f"sample_tokens: temperature {temperature} needs one uniform number per position {tuple(shape)}"
+        )
     z = filter_logits(flat / temperature if temperature != 1.0 else flat, top_k, top_p)
     top = z.amax(dim=-1, keepdim=True)
     weights = (z - top).exp_()
@@ -158,7 +166,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     logp = _at(z, tokens) - top.squeeze(-1) - total.log().float()
     if probs is not None:
         probs.append(weights.div_(total.float()[:, None]).view(*shape, -1))
-    if temperature == 1.0 and top_k == 0 and top_p >= 1.0:       # the sampling distribution is the model's
+    if temperature == 1.0 and top_k == 0 and top_p >= 1.0:  # the sampling distribution is the model's
         conf = logp.exp()
     else:
         conf = (_at(flat, tokens) - torch.logsumexp(flat, dim=-1)).exp()
@@ -186,8 +194,15 @@ def linspace_count(n_masked: int, step: int, steps: int, eps: float) -> int:
     return int(linspace_counts(torch.tensor([n_masked]), torch.tensor([step]), steps, eps)[0])
 
 
-def dream_confidence(logits: torch.Tensor, tokens: torch.Tensor, rule: str, temperature: float, top_k: int,
-                     top_p: float, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dream_confidence(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rule: str,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    probs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Dream's confidence of the proposals ``tokens`` [...] for logits [..., V] under ``rule`` (maskgit_plus,
     topk_margin, entropy), computed on Dream's sampling distribution softmax(filter(logits / T)) (T = 0: the
     logits unscaled; ``probs``: that distribution when the caller has it). Follows ``sample_tokens`` of Dream's
@@ -211,19 +226,26 @@ def top_ranked(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.argsort(order, dim=1) < k[:, None]
 
 
-def select_commits(confidence: torch.Tensor, masked: torch.Tensor, n: torch.Tensor, algorithm: str,
-                   threshold: float = 0.9, uniforms: Optional[torch.Tensor] = None,
-                   alg_temp: float = 0.0) -> torch.Tensor:
+def select_commits(
+    confidence: torch.Tensor,
+    masked: torch.Tensor,
+    n: torch.Tensor,
+    algorithm: str,
+    threshold: float = 0.9,
+    uniforms: Optional[torch.Tensor] = None,
+    alg_temp: float = 0.0,
+) -> torch.Tensor:
     """Which positions to commit. confidence, masked [B, L]; n [B] tokens the schedule asks for; uniforms [B, L]
     in (0, 1) from the rows' streams (``random`` and ``alg_temp`` > 0 only)."""
     k = torch.minimum(n.to(masked.device), masked.sum(dim=1))
     if algorithm == "random" or alg_temp > 0:
         if uniforms is None:
-            raise ValueError(f"select_commits: algorithm={algorithm!r}, alg_temp={alg_temp} draws positions: pass "
-                             "uniforms")
-        if algorithm == "random":    # k uniformly random masked positions: the k smallest uniform keys
+            raise ValueError(
+                f"select_commits: algorithm={algorithm!r}, alg_temp={alg_temp} draws positions: pass uniforms"
+            )
+        if algorithm == "random":  # k uniformly random masked positions: the k smallest uniform keys
             score = -uniforms
-        else:                        # Gumbel-top-k: k draws without replacement ~ softmax(confidence / alg_temp)
+        else:  # Gumbel-top-k: k draws without replacement ~ softmax(confidence / alg_temp)
             score = confidence.double() / alg_temp - torch.log(-torch.log(uniforms))
     else:
         score = confidence

@@ -4,6 +4,7 @@ actors (built-in or SGLang) behind a Ray rollout manager. The RL trainer and ``m
 ``cfg`` is the run's ``megadare.config.Config`` (read, never changed); this layer sits below config.py, so it takes
 the object without importing its type.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,16 +37,30 @@ def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps
     r = cfg.rollout
     block = r.block_size or (arch.block_size if arch.attention == "block_causal" else 32)
     if arch.attention == "block_causal" and block != arch.block_size:
-        raise ConfigError(f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "
-                          "sampler, the trainer and the model must agree (set model.block_size to change it)")
-    return SamplingParams(max_new_tokens=r.max_new_tokens, block_size=block,
-                          steps_per_block=r.steps_per_block or block, algorithm=r.algorithm, threshold=r.threshold,
-                          temperature=r.eval_temperature if evaluation else r.temperature, top_k=r.top_k,
-                          top_p=r.top_p, seed=seed, record_steps=record_steps and not evaluation,
-                          confidence=r.confidence, schedule=r.schedule, eps=r.eps, alg_temp=r.alg_temp,
-                          editing_threshold=r.editing_threshold, max_post_steps=r.max_post_steps,
-                          num_to_transfer=r.num_to_transfer,
-                          stop_at_eos=evaluation or resolve_canvas(cfg, arch) == "eos")
+        raise ConfigError(
+            f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "
+            "sampler, the trainer and the model must agree (set model.block_size to change it)"
+        )
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        block_size=block,
+        steps_per_block=r.steps_per_block or block,
+        algorithm=r.algorithm,
+        threshold=r.threshold,
+        temperature=r.eval_temperature if evaluation else r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        seed=seed,
+        record_steps=record_steps and not evaluation,
+        confidence=r.confidence,
+        schedule=r.schedule,
+        eps=r.eps,
+        alg_temp=r.alg_temp,
+        editing_threshold=r.editing_threshold,
+        max_post_steps=r.max_post_steps,
+        num_to_transfer=r.num_to_transfer,
+        stop_at_eos=evaluation or resolve_canvas(cfg, arch) == "eos",
+    )
 
 
 def engine_spec(cfg, src, tok):
@@ -58,14 +73,26 @@ def engine_spec(cfg, src, tok):
     gpus = r.engine_resources.get("num_gpus")
     if r.engine != "sglang":
         if r.engine_tp != 1:
-            raise ConfigError(f"rollout.engine_tp={r.engine_tp}: the built-in engine runs on one device; tensor-"
-                              "parallel engines need rollout.engine=sglang")
-        return EngineSpec(build_native_engine, {"hf_dir": src.hf_dir, "eos_token_id": tok.eos_token_id,
-                                                "device": r.device, "dtype": r.dtype, "max_batch": r.max_batch,
-                                                "compile": r.compile})
+            raise ConfigError(
+                f"rollout.engine_tp={r.engine_tp}: the built-in engine runs on one device; tensor-"
+                "parallel engines need rollout.engine=sglang"
+            )
+        return EngineSpec(
+            build_native_engine,
+            {
+                "hf_dir": src.hf_dir,
+                "eos_token_id": tok.eos_token_id,
+                "device": r.device,
+                "dtype": r.dtype,
+                "max_batch": r.max_batch,
+                "compile": r.compile,
+            },
+        )
     if gpus is not None and gpus < r.engine_tp:
-        raise ConfigError(f"rollout.engine_tp={r.engine_tp} needs rollout.engine_resources num_gpus >= "
-                          f"{r.engine_tp} per engine actor (got {gpus})")
+        raise ConfigError(
+            f"rollout.engine_tp={r.engine_tp} needs rollout.engine_resources num_gpus >= "
+            f"{r.engine_tp} per engine actor (got {gpus})"
+        )
     # fail here, not inside an actor, when sglang or the plugin is missing
     from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
 
@@ -77,10 +104,20 @@ def engine_spec(cfg, src, tok):
         model_path = os.path.join(cfg.logging.run_dir, "engine_fp8")
         if not os.path.exists(os.path.join(model_path, "config.json")):
             quantize_export(src.hf_dir, model_path, fmt="fp8-block", progress=False)
-    return EngineSpec(build_sglang_engine, {
-        "model_path": model_path, "eos_token_id": tok.eos_token_id, "block_size": r.block_size,
-        "steps_per_block": r.steps_per_block, "algorithm": r.algorithm, "threshold": r.threshold,
-        "max_running_requests": max(1, r.chunk_size), "chunk_bytes": r.bucket_mb << 20, "tp_size": r.engine_tp})
+    return EngineSpec(
+        build_sglang_engine,
+        {
+            "model_path": model_path,
+            "eos_token_id": tok.eos_token_id,
+            "block_size": r.block_size,
+            "steps_per_block": r.steps_per_block,
+            "algorithm": r.algorithm,
+            "threshold": r.threshold,
+            "max_running_requests": max(1, r.chunk_size),
+            "chunk_bytes": r.bucket_mb << 20,
+            "tp_size": r.engine_tp,
+        },
+    )
 
 
 class _DropRayTokenNotice(logging.Filter):
@@ -107,7 +144,15 @@ def start_engines(cfg, src, tok):
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():
         _quiet_ray_token_notice()
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
-                 num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1))
-    return RolloutManager(spec, num_engines=cfg.rollout.num_engines, resources=dict(cfg.rollout.engine_resources),
-                          chunk_size=cfg.rollout.chunk_size)
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or None,
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1),
+        )
+    return RolloutManager(
+        spec,
+        num_engines=cfg.rollout.num_engines,
+        resources=dict(cfg.rollout.engine_resources),
+        chunk_size=cfg.rollout.chunk_size,
+    )

@@ -73,6 +73,7 @@ Cost: the step runs per request (its own stream and parameters), so each denoisi
 kernels per request and syncs on ``.any()``; fine for correctness-first RL rollouts, a batched fast path for
 requests without a seed is future work.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,19 +90,26 @@ from megadare.rollout.engine import ALGORITHMS, SamplingParams
 logger = logging.getLogger(__name__)
 
 ALGORITHM_NAME = "MegadareBlockDiffusion"
-TRACE_KEY = "megadare_trace"                    # meta_info / req.customized_info key of the per-token trace
-CUSTOM_PARAMS_KEY = "megadare"                  # sampling_params["custom_params"][CUSTOM_PARAMS_KEY] = {...}
+TRACE_KEY = "megadare_trace"  # meta_info / req.customized_info key of the per-token trace
+CUSTOM_PARAMS_KEY = "megadare"  # sampling_params["custom_params"][CUSTOM_PARAMS_KEY] = {...}
 SUPPORTED_ARCHITECTURES = ("SDARForCausalLM", "SDARMoeForCausalLM", "LLaDA2MoeModelLM")
-SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.24"   # the versions whose dLLM/plugin internals this module follows
+SGLANG_REQUIREMENT = "sglang>=0.5.20,<0.5.24"  # the versions whose dLLM/plugin internals this module follows
 WORKER_HOOK_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker._forward_batch_generation_dllm"
 SDAR_LOAD_HOOK_TARGET = "sglang.srt.models.sdar.SDARForCausalLM.load_weights"
 DECODER_KEYS = ("confidence", "schedule", "eps", "alg_temp", "editing_threshold", "max_post_steps", "num_to_transfer")
 CONFIG_KEYS = ("block_size", "steps_per_block", "algorithm", "threshold", "seed") + DECODER_KEYS
 REQUEST_KEYS = ("steps_per_block", "algorithm", "threshold", "seed") + DECODER_KEYS
-_DECODER_TYPES = {"confidence": str, "schedule": str, "eps": float, "alg_temp": float, "editing_threshold": float,
-                  "max_post_steps": int, "num_to_transfer": int}
-_TOP_K_ALL = 1 << 30                             # sglang's "no top-k" (sampling_params.TOP_K_ALL)
-_SEED_MOD = 2 ** 63
+_DECODER_TYPES = {
+    "confidence": str,
+    "schedule": str,
+    "eps": float,
+    "alg_temp": float,
+    "editing_threshold": float,
+    "max_post_steps": int,
+    "num_to_transfer": int,
+}
+_TOP_K_ALL = 1 << 30  # sglang's "no top-k" (sampling_params.TOP_K_ALL)
+_SEED_MOD = 2**63
 
 
 # ---------------------------------------------------------------------------------------------- request params
@@ -116,9 +124,16 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def request_params(block_size: int, defaults: Mapping[str, Any], temperature: float = 0.0, top_p: float = 1.0,
-                   top_k: int = -1, custom_params: Optional[Mapping[str, Any]] = None,
-                   sampling_seed: Optional[int] = None, rid: str = "") -> SamplingParams:
+def request_params(
+    block_size: int,
+    defaults: Mapping[str, Any],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    custom_params: Optional[Mapping[str, Any]] = None,
+    sampling_seed: Optional[int] = None,
+    rid: str = "",
+) -> SamplingParams:
     """megadare ``SamplingParams`` of one sglang request (only the fields a block step uses are meaningful).
 
     temperature / top_p / top_k as sglang stores them (``top_k`` -1, 0 or ``1 << 30`` = off; ``top_k == 1`` or
@@ -131,7 +146,7 @@ def request_params(block_size: int, defaults: Mapping[str, Any], temperature: fl
         raise ValueError(f"custom_params[{CUSTOM_PARAMS_KEY!r}]: unknown keys {unknown}; known: {list(REQUEST_KEYS)}")
     merged = {**{k: v for k, v in defaults.items() if k in REQUEST_KEYS}, **over}
     top_k = int(top_k) if top_k is not None else -1
-    temperature = 1.0 if temperature is None else float(temperature)   # sglang's default
+    temperature = 1.0 if temperature is None else float(temperature)  # sglang's default
     greedy = temperature <= 1e-6 or top_k == 1
     if "seed" in over:
         seed = int(over["seed"])
@@ -142,13 +157,17 @@ def request_params(block_size: int, defaults: Mapping[str, Any], temperature: fl
     else:
         seed = int(merged.get("seed", 0))
     return SamplingParams(
-        max_new_tokens=1, block_size=int(block_size),
+        max_new_tokens=1,
+        block_size=int(block_size),
         steps_per_block=int(merged.get("steps_per_block", block_size)),
         algorithm=str(merged.get("algorithm", "low_confidence_static")),
         threshold=float(merged.get("threshold", 0.9)),
         temperature=0.0 if greedy else temperature,
         top_k=0 if (greedy or top_k <= 0 or top_k >= _TOP_K_ALL) else top_k,
-        top_p=float(top_p if top_p is not None else 1.0), seed=seed % _SEED_MOD, **_decoder_fields(merged))
+        top_p=float(top_p if top_p is not None else 1.0),
+        seed=seed % _SEED_MOD,
+        **_decoder_fields(merged),
+    )
 
 
 def _decoder_fields(merged: Mapping[str, Any]) -> dict[str, Any]:
@@ -183,10 +202,10 @@ class RequestState:
     params: SamplingParams
     rng: RequestStream
     block_step: int = 0
-    emit: Optional[list[int]] = None       # positions masked when the block started: the tokens it emits
+    emit: Optional[list[int]] = None  # positions masked when the block started: the tokens it emits
     trace: BlockTrace = field(default_factory=lambda: BlockTrace(1, keep_history=True))
     delivered: bool = False
-    refine: Optional[Refinement] = None    # token editing: the block's post-step bookkeeping
+    refine: Optional[Refinement] = None  # token editing: the block's post-step bookkeeping
 
 
 # ---------------------------------------------------------------------------------------------- the core
@@ -204,44 +223,68 @@ class BlockDenoiser:
         self.mask_id = int(mask_id)
         self.config = check_config(config or {})
         if "block_size" in self.config and int(self.config["block_size"]) != self.block_size:
-            raise ValueError(f"{ALGORITHM_NAME}: config block_size={self.config['block_size']} but the engine "
-                             f"decodes blocks of {self.block_size}")
+            raise ValueError(
+                f"{ALGORITHM_NAME}: config block_size={self.config['block_size']} but the engine "
+                f"decodes blocks of {self.block_size}"
+            )
         request_params(self.block_size, self.config)  # fail fast on bad defaults
 
-    def params_for(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1,
-                   custom_params: Optional[Mapping[str, Any]] = None, sampling_seed: Optional[int] = None,
-                   rid: str = "") -> SamplingParams:
-        return request_params(self.block_size, self.config, temperature, top_p, top_k, custom_params,
-                              sampling_seed, rid)
+    def params_for(
+        self,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        custom_params: Optional[Mapping[str, Any]] = None,
+        sampling_seed: Optional[int] = None,
+        rid: str = "",
+    ) -> SamplingParams:
+        return request_params(
+            self.block_size, self.config, temperature, top_p, top_k, custom_params, sampling_seed, rid
+        )
 
     def new_state(self, params: SamplingParams, rng: Optional[RequestStream] = None) -> RequestState:
         return RequestState(params=params, rng=rng if rng is not None else RequestStream(params.seed))
 
-    def step(self, logits: torch.Tensor, tokens: torch.Tensor, states: Sequence[RequestState],
-             prompt_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[bool]]:
+    def step(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        states: Sequence[RequestState],
+        prompt_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, list[bool]]:
         """logits [n, B, V], tokens [n, B] (the block as the forward saw it), prompt_mask [n, B] (prompt
         positions, never decoded; by default every non-mask token at the block's start) -> (new tokens, done)."""
         n = tokens.shape[0]
         if logits.shape[:2] != tokens.shape or tokens.shape[1] != self.block_size or len(states) != n:
-            raise ValueError(f"{ALGORITHM_NAME}: logits {tuple(logits.shape)}, tokens {tuple(tokens.shape)}, "
-                             f"{len(states)} states for block size {self.block_size}")
+            raise ValueError(
+                f"{ALGORITHM_NAME}: logits {tuple(logits.shape)}, tokens {tuple(tokens.shape)}, "
+                f"{len(states)} states for block size {self.block_size}"
+            )
         masked = tokens == self.mask_id
         if prompt_mask is not None:
             masked = masked & ~prompt_mask.to(masked.device, torch.bool)
         new = tokens.clone()
         done: list[bool] = []
         for i, st in enumerate(states):
-            row = masked[i:i + 1]
+            row = masked[i : i + 1]
             if st.emit is None:
                 st.emit = row[0].nonzero().squeeze(1).tolist()
                 if st.params.algorithm == "editing":
                     st.refine = Refinement(row, st.params)
-            editable = st.refine.editable(tokens[i:i + 1], self.mask_id) if st.refine is not None else None
+            editable = st.refine.editable(tokens[i : i + 1], self.mask_id) if st.refine is not None else None
             if not bool(row.any()) and (editable is None or not bool(editable.any())):
                 done.append(True)
                 continue
-            res = dllm_step(logits[i:i + 1], tokens[i:i + 1], row, st.block_step, st.params,
-                            st.rng.streams(logits.device), mask_token_id=self.mask_id, editable=editable)
+            res = dllm_step(
+                logits[i : i + 1],
+                tokens[i : i + 1],
+                row,
+                st.block_step,
+                st.params,
+                st.rng.streams(logits.device),
+                mask_token_id=self.mask_id,
+                editable=editable,
+            )
             if st.refine is not None:
                 st.refine.after(row, res)
             st.trace.add(res, st.block_step)
@@ -256,8 +299,13 @@ class BlockDenoiser:
         reports the block done (token editing: up to block size + max_post_steps steps)."""
         return max([p.block_forwards() for p in params] + [self.block_size]) + 1
 
-    def denoise_block(self, forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor,
-                      states: Sequence[RequestState], prompt_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def denoise_block(
+        self,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        tokens: torch.Tensor,
+        states: Sequence[RequestState],
+        prompt_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Synchronous loop over one block: ``forward(tokens [n, B]) -> logits [n, B, V]``."""
         logits = forward(tokens)
         for _ in range(self.max_steps([st.params for st in states])):
@@ -299,8 +347,13 @@ def _deliver(req: Any, state: RequestState) -> None:
     trace = info.setdefault(TRACE_KEY, [])
     n_out = len(getattr(req, "output_ids", ()))
     if len(trace) != n_out:  # e.g. a retracted request re-encoded: keep alignment, mark the unknown tokens
-        logger.warning("%s: request %s has %d trace entries for %d output tokens", ALGORITHM_NAME,
-                       getattr(req, "rid", "?"), len(trace), n_out)
+        logger.warning(
+            "%s: request %s has %d trace entries for %d output tokens",
+            ALGORITHM_NAME,
+            getattr(req, "rid", "?"),
+            len(trace),
+            n_out,
+        )
         del trace[n_out:]
         trace.extend([None] * (n_out - len(trace)))
     trace.extend(entries)
@@ -310,8 +363,14 @@ def _request_params(core: BlockDenoiser, req: Any) -> SamplingParams:
     sp = req.sampling_params
     rid = str(getattr(req, "rid", ""))
     try:
-        return core.params_for(sp.temperature, sp.top_p, sp.top_k, getattr(sp, "custom_params", None),
-                               getattr(sp, "sampling_seed", None), rid)
+        return core.params_for(
+            sp.temperature,
+            sp.top_p,
+            sp.top_k,
+            getattr(sp, "custom_params", None),
+            getattr(sp, "sampling_seed", None),
+            rid,
+        )
     except ValueError as e:  # validate_request rejects these before they get here; never crash the scheduler
         logger.error("%s: request %s: %s; using the engine defaults", ALGORITHM_NAME, rid, e)
         return core.params_for(sp.temperature, sp.top_p, sp.top_k, None, getattr(sp, "sampling_seed", None), rid)
@@ -357,8 +416,15 @@ class _AdapterMixin:
             return None
         block = getattr(getattr(req, "dllm_config", None), "block_size", None) or 1 << 20
         try:
-            request_params(block, {}, sp.temperature, sp.top_p, sp.top_k, getattr(sp, "custom_params", None),
-                           getattr(sp, "sampling_seed", None))
+            request_params(
+                block,
+                {},
+                sp.temperature,
+                sp.top_p,
+                sp.top_k,
+                getattr(sp, "custom_params", None),
+                getattr(sp, "sampling_seed", None),
+            )
         except ValueError as e:
             return f"{ALGORITHM_NAME}: {e}"
         return None
@@ -369,9 +435,11 @@ class _AdapterMixin:
         if reqs is not None and len(reqs) == n:
             return [_request_state(self.core, r) for r in reqs]
         if not self._warned_unbound:
-            logger.error("%s: the worker hook did not bind the batch's requests (is megadare's sglang plugin "
-                         "loaded? see SGLANG_PLUGINS); decoding with the engine defaults and recording no trace",
-                         ALGORITHM_NAME)
+            logger.error(
+                "%s: the worker hook did not bind the batch's requests (is megadare's sglang plugin "
+                "loaded? see SGLANG_PLUGINS); decoding with the engine defaults and recording no trace",
+                ALGORITHM_NAME,
+            )
             self._warned_unbound = True
         info = getattr(forward_batch, "sampling_info", None)
         states = []
@@ -411,10 +479,16 @@ def algorithm_class() -> type:
             DllmAlgorithm.__init__(self, config)
             self._setup(config)
 
-        _ALGORITHM_CLASS = type(ALGORITHM_NAME, (_AdapterMixin, DllmAlgorithm), {
-            "__init__": __init__, "__module__": __name__,
-            "__doc__": "megadare's sampled block diffusion with a per-token trace (see megadare.rollout."
-                       "sglang_plugin)."})
+        _ALGORITHM_CLASS = type(
+            ALGORITHM_NAME,
+            (_AdapterMixin, DllmAlgorithm),
+            {
+                "__init__": __init__,
+                "__module__": __name__,
+                "__doc__": "megadare's sampled block diffusion with a per-token trace (see megadare.rollout."
+                "sglang_plugin).",
+            },
+        )
     return _ALGORITHM_CLASS
 
 

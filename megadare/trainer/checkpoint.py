@@ -19,6 +19,7 @@ which and why (the tracker file is a hint, not the authority); checkpoints of ol
 manifest, are checked against their .metadata. It refuses a checkpoint of another model or command, and applies
 this run's LR-schedule settings over the checkpoint's, saying which changed.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,7 @@ from megadare.convert.mcore_ckpt import (
     resolve_checkpoint_dir,
     write_meta,
 )
+
 TRAIN_STATE = "train_state.json"
 OPTIM_METADATA = {**SHARDED_SD_METADATA, "distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -101,7 +103,7 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
         filled = _init_empty_optimizer_state(optimizer)
         sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=dict(OPTIM_METADATA))
         for state, p in filled:  # back to unallocated (only what was filled here): megatron's load_state_dict
-            del state[p]         # allocates the state it restores, a fresh Adam allocates at its first step
+            del state[p]  # allocates the state it restores, a fresh Adam allocates at its first step
     return _drop_extra_state(sd)
 
 
@@ -123,11 +125,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], optimizer, scheduler,
-                          train_state: dict[str, Any], meta: Optional[dict] = None,
-                          hf_files_from: Optional[str] = None, keep_last: int = 2,
-                          objects: Optional[dict[str, Any]] = None,
-                          rank_objects: Optional[dict[str, Any]] = None) -> str:
+def save_train_checkpoint(
+    root: str,
+    step: int,
+    chunks: list[torch.nn.Module],
+    optimizer,
+    scheduler,
+    train_state: dict[str, Any],
+    meta: Optional[dict] = None,
+    hf_files_from: Optional[str] = None,
+    keep_last: int = 2,
+    objects: Optional[dict[str, Any]] = None,
+    rank_objects: Optional[dict[str, Any]] = None,
+) -> str:
     """Save everything needed to resume at ``step`` (collective). Returns the checkpoint directory.
 
     ``objects``: picklable state saved by rank 0 as ``<name>.pt`` (e.g. the RL loop's queued rollouts and replay
@@ -138,18 +148,23 @@ def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], o
     tmp = _tmp(final)
     meta = dict(meta or {}, **({"source": os.path.abspath(hf_files_from)} if hf_files_from else {}))
     try:
-        _write_train_checkpoint(tmp, root, step, chunks, optimizer, scheduler, train_state, meta, hf_files_from,
-                                objects, rank_objects)
+        _write_train_checkpoint(
+            tmp, root, step, chunks, optimizer, scheduler, train_state, meta, hf_files_from, objects, rank_objects
+        )
         if _rank() == 0:
             _finalise(tmp, final)
-    except (Exception, CheckpointException) as e:   # torch's CheckpointException is a BaseException
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_iteration(root)
         raise MegatronCheckpointError(
             f"saving {final} failed: {_os_reason(e)}; the partial {os.path.basename(tmp)} was removed"
-            + (f" and {previous} is intact: fix the cause, then rerun the same command to resume from it" if previous
-               else "")) from None
+            + (
+                f" and {previous} is intact: fix the cause, then rerun the same command to resume from it"
+                if previous
+                else ""
+            )
+        ) from None
     if _rank() == 0:
         tracker_tmp = os.path.join(root, TRACKER + ".tmp")
         with open(tracker_tmp, "w") as f:
@@ -160,15 +175,25 @@ def save_train_checkpoint(root: str, step: int, chunks: list[torch.nn.Module], o
     return final
 
 
-def _write_train_checkpoint(tmp: str, root: str, step: int, chunks, optimizer, scheduler, train_state: dict,
-                            meta: dict, hf_files_from: Optional[str], objects: Optional[dict],
-                            rank_objects: Optional[dict]) -> None:
+def _write_train_checkpoint(
+    tmp: str,
+    root: str,
+    step: int,
+    chunks,
+    optimizer,
+    scheduler,
+    train_state: dict,
+    meta: dict,
+    hf_files_from: Optional[str],
+    objects: Optional[dict],
+    rank_objects: Optional[dict],
+) -> None:
     """Every file of the checkpoint into ``tmp`` (collective); rank 0 writes train_state.json and the meta last."""
     from megatron.core import dist_checkpointing
 
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)   # a crashed save of this very step: ours
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of this very step: ours
         os.makedirs(tmp)
     _barrier()
     with writers_die_with_trainer():
@@ -184,8 +209,12 @@ def _write_train_checkpoint(tmp: str, root: str, step: int, chunks, optimizer, s
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
     if _rank() == 0:
-        state = dict(train_state, step=step, world_size=world,
-                     scheduler=scheduler.state_dict() if scheduler is not None else None)
+        state = dict(
+            train_state,
+            step=step,
+            world_size=world,
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+        )
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
             json.dump(state, f, indent=2, default=str)
         write_meta(tmp, meta, hf_files_from)
@@ -208,7 +237,7 @@ def _os_reason(e: BaseException) -> str:
         if m and not isinstance(x, CheckpointException):
             return m.group(1) + (f" ({m.group(2)})" if m.group(2) else "")
         todo += [c for c in (x.__cause__, x.__context__) if c is not None]
-        for f in getattr(x, "failures", {}).values():   # torch.distributed.checkpoint's per-rank failures
+        for f in getattr(x, "failures", {}).values():  # torch.distributed.checkpoint's per-rank failures
             inner = [y for y in (f if isinstance(f, tuple) else (f,)) if isinstance(y, BaseException)]
             innermost = inner[0] if inner else innermost
             todo += inner
@@ -247,9 +276,22 @@ def latest_checkpoint(root: str) -> Optional[str]:
 
 
 # a checkpoint's model must be this model: these ModelArch fields shape its tensors
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim",
-                "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size", "num_shared_experts", "first_k_dense",
-                "qk_norm", "qkv_bias", "tie_word_embeddings")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "ffn_hidden_size",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "num_shared_experts",
+    "first_k_dense",
+    "qk_norm",
+    "qkv_bias",
+    "tie_word_embeddings",
+)
 
 
 def check_same_model(ckpt: str, src) -> None:
@@ -262,7 +304,8 @@ def check_same_model(ckpt: str, src) -> None:
         raise MegatronCheckpointError(
             f"{ckpt} is a checkpoint of a {fam} model ({arch}); this run builds a {src.family.name} model "
             f"({src.arch.architecture}) from {src.hf_dir}: point checkpoint.load / checkpoint.save at a checkpoint "
-            "of this model, or model.hf_path at the model it was trained from")
+            "of this model, or model.hf_path at the model it was trained from"
+        )
     hf_config = os.path.join(ckpt, HF_SUBDIR, "config.json")
     if not os.path.exists(hf_config):
         return
@@ -273,17 +316,22 @@ def check_same_model(ckpt: str, src) -> None:
         theirs = family_of(cfg).arch(cfg)
     except ModelConfigError as e:
         raise MegatronCheckpointError(f"{hf_config}: {e}") from None
-    diff = [f"{k} {getattr(theirs, k)} vs {getattr(src.arch, k)}" for k in SHAPE_FIELDS
-            if getattr(theirs, k) != getattr(src.arch, k)]
+    diff = [
+        f"{k} {getattr(theirs, k)} vs {getattr(src.arch, k)}"
+        for k in SHAPE_FIELDS
+        if getattr(theirs, k) != getattr(src.arch, k)
+    ]
     if theirs.family != src.arch.family or diff:
         raise MegatronCheckpointError(
             f"{ckpt} holds another {theirs.family} model than this run's {src.hf_dir} (checkpoint vs run: "
             f"{', '.join(diff) or 'family ' + theirs.family + ' vs ' + src.arch.family}): point checkpoint.load / "
-            "checkpoint.save at a checkpoint of this model, or model.hf_path at the model it was trained from")
+            "checkpoint.save at a checkpoint of this model, or model.hf_path at the model it was trained from"
+        )
 
 
-def load_train_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, scheduler,
-                          load_optimizer: bool = True, src=None) -> dict[str, Any]:
+def load_train_checkpoint(
+    path: str, chunks: list[torch.nn.Module], optimizer, scheduler, load_optimizer: bool = True, src=None
+) -> dict[str, Any]:
     """Restore model (+ optimizer, scheduler, RNG when present) from a checkpoint dir or root (collective).
 
     The checkpoint is verified against its manifest first (a damaged one raises naming the file) and, with
@@ -302,14 +350,20 @@ def load_train_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, s
         raise MegatronCheckpointError(f"{state_file} has no integer 'step'; the checkpoint is damaged")
     with_opt = load_optimizer and has_train_state and optimizer is not None
     try:
-        with warnings.catch_warnings():   # megatron 0.16 calls torch's deprecated name on every load
-            warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning,
-                                    module=r"megatron\.core\.dist_checkpointing")
-            loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer if with_opt else None,
-                                                            is_loading=True), ckpt)
+        with warnings.catch_warnings():  # megatron 0.16 calls torch's deprecated name on every load
+            warnings.filterwarnings(
+                "ignore",
+                message="`load_state_dict` is deprecated",
+                category=FutureWarning,
+                module=r"megatron\.core\.dist_checkpointing",
+            )
+            loaded = dist_checkpointing.load(
+                _sharded_state(chunks, optimizer if with_opt else None, is_loading=True), ckpt
+            )
     except (Exception, CheckpointException) as e:  # megatron / torch raise anything on a damaged checkpoint
-        raise MegatronCheckpointError(f"{ckpt} cannot be loaded ({_os_reason(e)}); move it aside to resume from "
-                                      "the checkpoint before it") from None
+        raise MegatronCheckpointError(
+            f"{ckpt} cannot be loaded ({_os_reason(e)}); move it aside to resume from the checkpoint before it"
+        ) from None
     load_into_chunks(_unwrap(chunks), loaded, ckpt)
     if not has_train_state:
         return {}
@@ -318,7 +372,7 @@ def load_train_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, s
         _unshare_adam_steps(optimizer)
         if scheduler is not None and state.get("scheduler"):
             state["schedule_changes"] = schedule_changes(scheduler, state["scheduler"])
-            scheduler.override_opt_param_scheduler = True   # the run's settings, the checkpoint's step count
+            scheduler.override_opt_param_scheduler = True  # the run's settings, the checkpoint's step count
             scheduler.load_state_dict(state["scheduler"])
     rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -327,8 +381,13 @@ def load_train_checkpoint(path: str, chunks: list[torch.nn.Module], optimizer, s
     return state
 
 
-_SCHEDULE_KEYS = {"max_lr": "lr", "min_lr": "min lr", "lr_warmup_steps": "warmup steps",
-                  "lr_decay_steps": "decay steps", "lr_decay_style": "decay style"}
+_SCHEDULE_KEYS = {
+    "max_lr": "lr",
+    "min_lr": "min lr",
+    "lr_warmup_steps": "warmup steps",
+    "lr_decay_steps": "decay steps",
+    "lr_decay_style": "decay style",
+}
 
 
 def schedule_changes(scheduler, saved: dict) -> list[str]:
@@ -343,8 +402,10 @@ def schedule_changes(scheduler, saved: dict) -> list[str]:
 def describe_schedule(scheduler, optimizer) -> str:
     """The LR schedule in words, with the learning rate of the next step."""
     lr = scheduler.get_lr(optimizer.param_groups[0]) if optimizer is not None else scheduler.max_lr
-    return (f"{scheduler.lr_decay_style}, lr {scheduler.max_lr:g} -> {scheduler.min_lr:g}, warmup "
-            f"{scheduler.lr_warmup_steps}, over {scheduler.lr_decay_steps} steps; lr now {lr:.3g}")
+    return (
+        f"{scheduler.lr_decay_style}, lr {scheduler.max_lr:g} -> {scheduler.min_lr:g}, warmup "
+        f"{scheduler.lr_warmup_steps}, over {scheduler.lr_decay_steps} steps; lr now {lr:.3g}"
+    )
 
 
 def _say(msg: str) -> None:
@@ -360,8 +421,9 @@ def _decided_on_rank0(make):
     return box[0]
 
 
-def resume_run(root: str, chunks, optimizer, scheduler, src, written_by: str,
-               source: Optional[str] = None) -> dict[str, Any]:
+def resume_run(
+    root: str, chunks, optimizer, scheduler, src, written_by: str, source: Optional[str] = None
+) -> dict[str, Any]:
     """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
 
     Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
@@ -375,19 +437,25 @@ def resume_run(root: str, chunks, optimizer, scheduler, src, written_by: str,
         _say(f"checkpoint: passing over {d}: {problem}")
     if pick.path is None:
         if pick.skipped:
-            raise MegatronCheckpointError(f"no intact checkpoint under {root} ({len(pick.skipped)} damaged, listed "
-                                          "above); move them aside to start the run over")
+            raise MegatronCheckpointError(
+                f"no intact checkpoint under {root} ({len(pick.skipped)} damaged, listed "
+                "above); move them aside to start the run over"
+            )
         return {}
     if pick.legacy:
         _say(f"checkpoint: {pick.path} predates checkpoint manifests; checked its shards against .metadata only")
     meta = read_json(os.path.join(pick.path, MEGADARE_META))
     if meta.get("written_by") and meta["written_by"] != written_by:
-        raise RunStateError(f"{pick.path} was written by {meta['written_by']}, this is {written_by}: start from it "
-                            f"with checkpoint.load={root} and a new logging.run_dir / checkpoint.save")
+        raise RunStateError(
+            f"{pick.path} was written by {meta['written_by']}, this is {written_by}: start from it "
+            f"with checkpoint.load={root} and a new logging.run_dir / checkpoint.save"
+        )
     if source and meta.get("source") and os.path.realpath(meta["source"]) != os.path.realpath(source):
-        raise RunStateError(f"the run in {root} was trained from {meta['source']}, this config names model.hf_path="
-                            f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
-                            "start a new run (logging.run_dir / checkpoint.save)")
+        raise RunStateError(
+            f"the run in {root} was trained from {meta['source']}, this config names model.hf_path="
+            f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
+            "start a new run (logging.run_dir / checkpoint.save)"
+        )
     state = load_train_checkpoint(pick.path, chunks, optimizer, scheduler, src=src)
     changes = state.get("schedule_changes") or []
     applied = f"; this run's settings replace the checkpoint's: {', '.join(changes)}" if changes else ""

@@ -4,6 +4,7 @@ same data in the same order without saving a data-loader state, and every rank a
 Epoch e is a permutation of the examples seeded by (seed, e); the global batch of step s is the slice
 [s * B, (s + 1) * B) of the concatenated epochs.
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,6 +15,7 @@ N = 1, or the response canvas ``dpo.canvas_length`` with ``dpo.margin_norm=canva
 Checkpoints, resume, SIGTERM and export (``megadare convert megatron-to-hf``) work as for SFT; the loop, step and
 checkpoint pieces are trainer/sft_loop.py's.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,24 +46,33 @@ def vrpo_for(cfg: Config):
     from megadare.algos.vrpo import VRPO
 
     d = cfg.dpo
-    return VRPO({"beta": d.beta, "n_mc": d.n_mc, "margin_norm": d.margin_norm,
-                 "canvas_length": d.canvas_length if d.margin_norm == "canvas" else None})
+    return VRPO(
+        {
+            "beta": d.beta,
+            "n_mc": d.n_mc,
+            "margin_norm": d.margin_norm,
+            "canvas_length": d.canvas_length if d.margin_norm == "canvas" else None,
+        }
+    )
 
 
 def check_dpo(cfg: Config, arch) -> None:
     """A preference pair is one row of 2 x dpo.n_mc views (x_t ++ x_0 for block families): it must fit
     ``train.seq_length``; the data must be a file."""
     if not cfg.data.path:
-        raise ConfigError("megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, "
-                          "chosen, rejected)")
+        raise ConfigError(
+            "megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, chosen, rejected)"
+        )
     vrpo_for(cfg)
     block = arch is not None and arch.attention == "block_causal"
     row = 2 * cfg.dpo.n_mc * cfg.data.max_length * (2 if block else 1)
     if row > cfg.train.seq_length:
-        raise ConfigError(f"a preference pair is one row of 2 x dpo.n_mc={cfg.dpo.n_mc} views of up to "
-                          f"data.max_length={cfg.data.max_length} tokens{' (x2: x_t ++ x_0)' if block else ''} = {row}, "
-                          f"more than train.seq_length={cfg.train.seq_length}; raise train.seq_length or lower "
-                          "dpo.n_mc / data.max_length")
+        raise ConfigError(
+            f"a preference pair is one row of 2 x dpo.n_mc={cfg.dpo.n_mc} views of up to "
+            f"data.max_length={cfg.data.max_length} tokens{' (x2: x_t ++ x_0)' if block else ''} = {row}, "
+            f"more than train.seq_length={cfg.train.seq_length}; raise train.seq_length or lower "
+            "dpo.n_mc / data.max_length"
+        )
 
 
 def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
@@ -76,8 +86,9 @@ def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     try:
         with run_dir_lock(cfg.logging.run_dir):
             run = setup_dpo(cfg)
-            out = train_steps(run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples),
-                              "dpo", max_steps)
+            out = train_steps(
+                run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples), "dpo", max_steps
+            )
         return {**out, "data": run.data_stats}
     finally:
         destroy_distributed()
@@ -97,16 +108,35 @@ def setup_dpo(cfg: Config) -> DPORun:
     check_dpo(cfg, src.arch)
     tok = tokenizer_for(cfg, src)
     d = cfg.data
-    examples, stats = load_preference_examples(d.path, tok, d.max_length, d.overlong, prompt_key=d.prompt_key,
-                                               chosen_key=cfg.dpo.chosen_key, rejected_key=cfg.dpo.rejected_key)
+    examples, stats = load_preference_examples(
+        d.path,
+        tok,
+        d.max_length,
+        d.overlong,
+        prompt_key=d.prompt_key,
+        chosen_key=cfg.dpo.chosen_key,
+        rejected_key=cfg.dpo.rejected_key,
+    )
     model = wrap_ddp(initial_chunks(cfg, src), cfg.train.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
     ref = frozen_chunks(cfg, src)
     block = src.arch.attention == "block_causal"
-    run = DPORun(cfg=cfg, src=src, recipe=None, kind="block_diffusion" if block else "bidirectional", tok=tok,
-                 examples=examples, data_stats=stats, model=model, optimizer=optimizer, scheduler=scheduler,
-                 save_root=checkpoint_root(cfg), ref_chunks=ref,
-                 algo=vrpo_for(cfg), block=src.arch.block_size if block else 1)
+    run = DPORun(
+        cfg=cfg,
+        src=src,
+        recipe=None,
+        kind="block_diffusion" if block else "bidirectional",
+        tok=tok,
+        examples=examples,
+        data_stats=stats,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        save_root=checkpoint_root(cfg),
+        ref_chunks=ref,
+        algo=vrpo_for(cfg),
+        block=src.arch.block_size if block else 1,
+    )
     resume(run, "megadare dpo")
     return run
 
@@ -123,9 +153,15 @@ class DPOStep(SFTStep):
             ex = run.examples[i]
             chosen = RLSample(ex.prompt_ids, ex.chosen_ids, reward=1.0, advantage=1.0, index=2 * i)
             rejected = RLSample(ex.prompt_ids, ex.rejected_ids, reward=0.0, advantage=-1.0, index=2 * i + 1)
-            rows.append(run.algo.pair_row(chosen, rejected, run.arch,
-                                          example_generator(run.cfg.seed, run.step, 2 * i),
-                                          example_generator(run.cfg.seed, run.step, 2 * i + 1)))
+            rows.append(
+                run.algo.pair_row(
+                    chosen,
+                    rejected,
+                    run.arch,
+                    example_generator(run.cfg.seed, run.step, 2 * i),
+                    example_generator(run.cfg.seed, run.step, 2 * i + 1),
+                )
+            )
         return rows
 
     def passes(self, mine: list) -> None:

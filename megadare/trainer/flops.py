@@ -7,6 +7,7 @@ token); the second is attention scores and values (QK^T and PV: 2 * 2 * S * hidd
 times 3 for forward + backward), counted dense even where a block mask skips tiles. Embedding lookups are free,
 the output layer is counted in N_active.
 """
+
 from __future__ import annotations
 
 from megadare.models.family import ModelArch
@@ -29,7 +30,8 @@ def step_flops(arch: ModelArch, seq_lengths: list[int]) -> float:
     """FLOPs of forward + backward over sequences of the given lengths."""
     tokens = sum(seq_lengths)
     return 6.0 * active_params(arch) * tokens + 12.0 * arch.num_layers * arch.hidden_size * sum(
-        s * s for s in seq_lengths)
+        s * s for s in seq_lengths
+    )
 
 
 def peak_tflops() -> float | None:

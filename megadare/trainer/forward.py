@@ -5,6 +5,7 @@
 stage (gathered over TP, vocab padding cut off); other stages get None. Used for parity tests, reference/old
 log-probs and weight-sync checks.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,9 +25,14 @@ def _gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logits(chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab_size: int,
-                   mask: Optional[MaskSpec] = None, position_ids: Optional[torch.Tensor] = None,
-                   micro_batch_size: Optional[int] = None) -> Optional[torch.Tensor]:
+def forward_logits(
+    chunks: list[torch.nn.Module],
+    input_ids: torch.Tensor,
+    vocab_size: int,
+    mask: Optional[MaskSpec] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    micro_batch_size: Optional[int] = None,
+) -> Optional[torch.Tensor]:
     """Logits [B, S, vocab] on the last pipeline stage (None elsewhere). Every rank passes the same batch."""
     B, S = input_ids.shape
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -37,15 +43,16 @@ def forward_logits(chunks: list[torch.nn.Module], input_ids: torch.Tensor, vocab
     if B % mbs:
         raise ValueError(f"batch {B} is not divisible by micro_batch_size {mbs}")
     n_micro = B // mbs
-    device = next(chunks[0].parameters()).device              # the callers' tensors usually sit on the CPU
+    device = next(chunks[0].parameters()).device  # the callers' tensors usually sit on the CPU
     input_ids = input_ids.to(device)
-    position_ids = (torch.arange(S, device=device).unsqueeze(0).expand(B, S) if position_ids is None
-                    else position_ids.to(device))
-    if mask is not None:                                      # a MaskSpec, or a bool tensor (``local`` attention)
+    position_ids = (
+        torch.arange(S, device=device).unsqueeze(0).expand(B, S) if position_ids is None else position_ids.to(device)
+    )
+    if mask is not None:  # a MaskSpec, or a bool tensor (``local`` attention)
         mask = mask.to(device)
     for c in chunks:
         c.eval()
-    micro = [(input_ids[i * mbs:(i + 1) * mbs], position_ids[i * mbs:(i + 1) * mbs]) for i in range(n_micro)]
+    micro = [(input_ids[i * mbs : (i + 1) * mbs], position_ids[i * mbs : (i + 1) * mbs]) for i in range(n_micro)]
 
     def forward_step(data_iterator, model):
         ids, pos = next(data_iterator)

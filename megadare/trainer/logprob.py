@@ -16,6 +16,7 @@ its probability under the rollout's sampling distribution): per-position ``logit
 read full [tokens, V/tp] logits (``train.logits=full``); the default path computes them without logits, on the
 scored positions only (models/head.py).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,12 +44,13 @@ def exclude_tokens(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     part = logits.shape[-1]
     local = token - parallel_state.get_tensor_model_parallel_rank() * part
     hit = ((token >= 0) & (local >= 0) & (local < part)).unsqueeze(-1)
-    idx = local.clamp(0, part - 1).unsqueeze(-1)        # no host sync: a miss writes its own value back
+    idx = local.clamp(0, part - 1).unsqueeze(-1)  # no host sync: a miss writes its own value back
     return logits.scatter(-1, idx, logits.gather(-1, idx).masked_fill(hit, float("-inf")))
 
 
-def _scaled(logits: torch.Tensor, vocab_size: int, logit_scale: Optional[torch.Tensor],
-            excluded_token: Optional[torch.Tensor]) -> torch.Tensor:
+def _scaled(
+    logits: torch.Tensor, vocab_size: int, logit_scale: Optional[torch.Tensor], excluded_token: Optional[torch.Tensor]
+) -> torch.Tensor:
     z = logits.float()
     if logit_scale is not None:
         z = z * logit_scale.unsqueeze(-1).to(z.dtype)
@@ -58,8 +60,12 @@ def _scaled(logits: torch.Tensor, vocab_size: int, logit_scale: Optional[torch.T
     return z
 
 
-def token_entropy(logits: torch.Tensor, vocab_size: int, logit_scale: Optional[torch.Tensor] = None,
-                  excluded_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+def token_entropy(
+    logits: torch.Tensor,
+    vocab_size: int,
+    logit_scale: Optional[torch.Tensor] = None,
+    excluded_token: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Entropy per position of the distribution ``token_logprobs`` scores under, fp32, differentiable."""
     z = _scaled(logits, vocab_size, logit_scale, excluded_token)
     m = z.detach().amax(-1, keepdim=True)
@@ -72,9 +78,13 @@ def token_entropy(logits: torch.Tensor, vocab_size: int, logit_scale: Optional[t
     return s.log() - ed / s
 
 
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                   logit_scale: Optional[torch.Tensor] = None,
-                   excluded_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    logit_scale: Optional[torch.Tensor] = None,
+    excluded_token: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """log p(labels) per position, fp32, differentiable. logits [..., V/tp] (this TP rank's slice); optional
     per-position ``logit_scale`` and ``excluded_token`` [...] (module doc)."""
     z = _scaled(logits, vocab_size, logit_scale, excluded_token)

@@ -6,6 +6,7 @@ The model source is one of
   once as an HF checkpoint under ``<run_dir>/init_hf`` (seeded by ``seed``) so every rank and every later
   export sees the same weights and config.json.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,9 +82,11 @@ def _check_same_tiny(hf_dir: str, want: dict) -> None:
     diff = sorted(k for k in set(have) | set(want) if json.dumps(have.get(k)) != json.dumps(want.get(k)))
     if diff:
         shown = ", ".join(f"{k} {have.get(k)!r} vs {want.get(k)!r}" for k in diff[:4])
-        raise RunStateError(f"{hf_dir} holds the tiny model an earlier run in this directory trained, which differs "
-                            f"from this config's (there vs here: {shown}); use a new logging.run_dir, or restore "
-                            "model.family / model.tiny_config")
+        raise RunStateError(
+            f"{hf_dir} holds the tiny model an earlier run in this directory trained, which differs "
+            f"from this config's (there vs here: {shown}); use a new logging.run_dir, or restore "
+            "model.family / model.tiny_config"
+        )
 
 
 def _with_block(arch: ModelArch, block: int) -> ModelArch:
@@ -106,8 +109,11 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
         coeff = t.moe_aux_loss_coeff
         if coeff is None:  # families with an expert bias balance without an auxiliary loss
             coeff = 0.0 if arch.moe_expert_bias else 1e-3
-        over.update(moe_aux_loss_coeff=coeff, moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
-                    moe_router_bias_update_rate=t.moe_bias_update_rate)
+        over.update(
+            moe_aux_loss_coeff=coeff,
+            moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
+            moe_router_bias_update_rate=t.moe_bias_update_rate,
+        )
     return transformer_config(arch, cfg.model.dtype, **over)
 
 
@@ -119,13 +125,17 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
     from megadare.models.head import HeadSettings
 
     tcfg = training_transformer_config(cfg, src.arch)
-    chunks = build_model_chunks(src.arch, tcfg, attention_backend=cfg.model.attention_backend,
-                                head=HeadSettings(cfg.train.logits, cfg.train.logits_chunk_mb))
+    chunks = build_model_chunks(
+        src.arch,
+        tcfg,
+        attention_backend=cfg.model.attention_backend,
+        head=HeadSettings(cfg.train.logits, cfg.train.logits_chunk_mb),
+    )
     load_hf_into_model(chunks, src.hf_dir)
     return chunks
 
 
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")   # one holds the vocabulary
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one holds the vocabulary
 
 
 def tokenizer_for(cfg: Config, src: ModelSource):
@@ -135,18 +145,24 @@ def tokenizer_for(cfg: Config, src: ModelSource):
     if cfg.model.tiny:
         tok = ByteTokenizer()
         if tok.mask_token_id != src.arch.mask_token_id or tok.vocab_size > src.arch.vocab_size:
-            raise ConfigError(f"the byte tokenizer (vocab {tok.vocab_size}, mask {tok.mask_token_id}) does not fit "
-                              f"the tiny {src.arch.family} model (vocab {src.arch.vocab_size}, mask "
-                              f"{src.arch.mask_token_id})")
+            raise ConfigError(
+                f"the byte tokenizer (vocab {tok.vocab_size}, mask {tok.mask_token_id}) does not fit "
+                f"the tiny {src.arch.family} model (vocab {src.arch.vocab_size}, mask "
+                f"{src.arch.mask_token_id})"
+            )
         return tok
     if not any(os.path.exists(os.path.join(src.hf_dir, f)) for f in VOCABULARY_FILES):
         # transformers >= 5 then builds an empty tokenizer of the model type instead of failing
-        raise ConfigError(f"model.hf_path={src.hf_dir} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
-                          "copy the model's tokenizer files into it")
+        raise ConfigError(
+            f"model.hf_path={src.hf_dir} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
+            "copy the model's tokenizer files into it"
+        )
     try:
         return HFTokenizer(src.hf_dir, mask_token_id=src.arch.mask_token_id)
-    except (OSError, ValueError, TypeError) as e:   # transformers: OSError without files, ValueError for bad ones
+    except (OSError, ValueError, TypeError) as e:  # transformers: OSError without files, ValueError for bad ones
         lines = str(e).strip().splitlines()
-        raise ConfigError(f"model.hf_path={src.hf_dir}: no usable tokenizer ({type(e).__name__}: "
-                          f"{lines[0] if lines else ''}); copy the model's tokenizer files (tokenizer.json, "
-                          "tokenizer_config.json, ...) into it") from None
+        raise ConfigError(
+            f"model.hf_path={src.hf_dir}: no usable tokenizer ({type(e).__name__}: "
+            f"{lines[0] if lines else ''}); copy the model's tokenizer files (tokenizer.json, "
+            "tokenizer_config.json, ...) into it"
+        ) from None

@@ -4,6 +4,7 @@
 tokens over E experts puts T*k/E tokens on an expert on average). Counts exclude packing padding and are summed
 over the TP x DP x CP ranks that share a layer (as megatron does for the expert-bias update).
 """
+
 from __future__ import annotations
 
 import torch

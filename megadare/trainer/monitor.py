@@ -6,6 +6,7 @@ at step N (resumed from its checkpoint of step N) first moves the records of lat
 back and is about to train again -- to ``metrics.rolled_back.jsonl``, so no step appears twice; tensorboard
 purges them itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ def _is_rank0() -> bool:
 
 
 class Monitor:
-    def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, tensorboard: bool = True,
-                 jsonl: bool = True, log_interval: int = 1, desc: str = "train", enabled: Optional[bool] = None):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        jsonl: bool = True,
+        log_interval: int = 1,
+        desc: str = "train",
+        enabled: Optional[bool] = None,
+    ):
         self.enabled = _is_rank0() if enabled is None else enabled
         self.log_interval = max(1, log_interval)
         self.writer = None
@@ -58,8 +68,11 @@ class Monitor:
         if self.bar is not None:
             if advance:
                 self.bar.update(1)
-            shown = {k: f"{metrics[k]:.4g}" for k in ("loss", "reward", "grad_norm", "lr", "tokens_per_s",
-                                                       "eval/accuracy") if k in metrics}
+            shown = {
+                k: f"{metrics[k]:.4g}"
+                for k in ("loss", "reward", "grad_norm", "lr", "tokens_per_s", "eval/accuracy")
+                if k in metrics
+            }
             self.bar.set_postfix(shown, refresh=False)
         if advance and step % self.log_interval:
             return
@@ -91,7 +104,7 @@ def roll_back_jsonl(path: str, step: int) -> int:
             try:
                 s = json.loads(line).get("step")
             except (ValueError, AttributeError):
-                s = None   # a torn last line of a killed run: not a record of any step
+                s = None  # a torn last line of a killed run: not a record of any step
             (keep if isinstance(s, int) and s <= step else later).append(line if line.endswith("\n") else line + "\n")
     if not later:
         return 0

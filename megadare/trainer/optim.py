@@ -9,6 +9,7 @@ the single-tensor loop (about eight passes and two temporaries per parameter), o
 benchmarks/GPU.md). megadare switches that AdamW to torch's fused kernel (one pass, the same update) when its
 parameters are all on the CPU or all on CUDA; a TE / apex fused Adam is left as megatron chose it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -29,7 +30,7 @@ class OptimSettings:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
-    lr_decay_style: str = "cosine"       # cosine | constant | linear
+    lr_decay_style: str = "cosine"  # cosine | constant | linear
     total_steps: int = 1
     distributed_optimizer: bool = True
     dtype: str = "fp32"
@@ -39,30 +40,52 @@ def optim_settings(cfg, total_steps: int, **overrides) -> OptimSettings:
     """The ``train`` section's optimizer settings for ``total_steps`` updates; ``overrides`` replace fields
     (e.g. the value model's own learning rate)."""
     t = cfg.train
-    return replace(OptimSettings(
-        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps, clip_grad=t.clip_grad, warmup_steps=t.warmup_steps, lr_decay_style=t.lr_decay_style,
-        total_steps=total_steps, distributed_optimizer=t.distributed_optimizer, dtype=cfg.model.dtype), **overrides)
+    return replace(
+        OptimSettings(
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            warmup_steps=t.warmup_steps,
+            lr_decay_style=t.lr_decay_style,
+            total_steps=total_steps,
+            distributed_optimizer=t.distributed_optimizer,
+            dtype=cfg.model.dtype,
+        ),
+        **overrides,
+    )
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], distributed_optimizer: bool) -> list[DistributedDataParallel]:
     """Megatron DDP around every chunk (contiguous grad buffers; grads reduced once per step)."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=False)
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
     out = []
     for i, c in enumerate(chunks):
-        out.append(DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c,
-                                           disable_bucketing=i > 0))
+        out.append(DistributedDataParallel(config=c.config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0))
     return out
 
 
 def build_optimizer(ddp_chunks: list[DistributedDataParallel], s: OptimSettings):
     """Adam(W) through megatron's optimizer factory, plus its LR / weight-decay scheduler."""
     cfg = OptimizerConfig(
-        optimizer="adam", lr=s.lr, min_lr=s.min_lr, weight_decay=s.weight_decay,
-        adam_beta1=s.adam_beta1, adam_beta2=s.adam_beta2, adam_eps=s.adam_eps,
-        clip_grad=s.clip_grad, bf16=s.dtype == "bf16", fp16=s.dtype == "fp16",
+        optimizer="adam",
+        lr=s.lr,
+        min_lr=s.min_lr,
+        weight_decay=s.weight_decay,
+        adam_beta1=s.adam_beta1,
+        adam_beta2=s.adam_beta2,
+        adam_eps=s.adam_eps,
+        clip_grad=s.clip_grad,
+        bf16=s.dtype == "bf16",
+        fp16=s.dtype == "fp16",
         params_dtype=torch.float32 if s.dtype == "fp32" else (torch.bfloat16 if s.dtype == "bf16" else torch.float16),
         use_distributed_optimizer=s.distributed_optimizer,
     )
@@ -70,10 +93,18 @@ def build_optimizer(ddp_chunks: list[DistributedDataParallel], s: OptimSettings)
     fuse_torch_adam(optimizer)
     decay_steps = max(1, s.total_steps)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if s.warmup_steps else s.lr, max_lr=s.lr, min_lr=min(s.min_lr, s.lr),
-        lr_warmup_steps=s.warmup_steps, lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
-        lr_decay_style=s.lr_decay_style, start_wd=s.weight_decay, end_wd=s.weight_decay,
-        wd_incr_steps=decay_steps, wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0 if s.warmup_steps else s.lr,
+        max_lr=s.lr,
+        min_lr=min(s.min_lr, s.lr),
+        lr_warmup_steps=s.warmup_steps,
+        lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+        lr_decay_style=s.lr_decay_style,
+        start_wd=s.weight_decay,
+        end_wd=s.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
     return optimizer, scheduler
 
 

@@ -1,11 +1,13 @@
 """PNG plots of a run (matplotlib, headless)."""
+
 from __future__ import annotations
 
 import os
 
 
-def plot_rl_curve(history: list[dict[str, float]], evals: dict[int, dict[str, float]], path: str,
-                  title: str = "RL") -> str:
+def plot_rl_curve(
+    history: list[dict[str, float]], evals: dict[int, dict[str, float]], path: str, title: str = "RL"
+) -> str:
     """Mean rollout reward per RL step, with held-out accuracy at the evaluated steps, written to ``path``."""
     import matplotlib
 

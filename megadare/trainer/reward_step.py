@@ -8,6 +8,7 @@ past the time limit, :class:`~megadare.rewards.RewardError` names the reward, th
 ``file:row`` and its exception. Rank 0 scores; ``parallel.rank0.run_on_rank0`` carries its result, or that
 error, to every rank, so all ranks stop before the update instead of waiting on a broadcast that never comes.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -20,19 +21,22 @@ if TYPE_CHECKING:
 __all__ = ["score_rollouts", "score_texts"]
 
 
-def score_texts(cfg: Config, reward_fn, texts: Sequence[str], prompts: Sequence, where: str
-                ) -> tuple[list[float], dict[str, float]]:
+def score_texts(
+    cfg: Config, reward_fn, texts: Sequence[str], prompts: Sequence, where: str
+) -> tuple[list[float], dict[str, float]]:
     """Rewards of decoded responses of ``prompts`` (PromptRecords, one per text); raises RewardError past
     ``rl.max_reward_error_fraction``."""
     full = [p.reward_text(t) for p, t in zip(prompts, texts)]
     scores, stats = score_batch(reward_fn, full, [p.record for p in prompts])
     check_reward_errors(stats, cfg.rl.reward, [p.where for p in prompts], cfg.rl.max_reward_error_fraction, where)
-    return [float(x) for x in scores], {k: float(v) for k, v in stats.to_dict().items()
-                                        if k in ("errors", "timeouts", "answer_timeouts", "wall_s")}
+    return [float(x) for x in scores], {
+        k: float(v) for k, v in stats.to_dict().items() if k in ("errors", "timeouts", "answer_timeouts", "wall_s")
+    }
 
 
-def score_rollouts(cfg: Config, reward_fn, tok, trajectories, prompts: Sequence, where: str
-                   ) -> tuple[list[float], dict[str, float]]:
+def score_rollouts(
+    cfg: Config, reward_fn, tok, trajectories, prompts: Sequence, where: str
+) -> tuple[list[float], dict[str, float]]:
     """:func:`score_texts` of the trajectories' decoded answers (a full-canvas response up to its first EOS)."""
     texts = [tok.decode(t.answer_ids(tok.eos_token_id)) for t in trajectories]
     return score_texts(cfg, reward_fn, texts, prompts, where)

@@ -8,6 +8,7 @@ broadcasts the step's samples; all ranks build the same rows (corruptions seeded
 their data-parallel share, and train. Checkpoints hold model, optimizer, scheduler and the RL step; a restarted
 run resumes from the newest one and pushes its weights into fresh engines before the first rollout.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,7 +49,7 @@ def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
             return finished_run(run)
         push_weights(run, queued=False)
         start_loop(run)
-        if run.step not in run.evals:   # a resumed run evaluated this step before its checkpoint
+        if run.step not in run.evals:  # a resumed run evaluated this step before its checkpoint
             evaluate_at(run)
         stopper, start, stopped = StopSignal(), run.step, False
         while run.step < cfg.rl.steps:
@@ -60,7 +61,7 @@ def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
             metrics.update(push_weights(run))
             log_step(run, metrics)
             if (cfg.rl.eval_interval and run.step % cfg.rl.eval_interval == 0) or run.step == cfg.rl.steps:
-                evaluate_at(run)   # before the save: the checkpoint knows it (a resumed run does not repeat it)
+                evaluate_at(run)  # before the save: the checkpoint knows it (a resumed run does not repeat it)
             stopped = stopper.should_stop()
             interval = cfg.checkpoint.save_interval
             if stopped or run.step == cfg.rl.steps or (interval and run.step % interval == 0):
@@ -71,8 +72,13 @@ def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
             evaluate_at(run)
         run.monitor.close()
         stopper.restore()
-        return {"step": run.step, "stopped_by_signal": stopped, "history": run.history, "evals": run.evals,
-                "checkpoint_root": run.save_root}
+        return {
+            "step": run.step,
+            "stopped_by_signal": stopped,
+            "history": run.history,
+            "evals": run.evals,
+            "checkpoint_root": run.save_root,
+        }
     finally:
         if run is not None and run.weight_sync is not None:
             run.weight_sync.close()
@@ -82,8 +88,14 @@ def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
 
 def finished_run(run: RLRun) -> dict[str, Any]:
     """The summary of a run resumed at its last step (nothing to train: the CLI says so)."""
-    return {"step": run.step, "stopped_by_signal": False, "history": [], "evals": run.evals,
-            "checkpoint_root": run.save_root, "already_finished": True}
+    return {
+        "step": run.step,
+        "stopped_by_signal": False,
+        "history": [],
+        "evals": run.evals,
+        "checkpoint_root": run.save_root,
+        "already_finished": True,
+    }
 
 
 def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
@@ -121,8 +133,15 @@ def start_loop(run: RLRun) -> None:
     from megadare.trainer.rl_rollout import RolloutStarter
 
     cfg, lg = run.cfg, run.cfg.logging
-    run.monitor = Monitor(lg.run_dir, cfg.rl.steps, start_step=run.step, tensorboard=lg.tensorboard, jsonl=lg.jsonl,
-                          log_interval=lg.log_interval, desc="rl")
+    run.monitor = Monitor(
+        lg.run_dir,
+        cfg.rl.steps,
+        start_step=run.step,
+        tensorboard=lg.tensorboard,
+        jsonl=lg.jsonl,
+        log_interval=lg.log_interval,
+        desc="rl",
+    )
     if run.rank0:
         run.queue = RolloutQueue(RolloutStarter(run), run.ahead, cfg.rl.steps)
         if run.async_state is not None:
@@ -139,8 +158,9 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    samples, metrics = on_rank0(run, lambda: collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts,
-                                                          run.tok, run.reward_fn))
+    samples, metrics = on_rank0(
+        run, lambda: collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts, run.tok, run.reward_fn)
+    )
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 
@@ -175,21 +195,34 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     if not samples:
         return {}
     rl, pol = run.cfg.rl, run.policy
-    objective = run.algo.objective(on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and rl.loss_mode == "ppo"),
-                                   loss_mode=rl.loss_mode)
+    objective = run.algo.objective(
+        on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and rl.loss_mode == "ppo"), loss_mode=rl.loss_mode
+    )
     if rl.loss_mode == "bypass" and rl.rollout_is is not None:
         objective.reject = bypass_rejection(run.cfg)
-    return update(run.cfg, run.algo, samples, run.step, _shape(run), ref_chunks=pol.ref_chunks,
-                  optimizer=pol.optimizer, scheduler=pol.scheduler, objective=objective, value=pol.value,
-                  correction=correction, ref_adapters_off=pol.ref_adapters_off)
+    return update(
+        run.cfg,
+        run.algo,
+        samples,
+        run.step,
+        _shape(run),
+        ref_chunks=pol.ref_chunks,
+        optimizer=pol.optimizer,
+        scheduler=pol.scheduler,
+        objective=objective,
+        value=pol.value,
+        correction=correction,
+        ref_adapters_off=pol.ref_adapters_off,
+    )
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:
     """Step time, idle ratios; into the history, tensorboard and JSONL."""
     metrics["step_time_s"] = step_s = run.monitor.step_timer()
     metrics["async/trainer_idle_ratio"] = metrics.get("rollout_wait_s", 0.0) / max(step_s, 1e-9)
-    metrics["async/rollout_idle_ratio"] = max(0.0, 1.0 - metrics.get("async/rollout_busy_s", 0.0) / max(
-        run.cfg.rollout.num_engines * step_s, 1e-9))
+    metrics["async/rollout_idle_ratio"] = max(
+        0.0, 1.0 - metrics.get("async/rollout_busy_s", 0.0) / max(run.cfg.rollout.num_engines * step_s, 1e-9)
+    )
     run.history.append(metrics)
     run.monitor.log(run.step, metrics)
 
@@ -211,8 +244,9 @@ def _shape(run: RLRun):
     from megadare.algos.sft import example_generator
     from megadare.trainer.rl_update import TrainShape
 
-    return TrainShape(run.arch, run.block, run.kind, _pad_id(run), _stage_multiple(run.cfg), run.policy.model,
-                      example_generator)
+    return TrainShape(
+        run.arch, run.block, run.kind, _pad_id(run), _stage_multiple(run.cfg), run.policy.model, example_generator
+    )
 
 
 def _pad_id(run: RLRun) -> int:

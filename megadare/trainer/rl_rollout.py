@@ -5,6 +5,7 @@ Rank 0 owns the engines (``rollout.setup.start_engines``); ``collect_step`` turn
 scored ``RLSample``s with advantages and behaviour versions (rewards through :mod:`.reward_step`, which stops the
 run when they cannot be computed); ``evaluate`` is the held-out accuracy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ def evaluate(cfg: Config, manager, tok, reward_fn, prompts, params) -> dict[str,
         return {}
     traj = manager.generate([p.prompt_ids for p in prompts], params)
     scores, _ = score_rollouts(cfg, reward_fn, tok, traj, prompts, "held-out evaluation")
-    return {"accuracy": sum(scores) / len(scores),
-            "response_length": sum(len(t.response_ids) for t in traj) / len(traj)}
+    return {
+        "accuracy": sum(scores) / len(scores),
+        "response_length": sum(len(t.response_ids) for t in traj) / len(traj),
+    }
 
 
 def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list, dict]:
@@ -37,24 +40,39 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
     if rl.truncated_as_wrong:
         r = truncated_as_wrong(r, truncated)
     keep = filter_groups(r, G, rl.filter_all_equal, tuple(rl.accuracy_band) if rl.accuracy_band else None)
-    lengths = [len(t.response_ids) if keep[i] else 0 for i, t in enumerate(trajectories)]   # reinforce_pp's weights
+    lengths = [len(t.response_ids) if keep[i] else 0 for i, t in enumerate(trajectories)]  # reinforce_pp's weights
     adv = group_advantages(r, G, rl.advantage, rl.advantage_std, lengths=lengths)
     samples = []
     for i, t in enumerate(trajectories):
         if not keep[i] or not t.response_ids:
             continue
-        extra: dict = {"sampling_temperature": t.params.temperature}   # JustGRPO scores at the sampler's T
+        extra: dict = {"sampling_temperature": t.params.temperature}  # JustGRPO scores at the sampler's T
         if t.step_predictions is not None:
             extra.update(step_predictions=t.step_predictions, step_confidences=t.step_confidences)
-        samples.append(RLSample(prompt_ids=list(t.prompt_ids), response_ids=list(t.response_ids), reward=float(r[i]),
-                                advantage=float(adv[i]), index=i, group=i // G, commit_step=list(t.commit_step),
-                                block_step=list(t.block_step), superseded=list(t.superseded or []) or None,
-                                truncated=bool(truncated[i]), extra=extra))
-    metrics = {"reward": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
-               "kept_fraction": float(keep.float().mean()), "truncated": float(truncated.float().mean()),
-               "response_length": sum(len(t.response_ids) for t in trajectories) / max(len(trajectories), 1),
-               "forwards_per_token": sum(t.num_forwards for t in trajectories)
-               / max(sum(len(t.response_ids) for t in trajectories), 1)}
+        samples.append(
+            RLSample(
+                prompt_ids=list(t.prompt_ids),
+                response_ids=list(t.response_ids),
+                reward=float(r[i]),
+                advantage=float(adv[i]),
+                index=i,
+                group=i // G,
+                commit_step=list(t.commit_step),
+                block_step=list(t.block_step),
+                superseded=list(t.superseded or []) or None,
+                truncated=bool(truncated[i]),
+                extra=extra,
+            )
+        )
+    metrics = {
+        "reward": float(r.mean()),
+        "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "kept_fraction": float(keep.float().mean()),
+        "truncated": float(truncated.float().mean()),
+        "response_length": sum(len(t.response_ids) for t in trajectories) / max(len(trajectories), 1),
+        "forwards_per_token": sum(t.num_forwards for t in trajectories)
+        / max(sum(len(t.response_ids) for t in trajectories), 1),
+    }
     return samples, metrics
 
 
@@ -75,12 +93,14 @@ class RolloutStarter:
         prompts = [run.train_prompts[i].prompt_ids for i in indices]
         params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
         if algo.own_rollout:
-            return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples,
-                                         global_grid=run.arch.attention == "block_causal")
+            return indices, algo.rollout(
+                manager.generate, prompts, params, rl.n_samples, global_grid=run.arch.attention == "block_causal"
+            )
         expanded = [q for q in prompts for _ in range(rl.n_samples)]
         if rl.partial_rollout and run.ahead:
-            return indices, PartialRollout(manager.submit, expanded, params, rl.partial_rollout,
-                                           global_grid=run.arch.attention == "block_causal")
+            return indices, PartialRollout(
+                manager.submit, expanded, params, rl.partial_rollout, global_grid=run.arch.attention == "block_causal"
+            )
         return indices, manager.submit(expanded, params)
 
 
@@ -104,16 +124,18 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
         from megadare.rollout.engine import answer_ids
 
         texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
-        return score_texts(cfg, reward_fn, texts, [prompts[i] for i in indices],
-                           f"RL step {step + 1} (intermediate answers)")[0]
+        return score_texts(
+            cfg, reward_fn, texts, [prompts[i] for i in indices], f"RL step {step + 1} (intermediate answers)"
+        )[0]
 
     algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
     metrics.update({f"reward_{k}": v for k, v in rstats.items()})
     stale = [step - t.policy_version for t in traj]
     if max(stale) > rl.max_staleness:
         oldest = min(t.policy_version for t in traj)
-        raise RuntimeError(f"rollout of step {step} used policy version {oldest}, staler than "
-                           f"rl.max_staleness={rl.max_staleness}")
+        raise RuntimeError(
+            f"rollout of step {step} used policy version {oldest}, staler than rl.max_staleness={rl.max_staleness}"
+        )
     version = [t.policy_version for t in traj]
     for s in samples:
         s.policy_version = version[s.index] if s.index < len(version) else step
@@ -129,6 +151,7 @@ def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward
     if mixed:
         metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
     engine_s = sum(t.engine_s for t in traj)
-    metrics.update(rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s,
-                                             "async/queue_depth": float(len(queue.queue))})
+    metrics.update(
+        rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s, "async/queue_depth": float(len(queue.queue))}
+    )
     return samples, metrics

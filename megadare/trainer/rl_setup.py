@@ -5,6 +5,7 @@ optimizer, scheduler), the reference and value models when the algorithm needs t
 snapshots, replay buffer, the rollout queue), the engines (rank 0) and the bookkeeping (monitor, evals, history).
 A restarted run resumes here from the newest checkpoint under ``checkpoint.save`` (or ``<run_dir>/ckpt``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,35 +21,35 @@ from megadare.errors import ConfigError
 class Policy:
     """The trained model and what trains with it."""
 
-    model: list                      # DDP-wrapped chunks
+    model: list  # DDP-wrapped chunks
     optimizer: Any
     scheduler: Any
-    ref_chunks: Optional[list] = None   # frozen reference (KL algorithms)
-    value: Optional[tuple] = None       # (chunks, optimizer, scheduler) of the value model (TraceRL)
-    ref_adapters_off: bool = False      # LoRA: the reference is ``model`` with its adapters off
+    ref_chunks: Optional[list] = None  # frozen reference (KL algorithms)
+    value: Optional[tuple] = None  # (chunks, optimizer, scheduler) of the value model (TraceRL)
+    ref_adapters_off: bool = False  # LoRA: the reference is ``model`` with its adapters off
 
 
 @dataclass
 class RLRun:
     cfg: Config
-    src: Any                         # ModelSource (arch, family, hf_dir, hf_config)
+    src: Any  # ModelSource (arch, family, hf_dir, hf_config)
     algo: Any
     tok: Any
     reward_fn: Any
     train_prompts: list
     held_prompts: list
     policy: Policy
-    block: int                       # denoising block size of sampler and trainer
-    kind: str                        # 'block_diffusion' | 'bidirectional' (the training mask)
+    block: int  # denoising block size of sampler and trainer
+    kind: str  # 'block_diffusion' | 'bidirectional' (the training mask)
     save_root: str
-    sampler: Any = None              # StepSampler: which prompts each step takes
+    sampler: Any = None  # StepSampler: which prompts each step takes
     step: int = 0
-    snapshots: Any = None            # WeightSnapshots (async correction)
-    buffer: Any = None               # ReplayBuffer (D-ARL)
+    snapshots: Any = None  # WeightSnapshots (async correction)
+    buffer: Any = None  # ReplayBuffer (D-ARL)
     async_state: Optional[dict] = None  # the checkpoint's queue / replay state (resume)
-    manager: Any = None              # RolloutManager (rank 0)
-    weight_sync: Any = None          # WeightSync: pushes the policy into the engines (every rank)
-    queue: Any = None                # RolloutQueue (rank 0)
+    manager: Any = None  # RolloutManager (rank 0)
+    weight_sync: Any = None  # WeightSync: pushes the policy into the engines (every rank)
+    queue: Any = None  # RolloutQueue (rank 0)
     monitor: Any = None
     evals: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
@@ -90,11 +91,20 @@ def setup_run(cfg: Config) -> RLRun:
     train_prompts, held_prompts = _prompts(cfg, tok)
     set_isolation(cfg.rewards.code.isolation)
     if runs_code(cfg.rl.reward, [p.record for p in train_prompts + held_prompts]):
-        check_isolation()   # refuse now, not at the first scored step, where the kernel refuses the sandbox
-    run = RLRun(cfg=cfg, src=src, algo=algo, tok=tok, reward_fn=load_reward(cfg.rl.reward),
-                train_prompts=train_prompts, held_prompts=held_prompts, policy=_build_policy(cfg, src, algo),
-                block=block, kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
-                save_root=checkpoint_root(cfg))
+        check_isolation()  # refuse now, not at the first scored step, where the kernel refuses the sandbox
+    run = RLRun(
+        cfg=cfg,
+        src=src,
+        algo=algo,
+        tok=tok,
+        reward_fn=load_reward(cfg.rl.reward),
+        train_prompts=train_prompts,
+        held_prompts=held_prompts,
+        policy=_build_policy(cfg, src, algo),
+        block=block,
+        kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
+        save_root=checkpoint_root(cfg),
+    )
     run.sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
     run.snapshots = WeightSnapshots(run.policy.model) if needs_snapshots(cfg, run.ahead) else None
     run.buffer = ReplayBuffer(cfg.replay.k, cfg.replay.warmup) if cfg.replay.enable else None
@@ -113,8 +123,14 @@ def _weight_sync(cfg: Config, run: RLRun):
     from megadare.rollout.weight_sync.sync import WeightSync
 
     r = cfg.rollout
-    return WeightSync(run.policy.model, mapping_for(run.src.hf_config)[2], run.manager, transport=r.weight_transport,
-                      bucket_bytes=r.bucket_mb << 20, fp8_block=(128, 128) if r.fp8_weights else None)
+    return WeightSync(
+        run.policy.model,
+        mapping_for(run.src.hf_config)[2],
+        run.manager,
+        transport=r.weight_transport,
+        bucket_bytes=r.bucket_mb << 20,
+        fp8_block=(128, 128) if r.fp8_weights else None,
+    )
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
@@ -128,8 +144,10 @@ def prompt_budget(cfg: Config) -> int:
     """The longest RL prompt: data.max_length (prompt + response) minus rollout.max_new_tokens."""
     budget = cfg.data.max_length - cfg.rollout.max_new_tokens
     if budget < 1:
-        raise ConfigError(f"data.max_length={cfg.data.max_length} (prompt + response tokens) leaves no room for a "
-                          f"prompt beside rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise data.max_length")
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} (prompt + response tokens) leaves no room for a "
+            f"prompt beside rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise data.max_length"
+        )
     return budget
 
 
@@ -164,20 +182,29 @@ def _resume(run: RLRun) -> None:
     from megadare.trainer.checkpoint import iteration_dir, load_checkpoint_object, load_train_checkpoint, resume_run
 
     pol, cfg = run.policy, run.cfg
-    state = resume_run(run.save_root, pol.model, pol.optimizer, pol.scheduler, run.src, "megadare rl",
-                       source=None if cfg.model.tiny else cfg.model.hf_path)
+    state = resume_run(
+        run.save_root,
+        pol.model,
+        pol.optimizer,
+        pol.scheduler,
+        run.src,
+        "megadare rl",
+        source=None if cfg.model.tiny else cfg.model.hf_path,
+    )
     if not state:
         return
     resume_from, run.step = state["resumed_from"], int(state["step"])
     run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
-    if pol.value is not None:   # the value model's checkpoint of the same step
+    if pol.value is not None:  # the value model's checkpoint of the same step
         load_train_checkpoint(iteration_dir(run.save_root + "_value", run.step), *pol.value)
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
     if run.snapshots is not None:
         snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
         if snaps is None and run.ahead:
-            raise RuntimeError(f"{resume_from} has no weight snapshots for this rank (a different layout or "
-                               "rl.loss_mode?): the queued stale rollouts cannot be corrected")
+            raise RuntimeError(
+                f"{resume_from} has no weight snapshots for this rank (a different layout or "
+                "rl.loss_mode?): the queued stale rollouts cannot be corrected"
+            )
         run.snapshots.load_state_dict(snaps or {})
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
@@ -188,18 +215,38 @@ def save_run(run: RLRun) -> None:
     from megadare.trainer.checkpoint import save_train_checkpoint
 
     cfg, pol, step = run.cfg, run.policy, run.step
-    meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": "megadare rl",
-            "algo": run.algo.name}
+    meta = {
+        "family": run.src.family.name,
+        "architecture": run.arch.architecture,
+        "written_by": "megadare rl",
+        "algo": run.algo.name,
+    }
     if cfg.rl.lora_rank > 0:  # the export folds the adapters in (convert._merged_lora)
         meta["lora"] = {"rank": cfg.rl.lora_rank, "alpha": cfg.rl.lora_alpha}
-    state = ({"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
-             if run.rank0 else None)
-    save_train_checkpoint(run.save_root, step, pol.model, pol.optimizer, pol.scheduler,
-                          {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
-                          meta=meta, hf_files_from=run.src.hf_dir, keep_last=cfg.checkpoint.keep_last,
-                          objects={"rl_async": state} if run.rank0 else None,
-                          rank_objects={"weight_snapshots": run.snapshots.state_dict()}
-                          if run.snapshots is not None else None)
+    state = (
+        {"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
+        if run.rank0
+        else None
+    )
+    save_train_checkpoint(
+        run.save_root,
+        step,
+        pol.model,
+        pol.optimizer,
+        pol.scheduler,
+        {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
+        meta=meta,
+        hf_files_from=run.src.hf_dir,
+        keep_last=cfg.checkpoint.keep_last,
+        objects={"rl_async": state} if run.rank0 else None,
+        rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
+    )
     if pol.value is not None:
-        save_train_checkpoint(run.save_root + "_value", step, *pol.value, {"rl_step": step},
-                              meta={**meta, "value_model": True}, keep_last=cfg.checkpoint.keep_last)
+        save_train_checkpoint(
+            run.save_root + "_value",
+            step,
+            *pol.value,
+            {"rl_step": step},
+            meta={**meta, "value_model": True},
+            keep_last=cfg.checkpoint.keep_last,
+        )

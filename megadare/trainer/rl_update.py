@@ -1,6 +1,7 @@
 """One RL update on the trainer: the algorithm's rows -> packed micro-batches -> old / reference / value /
 behaviour passes -> rollout-correction weights -> ``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps.
 Also the distribution-matched replay selection, which needs the same passes on the buffer's candidates."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,9 @@ def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: i
     chunks = initial_chunks(cfg, src)
     attach_value_head(chunks)
     model = wrap_ddp(chunks, t.distributed_optimizer)
-    opt, sched = build_optimizer(model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0,
-                                                        warmup_steps=0, lr_decay_style="constant"))
+    opt, sched = build_optimizer(
+        model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0, warmup_steps=0, lr_decay_style="constant")
+    )
     return model, opt, sched
 
 
@@ -59,7 +61,7 @@ def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> di
     local = []
     for mb in micro_batches:
         sel = (mb.head != 0) & (mb.tok >= 0)
-        if mb.slot is not None:   # token editing: a value is read where the final commit is scored (slot == tok)
+        if mb.slot is not None:  # token editing: a value is read where the final commit is scored (slot == tok)
             sel = sel & (mb.slot == mb.tok)
         local.extend(zip(mb.sample[sel].tolist(), mb.tok[sel].tolist(), mb.extras["v_old"][sel].tolist()))
     everything = [local]
@@ -87,11 +89,11 @@ class Correction:
     """What an off-policy update needs (``rl.loss_mode`` decoupled / bypass): each sample's behaviour version,
     the trainer's weight snapshots (``rl.behaviour_logp=trainer``) or the engine's log-probs (``engine``)."""
 
-    version_of: dict[int, int]                       # sample index -> behaviour policy version
-    current: int                                     # the version the trainer holds (= the RL step)
-    snapshots: Any = None                            # offpolicy.queue.WeightSnapshots
+    version_of: dict[int, int]  # sample index -> behaviour policy version
+    current: int  # the version the trainer holds (= the RL step)
+    snapshots: Any = None  # offpolicy.queue.WeightSnapshots
     engine_logprobs: Optional[dict[int, list[float]]] = None
-    token_versions: dict[int, list[int]] = field(default_factory=dict)   # partial rollouts: version per token
+    token_versions: dict[int, list[int]] = field(default_factory=dict)  # partial rollouts: version per token
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -107,8 +109,9 @@ def _prepare(cfg, algo, samples, step, shape: TrainShape, *, need_old: bool, epo
         return None, None, 0
     mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
     denom = global_denominator(mbs)
-    mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                                   multiple_of=sh.multiple)
+    mine = split_for_data_parallel(
+        mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=sh.multiple
+    )
     if need_old:
         store_outputs(sh.model, mine, "old", sh.kind, sh.block, sh.arch.vocab_size)
     return mine, denom, len(rows)
@@ -130,8 +133,20 @@ def corruption_draws(cfg, algo) -> int:
     return cfg.rl.ppo_epochs if redraw else 1
 
 
-def _prepare_all(cfg, algo, groups, step, shape: TrainShape, *, ref_chunks, objective, value, correction, out,
-                 ref_adapters_off: bool = False) -> tuple[list[list], int]:
+def _prepare_all(
+    cfg,
+    algo,
+    groups,
+    step,
+    shape: TrainShape,
+    *,
+    ref_chunks,
+    objective,
+    value,
+    correction,
+    out,
+    ref_adapters_off: bool = False,
+) -> tuple[list[list], int]:
     """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
     the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
     from megadare.trainer.offpolicy.correction import correction_weights
@@ -148,8 +163,9 @@ def _prepare_all(cfg, algo, groups, step, shape: TrainShape, *, ref_chunks, obje
             if mine is None:
                 continue
             n_rows += n
-            _reference_passes(algo, group, mine, shape.model if ref_adapters_off else ref_chunks, ref_adapters_off,
-                              value, shape)
+            _reference_passes(
+                algo, group, mine, shape.model if ref_adapters_off else ref_chunks, ref_adapters_off, value, shape
+            )
             if correction is not None:
                 _behaviour(correction, mine, versions, shape)
                 if cfg.rl.loss_mode == "decoupled":
@@ -175,8 +191,21 @@ def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, 
         value_advantages(algo.value_model, group, mine)
 
 
-def update(cfg, algo, samples, step: int, shape: TrainShape, *, ref_chunks, optimizer, scheduler, objective,
-           value=None, correction: Optional[Correction] = None, ref_adapters_off: bool = False) -> dict[str, float]:
+def update(
+    cfg,
+    algo,
+    samples,
+    step: int,
+    shape: TrainShape,
+    *,
+    ref_chunks,
+    optimizer,
+    scheduler,
+    objective,
+    value=None,
+    correction: Optional[Correction] = None,
+    ref_adapters_off: bool = False,
+) -> dict[str, float]:
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
     optimizer steps of ``shape.model``; epoch e trains on corruption set e when they are redrawn
     (``corruption_draws``). ``ref_adapters_off``: the reference is the model with its LoRA adapters off."""
@@ -188,20 +217,41 @@ def update(cfg, algo, samples, step: int, shape: TrainShape, *, ref_chunks, opti
     n_mb = min(rl.mini_batches, len(prompt_groups))
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
-    prepared, n_rows = _prepare_all(cfg, algo, groups, step, shape, ref_chunks=ref_chunks, objective=objective,
-                                    value=value, correction=correction, out=out, ref_adapters_off=ref_adapters_off)
+    prepared, n_rows = _prepare_all(
+        cfg,
+        algo,
+        groups,
+        step,
+        shape,
+        ref_chunks=ref_chunks,
+        objective=objective,
+        value=value,
+        correction=correction,
+        out=out,
+        ref_adapters_off=ref_adapters_off,
+    )
     kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):
         for mine, denom in prepared[epoch % len(prepared)]:
-            m = train_step(shape.model, optimizer, scheduler, mine, denom, kind, block, vocab, objective=objective,
-                           entropy=True)
+            m = train_step(
+                shape.model, optimizer, scheduler, mine, denom, kind, block, vocab, objective=objective, entropy=True
+            )
             if value is not None:
-                vm = train_step(*value, mine, denom, kind, block, vocab,
-                                objective=ValueObjective(algo.value_model.clip), per_position=values_of)
-                m.update({"value_loss": vm["value_loss"], "value_mean": vm["value_mean"],
-                          "value_grad_norm": vm["grad_norm"]})
+                vm = train_step(
+                    *value,
+                    mine,
+                    denom,
+                    kind,
+                    block,
+                    vocab,
+                    objective=ValueObjective(algo.value_model.clip),
+                    per_position=values_of,
+                )
+                m.update(
+                    {"value_loss": vm["value_loss"], "value_mean": vm["value_mean"], "value_grad_norm": vm["grad_norm"]}
+                )
             for k, v in m.items():
                 out[k] = out.get(k, 0.0) + v / n
     return out
@@ -234,7 +284,13 @@ def replay_select(cfg, algo, buffer, n: int, step, shape: TrainShape, correction
     _behaviour(ctx, mine, set(version_of.values()), shape)
     by_sample = replay_scores(mine, cfg.replay.score)
     scores = torch.tensor([by_sample.get(base + i, float("inf")) for i in range(len(cands))], dtype=torch.float64)
-    sel = buffer.select(n, step, scores=scores, level=cfg.replay.level, max_score=cfg.replay.max_score,
-                        generator=torch.Generator().manual_seed(cfg.seed * 7919 + step))
+    sel = buffer.select(
+        n,
+        step,
+        scores=scores,
+        level=cfg.replay.level,
+        max_score=cfg.replay.max_score,
+        generator=torch.Generator().manual_seed(cfg.seed * 7919 + step),
+    )
     correction.metrics.update(buffer.metrics(step, sel))
     return list(sel.samples)

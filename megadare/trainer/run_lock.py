@@ -7,6 +7,7 @@ metrics.jsonl and trip over each other's temporary checkpoint directories. A loc
 is another process, by start time), or it belongs to this same Slurm job (a requeue, possibly on another node).
 A lock from another host that cannot be checked is refused with the fix: remove the file once that run is gone.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,13 @@ def _start_time(pid: int) -> Optional[float]:
 
 
 def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time(os.getpid()),
-            "slurm_job": os.environ.get("SLURM_JOB_ID"), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": _start_time(os.getpid()),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _holder_dead(holder: dict, me: dict) -> Optional[str]:
@@ -91,9 +97,11 @@ def acquire(run_dir: str) -> str:
 
 
 def _in_use(run_dir: str, holder: dict) -> str:
-    return (f"{run_dir} is in use by pid {holder.get('pid', '?')} on {holder.get('host', '?')} (since "
-            f"{holder.get('time', '?')}; {os.path.join(run_dir, LOCK)}): wait for that run, stop it, or use another "
-            "logging.run_dir; if it is gone, remove the lock file")
+    return (
+        f"{run_dir} is in use by pid {holder.get('pid', '?')} on {holder.get('host', '?')} (since "
+        f"{holder.get('time', '?')}; {os.path.join(run_dir, LOCK)}): wait for that run, stop it, or use another "
+        "logging.run_dir; if it is gone, remove the lock file"
+    )
 
 
 def holder_alive(run_dir: str) -> Optional[str]:

@@ -5,6 +5,7 @@
 Runs on every rank of a torchrun / Slurm launch (or ``--nproc N`` locally). Resumes automatically from the
 newest checkpoint under ``checkpoint.save``; SIGTERM finishes the current step, checkpoints and exits.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,9 +25,14 @@ def sft_recipe(cfg: Config, arch):
     from megadare.diffusion.schedule import NoiseSchedule
 
     s = cfg.sft
-    return SFTRecipe(mode=resolve_sft_mode(cfg, arch), block_size=arch.block_size or 1,
-                     schedule=NoiseSchedule(s.noise_low, s.noise_high, s.weighting), normalize=s.normalize,
-                     t_per=s.t_per, trace_shrink=s.trace_shrink)
+    return SFTRecipe(
+        mode=resolve_sft_mode(cfg, arch),
+        block_size=arch.block_size or 1,
+        schedule=NoiseSchedule(s.noise_low, s.noise_high, s.weighting),
+        normalize=s.normalize,
+        t_per=s.t_per,
+        trace_shrink=s.trace_shrink,
+    )
 
 
 def load_examples(cfg: Config, tok) -> tuple[list, dict]:
@@ -45,8 +51,17 @@ def load_examples(cfg: Config, tok) -> tuple[list, dict]:
         records, sources, source = [r for _, r in located], [w for w, _ in located], str(d.path)
     else:
         raise ConfigError("no data: set data.path (.jsonl / .parquet, or a list of files) or data.synthetic=addition")
-    return build_sft_examples(records, tok, d.max_length, d.overlong, source=source, sources=sources,
-                              prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key)
+    return build_sft_examples(
+        records,
+        tok,
+        d.max_length,
+        d.overlong,
+        source=source,
+        sources=sources,
+        prompt_key=d.prompt_key,
+        response_key=d.response_key,
+        messages_key=d.messages_key,
+    )
 
 
 def _memory_gib() -> float:
@@ -63,12 +78,12 @@ class SFTRun:
 
     cfg: Config
     src: Any
-    recipe: Any                  # SFTRecipe
-    kind: str                    # training mask kind
+    recipe: Any  # SFTRecipe
+    kind: str  # training mask kind
     tok: Any
     examples: list
     data_stats: dict
-    model: list                  # DDP-wrapped chunks
+    model: list  # DDP-wrapped chunks
     optimizer: Any
     scheduler: Any
     save_root: str
@@ -115,8 +130,15 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
     cfg = run.cfg
     t, lg = cfg.train, cfg.logging
     sampler = StepSampler(n_examples, t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    monitor = Monitor(lg.run_dir, t.steps, start_step=run.step, tensorboard=lg.tensorboard, jsonl=lg.jsonl,
-                      log_interval=lg.log_interval, desc=desc)
+    monitor = Monitor(
+        lg.run_dir,
+        t.steps,
+        start_step=run.step,
+        tensorboard=lg.tensorboard,
+        jsonl=lg.jsonl,
+        log_interval=lg.log_interval,
+        desc=desc,
+    )
     stopper = StopSignal()
     history: list[dict[str, float]] = []
     start_step, stopped = run.step, False
@@ -135,8 +157,13 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
             break
     monitor.close()
     stopper.restore()
-    return {"step": run.step, "stopped_by_signal": stopped, "history": history, "checkpoint_root": run.save_root,
-            "already_finished": start_step >= t.steps}
+    return {
+        "step": run.step,
+        "stopped_by_signal": stopped,
+        "history": history,
+        "checkpoint_root": run.save_root,
+        "already_finished": start_step >= t.steps,
+    }
 
 
 def setup_sft(cfg: Config) -> SFTRun:
@@ -159,9 +186,19 @@ def setup_sft(cfg: Config) -> SFTRun:
         apply_lora(chunks, cfg.sft.lora_rank, cfg.sft.lora_alpha, targets=tuple(cfg.sft.lora_targets))
     model = wrap_ddp(chunks, cfg.train.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
-    run = SFTRun(cfg=cfg, src=src, recipe=recipe, kind=mask_kind(recipe, src.arch), tok=tok, examples=examples,
-                 data_stats=data_stats, model=model, optimizer=optimizer, scheduler=scheduler,
-                 save_root=checkpoint_root(cfg))
+    run = SFTRun(
+        cfg=cfg,
+        src=src,
+        recipe=recipe,
+        kind=mask_kind(recipe, src.arch),
+        tok=tok,
+        examples=examples,
+        data_stats=data_stats,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        save_root=checkpoint_root(cfg),
+    )
     resume(run, "megadare sft")
     return run
 
@@ -198,8 +235,15 @@ def resume(run, written_by: str) -> dict:
     from megadare.trainer.monitor import write_run_config
 
     cfg = run.cfg
-    state = resume_run(run.save_root, run.model, run.optimizer, run.scheduler, run.src, written_by,
-                       source=None if cfg.model.tiny else cfg.model.hf_path)
+    state = resume_run(
+        run.save_root,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        run.src,
+        written_by,
+        source=None if cfg.model.tiny else cfg.model.hf_path,
+    )
     run.step = int(state.get("step", 0))
     if dist.get_rank() == 0:
         write_run_config(cfg)
@@ -218,8 +262,9 @@ class SFTStep:
         self.moe_stats = MoELoadStats(run.model)
         self.peak = peak_tflops()
         cfg = run.cfg
-        self.mask_fn = ((lambda mb: mb.megatron_mask(run.kind, run.block_size))
-                        if cfg.model.attention_backend == "local" else None)
+        self.mask_fn = (
+            (lambda mb: mb.megatron_mask(run.kind, run.block_size)) if cfg.model.attention_backend == "local" else None
+        )
         self.pad_id = getattr(run.tok, "pad_token_id", 0) or 0
         self.multiple = cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1
 
@@ -232,8 +277,9 @@ class SFTStep:
 
         run, rows = self.run, []
         for i in indices:
-            rows.extend(example_rows(run.examples[i], run.arch, run.recipe,
-                                     example_generator(run.cfg.seed, run.step, i)))
+            rows.extend(
+                example_rows(run.examples[i], run.arch, run.recipe, example_generator(run.cfg.seed, run.step, i))
+            )
         return rows
 
     def passes(self, mine: list) -> None:
@@ -254,11 +300,22 @@ class SFTStep:
         mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=self.pad_id)
         self.n_tokens = sum(int((~m.padding).sum()) for m in mbs)
         self.lengths = [m.tokens.shape[1] for m in mbs for _ in range(m.tokens.shape[0])]
-        mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(),
-                                       multiple_of=self.multiple)
+        mine = split_for_data_parallel(
+            mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=self.multiple
+        )
         self.passes(mine)
-        metrics = train_step(run.model, run.optimizer, run.scheduler, mine, global_denominator(mbs), run.kind,
-                             run.block_size, run.arch.vocab_size, objective=self.objective(), mask_fn=self.mask_fn)
+        metrics = train_step(
+            run.model,
+            run.optimizer,
+            run.scheduler,
+            mine,
+            global_denominator(mbs),
+            run.kind,
+            run.block_size,
+            run.arch.vocab_size,
+            objective=self.objective(),
+            mask_fn=self.mask_fn,
+        )
         metrics["micro_batches"] = float(len(mine))
         return metrics
 
@@ -281,9 +338,17 @@ def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
     if cfg.sft.lora_rank > 0 and written_by == "megadare sft":
         meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
-    save_train_checkpoint(run.save_root, run.step, run.model, run.optimizer, run.scheduler,
-                          {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},
-                          meta=meta, hf_files_from=run.src.hf_dir, keep_last=cfg.checkpoint.keep_last)
+    save_train_checkpoint(
+        run.save_root,
+        run.step,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},
+        meta=meta,
+        hf_files_from=run.src.hf_dir,
+        keep_last=cfg.checkpoint.keep_last,
+    )
 
 
 def sft_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:

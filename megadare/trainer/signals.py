@@ -3,6 +3,7 @@
 The flag is agreed on by all ranks (an all-reduce of MAX at each step end), so every rank stops after the same
 step and takes part in the final checkpoint even if the signal reached only some of them.
 """
+
 from __future__ import annotations
 
 import signal

@@ -20,6 +20,7 @@ Either way the objective sees per-position log-probs [b, S] (zero where not scor
 With ``entropy`` the micro-batch handed to the objective also carries the entropy per position
 (``extras['entropy']``, differentiable) and the step reports its mean over the scored positions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,13 +62,25 @@ def cp_slice(mb: MicroBatch) -> MicroBatch:
     sl = slice(r * S // cp, (r + 1) * S // cp)
     cut = lambda v: v[:, sl] if torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == S else v  # noqa: E731
     extras = {k: cut(v) for k, v in mb.extras.items()}
-    context = ({"slot": mb.slot, "row_ids": mb.row_ids, "size": cp,
-                "group": ps.get_context_parallel_group()} if mb.slot is not None else None)
-    return MicroBatch(tokens=mb.tokens[:, sl], labels=mb.labels[:, sl], weight=mb.weight[:, sl],
-                      position_ids=mb.position_ids[:, sl], segment_ids=mb.segment_ids[:, sl],
-                      stream_ids=None if mb.stream_ids is None else mb.stream_ids[:, sl],
-                      padding=None if mb.padding is None else mb.padding[:, sl], denom=mb.denom, num_rows=mb.num_rows,
-                      extras=extras, context=context, **{k: cut(getattr(mb, k)) for k in MB_COLUMNS})
+    context = (
+        {"slot": mb.slot, "row_ids": mb.row_ids, "size": cp, "group": ps.get_context_parallel_group()}
+        if mb.slot is not None
+        else None
+    )
+    return MicroBatch(
+        tokens=mb.tokens[:, sl],
+        labels=mb.labels[:, sl],
+        weight=mb.weight[:, sl],
+        position_ids=mb.position_ids[:, sl],
+        segment_ids=mb.segment_ids[:, sl],
+        stream_ids=None if mb.stream_ids is None else mb.stream_ids[:, sl],
+        padding=None if mb.padding is None else mb.padding[:, sl],
+        denom=mb.denom,
+        num_rows=mb.num_rows,
+        extras=extras,
+        context=context,
+        **{k: cut(getattr(mb, k)) for k in MB_COLUMNS},
+    )
 
 
 def _device() -> torch.device:
@@ -78,11 +91,19 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
     if device.type == "cpu":
         return mb
     mv = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    return MicroBatch(tokens=mv(mb.tokens), labels=mv(mb.labels), weight=mv(mb.weight),
-                      position_ids=mv(mb.position_ids), segment_ids=mv(mb.segment_ids),
-                      stream_ids=mv(mb.stream_ids), padding=mv(mb.padding), denom=mb.denom, num_rows=mb.num_rows,
-                      extras={k: mv(v) if torch.is_tensor(v) else v for k, v in mb.extras.items()},
-                      **{k: mv(getattr(mb, k)) for k in MB_COLUMNS})
+    return MicroBatch(
+        tokens=mv(mb.tokens),
+        labels=mv(mb.labels),
+        weight=mv(mb.weight),
+        position_ids=mv(mb.position_ids),
+        segment_ids=mv(mb.segment_ids),
+        stream_ids=mv(mb.stream_ids),
+        padding=mv(mb.padding),
+        denom=mb.denom,
+        num_rows=mb.num_rows,
+        extras={k: mv(v) if torch.is_tensor(v) else v for k, v in mb.extras.items()},
+        **{k: mv(getattr(mb, k)) for k in MB_COLUMNS},
+    )
 
 
 def head_settings(chunks: list[torch.nn.Module]) -> HeadSettings:
@@ -93,15 +114,22 @@ def head_settings(chunks: list[torch.nn.Module]) -> HeadSettings:
     return getattr(m, "head_settings", HeadSettings())
 
 
-def _targets(mb: MicroBatch, head: HeadSettings, vocab_size: int, logprobs: bool,
-             entropy: bool) -> Optional[ScoredTargets]:
+def _targets(
+    mb: MicroBatch, head: HeadSettings, vocab_size: int, logprobs: bool, entropy: bool
+) -> Optional[ScoredTargets]:
     """What the model's output layer computes for ``mb``: the scored positions (None: logits everywhere)."""
     if head.mode != "scored":
         return None
     x = mb.extras
-    return ScoredTargets(positions=mb.scored, labels=mb.labels if logprobs else None, vocab_size=vocab_size,
-                         logit_scale=x.get("logit_scale"), excluded_token=x.get("excluded_token"), entropy=entropy,
-                         chunk_mb=head.chunk_mb)
+    return ScoredTargets(
+        positions=mb.scored,
+        labels=mb.labels if logprobs else None,
+        vocab_size=vocab_size,
+        logit_scale=x.get("logit_scale"),
+        excluded_token=x.get("excluded_token"),
+        entropy=entropy,
+        chunk_mb=head.chunk_mb,
+    )
 
 
 def _per_position(out, mb: MicroBatch, vocab_size: int, per_position, entropy: bool):
@@ -112,15 +140,25 @@ def _per_position(out, mb: MicroBatch, vocab_size: int, per_position, entropy: b
         return per_position(out, mb), None
     x = mb.extras
     args = (x.get("logit_scale"), x.get("excluded_token"))
-    return (token_logprobs(out, mb.labels, vocab_size, *args),
-            token_entropy(out, vocab_size, *args) if entropy else None)
+    return (
+        token_logprobs(out, mb.labels, vocab_size, *args),
+        token_entropy(out, vocab_size, *args) if entropy else None,
+    )
 
 
-def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBatch], mask_kind: str,
-                      block_size: int, vocab_size: int, objective: Objective, loss_scale: float,
-                      forward_only: bool = False, mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
-                      per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
-                      entropy: bool = False) -> dict[str, float]:
+def run_micro_batches(
+    chunks: list[torch.nn.Module],
+    micro_batches: list[MicroBatch],
+    mask_kind: str,
+    block_size: int,
+    vocab_size: int,
+    objective: Objective,
+    loss_scale: float,
+    forward_only: bool = False,
+    mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
+    per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
+    entropy: bool = False,
+) -> dict[str, float]:
     """Forward (and backward) of this rank's micro-batches; returns report sums reduced over the whole
     global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc).
 
@@ -138,20 +176,27 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
         mb = cp_slice(full)
         mask = mask_fn(full) if mask_fn is not None else full.mask(mask_kind, block_size)
         moe = getattr(chunks[0].config, "num_moe_experts", None)
-        out = model(mb.tokens, mb.position_ids, mask, labels=_targets(mb, head, vocab_size, per_position is None,
-                                                                      entropy),
-                    padding_mask=mb.padding if moe else None)
+        out = model(
+            mb.tokens,
+            mb.position_ids,
+            mask,
+            labels=_targets(mb, head, vocab_size, per_position is None, entropy),
+            padding_mask=mb.padding if moe else None,
+        )
 
         def loss_func(output):
             logp, ent = _per_position(output, mb, vocab_size, per_position, entropy)
             seen = mb
-            if ent is not None:   # the objective may read it (an entropy bonus); the report takes its mean
+            if ent is not None:  # the objective may read it (an entropy bonus); the report takes its mean
                 seen = dataclasses.replace(mb, extras={**mb.extras, "entropy": ent})
             loss_sum, report = objective(seen, logp)
             if ent is not None:
                 scored = mb.scored
-                report = {**report, "entropy_sum": (ent.detach() * scored).sum(),
-                          "scored_tokens": scored.sum().to(ent.dtype)}
+                report = {
+                    **report,
+                    "entropy_sum": (ent.detach() * scored).sum(),
+                    "scored_tokens": scored.sum().to(ent.dtype),
+                }
             return loss_sum * (loss_scale * n_micro * dp), report
 
         return out, loss_func
@@ -159,9 +204,14 @@ def run_micro_batches(chunks: list[torch.nn.Module], micro_batches: list[MicroBa
     vpp = len(chunks)
     iters = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
     reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iters, model=chunks if vpp > 1 else chunks[0],
-        num_microbatches=n_micro, seq_length=seq_len // ps.get_context_parallel_world_size(),
-        micro_batch_size=mbs, forward_only=forward_only)
+        forward_step_func=forward_step,
+        data_iterator=iters,
+        model=chunks if vpp > 1 else chunks[0],
+        num_microbatches=n_micro,
+        seq_length=seq_len // ps.get_context_parallel_world_size(),
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
     metrics = _reduce_reports(reports, loss_scale, device)
     if "entropy_sum" in metrics:
         metrics["entropy"] = metrics.pop("entropy_sum") / max(metrics.pop("scored_tokens"), 1e-30)
@@ -185,8 +235,17 @@ def outputs_of(chunks, micro_batches, kind: str, block: int, vocab: int, per_pos
         return (logp * 0).sum(), {}
 
     with torch.no_grad():
-        run_micro_batches(chunks, micro_batches, kind, block, vocab, grab, loss_scale=1.0, forward_only=True,
-                          per_position=per_position)
+        run_micro_batches(
+            chunks,
+            micro_batches,
+            kind,
+            block,
+            vocab,
+            grab,
+            loss_scale=1.0,
+            forward_only=True,
+            per_position=per_position,
+        )
     cp = ps.get_context_parallel_world_size()
     out = []
     for mb, lp in zip(micro_batches, got):
@@ -217,13 +276,21 @@ def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> 
     return {k: float(v) * scale for k, v in zip(keys, vals.tolist())}
 
 
-def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batches: list[MicroBatch],
-               global_denom: float, mask_kind: str, block_size: int, vocab_size: int,
-               objective: Objective = weighted_nll,
-               before_step: Optional[Callable[[], None]] = None,
-               mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
-               per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
-               entropy: bool = False) -> dict[str, float]:
+def train_step(
+    chunks: list[torch.nn.Module],
+    optimizer,
+    scheduler,
+    micro_batches: list[MicroBatch],
+    global_denom: float,
+    mask_kind: str,
+    block_size: int,
+    vocab_size: int,
+    objective: Objective = weighted_nll,
+    before_step: Optional[Callable[[], None]] = None,
+    mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
+    per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
+    entropy: bool = False,
+) -> dict[str, float]:
     """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank); ``entropy``: also
     the mean entropy of the scored positions (module doc)."""
     config = chunks[0].config
@@ -233,9 +300,18 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, micro_batche
         c.train()
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = run_micro_batches(chunks, micro_batches, mask_kind, block_size, vocab_size, objective,
-                                loss_scale=1.0 / global_denom, mask_fn=mask_fn, per_position=per_position,
-                                entropy=entropy)
+    metrics = run_micro_batches(
+        chunks,
+        micro_batches,
+        mask_kind,
+        block_size,
+        vocab_size,
+        objective,
+        loss_scale=1.0 / global_denom,
+        mask_fn=mask_fn,
+        per_position=per_position,
+        entropy=entropy,
+    )
     if before_step is not None:
         before_step()
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])

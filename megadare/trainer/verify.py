@@ -4,6 +4,7 @@
 shards (optionally also a Megatron checkpoint), and returns full logits; ``resave`` loads a checkpoint under a
 layout and saves it again from the sharded model. Run them with ``megadare.parallel.launch.spawn``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -23,8 +24,14 @@ def _build(hf_dir: str, sp: bool):
     return arch, chunks
 
 
-def megatron_logits(rank: int, world: int, layout: dict, cases: list[dict], save_to: Optional[dict] = None,
-                    load_from: Optional[dict] = None) -> dict:
+def megatron_logits(
+    rank: int,
+    world: int,
+    layout: dict,
+    cases: list[dict],
+    save_to: Optional[dict] = None,
+    load_from: Optional[dict] = None,
+) -> dict:
     """For each case (hf_dir, input_ids): logits of the Megatron model under ``layout``.
 
     Weights come from the HF checkpoint (load_hf_into_model) and, where ``load_from[name]`` names a Megatron
@@ -53,9 +60,11 @@ def megatron_logits(rank: int, world: int, layout: dict, cases: list[dict], save
                 _, chunks2 = _build(hf_dir, layout.get("sp", False))
                 load_checkpoint(chunks2, load_from[name])
                 results[name + "/ckpt"] = forward_logits(chunks2, ids, arch.vocab_size, mask)
-            holder = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and \
-                parallel_state.get_tensor_model_parallel_rank() == 0 and \
-                parallel_state.get_data_parallel_rank() == 0
+            holder = (
+                parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0
+            )
             if holder:
                 out.update({k: v.cpu() for k, v in results.items() if v is not None})
     finally:

@@ -9,6 +9,7 @@ installed file, and fails if the file does not look as expected.
 
     python guard_torchvision.py   # with the test venv's python
 """
+
 import importlib.util
 import sys
 
@@ -24,13 +25,18 @@ def main() -> int:
     src = open(path).read()
     for op in OPS:
         plain = f'@torch.library.register_fake("torchvision::{op}")'
-        guarded = (f'@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops() '
-                   f'else (lambda fn: fn))')
+        guarded = (
+            f'@(torch.library.register_fake("torchvision::{op}") if torchvision.extension._has_ops() '
+            f"else (lambda fn: fn))"
+        )
         if guarded in src:
             continue
         if src.count(plain) != 1:
-            print(f"guard_torchvision: {path} has {src.count(plain)} lines {plain!r}, expected 1 "
-                  "(another torchvision version? update requirements-nodeps.txt and this script)", file=sys.stderr)
+            print(
+                f"guard_torchvision: {path} has {src.count(plain)} lines {plain!r}, expected 1 "
+                "(another torchvision version? update requirements-nodeps.txt and this script)",
+                file=sys.stderr,
+            )
             return 1
         src = src.replace(plain, guarded)
     with open(path, "w") as f:

@@ -9,6 +9,7 @@
 * :func:`sync_from_trainer`: ``weight_sync.sync_weights`` run by a sharded Megatron trainer (2 gloo ranks) whose
   rank 0 reaches the engines of this process through a queue (the engines' calls run here, in order).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -25,16 +26,22 @@ from megadare.rollout.native import NativeEngine
 from megadare.rollout.sglang_engine import SGLANG_MASK_ID, SGLangEngine
 
 # sglang's CPU engine: torch_native attention (no AMX on this CPU), no CUDA graphs, a small KV pool
-CPU_ENGINE = {"device": "cpu", "attention_backend": "torch_native", "dtype": "float32", "disable_cuda_graph": True,
-              "max_total_tokens": 4096, "log_level": "error"}
+CPU_ENGINE = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "dtype": "float32",
+    "disable_cuda_graph": True,
+    "max_total_tokens": 4096,
+    "log_level": "error",
+}
 ARCH = {"sdar": "SDARForCausalLM", "sdar_moe": "SDARMoeForCausalLM", "llada2": "LLaDA2MoeModelLM"}
-VOCAB = {"sdar": 151936, "sdar_moe": 151936, "llada2": 157184}     # the publishers' vocabularies
+VOCAB = {"sdar": 151936, "sdar_moe": 151936, "llada2": 157184}  # the publishers' vocabularies
 EOS = 151643
 # sglang's CPU MoE path (layers/moe/fused_moe_native.py moe_forward_native, taken without AMX) never applies
 # routed_scaling_factor, which its CUDA MoE runners do (LLaDA2: 2.5). Measured: with 2.5 the CPU engine's
 # trajectories equal megadare's with 1.0, not with 2.5. So the CPU test checkpoints keep the factor at 1.0.
 SGLANG_CPU_CONFIG = {"llada2": {"routed_scaling_factor": 1.0}}
-RESULTS: list[str] = []      # equality results, printed at the end of the run (conftest.py)
+RESULTS: list[str] = []  # equality results, printed at the end of the run (conftest.py)
 
 
 def export_checkpoint(root: str, family: str, seed: int, export: bool = True, **over: Any) -> str:
@@ -43,8 +50,14 @@ def export_checkpoint(root: str, family: str, seed: int, export: bool = True, **
     from megadare.convert import hf_to_megatron, megatron_to_hf
     from tiny import write_tiny_hf
 
-    hf = write_tiny_hf(os.path.join(root, "hf"), family, seed, vocab_size=VOCAB[family],
-                       mask_token_id=SGLANG_MASK_ID[ARCH[family]], **{**SGLANG_CPU_CONFIG.get(family, {}), **over})
+    hf = write_tiny_hf(
+        os.path.join(root, "hf"),
+        family,
+        seed,
+        vocab_size=VOCAB[family],
+        mask_token_id=SGLANG_MASK_ID[ARCH[family]],
+        **{**SGLANG_CPU_CONFIG.get(family, {}), **over},
+    )
     if not export:
         return hf
     ck = os.path.join(root, f"megatron_{family}_{seed}")
@@ -56,8 +69,12 @@ def export_checkpoint(root: str, family: str, seed: int, export: bool = True, **
 
 def engine_kwargs(**extra: Any) -> dict[str, Any]:
     """SGLangEngine keyword arguments for this CPU machine (``extra``: more sglang ServerArgs)."""
-    return {"max_running_requests": 8, "enable_memory_saver": False, "mem_fraction_static": 0.1,
-            "engine_kwargs": {**CPU_ENGINE, **extra}}
+    return {
+        "max_running_requests": 8,
+        "enable_memory_saver": False,
+        "mem_fraction_static": 0.1,
+        "engine_kwargs": {**CPU_ENGINE, **extra},
+    }
 
 
 def start_engine(path: str, **extra: Any) -> SGLangEngine:
@@ -76,8 +93,9 @@ def checkpoint_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
         return [(k, r.get(k)) for k in sorted(r.keys())]
 
 
-def assert_same_trajectories(label: str, got: Sequence[Trajectory], want: Sequence[Trajectory],
-                             logprob_tol: float = 1e-4) -> None:
+def assert_same_trajectories(
+    label: str, got: Sequence[Trajectory], want: Sequence[Trajectory], logprob_tol: float = 1e-4
+) -> None:
     """SGLang's trajectories equal the built-in engine's: tokens, global and block-local commit steps, finish
     reasons, forwards, policy versions exactly; log-probs within ``logprob_tol`` (two float32 attention kernels)."""
     assert len(got) == len(want)
@@ -85,13 +103,18 @@ def assert_same_trajectories(label: str, got: Sequence[Trajectory], want: Sequen
     for a, b in zip(got, want):
         assert a.response_ids == b.response_ids, (label, a.response_ids, b.response_ids)
         assert (a.commit_step, a.block_step) == (b.commit_step, b.block_step), label
-        assert (a.finish_reason, a.num_forwards, a.policy_version) == (b.finish_reason, b.num_forwards,
-                                                                       b.policy_version), label
+        assert (a.finish_reason, a.num_forwards, a.policy_version) == (
+            b.finish_reason,
+            b.num_forwards,
+            b.policy_version,
+        ), label
         dlp = max([dlp] + [abs(x - y) for x, y in zip(a.logprobs, b.logprobs)])
     assert dlp <= logprob_tol, (label, dlp)
     n_tok = sum(len(t.response_ids) for t in got)
-    RESULTS.append(f"{label}: {len(got)} prompts, {n_tok} tokens: tokens, commit steps, block steps identical; "
-                   f"max |logp diff| {dlp:.1e}")
+    RESULTS.append(
+        f"{label}: {len(got)} prompts, {n_tok} tokens: tokens, commit steps, block steps identical; "
+        f"max |logp diff| {dlp:.1e}"
+    )
 
 
 def set_weights(engines: Sequence[Any], path: str, version: int) -> None:
@@ -127,8 +150,9 @@ class QueueEngine:
         self._call("resume")
 
 
-def _trainer(rank: int, world: int, layout: dict, hf_dir: str, calls: Any, answers: Any, version: int,
-             bucket_bytes: int) -> dict:
+def _trainer(
+    rank: int, world: int, layout: dict, hf_dir: str, calls: Any, answers: Any, version: int, bucket_bytes: int
+) -> dict:
     from dist import stepped_trainer
     from megadare.convert import mapping_for
     from megadare.parallel import destroy_distributed, init_distributed
@@ -144,8 +168,9 @@ def _trainer(rank: int, world: int, layout: dict, hf_dir: str, calls: Any, answe
         destroy_distributed()
 
 
-def sync_from_trainer(layout: dict, hf_dir: str, engines: Sequence[Any], version: int,
-                      bucket_bytes: int = 64 << 10) -> dict:
+def sync_from_trainer(
+    layout: dict, hf_dir: str, engines: Sequence[Any], version: int, bucket_bytes: int = 64 << 10
+) -> dict:
     """A 2-rank gloo Megatron trainer under ``layout`` loads ``hf_dir``, takes an optimizer step and runs
     ``sync_weights`` into ``engines`` (served here, in this thread, as rank 0 calls them). Returns rank 0's sync
     statistics and the number of buckets the engines received."""
@@ -157,8 +182,9 @@ def sync_from_trainer(layout: dict, hf_dir: str, engines: Sequence[Any], version
 
     def run() -> None:
         try:
-            out["stats"] = run_distributed(_trainer, 2, layout, hf_dir, calls, answers, version, bucket_bytes,
-                                           timeout_s=600)[0]
+            out["stats"] = run_distributed(
+                _trainer, 2, layout, hf_dir, calls, answers, version, bucket_bytes, timeout_s=600
+            )[0]
         except BaseException as e:  # noqa: BLE001 - re-raised below in the test thread
             out["error"] = e
 
@@ -195,13 +221,44 @@ def greedy_and_sampled(block: int, steps: int) -> list[tuple[str, SamplingParams
     as many), two or three blocks per prompt."""
     half = max(1, steps // 2)
     return [
-        ("greedy", SamplingParams(max_new_tokens=block + 3, block_size=block, steps_per_block=steps,
-                                  stop_at_eos=False)),
-        ("sampled", SamplingParams(max_new_tokens=block + 4, block_size=block, steps_per_block=half,
-                                   temperature=1.0, top_k=50, top_p=0.95, seed=7, stop_at_eos=False)),
-        ("sampled-random-remasking", SamplingParams(max_new_tokens=block + 2, block_size=block,
-                                                    steps_per_block=half, algorithm="random", temperature=0.8,
-                                                    seed=11, stop_at_eos=False)),
-        ("greedy-dynamic", SamplingParams(max_new_tokens=2 * block, block_size=block, steps_per_block=steps,
-                                          algorithm="low_confidence_dynamic", threshold=0.02, stop_at_eos=False)),
+        (
+            "greedy",
+            SamplingParams(max_new_tokens=block + 3, block_size=block, steps_per_block=steps, stop_at_eos=False),
+        ),
+        (
+            "sampled",
+            SamplingParams(
+                max_new_tokens=block + 4,
+                block_size=block,
+                steps_per_block=half,
+                temperature=1.0,
+                top_k=50,
+                top_p=0.95,
+                seed=7,
+                stop_at_eos=False,
+            ),
+        ),
+        (
+            "sampled-random-remasking",
+            SamplingParams(
+                max_new_tokens=block + 2,
+                block_size=block,
+                steps_per_block=half,
+                algorithm="random",
+                temperature=0.8,
+                seed=11,
+                stop_at_eos=False,
+            ),
+        ),
+        (
+            "greedy-dynamic",
+            SamplingParams(
+                max_new_tokens=2 * block,
+                block_size=block,
+                steps_per_block=steps,
+                algorithm="low_confidence_dynamic",
+                threshold=0.02,
+                stop_at_eos=False,
+            ),
+        ),
     ]

@@ -11,6 +11,7 @@ megadare's rollout manager, driven by an EP2 Megatron trainer (2 gloo ranks; ran
   equal the built-in engine's and carry the version.
 (routed_scaling_factor is 1.0 here: sglang's CPU MoE path ignores it, see real_sglang.py.)
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,7 @@ pytest.importorskip("sglang", reason="real-SGLang tests: run tests/sglang_cpu/ru
 from ray_fixture import ray_cluster  # noqa: E402,F401  (module-scoped local Ray cluster)
 from real_sglang import assert_same_trajectories, export_checkpoint, greedy_and_sampled  # noqa: E402
 
-PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28],
-           [3] * 40]
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [3] * 40]
 PARAMS = greedy_and_sampled(32, 8)[:2]
 VERSION = 3
 
@@ -57,11 +57,11 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
             out["before"] = {name: (manager.generate(PROMPTS, p), native.generate(PROMPTS, p)) for name, p in PARAMS}
         sync = WeightSync(model, table, manager, transport="distributed", bucket_bytes=64 << 10)
         out["stats"] = sync.push(VERSION)
-        sync_weights(model, table, [native] if r0 else [], VERSION)       # the same weights, in process
+        sync_weights(model, table, [native] if r0 else [], VERSION)  # the same weights, in process
         greedy = PARAMS[0][1]
         if r0:
             out["pushed"] = (manager.generate(PROMPTS, greedy), native.generate(PROMPTS, greedy))
-            ray.kill(manager.actors[0])                                    # the engine dies
+            ray.kill(manager.actors[0])  # the engine dies
         trajs = run_on_rank0(lambda: manager.generate(PROMPTS, greedy), lambda: sync.push(VERSION), manager)
         if r0:
             out["restarted"] = (trajs, native.generate(PROMPTS, greedy))
@@ -83,8 +83,9 @@ def run(ray_cluster, tmp_path_factory):  # noqa: F811
 
     root = str(tmp_path_factory.mktemp("llada2"))
     served = export_checkpoint(root, "llada2", 0)
-    return run_distributed(_trainer_and_engine, 2, served, export_checkpoint(root, "llada2", 1, export=False),
-                           timeout_s=900)[0]
+    return run_distributed(
+        _trainer_and_engine, 2, served, export_checkpoint(root, "llada2", 1, export=False), timeout_s=900
+    )[0]
 
 
 @pytest.mark.parametrize("name", [n for n, _ in PARAMS])
@@ -97,12 +98,11 @@ def test_distributed_weight_push_from_an_ep2_trainer(run):
     got, want = run["pushed"]
     assert run["stats"]["sync_buckets"] > 2 and all(t.policy_version == VERSION for t in got)
     before = run["before"]["greedy"][0]
-    assert [t.response_ids for t in got] != [t.response_ids for t in before]       # the weights changed
+    assert [t.response_ids for t in got] != [t.response_ids for t in before]  # the weights changed
     assert_same_trajectories("llada2 after WeightSync(distributed, gloo) from an EP2 trainer, greedy", got, want)
 
 
 def test_restarted_engine_gets_the_current_weights_before_serving(run):
     got, want = run["restarted"]
     assert run["restarts"] == 1 and all(t.policy_version == VERSION for t in got)
-    assert_same_trajectories("llada2 after a restart through the Ray manager (weights pushed again), greedy", got,
-                             want)
+    assert_same_trajectories("llada2 after a restart through the Ray manager (weights pushed again), greedy", got, want)

@@ -8,6 +8,7 @@ megadare's dLLM algorithm, in sglang's synchronous loop (``dllm_fdfo=False``):
   engine's with the same weights, stamped with the new policy version.
 (``update_weights_from_distributed`` over gloo and a restart through the Ray manager: test_llada2.py.)
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,8 +19,14 @@ import pytest
 
 sglang = pytest.importorskip("sglang", reason="real-SGLang tests: run tests/sglang_cpu/run.sh")
 
-from real_sglang import (assert_same_trajectories, greedy_and_sampled, native_engine, set_weights,  # noqa: E402
-                         start_engine, sync_from_trainer)
+from real_sglang import (
+    assert_same_trajectories,
+    greedy_and_sampled,
+    native_engine,
+    set_weights,  # noqa: E402
+    start_engine,
+    sync_from_trainer,
+)
 
 from megadare.rollout import sglang_engine as se  # noqa: E402
 from megadare.rollout.sglang_plugin import ALGORITHM_NAME  # noqa: E402
@@ -35,7 +42,7 @@ def ckpts(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("sdar"))
     served = export_checkpoint(root, "sdar", 0)
     with open(f"{served}/config.json") as f:
-        assert json.load(f)["tie_word_embeddings"] is True        # sglang's SDAR loader fails on these unfixed
+        assert json.load(f)["tie_word_embeddings"] is True  # sglang's SDAR loader fails on these unfixed
     return {"served": served, "other": export_checkpoint(root, "sdar", 1, export=False)}
 
 
@@ -67,8 +74,9 @@ def test_megadare_knows_sglangs_hard_coded_mask_ids_and_blocks():
 def test_trajectories_equal_the_builtin_engine(engine, ckpts, name, params):
     set_weights([engine], ckpts["served"], version=0)
     got = engine.generate(PROMPTS, params)
-    assert_same_trajectories(f"sdar (tied, sync loop) {name}", got, native_engine(ckpts["served"]).generate(
-        PROMPTS, params))
+    assert_same_trajectories(
+        f"sdar (tied, sync loop) {name}", got, native_engine(ckpts["served"]).generate(PROMPTS, params)
+    )
     if params.temperature > 0:
         assert any(lp < 0 for t in got for lp in t.logprobs)
 
@@ -79,9 +87,10 @@ def test_update_weights_from_a_tp2_sp_megatron_trainer(engine, ckpts):
     before = engine.generate(PROMPTS, greedy)
     native = native_engine(ckpts["served"])
     stats = sync_from_trainer({"tp": 2, "sp": True}, ckpts["other"], [engine, native], version=5)
-    assert stats["buckets_received"] >= stats["sync_buckets"] > 2          # one call per bucket and dtype
+    assert stats["buckets_received"] >= stats["sync_buckets"] > 2  # one call per bucket and dtype
     after = engine.generate(PROMPTS, greedy)
-    assert [t.response_ids for t in after] != [t.response_ids for t in before]      # the weights changed
+    assert [t.response_ids for t in after] != [t.response_ids for t in before]  # the weights changed
     assert all(t.policy_version == 5 for t in after)
-    assert_same_trajectories("sdar after sync_weights from a TP2+SP trainer, greedy", after,
-                             native.generate(PROMPTS, greedy))
+    assert_same_trajectories(
+        "sdar after sync_weights from a TP2+SP trainer, greedy", after, native.generate(PROMPTS, greedy)
+    )

@@ -8,6 +8,7 @@ exactly as a user's would: the scripts and configs are the shipped ones.
 
 What a single host cannot show (many hosts, real GPUs, NCCL) stays in tests/test_slurm_scripts.py (shims).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,13 @@ CLUSTER = os.environ.get("MEGADARE_SLURM")
 
 pytestmark = pytest.mark.skipif(not CLUSTER, reason="needs a real Slurm: tests/slurm/run.sh starts one and runs these")
 
-RL_TINY = ("model.tiny=true model.dtype=fp32 parallel.tp=1 parallel.sp=false parallel.pp=1 parallel.ep=1 "
-           "parallel.etp=null train.seq_length=128 data.max_length=48 rl.prompts_per_step=2 rl.n_samples=4 "
-           "rl.reward=slurm_reward:parity rl.truncated_as_wrong=false rollout.engine=native "
-           "rollout.max_new_tokens=8 rollout.steps_per_block=4 "
-           "rollout.device=cpu")   # the nodes' GPUs are count-only: rollout.device=auto would (rightly) refuse them
+RL_TINY = (
+    "model.tiny=true model.dtype=fp32 parallel.tp=1 parallel.sp=false parallel.pp=1 parallel.ep=1 "
+    "parallel.etp=null train.seq_length=128 data.max_length=48 rl.prompts_per_step=2 rl.n_samples=4 "
+    "rl.reward=slurm_reward:parity rl.truncated_as_wrong=false rollout.engine=native "
+    "rollout.max_new_tokens=8 rollout.steps_per_block=4 "
+    "rollout.device=cpu"
+)  # the nodes' GPUs are count-only: rollout.device=auto would (rightly) refuse them
 JOB_TIMEOUT_S = 900
 NEVER = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "JobHeldAdmin")
 
@@ -67,14 +70,23 @@ def tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     math = root / "math.jsonl"
-    math.write_text("".join(json.dumps({"prompt": f"What is {a}+{a}?", "answer": str(2 * a)}) + "\n"
-                            for a in range(8)))
+    math.write_text("".join(json.dumps({"prompt": f"What is {a}+{a}?", "answer": str(2 * a)}) + "\n" for a in range(8)))
     chat = root / "chat.jsonl"
-    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+{a}?"},
-                                                     {"role": "assistant", "content": str(2 * a)}]}) + "\n"
-                            for a in range(16)))
-    return {"sdar_moe": write_tiny_hf(root, "sdar_moe", 0), "llada2": write_tiny_hf(root, "llada2", 0, block_size=4),
-            "math": str(math), "chat": str(chat)}
+    chat.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"{a}+{a}?"}, {"role": "assistant", "content": str(2 * a)}]}
+            )
+            + "\n"
+            for a in range(16)
+        )
+    )
+    return {
+        "sdar_moe": write_tiny_hf(root, "sdar_moe", 0),
+        "llada2": write_tiny_hf(root, "llada2", 0, block_size=4),
+        "math": str(math),
+        "chat": str(chat),
+    }
 
 
 class Job:
@@ -88,12 +100,20 @@ class Job:
         (home / ".ray").mkdir(parents=True)
         (home / ".ray" / "auth_token").write_text("0" * 64)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_", "SBATCH_"))}
-        self.env.update({
-            "SLURM_CONF": str(Path(CLUSTER) / "etc" / "slurm.conf"), "HOME": str(home),
-            "PYTHONPATH": f"{REPO}:{HERE}", "RUN_DIR": str(self.run_dir), "RAY_TMPDIR": self.ray_tmp,
-            "RAY_PORT": str(free_port()), "MASTER_PORT": str(free_port()), "RAY_POLL_S": "2",
-            "RAY_WAIT_TIMEOUT_S": "240", "PYTHON": "python",
-        })
+        self.env.update(
+            {
+                "SLURM_CONF": str(Path(CLUSTER) / "etc" / "slurm.conf"),
+                "HOME": str(home),
+                "PYTHONPATH": f"{REPO}:{HERE}",
+                "RUN_DIR": str(self.run_dir),
+                "RAY_TMPDIR": self.ray_tmp,
+                "RAY_PORT": str(free_port()),
+                "MASTER_PORT": str(free_port()),
+                "RAY_POLL_S": "2",
+                "RAY_WAIT_TIMEOUT_S": "240",
+                "PYTHON": "python",
+            }
+        )
         if sys.prefix != sys.base_prefix:  # the venv running pytest: the script's VENV knob activates it
             self.env["VENV"] = sys.prefix
         self.env.update(env)
@@ -101,17 +121,28 @@ class Job:
         self.proc = None
 
     def submit(self) -> None:
-        cmd = ["sbatch", "--wait", "--parsable", f"--nodes={self.nodes}", "--gpus-per-node=1", "--time=30",
-               f"--output={self.tmp}/slurm-%j.out", *self.sbatch_args, f"examples/slurm/{self.script}"]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
+        cmd = [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            f"--nodes={self.nodes}",
+            "--gpus-per-node=1",
+            "--time=30",
+            f"--output={self.tmp}/slurm-%j.out",
+            *self.sbatch_args,
+            f"examples/slurm/{self.script}",
+        ]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         line = self.proc.stdout.readline().strip()
         assert re.fullmatch(r"\d+(;\S+)?", line), (line, self.proc.stderr.read() if self.proc.poll() else "")
         self.job_id = line.split(";")[0]
 
     def pending_reason(self) -> str:
-        r = subprocess.run(["squeue", "-h", "-j", self.job_id, "-o", "%T %r"], env=self.env, capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            ["squeue", "-h", "-j", self.job_id, "-o", "%T %r"], env=self.env, capture_output=True, text=True
+        )
         state, _, reason = r.stdout.strip().partition(" ")
         return reason if state == "PENDING" else ""
 
@@ -122,8 +153,15 @@ class Job:
             if reason in NEVER or time.time() > deadline:
                 subprocess.run(["scancel", self.job_id], env=self.env)
                 self.proc.wait()
-                pytest.fail(f"job {self.job_id}: " + (f"pending with reason {reason}: it can never run here" if
-                            reason in NEVER else f"ran past {timeout}s") + f"\n{self.output()[-4000:]}")
+                pytest.fail(
+                    f"job {self.job_id}: "
+                    + (
+                        f"pending with reason {reason}: it can never run here"
+                        if reason in NEVER
+                        else f"ran past {timeout}s"
+                    )
+                    + f"\n{self.output()[-4000:]}"
+                )
             time.sleep(2)
         return self.proc.returncode
 
@@ -169,28 +207,36 @@ def job(tmp_path):
 def assert_rl_run(j: Job, steps: int, ckpt_steps: list[int]) -> None:
     out = j.output()
     n = j.nodes
-    assert f"ray: {n}/{n} nodes joined" in out, out[-4000:]       # head on n1 (and a worker on n2): one cluster
-    assert "trainer: 1 nodes x 1 GPUs" in out                     # GPUS_PER_NODE from Slurm's SLURM_GPUS_ON_NODE
+    assert f"ray: {n}/{n} nodes joined" in out, out[-4000:]  # head on n1 (and a worker on n2): one cluster
+    assert "trainer: 1 nodes x 1 GPUs" in out  # GPUS_PER_NODE from Slurm's SLURM_GPUS_ON_NODE
     assert sorted(p.name for p in (j.run_dir / "slurm").glob("ray-n*.log")) == [f"ray-n{i + 1}.log" for i in range(n)]
     assert f"rl done at step {steps}" in out
     assert out.rstrip().endswith("exit 0"), out[-2000:]
     m = j.metrics()
-    assert [r["step"] for r in m] == list(range(1, steps + 1))    # every step once: none trained twice
+    assert [r["step"] for r in m] == list(range(1, steps + 1))  # every step once: none trained twice
     assert all(r["response_length"] > 0 and r["rollout_s"] > 0 for r in m)  # the built-in engines served
-    assert any("grad_norm" in r for r in m)                        # and the trainer updated
+    assert any("grad_norm" in r for r in m)  # and the trainer updated
     ckpt = j.run_dir / "ckpt"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == [f"iter_{s:07d}" for s in ckpt_steps]
     assert all((ckpt / f"iter_{s:07d}" / "metadata.json").exists() for s in ckpt_steps)
     assert list((j.run_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert "ray: stopped" in out and j.ray_left() == []            # this job's Ray is gone
+    assert "ray: stopped" in out and j.ray_left() == []  # this job's Ray is gone
 
 
 def test_rl_sdar30b_preempted_by_usr1_requeues_and_resumes(job, tiny):
     """rl_sdar30b.sh, tiny SDAR-MoE, 2 nodes (trainer on n1, the engine on n2): `scancel --signal=USR1 --batch`
     (what `#SBATCH --signal=B:USR1@300` sends) after the first step -> checkpoint, Ray down, `scontrol requeue`;
     Slurm restarts the job, which resumes at the next step and finishes; `sbatch --wait` returns 0."""
-    j = job("rl_sdar30b.sh", 2, MODEL=tiny["sdar_moe"], DATA=tiny["math"], ROLLOUT_NODES="1", ENGINE_GPUS="1",
-            ENGINE_CPUS="1", EXTRA_OVERRIDES=f"{RL_TINY} rl.steps=4")
+    j = job(
+        "rl_sdar30b.sh",
+        2,
+        MODEL=tiny["sdar_moe"],
+        DATA=tiny["math"],
+        ROLLOUT_NODES="1",
+        ENGINE_GPUS="1",
+        ENGINE_CPUS="1",
+        EXTRA_OVERRIDES=f"{RL_TINY} rl.steps=4",
+    )
     j.submit()
     deadline = time.time() + JOB_TIMEOUT_S
     while not j.metrics():
@@ -204,10 +250,12 @@ def test_rl_sdar30b_preempted_by_usr1_requeues_and_resumes(job, tiny):
     assert "caught SIGUSR1" in first and f"requeued job {j.job_id}" in first
     stopped = int(re.search(r"rl stopped by signal at step (\d+)", first).group(1))
     assert 1 <= stopped < 4, first[-3000:]
-    assert [line.split(" on ")[0][20:] for line in j.starts()] == [f"job {j.job_id} restart 0",
-                                                                   f"job {j.job_id} restart 1"]
+    assert [line.split(" on ")[0][20:] for line in j.starts()] == [
+        f"job {j.job_id} restart 0",
+        f"job {j.job_id} restart 1",
+    ]
     assert "rl done at step 4" in second and "caught SIG" not in second
-    assert_rl_run(j, 4, [stopped, 4])    # the stop's checkpoint and the last (save_interval 10, keep_last 2)
+    assert_rl_run(j, 4, [stopped, 4])  # the stop's checkpoint and the last (save_interval 10, keep_last 2)
 
 
 def test_rl_llada2_mini_colocated_leaves_other_ray_processes_alone(job, tiny, tmp_path):
@@ -218,8 +266,16 @@ def test_rl_llada2_mini_colocated_leaves_other_ray_processes_alone(job, tiny, tm
     shutil.copy("/bin/sleep", bystander_bin)
     bystander = subprocess.Popen([str(bystander_bin), "900"])
     try:
-        j = job("rl_llada2_mini.sh", 1, MODEL=tiny["llada2"], DATA=tiny["math"], ROLLOUT_NODES="0",
-                ENGINE_GPUS="1", ENGINE_CPUS="1", EXTRA_OVERRIDES=f"{RL_TINY} rl.steps=2")
+        j = job(
+            "rl_llada2_mini.sh",
+            1,
+            MODEL=tiny["llada2"],
+            DATA=tiny["math"],
+            ROLLOUT_NODES="0",
+            ENGINE_GPUS="1",
+            ENGINE_CPUS="1",
+            EXTRA_OVERRIDES=f"{RL_TINY} rl.steps=2",
+        )
         assert j.run() == 0, j.output()[-6000:]
         assert len(j.starts()) == 1
         assert_rl_run(j, 2, [2])
@@ -236,8 +292,18 @@ def converted(tiny, tmp_path_factory):
     out = tmp / "mcore"
     # the script asks for 16 CPUs (--cpus-per-task): these nodes have 2, so the job would pend forever with reason
     # PartitionConfig; a user with small nodes passes -c as well
-    j = Job(tmp, "convert_hf_to_megatron.sh", 1, "--cpus-per-task=2", MODEL=tiny["sdar_moe"], OUT=str(out),
-            TP="1", PP="1", EP="2", ETP="1")
+    j = Job(
+        tmp,
+        "convert_hf_to_megatron.sh",
+        1,
+        "--cpus-per-task=2",
+        MODEL=tiny["sdar_moe"],
+        OUT=str(out),
+        TP="1",
+        PP="1",
+        EP="2",
+        ETP="1",
+    )
     try:
         rc = j.run()
     finally:
@@ -265,10 +331,16 @@ def test_sft_sdar_two_nodes_from_the_converted_checkpoint(job, tiny, converted):
     starting from the converted checkpoint (INIT_CKPT)."""
     _, rc, ckpt = converted
     assert rc == 0, "the conversion failed (test_convert_hf_to_megatron_round_trips)"
-    j = job("sft_sdar.sh", 2, MODEL=tiny["sdar_moe"], DATA=tiny["chat"], INIT_CKPT=str(ckpt),
-            EXTRA_OVERRIDES="model.tiny=true model.dtype=fp32 parallel.tp=1 parallel.sp=false parallel.pp=1 "
-                            "parallel.ep=2 parallel.etp=1 train.steps=3 train.global_batch_size=4 "
-                            "train.seq_length=128 train.warmup_steps=1 data.max_length=48")
+    j = job(
+        "sft_sdar.sh",
+        2,
+        MODEL=tiny["sdar_moe"],
+        DATA=tiny["chat"],
+        INIT_CKPT=str(ckpt),
+        EXTRA_OVERRIDES="model.tiny=true model.dtype=fp32 parallel.tp=1 parallel.sp=false parallel.pp=1 "
+        "parallel.ep=2 parallel.etp=1 train.steps=3 train.global_batch_size=4 "
+        "train.seq_length=128 train.warmup_steps=1 data.max_length=48",
+    )
     assert j.run() == 0, j.output()[-6000:]
     out = j.output()
     assert "trainer: 2 nodes x 1 GPUs" in out and "sft done at step 3" in out
@@ -281,8 +353,16 @@ def test_sft_sdar_two_nodes_from_the_converted_checkpoint(job, tiny, converted):
 
 def test_bad_config_fails_in_the_preflight(job, tiny):
     """A layout the model cannot take fails in `megadare rl --dry-run`, naming the key, before Ray or torchrun."""
-    j = job("rl_llada2_mini.sh", 1, MODEL=tiny["llada2"], DATA=tiny["math"], ROLLOUT_NODES="0", ENGINE_GPUS="1",
-            ENGINE_CPUS="1", EXTRA_OVERRIDES=f"{RL_TINY} parallel.ep=3")
+    j = job(
+        "rl_llada2_mini.sh",
+        1,
+        MODEL=tiny["llada2"],
+        DATA=tiny["math"],
+        ROLLOUT_NODES="0",
+        ENGINE_GPUS="1",
+        ENGINE_CPUS="1",
+        EXTRA_OVERRIDES=f"{RL_TINY} parallel.ep=3",
+    )
     assert j.run() == 1
     out = j.output()
     assert "parallel.ep=3: model has 8 experts, not divisible by 3" in out, out[-3000:]

@@ -5,6 +5,7 @@
 
 Same as `megadare convert hf-to-megatron ...`; see `--help`.
 """
+
 import sys
 
 from megadare.cli import main

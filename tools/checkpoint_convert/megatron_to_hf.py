@@ -5,6 +5,7 @@
 
 Same as `megadare convert megatron-to-hf ...`; see `--help`.
 """
+
 import sys
 
 from megadare.cli import main

@@ -11,6 +11,7 @@ block fp8 + weight_scale_inv, the checkpoint an SGLang rollout engine starts fro
 torch. --calib-prompts: a text file, one prompt per line (blank lines skipped); a line holding a JSON list of
 integers is taken as token ids. Without it a few built-in prompts are used.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,20 +44,28 @@ def read_calib_prompts(path: str) -> list[Union[str, list[int]]]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", help="HF checkpoint dir (config.json + safetensors + tokenizer files)")
-    src.add_argument("--ckpt", help="megadare Megatron checkpoint (iter dir or the run's checkpoint root); "
-                                    "converted to HF first")
+    src.add_argument(
+        "--ckpt", help="megadare Megatron checkpoint (iter dir or the run's checkpoint root); converted to HF first"
+    )
     p.add_argument("--out", required=True, help="output HF checkpoint dir (written atomically)")
     p.add_argument("--format", default="fp8", choices=("fp8", "nvfp4", "fp8-block"))
     p.add_argument("--calib-prompts", default=None, help="prompt file (format below); default: built-in prompts")
     p.add_argument("--gen-tokens", type=int, default=32, help="mask tokens appended to each calibration prompt")
     p.add_argument("--max-len", type=int, default=512, help="longest calibration sequence in tokens")
     p.add_argument("--device", default=None, help="calibration device (default: cuda if available, else cpu)")
-    p.add_argument("--block", type=int, nargs=2, default=(128, 128), metavar=("BN", "BK"),
-                   help="fp8-block tile (default 128 128, what SGLang's block-fp8 kernels expect)")
+    p.add_argument(
+        "--block",
+        type=int,
+        nargs=2,
+        default=(128, 128),
+        metavar=("BN", "BK"),
+        help="fp8-block tile (default 128 128, what SGLang's block-fp8 kernels expect)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -67,15 +76,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     calib = read_calib_prompts(args.calib_prompts) if args.calib_prompts else None
     try:
-        out = quantize_export(args.hf or args.ckpt, args.out, fmt=args.format, calib=calib,
-                              gen_tokens=args.gen_tokens, max_len=args.max_len, device=args.device,
-                              block=tuple(args.block), progress=not args.quiet)
-    except (ModelOptMissing, ValueError) as e:   # megadare's one-line errors (OutputError, CheckpointError, ...)
+        out = quantize_export(
+            args.hf or args.ckpt,
+            args.out,
+            fmt=args.format,
+            calib=calib,
+            gen_tokens=args.gen_tokens,
+            max_len=args.max_len,
+            device=args.device,
+            block=tuple(args.block),
+            progress=not args.quiet,
+        )
+    except (ModelOptMissing, ValueError) as e:  # megadare's one-line errors (OutputError, CheckpointError, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:   # a full disk: the export was assembled aside and removed
-        print(f"error: writing {args.out} failed: {e.strerror or e}; nothing of this export was kept and {args.out} "
-              "is as it was", file=sys.stderr)
+    except OSError as e:  # a full disk: the export was assembled aside and removed
+        print(
+            f"error: writing {args.out} failed: {e.strerror or e}; nothing of this export was kept and {args.out} "
+            "is as it was",
+            file=sys.stderr,
+        )
         return 2
     print(f"wrote {args.format} checkpoint {out}")
     return 0

@@ -8,6 +8,7 @@ The math is plain and visible (nanoGPT-style): RMSNorm (HF op order), RoPE with 
 ``rotary_dim`` dims, SDPA attention with a boolean mask (True = attend), SwiGLU MLPs, and two MoE routers:
 softmax top-k (Qwen3-MoE) and sigmoid + expert bias + group-limited top-k + routed scaling (LLaDA2 / Ling 2.0).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,8 +35,16 @@ class KVCache:
     full-attention samplers may cache everything but the current block as an approximation (Fast-dLLM).
     """
 
-    def __init__(self, num_layers: int, rows: int, length: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device=None):
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        length: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
         shape = (rows, kv_heads, length + 1, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -45,14 +54,20 @@ class KVCache:
         self._keys = 0
 
     def fits(self, rows: int, length: int, dtype: torch.dtype, device) -> bool:
-        return (rows <= self.rows and length <= self.length and dtype == self.dtype
-                and torch.device(device) == self.k[0].device)
+        return (
+            rows <= self.rows
+            and length <= self.length
+            and dtype == self.dtype
+            and torch.device(device) == self.k[0].device
+        )
 
     def bind(self, start: int, write_cols: torch.Tensor, key_len: int) -> None:
         n, w = write_cols.shape
         if start + n > self.rows or key_len > self.length:
-            raise ValueError(f"KVCache: rows [{start}, {start + n}) and {key_len} key columns exceed the cache "
-                             f"({self.rows} rows x {self.length} columns)")
+            raise ValueError(
+                f"KVCache: rows [{start}, {start + n}) and {key_len} key columns exceed the cache "
+                f"({self.rows} rows x {self.length} columns)"
+            )
         _, g, _, d = self.k[0].shape
         self._rows = slice(start, start + n)
         self._index = write_cols[:, None, :, None].expand(n, g, w, d)
@@ -63,7 +78,7 @@ class KVCache:
         kc, vc = self.k[i][self._rows], self.v[i][self._rows]
         kc.scatter_(2, self._index, k.to(kc.dtype))
         vc.scatter_(2, self._index, v.to(vc.dtype))
-        return kc[:, :, :self._keys], vc[:, :, :self._keys]
+        return kc[:, :, : self._keys], vc[:, :, : self._keys]
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows ``src`` to rows ``dst`` (disjoint sets), every layer, every column."""
@@ -114,7 +129,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, H, S, D]: rotate-half RoPE on the first cos.shape[-1] dims, the rest passes through."""
     r = cos.shape[-1]
     rot, rest = x[..., :r], x[..., r:]
-    x1, x2 = rot[..., : r // 2], rot[..., r // 2:]
+    x1, x2 = rot[..., : r // 2], rot[..., r // 2 :]
     rotated = torch.cat([-x2, x1], dim=-1)
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
@@ -185,11 +200,19 @@ class DecoderLM(nn.Module):
             if i in moe:
                 self._place(f(names.router), Router(a.hidden_size, a.num_experts, a.moe_expert_bias))
                 for e in range(a.num_experts):
-                    self._swiglu(f(names.expert_gate, e=e), f(names.expert_up, e=e), f(names.expert_down, e=e),
-                                 a.moe_ffn_hidden_size)
+                    self._swiglu(
+                        f(names.expert_gate, e=e),
+                        f(names.expert_up, e=e),
+                        f(names.expert_down, e=e),
+                        a.moe_ffn_hidden_size,
+                    )
                 if a.num_shared_experts:
-                    self._swiglu(f(names.shared_gate), f(names.shared_up), f(names.shared_down),
-                                 a.moe_ffn_hidden_size * a.num_shared_experts)
+                    self._swiglu(
+                        f(names.shared_gate),
+                        f(names.shared_up),
+                        f(names.shared_down),
+                        a.moe_ffn_hidden_size * a.num_shared_experts,
+                    )
             else:
                 self._swiglu(f(names.gate), f(names.up), f(names.down), a.ffn_hidden_size)
         for m in self.modules():
@@ -225,7 +248,7 @@ class DecoderLM(nn.Module):
         parameters keep their single HF names)."""
         a, n = self.arch, self.names
         head = None if a.tie_word_embeddings else self.sub(n.lm_head)
-        self._io = (self.sub(n.embed), self.sub(n.final_norm), head)   # a tuple: not registered again
+        self._io = (self.sub(n.embed), self.sub(n.final_norm), head)  # a tuple: not registered again
         moe = set(a.moe_layers())
         self._layers = [_Layer(self, i, i in moe) for i in range(a.num_layers)]
 
@@ -248,9 +271,15 @@ class DecoderLM(nn.Module):
             m = m.unsqueeze(0)
         return m
 
-    def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids: Optional[torch.Tensor] = None,
-                block_size: Optional[int] = None, kv_cache=None,
-                logits_index: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask=None,
+        position_ids: Optional[torch.Tensor] = None,
+        block_size: Optional[int] = None,
+        kv_cache=None,
+        logits_index: Optional[torch.Tensor] = None,
+    ) -> Optional[torch.Tensor]:
         """Logits [B, S, vocab]. With ``kv_cache`` (a :class:`KVCache` bound for this call, or anything with its
         ``update(layer, k, v) -> (keys, values)``) the queries are ``input_ids`` and the keys are what the cache
         returns; ``attention_mask`` must then be an explicit bool [B|1, 1, S, keys] (True = attend) and
@@ -310,7 +339,7 @@ class DecoderLM(nn.Module):
         start = 0
         for (gate, up, down), c in zip(layer.experts, counts):
             if c:
-                t, sl = tok[start:start + c], slot[start:start + c]
+                t, sl = tok[start : start + c], slot[start : start + c]
                 y.index_add_(0, t, _mlp(x[t], gate, up, down).float() * topw[t, sl, None])
             start += c
         y = y.to(h.dtype).view(B, S, C)
@@ -336,7 +365,13 @@ class _Layer:
         self.moe = moe
         self.mlp = None if moe else (get(n.gate), get(n.up), get(n.down))
         self.router = get(n.router) if moe else None
-        self.experts = [(get(n.expert_gate, e=e), get(n.expert_up, e=e), get(n.expert_down, e=e))
-                        for e in range(model.arch.num_experts)] if moe else []
+        self.experts = (
+            [
+                (get(n.expert_gate, e=e), get(n.expert_up, e=e), get(n.expert_down, e=e))
+                for e in range(model.arch.num_experts)
+            ]
+            if moe
+            else []
+        )
         shared = moe and model.arch.num_shared_experts
         self.shared = (get(n.shared_gate), get(n.shared_up), get(n.shared_down)) if shared else None

@@ -7,6 +7,7 @@ checkpoint it serves). This folder holds the ones megadare ships (``configuratio
 megadare does not ship are the publisher's: exports copy them from the source checkpoint
 (``models.safetensors_io.copy_passthrough_files``).
 """
+
 from __future__ import annotations
 
 import os

@@ -7,14 +7,16 @@ trust_remote_code=True)`` -- what SGLang runs on every checkpoint it serves -- r
 it is; the defaults are only for keys SGLang's LLaDA2 model reads without a fallback. Self-contained on purpose:
 transformers copies it into its module cache and imports it there (megadare need not be installed).
 """
+
 from transformers import PretrainedConfig
 
 
 class LLaDA2MoeConfig(PretrainedConfig):
     model_type = "llada2_moe"
 
-    def __init__(self, use_bias=False, use_qkv_bias=False, use_qk_norm=True, embedding_dropout=0.0,
-                 hidden_act="silu", **kwargs):
+    def __init__(
+        self, use_bias=False, use_qkv_bias=False, use_qk_norm=True, embedding_dropout=0.0, hidden_act="silu", **kwargs
+    ):
         self.use_bias = use_bias
         self.use_qkv_bias = use_qkv_bias
         self.use_qk_norm = use_qk_norm

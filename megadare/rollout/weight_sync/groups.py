@@ -18,6 +18,7 @@ broadcast per flattened buffer, loading each into the engine as it arrives. The 
 sender's shared buffer (``/dev/shm`` on CPU, CUDA IPC on GPU) instead, waits for a one-element "bucket ready"
 broadcast, loads from the mapped memory and acknowledges with a barrier: no bytes through sockets.
 """
+
 from __future__ import annotations
 
 import os
@@ -58,7 +59,7 @@ def host_ip() -> str:
         return os.environ["MEGADARE_HOST_IP"]
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))     # no packet is sent: picks the outgoing interface
+            s.connect(("10.255.255.255", 1))  # no packet is sent: picks the outgoing interface
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
@@ -75,15 +76,21 @@ def host_store(timeout: timedelta = DEFAULT_TIMEOUT):
 def join_group(spec: GroupSpec, timeout: timedelta = DEFAULT_TIMEOUT, store=None):
     """Join the group ``spec`` describes (the sender passes the ``store`` it hosts); blocks until every member
     joined."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if store is None:
         store, _, _ = next(rendezvous(f"tcp://{spec.addr}:{spec.port}", spec.rank, spec.world_size, timeout=timeout))
     store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(spec.world_size, spec.rank, [], Backend(spec.backend),
-                                      PrefixStore(spec.name, store), group_name=spec.name, backend_options=None,
-                                      timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        spec.world_size,
+        spec.rank,
+        [],
+        Backend(spec.backend),
+        PrefixStore(spec.name, store),
+        group_name=spec.name,
+        backend_options=None,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(spec.world_size)}
     return pg
 
@@ -111,9 +118,11 @@ def cuda_index_of(uuid: str) -> int:
     for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return i
-    raise RuntimeError(f"weight sync (colocated): GPU {uuid}, which holds the sender's buffer, is not visible in this "
-                       f"engine process (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); colocated "
-                       "needs the engine on the trainer's GPU: set rollout.weight_transport=distributed")
+    raise RuntimeError(
+        f"weight sync (colocated): GPU {uuid}, which holds the sender's buffer, is not visible in this "
+        f"engine process (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); colocated "
+        "needs the engine on the trainer's GPU: set rollout.weight_transport=distributed"
+    )
 
 
 def device_sync(device: Any) -> None:
@@ -123,7 +132,7 @@ def device_sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-_IPC_DEVICE_ARG = 6   # rebuild_cuda_tensor(..., storage_device, ...): the sender's device index (sglang patch_torch.py)
+_IPC_DEVICE_ARG = 6  # rebuild_cuda_tensor(..., storage_device, ...): the sender's device index (sglang patch_torch.py)
 
 
 class SharedBuffer:
@@ -141,16 +150,18 @@ class SharedBuffer:
             return
         free = os.statvfs("/dev/shm")
         if free.f_bavail * free.f_frsize < nbytes:
-            raise RuntimeError(f"weight sync (colocated): /dev/shm has {free.f_bavail * free.f_frsize >> 20} MiB free, "
-                               f"a bucket needs {nbytes >> 20} MiB; enlarge /dev/shm, lower rollout.bucket_mb or set "
-                               "rollout.weight_transport=distributed")
+            raise RuntimeError(
+                f"weight sync (colocated): /dev/shm has {free.f_bavail * free.f_frsize >> 20} MiB free, "
+                f"a bucket needs {nbytes >> 20} MiB; enlarge /dev/shm, lower rollout.bucket_mb or set "
+                "rollout.weight_transport=distributed"
+            )
         self.path = f"/dev/shm/megadare_w_{uuid.uuid4().hex}"
         self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         self.handle = ("shm", self.path, nbytes)
 
     def close(self) -> None:
         if self.path is not None and os.path.exists(self.path):
-            os.unlink(self.path)       # the mappings stay valid until every process drops them
+            os.unlink(self.path)  # the mappings stay valid until every process drops them
 
 
 def open_shared(handle) -> torch.Tensor:
@@ -207,20 +218,27 @@ class WeightReceiver:
     def receive(self, plan: Sequence[GroupPlan], load: Load) -> int:
         """Every stage's buckets, stages concurrently: per flat one broadcast from the sender into a buffer reused
         flat after flat, then ``load`` (which copies the tensors into the model)."""
+
         def stage(name: str, buckets: list[list[Flat]]) -> int:
-            n, area = 0, torch.empty(max((f.nbytes for fs in buckets for f in fs), default=0), dtype=torch.uint8,
-                                     device=self.device)                  # reused flat after flat
+            n, area = (
+                0,
+                torch.empty(
+                    max((f.nbytes for fs in buckets for f in fs), default=0), dtype=torch.uint8, device=self.device
+                ),
+            )  # reused flat after flat
             for flats in buckets:
                 for f in flats:
-                    broadcast_from_sender(area[:f.nbytes], self.groups[name])
-                    load(f.views(area[:f.nbytes]))
+                    broadcast_from_sender(area[: f.nbytes], self.groups[name])
+                    load(f.views(area[: f.nbytes]))
                     n += f.nbytes
             return n
+
         return sum(_in_threads([lambda g=g: stage(*g) for g in plan]))
 
     def receive_shared(self, plan: Sequence[GroupPlan], handles: Sequence[Any], load: Load) -> int:
         """Colocated: per bucket wait for the sender's "ready" broadcast, load from its shared buffer, then
         acknowledge (barrier) so the sender may overwrite it."""
+
         def stage(name: str, buckets: list[list[Flat]], handle) -> int:
             mem, pg, n = open_shared(handle), self.groups[name], 0
             for i, flats in enumerate(buckets):
@@ -229,9 +247,10 @@ class WeightReceiver:
                 if int(ready) != i:
                     raise RuntimeError(f"weight sync (colocated): group {name} expected bucket {i}, got {int(ready)}")
                 for f, at in zip(flats, flat_layout(flats)[0]):
-                    load(f.views(mem[at:at + f.nbytes].to(self.device)))
+                    load(f.views(mem[at : at + f.nbytes].to(self.device)))
                     n += f.nbytes
-                device_sync(self.device)          # the loads out of the buffer finished: the sender may refill it
+                device_sync(self.device)  # the loads out of the buffer finished: the sender may refill it
                 dist.barrier(group=pg)
             return n
+
         return sum(_in_threads([lambda g=g, h=h: stage(g[0], g[1], h) for g, h in zip(plan, handles)]))

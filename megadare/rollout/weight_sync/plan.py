@@ -16,6 +16,7 @@ metadata (collective, metadata only), identical on every trainer rank; the engin
 HF names, dtypes and shapes come from the mapping table's transform run on meta tensors (no data), so the plan is
 exact for any transform (plain ``ParamMap.to_hf``, or the block-fp8 stream that adds ``weight_scale_inv``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class Flat:
         typed = buf.view(self.dtype) if buf.dtype != self.dtype else buf
         out, at = [], 0
         for name, shape, n in zip(self.names, self.shapes, self.numels):
-            out.append((name, typed[at:at + n].view(shape)))
+            out.append((name, typed[at : at + n].view(shape)))
             at += n
         return out
 
@@ -78,7 +79,7 @@ class Piece:
     key: str
     offset: tuple[int, ...]
     shape: tuple[int, ...]
-    at: int = 0                     # byte offset in the source rank's buffer for the bucket
+    at: int = 0  # byte offset in the source rank's buffer for the bucket
 
 
 @dataclass
@@ -87,8 +88,8 @@ class Bucket:
 
     rows: list[ParamMap]
     flats: list[Flat]
-    key_dtype: dict[str, torch.dtype]                               # Megatron key -> its dtype
-    sources: dict[int, list[Piece]] = field(default_factory=dict)   # rank (not the sender) -> its pieces, in order
+    key_dtype: dict[str, torch.dtype]  # Megatron key -> its dtype
+    sources: dict[int, list[Piece]] = field(default_factory=dict)  # rank (not the sender) -> its pieces, in order
 
     def source_bytes(self, rank: int) -> int:
         """Size of the byte buffer ``rank`` sends for this bucket."""
@@ -101,7 +102,7 @@ class StagePlan:
     """One pipeline stage: its ranks, its sender and its buckets in send order."""
 
     stage: int
-    sender: int                     # global trainer rank that assembles and sends the stage's buckets
+    sender: int  # global trainer rank that assembles and sends the stage's buckets
     ranks: list[int]
     buckets: list[Bucket]
 
@@ -111,8 +112,8 @@ class SyncPlan:
     """Identical on every trainer rank; the engines get each stage's buckets' flats (names, dtypes, shapes)."""
 
     stages: list[StagePlan]
-    global_meta: dict[str, tuple[tuple[int, ...], torch.dtype]]   # key -> global shape, dtype
-    signature: list[list[tuple]]                        # per rank: its shards' metadata (checked at every push)
+    global_meta: dict[str, tuple[tuple[int, ...], torch.dtype]]  # key -> global shape, dtype
+    signature: list[list[tuple]]  # per rank: its shards' metadata (checked at every push)
 
     def stage_of(self, rank: int) -> StagePlan:
         return next(s for s in self.stages if rank in s.ranks)
@@ -155,8 +156,9 @@ def local_shards(chunks: Sequence[torch.nn.Module]) -> dict[str, list[tuple[tupl
 
 def shard_signature(local: dict[str, list]) -> list[tuple]:
     """This rank's shards as plain metadata: (key, global shape, global offset, local shape, dtype name)."""
-    return sorted((k, gs, off, tuple(d.shape), str(d.dtype).removeprefix("torch."))
-                  for k, v in local.items() for gs, off, d in v)
+    return sorted(
+        (k, gs, off, tuple(d.shape), str(d.dtype).removeprefix("torch.")) for k, v in local.items() for gs, off, d in v
+    )
 
 
 def _pipeline_stage() -> int:
@@ -166,8 +168,9 @@ def _pipeline_stage() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- the plan
-def build_plan(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], bucket_bytes: int,
-               transform: Transform = plain_hf) -> SyncPlan:
+def build_plan(
+    chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], bucket_bytes: int, transform: Transform = plain_hf
+) -> SyncPlan:
     """The plan of this run (collective over the trainer's ranks: exchanges shard metadata, never weights)."""
     mine = (_pipeline_stage(), shard_signature(local_shards(chunks)))
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -190,13 +193,15 @@ def build_plan(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], buc
     for st in sorted(set(stage_of_rank)):
         ranks = [r for r in range(world) if stage_of_rank[r] == st]
         rows = stage_rows(table, pieces, stage_of_rank, st)
-        stages.append(StagePlan(st, ranks[0], ranks, _buckets(rows, global_meta, pieces, ranks[0], bucket_bytes,
-                                                                transform)))
+        stages.append(
+            StagePlan(st, ranks[0], ranks, _buckets(rows, global_meta, pieces, ranks[0], bucket_bytes, transform))
+        )
     return SyncPlan(stages, global_meta, [sig for _, sig in every])
 
 
-def stage_rows(table: Sequence[ParamMap], pieces: dict[str, list[tuple[int, Piece]]], stage_of_rank: list[int],
-               stage: int) -> list[ParamMap]:
+def stage_rows(
+    table: Sequence[ParamMap], pieces: dict[str, list[tuple[int, Piece]]], stage_of_rank: list[int], stage: int
+) -> list[ParamMap]:
     """The table rows whose main-replica shards lie on pipeline ``stage``. In megatron-core every parameter lives on
     one stage (the last stage's copy of tied embeddings is a replica, not a main shard), so a key whose main shards
     span stages means the sharded-state-dict metadata is inconsistent: refused, naming the key and the stages."""
@@ -204,9 +209,11 @@ def stage_rows(table: Sequence[ParamMap], pieces: dict[str, list[tuple[int, Piec
     for row in table:
         stages = sorted({stage_of_rank[rank] for rank, _ in pieces[row.mcore]})
         if len(stages) > 1:
-            raise RuntimeError(f"weight sync: megatron's sharded state dict gives main-replica shards of {row.mcore} "
-                               f"on pipeline stages {stages}; every parameter must live on one stage (a model whose "
-                               "sharded_state_dict marks a cross-stage copy with replica_id 0 breaks this)")
+            raise RuntimeError(
+                f"weight sync: megatron's sharded state dict gives main-replica shards of {row.mcore} "
+                f"on pipeline stages {stages}; every parameter must live on one stage (a model whose "
+                "sharded_state_dict marks a cross-stage copy with replica_id 0 breaks this)"
+            )
         if stages[0] == stage:
             rows.append(row)
     return rows
@@ -221,8 +228,9 @@ def _outputs(row: ParamMap, meta: dict, transform: Transform) -> list[tuple[str,
     return [(n, t.dtype, tuple(t.shape)) for n, t in transform(row, torch.empty(shape, dtype=dtype, device="meta"))]
 
 
-def _buckets(rows: list[ParamMap], meta: dict, pieces: dict, sender: int, bucket_bytes: int,
-             transform: Transform) -> list[Bucket]:
+def _buckets(
+    rows: list[ParamMap], meta: dict, pieces: dict, sender: int, bucket_bytes: int, transform: Transform
+) -> list[Bucket]:
     """A stage's rows (non-experts first) cut into buckets of at most ``bucket_bytes`` of HF tensors (a larger
     row gets its own bucket), each with its per-dtype flats and its source pieces."""
     ordered = [r for r in rows if not _is_expert(r.mcore)] + [r for r in rows if _is_expert(r.mcore)]

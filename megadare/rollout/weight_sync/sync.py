@@ -21,6 +21,7 @@ manager.py).
 (megadare/convert/fp8.py), for SGLang engines started from a ``quantize_export(..., fmt="fp8-block")`` checkpoint.
 Returns bytes, seconds, GB/s and the number of buckets per push.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,7 +42,7 @@ from megadare.rollout.weight_sync.plan import SyncPlan, Transform, build_plan, p
 from megadare.rollout.weight_sync.transport import GroupTransport, ObjectStoreTransport, gather_objects
 
 
-_HOW = {"distributed": "broadcast", "colocated": "shared"}     # what the engines do with a group transport
+_HOW = {"distributed": "broadcast", "colocated": "shared"}  # what the engines do with a group transport
 
 
 def fp8_transform(table: Sequence[ParamMap], block: tuple[int, int]) -> Transform:
@@ -57,21 +58,30 @@ class WeightSync:
     ``RolloutManager``, or a list of in-process engine objects (``update_weights(named, version)``, optional
     ``pause()`` / ``resume()``), which take the ``object_store`` path."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], engines: Any = None,
-                 transport: str = "auto", bucket_bytes: int = 512 << 20, fp8_block: Optional[tuple[int, int]] = None,
-                 timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        chunks: Sequence[torch.nn.Module],
+        table: Sequence[ParamMap],
+        engines: Any = None,
+        transport: str = "auto",
+        bucket_bytes: int = 512 << 20,
+        fp8_block: Optional[tuple[int, int]] = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ):
         if transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight transport {transport!r}: choose one of {WEIGHT_TRANSPORTS}")
         if trainer_rank() == 0 and transport in ("distributed", "colocated") and isinstance(engines, (list, tuple)):
-            raise ValueError(f"weight transport {transport!r} needs engine actors (a RolloutManager); in-process "
-                             "engines take transport='object_store'")
+            raise ValueError(
+                f"weight transport {transport!r} needs engine actors (a RolloutManager); in-process "
+                "engines take transport='object_store'"
+            )
         self.chunks, self.table, self.engines, self.requested = list(chunks), list(table), engines, transport
         self.bucket_bytes, self.timeout = int(bucket_bytes), timeout
         self.transform = fp8_transform(table, fp8_block) if fp8_block else plain_hf
         self.plan: Optional[SyncPlan] = None
         self.transport: Any = None
         self.transport_name = ""
-        self.generation = ""            # rank 0: name of the weight groups this sync built (engines joined)
+        self.generation = ""  # rank 0: name of the weight groups this sync built (engines joined)
         self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
 
     def push(self, version: int) -> dict[str, float]:
@@ -84,16 +94,21 @@ class WeightSync:
             self.transport = self._make_transport(header)
         self.transport.connect(header)
         self.transport.begin(version, self.device)
-        for i, bucket, flats in stage_buckets(self.chunks, self.plan, self.transform, self.transport.alloc(),
-                                              self.device):
+        for i, bucket, flats in stage_buckets(
+            self.chunks, self.plan, self.transform, self.transport.alloc(), self.device
+        ):
             self.transport.send(i, bucket, flats)
         self.transport.end()
         if trainer_rank() == 0 and hasattr(self.engines, "synced"):
             self.engines.synced(version)
         dt = time.perf_counter() - t0
         nbytes = float(self.plan.total_bytes())
-        return {"sync_bytes": nbytes, "sync_seconds": dt, "sync_gbps": nbytes / max(dt, 1e-9) / 1e9,
-                "sync_buckets": float(sum(len(s.buckets) for s in self.plan.stages))}
+        return {
+            "sync_bytes": nbytes,
+            "sync_seconds": dt,
+            "sync_gbps": nbytes / max(dt, 1e-9) / 1e9,
+            "sync_buckets": float(sum(len(s.buckets) for s in self.plan.stages)),
+        }
 
     def close(self) -> None:
         if self.transport is not None:
@@ -104,22 +119,30 @@ class WeightSync:
         """Rank 0's decision for this push, broadcast to every rank: transport, whether to (re)build the groups
         (first push, an engine restarted since, or the engines joined another sync's groups), the group size and
         the groups' name."""
-        ranks = gather_objects((host_ip(), gpu_uuid(self.device))) \
-            if self.requested != "object_store" and not self.transport_name else None
+        ranks = (
+            gather_objects((host_ip(), gpu_uuid(self.device)))
+            if self.requested != "object_store" and not self.transport_name
+            else None
+        )
         header: list[Any] = [None]
         if trainer_rank() == 0:
             name = self.transport_name or self._resolve(ranks)
             if not self.transport_name:
                 print(f"weight sync transport: {name} (rollout.weight_transport={self.requested})", flush=True)
             if hasattr(self.engines, "check_engines"):
-                self.engines.check_engines()           # replace dead actors before the push reaches them
+                self.engines.check_engines()  # replace dead actors before the push reaches them
             rebuild, world, backend = False, 0, "gloo"
             rebuild = name in ("distributed", "colocated") and self.engines.weight_groups != self.generation
-            if rebuild:                                # group size and backend matter only to a (re)build
+            if rebuild:  # group size and backend matter only to a (re)build
                 world, backend = self.engines.weight_group_setup(_HOW[name], self.device)
                 self.generation = uuid.uuid4().hex[:12]
-            header[0] = {"transport": name, "rebuild": rebuild, "world": world, "backend": backend,
-                         "generation": self.generation}
+            header[0] = {
+                "transport": name,
+                "rebuild": rebuild,
+                "world": world,
+                "backend": backend,
+                "generation": self.generation,
+            }
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(header, src=0)
         self.transport_name = header[0]["transport"]
@@ -136,10 +159,12 @@ class WeightSync:
         engine_ips = sorted({i["ip"] for i in infos})
         same_host = len({ip for ip, _ in ranks} | set(engine_ips)) == 1
         if self.requested == "colocated" and not same_host:
-            raise ConfigError(f"rollout.weight_transport=colocated needs the engines on the trainer's host: trainer "
-                              f"ranks on {sorted({ip for ip, _ in ranks})}, engines on {engine_ips}; set "
-                              "rollout.weight_transport=distributed (or auto)")
-        if self.device.type != "cuda":               # shared memory reaches any engine process of the host
+            raise ConfigError(
+                f"rollout.weight_transport=colocated needs the engines on the trainer's host: trainer "
+                f"ranks on {sorted({ip for ip, _ in ranks})}, engines on {engine_ips}; set "
+                "rollout.weight_transport=distributed (or auto)"
+            )
+        if self.device.type != "cuda":  # shared memory reaches any engine process of the host
             return self.requested if self.requested != "auto" else ("colocated" if same_host else "distributed")
         return _gpu_transport(self.requested, same_host, self._sender_gpus(ranks), [i.get("gpu") for i in infos])
 
@@ -153,8 +178,7 @@ class WeightSync:
         return GroupTransport(self.plan, self.engines, _HOW[header["transport"]], self.timeout)
 
 
-def _gpu_transport(requested: str, same_host: bool, senders: list[Optional[str]],
-                   engines: list[Optional[str]]) -> str:
+def _gpu_transport(requested: str, same_host: bool, senders: list[Optional[str]], engines: list[Optional[str]]) -> str:
     """The transport for a trainer on GPUs (``senders``: each stage sender's GPU UUID; ``engines``: each engine's,
     None for an engine off the GPU). colocated (CUDA IPC) works when every engine runs on the one sender's GPU;
     distributed (NCCL) when no two members of a group share a GPU; otherwise only object_store works."""
@@ -162,28 +186,40 @@ def _gpu_transport(requested: str, same_host: bool, senders: list[Optional[str]]
     on_gpus = [g for g in engines if g is not None]
     clash = any(g in senders for g in on_gpus) or len(set(on_gpus)) < len(on_gpus)
     if requested == "colocated" and not ipc_ok:
-        raise ConfigError("rollout.weight_transport=colocated on GPUs needs every engine on the GPU of the trainer's "
-                          f"sender (CUDA IPC): sender GPUs {senders}, engine GPUs {engines}; set "
-                          "rollout.weight_transport=auto")
+        raise ConfigError(
+            "rollout.weight_transport=colocated on GPUs needs every engine on the GPU of the trainer's "
+            f"sender (CUDA IPC): sender GPUs {senders}, engine GPUs {engines}; set "
+            "rollout.weight_transport=auto"
+        )
     if requested == "distributed" and clash:
-        raise ConfigError("rollout.weight_transport=distributed: an engine shares a GPU with the trainer's sender or "
-                          f"another engine, and NCCL refuses two ranks of one group on one GPU (sender GPUs {senders}, "
-                          f"engine GPUs {engines}); set rollout.weight_transport=auto (colocated: CUDA IPC)")
+        raise ConfigError(
+            "rollout.weight_transport=distributed: an engine shares a GPU with the trainer's sender or "
+            f"another engine, and NCCL refuses two ranks of one group on one GPU (sender GPUs {senders}, "
+            f"engine GPUs {engines}); set rollout.weight_transport=auto (colocated: CUDA IPC)"
+        )
     if requested != "auto":
         return requested
     if ipc_ok:
         return "colocated"
     if not clash:
         return "distributed"
-    print(f"weight sync: engines share GPUs with the trainer but not one sender's GPU (sender GPUs {senders}, engine "
-          f"GPUs {engines}): neither NCCL nor CUDA IPC can reach them all; weights travel through the object store",
-          flush=True)
+    print(
+        f"weight sync: engines share GPUs with the trainer but not one sender's GPU (sender GPUs {senders}, engine "
+        f"GPUs {engines}): neither NCCL nor CUDA IPC can reach them all; weights travel through the object store",
+        flush=True,
+    )
     return "object_store"
 
 
-def sync_weights(chunks: Sequence[torch.nn.Module], table: Sequence[ParamMap], engines: Any, version: int,
-                 bucket_bytes: int = 512 << 20, fp8_block: Optional[tuple[int, int]] = None,
-                 transport: str = "object_store") -> dict[str, float]:
+def sync_weights(
+    chunks: Sequence[torch.nn.Module],
+    table: Sequence[ParamMap],
+    engines: Any,
+    version: int,
+    bucket_bytes: int = 512 << 20,
+    fp8_block: Optional[tuple[int, int]] = None,
+    transport: str = "object_store",
+) -> dict[str, float]:
     """One push without keeping the plan (collective): ``WeightSync(...).push(version)``."""
     sync = WeightSync(chunks, table, engines, transport, bucket_bytes, fp8_block)
     try:

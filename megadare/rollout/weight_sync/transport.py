@@ -18,6 +18,7 @@ engine objects, e.g. in tests) rank 0 calls their ``update_weights`` directly.
 Rank 0 talks to the engines through the rollout manager (``RolloutManager``: ``join_weight_groups``,
 ``start_receive``, ``load_flats``, ``wait``).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -27,8 +28,17 @@ import torch
 import torch.distributed as dist
 
 from megadare.parallel.rank0 import trainer_rank
-from megadare.rollout.weight_sync.groups import (DEFAULT_TIMEOUT, GroupSpec, SharedBuffer, broadcast_from_sender,
-                                                 device_sync, host_ip, host_store, join_group, leave_group)
+from megadare.rollout.weight_sync.groups import (
+    DEFAULT_TIMEOUT,
+    GroupSpec,
+    SharedBuffer,
+    broadcast_from_sender,
+    device_sync,
+    host_ip,
+    host_store,
+    join_group,
+    leave_group,
+)
 from megadare.rollout.weight_sync.plan import Bucket, Flat, SyncPlan, flat_layout
 
 _FORWARD_TAG = 1 << 20
@@ -67,8 +77,9 @@ class GroupTransport:
         addrs = gather_objects((host_ip(), store.port) if self.sender else None)
         world, gen = header["world"], header["generation"]
         self.names = [f"megadare_w{gen}_s{s.stage}" for s in self.plan.stages]
-        specs = [GroupSpec(n, *addrs[s.sender], world, 0, header["backend"])
-                 for n, s in zip(self.names, self.plan.stages)]
+        specs = [
+            GroupSpec(n, *addrs[s.sender], world, 0, header["backend"]) for n, s in zip(self.names, self.plan.stages)
+        ]
         refs = self.engines.join_weight_groups(specs, self.how, gen) if trainer_rank() == 0 else None
         if self.sender:
             self.pg = join_group(specs[self.plan.stages.index(self.stage)], self.timeout, store)
@@ -89,17 +100,18 @@ class GroupTransport:
         handles = gather_objects(handle) if self.how == "shared" else None
         if trainer_rank() == 0:
             plan = [(n, [b.flats for b in s.buckets]) for n, s in zip(self.names, self.plan.stages)]
-            self.refs = self.engines.start_receive(self.how, plan, version,
-                                                   [handles[s.sender] for s in self.plan.stages] if handles else None)
+            self.refs = self.engines.start_receive(
+                self.how, plan, version, [handles[s.sender] for s in self.plan.stages] if handles else None
+            )
 
     def send(self, index: int, bucket: Bucket, flats: list[torch.Tensor]) -> None:
         if self.how == "broadcast":
             for buf in flats:
                 broadcast_from_sender(buf, self.pg)
             return
-        device_sync(self.shared.tensor.device)                                      # its bytes are written
-        broadcast_from_sender(torch.tensor([index], dtype=torch.int64), self.pg)   # bucket `index` is ready
-        dist.barrier(group=self.pg)                                                 # every engine loaded it
+        device_sync(self.shared.tensor.device)  # its bytes are written
+        broadcast_from_sender(torch.tensor([index], dtype=torch.int64), self.pg)  # bucket `index` is ready
+        dist.barrier(group=self.pg)  # every engine loaded it
 
     def end(self) -> None:
         if self.shared is not None:

@@ -23,6 +23,7 @@ Slot values are summed per (sample, slot) on the ranks that hold the last pipeli
 whole world (slots of one sample may sit on different data-parallel ranks), so every rank computes the same
 weights, selections and metrics.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -34,10 +35,10 @@ from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.trainer.step import outputs_of
 
-Key = tuple[int, int]   # (sample index, slot)
+Key = tuple[int, int]  # (sample index, slot)
 
 
-Columns = Callable[[MicroBatch], list[Optional[torch.Tensor]]]   # per-position tensors of a micro-batch
+Columns = Callable[[MicroBatch], list[Optional[torch.Tensor]]]  # per-position tensors of a micro-batch
 
 
 def gather_slot_sums(micro_batches: list[MicroBatch], columns: Columns) -> dict[Key, list[float]]:
@@ -97,9 +98,12 @@ def store_behaviour(shape, corr, micro_batches: list[MicroBatch], versions: set[
         if mb.old is None:
             continue
         tv = corr.token_versions or {}
-        own = torch.tensor([tv[s][k] if s in tv and 0 <= k < len(tv[s]) else version_of.get(s, current)
-                            for s, k in zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist())]
-                           ).view_as(mb.sample)
+        own = torch.tensor(
+            [
+                tv[s][k] if s in tv and 0 <= k < len(tv[s]) else version_of.get(s, current)
+                for s, k in zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist())
+            ]
+        ).view_as(mb.sample)
         behave = mb.old.clone()
         for v in versions:
             behave = torch.where(own == v, mb.version_logp[v], behave)
@@ -113,13 +117,16 @@ def store_engine_behaviour(micro_batches: list[MicroBatch], engine_logprobs: dic
     for mb in micro_batches:
         if mb.slot is None:
             continue
-        vals = [engine_logprobs[s][sl] if sl >= 0 and k >= 0 else 0.0 for s, k, sl in
-                zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist(), mb.slot.flatten().tolist())]
+        vals = [
+            engine_logprobs[s][sl] if sl >= 0 and k >= 0 else 0.0
+            for s, k, sl in zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist(), mb.slot.flatten().tolist())
+        ]
         mb.behave = torch.tensor(vals, dtype=torch.float32).view_as(mb.slot)
 
 
-def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int],
-                       versions: set[int]) -> dict[str, float]:
+def correction_weights(
+    cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int], versions: set[int]
+) -> dict[str, float]:
     """Per-slot IS weights into ``is_weight`` (decoupled loss); returns the IS / mixture metrics."""
     from megadare.trainer.offpolicy.replay import balance_heuristic_weights
     from megadare.trainer.offpolicy.importance import rollout_is_weights
@@ -134,9 +141,16 @@ def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of:
     old = torch.tensor([sums[k][0] for k in order], dtype=torch.float64)
     behave = torch.tensor([sums[k][1] for k in order], dtype=torch.float64)
     group = torch.tensor([k[0] for k in order])
-    w, _, m = rollout_is_weights(old, behave, group, level=rl.rollout_is or "token", mode=rl.rollout_is_mode,
-                                 threshold_high=rl.rollout_is_threshold, threshold_low=rl.rollout_is_threshold_low,
-                                 veto_threshold=rl.rollout_is_veto)
+    w, _, m = rollout_is_weights(
+        old,
+        behave,
+        group,
+        level=rl.rollout_is or "token",
+        mode=rl.rollout_is_mode,
+        threshold_high=rl.rollout_is_threshold,
+        threshold_low=rl.rollout_is_threshold_low,
+        veto_threshold=rl.rollout_is_veto,
+    )
     metrics = {f"is/{k}": v for k, v in m.items()}
     if pmis:
         samples = sorted({k[0] for k in order})
@@ -148,8 +162,13 @@ def correction_weights(cfg: Config, micro_batches: list[MicroBatch], version_of:
         counts = torch.tensor([sum(version_of[s] == v for s in samples) for v in ver], dtype=torch.float64)
         ws = balance_heuristic_weights(seq[0], seq[1:], counts, log_clamp=20.0, threshold=rl.rollout_is_threshold)
         w = torch.stack([ws[pos[k[0]]] for k in order])
-        metrics.update({"is/mixture_weight_mean": float(ws.mean()), "is/mixture_weight_max": float(ws.max()),
-                        "is/mixture_ess": float(ws.sum() ** 2 / (len(ws) * (ws * ws).sum()))})
+        metrics.update(
+            {
+                "is/mixture_weight_mean": float(ws.mean()),
+                "is/mixture_weight_max": float(ws.max()),
+                "is/mixture_ess": float(ws.sum() ** 2 / (len(ws) * (ws * ws).sum())),
+            }
+        )
     put_slot_values(micro_batches, "is_weight", {k: float(wi) for k, wi in zip(order, w)})
     return metrics
 
@@ -177,42 +196,58 @@ def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
 
     rl, r = cfg.rl, cfg.rollout
     if ahead > rl.max_staleness:
-        raise ConfigError(f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
-                          f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync")
+        raise ConfigError(
+            f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
+            f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync"
+        )
     if rl.partial_rollout and not ahead:
-        raise ConfigError(f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
-                          f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)")
+        raise ConfigError(
+            f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
+            f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)"
+        )
     if ahead and algo.own_rollout:
-        raise ConfigError(f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; "
-                          "use rl.mode=sync")
+        raise ConfigError(
+            f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; use rl.mode=sync"
+        )
     if rl.loss_mode == "ppo" and rl.rollout_is is not None:
-        raise ConfigError(f"rl.rollout_is={rl.rollout_is!r} needs rl.loss_mode=decoupled (IS behaviour -> proximal) "
-                          "or bypass (ratio against the behaviour policy); rl.loss_mode=ppo ignores the behaviour")
+        raise ConfigError(
+            f"rl.rollout_is={rl.rollout_is!r} needs rl.loss_mode=decoupled (IS behaviour -> proximal) "
+            "or bypass (ratio against the behaviour policy); rl.loss_mode=ppo ignores the behaviour"
+        )
     if rl.loss_mode == "bypass" and rl.rollout_is is not None and rl.rollout_is != "token":
-        raise ConfigError(f"rl.loss_mode=bypass rejects slot by slot against the current policy: rl.rollout_is "
-                          f"must be token or null, not {rl.rollout_is!r}")
+        raise ConfigError(
+            f"rl.loss_mode=bypass rejects slot by slot against the current policy: rl.rollout_is "
+            f"must be token or null, not {rl.rollout_is!r}"
+        )
     if rl.behaviour_logp == "engine":
         if not algo.engine_logprobs_match(arch):
-            raise ConfigError(f"rl.behaviour_logp=engine: {algo.name}'s estimator is not the engine's per-step "
-                              "sampler log-prob (only trace replay with one state per step is: cj_grpo, tracerl "
-                              "with shrink 1); use rl.behaviour_logp=trainer")
+            raise ConfigError(
+                f"rl.behaviour_logp=engine: {algo.name}'s estimator is not the engine's per-step "
+                "sampler log-prob (only trace replay with one state per step is: cj_grpo, tracerl "
+                "with shrink 1); use rl.behaviour_logp=trainer"
+            )
         if r.temperature != 1.0 or r.top_k or r.top_p != 1.0:
-            raise ConfigError(f"rl.behaviour_logp=engine needs rollout.temperature=1, top_k=0, top_p=1 (got "
-                              f"{r.temperature}, {r.top_k}, {r.top_p}): the trainer scores untempered, untruncated "
-                              "log-probs")
+            raise ConfigError(
+                f"rl.behaviour_logp=engine needs rollout.temperature=1, top_k=0, top_p=1 (got "
+                f"{r.temperature}, {r.top_k}, {r.top_p}): the trainer scores untempered, untruncated "
+                "log-probs"
+            )
     if cfg.replay.enable and rl.loss_mode == "ppo":
-        raise ConfigError("replay.enable=true trains on samples of older policies: set rl.loss_mode=decoupled (or "
-                          "bypass) so they are importance-corrected")
+        raise ConfigError(
+            "replay.enable=true trains on samples of older policies: set rl.loss_mode=decoupled (or "
+            "bypass) so they are importance-corrected"
+        )
     if cfg.replay.enable and rl.behaviour_logp == "engine":
-        raise ConfigError("replay.enable=true scores and weights samples under several versions with the trainer's "
-                          "estimator: use rl.behaviour_logp=trainer")
+        raise ConfigError(
+            "replay.enable=true scores and weights samples under several versions with the trainer's "
+            "estimator: use rl.behaviour_logp=trainer"
+        )
 
 
 def needs_snapshots(cfg: Config, ahead: int) -> bool:
     """Weight snapshots are needed when samples of older versions reach the trainer (queued rollouts or replay)
     and their behaviour log-probs come from the trainer."""
-    return (cfg.rl.loss_mode != "ppo" and cfg.rl.behaviour_logp == "trainer"
-            and (ahead > 0 or cfg.replay.enable))
+    return cfg.rl.loss_mode != "ppo" and cfg.rl.behaviour_logp == "trainer" and (ahead > 0 or cfg.replay.enable)
 
 
 def bypass_rejection(cfg: Config):
@@ -224,9 +259,17 @@ def bypass_rejection(cfg: Config):
     rl = cfg.rl
 
     def keep(current: torch.Tensor, behave: torch.Tensor) -> torch.Tensor:
-        return rollout_is_weights(current.detach(), behave.detach(), None, level="token", mode=rl.rollout_is_mode,
-                                  threshold_high=rl.rollout_is_threshold, threshold_low=rl.rollout_is_threshold_low,
-                                  veto_threshold=rl.rollout_is_veto)[1]
+        return rollout_is_weights(
+            current.detach(),
+            behave.detach(),
+            None,
+            level="token",
+            mode=rl.rollout_is_mode,
+            threshold_high=rl.rollout_is_threshold,
+            threshold_low=rl.rollout_is_threshold_low,
+            veto_threshold=rl.rollout_is_veto,
+        )[1]
+
     return keep
 
 
@@ -259,6 +302,18 @@ def engine_table(samples: list[Any]) -> Optional[dict[int, list[float]]]:
     return {s.index: s.engine_logprobs for s in samples}
 
 
-__all__ = ["gather_slot_sums", "put_slot_values", "store_behaviour", "store_engine_behaviour", "correction_weights",
-           "replay_scores", "check_correction_config", "needs_snapshots", "bypass_rejection", "reindex",
-           "oldest_needed", "version_table", "engine_table"]
+__all__ = [
+    "gather_slot_sums",
+    "put_slot_values",
+    "store_behaviour",
+    "store_engine_behaviour",
+    "correction_weights",
+    "replay_scores",
+    "check_correction_config",
+    "needs_snapshots",
+    "bypass_rejection",
+    "reindex",
+    "oldest_needed",
+    "version_table",
+    "engine_table",
+]

@@ -81,6 +81,7 @@ Metrics (floats; "units" are elements at ``level="token"``, sequences at ``"sequ
     veto_fraction          sequences dropped by the veto
     applied_mean, applied_ess  the same statistics of the weights actually returned (after truncation/masking)
 """
+
 from __future__ import annotations
 
 import math
@@ -93,7 +94,7 @@ from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
-SAFETY_BOUND = 20.0   # verl rollout_corr_helper.SAFETY_BOUND: log-ratios are clamped to +-20 before exp
+SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: log-ratios are clamped to +-20 before exp
 
 
 def _log_threshold(x: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -118,15 +119,28 @@ def _stats(u: torch.Tensor) -> dict[str, float]:
     if u.numel() == 0:
         return {k: float("nan") for k in ("mean", "std", "max", "min", "ess", "chi2")}
     s, s2, n = u.sum(), (u * u).sum(), u.numel()
-    return {"mean": float(u.mean()), "std": float(u.std(unbiased=False)), "max": float(u.max()),
-            "min": float(u.min()), "ess": float(s * s / (n * s2)) if s2 > 0 else 0.0, "chi2": float(s2 / n - 1.0)}
+    return {
+        "mean": float(u.mean()),
+        "std": float(u.std(unbiased=False)),
+        "max": float(u.max()),
+        "min": float(u.min()),
+        "ess": float(s * s / (n * s2)) if s2 > 0 else 0.0,
+        "chi2": float(s2 / n - 1.0),
+    }
 
 
-def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                       group_ids: Optional[torch.Tensor] = None, level: str = "token", mode: str = "truncate",
-                       threshold_high: Optional[float] = 2.0, threshold_low: Optional[float] = None,
-                       log_clamp: float = SAFETY_BOUND, veto_threshold: Optional[float] = None,
-                       valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def rollout_is_weights(
+    target_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    group_ids: Optional[torch.Tensor] = None,
+    level: str = "token",
+    mode: str = "truncate",
+    threshold_high: Optional[float] = 2.0,
+    threshold_low: Optional[float] = None,
+    log_clamp: float = SAFETY_BOUND,
+    veto_threshold: Optional[float] = None,
+    valid: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Importance weights pi_target / mu for off-policy elements: (weights [N], keep [N] bool, metrics).
 
     Follows verl ``mismatch_helper.py::compute_rollout_importance_weights`` (levels token / sequence / geometric,
@@ -154,8 +168,7 @@ def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
     elements contribute nothing. A NaN log-ratio (e.g. -inf - -inf) rejects its element (its whole sequence at
     sequence / geometric level) instead of propagating.
     """
-    _check_is_args(target_logp, behaviour_logp, level, mode, threshold_high, threshold_low, veto_threshold,
-                   log_clamp)
+    _check_is_args(target_logp, behaviour_logp, level, mode, threshold_high, threshold_low, veto_threshold, log_clamp)
     n = target_logp.shape[0]
     device = target_logp.device
     dtype = torch.promote_types(target_logp.dtype, torch.float32)
@@ -176,25 +189,36 @@ def rollout_is_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
             vetoed_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, bad.to(dtype)) > 0
             keep = keep & ~vetoed_seq[inv]
         weights = torch.where(keep, w, torch.zeros((), dtype=dtype, device=device))
-        metrics = _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated & keep, valid_b, vetoed_seq,
-                              inv, n_groups, level)
+        metrics = _is_metrics(
+            t, b, log_r, elem_log, raw, weights, keep, truncated & keep, valid_b, vetoed_seq, inv, n_groups, level
+        )
     return weights, keep, metrics
 
 
-def _check_is_args(target_logp: torch.Tensor, behaviour_logp: torch.Tensor, level: str, mode: str,
-                   threshold_high: Optional[float], threshold_low: Optional[float],
-                   veto_threshold: Optional[float], log_clamp: float) -> None:
+def _check_is_args(
+    target_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    level: str,
+    mode: str,
+    threshold_high: Optional[float],
+    threshold_low: Optional[float],
+    veto_threshold: Optional[float],
+    log_clamp: float,
+) -> None:
     if level not in IS_LEVELS:
         raise ValueError(f"rollout_is level={level!r} unknown; choose one of {IS_LEVELS}")
     if mode not in IS_MODES:
         raise ValueError(f"rollout_is mode={mode!r} unknown; choose one of {IS_MODES}")
     if target_logp.shape != behaviour_logp.shape or target_logp.dim() != 1:
-        raise ValueError(f"rollout_is: target {tuple(target_logp.shape)} and behaviour "
-                         f"{tuple(behaviour_logp.shape)} log-probs must both be [N]")
+        raise ValueError(
+            f"rollout_is: target {tuple(target_logp.shape)} and behaviour "
+            f"{tuple(behaviour_logp.shape)} log-probs must both be [N]"
+        )
     if threshold_high is not None and threshold_high <= 0:
         raise ValueError(f"rollout_is threshold_high={threshold_high} must be > 0 (or None)")
-    if threshold_low is not None and (threshold_low < 0 or (threshold_high is not None
-                                                            and threshold_low > threshold_high)):
+    if threshold_low is not None and (
+        threshold_low < 0 or (threshold_high is not None and threshold_low > threshold_high)
+    ):
         raise ValueError(f"rollout_is threshold_low={threshold_low} must lie in [0, threshold_high]")
     if veto_threshold is not None and veto_threshold <= 0:
         raise ValueError(f"rollout_is veto_threshold={veto_threshold} must be > 0 (or None)")
@@ -202,8 +226,9 @@ def _check_is_args(target_logp: torch.Tensor, behaviour_logp: torch.Tensor, leve
         raise ValueError(f"rollout_is log_clamp={log_clamp} must be > 0")
 
 
-def _unit_log_ratios(log_r: torch.Tensor, valid: torch.Tensor, inv: torch.Tensor, n_groups: int,
-                     level: str) -> torch.Tensor:
+def _unit_log_ratios(
+    log_r: torch.Tensor, valid: torch.Tensor, inv: torch.Tensor, n_groups: int, level: str
+) -> torch.Tensor:
     """Per element, the log-ratio of its unit: the token's own (token), its sequence's sum (sequence) or mean
     (geometric)."""
     if level == "token":
@@ -215,9 +240,14 @@ def _unit_log_ratios(log_r: torch.Tensor, valid: torch.Tensor, inv: torch.Tensor
     return g[inv]
 
 
-def _apply_thresholds(raw: torch.Tensor, elem_log: torch.Tensor, valid: torch.Tensor, mode: str,
-                      threshold_high: Optional[float], threshold_low: Optional[float]
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _apply_thresholds(
+    raw: torch.Tensor,
+    elem_log: torch.Tensor,
+    valid: torch.Tensor,
+    mode: str,
+    threshold_high: Optional[float],
+    threshold_low: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keep, weight, truncated) under truncation (TIS) or masking (MIS); bounds compared in log space."""
     dtype, device = raw.dtype, raw.device
     low = threshold_low
@@ -239,8 +269,9 @@ def _apply_thresholds(raw: torch.Tensor, elem_log: torch.Tensor, valid: torch.Te
     return keep, w, truncated
 
 
-def _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vetoed_seq, inv, n_groups: int,
-                level: str) -> dict[str, float]:
+def _is_metrics(
+    t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vetoed_seq, inv, n_groups: int, level: str
+) -> dict[str, float]:
     """The metrics of the module docstring, over units (elements, or one representative per sequence)."""
     n, dtype, device = t.shape[0], t.dtype, t.device
     count = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, valid.to(dtype))
@@ -252,7 +283,8 @@ def _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vet
     else:
         # one representative (its first valid element) per sequence that has a valid element
         rep = torch.full((n_groups,), n, dtype=torch.long, device=device).scatter_reduce(
-            0, inv[valid], torch.arange(n, device=device)[valid], reduce="amin")[has_valid]
+            0, inv[valid], torch.arange(n, device=device)[valid], reduce="amin"
+        )[has_valid]
         unit_raw = raw[rep][~torch.isnan(elem_log[rep])]
         unit_applied = weights[rep]
     raw_stats, applied_stats = _stats(unit_raw), _stats(unit_applied)
@@ -260,42 +292,69 @@ def _is_metrics(t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vet
     rej_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, rejected.to(dtype)) > 0
     n_seq = int(has_valid.sum())
     metrics = {f"is_{k}": raw_stats[k] for k in ("mean", "std", "max", "min")}
-    metrics.update({
-        "ess": raw_stats["ess"],
-        "chi2": raw_stats["chi2"],
-        "k3_kl": float(kl_penalty(b[ok], t[ok], "k3", k3_bound=None).mean()) if bool(ok.any()) else float("nan"),
-        "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
-        "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
-        "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
-        "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
-        "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
-        "applied_mean": applied_stats["mean"],
-        "applied_ess": applied_stats["ess"],
-    })
+    metrics.update(
+        {
+            "ess": raw_stats["ess"],
+            "chi2": raw_stats["chi2"],
+            "k3_kl": float(kl_penalty(b[ok], t[ok], "k3", k3_bound=None).mean()) if bool(ok.any()) else float("nan"),
+            "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
+            "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
+            "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
+            "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
+            "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
+            "applied_mean": applied_stats["mean"],
+            "applied_ess": applied_stats["ess"],
+        }
+    )
     return metrics
 
 
-def _weights_or_identity(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                         group_ids: Optional[torch.Tensor], level: str, mode: str, threshold: Optional[float],
-                         threshold_low: Optional[float], log_clamp: float, veto_threshold: Optional[float]
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def _weights_or_identity(
+    target_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    group_ids: Optional[torch.Tensor],
+    level: str,
+    mode: str,
+    threshold: Optional[float],
+    threshold_low: Optional[float],
+    log_clamp: float,
+    veto_threshold: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(detached IS weights, keep mask) of ``rollout_is_weights``, or (ones, all kept) when neither a threshold nor
     a veto is set; ``threshold=None`` with a veto means no cap (only the veto)."""
     if threshold is None and veto_threshold is None:
         return torch.ones_like(target_logp).detach(), torch.ones_like(target_logp, dtype=torch.bool)
-    w, keep, _ = rollout_is_weights(target_logp, behaviour_logp, group_ids, level=level, mode=mode,
-                                    threshold_high=threshold if threshold is not None else math.inf,
-                                    threshold_low=threshold_low, log_clamp=log_clamp, veto_threshold=veto_threshold)
+    w, keep, _ = rollout_is_weights(
+        target_logp,
+        behaviour_logp,
+        group_ids,
+        level=level,
+        mode=mode,
+        threshold_high=threshold if threshold is not None else math.inf,
+        threshold_low=threshold_low,
+        log_clamp=log_clamp,
+        veto_threshold=veto_threshold,
+    )
     return w, keep
 
 
-def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                       adv: torch.Tensor, eps_low: float = 0.2, eps_high: Optional[float] = None,
-                       is_threshold: Optional[float] = 2.0, *, is_mode: str = "truncate",
-                       is_threshold_low: Optional[float] = None, is_level: str = "token",
-                       group_ids: Optional[torch.Tensor] = None, veto_threshold: Optional[float] = None,
-                       dual_clip: Optional[float] = None, log_ratio_clamp: float = SAFETY_BOUND,
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    is_threshold: Optional[float] = 2.0,
+    *,
+    is_mode: str = "truncate",
+    is_threshold_low: Optional[float] = None,
+    is_level: str = "token",
+    group_ids: Optional[torch.Tensor] = None,
+    veto_threshold: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    log_ratio_clamp: float = SAFETY_BOUND,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO (Hilton et al., arXiv:2110.00641; AReaL arXiv:2505.24298): (per-element loss, parts).
 
         L_k = -w_k * min(r_k A_k, clip(r_k, 1 - eps_low, 1 + eps_high) A_k),   r_k = exp(logp_k - prox_k),
@@ -321,20 +380,39 @@ def decoupled_ppo_loss(logp: torch.Tensor, proximal_logp: torch.Tensor, behaviou
         raise ValueError("decoupled_ppo_loss: logp, proximal_logp, behaviour_logp and adv must have one shape")
     prox = proximal_logp.detach()
     loss, clipped = ppo_clip_loss(logp, prox, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
-    w, keep = _weights_or_identity(prox, behaviour_logp, group_ids, is_level, is_mode, is_threshold,
-                                   is_threshold_low, log_ratio_clamp, veto_threshold)
-    w = keep.to(loss.dtype) if is_threshold is None else w.to(loss.dtype)   # None: only the veto
+    w, keep = _weights_or_identity(
+        prox,
+        behaviour_logp,
+        group_ids,
+        is_level,
+        is_mode,
+        is_threshold,
+        is_threshold_low,
+        log_ratio_clamp,
+        veto_threshold,
+    )
+    w = keep.to(loss.dtype) if is_threshold is None else w.to(loss.dtype)  # None: only the veto
     ratio = torch.exp((logp.detach() - prox).clamp(-log_ratio_clamp, log_ratio_clamp))
     return w * loss, {"clipped": clipped, "behave_weight": w, "behave_keep": keep.to(loss.dtype), "ppo_ratio": ratio}
 
 
-def bypass_ppo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch.Tensor,
-                    eps_low: float = 0.2, eps_high: Optional[float] = None, *, loss_type: str = "ppo_clip",
-                    is_threshold: Optional[float] = 2.0, is_mode: str = "truncate",
-                    is_threshold_low: Optional[float] = None, is_level: str = "token",
-                    group_ids: Optional[torch.Tensor] = None, veto_threshold: Optional[float] = None,
-                    dual_clip: Optional[float] = None, log_ratio_clamp: float = SAFETY_BOUND,
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def bypass_ppo_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: Optional[float] = None,
+    *,
+    loss_type: str = "ppo_clip",
+    is_threshold: Optional[float] = 2.0,
+    is_mode: str = "truncate",
+    is_threshold_low: Optional[float] = None,
+    is_level: str = "token",
+    group_ids: Optional[torch.Tensor] = None,
+    veto_threshold: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    log_ratio_clamp: float = SAFETY_BOUND,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode (verl ``core_algos.py::compute_policy_loss_bypass_mode``): pi_prox := mu, one ratio against
     the behaviour policy, no proximal forward. (per-element loss, parts).
 
@@ -355,13 +433,14 @@ def bypass_ppo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, adv: torch
     if not (logp.shape == behaviour_logp.shape == adv.shape):
         raise ValueError("bypass_ppo_loss: logp, behaviour_logp and adv must have one shape")
     behave = behaviour_logp.detach()
-    w, keep = _weights_or_identity(logp, behave, group_ids, is_level, is_mode, is_threshold, is_threshold_low,
-                                   log_ratio_clamp, veto_threshold)
+    w, keep = _weights_or_identity(
+        logp, behave, group_ids, is_level, is_mode, is_threshold, is_threshold_low, log_ratio_clamp, veto_threshold
+    )
     w = w.to(logp.dtype)
     keep_f = keep.to(logp.dtype)
     if loss_type == "ppo_clip":
         loss, clipped = ppo_clip_loss(logp, behave, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
         return keep_f * loss, {"clipped": clipped, "is_weight": w, "keep": keep_f}
     if is_threshold is None:
-        w = keep_f   # no IS weight, only the veto
+        w = keep_f  # no IS weight, only the veto
     return -w * logp * adv, {"is_weight": w, "keep": keep_f}

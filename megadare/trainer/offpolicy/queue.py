@@ -26,6 +26,7 @@ of a stale sample are the algorithm's own estimator evaluated with the weights o
 the trainer keeps a CPU copy of its local parameter shards for every version still referenced (lookahead or the
 replay window) and swaps it in for that forward pass. Cost: one copy of the local shards per retained version.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,9 @@ def lookahead(mode: str, max_staleness: int) -> int:
 
 @dataclass
 class QueuedRollout:
-    step: int                              # the RL step that will train on it
-    batch_indices: list[int]               # prompt indices (StepSampler.batch(step))
-    pending: Any = None                    # PendingRollout / PartialRollout, or the finished trajectories
+    step: int  # the RL step that will train on it
+    batch_indices: list[int]  # prompt indices (StepSampler.batch(step))
+    pending: Any = None  # PendingRollout / PartialRollout, or the finished trajectories
 
 
 class PartialRollout:
@@ -60,7 +61,7 @@ class PartialRollout:
         B = params.block_size
         self.first = [blocks * B - (len(p) % B if global_grid else 0) for p in prompts]
         self.every = blocks * B
-        self.parts: list[list] = [[] for _ in prompts]    # per prompt: its segments' trajectories
+        self.parts: list[list] = [[] for _ in prompts]  # per prompt: its segments' trajectories
         self.done = [False] * len(prompts)
         self.rounds = 0
         self.inflight: list[tuple[list[int], Any]] = []
@@ -102,15 +103,25 @@ class PartialRollout:
 
     def _stitch(self, i: int):
         segs = self.parts[i]
-        out = replace(segs[0], prompt_ids=list(self.prompts[i]), response_ids=[], commit_step=[], block_step=[],
-                      logprobs=[], params=self.params, extra=dict(segs[0].extra),
-                      superseded=[] if any(t.superseded is not None for t in segs) else None)
+        out = replace(
+            segs[0],
+            prompt_ids=list(self.prompts[i]),
+            response_ids=[],
+            commit_step=[],
+            block_step=[],
+            logprobs=[],
+            params=self.params,
+            extra=dict(segs[0].extra),
+            superseded=[] if any(t.superseded is not None for t in segs) else None,
+        )
         versions: list[int] = []
         offset = 0
         for tr in segs:
-            if out.superseded is not None:   # token editing: positions and steps on the stitched grid
-                out.superseded += [e._replace(position=e.position + len(out.response_ids),
-                                              commit_step=e.commit_step + offset) for e in tr.superseded or []]
+            if out.superseded is not None:  # token editing: positions and steps on the stitched grid
+                out.superseded += [
+                    e._replace(position=e.position + len(out.response_ids), commit_step=e.commit_step + offset)
+                    for e in tr.superseded or []
+                ]
             out.response_ids += tr.response_ids
             out.commit_step += [c + offset for c in tr.commit_step]
             out.block_step += tr.block_step
@@ -211,8 +222,10 @@ class WeightSnapshots:
 
 def staleness_metrics(stale: list[int], prefix: str = "async/") -> dict[str, float]:
     """Mean / max and the histogram (one scalar per staleness value) of the trajectories' staleness."""
-    out = {f"{prefix}staleness_mean": sum(stale) / max(len(stale), 1),
-           f"{prefix}staleness_max": float(max(stale, default=0))}
+    out = {
+        f"{prefix}staleness_mean": sum(stale) / max(len(stale), 1),
+        f"{prefix}staleness_max": float(max(stale, default=0)),
+    }
     for d in sorted(set(stale)):
         out[f"{prefix}staleness_hist/{d}"] = stale.count(d) / len(stale)
     return out

@@ -61,6 +61,7 @@ log-prob estimator evaluated under both policies) and the IS weight rho = exp(su
 4. ``ReplayBuffer.metrics``: buffer size (total and per staleness), versions held, mean / max staleness of the
    buffer and of the replayed samples, replay fraction, mean score, counters.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ STATE_FORMAT = 1
 # ---------------------------------------------------------------------------------------------------------------
 # the buffer
 # ---------------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ReplayEntry:
@@ -94,9 +96,9 @@ class ReplaySelection:
 
     samples: list
     uids: list[int]
-    versions: torch.Tensor     # [n] long, behaviour version of each selected sample
-    staleness: torch.Tensor    # [n] long, current_version - version
-    scores: torch.Tensor       # [n] float64, the pooled score each was selected with (lower = better matched)
+    versions: torch.Tensor  # [n] long, behaviour version of each selected sample
+    staleness: torch.Tensor  # [n] long, current_version - version
+    scores: torch.Tensor  # [n] float64, the pooled score each was selected with (lower = better matched)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -186,8 +188,9 @@ class ReplayBuffer:
         for s in items:
             v = version if version is not None else sample_version(s)
             if v is None:
-                raise ValueError("ReplayBuffer.add: no version given and the sample has no policy_version "
-                                 "(policy_version)")
+                raise ValueError(
+                    "ReplayBuffer.add: no version given and the sample has no policy_version (policy_version)"
+                )
             groups.setdefault(int(v), []).append(s)
         stored = 0
         for v in sorted(groups):
@@ -243,8 +246,7 @@ class ReplayBuffer:
         """[N] long, ``current_version - version`` of every entry (``entries()`` order)."""
         st = torch.tensor([current_version - e.version for e in self.entries()], dtype=torch.long)
         if st.numel() and int(st.min()) < 0:
-            raise ValueError(f"current_version={current_version} is older than a stored sample "
-                             f"(version {self.newest})")
+            raise ValueError(f"current_version={current_version} is older than a stored sample (version {self.newest})")
         return st
 
     def staleness_histogram(self, current_version: int) -> dict[int, int]:
@@ -255,15 +257,24 @@ class ReplayBuffer:
         return dict(sorted(hist.items()))
 
     # ---- selection ------------------------------------------------------------------------------------------
-    def select(self, n: int, current_version: int, *,
-               log_ratios: Optional[Sequence[torch.Tensor]] = None,
-               scores: Optional[torch.Tensor] = None,
-               score_fn: Optional[Callable[[list], torch.Tensor]] = None,
-               generator: Optional[torch.Generator] = None,
-               kind: str = "token_chi2", level: str = "sample", temperature: float = 0.0,
-               max_score: Optional[float] = None, max_staleness: Optional[int] = None,
-               drop_degenerate_groups: bool = False, consume: bool = False,
-               log_clamp: float = 20.0) -> ReplaySelection:
+    def select(
+        self,
+        n: int,
+        current_version: int,
+        *,
+        log_ratios: Optional[Sequence[torch.Tensor]] = None,
+        scores: Optional[torch.Tensor] = None,
+        score_fn: Optional[Callable[[list], torch.Tensor]] = None,
+        generator: Optional[torch.Generator] = None,
+        kind: str = "token_chi2",
+        level: str = "sample",
+        temperature: float = 0.0,
+        max_score: Optional[float] = None,
+        max_staleness: Optional[int] = None,
+        drop_degenerate_groups: bool = False,
+        consume: bool = False,
+        log_clamp: float = 20.0,
+    ) -> ReplaySelection:
         """Pick up to ``n`` replayed samples whose behaviour distribution best matches the current policy.
 
         The candidates are ``entries(current_version, max_staleness)`` in that order; their match is given by
@@ -298,22 +309,35 @@ class ReplayBuffer:
         if consume:
             self.remove(e.uid for e in picked)
         versions = torch.tensor([e.version for e in picked], dtype=torch.long)
-        return ReplaySelection(samples=[e.sample for e in picked], uids=[e.uid for e in picked],
-                               versions=versions, staleness=current_version - versions,
-                               scores=torch.tensor(pooled, dtype=torch.float64))
+        return ReplaySelection(
+            samples=[e.sample for e in picked],
+            uids=[e.uid for e in picked],
+            versions=versions,
+            staleness=current_version - versions,
+            scores=torch.tensor(pooled, dtype=torch.float64),
+        )
 
     # ---- health ---------------------------------------------------------------------------------------------
-    def metrics(self, current_version: int, selection: Optional[ReplaySelection] = None,
-                n_fresh: int = 0, prefix: str = "replay/") -> dict[str, float]:
+    def metrics(
+        self,
+        current_version: int,
+        selection: Optional[ReplaySelection] = None,
+        n_fresh: int = 0,
+        prefix: str = "replay/",
+    ) -> dict[str, float]:
         """Buffer health: size, versions held, per-staleness sizes, mean / max staleness; with a ``selection``
         also the replayed samples' staleness, mean score and ``replay_fraction`` = replayed / (replayed +
         ``n_fresh``) of the training batch they join."""
         st = self.staleness(current_version)
         m: dict[str, float] = {
-            "size": float(len(self)), "versions": float(len(self.versions)), "ready": float(self.ready),
+            "size": float(len(self)),
+            "versions": float(len(self.versions)),
+            "ready": float(self.ready),
             "staleness_mean": float(st.double().mean()) if st.numel() else 0.0,
             "staleness_max": float(st.max()) if st.numel() else 0.0,
-            "added": float(self.n_added), "evicted": float(self.n_evicted), "refused": float(self.n_refused),
+            "added": float(self.n_added),
+            "evicted": float(self.n_evicted),
+            "refused": float(self.n_refused),
             "selected_total": float(self.n_selected),
         }
         for d, c in self.staleness_histogram(current_version).items():
@@ -333,12 +357,21 @@ class ReplayBuffer:
         versions seen, counters. The samples are stored as they are (they must pickle; with ``torch.load`` use
         ``weights_only=False`` for non-tensor samples such as ``RLSample``)."""
         return {
-            "format": STATE_FORMAT, "k": self.k, "warmup": self.warmup,
+            "format": STATE_FORMAT,
+            "k": self.k,
+            "warmup": self.warmup,
             "capacity_per_version": self.capacity_per_version,
             "entries": [(e.uid, e.version, e.uses, e.sample) for e in self.entries()],
-            "next_uid": self._next_uid, "seen": sorted(self._seen), "newest": self.newest,
-            "counters": {"n_added": self.n_added, "n_evicted": self.n_evicted, "n_refused": self.n_refused,
-                         "n_selected": self.n_selected, "n_select_calls": self.n_select_calls},
+            "next_uid": self._next_uid,
+            "seen": sorted(self._seen),
+            "newest": self.newest,
+            "counters": {
+                "n_added": self.n_added,
+                "n_evicted": self.n_evicted,
+                "n_refused": self.n_refused,
+                "n_selected": self.n_selected,
+                "n_select_calls": self.n_select_calls,
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -386,7 +419,7 @@ def _order(score: torch.Tensor, temperature: float, generator: Optional[torch.Ge
     perm = torch.randperm(m, generator=generator)
     if temperature > 0:
         u = torch.rand(m, generator=generator, dtype=torch.float64).clamp(1e-300, 1.0 - 1e-16)
-        key = -score[perm] / temperature - torch.log(-torch.log(u))   # larger = earlier
+        key = -score[perm] / temperature - torch.log(-torch.log(u))  # larger = earlier
         return perm[torch.sort(-key, stable=True).indices]
     return perm[torch.sort(score[perm], stable=True).indices]
 
@@ -395,16 +428,21 @@ def _order(score: torch.Tensor, temperature: float, generator: Optional[torch.Ge
 # scores
 # ---------------------------------------------------------------------------------------------------------------
 
-def variance_guided_scores(log_ratios: Union[Sequence[torch.Tensor], torch.Tensor], kind: str = "token_chi2",
-                           log_clamp: Optional[float] = 20.0) -> torch.Tensor:
+
+def variance_guided_scores(
+    log_ratios: Union[Sequence[torch.Tensor], torch.Tensor], kind: str = "token_chi2", log_clamp: Optional[float] = 20.0
+) -> torch.Tensor:
     """[N] float64 mismatch score per sample from its per-token log ratios l = log pi - log mu_v (lower = better
     matched; 0 when pi = mu_v on the sample's tokens, except ``log_ratio_var`` which is 0 for any constant shift).
     See the module docstring for the formulas. Log ratios are clamped to +-``log_clamp`` first (verl's guard);
     an empty sample scores 0."""
     if kind not in SCORES:
         raise ValueError(f"score kind={kind!r} unknown; choose one of {SCORES}")
-    rows = list(log_ratios.unbind(0)) if isinstance(log_ratios, torch.Tensor) and log_ratios.dim() == 2 \
+    rows = (
+        list(log_ratios.unbind(0))
+        if isinstance(log_ratios, torch.Tensor) and log_ratios.dim() == 2
         else list(log_ratios)
+    )
     out = torch.zeros(len(rows), dtype=torch.float64)
     for i, row in enumerate(rows):
         lr = torch.as_tensor(row, dtype=torch.float64).flatten()
@@ -443,14 +481,20 @@ def chi2_ess(log_w: torch.Tensor) -> dict[str, float]:
 # multi-behaviour objective
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def version_counts(versions: torch.Tensor) -> tuple[list[int], torch.Tensor]:
     """(distinct versions ascending, count of each) of a [N] version tensor."""
     uniq, counts = torch.unique(torch.as_tensor(versions, dtype=torch.long), sorted=True, return_counts=True)
     return uniq.tolist(), counts
 
 
-def balance_heuristic_weights(target_logp: torch.Tensor, behaviour_logps: torch.Tensor, counts: torch.Tensor,
-                              log_clamp: Optional[float] = None, threshold: Optional[float] = None) -> torch.Tensor:
+def balance_heuristic_weights(
+    target_logp: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    counts: torch.Tensor,
+    log_clamp: Optional[float] = None,
+    threshold: Optional[float] = None,
+) -> torch.Tensor:
     """Balance-heuristic MIS weights (Veach & Guibas 1995): for samples drawn n_j from each of K behaviour
     policies q_j (n = sum_j n_j),
 
@@ -473,7 +517,7 @@ def balance_heuristic_weights(target_logp: torch.Tensor, behaviour_logps: torch.
         raise ValueError(f"behaviour_logps {tuple(q.shape)} must be [K={n.numel()}, N={p.numel()}]")
     if (n < 0).any() or float(n.sum()) <= 0:
         raise ValueError(f"counts {n.tolist()} must be >= 0 with a positive total")
-    log_alpha = torch.log(n / n.sum())                                   # -inf for a zero count
+    log_alpha = torch.log(n / n.sum())  # -inf for a zero count
     mix = torch.logsumexp(q.to(torch.float64) + log_alpha.unsqueeze(1), dim=0)
     log_w = p.to(torch.float64).flatten() - mix
     if log_clamp is not None:
@@ -484,8 +528,13 @@ def balance_heuristic_weights(target_logp: torch.Tensor, behaviour_logps: torch.
     return w.to(p.dtype if p.is_floating_point() else torch.float64)
 
 
-def mis_weights(target_logp: torch.Tensor, logp_by_version: Mapping[int, torch.Tensor], versions: torch.Tensor,
-                log_clamp: Optional[float] = None, threshold: Optional[float] = None) -> torch.Tensor:
+def mis_weights(
+    target_logp: torch.Tensor,
+    logp_by_version: Mapping[int, torch.Tensor],
+    versions: torch.Tensor,
+    log_clamp: Optional[float] = None,
+    threshold: Optional[float] = None,
+) -> torch.Tensor:
     """Balance-heuristic weights for a batch that mixes behaviour versions: ``versions`` [N] is the version that
     drew each sample (fresh and replayed alike), ``logp_by_version[v]`` [N] the log-prob of *every* sample under
     version v's policy (needed for each v in ``versions``); the counts n_v come from ``versions``."""
@@ -497,8 +546,12 @@ def mis_weights(target_logp: torch.Tensor, logp_by_version: Mapping[int, torch.T
     return balance_heuristic_weights(target_logp, beh, counts, log_clamp, threshold)
 
 
-def own_behaviour_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor,
-                          log_clamp: Optional[float] = None, threshold: Optional[float] = None) -> torch.Tensor:
+def own_behaviour_weights(
+    target_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    log_clamp: Optional[float] = None,
+    threshold: Optional[float] = None,
+) -> torch.Tensor:
     """Per-source (ordinary) IS weights w_i = p(x_i) / q_{v(i)}(x_i) against each sample's own behaviour policy:
     the cheap multi-behaviour form when log-probs under the other versions are not available (also unbiased for
     the alpha-mixture, but q_{v(i)} must cover p on its own). ``balance_heuristic_weights`` with K = 1."""
@@ -506,8 +559,9 @@ def own_behaviour_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tenso
     return balance_heuristic_weights(target_logp, b.unsqueeze(0), torch.ones(1), log_clamp, threshold)
 
 
-def per_version_normalised_advantages(advantages: torch.Tensor, versions: torch.Tensor, center: bool = True,
-                                      scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def per_version_normalised_advantages(
+    advantages: torch.Tensor, versions: torch.Tensor, center: bool = True, scale: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Advantages normalised within each behaviour version v *(inferred D-ARL per-version optimisation)*:
 
         A'_i = (A_i - mean_{j: v_j = v_i} A_j) / (std_{j: v_j = v_i} A_j + eps)   (population std)
@@ -568,10 +622,24 @@ def mixture_estimate(values: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return (w * f).sum() / max(f.numel(), 1)
 
 
-__all__ = ["ReplayBuffer", "ReplayEntry", "ReplaySelection", "SCORES", "LEVELS", "sample_version",
-           "variance_guided_scores", "chi2_ess", "version_counts", "balance_heuristic_weights",
-           "mis_weights", "own_behaviour_weights", "per_version_normalised_advantages", "per_version_loss_weights",
-           "mixture_estimate"]
+__all__ = [
+    "ReplayBuffer",
+    "ReplayEntry",
+    "ReplaySelection",
+    "SCORES",
+    "LEVELS",
+    "sample_version",
+    "variance_guided_scores",
+    "chi2_ess",
+    "version_counts",
+    "balance_heuristic_weights",
+    "mis_weights",
+    "own_behaviour_weights",
+    "per_version_normalised_advantages",
+    "per_version_loss_weights",
+    "mixture_estimate",
+]
+
 
 def _candidate_scores(cands: list, log_ratios, scores, score_fn, kind: str, log_clamp: float) -> torch.Tensor:
     """[N] float64 match scores of the candidates (lower = better matched), from whichever input was given."""
@@ -589,8 +657,9 @@ def _candidate_scores(cands: list, log_ratios, scores, score_fn, kind: str, log_
     return s.to(torch.float64)
 
 
-def _scored_units(cands: list, s: torch.Tensor, level: str, drop_degenerate_groups: bool,
-                  max_score: Optional[float]) -> tuple[list[list[int]], torch.Tensor]:
+def _scored_units(
+    cands: list, s: torch.Tensor, level: str, drop_degenerate_groups: bool, max_score: Optional[float]
+) -> tuple[list[list[int]], torch.Tensor]:
     """Selection units (lists of candidate positions: a sample, a prompt group or a behaviour version) with
     their pooled (mean) score; units with a non-finite score or one above ``max_score`` are left out."""
     keep = torch.ones(len(cands), dtype=torch.bool)
@@ -599,8 +668,9 @@ def _scored_units(cands: list, s: torch.Tensor, level: str, drop_degenerate_grou
     if level == "sample":
         units = [[i] for i in range(len(cands)) if keep[i]]
     else:
-        key = ((lambda e: e.version) if level == "version"
-               else (lambda e: (e.version, int(getattr(e.sample, "group", 0)))))
+        key = (
+            (lambda e: e.version) if level == "version" else (lambda e: (e.version, int(getattr(e.sample, "group", 0))))
+        )
         by: dict[Any, list[int]] = {}
         for i, e in enumerate(cands):
             if keep[i]:
@@ -613,8 +683,7 @@ def _scored_units(cands: list, s: torch.Tensor, level: str, drop_degenerate_grou
     return [u for u, good in zip(units, ok.tolist()) if good], u_score[ok]
 
 
-def _fill(units: list[list[int]], u_score: torch.Tensor, order: torch.Tensor, n: int
-          ) -> tuple[list[int], list[float]]:
+def _fill(units: list[list[int]], u_score: torch.Tensor, order: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
     """Take units in ``order`` until ``n`` samples are filled, skipping a unit that would overflow ``n``.
     Returns (candidate positions, the pooled score of each)."""
     chosen: list[int] = []

@@ -6,6 +6,7 @@ kernels ``alloc_extend_kernel`` / ``alloc_decode_kernel``. Triton has no CPU dri
 sglang's CPU engine this plugin replaces both with sglang's own torch reference ``alloc_extend_naive`` (same file):
 a decode step is an extend by one token per request (prefix = seq_len - 1).
 """
+
 from __future__ import annotations
 
 

@@ -8,19 +8,25 @@ name imports but raises ``NotImplementedError`` when called, so a path that need
 ``torch.ops.sgl_kernel`` stays empty, so sglang's ``cpu_has_amx_support()`` is False and its layers run their
 ``forward_native`` paths.
 """
+
 import torch
 
 __version__ = "0.0.0+megadare.standin"
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
-                                 start_offset: torch.Tensor, end_offset: torch.Tensor, out_cache_loc: torch.Tensor,
-                                 pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
     """``req_to_token[r, start:end] = out_cache_loc[...]`` for each request, consuming out_cache_loc in order."""
     pos = 0
     for i in range(req_pool_indices.shape[0]):
         r, s, e = int(req_pool_indices[i]), int(start_offset[i]), int(end_offset[i])
-        req_to_token[r, s:e] = out_cache_loc[pos:pos + e - s].to(req_to_token.dtype)
+        req_to_token[r, s:e] = out_cache_loc[pos : pos + e - s].to(req_to_token.dtype)
         pos += e - s
 
 
@@ -29,7 +35,10 @@ def __getattr__(name: str):
         raise AttributeError(name)
 
     def missing(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel stand-in: {name} needs the CPU build of sgl-kernel "
-                                  "(megadare's test stand-in has only assign_req_to_token_pool_cpu)")
+        raise NotImplementedError(
+            f"sgl_kernel stand-in: {name} needs the CPU build of sgl-kernel "
+            "(megadare's test stand-in has only assign_req_to_token_pool_cpu)"
+        )
+
     missing.__name__ = name
     return missing
