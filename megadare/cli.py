@@ -1,10 +1,13 @@
 """The ``megadare`` command: convert, demo, plan, sft, dpo, rl, eval, data inspect, data tokenizer."""
+
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
+from megadare.errors import ConfigError, OutputError, RunStateError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,8 +20,12 @@ def _parser() -> argparse.ArgumentParser:
     h2m.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     h2m.add_argument("--out", required=True, help="output checkpoint directory")
     for k in ("tp", "pp", "ep"):
-        h2m.add_argument(f"--{k}", type=int, default=1, help=f"target {k.upper()} size (validated; the checkpoint "
-                         "itself loads under any layout)")
+        h2m.add_argument(
+            f"--{k}",
+            type=int,
+            default=1,
+            help=f"target {k.upper()} size (validated; the checkpoint itself loads under any layout)",
+        )
     h2m.add_argument("--vpp", type=int, default=None)
     h2m.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
     h2m.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
@@ -30,32 +37,51 @@ def _parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="data files")
     dsub = data.add_subparsers(dest="action", required=True)
-    ins = dsub.add_parser("inspect", help="schema, fields, lengths, a rendered prompt and the reward of the gold "
-                          "answers of data files")
+    ins = dsub.add_parser(
+        "inspect", help="schema, fields, lengths, a rendered prompt and the reward of the gold answers of data files"
+    )
     ins.add_argument("files", nargs="+", help=".jsonl / .parquet files")
     ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
     ins.add_argument("--model", help="HF checkpoint directory whose tokenizer to use (default: the demo's)")
     ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
-    tkn = dsub.add_parser("tokenizer", help="write the Qwen tokenizer files of SDAR / TraDo or Dream, built offline "
-                          "from the dashscope wheel's Qwen ranks (no model hub)")
+    tkn = dsub.add_parser(
+        "tokenizer",
+        help="write the Qwen tokenizer files of SDAR / TraDo or Dream, built offline "
+        "from the dashscope wheel's Qwen ranks (no model hub)",
+    )
     tkn.add_argument("out", help="a new directory for the tokenizer files")
     tkn.add_argument("--family", choices=("sdar", "dream"), default="sdar", help="whose specials / chat template")
 
     demo = sub.add_parser("demo", help="the end-to-end demo on CPU")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
 
-    for name, text in (("sft", "supervised fine-tuning"), ("dpo", "offline preference optimisation (VRPO)"),
-                       ("rl", "reinforcement learning"),
-                       ("eval", "benchmark evaluation"), ("plan", "memory / layout planner")):
+    for name, text in (
+        ("sft", "supervised fine-tuning"),
+        ("dpo", "offline preference optimisation (VRPO)"),
+        ("rl", "reinforcement learning"),
+        ("eval", "benchmark evaluation"),
+        ("plan", "memory / layout planner"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--config", help="YAML config file")
-        p.add_argument("--dry-run", action="store_true", help="check everything that can be checked before any "
-                       "process starts (config, memory plan, model, data, reward, engine, run directory), print the "
-                       "resolved config, exit")
-        p.add_argument("--config-only", action="store_true", help="with --dry-run: check the config and the memory "
-                       "plan only (the files it names need not exist here)")
-        p.add_argument("--nproc", type=int, default=1,
-                       help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)")
+        p.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="check everything that can be checked before any "
+            "process starts (config, memory plan, model, data, reward, engine, run directory), print the "
+            "resolved config, exit",
+        )
+        p.add_argument(
+            "--config-only",
+            action="store_true",
+            help="with --dry-run: check the config and the memory plan only (the files it names need not exist here)",
+        )
+        p.add_argument(
+            "--nproc",
+            type=int,
+            default=1,
+            help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)",
+        )
         p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
         if name == "eval":
             p.add_argument("--model", help="HF checkpoint directory to evaluate (= model.hf_path)")
@@ -71,8 +97,6 @@ def _dtype(name: str):
 
 def _launch(worker, run, cfg, nproc: int) -> dict:
     """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
-    import os
-
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         from megadare.parallel.launch import spawn
 
@@ -96,9 +120,11 @@ def _nothing_done(command: str, out: dict) -> int:
     """The summary of a run that trained no step (resumed at its last step, or stopped before its first)."""
     if out.get("already_finished"):
         key = "rl.steps" if command == "rl" else "train.steps"
-        print(f"{command}: nothing to train: this run already finished at step {out['step']} (checkpoints in "
-              f"{out['checkpoint_root']}); raise {key} above {out['step']} to continue it, or set a new "
-              "logging.run_dir")
+        print(
+            f"{command}: nothing to train: this run already finished at step {out['step']} (checkpoints in "
+            f"{out['checkpoint_root']}); raise {key} above {out['step']} to continue it, or set a new "
+            "logging.run_dir"
+        )
     else:
         print(f"{command}: stopped before its first step; checkpoints in {out['checkpoint_root']}")
     return 0
@@ -112,8 +138,12 @@ def _run_dpo(cfg, nproc: int) -> int:
     if not h:
         return _nothing_done("dpo", out)
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
-    shown = (f": loss {h[-1]['loss']:.4f}, margin {h[0]['margin']:.4f} -> {h[-1]['margin']:.4f}, pair accuracy "
-             f"{h[-1]['pair_accuracy']:.2f}" if h else "")
+    shown = (
+        f": loss {h[-1]['loss']:.4f}, margin {h[0]['margin']:.4f} -> {h[-1]['margin']:.4f}, pair accuracy "
+        f"{h[-1]['pair_accuracy']:.2f}"
+        if h
+        else ""
+    )
     print(f"dpo {how} at step {out['step']}{shown}; checkpoints in {out['checkpoint_root']}")
     return 0
 
@@ -125,8 +155,11 @@ def _run_rl(cfg, nproc: int) -> int:
     if out.get("already_finished"):
         return _nothing_done("rl", out)
     evals = out["evals"]
-    acc = (f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
-           if evals else "")
+    acc = (
+        f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
+        if evals
+        else ""
+    )
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
     print(f"rl {how} at step {out['step']}{acc}; checkpoints in {out['checkpoint_root']}")
     return 0
@@ -134,19 +167,29 @@ def _run_rl(cfg, nproc: int) -> int:
 
 def _run_convert(args) -> int:
     from megadare import convert
-    from megadare.errors import OutputError
 
     try:
         if args.direction == "hf-to-megatron":
-            out = convert.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp,
-                                         etp=args.etp, dtype=_dtype(args.dtype))
+            out = convert.hf_to_megatron(
+                args.hf,
+                args.out,
+                tp=args.tp,
+                pp=args.pp,
+                ep=args.ep,
+                vpp=args.vpp,
+                etp=args.etp,
+                dtype=_dtype(args.dtype),
+            )
         else:
-            out = convert.megatron_to_hf(args.ckpt, args.out, dtype=_dtype(args.dtype),
-                                         max_shard_bytes=int(args.max_shard_gb * 2**30))
-    except OSError as e:   # a full disk, a read-only directory: the export was written aside and removed
+            out = convert.megatron_to_hf(
+                args.ckpt, args.out, dtype=_dtype(args.dtype), max_shard_bytes=int(args.max_shard_gb * 2**30)
+            )
+    except OSError as e:  # a full disk, a read-only directory: the export was written aside and removed
         where = f" ({e.filename})" if e.filename else ""
-        raise OutputError(f"writing --out {args.out} failed: {e.strerror or e}{where}; nothing of this export was "
-                          f"kept and {args.out} is as it was") from None
+        raise OutputError(
+            f"writing --out {args.out} failed: {e.strerror or e}{where}; nothing of this export was "
+            f"kept and {args.out} is as it was"
+        ) from None
     print(f"wrote {out}")
     return 0
 
@@ -158,83 +201,113 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return demo.main(argv[1:])
     args = _parser().parse_args(argv)
-    from megadare.errors import ConfigError, OutputError, RunStateError
-    from megadare.convert.mcore_ckpt import MegatronCheckpointError
-    from megadare.models.safetensors_io import CheckpointError
-    from megadare.data.files import DataError
-    from megadare.models.family import ModelConfigError
-    from megadare.rewards import RewardError, RewardSpecError
-
     try:
-        if args.command == "convert":
-            return _run_convert(args)
-        if args.command == "data" and args.action == "tokenizer":
-            from megadare.data.qwen_tokenizer import write_qwen_tokenizer
-
-            print(f"wrote {write_qwen_tokenizer(args.out, args.family)}")
-            return 0
-        if args.command == "data":
-            from megadare.eval.data_inspect import inspect_command
-
-            return inspect_command(args.files, args.reward, args.model, args.limit)
-        if args.command == "demo":
-            from megadare import demo
-
-            return demo.main(args.rest)
-        from megadare.config import load_config, to_yaml, validate
-
-        overrides = list(args.overrides)
-        if args.command == "eval":
-            if args.model:
-                overrides.append(f"model.hf_path={args.model}")
-            if args.tasks:
-                overrides.append(f"eval.tasks=[{args.tasks}]")
-        cfg = load_config(args.config, overrides)
-        arch = None
-        if cfg.model.hf_path:
-            from megadare.models import family_of, read_hf_config
-
-            hf = read_hf_config(cfg.model.hf_path)
-            arch = family_of(hf).arch(hf)
-        elif cfg.model.family:
-            from megadare.models import get_family
-
-            fam = get_family(cfg.model.family)
-            over = dict(cfg.model.tiny_config)
-            if cfg.model.block_size and fam.arch(fam.tiny_config()).attention == "block_causal":
-                over["block_size"] = cfg.model.block_size
-            arch = fam.arch(fam.tiny_config(**over))
-        validate(cfg, arch)
-        if args.command == "dpo":
-            from megadare.trainer.dpo_loop import check_dpo
-
-            check_dpo(cfg, arch)
-        if args.dry_run:
-            from megadare.preflight import preflight
-
-            import os
-
-            world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
-            preflight(args.command, cfg, arch, config_only=args.config_only, world=world)
-            print(to_yaml(cfg), end="")
-            return 0
-        if args.command in ("sft", "dpo", "rl"):
-            if arch is None:
-                raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
-            return {"sft": _run_sft, "dpo": _run_dpo, "rl": _run_rl}[args.command](cfg, args.nproc)
-        if args.command == "eval":
-            if arch is None:
-                raise ConfigError("no model: --model /path/to/hf_checkpoint (or model.hf_path / model.family)")
-            from megadare.eval import run_eval_command
-
-            return run_eval_command(cfg, args.nproc)
-        from megadare.plan import run_plan_command
-
-        return run_plan_command(cfg, arch)
-    except (ConfigError, ModelConfigError, CheckpointError, MegatronCheckpointError, DataError, RewardError,
-            RewardSpecError, OutputError, RunStateError) as e:
+        return _dispatch(args)
+    except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
+
+
+def _one_line_errors() -> tuple[type[Exception], ...]:
+    """megadare's own errors: each is one line naming the file, key or value and the fix (no traceback)."""
+    from megadare.convert.mcore_ckpt import MegatronCheckpointError
+    from megadare.data.files import DataError
+    from megadare.models.family import ModelConfigError
+    from megadare.models.safetensors_io import CheckpointError
+    from megadare.rewards import RewardError, RewardSpecError
+
+    return (
+        ConfigError,
+        ModelConfigError,
+        CheckpointError,
+        MegatronCheckpointError,
+        DataError,
+        RewardError,
+        RewardSpecError,
+        OutputError,
+        RunStateError,
+    )
+
+
+def _dispatch(args) -> int:
+    if args.command == "convert":
+        return _run_convert(args)
+    if args.command == "data" and args.action == "tokenizer":
+        from megadare.data.qwen_tokenizer import write_qwen_tokenizer
+
+        print(f"wrote {write_qwen_tokenizer(args.out, args.family)}")
+        return 0
+    if args.command == "data":
+        from megadare.eval.data_inspect import inspect_command
+
+        return inspect_command(args.files, args.reward, args.model, args.limit)
+    if args.command == "demo":
+        from megadare import demo
+
+        return demo.main(args.rest)
+    cfg, arch = _config_and_arch(args)
+    if args.command == "dpo":
+        from megadare.trainer.dpo_loop import check_dpo
+
+        check_dpo(cfg, arch)
+    if args.dry_run:
+        return _dry_run(args, cfg, arch)
+    if args.command in ("sft", "dpo", "rl", "eval") and arch is None:
+        how = (
+            "--model /path/to/hf_checkpoint (or model.hf_path / model.family)"
+            if args.command == "eval"
+            else "set model.hf_path (an HF checkpoint) or model.family + model.tiny=true"
+        )
+        raise ConfigError(f"no model: {how}")
+    if args.command in ("sft", "dpo", "rl"):
+        return {"sft": _run_sft, "dpo": _run_dpo, "rl": _run_rl}[args.command](cfg, args.nproc)
+    if args.command == "eval":
+        from megadare.eval import run_eval_command
+
+        return run_eval_command(cfg, args.nproc)
+    from megadare.plan import run_plan_command
+
+    return run_plan_command(cfg, arch)
+
+
+def _config_and_arch(args):
+    """The run's config (file + overrides, checked) and the model's architecture (None when no model is named)."""
+    from megadare.config import load_config, validate
+
+    overrides = list(args.overrides)
+    if args.command == "eval":
+        if args.model:
+            overrides.append(f"model.hf_path={args.model}")
+        if args.tasks:
+            overrides.append(f"eval.tasks=[{args.tasks}]")
+    cfg = load_config(args.config, overrides)
+    arch = None
+    if cfg.model.hf_path:
+        from megadare.models import family_of, read_hf_config
+
+        hf = read_hf_config(cfg.model.hf_path)
+        arch = family_of(hf).arch(hf)
+    elif cfg.model.family:
+        from megadare.models import get_family
+
+        fam = get_family(cfg.model.family)
+        over = dict(cfg.model.tiny_config)
+        if cfg.model.block_size and fam.arch(fam.tiny_config()).attention == "block_causal":
+            over["block_size"] = cfg.model.block_size
+        arch = fam.arch(fam.tiny_config(**over))
+    validate(cfg, arch)
+    return cfg, arch
+
+
+def _dry_run(args, cfg, arch) -> int:
+    """Pre-flight: check what the command would run (megadare/preflight.py), then print the resolved config."""
+    from megadare.config import to_yaml
+    from megadare.preflight import preflight
+
+    world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
+    preflight(args.command, cfg, arch, config_only=args.config_only, world=world)
+    print(to_yaml(cfg), end="")
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 
 (The import layers are checked by `lint-imports` in .ci/run against .importlinter.)
 """
+
 import ast
 import pathlib
 
 import megadare
 
-MAX_FUNCTION_LINES = 100
+MAX_FUNCTION_LINES = 80  # issue 28: as ruff formats them
 
 
 def _functions(root: pathlib.Path):

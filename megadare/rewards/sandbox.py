@@ -58,6 +58,7 @@ the trainer's user can; C-level writes outside the temp dir go through (and a ``
 checks another path than the syscall uses), so no file of the trainer's user is safe and a test verdict can be
 forged; children that call ``setsid`` outlive the run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,13 +87,12 @@ from megadare.rewards import sandbox_child, sandbox_jail
 from megadare.rewards.errors import SandboxUnavailable
 from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED
 
-__all__ = ["SandboxResult", "run_program", "OUTPUT_LIMIT", "STATUSES", "ISOLATIONS", "set_isolation",
-           "check_isolation"]
+__all__ = ["SandboxResult", "run_program", "OUTPUT_LIMIT", "STATUSES", "ISOLATIONS", "set_isolation", "check_isolation"]
 
-OUTPUT_LIMIT = 1 << 20          # bytes of stdout + stderr kept; beyond it the program is killed
+OUTPUT_LIMIT = 1 << 20  # bytes of stdout + stderr kept; beyond it the program is killed
 STATUSES = ("ok", "error", "timeout", "memory", "refused")
-_NPROC_SLACK = 64               # RLIMIT_NPROC headroom for threads of other processes of the same (non-root) user
-SETUP_LIMIT_S = 60.0            # the sandbox's own start (before the program's timeout_s begins), however loaded
+_NPROC_SLACK = 64  # RLIMIT_NPROC headroom for threads of other processes of the same (non-root) user
+SETUP_LIMIT_S = 60.0  # the sandbox's own start (before the program's timeout_s begins), however loaded
 
 
 @dataclass
@@ -103,6 +103,7 @@ class SandboxResult:
     "timeout" (wall deadline or RLIMIT_CPU), "memory" (MemoryError / killed for memory), "refused" (an
     audit-hook refusal ended the program). ``protections`` names the layers that were active.
     """
+
     status: str
     returncode: Optional[int]
     stdout: str
@@ -110,8 +111,8 @@ class SandboxResult:
     wall_s: float
     protections: Tuple[str, ...] = ()
     truncated: bool = False
-    tests_passed: Optional[bool] = None   # test mode: the tests ran to their end (token received); else None
-    pgid: Optional[int] = None            # the run's process group on this machine (all of it is killed after)
+    tests_passed: Optional[bool] = None  # test mode: the tests ran to their end (token received); else None
+    pgid: Optional[int] = None  # the run's process group on this machine (all of it is killed after)
 
     @property
     def ok(self) -> bool:
@@ -135,28 +136,108 @@ _AUDIT_ARCH_X86_64 = 0xC000003E
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _EPERM, _ENOSYS = 1, 38
 # x86-64 syscall numbers
-_NR = {"socket": 41, "clone": 56, "fork": 57, "vfork": 58, "kill": 62, "ptrace": 101, "syslog": 103,
-       "rt_sigqueueinfo": 129, "mknod": 133, "prctl": 157,
-       "pivot_root": 155, "chroot": 161, "mount": 165, "umount2": 166, "swapon": 167, "swapoff": 168,
-       "reboot": 169, "init_module": 175, "delete_module": 176, "tkill": 200, "tgkill": 234,
-       "kexec_load": 246, "add_key": 248,
-       "request_key": 249, "keyctl": 250, "mknodat": 259, "unshare": 272, "perf_event_open": 298,
-       "name_to_handle_at": 303, "open_by_handle_at": 304, "setns": 308, "process_vm_readv": 310,
-       "process_vm_writev": 311, "finit_module": 313, "kexec_file_load": 320, "bpf": 321, "userfaultfd": 323,
-       "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-       "clone3": 435, "rt_tgsigqueueinfo": 297, "memfd_create": 319, "pidfd_send_signal": 424, "io_uring_setup": 425,
-       "io_uring_enter": 426, "io_uring_register": 427, "pidfd_getfd": 438, "memfd_secret": 447}
-_ALWAYS_DENIED = ("ptrace", "mknod", "mknodat", "pivot_root", "chroot", "mount", "umount2", "swapon", "swapoff",
-                  "reboot", "init_module", "delete_module", "finit_module", "kexec_load", "kexec_file_load",
-                  "add_key", "request_key", "keyctl", "unshare", "setns", "perf_event_open", "name_to_handle_at",
-                  "open_by_handle_at", "process_vm_readv", "process_vm_writev", "bpf", "userfaultfd",
-                  "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount", "fspick",
-                  # signals that bypass kill's target check; fds of other processes
-                  "pidfd_send_signal", "pidfd_getfd", "rt_sigqueueinfo", "rt_tgsigqueueinfo",
-                  # an executable file of the program's own making (native code: no audit hook, no proof)
-                  "memfd_create", "memfd_secret",
-                  # io_uring (a second syscall interface seccomp does not see into), the kernel log
-                  "io_uring_setup", "io_uring_enter", "io_uring_register", "syslog")
+_NR = {
+    "socket": 41,
+    "clone": 56,
+    "fork": 57,
+    "vfork": 58,
+    "kill": 62,
+    "ptrace": 101,
+    "syslog": 103,
+    "rt_sigqueueinfo": 129,
+    "mknod": 133,
+    "prctl": 157,
+    "pivot_root": 155,
+    "chroot": 161,
+    "mount": 165,
+    "umount2": 166,
+    "swapon": 167,
+    "swapoff": 168,
+    "reboot": 169,
+    "init_module": 175,
+    "delete_module": 176,
+    "tkill": 200,
+    "tgkill": 234,
+    "kexec_load": 246,
+    "add_key": 248,
+    "request_key": 249,
+    "keyctl": 250,
+    "mknodat": 259,
+    "unshare": 272,
+    "perf_event_open": 298,
+    "name_to_handle_at": 303,
+    "open_by_handle_at": 304,
+    "setns": 308,
+    "process_vm_readv": 310,
+    "process_vm_writev": 311,
+    "finit_module": 313,
+    "kexec_file_load": 320,
+    "bpf": 321,
+    "userfaultfd": 323,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "clone3": 435,
+    "rt_tgsigqueueinfo": 297,
+    "memfd_create": 319,
+    "pidfd_send_signal": 424,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "pidfd_getfd": 438,
+    "memfd_secret": 447,
+}
+_ALWAYS_DENIED = (
+    "ptrace",
+    "mknod",
+    "mknodat",
+    "pivot_root",
+    "chroot",
+    "mount",
+    "umount2",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "init_module",
+    "delete_module",
+    "finit_module",
+    "kexec_load",
+    "kexec_file_load",
+    "add_key",
+    "request_key",
+    "keyctl",
+    "unshare",
+    "setns",
+    "perf_event_open",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "process_vm_readv",
+    "process_vm_writev",
+    "bpf",
+    "userfaultfd",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    # signals that bypass kill's target check; fds of other processes
+    "pidfd_send_signal",
+    "pidfd_getfd",
+    "rt_sigqueueinfo",
+    "rt_tgsigqueueinfo",
+    # an executable file of the program's own making (native code: no audit hook, no proof)
+    "memfd_create",
+    "memfd_secret",
+    # io_uring (a second syscall interface seccomp does not see into), the kernel log
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "syslog",
+)
 _PR_SET_DUMPABLE = 4
 
 
@@ -170,36 +251,72 @@ def _seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> 
     kill(0) / kill(-pid), when ``own_group``: in a PID namespace the group is the keeper's, and -1 is everyone)."""
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     errno = _RET_ERRNO | _EPERM
-    p = [_bpf(ld, 4),                                       # A = arch
-         _bpf(jeq, _AUDIT_ARCH_X86_64, 1, 0), _bpf(ret, _RET_KILL_PROCESS),   # i386 ABI: kill
-         _bpf(ld, 0),                                       # A = syscall nr
-         _bpf(jge, 0x40000000, 0, 1), _bpf(ret, errno)]     # x32 ABI: refuse
+    p = [
+        _bpf(ld, 4),  # A = arch
+        _bpf(jeq, _AUDIT_ARCH_X86_64, 1, 0),
+        _bpf(ret, _RET_KILL_PROCESS),  # i386 ABI: kill
+        _bpf(ld, 0),  # A = syscall nr
+        _bpf(jge, 0x40000000, 0, 1),
+        _bpf(ret, errno),
+    ]  # x32 ABI: refuse
     for name in _ALWAYS_DENIED:
         p += [_bpf(jeq, _NR[name], 0, 1), _bpf(ret, errno)]
-    p += [_bpf(jeq, _NR["clone3"], 0, 1), _bpf(ret, _RET_ERRNO | _ENOSYS)]   # glibc falls back to clone
-    p += [_bpf(jeq, _NR["socket"], 0, 4), _bpf(ld, 16),    # socket(family, ...): AF_UNIX only
-          _bpf(jeq, 1, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
-    p += [_bpf(jeq, _NR["prctl"], 0, 4), _bpf(ld, 16),     # prctl(PR_SET_DUMPABLE, ...): no core dumps
-          _bpf(jeq, _PR_SET_DUMPABLE, 0, 1), _bpf(ret, errno), _bpf(ret, _RET_ALLOW)]
+    p += [_bpf(jeq, _NR["clone3"], 0, 1), _bpf(ret, _RET_ERRNO | _ENOSYS)]  # glibc falls back to clone
+    p += [
+        _bpf(jeq, _NR["socket"], 0, 4),
+        _bpf(ld, 16),  # socket(family, ...): AF_UNIX only
+        _bpf(jeq, 1, 0, 1),
+        _bpf(ret, _RET_ALLOW),
+        _bpf(ret, errno),
+    ]
+    p += [
+        _bpf(jeq, _NR["prctl"], 0, 4),
+        _bpf(ld, 16),  # prctl(PR_SET_DUMPABLE, ...): no core dumps
+        _bpf(jeq, _PR_SET_DUMPABLE, 0, 1),
+        _bpf(ret, errno),
+        _bpf(ret, _RET_ALLOW),
+    ]
     if deny_processes and own_group:  # signals only to itself / its own group
-        p += [_bpf(jeq, _NR["kill"], 0, 6), _bpf(ld, 16),
-              _bpf(jeq, 0, 3, 0), _bpf(jeq, pid, 2, 0), _bpf(jeq, -pid, 1, 0), _bpf(ret, errno),
-              _bpf(ret, _RET_ALLOW)]
+        p += [
+            _bpf(jeq, _NR["kill"], 0, 6),
+            _bpf(ld, 16),
+            _bpf(jeq, 0, 3, 0),
+            _bpf(jeq, pid, 2, 0),
+            _bpf(jeq, -pid, 1, 0),
+            _bpf(ret, errno),
+            _bpf(ret, _RET_ALLOW),
+        ]
     if deny_processes and not own_group:  # signals only to itself
-        p += [_bpf(jeq, _NR["kill"], 0, 4), _bpf(ld, 16),
-              _bpf(jeq, pid, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
+        p += [_bpf(jeq, _NR["kill"], 0, 4), _bpf(ld, 16), _bpf(jeq, pid, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
     if deny_processes:
-        p += [_bpf(jeq, _NR["tgkill"], 0, 4), _bpf(ld, 16),
-              _bpf(jeq, pid, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
+        p += [
+            _bpf(jeq, _NR["tgkill"], 0, 4),
+            _bpf(ld, 16),
+            _bpf(jeq, pid, 0, 1),
+            _bpf(ret, _RET_ALLOW),
+            _bpf(ret, errno),
+        ]
         p += [_bpf(jeq, _NR["tkill"], 0, 1), _bpf(ret, errno)]
     else:  # children exist and may be signalled; only kill(-1, sig) is refused
-        p += [_bpf(jeq, _NR["kill"], 0, 4), _bpf(ld, 16),
-              _bpf(jeq, 0xFFFFFFFF, 0, 1), _bpf(ret, errno), _bpf(ret, _RET_ALLOW)]
+        p += [
+            _bpf(jeq, _NR["kill"], 0, 4),
+            _bpf(ld, 16),
+            _bpf(jeq, 0xFFFFFFFF, 0, 1),
+            _bpf(ret, errno),
+            _bpf(ret, _RET_ALLOW),
+        ]
     if deny_processes:
-        p += [_bpf(jeq, _NR["fork"], 0, 1), _bpf(ret, errno),
-              _bpf(jeq, _NR["vfork"], 0, 1), _bpf(ret, errno),
-              _bpf(jeq, _NR["clone"], 0, 4), _bpf(ld, 16),  # clone(flags, ...): threads only
-              _bpf(jset, _CLONE_THREAD, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
+        p += [
+            _bpf(jeq, _NR["fork"], 0, 1),
+            _bpf(ret, errno),
+            _bpf(jeq, _NR["vfork"], 0, 1),
+            _bpf(ret, errno),
+            _bpf(jeq, _NR["clone"], 0, 4),
+            _bpf(ld, 16),  # clone(flags, ...): threads only
+            _bpf(jset, _CLONE_THREAD, 0, 1),
+            _bpf(ret, _RET_ALLOW),
+            _bpf(ret, errno),
+        ]
     p.append(_bpf(ret, _RET_ALLOW))
     return b"".join(p)
 
@@ -234,8 +351,13 @@ def _user_task_count(uid: int) -> int:
     return n
 
 
-def _make_preexec(report_fd: int, limits: List[Tuple[str, int, Tuple[int, int]]], root: bool,
-                  seccomp_deny_processes: Optional[bool], namespaces: bool) -> Callable[[], None]:
+def _make_preexec(
+    report_fd: int,
+    limits: List[Tuple[str, int, Tuple[int, int]]],
+    root: bool,
+    seccomp_deny_processes: Optional[bool],
+    namespaces: bool,
+) -> Callable[[], None]:
     """The function run in the child between fork and exec: the limits and, in ``process`` isolation, a network
     namespace, an empty capability bounding set and seccomp (``namespaces`` isolation sets those up in the
     child's bootstrap, :mod:`.sandbox_jail`, where they must come after the mounts).
@@ -243,6 +365,7 @@ def _make_preexec(report_fd: int, limits: List[Tuple[str, int, Tuple[int, int]]]
     It never raises (a failing layer is simply not reported) and touches no locks a parent thread could hold:
     setrlimit, unshare, prctl, and building the seccomp program (which needs the child's own pid).
     """
+
     def preexec() -> None:
         done = []
         for name, res, val in limits:
@@ -259,6 +382,7 @@ def _make_preexec(report_fd: int, limits: List[Tuple[str, int, Tuple[int, int]]]
             os.write(report_fd, ("\n".join(done) + "\n").encode())
         except OSError:
             pass
+
     return preexec
 
 
@@ -293,23 +417,43 @@ def _process_layers(root: bool, seccomp_deny_processes: Optional[bool]) -> List[
         code = _seccomp_program(seccomp_deny_processes, os.getpid())
         buf = ctypes.create_string_buffer(code)  # referenced until the prctl below has copied it
         prog = _SockFprog(len(code) // 8, ctypes.addressof(buf))
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 and \
-                libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0:
+        if (
+            libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+            and libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
+        ):
             done.append("seccomp")
     return done
 
 
 # ----------------------------------------------------------------------------------------------------- isolation
 ISOLATIONS = ("namespaces", "process")
-_isolation = ["namespaces"]        # rewards.code.isolation, set by the run's entry point (set_isolation)
-_refusal: List[str] = []           # why the kernel refused the namespaces, once it did (it will again)
+_isolation = ["namespaces"]  # rewards.code.isolation, set by the run's entry point (set_isolation)
+_refusal: List[str] = []  # why the kernel refused the namespaces, once it did (it will again)
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 # what of /etc a Python program uses (dynamic loader, users, time zone, MIME types, terminfo, services, locale
 # aliases, alternatives, a distribution's python3.X config); the rest of /etc (pip.conf, gitconfig, npmrc,
 # environment, apt sources, ... where credentials can live) does not exist in the sandbox
-_ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "passwd", "group", "hosts", "host.conf",
-                "protocols", "services", "localtime", "timezone", "mime.types", "inputrc", "terminfo", "os-release",
-                "locale.alias", "alternatives", "mtab")
+_ETC_ENTRIES = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "nsswitch.conf",
+    "passwd",
+    "group",
+    "hosts",
+    "host.conf",
+    "protocols",
+    "services",
+    "localtime",
+    "timezone",
+    "mime.types",
+    "inputrc",
+    "terminfo",
+    "os-release",
+    "locale.alias",
+    "alternatives",
+    "mtab",
+)
 _PIVOT_ROOT_NR = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _NOBODY = 65534
 _TMPFS_INODES = 4096
@@ -338,7 +482,8 @@ def _refused(detail: str) -> SandboxUnavailable:
         "temp dir: the filesystem stays writable to C code and the home and run directory readable), or allow "
         "namespaces here (for a non-root trainer, unprivileged user namespaces: sysctl user.max_user_namespaces > 0, "
         "kernel.unprivileged_userns_clone=1 on Debian, kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu; in a "
-        "container: run it with CAP_SYS_ADMIN, or without its seccomp / AppArmor profile)")
+        "container: run it with CAP_SYS_ADMIN, or without its seccomp / AppArmor profile)"
+    )
 
 
 def _python_dirs(site_packages: bool) -> List[str]:
@@ -385,27 +530,46 @@ def _jail_plan(workdir: str, is_root: bool, tmpfs_mb: int, seccomp: Optional[byt
     links, binds = _visible_paths(site_packages)
     inside = [dst for _, dst in binds + links if _under(workdir, dst)]
     if inside:
-        raise RuntimeError(f"sandbox: the temp dir {workdir} lies inside {inside[0]}, which the sandbox shows "
-                           "read-only; point TMPDIR elsewhere")
+        raise RuntimeError(
+            f"sandbox: the temp dir {workdir} lies inside {inside[0]}, which the sandbox shows "
+            "read-only; point TMPDIR elsewhere"
+        )
     uid, gid = (_NOBODY, _NOBODY) if is_root else (os.geteuid(), os.getegid())
     paths = sysconfig.get_paths()
-    return {"workdir": workdir, "symlinks": links, "binds": binds, "uid": uid, "gid": gid,
-            "tmpfs_mb": tmpfs_mb, "tmpfs_inodes": _TMPFS_INODES, "seccomp": seccomp.hex() if seccomp else "",
-            "pivot_root_nr": nr, "must_see": sorted({paths["stdlib"], paths["platstdlib"], paths["purelib"],
-                                                     os.path.dirname(os.__file__)})}
+    return {
+        "workdir": workdir,
+        "symlinks": links,
+        "binds": binds,
+        "uid": uid,
+        "gid": gid,
+        "tmpfs_mb": tmpfs_mb,
+        "tmpfs_inodes": _TMPFS_INODES,
+        "seccomp": seccomp.hex() if seccomp else "",
+        "pivot_root_nr": nr,
+        "must_see": sorted({paths["stdlib"], paths["platstdlib"], paths["purelib"], os.path.dirname(os.__file__)}),
+    }
 
 
 def _required_layers(seccomp: bool) -> frozenset:
     """The isolation layers a ``namespaces`` run must report (the rlimits are best effort, as in ``process``: a
     trainer's own lower hard limit stands)."""
-    return frozenset(("netns", "pidns", "mntns", "ipcns", "read_only_root", "private_tmpfs", "no_capabilities",
-                      "no_new_privs") + (("seccomp",) if seccomp else ()))
+    return frozenset(
+        ("netns", "pidns", "mntns", "ipcns", "read_only_root", "private_tmpfs", "no_capabilities", "no_new_privs")
+        + (("seccomp",) if seccomp else ())
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- runner
 def _env(workdir: str) -> dict:
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONIOENCODING": "utf-8",
+    }
 
 
 def _exited(pid: int) -> bool:
@@ -431,6 +595,7 @@ def _rmtree(path: str) -> None:
             func(p)
         except OSError:
             pass
+
     shutil.rmtree(path, onerror=onerror)
 
 
@@ -448,14 +613,17 @@ def _classify(rc: Optional[int], timed_out: bool, truncated: bool, stderr: str, 
     return "error"
 
 
-def _limits(memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, max_processes: int,
-            is_root: bool) -> List[Tuple[str, int, Tuple[int, int]]]:
+def _limits(
+    memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, max_processes: int, is_root: bool
+) -> List[Tuple[str, int, Tuple[int, int]]]:
     mem, fsize = int(memory_mb) * 2**20, int(file_size_mb) * 2**20
-    limits = [("rlimit_as", resource.RLIMIT_AS, (mem, mem)),
-              ("rlimit_cpu", resource.RLIMIT_CPU, (cpu, cpu + 1)),
-              ("rlimit_fsize", resource.RLIMIT_FSIZE, (fsize, fsize)),
-              ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
-              ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files))]
+    limits = [
+        ("rlimit_as", resource.RLIMIT_AS, (mem, mem)),
+        ("rlimit_cpu", resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        ("rlimit_fsize", resource.RLIMIT_FSIZE, (fsize, fsize)),
+        ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
+        ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files)),
+    ]
     if not is_root:  # the kernel ignores RLIMIT_NPROC for uid 0
         nproc = _user_task_count(os.getuid()) + max(1, max_processes) + _NPROC_SLACK
         limits.append(("rlimit_nproc", resource.RLIMIT_NPROC, (nproc, nproc)))
@@ -470,10 +638,11 @@ def _sealed(text: str):
     try:
         view = memoryview(text.encode("utf-8"))
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        )
         yield fd
     finally:
         os.close(fd)
@@ -491,12 +660,23 @@ def _unlinked(text: Optional[str]):
         yield f
 
 
-def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: int = 512,
-                max_processes: int = 1, cpu_s: Optional[float] = None, *, tests: Optional[str] = None,
-                preload: Sequence[str] = (),
-                output_limit: int = OUTPUT_LIMIT, file_size_mb: int = 16, max_open_files: int = 256,
-                allow_site_packages: bool = False, audit_hook: bool = True,
-                isolation: Optional[str] = None) -> SandboxResult:
+def run_program(
+    code: str,
+    stdin: str = "",
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_processes: int = 1,
+    cpu_s: Optional[float] = None,
+    *,
+    tests: Optional[str] = None,
+    preload: Sequence[str] = (),
+    output_limit: int = OUTPUT_LIMIT,
+    file_size_mb: int = 16,
+    max_open_files: int = 256,
+    allow_site_packages: bool = False,
+    audit_hook: bool = True,
+    isolation: Optional[str] = None,
+) -> SandboxResult:
     """Run the Python program ``code`` with ``stdin`` in a fresh sandbox (see the module docstring).
 
     ``tests``: Python test code run after the program, in test mode (:mod:`.sandbox_child`); the result's
@@ -509,28 +689,34 @@ def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: i
     :func:`set_isolation` set). Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
     RuntimeError when the sandbox itself cannot start (neither is a verdict on the program).
     """
-    if tests is not None and not audit_hook:
-        raise ValueError("test mode needs the audit hook (it carries the proof that the tests ran)")
-    if not all(re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in preload):
-        raise ValueError(f"preload={list(preload)!r}: module names only")
-    mode = isolation or _isolation[0]
-    if mode not in ISOLATIONS:
-        raise ValueError(f"isolation={mode!r} is not one of {', '.join(ISOLATIONS)}")
-    if mode == "namespaces" and _refusal:
-        raise _refused(_refusal[0])
+    mode = _checked_mode(tests is not None, audit_hook, preload, isolation)
     t0 = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
-    fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())   # report, token, proof (read, write each)
+    fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())  # report, token, proof (read, write each)
     token = secrets.token_hex(16).encode()
     try:
         os.write(fds[3], token)
         cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s + 1))
         with _unlinked(code) as code_f, _unlinked(tests) as tests_f, _sealed(stdin) as stdin_f:
-            boot = [fds[1], code_f.fileno(), tests_f.fileno() if tests_f else -1, workdir,
-                    max(0, max_processes - 1), int(audit_hook), fds[2], fds[5], ",".join(preload)]
-            proc = _start(mode, boot, stdin_f, allow_site_packages,
-                          _limits(memory_mb, cpu, file_size_mb, max_open_files, max_processes, os.geteuid() == 0),
-                          file_size_mb)
+            boot = [
+                fds[1],
+                code_f.fileno(),
+                tests_f.fileno() if tests_f else -1,
+                workdir,
+                max(0, max_processes - 1),
+                int(audit_hook),
+                fds[2],
+                fds[5],
+                ",".join(preload),
+            ]
+            proc = _start(
+                mode,
+                boot,
+                stdin_f,
+                allow_site_packages,
+                _limits(memory_mb, cpu, file_size_mb, max_open_files, max_processes, os.geteuid() == 0),
+                file_size_mb,
+            )
         for k in (1, 2, 3, 5):  # the child's ends, and the token (written)
             os.close(fds[k])
             fds[k] = -1
@@ -546,8 +732,9 @@ def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: i
         status = _classify(rc, got.timed_out, got.truncated, stderr, cpu_used >= cpu)
         passed = None if tests is None else (status == "ok" and _drain(fds[4]) == token)
         protections = ("new_session", "scrubbed_env", "wall_timeout", "output_cap", "fresh_tmpdir", *got.report)
-        return SandboxResult(status, rc, stdout, stderr, time.monotonic() - t0, protections, got.truncated, passed,
-                             proc.pid)
+        return SandboxResult(
+            status, rc, stdout, stderr, time.monotonic() - t0, protections, got.truncated, passed, proc.pid
+        )
     finally:
         for fd in fds:
             if fd >= 0:
@@ -555,13 +742,28 @@ def run_program(code: str, stdin: str = "", timeout_s: float = 5.0, memory_mb: i
         _rmtree(workdir)
 
 
+def _checked_mode(test_mode: bool, audit_hook: bool, preload: Sequence[str], isolation: Optional[str]) -> str:
+    """run_program's arguments checked; the isolation mode it runs in."""
+    if test_mode and not audit_hook:
+        raise ValueError("test mode needs the audit hook (it carries the proof that the tests ran)")
+    if not all(re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in preload):
+        raise ValueError(f"preload={list(preload)!r}: module names only")
+    mode = isolation or _isolation[0]
+    if mode not in ISOLATIONS:
+        raise ValueError(f"isolation={mode!r} is not one of {', '.join(ISOLATIONS)}")
+    if mode == "namespaces" and _refusal:
+        raise _refused(_refusal[0])
+    return mode
+
+
 def _seccomp_denies_processes(max_processes: int) -> Optional[bool]:
     """The seccomp filter's ``deny_processes``, or None where the filter is not available (not x86-64)."""
     return (max_processes <= 1) if platform.machine() == "x86_64" and _LIBC else None
 
 
-def _start(mode: str, boot: list, stdin_f, allow_site_packages: bool, limits: list,
-           file_size_mb: int) -> subprocess.Popen:
+def _start(
+    mode: str, boot: list, stdin_f, allow_site_packages: bool, limits: list, file_size_mb: int
+) -> subprocess.Popen:
     """Start the child: ``boot`` = the bootstrap's arguments (report fd, code fd, tests fd, workdir, children
     allowed, audit hook, token fd, proof fd, preload); in ``namespaces`` mode the jail's plan and source follow."""
     is_root, workdir, deny = os.geteuid() == 0, boot[3], _seccomp_denies_processes(boot[4] + 1)
@@ -574,9 +776,18 @@ def _start(mode: str, boot: list, stdin_f, allow_site_packages: bool, limits: li
     argv += ["-c", _BOOTSTRAP] + [str(a) for a in boot] + jail
     passed = tuple(fd for fd in (boot[0], boot[1], boot[2], boot[6], boot[7]) if fd >= 0)
     try:
-        return subprocess.Popen(argv, stdin=stdin_f, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-                                env=_env(workdir), start_new_session=True, close_fds=True, pass_fds=passed,
-                                preexec_fn=_make_preexec(boot[0], limits, is_root, deny, mode == "namespaces"))
+        return subprocess.Popen(
+            argv,
+            stdin=stdin_f,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=workdir,
+            env=_env(workdir),
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=passed,
+            preexec_fn=_make_preexec(boot[0], limits, is_root, deny, mode == "namespaces"),
+        )
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"sandbox: could not start the program: {e}") from e
 
@@ -587,27 +798,31 @@ def _check_report(mode: str, got: _Collected, max_processes: int) -> None:
     a step (remembered: it will refuse again), RuntimeError when a layer is missing from a program's report."""
     report = got.report
     if not got.started and got.timed_out:
-        raise RuntimeError(f"sandbox: the child was not ready to run the program after {SETUP_LIMIT_S:g}s "
-                           f"(reported: {', '.join(report) or 'nothing'}); the machine is overloaded")
+        raise RuntimeError(
+            f"sandbox: the child was not ready to run the program after {SETUP_LIMIT_S:g}s "
+            f"(reported: {', '.join(report) or 'nothing'}); the machine is overloaded"
+        )
     if mode != "namespaces":
         return
-    refusal = next((line[len("unavailable "):] for line in report if line.startswith("unavailable ")), None)
+    refusal = next((line[len("unavailable ") :] for line in report if line.startswith("unavailable ")), None)
     if refusal is not None:
         _refusal[:] = [refusal]
         raise _refused(refusal)
     missing = _required_layers(_seccomp_denies_processes(max_processes) is not None) - set(report)
     if missing and got.started:
-        raise RuntimeError(f"sandbox: the program started without {', '.join(sorted(missing))} (reported: "
-                           f"{', '.join(report) or 'nothing'})")
+        raise RuntimeError(
+            f"sandbox: the program started without {', '.join(sorted(missing))} (reported: "
+            f"{', '.join(report) or 'nothing'})"
+        )
 
 
 class _Collected(NamedTuple):
     stdout: bytes
     stderr: bytes
-    report: List[str]      # the lines the child reported: layers in place, or the jail's "unavailable <why>"
+    report: List[str]  # the lines the child reported: layers in place, or the jail's "unavailable <why>"
     timed_out: bool
     truncated: bool
-    started: bool          # the child closed its report pipe: the program itself ran
+    started: bool  # the child closed its report pipe: the program itself ran
 
 
 def _collect(proc: subprocess.Popen, timeout_s: float, limit: int, report_fd: int) -> _Collected:

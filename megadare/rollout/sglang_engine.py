@@ -43,6 +43,7 @@ TP2+SP) and as a Ray engine actor over gloo groups (``join_weight_groups`` / ``r
 restarted through the Ray manager. Unverified without a GPU: CUDA IPC, NCCL, ``release_memory_occupation``
 (``enable_memory_saver`` needs the CUDA-only torch_memory_saver), TP > 1.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,14 @@ import torch
 
 from megadare.models.family import family_of
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, answer_ids, prompt_seed
-from megadare.rollout.sglang_plugin import (ALGORITHM_NAME, CUSTOM_PARAMS_KEY, DECODER_KEYS, SGLANG_REQUIREMENT,
-                                            SUPPORTED_ARCHITECTURES, TRACE_KEY)
+from megadare.rollout.sglang_plugin import (
+    ALGORITHM_NAME,
+    CUSTOM_PARAMS_KEY,
+    DECODER_KEYS,
+    SGLANG_REQUIREMENT,
+    SUPPORTED_ARCHITECTURES,
+    TRACE_KEY,
+)
 
 INSTALL_HINT = f'pip install "megadare[sglang]" (i.e. "{SGLANG_REQUIREMENT}")'
 # sglang/srt/dllm/config.py DLLM_PARAMS (0.5.20-0.5.23; tests/sglang_cpu checks them against the installed sglang)
@@ -73,8 +80,10 @@ def _import_sglang():
     try:
         import sglang
     except ImportError as e:
-        raise ImportError(f"the SGLang rollout engine needs sglang: {INSTALL_HINT}; the built-in engine "
-                          "(rollout.engine=native) needs nothing extra") from e
+        raise ImportError(
+            f"the SGLang rollout engine needs sglang: {INSTALL_HINT}; the built-in engine "
+            "(rollout.engine=native) needs nothing extra"
+        ) from e
     return sglang
 
 
@@ -83,8 +92,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def chunk_named(named: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int, by_dtype: bool = False
-                ) -> list[list[tuple[str, torch.Tensor]]]:
+def chunk_named(
+    named: Sequence[tuple[str, torch.Tensor]], chunk_bytes: int, by_dtype: bool = False
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive chunks of at most ``chunk_bytes`` (a larger tensor gets its own chunk); with ``by_dtype`` each
     chunk holds one dtype (a flattened bucket is sliced back with ``.view(dtype)``, which needs aligned offsets)."""
     groups: dict[Any, list[tuple[str, torch.Tensor]]] = {}
@@ -141,13 +151,17 @@ def check_mask_id(model_path: str, arch: str, cfg: dict[str, Any]) -> None:
     want = SGLANG_MASK_ID[arch]
     where = os.path.join(model_path, "config.json")
     if facts.mask_token_id != want:
-        raise ValueError(f"SGLangEngine: {where} has mask token id {facts.mask_token_id}, but sglang hard-codes mask "
-                         f"id {want} for {arch} (sglang/srt/dllm/config.py, DLLM_PARAMS) and ignores config.json: it "
-                         f"would decode with the wrong mask. Serve this checkpoint with the built-in engine "
-                         f"(rollout.engine=native), or use one whose mask token id is {want}")
+        raise ValueError(
+            f"SGLangEngine: {where} has mask token id {facts.mask_token_id}, but sglang hard-codes mask "
+            f"id {want} for {arch} (sglang/srt/dllm/config.py, DLLM_PARAMS) and ignores config.json: it "
+            f"would decode with the wrong mask. Serve this checkpoint with the built-in engine "
+            f"(rollout.engine=native), or use one whose mask token id is {want}"
+        )
     if want >= facts.vocab_size:
-        raise ValueError(f"SGLangEngine: {where} has vocab_size={facts.vocab_size}, which does not hold sglang's "
-                         f"mask id {want} for {arch}; use a checkpoint whose vocabulary holds it")
+        raise ValueError(
+            f"SGLangEngine: {where} has vocab_size={facts.vocab_size}, which does not hold sglang's "
+            f"mask id {want} for {arch}; use a checkpoint whose vocabulary holds it"
+        )
 
 
 def plugin_registered() -> bool:
@@ -165,8 +179,9 @@ def plugin_registered() -> bool:
     return True
 
 
-def trajectory_from_output(prompt: list[int], out: dict[str, Any], params: SamplingParams, eos_token_id: int,
-                           policy_version: int) -> Trajectory:
+def trajectory_from_output(
+    prompt: list[int], out: dict[str, Any], params: SamplingParams, eos_token_id: int, policy_version: int
+) -> Trajectory:
     """One sglang generate() output (``output_ids`` + ``meta_info`` with the plugin's per-token trace) as a
     validated Trajectory."""
     ids = [int(t) for t in out.get("output_ids") or []]
@@ -177,30 +192,69 @@ def trajectory_from_output(prompt: list[int], out: dict[str, Any], params: Sampl
         raise RuntimeError(f"sglang aborted a request: {fr}")
     trace = meta.get(TRACE_KEY)
     if trace is None:
-        raise RuntimeError(f"sglang returned no {TRACE_KEY!r}: megadare's dLLM algorithm did not run (is megadare "
-                           f"installed in sglang's environment, its entry point in {PLUGIN_GROUP!r}, and "
-                           "SGLANG_PLUGINS unset or naming 'megadare'?)")
-    if (kind == "stop" and params.stop_at_eos and isinstance(fr, dict) and fr.get("matched") == eos_token_id
-            and (not ids or ids[-1] != eos_token_id) and len(trace) > len(ids)):
-        ids.append(eos_token_id)   # a trimmed stop token: its trace entry is still there
-    ids = ids[:params.max_new_tokens]
+        raise RuntimeError(
+            f"sglang returned no {TRACE_KEY!r}: megadare's dLLM algorithm did not run (is megadare "
+            f"installed in sglang's environment, its entry point in {PLUGIN_GROUP!r}, and "
+            "SGLANG_PLUGINS unset or naming 'megadare'?)"
+        )
+    if (
+        kind == "stop"
+        and params.stop_at_eos
+        and isinstance(fr, dict)
+        and fr.get("matched") == eos_token_id
+        and (not ids or ids[-1] != eos_token_id)
+        and len(trace) > len(ids)
+    ):
+        ids.append(eos_token_id)  # a trimmed stop token: its trace entry is still there
+    ids = ids[: params.max_new_tokens]
     if len(trace) < len(ids):
         raise RuntimeError(f"sglang returned {len(trace)} trace entries for {len(ids)} output tokens")
-    trace = trace[:len(ids)]
+    trace = trace[: len(ids)]
     if any(e is None for e in trace):
         raise RuntimeError("sglang returned output tokens without a trace entry (a retracted request?)")
-    finish = "eos" if eos_token_id in ids else "length"   # the answer ended (a full canvas keeps what follows)
+    finish = "eos" if eos_token_id in ids else "length"  # the answer ended (a full canvas keeps what follows)
     if params.stop_at_eos and finish == "eos":
         ids = answer_ids(ids, eos_token_id)
-        trace = trace[:len(ids)]
+        trace = trace[: len(ids)]
     num_forwards = max((int(e[3]) for e in trace), default=0)
-    superseded = [Superseded(k, int(tok), int(g), int(s), float(lp)) for k, e in enumerate(trace)
-                  for g, s, lp, tok in (e[4] if len(e) > 4 else [])]
-    return Trajectory(prompt_ids=list(prompt), response_ids=ids, commit_step=[int(e[0]) for e in trace],
-                      block_step=[int(e[1]) for e in trace], logprobs=[float(e[2]) for e in trace],
-                      finish_reason=finish, num_forwards=num_forwards, params=params, policy_version=policy_version,
-                      superseded=superseded if params.algorithm == "editing" else (superseded or None),
-                      extra={"sglang_weight_version": meta.get("weight_version")}).validate()
+    superseded = [
+        Superseded(k, int(tok), int(g), int(s), float(lp))
+        for k, e in enumerate(trace)
+        for g, s, lp, tok in (e[4] if len(e) > 4 else [])
+    ]
+    return Trajectory(
+        prompt_ids=list(prompt),
+        response_ids=ids,
+        commit_step=[int(e[0]) for e in trace],
+        block_step=[int(e[1]) for e in trace],
+        logprobs=[float(e[2]) for e in trace],
+        finish_reason=finish,
+        num_forwards=num_forwards,
+        params=params,
+        policy_version=policy_version,
+        superseded=superseded if params.algorithm == "editing" else (superseded or None),
+        extra={"sglang_weight_version": meta.get("weight_version")},
+    ).validate()
+
+
+def _checked_model(model_path: str, max_running_requests: int, check_plugin: bool) -> tuple[str, dict]:
+    """The checkpoint's architecture and config, refused in one line when SGLangEngine cannot serve it."""
+    arch, cfg = read_architecture(model_path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"SGLangEngine supports {list(SUPPORTED_ARCHITECTURES)} (SDAR, SDAR-MoE / TraDo, "
+            f"LLaDA2); {model_path!r} is {arch!r}: use the built-in engine (rollout.engine=native)"
+        )
+    if not isinstance(max_running_requests, int) or max_running_requests < 1:
+        raise ValueError(f"max_running_requests must be a positive int, got {max_running_requests!r}")
+    check_mask_id(model_path, arch, cfg)
+    if check_plugin and not plugin_registered():
+        raise RuntimeError(
+            f"megadare's sglang plugin is not registered: install megadare into this environment "
+            f"(pip install -e .) so that the entry point {PLUGIN_GROUP!r} -> {PLUGIN_ENTRY_POINT} "
+            "exists, and leave SGLANG_PLUGINS unset or include 'megadare' in it"
+        )
+    return arch, cfg
 
 
 class SGLangEngine:
@@ -214,24 +268,28 @@ class SGLangEngine:
     ``engine_kwargs`` go to ``sglang.Engine`` unchanged (any ``ServerArgs`` field, e.g. ``dllm_fdfo``).
     """
 
-    def __init__(self, model_path: str, eos_token_id: int, *, block_size: Optional[int] = None,
-                 steps_per_block: Optional[int] = None, algorithm: str = "low_confidence_static",
-                 threshold: float = 0.9, max_running_requests: int = 128, tp_size: int = 1,
-                 mem_fraction_static: float = 0.7, enable_memory_saver: bool = True, random_seed: int = 0,
-                 chunk_bytes: int = 512 << 20, flush_retries: int = 60, flush_interval_s: float = 1.0,
-                 engine_kwargs: Optional[dict[str, Any]] = None, check_plugin: bool = True):
+    def __init__(
+        self,
+        model_path: str,
+        eos_token_id: int,
+        *,
+        block_size: Optional[int] = None,
+        steps_per_block: Optional[int] = None,
+        algorithm: str = "low_confidence_static",
+        threshold: float = 0.9,
+        max_running_requests: int = 128,
+        tp_size: int = 1,
+        mem_fraction_static: float = 0.7,
+        enable_memory_saver: bool = True,
+        random_seed: int = 0,
+        chunk_bytes: int = 512 << 20,
+        flush_retries: int = 60,
+        flush_interval_s: float = 1.0,
+        engine_kwargs: Optional[dict[str, Any]] = None,
+        check_plugin: bool = True,
+    ):
         sglang = _import_sglang()
-        arch, cfg = read_architecture(model_path)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"SGLangEngine supports {list(SUPPORTED_ARCHITECTURES)} (SDAR, SDAR-MoE / TraDo, "
-                             f"LLaDA2); {model_path!r} is {arch!r}: use the built-in engine (rollout.engine=native)")
-        if not isinstance(max_running_requests, int) or max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be a positive int, got {max_running_requests!r}")
-        check_mask_id(model_path, arch, cfg)
-        if check_plugin and not plugin_registered():
-            raise RuntimeError(f"megadare's sglang plugin is not registered: install megadare into this environment "
-                               f"(pip install -e .) so that the entry point {PLUGIN_GROUP!r} -> {PLUGIN_ENTRY_POINT} "
-                               "exists, and leave SGLANG_PLUGINS unset or include 'megadare' in it")
+        arch, cfg = _checked_model(model_path, max_running_requests, check_plugin)
         self.block_size = int(block_size or cfg.get("block_size") or DEFAULT_BLOCK_SIZE[arch])
         steps = int(steps_per_block or self.block_size)
         SamplingParams(block_size=self.block_size, steps_per_block=steps, algorithm=algorithm)  # validates
@@ -248,8 +306,12 @@ class SGLangEngine:
         self._paused = False
         self._tmpdir = tempfile.mkdtemp(prefix="megadare_sglang_")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
-        self.algorithm_config = {"block_size": self.block_size, "steps_per_block": steps, "algorithm": algorithm,
-                                 "threshold": float(threshold)}
+        self.algorithm_config = {
+            "block_size": self.block_size,
+            "steps_per_block": steps,
+            "algorithm": algorithm,
+            "threshold": float(threshold),
+        }
         self.algorithm_config_path = os.path.join(self._tmpdir, "dllm_algorithm.yaml")
         import yaml
 
@@ -260,11 +322,18 @@ class SGLangEngine:
         if fixed & set(extra):
             raise ValueError(f"engine_kwargs may not set {sorted(fixed & set(extra))}: SGLangEngine owns them")
         self.engine_kwargs: dict[str, Any] = {
-            "model_path": model_path, "dllm_algorithm": ALGORITHM_NAME,
-            "dllm_algorithm_config": self.algorithm_config_path, "max_running_requests": max_running_requests,
-            "tp_size": self.tp_size, "mem_fraction_static": mem_fraction_static,
-            "enable_memory_saver": enable_memory_saver, "random_seed": random_seed, "skip_tokenizer_init": True,
-            "trust_remote_code": True, **extra}
+            "model_path": model_path,
+            "dllm_algorithm": ALGORITHM_NAME,
+            "dllm_algorithm_config": self.algorithm_config_path,
+            "max_running_requests": max_running_requests,
+            "tp_size": self.tp_size,
+            "mem_fraction_static": mem_fraction_static,
+            "enable_memory_saver": enable_memory_saver,
+            "random_seed": random_seed,
+            "skip_tokenizer_init": True,
+            "trust_remote_code": True,
+            **extra,
+        }
         self._engine = sglang.Engine(**self.engine_kwargs)
 
     # ------------------------------------------------------------------ generation
@@ -272,13 +341,23 @@ class SGLangEngine:
         """sglang sampling parameters of the ``index``-th prompt."""
         seed = prompt_seed(params.seed, index)
         sp: dict[str, Any] = {
-            "max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
-            "top_k": params.top_k if params.top_k > 0 else -1, "sampling_seed": seed,
-            "ignore_eos": not params.stop_at_eos, "skip_special_tokens": False,
-            "custom_params": {CUSTOM_PARAMS_KEY: {"algorithm": params.algorithm,
-                                                  "steps_per_block": params.steps_per_block,
-                                                  "threshold": params.threshold, "seed": seed,
-                                                  **{k: getattr(params, k) for k in DECODER_KEYS}}}}
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "sampling_seed": seed,
+            "ignore_eos": not params.stop_at_eos,
+            "skip_special_tokens": False,
+            "custom_params": {
+                CUSTOM_PARAMS_KEY: {
+                    "algorithm": params.algorithm,
+                    "steps_per_block": params.steps_per_block,
+                    "threshold": params.threshold,
+                    "seed": seed,
+                    **{k: getattr(params, k) for k in DECODER_KEYS},
+                }
+            },
+        }
         if params.stop_at_eos:
             sp["stop_token_ids"] = [self.eos]
         return sp
@@ -289,13 +368,19 @@ class SGLangEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
         if params.block_size != self.block_size:
-            raise ValueError(f"sampling block_size={params.block_size} differs from the engine's block size "
-                             f"{self.block_size} ({self.architecture}); they must agree")
+            raise ValueError(
+                f"sampling block_size={params.block_size} differs from the engine's block size "
+                f"{self.block_size} ({self.architecture}); they must agree"
+            )
         if params.record_steps:
-            raise ValueError("record_steps (per-step predictions, MDPO) is not supported by the SGLang engine; "
-                             "use the built-in engine")
-        outs = self._engine.generate(input_ids=[list(map(int, p)) for p in prompts],
-                                     sampling_params=[self.sampling_params(params, i) for i in range(len(prompts))])
+            raise ValueError(
+                "record_steps (per-step predictions, MDPO) is not supported by the SGLang engine; "
+                "use the built-in engine"
+            )
+        outs = self._engine.generate(
+            input_ids=[list(map(int, p)) for p in prompts],
+            sampling_params=[self.sampling_params(params, i) for i in range(len(prompts))],
+        )
         if isinstance(outs, dict):
             outs = [outs]
         if len(outs) != len(prompts):
@@ -379,25 +464,40 @@ class SGLangEngine:
         with self._weight_update(version):
             for chunk in chunk_named(named, self.chunk_bytes, by_dtype=True):
                 payload = self._flattened_payload(chunk)
-                _ok(self._engine.update_weights_from_tensor(named_tensors=[payload] * self.tp_size,
-                                                            load_format="flattened_bucket", flush_cache=False),
-                    "update_weights_from_tensor")
+                _ok(
+                    self._engine.update_weights_from_tensor(
+                        named_tensors=[payload] * self.tp_size, load_format="flattened_bucket", flush_cache=False
+                    ),
+                    "update_weights_from_tensor",
+                )
                 if torch.cuda.is_available():
                     torch.cuda.ipc_collect()
                 nbytes += sum(t.numel() * t.element_size() for _, t in chunk)
                 chunks += 1
-        return {"tensors": len(named), "bytes": nbytes, "chunks": chunks, "version": version,
-                "seconds": time.perf_counter() - t0}
+        return {
+            "tensors": len(named),
+            "bytes": nbytes,
+            "chunks": chunks,
+            "version": version,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def join_weight_groups(self, groups: Sequence[Any]) -> None:
         """Join the weight-update groups of a ``distributed`` weight sync (one per trainer pipeline stage; its
         sender is rank 0): this engine's TP ranks become ranks ``g.rank .. g.rank + tp_size - 1`` of each. Blocks
         until every member joined, so the trainer joins concurrently (the call comes through Ray ``.remote``)."""
         for g in groups:
-            _ok(self._engine.init_weights_update_group(master_address=g.addr, master_port=int(g.port),
-                                                       rank_offset=int(g.rank), world_size=int(g.world_size),
-                                                       group_name=g.name, backend=g.backend),
-                "init_weights_update_group")
+            _ok(
+                self._engine.init_weights_update_group(
+                    master_address=g.addr,
+                    master_port=int(g.port),
+                    rank_offset=int(g.rank),
+                    world_size=int(g.world_size),
+                    group_name=g.name,
+                    backend=g.backend,
+                ),
+                "init_weights_update_group",
+            )
 
     def receive_weights(self, plan: Sequence[tuple[str, list]], version: int) -> dict[str, Any]:
         """One weight push over the groups: per group, per bucket, per flattened buffer (``weight_sync.plan.Flat``: one
@@ -408,10 +508,17 @@ class SGLangEngine:
             for group_name, buckets in plan:
                 for flats in buckets:
                     for f in flats:
-                        _ok(self._engine.update_weights_from_distributed(
-                            names=list(f.names), dtypes=[dtype_name(f.dtype)] * len(f.names),
-                            shapes=[list(s) for s in f.shapes], group_name=group_name, flush_cache=False,
-                            load_format="flattened_bucket"), "update_weights_from_distributed")
+                        _ok(
+                            self._engine.update_weights_from_distributed(
+                                names=list(f.names),
+                                dtypes=[dtype_name(f.dtype)] * len(f.names),
+                                shapes=[list(s) for s in f.shapes],
+                                group_name=group_name,
+                                flush_cache=False,
+                                load_format="flattened_bucket",
+                            ),
+                            "update_weights_from_distributed",
+                        )
                         n += f.nbytes
         return {"bytes": n, "version": version}
 
@@ -429,9 +536,15 @@ class SGLangEngine:
         self.asleep = False
 
     def health(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"alive": True, "engine": "sglang", "version": self.version, "asleep": self.asleep,
-                               "architecture": self.architecture, "block_size": self.block_size,
-                               "max_running_requests": self.max_running_requests}
+        out: dict[str, Any] = {
+            "alive": True,
+            "engine": "sglang",
+            "version": self.version,
+            "asleep": self.asleep,
+            "architecture": self.architecture,
+            "block_size": self.block_size,
+            "max_running_requests": self.max_running_requests,
+        }
         try:
             info = self._engine.get_model_info() if hasattr(self._engine, "get_model_info") else {}
             out["weight_version"] = info.get("weight_version")
