@@ -44,6 +44,7 @@ reference the cache is tested against). Token editing (LLaDA2.1, ``algorithm='ed
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 import functools
 import math
 from collections import deque
@@ -224,7 +225,7 @@ def _steps_needed(params: SamplingParams, masked: int) -> int:
     return s
 
 
-class _Decoder:
+class _Decoder(ABC):
     """The continuous-batching driver and the per-slot state both decoders share.
 
     A slot is a row of the running batch (rows [0, n) are live). Device tensors per slot live in ``self.dev``
@@ -413,8 +414,9 @@ class _Decoder:
     def begin_block(self, n: int, cols: torch.Tensor) -> None:
         """Once per block, before its forwards (bind the cache, build the masks)."""
 
+    @abstractmethod
     def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Logits of step ``s`` of block ``n`` at the rows' columns ``cols``: each decoder's own forward."""
 
     def end_block(self, n: int, cols: torch.Tensor) -> None:
         """Once per block, after its last step."""
