@@ -27,28 +27,19 @@ ROOT = os.path.dirname(HERE)
 FAMILIES = ["sdar", "sdar_moe", "llada", "llada2", "dream"]
 BLOCK = 4
 # head_dim 64 shapes (the GPU attention kernels' own path) for the parity and attention checks on a GPU
+QWEN_MEDIUM = dict(  # the Qwen3-layout families (SDAR, SDAR-MoE, LLaDA2) share it
+    vocab_size=4096,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    mask_token_id=4095,
+)
 MEDIUM = {
-    "sdar": dict(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        mask_token_id=4095,
-    ),
-    "sdar_moe": dict(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        mask_token_id=4095,
-        moe_intermediate_size=256,
-    ),
+    "sdar": QWEN_MEDIUM,
+    "sdar_moe": {**QWEN_MEDIUM, "moe_intermediate_size": 256},
     "llada": dict(
         d_model=512,
         n_heads=8,
@@ -59,17 +50,7 @@ MEDIUM = {
         embedding_size=4096,
         mask_token_id=4095,
     ),
-    "llada2": dict(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        mask_token_id=4095,
-        moe_intermediate_size=256,
-    ),
+    "llada2": {**QWEN_MEDIUM, "num_hidden_layers": 3, "moe_intermediate_size": 256},
     "dream": dict(
         vocab_size=4096,
         hidden_size=512,
