@@ -244,13 +244,13 @@ def _case_worker(rank, world, family, layout, config, bucket_mb, paths):
     from megadare.convert import mapping_for
     from megadare.models import get_family
     from megadare.models.gpt import build_model_chunks, transformer_config
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.rollout.manager import EngineSpec, RolloutManager
     from megadare.rollout.weight_sync.sync import WeightSync
 
     import weight_sync as bench  # this file, importable by name in the engine actors too
 
-    init_distributed(**layout)
+    init_distributed(Layout(**layout))
     fam = get_family(family)
     cfg = fam.tiny_config(**config)
     arch = fam.arch(cfg)

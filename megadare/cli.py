@@ -292,7 +292,7 @@ def _config_and_arch(args):
 
         fam = get_family(cfg.model.family)
         over = dict(cfg.model.tiny_config)
-        if cfg.model.block_size and fam.arch(fam.tiny_config()).attention == "block_causal":
+        if cfg.model.block_size and fam.arch(fam.tiny_config()).is_block_diffusion:
             over["block_size"] = cfg.model.block_size
         arch = fam.arch(fam.tiny_config(**over))
     validate(cfg, arch)

@@ -19,7 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
-from megadare.models.layout import validate_layout
+from megadare.parallel.layout import Layout
 from megadare.rewards.sandbox import ISOLATIONS
 from megadare.rollout.engine import (
     ALGORITHMS,
@@ -504,27 +504,25 @@ def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
         return cfg.sft.mode
     if arch is None:
         return "auto"
-    return "block" if arch.attention == "block_causal" else "random"
+    return "block" if arch.is_block_diffusion else "random"
 
 
 def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None) -> None:
     """Cross-checks of a whole config against the model (when known) and the world size."""
     p = cfg.parallel
-    ws = world_size or p.world_size
+    layout = Layout.of(p, world_size or p.world_size)
     if arch is not None:
-        validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=ws)
+        layout.check_model(arch)
         if arch.is_moe and p.tp > 1 and not p.sp:
             raise ConfigError(
                 f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
                 "(megatron trains MoE layers under TP only with sequence parallelism)"
             )
-        if cfg.model.block_size is not None and arch.attention != "block_causal":
+        if cfg.model.block_size is not None and not arch.is_block_diffusion:
             raise ConfigError(
                 f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
                 "attention and has no denoising blocks; remove model.block_size"
             )
-    elif p.sp and p.tp == 1:
-        raise ConfigError("parallel.sp=true needs parallel.tp > 1")
     t, sft = cfg.train, cfg.sft
     if not 0.0 < sft.noise_low <= sft.noise_high <= 1.0:
         raise ConfigError(
@@ -586,7 +584,7 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
     """The rollout's decoder as the engines will build it (``SamplingParams`` at the rollout and the evaluation
     temperature). Whether the RL algorithm can replay a token-editing trace is its own ``check_config``."""
     r = cfg.rollout
-    block = r.block_size or (arch.block_size if arch is not None and arch.attention == "block_causal" else 32)
+    block = r.block_size or (arch.block_size if arch is not None and arch.is_block_diffusion else 32)
     for temperature in (r.temperature, r.eval_temperature):
         try:
             SamplingParams(

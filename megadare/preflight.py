@@ -38,11 +38,11 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
     ``--nproc``, torchrun's WORLD_SIZE -- that many trainer GPUs of ``plan.gpu_memory_gb``); ConfigError naming
     the peak, the bottleneck and the first change that fits."""
     from megadare.plan import plan
-    from megadare.plan.memory import trainer_layout
+    from megadare.plan.memory import trainer_world
 
     pl, ws = cfg.plan, cfg.parallel.world_size or world
     planned = cfg
-    if ws is not None and ws != trainer_layout(cfg).world:  # the run's own GPU count, of the declared kind
+    if ws is not None and ws != trainer_world(cfg):  # the run's own GPU count, of the declared kind
         planned = replace(cfg, plan=replace(pl, nodes=1, gpus_per_node=ws + pl.rollout_gpus))
     report = plan(planned, arch)
     if report.fits:

@@ -112,8 +112,8 @@ def relayout(layout: dict) -> None:
     layouts: the process group stays, the model-parallel groups are rebuilt)."""
     from megatron.core import parallel_state as ps
 
-    from megadare.parallel import init_distributed
+    from megadare.parallel import Layout, init_distributed
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    init_distributed(**layout)
+    init_distributed(Layout(**layout))

@@ -8,9 +8,13 @@ import sys
 import pytest
 
 from megadare.config import load_config, to_yaml, validate
-from megadare.models.layout import validate_layout
+from megadare.parallel.layout import Layout
 from megadare.errors import ConfigError
 from megadare.models import get_family
+
+
+def validate_layout(arch, world_size=None, **sizes):
+    Layout(world=world_size, **sizes).check_model(arch)
 
 
 def _arch(name="sdar_moe", **over):

@@ -142,13 +142,13 @@ def _exchange_checks() -> None:
 def _worker(rank: int, world: int, cases: list[dict]) -> dict:
     from megatron.core import parallel_state
 
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
 
-    init_distributed(cp=1)  # reference: dp=2, full sequence
+    init_distributed(Layout(cp=1))  # reference: dp=2, full sequence
     try:
         ref = _run(cases)
         parallel_state.destroy_model_parallel()
-        init_distributed(cp=2)
+        init_distributed(Layout(cp=2))
         out = _run(cases)
         _exchange_checks()
     finally:

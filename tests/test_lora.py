@@ -111,13 +111,13 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
         lora_state_dict,
         merge_lora,
     )
-    from megadare.parallel import init_distributed
+    from megadare.parallel import Layout, init_distributed
     from megadare.data.rows import pack_rows, global_denominator, split_for_data_parallel
     from megadare.trainer.forward import forward_logits
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step
 
-    init_distributed(**layout)
+    init_distributed(Layout(**layout))
     sp = layout.get("sp", False)
     out = {}
     # ------------------------------------------------ (a) LoRA == merged != base, keys, (d) checkpoints

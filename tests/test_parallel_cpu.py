@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megadare.parallel import check_sizes
+from megadare.parallel import Layout
 from megadare.parallel.cpu import install_cpu_compat
 from megadare.parallel.launch import WorkerError, spawn
 
@@ -24,11 +24,11 @@ def test_check_sizes(world, kw, msg):
     args = dict(tp=1, pp=1, ep=1, etp=1, cp=1, vpp=None, sp=False)
     args.update(kw)
     with pytest.raises(ValueError, match=msg):
-        check_sizes(world, **args)
+        Layout(world, **args)
 
 
 def test_check_sizes_dp():
-    assert check_sizes(8, tp=2, pp=2, ep=2, etp=1, cp=1, vpp=2, sp=True) == 2
+    assert Layout(8, tp=2, pp=2, ep=2, etp=1, cp=1, vpp=2, sp=True).dp == 2
 
 
 def test_compat_layer_is_inert_when_cuda_is_in_use(monkeypatch):

@@ -107,7 +107,7 @@ def _measure_worker(rank, world, cases):
     from megatron.core import parallel_state as ps
 
     from megadare.models.gpt import build_model_chunks, transformer_config
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.data.rows import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import train_step
@@ -115,7 +115,7 @@ def _measure_worker(rank, world, cases):
     out = []
     try:
         for family, dtype, layout in cases:
-            init_distributed(**layout)
+            init_distributed(Layout(**layout))
             cfg = get_family(family).tiny_config(**TINY[family])
             arch = family_of(cfg).arch(cfg)
             chunks = build_model_chunks(arch, transformer_config(arch, dtype), attention_backend="sdpa")

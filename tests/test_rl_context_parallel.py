@@ -45,12 +45,12 @@ def _worker(rank, world, hf_dir, cp):
     from megadare.algos import build_algorithm
     from megadare.algos.sft import example_generator
     from megadare.config import config_from_dict
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.rl_update import TrainShape, update
 
-    init_distributed(cp=cp)
+    init_distributed(Layout(cp=cp))
     try:
         cfg = config_from_dict(
             {"model": {"hf_path": hf_dir}, "parallel": {"cp": cp}, "train": {"seq_length": 96, "micro_batch_size": 2}}

@@ -357,12 +357,12 @@ def _worker(rank, world, hf, cases, layouts):
     from megatron.core import parallel_state as ps
 
     from megadare.models.head import HeadSettings
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
 
     out = {}
     try:
         for lname, layout in layouts.items():
-            init_distributed(**layout)
+            init_distributed(Layout(**layout))
             built = {}
             for i, case in enumerate(cases):
                 t0 = time.time()

@@ -268,12 +268,12 @@ def test_every_sft_mode_trains_end_to_end(family, mode, tmp_path):
 def _lora_logits_worker(rank, world, cfg, ids):
     """Logits of the LoRA model restored from a LoRA SFT checkpoint (not merged)."""
     from megadare.models.lora import apply_lora
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.trainer.checkpoint import load_train_checkpoint
     from megadare.trainer.forward import forward_logits
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
 
-    init_distributed(tp=cfg.parallel.tp, sp=cfg.parallel.sp)
+    init_distributed(Layout(tp=cfg.parallel.tp, sp=cfg.parallel.sp))
     try:
         src = resolve_model_source(cfg)
         chunks = build_training_chunks(cfg, src)

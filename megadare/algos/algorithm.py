@@ -54,7 +54,7 @@ def rows_for_views(
     if slot_weight is None or denom is None:
         w, denom = aggregation(loss_agg, len(slots), len(s.response_ids))
         slot_weight = {k: w for k in slots}
-    block = arch.attention == "block_causal"
+    block = arch.is_block_diffusion
     per_view = [set(int(x) for x in v.slot.tolist() if x >= 0) for v in views]
     shared = sum(len(x) for x in per_view) != len(set().union(*per_view)) if per_view else False
     if shared:

@@ -34,16 +34,11 @@ class CJGRPO(Algorithm):
 
     def views(self, s, arch, block_size, g):
         """Every decoding step replayed (no shrinkage)."""
-        return [
-            v
-            for v, _ in replay_views(
-                s, arch.mask_token_id, block_size, 1, block_family=arch.attention == "block_causal"
-            )
-        ]
+        return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, 1, block_family=arch.is_block_diffusion)]
 
     def rows(self, s, arch, block_size, g):
         self.check_sample(s)
-        block = arch.attention == "block_causal"
+        block = arch.is_block_diffusion
         views = self.views(s, arch, block_size, g)
         # one "step" = (block, block-local step) for block families, the global step otherwise; U_ik holds every
         # commit of the step, token edits included (one slot each, diffusion/trace_replay.py)

@@ -67,7 +67,7 @@ class EBPO(Algorithm):
             s.response_ids,
             arch.mask_token_id,
             g,
-            block_size if arch.attention == "block_causal" else 32,
+            block_size if arch.is_block_diffusion else 32,
             self.p["n_mc"],
         )
 

@@ -44,7 +44,7 @@ class JustGRPO(Algorithm):
     def check_config(self, cfg, arch) -> None:
         super().check_config(cfg, arch)
         r = cfg.rollout
-        if arch is not None and arch.attention == "block_causal":
+        if arch is not None and arch.is_block_diffusion:
             raise ConfigError(
                 f"algo.name=justgrpo decodes one token per block; the {arch.family} family is "
                 "block diffusion with the model's block size: use a full-attention family (llada, dream)"

@@ -36,7 +36,7 @@ class RandomMaskRL(Algorithm):
     }
 
     def views(self, s, arch, block_size, g):
-        block = arch.attention == "block_causal"
+        block = arch.is_block_diffusion
         n = self.p["n_views"] or (1 if block else 35)
         return random_mask(
             s.prompt_ids,

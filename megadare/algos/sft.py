@@ -35,7 +35,7 @@ import torch
 from megadare.data.sft_data import SFTExample
 from megadare.diffusion.masking import block_index, iid_mask, mask_tokens
 from megadare.diffusion.schedule import NoiseSchedule
-from megadare.models.family import ModelArch
+from megadare.models.family import MaskKind, ModelArch
 from megadare.data.rows import Row
 
 SFT_MODES = ("random", "block", "semi_ar", "trace")
@@ -62,24 +62,24 @@ class SFTRecipe:
             raise ValueError(f"sft.trace_shrink={self.trace_shrink} must be >= 1")
 
 
-def mask_kind(recipe: SFTRecipe, arch: ModelArch) -> str:
+def mask_kind(recipe: SFTRecipe, arch: ModelArch) -> MaskKind:
     """The attention mask the rows of this recipe are trained with (checks the mode fits the family)."""
-    block_family = arch.attention == "block_causal"
+    block_family = arch.is_block_diffusion
     if recipe.mode == "block":
         if not block_family:
             raise ValueError(
                 f"sft.mode=block needs a block-diffusion family; {arch.family} uses full attention "
                 "(use sft.mode=random or semi_ar)"
             )
-        return "block_diffusion"
+        return MaskKind.BLOCK_DIFFUSION
     if recipe.mode in ("random", "semi_ar"):
         if block_family:
             raise ValueError(
                 f"sft.mode={recipe.mode} trains full attention; {arch.family} is a block-diffusion "
                 "family (use sft.mode=block or trace)"
             )
-        return "bidirectional"
-    return "block_causal" if block_family else "bidirectional"
+        return MaskKind.BIDIRECTIONAL
+    return arch.attention
 
 
 def _shift(row: Row) -> Row:
@@ -176,7 +176,7 @@ def _trace(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) ->
     y = torch.tensor(ex.response_ids, dtype=torch.long)
     steps = torch.tensor(ex.steps, dtype=torch.long)
     P, L = len(c), len(y)
-    block_family = arch.attention == "block_causal"
+    block_family = arch.is_block_diffusion
     rows = []
     groups = trace_groups(ex.steps, r.trace_shrink)
     for gi, group in enumerate(groups):

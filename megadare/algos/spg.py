@@ -94,8 +94,8 @@ class SPG(Algorithm):
             )
 
     def views(self, s, arch, block_size, g):
-        b = block_size if arch.attention == "block_causal" else self.p["block"]
-        grid = arch.attention == "block_causal"
+        b = block_size if arch.is_block_diffusion else self.p["block"]
+        grid = arch.is_block_diffusion
         if self.p["estimator"] == "dare":
             return blockwise_dare(
                 s.prompt_ids,

@@ -49,7 +49,7 @@ class TraceRL(Algorithm):
     }
 
     def shrink(self, arch) -> int:
-        return self.p["shrink"] or (1 if arch.attention == "block_causal" else 8)
+        return self.p["shrink"] or (1 if arch.is_block_diffusion else 8)
 
     @property
     def value_model(self) -> ValueModelSettings | None:
@@ -74,6 +74,6 @@ class TraceRL(Algorithm):
         return self.shrink(arch) == 1  # s > 1 scores later tokens of a fragment from its first state
 
     def views(self, s, arch, block_size, g):
-        block = arch.attention == "block_causal"
+        block = arch.is_block_diffusion
         shrink = self.shrink(arch)
         return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, shrink, block_family=block)]

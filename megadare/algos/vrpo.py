@@ -99,7 +99,7 @@ class VRPO(Algorithm):
             dataclasses.replace(s, advantage=sign),
             self.views(s, arch, 0, g),
             arch,
-            arch.attention == "block_causal",
+            arch.is_block_diffusion,
             {0: head},
             head,
         )

@@ -36,6 +36,7 @@ from megadare.models.safetensors_io import (
 )
 from megadare.convert.sharded_load import fill_model_from_global
 from megadare.models.family import Family, ModelArch, family_of, read_hf_config
+from megadare.parallel.layout import Layout
 
 __all__ = [
     "hf_to_megatron",
@@ -103,9 +104,7 @@ def hf_to_megatron(
     ``out_dir`` must be new, empty or a previous Megatron export, outside the source (``outputs``)."""
     src = HFSource(hf_dir, dtype)
     check_export_target(out_dir, "megatron", [hf_dir])
-    from megadare.models.layout import validate_layout
-
-    validate_layout(src.arch, tp=tp, pp=pp, ep=ep, vpp=vpp, etp=etp)
+    Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp).check_model(src.arch)
     shapes = src.shapes()
     bar = _progress(len(shapes), "hf -> megatron", progress)
 

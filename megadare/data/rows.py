@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from megadare.models.attention import MaskSpec
+from megadare.models.family import MaskKind
 
 ROW_COLUMNS = ("slot", "head", "adv", "tok", "sample")  # RL rows (algos/base.py views_to_row)
 PASSES = ("old", "ref", "behave", "is_weight")  # the trainer's passes over packed micro-batches
@@ -108,14 +109,14 @@ class MicroBatch:
         else:
             self.extras[key] = value
 
-    def mask(self, kind: str, block_size: int) -> MaskSpec:
+    def mask(self, kind: MaskKind, block_size: int) -> MaskSpec:
         """The attention mask of this micro-batch (packing-aware)."""
         return MaskSpec(
             kind,
             block_size=max(1, block_size),
             segment_ids=self.segment_ids,
             position_ids=self.position_ids,
-            stream_ids=self.stream_ids if kind == "block_diffusion" else None,
+            stream_ids=self.stream_ids if kind == MaskKind.BLOCK_DIFFUSION else None,
         )
 
     def megatron_mask(self, kind: str, block_size: int) -> torch.Tensor:

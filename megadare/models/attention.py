@@ -29,7 +29,9 @@ from typing import Callable, Optional
 
 import torch
 
-MASK_KINDS = ("bidirectional", "block_causal", "block_diffusion")
+from megadare.models.family import MaskKind
+
+MASK_KINDS = tuple(MaskKind)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class MaskSpec:
         one x_t ++ x_0 of length 2 * seq_len.
     """
 
-    kind: str
+    kind: MaskKind
     block_size: int = 1
     seq_len: int = 0
     q_offset: int = 0
@@ -59,12 +61,13 @@ class MaskSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in MASK_KINDS:
-            raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {MASK_KINDS}")
-        if self.kind != "bidirectional" and self.block_size < 1:
+            raise ValueError(f"unknown mask kind {self.kind!r}; expected one of {[str(k) for k in MASK_KINDS]}")
+        object.__setattr__(self, "kind", MaskKind(self.kind))
+        if self.kind is not MaskKind.BIDIRECTIONAL and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1 for a {self.kind} mask, got {self.block_size}")
-        if self.kind == "block_diffusion" and self.stream_ids is not None and self.position_ids is None:
+        if self.kind is MaskKind.BLOCK_DIFFUSION and self.stream_ids is not None and self.position_ids is None:
             raise ValueError("a packed block_diffusion mask (stream_ids) needs position_ids for block indices")
-        if self.kind == "block_diffusion" and self.seq_len < 1 and self.stream_ids is None:
+        if self.kind is MaskKind.BLOCK_DIFFUSION and self.seq_len < 1 and self.stream_ids is None:
             raise ValueError("a block_diffusion mask needs seq_len = L, the length of x_t (input is 2L)")
 
     def to(self, device) -> "MaskSpec":
@@ -82,12 +85,12 @@ class MaskSpec:
 
     def mask_mod(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """True where query q_idx may attend key kv_idx (FlexAttention signature)."""
-        if self.kind == "block_diffusion":
+        if self.kind is MaskKind.BLOCK_DIFFUSION:
             allowed = self._block_diffusion(b, q_idx, kv_idx)
         else:
             qp = self._pos(b, q_idx, self.q_offset)
             kp = self._pos(b, kv_idx, self.kv_offset)
-            if self.kind == "bidirectional":
+            if self.kind is MaskKind.BIDIRECTIONAL:
                 allowed = torch.ones_like(qp + kp, dtype=torch.bool)
             else:  # block_causal
                 allowed = (kp // self.block_size) <= (qp // self.block_size)
@@ -125,15 +128,15 @@ class MaskSpec:
 
 
 def bidirectional(**kw) -> MaskSpec:
-    return MaskSpec("bidirectional", **kw)
+    return MaskSpec(MaskKind.BIDIRECTIONAL, **kw)
 
 
 def block_causal(block_size: int, **kw) -> MaskSpec:
-    return MaskSpec("block_causal", block_size=block_size, **kw)
+    return MaskSpec(MaskKind.BLOCK_CAUSAL, block_size=block_size, **kw)
 
 
 def block_diffusion(seq_len: int, block_size: int, **kw) -> MaskSpec:
-    return MaskSpec("block_diffusion", block_size=block_size, seq_len=seq_len, **kw)
+    return MaskSpec(MaskKind.BLOCK_DIFFUSION, block_size=block_size, seq_len=seq_len, **kw)
 
 
 def to_megatron_mask(allowed: torch.Tensor) -> torch.Tensor:
@@ -462,4 +465,4 @@ def head_to_seq_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
 def family_mask(arch) -> MaskSpec:
     """The family's inference mask (block-causal with its block size, or bidirectional)."""
-    return block_causal(arch.block_size) if arch.attention == "block_causal" else bidirectional()
+    return block_causal(arch.block_size) if arch.is_block_diffusion else bidirectional()

@@ -11,7 +11,7 @@ returns plain lm_head logits.
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, canonical_config, register
+from megadare.models.family import Family, MaskKind, ModelArch, canonical_config, register
 from megadare.models.sdar import qwen_common
 
 MASK_TOKEN_ID = 151666
@@ -44,7 +44,7 @@ def arch(cfg: dict) -> ModelArch:
         qkv_bias=True,
         logits_shift=1,
         mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
-        attention="bidirectional",
+        attention=MaskKind.BIDIRECTIONAL,
         block_size=0,
         **kw,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,6 +22,19 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class ModelConfigError(ValueError):
     """A checkpoint's config.json is missing a key, has a bad value, or is of no known family."""
+
+
+class MaskKind(str, Enum):
+    """The attention masks of megadare (models/attention.py). A family's own mask is block-causal (block-diffusion
+    families: SDAR, TraDo, LLaDA2) or bidirectional (LLaDA, Dream); block-diffusion is the training mask of the
+    block-causal families (x_t ++ x_0). A member equals its string value ("block_causal" == MaskKind.BLOCK_CAUSAL)."""
+
+    BIDIRECTIONAL = "bidirectional"
+    BLOCK_CAUSAL = "block_causal"
+    BLOCK_DIFFUSION = "block_diffusion"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,7 @@ class ModelArch:
     rope_theta: float
     max_position_embeddings: int
     mask_token_id: int
-    attention: str  # "block_causal" | "bidirectional"
+    attention: MaskKind  # the family's mask: BLOCK_CAUSAL or BIDIRECTIONAL (a string value is read as one)
     block_size: int  # default denoising block (block-diffusion families); 0 otherwise
     rotary_percent: float = 1.0
     qk_norm: bool = False
@@ -58,6 +72,22 @@ class ModelArch:
     moe_num_groups: int = 0  # group-limited routing (0 = off)
     moe_topk_groups: int = 0
     moe_expert_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention not in (MaskKind.BLOCK_CAUSAL, MaskKind.BIDIRECTIONAL):
+            raise ModelConfigError(f"attention={self.attention!r} must be 'block_causal' or 'bidirectional'")
+        object.__setattr__(self, "attention", MaskKind(self.attention))
+
+    @property
+    def is_block_diffusion(self) -> bool:
+        """A block-diffusion family (block-causal attention, denoising block by block: SDAR, TraDo, LLaDA2)."""
+        return self.attention is MaskKind.BLOCK_CAUSAL
+
+    @property
+    def training_mask(self) -> MaskKind:
+        """The mask whole-response RL and DPO rows train with: block diffusion (x_t ++ x_0) for block-diffusion
+        families, the family's bidirectional mask otherwise."""
+        return MaskKind.BLOCK_DIFFUSION if self.is_block_diffusion else MaskKind.BIDIRECTIONAL
 
     @property
     def is_moe(self) -> bool:

@@ -15,7 +15,7 @@ Rejected: include_bias true, attention_layer_norm true, block_type other than "l
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
 
 MASK_TOKEN_ID = 126336
 _B = "model.transformer.blocks.{i}."
@@ -61,7 +61,7 @@ def arch(cfg: dict) -> ModelArch:
         max_position_embeddings=int(cfg.get("max_sequence_length", 4096)),
         tie_word_embeddings=bool(cfg.get("weight_tying", False)),
         mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
-        attention="bidirectional",
+        attention=MaskKind.BIDIRECTIONAL,
         block_size=0,
     )
 

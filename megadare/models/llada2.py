@@ -29,7 +29,7 @@ recorded trace is the trainer's), so its 2.1 decodes differ from the publisher's
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
 
 MASK_TOKEN_ID = 156895
 BLOCK_SIZE = 32
@@ -97,7 +97,7 @@ def arch(cfg: dict) -> ModelArch:
         qk_norm=bool(cfg.get("use_qk_norm", True)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
-        attention="block_causal",
+        attention=MaskKind.BLOCK_CAUSAL,
         block_size=int(cfg.get("block_size", BLOCK_SIZE)),
         num_experts=require(cfg, "num_experts", int, w),
         moe_ffn_hidden_size=require(cfg, "moe_intermediate_size", int, w),

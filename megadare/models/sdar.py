@@ -22,7 +22,7 @@ Unsupported (rejected with a message): Qwen3-MoE ``decoder_sparse_step`` != 1, n
 from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
 
 MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
@@ -96,7 +96,7 @@ def _arch(cfg: dict, moe: bool) -> ModelArch:
         architecture=arch_name,
         qk_norm=True,
         mask_token_id=int(cfg.get("mask_token_id", MASK_TOKEN_ID)),
-        attention="block_causal",
+        attention=MaskKind.BLOCK_CAUSAL,
         block_size=int(cfg.get("block_size", BLOCK_SIZE)),
         **kw,
     )

@@ -7,27 +7,17 @@ launcher environment runs as world size 1.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from megadare.errors import ConfigError
 from megadare.parallel.cpu import install_cpu_compat
 from megadare.parallel.launch import free_port
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None
-    ep: int = 1
-    etp: int = 1
-    cp: int = 1
-    sp: bool = False
-    dp: int = 1
+from megadare.parallel.layout import Layout
 
 
 _LAYOUT: Optional[Layout] = None
@@ -43,41 +33,11 @@ def current_layout() -> Layout:
     return _LAYOUT
 
 
-def check_sizes(world: int, tp: int, pp: int, ep: int, etp: int, cp: int, vpp: Optional[int], sp: bool) -> int:
-    """Validate a layout against a world size (megatron's own rules); returns DP."""
-    for name, v in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp), ("cp", cp)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"parallel.{name}={v!r} must be a positive integer")
-    if world % (tp * pp * cp):
-        raise ValueError(
-            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
-            f"launch a multiple of {tp * pp * cp} processes"
-        )
-    if world % (etp * ep * pp):
-        raise ValueError(
-            f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}; "
-            f"change parallel.ep or the number of processes"
-        )
-    if sp and tp == 1:
-        raise ValueError("parallel.sp=true needs parallel.tp > 1")
-    if vpp is not None and vpp > 1 and pp == 1:
-        raise ValueError(f"parallel.vpp={vpp} needs parallel.pp > 1")
-    return world // (tp * pp * cp)
-
-
 def init_distributed(
-    tp: int = 1,
-    pp: int = 1,
-    vpp: Optional[int] = None,
-    ep: int = 1,
-    etp: Optional[int] = None,
-    cp: int = 1,
-    sp: bool = False,
-    seed: int = 1234,
-    backend: Optional[str] = None,
-    timeout_s: int = 600,
+    layout: Optional[Layout] = None, *, seed: int = 1234, backend: Optional[str] = None, timeout_s: int = 600
 ) -> Layout:
-    """Initialise torch.distributed (env:// or a single process) and megatron's parallel groups."""
+    """Initialise torch.distributed (env:// or a single process) and megatron's parallel groups for ``layout``
+    (default: no model parallelism); returns it placed on the launched world."""
     global _LAYOUT
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -96,21 +56,29 @@ def init_distributed(
         dist.init_process_group(
             backend or ("gloo" if cpu else "nccl"), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
-    world = dist.get_world_size()
-    etp = tp if etp is None else etp  # megatron's default: experts split like the dense layers
-    dp = check_sizes(world, tp, pp, ep, etp, cp, vpp, sp)
+    layout = placed(layout or Layout(), dist.get_world_size())
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    _LAYOUT = Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, sp=sp, dp=dp)
+    _LAYOUT = layout
     return _LAYOUT
+
+
+def placed(layout: Layout, world: int) -> Layout:
+    """``layout`` on the launched ``world`` processes (checked; one resolved for another world size is an error)."""
+    if layout.world not in (None, world):
+        raise ConfigError(
+            f"the layout was resolved for {layout.world} processes but {world} were launched; launch "
+            f"{layout.world} or set parallel.world_size={world}"
+        )
+    return replace(layout, world=world)
 
 
 def destroy_distributed() -> None:

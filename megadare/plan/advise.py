@@ -1,6 +1,6 @@
 """Which knob to turn when a plan does not fit, with its estimated effect.
 
-Every candidate is one config change that the model and the GPU count allow (``validate_layout``); the plan is
+Every candidate is one config change that the model and the GPU count allow (``Layout.check_model``); the plan is
 recomputed with it and the change in the fullest GPU's memory is its estimated effect. Candidates are listed
 cheapest first (by the cost stated with each), fitting ones before the rest. When no single change fits, the
 changes are chained greedily (largest saving first, up to ``MAX_STEPS``) and the chain is reported too.

@@ -59,12 +59,12 @@ scored), n otherwise, and c = min(n_s, chunk_tokens(V_pad/t, train.logits_chunk_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megadare.config import Config, resolve_sft_mode
 from megadare.models.head import chunk_tokens
 from megadare.models.mapping import padded_vocab_size
 from megadare.models.family import ModelArch
+from megadare.parallel.layout import Layout
 from megadare.plan.params import rank_params, stage_layers
 
 GIB = float(2**30)
@@ -73,26 +73,6 @@ OPTIM_BYTES = {"bf16": 12, "fp16": 12, "fp32": 8}
 GRAD_BYTES = 4
 MATERIALISED = ("local", "reference")  # attention backends that store the S x S softmax
 QUADRATIC = MATERIALISED + ("sdpa",)  # ... or an S x S mask; auto (flex on GPU) and flex keep neither
-
-
-@dataclass(frozen=True)
-class Layout:
-    world: int  # trainer GPUs
-    tp: int
-    pp: int
-    vpp: Optional[int]
-    ep: int
-    etp: int
-    cp: int
-    sp: bool
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    @property
-    def expert_dp(self) -> int:
-        return self.world // (self.etp * self.ep * self.pp)
 
 
 @dataclass(frozen=True)
@@ -122,19 +102,14 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.reference + self.reserve
 
 
+def trainer_world(cfg: Config) -> int:
+    """The trainer's GPUs in the plan: the cluster's less the rollout engines'."""
+    pl = cfg.plan
+    return pl.nodes * pl.gpus_per_node - pl.rollout_gpus
+
+
 def trainer_layout(cfg: Config) -> Layout:
-    p, pl = cfg.parallel, cfg.plan
-    world = pl.nodes * pl.gpus_per_node - pl.rollout_gpus
-    return Layout(
-        world=world,
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp if (p.vpp or 1) > 1 else None,
-        ep=p.ep,
-        etp=p.tp if p.etp is None else p.etp,
-        cp=p.cp,
-        sp=p.sp,
-    )
+    return Layout.of(cfg.parallel, trainer_world(cfg))
 
 
 def model_state_bytes(
@@ -211,7 +186,7 @@ def stage_activation_bytes(arch: ModelArch, lay: Layout, cfg: Config, micro_batc
 def scored_head(arch: ModelArch, lay: Layout, cfg: Config) -> tuple[float, int]:
     """(scored positions of one micro-batch at most, tokens per logits chunk) on a last-stage GPU."""
     n = cfg.train.seq_length * cfg.train.micro_batch_size / lay.cp
-    block_rows = arch.attention == "block_causal" and (cfg.plan.job == "rl" or resolve_sft_mode(cfg, arch) == "block")
+    block_rows = arch.is_block_diffusion and (cfg.plan.job == "rl" or resolve_sft_mode(cfg, arch) == "block")
     scored = n / 2 if block_rows else n
     vocab = padded_vocab_size(arch.vocab_size, lay.tp) // lay.tp
     return scored, int(min(scored, chunk_tokens(vocab, cfg.train.logits_chunk_mb)))

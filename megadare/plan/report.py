@@ -21,10 +21,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megadare.config import Config
-from megadare.models.layout import validate_layout
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
-from megadare.plan.memory import GIB, WEIGHT_BYTES, Layout, StageMemory, logits_path, trainer_layout, trainer_stages
+from megadare.parallel.layout import Layout
+from megadare.plan.memory import (
+    GIB,
+    WEIGHT_BYTES,
+    StageMemory,
+    logits_path,
+    trainer_layout,
+    trainer_stages,
+    trainer_world,
+)
 from megadare.plan.params import ParamCounts, count_params
 
 JOBS = ("rl", "sft")
@@ -171,19 +179,18 @@ def check_plan_config(cfg: Config, arch: ModelArch) -> Layout:
         raise ConfigError(
             f"rollout.engine_tp={cfg.rollout.engine_tp} does not divide the {arch.num_attention_heads} attention heads"
         )
-    lay = trainer_layout(cfg)
-    p = cfg.parallel
-    if p.world_size is not None and p.world_size != lay.world:
+    world, p = trainer_world(cfg), cfg.parallel
+    if p.world_size is not None and p.world_size != world:
         raise ConfigError(
             f"parallel.world_size={p.world_size} but the plan gives the trainer plan.nodes * "
-            f"plan.gpus_per_node - plan.rollout_gpus = {lay.world} GPUs: make them agree (e.g. "
-            f"parallel.world_size={lay.world} when planning another cluster shape)"
+            f"plan.gpus_per_node - plan.rollout_gpus = {world} GPUs: make them agree (e.g. "
+            f"parallel.world_size={world} when planning another cluster shape)"
         )
     try:
-        validate_layout(arch, tp=p.tp, pp=p.pp, ep=p.ep, vpp=p.vpp, etp=p.etp, cp=p.cp, sp=p.sp, world_size=lay.world)
+        lay = trainer_layout(cfg).check_model(arch)
     except ConfigError as e:
         raise ConfigError(
-            f"{e} (the trainer has plan.nodes * plan.gpus_per_node - plan.rollout_gpus = {lay.world} GPUs)"
+            f"{e} (the trainer has plan.nodes * plan.gpus_per_node - plan.rollout_gpus = {world} GPUs)"
         ) from None
     if arch.is_moe and p.tp > 1 and not p.sp:
         raise ConfigError(f"parallel.tp={p.tp} on a MoE model needs parallel.sp=true")

@@ -104,7 +104,7 @@ class NativeEngine:
             raise RuntimeError("engine is asleep: call wake() before generate()")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
-        if self.arch.attention == "block_causal":
+        if self.arch.is_block_diffusion:
             if params.block_size != self.arch.block_size:
                 raise ValueError(
                     f"sampling block_size={params.block_size} differs from the model's block size "

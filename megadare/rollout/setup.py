@@ -25,7 +25,7 @@ def resolve_canvas(cfg, arch: Optional[ModelArch]) -> str:
         return cfg.rl.canvas
     if arch is None:
         return "eos"
-    return "eos" if arch.attention == "block_causal" else "full"
+    return "eos" if arch.is_block_diffusion else "full"
 
 
 def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps: bool = False):
@@ -35,8 +35,8 @@ def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps
     from megadare.rollout.engine import SamplingParams
 
     r = cfg.rollout
-    block = r.block_size or (arch.block_size if arch.attention == "block_causal" else 32)
-    if arch.attention == "block_causal" and block != arch.block_size:
+    block = r.block_size or (arch.block_size if arch.is_block_diffusion else 32)
+    if arch.is_block_diffusion and block != arch.block_size:
         raise ConfigError(
             f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "
             "sampler, the trainer and the model must agree (set model.block_size to change it)"

@@ -64,7 +64,7 @@ def check_dpo(cfg: Config, arch) -> None:
             "megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, chosen, rejected)"
         )
     vrpo_for(cfg)
-    block = arch is not None and arch.attention == "block_causal"
+    block = arch is not None and arch.is_block_diffusion
     row = 2 * cfg.dpo.n_mc * cfg.data.max_length * (2 if block else 1)
     if row > cfg.train.seq_length:
         raise ConfigError(
@@ -77,12 +77,12 @@ def check_dpo(cfg: Config, arch) -> None:
 
 def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.trainer.run_lock import run_dir_lock
     from megadare.trainer.sft_loop import train_steps
 
     p = cfg.parallel
-    init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    init_distributed(Layout.of(p), seed=cfg.seed)
     try:
         with run_dir_lock(cfg.logging.run_dir):
             run = setup_dpo(cfg)
@@ -120,12 +120,12 @@ def setup_dpo(cfg: Config) -> DPORun:
     model = wrap_ddp(initial_chunks(cfg, src), cfg.train.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
     ref = frozen_chunks(cfg, src)
-    block = src.arch.attention == "block_causal"
+    block = src.arch.is_block_diffusion
     run = DPORun(
         cfg=cfg,
         src=src,
         recipe=None,
-        kind="block_diffusion" if block else "bidirectional",
+        kind=src.arch.training_mask,
         tok=tok,
         examples=examples,
         data_stats=stats,

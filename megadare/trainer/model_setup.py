@@ -68,7 +68,7 @@ def resolve_model_source(cfg: Config) -> ModelSource:
         raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
     fam = family_of(hf)
     arch = fam.arch(hf)
-    if m.block_size is not None and arch.attention == "block_causal" and m.block_size != arch.block_size:
+    if m.block_size is not None and arch.is_block_diffusion and m.block_size != arch.block_size:
         arch = _with_block(arch, m.block_size)
     return ModelSource(family=fam, arch=arch, hf_dir=hf_dir, hf_config=hf)
 

@@ -23,14 +23,14 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
 
     set-up -> push weights (version = step) -> eval -> per step: generate -> score -> train -> push weights ->
     log / eval / save. The run directory is locked meanwhile (trainer/run_lock.py)."""
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.trainer.run_lock import run_dir_lock
 
     p = cfg.parallel
     # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the rollout engines route with the synced bias,
     # and forward-only passes (old / reference log-probs) must not feed the balancing statistics
     cfg.train.moe_bias_update_rate = 0.0
-    init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    init_distributed(Layout.of(p), seed=cfg.seed)
     try:
         with run_dir_lock(cfg.logging.run_dir):
             return _train(cfg, max_steps)

@@ -94,12 +94,12 @@ class RolloutStarter:
         params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
         if algo.own_rollout:
             return indices, algo.rollout(
-                manager.generate, prompts, params, rl.n_samples, global_grid=run.arch.attention == "block_causal"
+                manager.generate, prompts, params, rl.n_samples, global_grid=run.arch.is_block_diffusion
             )
         expanded = [q for q in prompts for _ in range(rl.n_samples)]
         if rl.partial_rollout and run.ahead:
             return indices, PartialRollout(
-                manager.submit, expanded, params, rl.partial_rollout, global_grid=run.arch.attention == "block_causal"
+                manager.submit, expanded, params, rl.partial_rollout, global_grid=run.arch.is_block_diffusion
             )
         return indices, manager.submit(expanded, params)
 

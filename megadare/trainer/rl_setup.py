@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megadare.config import Config, validate
 from megadare.errors import ConfigError
+from megadare.models.family import MaskKind
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RLRun:
     held_prompts: list
     policy: Policy
     block: int  # denoising block size of sampler and trainer
-    kind: str  # 'block_diffusion' | 'bidirectional' (the training mask)
+    kind: MaskKind  # the training mask (ModelArch.training_mask)
     save_root: str
     sampler: Any = None  # StepSampler: which prompts each step takes
     step: int = 0
@@ -102,7 +103,7 @@ def setup_run(cfg: Config) -> RLRun:
         held_prompts=held_prompts,
         policy=_build_policy(cfg, src, algo),
         block=block,
-        kind="block_diffusion" if src.arch.attention == "block_causal" else "bidirectional",
+        kind=src.arch.training_mask,
         save_root=checkpoint_root(cfg),
     )
     run.sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from megadare.algos.algorithm import ValueModelSettings
 from megadare.config import Config
-from megadare.models.family import ModelArch
+from megadare.models.family import MaskKind, ModelArch
 from megadare.trainer.step import store_outputs
 
 
@@ -25,7 +25,7 @@ class TrainShape:
 
     arch: ModelArch
     block: int
-    kind: str
+    kind: MaskKind
     pad_id: int
     multiple: int
     model: Any

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megadare.config import Config, resolve_sft_mode
 from megadare.errors import ConfigError
+from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
 
 
@@ -79,7 +80,7 @@ class SFTRun:
     cfg: Config
     src: Any
     recipe: Any  # SFTRecipe
-    kind: str  # training mask kind
+    kind: MaskKind  # training mask kind
     tok: Any
     examples: list
     data_stats: dict
@@ -104,11 +105,11 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     ``max_steps`` stops early after that many steps of this invocation (tests of resume), without the final
     checkpoint unless a save interval falls there.
     """
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.trainer.run_lock import run_dir_lock
 
     p = cfg.parallel
-    layout = init_distributed(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp, sp=p.sp, seed=cfg.seed)
+    layout = init_distributed(Layout.of(p), seed=cfg.seed)
     try:
         with run_dir_lock(cfg.logging.run_dir):
             run = setup_sft(cfg)

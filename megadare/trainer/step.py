@@ -33,6 +33,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megadare.data.rows import MB_COLUMNS, MicroBatch
+from megadare.models.family import MaskKind
 from megadare.models.head import HeadSettings, ScoredOutput, ScoredTargets
 from megadare.trainer.logprob import token_entropy, token_logprobs
 
@@ -149,7 +150,7 @@ def _per_position(out, mb: MicroBatch, vocab_size: int, per_position, entropy: b
 def run_micro_batches(
     chunks: list[torch.nn.Module],
     micro_batches: list[MicroBatch],
-    mask_kind: str,
+    mask_kind: MaskKind,
     block_size: int,
     vocab_size: int,
     objective: Objective,
@@ -218,14 +219,14 @@ def run_micro_batches(
     return metrics
 
 
-def store_outputs(chunks, micro_batches, key: str, kind: str, block: int, vocab: int, per_position=None) -> None:
+def store_outputs(chunks, micro_batches, key: str, kind: MaskKind, block: int, vocab: int, per_position=None) -> None:
     """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
     into ``mb.put(key, ...)`` (a ``PASSES`` field, else extras; on the last pipeline stage)."""
     for mb, out in zip(micro_batches, outputs_of(chunks, micro_batches, kind, block, vocab, per_position)):
         mb.put(key, out)
 
 
-def outputs_of(chunks, micro_batches, kind: str, block: int, vocab: int, per_position=None) -> list[torch.Tensor]:
+def outputs_of(chunks, micro_batches, kind: MaskKind, block: int, vocab: int, per_position=None) -> list[torch.Tensor]:
     """Per-position log-probs (or ``per_position`` outputs) [b, S] of each micro-batch under ``chunks``, on the
     micro-batches' device; empty on the stages before the last pipeline stage."""
     got: list[torch.Tensor] = []
@@ -282,7 +283,7 @@ def train_step(
     scheduler,
     micro_batches: list[MicroBatch],
     global_denom: float,
-    mask_kind: str,
+    mask_kind: MaskKind,
     block_size: int,
     vocab_size: int,
     objective: Objective = weighted_nll,

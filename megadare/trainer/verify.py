@@ -41,11 +41,11 @@ def megatron_logits(
     from megatron.core import parallel_state
 
     from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.models.attention import family_mask
     from megadare.trainer.forward import forward_logits
 
-    init_distributed(**layout)
+    init_distributed(Layout(**layout))
     out: dict[str, torch.Tensor] = {}
     try:
         for case in cases:
@@ -75,9 +75,9 @@ def megatron_logits(
 def resave(rank: int, world: int, layout: dict, hf_dir: str, src_ckpt: str, dst_ckpt: str) -> bool:
     """Load a checkpoint under ``layout`` and save it again from the sharded model (round-trip tests)."""
     from megadare.convert import load_checkpoint, save_checkpoint
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
 
-    init_distributed(**layout)
+    init_distributed(Layout(**layout))
     try:
         arch, chunks = _build(hf_dir, layout.get("sp", False))
         load_checkpoint(chunks, src_ckpt)

@@ -155,10 +155,10 @@ def _trainer(
 ) -> dict:
     from dist import stepped_trainer
     from megadare.convert import mapping_for
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.rollout.weight_sync.sync import sync_weights
 
-    init_distributed(**layout)
+    init_distributed(Layout(**layout))
     try:
         _, model, _, cfg = stepped_trainer(layout, hf_dir)
         _, _, table = mapping_for(cfg)

@@ -36,13 +36,13 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
     from real_sglang import EOS, engine_kwargs, native_engine
 
     from megadare.convert import mapping_for
-    from megadare.parallel import destroy_distributed, init_distributed
+    from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.rollout.manager import EngineSpec, RolloutManager
     from megadare.rollout.sglang_engine import build_sglang_engine
     from megadare.parallel.rank0 import run_on_rank0
     from megadare.rollout.weight_sync.sync import WeightSync, sync_weights
 
-    init_distributed(ep=2)
+    init_distributed(Layout(ep=2))
     r0 = rank == 0
     out: dict = {}
     manager = None

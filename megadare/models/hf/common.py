@@ -254,7 +254,7 @@ class DecoderLM(nn.Module):
 
     # ----------------------------------------------------------------- forward
     def default_mask(self, block_size: Optional[int] = None) -> MaskSpec:
-        if self.arch.attention == "block_causal":
+        if self.arch.is_block_diffusion:
             return block_causal(block_size or self.arch.block_size)
         return bidirectional()
 
