@@ -245,11 +245,8 @@ def _dispatch(args) -> int:
         from megadare import demo
 
         return demo.main(args.rest)
-    cfg, arch = _config_and_arch(args)
-    if args.command == "dpo":
-        from megadare.trainer.dpo_loop import check_dpo
-
-        check_dpo(cfg, arch)
+    cfg, spec = _config_and_spec(args)
+    arch = spec.arch
     if args.dry_run:
         return _dry_run(args, cfg, arch)
     if args.command in ("sft", "dpo", "rl", "eval") and arch is None:
@@ -264,15 +261,17 @@ def _dispatch(args) -> int:
     if args.command == "eval":
         from megadare.eval import run_eval_command
 
-        return run_eval_command(cfg, args.nproc)
+        return run_eval_command(spec, args.nproc)
     from megadare.plan import run_plan_command
 
     return run_plan_command(cfg, arch)
 
 
-def _config_and_arch(args):
-    """The run's config (file + overrides, checked) and the model's architecture (None when no model is named)."""
-    from megadare.config import load_config, validate
+def _config_and_spec(args):
+    """The run's config (file + overrides) and its resolved spec (checked; ``spec.arch`` is None when no model is
+    named)."""
+    from megadare.config import load_config
+    from megadare.trainer.spec import resolve
 
     overrides = list(args.overrides)
     if args.command == "eval":
@@ -281,22 +280,7 @@ def _config_and_arch(args):
         if args.tasks:
             overrides.append(f"eval.tasks=[{args.tasks}]")
     cfg = load_config(args.config, overrides)
-    arch = None
-    if cfg.model.hf_path:
-        from megadare.models import family_of, read_hf_config
-
-        hf = read_hf_config(cfg.model.hf_path)
-        arch = family_of(hf).arch(hf)
-    elif cfg.model.family:
-        from megadare.models import get_family
-
-        fam = get_family(cfg.model.family)
-        over = dict(cfg.model.tiny_config)
-        if cfg.model.block_size and fam.arch(fam.tiny_config()).is_block_diffusion:
-            over["block_size"] = cfg.model.block_size
-        arch = fam.arch(fam.tiny_config(**over))
-    validate(cfg, arch)
-    return cfg, arch
+    return cfg, resolve(cfg, job=args.command)
 
 
 def _dry_run(args, cfg, arch) -> int:

@@ -30,7 +30,7 @@ from megadare.rollout.engine import (
     WEIGHT_TRANSPORTS,
     SamplingParams,
 )
-from megadare.rollout.setup import resolve_canvas
+from megadare.rollout.setup import resolve_canvas, rollout_block
 
 
 @dataclass
@@ -507,8 +507,9 @@ def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
     return "block" if arch.is_block_diffusion else "random"
 
 
-def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None) -> None:
-    """Cross-checks of a whole config against the model (when known) and the world size."""
+def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None) -> None:
+    """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
+    configured algorithm when the caller has built it (``trainer/spec.resolve``)."""
     p = cfg.parallel
     layout = Layout.of(p, world_size or p.world_size)
     if arch is not None:
@@ -561,7 +562,7 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     check_decoder(cfg, arch)
     from megadare.algos import build_algorithm  # the name, algo.params and the algorithm's own checks
 
-    build_algorithm(cfg.algo.name, dict(cfg.algo.params)).check_config(cfg, arch)
+    (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
 
 
 _SAMPLER_KEYS = (
@@ -584,7 +585,7 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
     """The rollout's decoder as the engines will build it (``SamplingParams`` at the rollout and the evaluation
     temperature). Whether the RL algorithm can replay a token-editing trace is its own ``check_config``."""
     r = cfg.rollout
-    block = r.block_size or (arch.block_size if arch is not None and arch.is_block_diffusion else 32)
+    block = rollout_block(cfg, arch)
     for temperature in (r.temperature, r.eval_temperature):
         try:
             SamplingParams(

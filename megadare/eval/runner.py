@@ -33,8 +33,9 @@ from megadare.errors import ConfigError
 from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
+from megadare.trainer.spec import RunSpec
 from megadare.rewards import check_isolation, check_reward_errors, load_reward, runs_code, score_batch, set_isolation
-from megadare.rollout.setup import sampling_params, start_engines
+from megadare.rollout.setup import start_engines
 
 __all__ = [
     "run_eval_command",
@@ -222,11 +223,13 @@ def write_summary(out_dir: str, tasks: dict[str, dict[str, Any]]) -> str:
     return path
 
 
-def run_eval_command(cfg: Config, nproc: int = 1) -> int:
-    """Evaluate the configured model on ``eval.tasks``; returns the process exit code (0)."""
+def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
+    """Evaluate the model of a resolved ``megadare eval`` run on ``eval.tasks``; returns the exit code (0)."""
     from tqdm import tqdm
 
-    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.model_setup import materialise, tokenizer_for
+
+    cfg = spec.cfg
 
     if nproc > 1:
         raise ConfigError(
@@ -240,14 +243,14 @@ def run_eval_command(cfg: Config, nproc: int = 1) -> int:
         )
     specs, temperature = check_eval_config(cfg)
     e = cfg.eval
-    src = resolve_model_source(cfg)
+    src = materialise(spec.source, cfg)
     tok = tokenizer_for(cfg, src)
     files = {s.name: s.path or task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
     prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
     set_isolation(cfg.rewards.code.isolation)
     if any(runs_code(s.reward, [p.record for p in prompts[s.name]]) for s in specs):
         check_isolation()  # refuse before the engines start, where the kernel refuses the code sandbox
-    params = dataclasses.replace(sampling_params(cfg, src.arch, cfg.seed, evaluation=True), temperature=temperature)
+    params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
     summary: dict[str, Any] = {
         "model": src.hf_dir,

@@ -34,6 +34,7 @@ from megadare.plan.memory import (
     trainer_world,
 )
 from megadare.plan.params import ParamCounts, count_params
+from megadare.rollout.setup import rollout_block
 
 JOBS = ("rl", "sft")
 
@@ -141,7 +142,7 @@ def rollout_memory(cfg: Config, arch: ModelArch, params: ParamCounts, lay: Layou
     tokens = pl.prompt_length + cfg.rollout.max_new_tokens
     kv_heads = math.ceil(arch.num_kv_heads / cfg.rollout.engine_tp)
     kv = 2 * arch.num_layers * kv_heads * arch.head_dim * w * tokens * pl.rollout_batch
-    block = cfg.rollout.block_size or arch.block_size or 32
+    block = rollout_block(cfg, arch)
     colocated = pl.rollout_gpus == 0
     gpus = lay.world if colocated else pl.rollout_gpus
     return RolloutMemory(

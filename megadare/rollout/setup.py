@@ -28,6 +28,13 @@ def resolve_canvas(cfg, arch: Optional[ModelArch]) -> str:
     return "eos" if arch.is_block_diffusion else "full"
 
 
+def rollout_block(cfg, arch: Optional[ModelArch]) -> int:
+    """The rollout's denoising block: ``rollout.block_size``, else a block-diffusion model's own, else 32."""
+    if cfg.rollout.block_size:
+        return cfg.rollout.block_size
+    return arch.block_size if arch is not None and arch.is_block_diffusion else 32
+
+
 def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps: bool = False):
     """The rollout's SamplingParams (block size checked against the model's). Training rollouts decode the
     response canvas of ``rl.canvas`` (full: every max_new_tokens position; eos: stop after the EOS block);
@@ -35,7 +42,7 @@ def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps
     from megadare.rollout.engine import SamplingParams
 
     r = cfg.rollout
-    block = r.block_size or (arch.block_size if arch.is_block_diffusion else 32)
+    block = rollout_block(cfg, arch)
     if arch.is_block_diffusion and block != arch.block_size:
         raise ConfigError(
             f"rollout.block_size={block} differs from the model's block size {arch.block_size}: the "

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
-import torch.distributed as dist
 
 from megadare.config import Config
-from megadare.errors import ConfigError
 from megadare.trainer.sft_loop import SFTRun, SFTStep, save_sft
+from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
 @dataclass
@@ -42,50 +41,17 @@ class DPORun(SFTRun):
         return self.block
 
 
-def vrpo_for(cfg: Config):
-    from megadare.algos.vrpo import VRPO
-
-    d = cfg.dpo
-    return VRPO(
-        {
-            "beta": d.beta,
-            "n_mc": d.n_mc,
-            "margin_norm": d.margin_norm,
-            "canvas_length": d.canvas_length if d.margin_norm == "canvas" else None,
-        }
-    )
-
-
-def check_dpo(cfg: Config, arch) -> None:
-    """A preference pair is one row of 2 x dpo.n_mc views (x_t ++ x_0 for block families): it must fit
-    ``train.seq_length``; the data must be a file."""
-    if not cfg.data.path:
-        raise ConfigError(
-            "megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, chosen, rejected)"
-        )
-    vrpo_for(cfg)
-    block = arch is not None and arch.is_block_diffusion
-    row = 2 * cfg.dpo.n_mc * cfg.data.max_length * (2 if block else 1)
-    if row > cfg.train.seq_length:
-        raise ConfigError(
-            f"a preference pair is one row of 2 x dpo.n_mc={cfg.dpo.n_mc} views of up to "
-            f"data.max_length={cfg.data.max_length} tokens{' (x2: x_t ++ x_0)' if block else ''} = {row}, "
-            f"more than train.seq_length={cfg.train.seq_length}; raise train.seq_length or lower "
-            "dpo.n_mc / data.max_length"
-        )
-
-
 def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
-    from megadare.parallel import Layout, destroy_distributed, init_distributed
+    from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.run_lock import run_dir_lock
     from megadare.trainer.sft_loop import train_steps
 
-    p = cfg.parallel
-    init_distributed(Layout.of(p), seed=cfg.seed)
+    spec = resolve(cfg, launched_world(), job="dpo")
+    init_distributed(spec.layout, seed=cfg.seed)
     try:
         with run_dir_lock(cfg.logging.run_dir):
-            run = setup_dpo(cfg)
+            run = setup_dpo(spec)
             out = train_steps(
                 run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples), "dpo", max_steps
             )
@@ -94,18 +60,16 @@ def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         destroy_distributed()
 
 
-def setup_dpo(cfg: Config) -> DPORun:
+def setup_dpo(spec: RunSpec) -> DPORun:
     """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
     preference pairs; resumed from the newest checkpoint of the run when there is one."""
-    from megadare.config import validate
     from megadare.data.preference_data import load_preference_examples
-    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.model_setup import materialise, tokenizer_for
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
     from megadare.trainer.sft_loop import checkpoint_root, frozen_chunks, initial_chunks, resume
 
-    src = resolve_model_source(cfg)
-    validate(cfg, src.arch, dist.get_world_size())
-    check_dpo(cfg, src.arch)
+    cfg = spec.cfg
+    src = materialise(spec.source, cfg)
     tok = tokenizer_for(cfg, src)
     d = cfg.data
     examples, stats = load_preference_examples(
@@ -134,7 +98,7 @@ def setup_dpo(cfg: Config) -> DPORun:
         scheduler=scheduler,
         save_root=checkpoint_root(cfg),
         ref_chunks=ref,
-        algo=vrpo_for(cfg),
+        algo=spec.algo,
         block=src.arch.block_size if block else 1,
     )
     resume(run, "megadare dpo")

@@ -10,23 +10,16 @@ The model source is one of
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.errors import ConfigError, RunStateError
-from megadare.models.family import Family, ModelArch, family_of, get_family, read_hf_config
-
-
-@dataclass
-class ModelSource:
-    family: Family
-    arch: ModelArch
-    hf_dir: str
-    hf_config: dict
+from megadare.models.family import ModelArch, read_hf_config
+from megadare.trainer.spec import ModelSource, model_source, source_of
 
 
 def _rank0() -> bool:
@@ -34,43 +27,37 @@ def _rank0() -> bool:
 
 
 def resolve_model_source(cfg: Config) -> ModelSource:
-    """Where the initial weights and config.json come from (writes the tiny checkpoint on rank 0)."""
-    m = cfg.model
-    if m.hf_path:
-        if not os.path.isdir(m.hf_path):
-            raise ConfigError(f"model.hf_path={m.hf_path!r} is not a directory (expected an HF checkpoint)")
-        hf = read_hf_config(m.hf_path)
-        hf_dir = m.hf_path
-    elif m.family and m.tiny:
-        fam = get_family(m.family)
-        over = dict(m.tiny_config)
-        if m.block_size:
-            over["block_size"] = m.block_size
-        hf = fam.tiny_config(**over)
-        hf_dir = os.path.join(cfg.logging.run_dir, "init_hf")
-        if os.path.exists(os.path.join(hf_dir, "config.json")):
-            _check_same_tiny(hf_dir, hf)
-        elif _rank0():
-            from megadare.models import build_hf_model, save_hf_model
+    """The config's model source, its tiny checkpoint written (``materialise``)."""
+    return materialise(model_source(cfg), cfg)
 
-            g = torch.random.fork_rng()
-            with g:
-                torch.manual_seed(cfg.seed)
-                model = build_hf_model(hf)
-                with torch.no_grad():  # a non-trivial init: HF inits norms to 1 and biases to 0
-                    for p in model.parameters():
-                        p.add_(torch.randn_like(p) * 0.02)
-            save_hf_model(model, hf, hf_dir)
-        if dist.is_initialized():
-            dist.barrier()
-        hf = read_hf_config(hf_dir)
-    else:
+
+def materialise(src: Optional[ModelSource], cfg: Config) -> ModelSource:
+    """``src`` ready to load on every rank: a tiny random model is written once by rank 0 (seeded by ``seed``)
+    under ``<run_dir>/init_hf``, then read back from there."""
+    m = cfg.model
+    if src is None or not (m.hf_path or src.tiny):
         raise ConfigError("no model: set model.hf_path (an HF checkpoint) or model.family + model.tiny=true")
-    fam = family_of(hf)
-    arch = fam.arch(hf)
-    if m.block_size is not None and arch.is_block_diffusion and m.block_size != arch.block_size:
-        arch = _with_block(arch, m.block_size)
-    return ModelSource(family=fam, arch=arch, hf_dir=hf_dir, hf_config=hf)
+    if m.hf_path:
+        return src
+    if os.path.exists(os.path.join(src.hf_dir, "config.json")):
+        _check_same_tiny(src.hf_dir, src.hf_config)
+    elif _rank0():
+        _write_tiny(src, cfg.seed)
+    if dist.is_initialized():
+        dist.barrier()
+    return replace(source_of(read_hf_config(src.hf_dir), src.hf_dir, m.block_size), tiny=True)
+
+
+def _write_tiny(src: ModelSource, seed: int) -> None:
+    from megadare.models import build_hf_model, save_hf_model
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = build_hf_model(src.hf_config)
+        with torch.no_grad():  # a non-trivial init: HF inits norms to 1 and biases to 0
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    save_hf_model(model, src.hf_config, src.hf_dir)
 
 
 def _check_same_tiny(hf_dir: str, want: dict) -> None:
@@ -87,12 +74,6 @@ def _check_same_tiny(hf_dir: str, want: dict) -> None:
             f"from this config's (there vs here: {shown}); use a new logging.run_dir, or restore "
             "model.family / model.tiny_config"
         )
-
-
-def _with_block(arch: ModelArch, block: int) -> ModelArch:
-    from dataclasses import replace
-
-    return replace(arch, block_size=block)
 
 
 def training_transformer_config(cfg: Config, arch: ModelArch):

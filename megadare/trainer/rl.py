@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from megadare.config import Config
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
+from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
 def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
@@ -23,28 +24,25 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
 
     set-up -> push weights (version = step) -> eval -> per step: generate -> score -> train -> push weights ->
     log / eval / save. The run directory is locked meanwhile (trainer/run_lock.py)."""
-    from megadare.parallel import Layout, destroy_distributed, init_distributed
+    from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.run_lock import run_dir_lock
 
-    p = cfg.parallel
-    # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the rollout engines route with the synced bias,
-    # and forward-only passes (old / reference log-probs) must not feed the balancing statistics
-    cfg.train.moe_bias_update_rate = 0.0
-    init_distributed(Layout.of(p), seed=cfg.seed)
+    spec = resolve(cfg, launched_world(), job="rl")
+    init_distributed(spec.layout, seed=cfg.seed)
     try:
         with run_dir_lock(cfg.logging.run_dir):
-            return _train(cfg, max_steps)
+            return _train(spec, max_steps)
     finally:
         destroy_distributed()
 
 
-def _train(cfg: Config, max_steps: Optional[int]) -> dict[str, Any]:
+def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
     """The loop of ``run_rl``; engines and weight-sync groups are closed however it ends."""
     from megadare.trainer.signals import StopSignal
 
-    run = None
+    cfg, run = spec.cfg, None
     try:
-        run = setup_run(cfg)
+        run = setup_run(spec)
         if run.step >= cfg.rl.steps:
             return finished_run(run)
         push_weights(run, queued=False)
@@ -229,10 +227,9 @@ def log_step(run: RLRun, metrics: dict[str, float]) -> None:
 
 def evaluate_at(run: RLRun) -> None:
     """Held-out accuracy at ``run.step`` (rank 0 runs it on the engines; every rank records it)."""
-    from megadare.rollout.setup import sampling_params
     from megadare.trainer.rl_rollout import evaluate
 
-    params = sampling_params(run.cfg, run.arch, run.cfg.seed, evaluation=True)
+    params = run.spec.eval_sampling
     res = on_rank0(run, lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params))
     if res:
         run.evals[run.step] = res

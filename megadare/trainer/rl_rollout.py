@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from megadare.config import Config
-from megadare.rollout.setup import sampling_params
+from dataclasses import replace
 
 
 def evaluate(cfg: Config, manager, tok, reward_fn, prompts, params) -> dict[str, float]:
@@ -91,7 +91,7 @@ class RolloutStarter:
         cfg, rl, algo, manager = run.cfg, run.cfg.rl, run.algo, run.manager
         indices = run.sampler.batch(at)
         prompts = [run.train_prompts[i].prompt_ids for i in indices]
-        params = sampling_params(cfg, run.arch, seed=cfg.seed * 100_003 + at, record_steps=algo.needs_step_predictions)
+        params = replace(run.spec.train_sampling, seed=cfg.seed * 100_003 + at)
         if algo.own_rollout:
             return indices, algo.rollout(
                 manager.generate, prompts, params, rl.n_samples, global_grid=run.arch.is_block_diffusion

@@ -13,9 +13,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megadare.config import Config, validate
+from megadare.config import Config
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
+from megadare.trainer.spec import RunSpec
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Policy:
 
 @dataclass
 class RLRun:
+    spec: RunSpec
     cfg: Config
     src: Any  # ModelSource (arch, family, hf_dir, hf_config)
     algo: Any
@@ -70,30 +72,28 @@ class RLRun:
         return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
 
 
-def setup_run(cfg: Config) -> RLRun:
+def setup_run(spec: RunSpec) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
-    from megadare.algos import build_algorithm
     from megadare.trainer.offpolicy.replay import ReplayBuffer
     from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.trainer.data_order import StepSampler
-    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.model_setup import materialise, tokenizer_for
     from megadare.trainer.monitor import write_run_config
-    from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
-    from megadare.trainer.offpolicy.correction import check_correction_config, needs_snapshots
-    from megadare.rollout.setup import sampling_params, start_engines
+    from megadare.trainer.offpolicy.queue import WeightSnapshots
+    from megadare.trainer.offpolicy.correction import needs_snapshots
+    from megadare.rollout.setup import start_engines
     from megadare.trainer.sft_loop import checkpoint_root
 
-    src = resolve_model_source(cfg)
-    validate(cfg, src.arch, dist.get_world_size())
-    algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
-    check_correction_config(cfg, algo, src.arch, lookahead(cfg.rl.mode, cfg.rl.max_staleness))
-    block = sampling_params(cfg, src.arch, 0).block_size
+    cfg, algo = spec.cfg, spec.algo
+    src = materialise(spec.source, cfg)
+    block = spec.train_sampling.block_size
     tok = tokenizer_for(cfg, src)
     train_prompts, held_prompts = _prompts(cfg, tok)
     set_isolation(cfg.rewards.code.isolation)
     if runs_code(cfg.rl.reward, [p.record for p in train_prompts + held_prompts]):
         check_isolation()  # refuse now, not at the first scored step, where the kernel refuses the sandbox
     run = RLRun(
+        spec=spec,
         cfg=cfg,
         src=src,
         algo=algo,

@@ -9,7 +9,7 @@ newest checkpoint under ``checkpoint.save``; SIGTERM finishes the current step, 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
@@ -19,6 +19,7 @@ from megadare.config import Config, resolve_sft_mode
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
+from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
 def sft_recipe(cfg: Config, arch):
@@ -105,16 +106,16 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     ``max_steps`` stops early after that many steps of this invocation (tests of resume), without the final
     checkpoint unless a save interval falls there.
     """
-    from megadare.parallel import Layout, destroy_distributed, init_distributed
+    from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.run_lock import run_dir_lock
 
-    p = cfg.parallel
-    layout = init_distributed(Layout.of(p), seed=cfg.seed)
+    spec = resolve(cfg, launched_world(), job="sft")
+    layout = init_distributed(spec.layout, seed=cfg.seed)
     try:
         with run_dir_lock(cfg.logging.run_dir):
-            run = setup_sft(cfg)
+            run = setup_sft(spec)
             out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
-        return {**out, "layout": layout.__dict__, "data": run.data_stats}
+        return {**out, "layout": {**asdict(layout), "dp": layout.dp}, "data": run.data_stats}
     finally:
         destroy_distributed()
 
@@ -167,16 +168,15 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
     }
 
 
-def setup_sft(cfg: Config) -> SFTRun:
+def setup_sft(spec: RunSpec) -> SFTRun:
     """Model (from ``checkpoint.load``, with LoRA adapters if asked), optimizer, data; resumed from the newest
     checkpoint of the run when there is one."""
     from megadare.algos.sft import mask_kind
-    from megadare.config import validate
-    from megadare.trainer.model_setup import resolve_model_source, tokenizer_for
+    from megadare.trainer.model_setup import materialise, tokenizer_for
     from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
-    src = resolve_model_source(cfg)
-    validate(cfg, src.arch, dist.get_world_size())
+    cfg = spec.cfg
+    src = materialise(spec.source, cfg)
     recipe = sft_recipe(cfg, src.arch)
     tok = tokenizer_for(cfg, src)
     examples, data_stats = load_examples(cfg, tok)
