@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from megadare.config import Config
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
+from megadare.trainer.loop import Loop, monitor_for
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -38,8 +39,6 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
 
 def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
     """The loop of ``run_rl``; engines and weight-sync groups are closed however it ends."""
-    from megadare.trainer.signals import StopSignal
-
     cfg, run = spec.cfg, None
     try:
         run = setup_run(spec)
@@ -49,8 +48,8 @@ def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
         start_loop(run)
         if run.step not in run.evals:  # a resumed run evaluated this step before its checkpoint
             evaluate_at(run)
-        stopper, start, stopped = StopSignal(), run.step, False
-        while run.step < cfg.rl.steps:
+        loop = Loop(cfg.rl.steps, run.step, run.monitor, max_steps)
+        while loop.running(run.step):
             run.monitor.step_timer()
             samples, metrics = generate(run)
             samples, correction = add_replay(run, samples, metrics)
@@ -58,21 +57,18 @@ def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
             run.step += 1
             metrics.update(push_weights(run))
             log_step(run, metrics)
-            if (cfg.rl.eval_interval and run.step % cfg.rl.eval_interval == 0) or run.step == cfg.rl.steps:
+            if loop.every(run.step, cfg.rl.eval_interval):
                 evaluate_at(run)  # before the save: the checkpoint knows it (a resumed run does not repeat it)
-            stopped = stopper.should_stop()
-            interval = cfg.checkpoint.save_interval
-            if stopped or run.step == cfg.rl.steps or (interval and run.step % interval == 0):
+            if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
                 save_run(run)
-            if stopped or (max_steps is not None and run.step - start >= max_steps):
+            if loop.done(run.step):
                 break
         if run.step == cfg.rl.steps and run.step not in run.evals:
             evaluate_at(run)
-        run.monitor.close()
-        stopper.restore()
+        loop.close()
         return {
             "step": run.step,
-            "stopped_by_signal": stopped,
+            "stopped_by_signal": loop.stopped,
             "history": run.history,
             "evals": run.evals,
             "checkpoint_root": run.save_root,
@@ -126,20 +122,11 @@ def on_rank0(run: RLRun, work):
 
 def start_loop(run: RLRun) -> None:
     """The monitor and (rank 0) the rollout queue, restored from the checkpoint's queued rollouts."""
-    from megadare.trainer.monitor import Monitor
     from megadare.trainer.offpolicy.queue import RolloutQueue
     from megadare.trainer.rl_rollout import RolloutStarter
 
-    cfg, lg = run.cfg, run.cfg.logging
-    run.monitor = Monitor(
-        lg.run_dir,
-        cfg.rl.steps,
-        start_step=run.step,
-        tensorboard=lg.tensorboard,
-        jsonl=lg.jsonl,
-        log_interval=lg.log_interval,
-        desc="rl",
-    )
+    cfg = run.cfg
+    run.monitor = monitor_for(cfg, cfg.rl.steps, run.step, "rl")
     if run.rank0:
         run.queue = RolloutQueue(RolloutStarter(run), run.ahead, cfg.rl.steps)
         if run.async_state is not None:

@@ -19,6 +19,7 @@ from megadare.config import Config, resolve_sft_mode
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
+from megadare.trainer.loop import Loop, monitor_for
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -126,45 +127,29 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
     ``save(run)`` every ``checkpoint.save_interval`` steps, at the end and on SIGTERM. ``run`` has cfg, step and
     save_root; ``step_fn(indices)`` returns the step's metrics and ``step_fn.add_speed`` adds the speed ones."""
     from megadare.trainer.data_order import StepSampler
-    from megadare.trainer.monitor import Monitor
-    from megadare.trainer.signals import StopSignal
 
-    cfg = run.cfg
-    t, lg = cfg.train, cfg.logging
-    sampler = StepSampler(n_examples, t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    monitor = Monitor(
-        lg.run_dir,
-        t.steps,
-        start_step=run.step,
-        tensorboard=lg.tensorboard,
-        jsonl=lg.jsonl,
-        log_interval=lg.log_interval,
-        desc=desc,
-    )
-    stopper = StopSignal()
+    cfg, steps = run.cfg, run.cfg.train.steps
+    sampler = StepSampler(n_examples, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle)
+    loop = Loop(steps, run.step, monitor_for(cfg, steps, run.step, desc), max_steps)
     history: list[dict[str, float]] = []
-    start_step, stopped = run.step, False
-    while run.step < t.steps:
-        monitor.step_timer()
+    while loop.running(run.step):
+        loop.monitor.step_timer()
         metrics = step_fn(sampler.batch(run.step))
         run.step += 1
-        step_fn.add_speed(metrics, monitor.step_timer(), sampler.epoch(run.step))
+        step_fn.add_speed(metrics, loop.monitor.step_timer(), sampler.epoch(run.step))
         history.append(metrics)
-        monitor.log(run.step, metrics)
-        stopped = stopper.should_stop()
-        interval = cfg.checkpoint.save_interval
-        if stopped or run.step == t.steps or (interval and run.step % interval == 0):
+        loop.monitor.log(run.step, metrics)
+        if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
             save(run)
-        if stopped or (max_steps is not None and run.step - start_step >= max_steps):
+        if loop.done(run.step):
             break
-    monitor.close()
-    stopper.restore()
+    loop.close()
     return {
         "step": run.step,
-        "stopped_by_signal": stopped,
+        "stopped_by_signal": loop.stopped,
         "history": history,
         "checkpoint_root": run.save_root,
-        "already_finished": start_step >= t.steps,
+        "already_finished": loop.start >= steps,
     }
 
 
