@@ -42,7 +42,7 @@ def _worker(rank, world, hf_dir):
     from megadare.rollout.weight_sync.sync import WeightSync
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.rl import on_rank0
-    from megadare.trainer.rl_setup import _build_policy
+    from megadare.trainer.rl_setup import rl_policy
     from megadare.trainer.rl_update import TrainShape, _prepare, update
     from megadare.trainer.step import store_outputs
 
@@ -59,7 +59,7 @@ def _worker(rank, world, hf_dir):
         src = resolve_model_source(cfg)
         arch, kind = src.arch, "block_diffusion"
         algo = build_algorithm("d1", {"kl_coef": 0.04})
-        pol = _build_policy(cfg, src, algo)
+        pol = rl_policy(cfg, src, algo)
         out = {
             "ref_chunks": pol.ref_chunks is None,
             "adapters_off": pol.ref_adapters_off,

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 
 from megadare.config import Config
+from megadare.trainer.policy import build_policy
 from megadare.trainer.sft_loop import SFTRun, SFTStep, save_sft
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
@@ -32,7 +33,6 @@ from megadare.trainer.spec import RunSpec, launched_world, resolve
 class DPORun(SFTRun):
     """An SFT run's parts (no SFT recipe) plus the frozen reference and VRPO (estimator and loss)."""
 
-    ref_chunks: Optional[list] = None
     algo: Any = None
     block: int = 1
 
@@ -65,8 +65,7 @@ def setup_dpo(spec: RunSpec) -> DPORun:
     preference pairs; resumed from the newest checkpoint of the run when there is one."""
     from megadare.data.preference_data import load_preference_examples
     from megadare.trainer.model_setup import materialise, tokenizer_for
-    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
-    from megadare.trainer.sft_loop import checkpoint_root, frozen_chunks, initial_chunks, resume
+    from megadare.trainer.sft_loop import checkpoint_root, resume
 
     cfg = spec.cfg
     src = materialise(spec.source, cfg)
@@ -81,9 +80,7 @@ def setup_dpo(spec: RunSpec) -> DPORun:
         chosen_key=cfg.dpo.chosen_key,
         rejected_key=cfg.dpo.rejected_key,
     )
-    model = wrap_ddp(initial_chunks(cfg, src), cfg.train.distributed_optimizer)
-    optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
-    ref = frozen_chunks(cfg, src)
+    policy = build_policy(cfg, src, updates=cfg.train.steps, reference=True)
     block = src.arch.is_block_diffusion
     run = DPORun(
         cfg=cfg,
@@ -93,11 +90,8 @@ def setup_dpo(spec: RunSpec) -> DPORun:
         tok=tok,
         examples=examples,
         data_stats=stats,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        policy=policy,
         save_root=checkpoint_root(cfg),
-        ref_chunks=ref,
         algo=spec.algo,
         block=src.arch.block_size if block else 1,
     )
@@ -131,7 +125,9 @@ class DPOStep(SFTStep):
     def passes(self, mine: list) -> None:
         from megadare.trainer.step import store_outputs
 
-        store_outputs(self.run.ref_chunks, mine, "ref", self.run.kind, self.run.block_size, self.run.arch.vocab_size)
+        store_outputs(
+            self.run.policy.ref_chunks, mine, "ref", self.run.kind, self.run.block_size, self.run.arch.vocab_size
+        )
 
     def objective(self):
         return self.run.algo.objective(on_policy=True)

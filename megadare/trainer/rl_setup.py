@@ -16,19 +16,8 @@ import torch.distributed as dist
 from megadare.config import Config
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
+from megadare.trainer.policy import Policy, build_policy, lora_of
 from megadare.trainer.spec import RunSpec
-
-
-@dataclass
-class Policy:
-    """The trained model and what trains with it."""
-
-    model: list  # DDP-wrapped chunks
-    optimizer: Any
-    scheduler: Any
-    ref_chunks: Optional[list] = None  # frozen reference (KL algorithms)
-    value: Optional[tuple] = None  # (chunks, optimizer, scheduler) of the value model (TraceRL)
-    ref_adapters_off: bool = False  # LoRA: the reference is ``model`` with its adapters off
 
 
 @dataclass
@@ -101,7 +90,7 @@ def setup_run(spec: RunSpec) -> RLRun:
         reward_fn=load_reward(cfg.rl.reward),
         train_prompts=train_prompts,
         held_prompts=held_prompts,
-        policy=_build_policy(cfg, src, algo),
+        policy=rl_policy(cfg, src, algo),
         block=block,
         kind=src.arch.training_mask,
         save_root=checkpoint_root(cfg),
@@ -152,46 +141,21 @@ def prompt_budget(cfg: Config) -> int:
     return budget
 
 
-def _build_policy(cfg: Config, src, algo) -> Policy:
-    """Policy chunks (from ``checkpoint.load`` if set; LoRA adapters on top with ``rl.lora_rank``), optimizer
-    over every update of the run, and the frozen reference (a second model, or with LoRA the policy's own
-    adapters off) / value model when the algorithm asks for them."""
-    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
-    from megadare.trainer.rl_update import build_value_model
-    from megadare.trainer.sft_loop import frozen_chunks, initial_chunks
-
-    t, rl = cfg.train, cfg.rl
-    chunks = initial_chunks(cfg, src)
-    if rl.lora_rank > 0:
-        from megadare.models.lora import apply_lora
-
-        apply_lora(chunks, rl.lora_rank, rl.lora_alpha, targets=tuple(rl.lora_targets))
-    model = wrap_ddp(chunks, t.distributed_optimizer)
+def rl_policy(cfg: Config, src, algo) -> Policy:
+    """The RL policy (LoRA adapters with ``rl.lora_rank``) over every update of the run, with the reference /
+    value model when the algorithm asks for them."""
+    rl = cfg.rl
     updates = rl.steps * rl.ppo_epochs * rl.mini_batches
-    optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
-    policy = Policy(model, optimizer, scheduler, ref_adapters_off=algo.needs_ref and rl.lora_rank > 0)
-    if algo.needs_ref and not policy.ref_adapters_off:
-        policy.ref_chunks = frozen_chunks(cfg, src)
-    if algo.value_model is not None:
-        policy.value = build_value_model(cfg, src, algo.value_model, updates)
-    return policy
+    return build_policy(cfg, src, updates=updates, lora=lora_of(rl), reference=algo.needs_ref, value=algo.value_model)
 
 
 def _resume(run: RLRun) -> None:
     """Restore step, optimizer, value model, weight snapshots, replay buffer and queue state from the newest
     checkpoint of the run (nothing when there is none)."""
-    from megadare.trainer.checkpoint import iteration_dir, load_checkpoint_object, load_train_checkpoint, resume_run
+    from megadare.trainer.checkpoint import iteration_dir, load_checkpoint_object, load_train_checkpoint
 
     pol, cfg = run.policy, run.cfg
-    state = resume_run(
-        run.save_root,
-        pol.model,
-        pol.optimizer,
-        pol.scheduler,
-        run.src,
-        "megadare rl",
-        source=None if cfg.model.tiny else cfg.model.hf_path,
-    )
+    state = pol.resume(run.save_root, run.src, "megadare rl", None if cfg.model.tiny else cfg.model.hf_path)
     if not state:
         return
     resume_from, run.step = state["resumed_from"], int(state["step"])
@@ -229,12 +193,9 @@ def save_run(run: RLRun) -> None:
         if run.rank0
         else None
     )
-    save_train_checkpoint(
+    pol.save(
         run.save_root,
         step,
-        pol.model,
-        pol.optimizer,
-        pol.scheduler,
         {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
         meta=meta,
         hf_files_from=run.src.hf_dir,

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from megadare.algos.algorithm import ValueModelSettings
-from megadare.config import Config
 from megadare.models.family import MaskKind, ModelArch
 from megadare.trainer.step import store_outputs
 
@@ -30,23 +29,6 @@ class TrainShape:
     multiple: int
     model: Any
     generator_for: Callable[[int, int, int, int], Any]
-
-
-def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: int):
-    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone (``checkpoint.load`` when
-    set) + a zero-init value head, trained at ``settings.lr``."""
-    from megadare.algos.value_model import attach_value_head
-    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
-    from megadare.trainer.sft_loop import initial_chunks
-
-    t = cfg.train
-    chunks = initial_chunks(cfg, src)
-    attach_value_head(chunks)
-    model = wrap_ddp(chunks, t.distributed_optimizer)
-    opt, sched = build_optimizer(
-        model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0, warmup_steps=0, lr_decay_style="constant")
-    )
-    return model, opt, sched
 
 
 def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:

@@ -20,6 +20,7 @@ from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
 from megadare.trainer.loop import Loop, monitor_for
+from megadare.trainer.policy import Policy, build_policy, lora_of
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -86,9 +87,7 @@ class SFTRun:
     tok: Any
     examples: list
     data_stats: dict
-    model: list  # DDP-wrapped chunks
-    optimizer: Any
-    scheduler: Any
+    policy: Policy
     save_root: str
     step: int = 0
 
@@ -158,20 +157,13 @@ def setup_sft(spec: RunSpec) -> SFTRun:
     checkpoint of the run when there is one."""
     from megadare.algos.sft import mask_kind
     from megadare.trainer.model_setup import materialise, tokenizer_for
-    from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
     cfg = spec.cfg
     src = materialise(spec.source, cfg)
     recipe = sft_recipe(cfg, src.arch)
     tok = tokenizer_for(cfg, src)
     examples, data_stats = load_examples(cfg, tok)
-    chunks = initial_chunks(cfg, src)
-    if cfg.sft.lora_rank > 0:
-        from megadare.models.lora import apply_lora
-
-        apply_lora(chunks, cfg.sft.lora_rank, cfg.sft.lora_alpha, targets=tuple(cfg.sft.lora_targets))
-    model = wrap_ddp(chunks, cfg.train.distributed_optimizer)
-    optimizer, scheduler = build_optimizer(model, optim_settings(cfg, cfg.train.steps))
+    policy = build_policy(cfg, src, updates=cfg.train.steps, lora=lora_of(cfg.sft))
     run = SFTRun(
         cfg=cfg,
         src=src,
@@ -180,9 +172,7 @@ def setup_sft(spec: RunSpec) -> SFTRun:
         tok=tok,
         examples=examples,
         data_stats=data_stats,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
+        policy=policy,
         save_root=checkpoint_root(cfg),
     )
     resume(run, "megadare sft")
@@ -194,42 +184,14 @@ def checkpoint_root(cfg: Config) -> str:
     return cfg.checkpoint.save or os.path.join(cfg.logging.run_dir, "ckpt")
 
 
-def initial_chunks(cfg: Config, src) -> list:
-    """This rank's model chunks with the source weights, then ``checkpoint.load`` (model only) when set."""
-    from megadare.trainer.checkpoint import load_train_checkpoint
-    from megadare.trainer.model_setup import build_training_chunks
-
-    chunks = build_training_chunks(cfg, src)
-    if cfg.checkpoint.load:
-        load_train_checkpoint(cfg.checkpoint.load, chunks, None, None, load_optimizer=False, src=src)
-    return chunks
-
-
-def frozen_chunks(cfg: Config, src) -> list:
-    """:func:`initial_chunks` in eval mode without gradients: the frozen reference model of DPO and RL."""
-    chunks = initial_chunks(cfg, src)
-    for c in chunks:
-        c.eval().requires_grad_(False)
-    return chunks
-
-
 def resume(run, written_by: str) -> dict:
     """Resume ``run`` (model, optimizer, scheduler, step) from the newest intact checkpoint under its save root, if
     any (``checkpoint.resume_run``: written by ``written_by`` from this model); rank 0 writes the run's config.
     Returns the checkpoint's train state ({} for a fresh run)."""
-    from megadare.trainer.checkpoint import resume_run
     from megadare.trainer.monitor import write_run_config
 
     cfg = run.cfg
-    state = resume_run(
-        run.save_root,
-        run.model,
-        run.optimizer,
-        run.scheduler,
-        run.src,
-        written_by,
-        source=None if cfg.model.tiny else cfg.model.hf_path,
-    )
+    state = run.policy.resume(run.save_root, run.src, written_by, None if cfg.model.tiny else cfg.model.hf_path)
     run.step = int(state.get("step", 0))
     if dist.get_rank() == 0:
         write_run_config(cfg)
@@ -245,7 +207,7 @@ class SFTStep:
         from megadare.trainer.moe_stats import MoELoadStats
 
         self.run = run
-        self.moe_stats = MoELoadStats(run.model)
+        self.moe_stats = MoELoadStats(run.policy.model)
         self.peak = peak_tflops()
         cfg = run.cfg
         self.mask_fn = (
@@ -291,9 +253,9 @@ class SFTStep:
         )
         self.passes(mine)
         metrics = train_step(
-            run.model,
-            run.optimizer,
-            run.scheduler,
+            run.policy.model,
+            run.policy.optimizer,
+            run.policy.scheduler,
             mine,
             global_denominator(mbs),
             run.kind,
@@ -318,18 +280,13 @@ class SFTStep:
 def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
     """Atomic checkpoint of model, optimizer, schedule and data position (LoRA rank / alpha in the meta); also
     ``megadare dpo``'s (``written_by``)."""
-    from megadare.trainer.checkpoint import save_train_checkpoint
-
     cfg = run.cfg
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
     if cfg.sft.lora_rank > 0 and written_by == "megadare sft":
         meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
-    save_train_checkpoint(
+    run.policy.save(
         run.save_root,
         run.step,
-        run.model,
-        run.optimizer,
-        run.scheduler,
         {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},
         meta=meta,
         hf_files_from=run.src.hf_dir,
