@@ -63,7 +63,8 @@ def fresh_update(cfg, src, algo, samples, block: int, kind: str) -> dict:
     from megadare.algos.sft import example_generator
     from megadare.trainer.model_setup import build_training_chunks
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.rl_update import TrainShape, update
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.rl_update import StepUpdate, TrainShape, update
 
     model = wrap_ddp(build_training_chunks(cfg, src), True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
@@ -74,15 +75,10 @@ def fresh_update(cfg, src, algo, samples, block: int, kind: str) -> dict:
             c.eval().requires_grad_(False)
     before = [p.detach().clone() for p in model[0].parameters()]
     m = update(
-        cfg,
-        algo,
+        StepUpdate(cfg, algo, 0, TrainShape(src.arch, block, kind, 0, 1, model, example_generator)),
         samples,
-        0,
-        TrainShape(src.arch, block, kind, 0, 1, model, example_generator),
-        ref_chunks=ref,
-        optimizer=opt,
-        scheduler=sched,
-        objective=algo.objective(on_policy=False),
+        Policy(model, opt, sched, ref_chunks=ref),
+        algo.objective(on_policy=False),
     )
     return {**m, "moved": max(float((p.detach() - b).abs().max()) for p, b in zip(model[0].parameters(), before))}
 

@@ -48,7 +48,8 @@ def _worker(rank, world, hf_dir, cp):
     from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.rl_update import TrainShape, update
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.rl_update import StepUpdate, TrainShape, update
 
     init_distributed(Layout(cp=cp))
     try:
@@ -68,15 +69,7 @@ def _worker(rank, world, hf_dir, cp):
             before = [p.detach().clone() for p in model[0].parameters()]
             shape = TrainShape(src.arch, src.arch.block_size, "block_diffusion", 0, 1, model, example_generator)
             m = update(
-                cfg,
-                algo,
-                _samples(),
-                0,
-                shape,
-                ref_chunks=None,
-                optimizer=opt,
-                scheduler=sched,
-                objective=algo.objective(on_policy=False),
+                StepUpdate(cfg, algo, 0, shape), _samples(), Policy(model, opt, sched), algo.objective(on_policy=False)
             )
             after = [p.detach().clone() for p in model[0].parameters()]
             grads = {n: p.main_grad.detach().clone() for n, p in model[0].module.named_parameters()}

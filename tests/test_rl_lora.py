@@ -43,7 +43,7 @@ def _worker(rank, world, hf_dir):
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.rl import on_rank0
     from megadare.trainer.rl_setup import rl_policy
-    from megadare.trainer.rl_update import TrainShape, _prepare, update
+    from megadare.trainer.rl_update import StepUpdate, TrainShape, _prepare, update
     from megadare.trainer.step import store_outputs
 
     init_distributed()
@@ -68,18 +68,7 @@ def _worker(rank, world, hf_dir):
         before = {n: p.detach().clone() for n, p in pol.model[0].named_parameters()}
         for step in range(3):
             shape = TrainShape(arch, arch.block_size, kind, 0, 1, pol.model, example_generator)
-            m = update(
-                cfg,
-                algo,
-                _samples(),
-                step,
-                shape,
-                ref_chunks=pol.ref_chunks,
-                optimizer=pol.optimizer,
-                scheduler=pol.scheduler,
-                objective=algo.objective(on_policy=False),
-                ref_adapters_off=pol.ref_adapters_off,
-            )
+            m = update(StepUpdate(cfg, algo, step, shape), _samples(), pol, algo.objective(on_policy=False))
         out["kl"] = m["kl"]
         moved = {n: float((p.detach() - before[n]).abs().max()) for n, p in pol.model[0].named_parameters()}
         out["moved_adapters"] = min(v for n, v in moved.items() if "lora_" in n)
@@ -87,11 +76,8 @@ def _worker(rank, world, hf_dir):
         out["lora_names"] = len(lora_parameters(pol.model))
         # the reference pass (adapters off) == an independently built model with the initial weights
         mine, _, _ = _prepare(
-            cfg,
-            algo,
+            StepUpdate(cfg, algo, 0, TrainShape(arch, arch.block_size, kind, 0, 1, pol.model, example_generator)),
             _samples(),
-            0,
-            TrainShape(arch, arch.block_size, kind, 0, 1, pol.model, example_generator),
             need_old=True,
         )
         with adapters_disabled(pol.model):

@@ -53,17 +53,3 @@ class Loop:
     def close(self) -> None:
         self.monitor.close()
         self.stop_signal.restore()
-
-
-def monitor_for(cfg, steps: int, start: int, desc: str) -> Monitor:
-    """The run's monitor (console bar, tensorboard, JSONL under ``logging.run_dir``) from ``start`` to ``steps``."""
-    lg = cfg.logging
-    return Monitor(
-        lg.run_dir,
-        steps,
-        start_step=start,
-        tensorboard=lg.tensorboard,
-        jsonl=lg.jsonl,
-        log_interval=lg.log_interval,
-        desc=desc,
-    )

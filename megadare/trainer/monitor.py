@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -24,19 +23,13 @@ def _is_rank0() -> bool:
 
 
 class Monitor:
-    def __init__(
-        self,
-        run_dir: str,
-        total_steps: int,
-        start_step: int = 0,
-        tensorboard: bool = True,
-        jsonl: bool = True,
-        log_interval: int = 1,
-        desc: str = "train",
-        enabled: Optional[bool] = None,
-    ):
+    """The monitor of a run's ``logging`` section (run_dir, tensorboard, jsonl, log_interval) over ``total_steps``
+    from ``start_step``; ``desc`` names the progress bar."""
+
+    def __init__(self, logging, total_steps: int, *, start_step: int = 0, desc: str = "train", enabled=None):
+        run_dir, jsonl, tensorboard = logging.run_dir, logging.jsonl, logging.tensorboard
         self.enabled = _is_rank0() if enabled is None else enabled
-        self.log_interval = max(1, log_interval)
+        self.log_interval = max(1, logging.log_interval)
         self.writer = None
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         self.bar = None

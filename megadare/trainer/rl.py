@@ -12,11 +12,15 @@ run resumes from the newest one and pushes its weights into fresh engines before
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from contextlib import ExitStack, contextmanager
+from typing import Any, Iterator, Optional
 
 from megadare.config import Config
+from megadare.parallel import destroy_distributed, init_distributed
+from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
-from megadare.trainer.loop import Loop, monitor_for
+from megadare.trainer.loop import Loop
+from megadare.trainer.monitor import Monitor
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -24,24 +28,15 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks).
 
     set-up -> push weights (version = step) -> eval -> per step: generate -> score -> train -> push weights ->
-    log / eval / save. The run directory is locked meanwhile (trainer/run_lock.py)."""
-    from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.run_lock import run_dir_lock
-
+    log / eval / save. The run directory is locked meanwhile (trainer/run_lock.py); engines and weight-sync
+    groups are closed however it ends."""
     spec = resolve(cfg, launched_world(), job="rl")
-    init_distributed(spec.layout, seed=cfg.seed)
-    try:
-        with run_dir_lock(cfg.logging.run_dir):
-            return _train(spec, max_steps)
-    finally:
-        destroy_distributed()
-
-
-def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
-    """The loop of ``run_rl``; engines and weight-sync groups are closed however it ends."""
-    cfg, run = spec.cfg, None
-    try:
-        run = setup_run(spec)
+    cfg = spec.cfg
+    with ExitStack() as cleanup:
+        init_distributed(spec.layout, seed=cfg.seed)
+        cleanup.callback(destroy_distributed)
+        cleanup.enter_context(run_dir_lock(cfg.logging.run_dir))
+        run = cleanup.enter_context(rl_run(spec))
         if run.step >= cfg.rl.steps:
             return finished_run(run)
         push_weights(run, queued=False)
@@ -50,13 +45,7 @@ def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
             evaluate_at(run)
         loop = Loop(cfg.rl.steps, run.step, run.monitor, max_steps)
         while loop.running(run.step):
-            run.monitor.step_timer()
-            samples, metrics = generate(run)
-            samples, correction = add_replay(run, samples, metrics)
-            metrics.update(train(run, samples, correction))
-            run.step += 1
-            metrics.update(push_weights(run))
-            log_step(run, metrics)
+            rl_step(run)
             if loop.every(run.step, cfg.rl.eval_interval):
                 evaluate_at(run)  # before the save: the checkpoint knows it (a resumed run does not repeat it)
             if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
@@ -66,18 +55,42 @@ def _train(spec: RunSpec, max_steps: Optional[int]) -> dict[str, Any]:
         if run.step == cfg.rl.steps and run.step not in run.evals:
             evaluate_at(run)
         loop.close()
-        return {
-            "step": run.step,
-            "stopped_by_signal": loop.stopped,
-            "history": run.history,
-            "evals": run.evals,
-            "checkpoint_root": run.save_root,
-        }
+        return summary(run, loop.stopped)
+
+
+@contextmanager
+def rl_run(spec: RunSpec) -> Iterator[RLRun]:
+    """The run (``setup_run``); its weight-sync groups and engines are closed when it ends."""
+    run = setup_run(spec)
+    try:
+        yield run
     finally:
-        if run is not None and run.weight_sync is not None:
+        if run.weight_sync is not None:
             run.weight_sync.close()
-        if run is not None and run.manager is not None:
+        if run.manager is not None:
             run.manager.shutdown()
+
+
+def rl_step(run: RLRun) -> None:
+    """One RL step: generate and score -> (replay) -> train -> push the new weights -> log."""
+    run.monitor.step_timer()
+    samples, metrics = generate(run)
+    samples, correction = add_replay(run, samples, metrics)
+    metrics.update(train(run, samples, correction))
+    run.step += 1
+    metrics.update(push_weights(run))
+    log_step(run, metrics)
+
+
+def summary(run: RLRun, stopped: bool) -> dict[str, Any]:
+    """What ``run_rl`` returns (the CLI prints it)."""
+    return {
+        "step": run.step,
+        "stopped_by_signal": stopped,
+        "history": run.history,
+        "evals": run.evals,
+        "checkpoint_root": run.save_root,
+    }
 
 
 def finished_run(run: RLRun) -> dict[str, Any]:
@@ -126,7 +139,7 @@ def start_loop(run: RLRun) -> None:
     from megadare.trainer.rl_rollout import RolloutStarter
 
     cfg = run.cfg
-    run.monitor = monitor_for(cfg, cfg.rl.steps, run.step, "rl")
+    run.monitor = Monitor(cfg.logging, cfg.rl.steps, start_step=run.step, desc="rl")
     if run.rank0:
         run.queue = RolloutQueue(RolloutStarter(run), run.ahead, cfg.rl.steps)
         if run.async_state is not None:
@@ -143,9 +156,7 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    samples, metrics = on_rank0(
-        run, lambda: collect_step(run.cfg, run.algo, run.queue, run.step, run.train_prompts, run.tok, run.reward_fn)
-    )
+    samples, metrics = on_rank0(run, lambda: collect_step(run, run.step))
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 
@@ -162,7 +173,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     correction = Correction({}, run.step, run.snapshots)
     if run.buffer is not None:
         want = int(round(cfg.replay.fraction * len(samples)))
-        replayed = replay_select(cfg, run.algo, run.buffer, want, run.step, _shape(run), correction)
+        replayed = replay_select(_step_update(run), run.buffer, want, correction)
         run.buffer.add(samples)
         samples = samples + reindex(replayed, samples)
         metrics.update(correction.metrics)
@@ -185,20 +196,7 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     )
     if rl.loss_mode == "bypass" and rl.rollout_is is not None:
         objective.reject = bypass_rejection(run.cfg)
-    return update(
-        run.cfg,
-        run.algo,
-        samples,
-        run.step,
-        _shape(run),
-        ref_chunks=pol.ref_chunks,
-        optimizer=pol.optimizer,
-        scheduler=pol.scheduler,
-        objective=objective,
-        value=pol.value,
-        correction=correction,
-        ref_adapters_off=pol.ref_adapters_off,
-    )
+    return update(_step_update(run), samples, pol, objective, correction)
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:
@@ -223,14 +221,15 @@ def evaluate_at(run: RLRun) -> None:
         run.monitor.log(run.step, {f"eval/{k}": v for k, v in res.items()}, advance=False)
 
 
-def _shape(run: RLRun):
-    """The run's ``TrainShape`` (trainer/rl_update.py) for this step's passes."""
+def _step_update(run: RLRun):
+    """What this step's update works from (``rl_update.StepUpdate``), with the run's ``TrainShape``."""
     from megadare.algos.sft import example_generator
-    from megadare.trainer.rl_update import TrainShape
+    from megadare.trainer.rl_update import StepUpdate, TrainShape
 
-    return TrainShape(
+    shape = TrainShape(
         run.arch, run.block, run.kind, _pad_id(run), _stage_multiple(run.cfg), run.policy.model, example_generator
     )
+    return StepUpdate(run.cfg, run.algo, run.step, shape)
 
 
 def _pad_id(run: RLRun) -> int:

@@ -104,14 +104,15 @@ class RolloutStarter:
         return indices, manager.submit(expanded, params)
 
 
-def collect_step(cfg: Config, algo, queue, step: int, train_prompts, tok, reward_fn) -> tuple[list, dict[str, float]]:
-    """Rank 0: the queued rollout of ``step`` -> rewards -> samples (with their behaviour versions) + metrics."""
+def collect_step(run, step: int) -> tuple[list, dict[str, float]]:
+    """Rank 0: the queued rollout of the RL run's ``step`` -> rewards -> samples (with their behaviour versions)
+    + metrics."""
     from megadare.trainer.reward_step import score_rollouts, score_texts
     from megadare.trainer.offpolicy.queue import staleness_metrics
 
-    rl = cfg.rl
+    cfg, algo, queue, tok, reward_fn, rl = run.cfg, run.algo, run.queue, run.tok, run.reward_fn, run.cfg.rl
     q, traj, wait_s = queue.take(step)
-    batch = [train_prompts[i] for i in q.batch_indices]
+    batch = [run.train_prompts[i] for i in q.batch_indices]
     for tr in traj:
         tr.validate()
     prompts = [b for b in batch for _ in range(rl.n_samples)]

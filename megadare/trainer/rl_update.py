@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megadare.algos.algorithm import ValueModelSettings
 from megadare.models.family import MaskKind, ModelArch
+from megadare.trainer.policy import Policy
 from megadare.trainer.step import store_outputs
 
 
@@ -29,6 +30,17 @@ class TrainShape:
     multiple: int
     model: Any
     generator_for: Callable[[int, int, int, int], Any]
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What one RL step's update works from: the run's config and algorithm, the step (it seeds the corruptions)
+    and the ``TrainShape`` of its passes."""
+
+    cfg: Any
+    algo: Any
+    step: int
+    shape: TrainShape
 
 
 def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
@@ -79,13 +91,13 @@ class Correction:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _prepare(cfg, algo, samples, step, shape: TrainShape, *, need_old: bool, epoch: int = 0):
+def _prepare(su: StepUpdate, samples, *, need_old: bool, epoch: int = 0):
     """Rows (corruptions of ``epoch``) -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
     from megatron.core import parallel_state as ps
 
     from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
 
-    sh = shape
+    cfg, algo, step, sh = su.cfg, su.algo, su.step, su.shape
     rows = algo.batch_rows(samples, sh.arch, sh.block, lambda index: sh.generator_for(cfg.seed, step, index, epoch))
     if not rows:
         return None, None, 0
@@ -115,41 +127,27 @@ def corruption_draws(cfg, algo) -> int:
     return cfg.rl.ppo_epochs if redraw else 1
 
 
-def _prepare_all(
-    cfg,
-    algo,
-    groups,
-    step,
-    shape: TrainShape,
-    *,
-    ref_chunks,
-    objective,
-    value,
-    correction,
-    out,
-    ref_adapters_off: bool = False,
-) -> tuple[list[list], int]:
+def _prepare_all(su: StepUpdate, groups, policy: Policy, objective, correction, out) -> tuple[list[list], int]:
     """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
     the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
     from megadare.trainer.offpolicy.correction import correction_weights
 
+    cfg = su.cfg
     versions = set(correction.version_of.values()) if correction is not None else set()
     if correction is not None:
         versions |= {v for vs in correction.token_versions.values() for v in vs}
-    draws, n_rows = corruption_draws(cfg, algo), 0
+    draws, n_rows = corruption_draws(cfg, su.algo), 0
     prepared: list[list] = []
     for epoch in range(draws):
         sets = []
         for group in groups:
-            mine, denom, n = _prepare(cfg, algo, group, step, shape, need_old=not objective.on_policy, epoch=epoch)
+            mine, denom, n = _prepare(su, group, need_old=not objective.on_policy, epoch=epoch)
             if mine is None:
                 continue
             n_rows += n
-            _reference_passes(
-                algo, group, mine, shape.model if ref_adapters_off else ref_chunks, ref_adapters_off, value, shape
-            )
+            _reference_passes(su, group, mine, policy)
             if correction is not None:
-                _behaviour(correction, mine, versions, shape)
+                _behaviour(correction, mine, versions, su.shape)
                 if cfg.rl.loss_mode == "decoupled":
                     for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
                         out[k] = out.get(k, 0.0) + v / (len(groups) * draws)
@@ -158,68 +156,45 @@ def _prepare_all(
     return prepared, n_rows
 
 
-def _reference_passes(algo, group, mine, ref_chunks, adapters_off: bool, value, shape: TrainShape) -> None:
-    """``ref`` log-probs from the reference (``ref_chunks``; with ``adapters_off`` the policy's own chunks with their
-    LoRA adapters off) and the value model's V_old with its advantages."""
+def _reference_passes(su: StepUpdate, group, mine, policy: Policy) -> None:
+    """``ref`` log-probs from the reference (the policy's ``ref_chunks``; with ``ref_adapters_off`` its own chunks
+    with their LoRA adapters off) and the value model's V_old with its advantages."""
     from megadare.algos.value_model import values_of
     from megadare.models.lora import adapters_disabled
 
+    shape, adapters_off, value = su.shape, policy.ref_adapters_off, policy.value
+    ref_chunks = shape.model if adapters_off else policy.ref_chunks
     kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
     if ref_chunks is not None:
         with adapters_disabled(ref_chunks) if adapters_off else contextlib.nullcontext():
             store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
     if value is not None:
         store_outputs(value[0], mine, "v_old", kind, block, vocab, per_position=values_of)
-        value_advantages(algo.value_model, group, mine)
+        value_advantages(su.algo.value_model, group, mine)
 
 
 def update(
-    cfg,
-    algo,
-    samples,
-    step: int,
-    shape: TrainShape,
-    *,
-    ref_chunks,
-    optimizer,
-    scheduler,
-    objective,
-    value=None,
-    correction: Optional[Correction] = None,
-    ref_adapters_off: bool = False,
+    su: StepUpdate, samples, policy: Policy, objective, correction: Optional[Correction] = None
 ) -> dict[str, float]:
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
-    optimizer steps of ``shape.model``; epoch e trains on corruption set e when they are redrawn
-    (``corruption_draws``). ``ref_adapters_off``: the reference is the model with its LoRA adapters off."""
+    optimizer steps of the policy (``su.shape.model``); epoch e trains on corruption set e when they are redrawn
+    (``corruption_draws``)."""
     from megadare.algos.value_model import ValueObjective, values_of
     from megadare.trainer.step import train_step
 
-    rl = cfg.rl
+    algo, shape, value, rl = su.algo, su.shape, policy.value, su.cfg.rl
     prompt_groups = sorted({s.group for s in samples})
     n_mb = min(rl.mini_batches, len(prompt_groups))
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
-    prepared, n_rows = _prepare_all(
-        cfg,
-        algo,
-        groups,
-        step,
-        shape,
-        ref_chunks=ref_chunks,
-        objective=objective,
-        value=value,
-        correction=correction,
-        out=out,
-        ref_adapters_off=ref_adapters_off,
-    )
+    prepared, n_rows = _prepare_all(su, groups, policy, objective, correction, out)
     kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
+    opt, sched = policy.optimizer, policy.scheduler
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):
         for mine, denom in prepared[epoch % len(prepared)]:
-            m = train_step(
-                shape.model, optimizer, scheduler, mine, denom, kind, block, vocab, objective=objective, entropy=True
-            )
+            m = train_step(shape.model, opt, sched, mine, denom, kind, block, vocab, objective=objective, entropy=True)
             if value is not None:
                 vm = train_step(
                     *value,
@@ -239,7 +214,7 @@ def update(
     return out
 
 
-def replay_select(cfg, algo, buffer, n: int, step, shape: TrainShape, correction: Correction) -> list:
+def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> list:
     """Up to ``n`` replayed samples, chosen by ``ReplayBuffer.select`` with D-ARL's variance-guided score of each
     candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
     corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are copies
@@ -248,6 +223,7 @@ def replay_select(cfg, algo, buffer, n: int, step, shape: TrainShape, correction
 
     from megadare.trainer.offpolicy.correction import replay_scores
 
+    cfg, step = su.cfg, su.step
     cands = buffer.entries(step)
     if n <= 0 or not cands or not buffer.ready:
         return []
@@ -259,11 +235,11 @@ def replay_select(cfg, algo, buffer, n: int, step, shape: TrainShape, correction
         s.index, s.group = base + i, base + s.group + 1000 * e.version
         scored.append(s)
     version_of = {s.index: e.version for s, e in zip(scored, cands)}
-    mine, _, _ = _prepare(cfg, algo, scored, step, shape, need_old=True)
+    mine, _, _ = _prepare(su, scored, need_old=True)
     if mine is None:
         return []
     ctx = Correction(version_of, correction.current, correction.snapshots)
-    _behaviour(ctx, mine, set(version_of.values()), shape)
+    _behaviour(ctx, mine, set(version_of.values()), su.shape)
     by_sample = replay_scores(mine, cfg.replay.score)
     scores = torch.tensor([by_sample.get(base + i, float("inf")) for i in range(len(cands))], dtype=torch.float64)
     sel = buffer.select(

@@ -19,7 +19,8 @@ from megadare.config import Config, resolve_sft_mode
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
-from megadare.trainer.loop import Loop, monitor_for
+from megadare.trainer.loop import Loop
+from megadare.trainer.monitor import Monitor
 from megadare.trainer.policy import Policy, build_policy, lora_of
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
@@ -129,7 +130,7 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
 
     cfg, steps = run.cfg, run.cfg.train.steps
     sampler = StepSampler(n_examples, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle)
-    loop = Loop(steps, run.step, monitor_for(cfg, steps, run.step, desc), max_steps)
+    loop = Loop(steps, run.step, Monitor(cfg.logging, steps, start_step=run.step, desc=desc), max_steps)
     history: list[dict[str, float]] = []
     while loop.running(run.step):
         loop.monitor.step_timer()
