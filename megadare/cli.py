@@ -248,7 +248,7 @@ def _dispatch(args) -> int:
     cfg, spec = _config_and_spec(args)
     arch = spec.arch
     if args.dry_run:
-        return _dry_run(args, cfg, arch)
+        return _dry_run(args, cfg, spec)
     if args.command in ("sft", "dpo", "rl", "eval") and arch is None:
         how = (
             "--model /path/to/hf_checkpoint (or model.hf_path / model.family)"
@@ -283,13 +283,13 @@ def _config_and_spec(args):
     return cfg, resolve(cfg, job=args.command)
 
 
-def _dry_run(args, cfg, arch) -> int:
+def _dry_run(args, cfg, spec) -> int:
     """Pre-flight: check what the command would run (megadare/preflight.py), then print the resolved config."""
     from megadare.config import to_yaml
     from megadare.preflight import preflight
 
     world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
-    preflight(args.command, cfg, arch, config_only=args.config_only, world=world)
+    preflight(spec, config_only=args.config_only, world=world)
     print(to_yaml(cfg), end="")
     return 0
 

@@ -25,6 +25,7 @@ from typing import Optional
 from megadare.config import Config
 from megadare.errors import ConfigError, RunStateError
 from megadare.models.family import ModelArch
+from megadare.trainer.spec import ModelSource, RunSpec
 
 ROWS = 64  # records of each data file built and length-checked
 
@@ -58,23 +59,20 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
     )
 
 
-def check_model(cfg: Config, arch: Optional[ModelArch]):
-    """The model source as the run will build it: weights readable, a tokenizer; ``checkpoint.load`` intact and of
-    this model. Returns (ModelSource or None without a model, tokenizer)."""
+def check_model(cfg: Config, src: Optional[ModelSource]):
+    """The model source as the run will build it (the resolved ``src``): weights readable, a tokenizer;
+    ``checkpoint.load`` intact and of this model. Returns (ModelSource or None without a model, tokenizer)."""
     from megadare.data.tokenizer import ByteTokenizer
-    from megadare.models.family import family_of, get_family, read_hf_config
-    from megadare.trainer.model_setup import ModelSource, tokenizer_for
+    from megadare.trainer.model_setup import tokenizer_for
 
     m = cfg.model
-    if arch is None:
+    if src is None:
         return None, ByteTokenizer()
     if m.hf_path:
-        hf = read_hf_config(m.hf_path)
-        src = ModelSource(family=family_of(hf), arch=arch, hf_dir=m.hf_path, hf_config=hf)
         _check_weights(m.hf_path)
         tok = tokenizer_for(cfg, src)
     else:  # a tiny random model: the run writes it; its family and shapes are known
-        src = ModelSource(family=get_family(m.family), arch=arch, hf_dir=f"a tiny {m.family} model", hf_config={})
+        src = replace(src, hf_dir=f"a tiny {m.family} model", hf_config={})
         tok = ByteTokenizer()
     if cfg.checkpoint.load:
         from megadare.convert.mcore_ckpt import intact_checkpoint_dir
@@ -229,18 +227,17 @@ def check_run_dir(command: str, cfg: Config) -> None:
         raise RunStateError(f"no intact checkpoint under {root}; move the damaged ones aside to start over")
 
 
-def preflight(
-    command: str, cfg: Config, arch: Optional[ModelArch], config_only: bool = False, world: Optional[int] = None
-) -> None:
-    """Everything ``--dry-run`` checks (module docstring); raises the first problem as a one-line error. ``world``:
-    the trainer processes the run will have, when known (``--nproc``, WORLD_SIZE)."""
+def preflight(spec: RunSpec, config_only: bool = False, world: Optional[int] = None) -> None:
+    """Everything ``--dry-run`` checks for the resolved run ``spec`` (module docstring); raises the first problem
+    as a one-line error. ``world``: the trainer processes the run will have, when known (``--nproc``, WORLD_SIZE)."""
+    command, cfg, arch = spec.job, spec.cfg, spec.arch
     if arch is not None and command in ("sft", "dpo", "rl"):
         check_plan_fits(cfg, arch, world)
     if config_only:
         return
     if command == "eval":
         check_eval(cfg)
-    _, tok = check_model(cfg, arch)
+    _, tok = check_model(cfg, spec.source)
     check_data(command, cfg, tok)
     if command in ("rl", "eval"):
         check_engine(cfg)
