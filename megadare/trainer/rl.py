@@ -227,19 +227,19 @@ def _step_update(run: RLRun):
     from megadare.trainer.rl_update import StepUpdate, TrainShape
 
     shape = TrainShape(
-        run.arch, run.block, run.kind, _pad_id(run), _stage_multiple(run.cfg), run.policy.model, example_generator
+        run.arch,
+        run.block,
+        run.kind,
+        _pad_id(run),
+        run.spec.layout.micro_batch_multiple,
+        run.policy.model,
+        example_generator,
     )
     return StepUpdate(run.cfg, run.algo, run.step, shape)
 
 
 def _pad_id(run: RLRun) -> int:
     return getattr(run.tok, "pad_token_id", 0) or 0
-
-
-def _stage_multiple(cfg: Config) -> int:
-    """Micro-batch count multiple: interleaved pipelines need a multiple of pp micro-batches."""
-    p = cfg.parallel
-    return p.pp if (p.vpp or 1) > 1 else 1
 
 
 def rl_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:

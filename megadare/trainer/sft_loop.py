@@ -19,6 +19,7 @@ from megadare.config import Config, resolve_sft_mode
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
+from megadare.parallel.layout import Layout
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.policy import Policy, build_policy, lora_of
@@ -215,7 +216,7 @@ class SFTStep:
             (lambda mb: mb.megatron_mask(run.kind, run.block_size)) if cfg.model.attention_backend == "local" else None
         )
         self.pad_id = getattr(run.tok, "pad_token_id", 0) or 0
-        self.multiple = cfg.parallel.pp if (cfg.parallel.vpp or 1) > 1 else 1
+        self.multiple = Layout.of(cfg.parallel).micro_batch_multiple  # interleaved pipelines: pp micro-batches
 
     def __call__(self, indices: list[int]) -> dict[str, float]:
         return self.train(self.rows(indices))
