@@ -511,9 +511,8 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
     configured algorithm when the caller has built it (``trainer/spec.resolve``)."""
     p = cfg.parallel
-    layout = Layout.of(p, world_size or p.world_size)
-    if arch is not None:
-        layout.check_model(arch)
+    if arch is not None:  # the model's rules first (they name the key to change), then the world's
+        Layout.of(p).check_model(arch)
         if arch.is_moe and p.tp > 1 and not p.sp:
             raise ConfigError(
                 f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
@@ -524,6 +523,7 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
                 f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
                 "attention and has no denoising blocks; remove model.block_size"
             )
+    Layout.of(p, world_size or p.world_size)  # checks the sizes against the world
     t, sft = cfg.train, cfg.sft
     if not 0.0 < sft.noise_low <= sft.noise_high <= 1.0:
         raise ConfigError(

@@ -96,6 +96,15 @@ def test_block_size_on_full_attention_family():
         validate(cfg, _arch("llada"))
 
 
+def test_model_rule_named_before_the_world_size():
+    """A layout both the model and the world refuse names the model's key first (the slurm preflight test's
+    expectation): ep=3 on 8 experts in one process is an expert-count error, not a world-size one."""
+    cfg = load_config(None, ["model.family=llada2", "parallel.ep=3", "parallel.world_size=1"])
+    fam = get_family("llada2")
+    with pytest.raises(ConfigError, match=r"parallel.ep=3: model has 8 experts, not divisible by 3"):
+        validate(cfg, fam.arch(fam.tiny_config()))
+
+
 def test_good_layout_and_overrides_beat_file(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("parallel:\n  tp: 2\n  sp: true\nmodel:\n  dtype: bf16\n")
