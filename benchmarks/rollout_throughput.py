@@ -58,7 +58,7 @@ import torch
 from megadare.models import get_family
 from megadare.rollout.dllm_step import Streams, dllm_step
 from megadare.rollout.engine import SamplingParams
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE_REF = "ce9edaf"  # main before issue 27 (per-row host sampling, growing KV cache)
@@ -476,7 +476,11 @@ def timed_engines(args, cache: str, model, arch, base, **over) -> dict[str, tupl
     out = {}
     for name, comp in (("new", False), ("compiled", True)) if args.compile else (("new", False),):
         eng = NativeEngine(
-            model, arch, eos_token_id=args.eos, device=dev, full_attention_cache=cache, compile=comp, **over
+            model,
+            arch,
+            eos_token_id=args.eos,
+            device=dev,
+            settings=NativeSettings(full_attention_cache=cache, compile=comp, **over),
         )
         out[name] = (eng, ForwardClock(eng, "forward"))
     if base is not None:

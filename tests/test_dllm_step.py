@@ -19,7 +19,7 @@ from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
 from megadare.rollout.dllm_step import BlockTrace, Streams, dllm_step
 from megadare.rollout.engine import SamplingParams, prompt_seed
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.sampling import SAMPLE, stream_uniforms
 
 from block_toy import V, MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
@@ -247,7 +247,7 @@ CORE_PARAMS = [
 @pytest.mark.parametrize("params", CORE_PARAMS, ids=["static", "dynamic", "sampled", "random", "sampled-eos"])
 def test_plugin_core_reproduces_native_engine(params):
     model = ToyBlockLM()
-    native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
+    native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", settings=NativeSettings(use_cache=False))
     core = sp.BlockDenoiser(B, MASK, {"block_size": B, "steps_per_block": 4})
     greedy = params.temperature == 0
     # one batched native call: prompt i draws from its own stream seeded prompt_seed(seed, i) in both engines

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.native import NativeEngine, _SemiAR
+from megadare.rollout.native import NativeEngine, NativeSettings, _SemiAR
 from megadare.rollout.sampling import REMASK, filter_logits, select_commits, stream_uniforms, transfer_schedule
 
 from native_traces import build
@@ -25,7 +25,11 @@ def _engine(
 ) -> NativeEngine:
     model, arch = build(family, seed, **over)  # tiny, perturbed: peaked predictions, confidences differ clearly
     return NativeEngine(
-        model, arch, eos_token_id=EOS, device="cpu", use_cache=use_cache, full_attention_cache=full_attention_cache
+        model,
+        arch,
+        eos_token_id=EOS,
+        device="cpu",
+        settings=NativeSettings(use_cache=use_cache, full_attention_cache=full_attention_cache),
     )
 
 

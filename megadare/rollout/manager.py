@@ -25,8 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
 from megadare.errors import ConfigError
+from megadare.models import load_hf_model
+from megadare.models.family import family_of, read_hf_config
 from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
 from megadare.rollout.weight_sync.plan import Flat
 
@@ -345,8 +350,6 @@ def _assigned_gpus() -> list:
 
 
 def torch_cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -357,12 +360,6 @@ def build_native_engine(
     engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
     (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile``: ``NativeEngine``'s.
     """
-    from megadare.models import load_hf_model
-    from megadare.models.family import family_of, read_hf_config
-    from megadare.rollout.native import NativeEngine
-
-    import torch
-
     cfg = read_hf_config(hf_dir)
     dev = resolve_engine_device(device)
     if dtype not in ENGINE_DTYPES:
@@ -376,6 +373,5 @@ def build_native_engine(
         eos_token_id=eos_token_id,
         device=dev,
         dtype=dt,
-        max_batch=max_batch,
-        compile=compile,
+        settings=NativeSettings(max_batch=max_batch, compile=compile),
     )
