@@ -156,14 +156,20 @@ def _trainer(
     from dist import stepped_trainer
     from megadare.convert import mapping_for
     from megadare.parallel import Layout, destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync.sync import sync_weights
+    from megadare.rollout.weight_sync.sync import SyncSettings, sync_weights
 
     init_distributed(Layout(**layout))
     try:
         _, model, _, cfg = stepped_trainer(layout, hf_dir)
         _, _, table = mapping_for(cfg)
         engines = [QueueEngine(calls, answers)] if rank == 0 else []
-        return sync_weights(model, table, engines, version=version, bucket_bytes=bucket_bytes)
+        return sync_weights(
+            model,
+            table,
+            engines,
+            version=version,
+            settings=SyncSettings(transport="object_store", bucket_bytes=bucket_bytes),
+        )
     finally:
         destroy_distributed()
 
