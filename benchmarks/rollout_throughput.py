@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megadare.models import get_family
-from megadare.rollout.dllm_step import Streams, dllm_step
+from megadare.rollout.dllm_step import BlockState, Streams, dllm_step
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
 
@@ -637,7 +637,9 @@ def sampling_check(args, base) -> None:
     hidden = torch.randn(n * B, H, device=dev, dtype=logits.dtype)
     head = torch.randn(V, H, device=dev, dtype=logits.dtype) * 0.02
     fns = {
-        "dllm_step (this checkout)": lambda: dllm_step(logits, tokens, tokens == V - 1, 0, params, streams, V - 1),
+        "dllm_step (this checkout)": lambda: dllm_step(
+            logits, BlockState(tokens, tokens == V - 1), 0, params, streams, V - 1
+        ),
         "LM head [128 x 2048] x [2048 x 151936]": lambda: torch.nn.functional.linear(hidden, head),
     }
     if base is not None:

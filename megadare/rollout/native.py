@@ -56,7 +56,7 @@ import torch
 from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import KVCache
-from megadare.rollout.dllm_step import BlockTrace, Streams, commit_counts, dllm_step
+from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, commit_counts, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
@@ -335,7 +335,7 @@ class _Decoder(ABC):
             logits = self.block_logits(n, cols, s)
             counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
             streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
-            step = self.e.step(logits, cur, masked, step_index, p, streams, M, editable)
+            step = self.e.step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
             if refine is not None:
                 refine.after(masked, step)
             trace.add(step, step_index)

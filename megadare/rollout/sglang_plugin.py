@@ -83,7 +83,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megadare.rollout.dllm_step import BlockTrace, Streams, dllm_step
+from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import ALGORITHMS, SamplingParams
 
@@ -277,13 +277,11 @@ class BlockDenoiser:
                 continue
             res = dllm_step(
                 logits[i : i + 1],
-                tokens[i : i + 1],
-                row,
+                BlockState(tokens[i : i + 1], row, editable),
                 st.block_step,
                 st.params,
                 st.rng.streams(logits.device),
                 mask_token_id=self.mask_id,
-                editable=editable,
             )
             if st.refine is not None:
                 st.refine.after(row, res)
