@@ -38,7 +38,7 @@ from megadare.rollout.weight_sync.plan import Flat
 
 def _ray():
     try:
-        import ray
+        import ray  # heavy: Ray
     except ImportError as e:  # pragma: no cover - ray is a dependency, but keep the message clear
         raise ImportError("the rollout manager needs Ray: pip install 'ray>=2.40'") from e
     return ray
@@ -139,8 +139,8 @@ class RolloutManager:
         max_restarts: int = 3,
     ):
         ray = _ray()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group  # heavy: Ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # heavy: Ray
 
         if not ray.is_initialized():
             raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
@@ -171,7 +171,7 @@ class RolloutManager:
     def engine_info(self) -> list[dict[str, Any]]:
         """Every engine's info; a dead actor is replaced first and the replacement answers for its slot."""
         ray = _ray()
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError  # heavy: Ray
 
         infos = []
         for slot, ref in enumerate([a.info.remote() for a in self.actors]):
@@ -263,7 +263,7 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         ray = _ray()
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # heavy: Ray
 
         for a in self.actors:
             ray.kill(a)
@@ -296,7 +296,7 @@ class PendingRollout:
 
     def result(self) -> list[Trajectory]:
         ray = _ray()
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError  # heavy: Ray
 
         while self.inflight:
             inflight, self.inflight = self.inflight, {}

@@ -81,7 +81,7 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 
 def _import_sglang():
     try:
-        import sglang
+        import sglang  # optional: sglang
     except ImportError as e:
         raise ImportError(
             f"the SGLang rollout engine needs sglang: {INSTALL_HINT}; the built-in engine "
@@ -437,13 +437,13 @@ class SGLangEngine:
             self.flush_cache()
 
     def _flattened_payload(self, chunk: list[tuple[str, torch.Tensor]]) -> Any:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        from sglang.srt.utils import MultiprocessingSerializer  # optional: sglang
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # optional: sglang
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":
             try:  # device indices by UUID across processes (what sglang's own weight_sync helper does)
-                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # optional: sglang
 
                 monkey_patch_torch_reductions()
             except ImportError:

@@ -476,7 +476,7 @@ def algorithm_class() -> type:
     sglang importable. Built once."""
     global _ALGORITHM_CLASS
     if _ALGORITHM_CLASS is None:
-        from sglang.srt.dllm.algorithm.base import DllmAlgorithm
+        from sglang.srt.dllm.algorithm.base import DllmAlgorithm  # optional: sglang
 
         def __init__(self, config):
             DllmAlgorithm.__init__(self, config)
@@ -536,8 +536,8 @@ def register() -> None:
     register``), run by sglang's ``load_plugins()`` in every sglang process: makes ``--dllm-algorithm
     MegadareBlockDiffusion`` resolvable and installs the request-binding worker hook and the tied-SDAR load fix."""
     global _HOOK_REGISTERED
-    import sglang.srt.dllm.algorithm as algorithms
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    import sglang.srt.dllm.algorithm as algorithms  # optional: sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
     algorithms.algo_name_to_cls[ALGORITHM_NAME] = algorithm_class()
     if not _HOOK_REGISTERED:
