@@ -402,7 +402,7 @@ def step_engine(rep: Report, args) -> None:
     """The built-in engine on the device vs on the CPU (greedy tokens), and cached vs uncached on the device."""
     from megadare.models import build_hf_model, get_family
     from megadare.rollout.engine import SamplingParams
-    from megadare.rollout.native import NativeEngine
+    from megadare.rollout.native import NativeEngine, NativeSettings
 
     dev = args.device
     prompts = [[5, 17, 99, 3, 42, 7], [11, 2], [8, 8, 8, 8, 21, 60, 61, 62, 63]]
@@ -427,9 +427,9 @@ def step_engine(rep: Report, args) -> None:
             ref = NativeEngine(m, arch, eos_token_id=253, device="cpu").generate(prompts, params)
             fp32 = {"device": dev, "dtype": torch.float32}
             got = NativeEngine(model_of(family)[0], arch, eos_token_id=253, **fp32).generate(prompts, params)
-            plain = NativeEngine(model_of(family)[0], arch, eos_token_id=253, use_cache=False, **fp32).generate(
-                prompts, params
-            )
+            plain = NativeEngine(
+                model_of(family)[0], arch, eos_token_id=253, settings=NativeSettings(use_cache=False), **fp32
+            ).generate(prompts, params)
             same = sum(a.response_ids == b.response_ids for a, b in zip(ref, got))
             same_nc = sum(a.response_ids == b.response_ids for a, b in zip(got, plain))
             return {

@@ -56,9 +56,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from megadare.models import get_family
-from megadare.rollout.dllm_step import Streams, dllm_step
+from megadare.rollout.dllm_step import BlockState, Streams, dllm_step
 from megadare.rollout.engine import SamplingParams
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE_REF = "ce9edaf"  # main before issue 27 (per-row host sampling, growing KV cache)
@@ -476,7 +476,11 @@ def timed_engines(args, cache: str, model, arch, base, **over) -> dict[str, tupl
     out = {}
     for name, comp in (("new", False), ("compiled", True)) if args.compile else (("new", False),):
         eng = NativeEngine(
-            model, arch, eos_token_id=args.eos, device=dev, full_attention_cache=cache, compile=comp, **over
+            model,
+            arch,
+            eos_token_id=args.eos,
+            device=dev,
+            settings=NativeSettings(full_attention_cache=cache, compile=comp, **over),
         )
         out[name] = (eng, ForwardClock(eng, "forward"))
     if base is not None:
@@ -633,7 +637,9 @@ def sampling_check(args, base) -> None:
     hidden = torch.randn(n * B, H, device=dev, dtype=logits.dtype)
     head = torch.randn(V, H, device=dev, dtype=logits.dtype) * 0.02
     fns = {
-        "dllm_step (this checkout)": lambda: dllm_step(logits, tokens, tokens == V - 1, 0, params, streams, V - 1),
+        "dllm_step (this checkout)": lambda: dllm_step(
+            logits, BlockState(tokens, tokens == V - 1), 0, params, streams, V - 1
+        ),
         "LM head [128 x 2048] x [2048 x 151936]": lambda: torch.nn.functional.linear(hidden, head),
     }
     if base is not None:

@@ -246,7 +246,7 @@ def _case_worker(rank, world, family, layout, config, bucket_mb, paths):
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.rollout.manager import EngineSpec, RolloutManager
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 
     import weight_sync as bench  # this file, importable by name in the engine actors too
 
@@ -270,7 +270,7 @@ def _case_worker(rank, world, family, layout, config, bucket_mb, paths):
             out["old"]["retained"] = len(keep)
             del keep[:]
         for name in [p for p in ("object_store", "colocated", "distributed") if p in paths]:
-            sync = WeightSync(chunks, table, manager, transport=name, bucket_bytes=bucket)
+            sync = WeightSync(chunks, table, manager, SyncSettings(transport=name, bucket_bytes=bucket))
             out[name] = _measured(sync.push, manager, rank)
             out["nbytes"] = sync.plan.total_bytes()
             out["buckets"] = sum(len(s.buckets) for s in sync.plan.stages)

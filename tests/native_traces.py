@@ -22,7 +22,7 @@ import torch
 
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.engine import SamplingParams
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "native_traces.json")
 EOS = 253
@@ -211,7 +211,7 @@ def run_case(case: tuple[str, str, dict, dict, dict], **engine_over: Any) -> lis
     model, arch = build(family, **model_over)
     opts = {**engine_opts, **engine_over}
     eos = opts.pop("eos", EOS)
-    eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", **opts)
+    eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(**opts))
     out = []
     for t in eng.generate(PROMPTS, SamplingParams(**params)):
         out.append(

@@ -27,6 +27,8 @@ from megadare.rollout.native import NativeEngine
 from megadare.rollout.sampling import (
     REMASK,
     SAMPLE,
+    CommitRule,
+    SamplingRule,
     dream_confidence,
     linspace_count,
     sample_tokens,
@@ -85,10 +87,10 @@ def test_dream_sample_tokens_and_confidence_rules(temperature, draws_from):
             ref_conf, ref_x0 = dream_sample_tokens(logits, temperature, top_p=top_p, top_k=top_k or None, step=3, **kw)
             x0, logp, _ = sample_tokens(logits, temperature, top_k, top_p, _uniforms(11, 3, 40))
             assert torch.equal(x0, ref_x0), (rule, top_k, top_p)
-            conf = dream_confidence(logits, x0, rule, temperature, top_k, top_p)
+            conf = dream_confidence(logits, x0, rule, SamplingRule(temperature, top_k, top_p))
             assert torch.allclose(conf, ref_conf, atol=1e-6), (rule, top_k, top_p)
             if temperature > 0:  # the recorded log-prob is the proposal's under Dream's sampling distribution
-                p = dream_confidence(logits, x0, "maskgit_plus", temperature, top_k, top_p)
+                p = dream_confidence(logits, x0, "maskgit_plus", SamplingRule(temperature, top_k, top_p))
                 assert torch.allclose(logp.exp(), p, atol=1e-6)
 
 
@@ -131,15 +133,16 @@ def test_alg_temp_draws_positions_with_dreams_probabilities():
         conf.expand(draws, 6),
         masked.expand(draws, 6),
         torch.ones(draws, dtype=torch.long),
-        "low_confidence_static",
+        CommitRule("low_confidence_static", alg_temp=0.5),
         uniforms=u,
-        alg_temp=0.5,
     )
     counts = picks.float().sum(0)
     assert torch.allclose(counts / draws, expect, atol=0.03) and counts[2] == 0 and (picks.sum(1) == 1).all()
-    three = select_commits(conf, masked, torch.tensor([3]), "low_confidence_static", uniforms=u[:1], alg_temp=0.5)
+    three = select_commits(
+        conf, masked, torch.tensor([3]), CommitRule("low_confidence_static", alg_temp=0.5), uniforms=u[:1]
+    )
     assert int(three.sum()) == 3 and not three[0, 2]
-    top = select_commits(conf, masked, torch.tensor([2]), "low_confidence_static")
+    top = select_commits(conf, masked, torch.tensor([2]), CommitRule("low_confidence_static"))
     assert top[0].nonzero().flatten().tolist() == [0, 3]
 
 

@@ -139,7 +139,7 @@ def _trainer_cases(out: dict, name: str, hf_dir: str) -> None:
     from megadare.models.attention import family_mask
     from megadare.models.family import family_of, read_hf_config
     from megadare.rollout.native import NativeEngine
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
     from megadare.trainer.forward import forward_logits
 
     from device_standin import cpu_tensors
@@ -160,7 +160,7 @@ def _trainer_cases(out: dict, name: str, hf_dir: str) -> None:
         engine = NativeEngine(
             load_hf_model(hf_dir), arch, eos_token_id=arch.vocab_size - 3, device="cuda", dtype=torch.float32
         )
-        sync = WeightSync(chunks, fam.mapping(cfg), [engine], transport="object_store")
+        sync = WeightSync(chunks, fam.mapping(cfg), [engine], SyncSettings(transport="object_store"))
         sync.push(1)
         ids = torch.randint(0, arch.vocab_size - 3, (1, 8), generator=torch.Generator().manual_seed(1))
         trainer = forward_logits(chunks, ids, arch.vocab_size, family_mask(arch)).cpu()

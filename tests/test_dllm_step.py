@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
-from megadare.rollout.dllm_step import BlockTrace, Streams, dllm_step
+from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, dllm_step
 from megadare.rollout.engine import SamplingParams, prompt_seed
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.sampling import SAMPLE, stream_uniforms
 
 from block_toy import V, MASK, EOS, B, PROMPTS, ToyBlockLM, toy_arch, block_logits
@@ -109,7 +109,7 @@ def test_dllm_step_matches_reference(params):
             break
         # a function of the block's current tokens: token, position and block-context terms
         logits = W[tokens] + Pz + (F.one_hot(tokens, V).float().sum(1) @ U)[:, None]
-        res = dllm_step(logits, tokens, masked, s, params, Streams.of(keys, counters), mask_token_id=MASK)
+        res = dllm_step(logits, BlockState(tokens, masked), s, params, Streams.of(keys, counters), mask_token_id=MASK)
         ref_new, ref_pick, ref_logp, ref_conf = _ref_step(
             logits, ref_tokens, ref_tokens == MASK, s, params, keys, counters
         )
@@ -135,8 +135,7 @@ def test_dllm_step_never_predicts_mask_and_finishes_past_schedule():
     tokens = torch.full((1, 4), MASK)
     res = dllm_step(
         logits,
-        tokens,
-        tokens == MASK,
+        BlockState(tokens, tokens == MASK),
         9,
         SamplingParams(block_size=4, steps_per_block=2),
         Streams.of([0]),
@@ -146,8 +145,7 @@ def test_dllm_step_never_predicts_mask_and_finishes_past_schedule():
     with pytest.raises(ValueError, match="block has 3 positions"):
         dllm_step(
             torch.zeros(1, 3, V),
-            torch.zeros(1, 3, dtype=torch.long),
-            torch.ones(1, 3, dtype=torch.bool),
+            BlockState(torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool)),
             0,
             SamplingParams(block_size=4, steps_per_block=2),
             Streams.of([0]),
@@ -155,8 +153,7 @@ def test_dllm_step_never_predicts_mask_and_finishes_past_schedule():
     with pytest.raises(ValueError, match="one per row"):
         dllm_step(
             torch.zeros(2, 4, V),
-            torch.full((2, 4), MASK),
-            torch.ones(2, 4, dtype=torch.bool),
+            BlockState(torch.full((2, 4), MASK), torch.ones(2, 4, dtype=torch.bool)),
             0,
             SamplingParams(block_size=4, steps_per_block=2),
             Streams.of([0]),
@@ -247,7 +244,7 @@ CORE_PARAMS = [
 @pytest.mark.parametrize("params", CORE_PARAMS, ids=["static", "dynamic", "sampled", "random", "sampled-eos"])
 def test_plugin_core_reproduces_native_engine(params):
     model = ToyBlockLM()
-    native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
+    native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", settings=NativeSettings(use_cache=False))
     core = sp.BlockDenoiser(B, MASK, {"block_size": B, "steps_per_block": 4})
     greedy = params.temperature == 0
     # one batched native call: prompt i draws from its own stream seeded prompt_seed(seed, i) in both engines

@@ -31,7 +31,7 @@ from megadare.data.rows import pack_rows
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.trainer.offpolicy.queue import PartialRollout
 from megadare.trainer.offpolicy.correction import store_engine_behaviour
 
@@ -248,7 +248,9 @@ def test_edited_rollouts_train_through_megatron(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- (d) partial rollout
 def test_partial_rollout_stitches_edits():
-    eng = NativeEngine(ToyBlockLM(), toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
+    eng = NativeEngine(
+        ToyBlockLM(), toy_arch(), eos_token_id=EOS, device="cpu", settings=NativeSettings(use_cache=False)
+    )
     params = SamplingParams(
         max_new_tokens=10,
         block_size=B,
@@ -391,7 +393,7 @@ def test_sglang_plugin_reproduces_the_native_decoders(fake_sglang, params, fdfo)
     sp.register()
     sys.modules["sglang.srt.plugins.hook_registry"].HookRegistry.apply_hooks()
     model = ToyBlockLM()
-    native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", use_cache=False)
+    native = NativeEngine(model, toy_arch(), eos_token_id=EOS, device="cpu", settings=NativeSettings(use_cache=False))
     edits = 0
     for prompt in PROMPTS[1:3]:  # a prompt inside the first block and one past it
         nat = native.generate([prompt], params)[0]

@@ -14,6 +14,8 @@ import torch
 
 from megadare.algos.base import RLSample
 from megadare.trainer.offpolicy.replay import (
+    ReplayMatch,
+    ReplayRule,
     ReplayBuffer,
     balance_heuristic_weights,
     chi2_ess,
@@ -142,7 +144,7 @@ def _lr(buf: ReplayBuffer, current: int, max_staleness=None):
 @pytest.mark.parametrize("via", ["pickle", "torch"])
 def test_state_dict_round_trip_restores_selection_and_staleness(via):
     buf = _rl_buffer()
-    buf.select(3, 5, log_ratios=_lr(buf, 5), generator=torch.Generator().manual_seed(1))  # counters move
+    buf.select(3, 5, ReplayMatch(log_ratios=_lr(buf, 5)), generator=torch.Generator().manual_seed(1))  # counters move
     state = buf.state_dict()
     if via == "pickle":
         state = pickle.loads(pickle.dumps(state))
@@ -164,20 +166,16 @@ def test_state_dict_round_trip_restores_selection_and_staleness(via):
         a = buf.select(
             5,
             6,
-            log_ratios=_lr(buf, 6, 3),
+            ReplayMatch(log_ratios=_lr(buf, 6, 3)),
+            ReplayRule(temperature=temperature, level=level, max_staleness=3),
             generator=torch.Generator().manual_seed(7),
-            temperature=temperature,
-            level=level,
-            max_staleness=3,
         )
         b = new.select(
             5,
             6,
-            log_ratios=_lr(new, 6, 3),
+            ReplayMatch(log_ratios=_lr(new, 6, 3)),
+            ReplayRule(temperature=temperature, level=level, max_staleness=3),
             generator=torch.Generator().manual_seed(7),
-            temperature=temperature,
-            level=level,
-            max_staleness=3,
         )
         assert a.uids == b.uids and len(a) > 0
         assert [s.index for s in a.samples] == [s.index for s in b.samples]
@@ -400,28 +398,45 @@ def test_selection_prefers_matched_samples_and_is_deterministic():
     buf, lrs = _matched_buffer()
     lr = [lrs[e.sample.name] for e in buf.entries()]
     for kind in ("token_chi2", "token_k2", "token_k3", "log_ratio_var"):
-        sel = buf.select(16, 4, log_ratios=lr, kind=kind, generator=torch.Generator().manual_seed(0))
+        sel = buf.select(16, 4, ReplayMatch(log_ratios=lr, kind=kind), generator=torch.Generator().manual_seed(0))
         assert len(sel) == 16 and all(s.name.endswith("m") for s in sel.samples), kind
         assert bool((sel.scores[1:] >= sel.scores[:-1]).all())  # best matched first
         assert sel.staleness.tolist() == (4 - sel.versions).tolist()
     # the sequence-level weight only sees sum_k l_k, so a mismatched sample whose token ratios cancel looks
     # matched to it (its sequence weight is ~1): most, not all, of its picks are the matched samples
-    seq = buf.select(16, 4, log_ratios=lr, kind="seq_chi2", generator=torch.Generator().manual_seed(0))
+    seq = buf.select(16, 4, ReplayMatch(log_ratios=lr, kind="seq_chi2"), generator=torch.Generator().manual_seed(0))
     assert sum(s.name.endswith("m") for s in seq.samples) >= 14
     # deterministic with a seed, for greedy and stochastic (Gumbel top-k) selection
     for temperature in (0.0, 0.05):
-        a = buf.select(10, 4, log_ratios=lr, temperature=temperature, generator=torch.Generator().manual_seed(5))
-        b = buf.select(10, 4, log_ratios=lr, temperature=temperature, generator=torch.Generator().manual_seed(5))
+        a = buf.select(
+            10,
+            4,
+            ReplayMatch(log_ratios=lr),
+            ReplayRule(temperature=temperature),
+            generator=torch.Generator().manual_seed(5),
+        )
+        b = buf.select(
+            10,
+            4,
+            ReplayMatch(log_ratios=lr),
+            ReplayRule(temperature=temperature),
+            generator=torch.Generator().manual_seed(5),
+        )
         assert a.uids == b.uids
-    soft = buf.select(16, 4, log_ratios=lr, temperature=0.05, generator=torch.Generator().manual_seed(5))
+    soft = buf.select(
+        16, 4, ReplayMatch(log_ratios=lr), ReplayRule(temperature=0.05), generator=torch.Generator().manual_seed(5)
+    )
     assert sum(s.name.endswith("m") for s in soft.samples) >= 14
     # ties are broken by the generator: same seed same order, some other seed another order
     flat = torch.zeros(len(buf), dtype=torch.float64)
-    orders = {tuple(buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(s)).uids) for s in range(4)}
+    orders = {
+        tuple(buf.select(5, 4, ReplayMatch(scores=flat), generator=torch.Generator().manual_seed(s)).uids)
+        for s in range(4)
+    }
     assert len(orders) > 1
     assert (
-        buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(2)).uids
-        == buf.select(5, 4, scores=flat, generator=torch.Generator().manual_seed(2)).uids
+        buf.select(5, 4, ReplayMatch(scores=flat), generator=torch.Generator().manual_seed(2)).uids
+        == buf.select(5, 4, ReplayMatch(scores=flat), generator=torch.Generator().manual_seed(2)).uids
     )
     # metrics of the batch the selection joins
     m = buf.metrics(4, selection=sel, n_fresh=48)
@@ -434,34 +449,33 @@ def test_selection_levels_thresholds_and_filters():
     lr = [lrs[e.sample.name] for e in buf.entries()]
     gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
     # group level keeps (version, group) pairs whole; every group mixes one matched and one mismatched sample
-    sel = buf.select(6, 4, log_ratios=lr, level="group", generator=gen())
+    sel = buf.select(6, 4, ReplayMatch(log_ratios=lr), ReplayRule(level="group"), generator=gen())
     keys = [(int(v), s.group) for v, s in zip(sel.versions, sel.samples)]
     assert len(sel) == 6 and all(keys.count(k) == 2 for k in keys)
     # version level: the one behaviour policy that matches everywhere wins as a whole
     lr_v = [torch.zeros(4) if e.version == 2 else lrs[e.sample.name] for e in buf.entries()]
-    sel = buf.select(8, 4, log_ratios=lr_v, level="version", generator=gen())
+    sel = buf.select(8, 4, ReplayMatch(log_ratios=lr_v), ReplayRule(level="version"), generator=gen())
     assert sel.versions.tolist() == [2] * 8
     # max_score rejects the mismatched ones even when n asks for more
-    sel = buf.select(32, 4, log_ratios=lr, max_score=0.01, generator=gen())
+    sel = buf.select(32, 4, ReplayMatch(log_ratios=lr), ReplayRule(max_score=0.01), generator=gen())
     assert len(sel) == 16 and all(s.name.endswith("m") for s in sel.samples)
     # groups with all-equal rewards (no signal) are dropped: rewards are 1 only at i % 4 == 1
-    sel = buf.select(32, 4, log_ratios=lr, drop_degenerate_groups=True, generator=gen())
+    sel = buf.select(32, 4, ReplayMatch(log_ratios=lr), ReplayRule(drop_degenerate_groups=True), generator=gen())
     assert sorted({s.group for s in sel.samples}) == [0, 2]
     # staleness cap, score_fn, consume
     sel = buf.select(
         32,
         4,
-        score_fn=lambda ss: torch.tensor([float(s.name.endswith("x")) for s in ss]),
-        max_staleness=2,
-        consume=True,
+        ReplayMatch(score_fn=lambda ss: torch.tensor([float(s.name.endswith("x")) for s in ss])),
+        ReplayRule(max_staleness=2, consume=True),
         generator=gen(),
     )
     assert sorted(set(sel.versions.tolist())) == [2, 3] and len(sel) == 16 and len(buf) == 16
     assert buf.versions == [0, 1]
     with pytest.raises(ValueError, match="exactly one"):
-        buf.select(2, 4, generator=gen())
+        buf.select(2, 4, ReplayMatch(), generator=gen())
     with pytest.raises(ValueError, match="candidates"):
-        buf.select(2, 4, log_ratios=lr, generator=gen())
+        buf.select(2, 4, ReplayMatch(log_ratios=lr), generator=gen())
 
 
 def test_scores_and_diagnostics():

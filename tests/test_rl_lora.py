@@ -39,7 +39,7 @@ def _worker(rank, world, hf_dir):
     from megadare.convert import mapping_for
     from megadare.models.lora import adapters_disabled, lora_parameters, merge_lora, merged_weights
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.rl import on_rank0
     from megadare.trainer.rl_setup import rl_policy
@@ -91,7 +91,7 @@ def _worker(rank, world, hf_dir):
 
         def received() -> dict:  # what an engine receives from the weight sync
             engine = _Capture()
-            WeightSync(pol.model, table, [engine], transport="object_store").push(1)
+            WeightSync(pol.model, table, [engine], SyncSettings(transport="object_store")).push(1)
             return engine.got
 
         with merged_weights(pol.model):
@@ -105,7 +105,7 @@ def _worker(rank, world, hf_dir):
             policy=pol,
             step=1,
             manager=SimpleNamespace(on_stale=None),
-            weight_sync=WeightSync(pol.model, table, [engine], transport="object_store"),
+            weight_sync=WeightSync(pol.model, table, [engine], SyncSettings(transport="object_store")),
         )
         on_rank0(run, lambda: run.manager.on_stale())
         merge_lora(pol.model)

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 import native_traces as nt
 from megadare.rollout import native
 from megadare.rollout.engine import SamplingParams
-from megadare.rollout.native import NativeEngine
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.sampling import categorical, stream_uniforms
 
 with open(nt.FIXTURE) as _f:
@@ -93,7 +93,9 @@ SAMPLED = [
 def test_sampled_trajectories_do_not_depend_on_the_batch_size(family, eos, params):
     model, arch = nt.build(family)
     runs = [
-        NativeEngine(model, arch, eos_token_id=eos, device="cpu", max_batch=m).generate(nt.PROMPTS, params)
+        NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=m)).generate(
+            nt.PROMPTS, params
+        )
         for m in (0, 2, 1)
     ]
     for other in runs[1:]:
@@ -176,7 +178,7 @@ def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
         native._Decoder, "record", lambda self, *a, _r=native._Decoder.record: (rounds.append(1), _r(self, *a))[1]
     )
     model, arch = nt.build(family)
-    eng = NativeEngine(model, arch, eos_token_id=41, device="cpu", max_batch=3)
+    eng = NativeEngine(model, arch, eos_token_id=41, device="cpu", settings=NativeSettings(max_batch=3))
     params = SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=2, temperature=1.0, seed=1)
     with HostReads() as reads:
         trajs = eng.generate(nt.PROMPTS, params)
@@ -211,7 +213,7 @@ def test_compiled_step_gives_the_same_tokens(monkeypatch):
     )
     prompts = nt.PROMPTS[:3]
     eager = NativeEngine(model, arch, eos_token_id=253, device="cpu").generate(prompts, params)
-    compiled = NativeEngine(model, arch, eos_token_id=253, device="cpu", compile=True)
+    compiled = NativeEngine(model, arch, eos_token_id=253, device="cpu", settings=NativeSettings(compile=True))
     assert compiled._fn is not compiled.model and compiled.step is not native.dllm_step
     got = compiled.generate(prompts, params)
     assert [t.response_ids for t in got] == [t.response_ids for t in eager]

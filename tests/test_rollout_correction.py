@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from megadare.algos.policy_loss import ppo_clip_loss
-from megadare.trainer.offpolicy.importance import bypass_ppo_loss, decoupled_ppo_loss, rollout_is_weights
+from megadare.trainer.offpolicy.importance import (
+    OffPolicyLoss,
+    RolloutIS,
+    bypass_ppo_loss,
+    decoupled_ppo_loss,
+    rollout_is_weights,
+)
 
 LEVELS = ("token", "sequence", "geometric")
 
@@ -31,7 +37,7 @@ def test_identity_weights_are_one(level, mode):
     t = -torch.rand(12, generator=g) * 5
     groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4])
     w, keep, m = rollout_is_weights(
-        t, t.clone(), groups, level=level, mode=mode, threshold_high=2.0, veto_threshold=1e-4
+        t, t.clone(), groups, RolloutIS(level=level, mode=mode, threshold_high=2.0, veto_threshold=1e-4)
     )
     assert torch.equal(w, torch.ones(12))
     assert bool(keep.all())
@@ -49,11 +55,13 @@ def test_decoupled_equals_ppo_clip_when_proximal_is_behaviour():
     for kw in ({}, {"eps_high": 0.28}, {"dual_clip": 3.0}):
         ref, ref_clip = ppo_clip_loss(logp, old, adv, 0.2, **kw)
         for mode in ("truncate", "mask"):
-            loss, parts = decoupled_ppo_loss(logp, old, old.clone(), adv, 0.2, is_mode=mode, **kw)
+            loss, parts = decoupled_ppo_loss(
+                logp, old, old.clone(), adv, OffPolicyLoss(0.2, rollout_is=RolloutIS(mode=mode), **kw)
+            )
             assert torch.equal(loss, ref)
             assert torch.equal(parts["clipped"], ref_clip)
             assert torch.equal(parts["behave_weight"], torch.ones(64))
-        bl, _ = bypass_ppo_loss(logp, old, adv, 0.2, **kw)
+        bl, _ = bypass_ppo_loss(logp, old, adv, OffPolicyLoss(0.2, **kw))
         assert torch.equal(bl, ref)
 
 
@@ -95,7 +103,7 @@ def test_threshold_table(level, case):
     groups = torch.tensor([0, 0])
     # token level: element 0 carries the case, element 1 has ratio 1; sequence / geometric: the pair carries it
     idx = 0
-    w, keep, m = rollout_is_weights(t, b, groups, level=level, mode="truncate", threshold_high=HI)
+    w, keep, m = rollout_is_weights(t, b, groups, RolloutIS(level=level, mode="truncate", threshold_high=HI))
     assert bool(keep.all())
     assert w[idx].item() == pytest.approx(w_trunc, rel=1e-6)
     assert w[idx].item() <= HI
@@ -106,7 +114,7 @@ def test_threshold_table(level, case):
     if level != "token":
         assert w[0] == w[1]
 
-    w, keep, m = rollout_is_weights(t, b, groups, level=level, mode="mask", threshold_high=HI)
+    w, keep, m = rollout_is_weights(t, b, groups, RolloutIS(level=level, mode="mask", threshold_high=HI))
     expect_keep = [kept, True] if level == "token" else [kept, kept]
     assert keep.tolist() == expect_keep
     for i in range(2):
@@ -124,7 +132,7 @@ def test_threshold_table(level, case):
 def test_truncate_with_explicit_lower_bound_clamps_from_below():
     lr = torch.stack([_log(0.25), _log(4.0), _log(1.0)])
     w, keep, m = rollout_is_weights(
-        lr, torch.zeros(3), level="token", mode="truncate", threshold_high=2.0, threshold_low=0.5
+        lr, torch.zeros(3), None, RolloutIS(level="token", mode="truncate", threshold_high=2.0, threshold_low=0.5)
     )
     assert w.tolist() == [0.5, 2.0, 1.0] and bool(keep.all())
     assert m["truncated_fraction"] == pytest.approx(2 / 3)
@@ -134,13 +142,15 @@ def test_sequence_weight_is_the_product_and_geometric_the_mean():
     # seq 7: ratios (2, 2) -> product 4, geometric 2; seq 3: (2, 0.5) -> 1, 1 ; unsorted, non-contiguous ids
     lr = torch.stack([_log(2.0), _log(2.0), _log(0.5), _log(2.0)])
     groups = torch.tensor([7, 7, 3, 3])
-    w, _, _ = rollout_is_weights(lr, torch.zeros(4), groups, level="sequence", threshold_high=None)
+    w, _, _ = rollout_is_weights(lr, torch.zeros(4), groups, RolloutIS(level="sequence", threshold_high=None))
     assert torch.allclose(w, torch.tensor([4.0, 4.0, 1.0, 1.0]))
-    w, _, _ = rollout_is_weights(lr, torch.zeros(4), groups, level="sequence", threshold_high=2.0)
+    w, _, _ = rollout_is_weights(lr, torch.zeros(4), groups, RolloutIS(level="sequence", threshold_high=2.0))
     assert w[:2].tolist() == [2.0, 2.0] and torch.allclose(w[2:], torch.ones(2))
-    w, keep, _ = rollout_is_weights(lr, torch.zeros(4), groups, level="sequence", mode="mask", threshold_high=2.0)
+    w, keep, _ = rollout_is_weights(
+        lr, torch.zeros(4), groups, RolloutIS(level="sequence", mode="mask", threshold_high=2.0)
+    )
     assert keep.tolist() == [False, False, True, True] and w[:2].tolist() == [0.0, 0.0]
-    w, _, _ = rollout_is_weights(lr, torch.zeros(4), groups, level="geometric", threshold_high=None)
+    w, _, _ = rollout_is_weights(lr, torch.zeros(4), groups, RolloutIS(level="geometric", threshold_high=None))
     assert torch.allclose(w, torch.tensor([2.0, 2.0, 1.0, 1.0]))
 
 
@@ -151,7 +161,10 @@ def test_veto_drops_the_whole_sequence(level, mode):
     lr = torch.stack([_log(1.2), _log(1e-5), _log(1.0), _log(1e-4), _log(1.0)])
     groups = torch.tensor([0, 0, 0, 1, 1])
     w, keep, m = rollout_is_weights(
-        lr, torch.zeros(5), groups, level=level, mode=mode, threshold_high=1e9, threshold_low=1e-9, veto_threshold=1e-4
+        lr,
+        torch.zeros(5),
+        groups,
+        RolloutIS(level=level, mode=mode, threshold_high=1e9, threshold_low=1e-9, veto_threshold=1e-4),
     )
     assert keep.tolist() == [False, False, False, True, True]
     assert w[:3].tolist() == [0.0, 0.0, 0.0] and bool((w[3:] > 0).all())
@@ -166,14 +179,14 @@ def test_log_clamp_prevents_inf(level):
     b = torch.zeros(6)
     groups = torch.tensor([0, 0, 0, 1, 1, 1])
     assert torch.isinf(torch.exp((t - b)[:3].sum()))  # what an unclamped sequence weight would be
-    w, keep, m = rollout_is_weights(t, b, groups, level=level, threshold_high=None)
+    w, keep, m = rollout_is_weights(t, b, groups, RolloutIS(level=level, threshold_high=None))
     assert bool(torch.isfinite(w).all()) and bool(keep.all())
     assert torch.equal(w[:3], torch.exp(torch.tensor(20.0)).expand(3))
     assert torch.equal(w[3:], torch.exp(torch.tensor(-20.0)).expand(3))
     assert all(math.isfinite(v) for v in m.values())
-    w, _, _ = rollout_is_weights(t, b, groups, level=level, threshold_high=2.0)
+    w, _, _ = rollout_is_weights(t, b, groups, RolloutIS(level=level, threshold_high=2.0))
     assert w[:3].tolist() == [2.0] * 3
-    w, _, _ = rollout_is_weights(t, b, groups, level=level, threshold_high=2.0, log_clamp=5.0)
+    w, _, _ = rollout_is_weights(t, b, groups, RolloutIS(level=level, threshold_high=2.0, log_clamp=5.0))
     assert torch.equal(w[3:], torch.exp(torch.tensor(-5.0)).expand(3))
 
 
@@ -181,31 +194,31 @@ def test_valid_mask_nan_and_no_gradient():
     t = torch.tensor([0.0, _log(3.0).item(), float("-inf"), _log(2.0).item()], requires_grad=True)
     b = torch.tensor([0.0, 0.0, float("-inf"), 0.0], requires_grad=True)
     valid = torch.tensor([True, True, True, False])
-    w, keep, m = rollout_is_weights(t, b, None, level="token", threshold_high=2.0, valid=valid)
+    w, keep, m = rollout_is_weights(t, b, None, RolloutIS(level="token", threshold_high=2.0), valid=valid)
     assert not w.requires_grad
     assert keep.tolist() == [True, True, False, False]  # NaN log-ratio (-inf - -inf) and padding
     assert w.tolist() == [1.0, 2.0, 0.0, 0.0]
     assert m["rejected_fraction"] == pytest.approx(1 / 3)
     assert m["is_max"] == pytest.approx(3.0) and m["is_min"] == 1.0  # padding and the NaN element excluded
     groups = torch.tensor([0, 0, 0, 1])
-    w, keep, _ = rollout_is_weights(t, b, groups, level="sequence", threshold_high=None, valid=valid)
+    w, keep, _ = rollout_is_weights(t, b, groups, RolloutIS(level="sequence", threshold_high=None), valid=valid)
     assert keep.tolist() == [False, False, False, False]  # the NaN rejects its whole sequence; seq 1 padding
 
 
 def test_bad_arguments():
     x = torch.zeros(3)
     with pytest.raises(ValueError):
-        rollout_is_weights(x, x, level="tokens")
+        rollout_is_weights(x, x, None, RolloutIS(level="tokens"))
     with pytest.raises(ValueError):
-        rollout_is_weights(x, x, mode="clip")
+        rollout_is_weights(x, x, None, RolloutIS(mode="clip"))
     with pytest.raises(ValueError):
-        rollout_is_weights(x, x, threshold_high=0.0)
+        rollout_is_weights(x, x, None, RolloutIS(threshold_high=0.0))
     with pytest.raises(ValueError):
-        rollout_is_weights(x, x, threshold_high=2.0, threshold_low=3.0)
+        rollout_is_weights(x, x, None, RolloutIS(threshold_high=2.0, threshold_low=3.0))
     with pytest.raises(ValueError):
-        rollout_is_weights(x, x, torch.zeros(2, dtype=torch.long), level="sequence")
+        rollout_is_weights(x, x, torch.zeros(2, dtype=torch.long), RolloutIS(level="sequence"))
     with pytest.raises(ValueError):
-        bypass_ppo_loss(x, x, x, loss_type="gspo")
+        bypass_ppo_loss(x, x, x, OffPolicyLoss(loss_type="gspo"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,7 +230,7 @@ def test_metrics_by_hand():
     ratios = [1.0, 2.0, 0.5, 3.0]
     t = torch.tensor([math.log(r) for r in ratios], dtype=torch.float64)
     b = torch.zeros(4, dtype=torch.float64)
-    w, keep, m = rollout_is_weights(t, b, None, level="token", mode="truncate", threshold_high=2.0)
+    w, keep, m = rollout_is_weights(t, b, None, RolloutIS(level="token", mode="truncate", threshold_high=2.0))
     n = 4
     s, s2 = sum(ratios), sum(r * r for r in ratios)
     mean = s / n
@@ -234,7 +247,7 @@ def test_metrics_by_hand():
     applied = [1.0, 2.0, 0.5, 2.0]
     assert m["applied_mean"] == pytest.approx(sum(applied) / n)
     assert m["applied_ess"] == pytest.approx(sum(applied) ** 2 / (n * sum(a * a for a in applied)))
-    _, keep, m = rollout_is_weights(t, b, None, level="token", mode="mask", threshold_high=2.0)
+    _, keep, m = rollout_is_weights(t, b, None, RolloutIS(level="token", mode="mask", threshold_high=2.0))
     assert keep.tolist() == [True, True, True, False]  # 2.0 and 0.5 sit exactly on the bounds
     assert m["rejected_fraction"] == 0.25 and m["truncated_fraction"] == 0.0
 
@@ -243,7 +256,9 @@ def test_sequence_level_metrics_count_sequences():
     # 3 sequences of different lengths: products 4, 1, 0.5 -> stats over 3 units (verl chi2_seq)
     lr = torch.tensor([math.log(2), math.log(2), math.log(2), math.log(0.5), 0.0, math.log(0.5)], dtype=torch.float64)
     groups = torch.tensor([0, 0, 1, 1, 1, 2])
-    _, _, m = rollout_is_weights(lr, torch.zeros(6, dtype=torch.float64), groups, level="sequence", threshold_high=None)
+    _, _, m = rollout_is_weights(
+        lr, torch.zeros(6, dtype=torch.float64), groups, RolloutIS(level="sequence", threshold_high=None)
+    )
     u = [4.0, 1.0, 0.5]
     assert m["is_mean"] == pytest.approx(sum(u) / 3)
     assert m["chi2"] == pytest.approx(sum(x * x for x in u) / 3 - 1)
@@ -263,7 +278,7 @@ def test_metrics_are_the_divergences_under_behaviour_samples():
     xs = [x for x, c in enumerate(counts) for _ in range(c)]
     t = torch.tensor([math.log(P[x]) for x in xs], dtype=torch.float64)
     b = torch.tensor([math.log(Q[x]) for x in xs], dtype=torch.float64)
-    _, _, m = rollout_is_weights(t, b, None, level="token", threshold_high=None)
+    _, _, m = rollout_is_weights(t, b, None, RolloutIS(level="token", threshold_high=None))
     kl_qp = sum(q * math.log(q / p) for q, p in zip(Q, P))
     kl_pq = sum(p * math.log(p / q) for q, p in zip(Q, P))
     chi2 = sum(p * p / q for q, p in zip(Q, P)) - 1
@@ -294,13 +309,13 @@ def _expect(weights: list[float], probs: list[float], f: list[float]) -> float:
 def test_token_is_is_unbiased_and_truncation_biases_by_the_computed_amount():
     t = torch.tensor([math.log(p) for p in P], dtype=torch.float64)
     b = torch.tensor([math.log(q) for q in Q], dtype=torch.float64)
-    w, _, _ = rollout_is_weights(t, b, None, level="token", threshold_high=None)
+    w, _, _ = rollout_is_weights(t, b, None, RolloutIS(level="token", threshold_high=None))
     target = sum(p * v for p, v in zip(P, F))
     assert _expect(w.tolist(), Q, F) == pytest.approx(target, abs=1e-12)
     assert _expect(w.tolist(), Q, [1.0] * 3) == pytest.approx(1.0, abs=1e-12)
 
     c = 2.0  # ratio of outcome 2 is 2.5 > c
-    w, _, m = rollout_is_weights(t, b, None, level="token", threshold_high=c)
+    w, _, m = rollout_is_weights(t, b, None, RolloutIS(level="token", threshold_high=c))
     rho = [p / q for p, q in zip(P, Q)]
     bias = -sum(q * max(r - c, 0.0) * v for q, r, v in zip(Q, rho, F))
     assert bias == pytest.approx(-0.2 * 0.5 * 3.0)
@@ -326,8 +341,7 @@ def test_sequence_is_is_unbiased_over_all_two_token_sequences():
         torch.tensor(t, dtype=torch.float64),
         torch.tensor(b, dtype=torch.float64),
         torch.tensor(groups),
-        level="sequence",
-        threshold_high=None,
+        RolloutIS(level="sequence", threshold_high=None),
     )
     ws = w[0::2].tolist()
     f = [float(y1 * 3 + y2) ** 1.5 - 2.0 for y1, y2 in seqs]
@@ -352,12 +366,16 @@ def test_decoupled_matches_the_areal_formula():
     r = torch.exp(logp - prox)
     w_ref = torch.exp(prox - beh).clamp(max=cap)
     ref = -w_ref * torch.minimum(r * adv, r.clamp(1 - eps_lo, 1 + eps_hi) * adv)
-    loss, parts = decoupled_ppo_loss(logp, prox, beh, adv, eps_lo, eps_hi, is_threshold=cap)
+    loss, parts = decoupled_ppo_loss(
+        logp, prox, beh, adv, OffPolicyLoss(eps_lo, eps_hi, rollout_is=RolloutIS(threshold_high=cap))
+    )
     assert torch.allclose(loss, ref, atol=1e-6)
     assert torch.allclose(parts["behave_weight"], w_ref)
     assert bool((parts["behave_weight"] == cap).any())  # the cap is exercised
     # mask mode (AReaL action="mask"): outside [1/cap, cap] the element contributes nothing
-    loss, parts = decoupled_ppo_loss(logp, prox, beh, adv, eps_lo, eps_hi, is_threshold=cap, is_mode="mask")
+    loss, parts = decoupled_ppo_loss(
+        logp, prox, beh, adv, OffPolicyLoss(eps_lo, eps_hi, rollout_is=RolloutIS(mode="mask", threshold_high=cap))
+    )
     ratio = torch.exp(prox - beh)
     inside = (ratio >= 1 / cap) & (ratio <= cap)
     assert bool((~inside).any()) and bool(inside.any())
@@ -366,7 +384,9 @@ def test_decoupled_matches_the_areal_formula():
         loss[inside], (-ratio * torch.minimum(r * adv, r.clamp(1 - eps_lo, 1 + eps_hi) * adv))[inside], atol=1e-6
     )
     # no behaviour weight
-    loss, _ = decoupled_ppo_loss(logp, prox, beh, adv, eps_lo, eps_hi, is_threshold=None)
+    loss, _ = decoupled_ppo_loss(
+        logp, prox, beh, adv, OffPolicyLoss(eps_lo, eps_hi, rollout_is=RolloutIS(threshold_high=None))
+    )
     assert torch.equal(loss, ppo_clip_loss(logp, prox, adv, eps_lo, eps_hi)[0])
 
 
@@ -392,7 +412,7 @@ def test_decoupled_gradient(w_prox, cap):
     prox = (beh + math.log(w_prox)).requires_grad_(True)
     logp = (prox.detach() + torch.log(r)).requires_grad_(True)
     beh.requires_grad_(True)
-    loss, parts = decoupled_ppo_loss(logp, prox, beh, adv, 0.2, is_threshold=cap)
+    loss, parts = decoupled_ppo_loss(logp, prox, beh, adv, OffPolicyLoss(0.2, rollout_is=RolloutIS(threshold_high=cap)))
     loss.sum().backward()
     w = min(w_prox, cap)
     inside = torch.tensor([c[2] for c in GRAD_CASES])
@@ -407,13 +427,17 @@ def test_bypass_reinforce_and_rejection():
     beh = -torch.rand(50, generator=g) * 3
     logp = (beh + 0.7 * torch.randn(50, generator=g)).requires_grad_(True)
     adv = torch.randn(50, generator=g)
-    loss, parts = bypass_ppo_loss(logp, beh, adv, loss_type="reinforce", is_threshold=2.0)
+    loss, parts = bypass_ppo_loss(
+        logp, beh, adv, OffPolicyLoss(loss_type="reinforce", rollout_is=RolloutIS(threshold_high=2.0))
+    )
     w = torch.exp(logp.detach() - beh).clamp(max=2.0)
     assert torch.allclose(loss, -w * logp.detach() * adv, atol=1e-6)
     loss.sum().backward()
     assert torch.allclose(logp.grad, -w * adv, atol=1e-6)  # sg(w): no d w / d logp term
     # ppo_clip with rejection: no IS weight, but the elements outside [1/2, 2] are masked
-    loss, parts = bypass_ppo_loss(logp.detach(), beh, adv, is_threshold=2.0, is_mode="mask")
+    loss, parts = bypass_ppo_loss(
+        logp.detach(), beh, adv, OffPolicyLoss(rollout_is=RolloutIS(mode="mask", threshold_high=2.0))
+    )
     ratio = torch.exp(logp.detach() - beh)
     inside = (ratio >= 0.5) & (ratio <= 2.0)
     assert bool((~inside).any())
@@ -421,5 +445,7 @@ def test_bypass_reinforce_and_rejection():
     assert torch.equal(loss, torch.where(inside, ref, torch.zeros(())))
     assert torch.equal(parts["keep"], inside.float())
     # plain REINFORCE when IS is off
-    loss, _ = bypass_ppo_loss(logp.detach(), beh, adv, loss_type="reinforce", is_threshold=None)
+    loss, _ = bypass_ppo_loss(
+        logp.detach(), beh, adv, OffPolicyLoss(loss_type="reinforce", rollout_is=RolloutIS(threshold_high=None))
+    )
     assert torch.equal(loss, -logp.detach() * adv)

@@ -11,8 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.native import NativeEngine, _SemiAR
-from megadare.rollout.sampling import REMASK, filter_logits, select_commits, stream_uniforms, transfer_schedule
+from megadare.rollout.native import NativeEngine, NativeSettings, _SemiAR
+from megadare.rollout.sampling import (
+    REMASK,
+    CommitRule,
+    filter_logits,
+    select_commits,
+    stream_uniforms,
+    transfer_schedule,
+)
 
 from native_traces import build
 
@@ -25,7 +32,11 @@ def _engine(
 ) -> NativeEngine:
     model, arch = build(family, seed, **over)  # tiny, perturbed: peaked predictions, confidences differ clearly
     return NativeEngine(
-        model, arch, eos_token_id=EOS, device="cpu", use_cache=use_cache, full_attention_cache=full_attention_cache
+        model,
+        arch,
+        eos_token_id=EOS,
+        device="cpu",
+        settings=NativeSettings(use_cache=use_cache, full_attention_cache=full_attention_cache),
     )
 
 
@@ -266,16 +277,16 @@ def test_commit_selection_rules():
     conf = torch.tensor([[0.9, 0.1, 0.95, 0.5], [0.2, 0.3, 0.1, 0.4]])
     masked = torch.tensor([[True, True, True, False], [True, True, True, True]])
     n = torch.tensor([1, 2])
-    assert select_commits(conf, masked, n, "low_confidence_static").tolist() == [
+    assert select_commits(conf, masked, n, CommitRule("low_confidence_static")).tolist() == [
         [False, False, True, False],
         [False, True, False, True],
     ]
-    dyn = select_commits(conf, masked, n, "low_confidence_dynamic", threshold=0.8)
+    dyn = select_commits(conf, masked, n, CommitRule("low_confidence_dynamic", threshold=0.8))
     assert dyn[0].tolist() == [True, False, True, False]  # both above threshold (>= n)
     assert dyn[1].tolist() == [False, True, False, True]  # none above: top-n
     assert transfer_schedule(10, 4) == [3, 3, 2, 2]
     u = stream_uniforms(torch.tensor([0, 1]), torch.tensor([0, 0]), REMASK, 4)
-    rnd = select_commits(conf, masked, torch.tensor([2, 3]), "random", uniforms=u)
+    rnd = select_commits(conf, masked, torch.tensor([2, 3]), CommitRule("random"), uniforms=u)
     assert rnd.sum(1).tolist() == [2, 3] and not (rnd & ~masked).any()
     assert rnd[0].tolist() == [bool(i in u[0, :3].argsort()[:2]) for i in range(4)]  # the smallest keys
     assert rnd[1].tolist() == u[1].argsort().argsort().lt(3).tolist()

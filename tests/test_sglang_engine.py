@@ -30,14 +30,16 @@ from sglang_fake import FakeDllmAlgorithm, unpack
 # ---------------------------------------------------------------------------------------------- (c) the engine
 def test_engine_launch_arguments(fake_sglang, ckpt):
     eng = se.SGLangEngine(
-        ckpt(),
-        EOS,
-        steps_per_block=2,
-        algorithm="low_confidence_dynamic",
-        threshold=0.8,
-        max_running_requests=64,
-        tp_size=2,
-        engine_kwargs={"dllm_fdfo": False},
+        se.SGLangEngineSpec(
+            ckpt(),
+            EOS,
+            steps_per_block=2,
+            algorithm="low_confidence_dynamic",
+            threshold=0.8,
+            max_running_requests=64,
+            tp_size=2,
+            engine_kwargs={"dllm_fdfo": False},
+        ),
         check_plugin=False,
     )
     (kw,) = fake_sglang.named("Engine")
@@ -55,16 +57,23 @@ def test_engine_launch_arguments(fake_sglang, ckpt):
         }
     eng.shutdown()
     assert fake_sglang.named("shutdown")
-    se.SGLangEngine(ckpt("LLaDA2MoeModelLM"), EOS, check_plugin=False)
+    se.SGLangEngine(se.SGLangEngineSpec(ckpt("LLaDA2MoeModelLM"), EOS), check_plugin=False)
     assert fake_sglang.named("Engine")[-1]["max_running_requests"] == 128  # explicit even by default
-    assert se.SGLangEngine(ckpt("LLaDA2MoeModelLM"), EOS, check_plugin=False).block_size == 32
-    assert se.SGLangEngine(ckpt("SDARMoeForCausalLM", block_size=8), EOS, check_plugin=False).block_size == 8
+    assert se.SGLangEngine(se.SGLangEngineSpec(ckpt("LLaDA2MoeModelLM"), EOS), check_plugin=False).block_size == 32
+    assert (
+        se.SGLangEngine(
+            se.SGLangEngineSpec(ckpt("SDARMoeForCausalLM", block_size=8), EOS), check_plugin=False
+        ).block_size
+        == 8
+    )
     with pytest.raises(ValueError, match="supports .*SDARForCausalLM.*'LLaDAModelLM'"):
-        se.SGLangEngine(ckpt("LLaDAModelLM"), EOS, check_plugin=False)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt("LLaDAModelLM"), EOS), check_plugin=False)
     with pytest.raises(ValueError, match="engine_kwargs may not set"):
-        se.SGLangEngine(ckpt(), EOS, engine_kwargs={"dllm_algorithm": "LowConfidence"}, check_plugin=False)
+        se.SGLangEngine(
+            se.SGLangEngineSpec(ckpt(), EOS, engine_kwargs={"dllm_algorithm": "LowConfidence"}), check_plugin=False
+        )
     with pytest.raises(ValueError, match="max_running_requests"):
-        se.SGLangEngine(ckpt(), EOS, max_running_requests=0, check_plugin=False)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS, max_running_requests=0), check_plugin=False)
 
 
 def test_engine_refuses_a_mask_id_sglang_does_not_use(fake_sglang, ckpt):
@@ -75,13 +84,13 @@ def test_engine_refuses_a_mask_id_sglang_does_not_use(fake_sglang, ckpt):
         match=r"mask token id 255, but sglang hard-codes mask id 151669 for "
         r"SDARForCausalLM",
     ):
-        se.SGLangEngine(ckpt(mask_token_id=255), EOS, check_plugin=False)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt(mask_token_id=255), EOS), check_plugin=False)
     with pytest.raises(ValueError, match=r"mask token id 151669, but sglang hard-codes mask id 156895"):
-        se.SGLangEngine(ckpt("LLaDA2MoeModelLM", mask_token_id=151669), EOS, check_plugin=False)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt("LLaDA2MoeModelLM", mask_token_id=151669), EOS), check_plugin=False)
     with pytest.raises(ValueError, match=r"vocab_size=256, which does not hold sglang's mask id 151669"):
-        se.SGLangEngine(ckpt("SDARMoeForCausalLM", vocab_size=256), EOS, check_plugin=False)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt("SDARMoeForCausalLM", vocab_size=256), EOS), check_plugin=False)
     assert not fake_sglang.named("Engine")  # refused before the engine started
-    se.SGLangEngine(ckpt("SDARMoeForCausalLM"), EOS, check_plugin=False)
+    se.SGLangEngine(se.SGLangEngineSpec(ckpt("SDARMoeForCausalLM"), EOS), check_plugin=False)
     assert len(fake_sglang.named("Engine")) == 1
 
 
@@ -109,19 +118,19 @@ def test_engine_requires_the_plugin_entry_point(fake_sglang, ckpt, monkeypatch):
     ours = md.EntryPoint(name="megadare", value=se.PLUGIN_ENTRY_POINT, group=se.PLUGIN_GROUP)
     monkeypatch.setattr(md, "entry_points", lambda group=None: [ours] if group == se.PLUGIN_GROUP else [])
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    se.SGLangEngine(ckpt(), EOS)  # found
+    se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS))  # found
     monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
     with pytest.raises(RuntimeError, match="plugin is not registered"):
-        se.SGLangEngine(ckpt(), EOS)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS))
     monkeypatch.setenv("SGLANG_PLUGINS", "someone_else, megadare")
-    se.SGLangEngine(ckpt(), EOS)
+    se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS))
     monkeypatch.setattr(md, "entry_points", lambda group=None: [])
     with pytest.raises(RuntimeError, match="plugin is not registered"):
-        se.SGLangEngine(ckpt(), EOS)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS))
 
 
 def test_engine_generate_translates_params_and_outputs(fake_sglang, ckpt):
-    eng = se.SGLangEngine(ckpt(), EOS, check_plugin=False)
+    eng = se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS), check_plugin=False)
     eng.version = 7
     prompts = [[1, 2, 3], [4, 5]]
     fake_sglang.outputs = [
@@ -185,7 +194,9 @@ def test_engine_generate_translates_params_and_outputs(fake_sglang, ckpt):
 
 
 def test_engine_update_weights_chunks_and_flushes(fake_sglang, ckpt):
-    eng = se.SGLangEngine(ckpt(), EOS, tp_size=2, chunk_bytes=64, flush_interval_s=0.0, check_plugin=False)
+    eng = se.SGLangEngine(
+        se.SGLangEngineSpec(ckpt(), EOS, tp_size=2, chunk_bytes=64, flush_interval_s=0.0), check_plugin=False
+    )
     named = [
         ("a", torch.randn(4, 4)),
         ("b", torch.randn(3, dtype=torch.bfloat16)),
@@ -229,7 +240,7 @@ def test_engine_update_weights_chunks_and_flushes(fake_sglang, ckpt):
 
 
 def test_engine_sleep_wake_health(fake_sglang, ckpt):
-    eng = se.SGLangEngine(ckpt(), EOS, check_plugin=False)
+    eng = se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS), check_plugin=False)
     eng.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         eng.generate([[1]], SamplingParams(block_size=4))
@@ -238,7 +249,7 @@ def test_engine_sleep_wake_health(fake_sglang, ckpt):
     h = eng.health()
     assert h["alive"] and h["weight_version"] == "default" and h["dllm_algorithm"] == sp.ALGORITHM_NAME
     assert h["asleep"] is False and h["max_running_requests"] == 128
-    no_saver = se.SGLangEngine(ckpt(), EOS, enable_memory_saver=False, check_plugin=False)
+    no_saver = se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS, enable_memory_saver=False), check_plugin=False)
     with pytest.raises(RuntimeError, match="enable_memory_saver"):
         no_saver.sleep()
 
@@ -250,7 +261,7 @@ def test_engine_joins_weight_groups_and_receives_flattened_buckets(fake_sglang, 
     from megadare.rollout.weight_sync.groups import GroupSpec
     from megadare.rollout.weight_sync.plan import Flat
 
-    eng = se.SGLangEngine(ckpt(), EOS, tp_size=2, flush_interval_s=0.0, check_plugin=False)
+    eng = se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS, tp_size=2, flush_interval_s=0.0), check_plugin=False)
     eng.join_weight_groups(
         [GroupSpec("w_s0", "10.0.0.1", 29600, 5, 1, "nccl"), GroupSpec("w_s1", "10.0.0.2", 29601, 5, 1, "nccl")]
     )
@@ -355,7 +366,7 @@ def test_a_sender_group_reaches_a_receiver_built_like_sglangs():
 def test_without_sglang_the_engine_says_how_to_install(monkeypatch, ckpt):
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
     with pytest.raises(ImportError, match=r'pip install "megadare\[sglang\]".*sglang>=0\.5\.20,<0\.5\.24'):
-        se.SGLangEngine(ckpt(), EOS)
+        se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS))
     with pytest.raises(ImportError):
         sp.register()
 

@@ -95,7 +95,7 @@ class _Recorder:
 def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
     from megadare.convert import mapping_for
     from megadare.models.attention import family_mask
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
     from megadare.trainer.forward import forward_logits
 
     relayout(layout)
@@ -109,7 +109,9 @@ def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
         return manager.call_all("logits", ids) if rank == 0 else None
 
     out = {"before": engines()}
-    sync = WeightSync(model, table, manager if rank == 0 else None, transport="distributed", bucket_bytes=BUCKET)
+    sync = WeightSync(
+        model, table, manager if rank == 0 else None, SyncSettings(transport="distributed", bucket_bytes=BUCKET)
+    )
     health = manager.call_all("health") if rank == 0 else None
     out.update(
         stats=sync.push(version),
@@ -126,13 +128,15 @@ def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
 
 def _extras(rank, chunks, model, table, manager, sync, logits, engines):
     from megadare.parallel.rank0 import run_on_rank0
-    from megadare.rollout.weight_sync.sync import WeightSync, sync_weights
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync, sync_weights
 
     out = {}
     r0 = rank == 0
     for version, transport in ((2, "colocated"), (3, "object_store")):
         _perturb(chunks, version)
-        other = WeightSync(model, table, manager if r0 else None, transport=transport, bucket_bytes=256 << 10)
+        other = WeightSync(
+            model, table, manager if r0 else None, SyncSettings(transport=transport, bucket_bytes=256 << 10)
+        )
         other.push(version)
         other.close()
         out[transport] = {"trainer": logits(), "engines": engines(), "plasma": plasma_objects(10) if r0 else None}
@@ -163,8 +167,20 @@ def _extras(rank, chunks, model, table, manager, sync, logits, engines):
         "restarts": manager.restarts if r0 else None,
     }
     plain, fp8 = _Recorder(), _Recorder()
-    sync_weights(model, table, [plain] if r0 else [], version=1, bucket_bytes=BUCKET)
-    sync_weights(model, table, [fp8] if r0 else [], version=1, bucket_bytes=BUCKET, fp8_block=(128, 128))
+    sync_weights(
+        model,
+        table,
+        [plain] if r0 else [],
+        version=1,
+        settings=SyncSettings(transport="object_store", bucket_bytes=BUCKET),
+    )
+    sync_weights(
+        model,
+        table,
+        [fp8] if r0 else [],
+        version=1,
+        settings=SyncSettings(transport="object_store", bucket_bytes=BUCKET, fp8_block=(128, 128)),
+    )
     out["fp8"] = _fp8_summary(plain.named, fp8.named) if r0 else None
     return out
 
@@ -345,18 +361,20 @@ def test_auto_transport_is_colocated_only_on_one_cpu_host():
     from types import SimpleNamespace
 
     from megadare.errors import ConfigError
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 
     def engines(*ips):
         return SimpleNamespace(engine_info=lambda: [{"ip": ip, "gpu": None} for ip in ips])
 
     def resolve(transport, trainer_ips, engine_ips):
         ranks = [(ip, None) for ip in trainer_ips]
-        return WeightSync([], [], engines(*engine_ips), transport=transport)._resolve(ranks)
+        return WeightSync([], [], engines(*engine_ips), SyncSettings(transport=transport))._resolve(ranks)
 
     assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1"] * 2) == "colocated"
     assert resolve("auto", ["10.0.0.1"] * 4, ["10.0.0.1", "10.0.0.2"]) == "distributed"
-    assert WeightSync([], [], [object()], transport="auto")._resolve(None) == "object_store"  # in-process engines
+    assert (
+        WeightSync([], [], [object()], SyncSettings(transport="auto"))._resolve(None) == "object_store"
+    )  # in-process engines
     with pytest.raises(ConfigError, match="engines on .*10.0.0.2.*weight_transport=distributed"):
         resolve("colocated", ["10.0.0.1"], ["10.0.0.2"])
 
@@ -367,11 +385,11 @@ def test_auto_transport_on_gpus_never_puts_two_nccl_ranks_on_one_gpu():
     from types import SimpleNamespace
 
     from megadare.errors import ConfigError
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 
     def resolve(transport, trainer_gpus, engine_gpus, ip2="h1"):
         manager = SimpleNamespace(engine_info=lambda: [{"ip": ip2, "gpu": g} for g in engine_gpus])
-        sync = WeightSync([], [], manager, transport=transport)
+        sync = WeightSync([], [], manager, SyncSettings(transport=transport))
         sync.device = torch.device("cuda", 0)  # what a trainer on a GPU reports (no GPU needed to decide)
         return sync._resolve([("h1", g) for g in trainer_gpus])
 

@@ -39,7 +39,7 @@ each position, with which log-prob) and turns them into per-token host records o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -47,6 +47,8 @@ from megadare.rollout.engine import SamplingParams
 from megadare.rollout.sampling import (
     REMASK,
     SAMPLE,
+    CommitRule,
+    SamplingRule,
     dream_confidence,
     linspace_counts,
     sample_tokens,
@@ -145,9 +147,8 @@ def ranking_confidence(
         rule = "model_prob" if params.temperature == 0 else "maskgit_plus"
     if rule == "model_prob":
         return model_prob
-    return dream_confidence(
-        logits, proposals.to(logits.device), rule, params.temperature, params.top_k, params.top_p, probs
-    )
+    sampling = SamplingRule(params.temperature, params.top_k, params.top_p)
+    return dream_confidence(logits, proposals.to(logits.device), rule, sampling, probs)
 
 
 def block_start_commit(
@@ -178,26 +179,34 @@ def _check(
         )
 
 
+class BlockState(NamedTuple):
+    """The block a step denoises: ``tokens`` [n, B], ``masked`` [n, B] bool (positions that may be committed: the
+    still-masked ones of requests that are still decoding) and, under token editing only, ``editable`` [n, B]
+    bool (``editing.Refinement.editable``: decoded positions whose token a confident, different prediction
+    replaces)."""
+
+    tokens: torch.Tensor
+    masked: torch.Tensor
+    editable: Optional[torch.Tensor] = None
+
+
 def dllm_step(
     logits: torch.Tensor,
-    tokens: torch.Tensor,
-    masked: torch.Tensor,
+    block: BlockState,
     step: StepIndex,
     params: SamplingParams,
     streams: Streams,
     mask_token_id: Optional[int] = None,
-    editable: Optional[torch.Tensor] = None,
 ) -> StepResult:
     """One denoising step of a block.
 
-    logits [n, B, V] (any float dtype; computed in float32), tokens [n, B], masked [n, B] bool (positions that may
-    be committed: the still-masked ones of requests that are still decoding), step: the block-local step index
-    (one int for all rows, or one per row), params: temperature / top_k / top_p / algorithm / threshold /
-    block_size / steps_per_block, streams: the rows' random streams (:class:`Streams`, on the logits' device),
-    mask_token_id: if given, the mask token is never a prediction. editable [n, B] bool: token editing only
-    (``editing.Refinement.editable``): decoded positions whose token a confident, different prediction replaces.
-    Everything runs on the logits' device; the result too.
+    logits [n, B, V] (any float dtype; computed in float32), block: the block's tokens, masked and editable
+    positions (:class:`BlockState`), step: the block-local step index (one int for all rows, or one per row),
+    params: temperature / top_k / top_p / algorithm / threshold / block_size / steps_per_block, streams: the rows'
+    random streams (:class:`Streams`, on the logits' device), mask_token_id: if given, the mask token is never a
+    prediction. Everything runs on the logits' device; the result too.
     """
+    tokens, masked, editable = block
     _check(logits, tokens, masked, params, streams)
     dev, B = logits.device, tokens.shape[1]
     logits = logits.float()
@@ -210,9 +219,8 @@ def dllm_step(
     proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws, dist)
     conf = ranking_confidence(logits, proposals, model_prob, params, dist[0] if dist else None)
     picks = streams.uniforms(REMASK, B) if params.algorithm == "random" or params.alg_temp > 0 else None
-    committed = select_commits(
-        conf, masked, commit_counts(masked, step, params), params.algorithm, params.threshold, picks, params.alg_temp
-    )
+    rule = CommitRule(params.algorithm, params.threshold, params.alg_temp)
+    committed = select_commits(conf, masked, commit_counts(masked, step, params), rule, picks)
     committed = block_start_commit(committed, masked, step, params)
     proposals = torch.where(work[:, None], proposals, tokens)
     logp = torch.where(work[:, None], logp, 0.0)

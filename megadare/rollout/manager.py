@@ -25,15 +25,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+
 from megadare.errors import ConfigError
+from megadare.models import load_hf_model
+from megadare.models.family import family_of, read_hf_config
 from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
 from megadare.rollout.weight_sync.plan import Flat
 
 
 def _ray():
     try:
-        import ray
+        import ray  # heavy: Ray
     except ImportError as e:  # pragma: no cover - ray is a dependency, but keep the message clear
         raise ImportError("the rollout manager needs Ray: pip install 'ray>=2.40'") from e
     return ray
@@ -134,8 +139,8 @@ class RolloutManager:
         max_restarts: int = 3,
     ):
         ray = _ray()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import placement_group  # heavy: Ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # heavy: Ray
 
         if not ray.is_initialized():
             raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
@@ -166,7 +171,7 @@ class RolloutManager:
     def engine_info(self) -> list[dict[str, Any]]:
         """Every engine's info; a dead actor is replaced first and the replacement answers for its slot."""
         ray = _ray()
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError  # heavy: Ray
 
         infos = []
         for slot, ref in enumerate([a.info.remote() for a in self.actors]):
@@ -258,7 +263,7 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         ray = _ray()
-        from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group  # heavy: Ray
 
         for a in self.actors:
             ray.kill(a)
@@ -291,7 +296,7 @@ class PendingRollout:
 
     def result(self) -> list[Trajectory]:
         ray = _ray()
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError  # heavy: Ray
 
         while self.inflight:
             inflight, self.inflight = self.inflight, {}
@@ -345,8 +350,6 @@ def _assigned_gpus() -> list:
 
 
 def torch_cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -357,12 +360,6 @@ def build_native_engine(
     engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
     (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile``: ``NativeEngine``'s.
     """
-    from megadare.models import load_hf_model
-    from megadare.models.family import family_of, read_hf_config
-    from megadare.rollout.native import NativeEngine
-
-    import torch
-
     cfg = read_hf_config(hf_dir)
     dev = resolve_engine_device(device)
     if dtype not in ENGINE_DTYPES:
@@ -376,6 +373,5 @@ def build_native_engine(
         eos_token_id=eos_token_id,
         device=dev,
         dtype=dt,
-        max_batch=max_batch,
-        compile=compile,
+        settings=NativeSettings(max_batch=max_batch, compile=compile),
     )

@@ -48,13 +48,15 @@ from abc import ABC, abstractmethod
 import functools
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 
+from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import KVCache
-from megadare.rollout.dllm_step import BlockTrace, Streams, commit_counts, dllm_step
+from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, commit_counts, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
@@ -62,37 +64,52 @@ from megadare.rollout.sampling import mix64
 _KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
 
 
+@dataclass(frozen=True)
+class NativeSettings:
+    """How the built-in engine decodes (rollout.max_batch / rollout.compile; the rest are for tests and
+    benchmarks): ``use_cache`` (False: recompute the whole sequence each step, the reference the cache is tested
+    against), ``full_attention_cache`` (none | prefix | dual, Fast-dLLM's approximate caches for full-attention
+    families), ``max_batch`` (rows decoded together; 0: every prompt of a call), ``compile`` (``torch.compile``
+    the forward) and ``pad_token_id``."""
+
+    use_cache: bool = True
+    full_attention_cache: str = "none"
+    max_batch: int = 0
+    compile: bool = False
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.full_attention_cache not in ("none", "prefix", "dual"):
+            raise ValueError(f"full_attention_cache={self.full_attention_cache!r}: choose none, prefix or dual")
+        if self.max_batch < 0:
+            raise ValueError(f"max_batch={self.max_batch}: rows decoded together, >= 1 (0: every prompt of a call)")
+
+
 class NativeEngine:
-    """Decodes with the hf/ model of a family (CPU or one GPU). Implements the rollout engine protocol."""
+    """Decodes with the hf/ model of a family (CPU or one GPU). Implements the rollout engine protocol.
+    ``device`` None: CUDA when available; ``dtype`` None: bfloat16 on CUDA, float32 on CPU."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         arch: ModelArch,
         eos_token_id: int,
-        pad_token_id: int = 0,
         device: Optional[str] = None,
-        use_cache: bool = True,
-        full_attention_cache: str = "none",
-        max_batch: int = 0,
         dtype: Optional[torch.dtype] = None,
-        compile: bool = False,
+        settings: NativeSettings = NativeSettings(),
     ):
-        if full_attention_cache not in ("none", "prefix", "dual"):
-            raise ValueError(f"full_attention_cache={full_attention_cache!r}: choose none, prefix or dual")
-        if max_batch < 0:
-            raise ValueError(f"max_batch={max_batch}: rows decoded together, >= 1 (0: every prompt of a call)")
-        self.full_attention_cache = full_attention_cache
+        self.settings = settings
+        self.full_attention_cache = settings.full_attention_cache
         self.arch = arch
         self.eos = eos_token_id
-        self.pad = pad_token_id
+        self.pad = settings.pad_token_id
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = model.eval().to(self.device, self.dtype)
-        self.use_cache = use_cache
-        self.max_batch = max_batch
-        self.compile = compile
-        self._fn, self.step = self._compiled() if compile else (self.model, dllm_step)
+        self.use_cache = settings.use_cache
+        self.max_batch = settings.max_batch
+        self.compile = settings.compile
+        self._fn, self.step = self._compiled() if settings.compile else (self.model, dllm_step)
         self._cache: Optional[KVCache] = None
         self.version = 0
         self.forwards = 0  # model forwards, all calls (benchmarks: forwards per token)
@@ -151,8 +168,6 @@ class NativeEngine:
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full logits of the engine's model for [B, S] ids under the family's inference mask (block-causal or
         bidirectional, Dream unshifted): what weight-sync checks compare with the trainer."""
-        from megadare.models.attention import family_mask
-
         S = input_ids.shape[1]
         mask = family_mask(self.arch).dense(S, S, device=self.device)
         return self.model(input_ids.to(self.device), attention_mask=mask).float().cpu()
@@ -320,7 +335,7 @@ class _Decoder(ABC):
             logits = self.block_logits(n, cols, s)
             counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
             streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
-            step = self.e.step(logits, cur, masked, step_index, p, streams, M, editable)
+            step = self.e.step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
             if refine is not None:
                 refine.after(masked, step)
             trace.add(step, step_index)

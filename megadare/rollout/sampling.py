@@ -38,7 +38,7 @@ streams are Mersenne-Twister state that only a per-row loop can advance. The dis
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -194,22 +194,32 @@ def linspace_count(n_masked: int, step: int, steps: int, eps: float) -> int:
     return int(linspace_counts(torch.tensor([n_masked]), torch.tensor([step]), steps, eps)[0])
 
 
+class SamplingRule(NamedTuple):
+    """The sampling distribution softmax(filter(logits / temperature)) (temperature 0: the logits unscaled), with
+    top-k / top-p truncation (``filter_logits``)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
 def dream_confidence(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     rule: str,
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    sampling: SamplingRule,
     probs: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Dream's confidence of the proposals ``tokens`` [...] for logits [..., V] under ``rule`` (maskgit_plus,
-    topk_margin, entropy), computed on Dream's sampling distribution softmax(filter(logits / T)) (T = 0: the
-    logits unscaled; ``probs``: that distribution when the caller has it). Follows ``sample_tokens`` of Dream's
+    topk_margin, entropy), computed on Dream's sampling distribution ``sampling`` (``probs``: that distribution
+    when the caller has it). Follows ``sample_tokens`` of Dream's
     ``generation_utils.py``."""
     if probs is None:
+        temperature = sampling.temperature
         logits = logits.float()
-        probs = F.softmax(filter_logits(logits / temperature if temperature > 0 else logits, top_k, top_p), dim=-1)
+        probs = F.softmax(
+            filter_logits(logits / temperature if temperature > 0 else logits, sampling.top_k, sampling.top_p), dim=-1
+        )
     if rule == "maskgit_plus":
         return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     if rule == "topk_margin":
@@ -226,17 +236,25 @@ def top_ranked(score: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.argsort(order, dim=1) < k[:, None]
 
 
+class CommitRule(NamedTuple):
+    """Which positions a step commits: ``algorithm`` (``SamplingParams.algorithm``), the confidence
+    ``threshold`` of low_confidence_dynamic / editing, and ``alg_temp`` (> 0: Gumbel-top-k draws)."""
+
+    algorithm: str
+    threshold: float = 0.9
+    alg_temp: float = 0.0
+
+
 def select_commits(
     confidence: torch.Tensor,
     masked: torch.Tensor,
     n: torch.Tensor,
-    algorithm: str,
-    threshold: float = 0.9,
+    rule: CommitRule,
     uniforms: Optional[torch.Tensor] = None,
-    alg_temp: float = 0.0,
 ) -> torch.Tensor:
-    """Which positions to commit. confidence, masked [B, L]; n [B] tokens the schedule asks for; uniforms [B, L]
-    in (0, 1) from the rows' streams (``random`` and ``alg_temp`` > 0 only)."""
+    """Which positions to commit under ``rule``. confidence, masked [B, L]; n [B] tokens the schedule asks for;
+    uniforms [B, L] in (0, 1) from the rows' streams (``random`` and ``alg_temp`` > 0 only)."""
+    algorithm, threshold, alg_temp = rule
     k = torch.minimum(n.to(masked.device), masked.sum(dim=1))
     if algorithm == "random" or alg_temp > 0:
         if uniforms is None:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
+from megadare.rollout.engine import SamplingParams
 
 
 def resolve_canvas(cfg, arch: Optional[ModelArch]) -> str:
@@ -39,8 +40,6 @@ def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps
     """The rollout's SamplingParams (block size checked against the model's). Training rollouts decode the
     response canvas of ``rl.canvas`` (full: every max_new_tokens position; eos: stop after the EOS block);
     evaluation stops at EOS (blocks are committed left to right, so the answer is the same)."""
-    from megadare.rollout.engine import SamplingParams
-
     r = cfg.rollout
     block = rollout_block(cfg, arch)
     if arch.is_block_diffusion and block != arch.block_size:
@@ -74,7 +73,10 @@ def engine_spec(cfg, src, tok):
     """How each engine actor builds its engine: the built-in torch engine, or SGLang (``rollout.engine_tp`` GPUs
     of tensor parallelism per engine; with ``rollout.fp8_weights`` started from a block-fp8 export of the model
     under ``<run_dir>/engine_fp8``, which the weight sync then updates in the same format)."""
-    from megadare.rollout.manager import EngineSpec, build_native_engine
+    from megadare.rollout.manager import (
+        EngineSpec,
+        build_native_engine,
+    )  # heavy: config.py imports this module; the engines pull torch.distributed and sympy
 
     r = cfg.rollout
     gpus = r.engine_resources.get("num_gpus")
@@ -101,12 +103,15 @@ def engine_spec(cfg, src, tok):
             f"{r.engine_tp} per engine actor (got {gpus})"
         )
     # fail here, not inside an actor, when sglang or the plugin is missing
-    from megadare.rollout.sglang_engine import _import_sglang, build_sglang_engine
+    from megadare.rollout.sglang_engine import (
+        _import_sglang,
+        build_sglang_engine,
+    )  # heavy: config.py imports this module; the engines pull torch.distributed and sympy
 
     _import_sglang()
     model_path = src.hf_dir
     if r.fp8_weights:  # the engines serve block fp8, so they start from the fp8-block export of the model
-        from megadare.convert.quantize import quantize_export
+        from megadare.convert.quantize import quantize_export  # heavy: only for fp8 engines; pulls safetensors
 
         model_path = os.path.join(cfg.logging.run_dir, "engine_fp8")
         if not os.path.exists(os.path.join(model_path, "config.json")):
@@ -144,9 +149,11 @@ def _quiet_ray_token_notice() -> None:
 
 def start_engines(cfg, src, tok):
     """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
-    import ray
+    import ray  # heavy: Ray
 
-    from megadare.rollout.manager import RolloutManager
+    from megadare.rollout.manager import (
+        RolloutManager,
+    )  # heavy: config.py imports this module; the engines pull torch.distributed and sympy
 
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():

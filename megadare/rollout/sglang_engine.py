@@ -1,7 +1,7 @@
 """The SGLang rollout engine: the engine protocol (generate / update_weights / sleep / wake / health) on sglang's
 offline ``Engine``, decoding with megadare's own dLLM algorithm (``sglang_plugin.MegadareBlockDiffusion``).
 
-    engine = SGLangEngine("/ckpt/SDAR-1.7B-Chat", eos_token_id=151643, max_running_requests=128)
+    engine = SGLangEngine(SGLangEngineSpec("/ckpt/SDAR-1.7B-Chat", eos_token_id=151643, max_running_requests=128))
     trajs = engine.generate(prompts, SamplingParams(max_new_tokens=256, block_size=4, steps_per_block=4,
                                                     temperature=1.0, seed=step))
     # in a Ray engine actor, driven by rollout.weight_sync.sync.WeightSync: join_weight_groups + receive_weights
@@ -53,9 +53,12 @@ import shutil
 import tempfile
 import time
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass
+import importlib.metadata
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
+import yaml
 
 from megadare.models.family import family_of
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, answer_ids, prompt_seed
@@ -78,7 +81,7 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 
 def _import_sglang():
     try:
-        import sglang
+        import sglang  # optional: sglang
     except ImportError as e:
         raise ImportError(
             f"the SGLang rollout engine needs sglang: {INSTALL_HINT}; the built-in engine "
@@ -167,9 +170,11 @@ def check_mask_id(model_path: str, arch: str, cfg: dict[str, Any]) -> None:
 def plugin_registered() -> bool:
     """Whether sglang will load megadare's algorithm: the entry point is installed (``pip install -e .``) and not
     filtered out by ``SGLANG_PLUGINS``."""
-    from importlib.metadata import entry_points
-
-    eps = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT]
+    eps = [
+        ep
+        for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP)
+        if ep.value.replace(" ", "") == PLUGIN_ENTRY_POINT
+    ]
     if not eps:
         return False
     allowed = os.environ.get("SGLANG_PLUGINS", "")
@@ -257,6 +262,33 @@ def _checked_model(model_path: str, max_running_requests: int, check_plugin: boo
     return arch, cfg
 
 
+@dataclass(frozen=True)
+class SGLangEngineSpec:
+    """What an SGLang engine serves and how (built once from ``rollout.*`` by ``rollout.setup.engine_spec`` and
+    shipped to the engine actor): the HF checkpoint ``model_path`` and its ``eos_token_id``; the engine's default
+    block decoding (``block_size`` / ``steps_per_block`` / ``algorithm`` / ``threshold``, None: the checkpoint's
+    block size, one step per token); its sizes (``max_running_requests``, ``tp_size``, ``mem_fraction_static``,
+    ``enable_memory_saver``, ``random_seed``); the weight push (``chunk_bytes`` per bucket, ``flush_retries`` x
+    ``flush_interval_s`` for sglang's cache flush); ``engine_kwargs``: more ``sglang.Engine`` (``ServerArgs``)
+    fields, passed unchanged."""
+
+    model_path: str
+    eos_token_id: int
+    block_size: Optional[int] = None
+    steps_per_block: Optional[int] = None
+    algorithm: str = "low_confidence_static"
+    threshold: float = 0.9
+    max_running_requests: int = 128
+    tp_size: int = 1
+    mem_fraction_static: float = 0.7
+    enable_memory_saver: bool = True
+    random_seed: int = 0
+    chunk_bytes: int = 512 << 20
+    flush_retries: int = 60
+    flush_interval_s: float = 1.0
+    engine_kwargs: Optional[Mapping[str, Any]] = None
+
+
 class SGLangEngine:
     """Rollout engine protocol on ``sglang.Engine`` with ``dllm_algorithm="MegadareBlockDiffusion"``.
 
@@ -268,38 +300,20 @@ class SGLangEngine:
     ``engine_kwargs`` go to ``sglang.Engine`` unchanged (any ``ServerArgs`` field, e.g. ``dllm_fdfo``).
     """
 
-    def __init__(
-        self,
-        model_path: str,
-        eos_token_id: int,
-        *,
-        block_size: Optional[int] = None,
-        steps_per_block: Optional[int] = None,
-        algorithm: str = "low_confidence_static",
-        threshold: float = 0.9,
-        max_running_requests: int = 128,
-        tp_size: int = 1,
-        mem_fraction_static: float = 0.7,
-        enable_memory_saver: bool = True,
-        random_seed: int = 0,
-        chunk_bytes: int = 512 << 20,
-        flush_retries: int = 60,
-        flush_interval_s: float = 1.0,
-        engine_kwargs: Optional[dict[str, Any]] = None,
-        check_plugin: bool = True,
-    ):
+    def __init__(self, spec: SGLangEngineSpec, check_plugin: bool = True):
         sglang = _import_sglang()
-        arch, cfg = _checked_model(model_path, max_running_requests, check_plugin)
-        self.block_size = int(block_size or cfg.get("block_size") or DEFAULT_BLOCK_SIZE[arch])
-        steps = int(steps_per_block or self.block_size)
-        SamplingParams(block_size=self.block_size, steps_per_block=steps, algorithm=algorithm)  # validates
+        arch, cfg = _checked_model(spec.model_path, spec.max_running_requests, check_plugin)
+        self.block_size = int(spec.block_size or cfg.get("block_size") or DEFAULT_BLOCK_SIZE[arch])
+        steps = int(spec.steps_per_block or self.block_size)
+        SamplingParams(block_size=self.block_size, steps_per_block=steps, algorithm=spec.algorithm)  # validates
         self.architecture = arch
-        self.eos = int(eos_token_id)
-        self.tp_size = int(tp_size)
-        self.max_running_requests = max_running_requests
-        self.enable_memory_saver = enable_memory_saver
-        self.chunk_bytes = int(chunk_bytes)
-        self.flush_retries, self.flush_interval_s = int(flush_retries), float(flush_interval_s)
+        self.spec = spec
+        self.eos = int(spec.eos_token_id)
+        self.tp_size = int(spec.tp_size)
+        self.max_running_requests = spec.max_running_requests
+        self.enable_memory_saver = spec.enable_memory_saver
+        self.chunk_bytes = int(spec.chunk_bytes)
+        self.flush_retries, self.flush_interval_s = int(spec.flush_retries), float(spec.flush_interval_s)
         self.version = 0
         self.asleep = False
         self._session_open = False
@@ -309,27 +323,25 @@ class SGLangEngine:
         self.algorithm_config = {
             "block_size": self.block_size,
             "steps_per_block": steps,
-            "algorithm": algorithm,
-            "threshold": float(threshold),
+            "algorithm": spec.algorithm,
+            "threshold": float(spec.threshold),
         }
         self.algorithm_config_path = os.path.join(self._tmpdir, "dllm_algorithm.yaml")
-        import yaml
-
         with open(self.algorithm_config_path, "w") as f:
             yaml.safe_dump(self.algorithm_config, f)
-        extra = dict(engine_kwargs or {})
+        extra = dict(spec.engine_kwargs or {})
         fixed = {"dllm_algorithm", "dllm_algorithm_config", "model_path"}
         if fixed & set(extra):
             raise ValueError(f"engine_kwargs may not set {sorted(fixed & set(extra))}: SGLangEngine owns them")
         self.engine_kwargs: dict[str, Any] = {
-            "model_path": model_path,
+            "model_path": spec.model_path,
             "dllm_algorithm": ALGORITHM_NAME,
             "dllm_algorithm_config": self.algorithm_config_path,
-            "max_running_requests": max_running_requests,
+            "max_running_requests": spec.max_running_requests,
             "tp_size": self.tp_size,
-            "mem_fraction_static": mem_fraction_static,
-            "enable_memory_saver": enable_memory_saver,
-            "random_seed": random_seed,
+            "mem_fraction_static": spec.mem_fraction_static,
+            "enable_memory_saver": spec.enable_memory_saver,
+            "random_seed": spec.random_seed,
             "skip_tokenizer_init": True,
             "trust_remote_code": True,
             **extra,
@@ -425,13 +437,13 @@ class SGLangEngine:
             self.flush_cache()
 
     def _flattened_payload(self, chunk: list[tuple[str, torch.Tensor]]) -> Any:
-        from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+        from sglang.srt.utils import MultiprocessingSerializer  # optional: sglang
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket  # optional: sglang
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":
             try:  # device indices by UUID across processes (what sglang's own weight_sync helper does)
-                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+                from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions  # optional: sglang
 
                 monkey_patch_torch_reductions()
             except ImportError:
@@ -564,6 +576,7 @@ class SGLangEngine:
             self._cleanup()
 
 
-def build_sglang_engine(model_path: str, eos_token_id: int, **kwargs: Any) -> SGLangEngine:
-    """Engine factory for ``manager.EngineSpec`` (runs inside the Ray actor that owns the GPU)."""
-    return SGLangEngine(model_path, eos_token_id, **kwargs)
+def build_sglang_engine(**spec: Any) -> SGLangEngine:  # manager.EngineSpec calls factory(**kwargs)
+    """Engine factory for ``manager.EngineSpec`` (runs inside the Ray actor that owns the GPU): the engine of the
+    ``SGLangEngineSpec`` with these fields."""
+    return SGLangEngine(SGLangEngineSpec(**spec))

@@ -83,7 +83,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megadare.rollout.dllm_step import BlockTrace, Streams, dllm_step
+from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import ALGORITHMS, SamplingParams
 
@@ -124,36 +124,43 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class RequestSampling:
+    """An sglang request's sampling fields as sglang stores them: ``temperature`` / ``top_p`` / ``top_k``
+    (``top_k`` -1, 0 or ``1 << 30`` = off; ``top_k == 1`` or temperature 0 = greedy), ``custom_params``,
+    ``sampling_seed`` and the request id ``rid``."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    custom_params: Optional[Mapping[str, Any]] = None
+    sampling_seed: Optional[int] = None
+    rid: str = ""
+
+
 def request_params(
-    block_size: int,
-    defaults: Mapping[str, Any],
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    custom_params: Optional[Mapping[str, Any]] = None,
-    sampling_seed: Optional[int] = None,
-    rid: str = "",
+    block_size: int, defaults: Mapping[str, Any], request: RequestSampling = RequestSampling()
 ) -> SamplingParams:
     """megadare ``SamplingParams`` of one sglang request (only the fields a block step uses are meaningful).
 
-    temperature / top_p / top_k as sglang stores them (``top_k`` -1, 0 or ``1 << 30`` = off; ``top_k == 1`` or
-    temperature 0 = greedy), ``custom_params[CUSTOM_PARAMS_KEY]`` overrides ``defaults`` (the YAML) for
-    ``steps_per_block`` / ``algorithm`` / ``threshold`` / ``seed`` and the decoder keys (``DECODER_KEYS``:
-    Dream's confidence rules and schedule, LLaDA2.1's token editing). Raises ValueError on bad values."""
-    over = dict((custom_params or {}).get(CUSTOM_PARAMS_KEY) or {})
+    ``request``: its sampling fields (:class:`RequestSampling`); ``custom_params[CUSTOM_PARAMS_KEY]`` overrides
+    ``defaults`` (the YAML) for ``steps_per_block`` / ``algorithm`` / ``threshold`` / ``seed`` and the decoder
+    keys (``DECODER_KEYS``: Dream's confidence rules and schedule, LLaDA2.1's token editing). Raises ValueError on
+    bad values."""
+    over = dict((request.custom_params or {}).get(CUSTOM_PARAMS_KEY) or {})
     unknown = sorted(set(over) - set(REQUEST_KEYS))
     if unknown:
         raise ValueError(f"custom_params[{CUSTOM_PARAMS_KEY!r}]: unknown keys {unknown}; known: {list(REQUEST_KEYS)}")
     merged = {**{k: v for k, v in defaults.items() if k in REQUEST_KEYS}, **over}
-    top_k = int(top_k) if top_k is not None else -1
-    temperature = 1.0 if temperature is None else float(temperature)  # sglang's default
+    top_k = int(request.top_k) if request.top_k is not None else -1
+    temperature = 1.0 if request.temperature is None else float(request.temperature)  # sglang's default
     greedy = temperature <= 1e-6 or top_k == 1
     if "seed" in over:
         seed = int(over["seed"])
-    elif sampling_seed is not None:
-        seed = int(sampling_seed)
-    elif rid:
-        seed = zlib.crc32(str(rid).encode())
+    elif request.sampling_seed is not None:
+        seed = int(request.sampling_seed)
+    elif request.rid:
+        seed = zlib.crc32(str(request.rid).encode())
     else:
         seed = int(merged.get("seed", 0))
     return SamplingParams(
@@ -164,7 +171,7 @@ def request_params(
         threshold=float(merged.get("threshold", 0.9)),
         temperature=0.0 if greedy else temperature,
         top_k=0 if (greedy or top_k <= 0 or top_k >= _TOP_K_ALL) else top_k,
-        top_p=float(top_p if top_p is not None else 1.0),
+        top_p=float(request.top_p if request.top_p is not None else 1.0),
         seed=seed % _SEED_MOD,
         **_decoder_fields(merged),
     )
@@ -238,9 +245,8 @@ class BlockDenoiser:
         sampling_seed: Optional[int] = None,
         rid: str = "",
     ) -> SamplingParams:
-        return request_params(
-            self.block_size, self.config, temperature, top_p, top_k, custom_params, sampling_seed, rid
-        )
+        request = RequestSampling(temperature, top_p, top_k, custom_params, sampling_seed, rid)
+        return request_params(self.block_size, self.config, request)
 
     def new_state(self, params: SamplingParams, rng: Optional[RequestStream] = None) -> RequestState:
         return RequestState(params=params, rng=rng if rng is not None else RequestStream(params.seed))
@@ -277,13 +283,11 @@ class BlockDenoiser:
                 continue
             res = dllm_step(
                 logits[i : i + 1],
-                tokens[i : i + 1],
-                row,
+                BlockState(tokens[i : i + 1], row, editable),
                 st.block_step,
                 st.params,
                 st.rng.streams(logits.device),
                 mask_token_id=self.mask_id,
-                editable=editable,
             )
             if st.refine is not None:
                 st.refine.after(row, res)
@@ -416,15 +420,14 @@ class _AdapterMixin:
             return None
         block = getattr(getattr(req, "dllm_config", None), "block_size", None) or 1 << 20
         try:
-            request_params(
-                block,
-                {},
+            request = RequestSampling(
                 sp.temperature,
                 sp.top_p,
                 sp.top_k,
                 getattr(sp, "custom_params", None),
                 getattr(sp, "sampling_seed", None),
             )
+            request_params(block, {}, request)
         except ValueError as e:
             return f"{ALGORITHM_NAME}: {e}"
         return None
@@ -473,7 +476,7 @@ def algorithm_class() -> type:
     sglang importable. Built once."""
     global _ALGORITHM_CLASS
     if _ALGORITHM_CLASS is None:
-        from sglang.srt.dllm.algorithm.base import DllmAlgorithm
+        from sglang.srt.dllm.algorithm.base import DllmAlgorithm  # optional: sglang
 
         def __init__(self, config):
             DllmAlgorithm.__init__(self, config)
@@ -533,8 +536,8 @@ def register() -> None:
     register``), run by sglang's ``load_plugins()`` in every sglang process: makes ``--dllm-algorithm
     MegadareBlockDiffusion`` resolvable and installs the request-binding worker hook and the tied-SDAR load fix."""
     global _HOOK_REGISTERED
-    import sglang.srt.dllm.algorithm as algorithms
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    import sglang.srt.dllm.algorithm as algorithms  # optional: sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType  # optional: sglang
 
     algorithms.algo_name_to_cls[ALGORITHM_NAME] = algorithm_class()
     if not _HOOK_REGISTERED:

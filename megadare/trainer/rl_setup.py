@@ -110,17 +110,9 @@ def _weight_sync(cfg: Config, run: RLRun):
     """The run's weight sync (every rank; rank 0 drives the engines): transport and bucket size from the config,
     block-fp8 linear weights for SGLang engines serving an fp8 export."""
     from megadare.convert import mapping_for
-    from megadare.rollout.weight_sync.sync import WeightSync
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 
-    r = cfg.rollout
-    return WeightSync(
-        run.policy.model,
-        mapping_for(run.src.hf_config)[2],
-        run.manager,
-        transport=r.weight_transport,
-        bucket_bytes=r.bucket_mb << 20,
-        fp8_block=(128, 128) if r.fp8_weights else None,
-    )
+    return WeightSync(run.policy.model, mapping_for(run.src.hf_config)[2], run.manager, SyncSettings.of(cfg.rollout))
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:

@@ -222,6 +222,7 @@ def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> lis
     import copy
 
     from megadare.trainer.offpolicy.correction import replay_scores
+    from megadare.trainer.offpolicy.replay import ReplayMatch, ReplayRule
 
     cfg, step = su.cfg, su.step
     cands = buffer.entries(step)
@@ -245,9 +246,8 @@ def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> lis
     sel = buffer.select(
         n,
         step,
-        scores=scores,
-        level=cfg.replay.level,
-        max_score=cfg.replay.max_score,
+        ReplayMatch(scores=scores),
+        ReplayRule.of(cfg.replay),
         generator=torch.Generator().manual_seed(cfg.seed * 7919 + step),
     )
     correction.metrics.update(buffer.metrics(step, sel))

@@ -23,7 +23,7 @@ import torch
 from megadare.models import family_of, load_hf_model, read_hf_config
 from megadare.rollout.engine import SamplingParams, Trajectory
 from megadare.rollout.native import NativeEngine
-from megadare.rollout.sglang_engine import SGLANG_MASK_ID, SGLangEngine
+from megadare.rollout.sglang_engine import SGLANG_MASK_ID, SGLangEngine, SGLangEngineSpec
 
 # sglang's CPU engine: torch_native attention (no AMX on this CPU), no CUDA graphs, a small KV pool
 CPU_ENGINE = {
@@ -78,7 +78,7 @@ def engine_kwargs(**extra: Any) -> dict[str, Any]:
 
 
 def start_engine(path: str, **extra: Any) -> SGLangEngine:
-    return SGLangEngine(path, EOS, **engine_kwargs(**extra))
+    return SGLangEngine(SGLangEngineSpec(path, EOS, **engine_kwargs(**extra)))
 
 
 def native_engine(path: str) -> NativeEngine:
@@ -156,14 +156,20 @@ def _trainer(
     from dist import stepped_trainer
     from megadare.convert import mapping_for
     from megadare.parallel import Layout, destroy_distributed, init_distributed
-    from megadare.rollout.weight_sync.sync import sync_weights
+    from megadare.rollout.weight_sync.sync import SyncSettings, sync_weights
 
     init_distributed(Layout(**layout))
     try:
         _, model, _, cfg = stepped_trainer(layout, hf_dir)
         _, _, table = mapping_for(cfg)
         engines = [QueueEngine(calls, answers)] if rank == 0 else []
-        return sync_weights(model, table, engines, version=version, bucket_bytes=bucket_bytes)
+        return sync_weights(
+            model,
+            table,
+            engines,
+            version=version,
+            settings=SyncSettings(transport="object_store", bucket_bytes=bucket_bytes),
+        )
     finally:
         destroy_distributed()
 

@@ -2,7 +2,7 @@
 megadare's rollout manager, driven by an EP2 Megatron trainer (2 gloo ranks; rank 0 owns the manager):
 
 * trajectories equal the built-in engine's, greedy and sampled, for several prompts;
-* ``WeightSync(transport="distributed")``: the engine's TP rank joins a gloo group per pipeline stage
+* ``WeightSync(SyncSettings(transport="distributed"))``: the engine's TP rank joins a gloo group per pipeline stage
   (``SGLangEngine.join_weight_groups`` -> sglang's ``init_weights_update_group``) and receives the trainer's
   flattened buckets (``SGLangEngine.receive_weights`` -> ``update_weights_from_distributed``); afterwards its greedy
   trajectories equal the built-in engine's given the same weights, stamped with the pushed version;
@@ -40,7 +40,7 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
     from megadare.rollout.manager import EngineSpec, RolloutManager
     from megadare.rollout.sglang_engine import build_sglang_engine
     from megadare.parallel.rank0 import run_on_rank0
-    from megadare.rollout.weight_sync.sync import WeightSync, sync_weights
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync, sync_weights
 
     init_distributed(Layout(ep=2))
     r0 = rank == 0
@@ -55,7 +55,7 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
             manager = RolloutManager(spec, num_engines=1, resources={"num_cpus": 1}, chunk_size=8)
             native = native_engine(served)
             out["before"] = {name: (manager.generate(PROMPTS, p), native.generate(PROMPTS, p)) for name, p in PARAMS}
-        sync = WeightSync(model, table, manager, transport="distributed", bucket_bytes=64 << 10)
+        sync = WeightSync(model, table, manager, SyncSettings(transport="distributed", bucket_bytes=64 << 10))
         out["stats"] = sync.push(VERSION)
         sync_weights(model, table, [native] if r0 else [], VERSION)  # the same weights, in process
         greedy = PARAMS[0][1]

@@ -31,6 +31,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.multiprocessing.reductions import reduce_tensor
 
 from megadare.rollout.weight_sync.plan import Flat, flat_layout
 
@@ -68,16 +71,12 @@ def host_ip() -> str:
 def host_store(timeout: timedelta = DEFAULT_TIMEOUT):
     """A sender's rendezvous store (the group's rank 0 hosts it) on a port the OS picks while binding, so no other
     process can take the port between choosing and binding it; members reach it at ``(host_ip(), store.port)``."""
-    from torch.distributed import TCPStore
-
     return TCPStore(host_ip(), 0, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
 def join_group(spec: GroupSpec, timeout: timedelta = DEFAULT_TIMEOUT, store=None):
     """Join the group ``spec`` describes (the sender passes the ``store`` it hosts); blocks until every member
     joined."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
     if store is None:
         store, _, _ = next(rendezvous(f"tcp://{spec.addr}:{spec.port}", spec.rank, spec.world_size, timeout=timeout))
     store.set_timeout(timeout)
@@ -143,8 +142,6 @@ class SharedBuffer:
     def __init__(self, nbytes: int, device: torch.device):
         self.path: Optional[str] = None
         if device.type == "cuda":
-            from torch.multiprocessing.reductions import reduce_tensor
-
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.handle: Any = ("cuda", gpu_uuid(device), reduce_tensor(self.tensor))
             return

@@ -142,8 +142,8 @@ def _main_replica(replica_id) -> bool:
 def local_shards(chunks: Sequence[torch.nn.Module]) -> dict[str, list[tuple[tuple, tuple, torch.Tensor]]]:
     """key -> [(global shape, global offset, local data)] of this rank's main replicas, from megatron's
     ``sharded_state_dict`` of the (DDP-wrapped or bare) model chunks."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values  # heavy: megatron
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories  # heavy: megatron
 
     sd = _drop_extra_state(model_sharded_state_dict([getattr(c, "module", c) for c in chunks]))
     apply_factories(sd)
@@ -162,7 +162,7 @@ def shard_signature(local: dict[str, list]) -> list[tuple]:
 
 
 def _pipeline_stage() -> int:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # heavy: megatron
 
     return ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
 

@@ -1,6 +1,6 @@
 """Weight sync: the trainer's TP/PP/EP/VPP shards -> HF-named flattened buckets -> every engine, every RL step.
 
-    sync = WeightSync(chunks, table, manager if rank == 0 else None, transport="auto", bucket_bytes=512 << 20)
+    sync = WeightSync(chunks, table, manager if rank == 0 else None, SyncSettings(transport="auto"))
     stats = sync.push(version=step)          # collective over the trainer's ranks
 
 One push: rank 0 checks the engines (a dead actor is restarted now and joins the rebuilt groups) and tells every
@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
 from megadare.errors import ConfigError
 from megadare.models.mapping import ParamMap
 from megadare.parallel.rank0 import trainer_rank
@@ -47,10 +49,34 @@ _HOW = {"distributed": "broadcast", "colocated": "shared"}  # what the engines d
 
 def fp8_transform(table: Sequence[ParamMap], block: tuple[int, int]) -> Transform:
     """Megatron -> HF, then every linear weight as its block-fp8 pair (convert/fp8.py)."""
-    from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
-
     linear = linear_hf_names(table)
     return lambda row, full: list(fp8_rollout_weights(plain_hf(row, full), linear, block=block))
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """How weights travel to the engines (``SyncSettings.of(cfg.rollout)``): ``transport`` (auto | distributed |
+    colocated | object_store, rollout.weight_transport), ``bucket_bytes`` per flattened bucket (rollout.bucket_mb),
+    ``fp8_block`` (block-fp8 linear weights for engines serving an fp8 export; None: as trained) and the weight
+    groups' ``timeout``."""
+
+    transport: str = "auto"
+    bucket_bytes: int = 512 << 20
+    fp8_block: Optional[tuple[int, int]] = None
+    timeout: timedelta = DEFAULT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if self.transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight transport {self.transport!r}: choose one of {WEIGHT_TRANSPORTS}")
+
+    @classmethod
+    def of(cls, rollout) -> "SyncSettings":
+        """The settings of config section ``rollout`` (weight_transport, bucket_mb, fp8_weights)."""
+        return cls(
+            transport=rollout.weight_transport,
+            bucket_bytes=rollout.bucket_mb << 20,
+            fp8_block=(128, 128) if rollout.fp8_weights else None,
+        )
 
 
 class WeightSync:
@@ -63,21 +89,18 @@ class WeightSync:
         chunks: Sequence[torch.nn.Module],
         table: Sequence[ParamMap],
         engines: Any = None,
-        transport: str = "auto",
-        bucket_bytes: int = 512 << 20,
-        fp8_block: Optional[tuple[int, int]] = None,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        settings: SyncSettings = SyncSettings(),
     ):
-        if transport not in WEIGHT_TRANSPORTS:
-            raise ValueError(f"weight transport {transport!r}: choose one of {WEIGHT_TRANSPORTS}")
+        transport = settings.transport
         if trainer_rank() == 0 and transport in ("distributed", "colocated") and isinstance(engines, (list, tuple)):
             raise ValueError(
                 f"weight transport {transport!r} needs engine actors (a RolloutManager); in-process "
                 "engines take transport='object_store'"
             )
         self.chunks, self.table, self.engines, self.requested = list(chunks), list(table), engines, transport
-        self.bucket_bytes, self.timeout = int(bucket_bytes), timeout
-        self.transform = fp8_transform(table, fp8_block) if fp8_block else plain_hf
+        self.settings = settings
+        self.bucket_bytes, self.timeout = int(settings.bucket_bytes), settings.timeout
+        self.transform = fp8_transform(table, settings.fp8_block) if settings.fp8_block else plain_hf
         self.plan: Optional[SyncPlan] = None
         self.transport: Any = None
         self.transport_name = ""
@@ -216,12 +239,10 @@ def sync_weights(
     table: Sequence[ParamMap],
     engines: Any,
     version: int,
-    bucket_bytes: int = 512 << 20,
-    fp8_block: Optional[tuple[int, int]] = None,
-    transport: str = "object_store",
+    settings: SyncSettings = SyncSettings(transport="object_store"),
 ) -> dict[str, float]:
     """One push without keeping the plan (collective): ``WeightSync(...).push(version)``."""
-    sync = WeightSync(chunks, table, engines, transport, bucket_bytes, fp8_block)
+    sync = WeightSync(chunks, table, engines, settings)
     try:
         return sync.push(version)
     finally:

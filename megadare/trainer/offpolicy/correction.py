@@ -33,6 +33,9 @@ import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
+from megadare.errors import ConfigError
+from megadare.trainer.offpolicy.importance import RolloutIS, rollout_is_weights
+from megadare.trainer.offpolicy.replay import balance_heuristic_weights, variance_guided_scores
 from megadare.trainer.step import outputs_of
 
 Key = tuple[int, int]  # (sample index, slot)
@@ -128,9 +131,6 @@ def correction_weights(
     cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int], versions: set[int]
 ) -> dict[str, float]:
     """Per-slot IS weights into ``is_weight`` (decoupled loss); returns the IS / mixture metrics."""
-    from megadare.trainer.offpolicy.replay import balance_heuristic_weights
-    from megadare.trainer.offpolicy.importance import rollout_is_weights
-
     rl = cfg.rl
     pmis = cfg.replay.enable and cfg.replay.pmis and len(versions) > 1
     ver = sorted(versions) if pmis else []
@@ -141,16 +141,7 @@ def correction_weights(
     old = torch.tensor([sums[k][0] for k in order], dtype=torch.float64)
     behave = torch.tensor([sums[k][1] for k in order], dtype=torch.float64)
     group = torch.tensor([k[0] for k in order])
-    w, _, m = rollout_is_weights(
-        old,
-        behave,
-        group,
-        level=rl.rollout_is or "token",
-        mode=rl.rollout_is_mode,
-        threshold_high=rl.rollout_is_threshold,
-        threshold_low=rl.rollout_is_threshold_low,
-        veto_threshold=rl.rollout_is_veto,
-    )
+    w, _, m = rollout_is_weights(old, behave, group, RolloutIS.of(rl))
     metrics = {f"is/{k}": v for k, v in m.items()}
     if pmis:
         samples = sorted({k[0] for k in order})
@@ -176,8 +167,6 @@ def correction_weights(
 def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float]:
     """{sample: variance-guided score} from the per-slot log ratios l_s^cur - l_s^behave of each sample
     (trainer/offpolicy/replay.py ``variance_guided_scores``; lower = better matched to the current policy)."""
-    from megadare.trainer.offpolicy.replay import variance_guided_scores
-
     sums = gather_slot_sums(micro_batches, lambda mb: [mb.old, mb.behave])
     by: dict[int, list[float]] = {}
     for (s, _), (cur, beh) in sorted(sums.items()):
@@ -192,8 +181,6 @@ def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float
 def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
     """Combinations of rl.mode / rl.loss_mode / rl.rollout_is / rl.behaviour_logp / replay that cannot work,
     named (``ahead``: rollouts queued ahead of training, queue.lookahead)."""
-    from megadare.errors import ConfigError
-
     rl, r = cfg.rl, cfg.rollout
     if ahead > rl.max_staleness:
         raise ConfigError(
@@ -254,21 +241,10 @@ def bypass_rejection(cfg: Config):
     """keep(logp_current, logp_behave) per slot for ``rl.loss_mode=bypass`` with ``rl.rollout_is=token``:
     ``rollout_is_weights`` at token level on the current / behaviour slot estimates (mask mode rejects outside
     the thresholds, truncate mode keeps everything but vetoed slots)."""
-    from megadare.trainer.offpolicy.importance import rollout_is_weights
-
-    rl = cfg.rl
+    setting = RolloutIS.of(cfg.rl, level="token")
 
     def keep(current: torch.Tensor, behave: torch.Tensor) -> torch.Tensor:
-        return rollout_is_weights(
-            current.detach(),
-            behave.detach(),
-            None,
-            level="token",
-            mode=rl.rollout_is_mode,
-            threshold_high=rl.rollout_is_threshold,
-            threshold_low=rl.rollout_is_threshold_low,
-            veto_threshold=rl.rollout_is_veto,
-        )[1]
+        return rollout_is_weights(current.detach(), behave.detach(), None, setting)[1]
 
     return keep
 

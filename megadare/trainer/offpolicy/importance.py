@@ -85,6 +85,7 @@ Metrics (floats; "units" are elements at ``level="token"``, sequences at ``"sequ
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -95,6 +96,80 @@ IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
 SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: log-ratios are clamped to +-20 before exp
+
+
+@dataclass(frozen=True)
+class RolloutIS:
+    """How rollout importance weights are built (D-ARL's ``algorithm.rollout_is*``, our ``rl.rollout_is*``);
+    checked once when built. ``RolloutIS.of(cfg.rl)`` reads the config section.
+
+    * ``level``: token (w_k = exp(t_k - b_k)), sequence (exp of the sequence's sum, broadcast), geometric (exp of
+      the sequence's mean).
+    * ``mode``: ``truncate`` (TIS): w = min(w, threshold_high); no lower truncation unless ``threshold_low`` is
+      given, in which case w = clamp(w, threshold_low, threshold_high) (AReaL's ``action="clamp"``). ``mask``
+      (MIS / rejection sampling): units with w outside [threshold_low, threshold_high] (bounds inclusive, as
+      verl) get keep = False and weight 0; ``threshold_low`` defaults to 1 / threshold_high. At sequence and
+      geometric level the whole sequence is kept or dropped. ``threshold_high=None``: no upper bound (plain IS).
+      Threshold tests compare log-ratios with log(threshold) in the working dtype, before the log clamp.
+    * ``veto_threshold``: a sequence with any valid token ratio exp(t_k - b_k) < veto_threshold is dropped
+      (keep = False, weight 0), in either mode.
+    * ``log_clamp``: log-ratios are clamped to +-log_clamp before exp (verl's SAFETY_BOUND).
+    """
+
+    level: str = "token"
+    mode: str = "truncate"
+    threshold_high: Optional[float] = 2.0
+    threshold_low: Optional[float] = None
+    veto_threshold: Optional[float] = None
+    log_clamp: float = SAFETY_BOUND
+
+    def __post_init__(self) -> None:
+        if self.level not in IS_LEVELS:
+            raise ValueError(f"rollout_is level={self.level!r} unknown; choose one of {IS_LEVELS}")
+        if self.mode not in IS_MODES:
+            raise ValueError(f"rollout_is mode={self.mode!r} unknown; choose one of {IS_MODES}")
+        high, low = self.threshold_high, self.threshold_low
+        if high is not None and high <= 0:
+            raise ValueError(f"rollout_is threshold_high={high} must be > 0 (or None)")
+        if low is not None and (low < 0 or (high is not None and low > high)):
+            raise ValueError(f"rollout_is threshold_low={low} must lie in [0, threshold_high]")
+        if self.veto_threshold is not None and self.veto_threshold <= 0:
+            raise ValueError(f"rollout_is veto_threshold={self.veto_threshold} must be > 0 (or None)")
+        if self.log_clamp <= 0:
+            raise ValueError(f"rollout_is log_clamp={self.log_clamp} must be > 0")
+
+    @classmethod
+    def of(cls, rl, level: Optional[str] = None) -> "RolloutIS":
+        """The setting of config section ``rl`` (``level`` overrides ``rl.rollout_is``; unset means token)."""
+        return cls(
+            level=level or rl.rollout_is or "token",
+            mode=rl.rollout_is_mode,
+            threshold_high=rl.rollout_is_threshold,
+            threshold_low=rl.rollout_is_threshold_low,
+            veto_threshold=rl.rollout_is_veto,
+        )
+
+
+@dataclass(frozen=True)
+class OffPolicyLoss:
+    """The PPO objective against off-policy rollouts: the ratio clip (``eps_low`` / ``eps_high`` / ``dual_clip``,
+    as ``policy_loss.ppo_clip_loss``), the behaviour weight ``rollout_is`` and, for bypass mode, ``loss_type``
+    (``ppo_clip`` or ``reinforce``). In a loss ``rollout_is.threshold_high=None`` turns the behaviour weight off
+    (only the veto remains; AReaL's ``rejection_sampling=None``), ``float('inf')`` gives the untruncated weight;
+    ``rollout_is.log_clamp`` clamps every log-ratio of the loss (the PPO ratio's too)."""
+
+    eps_low: float = 0.2
+    eps_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    rollout_is: RolloutIS = RolloutIS()
+    loss_type: str = "ppo_clip"
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"bypass loss_type={self.loss_type!r} unknown; choose one of {BYPASS_LOSS_TYPES}")
+
+    def ppo_clip(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ppo_clip_loss(logp, old, adv, self.eps_low, self.eps_high, self.dual_clip, self.rollout_is.log_clamp)
 
 
 def _log_threshold(x: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -133,12 +208,7 @@ def rollout_is_weights(
     target_logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     group_ids: Optional[torch.Tensor] = None,
-    level: str = "token",
-    mode: str = "truncate",
-    threshold_high: Optional[float] = 2.0,
-    threshold_low: Optional[float] = None,
-    log_clamp: float = SAFETY_BOUND,
-    veto_threshold: Optional[float] = None,
+    setting: RolloutIS = RolloutIS(),
     valid: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Importance weights pi_target / mu for off-policy elements: (weights [N], keep [N] bool, metrics).
@@ -146,29 +216,24 @@ def rollout_is_weights(
     Follows verl ``mismatch_helper.py::compute_rollout_importance_weights`` (levels token / sequence / geometric,
     modes truncate / mask, lower threshold defaulting to 1 / upper, per-token veto, +-20 log clamp) and
     ``rollout_corr_helper.py::compute_offpolicy_metrics`` (k3_kl, chi2) -- see the module docstring for the
-    formulas, the metric definitions and the dLLM estimator conditions.
+    formulas, the metric definitions and the dLLM estimator conditions, and ``RolloutIS`` for ``setting``
+    (level, mode, thresholds, veto, log clamp).
 
     * ``target_logp``, ``behaviour_logp``: [N] per-element log-probs (target: pi_theta in bypass mode,
       pi_prox in decoupled mode). Both are detached: the weights never carry a gradient (verl
       ``rollout_corr_math.md`` section 3.2.2: IS changes the measure, it is not optimised).
     * ``group_ids`` [N]: the sequence of each element (any integer labels); None = each element alone.
-    * ``level``: token (w_k = exp(t_k - b_k)), sequence (exp of the sequence's sum, broadcast), geometric (exp of
-      the sequence's mean).
-    * ``mode``: ``truncate`` (TIS): w = min(w, threshold_high); no lower truncation unless ``threshold_low`` is
-      given, in which case w = clamp(w, threshold_low, threshold_high) (AReaL's ``action="clamp"``). ``mask``
-      (MIS / rejection sampling): units with w outside [threshold_low, threshold_high] (bounds inclusive, as
-      verl) get keep = False and weight 0; ``threshold_low`` defaults to 1 / threshold_high. At sequence and
-      geometric level the whole sequence is kept or dropped. ``threshold_high=None``: no upper bound (plain IS).
-      Threshold tests compare log-ratios with log(threshold) in the working dtype, before the log clamp.
-    * ``veto_threshold``: a sequence with any valid token ratio exp(t_k - b_k) < veto_threshold is dropped
-      (keep = False, weight 0), in either mode.
     * ``valid`` [N] bool: padding / unused elements (weight 0, keep False, excluded from sums and metrics).
     Kept elements carry their (possibly truncated) weight, dropped ones weight 0 -- unlike verl, which keeps
     the raw ratio in the weights and drops via the response mask only; multiply by ``weights`` and the rejected
     elements contribute nothing. A NaN log-ratio (e.g. -inf - -inf) rejects its element (its whole sequence at
     sequence / geometric level) instead of propagating.
     """
-    _check_is_args(target_logp, behaviour_logp, level, mode, threshold_high, threshold_low, veto_threshold, log_clamp)
+    if target_logp.shape != behaviour_logp.shape or target_logp.dim() != 1:
+        raise ValueError(
+            f"rollout_is: target {tuple(target_logp.shape)} and behaviour "
+            f"{tuple(behaviour_logp.shape)} log-probs must both be [N]"
+        )
     n = target_logp.shape[0]
     device = target_logp.device
     dtype = torch.promote_types(target_logp.dtype, torch.float32)
@@ -180,50 +245,18 @@ def rollout_is_weights(
             raise ValueError(f"rollout_is: valid has shape {tuple(valid_b.shape)}, expected ({n},)")
         inv, n_groups = _group_index(group_ids, n, device)
         log_r = torch.where(valid_b, t - b, torch.zeros((), dtype=dtype, device=device))  # token log-ratios
-        elem_log = _unit_log_ratios(log_r, valid_b, inv, n_groups, level)
-        raw = torch.exp(elem_log.clamp(-log_clamp, log_clamp))
-        keep, w, truncated = _apply_thresholds(raw, elem_log, valid_b, mode, threshold_high, threshold_low)
+        elem_log = _unit_log_ratios(log_r, valid_b, inv, n_groups, setting.level)
+        raw = torch.exp(elem_log.clamp(-setting.log_clamp, setting.log_clamp))
+        ratios = _LogRatios(t, b, valid_b, inv, n_groups, setting.level, log_r, elem_log, raw)
+        keep, w, truncated = _apply_thresholds(raw, elem_log, valid_b, setting)
         vetoed_seq = torch.zeros(n_groups, dtype=torch.bool, device=device)
-        if veto_threshold is not None:
-            bad = valid_b & (log_r < _log_threshold(veto_threshold, dtype, device))
+        if setting.veto_threshold is not None:
+            bad = valid_b & (log_r < _log_threshold(setting.veto_threshold, dtype, device))
             vetoed_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, bad.to(dtype)) > 0
             keep = keep & ~vetoed_seq[inv]
         weights = torch.where(keep, w, torch.zeros((), dtype=dtype, device=device))
-        metrics = _is_metrics(
-            t, b, log_r, elem_log, raw, weights, keep, truncated & keep, valid_b, vetoed_seq, inv, n_groups, level
-        )
+        metrics = ratios.metrics(weights, keep, truncated & keep, vetoed_seq)
     return weights, keep, metrics
-
-
-def _check_is_args(
-    target_logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    level: str,
-    mode: str,
-    threshold_high: Optional[float],
-    threshold_low: Optional[float],
-    veto_threshold: Optional[float],
-    log_clamp: float,
-) -> None:
-    if level not in IS_LEVELS:
-        raise ValueError(f"rollout_is level={level!r} unknown; choose one of {IS_LEVELS}")
-    if mode not in IS_MODES:
-        raise ValueError(f"rollout_is mode={mode!r} unknown; choose one of {IS_MODES}")
-    if target_logp.shape != behaviour_logp.shape or target_logp.dim() != 1:
-        raise ValueError(
-            f"rollout_is: target {tuple(target_logp.shape)} and behaviour "
-            f"{tuple(behaviour_logp.shape)} log-probs must both be [N]"
-        )
-    if threshold_high is not None and threshold_high <= 0:
-        raise ValueError(f"rollout_is threshold_high={threshold_high} must be > 0 (or None)")
-    if threshold_low is not None and (
-        threshold_low < 0 or (threshold_high is not None and threshold_low > threshold_high)
-    ):
-        raise ValueError(f"rollout_is threshold_low={threshold_low} must lie in [0, threshold_high]")
-    if veto_threshold is not None and veto_threshold <= 0:
-        raise ValueError(f"rollout_is veto_threshold={veto_threshold} must be > 0 (or None)")
-    if log_clamp <= 0:
-        raise ValueError(f"rollout_is log_clamp={log_clamp} must be > 0")
 
 
 def _unit_log_ratios(
@@ -241,16 +274,11 @@ def _unit_log_ratios(
 
 
 def _apply_thresholds(
-    raw: torch.Tensor,
-    elem_log: torch.Tensor,
-    valid: torch.Tensor,
-    mode: str,
-    threshold_high: Optional[float],
-    threshold_low: Optional[float],
+    raw: torch.Tensor, elem_log: torch.Tensor, valid: torch.Tensor, setting: RolloutIS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keep, weight, truncated) under truncation (TIS) or masking (MIS); bounds compared in log space."""
     dtype, device = raw.dtype, raw.device
-    low = threshold_low
+    mode, threshold_high, low = setting.mode, setting.threshold_high, setting.threshold_low
     if low is None and mode == "mask":
         low = 1.0 / threshold_high if threshold_high is not None else 0.0
     log_hi = _log_threshold(threshold_high if threshold_high is not None else math.inf, dtype, device)
@@ -269,72 +297,74 @@ def _apply_thresholds(
     return keep, w, truncated
 
 
-def _is_metrics(
-    t, b, log_r, elem_log, raw, weights, keep, truncated, valid, vetoed_seq, inv, n_groups: int, level: str
-) -> dict[str, float]:
-    """The metrics of the module docstring, over units (elements, or one representative per sequence)."""
-    n, dtype, device = t.shape[0], t.dtype, t.device
-    count = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, valid.to(dtype))
-    has_valid = count > 0
-    n_valid = int(valid.sum())
-    ok = valid & ~torch.isnan(log_r)
-    if level == "token":
-        unit_raw, unit_applied = raw[ok], weights[valid]
-    else:
-        # one representative (its first valid element) per sequence that has a valid element
-        rep = torch.full((n_groups,), n, dtype=torch.long, device=device).scatter_reduce(
-            0, inv[valid], torch.arange(n, device=device)[valid], reduce="amin"
-        )[has_valid]
-        unit_raw = raw[rep][~torch.isnan(elem_log[rep])]
-        unit_applied = weights[rep]
-    raw_stats, applied_stats = _stats(unit_raw), _stats(unit_applied)
-    rejected = valid & ~keep
-    rej_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, rejected.to(dtype)) > 0
-    n_seq = int(has_valid.sum())
-    metrics = {f"is_{k}": raw_stats[k] for k in ("mean", "std", "max", "min")}
-    metrics.update(
-        {
-            "ess": raw_stats["ess"],
-            "chi2": raw_stats["chi2"],
-            "k3_kl": float(kl_penalty(b[ok], t[ok], "k3", k3_bound=None).mean()) if bool(ok.any()) else float("nan"),
-            "kl": float((b[ok] - t[ok]).mean()) if bool(ok.any()) else float("nan"),
-            "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
-            "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
-            "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
-            "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
-            "applied_mean": applied_stats["mean"],
-            "applied_ess": applied_stats["ess"],
-        }
-    )
-    return metrics
+@dataclass(frozen=True)
+class _LogRatios:
+    """The log importance ratios of one batch: target ``t`` and behaviour ``b`` log-probs of the ``valid``
+    elements, their sequences (``inv`` into ``n_groups``) and ``level``, the token log-ratios ``log_r``, each
+    element's unit log-ratio ``elem_log`` and its log-clamped, not-yet-truncated weight ``raw``."""
+
+    t: torch.Tensor
+    b: torch.Tensor
+    valid: torch.Tensor
+    inv: torch.Tensor
+    n_groups: int
+    level: str
+    log_r: torch.Tensor
+    elem_log: torch.Tensor
+    raw: torch.Tensor
+
+    def metrics(
+        self, weights: torch.Tensor, keep: torch.Tensor, truncated: torch.Tensor, vetoed_seq: torch.Tensor
+    ) -> dict[str, float]:
+        """The metrics of the module docstring, over units (elements, or one representative per sequence)."""
+        t, b, valid, inv, n_groups, raw = self.t, self.b, self.valid, self.inv, self.n_groups, self.raw
+        n, dtype, device = t.shape[0], t.dtype, t.device
+        count = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, valid.to(dtype))
+        has_valid = count > 0
+        n_valid = int(valid.sum())
+        ok = valid & ~torch.isnan(self.log_r)
+        if self.level == "token":
+            unit_raw, unit_applied = raw[ok], weights[valid]
+        else:
+            # one representative (its first valid element) per sequence that has a valid element
+            rep = torch.full((n_groups,), n, dtype=torch.long, device=device).scatter_reduce(
+                0, inv[valid], torch.arange(n, device=device)[valid], reduce="amin"
+            )[has_valid]
+            unit_raw = raw[rep][~torch.isnan(self.elem_log[rep])]
+            unit_applied = weights[rep]
+        raw_stats, applied_stats = _stats(unit_raw), _stats(unit_applied)
+        rejected = valid & ~keep
+        rej_seq = torch.zeros(n_groups, dtype=dtype, device=device).index_add(0, inv, rejected.to(dtype)) > 0
+        n_seq = int(has_valid.sum())
+        metrics = {f"is_{k}": raw_stats[k] for k in ("mean", "std", "max", "min")}
+        any_ok = bool(ok.any())
+        metrics.update(
+            {
+                "ess": raw_stats["ess"],
+                "chi2": raw_stats["chi2"],
+                "k3_kl": float(kl_penalty(b[ok], t[ok], "k3", k3_bound=None).mean()) if any_ok else float("nan"),
+                "kl": float((b[ok] - t[ok]).mean()) if any_ok else float("nan"),
+                "rejected_fraction": float(rejected.sum()) / max(n_valid, 1),
+                "rejected_seq_fraction": float((rej_seq & has_valid).sum()) / max(n_seq, 1),
+                "truncated_fraction": float(truncated.sum()) / max(n_valid, 1),
+                "veto_fraction": float((vetoed_seq & has_valid).sum()) / max(n_seq, 1),
+                "applied_mean": applied_stats["mean"],
+                "applied_ess": applied_stats["ess"],
+            }
+        )
+        return metrics
 
 
 def _weights_or_identity(
-    target_logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    group_ids: Optional[torch.Tensor],
-    level: str,
-    mode: str,
-    threshold: Optional[float],
-    threshold_low: Optional[float],
-    log_clamp: float,
-    veto_threshold: Optional[float],
+    target_logp: torch.Tensor, behaviour_logp: torch.Tensor, group_ids: Optional[torch.Tensor], setting: RolloutIS
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(detached IS weights, keep mask) of ``rollout_is_weights``, or (ones, all kept) when neither a threshold nor
-    a veto is set; ``threshold=None`` with a veto means no cap (only the veto)."""
-    if threshold is None and veto_threshold is None:
+    a veto is set; ``threshold_high=None`` with a veto means no cap (only the veto)."""
+    if setting.threshold_high is None and setting.veto_threshold is None:
         return torch.ones_like(target_logp).detach(), torch.ones_like(target_logp, dtype=torch.bool)
-    w, keep, _ = rollout_is_weights(
-        target_logp,
-        behaviour_logp,
-        group_ids,
-        level=level,
-        mode=mode,
-        threshold_high=threshold if threshold is not None else math.inf,
-        threshold_low=threshold_low,
-        log_clamp=log_clamp,
-        veto_threshold=veto_threshold,
-    )
+    if setting.threshold_high is None:
+        setting = replace(setting, threshold_high=math.inf)
+    w, keep, _ = rollout_is_weights(target_logp, behaviour_logp, group_ids, setting)
     return w, keep
 
 
@@ -343,17 +373,8 @@ def decoupled_ppo_loss(
     proximal_logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     adv: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: Optional[float] = None,
-    is_threshold: Optional[float] = 2.0,
-    *,
-    is_mode: str = "truncate",
-    is_threshold_low: Optional[float] = None,
-    is_level: str = "token",
+    loss: OffPolicyLoss = OffPolicyLoss(),
     group_ids: Optional[torch.Tensor] = None,
-    veto_threshold: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    log_ratio_clamp: float = SAFETY_BOUND,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO (Hilton et al., arXiv:2110.00641; AReaL arXiv:2505.24298): (per-element loss, parts).
 
@@ -362,13 +383,13 @@ def decoupled_ppo_loss(
 
     Followed: AReaL ``areal/utils/functional/functional.py::ppo_actor_loss_fn`` (``logprobs`` = logp,
     ``proximal_logprobs`` = proximal, ``old_logprobs`` = behaviour; the behaviour weight comes from
-    ``apply_rejection_sampling``: ``action="clamp"`` is ``is_mode="truncate"``, ``action="mask"`` is
-    ``is_mode="mask"``) and verl's decoupled mode (``docs/algo/rollout_corr_math.md`` 3.1.1: IS on
+    ``apply_rejection_sampling``: ``action="clamp"`` is ``mode="truncate"``, ``action="mask"`` is
+    ``mode="mask"``) and verl's decoupled mode (``docs/algo/rollout_corr_math.md`` 3.1.1: IS on
     rollout -> old, PPO clip on old -> current). The PPO part is ``policy_loss.ppo_clip_loss`` (same
     ``eps_high`` / ``dual_clip`` / log-ratio clamp), multiplied by w; w is built by ``rollout_is_weights`` on
-    (proximal, behaviour) with ``is_level`` / ``group_ids`` / ``veto_threshold``. ``is_threshold=None`` turns
-    the behaviour weight off (w = 1, or 0 on vetoed sequences; AReaL's ``rejection_sampling=None``);
-    ``float('inf')`` gives the untruncated weight.
+    (proximal, behaviour) with ``loss.rollout_is`` (level, mode, thresholds, veto) and ``group_ids``.
+    ``loss.rollout_is.threshold_high=None`` turns the behaviour weight off (w = 1, or 0 on vetoed sequences;
+    AReaL's ``rejection_sampling=None``); ``float('inf')`` gives the untruncated weight.
 
     Returns the per-element loss (aggregate it with the slot weights, as ``SlotObjective`` does: rejected
     elements add 0 to the numerator and stay in the denominator, AReaL's choice; verl's ``agg_loss`` divides by
@@ -379,68 +400,47 @@ def decoupled_ppo_loss(
     if not (logp.shape == proximal_logp.shape == behaviour_logp.shape == adv.shape):
         raise ValueError("decoupled_ppo_loss: logp, proximal_logp, behaviour_logp and adv must have one shape")
     prox = proximal_logp.detach()
-    loss, clipped = ppo_clip_loss(logp, prox, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
-    w, keep = _weights_or_identity(
-        prox,
-        behaviour_logp,
-        group_ids,
-        is_level,
-        is_mode,
-        is_threshold,
-        is_threshold_low,
-        log_ratio_clamp,
-        veto_threshold,
-    )
-    w = keep.to(loss.dtype) if is_threshold is None else w.to(loss.dtype)  # None: only the veto
-    ratio = torch.exp((logp.detach() - prox).clamp(-log_ratio_clamp, log_ratio_clamp))
-    return w * loss, {"clipped": clipped, "behave_weight": w, "behave_keep": keep.to(loss.dtype), "ppo_ratio": ratio}
+    per_elem, clipped = loss.ppo_clip(logp, prox, adv)
+    w, keep = _weights_or_identity(prox, behaviour_logp, group_ids, loss.rollout_is)
+    only_veto = loss.rollout_is.threshold_high is None
+    w = keep.to(per_elem.dtype) if only_veto else w.to(per_elem.dtype)  # None: only the veto
+    clamp = loss.rollout_is.log_clamp
+    ratio = torch.exp((logp.detach() - prox).clamp(-clamp, clamp))
+    parts = {"clipped": clipped, "behave_weight": w, "behave_keep": keep.to(per_elem.dtype), "ppo_ratio": ratio}
+    return w * per_elem, parts
 
 
 def bypass_ppo_loss(
     logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
     adv: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: Optional[float] = None,
-    *,
-    loss_type: str = "ppo_clip",
-    is_threshold: Optional[float] = 2.0,
-    is_mode: str = "truncate",
-    is_threshold_low: Optional[float] = None,
-    is_level: str = "token",
+    loss: OffPolicyLoss = OffPolicyLoss(),
     group_ids: Optional[torch.Tensor] = None,
-    veto_threshold: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    log_ratio_clamp: float = SAFETY_BOUND,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode (verl ``core_algos.py::compute_policy_loss_bypass_mode``): pi_prox := mu, one ratio against
     the behaviour policy, no proximal forward. (per-element loss, parts).
 
-    * ``loss_type="ppo_clip"`` (verl's default): L = -keep * min(r A, clip(r) A), r = exp(logp - behave)
+    * ``loss.loss_type="ppo_clip"`` (verl's default): L = -keep * min(r A, clip(r) A), r = exp(logp - behave)
       (``ppo_clip_loss``). No IS weight is applied -- the PPO ratio already is pi_theta / mu, applying w too
-      would double-count (verl comment) -- but the rejection mask is: with ``is_mode="mask"`` (and/or a veto)
+      would double-count (verl comment) -- but the rejection mask is: with ``mode="mask"`` (and/or a veto)
       elements whose ratio pi_theta / mu falls outside the bounds get keep = False (verl's RS via the response
-      mask). ``is_mode="truncate"`` leaves keep = True except for vetoed sequences.
-    * ``loss_type="reinforce"`` (``compute_policy_loss_reinforce``): L = -sg(w) * logp * A with
+      mask). ``mode="truncate"`` leaves keep = True except for vetoed sequences.
+    * ``loss.loss_type="reinforce"`` (``compute_policy_loss_reinforce``): L = -sg(w) * logp * A with
       w = rollout_is_weights(logp, behave) (truncated, or masked with rejected elements at 0).
 
-    ``is_threshold=None``: no weight / no rejection (plain PPO against mu, or plain REINFORCE). Equals
-    ``decoupled_ppo_loss`` with proximal = behaviour (then w_prox = 1) for ``ppo_clip`` with truncate mode.
-    Parts: ``clipped`` (ppo_clip only), ``is_weight``, ``keep`` (detached, per element).
+    ``loss.rollout_is.threshold_high=None``: no weight / no rejection (plain PPO against mu, or plain
+    REINFORCE). Equals ``decoupled_ppo_loss`` with proximal = behaviour (then w_prox = 1) for ``ppo_clip`` with
+    truncate mode. Parts: ``clipped`` (ppo_clip only), ``is_weight``, ``keep`` (detached, per element).
     """
-    if loss_type not in BYPASS_LOSS_TYPES:
-        raise ValueError(f"bypass loss_type={loss_type!r} unknown; choose one of {BYPASS_LOSS_TYPES}")
     if not (logp.shape == behaviour_logp.shape == adv.shape):
         raise ValueError("bypass_ppo_loss: logp, behaviour_logp and adv must have one shape")
     behave = behaviour_logp.detach()
-    w, keep = _weights_or_identity(
-        logp, behave, group_ids, is_level, is_mode, is_threshold, is_threshold_low, log_ratio_clamp, veto_threshold
-    )
+    w, keep = _weights_or_identity(logp, behave, group_ids, loss.rollout_is)
     w = w.to(logp.dtype)
     keep_f = keep.to(logp.dtype)
-    if loss_type == "ppo_clip":
-        loss, clipped = ppo_clip_loss(logp, behave, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
-        return keep_f * loss, {"clipped": clipped, "is_weight": w, "keep": keep_f}
-    if is_threshold is None:
+    if loss.loss_type == "ppo_clip":
+        per_elem, clipped = loss.ppo_clip(logp, behave, adv)
+        return keep_f * per_elem, {"clipped": clipped, "is_weight": w, "keep": keep_f}
+    if loss.rollout_is.threshold_high is None:
         w = keep_f  # no IS weight, only the veto
     return -w * logp * adv, {"is_weight": w, "keep": keep_f}

@@ -74,6 +74,62 @@ LEVELS = ("sample", "group", "version")
 STATE_FORMAT = 1
 
 
+@dataclass(frozen=True)
+class ReplayRule:
+    """How ``ReplayBuffer.select`` picks among the scored candidates (``ReplayRule.of(cfg.replay)``): pooling
+    ``level`` (sample | group | version), ``temperature`` (0: lowest score first, else Gumbel top-k),
+    ``max_score`` (units above it are never taken), ``max_staleness`` (older candidates are not considered),
+    ``drop_degenerate_groups`` (groups whose rewards are all equal) and ``consume`` (remove what is selected)."""
+
+    level: str = "sample"
+    temperature: float = 0.0
+    max_score: Optional[float] = None
+    max_staleness: Optional[int] = None
+    drop_degenerate_groups: bool = False
+    consume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"level={self.level!r} unknown; choose one of {LEVELS}")
+
+    @classmethod
+    def of(cls, replay) -> "ReplayRule":
+        """The rule of config section ``replay`` (replay.level, replay.max_score)."""
+        return cls(level=replay.level, max_score=replay.max_score)
+
+
+@dataclass(frozen=True)
+class ReplayMatch:
+    """How well each replay candidate matches the current policy, from exactly one of: ``log_ratios`` (per
+    candidate, the 1-D per-token log pi - log mu_v; scored with ``variance_guided_scores(kind, log_clamp)``),
+    ``scores`` ([N], lower = better matched) or ``score_fn(samples) -> [N]``."""
+
+    log_ratios: Optional[Sequence[torch.Tensor]] = None
+    scores: Optional[torch.Tensor] = None
+    score_fn: Optional[Callable[[list], torch.Tensor]] = None
+    kind: str = "token_chi2"
+    log_clamp: float = 20.0
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.log_ratios, self.scores, self.score_fn)) != 1:
+            raise ValueError("select needs exactly one of log_ratios, scores, score_fn")
+
+    def scores_of(self, cands: list) -> torch.Tensor:
+        """[N] float64 match scores of the candidates (lower = better matched), from whichever input was given."""
+        N = len(cands)
+        if self.log_ratios is not None:
+            if len(self.log_ratios) != N:
+                raise ValueError(f"{len(self.log_ratios)} log-ratio rows for {N} candidates (see ReplayBuffer.entries)")
+            s = variance_guided_scores(self.log_ratios, kind=self.kind, log_clamp=self.log_clamp)
+        elif self.scores is not None:
+            s = torch.as_tensor(self.scores, dtype=torch.float64).flatten()
+        else:
+            s = torch.as_tensor(self.score_fn([e.sample for e in cands]), dtype=torch.float64).flatten()
+        if s.numel() != N:
+            raise ValueError(f"{s.numel()} scores for {N} candidates")
+        return s.to(torch.float64)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the buffer
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,52 +317,37 @@ class ReplayBuffer:
         self,
         n: int,
         current_version: int,
-        *,
-        log_ratios: Optional[Sequence[torch.Tensor]] = None,
-        scores: Optional[torch.Tensor] = None,
-        score_fn: Optional[Callable[[list], torch.Tensor]] = None,
+        match: ReplayMatch,
+        rule: ReplayRule = ReplayRule(),
         generator: Optional[torch.Generator] = None,
-        kind: str = "token_chi2",
-        level: str = "sample",
-        temperature: float = 0.0,
-        max_score: Optional[float] = None,
-        max_staleness: Optional[int] = None,
-        drop_degenerate_groups: bool = False,
-        consume: bool = False,
-        log_clamp: float = 20.0,
     ) -> ReplaySelection:
         """Pick up to ``n`` replayed samples whose behaviour distribution best matches the current policy.
 
-        The candidates are ``entries(current_version, max_staleness)`` in that order; their match is given by
-        exactly one of: ``log_ratios`` (per candidate, the 1-D per-token log pi - log mu_v; scored with
-        ``variance_guided_scores(kind)``), ``scores`` ([N], lower = better matched) or ``score_fn(samples) ->
-        [N]``. ``level='group'`` pools scores by prompt group (key (version, sample.group), the group mean) and
+        The candidates are ``entries(current_version, rule.max_staleness)`` in that order; ``match`` scores them
+        (``ReplayMatch``: per-candidate log-ratios, scores or a score function; lower = better matched).
+        ``rule.level='group'`` pools scores by prompt group (key (version, sample.group), the group mean) and
         keeps groups whole; ``level='version'`` pools per behaviour version. Pooled units are taken lowest score
-        first (``temperature == 0``; ties broken by a ``generator`` permutation) or Gumbel-top-k with logits
+        first (``rule.temperature == 0``; ties broken by a ``generator`` permutation) or Gumbel-top-k with logits
         -score/temperature, until ``n`` samples are filled (a whole group/version that would overflow ``n`` is
-        skipped in favour of later ones that fit). Units with score > ``max_score`` (or a non-finite score) are
-        never taken, so fewer than ``n`` may come back. ``drop_degenerate_groups`` removes groups whose rewards
-        are all equal. ``consume`` removes the selected samples from the buffer. Deterministic given
+        skipped in favour of later ones that fit). Units with score > ``rule.max_score`` (or a non-finite score)
+        are never taken, so fewer than ``n`` may come back. ``rule.drop_degenerate_groups`` removes groups whose
+        rewards are all equal. ``rule.consume`` removes the selected samples from the buffer. Deterministic given
         ``generator`` (and the buffer's contents).
         """
-        if level not in LEVELS:
-            raise ValueError(f"level={level!r} unknown; choose one of {LEVELS}")
-        if sum(x is not None for x in (log_ratios, scores, score_fn)) != 1:
-            raise ValueError("select needs exactly one of log_ratios, scores, score_fn")
         if n < 0:
             raise ValueError(f"n={n} must be >= 0")
-        cands = self.entries(current_version, max_staleness)
+        cands = self.entries(current_version, rule.max_staleness)
         if any(current_version < e.version for e in cands):
             raise ValueError(f"current_version={current_version} is older than a stored sample")
-        s = _candidate_scores(cands, log_ratios, scores, score_fn, kind, log_clamp)
-        units, u_score = _scored_units(cands, s, level, drop_degenerate_groups, max_score)
-        chosen, pooled = _fill(units, u_score, _order(u_score, temperature, generator), n)
+        s = match.scores_of(cands)
+        units, u_score = _scored_units(cands, s, rule.level, rule.drop_degenerate_groups, rule.max_score)
+        chosen, pooled = _fill(units, u_score, _order(u_score, rule.temperature, generator), n)
         picked = [cands[i] for i in chosen]
         for e in picked:
             e.uses += 1
         self.n_selected += len(picked)
         self.n_select_calls += 1
-        if consume:
+        if rule.consume:
             self.remove(e.uid for e in picked)
         versions = torch.tensor([e.version for e in picked], dtype=torch.long)
         return ReplaySelection(
@@ -626,6 +667,8 @@ __all__ = [
     "ReplayBuffer",
     "ReplayEntry",
     "ReplaySelection",
+    "ReplayRule",
+    "ReplayMatch",
     "SCORES",
     "LEVELS",
     "sample_version",
@@ -639,22 +682,6 @@ __all__ = [
     "per_version_loss_weights",
     "mixture_estimate",
 ]
-
-
-def _candidate_scores(cands: list, log_ratios, scores, score_fn, kind: str, log_clamp: float) -> torch.Tensor:
-    """[N] float64 match scores of the candidates (lower = better matched), from whichever input was given."""
-    N = len(cands)
-    if log_ratios is not None:
-        if len(log_ratios) != N:
-            raise ValueError(f"{len(log_ratios)} log-ratio rows for {N} candidates (see ReplayBuffer.entries)")
-        s = variance_guided_scores(log_ratios, kind=kind, log_clamp=log_clamp)
-    elif scores is not None:
-        s = torch.as_tensor(scores, dtype=torch.float64).flatten()
-    else:
-        s = torch.as_tensor(score_fn([e.sample for e in cands]), dtype=torch.float64).flatten()
-    if s.numel() != N:
-        raise ValueError(f"{s.numel()} scores for {N} candidates")
-    return s.to(torch.float64)
 
 
 def _scored_units(
