@@ -1,7 +1,7 @@
 """Run one untrusted Python program with limits: the execution layer of the code rewards.
 
-``run_program(code, stdin)`` starts ``sys.executable -I -S -B`` (isolated mode, stdlib only unless
-``allow_site_packages``) in a fresh subprocess, in its own session (``start_new_session=True``), and returns a
+``run_program(code, stdin, limits)`` starts ``sys.executable -I -S -B`` (isolated mode, stdlib only unless
+``limits.allow_site_packages``; :class:`SandboxLimits`: time, memory, processes, output, files, isolation) in a fresh subprocess, in its own session (``start_new_session=True``), and returns a
 :class:`SandboxResult`. The program and its tests reach the child as unlinked files (never as files it could
 read back: tests read by the program would let it print their answers); stdin is a sealed memfd (readable, never
 writable: no file of the trainer's changes, and the program gets no executable file it could fill). Two isolations
@@ -57,6 +57,12 @@ raises instead of returning. Known gaps of ``process`` mode: the program keeps u
 the trainer's user can; C-level writes outside the temp dir go through (and a ``str`` subclass shows the hook's path
 checks another path than the syscall uses), so no file of the trainer's user is safe and a test verdict can be
 forged; children that call ``setsid`` outlive the run.
+
+The files: this one is the run API (limits, result, isolation mode, verdict); :mod:`.sandbox_start` the program's
+inputs, the jail's plan and the child's start; :mod:`.sandbox_kernel` the layers set between fork and exec
+(rlimits, seccomp, ``oom_score_adj``, ``process`` isolation's namespace and capabilities); :mod:`.sandbox_output`
+reading the output under its cap and deadline, killing the group, reaping; :mod:`.sandbox_child` and
+:mod:`.sandbox_jail` run inside the child.
 """
 
 from __future__ import annotations
@@ -77,7 +83,16 @@ from megadare.rewards.sandbox_kernel import rlimits, seccomp_denies_processes
 from megadare.rewards.sandbox_output import SETUP_LIMIT_S, Collected, collect, drain, reap
 from megadare.rewards.sandbox_start import refused, required_layers, sealed, start_child, unlinked
 
-__all__ = ["SandboxResult", "run_program", "OUTPUT_LIMIT", "STATUSES", "ISOLATIONS", "set_isolation", "check_isolation"]
+__all__ = [
+    "SandboxResult",
+    "SandboxLimits",
+    "run_program",
+    "OUTPUT_LIMIT",
+    "STATUSES",
+    "ISOLATIONS",
+    "set_isolation",
+    "check_isolation",
+]
 
 OUTPUT_LIMIT = 1 << 20  # bytes of stdout + stderr kept; beyond it the program is killed
 STATUSES = ("ok", "error", "timeout", "memory", "refused")
@@ -123,7 +138,7 @@ def set_isolation(mode: str) -> None:
 def check_isolation(mode: Optional[str] = None) -> Tuple[str, ...]:
     """Run a trivial program under ``mode`` (default: the configured one): the layers it got. Raises
     :class:`SandboxUnavailable` where the kernel refuses the namespaces (a pre-flight check)."""
-    r = run_program("print('ok')", timeout_s=30, isolation=mode)
+    r = run_program("print('ok')", limits=SandboxLimits(timeout_s=30, isolation=mode))
     if r.stdout != "ok\n":
         raise RuntimeError(f"sandbox: a trivial program failed ({r.status}): {r.stderr[-500:]}")
     return r.protections
@@ -155,75 +170,91 @@ def _classify(rc: Optional[int], timed_out: bool, truncated: bool, stderr: str, 
     return "error"
 
 
+@dataclass(frozen=True)
+class SandboxLimits:
+    """What one sandboxed run may use, and how it is isolated.
+
+    Time: ``timeout_s`` (wall clock, counted from when the program starts: the sandbox's own start does not eat
+    it), ``cpu_s`` (RLIMIT_CPU; default ``timeout_s + 1``). Memory: ``memory_mb`` (RLIMIT_AS). Processes:
+    ``max_processes`` counts the program itself: 1 (default) forbids child processes; more allows that many
+    (audit-hook counter, plus RLIMIT_NPROC when not root). Output: ``output_limit`` bytes of stdout + stderr (beyond
+    it the program is killed). Files: ``file_size_mb`` (RLIMIT_FSIZE; the private tmpfs holds 4x that, at least 64
+    MiB), ``max_open_files`` (RLIMIT_NOFILE). Isolation: ``isolation`` "namespaces" | "process" (default: the one
+    :func:`set_isolation` set); ``audit_hook=False`` leaves only the OS layers: for testing them, never for real
+    use; ``allow_site_packages`` shows the interpreter's site-packages (else stdlib only); ``preload``: modules
+    imported before the audit hook is installed (trusted packages the tests need whose import the hook would
+    refuse: numpy loads ctypes).
+    """
+
+    timeout_s: float = 5.0
+    memory_mb: int = 512
+    max_processes: int = 1
+    cpu_s: Optional[float] = None
+    output_limit: int = OUTPUT_LIMIT
+    file_size_mb: int = 16
+    max_open_files: int = 256
+    isolation: Optional[str] = None
+    audit_hook: bool = True
+    allow_site_packages: bool = False
+    preload: Sequence[str] = ()
+
+    @property
+    def cpu(self) -> int:
+        """RLIMIT_CPU in whole seconds."""
+        return max(1, math.ceil(self.cpu_s if self.cpu_s is not None else self.timeout_s + 1))
+
+
 def run_program(
-    code: str,
-    stdin: str = "",
-    timeout_s: float = 5.0,
-    memory_mb: int = 512,
-    max_processes: int = 1,
-    cpu_s: Optional[float] = None,
-    *,
-    tests: Optional[str] = None,
-    preload: Sequence[str] = (),
-    output_limit: int = OUTPUT_LIMIT,
-    file_size_mb: int = 16,
-    max_open_files: int = 256,
-    allow_site_packages: bool = False,
-    audit_hook: bool = True,
-    isolation: Optional[str] = None,
+    code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *, tests: Optional[str] = None
 ) -> SandboxResult:
-    """Run the Python program ``code`` with ``stdin`` in a fresh sandbox (see the module docstring).
+    """Run the Python program ``code`` with ``stdin`` in a fresh sandbox (see the module docstring) under
+    ``limits`` (:class:`SandboxLimits`).
 
     ``tests``: Python test code run after the program, in test mode (:mod:`.sandbox_child`); the result's
     ``tests_passed`` is True only when the tests ran to their end (proven with a one-time token), never from the
-    exit status or the output alone. ``preload``: modules imported before the audit hook is installed (trusted
-    packages the tests need whose import the hook would refuse: numpy loads ctypes). ``max_processes`` counts
-    the program itself: 1 (default) forbids child processes; more allows that many (audit-hook counter, plus
-    RLIMIT_NPROC when not root). ``cpu_s`` defaults to ``timeout_s + 1``. ``audit_hook=False`` leaves only the OS
-    layers: for testing them, never for real use. ``isolation``: "namespaces" | "process" (default: the one
-    :func:`set_isolation` set). Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
+    exit status or the output alone. Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
     RuntimeError when the sandbox itself cannot start (neither is a verdict on the program).
     """
-    mode = _checked_mode(tests is not None, audit_hook, preload, isolation)
+    mode = _checked_mode(tests is not None, limits)
     t0 = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
     fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())  # report, token, proof (read, write each)
     token = secrets.token_hex(16).encode()
     try:
         os.write(fds[3], token)
-        cpu = max(1, math.ceil(cpu_s if cpu_s is not None else timeout_s + 1))
+        lim, cpu = limits, limits.cpu
         with unlinked(code) as code_f, unlinked(tests) as tests_f, sealed(stdin) as stdin_f:
             boot = [
                 fds[1],
                 code_f.fileno(),
                 tests_f.fileno() if tests_f else -1,
                 workdir,
-                max(0, max_processes - 1),
-                int(audit_hook),
+                max(0, lim.max_processes - 1),
+                int(lim.audit_hook),
                 fds[2],
                 fds[5],
-                ",".join(preload),
+                ",".join(lim.preload),
             ]
             proc = start_child(
                 mode,
                 boot,
                 stdin_f,
-                allow_site_packages,
-                rlimits(memory_mb, cpu, file_size_mb, max_open_files, max_processes, os.geteuid() == 0),
-                file_size_mb,
+                lim.allow_site_packages,
+                rlimits(lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, os.geteuid() == 0),
+                lim.file_size_mb,
             )
         for k in (1, 2, 3, 5):  # the child's ends, and the token (written)
             os.close(fds[k])
             fds[k] = -1
-        got = collect(proc, timeout_s, output_limit, fds[0])
+        got = collect(proc, lim.timeout_s, lim.output_limit, fds[0])
         rc, cpu_used = reap(proc)
-        _check_report(mode, got, max_processes)
+        _check_report(mode, got, lim.max_processes)
         stdout = got.stdout.decode("utf-8", errors="replace")
         stderr = got.stderr.decode("utf-8", errors="replace")
         if got.truncated:
-            stderr += f"\n[sandbox] output over {output_limit} bytes; program killed"
+            stderr += f"\n[sandbox] output over {lim.output_limit} bytes; program killed"
         if got.timed_out:
-            stderr += f"\n[sandbox] wall-clock timeout after {timeout_s:g}s; process group killed"
+            stderr += f"\n[sandbox] wall-clock timeout after {lim.timeout_s:g}s; process group killed"
         status = _classify(rc, got.timed_out, got.truncated, stderr, cpu_used >= cpu)
         passed = None if tests is None else (status == "ok" and drain(fds[4]) == token)
         protections = ("new_session", "scrubbed_env", "wall_timeout", "output_cap", "fresh_tmpdir", *got.report)
@@ -237,9 +268,10 @@ def run_program(
         _rmtree(workdir)
 
 
-def _checked_mode(test_mode: bool, audit_hook: bool, preload: Sequence[str], isolation: Optional[str]) -> str:
+def _checked_mode(test_mode: bool, limits: SandboxLimits) -> str:
     """run_program's arguments checked; the isolation mode it runs in."""
-    if test_mode and not audit_hook:
+    preload, isolation = limits.preload, limits.isolation
+    if test_mode and not limits.audit_hook:
         raise ValueError("test mode needs the audit hook (it carries the proof that the tests ran)")
     if not all(re.fullmatch(r"[A-Za-z_][\w.]*", m) for m in preload):
         raise ValueError(f"preload={list(preload)!r}: module names only")
