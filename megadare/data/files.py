@@ -83,6 +83,15 @@ def as_paths(value: Union[None, str, Sequence[str]], key: str = "data.path") -> 
     raise DataError(f"{key}={value!r}: give a file or a list of files (e.g. {key}=[math.parquet,gsm8k.parquet])")
 
 
+RecordSource = Union[str, Sequence[str]]  # a name for all records ("f.jsonl": f.jsonl:1, ...), or one per record
+
+
+def row_name(source: RecordSource, n: int) -> str:
+    """What errors call record ``n`` (1-based): ``source[n - 1]`` when ``source`` names each record (``file:row``,
+    as :func:`load_many` gives them), else ``source:n``."""
+    return f"{source}:{n}" if isinstance(source, str) else source[n - 1]
+
+
 def load_many(paths: Union[str, Sequence[str]], key: str = "data.path") -> list[tuple[str, dict]]:
     """``(location, record)`` of every record of every file, in the order given; an empty file is an error."""
     out: list[tuple[str, dict]] = []

@@ -169,7 +169,7 @@ def inspect_file(
             out(f"rendered prompt ({pairs[0].where}):\n{_rendered(tok, pairs[0].prompt_ids)}")
     if "rl" in views:
         pkey, gkey = rl_keys(rows[0][1])
-        built = _each(rows, lambda w, r: build_prompts([r], tok, "", sources=[w])[0], errors)
+        built = _each(rows, lambda w, r: build_prompts([r], tok, [w])[0], errors)
         prefills = sum(bool(p.prefill) for p in built)
         out(
             f"RL prompts: prompt <- {pkey}"

@@ -28,7 +28,7 @@ from typing import Any
 
 from megadare.config import Config
 from megadare.data.fields import is_verl_row
-from megadare.data.prompt_data import build_prompts
+from megadare.data.prompt_data import PromptRules, build_prompts
 from megadare.errors import ConfigError
 from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megadare.eval.metrics import task_metrics
@@ -98,7 +98,7 @@ def load_task_prompts(spec: TaskSpec, path: str, limit: int | None, style: str, 
     rows = load_rows(path, limit)
     records = [spec.record(raw, where, style) for where, raw in rows]
     answer_key = "answer" if is_verl_row(rows[0][1]) else spec.gold_field
-    return build_prompts(records, tok, path, answer_key=answer_key, sources=[where for where, _ in rows])
+    return build_prompts(records, tok, [where for where, _ in rows], PromptRules(answer_key=answer_key))
 
 
 def generate_samples(
