@@ -197,7 +197,7 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
 
 def _drop_extra_state(sd: dict) -> dict:
     """Drop ``_extra_state`` entries of non-TE layers (always None): converted checkpoints carry none."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject  # heavy: megatron
 
     out = {}
     for k, v in sd.items():
@@ -214,7 +214,7 @@ def save_checkpoint(
     chunks: list[torch.nn.Module], ckpt_dir: str, meta: Optional[dict] = None, hf_files_from: Optional[str] = None
 ) -> str:
     """Save this rank's model chunks (collective). Returns the final directory."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy: megatron
 
     tmp = _tmp(ckpt_dir)
     if _rank() == 0:
@@ -232,7 +232,7 @@ def save_checkpoint(
 
 def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
     """Load a checkpoint saved under any layout into this rank's model chunks (collective)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy: megatron
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     sd = _drop_extra_state(model_sharded_state_dict(chunks))

@@ -102,7 +102,7 @@ class ModelOptMissing(ImportError):
 def require_modelopt() -> tuple[str, Any, Any]:
     """(version, ``modelopt.torch.quantization``, ``modelopt.torch.export.export_hf_checkpoint``)."""
     try:
-        import modelopt
+        import modelopt  # optional: nvidia-modelopt, for fp8 / nvfp4 only
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
     except ImportError as e:

@@ -62,7 +62,7 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
 
 def _load_parquet(path: str) -> list[dict]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: pyarrow, for parquet files only
     except ImportError as e:
         raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
     try:
