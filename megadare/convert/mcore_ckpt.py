@@ -307,8 +307,9 @@ def write_tensors(
     """Write a torch_dist checkpoint from one process; at most ``file_bytes`` (or one tensor) in memory.
 
     shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it. The
-    checkpoint is assembled in a fresh sibling of ``ckpt_dir`` (``meta`` in its megadare.json; ``before_publish(staging)``
-    adds files to it, e.g. :func:`copy_hf_files`) and renamed into place; on any error the sibling is removed and ``ckpt_dir`` is untouched.
+    checkpoint is assembled in a fresh sibling of ``ckpt_dir`` (``meta`` in its megadare.json;
+    ``before_publish(staging)`` adds files to it, e.g. :func:`copy_hf_files`) and renamed into place; on any error
+    the sibling is removed and ``ckpt_dir`` is untouched.
     """
     tmp = staging_dir(ckpt_dir)
     try:

@@ -105,8 +105,8 @@ def build_preference_examples(
 ) -> tuple[list[PreferenceExample], dict]:
     """Tokenized pairs fitted into ``max_len`` (prompt + the longer response): 'truncate' cuts both responses
     (dropping pairs whose prompt fills max_len), 'drop' drops the pair, 'error' raises. Pairs whose chosen and
-    rejected responses are identical are refused (no preference). Errors name ``source[i]`` when ``source`` is a list (else ``source:N``).
-    Returns the pairs and {'records', 'kept', 'dropped'}."""
+    rejected responses are identical are refused (no preference). Errors name ``source[i]`` when ``source`` is a
+    list (else ``source:N``). Returns the pairs and {'records', 'kept', 'dropped'}."""
     if overlong not in OVERLONG_CHOICES:
         raise ValueError(f"overlong={overlong!r} is not one of {', '.join(OVERLONG_CHOICES)}")
     examples: list[PreferenceExample] = []

@@ -1,10 +1,11 @@
 """Run one untrusted Python program with limits: the execution layer of the code rewards.
 
 ``run_program(code, stdin, limits)`` starts ``sys.executable -I -S -B`` (isolated mode, stdlib only unless
-``limits.allow_site_packages``; :class:`SandboxLimits`: time, memory, processes, output, files, isolation) in a fresh subprocess, in its own session (``start_new_session=True``), and returns a
-:class:`SandboxResult`. The program and its tests reach the child as unlinked files (never as files it could
-read back: tests read by the program would let it print their answers); stdin is a sealed memfd (readable, never
-writable: no file of the trainer's changes, and the program gets no executable file it could fill). Two isolations
+``limits.allow_site_packages``; :class:`SandboxLimits`: time, memory, processes, output, files, isolation) in a
+fresh subprocess, in its own session (``start_new_session=True``), and returns a :class:`SandboxResult`. The
+program and its tests reach the child as unlinked files (never as files it could read back: tests read by the
+program would let it print their answers); stdin is a sealed memfd (readable, never writable: no file of the
+trainer's changes, and the program gets no executable file it could fill). Two isolations
 (``rewards.code.isolation``, :func:`set_isolation`):
 
 ``namespaces`` (default): isolation by the operating system (:mod:`.sandbox_jail`, run by the child before any
