@@ -100,6 +100,8 @@ def hf_to_megatron(
     """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming).
     ``layout``: the parallel layout it is checked against and records as its default (any layout loads it).
     ``out_dir`` must be new, empty or a previous Megatron export, outside the source (``outputs``)."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"hf_to_megatron: layout={layout!r} is not a Layout; pass Layout(tp=..., pp=..., ep=...)")
     src = HFSource(hf_dir, dtype)
     check_export_target(out_dir, "megatron", [hf_dir])
     layout.check_model(src.arch)

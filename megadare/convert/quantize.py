@@ -19,9 +19,9 @@ or a Megatron checkpoint written by megadare (converted to HF first, in a tempor
   ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``: the checkpoint an
   SGLang rollout engine starts from when the trainer pushes fp8 weights (``fp8.fp8_rollout_weights``).
 
-Calibration (ModelOpt formats, :class:`Calibration`): each prompt is run as the serving engine sees it, prompt followed by
-``gen_tokens`` mask tokens (the response being denoised), and once more with half of the prompt tokens masked
-(the noised inputs of training), under the family's own attention mask. Only the family's linear layers are
+Calibration (ModelOpt formats, :class:`Calibration`): each prompt is run as the serving engine sees it, prompt
+followed by ``gen_tokens`` mask tokens (the response being denoised), and once more with half of the prompt tokens
+masked (the noised inputs of training), under the family's own attention mask. Only the family's linear layers are
 quantized (``fp8.linear_hf_names``); the LM head, embeddings, norms and routers stay in the source dtype.
 The output is assembled in a fresh sibling of ``out`` and renamed into place, so a crash never leaves a partial
 ``out``; ``out`` must be new, empty or a previous export of the same format, outside the source (convert.outputs).
@@ -130,6 +130,8 @@ def quantize_export(
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantize_export: fmt={fmt!r}; choose one of {', '.join(FORMATS)}")
+    if not isinstance(calib, Calibration):
+        raise TypeError(f"quantize_export: calib={calib!r:.80}; pass Calibration(prompts, gen_tokens=..., device=...)")
     modelopt = require_modelopt() if fmt != "fp8-block" else None  # fail before any conversion work
     src, out = os.fspath(src), os.fspath(out).rstrip(os.sep)
     ckpt = _megatron_source(src)

@@ -271,6 +271,8 @@ def run_program(
 
 def _checked_mode(test_mode: bool, limits: SandboxLimits) -> str:
     """run_program's arguments checked; the isolation mode it runs in."""
+    if not isinstance(limits, SandboxLimits):
+        raise TypeError(f"run_program: limits={limits!r:.80} is not a SandboxLimits; pass SandboxLimits(timeout_s=...)")
     preload, isolation = limits.preload, limits.isolation
     if test_mode and not limits.audit_hook:
         raise ValueError("test mode needs the audit hook (it carries the proof that the tests ran)")
