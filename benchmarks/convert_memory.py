@@ -107,7 +107,8 @@ def main() -> None:
     GiB = 2**30
     rows = []
     peak, base, sec = run_child(
-        "from megadare.convert import hf_to_megatron", f"hf_to_megatron({hf!r}, {ck!r}, tp=2, pp=2, progress=False)"
+        "from megadare.convert import hf_to_megatron; from megadare.parallel.layout import Layout",
+        f"hf_to_megatron({hf!r}, {ck!r}, Layout(tp=2, pp=2), progress=False)",
     )
     rows.append(("hf_to_megatron", peak, base, sec))
     peak, base, sec = run_child(

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--per-round", type=int, default=20)
     a = ap.parse_args()
     from megadare.rewards.code_forms import PREAMBLE
-    from megadare.rewards.sandbox import check_isolation, run_program
+    from megadare.rewards.sandbox import SandboxLimits, check_isolation, run_program
 
     print("namespaces layers:", ", ".join(check_isolation("namespaces")))
     programs = {
@@ -49,7 +49,7 @@ def main() -> None:
                 c0 = _children_cpu()
                 for _ in range(a.per_round):
                     t0 = time.perf_counter()
-                    res = run_program(timeout_s=30, isolation=mode, **kw)
+                    res = run_program(**kw, limits=SandboxLimits(timeout_s=30, isolation=mode))
                     wall[name, mode].append(time.perf_counter() - t0)
                     assert res.status == "ok" and res.tests_passed is not False, res
                 cpu[name, mode].append((_children_cpu() - c0) / a.per_round)

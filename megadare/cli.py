@@ -167,19 +167,12 @@ def _run_rl(cfg, nproc: int) -> int:
 
 def _run_convert(args) -> int:
     from megadare import convert
+    from megadare.parallel.layout import Layout
 
     try:
         if args.direction == "hf-to-megatron":
-            out = convert.hf_to_megatron(
-                args.hf,
-                args.out,
-                tp=args.tp,
-                pp=args.pp,
-                ep=args.ep,
-                vpp=args.vpp,
-                etp=args.etp,
-                dtype=_dtype(args.dtype),
-            )
+            layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, etp=args.etp)
+            out = convert.hf_to_megatron(args.hf, args.out, layout, dtype=_dtype(args.dtype))
         else:
             out = convert.megatron_to_hf(
                 args.ckpt, args.out, dtype=_dtype(args.dtype), max_shard_bytes=int(args.max_shard_gb * 2**30)

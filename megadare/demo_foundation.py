@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from megadare.trainer.verify import megatron_logits, resave
     from megadare.models import get_family, load_hf_model
     from megadare.parallel.launch import spawn
+    from megadare.parallel.layout import Layout
 
     root = a.workdir or tempfile.mkdtemp(prefix="megadare_demo_")
     print(f"megadare demo: working in {root}")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         arch = get_family(name).arch(cfg)
         layout = dict(ep=2) if arch.is_moe else dict(tp=2, sp=True)
         ck = os.path.join(root, "mcore", name)
-        hf_to_megatron(hf_dir, ck, progress=False, **{k: v for k, v in layout.items() if k != "sp"})
+        hf_to_megatron(hf_dir, ck, Layout(**{k: v for k, v in layout.items() if k != "sp"}), progress=False)
         ids = torch.randint(0, arch.vocab_size, (2, a.seq))
         case = {"name": name, "hf_dir": hf_dir, "input_ids": ids}
         res = {}

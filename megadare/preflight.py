@@ -119,8 +119,7 @@ def check_data(command: str, cfg: Config, tok) -> None:
             tok,
             d.max_length,
             d.overlong,
-            source=str(d.path),
-            sources=where,
+            source=where,
             prompt_key=d.prompt_key,
             response_key=d.response_key,
             messages_key=d.messages_key,
@@ -133,7 +132,7 @@ def check_data(command: str, cfg: Config, tok) -> None:
             tok,
             d.max_length,
             d.overlong,
-            sources=where,
+            source=where,
             prompt_key=d.prompt_key,
             chosen_key=cfg.dpo.chosen_key,
             rejected_key=cfg.dpo.rejected_key,
@@ -146,7 +145,7 @@ def check_data(command: str, cfg: Config, tok) -> None:
 
 def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     """RL prompt rows build, fit the prompt budget under data.overlong, and have a reward rule."""
-    from megadare.data.prompt_data import build_prompts
+    from megadare.data.prompt_data import PromptRules, build_prompts
     from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
     from megadare.rewards.registry import auto_rule
     from megadare.trainer.rl_setup import prompt_budget
@@ -157,14 +156,9 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     built = build_prompts(
         [r for _, r in rows],
         tok,
-        "",
-        d.prompt_key,
-        rl.answer_key,
-        d.messages_key,
-        prompt_budget(cfg),
-        sources=[w for w, _ in rows],
+        [w for w, _ in rows],
+        PromptRules.of(d, rl, prompt_budget(cfg)),
         skipped=skipped,
-        overlong=d.overlong,
         overlong_rows=overlong,
     )
     if overlong:

@@ -219,9 +219,10 @@ def test_missing_and_unexpected_tensors_are_named(hf_dirs, tmp_path):
 
 def test_bad_layout_fails_before_writing(hf_dirs, tmp_path):
     from megadare.convert import hf_to_megatron
+    from megadare.parallel.layout import Layout
 
     with pytest.raises(ValueError, match="tp"):
-        hf_to_megatron(hf_dirs["sdar"], str(tmp_path / "ck"), tp=3, progress=False)
+        hf_to_megatron(hf_dirs["sdar"], str(tmp_path / "ck"), Layout(tp=3), progress=False)
     assert not os.path.exists(tmp_path / "ck")
 
 

@@ -22,7 +22,7 @@ from dare_files import (
 from megadare.config import load_config
 from megadare.data.files import DataError, load_many
 from megadare.data.preference_data import load_preference_examples
-from megadare.data.prompt_data import build_prompts, load_rl_prompts
+from megadare.data.prompt_data import PromptRules, build_prompts, load_rl_prompts
 from megadare.data.sft_data import build_sft_examples, record_to_example
 from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
 from megadare.eval.data_inspect import inspect_command
@@ -61,12 +61,15 @@ def test_rl_rows_load_with_no_overrides_from_a_list_of_files(tmp_path):
 def test_dotted_keys_and_their_errors(tmp_path):
     rows = sft_rows(2)
     out = build_prompts(
-        rows, TOK, "mem", prompt_key="extra_info.question", answer_key="reward_model.ground_truth", messages_key="none"
+        rows,
+        TOK,
+        "mem",
+        PromptRules(prompt_key="extra_info.question", answer_key="reward_model.ground_truth", messages_key="none"),
     )
     assert out[1].prompt_ids == TOK.chat_prompt([{"role": "user", "content": rows[1]["extra_info"]["question"]}])
     assert out[1].record["answer"] == "3"
     with pytest.raises(DataError, match=r"mem:1: missing field 'reward_model.truth'"):
-        build_prompts(rows, TOK, "mem", answer_key="reward_model.truth")
+        build_prompts(rows, TOK, "mem", PromptRules(answer_key="reward_model.truth"))
     path = write_parquet(
         tmp_path / "x.parquet", [rl_row("math", "q", "1", 0), {**rl_row("math", "q", "1", 1), "prompt": []}]
     )
@@ -108,7 +111,7 @@ def test_assistant_prefill_is_continued_not_closed(tmp_path):
 def test_sft_and_preference_rows_load(tmp_path):
     f = _files(tmp_path)
     located = load_many(f["sft"])
-    examples, stats = build_sft_examples([r for _, r in located], TOK, 256, sources=[w for w, _ in located])
+    examples, stats = build_sft_examples([r for _, r in located], TOK, 256, source=[w for w, _ in located])
     q, a = sft_rows()[1]["extra_info"]["question"], sft_rows()[1]["extra_info"]["answer"]
     assert stats["kept"] == 3
     assert examples[1].prompt_ids == TOK.chat_prompt([{"role": "user", "content": q}])  # DARE's recipe fields

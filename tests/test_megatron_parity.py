@@ -147,13 +147,14 @@ def test_block_mask_matters(checkpoints):
 def test_roundtrip_hf_megatron_tp2_pp2_ep2_hf_bitwise(name, checkpoints, tmp_path):
     """HF -> converter -> load + save by a TP2 PP2 (EP2 for MoE) sharded model -> converter -> HF: bitwise."""
     from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.parallel.layout import Layout
     from megadare.models.safetensors_io import SafetensorsReader
 
     c = checkpoints[name]
     ck1, ck2, out = str(tmp_path / "ck1"), str(tmp_path / "ck2"), str(tmp_path / "hf_out")
     moe = name in MOE
     layout = dict(tp=2, pp=2, ep=2, etp=1) if moe else dict(tp=2, pp=2)
-    hf_to_megatron(c["hf_dir"], ck1, progress=False, **layout)
+    hf_to_megatron(c["hf_dir"], ck1, Layout(**layout), progress=False)
     run_distributed(resave, 4, layout, c["hf_dir"], ck1, ck2)
     megatron_to_hf(ck2, out, progress=False)
     a, b = SafetensorsReader(c["hf_dir"]), SafetensorsReader(out)

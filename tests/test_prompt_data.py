@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megadare.data.prompt_data import build_prompts, load_rl_prompts, synthetic_split
+from megadare.data.prompt_data import PromptRules, build_prompts, load_rl_prompts, synthetic_split
 from megadare.data.sft_data import DataError, load_records
 from megadare.data.tokenizer import ByteTokenizer
 
@@ -38,7 +38,7 @@ def test_errors_name_file_line_and_field(tmp_path):
     with pytest.raises(DataError, match=r"mem:1: field 'prompt' must be a string or a list of"):
         build_prompts([{"prompt": 3, "answer": "b"}], TOK, "mem")
     with pytest.raises(DataError, match=r"mem:1: prompt has 10 tokens, more than 4"):  # role tokens + 7 + NL
-        build_prompts([{"prompt": "abcdefg", "answer": "b"}], TOK, "mem", max_prompt_length=4)
+        build_prompts([{"prompt": "abcdefg", "answer": "b"}], TOK, "mem", PromptRules(max_prompt_length=4))
 
 
 @pytest.mark.parametrize("task", ["reverse", "addition"])

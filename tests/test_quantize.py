@@ -26,7 +26,7 @@ from megadare.convert.fp8 import (
     quantize_fp8_block,
     quantize_fp8_per_tensor,
 )
-from megadare.convert.quantize import MODELOPT_INSTALL, ModelOptMissing, quantize_export
+from megadare.convert.quantize import MODELOPT_INSTALL, Calibration, ModelOptMissing, quantize_export
 from megadare.models.safetensors_io import SafetensorsReader
 from megadare.models import read_hf_config as read_config
 from tiny import write_tiny_hf
@@ -280,7 +280,7 @@ def test_modelopt_fp8_export_cpu(sdar_dir, tmp_path):
     version = _modelopt_or_skip()[0]
     out = str(tmp_path / "fp8")
     try:
-        quantize_export(sdar_dir, out, fmt="fp8", device="cpu")
+        quantize_export(sdar_dir, out, fmt="fp8", calib=Calibration(device="cpu"))
     except (RuntimeError, AssertionError) as e:
         if "cuda" in str(e).lower():
             pytest.skip(f"modelopt {version}: the FP8 path needs CUDA here ({e})")
@@ -320,7 +320,7 @@ def test_modelopt_fp8_moe_experts_without_tokens_get_scales(tmp_path):
     weight_scale and input_scale."""
     _modelopt_or_skip()
     d = write_tiny_hf(tmp_path, "sdar_moe", 5)
-    out = quantize_export(d, str(tmp_path / "q"), fmt="fp8", calib=[[5]], gen_tokens=0, device="cpu")
+    out = quantize_export(d, str(tmp_path / "q"), fmt="fp8", calib=Calibration([[5]], gen_tokens=0, device="cpu"))
     r = SafetensorsReader(out)
     fp8 = {k for k in r.keys() if r.dtype(k) == torch.float8_e4m3fn}
     assert fp8 == linear_hf_names(read_config(out))

@@ -13,7 +13,7 @@ import pytest
 from megadare.rewards.code import code_reward, extract_code, run_tests
 from megadare.rewards.registry import RewardSpecError, combine, load_reward
 from megadare.rewards.scoring import score_batch
-from megadare.rewards.sandbox import OUTPUT_LIMIT, run_program
+from megadare.rewards.sandbox import OUTPUT_LIMIT, SandboxLimits, run_program
 
 
 def _prog(src: str) -> str:
@@ -101,7 +101,7 @@ def test_wrong_answer_scores_zero_and_partial():
 
 def test_large_stdin_no_deadlock():
     data = "x" * (2 * 2**20)
-    r = run_program("import sys\nprint(len(sys.stdin.read()))", stdin=data, timeout_s=10)
+    r = run_program("import sys\nprint(len(sys.stdin.read()))", stdin=data, limits=SandboxLimits(timeout_s=10))
     assert r.status == "ok" and r.stdout.strip() == str(len(data))
 
 
@@ -115,7 +115,8 @@ def test_infinite_loop_times_out_and_group_is_killed():
             pass
     """)
     t0 = time.monotonic()
-    r = run_program(prog, timeout_s=4.0, max_processes=2)  # room to start and print the child's pid under load
+    # room to start and print the child's pid under load
+    r = run_program(prog, limits=SandboxLimits(timeout_s=4.0, max_processes=2))
     assert time.monotonic() - t0 < 4.0 + 5.0
     assert r.status == "timeout", r
     assert int(r.stdout.split()[0]) > 0  # the grandchild started (its pid in the sandbox's PID namespace)
@@ -128,12 +129,12 @@ def test_infinite_loop_times_out_and_group_is_killed():
 def test_cpu_limit():
     # the CPU limit (1 s) ends it, not the wall deadline: the deadline is far enough that a loaded machine
     # cannot reach it first, and the returncode is the CPU limit's signal
-    r = run_program("while True:\n    pass", timeout_s=300, cpu_s=1)
+    r = run_program("while True:\n    pass", limits=SandboxLimits(timeout_s=300, cpu_s=1))
     assert r.status == "timeout" and r.returncode in (-signal.SIGXCPU, -signal.SIGKILL) and r.wall_s < 300, r
 
 
 def test_huge_allocation_is_stopped():
-    r = run_program("x = bytearray(100 * 2**30)\nprint('allocated')", timeout_s=10)
+    r = run_program("x = bytearray(100 * 2**30)\nprint('allocated')", limits=SandboxLimits(timeout_s=10))
     assert r.status in ("memory", "refused"), r
     assert "allocated" not in r.stdout
 
@@ -141,12 +142,12 @@ def test_huge_allocation_is_stopped():
 def test_fork_bomb_is_refused(layers):
     # never run a fork bomb unless the refusal is in place before the user code starts
     assert "audit_hook" in layers
-    r = run_program("import os\nwhile True:\n    os.fork()", timeout_s=15)
+    r = run_program("import os\nwhile True:\n    os.fork()", limits=SandboxLimits(timeout_s=15))
     assert r.status == "refused", r  # ended by the refusal, not by the deadline
     assert _group_members(r.pgid) == []  # nothing of the bomb is left running
-    r2 = run_program("import subprocess\nsubprocess.run(['true'])", timeout_s=5)
+    r2 = run_program("import subprocess\nsubprocess.run(['true'])", limits=SandboxLimits(timeout_s=5))
     assert r2.status == "refused", r2
-    r3 = run_program("import _posixsubprocess\n_posixsubprocess.fork_exec()", timeout_s=5)
+    r3 = run_program("import _posixsubprocess\n_posixsubprocess.fork_exec()", limits=SandboxLimits(timeout_s=5))
     assert r3.status == "refused", r3
     assert run_program("print('still fine')").stdout == "still fine\n"
 
@@ -162,11 +163,12 @@ def test_fork_denied_by_kernel_layer(layers):
             os._exit(0)
         print("forked", pid)
     """)
-    r = run_program(prog, timeout_s=5, audit_hook=False)
+    r = run_program(prog, limits=SandboxLimits(timeout_s=5, audit_hook=False))
     assert r.status == "error" and "forked" not in r.stdout, r
     assert "Operation not permitted" in r.stderr
     threads = run_program(
-        "import threading\nt = threading.Thread(target=print, args=('t',))\nt.start()\nt.join()", audit_hook=False
+        "import threading\nt = threading.Thread(target=print, args=('t',))\nt.start()\nt.join()",
+        limits=SandboxLimits(audit_hook=False),
     )
     assert threads.status == "ok" and threads.stdout == "t\n", threads
 
@@ -177,13 +179,13 @@ def test_signals_to_other_processes_are_refused(layers, hook):
     if not hook and "seccomp" not in layers:
         pytest.skip("seccomp filter not available here")
     for target in ("os.kill(os.getppid(), 0)", "os.killpg(os.getpgid(os.getppid()), 0)", "os.kill(-1, 0)"):
-        r = run_program(f"import os\n{target}\nprint('sent')", audit_hook=hook)
+        r = run_program(f"import os\n{target}\nprint('sent')", limits=SandboxLimits(audit_hook=hook))
         assert r.status == ("refused" if hook else "error") and "sent" not in r.stdout, (target, r)
     own = run_program(
         "import os, signal\nsignal.signal(signal.SIGUSR1, lambda *a: print('got'))\n"
         "signal.raise_signal(signal.SIGUSR1)\nos.kill(os.getpid(), signal.SIGUSR1)\n"
         "print('self ok')",
-        audit_hook=hook,
+        limits=SandboxLimits(audit_hook=hook),
     )
     assert own.status == "ok" and own.stdout == "got\ngot\nself ok\n", own
 
@@ -264,14 +266,14 @@ def test_socket_blocked_by_kernel_layers(layers, listener):
         pytest.skip("no network namespace and no seccomp here")
     port = listener.getsockname()[1]
     prog = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
-    r = run_program(prog, audit_hook=False)
+    r = run_program(prog, limits=SandboxLimits(audit_hook=False))
     assert r.status == "error" and "connected" not in r.stdout, r
     assert not _got_connection(listener)
 
 
 def test_output_flood_is_capped():
     t0 = time.monotonic()
-    r = run_program("while True:\n    print('x' * 4096)", timeout_s=20)
+    r = run_program("while True:\n    print('x' * 4096)", limits=SandboxLimits(timeout_s=20))
     assert time.monotonic() - t0 < 15
     assert r.truncated and r.status == "error", r.status
     assert len(r.stdout) <= OUTPUT_LIMIT
@@ -287,7 +289,12 @@ def test_reward_worker_survives_hostile_cases():
         "import socket\nsocket.socket()",
     ]
     for src in hostile:
-        assert code_reward(f"```python\n{src}\n```", {"inputs": [""], "outputs": ["1"]}, timeout_s=1.0) == 0.0
+        assert (
+            code_reward(
+                f"```python\n{src}\n```", {"inputs": [""], "outputs": ["1"]}, limits=SandboxLimits(timeout_s=1.0)
+            )
+            == 0.0
+        )
     assert code_reward(f"```python\n{SUM_PROG}```", IO_TESTS) == 1.0
     results = run_tests(SUM_PROG, IO_TESTS)
     assert [c.passed for c in results] == [True, True, True]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from megadare.rewards.sandbox import run_program
+from megadare.rewards.sandbox import SandboxLimits, run_program
 
 
 def _prog(src: str) -> str:
@@ -122,7 +122,7 @@ def test_signals_reach_nobody_outside(sleeper, hook):
         "os.kill(-1, 0)",
     ]
     for attempt in attempts:
-        r = run_program(f"import os, signal\n{attempt}\nprint('sent')", audit_hook=hook)
+        r = run_program(f"import os, signal\n{attempt}\nprint('sent')", limits=SandboxLimits(audit_hook=hook))
         assert "sent" not in r.stdout and r.status != "ok", (attempt, r)
     assert sleeper.poll() is None, "a signal from the sandbox killed a process outside it"
 
@@ -155,7 +155,7 @@ def test_network_reaches_no_listener(kind, hook, tmp_path):
             s.sendall(b'escaped')
             print('connected')
         """)
-        r = run_program(prog, audit_hook=hook)
+        r = run_program(prog, limits=SandboxLimits(audit_hook=hook))
         assert "connected" not in r.stdout and r.status != "ok", r
         assert not _accepted(srv), "the listener outside the sandbox got a connection"
     finally:
@@ -188,7 +188,7 @@ def test_hidden_paths_cannot_be_read(secrets_outside, hook):
         f"import os\nprint(os.listdir({os.path.dirname(paths[0])!r}))",
     ]
     for src in reads:
-        r = run_program(src, audit_hook=hook)
+        r = run_program(src, limits=SandboxLimits(audit_hook=hook))
         assert token not in r.stdout and "pytest" not in r.stdout, (src, r.stdout[-300:])
         assert r.status != "ok", (src, r)
 
@@ -202,7 +202,7 @@ def test_the_kernel_alone_refuses_writes(visible_dir):
             f"import os\nos.mkdir({str(targets[2])!r})",
             "open('/proc/self/mem', 'r+b')",
         ]:
-            r = run_program(src, audit_hook=False)
+            r = run_program(src, limits=SandboxLimits(audit_hook=False))
             assert r.status == "error", (src, r)
         assert [t for t in targets if t.exists()] == []
     finally:
@@ -328,7 +328,9 @@ def test_no_native_code_from_writable_memory(where, hook):
     private tmpfs is noexec, memfd_create is refused, and the hook refuses extensions from outside sys.path."""
     ext = _extension()
     name = ext.name.split(".")[0]
-    r = run_program(_prog(LOAD_NATIVE.format(ext=str(ext), where=where, name=name)), audit_hook=hook)
+    r = run_program(
+        _prog(LOAD_NATIVE.format(ext=str(ext), where=where, name=name)), limits=SandboxLimits(audit_hook=hook)
+    )
     assert "loaded native code" not in r.stdout and r.status != "ok", (where, hook, r)
 
 
@@ -366,7 +368,7 @@ def test_syscalls_refused_to_native_code():
         got['dumpable'] = libc.prctl(3, 0, 0, 0, 0)
         print(json.dumps(got))
     """)
-    r = run_program(prog, audit_hook=False)
+    r = run_program(prog, limits=SandboxLimits(audit_hook=False))
     got = json.loads(r.stdout)
     assert got.pop("dumpable") == 0, got
     assert {k: v for k, v in got.items() if v != "EPERM"} == {}, got
@@ -378,13 +380,12 @@ def test_process_isolation_signals_reach_nobody_outside(sleeper, how):
     if how == "pidfd":
         r = run_program(
             f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({sleeper.pid}), signal.SIGKILL)\nprint('sent')",
-            isolation="process",
+            limits=SandboxLimits(isolation="process"),
         )
     else:
         r = run_program(
             f"import os, signal\nos.kill({sleeper.pid}, signal.SIGKILL)\nprint('sent')",
-            isolation="process",
-            max_processes=2,
+            limits=SandboxLimits(isolation="process", max_processes=2),
         )
     time.sleep(0.2)
     assert sleeper.poll() is None and "sent" not in r.stdout, r

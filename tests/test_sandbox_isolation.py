@@ -14,7 +14,7 @@ import pytest
 from megadare.config import load_config
 from megadare.errors import ConfigError
 from megadare.rewards import runs_code, set_isolation
-from megadare.rewards.sandbox import run_program
+from megadare.rewards.sandbox import SandboxLimits, run_program
 
 INSIDE = textwrap.dedent("""
     import json, os
@@ -35,7 +35,7 @@ INSIDE = textwrap.dedent("""
 
 def test_what_a_program_sees_inside():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = run_program(INSIDE % (os.path.join(repo, "megadare"), sys.prefix), isolation="namespaces")
+    r = run_program(INSIDE % (os.path.join(repo, "megadare"), sys.prefix), limits=SandboxLimits(isolation="namespaces"))
     assert r.status == "ok", r
     seen = json.loads(r.stdout)
     root = os.geteuid() == 0
@@ -86,9 +86,7 @@ def test_numpy_and_site_packages_stay_usable():
     pytest.importorskip("numpy")
     r = run_program(
         "import numpy as np\nprint(int(np.arange(5).sum()))",
-        allow_site_packages=True,
-        preload=("numpy",),
-        isolation="namespaces",
+        limits=SandboxLimits(allow_site_packages=True, preload=("numpy",), isolation="namespaces"),
     )
     assert r.status == "ok" and r.stdout == "10\n", r
 
@@ -109,7 +107,7 @@ assert libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(fprog)
 _REFUSAL = """
 import time
 from megadare.rewards import SandboxUnavailable, code_reward, score_batch
-from megadare.rewards.sandbox import run_program
+from megadare.rewards.sandbox import SandboxLimits, run_program
 try:
     run_program("print(1)")
     raise SystemExit("no refusal")
@@ -124,7 +122,7 @@ try:
     score_batch("code", ["```python\\nprint(1)\\n```"] * 3, [{{"tests": {{"inputs": [""], "outputs": ["1"]}}}}] * 3)
 except SandboxUnavailable:
     print("BATCH raised")
-print("PROCESS", code_reward("```python\\nprint(1)\\n```", {{"inputs": [""], "outputs": ["1"]}}, isolation="process"))
+print("PROCESS", code_reward("```python\\nprint(1)\\n```", {{"inputs": [""], "outputs": ["1"]}}, limits=SandboxLimits(isolation="process")))
 """
 
 
@@ -151,7 +149,7 @@ assert libc.unshare(0x10000000) == 0, ctypes.get_errno()        # a user namespa
 for name, text in (("setgroups", "deny"), ("uid_map", f"1000 {uid} 1"), ("gid_map", f"1000 {gid} 1")):
     with open(f"/proc/self/{name}", "w") as f:
         f.write(text)
-from megadare.rewards.sandbox import run_program
+from megadare.rewards.sandbox import SandboxLimits, run_program
 target = os.path.join(os.path.dirname(os.__file__), "megadare_escape_nonroot")
 r = run_program(f"import os, sqlite3\\nprint(os.getuid())\\nsqlite3.connect({target!r}).execute('create table t(x)')")
 print(json.dumps({"uid": os.geteuid(), "protections": r.protections, "stdout": r.stdout, "status": r.status,
@@ -179,7 +177,7 @@ def test_isolation_setting():
         load_config(None, ["rewards.code.isolation=chroot"])
     with pytest.raises(ValueError, match="rewards.code.isolation"):
         set_isolation("none")
-    r = run_program("import os\nprint(os.getpid() == 1)", isolation="process")
+    r = run_program("import os\nprint(os.getpid() == 1)", limits=SandboxLimits(isolation="process"))
     assert r.stdout == "False\n" and "read_only_root" not in r.protections
     assert runs_code("code", []) and runs_code("auto", [{"data_source": "mbpp"}, {"data_source": "weird"}])
     assert not runs_code("auto", [{"data_source": "gsm8k"}]) and not runs_code("math", [{"tests": []}])

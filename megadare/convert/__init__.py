@@ -1,6 +1,6 @@
 """HF <-> Megatron conversion: one mapping table per family, streamed tensor by tensor.
 
-* ``hf_to_megatron(hf_dir, out_dir, tp, pp, ep)``: HF safetensors -> a Megatron distributed checkpoint. The
+* ``hf_to_megatron(hf_dir, out_dir, Layout(tp=2, pp=2))``: HF safetensors -> a Megatron distributed checkpoint. The
   checkpoint's keys are layout-independent (see mcore_ckpt), so it loads under the requested layout and under
   any other; the layout is validated up front against the architecture and recorded as the default.
 * ``megatron_to_hf(ckpt_dir, out_dir)``: back to HF safetensors in the publisher's names, with config.json and
@@ -15,6 +15,7 @@ import os
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from megadare.models.mapping import ParamMap, check_table
 from megadare.convert.outputs import check_export_target, mark_export
@@ -22,6 +23,7 @@ from megadare.convert.mcore_ckpt import (
     HF_SUBDIR,
     intact_checkpoint_dir,
     checkpoint_keys,
+    copy_hf_files,
     load_checkpoint,
     read_meta,
     read_tensors,
@@ -50,8 +52,6 @@ __all__ = [
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
 
 
@@ -92,19 +92,19 @@ class HFSource:
 def hf_to_megatron(
     hf_dir: str,
     out_dir: str,
-    tp: int = 1,
-    pp: int = 1,
-    ep: int = 1,
-    vpp: Optional[int] = None,
+    layout: Layout = Layout(),
+    *,
     dtype: Optional[torch.dtype] = None,
     progress: bool = True,
-    etp: Optional[int] = None,
 ) -> str:
     """Convert an HF checkpoint directory into a Megatron distributed checkpoint (single process, streaming).
+    ``layout``: the parallel layout it is checked against and records as its default (any layout loads it).
     ``out_dir`` must be new, empty or a previous Megatron export, outside the source (``outputs``)."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"hf_to_megatron: layout={layout!r} is not a Layout; pass Layout(tp=..., pp=..., ep=...)")
     src = HFSource(hf_dir, dtype)
     check_export_target(out_dir, "megatron", [hf_dir])
-    Layout(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp).check_model(src.arch)
+    layout.check_model(src.arch)
     shapes = src.shapes()
     bar = _progress(len(shapes), "hf -> megatron", progress)
 
@@ -117,7 +117,7 @@ def hf_to_megatron(
         "family": src.family.name,
         "architecture": src.arch.architecture,
         "source": os.path.abspath(hf_dir),
-        "layout": {"tp": tp, "pp": pp, "ep": ep, "vpp": vpp},
+        "layout": {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "vpp": layout.vpp},
         "format": "megadare-torch_dist-v1",
     }
     try:
@@ -126,12 +126,18 @@ def hf_to_megatron(
             shapes,
             produce,
             meta=meta,
-            hf_files_from=hf_dir,
-            before_publish=lambda staging: mark_export(staging, "megatron", [hf_dir]),
+            before_publish=lambda staging: _finish_export(staging, hf_dir),
         )
     finally:
         bar.close()
     return out_dir
+
+
+def _finish_export(staging: str, hf_dir: str) -> None:
+    """What a converted checkpoint carries beside its tensors: the source's config.json and tokenizer files, and
+    the mark of a Megatron export."""
+    copy_hf_files(staging, hf_dir)
+    mark_export(staging, "megatron", [hf_dir])
 
 
 def megatron_to_hf(

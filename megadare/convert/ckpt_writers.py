@@ -56,7 +56,7 @@ os.register_at_fork(after_in_child=_in_forked_writer)
 def writers_die_with_trainer() -> Iterator[None]:
     """Around a synchronous megatron checkpoint save: see the module docstring."""
     global _saving_pid
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron
 
     previous = filesystem_async._results_queue
     filesystem_async._results_queue = queue.Queue()

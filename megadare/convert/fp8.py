@@ -29,6 +29,9 @@ from typing import Optional, Union
 
 import torch
 
+from megadare.convert import mapping_for
+from megadare.models.family import read_hf_config
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 BLOCK = (128, 128)
@@ -96,9 +99,6 @@ def linear_hf_names(table_or_config) -> frozenset[str]:
     ``weight_sync.sync_weights`` holds) or a config.json dict / checkpoint dir (the family's table is built)."""
     table = table_or_config
     if isinstance(table_or_config, (dict, str)) or hasattr(table_or_config, "__fspath__"):
-        from megadare.convert import mapping_for
-        from megadare.models.family import read_hf_config
-
         table = mapping_for(read_hf_config(table_or_config))[2]
     return frozenset(h for r in table if r.mcore.endswith(_LINEAR_MCORE) for h in r.hf)
 

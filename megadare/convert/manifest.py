@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from torch.distributed.checkpoint import FileSystemReader
+
 MANIFEST = "manifest.json"
 SMALL_FILE = 4 << 20  # files up to this size get a checksum
 FORMAT = 1
@@ -85,8 +87,6 @@ def check_checkpoint(ckpt_dir: str) -> Verdict:
 
 def _check_storage(ckpt_dir: str) -> Optional[str]:
     """A checkpoint without a manifest: .metadata readable, and every storage file it names long enough."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not os.path.exists(os.path.join(ckpt_dir, ".metadata")):
         return f"{ckpt_dir} has no .metadata (not a complete distributed checkpoint)"
     try:

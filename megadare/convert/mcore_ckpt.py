@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,10 +31,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _item_size
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megadare.convert.manifest import check_checkpoint, write_manifest
 from megadare.convert.outputs import TRACKER, publish, staging_dir
+from megadare.models.safetensors_io import copy_passthrough_files
 
 SHARDED_SD_METADATA = {"singleton_local_shards": True}
 HF_SUBDIR = "hf"
@@ -72,13 +75,16 @@ def _finalise(tmp: str, final: str) -> None:
 
 def write_meta(ckpt_dir: str, meta: dict[str, Any], hf_files_from: Optional[str] = None) -> None:
     """megadare.json (family, architecture, what wrote it) and hf/ (config.json + tokenizer files)."""
-    from megadare.models.safetensors_io import copy_passthrough_files
-
     with open(os.path.join(ckpt_dir, MEGADARE_META), "w") as f:
         json.dump(meta, f, indent=2)
     if hf_files_from:
-        os.makedirs(os.path.join(ckpt_dir, HF_SUBDIR), exist_ok=True)
-        copy_passthrough_files(hf_files_from, os.path.join(ckpt_dir, HF_SUBDIR))
+        copy_hf_files(ckpt_dir, hf_files_from)
+
+
+def copy_hf_files(ckpt_dir: str, hf_dir: str) -> None:
+    """hf/ of a checkpoint: the config.json and tokenizer files of the HF checkpoint ``hf_dir``."""
+    os.makedirs(os.path.join(ckpt_dir, HF_SUBDIR), exist_ok=True)
+    copy_passthrough_files(hf_dir, os.path.join(ckpt_dir, HF_SUBDIR))
 
 
 def read_meta(ckpt_dir: str) -> dict[str, Any]:
@@ -191,7 +197,7 @@ def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
 
 def _drop_extra_state(sd: dict) -> dict:
     """Drop ``_extra_state`` entries of non-TE layers (always None): converted checkpoints carry none."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject  # heavy: megatron
 
     out = {}
     for k, v in sd.items():
@@ -208,7 +214,7 @@ def save_checkpoint(
     chunks: list[torch.nn.Module], ckpt_dir: str, meta: Optional[dict] = None, hf_files_from: Optional[str] = None
 ) -> str:
     """Save this rank's model chunks (collective). Returns the final directory."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy: megatron
 
     tmp = _tmp(ckpt_dir)
     if _rank() == 0:
@@ -226,7 +232,7 @@ def save_checkpoint(
 
 def load_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str) -> None:
     """Load a checkpoint saved under any layout into this rank's model chunks (collective)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy: megatron
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     sd = _drop_extra_state(model_sharded_state_dict(chunks))
@@ -274,10 +280,6 @@ class _BoundedFileWriter(FileSystemWriter):
         self.file_bytes = file_bytes
 
     def write_data(self, plan, planner):
-        import queue
-
-        from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _item_size
-
         files: list[list] = [[]]
         size = 0
         for item in plan.items:
@@ -299,15 +301,15 @@ def write_tensors(
     shapes: dict[str, tuple[list[int], torch.dtype]],
     produce: Callable[[str], torch.Tensor],
     meta: Optional[dict] = None,
-    hf_files_from: Optional[str] = None,
     file_bytes: int = 256 << 20,
     before_publish: Optional[Callable[[str], None]] = None,
 ) -> str:
     """Write a torch_dist checkpoint from one process; at most ``file_bytes`` (or one tensor) in memory.
 
     shapes: key -> (global shape, dtype); produce(key) returns that tensor when the writer reaches it. The
-    checkpoint is assembled in a fresh sibling of ``ckpt_dir`` (``before_publish(staging)`` adds files to it) and
-    renamed into place; on any error the sibling is removed and ``ckpt_dir`` is untouched.
+    checkpoint is assembled in a fresh sibling of ``ckpt_dir`` (``meta`` in its megadare.json;
+    ``before_publish(staging)`` adds files to it, e.g. :func:`copy_hf_files`) and renamed into place; on any error
+    the sibling is removed and ``ckpt_dir`` is untouched.
     """
     tmp = staging_dir(ckpt_dir)
     try:
@@ -328,7 +330,7 @@ def write_tensors(
         torch.save({}, os.path.join(tmp, "common.pt"))
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(_MCORE_METADATA, f)
-        write_meta(tmp, meta or {}, hf_files_from)
+        write_meta(tmp, meta or {})
         if before_publish is not None:
             before_publish(tmp)
         _finalise(tmp, ckpt_dir)

@@ -1,6 +1,7 @@
 """Quantized export of a trained checkpoint for serving: FP8 / NVFP4 with NVIDIA ModelOpt, block FP8 with torch.
 
     quantize_export("/ckpt/sdar-rl-hf", "/ckpt/sdar-rl-fp8", fmt="fp8")           # modelopt, W8A8 per tensor
+    quantize_export("/ckpt/sdar-rl-hf", "/ckpt/q", fmt="fp8", calib=Calibration(["my prompt"], gen_tokens=64))
     quantize_export("runs/x/ckpt", "/ckpt/sdar-rl-nvfp4", fmt="nvfp4")             # Megatron ckpt, CUDA only
     quantize_export("/ckpt/sdar-rl-hf", "/ckpt/sdar-rl-fp8b", fmt="fp8-block")     # torch only (rollout engines)
 
@@ -18,9 +19,9 @@ or a Megatron checkpoint written by megadare (converted to HF first, in a tempor
   ``quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128], ...}``: the checkpoint an
   SGLang rollout engine starts from when the trainer pushes fp8 weights (``fp8.fp8_rollout_weights``).
 
-Calibration (ModelOpt formats): each prompt is run as the serving engine sees it, prompt followed by
-``gen_tokens`` mask tokens (the response being denoised), and once more with half of the prompt tokens masked
-(the noised inputs of training), under the family's own attention mask. Only the family's linear layers are
+Calibration (ModelOpt formats, :class:`Calibration`): each prompt is run as the serving engine sees it, prompt
+followed by ``gen_tokens`` mask tokens (the response being denoised), and once more with half of the prompt tokens
+masked (the noised inputs of training), under the family's own attention mask. Only the family's linear layers are
 quantized (``fp8.linear_hf_names``); the LM head, embeddings, norms and routers stay in the source dtype.
 The output is assembled in a fresh sibling of ``out`` and renamed into place, so a crash never leaves a partial
 ``out``; ``out`` must be new, empty or a previous export of the same format, outside the source (convert.outputs).
@@ -35,12 +36,18 @@ import re
 import shutil
 import types
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
+from megadare.convert import megatron_to_hf
 from megadare.convert.fp8 import BLOCK, fp8_block_quant_config, fp8_rollout_weights, linear_hf_names
+from megadare.convert.mcore_ckpt import MegatronCheckpointError, resolve_checkpoint_dir
 from megadare.convert.outputs import check_export_target, mark_export, publish, staging_dir
+from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
+from megadare.models import load_hf_model
+from megadare.models.family import family_of, read_hf_config
 from megadare.models.safetensors_io import (
     SafetensorsReader,
     ShardedSafetensorsWriter,
@@ -53,6 +60,7 @@ __all__ = [
     "MODELOPT_INSTALL",
     "DEFAULT_PROMPTS",
     "ModelOptMissing",
+    "Calibration",
     "require_modelopt",
     "quantize_export",
     "calibration_batches",
@@ -74,6 +82,19 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 Calib = Optional[Sequence[Union[str, Sequence[int]]]]
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """How the ModelOpt formats calibrate their activation scales: ``prompts`` (strings, tokenized with the
+    checkpoint's tokenizer, or token-id lists; None = :data:`DEFAULT_PROMPTS`), each followed by ``gen_tokens`` mask
+    tokens and cut to ``max_len`` tokens, run on ``device`` (default cuda when available, else cpu; the model is
+    held in fp32 on cpu, in the checkpoint's dtype on cuda)."""
+
+    prompts: Calib = None
+    gen_tokens: int = 32
+    max_len: int = 512
+    device: Optional[str] = None
+
+
 class ModelOptMissing(ImportError):
     """NVIDIA ModelOpt (``nvidia-modelopt``) is needed for this format and is not installed."""
 
@@ -81,7 +102,7 @@ class ModelOptMissing(ImportError):
 def require_modelopt() -> tuple[str, Any, Any]:
     """(version, ``modelopt.torch.quantization``, ``modelopt.torch.export.export_hf_checkpoint``)."""
     try:
-        import modelopt
+        import modelopt  # optional: nvidia-modelopt, for fp8 / nvfp4 only
         import modelopt.torch.quantization as mtq
         from modelopt.torch.export import export_hf_checkpoint
     except ImportError as e:
@@ -97,22 +118,20 @@ def quantize_export(
     src: str | os.PathLike,
     out: str | os.PathLike,
     fmt: str = "fp8",
-    calib: Calib = None,
+    calib: Calibration = Calibration(),
     *,
-    gen_tokens: int = 32,
-    max_len: int = 512,
-    device: Optional[str] = None,
     block: Sequence[int] = BLOCK,
     progress: bool = True,
 ) -> str:
     """Quantize the checkpoint ``src`` (HF dir or megadare Megatron checkpoint) into the HF checkpoint ``out``.
 
-    ``calib``: prompts (strings, tokenized with the checkpoint's tokenizer) or token-id lists; None = the built-in
-    ``DEFAULT_PROMPTS``. ``device``: where ModelOpt calibrates (default cuda when available, else cpu; the model
-    is held in fp32 on cpu, in the checkpoint's dtype on cuda). ``block``: tile of ``fp8-block``. Returns ``out``.
+    ``calib``: the calibration of the ModelOpt formats (:class:`Calibration`: prompts, generated tokens, length,
+    device). ``block``: tile of ``fp8-block``. Returns ``out``.
     """
     if fmt not in FORMATS:
         raise ValueError(f"quantize_export: fmt={fmt!r}; choose one of {', '.join(FORMATS)}")
+    if not isinstance(calib, Calibration):
+        raise TypeError(f"quantize_export: calib={calib!r:.80}; pass Calibration(prompts, gen_tokens=..., device=...)")
     modelopt = require_modelopt() if fmt != "fp8-block" else None  # fail before any conversion work
     src, out = os.fspath(src), os.fspath(out).rstrip(os.sep)
     ckpt = _megatron_source(src)
@@ -125,7 +144,7 @@ def quantize_export(
         if fmt == "fp8-block":
             _export_fp8_block(hf_dir, cfg, staging, block)
         else:
-            _export_modelopt(modelopt, hf_dir, cfg, staging, fmt, calib, gen_tokens, max_len, device)
+            _export_modelopt(modelopt, hf_dir, cfg, staging, fmt, calib)
         mark_export(staging, f"hf-{fmt}", [src])
         publish(staging, out)
     except BaseException:
@@ -143,8 +162,6 @@ def _megatron_source(src: str) -> Optional[str]:
     it is neither)."""
     if os.path.exists(os.path.join(src, "config.json")):
         return None
-    from megadare.convert.mcore_ckpt import MegatronCheckpointError, resolve_checkpoint_dir
-
     try:
         return resolve_checkpoint_dir(src)
     except MegatronCheckpointError as e:
@@ -158,16 +175,12 @@ def _hf_dir(src: str, ckpt: Optional[str], out: str, progress: bool) -> tuple[st
     """(HF checkpoint dir, temporary dir to remove afterwards or None)."""
     if ckpt is None:
         return src, None
-    from megadare.convert import megatron_to_hf
-
     tmp = fresh_sibling(out, "hf", create=False)
     megatron_to_hf(ckpt, tmp, progress=progress)
     return tmp, tmp
 
 
 def _read_config(hf_dir: str) -> dict:
-    from megadare.models.family import read_hf_config
-
     cfg = read_hf_config(hf_dir)
     if cfg.get("quantization_config"):
         raise ValueError(
@@ -200,8 +213,6 @@ def calibration_batches(
 ) -> list[torch.Tensor]:
     """Token sequences [S] the calibration runs: per prompt, ``prompt + [mask] * gen_tokens`` and the prompt
     with half of its tokens replaced by the mask token (seeded)."""
-    from megadare.models.family import family_of
-
     arch = family_of(cfg).arch(cfg)
     items = list(DEFAULT_PROMPTS if calib is None else calib)
     if not items:
@@ -233,8 +244,6 @@ def calibration_batches(
 
 
 def _tokenizer(hf_dir: str, vocab_size: int, mask_token_id: int):
-    from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
-
     if any(os.path.exists(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES):
         return HFTokenizer(hf_dir, mask_token_id)
     if vocab_size <= ByteTokenizer.vocab_size:  # the byte-level tiny models of tests and demos
@@ -246,21 +255,9 @@ def _tokenizer(hf_dir: str, vocab_size: int, mask_token_id: int):
 
 
 # ---------------------------------------------------------------------------------------------- modelopt
-def _export_modelopt(
-    modelopt: tuple,
-    hf_dir: str,
-    cfg: dict,
-    staging: str,
-    fmt: str,
-    calib: Calib,
-    gen_tokens: int,
-    max_len: int,
-    device: Optional[str],
-) -> None:
-    from megadare.models import load_hf_model
-
+def _export_modelopt(modelopt: tuple, hf_dir: str, cfg: dict, staging: str, fmt: str, calib: Calibration) -> None:
     version, mtq, export_hf_checkpoint = modelopt
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device(calib.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if fmt == "nvfp4" and dev.type != "cuda":
         raise RuntimeError(
             f"fmt='nvfp4' needs a CUDA GPU: ModelOpt's NVFP4 quantizer (dynamic block "
@@ -270,7 +267,7 @@ def _export_modelopt(
     with SafetensorsReader(hf_dir) as r:
         src_dtype = r.dtype(r.keys()[0])
     model = load_hf_model(hf_dir, dtype=torch.float32 if dev.type == "cpu" else src_dtype, device=dev)
-    batches = calibration_batches(hf_dir, cfg, calib, gen_tokens, max_len)
+    batches = calibration_batches(hf_dir, cfg, calib.prompts, calib.gen_tokens, calib.max_len)
     base = mtq.FP8_DEFAULT_CFG if fmt == "fp8" else mtq.NVFP4_DEFAULT_CFG
     qcfg = _only_linears(base, model, linear_hf_names(cfg))
 

@@ -29,7 +29,10 @@ def _local_slice(global_t: torch.Tensor, sh) -> torch.Tensor:
 
 def fill_model_from_global(chunks: list[torch.nn.Module], produce: Callable[[str], torch.Tensor]) -> set[str]:
     """Copy into this rank's chunks the slices of the global tensors ``produce(key)``. Returns keys used."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
+    from megatron.core.dist_checkpointing.dict_utils import (  # heavy: megatron
+        dict_list_map_inplace,
+        extract_matching_values,
+    )
     from megatron.core.dist_checkpointing.mapping import (
         ShardedObject,
         ShardedTensor,

@@ -62,7 +62,7 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
 
 def _load_parquet(path: str) -> list[dict]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy: pyarrow, for parquet files only
     except ImportError as e:
         raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
     try:
@@ -81,6 +81,15 @@ def as_paths(value: Union[None, str, Sequence[str]], key: str = "data.path") -> 
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
         return list(value)
     raise DataError(f"{key}={value!r}: give a file or a list of files (e.g. {key}=[math.parquet,gsm8k.parquet])")
+
+
+RecordSource = Union[str, Sequence[str]]  # a name for all records ("f.jsonl": f.jsonl:1, ...), or one per record
+
+
+def row_name(source: RecordSource, n: int) -> str:
+    """What errors call record ``n`` (1-based): ``source[n - 1]`` when ``source`` names each record (``file:row``,
+    as :func:`load_many` gives them), else ``source:n``."""
+    return f"{source}:{n}" if isinstance(source, str) else source[n - 1]
 
 
 def load_many(paths: Union[str, Sequence[str]], key: str = "data.path") -> list[tuple[str, dict]]:

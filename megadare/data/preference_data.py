@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from megadare.data.fields import MISSING, encode_text, get_field, prompt_messages, render_prompt, response_text
-from megadare.data.files import DataError, load_many
+from megadare.data.files import DataError, RecordSource, load_many, row_name
 from megadare.data.sft_data import OVERLONG_CHOICES
 from megadare.data.tokenizer import Tokenizer
 
@@ -100,20 +100,19 @@ def build_preference_examples(
     tok: Tokenizer,
     max_len: int,
     overlong: str = "truncate",
-    source: str = "<records>",
-    sources: Optional[Sequence[str]] = None,
+    source: RecordSource = "<records>",
     **keys: str,
 ) -> tuple[list[PreferenceExample], dict]:
     """Tokenized pairs fitted into ``max_len`` (prompt + the longer response): 'truncate' cuts both responses
     (dropping pairs whose prompt fills max_len), 'drop' drops the pair, 'error' raises. Pairs whose chosen and
-    rejected responses are identical are refused (no preference). Errors name ``sources[i]`` (else ``source:N``).
-    Returns the pairs and {'records', 'kept', 'dropped'}."""
+    rejected responses are identical are refused (no preference). Errors name ``source[i]`` when ``source`` is a
+    list (else ``source:N``). Returns the pairs and {'records', 'kept', 'dropped'}."""
     if overlong not in OVERLONG_CHOICES:
         raise ValueError(f"overlong={overlong!r} is not one of {', '.join(OVERLONG_CHOICES)}")
     examples: list[PreferenceExample] = []
     stats = {"records": 0, "kept": 0, "dropped": 0}
     for n, rec in enumerate(records, start=1):
-        where = sources[n - 1] if sources is not None else f"{source}:{n}"
+        where = row_name(source, n)
         stats["records"] += 1
         ex = _fit(record_to_preference(rec, tok, where, **keys), max_len, overlong, where)
         if ex is None:
@@ -133,5 +132,5 @@ def load_preference_examples(
     ``file:row``."""
     located = load_many(paths)
     return build_preference_examples(
-        [r for _, r in located], tok, max_len, overlong, sources=[w for w, _ in located], **keys
+        [r for _, r in located], tok, max_len, overlong, source=[w for w, _ in located], **keys
     )

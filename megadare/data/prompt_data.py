@@ -20,14 +20,15 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from megadare.data.fields import DARE_GOLD, MISSING, get_field, prompt_messages, render_prompt
-from megadare.data.files import DataError, load_many
+from megadare.data.files import DataError, RecordSource, load_many, row_name
 from megadare.data.sft_data import int_list
+from megadare.data.synthetic import addition_task, reverse_task
 from megadare.data.tokenizer import Tokenizer
 
-__all__ = ["PromptRecord", "build_prompts", "synthetic_split", "load_rl_prompts", "rl_keys"]
+__all__ = ["PromptRecord", "PromptRules", "build_prompts", "synthetic_split", "load_rl_prompts", "rl_keys"]
 
 
 @dataclass
@@ -40,6 +41,26 @@ class PromptRecord:
     def reward_text(self, response: str) -> str:
         """What the reward scores: the prefill and the model's continuation."""
         return self.prefill + response
+
+
+@dataclass(frozen=True)
+class PromptRules:
+    """How RL prompt rows are read: where a row keeps its prompt, gold answer and chat messages (dotted for nested
+    fields) and what happens to a prompt longer than ``max_prompt_length`` tokens (None: no budget): ``overlong``
+    'error' raises, 'drop' leaves it out, 'truncate' keeps its last ``max_prompt_length`` tokens (the question's
+    end and the generation prompt)."""
+
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    messages_key: str = "messages"
+    max_prompt_length: Optional[int] = None
+    overlong: str = "error"
+
+    @classmethod
+    def of(cls, data_cfg, rl_cfg, max_prompt_length: Optional[int] = None) -> "PromptRules":
+        """The rules of a run: data.prompt_key / data.messages_key / rl.answer_key, data.overlong, and the prompt
+        budget (data.max_length minus rollout.max_new_tokens)."""
+        return cls(data_cfg.prompt_key, rl_cfg.answer_key, data_cfg.messages_key, max_prompt_length, data_cfg.overlong)
 
 
 def rl_keys(
@@ -70,24 +91,21 @@ def _gold_missing(rec: dict, key: Optional[str]) -> bool:
 def build_prompts(
     records: list[dict],
     tok: Tokenizer,
-    source: str,
-    prompt_key: str = "prompt",
-    answer_key: str = "answer",
-    messages_key: str = "messages",
-    max_prompt_length: Optional[int] = None,
-    sources: Optional[Sequence[str]] = None,
+    source: RecordSource,
+    rules: PromptRules = PromptRules(),
+    *,
     skipped: Optional[list] = None,
-    overlong: str = "error",
     overlong_rows: Optional[list] = None,
 ) -> list[PromptRecord]:
-    """Tokenized prompts; errors name the record's ``sources[i]`` (else ``source:N``) and the field. With a
-    ``skipped`` list, records without a gold answer (absent, null or empty) are left out and their sources put
-    there instead of raising. A prompt longer than ``max_prompt_length`` raises (``overlong='error'``), is left out
-    (``'drop'``) or keeps its last ``max_prompt_length`` tokens (``'truncate'``: the question's end and the
-    generation prompt); dropped / truncated rows are listed in ``overlong_rows``."""
+    """Tokenized prompts read by ``rules`` (:class:`PromptRules`); errors name the record's ``source[i]`` when
+    ``source`` is a list (else ``source:N``) and the field. With a ``skipped`` list, records without a gold answer
+    (absent, null or empty) are left out and their sources put there instead of raising. Prompts over the budget
+    that are dropped or truncated are listed in ``overlong_rows``."""
+    prompt_key, answer_key, messages_key = rules.prompt_key, rules.answer_key, rules.messages_key
+    max_prompt_length, overlong = rules.max_prompt_length, rules.overlong
     out = []
     for i, rec in enumerate(records):
-        where = sources[i] if sources is not None else f"{source}:{i + 1}"
+        where = row_name(source, i + 1)
         if not isinstance(rec, dict):
             raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
         pkey, gkey = rl_keys(rec, prompt_key, answer_key, messages_key)
@@ -134,8 +152,6 @@ def synthetic_split(
     name: str, size: int, eval_size: int, seed: int, correct_fraction: float = 1.0
 ) -> tuple[list[dict], list[dict]]:
     """(train records, held-out records) of a generated task; held-out records are always correct."""
-    from megadare.data.synthetic import addition_task, reverse_task
-
     if name == "reverse":
         held = reverse_task(eval_size, seed=seed + 1)
         train = reverse_task(
@@ -182,14 +198,9 @@ def load_rl_prompts(
             build_prompts(
                 [r for _, r in pairs],
                 tok,
-                "",
-                data_cfg.prompt_key,
-                rl_cfg.answer_key,
-                data_cfg.messages_key,
-                max_prompt_length,
-                sources=[w for w, _ in pairs],
+                [w for w, _ in pairs],
+                PromptRules.of(data_cfg, rl_cfg, max_prompt_length),
                 skipped=skipped,
-                overlong=data_cfg.overlong,
                 overlong_rows=overlong,
             )
         )

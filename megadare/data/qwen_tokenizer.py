@@ -196,7 +196,7 @@ def qwen_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 def _byte_strings(ranks_path: str, mtime: float) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """vocab.json's and merges.txt's strings: bytes through GPT-2's byte-to-unicode table (kept for the next
     family built in this process: the merges take a couple of seconds)."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # heavy: transformers
 
     ranks = qwen_ranks(ranks_path)
     table = bytes_to_unicode()
@@ -210,7 +210,16 @@ def _byte_strings(ranks_path: str, mtime: float) -> tuple[dict[str, int], list[t
 
 def _backend(vocab: dict[str, int], merges: list[tuple[str, str]], added: list[tuple[str, bool]]):
     """tokenizer.json: Qwen2's BPE, NFC normaliser, regex split + byte-level pre-tokeniser, byte-level decoder."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (  # heavy: tokenizers
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     tok = Tokenizer(
         models.BPE(

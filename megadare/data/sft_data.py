@@ -18,7 +18,7 @@ Every error is a ``DataError`` naming where it happened (``file:line`` / ``file:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 from megadare.data.fields import (
     DARE_SFT_PROMPT,
@@ -31,7 +31,7 @@ from megadare.data.fields import (
     render_prompt,
     response_text,
 )
-from megadare.data.files import DataError, load_records
+from megadare.data.files import DataError, RecordSource, load_records, row_name
 from megadare.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -178,16 +178,16 @@ def build_sft_examples(
     tok: Tokenizer,
     max_len: int,
     overlong: str = "truncate",
-    source: str = "<records>",
-    sources: Optional[Sequence[str]] = None,
+    source: RecordSource = "<records>",
     **keys: str,
 ) -> tuple[list[SFTExample], dict]:
     """Tokenize ``records`` and fit them into ``max_len`` tokens.
 
     ``overlong``: 'truncate' cuts the response (keeping at least one token; a truncated response loses its
     eos, since the text did not end there) and drops examples whose prompt alone fills ``max_len``; 'drop'
-    drops every overlong example; 'error' raises DataError. Errors name ``sources[i]`` (a record's ``file:row``,
-    :func:`~megadare.data.files.load_many`) or else ``source:N`` with N the 1-based record index. ``keys`` are ``prompt_key``,
+    drops every overlong example; 'error' raises DataError. Errors name ``source[i]`` when ``source`` is a list (a
+    record's ``file:row``, :func:`~megadare.data.files.load_many`) or else ``source:N`` with N the 1-based record
+    index. ``keys`` are ``prompt_key``,
     ``response_key``, ``messages_key`` for ``record_to_example``. Returns the examples and stats
     ``{'records', 'kept', 'truncated', 'dropped'}`` ('kept' counts every returned example, truncated or not).
     """
@@ -201,7 +201,7 @@ def build_sft_examples(
     examples: list[SFTExample] = []
     stats = {"records": 0, "kept": 0, "truncated": 0, "dropped": 0}
     for n, rec in enumerate(records, start=1):
-        where = sources[n - 1] if sources is not None else f"{source}:{n}"
+        where = row_name(source, n)
         stats["records"] += 1
         ex, outcome = _fit(record_to_example(rec, tok, where, **keys), max_len, overlong, where)
         if ex is None:

@@ -26,6 +26,7 @@ from megadare.data.preference_data import record_to_preference
 from megadare.data.prompt_data import build_prompts, rl_keys
 from megadare.data.sft_data import record_to_example, sft_keys
 from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, Utf8ByteTokenizer
+from megadare.models import family_of, read_hf_config
 from megadare.rewards import auto_rule, gold_response, load_reward, score_batch
 
 __all__ = ["inspect_command", "inspect_file", "percentiles", "load_tokenizer"]
@@ -43,8 +44,6 @@ def load_tokenizer(model: Optional[str]) -> Tokenizer:
         raise DataError(f"--model {model}: not a directory (a checkpoint or a tokenizer directory)")
     mask = None
     if os.path.isfile(os.path.join(model, "config.json")):
-        from megadare.models import family_of, read_hf_config
-
         hf = read_hf_config(model)
         mask = family_of(hf).arch(hf).mask_token_id
     try:
@@ -169,7 +168,7 @@ def inspect_file(
             out(f"rendered prompt ({pairs[0].where}):\n{_rendered(tok, pairs[0].prompt_ids)}")
     if "rl" in views:
         pkey, gkey = rl_keys(rows[0][1])
-        built = _each(rows, lambda w, r: build_prompts([r], tok, "", sources=[w])[0], errors)
+        built = _each(rows, lambda w, r: build_prompts([r], tok, [w])[0], errors)
         prefills = sum(bool(p.prefill) for p in built)
         out(
             f"RL prompts: prompt <- {pkey}"

@@ -26,13 +26,16 @@ import os
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 from megadare.config import Config
 from megadare.data.fields import is_verl_row
-from megadare.data.prompt_data import build_prompts
+from megadare.data.prompt_data import PromptRules, build_prompts
 from megadare.errors import ConfigError
 from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic, write_text_atomic
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
+from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.spec import RunSpec
 from megadare.rewards import check_isolation, check_reward_errors, load_reward, runs_code, score_batch, set_isolation
 from megadare.rollout.setup import start_engines
@@ -98,15 +101,14 @@ def load_task_prompts(spec: TaskSpec, path: str, limit: int | None, style: str, 
     rows = load_rows(path, limit)
     records = [spec.record(raw, where, style) for where, raw in rows]
     answer_key = "answer" if is_verl_row(rows[0][1]) else spec.gold_field
-    return build_prompts(records, tok, path, answer_key=answer_key, sources=[where for where, _ in rows])
+    return build_prompts(records, tok, [where for where, _ in rows], PromptRules(answer_key=answer_key))
 
 
-def generate_samples(
-    manager, prompt_ids: list[list[int]], params, n_samples: int, group: int, chunk_size: int, bar
-) -> list[list[Any]]:
-    """``traj[i][j]``: sample j of problem i. Every (sample round, group of problems) is one engine request, all
-    submitted at once so the engines stay busy; round j uses seed ``params.seed + j * SEED_STRIDE + c`` for the
-    c-th chunk of ``chunk_size`` problems."""
+def generate_samples(manager, prompt_ids: list[list[int]], params, n_samples: int, rollout, bar) -> list[list[Any]]:
+    """``traj[i][j]``: sample j of problem i. Every (sample round, group of ``rollout.chunk_size *
+    rollout.num_engines`` problems) is one engine request, all submitted at once so the engines stay busy; round j
+    uses seed ``params.seed + j * SEED_STRIDE + c`` for the c-th chunk of ``rollout.chunk_size`` problems."""
+    group, chunk_size = rollout.chunk_size * rollout.num_engines, rollout.chunk_size
     pending = []
     for j in range(n_samples):
         for start in range(0, len(prompt_ids), group):
@@ -225,10 +227,6 @@ def write_summary(out_dir: str, tasks: dict[str, dict[str, Any]]) -> str:
 
 def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     """Evaluate the model of a resolved ``megadare eval`` run on ``eval.tasks``; returns the exit code (0)."""
-    from tqdm import tqdm
-
-    from megadare.trainer.model_setup import materialise, tokenizer_for
-
     cfg = spec.cfg
 
     if nproc > 1:
@@ -265,7 +263,6 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     }
     manager = start_engines(cfg, src, tok)
     try:
-        group = cfg.rollout.chunk_size * cfg.rollout.num_engines
         for spec in specs:
             t0 = time.perf_counter()
             task_prompts = prompts[spec.name]
@@ -273,13 +270,7 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
                 total=len(task_prompts) * e.n_samples, desc=f"eval {spec.name}", unit="sample", dynamic_ncols=True
             ) as bar:
                 traj = generate_samples(
-                    manager,
-                    [p.prompt_ids for p in task_prompts],
-                    params,
-                    e.n_samples,
-                    group,
-                    cfg.rollout.chunk_size,
-                    bar,
+                    manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, cfg.rollout, bar
                 )
                 bar.set_postfix_str("scoring")
                 rows, reward_stats = score_samples(spec, tok, task_prompts, traj, cfg.rl.max_reward_error_fraction)

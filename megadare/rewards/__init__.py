@@ -40,7 +40,7 @@ from megadare.rewards.registry import (
     load_reward,
     runs_code,
 )
-from megadare.rewards.sandbox import SandboxResult, check_isolation, run_program, set_isolation
+from megadare.rewards.sandbox import SandboxLimits, SandboxResult, check_isolation, run_program, set_isolation
 from megadare.rewards.scoring import ScoreStats, check_reward_errors, score_batch
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "default_pool",
     "run_program",
     "SandboxResult",
+    "SandboxLimits",
     "set_isolation",
     "check_isolation",
     "SandboxUnavailable",

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
-from megadare.rewards.sandbox import SandboxResult, run_program
+from megadare.rewards.sandbox import SandboxLimits, SandboxResult, run_program
 
 __all__ = [
     "extract_code",
@@ -154,37 +154,35 @@ def _lines(text: str) -> List[str]:
     return [line.rstrip() for line in text.strip().splitlines()]
 
 
-def _run_case(code: str, case: TestCase, sandbox_kw: dict) -> CaseResult:
+def _run_case(code: str, case: TestCase, limits: SandboxLimits) -> CaseResult:
     if case.test_code is not None:
-        run = run_program(code, "", tests=case.test_code, **sandbox_kw)
+        run = run_program(code, "", limits, tests=case.test_code)
         return CaseResult(bool(run.tests_passed), run)
-    run = run_program(code, case.stdin, **sandbox_kw)
+    run = run_program(code, case.stdin, limits)
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 
 def run_tests(
-    code: str, tests: Tests, *, timeout_s: float = 5.0, memory_mb: int = 512, workers: int = 4, **sandbox_kw: Any
+    code: str, tests: Tests, *, limits: SandboxLimits = SandboxLimits(), workers: int = 4
 ) -> List[CaseResult]:
-    """Run ``code`` on every test case (concurrently, ``workers`` sandboxes at a time), in case order."""
+    """Run ``code`` on every test case (concurrently, ``workers`` sandboxes at a time, each under ``limits``), in
+    case order."""
     cases = parse_tests(tests)
-    kw = dict(sandbox_kw, timeout_s=timeout_s, memory_mb=memory_mb)
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case") as ex:
-        return list(ex.map(lambda c: _run_case(code, c, kw), cases))
+        return list(ex.map(lambda c: _run_case(code, c, limits), cases))
 
 
 def code_reward(
     response: str,
     tests: Tests,
     *,
-    timeout_s: float = 5.0,
-    memory_mb: int = 512,
-    workers: int = 4,
+    limits: SandboxLimits = SandboxLimits(),
     all_or_nothing: bool = False,
     preamble: str = "",
     code: Optional[str] = None,
-    **sandbox_kw: Any,
 ) -> float:
-    """Fraction of ``tests`` passed by the program in ``response`` (0.0 for an empty program).
+    """Fraction of ``tests`` passed by the program in ``response`` (0.0 for an empty program), each case in its own
+    sandbox under ``limits`` (:class:`~megadare.rewards.sandbox.SandboxLimits`: time, memory, isolation ...).
 
     ``code``: the program when the caller extracted it already (else :func:`extract_code`); ``preamble``: source
     put before it (imports the program may rely on). Test formats are checked before anything runs, so bad tests
@@ -194,9 +192,7 @@ def code_reward(
     program = extract_code(response) if code is None else code
     if not program.strip():
         return 0.0
-    results = run_tests(
-        preamble + program, cases, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers, **sandbox_kw
-    )
+    results = run_tests(preamble + program, cases, limits=limits)
     passed = sum(r.passed for r in results)
     if all_or_nothing:
         return 1.0 if passed == len(results) else 0.0

@@ -29,6 +29,7 @@ import re
 from typing import Any, Callable, List, Optional
 
 from megadare.rewards.code import TestCase, call_case, code_reward, extract_code, parse_tests
+from megadare.rewards.sandbox import SandboxLimits
 
 __all__ = [
     "CODE_SOURCES",
@@ -213,13 +214,13 @@ def dare_code_reward(response: str, record: dict, all_or_nothing: bool = True) -
     timeout = float(record.get("timeout_s", 5.0))
     if source == HUMANEVALPLUS:
         timeout = _harness_timeout(str(record["answer"]), timeout)
-    return code_reward(
-        response,
-        cases,
-        code=code or "",
-        preamble=PREAMBLE,
+    plus = source == HUMANEVALPLUS  # its harness imports numpy
+    limits = SandboxLimits(
         timeout_s=timeout,
         memory_mb=int(record.get("memory_mb", 1024)),
-        all_or_nothing=all_or_nothing,
-        **({"allow_site_packages": True, "preload": ("numpy",)} if source == HUMANEVALPLUS else {}),
+        allow_site_packages=plus,
+        preload=("numpy",) if plus else (),
+    )
+    return code_reward(
+        response, cases, code=code or "", preamble=PREAMBLE, limits=limits, all_or_nothing=all_or_nothing
     )

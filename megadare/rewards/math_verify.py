@@ -55,7 +55,7 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     if np_ == ng:
         return True
     from math_verify import parse as mv_parse  # sympy + latex2sympy2: loaded by the verifier workers only
-    from math_verify import verify as mv_verify
+    from math_verify import verify as mv_verify  # heavy: as above
 
     t = MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     g = mv_parse(_dollars(gold), parsing_timeout=t)
@@ -77,7 +77,7 @@ def _worker_main(conn: Any, memory_mb: int) -> None:
     """Worker loop: warm math-verify (sympy, the LaTeX parser), say ready, then answer ``(pred, gold)`` requests until
     None/EOF."""
     try:
-        import resource
+        import resource  # Unix only: elsewhere the worker runs without a memory limit
 
         lim = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (lim, lim))

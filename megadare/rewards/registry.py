@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Unio
 
 from megadare.rewards.code import code_reward
 from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
+from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import math_reward
@@ -111,8 +112,9 @@ def _code_with(all_or_nothing: bool) -> RewardFn:
         return code_reward(
             response,
             record["tests"],
-            timeout_s=float(record.get("timeout_s", 5.0)),
-            memory_mb=int(record.get("memory_mb", 512)),
+            limits=SandboxLimits(
+                timeout_s=float(record.get("timeout_s", 5.0)), memory_mb=int(record.get("memory_mb", 512))
+            ),
             all_or_nothing=all_or_nothing,
         )
 

@@ -122,12 +122,12 @@ def _close_frame_sources():
     in a function) in ``gc.garbage``; a second copy of ``_signal`` or ``gc`` (``BuiltinImporter.create_module``)
     would bring both back, so every builtin module is imported now and ``_imp.create_builtin`` is gone (the
     replaced functions are referenced nowhere else)."""
-    import _imp
+    import _imp  # sandbox child: imports nothing it need not, and only here (test mode)
 
     for name in sys.builtin_module_names:
         if name not in sys.modules:
             __import__(name)
-    import _signal
+    import _signal  # sandbox child: after every builtin module above (see the docstring)
     import gc
     import signal
 

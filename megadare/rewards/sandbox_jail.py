@@ -139,12 +139,29 @@ def _keep(pid):
     os._exit(os.waitstatus_to_exitcode(status))
 
 
-def _mount(libc, src, dst, fstype, flags, data=None, what=None):
+def _mount(libc, src, dst, flags, what=None):
+    """A bind, remount or propagation change (no filesystem type, no data); a refusal names ``what``."""
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     _check(
-        libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)) == 0,
+        libc.mount(enc(src), enc(dst), None, ctypes.c_ulong(flags), None) == 0,
         libc,
-        what or "mount %s on %s" % (src or fstype, dst),
+        what or "mount %s on %s" % (src, dst),
+    )
+
+
+def _mount_fs(libc, fstype, dst, flags, data=None, what=None):
+    """A new ``fstype`` filesystem (tmpfs, proc; its source named like its type) at ``dst`` with mount ``data``."""
+    _check(
+        libc.mount(
+            fstype.encode(),
+            dst.encode(),
+            fstype.encode(),
+            ctypes.c_ulong(flags),
+            None if data is None else data.encode(),
+        )
+        == 0,
+        libc,
+        what or "mount %s on %s" % (fstype, dst),
     )
 
 
@@ -154,8 +171,8 @@ def _jail(libc, plan, userns):
     os.umask(0o022)
     new = plan["workdir"]  # on the machine an empty dir: the new root is staged on it, and shows it again
     work = new + plan["workdir"]
-    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE, what="making the mounts private")
-    _mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
+    _mount(libc, None, "/", MS_REC | MS_PRIVATE, what="making the mounts private")
+    _mount_fs(libc, "tmpfs", new, MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
     try:
         _build_root(libc, plan, new, work)
     except OSError as e:
@@ -193,31 +210,29 @@ def _build_root(libc, plan, new, work):
         else:  # a file of /etc
             os.makedirs(os.path.dirname(new + dst), 0o755, exist_ok=True)
             os.close(os.open(new + dst, os.O_CREAT | os.O_WRONLY, 0o644))
-        _mount(libc, src, new + dst, None, MS_BIND | MS_REC)
+        _mount(libc, src, new + dst, MS_BIND | MS_REC)
     dev = new + "/dev"
     os.makedirs(dev, 0o755, exist_ok=True)
-    _mount(libc, "tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64")
+    _mount_fs(libc, "tmpfs", dev, MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64")
     for name in DEVICES:
         os.close(os.open(dev + "/" + name, os.O_CREAT | os.O_WRONLY, 0o666))
-        _mount(libc, "/dev/" + name, dev + "/" + name, None, MS_BIND)
+        _mount(libc, "/dev/" + name, dev + "/" + name, MS_BIND)
     for name, target in DEV_LINKS:
         os.symlink(target, dev + "/" + name)
     os.mkdir(dev + "/shm")
     os.makedirs(new + "/proc", 0o755, exist_ok=True)
-    _mount(
+    _mount_fs(
         libc,
         "proc",
         new + "/proc",
-        "proc",
         MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY,
         what="mounting /proc of the new PID namespace",
     )
     os.makedirs(work, 0o755, exist_ok=True)
-    _mount(
+    _mount_fs(
         libc,
         "tmpfs",
         work,
-        "tmpfs",
         MS_NOSUID | MS_NODEV | MS_NOEXEC,  # noexec: no native code of its own
         "mode=0700,uid=%d,gid=%d,size=%dm,nr_inodes=%d"
         % (plan["uid"], plan["gid"], plan["tmpfs_mb"], plan["tmpfs_inodes"]),
@@ -252,7 +267,7 @@ def _read_only(libc, new, keep_writable):
             flags |= MOUNT_OPTION_FLAGS.get(opt, 0)
         if not point.startswith(new + "/dev/"):
             flags |= MS_NODEV
-        _mount(libc, None, point, None, flags, what="remounting %s read-only" % point[len(new) :])
+        _mount(libc, None, point, flags, what="remounting %s read-only" % point[len(new) :])
 
 
 def _drop_privileges(libc, plan, userns):

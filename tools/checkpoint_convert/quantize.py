@@ -72,18 +72,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    from megadare.convert.quantize import ModelOptMissing, quantize_export
+    from megadare.convert.quantize import Calibration, ModelOptMissing, quantize_export
 
-    calib = read_calib_prompts(args.calib_prompts) if args.calib_prompts else None
+    prompts = read_calib_prompts(args.calib_prompts) if args.calib_prompts else None
     try:
         out = quantize_export(
             args.hf or args.ckpt,
             args.out,
             fmt=args.format,
-            calib=calib,
-            gen_tokens=args.gen_tokens,
-            max_len=args.max_len,
-            device=args.device,
+            calib=Calibration(prompts, gen_tokens=args.gen_tokens, max_len=args.max_len, device=args.device),
             block=tuple(args.block),
             progress=not args.quiet,
         )

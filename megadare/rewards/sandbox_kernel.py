@@ -1,0 +1,339 @@
+"""The sandbox's kernel layers, set in the child between fork and exec (:func:`make_preexec`): the rlimits
+(:func:`rlimits`), ``oom_score_adj`` and, in ``process`` isolation, a network namespace, an empty capability
+bounding set and the x86-64 seccomp filter (:func:`seccomp_program`; ``namespaces`` isolation installs the same
+filter from its jail, :mod:`.sandbox_jail`, after the mounts). What each layer refuses: :mod:`.sandbox`'s docstring.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import resource
+import struct
+from typing import Callable, List, Optional, Tuple
+
+__all__ = ["make_preexec", "rlimits", "seccomp_program", "seccomp_denies_processes"]
+
+_NPROC_SLACK = 64  # RLIMIT_NPROC headroom for threads of other processes of the same (non-root) user
+
+_CLONE_NEWUSER = 0x10000000
+_CLONE_NEWNET = 0x40000000
+_CLONE_THREAD = 0x00010000
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_PR_CAPBSET_DROP = 24
+_SECCOMP_MODE_FILTER = 2
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
+_EPERM, _ENOSYS = 1, 38
+# x86-64 syscall numbers
+_NR = {
+    "socket": 41,
+    "clone": 56,
+    "fork": 57,
+    "vfork": 58,
+    "kill": 62,
+    "ptrace": 101,
+    "syslog": 103,
+    "rt_sigqueueinfo": 129,
+    "mknod": 133,
+    "prctl": 157,
+    "pivot_root": 155,
+    "chroot": 161,
+    "mount": 165,
+    "umount2": 166,
+    "swapon": 167,
+    "swapoff": 168,
+    "reboot": 169,
+    "init_module": 175,
+    "delete_module": 176,
+    "tkill": 200,
+    "tgkill": 234,
+    "kexec_load": 246,
+    "add_key": 248,
+    "request_key": 249,
+    "keyctl": 250,
+    "mknodat": 259,
+    "unshare": 272,
+    "perf_event_open": 298,
+    "name_to_handle_at": 303,
+    "open_by_handle_at": 304,
+    "setns": 308,
+    "process_vm_readv": 310,
+    "process_vm_writev": 311,
+    "finit_module": 313,
+    "kexec_file_load": 320,
+    "bpf": 321,
+    "userfaultfd": 323,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "clone3": 435,
+    "rt_tgsigqueueinfo": 297,
+    "memfd_create": 319,
+    "pidfd_send_signal": 424,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "pidfd_getfd": 438,
+    "memfd_secret": 447,
+}
+_ALWAYS_DENIED = (
+    "ptrace",
+    "mknod",
+    "mknodat",
+    "pivot_root",
+    "chroot",
+    "mount",
+    "umount2",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "init_module",
+    "delete_module",
+    "finit_module",
+    "kexec_load",
+    "kexec_file_load",
+    "add_key",
+    "request_key",
+    "keyctl",
+    "unshare",
+    "setns",
+    "perf_event_open",
+    "name_to_handle_at",
+    "open_by_handle_at",
+    "process_vm_readv",
+    "process_vm_writev",
+    "bpf",
+    "userfaultfd",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    # signals that bypass kill's target check; fds of other processes
+    "pidfd_send_signal",
+    "pidfd_getfd",
+    "rt_sigqueueinfo",
+    "rt_tgsigqueueinfo",
+    # an executable file of the program's own making (native code: no audit hook, no proof)
+    "memfd_create",
+    "memfd_secret",
+    # io_uring (a second syscall interface seccomp does not see into), the kernel log
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "syslog",
+)
+_PR_SET_DUMPABLE = 4
+
+
+def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
+
+
+def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> bytes:
+    """Classic-BPF seccomp filter for x86-64 (see the module docstring for what it refuses); ``pid`` is the
+    sandboxed process itself, the only target it may signal when ``deny_processes`` (with its own process group,
+    kill(0) / kill(-pid), when ``own_group``: in a PID namespace the group is the keeper's, and -1 is everyone)."""
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    errno = _RET_ERRNO | _EPERM
+    p = [
+        _bpf(ld, 4),  # A = arch
+        _bpf(jeq, _AUDIT_ARCH_X86_64, 1, 0),
+        _bpf(ret, _RET_KILL_PROCESS),  # i386 ABI: kill
+        _bpf(ld, 0),  # A = syscall nr
+        _bpf(jge, 0x40000000, 0, 1),
+        _bpf(ret, errno),
+    ]  # x32 ABI: refuse
+    for name in _ALWAYS_DENIED:
+        p += [_bpf(jeq, _NR[name], 0, 1), _bpf(ret, errno)]
+    p += [_bpf(jeq, _NR["clone3"], 0, 1), _bpf(ret, _RET_ERRNO | _ENOSYS)]  # glibc falls back to clone
+    p += [
+        _bpf(jeq, _NR["socket"], 0, 4),
+        _bpf(ld, 16),  # socket(family, ...): AF_UNIX only
+        _bpf(jeq, 1, 0, 1),
+        _bpf(ret, _RET_ALLOW),
+        _bpf(ret, errno),
+    ]
+    p += [
+        _bpf(jeq, _NR["prctl"], 0, 4),
+        _bpf(ld, 16),  # prctl(PR_SET_DUMPABLE, ...): no core dumps
+        _bpf(jeq, _PR_SET_DUMPABLE, 0, 1),
+        _bpf(ret, errno),
+        _bpf(ret, _RET_ALLOW),
+    ]
+    if deny_processes and own_group:  # signals only to itself / its own group
+        p += [
+            _bpf(jeq, _NR["kill"], 0, 6),
+            _bpf(ld, 16),
+            _bpf(jeq, 0, 3, 0),
+            _bpf(jeq, pid, 2, 0),
+            _bpf(jeq, -pid, 1, 0),
+            _bpf(ret, errno),
+            _bpf(ret, _RET_ALLOW),
+        ]
+    if deny_processes and not own_group:  # signals only to itself
+        p += [_bpf(jeq, _NR["kill"], 0, 4), _bpf(ld, 16), _bpf(jeq, pid, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
+    if deny_processes:
+        p += [
+            _bpf(jeq, _NR["tgkill"], 0, 4),
+            _bpf(ld, 16),
+            _bpf(jeq, pid, 0, 1),
+            _bpf(ret, _RET_ALLOW),
+            _bpf(ret, errno),
+        ]
+        p += [_bpf(jeq, _NR["tkill"], 0, 1), _bpf(ret, errno)]
+    else:  # children exist and may be signalled; only kill(-1, sig) is refused
+        p += [
+            _bpf(jeq, _NR["kill"], 0, 4),
+            _bpf(ld, 16),
+            _bpf(jeq, 0xFFFFFFFF, 0, 1),
+            _bpf(ret, errno),
+            _bpf(ret, _RET_ALLOW),
+        ]
+    if deny_processes:
+        p += [
+            _bpf(jeq, _NR["fork"], 0, 1),
+            _bpf(ret, errno),
+            _bpf(jeq, _NR["vfork"], 0, 1),
+            _bpf(ret, errno),
+            _bpf(jeq, _NR["clone"], 0, 4),
+            _bpf(ld, 16),  # clone(flags, ...): threads only
+            _bpf(jset, _CLONE_THREAD, 0, 1),
+            _bpf(ret, _RET_ALLOW),
+            _bpf(ret, errno),
+        ]
+    p.append(_bpf(ret, _RET_ALLOW))
+    return b"".join(p)
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def _user_task_count(uid: int) -> int:
+    """Tasks (processes + threads) of ``uid``: what RLIMIT_NPROC is checked against."""
+    n = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                n += int(fields.get("Threads", "1"))
+        except (OSError, KeyError, ValueError):
+            continue
+    return n
+
+
+def make_preexec(
+    report_fd: int,
+    limits: List[Tuple[str, int, Tuple[int, int]]],
+    root: bool,
+    seccomp_deny_processes: Optional[bool],
+    namespaces: bool,
+) -> Callable[[], None]:
+    """The function run in the child between fork and exec: the limits and, in ``process`` isolation, a network
+    namespace, an empty capability bounding set and seccomp (``namespaces`` isolation sets those up in the
+    child's bootstrap, :mod:`.sandbox_jail`, where they must come after the mounts).
+
+    It never raises (a failing layer is simply not reported) and touches no locks a parent thread could hold:
+    setrlimit, unshare, prctl, and building the seccomp program (which needs the child's own pid).
+    """
+
+    def preexec() -> None:
+        done = []
+        for name, res, val in limits:
+            try:
+                resource.setrlimit(res, val)
+                done.append(name)
+            except (ValueError, OSError):
+                pass
+        if _oom_first():
+            done.append("oom_first")
+        if not namespaces:
+            done += _process_layers(root, seccomp_deny_processes)
+        try:
+            os.write(report_fd, ("\n".join(done) + "\n").encode())
+        except OSError:
+            pass
+
+    return preexec
+
+
+def _oom_first() -> bool:
+    """Make this process (and all it starts) the OOM killer's first choice, so a program's memory never gets the
+    trainer killed (raising ``oom_score_adj`` needs no privilege; as root it also cannot be lowered again)."""
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _process_layers(root: bool, seccomp_deny_processes: Optional[bool]) -> List[str]:
+    """``process`` isolation's kernel layers, in the child before exec; the names of those that took effect."""
+    libc, done = _LIBC, []
+    flags = _CLONE_NEWNET if root else (_CLONE_NEWUSER | _CLONE_NEWNET)
+    if libc is not None and libc.unshare(flags) == 0:
+        done.append("netns")
+    if root and libc is not None:
+        ok = True
+        for cap in range(64):
+            if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: no cap
+                ok = False
+        if ok:
+            done.append("no_capabilities")
+    if seccomp_deny_processes is not None and libc is not None:
+        code = seccomp_program(seccomp_deny_processes, os.getpid())
+        buf = ctypes.create_string_buffer(code)  # referenced until the prctl below has copied it
+        prog = _SockFprog(len(code) // 8, ctypes.addressof(buf))
+        if (
+            libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+            and libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) == 0
+        ):
+            done.append("seccomp")
+    return done
+
+
+def rlimits(
+    memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, max_processes: int, is_root: bool
+) -> List[Tuple[str, int, Tuple[int, int]]]:
+    mem, fsize = int(memory_mb) * 2**20, int(file_size_mb) * 2**20
+    limits = [
+        ("rlimit_as", resource.RLIMIT_AS, (mem, mem)),
+        ("rlimit_cpu", resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        ("rlimit_fsize", resource.RLIMIT_FSIZE, (fsize, fsize)),
+        ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
+        ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files)),
+    ]
+    if not is_root:  # the kernel ignores RLIMIT_NPROC for uid 0
+        nproc = _user_task_count(os.getuid()) + max(1, max_processes) + _NPROC_SLACK
+        limits.append(("rlimit_nproc", resource.RLIMIT_NPROC, (nproc, nproc)))
+    return limits
+
+
+def seccomp_denies_processes(max_processes: int) -> Optional[bool]:
+    """The seccomp filter's ``deny_processes``, or None where the filter is not available (not x86-64)."""
+    return (max_processes <= 1) if platform.machine() == "x86_64" and _LIBC else None
