@@ -10,7 +10,7 @@ setup(
         # CPU machines: `pip install torch==2.13.0` first (a plain `torch` pulls a multi-GB CUDA build).
         "torch>=2.5",
         "megatron-core>=0.16.1,<0.17",
-        "omegaconf>=2.3",
+        "omegaconf>=2.4",  # Literal-typed config choices (LiteralNode)
         "safetensors>=0.4",
         "pyyaml",
         "numpy",

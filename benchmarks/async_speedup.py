@@ -33,19 +33,19 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from megadare.demo import demo_configs
+    from megadare.demo import DemoRun
     from megadare.parallel.launch import spawn
     from megadare.trainer.rl import rl_worker
     from megadare.trainer.sft_loop import sft_worker
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sft_cfg, _ = demo_configs(tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc, a.overrides)
+        sft_cfg, _ = DemoRun(tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc, tuple(a.overrides)).configs()
         spawn(sft_worker, a.nproc, sft_cfg, timeout_s=3600)
         for mode, over in MODES.items():
-            _, cfg = demo_configs(
-                tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc, [*a.overrides, *over, "checkpoint.save_interval=0"]
-            )
+            _, cfg = DemoRun(
+                tmp, a.sft_steps, a.rl_steps, "tracerl", a.nproc, (*a.overrides, *over, "checkpoint.save_interval=0")
+            ).configs()
             cfg.logging.run_dir = os.path.join(tmp, f"rl_{mode}")
             out = spawn(rl_worker, a.nproc, cfg, timeout_s=3600)[0]
             hist, evals = out["history"], out["evals"]

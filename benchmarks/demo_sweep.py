@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     from megadare.algos import REGISTRY
-    from megadare.demo import demo_configs
+    from megadare.demo import DemoRun
     from megadare.parallel.launch import spawn
     from megadare.trainer.rl import rl_worker
     from megadare.trainer.sft_loop import sft_worker
@@ -39,13 +39,13 @@ def main() -> None:
     rows = []
     for family in sorted({FULL_ATTENTION.get(x, "sdar") for x in algos}):
         work = os.path.join(a.workdir, family)
-        sft_cfg, _ = demo_configs(work, a.sft_steps, a.rl_steps, "tracerl", 1, a.overrides, family)
+        sft_cfg, _ = DemoRun(work, a.sft_steps, a.rl_steps, "tracerl", 1, tuple(a.overrides), family).configs()
         if not os.path.exists(os.path.join(work, "sft", "ckpt", "latest_checkpointed_iteration.txt")):
             t0 = time.time()
             spawn(sft_worker, 1, sft_cfg, timeout_s=3600)
             print(f"SFT {family}: {(time.time() - t0) / 60:.1f} min", flush=True)
         for algo in [x for x in algos if FULL_ATTENTION.get(x, "sdar") == family]:
-            _, cfg = demo_configs(work, a.sft_steps, a.rl_steps, algo, 1, a.overrides, family)
+            _, cfg = DemoRun(work, a.sft_steps, a.rl_steps, algo, 1, tuple(a.overrides), family).configs()
             cfg.logging.run_dir = os.path.join(work, f"rl_{algo}")
             t0 = time.time()
             evals = spawn(rl_worker, 1, cfg, timeout_s=3600)[0]["evals"]

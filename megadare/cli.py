@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _dtype(name: str):
-    import torch
+    import torch  # heavy: only `convert --dtype` needs it
 
     return {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
@@ -98,14 +98,14 @@ def _dtype(name: str):
 def _launch(worker, run, cfg, nproc: int) -> dict:
     """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from megadare.parallel.launch import spawn
+        from megadare.parallel.launch import spawn  # heavy: pulls torch (keeps --help light)
 
         return spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
     return run(cfg)
 
 
 def _run_sft(cfg, nproc: int) -> int:
-    from megadare.trainer.sft_loop import run_sft, sft_worker
+    from megadare.trainer.sft_loop import run_sft, sft_worker  # heavy: pulls megatron
 
     out = _launch(sft_worker, run_sft, cfg, nproc)
     if not out["history"]:
@@ -131,7 +131,7 @@ def _nothing_done(command: str, out: dict) -> int:
 
 
 def _run_dpo(cfg, nproc: int) -> int:
-    from megadare.trainer.dpo_loop import dpo_worker, run_dpo
+    from megadare.trainer.dpo_loop import dpo_worker, run_dpo  # heavy: pulls megatron
 
     out = _launch(dpo_worker, run_dpo, cfg, nproc)
     h = out["history"]
@@ -149,7 +149,7 @@ def _run_dpo(cfg, nproc: int) -> int:
 
 
 def _run_rl(cfg, nproc: int) -> int:
-    from megadare.trainer.rl import rl_worker, run_rl
+    from megadare.trainer.rl import rl_worker, run_rl  # heavy: pulls megatron
 
     out = _launch(rl_worker, run_rl, cfg, nproc)
     if out.get("already_finished"):
@@ -166,8 +166,8 @@ def _run_rl(cfg, nproc: int) -> int:
 
 
 def _run_convert(args) -> int:
-    from megadare import convert
-    from megadare.parallel.layout import Layout
+    from megadare import convert  # heavy: pulls torch and megatron
+    from megadare.parallel.layout import Layout  # heavy: megadare.parallel pulls torch.distributed
 
     try:
         if args.direction == "hf-to-megatron":
@@ -190,7 +190,7 @@ def _run_convert(args) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:  # the demo parses its own options
-        from megadare import demo
+        from megadare import demo  # heavy: pulls megatron
 
         return demo.main(argv[1:])
     args = _parser().parse_args(argv)
@@ -202,7 +202,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _one_line_errors() -> tuple[type[Exception], ...]:
-    """megadare's own errors: each is one line naming the file, key or value and the fix (no traceback)."""
+    """megadare's own errors: each is one line naming the file, key or value and the fix (no traceback). Imported
+    here, when an error is being caught, because their modules pull torch and `--help` must stay light."""
     from megadare.convert.mcore_ckpt import MegatronCheckpointError
     from megadare.data.files import DataError
     from megadare.models.family import ModelConfigError
@@ -226,16 +227,16 @@ def _dispatch(args) -> int:
     if args.command == "convert":
         return _run_convert(args)
     if args.command == "data" and args.action == "tokenizer":
-        from megadare.data.qwen_tokenizer import write_qwen_tokenizer
+        from megadare.data.qwen_tokenizer import write_qwen_tokenizer  # lazy: --help imports no command module
 
         print(f"wrote {write_qwen_tokenizer(args.out, args.family)}")
         return 0
     if args.command == "data":
-        from megadare.eval.data_inspect import inspect_command
+        from megadare.eval.data_inspect import inspect_command  # heavy: pulls megatron
 
         return inspect_command(args.files, args.reward, args.model, args.limit)
     if args.command == "demo":
-        from megadare import demo
+        from megadare import demo  # heavy: pulls megatron
 
         return demo.main(args.rest)
     cfg, spec = _config_and_spec(args)
@@ -252,10 +253,10 @@ def _dispatch(args) -> int:
     if args.command in ("sft", "dpo", "rl"):
         return {"sft": _run_sft, "dpo": _run_dpo, "rl": _run_rl}[args.command](cfg, args.nproc)
     if args.command == "eval":
-        from megadare.eval import run_eval_command
+        from megadare.eval import run_eval_command  # heavy: pulls megatron
 
         return run_eval_command(spec, args.nproc)
-    from megadare.plan import run_plan_command
+    from megadare.plan import run_plan_command  # heavy: pulls torch
 
     return run_plan_command(cfg, arch)
 
@@ -263,8 +264,8 @@ def _dispatch(args) -> int:
 def _config_and_spec(args):
     """The run's config (file + overrides) and its resolved spec (checked; ``spec.arch`` is None when no model is
     named)."""
-    from megadare.config import load_config
-    from megadare.trainer.spec import resolve
+    from megadare.config import load_config  # heavy: pulls torch (keeps --help light)
+    from megadare.trainer.spec import resolve  # heavy: pulls megatron
 
     overrides = list(args.overrides)
     if args.command == "eval":
@@ -278,8 +279,8 @@ def _config_and_spec(args):
 
 def _dry_run(args, cfg, spec) -> int:
     """Pre-flight: check what the command would run (megadare/preflight.py), then print the resolved config."""
-    from megadare.config import to_yaml
-    from megadare.preflight import preflight
+    from megadare.config import to_yaml  # heavy: pulls torch (keeps --help light)
+    from megadare.preflight import preflight  # heavy: pulls megatron
 
     world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
     preflight(spec, config_only=args.config_only, world=world)

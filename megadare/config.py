@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megadare.algos import build_algorithm
 from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
@@ -39,9 +41,9 @@ class ModelSection:
     family: Optional[str] = None  # build a random tiny model of this family instead (tests, demo)
     tiny: bool = False
     tiny_config: dict = field(default_factory=dict)  # config.json overrides of the tiny model (e.g. num_hidden_layers)
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (bf16 keeps fp32 master weights)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 keeps fp32 master weights
     block_size: Optional[int] = None  # denoising block (block-diffusion families); None = family default
-    attention_backend: str = "auto"  # auto (flex on GPU, sdpa on CPU) | flex | sdpa | reference |
+    attention_backend: Literal["auto", "flex", "sdpa", "reference", "local"] = "auto"  # auto: flex on GPU, sdpa on CPU;
     # local (megatron's DotProductAttention: baseline, dense masks only)
 
 
@@ -82,15 +84,15 @@ class TrainSection:
     lr: float = 1e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
-    lr_decay_style: str = "cosine"  # cosine | constant | linear
+    lr_decay_style: Literal["cosine", "constant", "linear"] = "cosine"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1)
-    recompute: str = "none"  # none | selective (core attention) | full (whole layers)
-    logits: str = "scored"  # scored: output layer only where the loss reads, no [tokens, vocab]
+    recompute: Literal["none", "selective", "full"] = "none"  # selective: core attention; full: whole layers
+    logits: Literal["scored", "full"] = "scored"  # scored: output layer only where the loss reads, no [tokens, vocab]
     # logits (models/head.py) | full: logits of every position (old path)
     logits_chunk_mb: float = 64.0  # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
     moe_aux_loss_coeff: Optional[float] = None  # None = the family's default
@@ -101,7 +103,7 @@ class TrainSection:
 class DataSection:
     path: Any = None  # .jsonl / .parquet (or a list of them) with `messages`, prompt/response,
     # *_ids fields, or verl/DARE rows (prompt messages + reward_model)
-    synthetic: Optional[str] = None  # "addition" | "reverse": generated task (tests, demo) instead of a file
+    synthetic: Optional[Literal["addition", "reverse"]] = None  # generated task (tests, demo) instead of a file
     synthetic_size: int = 512
     synthetic_correct: float = 1.0  # reverse task: fraction of correct demonstrations (rest copy the input)
     eval_path: Any = None  # RL: held-out prompts (a file or a list); synthetic tasks make their own
@@ -109,19 +111,19 @@ class DataSection:
     response_key: str = "response"
     messages_key: str = "messages"
     max_length: int = 1024  # prompt + response tokens
-    overlong: str = "truncate"  # truncate | drop | error
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
     shuffle: bool = True
 
 
 @dataclass
 class SFTSection:
-    mode: str = "auto"  # auto (block for block-diffusion families, else random) | random |
-    # block | semi_ar | trace
+    mode: Literal["auto", "random", "block", "semi_ar", "trace"] = "auto"  # auto: block for block-diffusion
+    # families, else random
     noise_low: float = 1e-3  # t ~ U(noise_low, noise_high)
     noise_high: float = 1.0
-    weighting: str = "inv_t"  # inv_t (ELBO) | none
-    normalize: str = "answer_length"  # answer_length (LLaDA) | masked_tokens (DARE)
-    t_per: str = "block"  # block mode: one t per block | per sample
+    weighting: Literal["inv_t", "none"] = "inv_t"  # inv_t: ELBO
+    normalize: Literal["answer_length", "masked_tokens"] = "answer_length"  # LLaDA | DARE
+    t_per: Literal["block", "sample"] = "block"  # block mode: one t per block | per sample
     trace_shrink: int = 1
     lora_rank: int = 0  # 0 = full fine-tuning
     lora_alpha: float = 16.0
@@ -130,19 +132,20 @@ class SFTSection:
 
 @dataclass
 class RolloutSection:
-    engine: str = "native"  # native (built-in torch engine) | sglang
+    engine: Literal["native", "sglang"] = "native"  # native: the built-in torch engine
     num_engines: int = 1  # Ray engine actors
     engine_resources: dict = field(default_factory=lambda: {"num_cpus": 1})  # per actor, e.g. {num_gpus: 1}
     engine_tp: int = 1  # sglang: tensor-parallel size of one engine (num_gpus >= engine_tp)
     max_new_tokens: int = 64
     block_size: Optional[int] = None  # None = the model's block size (block families) / 32 (full attention)
     steps_per_block: Optional[int] = None  # None = block_size (one token per step)
-    algorithm: str = "low_confidence_static"  # low_confidence_static | low_confidence_dynamic | random |
-    # editing (LLaDA2.1 token editing)
+    algorithm: Literal[ALGORITHMS] = "low_confidence_static"  # editing: LLaDA2.1 token editing
     threshold: float = 0.9
-    confidence: str = "model_prob"  # what low-confidence remasking ranks: model_prob | Dream's maskgit_plus,
+    confidence: Literal[CONFIDENCES] = (
+        "model_prob"  # what low-confidence remasking ranks: model_prob | Dream's maskgit_plus,
+    )
     # topk_margin, entropy
-    schedule: str = "even"  # tokens per step: even | linspace (Dream) | linspace_first (DARE's Dream
+    schedule: Literal[SCHEDULES] = "even"  # tokens per step: even | linspace (Dream) | linspace_first (DARE's Dream
     # block sampler: the block's first position alone, then linspace)
     eps: float = 1e-3  # Dream: end point of the linspace schedule
     alg_temp: float = 0.0  # Dream: > 0 draws the committed positions ~ softmax(confidence / alg_temp)
@@ -155,12 +158,14 @@ class RolloutSection:
     eval_temperature: float = 0.0  # held-out evaluation decodes greedily by default
     chunk_size: int = 16  # prompts per engine request
     bucket_mb: int = 512  # weight-sync bucket size
-    weight_transport: str = "auto"  # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all
+    weight_transport: Literal[WEIGHT_TRANSPORTS] = (
+        "auto"  # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all
+    )
     # engines) | colocated (shared memory / CUDA IPC) | object_store (no
     # group: through rank 0 and Ray); auto = colocated on a one-host CPU run
-    device: str = "auto"  # built-in engine: auto (the GPU Ray assigned to the actor, else CPU) |
+    device: Literal[ENGINE_DEVICES] = "auto"  # built-in engine: auto (the GPU Ray assigned to the actor, else CPU) |
     # cpu | cuda
-    dtype: str = "auto"  # built-in engine weights and KV cache: auto (bfloat16 on CUDA, float32
+    dtype: Literal[ENGINE_DTYPES] = "auto"  # built-in engine weights and KV cache: auto (bfloat16 on CUDA, float32
     # on CPU) | float32 | bfloat16
     max_batch: int = 0  # built-in engine: rows decoded together; a request's further prompts
     # queue and enter as rows finish (continuous batching); 0 = all at once
@@ -179,26 +184,32 @@ class AlgoSection:
 @dataclass
 class RLSection:
     steps: int = 100  # RL steps (rollout -> update -> weight sync)
-    mode: str = "sync"  # sync | one_step_off (step k+1's rollout overlaps step k's training) |
+    mode: Literal["sync", "one_step_off", "fully_async"] = (
+        "sync"  # sync | one_step_off (step k+1's rollout overlaps step k's training) |
+    )
     # fully_async (rollouts stream ahead, bounded by max_staleness)
     max_staleness: int = 1  # policy versions a rollout may lag behind (enforced; sync gives 0)
     partial_rollout: int = 0  # blocks per segment of a queued rollout (0: whole responses); each
     # weight update continues the queued responses on the new weights
-    loss_mode: str = "ppo"  # ppo (ratio to the trainer's pre-update policy) | decoupled (IS
+    loss_mode: Literal["ppo", "decoupled", "bypass"] = (
+        "ppo"  # ppo (ratio to the trainer's pre-update policy) | decoupled (IS
+    )
     # behaviour -> proximal, clip proximal -> current) | bypass (clip
     # current / behaviour, no proximal pass)
-    behaviour_logp: str = "trainer"  # where behaviour log-probs come from: trainer (the same estimator on
+    behaviour_logp: Literal["trainer", "engine"] = (
+        "trainer"  # where behaviour log-probs come from: trainer (the same estimator on
+    )
     # a snapshot of the behaviour version's weights) | engine (sampler
     # log-probs; trace-replay algorithms at shrink 1, temperature 1 only)
-    rollout_is: Optional[str] = None  # None | token | sequence | geometric (D-ARL algorithm.rollout_is)
-    rollout_is_mode: str = "truncate"  # truncate (TIS) | mask (MIS / rejection)
+    rollout_is: Optional[Literal["token", "sequence", "geometric"]] = None  # D-ARL algorithm.rollout_is
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"  # truncate: TIS; mask: MIS / rejection
     rollout_is_threshold: float = 2.0  # upper threshold (D-ARL algorithm.rollout_is_threshold)
     rollout_is_threshold_low: Optional[float] = None  # None: 1/upper in mask mode, no lower bound in truncate
     rollout_is_veto: Optional[float] = None  # drop a sequence with any token ratio below this
     prompts_per_step: int = 16
     n_samples: int = 8  # responses per prompt (group size)
-    advantage: str = "grpo"  # grpo | rloo | reinforce_pp
-    advantage_std: str = "unbiased"  # unbiased | population | none
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage_std: Literal["unbiased", "population", "none"] = "unbiased"
     filter_all_equal: bool = False  # drop groups whose rewards are all equal
     accuracy_band: Optional[list] = None  # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
     truncated_as_wrong: bool = False  # responses that hit max_new_tokens get reward 0
@@ -206,7 +217,9 @@ class RLSection:
     redraw_corruptions: Optional[bool] = None  # each epoch draws its own corruptions (epoch in the seed; old
     # log-probs of every epoch's rows before the first update); None = the
     # algorithm's choice (ESPO, d1: redraw; the rest keep one draw)
-    canvas: Optional[str] = None  # full (sample, mask, score and normalise all rollout.max_new_tokens
+    canvas: Optional[Literal["full", "eos"]] = (
+        None  # full (sample, mask, score and normalise all rollout.max_new_tokens
+    )
     # positions, post-EOS tokens included: DARE's LLaDA/Dream) | eos (cut at
     # the first EOS); None = the family's default (full attention: full,
     # block diffusion: eos)
@@ -230,7 +243,7 @@ class RLSection:
 class DPOSection:
     beta: float = 0.2  # DPO temperature (LLaDA 1.5 / DARE recipe 0.2)
     n_mc: int = 4  # count-stratified masks per response, shared by policy and reference
-    margin_norm: str = "none"  # none | canvas: divide the margin by the response canvas R (DARE's
+    margin_norm: Literal["none", "canvas"] = "none"  # canvas: divide the margin by the response canvas R (DARE's
     # VRPO; its effective beta is beta / R)
     canvas_length: int = 512  # R for margin_norm=canvas (DARE's data.max_response_length)
     chosen_key: str = "chosen"  # preference records: prompt (data.prompt_key), chosen, rejected
@@ -244,8 +257,9 @@ class ReplaySection:
     pmis: bool = True  # replay.pmis: balance-heuristic weights over the k behaviour policies
     warmup: int = 1  # replay.warmup: policy versions seen before replay starts
     fraction: float = 0.25  # replayed samples per step, as a fraction of the fresh ones
-    score: str = "token_chi2"  # variance-guided match score (trainer/offpolicy/replay.py SCORES)
-    level: str = "group"  # sample | group (keep prompt groups whole) | version
+    score: Literal["token_chi2", "seq_chi2", "token_k2", "token_k3", "log_ratio_var"] = "token_chi2"  # variance-guided
+    # match score (trainer/offpolicy/replay.py SCORES)
+    level: Literal["sample", "group", "version"] = "group"  # group: keep prompt groups whole
     max_score: Optional[float] = None  # never replay units scoring above this
 
 
@@ -259,7 +273,7 @@ class EvalSection:
     temperature: Optional[float] = None  # None: rollout.eval_temperature (n_samples > 1 needs > 0)
     limit: Optional[int] = None  # first N problems per task
     output_dir: Optional[str] = None  # per-sample JSONL + summary.json; None = <logging.run_dir>/eval
-    prompt_style: str = "boxed"  # math prompts: boxed (dLLM-RL / SDAR, OpenCompass MATH 0-shot) | d1
+    prompt_style: Literal["boxed", "d1"] = "boxed"  # math prompts: boxed (dLLM-RL / SDAR, OpenCompass MATH 0-shot) | d1
 
 
 @dataclass
@@ -269,14 +283,16 @@ class PlanSection:
     gpu_memory_gb: float = 80.0  # usable memory per GPU (H100 80 GB, H200 141 GB)
     rollout_gpus: int = 0  # GPUs given to rollout engines (0: colocated with the trainer)
     rollout_batch: int = 64  # concurrent sequences per engine (KV cache sizing)
-    job: str = "rl"  # rl (trainer + rollout engines) | sft (trainer only)
+    job: Literal["rl", "sft"] = "rl"  # rl: trainer + rollout engines; sft: trainer only
     prompt_length: int = 512  # prompt tokens per rollout sequence (KV cache: + rollout.max_new_tokens)
     reserve_gb: float = 3.0  # per GPU: CUDA context, NCCL buffers, allocator fragmentation
 
 
 @dataclass
 class CodeRewardSection:
-    isolation: str = "namespaces"  # namespaces: the OS sandbox (README "Code sandbox") | process: the weaker
+    isolation: Literal[ISOLATIONS] = (
+        "namespaces"  # namespaces: the OS sandbox (README "Code sandbox") | process: the weaker
+    )
     # guard (seccomp + audit hook, writable filesystem) where the kernel
     # refuses namespaces; code rewards refuse to run rather than fall back
 
@@ -306,38 +322,44 @@ class Config:
     seed: int = 1234
 
 
-CHOICES = {
-    "model.dtype": ("fp32", "bf16", "fp16"),
-    "model.attention_backend": ("auto", "flex", "sdpa", "reference", "local"),
-    "train.lr_decay_style": ("cosine", "constant", "linear"),
-    "train.recompute": ("none", "selective", "full"),
-    "train.logits": ("scored", "full"),
-    "data.overlong": ("truncate", "drop", "error"),
-    "data.synthetic": (None, "addition", "reverse"),
-    "rollout.engine": ("native", "sglang"),
-    "rollout.algorithm": ALGORITHMS,
-    "rollout.confidence": CONFIDENCES,
-    "rollout.schedule": SCHEDULES,
-    "rollout.weight_transport": WEIGHT_TRANSPORTS,
-    "rollout.device": ENGINE_DEVICES,
-    "rollout.dtype": ENGINE_DTYPES,
-    "rl.advantage": ("grpo", "rloo", "reinforce_pp"),
-    "rl.mode": ("sync", "one_step_off", "fully_async"),
-    "rl.loss_mode": ("ppo", "decoupled", "bypass"),
-    "rl.behaviour_logp": ("trainer", "engine"),
-    "rl.rollout_is": (None, "token", "sequence", "geometric"),
-    "rl.rollout_is_mode": ("truncate", "mask"),
-    "replay.score": ("token_chi2", "seq_chi2", "token_k2", "token_k3", "log_ratio_var"),
-    "replay.level": ("sample", "group", "version"),
-    "rl.advantage_std": ("unbiased", "population", "none"),
-    "rl.canvas": (None, "full", "eos"),
-    "rewards.code.isolation": ISOLATIONS,
-    "dpo.margin_norm": ("none", "canvas"),
-    "sft.mode": ("auto", "random", "block", "semi_ar", "trace"),
-    "sft.weighting": ("inv_t", "none"),
-    "sft.normalize": ("answer_length", "masked_tokens"),
-    "sft.t_per": ("block", "sample"),
-}
+def _literal_choices(annotation) -> Optional[tuple]:
+    """The values a field annotated ``Literal[...]`` accepts (``Optional[Literal[...]]`` adds None, listed first);
+    None for any other annotation."""
+    if get_origin(annotation) is Union:
+        args = get_args(annotation)
+        literal = [a for a in args if get_origin(a) is Literal]
+        return (None, *get_args(literal[0])) if literal and type(None) in args else None
+    return get_args(annotation) if get_origin(annotation) is Literal else None
+
+
+def choice_fields(section: type = Config, prefix: str = "") -> dict[str, tuple]:
+    """{dotted key: accepted values} of every typed-choice field (annotated ``Literal[...]``) in ``section``."""
+    out: dict[str, tuple] = {}
+    hints = get_type_hints(section)
+    for f in fields(section):
+        if is_dataclass(hints[f.name]):
+            out.update(choice_fields(hints[f.name], f"{prefix}{f.name}."))
+        elif (options := _literal_choices(hints[f.name])) is not None:
+            out[f"{prefix}{f.name}"] = options
+    return out
+
+
+CHOICES = choice_fields()  # read from the annotations: the one list of typed choices
+
+
+def _not_one_of(key: str, value: Any, options: tuple) -> ConfigError:
+    shown = ", ".join("null" if o is None else str(o) for o in options)
+    return ConfigError(f"{key}={value!r} is not one of {shown}")
+
+
+def check_choices(cfg: Config) -> None:
+    """Every typed-choice field holds one of its values (else one line naming the key, the value and the choices):
+    the loader runs it, and ``validate`` again for a config built or changed in Python."""
+    for key, options in CHOICES.items():
+        if (v := _get(cfg, key)) not in options:
+            raise _not_one_of(key, v, options)
+
+
 POSITIVE = (
     "parallel.tp",
     "parallel.pp",
@@ -401,6 +423,8 @@ def _translate(e: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(e, "full_key", None) or ""
     if isinstance(e, ConfigKeyError):
         return _unknown(key)
+    if isinstance(e, ValidationError) and key in CHOICES:  # OmegaConf refused a typed choice: our one line
+        return _not_one_of(key, e.value, CHOICES[key])
     if isinstance(e, ValidationError):
         return ConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e} (in {source})")
     return ConfigError(f"{source}: {e}")
@@ -437,8 +461,6 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
 def _load_yaml(path: str):
     """A config file as an OmegaConf mapping; a missing, unreadable or malformed file raises ConfigError in one
     line (the YAML error's line and column)."""
-    import yaml
-
     try:
         conf = OmegaConf.load(path)
     except FileNotFoundError:
@@ -466,11 +488,7 @@ def _finish(conf) -> Config:
                 f"model.tiny_config has key {k!r} without a value; on the command line write "
                 "'model.tiny_config={hidden_size: 128}' (a space after each colon)"
             )
-    for key, options in CHOICES.items():
-        v = _get(cfg, key)
-        if v not in options:
-            shown = ", ".join("null" if o is None else str(o) for o in options)
-            raise ConfigError(f"{key}={v!r} is not one of {shown}")
+    check_choices(cfg)
     for key in POSITIVE:
         v = _get(cfg, key)
         if v is not None and v < 1:
@@ -510,6 +528,7 @@ def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
 def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None) -> None:
     """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
     configured algorithm when the caller has built it (``trainer/spec.resolve``)."""
+    check_choices(cfg)
     p = cfg.parallel
     if arch is not None:  # the model's rules first (they name the key to change), then the world's
         Layout.of(p).check_model(arch)
@@ -560,7 +579,6 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
             "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0"
         )
     check_decoder(cfg, arch)
-    from megadare.algos import build_algorithm  # the name, algo.params and the algorithm's own checks
 
     (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
 

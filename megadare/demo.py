@@ -24,7 +24,15 @@ import sys
 import time
 import warnings
 from importlib import resources
+from dataclasses import dataclass
 from typing import Optional
+
+from megadare import demo_foundation
+from megadare.config import Config, load_config
+from megadare.parallel.launch import spawn
+from megadare.trainer.plots import plot_rl_curve
+from megadare.trainer.rl import rl_worker
+from megadare.trainer.sft_loop import sft_worker
 
 
 # ``--family``: a tiny model of that family on the same task. Full-attention families (LLaDA, Dream) train with
@@ -43,69 +51,63 @@ ALGO_DEMO = {
 }
 
 
-def demo_configs(
-    workdir: str,
-    sft_steps: Optional[int],
-    rl_steps: Optional[int],
-    algo: str,
-    nproc: int,
-    overrides: list[str],
-    family: str = "sdar",
-):
-    """(SFT config, RL config) of the demo, with outputs under ``workdir``."""
-    from megadare.config import load_config
+@dataclass(frozen=True)
+class DemoRun:
+    """One demo run as the user asked for it: outputs under ``workdir``; the step counts (None: the YAML's); the RL
+    algorithm; the trainer processes; key=value overrides for both stages (``rl.*`` / ``sft.*`` for one); the tiny
+    model family."""
 
-    base = resources.files("megadare") / "configs"
-    if family not in FAMILIES:
-        raise ValueError(f"--family {family!r}: choose one of {sorted(FAMILIES)}")
-    fam = FAMILIES[family]
-    sft_over = fam + [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={sft_steps}"] if sft_steps else [])
-    rl_over = (
-        fam
-        + ALGO_DEMO.get(algo, [])
-        + [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt", f"algo.name={algo}"]
-    )
-    rl_over += [f"rl.steps={rl_steps}"] if rl_steps else []
-    if nproc > 1:
-        sft_over.append(f"parallel.world_size={nproc}")
-        rl_over.append(f"parallel.world_size={nproc}")
-    sft = load_config(
-        str(base / "demo_sft.yaml"),
-        [o for o in sft_over if not o.startswith("rollout.")] + [o for o in overrides if not o.startswith("rl.")],
-    )
-    rl = load_config(
-        str(base / "demo_rl.yaml"),
-        [o for o in rl_over if not o.startswith("sft.")] + [o for o in overrides if not o.startswith("sft.")],
-    )
-    return sft, rl
+    workdir: str
+    sft_steps: Optional[int] = None
+    rl_steps: Optional[int] = None
+    algo: str = "tracerl"
+    nproc: int = 1
+    overrides: tuple[str, ...] = ()
+    family: str = "sdar"
+
+    def configs(self) -> tuple[Config, Config]:
+        """(SFT config, RL config) of the demo, with outputs under ``workdir``."""
+        base = resources.files("megadare") / "configs"
+        if self.family not in FAMILIES:
+            raise ValueError(f"--family {self.family!r}: choose one of {sorted(FAMILIES)}")
+        fam, workdir = FAMILIES[self.family], self.workdir
+        sft_over = (
+            fam + [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={self.sft_steps}"] if self.sft_steps else [])
+        )
+        rl_over = (
+            fam
+            + ALGO_DEMO.get(self.algo, [])
+            + [f"logging.run_dir={workdir}/rl", f"checkpoint.load={workdir}/sft/ckpt", f"algo.name={self.algo}"]
+        )
+        rl_over += [f"rl.steps={self.rl_steps}"] if self.rl_steps else []
+        if self.nproc > 1:
+            sft_over.append(f"parallel.world_size={self.nproc}")
+            rl_over.append(f"parallel.world_size={self.nproc}")
+        overrides = list(self.overrides)
+        sft = load_config(
+            str(base / "demo_sft.yaml"),
+            [o for o in sft_over if not o.startswith("rollout.")] + [o for o in overrides if not o.startswith("rl.")],
+        )
+        rl = load_config(
+            str(base / "demo_rl.yaml"),
+            [o for o in rl_over if not o.startswith("sft.")] + [o for o in overrides if not o.startswith("sft.")],
+        )
+        return sft, rl
 
 
-def run_demo(
-    workdir: str,
-    sft_steps: Optional[int] = None,
-    rl_steps: Optional[int] = None,
-    algo: str = "tracerl",
-    nproc: int = 1,
-    overrides: Optional[list[str]] = None,
-    family: str = "sdar",
-) -> dict:
+def run_demo(demo: DemoRun) -> dict:
     """SFT -> RL; returns {'sft_accuracy', 'rl_accuracy', 'history', 'evals', 'png', 'seconds'}."""
-    from megadare.parallel.launch import spawn
-    from megadare.trainer.plots import plot_rl_curve
-    from megadare.trainer.rl import rl_worker
-    from megadare.trainer.sft_loop import sft_worker
-
     t0 = time.time()
-    sft_cfg, rl_cfg = demo_configs(workdir, sft_steps, rl_steps, algo, nproc, overrides or [], family)
-    spawn(sft_worker, nproc, sft_cfg, timeout_s=3600)
-    out = spawn(rl_worker, nproc, rl_cfg, timeout_s=3600)[0]
+    sft_cfg, rl_cfg = demo.configs()
+    spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)
+    out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
     evals = out["evals"]
     first, last = min(evals), max(evals)
     png = plot_rl_curve(
         out["history"],
         evals,
-        os.path.join(workdir, "reward_curve.png"),
-        title=f"{algo} on a tiny {family} (reverse task)",
+        os.path.join(demo.workdir, "reward_curve.png"),
+        title=f"{demo.algo} on a tiny {demo.family} (reverse task)",
     )
     return {
         "sft_accuracy": evals[first]["accuracy"],
@@ -120,8 +122,6 @@ def run_demo(
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--foundation" in argv:
-        from megadare import demo_foundation
-
         argv.remove("--foundation")
         return demo_foundation.main(argv)
     ap = argparse.ArgumentParser(
@@ -138,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.filterwarnings("ignore")
     print(f"megadare demo: SFT then RL ({a.algo}) of a tiny {a.family} on CPU; outputs in {a.workdir}", flush=True)
-    res = run_demo(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, a.overrides, a.family)
+    res = run_demo(DemoRun(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, tuple(a.overrides), a.family))
     print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {a.workdir}; {res['seconds']:.0f} s")
     print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
     return 0

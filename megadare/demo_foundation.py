@@ -17,12 +17,18 @@ import warnings
 
 import torch
 
+from megadare.convert import hf_to_megatron, megatron_to_hf
+from megadare.models import build_hf_model, get_family, save_hf_model, load_hf_model
+from megadare.models.attention import family_mask
+from megadare.models.safetensors_io import SafetensorsReader
+from megadare.parallel.launch import spawn
+from megadare.parallel.layout import Layout
+from megadare.trainer.verify import megatron_logits, resave
+
 FAMILIES = ("sdar", "sdar_moe", "llada2", "llada", "dream")
 
 
 def _make_checkpoint(name: str, root: str, seed: int) -> tuple[str, dict]:
-    from megadare.models import build_hf_model, get_family, save_hf_model
-
     torch.manual_seed(seed)
     cfg = get_family(name).tiny_config()
     model = build_hf_model(cfg).eval()
@@ -44,14 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's TE/apex fallback notices, in every worker
     warnings.filterwarnings("ignore")
-
-    from megadare.convert import hf_to_megatron, megatron_to_hf
-    from megadare.models.safetensors_io import SafetensorsReader
-    from megadare.models.attention import family_mask
-    from megadare.trainer.verify import megatron_logits, resave
-    from megadare.models import get_family, load_hf_model
-    from megadare.parallel.launch import spawn
-    from megadare.parallel.layout import Layout
 
     root = a.workdir or tempfile.mkdtemp(prefix="megadare_demo_")
     print(f"megadare demo: working in {root}")

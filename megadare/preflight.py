@@ -23,8 +23,28 @@ from dataclasses import replace
 from typing import Optional
 
 from megadare.config import Config
+from megadare.convert.mcore_ckpt import intact_checkpoint_dir, newest_intact
+from megadare.data.files import as_paths, load_many
+from megadare.data.preference_data import build_preference_examples
+from megadare.data.prompt_data import PromptRules, build_prompts
+from megadare.data.sft_data import build_sft_examples
+from megadare.data.tokenizer import ByteTokenizer
 from megadare.errors import ConfigError, RunStateError
+from megadare.eval.files import task_file
+from megadare.eval.runner import check_eval_config
 from megadare.models.family import ModelArch
+from megadare.models.safetensors_io import SafetensorsReader
+from megadare.plan import plan
+from megadare.plan.memory import trainer_world
+from megadare import rewards
+from megadare.rewards import RewardSpecError, load_reward, runs_code, set_isolation
+from megadare.rewards.registry import auto_rule
+from megadare.rollout.sglang_engine import _import_sglang
+from megadare.trainer.checkpoint import check_same_model
+from megadare.trainer.model_setup import tokenizer_for
+from megadare.trainer.rl_setup import prompt_budget
+from megadare.trainer.run_lock import holder_alive
+from megadare.trainer.sft_loop import checkpoint_root
 from megadare.trainer.spec import ModelSource, RunSpec
 
 ROWS = 64  # records of each data file built and length-checked
@@ -38,9 +58,6 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
     """The memory plan fits the declared cluster (``plan.*``; with a known world size -- ``parallel.world_size``,
     ``--nproc``, torchrun's WORLD_SIZE -- that many trainer GPUs of ``plan.gpu_memory_gb``); ConfigError naming
     the peak, the bottleneck and the first change that fits."""
-    from megadare.plan import plan
-    from megadare.plan.memory import trainer_world
-
     pl, ws = cfg.plan, cfg.parallel.world_size or world
     planned = cfg
     if ws is not None and ws != trainer_world(cfg):  # the run's own GPU count, of the declared kind
@@ -62,9 +79,6 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
 def check_model(cfg: Config, src: Optional[ModelSource]):
     """The model source as the run will build it (the resolved ``src``): weights readable, a tokenizer;
     ``checkpoint.load`` intact and of this model. Returns (ModelSource or None without a model, tokenizer)."""
-    from megadare.data.tokenizer import ByteTokenizer
-    from megadare.trainer.model_setup import tokenizer_for
-
     m = cfg.model
     if src is None:
         return None, ByteTokenizer()
@@ -75,9 +89,6 @@ def check_model(cfg: Config, src: Optional[ModelSource]):
         src = replace(src, hf_dir=f"a tiny {m.family} model", hf_config={})
         tok = ByteTokenizer()
     if cfg.checkpoint.load:
-        from megadare.convert.mcore_ckpt import intact_checkpoint_dir
-        from megadare.trainer.checkpoint import check_same_model
-
         check_same_model(intact_checkpoint_dir(cfg.checkpoint.load), src)
     return src, tok
 
@@ -85,8 +96,6 @@ def check_model(cfg: Config, src: Optional[ModelSource]):
 def _check_weights(hf_dir: str) -> None:
     """Every safetensors file of the checkpoint has a readable header (the index, the shards it names); the
     reader's CheckpointError names the damaged file."""
-    from megadare.models.safetensors_io import SafetensorsReader
-
     reader = SafetensorsReader(hf_dir)
     for fn in sorted(set(reader.weight_map.values())):
         reader._header(fn)
@@ -94,8 +103,6 @@ def _check_weights(hf_dir: str) -> None:
 
 def _first_rows(paths, key: str) -> list[tuple[str, dict]]:
     """The first ROWS records of each file of ``paths`` (every file exists, parses and holds records)."""
-    from megadare.data.files import as_paths, load_many
-
     out = []
     for path in as_paths(paths, key):
         out.extend(load_many(path, key)[:ROWS])
@@ -112,8 +119,6 @@ def check_data(command: str, cfg: Config, tok) -> None:
     rows = _first_rows(d.path, "data.path")
     records, where = [r for _, r in rows], [w for w, _ in rows]
     if command == "sft":
-        from megadare.data.sft_data import build_sft_examples
-
         build_sft_examples(
             records,
             tok,
@@ -125,8 +130,6 @@ def check_data(command: str, cfg: Config, tok) -> None:
             messages_key=d.messages_key,
         )
     elif command == "dpo":
-        from megadare.data.preference_data import build_preference_examples
-
         build_preference_examples(
             records,
             tok,
@@ -145,11 +148,6 @@ def check_data(command: str, cfg: Config, tok) -> None:
 
 def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     """RL prompt rows build, fit the prompt budget under data.overlong, and have a reward rule."""
-    from megadare.data.prompt_data import PromptRules, build_prompts
-    from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
-    from megadare.rewards.registry import auto_rule
-    from megadare.trainer.rl_setup import prompt_budget
-
     d, rl = cfg.data, cfg.rl
     skipped: Optional[list] = [] if rl.skip_rows_without_answer else None
     overlong: list = []
@@ -169,10 +167,8 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     load_reward(rl.reward)
     if runs_code(rl.reward, [p.record for p in built]):
         set_isolation(cfg.rewards.code.isolation)
-        check_isolation()  # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
+        rewards.check_isolation()  # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
     if rl.reward == "auto":
-        from megadare.rewards import RewardSpecError
-
         for p in built:
             try:
                 auto_rule(p.record)
@@ -183,8 +179,6 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
 def check_engine(cfg: Config) -> None:
     """The rollout engine can be imported here (sglang for rollout.engine=sglang)."""
     if cfg.rollout.engine == "sglang":
-        from megadare.rollout.sglang_engine import _import_sglang
-
         try:
             _import_sglang()
         except ImportError as e:
@@ -193,9 +187,6 @@ def check_engine(cfg: Config) -> None:
 
 def check_eval(cfg: Config) -> None:
     """The eval section and every task's data file (``megadare eval``)."""
-    from megadare.eval.files import task_file
-    from megadare.eval.runner import check_eval_config
-
     specs, _ = check_eval_config(cfg)
     for s in specs:
         if not s.path:
@@ -204,10 +195,6 @@ def check_eval(cfg: Config) -> None:
 
 def check_run_dir(command: str, cfg: Config) -> None:
     """The run directory is not held by another live run; say what a start would resume from."""
-    from megadare.convert.mcore_ckpt import newest_intact
-    from megadare.trainer.run_lock import holder_alive
-    from megadare.trainer.sft_loop import checkpoint_root
-
     held = holder_alive(cfg.logging.run_dir)
     if held:
         raise RunStateError(held)

@@ -36,9 +36,11 @@ def _events(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_demo_rl_improves_over_sft(tmp_path):
-    from megadare.demo import run_demo
+    from megadare.demo import DemoRun, run_demo
 
-    res = run_demo(str(tmp_path), sft_steps=300, rl_steps=10, overrides=["rl.eval_size=64", "rl.eval_interval=0"])
+    res = run_demo(
+        DemoRun(str(tmp_path), sft_steps=300, rl_steps=10, overrides=("rl.eval_size=64", "rl.eval_interval=0"))
+    )
     sft, rl = res["sft_accuracy"], res["rl_accuracy"]
     print(f"held-out accuracy: SFT {sft:.3f} -> RL {rl:.3f} ({res['seconds']:.0f} s)")
     assert rl >= sft + 0.15, (sft, rl)
@@ -52,11 +54,9 @@ def test_demo_rl_improves_over_sft(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert glob.glob(str(tmp_path / "rl" / "ckpt" / "iter_*"))
     # the same SFT checkpoint trained one-step-off (rollout k+1 overlaps update k): it learns like the sync run
-    from megadare.demo import demo_configs
-
-    _, cfg = demo_configs(
-        str(tmp_path), 300, 10, "tracerl", 1, ["rl.eval_size=64", "rl.eval_interval=0", "rl.mode=one_step_off"]
-    )
+    _, cfg = DemoRun(
+        str(tmp_path), 300, 10, "tracerl", 1, ("rl.eval_size=64", "rl.eval_interval=0", "rl.mode=one_step_off")
+    ).configs()
     cfg.logging.run_dir = str(tmp_path / "rl_off")
     off = _run(cfg)
     off_acc = off["evals"][max(off["evals"])]["accuracy"]

@@ -23,10 +23,17 @@ from functools import partial
 from typing import Any, Optional
 
 
+from megadare.algos.base import RLSample
+from megadare.algos.sft import example_generator
 from megadare.config import Config
+from megadare.data.preference_data import load_preference_examples
+from megadare.parallel import destroy_distributed, init_distributed
+from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.policy import build_policy
-from megadare.trainer.sft_loop import SFTRun, SFTStep, save_sft
+from megadare.trainer.run_lock import run_dir_lock
+from megadare.trainer.sft_loop import SFTRun, SFTStep, save_sft, train_steps, checkpoint_root, resume
 from megadare.trainer.spec import RunSpec, launched_world, resolve
+from megadare.trainer.step import store_outputs
 
 
 @dataclass
@@ -43,10 +50,6 @@ class DPORun(SFTRun):
 
 def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
-    from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.run_lock import run_dir_lock
-    from megadare.trainer.sft_loop import train_steps
-
     spec = resolve(cfg, launched_world(), job="dpo")
     init_distributed(spec.layout, seed=cfg.seed)
     try:
@@ -63,10 +66,6 @@ def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
 def setup_dpo(spec: RunSpec) -> DPORun:
     """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
     preference pairs; resumed from the newest checkpoint of the run when there is one."""
-    from megadare.data.preference_data import load_preference_examples
-    from megadare.trainer.model_setup import materialise, tokenizer_for
-    from megadare.trainer.sft_loop import checkpoint_root, resume
-
     cfg = spec.cfg
     src = materialise(spec.source, cfg)
     tok = tokenizer_for(cfg, src)
@@ -103,9 +102,6 @@ class DPOStep(SFTStep):
     """One DPO step: the step's pairs -> VRPO rows -> reference pass on the same rows -> one train step."""
 
     def rows(self, indices: list[int]) -> list:
-        from megadare.algos.base import RLSample
-        from megadare.algos.sft import example_generator
-
         run, rows = self.run, []
         for i in indices:
             ex = run.examples[i]
@@ -123,8 +119,6 @@ class DPOStep(SFTStep):
         return rows
 
     def passes(self, mine: list) -> None:
-        from megadare.trainer.step import store_outputs
-
         store_outputs(
             self.run.policy.ref_chunks, mine, "ref", self.run.kind, self.run.block_size, self.run.arch.vocab_size
         )

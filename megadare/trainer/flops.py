@@ -10,6 +10,8 @@ the output layer is counted in N_active.
 
 from __future__ import annotations
 
+import torch
+
 from megadare.models.family import ModelArch
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}
@@ -36,8 +38,6 @@ def step_flops(arch: ModelArch, seq_lengths: list[int]) -> float:
 
 def peak_tflops() -> float | None:
     """bf16 dense peak of the current GPU (None on CPU or an unknown GPU)."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()

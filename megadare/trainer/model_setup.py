@@ -9,6 +9,7 @@ The model source is one of
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from typing import Any, Optional
@@ -17,8 +18,13 @@ import torch
 import torch.distributed as dist
 
 from megadare.config import Config
+from megadare.convert import load_hf_into_model
+from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
 from megadare.errors import ConfigError, RunStateError
+from megadare.models import build_hf_model, save_hf_model
 from megadare.models.family import ModelArch, read_hf_config
+from megadare.models.gpt import transformer_config, build_model_chunks
+from megadare.models.head import HeadSettings
 from megadare.trainer.spec import ModelSource, model_source, source_of
 
 
@@ -49,8 +55,6 @@ def materialise(src: Optional[ModelSource], cfg: Config) -> ModelSource:
 
 
 def _write_tiny(src: ModelSource, seed: int) -> None:
-    from megadare.models import build_hf_model, save_hf_model
-
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = build_hf_model(src.hf_config)
@@ -63,8 +67,6 @@ def _write_tiny(src: ModelSource, seed: int) -> None:
 def _check_same_tiny(hf_dir: str, want: dict) -> None:
     """The run directory's tiny model must be the one the config asks for (model.family, model.tiny_config): an
     earlier run there wrote it, and its checkpoints hold that model."""
-    import json
-
     have = read_hf_config(hf_dir)
     diff = sorted(k for k in set(have) | set(want) if json.dumps(have.get(k)) != json.dumps(want.get(k)))
     if diff:
@@ -78,8 +80,6 @@ def _check_same_tiny(hf_dir: str, want: dict) -> None:
 
 def training_transformer_config(cfg: Config, arch: ModelArch):
     """TransformerConfig for training: dtype, SP, recomputation, MoE balancing as the family specifies."""
-    from megadare.models.gpt import transformer_config
-
     over: dict[str, Any] = {"sequence_parallel": cfg.parallel.sp}
     t = cfg.train
     if t.recompute == "full":
@@ -101,10 +101,6 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
 def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module]:
     """This rank's model chunks with the source weights loaded (HF straight into the shards); their output layer
     runs as ``train.logits`` says (models/head.py)."""
-    from megadare.convert import load_hf_into_model
-    from megadare.models.gpt import build_model_chunks
-    from megadare.models.head import HeadSettings
-
     tcfg = training_transformer_config(cfg, src.arch)
     chunks = build_model_chunks(
         src.arch,
@@ -121,8 +117,6 @@ VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.tx
 
 def tokenizer_for(cfg: Config, src: ModelSource):
     """The HF tokenizer of the checkpoint, or the byte tokenizer for tiny random models."""
-    from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
-
     if cfg.model.tiny:
         tok = ByteTokenizer()
         if tok.mask_token_id != src.arch.mask_token_id or tok.vocab_size > src.arch.vocab_size:

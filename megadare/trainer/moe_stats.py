@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 class MoELoadStats:
     def __init__(self, chunks: list[torch.nn.Module]):
-        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router import TopKRouter  # heavy: megatron
 
         self.counts: dict[int, torch.Tensor] = {}
         self.handles = []
@@ -40,7 +40,7 @@ class MoELoadStats:
         """max_load over this step (same on every rank); resets the counts. Collective when distributed."""
         if not self.active:
             return {}
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # heavy: megatron
 
         ratios = []
         for key in sorted(self.counts):

@@ -14,6 +14,7 @@ import os
 import time
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megadare.config import to_yaml
 
@@ -40,10 +41,9 @@ class Monitor:
         if self.jsonl_path:
             roll_back_jsonl(self.jsonl_path, start_step)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # heavy: tensorboard, only when logging asks for it
 
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
-        from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
 

@@ -9,10 +9,10 @@ def plot_rl_curve(
     history: list[dict[str, float]], evals: dict[int, dict[str, float]], path: str, title: str = "RL"
 ) -> str:
     """Mean rollout reward per RL step, with held-out accuracy at the evaluated steps, written to ``path``."""
-    import matplotlib
+    import matplotlib  # heavy: only the demo plots
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): headless
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     steps = list(range(1, len(history) + 1))

@@ -26,7 +26,7 @@ LOCK = "megadare.lock"
 
 
 def _start_time(pid: int) -> Optional[float]:
-    import psutil
+    import psutil  # optional-heavy: only when a lock holder must be checked
 
     try:
         return psutil.Process(pid).create_time()

@@ -14,22 +14,32 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from megadare.algos.sft import SFTRecipe, mask_kind, example_generator, example_rows
 from megadare.config import Config, resolve_sft_mode
+from megadare.data.files import load_many
+from megadare.data.prompt_data import synthetic_split
+from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
+from megadare.data.sft_data import build_sft_examples
+from megadare.diffusion.schedule import NoiseSchedule
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
-from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
+from megadare.parallel import destroy_distributed, init_distributed
 from megadare.parallel.layout import Layout
+from megadare.trainer.data_order import StepSampler
+from megadare.trainer.flops import peak_tflops, step_flops
 from megadare.trainer.loop import Loop
-from megadare.trainer.monitor import Monitor
+from megadare.trainer.model_setup import materialise, tokenizer_for
+from megadare.trainer.moe_stats import MoELoadStats
+from megadare.trainer.monitor import Monitor, write_run_config
 from megadare.trainer.policy import Policy, build_policy, lora_of
+from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.spec import RunSpec, launched_world, resolve
+from megadare.trainer.step import weighted_nll, train_step
 
 
 def sft_recipe(cfg: Config, arch):
-    from megadare.algos.sft import SFTRecipe
-    from megadare.diffusion.schedule import NoiseSchedule
-
     s = cfg.sft
     return SFTRecipe(
         mode=resolve_sft_mode(cfg, arch),
@@ -43,10 +53,6 @@ def sft_recipe(cfg: Config, arch):
 
 def load_examples(cfg: Config, tok) -> tuple[list, dict]:
     """Tokenized, length-checked SFT examples from data.path or a synthetic task."""
-    from megadare.data.files import load_many
-    from megadare.data.prompt_data import synthetic_split
-    from megadare.data.sft_data import build_sft_examples
-
     d = cfg.data
     sources = None
     if d.synthetic:  # the train split; the held-out split (rl.eval_size records) stays unseen for evaluation
@@ -72,7 +78,7 @@ def load_examples(cfg: Config, tok) -> tuple[list, dict]:
 def _memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
+    import psutil  # optional-heavy: only for the memory metric
 
     return psutil.Process().memory_info().rss / 2**30
 
@@ -107,9 +113,6 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     ``max_steps`` stops early after that many steps of this invocation (tests of resume), without the final
     checkpoint unless a save interval falls there.
     """
-    from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.run_lock import run_dir_lock
-
     spec = resolve(cfg, launched_world(), job="sft")
     layout = init_distributed(spec.layout, seed=cfg.seed)
     try:
@@ -126,8 +129,6 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
     example indices (a pure function of seed and step) -> ``step_fn`` -> metrics (console, tensorboard, JSONL);
     ``save(run)`` every ``checkpoint.save_interval`` steps, at the end and on SIGTERM. ``run`` has cfg, step and
     save_root; ``step_fn(indices)`` returns the step's metrics and ``step_fn.add_speed`` adds the speed ones."""
-    from megadare.trainer.data_order import StepSampler
-
     cfg, steps = run.cfg, run.cfg.train.steps
     sampler = StepSampler(n_examples, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle)
     loop = Loop(steps, run.step, Monitor(cfg.logging, steps, start_step=run.step, desc=desc), max_steps)
@@ -156,9 +157,6 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
 def setup_sft(spec: RunSpec) -> SFTRun:
     """Model (from ``checkpoint.load``, with LoRA adapters if asked), optimizer, data; resumed from the newest
     checkpoint of the run when there is one."""
-    from megadare.algos.sft import mask_kind
-    from megadare.trainer.model_setup import materialise, tokenizer_for
-
     cfg = spec.cfg
     src = materialise(spec.source, cfg)
     recipe = sft_recipe(cfg, src.arch)
@@ -189,8 +187,6 @@ def resume(run, written_by: str) -> dict:
     """Resume ``run`` (model, optimizer, scheduler, step) from the newest intact checkpoint under its save root, if
     any (``checkpoint.resume_run``: written by ``written_by`` from this model); rank 0 writes the run's config.
     Returns the checkpoint's train state ({} for a fresh run)."""
-    from megadare.trainer.monitor import write_run_config
-
     cfg = run.cfg
     state = run.policy.resume(run.save_root, run.src, written_by, None if cfg.model.tiny else cfg.model.hf_path)
     run.step = int(state.get("step", 0))
@@ -204,9 +200,6 @@ class SFTStep:
     share -> megatron train step; plus the speed metrics (tokens/s, TFLOP/s per GPU, MFU, memory)."""
 
     def __init__(self, run: SFTRun):
-        from megadare.trainer.flops import peak_tflops
-        from megadare.trainer.moe_stats import MoELoadStats
-
         self.run = run
         self.moe_stats = MoELoadStats(run.policy.model)
         self.peak = peak_tflops()
@@ -222,8 +215,6 @@ class SFTStep:
 
     def rows(self, indices: list[int]) -> list:
         """The training rows of the step's examples (corruptions seeded per (seed, step, example))."""
-        from megadare.algos.sft import example_generator, example_rows
-
         run, rows = self.run, []
         for i in indices:
             rows.extend(
@@ -235,16 +226,10 @@ class SFTStep:
         """Forward-only passes the objective needs before the step (none for SFT; DPO: the reference)."""
 
     def objective(self):
-        from megadare.trainer.step import weighted_nll
-
         return weighted_nll
 
     def train(self, rows: list) -> dict[str, float]:
         """Rows -> packed micro-batches -> this rank's data-parallel share -> one megatron train step."""
-        from megatron.core import parallel_state as ps
-
-        from megadare.trainer.step import train_step
-
         run, t = self.run, self.run.cfg.train
         mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=self.pad_id)
         self.n_tokens = sum(int((~m.padding).sum()) for m in mbs)
@@ -269,8 +254,6 @@ class SFTStep:
         return metrics
 
     def add_speed(self, metrics: dict[str, float], dt: float, epoch: float) -> None:
-        from megadare.trainer.flops import step_flops
-
         metrics.update(self.moe_stats.collect())
         metrics["tflops"] = step_flops(self.run.arch, self.lengths) / dt / 1e12 / dist.get_world_size()  # per GPU
         if self.peak:

@@ -10,12 +10,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
+
+from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
+from megadare.models import gpt
+from megadare.models.attention import family_mask
+from megadare.models.family import family_of, read_hf_config
+from megadare.parallel import Layout, destroy_distributed, init_distributed
+from megadare.trainer.forward import forward_logits
 
 
 def _build(hf_dir: str, sp: bool):
-    from megadare.models import gpt
-    from megadare.models.family import family_of, read_hf_config
-
     cfg = read_hf_config(hf_dir)
     fam = family_of(cfg)
     arch = fam.arch(cfg)
@@ -38,13 +43,6 @@ def megatron_logits(
     checkpoint, also from that checkpoint (returned as ``<name>/ckpt``). ``save_to[name]`` saves the model.
     Returns {case name: logits} from the rank that holds full logits (last PP stage, TP rank 0), else {}.
     """
-    from megatron.core import parallel_state
-
-    from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
-    from megadare.parallel import Layout, destroy_distributed, init_distributed
-    from megadare.models.attention import family_mask
-    from megadare.trainer.forward import forward_logits
-
     init_distributed(Layout(**layout))
     out: dict[str, torch.Tensor] = {}
     try:
@@ -74,9 +72,6 @@ def megatron_logits(
 
 def resave(rank: int, world: int, layout: dict, hf_dir: str, src_ckpt: str, dst_ckpt: str) -> bool:
     """Load a checkpoint under ``layout`` and save it again from the sharded model (round-trip tests)."""
-    from megadare.convert import load_checkpoint, save_checkpoint
-    from megadare.parallel import Layout, destroy_distributed, init_distributed
-
     init_distributed(Layout(**layout))
     try:
         arch, chunks = _build(hf_dir, layout.get("sp", False))
