@@ -123,11 +123,10 @@ class DPOStep(SFTStep):
         return rows
 
     def passes(self, mine: list) -> None:
-        from megadare.trainer.step import store_outputs
+        from megadare.trainer.step import RowFormat, store_outputs
 
-        store_outputs(
-            self.run.policy.ref_chunks, mine, "ref", self.run.kind, self.run.block_size, self.run.arch.vocab_size
-        )
+        fmt = RowFormat(self.run.kind, self.run.block_size, self.run.arch.vocab_size)
+        store_outputs(self.run.policy.ref_chunks, mine, "ref", fmt)
 
     def objective(self):
         return self.run.algo.objective(on_policy=True)

@@ -24,7 +24,9 @@ from megadare.trainer.offpolicy.correction import (
     store_behaviour,
     store_engine_behaviour,
 )
-from megadare.trainer.step import store_outputs, train_step
+from megadare.trainer.step import Readout, RowFormat, store_outputs, train_step
+
+VALUES = Readout(per_position=values_of)  # the value model's per-position outputs
 
 if TYPE_CHECKING:  # policy.py imports this module (Policy.prepare / update)
     from megadare.trainer.policy import Policy
@@ -43,6 +45,11 @@ class TrainShape:
     multiple: int
     model: Any
     generator_for: Callable[[int, int, int, int], Any]
+
+    @property
+    def fmt(self) -> RowFormat:
+        """How the passes read the rows (mask kind, block size, vocabulary)."""
+        return RowFormat(self.kind, self.block, self.arch.vocab_size)
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,7 @@ def _prepare(su: StepUpdate, samples, *, need_old: bool, epoch: int = 0):
         mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=sh.multiple
     )
     if need_old:
-        store_outputs(sh.model, mine, "old", sh.kind, sh.block, sh.arch.vocab_size)
+        store_outputs(sh.model, mine, "old", sh.fmt)
     return mine, denom, len(rows)
 
 
@@ -162,12 +169,11 @@ def _reference_passes(su: StepUpdate, group, mine, policy: Policy) -> None:
     with their LoRA adapters off) and the value model's V_old with its advantages."""
     shape, adapters_off, value = su.shape, policy.ref_adapters_off, policy.value
     ref_chunks = shape.model if adapters_off else policy.ref_chunks
-    kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
     if ref_chunks is not None:
         with adapters_disabled(ref_chunks) if adapters_off else contextlib.nullcontext():
-            store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
+            store_outputs(ref_chunks, mine, "ref", shape.fmt)
     if value is not None:
-        store_outputs(value.model, mine, "v_old", kind, block, vocab, per_position=values_of)
+        store_outputs(value.model, mine, "v_old", shape.fmt, VALUES)
         value_advantages(su.algo.value_model, group, mine)
 
 
@@ -183,26 +189,13 @@ def update(
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
     prepared, n_rows = policy.prepare(su, groups, objective, correction, out)
-    kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
-    opt, sched = policy.optimizer, policy.scheduler
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):
         for mine, denom in prepared[epoch % len(prepared)]:
-            m = train_step(shape.model, opt, sched, mine, denom, kind, block, vocab, objective=objective, entropy=True)
+            m = train_step(policy, mine, denom, shape.fmt, objective, Readout(entropy=True))
             if value is not None:
-                vm = train_step(
-                    value.model,
-                    value.optimizer,
-                    value.scheduler,
-                    mine,
-                    denom,
-                    kind,
-                    block,
-                    vocab,
-                    objective=ValueObjective(algo.value_model.clip),
-                    per_position=values_of,
-                )
+                vm = train_step(value, mine, denom, shape.fmt, ValueObjective(algo.value_model.clip), VALUES)
                 m.update(
                     {"value_loss": vm["value_loss"], "value_mean": vm["value_mean"], "value_grad_norm": vm["grad_norm"]}
                 )

@@ -244,7 +244,7 @@ class SFTStep:
         """Rows -> packed micro-batches -> this rank's data-parallel share -> one megatron train step."""
         from megatron.core import parallel_state as ps
 
-        from megadare.trainer.step import train_step
+        from megadare.trainer.step import RowFormat, train_step
 
         run, t = self.run, self.run.cfg.train
         mbs = pack_rows(rows, t.seq_length, t.micro_batch_size, pad_id=self.pad_id)
@@ -254,18 +254,8 @@ class SFTStep:
             mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=self.multiple
         )
         self.passes(mine)
-        metrics = train_step(
-            run.policy.model,
-            run.policy.optimizer,
-            run.policy.scheduler,
-            mine,
-            global_denominator(mbs),
-            run.kind,
-            run.block_size,
-            run.arch.vocab_size,
-            objective=self.objective(),
-            mask_fn=self.mask_fn,
-        )
+        fmt = RowFormat(run.kind, run.block_size, run.arch.vocab_size, self.mask_fn)
+        metrics = train_step(run.policy, mine, global_denominator(mbs), fmt, objective=self.objective())
         metrics["micro_batches"] = float(len(mine))
         return metrics
 
