@@ -23,7 +23,14 @@ from megadare.algos.value_model import attach_value_head
 from megadare.config import Config
 from megadare.models.lora import apply_lora, merged_weights
 from megadare.trainer import rl_update
-from megadare.trainer.checkpoint import iteration_dir, load_train_checkpoint, resume_run, save_train_checkpoint
+from megadare.trainer.checkpoint import (
+    CheckpointState,
+    Provenance,
+    iteration_dir,
+    load_train_checkpoint,
+    resume_run,
+    save_train_checkpoint,
+)
 from megadare.trainer.model_setup import build_training_chunks
 from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
@@ -57,16 +64,10 @@ class ValueModel:
     def root_of(policy_root: str) -> str:
         return policy_root + "_value"
 
-    def save(self, policy_root: str, step: int, meta: Optional[dict], keep_last: int) -> str:
+    def save(self, policy_root: str, step: int, meta: dict, keep_last: int) -> str:
+        about = Provenance({**meta, "value_model": True})
         return save_train_checkpoint(
-            self.root_of(policy_root),
-            step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            {"rl_step": step},
-            meta={**(meta or {}), "value_model": True},
-            keep_last=keep_last,
+            self.root_of(policy_root), step, self, CheckpointState({"rl_step": step}), about, keep_last
         )
 
     def load(self, policy_root: str, step: int) -> None:
@@ -86,18 +87,18 @@ class Policy:
     value: Optional[ValueModel] = None  # TraceRL
     ref_adapters_off: bool = False  # LoRA: the reference is ``model`` with its adapters off
 
-    def save(self, root: str, step: int, train_state: dict, **kw) -> str:
-        """Atomic checkpoint of model, optimiser and schedule (``checkpoint.save_train_checkpoint``'s keywords),
-        then the value model's of the same step."""
-        path = save_train_checkpoint(root, step, self.model, self.optimizer, self.scheduler, train_state, **kw)
+    def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
+        """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
+        (``checkpoint.save_train_checkpoint``), then the value model's of the same step."""
+        path = save_train_checkpoint(root, step, self, state, about, keep_last)
         if self.value is not None:
-            self.value.save(root, step, kw.get("meta"), kw.get("keep_last", 2))
+            self.value.save(root, step, about.meta, keep_last)
         return path
 
     def resume(self, root: str, src, written_by: str, source: Optional[str]) -> dict[str, Any]:
         """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
         and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
-        state = resume_run(root, self.model, self.optimizer, self.scheduler, src, written_by, source=source)
+        state = resume_run(root, self, src, written_by, source=source)
         if state and self.value is not None:
             self.value.load(root, int(state["step"]))
         return state

@@ -21,7 +21,7 @@ from megadare.errors import ConfigError
 from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import WeightSync
-from megadare.trainer.checkpoint import load_checkpoint_object
+from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
 from megadare.trainer.data_order import StepSampler
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
@@ -173,13 +173,9 @@ def save_run(run: RLRun) -> None:
         if run.rank0
         else None
     )
-    pol.save(
-        run.save_root,
-        step,
+    saved = CheckpointState(
         {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
-        meta=meta,
-        hf_files_from=run.spec.source.hf_dir,
-        keep_last=cfg.checkpoint.keep_last,
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
     )
+    pol.save(run.save_root, step, saved, Provenance(meta, run.spec.source.hf_dir), cfg.checkpoint.keep_last)

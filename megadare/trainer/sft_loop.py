@@ -20,6 +20,7 @@ from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
 from megadare.parallel.layout import Layout
+from megadare.trainer.checkpoint import CheckpointState, Provenance
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.policy import Policy, build_policy, lora_of
@@ -276,13 +277,9 @@ def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
     if cfg.sft.lora_rank > 0 and written_by == "megadare sft":
         meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
+    state = {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats}
     run.policy.save(
-        run.save_root,
-        run.step,
-        {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},
-        meta=meta,
-        hf_files_from=run.src.hf_dir,
-        keep_last=cfg.checkpoint.keep_last,
+        run.save_root, run.step, CheckpointState(state), Provenance(meta, run.src.hf_dir), cfg.checkpoint.keep_last
     )
 
 
