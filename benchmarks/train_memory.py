@@ -112,7 +112,8 @@ def child(vocab: int, seq: int, hidden: int, layers: int, logits: str, chunk_mb:
     from megadare.models.head import HeadSettings
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step
 
     init_distributed()
     arch = bench_arch(vocab, hidden, layers)
@@ -122,15 +123,8 @@ def child(vocab: int, seq: int, hidden: int, layers: int, logits: str, chunk_mb:
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=4))
     mbs = pack_rows(block_rows(arch, seq), seq, 1)
-    step = lambda: train_step(
-        model,
-        opt,
-        sched,
-        mbs,
-        global_denominator(mbs),
-        "block_diffusion",  # noqa: E731
-        arch.block_size,
-        vocab,
+    step = lambda: train_step(  # noqa: E731
+        Policy(model, opt, sched), mbs, global_denominator(mbs), RowFormat("block_diffusion", arch.block_size, vocab)
     )
     step()
     gc.collect()

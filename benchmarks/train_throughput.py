@@ -101,7 +101,8 @@ def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, 
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step
 
     tcfg = transformer_config(arch, dtype)
     chunks = build_model_chunks(arch, tcfg, attention_backend=backend)
@@ -136,7 +137,10 @@ def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, 
                 sync()
                 t0 = time.perf_counter()
             train_step(
-                model, opt, sched, mbs, float(batch * n), mask, arch.block_size, arch.vocab_size, mask_fn=mask_fn
+                Policy(model, opt, sched),
+                mbs,
+                float(batch * n),
+                RowFormat(mask, arch.block_size, arch.vocab_size, mask_fn),
             )
         sync()
         dt = (time.perf_counter() - t0) / steps
@@ -225,14 +229,15 @@ def block_samples(arch: ModelArch, seq: int, batch: int) -> list[dict]:
 
 
 def megadare_steps(hf_dir: str, logits: str, seq: int, batch: int, steps: int) -> list[dict]:
-    """Timed train steps of megadare with per-phase marks (hooks on the decoder, the objective, before_step)."""
+    """Timed train steps of megadare with per-phase marks (hooks on the decoder, the objective, the optimizer step)."""
     from megadare.convert import load_hf_into_model
     from megadare.data.rows import pack_rows
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.models.head import HeadSettings
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step, weighted_nll
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step, weighted_nll
 
     cfg = read_hf_config(hf_dir)
     arch = family_of(cfg).arch(cfg)
@@ -254,20 +259,22 @@ def megadare_steps(hf_dir: str, logits: str, seq: int, batch: int, steps: int) -
         marks["loss"] = time.perf_counter()
         return out
 
+    optimizer_step = opt.step
+
+    def marked_step():  # the backward is done: the optimizer step starts
+        marks["bwd"] = time.perf_counter()
+        return optimizer_step()
+
+    opt.step = marked_step
     out, first = [], 0.0
     for i in range(steps + 1):
         t0 = time.perf_counter()
         m = train_step(
-            model,
-            opt,
-            sched,
+            Policy(model, opt, sched),
             mbs,
             float(sum(mb.denom for mb in mbs)),
-            "block_diffusion",
-            arch.block_size,
-            arch.vocab_size,
+            RowFormat("block_diffusion", arch.block_size, arch.vocab_size),
             objective=objective,
-            before_step=lambda: marks.__setitem__("bwd", time.perf_counter()),
         )
         t1 = time.perf_counter()
         first = first if i else m["loss"]

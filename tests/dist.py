@@ -31,7 +31,8 @@ def random_step(model, opt, sched, arch, n_rows: int = 4) -> None:
     from megatron.core import parallel_state as ps
 
     from megadare.data.rows import Row, pack_rows, split_for_data_parallel
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step
 
     g = torch.Generator().manual_seed(0)
     rows = [
@@ -45,7 +46,7 @@ def random_step(model, opt, sched, arch, n_rows: int = 4) -> None:
         for _ in range(n_rows)
     ]
     mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-    train_step(model, opt, sched, mbs, 10.0 * n_rows, "bidirectional", 4, arch.vocab_size)
+    train_step(Policy(model, opt, sched), mbs, 10.0 * n_rows, RowFormat("bidirectional", 4, arch.vocab_size))
 
 
 def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2):

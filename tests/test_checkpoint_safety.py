@@ -207,9 +207,9 @@ def test_resume_refuses_another_commands_or_another_source_checkpoint(run):
         RunStateError,
         match=f"was written by megadare sft, this is megadare rl: start from it with checkpoint.load={ckpt}",
     ):
-        resume_run(ckpt, None, None, None, None, "megadare rl")
+        resume_run(ckpt, None, None, "megadare rl")
     with pytest.raises(RunStateError, match="was trained from .*init_hf, this config names model.hf_path=/elsewhere"):
-        resume_run(ckpt, None, None, None, None, "megadare sft", source="/elsewhere")
+        resume_run(ckpt, None, None, "megadare sft", source="/elsewhere")
 
 
 def test_one_run_per_run_directory(run):

@@ -109,7 +109,8 @@ def _train_step(hf_dir: str) -> dict:
     from megadare.models import gpt
     from megadare.models.family import family_of, read_hf_config
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step
 
     cfg = read_hf_config(hf_dir)
     arch = family_of(cfg).arch(cfg)
@@ -129,7 +130,9 @@ def _train_step(hf_dir: str) -> dict:
         )
         for _ in range(4)
     ]
-    report = train_step(model, opt, sched, pack_rows(rows, 20), 40.0, "bidirectional", 4, arch.vocab_size)
+    report = train_step(
+        Policy(model, opt, sched), pack_rows(rows, 20), 40.0, RowFormat("bidirectional", 4, arch.vocab_size)
+    )
     return {k: report[k] for k in ("loss", "grad_norm")}
 
 

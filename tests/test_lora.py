@@ -115,7 +115,8 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
     from megadare.data.rows import pack_rows, global_denominator, split_for_data_parallel
     from megadare.trainer.forward import forward_logits
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step
 
     init_distributed(Layout(**layout))
     sp = layout.get("sp", False)
@@ -175,7 +176,9 @@ def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
         mbs = pack_rows(rows, SEQ, micro_batch_size=1)
         denom = global_denominator(mbs)
         mine = split_for_data_parallel(mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-        m = train_step(ddp, opt, sched, mine, denom, "block_causal", arch.block_size, arch.vocab_size)
+        m = train_step(
+            Policy(ddp, opt, sched), mine, denom, RowFormat("block_causal", arch.block_size, arch.vocab_size)
+        )
         assert m["skipped"] == 0.0
         losses.append(m["loss"])
     after = dict(chunks[0].named_parameters())

@@ -110,7 +110,8 @@ def _measure_worker(rank, world, cases):
     from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.data.rows import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import RowFormat, train_step
 
     out = []
     try:
@@ -135,7 +136,7 @@ def _measure_worker(rank, world, cases):
             mbs = split_for_data_parallel(
                 pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             )
-            train_step(model, opt, sched, mbs, 40.0, "bidirectional", 4, arch.vocab_size)
+            train_step(Policy(model, opt, sched), mbs, 40.0, RowFormat("bidirectional", 4, arch.vocab_size))
             seen: set = set()
             params = [p for c in chunks for p in c.parameters()]
             weights = _storage_bytes(params, seen)

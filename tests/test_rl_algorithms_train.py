@@ -139,7 +139,7 @@ def _ar_worker(rank, world, hf_dir):
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.rollout.setup import sampling_params
     from megadare.trainer.rl_rollout import build_samples
-    from megadare.trainer.step import store_outputs
+    from megadare.trainer.step import RowFormat, store_outputs
     from dist import fresh_update
 
     init_distributed()
@@ -165,7 +165,7 @@ def _ar_worker(rank, world, hf_dir):
         samples, _ = build_samples(cfg, traj, [float(i % 2) for i in range(len(traj))])
         algo = build_algorithm("justgrpo")
         mbs = pack_rows(algo.batch_rows(samples, arch, 1, lambda i: example_generator(cfg.seed, 0, i)), 256, 2)
-        store_outputs(build_training_chunks(cfg, src), mbs, "old", "bidirectional", 1, arch.vocab_size)
+        store_outputs(build_training_chunks(cfg, src), mbs, "old", RowFormat("bidirectional", 1, arch.vocab_size))
         diff = 0.0
         for mb in mbs:
             sel = mb.weight > 0

@@ -44,7 +44,7 @@ def _worker(rank, world, hf_dir):
     from megadare.trainer.rl import on_rank0
     from megadare.trainer.rl_setup import rl_policy
     from megadare.trainer.rl_update import StepUpdate, TrainShape, _prepare, update
-    from megadare.trainer.step import store_outputs
+    from megadare.trainer.step import RowFormat, store_outputs
 
     init_distributed()
     try:
@@ -81,9 +81,9 @@ def _worker(rank, world, hf_dir):
             need_old=True,
         )
         with adapters_disabled(pol.model):
-            store_outputs(pol.model, mine, "ref", kind, arch.block_size, arch.vocab_size)
+            store_outputs(pol.model, mine, "ref", RowFormat(kind, arch.block_size, arch.vocab_size))
         plain = build_training_chunks(cfg, src)
-        store_outputs(plain, mine, "plain", kind, arch.block_size, arch.vocab_size)
+        store_outputs(plain, mine, "plain", RowFormat(kind, arch.block_size, arch.vocab_size))
         out["ref_vs_plain"] = max(float((mb.ref - mb.extras["plain"]).abs().max()) for mb in mine)
         out["policy_vs_plain"] = max(float((mb.old - mb.extras["plain"]).abs().max()) for mb in mine)
         # the weight sync sees the merged weights; the trainer's base weights come back unchanged

@@ -288,7 +288,8 @@ def _run_case(chunks, model, opt, sched, arch, case, head):
 
     from megadare.algos.value_model import ValueObjective, values_of
     from megadare.data.rows import global_denominator, split_for_data_parallel
-    from megadare.trainer.step import store_outputs, train_step, weighted_nll
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import Readout, RowFormat, store_outputs, train_step, weighted_nll
 
     name, _, kind, block, mbs, spec = case
     for c in chunks:
@@ -302,30 +303,25 @@ def _run_case(chunks, model, opt, sched, arch, case, head):
         objective, entropy = _entropy_bonus(weighted_nll), True
     elif spec.get("value"):
         objective, entropy, per_position = ValueObjective(0.2), False, values_of
-        store_outputs(model, mine, "v_pass", kind, block, vocab, per_position=values_of)
+        store_outputs(model, mine, "v_pass", RowFormat(kind, block, vocab), Readout(per_position=values_of))
         stored.append("v_pass")
     else:
         algo = _algo("vrpo" if spec.get("dpo") else spec["algo"])
         on_policy = bool(spec.get("dpo"))
         objective, entropy = algo.objective(on_policy=on_policy), True
         if not on_policy:
-            store_outputs(model, mine, "old", kind, block, vocab)
+            store_outputs(model, mine, "old", RowFormat(kind, block, vocab))
             stored.append("old")
         if algo.needs_ref:
-            store_outputs(model, mine, "ref", kind, block, vocab)
+            store_outputs(model, mine, "ref", RowFormat(kind, block, vocab))
             stored.append("ref")
     m = train_step(
-        model,
-        opt,
-        sched,
+        Policy(model, opt, sched),
         mine,
         denom,
-        kind,
-        block,
-        vocab,
+        RowFormat(kind, block, vocab),
         objective=objective,
-        entropy=entropy,
-        per_position=per_position,
+        readout=Readout(per_position=per_position, entropy=entropy),
     )
     grads = torch.cat(
         [b.grad_data.detach().float().clone() for x in model for b in x.buffers + x.expert_parallel_buffers]

@@ -319,7 +319,8 @@ def test_lora_sft_exports_merged_weights(tmp_path):
 def _fresh_checkpoint_worker(rank, world, hf_dir, root):
     from dist import random_step, tiny_trainer
     from megadare.parallel import destroy_distributed, init_distributed
-    from megadare.trainer.checkpoint import load_train_checkpoint, save_train_checkpoint
+    from megadare.trainer.checkpoint import CheckpointState, load_train_checkpoint, save_train_checkpoint
+    from megadare.trainer.policy import Policy
 
     def params(model):
         return {f"{i}.{k}": p.detach().clone() for i, m in enumerate(model) for k, p in m.named_parameters()}
@@ -327,7 +328,9 @@ def _fresh_checkpoint_worker(rank, world, hf_dir, root):
     init_distributed()
     try:
         _, model, opt, sched, arch, _ = tiny_trainer({}, hf_dir)
-        save_train_checkpoint(root, 0, model, opt, sched, {})  # before any update (an RL step that kept no group)
+        save_train_checkpoint(
+            root, 0, Policy(model, opt, sched), CheckpointState({})
+        )  # before any update (an RL step that kept no group)
         _, resumed, opt2, sched2, _, _ = tiny_trainer({}, hf_dir)
         load_train_checkpoint(root, resumed, opt2, sched2)
         before = params(model)

@@ -64,7 +64,8 @@ def _train_value(rank, world, hf_dir):
     from megadare.trainer.model_setup import build_training_chunks, resolve_model_source
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.step import store_outputs as _store_outputs
-    from megadare.trainer.step import train_step
+    from megadare.trainer.policy import Policy
+    from megadare.trainer.step import Readout, RowFormat, train_step
 
     init_distributed()
     try:
@@ -112,22 +113,20 @@ def _train_value(rank, world, hf_dir):
             mbs = pack_rows(rows_of(batch(16)), 256, 4)
             for mb in mbs:  # v_old from the current model (the clip acts around it)
                 mb.extras["v_old"] = torch.zeros_like(mb.weight)
-            _store_outputs(model, mbs, "v_old", "block_diffusion", 4, src.arch.vocab_size, per_position=values_of)
+            _store_outputs(
+                model, mbs, "v_old", RowFormat("block_diffusion", 4, src.arch.vocab_size), Readout(values_of)
+            )
             train_step(
-                model,
-                opt,
-                sched,
+                Policy(model, opt, sched),
                 mbs,
                 global_denominator(mbs),
-                "block_diffusion",
-                4,
-                src.arch.vocab_size,
+                RowFormat("block_diffusion", 4, src.arch.vocab_size),
                 objective=ValueObjective(clip=10.0),
-                per_position=values_of,
+                readout=Readout(per_position=values_of),
             )
         test = batch(400)
         mbs = pack_rows(rows_of(test), 256, 4)
-        _store_outputs(model, mbs, "v", "block_diffusion", 4, src.arch.vocab_size, per_position=values_of)
+        _store_outputs(model, mbs, "v", RowFormat("block_diffusion", 4, src.arch.vocab_size), Readout(values_of))
         v_by_sample: dict[int, list[float]] = {}
         for mb in mbs:
             sel = mb.head != 0

@@ -28,7 +28,8 @@ import re
 import shutil
 import sys
 import warnings
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megadare.convert.ckpt_writers import writers_die_with_trainer
 from megadare.errors import RunStateError
+from megadare.models.family import ModelConfigError, family_of
 from megadare.convert.mcore_ckpt import (
     HF_SUBDIR,
     MEGADARE_META,
@@ -59,6 +61,32 @@ from megadare.convert.mcore_ckpt import (
 
 TRAIN_STATE = "train_state.json"
 OPTIM_METADATA = {**SHARDED_SD_METADATA, "distrib_optim_sharding_type": "fully_reshardable"}
+
+
+if TYPE_CHECKING:  # annotations only: trainer/optim.py imports megatron at its top
+    from megadare.trainer.optim import Trainable
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What a training checkpoint holds besides model, optimiser and schedule: the JSON ``train_state`` (steps,
+    consumed data, evals; ``step``, world size and schedule are added), ``objects`` (picklable state saved by
+    rank 0 as ``<name>.pt``, e.g. the RL loop's queued rollouts and replay buffer) and ``rank_objects``
+    (per-rank state saved as ``<name>/rank_XXXXX.pt``, e.g. weight snapshots of this rank's shards). Read the
+    objects back with ``load_checkpoint_object``."""
+
+    train_state: dict[str, Any] = field(default_factory=dict)
+    objects: Optional[dict[str, Any]] = None
+    rank_objects: Optional[dict[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a checkpoint comes from: its ``meta`` (family, architecture, written_by, ...) and the HF checkpoint
+    ``hf_files_from`` whose config / tokenizer files it carries (its path is recorded as ``source``)."""
+
+    meta: dict[str, Any] = field(default_factory=dict)
+    hf_files_from: Optional[str] = None
 
 
 def _unwrap(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -108,7 +136,7 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
 
 
 def _rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker  # heavy: this module loads without megatron
 
     state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -117,7 +145,7 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker  # heavy: this module loads without megatron
 
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -128,29 +156,21 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_train_checkpoint(
     root: str,
     step: int,
-    chunks: list[torch.nn.Module],
-    optimizer,
-    scheduler,
-    train_state: dict[str, Any],
-    meta: Optional[dict] = None,
-    hf_files_from: Optional[str] = None,
+    trained: Trainable,
+    state: CheckpointState,
+    about: Provenance = Provenance(),
     keep_last: int = 2,
-    objects: Optional[dict[str, Any]] = None,
-    rank_objects: Optional[dict[str, Any]] = None,
 ) -> str:
-    """Save everything needed to resume at ``step`` (collective). Returns the checkpoint directory.
-
-    ``objects``: picklable state saved by rank 0 as ``<name>.pt`` (e.g. the RL loop's queued rollouts and replay
-    buffer); ``rank_objects``: per-rank state saved as ``<name>/rank_XXXXX.pt`` (e.g. weight snapshots of this
-    rank's shards). Both land inside the same atomic rename; read them with ``load_checkpoint_object``. A failed
-    write (a full disk) removes the partial ``iter_X.tmp`` and raises MegatronCheckpointError in one line."""
+    """Save everything needed to resume at ``step`` (collective): ``trained``'s model, optimiser and schedule and
+    the run's ``state``, all inside one atomic rename; the newest ``keep_last`` are kept. Returns the checkpoint
+    directory. A failed write (a full disk) removes the partial ``iter_X.tmp`` and raises MegatronCheckpointError
+    in one line."""
     final = iteration_dir(root, step)
     tmp = _tmp(final)
-    meta = dict(meta or {}, **({"source": os.path.abspath(hf_files_from)} if hf_files_from else {}))
+    hf = about.hf_files_from
+    about = Provenance(dict(about.meta, **({"source": os.path.abspath(hf)} if hf else {})), hf)
     try:
-        _write_train_checkpoint(
-            tmp, root, step, chunks, optimizer, scheduler, train_state, meta, hf_files_from, objects, rank_objects
-        )
+        _write_train_checkpoint(tmp, root, step, trained, state, about)
         if _rank() == 0:
             _finalise(tmp, final)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
@@ -176,20 +196,10 @@ def save_train_checkpoint(
 
 
 def _write_train_checkpoint(
-    tmp: str,
-    root: str,
-    step: int,
-    chunks,
-    optimizer,
-    scheduler,
-    train_state: dict,
-    meta: dict,
-    hf_files_from: Optional[str],
-    objects: Optional[dict],
-    rank_objects: Optional[dict],
+    tmp: str, root: str, step: int, trained: Trainable, state: CheckpointState, about: Provenance
 ) -> None:
     """Every file of the checkpoint into ``tmp`` (collective); rank 0 writes train_state.json and the meta last."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy: this module loads without megatron
 
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
@@ -197,27 +207,28 @@ def _write_train_checkpoint(
         os.makedirs(tmp)
     _barrier()
     with writers_die_with_trainer():
-        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), tmp)
+        dist_checkpointing.save(_sharded_state(trained.model, trained.optimizer, is_loading=False), tmp)
     world = dist.get_world_size() if dist.is_initialized() else 1
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
-    for name, obj in (rank_objects or {}).items():
+    for name, obj in (state.rank_objects or {}).items():
         os.makedirs(os.path.join(tmp, name), exist_ok=True)
         torch.save(obj, os.path.join(tmp, name, f"rank_{_rank():05d}.pt"))
     if _rank() == 0:
-        for name, obj in (objects or {}).items():
+        for name, obj in (state.objects or {}).items():
             torch.save(obj, os.path.join(tmp, f"{name}.pt"))
     _barrier()
     if _rank() == 0:
-        state = dict(
-            train_state,
+        scheduler = trained.scheduler
+        train_state = dict(
+            state.train_state,
             step=step,
             world_size=world,
             scheduler=scheduler.state_dict() if scheduler is not None else None,
         )
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
-            json.dump(state, f, indent=2, default=str)
-        write_meta(tmp, meta, hf_files_from)
+            json.dump(train_state, f, indent=2, default=str)
+        write_meta(tmp, about.meta, about.hf_files_from)
 
 
 def _os_reason(e: BaseException) -> str:
@@ -261,7 +272,7 @@ def _prune(root: str, keep_last: int, current: int) -> None:
 
 
 def load_checkpoint_object(path: str, name: str, per_rank: bool = False) -> Any:
-    """An object saved with ``save_train_checkpoint(objects=...)`` (or this rank's of ``rank_objects``); None
+    """An object saved with ``CheckpointState.objects`` (or this rank's of ``rank_objects``); None
     when the checkpoint has none."""
     ckpt = resolve_checkpoint_dir(path)
     f = os.path.join(ckpt, name, f"rank_{_rank():05d}.pt") if per_rank else os.path.join(ckpt, f"{name}.pt")
@@ -309,8 +320,6 @@ def check_same_model(ckpt: str, src) -> None:
     hf_config = os.path.join(ckpt, HF_SUBDIR, "config.json")
     if not os.path.exists(hf_config):
         return
-    from megadare.models.family import ModelConfigError, family_of
-
     try:
         cfg = read_json(hf_config)
         theirs = family_of(cfg).arch(cfg)
@@ -338,7 +347,7 @@ def load_train_checkpoint(
     ``src`` (the run's ModelSource), against the model. Returns the saved train state ({} for a model-only
     checkpoint, e.g. one written by the converter), with ``schedule_changes``: the LR-schedule settings of this
     run that replaced the checkpoint's (the run's config applies; the caller says so)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # heavy: this module loads without megatron
 
     ckpt = intact_checkpoint_dir(path)
     if src is not None:
@@ -421,9 +430,7 @@ def _decided_on_rank0(make):
     return box[0]
 
 
-def resume_run(
-    root: str, chunks, optimizer, scheduler, src, written_by: str, source: Optional[str] = None
-) -> dict[str, Any]:
+def resume_run(root: str, trained: Trainable, src, written_by: str, source: Optional[str] = None) -> dict[str, Any]:
     """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
 
     Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
@@ -456,7 +463,8 @@ def resume_run(
             f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
             "start a new run (logging.run_dir / checkpoint.save)"
         )
-    state = load_train_checkpoint(pick.path, chunks, optimizer, scheduler, src=src)
+    optimizer, scheduler = trained.optimizer, trained.scheduler
+    state = load_train_checkpoint(pick.path, trained.model, optimizer, scheduler, src=src)
     changes = state.get("schedule_changes") or []
     applied = f"; this run's settings replace the checkpoint's: {', '.join(changes)}" if changes else ""
     schedule = describe_schedule(scheduler, optimizer) if scheduler is not None else "none"

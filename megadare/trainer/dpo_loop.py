@@ -33,7 +33,7 @@ from megadare.trainer.policy import build_policy
 from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.sft_loop import SFTRun, SFTStep, save_sft, train_steps, checkpoint_root, resume
 from megadare.trainer.spec import RunSpec, launched_world, resolve
-from megadare.trainer.step import store_outputs
+from megadare.trainer.step import RowFormat, store_outputs
 
 
 @dataclass
@@ -119,9 +119,8 @@ class DPOStep(SFTStep):
         return rows
 
     def passes(self, mine: list) -> None:
-        store_outputs(
-            self.run.policy.ref_chunks, mine, "ref", self.run.kind, self.run.block_size, self.run.arch.vocab_size
-        )
+        fmt = RowFormat(self.run.kind, self.run.block_size, self.run.arch.vocab_size)
+        store_outputs(self.run.policy.ref_chunks, mine, "ref", fmt)
 
     def objective(self):
         return self.run.algo.objective(on_policy=True)

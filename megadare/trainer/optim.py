@@ -13,11 +13,21 @@ parameters are all on the CPU or all on CUDA; a TE / apex fused Adam is left as 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+class Trainable(Protocol):
+    """Model chunks with the optimiser and LR schedule that train them (``trainer.policy``'s Policy or
+    ValueModel)."""
+
+    model: list[torch.nn.Module]
+    optimizer: Any
+    scheduler: Any
 
 
 @dataclass

@@ -8,7 +8,9 @@
 The model is this rank's Megatron chunks with the source weights (then ``checkpoint.load``), LoRA adapters on top
 when asked, wrapped for data parallelism; the optimiser and LR schedule run over ``updates`` optimiser steps. The
 reference is a frozen second model, or with LoRA the policy itself with its adapters off; TraceRL's value model
-is the policy's backbone with a value head and its own optimiser. ``save`` and ``resume`` checkpoint all of it.
+is the policy's backbone with a value head and its own optimiser (``ValueModel``). ``save`` and ``resume``
+checkpoint all of it. In RL the policy also ``prepare``s a step's micro-batches (old / reference / value / behaviour
+passes), ``update``s itself on them (``trainer/rl_update.py``) and ``push``es its weights into the engines.
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megadare.algos.algorithm import ValueModelSettings
+from megadare.algos.value_model import attach_value_head
 from megadare.config import Config
-from megadare.trainer.checkpoint import load_train_checkpoint, resume_run, save_train_checkpoint
+from megadare.models.lora import apply_lora, merged_weights
+from megadare.trainer import rl_update
+from megadare.trainer.checkpoint import (
+    CheckpointState,
+    Provenance,
+    iteration_dir,
+    load_train_checkpoint,
+    resume_run,
+    save_train_checkpoint,
+)
 from megadare.trainer.model_setup import build_training_chunks
 from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
@@ -40,6 +52,31 @@ def lora_of(section) -> Optional[LoRA]:
 
 
 @dataclass
+class ValueModel:
+    """TraceRL's value model: the policy's backbone with a value head (DDP-wrapped chunks), its optimiser and LR
+    schedule; checkpointed beside the policy under ``<root>_value`` at the same steps."""
+
+    model: list
+    optimizer: Any
+    scheduler: Any
+
+    @staticmethod
+    def root_of(policy_root: str) -> str:
+        return policy_root + "_value"
+
+    def save(self, policy_root: str, step: int, meta: dict, keep_last: int) -> str:
+        about = Provenance({**meta, "value_model": True})
+        return save_train_checkpoint(
+            self.root_of(policy_root), step, self, CheckpointState({"rl_step": step}), about, keep_last
+        )
+
+    def load(self, policy_root: str, step: int) -> None:
+        load_train_checkpoint(
+            iteration_dir(self.root_of(policy_root), step), self.model, self.optimizer, self.scheduler
+        )
+
+
+@dataclass
 class Policy:
     """The trained model (DDP-wrapped chunks), its optimiser and LR schedule, the reference and the value model."""
 
@@ -47,17 +84,40 @@ class Policy:
     optimizer: Any
     scheduler: Any
     ref_chunks: Optional[list] = None  # frozen reference (KL algorithms, DPO)
-    value: Optional[tuple] = None  # (chunks, optimizer, scheduler) of the value model (TraceRL)
+    value: Optional[ValueModel] = None  # TraceRL
     ref_adapters_off: bool = False  # LoRA: the reference is ``model`` with its adapters off
 
-    def save(self, root: str, step: int, train_state: dict, **kw) -> str:
-        """Atomic checkpoint of model, optimiser and schedule (``checkpoint.save_train_checkpoint``'s keywords)."""
-        return save_train_checkpoint(root, step, self.model, self.optimizer, self.scheduler, train_state, **kw)
+    def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
+        """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
+        (``checkpoint.save_train_checkpoint``), then the value model's of the same step."""
+        path = save_train_checkpoint(root, step, self, state, about, keep_last)
+        if self.value is not None:
+            self.value.save(root, step, about.meta, keep_last)
+        return path
 
     def resume(self, root: str, src, written_by: str, source: Optional[str]) -> dict[str, Any]:
-        """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``);
-        the checkpoint's train state ({} when there is none)."""
-        return resume_run(root, self.model, self.optimizer, self.scheduler, src, written_by, source=source)
+        """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
+        and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
+        state = resume_run(root, self, src, written_by, source=source)
+        if state and self.value is not None:
+            self.value.load(root, int(state["step"]))
+        return state
+
+    def prepare(self, su, groups, objective, correction, out: dict) -> tuple[list[list], int]:
+        """An RL step's micro-batches with their old / reference / value / behaviour passes
+        (``rl_update.prepare_all``)."""
+        return rl_update.prepare_all(su, groups, self, objective, correction, out)
+
+    def update(self, su, samples, objective, correction=None) -> dict[str, float]:
+        """One RL step's optimiser steps of the policy (and value model) on ``samples`` (``rl_update.update``)."""
+        return rl_update.update(su, samples, self, objective, correction)
+
+    def push(self, weight_sync, version: int) -> dict[str, float]:
+        """Push the current weights into the engines as ``version`` (collective; with LoRA the engines get the
+        merged W + s B A). The run's ``WeightSync`` is passed: it is built after the engines start and closed
+        with them, and SFT / DPO policies have none."""
+        with merged_weights(self.model):
+            return weight_sync.push(version)
 
 
 def build_policy(
@@ -73,8 +133,6 @@ def build_policy(
     model; ``value``: the algorithm trains a value model with these settings."""
     chunks = initial_chunks(cfg, src)
     if lora is not None:
-        from megadare.models.lora import apply_lora  # megatron
-
         apply_lora(chunks, lora.rank, lora.alpha, targets=lora.targets)
     model = wrap_ddp(chunks, cfg.train.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
@@ -102,15 +160,13 @@ def frozen_chunks(cfg: Config, src) -> list:
     return chunks
 
 
-def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: int):
-    """(chunks, optimizer, scheduler) of TraceRL's value model: the policy's backbone (``checkpoint.load`` when
-    set) + a zero-init value head, trained at ``settings.lr``."""
-    from megadare.algos.value_model import attach_value_head  # megatron
-
+def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: int) -> ValueModel:
+    """TraceRL's value model: the policy's backbone (``checkpoint.load`` when set) + a zero-init value head,
+    trained at ``settings.lr``."""
     model = initial_chunks(cfg, src)
     attach_value_head(model)
     model = wrap_ddp(model, cfg.train.distributed_optimizer)
     opt, sched = build_optimizer(
         model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0, warmup_steps=0, lr_decay_style="constant")
     )
-    return model, opt, sched
+    return ValueModel(model, opt, sched)

@@ -15,12 +15,16 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator, Optional
 
+from megadare.algos.sft import example_generator
 from megadare.config import Config
 from megadare.parallel import destroy_distributed, init_distributed
-from megadare.trainer.run_lock import run_dir_lock
-from megadare.trainer.rl_setup import RLRun, save_run, setup_run
+from megadare.parallel.rank0 import run_on_rank0
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
+from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table, oldest_needed, reindex, version_table
+from megadare.trainer.rl_setup import RLRun, save_run, setup_run
+from megadare.trainer.rl_update import Correction, StepUpdate, TrainShape, replay_select
+from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -67,8 +71,7 @@ def rl_run(spec: RunSpec) -> Iterator[RLRun]:
     finally:
         if run.weight_sync is not None:
             run.weight_sync.close()
-        if run.manager is not None:
-            run.manager.shutdown()
+        run.rollouts.shutdown()
 
 
 def rl_step(run: RLRun) -> None:
@@ -112,51 +115,38 @@ def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
     t0 = time.perf_counter()
     stats = push_current(run)
     if queued:
-        on_rank0(run, lambda: run.queue.advance())
+        on_rank0(run, lambda: run.rollouts.queue.advance())
     return {**stats, "sync_s": time.perf_counter() - t0}
 
 
 def push_current(run: RLRun) -> dict[str, float]:
     """The one push of the current weights as version ``run.step`` (collective), for the step's sync and for a
     repeat push to restarted engines alike: with LoRA inside ``merged_weights``, so the engines get W + s B A."""
-    from megadare.models.lora import merged_weights
-
-    with merged_weights(run.policy.model):
-        return run.weight_sync.push(run.step)
+    return run.policy.push(run.weight_sync, run.step)
 
 
 def on_rank0(run: RLRun, work):
     """``work()`` on rank 0 (the engines' owner) while the other ranks stand by to push the current weights again
     should every engine have been restarted meanwhile; its result on every rank."""
-    from megadare.parallel.rank0 import run_on_rank0
-
     return run_on_rank0(work, lambda: push_current(run), run.manager)
 
 
 def start_loop(run: RLRun) -> None:
     """The monitor and (rank 0) the rollout queue, restored from the checkpoint's queued rollouts."""
-    from megadare.trainer.offpolicy.queue import RolloutQueue
-    from megadare.trainer.rl_rollout import RolloutStarter
-
     cfg = run.cfg
     run.monitor = Monitor(cfg.logging, cfg.rl.steps, start_step=run.step, desc="rl")
     if run.rank0:
-        run.queue = RolloutQueue(RolloutStarter(run), run.ahead, cfg.rl.steps)
-        if run.async_state is not None:
-            run.queue.restore(run.async_state.get("queue", {}))
+        run.rollouts.open_queue(run.async_state)
 
 
 def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     """The step's scored samples on every rank: rank 0 takes the queued rollout and scores it, then broadcasts.
     With async correction, the weights of this version are snapshotted first (behaviour of rollouts queued now)."""
-    from megadare.trainer.offpolicy.correction import oldest_needed
-    from megadare.trainer.rl_rollout import collect_step
-
     t0 = time.perf_counter()
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    samples, metrics = on_rank0(run, lambda: collect_step(run, run.step))
+    samples, metrics = on_rank0(run, lambda: run.rollouts.collect(run.step))
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 
@@ -164,9 +154,6 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
 def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     """Off-policy correction state of the step (None under plain PPO) and, with D-ARL replay, the step's
     samples plus the best-matched replayed ones (the fresh samples join the buffer)."""
-    from megadare.trainer.offpolicy.correction import engine_table, reindex, version_table
-    from megadare.trainer.rl_update import Correction, replay_select
-
     cfg = run.cfg
     if cfg.rl.loss_mode == "ppo":
         return samples, None
@@ -185,9 +172,6 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
 
 def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples``."""
-    from megadare.trainer.offpolicy.correction import bypass_rejection
-    from megadare.trainer.rl_update import update
-
     if not samples:
         return {}
     rl, pol = run.cfg.rl, run.policy
@@ -196,7 +180,7 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     )
     if rl.loss_mode == "bypass" and rl.rollout_is is not None:
         objective.reject = bypass_rejection(run.cfg)
-    return update(_step_update(run), samples, pol, objective, correction)
+    return pol.update(_step_update(run), samples, objective, correction)
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:
@@ -212,10 +196,7 @@ def log_step(run: RLRun, metrics: dict[str, float]) -> None:
 
 def evaluate_at(run: RLRun) -> None:
     """Held-out accuracy at ``run.step`` (rank 0 runs it on the engines; every rank records it)."""
-    from megadare.trainer.rl_rollout import evaluate
-
-    params = run.spec.eval_sampling
-    res = on_rank0(run, lambda: evaluate(run.cfg, run.manager, run.tok, run.reward_fn, run.held_prompts, params))
+    res = on_rank0(run, run.rollouts.evaluate)
     if res:
         run.evals[run.step] = res
         run.monitor.log(run.step, {f"eval/{k}": v for k, v in res.items()}, advance=False)
@@ -223,13 +204,11 @@ def evaluate_at(run: RLRun) -> None:
 
 def _step_update(run: RLRun):
     """What this step's update works from (``rl_update.StepUpdate``), with the run's ``TrainShape``."""
-    from megadare.algos.sft import example_generator
-    from megadare.trainer.rl_update import StepUpdate, TrainShape
-
+    spec = run.spec
     shape = TrainShape(
-        run.arch,
-        run.block,
-        run.kind,
+        spec.arch,
+        spec.train_sampling.block_size,
+        spec.arch.training_mask,
         _pad_id(run),
         run.spec.layout.micro_batch_multiple,
         run.policy.model,
@@ -239,7 +218,7 @@ def _step_update(run: RLRun):
 
 
 def _pad_id(run: RLRun) -> int:
-    return getattr(run.tok, "pad_token_id", 0) or 0
+    return getattr(run.rollouts.tok, "pad_token_id", 0) or 0
 
 
 def rl_worker(rank: int, world: int, cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:

@@ -1,38 +1,150 @@
-"""The rollout side of the RL loop: rewards and the step's samples (the sampling parameters and the engine actors
-come from rollout/setup.py).
+"""The rollout role of the RL loop: ``Rollouts`` (start, collect, evaluate) and the step's samples (the sampling
+parameters and the engine actors come from rollout/setup.py).
 
-Rank 0 owns the engines (``rollout.setup.start_engines``); ``collect_step`` turns the queued rollout of a step into
-scored ``RLSample``s with advantages and behaviour versions (rewards through :mod:`.reward_step`, which stops the
-run when they cannot be computed); ``evaluate`` is the held-out accuracy.
+Rank 0 owns the engines (``rollout.setup.start_engines``) and the rollout queue; ``Rollouts.collect`` turns the
+queued rollout of a step into scored ``RLSample``s with advantages and behaviour versions (rewards through
+:mod:`.reward_step`, which stops the run when they cannot be computed); ``Rollouts.evaluate`` is the held-out
+accuracy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
 import torch
 
+from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
+from megadare.algos.base import RLSample
 from megadare.config import Config
-from dataclasses import replace
+from megadare.rollout.engine import answer_ids
+from megadare.trainer.data_order import StepSampler
+from megadare.trainer.offpolicy.queue import PartialRollout, RolloutQueue, lookahead, staleness_metrics
+from megadare.trainer.reward_step import score_rollouts, score_texts
+from megadare.trainer.spec import RunSpec
 
 
-def evaluate(cfg: Config, manager, tok, reward_fn, prompts, params) -> dict[str, float]:
-    """Held-out accuracy (mean reward) and mean response length under ``params``."""
-    from megadare.trainer.reward_step import score_rollouts
+@dataclass
+class Rollouts:
+    """What the RL loop's rollouts need: the run's spec (config, algorithm, train / eval sampling parameters),
+    the tokenizer and reward, the training and held-out prompts and which of them each step takes; on rank 0
+    the engines (``manager``, started after the checkpoint is read) and the rollout queue (``open_queue``)."""
 
-    if not prompts:
-        return {}
-    traj = manager.generate([p.prompt_ids for p in prompts], params)
-    scores, _ = score_rollouts(cfg, reward_fn, tok, traj, prompts, "held-out evaluation")
-    return {
-        "accuracy": sum(scores) / len(scores),
-        "response_length": sum(len(t.response_ids) for t in traj) / len(traj),
-    }
+    spec: RunSpec
+    tok: Any
+    reward_fn: Any
+    train_prompts: list
+    held_prompts: list
+    sampler: StepSampler
+    manager: Any = None  # RolloutManager (rank 0)
+    queue: Optional[RolloutQueue] = None  # rank 0, from ``open_queue``
+
+    @property
+    def cfg(self) -> Config:
+        return self.spec.cfg
+
+    @property
+    def ahead(self) -> int:
+        """How many steps the rollouts run ahead of the trainer (``rl.mode``, ``rl.max_staleness``)."""
+        return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
+
+    def open_queue(self, restored: Optional[dict]) -> None:
+        """Rank 0: the rollout queue, restored from the checkpoint's queued rollouts (``restored``) when given."""
+        self.queue = RolloutQueue(self.start, self.ahead, self.cfg.rl.steps)
+        if restored is not None:
+            self.queue.restore(restored.get("queue", {}))
+
+    def start(self, at: int):
+        """Rank 0: starts the rollout of RL step ``at`` -> (prompt indices, rollout in flight): ``rl.n_samples``
+        responses per prompt, seeded per step; d-TreeRPO's trees block (their own shape); partial rollouts with a
+        queue go in block-aligned segments."""
+        cfg, rl, algo, manager = self.cfg, self.cfg.rl, self.spec.algo, self.manager
+        grid = self.spec.arch.is_block_diffusion
+        indices = self.sampler.batch(at)
+        prompts = [self.train_prompts[i].prompt_ids for i in indices]
+        params = replace(self.spec.train_sampling, seed=cfg.seed * 100_003 + at)
+        if algo.own_rollout:
+            return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples, global_grid=grid)
+        expanded = [q for q in prompts for _ in range(rl.n_samples)]
+        if rl.partial_rollout and self.ahead:
+            return indices, PartialRollout(manager.submit, expanded, params, rl.partial_rollout, global_grid=grid)
+        return indices, manager.submit(expanded, params)
+
+    def evaluate(self) -> dict[str, float]:
+        """Rank 0: held-out accuracy (mean reward) and mean response length under the eval sampling parameters."""
+        prompts = self.held_prompts
+        if not prompts:
+            return {}
+        traj = self.manager.generate([p.prompt_ids for p in prompts], self.spec.eval_sampling)
+        scores, _ = score_rollouts(self.cfg, self.reward_fn, self.tok, traj, prompts, "held-out evaluation")
+        return {
+            "accuracy": sum(scores) / len(scores),
+            "response_length": sum(len(t.response_ids) for t in traj) / len(traj),
+        }
+
+    def collect(self, step: int) -> tuple[list, dict[str, float]]:
+        """Rank 0: the queued rollout of RL ``step`` -> rewards -> samples (with their behaviour versions) +
+        metrics."""
+        cfg, algo, tok, reward_fn, rl = self.cfg, self.spec.algo, self.tok, self.reward_fn, self.cfg.rl
+        q, traj, wait_s = self.queue.take(step)
+        batch = [self.train_prompts[i] for i in q.batch_indices]
+        for tr in traj:
+            tr.validate()
+        prompts = [b for b in batch for _ in range(rl.n_samples)]
+        rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
+        samples, metrics = build_samples(cfg, traj, rewards)
+        own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
+        samples = samples if own is None else own
+
+        def score_ids(responses, indices):
+            texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
+            return score_texts(
+                cfg, reward_fn, texts, [prompts[i] for i in indices], f"RL step {step + 1} (intermediate answers)"
+            )[0]
+
+        algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
+        metrics.update({f"reward_{k}": v for k, v in rstats.items()})
+        stale = [step - t.policy_version for t in traj]
+        if max(stale) > rl.max_staleness:
+            oldest = min(t.policy_version for t in traj)
+            raise RuntimeError(
+                f"rollout of step {step} used policy version {oldest}, staler than rl.max_staleness={rl.max_staleness}"
+            )
+        _stamp_versions(samples, traj, step, rl.behaviour_logp == "engine")
+        metrics.update(staleness_metrics(stale))
+        mixed = [len(set(t.token_versions)) > 1 for t in traj if t.token_versions]
+        if mixed:
+            metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
+        engine_s = sum(t.engine_s for t in traj)
+        metrics.update(
+            rollout_wait_s=wait_s,
+            **{"async/rollout_busy_s": engine_s, "async/queue_depth": float(len(self.queue.queue))},
+        )
+        return samples, metrics
+
+    def shutdown(self) -> None:
+        """Rank 0: stop the engines."""
+        if self.manager is not None:
+            self.manager.shutdown()
+
+
+def _stamp_versions(samples, traj, step: int, engine_logp: bool) -> None:
+    """Each sample's behaviour policy version (per token with partial rollouts), its rollout step and, with
+    ``rl.behaviour_logp=engine``, the engine's log-probs."""
+    version = [t.policy_version for t in traj]
+    for s in samples:
+        s.policy_version = version[s.index] if s.index < len(version) else step
+        s.extra["rollout_step"] = step
+        if s.index < len(traj) and traj[s.index].token_versions:
+            s.token_versions = traj[s.index].token_versions
+        if engine_logp:
+            # per slot of the trace replay: token k, then the commits token edits overwrote (trace_replay.py)
+            t = traj[s.index]
+            s.engine_logprobs = list(t.logprobs) + [e.logprob for e in t.superseded or []]
 
 
 def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list, dict]:
     """RLSamples with advantages (after the group filters) and the step's rollout metrics."""
-    from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
-    from megadare.algos.base import RLSample
-
     rl = cfg.rl
     G = rl.n_samples
     r = torch.tensor(rewards)
@@ -73,86 +185,4 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
         "forwards_per_token": sum(t.num_forwards for t in trajectories)
         / max(sum(len(t.response_ids) for t in trajectories), 1),
     }
-    return samples, metrics
-
-
-class RolloutStarter:
-    """Rank 0: starts the rollout of RL step ``at`` -> (prompt indices, rollout in flight): ``rl.n_samples``
-    responses per prompt, seeded per step; d-TreeRPO's trees block (their own shape); partial rollouts with a
-    queue go in block-aligned segments."""
-
-    def __init__(self, run):
-        self.run = run
-
-    def __call__(self, at: int):
-        from megadare.trainer.offpolicy.queue import PartialRollout
-
-        run = self.run
-        cfg, rl, algo, manager = run.cfg, run.cfg.rl, run.algo, run.manager
-        indices = run.sampler.batch(at)
-        prompts = [run.train_prompts[i].prompt_ids for i in indices]
-        params = replace(run.spec.train_sampling, seed=cfg.seed * 100_003 + at)
-        if algo.own_rollout:
-            return indices, algo.rollout(
-                manager.generate, prompts, params, rl.n_samples, global_grid=run.arch.is_block_diffusion
-            )
-        expanded = [q for q in prompts for _ in range(rl.n_samples)]
-        if rl.partial_rollout and run.ahead:
-            return indices, PartialRollout(
-                manager.submit, expanded, params, rl.partial_rollout, global_grid=run.arch.is_block_diffusion
-            )
-        return indices, manager.submit(expanded, params)
-
-
-def collect_step(run, step: int) -> tuple[list, dict[str, float]]:
-    """Rank 0: the queued rollout of the RL run's ``step`` -> rewards -> samples (with their behaviour versions)
-    + metrics."""
-    from megadare.trainer.reward_step import score_rollouts, score_texts
-    from megadare.trainer.offpolicy.queue import staleness_metrics
-
-    cfg, algo, queue, tok, reward_fn, rl = run.cfg, run.algo, run.queue, run.tok, run.reward_fn, run.cfg.rl
-    q, traj, wait_s = queue.take(step)
-    batch = [run.train_prompts[i] for i in q.batch_indices]
-    for tr in traj:
-        tr.validate()
-    prompts = [b for b in batch for _ in range(rl.n_samples)]
-    rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
-    samples, metrics = build_samples(cfg, traj, rewards)
-    own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
-    samples = samples if own is None else own
-
-    def score_ids(responses, indices):
-        from megadare.rollout.engine import answer_ids
-
-        texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]
-        return score_texts(
-            cfg, reward_fn, texts, [prompts[i] for i in indices], f"RL step {step + 1} (intermediate answers)"
-        )[0]
-
-    algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
-    metrics.update({f"reward_{k}": v for k, v in rstats.items()})
-    stale = [step - t.policy_version for t in traj]
-    if max(stale) > rl.max_staleness:
-        oldest = min(t.policy_version for t in traj)
-        raise RuntimeError(
-            f"rollout of step {step} used policy version {oldest}, staler than rl.max_staleness={rl.max_staleness}"
-        )
-    version = [t.policy_version for t in traj]
-    for s in samples:
-        s.policy_version = version[s.index] if s.index < len(version) else step
-        s.extra["rollout_step"] = step
-        if s.index < len(traj) and traj[s.index].token_versions:
-            s.token_versions = traj[s.index].token_versions
-        if rl.behaviour_logp == "engine":
-            # per slot of the trace replay: token k, then the commits token edits overwrote (trace_replay.py)
-            t = traj[s.index]
-            s.engine_logprobs = list(t.logprobs) + [e.logprob for e in t.superseded or []]
-    metrics.update(staleness_metrics(stale))
-    mixed = [len(set(t.token_versions)) > 1 for t in traj if t.token_versions]
-    if mixed:
-        metrics["async/mixed_version_fraction"] = sum(mixed) / len(mixed)
-    engine_s = sum(t.engine_s for t in traj)
-    metrics.update(
-        rollout_wait_s=wait_s, **{"async/rollout_busy_s": engine_s, "async/queue_depth": float(len(queue.queue))}
-    )
     return samples, metrics

@@ -1,54 +1,68 @@
-"""Everything an RL run holds, built once: ``setup_run(cfg) -> RLRun``, and its checkpoint (``save_run``).
+"""Everything an RL run holds, built once: ``setup_run(spec) -> RLRun``, and its checkpoint (``save_run``).
 
-The run is: the model source and algorithm, the tokenizer / reward / prompts, the policy (DDP-wrapped chunks,
-optimizer, scheduler), the reference and value models when the algorithm needs them, the async state (weight
-snapshots, replay buffer, the rollout queue), the engines (rank 0) and the bookkeeping (monitor, evals, history).
-A restarted run resumes here from the newest checkpoint under ``checkpoint.save`` (or ``<run_dir>/ckpt``).
+The run is its roles: the resolved ``RunSpec`` (config, model source, algorithm, sampling parameters), the
+``Policy`` (model, optimiser, schedule, reference and value model), the ``Rollouts`` (tokenizer, reward, prompts,
+engines and queue on rank 0) and the ``WeightSync`` between them; then the loop's state: the step, the async
+state (weight snapshots, replay buffer), the monitor, evals and history. A restarted run resumes here from the
+newest checkpoint under ``checkpoint.save`` (or ``<run_dir>/ckpt``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Optional
 
 import torch.distributed as dist
 
 from megadare.config import Config
+from megadare.convert import mapping_for
+from megadare.data.prompt_data import load_rl_prompts
 from megadare.errors import ConfigError
-from megadare.models.family import MaskKind
+from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
+from megadare.rollout.setup import start_engines
+from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
+from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
+from megadare.trainer.data_order import StepSampler
+from megadare.trainer.model_setup import materialise, tokenizer_for
+from megadare.trainer.monitor import Monitor, write_run_config
+from megadare.trainer.offpolicy.correction import needs_snapshots
+from megadare.trainer.offpolicy.queue import WeightSnapshots
+from megadare.trainer.offpolicy.replay import ReplayBuffer
 from megadare.trainer.policy import Policy, build_policy, lora_of
+from megadare.trainer.rl_rollout import Rollouts
+from megadare.trainer.sft_loop import checkpoint_root
 from megadare.trainer.spec import RunSpec
 
 
 @dataclass
 class RLRun:
+    """The RL run's roles (spec, policy, rollouts, weight sync) and the loop's state."""
+
     spec: RunSpec
-    cfg: Config
-    src: Any  # ModelSource (arch, family, hf_dir, hf_config)
-    algo: Any
-    tok: Any
-    reward_fn: Any
-    train_prompts: list
-    held_prompts: list
     policy: Policy
-    block: int  # denoising block size of sampler and trainer
-    kind: MaskKind  # the training mask (ModelArch.training_mask)
+    rollouts: Rollouts
     save_root: str
-    sampler: Any = None  # StepSampler: which prompts each step takes
     step: int = 0
-    snapshots: Any = None  # WeightSnapshots (async correction)
-    buffer: Any = None  # ReplayBuffer (D-ARL)
+    snapshots: Optional[WeightSnapshots] = None  # async correction
+    buffer: Optional[ReplayBuffer] = None  # D-ARL
     async_state: Optional[dict] = None  # the checkpoint's queue / replay state (resume)
-    manager: Any = None  # RolloutManager (rank 0)
-    weight_sync: Any = None  # WeightSync: pushes the policy into the engines (every rank)
-    queue: Any = None  # RolloutQueue (rank 0)
-    monitor: Any = None
+    weight_sync: Optional[WeightSync] = None  # pushes the policy into the engines (every rank)
+    monitor: Optional[Monitor] = None
     evals: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
 
     @property
-    def arch(self):
-        return self.src.arch
+    def cfg(self) -> Config:
+        return self.spec.cfg
+
+    @property
+    def algo(self):
+        return self.spec.algo
+
+    @property
+    def manager(self):
+        """The engines' RolloutManager (rank 0; None elsewhere)."""
+        return self.rollouts.manager
 
     @property
     def rank0(self) -> bool:
@@ -56,52 +70,29 @@ class RLRun:
 
     @property
     def ahead(self) -> int:
-        from megadare.trainer.offpolicy.queue import lookahead
-
-        return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
+        return self.rollouts.ahead
 
 
 def setup_run(spec: RunSpec) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
-    from megadare.trainer.offpolicy.replay import ReplayBuffer
-    from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
-    from megadare.trainer.data_order import StepSampler
-    from megadare.trainer.model_setup import materialise, tokenizer_for
-    from megadare.trainer.monitor import write_run_config
-    from megadare.trainer.offpolicy.queue import WeightSnapshots
-    from megadare.trainer.offpolicy.correction import needs_snapshots
-    from megadare.rollout.setup import start_engines
-    from megadare.trainer.sft_loop import checkpoint_root
-
-    cfg, algo = spec.cfg, spec.algo
-    src = materialise(spec.source, cfg)
-    block = spec.train_sampling.block_size
-    tok = tokenizer_for(cfg, src)
+    cfg = spec.cfg
+    spec = replace(spec, source=materialise(spec.source, cfg))
+    tok = tokenizer_for(cfg, spec.source)
     train_prompts, held_prompts = _prompts(cfg, tok)
     set_isolation(cfg.rewards.code.isolation)
     if runs_code(cfg.rl.reward, [p.record for p in train_prompts + held_prompts]):
         check_isolation()  # refuse now, not at the first scored step, where the kernel refuses the sandbox
-    run = RLRun(
-        spec=spec,
-        cfg=cfg,
-        src=src,
-        algo=algo,
-        tok=tok,
-        reward_fn=load_reward(cfg.rl.reward),
-        train_prompts=train_prompts,
-        held_prompts=held_prompts,
-        policy=rl_policy(cfg, src, algo),
-        block=block,
-        kind=src.arch.training_mask,
-        save_root=checkpoint_root(cfg),
-    )
-    run.sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+    reward_fn = load_reward(cfg.rl.reward)
+    policy = rl_policy(cfg, spec.source, spec.algo)
+    sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+    rollouts = Rollouts(spec, tok, reward_fn, train_prompts, held_prompts, sampler)
+    run = RLRun(spec, policy, rollouts, save_root=checkpoint_root(cfg))
     run.snapshots = WeightSnapshots(run.policy.model) if needs_snapshots(cfg, run.ahead) else None
     run.buffer = ReplayBuffer(cfg.replay.k, cfg.replay.warmup) if cfg.replay.enable else None
     _resume(run)
     if run.rank0:
         write_run_config(cfg)
-        run.manager = start_engines(cfg, src, tok)
+        rollouts.manager = start_engines(cfg, spec.source, tok)
     run.weight_sync = _weight_sync(cfg, run)
     return run
 
@@ -109,16 +100,13 @@ def setup_run(spec: RunSpec) -> RLRun:
 def _weight_sync(cfg: Config, run: RLRun):
     """The run's weight sync (every rank; rank 0 drives the engines): transport and bucket size from the config,
     block-fp8 linear weights for SGLang engines serving an fp8 export."""
-    from megadare.convert import mapping_for
-    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
-
-    return WeightSync(run.policy.model, mapping_for(run.src.hf_config)[2], run.manager, SyncSettings.of(cfg.rollout))
+    return WeightSync(
+        run.policy.model, mapping_for(run.spec.source.hf_config)[2], run.manager, SyncSettings.of(cfg.rollout)
+    )
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
     """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row."""
-    from megadare.data.prompt_data import load_rl_prompts
-
     return load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, prompt_budget(cfg))
 
 
@@ -144,16 +132,12 @@ def rl_policy(cfg: Config, src, algo) -> Policy:
 def _resume(run: RLRun) -> None:
     """Restore step, optimizer, value model, weight snapshots, replay buffer and queue state from the newest
     checkpoint of the run (nothing when there is none)."""
-    from megadare.trainer.checkpoint import iteration_dir, load_checkpoint_object, load_train_checkpoint
-
     pol, cfg = run.policy, run.cfg
-    state = pol.resume(run.save_root, run.src, "megadare rl", None if cfg.model.tiny else cfg.model.hf_path)
+    state = pol.resume(run.save_root, run.spec.source, "megadare rl", None if cfg.model.tiny else cfg.model.hf_path)
     if not state:
         return
     resume_from, run.step = state["resumed_from"], int(state["step"])
     run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
-    if pol.value is not None:  # the value model's checkpoint of the same step
-        load_train_checkpoint(iteration_dir(run.save_root + "_value", run.step), *pol.value)
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
     if run.snapshots is not None:
         snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
@@ -168,39 +152,24 @@ def _resume(run: RLRun) -> None:
 
 
 def save_run(run: RLRun) -> None:
-    """Atomic checkpoint of the policy (and value model), the queued rollouts, replay buffer and snapshots."""
-    from megadare.trainer.checkpoint import save_train_checkpoint
-
+    """Atomic checkpoint of the policy (and its value model), the queued rollouts, replay buffer and snapshots."""
     cfg, pol, step = run.cfg, run.policy, run.step
     meta = {
-        "family": run.src.family.name,
-        "architecture": run.arch.architecture,
+        "family": run.spec.source.family.name,
+        "architecture": run.spec.arch.architecture,
         "written_by": "megadare rl",
         "algo": run.algo.name,
     }
     if cfg.rl.lora_rank > 0:  # the export folds the adapters in (convert._merged_lora)
         meta["lora"] = {"rank": cfg.rl.lora_rank, "alpha": cfg.rl.lora_alpha}
     state = (
-        {"queue": run.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
+        {"queue": run.rollouts.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
         if run.rank0
         else None
     )
-    pol.save(
-        run.save_root,
-        step,
+    saved = CheckpointState(
         {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
-        meta=meta,
-        hf_files_from=run.src.hf_dir,
-        keep_last=cfg.checkpoint.keep_last,
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
     )
-    if pol.value is not None:
-        save_train_checkpoint(
-            run.save_root + "_value",
-            step,
-            *pol.value,
-            {"rl_step": step},
-            meta={**meta, "value_model": True},
-            keep_last=cfg.checkpoint.keep_last,
-        )
+    pol.save(run.save_root, step, saved, Provenance(meta, run.spec.source.hf_dir), cfg.checkpoint.keep_last)

@@ -5,16 +5,32 @@ Also the distribution-matched replay selection, which needs the same passes on t
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 from megadare.algos.algorithm import ValueModelSettings
+from megadare.algos.value_model import ValueObjective, step_advantages, values_of
+from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
 from megadare.models.family import MaskKind, ModelArch
-from megadare.trainer.policy import Policy
-from megadare.trainer.step import store_outputs
+from megadare.models.lora import adapters_disabled
+from megadare.trainer.offpolicy.replay import ReplayMatch, ReplayRule
+from megadare.trainer.offpolicy.correction import (
+    correction_weights,
+    replay_scores,
+    store_behaviour,
+    store_engine_behaviour,
+)
+from megadare.trainer.step import Readout, RowFormat, store_outputs, train_step
+
+VALUES = Readout(per_position=values_of)  # the value model's per-position outputs
+
+if TYPE_CHECKING:  # policy.py imports this module (Policy.prepare / update)
+    from megadare.trainer.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -31,6 +47,11 @@ class TrainShape:
     model: Any
     generator_for: Callable[[int, int, int, int], Any]
 
+    @property
+    def fmt(self) -> RowFormat:
+        """How the passes read the rows (mask kind, block size, vocabulary)."""
+        return RowFormat(self.kind, self.block, self.arch.vocab_size)
+
 
 @dataclass(frozen=True)
 class StepUpdate:
@@ -46,10 +67,6 @@ class StepUpdate:
 def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
     """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
     the micro-batches (``adv``, extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
-    from megatron.core import parallel_state as ps
-
-    from megadare.algos.value_model import step_advantages
-
     if not micro_batches or "v_old" not in micro_batches[0].extras:
         return {}  # not the last pipeline stage
     local = []
@@ -93,10 +110,6 @@ class Correction:
 
 def _prepare(su: StepUpdate, samples, *, need_old: bool, epoch: int = 0):
     """Rows (corruptions of ``epoch``) -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
-    from megatron.core import parallel_state as ps
-
-    from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
-
     cfg, algo, step, sh = su.cfg, su.algo, su.step, su.shape
     rows = algo.batch_rows(samples, sh.arch, sh.block, lambda index: sh.generator_for(cfg.seed, step, index, epoch))
     if not rows:
@@ -107,13 +120,11 @@ def _prepare(su: StepUpdate, samples, *, need_old: bool, epoch: int = 0):
         mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=sh.multiple
     )
     if need_old:
-        store_outputs(sh.model, mine, "old", sh.kind, sh.block, sh.arch.vocab_size)
+        store_outputs(sh.model, mine, "old", sh.fmt)
     return mine, denom, len(rows)
 
 
 def _behaviour(corr: Correction, mine, versions: set[int], shape: TrainShape) -> None:
-    from megadare.trainer.offpolicy.correction import store_behaviour, store_engine_behaviour
-
     if corr.engine_logprobs is not None:
         store_engine_behaviour(mine, corr.engine_logprobs)
     else:
@@ -127,11 +138,9 @@ def corruption_draws(cfg, algo) -> int:
     return cfg.rl.ppo_epochs if redraw else 1
 
 
-def _prepare_all(su: StepUpdate, groups, policy: Policy, objective, correction, out) -> tuple[list[list], int]:
+def prepare_all(su: StepUpdate, groups, policy: Policy, objective, correction, out) -> tuple[list[list], int]:
     """Every corruption set's micro-batches with their old / reference / value / behaviour passes, all taken before
     the first update: [draw][mini-batch] -> (micro-batches, denominator); and the number of rows."""
-    from megadare.trainer.offpolicy.correction import correction_weights
-
     cfg = su.cfg
     versions = set(correction.version_of.values()) if correction is not None else set()
     if correction is not None:
@@ -159,17 +168,13 @@ def _prepare_all(su: StepUpdate, groups, policy: Policy, objective, correction, 
 def _reference_passes(su: StepUpdate, group, mine, policy: Policy) -> None:
     """``ref`` log-probs from the reference (the policy's ``ref_chunks``; with ``ref_adapters_off`` its own chunks
     with their LoRA adapters off) and the value model's V_old with its advantages."""
-    from megadare.algos.value_model import values_of
-    from megadare.models.lora import adapters_disabled
-
     shape, adapters_off, value = su.shape, policy.ref_adapters_off, policy.value
     ref_chunks = shape.model if adapters_off else policy.ref_chunks
-    kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
     if ref_chunks is not None:
         with adapters_disabled(ref_chunks) if adapters_off else contextlib.nullcontext():
-            store_outputs(ref_chunks, mine, "ref", kind, block, vocab)
+            store_outputs(ref_chunks, mine, "ref", shape.fmt)
     if value is not None:
-        store_outputs(value[0], mine, "v_old", kind, block, vocab, per_position=values_of)
+        store_outputs(value.model, mine, "v_old", shape.fmt, VALUES)
         value_advantages(su.algo.value_model, group, mine)
 
 
@@ -179,33 +184,19 @@ def update(
     """The algorithm's rows -> (old / ref / value / behaviour passes, IS weights) -> ppo_epochs x mini_batches
     optimizer steps of the policy (``su.shape.model``); epoch e trains on corruption set e when they are redrawn
     (``corruption_draws``)."""
-    from megadare.algos.value_model import ValueObjective, values_of
-    from megadare.trainer.step import train_step
-
     algo, shape, value, rl = su.algo, su.shape, policy.value, su.cfg.rl
     prompt_groups = sorted({s.group for s in samples})
     n_mb = min(rl.mini_batches, len(prompt_groups))
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
-    prepared, n_rows = _prepare_all(su, groups, policy, objective, correction, out)
-    kind, block, vocab = shape.kind, shape.block, shape.arch.vocab_size
-    opt, sched = policy.optimizer, policy.scheduler
+    prepared, n_rows = policy.prepare(su, groups, objective, correction, out)
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):
         for mine, denom in prepared[epoch % len(prepared)]:
-            m = train_step(shape.model, opt, sched, mine, denom, kind, block, vocab, objective=objective, entropy=True)
+            m = train_step(policy, mine, denom, shape.fmt, objective, Readout(entropy=True))
             if value is not None:
-                vm = train_step(
-                    *value,
-                    mine,
-                    denom,
-                    kind,
-                    block,
-                    vocab,
-                    objective=ValueObjective(algo.value_model.clip),
-                    per_position=values_of,
-                )
+                vm = train_step(value, mine, denom, shape.fmt, ValueObjective(algo.value_model.clip), VALUES)
                 m.update(
                     {"value_loss": vm["value_loss"], "value_mean": vm["value_mean"], "value_grad_norm": vm["grad_norm"]}
                 )
@@ -219,11 +210,6 @@ def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> lis
     candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
     corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are copies
     with new indices ``offset + j`` (the caller re-indexes them) and keep their version and advantage."""
-    import copy
-
-    from megadare.trainer.offpolicy.correction import replay_scores
-    from megadare.trainer.offpolicy.replay import ReplayMatch, ReplayRule
-
     cfg, step = su.cfg, su.step
     cands = buffer.entries(step)
     if n <= 0 or not cands or not buffer.ready:

@@ -29,6 +29,7 @@ from megadare.parallel import destroy_distributed, init_distributed
 from megadare.parallel.layout import Layout
 from megadare.trainer.data_order import StepSampler
 from megadare.trainer.flops import peak_tflops, step_flops
+from megadare.trainer.checkpoint import CheckpointState, Provenance
 from megadare.trainer.loop import Loop
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.moe_stats import MoELoadStats
@@ -36,7 +37,7 @@ from megadare.trainer.monitor import Monitor, write_run_config
 from megadare.trainer.policy import Policy, build_policy, lora_of
 from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.spec import RunSpec, launched_world, resolve
-from megadare.trainer.step import weighted_nll, train_step
+from megadare.trainer.step import RowFormat, weighted_nll, train_step
 
 
 def sft_recipe(cfg: Config, arch):
@@ -238,18 +239,8 @@ class SFTStep:
             mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=self.multiple
         )
         self.passes(mine)
-        metrics = train_step(
-            run.policy.model,
-            run.policy.optimizer,
-            run.policy.scheduler,
-            mine,
-            global_denominator(mbs),
-            run.kind,
-            run.block_size,
-            run.arch.vocab_size,
-            objective=self.objective(),
-            mask_fn=self.mask_fn,
-        )
+        fmt = RowFormat(run.kind, run.block_size, run.arch.vocab_size, self.mask_fn)
+        metrics = train_step(run.policy, mine, global_denominator(mbs), fmt, objective=self.objective())
         metrics["micro_batches"] = float(len(mine))
         return metrics
 
@@ -268,13 +259,9 @@ def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
     if cfg.sft.lora_rank > 0 and written_by == "megadare sft":
         meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
+    state = {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats}
     run.policy.save(
-        run.save_root,
-        run.step,
-        {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats},
-        meta=meta,
-        hf_files_from=run.src.hf_dir,
-        keep_last=cfg.checkpoint.keep_last,
+        run.save_root, run.step, CheckpointState(state), Provenance(meta, run.src.hf_dir), cfg.checkpoint.keep_last
     )
 
 

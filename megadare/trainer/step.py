@@ -24,6 +24,7 @@ With ``entropy`` the micro-batch handed to the objective also carries the entrop
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -36,12 +37,39 @@ from megadare.data.rows import MB_COLUMNS, MicroBatch
 from megadare.models.family import MaskKind
 from megadare.models.head import HeadSettings, ScoredOutput, ScoredTargets
 from megadare.trainer.logprob import token_entropy, token_logprobs
+from megadare.trainer.optim import Trainable
 
 
 class Objective(Protocol):
     """Turns one micro-batch's per-token log-probs into (sum of weighted per-token losses, report sums)."""
 
     def __call__(self, mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How the model reads a micro-batch's rows: the attention mask (``kind`` with the denoising ``block`` size,
+    or a ``mask_fn`` building it from the micro-batch) and the vocabulary size of the output layer."""
+
+    kind: MaskKind
+    block: int
+    vocab: int
+    mask_fn: Optional[Callable[[MicroBatch], Any]] = None
+
+    def mask(self, mb: MicroBatch):
+        return self.mask_fn(mb) if self.mask_fn is not None else mb.mask(self.kind, self.block)
+
+
+@dataclass(frozen=True)
+class Readout:
+    """What a pass reads from the model's output at each position: the labels' log-probs (``entropy``: also the
+    entropies, module doc), or ``per_position(output, micro-batch)`` (a value head's outputs)."""
+
+    per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None
+    entropy: bool = False
+
+
+LOGPROBS = Readout()
 
 
 def weighted_nll(mb: MicroBatch, logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -150,21 +178,20 @@ def _per_position(out, mb: MicroBatch, vocab_size: int, per_position, entropy: b
 def run_micro_batches(
     chunks: list[torch.nn.Module],
     micro_batches: list[MicroBatch],
-    mask_kind: MaskKind,
-    block_size: int,
-    vocab_size: int,
+    fmt: RowFormat,
     objective: Objective,
-    loss_scale: float,
-    forward_only: bool = False,
-    mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
-    per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
-    entropy: bool = False,
+    loss_scale: Optional[float] = None,
+    readout: Readout = LOGPROBS,
 ) -> dict[str, float]:
-    """Forward (and backward) of this rank's micro-batches; returns report sums reduced over the whole
-    global batch (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc).
+    """Forward and backward of this rank's micro-batches; returns report sums reduced over the whole global batch
+    (DP x CP) and broadcast over PP, each divided by ``loss_scale``'s D (see module doc). ``loss_scale`` None:
+    a forward-only pass (no backward, no scaling).
 
-    The objective sees per-position label log-probs, or ``per_position(model output, micro-batch)`` when given
-    (a value head's outputs); ``entropy``: see the module doc."""
+    The objective sees what ``readout`` reads at each position: label log-probs (and entropies, module doc) or
+    ``per_position(model output, micro-batch)`` (a value head's outputs)."""
+    forward_only = loss_scale is None
+    loss_scale = 1.0 if loss_scale is None else loss_scale
+    per_position, entropy, vocab_size = readout.per_position, readout.entropy, fmt.vocab
     device = _device()
     n_micro = len(micro_batches)
     dp = ps.get_data_parallel_world_size()
@@ -175,7 +202,7 @@ def run_micro_batches(
     def forward_step(data_iterator, model):
         full = _to(next(data_iterator), device)
         mb = cp_slice(full)
-        mask = mask_fn(full) if mask_fn is not None else full.mask(mask_kind, block_size)
+        mask = fmt.mask(full)
         moe = getattr(chunks[0].config, "num_moe_experts", None)
         out = model(
             mb.tokens,
@@ -219,16 +246,16 @@ def run_micro_batches(
     return metrics
 
 
-def store_outputs(chunks, micro_batches, key: str, kind: MaskKind, block: int, vocab: int, per_position=None) -> None:
-    """Per-position log-probs (or ``per_position`` outputs, e.g. values) of the micro-batches under ``chunks``
-    into ``mb.put(key, ...)`` (a ``PASSES`` field, else extras; on the last pipeline stage)."""
-    for mb, out in zip(micro_batches, outputs_of(chunks, micro_batches, kind, block, vocab, per_position)):
+def store_outputs(chunks, micro_batches, key: str, fmt: RowFormat, readout: Readout = LOGPROBS) -> None:
+    """Per-position log-probs (or ``readout``'s per-position outputs, e.g. values) of the micro-batches under
+    ``chunks`` into ``mb.put(key, ...)`` (a ``PASSES`` field, else extras; on the last pipeline stage)."""
+    for mb, out in zip(micro_batches, outputs_of(chunks, micro_batches, fmt, readout)):
         mb.put(key, out)
 
 
-def outputs_of(chunks, micro_batches, kind: MaskKind, block: int, vocab: int, per_position=None) -> list[torch.Tensor]:
-    """Per-position log-probs (or ``per_position`` outputs) [b, S] of each micro-batch under ``chunks``, on the
-    micro-batches' device; empty on the stages before the last pipeline stage."""
+def outputs_of(chunks, micro_batches, fmt: RowFormat, readout: Readout = LOGPROBS) -> list[torch.Tensor]:
+    """Per-position log-probs (or ``readout``'s per-position outputs) [b, S] of each micro-batch under ``chunks``,
+    on the micro-batches' device; empty on the stages before the last pipeline stage."""
     got: list[torch.Tensor] = []
 
     def grab(mb, logp):
@@ -236,17 +263,7 @@ def outputs_of(chunks, micro_batches, kind: MaskKind, block: int, vocab: int, pe
         return (logp * 0).sum(), {}
 
     with torch.no_grad():
-        run_micro_batches(
-            chunks,
-            micro_batches,
-            kind,
-            block,
-            vocab,
-            grab,
-            loss_scale=1.0,
-            forward_only=True,
-            per_position=per_position,
-        )
+        run_micro_batches(chunks, micro_batches, fmt, grab, readout=readout)
     cp = ps.get_context_parallel_world_size()
     out = []
     for mb, lp in zip(micro_batches, got):
@@ -278,22 +295,17 @@ def _reduce_reports(reports: list[dict], scale: float, device: torch.device) -> 
 
 
 def train_step(
-    chunks: list[torch.nn.Module],
-    optimizer,
-    scheduler,
+    trained: Trainable,
     micro_batches: list[MicroBatch],
     global_denom: float,
-    mask_kind: MaskKind,
-    block_size: int,
-    vocab_size: int,
+    fmt: RowFormat,
     objective: Objective = weighted_nll,
-    before_step: Optional[Callable[[], None]] = None,
-    mask_fn: Optional[Callable[[MicroBatch], Any]] = None,
-    per_position: Optional[Callable[[torch.Tensor, MicroBatch], torch.Tensor]] = None,
-    entropy: bool = False,
+    readout: Readout = LOGPROBS,
 ) -> dict[str, float]:
-    """One optimizer step on this rank's micro-batches. Returns metrics (same on every rank); ``entropy``: also
-    the mean entropy of the scored positions (module doc)."""
+    """One optimizer step of ``trained`` (model chunks, optimiser, LR schedule) on this rank's micro-batches.
+    Returns metrics (same on every rank); with ``readout.entropy`` also the mean entropy of the scored positions
+    (module doc)."""
+    chunks, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -301,20 +313,7 @@ def train_step(
         c.train()
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    metrics = run_micro_batches(
-        chunks,
-        micro_batches,
-        mask_kind,
-        block_size,
-        vocab_size,
-        objective,
-        loss_scale=1.0 / global_denom,
-        mask_fn=mask_fn,
-        per_position=per_position,
-        entropy=entropy,
-    )
-    if before_step is not None:
-        before_step()
+    metrics = run_micro_batches(chunks, micro_batches, fmt, objective, 1.0 / global_denom, readout)
     metrics["lr"] = float(optimizer.param_groups[0]["lr"])
     ok, grad_norm, _ = optimizer.step()
     if ok:

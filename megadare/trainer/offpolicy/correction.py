@@ -36,7 +36,7 @@ from megadare.data.rows import MicroBatch
 from megadare.errors import ConfigError
 from megadare.trainer.offpolicy.importance import RolloutIS, rollout_is_weights
 from megadare.trainer.offpolicy.replay import balance_heuristic_weights, variance_guided_scores
-from megadare.trainer.step import outputs_of
+from megadare.trainer.step import RowFormat, outputs_of
 
 Key = tuple[int, int]  # (sample index, slot)
 
@@ -95,7 +95,7 @@ def store_behaviour(shape, corr, micro_batches: list[MicroBatch], versions: set[
                     mb.version_logp[v] = mb.old
             continue
         with snapshots.swapped_in(v):
-            for mb, lp in zip(micro_batches, outputs_of(model, micro_batches, kind, block, vocab)):
+            for mb, lp in zip(micro_batches, outputs_of(model, micro_batches, RowFormat(kind, block, vocab))):
                 mb.version_logp[v] = lp
     for mb in micro_batches:
         if mb.old is None:
