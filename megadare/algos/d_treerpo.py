@@ -49,7 +49,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import SLOT_CONST, RLSample, Slots
-from megadare.diffusion.corruption import one_step
+from megadare.diffusion.corruption import CleanSequence, one_step
 from megadare.errors import ConfigError
 
 
@@ -262,7 +262,7 @@ class DTreeRPO(Algorithm):
     # ------------------------------------------------------------------ estimator and loss
     def views(self, s, arch, block_size, g):
         """The segment scored from one forward on the parent state: d1's one-step view without prompt masking."""
-        return one_step(s.prompt_ids, s.response_ids, arch.mask_token_id, g, p_prompt=0.0)
+        return one_step(CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id), g, p_prompt=0.0)
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         """Rows per node, with each token slot's self-distillation coefficient in ``extras['per_slot_sd']``."""
