@@ -51,6 +51,7 @@ from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import SLOT_CONST, RLSample, Slots
 from megadare.diffusion.corruption import CleanSequence, one_step
 from megadare.errors import ConfigError
+from megadare.rollout.engine import Trajectory
 
 
 def tree_values(leaf_rewards: list[float], fanout: int, branch: int, depth: int) -> list[list[float]]:
@@ -187,8 +188,6 @@ class DTreeRPO(Algorithm):
                 if len(c["nodes"]) <= level:
                     c["nodes"].append((len(c["resp"]), 0))  # a finished branch (EOS) or an empty level
             states = children
-        from megadare.rollout.engine import Trajectory
-
         every = [v for st in states for v in st["versions"]]
         if not every:
             raise RuntimeError("d_treerpo: the tree decoded no token (every level ended before its first block)")

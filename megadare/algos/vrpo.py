@@ -100,7 +100,6 @@ class VRPO(Algorithm):
             dataclasses.replace(s, advantage=sign),
             self.views(s, arch, 0, g),
             arch,
-            arch.is_block_diffusion,
             {0: head},
             head,
         )

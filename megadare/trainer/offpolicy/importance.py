@@ -89,7 +89,7 @@ from typing import Optional
 
 import torch
 
-from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+from megadare.algos.policy_loss import PPOClip, kl_penalty, ppo_clip_loss
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
@@ -379,7 +379,7 @@ def decoupled_ppo_loss(
     if not (logp.shape == proximal_logp.shape == behaviour_logp.shape == adv.shape):
         raise ValueError("decoupled_ppo_loss: logp, proximal_logp, behaviour_logp and adv must have one shape")
     prox = proximal_logp.detach()
-    loss, clipped = ppo_clip_loss(logp, prox, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
+    loss, clipped = ppo_clip_loss(logp, prox, adv, PPOClip(eps_low, eps_high, dual_clip, log_ratio_clamp))
     w, keep = _weights_or_identity(
         prox,
         behaviour_logp,
@@ -439,7 +439,7 @@ def bypass_ppo_loss(
     w = w.to(logp.dtype)
     keep_f = keep.to(logp.dtype)
     if loss_type == "ppo_clip":
-        loss, clipped = ppo_clip_loss(logp, behave, adv, eps_low, eps_high, dual_clip, log_ratio_clamp)
+        loss, clipped = ppo_clip_loss(logp, behave, adv, PPOClip(eps_low, eps_high, dual_clip, log_ratio_clamp))
         return keep_f * loss, {"clipped": clipped, "is_weight": w, "keep": keep_f}
     if is_threshold is None:
         w = keep_f  # no IS weight, only the veto
