@@ -91,6 +91,7 @@ class ScoredOutput:
 
 def scored_output(model, hidden: torch.Tensor, targets: ScoredTargets) -> ScoredOutput:
     """The last stage's head on the scored positions of ``hidden`` [s(/tp), b, h] (module doc)."""
+    # heavy: plan/memory.py and trainer/step.py import this module without megatron
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
     out_layer = model.output_layer
@@ -147,7 +148,7 @@ def linear_logprobs(
     """(log p(labels) [n] fp32, entropy [n] or None) of ``hidden`` [n, h] under the vocab projection ``weight``
     (this TP rank's rows [V_pad/tp, h]), without the [n, V] logits (module doc). ``hidden`` must already be
     replicated over TP (``scored_output`` does it)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # heavy: as in scored_output
 
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
