@@ -257,7 +257,8 @@ def test_block_wise_estimators_are_unbiased_for_the_block_elbo(how):
     if how == "blockwise-full":
         c, y, bs = FULL_C, FULL_Y, 0
         target = Exact(toy, c, y).block_elbo(2, "mask", glob=False)
-        fn = lambda g: C.blockwise(C.CleanSequence.of(c, y, MASK), g, C.BlockGrid(2), n_mc=2, p_prompt=0.0)  # noqa: E731
+        seq = C.CleanSequence.of(c, y, MASK)
+        fn = lambda g: C.blockwise(seq, g, C.BlockGrid(2), n_mc=2, p_prompt=0.0)  # noqa: E731
         n = 1500
     elif how == "spg-block":
         c, y, bs = BLOCK_C, BLOCK_Y, 2

@@ -350,7 +350,7 @@ class DLLMCoreAttention(torch.nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask,
-        **megatron_keywords,  # megatron's CoreAttention.forward passes attn_mask_type, attention_bias, packed_seq_params
+        **megatron_keywords,  # megatron's CoreAttention.forward: attn_mask_type, attention_bias, packed_seq_params
     ) -> torch.Tensor:
         _check_megatron_keywords("forward", megatron_keywords, _FORWARD_KEYWORDS)
         if (
