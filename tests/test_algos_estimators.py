@@ -164,7 +164,7 @@ def test_stratified_is_unbiased_for_the_elbo():
     toy, full = Toy(0), toy_archs()[0]
     e = Exact(toy, FULL_C, FULL_Y)
     x0 = torch.tensor(FULL_C + FULL_Y)
-    ds = draws(lambda g: C.stratified(FULL_C, FULL_Y, MASK, g, n_mc=4), 1500)
+    ds = draws(lambda g: C.stratified(C.CleanSequence.of(FULL_C, FULL_Y, MASK), g, n_mc=4), 1500)
     coef, lp = mc_arrays(toy, x0, ds)
     est = (coef * lp).sum(2).mean(1)
     mean, se = assert_mc(est, e.elbo(), "stratified")
@@ -193,7 +193,7 @@ def test_random_mask_estimates_the_unweighted_masked_loglik_not_the_elbo():
         lambda t: sum(math.comb(L, m) * t**m * (1 - t) ** (L - m) * gm[m] for m in range(1, L + 1)), 0.1, 0.9
     )
     x0 = torch.tensor(FULL_C + FULL_Y)
-    ds = draws(lambda g: C.random_mask(FULL_C, FULL_Y, MASK, g, n_views=2), 1200)
+    ds = draws(lambda g: C.random_mask(C.CleanSequence.of(FULL_C, FULL_Y, MASK), g, n_views=2), 1200)
     coef, lp = mc_arrays(toy, x0, ds)
     mean, se = assert_mc((coef * lp).sum(2).mean(1), target, "random_mask (full attention)")
     assert abs(target - e.elbo()) > 10 * se
@@ -207,7 +207,7 @@ def test_random_mask_estimates_the_unweighted_masked_loglik_not_the_elbo():
             lambda t: sum(math.comb(n, m) * t**m * (1 - t) ** (n - m) * gb[m] for m in range(1, n + 1)), 0.1, 0.9
         )
     x0 = torch.tensor(BLOCK_C + BLOCK_Y)
-    ds = draws(lambda g: C.random_mask(BLOCK_C, BLOCK_Y, MASK, g, block_size=2), 1500, seed=1)
+    ds = draws(lambda g: C.random_mask(C.CleanSequence.of(BLOCK_C, BLOCK_Y, MASK), g, block_size=2), 1500, seed=1)
     coef, lp = mc_arrays(toy, x0, ds, block_size=2)
     assert_mc((coef * lp).sum((1, 2)), target_b, "random_mask (block family)")
 
@@ -234,7 +234,7 @@ def test_coupled_estimate_has_the_expectation_of_its_formula():
 
         want.append(0.5 * subs[full][k] + 0.5 * uniform_mean(f, 0.2, 0.8))
     x0 = torch.tensor(FULL_C + FULL_Y)
-    ds = draws(lambda g: C.coupled(FULL_C, FULL_Y, MASK, g), 2000)
+    ds = draws(lambda g: C.coupled(C.CleanSequence.of(FULL_C, FULL_Y, MASK), g), 2000)
     for a, b, c in ds[:50]:
         mb, mc_ = b.tokens[P:] == MASK, c.tokens[P:] == MASK
         assert bool((a.tokens[P:] == MASK).all()) and bool((mb ^ mc_).all())  # b, c partition y
@@ -257,7 +257,8 @@ def test_block_wise_estimators_are_unbiased_for_the_block_elbo(how):
     if how == "blockwise-full":
         c, y, bs = FULL_C, FULL_Y, 0
         target = Exact(toy, c, y).block_elbo(2, "mask", glob=False)
-        fn = lambda g: C.blockwise(c, y, MASK, g, 2, n_mc=2, p_prompt=0.0)  # noqa: E731
+        seq = C.CleanSequence.of(c, y, MASK)
+        fn = lambda g: C.blockwise(seq, g, C.BlockGrid(2), n_mc=2, p_prompt=0.0)  # noqa: E731
         n = 1500
     elif how == "spg-block":
         c, y, bs = BLOCK_C, BLOCK_Y, 2
@@ -305,7 +306,7 @@ def test_coupled_and_antithetic_masks_lower_the_variance():
     toy = Toy(0)
     x0 = torch.tensor(FULL_C + FULL_Y)
     N = 1000
-    coef, lp = mc_arrays(toy, x0, draws(lambda g: C.coupled(FULL_C, FULL_Y, MASK, g), 2 * N))
+    coef, lp = mc_arrays(toy, x0, draws(lambda g: C.coupled(C.CleanSequence.of(FULL_C, FULL_Y, MASK), g), 2 * N))
     per_view = (coef * lp).sum(2)  # [2N, 3]: a, b, c
     coupled = per_view[:, 1] + per_view[:, 2]
     indep = per_view[0::2, 1] + per_view[1::2, 2]  # b of one draw, c of another
@@ -313,8 +314,12 @@ def test_coupled_and_antithetic_masks_lower_the_variance():
     assert abs(float(coupled.mean() - indep.mean())) < Z * se
     ratio = float(coupled.var() / indep.var())
     assert ratio < 0.5, f"coupled/independent variance ratio {ratio:.3f}"
-    c2, l2 = mc_arrays(toy, x0, draws(lambda g: C.random_mask(FULL_C, FULL_Y, MASK, g, couple=True), N, seed=1))
-    c3, l3 = mc_arrays(toy, x0, draws(lambda g: C.random_mask(FULL_C, FULL_Y, MASK, g, n_views=2), N, seed=2))
+    c2, l2 = mc_arrays(
+        toy, x0, draws(lambda g: C.random_mask(C.CleanSequence.of(FULL_C, FULL_Y, MASK), g, couple=True), N, seed=1)
+    )
+    c3, l3 = mc_arrays(
+        toy, x0, draws(lambda g: C.random_mask(C.CleanSequence.of(FULL_C, FULL_Y, MASK), g, n_views=2), N, seed=2)
+    )
     anti, ind = (c2 * l2).sum((1, 2)), (c3 * l3).sum((1, 2))
     assert bool(((c2 > 0).sum(1)[:, 2:] == 1).all())  # the pair covers every response token once
     se = math.sqrt(anti.var() / N + ind.var() / N)

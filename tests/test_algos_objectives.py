@@ -17,7 +17,7 @@ from megadare.algos import REGISTRY, build_algorithm
 from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
 from megadare.algos.algorithm import rows_for_views
 from megadare.algos.base import Slots, gather_slots
-from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+from megadare.algos.policy_loss import PPOClip, kl_penalty, ppo_clip_loss
 from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 from megadare.models import build_hf_model, get_family
@@ -254,7 +254,7 @@ def test_spg_dare_estimator_equals_dare_formula():
 def _clip_grad(ratio, adv, **kw):
     logp = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
     loss, clipped = ppo_clip_loss(
-        logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64), **kw
+        logp, torch.zeros(1, dtype=torch.float64), torch.tensor([adv], dtype=torch.float64), PPOClip(**kw)
     )
     (g,) = torch.autograd.grad(loss.sum(), logp)
     return float(loss), float(g), float(clipped)
@@ -335,7 +335,7 @@ def test_bgpo_tangent_and_exp_bounds():
     loss, _ = algo.slot_loss(s)
     (g,) = torch.autograd.grad(loss.sum(), lp)
     assert loss.tolist() == pytest.approx([-2.0, 2.0]) and g.tolist() == pytest.approx([-2.0, 2.0])
-    ref_loss, _ = ppo_clip_loss(lp, s.old, s.adv, 0.2)
+    ref_loss, _ = ppo_clip_loss(lp, s.old, s.adv, PPOClip(0.2))
     (g_ref,) = torch.autograd.grad(ref_loss.sum(), lp)
     assert torch.allclose(g, g_ref) and torch.allclose(loss, ref_loss)
     d = 0.1
@@ -384,7 +384,7 @@ def test_kl_term_enters_only_with_a_coefficient_and_an_anchor():
         torch.tensor(lp_vals, dtype=torch.float64),
         torch.tensor(old, dtype=torch.float64),
         torch.tensor(adv, dtype=torch.float64),
-        0.2,
+        PPOClip(0.2),
     )
     for params in (
         {"kl_coef": 0.1, "kl_anchor": "none"},

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from megadare.algos.policy_loss import ppo_clip_loss
+from megadare.algos.policy_loss import PPOClip, ppo_clip_loss
 from megadare.trainer.offpolicy.importance import (
     OffPolicyLoss,
     RolloutIS,
@@ -53,7 +53,7 @@ def test_decoupled_equals_ppo_clip_when_proximal_is_behaviour():
     logp = old + 0.6 * torch.randn(64, generator=g)
     adv = torch.randn(64, generator=g)
     for kw in ({}, {"eps_high": 0.28}, {"dual_clip": 3.0}):
-        ref, ref_clip = ppo_clip_loss(logp, old, adv, 0.2, **kw)
+        ref, ref_clip = ppo_clip_loss(logp, old, adv, PPOClip(0.2, **kw))
         for mode in ("truncate", "mask"):
             loss, parts = decoupled_ppo_loss(
                 logp, old, old.clone(), adv, OffPolicyLoss(0.2, rollout_is=RolloutIS(mode=mode), **kw)
@@ -387,7 +387,7 @@ def test_decoupled_matches_the_areal_formula():
     loss, _ = decoupled_ppo_loss(
         logp, prox, beh, adv, OffPolicyLoss(eps_lo, eps_hi, rollout_is=RolloutIS(threshold_high=None))
     )
-    assert torch.equal(loss, ppo_clip_loss(logp, prox, adv, eps_lo, eps_hi)[0])
+    assert torch.equal(loss, ppo_clip_loss(logp, prox, adv, PPOClip(eps_lo, eps_hi))[0])
 
 
 # (advantage, ppo ratio r, inside the clip range?) with eps 0.2

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megadare.data.rows import PASSES
-from megadare.models.head import chunk_tokens, linear_logprobs
+from megadare.models.head import TokenTargets, chunk_tokens, linear_logprobs
 from tiny import write_tiny_hf
 
 pytestmark = pytest.mark.timeout(900)
@@ -76,7 +76,7 @@ def test_linear_logprobs_match_full_logits(chunk_mb):
     rel = lambda x, ref: float((x.double() - ref).abs().max() / ref.abs().max())  # noqa: E731
     for wa, wb in ((1.0, 0.0), (0.0, 1.0), (1.0, 1.0)):
         h.grad = w.grad = None
-        lp, ent = linear_logprobs(h, w, y, vocab, scale, excluded, chunk_mb, entropy=wb != 0)
+        lp, ent = linear_logprobs(h, w, TokenTargets(y, scale, excluded), vocab, chunk_mb, entropy=wb != 0)
         assert rel(lp, lp0) < TOL and (ent is None or rel(ent, ent0) < TOL)
         ((wa * a * lp).sum() + (0.0 if ent is None else (wb * b * ent).sum())).backward()
         got = h.grad.clone(), w.grad.clone()
@@ -96,7 +96,7 @@ def test_bf16_weight_gradient_goes_into_main_grad():
     w = torch.randn(vocab, hid, generator=g).bfloat16().requires_grad_()
     w.main_grad = torch.zeros(vocab, hid)
     y = torch.randint(0, vocab, (n,), generator=g)
-    lp, _ = linear_logprobs(h, w, y, vocab, chunk_mb=0.004)  # 3 tokens per chunk, 64 rows per product
+    lp, _ = linear_logprobs(h, w, TokenTargets(y), vocab, chunk_mb=0.004)  # 3 tokens per chunk, 64 rows per product
     lp.sum().backward()
     assert w.grad is None and float(w.main_grad.abs().max()) > 0
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()

@@ -21,8 +21,8 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from megadare.algos.base import RLSample, Slots, aggregation, views_to_row
-from megadare.algos.policy_loss import check_dual_clip, kl_penalty, ppo_clip_loss
+from megadare.algos.base import RLSample, SlotObjective, Slots, aggregation, views_to_row
+from megadare.algos.policy_loss import PPOClip, check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.data.rows import Row
@@ -54,12 +54,11 @@ def rows_for_views(
     if slot_weight is None or denom is None:
         w, denom = aggregation(loss_agg, len(slots), len(s.response_ids))
         slot_weight = {k: w for k in slots}
-    block = arch.is_block_diffusion
     per_view = [set(int(x) for x in v.slot.tolist() if x >= 0) for v in views]
     shared = sum(len(x) for x in per_view) != len(set().union(*per_view)) if per_view else False
     if shared:
-        return [views_to_row(s, views, arch, block, slot_weight, denom)]
-    return [views_to_row(s, [v], arch, block, slot_weight, denom if i == 0 else 0.0) for i, v in enumerate(views)]
+        return [views_to_row(s, views, arch, slot_weight, denom)]
+    return [views_to_row(s, [v], arch, slot_weight, denom if i == 0 else 0.0) for i, v in enumerate(views)]
 
 
 @dataclass(frozen=True)
@@ -149,8 +148,6 @@ class Algorithm(ABC):
 
     def objective(self, on_policy: bool, loss_mode: str = "ppo"):
         """The trainer objective of this algorithm (slots -> loss); ``loss_mode`` see ``SlotObjective``."""
-        from megadare.algos.base import SlotObjective
-
         beta = self.p[self.lse_beta] if self.lse_beta else None
         return SlotObjective(self.slot_loss, on_policy=on_policy, lse_beta=beta, loss_mode=loss_mode)
 
@@ -217,9 +214,8 @@ class Algorithm(ABC):
 
     def slot_loss(self, s: Slots) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p = self.p
-        loss, clipped = ppo_clip_loss(
-            s.logp, s.old, s.adv, p["eps_low"], p["eps_high"], p["dual_clip"], p["log_ratio_clamp"]
-        )
+        clip = PPOClip(p["eps_low"], p["eps_high"], p["dual_clip"], p["log_ratio_clamp"])
+        loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, clip)
         parts = {"clipfrac": clipped, "ratio_dev": (torch.exp(s.logp - s.old) - 1.0).abs().detach()}
         if p["kl_coef"] > 0 and p["kl_anchor"] != "none":
             anchor = s.ref if p["kl_anchor"] == "ref" else s.old

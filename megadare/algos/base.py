@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed.nn.functional as dist_nn
 
 from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
@@ -68,23 +69,18 @@ class RLSample:
 
 
 def views_to_row(
-    sample: RLSample,
-    views: list[View],
-    arch: ModelArch,
-    block_diffusion: bool,
-    slot_weight: dict[int, float],
-    denom: float,
-    token_adv: Optional[torch.Tensor] = None,
+    sample: RLSample, views: list[View], arch: ModelArch, slot_weight: dict[int, float], denom: float
 ) -> Row:
-    """One row holding every view of a sample (one segment each).
+    """One row holding every view of a sample (one segment each; block-diffusion families: x_t ++ x_0).
 
     ``slot_weight[s]``: the aggregation weight of slot s (1 for token-mean, 1/L for sequence-mean ...), put on
-    the slot's first position as ``head``; ``denom``: the sample's share of the global denominator.
-    ``token_adv``: advantage per response token (default: the sample's advantage everywhere).
+    the slot's first position as ``head``; ``denom``: the sample's share of the global denominator. The
+    advantage of each response token is the sample's (``RLSample.token_advantages``) unless a view carries its own.
     """
+    block_diffusion = arch.is_block_diffusion
     x0 = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
     P = len(sample.prompt_ids)
-    adv_tok = sample.token_advantages() if token_adv is None else token_adv
+    adv_tok = sample.token_advantages()
     adv_pos = torch.cat([torch.zeros(P), adv_tok])
     parts: dict[str, list[torch.Tensor]] = {
         k: [] for k in ("tokens", "labels", "weight", "pos", "stream", "seg", "slot", "head", "adv", "tok")
@@ -206,8 +202,6 @@ class SlotIndex:
     def sum(self, v: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.n, dtype=v.dtype, device=v.device).index_add(0, self.inv, v)
         if self.group is not None:
-            import torch.distributed.nn.functional as dist_nn
-
             out = dist_nn.all_reduce(out, group=self.group)
         return out
 

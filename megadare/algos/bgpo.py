@@ -28,7 +28,7 @@ import torch
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.algorithm import rows_for_views
 from megadare.algos.base import Slots
-from megadare.diffusion.corruption import stratified
+from megadare.diffusion.corruption import CleanSequence, stratified
 from megadare.algos.policy_loss import clip_surrogate
 
 
@@ -39,9 +39,7 @@ class BGPO(Algorithm):
 
     def views(self, s, arch, block_size, g):
         return stratified(
-            s.prompt_ids,
-            s.response_ids,
-            arch.mask_token_id,
+            CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id),
             g,
             self.p["n_mc"],
             slots="sequence_per_view",

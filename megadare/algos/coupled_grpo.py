@@ -23,7 +23,7 @@ those families' default); block families use ``eos``.
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.diffusion.corruption import coupled
+from megadare.diffusion.corruption import CleanSequence, coupled
 
 
 class CoupledGRPO(Algorithm):
@@ -32,4 +32,5 @@ class CoupledGRPO(Algorithm):
     defaults = {"eps_low": 0.5, "kl_coef": 0.01, "kl_anchor": "ref", "kl_estimator": "k3", "t_low": 0.2, "t_high": 0.8}
 
     def views(self, s, arch, block_size, g):
-        return coupled(s.prompt_ids, s.response_ids, arch.mask_token_id, g, self.p["t_low"], self.p["t_high"])
+        seq = CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id)
+        return coupled(seq, g, self.p["t_low"], self.p["t_high"])

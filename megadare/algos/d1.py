@@ -31,7 +31,7 @@ Canvas (``rl.canvas``): DARE's d1 masks, scores and normalises the whole LLaDA/D
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.diffusion.corruption import one_step
+from megadare.diffusion.corruption import CleanSequence, one_step
 
 
 class D1(Algorithm):
@@ -41,4 +41,6 @@ class D1(Algorithm):
     defaults = {"eps_low": 0.5, "kl_coef": 0.04, "kl_anchor": "ref", "kl_estimator": "k3", "p_prompt": 0.15}
 
     def views(self, s, arch, block_size, g):
-        return one_step(s.prompt_ids, s.response_ids, arch.mask_token_id, g, p_prompt=self.p["p_prompt"])
+        return one_step(
+            CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id), g, p_prompt=self.p["p_prompt"]
+        )

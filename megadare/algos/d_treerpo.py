@@ -49,8 +49,9 @@ import torch
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import SLOT_CONST, RLSample, Slots
-from megadare.diffusion.corruption import one_step
+from megadare.diffusion.corruption import CleanSequence, one_step
 from megadare.errors import ConfigError
+from megadare.rollout.engine import Trajectory
 
 
 def tree_values(leaf_rewards: list[float], fanout: int, branch: int, depth: int) -> list[list[float]]:
@@ -187,8 +188,6 @@ class DTreeRPO(Algorithm):
                 if len(c["nodes"]) <= level:
                     c["nodes"].append((len(c["resp"]), 0))  # a finished branch (EOS) or an empty level
             states = children
-        from megadare.rollout.engine import Trajectory
-
         every = [v for st in states for v in st["versions"]]
         if not every:
             raise RuntimeError("d_treerpo: the tree decoded no token (every level ended before its first block)")
@@ -262,7 +261,7 @@ class DTreeRPO(Algorithm):
     # ------------------------------------------------------------------ estimator and loss
     def views(self, s, arch, block_size, g):
         """The segment scored from one forward on the parent state: d1's one-step view without prompt masking."""
-        return one_step(s.prompt_ids, s.response_ids, arch.mask_token_id, g, p_prompt=0.0)
+        return one_step(CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id), g, p_prompt=0.0)
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         """Rows per node, with each token slot's self-distillation coefficient in ``extras['per_slot_sd']``."""

@@ -33,7 +33,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import SLOT_CONST, RLSample, Slots
-from megadare.diffusion.corruption import antithetic_views
+from megadare.diffusion.corruption import CleanSequence, antithetic_views
 from megadare.diffusion.views import View
 from megadare.errors import ConfigError
 
@@ -65,7 +65,8 @@ class ESPO(Algorithm):
 
     def views(self, s, arch, block_size, g):
         counts = stratified_counts([len(s.response_ids)], self.p["n_mc"], g)[0]
-        return antithetic_views(s.prompt_ids, s.response_ids, arch.mask_token_id, counts, g, len(s.response_ids))
+        seq = CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id)
+        return antithetic_views(seq, counts, g, len(s.response_ids))
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         """Counts stratified over the mini-batch's samples (ordered by index), drawn from a generator of the batch
@@ -79,7 +80,8 @@ class ESPO(Algorithm):
         rows = []
         for s, ks in zip(samples, counts):
             R = len(s.response_ids)
-            views = antithetic_views(s.prompt_ids, s.response_ids, arch.mask_token_id, ks, generator_for(s.index), R)
+            seq = CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id)
+            views = antithetic_views(seq, ks, generator_for(s.index), R)
             rows.extend(self._rows(s, views, arch, R))
         return rows
 

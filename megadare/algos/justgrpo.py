@@ -32,7 +32,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import RLSample
-from megadare.diffusion.corruption import ar_views
+from megadare.diffusion.corruption import CleanSequence, ar_views
 from megadare.errors import ConfigError
 
 
@@ -61,7 +61,7 @@ class JustGRPO(Algorithm):
             )
 
     def views(self, s, arch, block_size, g):
-        return ar_views(s.prompt_ids, s.response_ids, arch.mask_token_id)
+        return ar_views(CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id))
 
     def rows(self, s: RLSample, arch, block_size, g):
         T = s.extra.get("sampling_temperature")

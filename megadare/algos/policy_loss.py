@@ -29,6 +29,7 @@ clamped it ends at 0.88-1.00. ``kl_penalty(..., k3_bound=None)`` is the plain k3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -67,18 +68,23 @@ def clip_surrogate(
     return loss, was_clipped
 
 
+@dataclass(frozen=True)
+class PPOClip:
+    """The PPO ratio's clip: [1 - eps_low, 1 + eps_high] (eps_high None: eps_low), the dual clip on negative
+    advantages (None: off) and the bound on |log rho| before the exponential."""
+
+    eps_low: float = 0.2
+    eps_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    log_ratio_clamp: float = 20.0
+
+
 def ppo_clip_loss(
-    logp: torch.Tensor,
-    old: torch.Tensor,
-    adv: torch.Tensor,
-    eps_low: float = 0.2,
-    eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    log_ratio_clamp: float = 20.0,
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, clip: PPOClip = PPOClip()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-slot loss, per-slot clipped indicator) with rho = exp(clamp(logp - old))."""
-    ratio = torch.exp((logp - old).clamp(-log_ratio_clamp, log_ratio_clamp))
-    return clip_surrogate(ratio, adv, eps_low, eps_high, dual_clip)
+    ratio = torch.exp((logp - old).clamp(-clip.log_ratio_clamp, clip.log_ratio_clamp))
+    return clip_surrogate(ratio, adv, clip.eps_low, clip.eps_high, clip.dual_clip)
 
 
 def kl_penalty(

@@ -17,7 +17,7 @@ families' default); on LLaDA/Dream the default is the full canvas, like DARE's a
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
-from megadare.diffusion.corruption import random_mask
+from megadare.diffusion.corruption import CleanSequence, random_mask
 
 
 class RandomMaskRL(Algorithm):
@@ -39,13 +39,10 @@ class RandomMaskRL(Algorithm):
         block = arch.is_block_diffusion
         n = self.p["n_views"] or (1 if block else 35)
         return random_mask(
-            s.prompt_ids,
-            s.response_ids,
-            arch.mask_token_id,
+            CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id),
             g,
             block_size if block else 0,
-            self.p["p_low"],
-            self.p["p_high"],
+            (self.p["p_low"], self.p["p_high"]),
             n,
             self.p["couple"],
         )

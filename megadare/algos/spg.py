@@ -62,7 +62,7 @@ import torch
 
 from megadare.algos.algorithm import Algorithm, rows_for_views
 from megadare.algos.base import SLOT_CONST, Slots
-from megadare.diffusion.corruption import blockwise, blockwise_dare
+from megadare.diffusion.corruption import BlockGrid, CleanSequence, blockwise, blockwise_dare
 from megadare.errors import ConfigError
 
 ESTIMATORS = ("block", "dare")
@@ -95,29 +95,11 @@ class SPG(Algorithm):
 
     def views(self, s, arch, block_size, g):
         b = block_size if arch.is_block_diffusion else self.p["block"]
-        grid = arch.is_block_diffusion
+        grid = BlockGrid(b, global_grid=arch.is_block_diffusion)
+        seq = CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id)
         if self.p["estimator"] == "dare":
-            return blockwise_dare(
-                s.prompt_ids,
-                s.response_ids,
-                arch.mask_token_id,
-                g,
-                b,
-                self.p["n_mc"],
-                self.p["p_prompt"],
-                global_grid=grid,
-            )
-        return blockwise(
-            s.prompt_ids,
-            s.response_ids,
-            arch.mask_token_id,
-            g,
-            b,
-            self.p["n_mc"],
-            self.p["p_prompt"],
-            slots="token",
-            global_grid=grid,
-        )
+            return blockwise_dare(seq, g, grid, self.p["n_mc"], self.p["p_prompt"])
+        return blockwise(seq, g, grid, self.p["n_mc"], self.p["p_prompt"], slots="token")
 
     def rows(self, s, arch, block_size, g):
         """The views in one row; DARE's estimator also records each slot's ELBO scale |covered| / L."""

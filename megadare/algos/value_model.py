@@ -40,7 +40,9 @@ class ValueHead(torch.nn.Module):
         self, hidden: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
     ):
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            from megatron.core.tensor_parallel import (
+                gather_from_sequence_parallel_region,
+            )  # heavy: algos imports without megatron
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype)), None

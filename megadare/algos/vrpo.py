@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from megadare.algos.algorithm import Algorithm
 from megadare.algos.base import RLSample, Slots, views_to_row
-from megadare.diffusion.corruption import stratified
+from megadare.diffusion.corruption import CleanSequence, stratified
 from megadare.data.rows import Row
 from megadare.errors import ConfigError
 
@@ -91,7 +91,8 @@ class VRPO(Algorithm):
 
     def views(self, s, arch, block_size, g):
         """n count-stratified masks of the response, one sequence slot: B(y) = mean_j (L/m_j) sum log p."""
-        return stratified(s.prompt_ids, s.response_ids, arch.mask_token_id, g, self.p["n_mc"], slots="sequence")
+        seq = CleanSequence.of(s.prompt_ids, s.response_ids, arch.mask_token_id)
+        return stratified(seq, g, self.p["n_mc"], slots="sequence")
 
     def _row(self, s: RLSample, arch, g, sign: float, head: float) -> Row:
         """The sample's row; its advantage slot carries the pair role (+1 chosen, -1 rejected)."""
@@ -99,7 +100,6 @@ class VRPO(Algorithm):
             dataclasses.replace(s, advantage=sign),
             self.views(s, arch, 0, g),
             arch,
-            arch.is_block_diffusion,
             {0: head},
             head,
         )

@@ -42,72 +42,89 @@ slots: one per (view, token); ``sequence`` slots: one per view (the whole respon
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from megadare.diffusion.masking import mask_tokens
 from megadare.diffusion.views import View
 
 
-def _seq(prompt: list[int], response: list[int]) -> tuple[torch.Tensor, int, int]:
-    x0 = torch.tensor(list(prompt) + list(response), dtype=torch.long)
-    return x0, len(prompt), len(response)
+@dataclass(frozen=True)
+class CleanSequence:
+    """x_0 = prompt c ++ response y of one sample and the mask token M: what every view of the sample corrupts."""
+
+    x0: torch.Tensor  # [P + L] long
+    P: int
+    L: int
+    mask_id: int
+
+    @classmethod
+    def of(cls, prompt: list[int], response: list[int], mask_id: int) -> CleanSequence:
+        x0 = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+        return cls(x0, len(prompt), len(response), mask_id)
+
+    def slots(self, scored: torch.Tensor, kind: str, view: int) -> torch.Tensor:
+        """Slot ids for the scored positions of view ``view`` (scored: [P + L] bool)."""
+        P, L = self.P, self.L
+        k = torch.arange(P + L) - P
+        if kind == "token":
+            s = k
+        elif kind == "view":
+            s = view * L + k
+        elif kind == "sequence_per_view":
+            s = torch.full((P + L,), view, dtype=torch.long)
+        elif kind == "sequence":
+            s = torch.zeros(P + L, dtype=torch.long)
+        else:
+            raise ValueError(f"slot kind {kind!r} unknown")
+        return torch.where(scored, s, torch.full_like(s, -1))
+
+    def view(
+        self, masked: torch.Tensor, coef: torch.Tensor, slots: str, vi: int, scored: torch.Tensor | None = None
+    ) -> View:
+        """x_t = x_0 with ``masked`` replaced by M; ``scored`` (default: the masked response positions) carry
+        ``coef`` into slots of kind ``slots`` for view ``vi``."""
+        scored = masked.clone() if scored is None else scored
+        scored[: self.P] = False
+        return View(
+            tokens=mask_tokens(self.x0, masked, self.mask_id),
+            coef=torch.where(scored, coef, torch.zeros_like(coef)),
+            slot=self.slots(scored, slots, vi),
+        )
 
 
-def _slots(P: int, L: int, scored: torch.Tensor, kind: str, view: int) -> torch.Tensor:
-    """Slot ids for the scored positions of view ``view`` (scored: [P + L] bool)."""
-    k = torch.arange(P + L) - P
-    if kind == "token":
-        s = k
-    elif kind == "view":
-        s = view * L + k
-    elif kind == "sequence_per_view":
-        s = torch.full((P + L,), view, dtype=torch.long)
-    elif kind == "sequence":
-        s = torch.zeros(P + L, dtype=torch.long)
-    else:
-        raise ValueError(f"slot kind {kind!r} unknown")
-    return torch.where(scored, s, torch.full_like(s, -1))
+@dataclass(frozen=True)
+class BlockGrid:
+    """The response blocks a block-wise sampler picks from: ``global_grid`` counts blocks on the prompt+response
+    grid (block families: the blocks the model's x_t ++ x_0 mask uses), else from the response start (LLaDA's
+    semi-AR blocks)."""
+
+    size: int
+    global_grid: bool = False
+
+    def bounds(self, P: int, L: int) -> tuple[int, int]:
+        """(offset, number of response blocks): the offset is the number of response tokens sharing the prompt's
+        last block."""
+        off = P % self.size if self.global_grid else 0
+        return off, -(-(L + off) // self.size)
+
+    def block(self, b: int, P: int, L: int) -> tuple[int, int]:
+        """[lo, hi) of response block ``b`` on the prompt+response positions."""
+        off = P % self.size if self.global_grid else 0
+        return max(P, P - off + b * self.size), min(P + L, P - off + (b + 1) * self.size)
 
 
-def _view(
-    x0: torch.Tensor,
-    masked: torch.Tensor,
-    coef: torch.Tensor,
-    P: int,
-    L: int,
-    mask_id: int,
-    slots: str,
-    vi: int,
-    scored: torch.Tensor | None = None,
-) -> View:
-    scored = masked.clone() if scored is None else scored
-    scored[:P] = False
-    return View(
-        tokens=mask_tokens(x0, masked, mask_id),
-        coef=torch.where(scored, coef, torch.zeros_like(coef)),
-        slot=_slots(P, L, scored, slots, vi),
-    )
-
-
-def one_step(
-    prompt: list[int],
-    response: list[int],
-    mask_id: int,
-    g: torch.Generator,
-    p_prompt: float = 0.15,
-    slots: str = "token",
-) -> list[View]:
-    x0, P, L = _seq(prompt, response)
+def one_step(seq: CleanSequence, g: torch.Generator, p_prompt: float = 0.15, slots: str = "token") -> list[View]:
+    P, L = seq.P, seq.L
     masked = torch.zeros(P + L, dtype=torch.bool)
     masked[P:] = True
     masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
-    return [_view(x0, masked, torch.ones(P + L), P, L, mask_id, slots, 0)]
+    return [seq.view(masked, torch.ones(P + L), slots, 0)]
 
 
-def coupled(
-    prompt: list[int], response: list[int], mask_id: int, g: torch.Generator, t_low: float = 0.2, t_high: float = 0.8
-) -> list[View]:
-    x0, P, L = _seq(prompt, response)
+def coupled(seq: CleanSequence, g: torch.Generator, t_low: float = 0.2, t_high: float = 0.8) -> list[View]:
+    P, L = seq.P, seq.L
     t = t_low + (t_high - t_low) * float(torch.rand((), generator=g, dtype=torch.float64))
     u = torch.cat([torch.ones(P, dtype=torch.float64), torch.rand(L, generator=g, dtype=torch.float64)])
     resp = torch.arange(P + L) >= P
@@ -115,25 +132,24 @@ def coupled(
     b = (u < t) & resp
     c = resp & ~b
     return [
-        _view(x0, full, torch.full((P + L,), 0.5), P, L, mask_id, "token", 0),
-        _view(x0, b, torch.full((P + L,), 0.5 / t), P, L, mask_id, "token", 1),
-        _view(x0, c, torch.full((P + L,), 0.5 / (1.0 - t)), P, L, mask_id, "token", 2),
+        seq.view(full, torch.full((P + L,), 0.5), "token", 0),
+        seq.view(b, torch.full((P + L,), 0.5 / t), "token", 1),
+        seq.view(c, torch.full((P + L,), 0.5 / (1.0 - t)), "token", 2),
     ]
 
 
 def random_mask(
-    prompt: list[int],
-    response: list[int],
-    mask_id: int,
+    seq: CleanSequence,
     g: torch.Generator,
     block_size: int = 0,
-    p_low: float = 0.1,
-    p_high: float = 0.9,
+    p_range: tuple[float, float] = (0.1, 0.9),
     n_views: int = 1,
     couple: bool = False,
 ) -> list[View]:
-    """``block_size`` > 0: one masking probability per block of the global grid (block families)."""
-    x0, P, L = _seq(prompt, response)
+    """``block_size`` > 0: one masking probability per block of the global grid (block families); each masking
+    probability ~ U(``p_range``)."""
+    P, L = seq.P, seq.L
+    p_low, p_high = p_range
     resp = torch.arange(P + L) >= P
     views = []
     for j in range(n_views):
@@ -146,9 +162,9 @@ def random_mask(
                 (P + L,), p_low + (p_high - p_low) * float(torch.rand((), generator=g)), dtype=torch.float64
             )
         masked = (torch.rand(P + L, generator=g, dtype=torch.float64) < p_pos) & resp
-        views.append(_view(x0, masked, torch.ones(P + L), P, L, mask_id, "view", len(views)))
+        views.append(seq.view(masked, torch.ones(P + L), "view", len(views)))
         if couple:
-            views.append(_view(x0, resp & ~masked, torch.ones(P + L), P, L, mask_id, "view", len(views)))
+            views.append(seq.view(resp & ~masked, torch.ones(P + L), "view", len(views)))
     return views
 
 
@@ -158,16 +174,14 @@ def stratified_count(j: int, offset: float, L: int, n: int) -> int:
 
 
 def stratified(
-    prompt: list[int],
-    response: list[int],
-    mask_id: int,
+    seq: CleanSequence,
     g: torch.Generator,
     n_mc: int = 4,
     slots: str = "sequence_per_view",
     normalize_length: bool = False,
 ) -> list[View]:
     """``normalize_length`` divides each estimate by L (BGPO's per-length ELBO)."""
-    x0, P, L = _seq(prompt, response)
+    P, L = seq.P, seq.L
     if L == 0:
         return []
     offset = float(torch.rand((), generator=g, dtype=torch.float64))
@@ -178,36 +192,20 @@ def stratified(
         masked = torch.zeros(P + L, dtype=torch.bool)
         masked[pick] = True
         c = (L / m) / (L if normalize_length else 1.0) / (n_mc if slots == "sequence" else 1.0)
-        views.append(_view(x0, masked, torch.full((P + L,), c), P, L, mask_id, slots, j))
+        views.append(seq.view(masked, torch.full((P + L,), c), slots, j))
     return views
 
 
-def _block_bounds(P: int, L: int, block_size: int, global_grid: bool) -> tuple[int, int]:
-    """(offset, number of response blocks): ``global_grid`` counts blocks on the prompt+response grid (block
-    families: the blocks the model's x_t ++ x_0 mask uses), else from the response start (LLaDA's semi-AR blocks);
-    the offset is the number of response tokens sharing the prompt's last block."""
-    off = P % block_size if global_grid else 0
-    return off, -(-(L + off) // block_size)
-
-
 def blockwise(
-    prompt: list[int],
-    response: list[int],
-    mask_id: int,
-    g: torch.Generator,
-    block_size: int,
-    n_mc: int = 2,
-    p_prompt: float = 0.15,
-    slots: str = "view",
-    global_grid: bool = False,
+    seq: CleanSequence, g: torch.Generator, grid: BlockGrid, n_mc: int = 2, p_prompt: float = 0.15, slots: str = "view"
 ) -> list[View]:
-    """SPG's block-wise ELBO draws (module docstring); ``global_grid`` see ``_block_bounds``."""
-    x0, P, L = _seq(prompt, response)
-    off, n_blocks = _block_bounds(P, L, block_size, global_grid)
+    """SPG's block-wise ELBO draws (module docstring) over the response blocks of ``grid``."""
+    P, L = seq.P, seq.L
+    _, n_blocks = grid.bounds(P, L)
     views = []
     for j in range(n_mc):
         b = int(torch.randint(n_blocks, (1,), generator=g))
-        lo, hi = max(P, P - off + b * block_size), min(P + L, P - off + (b + 1) * block_size)
+        lo, hi = grid.block(b, P, L)
         m = int(torch.randint(1, hi - lo + 1, (1,), generator=g))
         in_b = torch.zeros(P + L, dtype=torch.bool)
         in_b[lo + torch.randperm(hi - lo, generator=g)[:m]] = True
@@ -215,19 +213,12 @@ def blockwise(
         masked[hi:] = True
         masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
         coef = torch.full((P + L,), n_blocks * (hi - lo) / m / n_mc)
-        views.append(_view(x0, masked, coef, P, L, mask_id, slots, j, scored=in_b))
+        views.append(seq.view(masked, coef, slots, j, scored=in_b))
     return views
 
 
 def blockwise_dare(
-    prompt: list[int],
-    response: list[int],
-    mask_id: int,
-    g: torch.Generator,
-    block_size: int,
-    n_mc: int = 1,
-    p_prompt: float = 0.15,
-    global_grid: bool = False,
+    seq: CleanSequence, g: torch.Generator, grid: BlockGrid, n_mc: int = 1, p_prompt: float = 0.15
 ) -> list[View]:
     """DARE's ``_forward_process_spg`` for one sample, drawing from ``g`` in DARE's order (so a generator seeded
     as DARE's ``seed`` gives DARE's masks): the n_mc chosen blocks from one permutation of the response blocks
@@ -236,16 +227,15 @@ def blockwise_dare(
     uniform draw per position for all draws: every position before b -- prompt and earlier response blocks --
     masked w.p. ``p_prompt``, b's m and every later position masked. Scored (token slots): every masked
     response token, c = L / (n_mc |masked response tokens of the draw|) (module docstring)."""
-    x0, P, L = _seq(prompt, response)
+    P, L = seq.P, seq.L
     if L == 0:
         return []
-    off, n_blocks = _block_bounds(P, L, block_size, global_grid)
+    _, n_blocks = grid.bounds(P, L)
     order = torch.cat([torch.randperm(n_blocks, generator=g) for _ in range(-(-n_mc // n_blocks))])
     pos = torch.arange(P + L)
     starts, following = [], []
     for j in range(n_mc):
-        b = int(order[j])
-        lo, hi = max(P, P - off + b * block_size), min(P + L, P - off + (b + 1) * block_size)
+        lo, hi = grid.block(int(order[j]), P, L)
         m = int(torch.randint(1, hi - lo + 1, (1, 1), generator=g))
         f = pos >= lo
         f[lo:hi] = torch.randperm(hi - lo, generator=g) < m
@@ -257,16 +247,14 @@ def blockwise_dare(
         masked = f | ((pos < lo) & (u[j] < p_prompt))
         scored = masked & (pos >= P)
         coef = torch.full((P + L,), L / (int(scored.sum()) * n_mc))
-        views.append(_view(x0, masked, coef, P, L, mask_id, "token", j, scored=scored))
+        views.append(seq.view(masked, coef, "token", j, scored=scored))
     return views
 
 
-def antithetic_views(
-    prompt: list[int], response: list[int], mask_id: int, counts: list[int], g: torch.Generator, canvas: int
-) -> list[View]:
+def antithetic_views(seq: CleanSequence, counts: list[int], g: torch.Generator, canvas: int) -> list[View]:
     """Per draw: k masked (coefficient (L+1)/k) and the exact complement ((L+1)/(L-k)), each / (2 n_mc canvas),
     all in sequence slot 0; empty views are left out."""
-    x0, P, L = _seq(prompt, response)
+    P, L = seq.P, seq.L
     views = []
     for k in counts:
         masked = torch.zeros(P + L, dtype=torch.bool)
@@ -276,14 +264,12 @@ def antithetic_views(
             if n == 0:
                 continue
             c = (L + 1) / n / (2 * len(counts) * canvas)
-            views.append(_view(x0, m, torch.full((P + L,), c), P, L, mask_id, "sequence", 0))
+            views.append(seq.view(m, torch.full((P + L,), c), "sequence", 0))
     return views
 
 
-def ar_views(prompt: list[int], response: list[int], mask_id: int) -> list[View]:
+def ar_views(seq: CleanSequence) -> list[View]:
     """One view per response position t: c ++ y_<t ++ M..M, scoring position t into token slot t."""
-    x0, P, L = _seq(prompt, response)
+    P, L = seq.P, seq.L
     pos = torch.arange(P + L)
-    return [
-        _view(x0, pos >= P + t, torch.ones(P + L), P, L, mask_id, "token", 0, scored=pos == P + t) for t in range(L)
-    ]
+    return [seq.view(pos >= P + t, torch.ones(P + L), "token", 0, scored=pos == P + t) for t in range(L)]

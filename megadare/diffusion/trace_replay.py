@@ -36,6 +36,7 @@ sampler's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
@@ -98,44 +99,49 @@ def _require_trace(s: Trace, name: str) -> None:
         )
 
 
-def _round_view(
-    s: Trace,
-    x0: torch.Tensor,
-    chains: dict[int, list[Commit]],
-    mask_id: int,
-    start: Callable[[int], Optional[int]],
-    group: Callable[[int], set],
-    key: Callable[[Commit], int],
-) -> tuple[View, list[int]]:
-    """The state before one replay round and what it scores. Per response position k: ``start(k)`` the first
-    step (under ``key``) of k's unit in this round (None: the unit has no such round, k holds its final token
-    and is not scored); the input holds k's latest commit before it (or the mask); the commit of k whose step is
-    in ``group(k)`` is scored, with its own token as the target."""
-    P = len(s.prompt_ids)
-    tokens, labels = x0.clone(), x0.clone()
-    coef = torch.zeros(len(x0))
-    slot = torch.full((len(x0),), -1, dtype=torch.long)
-    steps: set[int] = set()
-    for k, chain in chains.items():
-        first = start(k)
-        if first is None:
-            continue
-        before = [c for c in chain if key(c) < first]
-        tokens[P + k] = before[-1].token if before else mask_id
-        in_group = group(k)
-        scored = [c for c in chain if key(c) in in_group]
-        if len(scored) > 1:
-            raise ValueError(
-                f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
-                f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
-                "(algo.params.shrink=1)"
-            )
-        if scored:
-            c = scored[0]
-            coef[P + k], slot[P + k], labels[P + k] = 1.0, c.slot, c.token
-            steps.add(c.step)
-    view = View(tokens=tokens, coef=coef, slot=slot, labels=labels if s.superseded else None)
-    return view, sorted(steps)
+@dataclass(frozen=True)
+class _Replay:
+    """One sample's trace being replayed: x_0 = prompt ++ response, the commit chain of each response position
+    (ordered by global step) and the mask token."""
+
+    s: Trace
+    x0: torch.Tensor
+    chains: dict[int, list[Commit]]
+    mask_id: int
+
+    def round_view(
+        self, start: Callable[[int], Optional[int]], group: Callable[[int], set], key: Callable[[Commit], int]
+    ) -> tuple[View, list[int]]:
+        """The state before one replay round and what it scores. Per response position k: ``start(k)`` the first
+        step (under ``key``) of k's unit in this round (None: the unit has no such round, k holds its final token
+        and is not scored); the input holds k's latest commit before it (or the mask); the commit of k whose step
+        is in ``group(k)`` is scored, with its own token as the target."""
+        s, x0, mask_id = self.s, self.x0, self.mask_id
+        P = len(s.prompt_ids)
+        tokens, labels = x0.clone(), x0.clone()
+        coef = torch.zeros(len(x0))
+        slot = torch.full((len(x0),), -1, dtype=torch.long)
+        steps: set[int] = set()
+        for k, chain in self.chains.items():
+            first = start(k)
+            if first is None:
+                continue
+            before = [c for c in chain if key(c) < first]
+            tokens[P + k] = before[-1].token if before else mask_id
+            in_group = group(k)
+            scored = [c for c in chain if key(c) in in_group]
+            if len(scored) > 1:
+                raise ValueError(
+                    f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
+                    f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
+                    "(algo.params.shrink=1)"
+                )
+            if scored:
+                c = scored[0]
+                coef[P + k], slot[P + k], labels[P + k] = 1.0, c.slot, c.token
+                steps.add(c.step)
+        view = View(tokens=tokens, coef=coef, slot=slot, labels=labels if s.superseded else None)
+        return view, sorted(steps)
 
 
 def replay_views(
@@ -149,6 +155,7 @@ def replay_views(
     chains: dict[int, list[Commit]] = {}
     for c in sorted(commits, key=lambda c: c.step):
         chains.setdefault(c.position, []).append(c)
+    replay = _Replay(s, x0, chains, mask_id)
     if block_family:
         blk = {k: (P + k) // block_size for k in chains}
         per_block = {
@@ -156,11 +163,7 @@ def replay_views(
         }
         rounds = max((len(g) for g in per_block.values()), default=0)
         return [
-            _round_view(
-                s,
-                x0,
-                chains,
-                mask_id,
+            replay.round_view(
                 lambda k, j=j: per_block[blk[k]][j][0] if j < len(per_block[blk[k]]) else None,
                 lambda k, j=j: set(per_block[blk[k]][j]),
                 lambda c: c.block_step,
@@ -168,6 +171,6 @@ def replay_views(
             for j in range(rounds)
         ]
     return [
-        _round_view(s, x0, chains, mask_id, lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
+        replay.round_view(lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
         for g in _groups([c.step for c in commits], shrink)
     ]

@@ -21,6 +21,7 @@ from megadare.models.family import (
     get_family,
     read_hf_config,
 )
+from megadare.models.safetensors_io import CheckpointError, SafetensorsReader, save_hf_checkpoint
 
 __all__ = [
     "FAMILIES",
@@ -45,8 +46,6 @@ def load_hf_model(
     path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
     """The family's hf/ model with the checkpoint's weights; missing or unexpected tensors are errors."""
-    from megadare.models.safetensors_io import CheckpointError, SafetensorsReader
-
     cfg = read_hf_config(path)
     fam = family_of(cfg)
     with torch.device("meta"):
@@ -79,7 +78,5 @@ def perturb_(model: torch.nn.Module, scale: float = 0.05, expert_bias_scale: flo
 
 
 def save_hf_model(model: torch.nn.Module, cfg: dict, out_dir: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> str:
-    from megadare.models.safetensors_io import save_hf_checkpoint
-
     state = {k: v.detach() for k, v in model.state_dict().items()}
     return save_hf_checkpoint(state, cfg, out_dir, max_shard_bytes=max_shard_bytes)

@@ -28,6 +28,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
+from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
 
 from megadare.models.family import MaskKind
 
@@ -239,8 +242,6 @@ def flex_block_mask(spec: MaskSpec, q_len: int, kv_len: int, device: torch.devic
     A spec without per-position tensors is keyed by value (an equal spec of the next micro-batch hits); one with
     segment / position / stream ids by identity (its contents are the micro-batch's own), holding the spec so its
     id cannot be reused while cached."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     packed = any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids))
     key = (id(spec) if packed else spec, q_len, kv_len, str(device))
     hit = _BLOCK_MASKS.get(key)
@@ -267,14 +268,23 @@ _COMPILED = None
 
 def _flex_kernel(device: torch.device) -> Callable:
     """The compiled FlexAttention on CUDA (the eager one materialises the scores), the eager one elsewhere."""
-    from torch.nn.attention.flex_attention import flex_attention as _flex
-
     global _COMPILED
     if device.type != "cuda":
-        return _flex
+        return torch_flex_attention
     if _COMPILED is None:
-        _COMPILED = torch.compile(_flex, dynamic=False)
+        _COMPILED = torch.compile(torch_flex_attention, dynamic=False)
     return _COMPILED
+
+
+_UNUSED_INIT_KEYWORDS = ("attn_mask_type", "attention_type", "cp_comm_type")
+_FORWARD_KEYWORDS = ("attn_mask_type", "attention_bias", "packed_seq_params")
+
+
+def _check_megatron_keywords(method: str, given: dict, known: tuple[str, ...]) -> None:
+    """The keywords megatron's core-attention protocol passes are the only ones taken through ``**``."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"DLLMCoreAttention.{method}() got unexpected keyword arguments {unknown}")
 
 
 class DLLMCoreAttention(torch.nn.Module):
@@ -299,16 +309,15 @@ class DLLMCoreAttention(torch.nn.Module):
         self,
         config,
         layer_number: int,
-        attn_mask_type=None,
-        attention_type: str = "self",
-        attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
         pg_collection=None,
         backend: str = "auto",
+        **unused,  # megatron's CoreAttentionBuilder also passes attn_mask_type, attention_type, cp_comm_type
     ):
         super().__init__()
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # heavy: megadare.models imports without megatron
+
+        _check_megatron_keywords("__init__", unused, _UNUSED_INIT_KEYWORDS)
 
         self.config = config
         self.backend = backend
@@ -333,7 +342,7 @@ class DLLMCoreAttention(torch.nn.Module):
             if softmax_scale is not None
             else (config.softmax_scale if getattr(config, "softmax_scale", None) else self.head_dim**-0.5)
         )
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.dropout_p = config.attention_dropout
 
     def forward(
         self,
@@ -341,11 +350,13 @@ class DLLMCoreAttention(torch.nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
+        **megatron_keywords,  # megatron's CoreAttention.forward: attn_mask_type, attention_bias, packed_seq_params
     ) -> torch.Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
+        _check_megatron_keywords("forward", megatron_keywords, _FORWARD_KEYWORDS)
+        if (
+            megatron_keywords.get("attention_bias") is not None
+            or megatron_keywords.get("packed_seq_params") is not None
+        ):
             raise ValueError("DLLMCoreAttention: pass packing through MaskSpec(segment_ids=...), not packed_seq_params")
         if self.training and self.dropout_p > 0:
             raise ValueError("attention dropout is not supported by DLLMCoreAttention (dLLM recipes use 0)")
@@ -408,8 +419,6 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     rank i). Uses ``all_to_all_single``; where the backend lacks it (older gloo builds) falls back to an
     ``all_gather`` of every rank's whole buffer, from which each rank picks its blocks (cp times the traffic:
     a CPU-only fallback, correct but not meant for speed)."""
-    import torch.distributed as dist
-
     x = x.contiguous()
     key = dist.get_backend(group)
     if _A2A_SUPPORTED.get(key, True):
@@ -445,8 +454,6 @@ class _AllToAll(torch.autograd.Function):
 def seq_to_head_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """[S/cp, B, h, D] (this rank's contiguous sequence chunk, all heads) -> [S, B, h/cp, D] (the whole sequence
     in rank order, this rank's contiguous slice of heads)."""
-    import torch.distributed as dist
-
     cp = dist.get_world_size(group)
     s, b, h, d = x.shape
     send = x.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4)  # [cp, s, B, h/cp, D]
@@ -455,8 +462,6 @@ def seq_to_head_parallel(x: torch.Tensor, group) -> torch.Tensor:
 
 def head_to_seq_parallel(x: torch.Tensor, group) -> torch.Tensor:
     """Inverse of ``seq_to_head_parallel``: [S, B, h/cp, D] -> [S/cp, B, h, D]."""
-    import torch.distributed as dist
-
     cp = dist.get_world_size(group)
     S, b, hc, d = x.shape
     recv = _AllToAll.apply(x.reshape(cp, S // cp, b, hc, d), group)  # [cp (head slice), s, B, h/cp, D]

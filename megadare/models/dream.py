@@ -13,6 +13,7 @@ from __future__ import annotations
 from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, MaskKind, ModelArch, canonical_config, register
 from megadare.models.sdar import qwen_common
+from megadare.models.hf import DecoderLM
 
 MASK_TOKEN_ID = 151666
 _L = "model.layers.{i}."
@@ -74,8 +75,6 @@ def tiny_config(**over) -> dict:
 
 
 def _hf(cfg: dict):
-    from megadare.models.hf import DecoderLM
-
     return DecoderLM(arch(cfg), NAMES)
 
 

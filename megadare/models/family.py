@@ -132,7 +132,7 @@ def register(family: Family) -> Family:
 
 def _ensure_loaded() -> None:
     # Import the family files so they register themselves.
-    from megadare.models import dream, llada, llada2, sdar  # noqa: F401
+    from megadare.models import dream, llada, llada2, sdar  # noqa: F401  # cycle: each imports this module
 
 
 def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:

@@ -22,6 +22,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -141,8 +142,6 @@ def _core_attention(backend: str):
     """Our dLLM core attention, or megatron's own ``DotProductAttention`` ("local": the baseline that
     materialises the score matrix; it takes Megatron-convention bool mask tensors, not MaskSpecs)."""
     if backend == "local":
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
         return DotProductAttention
     return functools.partial(DLLMCoreAttention, backend=backend)
 

@@ -91,6 +91,7 @@ class ScoredOutput:
 
 def scored_output(model, hidden: torch.Tensor, targets: ScoredTargets) -> ScoredOutput:
     """The last stage's head on the scored positions of ``hidden`` [s(/tp), b, h] (module doc)."""
+    # heavy: plan/memory.py and trainer/step.py import this module without megatron
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
     out_layer = model.output_layer
@@ -115,16 +116,8 @@ def scored_output(model, hidden: torch.Tensor, targets: ScoredTargets) -> Scored
     weight = (
         model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else out_layer.weight
     )
-    logp, ent = linear_logprobs(
-        picked,
-        weight,
-        pick(targets.labels),
-        targets.vocab_size,
-        pick(targets.logit_scale),
-        pick(targets.excluded_token),
-        targets.chunk_mb,
-        targets.entropy,
-    )
+    tokens = TokenTargets(pick(targets.labels), pick(targets.logit_scale), pick(targets.excluded_token))
+    logp, ent = linear_logprobs(picked, weight, tokens, targets.vocab_size, targets.chunk_mb, targets.entropy)
     return ScoredOutput(_scatter(logp, idx, s, b), None if ent is None else _scatter(ent, idx, s, b))
 
 
@@ -134,20 +127,28 @@ def _scatter(values: torch.Tensor, idx: torch.Tensor, s: int, b: int) -> torch.T
     return full.view(s, b, *values.shape[1:]).transpose(0, 1).contiguous()
 
 
+@dataclass(frozen=True)
+class TokenTargets:
+    """What each of n scored tokens is scored against: its label [n] and, when set, its logit scale [n] and the
+    token excluded from its softmax [n] (-1: none)."""
+
+    labels: torch.Tensor
+    logit_scale: Optional[torch.Tensor] = None
+    excluded_token: Optional[torch.Tensor] = None
+
+
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    labels: torch.Tensor,
+    targets: TokenTargets,
     vocab_size: int,
-    logit_scale: Optional[torch.Tensor] = None,
-    excluded_token: Optional[torch.Tensor] = None,
     chunk_mb: float = 64.0,
     entropy: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log p(labels) [n] fp32, entropy [n] or None) of ``hidden`` [n, h] under the vocab projection ``weight``
     (this TP rank's rows [V_pad/tp, h]), without the [n, V] logits (module doc). ``hidden`` must already be
     replicated over TP (``scored_output`` does it)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # heavy: as in scored_output
 
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
@@ -163,8 +164,8 @@ def linear_logprobs(
         keep_probs=grad and hidden.shape[0] <= chunk,
         wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())),
     )
-    scale = None if logit_scale is None else logit_scale.float()
-    logp, ent = LinearLogProb.apply(hidden, weight, labels, scale, excluded_token, vocab)
+    scale = None if targets.logit_scale is None else targets.logit_scale.float()
+    logp, ent = LinearLogProb.apply(hidden, weight, targets.labels, scale, targets.excluded_token, vocab)
     return logp, (ent if entropy else None)
 
 
@@ -242,7 +243,7 @@ class LinearLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept = ctx.saved_tensors
+        hidden, weight, _, scale, *_ = ctx.saved_tensors
         v: _Vocab = ctx.v
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         w = weight[: v.n_real]
@@ -251,9 +252,7 @@ class LinearLogProb(torch.autograd.Function):
         n = hidden.shape[0] if (g_logp is not None or g_ent is not None) else 0
         for a in range(0, n, v.chunk):
             sl = slice(a, min(n, a + v.chunk))
-            g = _logit_grad(
-                ctx, kept, sl, labels[sl], _part(g_logp, sl), _part(g_ent, sl), lse[sl], shift[sl], _part(mean_z, sl)
-            )
+            g = _logit_grad(ctx, sl, _part(g_logp, sl), _part(g_ent, sl))
             if scale is not None:
                 g.mul_(scale[sl].unsqueeze(1))
             g = g.to(weight.dtype)
@@ -285,10 +284,12 @@ def _part(t: Optional[torch.Tensor], sl: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[sl]
 
 
-def _logit_grad(ctx, kept, sl, labels, g_logp, g_ent, lse, shift, mean_z) -> torch.Tensor:
-    """d(sum_k a_k log p_k + b_k H_k)/dz of one chunk, before the logit scale (module doc): from the logits kept
-    by the forward (one chunk) or recomputed; p (and z when the entropy has a gradient) in place."""
-    hidden, weight, _, scale, excluded = ctx.saved_tensors[:5]
+def _logit_grad(ctx, sl: slice, g_logp, g_ent) -> torch.Tensor:
+    """d(sum_k a_k log p_k + b_k H_k)/dz of chunk ``sl`` (``g_logp`` / ``g_ent``: its incoming gradients a, b),
+    before the logit scale (module doc): from the logits kept by the forward (one chunk) or recomputed from its
+    saved tensors; p (and z when the entropy has a gradient) in place."""
+    hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept = ctx.saved_tensors
+    labels, lse, shift, mean_z = labels[sl], lse[sl], shift[sl], _part(mean_z, sl)
     v: _Vocab = ctx.v
     if kept is not None and not v.entropy:
         z, p = None, kept  # the forward kept p itself

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.hf import DecoderLM
 
 MASK_TOKEN_ID = 126336
 _B = "model.transformer.blocks.{i}."
@@ -92,8 +93,6 @@ def tiny_config(**over) -> dict:
 
 
 def _hf(cfg: dict):
-    from megadare.models.hf import DecoderLM
-
     return DecoderLM(arch(cfg), NAMES)
 
 

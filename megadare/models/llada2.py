@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.hf import DecoderLM
 
 MASK_TOKEN_ID = 156895
 BLOCK_SIZE = 32
@@ -155,8 +156,6 @@ def tiny_config(**over) -> dict:
 
 
 def _hf(cfg: dict):
-    from megadare.models.hf import DecoderLM
-
     return DecoderLM(arch(cfg), NAMES)
 
 

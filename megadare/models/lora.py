@@ -57,10 +57,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -74,6 +76,10 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTERS = ("lora_A", "lora_B")
@@ -81,9 +87,6 @@ ADAPTERS = ("lora_A", "lora_B")
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model inside megatron's DDP / Float16Module wrappers."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
     while isinstance(chunk, (DistributedDataParallel, Float16Module)):
         chunk = chunk.module
     return chunk
@@ -101,6 +104,15 @@ def kaiming_uniform_a(rank: int, in_features: int, generator: torch.Generator) -
     return torch.empty(rank, in_features, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
 
 
+@dataclass(frozen=True)
+class LoRASpec:
+    """The adapter every wrapped linear gets: rank r, alpha (scaling alpha / r) and the seed of A's init."""
+
+    rank: int
+    alpha: float
+    seed: int = 0
+
+
 class LoRALinear(torch.nn.Module):
     """A frozen megatron Column/RowParallelLinear plus a TP-aware low-rank update (see the module doc).
 
@@ -108,17 +120,9 @@ class LoRALinear(torch.nn.Module):
     ``config``, ``tp_group``...) are read from the base module.
     """
 
-    def __init__(
-        self,
-        base: torch.nn.Module,
-        rank: int,
-        alpha: float,
-        layer_number: int = 0,
-        name: str = "",
-        glu: bool = False,
-        seed: int = 0,
-    ):
+    def __init__(self, base: torch.nn.Module, spec: LoRASpec, layer_number: int = 0, name: str = "", glu: bool = False):
         super().__init__()
+        rank, alpha = spec.rank, spec.alpha
         if isinstance(base, ColumnParallelLinear):
             self.kind = "column"
         elif isinstance(base, RowParallelLinear):
@@ -143,7 +147,7 @@ class LoRALinear(torch.nn.Module):
         self.lora_name = name
         w = base.weight
         tp_rank = base.tp_group.rank()
-        gen = torch.Generator().manual_seed(_seed(seed, layer_number, name))
+        gen = torch.Generator().manual_seed(_seed(spec.seed, layer_number, name))
         a_full = kaiming_uniform_a(self.r, base.input_size, gen)
         if self.kind == "column":
             a = a_full
@@ -223,9 +227,6 @@ class LoRALinear(torch.nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """The base layer's sharded keys unchanged plus ``prefix + lora_A`` / ``lora_B`` (TP-sharded)."""
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         sd = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
         axis = {"lora_B": 0} if self.kind == "column" else {"lora_A": 1}
         adapters = make_sharded_tensors_for_checkpoint(
@@ -256,7 +257,7 @@ def _strip_base_prefix(module, state_dict, prefix, local_metadata):
         state_dict[prefix + k[len(p) :]] = state_dict.pop(k)
 
 
-def _add_base_prefix(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _add_base_prefix(state_dict, prefix, *_):  # torch's load pre-hook also passes metadata, strict, key lists
     """load_state_dict(): ``prefix.X`` -> ``prefix.base.X`` for everything but the adapters."""
     for k in [k for k in state_dict if k.startswith(prefix)]:
         rest = k[len(prefix) :]
@@ -282,9 +283,6 @@ def _global_expert_name(layer, rel: str) -> str:
 
 def _targets_in(chunk: torch.nn.Module, targets: Iterable[str], include_experts: bool):
     """(parent, attr, full name, layer number, name for the seed, glu) of each wrappable linear."""
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     targets = set(targets)
     found = []
     for lname, layer in chunk.named_modules():
@@ -314,6 +312,7 @@ def apply_lora(
     Call it on the bare chunks (before ``wrap_ddp`` / ``build_optimizer``). The adapters' init depends only on
     (seed, global layer number, module name), not on the TP/PP layout. Returns the wrapped module names.
     """
+    spec = LoRASpec(rank, alpha, seed)
     names = []
     for chunk in chunks:
         model = _unwrap(chunk)
@@ -321,7 +320,7 @@ def apply_lora(
             p.requires_grad_(False)
         for parent, attr, full, layer_number, seed_name, glu in _targets_in(model, targets, include_experts):
             base = getattr(parent, attr)
-            setattr(parent, attr, LoRALinear(base, rank, alpha, layer_number, seed_name, glu, seed))
+            setattr(parent, attr, LoRALinear(base, spec, layer_number, seed_name, glu))
             names.append(full)
     if not names:
         again = any(isinstance(m, LoRALinear) for c in chunks for m in _unwrap(c).modules())

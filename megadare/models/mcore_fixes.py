@@ -24,6 +24,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 
 _APPLIED = False
 
@@ -70,12 +74,6 @@ def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.moe import moe_utils
-
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     TopKRouter._apply_expert_bias = _apply_expert_bias

@@ -10,6 +10,7 @@ TP, exactly as for TE's / apex's norms (megatron's torch norm refuses SP instead
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
 class RMSNorm(torch.nn.Module):
@@ -27,7 +28,5 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         state = self.state_dict(prefix="", keep_vars=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.hf import DecoderLM
 
 MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
@@ -137,8 +138,6 @@ def _tiny(moe: bool, **over) -> dict:
 
 
 def _hf(cfg: dict, moe: bool):
-    from megadare.models.hf import DecoderLM
-
     return DecoderLM(_arch(cfg, moe), NAMES)
 
 

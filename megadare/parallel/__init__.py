@@ -39,8 +39,8 @@ def init_distributed(
     """Initialise torch.distributed (env:// or a single process) and megatron's parallel groups for ``layout``
     (default: no model parallelism); returns it placed on the launched world."""
     global _LAYOUT
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core import parallel_state  # heavy: megadare.parallel imports without megatron
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # heavy: as above
 
     cpu = is_cpu()
     if cpu:
@@ -84,7 +84,7 @@ def placed(layout: Layout, world: int) -> Layout:
 def destroy_distributed() -> None:
     """Tear down megatron's groups and the process group, so a process can initialise again."""
     global _LAYOUT
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # heavy: megadare.parallel imports without megatron
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -111,26 +111,26 @@ class _DoneWork:
 _ACT_TAG, _GRAD_TAG = 1, 2
 
 
-def _tagged_p2p_ops(
-    *,
-    tensor_send_prev,
-    tensor_recv_prev,
-    tensor_send_next,
-    tensor_recv_next,
-    group,
-    prev_pipeline_rank: int,
-    next_pipeline_rank: int,
-):
-    """megatron's pipeline p2p with activations (forward) and gradients (backward) on separate tags."""
+# megatron's p2p tensor keywords in its order: (keyword, op, towards the next stage, tag)
+_P2P_TENSORS = (
+    ("tensor_send_prev", dist.isend, False, _GRAD_TAG),
+    ("tensor_recv_prev", dist.irecv, False, _ACT_TAG),
+    ("tensor_send_next", dist.isend, True, _ACT_TAG),
+    ("tensor_recv_next", dist.irecv, True, _GRAD_TAG),
+)
+
+
+def _tagged_p2p_ops(*, group, prev_pipeline_rank: int, next_pipeline_rank: int, **tensors):
+    """megatron's pipeline p2p with activations (forward) and gradients (backward) on separate tags. megatron's
+    ``_batched_p2p_ops`` / ``_p2p_ops`` fix the keywords: the tensors arrive as tensor_{send,recv}_{prev,next}."""
+    unknown = sorted(set(tensors) - {name for name, *_ in _P2P_TENSORS})
+    if unknown:
+        raise TypeError(f"_tagged_p2p_ops() got unexpected keyword arguments {unknown}")
     ops = []
-    if tensor_send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, tensor_send_prev, prev_pipeline_rank, group, tag=_GRAD_TAG))
-    if tensor_recv_prev is not None:
-        ops.append(dist.P2POp(dist.irecv, tensor_recv_prev, prev_pipeline_rank, group, tag=_ACT_TAG))
-    if tensor_send_next is not None:
-        ops.append(dist.P2POp(dist.isend, tensor_send_next, next_pipeline_rank, group, tag=_ACT_TAG))
-    if tensor_recv_next is not None:
-        ops.append(dist.P2POp(dist.irecv, tensor_recv_next, next_pipeline_rank, group, tag=_GRAD_TAG))
+    for name, op, towards_next, tag in _P2P_TENSORS:
+        if tensors.get(name) is not None:
+            peer = next_pipeline_rank if towards_next else prev_pipeline_rank
+            ops.append(dist.P2POp(op, tensors[name], peer, group, tag=tag))
     return dist.batch_isend_irecv(ops) if ops else []
 
 
@@ -164,7 +164,7 @@ def install_cpu_compat(force: bool = False) -> bool:
     cuda.memory_allocated = lambda *a, **k: 0
     cuda.max_memory_allocated = lambda *a, **k: 0
 
-    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.tensor_parallel.random as mrandom  # heavy: megadare.parallel imports without megatron
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
@@ -194,7 +194,7 @@ def install_cpu_compat(force: bool = False) -> bool:
     dist.reduce_scatter_tensor = reduce_scatter_tensor
     _short_circuit_single_rank_buffers()
 
-    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.p2p_communication as p2p  # heavy: as above
 
     p2p._batched_p2p_ops = _tagged_p2p_ops
     p2p._p2p_ops = _tagged_p2p_ops
@@ -204,7 +204,7 @@ def install_cpu_compat(force: bool = False) -> bool:
 
 def _short_circuit_single_rank_buffers() -> None:
     """Item 9 of the module doc: megatron's grad-buffer collectives on a group of one rank."""
-    import megatron.core.distributed.param_and_grad_buffer as pgb
+    import megatron.core.distributed.param_and_grad_buffer as pgb  # heavy: megadare.parallel imports without megatron
 
     def single(fn):
         def call(output, input, *args, group=None, async_op=False, **kwargs):

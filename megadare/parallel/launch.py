@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as _q
 import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -27,8 +29,6 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    import torch
-
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -69,8 +69,6 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     """One launch: (results by rank, error texts, megadare's own errors)."""
-    import queue as _q
-
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

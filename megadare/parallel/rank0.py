@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -57,8 +58,6 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
 
 def _picklable(e: Exception) -> Exception:
     """``e`` itself when it survives pickling, else a RuntimeError with its type and message."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megadare.algos import build_algorithm
 from megadare.config import Config, resolve_sft_mode
 from megadare.models.head import chunk_tokens
 from megadare.models.mapping import padded_vocab_size
@@ -116,7 +117,7 @@ def model_state_bytes(
     arch: ModelArch, lay: Layout, dtype: str, distributed_optimizer: bool, rank: int = 0
 ) -> tuple[int, float, float, float]:
     """(parameters, weight, gradient, optimizer bytes) on one GPU of pipeline rank ``rank``."""
-    rp = rank_params(arch, lay.tp, lay.pp, lay.vpp, lay.ep, lay.etp, rank)
+    rp = rank_params(arch, lay, rank)
     o = OPTIM_BYTES[dtype]
     d_dense = lay.dp * lay.cp if distributed_optimizer else 1
     d_expert = lay.expert_dp if distributed_optimizer else 1
@@ -128,10 +129,11 @@ def model_state_bytes(
     )
 
 
-def layer_activation_bytes(
-    arch: ModelArch, moe: bool, lay: Layout, seq: int, mbs: int, act: int, backend: str
-) -> tuple[float, float]:
-    """(bytes kept under selective recompute, core-attention bytes it drops) of one layer and micro-batch."""
+def layer_activation_bytes(arch: ModelArch, moe: bool, lay: Layout, cfg: Config) -> tuple[float, float]:
+    """(bytes kept under selective recompute, core-attention bytes it drops) of one layer and micro-batch of
+    cfg.train's shape, in cfg.model's dtype and attention backend."""
+    seq, mbs, act = cfg.train.seq_length, cfg.train.micro_batch_size, WEIGHT_BYTES[cfg.model.dtype]
+    backend = cfg.model.attention_backend
     h, d, t = arch.hidden_size, arch.head_dim, lay.tp
     heads, q, kv = arch.num_attention_heads, arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     n = seq * mbs / lay.cp
@@ -171,9 +173,7 @@ def stage_activation_bytes(arch: ModelArch, lay: Layout, cfg: Config, micro_batc
     layers = stage_layers(arch, lay.pp, lay.vpp, rank)
     full_layers = []
     for i in layers:
-        kept, core = layer_activation_bytes(
-            arch, i in moe_layers, lay, t.seq_length, t.micro_batch_size, act, cfg.model.attention_backend
-        )
+        kept, core = layer_activation_bytes(arch, i in moe_layers, lay, cfg)
         full_layers.append(kept + (0.0 if t.recompute == "selective" else core))
     chunks = in_flight(lay, micro_batches, rank)
     per_chunk = len(layers) / (lay.vpp or 1)
@@ -229,8 +229,6 @@ def micro_batches_per_step(cfg: Config, lay: Layout) -> int:
 def needs_reference(cfg: Config) -> bool:
     if cfg.plan.job != "rl":
         return False
-    from megadare.algos import build_algorithm
-
     return build_algorithm(cfg.algo.name, dict(cfg.algo.params)).needs_ref
 
 

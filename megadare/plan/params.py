@@ -29,6 +29,7 @@ from typing import Optional
 
 from megadare.models.mapping import padded_vocab_size
 from megadare.models.family import ModelArch
+from megadare.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -105,17 +106,9 @@ def stage_layers(arch: ModelArch, pp: int, vpp: Optional[int], rank: int) -> lis
     return [i for s in range(v) for i in range((s * pp + rank) * per, (s * pp + rank + 1) * per)]
 
 
-def rank_params(
-    arch: ModelArch,
-    tp: int = 1,
-    pp: int = 1,
-    vpp: Optional[int] = None,
-    ep: int = 1,
-    etp: Optional[int] = None,
-    rank: int = 0,
-) -> RankParams:
-    """Parameters on one GPU of pipeline rank ``rank`` (the Megatron model: padded vocabulary)."""
-    etp = tp if etp is None else etp
+def rank_params(arch: ModelArch, lay: Layout = Layout(), rank: int = 0) -> RankParams:
+    """Parameters on one GPU of pipeline rank ``rank`` under ``lay`` (the Megatron model: padded vocabulary)."""
+    tp, pp, vpp, ep, etp = lay.tp, lay.pp, lay.vpp, lay.ep, lay.etp
     moe_layers = set(arch.moe_layers())
     dense = expert = 0
     for i in stage_layers(arch, pp, vpp, rank):

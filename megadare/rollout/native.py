@@ -204,7 +204,7 @@ class NativeEngine:
             if self._cache is not None:
                 rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
             self._cache = None
-            self._cache = KVCache(a.num_layers, rows, length, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+            self._cache = KVCache(a, rows, length, self.dtype, self.device)
             if self.compile and self.device.type == "cuda":  # CUDA graphs write into it in place
                 for t in self._cache.k + self._cache.v:
                     torch._dynamo.mark_static_address(t)

@@ -35,19 +35,11 @@ class KVCache:
     full-attention samplers may cache everything but the current block as an approximation (Fast-dLLM).
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        rows: int,
-        length: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device=None,
-    ):
-        shape = (rows, kv_heads, length + 1, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, arch, rows: int, length: int, dtype: torch.dtype = torch.float32, device=None):
+        """Room for ``rows`` sequences of ``length`` positions in every layer of ``arch`` (a ``ModelArch``)."""
+        shape = (rows, arch.num_kv_heads, length + 1, arch.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.rows, self.length, self.dtype = rows, length, dtype
         self._rows = slice(0, 0)
         self._index: Optional[torch.Tensor] = None
@@ -295,11 +287,11 @@ class DecoderLM(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
             allowed = self._allowed(attention_mask, S, input_ids.device, block_size)
-        cos, sin = rope_cos_sin(position_ids, int(a.head_dim * a.rotary_percent), a.rope_theta)
+        rope = rope_cos_sin(position_ids, int(a.head_dim * a.rotary_percent), a.rope_theta)
         embed, final_norm, head = self._io
         x = embed(input_ids)
         for i, layer in enumerate(self._layers):
-            x = x + self._attention(layer.input_norm(x), layer, allowed, cos, sin, kv_cache, i)
+            x = x + self._attention(layer.input_norm(x), layer, allowed, rope, kv_cache, i)
             h = layer.post_norm(x)
             x = x + (self._moe(h, layer) if layer.moe else _mlp(h, *layer.mlp))
         if logits_index is not None:
@@ -308,7 +300,8 @@ class DecoderLM(nn.Module):
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         return F.linear(final_norm(x), embed.weight if head is None else head.weight)
 
-    def _attention(self, h, layer: "_Layer", allowed, cos, sin, kv_cache, i: int):
+    def _attention(self, h, layer: "_Layer", allowed, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, i: int):
+        """Layer ``i``'s attention block; ``rope`` = (cos, sin) of ``rope_cos_sin``."""
         a = self.arch
         B, S, _ = h.shape
         H, G, D = a.num_attention_heads, a.num_kv_heads, a.head_dim
@@ -319,7 +312,7 @@ class DecoderLM(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if layer.q_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(i, k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=H != G)

@@ -90,7 +90,7 @@ from typing import Optional
 
 import torch
 
-from megadare.algos.policy_loss import kl_penalty, ppo_clip_loss
+from megadare.algos.policy_loss import PPOClip, kl_penalty, ppo_clip_loss
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
@@ -169,7 +169,9 @@ class OffPolicyLoss:
             raise ValueError(f"bypass loss_type={self.loss_type!r} unknown; choose one of {BYPASS_LOSS_TYPES}")
 
     def ppo_clip(self, logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ppo_clip_loss(logp, old, adv, self.eps_low, self.eps_high, self.dual_clip, self.rollout_is.log_clamp)
+        return ppo_clip_loss(
+            logp, old, adv, PPOClip(self.eps_low, self.eps_high, self.dual_clip, self.rollout_is.log_clamp)
+        )
 
 
 def _log_threshold(x: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
