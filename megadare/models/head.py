@@ -37,7 +37,7 @@ path is the one megadare runs everywhere (see the note in benchmarks/train_memor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -165,7 +165,7 @@ def linear_logprobs(
         wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())),
     )
     scale = None if targets.logit_scale is None else targets.logit_scale.float()
-    logp, ent = LinearLogProb.apply(hidden, weight, targets.labels, scale, targets.excluded_token, vocab)
+    logp, ent = LinearLogProb.apply(hidden, weight, replace(targets, logit_scale=scale), vocab)
     return logp, (ent if entropy else None)
 
 
@@ -212,7 +212,8 @@ class LinearLogProb(torch.autograd.Function):
     """(log p(labels), entropy) of ``hidden`` under ``weight``, chunk by chunk (module doc)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, excluded, v: _Vocab):
+    def forward(ctx, hidden, weight, targets: TokenTargets, v: _Vocab):
+        labels, scale, excluded = targets.labels, targets.logit_scale, targets.excluded_token
         n = hidden.shape[0]
         w = weight[: v.n_real]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -266,8 +267,8 @@ class LinearLogProb(torch.autograd.Function):
                     grad_w[rs] += g[:, rs].t() @ hidden[sl]
             del g
         if grad_w is None or grad_w is getattr(weight, "main_grad", None):
-            return grad_h, None, None, None, None, None
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+            return grad_h, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None
 
 
 def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
