@@ -1,4 +1,4 @@
-"""Sync vs asynchronous RL on the demo task, in one run: the same SFT checkpoint trained with rl.mode=sync,
+"""Sync vs asynchronous RL on the demo task, in one run: the same SFT checkpoint trained with offpolicy.mode=sync,
 one_step_off and fully_async (max_staleness 2, decoupled IS); prints, per mode, held-out accuracy before -> after,
 the rollout reward of the first and last quarter of the steps, and wall-clock per step (mean, rollout wait,
 weight sync), plus the ratio of each mode's step time to sync's.
@@ -20,9 +20,14 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = {
-    "sync": ["rl.mode=sync"],
-    "one_step_off": ["rl.mode=one_step_off"],
-    "fully_async": ["rl.mode=fully_async", "rl.max_staleness=2", "rl.loss_mode=decoupled", "rl.rollout_is=token"],
+    "sync": ["offpolicy.mode=sync"],
+    "one_step_off": ["offpolicy.mode=one_step_off"],
+    "fully_async": [
+        "offpolicy.mode=fully_async",
+        "offpolicy.max_staleness=2",
+        "offpolicy.loss_mode=decoupled",
+        "offpolicy.rollout_is=token",
+    ],
 }
 
 

@@ -9,8 +9,9 @@ the fix. Later sections (train, sft, rl, rollout, eval) are added as dataclasses
 
 from __future__ import annotations
 
+import copy
 import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
@@ -81,6 +82,18 @@ class TrainSection:
     global_batch_size: int = 8  # examples per optimizer step (over all DP ranks)
     micro_batch_size: int = 1  # packed sequences per micro-batch
     seq_length: int = 2048  # packed sequence length (block mode rows are 2x prompt+response)
+    recompute: Literal["none", "selective", "full"] = "none"  # selective: core attention; full: whole layers
+    logits: Literal["scored", "full"] = "scored"  # scored: output layer only where the loss reads, no [tokens, vocab]
+    # logits (models/head.py) | full: logits of every position (old path)
+    logits_chunk_mb: float = 64.0  # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
+    moe_aux_loss_coeff: Optional[float] = None  # None = the family's default
+    moe_bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (families with expert bias)
+
+
+@dataclass
+class OptimSection:
+    """The optimiser (megatron's Adam) and its learning-rate schedule; keys ``train.lr`` ... are aliases."""
+
     lr: float = 1e-5
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -91,12 +104,6 @@ class TrainSection:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed_optimizer: bool = True  # shard optimizer state over DP (ZeRO-1)
-    recompute: Literal["none", "selective", "full"] = "none"  # selective: core attention; full: whole layers
-    logits: Literal["scored", "full"] = "scored"  # scored: output layer only where the loss reads, no [tokens, vocab]
-    # logits (models/head.py) | full: logits of every position (old path)
-    logits_chunk_mb: float = 64.0  # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
-    moe_aux_loss_coeff: Optional[float] = None  # None = the family's default
-    moe_bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (families with expert bias)
 
 
 @dataclass
@@ -125,9 +132,6 @@ class SFTSection:
     normalize: Literal["answer_length", "masked_tokens"] = "answer_length"  # LLaDA | DARE
     t_per: Literal["block", "sample"] = "block"  # block mode: one t per block | per sample
     trace_shrink: int = 1
-    lora_rank: int = 0  # 0 = full fine-tuning
-    lora_alpha: float = 16.0
-    lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
@@ -183,7 +187,41 @@ class AlgoSection:
 
 @dataclass
 class RLSection:
+    """The RL loop: steps, batch shape, epochs, held-out evaluation. Its other owners have their own sections:
+    ``advantage``, ``offpolicy``, ``reward``, ``lora`` (the old ``rl.*`` keys are aliases, CONFIG_ALIASES)."""
+
     steps: int = 100  # RL steps (rollout -> update -> weight sync)
+    prompts_per_step: int = 16
+    n_samples: int = 8  # responses per prompt (group size)
+    ppo_epochs: int = 1  # passes over each rollout batch
+    redraw_corruptions: Optional[bool] = None  # each epoch draws its own corruptions (epoch in the seed; old
+    # log-probs of every epoch's rows before the first update); None = the
+    # algorithm's choice (ESPO, d1: redraw; the rest keep one draw)
+    canvas: Optional[Literal["full", "eos"]] = (
+        None  # full (sample, mask, score and normalise all rollout.max_new_tokens
+    )
+    # positions, post-EOS tokens included: DARE's LLaDA/Dream) | eos (cut at
+    # the first EOS); None = the family's default (full attention: full,
+    # block diffusion: eos)
+    mini_batches: int = 1  # optimizer steps per epoch
+    eval_interval: int = 0  # steps; 0 = only before and after training
+    eval_size: int = 64  # held-out prompts evaluated
+
+
+@dataclass
+class AdvantageSection:
+    """Group-relative advantages from a prompt group's rewards (algos/advantages.py), and which groups train."""
+
+    estimator: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"  # was rl.advantage
+    std: Literal["unbiased", "population", "none"] = "unbiased"  # was rl.advantage_std
+    filter_all_equal: bool = False  # drop groups whose rewards are all equal
+    accuracy_band: Optional[list] = None  # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
+
+
+@dataclass
+class OffPolicySection:
+    """Asynchronous rollouts and their off-policy correction (trainer/offpolicy/)."""
+
     mode: Literal["sync", "one_step_off", "fully_async"] = (
         "sync"  # sync | one_step_off (step k+1's rollout overlaps step k's training) |
     )
@@ -206,37 +244,16 @@ class RLSection:
     rollout_is_threshold: float = 2.0  # upper threshold (D-ARL algorithm.rollout_is_threshold)
     rollout_is_threshold_low: Optional[float] = None  # None: 1/upper in mask mode, no lower bound in truncate
     rollout_is_veto: Optional[float] = None  # drop a sequence with any token ratio below this
-    prompts_per_step: int = 16
-    n_samples: int = 8  # responses per prompt (group size)
-    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
-    advantage_std: Literal["unbiased", "population", "none"] = "unbiased"
-    filter_all_equal: bool = False  # drop groups whose rewards are all equal
-    accuracy_band: Optional[list] = None  # [low, high]: drop groups with accuracy outside (dLLM-RL: [0.2, 0.8])
-    truncated_as_wrong: bool = False  # responses that hit max_new_tokens get reward 0
-    ppo_epochs: int = 1  # passes over each rollout batch
-    redraw_corruptions: Optional[bool] = None  # each epoch draws its own corruptions (epoch in the seed; old
-    # log-probs of every epoch's rows before the first update); None = the
-    # algorithm's choice (ESPO, d1: redraw; the rest keep one draw)
-    canvas: Optional[Literal["full", "eos"]] = (
-        None  # full (sample, mask, score and normalise all rollout.max_new_tokens
-    )
-    # positions, post-EOS tokens included: DARE's LLaDA/Dream) | eos (cut at
-    # the first EOS); None = the family's default (full attention: full,
-    # block diffusion: eos)
-    mini_batches: int = 1  # optimizer steps per epoch
-    reward: str = "auto"  # built-in reward name or "pkg.module:function"; auto: per row by
-    # data_source / extra_info.task (megadare.rewards.registry.auto_rule)
-    max_reward_error_fraction: float = 0.0  # a step (or evaluation) whose rewards could not be computed for more
-    # than this fraction of samples stops the run (a program or verifier
-    # running past its own limit is a wrong answer, not a failure)
-    eval_interval: int = 0  # steps; 0 = only before and after training
-    eval_size: int = 64  # held-out prompts evaluated
-    answer_key: str = "answer"  # gold field (dotted: reward_model.ground_truth, verl's, is the fallback)
-    skip_rows_without_answer: bool = False  # leave out (and list) prompt rows whose gold is null / empty instead of
-    # refusing the file (DARE's MATH train file has 4 such rows)
-    lora_rank: int = 0  # > 0: train LoRA adapters (reference = adapters off, no second model)
-    lora_alpha: float = 16.0
-    lora_targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
+class LoRASection:
+    """LoRA adapters of the job that runs (SFT or RL; rank 0 = full fine-tuning). RL's reference is the policy with
+    its adapters off (no second model). ``sft.lora_*`` and ``rl.lora_*`` are both aliases of these keys."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
@@ -299,6 +316,17 @@ class CodeRewardSection:
 
 @dataclass
 class RewardsSection:
+    """How RL and evaluation score responses (megadare/rewards/)."""
+
+    name: str = "auto"  # built-in reward name or "pkg.module:function"; auto: per row by
+    # data_source / extra_info.task (megadare.rewards.registry.auto_rule)
+    max_error_fraction: float = 0.0  # a step (or evaluation) whose rewards could not be computed for more
+    # than this fraction of samples stops the run (a program or verifier
+    # running past its own limit is a wrong answer, not a failure)
+    answer_key: str = "answer"  # gold field (dotted: reward_model.ground_truth, verl's, is the fallback)
+    truncated_as_wrong: bool = False  # responses that hit max_new_tokens get reward 0
+    skip_rows_without_answer: bool = False  # leave out (and list) prompt rows whose gold is null / empty instead of
+    # refusing the file (DARE's MATH train file has 4 such rows)
     code: CodeRewardSection = field(default_factory=CodeRewardSection)
 
 
@@ -307,9 +335,14 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
     data: DataSection = field(default_factory=DataSection)
     sft: SFTSection = field(default_factory=SFTSection)
     rl: RLSection = field(default_factory=RLSection)
+    advantage: AdvantageSection = field(default_factory=AdvantageSection)
+    offpolicy: OffPolicySection = field(default_factory=OffPolicySection)
+    rewards: RewardsSection = field(default_factory=RewardsSection)
+    lora: LoRASection = field(default_factory=LoRASection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algo: AlgoSection = field(default_factory=AlgoSection)
     replay: ReplaySection = field(default_factory=ReplaySection)
@@ -318,8 +351,44 @@ class Config:
     plan: PlanSection = field(default_factory=PlanSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    rewards: RewardsSection = field(default_factory=RewardsSection)
     seed: int = 1234
+
+    def as_written(self, key: str) -> str:
+        """``key`` for a message, in the user's spelling: as the config's source wrote it (an old key of
+        CONFIG_ALIASES); a key it did not write, in the old spelling it used for that section's other keys (it
+        wrote ``rl.rollout_is``: ``rl.loss_mode``); else ``key``."""
+        written = self.__dict__.get("_written", {})
+        if key in written:
+            return written[key]
+        section = key.split(".")[0]
+        old_sections = {w.split(".")[0] for k, w in written.items() if k.split(".")[0] == section}
+        return next(
+            (old for old, new in CONFIG_ALIASES.items() if new == key and old.split(".")[0] in old_sections), key
+        )
+
+    def replace(self, **sections) -> "Config":
+        """A copy with ``sections`` replaced (``dataclasses.replace``) that still names keys as the source wrote them."""
+        out = replace(self, **sections)
+        out._written = self.__dict__.get("_written", {})
+        return out
+
+
+# Users' keys from before the sections by owner: permanent aliases {key as written: canonical key}. The loader
+# moves them (YAML files, key=value overrides, config_from_dict) before OmegaConf checks types and choices.
+CONFIG_ALIASES: dict[str, str] = {
+    **{f"train.{f.name}": f"optim.{f.name}" for f in fields(OptimSection)},
+    "rl.advantage": "advantage.estimator",
+    "rl.advantage_std": "advantage.std",
+    "rl.filter_all_equal": "advantage.filter_all_equal",
+    "rl.accuracy_band": "advantage.accuracy_band",
+    **{f"rl.{f.name}": f"offpolicy.{f.name}" for f in fields(OffPolicySection)},
+    **{f"{job}.lora_{f.name}": f"lora.{f.name}" for job in ("sft", "rl") for f in fields(LoRASection)},
+    "rl.reward": "rewards.name",
+    "rl.max_reward_error_fraction": "rewards.max_error_fraction",
+    "rl.answer_key": "rewards.answer_key",
+    "rl.truncated_as_wrong": "rewards.truncated_as_wrong",
+    "rl.skip_rows_without_answer": "rewards.skip_rows_without_answer",
+}
 
 
 def _literal_choices(annotation) -> Optional[tuple]:
@@ -357,7 +426,7 @@ def check_choices(cfg: Config) -> None:
     the loader runs it, and ``validate`` again for a config built or changed in Python."""
     for key, options in CHOICES.items():
         if (v := _get(cfg, key)) not in options:
-            raise _not_one_of(key, v, options)
+            raise _not_one_of(cfg.as_written(key), v, options)
 
 
 POSITIVE = (
@@ -413,49 +482,137 @@ def _all_keys(dc: Any, prefix: str = "") -> list[str]:
 
 
 def _unknown(key: str) -> ConfigError:
-    valid = _all_keys(Config())
+    valid = _all_keys(Config()) + list(CONFIG_ALIASES)
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 
-def _translate(e: OmegaConfBaseException, source: str) -> ConfigError:
+def _translate(e: OmegaConfBaseException, source: str, written: dict[str, str]) -> ConfigError:
     key = getattr(e, "full_key", None) or ""
     if isinstance(e, ConfigKeyError):
         return _unknown(key)
+    shown = written.get(key, key)  # the key as the user wrote it
     if isinstance(e, ValidationError) and key in CHOICES:  # OmegaConf refused a typed choice: our one line
-        return _not_one_of(key, e.value, CHOICES[key])
-    if isinstance(e, ValidationError):
-        return ConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e} (in {source})")
+        return _not_one_of(shown, e.value, CHOICES[key])
+    if isinstance(e, ValidationError):  # the first line of OmegaConf's message (the rest names its internals)
+        return ConfigError(f"{shown}: {str(e.msg if hasattr(e, 'msg') else e).splitlines()[0]} (in {source})")
     return ConfigError(f"{source}: {e}")
+
+
+_MISSING = object()
+
+
+def _pop_path(data: dict, dotted: str) -> Any:
+    """Remove ``dotted`` from a nested mapping (and the sections it leaves empty); _MISSING when absent."""
+    head, _, rest = dotted.partition(".")
+    if not isinstance(data, dict) or head not in data:
+        return _MISSING
+    if not rest:
+        return data.pop(head)
+    value = _pop_path(data[head], rest)
+    if value is not _MISSING and data[head] == {}:
+        del data[head]
+    return value
+
+
+def _peek_path(data: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return _MISSING
+        data = data[part]
+    return data
+
+
+def _put_path(data: dict, dotted: str, value: Any) -> None:
+    *sections, leaf = dotted.split(".")
+    for part in sections:
+        data = data.setdefault(part, {})
+    data[leaf] = value
+
+
+def _one_value(key: str, given: list[tuple[str, Any]], source: str) -> tuple[str, Any]:
+    """(spelling, value) of one canonical key written under several spellings: they must agree. The old
+    ``sft.lora_*`` / ``rl.lora_*`` pair both stand in a config written before ``lora`` (every saved config.yaml):
+    there a value equal to the default is no setting and the other one counts."""
+    if len({repr(v) for _, v in given}) > 1 and all(name.split(".")[0] in ("sft", "rl") for name, _ in given):
+        default = repr(_get(Config(), key))
+        given = [(n, v) for n, v in given if repr(v) != default] or given
+    if len({repr(v) for _, v in given}) > 1:
+        spelled = ", ".join(f"{n}={v!r}" for n, v in given)
+        raise ConfigError(f"{source}: {spelled} set one key ({key}) to different values; keep one")
+    return given[0]
+
+
+def canonical_keys(data: dict, source: str) -> tuple[dict, dict[str, str]]:
+    """A nested config mapping with every key written under an alias (CONFIG_ALIASES) moved to its canonical key,
+    and {canonical key: the spelling written} for the moved ones. Two spellings of one key with different values
+    raise ConfigError naming both."""
+    out = copy.deepcopy(data)
+    found: dict[str, list[tuple[str, Any]]] = {}
+    for old, new in CONFIG_ALIASES.items():
+        if (value := _pop_path(out, old)) is not _MISSING:
+            found.setdefault(new, []).append((old, value))
+    written = {}
+    for new, given in found.items():
+        if (value := _peek_path(out, new)) is not _MISSING:
+            given = [(new, value), *given]
+        spelling, value = _one_value(new, given, source)
+        _put_path(out, new, value)
+        if spelling != new:
+            written[new] = spelling
+    return out, written
+
+
+def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str, str, str]:
+    """(key as written, canonical key, value) of one ``key=value`` override; ``seen`` ({canonical key: (spelling,
+    value)} of the overrides so far) catches one key set under two spellings to different values."""
+    if "=" not in ov:
+        raise ConfigError(f"override {ov!r} must look like key=value (e.g. parallel.tp=2)")
+    key, value = ov.split("=", 1)
+    key = key.strip()
+    canonical = CONFIG_ALIASES.get(key, key)
+    if canonical not in _all_keys(Config()):
+        raise _unknown(key)
+    before = seen.get(canonical)
+    if before is not None and before[0] != key and before[1] != value:
+        raise ConfigError(
+            f"overrides: {before[0]}={before[1]} and {key}={value} set one key ({canonical}) to different values; "
+            "keep one"
+        )
+    seen[canonical] = (key, value)
+    return key, canonical, value
 
 
 def config_from_dict(data: dict, source: str = "<dict>") -> Config:
     base = OmegaConf.structured(Config)
+    data, written = canonical_keys(data, source)
     try:
         merged = OmegaConf.merge(base, OmegaConf.create(data))
     except OmegaConfBaseException as e:
-        raise _translate(e, source) from None
-    return _finish(merged)
+        raise _translate(e, source, written) from None
+    return _finish(merged, written)
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
-    """YAML file (optional) then dotted ``key=value`` overrides; checked field by field."""
+    """YAML file (optional) then dotted ``key=value`` overrides; users' old keys (CONFIG_ALIASES) moved to their
+    canonical keys first; checked field by field."""
     conf = OmegaConf.structured(Config)
+    written: dict[str, str] = {}
+    seen: dict[str, tuple[str, str]] = {}
     try:
         if path:
-            file_conf = _load_yaml(path)
-            conf = OmegaConf.merge(conf, file_conf)
+            file_data, written = canonical_keys(OmegaConf.to_container(_load_yaml(path)), path)
+            conf = OmegaConf.merge(conf, OmegaConf.create(file_data))
         for ov in overrides or []:
-            if "=" not in ov:
-                raise ConfigError(f"override {ov!r} must look like key=value (e.g. parallel.tp=2)")
-            key = ov.split("=", 1)[0].strip()
-            if key not in _all_keys(Config()):
-                raise _unknown(key)
-            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([ov]))
+            key, canonical, value = _canonical_override(ov, seen)
+            written.pop(canonical, None)
+            if key != canonical:
+                written[canonical] = key
+            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([f"{canonical}={value}"]))
     except OmegaConfBaseException as e:
-        raise _translate(e, path or "overrides") from None
-    return _finish(conf)
+        raise _translate(e, path or "overrides", written) from None
+    return _finish(conf, written)
 
 
 def _load_yaml(path: str):
@@ -480,8 +637,9 @@ def _load_yaml(path: str):
     return conf
 
 
-def _finish(conf) -> Config:
+def _finish(conf, written: dict[str, str]) -> Config:
     cfg: Config = OmegaConf.to_object(conf)
+    cfg._written = written  # for messages: the key as the user wrote it (Config.as_written)
     for k, v in cfg.model.tiny_config.items():
         if v is None:
             raise ConfigError(
@@ -498,8 +656,9 @@ def _finish(conf) -> Config:
             as_paths(_get(cfg, key), key)
         except DataError as e:
             raise ConfigError(str(e)) from None
-    if not 0.0 <= cfg.rl.max_reward_error_fraction <= 1.0:
-        raise ConfigError(f"rl.max_reward_error_fraction={cfg.rl.max_reward_error_fraction} must be within [0, 1]")
+    if not 0.0 <= cfg.rewards.max_error_fraction <= 1.0:
+        key = cfg.as_written("rewards.max_error_fraction")
+        raise ConfigError(f"{key}={cfg.rewards.max_error_fraction} must be within [0, 1]")
     if not cfg.train.logits_chunk_mb > 0:
         raise ConfigError(f"train.logits_chunk_mb={cfg.train.logits_chunk_mb} must be > 0 (MiB of logits per chunk)")
     return cfg
@@ -548,13 +707,15 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(
             f"sft.noise_low={sft.noise_low}, sft.noise_high={sft.noise_high}: need 0 < noise_low <= noise_high <= 1"
         )
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"train.lr={t.lr}, train.min_lr={t.min_lr}: need 0 <= min_lr <= lr and lr > 0")
-    if t.warmup_steps < 0 or t.warmup_steps > t.steps:
-        raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be within [0, train.steps={t.steps}]")
-    for key in ("sft.lora_rank", "rl.lora_rank"):
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key}={_get(cfg, key)} must be >= 0 (0 = full fine-tuning)")
+    o, named = cfg.optim, cfg.as_written
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(
+            f"{named('optim.lr')}={o.lr}, {named('optim.min_lr')}={o.min_lr}: need 0 <= min_lr <= lr and lr > 0"
+        )
+    if o.warmup_steps < 0 or o.warmup_steps > t.steps:
+        raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
+    if cfg.lora.rank < 0:
+        raise ConfigError(f"{named('lora.rank')}={cfg.lora.rank} must be >= 0 (0 = full fine-tuning)")
     if cfg.rollout.max_batch < 0:
         raise ConfigError(
             f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request at once)"
@@ -573,10 +734,11 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         )
     if t.seq_length % p.cp:
         raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
-    if resolve_canvas(cfg, arch) == "full" and cfg.rl.partial_rollout:
+    if resolve_canvas(cfg, arch) == "full" and cfg.offpolicy.partial_rollout:
+        key = named("offpolicy.partial_rollout")
         raise ConfigError(
-            f"rl.partial_rollout={cfg.rl.partial_rollout} continues a response as a new prompt, which "
-            "cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or rl.partial_rollout=0"
+            f"{key}={cfg.offpolicy.partial_rollout} continues a response as a new prompt, which "
+            f"cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or {key}=0"
         )
     check_decoder(cfg, arch)
 

@@ -47,7 +47,7 @@ FAMILIES = {
 # published RLOO advantages and several updates per rollout, each on its own masks)
 ALGO_DEMO = {
     "justgrpo": ["rollout.block_size=1", "rollout.steps_per_block=1"],
-    "espo": ["rl.advantage=rloo", "rl.ppo_epochs=4"],
+    "espo": ["advantage.estimator=rloo", "rl.ppo_epochs=4"],
 }
 
 

@@ -8,7 +8,7 @@ scripts run it first), each failure one line naming the file, row or key and the
   tokenizer); ``checkpoint.load`` intact and of this model;
 * the data: every file exists and parses, its first ``ROWS`` records build (fields, chat template) and fit
   ``data.max_length`` under ``data.overlong`` (RL prompts: ``data.max_length - rollout.max_new_tokens``);
-* RL: the reward resolves (``rl.reward=auto``: a rule for each of those rows); the engine imports (sglang);
+* RL: the reward resolves (``rewards.name=auto``: a rule for each of those rows); the engine imports (sglang);
 * eval: the eval section (``eval.k <= eval.n_samples`` ...) and each task's data file;
 * the run directory: not held by another live run; what a start would resume from.
 
@@ -61,7 +61,7 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
     pl, ws = cfg.plan, cfg.parallel.world_size or world
     planned = cfg
     if ws is not None and ws != trainer_world(cfg):  # the run's own GPU count, of the declared kind
-        planned = replace(cfg, plan=replace(pl, nodes=1, gpus_per_node=ws + pl.rollout_gpus))
+        planned = cfg.replace(plan=replace(pl, nodes=1, gpus_per_node=ws + pl.rollout_gpus))
     report = plan(planned, arch)
     if report.fits:
         return
@@ -148,14 +148,14 @@ def check_data(command: str, cfg: Config, tok) -> None:
 
 def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     """RL prompt rows build, fit the prompt budget under data.overlong, and have a reward rule."""
-    d, rl = cfg.data, cfg.rl
-    skipped: Optional[list] = [] if rl.skip_rows_without_answer else None
+    d, reward = cfg.data, cfg.rewards
+    skipped: Optional[list] = [] if reward.skip_rows_without_answer else None
     overlong: list = []
     built = build_prompts(
         [r for _, r in rows],
         tok,
         [w for w, _ in rows],
-        PromptRules.of(d, rl, prompt_budget(cfg)),
+        PromptRules.of(d, reward, prompt_budget(cfg)),
         skipped=skipped,
         overlong_rows=overlong,
     )
@@ -164,11 +164,11 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
             f"data.overlong={d.overlong} applies to {len(overlong)} of the first {len(rows)} prompts (longer than "
             f"{prompt_budget(cfg)} tokens), e.g. {overlong[0]}"
         )
-    load_reward(rl.reward)
-    if runs_code(rl.reward, [p.record for p in built]):
+    load_reward(reward.name)
+    if runs_code(reward.name, [p.record for p in built]):
         set_isolation(cfg.rewards.code.isolation)
         rewards.check_isolation()  # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
-    if rl.reward == "auto":
+    if reward.name == "auto":
         for p in built:
             try:
                 auto_rule(p.record)

@@ -49,7 +49,7 @@ def _files(tmp_path) -> dict[str, str]:
 def test_rl_rows_load_with_no_overrides_from_a_list_of_files(tmp_path):
     f = _files(tmp_path)
     cfg = load_config(None, [f"data.path=[{f['math']},{f['countdown']}]", f"data.eval_path={f['sudoku']}"])
-    train, held = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
+    train, held = load_rl_prompts(cfg, TOK)
     assert len(train) == 6 and len(held) == 1
     assert [p.where for p in train[2:4]] == [f"{f['math']}:row 3", f"{f['countdown']}:row 1"]
     first = train[0]
@@ -75,7 +75,7 @@ def test_dotted_keys_and_their_errors(tmp_path):
     )
     cfg = load_config(None, [f"data.path={path}"])
     with pytest.raises(DataError, match=r"x.parquet:row 2: field 'prompt' must be a non-empty list"):
-        load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
+        load_rl_prompts(cfg, TOK)
     with pytest.raises(DataError, match=r"data.path=\[\]: give a file or a list"):
         load_many([], "data.path")
 
@@ -245,9 +245,9 @@ def test_rows_without_a_gold_answer_are_refused_or_left_out_when_asked(tmp_path,
         match=r"math.parquet:row 2: field 'reward_model.ground_truth' .* is null; drop the "
         r"row, or set rl.skip_rows_without_answer=true",
     ):
-        load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
+        load_rl_prompts(cfg, TOK)
     cfg = load_config(None, [f"data.path={path}", "rl.skip_rows_without_answer=true"])
-    train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
+    train, _ = load_rl_prompts(cfg, TOK)
     assert [p.where for p in train] == [f"{path}:row 1", f"{path}:row 3"]
     assert (
         f"left out 1 rows without a gold answer (rl.skip_rows_without_answer): {path}:row 2" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from megadare.config import load_config
+from megadare.config import CONFIG_ALIASES, load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "dare")
 MATH_PROMPTS = 7474 + 7473  # math_1 + gsm8k_1 training parquets (drop_last batches per epoch)
@@ -192,7 +192,7 @@ def _load(name: str, script: str):
 def _check(cfg, want: dict, name: str) -> None:
     for key, value in want.items():
         obj = cfg
-        for part in key.split("."):
+        for part in CONFIG_ALIASES.get(key, key).split("."):  # the recipe's keys as users write them
             obj = getattr(obj, part)
         assert obj == pytest.approx(value) if isinstance(value, float) else obj == value, (name, key, obj, value)
 

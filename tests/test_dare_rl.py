@@ -81,7 +81,7 @@ def test_the_loops_scorer_rewards_correct_answers_by_their_rule(tmp_path):
     ]
     cfg = _cfg(tmp_path / "run", paths)
     tok = ByteTokenizer()
-    train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok)
+    train, _ = load_rl_prompts(cfg, tok)
     texts = ["\\boxed{2}", "4", "The answer is 7", "<answer>1+3</answer>", "<answer>2*4</answer>", "<answer>9</answer>"]
     traj = [
         Trajectory(
@@ -96,7 +96,7 @@ def test_the_loops_scorer_rewards_correct_answers_by_their_rule(tmp_path):
         )
         for p, t in zip(train, texts)
     ]
-    scores, stats = score_rollouts(cfg, load_reward(cfg.rl.reward), tok, traj, train, "check")
+    scores, stats = score_rollouts(cfg, load_reward(cfg.rewards.name), tok, traj, train, "check")
     assert scores == [1.0, 1.0, 0.0, 1.0, 0.1, 0.1] and stats["errors"] == 0
 
 

@@ -191,13 +191,13 @@ def test_rl_prompts_over_the_budget_follow_data_overlong_when_loaded(tmp_path, c
     tok = ByteTokenizer()
     cfg = load_config(None, [f"data.path={path}", "data.overlong=error"])
     with pytest.raises(DataError, match=r"p.jsonl:2: prompt has \d+ tokens, more than 20"):
-        load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
+        load_rl_prompts(cfg, tok, 20)
     cfg = load_config(None, [f"data.path={path}", "data.overlong=drop"])
-    train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
+    train, _ = load_rl_prompts(cfg, tok, 20)
     assert [p.where for p in train] == [f"{path}:1", f"{path}:3"]
     assert "data: left out 1 prompts longer than 20 tokens" in capsys.readouterr().err
     cfg = load_config(None, [f"data.path={path}"])  # truncate: keep the end
-    train, _ = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, 20)
+    train, _ = load_rl_prompts(cfg, tok, 20)
     full = tok.chat_prompt([{"role": "user", "content": "x" * 40}])
     assert len(train) == 3 and train[1].prompt_ids == full[-20:]
     assert "kept the last tokens of 1 prompts longer than 20 tokens" in capsys.readouterr().err

@@ -63,6 +63,6 @@ def test_load_splits_from_files(tmp_path):
     tr.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(5)))
     ev.write_text("".join(json.dumps({"prompt": str(i), "answer": str(i)}) + "\n" for i in range(9)))
     cfg = load_config(None, [f"data.path={tr}", f"data.eval_path={ev}", "rl.eval_size=4"])
-    train, held = load_rl_prompts(cfg.data, cfg.rl, cfg.seed, TOK)
+    train, held = load_rl_prompts(cfg, TOK)
     assert len(train) == 5 and len(held) == 4
     assert train[2].where == f"{tr}:3" and held[0].where == f"{ev}:1" and train[2].record["answer"] == "2"

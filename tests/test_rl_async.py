@@ -160,4 +160,6 @@ def test_async_config_errors(tmp_path, over, match):
     fam = get_family("sdar")
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
     with pytest.raises(ConfigError, match=match):
-        check_correction_config(cfg, algo, fam.arch(fam.tiny_config()), lookahead(cfg.rl.mode, cfg.rl.max_staleness))
+        check_correction_config(
+            cfg, algo, fam.arch(fam.tiny_config()), lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness)
+        )

@@ -277,7 +277,7 @@ def _lora_logits_worker(rank, world, cfg, ids):
     try:
         src = resolve_model_source(cfg)
         chunks = build_training_chunks(cfg, src)
-        apply_lora(chunks, cfg.sft.lora_rank, cfg.sft.lora_alpha)
+        apply_lora(chunks, cfg.lora.rank, cfg.lora.alpha)
         load_train_checkpoint(os.path.join(cfg.logging.run_dir, "ckpt"), chunks, None, None, load_optimizer=False)
         from megadare.models.attention import block_causal
 

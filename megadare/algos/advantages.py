@@ -77,7 +77,7 @@ def reinforce_pp_baseline(groups: torch.Tensor, lengths: Optional[list[int]]) ->
     """verl's REINFORCE++-baseline (module docstring) from rewards [n_groups, G] and token counts [N]."""
     if lengths is None or len(lengths) != groups.numel():
         raise ValueError(
-            f"rl.advantage=reinforce_pp whitens over response tokens: give the token counts of all "
+            f"advantage.estimator=reinforce_pp whitens over response tokens: give the token counts of all "
             f"{groups.numel()} responses (got {None if lengths is None else len(lengths)})"
         )
     a = (groups - groups.mean(1, keepdim=True) if groups.shape[1] > 1 else groups).flatten()
@@ -87,7 +87,7 @@ def reinforce_pp_baseline(groups: torch.Tensor, lengths: Optional[list[int]]) ->
         return torch.zeros(groups.numel())
     if N < 2:
         raise ValueError(
-            f"rl.advantage=reinforce_pp: {N:.0f} response tokens in the batch, the whitening variance needs at least 2"
+            f"advantage.estimator=reinforce_pp: {N:.0f} response tokens in the batch, the whitening variance needs at least 2"
         )
     mean = (a * n).sum() / (N + 1e-8)
     var = ((a - mean) ** 2 * n).sum() / (N + 1e-8) * (N / (N - 1))

@@ -114,17 +114,18 @@ class Algorithm(ABC):
             )
         if cfg.rollout.algorithm == "editing" and self.needs_trace and not self.replays_edits:
             self.refuse_edits()
-        rl = cfg.rl
-        if rl.n_samples < 2 and rl.advantage in ("grpo", "rloo") and self.uses_group_baseline():
+        n, estimator = cfg.rl.n_samples, cfg.advantage.estimator
+        if n < 2 and estimator in ("grpo", "rloo") and self.uses_group_baseline():
+            key = cfg.as_written("advantage.estimator")
             raise ConfigError(
-                f"rl.n_samples={rl.n_samples} with rl.advantage={rl.advantage}: one response per prompt "
+                f"rl.n_samples={n} with {key}={estimator}: one response per prompt "
                 f"has no group baseline (every advantage would be 0, so {self.name} would never "
-                "learn); set rl.n_samples >= 2, or rl.advantage=reinforce_pp (verl's REINFORCE++-"
+                f"learn); set rl.n_samples >= 2, or {key}=reinforce_pp (verl's REINFORCE++-"
                 "baseline: a group of one keeps its reward, whitened over the batch)"
             )
 
     def uses_group_baseline(self) -> bool:
-        """Whether its advantages are ``rl.advantage``'s group-relative ones (a value model or a tree of its own
+        """Whether its advantages are ``advantage.estimator``'s group-relative ones (a value model or a tree of its own
         replaces them)."""
         return True
 
@@ -153,7 +154,7 @@ class Algorithm(ABC):
 
     def engine_logprobs_match(self, arch: ModelArch) -> bool:
         """Whether the engine's per-token sampler log-probs are this algorithm's own estimator on the same states
-        (then ``rl.behaviour_logp=engine`` is allowed): trace replay with one replay state per recorded step."""
+        (then ``offpolicy.behaviour_logp=engine`` is allowed): trace replay with one replay state per recorded step."""
         return False
 
     @property
@@ -177,7 +178,7 @@ class Algorithm(ABC):
 
     def samples_from(self, trajectories: list, rewards: list[float], n_samples: int) -> Optional[list[RLSample]]:
         """Training samples of the algorithm's own from the step's scored trajectories (d-TreeRPO: one per tree
-        node, local advantages); None (default): the trainer's, one per response with ``rl.advantage``'s."""
+        node, local advantages); None (default): the trainer's, one per response with ``advantage.estimator``'s."""
         return None
 
     def prepare(

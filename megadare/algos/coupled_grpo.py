@@ -8,7 +8,7 @@ in exactly one of b, c, so the pair covers the response once (lower variance tha
 
 Objective: token-level GRPO (as d1) on rho_k = exp(l_k - l_k^old), k3 KL to the reference model.
 Defaults (``recipes/config_coupled_code.yaml``): G 10, mu 2, eps 0.5, beta 0.01, rewards not std-scaled
-(``rl.advantage_std=none``), temperature 1.0, prompt never masked.
+(``advantage.std=none``), temperature 1.0, prompt never masked.
 
 Masks are per sample: t and u come from a generator seeded per (seed, step, sample), stored in the rows so the
 old, reference and current passes see the same views. DARE's ``_forward_process_coupled_grpo`` calls

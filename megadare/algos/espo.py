@@ -19,7 +19,7 @@ clip by default (``algo.params.dual_clip`` as for every PPO-clip algorithm), mea
 
     beta * (1/2) (R l - R l_ref)^2 / R  =  beta * R * k2(l, l_ref),      beta 1e-3 (math) .. 1e-2 (code),
 
-RLOO advantages (``rl.advantage=rloo``), and several optimizer iterations per rollout (DARE: 8 =
+RLOO advantages (``advantage.estimator=rloo``), and several optimizer iterations per rollout (DARE: 8 =
 ``rl.ppo_epochs``, 2 MC draws), iteration j on its own mask set with the old ELBOs of every set taken before the
 first update: ESPO redraws corruptions per epoch (``rl.redraw_corruptions``, trainer/rl_update.py).
 

@@ -9,8 +9,8 @@ families) into one fragment; each fragment scores its tokens from the state befo
         + beta KL3(pi_theta || pi_old),      rho_k = exp(log p_theta(y_k | x_frag) - log p_old(y_k | x_frag)),
 
 log-ratio clamped to +-10. Advantages: per-prompt z-score of 0/1 rewards with the population std
-(``rl.advantage_std=population``), responses truncated at max length counted wrong, prompts with accuracy
-outside [0.2, 0.8] dropped (``rl.accuracy_band``). Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01,
+(``advantage.std=population``), responses truncated at max length counted wrong, prompts with accuracy
+outside [0.2, 0.8] dropped (``advantage.accuracy_band``). Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01,
 shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6, temperature 1.0, ``low_confidence_dynamic`` 0.9.
 With ``value_model=true`` a second Megatron model (same backbone, zero-initialised scalar head, own optimizer,
 ``value_lr`` 5e-6) gives token-wise values and the advantages become TraceRL's step-level GAE

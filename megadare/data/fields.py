@@ -1,6 +1,6 @@
 """Fields of a record: dotted keys into nested fields, conversations, and which schema a record is in.
 
-Config keys name fields by dotted paths (``rl.answer_key=reward_model.ground_truth``,
+Config keys name fields by dotted paths (``rewards.answer_key=reward_model.ground_truth``,
 ``data.prompt_key=extra_info.question``). With the default keys, records in the verl / DARE schema need no
 override:
 

@@ -57,10 +57,12 @@ class PromptRules:
     overlong: str = "error"
 
     @classmethod
-    def of(cls, data_cfg, rl_cfg, max_prompt_length: Optional[int] = None) -> "PromptRules":
-        """The rules of a run: data.prompt_key / data.messages_key / rl.answer_key, data.overlong, and the prompt
+    def of(cls, data_cfg, reward_cfg, max_prompt_length: Optional[int] = None) -> "PromptRules":
+        """The rules of a run: data.prompt_key / data.messages_key / rewards.answer_key, data.overlong, and the prompt
         budget (data.max_length minus rollout.max_new_tokens)."""
-        return cls(data_cfg.prompt_key, rl_cfg.answer_key, data_cfg.messages_key, max_prompt_length, data_cfg.overlong)
+        return cls(
+            data_cfg.prompt_key, reward_cfg.answer_key, data_cfg.messages_key, max_prompt_length, data_cfg.overlong
+        )
 
 
 def rl_keys(
@@ -166,10 +168,10 @@ def synthetic_split(
     raise DataError(f"data.synthetic={name!r} unknown; choose addition or reverse")
 
 
-def _located(data_cfg, rl_cfg, seed: int) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+def _located(data_cfg, eval_size: int, seed: int) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
     """(train, held-out) ``(source, record)`` pairs from data.path / data.eval_path or a synthetic task."""
     if data_cfg.synthetic:
-        train, held = synthetic_split(data_cfg.synthetic, data_cfg.synthetic_size, rl_cfg.eval_size, seed)
+        train, held = synthetic_split(data_cfg.synthetic, data_cfg.synthetic_size, eval_size, seed)
         name = f"synthetic:{data_cfg.synthetic}"
         return (
             [(f"{name}:{i + 1}", r) for i, r in enumerate(train)],
@@ -180,26 +182,27 @@ def _located(data_cfg, rl_cfg, seed: int) -> tuple[list[tuple[str, dict]], list[
             "no prompts: set data.path (.jsonl / .parquet with prompt + answer fields, or a list of "
             "files) or data.synthetic"
         )
-    held = load_many(data_cfg.eval_path, "data.eval_path")[: rl_cfg.eval_size] if data_cfg.eval_path else []
+    held = load_many(data_cfg.eval_path, "data.eval_path")[:eval_size] if data_cfg.eval_path else []
     return load_many(data_cfg.path, "data.path"), held
 
 
 def load_rl_prompts(
-    data_cfg, rl_cfg, seed: int, tok: Tokenizer, max_prompt_length: Optional[int] = None
+    cfg, tok: Tokenizer, max_prompt_length: Optional[int] = None
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """(train prompts, held-out prompts) from data.path / data.eval_path (a file or a list of files) or a synthetic
-    task, with the keys data.prompt_key / data.messages_key / rl.answer_key. Prompts longer than
-    ``max_prompt_length`` (data.max_length minus rollout.max_new_tokens) follow data.overlong, naming file and row."""
-    out = []
-    for pairs in _located(data_cfg, rl_cfg, seed):
-        skipped: Optional[list] = [] if rl_cfg.skip_rows_without_answer else None
+    """(train prompts, held-out prompts) of a run's config (data.path / data.eval_path, a file or a list of files,
+    or a synthetic task; rl.eval_size held-out), with the keys data.prompt_key / data.messages_key /
+    rewards.answer_key. Prompts longer than ``max_prompt_length`` (data.max_length minus rollout.max_new_tokens)
+    follow data.overlong, naming file and row."""
+    data_cfg, out = cfg.data, []
+    for pairs in _located(data_cfg, cfg.rl.eval_size, cfg.seed):
+        skipped: Optional[list] = [] if cfg.rewards.skip_rows_without_answer else None
         overlong: list = []
         out.append(
             build_prompts(
                 [r for _, r in pairs],
                 tok,
                 [w for w, _ in pairs],
-                PromptRules.of(data_cfg, rl_cfg, max_prompt_length),
+                PromptRules.of(data_cfg, cfg.rewards, max_prompt_length),
                 skipped=skipped,
                 overlong_rows=overlong,
             )

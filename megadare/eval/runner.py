@@ -13,7 +13,7 @@ Outputs in ``eval.output_dir`` (default ``<logging.run_dir>/eval``), each writte
 ``samples_<task>.jsonl`` (one row per sample: task, index, problem_id, prompt, sample, response, extracted, gold,
 correct, reward, length, forwards, finish_reason) and ``summary.json`` (settings + per-task metrics,
 :mod:`megadare.eval.metrics`); at the end the per-task table is printed and written as ``summary.csv``. A task's
-rewards that could not be computed for more than ``rl.max_reward_error_fraction`` of its samples stop the command
+rewards that could not be computed for more than ``rewards.max_error_fraction`` of its samples stop the command
 (:func:`megadare.rewards.check_reward_errors`, naming the first failing row's file:row).
 """
 
@@ -273,7 +273,7 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
                     manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, cfg.rollout, bar
                 )
                 bar.set_postfix_str("scoring")
-                rows, reward_stats = score_samples(spec, tok, task_prompts, traj, cfg.rl.max_reward_error_fraction)
+                rows, reward_stats = score_samples(spec, tok, task_prompts, traj, cfg.rewards.max_error_fraction)
             metrics: dict[str, Any] = {
                 "file": files[spec.name],
                 "problems": len(task_prompts),

@@ -41,7 +41,7 @@ Replicated adapters (column A, row B) carry no ``tensor_model_parallel`` attribu
 counts them once; sharded ones (column B, row A) are marked TP-partitioned like the base weight. No adapter
 is marked ``sequence_parallel`` (their grads are already complete, finalize_model_grads must not reduce them).
 
-RL (``rl.lora_rank``): the reference model is the same chunks with the adapters off (``adapters_disabled``,
+RL (``lora.rank``): the reference model is the same chunks with the adapters off (``adapters_disabled``,
 DARE's ``compute_dtreerpo_log_prob``), and the rollout engines get the merged weights W + s B A
 (``merged_weights``: the base weight's data is swapped for the merged tensor while the sync reads it, then put
 back untouched).

@@ -41,8 +41,8 @@ def _candidates(cfg: Config, arch: ModelArch, bottleneck: str) -> list[tuple[Cha
             out.append(({"plan.rollout_batch": pl.rollout_batch // 2}, "fewer concurrent rollouts per engine"))
         if pl.rollout_gpus == 0:
             out.append(({"plan.rollout_gpus": pl.gpus_per_node}, "engines on GPUs of their own (fewer for training)"))
-    if not t.distributed_optimizer:
-        out.append(({"train.distributed_optimizer": True}, "none (optimizer state sharded over DP)"))
+    if not cfg.optim.distributed_optimizer:
+        out.append(({"optim.distributed_optimizer": True}, "none (optimizer state sharded over DP)"))
     if p.tp > 1 and not p.sp:
         out.append(({"parallel.sp": True}, "none (same communication volume as TP)"))
     if t.recompute == "none" and cfg.model.attention_backend in QUADRATIC:

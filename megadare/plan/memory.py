@@ -239,7 +239,7 @@ def trainer_stages(cfg: Config, arch: ModelArch, lay: Layout) -> list[StageMemor
     ref = needs_reference(cfg)
     out = []
     for r in range(lay.pp):
-        n, w, g, o = model_state_bytes(arch, lay, dtype, cfg.train.distributed_optimizer, r)
+        n, w, g, o = model_state_bytes(arch, lay, dtype, cfg.optim.distributed_optimizer, r)
         out.append(
             StageMemory(
                 rank=r,

@@ -212,7 +212,7 @@ def plan_memory(cfg: Config, arch: ModelArch) -> PlanReport:
         gpu_memory=cfg.plan.gpu_memory_gb * GIB,
         dtype=cfg.model.dtype,
         recompute=cfg.train.recompute,
-        distributed_optimizer=cfg.train.distributed_optimizer,
+        distributed_optimizer=cfg.optim.distributed_optimizer,
         logits_path=logits_path(arch, lay, cfg),
     )
     return report

@@ -17,4 +17,4 @@ class RewardError(RuntimeError):
 
 class SandboxUnavailable(RewardError):
     """The kernel refused the OS isolation code rewards run in (``rewards.code.isolation=namespaces``): no code
-    reward runs, whatever ``rl.max_reward_error_fraction`` tolerates; the message names the weaker setting."""
+    reward runs, whatever ``rewards.max_error_fraction`` tolerates; the message names the weaker setting."""

@@ -2,7 +2,7 @@
 
 A reward function is ``RewardFn = Callable[[str, dict], float]``: the response text (an assistant prefill of the
 prompt included) and the sample record (the dataset row, with its gold answer under ``answer`` whatever
-``rl.answer_key`` named it; ``tests`` for megadare's code rows). Built-ins:
+``rewards.answer_key`` named it; ``tests`` for megadare's code rows). Built-ins:
 
 =========================  ================================================================================
 ``math``                   ``answer`` vs :func:`extract_answer` of the response (:func:`math_reward`)
@@ -130,7 +130,7 @@ def _think_answer_format(response: str, record: dict) -> float:
 
 
 def auto_rule(record: dict) -> str:
-    """The built-in that scores ``record`` under ``rl.reward=auto``, as DARE's ``dllm_rm`` dispatches.
+    """The built-in that scores ``record`` under ``rewards.name=auto``, as DARE's ``dllm_rm`` dispatches.
 
     ``data_source`` sudoku* / countdown* -> sudoku / countdown; a ``tests`` field, ``extra_info.task == "code"`` or
     a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; a source containing gsm8k -> gsm8k;

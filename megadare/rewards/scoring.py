@@ -130,7 +130,7 @@ def check_reward_errors(
     sources: Sequence[str],
     max_fraction: float,
     where: str = "",
-    key: str = "rl.max_reward_error_fraction",
+    key: str = "rewards.max_error_fraction",
 ) -> None:
     """Raise :class:`RewardError` when more than ``max_fraction`` of the batch's rewards failed.
 

@@ -47,9 +47,9 @@ class OptimSettings:
 
 
 def optim_settings(cfg, total_steps: int, **overrides) -> OptimSettings:
-    """The ``train`` section's optimizer settings for ``total_steps`` updates; ``overrides`` replace fields
+    """The ``optim`` section's optimizer settings for ``total_steps`` updates; ``overrides`` replace fields
     (e.g. the value model's own learning rate)."""
-    t = cfg.train
+    t = cfg.optim
     return replace(
         OptimSettings(
             lr=t.lr,

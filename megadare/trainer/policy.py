@@ -1,8 +1,8 @@
 """The policy role: the trained model and what trains with it, built by the one ``build_policy`` of SFT, DPO and RL.
 
-    policy = build_policy(cfg, src, updates=cfg.train.steps, lora=lora_of(cfg.sft))          # SFT
+    policy = build_policy(cfg, src, updates=cfg.train.steps, lora=lora_of(cfg.lora))          # SFT
     policy = build_policy(cfg, src, updates=cfg.train.steps, reference=True)                 # DPO
-    policy = build_policy(cfg, src, updates=n, lora=lora_of(cfg.rl), reference=algo.needs_ref,
+    policy = build_policy(cfg, src, updates=n, lora=lora_of(cfg.lora), reference=algo.needs_ref,
                           value=algo.value_model)                                              # RL
 
 The model is this rank's Megatron chunks with the source weights (then ``checkpoint.load``), LoRA adapters on top
@@ -45,10 +45,10 @@ class LoRA:
 
 
 def lora_of(section) -> Optional[LoRA]:
-    """The LoRA settings of a config section (``sft`` or ``rl``: ``lora_rank`` > 0 turns them on)."""
-    if section.lora_rank <= 0:
+    """The LoRA settings of config section ``lora`` (``rank`` > 0 turns them on)."""
+    if section.rank <= 0:
         return None
-    return LoRA(section.lora_rank, section.lora_alpha, tuple(section.lora_targets))
+    return LoRA(section.rank, section.alpha, tuple(section.targets))
 
 
 @dataclass
@@ -134,7 +134,7 @@ def build_policy(
     chunks = initial_chunks(cfg, src)
     if lora is not None:
         apply_lora(chunks, lora.rank, lora.alpha, targets=lora.targets)
-    model = wrap_ddp(chunks, cfg.train.distributed_optimizer)
+    model = wrap_ddp(chunks, cfg.optim.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
     policy = Policy(model, optimizer, scheduler, ref_adapters_off=reference and lora is not None)
     if reference and not policy.ref_adapters_off:
@@ -165,7 +165,7 @@ def build_value_model(cfg: Config, src, settings: ValueModelSettings, updates: i
     trained at ``settings.lr``."""
     model = initial_chunks(cfg, src)
     attach_value_head(model)
-    model = wrap_ddp(model, cfg.train.distributed_optimizer)
+    model = wrap_ddp(model, cfg.optim.distributed_optimizer)
     opt, sched = build_optimizer(
         model, optim_settings(cfg, updates, lr=settings.lr, min_lr=0.0, warmup_steps=0, lr_decay_style="constant")
     )

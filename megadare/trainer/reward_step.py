@@ -3,7 +3,7 @@
     scores, metrics = score_rollouts(cfg, reward_fn, tok, trajectories, prompts, "RL step 3")
 
 Each response is scored with the prompt's assistant prefill in front (the text the reward checks), by
-:func:`megadare.rewards.score_batch`; when more than ``rl.max_reward_error_fraction`` of the batch raised or ran
+:func:`megadare.rewards.score_batch`; when more than ``rewards.max_error_fraction`` of the batch raised or ran
 past the time limit, :class:`~megadare.rewards.RewardError` names the reward, the first failing record's
 ``file:row`` and its exception. Rank 0 scores; ``parallel.rank0.run_on_rank0`` carries its result, or that
 error, to every rank, so all ranks stop before the update instead of waiting on a broadcast that never comes.
@@ -25,10 +25,11 @@ def score_texts(
     cfg: Config, reward_fn, texts: Sequence[str], prompts: Sequence, where: str
 ) -> tuple[list[float], dict[str, float]]:
     """Rewards of decoded responses of ``prompts`` (PromptRecords, one per text); raises RewardError past
-    ``rl.max_reward_error_fraction``."""
+    ``rewards.max_error_fraction``."""
     full = [p.reward_text(t) for p, t in zip(prompts, texts)]
     scores, stats = score_batch(reward_fn, full, [p.record for p in prompts])
-    check_reward_errors(stats, cfg.rl.reward, [p.where for p in prompts], cfg.rl.max_reward_error_fraction, where)
+    sources, key = [p.where for p in prompts], cfg.as_written("rewards.max_error_fraction")
+    check_reward_errors(stats, cfg.rewards.name, sources, cfg.rewards.max_error_fraction, where, key)
     return [float(x) for x in scores], {
         k: float(v) for k, v in stats.to_dict().items() if k in ("errors", "timeouts", "answer_timeouts", "wall_s")
     }

@@ -155,7 +155,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     """Off-policy correction state of the step (None under plain PPO) and, with D-ARL replay, the step's
     samples plus the best-matched replayed ones (the fresh samples join the buffer)."""
     cfg = run.cfg
-    if cfg.rl.loss_mode == "ppo":
+    if cfg.offpolicy.loss_mode == "ppo":
         return samples, None
     correction = Correction({}, run.step, run.snapshots)
     if run.buffer is not None:
@@ -166,7 +166,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
         metrics.update(correction.metrics)
     correction.version_of = version_table(samples)
     correction.token_versions = {s.index: s.token_versions for s in samples if s.token_versions is not None}
-    correction.engine_logprobs = engine_table(samples) if cfg.rl.behaviour_logp == "engine" else None
+    correction.engine_logprobs = engine_table(samples) if cfg.offpolicy.behaviour_logp == "engine" else None
     return samples, correction
 
 
@@ -174,11 +174,11 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples``."""
     if not samples:
         return {}
-    rl, pol = run.cfg.rl, run.policy
+    rl, off, pol = run.cfg.rl, run.cfg.offpolicy, run.policy
     objective = run.algo.objective(
-        on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and rl.loss_mode == "ppo"), loss_mode=rl.loss_mode
+        on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and off.loss_mode == "ppo"), loss_mode=off.loss_mode
     )
-    if rl.loss_mode == "bypass" and rl.rollout_is is not None:
+    if off.loss_mode == "bypass" and off.rollout_is is not None:
         objective.reject = bypass_rejection(run.cfg)
     return pol.update(_step_update(run), samples, objective, correction)
 

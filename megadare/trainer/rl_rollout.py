@@ -45,8 +45,8 @@ class Rollouts:
 
     @property
     def ahead(self) -> int:
-        """How many steps the rollouts run ahead of the trainer (``rl.mode``, ``rl.max_staleness``)."""
-        return lookahead(self.cfg.rl.mode, self.cfg.rl.max_staleness)
+        """How many steps the rollouts run ahead of the trainer (``offpolicy.mode``, ``offpolicy.max_staleness``)."""
+        return lookahead(self.cfg.offpolicy.mode, self.cfg.offpolicy.max_staleness)
 
     def open_queue(self, restored: Optional[dict]) -> None:
         """Rank 0: the rollout queue, restored from the checkpoint's queued rollouts (``restored``) when given."""
@@ -66,8 +66,9 @@ class Rollouts:
         if algo.own_rollout:
             return indices, algo.rollout(manager.generate, prompts, params, rl.n_samples, global_grid=grid)
         expanded = [q for q in prompts for _ in range(rl.n_samples)]
-        if rl.partial_rollout and self.ahead:
-            return indices, PartialRollout(manager.submit, expanded, params, rl.partial_rollout, global_grid=grid)
+        if cfg.offpolicy.partial_rollout and self.ahead:
+            segment = cfg.offpolicy.partial_rollout
+            return indices, PartialRollout(manager.submit, expanded, params, segment, global_grid=grid)
         return indices, manager.submit(expanded, params)
 
     def evaluate(self) -> dict[str, float]:
@@ -105,12 +106,14 @@ class Rollouts:
         algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
         metrics.update({f"reward_{k}": v for k, v in rstats.items()})
         stale = [step - t.policy_version for t in traj]
-        if max(stale) > rl.max_staleness:
+        off = cfg.offpolicy
+        if max(stale) > off.max_staleness:
             oldest = min(t.policy_version for t in traj)
             raise RuntimeError(
-                f"rollout of step {step} used policy version {oldest}, staler than rl.max_staleness={rl.max_staleness}"
+                f"rollout of step {step} used policy version {oldest}, staler than "
+                f"{cfg.as_written('offpolicy.max_staleness')}={off.max_staleness}"
             )
-        _stamp_versions(samples, traj, step, rl.behaviour_logp == "engine")
+        _stamp_versions(samples, traj, step, off.behaviour_logp == "engine")
         metrics.update(staleness_metrics(stale))
         mixed = [len(set(t.token_versions)) > 1 for t in traj if t.token_versions]
         if mixed:
@@ -130,7 +133,7 @@ class Rollouts:
 
 def _stamp_versions(samples, traj, step: int, engine_logp: bool) -> None:
     """Each sample's behaviour policy version (per token with partial rollouts), its rollout step and, with
-    ``rl.behaviour_logp=engine``, the engine's log-probs."""
+    ``offpolicy.behaviour_logp=engine``, the engine's log-probs."""
     version = [t.policy_version for t in traj]
     for s in samples:
         s.policy_version = version[s.index] if s.index < len(version) else step
@@ -145,15 +148,15 @@ def _stamp_versions(samples, traj, step: int, engine_logp: bool) -> None:
 
 def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list, dict]:
     """RLSamples with advantages (after the group filters) and the step's rollout metrics."""
-    rl = cfg.rl
-    G = rl.n_samples
+    a = cfg.advantage
+    G = cfg.rl.n_samples
     r = torch.tensor(rewards)
     truncated = torch.tensor([t.finish_reason == "length" for t in trajectories])
-    if rl.truncated_as_wrong:
+    if cfg.rewards.truncated_as_wrong:
         r = truncated_as_wrong(r, truncated)
-    keep = filter_groups(r, G, rl.filter_all_equal, tuple(rl.accuracy_band) if rl.accuracy_band else None)
+    keep = filter_groups(r, G, a.filter_all_equal, tuple(a.accuracy_band) if a.accuracy_band else None)
     lengths = [len(t.response_ids) if keep[i] else 0 for i, t in enumerate(trajectories)]  # reinforce_pp's weights
-    adv = group_advantages(r, G, rl.advantage, rl.advantage_std, lengths=lengths)
+    adv = group_advantages(r, G, a.estimator, a.std, lengths=lengths)
     samples = []
     for i, t in enumerate(trajectories):
         if not keep[i] or not t.response_ids:

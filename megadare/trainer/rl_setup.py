@@ -80,9 +80,9 @@ def setup_run(spec: RunSpec) -> RLRun:
     tok = tokenizer_for(cfg, spec.source)
     train_prompts, held_prompts = _prompts(cfg, tok)
     set_isolation(cfg.rewards.code.isolation)
-    if runs_code(cfg.rl.reward, [p.record for p in train_prompts + held_prompts]):
+    if runs_code(cfg.rewards.name, [p.record for p in train_prompts + held_prompts]):
         check_isolation()  # refuse now, not at the first scored step, where the kernel refuses the sandbox
-    reward_fn = load_reward(cfg.rl.reward)
+    reward_fn = load_reward(cfg.rewards.name)
     policy = rl_policy(cfg, spec.source, spec.algo)
     sampler = StepSampler(len(train_prompts), cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
     rollouts = Rollouts(spec, tok, reward_fn, train_prompts, held_prompts, sampler)
@@ -107,7 +107,7 @@ def _weight_sync(cfg: Config, run: RLRun):
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
     """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row."""
-    return load_rl_prompts(cfg.data, cfg.rl, cfg.seed, tok, prompt_budget(cfg))
+    return load_rl_prompts(cfg, tok, prompt_budget(cfg))
 
 
 def prompt_budget(cfg: Config) -> int:
@@ -122,11 +122,13 @@ def prompt_budget(cfg: Config) -> int:
 
 
 def rl_policy(cfg: Config, src, algo) -> Policy:
-    """The RL policy (LoRA adapters with ``rl.lora_rank``) over every update of the run, with the reference /
+    """The RL policy (LoRA adapters with ``lora.rank``) over every update of the run, with the reference /
     value model when the algorithm asks for them."""
     rl = cfg.rl
     updates = rl.steps * rl.ppo_epochs * rl.mini_batches
-    return build_policy(cfg, src, updates=updates, lora=lora_of(rl), reference=algo.needs_ref, value=algo.value_model)
+    return build_policy(
+        cfg, src, updates=updates, lora=lora_of(cfg.lora), reference=algo.needs_ref, value=algo.value_model
+    )
 
 
 def _resume(run: RLRun) -> None:
@@ -144,7 +146,7 @@ def _resume(run: RLRun) -> None:
         if snaps is None and run.ahead:
             raise RuntimeError(
                 f"{resume_from} has no weight snapshots for this rank (a different layout or "
-                "rl.loss_mode?): the queued stale rollouts cannot be corrected"
+                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected"
             )
         run.snapshots.load_state_dict(snaps or {})
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
@@ -160,8 +162,8 @@ def save_run(run: RLRun) -> None:
         "written_by": "megadare rl",
         "algo": run.algo.name,
     }
-    if cfg.rl.lora_rank > 0:  # the export folds the adapters in (convert._merged_lora)
-        meta["lora"] = {"rank": cfg.rl.lora_rank, "alpha": cfg.rl.lora_alpha}
+    if cfg.lora.rank > 0:  # the export folds the adapters in (convert._merged_lora)
+        meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}
     state = (
         {"queue": run.rollouts.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
         if run.rank0

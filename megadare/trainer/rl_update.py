@@ -97,8 +97,8 @@ def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> di
 
 @dataclass
 class Correction:
-    """What an off-policy update needs (``rl.loss_mode`` decoupled / bypass): each sample's behaviour version,
-    the trainer's weight snapshots (``rl.behaviour_logp=trainer``) or the engine's log-probs (``engine``)."""
+    """What an off-policy update needs (``offpolicy.loss_mode`` decoupled / bypass): each sample's behaviour version,
+    the trainer's weight snapshots (``offpolicy.behaviour_logp=trainer``) or the engine's log-probs (``engine``)."""
 
     version_of: dict[int, int]  # sample index -> behaviour policy version
     current: int  # the version the trainer holds (= the RL step)
@@ -157,7 +157,7 @@ def prepare_all(su: StepUpdate, groups, policy: Policy, objective, correction, o
             _reference_passes(su, group, mine, policy)
             if correction is not None:
                 _behaviour(correction, mine, versions, su.shape)
-                if cfg.rl.loss_mode == "decoupled":
+                if cfg.offpolicy.loss_mode == "decoupled":
                     for k, v in correction_weights(cfg, mine, correction.version_of, versions).items():
                         out[k] = out.get(k, 0.0) + v / (len(groups) * draws)
             sets.append((mine, denom))

@@ -163,7 +163,7 @@ def setup_sft(spec: RunSpec) -> SFTRun:
     recipe = sft_recipe(cfg, src.arch)
     tok = tokenizer_for(cfg, src)
     examples, data_stats = load_examples(cfg, tok)
-    policy = build_policy(cfg, src, updates=cfg.train.steps, lora=lora_of(cfg.sft))
+    policy = build_policy(cfg, src, updates=cfg.train.steps, lora=lora_of(cfg.lora))
     run = SFTRun(
         cfg=cfg,
         src=src,
@@ -257,8 +257,8 @@ def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
     ``megadare dpo``'s (``written_by``)."""
     cfg = run.cfg
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
-    if cfg.sft.lora_rank > 0 and written_by == "megadare sft":
-        meta["lora"] = {"rank": cfg.sft.lora_rank, "alpha": cfg.sft.lora_alpha}
+    if cfg.lora.rank > 0 and written_by == "megadare sft":
+        meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}
     state = {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats}
     run.policy.save(
         run.save_root, run.step, CheckpointState(state), Provenance(meta, run.src.hf_dir), cfg.checkpoint.keep_last

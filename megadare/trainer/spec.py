@@ -64,7 +64,7 @@ def resolve(cfg: Config, world: Optional[int] = None, *, job: str) -> RunSpec:
         raise ValueError(f"job={job!r} is not one of {JOBS}")
     if job == "rl":  # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the engines route with the
         # synced bias, and forward-only passes (old / reference log-probs) must not feed the balancing statistics
-        cfg = replace(cfg, train=replace(cfg.train, moe_bias_update_rate=0.0))
+        cfg = cfg.replace(train=replace(cfg.train, moe_bias_update_rate=0.0))
     source = model_source(cfg)
     arch = None if source is None else source.arch
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
@@ -76,7 +76,7 @@ def resolve(cfg: Config, world: Optional[int] = None, *, job: str) -> RunSpec:
         return replace(spec, algo=algo)
     if job in ("rl", "eval") and arch is not None:
         if job == "rl":
-            check_correction_config(cfg, algo, arch, lookahead(cfg.rl.mode, cfg.rl.max_staleness))
+            check_correction_config(cfg, algo, arch, lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness))
         train = sampling_params(cfg, arch, 0, record_steps=algo.needs_step_predictions)
         spec = replace(spec, train_sampling=train, eval_sampling=sampling_params(cfg, arch, cfg.seed, evaluation=True))
     return replace(spec, algo=algo) if job == "rl" else spec

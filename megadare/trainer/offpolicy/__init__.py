@@ -1,7 +1,7 @@
 """Asynchronous (off-policy) RL: rollouts that run ahead of training, and the corrections that make their samples
 usable.
 
-queue.py       ``rl.mode``: the rollout queue (lookahead, partial rollouts) and the behaviour weight snapshots
+queue.py       ``offpolicy.mode``: the rollout queue (lookahead, partial rollouts) and the behaviour weight snapshots
 correction.py  the wiring inside the RL loop: behaviour log-probs, per-slot IS weights, replay match scores
 importance.py  the formulas: truncated / rejected importance weights, decoupled and bypass PPO losses
 replay.py      the replay buffer and its multi-behaviour (balance-heuristic, per-version) weights

@@ -2,7 +2,7 @@
 (balance-heuristic) weights and the replay match scores. The formulas live in importance.py and replay.py beside
 it; this module feeds them the right numbers.
 
-Which log-probs go into a ratio (``rl.behaviour_logp``; importance.py explains why):
+Which log-probs go into a ratio (``offpolicy.behaviour_logp``; importance.py explains why):
 
 * ``trainer`` (every algorithm): the behaviour estimate of slot s is the algorithm's own estimator, on the same
   stored corruptions / replay states, evaluated with the weights of the version that generated the sample
@@ -13,9 +13,9 @@ Which log-probs go into a ratio (``rl.behaviour_logp``; importance.py explains w
   it was committed in. Includes the engine/trainer numerical mismatch (and the engine's exclusion of the mask
   token from the distribution), which is what a mismatch correction is for; the ratio is then 1 only up to it.
 
-Per-slot weights (``rl.loss_mode=decoupled``): w_s = IS(l_s^prox, l_s^behave) from ``rollout_is_weights`` at
-``rl.rollout_is`` level (token: per slot; sequence / geometric: over the slots of a sample), truncated or masked
-at ``rl.rollout_is_threshold``. With ``replay.pmis`` and several behaviour versions in the batch the weight of a
+Per-slot weights (``offpolicy.loss_mode=decoupled``): w_s = IS(l_s^prox, l_s^behave) from ``rollout_is_weights`` at
+``offpolicy.rollout_is`` level (token: per slot; sequence / geometric: over the slots of a sample), truncated or masked
+at ``offpolicy.rollout_is_threshold``. With ``replay.pmis`` and several behaviour versions in the batch the weight of a
 sample is the balance-heuristic weight p(x) / sum_j (n_j / n) q_j(x) over the versions j present (sequence
 estimates; Veach & Guibas 1995), truncated at the same threshold.
 
@@ -131,7 +131,7 @@ def correction_weights(
     cfg: Config, micro_batches: list[MicroBatch], version_of: dict[int, int], versions: set[int]
 ) -> dict[str, float]:
     """Per-slot IS weights into ``is_weight`` (decoupled loss); returns the IS / mixture metrics."""
-    rl = cfg.rl
+    off = cfg.offpolicy
     pmis = cfg.replay.enable and cfg.replay.pmis and len(versions) > 1
     ver = sorted(versions) if pmis else []
     sums = gather_slot_sums(micro_batches, lambda mb: [mb.old, mb.behave] + [mb.version_logp.get(v) for v in ver])
@@ -141,7 +141,7 @@ def correction_weights(
     old = torch.tensor([sums[k][0] for k in order], dtype=torch.float64)
     behave = torch.tensor([sums[k][1] for k in order], dtype=torch.float64)
     group = torch.tensor([k[0] for k in order])
-    w, _, m = rollout_is_weights(old, behave, group, RolloutIS.of(rl))
+    w, _, m = rollout_is_weights(old, behave, group, RolloutIS.of(off))
     metrics = {f"is/{k}": v for k, v in m.items()}
     if pmis:
         samples = sorted({k[0] for k in order})
@@ -151,7 +151,7 @@ def correction_weights(
             seq[:, pos[k[0]]] += torch.tensor([sums[k][0]] + sums[k][2:], dtype=torch.float64)
         ver = sorted(versions)
         counts = torch.tensor([sum(version_of[s] == v for s in samples) for v in ver], dtype=torch.float64)
-        ws = balance_heuristic_weights(seq[0], seq[1:], counts, log_clamp=20.0, threshold=rl.rollout_is_threshold)
+        ws = balance_heuristic_weights(seq[0], seq[1:], counts, log_clamp=20.0, threshold=off.rollout_is_threshold)
         w = torch.stack([ws[pos[k[0]]] for k in order])
         metrics.update(
             {
@@ -179,69 +179,77 @@ def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float
 
 
 def check_correction_config(cfg: Config, algo, arch, ahead: int) -> None:
-    """Combinations of rl.mode / rl.loss_mode / rl.rollout_is / rl.behaviour_logp / replay that cannot work,
-    named (``ahead``: rollouts queued ahead of training, queue.lookahead)."""
-    rl, r = cfg.rl, cfg.rollout
-    if ahead > rl.max_staleness:
+    """Combinations of offpolicy.mode / loss_mode / rollout_is / behaviour_logp / replay that cannot work, named
+    as the config spelled them (``ahead``: rollouts queued ahead of training, queue.lookahead)."""
+    o, r = cfg.offpolicy, cfg.rollout
+    mode, staleness, partial, loss_mode, rollout_is, behaviour = (
+        cfg.as_written(f"offpolicy.{k}")
+        for k in ("mode", "max_staleness", "partial_rollout", "loss_mode", "rollout_is", "behaviour_logp")
+    )
+    if ahead > o.max_staleness:
         raise ConfigError(
-            f"rl.mode={rl.mode} runs rollouts {ahead} version(s) ahead, more than "
-            f"rl.max_staleness={rl.max_staleness}; raise rl.max_staleness or use rl.mode=sync"
+            f"{mode}={o.mode} runs rollouts {ahead} version(s) ahead, more than "
+            f"{staleness}={o.max_staleness}; raise {staleness} or use {mode}=sync"
         )
-    if rl.partial_rollout and not ahead:
+    if o.partial_rollout and not ahead:
         raise ConfigError(
-            f"rl.partial_rollout={rl.partial_rollout} continues queued rollouts across weight "
-            f"updates; rl.mode={rl.mode} queues none (use one_step_off or fully_async)"
+            f"{partial}={o.partial_rollout} continues queued rollouts across weight "
+            f"updates; {mode}={o.mode} queues none (use one_step_off or fully_async)"
         )
     if ahead and algo.own_rollout:
         raise ConfigError(
-            f"rl.mode={rl.mode}: {algo.name} builds its rollout in several dependent rounds; use rl.mode=sync"
+            f"{mode}={o.mode}: {algo.name} builds its rollout in several dependent rounds; use {mode}=sync"
         )
-    if rl.loss_mode == "ppo" and rl.rollout_is is not None:
+    if o.loss_mode == "ppo" and o.rollout_is is not None:
         raise ConfigError(
-            f"rl.rollout_is={rl.rollout_is!r} needs rl.loss_mode=decoupled (IS behaviour -> proximal) "
-            "or bypass (ratio against the behaviour policy); rl.loss_mode=ppo ignores the behaviour"
+            f"{rollout_is}={o.rollout_is!r} needs {loss_mode}=decoupled (IS behaviour -> proximal) "
+            f"or bypass (ratio against the behaviour policy); {loss_mode}=ppo ignores the behaviour"
         )
-    if rl.loss_mode == "bypass" and rl.rollout_is is not None and rl.rollout_is != "token":
+    if o.loss_mode == "bypass" and o.rollout_is is not None and o.rollout_is != "token":
         raise ConfigError(
-            f"rl.loss_mode=bypass rejects slot by slot against the current policy: rl.rollout_is "
-            f"must be token or null, not {rl.rollout_is!r}"
+            f"{loss_mode}=bypass rejects slot by slot against the current policy: {rollout_is} "
+            f"must be token or null, not {o.rollout_is!r}"
         )
-    if rl.behaviour_logp == "engine":
+    if o.behaviour_logp == "engine":
         if not algo.engine_logprobs_match(arch):
             raise ConfigError(
-                f"rl.behaviour_logp=engine: {algo.name}'s estimator is not the engine's per-step "
+                f"{behaviour}=engine: {algo.name}'s estimator is not the engine's per-step "
                 "sampler log-prob (only trace replay with one state per step is: cj_grpo, tracerl "
-                "with shrink 1); use rl.behaviour_logp=trainer"
+                f"with shrink 1); use {behaviour}=trainer"
             )
         if r.temperature != 1.0 or r.top_k or r.top_p != 1.0:
             raise ConfigError(
-                f"rl.behaviour_logp=engine needs rollout.temperature=1, top_k=0, top_p=1 (got "
+                f"{behaviour}=engine needs rollout.temperature=1, top_k=0, top_p=1 (got "
                 f"{r.temperature}, {r.top_k}, {r.top_p}): the trainer scores untempered, untruncated "
                 "log-probs"
             )
-    if cfg.replay.enable and rl.loss_mode == "ppo":
+    if cfg.replay.enable and o.loss_mode == "ppo":
         raise ConfigError(
-            "replay.enable=true trains on samples of older policies: set rl.loss_mode=decoupled (or "
+            f"replay.enable=true trains on samples of older policies: set {loss_mode}=decoupled (or "
             "bypass) so they are importance-corrected"
         )
-    if cfg.replay.enable and rl.behaviour_logp == "engine":
+    if cfg.replay.enable and o.behaviour_logp == "engine":
         raise ConfigError(
             "replay.enable=true scores and weights samples under several versions with the trainer's "
-            "estimator: use rl.behaviour_logp=trainer"
+            f"estimator: use {behaviour}=trainer"
         )
 
 
 def needs_snapshots(cfg: Config, ahead: int) -> bool:
     """Weight snapshots are needed when samples of older versions reach the trainer (queued rollouts or replay)
     and their behaviour log-probs come from the trainer."""
-    return cfg.rl.loss_mode != "ppo" and cfg.rl.behaviour_logp == "trainer" and (ahead > 0 or cfg.replay.enable)
+    return (
+        cfg.offpolicy.loss_mode != "ppo"
+        and cfg.offpolicy.behaviour_logp == "trainer"
+        and (ahead > 0 or cfg.replay.enable)
+    )
 
 
 def bypass_rejection(cfg: Config):
-    """keep(logp_current, logp_behave) per slot for ``rl.loss_mode=bypass`` with ``rl.rollout_is=token``:
+    """keep(logp_current, logp_behave) per slot for ``offpolicy.loss_mode=bypass`` with ``offpolicy.rollout_is=token``:
     ``rollout_is_weights`` at token level on the current / behaviour slot estimates (mask mode rejects outside
     the thresholds, truncate mode keeps everything but vetoed slots)."""
-    setting = RolloutIS.of(cfg.rl, level="token")
+    setting = RolloutIS.of(cfg.offpolicy, level="token")
 
     def keep(current: torch.Tensor, behave: torch.Tensor) -> torch.Tensor:
         return rollout_is_weights(current.detach(), behave.detach(), None, setting)[1]

@@ -100,8 +100,8 @@ SAFETY_BOUND = 20.0  # verl rollout_corr_helper.SAFETY_BOUND: log-ratios are cla
 
 @dataclass(frozen=True)
 class RolloutIS:
-    """How rollout importance weights are built (D-ARL's ``algorithm.rollout_is*``, our ``rl.rollout_is*``);
-    checked once when built. ``RolloutIS.of(cfg.rl)`` reads the config section.
+    """How rollout importance weights are built (D-ARL's ``algorithm.rollout_is*``, our ``offpolicy.rollout_is*``);
+    checked once when built. ``RolloutIS.of(cfg.offpolicy)`` reads the config section.
 
     * ``level``: token (w_k = exp(t_k - b_k)), sequence (exp of the sequence's sum, broadcast), geometric (exp of
       the sequence's mean).
@@ -139,14 +139,14 @@ class RolloutIS:
             raise ValueError(f"rollout_is log_clamp={self.log_clamp} must be > 0")
 
     @classmethod
-    def of(cls, rl, level: Optional[str] = None) -> "RolloutIS":
-        """The setting of config section ``rl`` (``level`` overrides ``rl.rollout_is``; unset means token)."""
+    def of(cls, section, level: Optional[str] = None) -> "RolloutIS":
+        """The setting of config section ``offpolicy`` (``level`` overrides its ``rollout_is``; unset: token)."""
         return cls(
-            level=level or rl.rollout_is or "token",
-            mode=rl.rollout_is_mode,
-            threshold_high=rl.rollout_is_threshold,
-            threshold_low=rl.rollout_is_threshold_low,
-            veto_threshold=rl.rollout_is_veto,
+            level=level or section.rollout_is or "token",
+            mode=section.rollout_is_mode,
+            threshold_high=section.rollout_is_threshold,
+            threshold_low=section.rollout_is_threshold_low,
+            veto_threshold=section.rollout_is_veto,
         )
 
 

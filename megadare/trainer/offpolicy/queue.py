@@ -1,18 +1,18 @@
 """Asynchronous RL plumbing: the rollout queue (how far rollouts run ahead of training) and the weight snapshots
 of the behaviour policies the trainer still needs.
 
-Modes (``rl.mode``), counted in policy versions (version v = the weights after v optimizer updates; the engines
+Modes (``offpolicy.mode``), counted in policy versions (version v = the weights after v optimizer updates; the engines
 hold version v while RL step v trains):
 
     sync          rollout of step k submitted at step k                      lookahead 0, staleness 0
     one_step_off  rollout of step k+1 submitted at step k, before training   lookahead 1, staleness <= 1
-    fully_async   rollouts of steps k+1 .. k+s in flight at once             lookahead s = rl.max_staleness
+    fully_async   rollouts of steps k+1 .. k+s in flight at once             lookahead s = offpolicy.max_staleness
 
 A rollout submitted while the engines hold version v is served before any later weight update (Ray runs an
 actor's calls in order), so its trajectories carry version v and are consumed at step v + d with d <= lookahead:
 staleness d (verl ``one_step_off_policy`` / ``fully_async_policy``, AReaL's bounded staleness).
 
-Partial rollouts (``rl.partial_rollout = n`` blocks, modes with lookahead): a queued rollout is generated n blocks
+Partial rollouts (``offpolicy.partial_rollout = n`` blocks, modes with lookahead): a queued rollout is generated n blocks
 at a time; after every weight update the queue collects each running segment and submits the next one on the new
 weights (prompt ++ the response so far), so a response's blocks may come from several versions
 (``Trajectory.token_versions``; the trajectory's ``policy_version`` is its oldest token's, which bounds
@@ -21,7 +21,7 @@ prompt+response grid, so the first segment of a prompt with P mod B = r tokens i
 blocks counted from the response start), so no block is ever split between versions and the stitched trace --
 commit steps offset by the earlier segments' forwards -- is a valid trace of one decoding.
 
-Snapshots: with ``rl.loss_mode`` decoupled or bypass and ``rl.behaviour_logp=trainer`` the behaviour log-probs
+Snapshots: with ``offpolicy.loss_mode`` decoupled or bypass and ``offpolicy.behaviour_logp=trainer`` the behaviour log-probs
 of a stale sample are the algorithm's own estimator evaluated with the weights of the version that generated it;
 the trainer keeps a CPU copy of its local parameter shards for every version still referenced (lookahead or the
 replay window) and swaps it in for that forward pass. Cost: one copy of the local shards per retained version.
