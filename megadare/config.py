@@ -531,14 +531,18 @@ def _put_path(data: dict, dotted: str, value: Any) -> None:
     data[leaf] = value
 
 
+def _disagree(values: list) -> bool:
+    return any(v != values[0] for v in values[1:])  # by value: 16 and 16.0 agree; lists compare too
+
+
 def _one_value(key: str, given: list[tuple[str, Any]], source: str) -> tuple[str, Any]:
     """(spelling, value) of one canonical key written under several spellings: they must agree. The old
     ``sft.lora_*`` / ``rl.lora_*`` pair both stand in a config written before ``lora`` (every saved config.yaml):
     there a value equal to the default is no setting and the other one counts."""
-    if len({repr(v) for _, v in given}) > 1 and all(name.split(".")[0] in ("sft", "rl") for name, _ in given):
-        default = repr(_get(Config(), key))
-        given = [(n, v) for n, v in given if repr(v) != default] or given
-    if len({repr(v) for _, v in given}) > 1:
+    if _disagree([v for _, v in given]) and all(name.split(".")[0] in ("sft", "rl") for name, _ in given):
+        default = _get(Config(), key)
+        given = [(n, v) for n, v in given if v != default] or given
+    if _disagree([v for _, v in given]):
         spelled = ", ".join(f"{n}={v!r}" for n, v in given)
         raise ConfigError(f"{source}: {spelled} set one key ({key}) to different values; keep one")
     return given[0]
@@ -564,6 +568,11 @@ def canonical_keys(data: dict, source: str) -> tuple[dict, dict[str, str]]:
     return out, written
 
 
+def _parsed(value: str) -> Any:
+    """An override's value as OmegaConf reads it (``1e-3`` and ``0.001`` are one value)."""
+    return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={value}"]))["v"]
+
+
 def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str, str, str]:
     """(key as written, canonical key, value) of one ``key=value`` override; ``seen`` ({canonical key: (spelling,
     value)} of the overrides so far) catches one key set under two spellings to different values."""
@@ -575,7 +584,7 @@ def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str,
     if canonical not in _all_keys(Config()):
         raise _unknown(key)
     before = seen.get(canonical)
-    if before is not None and before[0] != key and before[1] != value:
+    if before is not None and before[0] != key and _disagree([_parsed(before[1]), _parsed(value)]):
         raise ConfigError(
             f"overrides: {before[0]}={before[1]} and {key}={value} set one key ({canonical}) to different values; "
             "keep one"

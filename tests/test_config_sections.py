@@ -152,7 +152,7 @@ def test_two_spellings_of_one_key_must_agree(tmp_path):
         config_from_dict({"sft": {"lora_rank": 8}, "rl": {"lora_rank": 4}})
     with pytest.raises(ConfigError, match=r"lora.rank=8, rl.lora_rank=0 set one key"):
         config_from_dict({"lora": {"rank": 8}, "rl": {"lora_rank": 0}})  # the new key against an old one: both
-    same = load_config(None, ["train.lr=1e-3", "optim.lr=1e-3", "rl.lora_rank=4", "rl.lora_rank=2"])
+    same = load_config(None, ["train.lr=1e-3", "optim.lr=0.001", "rl.lora_rank=4", "rl.lora_rank=2"])
     assert same.optim.lr == 1e-3 and same.lora.rank == 2  # one spelling twice: the later wins, as before
     f.write_text("optim:\n  lr: 0.5\n")
     assert load_config(str(f), ["train.lr=0.25"]).optim.lr == 0.25  # an override beats the file, either spelling
@@ -162,6 +162,7 @@ def test_sft_and_rl_lora_of_an_old_file_take_the_set_one():
     """Before one ``lora`` section a file held sft.lora_* and rl.lora_* (a saved config.yaml: both, one at its
     default); the job read its own. The one that is not the default is the setting."""
     assert config_from_dict({"sft": {"lora_rank": 0}, "rl": {"lora_rank": 16}}).lora.rank == 16
+    assert config_from_dict({"sft": {"lora_alpha": 16}, "rl": {"lora_alpha": 64.0}}).lora.alpha == 64.0  # 16 == 16.0
     assert config_from_dict({"sft": {"lora_rank": 8, "lora_alpha": 4.0}, "rl": {"lora_rank": 0}}).lora.alpha == 4.0
     data = {"rl": {"lora_rank": 16}}
     before = copy.deepcopy(data)
