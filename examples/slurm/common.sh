@@ -46,7 +46,7 @@
 #   PREFLIGHT           1: `megadare rl|sft --dry-run` with the trainer's overrides before anything starts (config,
 #                       memory plan, model, tokenizer, data rows, reward, engine, run directory); config: the config
 #                       and memory plan only (--config-only); 0: none
-#   EXTRA_OVERRIDES     more key=value config overrides, whitespace-separated (e.g. "rl.steps=50 train.lr=5e-7")
+#   EXTRA_OVERRIDES     more key=value config overrides, whitespace-separated (e.g. "rl.steps=50 optim.lr=5e-7")
 #   NCCL_DEBUG, NCCL_IB_HCA, NCCL_SOCKET_IFNAME, ...   exported when non-empty (GLOO_SOCKET_IFNAME follows
 #                       NCCL_SOCKET_IFNAME unless set)
 

@@ -33,7 +33,7 @@
 : "${NCCL_DEBUG:=WARN}"
 : "${NCCL_IB_HCA:=}"                           # e.g. mlx5_0,mlx5_1 (empty: NCCL's choice)
 : "${NCCL_SOCKET_IFNAME:=}"                    # e.g. ib0 or eth0 (empty: NCCL's choice)
-: "${EXTRA_OVERRIDES:=}"                       # more key=value overrides, e.g. "train.steps=500 train.lr=5e-6"
+: "${EXTRA_OVERRIDES:=}"                       # more key=value overrides, e.g. "train.steps=500 optim.lr=5e-6"
 
 set -uo pipefail
 MEGADARE_ROOT=${MEGADARE_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}
