@@ -153,6 +153,16 @@ def test_dpo_dry_run_and_row_check(tmp_path, capsys):
     assert main(["dpo", "--dry-run", *over, "dpo.margin_norm=canvas", "dpo.canvas_length=0"]) == 2
 
 
+def test_dpo_refuses_a_lora_it_would_ignore(tmp_path, capsys):
+    """The one lora section serves SFT and RL; DPO has no LoRA path, so a set lora.rank (or an old sft.lora_rank)
+    is refused rather than silently unused."""
+    from megadare.cli import main
+
+    for key in ("lora.rank=4", "sft.lora_rank=4"):
+        assert main(["dpo", "--dry-run", *_over(tmp_path), key]) == 2
+        assert "megadare dpo trains the full model (no LoRA path)" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(600)
 def test_dpo_run_margin_grows_and_exports(tmp_path):
     from megadare.config import load_config

@@ -134,6 +134,10 @@ def check_dpo(cfg: Config, arch: Optional[ModelArch]) -> VRPO:
         raise ConfigError(
             "megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, chosen, rejected)"
         )
+    if cfg.lora.rank:  # one lora section serves SFT and RL; DPO has no LoRA path, so it must not look set
+        raise ConfigError(
+            f"lora.rank={cfg.lora.rank}: megadare dpo trains the full model (no LoRA path); set lora.rank=0"
+        )
     algo = vrpo_for(cfg)
     block = arch is not None and arch.is_block_diffusion
     row = 2 * cfg.dpo.n_mc * cfg.data.max_length * (2 if block else 1)
