@@ -188,7 +188,7 @@ class AlgoSection:
 @dataclass
 class RLSection:
     """The RL loop: steps, batch shape, epochs, held-out evaluation. Its other owners have their own sections:
-    ``advantage``, ``offpolicy``, ``reward``, ``lora`` (the old ``rl.*`` keys are aliases, CONFIG_ALIASES)."""
+    ``advantage``, ``offpolicy``, ``rewards``, ``lora`` (the old ``rl.*`` keys are aliases, CONFIG_ALIASES)."""
 
     steps: int = 100  # RL steps (rollout -> update -> weight sync)
     prompts_per_step: int = 16
