@@ -76,7 +76,7 @@ def engine_spec(cfg, src, tok):
     from megadare.rollout.manager import (
         EngineSpec,
         build_native_engine,
-    )  # heavy: config.py imports this module; the engines pull torch.distributed and sympy
+    )  # heavy: megadare.config imports this module; the engines pull torch.distributed and sympy
 
     r = cfg.rollout
     gpus = r.engine_resources.get("num_gpus")
@@ -106,7 +106,7 @@ def engine_spec(cfg, src, tok):
     from megadare.rollout.sglang_engine import (
         _import_sglang,
         build_sglang_engine,
-    )  # heavy: config.py imports this module; the engines pull torch.distributed and sympy
+    )  # heavy: megadare.config imports this module; the engines pull torch.distributed and sympy
 
     _import_sglang()
     model_path = src.hf_dir
@@ -153,7 +153,7 @@ def start_engines(cfg, src, tok):
 
     from megadare.rollout.manager import (
         RolloutManager,
-    )  # heavy: config.py imports this module; the engines pull torch.distributed and sympy
+    )  # heavy: megadare.config imports this module; the engines pull torch.distributed and sympy
 
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():

@@ -1,0 +1,126 @@
+"""Cross-checks of a whole config against the model and the world size (``validate``) and the rollout decoder
+(``check_decoder``): what no single field can know."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+from megadare.algos import build_algorithm
+from megadare.errors import ConfigError
+from megadare.config.loading import check_choices
+from megadare.config.sections import Config
+from megadare.models.family import ModelArch
+from megadare.parallel.layout import Layout
+from megadare.rollout.engine import (
+    SamplingParams,
+)
+from megadare.rollout.setup import resolve_canvas, rollout_block
+
+
+def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
+    """sft.mode with 'auto' resolved: block diffusion for block-causal families, random masking otherwise."""
+    if cfg.sft.mode != "auto":
+        return cfg.sft.mode
+    if arch is None:
+        return "auto"
+    return "block" if arch.is_block_diffusion else "random"
+
+
+def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None) -> None:
+    """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
+    configured algorithm when the caller has built it (``trainer/spec.resolve``)."""
+    check_choices(cfg)
+    p = cfg.parallel
+    if arch is not None:  # the model's rules first (they name the key to change), then the world's
+        Layout.of(p).check_model(arch)
+        if arch.is_moe and p.tp > 1 and not p.sp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
+                "(megatron trains MoE layers under TP only with sequence parallelism)"
+            )
+        if cfg.model.block_size is not None and not arch.is_block_diffusion:
+            raise ConfigError(
+                f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
+                "attention and has no denoising blocks; remove model.block_size"
+            )
+    Layout.of(p, world_size or p.world_size)  # checks the sizes against the world
+    t, sft = cfg.train, cfg.sft
+    if not 0.0 < sft.noise_low <= sft.noise_high <= 1.0:
+        raise ConfigError(
+            f"sft.noise_low={sft.noise_low}, sft.noise_high={sft.noise_high}: need 0 < noise_low <= noise_high <= 1"
+        )
+    o, named = cfg.optim, cfg.as_written
+    if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(
+            f"{named('optim.lr')}={o.lr}, {named('optim.min_lr')}={o.min_lr}: need 0 <= min_lr <= lr and lr > 0"
+        )
+    if o.warmup_steps < 0 or o.warmup_steps > t.steps:
+        raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
+    if cfg.lora.rank < 0:
+        raise ConfigError(f"{named('lora.rank')}={cfg.lora.rank} must be >= 0 (0 = full fine-tuning)")
+    if cfg.rollout.max_batch < 0:
+        raise ConfigError(
+            f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request at once)"
+        )
+    row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
+    if row > t.seq_length:
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} gives rows of up to {row} tokens (block-diffusion "
+            f"rows hold x_t ++ x_0), more than train.seq_length={t.seq_length}; raise "
+            "train.seq_length or lower data.max_length"
+        )
+    if cfg.rollout.fp8_weights and cfg.rollout.engine != "sglang":
+        raise ConfigError(
+            "rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
+            "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false"
+        )
+    if t.seq_length % p.cp:
+        raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
+    if resolve_canvas(cfg, arch) == "full" and cfg.offpolicy.partial_rollout:
+        key = named("offpolicy.partial_rollout")
+        raise ConfigError(
+            f"{key}={cfg.offpolicy.partial_rollout} continues a response as a new prompt, which "
+            f"cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or {key}=0"
+        )
+    check_decoder(cfg, arch)
+
+    (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
+
+
+_SAMPLER_KEYS = (
+    "max_new_tokens",
+    "algorithm",
+    "threshold",
+    "top_k",
+    "top_p",
+    "confidence",
+    "schedule",
+    "eps",
+    "alg_temp",
+    "editing_threshold",
+    "max_post_steps",
+    "num_to_transfer",
+)
+
+
+def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
+    """The rollout's decoder as the engines will build it (``SamplingParams`` at the rollout and the evaluation
+    temperature). Whether the RL algorithm can replay a token-editing trace is its own ``check_config``."""
+    r = cfg.rollout
+    block = rollout_block(cfg, arch)
+    for temperature in (r.temperature, r.eval_temperature):
+        try:
+            SamplingParams(
+                block_size=block,
+                steps_per_block=r.steps_per_block or block,
+                temperature=temperature,
+                **{k: getattr(r, k) for k in _SAMPLER_KEYS},
+            )
+        except ValueError as e:
+            named = sorted(
+                (str(e).find(k), k)
+                for k in _SAMPLER_KEYS + ("steps_per_block", "block_size", "temperature")
+                if k in str(e)
+            )
+            raise ConfigError(f"rollout.{named[0][1] if named else 'algorithm'}: {e}") from None
