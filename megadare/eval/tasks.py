@@ -49,6 +49,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from megadare.config import CHOICES
 from megadare.data.fields import is_verl_row
 from megadare.data.files import DataError, load_rows
 from megadare.errors import ConfigError
@@ -85,7 +86,7 @@ D1_MATH_SYSTEM_PROMPT = (
 CODE_BLOCK_INSTRUCTION = (
     "Place your code within a single Python code block ```python ```. Do not include more than one code block."
 )
-PROMPT_STYLES = ("boxed", "d1")
+PROMPT_STYLES = CHOICES["eval.prompt_style"]  # the one list: eval.prompt_style's Literal in the config
 ID_FIELDS = ("task_id", "unique_id", "id", "ID", "idx")
 
 

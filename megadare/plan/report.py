@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from megadare.config import Config
+from megadare.config import CHOICES, Config
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.parallel.layout import Layout
@@ -36,7 +36,7 @@ from megadare.plan.memory import (
 from megadare.plan.params import ParamCounts, count_params
 from megadare.rollout.setup import rollout_block
 
-JOBS = ("rl", "sft")
+JOBS = CHOICES["plan.job"]  # the one list: plan.job's Literal in the config
 
 
 @dataclass(frozen=True)
