@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from megadare.algos.base import RLSample
-from megadare.trainer.offpolicy.replay import (
-    ReplayMatch,
-    ReplayRule,
-    ReplayBuffer,
+from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
+from megadare.trainer.offpolicy.replay_scores import (
     balance_heuristic_weights,
     chi2_ess,
     mis_weights,
@@ -24,7 +22,6 @@ from megadare.trainer.offpolicy.replay import (
     own_behaviour_weights,
     per_version_loss_weights,
     per_version_normalised_advantages,
-    sample_version,
     variance_guided_scores,
 )
 

@@ -35,7 +35,7 @@ from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.errors import ConfigError
 from megadare.trainer.offpolicy.importance import RolloutIS, rollout_is_weights
-from megadare.trainer.offpolicy.replay import balance_heuristic_weights, variance_guided_scores
+from megadare.trainer.offpolicy.replay_scores import balance_heuristic_weights, variance_guided_scores
 from megadare.trainer.step import RowFormat, outputs_of
 
 Key = tuple[int, int]  # (sample index, slot)
