@@ -20,17 +20,8 @@ from megadare.parallel.launch import free_port
 from megadare.parallel.layout import Layout
 
 
-_LAYOUT: Optional[Layout] = None
-
-
 def is_cpu() -> bool:
     return not torch.cuda.is_available()
-
-
-def current_layout() -> Layout:
-    if _LAYOUT is None:
-        raise RuntimeError("megadare.parallel.init_distributed() has not been called")
-    return _LAYOUT
 
 
 def init_distributed(
@@ -38,7 +29,6 @@ def init_distributed(
 ) -> Layout:
     """Initialise torch.distributed (env:// or a single process) and megatron's parallel groups for ``layout``
     (default: no model parallelism); returns it placed on the launched world."""
-    global _LAYOUT
     from megatron.core import parallel_state  # heavy: megadare.parallel imports without megatron
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # heavy: as above
 
@@ -67,8 +57,7 @@ def init_distributed(
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    _LAYOUT = layout
-    return _LAYOUT
+    return layout
 
 
 def placed(layout: Layout, world: int) -> Layout:
@@ -83,10 +72,8 @@ def placed(layout: Layout, world: int) -> Layout:
 
 def destroy_distributed() -> None:
     """Tear down megatron's groups and the process group, so a process can initialise again."""
-    global _LAYOUT
     from megatron.core import parallel_state  # heavy: megadare.parallel imports without megatron
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-    _LAYOUT = None

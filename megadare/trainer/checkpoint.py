@@ -279,13 +279,6 @@ def load_checkpoint_object(path: str, name: str, per_rank: bool = False) -> Any:
     return torch.load(f, weights_only=False) if os.path.exists(f) else None
 
 
-def latest_checkpoint(root: str) -> Optional[str]:
-    """The newest complete checkpoint under a run's checkpoint root, or None."""
-    if not root or not os.path.exists(os.path.join(root, TRACKER)):
-        return None
-    return resolve_checkpoint_dir(root)
-
-
 # a checkpoint's model must be this model: these ModelArch fields shape its tensors
 SHAPE_FIELDS = (
     "vocab_size",
