@@ -76,7 +76,12 @@ def import_peer(repo: str, rel: str, name: str, patch: Optional[dict[str, str]] 
             stub.tqdm = None
             sys.modules[mod] = stub
             print(f"peer: {mod} is not installed; stubbed (DARE's generate functions do not use it)")
-    with open(os.path.join(repo, rel)) as f:
+    path = os.path.join(repo, rel)
+    if not os.path.isfile(path):
+        raise SystemExit(
+            f"peer: {path} not found; --peer-repo must be a full DARE checkout (this benchmark follows 83ae8a3)"
+        )
+    with open(path) as f:
         src = f.read()
     for old, new in (patch or {}).items():
         if old not in src:
