@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from megadare.config import CONFIG_ALIASES, load_config
+from megadare.config import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "examples", "configs", "dare")
 MATH_PROMPTS = 7474 + 7473  # math_1 + gsm8k_1 training parquets (drop_last batches per epoch)
@@ -192,7 +192,7 @@ def _load(name: str, script: str):
 def _check(cfg, want: dict, name: str) -> None:
     for key, value in want.items():
         obj = cfg
-        for part in CONFIG_ALIASES.get(key, key).split("."):  # the recipe's keys as users write them
+        for part in key.split("."):
             obj = getattr(obj, part)
         assert obj == pytest.approx(value) if isinstance(value, float) else obj == value, (name, key, obj, value)
 
@@ -217,21 +217,21 @@ def test_preset_reproduces_the_dare_recipe(name):
     )
     want = {
         "algo.name": algo,
-        "train.lr": d["lr"],
-        "train.weight_decay": d.get("weight_decay", 0.01),
-        "train.clip_grad": d.get("grad_clip", 1.0),
-        "train.adam_beta2": d.get("betas", (0.9, 0.999))[1],
-        "train.lr_decay_style": "constant",
-        "train.warmup_steps": 0,
+        "optim.lr": d["lr"],
+        "optim.weight_decay": d.get("weight_decay", 0.01),
+        "optim.clip_grad": d.get("grad_clip", 1.0),
+        "optim.adam_beta2": d.get("betas", (0.9, 0.999))[1],
+        "optim.lr_decay_style": "constant",
+        "optim.warmup_steps": 0,
         "rl.prompts_per_step": d["batch_size"],
         "rl.n_samples": group,
         "rl.mini_batches": 1,
         "rl.ppo_epochs": d.get("ppo_epochs", 1) * d.get("num_iterations", 1),  # ESPO: one update per mask set
         "rl.steps": d.get("total_epoch", 1) * (MATH_PROMPTS // d["batch_size"]),
         "rl.eval_interval": d["test_freq"],
-        "rl.lora_rank": d.get("lora_rank", 0),
-        "rl.advantage": d.get("adv_estimator", "grpo"),
-        "rl.reward": "math",
+        "lora.rank": d.get("lora_rank", 0),
+        "advantage.estimator": d.get("adv_estimator", "grpo"),
+        "rewards.name": "math",
         "rl.canvas": "full" if name[len(algo) + 1 :] in FULL_CANVAS else None,
         "rollout.temperature": d["train_temperature"],
         "rollout.eval_temperature": d["val_temperature"],
@@ -245,7 +245,7 @@ def test_preset_reproduces_the_dare_recipe(name):
     if "threshold" in d:
         want.update({"rollout.algorithm": "low_confidence_dynamic", "rollout.threshold": d["threshold"]})
     if d.get("lora_rank"):
-        want["rl.lora_alpha"] = d["lora_alpha"]
+        want["lora.alpha"] = d["lora_alpha"]
     if d.get("num_iterations", 1) > 1:
         want["rl.redraw_corruptions"] = True  # each iteration on its own precomputed mask set
     _check(cfg, want, name)
@@ -280,12 +280,12 @@ def test_dpo_preset_reproduces_the_dare_recipe(name):
     _check(
         cfg,
         {
-            "train.lr": d["lr"],
-            "train.weight_decay": d["weight_decay"],
-            "train.clip_grad": 1.0,
-            "train.adam_beta2": 0.999,
-            "train.lr_decay_style": "constant",
-            "train.warmup_steps": 0,
+            "optim.lr": d["lr"],
+            "optim.weight_decay": d["weight_decay"],
+            "optim.clip_grad": 1.0,
+            "optim.adam_beta2": 0.999,
+            "optim.lr_decay_style": "constant",
+            "optim.warmup_steps": 0,
             "train.global_batch_size": rows_per_update // 2,
             "train.steps": d["total_epoch"] * (ULTRAFEEDBACK_TRAIN // d["batch_size"]) * updates_per_batch,
             "data.max_length": d["max_prompt_length"] + d["max_response_length"],
