@@ -57,6 +57,42 @@ def mbpp_rows() -> list[dict]:
     ]
 
 
+def _mbpp_turn(task: str, tests: list[str]) -> dict:
+    """The user turn of DARE's MBPP prompt (verl/utils/preprocess/preprocess.py, process_single_example)."""
+    shown = "\n".join(tests)
+    return {
+        "role": "user",
+        "content": f"You are an expert Python programmer, and here is your task: {task} Your code should pass "
+        f"these tests:\n\n {shown}  \n",
+    }
+
+
+# three solved examples in DARE's few-shot layout: tests after " \n", programs quoted between [BEGIN] and [DONE] with
+# CRLF line ends and trailing spaces (the tasks and programs are written here, not DARE's)
+MBPP_SHOTS = [
+    ("Write a function to count the vowels in a string.", ["assert count_vowels('banana') == 3 "]),
+    ("Write a python function to reverse a list in place.", ["assert flip([1, 2]) == [2, 1] "]),
+    ("Write a function to find the longest word.", ["assert longest(['a', 'abc', 'ab']) == 'abc' "]),
+]
+MBPP_PROGRAMS = [
+    "def count_vowels(s):\r\n  return sum(ch in 'aeiou' for ch in s)",
+    "def flip(xs):\r\n    xs.reverse()\r\n    return xs",
+    "def longest(words):\r\n  return max(words, key=len)",
+]
+
+
+def mbpp_fewshot_row(index: int = 0) -> dict:
+    """An MBPP row in the shape DARE's preprocess.py writes: 3 few-shot user / assistant pairs, the task, and an
+    assistant message "[BEGIN]\\n" at the end."""
+    shots = []
+    for (task, tests), program in zip(MBPP_SHOTS, MBPP_PROGRAMS):
+        shots += [_mbpp_turn(task, tests), {"role": "assistant", "content": f"[BEGIN]\n '{program}' \n[DONE] \n\n "}]
+    tests = ["assert twice(2) == 4", "assert twice(-1) == -2"]
+    messages = shots + [_mbpp_turn("Write a function to double a number.", tests)]
+    messages.append({"role": "assistant", "content": "[BEGIN]\n"})
+    return rl_row("mbpp", messages, json.dumps(tests), index, task="code")
+
+
 def sft_rows(n: int = 3) -> list[dict]:
     out = []
     for i in range(n):

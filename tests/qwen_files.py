@@ -5,6 +5,7 @@ encoder of the same ranks (tiktoken, OpenAI's BPE implementation) to check ids a
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 
 from megadare.data.qwen_tokenizer import QWEN_PATTERN, cached_qwen_tokenizer, qwen_ranks
@@ -34,3 +35,14 @@ def sdar_user_prompt(content: str) -> list[int]:
     """SDAR's (Qwen3's) template for one user turn + the generation prompt, assembled by hand:
     <|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n."""
     return [IM_START, USER, NL] + tiktoken_ids(content) + [IM_END, NL, IM_START, ASSISTANT, NL]
+
+
+THINK, END_THINK = 151667, 151668
+CHAT_SPECIALS = {"<|im_start|>": IM_START, "<|im_end|>": IM_END, "<think>": THINK, "</think>": END_THINK}
+
+
+def chat_text_ids(text: str) -> list[int]:
+    """Qwen's ids of a rendered chat text: the chat's special tokens by their ids, the text between them by
+    tiktoken (Qwen2's tokenizer splits added tokens out first, then encodes each piece)."""
+    pieces = re.split("(" + "|".join(map(re.escape, CHAT_SPECIALS)) + ")", text)
+    return [i for piece in pieces for i in ([CHAT_SPECIALS[piece]] if piece in CHAT_SPECIALS else tiktoken_ids(piece))]

@@ -95,9 +95,13 @@ def _hf_tokenizer(tmp_path) -> HFTokenizer:
     return HFTokenizer(str(tmp_path / "tok"), mask_token_id=2)
 
 
-def test_assistant_prefill_is_continued_not_closed(tmp_path):
+def test_assistant_prefill_is_continued_and_dare_rows_render_as_verl(tmp_path):
     rec = mbpp_rows()[0]
-    p = build_prompts([rec], TOK, "mem")[0]
+    p = build_prompts([rec], TOK, "mem")[0]  # a DARE row: its "[BEGIN]\n" turn closed, a new one opened
+    assert p.prefill == "" and p.prompt_ids == TOK.chat_prompt(rec["prompt"])
+    assert p.prompt_ids[-3:] == [*TOK.encode("\n\n"), TOK.ASSISTANT]
+    assert p.reward_text("[BEGIN]\n 'def add(a, b): return a + b' \n[DONE]").startswith("[BEGIN]\n 'def add")
+    p = build_prompts([{"messages": rec["prompt"], "answer": "x"}], TOK, "mem")[0]  # not a verl row: continued
     assert p.prefill == "[BEGIN]\n"
     assert p.prompt_ids == TOK.chat_prompt(rec["prompt"][:1]) + TOK.encode("[BEGIN]\n")  # the open assistant turn
     assert p.reward_text(" 'def add(a, b): return a + b' \n[DONE]").startswith("[BEGIN]\n 'def add")
@@ -106,6 +110,8 @@ def test_assistant_prefill_is_continued_not_closed(tmp_path):
     assert hf.chat_prompt(msgs[:1]) == [5, 7, 3, 8, 6, 7]  # a new assistant turn
     assert hf.chat_prompt(msgs, continue_final=True) == [5, 7, 3, 8, 6, 7, 4]  # "world" left open: no <end>
     assert build_prompts([{"messages": msgs, "answer": "x"}], hf, "mem")[0].prompt_ids == [5, 7, 3, 8, 6, 7, 4]
+    verl = rl_row("mbpp", msgs, "x", 0)
+    assert build_prompts([verl], hf, "mem")[0].prompt_ids == [5, 7, 3, 8, 6, 7, 4, 8, 6, 7]  # closed, reopened
 
 
 def test_sft_and_preference_rows_load(tmp_path):
@@ -143,8 +149,8 @@ def test_data_inspect_on_each_schema(tmp_path):
     assert rc == 0, lines
     assert "schema: verl / DARE rows; data_source: math 3" in lines
     assert (
-        "RL prompts: prompt <- prompt (1 end in an assistant prefill), gold <- reward_model.ground_truth, "
-        "reward auto" in lines
+        "RL prompts: prompt <- prompt (1 end in an assistant turn, closed as verl renders it), gold <- "
+        "reward_model.ground_truth, reward auto" in lines
     )
     assert any(line.startswith("prompt bytes: p50 ") for line in lines)  # no --model: UTF-8 bytes
     assert lines[-1] == "reward of gold answers: 1.000 over 4 records (auto)"  # math 3 + sudoku 1 (not targets)
@@ -194,8 +200,8 @@ def test_dare_test_files_are_eval_tasks(tmp_path):
     spec = task_spec(f["mbpp"])
     assert (spec.name, spec.kind, spec.reward) == ("mbpp", "code", "auto")
     prompts = load_task_prompts(spec, spec.path, None, "boxed", TOK)
-    assert prompts[0].prefill == "[BEGIN]\n" and prompts[0].where == f"{f['mbpp']}:row 1"
-    right = " 'def add(a, b):\n    return a + b' \n[DONE]"
+    assert prompts[0].prefill == "" and prompts[0].where == f"{f['mbpp']}:row 1"
+    right = "[BEGIN]\n 'def add(a, b):\n    return a + b' \n[DONE] \n\n"  # a new turn, scored alone as DARE does
     rows, stats = score_samples(spec, TOK, prompts, [[_traj(right), _traj(right.replace("+", "-"))]])
     assert [r["correct"] for r in rows] == [True, False] and stats["reward_errors"] == 0
     assert rows[0]["extracted"] == "def add(a, b):\n    return a + b"

@@ -156,7 +156,7 @@ def test_trap_closed_wrong_programs_score_zero():
     assert entry_point(HUMANEVAL) == "add"  # the last def of the prompt, not the helper
     assert AUTO(f"```python\n{WRONG}```", HUMANEVAL) == 0.0
     assert AUTO(f"```python\n{RIGHT}```", HUMANEVAL) == 1.0
-    assert AUTO(f" '{WRONG}' \n[DONE]", MBPP) == 0.0  # the response continues the "[BEGIN]\n" prefill
+    assert AUTO(f" '{WRONG}' \n[DONE]", MBPP) == 0.0  # no [BEGIN]: DARE's quoted-program pattern
     assert AUTO(f"[BEGIN]\n '{RIGHT}' \n[DONE] \n\n", MBPP) == 1.0
     assert len(dare_test_cases(MBPP)) == 2
     with pytest.raises(ValueError, match="define check"):

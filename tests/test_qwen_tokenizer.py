@@ -18,8 +18,8 @@ import os
 
 import pytest
 
-from dare_files import unicode_rl_rows, unicode_sft_rows, write_parquet
-from qwen_files import IM_END, IM_START, qwen_dir, sdar_user_prompt, tiktoken_ids
+from dare_files import mbpp_fewshot_row, rl_row, unicode_rl_rows, unicode_sft_rows, write_parquet
+from qwen_files import IM_END, IM_START, chat_text_ids, qwen_dir, sdar_user_prompt, tiktoken_ids
 from megadare.data.files import DataError
 from megadare.data.prompt_data import build_prompts
 from megadare.data.sft_data import record_to_example
@@ -316,6 +316,36 @@ def test_dare_rows_through_sdar_template(sdar):
         ex = record_to_example(row, sdar, "mem")
         assert ex.prompt_ids == sdar_user_prompt(row["extra_info"]["question"])  # DARE's SFT recipe fields
         assert ex.response_ids == tiktoken_ids(row["extra_info"]["answer"]) + [ENDOFTEXT]
+
+
+def _verl_ids(tok: HFTokenizer, messages: list[dict]) -> list[int]:
+    """DARE's prompt ids, by its calls (verl/utils/dataset/rl_dataset.py:221-222 @83ae8a3)."""
+    raw_prompt = tok.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.tok(raw_prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_dare_mbpp_row_renders_dares_ids(sdar, dream):
+    """DARE renders its MBPP rows (3 shots, the task, an assistant "[BEGIN]\\n") with add_generation_prompt=True:
+    the "[BEGIN]" turn is closed and a new assistant turn opened; megadare's prompt ids are those, and the response
+    is scored alone (DARE's reward manager decodes the response only)."""
+    row = mbpp_fewshot_row()
+    msgs = row["prompt"]
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs[:-1])
+    generation = "<|im_start|>assistant\n"
+    # SDAR's chat_template.jinja: the assistant turn after the last user turn gets an empty think block
+    sdar_text = turns + "<|im_start|>assistant\n<think>\n\n</think>\n\n[BEGIN]\n<|im_end|>\n" + generation
+    dream_text = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + turns
+    dream_text += "<|im_start|>assistant\n[BEGIN]\n<|im_end|>\n" + generation  # Qwen2.5's template
+    for tok, text in ((sdar, sdar_text), (dream, dream_text)):
+        assert tok.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == text
+        prompt = build_prompts([row], tok, "mem")[0]
+        assert prompt.prompt_ids == chat_text_ids(text) == _verl_ids(tok, msgs)
+        assert prompt.prefill == "" and prompt.reward_text("[BEGIN]\n 'x' \n[DONE]") == "[BEGIN]\n 'x' \n[DONE]"
+    check = "def check(candidate):\n    assert candidate(2) == 4\n"
+    humaneval = rl_row("humaneval", 'Complete the following python code:\ndef f(x):\n    """Twice x."""\n', check, 0)
+    lcb = rl_row("lcbv5", "Read n from stdin and print n * 2.\n\nInput: 3\nOutput: 6", "[]", 1)
+    for other in (humaneval, lcb):  # one user turn, as DARE's preprocess.py writes these: unchanged
+        assert build_prompts([other], sdar, "mem")[0].prompt_ids == _verl_ids(sdar, other["prompt"])
 
 
 # ----------------------------------------------------------------------------------------------- inspect

@@ -14,9 +14,11 @@ SFT          ``messages`` (ending with the response) | ``prompt`` + ``response``
 preference   ``prompt`` (text or messages) + ``chosen`` + ``rejected`` (text or one assistant message each)
 ===========  ==============================================================================================
 
-A prompt given as messages may end with an assistant message: a prefill (DARE's MBPP prompts end with
-``[BEGIN]\\n``), rendered through the chat template as the start of the assistant's turn, so the response continues
-it. Errors are :class:`DataError` naming ``file:row``, the field and what was found.
+A prompt given as messages may end with an assistant message: a prefill, rendered through the chat template as the
+start of the assistant's turn, so the response continues it. A verl / DARE row is rendered as verl renders it
+instead (``verl/utils/dataset/rl_dataset.py``: ``apply_chat_template(prompt, add_generation_prompt=True)``), so
+the ids are DARE's: its trailing assistant message (DARE's MBPP ``[BEGIN]\\n``) is a closed turn and the response
+starts a new one, scored alone. Errors are :class:`DataError` naming ``file:row``, the field and what was found.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "response_text",
     "encode_text",
     "is_verl_row",
+    "renders_as_verl",
     "DARE_GOLD",
     "DARE_SFT_PROMPT",
     "DARE_SFT_RESPONSE",
@@ -122,10 +125,13 @@ def encode_text(tok: Tokenizer, text: str, where: str, field: str) -> list[int]:
         raise DataError(f"{where}: field {field!r}: {e}") from e
 
 
-def render_prompt(tok: Tokenizer, messages: list[dict], where: str, field: str) -> tuple[list[int], str]:
+def render_prompt(
+    tok: Tokenizer, messages: list[dict], where: str, field: str, prefill: bool = True
+) -> tuple[list[int], str]:
     """(prompt ids, prefill): the chat template up to the assistant's turn, which a trailing assistant message
-    starts (its text is the prefill the response continues; "" when there is none)."""
-    continues = messages[-1]["role"] == "assistant"
+    starts (its text is the prefill the response continues; "" when there is none). Without ``prefill`` every
+    message is a closed turn and the generation prompt opens a new one, as verl renders (:func:`renders_as_verl`)."""
+    continues = prefill and messages[-1]["role"] == "assistant"
     try:
         return list(tok.chat_prompt(messages, continue_final=continues)), messages[-1]["content"] if continues else ""
     except ValueError as e:
@@ -135,3 +141,10 @@ def render_prompt(tok: Tokenizer, messages: list[dict], where: str, field: str) 
 def is_verl_row(rec: dict) -> bool:
     """A verl / DARE row: ``prompt`` is a list of messages and ``reward_model`` an object."""
     return isinstance(rec.get("prompt"), list) and isinstance(rec.get("reward_model"), dict)
+
+
+def renders_as_verl(rec: dict, key: str) -> bool:
+    """Whether the prompt in field ``key`` of ``rec`` is a verl / DARE row's, rendered as verl's RLHFDataset renders
+    it: the whole message list with the generation prompt, a trailing assistant message closed
+    (``rl_dataset.py:221`` of DARE @83ae8a3), so prompt ids and rewards match DARE's."""
+    return key == "prompt" and is_verl_row(rec)

@@ -4,8 +4,10 @@ A record is ``{"prompt": "...", "answer": "..."}`` (keys configurable, dotted fo
 ``{"messages": [...], "answer": ...}``, or pre-tokenized ``{"prompt_ids": [...], "answer": ...}``, or a verl / DARE
 row ``{"data_source", "prompt": [messages], "reward_model": {"ground_truth"}, "extra_info"}``, recognised with the
 default keys (:mod:`.fields`). The prompt is rendered with the tokenizer's chat template (the same rendering SFT
-uses, so an SFT model sees the format it was trained on); messages may end with an assistant prefill (DARE's MBPP
-``[BEGIN]``), which the response continues and the reward sees in front of it.
+uses, so an SFT model sees the format it was trained on); messages may end with an assistant prefill, which the
+response continues and the reward sees in front of it. A verl / DARE row renders as verl renders it, a trailing
+assistant message (DARE's MBPP ``[BEGIN]``) closed and the response scored alone, as DARE scores it
+(:func:`~megadare.data.fields.renders_as_verl`).
 
 The record handed to the reward is the row itself with the gold copied to ``answer`` (so the built-in rewards
 read the configured field); other fields (``tests``, ``data_source``, ``extra_info`` ...) ride along. Every
@@ -22,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megadare.data.fields import DARE_GOLD, MISSING, get_field, prompt_messages, render_prompt
+from megadare.data.fields import DARE_GOLD, MISSING, get_field, prompt_messages, render_prompt, renders_as_verl
 from megadare.data.files import DataError, RecordSource, load_many, row_name
 from megadare.data.sft_data import int_list
 from megadare.data.synthetic import addition_task, reverse_task
@@ -80,7 +82,8 @@ def rl_keys(
 def _prompt_ids(rec: dict, key: str, tok: Tokenizer, where: str) -> tuple[list[int], str]:
     if key == "prompt_ids":
         return int_list(rec, "prompt_ids", where, tok.vocab_size), ""
-    return render_prompt(tok, prompt_messages(get_field(rec, key), where, key), where, key)
+    msgs = prompt_messages(get_field(rec, key), where, key)
+    return render_prompt(tok, msgs, where, key, prefill=not renders_as_verl(rec, key))
 
 
 def _gold_missing(rec: dict, key: Optional[str]) -> bool:

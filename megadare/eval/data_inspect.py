@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
-from megadare.data.fields import MISSING, get_field, is_verl_row
+from megadare.data.fields import MISSING, get_field, is_verl_row, renders_as_verl
 from megadare.data.files import DataError, load_rows
 from megadare.data.preference_data import record_to_preference
 from megadare.data.prompt_data import build_prompts, rl_keys
@@ -118,6 +118,18 @@ def _views(rec: dict) -> list[str]:
     return views
 
 
+def _assistant_ends(built: list, key: Optional[str]) -> str:
+    """How many prompts end with an assistant message: a prefill the response continues, or (verl / DARE rows) a
+    turn closed before the generation prompt, as verl renders it."""
+    prefills = sum(bool(p.prefill) for p in built)
+    closed = sum(
+        key is not None and renders_as_verl(p.record, key) and p.record[key][-1]["role"] == "assistant" for p in built
+    )
+    parts = [f"{prefills} end in an assistant prefill"] if prefills else []
+    parts += [f"{closed} end in an assistant turn, closed as verl renders it"] if closed else []
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _gold_scores(prompts: list, reward: str, limit: int, errors: list[str]) -> list[float]:
     """Rewards of the gold answers of the first ``limit`` prompts that have one. Rows without a checkable gold are
     scored on an empty response instead (not counted): their fields must still let the reward compute a value.
@@ -169,12 +181,7 @@ def inspect_file(
     if "rl" in views:
         pkey, gkey = rl_keys(rows[0][1])
         built = _each(rows, lambda w, r: build_prompts([r], tok, [w])[0], errors)
-        prefills = sum(bool(p.prefill) for p in built)
-        out(
-            f"RL prompts: prompt <- {pkey}"
-            + (f" ({prefills} end in an assistant prefill)" if prefills else "")
-            + f", gold <- {gkey}, reward {reward}"
-        )
+        out(f"RL prompts: prompt <- {pkey}{_assistant_ends(built, pkey)}, gold <- {gkey}, reward {reward}")
         out(f"prompt {unit}: {percentiles([len(p.prompt_ids) for p in built])}")
         if built:
             out(f"rendered prompt ({built[0].where}):\n{_rendered(tok, built[0].prompt_ids)}")

@@ -15,10 +15,10 @@ primeintellect                         ``extra_info.metadata.func_name`` (JSON l
 =====================================  =====================================================================
 
 Programs get DARE's standard-library imports in front (its ``BASE_IMPORTS`` without numpy/pandas: ``List``,
-``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. MBPP responses continue
-the prompt's ``[BEGIN]`` prefill; the program is what DARE's OpenCompass-style patterns take between ``[BEGIN]`` and
-``[DONE]`` (other responses: :func:`~megadare.rewards.code.extract_code`). DARE's code reward is binary: all cases
-must pass.
+``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. An MBPP response (its
+prompt's ``[BEGIN]`` turn closed, as verl renders DARE's rows: the response alone is scored, as DARE scores it) gives
+the program DARE's OpenCompass-style patterns take between ``[BEGIN]`` and ``[DONE]`` (other responses:
+:func:`~megadare.rewards.code.extract_code`). DARE's code reward is binary: all cases must pass.
 """
 
 from __future__ import annotations

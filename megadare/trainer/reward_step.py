@@ -2,7 +2,7 @@
 
     scores, metrics = score_rollouts(cfg, reward_fn, tok, trajectories, prompts, "RL step 3")
 
-Each response is scored with the prompt's assistant prefill in front (the text the reward checks), by
+Each response is scored with the prompt's open assistant prefill in front, if any (the text the reward checks), by
 :func:`megadare.rewards.score_batch`; when more than ``rewards.max_error_fraction`` of the batch raised or ran
 past the time limit, :class:`~megadare.rewards.RewardError` names the reward, the first failing record's
 ``file:row`` and its exception. Rank 0 scores; ``parallel.rank0.run_on_rank0`` carries its result, or that
