@@ -439,9 +439,9 @@ def test_group_advantages_against_hand_computation():
     assert group_advantages(torch.tensor([1.0, 0.0]), 1).tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="groups of rl.n_samples=5"):
         group_advantages(r, 5)
-    with pytest.raises(ValueError, match="rl.advantage="):
+    with pytest.raises(ValueError, match="advantage.estimator="):
         group_advantages(r, 4, "ppo")
-    with pytest.raises(ValueError, match="rl.advantage_std="):
+    with pytest.raises(ValueError, match="advantage.std="):
         group_advantages(r, 4, std="mad")
     with pytest.raises(ValueError, match="at least 2"):
         group_advantages(r, 1, "rloo")

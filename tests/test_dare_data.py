@@ -249,12 +249,13 @@ def test_rows_without_a_gold_answer_are_refused_or_left_out_when_asked(tmp_path,
     with pytest.raises(
         DataError,
         match=r"math.parquet:row 2: field 'reward_model.ground_truth' .* is null; drop the "
-        r"row, or set rl.skip_rows_without_answer=true",
+        r"row, or set rewards.skip_rows_without_answer=true",
     ):
         load_rl_prompts(cfg, TOK)
-    cfg = load_config(None, [f"data.path={path}", "rl.skip_rows_without_answer=true"])
+    cfg = load_config(None, [f"data.path={path}", "rewards.skip_rows_without_answer=true"])
     train, _ = load_rl_prompts(cfg, TOK)
     assert [p.where for p in train] == [f"{path}:row 1", f"{path}:row 3"]
     assert (
-        f"left out 1 rows without a gold answer (rl.skip_rows_without_answer): {path}:row 2" in capsys.readouterr().err
+        f"left out 1 rows without a gold answer (rewards.skip_rows_without_answer): {path}:row 2"
+        in capsys.readouterr().err
     )

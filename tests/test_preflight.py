@@ -97,7 +97,7 @@ def test_reward_and_engine_are_resolved(tmp_path, data, capsys):
     )
     odd = tmp_path / "odd.jsonl"
     odd.write_text(json.dumps({"prompt": "1+1?", "answer": "2", "data_source": "chess"}) + "\n")
-    assert f"{odd}:1: rl.reward=auto has no rule for data_source='chess'" in refused(
+    assert f"{odd}:1: rewards.name=auto has no rule for data_source='chess'" in refused(
         capsys, *rl(tmp_path, str(odd), "rl.reward=auto")
     )
     pytest.importorskip("megadare")  # (sglang is not installed in CI's CPU environment)

@@ -29,7 +29,7 @@ def test_errors_name_file_line_and_field(tmp_path):
     p = tmp_path / "train.jsonl"
     p.write_text(json.dumps({"prompt": "a", "answer": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     recs = load_records(str(p))
-    with pytest.raises(DataError, match=r"train.jsonl:2: missing field 'answer'.*rl.answer_key"):
+    with pytest.raises(DataError, match=r"train.jsonl:2: missing field 'answer'.*rewards.answer_key"):
         build_prompts(recs, TOK, str(p))
     with pytest.raises(DataError, match=r"mem:1: .*needs a message before an assistant prefill"):
         build_prompts([{"messages": [{"role": "assistant", "content": "b"}], "answer": "b"}], TOK, "mem")

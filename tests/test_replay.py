@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megadare.algos.base import RLSample
+from megadare.rollout.engine import SamplingParams, Trajectory
 from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
 from megadare.trainer.offpolicy.replay_scores import (
     balance_heuristic_weights,
@@ -486,3 +487,34 @@ def test_scores_and_diagnostics():
     assert chi2_ess(torch.zeros(4)) == {"chi2": 0.0, "ess": 1.0}
     d = chi2_ess(torch.log(torch.tensor([1.0, 3.0])))
     assert d["ess"] == pytest.approx(16 / 20) and d["chi2"] == pytest.approx(0.25)
+
+
+def _pickled_before_fields(obj, moved: dict) -> bytes:
+    """``obj`` pickled as megadare did before ``moved``'s keys were fields: no such attribute, the values in
+    ``extra`` (d537e12 made them fields)."""
+    for k in moved:
+        del obj.__dict__[k]
+    obj.extra = {**obj.extra, **moved}
+    return pickle.dumps(obj)
+
+
+def test_samples_pickled_before_the_version_fields_keep_their_versions():
+    """A replay buffer / rollout queue checkpointed by an older megadare restores the behaviour versions its
+    samples carried in ``extra`` (not None, which staleness would read as version 0)."""
+    s = RLSample([1, 2], [3, 4], 1.0, 0.5, extra={"steps": [1]})
+    old = {"policy_version": 7, "token_versions": [6, 7], "engine_logprobs": [-0.5, -0.25]}
+    buf = ReplayBuffer(k=2)
+    buf.add([pickle.loads(_pickled_before_fields(s, old))], version=7)
+    data = io.BytesIO()
+    torch.save(buf.state_dict(), data)
+    data.seek(0)
+    restored = ReplayBuffer(k=2)
+    restored.load_state_dict(torch.load(data, weights_only=False))
+    (back,) = restored.samples()
+    assert (back.policy_version, back.token_versions, back.engine_logprobs) == (7, [6, 7], [-0.5, -0.25])
+    assert back.extra == {"steps": [1]} and sample_version(back) == 7
+    t = Trajectory([1], [2, 3], [0, 1], [0, 0], [-0.1, -0.2], "length", 2, SamplingParams(), policy_version=3)
+    t_back = pickle.loads(_pickled_before_fields(t, {"token_versions": [2, 3], "engine_s": 1.5}))
+    assert (t_back.token_versions, t_back.engine_s, t_back.policy_version, t_back.extra) == ([2, 3], 1.5, 3, {})
+    fresh = pickle.loads(pickle.dumps(RLSample([1], [2], 0.0, 0.0, policy_version=4, extra={"policy_version": 9})))
+    assert fresh.policy_version == 4 and fresh.extra == {"policy_version": 9}  # a field written stays

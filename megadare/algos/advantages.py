@@ -54,9 +54,9 @@ def group_advantages(
     """Per-response advantages [N] (float32) from rewards [N] grouped contiguously by prompt; ``lengths``: the
     responses' token counts (``reinforce_pp`` weighs by them; 0 leaves a response out of the statistics)."""
     if kind not in ADVANTAGES:
-        raise ValueError(f"rl.advantage={kind!r} unknown; choose one of {ADVANTAGES}")
+        raise ValueError(f"advantage.estimator={kind!r} unknown; choose one of {ADVANTAGES}")
     if std not in STDS:
-        raise ValueError(f"rl.advantage_std={std!r} unknown; choose one of {STDS}")
+        raise ValueError(f"advantage.std={std!r} unknown; choose one of {STDS}")
     g = _groups(rewards, group_size)
     G = g.shape[1]
     if kind == "rloo":

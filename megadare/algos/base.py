@@ -36,6 +36,7 @@ import torch.distributed.nn.functional as dist_nn
 from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
 from megadare.diffusion.views import View
+from megadare.rollout.engine import fields_from_extra
 
 SLOT_CONST = "per_slot_"  # row extras constant over a slot, handed to the slot loss in Slots.extra
 LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
@@ -57,6 +58,9 @@ class RLSample:
     token_versions: Optional[list[int]] = None  # partial rollouts: the policy version of every response token
     engine_logprobs: Optional[list[float]] = None  # the engine's sampler log-prob of every trace-replay slot
     extra: dict[str, Any] = field(default_factory=dict)  # one algorithm's own (MDPO's steps, d-TreeRPO's parent ...)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(fields_from_extra(state, ("policy_version", "token_versions", "engine_logprobs")))
 
     def token_advantages(self) -> torch.Tensor:
         L = len(self.response_ids)

@@ -120,7 +120,7 @@ def build_prompts(
         if gkey is None:
             raise DataError(
                 f"{where}: missing field {answer_key!r} (the reference answer the reward checks; set "
-                f"rl.answer_key if the file calls it differently, dotted for nested fields); found "
+                f"rewards.answer_key if the file calls it differently, dotted for nested fields); found "
                 f"keys {sorted(rec)}"
             )
         if pkey is None:
@@ -147,7 +147,7 @@ def build_prompts(
         if _gold_missing(rec, gkey):
             raise DataError(
                 f"{where}: field {gkey!r} (the reference answer) is {'null' if gold is None else 'empty'}; "
-                "drop the row, or set rl.skip_rows_without_answer=true to leave such rows out"
+                "drop the row, or set rewards.skip_rows_without_answer=true to leave such rows out"
             )
         out.append(PromptRecord(ids, dict(rec, answer=gold), where, prefill))
     return out
@@ -210,7 +210,7 @@ def load_rl_prompts(
                 overlong_rows=overlong,
             )
         )
-        _report(skipped, "left out {n} rows without a gold answer (rl.skip_rows_without_answer)")
+        _report(skipped, "left out {n} rows without a gold answer (rewards.skip_rows_without_answer)")
         verb = "left out" if data_cfg.overlong == "drop" else "kept the last tokens of"
         _report(
             overlong,

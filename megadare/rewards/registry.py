@@ -70,7 +70,7 @@ class RewardSpecError(ValueError):
 def _gold(record: dict) -> str:
     if "answer" not in record:
         raise KeyError(
-            f"the record has no gold answer 'answer' (set rl.answer_key to the field holding it); "
+            f"the record has no gold answer 'answer' (set rewards.answer_key to the field holding it); "
             f"record keys {sorted(record)}"
         )
     return str(record["answer"])
@@ -153,8 +153,8 @@ def auto_rule(record: dict) -> str:
     if not source and not task:
         return "exact_match"
     raise ValueError(
-        f"rl.reward=auto has no rule for data_source={source!r}, extra_info.task={task!r}; name the "
-        f"reward (rl.reward=math | gsm8k | countdown | sudoku | code | ...) or give rows a known source"
+        f"rewards.name=auto has no rule for data_source={source!r}, extra_info.task={task!r}; name the "
+        f"reward (rewards.name=math | gsm8k | countdown | sudoku | code | ...) or give rows a known source"
     )
 
 

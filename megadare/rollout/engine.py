@@ -158,6 +158,15 @@ class Superseded(NamedTuple):
     logprob: float  # log-prob of ``token`` under that step's sampling distribution
 
 
+def fields_from_extra(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """An unpickled object's ``__dict__`` with ``names`` moved out of its ``extra`` dict: objects pickled before
+    those keys became fields (checkpointed queues and replay buffers of older runs) carried them in ``extra``.
+    A name already set as a field stays as it is."""
+    extra = dict(state.get("extra") or {})
+    moved = {k: extra.pop(k) for k in names if k in extra and k not in state}
+    return {**state, **moved, "extra": extra}
+
+
 @dataclass
 class Trajectory:
     prompt_ids: list[int]
@@ -176,6 +185,9 @@ class Trajectory:
     token_versions: Optional[list[int]] = None  # partial rollouts: policy version of every response token
     engine_s: float = 0.0  # engine seconds of the chunk (on its first trajectory)
     extra: dict[str, Any] = field(default_factory=dict)  # one engine's or algorithm's own
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(fields_from_extra(state, ("token_versions", "engine_s")))
 
     def answer_ids(self, eos_token_id: int) -> list[int]:
         """The answer: the response up to its first EOS (inclusive); a full-canvas response (``stop_at_eos``
