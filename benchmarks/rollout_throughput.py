@@ -30,8 +30,9 @@ response with the linspace schedule and entropy ranking); ratios are medians ove
   that their generate functions do not use (pandas, tqdm) are stubbed when absent.
 * ``--varied``: 2 x batch prompts, half of which end in their first two blocks (EOS chosen from a greedy run),
   through the current engine as chunks of ``--batch`` prompts (static batching: a chunk waits for its longest
-  row) and as one call with ``max_batch=--batch`` (continuous batching: a finished row's slot takes the next
-  prompt), and through today's engine in chunks.
+  row; its finished rows leave the batch), as chunks whose rows keep their slots to the end (no continuous
+  batching: what the engine did before issue 27), as one call with ``max_batch=--batch`` (continuous batching: a
+  finished row's slot takes the next prompt), and through today's engine in chunks.
 * ``--sampling-check``: one ``dllm_step`` (temperature 1) on [32, 4, 151936] logits against the SDAR-1.7B LM head
   on the same 128 positions and an estimated SDAR-1.7B forward of them (one layer measured, x28), today's step on
   the same logits for reference.
