@@ -30,8 +30,9 @@ response with the linspace schedule and entropy ranking); ratios are medians ove
   that their generate functions do not use (pandas, tqdm) are stubbed when absent.
 * ``--varied``: 2 x batch prompts, half of which end in their first two blocks (EOS chosen from a greedy run),
   through the current engine as chunks of ``--batch`` prompts (static batching: a chunk waits for its longest
-  row) and as one call with ``max_batch=--batch`` (continuous batching: a finished row's slot takes the next
-  prompt), and through today's engine in chunks.
+  row; its finished rows leave the batch), as chunks whose rows keep their slots to the end (no continuous
+  batching: what the engine did before issue 27), as one call with ``max_batch=--batch`` (continuous batching: a
+  finished row's slot takes the next prompt), and through today's engine in chunks.
 * ``--sampling-check``: one ``dllm_step`` (temperature 1) on [32, 4, 151936] logits against the SDAR-1.7B LM head
   on the same 128 positions and an estimated SDAR-1.7B forward of them (one layer measured, x28), today's step on
   the same logits for reference.
@@ -53,7 +54,7 @@ from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
 
 from rollout_peers import BASELINE_REF, baseline_model, load_baseline, peer_runners
-from rollout_timing import SDAR_1_7B, ForwardClock, build, engine_runner, measure, now, report, sync
+from rollout_timing import SDAR_1_7B, ForwardClock, Runner, build, engine_runner, measure, now, report, sync
 
 
 # ---------------------------------------------------------------------------------------------- workloads
@@ -160,10 +161,12 @@ def varied_workload(args, base) -> None:
     probe = NativeEngine(model, arch, eos_token_id=-1, device="cuda" if args.gpu else "cpu")
     prompts, args.eos = varied_prompts(probe, arch, args, greedy)
     eng = timed_engines(args, "none", model, arch, base)
+    eng["keep"] = timed_engines(args, "none", model, arch, None)["new"]
     cont = timed_engines(args, "none", model, arch, None, max_batch=args.batch)["new"]
     runners = [
         engine_runner(f"continuous (max_batch {args.batch}, one call)", *cont, prompts, greedy),
         engine_runner(f"static (calls of {args.batch})", *eng["new"], prompts, greedy, chunk=args.batch),
+        slot_keeping_runner(f"static, rows keep slots (calls of {args.batch})", eng["keep"], prompts, greedy, args),
     ]
     if "old" in eng:
         runners.append(
@@ -179,6 +182,25 @@ def varied_workload(args, base) -> None:
         runners[0].name,
         args.batch,
     )
+
+
+def slot_keeping_runner(name: str, timed: tuple, prompts: list[list[int]], params: SamplingParams, args) -> Runner:
+    """Static batching without continuous batching, as before issue 27: every row of a call of ``--batch``
+    prompts keeps its slot until the call's longest row ends. Each call holds a row that never ends early, so
+    that is decoding every row to ``max_new_tokens`` (``stop_at_eos`` off); the tokens counted are the ones up
+    to each response's end (checked once: the same tokens as the call that stops at EOS)."""
+    engine, clock = timed
+    chunks = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
+    ends = [t.response_ids for c in chunks for t in engine.generate(c, params)]
+    useful = sum(len(r) for r in ends)
+
+    def run() -> int:
+        full = [t.response_ids for c in chunks for t in engine.generate(c, replace(params, stop_at_eos=False))]
+        if any(f[: len(e)] != e for f, e in zip(full, ends)):
+            raise RuntimeError("rows decoded to max_new_tokens differ from the same rows stopped at EOS")
+        return useful
+
+    return Runner(name, run, clock)
 
 
 def forward_estimate(args, n: int, B: int) -> float:
