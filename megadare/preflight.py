@@ -44,7 +44,8 @@ from megadare.trainer.checkpoint import check_same_model
 from megadare.trainer.model_setup import tokenizer_for
 from megadare.trainer.rl_setup import prompt_budget
 from megadare.trainer.run_lock import holder_alive
-from megadare.trainer.sft_loop import checkpoint_root
+from megadare.trainer.dpo_loop import preference_record_keys
+from megadare.trainer.sft_loop import checkpoint_root, sft_record_keys
 from megadare.trainer.spec import ModelSource, RunSpec
 
 ROWS = 64  # records of each data file built and length-checked
@@ -119,27 +120,9 @@ def check_data(command: str, cfg: Config, tok) -> None:
     rows = _first_rows(d.path, "data.path")
     records, where = [r for _, r in rows], [w for w, _ in rows]
     if command == "sft":
-        build_sft_examples(
-            records,
-            tok,
-            d.max_length,
-            d.overlong,
-            source=where,
-            prompt_key=d.prompt_key,
-            response_key=d.response_key,
-            messages_key=d.messages_key,
-        )
+        build_sft_examples(records, tok, d.max_length, d.overlong, source=where, **sft_record_keys(cfg))
     elif command == "dpo":
-        build_preference_examples(
-            records,
-            tok,
-            d.max_length,
-            d.overlong,
-            source=where,
-            prompt_key=d.prompt_key,
-            chosen_key=cfg.dpo.chosen_key,
-            rejected_key=cfg.dpo.rejected_key,
-        )
+        build_preference_examples(records, tok, d.max_length, d.overlong, source=where, **preference_record_keys(cfg))
     elif command == "rl":
         check_prompts(cfg, tok, rows)
         if d.eval_path:

@@ -17,6 +17,7 @@ families' default); on LLaDA/Dream the default is the full canvas, like DARE's a
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm
+from megadare.algos.tracerl import TRACERL_LOSS
 from megadare.diffusion.corruption import CleanSequence, random_mask
 
 
@@ -24,11 +25,7 @@ class RandomMaskRL(Algorithm):
     name = "random_mask_rl"
     paper = "arXiv:2509.06949"
     defaults = {
-        "eps_low": 0.2,
-        "kl_coef": 0.01,
-        "kl_anchor": "old",
-        "kl_estimator": "k3",
-        "loss_agg": "seq_mean_length",
+        **TRACERL_LOSS,
         "p_low": 0.1,
         "p_high": 0.9,
         "n_views": None,

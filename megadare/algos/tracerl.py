@@ -28,17 +28,24 @@ from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 
 
+# dLLM-RL's loss (PPO clip, KL3 to the old policy, sum over targets / response length); random-masking and
+# coupled RL (algos/random_mask_rl.py) train with it too
+TRACERL_LOSS = {
+    "eps_low": 0.2,
+    "kl_coef": 0.01,
+    "kl_anchor": "old",
+    "kl_estimator": "k3",
+    "loss_agg": "seq_mean_length",
+}
+
+
 class TraceRL(Algorithm):
     name = "tracerl"
     paper = "arXiv:2509.06949"
     needs_trace = True
     replays_edits = True
     defaults = {
-        "eps_low": 0.2,
-        "kl_coef": 0.01,
-        "kl_anchor": "old",
-        "kl_estimator": "k3",
-        "loss_agg": "seq_mean_length",
+        **TRACERL_LOSS,
         "log_ratio_clamp": 10.0,
         "shrink": None,
         "value_model": False,

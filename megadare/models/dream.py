@@ -10,29 +10,20 @@ returns plain lm_head logits.
 
 from __future__ import annotations
 
-from megadare.models.mapping import HFNames, build_table
+from dataclasses import replace
+
+from megadare.models.mapping import build_table
 from megadare.models.family import Family, MaskKind, ModelArch, canonical_config, register
-from megadare.models.sdar import qwen_common
+from megadare.models.sdar import QWEN_NAMES, qwen_common
 from megadare.models.hf import DecoderLM
 
 MASK_TOKEN_ID = 151666
 _L = "model.layers.{i}."
-NAMES = HFNames(
-    embed="model.embed_tokens.weight",
-    final_norm="model.norm.weight",
-    lm_head="lm_head.weight",
-    input_norm=_L + "input_layernorm.weight",
-    post_norm=_L + "post_attention_layernorm.weight",
-    q=_L + "self_attn.q_proj.weight",
-    k=_L + "self_attn.k_proj.weight",
-    v=_L + "self_attn.v_proj.weight",
+NAMES = replace(
+    QWEN_NAMES,
     q_bias=_L + "self_attn.q_proj.bias",
     k_bias=_L + "self_attn.k_proj.bias",
     v_bias=_L + "self_attn.v_proj.bias",
-    o=_L + "self_attn.o_proj.weight",
-    gate=_L + "mlp.gate_proj.weight",
-    up=_L + "mlp.up_proj.weight",
-    down=_L + "mlp.down_proj.weight",
 )
 
 

@@ -21,6 +21,8 @@ Unsupported (rejected with a message): Qwen3-MoE ``decoder_sparse_step`` != 1, n
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megadare.models.mapping import HFNames, build_table
 from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
 from megadare.models.hf import DecoderLM
@@ -28,7 +30,7 @@ from megadare.models.hf import DecoderLM
 MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
 _L = "model.layers.{i}."
-NAMES = HFNames(
+QWEN_NAMES = HFNames(  # Qwen2 / Qwen3 layers as HF names them; SDAR adds QK norms and experts, Dream QKV biases
     embed="model.embed_tokens.weight",
     final_norm="model.norm.weight",
     lm_head="lm_head.weight",
@@ -38,11 +40,14 @@ NAMES = HFNames(
     k=_L + "self_attn.k_proj.weight",
     v=_L + "self_attn.v_proj.weight",
     o=_L + "self_attn.o_proj.weight",
-    q_norm=_L + "self_attn.q_norm.weight",
-    k_norm=_L + "self_attn.k_norm.weight",
     gate=_L + "mlp.gate_proj.weight",
     up=_L + "mlp.up_proj.weight",
     down=_L + "mlp.down_proj.weight",
+)
+NAMES = replace(
+    QWEN_NAMES,
+    q_norm=_L + "self_attn.q_norm.weight",
+    k_norm=_L + "self_attn.k_norm.weight",
     router=_L + "mlp.gate.weight",
     expert_gate=_L + "mlp.experts.{e}.gate_proj.weight",
     expert_up=_L + "mlp.experts.{e}.up_proj.weight",
@@ -137,29 +142,18 @@ def _tiny(moe: bool, **over) -> dict:
     return cfg
 
 
-def _hf(cfg: dict, moe: bool):
-    return DecoderLM(_arch(cfg, moe), NAMES)
-
-
-SDAR = register(
-    Family(
-        name="sdar",
-        architectures=("SDARForCausalLM",),
-        arch=lambda c: _arch(c, False),
-        hf_model=lambda c: _hf(c, False),
-        mapping=lambda c: build_table(_arch(c, False), NAMES),
-        tiny_config=lambda **o: _tiny(False, **o),
+def _family(name: str, architecture: str, moe: bool) -> Family:
+    """The dense (Qwen3 weights) or MoE (Qwen3-MoE weights) SDAR family; ``moe`` picks the config keys."""
+    return Family(
+        name=name,
+        architectures=(architecture,),
+        arch=lambda c: _arch(c, moe),
+        hf_model=lambda c: DecoderLM(_arch(c, moe), NAMES),
+        mapping=lambda c: build_table(_arch(c, moe), NAMES),
+        tiny_config=lambda **o: _tiny(moe, **o),
         extra={"ignore_hf": ("rotary_emb.inv_freq",)},
     )
-)
-SDAR_MOE = register(
-    Family(
-        name="sdar_moe",
-        architectures=("SDARMoeForCausalLM",),
-        arch=lambda c: _arch(c, True),
-        hf_model=lambda c: _hf(c, True),
-        mapping=lambda c: build_table(_arch(c, True), NAMES),
-        tiny_config=lambda **o: _tiny(True, **o),
-        extra={"ignore_hf": ("rotary_emb.inv_freq",)},
-    )
-)
+
+
+SDAR = register(_family("sdar", "SDARForCausalLM", moe=False))
+SDAR_MOE = register(_family("sdar_moe", "SDARMoeForCausalLM", moe=True))

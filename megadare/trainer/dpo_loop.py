@@ -63,6 +63,11 @@ def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         destroy_distributed()
 
 
+def preference_record_keys(cfg: Config) -> dict[str, str]:
+    """The record fields the config names, as the preference builders take them (the loop and pre-flight)."""
+    return {"prompt_key": cfg.data.prompt_key, "chosen_key": cfg.dpo.chosen_key, "rejected_key": cfg.dpo.rejected_key}
+
+
 def setup_dpo(spec: RunSpec) -> DPORun:
     """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
     preference pairs; resumed from the newest checkpoint of the run when there is one."""
@@ -75,9 +80,7 @@ def setup_dpo(spec: RunSpec) -> DPORun:
         tok,
         d.max_length,
         d.overlong,
-        prompt_key=d.prompt_key,
-        chosen_key=cfg.dpo.chosen_key,
-        rejected_key=cfg.dpo.rejected_key,
+        **preference_record_keys(cfg),
     )
     policy = build_policy(cfg, src, updates=cfg.train.steps, reference=True)
     block = src.arch.is_block_diffusion

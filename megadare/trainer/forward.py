@@ -3,7 +3,8 @@
 ``forward_logits`` runs the model chunks of this rank over micro-batches with ``get_forward_backward_func``
 (1F1B or interleaved under PP, plain loop otherwise) and returns full-vocabulary logits on the last pipeline
 stage (gathered over TP, vocab padding cut off); other stages get None. Used for parity tests, reference/old
-log-probs and weight-sync checks.
+log-probs and weight-sync checks. ``run_schedule`` is that schedule call over this rank's chunks, shared with the
+training pass (trainer/step.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ def _gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         logits = gather_from_tensor_model_parallel_region(logits)
     return logits[..., :vocab_size]
+
+
+def run_schedule(chunks: list[torch.nn.Module], micro_batches: list, forward_step, seq_length: int, mbs: int, **flags):
+    """Megatron's schedule (``get_forward_backward_func``) over ``micro_batches`` with this rank's model ``chunks``:
+    one data iterator per virtual pipeline chunk when there are several (interleaved 1F1B), else one iterator and
+    the single chunk. ``flags``: ``forward_only``, ``collect_non_loss_data``."""
+    several = len(chunks) > 1
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro_batches) for _ in chunks] if several else iter(micro_batches),
+        model=chunks if several else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=mbs,
+        **flags,
+    )
 
 
 @torch.no_grad()
@@ -63,18 +80,8 @@ def forward_logits(
 
         return out, collect
 
-    vpp = len(chunks)
-    iters = [iter(micro) for _ in range(vpp)] if vpp > 1 else iter(micro)
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iters,
-        model=chunks if vpp > 1 else chunks[0],
-        num_microbatches=n_micro,
-        seq_length=S,  # megatron divides by TP itself under sequence parallelism
-        micro_batch_size=mbs,
-        forward_only=True,
-        collect_non_loss_data=True,
-    )
+    # seq_length=S: megatron divides by TP itself under sequence parallelism
+    out = run_schedule(chunks, micro, forward_step, S, mbs, forward_only=True, collect_non_loss_data=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     return torch.cat(list(out), dim=0)

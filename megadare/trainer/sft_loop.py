@@ -52,6 +52,12 @@ def sft_recipe(cfg: Config, arch):
     )
 
 
+def sft_record_keys(cfg: Config) -> dict[str, str]:
+    """The record fields the config names, as ``build_sft_examples`` takes them (the loop and pre-flight)."""
+    d = cfg.data
+    return {"prompt_key": d.prompt_key, "response_key": d.response_key, "messages_key": d.messages_key}
+
+
 def load_examples(cfg: Config, tok) -> tuple[list, dict]:
     """Tokenized, length-checked SFT examples from data.path or a synthetic task."""
     d = cfg.data
@@ -70,9 +76,7 @@ def load_examples(cfg: Config, tok) -> tuple[list, dict]:
         d.max_length,
         d.overlong,
         source=source if sources is None else sources,
-        prompt_key=d.prompt_key,
-        response_key=d.response_key,
-        messages_key=d.messages_key,
+        **sft_record_keys(cfg),
     )
 
 

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megadare.data.rows import MB_COLUMNS, MicroBatch
 from megadare.models.family import MaskKind
 from megadare.models.head import HeadSettings, ScoredOutput, ScoredTargets
+from megadare.trainer.forward import run_schedule
 from megadare.trainer.logprob import token_entropy, token_logprobs
 from megadare.trainer.optim import Trainable
 
@@ -229,17 +229,8 @@ def run_micro_batches(
 
         return out, loss_func
 
-    vpp = len(chunks)
-    iters = [iter(micro_batches) for _ in range(vpp)] if vpp > 1 else iter(micro_batches)
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iters,
-        model=chunks if vpp > 1 else chunks[0],
-        num_microbatches=n_micro,
-        seq_length=seq_len // ps.get_context_parallel_world_size(),
-        micro_batch_size=mbs,
-        forward_only=forward_only,
-    )
+    cp_len = seq_len // ps.get_context_parallel_world_size()
+    reports = run_schedule(chunks, micro_batches, forward_step, cp_len, mbs, forward_only=forward_only)
     metrics = _reduce_reports(reports, loss_scale, device)
     if "entropy_sum" in metrics:
         metrics["entropy"] = metrics.pop("entropy_sum") / max(metrics.pop("scored_tokens"), 1e-30)
