@@ -19,6 +19,7 @@ setup(
         "tensorboard",
         "pyarrow",  # parquet datasets (the format verl/DARE data comes in)
         "math-verify>=0.8",  # math answer equivalence (what DARE, verl and OpenCompass use); megadare.rewards.math_verify
+        "pylatexenc>=2.10",  # DARE's math grader reads LaTeX with it (megadare.rewards.dare_math, the auto rule)
         "ray>=2.40",  # rollout engines as actors (local cluster on a laptop, the allocation on Slurm)
         "matplotlib",  # the demo's reward curve (PNG)
     ],

@@ -17,10 +17,11 @@ from megadare.rewards import (
     extract_code_mbpp,
     gold_response,
     load_reward,
+    program_extractor,
     score_batch,
     sudoku_reward,
 )
-from megadare.rewards.code_forms import dare_test_cases, entry_point
+from megadare.rewards.code_forms import dare_test_cases, entry_point, extract_code_dare
 from megadare.rewards.sandbox import run_program
 
 AUTO = load_reward("auto")
@@ -99,11 +100,54 @@ def test_sudoku_bad_record_is_an_error_not_a_score():
         AUTO("<answer>1</answer>", dare_row("sudoku", SOLUTION))
 
 
+# -------------------------------------------------------------------------------------------- DARE's math rule
+@pytest.mark.parametrize(
+    "response, gold, want",
+    [
+        ("so \\boxed{36}.", "36", 1.0),
+        ("The answer is 36.", "36", 0.0),  # DARE reads the last box only: no box, no answer
+        ("\\boxed{36} and \\boxed{}", "36", 0.0),  # the last box is empty
+        ("\\fbox{36}", "36", 0.0),
+        ("\\boxed 36", "36", 0.0),
+        ("so \\boxed{36", "36", 0.0),  # truncated
+        ("\\boxed{\\frac{72}{2}}", "36", 0.0),  # an integer gold wants an integer answer
+        ("\\boxed{36/1}", "36", 0.0),
+        ("\\boxed{36, 36}", "36", 0.0),
+        ("\\boxed{\\text{36 hours}}", "36", 1.0),  # units dropped
+        ("\\boxed{36.000}", "36", 1.0),
+        ("\\boxed{\\dfrac{4}{8}}", "\\frac{1}{2}", 0.0),  # an unreduced fraction is not the reduced one
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{(3,4)}", "(3, 4)", 1.0),
+        ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", 1.0),  # sympy
+        ("<think>\\boxed{35}</think> \\boxed{36}", "\\boxed{36}", 1.0),  # a boxed gold: its box
+    ],
+)
+def test_dare_math_rule(response, gold, want):
+    """DARE's math_rm (checked against DARE's own function on ~38k responses; see the i29w note)."""
+    assert AUTO(response, dare_row("gsm8k", gold)) == want
+
+
+def test_dare_math_gold_must_be_text():
+    with pytest.raises(ValueError, match="DARE math gold must be a string or a number"):
+        AUTO("\\boxed{1}", dare_row("math", ["1"]))
+
+
+# ------------------------------------------------------------------------------------------- DARE code blocks
+def test_dare_code_extraction():
+    two = "```python\nprint(1)\n```\n```python\ndef f(x):\n    return x\n```"
+    assert extract_code_dare(two) == "def f(x):\n    return x"  # the first block defining a function
+    assert extract_code_dare("```\nprint(1)\n```\n```py\nprint(2)\n```") == "print(2)"  # else the last
+    assert extract_code_dare("def f(x):\n    return x\n") is None  # no fenced block: no program
+    assert extract_code_dare("```python\ndef f(x):\n    return x\n") is None  # unclosed
+    assert program_extractor("kodcode") is extract_code_dare and program_extractor("mbpp") is extract_code_mbpp
+    assert AUTO(RIGHT, HUMANEVAL) == 0.0  # DARE scores a response without a code block 0
+
+
 # -------------------------------------------------------------------------------------------- auto and gold
 def test_auto_rule_per_row():
-    assert auto_rule(dare_row("gsm8k", "18")) == "gsm8k"
-    assert auto_rule(dare_row("openai/gsm8k", "18")) == "gsm8k"
-    assert auto_rule(dare_row("math500", "1")) == "math" == auto_rule(dare_row("aime2024", "1"))
+    assert auto_rule(dare_row("gsm8k", "18")) == "dare_math" == auto_rule(dare_row("aime2024", "1"))
+    assert auto_rule({"data_source": "openai/gsm8k", "answer": "#### 18"}) == "gsm8k"  # no task: not DARE's row
+    assert auto_rule({"data_source": "math500", "answer": "1"}) == "math"
     assert auto_rule(dare_row("countdown", "1", numbers="[1]")) == "countdown"
     assert auto_rule(dare_row("sudoku", SOLUTION, puzzle=PUZZLE)) == "sudoku"
     assert auto_rule(dare_row("humaneval", "x", task="code")) == "code_all_or_nothing"

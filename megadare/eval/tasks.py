@@ -318,7 +318,7 @@ def file_task(path: str) -> TaskSpec:
         raise DataError(f"{where}: {e}") from e
     name = os.path.splitext(os.path.basename(path))[0]
     source = str(first.get("data_source", "")).lower()
-    if rule in ("math", "gsm8k"):
+    if rule in ("math", "dare_math", "gsm8k"):
         return TaskSpec(
             name,
             "math",

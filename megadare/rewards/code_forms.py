@@ -17,8 +17,9 @@ primeintellect                         ``extra_info.metadata.func_name`` (JSON l
 Programs get DARE's standard-library imports in front (its ``BASE_IMPORTS`` without numpy/pandas: ``List``,
 ``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. An MBPP response (its
 prompt's ``[BEGIN]`` turn closed, as verl renders DARE's rows: the response alone is scored, as DARE scores it) gives
-the program DARE's OpenCompass-style patterns take between ``[BEGIN]`` and ``[DONE]`` (other responses:
-:func:`~megadare.rewards.code.extract_code`). DARE's code reward is binary: all cases must pass.
+the program DARE's OpenCompass-style patterns take between ``[BEGIN]`` and ``[DONE]``; any other source gives DARE's
+fenced block (:func:`extract_code_dare`; kodcode too: DARE's MBPP patterns are for ``mbpp`` only), and a response
+without one scores 0. DARE's code reward is binary: all cases must pass.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import json
 import re
 from typing import Any, Callable, List, Optional
 
-from megadare.rewards.code import TestCase, call_case, code_reward, extract_code, parse_tests
+from megadare.rewards.code import TestCase, call_case, code_reward, parse_tests
 from megadare.rewards.sandbox import SandboxLimits
 
 __all__ = [
     "CODE_SOURCES",
     "PREAMBLE",
     "extract_code_mbpp",
+    "extract_code_dare",
     "program_extractor",
     "entry_point",
     "dare_test_cases",
@@ -96,6 +98,19 @@ def extract_code_mbpp(text: str) -> Optional[str]:
             break
     text = re.split(r"'?\s*\[?DONE\]?", (text or "").split("```")[0])[0].replace("\\_", "_").strip()
     return text if len(text) >= 10 else None
+
+
+_DARE_FENCE_RE = re.compile(r"```(?:\w+)?\s*\n(.*?)```", re.DOTALL)
+_DEF_RE = re.compile(r"def\s+\w+\s*\(")
+
+
+def extract_code_dare(text: str) -> Optional[str]:
+    """The program DARE takes from a (non-MBPP) response (``extract_code_from_model``): the only closed fenced block,
+    else the first one that defines a function, else the last; stripped. None without a closed fenced block."""
+    blocks = [b.strip() for b in _DARE_FENCE_RE.findall(text or "")]
+    if len(blocks) <= 1:
+        return blocks[0] if blocks else None
+    return next((b for b in blocks if _DEF_RE.search(b)), blocks[-1])
 
 
 def _extra(record: dict) -> dict:
@@ -202,8 +217,8 @@ def _harness_timeout(test_code: str, base: float) -> float:
 
 def program_extractor(source: str) -> Callable[[str], Optional[str]]:
     """How DARE takes the program out of a response of ``data_source`` ``source``: MBPP's ``[BEGIN]..[DONE]``
-    patterns for assert-list sources, the last code block otherwise."""
-    return extract_code_mbpp if str(source).lower() in ASSERT_LISTS else extract_code
+    patterns for ``mbpp``, its fenced-block rule (:func:`extract_code_dare`) otherwise."""
+    return extract_code_mbpp if str(source).lower() == "mbpp" else extract_code_dare
 
 
 def dare_code_reward(response: str, record: dict, all_or_nothing: bool = True) -> float:

@@ -26,10 +26,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megadare.rewards.dare_math import dare_answers_equal, dare_boxed, dare_gold, mathd_normalize
 from megadare.rewards.errors import AnswerTimeout
 from megadare.rewards.math_answer import extract_answer, extract_boxed, normalize_answer
 
-__all__ = ["answers_equal", "VerifierPool", "VerifyResult", "verify_answer", "math_reward", "default_pool"]
+__all__ = [
+    "answers_equal",
+    "VerifierPool",
+    "VerifyResult",
+    "verify_answer",
+    "math_reward",
+    "dare_math_reward",
+    "default_pool",
+]
 
 MV_TIMEOUT_S = 3  # math-verify's own per-parse / per-verify alarm (main thread only); the pool's timeout is the bound
 
@@ -63,6 +72,9 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     return bool(g) and bool(p) and bool(mv_verify(g, p, timeout_seconds=t))
 
 
+RULES = {"math_verify": answers_equal, "dare": dare_answers_equal}  # what a pooled comparison decides with
+
+
 # ------------------------------------------------------------------------------------------------ process pool
 @dataclass
 class VerifyResult:
@@ -83,7 +95,8 @@ def _worker_main(conn: Any, memory_mb: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     except (ImportError, ValueError, OSError):
         pass
-    answers_equal("2\\sqrt{3}", "\\sqrt{12}")  # warm the parser so that the first request is not billed for it
+    for equal in RULES.values():  # warm the parsers so that the first request is not billed for them
+        equal("2\\sqrt{3}", "\\sqrt{12}")
     conn.send(("ready", None))
     while True:
         try:
@@ -92,9 +105,9 @@ def _worker_main(conn: Any, memory_mb: int) -> None:
             return
         if msg is None:
             return
-        pred, gold = msg
+        pred, gold, rule = msg
         try:
-            reply = ("ok", bool(answers_equal(pred, gold)))
+            reply = ("ok", bool(RULES[rule](pred, gold)))
         except BaseException:  # MemoryError, RecursionError, anything sympy throws
             reply = ("error", False)
         try:
@@ -178,8 +191,11 @@ class VerifierPool:
             w.ready = w.conn.recv() == ("ready", None)
         return w.ready
 
-    def verify(self, pred: Optional[str], gold: Optional[str], timeout: float = 5.0) -> VerifyResult:
-        """Compare ``pred`` with ``gold`` in a worker, giving up after ``timeout`` seconds of wall clock."""
+    def verify(
+        self, pred: Optional[str], gold: Optional[str], timeout: float = 5.0, rule: str = "math_verify"
+    ) -> VerifyResult:
+        """Compare ``pred`` with ``gold`` in a worker by ``rule`` (a key of :data:`RULES`), giving up after
+        ``timeout`` seconds of wall clock."""
         if self._closed:
             raise RuntimeError("VerifierPool is closed")
         if pred is None or gold is None:
@@ -194,7 +210,7 @@ class VerifierPool:
                     w = self._replace(w, "errors")
                     return VerifyResult(False, "error", time.monotonic() - t0)
                 t0 = time.monotonic()
-                w.conn.send((str(pred), str(gold)))
+                w.conn.send((str(pred), str(gold), rule))
                 if not w.conn.poll(timeout):
                     waited = time.monotonic() - t0
                     w = self._replace(w, "timeouts")
@@ -246,21 +262,30 @@ def default_pool() -> VerifierPool:
 
 
 def verify_answer(
-    pred: Optional[str], gold: Optional[str], pool: Optional[VerifierPool] = None, timeout: float = 5.0
+    pred: Optional[str],
+    gold: Optional[str],
+    pool: Optional[VerifierPool] = None,
+    timeout: float = 5.0,
+    rule: str = "math_verify",
 ) -> bool:
-    """:func:`answers_equal` with a timeout: normalised-string matches are decided here, the rest in the pool.
+    """:func:`answers_equal` (``rule="dare"``: DARE's :func:`dare_answers_equal`) with a timeout: normalised-string
+    matches are decided here, the rest in the pool.
 
     Raises :class:`AnswerTimeout` when the comparison ran past ``timeout`` (its worker was killed) and RuntimeError
     when the worker died: neither is a verdict.
     """
     if pred is None or gold is None:
         return False
-    np_, ng = normalize_answer(pred), normalize_answer(gold)
-    if not np_ or not ng:
-        return False
-    if np_ == ng:
-        return True
-    result = (pool or default_pool()).verify(pred, gold, timeout)
+    if rule == "dare":
+        if mathd_normalize(pred) == mathd_normalize(gold):
+            return True
+    else:
+        np_, ng = normalize_answer(pred), normalize_answer(gold)
+        if not np_ or not ng:
+            return False
+        if np_ == ng:
+            return True
+    result = (pool or default_pool()).verify(pred, gold, timeout, rule)
     if result.status == "timeout":
         raise AnswerTimeout(
             f"math verifier: no verdict within {timeout:g}s comparing {pred[:200]!r} with {gold[:200]!r}"
@@ -282,3 +307,12 @@ def math_reward(response: str, gold: str, pool: Optional[VerifierPool] = None, t
     if "\\boxed" in gold or "\\fbox" in gold:
         gold = extract_boxed(gold) or gold
     return 1.0 if verify_answer(pred, gold, pool=pool, timeout=timeout) else 0.0
+
+
+def dare_math_reward(response: str, gold: object, pool: Optional[VerifierPool] = None, timeout: float = 5.0) -> float:
+    """DARE's ``math_rm`` score (:mod:`megadare.rewards.dare_math`): 1.0 when the content of the last ``\\boxed{}``
+    of ``response`` equals the gold by DARE's MATH / sympy rules, else 0.0 (no box: 0.0)."""
+    pred, gold = dare_boxed(response) if "\\boxed" in (response or "") else None, dare_gold(gold)
+    if pred is None or gold is None:
+        return 0.0
+    return 1.0 if verify_answer(pred, gold, pool=pool, timeout=timeout, rule="dare") else 0.0

@@ -7,6 +7,8 @@ prompt included) and the sample record (the dataset row, with its gold answer un
 =========================  ================================================================================
 ``math``                   ``answer`` vs :func:`extract_answer` of the response (:func:`math_reward`)
 ``gsm8k``                  the same with the gold taken after ``####`` (:func:`gsm8k_gold`)
+``dare_math``              DARE's ``math_rm``: the last ``\\boxed{}`` only, DARE's MATH / sympy grader
+                           (:func:`dare_math_reward`)
 ``exact_match``            stripped response == stripped ``answer``
 ``countdown``              DARE's rule on target ``answer`` and ``numbers`` (:func:`countdown_reward`)
 ``sudoku``                 DARE's rule on solution ``answer`` and ``puzzle`` (:func:`sudoku_reward`)
@@ -33,7 +35,7 @@ from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.math_answer import gsm8k_gold
-from megadare.rewards.math_verify import math_reward
+from megadare.rewards.math_verify import dare_math_reward, math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
 
 __all__ = [
@@ -93,6 +95,12 @@ def _gsm8k(response: str, record: dict) -> float:
     return math_reward(response, gsm8k_gold(_gold(record)), timeout=float(record.get("verify_timeout", 5.0)))
 
 
+def _dare_math(response: str, record: dict) -> float:
+    if "answer" not in record:
+        _gold(record)  # raises, naming the key
+    return dare_math_reward(response, record["answer"], timeout=float(record.get("verify_timeout", 5.0)))
+
+
 def _exact_match(response: str, record: dict) -> float:
     return 1.0 if response.strip() == _gold(record).strip() else 0.0
 
@@ -133,9 +141,10 @@ def auto_rule(record: dict) -> str:
     """The built-in that scores ``record`` under ``rewards.name=auto``, as DARE's ``dllm_rm`` dispatches.
 
     ``data_source`` sudoku* / countdown* -> sudoku / countdown; a ``tests`` field, ``extra_info.task == "code"`` or
-    a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; a source containing gsm8k -> gsm8k;
-    ``task == "math"`` or a math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither
-    source nor task (megadare's own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
+    a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; ``task == "math"`` (a DARE row: gsm8k, math500,
+    aime*, ...) -> dare_math, scored as DARE scores it; without a task, a source containing gsm8k -> gsm8k and a
+    math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither source nor task (megadare's
+    own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
     """
     source = str(record.get("data_source") or "").lower()
     extra = record.get("extra_info")
@@ -146,9 +155,11 @@ def auto_rule(record: dict) -> str:
         return "countdown"
     if "tests" in record or task == "code" or source in CODE_SOURCES:
         return "code_all_or_nothing"
+    if task == "math":
+        return "dare_math"
     if "gsm8k" in source:
         return "gsm8k"
-    if task == "math" or source.startswith(MATH_SOURCES):
+    if source.startswith(MATH_SOURCES):
         return "math"
     if not source and not task:
         return "exact_match"
@@ -165,6 +176,7 @@ def _auto(response: str, record: dict) -> float:
 BUILTIN_REWARDS: Dict[str, RewardFn] = {
     "math": _math,
     "gsm8k": _gsm8k,
+    "dare_math": _dare_math,
     "exact_match": _exact_match,
     "countdown": _countdown,
     "sudoku": _sudoku,
@@ -181,8 +193,8 @@ def gold_response(rule: str, record: dict) -> Optional[str]:
     row holds no answer (a countdown target, code tests) or the rule checks no answer (format rewards)."""
     if rule == "auto":
         rule = auto_rule(record)
-    gold = _gold(record) if rule in ("math", "gsm8k", "exact_match", "sudoku") else None
-    if rule == "math":
+    gold = _gold(record) if rule in ("math", "dare_math", "gsm8k", "exact_match", "sudoku") else None
+    if rule in ("math", "dare_math"):
         return gold if "\\boxed" in gold else f"The answer is \\boxed{{{gold}}}."
     if rule == "gsm8k":
         return f"The answer is \\boxed{{{gsm8k_gold(gold)}}}."
