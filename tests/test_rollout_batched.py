@@ -223,6 +223,44 @@ def test_compiled_step_gives_the_same_tokens(monkeypatch):
     assert any(lp < 0 for t in got for lp in t.logprobs)
 
 
+def test_cuda_graph_shapes_are_bucketed_and_never_fall_back(monkeypatch):
+    """Under CUDA graphs (one graph per input shape; emulated here: dynamo with static shapes, the engine's
+    ``graphs`` policy on) a long rollout whose rows end at different blocks while queued prompts enter runs on a
+    few bucketed shapes: rows padded to a power of two, key lengths to 64 x a power of two. Before, each batch
+    size x key length was its own graph, and past dynamo's recompile limit (8) the forward silently ran eager."""
+    shapes: set[tuple] = set()
+    compile_ = torch.compile
+
+    def static_compile(fn, **kw):
+        def backend(gm, inputs):
+            if fn is not native.dllm_step:
+                shapes.add(tuple(tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 4)[:1])
+            return gm.forward
+
+        return compile_(fn, backend=backend, dynamic=False)
+
+    monkeypatch.setattr(torch, "compile", static_compile)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, arch = nt.build("sdar")
+    params = SamplingParams(max_new_tokens=72, block_size=4, steps_per_block=2, temperature=1.0, seed=3)
+    eos = 43  # in the responses of prompts 1 and 3 within their first 3 blocks: they end early, others run on
+    eager = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=3))
+    want = eager.generate(nt.PROMPTS, params)
+    assert sorted(len(t.response_ids) for t in want)[:2] == [1, 2] and max(len(t.response_ids) for t in want) == 72
+    eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=3, compile=True))
+    eng.graphs = True
+    got = eng.generate(nt.PROMPTS, params)
+    assert [t.response_ids for t in got] == [t.response_ids for t in want]
+    assert [t.commit_step for t in got] == [t.commit_step for t in want]
+    for a, b in zip(got, want):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    masks = {s[0] for s in shapes}  # [rows, 1, queries, keys]
+    assert {m[0] for m in masks} <= {1, 2, 4} and 4 in {m[0] for m in masks}  # 3 live rows run padded to 4
+    assert {m[3] for m in masks} <= {64, 128, eng._cache.length}
+    assert not any("recompile limit" in k for k in torch._dynamo.utils.counters["unimplemented"])
+
+
 def test_rollout_keys_reach_the_engine(tmp_path):
     """rollout.dtype / max_batch / compile -> the actors' engine factory -> the engine (loaded in its dtype)."""
     from types import SimpleNamespace

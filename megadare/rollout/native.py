@@ -109,6 +109,9 @@ class NativeEngine:
         self.use_cache = settings.use_cache
         self.max_batch = settings.max_batch
         self.compile = settings.compile
+        # CUDA graphs (one per shape) for the cached block-diffusion forwards, whose shapes are bucketed below
+        cached_blocks = arch.is_block_diffusion and settings.use_cache
+        self.graphs = settings.compile and self.device.type == "cuda" and cached_blocks
         self._fn, self.step = self._compiled() if settings.compile else (self.model, dllm_step)
         self._cache: Optional[KVCache] = None
         self.version = 0
@@ -192,40 +195,79 @@ class NativeEngine:
         logits_index: Optional[torch.Tensor] = None,
         eager: bool = False,
     ) -> Optional[torch.Tensor]:
-        """One model forward (compiled when ``compile`` is on, unless ``eager``: prefills, whose shapes vary)."""
+        """One model forward (compiled when ``compile`` is on, unless ``eager``: prefills, whose shapes vary).
+        Under CUDA graphs the rows are padded to :meth:`graph_rows` (padding rows attend everything, write only
+        the cache's scratch column: :meth:`bind`) and the logits of the real rows returned."""
         self.forwards += 1
-        fn = self.model if eager else self._fn
-        return fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
+        if eager or not self.graphs:
+            fn = self.model if eager else self._fn
+            return fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
+        n = ids.shape[0]
+        rows = self.graph_rows(n)
+        ids, pos, logits_index = (_pad_rows(t, rows, 0) for t in (ids, pos, logits_index))
+        allowed = _pad_rows(allowed, rows, True)
+        torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
+        with torch._dynamo.config.patch(_graph_limits(cache)):
+            out = self._fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
+        return None if out is None else out[:n]
+
+    def bind(self, cache: KVCache, write_cols: torch.Tensor, key_len: int) -> None:
+        """Bind ``cache`` for a decode forward of rows [0, n) (``KVCache.bind``); under CUDA graphs for
+        :meth:`graph_rows` rows, the padding rows writing the scratch column."""
+        cache.bind(0, _pad_rows(write_cols, self.graph_rows(write_cols.shape[0]), cache.length), key_len)
+
+    def graph_rows(self, n: int) -> int:
+        """Rows a forward runs: ``n``; under CUDA graphs the next power of two (one graph per bucket, not per
+        batch size as rows leave and enter)."""
+        return 1 << (n - 1).bit_length() if self.graphs else n
 
     def kv_cache(self, rows: int, length: int) -> KVCache:
         """The engine's static cache, reallocated only when a call needs more rows or columns than it has."""
         a = self.arch
+        rows = self.graph_rows(rows)
         if self._cache is None or not self._cache.fits(rows, length, self.dtype, self.device):
             if self._cache is not None:
                 rows, length = max(rows, self._cache.rows), max(length, self._cache.length)
             self._cache = None
             self._cache = KVCache(a, rows, length, self.dtype, self.device)
-            if self.compile and self.device.type == "cuda":  # CUDA graphs write into it in place
+            if self.graphs:  # CUDA graphs write into it in place
                 for t in self._cache.k + self._cache.v:
                     torch._dynamo.mark_static_address(t)
         return self._cache
 
     def key_len(self, need: int, limit: int) -> int:
-        """Key columns a forward attends: ``need``, padded to a multiple of 64 under CUDA graphs (one graph per
-        shape; at most ``limit``)."""
-        graphs = self.compile and self.device.type == "cuda"
-        return min(limit, -(-need // _KEY_BUCKET) * _KEY_BUCKET) if graphs else need
+        """Key columns a forward attends: ``need``; under CUDA graphs 64 times the next power of two of
+        ``need / 64`` (a few graphs over a whole sequence), at most ``limit`` (the cache's length)."""
+        if not self.graphs:
+            return need
+        return min(limit, _KEY_BUCKET << (-(-need // _KEY_BUCKET) - 1).bit_length())
 
     def _compiled(self):
-        """The model forward and the denoising step through torch.compile: on CUDA with CUDA graphs
-        (``reduce-overhead``, static shapes: key lengths bucketed), elsewhere with dynamic shapes (one graph for
-        every batch and key length)."""
-        if self.device.type == "cuda":
-            return (
-                torch.compile(self.model, mode="reduce-overhead", dynamic=False),
-                torch.compile(dllm_step, dynamic=False),
-            )
-        return torch.compile(self.model, dynamic=True), torch.compile(dllm_step, dynamic=True)
+        """The model forward and the denoising step through torch.compile: the cached block-diffusion forward on
+        CUDA with CUDA graphs (``reduce-overhead``, static shapes: rows and key lengths bucketed, one graph per
+        bucket), everything else with dynamic shapes (one graph for every batch and key length)."""
+        if self.graphs:
+            model = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
+        else:
+            model = torch.compile(self.model, dynamic=True)
+        return model, torch.compile(dllm_step, dynamic=True)
+
+
+def _pad_rows(t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
+    """``t`` with rows appended up to ``rows`` (dim 0), filled with ``value``."""
+    if t is None or t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+def _graph_limits(cache: Optional[KVCache]) -> dict[str, Any]:
+    """Dynamo's recompile limit raised to the forward's graph count (row buckets x key buckets x the two query
+    widths, doubled), and a limit hit is an error: past the default 8 dynamo would silently run eager."""
+    rows = cache.rows.bit_length() if cache is not None else 1
+    keys = (cache.length // _KEY_BUCKET + 1).bit_length() + 1 if cache is not None else 1
+    limits = {"recompile_limit": 4 * rows * keys, "fail_on_recompile_limit_hit": True}
+    limits["accumulated_recompile_limit"] = max(256, limits["recompile_limit"])
+    return {k: v for k, v in limits.items() if hasattr(torch._dynamo.config, k)}
 
 
 @functools.lru_cache(maxsize=256)
@@ -501,7 +543,7 @@ class _BlockDiffusion(_Decoder):
         if self.cache is None:
             return
         dev, B = self.e.device, self.B
-        T = self.e.key_len(max(self.host["start"][:n]) + B, self.width)
+        T = self.e.key_len(max(self.host["start"][:n]) + B, self.cache.length)
         keys = torch.arange(T, device=dev)
         start = self.dev["start"][:n]
         self._allowed = (keys < start[:, None] + B)[:, None, None, :]
@@ -515,17 +557,17 @@ class _BlockDiffusion(_Decoder):
             )
             queries = torch.cat([prev, cols], dim=1).clamp(min=0)
             self._first = (queries, write, (keys < limit[:, :, None])[:, None], T)
-        self.cache.bind(0, cols, T)
+        self.e.bind(self.cache, cols, T)
 
     def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
         if self.cache is not None and s == 0 and self._first is not None:
             queries, write, allowed, T = self._first
-            self.cache.bind(0, write, T)
+            self.e.bind(self.cache, write, T)
             head = torch.arange(self.B, 2 * self.B, device=self.e.device).expand(n, self.B)
             out = self.e.forward(
                 self.dev["tokens"][:n].gather(1, queries), allowed, queries, self.cache, logits_index=head
             )
-            self.cache.bind(0, cols, T)
+            self.e.bind(self.cache, cols, T)
             return out
         if self.cache is not None:
             return self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache)
