@@ -339,8 +339,8 @@ def test_combine_and_score_batch_stats(reward_module):
 
     slow = f"{reward_module}:slow"
     t0 = time.monotonic()
-    scores, stats = score_batch(slow, ["a", "b", "c"], [{"sleep": 30}, {}, {"sleep": 0.05}], workers=1, timeout_s=0.5)
-    assert time.monotonic() - t0 < 5.0
+    scores, stats = score_batch(slow, ["a", "b", "c"], [{"sleep": 120}, {}, {"sleep": 0.05}], workers=1, timeout_s=0.5)
+    assert time.monotonic() - t0 < 60.0  # the 120 s call was abandoned, not waited for (generous on a loaded CPU)
     assert scores == [0.0, 1.0, 1.0] and stats.timeouts == 1 and stats.errors == 0 and stats.n == 3
 
 
