@@ -12,13 +12,20 @@ import json
 import os
 from typing import Sequence, Union
 
-__all__ = ["DataError", "SUPPORTED_EXTENSIONS", "load_records", "load_rows", "load_many", "as_paths"]
+__all__ = ["DataError", "check_record", "SUPPORTED_EXTENSIONS", "load_records", "load_rows", "load_many", "as_paths"]
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 
 
 class DataError(ValueError):
     """A data file or record that cannot be used; the message says where and why."""
+
+
+def check_record(rec: object, where: str) -> dict:
+    """``rec`` if it is a record (a JSON object); else a DataError naming ``where``."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
+    return rec
 
 
 def load_records(path: str) -> list[dict]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from megadare.data.fields import MISSING, encode_text, get_field, prompt_messages, render_prompt, response_text
-from megadare.data.files import DataError, RecordSource, load_many, row_name
+from megadare.data.files import DataError, RecordSource, check_record, load_many, row_name
 from megadare.data.sft_data import OVERLONG_CHOICES
 from megadare.data.tokenizer import Tokenizer
 
@@ -60,8 +60,7 @@ def record_to_preference(
     rejected_key: str = "rejected",
 ) -> PreferenceExample:
     """Tokenize one preference record; ``where`` prefixes every error."""
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
+    check_record(rec, where)
     missing = [k for k in (prompt_key, chosen_key, rejected_key) if get_field(rec, k) is MISSING]
     if missing:
         raise DataError(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megadare.data.fields import DARE_GOLD, MISSING, get_field, prompt_messages, render_prompt, renders_as_verl
-from megadare.data.files import DataError, RecordSource, load_many, row_name
+from megadare.data.files import DataError, RecordSource, check_record, load_many, row_name
 from megadare.data.sft_data import int_list
 from megadare.data.synthetic import addition_task, reverse_task
 from megadare.data.tokenizer import Tokenizer
@@ -111,8 +111,7 @@ def build_prompts(
     out = []
     for i, rec in enumerate(records):
         where = row_name(source, i + 1)
-        if not isinstance(rec, dict):
-            raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
+        check_record(rec, where)
         pkey, gkey = rl_keys(rec, prompt_key, answer_key, messages_key)
         if skipped is not None and _gold_missing(rec, gkey):
             skipped.append(where)

@@ -31,7 +31,7 @@ from megadare.data.fields import (
     render_prompt,
     response_text,
 )
-from megadare.data.files import DataError, RecordSource, load_records, row_name
+from megadare.data.files import DataError, RecordSource, check_record, load_records, row_name
 from megadare.data.tokenizer import Tokenizer
 
 __all__ = [
@@ -104,8 +104,7 @@ def record_to_example(
     A pre-tokenized record -- ``prompt_ids`` + ``response_ids`` (lists of ints), as rollouts record them -- may
     carry ``steps`` (one committed-at denoising step per response token) for trace SFT.
     """
-    if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a record object, got {type(rec).__name__}")
+    check_record(rec, where)
     keys = sft_keys(rec, prompt_key, response_key, messages_key)
     if not keys:
         missing = [k for k in (prompt_key, response_key) if get_field(rec, k) is MISSING]
