@@ -261,6 +261,17 @@ def test_cuda_graph_shapes_are_bucketed_and_never_fall_back(monkeypatch):
     assert not any("recompile limit" in k for k in torch._dynamo.utils.counters["unimplemented"])
 
 
+def test_cuda_graphs_only_for_dense_cached_block_diffusion():
+    on = NativeSettings(compile=True)
+    dense, moe = nt.build("sdar")[1], nt.build("sdar_moe")[1]
+    llada = nt.build("llada")[1]
+    assert native.cuda_graphs(dense, on, "cuda")
+    assert not native.cuda_graphs(moe, on, "cuda")  # host reads of expert counts: a graph break per layer
+    assert not native.cuda_graphs(llada, on, "cuda")  # full attention: dynamic shapes instead
+    assert not native.cuda_graphs(dense, on, "cpu") and not native.cuda_graphs(dense, NativeSettings(), "cuda")
+    assert not native.cuda_graphs(dense, NativeSettings(compile=True, use_cache=False), "cuda")
+
+
 def test_rollout_keys_reach_the_engine(tmp_path):
     """rollout.dtype / max_batch / compile -> the actors' engine factory -> the engine (loaded in its dtype)."""
     from types import SimpleNamespace

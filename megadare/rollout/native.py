@@ -109,9 +109,7 @@ class NativeEngine:
         self.use_cache = settings.use_cache
         self.max_batch = settings.max_batch
         self.compile = settings.compile
-        # CUDA graphs (one per shape) for the cached block-diffusion forwards, whose shapes are bucketed below
-        cached_blocks = arch.is_block_diffusion and settings.use_cache
-        self.graphs = settings.compile and self.device.type == "cuda" and cached_blocks
+        self.graphs = cuda_graphs(arch, settings, self.device)
         self._fn, self.step = self._compiled() if settings.compile else (self.model, dllm_step)
         self._cache: Optional[KVCache] = None
         self.version = 0
@@ -251,6 +249,14 @@ class NativeEngine:
         else:
             model = torch.compile(self.model, dynamic=True)
         return model, torch.compile(dllm_step, dynamic=True)
+
+
+def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device) -> bool:
+    """Whether the engine runs its forwards as CUDA graphs (one per shape; :meth:`NativeEngine.graph_rows`,
+    :meth:`NativeEngine.key_len` bucket the shapes): compiled, on CUDA, the cached block-diffusion forward of a
+    dense model. Not MoE models: their forward reads each layer's expert token counts on the host, a graph break."""
+    cached_blocks = arch.is_block_diffusion and settings.use_cache and not arch.is_moe
+    return settings.compile and torch.device(device).type == "cuda" and cached_blocks
 
 
 def _pad_rows(t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
