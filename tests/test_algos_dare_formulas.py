@@ -4,6 +4,9 @@ volcengine/verl), on identical random draws or on cases enumerated exactly:
 * SPG ``estimator=dare``: DARE's ``_forward_process_spg`` (``verl/trainer/ppo/dllm_core_algos.py``) and the
   per-sequence value of ``llada_dp_actor_spg.py::_forward_micro_batch`` with ``compute_policy_loss_spg``, fed the
   same seed as megadare's corruption generator: the masks are identical and the loss agrees to fp32 rounding.
+* d1 / Coupled-GRPO / BGPO with the DARE presets' params: the loss of DARE's LLaDA actors
+  (``llada_dp_actor_{d1,coupled_grpo,bgpo}.py`` with ``compute_policy_loss`` / ``compute_policy_loss_bgpo``)
+  computed on megadare's masks, off-policy with dual clip: loss and gradient agree.
 * REINFORCE++-baseline: verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` with
   ``masked_whiten`` / ``masked_var`` / ``masked_mean`` (``verl/utils/torch_functional.py``).
 * GRPO / RLOO with one response per prompt: refused by the config check.
@@ -415,3 +418,94 @@ def test_count_stratification_megadare_uniform_dare_as_stated():
                 lo, hi = 1 - Fraction(d, n), 1 + Fraction(d, n)
                 assert set(factors) <= {lo, 1, hi} and factors[lo] == factors[hi] > 0, (L, n, factors)
     assert Counter(p * 6 for p in dare_count_distribution(6, 4)) == {Fraction(1, 2): 3, Fraction(3, 2): 3}
+
+
+# ================================================================== DARE's actor losses on injected masks
+def dare_masked_mean(values, mask):
+    return (values * mask).sum() / (mask.sum() + 1e-8)  # verl_F.masked_mean = agg_loss "token-mean"
+
+
+def dare_ppo_terms(ratio, advantages, clip=0.2, clip_ratio_c=3.0):
+    """``dllm_core_algos.py::compute_policy_loss`` / ``compute_policy_loss_bgpo`` after the ratio (dual clip)."""
+    clip_pg_losses1 = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - clip, 1 + clip))
+    clip_pg_losses2 = torch.min(-advantages * clip_ratio_c, clip_pg_losses1)
+    return torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+
+
+def dare_actor_loss(name, toy, old, s, views, R):
+    """One sample's loss as DARE's LLaDA actor computes it from the stored masks (one sample per micro-batch):
+    d1 ``llada_dp_actor_d1.py`` (-CE on the view, token-mean over the masked canvas), Coupled-GRPO
+    ``llada_dp_actor_coupled_grpo.py`` ((log p^a + log p^b / t + log p^c / (1-t)) / 2, token-mean over R),
+    BGPO ``llada_dp_actor_bgpo.py`` (l_j = sum log p / p_mask / R, ``compute_policy_loss_bgpo`` per MC, / mc_num)."""
+    x0 = torch.tensor(s.prompt_ids + s.response_ids)
+    masks = [v.tokens[-R:] == MASK for v in views]
+    adv = torch.full((R,), s.advantage, dtype=torch.float64)
+
+    lp = view_logps(toy, x0, [v.tokens for v in views])[:, -R:]
+    with torch.no_grad():
+        olp = view_logps(old, x0, [v.tokens for v in views])[:, -R:]
+    if name == "d1":
+        return dare_masked_mean(dare_ppo_terms(torch.exp(lp[0] - olp[0]), adv), masks[0].double())
+    if name == "coupled_grpo":
+        t = s.extra["t"]
+        est = lambda x: (
+            (  # noqa: E731
+                torch.where(masks[0], x[0], 0.0)
+                + torch.where(masks[1], x[1] / t, 0.0)
+                + torch.where(masks[2], x[2] / (1 - t), 0.0)
+            )
+            / 2
+        )
+        return dare_masked_mean(dare_ppo_terms(torch.exp(est(lp) - est(olp)), adv), torch.ones(R))
+    total = 0.0  # bgpo
+    for j, m in enumerate(masks):
+        p_mask = m.sum() / R
+        lj, oj = (lp[j][m] / p_mask).sum() / R, (olp[j][m] / p_mask).sum() / R
+        ratio = torch.exp(torch.log(1 + lj - oj)) if s.advantage > 0 else torch.exp(lj - oj)
+        total = total + dare_masked_mean(dare_ppo_terms(ratio.expand(R), adv), torch.ones(R)) / len(masks)
+    return total
+
+
+@pytest.mark.parametrize("name", ["d1", "coupled_grpo", "bgpo"])
+def test_dare_preset_loss_is_dares_actor_loss_on_the_same_masks(name):
+    """With the DARE preset's params (examples/configs/dare/<name>_llada.yaml: eps 0.2, dual clip 3, no KL,
+    DARE's aggregation), megadare's trainer loss and gradient equal DARE's actor loss computed from megadare's
+    masks, off-policy (old weights perturbed: ratios far outside the clip, dual clip active on A < 0). BGPO's
+    perturbation is smaller: DARE's log(1 + l - l_old) is NaN once l - l_old < -1 for A > 0 (megadare keeps the
+    tangent 1 + d there, a finite surrogate), so the two are compared where DARE's is defined."""
+    params = {
+        "d1": {"eps_low": 0.2, "dual_clip": 3.0, "kl_coef": 0.0, "loss_agg": "seq_mean_token_mean"},
+        "coupled_grpo": {"eps_low": 0.2, "dual_clip": 3.0, "kl_coef": 0.0, "loss_agg": "seq_mean_token_mean"},
+        "bgpo": {"eps_low": 0.2, "dual_clip": 3.0, "n_mc": 4},
+    }[name]
+    full, _ = toy_archs()
+    algo = REGISTRY[name](params)
+    R = 4
+    for seed in range(3):
+        toy, old = Toy(seed), Toy(seed)
+        g = torch.Generator().manual_seed(seed + 99)
+        with torch.no_grad():
+            for p in old.parameters():
+                p.add_((0.03 if name == "bgpo" else 0.15) * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        batch = [
+            ([1, 2], [0, 2, 1, 1], 1.25),
+            ([0], [2, 2, 0, 1], -0.5),
+            ([2, 1], [1, 0, 2, 0], -1.5),
+            ([1], [0, 0, 1, 2], 0.75),
+        ]
+        rows, want = [], 0.0
+        for i, (c, y, a) in enumerate(batch):
+            s = sample(c, y, adv=a, index=i)
+            rows += algo.rows(s, full, 0, torch.Generator().manual_seed(10 * seed + i))
+            gen = torch.Generator().manual_seed(10 * seed + i)
+            views = algo.views(s, full, 0, gen)
+            t_gen = torch.Generator().manual_seed(10 * seed + i)  # coupled's t: the first draw (0.2 + 0.6 u)
+            s.extra["t"] = 0.2 + 0.6 * float(torch.rand((), generator=t_gen, dtype=torch.float64))
+            want = want + dare_actor_loss(name, toy, old, s, views, R) / len(batch)
+        got, _, _ = _trainer_loss(algo, toy, rows, 0, old_toy=old, ref=False)
+        assert torch.isfinite(want)
+        assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)) + 1e-6, (float(got), float(want))
+        gw = torch.autograd.grad(want, list(toy.parameters()))
+        gg = torch.autograd.grad(got, list(toy.parameters()))
+        for a, b in zip(gg, gw):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
