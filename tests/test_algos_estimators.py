@@ -183,8 +183,9 @@ def test_stratified_is_unbiased_for_the_elbo():
 def test_random_mask_estimates_the_unweighted_masked_loglik_not_the_elbo():
     """dLLM-RL random masking (c = 1, no 1/t): the sum over a view's masked tokens of log p is unbiased for
         E_{t ~ U(0.1, 0.9)} sum_m Binom(m; L, t) g_m    (the expected masked-token log-likelihood),
-    which is not the ELBO sum_m g_m / m. Block families: the same per block of the global grid, p_b ~ U(.1, .9)
-    per block, each block seeing its clean predecessors."""
+    which is not the ELBO sum_m g_m / m. Block families (dLLM-RL ``rl_trado.py:457``): every token draws its own
+    p ~ U(.1, .9), so tokens are masked i.i.d. w.p. 1/2: per block sum_m Binom(m; |b|, 1/2) g^b_m, each block
+    seeing its clean predecessors."""
     toy = Toy(0)
     e = Exact(toy, FULL_C, FULL_Y)
     L = e.L
@@ -203,9 +204,7 @@ def test_random_mask_estimates_the_unweighted_masked_loglik_not_the_elbo():
     for b, toks in eb.blocks(2).items():
         n = len(toks)
         gb = {m: eb.g(toks, m, 2, b, "absent") for m in range(1, n + 1)}
-        target_b += uniform_mean(
-            lambda t: sum(math.comb(n, m) * t**m * (1 - t) ** (n - m) * gb[m] for m in range(1, n + 1)), 0.1, 0.9
-        )
+        target_b += sum(math.comb(n, m) * 0.5**n * gb[m] for m in range(1, n + 1))
     x0 = torch.tensor(BLOCK_C + BLOCK_Y)
     ds = draws(lambda g: C.random_mask(C.CleanSequence.of(BLOCK_C, BLOCK_Y, MASK), g, block_size=2), 1500, seed=1)
     coef, lp = mc_arrays(toy, x0, ds, block_size=2)

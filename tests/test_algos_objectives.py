@@ -398,7 +398,7 @@ def test_kl_term_enters_only_with_a_coefficient_and_an_anchor():
         assert torch.allclose(loss, base) and "kl" not in parts
     _, s = _slots(lp_vals, old, adv, ref)
     loss, parts = REGISTRY["tracerl"]({"kl_coef": 0.1, "kl_anchor": "old"}).slot_loss(s)
-    assert torch.allclose(loss, base + 0.1 * kl_penalty(s.logp, s.old, "k3"))
+    assert torch.allclose(loss, base + 0.1 * kl_penalty(s.logp, s.old, "k3_exp10"))
     algo = REGISTRY["tracerl"]({"kl_coef": 0.1, "kl_anchor": "ref", "kl_estimator": "k2"})
     assert algo.needs_ref
     loss, parts = algo.slot_loss(s)
@@ -495,7 +495,7 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
             rho = torch.exp(lin[k] - old[k])
             a = s.advantage
             d = old[k] - lin[k]
-            k3 = min(float(torch.exp(d) - d - 1), 10.0)  # verl's low_var_kl cap
+            k3 = float(torch.exp(d.clamp(-10.0, 10.0)) - d - 1)  # dLLM-RL's k3 (rl_trado.py:752), uncapped
             losses.append(float(-torch.minimum(rho * a, rho.clamp(0.9, 1.1) * a)) + 0.05 * k3)
         per_sample.append((losses, len(s.response_ids)))
     loss, D, mbs = _trainer_loss(algo, toy, rows, 0, old_toy=old_toy, seq_length=14, mbs_size=1, ref=False)
@@ -568,7 +568,7 @@ def test_published_defaults():
         0.2,
         0.01,
         "old",
-        "k3",
+        "k3_exp10",
         10.0,
         "seq_mean_length",
     )
@@ -581,6 +581,7 @@ def test_published_defaults():
         "old",
         False,
     )
+    assert (p["kl_estimator"], p["log_ratio_clamp"]) == ("k3_exp10", 10.0)  # dLLM-RL's one forward_process
     full, blk = toy_archs()
     s = sample([1], [0, 1, 2])
     assert len(REGISTRY["random_mask_rl"]().views(s, full, 0, torch.Generator())) == 35

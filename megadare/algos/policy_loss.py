@@ -25,6 +25,10 @@ slot whose reference probability exceeds ~13.5x its current estimate (d > 2.6) a
 on the demo (30 steps at lr 5e-4, 4 denoising steps per block) d1 at its published KL 0.04 rose to 0.58-0.78
 held out and fell back to 0.29-0.45 by step 30 over 4 rollout seeds, its KL climbing to 1-3 nats per token;
 clamped it ends at 0.88-1.00. ``kl_penalty(..., k3_bound=None)`` is the plain k3 (a metric: verl's ``k3_kl``).
+
+``k3_exp10`` is k3 as dLLM-RL computes it (``train/rl_trado.py:749-754``, TraceRL and random-masking RL):
+exp(clamp(d, +-10)) - d - 1, the linear term not clamped and the estimate not bounded, so a slot with d > 2.6 keeps
+its gradient 1 - exp(d) (to -e^10).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 
 from megadare.errors import ConfigError
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_exp10")
 K3_BOUND = 10.0  # verl's low_var_kl / DARE's kl_penalty (module docstring)
 
 
@@ -100,4 +104,6 @@ def kl_penalty(
         d = d.clamp(-20.0, 20.0)
         k3 = torch.exp(d) - d - 1.0
         return k3 if k3_bound is None else k3.clamp(max=k3_bound)
+    if kind == "k3_exp10":
+        return torch.exp(d.clamp(-10.0, 10.0)) - d - 1.0
     raise ValueError(f"rl.kl_estimator={kind!r} unknown; choose one of {KL_ESTIMATORS}")

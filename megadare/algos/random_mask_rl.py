@@ -1,14 +1,17 @@
 """Random-masking RL and coupled RL (dLLM-RL, Wang et al., arXiv:2509.06949; ``train/rl_*.py``,
 ``random_masking`` / ``coupled`` training modes).
 
-Estimator: block families draw a masking probability p_b ~ U(0.1, 0.9) per block of the global grid and mask
-response tokens i.i.d. with it (one noisy copy, x_t ++ x_0 layout); full-attention families draw t ~ U(0.1, 0.9)
-and mask i.i.d., ``n_views`` fragments per response (dLLM-RL: 35). ``couple=true`` adds the exact complement
+Estimator: block families draw a masking probability ~ U(0.1, 0.9) for every response token and mask it with
+that probability (dLLM-RL ``train/rl_trado.py:457``: i.i.d. Bernoulli(0.5) masks, one noisy copy, x_t ++ x_0
+layout); full-attention families draw t ~ U(0.1, 0.9) per fragment and mask i.i.d. with it, ``n_views``
+fragments per response (dLLM-RL: 35). ``couple=true`` adds the exact complement
 of each fragment with the same advantage (coupled RL). Every masked token has its own ratio (no 1/t weight):
 
     L = -(1/L1) sum_fragments sum_{k masked} min(rho_k A, clip(rho_k, 1 +- eps) A) + beta KL3(pi_theta || pi_old)
 
-Defaults as TraceRL's loss: eps 0.2, beta 0.01 to the old policy, sum over targets / response length.
+Defaults as TraceRL's loss (dLLM-RL trains both modes with one ``forward_process``, ``rl_trado.py:711``): eps
+0.2, log-ratio clamped to +-10, beta 0.01 to the old policy (k3 as dLLM-RL computes it), sum over targets /
+response length.
 
 Canvas (``rl.canvas``): dLLM-RL trains TraDo/SDAR on the response up to its EOS block (``eos``, the block
 families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms.

@@ -8,7 +8,8 @@ families) into one fragment; each fragment scores its tokens from the state befo
     L = -(1/L1) sum_fragments sum_{k in fragment} min(rho_k A_k, clip(rho_k, 1 +- eps) A_k)
         + beta KL3(pi_theta || pi_old),      rho_k = exp(log p_theta(y_k | x_frag) - log p_old(y_k | x_frag)),
 
-log-ratio clamped to +-10. Advantages: per-prompt z-score of 0/1 rewards with the population std
+log-ratio clamped to +-10 and KL3 computed as dLLM-RL does (``kl_estimator=k3_exp10``: exponent clamped to
++-10, estimate unbounded; ``train/rl_trado.py:731-754``). Advantages: per-prompt z-score of 0/1 rewards with the population std
 (``advantage.std=population``), responses truncated at max length counted wrong, prompts with accuracy
 outside [0.2, 0.8] dropped (``advantage.accuracy_band``). Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01,
 shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6, temperature 1.0, ``low_confidence_dynamic`` 0.9.
@@ -28,13 +29,14 @@ from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 
 
-# dLLM-RL's loss (PPO clip, KL3 to the old policy, sum over targets / response length); random-masking and
-# coupled RL (algos/random_mask_rl.py) train with it too
+# dLLM-RL's loss (PPO clip, log-ratio clamp, KL3 to the old policy, sum over targets / response length):
+# random-masking and coupled RL (algos/random_mask_rl.py) train with the same forward_process (rl_trado.py:711)
 TRACERL_LOSS = {
     "eps_low": 0.2,
+    "log_ratio_clamp": 10.0,
     "kl_coef": 0.01,
     "kl_anchor": "old",
-    "kl_estimator": "k3",
+    "kl_estimator": "k3_exp10",
     "loss_agg": "seq_mean_length",
 }
 
@@ -46,7 +48,6 @@ class TraceRL(Algorithm):
     replays_edits = True
     defaults = {
         **TRACERL_LOSS,
-        "log_ratio_clamp": 10.0,
         "shrink": None,
         "value_model": False,
         "value_lr": 5e-6,

@@ -146,17 +146,17 @@ def random_mask(
     n_views: int = 1,
     couple: bool = False,
 ) -> list[View]:
-    """``block_size`` > 0: one masking probability per block of the global grid (block families); each masking
-    probability ~ U(``p_range``)."""
+    """``block_size`` > 0 (block families): every response token draws its own masking probability ~ U(``p_range``)
+    (dLLM-RL ``train/rl_trado.py:457``, ``torch.rand(n) <= torch.empty(n).uniform_(lower, upper)`` per block), so
+    tokens are masked independently with probability (p_low + p_high) / 2, whatever the block grid; else one
+    t ~ U(``p_range``) per view shared by the whole response (``train/rl_llada.py:322``)."""
     P, L = seq.P, seq.L
     p_low, p_high = p_range
     resp = torch.arange(P + L) >= P
     views = []
     for j in range(n_views):
         if block_size > 0:
-            blocks = torch.arange(P + L) // block_size
-            p = p_low + (p_high - p_low) * torch.rand(int(blocks[-1]) + 1, generator=g, dtype=torch.float64)
-            p_pos = p[blocks]
+            p_pos = p_low + (p_high - p_low) * torch.rand(P + L, generator=g, dtype=torch.float64)
         else:
             p_pos = torch.full(
                 (P + L,), p_low + (p_high - p_low) * float(torch.rand((), generator=g)), dtype=torch.float64
