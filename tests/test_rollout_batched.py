@@ -171,7 +171,7 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("family", ["sdar", "llada"])
+@pytest.mark.parametrize("family", ["sdar", "llada", "sdar_moe", "llada2"])
 def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
     rounds = []
     monkeypatch.setattr(
@@ -187,6 +187,40 @@ def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
     assert per_site.pop("native.py:record") == len(rounds) >= 3  # one read per block
     assert set(per_site) <= {"native.py:trajectory", "native.py:_steps_needed", "engine.py:validate"}, per_site
     assert len(trajs) == len(nt.PROMPTS)
+
+
+@pytest.mark.parametrize("family", ["sdar_moe", "llada2"])
+def test_grouped_experts_decode_as_expert_by_expert_and_follow_weight_syncs(family):
+    """MoE experts stacked for grouped GEMMs (no host read per layer) give the trajectories of the expert-by-expert
+    loop; a weight sync writes the stacks (the experts' parameters are views of them), and sleep / wake keeps
+    that so."""
+    model, arch = nt.build(family)
+    loop_model, _ = nt.build(family)
+    params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, seed=5)
+    grouped = NativeEngine(model, arch, eos_token_id=-1, device="cpu")
+    loop = NativeEngine(loop_model, arch, eos_token_id=-1, device="cpu")
+    loop._unstack_experts()
+    assert grouped.grouped_experts and all(lay.stacked is not None for lay in model._layers if lay.moe)
+
+    def same() -> None:
+        a, b = grouped.generate(nt.PROMPTS, params), loop.generate(nt.PROMPTS, params)
+        assert [t.response_ids for t in a] == [t.response_ids for t in b]
+        assert [t.commit_step for t in a] == [t.commit_step for t in b]
+        for x, y in zip(a, b):
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-6)
+
+    same()
+    g = torch.Generator().manual_seed(7)
+    experts = {k: v for k, v in model.state_dict().items() if ".experts." in k}
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in experts.items()}
+    for eng in (grouped, loop):
+        eng.update_weights(new.items(), version=1)
+    layer = next(lay for lay in model._layers if lay.moe)
+    assert torch.equal(layer.stacked[0][0], layer.experts[0][0].weight)  # the stack holds the synced weights
+    same()
+    grouped.sleep()
+    grouped.wake()
+    same()
 
 
 # ---------------------------------------------------------------------------------------------- cache, dtype

@@ -55,7 +55,7 @@ import torch
 
 from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
-from megadare.models.hf.common import KVCache
+from megadare.models.hf.common import DecoderLM, KVCache
 from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, commit_counts, dllm_step
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
@@ -106,6 +106,7 @@ class NativeEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = model.eval().to(self.device, self.dtype)
+        self.grouped_experts = self._stack_experts()
         self.use_cache = settings.use_cache
         self.max_batch = settings.max_batch
         self.compile = settings.compile
@@ -155,6 +156,7 @@ class NativeEngine:
 
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache to host / freed) while the trainer uses the GPU."""
+        self._unstack_experts()  # a move copies parameters one by one: the stacks would keep the device copies
         self.model.to("cpu")
         self._cache = None
         if self.device.type == "cuda":
@@ -163,6 +165,7 @@ class NativeEngine:
 
     def wake(self) -> None:
         self.model.to(self.device)
+        self._stack_experts()
         self.asleep = False
 
     @torch.no_grad()
@@ -239,6 +242,15 @@ class NativeEngine:
         if not self.graphs:
             return need
         return min(limit, _KEY_BUCKET << (-(-need // _KEY_BUCKET) - 1).bit_length())
+
+    def _stack_experts(self) -> bool:
+        """MoE experts as grouped GEMMs (``DecoderLM.stack_experts``: no host read per layer) where they run;
+        another model, or a device without grouped GEMMs, decodes expert by expert."""
+        return isinstance(self.model, DecoderLM) and self.model.stack_experts()
+
+    def _unstack_experts(self) -> None:
+        if isinstance(self.model, DecoderLM):
+            self.model.unstack_experts()
 
     def _compiled(self):
         """The model forward and the denoising step through torch.compile: the cached block-diffusion forward on

@@ -319,7 +319,9 @@ class DecoderLM(nn.Module):
         return layer.o(out.transpose(1, 2).reshape(B, S, H * D))
 
     def _moe(self, h, layer: "_Layer"):
-        """Experts in token-sorted order: one host read of the per-expert token counts per layer."""
+        """Experts in token-sorted order (each token's experts in expert order): with the experts stacked
+        (:meth:`stack_experts`) three grouped GEMMs over the sorted tokens and no host read; otherwise expert by
+        expert, with one host read of the per-expert token counts per layer."""
         a = self.arch
         B, S, C = h.shape
         x = h.reshape(-1, C)
@@ -327,7 +329,19 @@ class DecoderLM(nn.Module):
         flat = topi.reshape(-1)
         order = flat.argsort(stable=True)
         tok, slot = order // a.moe_topk, order % a.moe_topk
-        counts = torch.bincount(flat, minlength=a.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=a.num_experts)
+        if layer.stacked is not None:
+            out = _grouped_swiglu(x[tok], layer.stacked, counts.cumsum(0).to(torch.int32))
+            y = torch.zeros_like(x, dtype=torch.float32).index_add_(0, tok, out.float() * topw[tok, slot, None])
+        else:
+            y = self._experts_one_by_one(x, layer, tok, slot, topw, counts.tolist())
+        y = y.to(h.dtype).view(B, S, C)
+        if layer.shared is not None:
+            y = y + _mlp(h, *layer.shared)
+        return y
+
+    @staticmethod
+    def _experts_one_by_one(x, layer: "_Layer", tok, slot, topw, counts: list[int]) -> torch.Tensor:
         y = torch.zeros_like(x, dtype=torch.float32)
         start = 0
         for (gate, up, down), c in zip(layer.experts, counts):
@@ -335,10 +349,57 @@ class DecoderLM(nn.Module):
                 t, sl = tok[start : start + c], slot[start : start + c]
                 y.index_add_(0, t, _mlp(x[t], gate, up, down).float() * topw[t, sl, None])
             start += c
-        y = y.to(h.dtype).view(B, S, C)
-        if layer.shared is not None:
-            y = y + _mlp(h, *layer.shared)
         return y
+
+    # ----------------------------------------------------------------- stacked experts (inference)
+    def stack_experts(self) -> bool:
+        """Stack every MoE layer's expert weights into three tensors [experts, out, in] (gate, up, down) whose
+        slices *are* the experts' parameters (each becomes a view of its slice: loading or syncing an expert's
+        HF-named tensor writes the stack), so the forward runs the experts as grouped GEMMs without a host read.
+        Moving the model copies its parameters one by one and undoes this: :meth:`unstack_experts` first, stack
+        again after. Returns False (nothing stacked) where grouped GEMMs do not run on this device and dtype."""
+        if not self.arch.is_moe or not grouped_gemm_runs(self._io[0].weight):
+            return False
+        for layer in (lay for lay in self._layers if lay.moe):
+            stacks = []
+            for j in range(3):
+                weights = [expert[j].weight for expert in layer.experts]
+                stack = torch.stack([w.detach() for w in weights])
+                for e, w in enumerate(weights):
+                    w.data = stack[e]
+                stacks.append(stack)
+            layer.stacked = tuple(stacks)
+        return True
+
+    def unstack_experts(self) -> None:
+        """Drop the stacks (the parameters keep their values; the forward runs expert by expert)."""
+        for layer in self._layers:
+            layer.stacked = None
+
+
+def _grouped_swiglu(xs: torch.Tensor, stacked: tuple, ends: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of token-sorted rows ``xs`` through each one's expert: rows [ends[e-1], ends[e]) use expert e of
+    the stacked [experts, out, in] weights (gate, up, down)."""
+    gate, up, down = stacked
+    h = F.silu(_grouped_mm(xs, gate.transpose(1, 2), offs=ends)) * _grouped_mm(xs, up.transpose(1, 2), offs=ends)
+    return _grouped_mm(h, down.transpose(1, 2), offs=ends)
+
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_gemm_runs(like: torch.Tensor) -> bool:
+    """Whether grouped GEMMs run for tensors like ``like`` (device, dtype): tried once on a tiny problem (CUDA
+    kernels exist for some GPUs and dtypes only)."""
+    if _grouped_mm is None:
+        return False
+    try:
+        a = torch.ones(3, 16, dtype=like.dtype, device=like.device)
+        b = torch.ones(2, 16, 16, dtype=like.dtype, device=like.device)
+        out = _grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 3], dtype=torch.int32, device=like.device))
+        return bool((out == 16).all())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 class _Layer:
@@ -368,3 +429,4 @@ class _Layer:
         )
         shared = moe and model.arch.num_shared_experts
         self.shared = (get(n.shared_gate), get(n.shared_up), get(n.shared_down)) if shared else None
+        self.stacked: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # DecoderLM.stack_experts
