@@ -329,5 +329,18 @@ def step_engine(rep: Report, args) -> None:
             agree = sum(x == y for a, b in zip(ref, got) for x, y in zip(a.response_ids, b.response_ids))
             return {"ok": None, "value": f"{agree}/{sum(len(a.response_ids) for a in ref)} tokens == CPU float32"}
 
+        def run_grouped(family=family):
+            # MoE experts as grouped GEMMs (no host read per layer) against the expert-by-expert loop, bf16
+            m, arch = model_of(family)
+            grouped = NativeEngine(m, arch, eos_token_id=253, device=dev, dtype=torch.bfloat16)
+            loop = NativeEngine(model_of(family)[0], arch, eos_token_id=253, device=dev, dtype=torch.bfloat16)
+            loop._unstack_experts()
+            a, b = grouped.generate(prompts, params), loop.generate(prompts, params)
+            agree = sum(x == y for s, t in zip(a, b) for x, y in zip(s.response_ids, t.response_ids))
+            ran = "grouped GEMMs ran" if grouped.grouped_experts else "grouped GEMMs do not run here: loop only"
+            return {"ok": None, "value": f"{agree}/{sum(len(t.response_ids) for t in b)} tokens == loop; {ran}"}
+
         rep.attempt(f"engine {family} greedy float32 on {dev}", run)
         rep.attempt(f"engine {family} greedy bfloat16 on {dev} (measured)", run_bf16)
+        if get_family(family).arch(get_family(family).tiny_config()).is_moe:
+            rep.attempt(f"engine {family} grouped MoE experts bfloat16 on {dev} (measured)", run_grouped)
