@@ -189,13 +189,12 @@ def _run_convert(args) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:  # the demo parses its own options
-        from megadare import demo  # heavy: pulls megatron
-
-        return demo.main(argv[1:])
-    args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        if argv[:1] == ["demo"]:  # the demo parses its own options
+            from megadare import demo  # heavy: pulls megatron
+
+            return demo.main(argv[1:])
+        return _dispatch(_parser().parse_args(argv))
     except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,9 @@
 ``--family sdar|llada|dream|llada2`` runs the same task on a tiny model of that family (full-attention algorithms
 such as JustGRPO need LLaDA or Dream: ``megadare demo --family llada --algo justgrpo``).
 ``megadare demo --foundation`` runs the conversion / parallelism demo of the foundation instead.
+
+Outputs go to ``runs/demo`` (SDAR, TraceRL) or ``runs/demo_<family>_<algo>``; a rerun of the same demo resumes
+there, and a work directory holding another family's or algorithm's demo is refused (``--workdir``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Optional
 
 from megadare import demo_foundation
 from megadare.config import Config, load_config
+from megadare.errors import RunStateError
 from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve
 from megadare.trainer.rl import rl_worker
@@ -95,8 +99,32 @@ class DemoRun:
         return sft, rl
 
 
+def default_workdir(family: str, algo: str) -> str:
+    """``runs/demo`` for the default demo (SDAR, TraceRL), ``runs/demo_<family>_<algo>`` for any other: one demo
+    never resumes another's checkpoints."""
+    return "runs/demo" if (family, algo) == ("sdar", "tracerl") else f"runs/demo_{family}_{algo}"
+
+
+def check_workdir(demo: DemoRun) -> None:
+    """Refuse a work directory whose runs are another family's or algorithm's demo: resuming them would report
+    that demo's accuracy under this one's name."""
+    for stage in ("sft", "rl"):
+        path = os.path.join(demo.workdir, stage, "config.yaml")
+        if not os.path.exists(path):
+            continue
+        old = load_config(path, [])
+        was, now = (old.model.family, old.algo.name), (demo.family, demo.algo)
+        if was[0] != now[0] or (stage == "rl" and was[1] != now[1]):
+            what = f"{was[1]} on a tiny {was[0]}" if stage == "rl" else f"a tiny {was[0]}"
+            raise RunStateError(
+                f"{demo.workdir} holds the demo of {what} ({path}); pass --workdir NEW_DIR to run {now[1]} on a "
+                f"tiny {now[0]}"
+            )
+
+
 def run_demo(demo: DemoRun) -> dict:
     """SFT -> RL; returns {'sft_accuracy', 'rl_accuracy', 'history', 'evals', 'png', 'seconds'}."""
+    check_workdir(demo)
     t0 = time.time()
     sft_cfg, rl_cfg = demo.configs()
     spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)
@@ -127,14 +155,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(
         prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--workdir", default="runs/demo", help="outputs (checkpoints, tensorboard, PNG)")
+    ap.add_argument(
+        "--workdir", help="outputs: checkpoints, tensorboard, PNG (default: runs/demo, or runs/demo_<family>_<algo>)"
+    )
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
     ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--rl-steps", type=int, default=None)
     ap.add_argument("--nproc", type=int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
+    ap.add_argument("--foundation", action="store_true", help="run the conversion / parallelism demo instead")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")
     a = ap.parse_args(argv)
+    a.workdir = a.workdir or default_workdir(a.family, a.algo)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.filterwarnings("ignore")
     print(f"megadare demo: SFT then RL ({a.algo}) of a tiny {a.family} on CPU; outputs in {a.workdir}", flush=True)

@@ -267,3 +267,9 @@ def test_cli_tools_convert(hf_dirs, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert os.path.exists(os.path.join(out, "config.json"))
+    # quiet: torch's single-process DCP notice is not shown for the conversions megadare runs in one process
+    assert "assuming the intent" not in r.stderr, r.stderr
+    # the weights are as readable as config.json (safetensors >= 0.8 alone writes 0600: nobody else could serve them)
+    shards = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    mode = os.stat(os.path.join(out, "config.json")).st_mode & 0o777
+    assert shards and {os.stat(os.path.join(out, f)).st_mode & 0o777 for f in shards} == {mode}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -58,3 +60,27 @@ def test_spawn_returns_per_rank_results_and_reports_failures():
     assert [r[:3] for r in res] == [(0, 2, 0), (1, 2, 1)] and torch.equal(res[1][3], torch.ones(3))
     with pytest.raises(WorkerError, match="rank 1 failed(.|\\n)*rank one exploded"):
         spawn(_boom, 2)
+
+
+def test_no_cuda_advice_on_cpu():
+    """megatron's sequence-parallel linear advises CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream setting): on CPU,
+    with the layer installed, the README's `--nproc 2 parallel.tp=2 parallel.sp=true` run shows no such warning."""
+    import subprocess
+    import sys
+
+    code = """
+import warnings
+import torch
+import torch.distributed as dist
+from megadare.parallel import init_distributed
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce as linear
+
+init_distributed()  # one gloo process, the compatibility layer installed
+out = linear(torch.ones(2, 1, 4), torch.ones(3, 4), None, False, False, True, tp_group=dist.group.WORLD)
+assert out.shape == (2, 1, 3), out.shape
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTHONWARNINGS")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in r.stderr, r.stderr

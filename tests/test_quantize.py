@@ -250,6 +250,20 @@ def test_cli_tool(sdar_dir, tmp_path, monkeypatch, capsys):
     assert MODELOPT_INSTALL in capsys.readouterr().err
 
 
+def test_cli_tool_nvfp4_without_cuda_is_one_line(sdar_dir, tmp_path, monkeypatch, capsys):
+    """nvfp4 on a machine without CUDA: refused before any work, in one line (not a traceback after the
+    conversion). ModelOpt is stood in for (CI does not install it): the refusal happens before it is used."""
+    import megadare.convert.quantize as quantize
+
+    monkeypatch.setattr(quantize, "require_modelopt", lambda: ("0.0-standin", None, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = str(tmp_path / "q")
+    assert _tool().main(["--hf", sdar_dir, "--out", out, "--format", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs a CUDA GPU" in err and "fmt='fp8'" in err
+    assert os.listdir(tmp_path) == []
+
+
 def test_calibration_batches_are_dllm_inputs(sdar_dir):
     from megadare.convert.quantize import calibration_batches
     from megadare.models import read_hf_config

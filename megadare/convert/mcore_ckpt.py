@@ -17,10 +17,12 @@ nothing but the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -52,6 +54,15 @@ _MCORE_METADATA = {
 
 class MegatronCheckpointError(ValueError):
     """A directory is not a megadare/megatron distributed checkpoint, or lacks a tensor."""
+
+
+@contextlib.contextmanager
+def _one_process():
+    """torch's DCP warns on every single-process save / load, even one asked for with ``no_dist=True``: noise on
+    every conversion."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (save|load)")
+        yield
 
 
 def _rank() -> int:
@@ -315,12 +326,13 @@ def write_tensors(
     try:
         state = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
         try:
-            dcp.save(
-                state,
-                storage_writer=_BoundedFileWriter(tmp, file_bytes),
-                planner=_LazySavePlanner(produce),
-                no_dist=True,
-            )
+            with _one_process():
+                dcp.save(
+                    state,
+                    storage_writer=_BoundedFileWriter(tmp, file_bytes),
+                    planner=_LazySavePlanner(produce),
+                    no_dist=True,
+                )
         except CheckpointException as e:  # DCP wraps per-rank errors; surface the real one
             for f in getattr(e, "failures", {}).values():
                 err = f[0] if isinstance(f, tuple) else f  # (exception, stack summary) in torch >= 2.1
@@ -362,5 +374,6 @@ def read_tensors(
             raise MegatronCheckpointError(f"{ckpt_dir}: checkpoint has no tensor {k!r}")
         shape, dtype = known[k]
         state[k] = torch.empty(shape, dtype=dtype)
-    dcp.load(state, storage_reader=FileSystemReader(ckpt_dir), no_dist=True)
+    with _one_process():
+        dcp.load(state, storage_reader=FileSystemReader(ckpt_dir), no_dist=True)
     return state

@@ -99,6 +99,21 @@ class ModelOptMissing(ImportError):
     """NVIDIA ModelOpt (``nvidia-modelopt``) is needed for this format and is not installed."""
 
 
+class NeedsCuda(RuntimeError):
+    """The format quantizes only on a CUDA GPU and none is used."""
+
+
+def _calibration_device(fmt: str, calib: Calibration, version: str) -> torch.device:
+    dev = torch.device(calib.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if fmt == "nvfp4" and dev.type != "cuda":
+        raise NeedsCuda(
+            f"fmt='nvfp4' needs a CUDA GPU: ModelOpt's NVFP4 quantizer (dynamic block "
+            f"quantization, modelopt {version}) runs only on CUDA; run on a GPU machine or use "
+            "fmt='fp8'"
+        )
+    return dev
+
+
 def require_modelopt() -> tuple[str, Any, Any]:
     """(version, ``modelopt.torch.quantization``, ``modelopt.torch.export.export_hf_checkpoint``)."""
     try:
@@ -133,6 +148,8 @@ def quantize_export(
     if not isinstance(calib, Calibration):
         raise TypeError(f"quantize_export: calib={calib!r:.80}; pass Calibration(prompts, gen_tokens=..., device=...)")
     modelopt = require_modelopt() if fmt != "fp8-block" else None  # fail before any conversion work
+    if modelopt:
+        _calibration_device(fmt, calib, modelopt[0])
     src, out = os.fspath(src), os.fspath(out).rstrip(os.sep)
     ckpt = _megatron_source(src)
     check_export_target(out, f"hf-{fmt}", [src] + ([ckpt] if ckpt else []))
@@ -257,13 +274,7 @@ def _tokenizer(hf_dir: str, vocab_size: int, mask_token_id: int):
 # ---------------------------------------------------------------------------------------------- modelopt
 def _export_modelopt(modelopt: tuple, hf_dir: str, cfg: dict, staging: str, fmt: str, calib: Calibration) -> None:
     version, mtq, export_hf_checkpoint = modelopt
-    dev = torch.device(calib.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if fmt == "nvfp4" and dev.type != "cuda":
-        raise RuntimeError(
-            f"fmt='nvfp4' needs a CUDA GPU: ModelOpt's NVFP4 quantizer (dynamic block "
-            f"quantization, modelopt {version}) runs only on CUDA; run on a GPU machine or use "
-            "fmt='fp8'"
-        )
+    dev = _calibration_device(fmt, calib, version)
     with SafetensorsReader(hf_dir) as r:
         src_dtype = r.dtype(r.keys()[0])
     model = load_hf_model(hf_dir, dtype=torch.float32 if dev.type == "cpu" else src_dtype, device=dev)

@@ -176,10 +176,14 @@ def fresh_sibling(path: str, tag: str, create: bool) -> str:
     if not create:
         os.rmdir(d)
     else:  # mkdtemp makes it private (0700); the output gets the usual permissions
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(d, 0o777 & ~umask)
+        os.chmod(d, 0o777 & ~_umask())
     return d
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 class ShardedSafetensorsWriter:
@@ -219,7 +223,9 @@ class ShardedSafetensorsWriter:
         if not self._buf:
             return
         i = len(self._shards)
-        save_file(self._buf, os.path.join(self.tmp_dir, f"shard-{i:05d}.part"), metadata=self.metadata)
+        path = os.path.join(self.tmp_dir, f"shard-{i:05d}.part")
+        save_file(self._buf, path, metadata=self.metadata)
+        os.chmod(path, 0o666 & ~_umask())  # safetensors >= 0.8 writes 0600 (safetensors#782): others could not serve it
         self._shards.append(list(self._buf))
         self._buf = {}
         self._buf_bytes = 0

@@ -29,6 +29,7 @@ can never change GPU behaviour. See ../shared/reference/megatron_cpu.md.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -147,6 +148,8 @@ def install_cpu_compat(force: bool = False) -> bool:
         return False
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()
+    # megatron's CUDA-stream advice for sequence parallelism (set CUDA_DEVICE_MAX_CONNECTIONS=1) means nothing on CPU
+    warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS")
 
     cuda = torch.cuda
     cuda.current_device = lambda: "cpu"

@@ -2,7 +2,7 @@
 """Quantized export of a trained checkpoint for serving (megadare.convert.quantize).
 
     python tools/checkpoint_convert/quantize.py --hf /ckpt/sdar-rl-hf --out /ckpt/sdar-rl-fp8 --format fp8
-    python tools/checkpoint_convert/quantize.py --ckpt runs/x/ckpt --out /ckpt/sdar-rl-nvfp4 --format nvfp4 \
+    python tools/checkpoint_convert/quantize.py --ckpt runs/x/ckpt --out /ckpt/sdar-rl-nvfp4 --format nvfp4 \\
         --calib-prompts prompts.txt
     python tools/checkpoint_convert/quantize.py --hf /ckpt/sdar-rl-hf --out /ckpt/sdar-rl-fp8b --format fp8-block
 
@@ -72,7 +72,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    from megadare.convert.quantize import Calibration, ModelOptMissing, quantize_export
+    from megadare.convert.quantize import Calibration, ModelOptMissing, NeedsCuda, quantize_export
 
     prompts = read_calib_prompts(args.calib_prompts) if args.calib_prompts else None
     try:
@@ -84,7 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             block=tuple(args.block),
             progress=not args.quiet,
         )
-    except (ModelOptMissing, ValueError) as e:  # megadare's one-line errors (OutputError, CheckpointError, ...)
+    except (
+        ModelOptMissing,
+        NeedsCuda,
+        ValueError,
+    ) as e:  # megadare's one-line errors (OutputError, CheckpointError, ...)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk: the export was assembled aside and removed

@@ -1,0 +1,47 @@
+"""`megadare demo`'s work directory: each demo has its own by default, and one holding another demo is refused in
+one line (a resumed run would report that demo's accuracy under this one's name). No training runs here."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megadare import cli
+from megadare.config import to_yaml
+from megadare.demo import DemoRun, check_workdir, default_workdir
+from megadare.errors import RunStateError
+
+
+def _finished_demo(workdir: str, family: str = "sdar", algo: str = "tracerl") -> None:
+    """The config.yaml files a finished demo leaves in ``workdir`` (what the runs write at their start)."""
+    for stage, cfg in zip(("sft", "rl"), DemoRun(workdir, algo=algo, family=family).configs()):
+        os.makedirs(os.path.join(workdir, stage))
+        with open(os.path.join(workdir, stage, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+
+
+def test_each_demo_has_its_own_default_workdir():
+    assert default_workdir("sdar", "tracerl") == "runs/demo"  # the README's outputs of `megadare demo`
+    dirs = {default_workdir(f, a) for f in ("sdar", "llada") for a in ("tracerl", "justgrpo")}
+    assert len(dirs) == 4
+
+
+def test_workdir_of_another_demo_is_refused(tmp_path):
+    wd = str(tmp_path / "demo")
+    _finished_demo(wd)
+    check_workdir(DemoRun(wd))  # the same demo again: it resumes
+    check_workdir(DemoRun(wd, rl_steps=60))
+    with pytest.raises(RunStateError, match=r"holds the demo of tracerl on a tiny sdar .*--workdir NEW_DIR"):
+        check_workdir(DemoRun(wd, algo="coupled_grpo"))
+    with pytest.raises(RunStateError, match=r"holds the demo of a tiny sdar .*sft.*--workdir NEW_DIR"):
+        check_workdir(DemoRun(wd, algo="justgrpo", family="llada"))
+
+
+def test_cli_demo_error_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONWARNINGS", "default")  # demo.main sets it when unset; keep it to this test
+    wd = str(tmp_path / "demo")
+    _finished_demo(wd)
+    assert cli.main(["demo", "--workdir", wd, "--algo", "coupled_grpo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megadare: error: ") and err.count("\n") == 1 and "--workdir NEW_DIR" in err
