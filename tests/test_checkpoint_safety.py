@@ -212,6 +212,26 @@ def test_resume_refuses_another_commands_or_another_source_checkpoint(run):
         resume_run(ckpt, None, None, "megadare sft", source="/elsewhere")
 
 
+def test_resume_refuses_another_rl_algorithm(run, tmp_path):
+    """An RL run resumed under another algo.name would go on from the old objective's optimiser state and replay
+    (and overwrite the run's config.yaml): refused before anything is loaded or written."""
+    from megadare.errors import RunStateError
+    from megadare.convert.manifest import write_manifest
+    from megadare.trainer.checkpoint import MEGADARE_META, resume_run
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(run / "ckpt", ckpt)
+    for meta_file in ckpt.glob(f"iter_*/{MEGADARE_META}"):  # as an RL run of tracerl wrote it
+        meta = json.loads(meta_file.read_text())
+        meta.update(written_by="megadare rl", algo="tracerl")
+        meta_file.write_text(json.dumps(meta))
+        write_manifest(str(meta_file.parent))
+    with pytest.raises(
+        RunStateError, match=r"trains tracerl, this config names algo.name=d1: .* set algo.name=tracerl"
+    ):
+        resume_run(str(ckpt), None, None, "megadare rl", algo="d1")
+
+
 def test_one_run_per_run_directory(run):
     from megadare.trainer.run_lock import LOCK, acquire, holder_alive, release
 

@@ -423,12 +423,14 @@ def _decided_on_rank0(make):
     return box[0]
 
 
-def resume_run(root: str, trained: Trainable, src, written_by: str, source: Optional[str] = None) -> dict[str, Any]:
+def resume_run(
+    root: str, trained: Trainable, src, written_by: str, source: Optional[str] = None, algo: Optional[str] = None
+) -> dict[str, Any]:
     """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
 
     Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
-    another command (``written_by``, e.g. an SFT checkpoint under an RL run) or another ``source`` checkpoint
-    directory (model.hf_path) is refused. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
+    another command (``written_by``, e.g. an SFT checkpoint under an RL run), another ``source`` checkpoint
+    directory (model.hf_path) or another RL algorithm (``algo``) is refused. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
     schedule settings of this run that replace the checkpoint's."""
     pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,)))
     if pick.tracker_problem:
@@ -455,6 +457,12 @@ def resume_run(root: str, trained: Trainable, src, written_by: str, source: Opti
             f"the run in {root} was trained from {meta['source']}, this config names model.hf_path="
             f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
             "start a new run (logging.run_dir / checkpoint.save)"
+        )
+    if algo and meta.get("algo") and meta["algo"] != algo:
+        raise RunStateError(
+            f"the run in {root} trains {meta['algo']}, this config names algo.name={algo}: resuming would go on "
+            f"from {meta['algo']}'s optimiser state and replay; set algo.name={meta['algo']}, or start a new run "
+            "(logging.run_dir / checkpoint.save, with checkpoint.load to start from its weights)"
         )
     optimizer, scheduler = trained.optimizer, trained.scheduler
     state = load_train_checkpoint(pick.path, trained.model, optimizer, scheduler, src=src)

@@ -95,10 +95,12 @@ class Policy:
             self.value.save(root, step, about.meta, keep_last)
         return path
 
-    def resume(self, root: str, src, written_by: str, source: Optional[str]) -> dict[str, Any]:
+    def resume(
+        self, root: str, src, written_by: str, source: Optional[str], algo: Optional[str] = None
+    ) -> dict[str, Any]:
         """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
         and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
-        state = resume_run(root, self, src, written_by, source=source)
+        state = resume_run(root, self, src, written_by, source=source, algo=algo)
         if state and self.value is not None:
             self.value.load(root, int(state["step"]))
         return state

@@ -135,7 +135,8 @@ def _resume(run: RLRun) -> None:
     """Restore step, optimizer, value model, weight snapshots, replay buffer and queue state from the newest
     checkpoint of the run (nothing when there is none)."""
     pol, cfg = run.policy, run.cfg
-    state = pol.resume(run.save_root, run.spec.source, "megadare rl", None if cfg.model.tiny else cfg.model.hf_path)
+    hf = None if cfg.model.tiny else cfg.model.hf_path
+    state = pol.resume(run.save_root, run.spec.source, "megadare rl", hf, algo=run.algo.name)
     if not state:
         return
     resume_from, run.step = state["resumed_from"], int(state["step"])
