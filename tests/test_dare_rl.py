@@ -82,7 +82,14 @@ def test_the_loops_scorer_rewards_correct_answers_by_their_rule(tmp_path):
     cfg = _cfg(tmp_path / "run", paths)
     tok = ByteTokenizer()
     train, _ = load_rl_prompts(cfg, tok)
-    texts = ["\\boxed{2}", "4", "The answer is 7", "<answer>1+3</answer>", "<answer>2*4</answer>", "<answer>9</answer>"]
+    texts = [
+        "\\boxed{2}",
+        "so \\boxed{4}",
+        "The answer is 7",
+        "<answer>1+3</answer>",
+        "<answer>2*4</answer>",
+        "<answer>9</answer>",
+    ]
     traj = [
         Trajectory(
             prompt_ids=p.prompt_ids,
