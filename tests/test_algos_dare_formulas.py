@@ -7,6 +7,10 @@ volcengine/verl), on identical random draws or on cases enumerated exactly:
 * d1 / Coupled-GRPO / BGPO with the DARE presets' params: the loss of DARE's LLaDA actors
   (``llada_dp_actor_{d1,coupled_grpo,bgpo}.py`` with ``compute_policy_loss`` / ``compute_policy_loss_bgpo``)
   computed on megadare's masks, off-policy with dual clip: loss and gradient agree.
+* CJ-GRPO / MDPO / d-TreeRPO with the DARE presets' params: the loss of ``llada_dp_actor_cj_grpo.py``
+  (per-step ``compute_policy_loss``, / steps), ``mdpo_algos.py::compute_mdpo_policy_loss`` on DARE's packed
+  (sample, step) rows (and ``compute_step_wise_advantage``), ``llada_dp_actor_dtreerpo.py::update_policy``
+  (local-transition PPO + its inline k3 KL) on the same traces, proposals and parent states.
 * REINFORCE++-baseline: verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` with
   ``masked_whiten`` / ``masked_var`` / ``masked_mean`` (``verl/utils/torch_functional.py``).
 * GRPO / RLOO with one response per prompt: refused by the config check.
@@ -24,10 +28,11 @@ import torch
 
 from megadare.algos import REGISTRY
 from megadare.algos.advantages import group_advantages
+from megadare.algos.base import RLSample
 from megadare.algos.policy_loss import kl_penalty
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
-from algo_toy import MASK, Toy, sample, toy_archs, view_logps
+from algo_toy import MASK, Toy, sample, synthetic_trace, toy_archs, view_logps
 from test_algos_objectives import _trainer_loss
 
 
@@ -466,6 +471,25 @@ def dare_actor_loss(name, toy, old, s, views, R):
     return total
 
 
+def perturbed(toy: Toy, seed: int, scale: float) -> Toy:
+    other = Toy(0)
+    other.load_state_dict(toy.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return other
+
+
+def assert_same_loss_and_grad(got, want, toy):
+    assert torch.isfinite(want)
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)) + 1e-6, (float(got), float(want))
+    gw = torch.autograd.grad(want, list(toy.parameters()))
+    gg = torch.autograd.grad(got, list(toy.parameters()))
+    for a, b in zip(gg, gw):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", ["d1", "coupled_grpo", "bgpo"])
 def test_dare_preset_loss_is_dares_actor_loss_on_the_same_masks(name):
     """With the DARE preset's params (examples/configs/dare/<name>_llada.yaml: eps 0.2, dual clip 3, no KL,
@@ -482,11 +506,8 @@ def test_dare_preset_loss_is_dares_actor_loss_on_the_same_masks(name):
     algo = REGISTRY[name](params)
     R = 4
     for seed in range(3):
-        toy, old = Toy(seed), Toy(seed)
-        g = torch.Generator().manual_seed(seed + 99)
-        with torch.no_grad():
-            for p in old.parameters():
-                p.add_((0.03 if name == "bgpo" else 0.15) * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        toy = Toy(seed)
+        old = perturbed(toy, seed + 99, 0.03 if name == "bgpo" else 0.15)
         batch = [
             ([1, 2], [0, 2, 1, 1], 1.25),
             ([0], [2, 2, 0, 1], -0.5),
@@ -503,9 +524,169 @@ def test_dare_preset_loss_is_dares_actor_loss_on_the_same_masks(name):
             s.extra["t"] = 0.2 + 0.6 * float(torch.rand((), generator=t_gen, dtype=torch.float64))
             want = want + dare_actor_loss(name, toy, old, s, views, R) / len(batch)
         got, _, _ = _trainer_loss(algo, toy, rows, 0, old_toy=old, ref=False)
-        assert torch.isfinite(want)
-        assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)) + 1e-6, (float(got), float(want))
-        gw = torch.autograd.grad(want, list(toy.parameters()))
-        gg = torch.autograd.grad(got, list(toy.parameters()))
-        for a, b in zip(gg, gw):
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+        assert_same_loss_and_grad(got, want, toy)
+
+
+# ================================================================== trace / step / tree algorithms (DARE's actors)
+TRACE_BATCH = [([1, 2], [0, 2, 1, 1], 1.25), ([0], [2, 2, 0, 1], -0.5), ([2, 1], [1, 0, 2, 0], -1.5)]
+
+
+def dare_cj_grpo_loss(toy, old, s) -> torch.Tensor:
+    """``llada_dp_actor_cj_grpo.py::update_policy`` for one sample: for step i of the trajectory, the state with
+    the tokens of steps < i clean (``_step_forward_micro_batch``), -CE on the next state, ``compute_policy_loss``
+    (dual clip 3, token-mean over the tokens unmasked at step i), / steps."""
+    P, R = len(s.prompt_ids), len(s.response_ids)
+    x0 = torch.tensor(s.prompt_ids + s.response_ids)
+    commit = torch.tensor(s.commit_step)
+    steps = sorted(set(s.commit_step))
+    adv = torch.full((R,), float(s.advantage), dtype=torch.float64)
+    total = 0.0
+    for t in steps:
+        cur = torch.cat([x0[:P], torch.where(commit < t, x0[P:], torch.full((R,), MASK))])
+        lp = view_logps(toy, x0, [cur])[0, -R:]
+        with torch.no_grad():
+            olp = view_logps(old, x0, [cur])[0, -R:]
+        total = total + dare_masked_mean(dare_ppo_terms(torch.exp(lp - olp), adv), (commit == t).double()) / len(steps)
+    return total
+
+
+def test_cj_grpo_preset_loss_is_dares_actor_loss_on_the_same_trace():
+    """CJ-GRPO with the preset's params (cj_grpo_llada.yaml: eps 0.2, dual clip 3, no KL): megadare's trainer loss
+    and gradient equal DARE's step-by-step actor loss on the same decoding traces (1 and 2 tokens per step),
+    off-policy (ratios outside the clip, dual clip active)."""
+    full, _ = toy_archs()
+    algo = REGISTRY["cj_grpo"]({"eps_low": 0.2, "dual_clip": 3.0, "kl_coef": 0.0, "loss_agg": "seq_mean_token_mean"})
+    for seed in range(2):
+        toy = Toy(seed)
+        old = perturbed(toy, seed + 99, 0.15)
+        rows, want = [], 0.0
+        for i, (c, y, a) in enumerate(TRACE_BATCH):
+            commit, bstep = synthetic_trace(len(c), len(y), 0, seed=10 * seed + i, per_step=1 + (i + seed) % 2)
+            s = sample(c, y, adv=a, index=i, commit_step=commit, block_step=bstep)
+            rows += algo.rows(s, full, 0, torch.Generator().manual_seed(i))
+            want = want + dare_cj_grpo_loss(toy, old, s) / len(TRACE_BATCH)  # one sample per micro-batch
+        got, _, _ = _trainer_loss(algo, toy, rows, 0, old_toy=old, ref=False)
+        assert_same_loss_and_grad(got, want, toy)
+
+
+def dare_step_wise_advantage(rewards: torch.Tensor, uid: list[int], eps: float = 1e-6) -> torch.Tensor:
+    """``mdpo_algos.py::compute_step_wise_advantage`` (GRPO-normalised by uid, torch's unbiased std)."""
+    T = rewards.shape[1]
+    diffs = torch.cat([rewards[:, :1], rewards[:, 1:] - rewards[:, :-1]], -1) + 1.0
+    avg_future = (rewards[:, 1:].flip(-1).cumsum(-1) / torch.arange(1, T, dtype=rewards.dtype)).flip(-1)
+    scores = diffs + torch.cat([avg_future, rewards[:, -1:]], -1)
+    out = scores.clone()
+    for u in set(uid):
+        rows = [i for i in range(len(uid)) if uid[i] == u]
+        out[rows] = (scores[rows] - scores[rows].mean(0)) / (scores[rows].std(0) + eps)
+    return out
+
+
+def dare_mdpo_row_loss(toy, old, s, t: int, adv: float) -> torch.Tensor:
+    """One (sample, step t) row of DARE's packed MDPO batch, ``compute_mdpo_policy_loss``: input x_t, target the
+    step's proposal, completion_mask = (x_t == MASK), the step's confidences, lambda = R / |M_t|."""
+    R = len(s.response_ids)
+    commit, y = torch.tensor(s.commit_step), torch.tensor(s.response_ids)
+    x_resp = torch.where(commit < t, y, torch.full((R,), MASK))
+    target = torch.cat(
+        [torch.tensor(s.prompt_ids), torch.where(commit < t, y, torch.tensor(s.extra["step_predictions"][t]))]
+    )
+    inp = torch.cat([torch.tensor(s.prompt_ids), x_resp])
+    mask = (x_resp == MASK).double()
+    conf = torch.tensor(s.extra["step_confidences"][t], dtype=torch.float64)
+    lp = view_logps(toy, target, [inp])[0, -R:]
+    with torch.no_grad():
+        olp = view_logps(old, target, [inp])[0, -R:]
+    ratio = torch.exp(lp - olp)
+    lam = R / mask.sum().clamp(min=1.0)
+    per_token = torch.maximum(-adv * ratio * lam, -adv * ratio.clamp(0.8, 1.2) * lam)
+    return (per_token * mask * conf).sum() / mask.sum().clamp(min=1e-4)
+
+
+def mdpo_trace_sample(i: int, c: list[int], y: list[int], seed: int) -> RLSample:
+    """One token per step over the whole canvas (one block): proposals at every still-masked position."""
+    commit, bstep = synthetic_trace(len(c), len(y), 0, seed=seed, per_step=1)
+    g = torch.Generator().manual_seed(seed + 1000)
+    preds = [
+        [
+            y[k] if commit[k] == t else int(torch.randint(0, 3, (), generator=g)) if commit[k] > t else -1
+            for k in range(len(y))
+        ]
+        for t in range(len(y))
+    ]
+    confs = [
+        [0.2 + 0.8 * float(torch.rand((), generator=g)) if commit[k] >= t else 0.0 for k in range(len(y))]
+        for t in range(len(y))
+    ]
+    extra = {"step_predictions": preds, "step_confidences": confs}
+    return RLSample(c, y, 0.0, 0.0, index=i, group=i // 2, commit_step=commit, block_step=bstep, extra=extra)
+
+
+def test_mdpo_preset_loss_is_dares_mdpo_loss_on_the_same_steps():
+    """MDPO with the preset's params (mdpo_llada.yaml: eps 0.2, top-K over the batch): the step advantages equal
+    DARE's ``compute_step_wise_advantage`` of the same step rewards, and megadare's trainer loss and gradient equal
+    DARE's ``compute_mdpo_policy_loss`` over the packed (sample, kept step) rows, one row per micro-batch, scaled
+    by 1 / (G K) (one mini-batch of all rows; DARE splits them into verl mini-batches, stated in mdpo.py),
+    off-policy, on full-canvas traces with a proposal at every masked position (where the two contracts agree)."""
+    full, _ = toy_archs()
+    K = 2
+    algo = REGISTRY["mdpo"]({"eps_low": 0.2, "top_k_steps": K, "top_k_scope": "batch"})
+    batch = TRACE_BATCH + [([1], [0, 0, 1, 2], 0.0)]
+    for seed in range(2):
+        toy = Toy(seed)
+        old = perturbed(toy, seed + 99, 0.15)
+        samples = [mdpo_trace_sample(i, c, y, 10 * seed + i) for i, (c, y, _) in enumerate(batch)]
+        rewards = torch.randint(0, 2, (len(samples), 4), generator=torch.Generator().manual_seed(seed)).double()
+        table = iter(rewards.tolist())
+        algo.prepare(samples, lambda answers, idx: next(table), group_size=2)
+        adv = dare_step_wise_advantage(rewards, [s.group for s in samples])
+        ours = torch.tensor([[s.extra["step_adv"][t] for t in range(4)] for s in samples], dtype=torch.float64)
+        assert torch.allclose(ours, adv, rtol=1e-9, atol=1e-9)
+        rows, want = [], 0.0
+        for s in samples:
+            assert len(s.extra["steps"]) == K
+            rows += algo.rows(s, full, 0, torch.Generator().manual_seed(0))
+            for t in s.extra["steps"]:
+                want = want + dare_mdpo_row_loss(toy, old, s, t, float(adv[s.index, t])) / (len(samples) * K)
+        got, _, _ = _trainer_loss(algo, toy, rows, 0, old_toy=old, ref=False)
+        assert_same_loss_and_grad(got, want, toy)
+
+
+def dare_d_treerpo_loss(toy, old, ref, parent_state, segment, adv) -> torch.Tensor:
+    """``llada_dp_actor_dtreerpo.py::update_policy`` for one segment (its own micro-batch): local transition
+    log-probs where the parent is masked and the child is not, PPO-clip (eps 0.4) averaged over the active tokens,
+    + 0.01 x the actor's inline k3 exp(d) - d - 1 (d = ref - new, no clamp) averaged the same way."""
+    parent = torch.tensor(parent_state + [MASK] * len(segment))
+    child = torch.tensor(parent_state + segment)
+    active = ((parent == MASK) & (child != MASK)).double()
+    lp = view_logps(toy, child, [parent])[0] * active
+    with torch.no_grad():
+        olp = view_logps(old, child, [parent])[0] * active
+        rlp = view_logps(ref, child, [parent])[0] * active
+    ratio = torch.exp(lp - olp)
+    L_eff = active.sum().clamp_min(1)
+    policy = -(torch.min(ratio * adv, ratio.clamp(0.6, 1.4) * adv) * active).sum() / L_eff
+    d = rlp - lp
+    return policy + 0.01 * ((torch.exp(d) - d - 1.0) * active).sum() / L_eff
+
+
+def test_d_treerpo_preset_loss_is_dares_actor_loss_with_its_unclamped_k3():
+    """d-TreeRPO with the preset's params (d_treerpo_llada.yaml: eps 0.4, KL 0.01, self-distillation off at step
+    0): megadare's trainer loss and gradient equal DARE's actor loss on the same parent states and segments, with
+    a reference far enough that some token's k3 exceeds verl's bound of 10 (DARE's actor computes the plain k3,
+    whatever ``kl_loss_type`` says; verl's clamped low_var_kl gives a 14% lower loss here). It is also the default."""
+    full, _ = toy_archs()
+    params = {"eps_low": 0.4, "branch": 4, "depth": 2, "root_fanout": 4, "kl_coef": 0.01, "kl_estimator": "k3_plain"}
+    assert REGISTRY["d_treerpo"]().p["kl_estimator"] == params["kl_estimator"]
+    algo = REGISTRY["d_treerpo"](params)
+    nodes = [([1, 2], [0, 2], 0.5), ([1, 2], [1, 1], -0.25), ([1, 2, 0, 2], [1, 1], 0.75), ([0], [2, 2, 0, 1], -1.0)]
+    toy = Toy(0)
+    old, ref = perturbed(toy, 99, 0.15), perturbed(toy, 199, 0.3)
+    samples = [
+        sample(pre, seg, adv=a, index=i, extra={"parent": (0, 0, i // 2), "rollout_step": 0})
+        for i, (pre, seg, a) in enumerate(nodes)
+    ]
+    rows = algo.batch_rows(samples, full, 0, lambda index: torch.Generator().manual_seed(index))
+    want = sum(dare_d_treerpo_loss(toy, old, ref, pre, seg, a) for pre, seg, a in nodes) / len(nodes)
+    got, _, _ = _trainer_loss(algo, toy, rows, 0, old_toy=old, ref=True, ref_toy=ref)
+    assert_same_loss_and_grad(got, want, toy)

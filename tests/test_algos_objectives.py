@@ -81,9 +81,10 @@ def _direct(toy, views, x0, bs, beta=None):
     return lin, {s: torch.log(p) / beta for s, p in pw.items()} if beta else {}
 
 
-def _trainer_loss(algo, toy, rows, bs, old_toy=None, seq_length=None, mbs_size=1, ref=True):
-    """What the trainer does with the rows: pack, per micro-batch old (and reference) log-probs without grad,
-    the algorithm's objective, summed over micro-batches and divided by the global denominator."""
+def _trainer_loss(algo, toy, rows, bs, old_toy=None, seq_length=None, mbs_size=1, ref=True, ref_toy=None):
+    """What the trainer does with the rows: pack, per micro-batch old (and reference: ``ref_toy``, else the
+    current toy) log-probs without grad, the algorithm's objective, summed over micro-batches and divided by the
+    global denominator."""
     seq = seq_length or max(len(r) for r in rows) + 3
     mbs = pack_rows(rows, seq_length=seq, micro_batch_size=mbs_size)
     objective = algo.objective(on_policy=False)
@@ -93,7 +94,7 @@ def _trainer_loss(algo, toy, rows, bs, old_toy=None, seq_length=None, mbs_size=1
         with torch.no_grad():
             mb.old = mb_logps(old_toy or toy, mb, bs)
             if ref:
-                mb.ref = mb_logps(toy, mb, bs)
+                mb.ref = mb_logps(ref_toy or toy, mb, bs)
         loss, _ = objective(mb, mb_logps(toy, mb, bs))
         total = total + loss
     return total / D, D, mbs

@@ -17,7 +17,8 @@ siblings other than itself (0 baseline for an only child), DARE ``dtreerpo_algos
 Loss: every node is a training sample whose prompt is its parent's state and whose response is the segment it
 decoded (up to its first EOS); the segment's tokens are scored from one forward on the parent state with the
 segment masked (x_t ++ x_0 with the block-diffusion mask for block families), PPO-clipped (eps 0.4), averaged
-over the segment's tokens and then over nodes; + k3 KL to the reference (0.01, LoRA runs: the adapters off);
+over the segment's tokens and then over nodes; + k3 KL to the reference (0.01, LoRA runs: the adapters off;
+the plain k3 exp(d) - d - 1 as DARE's actor computes it, ``kl_estimator=k3_plain``, not verl's clamped one);
 + time-scheduled self-distillation towards the positive-advantage siblings (``self_distillation``):
 
     SD = lambda_t mean_{(parent, j)} KL(q_j || p_theta(. | parent state)_j),   q_j(v) = sum_{i: y_ij = v} w_i / sum w_i,
@@ -110,7 +111,7 @@ class DTreeRPO(Algorithm):
         "root_fanout": None,
         "kl_coef": 0.01,
         "kl_anchor": "ref",
-        "kl_estimator": "k3",
+        "kl_estimator": "k3_plain",  # DARE's actor: exp(d) - d - 1 unclamped (policy_loss.py)
         "loss_agg": "seq_mean_token_mean",
         "self_distillation": True,
         "sd_lambda_max": 3e-3,

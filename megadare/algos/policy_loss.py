@@ -29,6 +29,10 @@ clamped it ends at 0.88-1.00. ``kl_penalty(..., k3_bound=None)`` is the plain k3
 ``k3_exp10`` is k3 as dLLM-RL computes it (``train/rl_trado.py:749-754``, TraceRL and random-masking RL):
 exp(clamp(d, +-10)) - d - 1, the linear term not clamped and the estimate not bounded, so a slot with d > 2.6 keeps
 its gradient 1 - exp(d) (to -e^10).
+
+``k3_plain`` is the plain k3, exp(d) - d - 1, nothing clamped: DARE's d-TreeRPO actor computes it inline
+(``llada_dp_actor_dtreerpo.py::update_policy``, Dream's inherits it), whatever its recipe's ``kl_loss_type``
+(``low_var_kl``) says, so d-TreeRPO's DARE preset uses it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 
 from megadare.errors import ConfigError
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3_exp10")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_exp10", "k3_plain")
 K3_BOUND = 10.0  # verl's low_var_kl / DARE's kl_penalty (module docstring)
 
 
@@ -106,4 +110,6 @@ def kl_penalty(
         return k3 if k3_bound is None else k3.clamp(max=k3_bound)
     if kind == "k3_exp10":
         return torch.exp(d.clamp(-10.0, 10.0)) - d - 1.0
+    if kind == "k3_plain":
+        return torch.exp(d) - d - 1.0
     raise ValueError(f"rl.kl_estimator={kind!r} unknown; choose one of {KL_ESTIMATORS}")
