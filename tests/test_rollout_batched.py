@@ -223,6 +223,28 @@ def test_grouped_experts_decode_as_expert_by_expert_and_follow_weight_syncs(fami
     same()
 
 
+def test_grouped_experts_only_where_the_probe_passes(monkeypatch):
+    """A device whose grouped GEMM raises, or gives other numbers (an empty group among the experts, groups of any
+    size), decodes expert by expert."""
+    from megadare.models.hf import common
+
+    like = torch.zeros(1)
+    assert common.grouped_gemm_runs(like)
+
+    def raises(*a, **kw):
+        raise RuntimeError("grouped gemm: offsets must be multiples of 16")
+
+    def skips_empty_groups(a, b, offs):
+        return torch.cat([a[:1] @ b[0], a[1:] @ b[1]])  # uses expert 1 for rows [1, 3): wrong
+
+    for broken in (raises, skips_empty_groups):
+        monkeypatch.setattr(common, "_grouped_mm", broken)
+        assert not common.grouped_gemm_runs(like)
+        model, arch = nt.build("sdar_moe")
+        eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu")
+        assert not eng.grouped_experts and all(lay.stacked is None for lay in model._layers)
+
+
 # ---------------------------------------------------------------------------------------------- cache, dtype
 def test_static_cache_is_reused_and_the_engine_keeps_its_dtype():
     model, arch = nt.build("sdar")

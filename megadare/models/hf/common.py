@@ -389,15 +389,18 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 
 def grouped_gemm_runs(like: torch.Tensor) -> bool:
-    """Whether grouped GEMMs run for tensors like ``like`` (device, dtype): tried once on a tiny problem (CUDA
-    kernels exist for some GPUs and dtypes only)."""
+    """Whether grouped GEMMs run for tensors like ``like`` (device, dtype): tried once on a tiny problem with the
+    shapes a MoE layer gives them (groups of any size, an empty one among them; CUDA kernels exist for some GPUs and
+    dtypes only)."""
     if _grouped_mm is None:
         return False
     try:
         a = torch.ones(3, 16, dtype=like.dtype, device=like.device)
-        b = torch.ones(2, 16, 16, dtype=like.dtype, device=like.device)
-        out = _grouped_mm(a, b.transpose(1, 2), offs=torch.tensor([1, 3], dtype=torch.int32, device=like.device))
-        return bool((out == 16).all())
+        b = torch.arange(1, 4, dtype=like.dtype, device=like.device)[:, None, None].expand(3, 16, 16).contiguous()
+        ends = torch.tensor([1, 1, 3], dtype=torch.int32, device=like.device)  # rows 0 | none | 1, 2
+        out = _grouped_mm(a, b.transpose(1, 2), offs=ends)
+        want = torch.tensor([16.0, 48.0, 48.0], device=like.device)[:, None]
+        return bool((out.float() == want).all())
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
