@@ -127,6 +127,30 @@ def test_dare_math_rule(response, gold, want):
     assert AUTO(response, dare_row("gsm8k", gold)) == want
 
 
+def test_dare_math_unreadable_answers_are_unequal_and_other_errors_are_raised(monkeypatch):
+    """Text DARE's readers cannot read is a verdict (kept as written, or unequal), as in DARE; any other failure
+    of the LaTeX reader or sympy is raised (the verifier pool reports it as an error, not as a score)."""
+    import sympy
+    from pylatexenc import latex2text
+
+    from megadare.rewards import dare_math
+
+    assert dare_math.normalize("\\sqrt") == "\\sqrt"  # pylatexenc: KeyError on a bare \sqrt, text kept
+    assert dare_math.normalize("\\input") == "\\input"  # IndexError
+    assert dare_math._sympy_equal("1+", "2") is False  # a TokenError: not equal
+    assert dare_math._sympy_equal("(1", "2") is False
+
+    def broken(*a, **kw):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(latex2text.LatexNodes2Text, "latex_to_text", broken)
+    with pytest.raises(MemoryError):
+        dare_math.normalize("\\frac{1}{2}")
+    monkeypatch.setattr(sympy, "simplify", broken)
+    with pytest.raises(MemoryError):
+        dare_math._sympy_equal("a+1", "1+a")
+
+
 def test_dare_math_gold_must_be_text():
     with pytest.raises(ValueError, match="DARE math gold must be a string or a number"):
         AUTO("\\boxed{1}", dare_row("math", ["1"]))
