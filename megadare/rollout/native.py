@@ -266,7 +266,8 @@ class NativeEngine:
 def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device) -> bool:
     """Whether the engine runs its forwards as CUDA graphs (one per shape; :meth:`NativeEngine.graph_rows`,
     :meth:`NativeEngine.key_len` bucket the shapes): compiled, on CUDA, the cached block-diffusion forward of a
-    dense model. Not MoE models: their forward reads each layer's expert token counts on the host, a graph break."""
+    dense model. Not MoE models yet: without grouped GEMMs their forward reads each layer's expert token counts on
+    the host (a graph break), and the grouped path has not run under CUDA graphs."""
     cached_blocks = arch.is_block_diffusion and settings.use_cache and not arch.is_moe
     return settings.compile and torch.device(device).type == "cuda" and cached_blocks
 
@@ -507,7 +508,6 @@ class _BlockDiffusion(_Decoder):
         self.need = [math.ceil((r + params.max_new_tokens) / B) for r in self.rem]
         width = max(q + k * B for q, k in zip(self.pre, self.need))
         super().__init__(engine, prompts, params, width, max(self.need) * B)
-        self.width = width
         self.host.update(pre=[], rem=[], pending=[])
         self.cache = engine.kv_cache(self.cap, width) if engine.use_cache else None
         self._allowed: Optional[torch.Tensor] = None
