@@ -84,11 +84,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             block=tuple(args.block),
             progress=not args.quiet,
         )
-    except (
-        ModelOptMissing,
-        NeedsCuda,
-        ValueError,
-    ) as e:  # megadare's one-line errors (OutputError, CheckpointError, ...)
+    # megadare's one-line errors (OutputError, CheckpointError, ...)
+    except (ModelOptMissing, NeedsCuda, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk: the export was assembled aside and removed
