@@ -38,6 +38,7 @@ each position, with which log-prob) and turns them into per-token host records o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -99,7 +100,10 @@ class Streams:
 def step_tensor(step: StepIndex, n: int, device) -> torch.Tensor:
     """Block-local step indices as a long tensor [n] (one int for all rows, or one per row)."""
     if isinstance(step, torch.Tensor):
-        out = step.to(device=device, dtype=torch.long).reshape(-1)
+        if step.dtype == torch.long and step.dim() == 1 and step.device == torch.device(device):
+            out = step  # the engines' per-row step index: no conversion op per step
+        else:
+            out = step.to(device=device, dtype=torch.long).reshape(-1)
     else:
         steps = [int(step)] * n if isinstance(step, int) else [int(s) for s in step]
         if any(s < 0 for s in steps):
@@ -124,7 +128,8 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
     if params.algorithm == "editing":
         return torch.full_like(left, params.num_to_transfer)
     if params.schedule == "even":  # transfer_schedule(block_size, S)[s]: B // S each, the remainder first
-        per_step = params.block_size // S + (s < params.block_size % S).long()
+        rem = params.block_size % S
+        per_step = params.block_size // S + (s < rem).long() if rem else params.block_size // S
         return torch.where(s < S, per_step, left)
     counts = linspace_counts(left, s, S, params.eps)
     return torch.where(s == 0, 0, counts) if params.schedule == "linspace_first" else counts
@@ -179,6 +184,12 @@ def _check(
         )
 
 
+@functools.lru_cache(maxsize=16)
+def _token_index(token: int, device: torch.device) -> torch.Tensor:
+    """``tensor([token])`` on ``device``, made once (an index the step reuses; never written)."""
+    return torch.tensor([token], device=device)
+
+
 class BlockState(NamedTuple):
     """The block a step denoises: ``tokens`` [n, B], ``masked`` [n, B] bool (positions that may be committed: the
     still-masked ones of requests that are still decoding) and, under token editing only, ``editable`` [n, B]
@@ -211,7 +222,7 @@ def dllm_step(
     dev, B = logits.device, tokens.shape[1]
     logits = logits.float()
     if mask_token_id is not None:  # out of place: the caller's logits stay untouched
-        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=dev), float("-inf"))
+        logits = logits.index_fill(-1, _token_index(mask_token_id, dev), float("-inf"))
     tokens, masked = tokens.to(dev), masked.to(dev)
     work = masked.any(dim=1) if editable is None else masked.any(dim=1) | editable.to(dev).any(dim=1)
     draws = streams.uniforms(SAMPLE, B) if params.temperature > 0 else None
@@ -230,7 +241,7 @@ def dllm_step(
         edited = editable.to(dev) & (conf > params.editing_threshold) & (proposals != tokens)
         committed = committed | edited
     new_tokens = torch.where(committed, proposals, tokens)
-    active = masked.any(dim=1) if edited is None else masked.any(dim=1) | edited.any(dim=1)
+    active = work if edited is None else masked.any(dim=1) | edited.any(dim=1)
     return StepResult(
         tokens=new_tokens,
         committed=committed,

@@ -393,7 +393,7 @@ class _Decoder(ABC):
                 work = masked.any() if editable is None else masked.any() | editable.any()
                 if not bool(work):
                     break
-            logits = self.block_logits(n, cols, s)
+            logits = self.block_logits(n, cols, s, cur)
             counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
             streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
             step = self.e.step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
@@ -402,7 +402,7 @@ class _Decoder(ABC):
             trace.add(step, step_index)
             step_index = step_index + 1
             cur = step.tokens
-            self.dev["tokens"][:n].scatter_(1, cols, cur)
+        self.write_block(n, cols, cur)
         self.end_block(n, cols)
         return self.record(n, cols, cur, trace)
 
@@ -491,8 +491,15 @@ class _Decoder(ABC):
         """Once per block, before its forwards (bind the cache, build the masks)."""
 
     @abstractmethod
-    def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
-        """Logits of step ``s`` of block ``n`` at the rows' columns ``cols``: each decoder's own forward."""
+    def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
+        """Logits of step ``s`` of the block of rows [0, n) at their columns ``cols``, whose tokens are now ``cur``
+        [n, B]: each decoder's own forward. The token store holds the block as it was at its start: a forward
+        that reads the store beyond step 0 first writes ``cur`` (:meth:`write_block`)."""
+
+    def write_block(self, n: int, cols: torch.Tensor, cur: torch.Tensor) -> None:
+        """The block's tokens ``cur`` into the rows' token store (after every step that a forward reads from the
+        store, and once at the end of the block)."""
+        self.dev["tokens"][:n].scatter_(1, cols, cur)
 
     def end_block(self, n: int, cols: torch.Tensor) -> None:
         """Once per block, after its last step."""
@@ -577,7 +584,7 @@ class _BlockDiffusion(_Decoder):
             self._first = (queries, write, (keys < limit[:, :, None])[:, None], T)
         self.e.bind(self.cache, cols, T)
 
-    def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
+    def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
         if self.cache is not None and s == 0 and self._first is not None:
             queries, write, allowed, T = self._first
             self.e.bind(self.cache, write, T)
@@ -587,8 +594,9 @@ class _BlockDiffusion(_Decoder):
             )
             self.e.bind(self.cache, cols, T)
             return out
-        if self.cache is not None:
-            return self.e.forward(self.dev["tokens"][:n].gather(1, cols), self._allowed, cols, self.cache)
+        if self.cache is not None:  # the queries are the block alone: its tokens are ``cur``
+            return self.e.forward(cur, self._allowed, cols, self.cache)
+        self.write_block(n, cols, cur)
         T = max(self.host["start"][:n]) + self.B  # no cache: the whole grid up to the block, every step
         pos = torch.arange(T, device=self.e.device).expand(n, T)
         valid = pos < self.dev["start"][:n, None] + self.B
@@ -638,10 +646,11 @@ class _SemiAR(_Decoder):
         self.host["blocks"] += [self.n_blocks] * len(indices)
         super().admit(start, indices)
 
-    def block_logits(self, n: int, cols: torch.Tensor, s: int) -> torch.Tensor:
+    def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
         """Logits predicting the block's tokens (Dream: read one position to the left). 'prefix' / 'dual': the
         block's first forward (the whole row) fills the cache, later ones recompute the block (and, for 'prefix',
         everything after it) and take the other keys/values from it."""
+        self.write_block(n, cols, cur)
         d, L = self.dev, self.L
         ids, pos = d["tokens"][:n], d["pos"][:n]
         allowed = d["valid"][:n, None, None, :]

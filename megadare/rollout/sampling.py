@@ -38,6 +38,7 @@ streams are Mersenne-Twister state that only a per-row loop can advance. The dis
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -78,8 +79,14 @@ def stream_uniforms(
         raise ValueError(f"stream_uniforms: {width} positions per step; at most {1 << _PURPOSE_SHIFT}")
     base = mix64(keys.long()) if base is None else base
     start = base + ((counters.long() << _COUNTER_SHIFT) + ((purpose << _PURPOSE_SHIFT) + 1)) * _GOLDEN
-    bits = _shr(mix64(start[:, None] + torch.arange(width, device=keys.device) * _GOLDEN), 12)
+    bits = _shr(mix64(start[:, None] + _position_offsets(width, keys.device)), 12)
     return (bits.double() + 0.5) * (2.0**-52)
+
+
+@functools.lru_cache(maxsize=16)
+def _position_offsets(width: int, device: torch.device) -> torch.Tensor:
+    """``arange(width) * golden`` (int64, wrapping) on ``device``, made once per width (never written)."""
+    return torch.arange(width, device=device) * _GOLDEN
 
 
 def _last_positive(w: torch.Tensor) -> torch.Tensor:
