@@ -27,6 +27,18 @@ DUAL_CLIP = {"d1", "coupled_grpo", "cj_grpo", "bgpo", "justgrpo"}
 # R positions too) -> rl.canvas=full, stated in the preset
 FULL_CANVAS = {"llada", "dream"}
 KL_TYPE = {"k2": "k2", "low_var_kl": "k3"}  # verl kl_loss_type -> algo.params.kl_estimator
+# DARE's MDPO rollouts (mdpo_llada_rollout.py, mdpo_dream_rollout.py): LLaDA ranks by p(x0) under the tempered
+# distribution (conf_alg llada); Dream decodes one block over the response (block_length unused) in
+# num_diffusion_steps steps, entropy ranking, n_masked - int(n_masked * s/t) tokens per step
+MDPO_DECODER = {
+    "mdpo_llada": lambda d: {"rollout.confidence": "maskgit_plus", "rollout.schedule": "even"},
+    "mdpo_dream": lambda d: {
+        "rollout.block_size": d["max_response_length"],
+        "rollout.steps_per_block": d["num_diffusion_steps"],
+        "rollout.confidence": "entropy",
+        "rollout.schedule": "linspace_remaining",
+    },
+}
 
 _LLADA = dict(
     lr=5e-7,
@@ -237,8 +249,8 @@ def test_preset_reproduces_the_dare_recipe(name):
         "rollout.eval_temperature": d["val_temperature"],
         "rollout.top_k": d.get("top_k", 0),
         "rollout.top_p": d.get("top_p", 1.0),
-        "rollout.block_size": block,
-        "rollout.steps_per_block": steps_per_block,
+        "rollout.block_size": R if name == "mdpo_dream" else block,
+        "rollout.steps_per_block": d["num_diffusion_steps"] if name == "mdpo_dream" else steps_per_block,
         "rollout.max_new_tokens": R,
         "data.max_length": 512 + R,
     }
@@ -261,6 +273,7 @@ def test_preset_reproduces_the_dare_recipe(name):
         assert p["estimator"] == "dare" and p["mix"] == 0.5  # logp_estimation=mix, mix_weight 0.5
     if algo == "mdpo":
         assert p["top_k_steps"] == d["sample_train_steps"] and p["top_k_scope"] == "batch"
+        _check(cfg, MDPO_DECODER[name](d), name)
     if tree:
         assert (p["branch"], p["depth"], p["root_fanout"]) == (
             d["tree_branch_factor"],

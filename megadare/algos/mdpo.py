@@ -21,13 +21,16 @@ c_{t,k} and lambda_t = L / |M_t|, averaged over the positions (Σ / |M_t|) and o
 
     L = -(1/K_s) sum_t lambda_t / |M_t| sum_{k in M_t} c_{t,k} min(rho A_t, clip(rho, 1 +- eps) A_t)
 
-Semi-autoregressive blocks (DARE's recipe: LLaDA block 32, R = 512): any block size works. A step predicts its
-own block only -- block-causal families cannot see later blocks, and the engines sample only the current block
--- so a_t holds the committed earlier blocks plus the current block's proposal, and M_t is the current block's
-masked positions. DARE's LLaDA rollout also samples x0 at the later (masked) blocks from the same forward and
-scores them: with one block over the whole answer the two agree. Deviations (stated): lambda uses the sample's
-length L, not the canvas R; one optimizer step per RL step (DARE's verl mini-batches give about K); confidence
-is the untempered model probability (DARE's is under the sampling temperature).
+Semi-autoregressive blocks (DARE's recipe: LLaDA block 32, R = 512): any block size works. On LLaDA and Dream
+a step predicts every masked position of the canvas, later blocks included, from its one full forward, as DARE's
+``mdpo_llada_rollout.py`` does: a_t is the whole predicted answer and M_t every masked position (the built-in
+engine samples the later blocks apart from the block it commits in: ``dllm_step.propose``). Block-causal
+families (SDAR, LLaDA2) cannot see later blocks: their a_t stops after the current block. The recorded
+confidence c_{t,k} is the proposal's probability under the sampling distribution (temperature, top-k / top-p),
+DARE's. Deviations (stated): lambda uses the sample's length L (= R with ``rl.canvas=full``); one optimizer step
+per RL step (DARE's verl mini-batches give about K). DARE's presets (examples/configs/dare/mdpo_*.yaml) decode as
+its MDPO rollouts: LLaDA ranks by the tempered p(x0) (``rollout.confidence=maskgit_plus``), Dream decodes one
+block over the response with entropy ranking and its own schedule (``rollout.schedule=linspace_remaining``).
 
 Why the demo (reverse a 3-letter string, SDAR block 4) once unlearned (0.28 -> 0.16): the prompt's last 3
 tokens share the first response block, so the response spans two blocks, and the recorded proposals were

@@ -132,7 +132,7 @@ class RolloutSection:
     )
     # topk_margin, entropy
     schedule: Literal[SCHEDULES] = "even"  # tokens per step: even | linspace (Dream) | linspace_first (DARE's Dream
-    # block sampler: the block's first position alone, then linspace)
+    # block sampler: the block's first position alone, then linspace) | linspace_remaining (DARE's MDPO for Dream)
     eps: float = 1e-3  # Dream: end point of the linspace schedule
     alg_temp: float = 0.0  # Dream: > 0 draws the committed positions ~ softmax(confidence / alg_temp)
     editing_threshold: float = 0.9  # editing: replace a decoded token whose new prediction is this confident

@@ -6,7 +6,8 @@ Rollout engines (RL jobs) hold, per GPU of an engine of ``rollout.engine_tp`` GP
     KV cache = 2 * L * ceil(g / engine_tp) * d * w * T * B      K and V of every layer, T = plan.prompt_length +
                                                                  rollout.max_new_tokens tokens, B = plan.rollout_batch
                                                                  sequences (KV heads replicate when engine_tp > g)
-    logits   = B * block * V * 4                                 fp32 logits of the block being denoised
+    logits   = B * block * V * 4                                 fp32 logits of the block being denoised (MDPO on
+                                                                 LLaDA / Dream: of the whole response canvas)
 
 (= 2 * layers * kv_heads * head_dim * bytes * tokens * rollout_batch / engine_tp when engine_tp divides g.)
 With ``plan.rollout_gpus`` = 0 the engines share the trainer's GPUs: during rollout the trainer's weights,
@@ -20,6 +21,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from megadare.algos import REGISTRY
 from megadare.config import CHOICES, Config
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
@@ -143,6 +145,9 @@ def rollout_memory(cfg: Config, arch: ModelArch, params: ParamCounts, lay: Layou
     kv_heads = math.ceil(arch.num_kv_heads / cfg.rollout.engine_tp)
     kv = 2 * arch.num_layers * kv_heads * arch.head_dim * w * tokens * pl.rollout_batch
     block = rollout_block(cfg, arch)
+    algo = REGISTRY.get(cfg.algo.name)
+    if algo is not None and algo.needs_step_predictions and not arch.is_block_diffusion:
+        block = cfg.rollout.max_new_tokens  # MDPO: a full-attention step predicts the whole canvas after the block
     colocated = pl.rollout_gpus == 0
     gpus = lay.world if colocated else pl.rollout_gpus
     return RolloutMemory(

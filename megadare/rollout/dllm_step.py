@@ -52,6 +52,7 @@ from megadare.rollout.sampling import (
     SamplingRule,
     dream_confidence,
     linspace_counts,
+    linspace_remaining_counts,
     sample_tokens,
     select_commits,
     stream_uniforms,
@@ -71,6 +72,8 @@ class StepResult:
     confidence: torch.Tensor  # [n, B] what low-confidence remasking ranks (params.confidence of the proposal)
     active: torch.Tensor  # [n] bool: the row had a masked position (or made an edit), i.e. this step counts
     edited: Optional[torch.Tensor] = None  # [n, B] bool: token edits of already decoded positions (editing)
+    probability: Optional[torch.Tensor] = None  # [n, B] (params.record_steps) the proposal's probability
+    # under the sampling distribution (greedy: the model's), what DARE's MDPO rollouts record as confidence
 
 
 @dataclass
@@ -131,6 +134,8 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
         rem = params.block_size % S
         per_step = params.block_size // S + (s < rem).long() if rem else params.block_size // S
         return torch.where(s < S, per_step, left)
+    if params.schedule == "linspace_remaining":
+        return linspace_remaining_counts(left, s, S, params.eps)
     counts = linspace_counts(left, s, S, params.eps)
     return torch.where(s == 0, 0, counts) if params.schedule == "linspace_first" else counts
 
@@ -242,6 +247,9 @@ def dllm_step(
         committed = committed | edited
     new_tokens = torch.where(committed, proposals, tokens)
     active = work if edited is None else masked.any(dim=1) | edited.any(dim=1)
+    probability = None
+    if params.record_steps:
+        probability = torch.where(work[:, None], _probability(logp, model_prob, params), 0.0)
     return StepResult(
         tokens=new_tokens,
         committed=committed,
@@ -250,7 +258,31 @@ def dllm_step(
         confidence=conf,
         active=active,
         edited=edited,
+        probability=probability,
     )
+
+
+def _probability(logp: torch.Tensor, model_prob: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The proposal's probability under the sampling distribution (``exp`` of its log-prob); greedy: the model
+    probability of the argmax (DARE's MDPO rollouts: ``p.max``)."""
+    return logp.exp() if params.temperature > 0 else model_prob
+
+
+def propose(
+    logits: torch.Tensor, params: SamplingParams, streams: Streams, offset: int, mask_token_id: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposals x0 [n, W] and their probabilities (as :attr:`StepResult.probability`) at W positions outside
+    the block from their logits [n, W, V]: what MDPO records at a full-attention model's later blocks (DARE's
+    ``mdpo_llada_rollout.py`` samples x0 at every masked position of the canvas). They draw from the rows'
+    streams at positions ``offset`` .. ``offset + W - 1`` of the step (the block's own draws use 0 .. B - 1, so
+    the block decodes the same tokens with or without them)."""
+    logits = logits.float()
+    if mask_token_id is not None:
+        logits = logits.index_fill(-1, _token_index(mask_token_id, logits.device), float("-inf"))
+    W = logits.shape[1]
+    draws = streams.uniforms(SAMPLE, offset + W)[:, offset:] if params.temperature > 0 else None
+    proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws)
+    return proposals, _probability(logp, model_prob, params)
 
 
 class BlockTrace:
@@ -281,8 +313,12 @@ class BlockTrace:
         self.block_step = torch.full(like.shape, -1, dtype=torch.long, device=like.device)
         self.logprob = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
 
-    def add(self, result: StepResult, step: StepIndex) -> None:
-        """Record one step (``step``: the block-local step index it ran with, one int or one per row)."""
+    def add(
+        self, result: StepResult, step: StepIndex, later: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> None:
+        """Record one step (``step``: the block-local step index it ran with, one int or one per row; ``later``:
+        proposals and probabilities [n, W] at the W positions after the block (:func:`propose`), kept after the
+        block's own in the step's history)."""
         if self.count is None:
             self._start(result.tokens)
         s = step_tensor(step, self.n, result.tokens.device)
@@ -291,17 +327,12 @@ class BlockTrace:
         self.block_step = torch.where(c, s[:, None], self.block_step)
         self.logprob = torch.where(c, result.logprobs.float(), self.logprob)
         if self.keep_history:
+            proposals = result.proposals
+            confidence = result.confidence if result.probability is None else result.probability
+            if later is not None:
+                proposals, confidence = torch.cat([proposals, later[0]], 1), torch.cat([confidence, later[1]], 1)
             self._history.append(
-                (
-                    c,
-                    self.count.clone(),
-                    s,
-                    result.logprobs.float(),
-                    result.tokens,
-                    result.active,
-                    result.proposals,
-                    result.confidence,
-                )
+                (c, self.count.clone(), s, result.logprobs.float(), result.tokens, result.active, proposals, confidence)
             )
         self.count = self.count + result.active.long()
         self._host = None

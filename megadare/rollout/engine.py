@@ -24,7 +24,7 @@ import torch
 
 ALGORITHMS = ("low_confidence_static", "low_confidence_dynamic", "random", "editing")
 CONFIDENCES = ("model_prob", "maskgit_plus", "topk_margin", "entropy")
-SCHEDULES = ("even", "linspace", "linspace_first")
+SCHEDULES = ("even", "linspace", "linspace_first", "linspace_remaining")
 FINISH_REASONS = ("eos", "length")
 WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")  # rollout.weight_transport (weight_sync/)
 ENGINE_DEVICES = ("auto", "cpu", "cuda")  # rollout.device (built-in engine)
@@ -58,7 +58,9 @@ class SamplingParams:
     ``get_num_transfer_tokens``); ``linspace`` Dream's ``int(n_masked * (1 - s/t))`` with t, s consecutive points
     of ``linspace(1, eps, S + 1)``, the last step commits the rest; ``linspace_first`` DARE's block sampler for
     Dream (``generation_utils_block.py``): step 0 commits the block's first masked position alone, step i >= 1 the
-    linspace count of step i.
+    linspace count of step i; ``linspace_remaining`` DARE's MDPO rollout for Dream (``mdpo_dream_rollout.py``):
+    ``n_masked - int(n_masked * s/t)`` (the count that stays masked is rounded down, so one more token than
+    ``linspace`` where the product is fractional), the last step commits the rest (DARE's can leave masks there).
 
     The ranking (``confidence``): ``model_prob`` p_theta(x0) under the unfiltered model distribution (LLaDA, SDAR,
     LLaDA2.0); Dream's rules on the sampling distribution p = softmax(filter(logits / T)) (T = 0: of the logits):
@@ -75,7 +77,8 @@ class SamplingParams:
     stop_at_eos: bool = True  # finish after the block holding the first EOS (False: decode the whole
     # canvas of max_new_tokens, rl.canvas=full)
     seed: int = 0  # prompt i draws from its own stream, seeded prompt_seed(seed, i)
-    record_steps: bool = False  # keep per-step predictions and confidences (MDPO)
+    record_steps: bool = False  # keep per-step predictions and their probabilities (MDPO): every masked
+    # response position a forward predicts (full attention: later blocks too, as DARE's MDPO rollouts)
     confidence: str = "model_prob"  # what low-confidence remasking ranks (CONFIDENCES)
     schedule: str = "even"  # how many tokens a static step commits (SCHEDULES)
     eps: float = 1e-3  # Dream: the last point of the linspace schedule

@@ -56,7 +56,7 @@ import torch
 from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import DecoderLM, KVCache
-from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, commit_counts, dllm_step
+from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, commit_counts, dllm_step, propose
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
@@ -396,10 +396,14 @@ class _Decoder(ABC):
             logits = self.block_logits(n, cols, s, cur)
             counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
             streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
+            later = None
+            if logits.shape[1] > self.B:  # record_steps, full attention: the later blocks' predictions too
+                logits, ahead = logits[:, : self.B], logits[:, self.B :]
+                later = propose(ahead, p, streams, self.B, M)
             step = self.e.step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
             if refine is not None:
                 refine.after(masked, step)
-            trace.add(step, step_index)
+            trace.add(step, step_index, later)
             step_index = step_index + 1
             cur = step.tokens
         self.write_block(n, cols, cur)
@@ -629,6 +633,11 @@ class _SemiAR(_Decoder):
         self.shift = engine.arch.logits_shift
         self.mode = engine.full_attention_cache
         self.cache = engine.kv_cache(self.cap, self.L) if self.mode != "none" else None
+        if params.record_steps and self.mode != "none" and self.n_blocks > 1:
+            raise ValueError(
+                f"record_steps (MDPO) predicts every later block from each step's full forward; "
+                f"full_attention_cache={self.mode!r} does not compute them: use rollout.full_attention_cache=none"
+            )
 
     def admit(self, start: int, indices: list[int]) -> None:
         d, dev, P = self.dev, self.e.device, self.P
@@ -646,6 +655,14 @@ class _SemiAR(_Decoder):
         self.host["blocks"] += [self.n_blocks] * len(indices)
         super().admit(start, indices)
 
+    def _predicted(self, n: int, cols: torch.Tensor) -> torch.Tensor:
+        """The columns a forward predicts: the block; with ``record_steps`` (MDPO) also every later column, as
+        DARE's MDPO rollouts (``round`` samples them apart from the block: ``dllm_step.propose``)."""
+        later = self.L - min(self.host["start"][:n]) - self.B
+        if not self.params.record_steps or later <= 0:
+            return cols
+        return torch.cat([cols, _later_columns(cols, later, self.L)], dim=1)
+
     def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
         """Logits predicting the block's tokens (Dream: read one position to the left). 'prefix' / 'dual': the
         block's first forward (the whole row) fills the cache, later ones recompute the block (and, for 'prefix',
@@ -657,7 +674,7 @@ class _SemiAR(_Decoder):
         if self.cache is None or s == 0:
             if self.cache is not None:
                 self.cache.bind(0, torch.arange(L, device=self.e.device).expand(n, L), L)
-            return self.e.forward(ids, allowed, pos, self.cache, logits_index=cols - self.shift)
+            return self.e.forward(ids, allowed, pos, self.cache, logits_index=self._predicted(n, cols) - self.shift)
         W = self.B + self.shift if self.mode == "dual" else L - min(self.host["start"][:n]) + self.shift
         window = cols[:, :1] - self.shift + torch.arange(W, device=self.e.device)
         inside = window < L
@@ -672,12 +689,19 @@ class _SemiAR(_Decoder):
         )
 
 
+def _later_columns(cols: torch.Tensor, width: int, length: int) -> torch.Tensor:
+    """The ``width`` columns after each row's block ``cols`` [n, B], clamped to the row's last column
+    ``length - 1`` (a row further along repeats it; its extra predictions fall past the response)."""
+    return (cols[:, -1:] + 1 + torch.arange(width, device=cols.device)).clamp(max=length - 1)
+
+
 def _response_aligned(
     preds: list[tuple[int, list[int], list[float]]], resp: int, end: int
 ) -> tuple[list[list[int]], list[list[float]]]:
-    """A row's per-step block proposals placed on its response positions [0, end): -1 (confidence 0) where the
-    step predicted nothing (positions of other blocks; the prompt's remainder in the first block). ``preds``:
-    (decode column of the block's first position, proposals, confidences) per step the row took."""
+    """A row's per-step proposals placed on its response positions [0, end): -1 (confidence 0) where the step
+    predicted nothing (earlier blocks; later ones of a block-causal model; the prompt's remainder in the first
+    block). ``preds``: (decode column of the block's first position, proposals, confidences from that column on)
+    per step the row took."""
     out_p, out_c = [], []
     for first, block_preds, block_confs in preds:
         p, c = [-1] * end, [0.0] * end

@@ -196,6 +196,15 @@ def linspace_counts(n_masked: torch.Tensor, step: torch.Tensor, steps: int, eps:
     return torch.where(step >= steps - 1, n_masked, count)
 
 
+def linspace_remaining_counts(n_masked: torch.Tensor, step: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
+    """DARE's MDPO rollout for Dream (``mdpo_dream_rollout.py``): n_masked - int(n_masked * s/t) with the points
+    of :func:`linspace_counts` (float32); the last step (and any later one) commits every masked position."""
+    ts = torch.linspace(1, eps, steps + 1, device=n_masked.device)
+    ratio = ts[1:] / ts[:-1]
+    count = n_masked - (n_masked.float() * ratio[step.clamp(max=steps - 1)]).long()
+    return torch.where(step >= steps - 1, n_masked, count)
+
+
 def linspace_count(n_masked: int, step: int, steps: int, eps: float) -> int:
     """:func:`linspace_counts` for one row."""
     return int(linspace_counts(torch.tensor([n_masked]), torch.tensor([step]), steps, eps)[0])
