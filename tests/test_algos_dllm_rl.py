@@ -140,38 +140,48 @@ def megadare_step(algo, arch, rows, theta, theta_old):
     """megadare's trainer path on the rows: packed into several micro-batches (samples mixed), the algorithm's
     objective on each with the per-position log-probs read from the tables (row r = fragment r; position p of a
     row holds the log-prob of its label at logit position p), summed and divided by the global denominator."""
-    mbs = pack_rows(rows, seq_length=16, micro_batch_size=1)
+    mbs = pack_rows(rows, seq_length=max(len(r) for r in rows) + 4, micro_batch_size=1)
     assert len(mbs) >= 3
     objective = algo.objective(on_policy=False)
     total = 0.0
     for mb in mbs:
-        r, p = mb.row_ids.clamp(min=0), mb.position_ids
-        live = mb.row_ids >= 0
+        live = mb.row_ids >= 0  # (padding: row -1, positions counted on)
+        r, p = mb.row_ids.clamp(min=0), torch.where(live, mb.position_ids, 0)
         mb.old = torch.where(live, theta_old[r, p], 0.0)
         loss, _ = objective(mb, torch.where(live, theta[r, p], 0.0))
         total = total + loss
     return total / global_denominator(mbs)
 
 
-def _dllm_rl_case(family: str, name: str):
+# (prompt, response, advantage) of the comparison's four samples
+SPECS = [
+    ([5, 6], [7, 8, 9, 10, 11, 12], 1.0),
+    ([5], [9, 9, 8], -0.5),
+    ([6, 7, 5], [8, 10, 12, 7, 9], 0.75),
+    ([7, 5], [11, 12, 8, 10, 9, 7, 8], -1.25),
+]
+
+
+def _dllm_rl_case(family: str, name: str, bs: int = 0):
     """Four samples of different prompt / response lengths and advantages (both signs), their fragments (TraceRL:
-    replayed step groups at shrink 2 of a synthetic trace, 1-2 tokens a step; random masking: 3 masks each)
-    under LLaDA's or Dream's arch, and per-fragment tables of current and old log-probs (old = current + noise:
-    some ratios clipped)."""
+    replayed step groups at shrink 2 of a synthetic trace, 1-2 tokens a step; random masking: 3 masks each; block
+    families (``bs`` > 0): TraceRL rounds at shrink 1, one random mask each) under the family's arch, built by
+    the algorithm's ``batch_rows`` as the trainer does, and per-fragment tables of current and old log-probs
+    (old = current + noise: some ratios clipped)."""
     fam = get_family(family)
     arch = replace(fam.arch(fam.tiny_config()), mask_token_id=MASK)
-    algo = REGISTRY[name]({"shrink": 2} if name == "tracerl" else {"n_views": 3})
-    specs = [([5, 6], [7, 8, 9, 10, 11, 12], 1.0), ([5], [9, 9, 8], -0.5), ([6, 7, 5], [8, 10, 12, 7, 9], 0.75)]
-    specs.append(([7, 5], [11, 12, 8, 10, 9, 7, 8], -1.25))
+    if bs:
+        algo = REGISTRY[name]()
+    else:
+        algo = REGISTRY[name]({"shrink": 2} if name == "tracerl" else {"n_views": 3})
     samples = []
-    for i, (c, y, a) in enumerate(specs):
-        commit, bstep = synthetic_trace(len(c), len(y), 0, seed=30 + i, per_step=1 + i % 2)
+    for i, (c, y, a) in enumerate(SPECS):
+        commit, bstep = synthetic_trace(len(c), len(y), bs, seed=30 + i, per_step=1 + i % 2)
         samples.append(sample(c, y, adv=a, index=i, commit_step=commit, block_step=bstep))
-    rows, frags = [], []
+    rows = algo.batch_rows(samples, arch, bs, lambda i: torch.Generator().manual_seed(11 + i))
+    frags = []
     for s in samples:
-        g = torch.Generator().manual_seed(11 + s.index)
-        rows += algo.rows(s, arch, 0, g)
-        views = algo.views(s, arch, 0, torch.Generator().manual_seed(11 + s.index))
+        views = algo.views(s, arch, bs, torch.Generator().manual_seed(11 + s.index))
         frags += [(v, s.advantage) for v in views]
     assert len(rows) == len(frags)
     T = max(len(v.tokens) for v, _ in frags)
@@ -213,3 +223,54 @@ def test_llada_dream_loss_and_gradient_are_dllm_rls(family, name):
         assert torch.allclose(g_got, g_want, rtol=1e-6, atol=1e-10), (g_got - g_want).abs().max()
     exact_kl = dllm_rl_step(theta, theta_old, p_mask, adv, 0.01, shift, kl_per_target=False)
     assert abs(float(exact_kl) - float(want)) > 1e-6
+
+
+def dllm_rl_block_forward_process(logp_new, logp_old, p_mask, adv, beta, L1):
+    """dLLM-RL's block-family ``forward_process`` from the per-position log-probs on, transcribed from
+    ``train/rl_trado.py:731-760``: ``L1`` is the step's padded response width (``prompting_utils.py``
+    ``lm_prompt`` pads every response of the step to the longest; ``rl_trado.py:715-717``)."""
+    p_mask = p_mask.to(torch.bool)
+    B = logp_new.shape[0]
+    eps = 0.2
+    ratio = logp_new - logp_old
+    ratio = torch.where(p_mask, ratio, torch.zeros_like(ratio)).clamp(-10.0, 10.0)
+    ratio = torch.exp(ratio)
+    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+    adv_tok = adv.unsqueeze(1)
+    surrogate_tok = torch.min(ratio * adv_tok, clipped * adv_tok)
+    surrogate_tok = surrogate_tok * p_mask
+    surrogate_tok = surrogate_tok.sum(dim=1) / L1
+    policy_loss = -(surrogate_tok.sum() / B)
+    kl_seq = logp_new - logp_old
+    kl_seq = torch.where(p_mask, kl_seq, torch.zeros_like(kl_seq))
+    t = (-kl_seq).clamp(-10.0, 10.0)  # use_kl_estimator_k3
+    kl_seq = t.exp() - 1.0 + kl_seq
+    kl_seq = (kl_seq * p_mask).sum(dim=1) / L1
+    kl_loss = beta * kl_seq.sum() / B
+    return policy_loss + kl_loss
+
+
+@pytest.mark.parametrize("name", ["tracerl", "random_mask_rl"])
+def test_block_family_loss_and_gradient_are_dllm_rls(name):
+    """megadare's default TraceRL / random-masking loss on a block family (SDAR, blocks of 2) against dLLM-RL's
+    block ``forward_process`` (transcribed above) in its loop (``rl_trado.py:783-812``: ``batch_size_lm`` 1 in
+    configs/rl_trado.yaml, each loss / gradient_accumulation_steps, here one window over every fragment), fp64,
+    with L1 = the longest response of the step: loss and gradient, KL included, to 1e-6 (fp32 weights)."""
+    algo, arch, rows, theta, theta_old, p_mask, adv = _dllm_rl_case("sdar", name, bs=2)
+    assert arch.is_block_diffusion and float((theta - theta_old).abs().max()) < 10.0
+    L1 = max(len(y) for _, y, _ in SPECS)  # the step's longest response
+    assert len(set(p_mask.sum(1).tolist())) > 1 and len({len(y) for _, y, _ in SPECS}) > 1
+    for beta in (0.0, 0.01):
+        algo.p["kl_coef"] = beta
+        got = megadare_step(algo, arch, rows, theta, theta_old)
+        (g_got,) = torch.autograd.grad(got, theta)
+        n = theta.shape[0]  # micro-batches of one fragment, one accumulation window of n
+        one = lambda t, i: t[i : i + 1]  # noqa: E731
+        want = sum(
+            dllm_rl_block_forward_process(one(theta, i), one(theta_old, i), one(p_mask, i), one(adv, i), beta, L1) / n
+            for i in range(n)
+        )
+        (g_want,) = torch.autograd.grad(want, theta)
+        assert float(got) == pytest.approx(float(want), rel=1e-6, abs=1e-12), (beta, float(got), float(want))
+        assert g_want.abs().max() > 1e-3 and not ((g_want != 0) & ~p_mask).any()
+        assert torch.allclose(g_got, g_want, rtol=1e-6, atol=1e-10), (g_got - g_want).abs().max()

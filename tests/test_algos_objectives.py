@@ -59,9 +59,11 @@ def _weights(name: str, algo, s, views, bs: int, arch) -> tuple[dict[int, float]
     if name == "ebpo":  # one sequence slot
         return {0: 1.0}, 1.0
     agg = algo.loss_agg(arch)
+    frags = [{int(x) for x in v.slot.tolist() if x >= 0} for v in views]
     if agg == "fragment_mean":  # each view's mean over its slots, then over all views
-        frags = [{int(x) for x in v.slot.tolist() if x >= 0} for v in views]
         return {k: 1.0 / len(f) for f in frags for k in f}, float(sum(1 for f in frags if f))
+    if agg == "fragment_width":  # each view's sum / the batch's longest response (the rows of one sample: its own)
+        return {k: 1.0 / L for f in frags for k in f}, float(sum(1 for f in frags if f))
     if agg == "token_mean":
         return {k: 1.0 for k in slots}, float(len(slots))
     if agg == "seq_mean_token_mean":
@@ -469,7 +471,8 @@ def test_group_filters_and_truncation():
 
 # ================================================================== aggregation across packing
 @pytest.mark.parametrize(
-    "agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length", "fragment_mean"]
+    "agg",
+    ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length", "fragment_mean", "fragment_width"],
 )
 def test_aggregation_is_global_however_rows_are_packed(agg):
     """Random-masking RL with 3 fragments per response (one row each), 4 samples of different lengths, packed 2-3
@@ -477,7 +480,8 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
     the KL to it. sum over micro-batches of the objective / global denominator equals the stated normalisation:
     token_mean sum_all l_s / #slots; seq_mean_token_mean mean_i (1/n_i) sum_i l_s; seq_mean_token_sum
     mean_i sum_i l_s; seq_mean_length mean_i (1/L_i) sum_i l_s; fragment_mean mean over all fragments f of
-    (1/|f|) sum_f l_s (a view's slots are view * L + k)."""
+    (1/|f|) sum_f l_s (a view's slots are view * L + k); fragment_width the same with 1/max_i L_i (the rows made
+    by batch_rows over the 4 samples: the batch's longest response)."""
     full = toy_archs()[0]
     algo = REGISTRY["random_mask_rl"]({"n_views": 3, "loss_agg": agg, "eps_low": 0.1, "kl_coef": 0.05})
     toy, old_toy = Toy(0), Toy(0)
@@ -486,8 +490,10 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
         for p in old_toy.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     rows, per_sample = [], []
-    for s in _samples(0):
-        r = algo.rows(s, full, 0, torch.Generator().manual_seed(s.index))
+    samples = _samples(0)
+    by_sample = algo.batch_rows(samples, full, 0, lambda i: torch.Generator().manual_seed(i))
+    for s in samples:
+        r = [row for row in by_sample if int(row.sample[0]) == s.index]
         views = algo.views(s, full, 0, torch.Generator().manual_seed(s.index))
         assert len(r) == len(views) == 3
         for i, row in enumerate(r):
@@ -526,6 +532,12 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
         frags = [f for f in frags if f]
         assert len({len(f) for f in frags}) > 1  # fragments of different sizes: not a per-sample mean in disguise
         want = sum(sum(f) / len(f) for f in frags) / len(frags)
+    elif agg == "fragment_width":
+        W = max(L for _, L in per_sample)
+        assert len({L for _, L in per_sample}) > 1
+        want = (
+            sum(sum(ls.values()) for ls, _ in per_sample) / W / sum(len({k // L for k in ls}) for ls, L in per_sample)
+        )
     else:
         want = sum(sum(ls.values()) / L for ls, L in per_sample) / N
     assert float(loss) == pytest.approx(want, rel=1e-6)
@@ -557,6 +569,8 @@ def test_aggregation_sees_clipped_and_unclipped_slots():
 def test_unknown_params_fail_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"algo\.params\.epsilon.*no parameter 'epsilon'.*valid: \[.*'eps_low'"):
         REGISTRY["d1"]({"epsilon": 0.2})
+    with pytest.raises(ConfigError, match=r"algo\.params\.loss_agg='fragment'.*fragment_mean"):
+        REGISTRY["tracerl"]({"loss_agg": "fragment"})  # refused when the algorithm is built, not at row time
     with pytest.raises(ConfigError, match="'p_prompt'"):
         REGISTRY["tracerl"]({"p_prompt": 0.1})  # d1's key is not tracerl's
     with pytest.raises(ConfigError, match="algo.name='grpo' unknown"):
@@ -585,7 +599,7 @@ def test_published_defaults():
     )
     full, blk = toy_archs()
     for name in ("tracerl", "random_mask_rl"):  # dLLM-RL's aggregation per family (rl_llada.py:589-592)
-        assert (REGISTRY[name]().loss_agg(full), REGISTRY[name]().loss_agg(blk)) == ("fragment_mean", "seq_mean_length")
+        assert (REGISTRY[name]().loss_agg(full), REGISTRY[name]().loss_agg(blk)) == ("fragment_mean", "fragment_width")
         assert REGISTRY[name]({"loss_agg": "token_mean"}).loss_agg(full) == "token_mean"
     p = REGISTRY["random_mask_rl"]().p
     assert (p["p_low"], p["p_high"], p["eps_low"], p["kl_coef"], p["kl_anchor"], p["couple"]) == (

@@ -11,9 +11,9 @@ of each fragment with the same advantage (coupled RL). Every masked token has it
 
 Defaults as TraceRL's loss (algos/tracerl.py ``DllmRlLoss``; dLLM-RL trains both modes with one
 ``forward_process``, ``rl_trado.py:711``): eps 0.2, log-ratio clamped to +-10, beta 0.01 to the old policy (k3 as
-dLLM-RL computes it); on LLaDA/Dream each fragment's sum / its masked count, mean over fragments (w_f = 1/|f|,
-``fragment_mean``, ``train/rl_llada.py:589-592``), on block families a sample's sum / its response length, mean
-over samples (``seq_mean_length``).
+dLLM-RL computes it); N fragments, on LLaDA/Dream each fragment's sum / its masked count (w_f = 1/|f|,
+``fragment_mean``, ``train/rl_llada.py:589-592``), on block families / the step's longest response
+(``fragment_width``, ``train/rl_trado.py:742-744``).
 
 Canvas (``rl.canvas``): dLLM-RL trains TraDo/SDAR on the response up to its EOS block (``eos``, the block
 families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms.

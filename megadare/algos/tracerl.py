@@ -8,10 +8,10 @@ families) into one fragment; each fragment scores its tokens from the state befo
     L = (1/N) sum_f w_f sum_{k in f} [-min(rho_k A_k, clip(rho_k, 1 +- eps) A_k) + beta KL3_k(pi_theta || pi_old)],
     rho_k = exp(log p_theta(y_k | x_f) - log p_old(y_k | x_f)),
 
-w_f = 1/|f| and N the number of fragments on LLaDA/Dream (``loss_agg=fragment_mean``); w_f = 1/L_i (the sample's
-response length) and N the number of samples on block families (``seq_mean_length``); DllmRlLoss says where this
-follows dLLM-RL and where not and why. The log-ratio is clamped to +-10 and KL3 computed as dLLM-RL's block path
-does (``kl_estimator=k3_exp10``: exponent clamped to +-10, estimate unbounded; ``train/rl_trado.py:731-754``).
+N the number of fragments, w_f = 1/|f| on LLaDA/Dream (``loss_agg=fragment_mean``) and 1/L1, the step's longest
+response, on block families (``fragment_width``); DllmRlLoss says where this follows dLLM-RL and where not and
+why. The log-ratio is clamped to +-10 and KL3 computed as dLLM-RL's block path does (``kl_estimator=k3_exp10``:
+exponent clamped to +-10, estimate unbounded; ``train/rl_trado.py:731-754``).
 Advantages: per-prompt z-score of 0/1 rewards with the population std (``advantage.std=population``), responses
 truncated at max length counted wrong, prompts with accuracy outside [0.2, 0.8] dropped (``advantage.accuracy_band``).
 Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01, shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6,
@@ -28,6 +28,7 @@ post-EOS ones included, so each replayed state is the sampler's.
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
+from megadare.algos.base import STEP_WIDTH, RLSample
 from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 
@@ -48,13 +49,14 @@ class DllmRlLoss(Algorithm):
     """dLLM-RL's loss, shared by TraceRL and random-masking / coupled RL (each model file of dLLM-RL trains its
     three modes with one ``forward_process``).
 
-    Aggregation (``loss_agg``; null: the family's, as dLLM-RL trains it). LLaDA / Dream: ``fragment_mean``, each
-    fragment's surrogate sum / its number of targets, mean over fragments (``train/rl_llada.py:589-592``,
-    ``train/rl_dream.py:618-622``; a fragment is one replayed step group, or one random mask, of one response):
-    a short fragment weighs as much as a long one, so every replayed step group of a trace counts the same.
-    Block families (TraDo / SDAR): ``seq_mean_length``, a sample's sum over its fragments / its response length,
-    mean over samples (dLLM-RL divides each fragment's sum by the step's padded response width instead and
-    averages over fragments, ``train/rl_trado.py:742-744``).
+    Aggregation (``loss_agg``; null: the family's, as dLLM-RL trains it), always a mean over fragments (a fragment
+    is one replayed step group, or one random mask, of one response: dLLM-RL's training row). LLaDA / Dream:
+    ``fragment_mean``, each fragment's surrogate sum / its number of targets (``train/rl_llada.py:589-592``,
+    ``train/rl_dream.py:618-622``), so a short fragment weighs as much as a long one. Block families (TraDo /
+    SDAR): ``fragment_width``, each fragment's sum / the longest response of the RL step (L1, the width dLLM-RL
+    pads the step's responses to, ``train/rl_trado.py:742-744``), so every token of the step weighs the same
+    whatever its response's length. The step's longest response is stamped on the samples by ``prepare`` (the
+    step's samples) and ``batch_rows`` (at least the mini-batch's); rows of a lone sample use its own length.
 
     Kept on purpose where rl_llada.py / rl_dream.py differ: (1) the KL term takes the policy term's normaliser.
     They sum the KL over a fragment's targets without dividing by their number (``rl_llada.py:601-602``,
@@ -66,7 +68,22 @@ class DllmRlLoss(Algorithm):
     same loss while |log rho| <= 10."""
 
     def loss_agg(self, arch) -> str:
-        return self.p["loss_agg"] or ("seq_mean_length" if arch.is_block_diffusion else "fragment_mean")
+        return self.p["loss_agg"] or ("fragment_width" if arch.is_block_diffusion else "fragment_mean")
+
+    def prepare(self, samples, score, group_size) -> None:
+        stamp_step_width(samples)
+
+    def batch_rows(self, samples, arch, block_size, generator_for):
+        stamp_step_width(samples)
+        return super().batch_rows(samples, arch, block_size, generator_for)
+
+
+def stamp_step_width(samples: list[RLSample]) -> None:
+    """``extra[STEP_WIDTH]`` of every sample: the longest response among ``samples`` (or the one stamped before,
+    when longer: a mini-batch keeps its step's width)."""
+    width = max((len(s.response_ids) for s in samples), default=0)
+    for s in samples:
+        s.extra[STEP_WIDTH] = max(width, s.extra.get(STEP_WIDTH, 0))
 
 
 class TraceRL(DllmRlLoss):
