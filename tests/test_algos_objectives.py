@@ -45,7 +45,7 @@ def _views(algo, s, arch, bs, seed):
     return algo.views(s, arch, bs, torch.Generator().manual_seed(seed))
 
 
-def _weights(name: str, algo, s, views, bs: int) -> tuple[dict[int, float], float]:
+def _weights(name: str, algo, s, views, bs: int, arch) -> tuple[dict[int, float], float]:
     """The algorithm's aggregation weight of every slot and the sample's share of the denominator, written out
     here from each file's stated objective (not read from the rows)."""
     slots = sorted({int(x) for v in views for x in v.slot.tolist() if x >= 0})
@@ -58,7 +58,12 @@ def _weights(name: str, algo, s, views, bs: int) -> tuple[dict[int, float], floa
         return {j: 1.0 / len(views) for j in slots}, 1.0
     if name == "ebpo":  # one sequence slot
         return {0: 1.0}, 1.0
-    agg = algo.p["loss_agg"]
+    agg = algo.loss_agg(arch)
+    frags = [{int(x) for x in v.slot.tolist() if x >= 0} for v in views]
+    if agg == "fragment_mean":  # each view's mean over its slots, then over all views
+        return {k: 1.0 / len(f) for f in frags for k in f}, float(sum(1 for f in frags if f))
+    if agg == "fragment_width":  # each view's sum / the batch's longest response (the rows of one sample: its own)
+        return {k: 1.0 / L for f in frags for k in f}, float(sum(1 for f in frags if f))
     if agg == "token_mean":
         return {k: 1.0 for k in slots}, float(len(slots))
     if agg == "seq_mean_token_mean":
@@ -128,7 +133,7 @@ def test_on_policy_gradient_is_the_reinforce_gradient(name, kind):
         rows += algo.rows(s, arch, bs, torch.Generator().manual_seed(7 + s.index))
         views = _views(algo, s, arch, bs, 7 + s.index)
         lin, _ = _direct(toy, views, torch.tensor(s.prompt_ids + s.response_ids), bs)
-        w, d = _weights(name, algo, s, views, bs)
+        w, d = _weights(name, algo, s, views, bs, arch)
         assert sorted(w) == sorted(lin)
         surrogate = surrogate + sum(w[k] * s.advantage * lin[k] for k in lin)
         D_want += d
@@ -142,7 +147,7 @@ def test_on_policy_gradient_is_the_reinforce_gradient(name, kind):
         -sum(
             w * s.advantage
             for s in _samples(bs)
-            for w in _weights(name, algo, s, _views(algo, s, arch, bs, 7 + s.index), bs)[0].values()
+            for w in _weights(name, algo, s, _views(algo, s, arch, bs, 7 + s.index), bs, arch)[0].values()
         )
         / D_want
     )
@@ -465,13 +470,18 @@ def test_group_filters_and_truncation():
 
 
 # ================================================================== aggregation across packing
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length"])
+@pytest.mark.parametrize(
+    "agg",
+    ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length", "fragment_mean", "fragment_width"],
+)
 def test_aggregation_is_global_however_rows_are_packed(agg):
     """Random-masking RL with 3 fragments per response (one row each), 4 samples of different lengths, packed 2-3
     rows per sequence into several micro-batches; an old policy that differs (ratios != 1, some clipped) and
     the KL to it. sum over micro-batches of the objective / global denominator equals the stated normalisation:
     token_mean sum_all l_s / #slots; seq_mean_token_mean mean_i (1/n_i) sum_i l_s; seq_mean_token_sum
-    mean_i sum_i l_s; seq_mean_length mean_i (1/L_i) sum_i l_s."""
+    mean_i sum_i l_s; seq_mean_length mean_i (1/L_i) sum_i l_s; fragment_mean mean over all fragments f of
+    (1/|f|) sum_f l_s (a view's slots are view * L + k); fragment_width the same with 1/max_i L_i (the rows made
+    by batch_rows over the 4 samples: the batch's longest response)."""
     full = toy_archs()[0]
     algo = REGISTRY["random_mask_rl"]({"n_views": 3, "loss_agg": agg, "eps_low": 0.1, "kl_coef": 0.05})
     toy, old_toy = Toy(0), Toy(0)
@@ -480,8 +490,10 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
         for p in old_toy.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
     rows, per_sample = [], []
-    for s in _samples(0):
-        r = algo.rows(s, full, 0, torch.Generator().manual_seed(s.index))
+    samples = _samples(0)
+    by_sample = algo.batch_rows(samples, full, 0, lambda i: torch.Generator().manual_seed(i))
+    for s in samples:
+        r = [row for row in by_sample if int(row.sample[0]) == s.index]
         views = algo.views(s, full, 0, torch.Generator().manual_seed(s.index))
         assert len(r) == len(views) == 3
         for i, row in enumerate(r):
@@ -491,13 +503,13 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
         with torch.no_grad():
             lin, _ = _direct(toy, views, x0, 0)
             old, _ = _direct(old_toy, views, x0, 0)
-        losses = []
+        losses = {}
         for k in lin:
             rho = torch.exp(lin[k] - old[k])
             a = s.advantage
             d = old[k] - lin[k]
             k3 = float(torch.exp(d.clamp(-10.0, 10.0)) - d - 1)  # dLLM-RL's k3 (rl_trado.py:752), uncapped
-            losses.append(float(-torch.minimum(rho * a, rho.clamp(0.9, 1.1) * a)) + 0.05 * k3)
+            losses[k] = float(-torch.minimum(rho * a, rho.clamp(0.9, 1.1) * a)) + 0.05 * k3
         per_sample.append((losses, len(s.response_ids)))
     loss, D, mbs = _trainer_loss(algo, toy, rows, 0, old_toy=old_toy, seq_length=14, mbs_size=1, ref=False)
     # the packing really mixes samples and splits them
@@ -510,13 +522,24 @@ def test_aggregation_is_global_however_rows_are_packed(agg):
     assert any(len(v) > 1 for v in where.values())
     N = len(per_sample)
     if agg == "token_mean":
-        want = sum(sum(ls) for ls, _ in per_sample) / sum(len(ls) for ls, _ in per_sample)
+        want = sum(sum(ls.values()) for ls, _ in per_sample) / sum(len(ls) for ls, _ in per_sample)
     elif agg == "seq_mean_token_mean":
-        want = sum(sum(ls) / len(ls) for ls, _ in per_sample) / N
+        want = sum(sum(ls.values()) / len(ls) for ls, _ in per_sample) / N
     elif agg == "seq_mean_token_sum":
-        want = sum(sum(ls) for ls, _ in per_sample) / N
+        want = sum(sum(ls.values()) for ls, _ in per_sample) / N
+    elif agg == "fragment_mean":
+        frags = [[x for k, x in ls.items() if k // L == f] for ls, L in per_sample for f in range(3)]
+        frags = [f for f in frags if f]
+        assert len({len(f) for f in frags}) > 1  # fragments of different sizes: not a per-sample mean in disguise
+        want = sum(sum(f) / len(f) for f in frags) / len(frags)
+    elif agg == "fragment_width":
+        W = max(L for _, L in per_sample)
+        assert len({L for _, L in per_sample}) > 1
+        want = (
+            sum(sum(ls.values()) for ls, _ in per_sample) / W / sum(len({k // L for k in ls}) for ls, L in per_sample)
+        )
     else:
-        want = sum(sum(ls) / L for ls, L in per_sample) / N
+        want = sum(sum(ls.values()) / L for ls, L in per_sample) / N
     assert float(loss) == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="loss_agg"):
         rows_for_views(_samples(0)[0], algo.views(_samples(0)[0], full, 0, torch.Generator()), full, "mean")
@@ -546,6 +569,8 @@ def test_aggregation_sees_clipped_and_unclipped_slots():
 def test_unknown_params_fail_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"algo\.params\.epsilon.*no parameter 'epsilon'.*valid: \[.*'eps_low'"):
         REGISTRY["d1"]({"epsilon": 0.2})
+    with pytest.raises(ConfigError, match=r"algo\.params\.loss_agg='fragment'.*fragment_mean"):
+        REGISTRY["tracerl"]({"loss_agg": "fragment"})  # refused when the algorithm is built, not at row time
     with pytest.raises(ConfigError, match="'p_prompt'"):
         REGISTRY["tracerl"]({"p_prompt": 0.1})  # d1's key is not tracerl's
     with pytest.raises(ConfigError, match="algo.name='grpo' unknown"):
@@ -565,14 +590,17 @@ def test_published_defaults():
     p = REGISTRY["coupled_grpo"]().p
     assert (p["t_low"], p["t_high"], p["eps_low"], p["kl_coef"], p["kl_anchor"]) == (0.2, 0.8, 0.5, 0.01, "ref")
     p = REGISTRY["tracerl"]().p
-    assert (p["eps_low"], p["kl_coef"], p["kl_anchor"], p["kl_estimator"], p["log_ratio_clamp"], p["loss_agg"]) == (
+    assert (p["eps_low"], p["kl_coef"], p["kl_anchor"], p["kl_estimator"], p["log_ratio_clamp"]) == (
         0.2,
         0.01,
         "old",
         "k3_exp10",
         10.0,
-        "seq_mean_length",
     )
+    full, blk = toy_archs()
+    for name in ("tracerl", "random_mask_rl"):  # dLLM-RL's aggregation per family (rl_llada.py:589-592)
+        assert (REGISTRY[name]().loss_agg(full), REGISTRY[name]().loss_agg(blk)) == ("fragment_mean", "fragment_width")
+        assert REGISTRY[name]({"loss_agg": "token_mean"}).loss_agg(full) == "token_mean"
     p = REGISTRY["random_mask_rl"]().p
     assert (p["p_low"], p["p_high"], p["eps_low"], p["kl_coef"], p["kl_anchor"], p["couple"]) == (
         0.1,
@@ -583,7 +611,6 @@ def test_published_defaults():
         False,
     )
     assert (p["kl_estimator"], p["log_ratio_clamp"]) == ("k3_exp10", 10.0)  # dLLM-RL's one forward_process
-    full, blk = toy_archs()
     s = sample([1], [0, 1, 2])
     assert len(REGISTRY["random_mask_rl"]().views(s, full, 0, torch.Generator())) == 35
     assert len(REGISTRY["random_mask_rl"]().views(s, blk, 2, torch.Generator())) == 1

@@ -80,8 +80,10 @@ def _worker(rank, world, hf_dir, algos, cfg_over):
                 samples = tree.samples_from(leaves, rewards, 4)
                 out["tree_nodes"] = len(samples)
             algo = build_algorithm(name, {"branch": 2, "depth": 2} if name == "d_treerpo" else None)
-            if type(algo).prepare is not Algorithm.prepare:  # MDPO: a toy reward on every intermediate answer
+            if type(algo).prepare is not Algorithm.prepare:  # as the trainer's collect (MDPO: a toy reward on
+                # every intermediate answer; TraceRL / random masking: the step's longest response)
                 algo.prepare(samples, lambda rs, idx: [sum(t % 2 == 0 for t in r) / len(r) for r in rs], 4)
+            if name == "mdpo":
                 assert all(len(s.extra["step_rewards"]) == len(s.extra["step_predictions"]) for s in samples)
                 out["mdpo_blocks"] = min(
                     len({j // block for pred in s.extra["step_predictions"] for j, p in enumerate(pred) if p >= 0})

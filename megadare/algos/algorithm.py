@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from megadare.algos.base import RLSample, SlotObjective, Slots, aggregation, views_to_row
+from megadare.algos.base import LOSS_AGG, STEP_WIDTH, RLSample, SlotObjective, Slots, aggregation, views_to_row
 from megadare.algos.policy_loss import PPOClip, check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
@@ -50,11 +50,9 @@ def rows_for_views(
 ) -> list[Row]:
     """Rows of one sample's views: one row when a slot spans several views (its estimate sums over them and
     must see them in one micro-batch), else one row per view (shorter rows pack better)."""
-    slots = sorted({int(x) for v in views for x in v.slot.tolist() if x >= 0})
-    if slot_weight is None or denom is None:
-        w, denom = aggregation(loss_agg, len(slots), len(s.response_ids))
-        slot_weight = {k: w for k in slots}
     per_view = [set(int(x) for x in v.slot.tolist() if x >= 0) for v in views]
+    if slot_weight is None or denom is None:
+        slot_weight, denom = aggregation(loss_agg, per_view, len(s.response_ids), s.extra.get(STEP_WIDTH))
     shared = sum(len(x) for x in per_view) != len(set().union(*per_view)) if per_view else False
     if shared:
         return [views_to_row(s, views, arch, slot_weight, denom)]
@@ -92,6 +90,8 @@ class Algorithm(ABC):
                 raise ConfigError(f"algo.params.{k}: {self.name} has no parameter {k!r}; valid: {sorted(resolved)}")
             if v is not None:
                 resolved[k] = v
+        if resolved["loss_agg"] is not None and resolved["loss_agg"] not in LOSS_AGG:
+            raise ConfigError(f"algo.params.loss_agg={resolved['loss_agg']!r} unknown; choose one of {LOSS_AGG}")
         if resolved["kl_anchor"] not in ("ref", "old", "none"):
             raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
         check_dual_clip(resolved["dual_clip"])
@@ -198,7 +198,11 @@ class Algorithm(ABC):
         views = self.views(s, arch, block_size, g)
         if not views:
             return []
-        return rows_for_views(s, views, arch, self.p["loss_agg"])
+        return rows_for_views(s, views, arch, self.loss_agg(arch))
+
+    def loss_agg(self, arch: ModelArch) -> str:
+        """The aggregation of its rows (``base.aggregation``) on this model family: ``loss_agg`` as resolved."""
+        return self.p["loss_agg"]
 
     def batch_rows(self, samples: list[RLSample], arch: ModelArch, block_size: int, generator_for) -> list[Row]:
         """Rows of a mini-batch of samples (``generator_for(index)`` seeds each sample's corruptions).

@@ -39,7 +39,15 @@ from megadare.diffusion.views import View
 from megadare.rollout.engine import fields_from_extra
 
 SLOT_CONST = "per_slot_"  # row extras constant over a slot, handed to the slot loss in Slots.extra
-LOSS_AGG = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_length")
+LOSS_AGG = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_length",
+    "fragment_mean",
+    "fragment_width",
+)
+STEP_WIDTH = "step_width"  # RLSample.extra: the longest response of the sample's RL step (fragment_width)
 
 
 @dataclass
@@ -149,22 +157,45 @@ def views_to_row(
     )
 
 
-def aggregation(loss_agg: str, n_slots: int, length: int = 0) -> tuple[float, float]:
-    """(head weight of each slot, the sample's denominator share) for a sample with ``n_slots`` slots.
+def aggregation(
+    loss_agg: str, fragments: list[set[int]], length: int = 0, width: Optional[int] = None
+) -> tuple[dict[int, float], float]:
+    """(head weight of every slot, the sample's denominator share) for a sample whose views (its fragments) score
+    the slot sets ``fragments``; ``length``: its response length; ``width``: the longest response of its RL step
+    (``RLSample.extra[STEP_WIDTH]``; None: the sample is a batch of its own, ``length``).
 
     token_mean: every slot of the global batch counts once, divided by the number of slots (DAPO / verl
     ``token-mean``); seq_mean_token_mean: mean over a sample's slots, then over samples (GRPO's original);
     seq_mean_token_sum: sum over a sample's slots, mean over samples (Dr. GRPO-style, constant normaliser);
-    seq_mean_length: sum over a sample's slots / its response length, mean over samples (dLLM-RL's sum / L1)."""
+    seq_mean_length: sum over a sample's slots / its response length, mean over samples; fragment_mean: each
+    fragment's sum over its slots / its number of slots, mean over the global batch's fragments (dLLM-RL's
+    LLaDA / Dream: a fragment's surrogate sum / num_mask, mean over fragments, ``train/rl_llada.py:589-592``,
+    ``train/rl_dream.py:618-622``); fragment_width: each fragment's sum over its slots / the step's longest
+    response, mean over the global batch's fragments (dLLM-RL's block families: a fragment's sum / L1, the padded
+    response width of the step, mean over fragments, ``train/rl_trado.py:742-744, 754-755``). In the fragment
+    modes a slot must lie in one fragment, and fragments without a slot count for nothing."""
+    slots = set().union(*fragments) if fragments else set()
+    if loss_agg in ("fragment_mean", "fragment_width"):
+        if sum(len(f) for f in fragments) != len(slots):
+            raise ValueError(
+                f"loss_agg={loss_agg}: a slot is scored in several views (its estimate spans fragments); "
+                "use a per-sample aggregation (seq_mean_length, seq_mean_token_mean, ...)"
+            )
+        scored = [f for f in fragments if f]
+        if loss_agg == "fragment_mean":
+            return {k: 1.0 / len(f) for f in scored for k in f}, float(len(scored))
+        return {k: 1.0 / max(width or length, 1) for f in scored for k in f}, float(len(scored))
     if loss_agg == "token_mean":
-        return 1.0, float(n_slots)
-    if loss_agg == "seq_mean_token_mean":
-        return 1.0 / max(n_slots, 1), 1.0
-    if loss_agg == "seq_mean_token_sum":
-        return 1.0, 1.0
-    if loss_agg == "seq_mean_length":
-        return 1.0 / max(length, 1), 1.0
-    raise ValueError(f"rl.loss_agg={loss_agg!r} unknown; choose one of {LOSS_AGG}")
+        w, denom = 1.0, float(len(slots))
+    elif loss_agg == "seq_mean_token_mean":
+        w, denom = 1.0 / max(len(slots), 1), 1.0
+    elif loss_agg == "seq_mean_token_sum":
+        w, denom = 1.0, 1.0
+    elif loss_agg == "seq_mean_length":
+        w, denom = 1.0 / max(length, 1), 1.0
+    else:
+        raise ValueError(f"algo.params.loss_agg={loss_agg!r} unknown; choose one of {LOSS_AGG}")
+    return {k: w for k in slots}, denom
 
 
 @dataclass

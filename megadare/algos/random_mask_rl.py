@@ -7,11 +7,13 @@ layout); full-attention families draw t ~ U(0.1, 0.9) per fragment and mask i.i.
 fragments per response (dLLM-RL: 35). ``couple=true`` adds the exact complement
 of each fragment with the same advantage (coupled RL). Every masked token has its own ratio (no 1/t weight):
 
-    L = -(1/L1) sum_fragments sum_{k masked} min(rho_k A, clip(rho_k, 1 +- eps) A) + beta KL3(pi_theta || pi_old)
+    L = (1/N) sum_f w_f sum_{k masked in f} [-min(rho_k A, clip(rho_k, 1 +- eps) A) + beta KL3_k(pi_theta || pi_old)]
 
-Defaults as TraceRL's loss (dLLM-RL trains both modes with one ``forward_process``, ``rl_trado.py:711``): eps
-0.2, log-ratio clamped to +-10, beta 0.01 to the old policy (k3 as dLLM-RL computes it), sum over targets /
-response length.
+Defaults as TraceRL's loss (algos/tracerl.py ``DllmRlLoss``; dLLM-RL trains both modes with one
+``forward_process``, ``rl_trado.py:711``): eps 0.2, log-ratio clamped to +-10, beta 0.01 to the old policy (k3 as
+dLLM-RL computes it); N fragments, on LLaDA/Dream each fragment's sum / its masked count (w_f = 1/|f|,
+``fragment_mean``, ``train/rl_llada.py:589-592``), on block families / the step's longest response
+(``fragment_width``, ``train/rl_trado.py:742-744``).
 
 Canvas (``rl.canvas``): dLLM-RL trains TraDo/SDAR on the response up to its EOS block (``eos``, the block
 families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms.
@@ -19,12 +21,11 @@ families' default); on LLaDA/Dream the default is the full canvas, like DARE's a
 
 from __future__ import annotations
 
-from megadare.algos.algorithm import Algorithm
-from megadare.algos.tracerl import TRACERL_LOSS
+from megadare.algos.tracerl import TRACERL_LOSS, DllmRlLoss
 from megadare.diffusion.corruption import CleanSequence, random_mask
 
 
-class RandomMaskRL(Algorithm):
+class RandomMaskRL(DllmRlLoss):
     name = "random_mask_rl"
     paper = "arXiv:2509.06949"
     defaults = {

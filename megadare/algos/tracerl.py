@@ -5,14 +5,17 @@ Estimator: replay the recorded decoding trajectory (diffusion/trace_replay.py). 
 which the sampler committed them; ``shrink`` s merges every s consecutive distinct steps (per block for block
 families) into one fragment; each fragment scores its tokens from the state before them:
 
-    L = -(1/L1) sum_fragments sum_{k in fragment} min(rho_k A_k, clip(rho_k, 1 +- eps) A_k)
-        + beta KL3(pi_theta || pi_old),      rho_k = exp(log p_theta(y_k | x_frag) - log p_old(y_k | x_frag)),
+    L = (1/N) sum_f w_f sum_{k in f} [-min(rho_k A_k, clip(rho_k, 1 +- eps) A_k) + beta KL3_k(pi_theta || pi_old)],
+    rho_k = exp(log p_theta(y_k | x_f) - log p_old(y_k | x_f)),
 
-log-ratio clamped to +-10 and KL3 computed as dLLM-RL does (``kl_estimator=k3_exp10``: exponent clamped to
-+-10, estimate unbounded; ``train/rl_trado.py:731-754``). Advantages: per-prompt z-score of 0/1 rewards with the population std
-(``advantage.std=population``), responses truncated at max length counted wrong, prompts with accuracy
-outside [0.2, 0.8] dropped (``advantage.accuracy_band``). Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01,
-shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6, temperature 1.0, ``low_confidence_dynamic`` 0.9.
+N the number of fragments, w_f = 1/|f| on LLaDA/Dream (``loss_agg=fragment_mean``) and 1/L1, the step's longest
+response, on block families (``fragment_width``); DllmRlLoss says where this follows dLLM-RL and where not and
+why. The log-ratio is clamped to +-10 and KL3 computed as dLLM-RL's block path does (``kl_estimator=k3_exp10``:
+exponent clamped to +-10, estimate unbounded; ``train/rl_trado.py:731-754``).
+Advantages: per-prompt z-score of 0/1 rewards with the population std (``advantage.std=population``), responses
+truncated at max length counted wrong, prompts with accuracy outside [0.2, 0.8] dropped (``advantage.accuracy_band``).
+Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01, shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6,
+temperature 1.0, ``low_confidence_dynamic`` 0.9.
 With ``value_model=true`` a second Megatron model (same backbone, zero-initialised scalar head, own optimizer,
 ``value_lr`` 5e-6) gives token-wise values and the advantages become TraceRL's step-level GAE
 (algos/value_model.py; gamma = lambda = 1 by default, value clip 0.2); otherwise they are group-relative.
@@ -25,11 +28,12 @@ post-EOS ones included, so each replayed state is the sampler's.
 from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
+from megadare.algos.base import STEP_WIDTH, RLSample
 from megadare.diffusion.trace_replay import replay_views
 from megadare.errors import ConfigError
 
 
-# dLLM-RL's loss (PPO clip, log-ratio clamp, KL3 to the old policy, sum over targets / response length):
+# dLLM-RL's loss (PPO clip, log-ratio clamp, KL3 to the old policy, the family's aggregation: DllmRlLoss):
 # random-masking and coupled RL (algos/random_mask_rl.py) train with the same forward_process (rl_trado.py:711)
 TRACERL_LOSS = {
     "eps_low": 0.2,
@@ -37,11 +41,52 @@ TRACERL_LOSS = {
     "kl_coef": 0.01,
     "kl_anchor": "old",
     "kl_estimator": "k3_exp10",
-    "loss_agg": "seq_mean_length",
+    "loss_agg": None,  # the family's (DllmRlLoss.loss_agg)
 }
 
 
-class TraceRL(Algorithm):
+class DllmRlLoss(Algorithm):
+    """dLLM-RL's loss, shared by TraceRL and random-masking / coupled RL (each model file of dLLM-RL trains its
+    three modes with one ``forward_process``).
+
+    Aggregation (``loss_agg``; null: the family's, as dLLM-RL trains it), always a mean over fragments (a fragment
+    is one replayed step group, or one random mask, of one response: dLLM-RL's training row). LLaDA / Dream:
+    ``fragment_mean``, each fragment's surrogate sum / its number of targets (``train/rl_llada.py:589-592``,
+    ``train/rl_dream.py:618-622``), so a short fragment weighs as much as a long one. Block families (TraDo /
+    SDAR): ``fragment_width``, each fragment's sum / the longest response of the RL step (L1, the width dLLM-RL
+    pads the step's responses to, ``train/rl_trado.py:742-744``), so every token of the step weighs the same
+    whatever its response's length. The step's longest response is stamped on the samples by ``prepare`` (the
+    step's samples) and ``batch_rows`` (at least the mini-batch's); rows of a lone sample use its own length.
+
+    Kept on purpose where rl_llada.py / rl_dream.py differ: (1) the KL term takes the policy term's normaliser.
+    They sum the KL over a fragment's targets without dividing by their number (``rl_llada.py:601-602``,
+    ``rl_dream.py:630-631``), so its weight against the policy term grows with the fragment (x ~8 at shrink 8 with
+    one token per step, x ~L/2 under random masking of an L-token response), whereas dLLM-RL's block path
+    (``rl_trado.py:754``) and its LLaDA-V policy trainer (``train/train_lladav_policy.py:408-409``) divide both
+    terms alike. (2) The log-ratio clamp +-10 and the KL3 exponent clamp (``rl_trado.py:732, 752``,
+    ``train_lladav_policy.py:395, 406``) on every family, where rl_llada.py / rl_dream.py clamp nothing: the
+    same loss while |log rho| <= 10."""
+
+    def loss_agg(self, arch) -> str:
+        return self.p["loss_agg"] or ("fragment_width" if arch.is_block_diffusion else "fragment_mean")
+
+    def prepare(self, samples, score, group_size) -> None:
+        stamp_step_width(samples)
+
+    def batch_rows(self, samples, arch, block_size, generator_for):
+        stamp_step_width(samples)
+        return super().batch_rows(samples, arch, block_size, generator_for)
+
+
+def stamp_step_width(samples: list[RLSample]) -> None:
+    """``extra[STEP_WIDTH]`` of every sample: the longest response among ``samples`` (or the one stamped before,
+    when longer: a mini-batch keeps its step's width)."""
+    width = max((len(s.response_ids) for s in samples), default=0)
+    for s in samples:
+        s.extra[STEP_WIDTH] = max(width, s.extra.get(STEP_WIDTH, 0))
+
+
+class TraceRL(DllmRlLoss):
     name = "tracerl"
     paper = "arXiv:2509.06949"
     needs_trace = True

@@ -10,8 +10,11 @@ of the last step, r*_t = mean reward of step t's tokens, V*_t = mean value of st
     A*_t = delta*_t + gamma lambda A*_{t+1}           (R*, V*, A* = 0 beyond T)
     token j of step t:   A_j = (r_j - V_j) + gamma V*_{t+1} + gamma lambda A*_{t+1},   R_j = r_j + gamma R*_{t+1}
 
-(gamma = lambda = 1 gives A_j = R - V_j.) Value loss, clipped like PPO's (clip 0.2), summed over a sample's
-tokens / its length:  L_V = 1/2 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
+(gamma = lambda = 1 gives A_j = R - V_j.) Value loss, clipped like PPO's (clip 0.2), aggregated like the policy
+loss (the rows' head weights: each fragment's sum / the step's longest response on block families, as
+``train/train_trado_value.py:1004-1005``; each fragment's mean on LLaDA, as ``train_lladav_value.py:787-788``):
+
+    L_V = 1/2 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class Rollouts:
                 cfg, reward_fn, texts, [prompts[i] for i in indices], f"RL step {step + 1} (intermediate answers)"
             )[0]
 
-        algo.prepare(samples, score_ids, rl.n_samples)  # MDPO scores the intermediate answers
+        algo.prepare(samples, score_ids, rl.n_samples)  # MDPO: intermediate answers; TraceRL: step width
         metrics.update({f"reward_{k}": v for k, v in rstats.items()})
         stale = [step - t.policy_version for t in traj]
         off = cfg.offpolicy
