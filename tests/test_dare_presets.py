@@ -39,6 +39,13 @@ MDPO_DECODER = {
         "rollout.schedule": "linspace_remaining",
     },
 }
+# DARE's Dream recipes (use_cache=True, dllm_fsdp_workers.py:672-676 -> fast_dream_rollout.py /
+# fast_cj_dream_rollout.py) decode with generation_utils_block.py _sample: diffusion_generate(alg="entropy",
+# alg_temp=0.0, top_p=0.95 if temperature > 0 else 1.0) (rollout_utils.py:792-805, 1068-1082), eps 1e-3 (its
+# DreamGenerationConfig default); step 0 of a block commits the block's first position alone (:592-593), the
+# other steps the linspace counts (:686-694). d-TreeRPO (dtreerpo_llada_rollout.py) and MDPO have their own
+# samplers.
+DREAM_BLOCK_SAMPLER = {"d1", "coupled_grpo", "bgpo", "cj_grpo", "spg"}
 
 _LLADA = dict(
     lr=5e-7,
@@ -256,6 +263,20 @@ def test_preset_reproduces_the_dare_recipe(name):
     }
     if "threshold" in d:
         want.update({"rollout.algorithm": "low_confidence_dynamic", "rollout.threshold": d["threshold"]})
+    if name.endswith("_dream") and algo in DREAM_BLOCK_SAMPLER:
+        assert d["train_temperature"] > 0 and d["val_temperature"] > 0  # top_p 0.95 at both temperatures
+        want.update(
+            {
+                "rollout.algorithm": "low_confidence_static",
+                "rollout.confidence": "entropy",
+                "rollout.schedule": "linspace_first",
+                "rollout.top_p": 0.95,
+                "rollout.eps": 1e-3,
+                "rollout.alg_temp": 0.0,
+            }
+        )
+    if tree:  # dtreerpo_llada_rollout.py:306-321 (LLaDA and Dream): gumbel argmax, p(x0) ranks, even counts
+        want.update({"rollout.confidence": "model_prob", "rollout.schedule": "even"})
     if d.get("lora_rank"):
         want["lora.alpha"] = d["lora_alpha"]
     if d.get("num_iterations", 1) > 1:

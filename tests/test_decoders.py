@@ -5,9 +5,9 @@
     (proposal and maskgit_plus / topk_margin / entropy confidence, every filter and temperature), LLaDA2.1's
     ``_sample_with_temperature_topk_topp`` (proposal and x0_p), Dream's linspace counts, ``alg_temp`` draws;
 (b) whole decodes on tiny random models, token for token and step for step: Dream's ``_sample`` (one block,
-    linspace schedule) and DARE's Dream block sampler (``linspace_first``, entropy) in the built-in engine,
-    greedy and sampled; LLaDA2.1's ``generate()`` with token editing in the built-in engine (KV cached), greedy
-    and sampled, including the commits its edits overwrote;
+    linspace schedule) and DARE's Dream block sampler (``linspace_first``, entropy; top-p 0.95 as the DARE Dream
+    presets) in the built-in engine, greedy and sampled; LLaDA2.1's ``generate()`` with token editing in the
+    built-in engine (KV cached), greedy and sampled, including the commits its edits overwrote;
 (c) the config keys, refused up front with their names.
 (Traces with edits, their replay, the SGLang plugin: tests/test_edit_trace.py.)
 """
@@ -213,11 +213,27 @@ DREAM_RUNS = [  # (sampling params, reference): Dream's own (the response is one
         ),
         "dare_block",
     ),
+    (  # the Dream DARE presets' decoder: rollout_utils.py passes top_p=0.95 when temperature > 0
+        SamplingParams(
+            max_new_tokens=16,
+            block_size=8,
+            steps_per_block=4,
+            schedule="linspace_first",
+            confidence="entropy",
+            temperature=1.0,
+            top_p=0.95,
+            seed=5,
+            stop_at_eos=False,
+        ),
+        "dare_block",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "params,ref", DREAM_RUNS, ids=["entropy", "margin", "maskgit-sampled", "dare-block", "dare-block-sampled"]
+    "params,ref",
+    DREAM_RUNS,
+    ids=["entropy", "margin", "maskgit-sampled", "dare-block", "dare-block-sampled", "dare-block-top-p"],
 )
 def test_dream_decoders_match_the_publishers(params, ref, draws_from):
     eng = _engine("dream")
