@@ -27,6 +27,12 @@ DUAL_CLIP = {"d1", "coupled_grpo", "cj_grpo", "bgpo", "justgrpo"}
 # R positions too) -> rl.canvas=full, stated in the preset
 FULL_CANVAS = {"llada", "dream"}
 KL_TYPE = {"k2": "k2", "low_var_kl": "k3"}  # verl kl_loss_type -> algo.params.kl_estimator
+# rollouts DARE runs with use_cache=True, dual_cache=False (the recipes; espo's default): Fast-dLLM's prefix cache
+# (generate.py generate_with_prefix_cache, generation_utils_block.py _sample). MDPO, d-TreeRPO and JustGRPO
+# (use_cache False by default) decode without a cache.
+PREFIX_CACHE = {f"{a}_{m}" for m in ("llada", "dream") for a in ("d1", "coupled_grpo", "bgpo", "cj_grpo", "spg")} | {
+    "espo_llada"
+}
 # DARE's MDPO rollouts (mdpo_llada_rollout.py, mdpo_dream_rollout.py): LLaDA ranks by p(x0) under the tempered
 # distribution (conf_alg llada); Dream decodes one block over the response (block_length unused) in
 # num_diffusion_steps steps, entropy ranking, n_masked - int(n_masked * s/t) tokens per step
@@ -259,6 +265,7 @@ def test_preset_reproduces_the_dare_recipe(name):
         "rollout.block_size": R if name == "mdpo_dream" else block,
         "rollout.steps_per_block": d["num_diffusion_steps"] if name == "mdpo_dream" else steps_per_block,
         "rollout.max_new_tokens": R,
+        "rollout.full_attention_cache": "prefix" if name in PREFIX_CACHE else "none",
         "data.max_length": 512 + R,
     }
     if "threshold" in d:

@@ -348,3 +348,32 @@ def test_rollout_keys_reach_the_engine(tmp_path):
     for bad, key in (("rollout.dtype=fp16", "rollout.dtype"), ("rollout.max_batch=-1", "rollout.max_batch")):
         with pytest.raises(ConfigError, match=key):
             validate(load_config(None, [bad]), None)
+
+
+def test_full_attention_cache_key_reaches_the_engine_and_is_refused_where_it_cannot_apply(tmp_path):
+    """rollout.full_attention_cache (DARE's use_cache=True: Fast-dLLM's prefix cache) -> the LLaDA engine's
+    decoder; refused for block-diffusion families (their cache is exact) and for MDPO (it scores each step's
+    exact prediction of the whole canvas)."""
+    from types import SimpleNamespace
+
+    from megadare.algos import build_algorithm
+    from megadare.config import load_config, validate
+    from megadare.errors import ConfigError
+    from megadare.models import get_family
+    from megadare.rollout.setup import engine_spec
+    from tiny import write_tiny_hf
+
+    cfg = load_config(None, ["rollout.full_attention_cache=prefix"])
+    spec = engine_spec(cfg, SimpleNamespace(hf_dir=write_tiny_hf(tmp_path, "llada", 0)), SimpleNamespace(eos_token_id=2))
+    eng = spec.factory(**spec.kwargs)
+    assert eng.full_attention_cache == "prefix"
+    params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False)
+    before = eng.forwards
+    eng.generate([[5, 6, 7]], params)
+    assert eng.forwards - before == 8 and eng._cache is not None  # the cached decoder ran (a cache was allocated)
+    sdar = get_family("sdar")
+    with pytest.raises(ConfigError, match="rollout.full_attention_cache=prefix: the sdar family"):
+        validate(cfg, sdar.arch(sdar.tiny_config()))
+    mdpo = load_config(None, ["rollout.full_attention_cache=dual", "algo.name=mdpo"])
+    with pytest.raises(ConfigError, match="rollout.full_attention_cache=none"):
+        build_algorithm("mdpo").check_config(mdpo, None)

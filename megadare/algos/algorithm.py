@@ -112,6 +112,12 @@ class Algorithm(ABC):
                 f"predictions only the built-in engine records: set rollout.engine=native (not "
                 f"{cfg.rollout.engine})"
             )
+        if self.needs_step_predictions and cfg.rollout.full_attention_cache != "none":
+            raise ConfigError(
+                f"algo.name={self.name} scores each step's prediction of the whole canvas, which only an exact "
+                f"forward computes: set rollout.full_attention_cache=none (not {cfg.rollout.full_attention_cache}; "
+                "DARE's MDPO rollouts run without a cache too)"
+            )
         if cfg.rollout.algorithm == "editing" and self.needs_trace and not self.replays_edits:
             self.refuse_edits()
         n, estimator = cfg.rl.n_samples, cfg.advantage.estimator

@@ -39,6 +39,11 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
                 f"parallel.tp={p.tp} on the MoE model {arch.family} needs parallel.sp=true "
                 "(megatron trains MoE layers under TP only with sequence parallelism)"
             )
+        if cfg.rollout.full_attention_cache != "none" and arch.is_block_diffusion:
+            raise ConfigError(
+                f"rollout.full_attention_cache={cfg.rollout.full_attention_cache}: the {arch.family} family decodes "
+                "block-causally and caches earlier blocks exactly; the setting is for LLaDA / Dream: remove it"
+            )
         if cfg.model.block_size is not None and not arch.is_block_diffusion:
             raise ConfigError(
                 f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "

@@ -13,6 +13,7 @@ from megadare.rollout.engine import (
     CONFIDENCES,
     ENGINE_DEVICES,
     ENGINE_DTYPES,
+    FULL_ATTENTION_CACHES,
     SCHEDULES,
     WEIGHT_TRANSPORTS,
 )
@@ -156,6 +157,9 @@ class RolloutSection:
     max_batch: int = 0  # built-in engine: rows decoded together; a request's further prompts
     # queue and enter as rows finish (continuous batching); 0 = all at once
     compile: bool = False  # built-in engine: torch.compile the block forward (CUDA graphs on CUDA)
+    full_attention_cache: Literal[FULL_ATTENTION_CACHES] = "none"  # LLaDA / Dream in the built-in engine: none
+    # (exact: every step recomputes the sequence) | prefix (Fast-dLLM: later steps of a block reuse the keys and
+    # values before it from the block's first forward: DARE's use_cache=True) | dual (also those after it)
     fp8_weights: bool = False  # sglang: push linear weights as 128x128 block fp8 (engines started from a
     # tools/checkpoint_convert/quantize.py --format fp8-block checkpoint)
 

@@ -29,6 +29,7 @@ FINISH_REASONS = ("eos", "length")
 WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")  # rollout.weight_transport (weight_sync/)
 ENGINE_DEVICES = ("auto", "cpu", "cuda")  # rollout.device (built-in engine)
 ENGINE_DTYPES = ("auto", "float32", "bfloat16")  # rollout.dtype (built-in engine)
+FULL_ATTENTION_CACHES = ("none", "prefix", "dual")  # rollout.full_attention_cache (built-in engine, Fast-dLLM)
 _SEED_STRIDE = 1_000_003
 
 

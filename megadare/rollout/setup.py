@@ -95,6 +95,7 @@ def engine_spec(cfg, src, tok):
                 "dtype": r.dtype,
                 "max_batch": r.max_batch,
                 "compile": r.compile,
+                "full_attention_cache": r.full_attention_cache,
             },
         )
     if gpus is not None and gpus < r.engine_tp:
