@@ -227,6 +227,18 @@ def test_every_preset_is_in_the_table():
     assert have == sorted({**DARE, **DARE_DPO})
 
 
+def _eval_steps_per_block(name: str, d: dict) -> int:
+    """DARE's LLaDA / Dream recipes validate with val_num_diffusion_steps = max_response_length: one token per
+    step (0: as training). d-TreeRPO's rollout ignores it (its own sampler, training settings)."""
+    if not name.endswith(("_llada", "_dream")) or name.startswith("d_treerpo"):
+        return 0
+    R = d["max_response_length"]
+    block = R if name == "mdpo_dream" else d["block_length"]
+    train = d["num_diffusion_steps"] if name == "mdpo_dream" else d["num_diffusion_steps"] // (R // block)
+    per_block = R // (R // block)
+    return 0 if per_block == train else per_block
+
+
 @pytest.mark.parametrize("name", sorted(DARE))
 def test_preset_reproduces_the_dare_recipe(name):
     script, d = DARE[name]
@@ -266,6 +278,7 @@ def test_preset_reproduces_the_dare_recipe(name):
         "rollout.steps_per_block": d["num_diffusion_steps"] if name == "mdpo_dream" else steps_per_block,
         "rollout.max_new_tokens": R,
         "rollout.full_attention_cache": "prefix" if name in PREFIX_CACHE else "none",
+        "rollout.eval_steps_per_block": _eval_steps_per_block(name, d),
         "data.max_length": 512 + R,
     }
     if "threshold" in d:

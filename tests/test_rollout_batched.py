@@ -364,7 +364,9 @@ def test_full_attention_cache_key_reaches_the_engine_and_is_refused_where_it_can
     from tiny import write_tiny_hf
 
     cfg = load_config(None, ["rollout.full_attention_cache=prefix"])
-    spec = engine_spec(cfg, SimpleNamespace(hf_dir=write_tiny_hf(tmp_path, "llada", 0)), SimpleNamespace(eos_token_id=2))
+    spec = engine_spec(
+        cfg, SimpleNamespace(hf_dir=write_tiny_hf(tmp_path, "llada", 0)), SimpleNamespace(eos_token_id=2)
+    )
     eng = spec.factory(**spec.kwargs)
     assert eng.full_attention_cache == "prefix"
     params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=4, stop_at_eos=False)
@@ -377,3 +379,22 @@ def test_full_attention_cache_key_reaches_the_engine_and_is_refused_where_it_can
     mdpo = load_config(None, ["rollout.full_attention_cache=dual", "algo.name=mdpo"])
     with pytest.raises(ConfigError, match="rollout.full_attention_cache=none"):
         build_algorithm("mdpo").check_config(mdpo, None)
+
+
+def test_evaluation_decodes_with_its_own_steps_per_block():
+    """rollout.eval_steps_per_block (DARE validates with one token per step) -> the evaluation SamplingParams only;
+    0 keeps steps_per_block; too many steps for the block are refused under the key the user set."""
+    from megadare.config import load_config, validate
+    from megadare.errors import ConfigError
+    from megadare.models import get_family
+    from megadare.rollout.setup import sampling_params
+
+    llada = get_family("llada")
+    arch = llada.arch(llada.tiny_config())
+    over = ["rollout.block_size=8", "rollout.steps_per_block=4"]
+    cfg = load_config(None, over + ["rollout.eval_steps_per_block=8"])
+    assert sampling_params(cfg, arch, 0).steps_per_block == 4
+    assert sampling_params(cfg, arch, 0, evaluation=True).steps_per_block == 8
+    assert sampling_params(load_config(None, over), arch, 0, evaluation=True).steps_per_block == 4
+    with pytest.raises(ConfigError, match="rollout.eval_steps_per_block: steps_per_block=9"):
+        validate(load_config(None, over + ["rollout.eval_steps_per_block=9"]), arch)

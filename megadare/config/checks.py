@@ -114,11 +114,17 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
     temperature). Whether the RL algorithm can replay a token-editing trace is its own ``check_config``."""
     r = cfg.rollout
     block = rollout_block(cfg, arch)
-    for temperature in (r.temperature, r.eval_temperature):
+    if r.eval_steps_per_block < 0:
+        raise ConfigError(f"rollout.eval_steps_per_block={r.eval_steps_per_block} must be >= 0 (0: steps_per_block)")
+    decoders = (
+        (r.temperature, r.steps_per_block, "steps_per_block"),
+        (r.eval_temperature, r.eval_steps_per_block or r.steps_per_block, "eval_steps_per_block"),
+    )
+    for temperature, steps, steps_key in decoders:
         try:
             SamplingParams(
                 block_size=block,
-                steps_per_block=r.steps_per_block or block,
+                steps_per_block=steps or block,
                 temperature=temperature,
                 **{k: getattr(r, k) for k in _SAMPLER_KEYS},
             )
@@ -128,4 +134,5 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
                 for k in _SAMPLER_KEYS + ("steps_per_block", "block_size", "temperature")
                 if k in str(e)
             )
-            raise ConfigError(f"rollout.{named[0][1] if named else 'algorithm'}: {e}") from None
+            key = named[0][1] if named else "algorithm"
+            raise ConfigError(f"rollout.{steps_key if key == 'steps_per_block' else key}: {e}") from None

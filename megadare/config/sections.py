@@ -143,6 +143,8 @@ class RolloutSection:
     top_k: int = 0
     top_p: float = 1.0
     eval_temperature: float = 0.0  # held-out evaluation decodes greedily by default
+    eval_steps_per_block: int = 0  # held-out evaluation's denoising steps per block (0: steps_per_block; DARE's
+    # recipes validate with max_response_length steps in all, one token per step)
     chunk_size: int = 16  # prompts per engine request
     bucket_mb: int = 512  # weight-sync bucket size
     weight_transport: Literal[WEIGHT_TRANSPORTS] = (

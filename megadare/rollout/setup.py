@@ -50,7 +50,7 @@ def sampling_params(cfg, arch, seed: int, evaluation: bool = False, record_steps
     return SamplingParams(
         max_new_tokens=r.max_new_tokens,
         block_size=block,
-        steps_per_block=r.steps_per_block or block,
+        steps_per_block=(r.eval_steps_per_block if evaluation else 0) or r.steps_per_block or block,
         algorithm=r.algorithm,
         threshold=r.threshold,
         temperature=r.eval_temperature if evaluation else r.temperature,
