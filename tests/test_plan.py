@@ -285,3 +285,18 @@ def test_plan_refuses_a_world_size_the_cluster_does_not_give(monkeypatch, capsys
     err = capsys.readouterr().err
     assert "parallel.world_size=16 but the plan gives the trainer" in err and "= 32 GPUs" in err
     assert main(["plan", "--config", "examples/configs/rl_sdar30b.yaml", "plan.nodes=6", "parallel.world_size=32"]) == 0
+
+
+def test_rollout_rows_are_capped_by_the_engines_max_batch_and_mdpo_counts_the_canvas(monkeypatch):
+    """The built-in engine decodes at most rollout.max_batch rows at once (the rest queue): its KV cache and logits
+    scale with that, not plan.rollout_batch. MDPO on a full-attention model predicts the whole canvas each step."""
+    monkeypatch.chdir(ROOT)
+    dare = "dare/mdpo_dream.yaml"
+    arch = _arch("Dream-v0-Instruct-7B")
+    full, capped = plan(_cfg(dare), arch).rollout, plan(_cfg(dare, "rollout.max_batch=16"), arch).rollout
+    assert (full.batch, capped.batch) == (64, 16)
+    assert capped.kv_cache == pytest.approx(full.kv_cache / 4) and capped.logits == pytest.approx(full.logits / 4)
+    assert full.logits == 64 * 512 * arch.vocab_size * 4  # the whole response canvas, fp32
+    llada = _arch("LLaDA-8B-Instruct")
+    mdpo, d1 = plan(_cfg("dare/mdpo_llada.yaml"), llada).rollout, plan(_cfg("dare/d1_llada.yaml"), llada).rollout
+    assert mdpo.logits == 64 * 512 * llada.vocab_size * 4 and d1.logits == 64 * 32 * llada.vocab_size * 4

@@ -5,7 +5,8 @@ Rollout engines (RL jobs) hold, per GPU of an engine of ``rollout.engine_tp`` GP
     weights  = P_total * w / engine_tp
     KV cache = 2 * L * ceil(g / engine_tp) * d * w * T * B      K and V of every layer, T = plan.prompt_length +
                                                                  rollout.max_new_tokens tokens, B = plan.rollout_batch
-                                                                 sequences (KV heads replicate when engine_tp > g)
+                                                                 sequences, at most rollout.max_batch in the built-in
+                                                                 engine (KV heads replicate when engine_tp > g)
     logits   = B * block * V * 4                                 fp32 logits of the block being denoised (MDPO on
                                                                  LLaDA / Dream: of the whole response canvas)
 
@@ -143,7 +144,10 @@ def rollout_memory(cfg: Config, arch: ModelArch, params: ParamCounts, lay: Layou
     w = WEIGHT_BYTES[cfg.model.dtype]
     tokens = pl.prompt_length + cfg.rollout.max_new_tokens
     kv_heads = math.ceil(arch.num_kv_heads / cfg.rollout.engine_tp)
-    kv = 2 * arch.num_layers * kv_heads * arch.head_dim * w * tokens * pl.rollout_batch
+    batch = pl.rollout_batch
+    if cfg.rollout.engine == "native" and cfg.rollout.max_batch:
+        batch = min(batch, cfg.rollout.max_batch)  # rows decoded together: the rest queue (continuous batching)
+    kv = 2 * arch.num_layers * kv_heads * arch.head_dim * w * tokens * batch
     block = rollout_block(cfg, arch)
     algo = REGISTRY.get(cfg.algo.name)
     if algo is not None and algo.needs_step_predictions and not arch.is_block_diffusion:
@@ -155,10 +159,10 @@ def rollout_memory(cfg: Config, arch: ModelArch, params: ParamCounts, lay: Layou
         tp=cfg.rollout.engine_tp,
         colocated=colocated,
         tokens=tokens,
-        batch=pl.rollout_batch,
+        batch=batch,
         weights=float(params.total * w / cfg.rollout.engine_tp),
         kv_cache=float(kv),
-        logits=float(pl.rollout_batch * block * arch.vocab_size * 4),
+        logits=float(batch * block * arch.vocab_size * 4),
     )
 
 
