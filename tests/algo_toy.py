@@ -36,30 +36,30 @@ def one_thread():
 
 # ------------------------------------------------------------------ the toy model
 class Toy(torch.nn.Module):
-    """Fixed random MLP: whole context [N, <=NMAX] (ids 0..4) -> logits [N, NMAX, V]. ``independent``: the
+    """Fixed random MLP: whole context [N, <=nmax] (ids 0..4) -> logits [N, nmax, V]. ``independent``: the
     prediction at each position ignores the context (a fixed table), so the positions are independent."""
 
-    def __init__(self, seed: int, independent: bool = False, scale: float = 2.5):
+    def __init__(self, seed: int, independent: bool = False, scale: float = 2.5, nmax: int = NMAX):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
         d, h = 4, 16
-        self.independent = independent
+        self.independent, self.nmax = independent, nmax  # nmax: its context length (longer canvases)
         self.emb = torch.nn.Parameter(r(5, d))
-        self.pos = torch.nn.Parameter(r(NMAX, d))
-        self.w1 = torch.nn.Parameter(r(NMAX * d, h) * scale / math.sqrt(NMAX * d))
+        self.pos = torch.nn.Parameter(r(nmax, d))
+        self.w1 = torch.nn.Parameter(r(nmax * d, h) * scale / math.sqrt(nmax * d))
         self.b1 = torch.nn.Parameter(r(h))
-        self.w2 = torch.nn.Parameter(r(h, NMAX * V) * scale / math.sqrt(h))
-        self.bias = torch.nn.Parameter(r(NMAX, V))
+        self.w2 = torch.nn.Parameter(r(h, nmax * V) * scale / math.sqrt(h))
+        self.bias = torch.nn.Parameter(r(nmax, V))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.as_tensor(x)
-        if x.shape[-1] < NMAX:
-            x = torch.cat([x, torch.full(x.shape[:-1] + (NMAX - x.shape[-1],), ABSENT)], -1)
+        if x.shape[-1] < self.nmax:
+            x = torch.cat([x, torch.full(x.shape[:-1] + (self.nmax - x.shape[-1],), ABSENT)], -1)
         if self.independent:
-            return self.bias.expand(x.shape[0], NMAX, V)
+            return self.bias.expand(x.shape[0], self.nmax, V)
         hid = torch.tanh((self.emb[x] + self.pos).flatten(1) @ self.w1 + self.b1)
-        return (hid @ self.w2).view(x.shape[0], NMAX, V) + self.bias
+        return (hid @ self.w2).view(x.shape[0], self.nmax, V) + self.bias
 
     def logp(self, x: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.forward(x), -1)
@@ -112,7 +112,7 @@ def view_logps(toy: Toy, x0: torch.Tensor, tokens: list[torch.Tensor], block_siz
     """[n_views, n]: log p(x0_i | view) at every position of every view (one batched toy forward)."""
     n, nv = x0.shape[0], len(tokens)
     ctx = torch.stack([contexts(x0, t, block_size) for t in tokens]).reshape(-1, n)
-    lp = toy.logp(ctx).reshape(nv, n, NMAX, V)
+    lp = toy.logp(ctx).reshape(nv, n, toy.nmax, V)
     idx = torch.arange(n)
     lp = lp[:, idx, idx]  # position i read in its own context
     return lp.gather(-1, x0.expand(nv, n).unsqueeze(-1)).squeeze(-1)
@@ -174,7 +174,7 @@ def mb_logps(toy: Toy, mb, block_size: int = 0) -> torch.Tensor:
                 if int(stream[q - i]) == 1:
                     continue  # the clean stream is context only (never scored)
                 p = int(mb.position_ids[b, q])
-                ctxs.append(F.pad(ctx[p], (0, NMAX - n), value=ABSENT))
+                ctxs.append(F.pad(ctx[p], (0, toy.nmax - n), value=ABSENT))
                 where.append((b, q))
                 pos_of.append(p)
                 lab.append(int(mb.labels[b, q]))
@@ -290,6 +290,8 @@ class JointToy(torch.nn.Module):
     """A toy whose conditionals are consistent: a fixed random joint J(y) over the 3^L responses (any prompt),
     and every position predicts p(y_k = v | the visible response tokens other than k) = the marginal of J.
     Its generative likelihood is then log J(y) for every unmasking order (the setting of SPG's EUBO)."""
+
+    nmax = NMAX
 
     def __init__(self, seed: int, prompt_len: int, resp_len: int = 4, scale: float = 2.0):
         super().__init__()

@@ -472,7 +472,7 @@ def dare_actor_loss(name, toy, old, s, views, R):
 
 
 def perturbed(toy: Toy, seed: int, scale: float) -> Toy:
-    other = Toy(0)
+    other = Toy(0, nmax=toy.nmax)
     other.load_state_dict(toy.state_dict())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -532,21 +532,23 @@ TRACE_BATCH = [([1, 2], [0, 2, 1, 1], 1.25), ([0], [2, 2, 0, 1], -0.5), ([2, 1],
 
 
 def dare_cj_grpo_loss(toy, old, s) -> torch.Tensor:
-    """``llada_dp_actor_cj_grpo.py::update_policy`` for one sample: for step i of the trajectory, the state with
-    the tokens of steps < i clean (``_step_forward_micro_batch``), -CE on the next state, ``compute_policy_loss``
-    (dual clip 3, token-mean over the tokens unmasked at step i), / steps."""
+    """``llada_dp_actor_cj_grpo.py::update_policy`` (lines 384-434) for one sample: for step i of the trajectory,
+    the state with the tokens of steps < i clean (``_step_forward_micro_batch``), -CE on the next state,
+    ``compute_policy_loss`` (dual clip 3, token-mean over the tokens unmasked at step i: 0 for a step that
+    unmasks nothing), / steps = the trajectory's slices, one per decoding step, empty ones included
+    (``generate.py::reversed_process_llada`` appends a slice every step, lines 569-572)."""
     P, R = len(s.prompt_ids), len(s.response_ids)
     x0 = torch.tensor(s.prompt_ids + s.response_ids)
     commit = torch.tensor(s.commit_step)
-    steps = sorted(set(s.commit_step))
+    steps = max(s.commit_step) + 1
     adv = torch.full((R,), float(s.advantage), dtype=torch.float64)
     total = 0.0
-    for t in steps:
+    for t in range(steps):
         cur = torch.cat([x0[:P], torch.where(commit < t, x0[P:], torch.full((R,), MASK))])
         lp = view_logps(toy, x0, [cur])[0, -R:]
         with torch.no_grad():
             olp = view_logps(old, x0, [cur])[0, -R:]
-        total = total + dare_masked_mean(dare_ppo_terms(torch.exp(lp - olp), adv), (commit == t).double()) / len(steps)
+        total = total + dare_masked_mean(dare_ppo_terms(torch.exp(lp - olp), adv), (commit == t).double()) / steps
     return total
 
 

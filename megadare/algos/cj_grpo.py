@@ -7,10 +7,16 @@ token PPO-clip averaged within each step, then over the steps of a sample ("pape
 
     L = -(1/G) sum_i (1/K_i) sum_k (1/|U_ik|) sum_{j in U_ik} min(rho_j A_i, clip(rho_j, 1 +- eps) A_i)
 
-with U_ik the tokens committed at step k. Defaults: eps 0.2, no KL; pairs with few-step decoding (EOSER/ASS).
+with U_ik the tokens committed at step k: for block families step k is a (block, block-local step) transition,
+for full attention a global step. K_i counts the steps that commit a token: a step that commits nothing changes
+no state and is no transition (as DARE's block actor and its ``tests/test_cj_grpo_paper_exact.py``; DARE's LLaDA
+actor also counts such steps in its divisor, a (committing / all steps) scale not copied here;
+tests/test_algos_dare_cj_blocks.py). Defaults: eps 0.2, no KL; pairs with few-step decoding (EOSER/ASS).
 
 Canvas (``rl.canvas``): DARE replays the full LLaDA/Dream canvas (``full``, those families' default) and, for block
-families, the terminal block in full; here block families replay up to the EOS (``eos``).
+families, the terminal block in full (``build_cj_replay_model_inputs``: its post-EOS tokens are scored with the
+sample's advantage and sit in the states); here block families replay up to the EOS (``eos``), so the terminal
+block's states lack those positions and they are not scored. Elsewhere the two losses agree on the same trace.
 """
 
 from __future__ import annotations
