@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megadare.rollout import dllm_step as ds
 from megadare.rollout import sglang_engine as se
 from megadare.rollout import sglang_plugin as sp
 from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, dllm_step
@@ -288,3 +289,22 @@ def test_request_params_translate_sglang_conventions():
         core.params_for(custom_params={"megadare": {"steps_per_block": 8}})
     with pytest.raises(ValueError, match="unknown keys"):
         sp.BlockDenoiser(B, MASK, {"temperature": 1.0})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_propose_in_chunks_equals_one_pass_and_never_predicts_the_mask(monkeypatch, temperature):
+    """dllm_step.propose (MDPO's later-block predictions) samples a few positions at a time: the same proposals
+    and probabilities as one pass over all of them, from the rows' streams after the block's positions."""
+    logits = torch.randn(3, 7, 40, generator=torch.Generator().manual_seed(0)) * 3
+    logits[..., 39] = 50.0  # the mask token would win every position
+    params = SamplingParams(max_new_tokens=8, block_size=4, temperature=temperature, record_steps=True)
+    streams = ds.Streams.of([11, 12, 13], [0, 2, 5])
+    whole = ds.propose(logits, params, streams, offset=4, mask_token_id=39)
+    monkeypatch.setattr(ds, "PROPOSE_CHUNK", 2)
+    parts = ds.propose(logits, params, streams, offset=4, mask_token_id=39)
+    assert torch.equal(whole[0], parts[0]) and torch.equal(whole[1], parts[1]) and not (whole[0] == 39).any()
+    if temperature > 0:  # position j draws the stream's uniform at offset + j
+        u = streams.uniforms(ds.SAMPLE, 11)[:, 4:]
+        flat = (logits / temperature).index_fill(-1, torch.tensor([39]), float("-inf"))
+        cdf = torch.softmax(flat.double(), -1).cumsum(-1)
+        assert torch.equal(whole[0], torch.searchsorted(cdf, u[..., None].double(), right=True).squeeze(-1))

@@ -59,6 +59,7 @@ from megadare.rollout.sampling import (
 )
 
 StepIndex = Union[int, Sequence[int], torch.Tensor]
+PROPOSE_CHUNK = 64  # propose: positions sampled together
 
 
 @dataclass
@@ -275,14 +276,20 @@ def propose(
     the block from their logits [n, W, V]: what MDPO records at a full-attention model's later blocks (DARE's
     ``mdpo_llada_rollout.py`` samples x0 at every masked position of the canvas). They draw from the rows'
     streams at positions ``offset`` .. ``offset + W - 1`` of the step (the block's own draws use 0 .. B - 1, so
-    the block decodes the same tokens with or without them)."""
-    logits = logits.float()
-    if mask_token_id is not None:
-        logits = logits.index_fill(-1, _token_index(mask_token_id, logits.device), float("-inf"))
+    the block decodes the same tokens with or without them). Sampled ``PROPOSE_CHUNK`` positions at a time: the
+    float32 temporaries stay that wide whatever the canvas (a 512-token LLaDA canvas is 0.25 GB of logits per row)."""
     W = logits.shape[1]
     draws = streams.uniforms(SAMPLE, offset + W)[:, offset:] if params.temperature > 0 else None
-    proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws)
-    return proposals, _probability(logp, model_prob, params)
+    proposals, probability = [], []
+    for at in range(0, W, PROPOSE_CHUNK):
+        part = logits[:, at : at + PROPOSE_CHUNK].float()
+        if mask_token_id is not None:
+            part = part.index_fill(-1, _token_index(mask_token_id, part.device), float("-inf"))
+        u = None if draws is None else draws[:, at : at + PROPOSE_CHUNK]
+        x0, logp, model_prob = sample_tokens(part, params.temperature, params.top_k, params.top_p, u)
+        proposals.append(x0)
+        probability.append(_probability(logp, model_prob, params))
+    return torch.cat(proposals, dim=1), torch.cat(probability, dim=1)
 
 
 class BlockTrace:
