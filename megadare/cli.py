@@ -264,8 +264,9 @@ def _unknown_option(typed: str, name: str, value: Optional[str], options: list[s
     close = [spelled] if spelled in options else difflib.get_close_matches(name, options, n=1, cutoff=0.8)
     if close:
         return f"unknown option {typed!r}: did you mean {close[0]}?"
-    key = name.lstrip("-").replace("-", "_")
-    return f"unknown option {typed!r}: config keys are set as key=value; {suggestion(key, value)}"
+    hint = suggestion(name.lstrip("-").replace("-", "_"), value)
+    how = "" if "megadare: --" in hint else "config keys are set as key=value; "  # the fix is an option itself
+    return f"unknown option {typed!r}: {how}{hint}"
 
 
 def _one_line_errors() -> tuple[type[Exception], ...]:

@@ -50,7 +50,7 @@ OPTIONS = [
     ),
     (
         ["--nproc_per_node", "2"],
-        "unknown option '--nproc_per_node 2': config keys are set as key=value; that is Megatron-LM / torchrun's; "
+        "unknown option '--nproc_per_node 2': that is Megatron-LM / torchrun's; "
         "megadare: --nproc 2 (or torchrun --nproc_per_node 2 -m megadare ...)",
     ),
     (
