@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Optional
@@ -10,8 +11,23 @@ from typing import Optional
 from megadare.errors import ConfigError, OutputError, RunStateError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors in one line (no usage block), with where to look."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+CONFIG_COMMANDS = ("sft", "dpo", "rl", "eval", "plan")
+_EPILOG = (
+    "Config keys are set after the options as key=value (parallel.tp=4 optim.lr=1e-6, not --tp 4); a key of "
+    "verl / DARE / dLLM-RL is refused with the megadare key it means. Every key and its value: "
+    "megadare %(prog)s --config FILE --dry-run --config-only."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="megadare", description="Megatron-core post-training for diffusion LLMs")
+    ap = _Parser(prog="megadare", description="Megatron-core post-training for diffusion LLMs")
     sub = ap.add_subparsers(dest="command", required=True)
 
     conv = sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
@@ -62,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         ("eval", "benchmark evaluation"),
         ("plan", "memory / layout planner"),
     ):
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, epilog=_EPILOG.replace("%(prog)s", name))
         p.add_argument("--config", help="YAML config file")
         p.add_argument(
             "--dry-run",
@@ -82,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
             default=1,
             help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)",
         )
-        p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.tp=2")
+        p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. parallel.tp=2 rl.n_samples=8")
         if name == "eval":
             p.add_argument("--model", help="HF checkpoint directory to evaluate (= model.hf_path)")
             p.add_argument("--tasks", help="comma-separated tasks (= eval.tasks), e.g. gsm8k,math500")
@@ -194,10 +210,63 @@ def main(argv: Optional[list[str]] = None) -> int:
             from megadare import demo  # heavy: pulls megatron
 
             return demo.main(argv[1:])
-        return _dispatch(_parser().parse_args(argv))
+        parser = _parser()
+        _check_options(parser, argv)
+        return _dispatch(parser.parse_args(argv))
     except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_options(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An option a config command does not have (``--tp 4``, ``--tp=4``, torchrun's ``--nproc_per_node 2``) is
+    refused in one line naming it and what to write: the option it misspells, else the config key it means. Before
+    argparse, which would take ``4`` for an override and name ``--tp`` alone."""
+    if argv[:1] not in [[c] for c in CONFIG_COMMANDS]:
+        return
+    known = _subcommand(parser, argv[0])._option_string_actions
+    tokens = argv[1:]
+    i = 0
+    while i < len(tokens) and tokens[i] != "--":
+        name, eq, value = tokens[i].partition("=")
+        if not name.startswith("-") or _is_number(name):
+            i += 1
+            continue
+        matches = [o for o in known if o.startswith(name)]  # argparse takes a prefix of one option (or refuses it)
+        if matches:
+            i += 1 if eq or known.get(name, known[matches[0]]).nargs == 0 else 2
+            continue
+        if not eq and i + 1 < len(tokens) and "=" not in tokens[i + 1]:
+            value = tokens[i + 1] if not tokens[i + 1].startswith("-") or _is_number(tokens[i + 1]) else ""
+        typed = " ".join(tokens[i : i + 1 + (not eq and bool(value))])
+        raise ConfigError(_unknown_option(typed, name, value or None, sorted(known)))
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[name]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _unknown_option(typed: str, name: str, value: Optional[str], options: list[str]) -> str:
+    """The line for an unknown option ``name`` (``typed``: as written, with its value): the option it misspells,
+    else the config key it means."""
+    from megadare.config.loading import suggestion  # heavy: pulls torch; only an unknown option needs it
+
+    spelled = name.replace("_", "-")
+    close = [spelled] if spelled in options else difflib.get_close_matches(name, options, n=1, cutoff=0.8)
+    if close:
+        return f"unknown option {typed!r}: did you mean {close[0]}?"
+    hint = suggestion(name.lstrip("-").replace("-", "_"), value)
+    how = "" if "megadare: --" in hint else "config keys are set as key=value; "  # the fix is an option itself
+    return f"unknown option {typed!r}: {how}{hint}"
 
 
 def _one_line_errors() -> tuple[type[Exception], ...]:

@@ -23,7 +23,7 @@ def _arch(name="sdar_moe", **over):
 
 
 BAD_OVERRIDES = [
-    (["parallel.tpp=2"], "did you mean 'parallel.tp'"),
+    (["parallel.tpp=2"], "did you mean parallel.tp=2"),
     (["parallel.tp=two"], "parallel.tp"),
     (["model.dtype=fp8"], "model.dtype='fp8' is not one of fp32, bf16, fp16"),
     (["model.attention_backend=xformers"], "model.attention_backend"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
@@ -15,6 +16,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
+from megadare.config.foreign import foreign_fix
 from megadare.config.sections import CONFIG_ALIASES, Config
 
 
@@ -108,20 +110,67 @@ def _all_keys(dc: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def _unknown(key: str) -> ConfigError:
-    valid = _all_keys(Config()) + list(CONFIG_ALIASES)
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
-    return ConfigError(f"unknown config key {key!r}{hint}")
+def _leaf_keys() -> dict[str, list[str]]:
+    """{last part of a key: the canonical keys ending in it} (``tp``: [``parallel.tp``])."""
+    out: dict[str, list[str]] = {}
+    for key in _all_keys(Config()):
+        out.setdefault(key.rpartition(".")[2], []).append(key)
+    return out
+
+
+def _section_of(key: str) -> Optional[str]:
+    head = key.partition(".")[0]
+    return head if is_dataclass(getattr(Config(), head, None)) else None
+
+
+def suggestion(key: str, value: Optional[str]) -> str:
+    """What to write instead of the unknown ``key`` (given ``value``): the megadare key another project's key means
+    (config/foreign.py), the keys whose last part is ``key``'s, the closest keys, else the keys of its section."""
+    shown = "<value>" if value is None else value
+    if (hit := foreign_fix(key.replace("-", "_"), value)) is not None:
+        return f"that is {hit[0]}'s; megadare: {hit[1]}"
+    leaf = key.rpartition(".")[2].replace("-", "_")
+    if leaf in (leaves := _leaf_keys()):
+        return "did you mean " + " or ".join(f"{k}={shown}" for k in leaves[leaf]) + "?"
+    close = difflib.get_close_matches(key, _all_keys(Config()) + list(CONFIG_ALIASES), n=3, cutoff=0.75)
+    if close:
+        return "did you mean " + " or ".join(f"{k}={shown}" for k in close) + "?"
+    section = _section_of(key)
+    if section is not None:
+        keys = [k for k in _all_keys(Config()) if k.startswith(section + ".")]
+        return f"the keys of {section}: {', '.join(k.partition('.')[2] for k in keys)}"
+    return (
+        f"the sections: {', '.join(f.name for f in fields(Config))}; every key and its value: "
+        "megadare <command> --dry-run --config-only"
+    )
+
+
+def _section_hint(section: str, value: Any) -> str:
+    """What to write for a value given to a whole section (another project's key of that name, else its keys)."""
+    if (hit := foreign_fix(section, value)) is not None:
+        return f"that is {hit[0]}'s; megadare: {hit[1]}"
+    keys = [k for k in _all_keys(Config()) if k.startswith(section + ".")]
+    return f"set one of its keys: {', '.join(keys)}"
+
+
+def _unknown(key: str, value: Optional[str] = None, where: str = "") -> ConfigError:
+    """One line: the unknown key as written (``where``: ``in FILE`` or the override itself) and what to write."""
+    return ConfigError(f"unknown config key {key!r} {where}: {suggestion(key, value)}".replace(" :", ":"))
+
+
+_TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "bool": "true or false"}
 
 
 def _translate(e: OmegaConfBaseException, source: str, written: dict[str, str]) -> ConfigError:
     key = getattr(e, "full_key", None) or ""
     if isinstance(e, ConfigKeyError):
-        return _unknown(key)
+        return _unknown(key, where=f"in {source}")
     shown = written.get(key, key)  # the key as the user wrote it
     if isinstance(e, ValidationError) and key in CHOICES:  # OmegaConf refused a typed choice: our one line
         return _not_one_of(shown, e.value, CHOICES[key])
+    if isinstance(e, ValidationError) and (kind := re.search(r"converted to (\w+)|not a valid (bool)", str(e))):
+        what = _TYPE_NAMES.get(kind[1] or kind[2], f"a {kind[1]}")
+        return ConfigError(f"{shown}={e.value!r} is not {what} (in {source})")
     if isinstance(e, ValidationError):  # the first line of OmegaConf's message (the rest names its internals)
         return ConfigError(f"{shown}: {str(e.msg if hasattr(e, 'msg') else e).splitlines()[0]} (in {source})")
     return ConfigError(f"{source}: {e}")
@@ -207,9 +256,16 @@ def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str,
         raise ConfigError(f"override {ov!r} must look like key=value (e.g. parallel.tp=2)")
     key, value = ov.split("=", 1)
     key = key.strip()
-    canonical = CONFIG_ALIASES.get(key, key)
+    bare = key.lstrip("+~")  # Hydra's +key (add), ++key (force), ~key (delete): verl / DARE command lines
+    canonical = CONFIG_ALIASES.get(bare, bare)
     if canonical not in _all_keys(Config()):
-        raise _unknown(key)
+        raise _unknown(bare, value, f"({ov})")
+    if bare != key:
+        raise ConfigError(
+            f"override {ov!r}: megadare's keys take no Hydra prefix (every key exists); write {bare}={value}"
+        )
+    if is_dataclass(_get(Config(), canonical)):
+        raise ConfigError(f"override {ov!r}: {key} is a section, not a key; {_section_hint(canonical, value)}")
     before = seen.get(canonical)
     if before is not None and before[0] != key and _disagree([_parsed(before[1]), _parsed(value)]):
         raise ConfigError(
@@ -223,6 +279,7 @@ def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str,
 def config_from_dict(data: dict, source: str = "<dict>") -> Config:
     base = OmegaConf.structured(Config)
     data, written = canonical_keys(data, source)
+    _check_file_keys(data, source)
     try:
         merged = OmegaConf.merge(base, OmegaConf.create(data))
     except OmegaConfBaseException as e:
@@ -236,19 +293,56 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     conf = OmegaConf.structured(Config)
     written: dict[str, str] = {}
     seen: dict[str, tuple[str, str]] = {}
-    try:
-        if path:
-            file_data, written = canonical_keys(OmegaConf.to_container(_load_yaml(path)), path)
+    if path:
+        file_data, written = canonical_keys(OmegaConf.to_container(_load_yaml(path)), path)
+        _check_file_keys(file_data, path)
+        try:
             conf = OmegaConf.merge(conf, OmegaConf.create(file_data))
-        for ov in overrides or []:
-            key, canonical, value = _canonical_override(ov, seen)
-            written.pop(canonical, None)
-            if key != canonical:
-                written[canonical] = key
+        except OmegaConfBaseException as e:
+            raise _translate(e, path, written) from None
+    for ov in overrides or []:
+        key, canonical, value = _canonical_override(ov, seen)
+        written.pop(canonical, None)
+        if key != canonical:
+            written[canonical] = key
+        try:
             conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([f"{canonical}={value}"]))
-    except OmegaConfBaseException as e:
-        raise _translate(e, path or "overrides", written) from None
+        except OmegaConfBaseException as e:
+            raise _translate(e, f"override {ov}", written) from None
     return _finish(conf, written)
+
+
+def _unknown_in(data: dict, schema: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of ``data`` that ``schema`` (a section) has no key for, in file order; a
+    section written as a value (``parallel: 2``, or ``parallel:`` with its keys not indented) raises ConfigError."""
+    out: list[tuple[str, Any]] = []
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        field_value = getattr(schema, str(name), _MISSING) if is_dataclass(schema) else _MISSING
+        if field_value is _MISSING and isinstance(value, dict) and value:
+            out.extend(_unknown_in(value, None, key + "."))
+        elif field_value is _MISSING:
+            out.append((key, value))
+        elif is_dataclass(field_value) and isinstance(value, dict):
+            out.extend(_unknown_in(value, field_value, key + "."))
+        elif is_dataclass(field_value):
+            got = "nothing (are its keys indented under it?)" if value is None else repr(value)
+            raise ConfigError(f"section {key!r} holds {got}; {_section_hint(key, value)}")
+    return out
+
+
+def _check_file_keys(data: dict, path: str) -> None:
+    """A config file holds only megadare's keys: else one line naming the first unknown one (another project's
+    first, with megadare's key for it) and how many more there are."""
+    try:
+        unknown = _unknown_in(data, Config())
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not unknown:
+        return
+    key, value = next(((k, v) for k, v in unknown if foreign_fix(k, v) is not None), unknown[0])
+    more = f" ({len(unknown) - 1} more unknown keys)" if len(unknown) > 1 else ""
+    raise ConfigError(f"unknown config key {key!r} in {path}{more}: {suggestion(key, str(value))}")
 
 
 def _load_yaml(path: str):
@@ -261,16 +355,30 @@ def _load_yaml(path: str):
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file {path!r} is not valid YAML: {what}{where}") from None
+        raise ConfigError(f"config file {path!r} is not valid YAML: {_yaml_problem(e, path)}") from None
     if not OmegaConf.is_dict(conf):
         raise ConfigError(
             f"config file {path!r} must hold a mapping of sections (model:, train:, ...), "
             f"not a {type(OmegaConf.to_object(conf)).__name__}"
         )
     return conf
+
+
+def _yaml_problem(e: yaml.YAMLError, path: str) -> str:
+    """The YAML error's problem, line and column, the line itself, and the fix where the cause is a layout one."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if mark is None:
+        return what
+    with open(path, encoding="utf-8") as f:  # it was just read whole
+        lines = f.read().split("\n")
+    line = lines[mark.line] if mark.line < len(lines) else ""
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" + (f" ({line.strip()!r})" if line.strip() else "")
+    if "\t" in line[: mark.column + 1]:
+        return f"a tab{where}: YAML indents with spaces; replace the tab with spaces"
+    if "mapping values are not allowed" in what or "expected <block end>" in what or "expected key" in what:
+        return f"{what}{where}: the keys of one section must be indented by the same number of spaces"
+    return f"{what}{where}"
 
 
 def _finish(conf, written: dict[str, str]) -> Config:

@@ -1,0 +1,156 @@
+"""Keys users bring from the projects they come from (verl / DARE, dLLM-RL, Megatron-LM, torchrun), each with the
+megadare setting that means the same. The loader and the command line only *suggest* it: a foreign key is an error
+whose one line says what to write instead. None is translated silently: many look alike but count another unit
+(verl's ``trainer.total_epochs`` against megadare's ``rl.steps``; DARE's ``num_diffusion_steps`` per response against
+``rollout.steps_per_block``), and a half-translated command would run a recipe that is not the one pasted.
+
+Each entry: the foreign key as its project spells it -> the fix, a template of megadare overrides where ``{v}`` is
+the value the user gave (``<...>`` marks a value to compute), or for a value whose spelling changes, a
+{foreign value: fix} table (lower-cased; ``*`` for any other value). Verified against the sources named per block
+and against megadare's own keys (tests/test_cli_habits.py loads every fix without ``<...>``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+Fix = Union[str, dict[str, str]]
+
+# verl's PPO trainer as DARE ships it (yjyddq/DARE @83ae8a3: verl/trainer/config/ppo_trainer.yaml,
+# ppo_megatron_trainer.yaml, recipe/*/run_*.sh; the DARE-only keys are the ``+`` ones of the recipes). Meanings as
+# tests/test_dare_presets.py transcribes the recipes into megadare keys.
+_ACTOR = "actor_rollout_ref.actor"
+_MEGATRON = f"{_ACTOR}.megatron"
+_ROLLOUT = "actor_rollout_ref.rollout"
+VERL: dict[str, Fix] = {
+    "data.train_files": "data.path={v}",
+    "data.val_files": "data.eval_path={v}",
+    "data.train_batch_size": "rl.prompts_per_step={v}",
+    "data.max_prompt_length": "data.max_length=<{v} + rollout.max_new_tokens> (prompt + response tokens)",
+    "data.max_response_length": "rollout.max_new_tokens={v}",
+    "actor_rollout_ref.model.path": "model.hf_path={v}",
+    "actor_rollout_ref.model.lora_rank": "lora.rank={v}",
+    "actor_rollout_ref.model.lora_alpha": "lora.alpha={v}",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": {
+        "true": "train.recompute=full",
+        "false": "train.recompute=none",
+    },
+    f"{_ACTOR}.optim.lr": "optim.lr={v}",
+    f"{_ACTOR}.optim.weight_decay": "optim.weight_decay={v}",
+    f"{_ACTOR}.optim.lr_warmup_steps": "optim.warmup_steps={v}",
+    f"{_ACTOR}.optim.warmup_style": "optim.lr_decay_style={v}",
+    f"{_ACTOR}.optim.min_lr_ratio": "optim.min_lr=<{v} x optim.lr> (an absolute learning rate)",
+    f"{_ACTOR}.grad_clip": "optim.clip_grad={v}",
+    f"{_ACTOR}.clip_ratio": "algo.params.eps_low={v}",
+    f"{_ACTOR}.clip_ratio_low": "algo.params.eps_low={v}",
+    f"{_ACTOR}.clip_ratio_high": "algo.params.eps_high={v}",
+    f"{_ACTOR}.clip_ratio_c": "algo.params.dual_clip={v}",
+    f"{_ACTOR}.use_kl_loss": {"false": "algo.params.kl_coef=0", "true": "algo.params.kl_coef=<kl_loss_coef>"},
+    f"{_ACTOR}.kl_loss_coef": "algo.params.kl_coef={v} (verl applies it only with use_kl_loss=True)",
+    f"{_ACTOR}.kl_loss_type": {
+        "low_var_kl": "algo.params.kl_estimator=k3",
+        "k2": "algo.params.kl_estimator=k2",
+        "*": "algo.params.kl_estimator=<one of k1, k2, k3, k3_exp10, k3_plain>",
+    },
+    f"{_ACTOR}.ppo_epochs": "rl.ppo_epochs={v}",
+    f"{_ACTOR}.ppo_mini_batch_size": "rl.mini_batches=<rl.prompts_per_step / {v}> (optimizer steps per epoch)",
+    f"{_ACTOR}.mc_num": "algo.params.n_mc={v}",
+    f"{_MEGATRON}.tensor_model_parallel_size": "parallel.tp={v}",
+    f"{_MEGATRON}.pipeline_model_parallel_size": "parallel.pp={v}",
+    f"{_MEGATRON}.virtual_pipeline_model_parallel_size": "parallel.vpp={v}",
+    f"{_MEGATRON}.expert_model_parallel_size": "parallel.ep={v}",
+    f"{_MEGATRON}.expert_tensor_parallel_size": "parallel.etp={v}",
+    f"{_MEGATRON}.context_parallel_size": "parallel.cp={v}",
+    f"{_MEGATRON}.sequence_parallel": "parallel.sp={v}",
+    f"{_ROLLOUT}.n": "rl.n_samples={v}",
+    f"{_ROLLOUT}.temperature": "rollout.temperature={v}",
+    f"{_ROLLOUT}.top_k": {"-1": "rollout.top_k=0 (0 is off)", "*": "rollout.top_k={v}"},
+    f"{_ROLLOUT}.top_p": "rollout.top_p={v}",
+    f"{_ROLLOUT}.val_kwargs.temperature": "rollout.eval_temperature={v}",
+    f"{_ROLLOUT}.tensor_model_parallel_size": "rollout.engine_tp={v} (with rollout.engine=sglang)",
+    f"{_ROLLOUT}.block_length": "rollout.block_size={v}",
+    f"{_ROLLOUT}.num_diffusion_steps": (
+        "rollout.steps_per_block=<{v} / (rollout.max_new_tokens / rollout.block_size)> (steps per block)"
+    ),
+    "algorithm.adv_estimator": {
+        "grpo": "advantage.estimator=grpo",
+        "rloo": "advantage.estimator=rloo",
+        "*": "advantage.estimator=<one of grpo, rloo, reinforce_pp>",
+    },
+    "algorithm.norm_adv_by_std_in_grpo": {"true": "advantage.std=unbiased", "false": "advantage.std=none"},
+    "trainer.total_epochs": "rl.steps=<{v} x training prompts // rl.prompts_per_step> (RL steps, not epochs)",
+    "trainer.total_training_steps": "rl.steps={v}",
+    "trainer.test_freq": "rl.eval_interval={v}",
+    "trainer.save_freq": "checkpoint.save_interval={v}",
+    "trainer.default_local_dir": "checkpoint.save={v}",
+    "trainer.n_gpus_per_node": "--nproc {v} (under torchrun or Slurm: their process count)",
+}
+
+# dLLM-RL (Gen-Verse/dLLM-RL @10b4fd1: configs/rl_*.yaml, rl.py, sample/*_rl_rollout.py, train/rl_*.py). Its
+# command line is ``python rl.py config=configs/rl_sdar.yaml`` (OmegaConf's dotlist).
+DLLM_RL: dict[str, Fix] = {
+    "config": "--config {v}",
+    "experiment.total_step": "rl.steps={v}",
+    "experiment.save_every": "checkpoint.save_interval={v}",
+    "experiment.eval_every": "rl.eval_interval={v}",
+    "model.pretrained_model": "model.hf_path={v}",
+    "model.model_base": "nothing: megadare reads the family from model.hf_path's config.json",
+    "dataset.train_dataset": "data.path=<a .jsonl / .parquet file> (a file, not a dataset name)",
+    "rollout.num_task_per_step": "rl.prompts_per_step={v}",
+    "rollout.num_response_per_task": "rl.n_samples={v}",
+    "rollout.max_token": "rollout.max_new_tokens={v}",
+    "rollout.denoising_steps_per_block": "rollout.steps_per_block={v}",
+    "rollout.remasking_strategy": "rollout.algorithm={v}",
+    "rollout.dynamic_threshold": "rollout.threshold={v}",
+    "training.method": {
+        "tracerl": "algo.name=tracerl",
+        "random_masking": "algo.name=random_mask_rl",
+        "coupled": "algo.name=random_mask_rl algo.params.couple=true",
+        "*": "algo.name=<one of tracerl, random_mask_rl>",
+    },
+    "training.eps": "algo.params.eps_low={v}",
+    "training.beta": "algo.params.kl_coef={v}",
+    "training.shrink": "algo.params.shrink={v}",
+    "training.lower_p": "algo.params.p_low={v} (algo.name=random_mask_rl)",
+    "training.upper_p": "algo.params.p_high={v} (algo.name=random_mask_rl)",
+    "training.max_grad_norm": "optim.clip_grad={v}",
+    "training.seed": "seed={v}",
+    "training.mixed_precision": {"bf16": "model.dtype=bf16", "fp16": "model.dtype=fp16", "no": "model.dtype=fp32"},
+    "training.gradient_checkpointing_enable": {"true": "train.recompute=full", "false": "train.recompute=none"},
+    "optimizer.params.learning_rate": "optim.lr={v}",
+    "optimizer.params.weight_decay": "optim.weight_decay={v}",
+    "optimizer.params.beta1": "optim.adam_beta1={v}",
+    "optimizer.params.beta2": "optim.adam_beta2={v}",
+    "optimizer.params.epsilon": "optim.adam_eps={v}",
+    "lr_scheduler.params.warmup_steps": "optim.warmup_steps={v}",
+}
+
+# Megatron-LM's and torchrun's flags (--tensor-model-parallel-size ..., --nproc-per-node), as bare names; flags
+# whose name is a megadare leaf (--micro-batch-size, --lr, --seed, --save-interval) need no entry.
+FLAGS: dict[str, Fix] = {
+    "tensor_model_parallel_size": "parallel.tp={v}",
+    "pipeline_model_parallel_size": "parallel.pp={v}",
+    "expert_model_parallel_size": "parallel.ep={v}",
+    "expert_tensor_parallel_size": "parallel.etp={v}",
+    "context_parallel_size": "parallel.cp={v}",
+    "sequence_parallel": "parallel.sp=true",
+    "train_iters": "train.steps={v}",
+    "nproc_per_node": "--nproc {v} (or torchrun --nproc_per_node {v} -m megadare ...)",
+}
+
+# `megadare eval`'s own options, typed to the other commands
+EVAL_OPTIONS: dict[str, Fix] = {"model": "model.hf_path={v}", "tasks": "eval.tasks=[{v}]"}
+
+ORIGINS = {"verl/DARE": VERL, "dLLM-RL": DLLM_RL, "Megatron-LM / torchrun": FLAGS, "megadare eval": EVAL_OPTIONS}
+
+
+def foreign_fix(key: str, value: Any) -> Optional[tuple[str, str]]:
+    """(origin, fix) for a key another project spells ``key`` (None when no project in ORIGINS does)."""
+    for origin, table in ORIGINS.items():
+        if key in table:
+            fix = table[key]
+            shown = "<value>" if value is None else str(value)
+            if isinstance(fix, dict):
+                fix = fix.get(shown.lower()) or fix.get("*") or " or ".join(fix.values())
+            return origin, fix.replace("{v}", shown)
+    return None

@@ -1,0 +1,253 @@
+"""The command line as users from DARE / dLLM-RL / verl / Megatron-LM / torchrun type it: every wrong input fails in
+one line that names what was typed and what to write instead (exit status 2), and the table of other projects'
+keys (megadare/config/foreign.py) names only megadare keys that exist."""
+
+from __future__ import annotations
+
+from dataclasses import fields, is_dataclass
+
+import pytest
+
+from megadare.algos import REGISTRY
+from megadare.algos.algorithm import COMMON
+from megadare.cli import CONFIG_COMMANDS, main
+from megadare.config import Config, load_config
+from megadare.config.foreign import ORIGINS
+from megadare.errors import ConfigError
+
+DEMO = "megadare/configs/demo_rl.yaml"
+
+
+def _error_line(capsys, argv: list[str]) -> str:
+    """The one stderr line of ``megadare argv`` (exit status 2, nothing on stdout)."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2, (argv, out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.rstrip("\n")
+
+
+OPTIONS = [
+    (["--tp", "4"], "unknown option '--tp 4': config keys are set as key=value; did you mean parallel.tp=4?"),
+    (["--tp=4"], "unknown option '--tp=4': config keys are set as key=value; did you mean parallel.tp=4?"),
+    (["--lr", "1e-6"], "unknown option '--lr 1e-6': config keys are set as key=value; did you mean optim.lr=1e-6?"),
+    (
+        ["--steps", "10"],
+        "unknown option '--steps 10': config keys are set as key=value; did you mean train.steps=10 or rl.steps=10?",
+    ),
+    (
+        ["--tensor-model-parallel-size", "2"],
+        "unknown option '--tensor-model-parallel-size 2': config keys are set as key=value; that is Megatron-LM / "
+        "torchrun's; megadare: parallel.tp=2",
+    ),
+    (
+        ["--sequence-parallel", "parallel.pp=2"],
+        "unknown option '--sequence-parallel': config keys are set as key=value; that is Megatron-LM / torchrun's; "
+        "megadare: parallel.sp=true",
+    ),
+    (
+        ["--nproc_per_node", "2"],
+        "unknown option '--nproc_per_node 2': that is Megatron-LM / torchrun's; "
+        "megadare: --nproc 2 (or torchrun --nproc_per_node 2 -m megadare ...)",
+    ),
+    (
+        ["--model", "/ckpt"],
+        "unknown option '--model /ckpt': config keys are set as key=value; that is megadare eval's; "
+        "megadare: model.hf_path=/ckpt",
+    ),
+    (["--nprocs", "2"], "unknown option '--nprocs 2': did you mean --nproc?"),
+    (["--dry_run"], "unknown option '--dry_run': did you mean --dry-run?"),
+]
+
+
+@pytest.mark.parametrize("typed,line", OPTIONS, ids=[" ".join(t) for t, _ in OPTIONS])
+def test_an_unknown_option_names_what_to_write(capsys, typed, line):
+    assert _error_line(capsys, ["rl", "--config", DEMO, *typed, "--dry-run", "--config-only"]) == (
+        f"megadare: error: {line}"
+    )
+
+
+def test_argparse_errors_are_one_line(capsys):
+    line = _error_line(capsys, ["rl", "--config", DEMO, "--nproc", "two"])
+    assert line == "megadare rl: error: argument --nproc: invalid int value: 'two' (see megadare rl --help)"
+
+
+OVERRIDES = [
+    ("tp=4", "unknown config key 'tp' (tp=4): did you mean parallel.tp=4?"),
+    (
+        "parallel.tpp=4",
+        "unknown config key 'parallel.tpp' (parallel.tpp=4): did you mean parallel.tp=4 or parallel.pp=4 or "
+        "parallel.vpp=4?",
+    ),
+    ("parallel.tp=four", "parallel.tp='four' is not an integer (in override parallel.tp=four)"),
+    ("parallel.sp=maybe", "parallel.sp='maybe' is not true or false (in override parallel.sp=maybe)"),
+    (
+        "parallel=4",
+        "override 'parallel=4': parallel is a section, not a key; set one of its keys: parallel.tp, parallel.pp, "
+        "parallel.vpp, parallel.ep, parallel.etp, parallel.cp, parallel.sp, parallel.world_size",
+    ),
+    (
+        "+rl.steps=3",
+        "override '+rl.steps=3': megadare's keys take no Hydra prefix (every key exists); write rl.steps=3",
+    ),
+    (
+        "actor_rollout_ref.rollout.n=8",
+        "unknown config key 'actor_rollout_ref.rollout.n' (actor_rollout_ref.rollout.n=8): that is verl/DARE's; "
+        "megadare: rl.n_samples=8",
+    ),
+    (
+        "data.train_batch_size=64",
+        "unknown config key 'data.train_batch_size' (data.train_batch_size=64): that is verl/DARE's; "
+        "megadare: rl.prompts_per_step=64",
+    ),
+    (
+        "trainer.total_epochs=2",
+        "unknown config key 'trainer.total_epochs' (trainer.total_epochs=2): that is verl/DARE's; megadare: "
+        "rl.steps=<2 x training prompts // rl.prompts_per_step> (RL steps, not epochs)",
+    ),
+    (
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "unknown config key 'actor_rollout_ref.actor.optim.lr' (actor_rollout_ref.actor.optim.lr=1e-6): that is "
+        "verl/DARE's; megadare: optim.lr=1e-6",
+    ),
+    (
+        "+actor_rollout_ref.actor.mc_num=16",
+        "unknown config key 'actor_rollout_ref.actor.mc_num' (+actor_rollout_ref.actor.mc_num=16): that is "
+        "verl/DARE's; megadare: algo.params.n_mc=16",
+    ),
+    (
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "unknown config key 'actor_rollout_ref.actor.kl_loss_type' (actor_rollout_ref.actor.kl_loss_type=low_var_kl):"
+        " that is verl/DARE's; megadare: algo.params.kl_estimator=k3",
+    ),
+    (
+        "rollout.num_task_per_step=64",
+        "unknown config key 'rollout.num_task_per_step' (rollout.num_task_per_step=64): that is dLLM-RL's; "
+        "megadare: rl.prompts_per_step=64",
+    ),
+    (
+        "training.method=coupled",
+        "unknown config key 'training.method' (training.method=coupled): that is dLLM-RL's; "
+        "megadare: algo.name=random_mask_rl algo.params.couple=true",
+    ),
+    (
+        "config=configs/rl_sdar.yaml",
+        "unknown config key 'config' (config=configs/rl_sdar.yaml): that is dLLM-RL's; "
+        "megadare: --config configs/rl_sdar.yaml",
+    ),
+    ("trainer.seed=1", "unknown config key 'trainer.seed' (trainer.seed=1): did you mean seed=1?"),
+    (
+        "rl.foo=1",
+        "unknown config key 'rl.foo' (rl.foo=1): the keys of rl: steps, prompts_per_step, n_samples, ppo_epochs, "
+        "redraw_corruptions, canvas, mini_batches, eval_interval, eval_size",
+    ),
+]
+
+
+@pytest.mark.parametrize("override,line", OVERRIDES, ids=[o for o, _ in OVERRIDES])
+def test_a_wrong_override_names_what_to_write(capsys, override, line):
+    assert _error_line(capsys, ["rl", "--config", DEMO, override, "--dry-run", "--config-only"]) == (
+        f"megadare: error: {line}"
+    )
+
+
+def test_a_key_of_nowhere_lists_the_sections_not_every_key():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["foo.bar=1"])
+    assert str(e.value).startswith("unknown config key 'foo.bar' (foo.bar=1): the sections: model, parallel, ")
+    assert len(str(e.value)) < 300  # the old message listed all ~250 keys
+
+
+FILES = [
+    (
+        "model:\n\tfamily: sdar\n",
+        "is not valid YAML: a tab at line 2, column 1 ('family: sdar'): YAML indents with "
+        "spaces; replace the tab with spaces",
+    ),
+    (
+        "model:\n  family: sdar\n   tiny: true\n",
+        "is not valid YAML: mapping values are not allowed in this context at line 3, column 8 ('tiny: true'): the "
+        "keys of one section must be indented by the same number of spaces",
+    ),
+    ("parallel:\ntp: 2\n", "section 'parallel' holds nothing (are its keys indented under it?); set one of its keys: "),
+    ("parallel:\n  tp: two\n", "parallel.tp='two' is not an integer (in {path})"),
+    (
+        # a verl / DARE config: the first key megadare knows another meaning for, and how many more are unknown
+        "trainer:\n  project_name: x\n  total_training_steps: 80\nactor_rollout_ref:\n  rollout:\n    n: 8\n",
+        "unknown config key 'trainer.total_training_steps' in {path} (2 more unknown keys): that is verl/DARE's; "
+        "megadare: rl.steps=80",
+    ),
+    (
+        # dLLM-RL's configs/rl_sdar.yaml, abridged
+        "wandb:\n  entity: null\nexperiment:\n  total_step: 80\nrollout:\n  num_response_per_task: 16\n"
+        "training:\n  method: TraceRL\n",
+        "unknown config key 'experiment.total_step' in {path} (3 more unknown keys): that is dLLM-RL's; "
+        "megadare: rl.steps=80",
+    ),
+]
+
+
+@pytest.mark.parametrize("text,line", FILES, ids=["tab", "indent", "flat section", "type", "verl", "dllm_rl"])
+def test_a_wrong_config_file_names_the_line_or_key(capsys, tmp_path, text, line):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    got = _error_line(capsys, ["rl", "--config", str(path), "--dry-run", "--config-only"])
+    assert got.startswith("megadare: error: ") and line.format(path=path) in got
+
+
+def test_a_missing_config_file(capsys):
+    line = _error_line(capsys, ["rl", "--config", "missing.yaml", "--dry-run", "--config-only"])
+    assert line == "megadare: error: config file 'missing.yaml' not found"
+
+
+@pytest.mark.parametrize("command", CONFIG_COMMANDS)
+def test_help_says_how_keys_are_set(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "as key=value (parallel.tp=4 optim.lr=1e-6, not --tp 4)" in out
+    assert f"megadare {command} --config FILE --dry-run --config-only" in out
+
+
+def _algo_params() -> set[str]:
+    return set(COMMON).union(*(cls.defaults for cls in REGISTRY.values()))
+
+
+def _fixes():
+    for origin, table in ORIGINS.items():
+        for key, fix in table.items():
+            for text in fix.values() if isinstance(fix, dict) else [fix]:
+                yield origin, key, text
+
+
+@pytest.mark.parametrize("origin,key,fix", list(_fixes()), ids=[f"{k}:{f}" for _, k, f in _fixes()])
+def test_every_foreign_fix_names_a_megadare_key_or_option(origin, key, fix):
+    """Each fix's overrides (before a note in parentheses) set keys megadare has (an algorithm's parameter for
+    ``algo.params.*``), or name one of its options; those without a value to compute load as they are."""
+    words = fix.split(" (")[0].split()
+    if words[0].startswith("--"):
+        assert words[0] in ("--config", "--nproc"), fix
+        return
+    overrides = [w for w in words if "=" in w]
+    assert overrides or fix.startswith("nothing: "), fix
+    for ov in overrides:
+        target, _, value = ov.partition("=")
+        if target.startswith("algo.params."):
+            assert target.removeprefix("algo.params.") in _algo_params(), fix
+        else:
+            assert _is_key(target), fix
+            if "<" not in value and "{v}" not in value:
+                load_config(None, [ov])  # the value too: a typed choice, a bool
+
+
+def _is_key(dotted: str) -> bool:
+    obj = Config()
+    for part in dotted.split("."):
+        if not is_dataclass(obj) or part not in {f.name for f in fields(obj)}:
+            return False
+        obj = getattr(obj, part)
+    return not is_dataclass(obj)
