@@ -72,6 +72,17 @@ VERL: dict[str, Fix] = {
     f"{_ROLLOUT}.num_diffusion_steps": (
         "rollout.steps_per_block=<{v} / (rollout.max_new_tokens / rollout.block_size)> (steps per block)"
     ),
+    f"{_ROLLOUT}.val_kwargs.num_diffusion_steps": (
+        "rollout.eval_steps_per_block=<{v} / (rollout.max_new_tokens / rollout.block_size)> (steps per block)"
+    ),
+    f"{_ROLLOUT}.use_cache": {
+        "true": "rollout.full_attention_cache=prefix (LLaDA / Dream; dual_cache=True: dual)",
+        "false": "rollout.full_attention_cache=none",
+    },
+    f"{_ROLLOUT}.dual_cache": {
+        "true": "rollout.full_attention_cache=dual",
+        "false": "rollout.full_attention_cache=prefix (with use_cache=True; none without)",
+    },
     "algorithm.adv_estimator": {
         "grpo": "advantage.estimator=grpo",
         "rloo": "advantage.estimator=rloo",
