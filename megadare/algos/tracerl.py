@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
 from megadare.algos.base import STEP_WIDTH, RLSample
-from megadare.diffusion.trace_replay import replay_views
+from megadare.diffusion.trace_replay import replay_views, shrunk_steps
 from megadare.errors import ConfigError
 
 
@@ -125,6 +125,11 @@ class TraceRL(DllmRlLoss):
 
     def engine_logprobs_match(self, arch) -> bool:
         return self.shrink(arch) == 1  # s > 1 scores later tokens of a fragment from its first state
+
+    def value_steps(self, s: RLSample, arch, block_size: int) -> list[int]:
+        """The steps of the value model's step-level GAE: the shrunk trace (one step per replayed fragment of a
+        block), as dLLM-RL's value trainer aggregates (``train_trado_value.py:491-497``)."""
+        return shrunk_steps(s, block_size, self.shrink(arch), arch.is_block_diffusion)
 
     def views(self, s, arch, block_size, g):
         block = arch.is_block_diffusion

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -64,9 +65,12 @@ class StepUpdate:
     shape: TrainShape
 
 
-def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
-    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
-    the micro-batches (``adv``, extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
+def value_advantages(
+    settings: ValueModelSettings, samples, micro_batches, steps_of: Callable[[Any], list[int]]
+) -> dict[str, float]:
+    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation over
+    ``steps_of(sample)``, the algorithm's step of each response token), written into the micro-batches (``adv``,
+    extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
     if not micro_batches or "v_old" not in micro_batches[0].extras:
         return {}  # not the last pipeline stage
     local = []
@@ -83,7 +87,7 @@ def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> di
     table: dict[tuple[int, int], tuple[float, float]] = {}
     for s in samples:
         vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
-        adv, ret = step_advantages(vs, s.commit_step, s.reward, settings.gamma, settings.lam)
+        adv, ret = step_advantages(vs, steps_of(s), s.reward, settings.gamma, settings.lam)
         for k in range(len(vs)):
             table[(s.index, k)] = (adv[k], ret[k])
     for mb in micro_batches:
@@ -175,7 +179,8 @@ def _reference_passes(su: StepUpdate, group, mine, policy: Policy) -> None:
             store_outputs(ref_chunks, mine, "ref", shape.fmt)
     if value is not None:
         store_outputs(value.model, mine, "v_old", shape.fmt, VALUES)
-        value_advantages(su.algo.value_model, group, mine)
+        steps_of = functools.partial(su.algo.value_steps, arch=su.shape.arch, block_size=su.shape.block)
+        value_advantages(su.algo.value_model, group, mine, steps_of)
 
 
 def update(
