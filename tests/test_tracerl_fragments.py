@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from megadare.algos import REGISTRY
-from megadare.algos.base import RLSample
+from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.algos.value_model import step_advantages
 from megadare.data.rows import pack_rows
 from megadare.diffusion.trace_replay import replay_views, shrunk_steps
@@ -240,6 +240,47 @@ def test_full_attention_fragments_are_dllm_rls(shrink):
         assert len(ours) == -(-len(set(s.commit_step)) // shrink)
 
 
+@pytest.mark.parametrize("post_num", [0, 2])
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_full_canvas_drops_targets_after_the_answer_as_dllm_rl(family, post_num):
+    """rl.canvas=full replays the whole canvas, as dLLM-RL does; its post_num drops the pad targets after the
+    first ``post_num`` (``rl_llada.py:265-276``, rows left without a target dropped, 401-406); megadare drops the
+    positions after the answer's EOS beyond ``post_num`` (the trainer stamps the answer's length). Fails before:
+    megadare scored every position of the canvas."""
+    P, L, bs, answer = 7, 24, 8, 15
+    algo, arch = REGISTRY["tracerl"]({"shrink": 2, "post_num": post_num}), tiny_arch(family)
+    s = make_sample(P, response(answer - 1, 1) + [EOS] + [PAD] * (L - answer), bs, 1)
+    s.extra[ANSWER_LENGTH] = answer
+    ours = fragments_of(algo.views(s, arch, bs, None), P)
+    theirs = drop_pad_targets(llada_fragments(s.commit_step, 2), s.response_ids, post_num, False)
+    assert ours == theirs
+    assert set().union(*(t for _, t in ours)) == set(range(answer + post_num))
+    assert len(ours) < len(megadare_fragments(s, bs, 2, block_family=False))  # rows of pads only are gone
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_random_masking_drops_targets_after_the_answer(family):
+    """dLLM-RL's random masking on LLaDA / Dream scores no pad beyond post_num and masks those pads in every input
+    (``rl_llada.py:312-331``); on block families it masks them at random like any token (``rl_trado.py:552-555``
+    only drops their targets)."""
+    P, L, answer, post_num = 8, 16, 9, 1
+    algo, arch = REGISTRY["random_mask_rl"]({"n_views": 12, "post_num": post_num}), tiny_arch(family)
+    s = RLSample(
+        prompt_ids=list(range(10, 10 + P)),
+        response_ids=response(answer - 1, 2) + [EOS] + [PAD] * (L - answer),
+        reward=1.0,
+        advantage=1.0,
+    )
+    s.extra[ANSWER_LENGTH] = answer
+    views = algo.views(s, arch, 4, torch.Generator().manual_seed(0))
+    tail = P + answer + post_num
+    assert views and all(bool((v.coef[tail:] == 0).all()) and bool((v.coef != 0).any()) for v in views)
+    forced = [bool((v.tokens[tail:] == MASK).all()) for v in views]
+    assert all(forced) if family == "llada" else not all(forced)
+    s.extra.pop(ANSWER_LENGTH)  # a sample without it (eos canvas, tests): the whole response is the answer
+    assert any(bool((v.coef[tail:] != 0).any()) for v in algo.views(s, arch, 4, torch.Generator().manual_seed(0)))
+
+
 # ------------------------------------------------------------------ value model: step-level aggregation
 def dllm_rl_step_returns(values, step_map, reward, gamma, lam):
     """``train_trado_value.py:752-848`` (one sequence, outcome reward, every position trainable): the reward on
@@ -283,7 +324,7 @@ def test_value_step_means_run_over_the_shrunk_trace(shrink, block_family):
             assert adv == pytest.approx(ref_adv, abs=1e-12) and ret == pytest.approx(ref_ret, abs=1e-12)
 
 
-@pytest.mark.parametrize("family,bs,tail", [("llada", 8, 0), ("sdar", 4, 0)])
+@pytest.mark.parametrize("family,bs,tail", [("llada", 8, 0), ("sdar", 4, 0), ("llada", 8, 5)])
 def test_trainer_value_advantages_are_dllm_rls(family, bs, tail):
     """The trainer's value_advantages on TraceRL's rows (shrink 3, gamma 0.9, lambda 0.8; packed micro-batches,
     V_old at the scored positions) against train_trado_value.py's aggregation over the shrunk step map and the
@@ -299,6 +340,7 @@ def test_trainer_value_advantages_are_dllm_rls(family, bs, tail):
     for i in range(3):
         s = make_sample(P, response(L - tail - 1, i) + [EOS] + [PAD] * tail, bs, 40 + i)
         s.index, s.reward = i, (1.0, 0.0, -1.0)[i]
+        s.extra[ANSWER_LENGTH] = L - tail
         samples.append(s)
     values = {(i, k): random.Random(100 * i + k).uniform(-1, 1) for i in range(3) for k in range(L)}
     rows = algo.batch_rows(samples, arch, bs, lambda i: torch.Generator().manual_seed(i))

@@ -85,11 +85,14 @@ def value_advantages(
         dist.all_gather_object(everything, local, group=ps.get_data_parallel_group())
     values: dict[tuple[int, int], float] = {(s, k): v for part in everything for s, k, v in part}
     table: dict[tuple[int, int], tuple[float, float]] = {}
-    for s in samples:
-        vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
-        adv, ret = step_advantages(vs, steps_of(s), s.reward, settings.gamma, settings.lam)
-        for k in range(len(vs)):
-            table[(s.index, k)] = (adv[k], ret[k])
+    for s in samples:  # the scored tokens only (dLLM-RL's trainable mask, train_trado_value.py:759-790)
+        scored = [k for k in range(len(s.response_ids)) if (s.index, k) in values]
+        steps = steps_of(s)
+        adv, ret = step_advantages(
+            [values[(s.index, k)] for k in scored], [steps[k] for k in scored], s.reward, settings.gamma, settings.lam
+        )
+        for k, a, r in zip(scored, adv, ret):
+            table[(s.index, k)] = (a, r)
     for mb in micro_batches:
         keys = list(zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist()))
         pairs = [table.get(key, (0.0, 0.0)) for key in keys]
