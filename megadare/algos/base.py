@@ -48,6 +48,8 @@ LOSS_AGG = (
     "fragment_width",
 )
 STEP_WIDTH = "step_width"  # RLSample.extra: the longest response of the sample's RL step (fragment_width)
+ANSWER_LENGTH = "answer_length"  # RLSample.extra: response tokens up to the first EOS (inclusive); the rest of a
+# full canvas is what the sampler decoded after the answer (stamped by the trainer's rollout)
 
 
 @dataclass

@@ -16,7 +16,9 @@ dLLM-RL computes it); N fragments, on LLaDA/Dream each fragment's sum / its mask
 (``fragment_width``, ``train/rl_trado.py:742-744``).
 
 Canvas (``rl.canvas``): dLLM-RL trains TraDo/SDAR on the response up to its EOS block (``eos``, the block
-families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms.
+families' default); on LLaDA/Dream the default is the full canvas, like DARE's algorithms, where the positions after
+the answer's EOS beyond ``post_num`` (0) are no targets and are masked in every fragment (dLLM-RL's ``post_num``,
+``rl_llada.py:312-331``; DllmRlLoss.views).
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ class RandomMaskRL(DllmRlLoss):
         "couple": False,
     }
 
-    def views(self, s, arch, block_size, g):
+    def masks_tail(self, arch) -> bool:
+        return not arch.is_block_diffusion  # rl_llada.py:331 / rl_dream.py; rl_trado.py masks pads at random
+
+    def fragments(self, s, arch, block_size, g):
         block = arch.is_block_diffusion
         n = self.p["n_views"] or (1 if block else 35)
         return random_mask(

@@ -20,16 +20,26 @@ With ``value_model=true`` a second Megatron model (same backbone, zero-initialis
 ``value_lr`` 5e-6) gives token-wise values and the advantages become TraceRL's step-level GAE
 (algos/value_model.py; gamma = lambda = 1 by default, value clip 0.2); otherwise they are group-relative.
 
-Canvas (``rl.canvas``): TraDo/SDAR (the paper's main models) replay the response up to its EOS block (``eos``, the
+Fragments (checked against dLLM-RL's own construction on the same traces, tests/test_tracerl_fragments.py): block
+families group per block of the sample's grid from position 0, the sampler's blocks (jetengine and megadare's
+engine put the prompt's remainder in the first block); dLLM-RL's trainer cuts its blocks from the response start
+(``rl_trado.py:516-522``), which is not its sampler's state when the prompt length is not a multiple of the block:
+not copied. The value model's step-level GAE runs over the shrunk trace (``TraceRL.value_steps``).
+
+Canvas (``rl.canvas``): TraDo/SDAR (the paper's main models) replay the response up to its EOS (``eos``, the
 block families' default); on LLaDA/Dream the full canvas (default there) replays every decoded position, the
-post-EOS ones included, so each replayed state is the sampler's.
+post-EOS ones included, so each replayed state is the sampler's; as dLLM-RL's ``post_num: 0``, the positions after
+the answer's EOS are no targets (``post_num``: how many of them are; null: all, DARE's way).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
-from megadare.algos.base import STEP_WIDTH, RLSample
-from megadare.diffusion.trace_replay import replay_views
+from megadare.algos.base import ANSWER_LENGTH, STEP_WIDTH, RLSample
+from megadare.diffusion.trace_replay import replay_views, shrunk_steps
+from megadare.diffusion.views import View
 from megadare.errors import ConfigError
 
 
@@ -42,6 +52,7 @@ TRACERL_LOSS = {
     "kl_anchor": "old",
     "kl_estimator": "k3_exp10",
     "loss_agg": None,  # the family's (DllmRlLoss.loss_agg)
+    "post_num": 0,  # targets kept after the answer's EOS on a full canvas (dLLM-RL's post_num; null: all)
 }
 
 
@@ -70,12 +81,51 @@ class DllmRlLoss(Algorithm):
     def loss_agg(self, arch) -> str:
         return self.p["loss_agg"] or ("fragment_width" if arch.is_block_diffusion else "fragment_mean")
 
+    def fragments(self, s: RLSample, arch, block_size: int, g) -> list[View]:
+        raise NotImplementedError
+
+    def views(self, s, arch, block_size, g):
+        """The mode's fragments; on a full canvas (``rl.canvas=full``) the positions after the answer beyond its
+        first ``post_num`` are no targets, and fragments left without one are dropped, as dLLM-RL's
+        ``post_num`` (``rl_llada.py:265-276, 401-406``, ``rl_trado.py:552-555, 566-571``). Differences: dLLM-RL
+        counts pad tokens (with post_num 0 it drops an EOS that is the pad token too), here the positions after
+        the first EOS (the EOS stays a target); its random masking also masks the dropped positions in every
+        input (``rl_llada.py:331``), here too on full-attention families (``masks_tail``)."""
+        views = self.fragments(s, arch, block_size, g)
+        answer, post = s.extra.get(ANSWER_LENGTH), self.p["post_num"]
+        if answer is None or post is None or answer + post >= len(s.response_ids):
+            return views
+        tail = len(s.prompt_ids) + answer + post
+        mask = arch.mask_token_id if self.masks_tail(arch) else None
+        return [v for v in (_without_targets_from(v, tail, mask) for v in views) if bool((v.coef != 0).any())]
+
+    def masks_tail(self, arch) -> bool:
+        return False
+
+    def check_config(self, cfg, arch) -> None:
+        super().check_config(cfg, arch)
+        post = self.p["post_num"]
+        if post is not None and (isinstance(post, bool) or not isinstance(post, int) or post < 0):
+            raise ConfigError(
+                f"algo.params.post_num={post!r}: the number of targets kept after the answer's EOS must be an "
+                "integer >= 0 (dLLM-RL: 0), or null to score the whole canvas"
+            )
+
     def prepare(self, samples, score, group_size) -> None:
         stamp_step_width(samples)
 
     def batch_rows(self, samples, arch, block_size, generator_for):
         stamp_step_width(samples)
         return super().batch_rows(samples, arch, block_size, generator_for)
+
+
+def _without_targets_from(v: View, start: int, mask_id) -> View:
+    """``v`` scoring nothing at positions >= ``start`` (with ``mask_id``: those positions masked in the input)."""
+    coef, slot, tokens = v.coef.clone(), v.slot.clone(), v.tokens.clone()
+    coef[start:], slot[start:] = 0, -1
+    if mask_id is not None:
+        tokens[start:] = mask_id
+    return replace(v, tokens=tokens, coef=coef, slot=slot)
 
 
 def stamp_step_width(samples: list[RLSample]) -> None:
@@ -126,7 +176,12 @@ class TraceRL(DllmRlLoss):
     def engine_logprobs_match(self, arch) -> bool:
         return self.shrink(arch) == 1  # s > 1 scores later tokens of a fragment from its first state
 
-    def views(self, s, arch, block_size, g):
+    def value_steps(self, s: RLSample, arch, block_size: int) -> list[int]:
+        """The steps of the value model's step-level GAE: the shrunk trace (one step per replayed fragment of a
+        block), as dLLM-RL's value trainer aggregates (``train_trado_value.py:491-497``)."""
+        return shrunk_steps(s, block_size, self.shrink(arch), arch.is_block_diffusion)
+
+    def fragments(self, s, arch, block_size, g):
         block = arch.is_block_diffusion
         shrink = self.shrink(arch)
         return [v for v, _ in replay_views(s, arch.mask_token_id, block_size, shrink, block_family=block)]

@@ -174,3 +174,22 @@ def replay_views(
         replay.round_view(lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
         for g in _groups([c.step for c in commits], shrink)
     ]
+
+
+def shrunk_steps(s: Trace, block_size: int, shrink: int = 1, block_family: bool = True) -> list[int]:
+    """Each response token's step after TraceRL's shrinkage: the last global step of its replay group (per block
+    of the sample's grid on block families, over the whole response otherwise) -- dLLM-RL's shrunk step map
+    (``collapse_k_unique``, ``train/rl_trado.py:219-231, 516-522``, ``rl_llada.py:256-257``), which its value
+    trainer aggregates over (``train_trado_value.py:491-497, 752-790``): one step of the value model's step-level
+    GAE is one replayed fragment of one block."""
+    _require_trace(s, "trace-replay")
+    P, steps = len(s.prompt_ids), [int(t) for t in s.commit_step]  # type: ignore[union-attr]
+    units: dict[int, list[int]] = {}
+    for k in range(len(steps)):
+        units.setdefault((P + k) // block_size if block_family else 0, []).append(k)
+    out = list(steps)
+    for ks in units.values():
+        last = {t: g[-1] for g in _groups([steps[k] for k in ks], shrink) for t in g}
+        for k in ks:
+            out[k] = last[steps[k]]
+    return out

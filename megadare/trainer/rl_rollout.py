@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
-from megadare.algos.base import RLSample
+from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.config import Config
 from megadare.rollout.engine import answer_ids
 from megadare.trainer.data_order import StepSampler
@@ -96,6 +96,8 @@ class Rollouts:
         samples, metrics = build_samples(cfg, traj, rewards)
         own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
         samples = samples if own is None else own
+        for s in samples:  # dLLM-RL's post_num (algos/tracerl.py) tells the answer from a full canvas's tail
+            s.extra[ANSWER_LENGTH] = len(answer_ids(s.response_ids, tok.eos_token_id))
 
         def score_ids(responses, indices):
             texts = [tok.decode(answer_ids(r, tok.eos_token_id)) for r in responses]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -64,9 +65,12 @@ class StepUpdate:
     shape: TrainShape
 
 
-def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> dict[str, float]:
-    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation), written into
-    the micro-batches (``adv``, extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
+def value_advantages(
+    settings: ValueModelSettings, samples, micro_batches, steps_of: Callable[[Any], list[int]]
+) -> dict[str, float]:
+    """Token advantages and returns from the value model's V_old (TraceRL step-level aggregation over
+    ``steps_of(sample)``, the algorithm's step of each response token), written into the micro-batches (``adv``,
+    extras['ret']); values of a sample may sit on other data-parallel ranks (gathered)."""
     if not micro_batches or "v_old" not in micro_batches[0].extras:
         return {}  # not the last pipeline stage
     local = []
@@ -81,11 +85,14 @@ def value_advantages(settings: ValueModelSettings, samples, micro_batches) -> di
         dist.all_gather_object(everything, local, group=ps.get_data_parallel_group())
     values: dict[tuple[int, int], float] = {(s, k): v for part in everything for s, k, v in part}
     table: dict[tuple[int, int], tuple[float, float]] = {}
-    for s in samples:
-        vs = [values.get((s.index, k), 0.0) for k in range(len(s.response_ids))]
-        adv, ret = step_advantages(vs, s.commit_step, s.reward, settings.gamma, settings.lam)
-        for k in range(len(vs)):
-            table[(s.index, k)] = (adv[k], ret[k])
+    for s in samples:  # the scored tokens only (dLLM-RL's trainable mask, train_trado_value.py:759-790)
+        scored = [k for k in range(len(s.response_ids)) if (s.index, k) in values]
+        steps = steps_of(s)
+        adv, ret = step_advantages(
+            [values[(s.index, k)] for k in scored], [steps[k] for k in scored], s.reward, settings.gamma, settings.lam
+        )
+        for k, a, r in zip(scored, adv, ret):
+            table[(s.index, k)] = (a, r)
     for mb in micro_batches:
         keys = list(zip(mb.sample.flatten().tolist(), mb.tok.flatten().tolist()))
         pairs = [table.get(key, (0.0, 0.0)) for key in keys]
@@ -175,7 +182,8 @@ def _reference_passes(su: StepUpdate, group, mine, policy: Policy) -> None:
             store_outputs(ref_chunks, mine, "ref", shape.fmt)
     if value is not None:
         store_outputs(value.model, mine, "v_old", shape.fmt, VALUES)
-        value_advantages(su.algo.value_model, group, mine)
+        steps_of = functools.partial(su.algo.value_steps, arch=su.shape.arch, block_size=su.shape.block)
+        value_advantages(su.algo.value_model, group, mine, steps_of)
 
 
 def update(
