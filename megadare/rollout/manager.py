@@ -354,18 +354,12 @@ def torch_cuda_available() -> bool:
 
 
 def build_native_engine(
-    hf_dir: str,
-    eos_token_id: int,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_batch: int = 0,
-    compile: bool = False,
-    full_attention_cache: str = "none",
+    hf_dir: str, eos_token_id: int, device: str = "auto", dtype: str = "auto", settings: Optional[NativeSettings] = None
 ):
     """Engine factory for actors: the built-in engine on the family's hf/ model loaded from ``hf_dir`` in the
     engine's dtype (``auto``: bfloat16 on CUDA, float32 on CPU), on the device :func:`resolve_engine_device` picks
-    (the GPU Ray assigned to the actor under ``auto``); ``max_batch`` / ``compile`` / ``full_attention_cache``:
-    ``NativeSettings``'.
+    (the GPU Ray assigned to the actor under ``auto``), decoding as ``settings`` say (``NativeSettings``:
+    rollout.max_batch / compile / full_attention_cache).
     """
     cfg = read_hf_config(hf_dir)
     dev = resolve_engine_device(device)
@@ -380,5 +374,5 @@ def build_native_engine(
         eos_token_id=eos_token_id,
         device=dev,
         dtype=dt,
-        settings=NativeSettings(max_batch=max_batch, compile=compile, full_attention_cache=full_attention_cache),
+        settings=settings or NativeSettings(),
     )

@@ -77,6 +77,7 @@ def engine_spec(cfg, src, tok):
         EngineSpec,
         build_native_engine,
     )  # heavy: megadare.config imports this module; the engines pull torch.distributed and sympy
+    from megadare.rollout.native import NativeSettings  # heavy too: the hf/ model
 
     r = cfg.rollout
     gpus = r.engine_resources.get("num_gpus")
@@ -93,9 +94,9 @@ def engine_spec(cfg, src, tok):
                 "eos_token_id": tok.eos_token_id,
                 "device": r.device,
                 "dtype": r.dtype,
-                "max_batch": r.max_batch,
-                "compile": r.compile,
-                "full_attention_cache": r.full_attention_cache,
+                "settings": NativeSettings(
+                    max_batch=r.max_batch, compile=r.compile, full_attention_cache=r.full_attention_cache
+                ),
             },
         )
     if gpus is not None and gpus < r.engine_tp:
