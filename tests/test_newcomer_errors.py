@@ -1,0 +1,41 @@
+"""Mistakes a new user makes following README.md: each is refused in one line naming the key or path and the fix,
+before anything trains."""
+
+import os
+
+from megadare.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT_TINY = os.path.join(REPO, "examples", "configs", "sft_sdar_tiny.yaml")
+DEMO_RL = os.path.join(REPO, "megadare", "configs", "demo_rl.yaml")
+
+
+def refused(capsys, *argv) -> str:
+    """The one ``megadare: error:`` line of a refused command (exit 2, no traceback)."""
+    rc = main(list(argv))
+    _, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("megadare: error:")]
+    assert rc == 2 and len(lines) == 1, (rc, err)
+    return lines[0]
+
+
+def test_data_path_over_a_generated_task_is_refused(capsys, tmp_path):
+    """The README's tiny SFT config trains on a generated task; data.path added to it was silently ignored."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    run = tmp_path / "run"
+    line = refused(capsys, "sft", "--config", SFT_TINY, f"data.path={data}", "train.steps=4", f"logging.run_dir={run}")
+    assert "data.path=" in line and "data.synthetic='addition'" in line and "data.synthetic=null" in line, line
+    assert not (run / "ckpt").exists()
+    line = refused(capsys, "sft", "--dry-run", "--config", SFT_TINY, f"data.path={data}", f"logging.run_dir={run}")
+    assert "data.synthetic=null" in line, line
+
+
+def test_a_checkpoint_that_does_not_exist_says_so(capsys, tmp_path):
+    missing = tmp_path / "runs" / "demo" / "sft" / "ckpt"
+    line = refused(capsys, "rl", "--config", DEMO_RL, f"checkpoint.load={missing}", f"logging.run_dir={tmp_path / 'r'}")
+    assert f"{missing} does not exist" in line and "megadare sft" in line, line
+    line = refused(capsys, "convert", "megatron-to-hf", "--ckpt", str(missing), "--out", str(tmp_path / "hf"))
+    assert f"{missing} does not exist" in line, line
+    assert not (tmp_path / "hf").exists()
