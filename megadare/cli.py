@@ -198,6 +198,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
+        print(
+            "\nmegadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _one_line_errors() -> tuple[type[Exception], ...]:

@@ -3,6 +3,8 @@ before anything trains."""
 
 import os
 
+import pytest
+
 from megadare.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,3 +41,21 @@ def test_a_checkpoint_that_does_not_exist_says_so(capsys, tmp_path):
     line = refused(capsys, "convert", "megatron-to-hf", "--ckpt", str(missing), "--out", str(tmp_path / "hf"))
     assert f"{missing} does not exist" in line, line
     assert not (tmp_path / "hf").exists()
+
+
+def test_ctrl_c_before_training_is_one_line(capsys, monkeypatch):
+    """Ctrl-C while megatron still imports (tens of seconds on a loaded CPU) printed a KeyboardInterrupt traceback."""
+    import megadare.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    try:
+        rc = main(["sft", "--config", SFT_TINY])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left megadare's main as a KeyboardInterrupt traceback")
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip().splitlines() == [
+        "megadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any"
+    ], err
