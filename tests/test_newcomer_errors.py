@@ -10,6 +10,8 @@ from megadare.cli import main
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_TINY = os.path.join(REPO, "examples", "configs", "sft_sdar_tiny.yaml")
 DEMO_RL = os.path.join(REPO, "megadare", "configs", "demo_rl.yaml")
+SDAR_TINY = os.path.join(REPO, "examples", "configs", "sdar_tiny.yaml")
+EVAL = os.path.join(REPO, "tests", "fixtures", "eval")
 
 
 def refused(capsys, *argv) -> str:
@@ -59,3 +61,17 @@ def test_ctrl_c_before_training_is_one_line(capsys, monkeypatch):
     assert rc == 130 and err.strip().splitlines() == [
         "megadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any"
     ], err
+
+
+def test_a_megatron_checkpoint_given_as_an_hf_model_says_how_to_export(capsys, tmp_path):
+    """`megadare eval --model runs/demo/rl/ckpt` (the demo writes Megatron checkpoints) said
+    '.../ckpt/config.json: no config.json found'."""
+    root = tmp_path / "runs" / "demo" / "rl" / "ckpt"
+    (root / "iter_0000030").mkdir(parents=True)
+    (root / "iter_0000030" / "metadata.json").write_text("{}")
+    (root / "latest_checkpointed_iteration.txt").write_text("30")
+    for model in (root, root / "iter_0000030"):
+        line = refused(
+            capsys, "eval", "--config", SDAR_TINY, "--model", str(model), "--tasks", "gsm8k", f"eval.data_dir={EVAL}"
+        )
+        assert f"{model} is a Megatron checkpoint" in line and f"megatron-to-hf --ckpt {model}" in line, line
