@@ -290,6 +290,8 @@ def _dry_run(args, cfg, spec) -> int:
     world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
     preflight(spec, config_only=args.config_only, world=world)
     print(to_yaml(cfg), end="")
+    checked = "the config and the memory plan" if args.config_only else "every check"
+    print(f"pre-flight: {checked} passed; nothing started (the resolved config is on stdout)", file=sys.stderr)
     return 0
 
 

@@ -75,3 +75,14 @@ def test_a_megatron_checkpoint_given_as_an_hf_model_says_how_to_export(capsys, t
             capsys, "eval", "--config", SDAR_TINY, "--model", str(model), "--tasks", "gsm8k", f"eval.data_dir={EVAL}"
         )
         assert f"{model} is a Megatron checkpoint" in line and f"megatron-to-hf --ckpt {model}" in line, line
+
+
+def test_a_dry_run_that_passes_says_so(capsys, tmp_path):
+    """README "Config": `megadare sft --nproc 2 --dry-run ...` printed 180 lines of config and no verdict."""
+    argv = ["sft", "--nproc", "2", "--dry-run", "--config", SFT_TINY, "parallel.tp=2", f"logging.run_dir={tmp_path}"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "tp: 2" in out and err.strip().splitlines()[-1].startswith("pre-flight: every check passed"), err
+    assert main([*argv, "--config-only"]) == 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("pre-flight: the config and the memory plan passed"), err
