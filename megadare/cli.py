@@ -155,11 +155,9 @@ def _run_rl(cfg, nproc: int) -> int:
     if out.get("already_finished"):
         return _nothing_done("rl", out)
     evals = out["evals"]
-    acc = (
-        f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
-        if evals
-        else ""
-    )
+    steps = sorted(evals)[:1] + sorted(evals)[1:][-1:]  # the first and last evaluated steps (one when they agree)
+    acc = "; held-out accuracy " + " -> ".join(f"{evals[s]['accuracy']:.3f} at step {s}" for s in steps)
+    acc = acc if evals else ""
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
     print(f"rl {how} at step {out['step']}{acc}; checkpoints in {out['checkpoint_root']}")
     return 0

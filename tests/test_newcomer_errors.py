@@ -86,3 +86,20 @@ def test_a_dry_run_that_passes_says_so(capsys, tmp_path):
     assert main([*argv, "--config-only"]) == 0
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("pre-flight: the config and the memory plan passed"), err
+
+
+def test_rl_stopped_early_names_the_steps_its_accuracy_is_from(capsys, monkeypatch):
+    """Ctrl-C at step 7 of the README's RL run printed 'held-out accuracy 0.280 -> 0.280': both the step-0 number,
+    read as 'RL did nothing'."""
+    import megadare.cli as cli
+    from megadare.config import load_config
+
+    run = {"step": 7, "stopped_by_signal": True, "checkpoint_root": "runs/x/ckpt", "evals": {0: {"accuracy": 0.28}}}
+    monkeypatch.setattr(cli, "_launch", lambda *a: run)
+    assert cli._run_rl(load_config(DEMO_RL, []), 1) == 0
+    assert "rl stopped by signal at step 7; held-out accuracy 0.280 at step 0;" in capsys.readouterr().out
+    run.update(
+        step=30, stopped_by_signal=False, evals={0: {"accuracy": 0.28}, 10: {"accuracy": 0.5}, 30: {"accuracy": 1}}
+    )
+    assert cli._run_rl(load_config(DEMO_RL, []), 1) == 0
+    assert "rl done at step 30; held-out accuracy 0.280 at step 0 -> 1.000 at step 30;" in capsys.readouterr().out
