@@ -7,7 +7,8 @@ setup(
     packages=find_packages(include=["megadare", "megadare.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # CPU machines: `pip install torch==2.13.0` first (a plain `torch` pulls a multi-GB CUDA build).
+        # CPU machines: `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu` first (PyPI's
+        # Linux torch is a multi-GB CUDA build; README "Set-up").
         "torch>=2.5",
         "megatron-core>=0.16.1,<0.17",
         "omegaconf>=2.4",  # Literal-typed config choices (LiteralNode)

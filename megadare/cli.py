@@ -171,11 +171,9 @@ def _run_rl(cfg, nproc: int) -> int:
     if out.get("already_finished"):
         return _nothing_done("rl", out)
     evals = out["evals"]
-    acc = (
-        f"; held-out accuracy {evals[min(evals)]['accuracy']:.3f} -> {evals[max(evals)]['accuracy']:.3f}"
-        if evals
-        else ""
-    )
+    steps = sorted(evals)[:1] + sorted(evals)[1:][-1:]  # the first and last evaluated steps (one when they agree)
+    acc = "; held-out accuracy " + " -> ".join(f"{evals[s]['accuracy']:.3f} at step {s}" for s in steps)
+    acc = acc if evals else ""
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
     print(f"rl {how} at step {out['step']}{acc}; checkpoints in {out['checkpoint_root']}")
     return 0
@@ -216,6 +214,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
+        print(
+            "\nmegadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any",
+            file=sys.stderr,
+        )
+        return 130
 
 
 def _check_options(parser: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -353,6 +357,8 @@ def _dry_run(args, cfg, spec) -> int:
     world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
     preflight(spec, config_only=args.config_only, world=world)
     print(to_yaml(cfg), end="")
+    checked = "the config and the memory plan" if args.config_only else "every check"
+    print(f"pre-flight: {checked} passed; nothing started (the resolved config is on stdout)", file=sys.stderr)
     return 0
 
 

@@ -31,6 +31,7 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
     configured algorithm when the caller has built it (``trainer/spec.resolve``)."""
     check_choices(cfg)
+    check_data_source(cfg)
     p = cfg.parallel
     if arch is not None:  # the model's rules first (they name the key to change), then the world's
         Layout.of(p).check_model(arch)
@@ -91,6 +92,16 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
     check_decoder(cfg, arch)
 
     (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
+
+
+def check_data_source(cfg: Config) -> None:
+    """A file and a generated task are not both the training data: the task would replace the file unseen."""
+    d = cfg.data
+    if d.synthetic and d.path:
+        raise ConfigError(
+            f"data.path={d.path!r} and data.synthetic={d.synthetic!r} are both set: the generated task would "
+            "replace the file; add data.synthetic=null to train on data.path"
+        )
 
 
 _SAMPLER_KEYS = (

@@ -132,6 +132,11 @@ def read_tracker(root: str) -> Optional[str]:
 
 def resolve_checkpoint_dir(path: str) -> str:
     """A checkpoint dir itself, or a run's checkpoint root holding latest_checkpointed_iteration.txt."""
+    if not os.path.exists(path):
+        raise MegatronCheckpointError(
+            f"{path} does not exist: give a checkpoint a megadare run wrote (its <run_dir>/ckpt, or an iter_* "
+            "in it); train one first (megadare sft / megadare demo)"
+        )
     if os.path.exists(os.path.join(path, "metadata.json")):
         return path
     it = read_tracker(path)

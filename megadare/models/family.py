@@ -141,6 +141,7 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
         return path_or_dict
     p = os.fspath(path_or_dict)
     if os.path.isdir(p):
+        _refuse_megatron_dir(p)
         p = os.path.join(p, "config.json")
     if not os.path.exists(p):
         raise ModelConfigError(f"{p}: no config.json found; point to an HF checkpoint directory")
@@ -149,6 +150,19 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{p}: not valid JSON ({e})") from e
+
+
+def _refuse_megatron_dir(path: str) -> None:
+    """A Megatron checkpoint (a run's ckpt/ or an iter_* in it) where an HF one is expected: say how to export it."""
+    names = set(os.listdir(path))
+    if "config.json" in names or not (
+        {"latest_checkpointed_iteration.txt", "metadata.json"} & names or any(n.startswith("iter_") for n in names)
+    ):
+        return
+    raise ModelConfigError(
+        f"{path} is a Megatron checkpoint, not an HF one; export it first: megadare convert megatron-to-hf "
+        f"--ckpt {path} --out NEW_DIR, then point to NEW_DIR"
+    )
 
 
 def family_of(hf_config: str | os.PathLike | dict) -> Family:

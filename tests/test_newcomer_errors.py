@@ -1,0 +1,105 @@
+"""Mistakes a new user makes following README.md: each is refused in one line naming the key or path and the fix,
+before anything trains."""
+
+import os
+
+import pytest
+
+from megadare.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SFT_TINY = os.path.join(REPO, "examples", "configs", "sft_sdar_tiny.yaml")
+DEMO_RL = os.path.join(REPO, "megadare", "configs", "demo_rl.yaml")
+SDAR_TINY = os.path.join(REPO, "examples", "configs", "sdar_tiny.yaml")
+EVAL = os.path.join(REPO, "tests", "fixtures", "eval")
+
+
+def refused(capsys, *argv) -> str:
+    """The one ``megadare: error:`` line of a refused command (exit 2, no traceback)."""
+    rc = main(list(argv))
+    _, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("megadare: error:")]
+    assert rc == 2 and len(lines) == 1, (rc, err)
+    return lines[0]
+
+
+def test_data_path_over_a_generated_task_is_refused(capsys, tmp_path):
+    """The README's tiny SFT config trains on a generated task; data.path added to it was silently ignored."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    run = tmp_path / "run"
+    line = refused(capsys, "sft", "--config", SFT_TINY, f"data.path={data}", "train.steps=4", f"logging.run_dir={run}")
+    assert "data.path=" in line and "data.synthetic='addition'" in line and "data.synthetic=null" in line, line
+    assert not (run / "ckpt").exists()
+    line = refused(capsys, "sft", "--dry-run", "--config", SFT_TINY, f"data.path={data}", f"logging.run_dir={run}")
+    assert "data.synthetic=null" in line, line
+
+
+def test_a_checkpoint_that_does_not_exist_says_so(capsys, tmp_path):
+    missing = tmp_path / "runs" / "demo" / "sft" / "ckpt"
+    line = refused(capsys, "rl", "--config", DEMO_RL, f"checkpoint.load={missing}", f"logging.run_dir={tmp_path / 'r'}")
+    assert f"{missing} does not exist" in line and "megadare sft" in line, line
+    line = refused(capsys, "convert", "megatron-to-hf", "--ckpt", str(missing), "--out", str(tmp_path / "hf"))
+    assert f"{missing} does not exist" in line, line
+    assert not (tmp_path / "hf").exists()
+
+
+def test_ctrl_c_before_training_is_one_line(capsys, monkeypatch):
+    """Ctrl-C while megatron still imports (tens of seconds on a loaded CPU) printed a KeyboardInterrupt traceback."""
+    import megadare.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_dispatch", interrupted)
+    try:
+        rc = main(["sft", "--config", SFT_TINY])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left megadare's main as a KeyboardInterrupt traceback")
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip().splitlines() == [
+        "megadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any"
+    ], err
+
+
+def test_a_megatron_checkpoint_given_as_an_hf_model_says_how_to_export(capsys, tmp_path):
+    """`megadare eval --model runs/demo/rl/ckpt` (the demo writes Megatron checkpoints) said
+    '.../ckpt/config.json: no config.json found'."""
+    root = tmp_path / "runs" / "demo" / "rl" / "ckpt"
+    (root / "iter_0000030").mkdir(parents=True)
+    (root / "iter_0000030" / "metadata.json").write_text("{}")
+    (root / "latest_checkpointed_iteration.txt").write_text("30")
+    for model in (root, root / "iter_0000030"):
+        line = refused(
+            capsys, "eval", "--config", SDAR_TINY, "--model", str(model), "--tasks", "gsm8k", f"eval.data_dir={EVAL}"
+        )
+        assert f"{model} is a Megatron checkpoint" in line and f"megatron-to-hf --ckpt {model}" in line, line
+
+
+def test_a_dry_run_that_passes_says_so(capsys, tmp_path):
+    """README "Config": `megadare sft --nproc 2 --dry-run ...` printed 180 lines of config and no verdict."""
+    argv = ["sft", "--nproc", "2", "--dry-run", "--config", SFT_TINY, "parallel.tp=2", f"logging.run_dir={tmp_path}"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "tp: 2" in out and err.strip().splitlines()[-1].startswith("pre-flight: every check passed"), err
+    assert main([*argv, "--config-only"]) == 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("pre-flight: the config and the memory plan passed"), err
+
+
+def test_rl_stopped_early_names_the_steps_its_accuracy_is_from(capsys, monkeypatch):
+    """Ctrl-C at step 7 of the README's RL run printed 'held-out accuracy 0.280 -> 0.280': both the step-0 number,
+    read as 'RL did nothing'."""
+    import megadare.cli as cli
+    from megadare.config import load_config
+
+    run = {"step": 7, "stopped_by_signal": True, "checkpoint_root": "runs/x/ckpt", "evals": {0: {"accuracy": 0.28}}}
+    monkeypatch.setattr(cli, "_launch", lambda *a: run)
+    assert cli._run_rl(load_config(DEMO_RL, []), 1) == 0
+    assert "rl stopped by signal at step 7; held-out accuracy 0.280 at step 0;" in capsys.readouterr().out
+    run.update(
+        step=30, stopped_by_signal=False, evals={0: {"accuracy": 0.28}, 10: {"accuracy": 0.5}, 30: {"accuracy": 1}}
+    )
+    assert cli._run_rl(load_config(DEMO_RL, []), 1) == 0
+    assert "rl done at step 30; held-out accuracy 0.280 at step 0 -> 1.000 at step 30;" in capsys.readouterr().out
