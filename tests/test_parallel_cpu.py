@@ -84,3 +84,26 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in r.stderr, r.stderr
+
+
+def test_a_lone_process_keeps_its_rendezvous_port_to_itself():
+    """A single process picks a free port for its process group without putting it in os.environ: a process it
+    starts afterwards (a subprocess test, a demo's next stage) must not inherit MASTER_PORT and find it taken."""
+    import subprocess
+    import sys
+
+    code = """
+import os, subprocess, sys
+import torch.distributed as dist
+from megadare.parallel import init_distributed
+
+init_distributed()  # one gloo process; its group stays up while the child starts its own
+assert dist.is_initialized() and "MASTER_PORT" not in os.environ, os.environ.get("MASTER_PORT")
+child = "from megadare.parallel import init_distributed; init_distributed(); print('child ok')"
+r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+assert r.returncode == 0, r.stderr[-1500:]
+print(r.stdout.strip())
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("child ok"), r.stderr[-2000:]

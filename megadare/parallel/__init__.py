@@ -38,13 +38,22 @@ def init_distributed(
     if not dist.is_initialized():
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:  # a launcher sets it; alone, take a free port (no clash with a
-            os.environ["MASTER_PORT"] = str(free_port() if world == 1 else 29500)  # second run here)
+        init_method = None  # env:// (a launcher's MASTER_ADDR / MASTER_PORT)
+        if "MASTER_PORT" not in os.environ and world == 1:
+            # alone: a free port of its own, kept out of the environment (a process this one starts later must
+            # not inherit it and find it taken)
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         dist.init_process_group(
-            backend or ("gloo" if cpu else "nccl"), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+            backend or ("gloo" if cpu else "nccl"),
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
         )
     layout = placed(layout or Layout(), dist.get_world_size())
     parallel_state.initialize_model_parallel(
