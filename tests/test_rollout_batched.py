@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import native_traces as nt
-from megadare.rollout import native
+from megadare.rollout import decoders, native
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.sampling import categorical, stream_uniforms
@@ -175,7 +175,7 @@ class HostReads(TorchFunctionMode):
 def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
     rounds = []
     monkeypatch.setattr(
-        native._Decoder, "record", lambda self, *a, _r=native._Decoder.record: (rounds.append(1), _r(self, *a))[1]
+        decoders.Decoder, "record", lambda self, *a, _r=decoders.Decoder.record: (rounds.append(1), _r(self, *a))[1]
     )
     model, arch = nt.build(family)
     eng = NativeEngine(model, arch, eos_token_id=41, device="cpu", settings=NativeSettings(max_batch=3))
@@ -184,8 +184,8 @@ def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
         trajs = eng.generate(nt.PROMPTS, params)
     per_site = {site: reads.where.count(site) for site in set(reads.where)}
     assert not [s for s in per_site if s.split(":")[0] in ("dllm_step.py", "sampling.py", "common.py")], per_site
-    assert per_site.pop("native.py:record") == len(rounds) >= 3  # one read per block
-    assert set(per_site) <= {"native.py:trajectory", "native.py:_steps_needed", "engine.py:validate"}, per_site
+    assert per_site.pop("decoders.py:record") == len(rounds) >= 3  # one read per block
+    assert set(per_site) <= {"decoders.py:trajectory", "decoders.py:_steps_needed", "engine.py:validate"}, per_site
     assert len(trajs) == len(nt.PROMPTS)
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
-from megadare.rollout.native import NativeEngine, NativeSettings, _SemiAR
+from megadare.rollout.decoders import SemiARDecoder
+from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.sampling import (
     REMASK,
     CommitRule,
@@ -302,7 +303,7 @@ def test_full_attention_cache_reproduces_the_state_it_was_built_from(family, mod
     prompts = [[5, 17, 99, 3, 42, 7], [11, 2, 9, 4]]  # the second row is left-padded
     decoders = []
     for m in (mode, "none"):
-        dec = _SemiAR(_engine(family, full_attention_cache=m), prompts, params)
+        dec = SemiARDecoder(_engine(family, full_attention_cache=m), prompts, params)
         dec.admit(0, [0, 1])
         decoders.append(dec)
     cached, exact = decoders

@@ -35,7 +35,7 @@ block over the response with entropy ranking and its own schedule (``rollout.sch
 Why the demo (reverse a 3-letter string, SDAR block 4) once unlearned (0.28 -> 0.16): the prompt's last 3
 tokens share the first response block, so the response spans two blocks, and the recorded proposals were
 indexed as if the block started at the response (every intermediate answer and target shifted by the prompt
-remainder). Proposals are now placed on response positions by the engine (``rollout/native.py``).
+remainder). Proposals are now placed on response positions by the engine (``rollout/decoders.py``).
 Defaults (paper): lr 7e-7, temperature 0.4.
 
 Canvas (``rl.canvas``): DARE's MDPO rollouts keep the full LLaDA/Dream canvas (``full``, those families' default).

@@ -1,0 +1,445 @@
+"""How the built-in engine decodes a call's prompts (``native.NativeEngine.generate``): the continuous-batching
+driver (:class:`Decoder`: slots, admission at block boundaries, compaction, the per-block trace and host read) and
+the two decoders over it, block diffusion on each sample's own grid (:class:`BlockDiffusionDecoder`: SDAR, TraDo,
+LLaDA2) and semi-autoregressive full attention (:class:`SemiARDecoder`: LLaDA, Dream, exact or with Fast-dLLM caches).
+The engine owns the model, the static cache and the compiled forward; a decoder calls them through it
+(``self.e``) and never builds its own."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+import functools
+import math
+from collections import deque
+from typing import Any, Optional
+
+import torch
+
+from megadare.rollout.dllm_step import BlockState, BlockTrace, commit_counts, propose, Streams
+from megadare.rollout.editing import Refinement
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
+from megadare.rollout.sampling import mix64
+
+
+@functools.lru_cache(maxsize=256)
+def _steps_needed(params: SamplingParams, masked: int) -> int:
+    """Forwards a static schedule takes to commit ``masked`` positions (each step commits its count, clamped)."""
+    left, s = masked, 0
+    while left > 0:
+        row = torch.zeros(1, params.block_size, dtype=torch.bool)
+        row[0, :left] = True
+        left -= min(int(commit_counts(row, s, params)[0]), left)
+        s += 1
+    return s
+
+
+class Decoder(ABC):
+    """The continuous-batching driver and the per-slot state both decoders share (``engine``: the
+    ``native.NativeEngine`` that runs the forwards).
+
+    A slot is a row of the running batch (rows [0, n) are live). Device tensors per slot live in ``self.dev``
+    (moved together when the batch is compacted), host lists in ``self.host``. Columns: every slot has a token
+    store (block diffusion: the sample's grid from position 0; full attention: prompt ++ canvas) and the response
+    trace buffers ``fwd`` / ``bstep`` / ``logp`` over decode columns (column 0 = the first decoded position of
+    the first block, i.e. grid column ``first``)."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams, width: int, decode_cols: int):
+        self.e, self.prompts, self.params = engine, prompts, params
+        self.M, self.B = engine.arch.mask_token_id, params.block_size
+        self.cap = min(engine.max_batch or len(prompts), len(prompts))
+        dev, cap = engine.device, self.cap
+        self.dev: dict[str, torch.Tensor] = {
+            "tokens": torch.full((cap, width), self.M, dtype=torch.long, device=dev),
+            "keys": torch.zeros(cap, dtype=torch.long, device=dev),
+            "base": torch.zeros(cap, dtype=torch.long, device=dev),  # mix64(keys): the streams' start
+            "steps": torch.zeros(cap, dtype=torch.long, device=dev),
+            "start": torch.zeros(cap, dtype=torch.long, device=dev),  # grid column of the current block
+            "first": torch.zeros(cap, dtype=torch.long, device=dev),  # grid column of decode column 0
+            "resp": torch.zeros(cap, dtype=torch.long, device=dev),  # decode column of response token 0
+            "fwd": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
+            "bstep": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
+            "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev),
+        }
+        self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
+        self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
+
+    # ------------------------------------------------------------------ driver
+    def run(self) -> list[Trajectory]:
+        queue = deque(range(len(self.prompts)))
+        out: list[Optional[Trajectory]] = [None] * len(self.prompts)
+        while queue or self.host["prompt"]:
+            live = len(self.host["prompt"])
+            if queue and live < self.cap:
+                new = [queue.popleft() for _ in range(min(self.cap - live, len(queue)))]
+                self.admit(live, new)
+            done = self.round(len(self.host["prompt"]))
+            for i in (i for i, d in enumerate(done) if d):
+                out[self.host["prompt"][i]] = self.trajectory(i)
+            self.compact([i for i, d in enumerate(done) if not d])
+        return out  # type: ignore[return-value]
+
+    def admit(self, start: int, indices: list[int]) -> None:
+        """Put prompts ``indices`` into slots [start, start + len): subclass fills tokens / columns first."""
+        dev = self.e.device
+        seeds = [prompt_seed(self.params.seed, i) for i in indices]
+        rows = slice(start, start + len(indices))
+        self.dev["keys"][rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
+        self.dev["base"][rows] = mix64(self.dev["keys"][rows])
+        self.dev["steps"][rows] = 0
+        self.host["prompt"] += indices
+        self.host["block"] += [0] * len(indices)
+        self.host["superseded"] += [{} for _ in indices]
+        self.host["preds"] += [[] for _ in indices]
+
+    def compact(self, keep: list[int]) -> None:
+        """Keep rows ``keep`` (in order) as rows [0, len(keep))."""
+        moved = [(s, d) for d, s in enumerate(keep) if s != d]
+        if moved:
+            src = torch.tensor([s for s, _ in moved], device=self.e.device)
+            dst = torch.tensor([d for _, d in moved], device=self.e.device)
+            for t in self.dev.values():
+                t.index_copy_(0, dst, t.index_select(0, src))
+            self.move_cache(src, dst)
+        for k, v in self.host.items():
+            self.host[k] = [v[i] for i in keep]
+
+    def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block diffusion keeps keys/values across blocks: they move with their rows."""
+
+    # ------------------------------------------------------------------ one block of every live row
+    def round(self, n: int) -> list[bool]:
+        """Decode the current block of rows [0, n); returns per row whether it finished."""
+        p, M = self.params, self.M
+        cols = self.dev["start"][:n, None] + torch.arange(self.B, device=self.e.device)
+        self.begin_block(n, cols)
+        cur = self.dev["tokens"][:n].gather(1, cols)
+        trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
+        refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
+        steps = self.block_steps(n) if self.static_steps else p.block_forwards()
+        step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
+        for s in range(steps):
+            masked = cur == M
+            editable = refine.editable(cur, M) if refine is not None else None
+            if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
+                work = masked.any() if editable is None else masked.any() | editable.any()
+                if not bool(work):
+                    break
+            logits = self.block_logits(n, cols, s, cur)
+            counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
+            streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
+            later = None
+            if logits.shape[1] > self.B:  # record_steps, full attention: the later blocks' predictions too
+                logits, ahead = logits[:, : self.B], logits[:, self.B :]
+                later = propose(ahead, p, streams, self.B, M)
+            step = self.e.step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
+            if refine is not None:
+                refine.after(masked, step)
+            trace.add(step, step_index, later)
+            step_index = step_index + 1
+            cur = step.tokens
+        self.write_block(n, cols, cur)
+        self.end_block(n, cols)
+        return self.record(n, cols, cur, trace)
+
+    def block_steps(self, n: int) -> int:
+        """Forwards the block takes (static schedules): the most any live row needs."""
+        return max(_steps_needed(self.params, self.masked_at_start(i)) for i in range(n))
+
+    def record(self, n: int, cols: torch.Tensor, cur: torch.Tensor, trace: BlockTrace) -> list[bool]:
+        """The block's trace into the rows' buffers (on the device), the host's per-block read, who finished."""
+        d = self.dev
+        if trace.count is not None:
+            dcols = cols - d["first"][:n, None]
+            committed = trace.forward >= 0
+            for name, new in (
+                ("fwd", d["steps"][:n, None] + trace.forward),
+                ("bstep", trace.block_step),
+                ("logp", trace.logprob),
+            ):
+                old = d[name][:n].gather(1, dcols)
+                d[name][:n].scatter_(1, dcols, torch.where(committed, new, old))
+            if trace.keep_history:
+                self.record_history(n, trace)
+            d["steps"][:n] += trace.count
+        d["start"][:n] += self.B
+        eos = torch.zeros(n, dtype=torch.bool, device=cur.device)
+        if self.params.stop_at_eos:
+            in_resp = (cols - d["first"][:n, None]) >= d["resp"][:n, None]
+            eos = ((cur == self.e.eos) & in_resp).any(dim=1)
+        flags = eos.tolist()
+        for i in range(n):
+            self.host["block"][i] += 1
+            self.host["start"][i] += self.B
+        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(flags)]
+
+    def record_history(self, n: int, trace: BlockTrace) -> None:
+        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block)."""
+        before = self.dev["steps"][:n].tolist()
+        first = (self.dev["start"][:n] - self.dev["first"][:n]).tolist()
+        for i in range(n):
+            for c, chain in trace.superseded[i].items():
+                self.host["superseded"][i][c + first[i]] = [(before[i] + f, s, lp, tok) for f, s, lp, tok in chain]
+            if trace.preds is not None and trace.confs is not None:
+                self.host["preds"][i] += [(first[i], pr, cf) for pr, cf in zip(trace.preds[i], trace.confs[i])]
+
+    # ------------------------------------------------------------------ result
+    def trajectory(self, i: int) -> Trajectory:
+        """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens; without ``stop_at_eos``
+        the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended)."""
+        p, d = self.params, self.dev
+        first, resp = int(d["first"][i]), int(d["resp"][i])
+        cols = self.host["block"][i] * self.B - resp
+        toks = d["tokens"][i, first + resp : first + resp + cols].tolist()
+        end = min(len(toks), p.max_new_tokens)
+        finish = "eos" if self.e.eos in toks[:end] else "length"
+        if p.stop_at_eos and finish == "eos":
+            end = toks.index(self.e.eos) + 1
+        fwd = d["fwd"][i, resp : resp + end].tolist()
+        bstep = d["bstep"][i, resp : resp + end].tolist()
+        logp = d["logp"][i, resp : resp + end].tolist()
+        superseded = [
+            Superseded(c, tok, g, s, lp)
+            for c in range(end)
+            for g, s, lp, tok in self.host["superseded"][i].get(c + resp, [])
+        ]
+        traj = Trajectory(
+            prompt_ids=list(self.prompts[self.host["prompt"][i]]),
+            response_ids=toks[:end],
+            commit_step=fwd,
+            block_step=bstep,
+            logprobs=logp,
+            finish_reason=finish,
+            num_forwards=int(d["steps"][i]),
+            params=p,
+            policy_version=self.e.version,
+            superseded=superseded if p.algorithm == "editing" else None,
+        )
+        if p.record_steps:
+            traj.step_predictions, traj.step_confidences = _response_aligned(self.host["preds"][i], resp, end)
+        return traj.validate()
+
+    # ------------------------------------------------------------------ per decoder
+    def masked_at_start(self, i: int) -> int:
+        return self.B
+
+    def begin_block(self, n: int, cols: torch.Tensor) -> None:
+        """Once per block, before its forwards (bind the cache, build the masks)."""
+
+    @abstractmethod
+    def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
+        """Logits of step ``s`` of the block of rows [0, n) at their columns ``cols``, whose tokens are now ``cur``
+        [n, B]: each decoder's own forward. The token store holds the block as it was at its start: a forward
+        that reads the store beyond step 0 first writes ``cur`` (:meth:`write_block`)."""
+
+    def write_block(self, n: int, cols: torch.Tensor, cur: torch.Tensor) -> None:
+        """The block's tokens ``cur`` into the rows' token store (after every step that a forward reads from the
+        store, and once at the end of the block)."""
+        self.dev["tokens"][:n].scatter_(1, cols, cur)
+
+    def end_block(self, n: int, cols: torch.Tensor) -> None:
+        """Once per block, after its last step."""
+
+
+class BlockDiffusionDecoder(Decoder):
+    """Block diffusion over each sample's own grid; the static cache's column = the token's position."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams):
+        B = params.block_size
+        self.pre = [len(p) // B * B for p in prompts]
+        self.rem = [len(p) - q for p, q in zip(prompts, self.pre)]
+        self.need = [math.ceil((r + params.max_new_tokens) / B) for r in self.rem]
+        width = max(q + k * B for q, k in zip(self.pre, self.need))
+        super().__init__(engine, prompts, params, width, max(self.need) * B)
+        self.host.update(pre=[], rem=[], pending=[])
+        self.cache = engine.kv_cache(self.cap, width) if engine.use_cache else None
+        self._allowed: Optional[torch.Tensor] = None
+        self._first: Optional[tuple[torch.Tensor, ...]] = None
+
+    def admit(self, start: int, indices: list[int]) -> None:
+        d, dev = self.dev, self.e.device
+        for j, i in enumerate(indices):
+            row, p = start + j, self.prompts[i]
+            d["tokens"][row] = self.M
+            d["tokens"][row, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+        pre = torch.tensor([self.pre[i] for i in indices], dtype=torch.long, device=dev)
+        rows = slice(start, start + len(indices))
+        d["start"][rows], d["first"][rows] = pre, pre
+        d["resp"][rows] = torch.tensor([self.rem[i] for i in indices], dtype=torch.long, device=dev)
+        self.host["pre"] += [self.pre[i] for i in indices]
+        self.host["rem"] += [self.rem[i] for i in indices]
+        self.host["start"] += [self.pre[i] for i in indices]
+        self.host["blocks"] += [self.need[i] for i in indices]
+        self.host["pending"] += [False] * len(indices)
+        super().admit(start, indices)
+        if self.cache is not None:
+            self._prefill(start, indices)
+
+    def _prefill(self, start: int, indices: list[int]) -> None:
+        """The prompts' complete blocks into the cache (block-causal), right-padded to the longest."""
+        Q = max(self.pre[i] for i in indices)
+        if Q == 0:
+            return
+        dev, m = self.e.device, len(indices)
+        ids = self.dev["tokens"][start : start + m, :Q]
+        pos = torch.arange(Q, device=dev).expand(m, Q)
+        valid = pos < torch.tensor([self.pre[i] for i in indices], device=dev)[:, None]
+        # padding queries see themselves (no NaN keys/values in the cache); real queries never see padding
+        allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(Q, dtype=torch.bool, device=dev)
+        self.cache.bind(start, pos, Q)
+        self.e.forward(ids, allowed, pos, self.cache, logits_index=pos[:, :0], eager=True)
+
+    def move_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.cache is not None:
+            self.cache.move_rows(src, dst)
+
+    def masked_at_start(self, i: int) -> int:
+        return self.B - self.host["rem"][i] if self.host["block"][i] == 0 else self.B
+
+    def begin_block(self, n: int, cols: torch.Tensor) -> None:
+        """Masks and cache binding of the block's forwards. A row whose previous block is finished but not yet
+        stored (``pending``) stores it in the block's first forward: its queries are [previous block, block]
+        (the previous block's see the cache before it, the block's see both: exactly the keys/values a separate
+        forward would store), so a block costs S forwards, not S + 1, and a finishing row never pays for it."""
+        if self.cache is None:
+            return
+        dev, B = self.e.device, self.B
+        T = self.e.key_len(max(self.host["start"][:n]) + B, self.cache.length)
+        keys = torch.arange(T, device=dev)
+        start = self.dev["start"][:n]
+        self._allowed = (keys < start[:, None] + B)[:, None, None, :]
+        self._first = None
+        if any(self.host["pending"][:n]):
+            pending = torch.tensor(self.host["pending"][:n], device=dev)
+            prev = cols - B
+            write = torch.cat([torch.where(pending[:, None], prev, self.cache.length), cols], dim=1)
+            limit = torch.cat(
+                [torch.where(pending, start, start + B)[:, None].expand(n, B), (start + B)[:, None].expand(n, B)], dim=1
+            )
+            queries = torch.cat([prev, cols], dim=1).clamp(min=0)
+            self._first = (queries, write, (keys < limit[:, :, None])[:, None], T)
+        self.e.bind(self.cache, cols, T)
+
+    def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
+        if self.cache is not None and s == 0 and self._first is not None:
+            queries, write, allowed, T = self._first
+            self.e.bind(self.cache, write, T)
+            head = torch.arange(self.B, 2 * self.B, device=self.e.device).expand(n, self.B)
+            out = self.e.forward(
+                self.dev["tokens"][:n].gather(1, queries), allowed, queries, self.cache, logits_index=head
+            )
+            self.e.bind(self.cache, cols, T)
+            return out
+        if self.cache is not None:  # the queries are the block alone: its tokens are ``cur``
+            return self.e.forward(cur, self._allowed, cols, self.cache)
+        self.write_block(n, cols, cur)
+        T = max(self.host["start"][:n]) + self.B  # no cache: the whole grid up to the block, every step
+        pos = torch.arange(T, device=self.e.device).expand(n, T)
+        valid = pos < self.dev["start"][:n, None] + self.B
+        allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(T, dtype=torch.bool, device=self.e.device)
+        return self.e.forward(self.dev["tokens"][:n, :T], allowed, pos, logits_index=cols)
+
+    def end_block(self, n: int, cols: torch.Tensor) -> None:
+        """The block's keys/values are stored by the next block's first forward (``begin_block``)."""
+        self.host["pending"][:n] = [self.cache is not None] * n
+
+
+def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:
+    """Block-causal allowed mask [n, 1, Q, K] from positions on each sample's own grid + key validity."""
+    allowed = (k_pos[:, None, :] // B) <= (q_pos[:, :, None] // B)
+    return (allowed & k_valid[:, None, :]).unsqueeze(1)
+
+
+class SemiARDecoder(Decoder):
+    """Full attention: every row is its prompt, left-padded to the longest of the call, then the canvas."""
+
+    def __init__(self, engine: Any, prompts: list[list[int]], params: SamplingParams):
+        B = params.block_size
+        self.n_blocks = math.ceil(params.max_new_tokens / B)
+        self.P = max(len(p) for p in prompts)
+        self.L = self.P + self.n_blocks * B
+        super().__init__(engine, prompts, params, self.L, self.n_blocks * B)
+        cap, dev = self.cap, engine.device
+        self.dev["valid"] = torch.zeros((cap, self.L), dtype=torch.bool, device=dev)
+        self.dev["pos"] = torch.zeros((cap, self.L), dtype=torch.long, device=dev)
+        self.shift = engine.arch.logits_shift
+        self.mode = engine.full_attention_cache
+        self.cache = engine.kv_cache(self.cap, self.L) if self.mode != "none" else None
+        if params.record_steps and self.mode != "none" and self.n_blocks > 1:
+            raise ValueError(
+                f"record_steps (MDPO) predicts every later block from each step's full forward; "
+                f"full_attention_cache={self.mode!r} does not compute them: use rollout.full_attention_cache=none"
+            )
+
+    def admit(self, start: int, indices: list[int]) -> None:
+        d, dev, P = self.dev, self.e.device, self.P
+        for j, i in enumerate(indices):
+            row, p = start + j, self.prompts[i]
+            pad = P - len(p)
+            d["tokens"][row] = self.M
+            d["tokens"][row, :pad] = self.e.pad
+            d["tokens"][row, pad:P] = torch.tensor(p, dtype=torch.long, device=dev)
+            d["valid"][row] = torch.arange(self.L, device=dev) >= pad
+            d["pos"][row] = (torch.arange(self.L, device=dev) - pad).clamp(min=0)
+        rows = slice(start, start + len(indices))
+        d["start"][rows], d["first"][rows], d["resp"][rows] = P, P, 0
+        self.host["start"] += [P] * len(indices)
+        self.host["blocks"] += [self.n_blocks] * len(indices)
+        super().admit(start, indices)
+
+    def _predicted(self, n: int, cols: torch.Tensor) -> torch.Tensor:
+        """The columns a forward predicts: the block; with ``record_steps`` (MDPO) also every later column, as
+        DARE's MDPO rollouts (``round`` samples them apart from the block: ``dllm_step.propose``)."""
+        later = self.L - min(self.host["start"][:n]) - self.B
+        if not self.params.record_steps or later <= 0:
+            return cols
+        return torch.cat([cols, _later_columns(cols, later, self.L)], dim=1)
+
+    def block_logits(self, n: int, cols: torch.Tensor, s: int, cur: torch.Tensor) -> torch.Tensor:
+        """Logits predicting the block's tokens (Dream: read one position to the left). 'prefix' / 'dual': the
+        block's first forward (the whole row) fills the cache, later ones recompute the block (and, for 'prefix',
+        everything after it) and take the other keys/values from it."""
+        self.write_block(n, cols, cur)
+        d, L = self.dev, self.L
+        ids, pos = d["tokens"][:n], d["pos"][:n]
+        allowed = d["valid"][:n, None, None, :]
+        if self.cache is None or s == 0:
+            if self.cache is not None:
+                self.cache.bind(0, torch.arange(L, device=self.e.device).expand(n, L), L)
+            return self.e.forward(ids, allowed, pos, self.cache, logits_index=self._predicted(n, cols) - self.shift)
+        W = self.B + self.shift if self.mode == "dual" else L - min(self.host["start"][:n]) + self.shift
+        window = cols[:, :1] - self.shift + torch.arange(W, device=self.e.device)
+        inside = window < L
+        at = window.clamp(max=L - 1)
+        self.cache.bind(0, torch.where(inside, window, self.cache.length), L)
+        return self.e.forward(
+            ids.gather(1, at),
+            allowed,
+            pos.gather(1, at),
+            self.cache,
+            logits_index=torch.arange(self.B, device=self.e.device).expand(n, self.B),
+        )
+
+
+def _later_columns(cols: torch.Tensor, width: int, length: int) -> torch.Tensor:
+    """The ``width`` columns after each row's block ``cols`` [n, B], clamped to the row's last column
+    ``length - 1`` (a row further along repeats it; its extra predictions fall past the response)."""
+    return (cols[:, -1:] + 1 + torch.arange(width, device=cols.device)).clamp(max=length - 1)
+
+
+def _response_aligned(
+    preds: list[tuple[int, list[int], list[float]]], resp: int, end: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """A row's per-step proposals placed on its response positions [0, end): -1 (confidence 0) where the step
+    predicted nothing (earlier blocks; later ones of a block-causal model; the prompt's remainder in the first
+    block). ``preds``: (decode column of the block's first position, proposals, confidences from that column on)
+    per step the row took."""
+    out_p, out_c = [], []
+    for first, block_preds, block_confs in preds:
+        p, c = [-1] * end, [0.0] * end
+        for j, (tok, conf) in enumerate(zip(block_preds, block_confs)):
+            k = first + j - resp
+            if 0 <= k < end:
+                p[k], c[k] = int(tok), float(conf)
+        out_p.append(p)
+        out_c.append(c)
+    return out_p, out_c
