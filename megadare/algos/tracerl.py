@@ -34,6 +34,8 @@ the answer's EOS are no targets (``post_num``: how many of them are; null: all, 
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from dataclasses import replace
 
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
@@ -81,8 +83,10 @@ class DllmRlLoss(Algorithm):
     def loss_agg(self, arch) -> str:
         return self.p["loss_agg"] or ("fragment_width" if arch.is_block_diffusion else "fragment_mean")
 
+    @abstractmethod
     def fragments(self, s: RLSample, arch, block_size: int, g) -> list[View]:
-        raise NotImplementedError
+        """The mode's training rows of one sample before the post-answer rule (:meth:`views`): TraceRL's replayed
+        step groups, random masking's masks."""
 
     def views(self, s, arch, block_size, g):
         """The mode's fragments; on a full canvas (``rl.canvas=full``) the positions after the answer beyond its
