@@ -2,7 +2,7 @@
 
 Both rollout engines decode a block of B tokens the same way; this module is the part they share:
 
-* the built-in engine (``native.py``) calls :func:`dllm_step` once per forward for the whole batch;
+* the built-in engine (``native.py``, its decoders in ``decoders.py``) calls :func:`dllm_step` once per forward for the whole batch;
 * the SGLang plugin (``sglang_plugin.py``) calls it once per forward and per request (``n = 1``), inside sglang's
   dLLM algorithm hook.
 
@@ -190,6 +190,15 @@ def _check(
         )
 
 
+def _proposal_logits(logits: torch.Tensor, mask_token_id: Optional[int]) -> torch.Tensor:
+    """``logits`` in float32 with the mask token never a prediction (out of place: the caller's logits stay
+    untouched)."""
+    logits = logits.float()
+    if mask_token_id is None:
+        return logits
+    return logits.index_fill(-1, _token_index(mask_token_id, logits.device), float("-inf"))
+
+
 @functools.lru_cache(maxsize=16)
 def _token_index(token: int, device: torch.device) -> torch.Tensor:
     """``tensor([token])`` on ``device``, made once (an index the step reuses; never written)."""
@@ -226,9 +235,7 @@ def dllm_step(
     tokens, masked, editable = block
     _check(logits, tokens, masked, params, streams)
     dev, B = logits.device, tokens.shape[1]
-    logits = logits.float()
-    if mask_token_id is not None:  # out of place: the caller's logits stay untouched
-        logits = logits.index_fill(-1, _token_index(mask_token_id, dev), float("-inf"))
+    logits = _proposal_logits(logits, mask_token_id)
     tokens, masked = tokens.to(dev), masked.to(dev)
     work = masked.any(dim=1) if editable is None else masked.any(dim=1) | editable.to(dev).any(dim=1)
     draws = streams.uniforms(SAMPLE, B) if params.temperature > 0 else None
@@ -282,9 +289,7 @@ def propose(
     draws = streams.uniforms(SAMPLE, offset + W)[:, offset:] if params.temperature > 0 else None
     proposals, probability = [], []
     for at in range(0, W, PROPOSE_CHUNK):
-        part = logits[:, at : at + PROPOSE_CHUNK].float()
-        if mask_token_id is not None:
-            part = part.index_fill(-1, _token_index(mask_token_id, part.device), float("-inf"))
+        part = _proposal_logits(logits[:, at : at + PROPOSE_CHUNK], mask_token_id)
         u = None if draws is None else draws[:, at : at + PROPOSE_CHUNK]
         x0, logp, model_prob = sample_tokens(part, params.temperature, params.top_k, params.top_p, u)
         proposals.append(x0)
