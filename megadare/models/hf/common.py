@@ -42,7 +42,8 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
         self.rows, self.length, self.dtype = rows, length, dtype
         self._rows = slice(0, 0)
-        self._index: Optional[torch.Tensor] = None
+        self._row_index: Optional[torch.Tensor] = None  # [n, 1] cache rows of the bound forward
+        self._cols: Optional[torch.Tensor] = None  # [n, W] the cache column of each query
         self._keys = 0
 
     def fits(self, rows: int, length: int, dtype: torch.dtype, device) -> bool:
@@ -54,23 +55,25 @@ class KVCache:
         )
 
     def bind(self, start: int, write_cols: torch.Tensor, key_len: int) -> None:
-        n, w = write_cols.shape
+        n = write_cols.shape[0]
         if start + n > self.rows or key_len > self.length:
             raise ValueError(
                 f"KVCache: rows [{start}, {start + n}) and {key_len} key columns exceed the cache "
                 f"({self.rows} rows x {self.length} columns)"
             )
-        _, g, _, d = self.k[0].shape
         self._rows = slice(start, start + n)
-        self._index = write_cols[:, None, :, None].expand(n, g, w, d)
+        self._row_index = torch.arange(start, start + n, device=write_cols.device)[:, None]
+        self._cols = write_cols
         self._keys = key_len
 
     def update(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer ``i``'s new keys/values [n, kv_heads, W, head_dim]; the keys/values the queries attend."""
-        kc, vc = self.k[i][self._rows], self.v[i][self._rows]
-        kc.scatter_(2, self._index, k.to(kc.dtype))
-        vc.scatter_(2, self._index, v.to(vc.dtype))
-        return kc[:, :, : self._keys], vc[:, :, : self._keys]
+        kc, vc = self.k[i], self.v[i]
+        # an index_put_ into the whole cache: compiled, it stays in place (a scatter_ into a row slice is
+        # functionalised into a copy of the slice and a copy back, 2 x the cache per layer per forward on CUDA)
+        kc[self._row_index, :, self._cols] = k.transpose(1, 2).to(kc.dtype)
+        vc[self._row_index, :, self._cols] = v.transpose(1, 2).to(vc.dtype)
+        return kc[self._rows, :, : self._keys], vc[self._rows, :, : self._keys]
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy rows ``src`` to rows ``dst`` (disjoint sets), every layer, every column."""
