@@ -12,7 +12,8 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
   engine     the built-in engine on the GPU vs on the CPU (greedy tokens), cached vs uncached
   sft        `megadare sft` 20 bf16 steps (the loss falls) and a resume
   train      benchmarks/train_throughput.py: SDAR-1.7B shape (seq 2048, batch 1 and 4, local / sdpa / flex), small MoE
-  rollout    benchmarks/rollout_throughput.py: SDAR-1.7B shape, batch 32, 128 + 256 new tokens, block 4
+  rollout    benchmarks/rollout_throughput.py: SDAR-1.7B shape, batch 32, 128 + 256 new tokens, block 4;
+             benchmarks/rollout_compile.py: rollout.compile (CUDA graphs) == eager in fp32, its bf16 speed
   planner    megadare's planner vs torch.cuda.max_memory_allocated of the same train step
   profile    one profiled training run: the top kernels by GPU time (profile_top_kernels.txt)
   rl         `megadare rl` two steps per weight transport (needs Ray: carry benchmarks/carry/ray)
@@ -53,7 +54,7 @@ TIMEOUTS = {
     "engine": 90,
     "sft": 180,
     "train": 300,
-    "rollout": 360,
+    "rollout": 420,
     "planner": 120,
     "profile": 120,
     "rl": 300,
@@ -98,10 +99,17 @@ def train_commands(py: str, tiny: bool) -> list[list[str]]:
 def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
     """benchmarks/rollout_throughput.py through its command line (the one place that builds it): SDAR-1.7B shape
     (today's engine runs too, its CUDA failure reported in a line), then the LLaDA-8B (dual cache) and Dream-7B
-    shapes, one round each (a full forward of the canvas per step is their cost)."""
+    shapes, one round each (a full forward of the canvas per step is their cost); then benchmarks/rollout_compile.py:
+    ``rollout.compile`` (CUDA graphs) against eager, the trace in fp32 (token for token), the speed in bf16 with a
+    profile (each compiles for about 70-80 s on an H200)."""
     rt = os.path.join(HERE, "rollout_throughput.py")
+    rc = os.path.join(HERE, "rollout_compile.py")
     if tiny:
-        return [[py, rt, "--batch", "2", "--prompt", "8", "--new", "8", "--steps", "2"]]
+        small = ["--batch", "2", "--prompt", "16", "--new", "8", "--rounds", "1"]
+        return [
+            [py, rt, "--batch", "2", "--prompt", "8", "--new", "8", "--steps", "2"],
+            [py, rc, "--dtype", "fp32"] + small,
+        ]
     sdar = [[py, rt, "--batch", "32", "--prompt", "128", "--new", new, "--steps", "4"] for new in ("128", "256")]
     full = [
         py,
@@ -119,8 +127,8 @@ def rollout_commands(py: str, tiny: bool) -> list[list[str]]:
         "--baseline-ref",
         "none",
     ]
-    compiled = full + ["--compile"]  # CUDA graphs: the path to 9k tok/s (minutes to compile)
-    return sdar + [full + ["--family", "llada", "--cache", "dual"], full + ["--family", "dream"], compiled]
+    compiled = [[py, rc, "--dtype", "fp32", "--new", "64"], [py, rc, "--dtype", "bf16", "--profile"]]
+    return sdar + [full + ["--family", "llada", "--cache", "dual"], full + ["--family", "dream"]] + compiled
 
 
 def build_steps(args, py: str) -> list[Step]:

@@ -120,7 +120,8 @@ def fixed_workload(args, family: str, cache: str, base) -> None:
     if "old" in eng:
         runners.insert(0, engine_runner(f"megadare today ({args.baseline_ref})", *eng["old"], prompts, params))
     if args.peer_repo:
-        runners += peer_runners(args.peer_repo, family, cache, model, arch, prompts, params)
+        peers = peer_runners(args.peer_repo, family, cache, model, arch, prompts, params)
+        runners += [r for r in peers if not (args.peer_batched_only and "per prompt" in r.name)]
     measure(runners, args.rounds)
     mode = f", {cache} cache" if arch.attention != "block_causal" else ""
     rule = params.confidence if family == "dream" else params.algorithm
@@ -308,6 +309,9 @@ def main() -> None:
     )
     ap.add_argument("--baseline-ref", default=BASELINE_REF, help="git ref of today's engine ('none': skip it)")
     ap.add_argument("--peer-repo", default=None, help="a DARE checkout: also time its generate functions")
+    ap.add_argument(
+        "--peer-batched-only", action="store_true", help="leave out DARE's per-prompt loop (slow on a large shape)"
+    )
     ap.add_argument("--varied", action="store_true", help="continuous batching on a varied-length workload")
     ap.add_argument("--sampling-check", action="store_true", help="one step's sampling at vocab 151,936, batch 32")
     args = ap.parse_args()

@@ -100,3 +100,14 @@ def test_cpu_tiny_plumbing(tmp_path):
     md = (out / "summary.md").read_text()
     assert "| parity | ok |" in md and "## attention" in md
     assert (out / "gpu_check.log").stat().st_size > 0
+
+
+def test_rollout_compile_reproduces_eager_in_fp32():
+    """benchmarks/rollout_compile.py (the GPU run's check that rollout.compile is the same decoder) on a CPU: the
+    compiled engine's tokens and commit steps equal eager's, and the script says so in its result line."""
+    script = os.path.join(ROOT, "benchmarks", "rollout_compile.py")
+    small = ["--dtype", "fp32", "--batch", "2", "--prompt", "16", "--new", "8", "--rounds", "1"]
+    r = subprocess.run([sys.executable, script] + small, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("rollout compile fp32"))
+    assert "tokens equal 16/16, commit steps equal 16/16, rows identical 2/2" in line, line

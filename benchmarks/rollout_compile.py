@@ -1,0 +1,129 @@
+"""Is ``rollout.compile`` the same decoder as eager, and how much faster? The built-in engine on the SDAR-1.7B shape
+(GPU; a small shape on a CPU), eager and compiled (CUDA graphs on CUDA), on the same prompts and seeds.
+
+    python benchmarks/rollout_compile.py --dtype fp32 --new 64     # the trace: compiled == eager, token for token
+    python benchmarks/rollout_compile.py --dtype bf16 --profile    # the speed, and where a compiled call's time goes
+
+A random model's next-token distributions are flat: over 151,936 near-equal probabilities the inverse-CDF draw
+moves to another token on any rounding change, so two correct implementations that round differently part at
+the first step. ``--head-scale`` (default 10) multiplies the tied embedding / LM head so the distributions are
+peaked like a trained model's (mean -log p of the sampled tokens is printed); in fp32 the compiled decoder must
+then reproduce eager's tokens and commit steps exactly; in bf16 fused kernels round differently and trajectories
+part at near-ties, as they do between any two bf16 engines.
+
+Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps them): tok/s of both (best of
+``--rounds`` calls after the compiling one), the compile call's seconds, tokens / commit steps / whole rows equal.
+``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time.
+Exit status 1 when fp32 trajectories differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from megadare.rollout.engine import SamplingParams
+from megadare.rollout.native import NativeEngine, NativeSettings
+
+import rollout_timing as rt
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def peaked_model(gpu: bool, dtype: torch.dtype, scale: float):
+    """The SDAR benchmark shape (rollout_timing.build) in ``dtype`` with its LM head scaled by ``scale``."""
+    model, arch = rt.build("sdar", gpu, vocab=None if gpu else 1024)
+    model = model.to(dtype)
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        params.get("lm_head.weight", params["model.embed_tokens.weight"]).mul_(scale)  # SDAR-1.7B ties them
+    return model, arch
+
+
+def best_call(engine: NativeEngine, prompts, params, rounds: int):
+    """(seconds of the fastest of ``rounds`` calls, that call's trajectories)."""
+    best = None
+    for _ in range(rounds):
+        rt.sync()
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params)
+        rt.sync()
+        dt = time.perf_counter() - t0
+        if best is None or dt < best[0]:
+            best = (dt, out)
+    return best
+
+
+def agreement(eager, compiled) -> str:
+    n = sum(len(t.response_ids) for t in eager)
+    tokens = sum(a == b for x, y in zip(eager, compiled) for a, b in zip(x.response_ids, y.response_ids))
+    steps = sum(a == b for x, y in zip(eager, compiled) for a, b in zip(x.commit_step, y.commit_step))
+    rows = sum(x.response_ids == y.response_ids and x.commit_step == y.commit_step for x, y in zip(eager, compiled))
+    return f"tokens equal {tokens}/{n}, commit steps equal {steps}/{n}, rows identical {rows}/{len(eager)}"
+
+
+def profile_call(engine: NativeEngine, prompts, params) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        rt.sync()
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        rt.sync()
+        wall = time.perf_counter() - t0
+    ops = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ops) / 1e3
+    print(f"rollout compile profile: wall {wall * 1e3:.0f} ms (profiled), device busy {busy:.0f} ms", flush=True)
+    print(ops.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head-scale", type=float, default=10.0, help="peaked distributions (see above)")
+    ap.add_argument("--profile", action="store_true", help="one compiled call under torch.profiler")
+    args = ap.parse_args()
+    gpu = torch.cuda.is_available()
+    dev, dtype = ("cuda" if gpu else "cpu"), DTYPES[args.dtype]
+    model, arch = peaked_model(gpu, dtype, args.head_scale)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
+    params = SamplingParams(
+        max_new_tokens=args.new, block_size=4, steps_per_block=4, temperature=1.0, stop_at_eos=False, seed=1
+    )
+    eager = NativeEngine(model, arch, eos_token_id=-1, device=dev, dtype=dtype)
+    compiled = NativeEngine(
+        model, arch, eos_token_id=-1, device=dev, dtype=dtype, settings=NativeSettings(compile=True)
+    )
+    eager.generate(prompts, params)
+    t_eager, want = best_call(eager, prompts, params, args.rounds)
+    t0 = time.perf_counter()
+    compiled.generate(prompts, params)
+    rt.sync()
+    t_compile = time.perf_counter() - t0
+    t_compiled, got = best_call(compiled, prompts, params, args.rounds)
+    n = args.batch * args.new
+    nll = sum(-lp for t in want for lp in t.logprobs) / n
+    print(
+        f"rollout compile {args.dtype} on {dev}, batch {args.batch}, prompt {args.prompt}, {args.new} new, block 4, "
+        f"4 steps/block, head x{args.head_scale:g} (mean -log p {nll:.2f}): compiled {n / t_compiled:.0f} tok/s, "
+        f"eager {n / t_eager:.0f} tok/s ({t_eager / t_compiled:.2f}x); compile call {t_compile:.1f} s; "
+        f"{agreement(want, got)}",
+        flush=True,
+    )
+    if args.profile and gpu:
+        profile_call(compiled, prompts, params)
+    traces = [(t.response_ids, t.commit_step) for t in want] == [(t.response_ids, t.commit_step) for t in got]
+    if args.dtype == "fp32" and not traces:
+        sys.exit("rollout compile: in fp32 the compiled engine's trajectories differ from eager's (see above)")
+
+
+if __name__ == "__main__":
+    main()
