@@ -77,9 +77,10 @@ def check_plan_fits(cfg: Config, arch: ModelArch, world: Optional[int] = None) -
     )
 
 
-def check_model(cfg: Config, src: Optional[ModelSource]):
-    """The model source as the run will build it (the resolved ``src``): weights readable, a tokenizer;
-    ``checkpoint.load`` intact and of this model. Returns (ModelSource or None without a model, tokenizer)."""
+def check_model(cfg: Config, src: Optional[ModelSource], generates: bool = False):
+    """The model source as the run will build it (the resolved ``src``): weights readable, a tokenizer (that
+    decodes every id the model samples, when the run ``generates``); ``checkpoint.load`` intact and of this model.
+    Returns (ModelSource or None without a model, tokenizer)."""
     m = cfg.model
     if src is None:
         return None, ByteTokenizer()
@@ -87,8 +88,8 @@ def check_model(cfg: Config, src: Optional[ModelSource]):
         _check_weights(m.hf_path)
         tok = tokenizer_for(cfg, src)
     else:  # a tiny random model: the run writes it; its family and shapes are known
+        tok = tokenizer_for(cfg, src, generates=generates)
         src = replace(src, hf_dir=f"a tiny {m.family} model", hf_config={})
-        tok = ByteTokenizer()
     if cfg.checkpoint.load:
         check_same_model(intact_checkpoint_dir(cfg.checkpoint.load), src)
     return src, tok
@@ -201,7 +202,7 @@ def preflight(spec: RunSpec, config_only: bool = False, world: Optional[int] = N
         return
     if command == "eval":
         check_eval(cfg)
-    _, tok = check_model(cfg, spec.source)
+    _, tok = check_model(cfg, spec.source, generates=command in ("rl", "eval"))
     check_data(command, cfg, tok)
     if command in ("rl", "eval"):
         check_engine(cfg)

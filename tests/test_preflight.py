@@ -127,6 +127,23 @@ def test_model_weights_tokenizer_and_initial_checkpoint(tmp_path, data, capsys):
     assert f"{ckpt} is a checkpoint of a llada model (LLaDAModelLM); this run builds a sdar model" in err
 
 
+def test_a_tiny_model_whose_vocabulary_the_byte_tokenizer_cannot_decode_is_refused_for_rl(tmp_path, data, capsys):
+    """RL samples every id of the model: a tiny model with more ids than the byte tokenizer (256) failed at the
+    first decode, mid-run, with a traceback; now the check refuses it first (SFT never decodes samples)."""
+    err = refused(capsys, *rl(tmp_path, data, "model.tiny_config={vocab_size: 4096}"))
+    assert "model.tiny_config: vocab_size 4096 is larger than the byte tokenizer's 256 ids" in err
+    rc, _, _ = dry(
+        capsys,
+        "sft",
+        "--dry-run",
+        "--config",
+        "megadare/configs/demo_sft.yaml",
+        f"logging.run_dir={tmp_path / 'sft'}",
+        "model.tiny_config={vocab_size: 4096}",
+    )
+    assert rc == 0
+
+
 def test_the_memory_plan_must_fit_and_plan_exits_nonzero_when_it_does_not(tmp_path, data, capsys):
     err = refused(capsys, *rl(tmp_path, data, "plan.gpu_memory_gb=3.01"))
     assert "the memory plan does not fit: peak" in err and "on 1 x 8 GPUs of 3.01 GB (plan.*)" in err

@@ -242,7 +242,7 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     specs, temperature = check_eval_config(cfg)
     e = cfg.eval
     src = materialise(spec.source, cfg)
-    tok = tokenizer_for(cfg, src)
+    tok = tokenizer_for(cfg, src, generates=True)
     files = {s.name: s.path or task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
     prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
     set_isolation(cfg.rewards.code.isolation)

@@ -115,8 +115,9 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one holds the vocabulary
 
 
-def tokenizer_for(cfg: Config, src: ModelSource):
-    """The HF tokenizer of the checkpoint, or the byte tokenizer for tiny random models."""
+def tokenizer_for(cfg: Config, src: ModelSource, generates: bool = False):
+    """The HF tokenizer of the checkpoint, or the byte tokenizer for tiny random models. ``generates``: the run
+    samples from the model (rl, eval), so every id the model can sample must decode."""
     if cfg.model.tiny:
         tok = ByteTokenizer()
         if tok.mask_token_id != src.arch.mask_token_id or tok.vocab_size > src.arch.vocab_size:
@@ -124,6 +125,12 @@ def tokenizer_for(cfg: Config, src: ModelSource):
                 f"the byte tokenizer (vocab {tok.vocab_size}, mask {tok.mask_token_id}) does not fit "
                 f"the tiny {src.arch.family} model (vocab {src.arch.vocab_size}, mask "
                 f"{src.arch.mask_token_id})"
+            )
+        if generates and src.arch.vocab_size > tok.vocab_size:
+            raise ConfigError(
+                f"model.tiny_config: vocab_size {src.arch.vocab_size} is larger than the byte tokenizer's "
+                f"{tok.vocab_size} ids, and the engine samples from every id: leave vocab_size out (a larger "
+                "vocabulary needs model.hf_path, a checkpoint with its tokenizer)"
             )
         return tok
     if not any(os.path.exists(os.path.join(src.hf_dir, f)) for f in VOCABULARY_FILES):

@@ -77,7 +77,7 @@ def setup_run(spec: RunSpec) -> RLRun:
     """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
     cfg = spec.cfg
     spec = replace(spec, source=materialise(spec.source, cfg))
-    tok = tokenizer_for(cfg, spec.source)
+    tok = tokenizer_for(cfg, spec.source, generates=True)
     train_prompts, held_prompts = _prompts(cfg, tok)
     set_isolation(cfg.rewards.code.isolation)
     if runs_code(cfg.rewards.name, [p.record for p in train_prompts + held_prompts]):
