@@ -26,6 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import native_traces as nt
+from megadare.models.hf import common
 from megadare.rollout import decoders, native
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
@@ -316,6 +317,46 @@ def test_cuda_graph_shapes_are_bucketed_and_never_fall_back(monkeypatch):
     assert {m[0] for m in masks} <= {1, 2, 4} and 4 in {m[0] for m in masks}  # 3 live rows run padded to 4
     assert {m[3] for m in masks} <= {64, 128, eng._cache.length}
     assert not any("recompile limit" in k for k in torch._dynamo.utils.counters["unimplemented"])
+
+
+@pytest.mark.parametrize(
+    "family,cache,algorithm",
+    [
+        ("sdar_moe", "none", "low_confidence_static"),
+        ("llada", "dual", "low_confidence_static"),
+        ("dream", "none", "low_confidence_static"),
+        ("llada2", "none", "editing"),
+    ],
+)
+def test_every_family_compiles_to_the_same_tokens(monkeypatch, family, cache, algorithm):
+    """rollout.compile=true for the other families (dynamic shapes; dynamo with the aot_eager backend). The MoE
+    families crashed: their grouped GEMMs run eagerly in float32 on the CPU, but the op's fake-tensor kernel that
+    torch.compile traces with accepts bfloat16 only; a compiled engine now stacks the experts only where the op
+    also traces, else decodes expert by expert."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compile_(m, backend="aot_eager", dynamic=True))
+    model, arch = nt.build(family, **(nt.LLADA2_SMALL if family == "llada2" else {}))
+    block = 4 if arch.is_block_diffusion else 8
+    params = SamplingParams(
+        max_new_tokens=16,
+        block_size=block,
+        steps_per_block=4,
+        temperature=1.0,
+        seed=3,
+        stop_at_eos=False,
+        algorithm=algorithm,
+    )
+    settings = NativeSettings(full_attention_cache=cache)
+    want = NativeEngine(model, arch, eos_token_id=253, device="cpu", settings=settings).generate(nt.PROMPTS[:3], params)
+    compiled = NativeEngine(
+        model, arch, eos_token_id=253, device="cpu", settings=NativeSettings(full_attention_cache=cache, compile=True)
+    )
+    got = compiled.generate(nt.PROMPTS[:3], params)
+    assert [t.response_ids for t in got] == [t.response_ids for t in want]
+    assert [t.commit_step for t in got] == [t.commit_step for t in want]
+    if arch.is_moe:  # float32 on the CPU: grouped GEMMs run, but do not trace
+        assert common.grouped_gemm_runs(torch.zeros(1)) and not compiled.grouped_experts
+        assert common.grouped_gemm_runs(torch.zeros(1, dtype=torch.bfloat16), traced=True)
 
 
 def test_compiled_cache_write_stays_in_place():

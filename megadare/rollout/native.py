@@ -242,7 +242,7 @@ class NativeEngine:
     def _stack_experts(self) -> bool:
         """MoE experts as grouped GEMMs (``DecoderLM.stack_experts``: no host read per layer) where they run;
         another model, or a device without grouped GEMMs, decodes expert by expert."""
-        return isinstance(self.model, DecoderLM) and self.model.stack_experts()
+        return isinstance(self.model, DecoderLM) and self.model.stack_experts(traced=self.settings.compile)
 
     def _unstack_experts(self) -> None:
         if isinstance(self.model, DecoderLM):

@@ -11,11 +11,13 @@ softmax top-k (Qwen3-MoE) and sigmoid + expert bias + group-limited top-k + rout
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megadare.models.mapping import HFNames
 from megadare.models.attention import MaskSpec, bidirectional, block_causal
@@ -355,13 +357,15 @@ class DecoderLM(nn.Module):
         return y
 
     # ----------------------------------------------------------------- stacked experts (inference)
-    def stack_experts(self) -> bool:
+    def stack_experts(self, traced: bool = False) -> bool:
         """Stack every MoE layer's expert weights into three tensors [experts, out, in] (gate, up, down) whose
         slices *are* the experts' parameters (each becomes a view of its slice: loading or syncing an expert's
         HF-named tensor writes the stack), so the forward runs the experts as grouped GEMMs without a host read.
         Moving the model copies its parameters one by one and undoes this: :meth:`unstack_experts` first, stack
-        again after. Returns False (nothing stacked) where grouped GEMMs do not run on this device and dtype."""
-        if not self.arch.is_moe or not grouped_gemm_runs(self._io[0].weight):
+        again after. Returns False (nothing stacked) where grouped GEMMs do not run on this device and dtype
+        (``traced``: under torch.compile)."""
+        if not self.arch.is_moe or not grouped_gemm_runs(self._io[0].weight, traced):
+            self.unstack_experts()  # stacked before for another engine or dtype
             return False
         for layer in (lay for lay in self._layers if lay.moe):
             stacks = []
@@ -391,21 +395,38 @@ def _grouped_swiglu(xs: torch.Tensor, stacked: tuple, ends: torch.Tensor) -> tor
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def grouped_gemm_runs(like: torch.Tensor) -> bool:
+def grouped_gemm_runs(like: torch.Tensor, traced: bool = False) -> bool:
     """Whether grouped GEMMs run for tensors like ``like`` (device, dtype): tried once on a tiny problem with the
     shapes a MoE layer gives them (groups of any size, an empty one among them; CUDA kernels exist for some GPUs and
-    dtypes only)."""
+    dtypes only). ``traced``: also under torch.compile, whose fake-tensor kernel of the op accepts fewer dtypes than
+    the op itself (bfloat16 only in torch 2.13: float32 runs eagerly on the CPU, and fails to compile)."""
     if _grouped_mm is None:
         return False
     try:
-        a = torch.ones(3, 16, dtype=like.dtype, device=like.device)
-        b = torch.arange(1, 4, dtype=like.dtype, device=like.device)[:, None, None].expand(3, 16, 16).contiguous()
-        ends = torch.tensor([1, 1, 3], dtype=torch.int32, device=like.device)  # rows 0 | none | 1, 2
-        out = _grouped_mm(a, b.transpose(1, 2), offs=ends)
-        want = torch.tensor([16.0, 48.0, 48.0], device=like.device)[:, None]
-        return bool((out.float() == want).all())
+        if not bool((_grouped_probe(like.device, like.dtype).float() == _GROUPED_WANT).all()):
+            return False
+        if traced:
+            quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the refusal as an error
+            level = quiet.level
+            quiet.setLevel(logging.CRITICAL)
+            try:
+                with FakeTensorMode():
+                    _grouped_probe(like.device, like.dtype)
+            finally:
+                quiet.setLevel(level)
+        return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+
+
+_GROUPED_WANT = torch.tensor([16.0, 48.0, 48.0])[:, None]  # the probe's rows: 1 x 16, 3 x 16, 3 x 16
+
+
+def _grouped_probe(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    a = torch.ones(3, 16, dtype=dtype, device=device)
+    b = torch.arange(1, 4, dtype=dtype, device=device)[:, None, None].expand(3, 16, 16).contiguous()
+    ends = torch.tensor([1, 1, 3], dtype=torch.int32, device=device)  # rows 0 | none | 1, 2
+    return _grouped_mm(a, b.transpose(1, 2), offs=ends).cpu()
 
 
 class _Layer:
