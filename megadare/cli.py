@@ -207,9 +207,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         if argv[:1] == ["demo"]:  # the demo parses its own options
             from megadare import demo  # heavy: pulls megatron
 
-            return demo.main(argv[1:])
+            demo_parser = demo.parser(_Parser)
+            if "--foundation" not in argv:
+                _check_options(demo_parser._option_string_actions, argv[1:])
+            return demo.main(argv[1:], demo_parser)
         parser = _parser()
-        _check_options(parser, argv)
+        if argv[:1] in [[c] for c in CONFIG_COMMANDS]:
+            _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
         return _dispatch(parser.parse_args(argv))
     except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
@@ -222,14 +226,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 130
 
 
-def _check_options(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    """An option a config command does not have (``--tp 4``, ``--tp=4``, torchrun's ``--nproc_per_node 2``) is
-    refused in one line naming it and what to write: the option it misspells, else the config key it means. Before
-    argparse, which would take ``4`` for an override and name ``--tp`` alone."""
-    if argv[:1] not in [[c] for c in CONFIG_COMMANDS]:
-        return
-    known = _subcommand(parser, argv[0])._option_string_actions
-    tokens = argv[1:]
+def _check_options(known: dict[str, argparse.Action], tokens: list[str]) -> None:
+    """An option a config command (or the demo) does not have, among the ``known`` ones (``--tp 4``, ``--tp=4``,
+    torchrun's ``--nproc_per_node 2``) is refused in one line naming it and what to write: the option it misspells,
+    else the config key it means. Before argparse, which would take ``4`` for an override and name ``--tp`` alone."""
     i = 0
     while i < len(tokens) and tokens[i] != "--":
         name, eq, value = tokens[i].partition("=")

@@ -75,9 +75,9 @@ class DemoRun:
         if self.family not in FAMILIES:
             raise ValueError(f"--family {self.family!r}: choose one of {sorted(FAMILIES)}")
         fam, workdir = FAMILIES[self.family], self.workdir
-        sft_over = (
-            fam + [f"logging.run_dir={workdir}/sft"] + ([f"train.steps={self.sft_steps}"] if self.sft_steps else [])
-        )
+        sft_over = fam + [f"logging.run_dir={workdir}/sft"]
+        if self.sft_steps:  # a short SFT warms up for at most its own length (demo_sft.yaml: 10 steps)
+            sft_over += [f"train.steps={self.sft_steps}", f"optim.warmup_steps={min(self.sft_steps, 10)}"]
         rl_over = (
             fam
             + ALGO_DEMO.get(self.algo, [])
@@ -147,14 +147,9 @@ def run_demo(demo: DemoRun) -> dict:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--foundation" in argv:
-        argv.remove("--foundation")
-        return demo_foundation.main(argv)
-    ap = argparse.ArgumentParser(
-        prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's options (``megadare demo`` builds it with its one-line-error parser class)."""
+    ap = parser_class(prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--workdir", help="outputs: checkpoints, tensorboard, PNG (default: runs/demo, or runs/demo_<family>_<algo>)"
     )
@@ -165,7 +160,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
     ap.add_argument("--foundation", action="store_true", help="run the conversion / parallelism demo instead")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None, ap: Optional[argparse.ArgumentParser] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--foundation" in argv:
+        argv.remove("--foundation")
+        return demo_foundation.main(argv)
+    a = (ap or parser()).parse_args(argv)
     a.workdir = a.workdir or default_workdir(a.family, a.algo)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.filterwarnings("ignore")

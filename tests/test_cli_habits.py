@@ -75,6 +75,24 @@ def test_argparse_errors_are_one_line(capsys):
     assert line == "megadare rl: error: argument --nproc: invalid int value: 'two' (see megadare rl --help)"
 
 
+@pytest.mark.parametrize(
+    "typed,line",
+    [
+        (
+            ["--tp", "4"],
+            "megadare: error: unknown option '--tp 4': config keys are set as key=value; did you mean parallel.tp=4?",
+        ),
+        (
+            ["--rl-steps", "x"],
+            "megadare demo: error: argument --rl-steps: invalid int value: 'x' (see megadare demo --help)",
+        ),
+    ],
+)
+def test_the_demo_refuses_an_option_in_one_line(capsys, typed, line):
+    """The demo parses its own options: before, an unknown one printed argparse's usage block."""
+    assert _error_line(capsys, ["demo", *typed]) == line
+
+
 OVERRIDES = [
     ("tp=4", "unknown config key 'tp' (tp=4): did you mean parallel.tp=4?"),
     (

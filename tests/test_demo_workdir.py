@@ -45,3 +45,11 @@ def test_cli_demo_error_is_one_line(tmp_path, capsys, monkeypatch):
     assert cli.main(["demo", "--workdir", wd, "--algo", "coupled_grpo"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("megadare: error: ") and err.count("\n") == 1 and "--workdir NEW_DIR" in err
+
+
+def test_a_short_sft_warms_up_for_its_own_length_at_most(tmp_path):
+    """`megadare demo --sft-steps 3` was refused (demo_sft.yaml warms up for 10 steps): the warm-up now fits."""
+    sft, _ = DemoRun(str(tmp_path / "demo"), sft_steps=3).configs()
+    assert (sft.train.steps, sft.optim.warmup_steps) == (3, 3)
+    sft, _ = DemoRun(str(tmp_path / "demo"), sft_steps=50).configs()
+    assert (sft.train.steps, sft.optim.warmup_steps) == (50, 10)
