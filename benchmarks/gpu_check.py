@@ -16,7 +16,8 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
              benchmarks/rollout_compile.py: rollout.compile (CUDA graphs) == eager in fp32, its bf16 speed
   planner    megadare's planner vs torch.cuda.max_memory_allocated of the same train step
   profile    one profiled training run: the top kernels by GPU time (profile_top_kernels.txt)
-  rl         `megadare rl` two steps per weight transport (needs Ray: carry benchmarks/carry/ray)
+  rl         `megadare rl` two steps per weight transport, and colocated with rollout.compile=true (needs Ray:
+             carry benchmarks/carry/ray)
 
 Each step runs in its own process group under a timeout (its share of what is left of ``--budget``); a crash, a
 hang or an error becomes that step's result and the next step runs. Results go to ``--out`` (default ``$OUT``,
@@ -57,7 +58,7 @@ TIMEOUTS = {
     "rollout": 420,
     "planner": 120,
     "profile": 120,
-    "rl": 300,
+    "rl": 420,
 }
 TINY_TIMEOUTS = {
     "env": 120,

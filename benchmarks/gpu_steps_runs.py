@@ -168,12 +168,22 @@ def step_sft(rep: Report, args) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-# rollout.weight_transport -> where the engine runs: on the trainer's GPU (colocated, auto, object_store) or on the
-# CPU (distributed: NCCL cannot put two ranks of one group on one GPU, so on one GPU it goes to a CPU engine)
-TRANSPORTS = {"auto": "gpu", "colocated": "gpu", "object_store": "gpu", "distributed": "cpu"}
+# (rollout.weight_transport, where the engine runs, more overrides): on the trainer's GPU (colocated, auto,
+# object_store) or on the CPU (distributed: NCCL cannot put two ranks of one group on one GPU, so on one GPU it goes
+# to a CPU engine); last, the colocated engine with rollout.compile=true (CUDA graphs inside the RL loop: weight
+# pushes into the graphed model; a GPU only, the CPU compiles for minutes)
+RL_CASES = [
+    ("auto", "gpu", ()),
+    ("colocated", "gpu", ()),
+    ("object_store", "gpu", ()),
+    ("distributed", "cpu", ()),
+    ("colocated", "gpu", ("rollout.compile=true",)),
+]
 
 
-def rl_command(run_dir: str, transport: str, engine_on: str, tiny: bool, steps: int = 2) -> list[str]:
+def rl_command(
+    run_dir: str, transport: str, engine_on: str, tiny: bool, steps: int = 2, extra: tuple = ()
+) -> list[str]:
     """``megadare rl`` of the demo task (tiny SDAR, TraceRL, a Ray-managed built-in engine), a few small steps."""
     cmd = [
         sys.executable,
@@ -195,7 +205,7 @@ def rl_command(run_dir: str, transport: str, engine_on: str, tiny: bool, steps: 
         cmd += ["rollout.device=cuda", "rollout.engine_resources={num_gpus: 0.5, num_cpus: 1}"]
     else:
         cmd += ["rollout.device=cpu"]
-    return cmd
+    return cmd + list(extra)
 
 
 def step_rl(rep: Report, args) -> None:
@@ -210,14 +220,15 @@ def step_rl(rep: Report, args) -> None:
             error=one_line_error(e),
         )
         return
-    for transport, engine_on in TRANSPORTS.items():
+    cases = [c for c in RL_CASES if not (args.tiny and c[2])]
+    for transport, engine_on, extra in cases:
         engine_on = "cpu" if args.tiny else engine_on
         run_dir = tempfile.mkdtemp(prefix=f"gpu_check_rl_{transport}_")
         t0 = time.perf_counter()
         rc, tail = run_logged(
-            rl_command(run_dir, transport, engine_on, args.tiny),
+            rl_command(run_dir, transport, engine_on, args.tiny, extra=extra),
             os.path.join(run_dir, "rl.log"),
-            min(args.budget / len(TRANSPORTS) * 1.5, args.budget),
+            min(args.budget / len(cases) * 1.5, args.budget),
         )
         steps = [x for x in metrics(run_dir) if "reward" in x]
         took = [
@@ -227,7 +238,7 @@ def step_rl(rep: Report, args) -> None:
         ]
         last = steps[-1] if steps else {}
         rep.add(
-            f"rl 2 steps, weight_transport={transport}, engine on {engine_on}",
+            f"rl 2 steps, weight_transport={transport}, engine on {engine_on}{''.join(', ' + e for e in extra)}",
             rc == 0 and len(steps) >= 2,
             f"transport {took[0] if took else '?'}",
             rc=rc,
