@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,9 +67,6 @@ def test_spawn_returns_per_rank_results_and_reports_failures():
 def test_no_cuda_advice_on_cpu():
     """megatron's sequence-parallel linear advises CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream setting): on CPU,
     with the layer installed, the README's `--nproc 2 parallel.tp=2 parallel.sp=true` run shows no such warning."""
-    import subprocess
-    import sys
-
     code = """
 import warnings
 import torch
@@ -89,9 +88,6 @@ print("ok")
 def test_a_lone_process_keeps_its_rendezvous_port_to_itself():
     """A single process picks a free port for its process group without putting it in os.environ: a process it
     starts afterwards (a subprocess test, a demo's next stage) must not inherit MASTER_PORT and find it taken."""
-    import subprocess
-    import sys
-
     code = """
 import os, subprocess, sys
 import torch.distributed as dist

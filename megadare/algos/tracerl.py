@@ -35,7 +35,6 @@ the answer's EOS are no targets (``post_num``: how many of them are; null: all, 
 from __future__ import annotations
 
 from abc import abstractmethod
-
 from dataclasses import replace
 
 from megadare.algos.algorithm import Algorithm, ValueModelSettings
