@@ -30,7 +30,8 @@ from megadare.models.hf import common
 from megadare.rollout import decoders, native
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
-from megadare.rollout.sampling import categorical, stream_uniforms
+from megadare.rollout.dllm_step import Streams
+from megadare.rollout.sampling import REMASK, SAMPLE, categorical, mix64, stream_uniforms
 
 with open(nt.FIXTURE) as _f:
     RECORDED = json.load(_f)["cases"]
@@ -136,6 +137,23 @@ def test_stream_uniforms_are_splitmix64_in_python_integers():
     assert 0 < got.min() and got.max() < 1
     u = stream_uniforms(torch.zeros(4000, dtype=torch.long), torch.arange(4000), 0, 4).flatten()
     assert abs(u.mean().item() - 0.5) < 0.01 and abs((u < 0.1).double().mean().item() - 0.1) < 0.01
+
+
+def test_a_blocks_numbers_drawn_ahead_are_the_per_step_numbers():
+    """The engine draws a block's numbers once (``Streams.ahead``) and reads them per step (``at``): exactly the
+    numbers each row's counter gives when drawn step by step, rows advancing unevenly (a row without work does not
+    step)."""
+    keys, counters = torch.tensor([3, 2**62 + 5, 17, 0]), torch.tensor([0, 9, 4, 2**30])
+    streams = Streams(keys, counters, mix64(keys))
+    block = streams.ahead((SAMPLE, REMASK), 6, 5)
+    advanced = [None, torch.tensor([1, 1, 0, 1]), torch.tensor([2, 1, 1, 2]), torch.tensor([4, 3, 1, 2])]
+    for a in advanced:
+        now = counters if a is None else counters + a
+        for purpose in (SAMPLE, REMASK):
+            want = stream_uniforms(keys, now, purpose, 6)
+            assert torch.equal(block.at(a).uniforms(purpose, 6), want)
+        assert torch.equal(block.at(a).uniforms(SAMPLE, 9), stream_uniforms(keys, now, SAMPLE, 9))  # not drawn
+    assert torch.equal(Streams(keys, counters).ahead((SAMPLE,), 6, 2).uniforms(SAMPLE, 6), streams.uniforms(SAMPLE, 6))
 
 
 def test_categorical_is_the_exact_inverse_cdf():

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from megadare.rollout.dllm_step import BlockState, BlockTrace, commit_counts, propose, Streams
+from megadare.rollout.dllm_step import BlockState, BlockTrace, commit_counts, propose, step_purposes, Streams
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
@@ -117,6 +117,8 @@ class Decoder(ABC):
         refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
         step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
+        block_streams = Streams(self.dev["keys"][:n], self.dev["steps"][:n], self.dev["base"][:n])
+        block_streams = block_streams.ahead(step_purposes(p), self.B, steps)  # a row steps at most once a forward
         for s in range(steps):
             masked = cur == M
             editable = refine.editable(cur, M) if refine is not None else None
@@ -125,8 +127,7 @@ class Decoder(ABC):
                 if not bool(work):
                     break
             logits = self.block_logits(n, cols, s, cur)
-            counters = self.dev["steps"][:n] if trace.count is None else self.dev["steps"][:n] + trace.count
-            streams = Streams(self.dev["keys"][:n], counters, self.dev["base"][:n])
+            streams = block_streams.at(trace.count)
             later = None
             if logits.shape[1] > self.B:  # record_steps, full attention: the later blocks' predictions too
                 logits, ahead = logits[:, : self.B], logits[:, self.B :]
