@@ -161,6 +161,21 @@ def test_dllm_step_never_predicts_mask_and_finishes_past_schedule():
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dllm_step_leaves_the_callers_logits_untouched(dtype, temperature):
+    """The mask token is forbidden in the step's own float32 copy (bf16 logits: filled in place in the upcast one),
+    never in the caller's logits (the SGLang plugin hands sglang's own)."""
+    logits = torch.randn(2, 4, V, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[..., MASK] = 100.0
+    before = logits.clone()
+    tokens = torch.full((2, 4), MASK)
+    params = SamplingParams(block_size=4, steps_per_block=4, temperature=temperature)
+    res = dllm_step(logits, BlockState(tokens, tokens == MASK), 0, params, Streams.of([0, 1]), mask_token_id=MASK)
+    assert torch.equal(logits, before)
+    assert not (res.proposals == MASK).any() and res.committed.sum() == 2
+
+
 # ---------------------------------------------------------------------------------------------- (b) the core loop
 def drive_request(
     core: sp.BlockDenoiser, model: ToyBlockLM, prompt: list[int], params: SamplingParams, index: int = 0

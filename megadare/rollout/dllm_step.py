@@ -226,12 +226,13 @@ def _check(
 
 
 def _proposal_logits(logits: torch.Tensor, mask_token_id: Optional[int]) -> torch.Tensor:
-    """``logits`` in float32 with the mask token never a prediction (out of place: the caller's logits stay
-    untouched)."""
-    logits = logits.float()
+    """``logits`` in float32 with the mask token never a prediction. The caller's logits stay untouched: float32
+    logits are copied, lower precision ones are filled in their float32 copy (one pass over [n, B, V], not two)."""
+    out = logits.float()
     if mask_token_id is None:
-        return logits
-    return logits.index_fill(-1, _token_index(mask_token_id, logits.device), float("-inf"))
+        return out
+    index = _token_index(mask_token_id, out.device)
+    return out.index_fill(-1, index, float("-inf")) if out is logits else out.index_fill_(-1, index, float("-inf"))
 
 
 @functools.lru_cache(maxsize=16)
