@@ -64,10 +64,44 @@ def step_planner(rep: Report, args) -> None:
 
 
 # ============================================================================================== profile
+# Kernel name -> what it is, first match wins (CUDA kernel names; on the CPU the aten op names).
+KERNEL_KINDS = [
+    ("optimizer", ("adam", "multi_tensor")),
+    ("loss (vocab-wide)", ("logsoftmax", "log_softmax", "nll_loss", "cross_entropy", "logsumexp")),
+    ("attention", ("flash", "fmha", "attention", "cudnn", "flex", "_sdpa", "softmax_warp")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("communication", ("nccl", "gloo", "all_reduce", "allreduce", "reduce_scatter", "all_gather")),
+    ("copies", ("memcpy", "memset", "copy", "catarray", "aten::cat")),
+    ("reductions", ("reduce", "sum", "mean", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::")),
+]
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profiled_kernels(events, key: str, gpu: bool) -> list:
+    """The events that are kernels, each counted once: on CUDA the device's own events (the ops that launch them
+    and the step annotations are left out), on the CPU the aten ops (self time: nested ops are not counted
+    twice)."""
+    from torch.autograd import DeviceType
+
+    timed = [e for e in events if float(getattr(e, key, 0) or 0) > 0 and not e.key.startswith("ProfilerStep")]
+    if not gpu:
+        return [e for e in timed if e.key.startswith("aten::")]
+    device = [e for e in timed if getattr(e, "device_type", None) == DeviceType.CUDA]
+    return device or [e for e in timed if not e.key.startswith("aten::") and "#" not in e.key]
+
+
 def step_profile(rep: Report, args) -> None:
-    """One training run of train_throughput's dense shape (build + 3 steps) under torch.profiler: the top kernels
-    by self device time (CPU: self CPU time), written to profile_top_kernels.txt."""
-    from torch.profiler import ProfilerActivity, profile
+    """Train steps of train_throughput's dense shape under torch.profiler, at the configuration issue 23's MFU
+    target is about (GPU: seq 2048, batch 4, bf16, SDPA): the build and two warm-up steps are not recorded, three
+    steps are. Rows: the step time, tokens/s and the device time by kind of kernel (matmul, attention, optimizer,
+    copies, elementwise ...); profile_top_kernels.txt: the top kernels and the top aten ops (inclusive device
+    time: which op launches them)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     sys.path.insert(0, HERE)
     import train_throughput as tt
@@ -76,23 +110,32 @@ def step_profile(rep: Report, args) -> None:
 
     gpu = args.device == "cuda"
     arch = tt.SHAPES["dense"] if gpu else tt.cpu_shape(tt.SHAPES["dense"])
-    seq, dtype, backend = (2048, "bf16", "flex") if gpu else (128, "fp32", "sdpa")
+    seq, batch, dtype, backend = (2048, 4, "bf16", "sdpa") if gpu else (128, 2, "fp32", "sdpa")
     init_distributed()
     try:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        with profile(activities=acts) as prof:
-            dt, _ = tt.run_backend(arch, backend, 1, seq, "bidirectional", 1, dtype)
+        with profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3)) as prof:
+            dt, _ = tt.run_backend(arch, backend, batch, seq, "bidirectional", 3, dtype, on_step=prof.step)
     finally:
         destroy_distributed()
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=80)
+    events = prof.key_averages()
+    kernels = profiled_kernels(events, key, gpu)
+    total = sum(float(getattr(e, key)) for e in kernels) or 1.0
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + float(getattr(e, key))
+    head = f"dense shape, seq {seq}, batch {batch}, {dtype}, {backend}; 3 profiled steps, {dt:.4f} s per step\n"
+    by_kind = "".join(f"{k:20s} {100 * v / total:5.1f}%\n" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    incl = "device_time_total" if gpu else "cpu_time_total"
     with open(os.path.join(args.out, "profile_top_kernels.txt"), "w") as f:
-        f.write(f"dense shape, seq {seq}, batch 1, {dtype}, {backend}; step {dt:.4f} s\n{table}\n")
-    events = sorted(prof.key_averages(), key=lambda e: -float(getattr(e, key, 0) or 0))[:8]
-    total = sum(float(getattr(e, key, 0) or 0) for e in prof.key_averages()) or 1.0
-    for e in events:
-        rep.add(f"top: {e.key[:70]}", None, round(100 * float(getattr(e, key, 0) or 0) / total, 1), unit="% self time")
-    rep.add("profiled step time (s)", True, round(dt, 4), backend=backend)
+        f.write(head + "\nself time by kind of kernel:\n" + by_kind)
+        f.write("\ntop kernels:\n" + events.table(sort_by=key, row_limit=25, max_name_column_width=80))
+        f.write("\n\ntop aten ops, inclusive:\n" + events.table(sort_by=incl, row_limit=40, max_name_column_width=60))
+    rep.add("profiled step time (s)", True, round(dt, 4), backend=backend, batch=batch, seq=seq)
+    rep.add("profiled tokens/s", None, round(batch * seq / dt), note="profiler overhead included")
+    for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        rep.add(f"device time: {kind}", None, round(100 * v / total, 1), unit="%")
 
 
 # ============================================================================================== sft, rl

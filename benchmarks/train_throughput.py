@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from typing import Callable, Optional
 
 import torch
 
@@ -97,7 +98,19 @@ def cpu_shape(arch: ModelArch) -> ModelArch:
     return replace(arch, **{k: v for k, v in CPU_SHAPE.items() if arch.is_moe or k not in moe_keys})
 
 
-def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, steps: int, dtype: str):
+def run_backend(
+    arch: ModelArch,
+    backend: str,
+    batch: int,
+    seq: int,
+    mask: str,
+    steps: int,
+    dtype: str,
+    *,
+    on_step: Optional[Callable[[], None]] = None,
+):
+    """``steps`` timed train steps after two warm-up ones; (seconds per timed step, peak GiB). ``on_step``: called
+    after every step, warm-up ones included (a profiler's ``step``)."""
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
@@ -142,6 +155,8 @@ def run_backend(arch: ModelArch, backend: str, batch: int, seq: int, mask: str, 
                 float(batch * n),
                 RowFormat(mask, arch.block_size, arch.vocab_size, mask_fn),
             )
+            if on_step is not None:
+                on_step()
         sync()
         dt = (time.perf_counter() - t0) / steps
         if torch.cuda.is_available():

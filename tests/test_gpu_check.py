@@ -76,7 +76,7 @@ def test_cpu_tiny_plumbing(tmp_path):
             "cpu",
             "--tiny",
             "--only",
-            "env,parity,attention",
+            "env,parity,attention,profile",
             "--families",
             "sdar",
             "--out",
@@ -97,9 +97,38 @@ def test_cpu_tiny_plumbing(tmp_path):
         assert rows[f"sdar megatron sdpa {dtype} on cpu"]["ok"] is True
     assert rows["sdar megatron sdpa fp32 on cpu"]["value"] < 1e-4
     assert rows["megatron local == sdpa, train (packed x_t ++ x_0), fp32 logits"]["ok"] is True
+    shares = {x["check"]: x["value"] for x in results["profile"]["rows"] if x["check"].startswith("device time")}
+    assert shares["device time: matmul"] > 20 and shares["device time: attention"] > 0  # a tiny fp32 step: mm-bound
+    assert "self time by kind of kernel" in (out / "profile_top_kernels.txt").read_text()
     md = (out / "summary.md").read_text()
     assert "| parity | ok |" in md and "## attention" in md
     assert (out / "gpu_check.log").stat().st_size > 0
+
+
+def test_profile_sorts_kernels_by_kind():
+    """The profile step's kinds, on kernel names an H100 / H200 profile of a train step shows."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from gpu_steps_runs import kernel_kind
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off": "matmul",
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1": "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor": "optimizer",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, LogSoftMaxForwardEpilogue>": (
+            "loss (vocab-wide)"
+        ),
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<direct_copy_kernel_cuda": "copies",
+        "Memcpy DtoD (Device -> Device)": "copies",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps": "reductions",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>": "elementwise",
+        "aten::mm": "matmul",
+        "aten::mul": "elementwise",
+        "some_triton_kernel_0": "other",
+    }
+    assert {n: kernel_kind(n) for n in names} == names
 
 
 def test_rollout_compile_reproduces_eager_in_fp32():
