@@ -4,10 +4,12 @@ with the publishers' calling conventions and cache behaviour. See rollout_throug
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.machinery
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ def load_baseline(ref: str) -> Optional[types.SimpleNamespace]:
     checkout cannot show it (no git, a shallow clone)."""
     pkg = "_megadare_baseline_" + "".join(c for c in ref if c.isalnum())
     root = tempfile.mkdtemp(prefix="megadare-baseline-")
+    atexit.register(shutil.rmtree, root, True)  # the private copy lives as long as the run
     os.makedirs(os.path.join(root, pkg))
     open(os.path.join(root, pkg, "__init__.py"), "w").close()
     for name, path in BASELINE_FILES.items():
@@ -45,7 +48,11 @@ def load_baseline(ref: str) -> Optional[types.SimpleNamespace]:
                 ["git", "-C", REPO, "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
             ).stdout
         except (OSError, subprocess.CalledProcessError) as e:
-            print(f"baseline: cannot read {path} at {ref} ({getattr(e, 'stderr', e)!s:.120}); skipping today's engine")
+            why = (str(getattr(e, "stderr", "") or e).strip().splitlines() or ["git failed"])[0][:120]
+            print(
+                f"baseline: cannot read {path} at {ref} ({why}); skipping today's engine "
+                "(a shallow clone: git fetch --unshallow; or --baseline-ref none)"
+            )
             return None
         for mod in BASELINE_FILES:
             src = src.replace(f"megadare.{BASELINE_FILES[mod][9:-3].replace('/', '.')}", f"{pkg}.{mod}")

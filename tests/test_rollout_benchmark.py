@@ -1,0 +1,52 @@
+"""benchmarks/rollout_throughput.py's baseline: today's engine read from git into a private copy, which must not
+outlive the run, and a checkout that cannot show it (a shallow clone) is one line with the fix, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(ref: str, tmp_path) -> subprocess.CompletedProcess:
+    code = (
+        "import sys, rollout_peers as rp\n"
+        f"base = rp.load_baseline({ref!r})\n"
+        "print('loaded', base is not None and hasattr(base.native, 'NativeEngine'))\n"
+        "print('copy', sys.path[0])\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.join(ROOT, "benchmarks"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _copies(tmp_path) -> list[str]:
+    return [p for p in os.listdir(tmp_path) if p.startswith("megadare-baseline-")]
+
+
+def test_an_unreadable_baseline_is_one_line_and_leaves_nothing(tmp_path):
+    r = _load("0000000", tmp_path)
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stdout.splitlines() if line.startswith("baseline:")]
+    assert len(notes) == 1 and "at 0000000" in notes[0] and "--baseline-ref none" in notes[0], r.stdout
+    assert "loaded False" in r.stdout
+    assert not _copies(tmp_path)  # the private folder was made, and removed at exit
+
+
+def test_a_baseline_copy_lives_as_long_as_the_run(tmp_path):
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the baseline is read with git show")
+    r = _load("HEAD", tmp_path)
+    assert r.returncode == 0 and "loaded True" in r.stdout, r.stdout + r.stderr
+    copy = r.stdout.split("copy ", 1)[1].strip()
+    assert copy.startswith(str(tmp_path)) and not os.path.exists(copy) and not _copies(tmp_path)
