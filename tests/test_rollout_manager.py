@@ -87,6 +87,43 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
     flaky.shutdown()
 
 
+def _marks_shutdown(folder: str):
+    """An engine factory whose engine writes ``folder/closed-<pid>`` when shut down (a closure, shipped to the actor
+    by value)."""
+
+    def build(**kwargs):
+        class Marked:
+            def __init__(self, engine):
+                self.engine = engine
+
+            def shutdown(self):
+                open(os.path.join(folder, f"closed-{os.getpid()}"), "w").close()
+
+            def __getattr__(self, name):
+                return getattr(self.engine, name)
+
+        return Marked(build_native_engine(**kwargs))
+
+    return build
+
+
+def test_shutdown_lets_each_engine_close_itself(cluster, tmp_path):
+    """The manager asks every engine to shut down (SGLang's removes its server processes and config folder)
+    before it kills the actors; engines without a shutdown (the built-in one) and dead actors do not stop it."""
+    hf_dir = _hf(tmp_path, 0)
+    folder = tmp_path / "closed"
+    folder.mkdir()
+    manager = RolloutManager(
+        EngineSpec(_marks_shutdown(str(folder)), {"hf_dir": hf_dir, "eos_token_id": EOS}), num_engines=2
+    )
+    assert not os.listdir(folder)
+    manager.shutdown()
+    assert len(os.listdir(folder)) == 2  # both engines, each in its own actor process
+    plain = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS}), num_engines=2)
+    ray.kill(plain.actors[0])  # already dead when shut down
+    plain.shutdown(timeout_s=10)  # returns: the dead actor's error is not raised
+
+
 def test_engine_device_follows_ray_and_the_config(tmp_path):
     """rollout.device: ``auto`` takes the GPU Ray assigned to the actor; ``cuda`` without a GPU and a Ray-assigned
     GPU without CUDA fail, naming the fix; the config reaches the engine factory. (Inside real actors without a GPU,

@@ -71,6 +71,11 @@ class _EngineActor:
     def call(self, method: str, *args):
         return getattr(self.engine, method)(*args)
 
+    def close(self) -> None:
+        """The engine's own shutdown, where it has one (SGLang: its server processes and its config folder)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
+
     def info(self) -> dict[str, Any]:
         """Host, device and how many ranks the engine takes in a weight group (SGLang: its TP ranks join)."""
         own = hasattr(self.engine, "join_weight_groups")
@@ -261,10 +266,18 @@ class RolloutManager:
         ray = _ray()
         return ray.get([a.call.remote(method, *args) for a in self.actors])
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Each engine shuts itself down (at most ``timeout_s`` for all; a dead or hung one is not waited for),
+        then the actors are killed and their placement group removed."""
         ray = _ray()
-        from ray.util.placement_group import remove_placement_group  # heavy: Ray
+        from ray.exceptions import RayError  # heavy: Ray
+        from ray.util.placement_group import remove_placement_group
 
+        closing = [a.close.remote() for a in self.actors]
+        try:
+            ray.get(closing, timeout=timeout_s)
+        except RayError:  # a dead actor, an engine whose shutdown failed or hangs: killed below all the same
+            pass
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
