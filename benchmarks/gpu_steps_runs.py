@@ -124,9 +124,11 @@ def step_profile(rep: Report, args) -> None:
     total = sum(float(getattr(e, key)) for e in kernels) or 1.0
     kinds: dict[str, float] = {}
     for e in kernels:
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + float(getattr(e, key))
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + float(getattr(e, key))
+    shares = sorted(((k, 100 * v / total) for k, v in kinds.items()), key=lambda kv: -kv[1])
     head = f"dense shape, seq {seq}, batch {batch}, {dtype}, {backend}; 3 profiled steps, {dt:.4f} s per step\n"
-    by_kind = "".join(f"{k:20s} {100 * v / total:5.1f}%\n" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    by_kind = "".join(f"{k:20s} {share:5.1f}%\n" for k, share in shares)
     incl = "device_time_total" if gpu else "cpu_time_total"
     with open(os.path.join(args.out, "profile_top_kernels.txt"), "w") as f:
         f.write(head + "\nself time by kind of kernel:\n" + by_kind)
@@ -134,8 +136,8 @@ def step_profile(rep: Report, args) -> None:
         f.write("\n\ntop aten ops, inclusive:\n" + events.table(sort_by=incl, row_limit=40, max_name_column_width=60))
     rep.add("profiled step time (s)", True, round(dt, 4), backend=backend, batch=batch, seq=seq)
     rep.add("profiled tokens/s", None, round(batch * seq / dt), note="profiler overhead included")
-    for kind, v in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        rep.add(f"device time: {kind}", None, round(100 * v / total, 1), unit="%")
+    for kind, share in shares:
+        rep.add(f"device time: {kind}", None, round(share, 1), unit="%")
 
 
 # ============================================================================================== sft, rl
