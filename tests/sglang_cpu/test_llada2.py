@@ -70,10 +70,7 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
         return out
     finally:
         if manager is not None:
-            try:
-                manager.call_all("shutdown")
-            finally:
-                manager.shutdown()
+            manager.shutdown()  # each engine's own shutdown first, then the actors
         destroy_distributed()
 
 
