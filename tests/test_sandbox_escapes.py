@@ -474,3 +474,167 @@ def test_no_test_module_in_test_mode():
         tests="assert 1\n",
     )
     assert "loaded" not in r.stdout and not r.tests_passed, r
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Second red team (s35a): an extension module loaded under another name, a run that outlives its deadline, memory
+# outside the address space, threads that eat the machine's pids, fds the program does not need.
+# ------------------------------------------------------------------------------------------------------------------
+RENAMED = """
+    import importlib.machinery as m, importlib.util as u
+    C = u.module_from_spec(u.spec_from_file_location('x.{name}', {path!r}, loader=m.ExtensionFileLoader('x.{name}',
+                                                                                                         {path!r})))
+    print('loaded', C.__name__)
+"""
+# with _ctypes loaded under another name: no ctypes.* audit event for a Union of an address and a pointer, so the
+# program reads its own memory, finds the one-time token (a 32-hex-digit bytes object) and writes it to the proof pipe
+READ_TOKEN = """
+    import os, re, stat, struct
+    class Size(C._SimpleCData):
+        _type_ = 'L'
+    class Char(C._SimpleCData):
+        _type_ = 'c'
+    class Raw(C.Union):
+        _fields_ = [('address', Size), ('bytes', C.POINTER(Char))]
+    raw, head, found = Raw(), struct.pack('<QQ', id(bytes), 32), set()
+    for line in open('/proc/self/maps'):
+        f = line.split()
+        lo, hi = (int(x, 16) for x in f[0].split('-'))
+        if f[1].startswith('rw') and hi - lo < 1 << 28 and not (len(f) > 5 and f[5].startswith('[v')):
+            raw.address = lo
+            data = raw.bytes[0 : hi - lo]
+            for hit in re.finditer(re.escape(head), data):
+                s = data[hit.end() + 8 : hit.end() + 41]
+                if re.fullmatch(rb'[0-9a-f]{32}\\0', s):
+                    found.add(s[:32])
+    for fd in range(3, 64):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, b''.join(found))
+        except OSError:
+            pass
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("name", ["_ctypes", "_testcapi"])
+def test_no_refused_module_under_another_name(name):
+    """An extension module's init function is named by the last part of its name: `_ctypes` loaded as `x._ctypes`
+    (from this Python's own lib-dynload, where native code may load from) is still `_ctypes`. Through the reward RL
+    uses (a DARE humaneval row) and run_program: not loaded, no forged pass."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not str(spec.origin).endswith(".so"):
+        pytest.skip(f"{name} is not a shared-object extension module in this Python")
+    attack = _prog(RENAMED.format(name=name, path=spec.origin)) + (_prog(READ_TOKEN) if name == "_ctypes" else "")
+    r = run_program(WRONG + attack, tests="assert add(1, 2) == 3\n")
+    assert "loaded" not in r.stdout and not r.tests_passed, r
+    if name == "_ctypes":
+        from megadare.rewards import score_batch
+
+        scores, stats = score_batch("auto", ["```python\n" + WRONG + attack + "```"], [HUMANEVAL_ROW])
+        assert scores == [0.0], stats
+
+
+def _processes_in(workdir: str) -> list:
+    """Processes of a sandbox run (its bootstrap's command line names the run's workdir)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if workdir.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+LEAVE_THE_GROUP = {
+    # pure Python: the jail's parent-death signal was cleared by its own uid change, so a program that left the
+    # keeper's process group outlived the kill of that group, sleeping on for ever
+    "setsid": "import os, time\nprint(os.getcwd(), flush=True)\nos.setsid()\ntime.sleep(60)\n",
+    # native code (hook off): clearing the parent-death signal itself
+    "pdeathsig_cleared": "import ctypes, os, time\nprint(os.getcwd(), flush=True)\n"
+    "ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)\nos.setsid()\ntime.sleep(60)\n",
+}
+
+
+@pytest.mark.parametrize("how", sorted(LEAVE_THE_GROUP))
+def test_no_process_outlives_its_run(how):
+    """A program that leaves the keeper's process group (setsid) must still die at the deadline, with the keeper."""
+    r = run_program(LEAVE_THE_GROUP[how], limits=SandboxLimits(timeout_s=1, audit_hook=how == "setsid"))
+    workdir = r.stdout.split("\n")[0]
+    assert r.status == "timeout" and workdir.startswith("/"), r
+    survivors = []
+    for _ in range(20):
+        survivors = _processes_in(workdir)
+        if not survivors:
+            break
+        time.sleep(0.1)
+    for pid in survivors:
+        os.kill(pid, 9)
+    assert survivors == [], f"{how}: {survivors} outlived the run"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+def test_memory_cap_holds_outside_the_address_space():
+    """SysV shared memory (and message queues) live in the IPC namespace, not in the program's address space: a
+    program attaching, filling and detaching segments in turn would hold any amount of memory past RLIMIT_AS."""
+    prog = _prog("""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.shmat.restype = ctypes.c_void_p
+        held = 0
+        for _ in range(8):
+            sid = libc.shmget(0, 16 << 20, 0o1600)
+            if sid < 0:
+                break
+            addr = libc.shmat(sid, None, 0)
+            ctypes.memset(addr, 1, 16 << 20)
+            libc.shmdt(ctypes.c_void_p(addr))
+            held += 16
+        print('held MiB', held, 'queue', libc.msgget(0, 0o1600))
+    """)
+    r = run_program(prog, limits=SandboxLimits(memory_mb=64, audit_hook=False))
+    assert r.stdout == "held MiB 0 queue -1\n", r
+
+
+def test_threads_are_bounded():
+    """Threads are tasks: with no pids cgroup, a program that starts thousands (32 KiB stacks) in each of 32
+    concurrent sandboxes takes every pid of the machine (pid_max is 32768 on many), and the trainer cannot fork.
+    RLIMIT_NPROC bounds the sandbox user's tasks to those of the moment + a small slack."""
+    r = run_program(
+        _prog("""
+        import threading, time
+        threading.stack_size(32768)
+        started = 0
+        try:
+            while started < 300:
+                threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+                started += 1
+        except RuntimeError:
+            pass
+        print(started)
+    """)
+    )
+    assert r.status == "ok" and int(r.stdout) < 300, r
+
+
+def test_no_fd_but_what_the_program_needs():
+    """Inherited fds: stdin, stdout, stderr and, in test mode only, the proof pipe's write end; no pipe of the
+    one-time token in I/O mode (it was left open there, readable)."""
+    prog = _prog("""
+        import os
+        fds = []
+        for fd in range(3, 256):
+            try:
+                os.fstat(fd)
+                fds.append(fd)
+            except OSError:
+                pass
+        print(len(fds))
+    """)
+    r = run_program(prog)
+    assert r.stdout == "0\n", r
+    r = run_program(prog, tests="assert 1\n")
+    assert r.tests_passed and r.stdout == "1\n", r

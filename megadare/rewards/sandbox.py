@@ -32,22 +32,24 @@ Both keep the other layers, outermost first:
   after which the whole process group gets SIGKILL (``os.killpg``), and the group is killed after every run;
   ``oom_score_adj`` 1000 (the OOM killer takes sandboxed programs before the trainer);
 * kernel side: ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE=0``, ``RLIMIT_NOFILE``,
-  ``RLIMIT_NPROC`` (non-root only: it counts every task of the user, so it is set to the current count +
-  ``max_processes`` + slack; the kernel ignores it for root), set before exec; on x86-64 a seccomp filter: no new
+  ``RLIMIT_NPROC`` (it counts every task, threads too, of the program's user, uid 65534 or the trainer's, so it
+  is set to the current count + ``max_processes`` + slack; the kernel ignores it for a root program, ``process``
+  isolation as root), set before exec; on x86-64 a seccomp filter: no new
   processes unless ``max_processes > 1`` (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so
   threads fall back to clone), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,
   mount/namespaces/chroot/mknod/modules/bpf/kexec/reboot, io_uring, memfd_create/memfd_secret, syslog,
-  prctl(PR_SET_DUMPABLE), signals only to itself (any pid but -1 when ``max_processes > 1``; never through
-  pidfd_send_signal or rt_(tg)sigqueueinfo, whose target kill's check does not see);
+  prctl(PR_SET_DUMPABLE / PR_SET_PDEATHSIG), SysV shared memory and message queues, signals only to itself
+  (any pid but -1 when ``max_processes > 1``; never through pidfd_send_signal or rt_(tg)sigqueueinfo, whose
+  target kill's check does not see);
 * inside the child, a bootstrap passed with ``-c`` installs ``sys.addaudithook`` before the user code runs. It
   refuses sockets, ctypes, ``_posixsubprocess`` (stubbed out), process creation (fork, posix_spawn,
   subprocess, os.system, exec; counted when ``max_processes > 1``), writing/creating/removing/renaming/linking/
   chmod-ing paths outside the temp dir (paths resolved; no ``..`` in them, no new symlinks and no chdir out
   of it, so a racing thread cannot re-aim a checked path), opening directories outside it (no ``dir_fd``
   tricks), signals to other processes (with ``max_processes > 1``: outside its own process group), gc object
-  walks (that could reach the hook), sub-interpreters (they have no audit hook) and native code from files outside
-  this Python's directories (a shared object the program wrote; test mode closes more, see
-  :mod:`.sandbox_child`). A refusal raises
+  walks (that could reach the hook), a refused module loaded under another name (``x._ctypes``),
+  sub-interpreters (they have no audit hook) and native code from files outside this Python's directories (a
+  shared object the program wrote; test mode closes more, see :mod:`.sandbox_child`). A refusal raises
   ``PermissionError``; when uncaught the program exits with status "refused". The hook sees only what Python
   reports: C libraries (readline, sqlite3) write files without an ``open`` event, which is why the namespaces
   exist.
@@ -82,7 +84,7 @@ from typing import List, Optional, Sequence, Tuple
 from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED
 from megadare.rewards.sandbox_kernel import rlimits, seccomp_denies_processes
 from megadare.rewards.sandbox_output import SETUP_LIMIT_S, Collected, collect, drain, reap
-from megadare.rewards.sandbox_start import refused, required_layers, sealed, start_child, unlinked
+from megadare.rewards.sandbox_start import program_uid, refused, required_layers, sealed, start_child, unlinked
 
 __all__ = [
     "SandboxResult",
@@ -175,16 +177,16 @@ def _classify(rc: Optional[int], timed_out: bool, truncated: bool, stderr: str, 
 class SandboxLimits:
     """What one sandboxed run may use, and how it is isolated.
 
-    Time: ``timeout_s`` (wall clock, counted from when the program starts: the sandbox's own start does not eat
-    it), ``cpu_s`` (RLIMIT_CPU; default ``timeout_s + 1``). Memory: ``memory_mb`` (RLIMIT_AS). Processes:
+    Time: ``timeout_s`` (wall clock, counted from when the program starts: the sandbox's own start does not eat it),
+    ``cpu_s`` (RLIMIT_CPU; default ``timeout_s + 1``). Memory: ``memory_mb`` (RLIMIT_AS). Processes:
     ``max_processes`` counts the program itself: 1 (default) forbids child processes; more allows that many
-    (audit-hook counter, plus RLIMIT_NPROC when not root). Output: ``output_limit`` bytes of stdout + stderr (beyond
-    it the program is killed). Files: ``file_size_mb`` (RLIMIT_FSIZE; the private tmpfs holds 4x that, at least 64
-    MiB), ``max_open_files`` (RLIMIT_NOFILE). Isolation: ``isolation`` "namespaces" | "process" (default: the one
-    :func:`set_isolation` set); ``audit_hook=False`` leaves only the OS layers: for testing them, never for real
-    use; ``allow_site_packages`` shows the interpreter's site-packages (else stdlib only); ``preload``: modules
-    imported before the audit hook is installed (trusted packages the tests need whose import the hook would
-    refuse: numpy loads ctypes).
+    (audit-hook counter, plus RLIMIT_NPROC, which also bounds threads). Output: ``output_limit`` bytes of stdout +
+    stderr (beyond it the program is killed). Files: ``file_size_mb`` (RLIMIT_FSIZE; the private tmpfs holds 4x
+    that, at least 64 MiB), ``max_open_files`` (RLIMIT_NOFILE). Isolation: ``isolation`` "namespaces" | "process"
+    (default: the one :func:`set_isolation` set); ``audit_hook=False`` leaves only the OS layers: for testing them,
+    never for real use; ``allow_site_packages`` shows the interpreter's site-packages (else stdlib only);
+    ``preload``: modules imported before the audit hook is installed (trusted packages the tests need whose import
+    the hook would refuse: numpy loads ctypes).
     """
 
     timeout_s: float = 5.0
@@ -232,8 +234,8 @@ def run_program(
                 workdir,
                 max(0, lim.max_processes - 1),
                 int(lim.audit_hook),
-                fds[2],
-                fds[5],
+                fds[2] if tests is not None else -1,  # the token and proof pipes: test mode only
+                fds[5] if tests is not None else -1,
                 ",".join(lim.preload),
             ]
             proc = start_child(
@@ -241,7 +243,7 @@ def run_program(
                 boot,
                 stdin_f,
                 lim.allow_site_packages,
-                rlimits(lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, os.geteuid() == 0),
+                rlimits(lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, program_uid(mode)),
                 lim.file_size_mb,
             )
         for k in (1, 2, 3, 5):  # the child's ends, and the token (written)

@@ -287,6 +287,17 @@ def _exact(value):
     return "".join((value,)) if isinstance(value, str) else value
 
 
+def _module_names(name, filename=None):
+    """What an import is of: its name, the name's last part (an extension module's init function is named by it:
+    ``_ctypes`` loaded as ``x._ctypes`` is ``_ctypes``) and the stem of the file it loads (``_ctypes.cpython-311-...
+    .so``); exact strs (a subclass cannot answer the checks with other text)."""
+    name, filename = _exact(name), _exact(filename)
+    names = {name, name.rpartition(".")[2]} if isinstance(name, str) else set()
+    if isinstance(filename, str):
+        names.add(os.path.basename(filename).partition(".")[0])
+    return names
+
+
 def _refuse(what):
     raise SandboxRefused("sandbox: %s refused" % what)
 
@@ -308,9 +319,9 @@ def _test_guard(proof):
         if event in FRAME_EVENTS or (event == "object.__getattr__" and args[1] in FRAME_ATTRS):
             raise ValueError("sandbox: frame access is refused while tests run")  # the error stdlib callers expect
         if event == "import":
-            name = _exact(args[0])
-            if isinstance(name, str) and (name in TEST_IMPORTS or name.startswith(TEST_IMPORT_PREFIXES)):
-                _refuse("import of %s" % name)
+            for name in _module_names(*args[:2]):
+                if name in TEST_IMPORTS or name.startswith(TEST_IMPORT_PREFIXES):
+                    _refuse("import of %s" % name)
         if event in TEST_DENIED:
             _refuse(event)
         return False
@@ -388,9 +399,9 @@ def _import_guard(maxc):
     lib_dirs = tuple(realpath(p).rstrip("/") + "/" for p in sys.path if p)
 
     def check_import(name, filename=None, *rest):
-        name, filename = _exact(name), _exact(filename)
-        if name in deny:
-            _refuse("import of %s" % name)
+        if deny.intersection(_module_names(name, filename)):
+            _refuse("import of %s" % (name,))
+        filename = _exact(filename)
         if filename is not None and not (isinstance(filename, str) and realpath(filename).startswith(lib_dirs)):
             _refuse("loading native code from %r (not a directory of this Python)" % (filename,))
 

@@ -8,7 +8,8 @@ privileges. Run by the sandbox bootstrap (:mod:`.sandbox_child`) before any untr
    trainer is not root (it maps the trainer's own uid/gid only: that is what gives it the right to mount);
 2. ``fork``: the child is PID 1 of the new PID namespace and becomes the program; the keeper closes every fd,
    waits for it and exits as it did (status or signal), so the trainer's ``wait4`` sees the program's end and
-   CPU time. The child dies with the keeper (``PR_SET_PDEATHSIG``), and every process of the namespace dies
+   CPU time. The child dies with the keeper (``PR_SET_PDEATHSIG``, set again after the uid change, which clears
+   it; the seccomp filter keeps it set), and every process of the namespace dies
    with the child (the kernel ends a PID namespace with its init);
 3. in the child, the new root: a tmpfs holding read-only binds of the plan's paths only (system directories and
    the Python the program needs), a minimal ``/dev`` (null, zero, full, random, urandom), a fresh read-only
@@ -184,6 +185,8 @@ def _jail(libc, plan, userns):
     _check(libc.umount2(b".", MNT_DETACH) == 0, libc, "detaching the old root")
     os.chdir(plan["workdir"])
     _drop_privileges(libc, plan, userns)
+    # again: the uid change cleared it (a setsid program would outlive the keeper's kill); the filter keeps it set
+    _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0, libc, "prctl(PR_SET_PDEATHSIG)")
     unreadable = [p for p in plan["must_see"] if not os.access(p, os.R_OK | os.X_OK)]
     if unreadable:
         raise _Refused(

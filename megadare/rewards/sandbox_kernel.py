@@ -81,6 +81,8 @@ _NR = {
     "io_uring_register": 427,
     "pidfd_getfd": 438,
     "memfd_secret": 447,
+    "shmget": 29,
+    "msgget": 68,
 }
 _ALWAYS_DENIED = (
     "ptrace",
@@ -129,8 +131,12 @@ _ALWAYS_DENIED = (
     "io_uring_enter",
     "io_uring_register",
     "syslog",
+    # SysV shared memory and message queues: memory outside the address space (RLIMIT_AS) until the IPC namespace
+    # goes, so any amount of it (attach, fill, detach, again)
+    "shmget",
+    "msgget",
 )
-_PR_SET_DUMPABLE = 4
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 
 
 def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -162,9 +168,10 @@ def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> b
         _bpf(ret, errno),
     ]
     p += [
-        _bpf(jeq, _NR["prctl"], 0, 4),
-        _bpf(ld, 16),  # prctl(PR_SET_DUMPABLE, ...): no core dumps
-        _bpf(jeq, _PR_SET_DUMPABLE, 0, 1),
+        _bpf(jeq, _NR["prctl"], 0, 5),
+        _bpf(ld, 16),  # prctl(option, ...): no core dumps (PR_SET_DUMPABLE), dies with the keeper (PR_SET_PDEATHSIG)
+        _bpf(jeq, _PR_SET_DUMPABLE, 1, 0),
+        _bpf(jeq, _PR_SET_PDEATHSIG, 0, 1),
         _bpf(ret, errno),
         _bpf(ret, _RET_ALLOW),
     ]
@@ -318,8 +325,10 @@ def _process_layers(root: bool, seccomp_deny_processes: Optional[bool]) -> List[
 
 
 def rlimits(
-    memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, max_processes: int, is_root: bool
+    memory_mb: int, cpu: int, file_size_mb: int, max_open_files: int, max_processes: int, uid: Optional[int]
 ) -> List[Tuple[str, int, Tuple[int, int]]]:
+    """The rlimits of one run; ``uid``: the user the program runs as, whose tasks RLIMIT_NPROC counts (threads
+    too: without it a program's threads could take every pid of the machine), or None for uid 0 (ignored there)."""
     mem, fsize = int(memory_mb) * 2**20, int(file_size_mb) * 2**20
     limits = [
         ("rlimit_as", resource.RLIMIT_AS, (mem, mem)),
@@ -328,8 +337,8 @@ def rlimits(
         ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
         ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files)),
     ]
-    if not is_root:  # the kernel ignores RLIMIT_NPROC for uid 0
-        nproc = _user_task_count(os.getuid()) + max(1, max_processes) + _NPROC_SLACK
+    if uid is not None:
+        nproc = _user_task_count(uid) + max(1, max_processes) + _NPROC_SLACK
         limits.append(("rlimit_nproc", resource.RLIMIT_NPROC, (nproc, nproc)))
     return limits
 

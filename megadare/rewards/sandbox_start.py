@@ -21,7 +21,7 @@ from megadare.rewards import sandbox_child, sandbox_jail
 from megadare.rewards.errors import SandboxUnavailable
 from megadare.rewards.sandbox_kernel import make_preexec, seccomp_denies_processes, seccomp_program
 
-__all__ = ["refused", "required_layers", "start_child", "sealed", "unlinked"]
+__all__ = ["program_uid", "refused", "required_layers", "start_child", "sealed", "unlinked"]
 
 # ---------------------------------------------------------------------------------------------- child bootstrap
 _BOOTSTRAP = Path(sandbox_child.__file__).read_text(encoding="utf-8")
@@ -133,6 +133,15 @@ def _jail_plan(workdir: str, is_root: bool, tmpfs_mb: int, seccomp: Optional[byt
         "pivot_root_nr": nr,
         "must_see": sorted({paths["stdlib"], paths["platstdlib"], paths["purelib"], os.path.dirname(os.__file__)}),
     }
+
+
+def program_uid(mode: str) -> Optional[int]:
+    """The uid the program runs as, where the kernel applies RLIMIT_NPROC to it: uid 65534 (nobody) in
+    ``namespaces`` isolation of a root trainer, the trainer's own uid when it is not root; None for a root program
+    (``process`` isolation of a root trainer)."""
+    if os.geteuid() != 0:
+        return os.geteuid()
+    return _NOBODY if mode == "namespaces" else None
 
 
 def required_layers(seccomp: bool) -> frozenset:
