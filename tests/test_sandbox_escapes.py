@@ -364,7 +364,8 @@ def test_syscalls_refused_to_native_code():
                'rt_tgsigqueueinfo': call(297, 1, 1, 10, buf), 'syslog': call(103, 3, buf, 4096),
                'set_dumpable': call(157, 4, 1, 0, 0, 0), 'mount': call(165, None, b'/usr', None, 32 | 4096, None),
                'umount2': call(166, b'/usr', 2), 'unshare': call(272, 0x10000000), 'chroot': call(161, b'/'),
-               'ptrace': call(101, 0, 0, 0, 0), 'keyctl': call(250, 0, -3, 0), 'bpf': call(321, 0, buf, 48)}
+               'ptrace': call(101, 0, 0, 0, 0), 'keyctl': call(250, 0, -3, 0), 'bpf': call(321, 0, buf, 48),
+               'x32_getpid': call(0x40000000 | 39), 'x32_unshare': call(0x40000000 | 272, 0x10000000)}
         got['dumpable'] = libc.prctl(3, 0, 0, 0, 0)
         print(json.dumps(got))
     """)
@@ -638,3 +639,61 @@ def test_no_fd_but_what_the_program_needs():
     assert r.stdout == "0\n", r
     r = run_program(prog, tests="assert 1\n")
     assert r.tests_passed and r.stdout == "1\n", r
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+def test_i386_syscalls_kill_the_program():
+    """The filter is per syscall number of one ABI: `int 0x80` (the i386 ABI, other numbers) from code the program
+    maps executable (anonymous memory: RWX mmap is allowed) must not reach the kernel; the filter kills it."""
+    r = run_program(
+        _prog("""
+        import ctypes, mmap
+        code = b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3'  # mov eax, 20 (i386 getpid); int 0x80; ret
+        m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        m.write(code)
+        print('started', flush=True)
+        print('i386 getpid', ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(m)))())
+    """),
+        limits=SandboxLimits(audit_hook=False),
+    )
+    assert r.stdout == "started\n" and r.returncode == -31, r  # SIGSYS
+
+
+def test_trainer_secrets_do_not_reach_the_program(monkeypatch):
+    """Credentials in the trainer's environment (hub, cloud, tracker tokens) are not inherited, nor readable from
+    /proc (hook off: as native code would read them)."""
+    secret = uuid.uuid4().hex
+    for key in ("HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "WANDB_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.setenv(key, f"{key}-{secret}")
+    r = run_program(
+        _prog("""
+        import os
+        print(dict(os.environ))
+        for path in ('/proc/self/environ', '/proc/1/environ'):
+            try:
+                print(open(path, 'rb').read())
+            except OSError as e:
+                print(path, e)
+    """),
+        limits=SandboxLimits(audit_hook=False),
+    )
+    assert r.status == "ok" and "PATH" in r.stdout and secret not in r.stdout + r.stderr, r
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+def test_children_get_no_new_namespace():
+    """With children allowed (max_processes > 1), clone(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET) gave a child
+    every capability of a new user namespace: the mounts stay locked read-only, but the kernel surface those
+    capabilities reach (namespaced netfilter, mounts of its own) is where privilege escalations live."""
+    r = run_program(
+        _prog("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        pid = libc.syscall(56, 0x10000000 | 0x00020000 | 0x40000000 | 17, 0, 0, 0, 0)  # fork-like clone
+        if pid == 0:
+            os._exit(0)
+        print(pid > 0, ctypes.get_errno())
+    """),
+        limits=SandboxLimits(audit_hook=False, max_processes=2),
+    )
+    assert r.stdout == "False 1\n", r

@@ -20,6 +20,7 @@ _NPROC_SLACK = 64  # RLIMIT_NPROC headroom for threads of other processes of the
 _CLONE_NEWUSER = 0x10000000
 _CLONE_NEWNET = 0x40000000
 _CLONE_THREAD = 0x00010000
+_CLONE_NEW_NAMESPACES = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _PR_CAPBSET_DROP = 24
@@ -216,6 +217,8 @@ def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> b
             _bpf(ret, _RET_ALLOW),
             _bpf(ret, errno),
         ]
+    else:  # children, in no new namespace (the capabilities of a user namespace reach much more of the kernel)
+        p += [_bpf(jeq, _NR["clone"], 0, 3), _bpf(ld, 16), _bpf(jset, _CLONE_NEW_NAMESPACES, 0, 1), _bpf(ret, errno)]
     p.append(_bpf(ret, _RET_ALLOW))
     return b"".join(p)
 
