@@ -697,3 +697,32 @@ def test_children_get_no_new_namespace():
         limits=SandboxLimits(audit_hook=False, max_processes=2),
     )
     assert r.stdout == "False 1\n", r
+
+
+@pytest.fixture
+def realtime_allowed():
+    """A trainer whose limits allow real-time priority (a cluster's limits.conf can grant it)."""
+    import resource
+
+    old = resource.getrlimit(resource.RLIMIT_RTPRIO)
+    try:
+        resource.setrlimit(resource.RLIMIT_RTPRIO, (1, max(1, old[1]) if old[1] != resource.RLIM_INFINITY else old[1]))
+    except (ValueError, OSError):
+        pytest.skip("cannot raise RLIMIT_RTPRIO here")
+    yield
+    resource.setrlimit(resource.RLIMIT_RTPRIO, old)
+
+
+def test_no_realtime_priority(realtime_allowed):
+    """SCHED_FIFO (pure Python, no audit event): a real-time busy loop starves every other process of its CPU."""
+    r = run_program("import os\nos.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))\nprint('realtime')")
+    assert "realtime" not in r.stdout and r.status == "error", r
+
+
+def test_scheduling_and_queue_limits_are_the_sandbox_own():
+    """Whatever the trainer's limits: no real-time priority, no higher priority, no POSIX message queue memory
+    (the trainer here has RLIMIT_MSGQUEUE 800 KiB, which the program inherited)."""
+    r = run_program(
+        "import resource as r\nprint([r.getrlimit(k) for k in (r.RLIMIT_RTPRIO, r.RLIMIT_NICE, r.RLIMIT_MSGQUEUE)])"
+    )
+    assert r.stdout == "[(0, 0), (0, 0), (0, 0)]\n", r

@@ -339,6 +339,11 @@ def rlimits(
         ("rlimit_fsize", resource.RLIMIT_FSIZE, (fsize, fsize)),
         ("rlimit_core", resource.RLIMIT_CORE, (0, 0)),
         ("rlimit_nofile", resource.RLIMIT_NOFILE, (max_open_files, max_open_files)),
+        # no real-time scheduling, no higher priority, no POSIX message queues, whatever the trainer was allowed
+        # (a cluster's limits.conf may grant rtprio: a SCHED_FIFO loop would starve the machine's other work)
+        ("rlimit_rtprio", resource.RLIMIT_RTPRIO, (0, 0)),
+        ("rlimit_nice", resource.RLIMIT_NICE, (0, 0)),
+        ("rlimit_msgqueue", resource.RLIMIT_MSGQUEUE, (0, 0)),
     ]
     if uid is not None:
         nproc = _user_task_count(uid) + max(1, max_processes) + _NPROC_SLACK
