@@ -1,17 +1,23 @@
 """The code sandbox's escape suite: programs a model could write to get out of the sandbox, each checked from
-outside for a trace (a file where none may be, a changed file, a dead process, a connection, a leaked secret).
+outside for a trace (a file where none may be, a changed file, a process left, a connection, a leaked secret, a
+forged pass). Only run_program's long-standing API and score_batch are used, so the file also runs against older
+code (each attack below got through some older version).
 
-Writes go through C libraries the audit hook cannot see (readline, sqlite3, dbm) and through Python (shutil,
-os.link, os.rename, mmap), to a directory the sandbox shows read-only (the venv), one it hides (pytest's tmp dir,
-like the run directory) and /dev/shm, directly and through /proc/self/root and /proc/<pid>/fd. Signals go to a
-process of this test, network to listeners it opens (TCP on 127.0.0.1, a unix socket path, an abstract unix
-socket), reads to secrets in the home and a hidden directory. Only run_program's long-standing API is used, so the
-file also runs against older code (the readline and sqlite3 writes succeed there: see /work/notes/i24a.md).
-
-The red team's part (below; /work/notes/i24r.md): native code the program writes (a shared object in its tmpfs or a
-memfd, the stdin file), forged test verdicts through the reward RL uses (gc.garbage frames, second copies of
-_signal / gc, sub-interpreters), syscalls the seccomp filter missed (as native code would call them), the
-`process` isolation's signals, /etc's credentials, and the OOM killer's choice.
+The attacks, in file order:
+- writes through C libraries the audit hook cannot see (readline, sqlite3, dbm) and through Python (shutil, os.link,
+  os.rename, mmap, chmod, unlink) to the read-only venv, a hidden directory and /dev/shm, directly, through
+  /proc/self/root and /proc/<pid>/fd; plain writes with the hook off; signals to a process of this test, the parent,
+  everyone; network to TCP, unix-path and abstract listeners; reads of secrets in the home and a hidden directory;
+- native code the program writes (a shared object in its tmpfs or a memfd) and the stdin file written; test verdicts
+  forged through gc.garbage frames, second copies of _signal / gc, sub-interpreters, _testcapi named by a lying str;
+  syscalls the seccomp filter must refuse (as native code calls them: io_uring, memfd, pidfd and sigqueue signals,
+  syslog, dumpable, mount, unshare, chroot, ptrace, keyctl, bpf, x32-ABI numbers); `process` isolation's signals;
+  /etc's credentials; the OOM killer's choice;
+- a refused module loaded under another name (`x._ctypes`: raw memory, the token read and written to the proof
+  pipe; `x._testcapi`); a program that leaves the keeper's process group (setsid, with the parent-death signal
+  cleared or not); memory outside the address space (SysV shared memory); threads that take the machine's pids;
+  fds left to the program; children in new namespaces; i386 syscalls (int 0x80); trainer credentials in the
+  environment; real-time priority and inherited scheduling / message-queue limits.
 """
 
 import json
@@ -214,7 +220,7 @@ def test_the_kernel_alone_refuses_writes(visible_dir):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Red team (i24r): native code, forged test verdicts, the weaker `process` isolation, syscalls the filter missed.
+# First red team: native code, forged test verdicts, the weaker `process` isolation, syscalls the filter missed.
 # ------------------------------------------------------------------------------------------------------------------
 HUMANEVAL_ROW = {
     "data_source": "humaneval",
@@ -478,7 +484,7 @@ def test_no_test_module_in_test_mode():
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Second red team (s35a): an extension module loaded under another name, a run that outlives its deadline, memory
+# Second red team: an extension module loaded under another name, a run that outlives its deadline, memory
 # outside the address space, threads that eat the machine's pids, fds the program does not need.
 # ------------------------------------------------------------------------------------------------------------------
 RENAMED = """
