@@ -501,8 +501,10 @@ READ_TOKEN = """
         _type_ = 'L'
     class Char(C._SimpleCData):
         _type_ = 'c'
+    class CharPointer(C._Pointer):
+        _type_ = Char
     class Raw(C.Union):
-        _fields_ = [('address', Size), ('bytes', C.POINTER(Char))]
+        _fields_ = [('address', Size), ('bytes', CharPointer)]
     raw, head, found = Raw(), struct.pack('<QQ', id(bytes), 32), set()
     for line in open('/proc/self/maps'):
         f = line.split()
@@ -542,6 +544,34 @@ def test_no_refused_module_under_another_name(name):
 
         scores, stats = score_batch("auto", ["```python\n" + WRONG + attack + "```"], [HUMANEVAL_ROW])
         assert scores == [0.0], stats
+
+
+# the jail (ctypes: unshare, mount, prctl) ran in the program's own interpreter: _ctypes' classes stayed alive, and
+# a walk of type.__subclasses__ (no audit event) finds them without any import
+CTYPES_LEFT = """
+    import types
+    def walk(t, seen):
+        for c in type.__subclasses__(t):
+            if c not in seen:
+                seen.add(c)
+                walk(c, seen)
+        return seen
+    found = {c.__name__: c for c in walk(object, set()) if c.__module__ == '_ctypes'}
+    print('found', sorted(found))
+    C = types.SimpleNamespace(**found)
+"""
+
+
+def test_no_ctypes_left_in_the_program_interpreter():
+    """The program's interpreter never loaded ctypes (the jail's own use of it stays in the process that exec'd it),
+    and is not dumpable by the kernel's rule for an unreadable executable: no raw memory, no forged pass."""
+    attack = _prog(CTYPES_LEFT) + _prog(READ_TOKEN)
+    r = run_program(WRONG + attack, tests="assert add(1, 2) == 3\n")
+    assert not r.tests_passed and "Union" not in r.stdout, r
+    from megadare.rewards import score_batch
+
+    scores, stats = score_batch("auto", ["```python\n" + WRONG + attack + "```"], [HUMANEVAL_ROW])
+    assert scores == [0.0], stats
 
 
 def _processes_in(workdir: str) -> list:

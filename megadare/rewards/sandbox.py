@@ -17,8 +17,10 @@ and venv) only, a minimal /dev, a fresh read-only /proc; the only writable place
 ``noexec`` tmpfs at the workdir path (its cwd, HOME and TMPDIR); homes, /root, the run directory, credentials
 (the rest of /etc too) and the rest of /tmp do not exist in it. It runs as uid/gid 65534 (nobody) when the
 trainer is root, with no capabilities (bounding set emptied, checked), not dumpable, ``no_new_privs``; no network (a
-new network namespace: only a down loopback). Where the kernel refuses any of this (unprivileged user namespaces
-disabled, a container that forbids unshare or mount), code rewards are refused with
+new network namespace: only a down loopback). The program's interpreter is a fresh one, exec'd after the jail from
+a copy of the binary it may execute but not read (the jail's ctypes stays behind; the kernel keeps it not
+dumpable). Where the kernel refuses any of this (unprivileged user namespaces disabled, a container that forbids
+unshare or mount), code rewards are refused with
 :class:`~megadare.rewards.errors.SandboxUnavailable`, naming ``rewards.code.isolation=process``: never a silent
 fallback.
 
@@ -33,15 +35,15 @@ Both keep the other layers, outermost first:
   ``oom_score_adj`` 1000 (the OOM killer takes sandboxed programs before the trainer);
 * kernel side: ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE=0``, ``RLIMIT_NOFILE``,
   ``RLIMIT_RTPRIO=0``, ``RLIMIT_NICE=0``, ``RLIMIT_MSGQUEUE=0`` (whatever the trainer's limits allowed),
-  ``RLIMIT_NPROC`` (it counts every task, threads too, of the program's user, uid 65534 or the trainer's, so it
-  is set to the current count + ``max_processes`` + slack; the kernel ignores it for a root program, ``process``
-  isolation as root), set before exec; on x86-64 a seccomp filter: no new
-  processes unless ``max_processes > 1`` (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so
-  threads fall back to clone; children allowed: clone into a new namespace -> EPERM), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,
+  ``RLIMIT_NPROC`` (it counts every task, threads too, of the program's user, uid 65534 or the trainer's, so it is
+  set to the current count + ``max_processes`` + slack; the kernel ignores it for a root program, ``process``
+  isolation as root), set before exec; on x86-64 a seccomp filter: no new processes unless ``max_processes > 1``
+  (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so threads fall back to clone; children allowed:
+  clone into a new namespace -> EPERM), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,
   mount/namespaces/chroot/mknod/modules/bpf/kexec/reboot, io_uring, memfd_create/memfd_secret, syslog,
-  prctl(PR_SET_DUMPABLE / PR_SET_PDEATHSIG), SysV shared memory and message queues, signals only to itself
-  (any pid but -1 when ``max_processes > 1``; never through pidfd_send_signal or rt_(tg)sigqueueinfo, whose
-  target kill's check does not see);
+  prctl(PR_SET_DUMPABLE / PR_SET_PDEATHSIG), SysV shared memory and message queues, signals only to itself (any pid
+  but -1 when ``max_processes > 1``; never through pidfd_send_signal or rt_(tg)sigqueueinfo, whose target kill's
+  check does not see);
 * inside the child, a bootstrap passed with ``-c`` installs ``sys.addaudithook`` before the user code runs. It
   refuses sockets, ctypes, ``_posixsubprocess`` (stubbed out), process creation (fork, posix_spawn,
   subprocess, os.system, exec; counted when ``max_processes > 1``), writing/creating/removing/renaming/linking/

@@ -1,10 +1,11 @@
 """The sandbox's child side: run by ``python -I -S -B -c <this file's source>`` (see :mod:`.sandbox`).
 
-Standalone on purpose (stdlib only, nothing from megadare): it is the first code of the sandboxed interpreter. It
-reads the program (and in test mode the tests) from unlinked files the parent passed as fds and closes them (the
-program cannot read its tests back), enters the OS isolation in ``namespaces`` mode (:mod:`.sandbox_jail`, whose
-source the parent passes too), writes ``main.py`` into its cwd, installs the audit hook, closes the report pipe,
-then executes the program as ``__main__``.
+Standalone on purpose (stdlib only, nothing from megadare): it is the first code of the sandboxed interpreter. In
+``namespaces`` mode it enters the OS isolation (:mod:`.sandbox_jail`, whose source the parent passes too) and execs
+a fresh interpreter with the same arguments (the jail used ctypes, whose classes would stay alive in this one),
+which checks it is not dumpable and goes on. It reads the program (and in test mode the tests) from unlinked files
+the parent passed as fds and closes them (the program cannot read its tests back), writes ``main.py`` into its
+cwd, installs the audit hook, closes the report pipe, then executes the program as ``__main__``.
 
 Test mode (the parent passed a tests file): the program runs as module ``solution`` (so an
 ``if __name__ == "__main__"`` block does not run, as DARE strips it), then the tests run in a copy of its
@@ -56,14 +57,28 @@ def _read_fd(fd):
     return b"".join(chunks)
 
 
+JAILED = "-"  # the jail plan's argument once the jail is entered: the exec'd interpreter runs the program
+
+
 def _jail(plan, source, rep):
     """OS isolation (:mod:`.sandbox_jail`, its source passed by the parent, with the plan as a Python literal, which
-    costs no import); returns in the isolated program."""
+    costs no import); then, in the isolated process, a fresh interpreter (the same argv, the plan replaced by
+    :data:`JAILED`) from the jail's executable-only copy of the binary: the program's interpreter never loaded
+    ctypes (whose classes the jail's use would leave alive, reachable through ``type.__subclasses__``: raw memory
+    without an audit event) and is not dumpable. Does not return."""
     namespace = {"__name__": "sandbox_jail"}
     exec(compile(source, "sandbox_jail.py", "exec"), namespace)
     namespace["enter"](eval(plan, {"__builtins__": {}}), rep)
-    for name in [m for m in sys.modules if m in ("ctypes", "_ctypes") or m.startswith("ctypes.")]:
-        del sys.modules[name]  # importing ctypes again meets the audit hook
+    os.execv(sys.executable, sys.orig_argv[:-2] + [JAILED, ""])
+
+
+def _not_dumpable(rep):
+    """In the exec'd interpreter: report ``not_dumpable`` when the kernel refuses this process its own memory file
+    (the parent refuses a run without it)."""
+    try:
+        os.close(os.open("/proc/self/mem", os.O_RDONLY))
+    except PermissionError:
+        os.write(rep, b"not_dumpable\n")
 
 
 def _write(path, data):
@@ -159,10 +174,12 @@ def _boot():
     rep, code_fd, tests_fd, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     maxc, audit_on, token_fd, proof_fd = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8])
     preload, jail_plan, jail_source = sys.argv[9], sys.argv[10], sys.argv[11]
+    if jail_plan == JAILED:
+        _not_dumpable(rep)
+    elif jail_plan:
+        _jail(jail_plan, jail_source, rep)
     source = _read_fd(code_fd)
     test_source = _read_fd(tests_fd) if tests_fd >= 0 else None
-    if jail_plan:
-        _jail(jail_plan, jail_source, rep)
     path = os.path.join(root, "main.py")
     _write(path, source)
     try:

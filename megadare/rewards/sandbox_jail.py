@@ -20,7 +20,10 @@ privileges. Run by the sandbox bootstrap (:mod:`.sandbox_child`) before any untr
 4. privileges: the capability bounding set emptied, then the unprivileged uid/gid (root: ``plan["uid"]``,
    65534 = nobody, which clears every capability) or, in a user namespace, the capabilities dropped with
    ``capset``; checked in ``/proc/self/status``; not dumpable; ``PR_SET_NO_NEW_PRIVS``; the seccomp filter of the
-   plan.
+   plan;
+5. the bootstrap then execs a fresh interpreter (:mod:`.sandbox_child`) from a copy of the binary mounted over it
+   that may be executed but not read: ctypes, which this module needs, is never loaded where the program runs, and
+   the kernel keeps a process whose executable it cannot read not dumpable after the exec.
 
 Any step the kernel refuses ends the child with :data:`EXIT_UNAVAILABLE` after writing one line
 ``unavailable <step>: <error>`` to the report pipe; the parent refuses to run code rewards then (it never runs
@@ -224,6 +227,7 @@ def _build_root(libc, plan, new, work):
         os.symlink(target, dev + "/" + name)
     os.mkdir(dev + "/shm")
     os.makedirs(new + "/proc", 0o755, exist_ok=True)
+    _exec_only_interpreter(libc, plan["executable"], new, staging=new + "/proc")
     _mount_fs(
         libc,
         "proc",
@@ -240,6 +244,28 @@ def _build_root(libc, plan, new, work):
         "mode=0700,uid=%d,gid=%d,size=%dm,nr_inodes=%d"
         % (plan["uid"], plan["gid"], plan["tmpfs_mb"], plan["tmpfs_inodes"]),
     )
+
+
+def _exec_only_interpreter(libc, exe, new, staging):
+    """Over the interpreter's binary in the new root, a copy that may be executed but not read (mode 0711, on a
+    tmpfs of its own, mounted at ``staging`` for the copy only): the program's interpreter is exec'd from it (a
+    fresh one: this one loaded ctypes), and the kernel makes a process whose executable it cannot read not dumpable
+    (its /proc/self/mem and the like belong to root), whatever its uid."""
+    with open(exe, "rb") as f:
+        data = f.read()
+    size_kb = len(data) // 1024 + 64
+    _mount_fs(libc, "tmpfs", staging, MS_NOSUID | MS_NODEV, "mode=0700,size=%dk,nr_inodes=8" % size_kb)
+    copy = staging + "/python"
+    fd = os.open(copy, os.O_CREAT | os.O_WRONLY, 0o700)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fchmod(fd, 0o711)
+    finally:
+        os.close(fd)
+    _mount(libc, copy, new + exe, MS_BIND)
+    _check(libc.umount2(staging.encode(), MNT_DETACH) == 0, libc, "unmounting the interpreter's staging tmpfs")
 
 
 def _unescape(field):
