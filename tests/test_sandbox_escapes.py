@@ -371,7 +371,8 @@ def test_syscalls_refused_to_native_code():
                'set_dumpable': call(157, 4, 1, 0, 0, 0), 'mount': call(165, None, b'/usr', None, 32 | 4096, None),
                'umount2': call(166, b'/usr', 2), 'unshare': call(272, 0x10000000), 'chroot': call(161, b'/'),
                'ptrace': call(101, 0, 0, 0, 0), 'keyctl': call(250, 0, -3, 0), 'bpf': call(321, 0, buf, 48),
-               'x32_getpid': call(0x40000000 | 39), 'x32_unshare': call(0x40000000 | 272, 0x10000000)}
+               'x32_getpid': call(0x40000000 | 39), 'x32_unshare': call(0x40000000 | 272, 0x10000000),
+               'sync': call(162), 'syncfs': call(306, os.open('/usr', os.O_RDONLY))}
         got['dumpable'] = libc.prctl(3, 0, 0, 0, 0)
         print(json.dumps(got))
     """)

@@ -41,9 +41,9 @@ Both keep the other layers, outermost first:
   (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so threads fall back to clone; children allowed:
   clone into a new namespace -> EPERM), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,
   mount/namespaces/chroot/mknod/modules/bpf/kexec/reboot, io_uring, memfd_create/memfd_secret, syslog,
-  prctl(PR_SET_DUMPABLE / PR_SET_PDEATHSIG), SysV shared memory and message queues, signals only to itself (any pid
-  but -1 when ``max_processes > 1``; never through pidfd_send_signal or rt_(tg)sigqueueinfo, whose target kill's
-  check does not see);
+  prctl(PR_SET_DUMPABLE / PR_SET_PDEATHSIG), SysV shared memory and message queues, sync/syncfs, signals only to
+  itself (any pid but -1 when ``max_processes > 1``; never through pidfd_send_signal or rt_(tg)sigqueueinfo, whose
+  target kill's check does not see);
 * inside the child, a bootstrap passed with ``-c`` installs ``sys.addaudithook`` before the user code runs. It
   refuses sockets, ctypes, ``_posixsubprocess`` (stubbed out), process creation (fork, posix_spawn,
   subprocess, os.system, exec; counted when ``max_processes > 1``), writing/creating/removing/renaming/linking/

@@ -84,6 +84,8 @@ _NR = {
     "memfd_secret": 447,
     "shmget": 29,
     "msgget": 68,
+    "sync": 162,
+    "syncfs": 306,
 }
 _ALWAYS_DENIED = (
     "ptrace",
@@ -136,6 +138,9 @@ _ALWAYS_DENIED = (
     # goes, so any amount of it (attach, fill, detach, again)
     "shmget",
     "msgget",
+    # flushing every filesystem of the machine (syncfs of a read-only bind flushes the host's): an I/O storm
+    "sync",
+    "syncfs",
 )
 _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 
