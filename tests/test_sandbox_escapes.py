@@ -763,3 +763,18 @@ def test_scheduling_and_queue_limits_are_the_sandbox_own():
         "import resource as r\nprint([r.getrlimit(k) for k in (r.RLIMIT_RTPRIO, r.RLIMIT_NICE, r.RLIMIT_MSGQUEUE)])"
     )
     assert r.stdout == "[(0, 0), (0, 0), (0, 0)]\n", r
+
+
+def test_call_based_tests_use_nothing_the_program_can_patch():
+    """Call-based cases (TACO fn_name, LiveCodeBench functional): the tests decoded their arguments and expected value
+    with json.loads at run time, after the program ran, so `json.loads = lambda s, **k: []` and a function returning
+    [] passed every case. The values are literals now (compiled before the program runs)."""
+    from megadare.rewards.code import code_reward
+
+    tests = {"fn_name": "add", "inputs": ["1\n2", "0.5\n1e300"], "outputs": ["3", "1e300"]}
+    cheat = "import json\njson.loads = lambda s, **k: []\ndef add(*a):\n    return []\n"
+    assert code_reward("```python\n" + cheat + "```", tests) == 0.0
+    assert code_reward("```python\ndef add(a, b):\n    return a + b\n```", tests) == 1.0
+    value = '{"k": [null, true, "\\u00e9\\n\'"], "n": [1e-320, -0.0, 12345678901234567890]}'
+    odd = {"fn_name": "f", "inputs": [value + "\nNaN"], "outputs": [value]}
+    assert code_reward("```python\ndef f(d, z):\n    assert z != z\n    return d\n```", odd) == 1.0

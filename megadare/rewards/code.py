@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -96,6 +97,17 @@ def _code_case(test_code: str) -> TestCase:
     return TestCase(test_code=test_code)
 
 
+def _literal(value: Any) -> str:
+    """JSON data (dict, list, str, int, float, bool, None) as Python source that evaluates to it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float({str(value)!r})"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_literal, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_literal(k)}: {_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
     """A call-based case: ``fn_name(*args)`` (a ``Solution`` method when the program defines the class) must
     return ``expected``. ``args``: a list, or newline-separated JSON values; ``expected``: a value or JSON text."""
@@ -105,9 +117,10 @@ def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
         args = [json.loads(line) for line in args.split("\n") if line.strip()]
     if isinstance(expected, str):
         expected = json.loads(expected)
+    # the values as literals (JSON data, as json.dumps takes it): the compiler builds them before the program runs;
+    # a json.loads in the tests would call whatever the program put there (json.loads = lambda s: [])
     code = (
-        f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
-        f"_want = _json.loads({json.dumps(json.dumps(expected))})\n"
+        f"_args = {_literal(json.loads(json.dumps(args)))}\n_want = {_literal(json.loads(json.dumps(expected)))}\n"
         f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
         "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n"
         "assert _got == _want, 'wrong answer'\n"
