@@ -768,7 +768,7 @@ def test_scheduling_and_queue_limits_are_the_sandbox_own():
 def test_call_based_tests_use_nothing_the_program_can_patch():
     """Call-based cases (TACO fn_name, LiveCodeBench functional): the tests decoded their arguments and expected value
     with json.loads at run time, after the program ran, so `json.loads = lambda s, **k: []` and a function returning
-    [] passed every case. The values are literals now (compiled before the program runs)."""
+    [] passed every case. The expected value is a literal now (compiled before the program runs)."""
     from megadare.rewards.code import code_reward
 
     tests = {"fn_name": "add", "inputs": ["1\n2", "0.5\n1e300"], "outputs": ["3", "1e300"]}
