@@ -181,3 +181,15 @@ def test_isolation_setting():
     assert r.stdout == "False\n" and "read_only_root" not in r.protections
     assert runs_code("code", []) and runs_code("auto", [{"data_source": "mbpp"}, {"data_source": "weird"}])
     assert not runs_code("auto", [{"data_source": "gsm8k"}]) and not runs_code("math", [{"tests": []}])
+
+
+def test_a_refused_exec_of_the_interpreter_copy_refuses_code_rewards(monkeypatch):
+    """After the jail the program's interpreter is exec'd from a copy of the binary (executable, not readable). Where
+    that exec fails (an LSM refusing a tmpfs file; here a truncated copy), code rewards stop with the one-line
+    refusal naming the weaker isolation, not a per-run error."""
+    from megadare.rewards import SandboxUnavailable, sandbox, sandbox_start
+
+    monkeypatch.setattr(sandbox, "_refusal", [])
+    monkeypatch.setattr(sandbox_start, "_JAIL", sandbox_start._JAIL.replace("data = f.read()", "data = f.read(64)"))
+    with pytest.raises(SandboxUnavailable, match="exec of the interpreter's copy.*rewards.code.isolation=process"):
+        run_program("print(1)")

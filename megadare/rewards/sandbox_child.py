@@ -69,7 +69,11 @@ def _jail(plan, source, rep):
     namespace = {"__name__": "sandbox_jail"}
     exec(compile(source, "sandbox_jail.py", "exec"), namespace)
     namespace["enter"](eval(plan, {"__builtins__": {}}), rep)
-    os.execv(sys.executable, sys.orig_argv[:-2] + [JAILED, ""])
+    try:
+        os.execv(sys.executable, sys.orig_argv[:-2] + [JAILED, ""])
+    except OSError as e:  # e.g. an LSM that refuses executing from a tmpfs: the kernel refused a step
+        os.write(rep, ("unavailable exec of the interpreter's copy: %s\n" % (e,)).encode(errors="replace"))
+        os._exit(namespace["EXIT_UNAVAILABLE"])
 
 
 def _not_dumpable(rep):
