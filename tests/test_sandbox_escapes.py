@@ -778,3 +778,40 @@ def test_call_based_tests_use_nothing_the_program_can_patch():
     value = '{"k": [null, true, "\\u00e9\\n\'"], "n": [1e-320, -0.0, 12345678901234567890]}'
     odd = {"fn_name": "f", "inputs": [value + "\nNaN"], "outputs": [value]}
     assert code_reward("```python\ndef f(d, z):\n    assert z != z\n    return d\n```", odd) == 1.0
+
+
+VERDICT_PATH = {
+    # the stubs the bootstrap put into modules (gc.set_debug, signal.signal, _posixsubprocess.fork_exec) were its own
+    # functions: their __globals__ were the bootstrap's, and a no-op _die made a failed test fall through to the proof
+    "bootstrap_globals": """
+        import gc, signal, sys
+        for stub in (gc.set_debug, signal.signal, sys.modules['_posixsubprocess'].fork_exec):
+            stub.__globals__['_die'] = lambda *a, **k: None
+    """,
+    # a global whose key is no str: it passes the check that leaves builtins' names out of the tests' view (its
+    # __eq__ says no then), and shadows abs for the tests (it says yes later)
+    "non_str_key": """
+        class Key:
+            seen = 0
+            def __hash__(self):
+                return hash('abs')
+            def __eq__(self, other):
+                Key.seen += 1
+                return Key.seen > 1
+        globals()[Key()] = lambda x: 0
+    """,
+}
+
+
+@pytest.mark.parametrize("how", sorted(VERDICT_PATH))
+def test_the_verdict_path_is_out_of_the_program_reach(how):
+    """What decides the verdict after the program ran (the bootstrap's helpers, the tests' namespace) cannot be
+    changed by the program: a wrong answer on a humaneval row whose test uses abs() scores 0."""
+    from megadare.rewards import score_batch
+
+    row = dict(HUMANEVAL_ROW, answer="def check(candidate):\n    assert abs(candidate(1, 2) - 3) < 1e-6\n")
+    attack = WRONG + _prog(VERDICT_PATH[how])
+    scores, stats = score_batch("auto", ["```python\n" + attack + "```"], [row])
+    assert scores == [0.0], (how, stats)
+    r = run_program(attack, tests="assert abs(add(1, 2) - 3) < 1e-6\n")
+    assert not r.tests_passed, (how, r)

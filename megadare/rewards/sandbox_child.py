@@ -123,16 +123,13 @@ def _flush():
             pass
 
 
-def _no_signal_handlers(*args, **kwargs):
-    raise SandboxRefused("sandbox: installing signal handlers is refused while tests run")
-
-
-def _no_gc_debug(*args, **kwargs):
-    raise SandboxRefused("sandbox: gc.set_debug is refused while tests run (DEBUG_SAVEALL hands out frames)")
-
-
-def _no_module_copies(*args, **kwargs):
-    raise SandboxRefused("sandbox: creating a builtin module again is refused while tests run")
+def _refusing(message):
+    """A function that raises ``SandboxRefused(message)``, for the stubs this bootstrap puts into modules. Its globals
+    are its own: a function defined here would hand the program this bootstrap's globals (``stub.__globals__``), and
+    with them ``_die``, whose replacement by a no-op made a failed test fall through to the proof."""
+    namespace = {"SandboxRefused": SandboxRefused, "message": message}
+    exec("def refused(*args, **kwargs):\n    raise SandboxRefused(message)\n", namespace)
+    return namespace["refused"]
 
 
 def _close_frame_sources():
@@ -150,9 +147,9 @@ def _close_frame_sources():
     import gc
     import signal
 
-    _signal.signal = signal.signal = _no_signal_handlers
-    gc.set_debug = _no_gc_debug
-    _imp.create_builtin = _no_module_copies
+    _signal.signal = signal.signal = _refusing("sandbox: installing signal handlers is refused while tests run")
+    gc.set_debug = _refusing("sandbox: gc.set_debug is refused while tests run (DEBUG_SAVEALL hands out frames)")
+    _imp.create_builtin = _refusing("sandbox: creating a builtin module again is refused while tests run")
 
 
 def _proof(root, token_fd, proof_fd):
@@ -196,15 +193,12 @@ def _boot():
         builtins.exit = builtins.quit = sys.exit
     for name in filter(None, preload.split(",")):  # trusted imports the hook would refuse (numpy loads ctypes)
         __import__(name)
-    audit, run, frame = sys.audit, exec, None
+    # what decides the verdict once the program ran: locals, which it cannot reach (module globals and builtins it can)
+    audit, run, frame, die, passed, kind, text = sys.audit, exec, None, _die, _passed, type, str
     if audit_on:
         if maxc == 0:
             stub = types.ModuleType("_posixsubprocess")
-
-            def fork_exec(*a, **k):
-                raise SandboxRefused("sandbox: process creation refused (_posixsubprocess)")
-
-            stub.fork_exec = fork_exec
+            stub.fork_exec = _refusing("sandbox: process creation refused (_posixsubprocess)")
             sys.modules["_posixsubprocess"] = stub
         proof = None
         if tests is not None:
@@ -225,20 +219,21 @@ def _boot():
     except SystemExit as e:
         if tests is None:
             raise
-        _die(e, audit, frame, "sandbox: the program exited before its tests ran")
+        die(e, audit, frame, "sandbox: the program exited before its tests ran")
     except BaseException as e:
-        _die(e, audit, frame)
+        die(e, audit, frame)
     if tests is None:
         return
     # the tests see the program's names but the true builtins: a global ``abs`` of the program's cannot change what
-    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's)
-    namespace = {k: v for k, v in mod.__dict__.items() if k not in pristine}
+    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's); str keys
+    # only (a key object that equals "abs" on the second comparison only would shadow it)
+    namespace = {k: v for k, v in mod.__dict__.items() if kind(k) is text and k not in pristine}
     namespace.update(__builtins__=pristine, __name__="tests")
     try:
         run(tests, namespace)
     except BaseException as e:  # a failed assert, SystemExit inside a test, anything
-        _die(e, audit, frame, "sandbox: the tests did not pass")
-    _passed(audit, frame)  # must stay the last line of _boot (the proof is accepted only from there)
+        die(e, audit, frame, "sandbox: the tests did not pass")
+    passed(audit, frame)  # must stay the last line of _boot (the proof is accepted only from there)
 
 
 PROC_EVENTS = frozenset(
