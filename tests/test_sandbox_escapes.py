@@ -17,7 +17,10 @@ The attacks, in file order:
   pipe; `x._testcapi`); a program that leaves the keeper's process group (setsid, with the parent-death signal
   cleared or not); memory outside the address space (SysV shared memory); threads that take the machine's pids;
   fds left to the program; children in new namespaces; i386 syscalls (int 0x80); trainer credentials in the
-  environment; real-time priority and inherited scheduling / message-queue limits.
+  environment; real-time priority and inherited scheduling / message-queue limits; ctypes classes the jail left in
+  the program's interpreter (a `type.__subclasses__` walk); json.loads patched before a call-based case decodes its
+  expected value; the bootstrap's helpers reached through a stub's `__globals__`; a non-str global key that
+  shadows a builtin for the tests.
 """
 
 import json
