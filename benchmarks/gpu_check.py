@@ -11,7 +11,9 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
              model with megatron's local attention == SDPA == flex on the training and the inference mask
   engine     the built-in engine on the GPU vs on the CPU (greedy tokens), cached vs uncached
   sft        `megadare sft` 20 bf16 steps (the loss falls) and a resume
-  train      benchmarks/train_throughput.py: SDAR-1.7B shape (seq 2048, batch 1 and 4, local / sdpa / flex), small MoE
+  train      benchmarks/train_throughput.py: SDAR-1.7B shape, seq 2048: first batch 4 with SDPA and each step fusion
+             (--variants base gradfusion fused all: models/step_fusions.py), then batch 1 and 4 with local / sdpa /
+             flex, then a small MoE
   rollout    benchmarks/rollout_throughput.py: SDAR-1.7B shape, batch 32, 128 + 256 new tokens, block 4;
              benchmarks/rollout_compile.py: rollout.compile (CUDA graphs) == eager in fp32, its bf16 speed
   planner    megadare's planner vs torch.cuda.max_memory_allocated of the same train step
@@ -87,11 +89,11 @@ class Step:
 def train_commands(py: str, tiny: bool) -> list[list[str]]:
     """benchmarks/train_throughput.py through its command line (the one place that builds it)."""
     tt = os.path.join(HERE, "train_throughput.py")
-    if tiny:
-        return [
-            [py, tt, "--shape", "dense", "--batch", "1", "--seq", "64", "--steps", "1", "--backends", "local", "sdpa"]
-        ]
+    dense_sdpa_variants = [py, tt, "--shape", "dense", "--backends", "sdpa", "--variants"]
+    if tiny:  # the variants' plumbing (both fusions in "all"), one step at seq 64
+        return [dense_sdpa_variants + ["base", "all", "--batch", "1", "--seq", "64", "--steps", "1"]]
     return [
+        dense_sdpa_variants + ["base", "gradfusion", "fused", "all", "--batch", "4"],
         [py, tt, "--shape", "dense", "--batch", "1", "4", "--backends", "local", "sdpa", "flex"],
         [py, tt, "--shape", "moe", "--batch", "4", "--backends", "sdpa", "flex"],
     ]

@@ -140,3 +140,21 @@ def test_rollout_compile_reproduces_eager_in_fp32():
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("rollout compile fp32"))
     assert "tokens equal 16/16, commit steps equal 16/16, rows identical 2/2" in line, line
+
+
+def test_cpu_tiny_train_variants(tmp_path):
+    """The train step's command lines run on the CPU: the dense shape with the step fusions off and on
+    (train_throughput.py --variants, models/step_fusions.py), one table row each."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--only", "train", "--out", str(out), "--budget", "200"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert r.returncode == 0 and results["train"]["status"] == "ok", results["train"]
+    table = [x["check"].split() for x in results["train"]["rows"] if x["check"].startswith("dense ")]
+    assert [(row[1], row[2]) for row in table] == [("sdpa", "base"), ("sdpa", "all")], table
+    assert all(float(row[4]) > 0 for row in table), table  # tokens/s measured, not FAILED / OOM
