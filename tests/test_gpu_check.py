@@ -66,7 +66,8 @@ def test_budget_skips_steps_that_no_longer_fit(tmp_path):
 
 def test_cpu_tiny_plumbing(tmp_path):
     """The GPU run's steps on the CPU with tiny models: versions, Megatron vs hf/ parity in fp32 and bf16, the
-    attention kernels and megatron's local attention against SDPA (one family, to stay within CI's time)."""
+    attention kernels and megatron's local attention against SDPA (one family, to stay within CI's time); the
+    profile with both step fusions on (models/step_fusions.py)."""
     out = tmp_path / "out"
     r = subprocess.run(
         [
@@ -77,6 +78,8 @@ def test_cpu_tiny_plumbing(tmp_path):
             "--tiny",
             "--only",
             "env,parity,attention,profile",
+            "--profile-variant",
+            "all",
             "--families",
             "sdar",
             "--out",
@@ -100,6 +103,7 @@ def test_cpu_tiny_plumbing(tmp_path):
     shares = {x["check"]: x["value"] for x in results["profile"]["rows"] if x["check"].startswith("device time")}
     assert shares["device time: matmul"] > 20 and shares["device time: attention"] > 0  # a tiny fp32 step: mm-bound
     assert "self time by kind of kernel" in (out / "profile_top_kernels.txt").read_text()
+    assert results["profile"]["rows"][0]["variant"] == "all"
     md = (out / "summary.md").read_text()
     assert "| parity | ok |" in md and "## attention" in md
     assert (out / "gpu_check.log").stat().st_size > 0
