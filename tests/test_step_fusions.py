@@ -1,7 +1,12 @@
 """The training-step fusions without TE/apex (models/step_fusions.py): megatron's ``gradient_accumulation_fusion``
 through our ``wgrad_gemm_accum_*`` gives the unfused run's gradients and weights (no double add, no skipped
 add), ``fused_elementwise`` builds megatron's compiled SwiGLU, and the config keys reach megatron / refuse where
-they cannot run. One gloo process on the CPU, fp32, tiny SDAR and SDAR-MoE models (the experts' linears too)."""
+they cannot run. One gloo process on the CPU, fp32, tiny SDAR and SDAR-MoE models (the experts' linears too).
+
+The fused backward hands autograd a dummy weight gradient made with ``device=torch.cuda.current_device()``: on the
+CPU that is parallel/cpu.py's stub answering "cpu" (the CUDA stand-in every megatron test here runs under), so
+megatron's own code path runs unpatched, and its DDP hook then skips ``main_grad.add_`` (``grad_added_to_main_grad``):
+a double add would show in the gradients below."""
 
 from __future__ import annotations
 
@@ -108,8 +113,9 @@ def test_gradient_accumulation_fusion_equals_the_unfused_step(tmp_path):
         assert installed and unfused_calls == 0, name
         # q, k, v (fused), o, fc1, fc2 per layer (experts: per expert), and the output layer when it is a linear
         assert n_calls >= 2 * 4, (name, n_calls)
-        # fp32 throughout: the fused GEMM accumulates in another order than mm + add_, so equal to fp32 rounding
-        # (a double add or a skipped add is off by the gradient itself: relative 1)
+        # fp32 throughout: the fused GEMM may sum in another order than mm + add_ (bitwise equal on this CPU at
+        # these sizes; BLAS blocking differs between machines), so equal to fp32 rounding. A double add or a
+        # skipped add is off by the gradient itself: relative 1
         assert torch.allclose(grad_f, grad_p, rtol=1e-5, atol=1e-7 * float(grad_p.abs().max())), name
         assert float(grad_p.abs().max()) > 0, name
         assert loss_f == pytest.approx(loss_p, rel=1e-5), name
