@@ -195,3 +195,14 @@ def test_config_refuses_fusions_that_cannot_run(monkeypatch):
     monkeypatch.setattr(step_fusions.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match=r"train\.fused_elementwise=true .* C\+\+ compiler"):
         validate(cfg, None, world_size=1)
+
+
+def test_gradient_fusion_refused_without_out_dtype_gemm(monkeypatch):
+    """On CUDA in bf16 the fusion needs torch's out_dtype GEMM (torch >= 2.8); fp32 and the CPU need none."""
+    monkeypatch.setattr(step_fusions.torch.cuda, "is_available", lambda: True)
+    assert step_fusions.unavailable(True, False, "bf16") is None  # this torch has it
+    monkeypatch.setattr(step_fusions, "_has_out_dtype_gemm", lambda: False)
+    assert "torch >= 2.8" in step_fusions.unavailable(True, False, "bf16")
+    assert step_fusions.unavailable(True, False, "fp32") is None
+    monkeypatch.setattr(step_fusions.torch.cuda, "is_available", lambda: False)
+    assert step_fusions.unavailable(True, False, "bf16") is None

@@ -127,7 +127,7 @@ def config_overrides(gradient_accumulation: bool, elementwise: bool) -> dict:
 def unavailable(gradient_accumulation: bool, elementwise: bool, dtype: str) -> Optional[str]:
     """Why the fusions asked for cannot run in this process (None: they can), naming the key."""
     cuda = torch.cuda.is_available()
-    if gradient_accumulation and cuda and dtype != "fp32" and not hasattr(torch.ops.aten.addmm, "dtype_out"):
+    if gradient_accumulation and cuda and dtype != "fp32" and not _has_out_dtype_gemm():
         return (
             f"train.gradient_accumulation_fusion=true with model.dtype={dtype} needs torch >= 2.8 "
             f"(torch.addmm(out_dtype=...)); this is torch {torch.__version__}: set it to false"
@@ -140,3 +140,8 @@ def unavailable(gradient_accumulation: bool, elementwise: bool, dtype: str) -> O
             "(g++, or $CXX): install one or set it to false"
         )
     return None
+
+
+def _has_out_dtype_gemm() -> bool:
+    """torch >= 2.8: ``addmm`` / ``mm`` with ``out_dtype`` (bf16/fp16 inputs, an fp32 result)."""
+    return hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype")
