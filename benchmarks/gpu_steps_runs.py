@@ -46,7 +46,7 @@ def step_planner(rep: Report, args) -> None:
     stage = report.worst_stage
     init_distributed()
     try:
-        _, measured = tt.run_backend(arch, "sdpa", 1, seq, "bidirectional", 1, dtype)
+        _, measured, _ = tt.run_backend(arch, "sdpa", 1, seq, "bidirectional", 1, dtype)
     finally:
         destroy_distributed()
     planned = (stage.total - stage.reserve) / 2**30  # what the allocator hands out; reserve: context, slack
@@ -117,7 +117,7 @@ def step_profile(rep: Report, args) -> None:
     try:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3)) as prof:
-            dt, _ = tt.run_backend(
+            dt, _, _ = tt.run_backend(
                 arch, backend, batch, seq, "bidirectional", 3, dtype, on_step=prof.step, variant=args.variant
             )
     finally:

@@ -117,8 +117,10 @@ def run_backend(
     on_step: Optional[Callable[[], None]] = None,
     variant: str = "base",
 ):
-    """``steps`` timed train steps after two warm-up ones; (seconds per timed step, peak GiB). ``on_step``: called
-    after every step, warm-up ones included (a profiler's ``step``); ``variant``: a key of VARIANTS."""
+    """``steps`` timed train steps after two warm-up ones; (seconds per timed step, peak GiB, the first step's
+    gradient norm: the same for every variant up to rounding, a check that a fusion neither doubles nor drops a
+    gradient). ``on_step``: called after every step, warm-up ones included (a profiler's ``step``); ``variant``: a
+    key of VARIANTS."""
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
@@ -157,12 +159,14 @@ def run_backend(
             if i == 2:  # two warm-up steps (compilation, allocator)
                 sync()
                 t0 = time.perf_counter()
-            train_step(
+            metrics = train_step(
                 Policy(model, opt, sched),
                 mbs,
                 float(batch * n),
                 RowFormat(mask, arch.block_size, arch.vocab_size, mask_fn),
             )
+            if i == 0:
+                grad_norm = metrics["grad_norm"]
             if on_step is not None:
                 on_step()
         sync()
@@ -173,7 +177,7 @@ def run_backend(
             import psutil
 
             mem = psutil.Process().memory_info().rss / 2**30
-        return dt, mem
+        return dt, mem, grad_norm
     finally:
         del model, opt, chunks
         gc.collect()
@@ -455,7 +459,7 @@ def main() -> None:
     )
     print(
         f"{'shape':6} {'backend':8} {'variant':10} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8} {'vs base':>8}",
+        f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8} {'vs base':>8} {'gnorm 1':>10}",
         flush=True,
     )
     for name in args.shape:
@@ -486,7 +490,8 @@ def _measures(arch: ModelArch, args, res: dict, local: Optional[float], base: Op
     peak = peak_tflops()
     mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
     ratios = "".join(f"{tok_s / r:8.2f}x" if r else "       -" for r in (local, base))
-    return f"{tok_s:10.0f} {tflops:8.2f} {mfu} {res['mem']:8.1f} {ratios} {res.get('accum', '')}".rstrip()
+    gnorm = f"{res['grad_norm']:10.5g}"
+    return f"{tok_s:10.0f} {tflops:8.2f} {mfu} {res['mem']:8.1f} {ratios} {gnorm} {res.get('accum', '')}".rstrip()
 
 
 def run_case(args, shape: str, backend: str, batch: int) -> dict:
@@ -529,8 +534,8 @@ def case(args) -> None:
     init_distributed()
     try:
         dtype = "bf16" if gpu else "fp32"
-        dt, mem = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, dtype, variant=variant)
-        res = {"dt": dt, "mem": mem, "batch": int(batch)}
+        dt, mem, gnorm = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, dtype, variant=variant)
+        res = {"dt": dt, "mem": mem, "batch": int(batch), "grad_norm": gnorm}
         if gpu and VARIANTS[variant][0]:
             res["accum"] = f"accum: {step_fusions.cuda_accum_path()}"
     except torch.OutOfMemoryError:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
@@ -148,7 +150,7 @@ def test_rollout_compile_reproduces_eager_in_fp32():
 
 def test_cpu_tiny_train_variants(tmp_path):
     """The train step's command lines run on the CPU: the dense shape with the step fusions off and on
-    (train_throughput.py --variants, models/step_fusions.py), one table row each."""
+    (train_throughput.py --variants, models/step_fusions.py), one table row each, with the same gradient norm."""
     out = tmp_path / "out"
     r = subprocess.run(
         [sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--only", "train", "--out", str(out), "--budget", "200"],
@@ -162,3 +164,5 @@ def test_cpu_tiny_train_variants(tmp_path):
     table = [x["check"].split() for x in results["train"]["rows"] if x["check"].startswith("dense ")]
     assert [(row[1], row[2]) for row in table] == [("sdpa", "base"), ("sdpa", "all")], table
     assert all(float(row[4]) > 0 for row in table), table  # tokens/s measured, not FAILED / OOM
+    base, fused = (float(row[10]) for row in table)  # the first step's gradient norm: fp32, the same rows
+    assert fused == pytest.approx(base, rel=1e-4), table
