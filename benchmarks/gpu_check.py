@@ -11,11 +11,14 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
              model with megatron's local attention == SDPA == flex on the training and the inference mask
   engine     the built-in engine on the GPU vs on the CPU (greedy tokens), cached vs uncached
   sft        `megadare sft` 20 bf16 steps (the loss falls) and a resume
-  train      benchmarks/train_throughput.py: SDAR-1.7B shape (seq 2048, batch 1 and 4, local / sdpa / flex), small MoE
+  train      benchmarks/train_throughput.py: SDAR-1.7B shape, seq 2048: first batch 4 with SDPA and each step fusion
+             (--variants base gradfusion fused all: models/step_fusions.py), flex and a small MoE with and without
+             them, then batch 1 with local / sdpa / flex
   rollout    benchmarks/rollout_throughput.py: SDAR-1.7B shape, batch 32, 128 + 256 new tokens, block 4;
              benchmarks/rollout_compile.py: rollout.compile (CUDA graphs) == eager in fp32, its bf16 speed
   planner    megadare's planner vs torch.cuda.max_memory_allocated of the same train step
-  profile    one profiled training run: the top kernels by GPU time (profile_top_kernels.txt)
+  profile    one profiled training run: the top kernels by GPU time (profile_top_kernels.txt); --profile-variant
+             picks the step fusions it runs with (train_throughput.py --variants)
   rl         `megadare rl` two steps per weight transport, and colocated with rollout.compile=true (needs Ray:
              carry benchmarks/carry/ray)
 
@@ -87,13 +90,14 @@ class Step:
 def train_commands(py: str, tiny: bool) -> list[list[str]]:
     """benchmarks/train_throughput.py through its command line (the one place that builds it)."""
     tt = os.path.join(HERE, "train_throughput.py")
-    if tiny:
-        return [
-            [py, tt, "--shape", "dense", "--batch", "1", "--seq", "64", "--steps", "1", "--backends", "local", "sdpa"]
-        ]
-    return [
-        [py, tt, "--shape", "dense", "--batch", "1", "4", "--backends", "local", "sdpa", "flex"],
-        [py, tt, "--shape", "moe", "--batch", "4", "--backends", "sdpa", "flex"],
+    dense_sdpa_variants = [py, tt, "--shape", "dense", "--backends", "sdpa", "--variants"]
+    if tiny:  # the variants' plumbing (both fusions in "all"), one step at seq 64
+        return [dense_sdpa_variants + ["base", "all", "--batch", "1", "--seq", "64", "--steps", "1"]]
+    return [  # the step's timeout cuts from the end: the backend sweep was measured in both earlier sessions
+        dense_sdpa_variants + ["base", "gradfusion", "fused", "all", "--batch", "4"],
+        [py, tt, "--shape", "dense", "--batch", "4", "--backends", "flex", "--variants", "base", "all"],
+        [py, tt, "--shape", "moe", "--batch", "4", "--backends", "sdpa", "flex", "--variants", "base", "all"],
+        [py, tt, "--shape", "dense", "--batch", "1", "--backends", "local", "sdpa", "flex"],
     ]
 
 
@@ -146,6 +150,8 @@ def build_steps(args, py: str) -> list[Step]:
             cmds, rows = rollout_commands(py, args.tiny), ""
         else:
             cmds = [[py, os.path.join(HERE, "gpu_steps.py"), name] + common + ["--budget", BUDGET]]
+            if name == "profile":
+                cmds[0] += ["--variant", args.profile_variant]
             rows = os.path.join(rows_dir, f"{name}.json")
         steps.append(Step(name, cmds, limits[name] * args.timeout_scale, rows))
     return steps
@@ -367,6 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default="sdar,sdar_moe,llada,llada2,dream")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "runs", "gpu_check"))
     ap.add_argument("--budget", type=float, default=560, help="seconds for all steps (a device command: 600)")
+    ap.add_argument("--profile-variant", default="base", help="the profile step's step fusions (base, all, ...)")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="factor on every step's timeout")
     ap.add_argument("--carry", default="", help="a folder of wheels to install first (benchmarks/gpu_carry.sh)")
     ap.add_argument("--site", default="/tmp/gpu_check_site", help="where --carry installs")

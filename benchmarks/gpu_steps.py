@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--budget", type=float, default=600, help="seconds this step may take (its subprocesses)")
+    ap.add_argument("--variant", default="base", help="profile: the step fusions (train_throughput.py VARIANTS)")
     args = ap.parse_args()
     args.families = [f for f in args.families.split(",") if f]
     args.rows = args.rows or args.out

@@ -46,7 +46,7 @@ def step_planner(rep: Report, args) -> None:
     stage = report.worst_stage
     init_distributed()
     try:
-        _, measured = tt.run_backend(arch, "sdpa", 1, seq, "bidirectional", 1, dtype)
+        _, measured, _ = tt.run_backend(arch, "sdpa", 1, seq, "bidirectional", 1, dtype)
     finally:
         destroy_distributed()
     planned = (stage.total - stage.reserve) / 2**30  # what the allocator hands out; reserve: context, slack
@@ -100,7 +100,7 @@ def step_profile(rep: Report, args) -> None:
     target is about (GPU: seq 2048, batch 4, bf16, SDPA): the build and two warm-up steps are not recorded, three
     steps are. Rows: the step time, tokens/s and the device time by kind of kernel (matmul, attention, optimizer,
     copies, elementwise ...); profile_top_kernels.txt: the top kernels and the top aten ops (inclusive device
-    time: which op launches them)."""
+    time: which op launches them). ``args.variant``: the step fusions it runs with (train_throughput.VARIANTS)."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     sys.path.insert(0, HERE)
@@ -111,11 +111,15 @@ def step_profile(rep: Report, args) -> None:
     gpu = args.device == "cuda"
     arch = tt.SHAPES["dense"] if gpu else tt.cpu_shape(tt.SHAPES["dense"])
     seq, batch, dtype, backend = (2048, 4, "bf16", "sdpa") if gpu else (128, 2, "fp32", "sdpa")
+    if args.variant not in tt.VARIANTS:
+        raise SystemExit(f"--variant {args.variant}: not one of {sorted(tt.VARIANTS)}")
     init_distributed()
     try:
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
         with profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=3)) as prof:
-            dt, _ = tt.run_backend(arch, backend, batch, seq, "bidirectional", 3, dtype, on_step=prof.step)
+            dt, _, _ = tt.run_backend(
+                arch, backend, batch, seq, "bidirectional", 3, dtype, on_step=prof.step, variant=args.variant
+            )
     finally:
         destroy_distributed()
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
@@ -127,14 +131,17 @@ def step_profile(rep: Report, args) -> None:
         kind = kernel_kind(e.key)
         kinds[kind] = kinds.get(kind, 0.0) + float(getattr(e, key))
     shares = sorted(((k, 100 * v / total) for k, v in kinds.items()), key=lambda kv: -kv[1])
-    head = f"dense shape, seq {seq}, batch {batch}, {dtype}, {backend}; 3 profiled steps, {dt:.4f} s per step\n"
+    head = (
+        f"dense shape, seq {seq}, batch {batch}, {dtype}, {backend}, step fusions: {args.variant}; "
+        f"3 profiled steps, {dt:.4f} s per step\n"
+    )
     by_kind = "".join(f"{k:20s} {share:5.1f}%\n" for k, share in shares)
     incl = "device_time_total" if gpu else "cpu_time_total"
     with open(os.path.join(args.out, "profile_top_kernels.txt"), "w") as f:
         f.write(head + "\nself time by kind of kernel:\n" + by_kind)
         f.write("\ntop kernels:\n" + events.table(sort_by=key, row_limit=25, max_name_column_width=80))
         f.write("\n\ntop aten ops, inclusive:\n" + events.table(sort_by=incl, row_limit=40, max_name_column_width=60))
-    rep.add("profiled step time (s)", True, round(dt, 4), backend=backend, batch=batch, seq=seq)
+    rep.add("profiled step time (s)", True, round(dt, 4), backend=backend, batch=batch, seq=seq, variant=args.variant)
     rep.add("profiled tokens/s", None, round(batch * seq / dt), note="profiler overhead included")
     for kind, share in shares:
         rep.add(f"device time: {kind}", None, round(share, 1), unit="%")

@@ -3,12 +3,16 @@ the publisher's SDAR model on DARE's loss path.
 
     python benchmarks/train_throughput.py                 # GPU: 1.8B dense + small MoE, bf16; CPU: tiny shapes
     python benchmarks/train_throughput.py --shape dense --batch 1 4 --backends local sdpa flex
+    python benchmarks/train_throughput.py --shape dense --batch 4 --backends sdpa --variants base gradfusion fused all
     python benchmarks/train_throughput.py --peer-repo /path/to/DARE --peer-python /path/to/dare-env/bin/python
 
 Prints tokens/s, model TFLOP/s and MFU (GPU) for each backend, each case in a fresh process (its peak memory its
 own), and the ratio against megatron's local DotProductAttention (the baseline that materialises the score
 matrix). The mask is bidirectional (LLaDA-style) or block diffusion (x_t ++ x_0, --mask block_diffusion); a
 batch that runs out of memory is reported as OOM. FLOPs as in megadare/trainer/flops.py (dense attention count, also for block masks).
+``--variants`` times the training-step fusions of models/step_fusions.py per backend (``train.*`` keys): ``base``
+(none), ``gradfusion`` (gradient_accumulation_fusion), ``fused`` (fused_elementwise), ``all`` (both), each against
+the same backend's ``base`` ("vs base"); with gradfusion on CUDA the row names the accumulation path that ran.
 
 ``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
 of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:
@@ -32,6 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megadare.models import step_fusions
 from megadare.models.family import ModelArch
 from megadare.trainer.flops import peak_tflops, step_flops
 
@@ -78,6 +83,8 @@ SHAPES = {
         moe_topk=4,
     ),
 }
+# --variants: (train.gradient_accumulation_fusion, train.fused_elementwise)
+VARIANTS = {"base": (False, False), "gradfusion": (True, False), "fused": (False, True), "all": (True, True)}
 CPU_SHAPE = dict(
     vocab_size=4096,
     hidden_size=256,
@@ -108,16 +115,19 @@ def run_backend(
     dtype: str,
     *,
     on_step: Optional[Callable[[], None]] = None,
+    variant: str = "base",
 ):
-    """``steps`` timed train steps after two warm-up ones; (seconds per timed step, peak GiB). ``on_step``: called
-    after every step, warm-up ones included (a profiler's ``step``)."""
+    """``steps`` timed train steps after two warm-up ones; (seconds per timed step, peak GiB, the first step's
+    gradient norm: the same for every variant up to rounding, a check that a fusion neither doubles nor drops a
+    gradient). ``on_step``: called after every step, warm-up ones included (a profiler's ``step``); ``variant``: a
+    key of VARIANTS."""
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.policy import Policy
     from megadare.trainer.step import RowFormat, train_step
 
-    tcfg = transformer_config(arch, dtype)
+    tcfg = transformer_config(arch, dtype, **step_fusions.config_overrides(*VARIANTS[variant]))
     chunks = build_model_chunks(arch, tcfg, attention_backend=backend)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=steps + 2, dtype=dtype))
@@ -149,12 +159,14 @@ def run_backend(
             if i == 2:  # two warm-up steps (compilation, allocator)
                 sync()
                 t0 = time.perf_counter()
-            train_step(
+            metrics = train_step(
                 Policy(model, opt, sched),
                 mbs,
                 float(batch * n),
                 RowFormat(mask, arch.block_size, arch.vocab_size, mask_fn),
             )
+            if i == 0:
+                grad_norm = metrics["grad_norm"]
             if on_step is not None:
                 on_step()
         sync()
@@ -165,7 +177,7 @@ def run_backend(
             import psutil
 
             mem = psutil.Process().memory_info().rss / 2**30
-        return dt, mem
+        return dt, mem, grad_norm
     finally:
         del model, opt, chunks
         gc.collect()
@@ -416,6 +428,7 @@ def main() -> None:
         "--seq", type=int, default=None, help="tokens per row (default: 2048 GPU, 256 CPU; 1024 against the peer)"
     )
     ap.add_argument("--mask", default="bidirectional", choices=["bidirectional", "block_diffusion"])
+    ap.add_argument("--variants", nargs="+", default=["base"], choices=list(VARIANTS), help="step fusions to time")
     ap.add_argument("--steps", type=int, default=5 if gpu else 3)
     ap.add_argument("--peer-repo", help="a DARE checkout: time megadare against its SDAR model on DARE's loss path")
     ap.add_argument("--peer-python", default=sys.executable, help="python of the DARE environment (transformers 4.52)")
@@ -445,33 +458,44 @@ def main() -> None:
         "each case in a fresh process"
     )
     print(
-        f"{'shape':6} {'backend':8} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8}",
+        f"{'shape':6} {'backend':8} {'variant':10} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8} {'vs base':>8} {'gnorm 1':>10}",
         flush=True,
     )
     for name in args.shape:
         arch = SHAPES[name] if gpu else cpu_shape(SHAPES[name])
         for batch in args.batch:
-            base = None
+            local = None
             for backend in args.backends:
-                res = run_case(args, name, backend, batch)
-                if "error" in res:
-                    print(f"{name:6} {backend:8} {batch:5d} {res['error']:>10} {res.get('detail', '')}", flush=True)
-                    continue
-                dt, mem = res["dt"], res["mem"]
-                tok_s = batch * args.seq / dt
-                tflops = step_flops(arch, [args.seq] * batch) / dt / 1e12
-                peak = peak_tflops()
-                mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
-                base = base or (tok_s if backend == "local" else None)
-                ratio = f"{tok_s / base:7.2f}x" if base else "      -"
-                print(
-                    f"{name:6} {backend:8} {batch:5d} {tok_s:10.0f} {tflops:8.2f} {mfu} {mem:8.1f} {ratio}", flush=True
-                )
+                base = None
+                for variant in args.variants:
+                    res = run_case(args, name, f"{backend}:{variant}", batch)
+                    if "error" in res:
+                        print(
+                            f"{name:6} {backend:8} {variant:10} {batch:5d} {res['error']:>10} {res.get('detail', '')}",
+                            flush=True,
+                        )
+                        continue
+                    tok_s = batch * args.seq / res["dt"]
+                    local = local or (tok_s if backend == "local" and variant == "base" else None)
+                    base = base or (tok_s if variant == "base" else None)
+                    print(f"{name:6} {backend:8} {variant:10} {batch:5d} " + _measures(arch, args, res, local, base))
+
+
+def _measures(arch: ModelArch, args, res: dict, local: Optional[float], base: Optional[float]) -> str:
+    """tok/s, TFLOP/s, MFU, memory and the ratios of one case's table row (and the accumulation path it ran)."""
+    batch = int(res["batch"])
+    tok_s = batch * args.seq / res["dt"]
+    tflops = step_flops(arch, [args.seq] * batch) / res["dt"] / 1e12
+    peak = peak_tflops()
+    mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
+    ratios = "".join(f"{tok_s / r:8.2f}x" if r else "       -" for r in (local, base))
+    gnorm = f"{res['grad_norm']:10.5g}"
+    return f"{tok_s:10.0f} {tflops:8.2f} {mfu} {res['mem']:8.1f} {ratios} {gnorm} {res.get('accum', '')}".rstrip()
 
 
 def run_case(args, shape: str, backend: str, batch: int) -> dict:
-    """One (shape, backend, batch) in a fresh process: a case's peak memory is its own (in one process a
+    """One (shape, backend[:variant], batch) in a fresh process: a case's peak memory is its own (in one process a
     finished case's allocations inflated the next one's peak: 75.9 GiB for SDPA at batch 1 on an H200 where
     alone it takes 41.7), and an OOM does not poison the cases after it."""
     import subprocess
@@ -505,12 +529,15 @@ def case(args) -> None:
     gpu = torch.cuda.is_available()
     if not gpu:
         torch.set_num_threads(args.threads)
-    shape, backend, batch = args.case.split(":")
+    shape, backend, variant, batch = args.case.split(":")
     arch = SHAPES[shape] if gpu else cpu_shape(SHAPES[shape])
     init_distributed()
     try:
-        dt, mem = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, "bf16" if gpu else "fp32")
-        res = {"dt": dt, "mem": mem}
+        dtype = "bf16" if gpu else "fp32"
+        dt, mem, gnorm = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, dtype, variant=variant)
+        res = {"dt": dt, "mem": mem, "batch": int(batch), "grad_norm": gnorm}
+        if gpu and VARIANTS[variant][0]:
+            res["accum"] = f"accum: {step_fusions.cuda_accum_path()}"
     except torch.OutOfMemoryError:
         res = {"error": "OOM"}
     destroy_distributed()

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
@@ -66,7 +68,8 @@ def test_budget_skips_steps_that_no_longer_fit(tmp_path):
 
 def test_cpu_tiny_plumbing(tmp_path):
     """The GPU run's steps on the CPU with tiny models: versions, Megatron vs hf/ parity in fp32 and bf16, the
-    attention kernels and megatron's local attention against SDPA (one family, to stay within CI's time)."""
+    attention kernels and megatron's local attention against SDPA (one family, to stay within CI's time); the
+    profile with both step fusions on (models/step_fusions.py)."""
     out = tmp_path / "out"
     r = subprocess.run(
         [
@@ -77,6 +80,8 @@ def test_cpu_tiny_plumbing(tmp_path):
             "--tiny",
             "--only",
             "env,parity,attention,profile",
+            "--profile-variant",
+            "all",
             "--families",
             "sdar",
             "--out",
@@ -100,6 +105,7 @@ def test_cpu_tiny_plumbing(tmp_path):
     shares = {x["check"]: x["value"] for x in results["profile"]["rows"] if x["check"].startswith("device time")}
     assert shares["device time: matmul"] > 20 and shares["device time: attention"] > 0  # a tiny fp32 step: mm-bound
     assert "self time by kind of kernel" in (out / "profile_top_kernels.txt").read_text()
+    assert results["profile"]["rows"][0]["variant"] == "all"
     md = (out / "summary.md").read_text()
     assert "| parity | ok |" in md and "## attention" in md
     assert (out / "gpu_check.log").stat().st_size > 0
@@ -140,3 +146,23 @@ def test_rollout_compile_reproduces_eager_in_fp32():
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("rollout compile fp32"))
     assert "tokens equal 16/16, commit steps equal 16/16, rows identical 2/2" in line, line
+
+
+def test_cpu_tiny_train_variants(tmp_path):
+    """The train step's command lines run on the CPU: the dense shape with the step fusions off and on
+    (train_throughput.py --variants, models/step_fusions.py), one table row each, with the same gradient norm."""
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--device", "cpu", "--tiny", "--only", "train", "--out", str(out), "--budget", "200"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert r.returncode == 0 and results["train"]["status"] == "ok", results["train"]
+    table = [x["check"].split() for x in results["train"]["rows"] if x["check"].startswith("dense ")]
+    assert [(row[1], row[2]) for row in table] == [("sdpa", "base"), ("sdpa", "all")], table
+    assert all(float(row[4]) > 0 for row in table), table  # tokens/s measured, not FAILED / OOM
+    base, fused = (float(row[10]) for row in table)  # the first step's gradient norm: fp32, the same rows
+    assert fused == pytest.approx(base, rel=1e-4), table

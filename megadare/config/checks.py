@@ -10,6 +10,7 @@ from megadare.algos import build_algorithm
 from megadare.errors import ConfigError
 from megadare.config.loading import check_choices
 from megadare.config.sections import Config
+from megadare.models import step_fusions
 from megadare.models.family import ModelArch
 from megadare.parallel.layout import Layout
 from megadare.rollout.engine import (
@@ -90,6 +91,9 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
             f"cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or {key}=0"
         )
     check_decoder(cfg, arch)
+    missing = step_fusions.unavailable(t.gradient_accumulation_fusion, t.fused_elementwise, cfg.model.dtype)
+    if missing:
+        raise ConfigError(missing)
 
     (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
 

@@ -71,6 +71,9 @@ class TrainSection:
     logits_chunk_mb: float = 64.0  # scored: MiB of fp32 logits per chunk of tokens (V/tp wide)
     moe_aux_loss_coeff: Optional[float] = None  # None = the family's default
     moe_bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (families with expert bias)
+    gradient_accumulation_fusion: bool = False  # weight grads accumulate into the fp32 main grads inside the GEMM
+    # (megatron's flag without apex: models/step_fusions.py)
+    fused_elementwise: bool = False  # megatron's compiled SwiGLU and residual add (torch.compile: step_fusions.py)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from megadare.models import build_hf_model, save_hf_model
 from megadare.models.family import ModelArch, read_hf_config
 from megadare.models.gpt import transformer_config, build_model_chunks
 from megadare.models.head import HeadSettings
+from megadare.models import step_fusions
 from megadare.trainer.spec import ModelSource, model_source, source_of
 
 
@@ -79,7 +80,8 @@ def _check_same_tiny(hf_dir: str, want: dict) -> None:
 
 
 def training_transformer_config(cfg: Config, arch: ModelArch):
-    """TransformerConfig for training: dtype, SP, recomputation, MoE balancing as the family specifies."""
+    """TransformerConfig for training: dtype, SP, recomputation, MoE balancing as the family specifies, the step
+    fusions asked for (models/step_fusions.py)."""
     over: dict[str, Any] = {"sequence_parallel": cfg.parallel.sp}
     t = cfg.train
     if t.recompute == "full":
@@ -95,6 +97,7 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
             moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
             moe_router_bias_update_rate=t.moe_bias_update_rate,
         )
+    over.update(step_fusions.config_overrides(t.gradient_accumulation_fusion, t.fused_elementwise))
     return transformer_config(arch, cfg.model.dtype, **over)
 
 

@@ -1,0 +1,147 @@
+"""The training-step fusions that run without Transformer Engine or apex (``train.gradient_accumulation_fusion``,
+``train.fused_elementwise``); off by default until a GPU has measured them (benchmarks/GPU.md).
+
+**Gradient accumulation fusion.** Unfused, every linear layer's backward returns its weight gradient as a new
+tensor in the compute dtype and megatron's DDP hook adds it to the fp32 ``main_grad`` buffer: one GEMM output and
+one more elementwise pass over every weight, per micro-batch (17% of a bf16 SDAR-1.7B step on an H200 went to that
+``add_``). With ``TransformerConfig.gradient_accumulation_fusion`` megatron-core 0.16 (``tensor_parallel/layers.py``,
+``LinearWithGradAccumulationAndAsyncCommunication.backward``) instead calls apex's CUDA extension,
+``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)`` (``_fp16``
+when main_grad is bf16/fp16), that is ``main_grad += grad_output^T @ total_input`` on 2-D views, returns a dummy
+gradient and sets ``weight.grad_added_to_main_grad``, so DDP's hook skips its ``add_``. The layers refuse the flag
+when that extension does not import (``_grad_accum_fusion_available``).
+
+torch has the GEMM itself: on CUDA, ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)`` multiplies bf16/fp16
+``a, b`` into an fp32 ``c`` in one cuBLAS call (``aten::addmm.dtype_out``, torch >= 2.8; a CPU kernel does not
+exist). This module is that extension's two functions, installed into megatron's layers module as the extension
+would be (apex's own, where it imports, is kept); nothing else of megatron changes. Paths, per call:
+  * ``main_grad`` in the inputs' dtype (fp32 training; an fp16/bf16 main_grad): ``main_grad.addmm_(g^T, x)``;
+  * CUDA, bf16/fp16 inputs, fp32 main_grad: ``addmm(..., out_dtype=fp32, out=main_grad)`` where this torch's
+    CUDA kernel accepts an fp32 ``self`` (checked once, against an fp32 reference, by ``cuda_accum_path``),
+    else ``main_grad.add_(mm(g^T, x, out_dtype=fp32))`` (fp32 products, but no saving: ``cuda_accum_path`` says
+    which one ran, the benchmark records it);
+  * anywhere else (bf16 on a CPU): the inputs upcast, then ``addmm_``.
+
+**Elementwise fusions.** megatron's ``bias_activation_fusion`` (SwiGLU forward and backward as one kernel each,
+``fusions/fused_bias_swiglu.py``) and ``bias_dropout_fusion`` (the residual add, ``fusions/fused_bias_dropout.py``)
+are plain torch functions under megatron's ``jit_fuser``, which is ``torch.compile`` on torch >= 2.2: they need
+a compiler backend (triton on CUDA, a C++ compiler on a CPU), no TE or apex. Our models have no biases and no
+dropout: the first is the fused SwiGLU, the second the compiled residual add. megatron's other fusion flags have no
+path without TE/apex and stay off: ``apply_rope_fusion`` (TE's ``fused_apply_rotary_pos_emb``; the config
+refuses it without TE), ``masked_softmax_fusion`` (megatron's CUDA softmax extensions, and only in its ``local``
+attention), ``persist_layer_norm`` (apex's FusedLayerNorm; our RMSNorm is models/norm.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+import types
+import warnings
+from typing import Optional
+
+import torch
+
+
+def _accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """main_grad += grad_output^T @ total_input ([tokens, out]^T @ [tokens, in] -> [out, in])."""
+    a, b = grad_output.t(), total_input
+    if a.dtype == main_grad.dtype:
+        main_grad.addmm_(a, b)
+    elif main_grad.is_cuda and main_grad.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        if cuda_accum_path() == "addmm_out_dtype":
+            torch.addmm(main_grad, a, b, out_dtype=torch.float32, out=main_grad)
+        else:
+            main_grad.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
+
+
+def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """apex's ``wgrad_gemm_accum_fp32``: an fp32 main_grad."""
+    _accumulate(total_input, grad_output, main_grad)
+
+
+def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """apex's ``wgrad_gemm_accum_fp16``: a bf16/fp16 main_grad (DDP with ``grad_reduce_in_fp32=False``)."""
+    _accumulate(total_input, grad_output, main_grad)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_accum_path() -> str:
+    """``addmm_out_dtype`` when this torch's CUDA ``addmm`` accumulates bf16 products into an fp32 ``self`` in place
+    and matches an fp32 reference, else ``mm_out_dtype_add`` (torch 2.8's kernel wants ``self`` in the inputs'
+    dtype). Probed once on the current CUDA device (at ``install``, not inside a backward)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 96, device="cuda", generator=g).bfloat16()
+    b = torch.randn(96, 32, device="cuda", generator=g).bfloat16()
+    c = torch.randn(64, 32, device="cuda", generator=g)
+    want = c.double() + a.double() @ b.double()  # float64: no TF32 in the reference
+    try:
+        torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+        # fp32 accumulation of exact bf16 products over k=96: ~1e-6 of the values' scale (~10); a bf16-rounded
+        # result is off by up to 0.03, one that drops ``c`` by ~1
+        if torch.allclose(c.double(), want, rtol=0, atol=1e-3):
+            return "addmm_out_dtype"
+        why = f"it is off by {float((c.double() - want).abs().max()):.3g}"
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    warnings.warn(
+        f"train.gradient_accumulation_fusion: torch {torch.__version__}'s CUDA addmm does not accumulate bf16 "
+        f"products into an fp32 tensor ({why}); weight gradients take mm(out_dtype=float32) + add_, no faster"
+    )
+    return "mm_out_dtype_add"
+
+
+def install() -> None:
+    """Make megatron's linear layers accept ``gradient_accumulation_fusion`` and run it through this module
+    (idempotent; the flag stays per TransformerConfig: installing alone changes nothing)."""
+    from megatron.core.tensor_parallel import layers  # heavy: megadare.models imports megatron lazily here
+
+    if layers._grad_accum_fusion_available:
+        return  # apex's extension imported (or this one is installed already)
+    layers.fused_weight_gradient_mlp_cuda = _EXTENSION
+    layers._grad_accum_fusion_available = True
+    if torch.cuda.is_available():
+        cuda_accum_path()
+
+
+_EXTENSION = types.SimpleNamespace(
+    wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16
+)
+
+
+def config_overrides(gradient_accumulation: bool, elementwise: bool) -> dict:
+    """TransformerConfig keys for the fusions asked for (installs the extension when the first is)."""
+    over: dict = {}
+    if gradient_accumulation:
+        install()
+        over["gradient_accumulation_fusion"] = True
+    if elementwise:
+        over.update(bias_activation_fusion=True, bias_dropout_fusion=True)
+    return over
+
+
+def unavailable(gradient_accumulation: bool, elementwise: bool, dtype: str) -> Optional[str]:
+    """Why the fusions asked for cannot run in this process (None: they can), naming the key."""
+    cuda = torch.cuda.is_available()
+    if gradient_accumulation and cuda and dtype != "fp32" and not _has_out_dtype_gemm():
+        return (
+            f"train.gradient_accumulation_fusion=true with model.dtype={dtype} needs torch >= 2.8 "
+            f"(torch.addmm(out_dtype=...)); this is torch {torch.__version__}: set it to false"
+        )
+    if elementwise and cuda and importlib.util.find_spec("triton") is None:
+        return "train.fused_elementwise=true compiles with torch.compile, which needs triton on CUDA: set it to false"
+    if elementwise and not cuda and shutil.which(os.environ.get("CXX") or "g++") is None:
+        return (
+            "train.fused_elementwise=true compiles with torch.compile, which needs a C++ compiler on a CPU "
+            "(g++, or $CXX): install one or set it to false"
+        )
+    return None
+
+
+def _has_out_dtype_gemm() -> bool:
+    """torch >= 2.8: ``addmm`` / ``mm`` with ``out_dtype`` (bf16/fp16 inputs, an fp32 result)."""
+    return hasattr(torch.ops.aten.addmm, "dtype_out") and hasattr(torch.ops.aten.mm, "dtype")
