@@ -1,0 +1,181 @@
+"""Where one RL step's time goes, and the row building of the update before / after its rewrite, in one process.
+
+    python benchmarks/rl_step_phases.py [--steps 8] [--rounds 5] [--baseline f34a189] [key=value ...]
+
+1. Runs the demo RL config (megadare/configs/demo_rl.yaml: tiny SDAR, TraceRL, built-in engine in one Ray actor,
+   random weights unless ``checkpoint.load=...``) for ``--steps`` steps and prints the mean split of a step
+   (the first, warm-up step left out) from the timers the trainer logs: rollout (engine busy, rewards, the rest:
+   Ray, queue, detokenisation, samples), train (``prepare_s``: the algorithm's rows, packing and the old /
+   reference passes; the rest: the Megatron steps), weight sync, and what no timer covers (logging).
+2. With the last step's samples, builds the update's rows (``algo.batch_rows``) with the current code and with
+   ``views_to_row`` / the trace replay's ``round_view`` of the ``--baseline`` commit (read with ``git show``, the
+   code before the rewrite), alternating rounds, checks both give identical rows and prints the ratio.
+
+The machine's cores may be shared: compare the ratio of part 2 (same process, rounds alternated), not absolute
+seconds between runs. On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) is active during the
+run and taxes every small tensor operation of the row building; it is off on GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PHASES = (
+    ("step", "step_time_s"),
+    ("  rollout", "rollout_s"),
+    ("    engine busy", "async/rollout_busy_s"),
+    ("    rewards", "reward_wall_s"),
+    ("  train", "train_s"),
+    ("    rows + passes", "prepare_s"),
+    ("  weight sync", "sync_s"),
+)
+
+
+def phase_table(history: list[dict]) -> None:
+    timed = history[1:] or history
+    mean = {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for _, k in PHASES}
+    step = mean["step_time_s"]
+    rows = [(name, mean[k]) for name, k in PHASES]
+    rows.insert(
+        4, ("    Ray / queue / samples", mean["rollout_s"] - mean["async/rollout_busy_s"] - mean["reward_wall_s"])
+    )
+    rows.insert(7, ("    Megatron steps", mean["train_s"] - mean["prepare_s"]))
+    rows.append(("  untimed (log, rest)", step - mean["rollout_s"] - mean["train_s"] - mean["sync_s"]))
+    print(f"phase split over {len(timed)} steps (mean seconds, share of the step):")
+    for name, s in rows:
+        print(f"  {name:28s} {s:8.4f}  {100 * s / step:5.1f}%")
+
+
+def baseline_module(rev: str, path: str, name: str) -> types.ModuleType:
+    """The module at ``path`` as of commit ``rev`` (its own namespace; it imports today's megadare)."""
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], check=True, capture_output=True, text=True)
+    mod = types.ModuleType(name)
+    mod.__file__ = f"{rev}:{path}"
+    sys.modules[name] = mod  # dataclasses resolve their module by name
+    exec(compile(src.stdout, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def same_rows(a: list, b: list) -> bool:
+    import torch
+
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return x == y
+
+    fields = ("tokens", "labels", "weight", "position_ids", "stream_ids", "denom", "segment_ids")
+    fields += ("slot", "head", "adv", "tok", "sample")
+    return len(a) == len(b) and all(same(getattr(r, f), getattr(s, f)) for r, s in zip(a, b) for f in fields)
+
+
+def long_samples(n: int, prompt: int, length: int, block: int, vocab: int) -> list:
+    """``n`` samples of ``prompt`` + ``length`` tokens shaped as a built-in engine's trace with ``block``-token
+    blocks and one token committed per step (the row building of a long-response step: a GPU run's shape)."""
+    import torch
+
+    from megadare.algos.base import RLSample
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        order = [int(x) for b in range(0, length, block) for x in torch.randperm(min(block, length - b), generator=g)]
+        out.append(
+            RLSample(
+                prompt_ids=torch.randint(3, vocab, (prompt,), generator=g).tolist(),
+                response_ids=torch.randint(3, vocab, (length,), generator=g).tolist(),
+                reward=float(i % 2),
+                advantage=float(i % 2) - 0.5,
+                index=i,
+                group=i // 8,
+                commit_step=[(k // block) * block + order[k] for k in range(length)],
+                block_step=order,
+            )
+        )
+    return out
+
+
+def row_building(su, samples, rev: str, rounds: int) -> None:
+    from megadare.algos import algorithm, vrpo
+    from megadare.diffusion import trace_replay
+
+    old_base = baseline_module(rev, "megadare/algos/base.py", "_baseline_base")
+    old_replay = baseline_module(rev, "megadare/diffusion/trace_replay.py", "_baseline_trace_replay")
+    new = (algorithm.views_to_row, trace_replay._Replay.round_view)
+    old = (old_base.views_to_row, old_replay._Replay.round_view)
+    sh = su.shape
+
+    def build(impl):
+        algorithm.views_to_row = vrpo.views_to_row = impl[0]
+        trace_replay._Replay.round_view = impl[1]
+        try:
+            t0 = time.process_time()
+            rows = su.algo.batch_rows(
+                samples, sh.arch, sh.block, lambda i: sh.generator_for(su.cfg.seed, su.step, i, 0)
+            )
+            return rows, time.process_time() - t0
+        finally:
+            algorithm.views_to_row = vrpo.views_to_row = new[0]
+            trace_replay._Replay.round_view = new[1]
+
+    spent = {"baseline": 0.0, "current": 0.0}
+    for _ in range(rounds):
+        old_rows, dt = build(old)
+        spent["baseline"] += dt
+        new_rows, dt = build(new)
+        spent["current"] += dt
+        if not same_rows(old_rows, new_rows):
+            raise SystemExit("row building: the current code's rows differ from the baseline's")
+    print(
+        f"row building of one step ({len(samples)} samples, {len(new_rows)} rows; CPU seconds per step, "
+        f"{rounds} alternated rounds): baseline {rev} {spent['baseline'] / rounds:.4f}, "
+        f"current {spent['current'] / rounds:.4f}, speed-up x{spent['baseline'] / spent['current']:.2f}; rows identical"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline", default="f34a189", help="commit whose row building is the baseline")
+    ap.add_argument("--long", type=int, default=512, help="also rows of 16 samples of this response length (0: no)")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    from megadare.config import load_config
+    from megadare.trainer import rl_update
+    from megadare.trainer.rl import run_rl
+
+    captured = {}
+    update = rl_update.update
+
+    def keep_last(su, samples, *args, **kw):
+        captured.update(su=su, samples=samples)
+        return update(su, samples, *args, **kw)
+
+    rl_update.update = keep_last
+    with tempfile.TemporaryDirectory() as tmp:
+        over = [f"rl.steps={a.steps}", f"logging.run_dir={tmp}", "checkpoint.save_interval=0", "rl.eval_size=4"]
+        cfg = load_config(
+            os.path.join(ROOT, "megadare/configs/demo_rl.yaml"), over + ["rl.eval_interval=0"] + a.overrides
+        )
+        out = run_rl(cfg)
+    rl_update.update = update
+    phase_table(out["history"])
+    su = captured["su"]
+    row_building(su, captured["samples"], a.baseline, a.rounds)
+    if a.long:
+        samples = long_samples(16, 64, a.long, su.shape.block, su.shape.arch.vocab_size)
+        row_building(su, samples, a.baseline, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
