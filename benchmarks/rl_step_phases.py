@@ -9,7 +9,9 @@
    reference passes; the rest: the Megatron steps), weight sync, and what no timer covers (logging).
 2. With the last step's samples, builds the update's rows (``algo.batch_rows``) with the current code and with
    ``views_to_row`` / the trace replay's ``round_view`` of the ``--baseline`` commit (read with ``git show``, the
-   code before the rewrite), alternating rounds, checks both give identical rows and prints the ratio.
+   code before the rewrite), alternating rounds, checks both give identical rows and prints the ratio (also for 16 long-response samples, ``--long``).
+3. Scores 128 exact-match responses with ``score_batch`` (a pool of threads) and with the baseline's (a thread a
+   call), alternated: the batch scorer's own cost.
 
 The machine's cores may be shared: compare the ratio of part 2 (same process, rounds alternated), not absolute
 seconds between runs. On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) is active during the
@@ -142,6 +144,29 @@ def row_building(su, samples, rev: str, rounds: int) -> None:
     )
 
 
+def reward_scoring(rev: str, rounds: int, n: int = 128) -> None:
+    """``score_batch`` of ``n`` exact-match responses (a cheap reward: the batch scorer's own cost) with the
+    current code and the ``rev`` commit's, alternated."""
+    from megadare.rewards import score_batch
+
+    old = baseline_module(rev, "megadare/rewards/scoring.py", "_baseline_scoring").score_batch
+    records = [{"answer": "abc"}] * n
+    spent = {"baseline": 0.0, "current": 0.0}
+    for _ in range(rounds * 4):
+        for name, score in (("baseline", old), ("current", score_batch)):
+            t0 = time.perf_counter()
+            scores, stats = score("exact_match", ["abc"] * n, records)
+            spent[name] += time.perf_counter() - t0
+            if scores != [1.0] * n or stats.failures:
+                raise SystemExit(f"reward scoring ({name}) gave {scores[:4]}..., {stats.failures} failures")
+    k = rounds * 4
+    print(
+        f"scoring {n} exact-match rewards (wall ms, {k} alternated rounds): baseline {rev} "
+        f"{1000 * spent['baseline'] / k:.2f}, current {1000 * spent['current'] / k:.2f}, "
+        f"speed-up x{spent['baseline'] / spent['current']:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
@@ -175,6 +200,7 @@ def main() -> None:
     if a.long:
         samples = long_samples(16, 64, a.long, su.shape.block, su.shape.arch.vocab_size)
         row_building(su, samples, a.baseline, a.rounds)
+    reward_scoring(a.baseline, a.rounds)
 
 
 if __name__ == "__main__":
