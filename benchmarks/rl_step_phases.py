@@ -10,7 +10,8 @@
 2. With the last step's samples, builds the update's rows (``algo.batch_rows``) with the current code and with
    ``views_to_row`` / the trace replay's ``round_view`` of the ``--baseline`` commit (read with ``git show``, the
    code before the rewrite), alternating rounds, checks both give identical rows and prints the ratio (also for 16 long-response samples, ``--long``).
-3. Scores 128 exact-match responses with ``score_batch`` (a pool of threads) and with the baseline's (a thread a
+3. Times the dense attention masks of the step's micro-batches (built once per layer before, once now).
+4. Scores 128 exact-match responses with ``score_batch`` (a pool of threads) and with the baseline's (a thread a
    call), alternated: the batch scorer's own cost.
 
 The machine's cores may be shared: compare the ratio of part 2 (same process, rounds alternated), not absolute
@@ -167,6 +168,27 @@ def reward_scoring(rev: str, rounds: int, n: int = 128) -> None:
     )
 
 
+def mask_building(su, samples, rounds: int) -> None:
+    """The dense attention mask of each micro-batch of the step (SDPA / reference backends): what every layer
+    after the first built again before the per-spec cache (models/attention.py ``dense_mask``)."""
+    from megadare.data.rows import pack_rows
+
+    sh, cfg = su.shape, su.cfg
+    rows = su.algo.batch_rows(samples, sh.arch, sh.block, lambda i: sh.generator_for(cfg.seed, su.step, i, 0))
+    mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
+    t0 = time.process_time()
+    for _ in range(rounds):
+        for mb in mbs:
+            S = mb.tokens.shape[1]
+            mb.mask(sh.kind, sh.block).dense(S, S, mb.tokens.shape[0])
+    per_step = (time.process_time() - t0) / rounds
+    layers = sh.arch.num_layers
+    print(
+        f"dense masks of one step's {len(mbs)} micro-batches: {per_step:.4f} CPU s to build them all; each forward "
+        f"built its micro-batch's once per layer ({layers} layers: {per_step * layers:.4f} s), now once"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
@@ -200,6 +222,7 @@ def main() -> None:
     if a.long:
         samples = long_samples(16, 64, a.long, su.shape.block, su.shape.arch.vocab_size)
         row_building(su, samples, a.baseline, a.rounds)
+    mask_building(su, captured["samples"], a.rounds)
     reward_scoring(a.baseline, a.rounds)
 
 
