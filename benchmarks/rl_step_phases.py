@@ -1,33 +1,38 @@
-"""Where one RL step's time goes, and the row building of the update before / after its rewrite, in one process.
+"""Where one RL step's time goes, and what this branch's changes save, old and new code in one process.
 
-    python benchmarks/rl_step_phases.py [--steps 8] [--rounds 5] [--baseline f34a189] [key=value ...]
+    python benchmarks/rl_step_phases.py [--steps 8] [--rounds 5] [--baseline f34a189] [--long 512] [key=value ...]
+
+The ``--baseline`` commit's functions are read with ``git show`` and swapped in for the "before" rounds (rounds
+alternate with the current code); f34a189 is the commit before the changes.
 
 1. Runs the demo RL config (megadare/configs/demo_rl.yaml: tiny SDAR, TraceRL, built-in engine in one Ray actor,
-   random weights unless ``checkpoint.load=...``) for ``--steps`` steps and prints the mean split of a step
-   (the first, warm-up step left out) from the timers the trainer logs: rollout (engine busy, rewards, the rest:
-   Ray, queue, detokenisation, samples), train (``prepare_s``: the algorithm's rows, packing and the old /
-   reference passes; the rest: the Megatron steps), weight sync, and what no timer covers (logging).
-2. With the last step's samples, builds the update's rows (``algo.batch_rows``) with the current code and with
-   ``views_to_row`` / the trace replay's ``round_view`` of the ``--baseline`` commit (read with ``git show``, the
-   code before the rewrite), alternating rounds, checks both give identical rows and prints the ratio (also for 16 long-response samples, ``--long``).
-3. Times the dense attention masks of the step's micro-batches (built once per layer before, once now).
-4. Scores 128 exact-match responses with ``score_batch`` (a pool of threads) and with the baseline's (a thread a
-   call), alternated: the batch scorer's own cost.
+   random weights unless ``checkpoint.load=...``) for ``--steps`` steps and prints the mean split of a step (the
+   first, warm-up step left out) from the trainer's timers: rollout (engine busy, rewards, the rest: Ray, queue,
+   detokenisation, samples), train (``prepare_s``: rows, packing, old / reference passes; the rest: the Megatron
+   steps), weight sync, what no timer covers. At the last step its whole update runs with the baseline's row
+   builders and a dense attention mask built per layer vs the current code (its optimizer steps are timing only:
+   the run's own update follows).
+2. The update's rows (``algo.batch_rows``) of the last step, and of 16 synthetic ``--long``-token responses, with
+   the baseline's ``views_to_row`` / ``replay_views`` vs the current ones; the rows must be identical.
+3. The dense attention masks of the step's micro-batches (built once per layer before, once now).
+4. ``score_batch`` of 128 exact-match responses, a thread per call (baseline) vs a pool.
 
-The machine's cores may be shared: compare the ratio of part 2 (same process, rounds alternated), not absolute
-seconds between runs. On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) is active during the
-run and taxes every small tensor operation of the row building; it is off on GPU runs.
+The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs.
+On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) is active during the run and adds ~2 us to
+every small tensor operation; it is off on GPU runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import types
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -107,29 +112,44 @@ def long_samples(n: int, prompt: int, length: int, block: int, vocab: int) -> li
     return out
 
 
-def row_building(su, samples, rev: str, rounds: int) -> None:
-    from megadare.algos import algorithm, vrpo
-    from megadare.diffusion import trace_replay
+@contextlib.contextmanager
+def swapped(names: list[tuple[Any, str, Any]]):
+    """Each ``module.name`` set to ``value`` inside the block, restored after it."""
+    saved = [(m, n, getattr(m, n)) for m, n, _ in names]
+    for m, n, v in names:
+        setattr(m, n, v)
+    try:
+        yield
+    finally:
+        for m, n, v in saved:
+            setattr(m, n, v)
+
+
+def baseline_rows(rev: str) -> list[tuple[Any, str, Any]]:
+    """The row builders of commit ``rev`` where the algorithms look them up: ``views_to_row`` and the trace
+    replay's ``replay_views`` (with its own ``_Replay``)."""
+    from megadare.algos import algorithm, cj_grpo, tracerl, vrpo
 
     old_base = baseline_module(rev, "megadare/algos/base.py", "_baseline_base")
     old_replay = baseline_module(rev, "megadare/diffusion/trace_replay.py", "_baseline_trace_replay")
-    new = (algorithm.views_to_row, trace_replay._Replay.round_view)
-    old = (old_base.views_to_row, old_replay._Replay.round_view)
+    return [(m, "views_to_row", old_base.views_to_row) for m in (algorithm, vrpo)] + [
+        (m, "replay_views", old_replay.replay_views) for m in (tracerl, cj_grpo)
+    ]
+
+
+def row_building(su, samples, rev: str, rounds: int) -> None:
+    old = baseline_rows(rev)
     sh = su.shape
 
-    def build(impl):
-        algorithm.views_to_row = vrpo.views_to_row = impl[0]
-        trace_replay._Replay.round_view = impl[1]
-        try:
+    def build(names):
+        with swapped(names):
             t0 = time.process_time()
             rows = su.algo.batch_rows(
                 samples, sh.arch, sh.block, lambda i: sh.generator_for(su.cfg.seed, su.step, i, 0)
             )
             return rows, time.process_time() - t0
-        finally:
-            algorithm.views_to_row = vrpo.views_to_row = new[0]
-            trace_replay._Replay.round_view = new[1]
 
+    new: list = []
     spent = {"baseline": 0.0, "current": 0.0}
     for _ in range(rounds):
         old_rows, dt = build(old)
@@ -189,6 +209,31 @@ def mask_building(su, samples, rounds: int) -> None:
     )
 
 
+def update_ab(update, args: tuple, rev: str, rounds: int) -> str:
+    """The step's whole update (rows, packing, Megatron steps; optimizer steps included: timing only) with the
+    ``rev`` commit's row builders and a dense attention mask built per layer, vs the current code, alternated."""
+    from megadare.models import attention
+
+    def per_layer(spec, q_len, kv_len, device):  # the baseline's allowed_from_megatron: no cache
+        return spec.dense(q_len, kv_len, attention._mask_batch(spec), device=device)
+
+    old = baseline_rows(rev) + [(attention, "dense_mask", per_layer)]
+    spent: dict[str, list[float]] = {"baseline": [], "current": []}
+    for _ in range(rounds):
+        for name, names in (("baseline", old), ("current", [])):
+            with swapped(names):
+                t0 = time.process_time()
+                update(*args)
+                spent[name].append(time.process_time() - t0)
+    mean = {k: sum(v) / len(v) for k, v in spent.items()}
+    low = {k: min(v) for k, v in spent.items()}
+    return (
+        f"one whole update of the last step (CPU s, {rounds} alternated rounds, mean / min): baseline {rev} "
+        f"{mean['baseline']:.4f} / {low['baseline']:.4f}, current {mean['current']:.4f} / {low['current']:.4f}, "
+        f"speed-up x{mean['baseline'] / mean['current']:.2f} / x{low['baseline'] / low['current']:.2f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
@@ -201,11 +246,13 @@ def main() -> None:
     from megadare.trainer import rl_update
     from megadare.trainer.rl import run_rl
 
-    captured = {}
+    captured: dict = {}
     update = rl_update.update
 
     def keep_last(su, samples, *args, **kw):
         captured.update(su=su, samples=samples)
+        if su.step == a.steps - 1:  # the last step: its whole update, old code vs new, before the real one
+            captured["update"] = update_ab(update, (su, samples, *args), a.baseline, a.rounds)
         return update(su, samples, *args, **kw)
 
     rl_update.update = keep_last
@@ -217,6 +264,7 @@ def main() -> None:
         out = run_rl(cfg)
     rl_update.update = update
     phase_table(out["history"])
+    print(captured["update"])
     su = captured["su"]
     row_building(su, captured["samples"], a.baseline, a.rounds)
     if a.long:
