@@ -82,6 +82,9 @@ class RLSample:
         return torch.full((L,), float(self.advantage))
 
 
+ROW_PARTS = ("tokens", "labels", "weight", "pos", "stream", "slot", "head", "adv", "tok")  # + "seg" per view
+
+
 def views_to_row(
     sample: RLSample, views: list[View], arch: ModelArch, slot_weight: dict[int, float], denom: float
 ) -> Row:
@@ -90,58 +93,41 @@ def views_to_row(
     ``slot_weight[s]``: the aggregation weight of slot s (1 for token-mean, 1/L for sequence-mean ...), put on
     the slot's first position as ``head``; ``denom``: the sample's share of the global denominator. The
     advantage of each response token is the sample's (``RLSample.token_advantages``) unless a view carries its own.
+    Each column's pieces are joined by one ``torch.cat`` at the end (a row is built per sample per step: few
+    tensor operations per view keep it off the step's critical path).
     """
     block_diffusion = arch.is_block_diffusion
     x0 = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
-    P = len(sample.prompt_ids)
-    adv_tok = sample.token_advantages()
-    adv_pos = torch.cat([torch.zeros(P), adv_tok])
-    parts: dict[str, list[torch.Tensor]] = {
-        k: [] for k in ("tokens", "labels", "weight", "pos", "stream", "seg", "slot", "head", "adv", "tok")
-    }
+    P, N = len(sample.prompt_ids), len(x0)
+    adv_pos = torch.cat([torch.zeros(P), sample.token_advantages()])
     tok_pos = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(len(sample.response_ids))])
+    zero, none = torch.zeros(N), torch.full((N,), -1, dtype=torch.long)
+    stream0, stream1 = torch.zeros(N, dtype=torch.long), torch.ones(N, dtype=torch.long)
+    index = torch.arange(N)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_PARTS + ("seg",)}
     seen: set[int] = set()
     for vi, v in enumerate(views):
         n = v.tokens.shape[0]
-        pos = torch.arange(n)
-        labels = (x0[:n] if v.labels is None else v.labels).clone()
-        coef, slot = v.coef.float().clone(), v.slot.clone()
-        adv = (adv_pos[:n] if v.adv is None else v.adv.float()).clone()
-        tok = tok_pos[:n].clone()  # which response token each position's target is (-1: prompt)
+        labels = x0[:n] if v.labels is None else v.labels
+        coef, slot = v.coef.float(), v.slot
+        adv = adv_pos[:n] if v.adv is None else v.adv.float()
+        tok = tok_pos[:n]  # which response token each position's target is (-1: prompt)
         if arch.logits_shift:  # Dream: position k-1 predicts token k
             if P == 0:
                 raise ValueError("a shifted-logit family (Dream) needs a non-empty prompt")
             labels = torch.cat([labels[1:], labels[:1]])
-            coef = torch.cat([coef[1:], torch.zeros(1)])
-            slot = torch.cat([slot[1:], torch.full((1,), -1, dtype=torch.long)])
-            adv = torch.cat([adv[1:], torch.zeros(1)])
-            tok = torch.cat([tok[1:], torch.full((1,), -1, dtype=torch.long)])
-        head = torch.zeros(n)
-        for i in (slot >= 0).nonzero().flatten().tolist():
-            s = int(slot[i])
-            if s not in seen:
-                seen.add(s)
-                head[i] = slot_weight.get(s, 0.0)
+            coef, slot = torch.cat([coef[1:], zero[:1]]), torch.cat([slot[1:], none[:1]])
+            adv, tok = torch.cat([adv[1:], zero[:1]]), torch.cat([tok[1:], none[:1]])
+        head = _slot_heads(slot, slot_weight, seen)
+        pieces = [v.tokens, labels, coef, index[:n], stream0[:n], slot, head, adv, tok]
         if block_diffusion:  # x_t ++ x_0: the clean half is context only
-            z, zl = torch.zeros(n), torch.full((n,), -1, dtype=torch.long)
-            cat = lambda a, b: torch.cat([a, b])  # noqa: E731
-            tokens, labels = cat(v.tokens, x0[:n]), cat(labels, x0[:n])
-            coef, slot, head, adv, tok = cat(coef, z), cat(slot, zl), cat(head, z), cat(adv, z), cat(tok, zl)
-            pos = cat(pos, pos)
-            stream = cat(torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.long))
+            clean = [x0[:n], x0[:n], zero[:n], index[:n], stream1[:n], none[:n], zero[:n], zero[:n], none[:n]]
+            for k, a, b in zip(ROW_PARTS, pieces, clean):
+                parts[k] += [a, b]
         else:
-            tokens, stream = v.tokens, torch.zeros(n, dtype=torch.long)
-        m = tokens.shape[0]
-        parts["tokens"].append(tokens)
-        parts["labels"].append(labels)
-        parts["weight"].append(coef)
-        parts["pos"].append(pos)
-        parts["stream"].append(stream)
-        parts["seg"].append(torch.full((m,), vi, dtype=torch.long))
-        parts["slot"].append(slot)
-        parts["head"].append(head)
-        parts["adv"].append(adv)
-        parts["tok"].append(tok)
+            for k, a in zip(ROW_PARTS, pieces):
+                parts[k].append(a)
+        parts["seg"].append(torch.full(((2 if block_diffusion else 1) * n,), vi, dtype=torch.long))
     cat_ = {k: torch.cat(v) for k, v in parts.items()}
     return Row(
         tokens=cat_["tokens"],
@@ -157,6 +143,17 @@ def views_to_row(
         tok=cat_["tok"],
         sample=torch.full_like(cat_["tok"], sample.index),
     )
+
+
+def _slot_heads(slot: torch.Tensor, slot_weight: dict[int, float], seen: set[int]) -> torch.Tensor:
+    """The ``head`` column of one view: the weight of each slot at its first scored position in the row (``seen``:
+    the slots earlier views of the row already headed; updated)."""
+    head = [0.0] * len(slot)
+    for i, s in enumerate(slot.tolist()):
+        if s >= 0 and s not in seen:
+            seen.add(s)
+            head[i] = slot_weight.get(s, 0.0)
+    return torch.tensor(head)
 
 
 def aggregation(

@@ -99,6 +99,13 @@ def _require_trace(s: Trace, name: str) -> None:
         )
 
 
+def _twice_in_fragment(index: int, k: int, steps: list[int]) -> None:
+    raise ValueError(
+        f"sample {index}: position {k} is committed {len(steps)} times inside one replay fragment (steps {steps}): "
+        "an edited trace needs shrink=1 (algo.params.shrink=1)"
+    )
+
+
 @dataclass(frozen=True)
 class _Replay:
     """One sample's trace being replayed: x_0 = prompt ++ response, the commit chain of each response position
@@ -118,29 +125,32 @@ class _Replay:
         is in ``group(k)`` is scored, with its own token as the target."""
         s, x0, mask_id = self.s, self.x0, self.mask_id
         P = len(s.prompt_ids)
-        tokens, labels = x0.clone(), x0.clone()
-        coef = torch.zeros(len(x0))
-        slot = torch.full((len(x0),), -1, dtype=torch.long)
+        tokens, labels = x0.tolist(), x0.tolist()  # Python lists: one tensor each at the end, not one write a token
+        coef, slot = [0.0] * len(tokens), [-1] * len(tokens)
         steps: set[int] = set()
         for k, chain in self.chains.items():
             first = start(k)
             if first is None:
                 continue
-            before = [c for c in chain if key(c) < first]
-            tokens[P + k] = before[-1].token if before else mask_id
-            in_group = group(k)
-            scored = [c for c in chain if key(c) in in_group]
-            if len(scored) > 1:
-                raise ValueError(
-                    f"sample {s.index}: position {k} is committed {len(scored)} times inside one replay "
-                    f"fragment (steps {[c.step for c in scored]}): an edited trace needs shrink=1 "
-                    "(algo.params.shrink=1)"
-                )
-            if scored:
-                c = scored[0]
-                coef[P + k], slot[P + k], labels[P + k] = 1.0, c.slot, c.token
-                steps.add(c.step)
-        view = View(tokens=tokens, coef=coef, slot=slot, labels=labels if s.superseded else None)
+            in_group, latest, scored = group(k), mask_id, None
+            for c in chain:  # ordered by step: the input is the latest commit before the round
+                if key(c) < first:
+                    latest = c.token
+                if key(c) in in_group:
+                    if scored is not None:
+                        _twice_in_fragment(s.index, k, [c.step for c in chain if key(c) in in_group])
+                    scored = c
+            tokens[P + k] = latest
+            if scored is not None:
+                coef[P + k], slot[P + k], labels[P + k] = 1.0, scored.slot, scored.token
+                steps.add(scored.step)
+        long = torch.long
+        view = View(
+            tokens=torch.tensor(tokens, dtype=long),
+            coef=torch.tensor(coef),
+            slot=torch.tensor(slot, dtype=long),
+            labels=torch.tensor(labels, dtype=long) if s.superseded else None,
+        )
         return view, sorted(steps)
 
 
@@ -158,14 +168,16 @@ def replay_views(
     replay = _Replay(s, x0, chains, mask_id)
     if block_family:
         blk = {k: (P + k) // block_size for k in chains}
-        per_block = {
-            b: _groups([c.block_step for c in commits if blk[c.position] == b], shrink) for b in set(blk.values())
-        }
+        steps_of_block: dict[int, list[int]] = {}  # one pass over the commits (not one per block)
+        for c in commits:
+            steps_of_block.setdefault(blk[c.position], []).append(c.block_step)
+        per_block = {b: _groups(steps, shrink) for b, steps in steps_of_block.items()}
+        sets = {b: [set(g) for g in groups] for b, groups in per_block.items()}
         rounds = max((len(g) for g in per_block.values()), default=0)
         return [
             replay.round_view(
                 lambda k, j=j: per_block[blk[k]][j][0] if j < len(per_block[blk[k]]) else None,
-                lambda k, j=j: set(per_block[blk[k]][j]),
+                lambda k, j=j: sets[blk[k]][j],
                 lambda c: c.block_step,
             )
             for j in range(rounds)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -173,7 +173,7 @@ def allowed_from_megatron(attention_mask, q_len: int, kv_len: int, device) -> Op
     if attention_mask is None:
         return None
     if isinstance(attention_mask, MaskSpec):
-        return attention_mask.dense(q_len, kv_len, _mask_batch(attention_mask), device=device)
+        return dense_mask(attention_mask, q_len, kv_len, device)
     if attention_mask.dtype != torch.bool:
         raise TypeError("a tensor attention_mask must be bool in Megatron convention (True = masked out)")
     m = ~attention_mask
@@ -214,6 +214,8 @@ def reference_attention(
 
 _BLOCK_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # most recent block masks (all layers of a forward)
 _BLOCK_MASKS_KEPT = 8
+_DENSE_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()  # the same for dense masks ([B, 1, Q, K] bool: few kept)
+_DENSE_MASKS_KEPT = 2
 
 
 def _graph_mask(spec: MaskSpec, device: torch.device) -> Callable:
@@ -242,19 +244,46 @@ def flex_block_mask(spec: MaskSpec, q_len: int, kv_len: int, device: torch.devic
     A spec without per-position tensors is keyed by value (an equal spec of the next micro-batch hits); one with
     segment / position / stream ids by identity (its contents are the micro-batch's own), holding the spec so its
     id cannot be reused while cached."""
-    packed = any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids))
-    key = (id(spec) if packed else spec, q_len, kv_len, str(device))
-    hit = _BLOCK_MASKS.get(key)
-    if hit is not None:
-        _BLOCK_MASKS.move_to_end(key)
-        return hit[1]
-    block_mask = create_block_mask(
-        _graph_mask(spec, device), _mask_batch(spec) if packed else None, None, q_len, kv_len, device=device
+    packed = _packed(spec)
+    return _cached(
+        _BLOCK_MASKS,
+        _BLOCK_MASKS_KEPT,
+        (spec, q_len, kv_len, device),
+        lambda: create_block_mask(
+            _graph_mask(spec, device), _mask_batch(spec) if packed else None, None, q_len, kv_len, device=device
+        ),
     )
-    _BLOCK_MASKS[key] = (spec, block_mask)
-    while len(_BLOCK_MASKS) > _BLOCK_MASKS_KEPT:
-        _BLOCK_MASKS.popitem(last=False)
-    return block_mask
+
+
+def dense_mask(spec: MaskSpec, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """``spec.dense`` for SDPA / the reference, built once per spec and shape like :func:`flex_block_mask` (every
+    layer of a forward attends with its micro-batch's mask; SDPA's backward keeps it: one copy, not one a layer)."""
+    return _cached(
+        _DENSE_MASKS,
+        _DENSE_MASKS_KEPT,
+        (spec, q_len, kv_len, device),
+        lambda: spec.dense(q_len, kv_len, _mask_batch(spec), device=device),
+    )
+
+
+def _packed(spec: MaskSpec) -> bool:
+    return any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids))
+
+
+def _cached(cache: "OrderedDict[tuple, tuple]", kept: int, spec_shape: tuple, build: Callable[[], Any]) -> Any:
+    """``build()`` of (spec, q_len, kv_len, device), from ``cache`` (the ``kept`` most recent): a spec with per-position
+    tensors keyed by identity (held with its entry, so its id cannot be reused), else by value."""
+    spec, q_len, kv_len, device = spec_shape
+    key = (id(spec) if _packed(spec) else spec, q_len, kv_len, str(device))
+    hit = cache.get(key)
+    if hit is not None:
+        cache.move_to_end(key)
+        return hit[1]
+    value = build()
+    cache[key] = (spec, value)
+    while len(cache) > kept:
+        cache.popitem(last=False)
+    return value
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, scale: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The one batch scorer that RL and evaluation share, and the stop when a reward cannot be computed.
 
-``score_batch`` scores responses on threads with a per-call time limit and counts what failed;
+``score_batch`` scores responses on a pool of threads with a per-call time limit and counts what failed;
 ``check_reward_errors`` raises :class:`RewardError` when more than ``max_fraction`` of a batch failed, naming the
 reward, the first failing record's source (``file:row``) and its exception. An answer whose check timed out
 (:class:`AnswerTimeout`: a verifier on a pathological expression) is a wrong answer, not a failure, as a program
@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megadare.rewards.errors import AnswerTimeout, RewardError, SandboxUnavailable
 from megadare.rewards.registry import RewardSpec, load_reward
@@ -58,7 +58,8 @@ class ScoreStats:
 def score_batch(
     fn: RewardSpec, responses: Sequence[str], records: Sequence[dict], workers: int = 8, timeout_s: float = 60.0
 ) -> Tuple[List[float], ScoreStats]:
-    """Score every ``(response, record)`` pair with ``fn`` on up to ``workers`` threads; returns (scores, stats).
+    """Score every ``(response, record)`` pair with ``fn`` on a pool of up to ``workers`` threads (a thread per call
+    cost more than a cheap reward: ~0.1 ms each); returns (scores, stats).
 
     A call that raises, returns a non-finite / non-numeric value, or runs longer than ``timeout_s`` (measured
     from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a
@@ -91,20 +92,17 @@ def score_batch(
         except BaseException as e:  # noqa: B902 - counted, named, and the run stops on them (check_reward_errors)
             done_q.put((i, False, f"{type(e).__name__}: {e}"))
 
-    running: Dict[int, float] = {}  # index -> start time
-    next_i = 0
-    while next_i < n or running:
-        while next_i < n and len(running) < max(1, workers):
-            running[next_i] = time.monotonic()
-            threading.Thread(target=call, args=(next_i,), daemon=True, name=f"reward-{next_i}").start()
-            next_i += 1
-        wait = min(s + timeout_s for s in running.values()) - time.monotonic()
+    pool = _CallPool(call, n, workers)
+    finished = 0
+    while finished < n:
+        starts = pool.start_times()
+        wait = min(starts) + timeout_s - time.monotonic() if starts else timeout_s
         try:
             i, ok, value = done_q.get(timeout=max(0.0, wait))
             if refused:
                 raise refused[0]
-            if i in running:
-                del running[i]
+            if pool.finish(i):  # else: a late result of a call already counted as timed out
+                finished += 1
                 if ok and value is None:
                     stats.answer_timeouts += 1
                 elif ok:
@@ -114,14 +112,66 @@ def score_batch(
                     stats.fail(i, value)
         except queue.Empty:
             pass
-        now = time.monotonic()
-        for i in [i for i, s in running.items() if now - s >= timeout_s]:
-            del running[i]
+        for i in pool.expire(timeout_s):
+            finished += 1
             stats.timeouts += 1
             stats.fail(i, f"TimeoutError: the reward call ran past {timeout_s:g}s")
     stats.wall_s = time.monotonic() - t0
     stats.mean = sum(scores) / n if n else 0.0
     return scores, stats
+
+
+class _CallPool:
+    """``call(i)`` for i = 0..n-1 in order on up to ``workers`` threads, each taking the next index when its call
+    returns. A call past the time limit (``expire``) keeps its thread (it cannot be killed): that thread stops when
+    the call returns and a new one takes its slot."""
+
+    def __init__(self, call: Callable[[int], None], n: int, workers: int):
+        self.call, self.pending = call, queue.SimpleQueue()
+        for i in range(n):
+            self.pending.put(i)
+        self.running: Dict[int, float] = {}  # index -> start time
+        self.abandoned: set = set()
+        self.lock = threading.Lock()
+        for _ in range(min(max(1, workers), n)):
+            self._start()
+
+    def _start(self) -> None:
+        threading.Thread(target=self._work, daemon=True, name="reward-worker").start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                i = self.pending.get_nowait()
+            except queue.Empty:
+                return
+            with self.lock:
+                self.running[i] = time.monotonic()
+            self.call(i)
+            with self.lock:
+                if i in self.abandoned:
+                    return
+
+    def start_times(self) -> List[float]:
+        with self.lock:
+            return list(self.running.values())
+
+    def finish(self, i: int) -> bool:
+        """Call i returned; False when it had already timed out (its result is ignored)."""
+        with self.lock:
+            return self.running.pop(i, None) is not None
+
+    def expire(self, timeout_s: float) -> List[int]:
+        """The running calls past ``timeout_s`` since their start, abandoned; each one's slot gets a new thread."""
+        now = time.monotonic()
+        with self.lock:
+            late = [i for i, s in self.running.items() if now - s >= timeout_s]
+            for i in late:
+                del self.running[i]
+                self.abandoned.add(i)
+        for _ in late:
+            self._start()
+        return late
 
 
 def check_reward_errors(

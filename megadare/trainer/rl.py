@@ -79,7 +79,9 @@ def rl_step(run: RLRun) -> None:
     run.monitor.step_timer()
     samples, metrics = generate(run)
     samples, correction = add_replay(run, samples, metrics)
+    t0 = time.perf_counter()
     metrics.update(train(run, samples, correction))
+    metrics["train_s"] = time.perf_counter() - t0
     run.step += 1
     metrics.update(push_weights(run))
     log_step(run, metrics)

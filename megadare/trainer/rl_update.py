@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -197,7 +198,9 @@ def update(
     n_mb = min(rl.mini_batches, len(prompt_groups))
     groups = [[s for s in samples if s.group in prompt_groups[i::n_mb]] for i in range(n_mb)]  # whole groups
     out: dict[str, float] = {}
+    t0 = time.perf_counter()
     prepared, n_rows = policy.prepare(su, groups, objective, correction, out)
+    out["prepare_s"] = time.perf_counter() - t0  # rows, packing, old / reference / value / behaviour passes
     out["train_rows"] = float(n_rows) / len(prepared)
     n = rl.ppo_epochs * len(prepared[0])
     for epoch in range(rl.ppo_epochs):

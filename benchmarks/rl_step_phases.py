@@ -1,0 +1,278 @@
+"""Where one RL step's time goes, and what this branch's changes save, old and new code in one process.
+
+    python benchmarks/rl_step_phases.py [--steps 8] [--rounds 5] [--baseline f34a189] [--long 512] [key=value ...]
+
+The ``--baseline`` commit's functions are read with ``git show`` and swapped in for the "before" rounds (rounds
+alternate with the current code); f34a189 is the commit before the changes.
+
+1. Runs the demo RL config (megadare/configs/demo_rl.yaml: tiny SDAR, TraceRL, built-in engine in one Ray actor,
+   random weights unless ``checkpoint.load=...``) for ``--steps`` steps and prints the mean split of a step (the
+   first, warm-up step left out) from the trainer's timers: rollout (engine busy, rewards, the rest: Ray, queue,
+   detokenisation, samples), train (``prepare_s``: rows, packing, old / reference passes; the rest: the Megatron
+   steps), weight sync, what no timer covers. At the last step its whole update runs with the baseline's row
+   builders and a dense attention mask built per layer vs the current code (its optimizer steps are timing only:
+   the run's own update follows).
+2. The update's rows (``algo.batch_rows``) of the last step, and of 16 synthetic ``--long``-token responses, with
+   the baseline's ``views_to_row`` / ``replay_views`` vs the current ones; the rows must be identical.
+3. The dense attention masks of the step's micro-batches (built once per layer before, once now).
+4. ``score_batch`` of 128 exact-match responses, a thread per call (baseline) vs a pool.
+
+The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs.
+On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) is active during the run and adds ~2 us to
+every small tensor operation; it is off on GPU runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PHASES = (
+    ("step", "step_time_s"),
+    ("  rollout", "rollout_s"),
+    ("    engine busy", "async/rollout_busy_s"),
+    ("    rewards", "reward_wall_s"),
+    ("  train", "train_s"),
+    ("    rows + passes", "prepare_s"),
+    ("  weight sync", "sync_s"),
+)
+
+
+def phase_table(history: list[dict]) -> None:
+    timed = history[1:] or history
+    mean = {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for _, k in PHASES}
+    step = mean["step_time_s"]
+    rows = [(name, mean[k]) for name, k in PHASES]
+    rows.insert(
+        4, ("    Ray / queue / samples", mean["rollout_s"] - mean["async/rollout_busy_s"] - mean["reward_wall_s"])
+    )
+    rows.insert(7, ("    Megatron steps", mean["train_s"] - mean["prepare_s"]))
+    rows.append(("  untimed (log, rest)", step - mean["rollout_s"] - mean["train_s"] - mean["sync_s"]))
+    print(f"phase split over {len(timed)} steps (mean seconds, share of the step):")
+    for name, s in rows:
+        print(f"  {name:28s} {s:8.4f}  {100 * s / step:5.1f}%")
+
+
+def baseline_module(rev: str, path: str, name: str) -> types.ModuleType:
+    """The module at ``path`` as of commit ``rev`` (its own namespace; it imports today's megadare)."""
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], check=True, capture_output=True, text=True)
+    mod = types.ModuleType(name)
+    mod.__file__ = f"{rev}:{path}"
+    sys.modules[name] = mod  # dataclasses resolve their module by name
+    exec(compile(src.stdout, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def same_rows(a: list, b: list) -> bool:
+    import torch
+
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        return x == y
+
+    fields = ("tokens", "labels", "weight", "position_ids", "stream_ids", "denom", "segment_ids")
+    fields += ("slot", "head", "adv", "tok", "sample")
+    return len(a) == len(b) and all(same(getattr(r, f), getattr(s, f)) for r, s in zip(a, b) for f in fields)
+
+
+def long_samples(n: int, prompt: int, length: int, block: int, vocab: int) -> list:
+    """``n`` samples of ``prompt`` + ``length`` tokens shaped as a built-in engine's trace with ``block``-token
+    blocks and one token committed per step (the row building of a long-response step: a GPU run's shape)."""
+    import torch
+
+    from megadare.algos.base import RLSample
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        order = [int(x) for b in range(0, length, block) for x in torch.randperm(min(block, length - b), generator=g)]
+        out.append(
+            RLSample(
+                prompt_ids=torch.randint(3, vocab, (prompt,), generator=g).tolist(),
+                response_ids=torch.randint(3, vocab, (length,), generator=g).tolist(),
+                reward=float(i % 2),
+                advantage=float(i % 2) - 0.5,
+                index=i,
+                group=i // 8,
+                commit_step=[(k // block) * block + order[k] for k in range(length)],
+                block_step=order,
+            )
+        )
+    return out
+
+
+@contextlib.contextmanager
+def swapped(names: list[tuple[Any, str, Any]]):
+    """Each ``module.name`` set to ``value`` inside the block, restored after it."""
+    saved = [(m, n, getattr(m, n)) for m, n, _ in names]
+    for m, n, v in names:
+        setattr(m, n, v)
+    try:
+        yield
+    finally:
+        for m, n, v in saved:
+            setattr(m, n, v)
+
+
+def baseline_rows(rev: str) -> list[tuple[Any, str, Any]]:
+    """The row builders of commit ``rev`` where the algorithms look them up: ``views_to_row`` and the trace
+    replay's ``replay_views`` (with its own ``_Replay``)."""
+    from megadare.algos import algorithm, cj_grpo, tracerl, vrpo
+
+    old_base = baseline_module(rev, "megadare/algos/base.py", "_baseline_base")
+    old_replay = baseline_module(rev, "megadare/diffusion/trace_replay.py", "_baseline_trace_replay")
+    return [(m, "views_to_row", old_base.views_to_row) for m in (algorithm, vrpo)] + [
+        (m, "replay_views", old_replay.replay_views) for m in (tracerl, cj_grpo)
+    ]
+
+
+def row_building(su, samples, rev: str, rounds: int) -> None:
+    old = baseline_rows(rev)
+    sh = su.shape
+
+    def build(names):
+        with swapped(names):
+            t0 = time.process_time()
+            rows = su.algo.batch_rows(
+                samples, sh.arch, sh.block, lambda i: sh.generator_for(su.cfg.seed, su.step, i, 0)
+            )
+            return rows, time.process_time() - t0
+
+    new: list = []
+    spent = {"baseline": 0.0, "current": 0.0}
+    for _ in range(rounds):
+        old_rows, dt = build(old)
+        spent["baseline"] += dt
+        new_rows, dt = build(new)
+        spent["current"] += dt
+        if not same_rows(old_rows, new_rows):
+            raise SystemExit("row building: the current code's rows differ from the baseline's")
+    print(
+        f"row building of one step ({len(samples)} samples, {len(new_rows)} rows; CPU seconds per step, "
+        f"{rounds} alternated rounds): baseline {rev} {spent['baseline'] / rounds:.4f}, "
+        f"current {spent['current'] / rounds:.4f}, speed-up x{spent['baseline'] / spent['current']:.2f}; rows identical"
+    )
+
+
+def reward_scoring(rev: str, rounds: int, n: int = 128) -> None:
+    """``score_batch`` of ``n`` exact-match responses (a cheap reward: the batch scorer's own cost) with the
+    current code and the ``rev`` commit's, alternated."""
+    from megadare.rewards import score_batch
+
+    old = baseline_module(rev, "megadare/rewards/scoring.py", "_baseline_scoring").score_batch
+    records = [{"answer": "abc"}] * n
+    spent = {"baseline": 0.0, "current": 0.0}
+    for _ in range(rounds * 4):
+        for name, score in (("baseline", old), ("current", score_batch)):
+            t0 = time.perf_counter()
+            scores, stats = score("exact_match", ["abc"] * n, records)
+            spent[name] += time.perf_counter() - t0
+            if scores != [1.0] * n or stats.failures:
+                raise SystemExit(f"reward scoring ({name}) gave {scores[:4]}..., {stats.failures} failures")
+    k = rounds * 4
+    print(
+        f"scoring {n} exact-match rewards (wall ms, {k} alternated rounds): baseline {rev} "
+        f"{1000 * spent['baseline'] / k:.2f}, current {1000 * spent['current'] / k:.2f}, "
+        f"speed-up x{spent['baseline'] / spent['current']:.2f}"
+    )
+
+
+def mask_building(su, samples, rounds: int) -> None:
+    """The dense attention mask of each micro-batch of the step (SDPA / reference backends): what every layer
+    after the first built again before the per-spec cache (models/attention.py ``dense_mask``)."""
+    from megadare.data.rows import pack_rows
+
+    sh, cfg = su.shape, su.cfg
+    rows = su.algo.batch_rows(samples, sh.arch, sh.block, lambda i: sh.generator_for(cfg.seed, su.step, i, 0))
+    mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
+    t0 = time.process_time()
+    for _ in range(rounds):
+        for mb in mbs:
+            S = mb.tokens.shape[1]
+            mb.mask(sh.kind, sh.block).dense(S, S, mb.tokens.shape[0])
+    per_step = (time.process_time() - t0) / rounds
+    layers = sh.arch.num_layers
+    print(
+        f"dense masks of one step's {len(mbs)} micro-batches: {per_step:.4f} CPU s to build them all; each forward "
+        f"built its micro-batch's once per layer ({layers} layers: {per_step * layers:.4f} s), now once"
+    )
+
+
+def update_ab(update, args: tuple, rev: str, rounds: int) -> str:
+    """The step's whole update (rows, packing, Megatron steps; optimizer steps included: timing only) with the
+    ``rev`` commit's row builders and a dense attention mask built per layer, vs the current code, alternated."""
+    from megadare.models import attention
+
+    def per_layer(spec, q_len, kv_len, device):  # the baseline's allowed_from_megatron: no cache
+        return spec.dense(q_len, kv_len, attention._mask_batch(spec), device=device)
+
+    old = baseline_rows(rev) + [(attention, "dense_mask", per_layer)]
+    spent: dict[str, list[float]] = {"baseline": [], "current": []}
+    for _ in range(rounds):
+        for name, names in (("baseline", old), ("current", [])):
+            with swapped(names):
+                t0 = time.process_time()
+                update(*args)
+                spent[name].append(time.process_time() - t0)
+    mean = {k: sum(v) / len(v) for k, v in spent.items()}
+    low = {k: min(v) for k, v in spent.items()}
+    return (
+        f"one whole update of the last step (CPU s, {rounds} alternated rounds, mean / min): baseline {rev} "
+        f"{mean['baseline']:.4f} / {low['baseline']:.4f}, current {mean['current']:.4f} / {low['current']:.4f}, "
+        f"speed-up x{mean['baseline'] / mean['current']:.2f} / x{low['baseline'] / low['current']:.2f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline", default="f34a189", help="commit whose row building is the baseline")
+    ap.add_argument("--long", type=int, default=512, help="also rows of 16 samples of this response length (0: no)")
+    ap.add_argument("overrides", nargs="*")
+    a = ap.parse_args()
+    from megadare.config import load_config
+    from megadare.trainer import rl_update
+    from megadare.trainer.rl import run_rl
+
+    captured: dict = {}
+    update = rl_update.update
+
+    def keep_last(su, samples, *args, **kw):
+        captured.update(su=su, samples=samples)
+        if su.step == a.steps - 1:  # the last step: its whole update, old code vs new, before the real one
+            captured["update"] = update_ab(update, (su, samples, *args), a.baseline, a.rounds)
+        return update(su, samples, *args, **kw)
+
+    rl_update.update = keep_last
+    with tempfile.TemporaryDirectory() as tmp:
+        over = [f"rl.steps={a.steps}", f"logging.run_dir={tmp}", "checkpoint.save_interval=0", "rl.eval_size=4"]
+        cfg = load_config(
+            os.path.join(ROOT, "megadare/configs/demo_rl.yaml"), over + ["rl.eval_interval=0"] + a.overrides
+        )
+        out = run_rl(cfg)
+    rl_update.update = update
+    phase_table(out["history"])
+    print(captured["update"])
+    su = captured["su"]
+    row_building(su, captured["samples"], a.baseline, a.rounds)
+    if a.long:
+        samples = long_samples(16, 64, a.long, su.shape.block, su.shape.arch.vocab_size)
+        row_building(su, samples, a.baseline, a.rounds)
+    mask_building(su, captured["samples"], a.rounds)
+    reward_scoring(a.baseline, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
