@@ -6,7 +6,7 @@ Coordinates: response positions k = 0..L-1; a fragment is (masked positions of i
 dLLM-RL's step map is the sampler's *global* step per response token (jetengine's ``first_unmask_steps``,
 ``sample/jetengine_ext/engine/scheduler.py:147-152``; LLaDA's ``denoise_step_map``, ``llada_rl_rollout.py:231``).
 
-Findings (the note /work/notes/s32t.md has the reasoning):
+Findings (each test below says why):
 * block families, prompt length a multiple of the block: the same fragments, shrink 1 and > 1;
 * prompt length not a multiple: dLLM-RL's training blocks start at the response (``rl_trado.py:516-522`` slice the
   step map from L0; ``make_basic_block_attention`` likewise), but its sampler's blocks start at position 0 and
