@@ -13,8 +13,9 @@ from megadare.rewards.scoring import score_batch
 class Recorder:
     """A reward that records which thread ran each call and how many calls overlapped."""
 
-    def __init__(self, hang: float = 0.0):
+    def __init__(self, hang: float = 0.0, work: float = 0.02):
         self.lock, self.threads, self.now, self.peak, self.hang = threading.Lock(), set(), 0, 0, hang
+        self.work = work
         self.order: list[str] = []  # "hang", "returned" (the hung call came back), "x"
         self.hung_thread, self.ran_after_return = None, []
 
@@ -34,7 +35,7 @@ class Recorder:
                 with self.lock:
                     self.order.append("returned")
             else:
-                time.sleep(0.02)
+                time.sleep(self.work)
             return float(record["score"])
         finally:
             with self.lock:
@@ -51,13 +52,14 @@ def test_scores_land_in_order_on_a_bounded_pool_of_threads():
 
 
 def test_a_timed_out_call_hands_its_slot_on_and_its_thread_stops():
-    """The hung call returns while calls are still waiting (40 x 20 ms on two slots outlast its 0.3 s): its thread
-    takes none of them."""
-    reward = Recorder(hang=0.3)
-    responses = ["x", "hang"] + ["x"] * 40
-    scores, stats = score_batch(reward, responses, [{"score": 1.0}] * 42, workers=2, timeout_s=0.1)
-    assert stats.timeouts == 1 and stats.failed == {1: "TimeoutError: the reward call ran past 0.1s"}
-    assert scores == [1.0, 0.0] + [1.0] * 40  # the other calls ran on the slot handed on
+    """The hung call returns while calls are still waiting (60 x 0.1 s on two slots outlast its 2 s): its thread
+    takes none of them. A normal call has 0.9 s of slack before the 1 s limit, so a loaded machine's late thread
+    wake-ups do not time it out."""
+    reward = Recorder(hang=2.0, work=0.1)
+    responses = ["x", "hang"] + ["x"] * 60
+    scores, stats = score_batch(reward, responses, [{"score": 1.0}] * 62, workers=2, timeout_s=1.0)
+    assert stats.timeouts == 1 and stats.failed == {1: "TimeoutError: the reward call ran past 1s"}
+    assert scores == [1.0, 0.0] + [1.0] * 60  # the other calls ran on the slot handed on
     hung = reward.order.index("hang")
     assert reward.order.index("returned") > hung
     assert all(thread is not reward.hung_thread for thread in reward.ran_after_return)
