@@ -36,9 +36,9 @@ dropout: the first is the fused SwiGLU, the second the compiled residual add. Th
   * **RMSNorm** (models/norm.py ``FusedRMSNorm``, chosen in the layer spec: input, pre-MLP, final and the q/k
     norms). On CUDA, where torch has ``aten::_fused_rms_norm``'s CUDA kernel (torch's ``F.rms_norm`` dispatches
     to it; its backward is ``_fused_rms_norm_backward``), that kernel: one pass each way as inductor would
-    generate, with no compile, no guards and no recompiles. It multiplies by the weight in fp32 before the one
-    rounding, where HF's op order rounds first (bf16: within one ulp). Elsewhere (a CPU, a torch without the
-    kernel) HF's op order (``norm.rms_norm``) through ``torch.compile``.
+    generate, with no compile, no guards and no recompiles. It applies the weight before its one rounding (as
+    torch's layer-norm kernels do), where HF's op order rounds first (bf16: about one ulp apart). Elsewhere (a
+    CPU, a torch without the kernel) HF's op order (``norm.rms_norm``) through ``torch.compile``.
 Compiled functions run with ``fullgraph=True`` and their token dimensions marked dynamic: a new micro-batch length
 reuses the graph, and a recompile past dynamo's ``recompile_limit`` raises (``run_compiled``) instead of falling
 back to eager silently. megatron's other fusion flags have no path without TE/apex and stay off:
