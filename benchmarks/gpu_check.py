@@ -12,8 +12,8 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
   engine     the built-in engine on the GPU vs on the CPU (greedy tokens), cached vs uncached
   sft        `megadare sft` 20 bf16 steps (the loss falls) and a resume
   train      benchmarks/train_throughput.py: SDAR-1.7B shape, seq 2048: first batch 4 with SDPA and each step fusion
-             (--variants base gradfusion fused all: models/step_fusions.py), flex and a small MoE with and without
-             them, then batch 1 with local / sdpa / flex
+             (--variants base gradfusion fused all: models/step_fusions.py; fused: SwiGLU, residual add, RMSNorm,
+             RoPE), flex and a small MoE with and without them, then batch 1 with local / sdpa / flex
   rollout    benchmarks/rollout_throughput.py: SDAR-1.7B shape, batch 32, 128 + 256 new tokens, block 4;
              benchmarks/rollout_compile.py: rollout.compile (CUDA graphs) == eager in fp32, its bf16 speed
   planner    megadare's planner vs torch.cuda.max_memory_allocated of the same train step

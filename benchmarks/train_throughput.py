@@ -12,7 +12,8 @@ matrix). The mask is bidirectional (LLaDA-style) or block diffusion (x_t ++ x_0,
 batch that runs out of memory is reported as OOM. FLOPs as in megadare/trainer/flops.py (dense attention count, also for block masks).
 ``--variants`` times the training-step fusions of models/step_fusions.py per backend (``train.*`` keys): ``base``
 (none), ``gradfusion`` (gradient_accumulation_fusion), ``fused`` (fused_elementwise), ``all`` (both), each against
-the same backend's ``base`` ("vs base"); with gradfusion on CUDA the row names the accumulation path that ran.
+the same backend's ``base`` ("vs base"); with gradfusion on CUDA the row names the accumulation path that ran,
+with fused the RMSNorm (torch's fused CUDA kernel or compiled) and RoPE (compiled, or TE's) that ran.
 
 ``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
 of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:
@@ -122,13 +123,16 @@ def run_backend(
     gradient). ``on_step``: called after every step, warm-up ones included (a profiler's ``step``); ``variant``: a
     key of VARIANTS."""
     from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.models.norm import FusedRMSNorm, RMSNorm
     from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.policy import Policy
     from megadare.trainer.step import RowFormat, train_step
 
-    tcfg = transformer_config(arch, dtype, **step_fusions.config_overrides(*VARIANTS[variant]))
-    chunks = build_model_chunks(arch, tcfg, attention_backend=backend)
+    grad_fusion, elementwise = VARIANTS[variant]
+    tcfg = transformer_config(arch, dtype, **step_fusions.config_overrides(grad_fusion, elementwise))
+    norm = FusedRMSNorm if elementwise else RMSNorm
+    chunks = build_model_chunks(arch, tcfg, attention_backend=backend, norm=norm)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=steps + 2, dtype=dtype))
     g = torch.Generator().manual_seed(0)
@@ -483,7 +487,7 @@ def main() -> None:
 
 
 def _measures(arch: ModelArch, args, res: dict, local: Optional[float], base: Optional[float]) -> str:
-    """tok/s, TFLOP/s, MFU, memory and the ratios of one case's table row (and the accumulation path it ran)."""
+    """tok/s, TFLOP/s, MFU, memory and the ratios of one case's table row (and the fusion paths it ran)."""
     batch = int(res["batch"])
     tok_s = batch * args.seq / res["dt"]
     tflops = step_flops(arch, [args.seq] * batch) / res["dt"] / 1e12
@@ -491,7 +495,7 @@ def _measures(arch: ModelArch, args, res: dict, local: Optional[float], base: Op
     mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
     ratios = "".join(f"{tok_s / r:8.2f}x" if r else "       -" for r in (local, base))
     gnorm = f"{res['grad_norm']:10.5g}"
-    return f"{tok_s:10.0f} {tflops:8.2f} {mfu} {res['mem']:8.1f} {ratios} {gnorm} {res.get('accum', '')}".rstrip()
+    return f"{tok_s:10.0f} {tflops:8.2f} {mfu} {res['mem']:8.1f} {ratios} {gnorm} {res.get('paths', '')}".rstrip()
 
 
 def run_case(args, shape: str, backend: str, batch: int) -> dict:
@@ -536,8 +540,13 @@ def case(args) -> None:
         dtype = "bf16" if gpu else "fp32"
         dt, mem, gnorm = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, dtype, variant=variant)
         res = {"dt": dt, "mem": mem, "batch": int(batch), "grad_norm": gnorm}
+        paths = []
         if gpu and VARIANTS[variant][0]:
-            res["accum"] = f"accum: {step_fusions.cuda_accum_path()}"
+            paths.append(f"accum: {step_fusions.cuda_accum_path()}")
+        if VARIANTS[variant][1]:
+            device = torch.device("cuda" if gpu else "cpu")
+            paths.append(f"norm: {step_fusions.norm_path(device)}, rope: {step_fusions.rope_path()}")
+        res["paths"] = ", ".join(paths)
     except torch.OutOfMemoryError:
         res = {"error": "OOM"}
     destroy_distributed()

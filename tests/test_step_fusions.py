@@ -22,49 +22,56 @@ from megadare.models import step_fusions
 
 
 LR = 1e-2
-# Adam's first steps move each weight by about lr * g / |g|, whatever the gradient's size: where a gradient is
-# near adam_eps a rounding difference moves the weight by a visible fraction of lr (4e-6 measured). 1e-3 of a step.
+# Adam's first steps move each weight by about lr * g / (|g| + eps): with eps 1e-8 a rounding difference in a
+# gradient near zero moves the weight by a sizeable fraction of lr (7e-3 of a step seen with the compiled norm).
+# With eps 1e-3 a gradient difference d moves a weight by at most lr * d / eps, 1e-4 of a step for the d <= 1e-7
+# of fp32 rounding here, while gradients of 1e-3..6e-2 still take Adam's normalised steps. 1e-3 of a step.
+ADAM_EPS = 1e-3
 WEIGHT_ATOL = 1e-3 * LR
+# fp32 rounding of a gradient: fused and compiled kernels sum in another order (the GEMM's blocking, inductor's
+# reductions for the norm's mean and the weight gradient's sum over tokens) and it propagates through the layers:
+# a few ulps of the largest gradient (6e-7 of it seen). A wrong fusion is off by the gradient itself.
+GRAD_ATOL = 4e-6
 
 
-def _rows(vocab: int, n: int = 4):
+def _rows(vocab: int, n: int = 4, length: int = 10):
     from megadare.data.rows import Row, pack_rows
 
     g = torch.Generator().manual_seed(0)
     rows = [
         Row(
-            tokens=torch.randint(0, vocab - 1, (10,), generator=g),
-            labels=torch.randint(0, vocab - 1, (10,), generator=g),
-            weight=torch.ones(10),
-            position_ids=torch.arange(10),
-            denom=10.0,
+            tokens=torch.randint(0, vocab - 1, (length,), generator=g),
+            labels=torch.randint(0, vocab - 1, (length,), generator=g),
+            weight=torch.ones(length),
+            position_ids=torch.arange(length),
+            denom=float(length),
         )
         for _ in range(n)
     ]
-    mbs = pack_rows(rows, 20, micro_batch_size=1)
+    mbs = pack_rows(rows, 2 * length, micro_batch_size=1)
     assert len(mbs) == 2  # two micro-batches accumulate into the same main_grad
     return mbs
 
 
-def _train(hf_dir: str, fused: bool, calls: list, elementwise: bool = False):
-    """Two optimizer steps: (losses, main_grad buffers after the first step, weights after the second, how many
-    entries ``calls`` gained in the first step)."""
+def _train(hf_dir: str, fused: bool, calls: list, elementwise: bool = False, length: int = 10):
+    """Two optimizer steps on micro-batches of two ``length``-token rows: (losses, main_grad buffers after the first
+    step, weights after the second, how many entries ``calls`` gained in the first step)."""
     from megadare.convert import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.models.norm import FusedRMSNorm, RMSNorm
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.policy import Policy
     from megadare.trainer.step import RowFormat, train_step
 
     hf = read_hf_config(hf_dir)
     arch = family_of(hf).arch(hf)
-    chunks = build_model_chunks(
-        arch, transformer_config(arch, **step_fusions.config_overrides(fused, elementwise)), attention_backend="sdpa"
-    )
+    tcfg = transformer_config(arch, **step_fusions.config_overrides(fused, elementwise))
+    chunks = build_model_chunks(arch, tcfg, attention_backend="sdpa", norm=FusedRMSNorm if elementwise else RMSNorm)
     load_hf_into_model(chunks, hf_dir)
     model = wrap_ddp(chunks, True)
-    opt, sched = build_optimizer(model, OptimSettings(lr=LR, total_steps=2))
-    mbs, losses, grads, n_calls = _rows(arch.vocab_size), [], None, 0
+    opt, sched = build_optimizer(model, OptimSettings(lr=LR, total_steps=2, adam_eps=ADAM_EPS))
+    mbs, losses, grads, n_calls = _rows(arch.vocab_size, length=length), [], None, 0
     for step in range(2):
         m = train_step(Policy(model, opt, sched), mbs, 40.0, RowFormat("bidirectional", 4, arch.vocab_size))
         losses.append(m["loss"])
@@ -135,7 +142,17 @@ def test_accumulate_matches_the_apex_contract():
     assert torch.allclose(acc16, dy.bfloat16().float().t() @ x.bfloat16().float(), atol=1e-5)
 
 
-def _elementwise_worker(rank, world, hf_dir):
+def _compiled_graphs() -> dict:
+    """How many graphs dynamo holds for each compiled fusion (cache entries of the function's code object)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megadare.models import norm
+
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list
+    return {"norm": len(entries(norm.rms_norm)), "rope": len(entries(rope_utils._apply_rotary_pos_emb_bshd))}
+
+
+def _elementwise_worker(rank, world, hf_dirs):
     from megatron.core.fusions import fused_bias_swiglu
     from megatron.core.transformer import mlp
 
@@ -144,47 +161,85 @@ def _elementwise_worker(rank, world, hf_dir):
     from megadare.trainer.model_setup import training_transformer_config
 
     init_distributed()
+    swiglu_calls, compiled_calls = [], []
+    original_swiglu, original_run = mlp.bias_swiglu_impl, step_fusions.run_compiled
+
+    def counted_swiglu(*args):  # the MLP's fused SwiGLU (compiled by megatron's jit_fuser)
+        swiglu_calls.append(fused_bias_swiglu.SwiGLUFunction)
+        return original_swiglu(*args)
+
+    def counted_run(fn, *args):  # our compiled RMSNorm and RoPE
+        compiled_calls.append(fn.__name__)
+        return original_run(fn, *args)
+
+    mlp.bias_swiglu_impl, step_fusions.run_compiled = counted_swiglu, counted_run
+    out = {}
     try:
         cfg = Config()
         cfg.train.fused_elementwise = cfg.train.gradient_accumulation_fusion = True
-        hf = read_hf_config(hf_dir)
-        arch = family_of(hf).arch(hf)
-        tcfg, plain = training_transformer_config(cfg, arch), training_transformer_config(Config(), arch)
-        keys = ("bias_activation_fusion", "bias_dropout_fusion", "gradient_accumulation_fusion")
-        off = ("apply_rope_fusion", "masked_softmax_fusion", "persist_layer_norm")
-        flags = {k: (getattr(tcfg, k), getattr(plain, k)) for k in keys + off}
-        swiglu_calls = []
-        original = mlp.bias_swiglu_impl
-
-        def counted(*args):  # the MLP's fused SwiGLU (compiled by megatron's jit_fuser)
-            swiglu_calls.append(fused_bias_swiglu.SwiGLUFunction)
-            return original(*args)
-
-        mlp.bias_swiglu_impl = counted
-        try:
+        for name, hf_dir in hf_dirs.items():
+            hf = read_hf_config(hf_dir)
+            arch = family_of(hf).arch(hf)
+            tcfg, plain_cfg = training_transformer_config(cfg, arch), training_transformer_config(Config(), arch)
+            keys = (
+                "bias_activation_fusion",
+                "bias_dropout_fusion",
+                "gradient_accumulation_fusion",
+                "apply_rope_fusion",
+            )
+            off = ("masked_softmax_fusion", "persist_layer_norm")
+            flags = {k: (getattr(tcfg, k), getattr(plain_cfg, k)) for k in keys + off}
+            del swiglu_calls[:], compiled_calls[:]
+            plain = _train(hf_dir, False, [])
+            plain_calls = len(swiglu_calls) + len(compiled_calls)
             fused = _train(hf_dir, False, [], elementwise=True)
-        finally:
-            mlp.bias_swiglu_impl = original
-        return flags, len(swiglu_calls), _train(hf_dir, False, []), fused
+            calls = (plain_calls, len(swiglu_calls), compiled_calls.count("rms_norm"))
+            calls += (compiled_calls.count("_apply_rotary_pos_emb_bshd"),)
+            graphs = _compiled_graphs()
+            # another micro-batch length (rows of 7 tokens: 14 per micro-batch, 20 before): no new graph
+            other = _train(hf_dir, False, [], length=7), _train(hf_dir, False, [], elementwise=True, length=7)
+            out[name] = dict(
+                flags=flags,
+                calls=calls,
+                plain=plain,
+                fused=fused,
+                other=other,
+                layers=arch.num_layers,
+                qk_norm=arch.qk_norm,
+                graphs=(graphs, _compiled_graphs()),
+            )
     finally:
+        mlp.bias_swiglu_impl, step_fusions.run_compiled = original_swiglu, original_run
         destroy_distributed()
+    return out
 
 
-def test_fused_elementwise_takes_megatron_fused_swiglu(tmp_path):
-    """The keys reach megatron's config through the training config, the MLP runs megatron's fused SwiGLU and the
-    compiled step equals the eager one (fp32, CPU: inductor's C++ kernels)."""
+def test_fused_elementwise_takes_fused_swiglu_norm_and_rope(tmp_path):
+    """The keys reach megatron's config through the training config; the MLP runs megatron's fused SwiGLU, every
+    norm (q/k norms too) our FusedRMSNorm and RoPE our compiled function; the compiled step equals the eager one
+    (fp32, CPU: inductor's C++ kernels: losses, the first step's gradients, the weights after two steps) at two
+    micro-batch lengths, and the second length compiles no new graph."""
     from dist import run_distributed
 
-    hf_dir = write_tiny_hf(tmp_path, "sdar", seed=3)
-    flags, swiglu_calls, (loss_p, grad_p, w_p, _), (loss_f, grad_f, w_f, _) = run_distributed(
-        _elementwise_worker, 1, hf_dir, timeout_s=300
-    )[0]
-    assert all(on and not off for on, off in (flags[k] for k in list(flags)[:3])), flags
-    assert not any(on or off for on, off in (flags[k] for k in list(flags)[3:])), flags
-    assert swiglu_calls >= 2 * 2, swiglu_calls  # every layer, both micro-batches
-    assert torch.allclose(grad_f, grad_p, rtol=1e-5, atol=1e-7 * float(grad_p.abs().max()))
-    assert loss_f == pytest.approx(loss_p, rel=1e-5)
-    assert torch.allclose(w_f, w_p, rtol=1e-5, atol=WEIGHT_ATOL), float((w_f - w_p).abs().max())
+    hf_dirs = {"sdar": write_tiny_hf(tmp_path, "sdar", seed=3), "llada": write_tiny_hf(tmp_path, "llada", seed=4)}
+    res = run_distributed(_elementwise_worker, 1, hf_dirs, timeout_s=400)[0]
+    assert res["sdar"]["qk_norm"] and not res["llada"]["qk_norm"]  # q/k norms are covered by SDAR
+    for name, r in res.items():
+        flags = r["flags"]
+        assert all(on and not off for on, off in (flags[k] for k in list(flags)[:4])), (name, flags)
+        assert not any(on or off for on, off in (flags[k] for k in list(flags)[4:])), (name, flags)
+        plain_calls, swiglu, norms, ropes = r["calls"]
+        forwards, n = 2 * 2, r["layers"]  # two steps of two micro-batches
+        assert plain_calls == 0, name
+        assert swiglu == forwards * n, (name, swiglu)
+        assert norms == forwards * ((4 if r["qk_norm"] else 2) * n + 1), (name, norms)  # + the final norm
+        assert ropes == forwards * 2 * n, (name, ropes)  # q and k
+        for (loss_p, grad_p, w_p, _), (loss_f, grad_f, w_f, _) in (r["plain"], r["fused"]), r["other"]:
+            assert torch.allclose(grad_f, grad_p, rtol=1e-5, atol=GRAD_ATOL * float(grad_p.abs().max())), name
+            assert loss_f == pytest.approx(loss_p, rel=1e-5), name
+            assert torch.allclose(w_f, w_p, rtol=1e-5, atol=WEIGHT_ATOL), (name, float((w_f - w_p).abs().max()))
+        before, after = r["graphs"]
+        assert before == after and 1 <= after["rope"] <= 2 and 1 <= after["norm"] <= 6, (name, r["graphs"])
 
 
 def test_config_refuses_fusions_that_cannot_run(monkeypatch):
@@ -206,3 +261,35 @@ def test_gradient_fusion_refused_without_out_dtype_gemm(monkeypatch):
     assert step_fusions.unavailable(True, False, "fp32") is None
     monkeypatch.setattr(step_fusions.torch.cuda, "is_available", lambda: False)
     assert step_fusions.unavailable(True, False, "bf16") is None
+
+
+def test_compiled_rope_and_norm_equal_eager_and_fail_loudly():
+    """The compiled RoPE on a partial rotary dim (LLaDA2's 0.5) and the F.rms_norm op of the CUDA path (its CPU
+    composite here: the CUDA kernel needs a GPU) equal megatron's / HF-order eager functions, forward and
+    gradients; a compiled fusion that runs out of dynamo's recompile budget raises, naming the key."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megadare.models.norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    t, freqs = torch.randn(5, 2, 3, 8, generator=g), torch.randn(5, 1, 1, 4, generator=g)
+    dy = torch.randn(5, 2, 3, 8, generator=g)
+    x, w, dx = torch.randn(6, 16, generator=g), torch.randn(16, generator=g), torch.randn(6, 16, generator=g)
+    cases = [
+        ((t, freqs), lambda a, b: rope_utils._apply_rotary_pos_emb_bshd(a, b), step_fusions.fused_rope, dy),
+        ((x, w), lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: torch.nn.functional.rms_norm(a, (16,), b, 1e-6), dx),
+    ]
+    for inputs, eager, fused, grad_out in cases:
+        results = []
+        for fn in (eager, fused):
+            leaves = [a.clone().requires_grad_() for a in inputs]
+            y = fn(*leaves)
+            y.backward(grad_out)
+            results.append([y.detach()] + [a.grad for a in leaves if a.grad is not None])
+        for want, got in zip(*results):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), fused
+    # the RoPE graph above is dynamo's one entry for megatron's function in this process: another dtype needs a
+    # second graph, past a limit of 1 (dynamo's default is 8; a silent eager fallback would return a result)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with pytest.raises(step_fusions.CompileLimitError, match=r"recompile_limit=1 .* train\.fused_elementwise"):
+            step_fusions.fused_rope(t.double(), freqs.double())

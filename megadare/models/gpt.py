@@ -116,10 +116,6 @@ def transformer_config(arch: ModelArch, dtype: str = "fp32", **overrides) -> Tra
     return TransformerConfig(**kw)
 
 
-def _norm(config: TransformerConfig):
-    return RMSNorm
-
-
 def _dense_mlp() -> ModuleSpec:
     return ModuleSpec(
         module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
@@ -146,8 +142,9 @@ def _core_attention(backend: str):
     return functools.partial(DLLMCoreAttention, backend=backend)
 
 
-def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> ModuleSpec:
+def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto", norm: type = RMSNorm) -> ModuleSpec:
     """One transformer layer: RMSNorm -> attention (fused QKV, optional QK norm) -> RMSNorm -> MLP or MoE.
+    ``norm``: ``RMSNorm`` or ``FusedRMSNorm`` (``train.fused_elementwise``), the same weights.
 
     Checkpoint keys follow megatron's TE-spec names (input norm fused into linear_qkv, dense pre-MLP norm
     fused into linear_fc1), so our distributed checkpoints load into TE-spec models and back.
@@ -158,7 +155,7 @@ def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> M
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.arbitrary},
@@ -166,12 +163,12 @@ def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> M
                     linear_qkv=ColumnParallelLinear,
                     core_attention=_core_attention(attention_backend),
                     linear_proj=RowParallelLinear,
-                    q_layernorm=RMSNorm if arch.qk_norm else IdentityOp,
-                    k_layernorm=RMSNorm if arch.qk_norm else IdentityOp,
+                    q_layernorm=norm if arch.qk_norm else IdentityOp,
+                    k_layernorm=norm if arch.qk_norm else IdentityOp,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=norm,
             mlp=_moe_mlp() if moe else _dense_mlp(),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
@@ -180,14 +177,18 @@ def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto") -> M
 
 
 def block_spec(
-    arch: ModelArch, config: TransformerConfig, vp_stage: Optional[int] = None, attention_backend: str = "auto"
+    arch: ModelArch,
+    config: TransformerConfig,
+    vp_stage: Optional[int] = None,
+    attention_backend: str = "auto",
+    norm: type = RMSNorm,
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage (and virtual stage) builds, dense or MoE per layer."""
     moe_layers = set(arch.moe_layers())
-    specs = [layer_spec(arch, i in moe_layers, attention_backend) for i in range(arch.num_layers)]
+    specs = [layer_spec(arch, i in moe_layers, attention_backend, norm) for i in range(arch.num_layers)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + n], layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + n], layer_norm=norm)
 
 
 class DLLMGPTModel(GPTModel):
@@ -247,13 +248,15 @@ def build_model(
     vp_stage: Optional[int] = None,
     attention_backend: str = "auto",
     head: Optional[HeadSettings] = None,
+    norm: type = RMSNorm,
 ) -> DLLMGPTModel:
-    """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered."""
+    """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered. ``norm``:
+    the RMSNorm module of every norm (``FusedRMSNorm`` under ``train.fused_elementwise``)."""
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = DLLMGPTModel(
         config=config,
-        transformer_layer_spec=block_spec(arch, config, vp_stage, attention_backend),
+        transformer_layer_spec=block_spec(arch, config, vp_stage, attention_backend, norm),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre,
@@ -271,14 +274,19 @@ def build_model(
 
 
 def build_model_chunks(
-    arch: ModelArch, config: TransformerConfig, attention_backend: str = "auto", head: Optional[HeadSettings] = None
+    arch: ModelArch,
+    config: TransformerConfig,
+    attention_backend: str = "auto",
+    head: Optional[HeadSettings] = None,
+    norm: type = RMSNorm,
 ) -> list[DLLMGPTModel]:
     """All model chunks of this rank: one per virtual pipeline stage (one without interleaving), on this rank's
     GPU when there is one. megatron creates most weights there already (``use_cpu_initialization=False``), but
     modules built by plain torch (our RMSNorm, the MoE router's weight) start on the CPU; megatron's own trainer
-    moves every chunk with ``.cuda()`` as this does. ``head``: how a training step runs the output layer."""
+    moves every chunk with ``.cuda()`` as this does. ``head``: how a training step runs the output layer;
+    ``norm``: see ``build_model``."""
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend, head) for i in range(vpp)]
+    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend, head, norm) for i in range(vpp)]
     if torch.cuda.is_available():
         for c in chunks:
             c.cuda(torch.cuda.current_device())

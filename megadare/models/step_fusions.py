@@ -26,10 +26,24 @@ would be (apex's own, where it imports, is kept); nothing else of megatron chang
 ``fusions/fused_bias_swiglu.py``) and ``bias_dropout_fusion`` (the residual add, ``fusions/fused_bias_dropout.py``)
 are plain torch functions under megatron's ``jit_fuser``, which is ``torch.compile`` on torch >= 2.2: they need
 a compiler backend (triton on CUDA, a C++ compiler on a CPU), no TE or apex. Our models have no biases and no
-dropout: the first is the fused SwiGLU, the second the compiled residual add. megatron's other fusion flags have no
-path without TE/apex and stay off: ``apply_rope_fusion`` (TE's ``fused_apply_rotary_pos_emb``; the config
-refuses it without TE), ``masked_softmax_fusion`` (megatron's CUDA softmax extensions, and only in its ``local``
-attention), ``persist_layer_norm`` (apex's FusedLayerNorm; our RMSNorm is models/norm.py).
+dropout: the first is the fused SwiGLU, the second the compiled residual add. The same key also fuses:
+  * **RoPE.** megatron's ``apply_rope_fusion`` routes ``rope_utils.apply_rotary_pos_emb`` (bshd, no mscale) to the
+    module global ``fused_apply_rotary_pos_emb``, TE's function, None without TE (the config then refuses the
+    flag). ``install_rope`` puts ``fused_rope`` there: megatron's own unfused ``_apply_rotary_pos_emb_bshd``
+    through ``torch.compile`` (cos, sin, rotate-half, multiply-add and the pass-through concat as one kernel each
+    way instead of ~10). TE's function, where it imports, is kept. The packed ``thd`` format stays unfused (it
+    would assert in megatron; our attention refuses ``packed_seq_params`` anyway).
+  * **RMSNorm** (models/norm.py ``FusedRMSNorm``, chosen in the layer spec: input, pre-MLP, final and the q/k
+    norms). On CUDA, where torch has ``aten::_fused_rms_norm``'s CUDA kernel (torch's ``F.rms_norm`` dispatches
+    to it; its backward is ``_fused_rms_norm_backward``), that kernel: one pass each way as inductor would
+    generate, with no compile, no guards and no recompiles. It applies the weight before its one rounding (as
+    torch's layer-norm kernels do), where HF's op order rounds first (bf16: about one ulp apart). Elsewhere (a
+    CPU, a torch without the kernel) HF's op order (``norm.rms_norm``) through ``torch.compile``.
+Compiled functions run with ``fullgraph=True`` and their token dimensions marked dynamic: a new micro-batch length
+reuses the graph, and a recompile past dynamo's ``recompile_limit`` raises (``run_compiled``) instead of falling
+back to eager silently. megatron's other fusion flags have no path without TE/apex and stay off:
+``masked_softmax_fusion`` (megatron's CUDA softmax extensions, and only in its ``local`` attention),
+``persist_layer_norm`` (apex's FusedLayerNorm).
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ import os
 import shutil
 import types
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -114,14 +128,86 @@ _EXTENSION = types.SimpleNamespace(
 
 
 def config_overrides(gradient_accumulation: bool, elementwise: bool) -> dict:
-    """TransformerConfig keys for the fusions asked for (installs the extension when the first is)."""
+    """TransformerConfig keys for the fusions asked for (installs the extension, or the RoPE function, first: the
+    config refuses either flag without one). The fused RMSNorm is a layer-spec choice (``gpt.build_model_chunks``'
+    ``norm``), not a config key."""
     over: dict = {}
     if gradient_accumulation:
         install()
         over["gradient_accumulation_fusion"] = True
     if elementwise:
-        over.update(bias_activation_fusion=True, bias_dropout_fusion=True)
+        install_rope()
+        over.update(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=True)
     return over
+
+
+class CompileLimitError(RuntimeError):
+    """A compiled fusion recompiled past dynamo's ``recompile_limit`` (with ``fullgraph=True`` dynamo raises
+    rather than run the function eagerly)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, fullgraph=True)
+
+
+def run_compiled(fn: Callable, args: tuple, dynamic: tuple[tuple[int, ...], ...]):
+    """``fn(*args)`` through ``torch.compile`` (one graph: inductor's kernels forward and backward). ``dynamic``:
+    per tensor argument (in order), the dimensions that vary between micro-batches (tokens, rows, heads), marked
+    dynamic so that a new length reuses the graph (a dimension of size 1 is still specialised: one more graph)."""
+    for a, dims in zip(args, dynamic):
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(a, d)
+    try:
+        return _compiled(fn)(*args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        limit = torch._dynamo.config.recompile_limit
+        shapes = [tuple(a.shape) for a in args if torch.is_tensor(a)]
+        raise CompileLimitError(
+            f"train.fused_elementwise: torch.compile of {fn.__module__}.{fn.__qualname__} compiled more than "
+            f"torch._dynamo.config.recompile_limit={limit} graphs (now shapes {shapes}); raise that limit or "
+            "set train.fused_elementwise=false"
+        ) from e
+
+
+def fused_rope(
+    t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False, interleaved: bool = False
+) -> torch.Tensor:
+    """megatron's ``fused_apply_rotary_pos_emb`` (TE's signature; ``transpose_output_memory`` is ignored, as TE
+    does): megatron's ``_apply_rotary_pos_emb_bshd(t, freqs, interleaved)`` compiled. ``t`` [s, b, heads, dim],
+    ``freqs`` [s, 1 or b, 1, rot_dim]; s, b and heads dynamic (q and k share the graph)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return run_compiled(rope_utils._apply_rotary_pos_emb_bshd, (t, freqs, interleaved), ((0, 1, 2), (0, 1)))
+
+
+def install_rope() -> None:
+    """Put ``fused_rope`` into megatron's RoPE dispatch (idempotent; TE's fused function, where it imports, is
+    kept). Only configs with ``apply_rope_fusion`` take it."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = fused_rope
+
+
+def rope_path() -> str:
+    """Which RoPE ``apply_rope_fusion`` runs in this process (for benchmark rows)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return "compiled" if rope_utils.fused_apply_rotary_pos_emb is fused_rope else "te"
+
+
+@functools.lru_cache(maxsize=None)
+def has_cuda_rms_norm_kernel() -> bool:
+    """torch has CUDA kernels for ``aten::_fused_rms_norm`` and its backward (``F.rms_norm``'s fused path)."""
+    ops = ("_fused_rms_norm", "_fused_rms_norm_backward")  # a CPU build registers no CUDA kernel for either
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return all(hasattr(torch.ops.aten, op) and has(f"aten::{op}", "CUDA") for op in ops)
+
+
+def norm_path(device: torch.device) -> str:
+    """Which RMSNorm ``FusedRMSNorm`` runs on ``device`` (bf16/fp16/fp32 weights in the input's dtype)."""
+    return "aten_fused_rms_norm" if device.type == "cuda" and has_cuda_rms_norm_kernel() else "compiled"
 
 
 def unavailable(gradient_accumulation: bool, elementwise: bool, dtype: str) -> Optional[str]:

@@ -24,6 +24,7 @@ from megadare.errors import ConfigError, RunStateError
 from megadare.models import build_hf_model, save_hf_model
 from megadare.models.family import ModelArch, read_hf_config
 from megadare.models.gpt import transformer_config, build_model_chunks
+from megadare.models.norm import FusedRMSNorm, RMSNorm
 from megadare.models.head import HeadSettings
 from megadare.models import step_fusions
 from megadare.trainer.spec import ModelSource, model_source, source_of
@@ -103,13 +104,14 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
 
 def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module]:
     """This rank's model chunks with the source weights loaded (HF straight into the shards); their output layer
-    runs as ``train.logits`` says (models/head.py)."""
+    runs as ``train.logits`` says (models/head.py), their norms fused under ``train.fused_elementwise``."""
     tcfg = training_transformer_config(cfg, src.arch)
     chunks = build_model_chunks(
         src.arch,
         tcfg,
         attention_backend=cfg.model.attention_backend,
         head=HeadSettings(cfg.train.logits, cfg.train.logits_chunk_mb),
+        norm=FusedRMSNorm if cfg.train.fused_elementwise else RMSNorm,
     )
     load_hf_into_model(chunks, src.hf_dir)
     return chunks
