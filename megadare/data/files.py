@@ -15,6 +15,7 @@ from typing import Sequence, Union
 __all__ = ["DataError", "check_record", "SUPPORTED_EXTENSIONS", "load_records", "load_rows", "load_many", "as_paths"]
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors put at the start of a file
 
 
 class DataError(ValueError):
@@ -51,6 +52,8 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
     records = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(BOM):  # written by Windows tools / Excel: the file is fine
+                raw = raw[len(BOM) :]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -28,6 +28,7 @@ weighted sum (e.g. DiffuCoder's ``[("code", 2.0), ("boxed_format", 0.5)]``-style
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.code import code_reward
@@ -75,7 +76,16 @@ def _gold(record: dict) -> str:
             f"the record has no gold answer 'answer' (set rewards.answer_key to the field holding it); "
             f"record keys {sorted(record)}"
         )
-    return str(record["answer"])
+    gold = record["answer"]
+    if isinstance(gold, float) and math.isnan(gold):
+        gold = None
+    if gold is None or not isinstance(gold, (str, int, float)) or isinstance(gold, bool) or not str(gold).strip():
+        what = "null" if gold is None else "empty" if isinstance(gold, str) else f"a {type(gold).__name__}"
+        raise ValueError(
+            f"the record's gold answer 'answer' is {what} ({gold!r:.80}); this reward compares it as text: give "
+            "a non-empty string or a number (drop the row, or rewards.skip_rows_without_answer=true for null ones)"
+        )
+    return str(gold)
 
 
 def _extra_field(record: dict, name: str) -> Any:

@@ -61,8 +61,8 @@ def score_batch(
     """Score every ``(response, record)`` pair with ``fn`` on a pool of up to ``workers`` threads (a thread per call
     cost more than a cheap reward: ~0.1 ms each); returns (scores, stats).
 
-    A call that raises, returns a non-finite / non-numeric value, or runs longer than ``timeout_s`` (measured
-    from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a
+    A call that raises, returns a non-finite / non-numeric value (a string too), or runs longer than ``timeout_s``
+    (measured from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a
     stop). A timed-out call's thread cannot be killed: it is abandoned (daemon thread, its slot handed to the next
     call) and its late result ignored; the heavy rewards bound their own work (the verifier pool and the sandbox
     kill their processes). :class:`SandboxUnavailable` (the kernel refused the code sandbox) is raised, never
@@ -80,7 +80,7 @@ def score_batch(
 
     def call(i: int) -> None:
         try:
-            value = float(fn(responses[i], records[i]))
+            value = _as_score(fn(responses[i], records[i]))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             done_q.put((i, True, value))
@@ -119,6 +119,14 @@ def score_batch(
     stats.wall_s = time.monotonic() - t0
     stats.mean = sum(scores) / n if n else 0.0
     return scores, stats
+
+
+def _as_score(value: Any) -> float:
+    """A reward's return value as a float: a number, a bool or a one-element tensor / array; a string (``"1.0"``,
+    ``"correct"``) is refused, not parsed: a reward that returns text has a bug, and float() would hide it."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"reward returned a {type(value).__name__} ({value!r:.80}), not a number; return a float")
+    return float(value)
 
 
 class _CallPool:

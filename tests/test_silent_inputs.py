@@ -1,0 +1,107 @@
+"""Inputs real users bring that used to turn an error into a result (red team of data, rewards and RL groups):
+a reward that returns text, a gold answer that is NaN / null / a list, a JSONL file that starts with a byte order
+mark, and RL steps whose every group has equal rewards (zero advantage, reported)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megadare.config import config_from_dict
+from megadare.data import load_rows
+from megadare.data.files import DataError
+from megadare.data.prompt_data import PromptRules, build_prompts
+from megadare.data.tokenizer import ByteTokenizer
+from megadare.eval.tasks import task_spec
+from megadare.rewards import score_batch
+from megadare.rewards.registry import BUILTIN_REWARDS
+from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.trainer.rl_rollout import Rollouts, build_samples
+
+
+def test_a_reward_returning_text_is_a_failure_not_a_score():
+    """float("1.0") would make the string a reward of 1.0 (and "1" for a wrong answer too): refused, counted."""
+    scores, stats = score_batch(lambda r, rec: "1.0", ["a", "b"], [{}, {}], workers=1)
+    assert scores == [0.0, 0.0] and stats.errors == 2
+    assert "reward returned a str ('1.0'), not a number" in stats.first_error
+    ok, ok_stats = score_batch(lambda r, rec: r == "a", ["a", "b"], [{}, {}], workers=1)  # a bool is a 0/1 verdict
+    assert ok == [1.0, 0.0] and ok_stats.errors == 0
+
+
+@pytest.mark.parametrize("reward", ["math", "gsm8k", "exact_match"])
+@pytest.mark.parametrize("gold", [None, float("nan"), "", "  ", ["5"], {"value": 5}])
+def test_a_missing_or_container_gold_is_a_reward_error_not_a_zero(reward, gold):
+    """str(None) / str(nan) / str(['5']) was compared as the gold: every response scored 0 (or, for ['5'], 1 by
+    luck of the parser) with no error."""
+    response = "The answer is \\boxed{5}."
+    scores, stats = score_batch(BUILTIN_REWARDS[reward], [response], [{"answer": gold}], workers=1)
+    assert stats.errors == 1 and scores == [0.0]
+    assert "gold answer 'answer' is" in stats.first_error
+
+
+def test_numeric_golds_still_score():
+    scores, stats = score_batch(
+        BUILTIN_REWARDS["exact_match"], ["5", "2.5"], [{"answer": 5}, {"answer": 2.5}], workers=1
+    )
+    assert scores == [1.0, 1.0] and stats.errors == 0
+
+
+def test_a_nan_gold_in_rl_data_is_named_or_skipped(tmp_path):
+    """A numeric answer column with a missing value (pandas writes NaN; Python's json reads NaN) passed the
+    null / empty check and became the gold 'nan'."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": NaN}\n')
+    rows = load_rows(str(path))
+    tok = ByteTokenizer()
+    with pytest.raises(DataError, match=r"p\.jsonl:2: field 'answer' \(the reference answer\) is null \(nan\)"):
+        build_prompts([r for _, r in rows], tok, [w for w, _ in rows], PromptRules())
+    skipped: list = []
+    kept = build_prompts([r for _, r in rows], tok, [w for w, _ in rows], PromptRules(), skipped=skipped)
+    assert [p.where for p in kept] == [f"{path}:1"] and skipped == [f"{path}:2"]
+
+
+def test_a_nan_answer_in_an_eval_file_is_named():
+    """AIME answers are numbers; a missing one (NaN) became the gold 'nan' and every sample scored wrong."""
+    spec = task_spec("aime24")
+    assert spec.record({"problem": "p", "answer": 7.0}, "aime.parquet:row 1", "boxed")["answer"] == "7.0"
+    with pytest.raises(DataError, match=r"aime\.parquet:row 2: field 'answer' .* is NaN"):
+        spec.record({"problem": "p", "answer": math.nan}, "aime.parquet:row 2", "boxed")
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_loads(tmp_path):
+    """Windows tools write UTF-8 with a BOM; the first line was refused as invalid JSON."""
+    path = tmp_path / "bom.jsonl"
+    body = "\r\n".join(json.dumps({"prompt": p, "answer": a}) for p, a in [("1+1=", "2"), ("café", "x")])
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode() + b"\r\n\r\n")
+    rows = load_rows(str(path))
+    assert [r for _, r in rows] == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "café", "answer": "x"}]
+    mid = tmp_path / "mid.jsonl"  # a BOM anywhere else is still an error, named by line
+    mid.write_bytes(body.encode() + b"\n\xef\xbb\xbf{}\n")
+    with pytest.raises(DataError, match=r"mid\.jsonl:3: invalid JSON"):
+        load_rows(str(mid))
+
+
+def _traj() -> Trajectory:
+    return Trajectory([1, 2], [3, 4], [0, 1], [0, 1], [0.0, 0.0], "eos", 2, SamplingParams(max_new_tokens=2))
+
+
+def test_all_equal_groups_are_counted_and_an_all_flat_step_is_reported(capsys):
+    """A group whose rewards are all equal has zero advantage; nothing said how many there were, nor that a step
+    (a binary reward on a task too hard for the policy) could learn nothing."""
+    cfg = config_from_dict({"rl": {"n_samples": 2}})
+    samples, metrics = build_samples(cfg, [_traj() for _ in range(6)], [1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    assert metrics["all_equal_groups"] == pytest.approx(2 / 3)
+    assert [s.advantage for s in samples][:2] == [0.0, 0.0]
+    _, flat = build_samples(cfg, [_traj() for _ in range(4)], [0.0] * 4)
+    assert flat["all_equal_groups"] == 1.0
+    roll = Rollouts.__new__(Rollouts)
+    roll.spec, roll.flat_steps = type("S", (), {"cfg": cfg})(), 0
+    roll._warn_if_flat(0, metrics["all_equal_groups"])
+    assert capsys.readouterr().err == ""
+    roll._warn_if_flat(4, 1.0)
+    roll._warn_if_flat(5, 1.0)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RL step 5: every group's 2 rewards are equal" in err[0]
+    assert roll.flat_steps == 2
