@@ -55,7 +55,7 @@ def test_a_nan_gold_in_rl_data_is_named_or_skipped(tmp_path):
     path.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2=", "answer": NaN}\n')
     rows = load_rows(str(path))
     tok = ByteTokenizer()
-    with pytest.raises(DataError, match=r"p\.jsonl:2: field 'answer' \(the reference answer\) is null \(nan\)"):
+    with pytest.raises(DataError, match=r"p\.jsonl:2: field 'answer' \(the reference answer\) is NaN; drop the row"):
         build_prompts([r for _, r in rows], tok, [w for w, _ in rows], PromptRules())
     skipped: list = []
     kept = build_prompts([r for _, r in rows], tok, [w for w, _ in rows], PromptRules(), skipped=skipped)

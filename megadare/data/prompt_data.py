@@ -147,7 +147,7 @@ def build_prompts(
         gold = get_field(rec, gkey)
         if _gold_missing(rec, gkey):
             raise DataError(
-                f"{where}: field {gkey!r} (the reference answer) is {'empty' if isinstance(gold, str) else 'null'} ({gold!r}); "
+                f"{where}: field {gkey!r} (the reference answer) is {'empty' if isinstance(gold, str) else 'null' if gold is None else 'NaN'}; "
                 "drop the row, or set rewards.skip_rows_without_answer=true to leave such rows out"
             )
         out.append(PromptRecord(ids, dict(rec, answer=gold), where, prefill))
