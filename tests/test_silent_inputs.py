@@ -105,3 +105,11 @@ def test_all_equal_groups_are_counted_and_an_all_flat_step_is_reported(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "RL step 5: every group's 2 rewards are equal" in err[0]
     assert roll.flat_steps == 2
+
+
+@pytest.mark.parametrize("gold", ["", "  ", math.nan, "\\boxed{5", "\\boxed{}", "so \\boxed 5"])
+def test_a_dare_math_gold_no_response_can_match_is_an_error(gold):
+    """DARE's math_rm scores 0 for every response to such a row (agreeing with it made the row silently
+    unlearnable); here it is an error naming the gold."""
+    _, stats = score_batch("dare_math", ["\\boxed{5}"], [{"answer": gold}], workers=1)
+    assert stats.errors == 1 and "DARE math gold is" in stats.first_error
