@@ -113,3 +113,21 @@ def test_a_dare_math_gold_no_response_can_match_is_an_error(gold):
     unlearnable); here it is an error naming the gold."""
     _, stats = score_batch("dare_math", ["\\boxed{5}"], [{"answer": gold}], workers=1)
     assert stats.errors == 1 and "DARE math gold is" in stats.first_error
+
+
+def test_a_chat_turn_with_a_role_the_template_drops_is_refused(tmp_path):
+    """SDAR's and Dream's chat templates render only system / user / assistant / tool turns: a ShareGPT-style
+    'human' turn vanished, so the model saw an empty question and nothing said so."""
+    import jinja2
+
+    from megadare.data import fields
+
+    template = open(fields.__file__.replace("fields.py", "chat_templates/sdar.jinja")).read()
+    msgs = [{"role": "human", "content": "What is 2+2?"}]
+    rendered = jinja2.Environment().from_string(template).render(messages=msgs, add_generation_prompt=True)
+    assert "2+2" not in rendered  # the turn really is dropped by the template
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": msgs, "answer": "4"}) + "\n")
+    rows = load_rows(str(path))
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: field 'messages'\[0\]\.role is 'human'.*user / assistant"):
+        build_prompts([r for _, r in rows], ByteTokenizer(), [w for w, _ in rows], PromptRules())
