@@ -131,3 +131,14 @@ def test_a_chat_turn_with_a_role_the_template_drops_is_refused(tmp_path):
     rows = load_rows(str(path))
     with pytest.raises(DataError, match=r"chat\.jsonl:1: field 'messages'\[0\]\.role is 'human'.*user / assistant"):
         build_prompts([r for _, r in rows], ByteTokenizer(), [w for w, _ in rows], PromptRules())
+
+
+def test_a_combined_reward_refuses_text_and_a_dict_is_named():
+    """combine() parsed a component's "1.0" as 1.0; a verl compute_score dict got float()'s bare TypeError."""
+    from megadare.rewards import combine
+
+    both = combine([(lambda r, rec: "1.0", 1.0), ("boxed_format", 0.5)])
+    _, stats = score_batch(both, ["\\boxed{1}"], [{}], workers=1)
+    assert stats.errors == 1 and "reward returned a str" in stats.first_error
+    _, stats = score_batch(lambda r, rec: {"score": 1.0, "acc": True}, ["x"], [{}], workers=1)
+    assert stats.errors == 1 and "keys ['acc', 'score']" in stats.first_error and "result['score']" in stats.first_error

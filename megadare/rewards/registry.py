@@ -48,6 +48,7 @@ __all__ = [
     "auto_rule",
     "gold_response",
     "runs_code",
+    "as_score",
 ]
 
 RewardFn = Callable[[str, dict], float]
@@ -260,6 +261,20 @@ def load_reward(spec: RewardSpec) -> RewardFn:
     return obj
 
 
+def as_score(value: Any) -> float:
+    """A reward's return value as a float: a number, a bool or a one-element tensor / array. A string (``"1.0"``,
+    ``"correct"``) is refused, not parsed: a reward that returns text has a bug, and float() would hide it; a dict
+    (verl's ``compute_score`` form) is refused naming its ``score``."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"reward returned a {type(value).__name__} ({value!r:.80}), not a number; return a float")
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"reward returned a dict with keys {sorted(map(str, value))[:8]}, not a number (verl's compute_score "
+            "form): return its score, e.g. a wrapper returning result['score']"
+        )
+    return float(value)
+
+
 def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple[RewardSpec, float]]]) -> RewardFn:
     """Weighted sum of rewards: ``combine([("code", 2.0), ("boxed_format", 0.5)])``.
 
@@ -271,7 +286,7 @@ def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple
     parts = [(load_reward(spec), float(w)) for spec, w in items]
 
     def combined(response: str, record: dict) -> float:
-        return sum(w * float(fn(response, record)) for fn, w in parts)
+        return sum(w * as_score(fn(response, record)) for fn, w in parts)
 
     combined.components = parts  # type: ignore[attr-defined]
     return combined

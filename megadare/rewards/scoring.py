@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megadare.rewards.errors import AnswerTimeout, RewardError, SandboxUnavailable
-from megadare.rewards.registry import RewardSpec, load_reward
+from megadare.rewards.registry import RewardSpec, as_score, load_reward
 
 __all__ = ["ScoreStats", "score_batch", "check_reward_errors"]
 
@@ -80,7 +80,7 @@ def score_batch(
 
     def call(i: int) -> None:
         try:
-            value = _as_score(fn(responses[i], records[i]))
+            value = as_score(fn(responses[i], records[i]))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             done_q.put((i, True, value))
@@ -119,14 +119,6 @@ def score_batch(
     stats.wall_s = time.monotonic() - t0
     stats.mean = sum(scores) / n if n else 0.0
     return scores, stats
-
-
-def _as_score(value: Any) -> float:
-    """A reward's return value as a float: a number, a bool or a one-element tensor / array; a string (``"1.0"``,
-    ``"correct"``) is refused, not parsed: a reward that returns text has a bug, and float() would hide it."""
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"reward returned a {type(value).__name__} ({value!r:.80}), not a number; return a float")
-    return float(value)
 
 
 class _CallPool:
