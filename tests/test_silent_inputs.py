@@ -142,3 +142,15 @@ def test_a_combined_reward_refuses_text_and_a_dict_is_named():
     assert stats.errors == 1 and "reward returned a str" in stats.first_error
     _, stats = score_batch(lambda r, rec: {"score": 1.0, "acc": True}, ["x"], [{}], workers=1)
     assert stats.errors == 1 and "keys ['acc', 'score']" in stats.first_error and "result['score']" in stats.first_error
+
+
+def test_data_inspect_names_golds_their_own_reward_cannot_match(tmp_path):
+    """A gold like '\\boxed{2' (unclosed) scores 0 under 'math' for every response; inspect only printed the mean."""
+    from megadare.eval.data_inspect import inspect_command
+
+    path = tmp_path / "golds.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "\\\\boxed{4"}\n')
+    lines: list[str] = []
+    assert inspect_command([str(path)], reward="math", out=lines.append) == 0
+    warn = [line for line in lines if line.startswith("warning:")]
+    assert len(warn) == 1 and f"{path}:2 (gold '\\\\boxed{{4')" in warn[0] and f"{path}:1" not in warn[0]
