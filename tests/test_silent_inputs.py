@@ -154,3 +154,11 @@ def test_data_inspect_names_golds_their_own_reward_cannot_match(tmp_path):
     assert inspect_command([str(path)], reward="math", out=lines.append) == 0
     warn = [line for line in lines if line.startswith("warning:")]
     assert len(warn) == 1 and f"{path}:2 (gold '\\\\boxed{{4')" in warn[0] and f"{path}:1" not in warn[0]
+
+
+def test_a_jsonl_object_with_a_key_twice_is_named(tmp_path):
+    """json keeps the last of two 'answer' keys: half-edited rows trained on whichever came last, silently."""
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "extra": {"k": 1, "k": 2}, "answer": "2"}\n')
+    with pytest.raises(DataError, match=r"dup\.jsonl:2: key 'k' appears twice in one object"):
+        load_rows(str(path))

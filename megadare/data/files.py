@@ -61,13 +61,31 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+            except _DuplicateKey as e:
+                raise DataError(
+                    f"{path}:{lineno}: key {e.args[0]!r} appears twice in one object (JSON readers keep one of them "
+                    "silently); keep the one you mean"
+                ) from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             records.append((f"{path}:{lineno}", rec))
     return records
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's dict; _DuplicateKey naming a key it holds twice (``json`` would keep the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def _load_parquet(path: str) -> list[dict]:
