@@ -98,13 +98,24 @@ def test_all_equal_groups_are_counted_and_an_all_flat_step_is_reported(capsys):
     assert flat["all_equal_groups"] == 1.0
     roll = Rollouts.__new__(Rollouts)
     roll.spec, roll.flat_steps = type("S", (), {"cfg": cfg})(), 0
-    roll._warn_if_flat(0, metrics["all_equal_groups"])
+    roll._warn_if_flat(0, metrics)
     assert capsys.readouterr().err == ""
-    roll._warn_if_flat(4, 1.0)
-    roll._warn_if_flat(5, 1.0)
+    roll._warn_if_flat(4, flat)
+    roll._warn_if_flat(5, flat)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "RL step 5: every group's 2 rewards are equal" in err[0]
     assert roll.flat_steps == 2
+
+
+def test_a_step_whose_every_group_the_band_drops_is_reported(capsys):
+    """advantage.accuracy_band dropping every group left a step with no sample and no word."""
+    cfg = config_from_dict({"rl": {"n_samples": 2}, "advantage": {"accuracy_band": [0.2, 0.4]}})
+    samples, metrics = build_samples(cfg, [_traj() for _ in range(4)], [1.0, 0.0, 0.0, 1.0])
+    assert samples == [] and metrics["kept_fraction"] == 0.0 and metrics["all_equal_groups"] == 0.0
+    roll = Rollouts.__new__(Rollouts)
+    roll.spec, roll.flat_steps = type("S", (), {"cfg": cfg})(), 0
+    roll._warn_if_flat(0, metrics)
+    assert "RL step 1: advantage.accuracy_band=[0.2, 0.4] dropped every group" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("gold", ["", "  ", math.nan, "\\boxed{5", "\\boxed{}", "so \\boxed 5"])

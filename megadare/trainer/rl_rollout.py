@@ -96,7 +96,7 @@ class Rollouts:
         prompts = [b for b in batch for _ in range(rl.n_samples)]
         rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
         samples, metrics = build_samples(cfg, traj, rewards)
-        self._warn_if_flat(step, metrics["all_equal_groups"])
+        self._warn_if_flat(step, metrics)
         own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
         samples = samples if own is None else own
         for s in samples:  # dLLM-RL's post_num (algos/tracerl.py) tells the answer from a full canvas's tail
@@ -130,18 +130,26 @@ class Rollouts:
         )
         return samples, metrics
 
-    def _warn_if_flat(self, step: int, all_equal: float) -> None:
-        """One stderr line the first time a step's every group has equal rewards (zero advantage: the step cannot
-        learn); each step's fraction is logged as ``all_equal_groups``."""
-        if all_equal < 1.0 or self.flat_steps:
-            self.flat_steps += all_equal >= 1.0
+    def _warn_if_flat(self, step: int, metrics: dict) -> None:
+        """One stderr line the first time a step has nothing to learn from: every group's rewards equal (zero
+        advantage) or every group dropped by the group filters; each step logs ``all_equal_groups`` and
+        ``kept_fraction``, and ``flat_steps`` counts such steps."""
+        flat = metrics["all_equal_groups"] >= 1.0
+        if not flat and metrics["kept_fraction"] > 0.0:
             return
-        self.flat_steps = 1
+        self.flat_steps += 1
+        if self.flat_steps > 1:
+            return
+        band = self.cfg.advantage.accuracy_band
+        why = (
+            f"every group's {self.cfg.rl.n_samples} rewards are equal, so every advantage is 0"
+            if flat
+            else f"{self.cfg.as_written('advantage.accuracy_band')}={band} dropped every group"
+        )
         print(
-            f"rl: RL step {step + 1}: every group's {self.cfg.rl.n_samples} rewards are equal, so "
-            "every advantage is 0 and this step cannot learn; if it "
-            "persists (metric all_equal_groups = 1), the task is too hard or too easy for the policy or the reward "
-            "is constant: check it with 'megadare data inspect FILE --reward NAME', or raise rl.n_samples",
+            f"rl: RL step {step + 1}: {why}: this step cannot learn. If it persists (metrics all_equal_groups, "
+            "kept_fraction), the task is too hard or too easy for the policy or the reward is constant: check it "
+            "with 'megadare data inspect FILE --reward NAME', or raise rl.n_samples",
             file=sys.stderr,
         )
 
