@@ -173,3 +173,13 @@ def test_a_jsonl_object_with_a_key_twice_is_named(tmp_path):
     path.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "extra": {"k": 1, "k": 2}, "answer": "2"}\n')
     with pytest.raises(DataError, match=r"dup\.jsonl:2: key 'k' appears twice in one object"):
         load_rows(str(path))
+
+
+def test_a_gsm8k_gold_with_nothing_after_the_marker_is_an_error():
+    """'... #### ' gave the gold '' and every response scored 0."""
+    _, stats = score_batch("gsm8k", ["\\boxed{72}"], [{"answer": "She sold 72 clips.\n#### "}], workers=1)
+    assert stats.errors == 1 and "has nothing after its '####'" in stats.first_error
+    scores, stats = score_batch("gsm8k", ["\\boxed{1234}"], [{"answer": "so\n#### 1,234"}], workers=1)
+    assert scores == [1.0] and stats.errors == 0
+    with pytest.raises(DataError, match=r"gsm8k\.jsonl:3: field 'answer': GSM8K gold .* nothing after its '####'"):
+        task_spec("gsm8k").record({"question": "q", "answer": "so\n#### "}, "gsm8k.jsonl:3", "boxed")

@@ -142,6 +142,10 @@ def _math_prompt(problem: str, style: str) -> str:
 def _gsm8k(raw: dict, where: str, style: str) -> dict:
     question = _text(raw, ("question", "problem"), where, "the word problem")
     answer = _text(raw, ("answer",), where, "the reference solution ending '#### N'", numbers_ok=True)
+    try:
+        gsm8k_gold(answer)
+    except ValueError as e:
+        raise DataError(f"{where}: field 'answer': {e}") from None
     return {"messages": _user(_math_prompt(question, style)), "answer": answer}
 
 
