@@ -183,3 +183,23 @@ def test_a_gsm8k_gold_with_nothing_after_the_marker_is_an_error():
     assert scores == [1.0] and stats.errors == 0
     with pytest.raises(DataError, match=r"gsm8k\.jsonl:3: field 'answer': GSM8K gold .* nothing after its '####'"):
         task_spec("gsm8k").record({"question": "q", "answer": "so\n#### "}, "gsm8k.jsonl:3", "boxed")
+
+
+def test_preflight_tries_the_reward_once_on_a_row(tmp_path, monkeypatch):
+    """A DARE/verl compute_score(data_source, solution_str, ground_truth) as rewards.name passed --dry-run and
+    failed only after the first rollout; a reward returning text passed too."""
+    import sys
+    import types
+
+    from megadare.preflight import try_reward
+    from megadare.rewards import RewardSpecError
+
+    mod = types.ModuleType("s35i_rewards")
+    mod.compute_score = lambda data_source, solution_str, ground_truth, extra_info=None: {"score": 1.0}
+    mod.fine = lambda response, record: float("4" in response)
+    monkeypatch.setitem(sys.modules, "s35i_rewards", mod)
+    prompt = build_prompts([{"prompt": "2+2=", "answer": "4"}], ByteTokenizer(), "rl.jsonl")[0]
+    with pytest.raises(RewardSpecError, match=r"rl\.jsonl:1: rewards\.name=s35i_rewards:compute_score failed"):
+        try_reward("s35i_rewards:compute_score", prompt)
+    try_reward("s35i_rewards:fine", prompt)
+    try_reward("math", prompt)
