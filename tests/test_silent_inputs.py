@@ -203,3 +203,10 @@ def test_preflight_tries_the_reward_once_on_a_row(tmp_path, monkeypatch):
         try_reward("s35i_rewards:compute_score", prompt)
     try_reward("s35i_rewards:fine", prompt)
     try_reward("math", prompt)
+
+
+def test_an_empty_user_turn_is_refused(tmp_path):
+    """A chat prompt whose user turn is '' rendered as the bare template: a question-less prompt, no error."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  "}]
+    with pytest.raises(DataError, match=r"rl\.jsonl:1: field 'messages'\[1\]\.content: the user turn is empty"):
+        build_prompts([{"messages": msgs, "answer": "4"}], ByteTokenizer(), "rl.jsonl")

@@ -82,6 +82,10 @@ def check_messages(msgs: Any, where: str, key: str, ends_with_response: bool = F
                 f"{', '.join(CHAT_ROLES)} (SDAR's and Dream's drop any other turn without a word): rename it "
                 "(ShareGPT's human / gpt are user / assistant)"
             )
+        if msg["role"] == "user" and not msg["content"].strip():
+            raise DataError(
+                f"{where}: field {key!r}[{n}].content: the user turn is empty (the model would see no question)"
+            )
     if not ends_with_response:
         return msgs
     last = msgs[-1]["role"]
