@@ -210,3 +210,32 @@ def test_an_empty_user_turn_is_refused(tmp_path):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  "}]
     with pytest.raises(DataError, match=r"rl\.jsonl:1: field 'messages'\[1\]\.content: the user turn is empty"):
         build_prompts([{"messages": msgs, "answer": "4"}], ByteTokenizer(), "rl.jsonl")
+
+
+def test_an_eval_sample_whose_reward_failed_says_so(tmp_path, capsys):
+    """With rewards.max_error_fraction > 0 a failed reward scored 0 and its sample row read as a wrong answer."""
+    import dataclasses
+
+    from megadare.eval.runner import _print_task, load_task_prompts, score_samples
+
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text('{"question": "1+1?", "answer": "so #### 2"}\n')
+    tok = ByteTokenizer()
+
+    def picky(response: str, record: dict) -> float:
+        if "boom" in response:
+            raise RuntimeError("verifier crashed")
+        return 1.0
+
+    spec = dataclasses.replace(task_spec("gsm8k"), reward=picky)
+    prompts = load_task_prompts(spec, str(path), None, "boxed", tok)
+
+    def traj(text: str) -> Trajectory:
+        ids = tok.encode(text)
+        n = len(ids)
+        return Trajectory([1], ids, [0] * n, [0] * n, [0.0] * n, "eos", n, SamplingParams(max_new_tokens=n))
+
+    rows, stats = score_samples(spec, tok, prompts, [[traj("\\boxed{2}"), traj("boom")]], max_error_fraction=1.0)
+    assert [r["reward_error"] for r in rows] == [None, "RuntimeError: verifier crashed"]
+    _print_task("gsm8k", {"mean@2": 0.5, "problems": 1, "samples_per_problem": 2, **stats})
+    assert "1 samples' rewards could not be computed and count as wrong" in capsys.readouterr().out
