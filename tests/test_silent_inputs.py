@@ -239,3 +239,15 @@ def test_an_eval_sample_whose_reward_failed_says_so(tmp_path, capsys):
     assert [r["reward_error"] for r in rows] == [None, "RuntimeError: verifier crashed"]
     _print_task("gsm8k", {"mean@2": 0.5, "problems": 1, "samples_per_problem": 2, **stats})
     assert "1 samples' rewards could not be computed and count as wrong" in capsys.readouterr().out
+
+
+def test_extra_info_written_as_a_json_string_keeps_dares_rule():
+    """A jsonl export of DARE rows with extra_info as a string: 'auto' lost extra_info.task and scored math500
+    rows with math-verify instead of DARE's math_rm (a silently different reward), countdown lost its numbers."""
+    from megadare.rewards import auto_rule
+
+    row = {"data_source": "math500", "answer": "4", "extra_info": json.dumps({"task": "math", "index": 3})}
+    assert auto_rule(row) == "dare_math"
+    cd = {"data_source": "countdown", "answer": "12", "extra_info": '{"numbers": [4, 6, 2]}'}
+    scores, stats = score_batch("auto", ["<answer>4*6/2</answer>"], [cd], workers=1)
+    assert scores == [1.0] and stats.errors == 0

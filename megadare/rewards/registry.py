@@ -28,6 +28,7 @@ weighted sum (e.g. DiffuCoder's ``[("code", 2.0), ("boxed_format", 0.5)]``-style
 from __future__ import annotations
 
 import importlib
+import json
 import math
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -89,8 +90,19 @@ def _gold(record: dict) -> str:
     return str(gold)
 
 
-def _extra_field(record: dict, name: str) -> Any:
+def _extra_info(record: dict) -> Any:
+    """The row's ``extra_info``; a JSON object written as a string (as DARE's reward code also accepts) parsed."""
     extra = record.get("extra_info")
+    if isinstance(extra, str) and extra.lstrip().startswith("{"):
+        try:
+            return json.loads(extra)
+        except ValueError as e:
+            raise ValueError(f"extra_info is a string that is not a JSON object ({e}): {extra[:80]!r}") from None
+    return extra
+
+
+def _extra_field(record: dict, name: str) -> Any:
+    extra = _extra_info(record)
     if name in record:
         return record[name]
     if isinstance(extra, dict) and name in extra:
@@ -158,7 +170,7 @@ def auto_rule(record: dict) -> str:
     own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
     """
     source = str(record.get("data_source") or "").lower()
-    extra = record.get("extra_info")
+    extra = _extra_info(record)
     task = str(extra.get("task") or "").lower() if isinstance(extra, dict) else ""
     if source.startswith("sudoku"):
         return "sudoku"
