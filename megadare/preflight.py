@@ -37,8 +37,8 @@ from megadare.models.safetensors_io import SafetensorsReader
 from megadare.plan import plan
 from megadare.plan.memory import trainer_world
 from megadare import rewards
-from megadare.rewards import RewardSpecError, load_reward, runs_code, set_isolation
-from megadare.rewards.registry import auto_rule
+from megadare.rewards import RewardSpecError, load_reward, runs_code, score_batch, set_isolation
+from megadare.rewards.registry import BUILTIN_REWARDS, auto_rule, gold_response
 from megadare.rollout.sglang_engine import _import_sglang
 from megadare.trainer.checkpoint import check_same_model
 from megadare.trainer.model_setup import tokenizer_for
@@ -158,6 +158,22 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
                 auto_rule(p.record)
             except ValueError as e:
                 raise RewardSpecError(f"{p.where}: {e}") from None
+    if built and not runs_code(reward.name, [p.record for p in built]):
+        try_reward(reward.name, built[0])
+
+
+def try_reward(name: str, prompt) -> None:
+    """One call of the reward on a prompt row (its gold answer as the response, for a built-in; else an empty
+    response): a reward of the wrong signature (verl's ``compute_score(data_source, solution_str, ...)``) or return
+    type fails here, not after the first rollout."""
+    builtin = name in BUILTIN_REWARDS
+    text = (gold_response(name, prompt.record) if builtin else None) or ""
+    _, stats = score_batch(load_reward(name), [prompt.reward_text(text)], [prompt.record], workers=1, timeout_s=60)
+    if stats.failures:
+        raise RewardSpecError(
+            f"{prompt.where}: rewards.name={name} failed a trial call reward(response, record) on this row: "
+            f"{stats.first_error}; a reward takes (response text, record dict) and returns a float"
+        )
 
 
 def check_engine(cfg: Config) -> None:

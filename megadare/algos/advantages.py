@@ -94,6 +94,13 @@ def reinforce_pp_baseline(groups: torch.Tensor, lengths: Optional[list[int]]) ->
     return ((a - mean) * torch.rsqrt(var + 1e-8) * (n > 0)).float()
 
 
+def all_equal_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Mask [n_groups]: the groups whose rewards are all equal (zero advantage under a group baseline: they teach
+    nothing, and a run where every group is so cannot learn)."""
+    g = _groups(rewards, group_size)
+    return (g.max(1).values - g.min(1).values) == 0
+
+
 def filter_groups(
     rewards: torch.Tensor,
     group_size: int,
@@ -104,7 +111,7 @@ def filter_groups(
     g = _groups(rewards, group_size)
     keep = torch.ones(g.shape[0], dtype=torch.bool)
     if drop_all_equal:
-        keep &= (g.max(1).values - g.min(1).values) > 0
+        keep &= ~all_equal_groups(g.flatten(), group_size)
     if accuracy_band is not None:
         lo, hi = accuracy_band
         acc = g.mean(1)

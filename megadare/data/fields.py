@@ -60,6 +60,9 @@ def get_field(rec: dict, key: str) -> Any:
     return value
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles the Qwen-family chat templates render
+
+
 def check_messages(msgs: Any, where: str, key: str, ends_with_response: bool = False) -> list[dict]:
     """A well-formed conversation: a non-empty list of {role, content} strings; with ``ends_with_response`` it ends
     with the assistant's response and has a message before it (SFT)."""
@@ -73,6 +76,16 @@ def check_messages(msgs: Any, where: str, key: str, ends_with_response: bool = F
                 raise DataError(f"{where}: field {key!r}[{n}] is missing {part!r}")
             if not isinstance(msg[part], str):
                 raise DataError(f"{where}: field {key!r}[{n}].{part} must be a string")
+        if msg["role"] not in CHAT_ROLES:
+            raise DataError(
+                f"{where}: field {key!r}[{n}].role is {msg['role']!r}; a chat template renders only "
+                f"{', '.join(CHAT_ROLES)} (SDAR's and Dream's drop any other turn without a word): rename it "
+                "(ShareGPT's human / gpt are user / assistant)"
+            )
+        if msg["role"] == "user" and not msg["content"].strip():
+            raise DataError(
+                f"{where}: field {key!r}[{n}].content: the user turn is empty (the model would see no question)"
+            )
     if not ends_with_response:
         return msgs
     last = msgs[-1]["role"]

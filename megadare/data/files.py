@@ -15,6 +15,7 @@ from typing import Sequence, Union
 __all__ = ["DataError", "check_record", "SUPPORTED_EXTENSIONS", "load_records", "load_rows", "load_many", "as_paths"]
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors put at the start of a file
 
 
 class DataError(ValueError):
@@ -51,6 +52,8 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
     records = []
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(BOM):  # written by Windows tools / Excel: the file is fine
+                raw = raw[len(BOM) :]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -58,13 +61,31 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line, object_pairs_hook=_unique_keys)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+            except _DuplicateKey as e:
+                raise DataError(
+                    f"{path}:{lineno}: key {e.args[0]!r} appears twice in one object (JSON readers keep one of them "
+                    "silently); keep the one you mean"
+                ) from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             records.append((f"{path}:{lineno}", rec))
     return records
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's dict; _DuplicateKey naming a key it holds twice (``json`` would keep the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def _load_parquet(path: str) -> list[dict]:

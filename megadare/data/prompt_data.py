@@ -19,6 +19,7 @@ and evaluation agree on what is held out.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -90,7 +91,8 @@ def _gold_missing(rec: dict, key: Optional[str]) -> bool:
     if key is None:
         return True
     gold = get_field(rec, key)
-    return gold is None or (isinstance(gold, str) and not gold.strip())
+    is_nan = isinstance(gold, float) and math.isnan(gold)  # a missing value of a numeric column (pandas, JSON NaN)
+    return gold is None or is_nan or (isinstance(gold, str) and not gold.strip())
 
 
 def build_prompts(
@@ -145,7 +147,7 @@ def build_prompts(
         gold = get_field(rec, gkey)
         if _gold_missing(rec, gkey):
             raise DataError(
-                f"{where}: field {gkey!r} (the reference answer) is {'null' if gold is None else 'empty'}; "
+                f"{where}: field {gkey!r} (the reference answer) is {'empty' if isinstance(gold, str) else 'null' if gold is None else 'NaN'}; "
                 "drop the row, or set rewards.skip_rows_without_answer=true to leave such rows out"
             )
         out.append(PromptRecord(ids, dict(rec, answer=gold), where, prefill))

@@ -130,10 +130,10 @@ def _assistant_ends(built: list, key: Optional[str]) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
-def _gold_scores(prompts: list, reward: str, limit: int, errors: list[str]) -> list[float]:
+def _gold_scores(prompts: list, reward: str, limit: int, errors: list[str], low: list[str]) -> list[float]:
     """Rewards of the gold answers of the first ``limit`` prompts that have one. Rows without a checkable gold are
     scored on an empty response instead (not counted): their fields must still let the reward compute a value.
-    A reward that fails is a record error."""
+    A reward that fails is a record error; a gold scoring below 1 is put in ``low`` (``file:row (gold ...)``)."""
     texts, records, wheres, counted = [], [], [], []
     for p in prompts[:limit]:
         try:
@@ -148,7 +148,9 @@ def _gold_scores(prompts: list, reward: str, limit: int, errors: list[str]) -> l
     scores, stats = score_batch(load_reward(reward), texts, records)
     for i, message in sorted(stats.failed.items()):
         errors.append(f"{wheres[i]}: field 'answer': reward {reward!r} could not score the record: {message}")
-    return [s for i, s in enumerate(scores) if counted[i] and i not in stats.failed]
+    kept = [i for i in range(len(scores)) if counted[i] and i not in stats.failed]
+    low += [f"{wheres[i]} (gold {texts[i]!r:.60})" for i in kept if scores[i] < 1.0]
+    return [scores[i] for i in kept]
 
 
 def inspect_file(
@@ -185,7 +187,14 @@ def inspect_file(
         out(f"prompt {unit}: {percentiles([len(p.prompt_ids) for p in built])}")
         if built:
             out(f"rendered prompt ({built[0].where}):\n{_rendered(tok, built[0].prompt_ids)}")
-        gold = _gold_scores(built, reward, limit, errors)
+        low: list[str] = []
+        gold = _gold_scores(built, reward, limit, errors, low)
+        if low:
+            shown = ", ".join(low[:5]) + (f" and {len(low) - 5} more" if len(low) > 5 else "")
+            out(
+                f"warning: {len(low)} gold answers score below 1 under their own reward {reward!r}, so no response "
+                f"to them can either (a wrong key or reward, or a malformed gold?): {shown}"
+            )
     if "sft" in views:
         keys = sft_keys(rows[0][1])
         examples = _each(rows, lambda w, r: record_to_example(r, tok, w), errors)

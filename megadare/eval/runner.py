@@ -11,7 +11,7 @@ reproduces them. Responses are scored by :func:`megadare.rewards.score_batch` wi
 
 Outputs in ``eval.output_dir`` (default ``<logging.run_dir>/eval``), each written atomically after its task:
 ``samples_<task>.jsonl`` (one row per sample: task, index, problem_id, prompt, sample, response, extracted, gold,
-correct, reward, length, forwards, finish_reason) and ``summary.json`` (settings + per-task metrics,
+correct, reward, reward_error, length, forwards, finish_reason) and ``summary.json`` (settings + per-task metrics,
 :mod:`megadare.eval.metrics`); at the end the per-task table is printed and written as ``summary.csv``. A task's
 rewards that could not be computed for more than ``rewards.max_error_fraction`` of its samples stop the command
 (:func:`megadare.rewards.check_reward_errors`, naming the first failing row's file:row).
@@ -143,7 +143,7 @@ def score_samples(
         stats, spec.reward, [prompts[i].where for i, _, _ in flat], max_error_fraction, f"eval task {spec.name}"
     )
     rows = []
-    for (i, j, t), rec, text, shown, reward in zip(flat, records, texts, full, scores):
+    for n, ((i, j, t), rec, text, shown, reward) in enumerate(zip(flat, records, texts, full, scores)):
         gold = spec.reference(str(rec["answer"])) if spec.reference else None
         rows.append(
             {
@@ -157,6 +157,7 @@ def score_samples(
                 "gold": gold,
                 "correct": reward >= 1.0,
                 "reward": float(reward),
+                "reward_error": stats.failed.get(n),  # the reward could not be computed: scored wrong, not judged
                 "length": len(t.response_ids),
                 "forwards": int(t.num_forwards),
                 "finish_reason": t.finish_reason,
@@ -176,7 +177,9 @@ def _print_task(name: str, metrics: dict[str, Any]) -> None:
         for k, v in metrics.items()
         if k.split("@")[0] in ("mean", "pass", "maj") or k in ("response_length", "forwards_per_token")
     )
-    print(f"eval {name}: {shown}  ({metrics['problems']} problems x {metrics['samples_per_problem']} samples)")
+    failed = metrics.get("reward_errors", 0) + metrics.get("reward_timeouts", 0)
+    note = f"; {failed} samples' rewards could not be computed and count as wrong" if failed else ""
+    print(f"eval {name}: {shown}  ({metrics['problems']} problems x {metrics['samples_per_problem']} samples{note})")
 
 
 def summary_table(tasks: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[str]]]:

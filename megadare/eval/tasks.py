@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -105,6 +106,8 @@ def _text(raw: dict, names: tuple[str, ...], where: str, what: str, numbers_ok: 
     """A non-empty string field (numbers accepted and turned into text when ``numbers_ok``, e.g. AIME answers)."""
     value = _field(raw, names, where, what)
     name = next(n for n in names if raw.get(n) is not None)
+    if isinstance(value, float) and math.isnan(value):
+        raise DataError(f"{where}: field {name!r} ({what}) is NaN (a missing value); fill it in or drop the row")
     if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -139,6 +142,10 @@ def _math_prompt(problem: str, style: str) -> str:
 def _gsm8k(raw: dict, where: str, style: str) -> dict:
     question = _text(raw, ("question", "problem"), where, "the word problem")
     answer = _text(raw, ("answer",), where, "the reference solution ending '#### N'", numbers_ok=True)
+    try:
+        gsm8k_gold(answer)
+    except ValueError as e:
+        raise DataError(f"{where}: field 'answer': {e}") from None
     return {"messages": _user(_math_prompt(question, style)), "answer": answer}
 
 

@@ -40,16 +40,19 @@ def dare_boxed(text: str) -> Optional[str]:
     return None
 
 
-def dare_gold(gold: object) -> Optional[str]:
-    """The gold DARE compares with: the text, or its last box when it holds ``\\boxed``; None when it has none.
+def dare_gold(gold: object) -> str:
+    """The gold DARE compares with: the text, or its last box when it holds ``\\boxed``.
 
-    A gold that is not a string or a number is a data error here (DARE prints it and scores 0)."""
+    A gold that is not a string or a number, NaN, empty, or a ``\\boxed`` that holds no readable box is a data
+    error here (DARE prints the first and scores 0 for all of them: every response to the row would be wrong)."""
     if not isinstance(gold, (str, int, float)) or isinstance(gold, bool):
         raise ValueError(f"DARE math gold must be a string or a number, got {type(gold).__name__}: {gold!r:.200}")
-    gold = str(gold)
-    if "\\boxed" in gold:
-        return dare_boxed(gold)
-    return gold or None
+    text = str(gold)
+    boxed = dare_boxed(text) if "\\boxed" in text else text
+    if (isinstance(gold, float) and gold != gold) or not (boxed or "").strip():
+        what = "a boxed gold with no readable last box" if "\\boxed" in text else "empty or NaN (a missing value)"
+        raise ValueError(f"DARE math gold is {what} ({text!r:.200}): no response could match it; fix or drop the row")
+    return boxed
 
 
 # ------------------------------------------------------------------------------- Hendrycks MATH normalisation

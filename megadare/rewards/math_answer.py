@@ -100,8 +100,12 @@ def extract_answer(text: str) -> Optional[str]:
 
 
 def gsm8k_gold(solution: str) -> str:
-    """GSM8K gold answer: the text after the last ``####`` with commas removed (whole text if there is none)."""
-    return solution.split("####")[-1].strip().replace(",", "")
+    """GSM8K gold answer: the text after the last ``####`` with commas removed (whole text if there is none);
+    ValueError when nothing follows it (no response could match an empty gold)."""
+    gold = solution.split("####")[-1].strip().replace(",", "")
+    if not gold:
+        raise ValueError(f"GSM8K gold {solution[-80:]!r} has nothing after its '####': give the final number there")
+    return gold
 
 
 # ----------------------------------------------------------------------------------------------- normalisation

@@ -313,6 +313,6 @@ def dare_math_reward(response: str, gold: object, pool: Optional[VerifierPool] =
     """DARE's ``math_rm`` score (:mod:`megadare.rewards.dare_math`): 1.0 when the content of the last ``\\boxed{}``
     of ``response`` equals the gold by DARE's MATH / sympy rules, else 0.0 (no box: 0.0)."""
     pred, gold = dare_boxed(response) if "\\boxed" in (response or "") else None, dare_gold(gold)
-    if pred is None or gold is None:
+    if pred is None:
         return 0.0
     return 1.0 if verify_answer(pred, gold, pool=pool, timeout=timeout, rule="dare") else 0.0

@@ -28,6 +28,8 @@ weighted sum (e.g. DiffuCoder's ``[("code", 2.0), ("boxed_format", 0.5)]``-style
 from __future__ import annotations
 
 import importlib
+import json
+import math
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.code import code_reward
@@ -47,6 +49,7 @@ __all__ = [
     "auto_rule",
     "gold_response",
     "runs_code",
+    "as_score",
 ]
 
 RewardFn = Callable[[str, dict], float]
@@ -75,11 +78,31 @@ def _gold(record: dict) -> str:
             f"the record has no gold answer 'answer' (set rewards.answer_key to the field holding it); "
             f"record keys {sorted(record)}"
         )
-    return str(record["answer"])
+    gold = record["answer"]
+    if isinstance(gold, float) and math.isnan(gold):
+        gold = None
+    if gold is None or not isinstance(gold, (str, int, float)) or isinstance(gold, bool) or not str(gold).strip():
+        what = "null" if gold is None else "empty" if isinstance(gold, str) else f"a {type(gold).__name__}"
+        raise ValueError(
+            f"the record's gold answer 'answer' is {what} ({gold!r:.80}); this reward compares it as text: give "
+            "a non-empty string or a number (drop the row, or rewards.skip_rows_without_answer=true for null ones)"
+        )
+    return str(gold)
+
+
+def _extra_info(record: dict) -> Any:
+    """The row's ``extra_info``; a JSON object written as a string (as DARE's reward code also accepts) parsed."""
+    extra = record.get("extra_info")
+    if isinstance(extra, str) and extra.lstrip().startswith("{"):
+        try:
+            return json.loads(extra)
+        except ValueError as e:
+            raise ValueError(f"extra_info is a string that is not a JSON object ({e}): {extra[:80]!r}") from None
+    return extra
 
 
 def _extra_field(record: dict, name: str) -> Any:
-    extra = record.get("extra_info")
+    extra = _extra_info(record)
     if name in record:
         return record[name]
     if isinstance(extra, dict) and name in extra:
@@ -147,7 +170,7 @@ def auto_rule(record: dict) -> str:
     own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
     """
     source = str(record.get("data_source") or "").lower()
-    extra = record.get("extra_info")
+    extra = _extra_info(record)
     task = str(extra.get("task") or "").lower() if isinstance(extra, dict) else ""
     if source.startswith("sudoku"):
         return "sudoku"
@@ -250,6 +273,20 @@ def load_reward(spec: RewardSpec) -> RewardFn:
     return obj
 
 
+def as_score(value: Any) -> float:
+    """A reward's return value as a float: a number, a bool or a one-element tensor / array. A string (``"1.0"``,
+    ``"correct"``) is refused, not parsed: a reward that returns text has a bug, and float() would hide it; a dict
+    (verl's ``compute_score`` form) is refused naming its ``score``."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"reward returned a {type(value).__name__} ({value!r:.80}), not a number; return a float")
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"reward returned a dict with keys {sorted(map(str, value))[:8]}, not a number (verl's compute_score "
+            "form): return its score, e.g. a wrapper returning result['score']"
+        )
+    return float(value)
+
+
 def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple[RewardSpec, float]]]) -> RewardFn:
     """Weighted sum of rewards: ``combine([("code", 2.0), ("boxed_format", 0.5)])``.
 
@@ -261,7 +298,7 @@ def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple
     parts = [(load_reward(spec), float(w)) for spec, w in items]
 
     def combined(response: str, record: dict) -> float:
-        return sum(w * float(fn(response, record)) for fn, w in parts)
+        return sum(w * as_score(fn(response, record)) for fn, w in parts)
 
     combined.components = parts  # type: ignore[attr-defined]
     return combined

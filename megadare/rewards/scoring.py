@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megadare.rewards.errors import AnswerTimeout, RewardError, SandboxUnavailable
-from megadare.rewards.registry import RewardSpec, load_reward
+from megadare.rewards.registry import RewardSpec, as_score, load_reward
 
 __all__ = ["ScoreStats", "score_batch", "check_reward_errors"]
 
@@ -61,8 +61,8 @@ def score_batch(
     """Score every ``(response, record)`` pair with ``fn`` on a pool of up to ``workers`` threads (a thread per call
     cost more than a cheap reward: ~0.1 ms each); returns (scores, stats).
 
-    A call that raises, returns a non-finite / non-numeric value, or runs longer than ``timeout_s`` (measured
-    from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a
+    A call that raises, returns a non-finite / non-numeric value (a string too), or runs longer than ``timeout_s``
+    (measured from its own start) scores 0.0 and is counted in the stats (:func:`check_reward_errors` turns them into a
     stop). A timed-out call's thread cannot be killed: it is abandoned (daemon thread, its slot handed to the next
     call) and its late result ignored; the heavy rewards bound their own work (the verifier pool and the sandbox
     kill their processes). :class:`SandboxUnavailable` (the kernel refused the code sandbox) is raised, never
@@ -80,7 +80,7 @@ def score_batch(
 
     def call(i: int) -> None:
         try:
-            value = float(fn(responses[i], records[i]))
+            value = as_score(fn(responses[i], records[i]))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
             done_q.put((i, True, value))

@@ -9,12 +9,13 @@ accuracy.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
-from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
+from megadare.algos.advantages import all_equal_groups, filter_groups, group_advantages, truncated_as_wrong
 from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.config import Config
 from megadare.rollout.engine import answer_ids
@@ -38,6 +39,7 @@ class Rollouts:
     sampler: StepSampler
     manager: Any = None  # RolloutManager (rank 0)
     queue: Optional[RolloutQueue] = None  # rank 0, from ``open_queue``
+    flat_steps: int = 0  # steps so far whose every group had equal rewards (nothing to learn)
 
     @property
     def cfg(self) -> Config:
@@ -94,6 +96,7 @@ class Rollouts:
         prompts = [b for b in batch for _ in range(rl.n_samples)]
         rewards, rstats = score_rollouts(cfg, reward_fn, tok, traj, prompts, f"RL step {step + 1}")
         samples, metrics = build_samples(cfg, traj, rewards)
+        self._warn_if_flat(step, metrics)
         own = algo.samples_from(traj, rewards, rl.n_samples)  # d-TreeRPO: one sample per tree node
         samples = samples if own is None else own
         for s in samples:  # dLLM-RL's post_num (algos/tracerl.py) tells the answer from a full canvas's tail
@@ -126,6 +129,29 @@ class Rollouts:
             **{"async/rollout_busy_s": engine_s, "async/queue_depth": float(len(self.queue.queue))},
         )
         return samples, metrics
+
+    def _warn_if_flat(self, step: int, metrics: dict) -> None:
+        """One stderr line the first time a step has nothing to learn from: every group's rewards equal (zero
+        advantage) or every group dropped by the group filters; each step logs ``all_equal_groups`` and
+        ``kept_fraction``, and ``flat_steps`` counts such steps."""
+        flat = metrics["all_equal_groups"] >= 1.0
+        if not flat and metrics["kept_fraction"] > 0.0:
+            return
+        self.flat_steps += 1
+        if self.flat_steps > 1:
+            return
+        band = self.cfg.advantage.accuracy_band
+        why = (
+            f"every group's {self.cfg.rl.n_samples} rewards are equal, so every advantage is 0"
+            if flat
+            else f"{self.cfg.as_written('advantage.accuracy_band')}={band} dropped every group"
+        )
+        print(
+            f"rl: RL step {step + 1}: {why}: this step cannot learn. If it persists (metrics all_equal_groups, "
+            "kept_fraction), the task is too hard or too easy for the policy or the reward is constant: check it "
+            "with 'megadare data inspect FILE --reward NAME', or raise rl.n_samples",
+            file=sys.stderr,
+        )
 
     def shutdown(self) -> None:
         """Rank 0: stop the engines."""
@@ -185,6 +211,7 @@ def build_samples(cfg: Config, trajectories, rewards: list[float]) -> tuple[list
         "reward": float(r.mean()),
         "reward_std": float(r.std()) if len(r) > 1 else 0.0,
         "kept_fraction": float(keep.float().mean()),
+        "all_equal_groups": float(all_equal_groups(r, G).float().mean()),  # zero advantage before any filter
         "truncated": float(truncated.float().mean()),
         "response_length": sum(len(t.response_ids) for t in trajectories) / max(len(trajectories), 1),
         "forwards_per_token": sum(t.num_forwards for t in trajectories)
