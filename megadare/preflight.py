@@ -42,7 +42,7 @@ from megadare.rewards.registry import BUILTIN_REWARDS, auto_rule, gold_response
 from megadare.rollout.sglang_engine import _import_sglang
 from megadare.trainer.checkpoint import check_same_model
 from megadare.trainer.model_setup import tokenizer_for
-from megadare.trainer.rl_setup import prompt_budget
+from megadare.trainer.rl_setup import check_golds, prompt_budget
 from megadare.trainer.run_lock import holder_alive
 from megadare.trainer.dpo_loop import preference_record_keys
 from megadare.trainer.sft_loop import checkpoint_root, sft_record_keys
@@ -158,6 +158,7 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
                 auto_rule(p.record)
             except ValueError as e:
                 raise RewardSpecError(f"{p.where}: {e}") from None
+    check_golds(reward.name, built)
     if built and not runs_code(reward.name, [p.record for p in built]):
         try_reward(reward.name, built[0])
 

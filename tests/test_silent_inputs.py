@@ -251,3 +251,27 @@ def test_extra_info_written_as_a_json_string_keeps_dares_rule():
     cd = {"data_source": "countdown", "answer": "12", "extra_info": '{"numbers": [4, 6, 2]}'}
     scores, stats = score_batch("auto", ["<answer>4*6/2</answer>"], [cd], workers=1)
     assert scores == [1.0] and stats.errors == 0
+
+
+def test_an_rl_run_names_golds_no_response_could_match_before_it_starts():
+    """A gold its reward cannot read fails its reward when scored (an error, not a 0), so a run would stop at the
+    step that first draws the row: the run's prompt loading names every such row at the start instead."""
+    from types import SimpleNamespace
+
+    from megadare.data.files import DataError
+    from megadare.trainer.rl_setup import check_golds
+
+    def row(i, answer, **extra):
+        return SimpleNamespace(where=f"train.jsonl:{i}", record={"answer": answer, **extra})
+
+    dare = {"data_source": "math500", "extra_info": {"task": "math"}}
+    good = [row(1, "\\boxed{5}", **dare), row(2, "7", **dare), row(3, "12", data_source="gsm8k")]
+    check_golds("auto", good)  # readable golds pass
+    bad = good + [row(4, "\\boxed{5", **dare), row(5, "x #### ", data_source="gsm8k"), row(6, float("nan"), **dare)]
+    with pytest.raises(DataError) as e:
+        check_golds("auto", bad)
+    msg = str(e.value)
+    assert msg.startswith("train.jsonl:4: DARE math gold is a boxed gold with no readable last box")
+    assert "3 prompt row(s)" in msg and "train.jsonl:5" in msg and "train.jsonl:6" in msg and "\n" not in msg
+    check_golds("pkg.module:fn", bad)  # a reward of the user's own: its golds are its business
+    check_golds("boxed_format", bad)  # a reward that reads no gold

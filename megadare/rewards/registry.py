@@ -36,6 +36,7 @@ from megadare.rewards.code import code_reward
 from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
+from megadare.rewards.dare_math import dare_gold
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import dare_math_reward, math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
@@ -50,6 +51,7 @@ __all__ = [
     "gold_response",
     "runs_code",
     "as_score",
+    "gold_problem",
 ]
 
 RewardFn = Callable[[str, dict], float]
@@ -224,6 +226,26 @@ def gold_response(rule: str, record: dict) -> Optional[str]:
     if rule == "sudoku":
         return f"<answer>\n{check_sudoku_grid(gold, 'solution')}\n</answer>"
     return gold if rule == "exact_match" else None
+
+
+def gold_problem(reward: str, record: dict) -> Optional[str]:
+    """Why no response could score on ``record`` under the built-in ``reward``: a null, empty or NaN gold, a
+    ``\\boxed`` gold with no readable box (``dare_math``), a GSM8K gold with nothing after ``####``, a sudoku gold
+    that is no grid. None when the gold reads, when the reward reads no gold (format, code, countdown's target) or
+    is not a built-in, and for rows ``auto`` has no rule for (scoring names those)."""
+    if reward not in BUILTIN_REWARDS:
+        return None
+    try:
+        rule = auto_rule(record) if reward == "auto" else reward
+    except ValueError:
+        return None
+    try:
+        gold_response(rule, record)
+        if rule == "dare_math":
+            dare_gold(record["answer"])
+    except (ValueError, KeyError) as e:
+        return str(e).strip("'\"")
+    return None
 
 
 def runs_code(reward: str, records: Sequence[dict]) -> bool:

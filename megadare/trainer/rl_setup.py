@@ -16,9 +16,10 @@ import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.convert import mapping_for
+from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
 from megadare.errors import ConfigError
-from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
+from megadare.rewards import check_isolation, gold_problem, load_reward, runs_code, set_isolation
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
@@ -106,8 +107,24 @@ def _weight_sync(cfg: Config, run: RLRun):
 
 
 def _prompts(cfg: Config, tok) -> tuple[list, list]:
-    """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row."""
-    return load_rl_prompts(cfg, tok, prompt_budget(cfg))
+    """(training prompts, held-out prompts), tokenized through the chat template, each with its file:row; every
+    gold readable by the reward (:func:`check_golds`)."""
+    train, held = load_rl_prompts(cfg, tok, prompt_budget(cfg))
+    check_golds(cfg.rewards.name, train + held)
+    return train, held
+
+
+def check_golds(reward: str, prompts: list) -> None:
+    """Stop at the start, naming the rows, when a prompt's gold is one no response could score under the built-in
+    ``reward`` (``rewards.gold_problem``): scored, such a row fails its reward (an error, not a 0) and would stop
+    the run at the step that first draws it, hours in."""
+    bad = [(p.where, why) for p in prompts if (why := gold_problem(reward, p.record))]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise DataError(
+            f"{bad[0][0]}: {bad[0][1]}. {len(bad)} prompt row(s) have a gold no response could match "
+            f"({', '.join(w for w, _ in bad[:5])}{more}): fix or drop them"
+        )
 
 
 def prompt_budget(cfg: Config) -> int:
