@@ -8,6 +8,7 @@ test works on a copy of its run directory."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -176,6 +177,7 @@ def test_resume_passes_over_a_damaged_checkpoint_and_rolls_metrics_back(run):
     assert sorted(os.listdir(ckpt)) == [
         "iter_0000002",
         "iter_0000004",
+        "iter_0000004.damaged",  # moved aside when the run resumed before it, kept
         "iter_0000006",
         "latest_checkpointed_iteration.txt",
     ]
@@ -350,3 +352,61 @@ def test_checkpoint_writers_die_with_the_trainer(tmp_path):
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
         log.close()
+
+
+# ---------------------------------------------------------------- second red team (holes the first round missed)
+def test_two_runs_sharing_one_checkpoint_root_are_refused(run, tmp_path):
+    """The lock covers checkpoint.save too: a second run with its own logging.run_dir but the first run's
+    checkpoint root would prune and replace the first run's checkpoints."""
+    from megadare.trainer.run_lock import LOCK
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": holder.pid, "host": socket.gethostname(), "started": psutil.Process(holder.pid).create_time()}
+        (run / "ckpt" / LOCK).write_text(json.dumps(dict(lock, time="earlier")))
+        other = tmp_path / "other"
+        r = megadare(other, "train.steps=6", f"checkpoint.save={run / 'ckpt'}")
+        assert r.returncode == 2, r.stderr
+        assert f"{run / 'ckpt'} is in use by pid {holder.pid}" in one_error_line(r.stderr)
+        assert "iter_0000006" not in os.listdir(run / "ckpt")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_that_cannot_be_written_leaves_no_empty_lock(tmp_path, monkeypatch):
+    """ENOSPC (or a SIGKILL) between creating the lock and writing its holder left an empty megadare.lock that
+    refused every later run as 'in use by pid ? on ?'. The lock is now written aside and linked into place; an
+    empty or garbled lock (left by an older megadare) names no live holder and is taken over."""
+    from megadare.trainer import run_lock
+
+    real_dump = json.dump
+
+    def full_disk(obj, f, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_lock.json, "dump", full_disk)
+    with pytest.raises(OSError):
+        run_lock.acquire(str(tmp_path))
+    monkeypatch.setattr(run_lock.json, "dump", real_dump)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / run_lock.LOCK).write_text("")  # what the old code left
+    assert run_lock.holder_alive(str(tmp_path)) is None
+    assert "names no holder" in run_lock.acquire(str(tmp_path))
+    run_lock.release(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_rotation_never_deletes_the_intact_checkpoint_behind_a_damaged_newer_one(run):
+    """iter_4 is damaged, the run resumes from iter_2 and saves iter_3 with keep_last=2: rotation used to keep
+    iter_3 and the damaged iter_4 and delete iter_2, leaving one intact checkpoint; the damaged one of the
+    rolled-back steps is now moved aside (never deleted) when the run resumes before it."""
+    ckpt = run / "ckpt"
+    shard = next(p for p in (ckpt / "iter_0000004").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    r = megadare(run, "train.steps=3", "checkpoint.save_interval=1", "checkpoint.keep_last=2")
+    assert r.returncode == 0, r.stderr
+    names = sorted(os.listdir(ckpt))
+    assert "iter_0000002" in names and "iter_0000003" in names, names
+    assert "iter_0000004" not in names and any(n.startswith("iter_0000004.damaged") for n in names), names
+    assert "moved it aside" in r.stderr

@@ -37,11 +37,11 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _item_size
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megadare.convert.manifest import check_checkpoint, write_manifest
-from megadare.convert.outputs import TRACKER, publish, staging_dir
+from megadare.convert.outputs import HF_SUBDIR, TRACKER, publish, staging_dir
 from megadare.models.safetensors_io import copy_passthrough_files
 
 SHARDED_SD_METADATA = {"singleton_local_shards": True}
-HF_SUBDIR = "hf"
+
 MEGADARE_META = "megadare.json"
 # What megatron's dist_checkpointing writes as metadata.json for the torch_dist backend.
 _MCORE_METADATA = {

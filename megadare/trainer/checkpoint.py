@@ -415,6 +415,18 @@ def _say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _move_aside(damaged: str) -> str:
+    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.damaged[-N]`` (kept, never deleted):
+    under its ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it,
+    and a later resume could mix its steps with the retrained ones."""
+    for n in range(1, 1000):
+        aside = f"{damaged}.damaged" + (f"-{n}" if n > 1 else "")
+        if not os.path.lexists(aside):
+            os.rename(damaged, aside)
+            return aside
+    raise MegatronCheckpointError(f"{damaged}: too many .damaged copies beside it; remove some")
+
+
 def _decided_on_rank0(make):
     """``make()`` on rank 0, the same object on every rank (one view of a shared filesystem)."""
     box = [make() if _rank() == 0 else None]
@@ -437,6 +449,9 @@ def resume_run(
         _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")
     for d, problem in pick.skipped:
         _say(f"checkpoint: passing over {d}: {problem}")
+    if pick.path is not None and _rank() == 0:
+        for d, _ in pick.skipped:
+            _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(

@@ -121,7 +121,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     spec = resolve(cfg, launched_world(), job="sft")
     layout = init_distributed(spec.layout, seed=cfg.seed)
     try:
-        with run_dir_lock(cfg.logging.run_dir):
+        with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
             run = setup_sft(spec)
             out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
         return {**out, "layout": {**asdict(layout), "dp": layout.dp}, "data": run.data_stats}
