@@ -21,6 +21,7 @@ import time
 import psutil
 import pytest
 
+LOCK_FILE = "megadare.lock"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")
 TINY = [
@@ -410,3 +411,28 @@ def test_rotation_never_deletes_the_intact_checkpoint_behind_a_damaged_newer_one
     assert "iter_0000002" in names and "iter_0000003" in names, names
     assert "iter_0000004" not in names and any(n.startswith("iter_0000004.damaged") for n in names), names
     assert "moved it aside" in r.stderr
+
+
+def test_a_full_disk_while_logging_metrics_is_one_line(run):
+    """metrics.jsonl cannot grow (RLIMIT_FSIZE: the kernel refuses the write, EFBIG, as a full disk refuses it with
+    ENOSPC): a raw OSError traceback from the middle of a step; now one line naming the file and what to do, and a
+    rerun resumes from the intact checkpoint."""
+    import resource
+
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines + lines[:1] * 16) + "\n")  # longer than config.yaml
+    limit = os.path.getsize(run / "metrics.jsonl") + 5
+    assert limit > os.path.getsize(run / "config.yaml")
+    r = subprocess.run(
+        [sys.executable, "-m", "megadare", "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run}", "train.steps=6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"writing the metrics of step 5 to {run}/metrics.jsonl failed: File too large;" in line, line
+    assert not (run / LOCK_FILE).exists()
+    assert sorted(os.listdir(run / "ckpt"))[-2:] == ["iter_0000004", "latest_checkpointed_iteration.txt"]
