@@ -436,3 +436,26 @@ def test_a_full_disk_while_logging_metrics_is_one_line(run):
     assert f"writing the metrics of step 5 to {run}/metrics.jsonl failed: File too large;" in line, line
     assert not (run / LOCK_FILE).exists()
     assert sorted(os.listdir(run / "ckpt"))[-2:] == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_changed_data_order_is_refused_on_resume(run):
+    """A resumed run takes the batch of step s from (seed, s, global batch size, number of examples): changing any
+    of them moved the run to another place in another order, skipping and repeating examples, without a word."""
+    for change, said in [
+        ("train.global_batch_size=8", "train.global_batch_size 4 -> 8"),
+        ("seed=7", "seed 1234 -> 7"),
+        ("data.synthetic_size=80", "the number of examples (data files) 64 -> 80"),
+    ]:
+        r = megadare(run, "train.steps=6", change)
+        assert r.returncode == 2, (change, r.stderr)
+        line = one_error_line(r.stderr)
+        assert f"{run}/ckpt/iter_0000004 was trained 4 steps in another data order ({said})" in line, line
+    assert steps_logged(run) == [1, 2, 3, 4]
+    # a checkpoint written before the order was saved: its consumed count still tells a changed batch size
+    state_file = run / "ckpt" / "iter_0000004" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    del state["data_order"]
+    state_file.write_text(json.dumps(state))
+    os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")  # as an older megadare wrote it
+    r = megadare(run, "train.steps=6", "train.global_batch_size=8")
+    assert "(train.global_batch_size 4 -> 8)" in one_error_line(r.stderr)

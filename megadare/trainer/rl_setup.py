@@ -22,7 +22,7 @@ from megadare.rewards import check_isolation, load_reward, runs_code, set_isolat
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
-from megadare.trainer.data_order import StepSampler
+from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
 from megadare.trainer.offpolicy.correction import needs_snapshots
@@ -139,6 +139,7 @@ def _resume(run: RLRun) -> None:
     state = pol.resume(run.save_root, run.spec.source, "megadare rl", hf, algo=run.algo.name)
     if not state:
         return
+    check_same_order(state, run.rollouts.sampler, "rl.prompts_per_step", "consumed_prompts")
     resume_from, run.step = state["resumed_from"], int(state["step"])
     run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
@@ -171,7 +172,12 @@ def save_run(run: RLRun) -> None:
         else None
     )
     saved = CheckpointState(
-        {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
+        {
+            "rl_step": step,
+            "consumed_prompts": step * cfg.rl.prompts_per_step,
+            "evals": run.evals,
+            "data_order": run.rollouts.sampler.settings(),
+        },
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
     )
