@@ -459,3 +459,23 @@ def test_a_changed_data_order_is_refused_on_resume(run):
     os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")  # as an older megadare wrote it
     r = megadare(run, "train.steps=6", "train.global_batch_size=8")
     assert "(train.global_batch_size 4 -> 8)" in one_error_line(r.stderr)
+
+
+def test_a_save_stopped_by_a_file_size_limit_says_so(run):
+    """torch's zip writer reports a write the kernel refused (RLIMIT_FSIZE here, a full disk alike) as 'unexpected
+    pos 704 vs 598', naming no cause; the line now names the limit (and a nearly full disk)."""
+    import resource
+
+    limit = os.path.getsize(run / "config.yaml") + 200  # config.yaml and the metrics fit, a checkpoint does not
+    r = subprocess.run(
+        [sys.executable, "-m", "megadare", "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run}", "train.steps=6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )
+    line = one_error_line(r.stderr)
+    assert f"saving {run}/ckpt/iter_0000006 failed: " in line, line
+    assert f"(this process may write files of at most {limit} bytes (ulimit -f))" in line, line
+    assert f"{run}/ckpt/iter_0000004 is intact" in line

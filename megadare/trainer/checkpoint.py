@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import sys
 import warnings
@@ -178,7 +179,7 @@ def save_train_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_iteration(root)
         raise MegatronCheckpointError(
-            f"saving {final} failed: {_os_reason(e)}; the partial {os.path.basename(tmp)} was removed"
+            f"saving {final} failed: {_os_reason(e)}{_space_hint(root)}; the partial {os.path.basename(tmp)} was removed"
             + (
                 f" and {previous} is intact: fix the cause, then rerun the same command to resume from it"
                 if previous
@@ -254,6 +255,22 @@ def _os_reason(e: BaseException) -> str:
             todo += inner
     first = str(innermost).strip().splitlines()
     return f"{type(innermost).__name__}: {first[0] if first else ''}"
+
+
+def _space_hint(root: str) -> str:
+    """What may have stopped a write that failed without saying why (torch's zip writer reports a full disk or a
+    file-size limit as 'unexpected pos'): a file-size limit of this process, a nearly full disk under ``root``."""
+    said = []
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        said.append(f"this process may write files of at most {limit} bytes (ulimit -f)")
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if free is not None and free < 1 << 30:
+        said.append(f"the disk of {root} has {free >> 20} MiB free")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def latest_iteration(root: str) -> Optional[str]:
