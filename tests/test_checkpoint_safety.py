@@ -411,6 +411,7 @@ def test_rotation_never_deletes_the_intact_checkpoint_behind_a_damaged_newer_one
     assert "iter_0000002" in names and "iter_0000003" in names, names
     assert "iter_0000004" not in names and any(n.startswith("iter_0000004.damaged") for n in names), names
     assert "moved it aside" in r.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
 def test_a_full_disk_while_logging_metrics_is_one_line(run):

@@ -187,13 +187,17 @@ def save_train_checkpoint(
             )
         ) from None
     if _rank() == 0:
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(step))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        _write_tracker(root, step)
         _prune(root, keep_last, step)
     _barrier()
     return final
+
+
+def _write_tracker(root: str, step: int) -> None:
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
 
 
 def _write_train_checkpoint(
@@ -469,6 +473,8 @@ def resume_run(
     if pick.path is not None and _rank() == 0:
         for d, _ in pick.skipped:
             _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
+        if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
+            _write_tracker(root, int(os.path.basename(pick.path)[5:]))
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(
