@@ -480,3 +480,33 @@ def test_a_save_stopped_by_a_file_size_limit_says_so(run):
     assert f"saving {run}/ckpt/iter_0000006 failed: " in line, line
     assert f"(this process may write files of at most {limit} bytes (ulimit -f))" in line, line
     assert f"{run}/ckpt/iter_0000004 is intact" in line
+
+
+def test_a_kill_between_the_policy_and_value_model_saves_resumes_from_a_step_with_both(run, tmp_path):
+    """TraceRL's value model is saved under <root>_value after the policy's checkpoint: a SIGKILL between the two
+    left a newest policy checkpoint without its value model, and every rerun picked it and died loading the value
+    model ('does not exist: ... train one first'). A checkpoint now counts only with an intact value model beside
+    it (and rotation waits for both saves, so an older step with both is still there)."""
+    from megadare.convert.mcore_ckpt import newest_intact
+
+    policy, value = run / "ckpt", tmp_path / "ckpt_value"
+    shutil.copytree(policy, value)
+    shutil.rmtree(value / "iter_0000004")  # the kill came before the value model's rename
+    pick = newest_intact(str(policy), required=("train_state.json",), companions=(str(value),))
+    assert pick.path == str(policy / "iter_0000002")
+    assert pick.skipped == [
+        (str(policy / "iter_0000004"), f"its companion checkpoint is not intact: {value}/iter_0000004 is missing")
+    ]
+
+
+def test_a_changed_layout_says_the_random_states_start_fresh(run):
+    """A checkpoint of another layout loads resharded (model, optimiser), but each rank's random states belong to
+    its place in the saved layout: they were left behind without a word. The resume line now says so."""
+    state_file = run / "ckpt" / "iter_0000004" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state["world_size"], state["layout"] = 2, dict(state.get("layout", {}), tp=2)
+    state_file.write_text(json.dumps(state))
+    os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")  # checked against .metadata, as an older one
+    r = megadare(run, "train.steps=6")
+    assert r.returncode == 0, r.stderr
+    assert "random states not restored, the layout changed: world size 2 -> 1, tp 2 -> 1)" in r.stderr, r.stderr

@@ -188,7 +188,7 @@ def save_train_checkpoint(
         ) from None
     if _rank() == 0:
         _write_tracker(root, step)
-        _prune(root, keep_last, step)
+        prune_checkpoints(root, keep_last, step)
     _barrier()
     return final
 
@@ -229,6 +229,7 @@ def _write_train_checkpoint(
             state.train_state,
             step=step,
             world_size=world,
+            layout=_layout(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
         )
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
@@ -283,8 +284,9 @@ def latest_iteration(root: str) -> Optional[str]:
     return its[0] if its else None
 
 
-def _prune(root: str, keep_last: int, current: int) -> None:
-    if keep_last <= 0:
+def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
+    """Remove all but the newest ``keep_last`` ``iter_*`` under ``root`` (never ``current``; 0 keeps all); rank 0."""
+    if keep_last <= 0 or _rank() != 0:
         return
     its = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit())
     for it in its[:-keep_last]:
@@ -399,9 +401,29 @@ def load_train_checkpoint(
             scheduler.load_state_dict(state["scheduler"])
     rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if os.path.exists(rng_file) and state.get("world_size") == world:
+    saved = {"world size": state.get("world_size"), **(state.get("layout") or {})}
+    now = {"world size": world, **_layout()}
+    moved = [f"{k} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+    if os.path.exists(rng_file) and not moved:
         _set_rng_state(torch.load(rng_file, weights_only=False))
+    elif moved:  # each rank's random streams belong to its place in the saved layout: fresh ones, said
+        state["rng_note"] = f"random states not restored, the layout changed: {', '.join(moved)}"
     return state
+
+
+def _layout() -> dict[str, int]:
+    """This rank's parallel layout (megatron's group sizes), {} before megatron's groups exist."""
+    from megatron.core import parallel_state as ps  # heavy: this module loads without megatron
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
 
 
 _SCHEDULE_KEYS = {
@@ -457,15 +479,22 @@ def _decided_on_rank0(make):
 
 
 def resume_run(
-    root: str, trained: Trainable, src, written_by: str, source: Optional[str] = None, algo: Optional[str] = None
+    root: str,
+    trained: Trainable,
+    src,
+    written_by: str,
+    source: Optional[str] = None,
+    algo: Optional[str] = None,
+    companions: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
 
     Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
     another command (``written_by``, e.g. an SFT checkpoint under an RL run), another ``source`` checkpoint
-    directory (model.hf_path) or another RL algorithm (``algo``) is refused. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
+    directory (model.hf_path) or another RL algorithm (``algo``) is refused. A checkpoint counts only when its
+    namesakes under the ``companions`` roots (the value model's) are intact too. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
     schedule settings of this run that replace the checkpoint's."""
-    pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,)))
+    pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,), companions=companions))
     if pick.tracker_problem:
         _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")
     for d, problem in pick.skipped:
@@ -507,5 +536,6 @@ def resume_run(
     changes = state.get("schedule_changes") or []
     applied = f"; this run's settings replace the checkpoint's: {', '.join(changes)}" if changes else ""
     schedule = describe_schedule(scheduler, optimizer) if scheduler is not None else "none"
-    _say(f"resumed from {pick.path} at step {state['step']} (lr schedule: {schedule}{applied})")
+    rng = f"; {state['rng_note']}" if state.get("rng_note") else ""
+    _say(f"resumed from {pick.path} at step {state['step']} (lr schedule: {schedule}{applied}{rng})")
     return dict(state, resumed_from=pick.path)

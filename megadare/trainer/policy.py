@@ -28,6 +28,7 @@ from megadare.trainer.checkpoint import (
     Provenance,
     iteration_dir,
     load_train_checkpoint,
+    prune_checkpoints,
     resume_run,
     save_train_checkpoint,
 )
@@ -90,9 +91,12 @@ class Policy:
     def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
         """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
         (``checkpoint.save_train_checkpoint``), then the value model's of the same step."""
-        path = save_train_checkpoint(root, step, self, state, about, keep_last)
-        if self.value is not None:
-            self.value.save(root, step, about.meta, keep_last)
+        if self.value is None:
+            return save_train_checkpoint(root, step, self, state, about, keep_last)
+        path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
+        self.value.save(root, step, about.meta, keep_last=0)
+        for r in (root, self.value.root_of(root)):  # once both of this step are in place: a kill between the
+            prune_checkpoints(r, keep_last, step)  # two saves must leave an older step that has both
         return path
 
     def resume(
@@ -100,7 +104,8 @@ class Policy:
     ) -> dict[str, Any]:
         """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
         and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
-        state = resume_run(root, self, src, written_by, source=source, algo=algo)
+        companions = (ValueModel.root_of(root),) if self.value is not None else ()
+        state = resume_run(root, self, src, written_by, source=source, algo=algo, companions=companions)
         if state and self.value is not None:
             self.value.load(root, int(state["step"]))
         return state
