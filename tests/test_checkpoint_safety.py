@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -57,8 +58,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def megadare(run_dir, *overrides, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """``megadare sft`` on the tiny config in ``run_dir`` (through RUNNER, so env can patch the writers)."""
+def megadare(run_dir, *overrides, env=None, timeout=300, file_limit=None) -> subprocess.CompletedProcess:
+    """``megadare sft`` on the tiny config in ``run_dir`` (through RUNNER, so env can patch the writers);
+    ``file_limit``: the most bytes the process may write to one file (RLIMIT_FSIZE: the kernel refuses the rest)."""
+
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))) if file_limit else None
     return subprocess.run(
         [sys.executable, "-c", RUNNER, "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run_dir}", *overrides],
         capture_output=True,
@@ -66,6 +70,7 @@ def megadare(run_dir, *overrides, env=None, timeout=300) -> subprocess.Completed
         timeout=timeout,
         cwd=ROOT,
         env=dict(os.environ, **(env or {})),
+        preexec_fn=limit,
     )
 
 
@@ -418,20 +423,11 @@ def test_a_full_disk_while_logging_metrics_is_one_line(run):
     """metrics.jsonl cannot grow (RLIMIT_FSIZE: the kernel refuses the write, EFBIG, as a full disk refuses it with
     ENOSPC): a raw OSError traceback from the middle of a step; now one line naming the file and what to do, and a
     rerun resumes from the intact checkpoint."""
-    import resource
-
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join(lines + lines[:1] * 16) + "\n")  # longer than config.yaml
     limit = os.path.getsize(run / "metrics.jsonl") + 5
     assert limit > os.path.getsize(run / "config.yaml")
-    r = subprocess.run(
-        [sys.executable, "-m", "megadare", "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run}", "train.steps=6"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
-    )
+    r = megadare(run, "train.steps=6", file_limit=limit)
     assert r.returncode == 2, r.stderr
     line = one_error_line(r.stderr)
     assert f"writing the metrics of step 5 to {run}/metrics.jsonl failed: File too large;" in line, line
@@ -465,17 +461,8 @@ def test_a_changed_data_order_is_refused_on_resume(run):
 def test_a_save_stopped_by_a_file_size_limit_says_so(run):
     """torch's zip writer reports a write the kernel refused (RLIMIT_FSIZE here, a full disk alike) as 'unexpected
     pos 704 vs 598', naming no cause; the line now names the limit (and a nearly full disk)."""
-    import resource
-
     limit = os.path.getsize(run / "config.yaml") + 200  # config.yaml and the metrics fit, a checkpoint does not
-    r = subprocess.run(
-        [sys.executable, "-m", "megadare", "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run}", "train.steps=6"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
-    )
+    r = megadare(run, "train.steps=6", file_limit=limit)
     line = one_error_line(r.stderr)
     assert f"saving {run}/ckpt/iter_0000006 failed: " in line, line
     assert f"(this process may write files of at most {limit} bytes (ulimit -f))" in line, line

@@ -150,4 +150,7 @@ def test_a_previous_export_that_now_holds_a_run_is_not_replaced(sources, tmp_pat
     assert f"holds {out / 'metrics.jsonl'}" in refused(capsys, to_hf)
     assert tree(out) == {k: v for k, v in before.items() if not k.startswith("ckpt")}
     os.remove(out / "metrics.jsonl")
+    (out / "notes.md").write_text("mine")  # a file of a kind no export writes
+    assert f"holds {out / 'notes.md'}" in refused(capsys, to_hf)
+    os.remove(out / "notes.md")
     assert main(to_hf) == 0  # the export alone: replaced

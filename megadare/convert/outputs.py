@@ -118,14 +118,19 @@ def check_export_target(out: str, kind: str, sources: Iterable[str]) -> None:
 
 # what a training run writes into its directory: never part of an export (an export holds files, and hf/)
 RUN_FILES = (TRACKER, "metrics.jsonl", "metrics.rolled_back.jsonl", "megadare.lock", "config.yaml", "train_state.json")
+# the kinds of file an export writes: tensors, configs and marks, tokenizer files, remote code, DCP storage
+EXPORT_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".py", ".distcp", ".pt", ".metadata")
 
 
 def _not_written_by_an_export(path: str) -> str | None:
     """The first entry of a previous export at ``path`` that no export writes (a directory other than hf/, a run's
-    file), else None."""
+    file, a file of a kind no export writes), else None."""
     for name in sorted(os.listdir(path)):
         p = os.path.join(path, name)
-        if name in RUN_FILES or (os.path.isdir(p) and (name != HF_SUBDIR or _has_subdir(p))):
+        if os.path.isdir(p):
+            if name != HF_SUBDIR or _has_subdir(p):
+                return name
+        elif name in RUN_FILES or not name.endswith(EXPORT_SUFFIXES):
             return name
     return None
 
