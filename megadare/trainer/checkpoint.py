@@ -179,7 +179,8 @@ def save_train_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_iteration(root)
         raise MegatronCheckpointError(
-            f"saving {final} failed: {_os_reason(e)}{_space_hint(root)}; the partial {os.path.basename(tmp)} was removed"
+            f"saving {final} failed: {_os_reason(e)}{_space_hint(root)}; the partial {os.path.basename(tmp)} was "
+            "removed"
             + (
                 f" and {previous} is intact: fix the cause, then rerun the same command to resume from it"
                 if previous
@@ -485,15 +486,17 @@ def resume_run(
     written_by: str,
     source: Optional[str] = None,
     algo: Optional[str] = None,
-    companions: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
 
     Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
     another command (``written_by``, e.g. an SFT checkpoint under an RL run), another ``source`` checkpoint
     directory (model.hf_path) or another RL algorithm (``algo``) is refused. A checkpoint counts only when its
-    namesakes under the ``companions`` roots (the value model's) are intact too. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
-    schedule settings of this run that replace the checkpoint's."""
+    namesakes under ``trained.companion_roots(root)`` (the value model's, when it has one) are intact too.
+    Damaged checkpoints newer than the one resumed are moved aside (``_move_aside``). Prints ``resumed from <dir>
+    at step N (lr schedule: ...)``, naming the schedule settings of this run that replace the checkpoint's (and
+    random states left behind by a layout change)."""
+    companions = trained.companion_roots(root) if hasattr(trained, "companion_roots") else ()
     pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,), companions=companions))
     if pick.tracker_problem:
         _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")

@@ -99,13 +99,17 @@ class Policy:
             prune_checkpoints(r, keep_last, step)  # two saves must leave an older step that has both
         return path
 
+    def companion_roots(self, root: str) -> tuple[str, ...]:
+        """Checkpoint roots saved beside ``root`` at the same steps (the value model's): a step counts only with
+        them intact (``checkpoint.resume_run``)."""
+        return (ValueModel.root_of(root),) if self.value is not None else ()
+
     def resume(
         self, root: str, src, written_by: str, source: Optional[str], algo: Optional[str] = None
     ) -> dict[str, Any]:
         """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
         and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
-        companions = (ValueModel.root_of(root),) if self.value is not None else ()
-        state = resume_run(root, self, src, written_by, source=source, algo=algo, companions=companions)
+        state = resume_run(root, self, src, written_by, source=source, algo=algo)
         if state and self.value is not None:
             self.value.load(root, int(state["step"]))
         return state
