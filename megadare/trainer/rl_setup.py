@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megadare.config import Config
 from megadare.convert import mapping_for
 from megadare.data.prompt_data import load_rl_prompts
-from megadare.errors import ConfigError
+from megadare.errors import ConfigError, RunStateError
 from megadare.rewards import check_isolation, load_reward, runs_code, set_isolation
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
@@ -146,9 +146,11 @@ def _resume(run: RLRun) -> None:
     if run.snapshots is not None:
         snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
         if snaps is None and run.ahead:
-            raise RuntimeError(
+            raise RunStateError(
                 f"{resume_from} has no weight snapshots for this rank (a different layout or "
-                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected"
+                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected; resume "
+                "with the layout and offpolicy settings it was saved with, or start a new run from its weights "
+                "(checkpoint.load with a new logging.run_dir)"
             )
         run.snapshots.load_state_dict(snaps or {})
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
