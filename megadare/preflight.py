@@ -43,7 +43,7 @@ from megadare.rollout.sglang_engine import _import_sglang
 from megadare.trainer.checkpoint import check_same_model
 from megadare.trainer.model_setup import tokenizer_for
 from megadare.trainer.rl_setup import check_golds, prompt_budget
-from megadare.trainer.run_lock import holder_alive
+from megadare.trainer.run_lock import holder_alive, lock_dirs
 from megadare.trainer.dpo_loop import preference_record_keys
 from megadare.trainer.sft_loop import checkpoint_root, sft_record_keys
 from megadare.trainer.spec import ModelSource, RunSpec
@@ -196,10 +196,11 @@ def check_eval(cfg: Config) -> None:
 
 def check_run_dir(command: str, cfg: Config) -> None:
     """The run directory is not held by another live run; say what a start would resume from."""
-    held = holder_alive(cfg.logging.run_dir)
-    if held:
-        raise RunStateError(held)
     root = checkpoint_root(cfg)
+    for d in lock_dirs(cfg.logging.run_dir, root):
+        held = holder_alive(d)
+        if held:
+            raise RunStateError(held)
     pick = newest_intact(root, required=("train_state.json",))
     for d, problem in pick.skipped:
         _note(f"a start would pass over {d}: {problem}")

@@ -8,8 +8,10 @@ test works on a copy of its run directory."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -20,6 +22,7 @@ import time
 import psutil
 import pytest
 
+LOCK_FILE = "megadare.lock"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")
 TINY = [
@@ -55,8 +58,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def megadare(run_dir, *overrides, env=None, timeout=300) -> subprocess.CompletedProcess:
-    """``megadare sft`` on the tiny config in ``run_dir`` (through RUNNER, so env can patch the writers)."""
+def megadare(run_dir, *overrides, env=None, timeout=300, file_limit=None) -> subprocess.CompletedProcess:
+    """``megadare sft`` on the tiny config in ``run_dir`` (through RUNNER, so env can patch the writers);
+    ``file_limit``: the most bytes the process may write to one file (RLIMIT_FSIZE: the kernel refuses the rest)."""
+
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, file_limit))) if file_limit else None
     return subprocess.run(
         [sys.executable, "-c", RUNNER, "sft", "--config", CONFIG, *TINY, f"logging.run_dir={run_dir}", *overrides],
         capture_output=True,
@@ -64,6 +70,7 @@ def megadare(run_dir, *overrides, env=None, timeout=300) -> subprocess.Completed
         timeout=timeout,
         cwd=ROOT,
         env=dict(os.environ, **(env or {})),
+        preexec_fn=limit,
     )
 
 
@@ -176,6 +183,7 @@ def test_resume_passes_over_a_damaged_checkpoint_and_rolls_metrics_back(run):
     assert sorted(os.listdir(ckpt)) == [
         "iter_0000002",
         "iter_0000004",
+        "iter_0000004.damaged",  # moved aside when the run resumed before it, kept
         "iter_0000006",
         "latest_checkpointed_iteration.txt",
     ]
@@ -350,3 +358,142 @@ def test_checkpoint_writers_die_with_the_trainer(tmp_path):
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
         log.close()
+
+
+# ---------------------------------------------------------------- second red team (holes the first round missed)
+def test_two_runs_sharing_one_checkpoint_root_are_refused(run, tmp_path):
+    """The lock covers checkpoint.save too: a second run with its own logging.run_dir but the first run's
+    checkpoint root would prune and replace the first run's checkpoints."""
+    from megadare.trainer.run_lock import LOCK
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = {"pid": holder.pid, "host": socket.gethostname(), "started": psutil.Process(holder.pid).create_time()}
+        (run / "ckpt" / LOCK).write_text(json.dumps(dict(lock, time="earlier")))
+        other = tmp_path / "other"
+        r = megadare(other, "train.steps=6", f"checkpoint.save={run / 'ckpt'}")
+        assert r.returncode == 2, r.stderr
+        assert f"{run / 'ckpt'} is in use by pid {holder.pid}" in one_error_line(r.stderr)
+        assert "iter_0000006" not in os.listdir(run / "ckpt")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_lock_that_cannot_be_written_leaves_no_empty_lock(tmp_path, monkeypatch):
+    """ENOSPC (or a SIGKILL) between creating the lock and writing its holder left an empty megadare.lock that
+    refused every later run as 'in use by pid ? on ?'. The lock is now written aside and linked into place; an
+    empty or garbled lock (left by an older megadare) names no live holder and is taken over."""
+    from megadare.trainer import run_lock
+
+    real_dump = json.dump
+
+    def full_disk(obj, f, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_lock.json, "dump", full_disk)
+    with pytest.raises(OSError):
+        run_lock.acquire(str(tmp_path))
+    monkeypatch.setattr(run_lock.json, "dump", real_dump)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / run_lock.LOCK).write_text("")  # what the old code left
+    assert run_lock.holder_alive(str(tmp_path)) is None
+    assert "names no holder" in run_lock.acquire(str(tmp_path))
+    run_lock.release(str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_rotation_never_deletes_the_intact_checkpoint_behind_a_damaged_newer_one(run):
+    """iter_4 is damaged, the run resumes from iter_2 and saves iter_3 with keep_last=2: rotation used to keep
+    iter_3 and the damaged iter_4 and delete iter_2, leaving one intact checkpoint; the damaged one of the
+    rolled-back steps is now moved aside (never deleted) when the run resumes before it."""
+    ckpt = run / "ckpt"
+    shard = next(p for p in (ckpt / "iter_0000004").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    r = megadare(run, "train.steps=3", "checkpoint.save_interval=1", "checkpoint.keep_last=2")
+    assert r.returncode == 0, r.stderr
+    names = sorted(os.listdir(ckpt))
+    assert "iter_0000002" in names and "iter_0000003" in names, names
+    assert "iter_0000004" not in names and any(n.startswith("iter_0000004.damaged") for n in names), names
+    assert "moved it aside" in r.stderr
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_a_full_disk_while_logging_metrics_is_one_line(run):
+    """metrics.jsonl cannot grow (RLIMIT_FSIZE: the kernel refuses the write, EFBIG, as a full disk refuses it with
+    ENOSPC): a raw OSError traceback from the middle of a step; now one line naming the file and what to do, and a
+    rerun resumes from the intact checkpoint."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join(lines + lines[:1] * 16) + "\n")  # longer than config.yaml
+    limit = os.path.getsize(run / "metrics.jsonl") + 5
+    assert limit > os.path.getsize(run / "config.yaml")
+    r = megadare(run, "train.steps=6", file_limit=limit)
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"writing the metrics of step 5 to {run}/metrics.jsonl failed: File too large;" in line, line
+    assert not (run / LOCK_FILE).exists()
+    assert sorted(os.listdir(run / "ckpt"))[-2:] == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_changed_data_order_is_refused_on_resume(run):
+    """A resumed run takes the batch of step s from (seed, s, global batch size, number of examples): changing any
+    of them moved the run to another place in another order, skipping and repeating examples, without a word."""
+    for change, said in [
+        ("train.global_batch_size=8", "train.global_batch_size 4 -> 8"),
+        ("seed=7", "seed 1234 -> 7"),
+        ("data.synthetic_size=80", "the number of examples (data files) 64 -> 80"),
+    ]:
+        r = megadare(run, "train.steps=6", change)
+        assert r.returncode == 2, (change, r.stderr)
+        line = one_error_line(r.stderr)
+        assert f"{run}/ckpt/iter_0000004 was trained 4 steps in another data order ({said})" in line, line
+    assert steps_logged(run) == [1, 2, 3, 4]
+    # a checkpoint written before the order was saved: its consumed count still tells a changed batch size
+    state_file = run / "ckpt" / "iter_0000004" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    del state["data_order"]
+    state_file.write_text(json.dumps(state))
+    os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")  # as an older megadare wrote it
+    r = megadare(run, "train.steps=6", "train.global_batch_size=8")
+    assert "(train.global_batch_size 4 -> 8)" in one_error_line(r.stderr)
+
+
+def test_a_save_stopped_by_a_file_size_limit_says_so(run):
+    """torch's zip writer reports a write the kernel refused (RLIMIT_FSIZE here, a full disk alike) as 'unexpected
+    pos 704 vs 598', naming no cause; the line now names the limit (and a nearly full disk)."""
+    limit = os.path.getsize(run / "config.yaml") + 200  # config.yaml and the metrics fit, a checkpoint does not
+    r = megadare(run, "train.steps=6", file_limit=limit)
+    line = one_error_line(r.stderr)
+    assert f"saving {run}/ckpt/iter_0000006 failed: " in line, line
+    assert f"(this process may write files of at most {limit} bytes (ulimit -f))" in line, line
+    assert f"{run}/ckpt/iter_0000004 is intact" in line
+
+
+def test_a_kill_between_the_policy_and_value_model_saves_resumes_from_a_step_with_both(run, tmp_path):
+    """TraceRL's value model is saved under <root>_value after the policy's checkpoint: a SIGKILL between the two
+    left a newest policy checkpoint without its value model, and every rerun picked it and died loading the value
+    model ('does not exist: ... train one first'). A checkpoint now counts only with an intact value model beside
+    it (and rotation waits for both saves, so an older step with both is still there)."""
+    from megadare.convert.mcore_ckpt import newest_intact
+
+    policy, value = run / "ckpt", tmp_path / "ckpt_value"
+    shutil.copytree(policy, value)
+    shutil.rmtree(value / "iter_0000004")  # the kill came before the value model's rename
+    pick = newest_intact(str(policy), required=("train_state.json",), companions=(str(value),))
+    assert pick.path == str(policy / "iter_0000002")
+    assert pick.skipped == [
+        (str(policy / "iter_0000004"), f"its companion checkpoint is not intact: {value}/iter_0000004 is missing")
+    ]
+
+
+def test_a_changed_layout_says_the_random_states_start_fresh(run):
+    """A checkpoint of another layout loads resharded (model, optimiser), but each rank's random states belong to
+    its place in the saved layout: they were left behind without a word. The resume line now says so."""
+    state_file = run / "ckpt" / "iter_0000004" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state["world_size"], state["layout"] = 2, dict(state.get("layout", {}), tp=2)
+    state_file.write_text(json.dumps(state))
+    os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")  # checked against .metadata, as an older one
+    r = megadare(run, "train.steps=6")
+    assert r.returncode == 0, r.stderr
+    assert "random states not restored, the layout changed: world size 2 -> 1, tp 2 -> 1)" in r.stderr, r.stderr

@@ -130,3 +130,27 @@ def test_a_failing_export_leaves_out_untouched(sources, tmp_path, monkeypatch, c
     assert f"writing --out {out} failed: No space left on device; nothing of this export was kept" in err
     assert tree(out) == before
     assert sorted(os.listdir(tmp_path)) == ["exported"]
+
+
+def test_a_previous_export_that_now_holds_a_run_is_not_replaced(sources, tmp_path, capsys):
+    """A previous HF export later used as a run directory (its checkpoints, metrics, a sub-run): re-exporting into
+    it used to pass the check (its mark says "hf") and replace it whole, deleting the run. An export holds files
+    (and the Megatron export's hf/); anything else in it is refused, by name."""
+    hf, run = sources
+    out = tmp_path / "exported"
+    to_hf = ["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)]
+    assert main(to_hf) == 0
+    (out / "ckpt" / "iter_0000003").mkdir(parents=True)
+    (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = tree(out)
+    line = refused(capsys, to_hf)
+    assert f"--out {out} holds {out / 'ckpt'}, which no hf export writes" in line, line
+    shutil.rmtree(out / "ckpt")
+    assert f"holds {out / 'metrics.jsonl'}" in refused(capsys, to_hf)
+    assert tree(out) == {k: v for k, v in before.items() if not k.startswith("ckpt")}
+    os.remove(out / "metrics.jsonl")
+    (out / "notes.md").write_text("mine")  # a file of a kind no export writes
+    assert f"holds {out / 'notes.md'}" in refused(capsys, to_hf)
+    os.remove(out / "notes.md")
+    assert main(to_hf) == 0  # the export alone: replaced

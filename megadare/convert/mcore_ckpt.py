@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _item_size
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megadare.convert.manifest import check_checkpoint, write_manifest
-from megadare.convert.outputs import TRACKER, publish, staging_dir
+from megadare.convert.manifest import Verdict, check_checkpoint, write_manifest
+from megadare.convert.outputs import HF_SUBDIR, TRACKER, publish, staging_dir
 from megadare.models.safetensors_io import copy_passthrough_files
 
 SHARDED_SD_METADATA = {"singleton_local_shards": True}
-HF_SUBDIR = "hf"
+
 MEGADARE_META = "megadare.json"
 # What megatron's dist_checkpointing writes as metadata.json for the torch_dist backend.
 _MCORE_METADATA = {
@@ -167,10 +167,11 @@ def iteration_dirs(root: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(names, key=lambda d: int(d[5:]), reverse=True)]
 
 
-def newest_intact(root: str, required: tuple[str, ...] = ()) -> Resumable:
-    """The newest ``iter_*`` checkpoint under ``root`` whose manifest holds (``convert.manifest``) and that has the
-    ``required`` files; the tracker is only a hint (a crash between the rename and the tracker update leaves a
-    newer complete checkpoint). ``path`` is None when there is no checkpoint at all."""
+def newest_intact(root: str, required: tuple[str, ...] = (), companions: tuple[str, ...] = ()) -> Resumable:
+    """The newest ``iter_*`` checkpoint under ``root`` whose manifest holds (``convert.manifest``), that has the
+    ``required`` files and whose namesake under each of the ``companions`` roots (TraceRL's value model, saved
+    after the policy) is intact too; the tracker is only a hint (a crash between the rename and the tracker
+    update leaves a newer complete checkpoint). ``path`` is None when there is no checkpoint at all."""
     out = Resumable(None)
     try:
         read_tracker(root)
@@ -181,6 +182,12 @@ def newest_intact(root: str, required: tuple[str, ...] = ()) -> Resumable:
         missing = [f for f in required if not os.path.exists(os.path.join(d, f))]
         if v.intact and missing:
             v.intact, v.problem = False, f"{os.path.join(d, missing[0])} is missing"
+        for c in companions if v.intact else ():
+            twin = os.path.join(c, os.path.basename(d))
+            w = check_checkpoint(twin) if os.path.isdir(twin) else Verdict(False, f"{twin} is missing")
+            if not w.intact:
+                v.intact, v.problem = False, f"its companion checkpoint is not intact: {w.problem}"
+                break
         if v.intact:
             out.path, out.legacy = d, v.legacy
             return out

@@ -25,6 +25,7 @@ from megadare.models.safetensors_io import fresh_sibling
 
 EXPORT_MARK = ".megadare-export.json"
 TRACKER = "latest_checkpointed_iteration.txt"
+HF_SUBDIR = "hf"  # a Megatron checkpoint's (and export's) config and tokenizer files
 KINDS = ("megatron", "hf", "hf-fp8", "hf-nvfp4", "hf-fp8-block")
 
 
@@ -106,6 +107,32 @@ def check_export_target(out: str, kind: str, sources: Iterable[str]) -> None:
                 f"--out {out} is not empty and is {what}; megadare only replaces a previous {kind} "
                 "export: choose a new directory, or empty this one yourself"
             )
+        foreign = _not_written_by_an_export(target)
+        if foreign:
+            raise OutputError(
+                f"--out {out} holds {os.path.join(out, foreign)}, which no {kind} export writes (was the export "
+                "used as a run directory?); replacing the export would delete it: move it out, or choose a new "
+                "directory"
+            )
+
+
+# what a training run writes into its directory: never part of an export (an export holds files, and hf/)
+RUN_FILES = (TRACKER, "metrics.jsonl", "metrics.rolled_back.jsonl", "megadare.lock", "config.yaml", "train_state.json")
+# the kinds of file an export writes: tensors, configs and marks, tokenizer files, remote code, DCP storage
+EXPORT_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".py", ".distcp", ".pt", ".metadata")
+
+
+def _not_written_by_an_export(path: str) -> str | None:
+    """The first entry of a previous export at ``path`` that no export writes (a directory other than hf/, a run's
+    file, a file of a kind no export writes), else None."""
+    for name in sorted(os.listdir(path)):
+        p = os.path.join(path, name)
+        if os.path.isdir(p):
+            if name != HF_SUBDIR or _has_subdir(p):
+                return name
+        elif name in RUN_FILES or not name.endswith(EXPORT_SUFFIXES):
+            return name
+    return None
 
 
 def staging_dir(out: str) -> str:
@@ -131,3 +158,8 @@ def publish(staging: str, out: str) -> str:
     else:
         os.replace(staging, out)
     return out
+
+
+def _has_subdir(path: str) -> bool:
+    with os.scandir(path) as it:
+        return any(e.is_dir() for e in it)

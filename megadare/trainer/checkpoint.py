@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import shutil
 import sys
 import warnings
@@ -178,7 +179,8 @@ def save_train_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_iteration(root)
         raise MegatronCheckpointError(
-            f"saving {final} failed: {_os_reason(e)}; the partial {os.path.basename(tmp)} was removed"
+            f"saving {final} failed: {_os_reason(e)}{_space_hint(root)}; the partial {os.path.basename(tmp)} was "
+            "removed"
             + (
                 f" and {previous} is intact: fix the cause, then rerun the same command to resume from it"
                 if previous
@@ -186,13 +188,17 @@ def save_train_checkpoint(
             )
         ) from None
     if _rank() == 0:
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(step))
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
-        _prune(root, keep_last, step)
+        _write_tracker(root, step)
+        prune_checkpoints(root, keep_last, step)
     _barrier()
     return final
+
+
+def _write_tracker(root: str, step: int) -> None:
+    tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tracker_tmp, os.path.join(root, TRACKER))
 
 
 def _write_train_checkpoint(
@@ -224,6 +230,7 @@ def _write_train_checkpoint(
             state.train_state,
             step=step,
             world_size=world,
+            layout=_layout(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
         )
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
@@ -256,14 +263,31 @@ def _os_reason(e: BaseException) -> str:
     return f"{type(innermost).__name__}: {first[0] if first else ''}"
 
 
+def _space_hint(root: str) -> str:
+    """What may have stopped a write that failed without saying why (torch's zip writer reports a full disk or a
+    file-size limit as 'unexpected pos'): a file-size limit of this process, a nearly full disk under ``root``."""
+    said = []
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        said.append(f"this process may write files of at most {limit} bytes (ulimit -f)")
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if free is not None and free < 1 << 30:
+        said.append(f"the disk of {root} has {free >> 20} MiB free")
+    return f" ({'; '.join(said)})" if said else ""
+
+
 def latest_iteration(root: str) -> Optional[str]:
     """The newest ``iter_*`` directory under ``root`` (unchecked), or None."""
     its = iteration_dirs(root)
     return its[0] if its else None
 
 
-def _prune(root: str, keep_last: int, current: int) -> None:
-    if keep_last <= 0:
+def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
+    """Remove all but the newest ``keep_last`` ``iter_*`` under ``root`` (never ``current``; 0 keeps all); rank 0."""
+    if keep_last <= 0 or _rank() != 0:
         return
     its = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit())
     for it in its[:-keep_last]:
@@ -378,9 +402,29 @@ def load_train_checkpoint(
             scheduler.load_state_dict(state["scheduler"])
     rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if os.path.exists(rng_file) and state.get("world_size") == world:
+    saved = {"world size": state.get("world_size"), **(state.get("layout") or {})}
+    now = {"world size": world, **_layout()}
+    moved = [f"{k} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+    if os.path.exists(rng_file) and not moved:
         _set_rng_state(torch.load(rng_file, weights_only=False))
+    elif moved:  # each rank's random streams belong to its place in the saved layout: fresh ones, said
+        state["rng_note"] = f"random states not restored, the layout changed: {', '.join(moved)}"
     return state
+
+
+def _layout() -> dict[str, int]:
+    """This rank's parallel layout (megatron's group sizes), {} before megatron's groups exist."""
+    from megatron.core import parallel_state as ps  # heavy: this module loads without megatron
+
+    if not ps.model_parallel_is_initialized():
+        return {}
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
 
 
 _SCHEDULE_KEYS = {
@@ -415,6 +459,18 @@ def _say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def _move_aside(damaged: str) -> str:
+    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.damaged[-N]`` (kept, never deleted):
+    under its ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it,
+    and a later resume could mix its steps with the retrained ones."""
+    for n in range(1, 1000):
+        aside = f"{damaged}.damaged" + (f"-{n}" if n > 1 else "")
+        if not os.path.lexists(aside):
+            os.rename(damaged, aside)
+            return aside
+    raise MegatronCheckpointError(f"{damaged}: too many .damaged copies beside it; remove some")
+
+
 def _decided_on_rank0(make):
     """``make()`` on rank 0, the same object on every rank (one view of a shared filesystem)."""
     box = [make() if _rank() == 0 else None]
@@ -424,19 +480,33 @@ def _decided_on_rank0(make):
 
 
 def resume_run(
-    root: str, trained: Trainable, src, written_by: str, source: Optional[str] = None, algo: Optional[str] = None
+    root: str,
+    trained: Trainable,
+    src,
+    written_by: str,
+    source: Optional[str] = None,
+    algo: Optional[str] = None,
 ) -> dict[str, Any]:
     """Resume a run from the newest intact checkpoint under ``root`` (collective); {} when there is none.
 
     Damaged checkpoints (manifest check) are passed over, saying which and why; a checkpoint of another model,
     another command (``written_by``, e.g. an SFT checkpoint under an RL run), another ``source`` checkpoint
-    directory (model.hf_path) or another RL algorithm (``algo``) is refused. Prints ``resumed from <dir> at step N (lr schedule: ...)``, naming the
-    schedule settings of this run that replace the checkpoint's."""
-    pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,)))
+    directory (model.hf_path) or another RL algorithm (``algo``) is refused. A checkpoint counts only when its
+    namesakes under ``trained.companion_roots(root)`` (the value model's, when it has one) are intact too.
+    Damaged checkpoints newer than the one resumed are moved aside (``_move_aside``). Prints ``resumed from <dir>
+    at step N (lr schedule: ...)``, naming the schedule settings of this run that replace the checkpoint's (and
+    random states left behind by a layout change)."""
+    companions = trained.companion_roots(root) if hasattr(trained, "companion_roots") else ()
+    pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,), companions=companions))
     if pick.tracker_problem:
         _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")
     for d, problem in pick.skipped:
         _say(f"checkpoint: passing over {d}: {problem}")
+    if pick.path is not None and _rank() == 0:
+        for d, _ in pick.skipped:
+            _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
+        if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
+            _write_tracker(root, int(os.path.basename(pick.path)[5:]))
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(
@@ -469,5 +539,6 @@ def resume_run(
     changes = state.get("schedule_changes") or []
     applied = f"; this run's settings replace the checkpoint's: {', '.join(changes)}" if changes else ""
     schedule = describe_schedule(scheduler, optimizer) if scheduler is not None else "none"
-    _say(f"resumed from {pick.path} at step {state['step']} (lr schedule: {schedule}{applied})")
+    rng = f"; {state['rng_note']}" if state.get("rng_note") else ""
+    _say(f"resumed from {pick.path} at step {state['step']} (lr schedule: {schedule}{applied}{rng})")
     return dict(state, resumed_from=pick.path)

@@ -7,7 +7,14 @@ Epoch e is a permutation of the examples seeded by (seed, e); the global batch o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from megadare.errors import RunStateError
+
+# the settings that fix the order, with the config key that sets each
+ORDER_KEYS = {"examples": "the number of examples (data files)", "batch": "", "seed": "seed", "shuffle": "data.shuffle"}
 
 
 class StepSampler:
@@ -37,3 +44,26 @@ class StepSampler:
 
     def epoch(self, step: int) -> float:
         return step * self.bs / self.n
+
+    def settings(self) -> dict[str, Any]:
+        """What fixes the order (saved in a checkpoint, compared on resume: ``check_same_order``)."""
+        return {"examples": self.n, "batch": self.bs, "seed": self.seed, "shuffle": self.shuffle}
+
+
+def check_same_order(state: dict[str, Any], sampler: StepSampler, batch_key: str, consumed_key: str) -> None:
+    """Refuse (RunStateError, one line) to resume a checkpoint's ``state`` with a sampler that orders the data
+    otherwise: the batch of step s would no longer follow the batches already trained on, so examples would be
+    skipped or repeated without a word. ``batch_key`` names the batch-size setting; a checkpoint from before
+    the order was saved is checked by its ``consumed_key`` count."""
+    now, step = sampler.settings(), int(state.get("step", 0))
+    saved = dict(state.get("data_order") or {})
+    if not saved and step and isinstance(state.get(consumed_key), int):
+        saved["batch"] = state[consumed_key] // step if state[consumed_key] % step == 0 else state[consumed_key] / step
+    names = dict(ORDER_KEYS, batch=batch_key)
+    diff = [f"{names[k]} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+    if diff:
+        raise RunStateError(
+            f"{state.get('resumed_from', 'the checkpoint')} was trained {step} steps in another data order "
+            f"({', '.join(diff)}): resuming would skip or repeat examples; set them back, or start a new run from "
+            "its weights (checkpoint.load=<that checkpoint> with a new logging.run_dir)"
+        )

@@ -53,7 +53,7 @@ def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     spec = resolve(cfg, launched_world(), job="dpo")
     init_distributed(spec.layout, seed=cfg.seed)
     try:
-        with run_dir_lock(cfg.logging.run_dir):
+        with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
             run = setup_dpo(spec)
             out = train_steps(
                 run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples), "dpo", max_steps

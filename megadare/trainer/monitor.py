@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megadare.config import to_yaml
+from megadare.errors import RunStateError
 
 
 def _is_rank0() -> bool:
@@ -69,13 +70,21 @@ class Monitor:
             self.bar.set_postfix(shown, refresh=False)
         if advance and step % self.log_interval:
             return
-        if self.writer is not None:
-            for k, v in metrics.items():
-                self.writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
-            self.writer.flush()
-        if self.jsonl_path:
-            with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        try:
+            if self.writer is not None:
+                for k, v in metrics.items():
+                    self.writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
+                self.writer.flush()
+            if self.jsonl_path:
+                with open(self.jsonl_path, "a") as f:
+                    f.write(json.dumps({"step": step, **metrics}) + "\n")
+        except OSError as e:  # a full disk, a file-size limit: one line, not a traceback from the middle of a step
+            where = e.filename or self.jsonl_path
+            self.close()  # the bar ends its line: the error stands on its own
+            raise RunStateError(
+                f"writing the metrics of step {step} to {where} failed: {e.strerror or e}; the steps since the "
+                "newest checkpoint are lost: free space, then rerun the same command to resume from it"
+            ) from None
 
     def close(self) -> None:
         if self.bar is not None:

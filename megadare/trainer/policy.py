@@ -28,6 +28,7 @@ from megadare.trainer.checkpoint import (
     Provenance,
     iteration_dir,
     load_train_checkpoint,
+    prune_checkpoints,
     resume_run,
     save_train_checkpoint,
 )
@@ -90,10 +91,18 @@ class Policy:
     def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
         """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
         (``checkpoint.save_train_checkpoint``), then the value model's of the same step."""
-        path = save_train_checkpoint(root, step, self, state, about, keep_last)
-        if self.value is not None:
-            self.value.save(root, step, about.meta, keep_last)
+        if self.value is None:
+            return save_train_checkpoint(root, step, self, state, about, keep_last)
+        path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
+        self.value.save(root, step, about.meta, keep_last=0)
+        for r in (root, self.value.root_of(root)):  # once both of this step are in place: a kill between the
+            prune_checkpoints(r, keep_last, step)  # two saves must leave an older step that has both
         return path
+
+    def companion_roots(self, root: str) -> tuple[str, ...]:
+        """Checkpoint roots saved beside ``root`` at the same steps (the value model's): a step counts only with
+        them intact (``checkpoint.resume_run``)."""
+        return (ValueModel.root_of(root),) if self.value is not None else ()
 
     def resume(
         self, root: str, src, written_by: str, source: Optional[str], algo: Optional[str] = None

@@ -25,6 +25,7 @@ from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 from megadare.trainer.rl_update import Correction, StepUpdate, TrainShape, replay_select
 from megadare.trainer.run_lock import run_dir_lock
+from megadare.trainer.sft_loop import checkpoint_root
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -39,7 +40,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     with ExitStack() as cleanup:
         init_distributed(spec.layout, seed=cfg.seed)
         cleanup.callback(destroy_distributed)
-        cleanup.enter_context(run_dir_lock(cfg.logging.run_dir))
+        cleanup.enter_context(run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)))
         run = cleanup.enter_context(rl_run(spec))
         if run.step >= cfg.rl.steps:
             return finished_run(run)

@@ -18,12 +18,12 @@ from megadare.config import Config
 from megadare.convert import mapping_for
 from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
-from megadare.errors import ConfigError
+from megadare.errors import ConfigError, RunStateError
 from megadare.rewards import check_isolation, gold_problem, load_reward, runs_code, set_isolation
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
-from megadare.trainer.data_order import StepSampler
+from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
 from megadare.trainer.offpolicy.correction import needs_snapshots
@@ -156,15 +156,18 @@ def _resume(run: RLRun) -> None:
     state = pol.resume(run.save_root, run.spec.source, "megadare rl", hf, algo=run.algo.name)
     if not state:
         return
+    check_same_order(state, run.rollouts.sampler, "rl.prompts_per_step", "consumed_prompts")
     resume_from, run.step = state["resumed_from"], int(state["step"])
     run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
     if run.snapshots is not None:
         snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
         if snaps is None and run.ahead:
-            raise RuntimeError(
+            raise RunStateError(
                 f"{resume_from} has no weight snapshots for this rank (a different layout or "
-                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected"
+                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected; resume "
+                "with the layout and offpolicy settings it was saved with, or start a new run from its weights "
+                "(checkpoint.load with a new logging.run_dir)"
             )
         run.snapshots.load_state_dict(snaps or {})
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
@@ -188,7 +191,12 @@ def save_run(run: RLRun) -> None:
         else None
     )
     saved = CheckpointState(
-        {"rl_step": step, "consumed_prompts": step * cfg.rl.prompts_per_step, "evals": run.evals},
+        {
+            "rl_step": step,
+            "consumed_prompts": step * cfg.rl.prompts_per_step,
+            "evals": run.evals,
+            "data_order": run.rollouts.sampler.settings(),
+        },
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
     )

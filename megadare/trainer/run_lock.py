@@ -6,6 +6,10 @@ metrics.jsonl and trip over each other's temporary checkpoint directories. A loc
 (SIGKILL, a node failure) is taken over, saying so, when it can be shown dead: its pid is gone from this host (or
 is another process, by start time), or it belongs to this same Slurm job (a requeue, possibly on another node).
 A lock from another host that cannot be checked is refused with the fix: remove the file once that run is gone.
+The lock is written aside and linked into place, so it never exists half-written (a full disk or a SIGKILL
+while writing it used to leave an empty lock that refused every later run); an empty or garbled lock names no
+holder and is taken over. A run whose ``checkpoint.save`` lies outside its run directory locks that root too: two
+runs sharing one checkpoint root would prune and replace each other's checkpoints.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def _me() -> dict:
 
 def _holder_dead(holder: dict, me: dict) -> Optional[str]:
     """Why the holder of a lock is known to be gone, or None when it may be alive."""
+    if not holder:
+        return "it names no holder (an empty or damaged lock file)"
     if holder.get("slurm_job") and holder["slurm_job"] == me["slurm_job"]:
         return f"it belongs to this Slurm job {me['slurm_job']} (requeued)"
     if holder.get("host") != me["host"]:
@@ -70,6 +76,32 @@ def _read(path: str) -> dict:
         return {}
 
 
+def _create(path: str, me: dict) -> None:
+    """``path`` holding ``me``, created only if absent (FileExistsError otherwise), never seen half-written: written
+    to a private file, then hard-linked into place (where links are refused: exclusive create, then write)."""
+    tmp = f"{path}.{me['pid']}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(me, f)
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            raise
+        except OSError:  # a filesystem without hard links
+            pass
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except BaseException:
+            os.remove(path)
+            raise
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+
+
 def acquire(run_dir: str) -> str:
     """Create the lock (rank 0); returns a note when a dead run's lock was taken over, else ''. Raises
     RunStateError when another live (or uncheckable) run holds it."""
@@ -78,7 +110,7 @@ def acquire(run_dir: str) -> str:
     me, note = _me(), ""
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            _create(path, me)
         except FileExistsError:
             holder = _read(path)
             why = _holder_dead(holder, me)
@@ -90,8 +122,6 @@ def acquire(run_dir: str) -> str:
             except FileNotFoundError:
                 pass
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
         return note
     raise RunStateError(f"{path}: could not take the run lock (another run is starting on {run_dir}?)")
 
@@ -120,18 +150,38 @@ def release(run_dir: str) -> None:
         os.remove(path)
 
 
+def lock_dirs(run_dir: str, *also: str) -> list[str]:
+    """The directories a run locks: ``run_dir``, and each of ``also`` (its checkpoint root) that lies outside it
+    (by real path: a symlink or ``..`` does not hide a directory)."""
+    base = os.path.realpath(run_dir)
+    out = [run_dir]
+    for d in also:
+        real = os.path.realpath(d)
+        if os.path.commonpath([real, base]) != base and real not in map(os.path.realpath, out):
+            out.append(d)
+    return out
+
+
 @contextmanager
-def run_dir_lock(run_dir: str) -> Iterator[None]:
-    """Hold ``run_dir``'s lock for the run (collective: rank 0 takes it, every rank learns the outcome)."""
+def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
+    """Hold the lock of ``run_dir`` and of each directory in ``also`` outside it (the checkpoint root) for the run
+    (collective: rank 0 takes them, every rank learns the outcome)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    outcome = [None]
+    dirs = lock_dirs(run_dir, *also)
+    outcome, held = [None], []
     if rank0:
         try:
-            note = acquire(run_dir)
-            if note:
-                print(note, file=sys.stderr, flush=True)
+            for d in dirs:
+                note = acquire(d)
+                held.append(d)
+                if note:
+                    print(note, file=sys.stderr, flush=True)
         except RunStateError as e:
             outcome[0] = str(e)
+        finally:
+            if outcome[0] or len(held) < len(dirs):  # refused, or acquire raised: give back what was taken
+                for d in held:
+                    release(d)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
@@ -140,4 +190,5 @@ def run_dir_lock(run_dir: str) -> Iterator[None]:
         yield
     finally:
         if rank0:
-            release(run_dir)
+            for d in held:
+                release(d)

@@ -27,7 +27,7 @@ from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
 from megadare.parallel import destroy_distributed, init_distributed
 from megadare.parallel.layout import Layout
-from megadare.trainer.data_order import StepSampler
+from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.flops import peak_tflops, step_flops
 from megadare.trainer.checkpoint import CheckpointState, Provenance
 from megadare.trainer.loop import Loop
@@ -121,7 +121,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     spec = resolve(cfg, launched_world(), job="sft")
     layout = init_distributed(spec.layout, seed=cfg.seed)
     try:
-        with run_dir_lock(cfg.logging.run_dir):
+        with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
             run = setup_sft(spec)
             out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
         return {**out, "layout": {**asdict(layout), "dp": layout.dp}, "data": run.data_stats}
@@ -135,7 +135,7 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
     ``save(run)`` every ``checkpoint.save_interval`` steps, at the end and on SIGTERM. ``run`` has cfg, step and
     save_root; ``step_fn(indices)`` returns the step's metrics and ``step_fn.add_speed`` adds the speed ones."""
     cfg, steps = run.cfg, run.cfg.train.steps
-    sampler = StepSampler(n_examples, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle)
+    sampler = sampler_of(run, n_examples)
     loop = Loop(steps, run.step, Monitor(cfg.logging, steps, start_step=run.step, desc=desc), max_steps)
     history: list[dict[str, float]] = []
     while loop.running(run.step):
@@ -157,6 +157,13 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
         "checkpoint_root": run.save_root,
         "already_finished": loop.start >= steps,
     }
+
+
+def sampler_of(run, n_examples: Optional[int] = None) -> StepSampler:
+    """The order of ``run``'s examples: global batches of ``train.global_batch_size``, from ``seed``."""
+    cfg = run.cfg
+    n = len(run.examples) if n_examples is None else n_examples
+    return StepSampler(n, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle)
 
 
 def setup_sft(spec: RunSpec) -> SFTRun:
@@ -194,6 +201,8 @@ def resume(run, written_by: str) -> dict:
     Returns the checkpoint's train state ({} for a fresh run)."""
     cfg = run.cfg
     state = run.policy.resume(run.save_root, run.src, written_by, None if cfg.model.tiny else cfg.model.hf_path)
+    if state:
+        check_same_order(state, sampler_of(run), "train.global_batch_size", "consumed_examples")
     run.step = int(state.get("step", 0))
     if dist.get_rank() == 0:
         write_run_config(cfg)
@@ -263,7 +272,11 @@ def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
     meta = {"family": run.src.family.name, "architecture": run.arch.architecture, "written_by": written_by}
     if cfg.lora.rank > 0 and written_by == "megadare sft":
         meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}
-    state = {"consumed_examples": run.step * cfg.train.global_batch_size, "data": run.data_stats}
+    state = {
+        "consumed_examples": run.step * cfg.train.global_batch_size,
+        "data": run.data_stats,
+        "data_order": sampler_of(run).settings(),
+    }
     run.policy.save(
         run.save_root, run.step, CheckpointState(state), Provenance(meta, run.src.hf_dir), cfg.checkpoint.keep_last
     )
