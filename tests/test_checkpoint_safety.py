@@ -497,3 +497,17 @@ def test_a_changed_layout_says_the_random_states_start_fresh(run):
     r = megadare(run, "train.steps=6")
     assert r.returncode == 0, r.stderr
     assert "random states not restored, the layout changed: world size 2 -> 1, tp 2 -> 1)" in r.stderr, r.stderr
+
+
+def test_a_tracker_that_cannot_be_written_is_one_line_naming_the_saved_checkpoint(tmp_path):
+    """The tracker is written after the checkpoint's rename: a failure there (a full disk on a 1-byte file, a
+    path in the way) gave a raw OSError traceback though the checkpoint was in place. Now one line naming both."""
+    from megadare.convert.mcore_ckpt import MegatronCheckpointError
+    from megadare.trainer import checkpoint
+
+    (tmp_path / (checkpoint.TRACKER + ".tmp")).mkdir()  # the temp file's path is taken: open() cannot write it
+    with pytest.raises(MegatronCheckpointError) as e:
+        checkpoint._write_tracker(str(tmp_path), 6)
+    line = str(e.value)
+    assert line.startswith(f"{tmp_path}/{checkpoint.TRACKER}: writing the tracker failed: Is a directory"), line
+    assert f"{tmp_path}/iter_0000006 is saved and intact" in line and "\n" not in line

@@ -195,10 +195,19 @@ def save_train_checkpoint(
 
 
 def _write_tracker(root: str, step: int) -> None:
+    """Point the tracker at ``step`` (atomic: a temp file, then a rename). A failure is one line: the checkpoint
+    it names is in place, and a resume finds it without the tracker (the newest intact ``iter_*``)."""
     tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-    with open(tracker_tmp, "w") as f:
-        f.write(str(step))
-    os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    try:
+        with open(tracker_tmp, "w") as f:
+            f.write(str(step))
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    except OSError as e:
+        raise MegatronCheckpointError(
+            f"{os.path.join(root, TRACKER)}: writing the tracker failed: {_os_reason(e)}{_space_hint(root)}; "
+            f"{iteration_dir(root, step)} is saved and intact: fix the cause, then rerun the same command to resume "
+            "from it"
+        ) from None
 
 
 def _write_train_checkpoint(
