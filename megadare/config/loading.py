@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import re
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -43,6 +44,22 @@ def choice_fields(section: type = Config, prefix: str = "") -> dict[str, tuple]:
 
 
 CHOICES = choice_fields()  # read from the annotations: the one list of typed choices
+
+
+def float_fields(section: type = Config, prefix: str = "") -> list[str]:
+    """The dotted keys of every number field (annotated ``float`` or ``Optional[float]``) in ``section``."""
+    out: list[str] = []
+    hints = get_type_hints(section)
+    for f in fields(section):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            out.extend(float_fields(hint, f"{prefix}{f.name}."))
+        elif hint is float or (get_origin(hint) is Union and float in get_args(hint)):
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+FLOATS = float_fields()
 
 
 def _not_one_of(key: str, value: Any, options: tuple) -> ConfigError:
@@ -99,6 +116,47 @@ POSITIVE = (
 )
 
 
+# {key: (range, what the key is)}: single-field bounds beyond POSITIVE; a value outside is one line naming both
+RANGES: dict[str, tuple[str, str]] = {
+    "checkpoint.save_interval": ("[0, inf)", "steps between checkpoints; 0 = only at the end"),
+    "checkpoint.keep_last": ("[0, inf)", "checkpoints kept; 0 = all"),
+    "rl.eval_interval": ("[0, inf)", "steps between evaluations; 0 = only before and after training"),
+    "offpolicy.max_staleness": ("[0, inf)", "policy versions a rollout may lag"),
+    "offpolicy.partial_rollout": ("[0, inf)", "blocks per segment; 0 = whole responses"),
+    "rollout.max_post_steps": ("[0, inf)", "refinement forwards after a block"),
+    "replay.warmup": ("[0, inf)", "policy versions before replay starts"),
+    "optim.weight_decay": ("[0, inf)", "a negative decay pushes weights away from 0"),
+    "optim.adam_beta1": ("[0, 1)", "Adam's first-moment decay"),
+    "optim.adam_beta2": ("[0, 1)", "Adam's second-moment decay; 1 never updates it (division by 0)"),
+    "optim.adam_eps": ("[0, inf)", "Adam's epsilon"),
+    "optim.clip_grad": ("[0, inf)", "the gradient-norm clip; 0 = none"),
+    "train.moe_aux_loss_coeff": ("[0, inf)", "a negative load-balancing loss unbalances the experts"),
+    "train.moe_bias_update_rate": ("[0, inf)", "expert-bias balancing rate"),
+    "data.synthetic_correct": ("[0, 1]", "a fraction of the demonstrations"),
+    "offpolicy.rollout_is_threshold": ("(0, inf)", "the importance-weight cap; 0 zeroes every weight"),
+    "offpolicy.rollout_is_threshold_low": ("(0, inf)", "the lower importance-weight bound"),
+    "offpolicy.rollout_is_veto": ("(0, inf)", "a token ratio below which a sequence is dropped"),
+    "replay.fraction": ("[0, inf)", "replayed samples per fresh sample"),
+    "dpo.beta": ("(0, inf)", "DPO's temperature; 0 makes the loss constant (log 2) and nothing learns"),
+    "plan.gpu_memory_gb": ("(0, inf)", "usable memory per GPU"),
+    "plan.reserve_gb": ("[0, inf)", "memory held back per GPU"),
+}
+
+
+def _in_range(v: float, bounds: str) -> bool:
+    lo, hi = (float(x) for x in bounds[1:-1].split(","))
+    above = v >= lo if bounds[0] == "[" else v > lo
+    below = v <= hi if bounds[-1] == "]" else v < hi
+    return above and below
+
+
+def _check_ranges(cfg: Config) -> None:
+    """Every ``RANGES`` key holds a value within its range (None: unset), else one line: key, value, range, why."""
+    for key, (bounds, what) in RANGES.items():
+        if (v := _get(cfg, key)) is not None and not _in_range(v, bounds):
+            raise ConfigError(f"{cfg.as_written(key)}={v} must be within {bounds} ({what})")
+
+
 def _all_keys(dc: Any, prefix: str = "") -> list[str]:
     out = []
     for f in fields(dc):
@@ -132,7 +190,8 @@ def suggestion(key: str, value: Optional[str]) -> str:
     leaf = key.rpartition(".")[2].replace("-", "_")
     if leaf in (leaves := _leaf_keys()):
         return "did you mean " + " or ".join(f"{k}={shown}" for k in leaves[leaf]) + "?"
-    close = difflib.get_close_matches(key, _all_keys(Config()) + list(CONFIG_ALIASES), n=3, cutoff=0.75)
+    settable = [k for k in _all_keys(Config()) if not is_dataclass(_get(Config(), k))]  # no section: optim=1e-3
+    close = difflib.get_close_matches(key, settable + list(CONFIG_ALIASES), n=3, cutoff=0.75)
     if close:
         return "did you mean " + " or ".join(f"{k}={shown}" for k in close) + "?"
     section = _section_of(key)
@@ -244,6 +303,18 @@ def canonical_keys(data: dict, source: str) -> tuple[dict, dict[str, str]]:
     return out, written
 
 
+def _dict_field_of(key: str) -> Optional[str]:
+    """The free-form mapping field (``algo.params``, ``model.tiny_config``, ``eval.paths``,
+    ``rollout.engine_resources``) that ``key`` sets one entry of (``algo.params.n_mc``), else None: its entries are
+    checked by their owner (an algorithm refuses a parameter it does not have)."""
+    head, _, entry = key.rpartition(".")
+    while head and entry:
+        if head in _all_keys(Config()) and isinstance(_get(Config(), head), dict):
+            return head
+        head, _, _ = head.rpartition(".")
+    return None
+
+
 def _parsed(value: str) -> Any:
     """An override's value as OmegaConf reads it (``1e-3`` and ``0.001`` are one value)."""
     return OmegaConf.to_container(OmegaConf.from_dotlist([f"v={value}"]))["v"]
@@ -258,13 +329,13 @@ def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str,
     key = key.strip()
     bare = key.lstrip("+~")  # Hydra's +key (add), ++key (force), ~key (delete): verl / DARE command lines
     canonical = CONFIG_ALIASES.get(bare, bare)
-    if canonical not in _all_keys(Config()):
+    if canonical not in _all_keys(Config()) and _dict_field_of(canonical) is None:
         raise _unknown(bare, value, f"({ov})")
     if bare != key:
         raise ConfigError(
             f"override {ov!r}: megadare's keys take no Hydra prefix (every key exists); write {bare}={value}"
         )
-    if is_dataclass(_get(Config(), canonical)):
+    if _dict_field_of(canonical) is None and is_dataclass(_get(Config(), canonical)):
         raise ConfigError(f"override {ov!r}: {key} is a section, not a key; {_section_hint(canonical, value)}")
     before = seen.get(canonical)
     if before is not None and before[0] != key and _disagree([_parsed(before[1]), _parsed(value)]):
@@ -395,6 +466,10 @@ def _finish(conf, written: dict[str, str]) -> Config:
         v = _get(cfg, key)
         if v is not None and v < 1:
             raise ConfigError(f"{key}={v} must be a positive integer")
+    for key in FLOATS:  # OmegaConf reads nan / inf as numbers: lr=nan trains nothing, quietly
+        if (v := _get(cfg, key)) is not None and not math.isfinite(v):
+            raise ConfigError(f"{cfg.as_written(key)}={v} must be a finite number")
+    _check_ranges(cfg)
     for key in ("data.path", "data.eval_path"):
         try:
             as_paths(_get(cfg, key), key)
