@@ -12,6 +12,7 @@ from megadare.config.loading import check_choices
 from megadare.config.sections import Config
 from megadare.models import step_fusions
 from megadare.models.family import ModelArch
+from megadare.models.lora import DEFAULT_TARGETS
 from megadare.parallel.layout import Layout
 from megadare.rollout.engine import (
     SamplingParams,
@@ -64,8 +65,8 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         )
     if o.warmup_steps < 0 or o.warmup_steps > t.steps:
         raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
-    if cfg.lora.rank < 0:
-        raise ConfigError(f"{named('lora.rank')}={cfg.lora.rank} must be >= 0 (0 = full fine-tuning)")
+    check_lora(cfg)
+    check_rl_filters(cfg)
     if cfg.rollout.max_batch < 0:
         raise ConfigError(
             f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request at once)"
@@ -96,6 +97,46 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(missing)
 
     (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
+
+
+def check_lora(cfg: Config) -> None:
+    """LoRA adapters that can train: a rank >= 0, and with a rank a scale alpha / rank > 0 (else the adapters'
+    output and gradients are 0) on linears the model has (a misspelt name wraps nothing and trains nothing)."""
+    lo, named = cfg.lora, cfg.as_written
+    if lo.rank < 0:
+        raise ConfigError(f"{named('lora.rank')}={lo.rank} must be >= 0 (0 = full fine-tuning)")
+    if not lo.rank:
+        return
+    if not lo.alpha > 0:
+        raise ConfigError(
+            f"{named('lora.alpha')}={lo.alpha} with {named('lora.rank')}={lo.rank}: the adapters scale by "
+            "alpha / rank, so they and their gradients are 0 and nothing learns; set lora.alpha > 0 (e.g. 16)"
+        )
+    unknown = [t for t in lo.targets if t not in DEFAULT_TARGETS]
+    if unknown or not lo.targets:
+        what = f"names no linear {unknown}" if unknown else "is empty (no adapter would train)"
+        raise ConfigError(f"{named('lora.targets')}={list(lo.targets)} {what}; choose from {list(DEFAULT_TARGETS)}")
+
+
+def check_rl_filters(cfg: Config) -> None:
+    """The group filter, the importance-weight bounds and replay: settings under which no sample would train."""
+    band, named = cfg.advantage.accuracy_band, cfg.as_written
+    if band is not None:
+        key = named("advantage.accuracy_band")
+        if len(band) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in band):
+            raise ConfigError(f"{key}={list(band)} must be [low, high], two numbers (dLLM-RL: [0.2, 0.8])")
+        if band[0] > band[1]:
+            raise ConfigError(f"{key}={list(band)}: low > high keeps no group; write [{band[1]}, {band[0]}]")
+    o = cfg.offpolicy
+    if o.rollout_is_threshold_low is not None and o.rollout_is_threshold_low > o.rollout_is_threshold:
+        raise ConfigError(
+            f"{named('offpolicy.rollout_is_threshold_low')}={o.rollout_is_threshold_low} > "
+            f"{named('offpolicy.rollout_is_threshold')}={o.rollout_is_threshold}: the bounds are inverted; swap them"
+        )
+    if cfg.replay.enable and cfg.replay.fraction == 0:
+        raise ConfigError(
+            "replay.enable=true with replay.fraction=0 replays nothing; set replay.fraction > 0 or replay.enable=false"
+        )
 
 
 def check_data_source(cfg: Config) -> None:
@@ -150,4 +191,6 @@ def check_decoder(cfg: Config, arch: Optional[ModelArch]) -> None:
                 if k in str(e)
             )
             key = named[0][1] if named else "algorithm"
-            raise ConfigError(f"rollout.{steps_key if key == 'steps_per_block' else key}: {e}") from None
+            evaluation = {"steps_per_block": steps_key, "temperature": "eval_temperature"}  # the eval decoder's own
+            key = evaluation.get(key, key) if steps_key == "eval_steps_per_block" else key
+            raise ConfigError(f"rollout.{key}: {e}") from None

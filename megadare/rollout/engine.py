@@ -98,8 +98,12 @@ class SamplingParams:
                 f"steps_per_block={self.steps_per_block} > block_size={self.block_size}: a step "
                 "must commit at least one token"
             )
-        if not 0.0 < self.top_p <= 1.0 or self.top_k < 0 or self.temperature < 0:
-            raise ValueError("need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0: greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0: no top-k cut)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1: no nucleus cut)")
         self._check_decoder()
 
     def _check_decoder(self) -> None:
