@@ -15,6 +15,8 @@ with l_s the algorithm's likelihood estimate of slot s (algos/base.py) and the K
 
 from __future__ import annotations
 
+import difflib
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
@@ -38,6 +40,67 @@ COMMON = {
     "loss_agg": "token_mean",
     "log_ratio_clamp": 20.0,
 }
+
+
+# {parameter: (range, what it is)}: a value outside is refused in one line when the algorithm is built; a parameter
+# an algorithm does not have is not checked here ("[" / "]" inclusive bounds)
+PARAM_RANGES: dict[str, tuple[str, str]] = {
+    "eps_low": ("[0, inf)", "the ratio is clipped below at 1 - eps_low; negative inverts the clip range"),
+    "eps_high": ("[0, inf)", "the ratio is clipped above at 1 + eps_high; negative inverts the clip range"),
+    "kl_coef": ("[0, inf)", "a negative KL coefficient rewards drifting from the anchor"),
+    "log_ratio_clamp": ("(0, inf)", "0 clamps every log-ratio to 0, so every ratio is 1"),
+    "n_mc": ("[1, inf)", "Monte-Carlo masks per response"),
+    "n_views": ("[1, inf)", "masked views per response"),
+    "top_k_steps": ("[1, inf)", "steps scored per response"),
+    "block": ("[1, inf)", "tokens per block"),
+    "root_fanout": ("[1, inf)", "responses drawn at the root"),
+    "shrink": ("[1, inf)", "decoding steps per replayed fragment"),
+    "p_low": ("(0, 1]", "the lowest mask ratio; 0 masks (and scores) nothing"),
+    "p_high": ("(0, 1]", "the highest mask ratio"),
+    "t_low": ("[0, 1]", "the lowest mask ratio"),
+    "t_high": ("(0, 1]", "the highest mask ratio"),
+    "p_prompt": ("[0, 1)", "the prompt's mask probability"),
+    "mix": ("[0, 1]", "a mixing weight"),
+    "eubo_beta": ("(0, inf)", "the EUBO's log-sum-exp temperature"),
+    "beta": ("(0, inf)", "the preference temperature; 0 makes the loss constant"),
+    "value_lr": ("(0, inf)", "the value model's learning rate"),
+    "value_clip": ("(0, inf)", "the value loss's clip"),
+    "gamma": ("[0, 1]", "the discount"),
+    "lam": ("[0, 1]", "the GAE lambda"),
+}
+PARAM_ORDER = (("p_low", "p_high"), ("t_low", "t_high"))  # pairs that bound one range: low <= high
+
+
+def _in_range(v: float, bounds: str) -> bool:
+    lo, hi = (float(x) for x in bounds[1:-1].split(","))
+    return (v >= lo if bounds[0] == "[" else v > lo) and (v <= hi if bounds[-1] == "]" else v < hi)
+
+
+def check_params(name: str, resolved: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Each resolved hyper-parameter of algorithm ``name``: the type of its published default (a number where a
+    number goes: finite; an integer where an integer goes; true / false where a switch goes), within
+    ``PARAM_RANGES``, and the low / high pairs in order; else one ConfigError line naming the key and the fix."""
+    for k, v in resolved.items():
+        d = defaults.get(k)
+        if v is None or d is None or isinstance(d, str):
+            continue
+        wants = "true or false" if isinstance(d, bool) else "an integer" if isinstance(d, int) else "a finite number"
+        is_number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = (
+            isinstance(v, bool)
+            if isinstance(d, bool)
+            else is_number and math.isfinite(v) and (not isinstance(d, int) or float(v).is_integer())
+        )
+        if not ok:
+            raise ConfigError(f"algo.params.{k}={v!r}: {name}'s {k} is {wants} (its default: {d!r})")
+    for k, (bounds, what) in PARAM_RANGES.items():
+        if resolved.get(k) is not None and not _in_range(resolved[k], bounds):
+            raise ConfigError(f"algo.params.{k}={resolved[k]} must be within {bounds} ({what})")
+    for lo, hi in PARAM_ORDER:
+        if lo in resolved and resolved[lo] > resolved[hi]:
+            raise ConfigError(
+                f"algo.params.{lo}={resolved[lo]} > algo.params.{hi}={resolved[hi]}: the range is inverted; swap them"
+            )
 
 
 def rows_for_views(
@@ -87,13 +150,18 @@ class Algorithm(ABC):
         resolved.update(self.defaults)
         for k, v in (overrides or {}).items():
             if k not in resolved:
-                raise ConfigError(f"algo.params.{k}: {self.name} has no parameter {k!r}; valid: {sorted(resolved)}")
+                close = difflib.get_close_matches(str(k), list(resolved), n=1, cutoff=0.75)
+                hint = f"did you mean algo.params.{close[0]}? " if close else ""
+                raise ConfigError(
+                    f"algo.params.{k}: {self.name} has no parameter {k!r}; {hint}valid: {sorted(resolved)}"
+                )
             if v is not None:
                 resolved[k] = v
         if resolved["loss_agg"] is not None and resolved["loss_agg"] not in LOSS_AGG:
             raise ConfigError(f"algo.params.loss_agg={resolved['loss_agg']!r} unknown; choose one of {LOSS_AGG}")
         if resolved["kl_anchor"] not in ("ref", "old", "none"):
             raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
+        check_params(self.name, resolved, {**COMMON, **self.defaults})
         check_dual_clip(resolved["dual_clip"])
         if resolved["dual_clip"] is not None and not self.clipped_ratio:
             raise ConfigError(
@@ -128,6 +196,13 @@ class Algorithm(ABC):
                 f"has no group baseline (every advantage would be 0, so {self.name} would never "
                 f"learn); set rl.n_samples >= 2, or {key}=reinforce_pp (verl's REINFORCE++-"
                 "baseline: a group of one keeps its reward, whitened over the batch)"
+            )
+        r = cfg.rollout
+        if n > 1 and r.temperature == 0 and r.alg_temp == 0 and r.algorithm != "random" and self.value_model is None:
+            raise ConfigError(
+                f"rollout.temperature=0 with rl.n_samples={n}: greedy decoding gives every response of a prompt "
+                f"the same tokens and reward, so every group advantage is 0 and {self.name} never learns; set "
+                "rollout.temperature > 0 (DARE's recipes: 0.2 to 1.0)"
             )
 
     def uses_group_baseline(self) -> bool:
