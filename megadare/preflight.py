@@ -114,6 +114,8 @@ def _first_rows(paths, key: str) -> list[tuple[str, dict]]:
 def check_data(command: str, cfg: Config, tok) -> None:
     """The command's data files: present, parsing, their first records building and fitting (see module doc)."""
     d = cfg.data
+    if command == "rl":  # a generated task has no file, but its reward still has to resolve
+        named_reward(cfg)
     if d.synthetic or command == "eval":
         return
     if not d.path:
@@ -148,7 +150,7 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
             f"data.overlong={d.overlong} applies to {len(overlong)} of the first {len(rows)} prompts (longer than "
             f"{prompt_budget(cfg)} tokens), e.g. {overlong[0]}"
         )
-    load_reward(reward.name)
+    named_reward(cfg)
     if runs_code(reward.name, [p.record for p in built]):
         set_isolation(cfg.rewards.code.isolation)
         rewards.check_isolation()  # the kernel accepts the code sandbox (else one line naming rewards.code.isolation)
@@ -161,6 +163,14 @@ def check_prompts(cfg: Config, tok, rows: list[tuple[str, dict]]) -> None:
     check_golds(reward.name, built)
     if built and not runs_code(reward.name, [p.record for p in built]):
         try_reward(reward.name, built[0])
+
+
+def named_reward(cfg: Config):
+    """The reward ``rewards.name`` names; RewardSpecError naming the key when it does not resolve."""
+    try:
+        return load_reward(cfg.rewards.name)
+    except RewardSpecError as e:
+        raise RewardSpecError(f"{cfg.as_written('rewards.name')}: {e}") from None
 
 
 def try_reward(name: str, prompt) -> None:

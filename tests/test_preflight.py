@@ -239,3 +239,12 @@ def test_code_rewards_need_the_sandbox_before_anything_starts(tmp_path, data, ca
     assert "rewards.code.isolation=process" in err and len(calls) == 1
     rc, _, _ = dry(capsys, *rl(tmp_path, data, "rl.reward=exact_match"))  # no program runs: not checked
     assert rc == 0 and len(calls) == 1
+
+
+@pytest.mark.parametrize("source", ["file", "synthetic"])
+def test_an_unknown_reward_is_refused_naming_its_key(tmp_path, data, capsys, source):
+    """A generated task (data.synthetic) has no file to check, but its reward must resolve all the same."""
+    argv = rl(tmp_path, data, "rewards.name=exact_mach")
+    if source == "synthetic":
+        argv = ["rl", "--dry-run", "--config", RL, f"logging.run_dir={tmp_path / 'run'}", "rewards.name=exact_mach"]
+    assert "rewards.name: unknown reward 'exact_mach'" in refused(capsys, *argv)
