@@ -64,6 +64,12 @@ REFUSED = [
     (RL, "rl", ["algo.params.log_ratio_clamp=0"], "algo.params.log_ratio_clamp=0 must be within (0, inf)"),
     (RL, "rl", ["algo.params.value_model=maybe"], "algo.params.value_model='maybe': tracerl's value_model is true or"),
     (RL, "rl", ["algo.params.kl_coeff=0.1"], "no parameter 'kl_coeff'; did you mean algo.params.kl_coef?"),
+    (
+        RL,
+        "rl",
+        ["algo.name=bgpo", "algo.params.kl_coef=0.05"],
+        "algo.params.kl_coef=0.05 with algo.params.kl_anchor=none (bgpo's default) penalises nothing",
+    ),
     (RL, "rl", ["algo.name=espo", "algo.params.n_mc=0"], "algo.params.n_mc=0 must be within [1, inf)"),
     (RL, "rl", ["algo.name=bgpo", "algo.params.n_mc=2.5"], "algo.params.n_mc=2.5: bgpo's n_mc is an integer"),
     (
@@ -90,6 +96,7 @@ ACCEPTED = [
     (RL, "rl", ["rollout.temperature=0", "algo.params.value_model=true"]),  # a value model's advantages
     (RL, "rl", ["advantage.accuracy_band=[0.2,0.8]", "checkpoint.keep_last=0", "rl.eval_interval=0"]),
     (RL, "rl", ["algo.params.eps_low=0.2", "algo.params.eps_high=0.28", "algo.params.kl_coef=0"]),
+    (RL, "rl", ["algo.name=bgpo", "algo.params.kl_coef=0.05", "algo.params.kl_anchor=ref"]),
     (SFT, "sft", ["lora.rank=4", "lora.alpha=8", "lora.targets=[linear_qkv]", "optim.clip_grad=0"]),
 ]
 

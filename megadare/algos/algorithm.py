@@ -197,6 +197,11 @@ class Algorithm(ABC):
                 f"learn); set rl.n_samples >= 2, or {key}=reinforce_pp (verl's REINFORCE++-"
                 "baseline: a group of one keeps its reward, whitened over the batch)"
             )
+        if self.p["kl_coef"] > 0 and self.p["kl_anchor"] == "none":  # the objective skips the KL term
+            raise ConfigError(
+                f"algo.params.kl_coef={self.p['kl_coef']} with algo.params.kl_anchor=none ({self.name}'s default) "
+                "penalises nothing: set algo.params.kl_anchor=ref (the reference model) or old, or kl_coef=0"
+            )
         r = cfg.rollout
         if n > 1 and r.temperature == 0 and r.alg_temp == 0 and r.algorithm != "random" and self.value_model is None:
             raise ConfigError(
