@@ -39,6 +39,7 @@ REFUSED = [
     (SFT, "sft", ["lora.rank=4", "lora.targets=[linear_qkvv,linear_proj]"], "names no linear ['linear_qkvv']"),
     # RL settings under which every advantage is 0 or no group trains
     (RL, "rl", ["rollout.temperature=0"], "rollout.temperature=0 with rl.n_samples=8: greedy decoding"),
+    (RL, "rl", ["rl.mini_batches=64"], "rl.mini_batches=64 > rl.prompts_per_step=16: a mini-batch holds whole"),
     (RL, "rl", ["advantage.accuracy_band=[0.9,0.1]"], "advantage.accuracy_band=[0.9, 0.1]: low > high"),
     (RL, "rl", ["rl.accuracy_band=[0.2]"], "rl.accuracy_band=[0.2] must be [low, high]"),
     (
@@ -95,6 +96,7 @@ ACCEPTED = [
     (RL, "rl", ["rollout.temperature=0", "rl.n_samples=1", "advantage.estimator=reinforce_pp"]),
     (RL, "rl", ["rollout.temperature=0", "algo.params.value_model=true"]),  # a value model's advantages
     (RL, "rl", ["advantage.accuracy_band=[0.2,0.8]", "checkpoint.keep_last=0", "rl.eval_interval=0"]),
+    (RL, "rl", ["rl.mini_batches=16"]),
     (RL, "rl", ["algo.params.eps_low=0.2", "algo.params.eps_high=0.28", "algo.params.kl_coef=0"]),
     (RL, "rl", ["algo.name=bgpo", "algo.params.kl_coef=0.05", "algo.params.kl_anchor=ref"]),
     (SFT, "sft", ["lora.rank=4", "lora.alpha=8", "lora.targets=[linear_qkv]", "optim.clip_grad=0"]),

@@ -119,7 +119,8 @@ def check_lora(cfg: Config) -> None:
 
 
 def check_rl_filters(cfg: Config) -> None:
-    """The group filter, the importance-weight bounds and replay: settings under which no sample would train."""
+    """The group filter, mini-batches, the importance-weight bounds and replay: settings under which no sample (or
+    fewer optimizer steps than the schedule counts) would train."""
     band, named = cfg.advantage.accuracy_band, cfg.as_written
     if band is not None:
         key = named("advantage.accuracy_band")
@@ -127,6 +128,13 @@ def check_rl_filters(cfg: Config) -> None:
             raise ConfigError(f"{key}={list(band)} must be [low, high], two numbers (dLLM-RL: [0.2, 0.8])")
         if band[0] > band[1]:
             raise ConfigError(f"{key}={list(band)}: low > high keeps no group; write [{band[1]}, {band[0]}]")
+    rl = cfg.rl
+    if rl.mini_batches > rl.prompts_per_step:
+        raise ConfigError(
+            f"rl.mini_batches={rl.mini_batches} > rl.prompts_per_step={rl.prompts_per_step}: a mini-batch holds whole "
+            f"prompt groups, so at most {rl.prompts_per_step} optimizer steps run per epoch while the learning-rate "
+            f"schedule counts {rl.mini_batches}; set rl.mini_batches <= {rl.prompts_per_step}"
+        )
     o = cfg.offpolicy
     if o.rollout_is_threshold_low is not None and o.rollout_is_threshold_low > o.rollout_is_threshold:
         raise ConfigError(
