@@ -33,6 +33,13 @@ REFUSED = [
     (SFT, "dpo", ["dpo.beta=0"], "dpo.beta=0.0 must be within (0, inf)"),
     (RL, "rl", ["replay.fraction=-1"], "replay.fraction=-1.0 must be within [0, inf)"),
     (RL, "rl", ["offpolicy.rollout_is_threshold=0"], "offpolicy.rollout_is_threshold=0.0 must be within (0, inf)"),
+    # megatron's sequence parallelism asserts mid-step on a length TP does not divide
+    (
+        SFT,
+        "sft",
+        ["parallel.tp=2", "parallel.sp=true", "train.seq_length=127"],
+        "train.seq_length=127 must be divisible by parallel.cp=1 x parallel.tp=2 (sequence parallel",
+    ),
     # LoRA adapters that train nothing
     (SFT, "sft", ["lora.rank=4", "lora.alpha=0"], "lora.alpha=0.0 with lora.rank=4: the adapters scale by alpha"),
     (SFT, "sft", ["lora.rank=4", "lora.targets=[]"], "lora.targets=[] is empty"),
@@ -100,6 +107,7 @@ ACCEPTED = [
     (RL, "rl", ["algo.params.eps_low=0.2", "algo.params.eps_high=0.28", "algo.params.kl_coef=0"]),
     (RL, "rl", ["algo.name=bgpo", "algo.params.kl_coef=0.05", "algo.params.kl_anchor=ref"]),
     (SFT, "sft", ["lora.rank=4", "lora.alpha=8", "lora.targets=[linear_qkv]", "optim.clip_grad=0"]),
+    (SFT, "sft", ["parallel.tp=2", "train.seq_length=127"]),  # without sp the sequence is not split
 ]
 
 

@@ -83,8 +83,13 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
             "rollout.fp8_weights=true sends block-fp8 weights, which only SGLang engines serving an "
             "fp8-block checkpoint load; set rollout.engine=sglang or rollout.fp8_weights=false"
         )
-    if t.seq_length % p.cp:
-        raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by parallel.cp={p.cp}")
+    if t.seq_length % p.cp or (p.sp and t.seq_length // p.cp % p.tp):
+        need = (
+            f"parallel.cp={p.cp} x parallel.tp={p.tp} (sequence parallel splits it over TP)"
+            if p.sp
+            else f"parallel.cp={p.cp}"
+        )
+        raise ConfigError(f"train.seq_length={t.seq_length} must be divisible by {need}")
     if resolve_canvas(cfg, arch) == "full" and cfg.offpolicy.partial_rollout:
         key = named("offpolicy.partial_rollout")
         raise ConfigError(
