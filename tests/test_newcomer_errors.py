@@ -77,6 +77,18 @@ def test_a_megatron_checkpoint_given_as_an_hf_model_says_how_to_export(capsys, t
         assert f"{model} is a Megatron checkpoint" in line and f"megatron-to-hf --ckpt {model}" in line, line
 
 
+def test_overrides_after_an_option_are_taken(capsys, tmp_path):
+    """`megadare sft --config X parallel.tp=2 --dry-run logging.run_dir=...` said 'unrecognized arguments:
+    logging.run_dir=...': argparse takes only the first run of positionals."""
+    argv = ["sft", "--config", SFT_TINY, "parallel.tp=2", "--dry-run", "--config-only", f"logging.run_dir={tmp_path}"]
+    assert main([*argv, "--nproc", "2", "parallel.sp=true"]) == 0
+    out = capsys.readouterr().out
+    assert "tp: 2" in out and "sp: true" in out and f"run_dir: {tmp_path}" in out, out
+    with pytest.raises(SystemExit):  # a stray word that is no override is still refused
+        main([*argv, "oops"])
+    assert "unrecognized arguments: oops" in capsys.readouterr().err
+
+
 def test_a_dry_run_that_passes_says_so(capsys, tmp_path):
     """README "Config": `megadare sft --nproc 2 --dry-run ...` printed 180 lines of config and no verdict."""
     argv = ["sft", "--nproc", "2", "--dry-run", "--config", SFT_TINY, "parallel.tp=2", f"logging.run_dir={tmp_path}"]
