@@ -140,9 +140,16 @@ def tokenizer_for(cfg: Config, src: ModelSource, generates: bool = False):
         return tok
     if not any(os.path.exists(os.path.join(src.hf_dir, f)) for f in VOCABULARY_FILES):
         # transformers >= 5 then builds an empty tokenizer of the model type instead of failing
+        byte = ByteTokenizer()
+        tiny = (src.arch.vocab_size, src.arch.mask_token_id) == (byte.vocab_size, byte.mask_token_id)
         raise ConfigError(
             f"model.hf_path={src.hf_dir} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
-            "copy the model's tokenizer files into it"
+            + (
+                f"its {byte.vocab_size}-id vocabulary with mask id {byte.mask_token_id} is megadare's byte "
+                "tokenizer's (a tiny model's export, e.g. the demo's): add model.tiny=true"
+                if tiny
+                else "copy the model's tokenizer files into it"
+            )
         )
     try:
         return HFTokenizer(src.hf_dir, mask_token_id=src.arch.mask_token_id)
