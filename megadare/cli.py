@@ -58,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("files", nargs="+", help=".jsonl / .parquet files")
     ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
-    ins.add_argument("--model", help="HF checkpoint directory whose tokenizer to use (default: the demo's)")
+    ins.add_argument(
+        "--model",
+        help="a checkpoint or tokenizer directory whose tokenizer counts the lengths (default: UTF-8 bytes)",
+    )
     ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
     tkn = dsub.add_parser(
         "tokenizer",
