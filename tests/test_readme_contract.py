@@ -42,7 +42,7 @@ from megadare.trainer.spec import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-PREFIXES = ("megadare", "tests", "benchmarks", "examples", "tools")
+PREFIXES = ("megadare", "tests", "benchmarks", "examples", "tools", ".ci")
 FILE_EXTS = ("py", "json", "jsonl", "yaml", "yml", "parquet", "md", "sh", "txt", "csv", "png", "distcp", "toml")
 SECTIONS = [f.name for f in fields(Config) if is_dataclass(getattr(Config(), f.name))]
 
@@ -100,7 +100,7 @@ def _expand_braces(path: str) -> list[str]:
 
 def repo_paths(text: str) -> list[str]:
     """Every path under one of PREFIXES the text names (``{a,b}`` expanded, ``<x>`` made a ``*`` glob)."""
-    pat = re.compile(r"(?<![\w/.$~-])((?:%s)/(?:[\w/.*<>-]|\{[\w,]+\})*)" % "|".join(PREFIXES))
+    pat = re.compile(r"(?<![\w/.$~-])((?:%s)/(?:[\w/.*<>-]|\{[\w,]+\})*)" % "|".join(map(re.escape, PREFIXES)))
     out = []
     for m in pat.finditer(text):
         p = re.sub(r"<[^<>]*>", "*", m.group(1)).rstrip(".-")
@@ -564,6 +564,7 @@ PLAN = "    $ megadare plan --config examples/configs/plan_sdar30b.yaml\n"
         ("`megadare/rollout/manager.py`", "`megadare/rollout/managers.py`", missing_paths),
         ("tests/test_scored_head.py", "tests/test_scored_heads.py", missing_paths),
         ("`models/head.py`", "`models/heads.py`", missing_paths),
+        ("`.ci/run` does", "`.ci/runs` does", missing_paths),
         ("`train.logits=scored`", "`train.logit=scored`", config_key_problems),
         ("`train.logits=scored`", "`train.logits=everywhere`", config_key_problems),
         ("`rl.rollout_is*`", "`rl.rollouts_is*`", config_key_problems),
