@@ -407,6 +407,36 @@ def command_problems(text: str) -> list[str]:
     return [p for line in command_lines(text) for p in parse_command(line)]
 
 
+def subcommand_list_problems(text: str) -> list[str]:
+    """ "Where things are" lists the commands as ``megadare {convert,demo,...,data inspect|tokenizer}``: the same
+    set as ``megadare --help``; a command listed with sub-commands lists all of them."""
+    bad = []
+    commands = _subparsers(cli._parser())
+    for listed in re.findall(r"megadare \{([^{}]*)\}", text):
+        shown = [w for n in listed.split(",") for w in _expand_alternatives(" ".join(n.split()))]
+        tops = {n.split()[0] for n in shown}
+        bad += [
+            f"megadare {{{listed}}}: lists {n!r}, megadare has no such command" for n in sorted(tops - set(commands))
+        ]
+        bad += [f"megadare {{{listed}}}: leaves out {n!r}" for n in sorted(set(commands) - tops)]
+        for top in tops & set(commands):
+            subs = {n.split()[1] for n in shown if n.startswith(top + " ")}
+            real = set(_subparsers(commands[top])) if subs else set()
+            bad += [f"megadare {{{listed}}}: {top} has no sub-command {n!r}" for n in sorted(subs - real)]
+            bad += [f"megadare {{{listed}}}: leaves out {top} {n}" for n in sorted(real - subs)]
+    return bad
+
+
+def _expand_alternatives(name: str) -> list[str]:
+    head, _, alts = name.rpartition(" ")
+    return [f"{head} {a}".strip() for a in alts.split("|")]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(subs[0].choices) if subs else {}
+
+
 def help_texts() -> dict[str, str]:
     """``megadare <sub> --help`` of every subcommand (and sub-subcommand), unwrapped."""
     columns = os.environ.get("COLUMNS")
@@ -537,6 +567,11 @@ def test_readme_config_commands_pass_the_config_only_dry_run(monkeypatch):
     assert config_command_problems(README) == []
 
 
+def test_readme_lists_every_subcommand():
+    assert re.search(r"megadare \{[^{}]*\}", README)
+    assert subcommand_list_problems(README) == []
+
+
 def test_readme_bare_options_belong_to_a_command():
     assert flag_problems(README) == []
 
@@ -590,6 +625,11 @@ PLAN = "    $ megadare plan --config examples/configs/plan_sdar30b.yaml\n"
             "    megadare sft --config examples/configs/sft_sdar_tiny.yaml --nproc 2 parallel.tp=2\n",
             "    megadare sft --config examples/configs/sft_sdar_tiny.yaml --nproc 2 parallel.tp=3\n",
             config_command_problems,
+        ),
+        (
+            "megadare {convert,demo,plan,sft,dpo,rl,eval,data inspect|tokenizer}",
+            "megadare {convert,demo,plan,sft,rl,eval,data inspect|tokenise}",
+            subcommand_list_problems,
         ),
         ("`megadare plan --config FILE --dry-run`", "`megadare plan --config FILE --dryrun`", command_problems),
         ("e.g. parallel.tp=2 rl.n_samples=8", "e.g. parallel.tp=2 rl.n_sample=8", lambda t: help_problems({"h": t})),
