@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.convert import load_hf_into_model
-from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
+from megadare.data.tokenizer import VOCABULARY_FILES, ByteTokenizer, HFTokenizer
 from megadare.errors import ConfigError, RunStateError
 from megadare.models import build_hf_model, save_hf_model
 from megadare.models.family import ModelArch, read_hf_config
@@ -115,9 +115,6 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
     )
     load_hf_into_model(chunks, src.hf_dir)
     return chunks
-
-
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one holds the vocabulary
 
 
 def tokenizer_for(cfg: Config, src: ModelSource, generates: bool = False):
