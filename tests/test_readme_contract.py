@@ -36,7 +36,7 @@ import pytest
 from megadare import cli, demo
 from megadare.config import CONFIG_ALIASES, Config, load_config
 from megadare.config.foreign import foreign_fix
-from megadare.config.loading import _all_keys
+from megadare.config.loading import _all_keys, suggestion
 from megadare.preflight import check_plan_fits, preflight
 from megadare.trainer.spec import resolve
 
@@ -437,6 +437,26 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(subs[0].choices) if subs else {}
 
 
+def foreign_pair_problems(text: str) -> list[str]:
+    """The README's "`another project's key or option` -> `megadare's`" pairs (the paragraph that names
+    config/foreign.py): megadare's one-line refusal of the first names the second."""
+    bad = []
+    options = sorted(_subparsers(cli._parser())["sft"]._option_string_actions)
+    for para in re.split(r"\n\s*\n", text):
+        if "config/foreign.py" not in para:
+            continue
+        for theirs, ours in re.findall(r"`([^`]+)` ->\s+`([^`]+)`", " ".join(para.split())):
+            if theirs.startswith("-"):
+                name, _, value = theirs.partition(" ")
+                line = cli._unknown_option(theirs, name, value or None, options)
+            else:
+                key, _, value = theirs.partition("=")
+                line = suggestion(key, value or None)
+            if ours not in line:
+                bad.append(f"`{theirs}` -> `{ours}`: megadare says {line!r}")
+    return bad
+
+
 def help_texts() -> dict[str, str]:
     """``megadare <sub> --help`` of every subcommand (and sub-subcommand), unwrapped."""
     columns = os.environ.get("COLUMNS")
@@ -572,6 +592,11 @@ def test_readme_lists_every_subcommand():
     assert subcommand_list_problems(README) == []
 
 
+def test_readme_foreign_keys_are_refused_with_the_key_it_names():
+    assert len(re.findall(r"` ->\s+`", README)) >= 5
+    assert foreign_pair_problems(README) == []
+
+
 def test_readme_bare_options_belong_to_a_command():
     assert flag_problems(README) == []
 
@@ -630,6 +655,11 @@ PLAN = "    $ megadare plan --config examples/configs/plan_sdar30b.yaml\n"
             "megadare {convert,demo,plan,sft,dpo,rl,eval,data inspect|tokenizer}",
             "megadare {convert,demo,plan,sft,rl,eval,data inspect|tokenise}",
             subcommand_list_problems,
+        ),
+        (
+            "megadare/config/foreign.py: `--tp 4` -> `parallel.tp=4`",
+            "megadare/config/foreign.py: `--tp 4` -> `parallel.tensor_parallel=4`",
+            foreign_pair_problems,
         ),
         ("`megadare plan --config FILE --dry-run`", "`megadare plan --config FILE --dryrun`", command_problems),
         ("e.g. parallel.tp=2 rl.n_samples=8", "e.g. parallel.tp=2 rl.n_sample=8", lambda t: help_problems({"h": t})),
