@@ -58,7 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("files", nargs="+", help=".jsonl / .parquet files")
     ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
-    ins.add_argument("--model", help="HF checkpoint directory whose tokenizer to use (default: the demo's)")
+    ins.add_argument(
+        "--model",
+        help="a checkpoint or tokenizer directory whose tokenizer counts the lengths (default: UTF-8 bytes)",
+    )
     ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
     tkn = dsub.add_parser(
         "tokenizer",
@@ -214,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser = _parser()
         if argv[:1] in [[c] for c in CONFIG_COMMANDS]:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
-        return _dispatch(parser.parse_args(argv))
+        return _dispatch(_parse(parser, argv))
     except _one_line_errors() as e:
         print(f"megadare: error: {e}", file=sys.stderr)
         return 2
@@ -224,6 +227,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments, a config command's ``key=value`` overrides wherever they stand: argparse takes only the
+    first run of them and refused the rest (``megadare eval --model X parallel.tp=2 --dry-run model.tiny=true``:
+    'unrecognized arguments: model.tiny=true')."""
+    args, extra = parser.parse_known_args(argv)
+    if args.command in CONFIG_COMMANDS:
+        overrides = [t for t in extra if "=" in t and not t.startswith("-")]
+        args.overrides += overrides  # in the order written: the first run of them comes before any later one
+        extra = [t for t in extra if t not in overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _check_options(known: dict[str, argparse.Action], tokens: list[str]) -> None:

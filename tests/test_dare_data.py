@@ -4,6 +4,7 @@ schema, and DARE's test files as ``megadare eval`` tasks (table + csv, and the s
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 
@@ -19,6 +20,7 @@ from dare_files import (
     sudoku_rows,
     write_parquet,
 )
+from megadare import cli
 from megadare.config import load_config
 from megadare.data.files import DataError, load_many
 from megadare.data.preference_data import load_preference_examples
@@ -30,6 +32,7 @@ from megadare.eval.runner import load_task_prompts, score_samples, write_summary
 from megadare.eval.tasks import task_spec
 from megadare.rewards import RewardError
 from megadare.rollout.engine import SamplingParams, Trajectory
+from tiny import write_tiny_hf
 
 TOK = ByteTokenizer()
 
@@ -161,6 +164,26 @@ def test_data_inspect_on_each_schema(tmp_path):
     rc, lines = _inspect([f["dpo"]])
     assert rc == 0 and "preference pairs: prompt <- prompt, chosen <- chosen, rejected <- rejected" in lines
     assert lines[-1] == "reward of gold answers: n/a over 0 records (auto)"
+
+
+def test_data_inspect_help_says_what_lengths_count_without_model(tmp_path):
+    """`megadare data inspect --help` said --model defaults to "the demo's" tokenizer; without it the lengths are
+    UTF-8 bytes (README "RL", and the report's first line)."""
+    rc, lines = _inspect([_files(tmp_path)["math"]])
+    assert rc == 0 and lines[0].startswith("lengths: UTF-8 bytes"), lines
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    data = next(a for a in sub.choices["data"]._actions if isinstance(a, argparse._SubParsersAction))
+    (model,) = [a for a in data.choices["inspect"]._actions if a.dest == "model"]
+    assert model.help.endswith("(default: UTF-8 bytes)"), model.help
+
+
+def test_data_inspect_on_a_model_without_tokenizer_files_says_so(tmp_path):
+    """`megadare data inspect rl.jsonl --model runs/demo_hf` (the demo's export: config.json and weights, no
+    tokenizer files) reported every row as 'tokenizer ... has no chat template': transformers 5 builds an empty
+    tokenizer of the model type instead of failing."""
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    with pytest.raises(DataError, match=rf"--model {hf}: no tokenizer files \(none of tokenizer.json"):
+        _inspect([_files(tmp_path)["math"]], model=hf)
 
 
 def test_data_inspect_names_bad_records_and_wrong_rewards(tmp_path, capsys):

@@ -6,6 +6,7 @@ import os
 import pytest
 
 from megadare.cli import main
+from tiny import write_tiny_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_TINY = os.path.join(REPO, "examples", "configs", "sft_sdar_tiny.yaml")
@@ -75,6 +76,33 @@ def test_a_megatron_checkpoint_given_as_an_hf_model_says_how_to_export(capsys, t
             capsys, "eval", "--config", SDAR_TINY, "--model", str(model), "--tasks", "gsm8k", f"eval.data_dir={EVAL}"
         )
         assert f"{model} is a Megatron checkpoint" in line and f"megatron-to-hf --ckpt {model}" in line, line
+
+
+def test_the_demo_export_without_its_tiny_config_says_model_tiny(capsys, tmp_path):
+    """`megadare eval --model runs/demo_hf ...` without the README's `--config examples/configs/sdar_tiny.yaml` said
+    'has no tokenizer ...; copy the model's tokenizer files into it': the demo's export has none to copy, it uses
+    the byte tokenizer (model.tiny=true)."""
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    argv = ["eval", "--model", hf, "--tasks", "gsm8k", "--dry-run", f"eval.data_dir={EVAL}"]
+    line = refused(capsys, *argv)
+    assert f"model.hf_path={hf} has no tokenizer" in line and "add model.tiny=true" in line, line
+    assert main([*argv, "model.tiny=true"]) == 0
+    capsys.readouterr()
+    other = write_tiny_hf(tmp_path, "sdar", seed=2, block_size=4, vocab_size=320)  # not the byte vocabulary
+    line = refused(capsys, "eval", "--model", other, "--tasks", "gsm8k", f"eval.data_dir={EVAL}", "--dry-run")
+    assert "copy the model's tokenizer files into it" in line and "model.tiny" not in line, line
+
+
+def test_overrides_after_an_option_are_taken(capsys, tmp_path):
+    """`megadare sft --config X parallel.tp=2 --dry-run logging.run_dir=...` said 'unrecognized arguments:
+    logging.run_dir=...': argparse takes only the first run of positionals."""
+    argv = ["sft", "--config", SFT_TINY, "parallel.tp=2", "--dry-run", "--config-only", f"logging.run_dir={tmp_path}"]
+    assert main([*argv, "--nproc", "2", "parallel.sp=true"]) == 0
+    out = capsys.readouterr().out
+    assert "tp: 2" in out and "sp: true" in out and f"run_dir: {tmp_path}" in out, out
+    with pytest.raises(SystemExit):  # a stray word that is no override is still refused
+        main([*argv, "oops"])
+    assert "unrecognized arguments: oops" in capsys.readouterr().err
 
 
 def test_a_dry_run_that_passes_says_so(capsys, tmp_path):

@@ -392,5 +392,9 @@ def test_inspect_with_the_qwen_tokenizer_directory(tmp_path):
     with pytest.raises(DataError, match=r"--model .*nowhere: not a directory"):
         _inspect([rl], model=str(tmp_path / "nowhere"))
     os.makedirs(tmp_path / "empty")
-    with pytest.raises(DataError, match=r"--model .*empty: its tokenizer does not load"):
+    with pytest.raises(DataError, match=r"--model .*empty: no tokenizer files \(none of tokenizer.json"):
         _inspect([rl], model=str(tmp_path / "empty"))
+    os.makedirs(tmp_path / "broken")
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(DataError, match=r"--model .*broken: its tokenizer does not load"):
+        _inspect([rl], model=str(tmp_path / "broken"))

@@ -138,6 +138,7 @@ class Utf8ByteTokenizer(ByteTokenizer):
 
 # tokenizer classes that checkpoints name as remote code but that are a transformers class under another name:
 # Dream-v0's tokenization_dream.py is Qwen2Tokenizer copied ("Copied from transformers...", the same BPE and files)
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one holds the vocabulary
 LOCAL_TOKENIZER_CLASSES = {"DreamTokenizer": "Qwen2Tokenizer"}
 
 

@@ -25,7 +25,7 @@ from megadare.data.files import DataError, load_rows
 from megadare.data.preference_data import record_to_preference
 from megadare.data.prompt_data import build_prompts, rl_keys
 from megadare.data.sft_data import record_to_example, sft_keys
-from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, Utf8ByteTokenizer
+from megadare.data.tokenizer import VOCABULARY_FILES, ByteTokenizer, HFTokenizer, Tokenizer, Utf8ByteTokenizer
 from megadare.models import family_of, read_hf_config
 from megadare.rewards import auto_rule, gold_response, load_reward, score_batch
 
@@ -42,6 +42,12 @@ def load_tokenizer(model: Optional[str]) -> Tokenizer:
         return Utf8ByteTokenizer()
     if not os.path.isdir(model):
         raise DataError(f"--model {model}: not a directory (a checkpoint or a tokenizer directory)")
+    if not any(os.path.isfile(os.path.join(model, f)) for f in VOCABULARY_FILES):  # transformers 5 would build
+        # an empty tokenizer of the model type, and every prompt would fail for want of a chat template
+        raise DataError(
+            f"--model {model}: no tokenizer files (none of {', '.join(VOCABULARY_FILES)}); copy the model's into "
+            "it, or leave --model out for lengths in UTF-8 bytes (a tiny model's export, the demo's, has none)"
+        )
     mask = None
     if os.path.isfile(os.path.join(model, "config.json")):
         hf = read_hf_config(model)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megadare.config import Config
 from megadare.convert import load_hf_into_model
-from megadare.data.tokenizer import ByteTokenizer, HFTokenizer
+from megadare.data.tokenizer import VOCABULARY_FILES, ByteTokenizer, HFTokenizer
 from megadare.errors import ConfigError, RunStateError
 from megadare.models import build_hf_model, save_hf_model
 from megadare.models.family import ModelArch, read_hf_config
@@ -117,9 +117,6 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
     return chunks
 
 
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")  # one holds the vocabulary
-
-
 def tokenizer_for(cfg: Config, src: ModelSource, generates: bool = False):
     """The HF tokenizer of the checkpoint, or the byte tokenizer for tiny random models. ``generates``: the run
     samples from the model (rl, eval), so every id the model can sample must decode."""
@@ -140,9 +137,16 @@ def tokenizer_for(cfg: Config, src: ModelSource, generates: bool = False):
         return tok
     if not any(os.path.exists(os.path.join(src.hf_dir, f)) for f in VOCABULARY_FILES):
         # transformers >= 5 then builds an empty tokenizer of the model type instead of failing
+        byte = ByteTokenizer()
+        tiny = (src.arch.vocab_size, src.arch.mask_token_id) == (byte.vocab_size, byte.mask_token_id)
         raise ConfigError(
             f"model.hf_path={src.hf_dir} has no tokenizer (none of {', '.join(VOCABULARY_FILES)}); "
-            "copy the model's tokenizer files into it"
+            + (
+                f"its {byte.vocab_size}-id vocabulary with mask id {byte.mask_token_id} is megadare's byte "
+                "tokenizer's (a tiny model's export, e.g. the demo's): add model.tiny=true"
+                if tiny
+                else "copy the model's tokenizer files into it"
+            )
         )
     try:
         return HFTokenizer(src.hf_dir, mask_token_id=src.arch.mask_token_id)
