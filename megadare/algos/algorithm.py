@@ -71,7 +71,8 @@ PARAM_RANGES: dict[str, tuple[str, str]] = {
 PARAM_ORDER = (("p_low", "p_high"), ("t_low", "t_high"))  # pairs that bound one range: low <= high
 
 
-def _in_range(v: float, bounds: str) -> bool:
+def in_range(v: float, bounds: str) -> bool:
+    """Whether ``v`` lies within ``bounds``, an interval written "[lo, hi)" ("[" / "]" inclusive, "inf" allowed)."""
     lo, hi = (float(x) for x in bounds[1:-1].split(","))
     return (v >= lo if bounds[0] == "[" else v > lo) and (v <= hi if bounds[-1] == "]" else v < hi)
 
@@ -94,7 +95,7 @@ def check_params(name: str, resolved: dict[str, Any], defaults: dict[str, Any]) 
         if not ok:
             raise ConfigError(f"algo.params.{k}={v!r}: {name}'s {k} is {wants} (its default: {d!r})")
     for k, (bounds, what) in PARAM_RANGES.items():
-        if resolved.get(k) is not None and not _in_range(resolved[k], bounds):
+        if resolved.get(k) is not None and not in_range(resolved[k], bounds):
             raise ConfigError(f"algo.params.{k}={resolved[k]} must be within {bounds} ({what})")
     for lo, hi in PARAM_ORDER:
         if lo in resolved and resolved[lo] > resolved[hi]:

@@ -15,6 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megadare.algos.algorithm import in_range
 from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.config.foreign import foreign_fix
@@ -143,17 +144,10 @@ RANGES: dict[str, tuple[str, str]] = {
 }
 
 
-def _in_range(v: float, bounds: str) -> bool:
-    lo, hi = (float(x) for x in bounds[1:-1].split(","))
-    above = v >= lo if bounds[0] == "[" else v > lo
-    below = v <= hi if bounds[-1] == "]" else v < hi
-    return above and below
-
-
 def _check_ranges(cfg: Config) -> None:
     """Every ``RANGES`` key holds a value within its range (None: unset), else one line: key, value, range, why."""
     for key, (bounds, what) in RANGES.items():
-        if (v := _get(cfg, key)) is not None and not _in_range(v, bounds):
+        if (v := _get(cfg, key)) is not None and not in_range(v, bounds):
             raise ConfigError(f"{cfg.as_written(key)}={v} must be within {bounds} ({what})")
 
 
