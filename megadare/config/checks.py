@@ -66,6 +66,10 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
     if cfg.lora.rank < 0:
         raise ConfigError(f"{named('lora.rank')}={cfg.lora.rank} must be >= 0 (0 = full fine-tuning)")
+    if not cfg.rollout.timeout_s > 0:
+        raise ConfigError(
+            f"rollout.timeout_s={cfg.rollout.timeout_s} must be > 0 (seconds an engine may stay silent; e.g. 1800)"
+        )
     if cfg.rollout.max_batch < 0:
         raise ConfigError(
             f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request at once)"

@@ -149,6 +149,9 @@ class RolloutSection:
     eval_steps_per_block: int = 0  # held-out evaluation's denoising steps per block (0: steps_per_block; DARE's
     # recipes validate with max_response_length steps in all, one token per step)
     chunk_size: int = 16  # prompts per engine request
+    timeout_s: float = 1800.0  # the longest an engine may stay silent (no request of a rollout finished, no answer
+    # to a weight push) before the run stops naming it; generous for 30B rollouts, finite so a hung engine cannot
+    # hold the GPUs forever
     bucket_mb: int = 512  # weight-sync bucket size
     weight_transport: Literal[WEIGHT_TRANSPORTS] = (
         "auto"  # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all
