@@ -153,3 +153,14 @@ def test_cli_dry_run_and_errors():
     assert "Traceback" not in no_eval_model.stderr
     no_model = subprocess.run([sys.executable, "-m", "megadare", "sft"], capture_output=True, text=True)
     assert no_model.returncode == 2 and "no model" in no_model.stderr and "Traceback" not in no_model.stderr
+
+
+def test_peer_timeouts_are_keys_and_the_rollout_one_fits_in_the_collective_one():
+    """rollout.timeout_s (an engine's silence) and parallel.collective_timeout_s (the process group's timeout,
+    which the other ranks wait under while rank 0 rolls out) are set from the config; a rollout timeout the
+    collective one would cut short is refused."""
+    cfg = load_config(None, ["rollout.timeout_s=60", "parallel.collective_timeout_s=120"])
+    validate(cfg, None)
+    assert (cfg.rollout.timeout_s, cfg.parallel.collective_timeout_s) == (60, 120)
+    with pytest.raises(ConfigError, match=r"rollout.timeout_s=600.*parallel.collective_timeout_s=300: need 0 <"):
+        validate(load_config(None, ["rollout.timeout_s=600", "parallel.collective_timeout_s=300"]), None)

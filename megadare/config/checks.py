@@ -66,9 +66,11 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
     if cfg.lora.rank < 0:
         raise ConfigError(f"{named('lora.rank')}={cfg.lora.rank} must be >= 0 (0 = full fine-tuning)")
-    if not cfg.rollout.timeout_s > 0:
+    if not 0 < cfg.rollout.timeout_s < p.collective_timeout_s:
         raise ConfigError(
-            f"rollout.timeout_s={cfg.rollout.timeout_s} must be > 0 (seconds an engine may stay silent; e.g. 1800)"
+            f"rollout.timeout_s={cfg.rollout.timeout_s}, parallel.collective_timeout_s={p.collective_timeout_s}: "
+            "need 0 < rollout.timeout_s < parallel.collective_timeout_s (the other trainer ranks wait for rank 0's "
+            "rollout in a collective); e.g. 1800 and 3600"
         )
     if cfg.rollout.max_batch < 0:
         raise ConfigError(

@@ -41,6 +41,8 @@ class ParallelSection:
     cp: int = 1  # context parallel
     sp: bool = False  # sequence parallel (needs tp > 1)
     world_size: Optional[int] = None  # None = from the launcher environment
+    collective_timeout_s: int = 3600  # a rank waiting this long in a collective fails (a hung peer); in RL the
+    # other ranks wait so for rank 0's rollout and scoring: keep it above rollout.timeout_s and a step's rollout
 
 
 @dataclass
