@@ -71,11 +71,13 @@ class SyncSettings:
 
     @classmethod
     def of(cls, rollout) -> "SyncSettings":
-        """The settings of config section ``rollout`` (weight_transport, bucket_mb, fp8_weights)."""
+        """The settings of config section ``rollout`` (weight_transport, bucket_mb, fp8_weights; timeout_s: a push
+        that an engine stops answering fails after it, like a rollout, not after the groups' default 30 minutes)."""
         return cls(
             transport=rollout.weight_transport,
             bucket_bytes=rollout.bucket_mb << 20,
             fp8_block=(128, 128) if rollout.fp8_weights else None,
+            timeout=timedelta(seconds=rollout.timeout_s),
         )
 
 
