@@ -194,12 +194,14 @@ class RolloutManager:
         infos = []
         for slot, ref in enumerate([a.info.remote() for a in self.actors]):
             try:
-                infos.append(self._get_one(ray, slot, ref, "info"))
+                infos.append(self._get_one(ray, slot, ref, "its check before a weight push (info)"))
             except PeerError as e:
                 if not isinstance(e.__cause__, RayActorError):
                     raise
                 self._restart(slot)
-                infos.append(self._get_one(ray, slot, self.actors[slot].info.remote(), "info"))
+                infos.append(
+                    self._get_one(ray, slot, self.actors[slot].info.remote(), "its check after a restart (info)")
+                )
             self.hosts[slot] = infos[-1]["ip"]
         return infos
 
