@@ -232,6 +232,25 @@ class RolloutManager:
         except RayError as e:
             raise self.failed(slot, what, e) from e
 
+    def dead_slots(self, refs: Optional[list], wait_s: float = 5.0) -> list[int]:
+        """The slots whose call in ``refs`` (one per engine) failed because the engine died, within ``wait_s``."""
+        if not refs:
+            return []
+        ray = _ray()
+        from ray.exceptions import RayActorError  # heavy: Ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        dead = []
+        for slot, ref in enumerate(refs):
+            try:
+                if ref in ready:
+                    ray.get(ref, timeout=0)
+            except RayActorError:
+                dead.append(slot)
+            except Exception:  # noqa: BLE001 - an engine that raised or hangs is not dead
+                pass
+        return dead
+
     def gather(self, refs: list, what: str) -> list:
         """The answers of one call per engine (``refs[i]`` from slot i), waiting at most ``timeout_s``: an engine
         that died, raised or stays silent is a ``PeerError`` naming it."""
