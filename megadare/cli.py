@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Optional
 
-from megadare.errors import ConfigError, OutputError, RunStateError
+from megadare.errors import ConfigError, OutputError, PeerError, RunStateError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -309,6 +309,7 @@ def _one_line_errors() -> tuple[type[Exception], ...]:
         RewardSpecError,
         OutputError,
         RunStateError,
+        PeerError,
     )
 
 

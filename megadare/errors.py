@@ -13,3 +13,11 @@ class OutputError(ValueError):
 
 class RunStateError(ValueError):
     """A run directory's state refuses the command: held by another run, or trained from another model."""
+
+
+class PeerError(RuntimeError):
+    """A peer of the run (a rollout engine, a trainer rank) died, raised or stopped answering: the run stops, and
+    the message names the peer, the cause and the fix (``RESUME``: the last checkpoint is intact)."""
+
+
+RESUME = "the run stops; run the same command again to resume from its last checkpoint"

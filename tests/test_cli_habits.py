@@ -105,7 +105,8 @@ OVERRIDES = [
     (
         "parallel=4",
         "override 'parallel=4': parallel is a section, not a key; set one of its keys: parallel.tp, parallel.pp, "
-        "parallel.vpp, parallel.ep, parallel.etp, parallel.cp, parallel.sp, parallel.world_size",
+        "parallel.vpp, parallel.ep, parallel.etp, parallel.cp, parallel.sp, parallel.world_size, "
+        "parallel.collective_timeout_s",
     ),
     (
         "+rl.steps=3",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 
@@ -11,6 +12,7 @@ from megadare.config import load_config, to_yaml, validate
 from megadare.parallel.layout import Layout
 from megadare.errors import ConfigError
 from megadare.models import get_family
+from megadare.rollout.weight_sync.sync import SyncSettings
 
 
 def validate_layout(arch, world_size=None, **sizes):
@@ -153,3 +155,16 @@ def test_cli_dry_run_and_errors():
     assert "Traceback" not in no_eval_model.stderr
     no_model = subprocess.run([sys.executable, "-m", "megadare", "sft"], capture_output=True, text=True)
     assert no_model.returncode == 2 and "no model" in no_model.stderr and "Traceback" not in no_model.stderr
+
+
+def test_peer_timeouts_are_keys_and_the_rollout_one_fits_in_the_collective_one():
+    """rollout.timeout_s (an engine's silence) and parallel.collective_timeout_s (the process group's timeout,
+    which the other ranks wait under while rank 0 rolls out) are set from the config, the rollout one bounding the
+    weight-push groups too (they waited 30 minutes for a hung engine); a rollout timeout the
+    collective one would cut short is refused."""
+    cfg = load_config(None, ["rollout.timeout_s=60", "parallel.collective_timeout_s=120"])
+    validate(cfg, None)
+    assert (cfg.rollout.timeout_s, cfg.parallel.collective_timeout_s) == (60, 120)
+    assert SyncSettings.of(cfg.rollout).timeout == timedelta(seconds=60)  # weight-push groups: the same bound
+    with pytest.raises(ConfigError, match=r"rollout.timeout_s=600.*parallel.collective_timeout_s=300: need 0 <"):
+        validate(load_config(None, ["rollout.timeout_s=600", "parallel.collective_timeout_s=300"]), None)

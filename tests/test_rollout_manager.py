@@ -10,6 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from tiny import write_tiny_hf  # noqa: E402
+from megadare.errors import PeerError  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineSpec, RolloutManager, build_native_engine  # noqa: E402
 
@@ -85,6 +86,60 @@ def test_every_prompt_once_in_order_and_recovery_from_a_dead_engine(cluster, tmp
     assert [t.prompt_ids for t in got] == PROMPTS and [t.response_ids for t in got] == expected
     assert all(h["alive"] for h in flaky.call_all("health"))
     flaky.shutdown()
+
+
+def _faulty_once(marker: str, fault: str):
+    """Fault injection (test only): the first engine to find no file at ``marker`` creates it and, in generate(),
+    raises (``fault='raise'``) or never returns (``'hang'``), as a broken or wedged engine would."""
+
+    def build(**kwargs):
+        import time
+
+        class Faulty:
+            def __init__(self, engine):
+                self.engine = engine
+                self.faulty = not os.path.exists(marker)
+                if self.faulty:
+                    open(marker, "w").close()
+
+            def generate(self, prompts, params):
+                if self.faulty and fault == "raise":
+                    raise MemoryError("CUDA out of memory (injected)")
+                while self.faulty:
+                    time.sleep(1)
+                return self.engine.generate(prompts, params)
+
+            def __getattr__(self, name):
+                return getattr(self.engine, name)
+
+        return Faulty(build_native_engine(**kwargs))
+
+    return build
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_an_engine_that_raises_or_hangs_stops_the_rollout_naming_it(cluster, tmp_path, fault):
+    """No wait without end: an engine whose generate() raises, or that returns nothing in rollout.timeout_s, ends
+    the rollout in one line naming its slot and host, the cause and the resume (the other engine is not named)."""
+    marker = str(tmp_path / "faulty")
+    manager = RolloutManager(
+        EngineSpec(_faulty_once(marker, fault), {"hf_dir": _hf(tmp_path, 0), "eos_token_id": EOS}),
+        num_engines=2,
+        chunk_size=3,
+    )
+    manager.check_engines()  # both engines up (their start is not what is timed here), their hosts known
+    manager.timeout_s = 5
+    with pytest.raises(PeerError) as err:
+        manager.generate(PROMPTS, PARAMS)
+    msg = str(err.value)
+    assert "\n" not in msg and "resume from its last checkpoint" in msg
+    named = [s for s in range(2) if f"rollout engine {s} on {manager.hosts[s]}" in msg]
+    assert len(named) == 1, msg
+    if fault == "raise":
+        assert "raised MemoryError: CUDA out of memory (injected) during generate" in msg
+    else:
+        assert "gave no answer to a rollout request in 5s (rollout.timeout_s)" in msg
+    manager.shutdown(timeout_s=1)
 
 
 def _marks_shutdown(folder: str):

@@ -405,3 +405,35 @@ def test_auto_transport_on_gpus_never_puts_two_nccl_ranks_on_one_gpu():
         resolve("distributed", ["GPU-a"], ["GPU-a"])
     with pytest.raises(ConfigError, match="colocated on GPUs needs every engine on the GPU"):
         resolve("colocated", ["GPU-a"], ["GPU-c"])
+
+
+class _LostMember:
+    """A weight group whose member left mid-push, as gloo reports it to the sender."""
+
+    refs = ["receive 0", "receive 1"]  # each engine's receive_weights call
+
+    def connect(self, header):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5034: Connection reset by peer.")
+
+
+class _OneDead:
+    def dead_slots(self, refs):
+        return [1] if refs == _LostMember.refs else []
+
+    def peer(self, slot):
+        return f"rollout engine {slot} on 10.0.0.3"
+
+
+def test_an_engine_lost_mid_push_is_one_line_naming_it():
+    """An engine killed during a push broke the sender's collective with gloo's multi-line traceback; now one line
+    names the push, the engine seen dead and the resume (a trainer's own RuntimeError is left as it is)."""
+    from megadare.errors import PeerError
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
+
+    sync = WeightSync([], [], None, SyncSettings(transport="object_store"))
+    sync.transport, sync.engines = _LostMember(), _OneDead()
+    with pytest.raises(PeerError) as err:
+        sync.push(3)
+    msg = str(err.value)
+    assert msg.startswith("the weight push of version 3 broke: rollout engine 1 on 10.0.0.3 left or stopped ")
+    assert "Connection reset by peer" in msg and "resume from its last checkpoint" in msg and "\n" not in msg

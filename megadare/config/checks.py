@@ -67,6 +67,12 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
     check_lora(cfg)
     check_rl_filters(cfg)
+    if not 0 < cfg.rollout.timeout_s < p.collective_timeout_s:
+        raise ConfigError(
+            f"rollout.timeout_s={cfg.rollout.timeout_s}, parallel.collective_timeout_s={p.collective_timeout_s}: "
+            "need 0 < rollout.timeout_s < parallel.collective_timeout_s (the other trainer ranks wait for rank 0's "
+            "rollout in a collective); e.g. 1800 and 3600"
+        )
     if cfg.rollout.max_batch < 0:
         raise ConfigError(
             f"rollout.max_batch={cfg.rollout.max_batch} must be >= 0 (0 = every prompt of a request at once)"

@@ -41,6 +41,8 @@ class ParallelSection:
     cp: int = 1  # context parallel
     sp: bool = False  # sequence parallel (needs tp > 1)
     world_size: Optional[int] = None  # None = from the launcher environment
+    collective_timeout_s: int = 3600  # a rank waiting this long in a collective fails (a hung peer); in RL the
+    # other ranks wait so for rank 0's rollout and scoring: keep it above rollout.timeout_s and a step's rollout
 
 
 @dataclass
@@ -149,6 +151,9 @@ class RolloutSection:
     eval_steps_per_block: int = 0  # held-out evaluation's denoising steps per block (0: steps_per_block; DARE's
     # recipes validate with max_response_length steps in all, one token per step)
     chunk_size: int = 16  # prompts per engine request
+    timeout_s: float = 1800.0  # the longest an engine may stay silent (no request of a rollout finished, no answer
+    # to a weight push) before the run stops naming it; generous for 30B rollouts, finite so a hung engine cannot
+    # hold the GPUs forever
     bucket_mb: int = 512  # weight-sync bucket size
     weight_transport: Literal[WEIGHT_TRANSPORTS] = (
         "auto"  # auto | distributed (a gloo/NCCL group per pipeline-stage sender and all

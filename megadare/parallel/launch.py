@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 import pickle
 import queue as _q
+import signal
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+from megadare.errors import RESUME, PeerError
 
 
 class WorkerError(RuntimeError):
@@ -41,9 +45,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -
 
 
 def _one_line_error(e: BaseException):
-    """megadare's own one-line errors (ValueError subclasses defined in megadare: ConfigError, DataError, ...),
-    pickled to be raised again in the parent as they are; None for anything else."""
-    if isinstance(e, ValueError) and type(e).__module__.startswith("megadare."):
+    """megadare's own one-line errors (ValueError subclasses defined in megadare: ConfigError, DataError, ...; a
+    ``PeerError``), pickled to be raised again in the parent as they are; None for anything else."""
+    if isinstance(e, (ValueError, PeerError)) and type(e).__module__.startswith("megadare."):
         try:
             return pickle.dumps(e)
         except Exception:  # noqa: BLE001 - an unpicklable error is reported by its traceback
@@ -68,7 +72,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
 
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
-    """One launch: (results by rank, error texts, megadare's own errors)."""
+    """One launch: (results by rank, error texts, megadare's own errors; a rank that died first)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -81,21 +85,7 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     errors: list[str] = []
     own: list[BaseException] = []
     try:
-        for _ in range(world_size):
-            try:
-                rank, ok, val = queue.get(timeout=timeout_s)
-            except _q.Empty:
-                waiting = sorted(set(range(world_size)) - set(results))
-                errors.append(f"timed out after {timeout_s}s waiting for ranks {waiting}")
-                break
-            if ok:
-                results[rank] = pickle.loads(val)
-            else:
-                tb, err = val
-                errors.append(f"rank {rank} failed:\n{tb}")
-                if err is not None:
-                    own.append(pickle.loads(err))
-                break
+        _collect(procs, queue, results, errors, own, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
@@ -104,3 +94,60 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
                 p.kill()
                 p.join()
     return results, errors, own
+
+
+def _collect(procs: list, queue, results: dict, errors: list, own: list, timeout_s: float) -> None:
+    """Every rank's answer from ``queue``, until the first error. A rank whose process ends without one (SIGKILL,
+    the OOM killer, a segfault, ``os._exit``) is noticed within a second, while the others may wait for it in a
+    collective or work on: its death is the run's error, ahead of what a survivor then says (a reset connection)."""
+    deadline = time.monotonic() + timeout_s
+    reported: set[int] = set()
+    while len(reported) < len(procs):
+        try:
+            rank, ok, val = queue.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except _q.Empty:
+            dead = _died(procs, reported)
+            if dead or time.monotonic() >= deadline:
+                waiting = sorted(set(range(len(procs))) - reported)
+                errors.append(dead or f"timed out after {timeout_s}s waiting for ranks {waiting}")
+                own.extend([PeerError(dead)] if dead else [])
+                return
+            continue
+        reported.add(rank)
+        if ok:
+            results[rank] = pickle.loads(val)
+            continue
+        tb, err = val
+        dead = _died(procs, reported, grace_s=2.0)
+        own.extend([PeerError(dead)] if dead else [])
+        errors.append(f"rank {rank} failed:\n{tb}")
+        if err is not None:
+            own.append(pickle.loads(err))
+        return
+
+
+def _died(procs: list, reported: set, grace_s: float = 0.0) -> str:
+    """One line naming the ranks whose process ended without an answer (waiting up to ``grace_s`` for one to
+    end: a survivor may report the lost connection before the dead rank's exit is seen); '' when none did."""
+    end = time.monotonic() + grace_s
+    while True:
+        dead = [(r, p) for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= end:
+            break
+        time.sleep(0.1)
+    if not dead:
+        return ""
+    host = socket.gethostname()
+    what = "; ".join(f"trainer rank {r} (pid {p.pid} on {host}) {_exit_cause(p.exitcode)}" for r, p in dead)
+    return f"{what} without an error of its own; {RESUME}"
+
+
+def _exit_cause(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the OOM killer, kill -9)" if name == "SIGKILL" else ""
+        return f"was killed by {name}{why}"
+    return f"exited with code {code}"

@@ -8,6 +8,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from megadare.errors import RESUME, PeerError
+
 
 def trainer_rank() -> int:
     """This process's rank in the trainer's world (0 without torch.distributed)."""
@@ -46,7 +48,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
         return result
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        _stand_by(box)
         kind, value = box[0]
         if kind == "push":
             push()
@@ -63,3 +65,17 @@ def _picklable(e: Exception) -> Exception:
         return e
     except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
         return RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")
+
+
+def _stand_by(box: list) -> None:
+    """Rank 0's next word into ``box``; a wait past the process group's timeout is one line saying what it means."""
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as e:  # torch's DistBackendError; gloo: 'Timed out waiting ...ms', NCCL: 'timeout'
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise PeerError(
+            f"trainer rank {trainer_rank()} waited for rank 0 (its rollout or scoring) longer than "
+            f"parallel.collective_timeout_s: rank 0 hung, or is slower than that; {RESUME} (raise "
+            "parallel.collective_timeout_s if rank 0 is only slow)"
+        ) from e

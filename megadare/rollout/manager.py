@@ -21,13 +21,14 @@ that died between steps gets the new version with the others.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megadare.errors import ConfigError
+from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models import load_hf_model
 from megadare.models.family import family_of, read_hf_config
 from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
@@ -119,6 +120,15 @@ class _EngineActor:
             self.engine.update_weights(f.views(buf), version)
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """How much the manager bears from its engines: deaths per rollout (each one restarted) and seconds of silence
+    (``rollout.timeout_s``) before a rollout or a weight push stops with a ``PeerError`` naming the engine."""
+
+    max_restarts: int = 3
+    timeout_s: float = 1800.0
+
+
 def _check_feasible(ray, bundle: dict[str, float], resources: dict) -> None:
     """Fail at once when no live node of the Ray cluster can hold one engine: an infeasible placement group would
     wait for the 300 s timeout and end in an opaque GetTimeoutError (e.g. the config's num_cpus on small nodes)."""
@@ -141,7 +151,7 @@ class RolloutManager:
         resources: Optional[dict[str, float]] = None,
         strategy: str = "PACK",
         chunk_size: int = 8,
-        max_restarts: int = 3,
+        limits: Optional["EngineLimits"] = None,
     ):
         ray = _ray()
         from ray.util.placement_group import placement_group  # heavy: Ray
@@ -149,7 +159,10 @@ class RolloutManager:
 
         if not ray.is_initialized():
             raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
-        self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, max_restarts
+        limits = limits or EngineLimits()
+        self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, limits.max_restarts
+        self.timeout_s = limits.timeout_s  # rollout.timeout_s: the longest an engine may stay silent
+        self.hosts: list[Optional[str]] = [None] * num_engines  # each slot's host, once it answered engine_info
         self.resources = dict(resources or {"num_cpus": 1})
         bundle = {("GPU" if k == "num_gpus" else "CPU" if k == "num_cpus" else k): v for k, v in self.resources.items()}
         _check_feasible(ray, bundle, self.resources)
@@ -181,11 +194,71 @@ class RolloutManager:
         infos = []
         for slot, ref in enumerate([a.info.remote() for a in self.actors]):
             try:
-                infos.append(ray.get(ref))
-            except RayActorError:
+                infos.append(self._get_one(ray, slot, ref, "its check before a weight push (info)"))
+            except PeerError as e:
+                if not isinstance(e.__cause__, RayActorError):
+                    raise
                 self._restart(slot)
-                infos.append(ray.get(self.actors[slot].info.remote()))
+                infos.append(
+                    self._get_one(ray, slot, self.actors[slot].info.remote(), "its check after a restart (info)")
+                )
+            self.hosts[slot] = infos[-1]["ip"]
         return infos
+
+    def peer(self, slot: int) -> str:
+        """How a message names engine ``slot``: its slot and host (once known)."""
+        host = self.hosts[slot] if slot < len(self.hosts) else None
+        return f"rollout engine {slot}" + (f" on {host}" if host else "")
+
+    def silent(self, slots: Sequence[int], what: str) -> PeerError:
+        """The error for engines that gave no answer to ``what`` within ``timeout_s``."""
+        names = ", ".join(self.peer(s) for s in sorted(set(slots)))
+        return PeerError(
+            f"{names} gave no answer to {what} in {self.timeout_s:g}s (rollout.timeout_s): hung, or slower than "
+            f"that; {RESUME} (raise rollout.timeout_s if the engine is only slow)"
+        )
+
+    def failed(self, slot: int, what: str, e: BaseException) -> PeerError:
+        """The error for engine ``slot`` dying or raising during ``what`` (the Ray error ``e`` as the cause)."""
+        return PeerError(f"{self.peer(slot)} {engine_failure(e)} during {what}; {RESUME}")
+
+    def _get_one(self, ray, slot: int, ref, what: str):
+        from ray.exceptions import GetTimeoutError, RayError  # heavy: Ray
+
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except GetTimeoutError:
+            raise self.silent([slot], what) from None
+        except RayError as e:
+            raise self.failed(slot, what, e) from e
+
+    def dead_slots(self, refs: Optional[list], wait_s: float = 5.0) -> list[int]:
+        """The slots whose call in ``refs`` (one per engine) failed because the engine died, within ``wait_s``."""
+        if not refs:
+            return []
+        ray = _ray()
+        from ray.exceptions import RayActorError  # heavy: Ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        dead = []
+        for slot, ref in enumerate(refs):
+            try:
+                if ref in ready:
+                    ray.get(ref, timeout=0)
+            except RayActorError:
+                dead.append(slot)
+            except Exception:  # noqa: BLE001 - an engine that raised or hangs is not dead
+                pass
+        return dead
+
+    def gather(self, refs: list, what: str) -> list:
+        """The answers of one call per engine (``refs[i]`` from slot i), waiting at most ``timeout_s``: an engine
+        that died, raised or stays silent is a ``PeerError`` naming it."""
+        ray = _ray()
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        if late:
+            raise self.silent([refs.index(r) for r in late], what)
+        return [self._get_one(ray, slot, ref, what) for slot, ref in enumerate(refs)]
 
     def check_engines(self) -> None:
         """Replace every dead actor now (before a push, so the push reaches the replacement)."""
@@ -214,13 +287,13 @@ class RolloutManager:
         return [a.receive_weights.remote(how, plan, version, handles) for a in self.actors]
 
     def wait(self, refs: list) -> list:
-        return _ray().get(refs)
+        return self.gather(refs, "the weight push")
 
     def load_flats(self, flats: Sequence[Flat], bufs: list, version: int) -> None:
         """Object-store fallback: one bucket into every engine; its objects are released right after."""
         ray = _ray()
         refs = [ray.put(b) for b in bufs]
-        ray.get([a.load_flats.remote(list(flats), version, *refs) for a in self.actors])
+        self.gather([a.load_flats.remote(list(flats), version, *refs) for a in self.actors], "the weight push")
         del refs
 
     def synced(self, version: int) -> None:
@@ -263,8 +336,7 @@ class RolloutManager:
 
     def call_all(self, method: str, *args) -> list[Any]:
         """Call an engine method on every actor (sleep, wake, health, logits, ...)."""
-        ray = _ray()
-        return ray.get([a.call.remote(method, *args) for a in self.actors])
+        return self.gather([a.call.remote(method, *args) for a in self.actors], f"{method}()")
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Each engine shuts itself down (at most ``timeout_s`` for all; a dead or hung one is not waited for),
@@ -308,27 +380,71 @@ class PendingRollout:
             self.inflight[m.actors[slot].generate.remote(self.chunks[c], p)] = (c, slot)
 
     def result(self) -> list[Trajectory]:
+        """Every chunk's trajectories, in order. An engine that dies has its chunks re-issued (after a restart,
+        within ``max_restarts``); one that raises, or that finishes no chunk in ``rollout.timeout_s`` while holding
+        some, stops the rollout with a ``PeerError`` naming it."""
         ray = _ray()
-        from ray.exceptions import RayActorError  # heavy: Ray
-
+        m = self.manager
         while self.inflight:
-            inflight, self.inflight = self.inflight, {}
-            todo, dead = [], set()
-            for ref, (c, slot) in inflight.items():
-                try:
-                    self.results[c] = ray.get(ref)
-                except RayActorError:
-                    dead.add(slot)
+            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=m.timeout_s)
+            if not ready:
+                raise m.silent([slot for _, slot in self.inflight.values()], "a rollout request")
+            ready, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=0)
+            todo, dead = self._collect(ready)
+            for ref, (c, slot) in list(self.inflight.items()):  # a dead engine's other chunks: re-issued too
+                if slot in dead:
+                    del self.inflight[ref]
                     todo.append(c)
-            for slot in sorted(dead):
-                if self.restarts_left <= 0:
-                    raise RuntimeError(
-                        f"rollout engine {slot} died and the restart budget ({self.manager.max_restarts}) is used up"
-                    )
-                self.restarts_left -= 1
-                self.manager._restart(slot)
-            self.issue(todo)
+            for slot, e in sorted(dead.items()):
+                self._replace(slot, e)
+            self.issue(sorted(todo))
         return [t for c in range(len(self.chunks)) for t in self.results[c]]
+
+    def _collect(self, ready: list) -> tuple[list[int], dict[int, BaseException]]:
+        """The finished chunks' trajectories into ``results`` -> (chunks to re-issue, dead slots and their errors)."""
+        ray = _ray()
+        from ray.exceptions import RayActorError, RayError  # heavy: Ray
+
+        todo, dead = [], {}
+        for ref in ready:
+            c, slot = self.inflight.pop(ref)
+            try:
+                self.results[c] = ray.get(ref)
+            except RayActorError as e:
+                dead[slot] = e
+                todo.append(c)
+            except RayError as e:
+                raise self.manager.failed(slot, "generate", e) from e
+        return todo, dead
+
+    def _replace(self, slot: int, e: BaseException) -> None:
+        """A replacement for the dead engine in ``slot``, within the restart budget; says so on stderr."""
+        m = self.manager
+        if self.restarts_left <= 0:
+            raise PeerError(
+                f"{m.peer(slot)} {engine_failure(e)} and the restart budget of this rollout ({m.max_restarts}) is "
+                f"used up; {RESUME}"
+            )
+        self.restarts_left -= 1
+        print(
+            f"rollout: {m.peer(slot)} {engine_failure(e)}; restarting it ({m.max_restarts - self.restarts_left} of "
+            f"{m.max_restarts} restarts), its requests go to the other engines",
+            file=sys.stderr,
+        )
+        m._restart(slot)
+
+
+def engine_failure(e: BaseException) -> str:
+    """What happened to an engine, from Ray's error: 'raised X: msg' (the engine's own exception) or 'died (...)'
+    (the actor process is gone: killed, OOM, its node lost), in one line."""
+    from ray.exceptions import RayActorError, RayTaskError  # heavy: Ray
+
+    if isinstance(e, RayTaskError) and not isinstance(e, RayActorError):
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        lines = str(cause).strip().splitlines() or [""]
+        return f"raised {type(cause).__name__}: {lines[-1][:300]}"
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"died ({lines[0][:300]})" if lines else "died"
 
 
 def resolve_engine_device(

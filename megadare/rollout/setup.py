@@ -154,6 +154,7 @@ def start_engines(cfg, src, tok):
     import ray  # heavy: Ray
 
     from megadare.rollout.manager import (
+        EngineLimits,
         RolloutManager,
     )  # heavy: megadare.config imports this module; the engines pull torch.distributed and sympy
 
@@ -171,4 +172,5 @@ def start_engines(cfg, src, tok):
         num_engines=cfg.rollout.num_engines,
         resources=dict(cfg.rollout.engine_resources),
         chunk_size=cfg.rollout.chunk_size,
+        limits=EngineLimits(timeout_s=cfg.rollout.timeout_s),
     )

@@ -51,7 +51,7 @@ class DPORun(SFTRun):
 def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     """Train on this rank (torch.distributed from the environment). Returns a summary (same on all ranks)."""
     spec = resolve(cfg, launched_world(), job="dpo")
-    init_distributed(spec.layout, seed=cfg.seed)
+    init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
     try:
         with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
             run = setup_dpo(spec)

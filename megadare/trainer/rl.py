@@ -38,7 +38,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     spec = resolve(cfg, launched_world(), job="rl")
     cfg = spec.cfg
     with ExitStack() as cleanup:
-        init_distributed(spec.layout, seed=cfg.seed)
+        init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
         cleanup.callback(destroy_distributed)
         cleanup.enter_context(run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)))
         run = cleanup.enter_context(rl_run(spec))

@@ -119,7 +119,7 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     checkpoint unless a save interval falls there.
     """
     spec = resolve(cfg, launched_world(), job="sft")
-    layout = init_distributed(spec.layout, seed=cfg.seed)
+    layout = init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
     try:
         with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
             run = setup_sft(spec)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
-from megadare.errors import ConfigError
+from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models.mapping import ParamMap
 from megadare.parallel.rank0 import trainer_rank
 from megadare.rollout.engine import WEIGHT_TRANSPORTS
@@ -71,11 +71,13 @@ class SyncSettings:
 
     @classmethod
     def of(cls, rollout) -> "SyncSettings":
-        """The settings of config section ``rollout`` (weight_transport, bucket_mb, fp8_weights)."""
+        """The settings of config section ``rollout`` (weight_transport, bucket_mb, fp8_weights; timeout_s: a push
+        that an engine stops answering fails after it, like a rollout, not after the groups' default 30 minutes)."""
         return cls(
             transport=rollout.weight_transport,
             bucket_bytes=rollout.bucket_mb << 20,
             fp8_block=(128, 128) if rollout.fp8_weights else None,
+            timeout=timedelta(seconds=rollout.timeout_s),
         )
 
 
@@ -115,13 +117,12 @@ class WeightSync:
         header = self._header()
         if self.transport is None:
             self.transport = self._make_transport(header)
-        self.transport.connect(header)
-        self.transport.begin(version, self.device)
-        for i, bucket, flats in stage_buckets(
-            self.chunks, self.plan, self.transform, self.transport.alloc(), self.device
-        ):
-            self.transport.send(i, bucket, flats)
-        self.transport.end()
+        try:
+            self._send_all(header, version)
+        except RuntimeError as e:
+            if isinstance(e, PeerError) or not _peer_lost(e):
+                raise
+            raise self._broken(version, e) from e
         if trainer_rank() == 0 and hasattr(self.engines, "synced"):
             self.engines.synced(version)
         dt = time.perf_counter() - t0
@@ -136,6 +137,29 @@ class WeightSync:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def _send_all(self, header: dict, version: int) -> None:
+        self.transport.connect(header)
+        self.transport.begin(version, self.device)
+        for i, bucket, flats in stage_buckets(
+            self.chunks, self.plan, self.transform, self.transport.alloc(), self.device
+        ):
+            self.transport.send(i, bucket, flats)
+        self.transport.end()
+
+    def _broken(self, version: int, e: RuntimeError) -> PeerError:
+        """A push whose group lost a member (an engine killed mid-push) or waited past rollout.timeout_s: one line,
+        naming the engines already seen dead (rank 0)."""
+        dead = (
+            self.engines.dead_slots(getattr(self.transport, "refs", None))
+            if hasattr(self.engines, "dead_slots")
+            else []
+        )
+        who = ", ".join(self.engines.peer(s) for s in dead) or "a rollout engine (or a trainer rank)"
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return PeerError(
+            f"the weight push of version {version} broke: {who} left or stopped answering ({first}); {RESUME}"
+        )
 
     # ------------------------------------------------------------------ rank 0 decides, everyone follows
     def _header(self) -> dict:
@@ -247,3 +271,12 @@ def sync_weights(
         return sync.push(version)
     finally:
         sync.close()
+
+
+_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "timed out")
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """A torch.distributed error that means a member of the group is gone or silent (gloo / NCCL wording)."""
+    text = str(e).lower()
+    return any(w in text for w in _PEER_LOST)
