@@ -14,12 +14,15 @@ alternate with the current code); f34a189 is the commit before the changes.
    the run's own update follows).
 2. The update's rows (``algo.batch_rows``) of the last step, and of 16 synthetic ``--long``-token responses, with
    the baseline's ``views_to_row`` / ``replay_views`` vs the current ones; the rows must be identical.
-3. The dense attention masks of the step's micro-batches (built once per layer before, once now).
+3. The dense attention masks of the step's micro-batches: ``MaskSpec.dense`` vs its ``mask_mod`` on the whole
+   grid (the construction before the block-diffusion fast path); and the last step's update with the CUDA-to-CPU
+   mode on everywhere vs scoped out of the hot sections (parallel/cpu.py ``SCOPED``).
 4. ``score_batch`` of 128 exact-match responses, a thread per call (baseline) vs a pool.
 
 The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs.
-On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) is active during the run and adds ~2 us to
-every small tensor operation; it is off on GPU runs.
+On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) adds ~2 us to every torch call where it is on:
+model build, schedules' glue, grad norm / clipping; not in the model forwards and the optimizer's copies and inner
+step. It is off on GPU runs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,23 +193,80 @@ def reward_scoring(rev: str, rounds: int, n: int = 128) -> None:
 
 
 def mask_building(su, samples, rounds: int) -> None:
-    """The dense attention mask of each micro-batch of the step (SDPA / reference backends): what every layer
-    after the first built again before the per-spec cache (models/attention.py ``dense_mask``)."""
+    """The dense attention mask of each micro-batch of the step (SDPA / reference backends), built once per forward
+    (models/attention.py ``dense_mask``): ``MaskSpec.dense`` now vs the ``mask_mod`` evaluated on the whole grid
+    (what ``dense`` did before its block-diffusion fast path), alternated; the masks must be identical."""
     from megadare.data.rows import pack_rows
 
     sh, cfg = su.shape, su.cfg
     rows = su.algo.batch_rows(samples, sh.arch, sh.block, lambda i: sh.generator_for(cfg.seed, su.step, i, 0))
     mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
-    t0 = time.process_time()
-    for _ in range(rounds):
-        for mb in mbs:
-            S = mb.tokens.shape[1]
-            mb.mask(sh.kind, sh.block).dense(S, S, mb.tokens.shape[0])
-    per_step = (time.process_time() - t0) / rounds
-    layers = sh.arch.num_layers
+    specs = [(mb.mask(sh.kind, sh.block), mb.tokens.shape[0], mb.tokens.shape[1]) for mb in mbs]
+    spent = {"grid": 0.0, "current": 0.0}
+    for _ in range(rounds * 4):
+        for spec, n, S in specs:
+            t0 = time.process_time()
+            old = grid_mask(spec, S, n)
+            t1 = time.process_time()
+            new = spec.dense(S, S, n)
+            spent["grid"] += t1 - t0
+            spent["current"] += time.process_time() - t1
+            if not torch_equal(old, new):
+                raise SystemExit(f"dense mask of a {spec.kind} micro-batch differs from its mask_mod")
+    k = rounds * 4
     print(
-        f"dense masks of one step's {len(mbs)} micro-batches: {per_step:.4f} CPU s to build them all; each forward "
-        f"built its micro-batch's once per layer ({layers} layers: {per_step * layers:.4f} s), now once"
+        f"dense masks of one step's {len(mbs)} micro-batches ({sh.kind}, CPU ms per step, {k} alternated rounds): "
+        f"mask_mod grid {1000 * spent['grid'] / k:.3f}, current {1000 * spent['current'] / k:.3f}, "
+        f"speed-up x{spent['grid'] / spent['current']:.2f}; masks identical"
+    )
+
+
+def grid_mask(spec, S: int, n: int):
+    """``spec.mask_mod`` on the [n, S, S] grid: ``MaskSpec.dense`` before its block-diffusion fast path."""
+    import torch
+
+    if not any(t is not None for t in (spec.segment_ids, spec.position_ids, spec.stream_ids)):
+        n = 1
+    b, q, k = torch.arange(n).view(-1, 1, 1), torch.arange(S).view(1, -1, 1), torch.arange(S).view(1, 1, -1)
+    return spec.mask_mod(b, torch.zeros((), dtype=torch.long), q, k).expand(n, S, S).unsqueeze(1)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def mode_ab(update, args: tuple, rounds: int) -> str:
+    """The step's whole update with the CUDA-to-CPU torch function mode on in every section (``SCOPED`` False, as
+    before) vs off in the hot sections (parallel/cpu.py ``hot_section``), alternated (optimizer steps: timing only)."""
+    from megadare.parallel import cpu
+
+    spent: dict[str, list[float]] = {"mode everywhere": [], "scoped": []}
+    calls = {}
+    mode_call = cpu._CudaToCpuMode.__torch_function__
+
+    def counted(self, *a, **kw):
+        calls[name] = calls.get(name, 0) + 1
+        return mode_call(self, *a, **kw)
+
+    for r in range(rounds + 1):
+        for name, scoped in (("mode everywhere", False), ("scoped", True)):
+            with swapped(
+                [(cpu, "SCOPED", scoped)] + ([(cpu._CudaToCpuMode, "__torch_function__", counted)] * (r == 0))
+            ):
+                t0 = time.process_time()
+                update(*args)
+                if r:  # the first round counts the torch calls the mode sees (untimed)
+                    spent[name].append(time.process_time() - t0)
+    mid = {k: statistics.median(v) for k, v in spent.items()}
+    low = {k: min(v) for k, v in spent.items()}
+    a, b = "mode everywhere", "scoped"
+    return (
+        f"one whole update of the last step (CPU s, {rounds} alternated rounds, median / min): CUDA-to-CPU mode "
+        f"everywhere {mid[a]:.4f} / {low[a]:.4f}, scoped to setup {mid[b]:.4f} / {low[b]:.4f}, "
+        f"speed-up x{mid[a] / mid[b]:.2f} / x{low[a] / low[b]:.2f}; torch calls through the mode per update "
+        f"{calls.get(a, 0)} vs {calls.get(b, 0)}"
     )
 
 
@@ -225,12 +286,12 @@ def update_ab(update, args: tuple, rev: str, rounds: int) -> str:
                 t0 = time.process_time()
                 update(*args)
                 spent[name].append(time.process_time() - t0)
-    mean = {k: sum(v) / len(v) for k, v in spent.items()}
+    mid = {k: statistics.median(v) for k, v in spent.items()}
     low = {k: min(v) for k, v in spent.items()}
     return (
-        f"one whole update of the last step (CPU s, {rounds} alternated rounds, mean / min): baseline {rev} "
-        f"{mean['baseline']:.4f} / {low['baseline']:.4f}, current {mean['current']:.4f} / {low['current']:.4f}, "
-        f"speed-up x{mean['baseline'] / mean['current']:.2f} / x{low['baseline'] / low['current']:.2f}"
+        f"one whole update of the last step (CPU s, {rounds} alternated rounds, median / min): baseline {rev} "
+        f"{mid['baseline']:.4f} / {low['baseline']:.4f}, current {mid['current']:.4f} / {low['current']:.4f}, "
+        f"speed-up x{mid['baseline'] / mid['current']:.2f} / x{low['baseline'] / low['current']:.2f}"
     )
 
 
@@ -253,6 +314,7 @@ def main() -> None:
         captured.update(su=su, samples=samples)
         if su.step == a.steps - 1:  # the last step: its whole update, old code vs new, before the real one
             captured["update"] = update_ab(update, (su, samples, *args), a.baseline, a.rounds)
+            captured["mode"] = mode_ab(update, (su, samples, *args), a.rounds)
         return update(su, samples, *args, **kw)
 
     rl_update.update = keep_last
@@ -265,6 +327,7 @@ def main() -> None:
     rl_update.update = update
     phase_table(out["history"])
     print(captured["update"])
+    print(captured["mode"])
     su = captured["su"]
     row_building(su, captured["samples"], a.baseline, a.rounds)
     if a.long:

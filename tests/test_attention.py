@@ -32,6 +32,47 @@ def test_block_diffusion_mask_definition():
             assert bool(m[i, j]) == want, (i, j)
 
 
+def _mask_mod_dense(spec, S: int, batch: int) -> torch.Tensor:
+    """``spec.mask_mod`` evaluated on the full grid: the construction ``dense`` used before its fast path."""
+    b, q, k = torch.arange(batch).view(-1, 1, 1), torch.arange(S).view(1, -1, 1), torch.arange(S).view(1, 1, -1)
+    return spec.mask_mod(b, torch.zeros((), dtype=torch.long), q, k).expand(batch, S, S).unsqueeze(1)
+
+
+def _random_packing(g: torch.Generator, batch: int, S: int, bs: int) -> dict:
+    """Per-position ids of ``batch`` rows, each a random packing of x_t ++ x_0 samples (random lengths, streams
+    in either order, padding segments) into ``S`` positions."""
+    seg, pos, stream = (torch.zeros(batch, S, dtype=torch.long) for _ in range(3))
+    for r in range(batch):
+        at, s = 0, 0
+        while at < S:
+            n = int(torch.randint(1, 3 * bs + 2, (1,), generator=g))
+            first = int(torch.randint(0, 2, (1,), generator=g))
+            for st in (first, 1 - first):
+                end = min(S, at + n)
+                seg[r, at:end], pos[r, at:end], stream[r, at:end] = s, torch.arange(end - at), st
+                at = end
+            s += 1
+    return {"segment_ids": seg, "position_ids": pos, "stream_ids": stream}
+
+
+def test_dense_block_diffusion_equals_its_mask_mod_over_random_packings():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        bs = int(torch.randint(1, 6, (1,), generator=g))
+        batch, S = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(2, 40, (1,), generator=g))
+        ids = _random_packing(g, batch, S, bs)
+        L = S // 2
+        cases = [
+            (block_diffusion(0, bs, **ids), batch, S),  # packed x_t ++ x_0 samples
+            (block_diffusion(L, bs), 1, 2 * L),  # one x_t ++ x_0
+            (block_diffusion(L, bs, segment_ids=ids["segment_ids"][:, : 2 * L]), batch, 2 * L),
+        ]
+        for spec, n, length in cases:
+            got, want = spec.dense(length, length, n), _mask_mod_dense(spec, length, n)
+            assert got.shape == want.shape and got.dtype == want.dtype == torch.bool, (trial, got.shape)
+            assert torch.equal(got, want), (trial, spec.kind, bs, length)
+
+
 def test_block_causal_with_offset_and_packing():
     m = block_causal(2, q_offset=4).dense(2, 6)[0, 0]  # queries are global positions 4, 5
     assert m.tolist() == [[True] * 6, [True] * 6]

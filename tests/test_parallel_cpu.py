@@ -103,3 +103,54 @@ print(r.stdout.strip())
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("child ok"), r.stderr[-2000:]
+
+
+def _steps_with_and_without_the_mode(rank, world, layout: dict, hf_dirs: dict) -> dict:
+    """Per family: the parameters after one optimizer step (and the torch calls the CUDA-to-CPU mode saw) with
+    the mode on everywhere (``SCOPED`` False) and off in the hot sections (forwards, optimizer copies and step)."""
+    from dist import tiny_trainer, random_step
+    from megadare.parallel import cpu, init_distributed
+
+    init_distributed(Layout(**layout))
+    seen = [0]
+    mode_call = cpu._CudaToCpuMode.__torch_function__
+
+    def counted(self, *args, **kwargs):
+        seen[0] += 1
+        return mode_call(self, *args, **kwargs)
+
+    cpu._CudaToCpuMode.__torch_function__ = counted
+    out = {}
+    for name, hf_dir in hf_dirs.items():
+        for scoped in (False, True):
+            cpu.SCOPED = scoped
+            _, model, opt, sched, arch, _ = tiny_trainer(layout, hf_dir)
+            seen[0] = 0
+            random_step(model, opt, sched, arch)
+            params = [p.detach().clone() for chunk in model for p in chunk.parameters()]
+            out[(name, scoped)] = (params, seen[0])
+    cpu.SCOPED = True
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout,families",
+    [
+        (dict(tp=2, sp=True), ["sdar", "sdar_moe", "llada2", "llada", "dream"]),
+        (dict(pp=2), ["sdar", "sdar_moe", "llada2", "llada", "dream"]),
+        (dict(ep=2), ["sdar_moe", "llada2"]),
+    ],
+)
+def test_hot_sections_run_without_the_cuda_mode_and_step_identically(tmp_path, layout, families):
+    """Forward + backward + optimizer step of every family at TP2 / PP2 / EP2 (gloo) with the CUDA-to-CPU mode
+    scoped out of the hot sections equal the step with the mode everywhere, bitwise, and the mode sees far fewer
+    calls (the hot sections really ran without it: no CUDA device hard-coded there)."""
+    from tiny import write_tiny_hf
+
+    hf_dirs = {name: write_tiny_hf(tmp_path, name, seed=i) for i, name in enumerate(families)}
+    for rank_out in spawn(_steps_with_and_without_the_mode, 2, layout, hf_dirs):
+        for name in families:
+            (everywhere, calls_all), (scoped, calls_scoped) = rank_out[(name, False)], rank_out[(name, True)]
+            assert len(everywhere) == len(scoped) > 0, name
+            assert all(torch.equal(a, b) for a, b in zip(everywhere, scoped)), f"{name} {layout}: params differ"
+            assert calls_scoped < calls_all / 2, f"{name} {layout}: the mode saw {calls_scoped} of {calls_all} calls"

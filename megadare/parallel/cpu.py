@@ -22,6 +22,12 @@ events in the MoE token dispatchers. This module answers those calls on CPU (the
    output are the same memory (they are: the shard of one rank is the whole buffer); gloo would copy the
    whole model through its buffers twice per step.
 
+The mode costs ~2 us per torch call, so the hot sections run without it (``hot_section``): each model forward
+(trainer/step.py, trainer/forward.py) and the optimizer's gradient copies, inner step and zero_grad. Those
+sections hard-code no CUDA device in megatron-core 0.16 (their tensors come from ``torch.cuda.current_device()``,
+answered by item 2, or from existing tensors); what does (the schedules' token counter, grad-norm and clipping
+buffers, the optimizers' ``.type()`` checks, model build, checkpoints) runs with the mode.
+
 It is installed only when no GPU is used, and ``install_cpu_compat`` refuses to run when CUDA is in use, so it
 can never change GPU behaviour. See ../shared/reference/megatron_cpu.md.
 """
@@ -38,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
 _MODE: "_CudaToCpuMode | None" = None
+SCOPED = True  # False: the mode stays on in the hot sections too (tests compare the two)
 
 
 def _cpu_device(d: Any) -> Any:
@@ -135,6 +142,50 @@ def _tagged_p2p_ops(*, group, prev_pipeline_rank: int, next_pipeline_rank: int, 
     return dist.batch_isend_irecv(ops) if ops else []
 
 
+def _mode_on_top() -> bool:
+    n = torch._C._len_torch_function_stack()
+    return n > 0 and torch._C._get_function_stack_at(n - 1) is _MODE
+
+
+@contextlib.contextmanager
+def hot_section():
+    """The block runs without the CUDA-to-CPU mode (module doc); a no-op on GPU, with ``SCOPED`` False, or when
+    another torch function mode sits above it (``torch.device(...)`` as a context: the mode then stays)."""
+    if _MODE is None or not SCOPED or not _mode_on_top():
+        yield
+        return
+    torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(_MODE)
+
+
+def _in_hot_section(fn):
+    def call(*args, **kwargs):
+        with hot_section():
+            return fn(*args, **kwargs)
+
+    call.__wrapped__ = fn
+    return call
+
+
+# megatron optimizer methods that run per step and hard-code no CUDA device (grad norm and clipping do: they
+# keep the mode); each is wrapped where its class defines it
+_HOT_OPTIMIZER_METHODS = ("prepare_grads", "step_with_ready_grads", "zero_grad")
+
+
+def _scope_optimizer_steps() -> None:
+    import megatron.core.optimizer.distrib_optimizer as dopt  # heavy: megadare.parallel imports without megatron
+    import megatron.core.optimizer.optimizer as opt  # heavy: as above
+
+    classes = (opt.MixedPrecisionOptimizer, opt.Float16OptimizerWithFloat16Params, opt.FP32Optimizer)
+    for cls in classes + (dopt.DistributedOptimizer,):
+        for name in _HOT_OPTIMIZER_METHODS:
+            if name in cls.__dict__:
+                setattr(cls, name, _in_hot_section(cls.__dict__[name]))
+
+
 def cuda_in_use() -> bool:
     return torch.cuda.is_available()
 
@@ -201,6 +252,7 @@ def install_cpu_compat(force: bool = False) -> bool:
 
     p2p._batched_p2p_ops = _tagged_p2p_ops
     p2p._p2p_ops = _tagged_p2p_ops
+    _scope_optimizer_steps()
     _INSTALLED = True
     return True
 

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megadare.models.attention import MaskSpec
+from megadare.parallel.cpu import hot_section
 
 
 def _gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -30,8 +31,13 @@ def run_schedule(chunks: list[torch.nn.Module], micro_batches: list, forward_ste
     one data iterator per virtual pipeline chunk when there are several (interleaved 1F1B), else one iterator and
     the single chunk. ``flags``: ``forward_only``, ``collect_non_loss_data``."""
     several = len(chunks) > 1
+
+    def hot_forward_step(data_iterator, model):  # on CPU without the CUDA-to-CPU mode (parallel/cpu.py)
+        with hot_section():
+            return forward_step(data_iterator, model)
+
     return get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=hot_forward_step,
         data_iterator=[iter(micro_batches) for _ in chunks] if several else iter(micro_batches),
         model=chunks if several else chunks[0],
         num_microbatches=len(micro_batches),
