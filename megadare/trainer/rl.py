@@ -49,6 +49,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         if run.step not in run.evals:  # a resumed run evaluated this step before its checkpoint
             evaluate_at(run)
         loop = Loop(cfg.rl.steps, run.step, run.monitor, max_steps)
+        cleanup.callback(loop.close)  # an error too: the bar ends its line, Ctrl-C is Python's again
         while loop.running(run.step):
             rl_step(run)
             if loop.every(run.step, cfg.rl.eval_interval):
@@ -70,6 +71,8 @@ def rl_run(spec: RunSpec) -> Iterator[RLRun]:
     try:
         yield run
     finally:
+        if run.monitor is not None:  # the bar ends its line before the engines' and the error's
+            run.monitor.close()
         if run.weight_sync is not None:
             run.weight_sync.close()
         run.rollouts.shutdown()

@@ -138,18 +138,20 @@ def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optio
     sampler = sampler_of(run, n_examples)
     loop = Loop(steps, run.step, Monitor(cfg.logging, steps, start_step=run.step, desc=desc), max_steps)
     history: list[dict[str, float]] = []
-    while loop.running(run.step):
-        loop.monitor.step_timer()
-        metrics = step_fn(sampler.batch(run.step))
-        run.step += 1
-        step_fn.add_speed(metrics, loop.monitor.step_timer(), sampler.epoch(run.step))
-        history.append(metrics)
-        loop.monitor.log(run.step, metrics)
-        if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
-            save(run)
-        if loop.done(run.step):
-            break
-    loop.close()
+    try:  # however it ends: the bar ends its line (an error stands on its own) and Ctrl-C is Python's again
+        while loop.running(run.step):
+            loop.monitor.step_timer()
+            metrics = step_fn(sampler.batch(run.step))
+            run.step += 1
+            step_fn.add_speed(metrics, loop.monitor.step_timer(), sampler.epoch(run.step))
+            history.append(metrics)
+            loop.monitor.log(run.step, metrics)
+            if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
+                save(run)
+            if loop.done(run.step):
+                break
+    finally:
+        loop.close()
     return {
         "step": run.step,
         "stopped_by_signal": loop.stopped,
