@@ -247,4 +247,4 @@ def test_an_unknown_reward_is_refused_naming_its_key(tmp_path, data, capsys, sou
     argv = rl(tmp_path, data, "rewards.name=exact_mach")
     if source == "synthetic":
         argv = ["rl", "--dry-run", "--config", RL, f"logging.run_dir={tmp_path / 'run'}", "rewards.name=exact_mach"]
-    assert "rewards.name: unknown reward 'exact_mach'" in refused(capsys, *argv)
+    assert "rewards.name: unknown reward 'exact_mach': did you mean 'exact_match'?" in refused(capsys, *argv)

@@ -27,6 +27,7 @@ weighted sum (e.g. DiffuCoder's ``[("code", 2.0), ("boxed_format", 0.5)]``-style
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import math
@@ -272,9 +273,10 @@ def load_reward(spec: RewardSpec) -> RewardFn:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if ":" not in spec:
+        close = difflib.get_close_matches(spec, list(BUILTIN_REWARDS), n=1, cutoff=0.75)
         raise RewardSpecError(
-            f"unknown reward {spec!r}: not a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) "
-            "and not an import path 'pkg.module:function'"
+            f"unknown reward {spec!r}: {f'did you mean {close[0]!r}? ' if close else ''}not a built-in "
+            f"({', '.join(sorted(BUILTIN_REWARDS))}) and not an import path 'pkg.module:function'"
         )
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
