@@ -124,6 +124,20 @@ def _views(rec: dict) -> list[str]:
     return views
 
 
+QUESTION_KEYS = ("question", "problem", "query", "instruction", "input", "text")  # benchmarks' prompt fields
+
+
+def _question_hint(rec: dict) -> str:
+    """For a row with a benchmark's question field (gsm8k's ``question``, MATH's ``problem``): how to read it."""
+    key = next((k for k in QUESTION_KEYS if isinstance(rec.get(k), str)), None)
+    if key is None:
+        return ""
+    return (
+        f"; to train on it, name its prompt field: data.prompt_key={key} (megadare eval reads benchmark files "
+        "like this as they are, eval.data_dir)"
+    )
+
+
 def _assistant_ends(built: list, key: Optional[str]) -> str:
     """How many prompts end with an assistant message: a prefill the response continues, or (verl / DARE rows) a
     turn closed before the generation prompt, as verl renders it."""
@@ -174,7 +188,7 @@ def inspect_file(
     if not views:
         return [], [
             f"{rows[0][0]}: no known schema (RL prompt + gold, SFT prompt + response, or prompt + chosen + "
-            f"rejected); found keys {sorted(rows[0][1])}"
+            f"rejected); found keys {sorted(rows[0][1])}{_question_hint(rows[0][1])}"
         ]
     gold: list[float] = []
     unit = _unit(tok)
