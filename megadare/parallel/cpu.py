@@ -161,7 +161,9 @@ def hot_section():
         torch._C._push_on_torch_function_stack(_MODE)
 
 
-def _in_hot_section(fn):
+def in_hot_section(fn):
+    """``fn`` run in ``hot_section``."""
+
     def call(*args, **kwargs):
         with hot_section():
             return fn(*args, **kwargs)
@@ -183,7 +185,7 @@ def _scope_optimizer_steps() -> None:
     for cls in classes + (dopt.DistributedOptimizer,):
         for name in _HOT_OPTIMIZER_METHODS:
             if name in cls.__dict__:
-                setattr(cls, name, _in_hot_section(cls.__dict__[name]))
+                setattr(cls, name, in_hot_section(cls.__dict__[name]))
 
 
 def cuda_in_use() -> bool:

@@ -17,7 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from megadare.models.attention import MaskSpec
-from megadare.parallel.cpu import hot_section
+from megadare.parallel.cpu import hot_section, in_hot_section
 
 
 def _gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -32,9 +32,10 @@ def run_schedule(chunks: list[torch.nn.Module], micro_batches: list, forward_ste
     the single chunk. ``flags``: ``forward_only``, ``collect_non_loss_data``."""
     several = len(chunks) > 1
 
-    def hot_forward_step(data_iterator, model):  # on CPU without the CUDA-to-CPU mode (parallel/cpu.py)
-        with hot_section():
-            return forward_step(data_iterator, model)
+    def hot_forward_step(data_iterator, model):  # on CPU without the CUDA-to-CPU mode (parallel/cpu.py): the
+        with hot_section():  # forward, and the loss the schedule calls on its output (megadare's own code)
+            output, loss_func = forward_step(data_iterator, model)
+        return output, in_hot_section(loss_func)
 
     return get_forward_backward_func()(
         forward_step_func=hot_forward_step,

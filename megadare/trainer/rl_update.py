@@ -20,6 +20,7 @@ from megadare.algos.value_model import ValueObjective, step_advantages, values_o
 from megadare.data.rows import global_denominator, pack_rows, split_for_data_parallel
 from megadare.models.family import MaskKind, ModelArch
 from megadare.models.lora import adapters_disabled
+from megadare.parallel.cpu import hot_section
 from megadare.trainer.offpolicy.replay import ReplayMatch, ReplayRule
 from megadare.trainer.offpolicy.correction import (
     correction_weights,
@@ -119,10 +120,11 @@ class Correction:
 def _prepare(su: StepUpdate, samples, *, need_old: bool, epoch: int = 0):
     """Rows (corruptions of ``epoch``) -> packed micro-batches -> this DP rank's share (+ the proximal pass 'old')."""
     cfg, algo, step, sh = su.cfg, su.algo, su.step, su.shape
-    rows = algo.batch_rows(samples, sh.arch, sh.block, lambda index: sh.generator_for(cfg.seed, step, index, epoch))
-    if not rows:
-        return None, None, 0
-    mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
+    with hot_section():  # megadare's own tensors on the host: no CUDA-to-CPU mode needed (parallel/cpu.py)
+        rows = algo.batch_rows(samples, sh.arch, sh.block, lambda i: sh.generator_for(cfg.seed, step, i, epoch))
+        if not rows:
+            return None, None, 0
+        mbs = pack_rows(rows, cfg.train.seq_length, cfg.train.micro_batch_size, pad_id=sh.pad_id)
     denom = global_denominator(mbs)
     mine = split_for_data_parallel(
         mbs, ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), multiple_of=sh.multiple
