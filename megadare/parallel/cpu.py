@@ -23,7 +23,8 @@ events in the MoE token dispatchers. This module answers those calls on CPU (the
    whole model through its buffers twice per step.
 
 The mode costs ~2 us per torch call, so the hot sections run without it (``hot_section``): each model forward
-(trainer/step.py, trainer/forward.py) and the optimizer's gradient copies, inner step and zero_grad. Those
+and the loss on its output (trainer/forward.py), the RL update's row building and packing (trainer/rl_update.py)
+and the optimizer's gradient copies, inner step and zero_grad. Those
 sections hard-code no CUDA device in megatron-core 0.16 (their tensors come from ``torch.cuda.current_device()``,
 answered by item 2, or from existing tensors); what does (the schedules' token counter, grad-norm and clipping
 buffers, the optimizers' ``.type()`` checks, model build, checkpoints) runs with the mode.
