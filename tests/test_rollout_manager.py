@@ -128,7 +128,7 @@ def test_an_engine_that_raises_or_hangs_stops_the_rollout_naming_it(cluster, tmp
         chunk_size=3,
     )
     manager.check_engines()  # both engines up (their start is not what is timed here), their hosts known
-    manager.timeout_s = 5
+    manager.timeout_s = 20  # the healthy engine finishes its chunk well within it, even on a loaded machine
     with pytest.raises(PeerError) as err:
         manager.generate(PROMPTS, PARAMS)
     msg = str(err.value)
@@ -138,7 +138,7 @@ def test_an_engine_that_raises_or_hangs_stops_the_rollout_naming_it(cluster, tmp
     if fault == "raise":
         assert "raised MemoryError: CUDA out of memory (injected) during generate" in msg
     else:
-        assert "gave no answer to a rollout request in 5s (rollout.timeout_s)" in msg
+        assert "gave no answer to a rollout request in 20s (rollout.timeout_s)" in msg
     manager.shutdown(timeout_s=1)
 
 
