@@ -237,7 +237,7 @@ class RolloutManager:
         if not refs:
             return []
         ray = _ray()
-        from ray.exceptions import RayActorError  # heavy: Ray
+        from ray.exceptions import RayActorError, RayError  # heavy: Ray
 
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         dead = []
@@ -247,7 +247,7 @@ class RolloutManager:
                     ray.get(ref, timeout=0)
             except RayActorError:
                 dead.append(slot)
-            except Exception:  # noqa: BLE001 - an engine that raised or hangs is not dead
+            except RayError:  # an engine that raised is not dead: the push's own error says what broke
                 pass
         return dead
 
