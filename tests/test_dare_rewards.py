@@ -63,6 +63,33 @@ def test_countdown_rules(response, want):
     assert AUTO(response, COUNTDOWN) == pytest.approx(want)
 
 
+# Powers: DARE's character set ``[\d+\-*/().\s]`` lets ``**`` through and ``eval`` computes it
+# (verl/utils/reward_score/math_reward.py:539-545 of DARE @83ae8a3), so a power that hits the target scores 1.0.
+# Expected values: DARE's countdown_reward_func run on each case.
+@pytest.mark.parametrize(
+    "expression, target, numbers, want",
+    [
+        ("2**4-3", 13, [2, 4, 3], 1.0),
+        ("2**-1*4+3", 5, [2, 1, 4, 3], 1.0),  # a negative power: eval's float 0.5
+        ("4**0.5+3", 5, [4, 0, 5, 3], 1.0),  # a root: eval's float power
+        ("2**2.0+1", 5, [2, 2, 0, 1], 1.0),
+        ("-2**2+9", 5, [2, 2, 9], 1.0),  # -(2**2), Python's precedence
+        ("(-2)**2+1", 5, [2, 2, 1], 1.0),
+        ("1**100**100+4", 5, [1, 100, 100, 4], 1.0),  # a huge exponent of 1 is still 1
+        ("0**-1+3", 3, [0, 1, 3], 0.1),  # ZeroDivisionError in eval
+        ("(0-8)**(1/3)", 2, [0, 8, 1, 3], 0.1),  # complex in eval: not the target
+    ],
+)
+def test_countdown_powers_score_as_dare_evaluates_them(expression, target, numbers, want):
+    assert countdown_reward(f"<answer>{expression}</answer>", target, numbers) == pytest.approx(want)
+
+
+def test_countdown_huge_power_is_wrong_at_once():
+    # DARE's eval would run for hours on these (a stalled training step); here they are wrong answers, in no time
+    for expression, numbers in (("30**100**93", [30, 100, 93]), ("9**9**9**9", [9, 9, 9, 9])):
+        assert countdown_reward(f"<answer>{expression}</answer>", 23, numbers) == pytest.approx(0.1)
+
+
 def test_countdown_exact_arithmetic_and_bad_records():
     assert countdown_reward("<answer>(1+2)/3*7</answer>", 7, [1, 2, 3, 7]) == 1.0  # Fraction, not float
     assert countdown_reward("<answer>7//2+1</answer>", 4, [7, 2, 1]) == 1.0  # DARE's eval accepts //

@@ -6,9 +6,11 @@ Both read the LAST ``<answer>...</answer>`` of the response (DOTALL), as DARE's 
   multiset of ``\\d+`` runs in it equals ``numbers``) and only ``[\\d+\\-*/().\\s]``; 1.0 when it evaluates to within
   1e-5 of the target, ``format_score`` (0.1) when an answer is there but invalid, wrong or not computable
   (division by zero), 0.0 without an answer. DARE evaluates with ``eval``; here the expression is parsed with
-  :mod:`ast` and computed exactly with :class:`fractions.Fraction`, accepting the operators DARE's character set
-  lets through (``+ - * / //``, unary signs, parentheses, numeric literals) except ``**``: the prompt allows
-  ``+, -, *, /`` only, and ``9**9**9**9`` would never finish (DARE scores a power that hits the target 1.0).
+  :mod:`ast` and computed exactly with :class:`fractions.Fraction`, accepting what DARE's character set lets
+  through (``+ - * / // **``, unary signs, parentheses, numeric literals). A power is computed as DARE computes it
+  (``2**4-3`` hits 13: 1.0) while its result stays under :data:`MAX_POWER_BITS` bits; a larger one
+  (``30**100**93``) is scored as a wrong answer at once, where DARE's ``eval`` would run for hours and stall the
+  training step (a bug of DARE's kept out; such a number is nowhere near a countdown target).
 * sudoku (``sudoku_reward_func``, lines 571-596): the digits of the answer, zero-padded or truncated to 16; the
   reward is the fraction of the puzzle's empty cells (``'0'``) holding the solution's digit (0.0 for a puzzle
   without empty cells or an answer without digits).
@@ -26,7 +28,27 @@ __all__ = ["last_answer_tag", "countdown_reward", "sudoku_reward", "countdown_nu
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ALLOWED_RE = re.compile(r"^[\d+\-*/().\s]+$")
-_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv)
+_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Pow)
+MAX_POWER_BITS = 1 << 20  # the largest power computed exactly (a million bits: milliseconds)
+
+
+def _power(base: Fraction, exponent: Fraction) -> Fraction:
+    """``base ** exponent`` as Python's ``eval`` gives it (DARE's rule), exact for an integer exponent; ValueError
+    for 0 to a negative power, a complex or non-finite result, or one over :data:`MAX_POWER_BITS` bits."""
+    if exponent.denominator != 1:  # a root: Python's float power, as eval computes it
+        try:
+            value = float(base) ** float(exponent)
+        except (OverflowError, ZeroDivisionError) as e:
+            raise ValueError(f"power: {e}") from None
+        if isinstance(value, complex) or value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("power: no real finite value")
+        return Fraction(value)
+    if base == 0 and exponent < 0:
+        raise ValueError("division by zero")
+    bits = max(base.numerator.bit_length(), base.denominator.bit_length())
+    if abs(base) != 1 and base != 0 and abs(exponent) * bits > MAX_POWER_BITS:
+        raise ValueError(f"power over {MAX_POWER_BITS} bits")
+    return base ** int(exponent)
 
 
 def last_answer_tag(response: str) -> Optional[str]:
@@ -52,7 +74,7 @@ def countdown_numbers(numbers: Union[str, Sequence[int]]) -> list[int]:
 
 
 def _value(node: ast.AST) -> Fraction:
-    """Exact value of an arithmetic expression tree; ValueError for anything else (calls, names, ``**``)."""
+    """Exact value of an arithmetic expression tree; ValueError for anything else (calls, names)."""
     if isinstance(node, ast.Expression):
         return _value(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -68,6 +90,8 @@ def _value(node: ast.AST) -> Fraction:
             return a - b
         if isinstance(node.op, ast.Mult):
             return a * b
+        if isinstance(node.op, ast.Pow):
+            return _power(a, b)
         if b == 0:
             raise ValueError("division by zero")
         return a / b if isinstance(node.op, ast.Div) else Fraction(a // b)
