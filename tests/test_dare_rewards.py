@@ -258,6 +258,17 @@ def test_trap_closed_wrong_programs_score_zero():
         AUTO(RIGHT, dare_row("humaneval", "assert True", task="code"))
 
 
+def test_humaneval_checks_the_prompts_function_not_the_first_def_of_the_response():
+    """Kept apart from DARE on purpose. DARE's humaneval_check_correctness is called without an entry point
+    (verl/utils/reward_score/code_reward.py:479 of DARE @83ae8a3) and appends check(<first def of the response>)
+    (:277-290), so a right answer with a helper defined first scores 0 there and a function under another name
+    than the prompt's can score 1 (both seen running DARE's rllm_reward_fn_code on HumanEval/0). megadare checks
+    the prompt's function, as HumanEval's own harness (check(entry_point)) does."""
+    helper_first = "def twice(x):\n    return 2 * x\n\n\ndef add(a, b):\n    return a + b\n"
+    assert AUTO(f"```python\n{helper_first}```", HUMANEVAL) == 1.0  # DARE: 0.0 (checks twice)
+    assert AUTO("```python\ndef plus(a, b):\n    return a + b\n```", HUMANEVAL) == 0.0  # DARE: 1.0 (checks plus)
+
+
 def test_a_global_named_like_a_builtin_does_not_change_the_tests():
     """A program that defines ``abs`` (or ``len``, ``sorted``) at top level used to change what the tests' calls
     meant: the tests ran in a copy of its namespace. The tests now call the true builtins; the program's own

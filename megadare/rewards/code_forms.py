@@ -120,7 +120,11 @@ def _extra(record: dict) -> dict:
 
 def entry_point(record: dict) -> str:
     """The function HumanEval's ``check`` is called on: ``entry_point`` (top level or in extra_info), else the
-    last top-level ``def`` of the prompt's last user message (DARE's rows carry no entry point)."""
+    last top-level ``def`` of the prompt's last user message (DARE's rows carry no entry point).
+
+    DARE differs here on purpose: it checks the FIRST ``def`` of the response (``code_reward.py:277-290`` of DARE
+    @83ae8a3), so a right answer with a helper defined first scores 0 and a function renamed by the model can
+    score 1; that tests the wrong function, so megadare keeps HumanEval's own ``check(entry_point)``."""
     name = record.get("entry_point") or _extra(record).get("entry_point")
     if name:
         return str(name)
