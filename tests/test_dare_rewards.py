@@ -21,6 +21,7 @@ from megadare.rewards import (
     score_batch,
     sudoku_reward,
 )
+from megadare.rewards.code import lcb_output_equal
 from megadare.rewards.code_forms import dare_test_cases, entry_point, extract_code_dare
 from megadare.rewards.sandbox import run_program
 
@@ -313,6 +314,43 @@ def test_call_based_and_lcb_forms():
     stdin = dare_row("codeforces", [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}], task="code")
     assert AUTO("```python\na, b = map(int, input().split())\nprint(a + b)\n```", stdin) == 1.0
     assert AUTO("```python\nprint(4)\n```", stdin) == 0.0
+
+
+# LiveCodeBench's stdout rule, which DARE runs on lcbv5 / taco / primeintellect rows (code_utils/livecodebench.py:
+# 184-189, 340-377 of DARE @83ae8a3); each expected value is DARE's verdict on the same output (grade_stdio).
+@pytest.mark.parametrize(
+    "output, expected, want",
+    [
+        ("3\n", "3\n", True),
+        ("3.0\n", "3\n", True),  # words read as decimals
+        ("3e0", "3", True),
+        ("   3  \n\n\n", "3", True),  # lines stripped at both ends, blank edges dropped
+        ("3  0", "3 0", True),  # words split on any run of spaces
+        ("3\r\n", "3", True),
+        ("3\t", "3", True),
+        ("3\n\n4", "3\n4", False),  # an inner blank line is a line
+        ("3 0", "3", False),
+        ("three", "3", False),
+        ("0.3333", "0.33333", False),  # decimals compare exactly, no tolerance
+        ("nan", "nan", True),  # equal as text
+        ("NaN", "nan", False),
+    ],
+)
+def test_lcb_stdout_rule(output, expected, want):
+    assert lcb_output_equal(output, expected) is want
+
+
+def test_taco_cases_as_dare_makes_them():
+    """taco_to_lcb_format (code_reward.py:351-388 of DARE @83ae8a3): an empty input or output leaves the case out, a
+    list output is its first element; stdout by LiveCodeBench's rule. DARE scored these 1.0; megadare gave 0.0
+    (it ran the empty-input case, and compared "3.0" with "3" as text)."""
+    stdio = json.dumps({"inputs": ["1 2\n", "2 2\n", ""], "outputs": ["3\n", ["4\n"], "7\n"]})
+    prog = "```python\na, b = map(int, input().split())\nprint(float(a + b))\n```"
+    assert AUTO(prog, dare_row("taco", stdio, task="code")) == 1.0
+    calls = dare_row("taco", json.dumps({"fn_name": "add", "inputs": [[1, 2], []], "outputs": [[3], [0]]}), task="code")
+    assert AUTO(f"```python\n{RIGHT}```", calls) == 1.0
+    with pytest.raises(ValueError, match="no test case with both"):
+        AUTO(f"```python\n{RIGHT}```", dare_row("taco", json.dumps({"inputs": [""], "outputs": ["1"]}), task="code"))
 
 
 def test_no_test_is_an_error_not_a_pass():

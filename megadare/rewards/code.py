@@ -25,12 +25,14 @@ import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.sandbox import SandboxLimits, SandboxResult, run_program
 
 __all__ = [
     "extract_code",
+    "lcb_output_equal",
     "TestCase",
     "CaseResult",
     "call_case",
@@ -63,13 +65,16 @@ def extract_code(response: str) -> str:
 
 @dataclass
 class TestCase:
-    """One test: ``stdin`` + ``expected`` stdout (stdin/stdout style), or ``test_code`` run after the program."""
+    """One test: ``stdin`` + ``expected`` stdout (stdin/stdout style), or ``test_code`` run after the program.
+    ``compare``: how stdout is matched, "lines" (megadare's rule, :func:`_lines`) or "lcb" (LiveCodeBench's
+    ``grade_stdio``, which DARE runs: :func:`lcb_output_equal`)."""
 
     __test__ = False  # not a pytest class
 
     stdin: str = ""
     expected: Optional[str] = None
     test_code: Optional[str] = None
+    compare: str = "lines"
 
 
 @dataclass
@@ -170,11 +175,34 @@ def _lines(text: str) -> List[str]:
     return [line.rstrip() for line in text.strip().splitlines()]
 
 
+def _decimals(line: str) -> Optional[List[Decimal]]:
+    try:
+        return [Decimal(word) for word in line.split()]
+    except (InvalidOperation, ValueError, TypeError):
+        return None
+
+
+def lcb_output_equal(output: str, expected: str) -> bool:
+    """LiveCodeBench's stdout rule, as DARE runs it (``code_utils/livecodebench.py:184-189, 340-377`` of DARE
+    @83ae8a3): both texts stripped and split on newlines, each line stripped, as many lines; each line equal as
+    text, else as its whitespace-separated words read as decimals (``1.0`` = ``1``, ``1e3`` = ``1000``)."""
+    got = [line.strip() for line in output.strip().split("\n")]
+    want = [line.strip() for line in expected.strip().split("\n")]
+    if len(got) != len(want):
+        return False
+    for g, w in zip(got, want):
+        if g != w and (_decimals(g) is None or _decimals(g) != _decimals(w)):
+            return False
+    return True
+
+
 def _run_case(code: str, case: TestCase, limits: SandboxLimits) -> CaseResult:
     if case.test_code is not None:
         run = run_program(code, "", limits, tests=case.test_code)
         return CaseResult(bool(run.tests_passed), run)
     run = run_program(code, case.stdin, limits)
+    if case.compare == "lcb":
+        return CaseResult(run.ok and lcb_output_equal(run.stdout, case.expected or ""), run)
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 

@@ -179,15 +179,35 @@ def _lcb(cases: Any, record: dict) -> List[TestCase]:
                 raise ValueError("functional (call-based) test without extra_info.metadata.func_name")
             out.append(call_case(fn_name, case["input"], case["output"]))
         else:
-            out.append(TestCase(stdin=str(case["input"]), expected=str(case["output"])))
+            out.append(TestCase(stdin=_stdin(case["input"]), expected=str(case["output"]), compare="lcb"))
     return parse_tests(out)
 
 
+def _stdin(value: Any) -> str:
+    """A case's input as the program reads it: a list is its lines (LiveCodeBench's ``call_method``)."""
+    return "\n".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _io_dict(tests: Any) -> List[TestCase]:
+    """TACO / APPS cases as DARE's ``taco_to_lcb_format`` makes them (``code_reward.py:351-388`` of DARE @83ae8a3):
+    an output given as a list is its first element, a case with an empty input or output is left out (a program
+    that reads nothing is not judged on it); stdout compared by LiveCodeBench's rule (:func:`lcb_output_equal`)."""
     tests = dict(_json(tests))
-    if tests.get("fn_name"):  # DARE (taco_to_lcb_format) reads a call's output as the first of a list
-        tests["outputs"] = [o[0] if isinstance(o, list) and o else o for o in tests.get("outputs") or []]
-    return parse_tests(tests)
+    inputs, outputs = list(tests.get("inputs") or []), list(tests.get("outputs") or [])
+    if len(inputs) != len(outputs):
+        raise ValueError(f"tests have {len(inputs)} inputs but {len(outputs)} outputs")
+    cases = []
+    for inp, out in zip(inputs, outputs):
+        if not inp or not out:
+            continue
+        out = out[0] if isinstance(out, list) else out
+        if tests.get("fn_name"):
+            cases.append(call_case(tests["fn_name"], inp, out))
+        else:
+            cases.append(TestCase(stdin=_stdin(inp), expected=str(out), compare="lcb"))
+    if not cases:
+        raise ValueError("no test case with both an input and an output (DARE leaves the empty ones out)")
+    return parse_tests(cases)
 
 
 def dare_test_cases(record: dict) -> List[TestCase]:
