@@ -8,11 +8,15 @@ humaneval                              test code defining ``check(candidate)``; 
                                        (here the ``entry_point`` field, else the last ``def`` of the prompt)
 humanevalplus                          a full harness (numpy, ``check(...)`` called at its end)
 mbpp, kodcode                          a JSON list of ``assert`` lines (one case each)
-taco, apps, code_contests              ``{"inputs", "outputs"[, "fn_name"]}`` (JSON text or dict); call-based
-                                       outputs are wrapped in a list, as DARE's ``taco_to_lcb_format`` reads them
+taco, apps, code_contests              ``{"inputs", "outputs"[, "fn_name"]}`` (JSON text or dict), read as DARE's
+                                       ``taco_to_lcb_format`` reads them (a list output is its first element, empty
+                                       cases left out)
 lcbv5, livecodebench, codeforces,      a list of ``{"input", "output", "testtype"}``; ``functional`` cases call
 primeintellect                         ``extra_info.metadata.func_name`` (JSON lines of arguments)
 =====================================  =====================================================================
+
+Stdin cases of both kinds compare stdout by LiveCodeBench's rule (:func:`~megadare.rewards.code.lcb_output_equal`:
+lines stripped, words equal as decimals), as DARE's ``grade_stdio`` does.
 
 Programs get DARE's standard-library imports in front (its ``BASE_IMPORTS`` without numpy/pandas: ``List``,
 ``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. An MBPP response (its
