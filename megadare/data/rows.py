@@ -126,10 +126,6 @@ class MicroBatch:
         return ~self.mask(kind, block_size).dense(S, S, self.tokens.shape[0], device=self.tokens.device)
 
     @property
-    def num_tokens(self) -> int:
-        return int((self.weight != 0).sum())
-
-    @property
     def scored(self) -> torch.Tensor:
         """[b, S] bool: the positions a loss reads -- a loss weight, or an RL slot (``slot`` >= 0,
         algos/base.py) -- and the only ones where the trainer runs the output layer (models/head.py)."""
