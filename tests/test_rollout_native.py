@@ -329,3 +329,17 @@ def test_full_attention_cache_decodes_valid_trajectories(mode):
     for t, p in zip(trajs, plain):
         first = [k for k in range(8) if t.commit_step[k] == 0]
         assert first and [t.response_ids[k] for k in first] == [p.response_ids[k] for k in first]
+
+
+def test_generate_refuses_asleep_and_empty_prompts():
+    """An asleep engine and an empty prompt list / prompt are refused (engine.check_generate_call), not decoded."""
+    eng = _engine("sdar")
+    params = PARAMS[0]
+    for bad in ([], [[5, 6], []]):
+        with pytest.raises(ValueError, match="non-empty prompts"):
+            eng.generate(bad, params)
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="asleep: call wake"):
+        eng.generate(PROMPTS[:1], params)
+    eng.wake()
+    assert len(eng.generate(PROMPTS[:1], params)[0].response_ids) == params.max_new_tokens
