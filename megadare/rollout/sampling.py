@@ -197,11 +197,6 @@ def linspace_remaining_counts(n_masked: torch.Tensor, step: torch.Tensor, steps:
     return torch.where(step >= steps - 1, n_masked, count)
 
 
-def linspace_count(n_masked: int, step: int, steps: int, eps: float) -> int:
-    """:func:`linspace_counts` for one row."""
-    return int(linspace_counts(torch.tensor([n_masked]), torch.tensor([step]), steps, eps)[0])
-
-
 class SamplingRule(NamedTuple):
     """The sampling distribution softmax(filter(logits / temperature)) (temperature 0: the logits unscaled), with
     top-k / top-p truncation (``filter_logits``)."""
