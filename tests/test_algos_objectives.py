@@ -670,3 +670,10 @@ def test_dream_rows_shift_one_position_and_slots_keep_their_tokens():
     assert abs(float(lp[P, s.response_ids[0]] - lp[P - 1, s.response_ids[0]])) > 1e-3
     with pytest.raises(ValueError, match="non-empty prompt"):
         algo.rows(sample([], [1, 2]), arch, 0, torch.Generator())
+
+
+def test_unknown_kl_estimator_names_the_key_a_user_sets():
+    """The error names ``algo.params.kl_estimator`` (the key that exists), not ``rl.kl_estimator`` (none does)."""
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"algo\.params\.kl_estimator='k4' unknown"):
+        kl_penalty(x, x, "k4")

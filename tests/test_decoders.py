@@ -30,7 +30,7 @@ from megadare.rollout.sampling import (
     CommitRule,
     SamplingRule,
     dream_confidence,
-    linspace_count,
+    linspace_counts,
     sample_tokens,
     select_commits,
     stream_uniforms,
@@ -117,7 +117,8 @@ def test_linspace_counts_are_dreams():
                 for i in range(steps):
                     num = torch.tensor([[True] * n + [False] * 3]).sum() / 1  # Dream: mask_index.sum() / batch
                     ref = int(num * (1 - ts[i + 1] / ts[i])) if i < steps - 1 else int(num)
-                    assert linspace_count(n, i, steps, eps) == ref, (eps, steps, n, i)
+                    got = int(linspace_counts(torch.tensor([n]), torch.tensor([i]), steps, eps)[0])
+                    assert got == ref, (eps, steps, n, i)
 
 
 def test_alg_temp_draws_positions_with_dreams_probabilities():

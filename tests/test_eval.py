@@ -8,6 +8,7 @@ import itertools
 import json
 import os
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,7 @@ from megadare.data.sft_data import DataError
 from megadare.data.tokenizer import ByteTokenizer
 from megadare.eval import TASKS, maj_at_k, pass_at_k, task_metrics
 from megadare.eval.files import load_rows, task_file, write_jsonl_atomic
-from megadare.eval.runner import check_eval_config, load_task_prompts, score_samples
+from megadare.eval.runner import check_eval_config, load_task_prompts, run_eval_command, score_samples
 from megadare.eval.tasks import CODE_BLOCK_INSTRUCTION, D1_MATH_SYSTEM_PROMPT, MATH_BOXED_INSTRUCTION
 from megadare.rewards import normalize_answer
 from megadare.rollout.engine import SamplingParams, Trajectory
@@ -359,3 +360,14 @@ def test_cli_eval_end_to_end_on_tiny_sdar(tmp_path, ray_cluster):
     table = (out / "summary.csv").read_text().splitlines()  # the printed table, one row per task
     assert table[0].startswith("task,problems,samples,mean@2,pass@1,pass@2") and len(table) == 1 + len(TASKS)
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    "overrides, nproc, match",
+    [([], 2, "--nproc 2: evaluation runs no trainer processes"), (["checkpoint.load=/ckpt/x"], 1, "checkpoint.load")],
+)
+def test_eval_refuses_trainer_options_before_loading_anything(overrides, nproc, match):
+    """--nproc > 1 and a Megatron checkpoint.load are refused first, naming the fix (no model, data or engine)."""
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=match):
+        run_eval_command(SimpleNamespace(cfg=cfg, source=None), nproc=nproc)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import run_distributed
+from dist import random_step, run_distributed
 from megadare.config import load_config
 from megadare.models import build_hf_model, family_of, get_family, read_hf_config
 from megadare.plan import count_params, plan, rank_params
@@ -108,10 +108,7 @@ def _measure_worker(rank, world, cases):
 
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import Layout, destroy_distributed, init_distributed
-    from megadare.data.rows import Row, pack_rows, split_for_data_parallel
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.policy import Policy
-    from megadare.trainer.step import RowFormat, train_step
 
     out = []
     try:
@@ -122,21 +119,7 @@ def _measure_worker(rank, world, cases):
             chunks = build_model_chunks(arch, transformer_config(arch, dtype), attention_backend="sdpa")
             model = wrap_ddp(chunks, True)
             opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2, dtype=dtype))
-            g = torch.Generator().manual_seed(0)
-            rows = [
-                Row(
-                    tokens=torch.randint(0, 250, (10,), generator=g),
-                    labels=torch.randint(0, 250, (10,), generator=g),
-                    weight=torch.ones(10),
-                    position_ids=torch.arange(10),
-                    denom=10.0,
-                )
-                for _ in range(4)
-            ]
-            mbs = split_for_data_parallel(
-                pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            )
-            train_step(Policy(model, opt, sched), mbs, 40.0, RowFormat("bidirectional", 4, arch.vocab_size))
+            random_step(model, opt, sched, arch)
             seen: set = set()
             params = [p for c in chunks for p in c.parameters()]
             weights = _storage_bytes(params, seen)

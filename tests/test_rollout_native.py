@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megadare.rollout.dllm_step import commit_counts
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.decoders import SemiARDecoder
 from megadare.rollout.native import NativeEngine, NativeSettings
@@ -19,7 +20,6 @@ from megadare.rollout.sampling import (
     filter_logits,
     select_commits,
     stream_uniforms,
-    transfer_schedule,
 )
 
 from native_traces import build
@@ -285,7 +285,8 @@ def test_commit_selection_rules():
     dyn = select_commits(conf, masked, n, CommitRule("low_confidence_dynamic", threshold=0.8))
     assert dyn[0].tolist() == [True, False, True, False]  # both above threshold (>= n)
     assert dyn[1].tolist() == [False, True, False, True]  # none above: top-n
-    assert transfer_schedule(10, 4) == [3, 3, 2, 2]
+    even = SamplingParams(block_size=10, steps_per_block=4)  # LLaDA's get_num_transfer_tokens: remainder first
+    assert commit_counts(torch.ones(4, 10, dtype=torch.bool), torch.arange(4), even).tolist() == [3, 3, 2, 2]
     u = stream_uniforms(torch.tensor([0, 1]), torch.tensor([0, 0]), REMASK, 4)
     rnd = select_commits(conf, masked, torch.tensor([2, 3]), CommitRule("random"), uniforms=u)
     assert rnd.sum(1).tolist() == [2, 3] and not (rnd & ~masked).any()
@@ -329,3 +330,17 @@ def test_full_attention_cache_decodes_valid_trajectories(mode):
     for t, p in zip(trajs, plain):
         first = [k for k in range(8) if t.commit_step[k] == 0]
         assert first and [t.response_ids[k] for k in first] == [p.response_ids[k] for k in first]
+
+
+def test_generate_refuses_asleep_and_empty_prompts():
+    """An asleep engine and an empty prompt list / prompt are refused (engine.check_generate_call), not decoded."""
+    eng = _engine("sdar")
+    params = PARAMS[0]
+    for bad in ([], [[5, 6], []]):
+        with pytest.raises(ValueError, match="non-empty prompts"):
+            eng.generate(bad, params)
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="asleep: call wake"):
+        eng.generate(PROMPTS[:1], params)
+    eng.wake()
+    assert len(eng.generate(PROMPTS[:1], params)[0].response_ids) == params.max_new_tokens

@@ -112,4 +112,4 @@ def kl_penalty(
         return torch.exp(d.clamp(-10.0, 10.0)) - d - 1.0
     if kind == "k3_plain":
         return torch.exp(d) - d - 1.0
-    raise ValueError(f"rl.kl_estimator={kind!r} unknown; choose one of {KL_ESTIMATORS}")
+    raise ValueError(f"algo.params.kl_estimator={kind!r} unknown; choose one of {KL_ESTIMATORS}")

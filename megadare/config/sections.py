@@ -271,7 +271,7 @@ class ReplaySection:
     warmup: int = 1  # replay.warmup: policy versions seen before replay starts
     fraction: float = 0.25  # replayed samples per step, as a fraction of the fresh ones
     score: Literal["token_chi2", "seq_chi2", "token_k2", "token_k3", "log_ratio_var"] = "token_chi2"  # variance-guided
-    # match score (trainer/offpolicy/replay.py SCORES)
+    # match score (trainer/offpolicy/replay_scores.py SCORES)
     level: Literal["sample", "group", "version"] = "group"  # group: keep prompt groups whole
     max_score: Optional[float] = None  # never replay units scoring above this
 

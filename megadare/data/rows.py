@@ -95,7 +95,7 @@ class MicroBatch:
     # PASSES ([b, S] per-position log-probs / weights; set on the last pipeline stage by the trainer's passes):
     old: Optional[torch.Tensor] = None  # under the policy before the update (the proximal policy)
     ref: Optional[torch.Tensor] = None  # under the reference model
-    behave: Optional[torch.Tensor] = None  # under each sample's behaviour policy (trainer/rl_correction.py)
+    behave: Optional[torch.Tensor] = None  # under each sample's behaviour policy (trainer/offpolicy/correction.py)
     is_weight: Optional[torch.Tensor] = None  # the slot's behaviour -> proximal IS weight (decoupled loss)
     version_logp: dict[int, torch.Tensor] = field(default_factory=dict)  # policy version -> log-probs under it
     extras: dict = field(default_factory=dict)  # one algorithm's own per-position tensors (as Row.extras)
@@ -124,10 +124,6 @@ class MicroBatch:
         megatron's own DotProductAttention (the ``local`` attention backend)."""
         S = self.tokens.shape[1]
         return ~self.mask(kind, block_size).dense(S, S, self.tokens.shape[0], device=self.tokens.device)
-
-    @property
-    def num_tokens(self) -> int:
-        return int((self.weight != 0).sum())
 
     @property
     def scored(self) -> torch.Tensor:

@@ -6,8 +6,6 @@ current log-probs can be computed on the same stored corruptions.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -50,12 +48,3 @@ def block_index(positions: torch.Tensor, block_size: int, offset: int = 0) -> to
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     return (positions + offset) // block_size
-
-
-def per_block_t(
-    positions: torch.Tensor, block_size: int, t_blocks: torch.Tensor, first_block: Optional[int] = None
-) -> torch.Tensor:
-    """Broadcast one masking probability per block (t_blocks[k] for block first_block + k) to positions."""
-    blocks = block_index(positions, block_size)
-    first = int(blocks.min()) if first_block is None else first_block
-    return t_blocks[blocks - first]

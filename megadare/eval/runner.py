@@ -231,25 +231,15 @@ def write_summary(out_dir: str, tasks: dict[str, dict[str, Any]]) -> str:
 def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     """Evaluate the model of a resolved ``megadare eval`` run on ``eval.tasks``; returns the exit code (0)."""
     cfg = spec.cfg
-
-    if nproc > 1:
-        raise ConfigError(
-            f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "
-            "rollout.num_engines (engine actors) instead"
-        )
-    if cfg.checkpoint.load:
-        raise ConfigError(
-            f"checkpoint.load={cfg.checkpoint.load!r}: the engines load HF checkpoints; export it with "
-            "'megadare convert megatron-to-hf' and pass the result as --model"
-        )
-    specs, temperature = check_eval_config(cfg)
+    _refuse_trainer_options(cfg, nproc)
+    tasks, temperature = check_eval_config(cfg)
     e = cfg.eval
     src = materialise(spec.source, cfg)
     tok = tokenizer_for(cfg, src, generates=True)
-    files = {s.name: s.path or task_file(e.data_dir, dict(e.paths), s.name) for s in specs}
-    prompts = {s.name: load_task_prompts(s, files[s.name], e.limit, e.prompt_style, tok) for s in specs}
+    files = {t.name: t.path or task_file(e.data_dir, dict(e.paths), t.name) for t in tasks}
+    prompts = {t.name: load_task_prompts(t, files[t.name], e.limit, e.prompt_style, tok) for t in tasks}
     set_isolation(cfg.rewards.code.isolation)
-    if any(runs_code(s.reward, [p.record for p in prompts[s.name]]) for s in specs):
+    if any(runs_code(t.reward, [p.record for p in prompts[t.name]]) for t in tasks):
         check_isolation()  # refuse before the engines start, where the kernel refuses the code sandbox
     params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
@@ -266,30 +256,45 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     }
     manager = start_engines(cfg, src, tok)
     try:
-        for spec in specs:
-            t0 = time.perf_counter()
-            task_prompts = prompts[spec.name]
-            with tqdm(
-                total=len(task_prompts) * e.n_samples, desc=f"eval {spec.name}", unit="sample", dynamic_ncols=True
-            ) as bar:
-                traj = generate_samples(
-                    manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, cfg.rollout, bar
-                )
-                bar.set_postfix_str("scoring")
-                rows, reward_stats = score_samples(spec, tok, task_prompts, traj, cfg.rewards.max_error_fraction)
-            metrics: dict[str, Any] = {
-                "file": files[spec.name],
-                "problems": len(task_prompts),
-                "samples_per_problem": e.n_samples,
-            }
-            metrics.update(task_metrics(rows, list(e.k), spec.vote_key))
-            metrics.update(reward_stats, seconds=time.perf_counter() - t0)
-            summary["tasks"][spec.name] = metrics
-            write_jsonl_atomic(os.path.join(out_dir, f"samples_{spec.name}.jsonl"), rows)
+        for task in tasks:
+            metrics, rows = _eval_task(cfg, manager, tok, task, prompts[task.name], params)
+            metrics["file"] = files[task.name]
+            summary["tasks"][task.name] = metrics
+            write_jsonl_atomic(os.path.join(out_dir, f"samples_{task.name}.jsonl"), rows)
             write_json_atomic(os.path.join(out_dir, "summary.json"), summary)
-            _print_task(spec.name, metrics)
+            _print_task(task.name, metrics)
     finally:
         manager.shutdown()
     csv_path = write_summary(out_dir, summary["tasks"])
     print(f"eval: wrote {os.path.join(out_dir, 'summary.json')}, {csv_path} and samples_<task>.jsonl")
     return 0
+
+
+def _refuse_trainer_options(cfg, nproc: int) -> None:
+    """Evaluation starts engines, no trainer: refuse --nproc > 1 and a Megatron checkpoint.load, naming the fix."""
+    if nproc > 1:
+        raise ConfigError(
+            f"--nproc {nproc}: evaluation runs no trainer processes; scale it with "
+            "rollout.num_engines (engine actors) instead"
+        )
+    if cfg.checkpoint.load:
+        raise ConfigError(
+            f"checkpoint.load={cfg.checkpoint.load!r}: the engines load HF checkpoints; export it with "
+            "'megadare convert megatron-to-hf' and pass the result as --model"
+        )
+
+
+def _eval_task(cfg, manager, tok, task, task_prompts, params) -> tuple[dict[str, Any], list[dict]]:
+    """One task: ``eval.n_samples`` samples per prompt -> scored rows -> its metrics (``file`` is the caller's)."""
+    e = cfg.eval
+    t0 = time.perf_counter()
+    with tqdm(
+        total=len(task_prompts) * e.n_samples, desc=f"eval {task.name}", unit="sample", dynamic_ncols=True
+    ) as bar:
+        traj = generate_samples(manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, cfg.rollout, bar)
+        bar.set_postfix_str("scoring")
+        rows, reward_stats = score_samples(task, tok, task_prompts, traj, cfg.rewards.max_error_fraction)
+    metrics: dict[str, Any] = {"file": None, "problems": len(task_prompts), "samples_per_problem": e.n_samples}
+    metrics.update(task_metrics(rows, list(e.k), task.vote_key))
+    metrics.update(reward_stats, seconds=time.perf_counter() - t0)
+    return metrics, rows

@@ -3,8 +3,8 @@
 One definition of each mask serves training (Megatron), the hf/ reference models and the rollout engine.
 Every mask is a ``MaskSpec``: a pure ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` in FlexAttention's
 signature (True = query may attend key), plus ``dense(q_len, kv_len)`` which materialises it for SDPA or a
-plain reference. Megatron's own convention is the opposite (True = masked out); ``to_megatron_mask`` is the
-one place that flips it.
+plain reference. Megatron's own convention is the opposite (True = masked out); ``allowed_from_megatron``
+(reading) and ``MicroBatch.megatron_mask`` (data/rows.py, writing) are the places that flip it.
 
 Masks (block index b(i) = pos(i) // block_size, positions counted on the global prompt+response grid):
 
@@ -170,17 +170,6 @@ def block_causal(block_size: int, **kw) -> MaskSpec:
 
 def block_diffusion(seq_len: int, block_size: int, **kw) -> MaskSpec:
     return MaskSpec(MaskKind.BLOCK_DIFFUSION, block_size=block_size, seq_len=seq_len, **kw)
-
-
-def to_megatron_mask(allowed: torch.Tensor) -> torch.Tensor:
-    """Megatron / TE convention: True = masked out."""
-    return ~allowed
-
-
-def padding_to_allowed(attention_mask_2d: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Combine a HF-style [B, S] key padding mask (1 = real token) with a [B|1, 1, Q, S] allowed mask."""
-    keys = attention_mask_2d.bool()[:, None, None, :]
-    return base & keys
 
 
 # ====================================================================== core attention (Megatron spec module)

@@ -32,18 +32,25 @@ def _gb(x: float) -> str:
 
 
 def format_report(r: PlanReport) -> str:
+    """The whole printed plan: header, per-GPU memory table, rollout engines, verdict and advice."""
+    stages = _shown_stages(r)
+    lines = _header(r, stages) + _memory_table(r, stages) + _rollout_lines(r) + _verdict_lines(r)
+    return "\n".join(lines)
+
+
+def _shown_stages(r: PlanReport) -> list:
+    """The pipeline stages given a column: the first, the last and the worst (one column without PP)."""
+    stages = [r.stages[0]] if r.layout.pp == 1 else [r.stages[0], r.stages[-1]]
+    if r.worst_stage not in stages:
+        stages.append(r.worst_stage)
+    return stages
+
+
+def _header(r: PlanReport, stages: list) -> list[str]:
+    """The model, its parameter counts, the trainer layout and the memory table's column heads."""
     lay, pc = r.layout, r.params
-    stages = [r.stages[0]] if lay.pp == 1 else [r.stages[0], r.stages[-1]]
-    worst = r.worst_stage
-    if worst not in stages:
-        stages.append(worst)
     heads = ["GPU"] if lay.pp == 1 else [f"stage {s.rank}" for s in stages]
-    opt = ("master+Adam" if r.dtype != "fp32" else "Adam m,v") + (
-        f" /{lay.dp * lay.cp} dp" + (f", /{lay.expert_dp} edp" if pc.experts else "")
-        if r.distributed_optimizer
-        else ", unsharded"
-    )
-    lines = [
+    return [
         f"megadare plan: {r.model}",
         f"  parameters: total {_b(pc.total)}, active {_b(pc.active)} (non-embedding {_b(pc.active_non_embedding)})"
         + (f", routed experts {_b(pc.experts)}" if pc.experts else ""),
@@ -55,6 +62,18 @@ def format_report(r: PlanReport) -> str:
         "",
         f"  {'per GPU (GB)':{W}s}" + "".join(f"{h:>12s}" for h in heads),
     ]
+
+
+def _memory_table(r: PlanReport, stages: list) -> list[str]:
+    """One row per memory item (``ROWS``; logits and reference only when non-zero), the trainer total and the
+    output layer's path."""
+    lay, pc = r.layout, r.params
+    opt = ("master+Adam" if r.dtype != "fp32" else "Adam m,v") + (
+        f" /{lay.dp * lay.cp} dp" + (f", /{lay.expert_dp} edp" if pc.experts else "")
+        if r.distributed_optimizer
+        else ", unsharded"
+    )
+    lines = []
     for key, label in ROWS:
         values = [getattr(s, key) for s in stages]
         if key in ("logits", "reference") and not any(values):
@@ -65,22 +84,33 @@ def format_report(r: PlanReport) -> str:
     lines.append(f"  {'trainer total':{W}s}" + "".join(f"{_gb(s.total):>12s}" for s in stages))
     if r.logits_path:
         lines.append(f"  output layer (train.logits) {r.logits_path}")
-    if r.rollout is not None:
-        ro = r.rollout
-        where = "colocated with the trainer" if ro.colocated else "on GPUs of their own"
-        lines += [
-            "",
-            f"  rollout: {ro.engines} engines x tp={ro.tp}, {where}; {ro.batch} sequences x {ro.tokens} tokens each",
-            f"  {'engine weights':{W}s}{_gb(ro.weights):>12s}",
-            f"  {'KV cache':{W}s}{_gb(ro.kv_cache):>12s}",
-            f"  {'block logits (fp32)':{W}s}{_gb(ro.logits):>12s}",
-            f"  {'engine total':{W}s}{_gb(ro.total):>12s}",
-        ]
-        if ro.colocated:
-            static = max(s.static for s in r.stages)
-            lines.append(f"  {'rollout phase (trainer state + engine)':{W}s}{_gb(static + ro.total):>12s}")
+    return lines
+
+
+def _rollout_lines(r: PlanReport) -> list[str]:
+    """The rollout engines' memory (none without a rollout) and, colocated, the rollout phase's total."""
+    ro = r.rollout
+    if ro is None:
+        return []
+    where = "colocated with the trainer" if ro.colocated else "on GPUs of their own"
+    lines = [
+        "",
+        f"  rollout: {ro.engines} engines x tp={ro.tp}, {where}; {ro.batch} sequences x {ro.tokens} tokens each",
+        f"  {'engine weights':{W}s}{_gb(ro.weights):>12s}",
+        f"  {'KV cache':{W}s}{_gb(ro.kv_cache):>12s}",
+        f"  {'block logits (fp32)':{W}s}{_gb(ro.logits):>12s}",
+        f"  {'engine total':{W}s}{_gb(ro.total):>12s}",
+    ]
+    if ro.colocated:
+        static = max(s.static for s in r.stages)
+        lines.append(f"  {'rollout phase (trainer state + engine)':{W}s}{_gb(static + ro.total):>12s}")
+    return lines
+
+
+def _verdict_lines(r: PlanReport) -> list[str]:
+    """The peak against the GPU's memory and, when it does not fit, each knob with its estimated effect."""
     verdict = "fits" if r.fits else "DOES NOT FIT"
-    lines += [
+    lines = [
         "",
         f"  peak {r.peak / GIB:.2f} GB of {r.gpu_memory / GIB:.0f} GB per GPU ({r.bottleneck} phase): {verdict}",
     ]
@@ -92,4 +122,4 @@ def format_report(r: PlanReport) -> str:
             lines.append(
                 f"  -> {a['change']:58s} peak {a['peak_gb']:7.2f} GB (-{a['saves_gb']:.2f})  {mark}  cost: {a['cost']}"
             )
-    return "\n".join(lines)
+    return lines

@@ -26,7 +26,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from megadare.rewards.sandbox import SandboxLimits, SandboxResult, run_program
 
@@ -39,7 +39,6 @@ __all__ = [
     "parse_tests",
     "run_tests",
     "code_reward",
-    "summarize",
 ]
 
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -241,11 +240,3 @@ def code_reward(
     if all_or_nothing:
         return 1.0 if passed == len(results) else 0.0
     return passed / len(results)
-
-
-def summarize(results: Sequence[CaseResult]) -> Tuple[int, dict]:
-    """``(passed, {status: count})`` over case results, for logging."""
-    counts: dict = {}
-    for r in results:
-        counts[r.run.status] = counts.get(r.run.status, 0) + 1
-    return sum(r.passed for r in results), counts

@@ -49,6 +49,15 @@ def _dollars(s: str) -> str:
     return s if s.startswith("$") or "\\boxed" in s else f"${s}$"
 
 
+def _normalized_verdict(pred: str, gold: str) -> Optional[bool]:
+    """What the normalised strings alone decide: False when either normalises to nothing, True when they are
+    equal, None when math-verify has to compare them."""
+    np_, ng = normalize_answer(pred), normalize_answer(gold)
+    if not np_ or not ng:
+        return False
+    return True if np_ == ng else None
+
+
 def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     """True when ``pred`` and ``gold`` are the same answer: normalised strings equal, else math-verify says so.
 
@@ -58,11 +67,9 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     if pred is None or gold is None:
         return False
     pred, gold = str(pred), str(gold)
-    np_, ng = normalize_answer(pred), normalize_answer(gold)
-    if not np_ or not ng:
-        return False
-    if np_ == ng:
-        return True
+    settled = _normalized_verdict(pred, gold)
+    if settled is not None:
+        return settled
     from math_verify import parse as mv_parse  # sympy + latex2sympy2: loaded by the verifier workers only
     from math_verify import verify as mv_verify  # heavy: as above
 
@@ -280,11 +287,9 @@ def verify_answer(
         if mathd_normalize(pred) == mathd_normalize(gold):
             return True
     else:
-        np_, ng = normalize_answer(pred), normalize_answer(gold)
-        if not np_ or not ng:
-            return False
-        if np_ == ng:
-            return True
+        settled = _normalized_verdict(pred, gold)
+        if settled is not None:
+            return settled
     result = (pool or default_pool()).verify(pred, gold, timeout, rule)
     if result.status == "timeout":
         raise AnswerTimeout(

@@ -324,5 +324,4 @@ def combine(specs_with_weights: Union[Mapping[RewardSpec, float], Sequence[Tuple
     def combined(response: str, record: dict) -> float:
         return sum(w * as_score(fn(response, record)) for fn, w in parts)
 
-    combined.components = parts  # type: ignore[attr-defined]
     return combined

@@ -20,9 +20,10 @@ Python, no host synchronisation),
    request's temperature / top-k / top-p (``sampling.sample_tokens``: log-prob under the sampling distribution,
    confidence under the model distribution), and ranks by ``params.confidence`` (:func:`ranking_confidence`:
    Dream's rules, LLaDA2.1's own under token editing);
-2. asks the schedule how many tokens this step commits (``sampling.transfer_schedule`` over the block size and
-   ``steps_per_block``, Dream's ``linspace_counts``, LLaDA2.1's ``num_to_transfer``; a step index past the
-   schedule commits every masked position);
+2. asks the schedule how many tokens this step commits (:func:`commit_counts`: ``even``, block_size //
+   steps_per_block each, the remainder to the earliest steps as LLaDA's ``get_num_transfer_tokens``; Dream's
+   ``linspace_counts``; LLaDA2.1's ``num_to_transfer``; a step index past the schedule commits every masked
+   position);
 3. picks the positions (``sampling.select_commits``: low-confidence static / dynamic threshold / random; DARE's
    ``linspace_first`` commits the block's first masked position alone at step 0: :func:`block_start_commit`);
 4. under token editing (``editable`` given, ``rollout/editing.py``) also commits the edits of decoded positions;
@@ -156,7 +157,7 @@ def step_tensor(step: StepIndex, n: int, device) -> torch.Tensor:
 def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams) -> torch.Tensor:
     """Tokens the schedule asks each row to commit at its block-local ``step`` ([n] long).
 
-    ``even``: ``transfer_schedule(block_size, steps_per_block)[step]``; a step index at or past
+    ``even``: block_size // steps_per_block, the remainder to the earliest steps; a step index at or past
     ``steps_per_block`` (only reachable when a caller keeps stepping a block the schedule has already exhausted)
     commits every masked position so that a block always finishes. ``linspace``: Dream's count of the row's
     current masked positions; ``linspace_first``: 0 at step 0 (:func:`block_start_commit` commits the first
@@ -166,7 +167,7 @@ def commit_counts(masked: torch.Tensor, step: StepIndex, params: SamplingParams)
     left = masked.sum(dim=1)
     if params.algorithm == "editing":
         return torch.full_like(left, params.num_to_transfer)
-    if params.schedule == "even":  # transfer_schedule(block_size, S)[s]: B // S each, the remainder first
+    if params.schedule == "even":  # B // S each, the remainder first (LLaDA's get_num_transfer_tokens)
         rem = params.block_size % S
         per_step = params.block_size // S + (s < rem).long() if rem else params.block_size // S
         return torch.where(s < S, per_step, left)

@@ -272,6 +272,14 @@ def answer_ids(ids: list[int], eos_token_id: int) -> list[int]:
     return ids[: ids.index(eos_token_id) + 1] if eos_token_id in ids else ids
 
 
+def check_generate_call(asleep: bool, prompts: list[list[int]]) -> None:
+    """What every engine's ``generate`` refuses: a call while asleep, and no prompts or an empty one."""
+    if asleep:
+        raise RuntimeError("engine is asleep: call wake() before generate()")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs non-empty prompts")
+
+
 class RolloutEngine(Protocol):
     """What every engine implements. Weight pushes (rollout/weight_sync/) reach it through its Ray actor, which
     calls ``update_weights`` with views of each received bucket; an engine with weight groups of its own (SGLang's

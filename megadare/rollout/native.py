@@ -55,7 +55,7 @@ from megadare.models.family import ModelArch
 from megadare.models.hf.common import DecoderLM, KVCache
 from megadare.rollout.decoders import BlockDiffusionDecoder, Decoder, SemiARDecoder
 from megadare.rollout.dllm_step import dllm_step
-from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.rollout.engine import SamplingParams, Trajectory, check_generate_call
 
 _KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
 
@@ -115,10 +115,7 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ protocol
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        if self.asleep:
-            raise RuntimeError("engine is asleep: call wake() before generate()")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs non-empty prompts")
+        check_generate_call(self.asleep, prompts)
         if self.arch.is_block_diffusion:
             if params.block_size != self.arch.block_size:
                 raise ValueError(

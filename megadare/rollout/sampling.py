@@ -15,8 +15,6 @@ arithmetic is exact everywhere; :func:`stream_uniforms`).
   float32 weights); returns the proposal, its log-probability under that sampling distribution (0 for greedy: a
   point mass) and its confidence p_theta(x0) under the unfiltered model distribution (SDAR's ``generate.py`` and
   LLaDA's low-confidence remasking rank by the model probability of the proposal).
-* ``transfer_schedule``: how many tokens a static schedule commits per step -- n // S each, the remainder to the
-  earliest steps (LLaDA ``get_num_transfer_tokens``; SDAR over the block length).
 * ``linspace_counts``: Dream's schedule (``generation_utils.py``): ``int(n_masked * (1 - s/t))`` with t, s
   consecutive points of ``linspace(1, eps, S + 1)``, computed in float32 as Dream does; the last step commits
   the rest.
@@ -180,12 +178,6 @@ def sample_tokens(
     return tokens.view(shape), logp.view(shape), conf.view(shape)
 
 
-def transfer_schedule(n: int, steps: int) -> list[int]:
-    """Tokens committed at each of ``steps`` steps for ``n`` masked tokens: n // steps each, remainder first."""
-    base, rem = divmod(n, steps)
-    return [base + (1 if s < rem else 0) for s in range(steps)]
-
-
 def linspace_counts(n_masked: torch.Tensor, step: torch.Tensor, steps: int, eps: float) -> torch.Tensor:
     """Dream's tokens to commit at ``step`` of ``steps`` with ``n_masked`` still masked (long tensors of one
     shape): int(n_masked * (1 - s/t)), t = linspace(1, eps, steps + 1)[step], s = the next point (float32, as
@@ -203,11 +195,6 @@ def linspace_remaining_counts(n_masked: torch.Tensor, step: torch.Tensor, steps:
     ratio = ts[1:] / ts[:-1]
     count = n_masked - (n_masked.float() * ratio[step.clamp(max=steps - 1)]).long()
     return torch.where(step >= steps - 1, n_masked, count)
-
-
-def linspace_count(n_masked: int, step: int, steps: int, eps: float) -> int:
-    """:func:`linspace_counts` for one row."""
-    return int(linspace_counts(torch.tensor([n_masked]), torch.tensor([step]), steps, eps)[0])
 
 
 class SamplingRule(NamedTuple):

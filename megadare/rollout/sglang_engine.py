@@ -61,7 +61,7 @@ import torch
 import yaml
 
 from megadare.models.family import family_of
-from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, answer_ids, prompt_seed
+from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, answer_ids, check_generate_call, prompt_seed
 from megadare.rollout.sglang_plugin import (
     ALGORITHM_NAME,
     CUSTOM_PARAMS_KEY,
@@ -375,10 +375,7 @@ class SGLangEngine:
         return sp
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        if self.asleep:
-            raise RuntimeError("engine is asleep: call wake() before generate()")
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs non-empty prompts")
+        check_generate_call(self.asleep, prompts)
         if params.block_size != self.block_size:
             raise ValueError(
                 f"sampling block_size={params.block_size} differs from the engine's block size "

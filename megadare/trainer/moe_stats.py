@@ -1,8 +1,9 @@
 """MoE load balance for the logs: tokens routed to each expert, per layer, over one optimizer step.
 
-``max_load`` = max_e n_e / mean_e n_e averaged over MoE layers (1.0 = perfectly balanced; top-k routing of T
-tokens over E experts puts T*k/E tokens on an expert on average). Counts exclude packing padding and are summed
-over the TP x DP x CP ranks that share a layer (as megatron does for the expert-bias update).
+``moe_max_load`` (the logged metric) = max_e n_e / mean_e n_e averaged over MoE layers (1.0 = perfectly
+balanced; top-k routing of T tokens over E experts puts T*k/E tokens on an expert on average). Counts exclude
+packing padding and are summed over the TP x DP x CP ranks that share a layer (as megatron does for the
+expert-bias update).
 """
 
 from __future__ import annotations

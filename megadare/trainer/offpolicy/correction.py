@@ -166,7 +166,7 @@ def correction_weights(
 
 def replay_scores(micro_batches: list[MicroBatch], kind: str) -> dict[int, float]:
     """{sample: variance-guided score} from the per-slot log ratios l_s^cur - l_s^behave of each sample
-    (trainer/offpolicy/replay.py ``variance_guided_scores``; lower = better matched to the current policy)."""
+    (trainer/offpolicy/replay_scores.py ``variance_guided_scores``; lower = better matched to the current policy)."""
     sums = gather_slot_sums(micro_batches, lambda mb: [mb.old, mb.behave])
     by: dict[int, list[float]] = {}
     for (s, _), (cur, beh) in sorted(sums.items()):

@@ -35,6 +35,12 @@ Bypass mode (verl ``verl/trainer/ppo/core_algos.py::compute_policy_loss_bypass_m
 r = pi_theta / mu and applies *no* extra IS weight (the ratio already is the IS ratio; rejection still masks);
 ``reinforce`` is L = -sg(w) log pi_theta A with w = min(pi_theta / mu, C) (``compute_policy_loss_reinforce``).
 
+Where training applies them: the RL update does not call :func:`decoupled_ppo_loss` / :func:`bypass_ppo_loss`;
+``offpolicy.loss_mode`` (``ppo`` | ``decoupled`` | ``bypass``) reaches the algorithm's own slot loss in
+``algos/base.py`` (``SlotObjective``), with the weights of :func:`rollout_is_weights` computed before the update
+(trainer/offpolicy/correction.py). The two functions here are the token-level forms, checked against verl's and
+AReaL's in tests/test_rollout_correction.py; ``reinforce`` is reachable only through them.
+
 Diffusion LLMs: which log-probs may go into a ratio
 ----------------------------------------------------
 A ratio pi_target / mu means something only when both log-probs are *the same estimator evaluated on the same
