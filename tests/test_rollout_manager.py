@@ -179,6 +179,53 @@ def test_shutdown_lets_each_engine_close_itself(cluster, tmp_path):
     plain.shutdown(timeout_s=10)  # returns: the dead actor's error is not raised
 
 
+def _hangs_then_closes(folder: str, hang_s: float):
+    """An engine factory whose generate() hangs for ``hang_s`` and whose shutdown writes ``folder/closed-<pid>``
+    (a closure, shipped to the actor by value)."""
+
+    def build(**kwargs):
+        import time
+
+        class Hung:
+            def __init__(self, engine):
+                self.engine = engine
+
+            def generate(self, prompts, params):
+                time.sleep(hang_s)
+                return self.engine.generate(prompts, params)
+
+            def shutdown(self):
+                open(os.path.join(folder, f"closed-{os.getpid()}"), "w").close()
+
+            def __getattr__(self, name):
+                return getattr(self.engine, name)
+
+        return Hung(build_native_engine(**kwargs))
+
+    return build
+
+
+def test_a_hung_engine_is_killed_at_shutdown_without_waiting_for_its_close(cluster, tmp_path):
+    """After an engine gave no answer in rollout.timeout_s the run stops, and its shutdown killed the hung engine
+    only after waiting for its close (queued behind the hung call: up to 30 s more before the user saw the error);
+    now it is killed at once and never reaches its close."""
+    folder = tmp_path / "closed"
+    folder.mkdir()
+    manager = RolloutManager(
+        EngineSpec(_hangs_then_closes(str(folder), 15), {"hf_dir": _hf(tmp_path, 0), "eos_token_id": EOS}),
+        num_engines=1,
+    )
+    manager.check_engines()
+    manager.timeout_s = 2
+    with pytest.raises(PeerError, match="rollout engine 0 on .* gave no answer to a rollout request in 2s"):
+        manager.generate(PROMPTS, PARAMS)
+    hung = manager.actors[0]
+    manager.shutdown()  # the old code waited here for the close behind the 15 s hang, which then ran
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(hung.info.remote(), timeout=60)
+    assert not os.listdir(folder)
+
+
 def test_engine_device_follows_ray_and_the_config(tmp_path):
     """rollout.device: ``auto`` takes the GPU Ray assigned to the actor; ``cuda`` without a GPU and a Ray-assigned
     GPU without CUDA fail, naming the fix; the config reaches the engine factory. (Inside real actors without a GPU,

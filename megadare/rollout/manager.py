@@ -177,6 +177,7 @@ class RolloutManager:
         self.weight_groups: Optional[str] = None  # generation of the weight groups every engine has joined
         self.on_stale: Optional[Callable[[], None]] = None  # pushes the current version again (RL driver)
         self._group_ranks = [1] * num_engines
+        self.unanswered: set[int] = set()  # slots that hung, raised or died: shutdown kills them without a word
 
     def _start(self, slot: int):
         return self._actor_cls.options(
@@ -213,6 +214,7 @@ class RolloutManager:
     def silent(self, slots: Sequence[int], what: str) -> PeerError:
         """The error for engines that gave no answer to ``what`` within ``timeout_s``."""
         names = ", ".join(self.peer(s) for s in sorted(set(slots)))
+        self.unanswered.update(slots)
         return PeerError(
             f"{names} gave no answer to {what} in {self.timeout_s:g}s (rollout.timeout_s): hung, or slower than "
             f"that; {RESUME} (raise rollout.timeout_s if the engine is only slow)"
@@ -220,6 +222,7 @@ class RolloutManager:
 
     def failed(self, slot: int, what: str, e: BaseException) -> PeerError:
         """The error for engine ``slot`` dying or raising during ``what`` (the Ray error ``e`` as the cause)."""
+        self.unanswered.add(slot)
         return PeerError(f"{self.peer(slot)} {engine_failure(e)} during {what}; {RESUME}")
 
     def _get_one(self, ray, slot: int, ref, what: str):
@@ -317,6 +320,7 @@ class RolloutManager:
         """A replacement actor (the model as loaded by its factory): fresh only while nothing was pushed yet."""
         self.restarts += 1
         self.actors[slot] = self._start(slot)
+        self.unanswered.discard(slot)
         self.fresh[slot] = self.version is None
         self.weight_groups = None
 
@@ -339,13 +343,16 @@ class RolloutManager:
         return self.gather([a.call.remote(method, *args) for a in self.actors], f"{method}()")
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Each engine shuts itself down (at most ``timeout_s`` for all; a dead or hung one is not waited for),
-        then the actors are killed and their placement group removed."""
+        """Each engine shuts itself down (at most ``timeout_s`` for all), then the actors are killed and their
+        placement group removed. An engine that hung, raised or died (``unanswered``) is killed first, without
+        being asked: its close would wait behind the call it hangs in, delaying the run's error by ``timeout_s``."""
         ray = _ray()
         from ray.exceptions import RayError  # heavy: Ray
         from ray.util.placement_group import remove_placement_group
 
-        closing = [a.close.remote() for a in self.actors]
+        for slot in sorted(self.unanswered):
+            ray.kill(self.actors[slot])
+        closing = [a.close.remote() for s, a in enumerate(self.actors) if s not in self.unanswered]
         try:
             ray.get(closing, timeout=timeout_s)
         except RayError:  # a dead actor, an engine whose shutdown failed or hangs: killed below all the same
