@@ -266,3 +266,17 @@ def test_engines_no_node_can_hold_fail_at_once(cluster, tmp_path):
     for resources in ({"num_cpus": 1, "num_gpus": 1}, {"num_cpus": 64}):
         with pytest.raises(ConfigError, match=r"rollout.engine_resources=.*no node of the Ray cluster has"):
             RolloutManager(spec, num_engines=1, resources=resources)
+
+
+@pytest.mark.timeout(240)  # the old code waited 300 s for the placement group, then raised GetTimeoutError
+def test_engines_the_cluster_cannot_hold_together_fail_at_once(cluster, tmp_path):
+    """Each engine fits a node but not all of them together (2 x 3 CPUs on a 4-CPU node): one line naming the
+    request and what the nodes have, not an opaque GetTimeoutError after 300 s."""
+    from megadare.errors import ConfigError
+
+    spec = EngineSpec(build_native_engine, {"hf_dir": str(tmp_path), "eos_token_id": EOS})
+    with pytest.raises(ConfigError) as err:
+        RolloutManager(spec, num_engines=2, resources={"num_cpus": 3})
+    msg = str(err.value)
+    assert "\n" not in msg and "rollout.engine_resources={'num_cpus': 3}, rollout.num_engines=2" in msg, msg
+    assert "have room for only 1 engines of {'CPU': 3}" in msg and "(its nodes: CPU 4)" in msg, msg
