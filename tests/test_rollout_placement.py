@@ -55,5 +55,6 @@ def test_an_engine_that_cannot_be_placed_again_stops_the_rollout_naming_it(two_n
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("rollout engine 0 cannot be placed: Ray has no node with {'CPU': 1}")
     assert "rollout.engine_resources={'num_cpus': 1}" in msg and ": CPU 0" in msg and "free now: CPU 0" in msg, msg
+    assert f"Ray node {worker.node_ip_address} died (its raylet killed or its host lost; Ray's logs: " in msg, msg
     assert "resume from its last checkpoint" in msg
     manager.shutdown(timeout_s=1)

@@ -281,11 +281,16 @@ class RolloutManager:
             for n in nodes
         )
         free = ray.available_resources()
+        dead = sorted({n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")})
+        why = (
+            f"Ray node {', '.join(dead)} died (its raylet killed or its host lost; Ray's logs: {_ray_logs()})"
+            if dead
+            else "the request is larger than the free room"
+        )
         return PeerError(
             f"{names} cannot be placed: Ray has no node with {self.bundle} free for it (rollout.engine_resources="
             f"{self.resources}; the live nodes have {have or 'none'}, free now: "
-            f"{', '.join(f'{k} {free.get(k, 0):g}' for k in self.bundle)}); a node left the cluster (its raylet "
-            f"died or its host was lost) or the request is larger than the cluster; {RESUME} once the cluster has "
+            f"{', '.join(f'{k} {free.get(k, 0):g}' for k in self.bundle)}): {why}; {RESUME} once the cluster has "
             "the room, or lower rollout.engine_resources / rollout.num_engines"
         )
 
@@ -504,6 +509,12 @@ class PendingRollout:
             file=sys.stderr,
         )
         m._restart(slot)
+
+
+def _ray_logs() -> str:
+    """Where this Ray session's logs are (each node's raylet.out, gcs_server.out, the workers' output)."""
+    node = getattr(_ray()._private.worker, "_global_node", None)
+    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs on each node"
 
 
 def engine_failure(e: BaseException) -> str:
