@@ -120,7 +120,9 @@ def _launch(worker, run, cfg, nproc: int) -> dict:
         from megadare.parallel.launch import spawn  # heavy: pulls torch (keeps --help light)
 
         return spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
-    return run(cfg)
+    from megadare.parallel.launch import run_here  # heavy: pulls torch (keeps --help light)
+
+    return run_here(run, cfg)
 
 
 def _run_sft(cfg, nproc: int) -> int:

@@ -55,3 +55,39 @@ def test_a_rank_waiting_past_the_collective_timeout_says_what_it_waited_for():
     msg = str(err.value)
     assert msg.startswith("trainer rank 1 waited for rank 0 (its rollout or scoring) longer than ") and "\n" not in msg
     assert "parallel.collective_timeout_s" in msg and "resume from its last checkpoint" in msg
+
+
+def test_under_torchrun_a_killed_rank_ends_the_run_and_the_survivor_says_so_in_one_line(tmp_path):
+    """torchrun (the Slurm path): rank 1 SIGKILLed while rank 0 waits in a collective. The run ends (torchrun ends
+    the survivors), its report names rank 1 and SIGKILL, and rank 0 says what happened in one line instead of
+    gloo's traceback ('Connection reset by peer ... Check the logs of the ...')."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "torchrun_peer.py")
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # torchrun's own /tmp/torchelastic_* log folders go here
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "0.5",
+            script,
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,  # a hang fails here, the collective timeout is 5 s
+        env=env,
+    )
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: trainer rank 0 (pid ")]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert "lost another trainer rank in a collective (" in lines[0] and "by peer" in lines[0], lines[0]
+    assert "torchrun's report ('Root Cause') names it" in lines[0] and "resume from its last checkpoint" in lines[0]
+    assert "[rank0]: Traceback" not in out.stderr
+    root = out.stderr[out.stderr.index("Root Cause") :]
+    assert "rank      : 1 (local_rank: 1)" in root and "SIGKILL" in root, root

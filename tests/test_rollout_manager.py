@@ -179,6 +179,53 @@ def test_shutdown_lets_each_engine_close_itself(cluster, tmp_path):
     plain.shutdown(timeout_s=10)  # returns: the dead actor's error is not raised
 
 
+def _hangs_then_closes(folder: str, hang_s: float):
+    """An engine factory whose generate() hangs for ``hang_s`` and whose shutdown writes ``folder/closed-<pid>``
+    (a closure, shipped to the actor by value)."""
+
+    def build(**kwargs):
+        import time
+
+        class Hung:
+            def __init__(self, engine):
+                self.engine = engine
+
+            def generate(self, prompts, params):
+                time.sleep(hang_s)
+                return self.engine.generate(prompts, params)
+
+            def shutdown(self):
+                open(os.path.join(folder, f"closed-{os.getpid()}"), "w").close()
+
+            def __getattr__(self, name):
+                return getattr(self.engine, name)
+
+        return Hung(build_native_engine(**kwargs))
+
+    return build
+
+
+def test_a_hung_engine_is_killed_at_shutdown_without_waiting_for_its_close(cluster, tmp_path):
+    """After an engine gave no answer in rollout.timeout_s the run stops, and its shutdown killed the hung engine
+    only after waiting for its close (queued behind the hung call: up to 30 s more before the user saw the error);
+    now it is killed at once and never reaches its close."""
+    folder = tmp_path / "closed"
+    folder.mkdir()
+    manager = RolloutManager(
+        EngineSpec(_hangs_then_closes(str(folder), 15), {"hf_dir": _hf(tmp_path, 0), "eos_token_id": EOS}),
+        num_engines=1,
+    )
+    manager.check_engines()
+    manager.timeout_s = 2
+    with pytest.raises(PeerError, match="rollout engine 0 on .* gave no answer to a rollout request in 2s"):
+        manager.generate(PROMPTS, PARAMS)
+    hung = manager.actors[0]
+    manager.shutdown()  # the old code waited here for the close behind the 15 s hang, which then ran
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(hung.info.remote(), timeout=60)
+    assert not os.listdir(folder)
+
+
 def test_engine_device_follows_ray_and_the_config(tmp_path):
     """rollout.device: ``auto`` takes the GPU Ray assigned to the actor; ``cuda`` without a GPU and a Ray-assigned
     GPU without CUDA fail, naming the fix; the config reaches the engine factory. (Inside real actors without a GPU,
@@ -219,3 +266,17 @@ def test_engines_no_node_can_hold_fail_at_once(cluster, tmp_path):
     for resources in ({"num_cpus": 1, "num_gpus": 1}, {"num_cpus": 64}):
         with pytest.raises(ConfigError, match=r"rollout.engine_resources=.*no node of the Ray cluster has"):
             RolloutManager(spec, num_engines=1, resources=resources)
+
+
+@pytest.mark.timeout(240)  # the old code waited 300 s for the placement group, then raised GetTimeoutError
+def test_engines_the_cluster_cannot_hold_together_fail_at_once(cluster, tmp_path):
+    """Each engine fits a node but not all of them together (2 x 3 CPUs on a 4-CPU node): one line naming the
+    request and what the nodes have, not an opaque GetTimeoutError after 300 s."""
+    from megadare.errors import ConfigError
+
+    spec = EngineSpec(build_native_engine, {"hf_dir": str(tmp_path), "eos_token_id": EOS})
+    with pytest.raises(ConfigError) as err:
+        RolloutManager(spec, num_engines=2, resources={"num_cpus": 3})
+    msg = str(err.value)
+    assert "\n" not in msg and "rollout.engine_resources={'num_cpus': 3}, rollout.num_engines=2" in msg, msg
+    assert "have room for only 1 engines of {'CPU': 3}" in msg and "(its nodes: CPU 4)" in msg, msg

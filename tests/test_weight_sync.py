@@ -437,3 +437,38 @@ def test_an_engine_lost_mid_push_is_one_line_naming_it():
     msg = str(err.value)
     assert msg.startswith("the weight push of version 3 broke: rollout engine 1 on 10.0.0.3 left or stopped ")
     assert "Connection reset by peer" in msg and "resume from its last checkpoint" in msg and "\n" not in msg
+
+
+def _silent_sender(ports, name: str) -> None:
+    """A trainer-side sender (another process: one process registers a group name once) that joins the group with a
+    2 s push timeout and then sends nothing, as a trainer that hangs or died mid-push."""
+    from megadare.rollout.weight_sync.groups import GroupSpec, host_store, join_group
+
+    store = host_store()
+    ports.put(store.port)
+    join_group(GroupSpec(name, "127.0.0.1", store.port, 2, 0, "gloo", timeout_s=2.0), store=store)
+    time.sleep(300)
+
+
+@pytest.mark.timeout(120)  # the old engine side waited torch's 30 minutes here
+def test_an_engine_stops_waiting_for_a_silent_sender_after_the_push_timeout():
+    """The engines' side of a weight group waited up to 30 minutes for a trainer that died or hung mid-push; it now
+    fails after the sender's push timeout (rollout.timeout_s, carried in the group spec), as the sender does."""
+    import multiprocessing
+
+    from megadare.rollout.weight_sync.groups import GroupSpec, WeightReceiver
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    sender = ctx.Process(target=_silent_sender, args=(ports, "megadare_silent_sender"), daemon=True)
+    sender.start()
+    try:
+        spec = GroupSpec("megadare_silent_sender", "127.0.0.1", ports.get(timeout=60), 2, 1, "gloo", timeout_s=2.0)
+        receiver = WeightReceiver("cpu")
+        receiver.join([spec])
+        flat = Flat(torch.float32, ("w",), ((4,),))
+        with pytest.raises(RuntimeError, match=r"(?i)timed out"):  # the sender joined, then sends nothing
+            receiver.receive([(spec.name, [[flat]])], lambda named: None)
+    finally:
+        sender.kill()
+        sender.join()

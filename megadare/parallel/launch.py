@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue as _q
+import re
 import signal
 import socket
 import time
@@ -53,6 +54,34 @@ def _one_line_error(e: BaseException):
         except Exception:  # noqa: BLE001 - an unpicklable error is reported by its traceback
             return None
     return None
+
+
+# what torch's gloo / NCCL say in a collective whose peer process is gone (killed, crashed, its host lost)
+_PEER_LOST = re.compile(
+    r"(?:(?:Read|Write) error \[[^\]]*\]:\d+: )?(?:Connection reset by peer|Connection closed by peer|Broken pipe|"
+    r"remote process exited or there was a network error)"
+)
+
+
+def run_here(run: Callable, *args: Any) -> Any:
+    """``run(*args)`` in this process, one rank of an outside launcher (torchrun, Slurm). A collective that fails
+    because another rank's process is gone (gloo: 'Connection reset by peer'; NCCL: 'remote process exited') is one
+    ``PeerError`` line naming this rank, the cause and where the dead rank is named (torchrun's 'Root Cause'), not
+    torch's traceback; the launcher then ends the other ranks."""
+    try:
+        return run(*args)
+    except RuntimeError as e:
+        lost = _PEER_LOST.search(str(e))
+        if lost is None:
+            raise
+        who = f"trainer rank {os.environ.get('RANK', '?')} (pid {os.getpid()} on {socket.gethostname()})"
+        named = (
+            "torchrun's report ('Root Cause') names it" if "TORCHELASTIC_RUN_ID" in os.environ else "its log names it"
+        )
+        raise PeerError(
+            f"{who} lost another trainer rank in a collective ({lost.group(0)}): that rank died (SIGKILL, the OOM "
+            f"killer, a segfault, a lost node); {named}; {RESUME}"
+        ) from e
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:

@@ -123,23 +123,33 @@ class _EngineActor:
 @dataclass(frozen=True)
 class EngineLimits:
     """How much the manager bears from its engines: deaths per rollout (each one restarted) and seconds of silence
-    (``rollout.timeout_s``) before a rollout or a weight push stops with a ``PeerError`` naming the engine."""
+    (``rollout.timeout_s``) before a rollout or a weight push stops with a ``PeerError`` naming the engine; an engine
+    Ray cannot place (its bundle lost its node and no node has room) stops it after ``placement_s``, at once when
+    Ray finds no node could ever hold it."""
 
     max_restarts: int = 3
     timeout_s: float = 1800.0
+    placement_s: float = 60.0  # the longest an engine may wait for room in the cluster (none at all: no wait)
 
 
-def _check_feasible(ray, bundle: dict[str, float], resources: dict) -> None:
-    """Fail at once when no live node of the Ray cluster can hold one engine: an infeasible placement group would
-    wait for the 300 s timeout and end in an opaque GetTimeoutError (e.g. the config's num_cpus on small nodes)."""
+def _check_feasible(ray, bundle: dict[str, float], resources: dict, num_engines: int = 1) -> None:
+    """Fail at once when the live nodes of the Ray cluster cannot hold one engine, or all ``num_engines`` together
+    (each node holds as many as fit in its totals): an infeasible placement group would wait out its placement
+    timeout and end in an error that cannot name the config (e.g. the config's num_cpus on small nodes)."""
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    if any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
+    fits = [min((int(node.get(k, 0) // v) for k, v in bundle.items() if v > 0), default=num_engines) for node in nodes]
+    if sum(fits) >= num_engines:
         return
     have = "; ".join(", ".join(f"{k} {node.get(k, 0):g}" for k in bundle) for node in nodes) or "no live node"
+    what = (
+        f"rollout.engine_resources={resources}: no node of the Ray cluster has {bundle} for one engine"
+        if not any(fits)
+        else f"rollout.engine_resources={resources}, rollout.num_engines={num_engines}: the nodes of the Ray "
+        f"cluster have room for only {sum(fits)} engines of {bundle}"
+    )
     raise ConfigError(
-        f"rollout.engine_resources={resources}: no node of the Ray cluster has {bundle} for one engine "
-        f"(its nodes: {have}); lower the request (Slurm scripts: ENGINE_GPUS / ENGINE_CPUS) or give "
-        "the nodes more"
+        f"{what} (its nodes: {have}); lower the request (Slurm scripts: ENGINE_GPUS / ENGINE_CPUS / NUM_ENGINES) "
+        "or give the nodes more"
     )
 
 
@@ -162,12 +172,18 @@ class RolloutManager:
         limits = limits or EngineLimits()
         self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, limits.max_restarts
         self.timeout_s = limits.timeout_s  # rollout.timeout_s: the longest an engine may stay silent
+        self.placement_s = limits.placement_s
+        self._unplaced_since: Optional[float] = None
+        self.unanswered: set[int] = set()  # slots that hung, raised or died: shutdown kills them without a word
         self.hosts: list[Optional[str]] = [None] * num_engines  # each slot's host, once it answered engine_info
         self.resources = dict(resources or {"num_cpus": 1})
         bundle = {("GPU" if k == "num_gpus" else "CPU" if k == "num_cpus" else k): v for k, v in self.resources.items()}
-        _check_feasible(ray, bundle, self.resources)
+        _check_feasible(ray, bundle, self.resources, num_engines)
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=strategy)
-        ray.get(self.pg.ready(), timeout=300)
+        self.bundle = bundle
+        ready, _ = self.wait_placed([self.pg.ready()], 1, max(self.placement_s, 300.0))
+        if not ready:
+            raise self.unplaceable(list(range(num_engines)))
         self._strategy = PlacementGroupSchedulingStrategy
         self._actor_cls = ray.remote(_EngineActor)
         self.actors = [self._start(i) for i in range(num_engines)]
@@ -213,6 +229,7 @@ class RolloutManager:
     def silent(self, slots: Sequence[int], what: str) -> PeerError:
         """The error for engines that gave no answer to ``what`` within ``timeout_s``."""
         names = ", ".join(self.peer(s) for s in sorted(set(slots)))
+        self.unanswered.update(slots)
         return PeerError(
             f"{names} gave no answer to {what} in {self.timeout_s:g}s (rollout.timeout_s): hung, or slower than "
             f"that; {RESUME} (raise rollout.timeout_s if the engine is only slow)"
@@ -220,15 +237,71 @@ class RolloutManager:
 
     def failed(self, slot: int, what: str, e: BaseException) -> PeerError:
         """The error for engine ``slot`` dying or raising during ``what`` (the Ray error ``e`` as the cause)."""
+        self.unanswered.add(slot)
         return PeerError(f"{self.peer(slot)} {engine_failure(e)} during {what}; {RESUME}")
 
-    def _get_one(self, ray, slot: int, ref, what: str):
-        from ray.exceptions import GetTimeoutError, RayError  # heavy: Ray
+    def wait_placed(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]:
+        """``ray.wait`` for ``timeout_s``, checking every few seconds that every engine has a place in the cluster
+        (``check_placed``): an engine Ray cannot place fails then, not as silence after ``timeout_s``."""
+        ray = _ray()
+        end = time.monotonic() + timeout_s
+        while True:
+            left = end - time.monotonic()
+            ready, late = ray.wait(refs, num_returns=num_returns, timeout=max(0.0, min(left, 2.0)))
+            if len(ready) >= num_returns or left <= 2.0:
+                return ready, late
+            self.check_placed()
 
+    def check_placed(self) -> None:
+        """Raise when an engine's bundle has had no node for ``placement_s`` (its node left and no other has
+        room), or at once when Ray finds that no node can hold it."""
+        from ray.util.placement_group import placement_group_table  # heavy: Ray
+
+        table = placement_group_table(self.pg)
+        nodes = {int(i): node for i, node in (table.get("bundles_to_node_id") or {}).items()}
+        unplaced = [i for i in range(len(table.get("bundles") or {})) if not nodes.get(i)]
+        if table.get("state") == "CREATED" or not unplaced:
+            self._unplaced_since = None
+            return
+        now = time.monotonic()
+        self._unplaced_since = self._unplaced_since or now
+        infeasible = (table.get("stats") or {}).get("scheduling_state") == "INFEASIBLE"
+        if infeasible or now - self._unplaced_since >= self.placement_s:
+            raise self.unplaceable(unplaced)
+
+    def unplaceable(self, slots: Sequence[int]) -> PeerError:
+        """The error for engines Ray cannot place: what each asks for and what the cluster's live nodes have."""
+        ray = _ray()
+        self.unanswered.update(slots)
+        names = ", ".join(f"rollout engine {s}" for s in sorted(slots))
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        have = "; ".join(
+            f"{n.get('NodeManagerAddress', '?')}: "
+            + ", ".join(f"{k} {n['Resources'].get(k, 0):g}" for k in self.bundle)
+            for n in nodes
+        )
+        free = ray.available_resources()
+        dead = sorted({n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")})
+        why = (
+            f"Ray node {', '.join(dead)} died (its raylet killed or its host lost; Ray's logs: {_ray_logs()})"
+            if dead
+            else "the request is larger than the free room"
+        )
+        return PeerError(
+            f"{names} cannot be placed: Ray has no node with {self.bundle} free for it (rollout.engine_resources="
+            f"{self.resources}; the live nodes have {have or 'none'}, free now: "
+            f"{', '.join(f'{k} {free.get(k, 0):g}' for k in self.bundle)}): {why}; {RESUME} once the cluster has "
+            "the room, or lower rollout.engine_resources / rollout.num_engines"
+        )
+
+    def _get_one(self, ray, slot: int, ref, what: str):
+        from ray.exceptions import RayError  # heavy: Ray
+
+        ready, _ = self.wait_placed([ref], 1, self.timeout_s)
+        if not ready:
+            raise self.silent([slot], what)
         try:
-            return ray.get(ref, timeout=self.timeout_s)
-        except GetTimeoutError:
-            raise self.silent([slot], what) from None
+            return ray.get(ref)
         except RayError as e:
             raise self.failed(slot, what, e) from e
 
@@ -255,7 +328,7 @@ class RolloutManager:
         """The answers of one call per engine (``refs[i]`` from slot i), waiting at most ``timeout_s``: an engine
         that died, raised or stays silent is a ``PeerError`` naming it."""
         ray = _ray()
-        _, late = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        _, late = self.wait_placed(refs, len(refs), self.timeout_s)
         if late:
             raise self.silent([refs.index(r) for r in late], what)
         return [self._get_one(ray, slot, ref, what) for slot, ref in enumerate(refs)]
@@ -317,6 +390,7 @@ class RolloutManager:
         """A replacement actor (the model as loaded by its factory): fresh only while nothing was pushed yet."""
         self.restarts += 1
         self.actors[slot] = self._start(slot)
+        self.unanswered.discard(slot)
         self.fresh[slot] = self.version is None
         self.weight_groups = None
 
@@ -339,13 +413,16 @@ class RolloutManager:
         return self.gather([a.call.remote(method, *args) for a in self.actors], f"{method}()")
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Each engine shuts itself down (at most ``timeout_s`` for all; a dead or hung one is not waited for),
-        then the actors are killed and their placement group removed."""
+        """Each engine shuts itself down (at most ``timeout_s`` for all), then the actors are killed and their
+        placement group removed. An engine that hung, raised or died (``unanswered``) is killed first, without
+        being asked: its close would wait behind the call it hangs in, delaying the run's error by ``timeout_s``."""
         ray = _ray()
         from ray.exceptions import RayError  # heavy: Ray
         from ray.util.placement_group import remove_placement_group
 
-        closing = [a.close.remote() for a in self.actors]
+        for slot in sorted(self.unanswered):
+            ray.kill(self.actors[slot])
+        closing = [a.close.remote() for s, a in enumerate(self.actors) if s not in self.unanswered]
         try:
             ray.get(closing, timeout=timeout_s)
         except RayError:  # a dead actor, an engine whose shutdown failed or hangs: killed below all the same
@@ -386,7 +463,7 @@ class PendingRollout:
         ray = _ray()
         m = self.manager
         while self.inflight:
-            ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=m.timeout_s)
+            ready, _ = m.wait_placed(list(self.inflight), 1, m.timeout_s)
             if not ready:
                 raise m.silent([slot for _, slot in self.inflight.values()], "a rollout request")
             ready, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight), timeout=0)
@@ -432,6 +509,12 @@ class PendingRollout:
             file=sys.stderr,
         )
         m._restart(slot)
+
+
+def _ray_logs() -> str:
+    """Where this Ray session's logs are (each node's raylet.out, gcs_server.out, the workers' output)."""
+    node = getattr(_ray()._private.worker, "_global_node", None)
+    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs on each node"
 
 
 def engine_failure(e: BaseException) -> str:

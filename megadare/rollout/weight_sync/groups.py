@@ -53,6 +53,7 @@ class GroupSpec:
     world_size: int
     rank: int
     backend: str = "gloo"
+    timeout_s: float = DEFAULT_TIMEOUT.total_seconds()  # the sender's (rollout.timeout_s): no member waits longer
 
 
 def host_ip() -> str:
@@ -74,9 +75,11 @@ def host_store(timeout: timedelta = DEFAULT_TIMEOUT):
     return TCPStore(host_ip(), 0, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-def join_group(spec: GroupSpec, timeout: timedelta = DEFAULT_TIMEOUT, store=None):
+def join_group(spec: GroupSpec, timeout: Optional[timedelta] = None, store=None):
     """Join the group ``spec`` describes (the sender passes the ``store`` it hosts); blocks until every member
-    joined."""
+    joined. Its collectives fail after ``timeout`` (default: the spec's, the sender's rollout.timeout_s), so an
+    engine whose sender died or hangs mid-push stops waiting then, not after torch's 30 minutes."""
+    timeout = timeout or timedelta(seconds=spec.timeout_s)
     if store is None:
         store, _, _ = next(rendezvous(f"tcp://{spec.addr}:{spec.port}", spec.rank, spec.world_size, timeout=timeout))
     store.set_timeout(timeout)
@@ -196,16 +199,15 @@ def _in_threads(fns: Sequence[Callable[[], Any]]) -> list[Any]:
 class WeightReceiver:
     """The engine's membership in the weight-update groups (one per pipeline stage) and the receive loops."""
 
-    def __init__(self, device: Any = "cpu", timeout: timedelta = DEFAULT_TIMEOUT):
+    def __init__(self, device: Any = "cpu"):
         self.device = torch.device(device)
-        self.timeout = timeout
         self.groups: dict[str, Any] = {}
 
     def join(self, specs: Sequence[GroupSpec]) -> None:
         """Leave the previous groups (a restart rebuilds them all) and join ``specs`` in order (every engine joins
         in the same order; each stage's sender waits in its own rendezvous meanwhile)."""
         self.close()
-        self.groups = {s.name: join_group(s, self.timeout) for s in specs}
+        self.groups = {s.name: join_group(s) for s in specs}  # each with its sender's timeout
 
     def close(self) -> None:
         for pg in self.groups.values():

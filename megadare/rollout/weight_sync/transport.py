@@ -78,7 +78,8 @@ class GroupTransport:
         world, gen = header["world"], header["generation"]
         self.names = [f"megadare_w{gen}_s{s.stage}" for s in self.plan.stages]
         specs = [
-            GroupSpec(n, *addrs[s.sender], world, 0, header["backend"]) for n, s in zip(self.names, self.plan.stages)
+            GroupSpec(n, *addrs[s.sender], world, 0, header["backend"], self.timeout.total_seconds())
+            for n, s in zip(self.names, self.plan.stages)
         ]
         refs = self.engines.join_weight_groups(specs, self.how, gen) if trainer_rank() == 0 else None
         if self.sender:

@@ -1,0 +1,39 @@
+"""A rank-0 driver whose Ray raylet is SIGKILLed while its engines are up (tests/test_rollout_placement.py): a
+local Ray as ``megadare rl`` starts it, one engine, then the raylet is killed and rollouts go on; the run's error is
+printed as the CLI prints it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import psutil
+import ray
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_rollout_placement import _echo_engine  # noqa: E402
+from megadare.errors import PeerError  # noqa: E402
+from megadare.rollout.engine import SamplingParams  # noqa: E402
+from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
+
+if __name__ == "__main__":
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a Ray of its own
+    manager = RolloutManager(
+        EngineSpec(_echo_engine()), num_engines=1, resources={"num_cpus": 1}, limits=EngineLimits(timeout_s=600)
+    )
+    params = SamplingParams(max_new_tokens=1)
+    manager.generate([[1]], params)
+    for p in psutil.Process().children(recursive=True):
+        if "raylet" in p.name():
+            p.kill()
+    try:
+        for _ in range(600):  # the engine answers until Ray finds the node dead (its heartbeats stop)
+            manager.generate([[1]], params)
+            time.sleep(0.5)
+    except PeerError as e:
+        print(f"megadare: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        manager.shutdown(timeout_s=1)

@@ -1,0 +1,79 @@
+"""An engine Ray cannot place again (its node left and no other has room) stops the rollout at once, naming the
+engine, what it asks for and what the cluster has; before, it was reported as silence after rollout.timeout_s.
+(A two-node local Ray cluster of its own: the worker node is removed mid-run, as a lost host or a killed raylet.)"""
+
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from megadare.errors import PeerError  # noqa: E402
+from megadare.rollout.engine import SamplingParams  # noqa: E402
+from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
+
+
+def _echo_engine():
+    """An engine factory (a closure, shipped to the actor by value: this module is not on the workers' path) whose
+    engine gives the prompts back."""
+
+    def build():
+        class Echo:
+            def generate(self, prompts, params):
+                from types import SimpleNamespace
+
+                return [SimpleNamespace(ids=list(p)) for p in prompts]
+
+        return Echo()
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    worker = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster, worker
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.mark.timeout(240)  # the old code waited rollout.timeout_s (600 s here) for the engine
+def test_an_engine_that_cannot_be_placed_again_stops_the_rollout_naming_it(two_nodes):
+    cluster, worker = two_nodes
+    manager = RolloutManager(
+        EngineSpec(_echo_engine()), num_engines=1, resources={"num_cpus": 1}, limits=EngineLimits(timeout_s=600)
+    )
+    params = SamplingParams(max_new_tokens=1)
+    assert [t.ids for t in manager.generate([[1, 2], [3]], params)] == [[1, 2], [3]]
+    cluster.remove_node(worker)  # the engine's node is gone: its actor dies, the head node has no CPU for it
+    with pytest.raises(PeerError) as err:
+        manager.generate([[1, 2], [3]], params)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("rollout engine 0 cannot be placed: Ray has no node with {'CPU': 1}")
+    assert "rollout.engine_resources={'num_cpus': 1}" in msg and ": CPU 0" in msg and "free now: CPU 0" in msg, msg
+    assert f"Ray node {worker.node_ip_address} died (its raylet killed or its host lost; Ray's logs: " in msg, msg
+    assert "resume from its last checkpoint" in msg
+    manager.shutdown(timeout_s=1)
+
+
+@pytest.mark.timeout(300)  # the old code waited rollout.timeout_s (600 s) for the engine it could not restart
+def test_a_killed_raylet_ends_the_run_naming_the_dead_node_and_ray_logs(tmp_path):
+    """This host's raylet SIGKILLed under the run (its only node): Ray prints its log tail, its engine dies with
+    the node, and no node is left to restart it on. The run's last line names the dead node, Ray's logs and the
+    resume, instead of 'gave no answer' after rollout.timeout_s."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "raylet_killed.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=280, env=env)
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: ")]
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    assert lines[0].startswith("megadare: error: rollout engine 0 cannot be placed: "), lines[0]
+    assert " died (its raylet killed or its host lost; Ray's logs: " in lines[0], lines[0]
+    assert "resume from its last checkpoint" in lines[0]
