@@ -280,3 +280,31 @@ def test_engines_the_cluster_cannot_hold_together_fail_at_once(cluster, tmp_path
     msg = str(err.value)
     assert "\n" not in msg and "rollout.engine_resources={'num_cpus': 3}, rollout.num_engines=2" in msg, msg
     assert "have room for only 1 engines of {'CPU': 3}" in msg and "(its nodes: CPU 4)" in msg, msg
+
+
+def _fails_to_start(counter: str):
+    """Fault injection (test only): an engine factory that raises, as a bad model path or an unsupported dtype
+    does; every construction appends a line to ``counter``."""
+
+    def build(**kwargs):
+        with open(counter, "a") as f:
+            f.write("start\n")
+        raise ValueError("model.dtype=fp16 is not supported by this engine (injected)")
+
+    return build
+
+
+def test_an_engine_that_cannot_start_stops_at_once_naming_its_error(cluster, tmp_path):
+    """An engine whose construction raises would raise again in every replacement: the rollout stops at its first
+    answer, in one line with the engine's own exception, instead of restarting it max_restarts times."""
+    counter = str(tmp_path / "starts")
+    manager = RolloutManager(EngineSpec(_fails_to_start(counter), {}), num_engines=1, chunk_size=3)
+    with pytest.raises(PeerError) as err:
+        manager.generate(PROMPTS[:3], PARAMS)
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    assert "rollout engine 0 failed to start: raised ValueError: model.dtype=fp16 is not supported" in msg, msg
+    assert manager.restarts == 0
+    with open(counter) as f:
+        assert f.read().count("start") == 1
+    manager.shutdown(timeout_s=1)

@@ -21,6 +21,7 @@ that died between steps gets the new version with the others.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -212,7 +213,7 @@ class RolloutManager:
             try:
                 infos.append(self._get_one(ray, slot, ref, "its check before a weight push (info)"))
             except PeerError as e:
-                if not isinstance(e.__cause__, RayActorError):
+                if not isinstance(e.__cause__, RayActorError) or e.__cause__.actor_init_failed:
                     raise
                 self._restart(slot)
                 infos.append(
@@ -495,8 +496,14 @@ class PendingRollout:
         return todo, dead
 
     def _replace(self, slot: int, e: BaseException) -> None:
-        """A replacement for the dead engine in ``slot``, within the restart budget; says so on stderr."""
+        """A replacement for the dead engine in ``slot``, within the restart budget; says so on stderr. An engine
+        whose construction raised is not replaced: its replacement would raise the same."""
         m = self.manager
+        if getattr(e, "actor_init_failed", False):
+            m.unanswered.add(slot)
+            raise PeerError(
+                f"{m.peer(slot)} {engine_failure(e)} (a replacement would too: fix that first); {RESUME}"
+            ) from e
         if self.restarts_left <= 0:
             raise PeerError(
                 f"{m.peer(slot)} {engine_failure(e)} and the restart budget of this rollout ({m.max_restarts}) is "
@@ -509,6 +516,9 @@ class PendingRollout:
             file=sys.stderr,
         )
         m._restart(slot)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colour codes in Ray's error texts
 
 
 def _ray_logs() -> str:
@@ -526,7 +536,9 @@ def engine_failure(e: BaseException) -> str:
         cause = e.cause if getattr(e, "cause", None) is not None else e
         lines = str(cause).strip().splitlines() or [""]
         return f"raised {type(cause).__name__}: {lines[-1][:300]}"
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).strip().splitlines() if ln.strip()]
+    if getattr(e, "actor_init_failed", False):  # its constructor raised: the last line is the exception
+        return f"failed to start: raised {lines[-1][:300]}" if lines else "failed to start"
     return f"died ({lines[0][:300]})" if lines else "died"
 
 
