@@ -511,3 +511,43 @@ def test_a_tracker_that_cannot_be_written_is_one_line_naming_the_saved_checkpoin
     line = str(e.value)
     assert line.startswith(f"{tmp_path}/{checkpoint.TRACKER}: writing the tracker failed: Is a directory"), line
     assert f"{tmp_path}/iter_0000006 is saved and intact" in line and "\n" not in line
+
+
+def _fake_checkpoint(d, step: int) -> None:
+    """An intact-looking checkpoint directory (train state, meta, manifest), no tensors."""
+    from megadare.convert.manifest import write_manifest
+
+    d.mkdir(parents=True)
+    (d / "train_state.json").write_text(json.dumps({"step": step}))
+    (d / "megadare.json").write_text(json.dumps({"written_by": "megadare rl"}))
+    write_manifest(str(d))
+
+
+def test_a_value_checkpoint_of_rolled_back_steps_is_moved_aside(tmp_path, monkeypatch):
+    """The policy's iter_8 was damaged (or moved aside, as the load error says to): the run resumed from step 6
+    and left the value model's iter_8 in place. Rotation then counted it among the newest and deleted the value
+    model's iter_6, and a kill between the policy's and the value model's saves of step 8 paired the new policy
+    with the old timeline's value model. It is now moved aside when the run resumes before it."""
+    from megadare.trainer import checkpoint
+
+    policy, value = tmp_path / "ckpt", tmp_path / "ckpt_value"
+    for step in (6, 8):
+        _fake_checkpoint(value / f"iter_{step:07d}", step)
+    _fake_checkpoint(policy / "iter_0000006", 6)
+    monkeypatch.setattr(checkpoint, "load_train_checkpoint", lambda *a, **k: {"step": 6})
+
+    class Trained:
+        model, optimizer, scheduler = [], None, None
+
+        def companion_roots(self, root):
+            return (str(value),)
+
+    state = checkpoint.resume_run(str(policy), Trained(), None, "megadare rl")
+    assert state["step"] == 6
+    assert sorted(os.listdir(value)) == ["iter_0000006", "iter_0000008.damaged"]
+    checkpoint.prune_checkpoints(str(value), 2, 7)  # the step-7 save's rotation keeps both real ones
+    assert (value / "iter_0000006").is_dir()
+    # a fresh start (no policy checkpoint) sets aside every value checkpoint it finds
+    shutil.rmtree(policy)
+    assert checkpoint.resume_run(str(policy), Trained(), None, "megadare rl") == {}
+    assert sorted(os.listdir(value)) == ["iter_0000006.damaged", "iter_0000008.damaged"]

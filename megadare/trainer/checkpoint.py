@@ -480,6 +480,17 @@ def _move_aside(damaged: str) -> str:
     raise MegatronCheckpointError(f"{damaged}: too many .damaged copies beside it; remove some")
 
 
+def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
+    """Move aside the companions' (the value model's) checkpoints newer than the resumed ``step``: they belong to
+    rolled-back steps (their policy checkpoint was damaged, moved aside or removed). Left in place, rotation
+    counted them among the newest and deleted the value model's real ones, and a kill between the policy's and
+    the value model's saves of that step again paired the new policy with the old timeline's value model."""
+    for c in companions:
+        for d in iteration_dirs(c):
+            if int(os.path.basename(d)[5:]) > step:
+                _say(f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d)}")
+
+
 def _decided_on_rank0(make):
     """``make()`` on rank 0, the same object on every rank (one view of a shared filesystem)."""
     box = [make() if _rank() == 0 else None]
@@ -516,6 +527,8 @@ def resume_run(
             _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
         if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
             _write_tracker(root, int(os.path.basename(pick.path)[5:]))
+    if (pick.path is not None or not pick.skipped) and _rank() == 0:
+        _set_aside_stale_companions(companions, int(os.path.basename(pick.path)[5:]) if pick.path else 0)
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(
