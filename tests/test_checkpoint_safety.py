@@ -551,3 +551,24 @@ def test_a_value_checkpoint_of_rolled_back_steps_is_moved_aside(tmp_path, monkey
     shutil.rmtree(policy)
     assert checkpoint.resume_run(str(policy), Trained(), None, "megadare rl") == {}
     assert sorted(os.listdir(value)) == ["iter_0000006.damaged", "iter_0000008.damaged"]
+
+
+def test_a_config_yaml_of_the_users_in_the_run_dir_is_not_replaced(run, tmp_path):
+    """logging.run_dir holding the user's own config.yaml (the experiment's config kept beside its run): the run
+    replaced it with its resolved config, comments and all gone. It is now refused in one line before training;
+    a config.yaml a run wrote (with or without the header older runs lacked) is rewritten as before."""
+    fresh = tmp_path / "mine"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("# my experiment\ntrain:\n  steps: 2\n")
+    r = megadare(fresh, "train.steps=2")
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"{fresh}/config.yaml was not written by a megadare run;" in line, line
+    assert (fresh / "config.yaml").read_text() == "# my experiment\ntrain:\n  steps: 2\n"
+    assert sorted(os.listdir(fresh)) == ["config.yaml"]
+    written = (run / "config.yaml").read_text()
+    assert written.startswith("# the resolved config of this megadare run")
+    (run / "config.yaml").write_text(written.split("\n", 1)[1])  # as a run of an older megadare wrote it
+    r = megadare(run, "train.steps=5")
+    assert r.returncode == 0, r.stderr
+    assert (run / "config.yaml").read_text().startswith("# the resolved config of this megadare run")

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from megadare.errors import RunStateError
+from megadare.trainer.monitor import foreign_run_config
 
 LOCK = "megadare.lock"
 
@@ -176,6 +177,7 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
                 held.append(d)
                 if note:
                     print(note, file=sys.stderr, flush=True)
+            outcome[0] = foreign_run_config(run_dir)
         except RunStateError as e:
             outcome[0] = str(e)
         finally:
