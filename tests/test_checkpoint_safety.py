@@ -572,3 +572,29 @@ def test_a_config_yaml_of_the_users_in_the_run_dir_is_not_replaced(run, tmp_path
     r = megadare(run, "train.steps=5")
     assert r.returncode == 0, r.stderr
     assert (run / "config.yaml").read_text().startswith("# the resolved config of this megadare run")
+
+
+def test_resume_with_other_lora_settings_is_refused_naming_them(run, tmp_path):
+    """A full fine-tuning run resumed with lora.rank=4 died in megatron's load with a KeyError listing every key
+    of the checkpoint, and said to move the checkpoint aside (every older one fails alike: moving them all aside
+    restarts the run from step 0); a LoRA run resumed with another lora.alpha rescaled its adapters without a
+    word. Both are now refused in one line naming the settings; the same settings resume."""
+    r = megadare(run, "train.steps=6", "lora.rank=4")
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"{run}/ckpt/iter_0000004 was trained with full fine-tuning (lora.rank=0), this config has LoRA " in line
+    # a checkpoint of an older megadare, without the settings in its train state: told by its keys
+    state_file = run / "ckpt" / "iter_0000004" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    del state["lora"]
+    state_file.write_text(json.dumps(state))
+    os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")
+    r = megadare(run, "train.steps=6", "lora.rank=4")
+    assert "was trained with full fine-tuning (lora.rank=0)" in one_error_line(r.stderr)
+    assert steps_logged(run) == [1, 2, 3, 4]
+    lora = tmp_path / "lora"
+    assert megadare(lora, "train.steps=2", "lora.rank=4").returncode == 0
+    r = megadare(lora, "train.steps=3", "lora.rank=4", "lora.alpha=8")
+    assert "this config has LoRA (lora.rank=4, lora.alpha=8.0," in one_error_line(r.stderr)
+    r = megadare(lora, "train.steps=3", "lora.rank=4")
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr

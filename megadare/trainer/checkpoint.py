@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadare.convert.ckpt_writers import writers_die_with_trainer
@@ -241,6 +242,7 @@ def _write_train_checkpoint(
             world_size=world,
             layout=_layout(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
+            **({"lora": trained.adapters()} if hasattr(trained, "adapters") else {}),
         )
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
             json.dump(train_state, f, indent=2, default=str)
@@ -491,6 +493,43 @@ def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
                 _say(f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d)}")
 
 
+def _saved_adapters(ckpt: str) -> Optional[dict]:
+    """The LoRA settings of a checkpoint's training ({"rank": ...}; None: full fine-tuning). A checkpoint of an
+    older megadare, without them in its train state: rank and alpha from its meta, else whether its keys hold
+    adapters ({} when they do, settings unknown)."""
+    state = read_json(os.path.join(ckpt, TRAIN_STATE))
+    if "lora" in state:
+        return state["lora"]
+    meta = read_json(os.path.join(ckpt, MEGADARE_META))
+    if meta.get("lora"):
+        return dict(meta["lora"])
+    keys = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    return {} if any(".lora_A" in k for k in keys) else None
+
+
+def _adapters_in_words(lo: Optional[dict]) -> str:
+    if lo is None:
+        return "full fine-tuning (lora.rank=0)"
+    said = [f"{k}={lo[k]}" for k in ("rank", "alpha", "targets") if k in lo]
+    return f"LoRA ({', '.join('lora.' + s for s in said) or 'settings not recorded'})"
+
+
+def check_same_adapters(ckpt: str, now: Optional[dict]) -> None:
+    """Refuse (RunStateError, one line) resuming ``ckpt`` with other LoRA settings than it was trained with:
+    adapters on or off, another rank or targets do not load (megatron named a missing key and told to move the
+    checkpoint aside, which the checkpoints before it would repeat), another alpha rescales the adapters."""
+    saved = _saved_adapters(ckpt)
+    same = saved == now or (saved == {} and now is not None)  # {}: adapters of unrecorded settings
+    if not same and saved is not None and now is not None:
+        same = all(saved.get(k, now[k]) == now[k] for k in now)  # an older meta records rank and alpha only
+    if not same:
+        raise RunStateError(
+            f"{ckpt} was trained with {_adapters_in_words(saved)}, this config has {_adapters_in_words(now)}: "
+            "resuming needs the same adapters; set the lora.* keys back, or start a new run (logging.run_dir / "
+            "checkpoint.save)"
+        )
+
+
 def _decided_on_rank0(make):
     """``make()`` on rank 0, the same object on every rank (one view of a shared filesystem)."""
     box = [make() if _rank() == 0 else None]
@@ -556,6 +595,8 @@ def resume_run(
             f"from {meta['algo']}'s optimiser state and replay; set algo.name={meta['algo']}, or start a new run "
             "(logging.run_dir / checkpoint.save, with checkpoint.load to start from its weights)"
         )
+    if hasattr(trained, "adapters"):
+        check_same_adapters(pick.path, trained.adapters())
     optimizer, scheduler = trained.optimizer, trained.scheduler
     state = load_train_checkpoint(pick.path, trained.model, optimizer, scheduler, src=src)
     changes = state.get("schedule_changes") or []

@@ -87,6 +87,12 @@ class Policy:
     ref_chunks: Optional[list] = None  # frozen reference (KL algorithms, DPO)
     value: Optional[ValueModel] = None  # TraceRL
     ref_adapters_off: bool = False  # LoRA: the reference is ``model`` with its adapters off
+    lora: Optional[LoRA] = None  # the adapters trained (None: full fine-tuning); saved, checked on resume
+
+    def adapters(self) -> Optional[dict]:
+        """The LoRA settings a checkpoint records (``checkpoint.resume_run`` compares them), None without LoRA."""
+        lo = self.lora
+        return {"rank": lo.rank, "alpha": lo.alpha, "targets": sorted(lo.targets)} if lo is not None else None
 
     def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
         """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
@@ -147,7 +153,7 @@ def build_policy(
         apply_lora(chunks, lora.rank, lora.alpha, targets=lora.targets)
     model = wrap_ddp(chunks, cfg.optim.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
-    policy = Policy(model, optimizer, scheduler, ref_adapters_off=reference and lora is not None)
+    policy = Policy(model, optimizer, scheduler, ref_adapters_off=reference and lora is not None, lora=lora)
     if reference and not policy.ref_adapters_off:
         policy.ref_chunks = frozen_chunks(cfg, src)
     if value is not None:
