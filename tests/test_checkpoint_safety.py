@@ -22,6 +22,8 @@ import time
 import psutil
 import pytest
 
+from megadare.errors import RunStateError
+
 LOCK_FILE = "megadare.lock"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")
@@ -392,7 +394,7 @@ def test_a_lock_that_cannot_be_written_leaves_no_empty_lock(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(run_lock.json, "dump", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(RunStateError, match="cannot take the run lock: No space left on device;"):
         run_lock.acquire(str(tmp_path))
     monkeypatch.setattr(run_lock.json, "dump", real_dump)
     assert os.listdir(tmp_path) == []
@@ -598,3 +600,15 @@ def test_resume_with_other_lora_settings_is_refused_naming_them(run, tmp_path):
     assert "this config has LoRA (lora.rank=4, lora.alpha=8.0," in one_error_line(r.stderr)
     r = megadare(lora, "train.steps=3", "lora.rank=4")
     assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr
+
+
+def test_a_save_directory_that_cannot_be_written_is_refused_before_training(run, tmp_path):
+    """checkpoint.save on a read-only filesystem (or under a file, as here, or without permission): the run lock's
+    write raised an OSError traceback. Now one line naming the directory, before any step is trained."""
+    (tmp_path / "a_file").write_text("mine")
+    r = megadare(run, "train.steps=6", f"checkpoint.save={tmp_path}/a_file/ckpt")
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"{tmp_path}/a_file/ckpt/megadare.lock: cannot take the run lock: Not a directory" in line, line
+    assert (tmp_path / "a_file").read_text() == "mine" and not (run / LOCK_FILE).exists()
+    assert steps_logged(run) == [1, 2, 3, 4]
