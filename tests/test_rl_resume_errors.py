@@ -37,3 +37,51 @@ def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
     )
     with pytest.raises(RunStateError, match=f"{ckpt} has no weight snapshots for this rank"):
         _resume(run)
+
+
+# megadare rl with the second checkpoint write of a step (policy or value model) killing the process (SIGKILL)
+KILL_AT_SECOND_SAVE = r"""
+import os, signal, sys
+from megadare.trainer import policy
+real, calls = policy.save_train_checkpoint, []
+def save(*a, **k):
+    calls.append(a[0])
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+policy.save_train_checkpoint = save
+from megadare.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_kill_between_the_two_saves_of_the_first_checkpoint_leaves_a_run_that_goes_on(tmp_path):
+    """TraceRL saved the policy, then the value model: a SIGKILL between the two saves of a run's first checkpoint
+    left a policy checkpoint without its value model, and every rerun stopped with 'no intact checkpoint ...
+    move them aside to start the run over'. The value model is now saved first and the policy's rename commits
+    the step: the rerun sets the lone value checkpoint aside and trains from the start."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "rl"
+    argv = [
+        "rl",
+        "--config",
+        os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"),
+        f"logging.run_dir={run}",
+        "rl.steps=1",
+        "rl.eval_size=4",
+        "rl.eval_interval=0",
+        "rl.prompts_per_step=2",
+        "rl.n_samples=2",
+        "train.micro_batch_size=2",
+        "logging.tensorboard=false",
+        "algo.params={value_model: true, value_lr: 1e-3}",
+    ]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_SECOND_SAVE, *argv], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    rerun = subprocess.run([sys.executable, "-m", "megadare", *argv], capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "iter_0000001 is newer than the step resumed (0); moved it aside" in rerun.stderr, rerun.stderr
+    assert os.path.isdir(run / "ckpt" / "iter_0000001") and os.path.isdir(run / "ckpt_value" / "iter_0000001")

@@ -96,11 +96,13 @@ class Policy:
 
     def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
         """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
-        (``checkpoint.save_train_checkpoint``), then the value model's of the same step."""
+        (``checkpoint.save_train_checkpoint``), after the value model's of the same step: the policy's rename
+        commits the step (a kill between the two leaves a value checkpoint newer than the policy's, which resume
+        sets aside; the other order left a first checkpoint without its value model, and no run could go on)."""
         if self.value is None:
             return save_train_checkpoint(root, step, self, state, about, keep_last)
-        path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
         self.value.save(root, step, about.meta, keep_last=0)
+        path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
         for r in (root, self.value.root_of(root)):  # once both of this step are in place: a kill between the
             prune_checkpoints(r, keep_last, step)  # two saves must leave an older step that has both
         return path
