@@ -149,8 +149,24 @@ def _quiet_ray_token_notice() -> None:
         log.addFilter(_DropRayTokenNotice())
 
 
+def init_ray(num_engines: int) -> None:
+    """Join the Ray cluster of ``RAY_ADDRESS`` (the Slurm launcher's), else start a private local one. Not
+    ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
+    the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback."""
+    import ray  # heavy: Ray
+
+    _quiet_ray_token_notice()
+    joined = os.environ.get("RAY_ADDRESS")
+    ray.init(
+        address=joined or "local",
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=None if joined else max(2, num_engines + 1),
+    )
+
+
 def start_engines(cfg, src, tok):
-    """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
+    """Rank 0: Ray (``init_ray``) and the engine actors with the model."""
     import ray  # heavy: Ray
 
     from megadare.rollout.manager import (
@@ -160,13 +176,7 @@ def start_engines(cfg, src, tok):
 
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():
-        _quiet_ray_token_notice()
-        ray.init(
-            address=os.environ.get("RAY_ADDRESS") or None,
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1),
-        )
+        init_ray(cfg.rollout.num_engines)
     return RolloutManager(
         spec,
         num_engines=cfg.rollout.num_engines,
