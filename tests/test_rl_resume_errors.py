@@ -85,3 +85,30 @@ def test_a_kill_between_the_two_saves_of_the_first_checkpoint_leaves_a_run_that_
     assert rerun.returncode == 0, rerun.stderr
     assert "iter_0000001 is newer than the step resumed (0); moved it aside" in rerun.stderr, rerun.stderr
     assert os.path.isdir(run / "ckpt" / "iter_0000001") and os.path.isdir(run / "ckpt_value" / "iter_0000001")
+
+
+def test_resume_with_the_value_model_turned_on_or_off_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """TraceRL checkpoints trained without a value model resumed with algo.params.value_model=true: every
+    checkpoint was passed over as damaged (its value model missing) and the run stopped with 'no intact
+    checkpoint ... move them aside to start the run over' (doing so restarts from step 0); the reverse dropped
+    the value model's training without a word. Both are now refused in one line naming the key."""
+    import json
+
+    from megadare.convert.manifest import write_manifest
+    from megadare.trainer import checkpoint
+    from megadare.trainer.policy import Policy, ValueModel
+
+    monkeypatch.setattr(checkpoint, "load_train_checkpoint", lambda *a, **k: {"step": 2})
+    root = tmp_path / "ckpt"
+    d = root / "iter_0000002"
+    d.mkdir(parents=True)
+    (d / "train_state.json").write_text(json.dumps({"step": 2}))
+    (d / "megadare.json").write_text(json.dumps({"written_by": "megadare rl", "algo": "tracerl"}))
+    write_manifest(str(d))
+    with_value = Policy([], None, None, value=ValueModel([], None, None))
+    with pytest.raises(RunStateError, match=r"trained with no value model .* this config trains one \(algo.params"):
+        with_value.resume(str(root), None, "megadare rl", None, algo="tracerl")
+    value = tmp_path / "ckpt_value" / "iter_0000002"
+    value.mkdir(parents=True)
+    with pytest.raises(RunStateError, match=r"trained with one value model .*algo.params.value_model=false"):
+        Policy([], None, None).resume(str(root), None, "megadare rl", None, algo="tracerl")

@@ -21,6 +21,8 @@ from typing import Any, Optional
 from megadare.algos.algorithm import ValueModelSettings
 from megadare.algos.value_model import attach_value_head
 from megadare.config import Config
+from megadare.convert.mcore_ckpt import iteration_dirs
+from megadare.errors import RunStateError
 from megadare.models.lora import apply_lora, merged_weights
 from megadare.trainer import rl_update
 from megadare.trainer.checkpoint import (
@@ -117,10 +119,26 @@ class Policy:
     ) -> dict[str, Any]:
         """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
         and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
+        self._check_same_value_model(root)
         state = resume_run(root, self, src, written_by, source=source, algo=algo)
         if state and self.value is not None:
             self.value.load(root, int(state["step"]))
         return state
+
+    def _check_same_value_model(self, root: str) -> None:
+        """Refuse (one line) resuming checkpoints trained with a value model without one, or the reverse: the run
+        would stop saying every checkpoint is damaged (its value model missing), or drop the value model's
+        training without a word."""
+        value_root = ValueModel.root_of(root)
+        if not iteration_dirs(root) or bool(iteration_dirs(value_root)) == (self.value is not None):
+            return
+        had, has = ("no", "one") if self.value is not None else ("one", "none")
+        raise RunStateError(
+            f"the checkpoints under {root} were trained with {had} value model ({value_root} holds "
+            f"{'none' if had == 'no' else 'its checkpoints'}), this config trains {has} (algo.params.value_model="
+            f"{str(self.value is not None).lower()}): set it back, or start a new run (logging.run_dir / "
+            "checkpoint.save, with checkpoint.load to start from its weights)"
+        )
 
     def prepare(self, su, groups, objective, correction, out: dict) -> tuple[list[list], int]:
         """An RL step's micro-batches with their old / reference / value / behaviour passes
