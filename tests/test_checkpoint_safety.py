@@ -546,13 +546,13 @@ def test_a_value_checkpoint_of_rolled_back_steps_is_moved_aside(tmp_path, monkey
 
     state = checkpoint.resume_run(str(policy), Trained(), None, "megadare rl")
     assert state["step"] == 6
-    assert sorted(os.listdir(value)) == ["iter_0000006", "iter_0000008.damaged"]
+    assert sorted(os.listdir(value)) == ["iter_0000006", "iter_0000008.rolled-back"]
     checkpoint.prune_checkpoints(str(value), 2, 7)  # the step-7 save's rotation keeps both real ones
     assert (value / "iter_0000006").is_dir()
     # a fresh start (no policy checkpoint) sets aside every value checkpoint it finds
     shutil.rmtree(policy)
     assert checkpoint.resume_run(str(policy), Trained(), None, "megadare rl") == {}
-    assert sorted(os.listdir(value)) == ["iter_0000006.damaged", "iter_0000008.damaged"]
+    assert sorted(os.listdir(value)) == ["iter_0000006.rolled-back", "iter_0000008.rolled-back"]
 
 
 def test_a_config_yaml_of_the_users_in_the_run_dir_is_not_replaced(run, tmp_path):

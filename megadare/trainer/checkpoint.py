@@ -470,16 +470,16 @@ def _say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _move_aside(damaged: str) -> str:
-    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.damaged[-N]`` (kept, never deleted):
+def _move_aside(damaged: str, why: str = "damaged") -> str:
+    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.<why>[-N]`` (kept, never deleted):
     under its ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it,
     and a later resume could mix its steps with the retrained ones."""
     for n in range(1, 1000):
-        aside = f"{damaged}.damaged" + (f"-{n}" if n > 1 else "")
+        aside = f"{damaged}.{why}" + (f"-{n}" if n > 1 else "")
         if not os.path.lexists(aside):
             os.rename(damaged, aside)
             return aside
-    raise MegatronCheckpointError(f"{damaged}: too many .damaged copies beside it; remove some")
+    raise MegatronCheckpointError(f"{damaged}: too many .{why} copies beside it; remove some")
 
 
 def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
@@ -490,7 +490,9 @@ def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
     for c in companions:
         for d in iteration_dirs(c):
             if int(os.path.basename(d)[5:]) > step:
-                _say(f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d)}")
+                _say(
+                    f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d, 'rolled-back')}"
+                )
 
 
 def _saved_adapters(ckpt: str) -> Optional[dict]:
