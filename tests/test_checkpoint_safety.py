@@ -612,3 +612,30 @@ def test_a_save_directory_that_cannot_be_written_is_refused_before_training(run,
     assert f"{tmp_path}/a_file/ckpt/megadare.lock: cannot take the run lock: Not a directory" in line, line
     assert (tmp_path / "a_file").read_text() == "mine" and not (run / LOCK_FILE).exists()
     assert steps_logged(run) == [1, 2, 3, 4]
+
+
+def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Rotation deleted an old iter_* in place: a kill midway (here right after its manifest went)
+    left a checkpoint under its iter_* name that, without a manifest, passed the older-checkpoint check (shards
+    against .metadata) and would resume without its random states. It is now renamed out of the iter_* names
+    before the delete; a rerun's rotation removes what a killed one left."""
+    from megadare.trainer import checkpoint
+
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path / f"iter_{step:07d}", step)
+    real = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        if os.path.exists(os.path.join(path, "manifest.json")):
+            os.remove(os.path.join(path, "manifest.json"))
+            raise KeyboardInterrupt  # the kill
+        return real(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune_checkpoints(str(tmp_path), 2, 6)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002.pruning", "iter_0000004", "iter_0000006"]
+    _fake_checkpoint(tmp_path / "iter_0000008", 8)
+    checkpoint.prune_checkpoints(str(tmp_path), 2, 8)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000006", "iter_0000008"]

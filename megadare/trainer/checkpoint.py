@@ -300,10 +300,21 @@ def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
     """Remove all but the newest ``keep_last`` ``iter_*`` under ``root`` (never ``current``; 0 keeps all); rank 0."""
     if keep_last <= 0 or _rank() != 0:
         return
-    its = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit())
+    names = os.listdir(root)
+    for d in names:  # what a killed rotation left
+        if d.startswith("iter_") and d.endswith(".pruning"):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    its = sorted(
+        int(d[5:]) for d in names if d.startswith("iter_") and d[5:].isdigit() and d == f"iter_{int(d[5:]):07d}"
+    )
     for it in its[:-keep_last]:
-        if it != current:
-            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+        if it != current:  # renamed out of the iter_* names first: a kill mid-delete leaves no half checkpoint
+            doomed = iteration_dir(root, it) + ".pruning"  # that resume could take (its manifest gone first)
+            try:
+                os.rename(iteration_dir(root, it), doomed)
+            except OSError:  # as a failed delete: kept, and tried again at the next save
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_checkpoint_object(path: str, name: str, per_rank: bool = False) -> Any:
