@@ -105,9 +105,22 @@ def default_workdir(family: str, algo: str) -> str:
     return "runs/demo" if (family, algo) == ("sdar", "tracerl") else f"runs/demo_{family}_{algo}"
 
 
+DEMO_OUTPUTS = ("sft", "rl", "reward_curve.png")  # what a demo writes into its work directory
+
+
 def check_workdir(demo: DemoRun) -> None:
-    """Refuse a work directory whose runs are another family's or algorithm's demo: resuming them would report
-    that demo's accuracy under this one's name."""
+    """Refuse a work directory holding anything a demo does not write (the demo writes sft/, rl/ and the PNG into
+    it, replacing a reward_curve.png), or whose runs are another family's or algorithm's demo: resuming them would
+    report that demo's accuracy under this one's name."""
+    wd = demo.workdir
+    if os.path.lexists(wd) and not os.path.isdir(wd):
+        raise RunStateError(f"--workdir {wd} is a file; pass --workdir NEW_DIR")
+    foreign = sorted(set(os.listdir(wd)) - set(DEMO_OUTPUTS)) if os.path.isdir(wd) else []
+    if foreign:
+        raise RunStateError(
+            f"{wd} holds {os.path.join(wd, foreign[0])}, which no demo writes: the demo writes "
+            f"{', '.join(DEMO_OUTPUTS)} there; pass --workdir NEW_DIR (a new or empty directory)"
+        )
     for stage in ("sft", "rl"):
         path = os.path.join(demo.workdir, stage, "config.yaml")
         if not os.path.exists(path):

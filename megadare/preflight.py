@@ -43,6 +43,7 @@ from megadare.rollout.sglang_engine import _import_sglang
 from megadare.trainer.checkpoint import check_same_model
 from megadare.trainer.model_setup import tokenizer_for
 from megadare.trainer.rl_setup import check_golds, prompt_budget
+from megadare.trainer.monitor import foreign_run_config
 from megadare.trainer.run_lock import holder_alive, lock_dirs
 from megadare.trainer.dpo_loop import preference_record_keys
 from megadare.trainer.sft_loop import checkpoint_root, sft_record_keys
@@ -211,6 +212,9 @@ def check_run_dir(command: str, cfg: Config) -> None:
         held = holder_alive(d)
         if held:
             raise RunStateError(held)
+    foreign = foreign_run_config(cfg.logging.run_dir)
+    if foreign:
+        raise RunStateError(foreign)
     pick = newest_intact(root, required=("train_state.json",))
     for d, problem in pick.skipped:
         _note(f"a start would pass over {d}: {problem}")

@@ -22,6 +22,8 @@ import time
 import psutil
 import pytest
 
+from megadare.errors import RunStateError
+
 LOCK_FILE = "megadare.lock"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")
@@ -392,7 +394,7 @@ def test_a_lock_that_cannot_be_written_leaves_no_empty_lock(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(run_lock.json, "dump", full_disk)
-    with pytest.raises(OSError):
+    with pytest.raises(RunStateError, match="cannot take the run lock: No space left on device;"):
         run_lock.acquire(str(tmp_path))
     monkeypatch.setattr(run_lock.json, "dump", real_dump)
     assert os.listdir(tmp_path) == []
@@ -511,3 +513,129 @@ def test_a_tracker_that_cannot_be_written_is_one_line_naming_the_saved_checkpoin
     line = str(e.value)
     assert line.startswith(f"{tmp_path}/{checkpoint.TRACKER}: writing the tracker failed: Is a directory"), line
     assert f"{tmp_path}/iter_0000006 is saved and intact" in line and "\n" not in line
+
+
+def _fake_checkpoint(d, step: int) -> None:
+    """An intact-looking checkpoint directory (train state, meta, manifest), no tensors."""
+    from megadare.convert.manifest import write_manifest
+
+    d.mkdir(parents=True)
+    (d / "train_state.json").write_text(json.dumps({"step": step}))
+    (d / "megadare.json").write_text(json.dumps({"written_by": "megadare rl"}))
+    write_manifest(str(d))
+
+
+def test_a_value_checkpoint_of_rolled_back_steps_is_moved_aside(tmp_path, monkeypatch):
+    """The policy's iter_8 was damaged (or moved aside, as the load error says to): the run resumed from step 6
+    and left the value model's iter_8 in place. Rotation then counted it among the newest and deleted the value
+    model's iter_6, and a kill between the policy's and the value model's saves of step 8 paired the new policy
+    with the old timeline's value model. It is now moved aside when the run resumes before it."""
+    from megadare.trainer import checkpoint
+
+    policy, value = tmp_path / "ckpt", tmp_path / "ckpt_value"
+    for step in (6, 8):
+        _fake_checkpoint(value / f"iter_{step:07d}", step)
+    _fake_checkpoint(policy / "iter_0000006", 6)
+    monkeypatch.setattr(checkpoint, "load_train_checkpoint", lambda *a, **k: {"step": 6})
+
+    class Trained:
+        model, optimizer, scheduler = [], None, None
+
+        def companion_roots(self, root):
+            return (str(value),)
+
+    state = checkpoint.resume_run(str(policy), Trained(), None, "megadare rl")
+    assert state["step"] == 6
+    assert sorted(os.listdir(value)) == ["iter_0000006", "iter_0000008.rolled-back"]
+    checkpoint.prune_checkpoints(str(value), 2, 7)  # the step-7 save's rotation keeps both real ones
+    assert (value / "iter_0000006").is_dir()
+    # a fresh start (no policy checkpoint) sets aside every value checkpoint it finds
+    shutil.rmtree(policy)
+    assert checkpoint.resume_run(str(policy), Trained(), None, "megadare rl") == {}
+    assert sorted(os.listdir(value)) == ["iter_0000006.rolled-back", "iter_0000008.rolled-back"]
+
+
+def test_a_config_yaml_of_the_users_in_the_run_dir_is_not_replaced(run, tmp_path):
+    """logging.run_dir holding the user's own config.yaml (the experiment's config kept beside its run): the run
+    replaced it with its resolved config, comments and all gone. It is now refused in one line before training;
+    a config.yaml a run wrote (with or without the header older runs lacked) is rewritten as before."""
+    fresh = tmp_path / "mine"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text("# my experiment\ntrain:\n  steps: 2\n")
+    r = megadare(fresh, "train.steps=2")
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"{fresh}/config.yaml was not written by a megadare run;" in line, line
+    assert (fresh / "config.yaml").read_text() == "# my experiment\ntrain:\n  steps: 2\n"
+    assert sorted(os.listdir(fresh)) == ["config.yaml"]
+    written = (run / "config.yaml").read_text()
+    assert written.startswith("# the resolved config of this megadare run")
+    (run / "config.yaml").write_text(written.split("\n", 1)[1])  # as a run of an older megadare wrote it
+    r = megadare(run, "train.steps=5")
+    assert r.returncode == 0, r.stderr
+    assert (run / "config.yaml").read_text().startswith("# the resolved config of this megadare run")
+
+
+def test_resume_with_other_lora_settings_is_refused_naming_them(run, tmp_path):
+    """A full fine-tuning run resumed with lora.rank=4 died in megatron's load with a KeyError listing every key
+    of the checkpoint, and said to move the checkpoint aside (every older one fails alike: moving them all aside
+    restarts the run from step 0); a LoRA run resumed with another lora.alpha rescaled its adapters without a
+    word. Both are now refused in one line naming the settings; the same settings resume."""
+    r = megadare(run, "train.steps=6", "lora.rank=4")
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"{run}/ckpt/iter_0000004 was trained with full fine-tuning (lora.rank=0), this config has LoRA " in line
+    # a checkpoint of an older megadare, without the settings in its train state: told by its keys
+    state_file = run / "ckpt" / "iter_0000004" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    del state["lora"]
+    state_file.write_text(json.dumps(state))
+    os.remove(run / "ckpt" / "iter_0000004" / "manifest.json")
+    r = megadare(run, "train.steps=6", "lora.rank=4")
+    assert "was trained with full fine-tuning (lora.rank=0)" in one_error_line(r.stderr)
+    assert steps_logged(run) == [1, 2, 3, 4]
+    lora = tmp_path / "lora"
+    assert megadare(lora, "train.steps=2", "lora.rank=4").returncode == 0
+    r = megadare(lora, "train.steps=3", "lora.rank=4", "lora.alpha=8")
+    assert "this config has LoRA (lora.rank=4, lora.alpha=8.0," in one_error_line(r.stderr)
+    r = megadare(lora, "train.steps=3", "lora.rank=4")
+    assert r.returncode == 0 and "resumed from" in r.stderr, r.stderr
+
+
+def test_a_save_directory_that_cannot_be_written_is_refused_before_training(run, tmp_path):
+    """checkpoint.save on a read-only filesystem (or under a file, as here, or without permission): the run lock's
+    write raised an OSError traceback. Now one line naming the directory, before any step is trained."""
+    (tmp_path / "a_file").write_text("mine")
+    r = megadare(run, "train.steps=6", f"checkpoint.save={tmp_path}/a_file/ckpt")
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r.stderr)
+    assert f"{tmp_path}/a_file/ckpt/megadare.lock: cannot take the run lock: Not a directory" in line, line
+    assert (tmp_path / "a_file").read_text() == "mine" and not (run / LOCK_FILE).exists()
+    assert steps_logged(run) == [1, 2, 3, 4]
+
+
+def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Rotation deleted an old iter_* in place: a kill midway (here right after its manifest went)
+    left a checkpoint under its iter_* name that, without a manifest, passed the older-checkpoint check (shards
+    against .metadata) and would resume without its random states. It is now renamed out of the iter_* names
+    before the delete; a rerun's rotation removes what a killed one left."""
+    from megadare.trainer import checkpoint
+
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path / f"iter_{step:07d}", step)
+    real = shutil.rmtree
+
+    def killed_midway(path, ignore_errors=False):
+        if os.path.exists(os.path.join(path, "manifest.json")):
+            os.remove(os.path.join(path, "manifest.json"))
+            raise KeyboardInterrupt  # the kill
+        return real(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune_checkpoints(str(tmp_path), 2, 6)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002.pruning", "iter_0000004", "iter_0000006"]
+    _fake_checkpoint(tmp_path / "iter_0000008", 8)
+    checkpoint.prune_checkpoints(str(tmp_path), 2, 8)
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000006", "iter_0000008"]

@@ -53,3 +53,21 @@ def test_a_short_sft_warms_up_for_its_own_length_at_most(tmp_path):
     assert (sft.train.steps, sft.optim.warmup_steps) == (3, 3)
     sft, _ = DemoRun(str(tmp_path / "demo"), sft_steps=50).configs()
     assert (sft.train.steps, sft.optim.warmup_steps) == (50, 10)
+
+
+def test_a_workdir_holding_files_no_demo_writes_is_refused(tmp_path):
+    """--workdir pointed at a directory of the user's (a project, the home directory): the demo wrote sft/, rl/
+    and reward_curve.png into it among the user's files, replacing a reward_curve.png of theirs. Now refused in
+    one line before any training; a new, empty or previous demo's directory is used as before."""
+    wd = tmp_path / "project"
+    wd.mkdir()
+    (wd / "notes.txt").write_text("mine")
+    (wd / "reward_curve.png").write_bytes(b"my plot")
+    with pytest.raises(RunStateError, match=f"{wd} holds {wd}/notes.txt, which no demo writes"):
+        check_workdir(DemoRun(str(wd)))
+    (tmp_path / "a_file").write_text("mine")
+    with pytest.raises(RunStateError, match="is a file"):
+        check_workdir(DemoRun(str(tmp_path / "a_file")))
+    check_workdir(DemoRun(str(tmp_path / "new")))
+    (tmp_path / "empty").mkdir()
+    check_workdir(DemoRun(str(tmp_path / "empty")))

@@ -15,7 +15,7 @@ import pytest
 from ray_fixture import ray_cluster  # noqa: F401  (module-scoped local Ray cluster)
 
 from megadare.config import load_config
-from megadare.errors import ConfigError
+from megadare.errors import ConfigError, OutputError
 from megadare.data.sft_data import DataError
 from megadare.data.tokenizer import ByteTokenizer
 from megadare.eval import TASKS, maj_at_k, pass_at_k, task_metrics
@@ -292,6 +292,30 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert main(["eval", "--tasks", "mbpp", *base, f"eval.data_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "mbpp.jsonl or" in err and "eval.paths.mbpp" in err and "Traceback" not in err
+
+
+def test_eval_refuses_to_replace_files_it_did_not_write(tmp_path, capsys):
+    """eval.output_dir pointed at a directory holding the user's own summary.json: eval replaced it without a word.
+    It now refuses before any engine starts, naming the file; a directory it wrote before is its own to replace."""
+    from megadare.cli import main
+    from megadare.eval.files import claim_output_dir
+
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "summary.json").write_text('{"mine": 1}')
+    base = ["model.family=sdar", "model.tiny=true", f"logging.run_dir={tmp_path}", f"eval.data_dir={FIXTURES}"]
+    assert main(["eval", "--tasks", "gsm8k", *base, "eval.limit=1", f"eval.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert f"eval.output_dir={out} holds {out}/summary.json, which megadare eval did not write" in err, err
+    assert "Traceback" not in err and (out / "summary.json").read_text() == '{"mine": 1}'
+    assert sorted(os.listdir(out)) == ["summary.json"]
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(OutputError, match="is a file; choose a directory"):
+        claim_output_dir(str(tmp_path / "a_file"), ["summary.json"])
+    ours = tmp_path / "ours"
+    claim_output_dir(str(ours), ["summary.json"])
+    (ours / "summary.json").write_text("{}")
+    claim_output_dir(str(ours), ["summary.json"])  # a rerun replaces its own outputs
 
 
 def test_atomic_jsonl_leaves_no_temp_files(tmp_path):

@@ -154,3 +154,23 @@ def test_a_previous_export_that_now_holds_a_run_is_not_replaced(sources, tmp_pat
     assert f"holds {out / 'notes.md'}" in refused(capsys, to_hf)
     os.remove(out / "notes.md")
     assert main(to_hf) == 0  # the export alone: replaced
+
+
+def test_the_fp8_engines_model_of_another_source_is_exported_again(tmp_path):
+    """rollout.fp8_weights: <run_dir>/engine_fp8 was reused whenever it held a config.json, so a run directory an
+    earlier run with another model.hf_path left behind had the engines serve that other model. The export is now
+    made again when its mark names another source, and reused when it names this one."""
+    import json
+
+    from megadare.rollout.setup import fp8_engine_model
+
+    a = write_tiny_hf(tmp_path, "sdar", seed=3, block_size=4)
+    b = write_tiny_hf(tmp_path / "b", "sdar", seed=4, block_size=4)
+    run = tmp_path / "run"
+    path = fp8_engine_model(str(run), a)
+    mark = os.path.join(path, ".megadare-export.json")
+    assert json.load(open(mark))["sources"] == [os.path.abspath(a)]
+    first = tree(path)
+    assert fp8_engine_model(str(run), a) == path and tree(path) == first  # the same source: reused
+    fp8_engine_model(str(run), b)
+    assert json.load(open(mark))["sources"] == [os.path.abspath(b)] and tree(path) != first

@@ -196,6 +196,9 @@ def test_a_run_directory_in_use_is_refused(tmp_path, data, capsys):
     finally:
         holder.kill()
         holder.wait()
+    (run / "megadare.lock").unlink()
+    (run / "config.yaml").write_text("rl:\n  n_samples: 4\n")  # the user's own, not a run's resolved config
+    assert f"{run}/config.yaml was not written by a megadare run" in refused(capsys, *rl(tmp_path, data))
 
 
 def test_rl_prompts_over_the_budget_follow_data_overlong_when_loaded(tmp_path, capsys):

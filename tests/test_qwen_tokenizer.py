@@ -80,6 +80,13 @@ def test_the_publishers_vocab_and_merges_byte_for_byte(dream_dir, capsys):
     assert "tokenizer.json" not in os.listdir(dream_dir)  # as Dream-v0-Instruct-7B: vocab.json + merges.txt
     assert main(["data", "tokenizer", dream_dir, "--family", "dream"]) == 2  # never replaces files
     assert "already holds vocab.json, merges.txt, tokenizer_config.json" in capsys.readouterr().err
+    mine = os.path.join(os.path.dirname(dream_dir), "a_file")
+    with open(mine, "w") as f:
+        f.write("mine")
+    assert main(["data", "tokenizer", mine]) == 2  # a file: one line (was a FileExistsError traceback), untouched
+    err = capsys.readouterr().err
+    assert f"{mine}: is a file, not a directory" in err and "Traceback" not in err
+    assert open(mine).read() == "mine"
 
 
 def test_published_ids(sdar):

@@ -37,3 +37,78 @@ def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
     )
     with pytest.raises(RunStateError, match=f"{ckpt} has no weight snapshots for this rank"):
         _resume(run)
+
+
+# megadare rl with the second checkpoint write of a step (policy or value model) killing the process (SIGKILL)
+KILL_AT_SECOND_SAVE = r"""
+import os, signal, sys
+from megadare.trainer import policy
+real, calls = policy.save_train_checkpoint, []
+def save(*a, **k):
+    calls.append(a[0])
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+policy.save_train_checkpoint = save
+from megadare.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_kill_between_the_two_saves_of_the_first_checkpoint_leaves_a_run_that_goes_on(tmp_path):
+    """TraceRL saved the policy, then the value model: a SIGKILL between the two saves of a run's first checkpoint
+    left a policy checkpoint without its value model, and every rerun stopped with 'no intact checkpoint ...
+    move them aside to start the run over'. The value model is now saved first and the policy's rename commits
+    the step: the rerun sets the lone value checkpoint aside and trains from the start."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "rl"
+    argv = [
+        "rl",
+        "--config",
+        os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"),
+        f"logging.run_dir={run}",
+        "rl.steps=1",
+        "rl.eval_size=4",
+        "rl.eval_interval=0",
+        "rl.prompts_per_step=2",
+        "rl.n_samples=2",
+        "train.micro_batch_size=2",
+        "logging.tensorboard=false",
+        "algo.params={value_model: true, value_lr: 1e-3}",
+    ]
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_SECOND_SAVE, *argv], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    rerun = subprocess.run([sys.executable, "-m", "megadare", *argv], capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "iter_0000001 is newer than the step resumed (0); moved it aside" in rerun.stderr, rerun.stderr
+    assert os.path.isdir(run / "ckpt" / "iter_0000001") and os.path.isdir(run / "ckpt_value" / "iter_0000001")
+
+
+def test_resume_with_the_value_model_turned_on_or_off_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """TraceRL checkpoints trained without a value model resumed with algo.params.value_model=true: every
+    checkpoint was passed over as damaged (its value model missing) and the run stopped with 'no intact
+    checkpoint ... move them aside to start the run over' (doing so restarts from step 0); the reverse dropped
+    the value model's training without a word. Both are now refused in one line naming the key."""
+    import json
+
+    from megadare.convert.manifest import write_manifest
+    from megadare.trainer import checkpoint
+    from megadare.trainer.policy import Policy, ValueModel
+
+    monkeypatch.setattr(checkpoint, "load_train_checkpoint", lambda *a, **k: {"step": 2})
+    root = tmp_path / "ckpt"
+    d = root / "iter_0000002"
+    d.mkdir(parents=True)
+    (d / "train_state.json").write_text(json.dumps({"step": 2}))
+    (d / "megadare.json").write_text(json.dumps({"written_by": "megadare rl", "algo": "tracerl"}))
+    write_manifest(str(d))
+    with_value = Policy([], None, None, value=ValueModel([], None, None))
+    with pytest.raises(RunStateError, match=r"trained with no value model .* this config trains one \(algo.params"):
+        with_value.resume(str(root), None, "megadare rl", None, algo="tracerl")
+    value = tmp_path / "ckpt_value" / "iter_0000002"
+    value.mkdir(parents=True)
+    with pytest.raises(RunStateError, match=r"trained with one value model .*algo.params.value_model=false"):
+        Policy([], None, None).resume(str(root), None, "megadare rl", None, algo="tracerl")

@@ -291,6 +291,8 @@ def write_qwen_tokenizer(out: str, family: str = "sdar", ranks_path: Optional[st
         raise DataError(f"no Qwen tokenizer layout for family {family!r}; one of {', '.join(FAMILIES)}")
     configs = _config_files(family)
     names = ["vocab.json", "merges.txt"] + ["tokenizer.json"] * FAMILIES[family]["tokenizer_json"] + list(configs)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise DataError(f"{out}: is a file, not a directory; write the tokenizer into a new directory")
     present = [n for n in names if os.path.exists(os.path.join(out, n))]
     if present:
         raise DataError(f"{out}: already holds {', '.join(present)}; not replacing them (write into a new directory)")

@@ -13,11 +13,18 @@ import os
 import tempfile
 from typing import Any, Iterable
 
-from megadare.errors import ConfigError
+from megadare.errors import ConfigError, OutputError
 from megadare.data.files import DataError
 from megadare.data.files import load_rows as load_file_rows
 
-__all__ = ["task_file", "load_rows", "write_text_atomic", "write_jsonl_atomic", "write_json_atomic"]
+__all__ = [
+    "task_file",
+    "load_rows",
+    "write_text_atomic",
+    "write_jsonl_atomic",
+    "write_json_atomic",
+    "claim_output_dir",
+]
 
 EXTENSIONS = (".jsonl", ".parquet")
 
@@ -84,3 +91,33 @@ def write_jsonl_atomic(path: str, rows: Iterable[dict[str, Any]]) -> None:
 def write_json_atomic(path: str, obj: Any) -> None:
     """Indented JSON, atomically."""
     write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+EVAL_MARK = ".megadare-eval.json"  # an output directory megadare eval wrote into
+
+
+def _written_by_eval(path: str) -> bool:
+    """``path`` holds the mark, or (an eval of an older megadare) a summary.json of megadare eval's keys."""
+    if os.path.isfile(os.path.join(path, EVAL_MARK)):
+        return True
+    try:
+        with open(os.path.join(path, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"model", "n_samples", "sampling", "tasks"} <= set(summary)
+
+
+def claim_output_dir(out_dir: str, names: list[str], key: str = "eval.output_dir") -> None:
+    """Refuse (OutputError, one line) an output directory where ``names`` would replace files that no megadare
+    eval wrote (a file of the user's that happens to be called summary.json), or that is a file; otherwise create
+    it and put the mark in, so a rerun may replace its own outputs."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise OutputError(f"{key}={out_dir} is a file; choose a directory")
+    taken = [n for n in names if os.path.lexists(os.path.join(out_dir, n))]
+    if taken and not _written_by_eval(out_dir):
+        raise OutputError(
+            f"{key}={out_dir} holds {os.path.join(out_dir, taken[0])}, which megadare eval did not write (no "
+            f"{EVAL_MARK}); the outputs would replace it: choose a new directory, or move it out"
+        )
+    write_json_atomic(os.path.join(out_dir, EVAL_MARK), {"written_by": "megadare eval"})

@@ -32,7 +32,14 @@ from megadare.config import Config
 from megadare.data.fields import is_verl_row
 from megadare.data.prompt_data import PromptRules, build_prompts
 from megadare.errors import ConfigError
-from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic, write_text_atomic
+from megadare.eval.files import (
+    claim_output_dir,
+    load_rows,
+    task_file,
+    write_json_atomic,
+    write_jsonl_atomic,
+    write_text_atomic,
+)
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
 from megadare.trainer.model_setup import materialise, tokenizer_for
@@ -243,6 +250,7 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
         check_isolation()  # refuse before the engines start, where the kernel refuses the code sandbox
     params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
+    claim_output_dir(out_dir, ["summary.json", "summary.csv", *(f"samples_{s.name}.jsonl" for s in specs)])
     summary: dict[str, Any] = {
         "model": src.hf_dir,
         "family": src.family.name,

@@ -7,10 +7,12 @@ the object without importing its type.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Optional
 
+from megadare.convert.outputs import EXPORT_MARK
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.rollout.engine import SamplingParams
@@ -111,13 +113,8 @@ def engine_spec(cfg, src, tok):
     )  # heavy: megadare.config imports this module; the engines pull torch.distributed and sympy
 
     _import_sglang()
-    model_path = src.hf_dir
-    if r.fp8_weights:  # the engines serve block fp8, so they start from the fp8-block export of the model
-        from megadare.convert.quantize import quantize_export  # heavy: only for fp8 engines; pulls safetensors
-
-        model_path = os.path.join(cfg.logging.run_dir, "engine_fp8")
-        if not os.path.exists(os.path.join(model_path, "config.json")):
-            quantize_export(src.hf_dir, model_path, fmt="fp8-block", progress=False)
+    # the engines serve block fp8, so they start from the fp8-block export of the model
+    model_path = fp8_engine_model(cfg.logging.run_dir, src.hf_dir) if r.fp8_weights else src.hf_dir
     return EngineSpec(
         build_sglang_engine,
         {
@@ -149,8 +146,42 @@ def _quiet_ray_token_notice() -> None:
         log.addFilter(_DropRayTokenNotice())
 
 
+def fp8_engine_model(run_dir: str, hf_dir: str) -> str:
+    """``<run_dir>/engine_fp8``: the fp8-block export of ``hf_dir`` the fp8 engines start from, exported when it
+    is missing or was exported from another model (its mark names the source; the run directory of an earlier
+    run with another model.hf_path kept it, and the engines served that model)."""
+    from megadare.convert.quantize import quantize_export  # heavy: only for fp8 engines; pulls safetensors
+
+    path = os.path.join(run_dir, "engine_fp8")
+    mark = os.path.join(path, EXPORT_MARK)
+    if os.path.exists(os.path.join(path, "config.json")):
+        if not os.path.exists(mark):  # an older megadare's export, without the mark: as before
+            return path
+        with open(mark) as f:
+            if json.load(f).get("sources") == [os.path.abspath(hf_dir)]:
+                return path
+    quantize_export(hf_dir, path, fmt="fp8-block", progress=False)  # replaces a previous export only
+    return path
+
+
+def init_ray(num_engines: int) -> None:
+    """Join the Ray cluster of ``RAY_ADDRESS`` (the Slurm launcher's), else start a private local one. Not
+    ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
+    the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback."""
+    import ray  # heavy: Ray
+
+    _quiet_ray_token_notice()
+    joined = os.environ.get("RAY_ADDRESS")
+    ray.init(
+        address=joined or "local",
+        include_dashboard=False,
+        log_to_driver=False,
+        num_cpus=None if joined else max(2, num_engines + 1),
+    )
+
+
 def start_engines(cfg, src, tok):
-    """Rank 0: Ray (local unless RAY_ADDRESS / a running cluster) and the engine actors with the model."""
+    """Rank 0: Ray (``init_ray``) and the engine actors with the model."""
     import ray  # heavy: Ray
 
     from megadare.rollout.manager import (
@@ -160,13 +191,7 @@ def start_engines(cfg, src, tok):
 
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():
-        _quiet_ray_token_notice()
-        ray.init(
-            address=os.environ.get("RAY_ADDRESS") or None,
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=None if os.environ.get("RAY_ADDRESS") else max(2, cfg.rollout.num_engines + 1),
-        )
+        init_ray(cfg.rollout.num_engines)
     return RolloutManager(
         spec,
         num_engines=cfg.rollout.num_engines,

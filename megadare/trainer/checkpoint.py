@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megadare.convert.ckpt_writers import writers_die_with_trainer
@@ -241,6 +242,7 @@ def _write_train_checkpoint(
             world_size=world,
             layout=_layout(),
             scheduler=scheduler.state_dict() if scheduler is not None else None,
+            **({"lora": trained.adapters()} if hasattr(trained, "adapters") else {}),
         )
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
             json.dump(train_state, f, indent=2, default=str)
@@ -298,10 +300,21 @@ def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
     """Remove all but the newest ``keep_last`` ``iter_*`` under ``root`` (never ``current``; 0 keeps all); rank 0."""
     if keep_last <= 0 or _rank() != 0:
         return
-    its = sorted(int(d[5:]) for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit())
+    names = os.listdir(root)
+    for d in names:  # what a killed rotation left
+        if d.startswith("iter_") and d.endswith(".pruning"):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    its = sorted(
+        int(d[5:]) for d in names if d.startswith("iter_") and d[5:].isdigit() and d == f"iter_{int(d[5:]):07d}"
+    )
     for it in its[:-keep_last]:
-        if it != current:
-            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+        if it != current:  # renamed out of the iter_* names first: a kill mid-delete leaves no half checkpoint
+            doomed = iteration_dir(root, it) + ".pruning"  # that resume could take (its manifest gone first)
+            try:
+                os.rename(iteration_dir(root, it), doomed)
+            except OSError:  # as a failed delete: kept, and tried again at the next save
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_checkpoint_object(path: str, name: str, per_rank: bool = False) -> Any:
@@ -468,16 +481,66 @@ def _say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _move_aside(damaged: str) -> str:
-    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.damaged[-N]`` (kept, never deleted):
+def _move_aside(damaged: str, why: str = "damaged") -> str:
+    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.<why>[-N]`` (kept, never deleted):
     under its ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it,
     and a later resume could mix its steps with the retrained ones."""
     for n in range(1, 1000):
-        aside = f"{damaged}.damaged" + (f"-{n}" if n > 1 else "")
+        aside = f"{damaged}.{why}" + (f"-{n}" if n > 1 else "")
         if not os.path.lexists(aside):
             os.rename(damaged, aside)
             return aside
-    raise MegatronCheckpointError(f"{damaged}: too many .damaged copies beside it; remove some")
+    raise MegatronCheckpointError(f"{damaged}: too many .{why} copies beside it; remove some")
+
+
+def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
+    """Move aside the companions' (the value model's) checkpoints newer than the resumed ``step``: they belong to
+    rolled-back steps (their policy checkpoint was damaged, moved aside or removed). Left in place, rotation
+    counted them among the newest and deleted the value model's real ones, and a kill between the policy's and
+    the value model's saves of that step again paired the new policy with the old timeline's value model."""
+    for c in companions:
+        for d in iteration_dirs(c):
+            if int(os.path.basename(d)[5:]) > step:
+                _say(
+                    f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d, 'rolled-back')}"
+                )
+
+
+def _saved_adapters(ckpt: str) -> Optional[dict]:
+    """The LoRA settings of a checkpoint's training ({"rank": ...}; None: full fine-tuning). A checkpoint of an
+    older megadare, without them in its train state: rank and alpha from its meta, else whether its keys hold
+    adapters ({} when they do, settings unknown)."""
+    state = read_json(os.path.join(ckpt, TRAIN_STATE))
+    if "lora" in state:
+        return state["lora"]
+    meta = read_json(os.path.join(ckpt, MEGADARE_META))
+    if meta.get("lora"):
+        return dict(meta["lora"])
+    keys = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    return {} if any(".lora_A" in k for k in keys) else None
+
+
+def _adapters_in_words(lo: Optional[dict]) -> str:
+    if lo is None:
+        return "full fine-tuning (lora.rank=0)"
+    said = [f"{k}={lo[k]}" for k in ("rank", "alpha", "targets") if k in lo]
+    return f"LoRA ({', '.join('lora.' + s for s in said) or 'settings not recorded'})"
+
+
+def check_same_adapters(ckpt: str, now: Optional[dict]) -> None:
+    """Refuse (RunStateError, one line) resuming ``ckpt`` with other LoRA settings than it was trained with:
+    adapters on or off, another rank or targets do not load (megatron named a missing key and told to move the
+    checkpoint aside, which the checkpoints before it would repeat), another alpha rescales the adapters."""
+    saved = _saved_adapters(ckpt)
+    same = saved == now or (saved == {} and now is not None)  # {}: adapters of unrecorded settings
+    if not same and saved is not None and now is not None:
+        same = all(saved.get(k, now[k]) == now[k] for k in now)  # an older meta records rank and alpha only
+    if not same:
+        raise RunStateError(
+            f"{ckpt} was trained with {_adapters_in_words(saved)}, this config has {_adapters_in_words(now)}: "
+            "resuming needs the same adapters; set the lora.* keys back, or start a new run (logging.run_dir / "
+            "checkpoint.save)"
+        )
 
 
 def _decided_on_rank0(make):
@@ -516,6 +579,8 @@ def resume_run(
             _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
         if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
             _write_tracker(root, int(os.path.basename(pick.path)[5:]))
+    if (pick.path is not None or not pick.skipped) and _rank() == 0:
+        _set_aside_stale_companions(companions, int(os.path.basename(pick.path)[5:]) if pick.path else 0)
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(
@@ -543,6 +608,8 @@ def resume_run(
             f"from {meta['algo']}'s optimiser state and replay; set algo.name={meta['algo']}, or start a new run "
             "(logging.run_dir / checkpoint.save, with checkpoint.load to start from its weights)"
         )
+    if hasattr(trained, "adapters"):
+        check_same_adapters(pick.path, trained.adapters())
     optimizer, scheduler = trained.optimizer, trained.scheduler
     state = load_train_checkpoint(pick.path, trained.model, optimizer, scheduler, src=src)
     changes = state.get("schedule_changes") or []

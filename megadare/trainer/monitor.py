@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Optional
 
 import torch.distributed as dist
+import yaml
 from tqdm import tqdm
 
 from megadare.config import to_yaml
@@ -119,8 +121,33 @@ def roll_back_jsonl(path: str, step: int) -> int:
     return len(later)
 
 
+RUN_CONFIG_HEADER = "# the resolved config of this megadare run (rewritten at each start)\n"
+# the sections of every resolved config a run wrote before the header existed
+_RUN_CONFIG_SECTIONS = {"model", "parallel", "train", "data", "checkpoint", "logging", "seed"}
+
+
+def foreign_run_config(run_dir: str) -> Optional[str]:
+    """A one-line refusal when ``<run_dir>/config.yaml`` exists and no megadare run wrote it (the user's own
+    config, kept in the run directory): the run would replace it with its resolved config. None otherwise."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+        ours = text.startswith(RUN_CONFIG_HEADER) or _RUN_CONFIG_SECTIONS <= set(yaml.safe_load(text) or {})
+    except (OSError, yaml.YAMLError, TypeError):
+        ours = False
+    if ours:
+        return None
+    return (
+        f"{path} was not written by a megadare run; a run writes its resolved config there and would replace it: "
+        "move it out of logging.run_dir (--config can read it from anywhere), or choose another logging.run_dir"
+    )
+
+
 def write_run_config(cfg) -> None:
-    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0)."""
+    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first)."""
     os.makedirs(cfg.logging.run_dir, exist_ok=True)
     with open(os.path.join(cfg.logging.run_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+        f.write(RUN_CONFIG_HEADER + to_yaml(cfg))

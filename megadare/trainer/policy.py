@@ -21,6 +21,8 @@ from typing import Any, Optional
 from megadare.algos.algorithm import ValueModelSettings
 from megadare.algos.value_model import attach_value_head
 from megadare.config import Config
+from megadare.convert.mcore_ckpt import iteration_dirs
+from megadare.errors import RunStateError
 from megadare.models.lora import apply_lora, merged_weights
 from megadare.trainer import rl_update
 from megadare.trainer.checkpoint import (
@@ -87,14 +89,22 @@ class Policy:
     ref_chunks: Optional[list] = None  # frozen reference (KL algorithms, DPO)
     value: Optional[ValueModel] = None  # TraceRL
     ref_adapters_off: bool = False  # LoRA: the reference is ``model`` with its adapters off
+    lora: Optional[LoRA] = None  # the adapters trained (None: full fine-tuning); saved, checked on resume
+
+    def adapters(self) -> Optional[dict]:
+        """The LoRA settings a checkpoint records (``checkpoint.resume_run`` compares them), None without LoRA."""
+        lo = self.lora
+        return {"rank": lo.rank, "alpha": lo.alpha, "targets": sorted(lo.targets)} if lo is not None else None
 
     def save(self, root: str, step: int, state: CheckpointState, about: Provenance, keep_last: int) -> str:
         """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
-        (``checkpoint.save_train_checkpoint``), then the value model's of the same step."""
+        (``checkpoint.save_train_checkpoint``), after the value model's of the same step: the policy's rename
+        commits the step (a kill between the two leaves a value checkpoint newer than the policy's, which resume
+        sets aside; the other order left a first checkpoint without its value model, and no run could go on)."""
         if self.value is None:
             return save_train_checkpoint(root, step, self, state, about, keep_last)
-        path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
         self.value.save(root, step, about.meta, keep_last=0)
+        path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
         for r in (root, self.value.root_of(root)):  # once both of this step are in place: a kill between the
             prune_checkpoints(r, keep_last, step)  # two saves must leave an older step that has both
         return path
@@ -109,10 +119,26 @@ class Policy:
     ) -> dict[str, Any]:
         """Model, optimiser and schedule from the newest intact checkpoint under ``root`` (``checkpoint.resume_run``)
         and the value model's of the same step; the checkpoint's train state ({} when there is none)."""
+        self._check_same_value_model(root)
         state = resume_run(root, self, src, written_by, source=source, algo=algo)
         if state and self.value is not None:
             self.value.load(root, int(state["step"]))
         return state
+
+    def _check_same_value_model(self, root: str) -> None:
+        """Refuse (one line) resuming checkpoints trained with a value model without one, or the reverse: the run
+        would stop saying every checkpoint is damaged (its value model missing), or drop the value model's
+        training without a word."""
+        value_root = ValueModel.root_of(root)
+        if not iteration_dirs(root) or bool(iteration_dirs(value_root)) == (self.value is not None):
+            return
+        had, has = ("no", "one") if self.value is not None else ("one", "none")
+        raise RunStateError(
+            f"the checkpoints under {root} were trained with {had} value model ({value_root} holds "
+            f"{'none' if had == 'no' else 'its checkpoints'}), this config trains {has} (algo.params.value_model="
+            f"{str(self.value is not None).lower()}): set it back, or start a new run (logging.run_dir / "
+            "checkpoint.save, with checkpoint.load to start from its weights)"
+        )
 
     def prepare(self, su, groups, objective, correction, out: dict) -> tuple[list[list], int]:
         """An RL step's micro-batches with their old / reference / value / behaviour passes
@@ -147,7 +173,7 @@ def build_policy(
         apply_lora(chunks, lora.rank, lora.alpha, targets=lora.targets)
     model = wrap_ddp(chunks, cfg.optim.distributed_optimizer)
     optimizer, scheduler = build_optimizer(model, optim_settings(cfg, updates))
-    policy = Policy(model, optimizer, scheduler, ref_adapters_off=reference and lora is not None)
+    policy = Policy(model, optimizer, scheduler, ref_adapters_off=reference and lora is not None, lora=lora)
     if reference and not policy.ref_adapters_off:
         policy.ref_chunks = frozen_chunks(cfg, src)
     if value is not None:

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from megadare.errors import RunStateError
+from megadare.trainer.monitor import foreign_run_config
 
 LOCK = "megadare.lock"
 
@@ -105,11 +106,11 @@ def _create(path: str, me: dict) -> None:
 def acquire(run_dir: str) -> str:
     """Create the lock (rank 0); returns a note when a dead run's lock was taken over, else ''. Raises
     RunStateError when another live (or uncheckable) run holds it."""
-    os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK)
     me, note = _me(), ""
     for _ in range(3):
         try:
+            os.makedirs(run_dir, exist_ok=True)
             _create(path, me)
         except FileExistsError:
             holder = _read(path)
@@ -122,6 +123,12 @@ def acquire(run_dir: str) -> str:
             except FileNotFoundError:
                 pass
             continue
+        except OSError as e:  # a read-only or full filesystem, no permission: before any step is trained
+            raise RunStateError(
+                f"{path}: cannot take the run lock: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}; "
+                f"the run writes its checkpoints and logs under {run_dir}: make it writable (or free space), or "
+                "point logging.run_dir / checkpoint.save elsewhere"
+            ) from None
         return note
     raise RunStateError(f"{path}: could not take the run lock (another run is starting on {run_dir}?)")
 
@@ -176,6 +183,7 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
                 held.append(d)
                 if note:
                     print(note, file=sys.stderr, flush=True)
+            outcome[0] = foreign_run_config(run_dir)
         except RunStateError as e:
             outcome[0] = str(e)
         finally:
