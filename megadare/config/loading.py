@@ -129,7 +129,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "optim.weight_decay": ("[0, inf)", "a negative decay pushes weights away from 0"),
     "optim.adam_beta1": ("[0, 1)", "Adam's first-moment decay"),
     "optim.adam_beta2": ("[0, 1)", "Adam's second-moment decay; 1 never updates it (division by 0)"),
-    "optim.adam_eps": ("[0, inf)", "Adam's epsilon"),
+    "optim.adam_eps": ("(0, inf)", "Adam's epsilon; 0 divides by 0 where a gradient's second moment is 0 (NaN)"),
     "optim.clip_grad": ("[0, inf)", "the gradient-norm clip; 0 = none"),
     "train.moe_aux_loss_coeff": ("[0, inf)", "a negative load-balancing loss unbalances the experts"),
     "train.moe_bias_update_rate": ("[0, inf)", "expert-bias balancing rate"),
