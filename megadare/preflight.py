@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megadare.config import Config
+from megadare.convert import HFSource
 from megadare.convert.mcore_ckpt import intact_checkpoint_dir, newest_intact
 from megadare.data.files import as_paths, load_many
 from megadare.data.preference_data import build_preference_examples
@@ -101,6 +102,7 @@ def _check_weights(hf_dir: str) -> None:
     reader = SafetensorsReader(hf_dir)
     for fn in sorted(set(reader.weight_map.values())):
         reader._header(fn)
+    HFSource(hf_dir)  # the headers' tensors and shapes against config.json (headers only: no weight is read)
 
 
 def _first_rows(paths, key: str) -> list[tuple[str, dict]]:

@@ -131,3 +131,49 @@ def test_rl_stopped_early_names_the_steps_its_accuracy_is_from(capsys, monkeypat
     )
     assert cli._run_rl(load_config(DEMO_RL, []), 1) == 0
     assert "rl done at step 30; held-out accuracy 0.280 at step 0 -> 1.000 at step 30;" in capsys.readouterr().out
+
+
+def _edited_hf(tmp_path, **changes) -> str:
+    """A tiny SDAR checkpoint whose config.json has ``changes`` (a config.json of another checkpoint)."""
+    import json
+
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    path = os.path.join(hf, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config["__whole__"] if "__whole__" in config else config, f)
+    return hf
+
+
+def test_a_config_json_that_is_no_object_is_named(capsys, tmp_path):
+    """A config.json holding a list (a JSON file of another tool) ended in 'TypeError: expected str, bytes or
+    os.PathLike object, not list'."""
+    hf = _edited_hf(tmp_path, __whole__=["SDARForCausalLM"])
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(tmp_path / "out"))
+    assert f"{hf}/config.json: holds a JSON list, not an object" in line, line
+
+
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        ({"vocab_size": 300}, "model.embed_tokens.weight has 256 rows, config.json's vocab_size is 300"),
+        ({"hidden_size": 128}, "model.embed_tokens.weight is [256, 64], config.json's hidden_size is 128"),
+        (
+            {"num_attention_heads": 8},
+            "v_proj.weight have [64, 32, 32] rows, config.json's 8 heads, 2 key-value heads of 16",
+        ),
+    ],
+)
+def test_a_config_json_of_other_weights_is_refused_before_converting(capsys, tmp_path, changes, words):
+    """config.json not matching the safetensors: vocab_size ended the conversion in a ValueError traceback half
+    way; hidden_size wrote a Megatron checkpoint of the wrong shapes; the dry run passed both."""
+    hf = _edited_hf(tmp_path, **changes)
+    out = tmp_path / "out"
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(out))
+    assert f"{hf}: config.json does not describe these weights (" in line and words in line, line
+    assert not out.exists()
+    argv = ["sft", "--dry-run", "--config", SFT_TINY, f"model.hf_path={hf}", "model.family=null"]
+    line = refused(capsys, *argv, f"logging.run_dir={tmp_path / 'run'}")
+    assert words in line, line
