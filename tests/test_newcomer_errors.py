@@ -177,3 +177,18 @@ def test_a_config_json_of_other_weights_is_refused_before_converting(capsys, tmp
     argv = ["sft", "--dry-run", "--config", SFT_TINY, f"model.hf_path={hf}", "model.family=null"]
     line = refused(capsys, *argv, f"logging.run_dir={tmp_path / 'run'}")
     assert words in line, line
+
+
+def test_eval_dry_run_reads_the_task_rows(capsys, tmp_path):
+    """`megadare eval --dry-run` with eval.paths.gsm8k naming an empty file, or one without gsm8k's fields, said
+    'every check passed'; the run then failed after loading the model."""
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    empty, other = tmp_path / "empty.jsonl", tmp_path / "other.jsonl"
+    empty.write_text("")
+    other.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    argv = ["eval", "--dry-run", "--model", hf, "--tasks", "gsm8k", "model.tiny=true"]
+    line = refused(capsys, *argv, f"eval.paths.gsm8k={empty}")
+    assert f"{empty}: the file holds no rows" in line, line
+    line = refused(capsys, *argv, f"eval.paths.gsm8k={other}")
+    assert f"{other}:1: missing field 'question'" in line, line
+    assert main([*argv, f"eval.data_dir={EVAL}"]) == 0
