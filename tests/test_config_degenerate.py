@@ -96,6 +96,7 @@ REFUSED = [
     (RL, "rl", ["offpolicy.max_staleness=4"], "offpolicy.max_staleness=4 bounds how many versions"),
     (RL, "rl", ["rl.max_staleness=4"], "rl.max_staleness=4 bounds how many versions queued rollouts lag; rl.mode=sync"),
     (SFT, "sft", ["sft.trace_shrink=4"], "sft.trace_shrink=4 groups the decoding steps of a trace (sft.mode=trace); "),
+    (RL, "rl", ["data.eval_path=held.jsonl"], "data.eval_path='held.jsonl' and data.synthetic='reverse' are both set"),
     # a band no group of rl.n_samples 0-or-1 rewards can fall into
     (
         RL,

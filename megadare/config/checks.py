@@ -205,6 +205,12 @@ def check_data_source(cfg: Config) -> None:
             f"data.path={d.path!r} and data.synthetic={d.synthetic!r} are both set: the generated task would "
             "replace the file; add data.synthetic=null to train on data.path"
         )
+    if d.synthetic and d.eval_path:
+        raise ConfigError(
+            f"data.eval_path={d.eval_path!r} and data.synthetic={d.synthetic!r} are both set: the generated task "
+            "holds out its own prompts and the file would go unread; add data.synthetic=null and set data.path "
+            "(or remove data.eval_path)"
+        )
 
 
 _SAMPLER_KEYS = (
