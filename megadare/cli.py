@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         help="a checkpoint or tokenizer directory whose tokenizer counts the lengths (default: UTF-8 bytes)",
     )
-    ins.add_argument("--limit", type=int, default=100, help="records per file whose gold answer is scored")
+    ins.add_argument("--limit", type=_positive, default=100, help="records per file whose gold answer is scored")
     tkn = dsub.add_parser(
         "tokenizer",
         help="write the Qwen tokenizer files of SDAR / TraDo or Dream, built offline "
@@ -266,6 +266,17 @@ def _check_options(known: dict[str, argparse.Action], tokens: list[str]) -> None
 def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices[name]
+
+
+def _positive(text: str) -> int:
+    """An option's value that counts something: a positive integer (argparse's one-line error otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return n
 
 
 def _is_number(text: str) -> bool:

@@ -192,3 +192,19 @@ def test_eval_dry_run_reads_the_task_rows(capsys, tmp_path):
     line = refused(capsys, *argv, f"eval.paths.gsm8k={other}")
     assert f"{other}:1: missing field 'question'" in line, line
     assert main([*argv, f"eval.data_dir={EVAL}"]) == 0
+
+
+def test_data_commands_refuse_a_file_for_a_directory_and_a_count_below_one(capsys, tmp_path):
+    """`megadare data tokenizer FILE` ended in a FileExistsError traceback; `data inspect --limit 0` (or -1)
+    scored no gold answer and said 'n/a over 0 records', exit 0."""
+    afile = tmp_path / "tok"
+    afile.write_text("")
+    line = refused(capsys, "data", "tokenizer", str(afile))
+    assert f"{afile}: is a file, not a directory; name a new directory" in line, line
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for limit in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["data", "inspect", "--limit", limit, str(rows)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument --limit: {limit} must be a positive integer" in err, err
