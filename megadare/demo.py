@@ -32,11 +32,12 @@ from typing import Optional
 
 from megadare import demo_foundation
 from megadare.config import Config, load_config
-from megadare.errors import RunStateError
+from megadare.errors import OutputError, RunStateError
 from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve
 from megadare.trainer.rl import rl_worker
 from megadare.trainer.sft_loop import sft_worker
+from megadare.trainer.spec import resolve
 
 
 # ``--family``: a tiny model of that family on the same task. Full-attention families (LLaDA, Dream) train with
@@ -108,6 +109,8 @@ def default_workdir(family: str, algo: str) -> str:
 def check_workdir(demo: DemoRun) -> None:
     """Refuse a work directory whose runs are another family's or algorithm's demo: resuming them would report
     that demo's accuracy under this one's name."""
+    if os.path.exists(demo.workdir) and not os.path.isdir(demo.workdir):
+        raise OutputError(f"--workdir {demo.workdir}: is a file, not a directory; pass --workdir NEW_DIR")
     for stage in ("sft", "rl"):
         path = os.path.join(demo.workdir, stage, "config.yaml")
         if not os.path.exists(path):
@@ -127,6 +130,8 @@ def run_demo(demo: DemoRun) -> dict:
     check_workdir(demo)
     t0 = time.time()
     sft_cfg, rl_cfg = demo.configs()
+    for cfg, job in ((sft_cfg, "sft"), (rl_cfg, "rl")):  # both stages' configs: a wrong RL one fails before SFT
+        resolve(cfg, demo.nproc, job=job)
     spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)
     out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
     evals = out["evals"]
@@ -147,6 +152,17 @@ def run_demo(demo: DemoRun) -> dict:
     }
 
 
+def _positive(text: str) -> int:
+    """A count given as an option (0 would mean 'the default' for the step counts, and no process for --nproc)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return n
+
+
 def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (``megadare demo`` builds it with its one-line-error parser class)."""
     ap = parser_class(prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,9 +171,9 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     )
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
     ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
-    ap.add_argument("--sft-steps", type=int, default=None)
-    ap.add_argument("--rl-steps", type=int, default=None)
-    ap.add_argument("--nproc", type=int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
+    ap.add_argument("--sft-steps", type=_positive, default=None)
+    ap.add_argument("--rl-steps", type=_positive, default=None)
+    ap.add_argument("--nproc", type=_positive, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
     ap.add_argument("--foundation", action="store_true", help="run the conversion / parallelism demo instead")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")
     return ap

@@ -208,3 +208,21 @@ def test_data_commands_refuse_a_file_for_a_directory_and_a_count_below_one(capsy
             main(["data", "inspect", "--limit", limit, str(rows)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"argument --limit: {limit} must be a positive integer" in err, err
+
+
+def test_the_demo_checks_its_options_and_the_rl_config_before_sft(capsys, tmp_path):
+    """`megadare demo --algo tracrl` trained the SFT stage (minutes) before naming the typo; --workdir FILE and
+    --nproc 0 ended in tracebacks (NotADirectoryError, IndexError); --sft-steps 0 ran the default 500 steps."""
+    work = tmp_path / "demo"
+    line = refused(capsys, "demo", "--workdir", str(work), "--sft-steps", "1", "--algo", "tracrl")
+    assert "algo.name='tracrl' unknown" in line, line
+    assert not (work / "sft").exists()
+    afile = tmp_path / "file"
+    afile.write_text("")
+    line = refused(capsys, "demo", "--workdir", str(afile))
+    assert f"--workdir {afile}: is a file, not a directory" in line, line
+    for option in ("--nproc", "--sft-steps", "--rl-steps"):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--workdir", str(work), option, "0"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {option}: 0 must be a positive integer" in err, err
