@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--ckpt", required=True, help="checkpoint dir (or a run's checkpoint root)")
     m2h.add_argument("--out", required=True)
     m2h.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
-    m2h.add_argument("--max-shard-gb", type=float, default=2.0)
+    m2h.add_argument("--max-shard-gb", type=_positive_number, default=2.0)
 
     data = sub.add_parser("data", help="data files")
     dsub = data.add_subparsers(dest="action", required=True)
@@ -277,6 +277,17 @@ def _positive(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
     return n
+
+
+def _positive_number(text: str) -> float:
+    """A size given as an option: a finite number > 0 (0 or less wrote one shard per tensor; nan / inf raised)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0 (GB per safetensors shard)")
+    return x
 
 
 def _is_number(text: str) -> bool:

@@ -226,3 +226,24 @@ def test_the_demo_checks_its_options_and_the_rl_config_before_sft(capsys, tmp_pa
             main(["demo", "--workdir", str(work), option, "0"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"argument {option}: 0 must be a positive integer" in err, err
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "nan", "inf"])
+def test_an_export_shard_size_must_be_a_positive_number(capsys, tmp_path, size):
+    """--max-shard-gb 0 or -1 wrote one safetensors file per tensor, silently; nan / inf ended in a ValueError /
+    OverflowError traceback after the checkpoint was read."""
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "convert",
+                "megatron-to-hf",
+                "--ckpt",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "hf"),
+                f"--max-shard-gb={size}",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --max-shard-gb: {size} must be a finite number > 0" in err, err
+    assert not (tmp_path / "hf").exists()
