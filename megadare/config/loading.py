@@ -329,6 +329,14 @@ def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str,
         raise ConfigError(
             f"override {ov!r}: megadare's keys take no Hydra prefix (every key exists); write {bare}={value}"
         )
+    try:
+        _parsed(value)
+    except yaml.YAMLError as e:
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(
+            f"override {ov!r}: the value is not valid YAML ({what}); close its brackets or quote it "
+            "(e.g. advantage.accuracy_band=[0.2,0.8])"
+        ) from None
     if _dict_field_of(canonical) is None and is_dataclass(_get(Config(), canonical)):
         raise ConfigError(f"override {ov!r}: {key} is a section, not a key; {_section_hint(canonical, value)}")
     before = seen.get(canonical)
