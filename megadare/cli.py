@@ -383,8 +383,11 @@ def _config_and_spec(args):
     if args.command == "eval":
         if args.model:
             overrides.append(f"model.hf_path={args.model}")
-        if args.tasks:
-            overrides.append(f"eval.tasks=[{args.tasks}]")
+        if args.tasks is not None:
+            tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+            if not tasks:
+                raise ConfigError(f"--tasks {args.tasks!r} names no task; e.g. --tasks gsm8k,math500")
+            overrides.append(f"eval.tasks=[{','.join(tasks)}]")
     cfg = load_config(args.config, overrides)
     return cfg, resolve(cfg, job=args.command)
 

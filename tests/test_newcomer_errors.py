@@ -247,3 +247,11 @@ def test_an_export_shard_size_must_be_a_positive_number(capsys, tmp_path, size):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument --max-shard-gb: {size} must be a finite number > 0" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("tasks", ["", " , "])
+def test_eval_tasks_naming_no_task_is_refused(capsys, tmp_path, tasks):
+    """`--tasks ''` evaluated eval.tasks' default benchmarks instead; `--tasks ' , '` ended in yaml's ParserError
+    traceback."""
+    line = refused(capsys, "eval", "--dry-run", "--config", SDAR_TINY, "--tasks", tasks, f"eval.data_dir={EVAL}")
+    assert f"--tasks {tasks!r} names no task; e.g. --tasks gsm8k,math500" in line, line
