@@ -37,6 +37,7 @@ from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve
 from megadare.trainer.rl import rl_worker
 from megadare.trainer.sft_loop import sft_worker
+from megadare.trainer.spec import resolve
 
 
 # ``--family``: a tiny model of that family on the same task. Full-attention families (LLaDA, Dream) train with
@@ -114,7 +115,7 @@ def check_workdir(demo: DemoRun) -> None:
     report that demo's accuracy under this one's name."""
     wd = demo.workdir
     if os.path.lexists(wd) and not os.path.isdir(wd):
-        raise RunStateError(f"--workdir {wd} is a file; pass --workdir NEW_DIR")
+        raise RunStateError(f"--workdir {wd}: is a file, not a directory; pass --workdir NEW_DIR")
     foreign = sorted(set(os.listdir(wd)) - set(DEMO_OUTPUTS)) if os.path.isdir(wd) else []
     if foreign:
         raise RunStateError(
@@ -140,6 +141,8 @@ def run_demo(demo: DemoRun) -> dict:
     check_workdir(demo)
     t0 = time.time()
     sft_cfg, rl_cfg = demo.configs()
+    for cfg, job in ((sft_cfg, "sft"), (rl_cfg, "rl")):  # both stages' configs: a wrong RL one fails before SFT
+        resolve(cfg, demo.nproc, job=job)
     spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)
     out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
     evals = out["evals"]
@@ -160,6 +163,17 @@ def run_demo(demo: DemoRun) -> dict:
     }
 
 
+def _positive(text: str) -> int:
+    """A count given as an option (0 would mean 'the default' for the step counts, and no process for --nproc)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return n
+
+
 def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (``megadare demo`` builds it with its one-line-error parser class)."""
     ap = parser_class(prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,9 +182,9 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     )
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
     ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
-    ap.add_argument("--sft-steps", type=int, default=None)
-    ap.add_argument("--rl-steps", type=int, default=None)
-    ap.add_argument("--nproc", type=int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
+    ap.add_argument("--sft-steps", type=_positive, default=None)
+    ap.add_argument("--rl-steps", type=_positive, default=None)
+    ap.add_argument("--nproc", type=_positive, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
     ap.add_argument("--foundation", action="store_true", help="run the conversion / parallelism demo instead")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")
     return ap

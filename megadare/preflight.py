@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megadare.config import Config
+from megadare.convert import HFSource
 from megadare.convert.mcore_ckpt import intact_checkpoint_dir, newest_intact
 from megadare.data.files import as_paths, load_many
 from megadare.data.preference_data import build_preference_examples
@@ -31,7 +32,7 @@ from megadare.data.sft_data import build_sft_examples
 from megadare.data.tokenizer import ByteTokenizer
 from megadare.errors import ConfigError, RunStateError
 from megadare.eval.files import task_file
-from megadare.eval.runner import check_eval_config
+from megadare.eval.runner import check_eval_config, load_task_prompts
 from megadare.models.family import ModelArch
 from megadare.models.safetensors_io import SafetensorsReader
 from megadare.plan import plan
@@ -102,6 +103,7 @@ def _check_weights(hf_dir: str) -> None:
     reader = SafetensorsReader(hf_dir)
     for fn in sorted(set(reader.weight_map.values())):
         reader._header(fn)
+    HFSource(hf_dir)  # the headers' tensors and shapes against config.json (headers only: no weight is read)
 
 
 def _first_rows(paths, key: str) -> list[tuple[str, dict]]:
@@ -205,6 +207,15 @@ def check_eval(cfg: Config) -> None:
             task_file(cfg.eval.data_dir, dict(cfg.eval.paths), s.name)
 
 
+def check_eval_rows(cfg: Config, tok) -> None:
+    """The first rows of every task's data file build into prompts as the run builds them (an empty file, a row
+    without the task's fields: one line naming the file and row, here rather than after the model is loaded)."""
+    e = cfg.eval
+    for s in check_eval_config(cfg)[0]:
+        path = s.path or task_file(e.data_dir, dict(e.paths), s.name)
+        load_task_prompts(s, path, min(ROWS, e.limit or ROWS), e.prompt_style, tok)
+
+
 def check_run_dir(command: str, cfg: Config) -> None:
     """The run directory is not held by another live run; say what a start would resume from."""
     root = checkpoint_root(cfg)
@@ -236,6 +247,8 @@ def preflight(spec: RunSpec, config_only: bool = False, world: Optional[int] = N
         check_eval(cfg)
     _, tok = check_model(cfg, spec.source, generates=command in ("rl", "eval"))
     check_data(command, cfg, tok)
+    if command == "eval":
+        check_eval_rows(cfg, tok)
     if command in ("rl", "eval"):
         check_engine(cfg)
     if command in ("sft", "dpo", "rl"):

@@ -163,6 +163,12 @@ OVERRIDES = [
         "unknown config key 'rl.foo' (rl.foo=1): the keys of rl: steps, prompts_per_step, n_samples, ppo_epochs, "
         "redraw_corruptions, canvas, mini_batches, eval_interval, eval_size",
     ),
+    # a value that is no YAML (an unclosed bracket) ended in yaml's ParserError traceback
+    (
+        "advantage.accuracy_band=[0.2,",
+        "override 'advantage.accuracy_band=[0.2,': the value is not valid YAML (did not find expected node content); "
+        "close its brackets or quote it (e.g. advantage.accuracy_band=[0.2,0.8])",
+    ),
 ]
 
 

@@ -65,7 +65,7 @@ REFUSED = [
     (RL, "rl", ["rollout.top_p=0"], "rollout.top_p: top_p=0.0 must lie in (0, 1]"),
     (RL, "rl", ["rollout.eval_temperature=-1"], "rollout.eval_temperature: temperature=-1.0 must be >= 0"),
     # algorithm hyper-parameters, set on the command line
-    (RL, "rl", ["algo.params.eps_low=-0.1"], "algo.params.eps_low=-0.1 must be within [0, inf)"),
+    (RL, "rl", ["algo.params.eps_low=-0.1"], "algo.params.eps_low=-0.1 must be within [0, 1)"),
     (RL, "rl", ["algo.params.eps_high=-0.5"], "algo.params.eps_high=-0.5 must be within [0, inf)"),
     (RL, "rl", ["algo.params.kl_coef=-0.1"], "algo.params.kl_coef=-0.1 must be within [0, inf)"),
     (RL, "rl", ["algo.params.kl_coef=nan"], "algo.params.kl_coef='nan': tracerl's kl_coef is a finite number"),
@@ -87,6 +87,24 @@ REFUSED = [
         "algo.params.p_low=0.9 > algo.params.p_high=0.1: the range is inverted",
     ),
     (RL, "rl", ["algo.name=random_mask_rl", "algo.params.p_low=0"], "algo.params.p_low=0 must be within (0, 1]"),
+    # a clip, a threshold or an epsilon whose value means nothing
+    (RL, "rl", ["algo.params.eps_low=1.5"], "algo.params.eps_low=1.5 must be within [0, 1)"),
+    (RL, "rl", ["rollout.threshold=2"], "rollout.threshold: threshold=2.0 must be < 1"),
+    (RL, "rl", ["rollout.threshold=1", "rollout.algorithm=low_confidence_dynamic"], "threshold=1.0 must be < 1"),
+    (SFT, "sft", ["optim.adam_eps=0"], "optim.adam_eps=0.0 must be within (0, inf)"),
+    # a key the configured mode ignores
+    (RL, "rl", ["offpolicy.max_staleness=4"], "offpolicy.max_staleness=4 bounds how many versions"),
+    (RL, "rl", ["rl.max_staleness=4"], "rl.max_staleness=4 bounds how many versions queued rollouts lag; rl.mode=sync"),
+    (SFT, "sft", ["sft.trace_shrink=4"], "sft.trace_shrink=4 groups the decoding steps of a trace (sft.mode=trace); "),
+    (RL, "rl", ["data.eval_path=held.jsonl"], "data.eval_path='held.jsonl' and data.synthetic='reverse' are both set"),
+    # a band no group of rl.n_samples 0-or-1 rewards can fall into
+    (
+        RL,
+        "rl",
+        ["rl.n_samples=4", "advantage.accuracy_band=[0.3,0.45]"],
+        "advantage.accuracy_band=[0.3, 0.45] with rl.n_samples=4 and rewards.name=exact_match (0 or 1 per "
+        "response): a group's accuracy is one of 0, 0.25, 0.5, 0.75, 1, none within the band",
+    ),
 ]
 
 
@@ -108,6 +126,13 @@ ACCEPTED = [
     (RL, "rl", ["algo.name=bgpo", "algo.params.kl_coef=0.05", "algo.params.kl_anchor=ref"]),
     (SFT, "sft", ["lora.rank=4", "lora.alpha=8", "lora.targets=[linear_qkv]", "optim.clip_grad=0"]),
     (SFT, "sft", ["parallel.tp=2", "train.seq_length=127"]),  # without sp the sequence is not split
+    (RL, "rl", ["algo.params.eps_low=0.99", "rollout.threshold=0.99", "offpolicy.max_staleness=0"]),
+    (RL, "rl", ["offpolicy.mode=fully_async", "offpolicy.max_staleness=4", "offpolicy.loss_mode=decoupled"]),
+    (RL, "rl", ["offpolicy.mode=one_step_off", "offpolicy.max_staleness=2"]),  # an old run's config.yaml
+    (SFT, "sft", ["sft.mode=trace", "sft.trace_shrink=4"]),
+    (SFT, "sft", ["optim.adam_eps=1e-12"]),
+    (RL, "rl", ["rl.n_samples=4", "advantage.accuracy_band=[0.3,0.5]"]),  # 0.5 is reachable
+    (RL, "rl", ["rl.n_samples=4", "advantage.accuracy_band=[0.3,0.45]", "rewards.name=code"]),  # fractions of tests
 ]
 
 

@@ -131,3 +131,127 @@ def test_rl_stopped_early_names_the_steps_its_accuracy_is_from(capsys, monkeypat
     )
     assert cli._run_rl(load_config(DEMO_RL, []), 1) == 0
     assert "rl done at step 30; held-out accuracy 0.280 at step 0 -> 1.000 at step 30;" in capsys.readouterr().out
+
+
+def _edited_hf(tmp_path, **changes) -> str:
+    """A tiny SDAR checkpoint whose config.json has ``changes`` (a config.json of another checkpoint)."""
+    import json
+
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    path = os.path.join(hf, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(changes)
+    with open(path, "w") as f:
+        json.dump(config["__whole__"] if "__whole__" in config else config, f)
+    return hf
+
+
+def test_a_config_json_that_is_no_object_is_named(capsys, tmp_path):
+    """A config.json holding a list (a JSON file of another tool) ended in 'TypeError: expected str, bytes or
+    os.PathLike object, not list'."""
+    hf = _edited_hf(tmp_path, __whole__=["SDARForCausalLM"])
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(tmp_path / "out"))
+    assert f"{hf}/config.json: holds a JSON list, not an object" in line, line
+
+
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        ({"vocab_size": 300}, "model.embed_tokens.weight has 256 rows, config.json's vocab_size is 300"),
+        ({"hidden_size": 128}, "model.embed_tokens.weight is [256, 64], config.json's hidden_size is 128"),
+        (
+            {"num_attention_heads": 8},
+            "v_proj.weight have [64, 32, 32] rows, config.json's 8 heads, 2 key-value heads of 16",
+        ),
+    ],
+)
+def test_a_config_json_of_other_weights_is_refused_before_converting(capsys, tmp_path, changes, words):
+    """config.json not matching the safetensors: vocab_size ended the conversion in a ValueError traceback half
+    way; hidden_size wrote a Megatron checkpoint of the wrong shapes; the dry run passed both."""
+    hf = _edited_hf(tmp_path, **changes)
+    out = tmp_path / "out"
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(out))
+    assert f"{hf}: config.json does not describe these weights (" in line and words in line, line
+    assert not out.exists()
+    argv = ["sft", "--dry-run", "--config", SFT_TINY, f"model.hf_path={hf}", "model.family=null"]
+    line = refused(capsys, *argv, f"logging.run_dir={tmp_path / 'run'}")
+    assert words in line, line
+
+
+def test_eval_dry_run_reads_the_task_rows(capsys, tmp_path):
+    """`megadare eval --dry-run` with eval.paths.gsm8k naming an empty file, or one without gsm8k's fields, said
+    'every check passed'; the run then failed after loading the model."""
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    empty, other = tmp_path / "empty.jsonl", tmp_path / "other.jsonl"
+    empty.write_text("")
+    other.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    argv = ["eval", "--dry-run", "--model", hf, "--tasks", "gsm8k", "model.tiny=true"]
+    line = refused(capsys, *argv, f"eval.paths.gsm8k={empty}")
+    assert f"{empty}: the file holds no rows" in line, line
+    line = refused(capsys, *argv, f"eval.paths.gsm8k={other}")
+    assert f"{other}:1: missing field 'question'" in line, line
+    assert main([*argv, f"eval.data_dir={EVAL}"]) == 0
+
+
+def test_data_commands_refuse_a_file_for_a_directory_and_a_count_below_one(capsys, tmp_path):
+    """`megadare data tokenizer FILE` ended in a FileExistsError traceback; `data inspect --limit 0` (or -1)
+    scored no gold answer and said 'n/a over 0 records', exit 0."""
+    afile = tmp_path / "tok"
+    afile.write_text("")
+    line = refused(capsys, "data", "tokenizer", str(afile))
+    assert f"{afile}: is a file, not a directory; name a new directory" in line, line
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    for limit in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["data", "inspect", "--limit", limit, str(rows)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument --limit: {limit} must be a positive integer" in err, err
+
+
+def test_the_demo_checks_its_options_and_the_rl_config_before_sft(capsys, tmp_path):
+    """`megadare demo --algo tracrl` trained the SFT stage (minutes) before naming the typo; --workdir FILE and
+    --nproc 0 ended in tracebacks (NotADirectoryError, IndexError); --sft-steps 0 ran the default 500 steps."""
+    work = tmp_path / "demo"
+    line = refused(capsys, "demo", "--workdir", str(work), "--sft-steps", "1", "--algo", "tracrl")
+    assert "algo.name='tracrl' unknown" in line, line
+    assert not (work / "sft").exists()
+    afile = tmp_path / "file"
+    afile.write_text("")
+    line = refused(capsys, "demo", "--workdir", str(afile))
+    assert f"--workdir {afile}: is a file, not a directory" in line, line
+    for option in ("--nproc", "--sft-steps", "--rl-steps"):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--workdir", str(work), option, "0"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {option}: 0 must be a positive integer" in err, err
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "nan", "inf"])
+def test_an_export_shard_size_must_be_a_positive_number(capsys, tmp_path, size):
+    """--max-shard-gb 0 or -1 wrote one safetensors file per tensor, silently; nan / inf ended in a ValueError /
+    OverflowError traceback after the checkpoint was read."""
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "convert",
+                "megatron-to-hf",
+                "--ckpt",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "hf"),
+                f"--max-shard-gb={size}",
+            ]
+        )
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --max-shard-gb: {size} must be a finite number > 0" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("tasks", ["", " , "])
+def test_eval_tasks_naming_no_task_is_refused(capsys, tmp_path, tasks):
+    """`--tasks ''` evaluated eval.tasks' default benchmarks instead; `--tasks ' , '` ended in yaml's ParserError
+    traceback."""
+    line = refused(capsys, "eval", "--dry-run", "--config", SDAR_TINY, "--tasks", tasks, f"eval.data_dir={EVAL}")
+    assert f"--tasks {tasks!r} names no task; e.g. --tasks gsm8k,math500" in line, line

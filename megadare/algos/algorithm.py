@@ -45,7 +45,11 @@ COMMON = {
 # {parameter: (range, what it is)}: a value outside is refused in one line when the algorithm is built; a parameter
 # an algorithm does not have is not checked here ("[" / "]" inclusive bounds)
 PARAM_RANGES: dict[str, tuple[str, str]] = {
-    "eps_low": ("[0, inf)", "the ratio is clipped below at 1 - eps_low; negative inverts the clip range"),
+    "eps_low": (
+        "[0, 1)",
+        "the ratio is clipped below at 1 - eps_low; negative inverts the clip range, 1 or more clips at a ratio <= 0 "
+        "(a ratio is > 0), so never",
+    ),
     "eps_high": ("[0, inf)", "the ratio is clipped above at 1 + eps_high; negative inverts the clip range"),
     "kl_coef": ("[0, inf)", "a negative KL coefficient rewards drifting from the anchor"),
     "log_ratio_clamp": ("(0, inf)", "0 clamps every log-ratio to 0, so every ratio is 1"),

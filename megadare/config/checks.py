@@ -67,6 +67,7 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
     check_lora(cfg)
     check_rl_filters(cfg)
+    check_mode_keys(cfg, arch)
     if not 0 < cfg.rollout.timeout_s < p.collective_timeout_s:
         raise ConfigError(
             f"rollout.timeout_s={cfg.rollout.timeout_s}, parallel.collective_timeout_s={p.collective_timeout_s}: "
@@ -139,6 +140,7 @@ def check_rl_filters(cfg: Config) -> None:
             raise ConfigError(f"{key}={list(band)} must be [low, high], two numbers (dLLM-RL: [0.2, 0.8])")
         if band[0] > band[1]:
             raise ConfigError(f"{key}={list(band)}: low > high keeps no group; write [{band[1]}, {band[0]}]")
+        check_band_reachable(cfg, list(band))
     rl = cfg.rl
     if rl.mini_batches > rl.prompts_per_step:
         raise ConfigError(
@@ -158,6 +160,43 @@ def check_rl_filters(cfg: Config) -> None:
         )
 
 
+# built-in rewards that score a response 0 or 1: a group's accuracy is then k / rl.n_samples
+BINARY_REWARDS = ("math", "gsm8k", "dare_math", "exact_match", "code_all_or_nothing")
+
+
+def check_band_reachable(cfg: Config, band: list) -> None:
+    """Under a 0-or-1 reward a group of n responses has accuracy k / n: a band holding none of those drops every
+    group, every step, and the run never learns."""
+    n, name = cfg.rl.n_samples, cfg.rewards.name
+    reachable = [k / n for k in range(n + 1)]
+    if name not in BINARY_REWARDS or any(band[0] <= a <= band[1] for a in reachable):
+        return
+    shown = ", ".join(f"{a:g}" for a in reachable)
+    raise ConfigError(
+        f"{cfg.as_written('advantage.accuracy_band')}={band} with {cfg.as_written('rl.n_samples')}={n} and "
+        f"{cfg.as_written('rewards.name')}={name} (0 or 1 per response): a group's accuracy is one of {shown}, none "
+        "within the band, so every group is dropped and nothing learns; widen the band or change rl.n_samples"
+    )
+
+
+def check_mode_keys(cfg: Config, arch: Optional[ModelArch]) -> None:
+    """A key that only one mode reads, set away from its default under another mode, would be ignored: refused,
+    naming the mode that reads it (as ``model.block_size`` on a full-attention family)."""
+    o, named = cfg.offpolicy, cfg.as_written
+    if o.mode == "sync" and o.max_staleness > 1:  # 1: the default (a bound sync never reaches either)
+        raise ConfigError(
+            f"{named('offpolicy.max_staleness')}={o.max_staleness} bounds how many versions queued rollouts lag; "
+            f"{named('offpolicy.mode')}=sync queues none and ignores it: remove it or set offpolicy.mode=fully_async"
+        )
+    mode = resolve_sft_mode(cfg, arch)
+    if cfg.sft.trace_shrink > 1 and mode != "trace":
+        shown = f"{cfg.sft.mode} ({mode})" if cfg.sft.mode == "auto" and mode != "auto" else cfg.sft.mode
+        raise ConfigError(
+            f"sft.trace_shrink={cfg.sft.trace_shrink} groups the decoding steps of a trace (sft.mode=trace); "
+            f"sft.mode={shown} trains on no trace and ignores it: remove it or set sft.mode=trace"
+        )
+
+
 def check_data_source(cfg: Config) -> None:
     """A file and a generated task are not both the training data: the task would replace the file unseen."""
     d = cfg.data
@@ -165,6 +204,12 @@ def check_data_source(cfg: Config) -> None:
         raise ConfigError(
             f"data.path={d.path!r} and data.synthetic={d.synthetic!r} are both set: the generated task would "
             "replace the file; add data.synthetic=null to train on data.path"
+        )
+    if d.synthetic and d.eval_path:
+        raise ConfigError(
+            f"data.eval_path={d.eval_path!r} and data.synthetic={d.synthetic!r} are both set: the generated task "
+            "holds out its own prompts and the file would go unread; add data.synthetic=null and set data.path "
+            "(or remove data.eval_path)"
         )
 
 

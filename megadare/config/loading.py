@@ -129,7 +129,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "optim.weight_decay": ("[0, inf)", "a negative decay pushes weights away from 0"),
     "optim.adam_beta1": ("[0, 1)", "Adam's first-moment decay"),
     "optim.adam_beta2": ("[0, 1)", "Adam's second-moment decay; 1 never updates it (division by 0)"),
-    "optim.adam_eps": ("[0, inf)", "Adam's epsilon"),
+    "optim.adam_eps": ("(0, inf)", "Adam's epsilon; 0 divides by 0 where a gradient's second moment is 0 (NaN)"),
     "optim.clip_grad": ("[0, inf)", "the gradient-norm clip; 0 = none"),
     "train.moe_aux_loss_coeff": ("[0, inf)", "a negative load-balancing loss unbalances the experts"),
     "train.moe_bias_update_rate": ("[0, inf)", "expert-bias balancing rate"),
@@ -329,6 +329,14 @@ def _canonical_override(ov: str, seen: dict[str, tuple[str, str]]) -> tuple[str,
         raise ConfigError(
             f"override {ov!r}: megadare's keys take no Hydra prefix (every key exists); write {bare}={value}"
         )
+    try:
+        _parsed(value)
+    except yaml.YAMLError as e:
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(
+            f"override {ov!r}: the value is not valid YAML ({what}); close its brackets or quote it "
+            "(e.g. advantage.accuracy_band=[0.2,0.8])"
+        ) from None
     if _dict_field_of(canonical) is None and is_dataclass(_get(Config(), canonical)):
         raise ConfigError(f"override {ov!r}: {key} is a section, not a key; {_section_hint(canonical, value)}")
     before = seen.get(canonical)

@@ -37,7 +37,7 @@ from megadare.models.safetensors_io import (
     copy_passthrough_files,
 )
 from megadare.convert.sharded_load import fill_model_from_global
-from megadare.models.family import Family, ModelArch, family_of, read_hf_config
+from megadare.models.family import Family, ModelArch, ModelConfigError, family_of, read_hf_config
 from megadare.parallel.layout import Layout
 
 __all__ = [
@@ -71,6 +71,16 @@ class HFSource:
         ignore = self.family.extra.get("ignore_hf", ())
         names = {k for k in self.reader.keys() if not any(k.endswith(s) for s in ignore)}
         check_table(self.table, names, hf_dir)
+        for r in self.table:  # a config.json of another checkpoint (or edited) fails here, not mid-conversion
+            shapes = [self.reader.shape(h) for h in r.hf]
+            problem = r.hf_shape_problem(shapes)
+            if r.op == "vocab" and problem is None and list(shapes[0][1:]) != [self.arch.hidden_size]:
+                problem = f"{r.hf[0]} is {list(shapes[0])}, config.json's hidden_size is {self.arch.hidden_size}"
+            if problem is not None:
+                raise ModelConfigError(
+                    f"{hf_dir}: config.json does not describe these weights ({problem}); put the checkpoint's own "
+                    "config.json beside its safetensors"
+                )
         self.rows = {r.mcore: r for r in self.table}
         self.dtype = dtype
 

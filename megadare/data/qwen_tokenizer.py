@@ -289,6 +289,8 @@ def write_qwen_tokenizer(out: str, family: str = "sdar", ranks_path: Optional[st
     (created if missing; refused when it already holds one of them). Returns ``out``."""
     if family not in FAMILIES:
         raise DataError(f"no Qwen tokenizer layout for family {family!r}; one of {', '.join(FAMILIES)}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"{out}: is a file, not a directory; name a new directory for the tokenizer files")
     configs = _config_files(family)
     names = ["vocab.json", "merges.txt"] + ["tokenizer.json"] * FAMILIES[family]["tokenizer_json"] + list(configs)
     if os.path.lexists(out) and not os.path.isdir(out):

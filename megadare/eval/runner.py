@@ -250,7 +250,7 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
         check_isolation()  # refuse before the engines start, where the kernel refuses the code sandbox
     params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
-    claim_output_dir(out_dir, ["summary.json", "summary.csv", *(f"samples_{s.name}.jsonl" for s in specs)])
+    claim_output_dir(out_dir, ["summary.json", "summary.csv", *(f"samples_{t.name}.jsonl" for t in tasks)])
     summary: dict[str, Any] = {
         "model": src.hf_dir,
         "family": src.family.name,

@@ -147,9 +147,15 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
         raise ModelConfigError(f"{p}: no config.json found; point to an HF checkpoint directory")
     with open(p) as f:
         try:
-            return json.load(f)
+            hf = json.load(f)
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(hf, dict):
+        raise ModelConfigError(
+            f"{p}: holds a JSON {type(hf).__name__}, not an object of the model's settings (architectures, "
+            "hidden_size, ...); put the checkpoint's own config.json there"
+        )
+    return hf
 
 
 def _refuse_megatron_dir(path: str) -> None:

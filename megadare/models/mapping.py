@@ -93,6 +93,23 @@ class ParamMap:
         rows = (self.heads + 2 * self.groups) * self.head_dim
         return [rows, *hf_shapes[0][1:]]
 
+    def hf_shape_problem(self, hf_shapes: list[list[int]]) -> Optional[str]:
+        """What in the HF tensors' header shapes disagrees with the config.json the table was built from (the
+        vocabulary's rows, the attention's q / k / v rows), else None."""
+        if self.op == "vocab" and hf_shapes[0][0] != self.vocab:
+            return f"{self.hf[0]} has {hf_shapes[0][0]} rows, config.json's vocab_size is {self.vocab}"
+        if self.op not in ("qkv", "fused_qkv"):
+            return None
+        sizes = self._qkv_sizes()
+        want = sizes if self.op == "qkv" else [sum(sizes)]
+        got = [shape[0] for shape in hf_shapes]
+        if got == want:
+            return None
+        return (
+            f"{', '.join(self.hf)} have {got} rows, config.json's {self.heads} heads, {self.groups} key-value "
+            f"heads of {self.head_dim} give {want}"
+        )
+
     def _qkv_sizes(self) -> list[int]:
         return [self.heads * self.head_dim, self.groups * self.head_dim, self.groups * self.head_dim]
 

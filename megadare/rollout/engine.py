@@ -104,6 +104,11 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0: no top-k cut)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1: no nucleus cut)")
+        if not self.threshold < 1.0:
+            raise ValueError(
+                f"threshold={self.threshold} must be < 1: a step commits the positions whose confidence (at most 1) "
+                "exceeds it, so none ever would (e.g. 0.9)"
+            )
         self._check_decoder()
 
     def _check_decoder(self) -> None:
