@@ -92,6 +92,8 @@ REFUSED = [
     (RL, "rl", ["rollout.threshold=2"], "rollout.threshold: threshold=2.0 must be < 1"),
     (RL, "rl", ["rollout.threshold=1", "rollout.algorithm=low_confidence_dynamic"], "threshold=1.0 must be < 1"),
     (SFT, "sft", ["optim.adam_eps=0"], "optim.adam_eps=0.0 must be within (0, inf)"),
+    # a KL estimator the loss does not know: refused at load, not at the first loss after the rollouts
+    (RL, "rl", ["algo.params.kl_estimator=k4"], "algo.params.kl_estimator='k4' unknown; choose one of"),
     # a key the configured mode ignores
     (RL, "rl", ["offpolicy.max_staleness=4"], "offpolicy.max_staleness=4 bounds how many versions"),
     (RL, "rl", ["rl.max_staleness=4"], "rl.max_staleness=4 bounds how many versions queued rollouts lag; rl.mode=sync"),

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 
 from megadare.algos.base import LOSS_AGG, STEP_WIDTH, RLSample, SlotObjective, Slots, aggregation, views_to_row
-from megadare.algos.policy_loss import PPOClip, check_dual_clip, kl_penalty, ppo_clip_loss
+from megadare.algos.policy_loss import KL_ESTIMATORS, PPOClip, check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.models.family import ModelArch
 from megadare.data.rows import Row
@@ -166,6 +166,10 @@ class Algorithm(ABC):
             raise ConfigError(f"algo.params.loss_agg={resolved['loss_agg']!r} unknown; choose one of {LOSS_AGG}")
         if resolved["kl_anchor"] not in ("ref", "old", "none"):
             raise ConfigError(f"algo.params.kl_anchor={resolved['kl_anchor']!r}: choose ref, old or none")
+        if resolved["kl_estimator"] not in KL_ESTIMATORS:
+            raise ConfigError(
+                f"algo.params.kl_estimator={resolved['kl_estimator']!r} unknown; choose one of {KL_ESTIMATORS}"
+            )
         check_params(self.name, resolved, {**COMMON, **self.defaults})
         check_dual_clip(resolved["dual_clip"])
         if resolved["dual_clip"] is not None and not self.clipped_ratio:
