@@ -255,3 +255,13 @@ def test_eval_tasks_naming_no_task_is_refused(capsys, tmp_path, tasks):
     traceback."""
     line = refused(capsys, "eval", "--dry-run", "--config", SDAR_TINY, "--tasks", tasks, f"eval.data_dir={EVAL}")
     assert f"--tasks {tasks!r} names no task; e.g. --tasks gsm8k,math500" in line, line
+
+
+@pytest.mark.parametrize("vpp", ["0", "-2"])
+def test_convert_vpp_below_one_is_refused(capsys, tmp_path, vpp):
+    """--vpp 0 or -2 was read as 'no virtual stages' without a word (the config's parallel.vpp refuses them)."""
+    hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
+    out = tmp_path / "out"
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(out), "--pp", "2", "--vpp", vpp)
+    assert f"vpp={vpp} must be a positive integer" in line, line
+    assert not out.exists()

@@ -46,9 +46,9 @@ class Layout:
     def __post_init__(self) -> None:
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
-        if self.vpp is not None and self.vpp <= 1:
+        if self.vpp == 1:
             object.__setattr__(self, "vpp", None)
-        for name in ("tp", "pp", "ep", "etp", "cp"):
+        for name in ("tp", "pp", "ep", "etp", "cp") + (("vpp",) if self.vpp is not None else ()):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{P}{name}={v!r} must be a positive integer")
