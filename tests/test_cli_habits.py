@@ -197,6 +197,9 @@ FILES = [
         "is not valid YAML: mapping values are not allowed in this context at line 3, column 8 ('tiny: true'): the "
         "keys of one section must be indented by the same number of spaces",
     ),
+    # an empty file (or comments only) ran on every default without a word
+    ("", "config file '{path}' holds no settings (empty or comments only)"),
+    ("# TODO: fill in\n", "config file '{path}' holds no settings (empty or comments only)"),
     ("parallel:\ntp: 2\n", "section 'parallel' holds nothing (are its keys indented under it?); set one of its keys: "),
     ("parallel:\n  tp: two\n", "parallel.tp='two' is not an integer (in {path})"),
     (
@@ -215,7 +218,9 @@ FILES = [
 ]
 
 
-@pytest.mark.parametrize("text,line", FILES, ids=["tab", "indent", "flat section", "type", "verl", "dllm_rl"])
+@pytest.mark.parametrize(
+    "text,line", FILES, ids=["tab", "indent", "empty", "comments", "flat section", "type", "verl", "dllm_rl"]
+)
 def test_a_wrong_config_file_names_the_line_or_key(capsys, tmp_path, text, line):
     path = tmp_path / "c.yaml"
     path.write_text(text)

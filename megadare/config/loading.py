@@ -434,6 +434,11 @@ def _load_yaml(path: str):
             f"config file {path!r} must hold a mapping of sections (model:, train:, ...), "
             f"not a {type(OmegaConf.to_object(conf)).__name__}"
         )
+    if len(conf) == 0:
+        raise ConfigError(
+            f"config file {path!r} holds no settings (empty or comments only): the run would use every default; "
+            "pass the config you meant, or leave --config out to run on the defaults"
+        )
     return conf
 
 
