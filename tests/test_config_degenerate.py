@@ -91,6 +91,12 @@ REFUSED = [
     (RL, "rl", ["algo.params.eps_low=1.5"], "algo.params.eps_low=1.5 must be within [0, 1)"),
     (RL, "rl", ["rollout.threshold=2"], "rollout.threshold: threshold=2.0 must be < 1"),
     (RL, "rl", ["rollout.threshold=1", "rollout.algorithm=low_confidence_dynamic"], "threshold=1.0 must be < 1"),
+    (
+        RL,
+        "rl",
+        ["rollout.algorithm=low_confidence_dynamic", "rollout.confidence=entropy", "rollout.threshold=0.5"],
+        "threshold=0.5 with confidence=entropy: that confidence is a negative entropy (<= 0)",
+    ),
     (SFT, "sft", ["optim.adam_eps=0"], "optim.adam_eps=0.0 must be within (0, inf)"),
     # a KL estimator the loss does not know: refused at load, not at the first loss after the rollouts
     (RL, "rl", ["algo.params.kl_estimator=k4"], "algo.params.kl_estimator='k4' unknown; choose one of"),
@@ -133,6 +139,7 @@ ACCEPTED = [
     (RL, "rl", ["offpolicy.mode=one_step_off", "offpolicy.max_staleness=2"]),  # an old run's config.yaml
     (SFT, "sft", ["sft.mode=trace", "sft.trace_shrink=4"]),
     (SFT, "sft", ["optim.adam_eps=1e-12"]),
+    (RL, "rl", ["rollout.algorithm=low_confidence_dynamic", "rollout.confidence=entropy", "rollout.threshold=-0.5"]),
     (RL, "rl", ["rl.n_samples=4", "advantage.accuracy_band=[0.3,0.5]"]),  # 0.5 is reachable
     (RL, "rl", ["rl.n_samples=4", "advantage.accuracy_band=[0.3,0.45]", "rewards.name=code"]),  # fractions of tests
 ]

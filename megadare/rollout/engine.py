@@ -118,6 +118,12 @@ class SamplingParams:
             raise ValueError(f"confidence={self.confidence!r} unknown; choose one of {CONFIDENCES}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} unknown; choose one of {SCHEDULES}")
+        if self.algorithm == "low_confidence_dynamic" and self.confidence == "entropy" and self.threshold >= 0:
+            raise ValueError(
+                f"threshold={self.threshold} with confidence=entropy: that confidence is a negative entropy (<= 0), "
+                "so no position ever exceeds the threshold and a step commits only its scheduled few; use a "
+                "negative threshold (e.g. -0.5) or another confidence"
+            )
         if not 0.0 < self.eps < 1.0 or self.alg_temp < 0:
             raise ValueError(f"eps={self.eps} must lie in (0, 1) and alg_temp={self.alg_temp} be >= 0")
         if not 0.0 <= self.editing_threshold <= 1.0 or self.max_post_steps < 0 or self.num_to_transfer < 1:
