@@ -9,6 +9,7 @@ import sys
 from typing import Optional
 
 from megadare.errors import ConfigError, OutputError, PeerError, RunStateError
+from megadare.options import positive_int, positive_number
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     m2h.add_argument("--ckpt", required=True, help="checkpoint dir (or a run's checkpoint root)")
     m2h.add_argument("--out", required=True)
     m2h.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
-    m2h.add_argument("--max-shard-gb", type=_positive_number, default=2.0)
+    m2h.add_argument("--max-shard-gb", type=positive_number, default=2.0)
 
     data = sub.add_parser("data", help="data files")
     dsub = data.add_subparsers(dest="action", required=True)
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         help="a checkpoint or tokenizer directory whose tokenizer counts the lengths (default: UTF-8 bytes)",
     )
-    ins.add_argument("--limit", type=_positive, default=100, help="records per file whose gold answer is scored")
+    ins.add_argument("--limit", type=positive_int, default=100, help="records per file whose gold answer is scored")
     tkn = dsub.add_parser(
         "tokenizer",
         help="write the Qwen tokenizer files of SDAR / TraDo or Dream, built offline "
@@ -268,28 +269,6 @@ def _check_options(known: dict[str, argparse.Action], tokens: list[str]) -> None
 def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices[name]
-
-
-def _positive(text: str) -> int:
-    """An option's value that counts something: a positive integer (argparse's one-line error otherwise)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
-    return n
-
-
-def _positive_number(text: str) -> float:
-    """A size given as an option: a finite number > 0 (0 or less wrote one shard per tensor; nan / inf raised)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0 (GB per safetensors shard)")
-    return x
 
 
 def _is_number(text: str) -> bool:

@@ -33,6 +33,7 @@ from typing import Optional
 from megadare import demo_foundation
 from megadare.config import Config, load_config
 from megadare.errors import RunStateError
+from megadare.options import positive_int
 from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve
 from megadare.trainer.rl import rl_worker
@@ -163,17 +164,6 @@ def run_demo(demo: DemoRun) -> dict:
     }
 
 
-def _positive(text: str) -> int:
-    """A count given as an option (0 would mean 'the default' for the step counts, and no process for --nproc)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
-    return n
-
-
 def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (``megadare demo`` builds it with its one-line-error parser class)."""
     ap = parser_class(prog="megadare demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -182,9 +172,9 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     )
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
     ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
-    ap.add_argument("--sft-steps", type=_positive, default=None)
-    ap.add_argument("--rl-steps", type=_positive, default=None)
-    ap.add_argument("--nproc", type=_positive, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
+    ap.add_argument("--sft-steps", type=positive_int, default=None)
+    ap.add_argument("--rl-steps", type=positive_int, default=None)
+    ap.add_argument("--nproc", type=positive_int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
     ap.add_argument("--foundation", action="store_true", help="run the conversion / parallelism demo instead")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")
     return ap
