@@ -7,7 +7,8 @@ bootstrap; sub-interpreters (no audit hook); the proof accepted anywhere but at 
 modules; a refused module loaded under another name (`x._ctypes`: raw memory, the token read and written to the
 proof pipe; `x._testcapi`); ctypes classes the jail left in the program's interpreter (a `type.__subclasses__`
 walk); json.loads patched before a call-based case decodes its expected value; the bootstrap's helpers reached
-through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests.
+through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests; a signalling NaN on
+stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer).
 """
 
 from __future__ import annotations
@@ -302,3 +303,21 @@ def test_the_verdict_path_is_out_of_the_program_reach(how):
     assert scores == [0.0], (how, stats)
     r = run_program(attack, tests="assert abs(add(1, 2) - 3) < 1e-6\n")
     assert not r.tests_passed, (how, r)
+
+
+def test_a_signalling_nan_on_stdout_is_a_wrong_answer():
+    """LiveCodeBench's stdout rule reads words as decimals; `print('sNaN')` made `==` raise InvalidOperation, so a
+    wrong program turned its verdict into a reward error (counted as a failure: enough of them stop the run). It
+    scores 0 as any wrong output; the same text on both sides stays equal as text."""
+    from megadare.rewards import score_batch
+    from megadare.rewards.code import lcb_output_equal
+
+    row = {
+        "data_source": "codeforces",
+        "prompt": [{"role": "user", "content": "q"}],
+        "extra_info": {"task": "code"},
+        "answer": [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
+    }
+    scores, stats = score_batch("auto", ["```python\nprint('sNaN')\n```"], [row])
+    assert scores == [0.0] and stats.failures == 0, stats
+    assert not lcb_output_equal("3 sNaN", "3 1") and lcb_output_equal("sNaN", "sNaN")

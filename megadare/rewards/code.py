@@ -175,10 +175,14 @@ def _lines(text: str) -> List[str]:
 
 
 def _decimals(line: str) -> Optional[List[Decimal]]:
+    """The line's words as decimals, or None. A signalling NaN (``sNaN``) is no number: ``==`` on it raises
+    InvalidOperation, so a program printing it turned its wrong answer into a reward error (LiveCodeBench's worker
+    dies on it: a failed case)."""
     try:
-        return [Decimal(word) for word in line.split()]
+        words = [Decimal(word) for word in line.split()]
     except (InvalidOperation, ValueError, TypeError):
         return None
+    return None if any(w.is_snan() for w in words) else words
 
 
 def lcb_output_equal(output: str, expected: str) -> bool:
