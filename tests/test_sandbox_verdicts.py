@@ -8,7 +8,8 @@ modules; a refused module loaded under another name (`x._ctypes`: raw memory, th
 proof pipe; `x._testcapi`); ctypes classes the jail left in the program's interpreter (a `type.__subclasses__`
 walk); json.loads patched before a call-based case decodes its expected value; the bootstrap's helpers reached
 through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests; a signalling NaN on
-stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer).
+stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
+whose __eq__ is always true (itself, an element, a list subclass, a metaclass).
 """
 
 from __future__ import annotations
@@ -321,3 +322,30 @@ def test_a_signalling_nan_on_stdout_is_a_wrong_answer():
     scores, stats = score_batch("auto", ["```python\nprint('sNaN')\n```"], [row])
     assert scores == [0.0] and stats.failures == 0, stats
     assert not lcb_output_equal("3 sNaN", "3 1") and lcb_output_equal("sNaN", "sNaN")
+
+
+ALWAYS_EQUAL = {
+    # the return value itself says it equals anything
+    "object": "class A:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return A()\n",
+    # inside a list: list == list compares the elements with the element's __eq__
+    "element": "class A:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return [A()]\n",
+    # a list subclass, and a metaclass that says its class is list (a `type(v) in (list, ...)` check would ask it)
+    "subclass": "class L(list):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return L()\n",
+    "metaclass": (
+        "class M(type):\n    def __eq__(cls, other):\n        return True\n    __hash__ = type.__hash__\n\n"
+        "class A(metaclass=M):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return A()\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(ALWAYS_EQUAL))
+def test_call_based_cases_compare_plain_data_only(how):
+    """Call-based cases (TACO fn_name, LiveCodeBench functional) compared the return value with `==`, so an object
+    whose __eq__ is always true passed every case. Only exact built-in data types are compared now; a right answer
+    as a tuple, or nested plain data, still passes."""
+    from megadare.rewards.code import code_reward
+
+    tests = {"fn_name": "add", "inputs": ["1\n2", "0\n5"], "outputs": ["[3]", "[5]"]}
+    assert code_reward("```python\n" + ALWAYS_EQUAL[how] + "```", tests) == 0.0, how
+    nested = {"fn_name": "f", "inputs": ["1"], "outputs": ['[[1, 2.5], {"a": [true, null, "x"]}]']}
+    assert code_reward("```python\ndef f(x):\n    return [x, 2.5], {'a': [True, None, 'x']}\n```", nested) == 1.0

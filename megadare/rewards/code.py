@@ -7,8 +7,8 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
 * tests are either stdin/stdout cases ``{"inputs": [...], "outputs": [...]}`` (APPS / TACO / DeepCoder style;
   outputs compared line by line after stripping trailing whitespace and blank edges), call-based cases (the same
   with ``"fn_name"``: each input is the argument list, or newline-separated JSON arguments, and the function's
-  return value -- a tuple read as a list -- must equal the output; a ``class Solution`` method when the program
-  defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
+  return value -- a tuple read as a list; exact built-in data types only -- must equal the output; a ``class
+  Solution`` method when the program defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
   MBPP / HumanEval style): a string is one case, a list of strings one case each, ``{"test_code": str | list}``
   the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
   early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``;
@@ -112,6 +112,22 @@ def _literal(value: Any) -> str:
     return repr(value)
 
 
+# a call-based case compares the return value with ``==``: an object of the program's whose __eq__ is always true
+# (or a metaclass whose __eq__ says a type is list) passed every case. Only exact built-in data types, whose ==
+# the program cannot change, are compared (``is``, never ``in``: a membership test calls the program's __eq__)
+_PLAIN_DATA_CHECK = """
+def _plain(v):
+    t = type(v)
+    if t is list or t is tuple:
+        return all(_plain(x) for x in v)
+    if t is dict:
+        return all(_plain(k) and _plain(x) for k, x in v.items())
+    return t is int or t is float or t is bool or t is str or v is None
+assert _plain(_got), 'the return value is no plain data (list, tuple, dict, str, int, float, bool, None)'
+assert _got == _want, 'wrong answer'
+"""
+
+
 def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
     """A call-based case: ``fn_name(*args)`` (a ``Solution`` method when the program defines the class) must
     return ``expected``. ``args``: a list, or newline-separated JSON values; ``expected``: a value or JSON text."""
@@ -129,8 +145,7 @@ def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
         f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
         f"_want = {_literal(json.loads(json.dumps(expected)))}\n"
         f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
-        "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n"
-        "assert _got == _want, 'wrong answer'\n"
+        "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n" + _PLAIN_DATA_CHECK
     )
     return TestCase(test_code=code)
 
