@@ -9,13 +9,15 @@ proof pipe; `x._testcapi`); ctypes classes the jail left in the program's interp
 walk); json.loads patched before a call-based case decodes its expected value; the bootstrap's helpers reached
 through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests; a signalling NaN on
 stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
-whose __eq__ is always true (itself, an element, a list subclass, a metaclass).
+whose __eq__ is always true (itself, an element, a list subclass, a metaclass); a program that loops on every case of
+a row with many cases (all of them ran to their timeout: a reward failure).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -349,3 +351,28 @@ def test_call_based_cases_compare_plain_data_only(how):
     assert code_reward("```python\n" + ALWAYS_EQUAL[how] + "```", tests) == 0.0, how
     nested = {"fn_name": "f", "inputs": ["1"], "outputs": ['[[1, 2.5], {"a": [true, null, "x"]}]']}
     assert code_reward("```python\ndef f(x):\n    return [x, 2.5], {'a': [True, None, 'x']}\n```", nested) == 1.0
+
+
+def test_a_looping_program_stops_at_its_first_failed_case(monkeypatch):
+    """An all-or-nothing code reward (score_batch("auto") on a code row) ran every case to its timeout after the first
+    had failed: a program that loops on a row with 48 cases took 48 / 4 workers x 5 s, past score_batch's 60 s, and
+    its wrong answer became a reward failure (rewards.max_error_fraction=0: the run stopped). The cases stop at the
+    first failure now, as LiveCodeBench's harness does; every case of a right program still runs."""
+    from megadare.rewards import code, score_batch
+    from megadare.rewards.sandbox import SandboxResult
+
+    runs = []
+
+    def sandbox(program, stdin="", limits=None, tests=None):  # each case times out, after a while
+        runs.append(stdin)
+        time.sleep(0.05)
+        ok = "print(" in program
+        return SandboxResult("ok" if ok else "timeout", 0, "3\n" if ok else "", "", 0.05)
+
+    monkeypatch.setattr(code, "run_program", sandbox)
+    cases = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}] * 48
+    row = {"data_source": "codeforces", "prompt": "q", "extra_info": {"task": "code"}, "answer": cases}
+    scores, stats = score_batch("auto", ["```python\nwhile True:\n    pass\n```"], [row])
+    assert scores == [0.0] and stats.failures == 0 and len(runs) <= 8, (len(runs), stats)
+    runs.clear()
+    assert score_batch("auto", ["```python\nprint(3)\n```"], [row])[0] == [1.0] and len(runs) == 48

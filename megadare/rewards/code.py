@@ -13,8 +13,8 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
   the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
   early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``;
 * no test case at all, or test code that does not compile, raises ValueError: no test ran, which is no pass;
-* ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass); cases run
-  concurrently on a small thread pool, each in its own sandbox.
+* ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass, and the cases
+  stop at the first failure); cases run concurrently on a small thread pool, each in its own sandbox.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import ast
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, List, Optional, Sequence, Union
@@ -254,8 +254,19 @@ def code_reward(
     program = extract_code(response) if code is None else code
     if not program.strip():
         return 0.0
-    results = run_tests(preamble + program, cases, limits=limits)
-    passed = sum(r.passed for r in results)
     if all_or_nothing:
-        return 1.0 if passed == len(results) else 0.0
-    return passed / len(results)
+        return 1.0 if _all_pass(preamble + program, cases, limits) else 0.0
+    results = run_tests(preamble + program, cases, limits=limits)
+    return sum(r.passed for r in results) / len(results)
+
+
+def _all_pass(code: str, cases: List[TestCase], limits: SandboxLimits, workers: int = 4) -> bool:
+    """Do all ``cases`` pass? Stops at the first failure (the cases not started yet never run), as LiveCodeBench's
+    harness does: a program that loops ran every case to its timeout, ``len(cases) / workers * timeout_s`` (a row
+    with 48 cases: past score_batch's 60 s, a reward failure that stops the run), for a score already 0."""
+    ex = ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case")
+    try:
+        futures = [ex.submit(_run_case, code, c, limits) for c in cases]
+        return all(f.result().passed for f in as_completed(futures))
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
