@@ -10,7 +10,8 @@ walk); json.loads patched before a call-based case decodes its expected value; t
 through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests; a signalling NaN on
 stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
 whose __eq__ is always true (itself, an element, a list subclass, a metaclass); a program that loops on every case of
-a row with many cases (all of them ran to their timeout: a reward failure).
+a row with many cases (all of them ran to their timeout: a reward failure); a humanevalplus harness whose budget (1 s
+per input) outran the reward call's limit.
 """
 
 from __future__ import annotations
@@ -376,3 +377,26 @@ def test_a_looping_program_stops_at_its_first_failed_case(monkeypatch):
     assert scores == [0.0] and stats.failures == 0 and len(runs) <= 8, (len(runs), stats)
     runs.clear()
     assert score_batch("auto", ["```python\nprint(3)\n```"], [row])[0] == [1.0] and len(runs) == 48
+
+
+def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch):
+    """DARE's humanevalplus budget is 1 s per harness input: a harness of 70 inputs ran a looping program for 70 s,
+    past score_batch's 60 s per call, so its wrong answer became a reward failure (the eval stopped, and the
+    abandoned sandbox ran on). The budget is capped below the call's limit; it scores 0."""
+    import inspect
+
+    from megadare.rewards import code, score_batch
+
+    seen = []
+
+    def sandbox(program, stdin="", limits=None, tests=None):
+        seen.append(limits.timeout_s)
+        return code.SandboxResult("timeout", None, "", "", limits.timeout_s, tests_passed=False)
+
+    monkeypatch.setattr(code, "run_program", sandbox)
+    inputs = ", ".join(["[1, 2]"] * 1000)
+    harness = f"inputs = [{inputs}]\ndef check(candidate):\n    for i in inputs:\n        assert candidate(*i) == 3\n"
+    row = {"data_source": "humanevalplus", "prompt": "def add(a, b):\n", "entry_point": "add", "answer": harness}
+    scores, stats = score_batch("auto", ["```python\ndef add(a, b):\n    while True:\n        pass\n```"], [row])
+    limit = inspect.signature(score_batch).parameters["timeout_s"].default
+    assert scores == [0.0] and stats.failures == 0 and len(seen) == 1 and 5 <= seen[0] < limit - 10, (seen, stats)
