@@ -15,7 +15,8 @@ The attacks, in file order:
 - a program that leaves the keeper's process group (setsid, with the parent-death signal cleared or not); memory
   outside the address space (SysV shared memory); threads that take the machine's pids; fds left to the program;
   children in new namespaces; i386 syscalls (int 0x80); trainer credentials in the environment; real-time priority
-  and inherited scheduling / message-queue limits.
+  and inherited scheduling / message-queue limits;
+- `process` isolation: a directory tree in its temp dir deeper than Python's recursion limit (the cleanup raised).
 """
 
 import json
@@ -319,6 +320,16 @@ def test_process_isolation_signals_reach_nobody_outside(sleeper, how):
         )
     time.sleep(0.2)
     assert sleeper.poll() is None and "sent" not in r.stdout, r
+
+
+def test_process_isolation_cleans_up_a_tree_deeper_than_the_recursion_limit():
+    """`process` isolation's temp dir is on the machine's disk: a program that nested 1500 directories made
+    shutil.rmtree raise RecursionError out of run_program (a reward error, not a verdict) and left the tree there.
+    (audit_hook=False only to keep the test fast: the hook resolves each deeper path, which the cleanup ignores.)"""
+    prog = "import os\nprint(os.getcwd())\nfor _ in range(3):\n    os.makedirs('d/' * 500)\n    os.chdir('d/' * 500)\n"
+    r = run_program(prog, limits=SandboxLimits(isolation="process", audit_hook=False))
+    assert r.ok and r.stdout.startswith("/"), r
+    assert not os.path.exists(r.stdout.strip()), f"left behind: {r.stdout.strip()}"
 
 
 def test_etc_shows_only_what_python_needs():

@@ -1,6 +1,7 @@
 """The code sandbox's OS isolation (rewards.code.isolation=namespaces): what a program sees from inside, the refusal
 where the kernel refuses namespaces (simulated with a seccomp filter in a child process: the kernel's own EPERM),
-the path a non-root trainer takes (a user namespace), and the config key."""
+the path a non-root trainer takes (a user namespace), the config key, and a root trainer's sandbox that other
+sandboxes' threads (the same uid 65534) made refuse its exec (RLIMIT_NPROC counted before the jail)."""
 
 import json
 import os
@@ -193,3 +194,27 @@ def test_a_refused_exec_of_the_interpreter_copy_refuses_code_rewards(monkeypatch
     monkeypatch.setattr(sandbox_start, "_JAIL", sandbox_start._JAIL.replace("data = f.read()", "data = f.read(64)"))
     with pytest.raises(SandboxUnavailable, match="exec of the interpreter's copy.*rewards.code.isolation=process"):
         run_program("print(1)")
+
+
+def test_other_sandboxes_tasks_do_not_refuse_the_sandbox(monkeypatch):
+    """A root trainer's jail drops to uid 65534, whose tasks (every sandbox's threads) RLIMIT_NPROC counts; the kernel
+    fails the execve of a process whose new uid has more tasks than that limit. Threads of other sandboxes started
+    after a run's limit was counted (6 programs each starting threads, beside trivial ones: 106 of 114 runs) made
+    its exec fail with EAGAIN, read as the machine refusing the sandbox: every later code reward refused, the run
+    stopped. Here a stale count (0, no slack) with processes of uid 65534 running; the limit is set after the exec."""
+    from megadare.rewards import sandbox, sandbox_kernel
+
+    if os.geteuid() != 0:
+        pytest.skip("only a root trainer's sandbox runs as another uid (uid 65534); this test runs as a non-root user")
+    monkeypatch.setattr(sandbox, "_refusal", [])
+    monkeypatch.setattr(sandbox_kernel, "_user_task_count", lambda uid: 0)
+    monkeypatch.setattr(sandbox_kernel, "_NPROC_SLACK", 0)
+    others = [subprocess.Popen(["sleep", "30"], user=65534) for _ in range(3)]
+    try:
+        r = run_program("import threading\nprint('ran', flush=True)\nthreading.Thread(target=print).start()")
+    finally:
+        for p in others:
+            p.kill()
+            p.wait()
+    assert r.stdout.startswith("ran") and "can't start new thread" in r.stderr, r
+    assert "rlimit_nproc" in r.protections, r.protections

@@ -7,13 +7,18 @@ bootstrap; sub-interpreters (no audit hook); the proof accepted anywhere but at 
 modules; a refused module loaded under another name (`x._ctypes`: raw memory, the token read and written to the
 proof pipe; `x._testcapi`); ctypes classes the jail left in the program's interpreter (a `type.__subclasses__`
 walk); json.loads patched before a call-based case decodes its expected value; the bootstrap's helpers reached
-through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests.
+through a stub's `__globals__`; a non-str global key that shadows a builtin for the tests; a signalling NaN on
+stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
+whose __eq__ is always true (itself, an element, a list subclass, a metaclass); a program that loops on every case of
+a row with many cases (all of them ran to their timeout: a reward failure); a humanevalplus harness whose budget (1 s
+per input) outran the reward call's limit.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -302,3 +307,96 @@ def test_the_verdict_path_is_out_of_the_program_reach(how):
     assert scores == [0.0], (how, stats)
     r = run_program(attack, tests="assert abs(add(1, 2) - 3) < 1e-6\n")
     assert not r.tests_passed, (how, r)
+
+
+def test_a_signalling_nan_on_stdout_is_a_wrong_answer():
+    """LiveCodeBench's stdout rule reads words as decimals; `print('sNaN')` made `==` raise InvalidOperation, so a
+    wrong program turned its verdict into a reward error (counted as a failure: enough of them stop the run). It
+    scores 0 as any wrong output; the same text on both sides stays equal as text."""
+    from megadare.rewards import score_batch
+    from megadare.rewards.code import lcb_output_equal
+
+    row = {
+        "data_source": "codeforces",
+        "prompt": [{"role": "user", "content": "q"}],
+        "extra_info": {"task": "code"},
+        "answer": [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
+    }
+    scores, stats = score_batch("auto", ["```python\nprint('sNaN')\n```"], [row])
+    assert scores == [0.0] and stats.failures == 0, stats
+    assert not lcb_output_equal("3 sNaN", "3 1") and lcb_output_equal("sNaN", "sNaN")
+
+
+ALWAYS_EQUAL = {
+    # the return value itself says it equals anything
+    "object": "class A:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return A()\n",
+    # inside a list: list == list compares the elements with the element's __eq__
+    "element": "class A:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return [A()]\n",
+    # a list subclass, and a metaclass that says its class is list (a `type(v) in (list, ...)` check would ask it)
+    "subclass": "class L(list):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return L()\n",
+    "metaclass": (
+        "class M(type):\n    def __eq__(cls, other):\n        return True\n    __hash__ = type.__hash__\n\n"
+        "class A(metaclass=M):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return A()\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(ALWAYS_EQUAL))
+def test_call_based_cases_compare_plain_data_only(how):
+    """Call-based cases (TACO fn_name, LiveCodeBench functional) compared the return value with `==`, so an object
+    whose __eq__ is always true passed every case. Only exact built-in data types are compared now; a right answer
+    as a tuple, or nested plain data, still passes."""
+    from megadare.rewards.code import code_reward
+
+    tests = {"fn_name": "add", "inputs": ["1\n2", "0\n5"], "outputs": ["[3]", "[5]"]}
+    assert code_reward("```python\n" + ALWAYS_EQUAL[how] + "```", tests) == 0.0, how
+    nested = {"fn_name": "f", "inputs": ["1"], "outputs": ['[[1, 2.5], {"a": [true, null, "x"]}]']}
+    assert code_reward("```python\ndef f(x):\n    return [x, 2.5], {'a': [True, None, 'x']}\n```", nested) == 1.0
+
+
+def test_a_looping_program_stops_at_its_first_failed_case(monkeypatch):
+    """An all-or-nothing code reward (score_batch("auto") on a code row) ran every case to its timeout after the first
+    had failed: a program that loops on a row with 48 cases took 48 / 4 workers x 5 s, past score_batch's 60 s, and
+    its wrong answer became a reward failure (rewards.max_error_fraction=0: the run stopped). The cases stop at the
+    first failure now, as LiveCodeBench's harness does; every case of a right program still runs."""
+    from megadare.rewards import code, score_batch
+    from megadare.rewards.sandbox import SandboxResult
+
+    runs = []
+
+    def sandbox(program, stdin="", limits=None, tests=None):  # each case times out, after a while
+        runs.append(stdin)
+        time.sleep(0.05)
+        ok = "print(" in program
+        return SandboxResult("ok" if ok else "timeout", 0, "3\n" if ok else "", "", 0.05)
+
+    monkeypatch.setattr(code, "run_program", sandbox)
+    cases = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}] * 48
+    row = {"data_source": "codeforces", "prompt": "q", "extra_info": {"task": "code"}, "answer": cases}
+    scores, stats = score_batch("auto", ["```python\nwhile True:\n    pass\n```"], [row])
+    assert scores == [0.0] and stats.failures == 0 and len(runs) <= 8, (len(runs), stats)
+    runs.clear()
+    assert score_batch("auto", ["```python\nprint(3)\n```"], [row])[0] == [1.0] and len(runs) == 48
+
+
+def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch):
+    """DARE's humanevalplus budget is 1 s per harness input: a harness of 70 inputs ran a looping program for 70 s,
+    past score_batch's 60 s per call, so its wrong answer became a reward failure (the eval stopped, and the
+    abandoned sandbox ran on). The budget is capped below the call's limit; it scores 0."""
+    import inspect
+
+    from megadare.rewards import code, score_batch
+
+    seen = []
+
+    def sandbox(program, stdin="", limits=None, tests=None):
+        seen.append(limits.timeout_s)
+        return code.SandboxResult("timeout", None, "", "", limits.timeout_s, tests_passed=False)
+
+    monkeypatch.setattr(code, "run_program", sandbox)
+    inputs = ", ".join(["[1, 2]"] * 1000)
+    harness = f"inputs = [{inputs}]\ndef check(candidate):\n    for i in inputs:\n        assert candidate(*i) == 3\n"
+    row = {"data_source": "humanevalplus", "prompt": "def add(a, b):\n", "entry_point": "add", "answer": harness}
+    scores, stats = score_batch("auto", ["```python\ndef add(a, b):\n    while True:\n        pass\n```"], [row])
+    limit = inspect.signature(score_batch).parameters["timeout_s"].default
+    assert scores == [0.0] and stats.failures == 0 and len(seen) == 1 and 5 <= seen[0] < limit - 10, (seen, stats)

@@ -7,14 +7,14 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
 * tests are either stdin/stdout cases ``{"inputs": [...], "outputs": [...]}`` (APPS / TACO / DeepCoder style;
   outputs compared line by line after stripping trailing whitespace and blank edges), call-based cases (the same
   with ``"fn_name"``: each input is the argument list, or newline-separated JSON arguments, and the function's
-  return value -- a tuple read as a list -- must equal the output; a ``class Solution`` method when the program
-  defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
+  return value -- a tuple read as a list; exact built-in data types only -- must equal the output; a ``class
+  Solution`` method when the program defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
   MBPP / HumanEval style): a string is one case, a list of strings one case each, ``{"test_code": str | list}``
   the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
   early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``;
 * no test case at all, or test code that does not compile, raises ValueError: no test ran, which is no pass;
-* ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass); cases run
-  concurrently on a small thread pool, each in its own sandbox.
+* ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass, and the cases
+  stop at the first failure); cases run concurrently on a small thread pool, each in its own sandbox.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import ast
 import json
 import math
 import re
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, List, Optional, Sequence, Union
@@ -112,6 +112,22 @@ def _literal(value: Any) -> str:
     return repr(value)
 
 
+# a call-based case compares the return value with ``==``: an object of the program's whose __eq__ is always true
+# (or a metaclass whose __eq__ says a type is list) passed every case. Only exact built-in data types, whose ==
+# the program cannot change, are compared (``is``, never ``in``: a membership test calls the program's __eq__)
+_PLAIN_DATA_CHECK = """
+def _plain(v):
+    t = type(v)
+    if t is list or t is tuple:
+        return all(_plain(x) for x in v)
+    if t is dict:
+        return all(_plain(k) and _plain(x) for k, x in v.items())
+    return t is int or t is float or t is bool or t is str or v is None
+assert _plain(_got), 'the return value is no plain data (list, tuple, dict, str, int, float, bool, None)'
+assert _got == _want, 'wrong answer'
+"""
+
+
 def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
     """A call-based case: ``fn_name(*args)`` (a ``Solution`` method when the program defines the class) must
     return ``expected``. ``args``: a list, or newline-separated JSON values; ``expected``: a value or JSON text."""
@@ -129,8 +145,7 @@ def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
         f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
         f"_want = {_literal(json.loads(json.dumps(expected)))}\n"
         f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
-        "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n"
-        "assert _got == _want, 'wrong answer'\n"
+        "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n" + _PLAIN_DATA_CHECK
     )
     return TestCase(test_code=code)
 
@@ -175,10 +190,14 @@ def _lines(text: str) -> List[str]:
 
 
 def _decimals(line: str) -> Optional[List[Decimal]]:
+    """The line's words as decimals, or None. A signalling NaN (``sNaN``) is no number: ``==`` on it raises
+    InvalidOperation, so a program printing it turned its wrong answer into a reward error (LiveCodeBench's worker
+    dies on it: a failed case)."""
     try:
-        return [Decimal(word) for word in line.split()]
+        words = [Decimal(word) for word in line.split()]
     except (InvalidOperation, ValueError, TypeError):
         return None
+    return None if any(w.is_snan() for w in words) else words
 
 
 def lcb_output_equal(output: str, expected: str) -> bool:
@@ -235,8 +254,19 @@ def code_reward(
     program = extract_code(response) if code is None else code
     if not program.strip():
         return 0.0
-    results = run_tests(preamble + program, cases, limits=limits)
-    passed = sum(r.passed for r in results)
     if all_or_nothing:
-        return 1.0 if passed == len(results) else 0.0
-    return passed / len(results)
+        return 1.0 if _all_pass(preamble + program, cases, limits) else 0.0
+    results = run_tests(preamble + program, cases, limits=limits)
+    return sum(r.passed for r in results) / len(results)
+
+
+def _all_pass(code: str, cases: List[TestCase], limits: SandboxLimits, workers: int = 4) -> bool:
+    """Do all ``cases`` pass? Stops at the first failure (the cases not started yet never run), as LiveCodeBench's
+    harness does: a program that loops ran every case to its timeout, ``len(cases) / workers * timeout_s`` (a row
+    with 48 cases: past score_batch's 60 s, a reward failure that stops the run), for a score already 0."""
+    ex = ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case")
+    try:
+        futures = [ex.submit(_run_case, code, c, limits) for c in cases]
+        return all(f.result().passed for f in as_completed(futures))
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)

@@ -231,15 +231,21 @@ def dare_test_cases(record: dict) -> List[TestCase]:
     raise ValueError(f"no DARE code-test format for data_source {source!r} (known: {', '.join(sorted(CODE_SOURCES))})")
 
 
+# the most a humanevalplus harness runs: below score_batch's 60 s per reward call (a harness of 70 inputs got 70 s, so
+# a program that loops ran past the call's limit, a reward failure that stops the run, not a wrong answer)
+HARNESS_TIMEOUT_CAP_S = 45.0
+
+
 def _harness_timeout(test_code: str, base: float) -> float:
-    """DARE's humanevalplus budget: 1 s per entry of the harness's ``inputs`` list (at least ``base``)."""
+    """DARE's humanevalplus budget: 1 s per entry of the harness's ``inputs`` list (at least ``base``), at most
+    :data:`HARNESS_TIMEOUT_CAP_S` (a right program runs the harness in well under a second)."""
     for node in ast.walk(ast.parse(test_code)):
         if (
             isinstance(node, ast.Assign)
             and isinstance(node.value, ast.List)
             and any(isinstance(t, ast.Name) and t.id == "inputs" for t in node.targets)
         ):
-            return max(base, float(len(node.value.elts)))
+            return max(base, min(HARNESS_TIMEOUT_CAP_S, float(len(node.value.elts))))
     return base
 
 

@@ -151,6 +151,10 @@ def check_isolation(mode: Optional[str] = None) -> Tuple[str, ...]:
 
 
 def _rmtree(path: str) -> None:
+    """Remove a run's temp dir, whatever the program left in it: read-only dirs, and (``process`` isolation, where
+    the dir is on the machine's disk) a tree deeper than Python's recursion limit, which made shutil.rmtree raise
+    RecursionError out of run_program (a reward error) and leave the tree behind: it is flattened first."""
+
     def onerror(func, p, _exc):  # a program may leave read-only dirs behind
         try:
             os.chmod(os.path.dirname(p), 0o700)
@@ -159,7 +163,30 @@ def _rmtree(path: str) -> None:
         except OSError:
             pass
 
-    shutil.rmtree(path, onerror=onerror)
+    try:
+        shutil.rmtree(path, onerror=onerror)
+    except RecursionError:
+        _flatten(path)
+        shutil.rmtree(path, onerror=onerror)
+
+
+def _flatten(path: str) -> None:
+    """Move every directory below ``path`` up into ``path`` (fresh names): no tree left deeper than two levels."""
+    todo, prefix, k = [path], os.path.join(path, f".flat-{secrets.token_hex(8)}-"), 0
+    while todo:
+        d = todo.pop()
+        try:
+            os.chmod(d, 0o700)
+            subdirs = [e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            continue
+        for sub in subdirs:
+            k += 1
+            try:
+                os.rename(sub, prefix + str(k))
+                todo.append(prefix + str(k))
+            except OSError:
+                pass
 
 
 def _classify(rc: Optional[int], timed_out: bool, truncated: bool, stderr: str, cpu_over: bool) -> str:

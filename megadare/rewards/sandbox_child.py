@@ -32,6 +32,7 @@ copy of its namespace, so the tests call the true builtin.
 
 import builtins
 import os
+import resource
 import sys
 import traceback
 import types
@@ -68,12 +69,25 @@ def _jail(plan, source, rep):
     without an audit event) and is not dumpable. Does not return."""
     namespace = {"__name__": "sandbox_jail"}
     exec(compile(source, "sandbox_jail.py", "exec"), namespace)
-    namespace["enter"](eval(plan, {"__builtins__": {}}), rep)
+    plan = eval(plan, {"__builtins__": {}})
+    tasks = plan.pop("nproc", None)
+    namespace["enter"](plan, rep)
     try:
-        os.execv(sys.executable, sys.orig_argv[:-2] + [JAILED, ""])
+        os.execv(sys.executable, sys.orig_argv[:-2] + [JAILED, "%d,%d" % tasks if tasks else ""])
     except OSError as e:  # e.g. an LSM that refuses executing from a tmpfs: the kernel refused a step
         os.write(rep, ("unavailable exec of the interpreter's copy: %s\n" % (e,)).encode(errors="replace"))
         os._exit(namespace["EXIT_UNAVAILABLE"])
+
+
+def _limit_tasks(tasks, rep):
+    """In the exec'd interpreter, before the program: RLIMIT_NPROC (``"soft,hard"`` from the jail's plan; "" when
+    the parent set it before exec). A root trainer's jail drops to uid 65534, and the kernel fails the execve of a
+    process whose new uid has more tasks than its RLIMIT_NPROC (EAGAIN): threads of other sandboxes of that uid,
+    started after this run's limit was counted, made the exec fail, which read as the machine refusing the sandbox
+    and stopped every code reward of the run. Set after the exec, the limit only stops the program's own threads."""
+    if tasks:
+        resource.setrlimit(resource.RLIMIT_NPROC, tuple(map(int, tasks.split(","))))
+        os.write(rep, b"rlimit_nproc\n")
 
 
 def _not_dumpable(rep):
@@ -177,6 +191,7 @@ def _boot():
     preload, jail_plan, jail_source = sys.argv[9], sys.argv[10], sys.argv[11]
     if jail_plan == JAILED:
         _not_dumpable(rep)
+        _limit_tasks(jail_source, rep)
     elif jail_plan:
         _jail(jail_plan, jail_source, rep)
     source = _read_fd(code_fd)

@@ -211,6 +211,9 @@ def start_child(
     if mode == "namespaces":
         seccomp = seccomp_program(deny, 1, own_group=False) if deny is not None else None
         plan = _jail_plan(workdir, is_root, max(64, 4 * file_size_mb), seccomp, allow_site_packages)
+        if is_root:  # set after the jail's exec (sandbox_child._limit_tasks): before it, others' threads fail the exec
+            plan["nproc"] = next((v for name, _, v in limits if name == "rlimit_nproc"), None)
+            limits = [lim for lim in limits if lim[0] != "rlimit_nproc"]
         jail = [repr(plan), _JAIL]
     argv = [sys.executable, "-I", "-B", "-X", "utf8"] + ([] if allow_site_packages else ["-S"])
     argv += ["-c", _BOOTSTRAP] + [str(a) for a in boot] + jail
