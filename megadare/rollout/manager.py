@@ -275,14 +275,15 @@ class RolloutManager:
         ray = _ray()
         self.unanswered.update(slots)
         names = ", ".join(f"rollout engine {s}" for s in sorted(slots))
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        every = ray.nodes()
+        nodes = [n for n in every if n.get("Alive")]
         have = "; ".join(
             f"{n.get('NodeManagerAddress', '?')}: "
             + ", ".join(f"{k} {n['Resources'].get(k, 0):g}" for k in self.bundle)
             for n in nodes
         )
         free = ray.available_resources()
-        dead = sorted({n.get("NodeManagerAddress", "?") for n in ray.nodes() if not n.get("Alive")})
+        dead = sorted({n.get("NodeManagerAddress", "?") for n in every if not n.get("Alive")})
         why = (
             f"Ray node {', '.join(dead)} died (its raylet killed or its host lost; Ray's logs: {_ray_logs()})"
             if dead
