@@ -170,7 +170,7 @@ def iteration_dirs(root: str) -> list[str]:
 def newest_intact(root: str, required: tuple[str, ...] = (), companions: tuple[str, ...] = ()) -> Resumable:
     """The newest ``iter_*`` checkpoint under ``root`` whose manifest holds (``convert.manifest``), that has the
     ``required`` files and whose namesake under each of the ``companions`` roots (TraceRL's value model, saved
-    after the policy) is intact too; the tracker is only a hint (a crash between the rename and the tracker
+    before the policy) is intact too; the tracker is only a hint (a crash between the rename and the tracker
     update leaves a newer complete checkpoint). ``path`` is None when there is no checkpoint at all."""
     out = Resumable(None)
     try:
