@@ -164,6 +164,10 @@ def test_a_config_json_that_is_no_object_is_named(capsys, tmp_path):
             {"num_attention_heads": 8},
             "v_proj.weight have [64, 32, 32] rows, config.json's 8 heads, 2 key-value heads of 16",
         ),
+        (
+            {"intermediate_size": 96},
+            "model.layers.0.mlp.gate_proj.weight is [128, 64], config.json gives [96, 64]; model.layers.0.mlp.up_proj",
+        ),
     ],
 )
 def test_a_config_json_of_other_weights_is_refused_before_converting(capsys, tmp_path, changes, words):
@@ -177,6 +181,25 @@ def test_a_config_json_of_other_weights_is_refused_before_converting(capsys, tmp
     argv = ["sft", "--dry-run", "--config", SFT_TINY, f"model.hf_path={hf}", "model.family=null"]
     line = refused(capsys, *argv, f"logging.run_dir={tmp_path / 'run'}")
     assert words in line, line
+
+
+def test_a_config_json_with_fewer_layers_than_its_weights_is_one_line(capsys, tmp_path):
+    """num_hidden_layers below the checkpoint's layers: a ValueError traceback from the mapping table's check."""
+    hf = _edited_hf(tmp_path, num_hidden_layers=1)
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(tmp_path / "out"))
+    assert "the checkpoint does not match its config.json; unexpected tensors (11): ['model.layers.1." in line, line
+    assert line.endswith("put the checkpoint's own config.json beside its safetensors"), line
+
+
+def test_load_hf_model_names_a_width_config_json_does_not_give(tmp_path):
+    """The built-in engine's and eval's loader: a config.json of another MLP width was a RuntimeError of
+    load_state_dict's size-mismatch list; now the CheckpointError naming the tensor and both shapes."""
+    from megadare.models import load_hf_model
+    from megadare.models.safetensors_io import CheckpointError
+
+    hf = _edited_hf(tmp_path, intermediate_size=96)
+    with pytest.raises(CheckpointError, match=r"gate_proj.weight is \[128, 64\], config.json gives \[96, 64\]"):
+        load_hf_model(hf)
 
 
 def test_eval_dry_run_reads_the_task_rows(capsys, tmp_path):

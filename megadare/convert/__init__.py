@@ -38,6 +38,7 @@ from megadare.models.safetensors_io import (
 )
 from megadare.convert.sharded_load import fill_model_from_global
 from megadare.models.family import Family, ModelArch, ModelConfigError, family_of, read_hf_config
+from megadare.models import hf_shape_mismatches
 from megadare.parallel.layout import Layout
 
 __all__ = [
@@ -77,10 +78,14 @@ class HFSource:
             if r.op == "vocab" and problem is None and list(shapes[0][1:]) != [self.arch.hidden_size]:
                 problem = f"{r.hf[0]} is {list(shapes[0])}, config.json's hidden_size is {self.arch.hidden_size}"
             if problem is not None:
-                raise ModelConfigError(
-                    f"{hf_dir}: config.json does not describe these weights ({problem}); put the checkpoint's own "
-                    "config.json beside its safetensors"
-                )
+                break
+        else:  # every other tensor (MLP and expert widths, norms, layers' shapes) against the hf/ model's
+            problem = hf_shape_mismatches(self.config, self.reader) or None
+        if problem is not None:
+            raise ModelConfigError(
+                f"{hf_dir}: config.json does not describe these weights ({problem}); put the checkpoint's own "
+                "config.json beside its safetensors"
+            )
         self.rows = {r.mcore: r for r in self.table}
         self.dtype = dtype
 

@@ -1,6 +1,7 @@
 """Model families: recognise a checkpoint, build its hf/ reference model or its Megatron model.
 
 load_hf_model(path)             config.json + *.safetensors (single or sharded) -> hf/ model, strict
+hf_shape_mismatches(cfg, r)     the tensors whose header shape is not the one config.json's model has
 build_hf_model(cfg)             random-initialised hf/ model for a config.json dict
 perturb_(model)                 random weights that all matter (norms off one, expert biases off zero)
 save_hf_model(model, cfg, dir)  HF-layout checkpoint (sharded safetensors + index + config.json)
@@ -33,6 +34,7 @@ __all__ = [
     "read_hf_config",
     "build_hf_model",
     "load_hf_model",
+    "hf_shape_mismatches",
     "perturb_",
     "save_hf_model",
 ]
@@ -60,9 +62,32 @@ def load_hf_model(
                 f"{os.fspath(path)}: checkpoint does not match config.json: "
                 f"missing {missing[:8]}, unexpected {unexpected[:8]}"
             )
+        wrong = _shape_mismatches({k: list(v.shape) for k, v in want.items()}, r)
+        if wrong:
+            raise CheckpointError(f"{os.fspath(path)}: config.json does not describe these weights ({wrong})")
         state = {k: r.get(k).to(dtype) for k in want}
     model.load_state_dict(state, assign=True)
     return model.to(device).eval()
+
+
+def hf_shape_mismatches(cfg: dict, reader: SafetensorsReader) -> str:
+    """The tensors in ``reader`` whose header shape is not the one the family's hf/ model built from ``cfg`` has
+    ("name is [a, b], config.json gives [c, d]", the first three and a count), else ''. Built on the meta device:
+    no weight is allocated or read. Names on one side only are the name checks' to report."""
+    with torch.device("meta"):
+        model = family_of(cfg).hf_model(cfg)
+    return _shape_mismatches({k: list(v.shape) for k, v in model.state_dict().items()}, reader)
+
+
+def _shape_mismatches(want: dict[str, list[int]], reader: SafetensorsReader) -> str:
+    have = set(reader.keys())
+    wrong = [
+        f"{k} is {reader.shape(k)}, config.json gives {s}"
+        for k, s in want.items()
+        if k in have and reader.shape(k) != s
+    ]
+    more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+    return "; ".join(wrong[:3]) + more
 
 
 def perturb_(model: torch.nn.Module, scale: float = 0.05, expert_bias_scale: float = 0.1) -> torch.nn.Module:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megadare.models.family import ModelArch
+from megadare.models.family import ModelArch, ModelConfigError
 
 OPS = ("copy", "qkv", "fused_qkv", "vocab")
 # The padded vocabulary must not depend on the layout, so checkpoints stay loadable under any TP.
@@ -236,4 +236,4 @@ def check_table(rows: list[ParamMap], hf_names: set[str], where: str) -> None:
             msg.append(f"missing tensors ({len(missing)}): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         if extra:
             msg.append(f"unexpected tensors ({len(extra)}): {extra[:8]}{' ...' if len(extra) > 8 else ''}")
-        raise ValueError("; ".join(msg))
+        raise ModelConfigError("; ".join(msg) + "; put the checkpoint's own config.json beside its safetensors")
