@@ -34,7 +34,6 @@ from megadare.errors import ConfigError, RunStateError
 from megadare.eval.files import task_file
 from megadare.eval.runner import check_eval_config, load_task_prompts
 from megadare.models.family import ModelArch
-from megadare.models.safetensors_io import SafetensorsReader
 from megadare.plan import plan
 from megadare.plan.memory import trainer_world
 from megadare import rewards
@@ -100,10 +99,9 @@ def check_model(cfg: Config, src: Optional[ModelSource], generates: bool = False
 def _check_weights(hf_dir: str) -> None:
     """Every safetensors file of the checkpoint has a readable header (the index, the shards it names); the
     reader's CheckpointError names the damaged file."""
-    reader = SafetensorsReader(hf_dir)
-    for fn in sorted(set(reader.weight_map.values())):
+    reader = HFSource(hf_dir).reader  # the headers' tensors and shapes against config.json (no weight is read)
+    for fn in sorted(set(reader.weight_map.values())):  # and the shards holding none of them (cached: read once)
         reader._header(fn)
-    HFSource(hf_dir)  # the headers' tensors and shapes against config.json (headers only: no weight is read)
 
 
 def _first_rows(paths, key: str) -> list[tuple[str, dict]]:

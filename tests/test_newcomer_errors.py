@@ -288,3 +288,22 @@ def test_convert_vpp_below_one_is_refused(capsys, tmp_path, vpp):
     line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(out), "--pp", "2", "--vpp", vpp)
     assert f"vpp={vpp} must be a positive integer" in line, line
     assert not out.exists()
+
+
+def test_the_dry_run_names_a_damaged_shard(capsys, tmp_path):
+    """Every shard's header is read once by the dry run: a shard cut short is named before anything loads."""
+    import json
+
+    from megadare.models import build_hf_model, get_family, save_hf_model
+
+    cfg = get_family("sdar").tiny_config(block_size=4)
+    hf = save_hf_model(build_hf_model(cfg), cfg, tmp_path / "hf", max_shard_bytes=40_000)
+    with open(os.path.join(hf, "model.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(shards) >= 3, shards
+    last = os.path.join(hf, shards[-1])
+    with open(last, "r+b") as f:
+        f.truncate(100)
+    argv = ["sft", "--dry-run", "--config", SFT_TINY, f"model.hf_path={hf}", "model.family=null"]
+    line = refused(capsys, *argv, f"logging.run_dir={tmp_path / 'run'}")
+    assert f"{last}: not a complete safetensors file" in line, line
