@@ -53,6 +53,7 @@ from megadare.convert.mcore_ckpt import (
     _tmp,
     intact_checkpoint_dir,
     iteration_dirs,
+    iteration_step,
     newest_intact,
     load_into_chunks,
     model_sharded_state_dict,
@@ -304,9 +305,7 @@ def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
     for d in names:  # what a killed rotation left
         if d.startswith("iter_") and d.endswith(".pruning"):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    its = sorted(
-        int(d[5:]) for d in names if d.startswith("iter_") and d[5:].isdigit() and d == f"iter_{int(d[5:]):07d}"
-    )
+    its = sorted(iteration_step(os.path.basename(d)) for d in iteration_dirs(root))
     for it in its[:-keep_last]:
         if it != current:  # renamed out of the iter_* names first: a kill mid-delete leaves no half checkpoint
             doomed = iteration_dir(root, it) + ".pruning"  # that resume could take (its manifest gone first)
@@ -500,7 +499,7 @@ def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
     the value model's saves of that step again paired the new policy with the old timeline's value model."""
     for c in companions:
         for d in iteration_dirs(c):
-            if int(os.path.basename(d)[5:]) > step:
+            if iteration_step(os.path.basename(d)) > step:
                 _say(
                     f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d, 'rolled-back')}"
                 )
@@ -578,9 +577,9 @@ def resume_run(
         for d, _ in pick.skipped:
             _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
         if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
-            _write_tracker(root, int(os.path.basename(pick.path)[5:]))
+            _write_tracker(root, iteration_step(os.path.basename(pick.path)))
     if (pick.path is not None or not pick.skipped) and _rank() == 0:
-        _set_aside_stale_companions(companions, int(os.path.basename(pick.path)[5:]) if pick.path else 0)
+        _set_aside_stale_companions(companions, iteration_step(os.path.basename(pick.path)) if pick.path else 0)
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(
