@@ -49,3 +49,46 @@ def test_resume_and_rotation_count_the_same_checkpoint_names(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("²")
     with pytest.raises(MegatronCheckpointError, match="holds '²', not a step number"):
         read_tracker(str(tmp_path))
+
+
+def test_set_aside_value_checkpoints_go_once_the_run_saves_their_step_again(tmp_path, monkeypatch):
+    """TraceRL: each kill between the value model's save and the policy's left ``<root>_value/iter_N.rolled-back``
+    (a full checkpoint) that nothing deleted; the README told users to remove them. The save of step N (both
+    models in place) now removes the ones of steps <= N; a later step's, a ``.damaged`` one and any other name
+    are kept."""
+    from megadare.trainer import policy as policy_mod
+
+    root = tmp_path / "ckpt"
+    value = tmp_path / "ckpt_value"
+    _fake_checkpoint(root / "iter_0000006", 6)
+    _fake_checkpoint(value / "iter_0000006", 6)
+    for name in (
+        "iter_0000008.rolled-back",
+        "iter_0000008.rolled-back-2",
+        "iter_0000007.rolled-back",
+        "iter_0000009.rolled-back",
+        "iter_0000006.damaged",
+        "iter_0000008.rolled-back.mine",
+        "notes",
+    ):
+        (value / name).mkdir()
+        (value / name / "f").write_text("x")
+
+    def fake_save(r, step, trained, state, about, keep_last):
+        d = os.path.join(r, f"iter_{step:07d}")
+        os.makedirs(d)
+        return d
+
+    monkeypatch.setattr(policy_mod, "save_train_checkpoint", fake_save)
+    vm = policy_mod.ValueModel([], None, None)
+    p = policy_mod.Policy([], None, None, value=vm)
+    p.save(str(root), 8, policy_mod.CheckpointState(), policy_mod.Provenance(), keep_last=2)
+    assert sorted(os.listdir(value)) == [
+        "iter_0000006",
+        "iter_0000006.damaged",
+        "iter_0000008",
+        "iter_0000008.rolled-back.mine",
+        "iter_0000009.rolled-back",
+        "notes",
+    ]
+    assert sorted(os.listdir(root)) == ["iter_0000006", "iter_0000008"]

@@ -316,6 +316,26 @@ def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
             shutil.rmtree(doomed, ignore_errors=True)
 
 
+_ROLLED_BACK = re.compile(r"iter_([0-9]{7,})\.rolled-back(?:-[0-9]+)?")
+
+
+def drop_rolled_back(root: str, current: int) -> None:
+    """Remove the checkpoints under ``root`` that resume set aside as rolled back (``iter_N.rolled-back[-k]``, a
+    name only ``_set_aside_stale_companions`` gives) of steps N <= ``current``, once step ``current`` is saved
+    complete: the run's new timeline has replaced them. Rank 0. Any other name (``.damaged``, yours) is kept."""
+    if _rank() != 0 or not os.path.isdir(root):
+        return
+    for d in sorted(os.listdir(root)):
+        m = _ROLLED_BACK.fullmatch(d)
+        if m and int(m.group(1)) <= current:  # out of the way first, as rotation does (its .pruning cleanup)
+            doomed = os.path.join(root, d + ".pruning")
+            try:
+                os.rename(os.path.join(root, d), doomed)
+            except OSError:
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
 def load_checkpoint_object(path: str, name: str, per_rank: bool = False) -> Any:
     """An object saved with ``CheckpointState.objects`` (or this rank's of ``rank_objects``); None
     when the checkpoint has none."""
@@ -481,9 +501,10 @@ def _say(msg: str) -> None:
 
 
 def _move_aside(damaged: str, why: str = "damaged") -> str:
-    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.<why>[-N]`` (kept, never deleted):
-    under its ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it,
-    and a later resume could mix its steps with the retrained ones."""
+    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.<why>[-N]`` (kept: a ``damaged`` one
+    never deleted, a ``rolled-back`` one until the run saves its step again, ``drop_rolled_back``): under its
+    ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it, and a
+    later resume could mix its steps with the retrained ones."""
     for n in range(1, 1000):
         aside = f"{damaged}.{why}" + (f"-{n}" if n > 1 else "")
         if not os.path.lexists(aside):
