@@ -92,3 +92,48 @@ def test_set_aside_value_checkpoints_go_once_the_run_saves_their_step_again(tmp_
         "notes",
     ]
     assert sorted(os.listdir(root)) == ["iter_0000006", "iter_0000008"]
+
+
+def _records(path) -> list[str]:
+    return open(path).read().splitlines() if os.path.exists(path) else []
+
+
+@pytest.mark.parametrize("killed_at", ["replace", "fsync"])
+def test_a_kill_during_the_metrics_roll_back_loses_and_doubles_nothing(tmp_path, monkeypatch, killed_at):
+    """Resume moves the rolled-back steps' records from metrics.jsonl to metrics.rolled_back.jsonl: it appended
+    them, then replaced metrics.jsonl, so a kill between the two left them in both files and the rerun appended
+    them again (each twice). A kill at every step of the move (each rename, each temp file's write) and then the
+    rerun now leave each record exactly once."""
+    from megadare.trainer import monitor
+
+    rows = [json.dumps({"step": s, "loss": s / 10}) for s in range(1, 7)]
+    old_rolled = [json.dumps({"step": 5, "loss": 9.0})]  # an earlier roll-back's
+    real = getattr(monitor.os, killed_at)
+    kills = 0
+    while True:
+        metrics, rolled = tmp_path / "metrics.jsonl", tmp_path / "metrics.rolled_back.jsonl"
+        metrics.write_text("\n".join(rows) + "\n")
+        rolled.write_text(old_rolled[0] + "\n")
+        calls = []
+
+        def kill_at_the_nth(*a, n=kills, **k):
+            calls.append(a)
+            if len(calls) == n + 1:
+                raise KeyboardInterrupt  # the kill, before this call's effect
+            return real(*a, **k)
+
+        monkeypatch.setattr(monitor.os, killed_at, kill_at_the_nth)
+        try:
+            monitor.roll_back_jsonl(str(metrics), 4)
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        monkeypatch.setattr(monitor.os, killed_at, real)
+        monitor.roll_back_jsonl(str(metrics), 4)  # the rerun
+        assert _records(metrics) == rows[:4], kills
+        assert _records(rolled) == old_rolled + rows[4:], kills
+        assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "metrics.rolled_back.jsonl"], kills
+        if finished:
+            break
+        kills += 1
+    assert kills >= 2  # the kill fell at each of the move's steps
