@@ -137,3 +137,25 @@ def test_a_kill_during_the_metrics_roll_back_loses_and_doubles_nothing(tmp_path,
             break
         kills += 1
     assert kills >= 2  # the kill fell at each of the move's steps
+
+
+def test_a_second_run_on_a_live_runs_checkpoint_root_is_refused(tmp_path):
+    """A run locked its run directory, and its checkpoint root only when that lay outside it: a second run with
+    checkpoint.save=<first run_dir>/ckpt (or logging.run_dir there) took its lock and trained into the live run's
+    checkpoints. The checkpoint root is now locked wherever it lies; the second run is refused in one line."""
+    from megadare.errors import RunStateError
+    from megadare.trainer.run_lock import LOCK, run_dir_lock
+
+    a = tmp_path / "a"
+    with run_dir_lock(str(a), str(a / "ckpt")):
+        for second in ((tmp_path / "b", a / "ckpt"), (a / "ckpt", a / "ckpt" / "ckpt")):
+            with pytest.raises(RunStateError) as e:
+                with run_dir_lock(str(second[0]), str(second[1])):
+                    pass
+            line = str(e.value)
+            assert f"{a / 'ckpt'} is in use by pid {os.getpid()}" in line and "\n" not in line, line
+        assert not (tmp_path / "b" / LOCK).exists()  # what the refused run took is given back
+    assert sorted(os.listdir(a)) == ["ckpt"] and os.listdir(a / "ckpt") == []  # released at the end
+    with run_dir_lock(str(tmp_path / "b"), str(a / "ckpt")):  # the first run is over: the second may go on
+        pass
+
