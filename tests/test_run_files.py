@@ -159,3 +159,33 @@ def test_a_second_run_on_a_live_runs_checkpoint_root_is_refused(tmp_path):
     with run_dir_lock(str(tmp_path / "b"), str(a / "ckpt")):  # the first run is over: the second may go on
         pass
 
+
+def test_the_fp8_engines_folder_is_served_or_replaced_only_with_a_sound_mark(tmp_path):
+    """rollout.fp8_weights: <run_dir>/engine_fp8 with a config.json and no export mark was served as it was (any
+    folder, of any model), and a damaged mark died in json's traceback, while the export check read the same mark
+    as 'no mark'. One reader now: a folder without the mark is refused (megadare cannot tell it made it, so it
+    neither serves nor deletes it), a damaged mark is one line naming the file, wherever it is read."""
+    from megadare.convert.outputs import EXPORT_MARK, check_export_target
+    from megadare.errors import OutputError
+    from megadare.rollout.setup import fp8_engine_model
+
+    run = tmp_path / "run"
+    folder = run / "engine_fp8"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # not an export: no mark
+    with pytest.raises(OutputError) as e:
+        fp8_engine_model(str(run), str(tmp_path / "model"))
+    line = str(e.value)
+    assert line.startswith(f"{folder} has no {EXPORT_MARK}: megadare cannot tell that it exported") and "\n" not in line
+    assert os.listdir(folder) == ["config.json"]
+    (folder / EXPORT_MARK).write_text('{"kind": "hf-fp8-bl')  # torn
+    for call in (
+        lambda: fp8_engine_model(str(run), str(tmp_path / "model")),
+        lambda: check_export_target(str(folder), "hf-fp8-block", [str(tmp_path / "model")]),
+    ):
+        with pytest.raises(OutputError) as e:
+            call()
+        line = str(e.value)
+        assert line.startswith(f"{folder / EXPORT_MARK} is damaged (JSONDecodeError: ") and "\n" not in line, line
+        assert "remove the directory" in line
+    assert sorted(os.listdir(folder)) == [EXPORT_MARK, "config.json"]

@@ -50,15 +50,33 @@ def checkpoint_root_of(path: str) -> str | None:
         p = parent
 
 
-def export_kind(path: str) -> str | None:
-    """The kind of the megadare export at ``path`` (its mark; megadare.json for older Megatron exports), else None."""
+def read_export_mark(path: str) -> dict | None:
+    """The export mark of the directory ``path`` (``mark_export``'s JSON object), None without one. A mark that
+    cannot be read or holds no kind raises OutputError in one line naming it: megadare cannot tell what the
+    directory holds, so it neither reuses nor replaces it."""
     mark = os.path.join(path, EXPORT_MARK)
-    if os.path.isfile(mark):
-        try:
-            with open(mark) as f:
-                return str(json.load(f).get("kind"))
-        except (OSError, ValueError, AttributeError):
-            return None
+    if not os.path.isfile(mark):
+        return None
+    try:
+        with open(mark) as f:
+            found = json.load(f)
+        why = "it holds no export kind"
+    except (OSError, ValueError) as e:
+        found, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if isinstance(found, dict) and isinstance(found.get("kind"), str):
+        return found
+    raise OutputError(
+        f"{mark} is damaged ({why}); megadare cannot tell what {path} holds, so it neither reuses nor replaces it: "
+        "if it is an export you no longer need, remove the directory (it is exported again), else choose another"
+    )
+
+
+def export_kind(path: str) -> str | None:
+    """The kind of the megadare export at ``path`` (its mark; megadare.json for older Megatron exports), else None.
+    A damaged mark raises OutputError (``read_export_mark``)."""
+    mark = read_export_mark(path)
+    if mark is not None:
+        return mark["kind"]
     meta = os.path.join(path, "megadare.json")
     if os.path.isfile(meta) and not os.path.exists(os.path.join(path, "train_state.json")):
         try:
