@@ -189,3 +189,26 @@ def test_the_fp8_engines_folder_is_served_or_replaced_only_with_a_sound_mark(tmp
         assert line.startswith(f"{folder / EXPORT_MARK} is damaged (JSONDecodeError: ") and "\n" not in line, line
         assert "remove the directory" in line
     assert sorted(os.listdir(folder)) == [EXPORT_MARK, "config.json"]
+
+
+def test_a_kill_while_writing_the_run_config_leaves_the_previous_one(tmp_path, monkeypatch):
+    """config.yaml was truncated, then written: a kill (or a full disk) in between left it empty or torn, and an
+    empty config.yaml reads as the user's own, so every later start of the run was refused. It is now replaced
+    in one rename: the previous one stays until the new one is whole."""
+    from types import SimpleNamespace
+
+    from megadare.trainer import monitor
+
+    cfg = SimpleNamespace(logging=SimpleNamespace(run_dir=str(tmp_path)))
+    monkeypatch.setattr(monitor, "to_yaml", lambda c: "train:\n  steps: 4\n")
+    monitor.write_run_config(cfg)
+    before = (tmp_path / "config.yaml").read_text()
+
+    def killed(c):
+        raise KeyboardInterrupt  # the kill, while the new config is being written
+
+    monkeypatch.setattr(monitor, "to_yaml", killed)
+    with pytest.raises(KeyboardInterrupt):
+        monitor.write_run_config(cfg)
+    assert (tmp_path / "config.yaml").read_text() == before
+    assert monitor.foreign_run_config(str(tmp_path)) is None and os.listdir(tmp_path) == ["config.yaml"]

@@ -151,10 +151,15 @@ def _finish_roll_back(path: str, rolled: str) -> None:
 
 def _write_whole(path: str, lines: list[str]) -> None:
     """``path`` holding ``lines``, never seen half-written: a temp file, on disk, renamed into place."""
-    with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise
     os.replace(path + ".tmp", path)
 
 
@@ -184,7 +189,8 @@ def foreign_run_config(run_dir: str) -> Optional[str]:
 
 
 def write_run_config(cfg) -> None:
-    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first)."""
-    os.makedirs(cfg.logging.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.logging.run_dir, "config.yaml"), "w") as f:
-        f.write(RUN_CONFIG_HEADER + to_yaml(cfg))
+    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first),
+    replaced in one rename."""
+    os.makedirs(cfg.logging.run_dir, exist_ok=True)  # whole or not at all: an empty or torn config.yaml (a kill
+    # or a full disk mid-write) no longer reads as the user's own, refusing every later start of the run
+    _write_whole(os.path.join(cfg.logging.run_dir, "config.yaml"), [RUN_CONFIG_HEADER + to_yaml(cfg)])
