@@ -144,7 +144,7 @@ def test_a_second_run_on_a_live_runs_checkpoint_root_is_refused(tmp_path):
     checkpoint.save=<first run_dir>/ckpt (or logging.run_dir there) took its lock and trained into the live run's
     checkpoints. The checkpoint root is now locked wherever it lies; the second run is refused in one line."""
     from megadare.errors import RunStateError
-    from megadare.trainer.run_lock import LOCK, run_dir_lock
+    from megadare.trainer.run_lock import run_dir_lock
 
     a = tmp_path / "a"
     with run_dir_lock(str(a), str(a / "ckpt")):
@@ -154,7 +154,7 @@ def test_a_second_run_on_a_live_runs_checkpoint_root_is_refused(tmp_path):
                     pass
             line = str(e.value)
             assert f"{a / 'ckpt'} is in use by pid {os.getpid()}" in line and "\n" not in line, line
-        assert not (tmp_path / "b" / LOCK).exists()  # what the refused run took is given back
+        assert not (tmp_path / "b").exists()  # what the refused run took is given back, its directory too
     assert sorted(os.listdir(a)) == ["ckpt"] and os.listdir(a / "ckpt") == []  # released at the end
     with run_dir_lock(str(tmp_path / "b"), str(a / "ckpt")):  # the first run is over: the second may go on
         pass
@@ -212,3 +212,4 @@ def test_a_kill_while_writing_the_run_config_leaves_the_previous_one(tmp_path, m
         monitor.write_run_config(cfg)
     assert (tmp_path / "config.yaml").read_text() == before
     assert monitor.foreign_run_config(str(tmp_path)) is None and os.listdir(tmp_path) == ["config.yaml"]
+

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -175,6 +176,7 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     dirs = lock_dirs(run_dir, *also)
     outcome, held = [None], []
+    made = [d for d in dirs if not os.path.isdir(d)]  # a refused run leaves no directory behind it
     if rank0:
         try:
             for d in dirs:
@@ -189,6 +191,9 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
             if outcome[0] or len(held) < len(dirs):  # refused, or acquire raised: give back what was taken
                 for d in held:
                     release(d)
+                for d in reversed(made):  # the checkpoint root before the run directory holding it
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
