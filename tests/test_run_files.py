@@ -213,3 +213,35 @@ def test_a_kill_while_writing_the_run_config_leaves_the_previous_one(tmp_path, m
     assert (tmp_path / "config.yaml").read_text() == before
     assert monitor.foreign_run_config(str(tmp_path)) is None and os.listdir(tmp_path) == ["config.yaml"]
 
+
+def test_an_export_removes_what_a_killed_export_of_the_same_out_left(tmp_path, capsys):
+    """A SIGKILLed export (an OOM kill mid-write) left its hidden staging folder beside --out, a whole model's
+    size, and each retry left another: nothing removed them. The staging names now carry pid@host; an export
+    removes those of its --out whose process on this host is gone, and keeps a live one's, another host's and
+    names it did not give."""
+    import socket
+    import subprocess
+    import sys
+
+    from megadare.convert.outputs import staging_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    out = tmp_path / "export"
+    names = {
+        "dead": f".export.tmp.{gone.pid}@{host}-abcd1234",
+        "old": f".export.old.{gone.pid}@{host}-efgh5678",
+        "live": f".export.tmp.{os.getpid()}@{host}-ijkl9012",
+        "elsewhere": f".export.tmp.{gone.pid}@not-{host}-mnop3456",
+        "other out": f".export2.tmp.{gone.pid}@{host}-qrst7890",
+        "unnamed": ".export.tmp-uvwx1234",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_text("x")
+    staging = staging_dir(str(out))
+    left = set(os.listdir(tmp_path))
+    assert left == {os.path.basename(staging)} | {names[k] for k in ("live", "elsewhere", "other out", "unnamed")}
+    assert os.path.basename(staging).startswith(f".export.tmp.{os.getpid()}@{host}-")
+    assert f"export: removed {tmp_path / names['dead']}, left by a killed export of {out}" in capsys.readouterr().err

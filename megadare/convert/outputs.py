@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable
 
 from megadare.errors import OutputError
-from megadare.models.safetensors_io import fresh_sibling
+from megadare.models.safetensors_io import fresh_sibling, sweep_dead_siblings
 
 EXPORT_MARK = ".megadare-export.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -154,8 +155,12 @@ def _not_written_by_an_export(path: str) -> str | None:
 
 
 def staging_dir(out: str) -> str:
-    """A new, empty sibling of ``out`` to assemble it in (a unique name: never an existing path)."""
-    return fresh_sibling(os.fspath(out).rstrip(os.sep), "tmp", create=True)
+    """A new, empty sibling of ``out`` to assemble it in (a unique name: never an existing path), once what killed
+    exports of ``out`` left beside it is removed (``sweep_dead_siblings``)."""
+    out = os.fspath(out).rstrip(os.sep)
+    for d in sweep_dead_siblings(out):
+        print(f"export: removed {d}, left by a killed export of {out}", file=sys.stderr, flush=True)
+    return fresh_sibling(out, "tmp", create=True)
 
 
 def mark_export(staging: str, kind: str, sources: Iterable[str], **extra) -> None:
