@@ -245,3 +245,34 @@ def test_an_export_removes_what_a_killed_export_of_the_same_out_left(tmp_path, c
     assert left == {os.path.basename(staging)} | {names[k] for k in ("live", "elsewhere", "other out", "unnamed")}
     assert os.path.basename(staging).startswith(f".export.tmp.{os.getpid()}@{host}-")
     assert f"export: removed {tmp_path / names['dead']}, left by a killed export of {out}" in capsys.readouterr().err
+
+
+def test_a_kill_while_an_export_replaces_the_previous_one_leaves_one_in_place(tmp_path, monkeypatch):
+    """publish moved the previous export aside, then renamed the new one into place: a kill between the two left
+    no --out at all (and a training checkpoint re-saved under its own name, no iter_N). The two are now swapped
+    in one step where the filesystem can; the previous export goes afterwards."""
+    from megadare.convert import outputs
+
+    out, staging = tmp_path / "out", tmp_path / "staging"
+    for d, text in ((out, "previous"), (staging, "new")):
+        d.mkdir()
+        (d / "model.safetensors").write_text(text)
+    if not outputs._exchange(str(staging), str(out)):
+        pytest.skip("this filesystem cannot swap two paths in one step")
+    outputs._exchange(str(staging), str(out))  # back as they were
+    real, calls = os.replace, []
+
+    def killed_after_the_first(*a, **k):
+        calls.append(a)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, between moving the previous export aside and the new one in
+        return real(*a, **k)
+
+    monkeypatch.setattr(outputs.os, "replace", killed_after_the_first)
+    try:
+        outputs.publish(str(staging), str(out))
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(outputs.os, "replace", real)
+    assert (out / "model.safetensors").read_text() == "new"
+    assert sorted(os.listdir(tmp_path)) == ["out"]

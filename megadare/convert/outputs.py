@@ -15,6 +15,8 @@ rename it into place (``publish``); a previous export is removed only after the 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -171,9 +173,14 @@ def mark_export(staging: str, kind: str, sources: Iterable[str], **extra) -> Non
 
 def publish(staging: str, out: str) -> str:
     """Rename the finished ``staging`` to ``out``; a previous export there (checked by ``check_export_target``) is
-    moved aside first and removed once the new one is in place. Returns ``out``."""
+    swapped with it in one step where the filesystem can (Linux's RENAME_EXCHANGE), else moved aside first, and
+    removed once the new one is in place. Returns ``out``. (Moving aside, then renaming, left no ``out`` at all
+    when a kill fell between the two.)"""
     out = os.fspath(out).rstrip(os.sep)
     if os.path.isdir(out):
+        if _exchange(staging, out):  # ``staging`` now holds the previous export
+            shutil.rmtree(staging, ignore_errors=True)
+            return out
         old = fresh_sibling(out, "old", create=False)
         os.replace(out, old)
         os.replace(staging, out)
@@ -181,6 +188,25 @@ def publish(staging: str, out: str) -> str:
     else:
         os.replace(staging, out)
     return out
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically (renameat2 RENAME_EXCHANGE); False where the C library or the
+    filesystem cannot (nothing was changed then)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
 
 
 def _has_subdir(path: str) -> bool:
