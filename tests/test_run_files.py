@@ -276,3 +276,25 @@ def test_a_kill_while_an_export_replaces_the_previous_one_leaves_one_in_place(tm
     monkeypatch.setattr(outputs.os, "replace", real)
     assert (out / "model.safetensors").read_text() == "new"
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_tracerl_runs_value_checkpoints_are_locked_with_its_checkpoints(tmp_path):
+    """TraceRL with a value model saves it under <root>_value, which no lock covered: a second run with
+    checkpoint.save=<root>_value trained into it and its rotation deleted the live run's value checkpoints.
+    The RL run now locks it beside its checkpoint root."""
+    from types import SimpleNamespace
+
+    from megadare.algos import build_algorithm
+    from megadare.errors import RunStateError
+    from megadare.trainer.rl import checkpoint_roots
+    from megadare.trainer.run_lock import run_dir_lock
+
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(save=None), logging=SimpleNamespace(run_dir=str(tmp_path / "a")))
+    with_value = SimpleNamespace(cfg=cfg, algo=build_algorithm("tracerl", {"value_model": True}))
+    without = SimpleNamespace(cfg=cfg, algo=build_algorithm("tracerl", {}))
+    root = str(tmp_path / "a" / "ckpt")
+    assert checkpoint_roots(with_value) == (root, root + "_value") and checkpoint_roots(without) == (root,)
+    with run_dir_lock(cfg.logging.run_dir, *checkpoint_roots(with_value)):
+        with pytest.raises(RunStateError, match=f"{root}_value is in use by pid {os.getpid()}"):
+            with run_dir_lock(str(tmp_path / "b"), root + "_value"):
+                pass
