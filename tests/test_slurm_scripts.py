@@ -695,3 +695,20 @@ def test_node_wrapper_with_real_torchrun(tmp_path):
     for r in (0, 1):
         assert (tmp_path / f"ready{r}").read_text() == "True"
         assert (tmp_path / f"done{r}").read_text() == "TERM"
+
+
+def test_a_refused_preflight_leaves_the_resolved_config_of_the_live_run(tmp_path):
+    """A second job on a live run's RUN_DIR: its preflight (`megadare --dry-run`, refused: the run directory is in
+    use) wrote through `>` into $LOG_DIR/resolved-config.yaml, truncating the live run's resolved config before
+    refusing. The check now writes a file of its own, renamed into place only when it passes."""
+    refusing = tmp_path / "refusing_python"
+    refusing.write_text("#!/bin/sh\necho 'megadare: runs/x is in use by pid 1 on gpu01' >&2\nexit 2\n")
+    refusing.chmod(0o755)
+    c = Cluster(tmp_path, 2, "llada2_mini", PYTHON=str(refusing), PREFLIGHT="1")
+    logs = Path(c.run_dir) / "slurm"
+    logs.mkdir(parents=True)
+    (logs / "resolved-config.yaml").write_text("model:\n  hf_path: the-live-runs\n")
+    assert c.run("rl_llada2_mini.sh") != 0
+    assert "--dry-run rejected the config" in c.output() and c.calls("torchrun") == []
+    assert (logs / "resolved-config.yaml").read_text() == "model:\n  hf_path: the-live-runs\n"
+    assert sorted(os.listdir(logs)) == ["jobs.log", "resolved-config.yaml"]

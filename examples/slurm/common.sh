@@ -22,7 +22,8 @@
 #                       between submissions: a requeued or resubmitted job resumes from the newest checkpoint
 #   CKPT                checkpoint.save root (default: $RUN_DIR/ckpt); megadare resumes from its newest checkpoint
 #   INIT_CKPT           checkpoint.load: initial weights (a Megatron checkpoint), empty = the HF weights of MODEL
-#   LOG_DIR             Ray logs and the resolved config (default: $RUN_DIR/slurm)
+#   LOG_DIR             Ray logs (appended: a requeue keeps the dead attempt's) and the resolved config (default:
+#                       $RUN_DIR/slurm)
 #   GPUS_PER_NODE       (default: $SLURM_GPUS_ON_NODE, else 8)
 #   CPUS_PER_NODE       --cpus-per-task of every job step (default: $SLURM_CPUS_ON_NODE)
 #   ROLLOUT_NODES       rl: the last ROLLOUT_NODES nodes run only SGLang engines (Ray advertises no GPUs on the
@@ -252,14 +253,14 @@ md_ray_up() {  # head on the first node, workers on the others, each `ray start 
   md_step "$MD_HEAD"
   "${MD_STEP[@]}" bash "$MD_COMMON" node-run ray start --head --block --node-ip-address="$HEAD_IP" \
     --port="$RAY_PORT" --num-gpus="$(md_ray_gpus 0)" --include-dashboard=false --disable-usage-stats \
-    >"$LOG_DIR/ray-$MD_HEAD.log" 2>&1 &
+    >>"$LOG_DIR/ray-$MD_HEAD.log" 2>&1 &
   MD_RAY_PIDS=($!)
   md_ray_wait 1
   for ((i = 1; i < ${#MD_HOSTS[@]}; i++)); do
     host=${MD_HOSTS[i]}
     md_step "$host"
     "${MD_STEP[@]}" bash "$MD_COMMON" node-run ray start --block --address="$HEAD_IP:$RAY_PORT" \
-      --num-gpus="$(md_ray_gpus "$i")" --disable-usage-stats >"$LOG_DIR/ray-$host.log" 2>&1 &
+      --num-gpus="$(md_ray_gpus "$i")" --disable-usage-stats >>"$LOG_DIR/ray-$host.log" 2>&1 &
     MD_RAY_PIDS+=($!)
   done
   md_ray_wait "${#MD_HOSTS[@]}"
@@ -311,8 +312,14 @@ md_preflight() {  # the config, the overrides, the model, the data and the run d
     *) md_die "PREFLIGHT=$PREFLIGHT must be 1, config or 0" ;;
   esac
   md_log "checking $MD_CONFIG with the trainer's overrides (megadare $MD_CMD --dry-run ${only[*]})"
-  "$PYTHON" -m megadare "$MD_CMD" --config "$MD_CONFIG" --dry-run "${only[@]}" "${MD_OVERRIDES[@]}" \
-    >"$LOG_DIR/resolved-config.yaml" || md_die "megadare $MD_CMD --dry-run rejected the config (see above)"
+  # into a file of this job, renamed once the check passed: a job refused (another job's live run on RUN_DIR)
+  # left that run's resolved config empty
+  local resolved="$LOG_DIR/resolved-config.yaml" tmp="$LOG_DIR/resolved-config.yaml.$SLURM_JOB_ID.tmp"
+  if ! "$PYTHON" -m megadare "$MD_CMD" --config "$MD_CONFIG" --dry-run "${only[@]}" "${MD_OVERRIDES[@]}" >"$tmp"; then
+    rm -f "$tmp"
+    md_die "megadare $MD_CMD --dry-run rejected the config (see above)"
+  fi
+  mv -f "$tmp" "$resolved"
 }
 
 md_launch_trainer() {  # one torchrun per trainer node, in one job step

@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterable
@@ -122,7 +123,7 @@ def read_tracker(root: str) -> Optional[str]:
         return None
     with open(tracker, errors="replace") as f:
         it = f.read().strip()
-    if it != "release" and not it.isdigit():
+    if it != "release" and not (it.isascii() and it.isdigit()):
         raise MegatronCheckpointError(
             f"{tracker} holds {it[:40]!r}, not a step number; write the newest complete "
             "step into it (the iter_* directory names), or remove it"
@@ -161,10 +162,21 @@ class Resumable:
     tracker_problem: str = ""  # the tracker file could not be used
 
 
+_ITERATION_NAME = re.compile(r"iter_([0-9]{7,})")
+
+
+def iteration_step(name: str) -> Optional[int]:
+    """The step of a checkpoint directory's base ``name`` when it is one the trainer writes (``iter_%07d``), else
+    None: ``.tmp`` / ``.pruning`` / moved-aside names and other spellings (``iter_6``, ``iter_00000006``, non-ASCII
+    digits) are not checkpoints. The one rule for resume, rotation and the companions' checks."""
+    m = _ITERATION_NAME.fullmatch(name)
+    return int(m.group(1)) if m and name == f"iter_{int(m.group(1)):07d}" else None
+
+
 def iteration_dirs(root: str) -> list[str]:
-    """``iter_<digits>`` directories under ``root``, newest first (temporary ``.tmp`` / ``.old`` names excluded)."""
-    names = [d for d in os.listdir(root) if d.startswith("iter_") and d[5:].isdigit()] if os.path.isdir(root) else []
-    return [os.path.join(root, d) for d in sorted(names, key=lambda d: int(d[5:]), reverse=True)]
+    """The checkpoint directories under ``root`` (``iteration_step``), newest first."""
+    names = [d for d in os.listdir(root) if iteration_step(d) is not None] if os.path.isdir(root) else []
+    return [os.path.join(root, d) for d in sorted(names, key=iteration_step, reverse=True)]
 
 
 def newest_intact(root: str, required: tuple[str, ...] = (), companions: tuple[str, ...] = ()) -> Resumable:

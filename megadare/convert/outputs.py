@@ -15,13 +15,16 @@ rename it into place (``publish``); a previous export is removed only after the 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterable
 
 from megadare.errors import OutputError
-from megadare.models.safetensors_io import fresh_sibling
+from megadare.models.safetensors_io import fresh_sibling, sweep_dead_siblings
 
 EXPORT_MARK = ".megadare-export.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -50,15 +53,33 @@ def checkpoint_root_of(path: str) -> str | None:
         p = parent
 
 
-def export_kind(path: str) -> str | None:
-    """The kind of the megadare export at ``path`` (its mark; megadare.json for older Megatron exports), else None."""
+def read_export_mark(path: str) -> dict | None:
+    """The export mark of the directory ``path`` (``mark_export``'s JSON object), None without one. A mark that
+    cannot be read or holds no kind raises OutputError in one line naming it: megadare cannot tell what the
+    directory holds, so it neither reuses nor replaces it."""
     mark = os.path.join(path, EXPORT_MARK)
-    if os.path.isfile(mark):
-        try:
-            with open(mark) as f:
-                return str(json.load(f).get("kind"))
-        except (OSError, ValueError, AttributeError):
-            return None
+    if not os.path.isfile(mark):
+        return None
+    try:
+        with open(mark) as f:
+            found = json.load(f)
+        why = "it holds no export kind"
+    except (OSError, ValueError) as e:
+        found, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if isinstance(found, dict) and isinstance(found.get("kind"), str):
+        return found
+    raise OutputError(
+        f"{mark} is damaged ({why}); megadare cannot tell what {path} holds, so it neither reuses nor replaces it: "
+        "if it is an export you no longer need, remove the directory (it is exported again), else choose another"
+    )
+
+
+def export_kind(path: str) -> str | None:
+    """The kind of the megadare export at ``path`` (its mark; megadare.json for older Megatron exports), else None.
+    A damaged mark raises OutputError (``read_export_mark``)."""
+    mark = read_export_mark(path)
+    if mark is not None:
+        return mark["kind"]
     meta = os.path.join(path, "megadare.json")
     if os.path.isfile(meta) and not os.path.exists(os.path.join(path, "train_state.json")):
         try:
@@ -136,8 +157,12 @@ def _not_written_by_an_export(path: str) -> str | None:
 
 
 def staging_dir(out: str) -> str:
-    """A new, empty sibling of ``out`` to assemble it in (a unique name: never an existing path)."""
-    return fresh_sibling(os.fspath(out).rstrip(os.sep), "tmp", create=True)
+    """A new, empty sibling of ``out`` to assemble it in (a unique name: never an existing path), once what killed
+    exports of ``out`` left beside it is removed (``sweep_dead_siblings``)."""
+    out = os.fspath(out).rstrip(os.sep)
+    for d in sweep_dead_siblings(out):
+        print(f"export: removed {d}, left by a killed export of {out}", file=sys.stderr, flush=True)
+    return fresh_sibling(out, "tmp", create=True)
 
 
 def mark_export(staging: str, kind: str, sources: Iterable[str], **extra) -> None:
@@ -148,9 +173,14 @@ def mark_export(staging: str, kind: str, sources: Iterable[str], **extra) -> Non
 
 def publish(staging: str, out: str) -> str:
     """Rename the finished ``staging`` to ``out``; a previous export there (checked by ``check_export_target``) is
-    moved aside first and removed once the new one is in place. Returns ``out``."""
+    swapped with it in one step where the filesystem can (Linux's RENAME_EXCHANGE), else moved aside first, and
+    removed once the new one is in place. Returns ``out``. (Moving aside, then renaming, left no ``out`` at all
+    when a kill fell between the two.)"""
     out = os.fspath(out).rstrip(os.sep)
     if os.path.isdir(out):
+        if _exchange(staging, out):  # ``staging`` now holds the previous export
+            shutil.rmtree(staging, ignore_errors=True)
+            return out
         old = fresh_sibling(out, "old", create=False)
         os.replace(out, old)
         os.replace(staging, out)
@@ -158,6 +188,25 @@ def publish(staging: str, out: str) -> str:
     else:
         os.replace(staging, out)
     return out
+
+
+_RENAME_EXCHANGE, _AT_FDCWD = 2, -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically (renameat2 RENAME_EXCHANGE); False where the C library or the
+    filesystem cannot (nothing was changed then)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), a)
 
 
 def _has_subdir(path: str) -> bool:

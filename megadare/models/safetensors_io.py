@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from typing import Optional
@@ -169,15 +171,42 @@ class SafetensorsReader:
 
 
 def fresh_sibling(path: str, tag: str, create: bool) -> str:
-    """A fresh, unique name beside ``path`` (``.<name>.<tag>-XXXX``; the directory is made when ``create``)."""
+    """A fresh, unique name beside ``path`` (``.<name>.<tag>.<pid>@<host>-XXXXXXXX``: whose it is, so that
+    ``sweep_dead_siblings`` can tell a killed writer's; the directory is made when ``create``)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    d = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.{tag}-", dir=parent)
+    prefix = f".{os.path.basename(path)}.{tag}.{os.getpid()}@{socket.gethostname()}-"
+    d = tempfile.mkdtemp(prefix=prefix, dir=parent)
     if not create:
         os.rmdir(d)
     else:  # mkdtemp makes it private (0700); the output gets the usual permissions
         os.chmod(d, 0o777 & ~_umask())
     return d
+
+
+def sweep_dead_siblings(path: str) -> list[str]:
+    """Remove what writers of ``path`` that were killed (SIGKILL, an OOM kill) left beside it: ``fresh_sibling``
+    names of this host whose process is gone (a whole export each, hidden). Anything else is kept: another
+    host's (its process cannot be checked), a live process's, names without an owner. Returns those removed."""
+    parent, base = os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
+    mine = re.compile(re.escape(f".{base}.") + r"[a-z]+\.([0-9]+)@(.+)-[a-z0-9_]{8}")
+    removed = []
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else ():
+        m = mine.fullmatch(name)
+        if m and m.group(2) == socket.gethostname() and not _running(int(m.group(1))):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(os.path.join(parent, name))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 
 
 def _umask() -> int:

@@ -7,13 +7,12 @@ the object without importing its type.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Optional
 
-from megadare.convert.outputs import EXPORT_MARK
-from megadare.errors import ConfigError
+from megadare.convert.outputs import EXPORT_MARK, read_export_mark
+from megadare.errors import ConfigError, OutputError
 from megadare.models.family import ModelArch
 from megadare.rollout.engine import SamplingParams
 
@@ -149,17 +148,23 @@ def _quiet_ray_token_notice() -> None:
 def fp8_engine_model(run_dir: str, hf_dir: str) -> str:
     """``<run_dir>/engine_fp8``: the fp8-block export of ``hf_dir`` the fp8 engines start from, exported when it
     is missing or was exported from another model (its mark names the source; the run directory of an earlier
-    run with another model.hf_path kept it, and the engines served that model)."""
+    run with another model.hf_path kept it, and the engines served that model). A non-empty folder without the
+    mark (or with a damaged one, ``read_export_mark``) is refused in one line: megadare cannot tell that it
+    wrote it, nor from which model, so it neither serves nor deletes it."""
     from megadare.convert.quantize import quantize_export  # heavy: only for fp8 engines; pulls safetensors
 
     path = os.path.join(run_dir, "engine_fp8")
-    mark = os.path.join(path, EXPORT_MARK)
-    if os.path.exists(os.path.join(path, "config.json")):
-        if not os.path.exists(mark):  # an older megadare's export, without the mark: as before
+    if os.path.isdir(path) and os.listdir(path):
+        mark = read_export_mark(path)
+        if mark is None:
+            raise OutputError(
+                f"{path} has no {EXPORT_MARK}: megadare cannot tell that it exported this folder, nor from which "
+                "model, so it neither serves nor replaces it (an older megadare's export had no mark): remove or "
+                "move it (the next start exports model.hf_path there again), or use another logging.run_dir"
+            )
+        same = mark["kind"] == "hf-fp8-block" and mark.get("sources") == [os.path.abspath(hf_dir)]
+        if same and os.path.exists(os.path.join(path, "config.json")):
             return path
-        with open(mark) as f:
-            if json.load(f).get("sources") == [os.path.abspath(hf_dir)]:
-                return path
     quantize_export(hf_dir, path, fmt="fp8-block", progress=False)  # replaces a previous export only
     return path
 

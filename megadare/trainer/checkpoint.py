@@ -53,6 +53,7 @@ from megadare.convert.mcore_ckpt import (
     _tmp,
     intact_checkpoint_dir,
     iteration_dirs,
+    iteration_step,
     newest_intact,
     load_into_chunks,
     model_sharded_state_dict,
@@ -304,15 +305,33 @@ def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
     for d in names:  # what a killed rotation left
         if d.startswith("iter_") and d.endswith(".pruning"):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    its = sorted(
-        int(d[5:]) for d in names if d.startswith("iter_") and d[5:].isdigit() and d == f"iter_{int(d[5:]):07d}"
-    )
+    its = sorted(iteration_step(os.path.basename(d)) for d in iteration_dirs(root))
     for it in its[:-keep_last]:
         if it != current:  # renamed out of the iter_* names first: a kill mid-delete leaves no half checkpoint
             doomed = iteration_dir(root, it) + ".pruning"  # that resume could take (its manifest gone first)
             try:
                 os.rename(iteration_dir(root, it), doomed)
             except OSError:  # as a failed delete: kept, and tried again at the next save
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
+
+
+_ROLLED_BACK = re.compile(r"iter_([0-9]{7,})\.rolled-back(?:-[0-9]+)?")
+
+
+def drop_rolled_back(root: str, current: int) -> None:
+    """Remove the checkpoints under ``root`` that resume set aside as rolled back (``iter_N.rolled-back[-k]``, a
+    name only ``_set_aside_stale_companions`` gives) of steps N <= ``current``, once step ``current`` is saved
+    complete: the run's new timeline has replaced them. Rank 0. Any other name (``.damaged``, yours) is kept."""
+    if _rank() != 0 or not os.path.isdir(root):
+        return
+    for d in sorted(os.listdir(root)):
+        m = _ROLLED_BACK.fullmatch(d)
+        if m and int(m.group(1)) <= current:  # out of the way first, as rotation does (its .pruning cleanup)
+            doomed = os.path.join(root, d + ".pruning")
+            try:
+                os.rename(os.path.join(root, d), doomed)
+            except OSError:
                 continue
             shutil.rmtree(doomed, ignore_errors=True)
 
@@ -482,9 +501,10 @@ def _say(msg: str) -> None:
 
 
 def _move_aside(damaged: str, why: str = "damaged") -> str:
-    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.<why>[-N]`` (kept, never deleted):
-    under its ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it,
-    and a later resume could mix its steps with the retrained ones."""
+    """Rename a damaged checkpoint of steps this run rolls back to ``<iter>.<why>[-N]`` (kept: a ``damaged`` one
+    never deleted, a ``rolled-back`` one until the run saves its step again, ``drop_rolled_back``): under its
+    ``iter_*`` name the rotation would count it among the newest and delete the intact ones behind it, and a
+    later resume could mix its steps with the retrained ones."""
     for n in range(1, 1000):
         aside = f"{damaged}.{why}" + (f"-{n}" if n > 1 else "")
         if not os.path.lexists(aside):
@@ -500,7 +520,7 @@ def _set_aside_stale_companions(companions: tuple[str, ...], step: int) -> None:
     the value model's saves of that step again paired the new policy with the old timeline's value model."""
     for c in companions:
         for d in iteration_dirs(c):
-            if int(os.path.basename(d)[5:]) > step:
+            if iteration_step(os.path.basename(d)) > step:
                 _say(
                     f"checkpoint: {d} is newer than the step resumed ({step}); moved it aside to {_move_aside(d, 'rolled-back')}"
                 )
@@ -578,9 +598,9 @@ def resume_run(
         for d, _ in pick.skipped:
             _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
         if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
-            _write_tracker(root, int(os.path.basename(pick.path)[5:]))
+            _write_tracker(root, iteration_step(os.path.basename(pick.path)))
     if (pick.path is not None or not pick.skipped) and _rank() == 0:
-        _set_aside_stale_companions(companions, int(os.path.basename(pick.path)[5:]) if pick.path else 0)
+        _set_aside_stale_companions(companions, iteration_step(os.path.basename(pick.path)) if pick.path else 0)
     if pick.path is None:
         if pick.skipped:
             raise MegatronCheckpointError(

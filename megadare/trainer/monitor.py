@@ -3,8 +3,8 @@
 Only global rank 0 writes. Tensorboard event files go to ``<run_dir>/tensorboard``; one JSON object per logged
 step goes to ``<run_dir>/metrics.jsonl`` (appended, so a resumed run continues the same file). A run that starts
 at step N (resumed from its checkpoint of step N) first moves the records of later steps -- steps it rolled
-back and is about to train again -- to ``metrics.rolled_back.jsonl``, so no step appears twice; tensorboard
-purges them itself.
+back and is about to train again -- to ``metrics.rolled_back.jsonl``, so no step appears twice (in whole-file
+steps a kill cannot tear: ``roll_back_jsonl``); tensorboard purges them itself.
 """
 
 from __future__ import annotations
@@ -95,9 +95,14 @@ class Monitor:
             self.writer.close()
 
 
+ROLLED_BACK = "metrics.rolled_back.jsonl"
+
+
 def roll_back_jsonl(path: str, step: int) -> int:
     """Keep the records of steps <= ``step`` in ``path``; append the others to ``metrics.rolled_back.jsonl`` beside it
-    (nothing is lost). Atomic: the kept records replace the file in one rename. Returns how many were moved."""
+    (nothing is lost, nothing doubled, whenever a kill strikes: ``_commit_roll_back``). Returns how many moved."""
+    rolled = os.path.join(os.path.dirname(path), ROLLED_BACK)
+    _finish_roll_back(path, rolled)  # what a killed run's roll-back left
     if not os.path.exists(path):
         return 0
     keep, later = [], []
@@ -110,15 +115,52 @@ def roll_back_jsonl(path: str, step: int) -> int:
             except (ValueError, AttributeError):
                 s = None  # a torn last line of a killed run: not a record of any step
             (keep if isinstance(s, int) and s <= step else later).append(line if line.endswith("\n") else line + "\n")
-    if not later:
-        return 0
-    with open(os.path.join(os.path.dirname(path), "metrics.rolled_back.jsonl"), "a") as f:
-        f.writelines(later)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
+    if later:
+        _commit_roll_back(path, rolled, keep, later)
     return len(later)
+
+
+def _commit_roll_back(path: str, rolled: str, keep: list[str], later: list[str]) -> None:
+    """Both files in whole-file steps: (1) the rolled-back file with ``later`` appended, complete, as
+    ``<rolled>.new``; (2) the kept records, complete, as ``<path>.new`` -- the commit; (3) ``<rolled>.new``
+    replaces ``rolled``; (4) ``<path>.new`` replaces ``path``. Appending in place, then replacing ``path``, doubled
+    the moved records in the rolled-back file when a kill fell between the two (the rerun moved them again)."""
+    before = []
+    if os.path.exists(rolled):
+        with open(rolled, errors="replace") as f:
+            before = [x if x.endswith("\n") else x + "\n" for x in f if x.strip()]
+    _write_whole(rolled + ".new", before + later)
+    _write_whole(path + ".new", keep)
+    os.replace(rolled + ".new", rolled)
+    os.replace(path + ".new", path)
+
+
+def _finish_roll_back(path: str, rolled: str) -> None:
+    """Complete a roll-back that a kill interrupted after its commit (``<path>.new`` in place: steps 3 and 4 of
+    ``_commit_roll_back``), or undo one interrupted before it (drop ``<rolled>.new``); temp files go."""
+    for tmp in (path + ".new.tmp", rolled + ".new.tmp"):
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if os.path.exists(path + ".new"):
+        if os.path.exists(rolled + ".new"):
+            os.replace(rolled + ".new", rolled)
+        os.replace(path + ".new", path)
+    elif os.path.exists(rolled + ".new"):
+        os.remove(rolled + ".new")
+
+
+def _write_whole(path: str, lines: list[str]) -> None:
+    """``path`` holding ``lines``, never seen half-written: a temp file, on disk, renamed into place."""
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        raise
+    os.replace(path + ".tmp", path)
 
 
 RUN_CONFIG_HEADER = "# the resolved config of this megadare run (rewritten at each start)\n"
@@ -147,7 +189,8 @@ def foreign_run_config(run_dir: str) -> Optional[str]:
 
 
 def write_run_config(cfg) -> None:
-    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first)."""
-    os.makedirs(cfg.logging.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.logging.run_dir, "config.yaml"), "w") as f:
-        f.write(RUN_CONFIG_HEADER + to_yaml(cfg))
+    """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first),
+    replaced in one rename."""
+    os.makedirs(cfg.logging.run_dir, exist_ok=True)  # whole or not at all: an empty or torn config.yaml (a kill
+    # or a full disk mid-write) no longer reads as the user's own, refusing every later start of the run
+    _write_whole(os.path.join(cfg.logging.run_dir, "config.yaml"), [RUN_CONFIG_HEADER + to_yaml(cfg)])

@@ -28,6 +28,7 @@ from megadare.trainer import rl_update
 from megadare.trainer.checkpoint import (
     CheckpointState,
     Provenance,
+    drop_rolled_back,
     iteration_dir,
     load_train_checkpoint,
     prune_checkpoints,
@@ -100,13 +101,15 @@ class Policy:
         """Atomic checkpoint of model, optimiser, schedule and the run's ``state``
         (``checkpoint.save_train_checkpoint``), after the value model's of the same step: the policy's rename
         commits the step (a kill between the two leaves a value checkpoint newer than the policy's, which resume
-        sets aside; the other order left a first checkpoint without its value model, and no run could go on)."""
+        sets aside until this save of its step removes it; the other order left a first checkpoint without its
+        value model, and no run could go on)."""
         if self.value is None:
             return save_train_checkpoint(root, step, self, state, about, keep_last)
         self.value.save(root, step, about.meta, keep_last=0)
         path = save_train_checkpoint(root, step, self, state, about, keep_last=0)
         for r in (root, self.value.root_of(root)):  # once both of this step are in place: a kill between the
             prune_checkpoints(r, keep_last, step)  # two saves must leave an older step that has both
+        drop_rolled_back(self.value.root_of(root), step)  # what resumes set aside, now replaced
         return path
 
     def companion_roots(self, root: str) -> tuple[str, ...]:

@@ -22,11 +22,19 @@ from megadare.parallel.rank0 import run_on_rank0
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table, oldest_needed, reindex, version_table
+from megadare.trainer.policy import ValueModel
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 from megadare.trainer.rl_update import Correction, StepUpdate, TrainShape, replay_select
 from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.sft_loop import checkpoint_root
 from megadare.trainer.spec import RunSpec, launched_world, resolve
+
+
+def checkpoint_roots(spec: RunSpec) -> tuple[str, ...]:
+    """Where the run's checkpoints go, each locked for the run: ``checkpoint_root``, and the value model's beside
+    it (``<root>_value``) when the algorithm trains one (a second run saving there would rotate it away)."""
+    root = checkpoint_root(spec.cfg)
+    return (root, ValueModel.root_of(root)) if spec.algo.value_model is not None else (root,)
 
 
 def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
@@ -40,7 +48,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     with ExitStack() as cleanup:
         init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
         cleanup.callback(destroy_distributed)
-        cleanup.enter_context(run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)))
+        cleanup.enter_context(run_dir_lock(cfg.logging.run_dir, *checkpoint_roots(spec)))
         run = cleanup.enter_context(rl_run(spec))
         if run.step >= cfg.rl.steps:
             return finished_run(run)

@@ -8,7 +8,7 @@ is another process, by start time), or it belongs to this same Slurm job (a requ
 A lock from another host that cannot be checked is refused with the fix: remove the file once that run is gone.
 The lock is written aside and linked into place, so it never exists half-written (a full disk or a SIGKILL
 while writing it used to leave an empty lock that refused every later run); an empty or garbled lock names no
-holder and is taken over. A run whose ``checkpoint.save`` lies outside its run directory locks that root too: two
+holder and is taken over. A run locks its checkpoint root too (``<run_dir>/ckpt`` or ``checkpoint.save``): two
 runs sharing one checkpoint root would prune and replace each other's checkpoints.
 """
 
@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
@@ -158,13 +159,12 @@ def release(run_dir: str) -> None:
 
 
 def lock_dirs(run_dir: str, *also: str) -> list[str]:
-    """The directories a run locks: ``run_dir``, and each of ``also`` (its checkpoint root) that lies outside it
-    (by real path: a symlink or ``..`` does not hide a directory)."""
-    base = os.path.realpath(run_dir)
+    """The directories a run locks: ``run_dir``, and each of ``also`` (its checkpoint root), inside it or not, that
+    is another directory (by real path: a symlink or ``..`` does not hide one). A root inside the run directory
+    went unlocked: a second run with ``checkpoint.save`` (or ``logging.run_dir``) at it wrote there alongside."""
     out = [run_dir]
     for d in also:
-        real = os.path.realpath(d)
-        if os.path.commonpath([real, base]) != base and real not in map(os.path.realpath, out):
+        if os.path.realpath(d) not in map(os.path.realpath, out):
             out.append(d)
     return out
 
@@ -176,6 +176,7 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     dirs = lock_dirs(run_dir, *also)
     outcome, held = [None], []
+    made = [d for d in dirs if not os.path.isdir(d)]  # a refused run leaves no directory behind it
     if rank0:
         try:
             for d in dirs:
@@ -190,6 +191,9 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
             if outcome[0] or len(held) < len(dirs):  # refused, or acquire raised: give back what was taken
                 for d in held:
                     release(d)
+                for d in reversed(made):  # the checkpoint root before the run directory holding it
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
