@@ -5,6 +5,8 @@ keys (megadare/config/foreign.py) names only megadare keys that exist."""
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 from dataclasses import fields, is_dataclass
 
 import pytest
@@ -18,6 +20,7 @@ from megadare.config.foreign import ORIGINS
 from megadare.errors import ConfigError
 
 DEMO = "megadare/configs/demo_rl.yaml"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _error_line(capsys, argv: list[str]) -> str:
@@ -258,6 +261,11 @@ def test_every_option_says_what_it_does():
     """``--help`` of every command explains each of its options (a newcomer reads it before the README)."""
     assert list(_options_without_help(_parser(), "megadare")) == []
     assert list(_options_without_help(demo.parser(), "megadare demo")) == []
+    built = []
+    with pytest.MonkeyPatch.context() as mp:  # the quantize tool builds its parser inside parse_args
+        mp.setattr(argparse.ArgumentParser, "parse_args", lambda self, *a, **k: built.append(self))
+        runpy.run_path(os.path.join(ROOT, "tools", "checkpoint_convert", "quantize.py"))["parse_args"]([])
+    assert [o for p in built for o in _options_without_help(p, "quantize.py")] == []
 
 
 def _algo_params() -> set[str]:
