@@ -27,10 +27,8 @@ _EPILOG = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="megadare", description="Megatron-core post-training for diffusion LLMs")
-    sub = ap.add_subparsers(dest="command", required=True)
-
+def _add_convert(sub) -> None:
+    """``megadare convert hf-to-megatron | megatron-to-hf`` and their options."""
     conv = sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     csub = conv.add_subparsers(dest="direction", required=True)
     h2m = csub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint")
@@ -61,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
         help="tensor dtype written (keep: the source's)",
     )
     m2h.add_argument("--max-shard-gb", type=positive_number, default=2.0, help="largest safetensors file written")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="megadare", description="Megatron-core post-training for diffusion LLMs")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    _add_convert(sub)
 
     data = sub.add_parser("data", help="data files")
     dsub = data.add_subparsers(dest="action", required=True)
