@@ -27,10 +27,8 @@ _EPILOG = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="megadare", description="Megatron-core post-training for diffusion LLMs")
-    sub = ap.add_subparsers(dest="command", required=True)
-
+def _add_convert(sub) -> None:
+    """``megadare convert hf-to-megatron | megatron-to-hf`` and their options."""
     conv = sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     csub = conv.add_subparsers(dest="direction", required=True)
     h2m = csub.add_parser("hf-to-megatron", help="HF safetensors -> Megatron distributed checkpoint")
@@ -43,14 +41,31 @@ def _parser() -> argparse.ArgumentParser:
             default=1,
             help=f"target {k.upper()} size (validated; the checkpoint itself loads under any layout)",
         )
-    h2m.add_argument("--vpp", type=int, default=None)
+    h2m.add_argument("--vpp", type=int, default=None, help="target virtual pipeline stages per PP rank (validated)")
     h2m.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
-    h2m.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
+    h2m.add_argument(
+        "--dtype",
+        choices=("keep", "fp32", "bf16", "fp16"),
+        default="keep",
+        help="tensor dtype written (keep: the source's)",
+    )
     m2h = csub.add_parser("megatron-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
     m2h.add_argument("--ckpt", required=True, help="checkpoint dir (or a run's checkpoint root)")
-    m2h.add_argument("--out", required=True)
-    m2h.add_argument("--dtype", choices=("keep", "fp32", "bf16", "fp16"), default="keep")
-    m2h.add_argument("--max-shard-gb", type=positive_number, default=2.0)
+    m2h.add_argument("--out", required=True, help="output HF directory (new, empty or a previous HF export)")
+    m2h.add_argument(
+        "--dtype",
+        choices=("keep", "fp32", "bf16", "fp16"),
+        default="keep",
+        help="tensor dtype written (keep: the source's)",
+    )
+    m2h.add_argument("--max-shard-gb", type=positive_number, default=2.0, help="largest safetensors file written")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="megadare", description="Megatron-core post-training for diffusion LLMs")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    _add_convert(sub)
 
     data = sub.add_parser("data", help="data files")
     dsub = data.add_subparsers(dest="action", required=True)

@@ -172,8 +172,12 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     )
     ap.add_argument("--algo", default="tracerl", help="RL algorithm (megadare.algos.REGISTRY)")
     ap.add_argument("--family", default="sdar", choices=sorted(FAMILIES), help="tiny model family")
-    ap.add_argument("--sft-steps", type=positive_int, default=None)
-    ap.add_argument("--rl-steps", type=positive_int, default=None)
+    ap.add_argument(
+        "--sft-steps", type=positive_int, default=None, help="SFT steps (default: the demo config's train.steps)"
+    )
+    ap.add_argument(
+        "--rl-steps", type=positive_int, default=None, help="RL steps (default: the demo config's rl.steps)"
+    )
     ap.add_argument("--nproc", type=positive_int, default=1, help="trainer processes (e.g. 2 with parallel.tp=2)")
     ap.add_argument("--foundation", action="store_true", help="run the conversion / parallelism demo instead")
     ap.add_argument("overrides", nargs="*", help="key=value overrides for both stages (rl.* / sft.* for one)")

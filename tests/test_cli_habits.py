@@ -4,18 +4,23 @@ keys (megadare/config/foreign.py) names only megadare keys that exist."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import runpy
 from dataclasses import fields, is_dataclass
 
 import pytest
 
 from megadare.algos import REGISTRY
 from megadare.algos.algorithm import COMMON
-from megadare.cli import CONFIG_COMMANDS, main
+from megadare import demo
+from megadare.cli import CONFIG_COMMANDS, _parser, main
 from megadare.config import Config, load_config
 from megadare.config.foreign import ORIGINS
 from megadare.errors import ConfigError
 
 DEMO = "megadare/configs/demo_rl.yaml"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _error_line(capsys, argv: list[str]) -> str:
@@ -241,6 +246,26 @@ def test_help_says_how_keys_are_set(capsys, command):
     out = " ".join(capsys.readouterr().out.split())
     assert "as key=value (parallel.tp=4 optim.lr=1e-6, not --tp 4)" in out
     assert f"megadare {command} --config FILE --dry-run --config-only" in out
+
+
+def _options_without_help(parser: argparse.ArgumentParser, path: str):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _options_without_help(sub, f"{path} {name}")
+        elif not a.help and a.nargs != argparse.REMAINDER and not isinstance(a, argparse._HelpAction):
+            yield f"{path} {'/'.join(a.option_strings) or a.dest}"
+
+
+def test_every_option_says_what_it_does():
+    """``--help`` of every command explains each of its options (a newcomer reads it before the README)."""
+    assert list(_options_without_help(_parser(), "megadare")) == []
+    assert list(_options_without_help(demo.parser(), "megadare demo")) == []
+    built = []
+    with pytest.MonkeyPatch.context() as mp:  # the quantize tool builds its parser inside parse_args
+        mp.setattr(argparse.ArgumentParser, "parse_args", lambda self, *a, **k: built.append(self))
+        runpy.run_path(os.path.join(ROOT, "tools", "checkpoint_convert", "quantize.py"))["parse_args"]([])
+    assert [o for p in built for o in _options_without_help(p, "quantize.py")] == []
 
 
 def _algo_params() -> set[str]:

@@ -195,6 +195,7 @@ def test_data_inspect_on_a_benchmark_file_names_the_prompt_key_that_reads_it(tmp
         path.write_text(json.dumps(row) + "\n")
         rc, lines = _inspect([str(path)])
         assert rc == 1 and any(f"name its prompt field: data.prompt_key={key} " in line for line in lines), lines
+        assert f"schema: none megadare reads (keys answer, {key})" in lines, lines  # not "megadare rows", then an error
         (prompt,) = build_prompts([row], ByteTokenizer(), str(path), PromptRules(prompt_key=key))
         assert prompt.record["answer"] == "72" and prompt.prompt_ids
 

@@ -15,11 +15,11 @@ import sys
 
 import pytest
 import torch
+from fp8_reference import dequantize_fp8
 
 from megadare.convert.fp8 import (
     BLOCK,
     FP8_MAX,
-    dequantize_fp8,
     fp8_block_quant_config,
     fp8_rollout_weights,
     linear_hf_names,

@@ -1,5 +1,5 @@
 """README.md is a contract: what it names exists and what it shows is accepted, checked in-process (no training,
-no subprocess). Four kinds of claims:
+no subprocess). Five kinds of claims:
 
 * repository paths (``megadare/...``, ``tests/...``, ``benchmarks/...``, ``examples/...``, ``tools/...``) anywhere
   in the text, and the short ones in backticks or in "Where things are" (``models/head.py``, ``preflight.py``);
@@ -7,6 +7,8 @@ no subprocess). Four kinds of claims:
   argparse parser of the command it names -- ``megadare <sub>`` by ``megadare.cli._parser()`` (the demo by
   ``megadare.demo.parser``), ``torchrun`` by torch's own, ``python <script>`` by the parser the script builds,
   caught when it calls ``parse_args``; the text of ``megadare <sub> --help`` is held to the same rules;
+* Python names (``megadare.algos.REGISTRY``, ``megadare.models.lora.merge_lora(chunks)``) in backticks: each
+  imports and resolves to an attribute;
 * dotted config keys (``train.logits``, ``rollout.compile``) in backticks, command lines and ``--help``: each is a
   key (or an alias, or a glob over keys) of the config tree, and each ``key=value`` loads (``load_config``);
 * ``examples/configs/*.yaml``: each loads and passes ``megadare <cmd> --config X --dry-run --config-only`` for every
@@ -21,6 +23,7 @@ Each check reads README text given as an argument, so a broken copy of the READM
 import argparse
 import contextlib
 import fnmatch
+import importlib
 import io
 import itertools
 import os
@@ -566,12 +569,49 @@ def plan_output_problems(text: str) -> list[str]:
     return bad
 
 
+def python_names(text: str) -> list[str]:
+    """``megadare.<module>...<attribute>`` at the start of a backtick span (a span wrapped after a dot rejoined)."""
+    out = set()
+    for span in backtick_spans(text):
+        m = re.match(r"megadare(?:\.\s*\w+)+", span)
+        if m:
+            out.add(re.sub(r"\s+", "", m.group(0)))
+    return sorted(out)
+
+
+def unresolved_python_names(text: str) -> list[str]:
+    """The Python names of the text that do not import: the longest importable module, then attributes."""
+    bad = []
+    for name in python_names(text):
+        parts = name.split(".")
+        i = len(parts)
+        while i > 1:
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                break
+            except ImportError:
+                i -= 1
+        else:
+            obj = importlib.import_module(parts[0])
+        for j in range(i, len(parts)):
+            if not hasattr(obj, parts[j]):
+                bad.append(f"{name}: {'.'.join(parts[:j])} has no {parts[j]!r}")
+                break
+            obj = getattr(obj, parts[j])
+    return bad
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The tests
 
 
 def test_readme_paths_exist():
     assert missing_paths(README) == []
+
+
+def test_readme_python_names_resolve():
+    assert len(python_names(README)) >= 3
+    assert unresolved_python_names(README) == []
 
 
 def test_readme_config_keys_exist_and_load():
@@ -625,6 +665,12 @@ PLAN = "    $ megadare plan --config examples/configs/plan_sdar30b.yaml\n"
         ("tests/test_scored_head.py", "tests/test_scored_heads.py", missing_paths),
         ("`models/head.py`", "`models/heads.py`", missing_paths),
         ("`.ci/run` does", "`.ci/runs` does", missing_paths),
+        ("`megadare.algos.REGISTRY`", "`megadare.algos.REGISTRIES`", unresolved_python_names),
+        (
+            "`megadare.convert.fp8. fp8_rollout_weights`",
+            "`megadare.convert.fp9. fp8_rollout_weights`",
+            unresolved_python_names,
+        ),
         ("`train.logits=scored`", "`train.logit=scored`", config_key_problems),
         ("`train.logits=scored`", "`train.logits=everywhere`", config_key_problems),
         ("`rl.rollout_is*`", "`rl.rollouts_is*`", config_key_problems),

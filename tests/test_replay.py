@@ -13,18 +13,22 @@ import pytest
 import torch
 
 from megadare.algos.base import RLSample
+from megadare.config import Config
+from megadare.data.rows import MicroBatch
 from megadare.rollout.engine import SamplingParams, Trajectory
+from megadare.trainer.offpolicy.correction import correction_weights
 from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
 from megadare.trainer.offpolicy.replay_scores import (
     balance_heuristic_weights,
     chi2_ess,
-    mis_weights,
-    mixture_estimate,
-    own_behaviour_weights,
-    per_version_loss_weights,
-    per_version_normalised_advantages,
     variance_guided_scores,
 )
+
+
+def own_behaviour_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
+    """Per-source (ordinary) IS weights p(x_i) / q_{v(i)}(x_i) against each sample's own behaviour policy: the
+    balance heuristic with K = 1 (unbiased for the alpha-mixture only when every q_j covers p)."""
+    return balance_heuristic_weights(target_logp, torch.as_tensor(behaviour_logp).flatten().unsqueeze(0), torch.ones(1))
 
 
 @dataclass
@@ -339,34 +343,6 @@ def test_balance_heuristic_special_cases():
     assert w.dtype == torch.float32 and float(w.max()) <= 1.5
     with pytest.raises(ValueError, match="must be"):
         balance_heuristic_weights(target, both, torch.tensor([1, 1, 1]))
-    # from per-sample versions: counts are taken from the batch, rows ordered by version
-    versions = torch.tensor([5, 3, 5, 5] * 4)
-    by_v = {3: other, 5: beh, 9: target}
-    assert torch.allclose(
-        mis_weights(target, by_v, versions),
-        balance_heuristic_weights(target, torch.stack([other, beh]), torch.tensor([4, 12])),
-    )
-    with pytest.raises(ValueError, match="versions \\[3\\]"):
-        mis_weights(target, {5: beh}, versions)
-    assert float(mixture_estimate(torch.tensor([1.0, 3.0]), torch.tensor([2.0, 0.0]))) == 1.0
-
-
-def test_per_version_advantages_and_weights():
-    adv = torch.tensor([1.0, 3.0, 10.0, 20.0, 30.0, -4.0])
-    ver = torch.tensor([0, 0, 1, 1, 1, 2])
-    a = per_version_normalised_advantages(adv, ver, eps=1e-12)
-    for v in (0, 1):
-        x = a[ver == v].double()
-        assert abs(float(x.mean())) < 1e-6 and float(x.std(unbiased=False)) == pytest.approx(1.0, abs=1e-5)
-    assert float(a[5]) == 0.0  # a lone sample of its version: centred
-    assert torch.allclose(per_version_normalised_advantages(adv, ver, scale=False)[:2], torch.tensor([-1.0, 1.0]))
-    assert float(per_version_normalised_advantages(adv, ver, center=False)[5]) == -4.0  # never divided by eps
-    w = per_version_loss_weights(ver)
-    assert torch.allclose(w, torch.full((6,), 1 / 6, dtype=torch.float64))
-    w = per_version_loss_weights(ver, "uniform")
-    assert float(w.sum()) == pytest.approx(1.0) and float(w[ver == 2].sum()) == pytest.approx(1 / 3)
-    w = per_version_loss_weights(ver, {0: 2.0, 1: 1.0, 2: 1.0})
-    assert float(w[ver == 0].sum()) == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -487,6 +463,28 @@ def test_scores_and_diagnostics():
     assert chi2_ess(torch.zeros(4)) == {"chi2": 0.0, "ess": 1.0}
     d = chi2_ess(torch.log(torch.tensor([1.0, 3.0])))
     assert d["ess"] == pytest.approx(16 / 20) and d["chi2"] == pytest.approx(0.25)
+
+
+def test_mixture_metrics_are_the_chi2_and_ess_of_the_pmis_weights():
+    """replay.pmis: correction_weights logs is/mixture_ess = (sum w)^2 / (n sum w^2) and is/mixture_chi2 =
+    1/ess - 1 of the balance-heuristic weights it stores (one token slot per sample, two behaviour versions)."""
+    g = torch.Generator().manual_seed(7)
+    n = 6
+    target, lp0, lp1 = (-torch.rand(n, generator=g, dtype=torch.float64) * 2 for _ in range(3))
+    z = torch.zeros(1, n, dtype=torch.long)
+    mb = MicroBatch(
+        tokens=z, labels=z, weight=torch.ones(1, n), position_ids=z, segment_ids=z, row_ids=z.clone(),
+        slot=z.clone(), sample=torch.arange(n).view(1, n), old=target.view(1, n), behave=target.view(1, n),
+        version_logp={0: lp0.view(1, n), 1: lp1.view(1, n)},
+    )  # fmt: skip
+    cfg = Config()
+    cfg.replay.enable, cfg.offpolicy.loss_mode, cfg.offpolicy.rollout_is = True, "decoupled", "token"
+    m = correction_weights(cfg, [mb], {s: int(s >= 3) for s in range(n)}, {0, 1})
+    w = balance_heuristic_weights(target, torch.stack([lp0, lp1]), torch.tensor([3, 3]), log_clamp=20.0, threshold=2.0)
+    assert torch.allclose(mb.is_weight.view(-1).double(), w, atol=1e-6)
+    ess = float(w.sum() ** 2 / (n * w.square().sum()))
+    assert m["is/mixture_ess"] == pytest.approx(ess, rel=1e-9) and ess < 1
+    assert m["is/mixture_chi2"] == pytest.approx(1 / ess - 1, rel=1e-9)
 
 
 def _pickled_before_fields(obj, moved: dict) -> bytes:

@@ -9,14 +9,13 @@ import math
 import pytest
 import torch
 
+from megadare.algos.base import SlotObjective
 from megadare.algos.policy_loss import PPOClip, ppo_clip_loss
-from megadare.trainer.offpolicy.importance import (
-    OffPolicyLoss,
-    RolloutIS,
-    bypass_ppo_loss,
-    decoupled_ppo_loss,
-    rollout_is_weights,
-)
+from megadare.config import Config
+from megadare.data.rows import MicroBatch
+from megadare.trainer.offpolicy.correction import bypass_rejection
+from megadare.trainer.offpolicy.importance import RolloutIS, rollout_is_weights
+from offpolicy_reference import OffPolicyLoss, bypass_ppo_loss, decoupled_ppo_loss
 
 LEVELS = ("token", "sequence", "geometric")
 
@@ -449,3 +448,65 @@ def test_bypass_reinforce_and_rejection():
         logp.detach(), beh, adv, OffPolicyLoss(loss_type="reinforce", rollout_is=RolloutIS(threshold_high=None))
     )
     assert torch.equal(loss, -logp.detach() * adv)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the training path (SlotObjective) against the reference forms
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _token_slots(old: torch.Tensor, behave: torch.Tensor, adv: torch.Tensor, is_weight=None) -> MicroBatch:
+    """One row whose every position is its own slot (a token-level algorithm's micro-batch)."""
+    n = old.numel()
+    z = torch.zeros(1, n, dtype=torch.long)
+    return MicroBatch(
+        tokens=z,
+        labels=z,
+        weight=torch.ones(1, n),
+        position_ids=z,
+        segment_ids=z,
+        row_ids=z.clone(),
+        slot=torch.arange(n).view(1, n),
+        head=torch.ones(1, n),
+        adv=adv.view(1, n),
+        old=old.view(1, n),
+        behave=behave.view(1, n),
+        is_weight=None if is_weight is None else is_weight.view(1, n),
+    )
+
+
+def _ppo_slots(s):
+    loss, clipped = ppo_clip_loss(s.logp, s.old, s.adv, PPOClip(0.2, 0.28))
+    return loss, {"clipfrac": clipped}
+
+
+@pytest.mark.parametrize("mode", ("truncate", "mask"))
+def test_slot_objective_equals_the_reference_forms(mode):
+    """offpolicy.loss_mode=decoupled / bypass as training applies them (SlotObjective, with the IS weights
+    correction_weights stores and bypass_rejection's keep) == decoupled_ppo_loss / bypass_ppo_loss: loss and
+    gradient."""
+    g = torch.Generator().manual_seed(4)
+    beh = -torch.rand(64, generator=g) * 3
+    prox = beh + 0.8 * torch.randn(64, generator=g)
+    logp = prox + 0.4 * torch.randn(64, generator=g)
+    adv = torch.randn(64, generator=g)
+    cfg = Config()
+    cfg.offpolicy.rollout_is, cfg.offpolicy.rollout_is_mode, cfg.offpolicy.rollout_is_threshold = "token", mode, 2.0
+    setting = RolloutIS.of(cfg.offpolicy)
+    w = rollout_is_weights(prox, beh, torch.arange(64), setting)[0]
+    assert bool((w == 0).any()) if mode == "mask" else bool((w == 2.0).any())  # the thresholds are exercised
+    bypass = SlotObjective(_ppo_slots, loss_mode="bypass")
+    bypass.reject = bypass_rejection(cfg)
+    cases = [
+        (SlotObjective(_ppo_slots, loss_mode="decoupled"), _token_slots(prox, beh, adv, w), decoupled_ppo_loss, prox),
+        (bypass, _token_slots(prox, beh, adv), bypass_ppo_loss, None),
+    ]
+    for objective, mb, reference, proximal in cases:
+        cur, ref_logp = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+        total, _ = objective(mb, cur.view(1, -1))
+        args = (ref_logp, beh, adv) if proximal is None else (ref_logp, proximal, beh, adv)
+        ref, _ = reference(*args, OffPolicyLoss(0.2, 0.28, rollout_is=setting))
+        assert torch.allclose(total, ref.sum(), atol=1e-5), reference.__name__
+        total.backward()
+        ref.sum().backward()
+        assert torch.allclose(cur.grad, ref_logp.grad, atol=1e-6), reference.__name__

@@ -187,7 +187,7 @@ def _extras(rank, chunks, model, table, manager, sync, logits, engines):
 
 def _fp8_summary(plain, fp8):
     """What arrived: fp8 tensors as their bytes and dequantized (fp8 storages do not cross processes)."""
-    from megadare.convert.fp8 import dequantize_fp8
+    from fp8_reference import dequantize_fp8
 
     deq = {
         n[: -len("_scale_inv")]: dequantize_fp8(fp8[n[: -len("_scale_inv")]], t, block=(128, 128))

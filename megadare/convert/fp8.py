@@ -82,18 +82,6 @@ def quantize_fp8_block(w: torch.Tensor, block: Sequence[int] = BLOCK) -> tuple[t
     return q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale
 
 
-def dequantize_fp8(
-    q: torch.Tensor, scale: torch.Tensor, block: Optional[Sequence[int]] = None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``W_fp8 * scale``: per tensor (``block=None``, scale of one element) or per ``block`` tile."""
-    x = q.float()
-    if block is None:
-        return (x * scale.float().reshape(())).to(dtype)
-    bn, bk = int(block[0]), int(block[1])
-    s = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[: x.shape[0], : x.shape[1]]
-    return (x * s).to(dtype)
-
-
 def linear_hf_names(table_or_config) -> frozenset[str]:
     """HF names of the linear weights that get fp8: from a family table (list of ``ParamMap``, what
     ``weight_sync.sync_weights`` holds) or a config.json dict / checkpoint dir (the family's table is built)."""

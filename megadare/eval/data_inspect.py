@@ -110,7 +110,8 @@ def _schema_line(rows: list[tuple[str, dict]], views: list[str]) -> str:
         for _, r in rows:
             sources[str(r.get("data_source"))] = sources.get(str(r.get("data_source")), 0) + 1
         return "verl / DARE rows; data_source: " + ", ".join(f"{k} {v}" for k, v in sources.items())
-    return "megadare rows; keys " + ", ".join(sorted(rec))
+    keys = ", ".join(sorted(rec))
+    return f"megadare rows; keys {keys}" if views else f"none megadare reads (keys {keys})"
 
 
 def _views(rec: dict) -> list[str]:

@@ -53,7 +53,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--ckpt", help="megadare Megatron checkpoint (iter dir or the run's checkpoint root); converted to HF first"
     )
     p.add_argument("--out", required=True, help="output HF checkpoint dir (written atomically)")
-    p.add_argument("--format", default="fp8", choices=("fp8", "nvfp4", "fp8-block"))
+    p.add_argument(
+        "--format",
+        default="fp8",
+        choices=("fp8", "nvfp4", "fp8-block"),
+        help="fp8 / nvfp4: NVIDIA ModelOpt (calibrated); fp8-block: 128x128-block e4m3, torch only",
+    )
     p.add_argument("--calib-prompts", default=None, help="prompt file (format below); default: built-in prompts")
     p.add_argument("--gen-tokens", type=int, default=32, help="mask tokens appended to each calibration prompt")
     p.add_argument("--max-len", type=int, default=512, help="longest calibration sequence in tokens")

@@ -35,7 +35,7 @@ from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.errors import ConfigError
 from megadare.trainer.offpolicy.importance import RolloutIS, rollout_is_weights
-from megadare.trainer.offpolicy.replay_scores import balance_heuristic_weights, variance_guided_scores
+from megadare.trainer.offpolicy.replay_scores import balance_heuristic_weights, chi2_ess, variance_guided_scores
 from megadare.trainer.step import RowFormat, outputs_of
 
 Key = tuple[int, int]  # (sample index, slot)
@@ -153,11 +153,13 @@ def correction_weights(
         counts = torch.tensor([sum(version_of[s] == v for s in samples) for v in ver], dtype=torch.float64)
         ws = balance_heuristic_weights(seq[0], seq[1:], counts, log_clamp=20.0, threshold=off.rollout_is_threshold)
         w = torch.stack([ws[pos[k[0]]] for k in order])
+        diag = chi2_ess(torch.log(ws))
         metrics.update(
             {
                 "is/mixture_weight_mean": float(ws.mean()),
                 "is/mixture_weight_max": float(ws.max()),
-                "is/mixture_ess": float(ws.sum() ** 2 / (len(ws) * (ws * ws).sum())),
+                "is/mixture_ess": diag["ess"],
+                "is/mixture_chi2": diag["chi2"],
             }
         )
     put_slot_values(micro_batches, "is_weight", {k: float(wi) for k, wi in zip(order, w)})

@@ -30,16 +30,14 @@ replay.py, which holds the buffer these scores select from.
 
    unbiased whenever the mixture covers p (q_j itself may miss part of p's support), and its variance exceeds
    that of any other MIS weighting by at most (1/min_j n_j - 1/n) E_p[f]^2 (Veach's thesis, ch. 9). It needs each sample's log-prob under *every*
-   version in the batch (K extra forwards or K stored models); ``own_behaviour_weights`` is the cheap per-source
-   form p / q_{v(x)} (ordinary IS; unbiased for the alpha-mixture only if every q_j covers p). With K = 1 both reduce to ordinary IS, and
-   w = 1 when every q_j = p. ``per_version_normalised_advantages`` normalises advantages within each behaviour
-   version (D-ARL's "per-version optimisation": every source enters on the same scale) and
-   ``per_version_loss_weights`` gives each version a share of the objective (alpha_v by default).
+   version in the batch (K extra forwards or K stored models); with K = 1 it reduces to ordinary IS, and w = 1
+   when every q_j = p. ``chi2_ess`` gives the batch's chi^2 and normalised ESS of the weights
+   (``is/mixture_chi2``, ``is/mixture_ess``).
 """
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -128,7 +126,7 @@ def balance_heuristic_weights(
     sample under every behaviour policy (whichever policy drew it); ``counts``: [K] n_j (a zero count drops that
     policy from the mixture). ``log_clamp`` clamps log w (verl clamps log ratios to +-20); ``threshold`` caps w
     from above (truncated IS, ``algorithm.rollout_is_threshold``); both bias the estimate. Returns [N], the dtype
-    of ``target_logp`` (float32 inputs are computed in float64). ``mis_weights`` builds the inputs from a batch's
+    of ``target_logp`` (float32 inputs are computed in float64); trainer/offpolicy/correction.py builds the inputs from a batch's
     per-sample versions (``ReplaySelection.counts()`` gives the versions / counts of a selection)."""
     p = torch.as_tensor(target_logp)
     q = torch.as_tensor(behaviour_logps)
@@ -150,109 +148,10 @@ def balance_heuristic_weights(
     return w.to(p.dtype if p.is_floating_point() else torch.float64)
 
 
-def mis_weights(
-    target_logp: torch.Tensor,
-    logp_by_version: Mapping[int, torch.Tensor],
-    versions: torch.Tensor,
-    log_clamp: Optional[float] = None,
-    threshold: Optional[float] = None,
-) -> torch.Tensor:
-    """Balance-heuristic weights for a batch that mixes behaviour versions: ``versions`` [N] is the version that
-    drew each sample (fresh and replayed alike), ``logp_by_version[v]`` [N] the log-prob of *every* sample under
-    version v's policy (needed for each v in ``versions``); the counts n_v come from ``versions``."""
-    uniq, counts = version_counts(versions)
-    missing = [v for v in uniq if v not in logp_by_version]
-    if missing:
-        raise ValueError(f"no log-probs under behaviour versions {missing}")
-    beh = torch.stack([torch.as_tensor(logp_by_version[v]).flatten() for v in uniq])
-    return balance_heuristic_weights(target_logp, beh, counts, log_clamp, threshold)
-
-
-def own_behaviour_weights(
-    target_logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    log_clamp: Optional[float] = None,
-    threshold: Optional[float] = None,
-) -> torch.Tensor:
-    """Per-source (ordinary) IS weights w_i = p(x_i) / q_{v(i)}(x_i) against each sample's own behaviour policy:
-    the cheap multi-behaviour form when log-probs under the other versions are not available (also unbiased for
-    the alpha-mixture, but q_{v(i)} must cover p on its own). ``balance_heuristic_weights`` with K = 1."""
-    b = torch.as_tensor(behaviour_logp).flatten()
-    return balance_heuristic_weights(target_logp, b.unsqueeze(0), torch.ones(1), log_clamp, threshold)
-
-
-def per_version_normalised_advantages(
-    advantages: torch.Tensor, versions: torch.Tensor, center: bool = True, scale: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
-    """Advantages normalised within each behaviour version v *(inferred D-ARL per-version optimisation)*:
-
-        A'_i = (A_i - mean_{j: v_j = v_i} A_j) / (std_{j: v_j = v_i} A_j + eps)   (population std)
-
-    so samples of every source enter the objective on the same scale and a stale version's reward level does
-    not leak into the others' baseline. ``center`` / ``scale`` switch the two parts; a version whose advantages
-    are all equal (a single sample, say) is only centred, never divided by eps. [N] -> [N] float32. Per-token
-    advantages: pass them flattened, with the version of each token."""
-    a = torch.as_tensor(advantages, dtype=torch.float64).flatten()
-    v = torch.as_tensor(versions, dtype=torch.long).flatten()
-    if a.numel() != v.numel():
-        raise ValueError(f"{a.numel()} advantages for {v.numel()} versions")
-    out = a.clone()
-    for ver in torch.unique(v).tolist():
-        m = v == ver
-        x = a[m]
-        if center:
-            x = x - x.mean()
-        sd = float(a[m].std(unbiased=False))
-        if scale and sd > 0:
-            x = x / (sd + eps)
-        out[m] = x
-    return out.float()
-
-
-def per_version_loss_weights(versions: torch.Tensor, scheme: Union[str, Mapping[int, float]] = "count") -> torch.Tensor:
-    """[N] per-sample loss weights summing to 1 that give each behaviour version v a share beta_v of the
-    objective *(inferred "policy-level weighting")*: w_i = beta_{v_i} / n_{v_i}.
-
-    ``'count'``: beta_v = n_v / n (w_i = 1/n, the balance-heuristic estimator's own 1/n); ``'uniform'``:
-    beta_v = 1 / #versions (every source counts equally however many samples it gave); a mapping
-    {version: beta_v} gives explicit shares (renormalised over the versions present)."""
-    v = torch.as_tensor(versions, dtype=torch.long).flatten()
-    uniq, counts = version_counts(v)
-    if not uniq:
-        return torch.zeros(0, dtype=torch.float64)
-    if scheme == "count":
-        beta = {u: int(c) / v.numel() for u, c in zip(uniq, counts.tolist())}
-    elif scheme == "uniform":
-        beta = {u: 1.0 / len(uniq) for u in uniq}
-    elif isinstance(scheme, Mapping):
-        tot = sum(float(scheme.get(u, 0.0)) for u in uniq)
-        if tot <= 0 or any(float(scheme.get(u, 0.0)) < 0 for u in uniq):
-            raise ValueError(f"version shares {dict(scheme)} must be >= 0 with a positive total over {uniq}")
-        beta = {u: float(scheme.get(u, 0.0)) / tot for u in uniq}
-    else:
-        raise ValueError(f"scheme={scheme!r} unknown; 'count', 'uniform' or a {{version: share}} mapping")
-    n_of = dict(zip(uniq, counts.tolist()))
-    return torch.tensor([beta[x] / n_of[x] for x in v.tolist()], dtype=torch.float64)
-
-
-def mixture_estimate(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """(1/n) sum_i w_i f_i, the multi-behaviour IS estimate of E_pi[f] (or of the surrogate objective)."""
-    f = torch.as_tensor(values, dtype=torch.float64).flatten()
-    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
-    if f.numel() != w.numel():
-        raise ValueError(f"{f.numel()} values for {w.numel()} weights")
-    return (w * f).sum() / max(f.numel(), 1)
-
-
 __all__ = [
     "SCORES",
     "variance_guided_scores",
     "chi2_ess",
     "version_counts",
     "balance_heuristic_weights",
-    "mis_weights",
-    "own_behaviour_weights",
-    "per_version_normalised_advantages",
-    "per_version_loss_weights",
-    "mixture_estimate",
 ]
