@@ -11,7 +11,7 @@ through a stub's `__globals__`; a non-str global key that shadows a builtin for 
 stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
 whose __eq__ is always true (itself, an element, a list subclass, a metaclass); a program that loops on every case of
 a row with many cases (all of them ran to their timeout: a reward failure); a humanevalplus harness whose budget (1 s
-per input) outran the reward call's limit.
+per input) outran the reward call's limit; a task function named like a builtin (`def sorted`) passed with no code.
 """
 
 from __future__ import annotations
@@ -364,7 +364,7 @@ def test_a_looping_program_stops_at_its_first_failed_case(monkeypatch):
 
     runs = []
 
-    def sandbox(program, stdin="", limits=None, tests=None):  # each case times out, after a while
+    def sandbox(program, stdin="", limits=None, tests=None, tested=()):  # each case times out, after a while
         runs.append(stdin)
         time.sleep(0.05)
         ok = "print(" in program
@@ -389,7 +389,7 @@ def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch)
 
     seen = []
 
-    def sandbox(program, stdin="", limits=None, tests=None):
+    def sandbox(program, stdin="", limits=None, tests=None, tested=()):
         seen.append(limits.timeout_s)
         return code.SandboxResult("timeout", None, "", "", limits.timeout_s, tests_passed=False)
 
@@ -400,3 +400,35 @@ def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch)
     scores, stats = score_batch("auto", ["```python\ndef add(a, b):\n    while True:\n        pass\n```"], [row])
     limit = inspect.signature(score_batch).parameters["timeout_s"].default
     assert scores == [0.0] and stats.failures == 0 and len(seen) == 1 and 5 <= seen[0] < limit - 10, (seen, stats)
+
+
+def test_a_function_named_like_a_builtin_is_the_programs():
+    """A task whose function is named like a builtin (`def sorted`): the tests saw the true builtins only, so a
+    response defining nothing (or a wrong `sorted`) passed `assert sorted([3, 1, 2]) == [1, 2, 3]`. The tests see
+    the program's `sorted` now, and fail without one; the other builtins stay the true ones (`list` below)."""
+    from megadare.rewards.code import call_case, code_reward, tested_builtins
+    import ast
+
+    asserts = ["assert sorted([3, 1, 2]) == list((1, 2, 3))"]
+    right = "def sorted(xs):\n    out = []\n    for x in xs:\n        out.insert(sum(y < x for y in out), x)\n    return out\n"
+    nothing, wrong = "x = 1\n", "def sorted(xs):\n    return xs\n"
+    calls = [call_case("sorted", [[2, 1]], [1, 2])]
+    solution = "class Solution:\n    def sorted(self, xs):\n        return [min(xs), max(xs)]\n"
+    got = {
+        (name, kind): code_reward("", tests, code=code)
+        for name, code in (("nothing", nothing), ("wrong", wrong), ("right", right), ("solution", solution))
+        for kind, tests in (("asserts", asserts), ("call", calls))
+    }
+    assert got == {
+        ("nothing", "asserts"): 0.0,
+        ("nothing", "call"): 0.0,
+        ("wrong", "asserts"): 0.0,
+        ("wrong", "call"): 0.0,
+        ("right", "asserts"): 1.0,
+        ("right", "call"): 1.0,
+        ("solution", "asserts"): 0.0,
+        ("solution", "call"): 1.0,
+    }, got
+    # a function with its own name under test: no builtin is the program's (its `abs` cannot fool the tests)
+    assert tested_builtins(ast.parse("r = f([3])\nassert abs(r) == 3")) == ()
+    assert tested_builtins(ast.parse("def check(c):\n    assert c([2]) == [2]\ncheck(sorted)")) == ("sorted",)

@@ -11,7 +11,9 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
   Solution`` method when the program defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
   MBPP / HumanEval style): a string is one case, a list of strings one case each, ``{"test_code": str | list}``
   the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
-  early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``;
+  early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``; it calls the true
+  builtins, whatever the program defines, but for a function under test named like one (``def sorted``,
+  :func:`tested_builtins`), which the program must define;
 * no test case at all, or test code that does not compile, raises ValueError: no test ran, which is no pass;
 * ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass, and the cases
   stop at the first failure); cases run concurrently on a small thread pool, each in its own sandbox.
@@ -20,13 +22,14 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.sandbox import SandboxLimits, SandboxResult, run_program
 
@@ -36,6 +39,7 @@ __all__ = [
     "TestCase",
     "CaseResult",
     "call_case",
+    "tested_builtins",
     "parse_tests",
     "run_tests",
     "code_reward",
@@ -74,6 +78,7 @@ class TestCase:
     expected: Optional[str] = None
     test_code: Optional[str] = None
     compare: str = "lines"
+    tested: Tuple[str, ...] = ()  # builtin names under test (the tests see the program's ones): tested_builtins
 
 
 @dataclass
@@ -90,15 +95,52 @@ def _as_text(x: Any) -> str:
     return "" if x is None else str(x)
 
 
+_BUILTIN_NAMES = frozenset(dir(builtins)) - {"globals"}  # globals: the guard of _code_case calls it
+
+
+def tested_builtins(tree: ast.AST) -> Tuple[str, ...]:
+    """The builtin names test code tests: when every name the tests use but do not define is a builtin (the
+    function under test is named like one, ``assert sorted([3, 1]) == [1, 3]``), the builtins they call or pass to
+    a call (``check(sorted)``); else none (the function under test has its own name, and every builtin the tests use
+    is the true one, whatever the program defines). The tests then see the program's definitions of those names: a
+    program that also redefines a builtin the tests compute an expected value with (``list``) fools them, a hole
+    left open for such rows only."""
+    bound, loaded, called = set(), set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+        if isinstance(node, ast.Call):
+            called.update(a.id for a in (node.func, *node.args) if isinstance(a, ast.Name))
+    free = loaded - bound
+    if not free or not free <= _BUILTIN_NAMES:
+        return ()
+    return tuple(sorted(called & free))
+
+
 def _code_case(test_code: str) -> TestCase:
-    """A test-code case, checked to compile and to hold something that can fail (an assert or a raise)."""
+    """A test-code case, checked to compile and to hold something that can fail (an assert or a raise). When the
+    function under test is named like a builtin (:func:`tested_builtins`), a first line checks the program defines
+    one of those names (else the tests would test the builtin, and a program defining nothing would pass)."""
     try:
         tree = ast.parse(test_code, "tests.py")
     except SyntaxError as e:
         raise ValueError(f"test code does not compile (line {e.lineno}: {e.msg})") from e
     if not any(isinstance(node, (ast.Assert, ast.Raise)) for node in ast.walk(tree)):
         raise ValueError(f"test code holds no assert and no raise: it would pass any program; got {test_code[:200]!r}")
-    return TestCase(test_code=test_code)
+    tested = tested_builtins(tree)
+    if tested:
+        defined = " or ".join(f"{n!r} in globals()" for n in tested)
+        message = f"the program defines none of {', '.join(tested)}, the function under test"
+        test_code = f"assert {defined}, {message!r}\n{test_code}"
+    return TestCase(test_code=test_code, tested=tested)
 
 
 def _literal(value: Any) -> str:
@@ -144,10 +186,11 @@ def call_case(fn_name: str, args: Any, expected: Any) -> TestCase:
     code = (
         f"import json as _json\n_args = _json.loads({json.dumps(json.dumps(args))})\n"
         f"_want = {_literal(json.loads(json.dumps(expected)))}\n"
-        f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else {fn_name}\n"
+        f"_fn = getattr(Solution(), {fn_name!r}) if 'Solution' in globals() else globals()[{fn_name!r}]\n"
         "_got = _fn(*_args)\n_got = list(_got) if isinstance(_got, tuple) else _got\n" + _PLAIN_DATA_CHECK
     )
-    return TestCase(test_code=code)
+    # globals()[...]: a function named like a builtin is the program's, or none (KeyError), never the builtin
+    return TestCase(test_code=code, tested=(fn_name,) if fn_name in _BUILTIN_NAMES else ())
 
 
 def _io_cases(tests: dict) -> List[TestCase]:
@@ -216,7 +259,7 @@ def lcb_output_equal(output: str, expected: str) -> bool:
 
 def _run_case(code: str, case: TestCase, limits: SandboxLimits) -> CaseResult:
     if case.test_code is not None:
-        run = run_program(code, "", limits, tests=case.test_code)
+        run = run_program(code, "", limits, tests=case.test_code, tested=case.tested)
         return CaseResult(bool(run.tests_passed), run)
     run = run_program(code, case.stdin, limits)
     if case.compare == "lcb":

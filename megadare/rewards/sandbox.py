@@ -238,17 +238,25 @@ class SandboxLimits:
 
 
 def run_program(
-    code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *, tests: Optional[str] = None
+    code: str,
+    stdin: str = "",
+    limits: SandboxLimits = SandboxLimits(),
+    *,
+    tests: Optional[str] = None,
+    tested: Sequence[str] = (),
 ) -> SandboxResult:
     """Run the Python program ``code`` with ``stdin`` in a fresh sandbox (see the module docstring) under
     ``limits`` (:class:`SandboxLimits`).
 
     ``tests``: Python test code run after the program, in test mode (:mod:`.sandbox_child`); the result's
     ``tests_passed`` is True only when the tests ran to their end (proven with a one-time token), never from the
-    exit status or the output alone. Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
+    exit status or the output alone. ``tested``: builtin names the tests test (a task's ``def sorted``): the tests
+    see the program's definitions of them (of every other builtin name, the true builtin). Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
     RuntimeError when the sandbox itself cannot start (neither is a verdict on the program).
     """
     mode = _checked_mode(tests is not None, limits)
+    if not all(re.fullmatch(r"[A-Za-z_]\w*", n) for n in tested):
+        raise ValueError(f"tested={list(tested)!r}: names only")
     t0 = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
     fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())  # report, token, proof (read, write each)
@@ -267,6 +275,7 @@ def run_program(
                 fds[2] if tests is not None else -1,  # the token and proof pipes: test mode only
                 fds[5] if tests is not None else -1,
                 ",".join(lim.preload),
+                ",".join(tested),
             ]
             proc = start_child(
                 mode,

@@ -27,7 +27,8 @@ program holding the frame burns the token). Known limits: a program that reaches
 ``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass; and, as in DARE, evalplus
 and OpenCompass, a program can return an object whose ``__eq__`` always says True, or patch an attribute of a module
 the tests use (``math.isclose``). A global of the program's named like a builtin (``abs``) is left out of the tests'
-copy of its namespace, so the tests call the true builtin.
+copy of its namespace, so the tests call the true builtin, unless the parent names it as under test (a task whose
+function is ``sorted``: :func:`megadare.rewards.code.tested_builtins`).
 """
 
 import builtins
@@ -188,7 +189,12 @@ def _passed(audit, frame):
 def _boot():
     rep, code_fd, tests_fd, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     maxc, audit_on, token_fd, proof_fd = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8])
-    preload, jail_plan, jail_source = sys.argv[9], sys.argv[10], sys.argv[11]
+    preload, tested, jail_plan, jail_source = (
+        sys.argv[9],
+        frozenset(sys.argv[10].split(",")),
+        sys.argv[11],
+        sys.argv[12],
+    )
     if jail_plan == JAILED:
         _not_dumpable(rep)
         _limit_tasks(jail_source, rep)
@@ -240,9 +246,10 @@ def _boot():
     if tests is None:
         return
     # the tests see the program's names but the true builtins: a global ``abs`` of the program's cannot change what
-    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's); str keys
-    # only (a key object that equals "abs" on the second comparison only would shadow it)
-    namespace = {k: v for k, v in mod.__dict__.items() if kind(k) is text and k not in pristine}
+    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's), but for
+    # the builtin names the parent says are under test (``def sorted``: ``tested``); str keys only (a key object
+    # that equals "abs" on the second comparison only would shadow it)
+    namespace = {k: v for k, v in mod.__dict__.items() if kind(k) is text and (k not in pristine or k in tested)}
     namespace.update(__builtins__=pristine, __name__="tests")
     try:
         run(tests, namespace)

@@ -205,7 +205,7 @@ def start_child(
     mode: str, boot: list, stdin_f, allow_site_packages: bool, limits: list, file_size_mb: int
 ) -> subprocess.Popen:
     """Start the child: ``boot`` = the bootstrap's arguments (report fd, code fd, tests fd, workdir, children
-    allowed, audit hook, token fd, proof fd, preload); in ``namespaces`` mode the jail's plan and source follow."""
+    allowed, audit hook, token fd, proof fd, preload, tested builtins); in ``namespaces`` mode the jail's plan and source follow."""
     is_root, workdir, deny = os.geteuid() == 0, boot[3], seccomp_denies_processes(boot[4] + 1)
     jail = ["", ""]
     if mode == "namespaces":
