@@ -11,7 +11,8 @@ through a stub's `__globals__`; a non-str global key that shadows a builtin for 
 stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
 whose __eq__ is always true (itself, an element, a list subclass, a metaclass); a program that loops on every case of
 a row with many cases (all of them ran to their timeout: a reward failure); a humanevalplus harness whose budget (1 s
-per input) outran the reward call's limit; a task function named like a builtin (`def sorted`) passed with no code.
+per input) outran the reward call's limit; a task function named like a builtin (`def sorted`) passed with no code;
+the fraction-of-cases reward ran every case, past the call's limit.
 """
 
 from __future__ import annotations
@@ -432,3 +433,23 @@ def test_a_function_named_like_a_builtin_is_the_programs():
     # a function with its own name under test: no builtin is the program's (its `abs` cannot fool the tests)
     assert tested_builtins(ast.parse("r = f([3])\nassert abs(r) == 3")) == ()
     assert tested_builtins(ast.parse("def check(c):\n    assert c([2]) == [2]\ncheck(sorted)")) == ("sorted",)
+
+
+def test_the_code_reward_stops_at_its_budget(monkeypatch):
+    """The fraction-of-cases `code` reward ran every case: N cases / 4 workers x timeout_s (a slow program on 48
+    cases of 5 s: 60 s) ran past score_batch's 60 s per call, a reward failure that stops the run. The cases run
+    within a total budget now (code.BUDGET_S, 45 s; shrunk here): the cases not started in it count as failed."""
+    from megadare.rewards import code
+    from megadare.rewards.registry import load_reward
+
+    monkeypatch.setattr(code, "BUDGET_S", 2.3)
+    slow = "```python\nimport time\ntime.sleep(0.6)\nprint(input())\n```"
+    row = {"tests": {"inputs": ["7\n"] * 8, "outputs": ["7\n"] * 8}, "timeout_s": 2.0}
+    # the first 4 cases (one per worker) run; the next ones would start at >= 0.6 s, and 0.6 + 2.0 > 2.3
+    assert load_reward("code")(slow, row) == 0.5
+    results = code.run_tests(slow.split("\n", 1)[1][:-3], row["tests"], limits=code.SandboxLimits(timeout_s=2.0))
+    assert [r.passed for r in results] == [True] * 8  # no budget: all of them run
+    results = code.run_tests(
+        slow.split("\n", 1)[1][:-3], row["tests"], limits=code.SandboxLimits(timeout_s=2), budget_s=2.3
+    )
+    assert [r.passed for r in results] == [True] * 4 + [False] * 4 and "budget" in results[-1].run.stderr

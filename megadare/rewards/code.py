@@ -16,7 +16,8 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
   :func:`tested_builtins`), which the program must define;
 * no test case at all, or test code that does not compile, raises ValueError: no test ran, which is no pass;
 * ``code_reward`` is the fraction of cases passed (``all_or_nothing=True``: 1.0 only when all pass, and the cases
-  stop at the first failure); cases run concurrently on a small thread pool, each in its own sandbox.
+  stop at the first failure); cases run concurrently on a small thread pool, each in its own sandbox, within a
+  total budget (:data:`BUDGET_S`, 45 s): a case not started in it counts as failed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import builtins
 import json
 import math
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -267,14 +269,43 @@ def _run_case(code: str, case: TestCase, limits: SandboxLimits) -> CaseResult:
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 
+# the most one code reward runs its cases, below score_batch's 60 s per call (past it a call is a reward failure, which
+# stops the run): N cases on 4 workers x timeout_s ran 48 / 4 x 5 s = 60 s
+BUDGET_S = 45.0
+
+
 def run_tests(
-    code: str, tests: Tests, *, limits: SandboxLimits = SandboxLimits(), workers: int = 4
+    code: str,
+    tests: Tests,
+    *,
+    limits: SandboxLimits = SandboxLimits(),
+    workers: int = 4,
+    budget_s: Optional[float] = None,
 ) -> List[CaseResult]:
     """Run ``code`` on every test case (concurrently, ``workers`` sandboxes at a time, each under ``limits``), in
-    case order."""
+    case order. ``budget_s``: the cases' total time (None: no limit); a case starts only while its ``timeout_s``
+    fits in what is left of it (each worker's first case always starts), and a case not started fails (its run has
+    status "timeout" and says why in its stderr)."""
     cases = parse_tests(tests)
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case") as ex:
-        return list(ex.map(lambda c: _run_case(code, c, limits), cases))
+    ex = ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case")
+    try:
+        return [f.result() for f in _submit(ex, workers, code, cases, limits, budget_s)]
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _submit(ex: ThreadPoolExecutor, workers: int, code: str, cases: List[TestCase], limits: SandboxLimits, budget_s):
+    """Each case as a future of ``ex`` (``workers`` threads), under the total ``budget_s`` (see :func:`run_tests`)."""
+    deadline = time.monotonic() + (math.inf if budget_s is None else budget_s)
+    first_wave = max(1, workers)
+
+    def run(k: int) -> CaseResult:
+        if k >= first_wave and time.monotonic() + limits.timeout_s > deadline:
+            why = f"[code] case not run: the cases' {budget_s:g}s budget was spent (it counts as failed)"
+            return CaseResult(False, SandboxResult("timeout", None, "", why, 0.0))
+        return _run_case(code, cases[k], limits)
+
+    return [ex.submit(run, k) for k in range(len(cases))]
 
 
 def code_reward(
@@ -285,9 +316,15 @@ def code_reward(
     all_or_nothing: bool = False,
     preamble: str = "",
     code: Optional[str] = None,
+    budget_s: Optional[float] = None,
 ) -> float:
     """Fraction of ``tests`` passed by the program in ``response`` (0.0 for an empty program), each case in its own
     sandbox under ``limits`` (:class:`~megadare.rewards.sandbox.SandboxLimits`: time, memory, isolation ...).
+
+    The cases run 4 at a time within ``budget_s`` in all (default :data:`BUDGET_S`, 45 s: below score_batch's 60 s per
+    call): a case not started while its ``timeout_s`` still fits in the budget counts as failed, so the score is
+    (cases passed) / (all cases), and a slow program on a row of many cases scores what it passed in the budget.
+    ``all_or_nothing``: 1.0 only when every case passes; the cases stop at the first failure.
 
     ``code``: the program when the caller extracted it already (else :func:`extract_code`); ``preamble``: source
     put before it (imports the program may rely on). Test formats are checked before anything runs, so bad tests
@@ -297,19 +334,20 @@ def code_reward(
     program = extract_code(response) if code is None else code
     if not program.strip():
         return 0.0
+    budget = BUDGET_S if budget_s is None else budget_s
     if all_or_nothing:
-        return 1.0 if _all_pass(preamble + program, cases, limits) else 0.0
-    results = run_tests(preamble + program, cases, limits=limits)
+        return 1.0 if _all_pass(preamble + program, cases, limits, budget) else 0.0
+    results = run_tests(preamble + program, cases, limits=limits, budget_s=budget)
     return sum(r.passed for r in results) / len(results)
 
 
-def _all_pass(code: str, cases: List[TestCase], limits: SandboxLimits, workers: int = 4) -> bool:
-    """Do all ``cases`` pass? Stops at the first failure (the cases not started yet never run), as LiveCodeBench's
-    harness does: a program that loops ran every case to its timeout, ``len(cases) / workers * timeout_s`` (a row
-    with 48 cases: past score_batch's 60 s, a reward failure that stops the run), for a score already 0."""
+def _all_pass(code: str, cases: List[TestCase], limits: SandboxLimits, budget_s: float, workers: int = 4) -> bool:
+    """Do all ``cases`` pass (within ``budget_s``: :func:`run_tests`)? Stops at the first failure (the cases not
+    started yet never run), as LiveCodeBench's harness does: a program that loops ran every case to its timeout,
+    ``len(cases) / workers * timeout_s`` (a row with 48 cases: past score_batch's 60 s, a reward failure that stops
+    the run), for a score already 0."""
     ex = ThreadPoolExecutor(max_workers=max(1, min(workers, len(cases))), thread_name_prefix="code-case")
     try:
-        futures = [ex.submit(_run_case, code, c, limits) for c in cases]
-        return all(f.result().passed for f in as_completed(futures))
+        return all(f.result().passed for f in as_completed(_submit(ex, workers, code, cases, limits, budget_s)))
     finally:
         ex.shutdown(wait=True, cancel_futures=True)

@@ -33,7 +33,7 @@ import json
 import re
 from typing import Any, Callable, List, Optional
 
-from megadare.rewards.code import TestCase, call_case, code_reward, parse_tests
+from megadare.rewards.code import BUDGET_S, TestCase, call_case, code_reward, parse_tests
 from megadare.rewards.sandbox import SandboxLimits
 
 __all__ = [
@@ -233,7 +233,7 @@ def dare_test_cases(record: dict) -> List[TestCase]:
 
 # the most a humanevalplus harness runs: below score_batch's 60 s per reward call (a harness of 70 inputs got 70 s, so
 # a program that loops ran past the call's limit, a reward failure that stops the run, not a wrong answer)
-HARNESS_TIMEOUT_CAP_S = 45.0
+HARNESS_TIMEOUT_CAP_S = BUDGET_S
 
 
 def _harness_timeout(test_code: str, base: float) -> float:
