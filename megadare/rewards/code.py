@@ -316,15 +316,14 @@ def code_reward(
     all_or_nothing: bool = False,
     preamble: str = "",
     code: Optional[str] = None,
-    budget_s: Optional[float] = None,
 ) -> float:
     """Fraction of ``tests`` passed by the program in ``response`` (0.0 for an empty program), each case in its own
     sandbox under ``limits`` (:class:`~megadare.rewards.sandbox.SandboxLimits`: time, memory, isolation ...).
 
-    The cases run 4 at a time within ``budget_s`` in all (default :data:`BUDGET_S`, 45 s: below score_batch's 60 s per
-    call): a case not started while its ``timeout_s`` still fits in the budget counts as failed, so the score is
-    (cases passed) / (all cases), and a slow program on a row of many cases scores what it passed in the budget.
-    ``all_or_nothing``: 1.0 only when every case passes; the cases stop at the first failure.
+    The cases run 4 at a time within :data:`BUDGET_S` in all (45 s: below score_batch's 60 s per call): a case not
+    started while its ``timeout_s`` still fits in the budget counts as failed, so the score is (cases passed) / (all
+    cases), and a slow program on a row of many cases scores what it passed in the budget. ``all_or_nothing``: 1.0
+    only when every case passes; the cases stop at the first failure.
 
     ``code``: the program when the caller extracted it already (else :func:`extract_code`); ``preamble``: source
     put before it (imports the program may rely on). Test formats are checked before anything runs, so bad tests
@@ -334,10 +333,9 @@ def code_reward(
     program = extract_code(response) if code is None else code
     if not program.strip():
         return 0.0
-    budget = BUDGET_S if budget_s is None else budget_s
     if all_or_nothing:
-        return 1.0 if _all_pass(preamble + program, cases, limits, budget) else 0.0
-    results = run_tests(preamble + program, cases, limits=limits, budget_s=budget)
+        return 1.0 if _all_pass(preamble + program, cases, limits, BUDGET_S) else 0.0
+    results = run_tests(preamble + program, cases, limits=limits, budget_s=BUDGET_S)
     return sum(r.passed for r in results) / len(results)
 
 
