@@ -453,3 +453,34 @@ def test_the_code_reward_stops_at_its_budget(monkeypatch):
         slow.split("\n", 1)[1][:-3], row["tests"], limits=code.SandboxLimits(timeout_s=2), budget_s=2.3
     )
     assert [r.passed for r in results] == [True] * 4 + [False] * 4 and "budget" in results[-1].run.stderr
+
+
+def test_dare_stdin_cases_accept_any_system_exit():
+    """DARE's grade_stdio (LiveCodeBench's call_method) swallows SystemExit: a program that prints the right answer
+    then calls sys.exit(1) (or exit("msg")) scores 1.0 there, and scored 0.0 here (exit status 1 was an "error").
+    Checked against DARE @83ae8a3 run from a scratch copy: [True] for both, Runtime Error for a raise after the
+    answer, Wrong answer for a wrong output then sys.exit(1). megadare's own stdin rule keeps exit status 0."""
+    from megadare.rewards import score_batch
+
+    row = {
+        "data_source": "codeforces",
+        "prompt": [{"role": "user", "content": "q"}],
+        "extra_info": {"task": "code"},
+        "answer": [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
+    }
+    programs = {
+        "exit1": "print(3)\nimport sys\nsys.exit(1)",
+        "exit_msg": "print(3)\nexit('bye')",
+        "raise": "print(3)\nraise ValueError('x')",
+        "wrong_exit1": "print(4)\nimport sys\nsys.exit(1)",
+    }
+    names = sorted(programs)
+    scores, stats = score_batch("auto", [f"```python\n{programs[n]}\n```" for n in names], [row] * len(names))
+    assert dict(zip(names, scores)) == {"exit1": 1.0, "exit_msg": 1.0, "raise": 0.0, "wrong_exit1": 0.0}, stats
+    assert stats.failures == 0, stats
+    own = {"tests": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
+    assert score_batch("code", ["```python\nprint(3)\nimport sys\nsys.exit(1)\n```"], [own])[0] == [0.0]
+    r = run_program("import sys\nprint('a')\nsys.exit('bye')\n")
+    assert (r.status, r.exited, r.stdout, r.stderr.strip()) == ("error", True, "a\n", "bye"), r
+    r = run_program("print('a')\nraise ValueError('x')\n")
+    assert (r.status, r.exited) == ("error", False), r

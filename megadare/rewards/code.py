@@ -5,12 +5,12 @@ Conventions (those of the DiffuCoder / dLLM-RL code rewards and the datasets the
 * the program is the last fenced ```` ```python ```` block of the response (``py``/``python3`` tags too), else the
   last fenced block of any language, else the whole response;
 * tests are either stdin/stdout cases ``{"inputs": [...], "outputs": [...]}`` (APPS / TACO / DeepCoder style;
-  outputs compared line by line after stripping trailing whitespace and blank edges), call-based cases (the same
-  with ``"fn_name"``: each input is the argument list, or newline-separated JSON arguments, and the function's
-  return value -- a tuple read as a list; exact built-in data types only -- must equal the output; a ``class
-  Solution`` method when the program defines one, as LiveCodeBench / TACO do), or assert-style test code run after the program (AceCoder / KodCode /
-  MBPP / HumanEval style): a string is one case, a list of strings one case each, ``{"test_code": str | list}``
-  the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
+  outputs compared line by line after stripping trailing whitespace and blank edges; exit status 0 only), call-based
+  cases (the same with ``"fn_name"``: each input is the argument list, or newline-separated JSON arguments, and the
+  function's return value -- a tuple read as a list; exact built-in data types only -- must equal the output; a
+  ``class Solution`` method when the program defines one, as LiveCodeBench / TACO do), or assert-style test code run
+  after the program (AceCoder / KodCode / MBPP / HumanEval style): a string is one case, a list of strings one case
+  each, ``{"test_code": str | list}`` the same. Test code runs in the sandbox's test mode: it passes only when it ran to its end (a program that exits
   early, or raises SystemExit inside a test, fails) and it must hold an ``assert`` or a ``raise``; it calls the true
   builtins, whatever the program defines, but for a function under test named like one (``def sorted``,
   :func:`tested_builtins`), which the program must define;
@@ -265,7 +265,10 @@ def _run_case(code: str, case: TestCase, limits: SandboxLimits) -> CaseResult:
         return CaseResult(bool(run.tests_passed), run)
     run = run_program(code, case.stdin, limits)
     if case.compare == "lcb":
-        return CaseResult(run.ok and lcb_output_equal(run.stdout, case.expected or ""), run)
+        # DARE's grade_stdio runs the program through LiveCodeBench's call_method, which swallows any SystemExit:
+        # a program that prints the answer then calls sys.exit(1) passes there (an uncaught exception does not), so
+        # it passes here (megadare's own "lines" rule keeps asking for exit status 0)
+        return CaseResult((run.ok or run.exited) and lcb_output_equal(run.stdout, case.expected or ""), run)
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 

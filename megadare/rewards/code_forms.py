@@ -16,7 +16,8 @@ primeintellect                         ``extra_info.metadata.func_name`` (JSON l
 =====================================  =====================================================================
 
 Stdin cases of both kinds compare stdout by LiveCodeBench's rule (:func:`~megadare.rewards.code.lcb_output_equal`:
-lines stripped, words equal as decimals), as DARE's ``grade_stdio`` does.
+lines stripped, words equal as decimals), as DARE's ``grade_stdio`` does; and as there, a program that ends by its own
+``SystemExit`` of any code (``sys.exit(1)`` after printing the answer) is judged on its output (a crash fails).
 
 Programs get DARE's standard-library imports in front (its ``BASE_IMPORTS`` without numpy/pandas: ``List``,
 ``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. An MBPP response (its

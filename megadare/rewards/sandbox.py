@@ -84,7 +84,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED
+from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED, EXIT_SYSTEM_EXIT
 from megadare.rewards.sandbox_kernel import rlimits, seccomp_denies_processes
 from megadare.rewards.sandbox_output import SETUP_LIMIT_S, Collected, collect, drain, reap
 from megadare.rewards.sandbox_start import program_uid, refused, required_layers, sealed, start_child, unlinked
@@ -110,7 +110,9 @@ class SandboxResult:
 
     ``status``: "ok" (exit 0), "error" (non-zero exit, crash, or output over the cap: ``truncated``),
     "timeout" (wall deadline or RLIMIT_CPU), "memory" (MemoryError / killed for memory), "refused" (an
-    audit-hook refusal ended the program). ``protections`` names the layers that were active.
+    audit-hook refusal ended the program). ``protections`` names the layers that were active. ``exited``: the
+    program ended by its own ``SystemExit`` with a non-zero code (``sys.exit(1)``, ``exit("msg")``; status "error",
+    returncode 120 whatever the code; never in test mode), not by a crash.
     """
 
     status: str
@@ -122,6 +124,7 @@ class SandboxResult:
     truncated: bool = False
     tests_passed: Optional[bool] = None  # test mode: the tests ran to their end (token received); else None
     pgid: Optional[int] = None  # the run's process group on this machine (all of it is killed after)
+    exited: bool = False
 
     @property
     def ok(self) -> bool:
@@ -300,8 +303,9 @@ def run_program(
         status = _classify(rc, got.timed_out, got.truncated, stderr, cpu_used >= cpu)
         passed = None if tests is None else (status == "ok" and drain(fds[4]) == token)
         protections = ("new_session", "scrubbed_env", "wall_timeout", "output_cap", "fresh_tmpdir", *got.report)
+        exited = status == "error" and rc == EXIT_SYSTEM_EXIT and tests is None and not got.truncated
         return SandboxResult(
-            status, rc, stdout, stderr, time.monotonic() - t0, protections, got.truncated, passed, proc.pid
+            status, rc, stdout, stderr, time.monotonic() - t0, protections, got.truncated, passed, proc.pid, exited
         )
     finally:
         for fd in fds:

@@ -40,6 +40,7 @@ import types
 
 EXIT_REFUSED = 121  # an audit-hook refusal was not caught
 EXIT_MEMORY = 122  # uncaught MemoryError
+EXIT_SYSTEM_EXIT = 120  # the program raised SystemExit with a non-zero code (no test mode): _system_exit
 FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"))
 
 
@@ -98,6 +99,21 @@ def _not_dumpable(rep):
         os.close(os.open("/proc/self/mem", os.O_RDONLY))
     except PermissionError:
         os.write(rep, b"not_dumpable\n")
+
+
+def _system_exit(e):
+    """The program's own ``SystemExit`` (no test mode): code 0 / None ends as Python ends it; any other code (after a
+    non-int one is printed, as Python prints it) ends with :data:`EXIT_SYSTEM_EXIT`, so the parent tells it from a
+    crash (status 1): DARE's stdin cases accept any ``SystemExit`` (LiveCodeBench's ``call_method``)."""
+    code = e.code
+    if code is None or (isinstance(code, int) and code == 0):
+        raise SystemExit(0)
+    if not isinstance(code, int):
+        try:
+            sys.stderr.write("%s\n" % (code,))
+        except BaseException:
+            pass
+    raise SystemExit(EXIT_SYSTEM_EXIT)
 
 
 def _write(path, data):
@@ -239,7 +255,7 @@ def _boot():
         run(code, mod.__dict__)
     except SystemExit as e:
         if tests is None:
-            raise
+            _system_exit(e)
         die(e, audit, frame, "sandbox: the program exited before its tests ran")
     except BaseException as e:
         die(e, audit, frame)
