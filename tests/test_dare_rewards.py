@@ -427,3 +427,18 @@ def test_reward_errors_name_reward_record_and_exception():
     ):
         check_reward_errors(stats, "auto", sources, 0.0, "RL step 3")
     check_reward_errors(stats, "auto", sources, 0.5)  # tolerated when asked for
+
+
+def test_math_on_dare_rows_says_how_it_differs_from_dare():
+    """rewards.name=math on DARE's math rows used megadare's looser rule (an unboxed answer counts) without a word;
+    the run's start prints one line naming the difference and rewards.name=dare_math, which scores them as DARE."""
+    from megadare.rewards import math_reward, reward_notes, load_reward
+
+    dare_row = {"data_source": "math500", "extra_info": {"task": "math"}, "answer": "5"}
+    own_row = {"data_source": "math500", "answer": "5"}
+    notes = reward_notes("math", [dare_row, own_row])
+    assert len(notes) == 1 and "1 of 2 rows" in notes[0] and "rewards.name=dare_math" in notes[0], notes
+    assert reward_notes("dare_math", [dare_row]) == reward_notes("auto", [dare_row]) == []
+    assert reward_notes("math", [own_row]) == []
+    # the difference the line names: an unboxed answer scores under math, not under DARE's rule
+    assert math_reward("The answer is 5.", "5") == 1.0 and load_reward("dare_math")("The answer is 5.", dare_row) == 0.0
