@@ -196,6 +196,46 @@ def test_a_refused_exec_of_the_interpreter_copy_refuses_code_rewards(monkeypatch
         run_program("print(1)")
 
 
+_EXEC = "os.execv(sys.executable, "  # the exec of the interpreter's copy, after the jail (sandbox_child._jail)
+
+
+def test_a_transient_refusal_is_tried_again_and_not_remembered(monkeypatch):
+    """Any refused step of the jail, the exec of the interpreter's copy included, was remembered as the machine
+    refusing the sandbox: one ENOMEM / EAGAIN under load stopped every later code reward of the run. A refusal for
+    want of a resource is tried again (with back-off) and never remembered; EPERM still is. Here the child's exec
+    fails with the errno the test names (the bootstrap's exec call replaced for the next starts)."""
+    import errno
+
+    from megadare.rewards import SandboxUnavailable, sandbox, sandbox_start
+
+    monkeypatch.setattr(sandbox, "_refusal", [])
+    monkeypatch.setattr(sandbox, "_BACKOFF_S", 0.01)
+    real_boot, real_start = sandbox_start._BOOTSTRAP, sandbox.start_child
+    assert real_boot.count(_EXEC) == 1
+    plan, starts = [], []  # the errnos of the next starts' exec (then the real exec); the starts made
+
+    def start(*args, **kwargs):
+        err = plan.pop(0) if plan else None
+        failing = real_boot.replace(_EXEC, f"os.execv((_ for _ in ()).throw(OSError({err}, os.strerror({err}))), ")
+        monkeypatch.setattr(sandbox_start, "_BOOTSTRAP", real_boot if err is None else failing)
+        starts.append(err)
+        return real_start(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "start_child", start)
+    plan[:] = [errno.ENOMEM, errno.EAGAIN]
+    assert run_program("print(1)").stdout == "1\n" and starts == [errno.ENOMEM, errno.EAGAIN, None]
+    plan[:] = [errno.ENOMEM] * sandbox.START_ATTEMPTS
+    with pytest.raises(RuntimeError, match="4 times in a row.*Cannot allocate memory.*not remembered"):
+        run_program("print(1)")
+    assert sandbox._refusal == [] and run_program("print(2)").stdout == "2\n"
+    plan[:], starts[:] = [errno.EPERM], []
+    with pytest.raises(SandboxUnavailable, match="exec of the interpreter's copy.*Operation not permitted"):
+        run_program("print(1)")
+    with pytest.raises(SandboxUnavailable):  # remembered: refused at once, no second start
+        run_program("print(1)")
+    assert starts == [errno.EPERM]
+
+
 def test_other_sandboxes_tasks_do_not_refuse_the_sandbox(monkeypatch):
     """A root trainer's jail drops to uid 65534, whose tasks (every sandbox's threads) RLIMIT_NPROC counts; the kernel
     fails the execve of a process whose new uid has more tasks than that limit. Threads of other sandboxes started

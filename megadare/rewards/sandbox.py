@@ -73,6 +73,7 @@ reading the output under its cap and deadline, killing the group, reaping; :mod:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -135,6 +136,21 @@ class SandboxResult:
 ISOLATIONS = ("namespaces", "process")
 _isolation = ["namespaces"]  # rewards.code.isolation, set by the run's entry point (set_isolation)
 _refusal: List[str] = []  # why the kernel refused the namespaces, once it did (it will again)
+# a step refused for want of a resource another moment may have (memory, tasks, a count of namespaces under load), not
+# by a policy: such a start is tried again and never remembered as the machine refusing the sandbox
+TRANSIENT_ERRNOS = frozenset((errno.EAGAIN, errno.ENOMEM, errno.EINTR, errno.ENOSPC, errno.EBUSY))
+START_ATTEMPTS = 4
+_BACKOFF_S = 0.25
+
+
+class _Transient(Exception):
+    """The kernel refused a start of the sandbox for a while (an errno of :data:`TRANSIENT_ERRNOS`)."""
+
+
+def _transient(detail: str) -> bool:
+    """Does a refusal's text (``... [Errno N] ...``, as the jail and OSError write it) name a transient errno?"""
+    found = re.search(r"\[Errno (\d+)\]", detail)
+    return found is not None and int(found.group(1)) in TRANSIENT_ERRNOS
 
 
 def set_isolation(mode: str) -> None:
@@ -254,12 +270,37 @@ def run_program(
     ``tests``: Python test code run after the program, in test mode (:mod:`.sandbox_child`); the result's
     ``tests_passed`` is True only when the tests ran to their end (proven with a one-time token), never from the
     exit status or the output alone. ``tested``: builtin names the tests test (a task's ``def sorted``): the tests
-    see the program's definitions of them (of every other builtin name, the true builtin). Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
-    RuntimeError when the sandbox itself cannot start (neither is a verdict on the program).
+    see the program's definitions of them (of every other builtin name, the true builtin). Raises
+    :class:`SandboxUnavailable` where the kernel refuses the namespaces, and RuntimeError when the sandbox itself
+    cannot start (neither is a verdict on the program).
+
+    A start the kernel refused for want of a resource (:data:`TRANSIENT_ERRNOS`: memory, tasks, a namespace count;
+    the program never ran) is tried again, :data:`START_ATTEMPTS` times in all with a doubling back-off, then
+    raises RuntimeError; only the other refusals (EPERM, an unsupported namespace, ...) are remembered as the
+    machine's (every later run refused at once).
     """
-    mode = _checked_mode(tests is not None, limits)
     if not all(re.fullmatch(r"[A-Za-z_]\w*", n) for n in tested):
         raise ValueError(f"tested={list(tested)!r}: names only")
+    why = ""
+    for attempt in range(START_ATTEMPTS):
+        if attempt:
+            time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
+        try:
+            return _run_once(code, stdin, limits, tests, tested)
+        except _Transient as e:
+            why = str(e)
+    raise RuntimeError(
+        f"sandbox: the kernel refused to start the sandbox {START_ATTEMPTS} times in a row for want of a resource "
+        f"({why}): this machine is short of memory or tasks (or user namespaces: sysctl user.max_user_namespaces); "
+        "not a verdict on the program, and not remembered"
+    )
+
+
+def _run_once(
+    code: str, stdin: str, limits: SandboxLimits, tests: Optional[str], tested: Sequence[str]
+) -> SandboxResult:
+    """One try of :func:`run_program`; raises :class:`_Transient` where the kernel refused the start for a while."""
+    mode = _checked_mode(tests is not None, limits)
     t0 = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
     fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())  # report, token, proof (read, write each)
@@ -280,14 +321,21 @@ def run_program(
                 ",".join(lim.preload),
                 ",".join(tested),
             ]
-            proc = start_child(
-                mode,
-                boot,
-                stdin_f,
-                lim.allow_site_packages,
-                rlimits(lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, program_uid(mode)),
-                lim.file_size_mb,
-            )
+            try:
+                proc = start_child(
+                    mode,
+                    boot,
+                    stdin_f,
+                    lim.allow_site_packages,
+                    rlimits(
+                        lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, program_uid(mode)
+                    ),
+                    lim.file_size_mb,
+                )
+            except RuntimeError as e:  # fork / exec of the child refused (ENOMEM, EAGAIN): transient
+                if _transient(str(e)):
+                    raise _Transient(str(e)) from e
+                raise
         for k in (1, 2, 3, 5):  # the child's ends, and the token (written)
             os.close(fds[k])
             fds[k] = -1
@@ -345,6 +393,8 @@ def _check_report(mode: str, got: Collected, max_processes: int) -> None:
         return
     refusal = next((line[len("unavailable ") :] for line in report if line.startswith("unavailable ")), None)
     if refusal is not None:
+        if _transient(refusal):
+            raise _Transient(refusal)
         _refusal[:] = [refusal]
         raise refused(refusal)
     missing = required_layers(seccomp_denies_processes(max_processes) is not None) - set(report)
