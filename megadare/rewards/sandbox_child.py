@@ -83,10 +83,12 @@ def _jail(plan, source, rep):
 
 def _limit_tasks(tasks, rep):
     """In the exec'd interpreter, before the program: RLIMIT_NPROC (``"soft,hard"`` from the jail's plan; "" when
-    the parent set it before exec). A root trainer's jail drops to uid 65534, and the kernel fails the execve of a
-    process whose new uid has more tasks than its RLIMIT_NPROC (EAGAIN): threads of other sandboxes of that uid,
-    started after this run's limit was counted, made the exec fail, which read as the machine refusing the sandbox
-    and stopped every code reward of the run. Set after the exec, the limit only stops the program's own threads."""
+    there is none). A root trainer's jail drops to uid 65534, and the kernel fails the execve of a process whose new
+    uid has more tasks than its RLIMIT_NPROC (EAGAIN): threads of other sandboxes of that uid, started after this
+    run's limit was counted, made the exec fail, which read as the machine refusing the sandbox and stopped every
+    code reward of the run. A non-root trainer's jail (a user namespace) failed its fork of PID 1 the same way: the
+    new namespace bounds the uid's tasks on the machine by the limit its creator had. Set after the exec, the limit
+    only stops the program's own threads (in a user namespace, kernel >= 5.14, it counts that namespace's tasks)."""
     if tasks:
         resource.setrlimit(resource.RLIMIT_NPROC, tuple(map(int, tasks.split(","))))
         os.write(rep, b"rlimit_nproc\n")
