@@ -442,3 +442,17 @@ def test_math_on_dare_rows_says_how_it_differs_from_dare():
     assert reward_notes("math", [own_row]) == []
     # the difference the line names: an unboxed answer scores under math, not under DARE's rule
     assert math_reward("The answer is 5.", "5") == 1.0 and load_reward("dare_math")("The answer is 5.", dare_row) == 0.0
+
+
+def test_adversarial_answers_score_as_dare_not_as_reward_errors():
+    """A response is the policy's: one that made a reward raise was a reward error, which stops the run
+    (rewards.max_error_fraction=0). `\\sqrt{` nested 300 deep: pylatexenc's RecursionError reached the verifier as a
+    failed worker (DARE @83ae8a3 keeps the text in a bare except: 0); a countdown answer holding a 5,000-digit
+    number: int()'s digit limit raised ValueError (DARE's validate_equation catches it: the format score 0.1)."""
+    from megadare.rewards import score_batch
+
+    deep = "\\boxed{" + "\\sqrt{" * 300 + "2" + "}" * 300 + "}"
+    math_row = {"data_source": "math500", "extra_info": {"task": "math"}, "answer": "5"}
+    countdown_row = {"data_source": "countdown", "answer": "24", "extra_info": {"numbers": [1, 2, 3, 4]}}
+    scores, stats = score_batch("auto", [deep, f"<answer>{'9' * 5000}</answer>"], [math_row, countdown_row])
+    assert scores == [0.0, 0.1] and stats.failures == 0, stats

@@ -117,7 +117,11 @@ def countdown_reward(
     expression = last_answer_tag(response)
     if expression is None:
         return 0.0
-    if sorted(int(n) for n in re.findall(r"\d+", expression)) != sorted(given):
+    try:
+        used = sorted(int(n) for n in re.findall(r"\d+", expression))
+    except ValueError:  # a number past int's 4,300 digits: none of the given ones (DARE catches it: format score)
+        return format_score
+    if used != sorted(given):
         return format_score
     value = _evaluate(expression)
     if value is None:
