@@ -456,3 +456,50 @@ def test_adversarial_answers_score_as_dare_not_as_reward_errors():
     countdown_row = {"data_source": "countdown", "answer": "24", "extra_info": {"numbers": [1, 2, 3, 4]}}
     scores, stats = score_batch("auto", [deep, f"<answer>{'9' * 5000}</answer>"], [math_row, countdown_row])
     assert scores == [0.0, 0.1] and stats.failures == 0, stats
+
+
+# the MBPP patterns as DARE runs them (regexes), the oracle of the linear matcher that replaced them
+_MBPP_REGEXES = [
+    r"\[BEGIN\]\s*'(.*)'\s*\[DONE\]",
+    r"BEGIN\s*'(.*)'\s*\[DONE\]",
+    r"\[BEGIN\]\s*'(.*)'\s*DONE",
+    r"BEGIN\s*'(.*)'\s*DONE",
+    r"\[BEGIN\]\s*'(.*)\s*\[DONE\]",
+    r"BEGIN\s*'(.*)\s*\[DONE\]",
+    r"\[BEGIN\]\s*'(.*)\s*DONE",
+    r"BEGIN\s*'(.*)\s*DONE",
+    r"\[BEGIN\]\s*(.*)\s*\[DONE\]",
+    r"BEGIN\s*(.*)\s*\[DONE\]",
+    r"\[BEGIN\]\s*(.*)\s*DONE",
+    r"BEGIN\s*(.*)\s*DONE",
+    r"```python\s*(.*)\s*```",
+    r"```\s*(.*)\s*```",
+    r"```python\s*(.*)\s*$",
+    r"```\s*(.*)\s*$",
+    r"(.*)\s*```.*",
+    r"\[BEGIN\]\s*'(.*)",
+    r"\[BEGIN\](.*)",
+    r"'(.*)'\s*\[DONE\]",
+]
+
+
+def test_mbpp_extraction_is_linear_and_matches_dares_regexes():
+    """DARE's MBPP patterns run as regexes backtrack on a response that opens and never closes: "BEGIN " x 2,000
+    took 16 s, x 8,000 154 s, past score_batch's 60 s per call (a reward error, which stops the run). The linear
+    matcher gives the regexes' group on 20,000 random responses of their tokens, and such a response is a 0."""
+    import random
+    import re
+
+    from megadare.rewards import score_batch
+    from megadare.rewards.code_forms import _mbpp_match
+
+    regexes = [re.compile(p, re.DOTALL) for p in _MBPP_REGEXES]
+    tokens = ["[BEGIN]", "BEGIN", "[DONE]", "DONE", "'", " ", "\n", "```", "```python", "x", "[", "]", "\t"]
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(tokens) for _ in range(rng.randint(0, 12)))
+        want = next((m.group(1) for m in map(lambda r: r.search(text), regexes) if m), None)
+        assert _mbpp_match(text) == want, text
+    row = {"data_source": "mbpp", "prompt": "q", "answer": json.dumps(["assert f(1) == 1"])}
+    scores, stats = score_batch("auto", ["BEGIN " * 20_000], [row])
+    assert scores == [0.0] and stats.failures == 0, stats
