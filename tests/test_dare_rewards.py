@@ -427,3 +427,79 @@ def test_reward_errors_name_reward_record_and_exception():
     ):
         check_reward_errors(stats, "auto", sources, 0.0, "RL step 3")
     check_reward_errors(stats, "auto", sources, 0.5)  # tolerated when asked for
+
+
+def test_math_on_dare_rows_says_how_it_differs_from_dare():
+    """rewards.name=math on DARE's math rows used megadare's looser rule (an unboxed answer counts) without a word;
+    the run's start prints one line naming the difference and rewards.name=dare_math, which scores them as DARE."""
+    from megadare.rewards import math_reward, reward_notes, load_reward
+
+    dare_row = {"data_source": "math500", "extra_info": {"task": "math"}, "answer": "5"}
+    own_row = {"data_source": "math500", "answer": "5"}
+    notes = reward_notes("math", [dare_row, own_row])
+    assert len(notes) == 1 and "1 of 2 rows" in notes[0] and "rewards.name=dare_math" in notes[0], notes
+    assert reward_notes("dare_math", [dare_row]) == reward_notes("auto", [dare_row]) == []
+    assert reward_notes("math", [own_row]) == []
+    # the difference the line names: an unboxed answer scores under math, not under DARE's rule
+    assert math_reward("The answer is 5.", "5") == 1.0 and load_reward("dare_math")("The answer is 5.", dare_row) == 0.0
+
+
+def test_adversarial_answers_score_as_dare_not_as_reward_errors():
+    """A response is the policy's: one that made a reward raise was a reward error, which stops the run
+    (rewards.max_error_fraction=0). `\\sqrt{` nested 300 deep: pylatexenc's RecursionError reached the verifier as a
+    failed worker (DARE @83ae8a3 keeps the text in a bare except: 0); a countdown answer holding a 5,000-digit
+    number: int()'s digit limit raised ValueError (DARE's validate_equation catches it: the format score 0.1)."""
+    from megadare.rewards import score_batch
+
+    deep = "\\boxed{" + "\\sqrt{" * 300 + "2" + "}" * 300 + "}"
+    math_row = {"data_source": "math500", "extra_info": {"task": "math"}, "answer": "5"}
+    countdown_row = {"data_source": "countdown", "answer": "24", "extra_info": {"numbers": [1, 2, 3, 4]}}
+    scores, stats = score_batch("auto", [deep, f"<answer>{'9' * 5000}</answer>"], [math_row, countdown_row])
+    assert scores == [0.0, 0.1] and stats.failures == 0, stats
+
+
+# the MBPP patterns as DARE runs them (regexes), the oracle of the linear matcher that replaced them
+_MBPP_REGEXES = [
+    r"\[BEGIN\]\s*'(.*)'\s*\[DONE\]",
+    r"BEGIN\s*'(.*)'\s*\[DONE\]",
+    r"\[BEGIN\]\s*'(.*)'\s*DONE",
+    r"BEGIN\s*'(.*)'\s*DONE",
+    r"\[BEGIN\]\s*'(.*)\s*\[DONE\]",
+    r"BEGIN\s*'(.*)\s*\[DONE\]",
+    r"\[BEGIN\]\s*'(.*)\s*DONE",
+    r"BEGIN\s*'(.*)\s*DONE",
+    r"\[BEGIN\]\s*(.*)\s*\[DONE\]",
+    r"BEGIN\s*(.*)\s*\[DONE\]",
+    r"\[BEGIN\]\s*(.*)\s*DONE",
+    r"BEGIN\s*(.*)\s*DONE",
+    r"```python\s*(.*)\s*```",
+    r"```\s*(.*)\s*```",
+    r"```python\s*(.*)\s*$",
+    r"```\s*(.*)\s*$",
+    r"(.*)\s*```.*",
+    r"\[BEGIN\]\s*'(.*)",
+    r"\[BEGIN\](.*)",
+    r"'(.*)'\s*\[DONE\]",
+]
+
+
+def test_mbpp_extraction_is_linear_and_matches_dares_regexes():
+    """DARE's MBPP patterns run as regexes backtrack on a response that opens and never closes: "BEGIN " x 2,000
+    took 16 s, x 8,000 154 s, past score_batch's 60 s per call (a reward error, which stops the run). The linear
+    matcher gives the regexes' group on 20,000 random responses of their tokens, and such a response is a 0."""
+    import random
+    import re
+
+    from megadare.rewards import score_batch
+    from megadare.rewards.code_forms import _mbpp_match
+
+    regexes = [re.compile(p, re.DOTALL) for p in _MBPP_REGEXES]
+    tokens = ["[BEGIN]", "BEGIN", "[DONE]", "DONE", "'", " ", "\n", "```", "```python", "x", "[", "]", "\t"]
+    rng = random.Random(0)
+    for _ in range(20_000):
+        text = "".join(rng.choice(tokens) for _ in range(rng.randint(0, 12)))
+        want = next((m.group(1) for m in map(lambda r: r.search(text), regexes) if m), None)
+        assert _mbpp_match(text) == want, text
+    row = {"data_source": "mbpp", "prompt": "q", "answer": json.dumps(["assert f(1) == 1"])}
+    scores, stats = score_batch("auto", ["BEGIN " * 20_000], [row])
+    assert scores == [0.0] and stats.failures == 0, stats

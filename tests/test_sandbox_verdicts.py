@@ -11,7 +11,8 @@ through a stub's `__globals__`; a non-str global key that shadows a builtin for 
 stdout that made LiveCodeBench's decimal rule raise (a reward error, not a wrong answer); a call-based return value
 whose __eq__ is always true (itself, an element, a list subclass, a metaclass); a program that loops on every case of
 a row with many cases (all of them ran to their timeout: a reward failure); a humanevalplus harness whose budget (1 s
-per input) outran the reward call's limit.
+per input) outran the reward call's limit; a task function named like a builtin (`def sorted`) passed with no code;
+the fraction-of-cases reward ran every case, past the call's limit.
 """
 
 from __future__ import annotations
@@ -364,7 +365,7 @@ def test_a_looping_program_stops_at_its_first_failed_case(monkeypatch):
 
     runs = []
 
-    def sandbox(program, stdin="", limits=None, tests=None):  # each case times out, after a while
+    def sandbox(program, stdin="", limits=None, tests=None, tested=()):  # each case times out, after a while
         runs.append(stdin)
         time.sleep(0.05)
         ok = "print(" in program
@@ -389,7 +390,7 @@ def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch)
 
     seen = []
 
-    def sandbox(program, stdin="", limits=None, tests=None):
+    def sandbox(program, stdin="", limits=None, tests=None, tested=()):
         seen.append(limits.timeout_s)
         return code.SandboxResult("timeout", None, "", "", limits.timeout_s, tests_passed=False)
 
@@ -400,3 +401,86 @@ def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch)
     scores, stats = score_batch("auto", ["```python\ndef add(a, b):\n    while True:\n        pass\n```"], [row])
     limit = inspect.signature(score_batch).parameters["timeout_s"].default
     assert scores == [0.0] and stats.failures == 0 and len(seen) == 1 and 5 <= seen[0] < limit - 10, (seen, stats)
+
+
+def test_a_function_named_like_a_builtin_is_the_programs():
+    """A task whose function is named like a builtin (`def sorted`): the tests saw the true builtins only, so a
+    response defining nothing (or a wrong `sorted`) passed `assert sorted([3, 1, 2]) == [1, 2, 3]`. The tests see
+    the program's `sorted` now, and fail without one; the other builtins stay the true ones (`list` below)."""
+    from megadare.rewards.code import call_case, code_reward, tested_builtins
+    import ast
+
+    asserts = ["assert sorted([3, 1, 2]) == list((1, 2, 3))"]
+    right = "def sorted(xs):\n    out = []\n    for x in xs:\n        out.insert(sum(y < x for y in out), x)\n    return out\n"
+    nothing, wrong = "x = 1\n", "def sorted(xs):\n    return xs\n"
+    calls = [call_case("sorted", [[2, 1]], [1, 2])]
+    solution = "class Solution:\n    def sorted(self, xs):\n        return [min(xs), max(xs)]\n"
+    got = {
+        (name, kind): code_reward("", tests, code=code)
+        for name, code in (("nothing", nothing), ("wrong", wrong), ("right", right), ("solution", solution))
+        for kind, tests in (("asserts", asserts), ("call", calls))
+    }
+    assert got == {
+        ("nothing", "asserts"): 0.0,
+        ("nothing", "call"): 0.0,
+        ("wrong", "asserts"): 0.0,
+        ("wrong", "call"): 0.0,
+        ("right", "asserts"): 1.0,
+        ("right", "call"): 1.0,
+        ("solution", "asserts"): 0.0,
+        ("solution", "call"): 1.0,
+    }, got
+    # a function with its own name under test: no builtin is the program's (its `abs` cannot fool the tests)
+    assert tested_builtins(ast.parse("r = f([3])\nassert abs(r) == 3")) == ()
+    assert tested_builtins(ast.parse("def check(c):\n    assert c([2]) == [2]\ncheck(sorted)")) == ("sorted",)
+
+
+def test_the_code_reward_stops_at_its_budget(monkeypatch):
+    """The fraction-of-cases `code` reward ran every case: N cases / 4 workers x timeout_s (a slow program on 48
+    cases of 5 s: 60 s) ran past score_batch's 60 s per call, a reward failure that stops the run. The cases run
+    within a total budget now (code.BUDGET_S, 45 s; shrunk here): the cases not started in it count as failed."""
+    from megadare.rewards import code
+    from megadare.rewards.registry import load_reward
+
+    monkeypatch.setattr(code, "BUDGET_S", 2.3)
+    slow = "```python\nimport time\ntime.sleep(0.6)\nprint(input())\n```"
+    row = {"tests": {"inputs": ["7\n"] * 8, "outputs": ["7\n"] * 8}, "timeout_s": 2.0}
+    # the first 4 cases (one per worker) run; the next ones would start at >= 0.6 s, and 0.6 + 2.0 > 2.3
+    assert load_reward("code")(slow, row) == 0.5
+    results = code.run_tests(slow.split("\n", 1)[1][:-3], row["tests"], limits=code.SandboxLimits(timeout_s=2.0))
+    assert [r.passed for r in results] == [True] * 8  # no budget: all of them run
+    results = code.run_tests(
+        slow.split("\n", 1)[1][:-3], row["tests"], limits=code.SandboxLimits(timeout_s=2), budget_s=2.3
+    )
+    assert [r.passed for r in results] == [True] * 4 + [False] * 4 and "budget" in results[-1].run.stderr
+
+
+def test_dare_stdin_cases_accept_any_system_exit():
+    """DARE's grade_stdio (LiveCodeBench's call_method) swallows SystemExit: a program that prints the right answer
+    then calls sys.exit(1) (or exit("msg")) scores 1.0 there, and scored 0.0 here (exit status 1 was an "error").
+    Checked against DARE @83ae8a3 run from a scratch copy: [True] for both, Runtime Error for a raise after the
+    answer, Wrong answer for a wrong output then sys.exit(1). megadare's own stdin rule keeps exit status 0."""
+    from megadare.rewards import score_batch
+
+    row = {
+        "data_source": "codeforces",
+        "prompt": [{"role": "user", "content": "q"}],
+        "extra_info": {"task": "code"},
+        "answer": [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
+    }
+    programs = {
+        "exit1": "print(3)\nimport sys\nsys.exit(1)",
+        "exit_msg": "print(3)\nexit('bye')",
+        "raise": "print(3)\nraise ValueError('x')",
+        "wrong_exit1": "print(4)\nimport sys\nsys.exit(1)",
+    }
+    names = sorted(programs)
+    scores, stats = score_batch("auto", [f"```python\n{programs[n]}\n```" for n in names], [row] * len(names))
+    assert dict(zip(names, scores)) == {"exit1": 1.0, "exit_msg": 1.0, "raise": 0.0, "wrong_exit1": 0.0}, stats
+    assert stats.failures == 0, stats
+    own = {"tests": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
+    assert score_batch("code", ["```python\nprint(3)\nimport sys\nsys.exit(1)\n```"], [own])[0] == [0.0]
+    r = run_program("import sys\nprint('a')\nsys.exit('bye')\n")
+    assert (r.status, r.exited, r.stdout, r.stderr.strip()) == ("error", True, "a\n", "bye"), r
+    r = run_program("print('a')\nraise ValueError('x')\n")
+    assert (r.status, r.exited) == ("error", False), r

@@ -23,6 +23,7 @@ import csv
 import dataclasses
 import io
 import os
+import sys
 import time
 from typing import Any
 
@@ -44,7 +45,15 @@ from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.spec import RunSpec
-from megadare.rewards import check_isolation, check_reward_errors, load_reward, runs_code, score_batch, set_isolation
+from megadare.rewards import (
+    check_isolation,
+    check_reward_errors,
+    load_reward,
+    reward_notes,
+    runs_code,
+    score_batch,
+    set_isolation,
+)
 from megadare.rollout.setup import start_engines
 
 __all__ = [
@@ -248,6 +257,9 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     set_isolation(cfg.rewards.code.isolation)
     if any(runs_code(t.reward, [p.record for p in prompts[t.name]]) for t in tasks):
         check_isolation()  # refuse before the engines start, where the kernel refuses the code sandbox
+    for t in tasks:
+        for note in reward_notes(t.reward, [p.record for p in prompts[t.name]]):
+            print(f"eval {t.name}: {note}", file=sys.stderr, flush=True)
     params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
     claim_output_dir(out_dir, ["summary.json", "summary.csv", *(f"samples_{t.name}.jsonl" for t in tasks)])

@@ -39,6 +39,7 @@ from megadare.rewards.registry import (
     gold_problem,
     gold_response,
     load_reward,
+    reward_notes,
     runs_code,
 )
 from megadare.rewards.sandbox import SandboxLimits, SandboxResult, check_isolation, run_program, set_isolation
@@ -80,6 +81,7 @@ __all__ = [
     "auto_rule",
     "gold_problem",
     "gold_response",
+    "reward_notes",
     "runs_code",
     "score_batch",
     "ScoreStats",

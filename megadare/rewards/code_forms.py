@@ -16,7 +16,8 @@ primeintellect                         ``extra_info.metadata.func_name`` (JSON l
 =====================================  =====================================================================
 
 Stdin cases of both kinds compare stdout by LiveCodeBench's rule (:func:`~megadare.rewards.code.lcb_output_equal`:
-lines stripped, words equal as decimals), as DARE's ``grade_stdio`` does.
+lines stripped, words equal as decimals), as DARE's ``grade_stdio`` does; and as there, a program that ends by its own
+``SystemExit`` of any code (``sys.exit(1)`` after printing the answer) is judged on its output (a crash fails).
 
 Programs get DARE's standard-library imports in front (its ``BASE_IMPORTS`` without numpy/pandas: ``List``,
 ``math``, ``Counter``, ...), so a program that relies on them is judged as DARE judges it. An MBPP response (its
@@ -33,7 +34,7 @@ import json
 import re
 from typing import Any, Callable, List, Optional
 
-from megadare.rewards.code import TestCase, call_case, code_reward, parse_tests
+from megadare.rewards.code import BUDGET_S, TestCase, call_case, code_reward, parse_tests
 from megadare.rewards.sandbox import SandboxLimits
 
 __all__ = [
@@ -65,41 +66,80 @@ from typing import List, Tuple, Dict, Set, Optional, Union, Any, Callable, Itera
 import copy, string, math, collections, bisect, heapq, functools, random, itertools, operator, re, datetime, sys
 """
 
-# OpenCompass' MBPPEvaluator patterns, in DARE's order (extract_code_from_model_mbpp)
-_MBPP_PATTERNS = [
-    re.compile(p, re.DOTALL)
-    for p in (
-        r"\[BEGIN\]\s*'(.*)'\s*\[DONE\]",
-        r"BEGIN\s*'(.*)'\s*\[DONE\]",
-        r"\[BEGIN\]\s*'(.*)'\s*DONE",
-        r"BEGIN\s*'(.*)'\s*DONE",
-        r"\[BEGIN\]\s*'(.*)\s*\[DONE\]",
-        r"BEGIN\s*'(.*)\s*\[DONE\]",
-        r"\[BEGIN\]\s*'(.*)\s*DONE",
-        r"BEGIN\s*'(.*)\s*DONE",
-        r"\[BEGIN\]\s*(.*)\s*\[DONE\]",
-        r"BEGIN\s*(.*)\s*\[DONE\]",
-        r"\[BEGIN\]\s*(.*)\s*DONE",
-        r"BEGIN\s*(.*)\s*DONE",
-        r"```python\s*(.*)\s*```",
-        r"```\s*(.*)\s*```",
-        r"```python\s*(.*)\s*$",
-        r"```\s*(.*)\s*$",
-        r"(.*)\s*```.*",
-        r"\[BEGIN\]\s*'(.*)",
-        r"\[BEGIN\](.*)",
-        r"'(.*)'\s*\[DONE\]",
-    )
-]
+# OpenCompass' MBPPEvaluator patterns, in DARE's order (extract_code_from_model_mbpp), each as (opening literal,
+# whitespace after it, opening quote, closing quote, closing literal; "" = the text's start, None = its end): the
+# pattern ``A\s*Q(.*)Q\s*B`` (DOTALL, searched). Run as regexes they backtrack: "BEGIN " x 2,000 (12k characters)
+# took 16 s, x 8,000 154 s, past score_batch's 60 s per call: a reward error any response could cause
+_MBPP_PATTERNS = (
+    ("[BEGIN]", True, "'", "'", "[DONE]"),
+    ("BEGIN", True, "'", "'", "[DONE]"),
+    ("[BEGIN]", True, "'", "'", "DONE"),
+    ("BEGIN", True, "'", "'", "DONE"),
+    ("[BEGIN]", True, "'", "", "[DONE]"),
+    ("BEGIN", True, "'", "", "[DONE]"),
+    ("[BEGIN]", True, "'", "", "DONE"),
+    ("BEGIN", True, "'", "", "DONE"),
+    ("[BEGIN]", True, "", "", "[DONE]"),
+    ("BEGIN", True, "", "", "[DONE]"),
+    ("[BEGIN]", True, "", "", "DONE"),
+    ("BEGIN", True, "", "", "DONE"),
+    ("```python", True, "", "", "```"),
+    ("```", True, "", "", "```"),
+    ("```python", True, "", "", None),
+    ("```", True, "", "", None),
+    ("", False, "", "", "```"),
+    ("[BEGIN]", True, "'", "", None),
+    ("[BEGIN]", False, "", "", None),
+    ("'", False, "", "'", "[DONE]"),
+)
+
+
+def _group_start(text: str, opening: str, space: bool, quote: str) -> Optional[int]:
+    """Where ``(.*)`` starts in the leftmost match of ``opening\s*quote`` (``space``: the ``\s*``), or None."""
+    at = text.find(opening)
+    while at >= 0:
+        g = at + len(opening)
+        while space and g < len(text) and text[g].isspace():
+            g += 1
+        if text.startswith(quote, g):
+            return g + len(quote)
+        at = text.find(opening, at + 1)
+    return None
+
+
+def _group_end(text: str, start: int, quote: str, closing: Optional[str]) -> Optional[int]:
+    """Where a greedy ``(.*)`` from ``start`` ends before ``quote\s*closing`` (the last place it fits), or None."""
+    if closing is None:
+        return len(text)
+    at = text.rfind(closing)
+    while at >= start:
+        e = at
+        while quote and e > 0 and text[e - 1].isspace():
+            e -= 1
+        e -= len(quote)
+        if e >= start and text.startswith(quote, e):
+            return e
+        at = text.rfind(closing, 0, at)
+    return None
+
+
+def _mbpp_match(text: str) -> Optional[str]:
+    """The group of the first of :data:`_MBPP_PATTERNS` that matches ``text``, as ``re.search`` gives it, in linear
+    time: the group's start only moves right from one opening to the next, so the first opening is the only one
+    that can match."""
+    for opening, space, q_open, q_close, closing in _MBPP_PATTERNS:
+        start = _group_start(text, opening, space, q_open)
+        end = None if start is None else _group_end(text, start, q_close, closing)
+        if end is not None:
+            return text[start:end]
+    return None
 
 
 def extract_code_mbpp(text: str) -> Optional[str]:
     """The program of an MBPP response (prefill included), by DARE's patterns; None when under 10 characters."""
-    for pattern in _MBPP_PATTERNS:
-        m = pattern.search(text or "")
-        if m:
-            text = m.group(1)
-            break
+    found = _mbpp_match(text or "")
+    if found is not None:
+        text = found
     text = re.split(r"'?\s*\[?DONE\]?", (text or "").split("```")[0])[0].replace("\\_", "_").strip()
     return text if len(text) >= 10 else None
 
@@ -233,7 +273,7 @@ def dare_test_cases(record: dict) -> List[TestCase]:
 
 # the most a humanevalplus harness runs: below score_batch's 60 s per reward call (a harness of 70 inputs got 70 s, so
 # a program that loops ran past the call's limit, a reward failure that stops the run, not a wrong answer)
-HARNESS_TIMEOUT_CAP_S = 45.0
+HARNESS_TIMEOUT_CAP_S = BUDGET_S
 
 
 def _harness_timeout(test_code: str, base: float) -> float:

@@ -158,13 +158,15 @@ def _latex_to_text(s: str) -> str:
     """DARE's ``_parse_latex`` (pylatexenc's LaTeX-to-text); ``s`` unchanged where the reader cannot read it, as
     DARE keeps it. The reader's failures on malformed text are its own LatexWalkerError and KeyError / IndexError /
     TypeError from its macro handlers (60,000 random LaTeX-like strings: 5,608 failures, of those three types
-    only); anything else is raised (the verifier then reports an error, not a verdict)."""
+    only), and RecursionError on deep nesting (``\\sqrt{`` 300 times: DARE keeps the text, and the answer scores 0;
+    raised, it was a reward error a response could stop the run with); anything else is raised (the verifier then
+    reports an error, not a verdict)."""
     from pylatexenc import latex2text, latexwalker  # DARE's LaTeX reader; loaded by the verifier workers only
 
     t = s.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     try:
         t = latex2text.LatexNodes2Text().latex_to_text(t)
-    except (latexwalker.LatexWalkerError, KeyError, IndexError, TypeError):
+    except (latexwalker.LatexWalkerError, KeyError, IndexError, TypeError, RecursionError):
         return s
     for symbol, word in _LATEX_SYMBOLS.items():
         t = t.replace(symbol, word)

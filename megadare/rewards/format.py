@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 import re
+from typing import Dict, List
 
-from megadare.rewards.math_answer import _BOX_RE, _match_braces
+from megadare.rewards.math_answer import _BOX_RE
 
 __all__ = ["boxed_format_reward", "think_answer_format_reward", "count_boxed"]
 
@@ -19,17 +20,45 @@ _THINK_ANSWER_RE = re.compile(
 )
 
 
-def count_boxed(text: str) -> int:
-    """Number of ``\\boxed{..}`` / ``\\fbox{..}`` with a closed, non-empty body in ``text``."""
-    n = 0
-    for m in _BOX_RE.finditer(text or ""):
-        rest = text[m.end() :]
-        stripped = rest.lstrip()
-        if not stripped.startswith("{"):
+def _closing_braces(text: str) -> Dict[int, int]:
+    """For each ``{`` of ``text``, the index of its ``}`` (``\\{`` / ``\\}`` escapes skipped), in one pass: what
+    ``_match_braces`` gives from a ``{`` no backslash precedes (a box's)."""
+    closing, stack, i = {}, [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
             continue
-        open_idx = m.end() + len(rest) - len(stripped)
-        close = _match_braces(text, open_idx)
-        if close is not None and text[open_idx + 1 : close].strip():
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            closing[stack.pop()] = i
+        i += 1
+    return closing
+
+
+def _next_non_space(text: str) -> List[int]:
+    """``out[i]``: the first index >= i whose character is not whitespace (``len(text)`` if none)."""
+    out = [len(text)] * (len(text) + 1)
+    for i in range(len(text) - 1, -1, -1):
+        out[i] = out[i + 1] if text[i].isspace() else i
+    return out
+
+
+def count_boxed(text: str) -> int:
+    """Number of ``\\boxed{..}`` / ``\\fbox{..}`` with a closed, non-empty body in ``text``, in linear time (a
+    brace scan from every box, to the end for an unclosed one: ``\\boxed{`` x 3,000 took 9 s, and a little more
+    passed score_batch's 60 s per call)."""
+    text = text or ""
+    boxes = list(_BOX_RE.finditer(text))
+    if not boxes:
+        return 0
+    closing, nxt = _closing_braces(text), _next_non_space(text)
+    n = 0
+    for m in boxes:
+        open_idx = nxt[m.end()]
+        close = closing.get(open_idx) if open_idx < len(text) and text[open_idx] == "{" else None
+        if close is not None and nxt[open_idx + 1] < close:
             n += 1
     return n
 

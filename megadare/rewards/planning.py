@@ -26,7 +26,6 @@ from typing import Optional, Sequence, Union
 
 __all__ = ["last_answer_tag", "countdown_reward", "sudoku_reward", "countdown_numbers", "check_sudoku_grid"]
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ALLOWED_RE = re.compile(r"^[\d+\-*/().\s]+$")
 _BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Pow)
 MAX_POWER_BITS = 1 << 20  # the largest power computed exactly (a million bits: milliseconds)
@@ -53,8 +52,14 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
 
 def last_answer_tag(response: str) -> Optional[str]:
     """The content of the last ``<answer>...</answer>`` (stripped), else None."""
-    found = _ANSWER_RE.findall(response or "")
-    return found[-1].strip() if found else None
+    text, found = response or "", None
+    at = text.find("<answer>")
+    while at >= 0:  # findall's last match in linear time (the regex scanned to the end from every unclosed tag)
+        close = text.find("</answer>", at + 8)
+        if close < 0:
+            break
+        found, at = text[at + 8 : close], text.find("<answer>", close + 9)
+    return found.strip() if found is not None else None
 
 
 def countdown_numbers(numbers: Union[str, Sequence[int]]) -> list[int]:
@@ -117,7 +122,11 @@ def countdown_reward(
     expression = last_answer_tag(response)
     if expression is None:
         return 0.0
-    if sorted(int(n) for n in re.findall(r"\d+", expression)) != sorted(given):
+    try:
+        used = sorted(int(n) for n in re.findall(r"\d+", expression))
+    except ValueError:  # a number past int's 4,300 digits: none of the given ones (DARE catches it: format score)
+        return format_score
+    if used != sorted(given):
         return format_score
     value = _evaluate(expression)
     if value is None:

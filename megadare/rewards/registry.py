@@ -31,7 +31,7 @@ import difflib
 import importlib
 import json
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.code import code_reward
 from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
@@ -50,6 +50,7 @@ __all__ = [
     "combine",
     "auto_rule",
     "gold_response",
+    "reward_notes",
     "runs_code",
     "as_score",
     "gold_problem",
@@ -247,6 +248,27 @@ def gold_problem(reward: str, record: dict) -> Optional[str]:
     except (ValueError, KeyError) as e:
         return str(e).strip("'\"")
     return None
+
+
+def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
+    """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than DARE would: ``math`` /
+    ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to ``dare_math``)."""
+    if reward not in ("math", "gsm8k"):
+        return []
+    dare = 0
+    for record in records:
+        try:
+            dare += auto_rule(record) == "dare_math"
+        except ValueError:
+            continue
+    if not dare:
+        return []
+    return [
+        f"rewards: rewards.name={reward} scores {dare} of {len(records)} rows that are DARE math rows "
+        "(extra_info.task=math) by megadare's looser rule, which also takes an unboxed answer ('the answer is X', the "
+        "last number); DARE's math_rm reads the last \\boxed{} only: rewards.name=dare_math (or auto) scores them as "
+        "DARE does"
+    ]
 
 
 def runs_code(reward: str, records: Sequence[dict]) -> bool:

@@ -73,6 +73,7 @@ reading the output under its cap and deadline, killing the group, reaping; :mod:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
@@ -84,7 +85,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED
+from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED, EXIT_SYSTEM_EXIT
 from megadare.rewards.sandbox_kernel import rlimits, seccomp_denies_processes
 from megadare.rewards.sandbox_output import SETUP_LIMIT_S, Collected, collect, drain, reap
 from megadare.rewards.sandbox_start import program_uid, refused, required_layers, sealed, start_child, unlinked
@@ -110,7 +111,9 @@ class SandboxResult:
 
     ``status``: "ok" (exit 0), "error" (non-zero exit, crash, or output over the cap: ``truncated``),
     "timeout" (wall deadline or RLIMIT_CPU), "memory" (MemoryError / killed for memory), "refused" (an
-    audit-hook refusal ended the program). ``protections`` names the layers that were active.
+    audit-hook refusal ended the program). ``protections`` names the layers that were active. ``exited``: the
+    program ended by its own ``SystemExit`` with a non-zero code (``sys.exit(1)``, ``exit("msg")``; status "error",
+    returncode 120 whatever the code; never in test mode), not by a crash.
     """
 
     status: str
@@ -122,6 +125,7 @@ class SandboxResult:
     truncated: bool = False
     tests_passed: Optional[bool] = None  # test mode: the tests ran to their end (token received); else None
     pgid: Optional[int] = None  # the run's process group on this machine (all of it is killed after)
+    exited: bool = False
 
     @property
     def ok(self) -> bool:
@@ -132,6 +136,21 @@ class SandboxResult:
 ISOLATIONS = ("namespaces", "process")
 _isolation = ["namespaces"]  # rewards.code.isolation, set by the run's entry point (set_isolation)
 _refusal: List[str] = []  # why the kernel refused the namespaces, once it did (it will again)
+# a step refused for want of a resource another moment may have (memory, tasks, a count of namespaces under load), not
+# by a policy: such a start is tried again and never remembered as the machine refusing the sandbox
+TRANSIENT_ERRNOS = frozenset((errno.EAGAIN, errno.ENOMEM, errno.EINTR, errno.ENOSPC, errno.EBUSY))
+START_ATTEMPTS = 4
+_BACKOFF_S = 0.25
+
+
+class _Transient(Exception):
+    """The kernel refused a start of the sandbox for a while (an errno of :data:`TRANSIENT_ERRNOS`)."""
+
+
+def _transient(detail: str) -> bool:
+    """Does a refusal's text (``... [Errno N] ...``, as the jail and OSError write it) name a transient errno?"""
+    found = re.search(r"\[Errno (\d+)\]", detail)
+    return found is not None and int(found.group(1)) in TRANSIENT_ERRNOS
 
 
 def set_isolation(mode: str) -> None:
@@ -238,16 +257,49 @@ class SandboxLimits:
 
 
 def run_program(
-    code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *, tests: Optional[str] = None
+    code: str,
+    stdin: str = "",
+    limits: SandboxLimits = SandboxLimits(),
+    *,
+    tests: Optional[str] = None,
+    tested: Sequence[str] = (),
 ) -> SandboxResult:
     """Run the Python program ``code`` with ``stdin`` in a fresh sandbox (see the module docstring) under
     ``limits`` (:class:`SandboxLimits`).
 
     ``tests``: Python test code run after the program, in test mode (:mod:`.sandbox_child`); the result's
     ``tests_passed`` is True only when the tests ran to their end (proven with a one-time token), never from the
-    exit status or the output alone. Raises :class:`SandboxUnavailable` where the kernel refuses the namespaces, and
-    RuntimeError when the sandbox itself cannot start (neither is a verdict on the program).
+    exit status or the output alone. ``tested``: builtin names the tests test (a task's ``def sorted``): the tests
+    see the program's definitions of them (of every other builtin name, the true builtin). Raises
+    :class:`SandboxUnavailable` where the kernel refuses the namespaces, and RuntimeError when the sandbox itself
+    cannot start (neither is a verdict on the program).
+
+    A start the kernel refused for want of a resource (:data:`TRANSIENT_ERRNOS`: memory, tasks, a namespace count;
+    the program never ran) is tried again, :data:`START_ATTEMPTS` times in all with a doubling back-off, then
+    raises RuntimeError; only the other refusals (EPERM, an unsupported namespace, ...) are remembered as the
+    machine's (every later run refused at once).
     """
+    if not all(re.fullmatch(r"[A-Za-z_]\w*", n) for n in tested):
+        raise ValueError(f"tested={list(tested)!r}: names only")
+    why = ""
+    for attempt in range(START_ATTEMPTS):
+        if attempt:
+            time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
+        try:
+            return _run_once(code, stdin, limits, tests, tested)
+        except _Transient as e:
+            why = str(e)
+    raise RuntimeError(
+        f"sandbox: the kernel refused to start the sandbox {START_ATTEMPTS} times in a row for want of a resource "
+        f"({why}): this machine is short of memory or tasks (or user namespaces: sysctl user.max_user_namespaces); "
+        "not a verdict on the program, and not remembered"
+    )
+
+
+def _run_once(
+    code: str, stdin: str, limits: SandboxLimits, tests: Optional[str], tested: Sequence[str]
+) -> SandboxResult:
+    """One try of :func:`run_program`; raises :class:`_Transient` where the kernel refused the start for a while."""
     mode = _checked_mode(tests is not None, limits)
     t0 = time.monotonic()
     workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
@@ -267,15 +319,23 @@ def run_program(
                 fds[2] if tests is not None else -1,  # the token and proof pipes: test mode only
                 fds[5] if tests is not None else -1,
                 ",".join(lim.preload),
+                ",".join(tested),
             ]
-            proc = start_child(
-                mode,
-                boot,
-                stdin_f,
-                lim.allow_site_packages,
-                rlimits(lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, program_uid(mode)),
-                lim.file_size_mb,
-            )
+            try:
+                proc = start_child(
+                    mode,
+                    boot,
+                    stdin_f,
+                    lim.allow_site_packages,
+                    rlimits(
+                        lim.memory_mb, cpu, lim.file_size_mb, lim.max_open_files, lim.max_processes, program_uid(mode)
+                    ),
+                    lim.file_size_mb,
+                )
+            except RuntimeError as e:  # fork / exec of the child refused (ENOMEM, EAGAIN): transient
+                if _transient(str(e)):
+                    raise _Transient(str(e)) from e
+                raise
         for k in (1, 2, 3, 5):  # the child's ends, and the token (written)
             os.close(fds[k])
             fds[k] = -1
@@ -291,8 +351,9 @@ def run_program(
         status = _classify(rc, got.timed_out, got.truncated, stderr, cpu_used >= cpu)
         passed = None if tests is None else (status == "ok" and drain(fds[4]) == token)
         protections = ("new_session", "scrubbed_env", "wall_timeout", "output_cap", "fresh_tmpdir", *got.report)
+        exited = status == "error" and rc == EXIT_SYSTEM_EXIT and tests is None and not got.truncated
         return SandboxResult(
-            status, rc, stdout, stderr, time.monotonic() - t0, protections, got.truncated, passed, proc.pid
+            status, rc, stdout, stderr, time.monotonic() - t0, protections, got.truncated, passed, proc.pid, exited
         )
     finally:
         for fd in fds:
@@ -332,6 +393,8 @@ def _check_report(mode: str, got: Collected, max_processes: int) -> None:
         return
     refusal = next((line[len("unavailable ") :] for line in report if line.startswith("unavailable ")), None)
     if refusal is not None:
+        if _transient(refusal):
+            raise _Transient(refusal)
         _refusal[:] = [refusal]
         raise refused(refusal)
     missing = required_layers(seccomp_denies_processes(max_processes) is not None) - set(report)

@@ -27,7 +27,8 @@ program holding the frame burns the token). Known limits: a program that reaches
 ``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass; and, as in DARE, evalplus
 and OpenCompass, a program can return an object whose ``__eq__`` always says True, or patch an attribute of a module
 the tests use (``math.isclose``). A global of the program's named like a builtin (``abs``) is left out of the tests'
-copy of its namespace, so the tests call the true builtin.
+copy of its namespace, so the tests call the true builtin, unless the parent names it as under test (a task whose
+function is ``sorted``: :func:`megadare.rewards.code.tested_builtins`).
 """
 
 import builtins
@@ -39,6 +40,7 @@ import types
 
 EXIT_REFUSED = 121  # an audit-hook refusal was not caught
 EXIT_MEMORY = 122  # uncaught MemoryError
+EXIT_SYSTEM_EXIT = 120  # the program raised SystemExit with a non-zero code (no test mode): _system_exit
 FRAME_ATTRS = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back", "f_locals", "f_globals"))
 
 
@@ -81,10 +83,12 @@ def _jail(plan, source, rep):
 
 def _limit_tasks(tasks, rep):
     """In the exec'd interpreter, before the program: RLIMIT_NPROC (``"soft,hard"`` from the jail's plan; "" when
-    the parent set it before exec). A root trainer's jail drops to uid 65534, and the kernel fails the execve of a
-    process whose new uid has more tasks than its RLIMIT_NPROC (EAGAIN): threads of other sandboxes of that uid,
-    started after this run's limit was counted, made the exec fail, which read as the machine refusing the sandbox
-    and stopped every code reward of the run. Set after the exec, the limit only stops the program's own threads."""
+    there is none). A root trainer's jail drops to uid 65534, and the kernel fails the execve of a process whose new
+    uid has more tasks than its RLIMIT_NPROC (EAGAIN): threads of other sandboxes of that uid, started after this
+    run's limit was counted, made the exec fail, which read as the machine refusing the sandbox and stopped every
+    code reward of the run. A non-root trainer's jail (a user namespace) failed its fork of PID 1 the same way: the
+    new namespace bounds the uid's tasks on the machine by the limit its creator had. Set after the exec, the limit
+    only stops the program's own threads (in a user namespace, kernel >= 5.14, it counts that namespace's tasks)."""
     if tasks:
         resource.setrlimit(resource.RLIMIT_NPROC, tuple(map(int, tasks.split(","))))
         os.write(rep, b"rlimit_nproc\n")
@@ -97,6 +101,21 @@ def _not_dumpable(rep):
         os.close(os.open("/proc/self/mem", os.O_RDONLY))
     except PermissionError:
         os.write(rep, b"not_dumpable\n")
+
+
+def _system_exit(e):
+    """The program's own ``SystemExit`` (no test mode): code 0 / None ends as Python ends it; any other code (after a
+    non-int one is printed, as Python prints it) ends with :data:`EXIT_SYSTEM_EXIT`, so the parent tells it from a
+    crash (status 1): DARE's stdin cases accept any ``SystemExit`` (LiveCodeBench's ``call_method``)."""
+    code = e.code
+    if code is None or (isinstance(code, int) and code == 0):
+        raise SystemExit(0)
+    if not isinstance(code, int):
+        try:
+            sys.stderr.write("%s\n" % (code,))
+        except BaseException:
+            pass
+    raise SystemExit(EXIT_SYSTEM_EXIT)
 
 
 def _write(path, data):
@@ -188,7 +207,12 @@ def _passed(audit, frame):
 def _boot():
     rep, code_fd, tests_fd, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     maxc, audit_on, token_fd, proof_fd = int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), int(sys.argv[8])
-    preload, jail_plan, jail_source = sys.argv[9], sys.argv[10], sys.argv[11]
+    preload, tested, jail_plan, jail_source = (
+        sys.argv[9],
+        frozenset(sys.argv[10].split(",")),
+        sys.argv[11],
+        sys.argv[12],
+    )
     if jail_plan == JAILED:
         _not_dumpable(rep)
         _limit_tasks(jail_source, rep)
@@ -233,16 +257,17 @@ def _boot():
         run(code, mod.__dict__)
     except SystemExit as e:
         if tests is None:
-            raise
+            _system_exit(e)
         die(e, audit, frame, "sandbox: the program exited before its tests ran")
     except BaseException as e:
         die(e, audit, frame)
     if tests is None:
         return
     # the tests see the program's names but the true builtins: a global ``abs`` of the program's cannot change what
-    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's); str keys
-    # only (a key object that equals "abs" on the second comparison only would shadow it)
-    namespace = {k: v for k, v in mod.__dict__.items() if kind(k) is text and k not in pristine}
+    # the tests' ``abs`` means (the program's own functions still see it: their globals are the module's), but for
+    # the builtin names the parent says are under test (``def sorted``: ``tested``); str keys only (a key object
+    # that equals "abs" on the second comparison only would shadow it)
+    namespace = {k: v for k, v in mod.__dict__.items() if kind(k) is text and (k not in pristine or k in tested)}
     namespace.update(__builtins__=pristine, __name__="tests")
     try:
         run(tests, namespace)

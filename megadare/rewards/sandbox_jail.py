@@ -77,7 +77,10 @@ def enter(plan, report_fd):
         userns = _unshare(libc, plan)
     except _Refused as e:
         _unavailable(report_fd, e)
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:  # EAGAIN / ENOMEM: the parent tries again
+        _unavailable(report_fd, "fork of the namespaces' first process: %s" % (e,))
     if pid:
         _keep(pid)
     try:

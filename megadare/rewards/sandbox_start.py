@@ -205,15 +205,18 @@ def start_child(
     mode: str, boot: list, stdin_f, allow_site_packages: bool, limits: list, file_size_mb: int
 ) -> subprocess.Popen:
     """Start the child: ``boot`` = the bootstrap's arguments (report fd, code fd, tests fd, workdir, children
-    allowed, audit hook, token fd, proof fd, preload); in ``namespaces`` mode the jail's plan and source follow."""
+    allowed, audit hook, token fd, proof fd, preload, tested builtins); in ``namespaces`` mode the jail's plan and
+    source follow."""
     is_root, workdir, deny = os.geteuid() == 0, boot[3], seccomp_denies_processes(boot[4] + 1)
     jail = ["", ""]
     if mode == "namespaces":
         seccomp = seccomp_program(deny, 1, own_group=False) if deny is not None else None
         plan = _jail_plan(workdir, is_root, max(64, 4 * file_size_mb), seccomp, allow_site_packages)
-        if is_root:  # set after the jail's exec (sandbox_child._limit_tasks): before it, others' threads fail the exec
-            plan["nproc"] = next((v for name, _, v in limits if name == "rlimit_nproc"), None)
-            limits = [lim for lim in limits if lim[0] != "rlimit_nproc"]
+        # RLIMIT_NPROC is set after the jail's exec (sandbox_child._limit_tasks): before it, other sandboxes' threads
+        # failed the jail's exec (a root trainer's uid change) or its fork of PID 1 (a non-root trainer: the user
+        # namespace takes the limit its creator had as the bound of the uid's tasks on the machine)
+        plan["nproc"] = next((v for name, _, v in limits if name == "rlimit_nproc"), None)
+        limits = [lim for lim in limits if lim[0] != "rlimit_nproc"]
         jail = [repr(plan), _JAIL]
     argv = [sys.executable, "-I", "-B", "-X", "utf8"] + ([] if allow_site_packages else ["-S"])
     argv += ["-c", _BOOTSTRAP] + [str(a) for a in boot] + jail

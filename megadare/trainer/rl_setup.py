@@ -9,6 +9,7 @@ newest checkpoint under ``checkpoint.save`` (or ``<run_dir>/ckpt``).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -19,7 +20,7 @@ from megadare.convert import mapping_for
 from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
 from megadare.errors import ConfigError, RunStateError
-from megadare.rewards import check_isolation, gold_problem, load_reward, runs_code, set_isolation
+from megadare.rewards import check_isolation, gold_problem, load_reward, reward_notes, runs_code, set_isolation
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
@@ -93,6 +94,8 @@ def setup_run(spec: RunSpec) -> RLRun:
     _resume(run)
     if run.rank0:
         write_run_config(cfg)
+        for note in reward_notes(cfg.rewards.name, [p.record for p in train_prompts + held_prompts]):
+            print(note, file=sys.stderr, flush=True)
         rollouts.manager = start_engines(cfg, spec.source, tok)
     run.weight_sync = _weight_sync(cfg, run)
     return run
