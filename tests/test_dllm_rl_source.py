@@ -33,11 +33,10 @@ import torch.nn.functional as F
 
 import dllm_rl_source as D
 from megadare.algos import REGISTRY
-from megadare.algos.advantages import filter_groups, group_advantages
+from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
 from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.algos.policy_loss import kl_penalty
 from megadare.algos.value_model import step_advantages, value_loss
-from megadare.diffusion import corruption as C
 from megadare.diffusion.trace_replay import shrunk_steps
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
@@ -200,3 +199,336 @@ def test_live_llada_tracerl_is_dllm_rls(shrink, beta):
     assert frags == megadare_fragments("llada", samples, shrink, 0)
     assert close(theirs, LLADA[shrink, beta]), theirs
     assert close(megadare_loss("llada", samples, shrink, beta, 0), theirs) == (beta == 0)
+
+
+# ------------------------------------------------------------------ value model
+REWARDS = [1.0, 0.0, -1.0]
+
+
+def old_value(b: int, k: int) -> float:
+    """V_old of response token k of sample b (float32, as dLLM-RL's dataset holds it)."""
+    return float(torch.tensor(random.Random(100 * b + k).uniform(-1, 1), dtype=torch.float32))
+
+
+def megadare_returns(shrink: int, gam: float, lam: float) -> list[list[tuple[float, float]]]:
+    """Per sample and response token: (A_j, R_j) of megadare's step-level GAE over the shrunk trace."""
+    out = []
+    for s in block_samples():
+        vals = [old_value(s.index, k) for k in range(len(s.response_ids))]
+        adv, ret = step_advantages(vals, shrunk_steps(s, BS, shrink, True), REWARDS[s.index], gam, lam)
+        out.append(list(zip(adv, ret)))
+    return out
+
+
+def dllm_rl_returns(shrink: int, gam: float, lam: float) -> list[list[tuple[float, float]]]:
+    samples = block_samples()
+    ids, start = D.lm_prompt([s.prompt_ids for s in samples], [s.response_ids for s in samples], PAD)
+    cfg = dict(block_size=BS, shrink=shrink, post_num=0, gam=gam, lam=lam)
+    out = D.trado_value_returns(cfg, ids, start, [list(s.commit_step) for s in samples], REWARDS, old_value, MASK, PAD)
+    for s, row in zip(samples, out):  # the pads after the EOS are not trainable (post_num 0)
+        assert all(x is None for x in row[len(s.response_ids) :]) and None not in row[: len(s.response_ids)]
+    return [row[: len(s.response_ids)] for s, row in zip(samples, out)]
+
+
+# (shrink, gamma, lambda) -> train_trado_value.py's (A_j, R_j) per sample and response token
+VALUE_RETURNS = {
+    (1, 1.0, 1.0): [
+        [
+            (0.3111563, 1.0),
+            (1.7312715, 1.0),
+            (0.0879315, 1.0),
+            (1.5240707, 1.0),
+            (1.5279038, 1.0),
+            (0.7541966, 1.0),
+            (0.4133199, 1.0),
+            (1.3523345, 1.0),
+            (1.5465883, 1.0),
+        ],
+        [
+            (0.7086615, 0.0),
+            (-0.1623043, 0.0),
+            (0.7036576, 0.0),
+            (-0.9581003, 0.0),
+            (-0.9199219, 0.0),
+            (-0.7561987, 0.0),
+            (-0.4213675, 0.0),
+            (0.5070361, 0.0),
+            (0.7389596, 0.0),
+            (0.4408339, 0.0),
+            (-0.8685239, 0.0),
+            (-0.6543411, 0.0),
+            (0.0375067, 0.0),
+        ],
+        [
+            (-0.0912186, -1.0),
+            (-0.1342045, -1.0),
+            (-1.5277631, -1.0),
+            (-0.1815163, -1.0),
+            (-0.793813, -1.0),
+            (-0.8688336, -1.0),
+        ],
+    ],
+    (2, 0.9, 0.8): [
+        [
+            (-0.3939867, 0.7289999),
+            (1.0261285, 0.7289999),
+            (-0.6172115, 0.7289999),
+            (0.8189278, 0.7289999),
+            (0.9120458, 0.8099999),
+            (0.1383387, 0.8099999),
+            (-0.2025381, 0.8099999),
+            (0.9739486, 0.9),
+            (1.5465883, 1.0),
+        ],
+        [
+            (0.8403646, 0.0),
+            (-0.0199592, 0.0),
+            (0.8353607, 0.0),
+            (-0.8263971, 0.0),
+            (-0.8898816, 0.0),
+            (-0.7456213, 0.0),
+            (-0.3913271, 0.0),
+            (0.5176135, 0.0),
+            (0.7322083, 0.0),
+            (0.4340827, 0.0),
+            (-0.8752751, 0.0),
+            (-0.6610923, 0.0),
+            (0.0375067, 0.0),
+        ],
+        [
+            (0.1584196, -0.9),
+            (0.1619544, -0.8099999),
+            (-1.2316043, -0.8099999),
+            (0.1146426, -0.8099999),
+            (-0.793813, -1.0),
+            (-0.8688336, -1.0),
+        ],
+    ],
+    (3, 1.0, 0.0): [
+        [
+            (-0.7007824, 1.0),
+            (0.7193328, 1.0),
+            (-0.9240072, 1.0),
+            (0.512132, 1.0),
+            (-0.0186845, 1.0),
+            (-0.7923917, 1.0),
+            (-1.1332685, 1.0),
+            (-0.1942538, 1.0),
+            (1.5465883, 1.0),
+        ],
+        [
+            (1.1062745, 0.0),
+            (0.2353087, 0.0),
+            (1.1012706, 0.0),
+            (-0.5604873, 0.0),
+            (-0.834154, 0.0),
+            (-0.6704308, 0.0),
+            (-0.3355996, 0.0),
+            (0.592804, 0.0),
+            (0.7014528, 0.0),
+            (0.4033272, 0.0),
+            (-0.9060307, 0.0),
+            (-0.6918479, 0.0),
+            (0.0375067, 0.0),
+        ],
+        [
+            (0.7401047, -1.0),
+            (0.6971188, -1.0),
+            (-0.6964399, -1.0),
+            (0.649807, -1.0),
+            (-0.793813, -1.0),
+            (-0.8688336, -1.0),
+        ],
+    ],
+}
+
+
+def same_returns(got, want) -> bool:
+    return all(
+        math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+        for g_s, w_s in zip(got, want, strict=True)
+        for g_t, w_t in zip(g_s, w_s, strict=True)
+        for a, b in zip(g_t, w_t)
+    )
+
+
+@pytest.mark.parametrize("key", list(VALUE_RETURNS))
+def test_value_model_returns_and_advantages_are_dllm_rls(key):
+    """The value model's token A_j, R_j (reward on the last trainable step, per-step means over the shrunk trace,
+    R*, delta*, A* backwards) = train_trado_value.py's ``compute_returns_and_advantages_from_fragments``."""
+    assert same_returns(megadare_returns(*key), VALUE_RETURNS[key])
+
+
+@pytest.mark.parametrize("key", list(VALUE_RETURNS))
+def test_live_value_model_returns_are_dllm_rls(key):
+    theirs = dllm_rl_returns(*key)
+    assert same_returns(theirs, VALUE_RETURNS[key]) and same_returns(megadare_returns(*key), theirs)
+
+
+def value_case():
+    g = torch.Generator().manual_seed(0)
+    L0, L1 = 3, 5
+    v = torch.randn(2, L0 + 2 * L1, generator=g, dtype=torch.float64)
+    v_old = torch.randn(2, L0 + L1, generator=g, dtype=torch.float64)
+    ret = torch.randn(2, L0 + L1, generator=g, dtype=torch.float64)
+    p_mask = torch.rand(2, L0 + L1, generator=g) < 0.6
+    p_mask[:, :L0] = False
+    return v, v_old, ret, p_mask, L1
+
+
+VALUE_LOSS = 1.6606790815414927  # train_trado_value.py's forward_process on value_case()
+
+
+def megadare_value_loss() -> float:
+    """megadare's clipped value loss on the scored positions, each row's sum / L1, mean over rows (its head
+    weights on block families)."""
+    v, v_old, ret, p_mask, L1 = value_case()
+    L0 = p_mask.shape[1] - L1
+    values = torch.cat([v[:, :L0], v[:, L0 + L1 :]], 1)  # the noisy copy's values at the response
+    return float((value_loss(values, v_old, ret, 0.2) * p_mask).sum(1).div(L1).mean())
+
+
+def test_value_loss_is_dllm_rls():
+    assert math.isclose(megadare_value_loss(), VALUE_LOSS, rel_tol=1e-12)
+
+
+def test_live_value_loss_is_dllm_rls():
+    theirs = float(D.trado_value_loss(*value_case()))
+    assert theirs == pytest.approx(VALUE_LOSS, rel=1e-12) and megadare_value_loss() == pytest.approx(theirs, rel=1e-12)
+
+
+# ------------------------------------------------------------------ KL estimator
+KL_D = [-15.0, -12.0, -10.0, -3.0, -0.5, 0.0, 0.5, 3.0, 9.5, 10.0, 12.0, 15.0]  # d = log p_old - log p_new
+KL = [
+    14.000045399929762,
+    11.000045399929762,
+    9.000045399929762,
+    2.049787068367864,
+    0.10653065971263342,
+    0.0,
+    0.1487212707001282,
+    16.085536923187668,
+    13349.226829661873,
+    22015.465794806718,
+    22013.465794806718,
+    22010.465794806718,
+]  # rl_trado.py's forward_process, advantage 0, beta 1: its k3 per d
+
+
+def test_k3_exp10_is_dllm_rls():
+    """``kl_estimator=k3_exp10`` = dLLM-RL's KL term: exp(clamp(d, +-10)) - d - 1, the estimate not capped (verl's
+    k3 caps it at 10: it differs where the estimate exceeds 10, d > 2.6 or d < -11)."""
+    d = torch.tensor(KL_D, dtype=torch.float64)
+    ours = kl_penalty(-0.5 * torch.ones_like(d), -0.5 + d, "k3_exp10")
+    assert ours.tolist() == pytest.approx(KL, rel=1e-12, abs=1e-15)
+    verl = kl_penalty(-0.5 * torch.ones_like(d), -0.5 + d, "k3")
+    assert [abs(a - b) > 1e-9 for a, b in zip(verl.tolist(), KL)] == [k > 10 for k in KL]
+
+
+def test_live_k3_exp10_is_dllm_rls():
+    theirs = D.trado_kl(torch.tensor(KL_D, dtype=torch.float64), 1.0)
+    assert theirs.tolist() == pytest.approx(KL, rel=1e-12, abs=1e-15)
+
+
+# ------------------------------------------------------------------ advantages and the accuracy band
+# (group size, correct answers): accuracies on both sides of and exactly at the band's edges 0.2 and 0.8
+GROUPS = [(5, 1), (5, 4), (5, 0), (5, 5), (10, 2), (10, 8), (10, 1), (10, 9), (4, 2), (6, 3), (7, 2), (7, 1)]
+MAX_GEN = 100
+# rl_reward.py's training rows: (prompt, reward) in order (correctness by math_utils.is_equal of "5" / "6" to "5")
+REWARD_ROWS = [
+    ("p0", 1.9999999999999998),
+    ("p0", -0.49999999999999994),
+    ("p0", -0.49999999999999994),
+    ("p0", -0.49999999999999994),
+    ("p0", -0.49999999999999994),
+    ("p1", 0.4999999999999999),
+    ("p1", 0.4999999999999999),
+    ("p1", 0.4999999999999999),
+    ("p1", 0.4999999999999999),
+    ("p1", -2.0),
+    ("p4", 1.9999999999999998),
+    ("p4", 1.9999999999999998),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p4", -0.49999999999999994),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", 0.4999999999999999),
+    ("p5", -2.0),
+    ("p5", -2.0),
+    ("p8", 1.0),
+    ("p8", 1.0),
+    ("p8", -1.0),
+    ("p8", -1.0),
+    ("p9", 1.0),
+    ("p9", 1.0),
+    ("p9", 1.0),
+    ("p9", -1.0),
+    ("p9", -1.0),
+    ("p9", -1.0),
+    ("p10", 1.5811388300841893),
+    ("p10", 1.5811388300841893),
+    ("p10", -0.6324555320336757),
+    ("p10", -0.6324555320336757),
+    ("p10", -0.6324555320336757),
+    ("p10", -0.6324555320336757),
+    ("p10", -0.6324555320336757),
+]
+
+
+def reward_groups(lengths=None) -> list[dict]:
+    return [
+        dict(
+            extracted_output=["5"] * c + ["6"] * (G - c),
+            ground_truth_answer="5",
+            response_length=(lengths or {}).get(i, [40] * G),
+            step_map=[[0]] * G,
+        )
+        for i, (G, c) in enumerate(GROUPS)
+    ]
+
+
+def megadare_reward_rows() -> list[tuple[str, float]]:
+    """megadare's advantage pipeline (``advantage.std=population``, ``advantage.accuracy_band=[0.2, 0.8]``) on the
+    same correctness, group by group (the groups differ in size)."""
+    out = []
+    for i, (G, c) in enumerate(GROUPS):
+        r = torch.tensor([1.0] * c + [0.0] * (G - c))
+        if bool(filter_groups(r, G, accuracy_band=(0.2, 0.8)).all()):
+            out += [(f"p{i}", float(a)) for a in group_advantages(r, G, "grpo", "population")]
+    return out
+
+
+def test_advantages_and_accuracy_band_are_dllm_rls():
+    """The kept groups (accuracy in [0.2, 0.8], edges included) and their z-scores = rl_reward.py's, to float32.
+    Fails before: megadare divided by the population std + 1e-6 (2.5e-6 relative at accuracy 0.2)."""
+    ours = megadare_reward_rows()
+    assert [p for p, _ in ours] == [p for p, _ in REWARD_ROWS]
+    assert [a for _, a in ours] == pytest.approx([a for _, a in REWARD_ROWS], rel=2e-7, abs=1e-7)
+
+
+def test_live_advantages_and_accuracy_band_are_dllm_rls(tmp_path):
+    rows = D.rl_reward(reward_groups(), tmp_path, MAX_GEN)
+    assert [r["prompt"] for r in rows] == [p for p, _ in REWARD_ROWS] == [p for p, _ in megadare_reward_rows()]
+    assert [r["reward"] for r in rows] == pytest.approx([a for _, a in REWARD_ROWS], rel=1e-12)
+
+
+def test_live_dllm_rl_counts_near_limit_responses_wrong(tmp_path):
+    """dLLM-RL counts a correct response of length >= max_gen_length - 5 wrong (rl_reward.py:100-101), finished or
+    not; megadare's ``rewards.truncated_as_wrong`` only those the engine cut (finish_reason "length"): a
+    difference kept on purpose (algos/advantages.py ``truncated_as_wrong``)."""
+    G = GROUPS[1][0]
+    rows = D.rl_reward(reward_groups({1: [MAX_GEN - 5] + [40] * (G - 1)}), tmp_path, MAX_GEN)
+    base = D.rl_reward(reward_groups(), tmp_path / "base", MAX_GEN)
+    assert [r["reward"] for r in rows if r["prompt"] == "p1"] != [r["reward"] for r in base if r["prompt"] == "p1"]
+    assert truncated_as_wrong(torch.tensor([1.0, 1.0]), torch.tensor([False, True])).tolist() == [1.0, 0.0]
