@@ -37,6 +37,7 @@ from megadare.algos.advantages import filter_groups, group_advantages, truncated
 from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.algos.policy_loss import kl_penalty
 from megadare.algos.value_model import step_advantages, value_loss
+from megadare.diffusion import corruption as C
 from megadare.diffusion.trace_replay import shrunk_steps
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
@@ -532,3 +533,90 @@ def test_live_dllm_rl_counts_near_limit_responses_wrong(tmp_path):
     base = D.rl_reward(reward_groups(), tmp_path / "base", MAX_GEN)
     assert [r["reward"] for r in rows if r["prompt"] == "p1"] != [r["reward"] for r in base if r["prompt"] == "p1"]
     assert truncated_as_wrong(torch.tensor([1.0, 1.0]), torch.tensor([False, True])).tolist() == [1.0, 0.0]
+
+
+# ------------------------------------------------------------------ random masking: the mask distributions
+RM_PROMPT, RM_RESPONSE, RM_N = list(range(10, 14)), list(range(20, 31)) + [EOS], 800
+
+
+def mask_stats(masks: torch.Tensor) -> dict[str, tuple[float, float, int]]:
+    """Per-fragment statistics of response masks [n, L] (fragments without a target dropped, as both trainers
+    count them for nothing): (mean, std, n) of the masked fraction, of the fraction of adjacent masked pairs and
+    of the fraction of fully masked blocks of 4."""
+    m = masks[masks.any(1)].double()
+    L = m.shape[1]
+    per = {
+        "rate": m.mean(1),
+        "pair": (m[:, 1:] * m[:, :-1]).mean(1),
+        "full_block": m[:, : L // 4 * 4].view(m.shape[0], -1, 4).prod(-1).mean(1),
+    }
+    return {k: (float(x.mean()), float(x.std()), x.numel()) for k, x in per.items()}
+
+
+def same_distribution(a: dict, b: dict) -> bool:
+    """Every statistic's means within 4.5 standard errors."""
+    return all(abs(a[k][0] - b[k][0]) < 4.5 * math.sqrt(a[k][1] ** 2 / a[k][2] + b[k][1] ** 2 / b[k][2]) for k in a)
+
+
+def megadare_masks(block: bool, couple: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    seq = C.CleanSequence.of(RM_PROMPT, RM_RESPONSE, MASK)
+    n = RM_N // (2 if couple else 1)
+    views = [v for _ in range(n) for v in C.random_mask(seq, g, 4 if block else 0, (0.1, 0.9), 1, couple)]
+    return torch.stack([v.tokens[len(RM_PROMPT) :] == MASK for v in views])
+
+
+def dllm_rl_masks(mode: str) -> torch.Tensor:
+    """dLLM-RL's random-masking rows of 8 copies of one response: ``trado`` (rl_trado.py, per-token probability),
+    ``llada`` / ``llada_coupled`` (rl_llada.py, one t per fragment; coupled adds the complement)."""
+    torch.manual_seed(0)
+    prompts, responses, out = [RM_PROMPT] * 8, [RM_RESPONSE] * 8, []
+    steps = [list(range(len(RM_RESPONSE)))] * 8
+    while sum(x.shape[0] for x in out) < RM_N:
+        if mode == "trado":
+            ids, start = D.lm_prompt(prompts, responses, PAD)
+            cfg = dict(block_size=4, method="random_masking", shrink=1, beta=0.0, post_num=0)
+            out.append(D.trado_training(cfg, ids, start, steps, [1.0] * 8, MASK, PAD)["rows"].p_mask[:, start:])
+        else:
+            method = "coupled" if mode == "llada_coupled" else "random_masking"
+            cfg = dict(method=method, shrink=1, beta=0.0, post_num=0, batch_size_lm=1, mask_times_per_sample=4)
+            r = D.llada_training(cfg, prompts, responses, steps, [1.0] * 8, MASK, PAD)["rows"]
+            out.append(r.p_mask[:, r.start :])
+    return torch.cat(out)
+
+
+# mode -> mask_stats of dLLM-RL's rows (dllm_rl_masks, torch.manual_seed(0))
+RM_STATS = {
+    "trado": {
+        "rate": (0.5040272614622057, 0.1437128790023843, 807),
+        "pair": (0.2472682212459164, 0.16467539882450394, 807),
+        "full_block": (0.05493597686906237, 0.13131251132802144, 807),
+    },
+    "llada": {
+        "rate": (0.5119341563786007, 0.25914445368820893, 810),
+        "pair": (0.3150392817059483, 0.2845425823764869, 810),
+        "full_block": (0.16049382716049382, 0.26985685040755036, 810),
+    },
+    "llada_coupled": {
+        "rate": (0.5187032418952618, 0.2612697906413093, 802),
+        "pair": (0.3240761732033552, 0.2890390829466812, 802),
+        "full_block": (0.1654197838736492, 0.2733070382221226, 802),
+    },
+}
+RM_MODES = {"trado": (True, False), "llada": (False, False), "llada_coupled": (False, True)}
+
+
+@pytest.mark.parametrize("mode", list(RM_MODES))
+def test_random_masks_are_distributed_as_dllm_rls(mode):
+    """Block families: every token masked w.p. U(0.1, 0.9) of its own (rate 1/2, pairs 1/4, full blocks 1/16);
+    LLaDA: one t ~ U(0.1, 0.9) per fragment (pairs E[t^2] = 0.303); coupled: the complement too."""
+    assert same_distribution(mask_stats(megadare_masks(*RM_MODES[mode])), RM_STATS[mode])
+    other = "llada" if mode == "trado" else "trado"  # the statistics tell the two laws apart
+    assert not same_distribution(mask_stats(megadare_masks(*RM_MODES[mode])), RM_STATS[other])
+
+
+@pytest.mark.parametrize("mode", list(RM_MODES))
+def test_live_random_masks_are_distributed_as_dllm_rls(mode):
+    theirs = mask_stats(dllm_rl_masks(mode))
+    assert same_distribution(theirs, RM_STATS[mode])  # (exact on the torch that recorded them: its CPU stream)
+    assert same_distribution(mask_stats(megadare_masks(*RM_MODES[mode])), theirs)
