@@ -263,3 +263,17 @@ def trado_kl(d: torch.Tensor, beta: float) -> torch.Tensor:
         ext, lab = torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long)
         out.append(g["forward_process"](ext, p_mask, None, lab, [0.0], old))
     return torch.stack(out)
+
+
+def math_verdicts(cases: list[tuple[str, str]]) -> list[bool]:
+    """dLLM-RL's math reward on (response, gold) pairs, its string stage: the last ``\\boxed{}`` as its rollout
+    extracts it (``sample/trado_rl_rollout.py::extract_final_boxed_answer``), then ``reward/math_utils.py::is_equiv``
+    (``is_equal``'s first test; its sympy fallback needs antlr4 4.11, which the venv does not have)."""
+    import importlib.util
+
+    root = checkout()
+    extract = load("sample/trado_rl_rollout.py", ["extract_final_boxed_answer"])["extract_final_boxed_answer"]
+    spec = importlib.util.spec_from_file_location("dllm_rl_math_utils", os.path.join(root, "reward", "math_utils.py"))
+    mu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mu)
+    return [bool(mu.is_equiv(extract(r), str(g))) for r, g in cases]
