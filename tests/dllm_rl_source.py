@@ -277,3 +277,19 @@ def math_verdicts(cases: list[tuple[str, str]]) -> list[bool]:
     mu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mu)
     return [bool(mu.is_equiv(extract(r), str(g))) for r, g in cases]
+
+
+def trado_prompt(problem: str, rollout: str = "sample/trado_rl_rollout.py") -> str:
+    """The prompt dLLM-RL's TraDo / SDAR rollout gives the model for ``problem``: its ``get_prompt`` rendering its
+    ``system_prompts`` (the first assigned in the file: ``start_with_think`` false) with jinja2."""
+    from jinja2 import Template
+
+    path = os.path.join(checkout(), rollout)
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    literal = next(
+        ast.literal_eval(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "system_prompts" for t in n.targets)
+    )
+    return load(rollout, ["get_prompt"], system_prompts=literal, Template=Template)["get_prompt"]({"question": problem})

@@ -38,12 +38,15 @@ from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.algos.policy_loss import kl_penalty
 from megadare.algos.value_model import step_advantages, value_loss
 from megadare.diffusion import corruption as C
+from megadare.data.tokenizer import HFTokenizer
+from megadare.eval.tasks import _math_prompt as math_prompt
 from megadare.rewards import score_batch
 from megadare.diffusion.trace_replay import shrunk_steps
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from test_algos_dllm_rl import megadare_step
 from test_dare_reward_battery import _rows as dare_battery_rows
+from qwen_files import qwen_dir
 from test_tracerl_fragments import EOS, MASK, PAD, fragments_of, tiny_arch, trace
 
 P, BS, V = 8, 4, 100
@@ -721,3 +724,28 @@ def test_live_math_reward_battery_is_dllm_rls():
 
 def _battery():
     return dare_battery_rows("math")
+
+
+# ------------------------------------------------------------------ TraDo / SDAR prompt
+PROBLEMS = ["What is 2+3?", "Let $f(x)=\\frac{x}{2}$. Find {f(4)} — in ℝ."]
+# dLLM-RL's rollout prompt (sample/trado_rl_rollout.py get_prompt) for PROBLEMS: jinja2 drops the template's
+# trailing newline, so it ends with "<|im_start|>assistant", not "assistant\n" as its own string literal reads
+DLLM_PROMPTS = [
+    "<|im_start|>user\nWhat is 2+3?\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant",
+    "<|im_start|>user\nLet $f(x)=\\frac{x}{2}$. Find {f(4)} — in ℝ.\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant",
+]
+
+
+def test_sdar_boxed_prompt_is_dllm_rls_plus_the_templates_newline():
+    """megadare's ``boxed`` math prompt through SDAR's chat template = dLLM-RL's TraDo / SDAR prompt token for
+    token, plus one final "\\n" token: the chat template's (and dLLM-RL's literal's), which jinja2 strips from
+    dLLM-RL's rendering (eval/tasks.py ``MATH_BOXED_INSTRUCTION`` says why megadare keeps it)."""
+    tok = HFTokenizer(qwen_dir("sdar"))
+    for problem, theirs in zip(PROBLEMS, DLLM_PROMPTS, strict=True):
+        ours = tok.chat_prompt([{"role": "user", "content": math_prompt(problem, "boxed")}])
+        assert ours == tok.encode(theirs) + tok.encode("\n")
+
+
+def test_live_sdar_prompt_is_dllm_rls():
+    assert [D.trado_prompt(p) for p in PROBLEMS] == DLLM_PROMPTS
+    assert [D.trado_prompt(p, "sample/sdar_rl_rollout.py") for p in PROBLEMS] == DLLM_PROMPTS
