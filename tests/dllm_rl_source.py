@@ -293,3 +293,21 @@ def trado_prompt(problem: str, rollout: str = "sample/trado_rl_rollout.py") -> s
         if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "system_prompts" for t in n.targets)
     )
     return load(rollout, ["get_prompt"], system_prompts=literal, Template=Template)["get_prompt"]({"question": problem})
+
+
+def config_keys(pattern: str = "configs/rl_*.yaml") -> set[str]:
+    """Every dotted key of dLLM-RL's RL configs."""
+    import glob
+
+    import yaml
+
+    keys: set[str] = set()
+
+    def walk(d: dict, pre: str) -> None:
+        for k, v in d.items():
+            walk(v, f"{pre}{k}.") if isinstance(v, dict) else keys.add(pre + k)
+
+    for path in glob.glob(os.path.join(checkout(), pattern)):
+        with open(path, encoding="utf-8") as f:
+            walk(yaml.safe_load(f), "")
+    return keys

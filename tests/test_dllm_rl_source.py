@@ -38,6 +38,7 @@ from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.algos.policy_loss import kl_penalty
 from megadare.algos.value_model import step_advantages, value_loss
 from megadare.diffusion import corruption as C
+from megadare.config.foreign import DLLM_RL, foreign_fix
 from megadare.data.tokenizer import HFTokenizer
 from megadare.eval.tasks import _math_prompt as math_prompt
 from megadare.rewards import score_batch
@@ -749,3 +750,40 @@ def test_sdar_boxed_prompt_is_dllm_rls_plus_the_templates_newline():
 def test_live_sdar_prompt_is_dllm_rls():
     assert [D.trado_prompt(p) for p in PROBLEMS] == DLLM_PROMPTS
     assert [D.trado_prompt(p, "sample/sdar_rl_rollout.py") for p in PROBLEMS] == DLLM_PROMPTS
+
+
+# ------------------------------------------------------------------ config keys users bring
+# dLLM-RL training keys megadare has a setting for (configs/rl_*.yaml), with a value and the fix it must suggest
+DLLM_RL_KEYS = {
+    "training.post_num": (0, "algo.params.post_num=0"),
+    "training.mask_times_per_sample": (35, "algo.params.n_views=35"),
+    "training.use_kl_estimator_k3": (True, "algo.params.kl_estimator=k3_exp10"),
+    "training.gam": (1.0, "algo.params.gamma=1.0"),
+    "training.lam": (1.0, "algo.params.lam=1.0"),
+    "optimizer.params.value_learning_rate": (5e-6, "algo.params.value_lr=5e-06"),
+    "rollout.max_gen_length": (512, "rollout.max_new_tokens=512"),
+}
+# dLLM-RL training keys without a megadare setting of that meaning (the batch is megadare's own: rl.mini_batches,
+# train.micro_batch_size, packing; the model family sets the block; tf32 is not a choice)
+DLLM_RL_TRAINING_UNMAPPED = {
+    "training.batch_size_lm",
+    "training.block_size",
+    "training.enable_tf32",
+    "training.gradient_accumulation_steps",
+    "training.max_gen_length",
+    "training.max_prompt_len",
+    "training.num_train_epochs",
+}
+
+
+@pytest.mark.parametrize("key", list(DLLM_RL_KEYS))
+def test_dllm_rl_training_keys_name_their_megadare_setting(key):
+    """Fails before: the loader called these unknown keys without saying what megadare calls them."""
+    value, fix = DLLM_RL_KEYS[key]
+    origin, text = foreign_fix(key, value)
+    assert origin == "dLLM-RL" and text.split(" (")[0] == fix
+
+
+def test_live_every_dllm_rl_training_key_is_mapped_or_listed():
+    keys = {k for k in D.config_keys() if k.startswith("training.")}
+    assert keys - set(DLLM_RL) == DLLM_RL_TRAINING_UNMAPPED and set(DLLM_RL_KEYS) & D.config_keys() == set(DLLM_RL_KEYS)
