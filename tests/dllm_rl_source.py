@@ -61,7 +61,7 @@ class PositionModel:
     def __init__(self, E: torch.Tensor, W: torch.Tensor):
         self.E, self.W = E, W
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, **_):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[-1]).expand_as(input_ids)
         return ns(logits=self.E[input_ids] + self.W[position_ids])
@@ -124,9 +124,12 @@ def trado_loss(g: dict, new, old) -> torch.Tensor:
     return total / n
 
 
-def llada_training(cfg: dict, prompts, responses, step_maps, rewards, mask_id: int, pad_id: int) -> dict:
+def llada_training(
+    cfg: dict, prompts, responses, step_maps, rewards, mask_id: int, pad_id: int, script="llada"
+) -> dict:
     """``train/rl_llada.py``'s ``prepare_inputs_and_labels_for_text`` (229-415) through its ``UniversalPrompting``
-    (a tokenizer stand-in giving the token lists) and the namespace of its ``forward_process`` (576-603)."""
+    (a tokenizer stand-in giving the token lists) and the namespace of its ``forward_process`` (576-603);
+    ``script="dream"``: ``train/rl_dream.py``'s (the same rows; its loss shifts the logits one left, 605-634)."""
     up = load("train/prompting_utils.py", ["UniversalPrompting"])["UniversalPrompting"](ns(pad_token_id=pad_id))
 
     def uni_prompting(pair):
@@ -135,8 +138,9 @@ def llada_training(cfg: dict, prompts, responses, step_maps, rewards, mask_id: i
 
     config = ns(training=ns(lower_p=0.1, upper_p=0.9, eps=0.2, use_kl_estimator_k3=True, max_gen_length=10**6, **cfg))
     names = ["collapse_k_unique", "prepare_inputs_and_labels_for_text", "compute_logp_old_tok_parallel"]
-    names += ["simple_collate", "forward_process"]
-    g = load("train/rl_llada.py", names, config=config, mask_id=mask_id, pad_id=pad_id, uni_prompting=uni_prompting)
+    names += ["simple_collate", "forward_process"] + (["make_attention_mask"] if script == "dream" else [])
+    env = dict(config=config, mask_id=mask_id, pad_id=pad_id, uni_prompting=uni_prompting, script=script)
+    g = load(f"train/rl_{script}.py", names, **env)
     assert up.max_gen_length > max(map(len, responses))  # lm_prompt keeps the whole response
     noisy, labels, p_mask, rew, start, _ = g["prepare_inputs_and_labels_for_text"](
         prompts, responses, step_maps, rewards
@@ -146,20 +150,27 @@ def llada_training(cfg: dict, prompts, responses, step_maps, rewards, mask_id: i
 
 
 def llada_loss(g: dict, new, old) -> torch.Tensor:
-    """rl_llada.py's step on ``g``'s rows (old log-probs by its ``compute_logp_old_tok_parallel``, then its loop of
+    """rl_llada.py's (rl_dream.py's) step on ``g``'s rows (old log-probs by its ``compute_logp_old_tok_parallel``, then its loop of
     ``forward_process`` with ``batch_size_lm`` rows a micro-batch, one accumulation window over all of them)."""
     r = g["rows"]
     n, bsz = r.noisy.shape[0], g["config"].training.batch_size_lm
     items = [(i, r.noisy[i], r.labels[i], r.p_mask[i], r.rewards[i]) for i in range(n)]
     batches = [g["simple_collate"](items[i : i + bsz]) for i in range(0, n, bsz)]
-    data = ns(logp_old_tok=torch.zeros(r.noisy.shape))
+    dream = g["script"] == "dream"
+    data = ns(logp_old_tok=torch.zeros(n, r.noisy.shape[1] - dream))  # Dream's: one per shifted logit
     g["model"] = old
-    g["compute_logp_old_tok_parallel"](ns(device="cpu", wait_for_everyone=lambda: None), data, batches, r.start, 0, 1)
+    g["compute_logp_old_tok_parallel"](
+        ns(device="cpu", wait_for_everyone=lambda: None), data, batches, r.start, g["pad_id"], 1
+    )
     g["model"] = new
     total = 0.0
     for b in batches:
-        lp = data.logp_old_tok[b["ids"]]
-        total = total + g["forward_process"](b["input_ids"], b["labels"], b["p_mask_lm"], b["reward"], lp)
+        lp, rows = data.logp_old_tok[b["ids"]], (b["input_ids"], b["labels"], b["p_mask_lm"])
+        total = total + (
+            g["forward_process"](*rows, r.start, b["reward"], lp)
+            if dream
+            else g["forward_process"](*rows, b["reward"], lp)
+        )
     return total / len(batches)
 
 

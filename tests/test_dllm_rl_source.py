@@ -15,7 +15,7 @@ and checks it gives the recorded values and what megadare gives (fragments inclu
 skipped, saying so.
 
 Findings (the tests name them): block-family TraceRL loss and gradient equal at shrink 1 and 2, KL included;
-LLaDA TraceRL policy term equal, the KL term not (rl_llada.py sums it per fragment, megadare divides by the
+LLaDA / Dream TraceRL policy term equal, the KL term not (rl_llada.py / rl_dream.py sum it per fragment, megadare divides by the
 targets: algos/tracerl.py DllmRlLoss says why); value model GAE, returns and value loss equal; k3_exp10 equal on
 |d| up to 15; advantages and the accuracy band equal (population std without eps since this change); dLLM-RL's
 "length >= max_gen_length - 5 is wrong" differs from megadare's ``truncated_as_wrong`` (algos/advantages.py says
@@ -112,6 +112,7 @@ def megadare_loss(family: str, samples, shrink: int, beta: float, bs: int) -> tu
         out = []
         for s, v in pairs:
             x0 = torch.tensor(s.prompt_ids + s.response_ids)
+            x0 = torch.cat([x0[arch.logits_shift :], x0[: arch.logits_shift]])  # Dream: logit p predicts p + 1
             logits = m(v.tokens[None], position_ids=torch.arange(len(v.tokens))[None]).logits[0]
             out.append(F.pad(F.log_softmax(logits, -1).gather(-1, x0[:, None])[:, 0], (0, T - len(x0))))
         return torch.stack(out)
@@ -135,11 +136,11 @@ def dllm_rl_trado(samples, shrink: int, beta: float) -> tuple[dict, tuple[float,
     return frags, fingerprint(D.trado_loss(g, new, old), new, probes)
 
 
-def dllm_rl_llada(samples, shrink: int, beta: float) -> tuple[dict, tuple[float, float]]:
-    """rl_llada.py's TraceRL (``batch_size_lm`` 1: one fragment a micro-batch) on ``samples``."""
+def dllm_rl_llada(samples, shrink: int, beta: float, script: str = "llada") -> tuple[dict, tuple[float, float]]:
+    """rl_llada.py's (rl_dream.py's) TraceRL (``batch_size_lm`` 1: one fragment a micro-batch) on ``samples``."""
     cfg = dict(method="TraceRL", shrink=shrink, beta=beta, post_num=0, batch_size_lm=1)
     prompts, responses = [s.prompt_ids for s in samples], [s.response_ids for s in samples]
-    g = D.llada_training(cfg, prompts, responses, [list(s.commit_step) for s in samples], ADVS, MASK, PAD)
+    g = D.llada_training(cfg, prompts, responses, [list(s.commit_step) for s in samples], ADVS, MASK, PAD, script)
     r, frags = g["rows"], {}
     for i in range(r.noisy.shape[0]):
         masked = {j for j, t in enumerate(r.noisy[i, r.start :].tolist()) if t == MASK}
@@ -166,12 +167,16 @@ TRADO = {
     (2, 0.0): (-0.08815072053661195, 0.053700382520512686),
     (2, 0.01): (-0.08787048086205423, 0.052965751192769556),
 }
-# (shrink, beta) -> the same of rl_llada.py on llada_samples()
-LLADA = {
-    (1, 0.0): (-0.21263429689352967, 0.0355941258761411),
-    (1, 0.01): (-0.21168590218926003, 0.03605335700419032),
-    (3, 0.0): (-0.24016935529090938, 0.09051891222728795),
-    (3, 0.01): (-0.2377456799355537, 0.09169250288785816),
+# (script, shrink, beta) -> the same of rl_llada.py / rl_dream.py on llada_samples()
+FULL = {
+    ("llada", 1, 0.0): (-0.21263429689352967, 0.0355941258761411),
+    ("llada", 1, 0.01): (-0.21168590218926003, 0.03605335700419032),
+    ("llada", 3, 0.0): (-0.24016935529090938, 0.09051891222728795),
+    ("llada", 3, 0.01): (-0.2377456799355537, 0.09169250288785816),
+    ("dream", 1, 0.0): (-0.22744507641231523, 0.052283963173060416),
+    ("dream", 1, 0.01): (-0.2265317722549994, 0.05224091046130133),
+    ("dream", 3, 0.0): (-0.2940580671033764, 0.05987110545320984),
+    ("dream", 3, 0.01): (-0.291962544646393, 0.05802359421218775),
 }
 
 
@@ -182,12 +187,13 @@ def test_block_tracerl_loss_and_gradient_are_dllm_rls(shrink, beta):
     assert close(megadare_loss("sdar", block_samples(), shrink, beta, BS), TRADO[shrink, beta])
 
 
-@pytest.mark.parametrize("shrink,beta", list(LLADA))
-def test_llada_tracerl_policy_term_is_dllm_rls_and_kl_is_normalised(shrink, beta):
-    """LLaDA TraceRL: the policy term equals rl_llada.py's; with beta > 0 it differs by its KL sum per fragment
-    (megadare divides it by the fragment's targets as rl_trado.py and train_lladav_policy.py do: DllmRlLoss)."""
-    got = megadare_loss("llada", llada_samples(), shrink, beta, 0)
-    assert close(got, LLADA[shrink, beta]) == (beta == 0), (got, LLADA[shrink, beta])
+@pytest.mark.parametrize("script,shrink,beta", list(FULL))
+def test_full_attention_tracerl_policy_term_is_dllm_rls_and_kl_is_normalised(script, shrink, beta):
+    """LLaDA / Dream TraceRL (Dream: logit p predicts token p + 1): the policy term equals rl_llada.py's /
+    rl_dream.py's; with beta > 0 it differs by their KL sum per fragment (megadare divides it by the fragment's
+    targets as rl_trado.py and train_lladav_policy.py do: algos/tracerl.py DllmRlLoss says why)."""
+    got = megadare_loss(script, llada_samples(), shrink, beta, 0)
+    assert close(got, FULL[script, shrink, beta]) == (beta == 0), (got, FULL[script, shrink, beta])
 
 
 @pytest.mark.parametrize("shrink,beta", list(TRADO))
@@ -199,13 +205,13 @@ def test_live_block_tracerl_is_dllm_rls(shrink, beta):
     assert close(megadare_loss("sdar", samples, shrink, beta, BS), theirs)
 
 
-@pytest.mark.parametrize("shrink,beta", list(LLADA))
-def test_live_llada_tracerl_is_dllm_rls(shrink, beta):
+@pytest.mark.parametrize("script,shrink,beta", list(FULL))
+def test_live_full_attention_tracerl_is_dllm_rls(script, shrink, beta):
     samples = llada_samples()
-    frags, theirs = dllm_rl_llada(samples, shrink, beta)
-    assert frags == megadare_fragments("llada", samples, shrink, 0)
-    assert close(theirs, LLADA[shrink, beta]), theirs
-    assert close(megadare_loss("llada", samples, shrink, beta, 0), theirs) == (beta == 0)
+    frags, theirs = dllm_rl_llada(samples, shrink, beta, script)
+    assert frags == megadare_fragments(script, samples, shrink, 0)
+    assert close(theirs, FULL[script, shrink, beta]), theirs
+    assert close(megadare_loss(script, samples, shrink, beta, 0), theirs) == (beta == 0)
 
 
 # ------------------------------------------------------------------ value model
