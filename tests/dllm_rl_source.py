@@ -322,3 +322,28 @@ def config_keys(pattern: str = "configs/rl_*.yaml") -> set[str]:
         with open(path, encoding="utf-8") as f:
             walk(yaml.safe_load(f), "")
     return keys
+
+
+def trado_rows_of(g: dict, fragments: list[tuple[list[int], list[int], set, float]]) -> None:
+    """Replace ``g``'s rows (``trado_training``) by given fragments (prompt, response, masked response positions,
+    advantage) in rl_trado.py's layout: prompt ++ response ++ its noisy copy (padded to L1), p_mask on the masked
+    response positions, labels the clean sequence (its ``collect_training_data`` tail, 605-613)."""
+    r, pad, mask = g["rows"], g["pad_id"], g["mask_id"]
+    ext, p_mask = [], []
+    for c, y, masked, _ in fragments:
+        y = y + [pad] * (r.L1 - len(y))
+        ext.append(c + y + [mask if k in masked else t for k, t in enumerate(y)])
+        p_mask.append([False] * len(c) + [k in masked for k in range(r.L1)])
+    ext, p_mask = torch.tensor(ext), torch.tensor(p_mask)
+    pos = torch.arange(r.L0 + r.L1).expand(len(fragments), -1)
+    r.ext, r.p_mask, r.labels = ext, p_mask, ext[:, : r.L0 + r.L1].clone()
+    r.tok, r.rewards = torch.cat([pos, pos[:, r.L0 :]], 1), [a for *_, a in fragments]
+
+
+def llada_rows_of(g: dict, fragments: list[tuple[list[int], list[int], set, float]]) -> None:
+    """The same in rl_llada.py's layout: the noisy sequence, the clean labels, p_mask (its 323-337)."""
+    r, mask = g["rows"], g["mask_id"]
+    noisy = [c + [mask if k in m else t for k, t in enumerate(y)] for c, y, m, _ in fragments]
+    r.noisy, r.labels = torch.tensor(noisy), torch.tensor([c + y for c, y, _, _ in fragments])
+    r.p_mask = torch.tensor([[False] * len(c) + [k in m for k in range(len(y))] for c, y, m, _ in fragments])
+    r.rewards = [a for *_, a in fragments]

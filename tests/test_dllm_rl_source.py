@@ -1,25 +1,25 @@
-"""megadare's TraceRL / random-masking RL / value model / advantages against dLLM-RL's own code (Gen-Verse/dLLM-RL
-@10b4fd1) on the same inputs.
+"""megadare's TraceRL / random-masking RL / value model / KL against dLLM-RL's own code (Gen-Verse/dLLM-RL
+@10b4fd1) on the same inputs (advantages, rewards, prompt, config keys: tests/test_dllm_rl_rewards.py).
 
 Every expected value below was produced by dLLM-RL's functions themselves (loaded from a checkout by
 tests/dllm_rl_source.py, nothing copied) on the inputs built here: ``train/rl_trado.py`` (step-map padding,
 ``collect_training_data``, ``compute_logp_old_tok_parallel``, ``forward_process`` in its loop), ``train/rl_llada.py``
-(``prepare_inputs_and_labels_for_text``, its ``forward_process``), ``train/train_trado_value.py``
-(``collect_training_data``, ``compute_returns_and_advantages_from_fragments``, the value ``forward_process``) and
-``reward/rl_reward.py`` run as a script. The model is a stand-in scoring logits E[token] + W[position]
+and ``rl_dream.py`` (``prepare_inputs_and_labels_for_text``, their ``forward_process``) and
+``train/train_trado_value.py`` (``collect_training_data``, ``compute_returns_and_advantages_from_fragments``, the
+value ``forward_process``). The model is a stand-in scoring logits E[token] + W[position]
 (``dllm_rl_source.PositionModel``), the same parameters for both sides; losses and gradients in float64 (dLLM-RL
-keeps old log-probs in float32, megadare its aggregation weights: agreement to ~1e-7 relative).
+keeps old log-probs in float32, megadare its aggregation weights: agreement to ~1e-7 relative). Its logits see
+only the token and the position, so the loss tests check targets, ratios, clip, KL and normalisation; which input
+positions are masked is compared as the fragments themselves (TraceRL) and as the masks' law (random masking).
 
 Setting ``DLLM_RL_SRC`` to a dLLM-RL checkout also runs dLLM-RL's code on these inputs (the ``test_live_*`` tests)
 and checks it gives the recorded values and what megadare gives (fragments included); without it they are
 skipped, saying so.
 
-Findings (the tests name them): block-family TraceRL loss and gradient equal at shrink 1 and 2, KL included;
-LLaDA / Dream TraceRL policy term equal, the KL term not (rl_llada.py / rl_dream.py sum it per fragment, megadare divides by the
-targets: algos/tracerl.py DllmRlLoss says why); value model GAE, returns and value loss equal; k3_exp10 equal on
-|d| up to 15; advantages and the accuracy band equal (population std without eps since this change); dLLM-RL's
-"length >= max_gen_length - 5 is wrong" differs from megadare's ``truncated_as_wrong`` (algos/advantages.py says
-why); random masking: the same mask distributions (statistics; the streams differ).
+Findings (the tests name them): block-family TraceRL and random-masking loss and gradient equal (shrink 1 and 2,
+coupled or not), KL included; LLaDA / Dream policy term equal, the KL term not (rl_llada.py / rl_dream.py sum it
+per fragment, megadare divides by the targets: algos/tracerl.py DllmRlLoss says why); value model GAE, returns
+and value loss equal; k3_exp10 equal on |d| up to 15; random masks: the same law (statistics; the streams differ).
 """
 
 from __future__ import annotations
@@ -33,21 +33,14 @@ import torch.nn.functional as F
 
 import dllm_rl_source as D
 from megadare.algos import REGISTRY
-from megadare.algos.advantages import filter_groups, group_advantages, truncated_as_wrong
 from megadare.algos.base import ANSWER_LENGTH, RLSample
 from megadare.algos.policy_loss import kl_penalty
 from megadare.algos.value_model import step_advantages, value_loss
 from megadare.diffusion import corruption as C
-from megadare.config.foreign import DLLM_RL, foreign_fix
-from megadare.data.tokenizer import HFTokenizer
-from megadare.eval.tasks import _math_prompt as math_prompt
-from megadare.rewards import score_batch
 from megadare.diffusion.trace_replay import shrunk_steps
 
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from test_algos_dllm_rl import megadare_step
-from test_dare_reward_battery import _rows as dare_battery_rows
-from qwen_files import qwen_dir
 from test_tracerl_fragments import EOS, MASK, PAD, fragments_of, tiny_arch, trace
 
 P, BS, V = 8, 4, 100
@@ -443,110 +436,6 @@ def test_live_k3_exp10_is_dllm_rls():
     assert theirs.tolist() == pytest.approx(KL, rel=1e-12, abs=1e-15)
 
 
-# ------------------------------------------------------------------ advantages and the accuracy band
-# (group size, correct answers): accuracies on both sides of and exactly at the band's edges 0.2 and 0.8
-GROUPS = [(5, 1), (5, 4), (5, 0), (5, 5), (10, 2), (10, 8), (10, 1), (10, 9), (4, 2), (6, 3), (7, 2), (7, 1)]
-MAX_GEN = 100
-# rl_reward.py's training rows: (prompt, reward) in order (correctness by math_utils.is_equal of "5" / "6" to "5")
-REWARD_ROWS = [
-    ("p0", 1.9999999999999998),
-    ("p0", -0.49999999999999994),
-    ("p0", -0.49999999999999994),
-    ("p0", -0.49999999999999994),
-    ("p0", -0.49999999999999994),
-    ("p1", 0.4999999999999999),
-    ("p1", 0.4999999999999999),
-    ("p1", 0.4999999999999999),
-    ("p1", 0.4999999999999999),
-    ("p1", -2.0),
-    ("p4", 1.9999999999999998),
-    ("p4", 1.9999999999999998),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p4", -0.49999999999999994),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", 0.4999999999999999),
-    ("p5", -2.0),
-    ("p5", -2.0),
-    ("p8", 1.0),
-    ("p8", 1.0),
-    ("p8", -1.0),
-    ("p8", -1.0),
-    ("p9", 1.0),
-    ("p9", 1.0),
-    ("p9", 1.0),
-    ("p9", -1.0),
-    ("p9", -1.0),
-    ("p9", -1.0),
-    ("p10", 1.5811388300841893),
-    ("p10", 1.5811388300841893),
-    ("p10", -0.6324555320336757),
-    ("p10", -0.6324555320336757),
-    ("p10", -0.6324555320336757),
-    ("p10", -0.6324555320336757),
-    ("p10", -0.6324555320336757),
-]
-
-
-def reward_groups(lengths=None) -> list[dict]:
-    return [
-        dict(
-            extracted_output=["5"] * c + ["6"] * (G - c),
-            ground_truth_answer="5",
-            response_length=(lengths or {}).get(i, [40] * G),
-            step_map=[[0]] * G,
-        )
-        for i, (G, c) in enumerate(GROUPS)
-    ]
-
-
-def megadare_reward_rows() -> list[tuple[str, float]]:
-    """megadare's advantage pipeline (``advantage.std=population``, ``advantage.accuracy_band=[0.2, 0.8]``) on the
-    same correctness, group by group (the groups differ in size)."""
-    out = []
-    for i, (G, c) in enumerate(GROUPS):
-        r = torch.tensor([1.0] * c + [0.0] * (G - c))
-        if bool(filter_groups(r, G, accuracy_band=(0.2, 0.8)).all()):
-            out += [(f"p{i}", float(a)) for a in group_advantages(r, G, "grpo", "population")]
-    return out
-
-
-def test_advantages_and_accuracy_band_are_dllm_rls():
-    """The kept groups (accuracy in [0.2, 0.8], edges included) and their z-scores = rl_reward.py's, to float32.
-    Fails before: megadare divided by the population std + 1e-6 (2.5e-6 relative at accuracy 0.2)."""
-    ours = megadare_reward_rows()
-    assert [p for p, _ in ours] == [p for p, _ in REWARD_ROWS]
-    assert [a for _, a in ours] == pytest.approx([a for _, a in REWARD_ROWS], rel=2e-7, abs=1e-7)
-
-
-def test_live_advantages_and_accuracy_band_are_dllm_rls(tmp_path):
-    rows = D.rl_reward(reward_groups(), tmp_path, MAX_GEN)
-    assert [r["prompt"] for r in rows] == [p for p, _ in REWARD_ROWS] == [p for p, _ in megadare_reward_rows()]
-    assert [r["reward"] for r in rows] == pytest.approx([a for _, a in REWARD_ROWS], rel=1e-12)
-
-
-def test_live_dllm_rl_counts_near_limit_responses_wrong(tmp_path):
-    """dLLM-RL counts a correct response of length >= max_gen_length - 5 wrong (rl_reward.py:100-101), finished or
-    not; megadare's ``rewards.truncated_as_wrong`` only those the engine cut (finish_reason "length"): a
-    difference kept on purpose (algos/advantages.py ``truncated_as_wrong``)."""
-    G = GROUPS[1][0]
-    rows = D.rl_reward(reward_groups({1: [MAX_GEN - 5] + [40] * (G - 1)}), tmp_path, MAX_GEN)
-    base = D.rl_reward(reward_groups(), tmp_path / "base", MAX_GEN)
-    assert [r["reward"] for r in rows if r["prompt"] == "p1"] != [r["reward"] for r in base if r["prompt"] == "p1"]
-    assert truncated_as_wrong(torch.tensor([1.0, 1.0]), torch.tensor([False, True])).tolist() == [1.0, 0.0]
-
-
 # ------------------------------------------------------------------ random masking: the mask distributions
 RM_PROMPT, RM_RESPONSE, RM_N = list(range(10, 14)), list(range(20, 31)) + [EOS], 800
 
@@ -634,162 +523,83 @@ def test_live_random_masks_are_distributed_as_dllm_rls(mode):
     assert same_distribution(mask_stats(megadare_masks(*RM_MODES[mode])), theirs)
 
 
-# ------------------------------------------------------------------ math reward
-# indices into tests/test_dare_reward_battery.py MATH of the cases dLLM-RL's math reward accepts (its string stage:
-# dllm_rl_source.math_verdicts), recorded from its code
-DLLM_MATH_ACCEPTS = [
-    0,
-    1,
-    3,
-    4,
-    5,
-    6,
-    7,
-    11,
-    12,
-    13,
-    15,
-    16,
-    19,
-    20,
-    21,
-    31,
-    32,
-    34,
-    36,
-    37,
-    39,
-    41,
-    42,
-    43,
-    44,
-    45,
-    46,
-    47,
-    48,
-    49,
-    50,
-    57,
-    60,
-    61,
-    65,
-    68,
-    70,
-    71,
-    73,
-    79,
-    81,
-    85,
-    91,
-    94,
-    97,
-    98,
-    99,
-    100,
-    101,
-    102,
-    103,
-    104,
-    107,
-    108,
-    109,
-    113,
-    119,
-    121,
-    123,
-    125,
-    129,
-    130,
-    131,
-    135,
-    137,
-    144,
-    145,
-    146,
-]
-# accepted by dLLM-RL, not by megadare's ``auto`` (DARE's math_rm): ``\boxed{1,00}`` for 100 (dLLM-RL drops every
-# comma; DARE, the reference megadare's math rewards follow, reads "1,00" as no number)
-DLLM_MATH_ONLY = {44}
+# ------------------------------------------------------------------ random masking: the loss on given masks
+def megadare_rm_loss(family: str, couple: bool, beta: float):
+    """megadare's random-masking RL step on block_samples() (SDAR) / llada_samples() (LLaDA, answers as the whole
+    canvas: no post_num cut) and its fragments (prompt, response, targets, advantage)."""
+    bs = BS if family == "sdar" else 0
+    samples = block_samples() if bs else llada_samples()
+    for s in samples:
+        s.extra.pop(ANSWER_LENGTH, None)
+    arch = tiny_arch(family, bs)
+    algo = REGISTRY["random_mask_rl"]({"kl_coef": beta, "couple": couple, "n_views": None if bs else 3})
+    gen = lambda i: torch.Generator().manual_seed(50 + i)  # noqa: E731
+    rows = algo.batch_rows(samples, arch, bs, gen)
+    pairs = [(s, v) for s in samples for v in algo.views(s, arch, bs, gen(s.index)) if bool((v.coef != 0).any())]
+    T = max(len(v.tokens) for _, v in pairs)
+    new, old, probes = models()
+
+    def table(m):
+        out = []
+        for s, v in pairs:
+            x0 = torch.tensor(s.prompt_ids + s.response_ids)
+            logits = m(v.tokens[None], position_ids=torch.arange(len(v.tokens))[None]).logits[0]
+            out.append(F.pad(F.log_softmax(logits, -1).gather(-1, x0[:, None])[:, 0], (0, T - len(x0))))
+        return torch.stack(out)
+
+    loss = megadare_step(algo, arch, rows, table(new), table(old).float().double().detach())
+    P = [len(s.prompt_ids) for s, _ in pairs]
+    frags = [
+        (s.prompt_ids, s.response_ids, {k - p for k in (v.slot >= 0).nonzero().flatten().tolist()}, s.advantage)
+        for p, (s, v) in zip(P, pairs)
+    ]
+    return fingerprint(loss, new, probes), frags
 
 
-def test_math_reward_accepts_what_dllm_rl_accepts():
-    """On the DARE battery megadare's ``auto`` rule accepts every answer dLLM-RL's reward accepts but the listed
-    one; it also accepts many dLLM-RL's string stage rejects (``\\boxed{5 cm}`` for 5, ``\\boxed{\\text{5}}``,
-    a trailing-box-less "The answer is 5" ...), where dLLM-RL's sympy stage may or may not (not run here)."""
-    responses, records, _ = _battery()
-    got, stats = score_batch("auto", responses, records, workers=2, timeout_s=120)
-    assert stats.failures == 0, stats.failed
-    accepted = {i for i, g in enumerate(got) if g == 1.0}
-    assert set(DLLM_MATH_ACCEPTS) - accepted == DLLM_MATH_ONLY
+def dllm_rl_rm_loss(family: str, frags, beta: float) -> tuple[float, float]:
+    """dLLM-RL's loss loop (rl_trado.py / rl_llada.py ``forward_process``) on megadare's fragments."""
+    cs, ys = [c for c, *_ in frags], [y for _, y, *_ in frags]
+    steps = [list(range(len(y))) for y in ys]
+    if family == "sdar":
+        ids, start = D.lm_prompt(cs, ys, PAD)
+        cfg = dict(block_size=BS, method="TraceRL", shrink=1, beta=beta, post_num=0)
+        g = D.trado_training(cfg, ids, start, steps, [a for *_, a in frags], MASK, PAD)
+        D.trado_rows_of(g, frags)
+        loss = D.trado_loss
+    else:
+        cfg = dict(method="random_masking", shrink=1, beta=beta, post_num=None, batch_size_lm=1)
+        g = D.llada_training(dict(cfg, mask_times_per_sample=1), cs, ys, steps, [a for *_, a in frags], MASK, PAD)
+        D.llada_rows_of(g, frags)
+        loss = D.llada_loss
+    new, old, probes = models()
+    return fingerprint(loss(g, new, old), new, probes)
 
 
-def test_live_math_reward_battery_is_dllm_rls():
-    responses, records, _ = _battery()
-    verdicts = D.math_verdicts([(r, rec["answer"]) for r, rec in zip(responses, records)])
-    assert [i for i, v in enumerate(verdicts) if v] == DLLM_MATH_ACCEPTS
-
-
-def _battery():
-    return dare_battery_rows("math")
-
-
-# ------------------------------------------------------------------ TraDo / SDAR prompt
-PROBLEMS = ["What is 2+3?", "Let $f(x)=\\frac{x}{2}$. Find {f(4)} — in ℝ."]
-# dLLM-RL's rollout prompt (sample/trado_rl_rollout.py get_prompt) for PROBLEMS: jinja2 drops the template's
-# trailing newline, so it ends with "<|im_start|>assistant", not "assistant\n" as its own string literal reads
-DLLM_PROMPTS = [
-    "<|im_start|>user\nWhat is 2+3?\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant",
-    "<|im_start|>user\nLet $f(x)=\\frac{x}{2}$. Find {f(4)} — in ℝ.\nPlease reason step by step, and put your final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant",
-]
-
-
-def test_sdar_boxed_prompt_is_dllm_rls_plus_the_templates_newline():
-    """megadare's ``boxed`` math prompt through SDAR's chat template = dLLM-RL's TraDo / SDAR prompt token for
-    token, plus one final "\\n" token: the chat template's (and dLLM-RL's literal's), which jinja2 strips from
-    dLLM-RL's rendering (eval/tasks.py ``MATH_BOXED_INSTRUCTION`` says why megadare keeps it)."""
-    tok = HFTokenizer(qwen_dir("sdar"))
-    for problem, theirs in zip(PROBLEMS, DLLM_PROMPTS, strict=True):
-        ours = tok.chat_prompt([{"role": "user", "content": math_prompt(problem, "boxed")}])
-        assert ours == tok.encode(theirs) + tok.encode("\n")
-
-
-def test_live_sdar_prompt_is_dllm_rls():
-    assert [D.trado_prompt(p) for p in PROBLEMS] == DLLM_PROMPTS
-    assert [D.trado_prompt(p, "sample/sdar_rl_rollout.py") for p in PROBLEMS] == DLLM_PROMPTS
-
-
-# ------------------------------------------------------------------ config keys users bring
-# dLLM-RL training keys megadare has a setting for (configs/rl_*.yaml), with a value and the fix it must suggest
-DLLM_RL_KEYS = {
-    "training.post_num": (0, "algo.params.post_num=0"),
-    "training.mask_times_per_sample": (35, "algo.params.n_views=35"),
-    "training.use_kl_estimator_k3": (True, "algo.params.kl_estimator=k3_exp10"),
-    "training.gam": (1.0, "algo.params.gamma=1.0"),
-    "training.lam": (1.0, "algo.params.lam=1.0"),
-    "optimizer.params.value_learning_rate": (5e-6, "algo.params.value_lr=5e-06"),
-    "rollout.max_gen_length": (512, "rollout.max_new_tokens=512"),
-}
-# dLLM-RL training keys without a megadare setting of that meaning (the batch is megadare's own: rl.mini_batches,
-# train.micro_batch_size, packing; the model family sets the block; tf32 is not a choice)
-DLLM_RL_TRAINING_UNMAPPED = {
-    "training.batch_size_lm",
-    "training.block_size",
-    "training.enable_tf32",
-    "training.gradient_accumulation_steps",
-    "training.max_gen_length",
-    "training.max_prompt_len",
-    "training.num_train_epochs",
+# (family, couple, beta) -> dLLM-RL's loss loop on megadare's random masks of that case
+RM_LOSS = {
+    ("sdar", False, 0.0): (-0.1804744282481734, 0.07946753323338257),
+    ("sdar", False, 0.01): (-0.18015970040871643, 0.0792262758497079),
+    ("sdar", True, 0.0): (-0.08815072053661194, 0.053700382520512686),
+    ("sdar", True, 0.01): (-0.08787048086205425, 0.052965751192769556),
+    ("llada", False, 0.0): (-0.43823770372434656, 0.017670068080220938),
+    ("llada", False, 0.01): (-0.42785674764092013, 0.013326609904283485),
+    ("llada", True, 0.0): (-0.43723966100322953, 0.013986064655168728),
+    ("llada", True, 0.01): (-0.4285754113750285, 0.01471236156554576),
 }
 
 
-@pytest.mark.parametrize("key", list(DLLM_RL_KEYS))
-def test_dllm_rl_training_keys_name_their_megadare_setting(key):
-    """Fails before: the loader called these unknown keys without saying what megadare calls them."""
-    value, fix = DLLM_RL_KEYS[key]
-    origin, text = foreign_fix(key, value)
-    assert origin == "dLLM-RL" and text.split(" (")[0] == fix
+@pytest.mark.parametrize("family,couple,beta", list(RM_LOSS))
+def test_random_masking_loss_normalisation_is_dllm_rls(family, couple, beta):
+    """Each mask a fragment: SDAR its sum / L1, LLaDA its mean over its targets, mean over fragments (coupled: the
+    complements count as fragments): equal; LLaDA's KL differs as TraceRL's (summed per fragment there).
+    The stand-in model's logits see only the token and position: this checks the targets and the aggregation,
+    the masks' law is checked above."""
+    got, _ = megadare_rm_loss(family, couple, beta)
+    assert close(got, RM_LOSS[family, couple, beta]) == (family == "sdar" or beta == 0)
 
 
-def test_live_every_dllm_rl_training_key_is_mapped_or_listed():
-    keys = {k for k in D.config_keys() if k.startswith("training.")}
-    assert keys - set(DLLM_RL) == DLLM_RL_TRAINING_UNMAPPED and set(DLLM_RL_KEYS) & D.config_keys() == set(DLLM_RL_KEYS)
+@pytest.mark.parametrize("family,couple,beta", list(RM_LOSS))
+def test_live_random_masking_loss_normalisation_is_dllm_rls(family, couple, beta):
+    got, frags = megadare_rm_loss(family, couple, beta)
+    theirs = dllm_rl_rm_loss(family, frags, beta)
+    assert close(theirs, RM_LOSS[family, couple, beta]) and close(got, theirs) == (family == "sdar" or beta == 0)
