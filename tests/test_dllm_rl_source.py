@@ -603,3 +603,48 @@ def test_live_random_masking_loss_normalisation_is_dllm_rls(family, couple, beta
     got, frags = megadare_rm_loss(family, couple, beta)
     theirs = dllm_rl_rm_loss(family, frags, beta)
     assert close(theirs, RM_LOSS[family, couple, beta]) and close(got, theirs) == (family == "sdar" or beta == 0)
+
+
+# ------------------------------------------------------------------ post_num on a full canvas
+def dllm_rl_post_num_fragments(post_num: int) -> dict:
+    """rl_llada.py's TraceRL fragments (shrink 2) of llada_samples() under ``post_num``."""
+    samples = llada_samples()
+    cfg = dict(method="TraceRL", shrink=2, beta=0.0, post_num=post_num, batch_size_lm=1)
+    steps = [list(s.commit_step) for s in samples]
+    r = D.llada_training(
+        cfg, [s.prompt_ids for s in samples], [s.response_ids for s in samples], steps, ADVS, MASK, PAD
+    )
+    r, frags = r["rows"], {}
+    for i in range(r.noisy.shape[0]):
+        masked = {j for j, t in enumerate(r.noisy[i, r.start :].tolist()) if t == MASK}
+        targets = {j for j, x in enumerate(r.p_mask[i, r.start :].tolist()) if x}
+        frags.setdefault(ADVS.index(r.rewards[i]), []).append((masked, targets))
+    return frags
+
+
+def megadare_post_num_fragments(post_num: int) -> dict:
+    algo, arch = REGISTRY["tracerl"]({"shrink": 2, "post_num": post_num}), tiny_arch("llada", 0)
+    return {s.index: fragments_of(algo.views(s, arch, 0, None), len(s.prompt_ids)) for s in llada_samples()}
+
+
+# post_num -> per sample, the target counts of rl_llada.py's fragments (answers 9, 16, 5 of a canvas of 16)
+POST_NUM_TARGETS = {
+    0: {0: [3, 2, 3, 1], 1: [2, 4, 4, 3, 2, 1], 2: [2, 1, 2]},
+    2: {0: [4, 2, 3, 1, 1], 1: [2, 4, 4, 3, 2, 1], 2: [2, 1, 4]},
+    5: {0: [4, 2, 3, 1, 4], 1: [2, 4, 4, 3, 2, 1], 2: [2, 2, 6]},
+}
+
+
+@pytest.mark.parametrize("post_num", list(POST_NUM_TARGETS))
+def test_post_num_keeps_dllm_rls_targets(post_num):
+    """The answer's EOS and the first ``post_num`` positions after it stay targets, the rest of the canvas not,
+    rows left without a target dropped: rl_llada.py's counts (its pads are the positions after the EOS here)."""
+    got = megadare_post_num_fragments(post_num)
+    assert {k: [len(t) for _, t in f] for k, f in got.items()} == POST_NUM_TARGETS[post_num]
+
+
+@pytest.mark.parametrize("post_num", list(POST_NUM_TARGETS))
+def test_live_post_num_fragments_are_dllm_rls(post_num):
+    theirs = dllm_rl_post_num_fragments(post_num)
+    assert {k: [len(t) for _, t in f] for k, f in theirs.items()} == POST_NUM_TARGETS[post_num]
+    assert theirs == megadare_post_num_fragments(post_num)
