@@ -4,7 +4,8 @@ Rewards come in groups of G responses to one prompt (``rewards`` is [N] with N =
 contiguously). With r_i the reward of response i in its group g:
 
 * ``grpo`` (DeepSeekMath, arXiv:2402.03300; d1, DARE/verl):   A_i = (r_i - mean_g r) / (std_g r + eps)
-  ``std='unbiased'`` (verl, torch.std), ``'population'`` (dLLM-RL's z-score), ``'none'`` (Dr. GRPO,
+  ``std='unbiased'`` (verl, torch.std), ``'population'`` (dLLM-RL's z-score: divided by the std itself, no eps;
+  a group of equal rewards gets 0), ``'none'`` (Dr. GRPO,
   arXiv:2503.20783; DiffuCoder's ``scale_rewards: false``): A_i = r_i - mean_g r.
 * ``rloo`` (Ahmadian et al., arXiv:2402.14740):   A_i = r_i - (sum_g r - r_i) / (G - 1)
 * ``reinforce_pp`` (REINFORCE++-baseline, arXiv:2501.03262) as verl computes it
@@ -67,8 +68,11 @@ def group_advantages(
     if kind == "reinforce_pp":
         return reinforce_pp_baseline(g, lengths)
     adv = g - g.mean(1, keepdim=True)
-    if std != "none":
-        s = g.std(1, unbiased=(std == "unbiased"), keepdim=True) if G > 1 else torch.zeros_like(g[:, :1])
+    if std == "population":  # dLLM-RL's z_score_normalize (reward/rl_reward.py:74-79): no eps, 0 for a flat group
+        s = g.std(1, unbiased=False, keepdim=True)
+        adv = torch.where(s > 0, adv / torch.where(s > 0, s, 1.0), 0.0)
+    elif std != "none":
+        s = g.std(1, unbiased=True, keepdim=True) if G > 1 else torch.zeros_like(g[:, :1])
         adv = adv / (s + eps)
     return adv.flatten().float()
 
@@ -120,7 +124,12 @@ def filter_groups(
 
 
 def truncated_as_wrong(rewards: torch.Tensor, truncated: torch.Tensor, wrong: float = 0.0) -> torch.Tensor:
-    """Rewards with those of truncated responses (hit max length) replaced by ``wrong``."""
+    """Rewards with those of truncated responses (hit max length) replaced by ``wrong``.
+
+    dLLM-RL counts wrong every response of length >= max_gen_length - 5 (``reward/rl_reward.py:98-101``), one that
+    ended with its EOS 3 tokens short of the limit too; megadare asks the engine (finish_reason "length"): its
+    response lengths are exact, and the 5-token slack would punish correct answers the sampler finished. Kept
+    on purpose (tests/test_dllm_rl_source.py ``test_live_dllm_rl_counts_near_limit_responses_wrong``)."""
     r = torch.as_tensor(rewards, dtype=torch.float32).clone()
     r[torch.as_tensor(truncated, dtype=torch.bool)] = wrong
     return r

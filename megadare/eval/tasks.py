@@ -78,6 +78,11 @@ __all__ = [
     "CODE_BLOCK_INSTRUCTION",
 ]
 
+# Through SDAR / TraDo's chat template this is dLLM-RL's TraDo / SDAR prompt (``sample/trado_rl_rollout.py``
+# ``system_prompts``) token for token but the last: dLLM-RL renders its string with jinja2, which drops the
+# template's trailing newline, so its prompts end "<|im_start|>assistant" without the "\n" its literal and the
+# model's chat template put there. Kept: the newline is what both meant and what the publisher's template
+# (the one every other prompt here goes through) renders (tests/test_dllm_rl_source.py).
 MATH_BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 D1_MATH_SYSTEM_PROMPT = (
     "You are a math expert. You will be given a question to solve. Solve it step by step. "
