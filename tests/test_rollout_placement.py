@@ -77,3 +77,37 @@ def test_a_killed_raylet_ends_the_run_naming_the_dead_node_and_ray_logs(tmp_path
     assert lines[0].startswith("megadare: error: rollout engine 0 cannot be placed: "), lines[0]
     assert " died (its raylet killed or its host lost; Ray's logs: " in lines[0], lines[0]
     assert "resume from its last checkpoint" in lines[0]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("driver", ["rollout", "busy"])
+def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_process(driver):
+    """The head's gcs_server SIGKILLed under the run (a local Ray, as ``megadare rl`` starts it), while the driver
+    runs rollouts (the engine still answers) or works elsewhere (a train step). Before, Ray ended the driver 60 s
+    later with its own line ('Failed to connect to GCS within 60 seconds ...'), exit 1. Now the run's last line
+    names the dead GCS and Ray's logs, exit 2, and no process of its Ray is left behind."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = os.path.join(os.path.dirname(__file__), "gcs_killed.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
+    out = subprocess.run([sys.executable, script, driver], capture_output=True, text=True, timeout=380, env=env)
+    last = (out.stderr.strip().splitlines() or [""])[-1]
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert last.startswith("megadare: error: the Ray head (its GCS, gcs_server at "), out.stderr[-3000:]
+    assert " died (killed, or its host lost; Ray's logs: " in last and "resume from its last checkpoint" in last
+    assert out.stderr.count("megadare: error: ") == 1, out.stderr[-3000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids, out.stdout
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)  # killed ones may take a moment to go
+    left = [p for p in alive if p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
+    assert not left, [(p.pid, p.status(), p.name()) for p in left]
