@@ -15,6 +15,7 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_rollout_placement import _echo_engine  # noqa: E402
+from megadare.cli import report_error  # noqa: E402
 from megadare.errors import PeerError  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
@@ -37,7 +38,6 @@ if __name__ == "__main__":
                 manager.generate([[1]], params)
             time.sleep(0.5)
     except PeerError as e:
-        print(f"megadare: error: {e}", file=sys.stderr, flush=True)
+        manager.shutdown(timeout_s=1)  # as the RL loop does, before the CLI reports the error
+        report_error(e)
         sys.exit(2)
-    finally:
-        manager.shutdown(timeout_s=1)

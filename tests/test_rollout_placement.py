@@ -64,16 +64,20 @@ def test_an_engine_that_cannot_be_placed_again_stops_the_rollout_naming_it(two_n
 def test_a_killed_raylet_ends_the_run_naming_the_dead_node_and_ray_logs(tmp_path):
     """This host's raylet SIGKILLed under the run (its only node): Ray prints its log tail, its engine dies with
     the node, and no node is left to restart it on. The run's last line names the dead node, Ray's logs and the
-    resume, instead of 'gave no answer' after rollout.timeout_s."""
+    resume, instead of 'gave no answer' after rollout.timeout_s; it comes after Ray's log tail."""
     import os
     import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "raylet_killed.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
-    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=280, env=env)
-    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: ")]
-    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    out = subprocess.run(  # one pipe for both, as a terminal or a Slurm log shows them
+        [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280, env=env
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("megadare: error: ")]
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stdout[-3000:])
+    # Ray's dump of the dead raylet's log (on stdout, block-buffered in a pipe) came after the run's line
+    assert out.stdout.strip().splitlines()[-1] == lines[0], out.stdout[-3000:]
     assert lines[0].startswith("megadare: error: rollout engine 0 cannot be placed: "), lines[0]
     assert " died (its raylet killed or its host lost; Ray's logs: " in lines[0], lines[0]
     assert "resume from its last checkpoint" in lines[0]
