@@ -497,13 +497,27 @@ class PendingRollout:
         for ref in ready:
             c, slot = self.inflight.pop(ref)
             try:
-                self.results[c] = ray.get(ref)
+                self.results[c] = self._checked(slot, c, ray.get(ref))
             except RayActorError as e:
                 dead[slot] = e
                 todo.append(c)
             except RayError as e:
                 raise self.manager.failed(slot, "generate", e) from e
         return todo, dead
+
+    def _checked(self, slot: int, c: int, out) -> list[Trajectory]:
+        """An engine's answer to chunk ``c``: one trajectory per prompt, else every later prompt of the rollout would
+        get another's trajectory (and its reward) without a word."""
+        want = len(self.chunks[c])
+        if not isinstance(out, list) or len(out) != want:
+            m = self.manager
+            m.unanswered.add(slot)
+            got = f"{len(out)} trajectories" if isinstance(out, list) else f"a {type(out).__name__}"
+            raise PeerError(
+                f"{m.peer(slot)} answered a rollout request of {want} prompts (prompts {self.first[c]}.."
+                f"{self.first[c] + want - 1}) with {got}: a broken engine; {RESUME}"
+            )
+        return out
 
     def _replace(self, slot: int, e: BaseException) -> None:
         """A replacement for the dead engine in ``slot``, within the restart budget; says so on stderr. An engine
