@@ -237,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
         return _dispatch(_parse(parser, argv))
     except _one_line_errors() as e:
-        print(f"megadare: error: {e}", file=sys.stderr)
+        report_error(e)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
         print(
@@ -245,6 +245,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             file=sys.stderr,
         )
         return 130
+
+
+def report_error(e: BaseException) -> None:
+    """Print the run's one-line error as its last words: Ray (joined by this process) is shut down first, so its
+    log dumps (a dead raylet's last lines, on stdout from a thread of its own) come before the line, not after it,
+    and stdout is flushed (a pipe, a Slurm log: block-buffered, written at exit otherwise)."""
+    ray = sys.modules.get("ray")
+    if isinstance(e, PeerError) and ray is not None and ray.is_initialized():
+        try:
+            ray.shutdown()
+        except Exception:  # noqa: BLE001 - a Ray that cannot shut down still gets the line printed
+            pass
+    sys.stdout.flush()
+    print(f"megadare: error: {e}", file=sys.stderr, flush=True)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """A rank-0 driver whose Ray raylet is SIGKILLed while its engines are up (tests/test_rollout_placement.py): a
 local Ray as ``megadare rl`` starts it, one engine, then the raylet is killed and rollouts go on; the run's error is
-printed as the CLI prints it."""
+printed as the CLI prints it (``report_error``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import ray
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_rollout_placement import _echo_engine  # noqa: E402
+from megadare.cli import report_error  # noqa: E402
 from megadare.errors import PeerError  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
@@ -33,7 +34,6 @@ if __name__ == "__main__":
             manager.generate([[1]], params)
             time.sleep(0.5)
     except PeerError as e:
-        print(f"megadare: error: {e}", file=sys.stderr, flush=True)
+        manager.shutdown(timeout_s=1)  # as the RL loop does, before the CLI reports the error
+        report_error(e)
         sys.exit(2)
-    finally:
-        manager.shutdown(timeout_s=1)

@@ -306,3 +306,29 @@ def _is_key(dotted: str) -> bool:
             return False
         obj = getattr(obj, part)
     return not is_dataclass(obj)
+
+
+def test_a_peer_error_is_the_last_line_after_what_ray_printed_on_stdout():
+    """Ray prints a dead raylet's log tail on stdout; in a pipe or a log file (``megadare rl > log 2>&1``) stdout is
+    block-buffered and was written at exit, after the run's one-line error on stderr. The error now comes last."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megadare.cli as cli\n"
+        "from megadare.errors import PeerError\n"
+        "def run(args):\n"
+        "    print('(raylet) Raylet is terminated. Last 20 lines of the Raylet logs: ...')\n"
+        "    raise PeerError('rollout engine 0 cannot be placed: Ray node 10.0.0.3 died')\n"
+        "cli._dispatch = run\n"
+        "sys.exit(cli.main(['rl', '--config', 'examples/configs/sdar_tiny.yaml']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a plain shell runs it
+    out = subprocess.run(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=env
+    )
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 2, out.stdout
+    assert lines[-1] == "megadare: error: rollout engine 0 cannot be placed: Ray node 10.0.0.3 died", lines
+    assert any(ln.startswith("(raylet) Raylet is terminated") for ln in lines), lines

@@ -84,10 +84,42 @@ def test_under_torchrun_a_killed_rank_ends_the_run_and_the_survivor_says_so_in_o
         env=env,
     )
     assert out.returncode != 0
-    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: trainer rank 0 (pid ")]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: ")]
     assert len(lines) == 1, out.stderr[-3000:]
-    assert "lost another trainer rank in a collective (" in lines[0] and "by peer" in lines[0], lines[0]
-    assert "torchrun's report ('Root Cause') names it" in lines[0] and "resume from its last checkpoint" in lines[0]
+    assert lines[0].startswith("megadare: error: trainer rank 1 died (SIGKILL, "), lines[0]  # the dead one, not 0
+    assert ": trainer rank 0 (pid " in lines[0] and " lost it in a collective (" in lines[0], lines[0]
+    assert "by peer" in lines[0], lines[0]
+    assert "torchrun's report ('Root Cause') says why" in lines[0] and "resume from its last checkpoint" in lines[0]
     assert "[rank0]: Traceback" not in out.stderr
     root = out.stderr[out.stderr.index("Root Cause") :]
     assert "rank      : 1 (local_rank: 1)" in root and "SIGKILL" in root, root
+
+
+def test_a_lost_rank_in_a_larger_world_is_named_as_a_peer_of_the_survivor(monkeypatch):
+    """Gloo's error names no rank: with more than two ranks the line cannot say which died, and says so."""
+
+    def lost():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:4021: Connection reset by peer")
+
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(PeerError) as err:
+        launch.run_here(lost)
+    msg = str(err.value)
+    assert msg.startswith("a peer of trainer rank 2 (pid ") and " died (SIGKILL, " in msg, msg
+    assert "that rank was lost in a collective (Read error [10.0.0.2]:4021: Connection reset by peer)" in msg, msg
+
+
+def test_an_engine_lost_mid_push_is_not_taken_for_a_lost_trainer_rank(monkeypatch):
+    """A weight push whose engine died says so itself (a PeerError whose cause is gloo's 'Connection reset by
+    peer'); before, run_here took it for a lost trainer rank and replaced the line."""
+    push = PeerError("the weight push of version 3 broke: rollout engine 1 on h left (Connection reset by peer); x")
+
+    def broke():
+        raise push
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PeerError) as err:
+        launch.run_here(broke)
+    assert err.value is push

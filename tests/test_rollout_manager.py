@@ -308,3 +308,31 @@ def test_an_engine_that_cannot_start_stops_at_once_naming_its_error(cluster, tmp
     with open(counter) as f:
         assert f.read().count("start") == 1
     manager.shutdown(timeout_s=1)
+
+
+def _drops_one():
+    """An engine factory whose engine answers a chunk with one trajectory too few (a broken engine)."""
+
+    def build():
+        class Short:
+            def generate(self, prompts, params):
+                from types import SimpleNamespace
+
+                return [SimpleNamespace(ids=list(p)) for p in prompts][:-1]
+
+        return Short()
+
+    return build
+
+
+def test_an_engine_that_answers_fewer_trajectories_than_prompts_stops_the_rollout(cluster):
+    """Before, the short chunk was concatenated as it was: every later prompt got another prompt's trajectory."""
+    manager = RolloutManager(EngineSpec(_drops_one()), num_engines=1, chunk_size=2)
+    try:
+        with pytest.raises(PeerError) as err:
+            manager.generate([[1], [2], [3], [4]], PARAMS)
+    finally:
+        manager.shutdown(timeout_s=5)
+    msg = str(err.value)
+    assert msg.startswith("rollout engine 0 answered a rollout request of 2 prompts (prompts ") and "\n" not in msg
+    assert "with 1 trajectories: a broken engine" in msg and "resume from its last checkpoint" in msg, msg

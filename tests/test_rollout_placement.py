@@ -64,16 +64,54 @@ def test_an_engine_that_cannot_be_placed_again_stops_the_rollout_naming_it(two_n
 def test_a_killed_raylet_ends_the_run_naming_the_dead_node_and_ray_logs(tmp_path):
     """This host's raylet SIGKILLed under the run (its only node): Ray prints its log tail, its engine dies with
     the node, and no node is left to restart it on. The run's last line names the dead node, Ray's logs and the
-    resume, instead of 'gave no answer' after rollout.timeout_s."""
+    resume, instead of 'gave no answer' after rollout.timeout_s; it comes after Ray's log tail."""
     import os
     import subprocess
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "raylet_killed.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
-    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=280, env=env)
-    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: ")]
-    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-3000:])
+    out = subprocess.run(  # one pipe for both, as a terminal or a Slurm log shows them
+        [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280, env=env
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("megadare: error: ")]
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stdout[-3000:])
+    # Ray's dump of the dead raylet's log (on stdout, block-buffered in a pipe) came after the run's line
+    assert out.stdout.strip().splitlines()[-1] == lines[0], out.stdout[-3000:]
     assert lines[0].startswith("megadare: error: rollout engine 0 cannot be placed: "), lines[0]
     assert " died (its raylet killed or its host lost; Ray's logs: " in lines[0], lines[0]
     assert "resume from its last checkpoint" in lines[0]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("driver", ["rollout", "busy"])
+def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_process(driver):
+    """The head's gcs_server SIGKILLed under the run (a local Ray, as ``megadare rl`` starts it), while the driver
+    runs rollouts (the engine still answers) or works elsewhere (a train step). Before, Ray ended the driver 60 s
+    later with its own line ('Failed to connect to GCS within 60 seconds ...'), exit 1. Now the run's last line
+    names the dead GCS and Ray's logs, exit 2, and no process of its Ray is left behind."""
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = os.path.join(os.path.dirname(__file__), "gcs_killed.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
+    out = subprocess.run([sys.executable, script, driver], capture_output=True, text=True, timeout=380, env=env)
+    last = (out.stderr.strip().splitlines() or [""])[-1]
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert last.startswith("megadare: error: the Ray head (its GCS, gcs_server at "), out.stderr[-3000:]
+    assert " died (killed, or its host lost; Ray's logs: " in last and "resume from its last checkpoint" in last
+    assert out.stderr.count("megadare: error: ") == 1, out.stderr[-3000:]
+    pids = [int(p) for p in out.stdout.split()]
+    assert pids, out.stdout
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)  # killed ones may take a moment to go
+    left = [p for p in alive if p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
+    assert not left, [(p.pid, p.status(), p.name()) for p in left]

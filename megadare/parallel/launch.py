@@ -66,22 +66,36 @@ _PEER_LOST = re.compile(
 def run_here(run: Callable, *args: Any) -> Any:
     """``run(*args)`` in this process, one rank of an outside launcher (torchrun, Slurm). A collective that fails
     because another rank's process is gone (gloo: 'Connection reset by peer'; NCCL: 'remote process exited') is one
-    ``PeerError`` line naming this rank, the cause and where the dead rank is named (torchrun's 'Root Cause'), not
-    torch's traceback; the launcher then ends the other ranks."""
+    ``PeerError`` line (``lost_rank``), not torch's traceback; the launcher then ends the other ranks. megadare's own
+    ``PeerError`` (a rollout engine lost mid-push) passes as it is, whatever its cause says."""
     try:
         return run(*args)
+    except PeerError:
+        raise
     except RuntimeError as e:
         lost = _PEER_LOST.search(str(e))
         if lost is None:
             raise
-        who = f"trainer rank {os.environ.get('RANK', '?')} (pid {os.getpid()} on {socket.gethostname()})"
-        named = (
-            "torchrun's report ('Root Cause') names it" if "TORCHELASTIC_RUN_ID" in os.environ else "its log names it"
-        )
-        raise PeerError(
-            f"{who} lost another trainer rank in a collective ({lost.group(0)}): that rank died (SIGKILL, the OOM "
-            f"killer, a segfault, a lost node); {named}; {RESUME}"
-        ) from e
+        raise PeerError(lost_rank(lost.group(0))) from e
+
+
+def lost_rank(cause: str) -> str:
+    """The line for this rank losing another in a collective (``cause``: gloo's or NCCL's words). Neither names the
+    dead rank; in a world of two it is the other one, else 'a peer of trainer rank R' (torchrun's 'Root Cause'
+    names it)."""
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "")
+    here = f"(pid {os.getpid()} on {socket.gethostname()})"
+    named = "torchrun's report ('Root Cause')" if "TORCHELASTIC_RUN_ID" in os.environ else "its log"
+    if world == "2" and rank in ("0", "1"):
+        dead, who = f"trainer rank {1 - int(rank)}", f"trainer rank {rank} {here} lost it"
+        named += " says why"
+    else:
+        dead, who = f"a peer of trainer rank {rank} {here}", "that rank was lost"
+        named += " names it"
+    return (
+        f"{dead} died (SIGKILL, the OOM killer, a segfault, a lost node) without an error of its own: {who} in a "
+        f"collective ({cause}); {named}; {RESUME}"
+    )
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:

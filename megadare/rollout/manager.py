@@ -34,6 +34,7 @@ from megadare.models import load_hf_model
 from megadare.models.family import family_of, read_hf_config
 from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.native import NativeEngine, NativeSettings
+from megadare.rollout.ray_health import GcsWatch, end_local_ray, ray_died
 from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
 from megadare.rollout.weight_sync.plan import Flat
 
@@ -171,6 +172,7 @@ class RolloutManager:
         if not ray.is_initialized():
             raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
         limits = limits or EngineLimits()
+        self.gcs = GcsWatch(ray.get_runtime_context().gcs_address)  # the head's GCS: Ray ends us 60 s after it dies
         self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, limits.max_restarts
         self.timeout_s = limits.timeout_s  # rollout.timeout_s: the longest an engine may stay silent
         self.placement_s = limits.placement_s
@@ -247,6 +249,7 @@ class RolloutManager:
         ray = _ray()
         end = time.monotonic() + timeout_s
         while True:
+            self.gcs.check()  # the head's GCS gone: the engines still answer, but Ray ends this driver in 60 s
             left = end - time.monotonic()
             ready, late = ray.wait(refs, num_returns=num_returns, timeout=max(0.0, min(left, 2.0)))
             if len(ready) >= num_returns or left <= 2.0:
@@ -285,7 +288,7 @@ class RolloutManager:
         free = ray.available_resources()
         dead = sorted({n.get("NodeManagerAddress", "?") for n in every if not n.get("Alive")})
         why = (
-            f"Ray node {', '.join(dead)} died (its raylet killed or its host lost; Ray's logs: {_ray_logs()})"
+            ray_died(f"Ray node {', '.join(dead)}", "its raylet killed or its host lost")
             if dead
             else "the request is larger than the free room"
         )
@@ -417,18 +420,24 @@ class RolloutManager:
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Each engine shuts itself down (at most ``timeout_s`` for all), then the actors are killed and their
         placement group removed. An engine that hung, raised or died (``unanswered``) is killed first, without
-        being asked: its close would wait behind the call it hangs in, delaying the run's error by ``timeout_s``."""
+        being asked: its close would wait behind the call it hangs in, delaying the run's error by ``timeout_s``.
+        With the head's GCS dead, the engines are only asked to close: killing actors and removing the group go
+        through the GCS and would wait for Ray to end this driver (the actors end with their raylet)."""
         ray = _ray()
         from ray.exceptions import RayError  # heavy: Ray
         from ray.util.placement_group import remove_placement_group
 
-        for slot in sorted(self.unanswered):
+        for slot in sorted(self.unanswered) if self.gcs.error is None else []:
             ray.kill(self.actors[slot])
         closing = [a.close.remote() for s, a in enumerate(self.actors) if s not in self.unanswered]
         try:
             ray.get(closing, timeout=timeout_s)
         except RayError:  # a dead actor, an engine whose shutdown failed or hangs: killed below all the same
             pass
+        self.gcs.stop()
+        if self.gcs.error is not None:
+            end_local_ray()
+            return
         for a in self.actors:
             ray.kill(a)
         remove_placement_group(self.pg)
@@ -488,13 +497,27 @@ class PendingRollout:
         for ref in ready:
             c, slot = self.inflight.pop(ref)
             try:
-                self.results[c] = ray.get(ref)
+                self.results[c] = self._checked(slot, c, ray.get(ref))
             except RayActorError as e:
                 dead[slot] = e
                 todo.append(c)
             except RayError as e:
                 raise self.manager.failed(slot, "generate", e) from e
         return todo, dead
+
+    def _checked(self, slot: int, c: int, out) -> list[Trajectory]:
+        """An engine's answer to chunk ``c``: one trajectory per prompt, else every later prompt of the rollout would
+        get another's trajectory (and its reward) without a word."""
+        want = len(self.chunks[c])
+        if not isinstance(out, list) or len(out) != want:
+            m = self.manager
+            m.unanswered.add(slot)
+            got = f"{len(out)} trajectories" if isinstance(out, list) else f"a {type(out).__name__}"
+            raise PeerError(
+                f"{m.peer(slot)} answered a rollout request of {want} prompts (prompts {self.first[c]}.."
+                f"{self.first[c] + want - 1}) with {got}: a broken engine; {RESUME}"
+            )
+        return out
 
     def _replace(self, slot: int, e: BaseException) -> None:
         """A replacement for the dead engine in ``slot``, within the restart budget; says so on stderr. An engine
@@ -520,12 +543,6 @@ class PendingRollout:
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colour codes in Ray's error texts
-
-
-def _ray_logs() -> str:
-    """Where this Ray session's logs are (each node's raylet.out, gcs_server.out, the workers' output)."""
-    node = getattr(_ray()._private.worker, "_global_node", None)
-    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs on each node"
 
 
 def engine_failure(e: BaseException) -> str:

@@ -1,0 +1,126 @@
+"""What the driver sees of Ray's own processes: where Ray's logs are, and a watch on the head's GCS.
+
+Ray's driver lives on without its GCS (the head's ``gcs_server``) for ``gcs_rpc_server_reconnect_timeout_s`` (60 s)
+and is then ended from Ray's C++ core (exit 1, ``Failed to connect to GCS within 60 seconds``), while its actors
+go on answering. ``GcsWatch`` probes the GCS port every second: refused (nothing listens: the process is gone) or
+unreachable three times in a row, it is dead. The manager's waits then raise its ``PeerError``; a driver busy
+elsewhere (a train step) gets the same line printed and exit 2 after ``grace_s``, ahead of Ray's end.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Callable, Optional
+
+from megadare.errors import RESUME, PeerError
+
+GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
+GCS_MISSES = 3  # probes that time out in a row (a slow network, a lost host) before the GCS counts as dead
+GCS_GRACE_S = 10.0  # seconds the driver gets to raise the error itself before the watch prints it and exits
+
+
+def ray_logs() -> str:
+    """Where this Ray session's logs are (each node's raylet.out, gcs_server.out, the workers' output)."""
+    import ray  # heavy: Ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs on each node"
+
+
+def ray_died(what: str, how: str) -> str:
+    """'<what> died (<how>; Ray's logs: <dir>)': how a message names a dead Ray process (a node's raylet, the
+    head's GCS)."""
+    return f"{what} died ({how}; Ray's logs: {ray_logs()})"
+
+
+def end_local_ray() -> list[int]:
+    """SIGKILL the Ray processes this process started (a local Ray: its raylet, agents and workers) -> their pids.
+    With the GCS dead, ``ray.shutdown`` cannot end them: its raylet's graceful stop waits for the GCS, and the
+    agents it orphans wait for the GCS forever. Nothing of a Ray this process only joined is its child."""
+    import psutil  # heavy: only on this path
+
+    ours = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = p.cmdline()
+            name = os.path.basename(cmd[0]) if cmd else p.name()
+            if name in ("raylet", "gcs_server") or name.startswith("ray::") or "ray/dashboard" in " ".join(cmd):
+                ours.append(p)
+        except psutil.Error:  # already gone
+            continue
+    for p in ours:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return [p.pid for p in ours]
+
+
+def gcs_reachable(address: str, timeout_s: float = 2.0) -> Optional[bool]:
+    """True: the GCS port at ``host:port`` accepts a connection; False: refused (nothing listens there);
+    None: no answer within ``timeout_s`` (a slow network or a lost host)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
+
+def _still_joined(address: str) -> bool:
+    """This process is still joined to the Ray cluster of the GCS at ``address`` (no ``ray.shutdown`` since)."""
+    import ray  # heavy: Ray
+
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address == address
+
+
+class GcsWatch:
+    """A daemon thread probing the GCS at ``address``; ``check()`` raises its ``PeerError`` once it is dead."""
+
+    def __init__(
+        self,
+        address: str,
+        grace_s: float = GCS_GRACE_S,
+        probe_s: float = GCS_PROBE_S,
+        on_exit: Callable[[int], None] = os._exit,
+    ):
+        self.address, self.grace_s, self.probe_s, self.on_exit = address, grace_s, probe_s, on_exit
+        self.error: Optional[PeerError] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megadare-gcs-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        misses = 0
+        while not self._stop.wait(self.probe_s):
+            up = gcs_reachable(self.address)
+            misses = 0 if up else misses + 1
+            if up is False or misses >= GCS_MISSES:
+                break
+        else:
+            return
+        if not _still_joined(self.address):  # this process shut Ray down itself (ray.shutdown stops the GCS)
+            return
+        self.error = PeerError(
+            f"{ray_died(f'the Ray head (its GCS, gcs_server at {self.address})', 'killed, or its host lost')}: "
+            f"no rollout engine can be reached through Ray any more; {RESUME} once Ray is up again"
+        )
+        if self._stop.wait(self.grace_s) or not _still_joined(self.address):  # the driver raised it in time
+            return
+        print(f"megadare: error: {self.error}", file=sys.stderr, flush=True)
+        end_local_ray()  # os._exit runs no ray.shutdown, which could not end them anyway
+        self.on_exit(2)
+
+    def check(self) -> None:
+        """Raise the watch's ``PeerError`` (stopping the watch) once the GCS is found dead."""
+        if self.error is not None:
+            self._stop.set()
+            raise self.error
+
+    def stop(self) -> None:
+        self._stop.set()

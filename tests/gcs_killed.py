@@ -1,0 +1,43 @@
+"""A rank-0 driver whose Ray head's GCS (``gcs_server``) is SIGKILLed while its engine is up
+(tests/test_rollout_placement.py): a local Ray as ``megadare rl`` starts it, one engine, then the GCS is killed.
+``rollout``: rollouts go on (the engine still answers); ``busy``: the driver works elsewhere (a train step). The
+run's error is printed as the CLI prints it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import psutil
+import ray
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_rollout_placement import _echo_engine  # noqa: E402
+from megadare.cli import report_error  # noqa: E402
+from megadare.errors import PeerError  # noqa: E402
+from megadare.rollout.engine import SamplingParams  # noqa: E402
+from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
+
+if __name__ == "__main__":
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a Ray of its own
+    manager = RolloutManager(
+        EngineSpec(_echo_engine()), num_engines=1, resources={"num_cpus": 1}, limits=EngineLimits(timeout_s=600)
+    )
+    params = SamplingParams(max_new_tokens=1)
+    manager.generate([[1]], params)
+    print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)  # Ray's processes
+    for p in psutil.Process().children(recursive=True):
+        if "gcs_server" in p.name():
+            p.kill()
+            p.wait(10)
+    try:
+        for _ in range(600):  # Ray ends this process 60 s after its GCS died; the engine answers until then
+            if sys.argv[1] == "rollout":
+                manager.generate([[1]], params)
+            time.sleep(0.5)
+    except PeerError as e:
+        manager.shutdown(timeout_s=1)  # as the RL loop does, before the CLI reports the error
+        report_error(e)
+        sys.exit(2)
