@@ -115,3 +115,27 @@ def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_proce
     _, alive = psutil.wait_procs(procs, timeout=10)  # killed ones may take a moment to go
     left = [p for p in alive if p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
     assert not left, [(p.pid, p.status(), p.name()) for p in left]
+
+
+def test_the_gcs_watch_rides_out_a_blip_and_names_a_lost_host(monkeypatch):
+    """A GCS port that timed out three probes in a row (~9 s: a congested network Ray itself rides out for 60 s)
+    ended the run; now it takes GCS_MISSES (~30 s) in a row, and a refused port (nothing listens) at once."""
+    import threading
+
+    from megadare.rollout import ray_health
+
+    def watch(answers):
+        answers, done = iter(answers), threading.Event()
+        monkeypatch.setattr(ray_health, "gcs_reachable", lambda address: next(answers, True))
+        monkeypatch.setattr(ray_health, "_still_joined", lambda address: True)
+        monkeypatch.setattr(ray_health, "ray_logs", lambda: "/logs")
+        w = ray_health.GcsWatch("h:1", grace_s=60.0, probe_s=0.001, on_exit=lambda rc: done.set())
+        w._thread.join(timeout=0.5)  # dead: the thread waits out grace_s; alive: it probes on
+        w.stop()
+        w._thread.join()
+        return w.error
+
+    blips = ([None] * 9 + [True]) * 3  # 9 probes without an answer: ~27 s
+    assert watch(blips) is None
+    assert "the Ray head (its GCS, gcs_server at h:1) died" in str(watch([None] * ray_health.GCS_MISSES))
+    assert "gcs_server at h:1" in str(watch([True, False]))

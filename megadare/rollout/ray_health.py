@@ -3,8 +3,9 @@
 Ray's driver lives on without its GCS (the head's ``gcs_server``) for ``gcs_rpc_server_reconnect_timeout_s`` (60 s)
 and is then ended from Ray's C++ core (exit 1, ``Failed to connect to GCS within 60 seconds``), while its actors
 go on answering. ``GcsWatch`` probes the GCS port every second: refused (nothing listens: the process is gone) or
-unreachable three times in a row, it is dead. The manager's waits then raise its ``PeerError``; a driver busy
-elsewhere (a train step) gets the same line printed and exit 2 after ``grace_s``, ahead of Ray's end.
+unreachable for ``GCS_MISSES`` probes in a row (~30 s: a network blip Ray itself rides out does not end the run),
+it is dead. The manager's waits then raise its ``PeerError``; a driver busy elsewhere (a train step) gets the same
+line printed and exit 2 after ``grace_s``, ahead of Ray's end.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable, Optional
 from megadare.errors import RESUME, PeerError
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
-GCS_MISSES = 3  # probes that time out in a row (a slow network, a lost host) before the GCS counts as dead
+GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's 60 s)
 GCS_GRACE_S = 10.0  # seconds the driver gets to raise the error itself before the watch prints it and exits
 
 
