@@ -64,6 +64,23 @@ def test_spawn_returns_per_rank_results_and_reports_failures():
         spawn(_boom, 2)
 
 
+def _rank_env(rank, world, key):
+    import os
+
+    return os.getppid(), os.environ.get(key)
+
+
+def test_preloaded_ranks_fork_from_the_server_with_the_launchers_environment_of_now(monkeypatch):
+    """The suite's launches (tests/conftest.py: preload_ranks) fork ranks from a server that imported torch and
+    megatron, started before this test: a variable set since is still in every rank's environment, as under
+    'spawn'."""
+    spawn(_rank_env, 1, "MEGADARE_TEST_LATE")  # the server runs (it may have before this test)
+    monkeypatch.setenv("MEGADARE_TEST_LATE", "set after the server started")
+    got = spawn(_rank_env, 2, "MEGADARE_TEST_LATE")
+    assert [g[1] for g in got] == ["set after the server started"] * 2
+    assert {g[0] for g in got} != {os.getpid()}  # forked by the server, not started by this process
+
+
 def test_no_cuda_advice_on_cpu():
     """megatron's sequence-parallel linear advises CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream setting): on CPU,
     with the layer installed, the README's `--nproc 2 parallel.tp=2 parallel.sp=true` run shows no such warning."""
