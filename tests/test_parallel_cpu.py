@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from env_at_import import seen_at_import
 from megadare.parallel import Layout
 from megadare.parallel.cpu import install_cpu_compat
 from megadare.parallel.launch import WorkerError, spawn
@@ -78,6 +79,8 @@ def test_preloaded_ranks_fork_from_the_server_with_the_launchers_environment_of_
     monkeypatch.setenv("MEGADARE_TEST_LATE", "set after the server started")
     got = spawn(_rank_env, 2, "MEGADARE_TEST_LATE")
     assert [g[1] for g in got] == ["set after the server started"] * 2
+    # also when the rank imports the function's module (Ray caches RAY_AUTH_MODE, set by a local ray.init, there)
+    assert spawn(seen_at_import, 1) == ["set after the server started"]
     assert {g[0] for g in got} != {os.getpid()}  # forked by the server, not started by this process
 
 

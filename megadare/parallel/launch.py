@@ -46,13 +46,15 @@ def preload_ranks(modules: list[str]) -> None:
     _START.update(method="forkserver", preload=list(modules))
 
 
-def _entry(rank: int, world: int, fn: Callable, args: tuple, queue, env: dict) -> None:
+def _entry(rank: int, world: int, call: bytes, queue, env: dict) -> None:
     """Rank ``rank``: the launcher's environment ``env`` (a forkserver's rank starts with the server's, from before
-    this launch) and torch.distributed's variables, then ``fn``'s result or error into ``queue``."""
+    this launch) and torch.distributed's variables, then the result or error of ``call`` (``fn, args`` pickled:
+    unpickled here, so the modules it imports see ``env``, as Ray's settings at import) into ``queue``."""
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(call)
         # plain pickle copies tensor data: torch's fd sharing would die with this process
         queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -121,8 +123,9 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
         ctx.set_forkserver_preload(_START["preload"])
     queue = ctx.Queue()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    call = pickle.dumps((fn, args))  # by value (tensors too): each rank unpickles its own copy
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, fn, args, queue, env), daemon=False) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, call, queue, env), daemon=False) for r in range(world_size)
     ]
     for p in procs:
         p.start()
