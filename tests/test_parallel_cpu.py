@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from env_at_import import seen_at_import
 from megadare.parallel import Layout
 from megadare.parallel.cpu import install_cpu_compat
 from megadare.parallel.launch import WorkerError, spawn
@@ -62,6 +63,25 @@ def test_spawn_returns_per_rank_results_and_reports_failures():
     assert [r[:3] for r in res] == [(0, 2, 0), (1, 2, 1)] and torch.equal(res[1][3], torch.ones(3))
     with pytest.raises(WorkerError, match="rank 1 failed(.|\\n)*rank one exploded"):
         spawn(_boom, 2)
+
+
+def _rank_env(rank, world, key):
+    import os
+
+    return os.getppid(), os.environ.get(key)
+
+
+def test_preloaded_ranks_fork_from_the_server_with_the_launchers_environment_of_now(monkeypatch):
+    """The suite's launches (tests/conftest.py: preload_ranks) fork ranks from a server that imported torch and
+    megatron, started before this test: a variable set since is still in every rank's environment, as under
+    'spawn'."""
+    spawn(_rank_env, 1, "MEGADARE_TEST_LATE")  # the server runs (it may have before this test)
+    monkeypatch.setenv("MEGADARE_TEST_LATE", "set after the server started")
+    got = spawn(_rank_env, 2, "MEGADARE_TEST_LATE")
+    assert [g[1] for g in got] == ["set after the server started"] * 2
+    # also when the rank imports the function's module (Ray caches RAY_AUTH_MODE, set by a local ray.init, there)
+    assert spawn(seen_at_import, 1) == ["set after the server started"]
+    assert {g[0] for g in got} != {os.getpid()}  # forked by the server, not started by this process
 
 
 def test_no_cuda_advice_on_cpu():

@@ -1,6 +1,7 @@
 """Run a function in N local processes with torch.distributed env vars set (CPU gloo runs, tests, the demo).
 
-``spawn(fn, world_size, *args)`` starts ``world_size`` processes (start method 'spawn'), calls
+``spawn(fn, world_size, *args)`` starts ``world_size`` processes (start method 'spawn'; 'forkserver' after
+``preload_ranks``), calls
 ``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in any rank is raised in
 the parent with that rank's traceback (megadare's own one-line errors as themselves, the traceback as their cause); a hung collective fails after ``timeout_s`` instead of hanging.
 """
@@ -33,12 +34,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+# the start method of every launch; preload_ranks() sets 'forkserver' and what its server imports
+_START: dict[str, Any] = {"method": "spawn", "preload": []}
+
+
+def preload_ranks(modules: list[str]) -> None:
+    """Later launches fork their ranks from one server process that imported ``modules`` once (start method
+    'forkserver'), instead of a fresh interpreter per rank importing them again (torch + megatron: ~10 s of CPU per
+    rank). For a process that launches many times (the test suite); a rank still gets its launcher's environment as
+    it is at the launch. Not for CUDA runs: a module that initialises CUDA in the server breaks every rank."""
+    _START.update(method="forkserver", preload=list(modules))
+
+
+def _entry(rank: int, world: int, call: bytes, queue, env: dict) -> None:
+    """Rank ``rank``: the launcher's environment ``env`` (a forkserver's rank starts with the server's, from before
+    this launch) and torch.distributed's variables, then the result or error of ``call`` (``fn, args`` pickled:
+    unpickled here, so the modules it imports see ``env``, as Ray's settings at import) into ``queue``."""
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(call)
         # plain pickle copies tensor data: torch's fd sharing would die with this process
         queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -116,11 +132,14 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     """One launch: (results by rank, error texts, megadare's own errors; a rank that died first)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_START["method"])
+    if _START["preload"]:
+        ctx.set_forkserver_preload(_START["preload"])
     queue = ctx.Queue()
-    port = free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    call = pickle.dumps((fn, args))  # by value (tensors too): each rank unpickles its own copy
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, call, queue, env), daemon=False) for r in range(world_size)
     ]
     for p in procs:
         p.start()
