@@ -60,6 +60,7 @@ ONLY_TESTS_CALL = {
     "lora_state_dict": "models/lora.py: the LoRA API beside merge_lora",
     "merge_lora": "models/lora.py: in-memory merge, named in README SFT",
     "cached_qwen_tokenizer": "data/qwen_tokenizer.py: the cached real tokenizer (README Data)",
+    "preload_ranks": "parallel/launch.py: forkserver ranks for a process that launches many times (tests/conftest.py)",
 }
 
 
