@@ -168,16 +168,6 @@ def route(logits: torch.Tensor, arch: ModelArch, expert_bias: Optional[torch.Ten
     return topi, topw * arch.moe_routed_scaling
 
 
-class _Linear(nn.Linear):
-    """nn.Linear that skips its init on the meta device (shapes only: load_hf_model, the config.json checks), where
-    nn.init costs milliseconds a call: a minute for SDAR-30B-A3B's 18,867 tensors. Elsewhere as torch's (the same
-    random stream: seeded test models keep their weights)."""
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()
-
-
 class DecoderLM(nn.Module):
     """A decoder-only LM whose parameters live at the family's HF names; forward -> logits [B, S, V]."""
 
@@ -188,7 +178,7 @@ class DecoderLM(nn.Module):
         self._place(names.embed, nn.Embedding(a.vocab_size, a.hidden_size))
         self._place(names.final_norm, RMSNorm(a.hidden_size, a.rms_norm_eps))
         if not a.tie_word_embeddings:
-            self._place(names.lm_head, _Linear(a.hidden_size, a.vocab_size, bias=False))
+            self._place(names.lm_head, nn.Linear(a.hidden_size, a.vocab_size, bias=False))
         q_out, kv_out = a.num_attention_heads * a.head_dim, a.num_kv_heads * a.head_dim
         moe = set(a.moe_layers())
         for i in range(a.num_layers):
@@ -196,15 +186,15 @@ class DecoderLM(nn.Module):
             self._place(f(names.input_norm), RMSNorm(a.hidden_size, a.rms_norm_eps))
             self._place(f(names.post_norm), RMSNorm(a.hidden_size, a.rms_norm_eps))
             if names.qkv:
-                self._place(f(names.qkv), _Linear(a.hidden_size, q_out + 2 * kv_out, bias=a.qkv_bias))
+                self._place(f(names.qkv), nn.Linear(a.hidden_size, q_out + 2 * kv_out, bias=a.qkv_bias))
             else:
-                self._place(f(names.q), _Linear(a.hidden_size, q_out, bias=a.qkv_bias))
-                self._place(f(names.k), _Linear(a.hidden_size, kv_out, bias=a.qkv_bias))
-                self._place(f(names.v), _Linear(a.hidden_size, kv_out, bias=a.qkv_bias))
+                self._place(f(names.q), nn.Linear(a.hidden_size, q_out, bias=a.qkv_bias))
+                self._place(f(names.k), nn.Linear(a.hidden_size, kv_out, bias=a.qkv_bias))
+                self._place(f(names.v), nn.Linear(a.hidden_size, kv_out, bias=a.qkv_bias))
             if a.qk_norm:
                 self._place(f(names.q_norm), RMSNorm(a.head_dim, a.rms_norm_eps))
                 self._place(f(names.k_norm), RMSNorm(a.head_dim, a.rms_norm_eps))
-            self._place(f(names.o), _Linear(q_out, a.hidden_size, bias=False))
+            self._place(f(names.o), nn.Linear(q_out, a.hidden_size, bias=False))
             if i in moe:
                 self._place(f(names.router), Router(a.hidden_size, a.num_experts, a.moe_expert_bias))
                 for e in range(a.num_experts):
@@ -244,9 +234,9 @@ class DecoderLM(nn.Module):
 
     def _swiglu(self, gate: str, up: str, down: str, width: int) -> None:
         h = self.arch.hidden_size
-        self._place(gate, _Linear(h, width, bias=False))
-        self._place(up, _Linear(h, width, bias=False))
-        self._place(down, _Linear(width, h, bias=False))
+        self._place(gate, nn.Linear(h, width, bias=False))
+        self._place(up, nn.Linear(h, width, bias=False))
+        self._place(down, nn.Linear(width, h, bias=False))
 
     def sub(self, param_name: str) -> nn.Module:
         return self.get_submodule(param_name.rsplit(".", 1)[0])
