@@ -174,3 +174,19 @@ def test_hot_sections_run_without_the_cuda_mode_and_step_identically(tmp_path, l
             assert len(everywhere) == len(scoped) > 0, name
             assert all(torch.equal(a, b) for a, b in zip(everywhere, scoped)), f"{name} {layout}: params differ"
             assert calls_scoped < calls_all / 2, f"{name} {layout}: the mode saw {calls_scoped} of {calls_all} calls"
+
+
+def _put_rank(rank, world, queue):
+    queue.put(rank)
+    return rank
+
+
+def test_a_multiprocessing_queue_reaches_the_ranks():
+    """A launch whose arguments hold a multiprocessing Queue (the real-SGLang weight-sync test's trainer talks to
+    the engines through two) raised 'Queue objects should only be shared between processes through inheritance'
+    once the suite's forkserver launches pickled the arguments up front."""
+    import multiprocessing as mp
+
+    queue = mp.get_context("spawn").Queue()
+    assert spawn(_put_rank, 2, queue) == [0, 1]
+    assert sorted(queue.get(timeout=30) for _ in range(2)) == [0, 1]

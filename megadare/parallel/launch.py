@@ -46,15 +46,15 @@ def preload_ranks(modules: list[str]) -> None:
     _START.update(method="forkserver", preload=list(modules))
 
 
-def _entry(rank: int, world: int, call: bytes, queue, env: dict) -> None:
+def _entry(rank: int, world: int, call, queue, env: dict) -> None:
     """Rank ``rank``: the launcher's environment ``env`` (a forkserver's rank starts with the server's, from before
-    this launch) and torch.distributed's variables, then the result or error of ``call`` (``fn, args`` pickled:
-    unpickled here, so the modules it imports see ``env``, as Ray's settings at import) into ``queue``."""
+    this launch) and torch.distributed's variables, then the result or error of ``call`` (``_pack``) into
+    ``queue``."""
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        fn, args = pickle.loads(call)
+        fn, args = pickle.loads(call) if isinstance(call, bytes) else call
         # plain pickle copies tensor data: torch's fd sharing would die with this process
         queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -130,6 +130,19 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 600) -> 
     return [results[r] for r in range(world_size)]
 
 
+def _pack(fn: Callable, args: tuple):
+    """``(fn, args)`` as the ranks get them. 'spawn': as they are (a rank starts with the launcher's environment).
+    'forkserver': pickled here by value, to be unpickled once the rank restored the launcher's environment (a module
+    imported while unpickling sees it: Ray reads RAY_AUTH_MODE at import), unless ``args`` hold what only
+    inheritance passes (a multiprocessing Queue or Event): those go as they are."""
+    if _START["method"] == "spawn":
+        return fn, args
+    try:
+        return pickle.dumps((fn, args))  # by value (tensors too): each rank unpickles its own copy
+    except RuntimeError:  # "Queue objects should only be shared between processes through inheritance"
+        return fn, args
+
+
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     """One launch: (results by rank, error texts, megadare's own errors; a rank that died first)."""
     ctx = mp.get_context(_START["method"])
@@ -137,7 +150,7 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
         ctx.set_forkserver_preload(_START["preload"])
     queue = ctx.Queue()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    call = pickle.dumps((fn, args))  # by value (tensors too): each rank unpickles its own copy
+    call = _pack(fn, args)
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, call, queue, env), daemon=False) for r in range(world_size)
     ]
