@@ -69,10 +69,15 @@ def test_a_killed_raylet_ends_the_run_naming_the_dead_node_and_ray_logs(tmp_path
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "raylet_killed.py")
+    script = os.path.join(os.path.dirname(__file__), "ray_process_killed.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
     out = subprocess.run(  # one pipe for both, as a terminal or a Slurm log shows them
-        [sys.executable, script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=280, env=env
+        [sys.executable, script, "raylet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=280,
+        env=env,
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("megadare: error: ")]
     assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stdout[-3000:])
@@ -96,9 +101,9 @@ def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_proce
 
     import psutil
 
-    script = os.path.join(os.path.dirname(__file__), "gcs_killed.py")
+    script = os.path.join(os.path.dirname(__file__), "ray_process_killed.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
-    out = subprocess.run([sys.executable, script, driver], capture_output=True, text=True, timeout=380, env=env)
+    out = subprocess.run([sys.executable, script, "gcs", driver], capture_output=True, text=True, timeout=380, env=env)
     last = (out.stderr.strip().splitlines() or [""])[-1]
     assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
     assert last.startswith("megadare: error: the Ray head (its GCS, gcs_server at "), out.stderr[-3000:]

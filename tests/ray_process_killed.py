@@ -1,6 +1,8 @@
-"""A rank-0 driver whose Ray raylet is SIGKILLed while its engines are up (tests/test_rollout_placement.py): a
-local Ray as ``megadare rl`` starts it, one engine, then the raylet is killed and rollouts go on; the run's error is
-printed as the CLI prints it (``report_error``)."""
+"""A rank-0 driver one of whose Ray processes is SIGKILLed while its engine is up (tests/test_rollout_placement.py):
+a local Ray as ``megadare rl`` starts it, one engine, then ``raylet`` (its node's raylet: rollouts go on until Ray
+finds the node dead) or ``gcs rollout`` / ``gcs busy`` (the head's ``gcs_server``: rollouts go on, the engine still
+answering; or the driver works elsewhere, a train step). The run's error is printed as the CLI prints it
+(``report_error``). The ``gcs`` driver prints the pids of Ray's processes first (the test checks none is left)."""
 
 from __future__ import annotations
 
@@ -20,18 +22,24 @@ from megadare.rollout.engine import SamplingParams  # noqa: E402
 from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
 
 if __name__ == "__main__":
+    victim, rollouts = sys.argv[1], sys.argv[1] == "raylet" or sys.argv[2] == "rollout"
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # a Ray of its own
     manager = RolloutManager(
         EngineSpec(_echo_engine()), num_engines=1, resources={"num_cpus": 1}, limits=EngineLimits(timeout_s=600)
     )
     params = SamplingParams(max_new_tokens=1)
     manager.generate([[1]], params)
+    if victim == "gcs":
+        print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)  # Ray's processes
     for p in psutil.Process().children(recursive=True):
-        if "raylet" in p.name():
+        if ("gcs_server" if victim == "gcs" else "raylet") in p.name():
             p.kill()
+            if victim == "gcs":
+                p.wait(10)
     try:
-        for _ in range(600):  # the engine answers until Ray finds the node dead (its heartbeats stop)
-            manager.generate([[1]], params)
+        for _ in range(600):  # until Ray finds the node dead (raylet), or ends this process 60 s after its GCS died
+            if rollouts:
+                manager.generate([[1]], params)
             time.sleep(0.5)
     except PeerError as e:
         manager.shutdown(timeout_s=1)  # as the RL loop does, before the CLI reports the error
