@@ -113,8 +113,8 @@ def _system_exit(e):
     if not isinstance(code, int):
         try:
             sys.stderr.write("%s\n" % (code,))
-        except BaseException:
-            pass
+        except BaseException:  # a closed stderr: Python's own exit ignores the failed print too; the status
+            pass  # below still tells the parent it was the program's SystemExit, not a pass
     raise SystemExit(EXIT_SYSTEM_EXIT)
 
 
