@@ -1,10 +1,13 @@
 """Math rewards: answer extraction, normalisation, equivalence (through math-verify), the killable pool."""
 
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+from megadare.rewards import math_verify
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.math_answer import extract_answer, extract_boxed, gsm8k_gold, normalize_answer
 from megadare.rewards.errors import AnswerTimeout
@@ -110,7 +113,8 @@ MALFORMED = [r"\frac{1}{", "}{", r"\sqrt", "^^", "(((", r"\frac{}{}", "", r"\box
 
 
 @pytest.mark.parametrize("pred,gold", EQUAL)
-def test_equivalent_forms(pred, gold):
+def test_equivalent_forms(pred, gold, monkeypatch):
+    monkeypatch.setattr(math_verify, "MV_TIMEOUT_S", 30)  # what is equal, not how fast: x^2+2x+1 takes ~3 s loaded
     assert answers_equal(pred, gold)
     assert answers_equal(gold, pred)
 
@@ -154,7 +158,9 @@ def test_huge_expression_times_out_and_pool_recovers(pool):
     r = pool.verify(r"9^{9^{9^{9}}}", "1", timeout=timeout)
     elapsed = time.monotonic() - t0
     assert r.status == "timeout" and r.equal is False
-    assert timeout <= r.wall_s < timeout + 1.0, r.wall_s  # the call itself (a worker's startup is not billed)
+    # the call itself (a worker's startup is not billed); the kill, not the expression's end (hours): the margin is a
+    # loaded machine's scheduling, not a speed
+    assert timeout <= r.wall_s < timeout + 15.0, r.wall_s
     assert elapsed < 60, elapsed  # and no hang, whatever the machine's load
     with pytest.raises(AnswerTimeout, match="no verdict within"):  # not a verdict: the reward says so
         verify_answer(r"9^{9^{9^{9}}}", "1", pool=pool, timeout=timeout)
@@ -282,3 +288,33 @@ def test_format_and_answer_tag_scans_are_linear_and_match_the_old_ones():
     rows = [{"answer": "5"}, {"data_source": "countdown", "answer": "24", "extra_info": {"numbers": [1, 2, 3, 4]}}]
     scores, stats = score_batch(reward, ["\\boxed{" * 40_000, "<answer>" * 40_000], rows)
     assert scores == [0.0, 0.0] and stats.failures == 0, stats
+
+
+FIRST_PARSE_ON_A_LOADED_MACHINE = r"""
+import time
+import math_verify.parser as parser
+import megadare.rewards.math_verify as mv
+
+build = parser.latex2sympy
+calls = []
+
+
+def slow_first_build(*args, **kwargs):  # the LaTeX grammar's first build, seconds of wall clock under load
+    if not calls:
+        time.sleep(1.5)
+    calls.append(1)
+    return build(*args, **kwargs)
+
+
+parser.latex2sympy = slow_first_build
+mv.MV_TIMEOUT_S = 1
+print(mv.answers_equal(r"\frac{1}{2}", "0.5"))
+"""
+
+
+def test_first_latex_parse_is_not_billed_to_the_answer():
+    """The first LaTeX parse of a process builds the grammar (~0.5 CPU-s, seconds on a loaded machine): billed to
+    math-verify's alarm it scored the first correct answer False."""
+    out = subprocess.run([sys.executable, "-c", FIRST_PARSE_ON_A_LOADED_MACHINE], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True"]

@@ -172,7 +172,7 @@ def test_shutdown_lets_each_engine_close_itself(cluster, tmp_path):
         EngineSpec(_marks_shutdown(str(folder)), {"hf_dir": hf_dir, "eos_token_id": EOS}), num_engines=2
     )
     assert not os.listdir(folder)
-    manager.shutdown()
+    manager.shutdown(timeout_s=120)  # the engines' builds, queued before the close, take > 30 s on a loaded machine
     assert len(os.listdir(folder)) == 2  # both engines, each in its own actor process
     plain = RolloutManager(EngineSpec(build_native_engine, {"hf_dir": hf_dir, "eos_token_id": EOS}), num_engines=2)
     ray.kill(plain.actors[0])  # already dead when shut down

@@ -58,6 +58,19 @@ def _normalized_verdict(pred: str, gold: str) -> Optional[bool]:
     return True if np_ == ng else None
 
 
+_LATEX_PARSER_WARM = threading.Event()
+
+
+def _warm_latex_parser(mv_parse: Any) -> None:
+    """Build the LaTeX grammar once per process, outside the alarm: the first LaTeX parse takes ~0.5 CPU-s (seconds
+    of wall clock on a loaded machine), which the alarm would bill to whatever answer came first and score it
+    False."""
+    if not _LATEX_PARSER_WARM.is_set():
+        on_main = threading.current_thread() is threading.main_thread()
+        mv_parse("$\\frac{1}{2}$", parsing_timeout=60 if on_main else None)
+        _LATEX_PARSER_WARM.set()
+
+
 def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     """True when ``pred`` and ``gold`` are the same answer: normalised strings equal, else math-verify says so.
 
@@ -73,6 +86,7 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     from math_verify import parse as mv_parse  # sympy + latex2sympy2: loaded by the verifier workers only
     from math_verify import verify as mv_verify  # heavy: as above
 
+    _warm_latex_parser(mv_parse)
     t = MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     g = mv_parse(_dollars(gold), parsing_timeout=t)
     p = mv_parse(_dollars(pred), parsing_timeout=t)
