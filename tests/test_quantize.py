@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -26,7 +27,13 @@ from megadare.convert.fp8 import (
     quantize_fp8_block,
     quantize_fp8_per_tensor,
 )
-from megadare.convert.quantize import MODELOPT_INSTALL, Calibration, ModelOptMissing, quantize_export
+from megadare.convert.quantize import (
+    MODELOPT_FALSE_ALARMS,
+    MODELOPT_INSTALL,
+    Calibration,
+    ModelOptMissing,
+    quantize_export,
+)
 from megadare.models.safetensors_io import SafetensorsReader
 from megadare.models import read_hf_config as read_config
 from tiny import write_tiny_hf
@@ -293,12 +300,22 @@ def test_modelopt_fp8_export_cpu(sdar_dir, tmp_path):
 
     version = _modelopt_or_skip()[0]
     out = str(tmp_path / "fp8")
-    try:
-        quantize_export(sdar_dir, out, fmt="fp8", calib=Calibration(device="cpu"))
-    except (RuntimeError, AssertionError) as e:
-        if "cuda" in str(e).lower():
-            pytest.skip(f"modelopt {version}: the FP8 path needs CUDA here ({e})")
-        raise
+    tool = [
+        sys.executable,
+        os.path.join(ROOT, "tools/checkpoint_convert/quantize.py"),
+        "--hf",
+        sdar_dir,
+        "--out",
+        out,
+        "--format",
+        "fp8",
+    ]
+    run = subprocess.run(tool, capture_output=True, text=True)
+    if run.returncode and "cuda" in run.stderr.lower():
+        pytest.skip(f"modelopt {version}: the FP8 path needs CUDA here ({run.stderr[-300:]})")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for false_alarm in MODELOPT_FALSE_ALARMS:  # ModelOpt's warnings that do not hold for our hf/ models
+        assert not re.search(false_alarm, run.stderr), run.stderr
     cfg = json.load(open(os.path.join(out, "config.json")))
     qcfg = json.load(open(os.path.join(out, "hf_quant_config.json")))
     assert cfg["quantization_config"]["quant_method"] == "modelopt"
@@ -353,3 +370,17 @@ def test_modelopt_nvfp4_needs_cuda(sdar_dir, tmp_path):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         quantize_export(sdar_dir, str(tmp_path / "q"), fmt="nvfp4")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_wrong_source_is_refused_before_modelopt_loads(tmp_path):
+    """A mistyped --hf path was refused only after ModelOpt's import (~10 CPU-s, a minute on a loaded machine)."""
+    code = (
+        "import sys\n"
+        "from megadare.convert.quantize import quantize_export\n"
+        "try:\n"
+        f"    quantize_export({str(tmp_path / 'no-such-model')!r}, {str(tmp_path / 'out')!r}, fmt='fp8')\n"
+        "except ValueError as e:\n"
+        "    print('refused', 'modelopt' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.split() == ["refused", "False"], out.stderr[-2000:]

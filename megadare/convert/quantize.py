@@ -29,12 +29,14 @@ The output is assembled in a fresh sibling of ``out`` and renamed into place, so
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import re
 import shutil
 import types
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -114,12 +116,33 @@ def _calibration_device(fmt: str, calib: Calibration, version: str) -> torch.dev
     return dev
 
 
+# ModelOpt warnings that are false for megadare's hf/ models (each checked by tests/test_quantize.py): its Megatron
+# plugin's note on GPTModel.sharded_state_dict (this export never saves a Megatron checkpoint); "tied weights may
+# not be deduplicated ... upgrade to transformers>=5.0" (our hf/ models are not transformers PreTrainedModels and
+# lack all_tied_weights_keys: the export writes the source's tensors, a tied lm_head not duplicated); a tensor
+# copy-construct hint inside its export. Its note on an untested transformers version stays.
+MODELOPT_FALSE_ALARMS = (
+    r"GPTModel\.sharded_state_dict is not the version ModelOpt patches",
+    r"This model may contain tied/shared weights",
+    r"To copy construct from a tensor",
+)
+
+
+@contextlib.contextmanager
+def _without_modelopt_false_alarms():
+    with warnings.catch_warnings():
+        for message in MODELOPT_FALSE_ALARMS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        yield
+
+
 def require_modelopt() -> tuple[str, Any, Any]:
     """(version, ``modelopt.torch.quantization``, ``modelopt.torch.export.export_hf_checkpoint``)."""
     try:
-        import modelopt  # optional: nvidia-modelopt, for fp8 / nvfp4 only
-        import modelopt.torch.quantization as mtq
-        from modelopt.torch.export import export_hf_checkpoint
+        with _without_modelopt_false_alarms():
+            import modelopt  # optional: nvidia-modelopt, for fp8 / nvfp4 only
+            import modelopt.torch.quantization as mtq
+            from modelopt.torch.export import export_hf_checkpoint
     except ImportError as e:
         raise ModelOptMissing(
             f"quantized export with fmt 'fp8' / 'nvfp4' needs NVIDIA ModelOpt, which is not "
@@ -147,12 +170,12 @@ def quantize_export(
         raise ValueError(f"quantize_export: fmt={fmt!r}; choose one of {', '.join(FORMATS)}")
     if not isinstance(calib, Calibration):
         raise TypeError(f"quantize_export: calib={calib!r:.80}; pass Calibration(prompts, gen_tokens=..., device=...)")
+    src, out = os.fspath(src), os.fspath(out).rstrip(os.sep)
+    ckpt = _megatron_source(src)  # a wrong path is refused before ModelOpt's import (seconds)
+    check_export_target(out, f"hf-{fmt}", [src] + ([ckpt] if ckpt else []))
     modelopt = require_modelopt() if fmt != "fp8-block" else None  # fail before any conversion work
     if modelopt:
         _calibration_device(fmt, calib, modelopt[0])
-    src, out = os.fspath(src), os.fspath(out).rstrip(os.sep)
-    ckpt = _megatron_source(src)
-    check_export_target(out, f"hf-{fmt}", [src] + ([ckpt] if ckpt else []))
     staging = staging_dir(out)
     tmp_hf = None
     try:
@@ -287,10 +310,11 @@ def _export_modelopt(modelopt: tuple, hf_dir: str, cfg: dict, staging: str, fmt:
             for ids in batches:
                 m(ids.to(dev)[None])
 
-    mtq.quantize(model, qcfg, forward_loop)
-    _fill_uncalibrated_experts(model)
-    _as_pretrained(model, cfg, hf_dir, src_dtype, dev)
-    export_hf_checkpoint(model, dtype=src_dtype, export_dir=staging, max_shard_size=2 << 30)
+    with _without_modelopt_false_alarms():
+        mtq.quantize(model, qcfg, forward_loop)
+        _fill_uncalibrated_experts(model)
+        _as_pretrained(model, cfg, hf_dir, src_dtype, dev)
+        export_hf_checkpoint(model, dtype=src_dtype, export_dir=staging, max_shard_size=2 << 30)
     with open(os.path.join(staging, "config.json")) as f:
         if "quantization_config" not in json.load(f):
             raise RuntimeError(
