@@ -298,3 +298,20 @@ def test_a_tracerl_runs_value_checkpoints_are_locked_with_its_checkpoints(tmp_pa
         with pytest.raises(RunStateError, match=f"{root}_value is in use by pid {os.getpid()}"):
             with run_dir_lock(str(tmp_path / "b"), root + "_value"):
                 pass
+
+
+def test_saving_checkpoint_x_leaves_a_users_x_tmp_alone(tmp_path, monkeypatch):
+    """save_checkpoint(chunks, X) removed and reused ``X.tmp`` whatever it held: a user's own folder of that name
+    beside X was deleted. It now stages in a fresh pid@host sibling of its own, so ``X.tmp`` is kept as it was."""
+    from megatron.core import dist_checkpointing
+
+    from megadare.convert import mcore_ckpt
+
+    mine = tmp_path / "ckpt.tmp"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    monkeypatch.setattr(mcore_ckpt, "model_sharded_state_dict", lambda chunks: {})
+    monkeypatch.setattr(dist_checkpointing, "save", lambda sd, path: (tmp_path / path / "common.pt").write_text("x"))
+    mcore_ckpt.save_checkpoint([], str(tmp_path / "ckpt"))
+    assert (mine / "notes.txt").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.tmp"] and (tmp_path / "ckpt" / "common.pt").exists()
