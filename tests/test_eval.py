@@ -318,6 +318,33 @@ def test_eval_refuses_to_replace_files_it_did_not_write(tmp_path, capsys):
     claim_output_dir(str(ours), ["summary.json"])  # a rerun replaces its own outputs
 
 
+def test_a_second_eval_on_a_live_evals_output_dir_is_refused(tmp_path, capsys, monkeypatch):
+    """Two ``megadare eval`` on one eval.output_dir ran side by side, each rewriting summary.json and the
+    samples files under the other. The output directory is now locked (the run lock) for the eval: a second is
+    refused in one line while the first runs, and may go once it ended."""
+    from megadare.cli import main
+    from megadare.eval import runner
+
+    out = tmp_path / "out"
+    argv = ["eval", "--tasks", "gsm8k", "model.family=sdar", "model.tiny=true", f"logging.run_dir={tmp_path}"]
+    argv += [f"eval.data_dir={FIXTURES}", "eval.limit=1", f"eval.output_dir={out}"]
+    started, second = [], []
+
+    def engines(cfg, src, tok):  # the first eval, while it runs, sees a second start on its output_dir
+        started.append(cfg.eval.output_dir)
+        if len(started) == 1:  # the first eval: a second starts meanwhile
+            second.append(main(argv))
+        raise KeyboardInterrupt  # stop here: no engines in this test
+
+    monkeypatch.setattr(runner, "start_engines", engines)
+    assert main(argv) == 130 and second == [2], second
+    err = capsys.readouterr().err
+    assert len(started) == 1 and f"{out} is in use by pid {os.getpid()}" in err and "eval.output_dir" in err, err
+    assert "megadare.lock" not in os.listdir(out)  # the first gave it back when it stopped
+    started.append("the first ended")  # the next eval on the output directory goes on
+    assert main(argv) == 130 and started[-1] == str(out), started
+
+
 def test_atomic_jsonl_leaves_no_temp_files(tmp_path):
     out = tmp_path / "sub" / "rows.jsonl"
     write_jsonl_atomic(str(out), [{"a": 1}, {"b": "\\boxed{2}"}])
