@@ -13,8 +13,10 @@ import os
 import re
 import shutil
 import socket
+import tempfile
+from typing import Optional
 
-__all__ = ["write_text_atomic", "owner_tag", "owned_name", "sweep_dead", "running"]
+__all__ = ["write_text_atomic", "owner_tag", "owned_name", "owned_tempdir", "sweep_dead", "running"]
 
 OWNER = r"([0-9]+)@([^/]+?)"  # the ``<pid>@<host>`` of an owned name, as a regex (groups: pid, host)
 
@@ -78,3 +80,12 @@ def sweep_dead(directory: str, pattern: str) -> list[str]:
                 pass
         removed.append(p)
     return removed
+
+
+def owned_tempdir(prefix: str, parent: Optional[str] = None) -> str:
+    """A new private directory ``<prefix><pid>@<host>-XXXXXXXX`` in ``parent`` (default: the temp dir, $TMPDIR),
+    once those of ``prefix`` there whose owner on this host is gone (a SIGKILLed run: no clean-up ran) are
+    removed; each killed run used to leave one more."""
+    parent = parent or tempfile.gettempdir()
+    sweep_dead(parent, re.escape(prefix) + OWNER + r"-[a-z0-9_]{8}")
+    return tempfile.mkdtemp(prefix=owned_name(prefix, ""), dir=parent)
