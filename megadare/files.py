@@ -16,17 +16,22 @@ import socket
 import tempfile
 from typing import Optional
 
-__all__ = ["write_text_atomic", "owner_tag", "owned_name", "owned_tempdir", "sweep_dead", "running"]
+__all__ = ["write_text_atomic", "temp_of", "owner_tag", "owned_name", "owned_tempdir", "sweep_dead", "running"]
 
 OWNER = r"([0-9]+)@([^/]+?)"  # the ``<pid>@<host>`` of an owned name, as a regex (groups: pid, host)
 
 
+def temp_of(path: str) -> str:
+    """The temp file :func:`write_text_atomic` writes ``path`` through: ``<path>.tmp``."""
+    return path + ".tmp"
+
+
 def write_text_atomic(path: str, text: str) -> None:
-    """``path`` holding ``text``, never seen half-written: ``<path>.tmp``, on disk, renamed into place (a fixed
-    temp name: what a killed write left is replaced by the next, never piles up)."""
+    """``path`` holding ``text``, never seen half-written: :func:`temp_of` ``path``, on disk, renamed into place (a
+    fixed temp name: what a killed write left is replaced by the next, never piles up beside it)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    tmp = path + ".tmp"
+    tmp = temp_of(path)
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
