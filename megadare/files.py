@@ -16,7 +16,7 @@ import socket
 import tempfile
 from typing import Optional
 
-__all__ = ["write_text_atomic", "temp_of", "owner_tag", "owned_name", "owned_tempdir", "sweep_dead", "running"]
+__all__ = ["write_text_atomic", "temp_of", "OWNER", "owner_tag", "owned_name", "owned_tempdir", "sweep_dead", "running"]
 
 OWNER = r"([0-9]+)@([^/]+?)"  # the ``<pid>@<host>`` of an owned name, as a regex (groups: pid, host)
 
