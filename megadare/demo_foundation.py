@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
+import shutil
 import time
 import warnings
 
 import torch
 
 from megadare.convert import hf_to_megatron, megatron_to_hf
+from megadare.files import owned_tempdir
 from megadare.models import build_hf_model, get_family, save_hf_model, load_hf_model
 from megadare.models.attention import family_mask
 from megadare.models.safetensors_io import SafetensorsReader
@@ -51,25 +52,36 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")  # megatron's TE/apex fallback notices, in every worker
     warnings.filterwarnings("ignore")
 
-    root = a.workdir or tempfile.mkdtemp(prefix="megadare_demo_")
-    print(f"megadare demo: working in {root}")
+    root = a.workdir or owned_tempdir("megadare_demo_")  # what killed demos left goes
+    print(f"megadare demo: working in {root}" + ("" if a.workdir else " (removed at the end; --workdir keeps it)"))
+    try:
+        ok = _families(a.families.split(","), root, a.seq)
+    finally:
+        if not a.workdir:  # a temp dir: each run left a dir of checkpoints (13 MB for every family) in /tmp
+            shutil.rmtree(root, ignore_errors=True)
+    print("all families match their reference models" if ok else "MISMATCH: see the table above")
+    return 0 if ok else 1
+
+
+def _families(names: list[str], root: str, seq: int) -> bool:
+    """Every family's row of the table (working in ``root``); whether all match."""
     print(f"{'family':9s} {'layout':12s} {'params':>8s} {'max |logit diff|':>17s} {'HF round trip':>14s} {'s':>5s}")
     ok = True
-    for i, name in enumerate(a.families.split(",")):
+    for i, name in enumerate(names):
         t0 = time.time()
         hf_dir, cfg = _make_checkpoint(name, root, seed=i)
         arch = get_family(name).arch(cfg)
         layout = dict(ep=2) if arch.is_moe else dict(tp=2, sp=True)
         ck = os.path.join(root, "mcore", name)
         hf_to_megatron(hf_dir, ck, Layout(**{k: v for k, v in layout.items() if k != "sp"}), progress=False)
-        ids = torch.randint(0, arch.vocab_size, (2, a.seq))
+        ids = torch.randint(0, arch.vocab_size, (2, seq))
         case = {"name": name, "hf_dir": hf_dir, "input_ids": ids}
         res = {}
         for r in spawn(megatron_logits, 2, layout, [case], None, {name: ck}):
             res.update(r)
         ref_model = load_hf_model(hf_dir)
         with torch.no_grad():
-            ref = ref_model(ids, attention_mask=family_mask(arch).dense(a.seq, a.seq))
+            ref = ref_model(ids, attention_mask=family_mask(arch).dense(seq, seq))
         diff = max((res[name] - ref).abs().max().item(), (res[name + "/ckpt"] - ref).abs().max().item())
         ck2, back = os.path.join(root, "mcore_resaved", name), os.path.join(root, "hf_back", name)
         spawn(resave, 2, layout, hf_dir, ck, ck2)
@@ -85,5 +97,4 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.time() - t0:5.1f}"
         )
         ok &= diff < 1e-4 and bitwise
-    print("all families match their reference models" if ok else "MISMATCH: see the table above")
-    return 0 if ok else 1
+    return ok

@@ -44,6 +44,7 @@ from megadare.trainer.checkpoint import check_same_model
 from megadare.trainer.model_setup import tokenizer_for
 from megadare.trainer.rl_setup import check_golds, prompt_budget
 from megadare.trainer.monitor import foreign_run_config
+from megadare.trainer.rl import checkpoint_roots
 from megadare.trainer.run_lock import holder_alive, lock_dirs
 from megadare.trainer.dpo_loop import preference_record_keys
 from megadare.trainer.sft_loop import checkpoint_root, sft_record_keys
@@ -214,10 +215,12 @@ def check_eval_rows(cfg: Config, tok) -> None:
         load_task_prompts(s, path, min(ROWS, e.limit or ROWS), e.prompt_style, tok)
 
 
-def check_run_dir(command: str, cfg: Config) -> None:
-    """The run directory is not held by another live run; say what a start would resume from."""
+def check_run_dir(command: str, spec: RunSpec) -> None:
+    """The run directory and every checkpoint root the run locks (TraceRL's value model's too) are not held by
+    another live run; say what a start would resume from."""
+    cfg = spec.cfg
     root = checkpoint_root(cfg)
-    for d in lock_dirs(cfg.logging.run_dir, root):
+    for d in lock_dirs(cfg.logging.run_dir, *(checkpoint_roots(spec) if command == "rl" else (root,))):
         held = holder_alive(d)
         if held:
             raise RunStateError(held)
@@ -250,4 +253,4 @@ def preflight(spec: RunSpec, config_only: bool = False, world: Optional[int] = N
     if command in ("rl", "eval"):
         check_engine(cfg)
     if command in ("sft", "dpo", "rl"):
-        check_run_dir(command, cfg)
+        check_run_dir(command, spec)

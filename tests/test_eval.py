@@ -19,7 +19,7 @@ from megadare.errors import ConfigError, OutputError
 from megadare.data.sft_data import DataError
 from megadare.data.tokenizer import ByteTokenizer
 from megadare.eval import TASKS, maj_at_k, pass_at_k, task_metrics
-from megadare.eval.files import load_rows, task_file, write_jsonl_atomic
+from megadare.eval.files import load_rows, task_file, write_json_atomic, write_jsonl_atomic
 from megadare.eval.runner import check_eval_config, load_task_prompts, run_eval_command, score_samples
 from megadare.eval.tasks import CODE_BLOCK_INSTRUCTION, D1_MATH_SYSTEM_PROMPT, MATH_BOXED_INSTRUCTION
 from megadare.rewards import normalize_answer
@@ -318,12 +318,69 @@ def test_eval_refuses_to_replace_files_it_did_not_write(tmp_path, capsys):
     claim_output_dir(str(ours), ["summary.json"])  # a rerun replaces its own outputs
 
 
+def test_a_second_eval_on_a_live_evals_output_dir_is_refused(tmp_path, capsys, monkeypatch):
+    """Two ``megadare eval`` on one eval.output_dir ran side by side, each rewriting summary.json and the
+    samples files under the other. The output directory is now locked (the run lock) for the eval: a second is
+    refused in one line while the first runs, and may go once it ended."""
+    from megadare.cli import main
+    from megadare.eval import runner
+
+    out = tmp_path / "out"
+    argv = ["eval", "--tasks", "gsm8k", "model.family=sdar", "model.tiny=true", f"logging.run_dir={tmp_path}"]
+    argv += [f"eval.data_dir={FIXTURES}", "eval.limit=1", f"eval.output_dir={out}"]
+    started, second = [], []
+
+    def engines(cfg, src, tok):  # the first eval, while it runs, sees a second start on its output_dir
+        started.append(cfg.eval.output_dir)
+        if len(started) == 1:  # the first eval: a second starts meanwhile
+            second.append(main(argv))
+        raise KeyboardInterrupt  # stop here: no engines in this test
+
+    monkeypatch.setattr(runner, "start_engines", engines)
+    assert main(argv) == 130 and second == [2], second
+    err = capsys.readouterr().err
+    assert len(started) == 1 and f"{out} is in use by pid {os.getpid()}" in err and "eval.output_dir" in err, err
+    assert "megadare.lock" not in os.listdir(out)  # the first gave it back when it stopped
+    started.append("the first ended")  # the next eval on the output directory goes on
+    assert main(argv) == 130 and started[-1] == str(out), started
+
+
 def test_atomic_jsonl_leaves_no_temp_files(tmp_path):
     out = tmp_path / "sub" / "rows.jsonl"
     write_jsonl_atomic(str(out), [{"a": 1}, {"b": "\\boxed{2}"}])
     write_jsonl_atomic(str(out), [{"a": 3}])
     assert [json.loads(x) for x in out.read_text().splitlines()] == [{"a": 3}]
     assert os.listdir(tmp_path / "sub") == ["rows.jsonl"]
+
+
+_KILLED_MID_WRITE = """
+import os, sys, time
+from megadare.eval.files import write_json_atomic
+def stall(fd):
+    print("writing", flush=True)
+    time.sleep(300)
+os.fsync = stall
+write_json_atomic(sys.argv[1], {"tasks": {}})
+"""
+
+
+def test_an_eval_output_write_killed_mid_way_leaves_no_temp_file_after_the_next(tmp_path):
+    """eval wrote each output through a temp file of a random name (mkstemp): a SIGKILL mid-write left
+    ``summary.json.<random>.tmp`` in the output directory, one more per kill. It now writes through the one
+    helper a run's files use (megadare/files.py): a fixed ``summary.json.tmp`` that the next write replaces."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary.json"
+    write_json_atomic(str(out), {"tasks": {"old": 1}})
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(out)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "writing\n"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert json.loads(out.read_text()) == {"tasks": {"old": 1}} and len(os.listdir(tmp_path)) == 2
+    write_json_atomic(str(out), {"tasks": {"new": 1}})
+    assert os.listdir(tmp_path) == ["summary.json"] and json.loads(out.read_text()) == {"tasks": {"new": 1}}
 
 
 # ------------------------------------------------------------------------------------------- end to end

@@ -201,6 +201,32 @@ def test_a_run_directory_in_use_is_refused(tmp_path, data, capsys):
     assert f"{run}/config.yaml was not written by a megadare run" in refused(capsys, *rl(tmp_path, data))
 
 
+def test_a_value_checkpoint_root_in_use_is_refused(tmp_path, data, capsys):
+    """TraceRL with a value model locks <root>_value for the run, but --dry-run (and the Slurm preflight) checked
+    only the run directory and the checkpoint root: a second job passed, then failed at start. It is refused."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        value = tmp_path / "run" / "ckpt_value"
+        value.mkdir(parents=True)
+        (value / "megadare.lock").write_text(
+            json.dumps(
+                {"pid": holder.pid, "host": socket.gethostname(), "started": psutil.Process(holder.pid).create_time()}
+            )
+        )
+        tracerl = ("algo.name=tracerl", "algo.params.value_model=true")
+        assert f"{value} is in use by pid {holder.pid}" in refused(capsys, *rl(tmp_path, data, *tracerl))
+        assert dry(capsys, *rl(tmp_path, data))[0] == 0  # without a value model <root>_value is not the run's
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_rl_prompts_over_the_budget_follow_data_overlong_when_loaded(tmp_path, capsys):
     from megadare.config import load_config
     from megadare.data.files import DataError

@@ -405,3 +405,41 @@ def test_inspect_with_the_qwen_tokenizer_directory(tmp_path):
     (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
     with pytest.raises(DataError, match=r"--model .*broken: its tokenizer does not load"):
         _inspect([rl], model=str(tmp_path / "broken"))
+
+
+_KILLED_MID_BUILD = """
+import sys, time
+from megadare.data import qwen_tokenizer as q
+def build(tmp, *a):
+    print(tmp, flush=True)
+    time.sleep(300)
+q.write_qwen_tokenizer = build
+q.cached_qwen_tokenizer("sdar", sys.argv[1])
+"""
+
+
+def test_a_tokenizer_build_killed_mid_way_leaves_nothing_after_the_next(tmp_path, monkeypatch):
+    """The cached tokenizer is built in a hidden ``.qwen-*`` folder beside its target: a build SIGKILLed mid-way
+    left it for good, one more per killed build. Its name now carries pid@host; the next build removes it (and
+    keeps a live build's)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from megadare.data import qwen_tokenizer as q
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_MID_BUILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    left = child.stdout.readline().strip()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert os.path.isdir(left), left
+    live = tmp_path / f".qwen-sdar.{os.getpid()}@{socket.gethostname()}-abcd1234"  # a build of a live process
+    live.mkdir()
+    monkeypatch.setattr(
+        q, "write_qwen_tokenizer", lambda tmp, *a: open(os.path.join(tmp, "tokenizer_config.json"), "w")
+    )
+    built = q.cached_qwen_tokenizer("sdar", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(built), live.name]), os.listdir(tmp_path)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -74,6 +75,32 @@ def test_engine_launch_arguments(fake_sglang, ckpt):
         )
     with pytest.raises(ValueError, match="max_running_requests"):
         se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS, max_running_requests=0), check_plugin=False)
+
+
+def test_an_engine_removes_the_temp_dir_a_killed_engine_left(fake_sglang, ckpt, tmp_path, monkeypatch):
+    """Each SGLang engine keeps its algorithm config in a temp dir removed at exit; an engine SIGKILLed (ray.kill,
+    an OOM kill) left it in /tmp, one per killed engine. Its name now carries pid@host; a new engine removes
+    those of gone processes on this host, and keeps a live one's, another host's and names without an owner."""
+    import socket
+    import tempfile
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host, tmp = socket.gethostname(), tmp_path / "tmp"
+    names = {
+        "dead": f"megadare_sglang_{gone.pid}@{host}-abcd1234",
+        "live": f"megadare_sglang_{os.getpid()}@{host}-efgh5678",
+        "elsewhere": f"megadare_sglang_{gone.pid}@not-{host}-ijkl9012",
+        "unnamed": "megadare_sglang_mnop3456",
+    }
+    for name in names.values():
+        (tmp / name).mkdir(parents=True)
+        (tmp / name / "dllm_algorithm.yaml").write_text("block_size: 4\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    eng = se.SGLangEngine(se.SGLangEngineSpec(ckpt(), EOS), check_plugin=False)
+    mine = os.path.basename(eng._tmpdir)
+    assert mine.startswith(f"megadare_sglang_{os.getpid()}@{host}-")
+    assert set(os.listdir(tmp)) == {mine} | {names[k] for k in ("live", "elsewhere", "unnamed")}
 
 
 def test_engine_refuses_a_mask_id_sglang_does_not_use(fake_sglang, ckpt):

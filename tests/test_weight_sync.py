@@ -472,3 +472,37 @@ def test_an_engine_stops_waiting_for_a_silent_sender_after_the_push_timeout():
     finally:
         sender.kill()
         sender.join()
+
+
+_HOLD_A_BUFFER = """
+import sys, time, torch
+from megadare.rollout.weight_sync.groups import SharedBuffer
+print(SharedBuffer(4096, torch.device("cpu")).path, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_push_removes_the_shared_buffer_a_killed_push_left_and_keeps_live_ones():
+    """A trainer SIGKILLed mid colocated push (between ``begin`` and ``end``) left its ``/dev/shm/megadare_w_*``
+    segment forever, one per kill; the next buffer now removes it (its pid@host is gone) and keeps a live one's."""
+    import signal
+    import subprocess
+    import sys
+
+    from megadare.rollout.weight_sync.groups import SharedBuffer
+
+    child = subprocess.Popen([sys.executable, "-c", _HOLD_A_BUFFER], stdout=subprocess.PIPE, text=True)
+    left = child.stdout.readline().strip()
+    child.kill()
+    child.wait()
+    assert child.returncode == -signal.SIGKILL and os.path.exists(left), left
+    live = SharedBuffer(4096, torch.device("cpu"))  # this process's, alive
+    try:
+        nxt = SharedBuffer(4096, torch.device("cpu"))
+        nxt.close()
+        assert not os.path.exists(left), f"{left} left by the killed push is still there"
+        assert os.path.exists(live.path)
+    finally:
+        live.close()
+        if os.path.exists(left):
+            os.remove(left)

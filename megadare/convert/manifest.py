@@ -17,6 +17,8 @@ from typing import Optional
 
 from torch.distributed.checkpoint import FileSystemReader
 
+from megadare.files import write_text_atomic
+
 MANIFEST = "manifest.json"
 SMALL_FILE = 4 << 20  # files up to this size get a checksum
 FORMAT = 1
@@ -47,12 +49,7 @@ def write_manifest(ckpt_dir: str) -> None:
         p = os.path.join(ckpt_dir, rel)
         size = os.path.getsize(p)
         files[rel] = {"size": size, **({"sha256": _sha256(p)} if size <= SMALL_FILE else {})}
-    tmp = os.path.join(ckpt_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(ckpt_dir, MANIFEST))
+    write_text_atomic(os.path.join(ckpt_dir, MANIFEST), json.dumps({"format": FORMAT, "files": files}, indent=1))
 
 
 @dataclass

@@ -76,7 +76,18 @@ def _barrier() -> None:
 
 
 def _tmp(path: str) -> str:
+    """``iter_X.tmp``: a training save's staging inside its (locked) checkpoint root."""
     return path.rstrip(os.sep) + ".tmp"
+
+
+def _shared_staging(ckpt_dir: str) -> str:
+    """Rank 0's ``staging_dir`` of ``ckpt_dir`` (a fresh pid@host sibling; what killed saves left is removed),
+    the same path on every rank. A fixed ``<ckpt_dir>.tmp`` was removed and reused whatever it held: a user's
+    own ``X.tmp`` beside ``X`` was deleted."""
+    name = [staging_dir(ckpt_dir) if _rank() == 0 else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return name[0]
 
 
 def _finalise(tmp: str, final: str) -> None:
@@ -251,11 +262,7 @@ def save_checkpoint(
     """Save this rank's model chunks (collective). Returns the final directory."""
     from megatron.core import dist_checkpointing  # heavy: megatron
 
-    tmp = _tmp(ckpt_dir)
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
+    tmp = _shared_staging(ckpt_dir)
     dist_checkpointing.save(_drop_extra_state(model_sharded_state_dict(chunks)), tmp)
     _barrier()
     if _rank() == 0:

@@ -29,11 +29,11 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from importlib import resources
 from typing import Optional
 
 from megadare.data.files import DataError
+from megadare.files import owned_tempdir
 
 __all__ = [
     "FAMILIES",
@@ -329,7 +329,7 @@ def cached_qwen_tokenizer(family: str = "sdar", cache_dir: Optional[str] = None)
     if os.path.isfile(os.path.join(target, "tokenizer_config.json")):
         return target
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".qwen-{family}-", dir=root)
+    tmp = owned_tempdir(f".qwen-{family}.", root)  # what builds killed mid-way left goes
     try:
         write_qwen_tokenizer(tmp, family, path)
         os.rename(tmp, target)

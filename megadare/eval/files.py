@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Iterable
 
 from megadare.errors import ConfigError, OutputError
+from megadare.files import write_text_atomic
 from megadare.data.files import DataError
 from megadare.data.files import load_rows as load_file_rows
 
@@ -63,24 +63,6 @@ def load_rows(path: str, limit: int | None = None) -> list[tuple[str, dict]]:
     if not rows:
         raise DataError(f"{path}: the file holds no rows")
     return rows if limit is None else rows[:limit]
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same directory and ``os.replace`` (readers never see a
-    half-written file; a crash leaves the previous version)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_jsonl_atomic(path: str, rows: Iterable[dict[str, Any]]) -> None:

@@ -44,6 +44,7 @@ from megadare.eval.files import (
 from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
 from megadare.trainer.model_setup import materialise, tokenizer_for
+from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.spec import RunSpec
 from megadare.rewards import (
     check_isolation,
@@ -263,6 +264,15 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
     claim_output_dir(out_dir, ["summary.json", "summary.csv", *(f"samples_{t.name}.jsonl" for t in tasks)])
+    with run_dir_lock(out_dir, key="eval.output_dir"):  # a second eval there would rewrite the same files
+        return _run_tasks(spec, src, tok, (tasks, files, prompts), params, out_dir)
+
+
+def _run_tasks(spec: RunSpec, src, tok, work: tuple, params, out_dir: str) -> int:
+    """Start the engines, evaluate each task (``work``: the tasks, their files and prompts) and write the outputs
+    into ``out_dir`` (locked by the caller)."""
+    cfg, e = spec.cfg, spec.cfg.eval
+    tasks, files, prompts = work
     summary: dict[str, Any] = {
         "model": src.hf_dir,
         "family": src.family.name,

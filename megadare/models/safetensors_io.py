@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from typing import Optional
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megadare.files import OWNER, owned_name, sweep_dead
 from megadare.models.remote_code import write_remote_code
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -175,7 +175,7 @@ def fresh_sibling(path: str, tag: str, create: bool) -> str:
     ``sweep_dead_siblings`` can tell a killed writer's; the directory is made when ``create``)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    prefix = f".{os.path.basename(path)}.{tag}.{os.getpid()}@{socket.gethostname()}-"
+    prefix = owned_name(f".{os.path.basename(path)}.{tag}.", "")
     d = tempfile.mkdtemp(prefix=prefix, dir=parent)
     if not create:
         os.rmdir(d)
@@ -189,24 +189,7 @@ def sweep_dead_siblings(path: str) -> list[str]:
     names of this host whose process is gone (a whole export each, hidden). Anything else is kept: another
     host's (its process cannot be checked), a live process's, names without an owner. Returns those removed."""
     parent, base = os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
-    mine = re.compile(re.escape(f".{base}.") + r"[a-z]+\.([0-9]+)@(.+)-[a-z0-9_]{8}")
-    removed = []
-    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else ():
-        m = mine.fullmatch(name)
-        if m and m.group(2) == socket.gethostname() and not _running(int(m.group(1))):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-            removed.append(os.path.join(parent, name))
-    return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's: alive
-        return True
-    return True
+    return sweep_dead(parent, re.escape(f".{base}.") + r"[a-z]+\." + OWNER + r"-[a-z0-9_]{8}")
 
 
 def _umask() -> int:

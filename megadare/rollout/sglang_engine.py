@@ -50,7 +50,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import yaml
 
+from megadare.files import owned_tempdir
 from megadare.models.family import family_of
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, answer_ids, check_generate_call, prompt_seed
 from megadare.rollout.sglang_plugin import (
@@ -318,7 +318,7 @@ class SGLangEngine:
         self.asleep = False
         self._session_open = False
         self._paused = False
-        self._tmpdir = tempfile.mkdtemp(prefix="megadare_sglang_")
+        self._tmpdir = owned_tempdir("megadare_sglang_")  # what SIGKILLed engines (ray.kill) left goes
         self._cleanup = weakref.finalize(self, shutil.rmtree, self._tmpdir, True)
         self.algorithm_config = {
             "block_size": self.block_size,

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from megadare.config import to_yaml
 from megadare.errors import RunStateError
+from megadare.files import temp_of, write_text_atomic
 
 
 def _is_rank0() -> bool:
@@ -129,8 +130,8 @@ def _commit_roll_back(path: str, rolled: str, keep: list[str], later: list[str])
     if os.path.exists(rolled):
         with open(rolled, errors="replace") as f:
             before = [x if x.endswith("\n") else x + "\n" for x in f if x.strip()]
-    _write_whole(rolled + ".new", before + later)
-    _write_whole(path + ".new", keep)
+    write_text_atomic(rolled + ".new", "".join(before + later))
+    write_text_atomic(path + ".new", "".join(keep))
     os.replace(rolled + ".new", rolled)
     os.replace(path + ".new", path)
 
@@ -138,7 +139,7 @@ def _commit_roll_back(path: str, rolled: str, keep: list[str], later: list[str])
 def _finish_roll_back(path: str, rolled: str) -> None:
     """Complete a roll-back that a kill interrupted after its commit (``<path>.new`` in place: steps 3 and 4 of
     ``_commit_roll_back``), or undo one interrupted before it (drop ``<rolled>.new``); temp files go."""
-    for tmp in (path + ".new.tmp", rolled + ".new.tmp"):
+    for tmp in (temp_of(path + ".new"), temp_of(rolled + ".new")):  # write_text_atomic's of the two
         if os.path.exists(tmp):
             os.remove(tmp)
     if os.path.exists(path + ".new"):
@@ -147,20 +148,6 @@ def _finish_roll_back(path: str, rolled: str) -> None:
         os.replace(path + ".new", path)
     elif os.path.exists(rolled + ".new"):
         os.remove(rolled + ".new")
-
-
-def _write_whole(path: str, lines: list[str]) -> None:
-    """``path`` holding ``lines``, never seen half-written: a temp file, on disk, renamed into place."""
-    try:
-        with open(path + ".tmp", "w") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        if os.path.exists(path + ".tmp"):
-            os.remove(path + ".tmp")
-        raise
-    os.replace(path + ".tmp", path)
 
 
 RUN_CONFIG_HEADER = "# the resolved config of this megadare run (rewritten at each start)\n"
@@ -193,4 +180,4 @@ def write_run_config(cfg) -> None:
     replaced in one rename."""
     os.makedirs(cfg.logging.run_dir, exist_ok=True)  # whole or not at all: an empty or torn config.yaml (a kill
     # or a full disk mid-write) no longer reads as the user's own, refusing every later start of the run
-    _write_whole(os.path.join(cfg.logging.run_dir, "config.yaml"), [RUN_CONFIG_HEADER + to_yaml(cfg)])
+    write_text_atomic(os.path.join(cfg.logging.run_dir, "config.yaml"), RUN_CONFIG_HEADER + to_yaml(cfg))

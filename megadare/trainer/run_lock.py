@@ -104,9 +104,9 @@ def _create(path: str, me: dict) -> None:
             os.remove(tmp)
 
 
-def acquire(run_dir: str) -> str:
+def acquire(run_dir: str, key: str = "logging.run_dir") -> str:
     """Create the lock (rank 0); returns a note when a dead run's lock was taken over, else ''. Raises
-    RunStateError when another live (or uncheckable) run holds it."""
+    RunStateError when another live (or uncheckable) run holds it (``key``: the setting that chose the directory)."""
     path = os.path.join(run_dir, LOCK)
     me, note = _me(), ""
     for _ in range(3):
@@ -117,7 +117,7 @@ def acquire(run_dir: str) -> str:
             holder = _read(path)
             why = _holder_dead(holder, me)
             if why is None:
-                raise RunStateError(_in_use(run_dir, holder)) from None
+                raise RunStateError(_in_use(run_dir, holder, key)) from None
             note = f"{path}: took over the lock of pid {holder.get('pid', '?')} on {holder.get('host', '?')}: {why}"
             try:
                 os.remove(path)
@@ -134,11 +134,11 @@ def acquire(run_dir: str) -> str:
     raise RunStateError(f"{path}: could not take the run lock (another run is starting on {run_dir}?)")
 
 
-def _in_use(run_dir: str, holder: dict) -> str:
+def _in_use(run_dir: str, holder: dict, key: str = "logging.run_dir") -> str:
     return (
         f"{run_dir} is in use by pid {holder.get('pid', '?')} on {holder.get('host', '?')} (since "
         f"{holder.get('time', '?')}; {os.path.join(run_dir, LOCK)}): wait for that run, stop it, or use another "
-        "logging.run_dir; if it is gone, remove the lock file"
+        f"{key}; if it is gone, remove the lock file"
     )
 
 
@@ -170,9 +170,10 @@ def lock_dirs(run_dir: str, *also: str) -> list[str]:
 
 
 @contextmanager
-def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
+def run_dir_lock(run_dir: str, *also: str, key: str = "logging.run_dir") -> Iterator[None]:
     """Hold the lock of ``run_dir`` and of each directory in ``also`` outside it (the checkpoint root) for the run
-    (collective: rank 0 takes them, every rank learns the outcome)."""
+    (collective: rank 0 takes them, every rank learns the outcome). ``key``: the setting that chose ``run_dir``;
+    a training run's (``logging.run_dir``) is also refused where it would replace the user's config.yaml."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     dirs = lock_dirs(run_dir, *also)
     outcome, held = [None], []
@@ -180,11 +181,11 @@ def run_dir_lock(run_dir: str, *also: str) -> Iterator[None]:
     if rank0:
         try:
             for d in dirs:
-                note = acquire(d)
+                note = acquire(d, key)
                 held.append(d)
                 if note:
                     print(note, file=sys.stderr, flush=True)
-            outcome[0] = foreign_run_config(run_dir)
+            outcome[0] = foreign_run_config(run_dir) if key == "logging.run_dir" else None
         except RunStateError as e:
             outcome[0] = str(e)
         finally:

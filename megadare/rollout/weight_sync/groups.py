@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import uuid
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 from torch.multiprocessing.reductions import reduce_tensor
 
+from megadare.files import OWNER, owned_name, sweep_dead
 from megadare.rollout.weight_sync.plan import Flat, flat_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -137,10 +139,15 @@ def device_sync(device: Any) -> None:
 _IPC_DEVICE_ARG = 6  # rebuild_cuda_tensor(..., storage_device, ...): the sender's device index (sglang patch_torch.py)
 
 
+SHM_DIR, SHM_PREFIX = "/dev/shm", "megadare_w_"
+
+
 class SharedBuffer:
     """A byte buffer other processes on this host map without a copy: a file in ``/dev/shm`` (CPU) or a CUDA IPC
     handle (GPU). ``handle`` is what :func:`open_shared` takes; a CUDA handle names its GPU by UUID, since the
-    sender's device index means another GPU (or none) in an engine process with its own CUDA_VISIBLE_DEVICES."""
+    sender's device index means another GPU (or none) in an engine process with its own CUDA_VISIBLE_DEVICES.
+    The file is ``megadare_w_<pid>@<host>-<hex>``: a new buffer first removes those of pushes killed mid-way
+    (SIGKILL: no ``close``), never a live process's."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.path: Optional[str] = None
@@ -148,14 +155,16 @@ class SharedBuffer:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.handle: Any = ("cuda", gpu_uuid(device), reduce_tensor(self.tensor))
             return
-        free = os.statvfs("/dev/shm")
+        for left in sweep_dead(SHM_DIR, SHM_PREFIX + OWNER + "-[0-9a-f]{32}"):
+            print(f"weight sync (colocated): removed {left}, left by a killed push", file=sys.stderr, flush=True)
+        free = os.statvfs(SHM_DIR)  # after the sweep: what killed pushes left no longer counts
         if free.f_bavail * free.f_frsize < nbytes:
             raise RuntimeError(
                 f"weight sync (colocated): /dev/shm has {free.f_bavail * free.f_frsize >> 20} MiB free, "
                 f"a bucket needs {nbytes >> 20} MiB; enlarge /dev/shm, lower rollout.bucket_mb or set "
                 "rollout.weight_transport=distributed"
             )
-        self.path = f"/dev/shm/megadare_w_{uuid.uuid4().hex}"
+        self.path = os.path.join(SHM_DIR, owned_name(SHM_PREFIX, uuid.uuid4().hex))
         self.tensor = torch.from_file(self.path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         self.handle = ("shm", self.path, nbytes)
 
