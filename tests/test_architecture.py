@@ -6,6 +6,7 @@ more parameters than a reader can keep apart.
 
 import ast
 import pathlib
+import re
 
 import megadare
 
@@ -113,3 +114,21 @@ def test_no_public_function_only_tests_call():
     assert not unused, f"public names nothing outside tests/ uses (move to tests/, remove, or list why): {unused}"
     stale = sorted(set(ONLY_TESTS_CALL) & used)
     assert not stale, f"ONLY_TESTS_CALL lists names code now uses (drop them from the list): {stale}"
+
+
+def test_every_module_opens_with_a_docstring_naming_real_files():
+    """A newcomer opens a module and reads what it is for first: every module of megadare/ (``__init__`` and
+    ``__main__`` included) starts with a docstring, and a repository path it names (``examples/...``,
+    ``megadare/...``, a glob) exists."""
+    root = pathlib.Path(megadare.__file__).parent
+    bare, stale = [], []
+    for f in sorted(root.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(f.read_text(), filename=str(f)))
+        if not doc:
+            bare.append(str(f.relative_to(root.parent)))
+            continue
+        for path in re.findall(r"(?<![\w/.~])(?:examples|megadare)/[\w./*-]*[\w*]", doc):
+            if not any(root.parent.glob(path)):
+                stale.append(f"{f.relative_to(root.parent)}: {path}")
+    assert not bare, f"modules without a docstring (say in 1-3 lines what the module is for): {bare}"
+    assert not stale, f"module docstrings naming files that do not exist: {stale}"
