@@ -62,12 +62,14 @@ ONLY_TESTS_CALL = {
     "merge_lora": "models/lora.py: in-memory merge, named in README SFT",
     "cached_qwen_tokenizer": "data/qwen_tokenizer.py: the cached real tokenizer (README Data)",
     "preload_ranks": "parallel/launch.py: forkserver ranks for a process that launches many times (tests/conftest.py)",
+    "config_from_dict": "megadare.config: a Config from a dict, for scripts of one's own (no YAML file)",
+    "combine": "megadare.rewards: a weighted sum of rewards for a user's pkg.module:function reward",
 }
 
 
 def _used_names(files) -> set:
     """Names, attributes, imported names and identifier-like strings (getattr, entry points) of these files;
-    ``__all__`` lists do not count as a use."""
+    ``__all__`` lists and a package ``__init__``'s imports (re-exports) do not count as a use."""
     used = set()
     for f in files:
         tree = ast.parse(f.read_text(), filename=str(f))
@@ -79,7 +81,7 @@ def _used_names(files) -> set:
                 used.add(node.id)
             elif isinstance(node, ast.Attribute):
                 used.add(node.attr)
-            elif isinstance(node, ast.alias):
+            elif isinstance(node, ast.alias) and f.name != "__init__.py":
                 used.add(node.name.rpartition(".")[2])
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 used.update(p for p in node.value.replace(":", ".").split(".") if p.isidentifier())
