@@ -84,7 +84,10 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    """weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype) -- the op order of HF's Qwen3RMSNorm."""
+    """weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype) -- the op order of HF's Qwen3RMSNorm.
+
+    Written out again, not models/norm.rms_norm: this model is the independent side of the Megatron parity tests
+    and the built-in rollout engine's model, and models/norm.py imports megatron-core."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
