@@ -62,7 +62,6 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -77,19 +76,12 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
-from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import unwrap_model
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTERS = ("lora_A", "lora_B")
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron's DDP / Float16Module wrappers."""
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk
 
 
 def _seed(seed: int, layer_number: int, name: str) -> int:
@@ -287,7 +279,7 @@ def apply_lora(chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, seed: i
     spec = LoRASpec(rank, alpha, seed)
     names = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         for p in model.parameters():
             p.requires_grad_(False)
         for parent, attr, full, layer_number, seed_name, glu in _targets_in(model, targets):
@@ -295,7 +287,7 @@ def apply_lora(chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, seed: i
             setattr(parent, attr, LoRALinear(base, spec, layer_number, seed_name, glu))
             names.append(full)
     if not names:
-        again = any(isinstance(m, LoRALinear) for c in chunks for m in _unwrap(c).modules())
+        again = any(isinstance(m, LoRALinear) for c in chunks for m in unwrap_model(c).modules())
         raise ValueError(
             "apply_lora: the chunks already carry LoRA adapters"
             if again
@@ -308,7 +300,7 @@ def lora_modules(chunks) -> list[tuple[str, LoRALinear]]:
     out = []
     for i, chunk in enumerate(chunks):
         pre = f"model{i}." if len(chunks) > 1 else ""
-        out += [(pre + n, m) for n, m in _unwrap(chunk).named_modules() if isinstance(m, LoRALinear)]
+        out += [(pre + n, m) for n, m in unwrap_model(chunk).named_modules() if isinstance(m, LoRALinear)]
     return out
 
 
@@ -334,7 +326,7 @@ def merge_lora(chunks) -> list[str]:
     """
     merged = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         for name, mod in list(model.named_modules()):
             if not isinstance(mod, LoRALinear):
                 continue
