@@ -1,3 +1,5 @@
+"""``python -m megadare``: the same command as ``megadare`` (cli.py)."""
+
 import sys
 
 from megadare.cli import main

@@ -25,8 +25,8 @@ def tiny_trainer(layout: dict, hf_dir: str, lr: float = 1e-2):
     return chunks, model, opt, sched, arch, cfg
 
 
-def random_step(model, opt, sched, arch, n_rows: int = 4) -> None:
-    """One optimizer step on random rows (the same rows on every call)."""
+def random_step(model, opt, sched, arch, n_rows: int = 4) -> dict:
+    """One optimizer step on random rows (the same rows on every call); returns train_step's report."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -46,7 +46,7 @@ def random_step(model, opt, sched, arch, n_rows: int = 4) -> None:
         for _ in range(n_rows)
     ]
     mbs = split_for_data_parallel(pack_rows(rows, 20), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank())
-    train_step(Policy(model, opt, sched), mbs, 10.0 * n_rows, RowFormat("bidirectional", 4, arch.vocab_size))
+    return train_step(Policy(model, opt, sched), mbs, 10.0 * n_rows, RowFormat("bidirectional", 4, arch.vocab_size))
 
 
 def stepped_trainer(layout: dict, hf_dir: str, n_rows: int = 4, lr: float = 1e-2):

@@ -6,6 +6,7 @@ more parameters than a reader can keep apart.
 
 import ast
 import pathlib
+import re
 
 import megadare
 
@@ -61,12 +62,14 @@ ONLY_TESTS_CALL = {
     "merge_lora": "models/lora.py: in-memory merge, named in README SFT",
     "cached_qwen_tokenizer": "data/qwen_tokenizer.py: the cached real tokenizer (README Data)",
     "preload_ranks": "parallel/launch.py: forkserver ranks for a process that launches many times (tests/conftest.py)",
+    "config_from_dict": "megadare.config: a Config from a dict, for scripts of one's own (no YAML file)",
+    "combine": "megadare.rewards: a weighted sum of rewards for a user's pkg.module:function reward",
 }
 
 
 def _used_names(files) -> set:
     """Names, attributes, imported names and identifier-like strings (getattr, entry points) of these files;
-    ``__all__`` lists do not count as a use."""
+    ``__all__`` lists and a package ``__init__``'s imports (re-exports) do not count as a use."""
     used = set()
     for f in files:
         tree = ast.parse(f.read_text(), filename=str(f))
@@ -78,7 +81,7 @@ def _used_names(files) -> set:
                 used.add(node.id)
             elif isinstance(node, ast.Attribute):
                 used.add(node.attr)
-            elif isinstance(node, ast.alias):
+            elif isinstance(node, ast.alias) and f.name != "__init__.py":
                 used.add(node.name.rpartition(".")[2])
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 used.update(p for p in node.value.replace(":", ".").split(".") if p.isidentifier())
@@ -113,3 +116,21 @@ def test_no_public_function_only_tests_call():
     assert not unused, f"public names nothing outside tests/ uses (move to tests/, remove, or list why): {unused}"
     stale = sorted(set(ONLY_TESTS_CALL) & used)
     assert not stale, f"ONLY_TESTS_CALL lists names code now uses (drop them from the list): {stale}"
+
+
+def test_every_module_opens_with_a_docstring_naming_real_files():
+    """A newcomer opens a module and reads what it is for first: every module of megadare/ (``__init__`` and
+    ``__main__`` included) starts with a docstring, and a repository path it names (``examples/...``,
+    ``megadare/...``, a glob) exists."""
+    root = pathlib.Path(megadare.__file__).parent
+    bare, stale = [], []
+    for f in sorted(root.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(f.read_text(), filename=str(f)))
+        if not doc:
+            bare.append(str(f.relative_to(root.parent)))
+            continue
+        for path in re.findall(r"(?<![\w/.~])(?:examples|megadare)/[\w./*-]*[\w*]", doc):
+            if not any(root.parent.glob(path)):
+                stale.append(f"{f.relative_to(root.parent)}: {path}")
+    assert not bare, f"modules without a docstring (say in 1-3 lines what the module is for): {bare}"
+    assert not stale, f"module docstrings naming files that do not exist: {stale}"

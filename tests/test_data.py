@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -18,8 +17,8 @@ from megadare.data import (
     exact_match,
     load_records,
     record_to_example,
-    write_jsonl,
 )
+from megadare.eval.files import write_jsonl_atomic
 
 TOK = ByteTokenizer()
 NL = ord("\n")
@@ -251,7 +250,7 @@ def test_build_errors():
 
 def test_file_to_examples(tmp_path):
     path = str(tmp_path / "add.jsonl")
-    write_jsonl(addition_task(20, seed=0), path)
+    write_jsonl_atomic(path, addition_task(20, seed=0))
     exs, stats = build_sft_examples(load_records(path), TOK, max_len=64, source=path)
     assert stats == {"records": 20, "kept": 20, "truncated": 0, "dropped": 0}
     assert all(e.response_ids[-1] == TOK.eos_token_id for e in exs)
@@ -280,18 +279,6 @@ def test_addition_task_leaves_global_rng_alone():
     random.seed(123)
     addition_task(10, seed=5)
     assert random.random() == expected
-
-
-def test_write_jsonl_atomic(tmp_path):
-    path = str(tmp_path / "out.jsonl")
-    recs = addition_task(5, seed=0)
-    write_jsonl(recs, path)
-    assert not os.path.exists(path + ".tmp")
-    assert load_records(path) == recs
-    with pytest.raises(TypeError):
-        write_jsonl([{"bad": object()}], path)
-    assert not os.path.exists(path + ".tmp")
-    assert load_records(path) == recs  # the old file survives a failed write
 
 
 def test_exact_match():

@@ -104,35 +104,11 @@ def _hf_cases(out: dict, name: str, hf_dir: str, ids: torch.Tensor, ref: torch.T
 
 def _train_step(hf_dir: str) -> dict:
     """One SFT-style train_step of the checkpoint's Megatron model (loss, backward, distributed optimizer)."""
-    from megadare.convert import load_hf_into_model
-    from megadare.data.rows import Row, pack_rows
-    from megadare.models import gpt
-    from megadare.models.family import family_of, read_hf_config
-    from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
-    from megadare.trainer.policy import Policy
-    from megadare.trainer.step import RowFormat, train_step
+    from dist import random_step, tiny_trainer
 
-    cfg = read_hf_config(hf_dir)
-    arch = family_of(cfg).arch(cfg)
     torch.manual_seed(0)
-    chunks = gpt.build_model_chunks(arch, gpt.transformer_config(arch), attention_backend="sdpa")
-    load_hf_into_model(chunks, hf_dir)
-    model = wrap_ddp(chunks, True)
-    opt, sched = build_optimizer(model, OptimSettings(lr=1e-3, total_steps=2))
-    g = torch.Generator().manual_seed(0)
-    rows = [
-        Row(
-            tokens=torch.randint(0, 250, (10,), generator=g),
-            labels=torch.randint(0, 250, (10,), generator=g),
-            weight=torch.ones(10),
-            position_ids=torch.arange(10),
-            denom=10.0,
-        )
-        for _ in range(4)
-    ]
-    report = train_step(
-        Policy(model, opt, sched), pack_rows(rows, 20), 40.0, RowFormat("bidirectional", 4, arch.vocab_size)
-    )
+    _, model, opt, sched, arch, _ = tiny_trainer({}, hf_dir, lr=1e-3)
+    report = random_step(model, opt, sched, arch)
     return {k: report[k] for k in ("loss", "grad_norm")}
 
 

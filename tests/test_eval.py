@@ -351,6 +351,10 @@ def test_atomic_jsonl_leaves_no_temp_files(tmp_path):
     write_jsonl_atomic(str(out), [{"a": 3}])
     assert [json.loads(x) for x in out.read_text().splitlines()] == [{"a": 3}]
     assert os.listdir(tmp_path / "sub") == ["rows.jsonl"]
+    with pytest.raises(TypeError):
+        write_jsonl_atomic(str(out), [{"bad": object()}])
+    assert [json.loads(x) for x in out.read_text().splitlines()] == [{"a": 3}]  # a failed write keeps the old file
+    assert os.listdir(tmp_path / "sub") == ["rows.jsonl"]
 
 
 _KILLED_MID_WRITE = """

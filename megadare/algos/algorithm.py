@@ -140,7 +140,6 @@ class ValueModelSettings:
 
 class Algorithm(ABC):
     name: ClassVar[str] = ""
-    paper: ClassVar[str] = ""
     needs_trace: ClassVar[bool] = False  # rollout contract: commit steps per token
     replays_edits: ClassVar[bool] = False  # its trace replay scores token edits (superseded commits)
     needs_step_predictions: ClassVar[bool] = False

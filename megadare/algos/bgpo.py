@@ -34,7 +34,6 @@ from megadare.algos.policy_loss import clip_surrogate
 
 class BGPO(Algorithm):
     name = "bgpo"
-    paper = "arXiv:2510.11683"
     defaults = {"eps_low": 0.2, "n_mc": 16}
 
     def views(self, s, arch, block_size, g):

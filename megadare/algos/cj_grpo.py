@@ -30,7 +30,6 @@ from megadare.diffusion.trace_replay import replay_views, trace_commits
 
 class CJGRPO(Algorithm):
     name = "cj_grpo"
-    paper = "arXiv:2509.23924"
     needs_trace = True
     replays_edits = True
     defaults = {"eps_low": 0.2}

@@ -28,7 +28,6 @@ from megadare.diffusion.corruption import CleanSequence, coupled
 
 class CoupledGRPO(Algorithm):
     name = "coupled_grpo"
-    paper = "arXiv:2506.20639"
     defaults = {"eps_low": 0.5, "kl_coef": 0.01, "kl_anchor": "ref", "kl_estimator": "k3", "t_low": 0.2, "t_high": 0.8}
 
     def views(self, s, arch, block_size, g):

@@ -37,7 +37,6 @@ from megadare.diffusion.corruption import CleanSequence, one_step
 class D1(Algorithm):
     name = "d1"
     redraw_corruptions = True
-    paper = "arXiv:2504.12216"
     defaults = {"eps_low": 0.5, "kl_coef": 0.04, "kl_anchor": "ref", "kl_estimator": "k3", "p_prompt": 0.15}
 
     def views(self, s, arch, block_size, g):

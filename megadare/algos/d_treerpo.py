@@ -102,7 +102,6 @@ def sd_schedule(step: int, p: dict) -> tuple[float, float]:
 
 class DTreeRPO(Algorithm):
     name = "d_treerpo"
-    paper = "arXiv:2512.09675"
     own_rollout = True
     defaults = {
         "eps_low": 0.4,

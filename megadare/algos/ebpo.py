@@ -58,7 +58,6 @@ def block_elbo_views(
 
 class EBPO(Algorithm):
     name = "ebpo"
-    paper = "arXiv:2602.08676"
     defaults = {"eps_low": 0.2, "kl_estimator": "k2", "kl_anchor": "ref", "n_mc": 16}
 
     def views(self, s, arch, block_size, g):

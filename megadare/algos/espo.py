@@ -54,7 +54,6 @@ def stratified_counts(lengths: list[int], n_mc: int, g: torch.Generator) -> list
 
 class ESPO(Algorithm):
     name = "espo"
-    paper = "arXiv:2512.03759"
     redraw_corruptions = True
     defaults = {"eps_low": 0.2, "kl_coef": 1e-3, "kl_anchor": "ref", "kl_estimator": "k2", "n_mc": 2}
 

@@ -38,7 +38,6 @@ from megadare.errors import ConfigError
 
 class JustGRPO(Algorithm):
     name = "justgrpo"
-    paper = "arXiv:2601.15165"
     defaults = {"eps_low": 0.2, "dual_clip": 3.0, "kl_coef": 0.0, "loss_agg": "token_mean"}
 
     def check_config(self, cfg, arch) -> None:

@@ -100,7 +100,6 @@ def top_steps(samples: list[RLSample], k: int, scope: str) -> None:
 
 class MDPO(Algorithm):
     name = "mdpo"
-    paper = "arXiv:2508.13148"
     needs_trace = True
     needs_step_predictions = True
     defaults = {"eps_low": 0.2, "top_k_steps": 16, "top_k_scope": "batch", "loss_agg": "seq_mean_token_sum"}

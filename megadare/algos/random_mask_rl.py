@@ -29,7 +29,6 @@ from megadare.diffusion.corruption import CleanSequence, random_mask
 
 class RandomMaskRL(DllmRlLoss):
     name = "random_mask_rl"
-    paper = "arXiv:2509.06949"
     defaults = {
         **TRACERL_LOSS,
         "p_low": 0.1,

@@ -70,7 +70,6 @@ ESTIMATORS = ("block", "dare")
 
 class SPG(Algorithm):
     name = "spg"
-    paper = "arXiv:2510.09541"
     lse_beta = "eubo_beta"
     clipped_ratio = False
     defaults = {

@@ -141,7 +141,6 @@ def stamp_step_width(samples: list[RLSample]) -> None:
 
 class TraceRL(DllmRlLoss):
     name = "tracerl"
-    paper = "arXiv:2509.06949"
     needs_trace = True
     replays_edits = True
     defaults = {

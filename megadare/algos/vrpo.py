@@ -70,7 +70,6 @@ def concat_rows(rows: list[Row]) -> Row:
 
 class VRPO(Algorithm):
     name = "vrpo"
-    paper = "arXiv:2505.19223"
     clipped_ratio = False
     defaults = {"beta": 0.2, "n_mc": 4, "kl_anchor": "ref", "margin_norm": "none", "canvas_length": None}
 

@@ -9,7 +9,7 @@ global shape that does not depend on TP/PP/EP/VPP: a checkpoint saved under one 
 * ``write_tensors``: one process writes a checkpoint tensor by tensor (the HF -> Megatron converter). It uses
   torch.distributed.checkpoint directly with a planner that produces each tensor only when the writer asks
   for it, so peak memory stays near the largest tensor, not the model.
-* ``read_tensor`` / ``checkpoint_keys``: read one tensor at a time (the Megatron -> HF converter).
+* ``read_tensors`` / ``checkpoint_keys``: read only the named tensors (the Megatron -> HF converter).
 
 The checkpoint directory also holds ``hf/`` (the source config.json and tokenizer files) so an export needs
 nothing but the checkpoint.

@@ -13,7 +13,7 @@ from megadare.data.sft_data import (
 )
 from megadare.data.files import load_many, load_rows
 from megadare.data.preference_data import PreferenceExample, load_preference_examples
-from megadare.data.synthetic import addition_task, exact_match, write_jsonl
+from megadare.data.synthetic import addition_task, exact_match
 from megadare.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
@@ -31,6 +31,5 @@ __all__ = [
     "record_to_example",
     "build_sft_examples",
     "addition_task",
-    "write_jsonl",
     "exact_match",
 ]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from typing import Iterable
 
-__all__ = ["addition_task", "reverse_task", "write_jsonl", "exact_match"]
+__all__ = ["addition_task", "reverse_task", "exact_match"]
 
 
 def addition_task(n: int, seed: int, max_operand: int = 99) -> list[dict]:
@@ -54,19 +52,6 @@ def reverse_task(
         response = answer if rng.random() < correct_fraction else s
         records.append({"prompt": f"{s}>", "response": response, "answer": answer})
     return records
-
-
-def write_jsonl(records: Iterable[dict], path: str) -> None:
-    """Write one JSON object per line, atomically (``path + '.tmp'`` then ``os.replace``)."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def exact_match(response_text: str, answer: str) -> bool:

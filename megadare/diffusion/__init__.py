@@ -1,5 +1,5 @@
-"""Diffusion core: noise schedules, masking (random, block, complementary), SFT corruptions and the ELBO weights;
-the views (views.py), corruption samplers (corruption.py) and trace replay (trace_replay.py) of the RL
+"""Diffusion core: noise schedules, masking (random, block, complementary) and the ELBO weights, shared by SFT
+(algos/sft.py) and RL; the views (views.py), corruption samplers (corruption.py) and trace replay (trace_replay.py) of the RL
 likelihood estimators.
 
 Masked-diffusion language models (LLaDA arXiv:2502.09992, MDLM arXiv:2406.07524) corrupt a clean response

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megadare.diffusion.masking import mask_tokens
+from megadare.diffusion.masking import complementary, mask_tokens
 from megadare.diffusion.views import View
 
 
@@ -130,7 +130,7 @@ def coupled(seq: CleanSequence, g: torch.Generator, t_low: float = 0.2, t_high: 
     resp = torch.arange(P + L) >= P
     full = resp.clone()
     b = (u < t) & resp
-    c = resp & ~b
+    c = complementary(b, resp)
     return [
         seq.view(full, torch.full((P + L,), 0.5), "token", 0),
         seq.view(b, torch.full((P + L,), 0.5 / t), "token", 1),

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megadare.models.mapping import build_table
-from megadare.models.family import Family, MaskKind, ModelArch, canonical_config, register
+from megadare.models.family import MaskKind, ModelArch, canonical_config, register
 from megadare.models.sdar import QWEN_NAMES, qwen_common
-from megadare.models.hf import DecoderLM
+from megadare.models.hf import decoder_family
 
 MASK_TOKEN_ID = 151666
 _L = "model.layers.{i}."
@@ -65,18 +64,4 @@ def tiny_config(**over) -> dict:
     return cfg
 
 
-def _hf(cfg: dict):
-    return DecoderLM(arch(cfg), NAMES)
-
-
-DREAM = register(
-    Family(
-        name="dream",
-        architectures=("DreamModel",),
-        arch=arch,
-        hf_model=_hf,
-        mapping=lambda c: build_table(arch(c), NAMES),
-        tiny_config=tiny_config,
-        extra={"ignore_hf": ("rotary_emb.inv_freq",)},
-    )
-)
+DREAM = register(decoder_family("dream", "DreamModel", arch, NAMES, tiny_config, ignore_hf=("rotary_emb.inv_freq",)))

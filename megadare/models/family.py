@@ -1,7 +1,7 @@
 """What every model family states, and the registry that recognises a checkpoint's family.
 
-A family file (sdar.py, llada2.py, llada.py, dream.py) defines one or more ``Family`` objects and registers
-them. A family is recognised by the ``architectures`` entry of the checkpoint's config.json. The family is the
+A family file (sdar.py, llada2.py, llada.py, dream.py) defines one or more ``Family`` objects (with
+``models.hf.decoder_family``) and registers them. A family is recognised by the ``architectures`` entry of the checkpoint's config.json. The family is the
 single place that states: the mask token id, the default block size, the attention kind, how config.json maps
 to a Megatron ``TransformerConfig`` and layer spec, and the one HF <-> Megatron parameter table.
 """
@@ -102,7 +102,7 @@ class ModelArch:
 
 @dataclass
 class Family:
-    """One model family. Concrete families fill in the callables in their own file."""
+    """One model family. Concrete families fill in the callables in their own file (``models.hf.decoder_family``)."""
 
     name: str
     architectures: tuple[str, ...]

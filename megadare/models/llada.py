@@ -14,9 +14,9 @@ Rejected: include_bias true, attention_layer_norm true, block_type other than "l
 
 from __future__ import annotations
 
-from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
-from megadare.models.hf import DecoderLM
+from megadare.models.mapping import HFNames
+from megadare.models.family import MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.hf import decoder_family
 
 MASK_TOKEN_ID = 126336
 _B = "model.transformer.blocks.{i}."
@@ -92,17 +92,4 @@ def tiny_config(**over) -> dict:
     return cfg
 
 
-def _hf(cfg: dict):
-    return DecoderLM(arch(cfg), NAMES)
-
-
-LLADA = register(
-    Family(
-        name="llada",
-        architectures=("LLaDAModelLM",),
-        arch=arch,
-        hf_model=_hf,
-        mapping=lambda c: build_table(arch(c), NAMES),
-        tiny_config=tiny_config,
-    )
-)
+LLADA = register(decoder_family("llada", "LLaDAModelLM", arch, NAMES, tiny_config))

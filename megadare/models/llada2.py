@@ -28,9 +28,9 @@ recorded trace is the trainer's), so its 2.1 decodes differ from the publisher's
 
 from __future__ import annotations
 
-from megadare.models.mapping import HFNames, build_table
-from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
-from megadare.models.hf import DecoderLM
+from megadare.models.mapping import HFNames
+from megadare.models.family import MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
+from megadare.models.hf import decoder_family
 
 MASK_TOKEN_ID = 156895
 BLOCK_SIZE = 32
@@ -155,17 +155,4 @@ def tiny_config(**over) -> dict:
     return cfg
 
 
-def _hf(cfg: dict):
-    return DecoderLM(arch(cfg), NAMES)
-
-
-LLADA2 = register(
-    Family(
-        name="llada2",
-        architectures=("LLaDA2MoeModelLM",),
-        arch=arch,
-        hf_model=_hf,
-        mapping=lambda c: build_table(arch(c), NAMES),
-        tiny_config=tiny_config,
-    )
-)
+LLADA2 = register(decoder_family("llada2", "LLaDA2MoeModelLM", arch, NAMES, tiny_config))

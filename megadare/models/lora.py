@@ -62,7 +62,6 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.distributed import DistributedDataParallel
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -77,19 +76,12 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
-from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import unwrap_model
 
 DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTERS = ("lora_A", "lora_B")
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The model inside megatron's DDP / Float16Module wrappers."""
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk
 
 
 def _seed(seed: int, layer_number: int, name: str) -> int:
@@ -131,12 +123,6 @@ class LoRALinear(torch.nn.Module):
             raise TypeError(f"{name}: LoRA wraps ColumnParallelLinear / RowParallelLinear, not {type(base).__name__}")
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        tp = base.tp_group.size()
-        if getattr(base, "explicit_expert_comm", False) and tp > 1:
-            raise ValueError(
-                f"{name}: LoRA on routed experts split by expert tensor parallelism ({tp} ranks) is not supported; "
-                "leave the experts out of LoRA (the default) or use parallel.ep > 1 with parallel.etp=1"
-            )
         self.base = base
         self.enabled = True  # False: the base layer alone (the reference model of RL)
         self.r = int(rank)
@@ -161,8 +147,7 @@ class LoRALinear(torch.nn.Module):
         sharded = self.lora_B if self.kind == "column" else self.lora_A
         set_tensor_model_parallel_attributes(sharded, True, 0 if self.kind == "column" else 1, 1)
         for p in (self.lora_A, self.lora_B):
-            # expert params under EP are reduced over the expert-data-parallel group, like their base weight
-            setattr(p, "allreduce", getattr(w, "allreduce", True))
+            setattr(p, "allreduce", getattr(w, "allreduce", True))  # reduced over data parallel like the weight
         self._register_state_dict_hook(_strip_base_prefix)
         self._register_load_state_dict_pre_hook(_add_base_prefix)
 
@@ -180,15 +165,13 @@ class LoRALinear(torch.nn.Module):
         """s * B(A(x)) laid out like the base layer's output (sharded / SP-scattered as the base's)."""
         base = self.base
         g = base.tp_group
-        expert = getattr(base, "explicit_expert_comm", False)
         A, B = self.lora_A, self.lora_B
         if self.kind == "column":
-            if base.sequence_parallel and not expert:
+            if base.sequence_parallel:
                 # full sequence for A; the grad of x_full is complete on every rank -> backward only splits
                 x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=g)
             z = F.linear(x.to(A.dtype), A)
-            if not expert:
-                z = copy_to_tensor_model_parallel_region(z, group=g)  # bwd: sum the B-shard partials
+            z = copy_to_tensor_model_parallel_region(z, group=g)  # bwd: sum the B-shard partials
             y = F.linear(z, B) * self.scaling
             if gather_output:
                 y = gather_from_tensor_model_parallel_region(y, group=g)
@@ -196,10 +179,9 @@ class LoRALinear(torch.nn.Module):
         if not base.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, group=g)
         z = F.linear(x.to(A.dtype), A)
-        if not expert:
-            z = reduce_from_tensor_model_parallel_region(z, group=g)  # sum of input-shard partials
+        z = reduce_from_tensor_model_parallel_region(z, group=g)  # sum of input-shard partials
         y = F.linear(z, B) * self.scaling
-        if base.sequence_parallel and not expert:
+        if base.sequence_parallel:
             y = scatter_to_sequence_parallel_region(y, group=g)  # like the base's reduce-scatter
         return y
 
@@ -266,23 +248,9 @@ def _add_base_prefix(state_dict, prefix, *_):  # torch's load pre-hook also pass
 
 
 # ====================================================================== model-level API
-def _global_expert_name(layer, rel: str) -> str:
-    """``mlp.experts.local_experts.<i>.X`` -> ``mlp.experts.<global i>.X`` (init independent of EP)."""
-    parts = rel.split(".")
-    if "local_experts" not in parts:
-        return rel
-    i = parts.index("local_experts")
-    experts = layer.get_submodule(".".join(parts[:i]))
-    offset = 0
-    ep_group = getattr(experts, "ep_group", None)
-    if ep_group is not None:
-        offset = ep_group.rank() * experts.num_local_experts
-    parts[i : i + 2] = [str(offset + int(parts[i + 1]))]
-    return ".".join(parts)
-
-
-def _targets_in(chunk: torch.nn.Module, targets: Iterable[str], include_experts: bool):
-    """(parent, attr, full name, layer number, name for the seed, glu) of each wrappable linear."""
+def _targets_in(chunk: torch.nn.Module, targets: Iterable[str]):
+    """(parent, attr, full name, layer number, name in the layer (the seed's), glu) of each wrappable linear; the
+    routed experts' are left out (their expert-parallel communication is not the TP scheme of the module doc)."""
     targets = set(targets)
     found = []
     for lname, layer in chunk.named_modules():
@@ -294,19 +262,15 @@ def _targets_in(chunk: torch.nn.Module, targets: Iterable[str], include_experts:
             parent_name, _, attr = rel.rpartition(".")
             if attr not in targets or not isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 continue
-            if ".experts." in f".{rel}." and not include_experts:
+            if ".experts." in f".{rel}.":
                 continue
             parent = layer.get_submodule(parent_name) if parent_name else layer
             glu = attr == "linear_fc1" and isinstance(parent, MLP) and bool(parent.config.gated_linear_unit)
-            found.append(
-                (parent, attr, f"{lname}.{rel}", int(layer.layer_number), _global_expert_name(layer, rel), glu)
-            )
+            found.append((parent, attr, f"{lname}.{rel}", int(layer.layer_number), rel, glu))
     return found
 
 
-def apply_lora(
-    chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, include_experts: bool = False, seed: int = 0
-) -> list[str]:
+def apply_lora(chunks, rank: int, alpha: float, targets=DEFAULT_TARGETS, seed: int = 0) -> list[str]:
     """Wrap the matching linears of every chunk in ``LoRALinear`` and freeze all other parameters.
 
     Call it on the bare chunks (before ``wrap_ddp`` / ``build_optimizer``). The adapters' init depends only on
@@ -315,15 +279,15 @@ def apply_lora(
     spec = LoRASpec(rank, alpha, seed)
     names = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         for p in model.parameters():
             p.requires_grad_(False)
-        for parent, attr, full, layer_number, seed_name, glu in _targets_in(model, targets, include_experts):
+        for parent, attr, full, layer_number, seed_name, glu in _targets_in(model, targets):
             base = getattr(parent, attr)
             setattr(parent, attr, LoRALinear(base, spec, layer_number, seed_name, glu))
             names.append(full)
     if not names:
-        again = any(isinstance(m, LoRALinear) for c in chunks for m in _unwrap(c).modules())
+        again = any(isinstance(m, LoRALinear) for c in chunks for m in unwrap_model(c).modules())
         raise ValueError(
             "apply_lora: the chunks already carry LoRA adapters"
             if again
@@ -336,7 +300,7 @@ def lora_modules(chunks) -> list[tuple[str, LoRALinear]]:
     out = []
     for i, chunk in enumerate(chunks):
         pre = f"model{i}." if len(chunks) > 1 else ""
-        out += [(pre + n, m) for n, m in _unwrap(chunk).named_modules() if isinstance(m, LoRALinear)]
+        out += [(pre + n, m) for n, m in unwrap_model(chunk).named_modules() if isinstance(m, LoRALinear)]
     return out
 
 
@@ -362,7 +326,7 @@ def merge_lora(chunks) -> list[str]:
     """
     merged = []
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap_model(chunk)
         for name, mod in list(model.named_modules()):
             if not isinstance(mod, LoRALinear):
                 continue

@@ -42,6 +42,9 @@ PASSTHROUGH_FILES = (
 )
 
 
+# Our own header reading (``_header``) and dtype table, not safetensors' ``safe_open``: safe_open maps the whole file
+# (mmap) and exposes no data offsets, and the reader wants plain reads of one tensor's bytes (module doc);
+# safetensors' own table (safetensors.torch._TYPES) is private.
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,

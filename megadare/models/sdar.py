@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megadare.models.mapping import HFNames, build_table
+from megadare.models.mapping import HFNames
 from megadare.models.family import Family, MaskKind, ModelArch, ModelConfigError, canonical_config, register, require
-from megadare.models.hf import DecoderLM
+from megadare.models.hf import decoder_family
 
 MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
@@ -144,14 +144,13 @@ def _tiny(moe: bool, **over) -> dict:
 
 def _family(name: str, architecture: str, moe: bool) -> Family:
     """The dense (Qwen3 weights) or MoE (Qwen3-MoE weights) SDAR family; ``moe`` picks the config keys."""
-    return Family(
-        name=name,
-        architectures=(architecture,),
-        arch=lambda c: _arch(c, moe),
-        hf_model=lambda c: DecoderLM(_arch(c, moe), NAMES),
-        mapping=lambda c: build_table(_arch(c, moe), NAMES),
-        tiny_config=lambda **o: _tiny(moe, **o),
-        extra={"ignore_hf": ("rotary_emb.inv_freq",)},
+    return decoder_family(
+        name,
+        architecture,
+        lambda c: _arch(c, moe),
+        NAMES,
+        lambda **o: _tiny(moe, **o),
+        ignore_hf=("rotary_emb.inv_freq",),
     )
 
 

@@ -193,12 +193,12 @@ def cuda_in_use() -> bool:
     return torch.cuda.is_available()
 
 
-def install_cpu_compat(force: bool = False) -> bool:
+def install_cpu_compat() -> bool:
     """Install the layer (idempotent). Returns True if it is active. Does nothing when CUDA is available."""
     global _INSTALLED, _MODE
     if _INSTALLED:
         return True
-    if cuda_in_use() and not force:
+    if cuda_in_use():
         return False
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()

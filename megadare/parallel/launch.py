@@ -1,9 +1,10 @@
 """Run a function in N local processes with torch.distributed env vars set (CPU gloo runs, tests, the demo).
 
 ``spawn(fn, world_size, *args)`` starts ``world_size`` processes (start method 'spawn'; 'forkserver' after
-``preload_ranks``), calls
-``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in any rank is raised in
-the parent with that rank's traceback (megadare's own one-line errors as themselves, the traceback as their cause); a hung collective fails after ``timeout_s`` instead of hanging.
+``preload_ranks``), calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in
+any rank is raised in the parent with that rank's traceback (megadare's own one-line errors as themselves, the
+traceback as their cause); a hung collective fails after ``timeout_s`` instead of hanging. (torch.multiprocessing's
+own ``spawn`` returns no results and waits for a hung rank forever: hence this one, on its processes.)
 """
 
 from __future__ import annotations

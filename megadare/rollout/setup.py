@@ -1,7 +1,7 @@
 """The rollout side of a run, from its config: the sampling parameters (train and evaluation) and the engine
 actors (built-in or SGLang) behind a Ray rollout manager. The RL trainer and ``megadare eval`` both start here.
 
-``cfg`` is the run's ``megadare.config.Config`` (read, never changed); this layer sits below config.py, so it takes
+``cfg`` is the run's ``megadare.config.Config`` (read, never changed); this layer sits below megadare.config, so it takes
 the object without importing its type.
 """
 

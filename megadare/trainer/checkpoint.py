@@ -93,6 +93,8 @@ class Provenance:
 
 
 def _unwrap(chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The models inside megatron's DDP (one level: megadare wraps nothing else). Not megatron.core.utils'
+    unwrap_model: this module imports no megatron at its top."""
     return [getattr(c, "module", c) for c in chunks]
 
 

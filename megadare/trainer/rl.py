@@ -1,7 +1,7 @@
 """The RL loop: prompts -> Ray-managed rollout engines -> rewards -> advantages -> the algorithm's rows ->
 Megatron train step(s) -> weight sync -> next step.
 
-    megadare rl --config examples/configs/rl_sdar_tiny.yaml [--nproc N] [key=value ...]
+    megadare rl --config examples/configs/sdar_tiny.yaml [--nproc N] [key=value ...]
 
 Every rank runs this function (torchrun / Slurm / ``--nproc``); rank 0 owns the Ray engines, scores rewards and
 broadcasts the step's samples; all ranks build the same rows (corruptions seeded per (seed, step, sample)), take

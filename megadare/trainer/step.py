@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
+from megatron.core.utils import unwrap_model
 
 from megadare.data.rows import MB_COLUMNS, MicroBatch
 from megadare.models.family import MaskKind
@@ -137,10 +138,7 @@ def _to(mb: MicroBatch, device: torch.device) -> MicroBatch:
 
 def head_settings(chunks: list[torch.nn.Module]) -> HeadSettings:
     """How the model chunks compute their output layer (``DLLMGPTModel.head_settings``, inside any wrapper)."""
-    m = chunks[-1]
-    while hasattr(m, "module"):
-        m = m.module
-    return getattr(m, "head_settings", HeadSettings())
+    return getattr(unwrap_model(chunks[-1]), "head_settings", HeadSettings())
 
 
 def _targets(

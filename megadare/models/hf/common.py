@@ -12,16 +12,16 @@ softmax top-k (Qwen3-MoE) and sigmoid + expert bias + group-limited top-k + rout
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from megadare.models.mapping import HFNames
+from megadare.models.mapping import HFNames, build_table
 from megadare.models.attention import MaskSpec, bidirectional, block_causal
-from megadare.models.family import ModelArch
+from megadare.models.family import Family, ModelArch
 
 
 class KVCache:
@@ -84,7 +84,10 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    """weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype) -- the op order of HF's Qwen3RMSNorm."""
+    """weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype) -- the op order of HF's Qwen3RMSNorm.
+
+    Written out again, not models/norm.rms_norm: this model is the independent side of the Megatron parity tests
+    and the built-in rollout engine's model, and models/norm.py imports megatron-core."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -458,3 +461,19 @@ class _Layer:
         shared = moe and model.arch.num_shared_experts
         self.shared = (get(n.shared_gate), get(n.shared_up), get(n.shared_down)) if shared else None
         self.stacked: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # DecoderLM.stack_experts
+
+
+def decoder_family(
+    name: str, architecture: str, arch: Callable[[dict], ModelArch], names: HFNames, tiny_config, **extra: Any
+) -> Family:
+    """A family whose hf/ model is this ``DecoderLM`` and whose parameter table is ``build_table``, both named by
+    ``names`` (every family megadare ships)."""
+    return Family(
+        name=name,
+        architectures=(architecture,),
+        arch=arch,
+        hf_model=lambda c: DecoderLM(arch(c), names),
+        mapping=lambda c: build_table(arch(c), names),
+        tiny_config=tiny_config,
+        extra=extra,
+    )

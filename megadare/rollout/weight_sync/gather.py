@@ -26,6 +26,7 @@ from megadare.rollout.weight_sync.plan import (
     Transform,
     flat_layout,
     local_shards,
+    nbytes,
     plain_hf,
     shard_signature,
 )
@@ -34,8 +35,8 @@ from megadare.rollout.weight_sync.plan import (
 Alloc = Callable[[int], torch.Tensor]
 
 
-def _empty(nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+def _empty(n: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.uint8, device=device)
 
 
 def current_shards(chunks, plan: SyncPlan, rank: int) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
@@ -64,7 +65,7 @@ def _received_pieces(bucket: Bucket, bufs: dict[int, torch.Tensor]) -> dict[str,
     for rank, ps in bucket.sources.items():
         for p in ps:
             dtype = bucket.key_dtype[p.key]
-            n = int(torch.Size(p.shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            n = nbytes(p.shape, dtype)
             out.setdefault(p.key, []).append((p.offset, bufs[rank][p.at : p.at + n].view(dtype).view(p.shape)))
     return out
 

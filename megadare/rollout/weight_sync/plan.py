@@ -42,8 +42,9 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    return int(torch.Size(shape).numel()) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Flat:
 
     @property
     def nbytes(self) -> int:
-        return sum(self.numels) * torch.empty((), dtype=self.dtype).element_size()
+        return sum(self.numels) * self.dtype.itemsize
 
     def views(self, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) views into ``buf`` (bytes, or a tensor of ``dtype``) of this layout."""
@@ -94,7 +95,7 @@ class Bucket:
     def source_bytes(self, rank: int) -> int:
         """Size of the byte buffer ``rank`` sends for this bucket."""
         ps = self.sources.get(rank, [])
-        return ps[-1].at + _aligned(_nbytes(ps[-1].shape, self.key_dtype[ps[-1].key])) if ps else 0
+        return ps[-1].at + _aligned(nbytes(ps[-1].shape, self.key_dtype[ps[-1].key])) if ps else 0
 
 
 @dataclass
@@ -238,7 +239,7 @@ def _buckets(
     size = 0
     for r in ordered:
         outs = _outputs(r, meta, transform)
-        n = sum(_nbytes(s, d) for _, d, s in outs)
+        n = sum(nbytes(s, d) for _, d, s in outs)
         if groups[-1] and size + n > bucket_bytes:
             groups.append([])
             size = 0
@@ -261,5 +262,5 @@ def _bucket(group: list[tuple[ParamMap, list]], meta: dict, pieces: dict, sender
                 continue
             pos = at.get(rank, 0)
             bucket.sources.setdefault(rank, []).append(Piece(p.key, p.offset, p.shape, pos))
-            at[rank] = pos + _aligned(_nbytes(p.shape, meta[r.mcore][1]))
+            at[rank] = pos + _aligned(nbytes(p.shape, meta[r.mcore][1]))
     return bucket
