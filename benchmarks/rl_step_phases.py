@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import subprocess
@@ -68,6 +69,15 @@ class PhaseClock:
     def __init__(self):
         self.on, self.total, self.first, self.running = False, {}, {}, set()
         self.saved: list[tuple[Any, str, Any]] = []
+        self.gc_t0, self.gc_s = 0.0, {0: 0.0, 1: 0.0, 2: 0.0}
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        """The garbage collector's seconds per generation while ``on`` (spread over the phases it interrupts)."""
+        if phase == "start":
+            self.gc_t0 = time.perf_counter()
+        elif self.on:
+            self.gc_s[info["generation"]] += time.perf_counter() - self.gc_t0
 
     def wrap(self, module: Any, name: str, phase: str, inside: str = "") -> None:
         fn = getattr(module, name)
@@ -90,6 +100,7 @@ class PhaseClock:
         setattr(module, name, timed)
 
     def close(self) -> None:
+        gc.callbacks.remove(self._gc)
         for module, name, fn in reversed(self.saved):
             setattr(module, name, fn)
         self.saved.clear()
@@ -146,6 +157,11 @@ def step_table(history: list[dict], clock: PhaseClock, steps: int) -> None:
     print(f"phase split over {n} steady steps (steps 2..{steps - 1}; mean seconds, share of the step):")
     for name, s in rows:
         print(f"  {name:30s} {s:8.4f}  {100 * s / step:5.1f}%")
+    g = {k: v / n for k, v in clock.gc_s.items()}
+    print(
+        f"  garbage collection inside these phases: {g[2]:.4f} s full, {g[0] + g[1]:.4f} s young "
+        f"({100 * (g[0] + g[1] + g[2]) / step:.1f}% of the step)"
+    )
     print(
         f"  outside the train steps' forward/backward: {step - fb:.4f} s, {100 * (step - fb) / step:.1f}% of the step"
     )
@@ -434,6 +450,9 @@ def main() -> None:
     ap.add_argument("--baseline", default="f34a189", help="commit whose row building is the baseline")
     ap.add_argument("--long", type=int, default=512, help="also rows of 16 samples of this response length (0: no)")
     ap.add_argument("--chunk-before", type=int, default=16, help="rollout request size of the rollout baseline")
+    ap.add_argument(
+        "--no-freeze", action="store_true", help="baseline: the steps run without the set-up heap frozen (rl.py)"
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     if a.steps < 3:
@@ -447,7 +466,7 @@ def main() -> None:
 
     imports_s = time.perf_counter() - t0
     captured: dict = {}
-    update, rl_step = rl_update.update, rl.rl_step
+    update, rl_step, frozen = rl_update.update, rl.rl_step, rl.set_up_heap_frozen
     clock = PhaseClock()
     clocked(clock)
 
@@ -469,6 +488,8 @@ def main() -> None:
             clock.on = False
 
     rl_update.update, rl.rl_step = keep_last, counted_step
+    if a.no_freeze:
+        rl.set_up_heap_frozen = contextlib.nullcontext
     with tempfile.TemporaryDirectory() as tmp:
         over = [f"rl.steps={a.steps}", f"logging.run_dir={tmp}", "checkpoint.save_interval=0", "rl.eval_size=4"]
         cfg = load_config(
@@ -476,7 +497,7 @@ def main() -> None:
         )
         captured["t_run"] = time.perf_counter()
         out = rl.run_rl(cfg)
-    rl_update.update, rl.rl_step = update, rl_step
+    rl_update.update, rl.rl_step, rl.set_up_heap_frozen = update, rl_step, frozen
     clock.close()
     print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} after the run")
     startup_table(clock, imports_s, captured["first_step_s"])
