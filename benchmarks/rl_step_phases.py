@@ -1,17 +1,22 @@
 """Where one RL step's time goes, and what this branch's changes save, old and new code in one process.
 
-    python benchmarks/rl_step_phases.py [--steps 8] [--rounds 5] [--baseline f34a189] [--long 512] [key=value ...]
+    python benchmarks/rl_step_phases.py [--steps 8] [--rounds 5] [--baseline f34a189] [--long 512]
+                                        [--chunk-before 16] [key=value ...]
 
 The ``--baseline`` commit's functions are read with ``git show`` and swapped in for the "before" rounds (rounds
 alternate with the current code); f34a189 is the commit before the changes.
 
 1. Runs the demo RL config (megadare/configs/demo_rl.yaml: tiny SDAR, TraceRL, built-in engine in one Ray actor,
-   random weights unless ``checkpoint.load=...``) for ``--steps`` steps and prints the mean split of a step (the
-   first, warm-up step left out) from the trainer's timers: rollout (engine busy, rewards, the rest: Ray, queue,
-   detokenisation, samples), train (``prepare_s``: rows, packing, old / reference passes; the rest: the Megatron
-   steps), weight sync, what no timer covers. At the last step its whole update runs with the baseline's row
-   builders and a dense attention mask built per layer vs the current code (its optimizer steps are timing only:
-   the run's own update follows).
+   random weights unless ``checkpoint.load=...``) for ``--steps`` steps and prints the start-up (imports, then the
+   first call of each set-up phase: Ray and the engine actors, model build, the first weight push, which waits for
+   the engines to start, the first evaluation) and the mean split of a steady step (the first, warm-up step and the
+   last, A/B step left out) from the trainer's timers and timed wrappers (``PhaseClock``): rollout (engine busy,
+   rewards, the rest: Ray, queue, samples), train (rows, packing, old / reference passes, the train steps'
+   forward/backward, optimizer and glue), weight sync (the engine check, a Ray round trip, and the transfer),
+   logging; and the share of the step outside the forward/backward. At the last step its whole update runs with
+   the baseline's row builders and a dense attention mask built per layer vs the current code (its optimizer steps
+   are timing only: the run's own update follows), and its rollout in requests of ``--chunk-before`` prompts vs
+   the run's ``rollout.chunk_size`` (the trajectories must be identical).
 2. The update's rows (``algo.batch_rows``) of the last step, and of 16 synthetic ``--long``-token responses, with
    the baseline's ``views_to_row`` / ``replay_views`` vs the current ones; the rows must be identical.
 3. The dense attention masks of the step's micro-batches: ``MaskSpec.dense`` vs its ``mask_mod`` on the whole
@@ -19,16 +24,19 @@ alternate with the current code); f34a189 is the commit before the changes.
    mode on everywhere vs scoped out of the hot sections (parallel/cpu.py ``SCOPED``).
 4. ``score_batch`` of 128 exact-match responses, a thread per call (baseline) vs a pool.
 
-The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs.
-On CPU megadare's CUDA-to-CPU torch function mode (parallel/cpu.py) adds ~2 us to every torch call where it is on:
-model build, schedules' glue, grad norm / clipping; not in the model forwards and the optimizer's copies and inner
-step. It is off on GPU runs.
+The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs;
+the load average is printed at the start and the end. On a loaded machine torch's intra-op threads wait for each
+other (a [512, 64] mean took 4-12 ms with 2 threads vs 0.1 ms with 1 at load 10 on 2 cores): ``OMP_NUM_THREADS=1``
+keeps the forward/backward from swamping the split there. On CPU megadare's CUDA-to-CPU torch function mode
+(parallel/cpu.py) adds ~2 us to every torch call where it is on: model build, schedules' glue, grad norm /
+clipping; not in the model forwards and the optimizer's copies and inner step. It is off on GPU runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import subprocess
@@ -52,19 +60,125 @@ PHASES = (
 )
 
 
-def phase_table(history: list[dict]) -> None:
-    timed = history[1:] or history
-    mean = {k: sum(h.get(k, 0.0) for h in timed) / len(timed) for _, k in PHASES}
+class PhaseClock:
+    """Wall seconds of the functions it wraps, per phase, summed over the steps it is ``on`` (benchmark only: each
+    ``module.name`` is swapped for a timed wrapper, restored by ``close``). A phase ``inside`` another is timed only
+    while that one runs (the forward / backward of the train steps, not of the old / reference passes); ``first``
+    records each phase's first call apart, on or off (the start-up: Ray, engines, first push)."""
+
+    def __init__(self):
+        self.on, self.total, self.first, self.running = False, {}, {}, set()
+        self.saved: list[tuple[Any, str, Any]] = []
+        self.gc_t0, self.gc_s = 0.0, {0: 0.0, 1: 0.0, 2: 0.0}
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        """The garbage collector's seconds per generation while ``on`` (spread over the phases it interrupts)."""
+        if phase == "start":
+            self.gc_t0 = time.perf_counter()
+        elif self.on:
+            self.gc_s[info["generation"]] += time.perf_counter() - self.gc_t0
+
+    def wrap(self, module: Any, name: str, phase: str, inside: str = "") -> None:
+        fn = getattr(module, name)
+
+        def timed(*args, **kw):
+            if inside and inside not in self.running:
+                return fn(*args, **kw)
+            self.running.add(phase)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                dt = time.perf_counter() - t0
+                self.running.discard(phase)
+                self.first.setdefault(phase, dt)
+                if self.on:
+                    self.total[phase] = self.total.get(phase, 0.0) + dt
+
+        self.saved.append((module, name, fn))
+        setattr(module, name, timed)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
+        for module, name, fn in reversed(self.saved):
+            setattr(module, name, fn)
+        self.saved.clear()
+
+
+def clocked(clock: PhaseClock) -> None:
+    """The phases of a step and of the start-up: where each is measured."""
+    from megadare.parallel import cpu as _cpu  # noqa: F401 - the mode's module, loaded before the wraps
+    from megadare.rollout.manager import RolloutManager
+    from megadare.trainer import rl, rl_setup, rl_update, step
+
+    clock.wrap(rl, "init_distributed", "init distributed")
+    clock.wrap(rl_setup, "materialise", "model source (HF export)")
+    clock.wrap(rl_setup, "rl_policy", "model build + checkpoint load")
+    clock.wrap(rl_setup, "start_engines", "Ray init + engine actors")
+    clock.wrap(rl, "push_weights", "weight push")
+    clock.wrap(rl, "evaluate_at", "evaluation")
+    clock.wrap(RolloutManager, "check_engines", "engine check before push")
+    clock.wrap(rl_update, "pack_rows", "packing")
+    clock.wrap(rl_update, "store_outputs", "old / ref passes")
+    clock.wrap(rl_update, "train_step", "train steps")
+    clock.wrap(step, "run_schedule", "forward/backward", inside="train steps")
+    clock.wrap(rl, "log_step", "logging")
+
+
+def step_table(history: list[dict], clock: PhaseClock, steps: int) -> None:
+    """Mean seconds per steady step (``history`` of those steps) of each phase and its share of the step; the
+    share of the step spent outside the train steps' forward / backward."""
+    n = len(history)
+    mean = {k: sum(h.get(k, 0.0) for h in history) / n for _, k in PHASES}
+    t = {k: v / n for k, v in clock.total.items()}
     step = mean["step_time_s"]
-    rows = [(name, mean[k]) for name, k in PHASES]
-    rows.insert(
-        4, ("    Ray / queue / samples", mean["rollout_s"] - mean["async/rollout_busy_s"] - mean["reward_wall_s"])
-    )
-    rows.insert(7, ("    Megatron steps", mean["train_s"] - mean["prepare_s"]))
-    rows.append(("  untimed (log, rest)", step - mean["rollout_s"] - mean["train_s"] - mean["sync_s"]))
-    print(f"phase split over {len(timed)} steps (mean seconds, share of the step):")
+    rollout_rest = mean["rollout_s"] - mean["async/rollout_busy_s"] - mean["reward_wall_s"]
+    rows_s = mean["prepare_s"] - t.get("packing", 0.0) - t.get("old / ref passes", 0.0)
+    fb = t.get("forward/backward", 0.0)
+    rows = [
+        ("step", step),
+        ("  rollout", mean["rollout_s"]),
+        ("    engine generate (busy)", mean["async/rollout_busy_s"]),
+        ("    reward scoring", mean["reward_wall_s"]),
+        ("    Ray wait / samples", rollout_rest),
+        ("  train", mean["train_s"]),
+        ("    rows (algo.batch_rows)", rows_s),
+        ("    packing", t.get("packing", 0.0)),
+        ("    old / ref passes", t.get("old / ref passes", 0.0)),
+        ("    forward/backward", fb),
+        ("    optimizer + step glue", t.get("train steps", 0.0) - fb),
+        ("  weight sync", mean["sync_s"]),
+        ("    engine check (Ray)", t.get("engine check before push", 0.0)),
+        ("    transfer", mean["sync_s"] - t.get("engine check before push", 0.0)),
+        ("  logging (after the step)", t.get("logging", 0.0)),
+        ("  untimed", step - mean["rollout_s"] - mean["train_s"] - mean["sync_s"]),
+    ]
+    print(f"phase split over {n} steady steps (steps 2..{steps - 1}; mean seconds, share of the step):")
     for name, s in rows:
-        print(f"  {name:28s} {s:8.4f}  {100 * s / step:5.1f}%")
+        print(f"  {name:30s} {s:8.4f}  {100 * s / step:5.1f}%")
+    g = {k: v / n for k, v in clock.gc_s.items()}
+    print(
+        f"  garbage collection inside these phases: {g[2]:.4f} s full, {g[0] + g[1]:.4f} s young "
+        f"({100 * (g[0] + g[1] + g[2]) / step:.1f}% of the step)"
+    )
+    print(
+        f"  outside the train steps' forward/backward: {step - fb:.4f} s, {100 * (step - fb) / step:.1f}% of the step"
+    )
+
+
+def startup_table(clock: PhaseClock, imports_s: float, first_step_s: float) -> None:
+    """The run's start-up: imports, then each set-up phase's first call, until the first step begins."""
+    f = clock.first
+    names = ("init distributed", "model source (HF export)", "model build + checkpoint load")
+    names += ("Ray init + engine actors", "weight push", "evaluation")
+    print(f"start-up (seconds until the first step {imports_s + first_step_s:.2f}):")
+    print(f"  {'imports (torch, megatron, ray, megadare)':42s} {imports_s:8.3f}")
+    for k in names:
+        label = k + (" (first: waits for the engines)" if k == "weight push" else "")
+        print(f"  {label:42s} {f.get(k, 0.0):8.3f}")
+    rest = first_step_s - sum(f.get(k, 0.0) for k in names)
+    print(f"  {'the rest (config, tokenizer, prompts, Monitor)':42s} {rest:8.3f}")
 
 
 def baseline_module(rev: str, path: str, name: str) -> types.ModuleType:
@@ -295,39 +409,102 @@ def update_ab(update, args: tuple, rev: str, rounds: int) -> str:
     )
 
 
+def rollout_ab(run, before: int, rounds: int) -> str:
+    """The last step's rollout on the run's engines: its prompts in requests of ``before`` prompts (the demo's
+    ``rollout.chunk_size`` before this branch) vs the run's chunk size, alternated; the trajectories (tokens, commit
+    steps, log-probs) must be identical."""
+    from dataclasses import replace
+
+    r, cfg = run.rollouts, run.cfg
+    if r.manager.chunk_size == before:
+        return f"rollout A/B skipped: the run's rollout.chunk_size is --chunk-before ({before})"
+    prompts = [r.train_prompts[i].prompt_ids for i in r.sampler.batch(run.step) for _ in range(cfg.rl.n_samples)]
+    params = replace(run.spec.train_sampling, seed=cfg.seed * 100_003 + run.step)
+    m, now = r.manager, r.manager.chunk_size
+    spent: dict[int, list[float]] = {before: [], now: []}
+    seen: dict[int, list] = {}
+    try:
+        for _ in range(rounds):
+            for size in (before, now):
+                m.chunk_size = size
+                t0 = time.perf_counter()
+                traj = m.generate(prompts, params)
+                spent[size].append(time.perf_counter() - t0)
+                seen[size] = [(t.response_ids, t.commit_step, t.block_step, t.logprobs) for t in traj]
+    finally:
+        m.chunk_size = now
+    if seen[before] != seen[now]:
+        raise SystemExit(f"rollout: requests of {before} and of {now} prompts gave different trajectories")
+    mid = {k: statistics.median(v) for k, v in spent.items()}
+    return (
+        f"one step's rollout of {len(prompts)} prompts on {len(m.actors)} engine(s) (wall s, {rounds} alternated "
+        f"rounds, median): requests of {before} prompts {mid[before]:.4f}, of {now} {mid[now]:.4f}, speed-up "
+        f"x{mid[before] / mid[now]:.2f}; trajectories identical"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline", default="f34a189", help="commit whose row building is the baseline")
     ap.add_argument("--long", type=int, default=512, help="also rows of 16 samples of this response length (0: no)")
+    ap.add_argument("--chunk-before", type=int, default=16, help="rollout request size of the rollout baseline")
+    ap.add_argument(
+        "--no-freeze", action="store_true", help="baseline: the steps run without the set-up heap frozen (rl.py)"
+    )
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from megadare.config import load_config
-    from megadare.trainer import rl_update
-    from megadare.trainer.rl import run_rl
+    if a.steps < 3:
+        raise SystemExit(f"--steps {a.steps}: at least 3 (the first step warms up, the last runs the A/B rounds)")
+    print(f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
+    t0 = time.perf_counter()
+    import torch
 
+    from megadare.config import load_config
+    from megadare.trainer import rl, rl_update
+
+    imports_s = time.perf_counter() - t0
     captured: dict = {}
-    update = rl_update.update
+    update, rl_step, frozen = rl_update.update, rl.rl_step, rl.set_up_heap_frozen
+    clock = PhaseClock()
+    clocked(clock)
 
     def keep_last(su, samples, *args, **kw):
         captured.update(su=su, samples=samples)
         if su.step == a.steps - 1:  # the last step: its whole update, old code vs new, before the real one
             captured["update"] = update_ab(update, (su, samples, *args), a.baseline, a.rounds)
             captured["mode"] = mode_ab(update, (su, samples, *args), a.rounds)
+            captured["rollout"] = rollout_ab(captured["run"], a.chunk_before, a.rounds)
         return update(su, samples, *args, **kw)
 
-    rl_update.update = keep_last
+    def counted_step(run):  # the clock runs over the steady steps: not the first (warm-up), not the A/B one
+        captured.setdefault("first_step_s", time.perf_counter() - captured["t_run"])
+        captured["run"] = run
+        clock.on = 0 < run.step < a.steps - 1
+        try:
+            return rl_step(run)
+        finally:
+            clock.on = False
+
+    rl_update.update, rl.rl_step = keep_last, counted_step
+    if a.no_freeze:
+        rl.set_up_heap_frozen = contextlib.nullcontext
     with tempfile.TemporaryDirectory() as tmp:
         over = [f"rl.steps={a.steps}", f"logging.run_dir={tmp}", "checkpoint.save_interval=0", "rl.eval_size=4"]
         cfg = load_config(
             os.path.join(ROOT, "megadare/configs/demo_rl.yaml"), over + ["rl.eval_interval=0"] + a.overrides
         )
-        out = run_rl(cfg)
-    rl_update.update = update
-    phase_table(out["history"])
+        captured["t_run"] = time.perf_counter()
+        out = rl.run_rl(cfg)
+    rl_update.update, rl.rl_step, rl.set_up_heap_frozen = update, rl_step, frozen
+    clock.close()
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} after the run")
+    startup_table(clock, imports_s, captured["first_step_s"])
+    step_table(out["history"][1:-1], clock, a.steps)
     print(captured["update"])
     print(captured["mode"])
+    print(captured["rollout"])
     su = captured["su"]
     row_building(su, captured["samples"], a.baseline, a.rounds)
     if a.long:
@@ -335,6 +512,7 @@ def main() -> None:
         row_building(su, samples, a.baseline, a.rounds)
     mask_building(su, captured["samples"], a.rounds)
     reward_scoring(a.baseline, a.rounds)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":
