@@ -9,6 +9,8 @@ prompt included) and the sample record (the dataset row, with its gold answer un
 ``gsm8k``                  the same with the gold taken after ``####`` (:func:`gsm8k_gold`)
 ``dare_math``              DARE's ``math_rm``: the last ``\\boxed{}`` only, DARE's MATH / sympy grader
                            (:func:`dare_math_reward`)
+``dllm_rl_math``           dLLM-RL's ``is_equal``: the last ``\\boxed{}`` only, its MATH / Minerva strings, then
+                           math-verify (:func:`dllm_rl_math_reward`)
 ``exact_match``            stripped response == stripped ``answer``
 ``countdown``              DARE's rule on target ``answer`` and ``numbers`` (:func:`countdown_reward`)
 ``sudoku``                 DARE's rule on solution ``answer`` and ``puzzle`` (:func:`sudoku_reward`)
@@ -38,6 +40,7 @@ from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.dare_math import dare_gold
+from megadare.rewards.dllm_rl_math import dllm_rl_math_reward
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import dare_math_reward, math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
@@ -70,6 +73,9 @@ MATH_SOURCES = (
     "numina",
     "minerva",
 )
+
+
+DLLM_RL_GOLD = "ground_truth_answer"  # dLLM-RL's math rows: {question, ground_truth_answer}
 
 
 class RewardSpecError(ValueError):
@@ -128,6 +134,10 @@ def _dare_math(response: str, record: dict) -> float:
     return dare_math_reward(response, record["answer"], timeout=float(record.get("verify_timeout", 5.0)))
 
 
+def _dllm_rl_math(response: str, record: dict) -> float:
+    return dllm_rl_math_reward(response, _gold(record), timeout=float(record.get("verify_timeout", 5.0)))
+
+
 def _exact_match(response: str, record: dict) -> float:
     return 1.0 if response.strip() == _gold(record).strip() else 0.0
 
@@ -170,8 +180,9 @@ def auto_rule(record: dict) -> str:
     ``data_source`` sudoku* / countdown* -> sudoku / countdown; a ``tests`` field, ``extra_info.task == "code"`` or
     a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; ``task == "math"`` (a DARE row: gsm8k, math500,
     aime*, ...) -> dare_math, scored as DARE scores it; without a task, a source containing gsm8k -> gsm8k and a
-    math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither source nor task (megadare's
-    own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
+    math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither source nor task: a dLLM-RL
+    math row (``ground_truth_answer``) -> dllm_rl_math, else (megadare's own files, the synthetic tasks) ->
+    exact_match. Anything else raises ValueError.
     """
     source = str(record.get("data_source") or "").lower()
     extra = _extra_info(record)
@@ -188,6 +199,8 @@ def auto_rule(record: dict) -> str:
         return "gsm8k"
     if source.startswith(MATH_SOURCES):
         return "math"
+    if not source and not task and DLLM_RL_GOLD in record:
+        return "dllm_rl_math"
     if not source and not task:
         return "exact_match"
     raise ValueError(
@@ -204,6 +217,7 @@ BUILTIN_REWARDS: Dict[str, RewardFn] = {
     "math": _math,
     "gsm8k": _gsm8k,
     "dare_math": _dare_math,
+    "dllm_rl_math": _dllm_rl_math,
     "exact_match": _exact_match,
     "countdown": _countdown,
     "sudoku": _sudoku,
@@ -220,8 +234,8 @@ def gold_response(rule: str, record: dict) -> Optional[str]:
     row holds no answer (a countdown target, code tests) or the rule checks no answer (format rewards)."""
     if rule == "auto":
         rule = auto_rule(record)
-    gold = _gold(record) if rule in ("math", "dare_math", "gsm8k", "exact_match", "sudoku") else None
-    if rule in ("math", "dare_math"):
+    gold = _gold(record) if rule in ("math", "dare_math", "dllm_rl_math", "gsm8k", "exact_match", "sudoku") else None
+    if rule in ("math", "dare_math", "dllm_rl_math"):
         return gold if "\\boxed" in gold else f"The answer is \\boxed{{{gold}}}."
     if rule == "gsm8k":
         return f"The answer is \\boxed{{{gsm8k_gold(gold)}}}."
