@@ -388,3 +388,42 @@ def math_is_equal(cases: list[tuple[str, str]]) -> list[bool]:
         long_loop = any(len(x) > 128 and mu.repeatness(x) for x in (pred, gold))
         out.append(bool(mu.is_equiv(pred, gold) or (not long_loop and mu._is_latex_equal(pred, gold))))
     return out
+
+
+def code_shares(rows: list[tuple[str, dict]]) -> list[float]:
+    """dLLM-RL's code reward on (response, row) pairs: its rollout's ``extract_code``, then ``reward/rl_execute.py``'s
+    ``evaluate_function_dataset`` (spawned processes, as its main sets) or ``evaluate_stdio_dataset`` (forked here:
+    a spawned worker re-imports rl_execute.py's numpy / omegaconf / tqdm inside its 1 s limit, which on a loaded
+    machine times every case out); the share of the row's tests passed (rl_code_reward.py sums them). termcolor is
+    stubbed."""
+    import multiprocessing as mp
+    import sys
+    import tempfile
+
+    root = checkout()
+    stubs = tempfile.mkdtemp()
+    with open(os.path.join(stubs, "termcolor.py"), "w") as f:
+        f.write("def cprint(*a, **k):\n    pass\n")
+    sys.path[:0] = [stubs, os.path.join(root, "reward")]
+    try:
+        import rl_execute as X
+
+        extract = load("sample/trado_rl_rollout.py", ["extract_code"], re=__import__("re"))["extract_code"]
+        out = []
+        for response, row in rows:
+            item = dict(row, extracted_output=[extract(response)])
+            if row["test_method"] == "function":
+                X.evaluate_function_dataset([item], n_workers=1)
+            else:
+                method = mp.get_start_method(allow_none=True)
+                mp.set_start_method("fork", force=True)
+                try:
+                    X.evaluate_stdio_dataset([item], num_chunks=1)
+                finally:
+                    mp.set_start_method(method, force=True)
+            passed = item["correctness"][0]
+            out.append(sum(passed) / len(passed))
+        return out
+    finally:
+        sys.path[:] = [p for p in sys.path if p not in (stubs, os.path.join(root, "reward"))]
+        sys.modules.pop("rl_execute", None)

@@ -14,8 +14,9 @@ prompt included) and the sample record (the dataset row, with its gold answer un
 ``exact_match``            stripped response == stripped ``answer``
 ``countdown``              DARE's rule on target ``answer`` and ``numbers`` (:func:`countdown_reward`)
 ``sudoku``                 DARE's rule on solution ``answer`` and ``puzzle`` (:func:`sudoku_reward`)
-``code``                   fraction of ``tests`` passed (:func:`code_reward`), or of DARE's test form of the
-                           row's ``answer`` by ``data_source`` (:mod:`.code_forms`)
+``code``                   fraction of ``tests`` passed (:func:`code_reward`), of a dLLM-RL row's tests
+                           (``test_method``: :mod:`.dllm_rl_code`), or of DARE's test form of the row's
+                           ``answer`` by ``data_source`` (:mod:`.code_forms`)
 ``code_all_or_nothing``    the same, 1.0 only when every test passes (DARE's rule)
 ``boxed_format``           :func:`boxed_format_reward`
 ``think_answer_format``    :func:`think_answer_format_reward`
@@ -40,6 +41,7 @@ from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.dare_math import dare_gold
+from megadare.rewards.dllm_rl_code import dllm_rl_code_reward
 from megadare.rewards.dllm_rl_math import dllm_rl_math_reward
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import dare_math_reward, math_reward
@@ -76,6 +78,7 @@ MATH_SOURCES = (
 
 
 DLLM_RL_GOLD = "ground_truth_answer"  # dLLM-RL's math rows: {question, ground_truth_answer}
+DLLM_RL_TESTS = "test_method"  # its code rows: test_method function (test_list) | stdio (test_input, test_output)
 
 
 class RewardSpecError(ValueError):
@@ -152,6 +155,8 @@ def _sudoku(response: str, record: dict) -> float:
 
 def _code_with(all_or_nothing: bool) -> RewardFn:
     def code(response: str, record: dict) -> float:
+        if "tests" not in record and DLLM_RL_TESTS in record:
+            return dllm_rl_code_reward(response, record, all_or_nothing=all_or_nothing)
         if "tests" not in record:
             return dare_code_reward(response, record, all_or_nothing=all_or_nothing)
         return code_reward(
@@ -181,8 +186,8 @@ def auto_rule(record: dict) -> str:
     a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; ``task == "math"`` (a DARE row: gsm8k, math500,
     aime*, ...) -> dare_math, scored as DARE scores it; without a task, a source containing gsm8k -> gsm8k and a
     math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither source nor task: a dLLM-RL
-    math row (``ground_truth_answer``) -> dllm_rl_math, else (megadare's own files, the synthetic tasks) ->
-    exact_match. Anything else raises ValueError.
+    code row (``test_method``) -> code (its partial credit), a dLLM-RL math row (``ground_truth_answer``) ->
+    dllm_rl_math, else (megadare's own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
     """
     source = str(record.get("data_source") or "").lower()
     extra = _extra_info(record)
@@ -191,6 +196,8 @@ def auto_rule(record: dict) -> str:
         return "sudoku"
     if source.startswith("countdown"):
         return "countdown"
+    if not source and not task and DLLM_RL_TESTS in record:
+        return "code"
     if "tests" in record or task == "code" or source in CODE_SOURCES:
         return "code_all_or_nothing"
     if task == "math":
