@@ -28,7 +28,7 @@ import dllm_rl_source as D
 from megadare.rewards import dllm_rl_math as M
 from megadare.rewards import score_batch
 from megadare.rewards.dllm_rl_math import dllm_rl_boxed, dllm_rl_strings_equal
-from megadare.rewards.registry import auto_rule
+from megadare.rewards.registry import auto_rule, reward_notes
 
 
 def bx(answer: str) -> str:
@@ -225,3 +225,13 @@ def test_live_string_stages_are_dllm_rls_on_random_answers():
             or (not any(len(x) > 128 and mu.repeatness(x) for x in (a, b)) and mu._is_latex_equal(a, b))
         )
         assert dllm_rl_strings_equal(a, b) == theirs, (a, b)
+
+
+def test_math_on_dllm_rl_rows_says_how_it_differs_from_dllm_rl():
+    """rewards.name=math (the README's TraDo example) on dLLM-RL's rows took unboxed answers dLLM-RL gives 0, without
+    a word; the run's start prints one line naming rewards.name=dllm_rl_math."""
+    dllm_row = {"question": "q", "ground_truth_answer": "5", "answer": "5"}
+    notes = reward_notes("math", [dllm_row, {"data_source": "math500", "answer": "5"}])
+    assert len(notes) == 1 and "1 of 2 rows that are dLLM-RL math rows" in notes[0], notes
+    assert "rewards.name=dllm_rl_math" in notes[0]
+    assert reward_notes("dllm_rl_math", [dllm_row]) == reward_notes("auto", [dllm_row]) == []

@@ -271,24 +271,33 @@ def gold_problem(reward: str, record: dict) -> Optional[str]:
     return None
 
 
+_ORIGIN_RULES = {
+    "dare_math": ("DARE", "(extra_info.task=math)", "DARE's math_rm"),
+    "dllm_rl_math": ("dLLM-RL", "(ground_truth_answer)", "dLLM-RL's is_equal"),
+}
+
+
 def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
-    """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than DARE would: ``math`` /
-    ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to ``dare_math``)."""
+    """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than the project they come
+    from would: ``math`` / ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to
+    ``dare_math``) or dLLM-RL's (``ground_truth_answer``: ``dllm_rl_math``), one line each."""
     if reward not in ("math", "gsm8k"):
         return []
-    dare = 0
+    counts = dict.fromkeys(_ORIGIN_RULES, 0)
     for record in records:
         try:
-            dare += auto_rule(record) == "dare_math"
+            rule = auto_rule(record)
         except ValueError:
             continue
-    if not dare:
-        return []
+        if rule in counts:
+            counts[rule] += 1
     return [
-        f"rewards: rewards.name={reward} scores {dare} of {len(records)} rows that are DARE math rows "
-        "(extra_info.task=math) by megadare's looser rule, which also takes an unboxed answer ('the answer is X', the "
-        "last number); DARE's math_rm reads the last \\boxed{} only: rewards.name=dare_math (or auto) scores them as "
-        "DARE does"
+        f"rewards: rewards.name={reward} scores {n} of {len(records)} rows that are {origin} math rows {tag} by "
+        "megadare's looser rule, which also takes an unboxed answer ('the answer is X', the last number); "
+        f"{ref} reads the last \\boxed{{}} only: rewards.name={rule} (or auto) scores them as {origin} does"
+        for rule, n in counts.items()
+        if n
+        for origin, tag, ref in [_ORIGIN_RULES[rule]]
     ]
 
 
