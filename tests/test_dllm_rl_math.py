@@ -21,6 +21,7 @@ in the place of parse_latex takes a few more (ON_PURPOSE).
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -235,3 +236,17 @@ def test_math_on_dllm_rl_rows_says_how_it_differs_from_dllm_rl():
     assert len(notes) == 1 and "1 of 2 rows that are dLLM-RL math rows" in notes[0], notes
     assert "rewards.name=dllm_rl_math" in notes[0]
     assert reward_notes("dllm_rl_math", [dllm_row]) == reward_notes("auto", [dllm_row]) == []
+
+
+def test_minerva_math_mode_is_linear_and_is_dllm_rls_regex():
+    """dLLM-RL's ``re.sub(r"(.*?)(\\$)(.*?)(\\$)(.*)", "$\\3$", s)`` (a fixed definition, checked on random texts)
+    tried every start of a line with one ``$``: a 20,000-character box took 12 s, 80,000 ~3 min, past
+    score_batch's 60 s per call, a reward error any response could cause; such an answer is now a 0."""
+    rng = random.Random(0)
+    tokens = ["$", "a", "\n", " ", "\\$", "x$y", "\r", "$$"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(tokens) for _ in range(rng.randint(0, 12)))
+        assert M._first_math(text) == re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", text), repr(text)
+    letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(80_000))
+    scores, stats = score_batch("dllm_rl_math", [bx("$" + letters)], [{"answer": "5"}], workers=1)
+    assert scores == [0.0] and stats.failures == 0, stats

@@ -128,13 +128,26 @@ _REMOVED = [
 ]  # fmt: skip
 
 
+def _first_math(s: str) -> str:
+    """``re.sub(r"(.*?)(\\$)(.*?)(\\$)(.*)", "$\\\\3$", s)`` in linear time: each line holding two ``$`` becomes its
+    first ``$...$``. The regex tried every start of a line with one ``$``: 20,000 characters took 12 s, 80,000
+    ~3 min, past score_batch's 60 s per call (a reward error any response could cause)."""
+    lines = s.split("\n")
+    for k, line in enumerate(lines):
+        first = line.find("$")
+        second = line.find("$", first + 1) if first >= 0 else -1
+        if second >= 0:
+            lines[k] = line[first : second + 1]
+    return "\n".join(lines)
+
+
 def _minerva(s: str) -> str:
     """dLLM-RL's ``normalize_final_answer`` (Minerva's, arXiv 2206.14858 p. 18)."""
     for before, after in _SUBSTITUTIONS:
         s = s.replace(before, after)
     for expr in _REMOVED:
         s = s.replace(expr, "")
-    s = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", s)
+    s = _first_math(s)
     for macro in ("text", "textbf", "overline"):
         s = re.sub(r"(\\" + macro + r"\{)(.*?)(\})", "\\2", s)
     s = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
