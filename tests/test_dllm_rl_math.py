@@ -216,9 +216,10 @@ def test_live_string_stages_are_dllm_rls_on_random_answers():
     if D.sympy_latex_runs():
         pytest.skip("sympy's parse_latex runs here (antlr4 4.11): dLLM-RL's last stage is then not its strings")
     rng = random.Random(0)
-    for _ in range(3000):
+    for i in range(3000):
         a = _random_answer(rng)
         assert M._minerva(a) == mu.normalize_final_answer(a), a
+        assert i % 10 or M._repetitive(a * 40) == bool(mu.repeatness(a * 40)), a
         assert _outcome(M._strip_string, a) == _outcome(mu._strip_string, a), a
         a, b = _random_answer(rng), _random_answer(rng)
         theirs = bool(
@@ -249,4 +250,25 @@ def test_minerva_math_mode_is_linear_and_is_dllm_rls_regex():
         assert M._first_math(text) == re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", text), repr(text)
     letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(80_000))
     scores, stats = score_batch("dllm_rl_math", [bx("$" + letters)], [{"answer": "5"}], workers=1)
+    assert scores == [0.0] and stats.failures == 0, stats
+
+
+def test_minerva_macros_and_repeat_guard_are_linear_and_dllm_rls():
+    """dLLM-RL's ``re.sub(r"(\\\\text\\{)(.*?)(\\})", ...)`` (and ``\\textbf``, ``\\overline``; ``\\boxed`` greedy)
+    scanned the rest of the line from each opening, and its ``repeatness`` doubled prefixes log2(n) times even when
+    the ranks were all distinct already: a box of 5,000 ``\\text{`` + 10 letters (80,000 characters, no loop for its
+    guard) took 16 s + 26 s; twice that ran past score_batch's 60 s per call. Checked against the regexes on random
+    texts; dLLM-RL's repeatness is a fixed definition its live test checks."""
+    rng = random.Random(0)
+    tokens = ["\\text{", "\\textbf{", "\\boxed{", "}", "{", "\n", "a", " ", "\\overline{", "\\tex"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(tokens) for _ in range(rng.randint(0, 10)))
+        for macro in ("text", "textbf", "overline"):
+            want = re.sub(r"(\\" + macro + r"\{)(.*?)(\})", "\\2", text)
+            assert M._unwrap_first(text, "\\" + macro + "{") == want, (macro, text)
+        boxed = "\n".join(M._unwrap_boxed(line) for line in text.split("\n"))
+        assert boxed == re.sub(r"(\\boxed\{)(.*)(\})", "\\2", text), text
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    box = "".join("\\text{" + "".join(rng.choice(letters) for _ in range(10)) for _ in range(10_000))
+    scores, stats = score_batch("dllm_rl_math", [bx(box)], [{"answer": "5"}], workers=1)
     assert scores == [0.0] and stats.failures == 0, stats

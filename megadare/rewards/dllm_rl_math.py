@@ -141,6 +141,40 @@ def _first_math(s: str) -> str:
     return "\n".join(lines)
 
 
+def _unwrap_first(s: str, opening: str) -> str:
+    """``re.sub(r"(OPENING)(.*?)(\\})", "\\\\2", s)`` in linear time: each ``opening`` with a ``}`` after it on its
+    line loses the opening and that ``}``. The regex scanned the rest of the line from each opening without one."""
+    out, at, close, newline = [], 0, -1, -1
+    while True:
+        start = s.find(opening, at)
+        if start < 0:
+            break
+        body = start + len(opening)
+        if close < body:
+            close = s.find("}", body)
+        if newline < body:
+            newline = s.find("\n", body) % (len(s) + 1)  # none: the end
+        if close < 0:
+            break
+        if newline < close:
+            out.append(s[at:newline])
+            at = newline
+            continue
+        out.append(s[at:start] + s[body:close])
+        at = close + 1
+    return "".join(out) + s[at:]
+
+
+def _unwrap_boxed(line: str) -> str:
+    """``re.sub(r"(\\\\boxed\\{)(.*)(\\})", "\\\\2", line)`` on one line: its first ``\\boxed{`` and its last ``}``
+    after it dropped."""
+    start = line.find("\\boxed{")
+    end = line.rfind("}") if start >= 0 else -1
+    if end < start + len("\\boxed{"):
+        return line
+    return line[:start] + line[start + len("\\boxed{") : end] + line[end + 1 :]
+
+
 def _minerva(s: str) -> str:
     """dLLM-RL's ``normalize_final_answer`` (Minerva's, arXiv 2206.14858 p. 18)."""
     for before, after in _SUBSTITUTIONS:
@@ -148,9 +182,9 @@ def _minerva(s: str) -> str:
     for expr in _REMOVED:
         s = s.replace(expr, "")
     s = _first_math(s)
-    for macro in ("text", "textbf", "overline"):
-        s = re.sub(r"(\\" + macro + r"\{)(.*?)(\})", "\\2", s)
-    s = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", s)
+    for macro in ("\\text{", "\\textbf{", "\\overline{"):
+        s = _unwrap_first(s, macro)
+    s = "\n".join(_unwrap_boxed(line) for line in s.split("\n"))
     s = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)
     s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", s).replace("$", "")
     return s.replace(",", "") if s.replace(",", "").isdigit() else s
@@ -169,7 +203,7 @@ def _repetitive(s: str) -> bool:
     if n <= 1:
         return False
     rank, k = _ranks([ord(c) for c in s]), 1
-    while k < n - 1:
+    while k < n - 1 and max(rank) < n - 1:  # ranks all distinct: more doubling changes nothing (dLLM-RL goes on)
         rank, k = _ranks(list(zip_longest(rank, islice(rank, k, None), fillvalue=-1))), k << 1
     sa = [0] * n
     for i, r in enumerate(rank):
