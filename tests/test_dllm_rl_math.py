@@ -164,10 +164,13 @@ def test_dllm_rl_math_accepts_what_dllm_rl_accepts():
     it accepts beyond them is in ON_PURPOSE (math-verify can time out on a loaded machine: a subset)."""
     responses = [r for _, r, _, _, _ in BATTERY]
     records = [{"answer": g, "verify_timeout": 30.0} for _, _, g, _, _ in BATTERY]
-    got, stats = score_batch("dllm_rl_math", responses, records, workers=2, timeout_s=300)
+    got, stats = score_batch("dllm_rl_math", responses, records, workers=1, timeout_s=300)
     assert set(stats.failed) == EMPTY_GOLD and "gold answer 'answer' is empty" in stats.failed[min(EMPTY_GOLD)]
-    accepted = {i for i, v in enumerate(got) if v == 1.0}
     theirs = {i for i, (_, _, _, a, b) in enumerate(BATTERY) if a or b}
+    for i in theirs - ARTEFACT - {i for i, v in enumerate(got) if v == 1.0}:
+        # math-verify's own 3 s parse alarm (math_verify.MV_TIMEOUT_S) says no on a loaded machine: once more
+        got[i] = score_batch("dllm_rl_math", [responses[i]], [records[i]], workers=1)[0][0]
+    accepted = {i for i, v in enumerate(got) if v == 1.0}
     assert theirs - accepted == ARTEFACT
     assert accepted - theirs <= ON_PURPOSE
 
