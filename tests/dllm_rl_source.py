@@ -347,3 +347,83 @@ def llada_rows_of(g: dict, fragments: list[tuple[list[int], list[int], set, floa
     r.noisy, r.labels = torch.tensor(noisy), torch.tensor([c + y for c, y, _, _ in fragments])
     r.p_mask = torch.tensor([[False] * len(c) + [k in m for k in range(len(y))] for c, y, m, _ in fragments])
     r.rewards = [a for *_, a in fragments]
+
+
+def math_utils():
+    """dLLM-RL's ``reward/math_utils.py`` as a module (its "math_verify is not installed" print silenced)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    path = os.path.join(checkout(), "reward", "math_utils.py")
+    spec = importlib.util.spec_from_file_location("dllm_rl_math_utils", path)
+    mu = importlib.util.module_from_spec(spec)
+    with contextlib.redirect_stdout(io.StringIO()):
+        spec.loader.exec_module(mu)
+    return mu
+
+
+def sympy_latex_runs() -> bool:
+    """Does sympy's ``parse_latex`` run here (antlr4 4.11)? If not, dLLM-RL's sympy stage falls back to Minerva's
+    normalised strings."""
+    from sympy.parsing.latex import parse_latex
+
+    try:
+        parse_latex("1")
+    except ImportError:
+        return False
+    return True
+
+
+def math_is_equal(cases: list[tuple[str, str]]) -> list[bool]:
+    """dLLM-RL's whole math reward on (response, gold) pairs: its rollout's ``extract_final_boxed_answer``, then
+    ``math_utils.is_equal``'s stages in its legacy mode (``is_equiv``, then the ``repeatness`` guard and
+    ``_is_latex_equal``), called directly: ``is_latex_equal`` runs them under a 1 s ``asyncio.wait_for`` counted from
+    when rl_reward.py queued every comparison of the step, which on a cold sympy import decides by the clock."""
+    mu = math_utils()
+    extract = load("sample/trado_rl_rollout.py", ["extract_final_boxed_answer"])["extract_final_boxed_answer"]
+    out = []
+    for response, gold in cases:
+        pred = extract(response)
+        long_loop = any(len(x) > 128 and mu.repeatness(x) for x in (pred, gold))
+        out.append(bool(mu.is_equiv(pred, gold) or (not long_loop and mu._is_latex_equal(pred, gold))))
+    return out
+
+
+def code_shares(rows: list[tuple[str, dict]]) -> list[float]:
+    """dLLM-RL's code reward on (response, row) pairs: its rollout's ``extract_code``, then ``reward/rl_execute.py``'s
+    ``evaluate_function_dataset`` (spawned processes, as its main sets) or ``evaluate_stdio_dataset`` (forked here:
+    a spawned worker re-imports rl_execute.py's numpy / omegaconf / tqdm inside its 1 s limit, which on a loaded
+    machine times every case out); the share of the row's tests passed (rl_code_reward.py sums them). termcolor is
+    stubbed."""
+    import multiprocessing as mp
+    import sys
+    import tempfile
+
+    root = checkout()
+    stubs = tempfile.mkdtemp()
+    with open(os.path.join(stubs, "termcolor.py"), "w") as f:
+        f.write("def cprint(*a, **k):\n    pass\n")
+    sys.path[:0] = [stubs, os.path.join(root, "reward")]
+    try:
+        import rl_execute as X
+
+        extract = load("sample/trado_rl_rollout.py", ["extract_code"], re=__import__("re"))["extract_code"]
+        out = []
+        for response, row in rows:
+            item = dict(row, extracted_output=[extract(response)])
+            if row["test_method"] == "function":
+                X.evaluate_function_dataset([item], n_workers=1)
+            else:
+                method = mp.get_start_method(allow_none=True)
+                mp.set_start_method("fork", force=True)
+                try:
+                    X.evaluate_stdio_dataset([item], num_chunks=1)
+                finally:
+                    mp.set_start_method(method, force=True)
+            passed = item["correctness"][0]
+            out.append(sum(passed) / len(passed))
+        return out
+    finally:
+        sys.path[:] = [p for p in sys.path if p not in (stubs, os.path.join(root, "reward"))]
+        sys.modules.pop("rl_execute", None)

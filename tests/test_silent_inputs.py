@@ -30,7 +30,7 @@ def test_a_reward_returning_text_is_a_failure_not_a_score():
     assert ok == [1.0, 0.0] and ok_stats.errors == 0
 
 
-@pytest.mark.parametrize("reward", ["math", "gsm8k", "exact_match"])
+@pytest.mark.parametrize("reward", ["math", "gsm8k", "dllm_rl_math", "exact_match"])
 @pytest.mark.parametrize("gold", [None, float("nan"), "", "  ", ["5"], {"value": 5}])
 def test_a_missing_or_container_gold_is_a_reward_error_not_a_zero(reward, gold):
     """str(None) / str(nan) / str(['5']) was compared as the gold: every response scored 0 (or, for ['5'], 1 by

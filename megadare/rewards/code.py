@@ -90,8 +90,8 @@ def extract_code(response: str) -> str:
 @dataclass
 class TestCase:
     """One test: ``stdin`` + ``expected`` stdout (stdin/stdout style), or ``test_code`` run after the program.
-    ``compare``: how stdout is matched, "lines" (megadare's rule, :func:`_lines`) or "lcb" (LiveCodeBench's
-    ``grade_stdio``, which DARE runs: :func:`lcb_output_equal`)."""
+    ``compare``: how stdout is matched, "lines" (megadare's rule, :func:`_lines`), "lcb" (LiveCodeBench's
+    ``grade_stdio``, which DARE runs: :func:`lcb_output_equal`) or "tokens" (dLLM-RL's: the words equal)."""
 
     __test__ = False  # not a pytest class
 
@@ -288,6 +288,10 @@ def _run_case(code: str, case: TestCase, limits: SandboxLimits) -> CaseResult:
         # a program that prints the answer then calls sys.exit(1) passes there (an uncaught exception does not), so
         # it passes here (megadare's own "lines" rule keeps asking for exit status 0)
         return CaseResult((run.ok or run.exited) and lcb_output_equal(run.stdout, case.expected or ""), run)
+    if case.compare == "tokens":
+        # dLLM-RL's stdio rule (reward/rl_execute.py test_if_eq): the whitespace-separated words equal; its worker
+        # keeps what a program printed before its own SystemExit of any code, and an exception fails
+        return CaseResult((run.ok or run.exited) and run.stdout.split() == (case.expected or "").split(), run)
     return CaseResult(run.ok and _lines(run.stdout) == _lines(case.expected or ""), run)
 
 

@@ -9,11 +9,14 @@ prompt included) and the sample record (the dataset row, with its gold answer un
 ``gsm8k``                  the same with the gold taken after ``####`` (:func:`gsm8k_gold`)
 ``dare_math``              DARE's ``math_rm``: the last ``\\boxed{}`` only, DARE's MATH / sympy grader
                            (:func:`dare_math_reward`)
+``dllm_rl_math``           dLLM-RL's ``is_equal``: the last ``\\boxed{}`` only, its MATH / Minerva strings, then
+                           math-verify (:func:`dllm_rl_math_reward`)
 ``exact_match``            stripped response == stripped ``answer``
 ``countdown``              DARE's rule on target ``answer`` and ``numbers`` (:func:`countdown_reward`)
 ``sudoku``                 DARE's rule on solution ``answer`` and ``puzzle`` (:func:`sudoku_reward`)
-``code``                   fraction of ``tests`` passed (:func:`code_reward`), or of DARE's test form of the
-                           row's ``answer`` by ``data_source`` (:mod:`.code_forms`)
+``code``                   fraction of ``tests`` passed (:func:`code_reward`), of a dLLM-RL row's tests
+                           (``test_method``: :mod:`.dllm_rl_code`), or of DARE's test form of the row's
+                           ``answer`` by ``data_source`` (:mod:`.code_forms`)
 ``code_all_or_nothing``    the same, 1.0 only when every test passes (DARE's rule)
 ``boxed_format``           :func:`boxed_format_reward`
 ``think_answer_format``    :func:`think_answer_format_reward`
@@ -38,6 +41,8 @@ from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.dare_math import dare_gold
+from megadare.rewards.dllm_rl_code import dllm_rl_code_reward
+from megadare.rewards.dllm_rl_math import dllm_rl_math_reward
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import dare_math_reward, math_reward
 from megadare.rewards.planning import check_sudoku_grid, countdown_reward, sudoku_reward
@@ -70,6 +75,10 @@ MATH_SOURCES = (
     "numina",
     "minerva",
 )
+
+
+DLLM_RL_GOLD = "ground_truth_answer"  # dLLM-RL's math rows: {question, ground_truth_answer}
+DLLM_RL_TESTS = "test_method"  # its code rows: test_method function (test_list) | stdio (test_input, test_output)
 
 
 class RewardSpecError(ValueError):
@@ -128,6 +137,10 @@ def _dare_math(response: str, record: dict) -> float:
     return dare_math_reward(response, record["answer"], timeout=float(record.get("verify_timeout", 5.0)))
 
 
+def _dllm_rl_math(response: str, record: dict) -> float:
+    return dllm_rl_math_reward(response, _gold(record), timeout=float(record.get("verify_timeout", 5.0)))
+
+
 def _exact_match(response: str, record: dict) -> float:
     return 1.0 if response.strip() == _gold(record).strip() else 0.0
 
@@ -142,6 +155,8 @@ def _sudoku(response: str, record: dict) -> float:
 
 def _code_with(all_or_nothing: bool) -> RewardFn:
     def code(response: str, record: dict) -> float:
+        if "tests" not in record and DLLM_RL_TESTS in record:
+            return dllm_rl_code_reward(response, record, all_or_nothing=all_or_nothing)
         if "tests" not in record:
             return dare_code_reward(response, record, all_or_nothing=all_or_nothing)
         return code_reward(
@@ -170,8 +185,9 @@ def auto_rule(record: dict) -> str:
     ``data_source`` sudoku* / countdown* -> sudoku / countdown; a ``tests`` field, ``extra_info.task == "code"`` or
     a code source (:data:`CODE_SOURCES`) -> code_all_or_nothing; ``task == "math"`` (a DARE row: gsm8k, math500,
     aime*, ...) -> dare_math, scored as DARE scores it; without a task, a source containing gsm8k -> gsm8k and a
-    math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither source nor task (megadare's
-    own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
+    math source (math, math500, aime*, amc*, openr1*, ...) -> math; a row with neither source nor task: a dLLM-RL
+    code row (``test_method``) -> code (its partial credit), a dLLM-RL math row (``ground_truth_answer``) ->
+    dllm_rl_math, else (megadare's own files, the synthetic tasks) -> exact_match. Anything else raises ValueError.
     """
     source = str(record.get("data_source") or "").lower()
     extra = _extra_info(record)
@@ -180,6 +196,8 @@ def auto_rule(record: dict) -> str:
         return "sudoku"
     if source.startswith("countdown"):
         return "countdown"
+    if not source and not task and DLLM_RL_TESTS in record:
+        return "code"
     if "tests" in record or task == "code" or source in CODE_SOURCES:
         return "code_all_or_nothing"
     if task == "math":
@@ -188,6 +206,8 @@ def auto_rule(record: dict) -> str:
         return "gsm8k"
     if source.startswith(MATH_SOURCES):
         return "math"
+    if not source and not task and DLLM_RL_GOLD in record:
+        return "dllm_rl_math"
     if not source and not task:
         return "exact_match"
     raise ValueError(
@@ -204,6 +224,7 @@ BUILTIN_REWARDS: Dict[str, RewardFn] = {
     "math": _math,
     "gsm8k": _gsm8k,
     "dare_math": _dare_math,
+    "dllm_rl_math": _dllm_rl_math,
     "exact_match": _exact_match,
     "countdown": _countdown,
     "sudoku": _sudoku,
@@ -220,8 +241,8 @@ def gold_response(rule: str, record: dict) -> Optional[str]:
     row holds no answer (a countdown target, code tests) or the rule checks no answer (format rewards)."""
     if rule == "auto":
         rule = auto_rule(record)
-    gold = _gold(record) if rule in ("math", "dare_math", "gsm8k", "exact_match", "sudoku") else None
-    if rule in ("math", "dare_math"):
+    gold = _gold(record) if rule in ("math", "dare_math", "dllm_rl_math", "gsm8k", "exact_match", "sudoku") else None
+    if rule in ("math", "dare_math", "dllm_rl_math"):
         return gold if "\\boxed" in gold else f"The answer is \\boxed{{{gold}}}."
     if rule == "gsm8k":
         return f"The answer is \\boxed{{{gsm8k_gold(gold)}}}."
@@ -250,24 +271,33 @@ def gold_problem(reward: str, record: dict) -> Optional[str]:
     return None
 
 
+_ORIGIN_RULES = {
+    "dare_math": ("DARE", "(extra_info.task=math)", "DARE's math_rm"),
+    "dllm_rl_math": ("dLLM-RL", "(ground_truth_answer)", "dLLM-RL's is_equal"),
+}
+
+
 def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
-    """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than DARE would: ``math`` /
-    ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to ``dare_math``)."""
+    """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than the project they come
+    from would: ``math`` / ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to
+    ``dare_math``) or dLLM-RL's (``ground_truth_answer``: ``dllm_rl_math``), one line each."""
     if reward not in ("math", "gsm8k"):
         return []
-    dare = 0
+    counts = dict.fromkeys(_ORIGIN_RULES, 0)
     for record in records:
         try:
-            dare += auto_rule(record) == "dare_math"
+            rule = auto_rule(record)
         except ValueError:
             continue
-    if not dare:
-        return []
+        if rule in counts:
+            counts[rule] += 1
     return [
-        f"rewards: rewards.name={reward} scores {dare} of {len(records)} rows that are DARE math rows "
-        "(extra_info.task=math) by megadare's looser rule, which also takes an unboxed answer ('the answer is X', the "
-        "last number); DARE's math_rm reads the last \\boxed{} only: rewards.name=dare_math (or auto) scores them as "
-        "DARE does"
+        f"rewards: rewards.name={reward} scores {n} of {len(records)} rows that are {origin} math rows {tag} by "
+        "megadare's looser rule, which also takes an unboxed answer ('the answer is X', the last number); "
+        f"{ref} reads the last \\boxed{{}} only: rewards.name={rule} (or auto) scores them as {origin} does"
+        for rule, n in counts.items()
+        if n
+        for origin, tag, ref in [_ORIGIN_RULES[rule]]
     ]
 
 
