@@ -1,5 +1,7 @@
 """Cross-checks of a whole config against the model and the world size (``validate``) and the rollout decoder
-(``check_decoder``): what no single field can know."""
+(``check_decoder``): what no single field can know. Here in the trainer layer, not in megadare/config/, because
+they need the model, the algorithms and the engines (torch, megatron): the config layer stays torch-free, so a
+bad key or value is refused (config.load_config) before any of them loads."""
 
 from __future__ import annotations
 
@@ -8,8 +10,7 @@ from typing import Optional
 
 from megadare.algos import build_algorithm
 from megadare.errors import ConfigError
-from megadare.config.loading import check_choices
-from megadare.config.sections import Config
+from megadare.config import Config, check_choices, resolve_sft_mode
 from megadare.models import step_fusions
 from megadare.models.family import ModelArch
 from megadare.models.lora import DEFAULT_TARGETS
@@ -18,15 +19,6 @@ from megadare.rollout.engine import (
     SamplingParams,
 )
 from megadare.rollout.setup import resolve_canvas, rollout_block
-
-
-def resolve_sft_mode(cfg: Config, arch: Optional[ModelArch]) -> str:
-    """sft.mode with 'auto' resolved: block diffusion for block-causal families, random masking otherwise."""
-    if cfg.sft.mode != "auto":
-        return cfg.sft.mode
-    if arch is None:
-        return "auto"
-    return "block" if arch.is_block_diffusion else "random"
 
 
 def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None) -> None:
