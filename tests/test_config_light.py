@@ -49,6 +49,8 @@ def test_the_config_layer_loads_no_torch():
         ("model", {"dtype": "fp17"}, "model.dtype"),  # a value outside the key's choices
         ("optim", {"adam_beta2": 1.0}, "optim.adam_beta2=1.0 must be within [0, 1)"),  # a value out of its range
         ("model", {"hf_path": "no_such_dir"}, "model.hf_path='no_such_dir' is not a directory"),  # no checkpoint
+        ("optim", {"lr": -1.0}, "optim.lr=-1.0, optim.min_lr=0.0: need 0 <= min_lr <= lr"),  # settings that clash
+        ("rl", {"mini_batches": 32}, "rl.mini_batches=32 > rl.prompts_per_step=16"),
     ],
 )
 def test_a_bad_config_is_refused_before_torch_loads(tmp_path, section, kv, named):

@@ -3,10 +3,10 @@
     cfg = load_config("examples/configs/sdar_tiny.yaml", ["parallel.tp=2", "model.dtype=bf16"])
     validate(cfg, arch, world_size)   # megadare.trainer.checks: layouts against the model, before any process starts
 
-Unknown keys, wrong types, bad choices and missing data files raise ``ConfigError`` naming the dotted key and
+Unknown keys, wrong types, bad choices and values out of range raise ``ConfigError`` naming the dotted key and
 the fix. One job a file: ``sections.py`` (the schema: one dataclass per section, typed choices,
 ``CONFIG_ALIASES``), ``loading.py`` (files, overrides, aliases, field checks), ``foreign.py`` (other frameworks'
-keys). The cross-checks against the
+keys), ``rules.py`` (settings against each other). The cross-checks against the
 model, the algorithm and the world size (``validate``) are trainer/checks.py: they need torch, and this package
 imports nothing that does (.importlinter), so a bad config is refused before torch loads.
 """
@@ -49,6 +49,7 @@ from megadare.config.loading import (
     to_yaml,
 )
 
+from megadare.config.rules import check_rules
 
 __all__ = [
     "ModelSection",
@@ -83,4 +84,5 @@ __all__ = [
     "load_config",
     "to_yaml",
     "resolve_sft_mode",
+    "check_rules",
 ]
