@@ -4,12 +4,66 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import sys
+from types import ModuleType
 from typing import Optional
 
-from megadare.errors import ConfigError, OutputError, PeerError, RunStateError
+from megadare.config import check_model_path, check_rules, load_config, to_yaml
+from megadare.config.loading import suggestion
+from megadare.data.files import DataError
+from megadare.errors import (
+    CheckpointError,
+    ConfigError,
+    MegatronCheckpointError,
+    ModelConfigError,
+    OutputError,
+    PeerError,
+    RunStateError,
+)
 from megadare.options import positive_int, positive_number
+from megadare.rewards import RewardError, RewardSpecError
+
+# megadare's own errors: each is one line naming the file, key or value and the fix (no traceback)
+_ONE_LINE_ERRORS = (
+    ConfigError,
+    ModelConfigError,
+    CheckpointError,
+    MegatronCheckpointError,
+    DataError,
+    RewardError,
+    RewardSpecError,
+    OutputError,
+    RunStateError,
+    PeerError,
+)
+
+# What each command runs, by module name, imported (``_module``) only once its arguments and config are checked:
+# these modules pull torch / megatron / ray, seconds of CPU that `megadare --help` and a refused config must not
+# wait for. Everything else cli.py needs (the config layer, the error types: torch-free) is imported above; this
+# table is the dispatcher's one deferral. cli.py is the top import layer, so lint-imports loses no rule by it.
+_MODULES = {
+    "spec": "megadare.trainer.spec",  # resolve: the config against the model, the algorithm and the world
+    "preflight": "megadare.preflight",  # --dry-run
+    "launch": "megadare.parallel.launch",  # one process or --nproc local ones
+    "layout": "megadare.parallel.layout",
+    "sft": "megadare.trainer.sft_loop",
+    "dpo": "megadare.trainer.dpo_loop",
+    "rl": "megadare.trainer.rl",
+    "eval": "megadare.eval",
+    "plan": "megadare.plan",
+    "convert": "megadare.convert",
+    "data inspect": "megadare.eval.data_inspect",
+    "data tokenizer": "megadare.data.qwen_tokenizer",
+    "demo": "megadare.demo",
+    "torch": "torch",  # convert --dtype
+}
+
+
+def _module(name: str) -> ModuleType:
+    """The module behind ``name`` in ``_MODULES``, imported now."""
+    return importlib.import_module(_MODULES[name])
 
 
 class _Parser(argparse.ArgumentParser):
@@ -125,26 +179,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _dtype(name: str):
-    import torch  # heavy: only `convert --dtype` needs it
-
+    torch = _module("torch")
     return {"keep": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def _launch(worker, run, cfg, nproc: int) -> dict:
     """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from megadare.parallel.launch import spawn  # heavy: pulls torch (keeps --help light)
-
-        return spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
-    from megadare.parallel.launch import run_here  # heavy: pulls torch (keeps --help light)
-
-    return run_here(run, cfg)
+        return _module("launch").spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
+    return _module("launch").run_here(run, cfg)
 
 
 def _run_sft(cfg, nproc: int) -> int:
-    from megadare.trainer.sft_loop import run_sft, sft_worker  # heavy: pulls megatron
-
-    out = _launch(sft_worker, run_sft, cfg, nproc)
+    sft = _module("sft")
+    out = _launch(sft.sft_worker, sft.run_sft, cfg, nproc)
     if not out["history"]:
         return _nothing_done("sft", out)
     last = out["history"][-1]
@@ -168,9 +216,8 @@ def _nothing_done(command: str, out: dict) -> int:
 
 
 def _run_dpo(cfg, nproc: int) -> int:
-    from megadare.trainer.dpo_loop import dpo_worker, run_dpo  # heavy: pulls megatron
-
-    out = _launch(dpo_worker, run_dpo, cfg, nproc)
+    dpo = _module("dpo")
+    out = _launch(dpo.dpo_worker, dpo.run_dpo, cfg, nproc)
     h = out["history"]
     if not h:
         return _nothing_done("dpo", out)
@@ -186,9 +233,8 @@ def _run_dpo(cfg, nproc: int) -> int:
 
 
 def _run_rl(cfg, nproc: int) -> int:
-    from megadare.trainer.rl import rl_worker, run_rl  # heavy: pulls megatron
-
-    out = _launch(rl_worker, run_rl, cfg, nproc)
+    rl = _module("rl")
+    out = _launch(rl.rl_worker, rl.run_rl, cfg, nproc)
     if out.get("already_finished"):
         return _nothing_done("rl", out)
     evals = out["evals"]
@@ -201,12 +247,10 @@ def _run_rl(cfg, nproc: int) -> int:
 
 
 def _run_convert(args) -> int:
-    from megadare import convert  # heavy: pulls torch and megatron
-    from megadare.parallel.layout import Layout  # heavy: megadare.parallel pulls torch.distributed
-
+    convert = _module("convert")
     try:
         if args.direction == "hf-to-megatron":
-            layout = Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, etp=args.etp)
+            layout = _module("layout").Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, etp=args.etp)
             out = convert.hf_to_megatron(args.hf, args.out, layout, dtype=_dtype(args.dtype))
         else:
             out = convert.megatron_to_hf(
@@ -226,8 +270,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["demo"]:  # the demo parses its own options
-            from megadare import demo  # heavy: pulls megatron
-
+            demo = _module("demo")
             demo_parser = demo.parser(_Parser)
             if "--foundation" not in argv:
                 _check_options(demo_parser._option_string_actions, argv[1:])
@@ -236,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if argv[:1] in [[c] for c in CONFIG_COMMANDS]:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
         return _dispatch(_parse(parser, argv))
-    except _one_line_errors() as e:
+    except _ONE_LINE_ERRORS as e:
         report_error(e)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
@@ -311,8 +354,6 @@ def _is_number(text: str) -> bool:
 def _unknown_option(typed: str, name: str, value: Optional[str], options: list[str]) -> str:
     """The line for an unknown option ``name`` (``typed``: as written, with its value): the option it misspells,
     else the config key it means."""
-    from megadare.config.loading import suggestion  # heavy: pulls torch; only an unknown option needs it
-
     spelled = name.replace("_", "-")
     close = [spelled] if spelled in options else difflib.get_close_matches(name, options, n=1, cutoff=0.8)
     if close:
@@ -322,45 +363,16 @@ def _unknown_option(typed: str, name: str, value: Optional[str], options: list[s
     return f"unknown option {typed!r}: {how}{hint}"
 
 
-def _one_line_errors() -> tuple[type[Exception], ...]:
-    """megadare's own errors: each is one line naming the file, key or value and the fix (no traceback). Imported
-    here, when an error is being caught, because their modules pull torch and `--help` must stay light."""
-    from megadare.convert.mcore_ckpt import MegatronCheckpointError
-    from megadare.data.files import DataError
-    from megadare.models.family import ModelConfigError
-    from megadare.models.safetensors_io import CheckpointError
-    from megadare.rewards import RewardError, RewardSpecError
-
-    return (
-        ConfigError,
-        ModelConfigError,
-        CheckpointError,
-        MegatronCheckpointError,
-        DataError,
-        RewardError,
-        RewardSpecError,
-        OutputError,
-        RunStateError,
-        PeerError,
-    )
-
-
 def _dispatch(args) -> int:
     if args.command == "convert":
         return _run_convert(args)
     if args.command == "data" and args.action == "tokenizer":
-        from megadare.data.qwen_tokenizer import write_qwen_tokenizer  # lazy: --help imports no command module
-
-        print(f"wrote {write_qwen_tokenizer(args.out, args.family)}")
+        print(f"wrote {_module('data tokenizer').write_qwen_tokenizer(args.out, args.family)}")
         return 0
     if args.command == "data":
-        from megadare.eval.data_inspect import inspect_command  # heavy: pulls megatron
-
-        return inspect_command(args.files, args.reward, args.model, args.limit)
+        return _module("data inspect").inspect_command(args.files, args.reward, args.model, args.limit)
     if args.command == "demo":
-        from megadare import demo  # heavy: pulls megatron
-
-        return demo.main(args.rest)
+        return _module("demo").main(args.rest)
     cfg, spec = _config_and_spec(args)
     arch = spec.arch
     if args.dry_run:
@@ -375,20 +387,14 @@ def _dispatch(args) -> int:
     if args.command in ("sft", "dpo", "rl"):
         return {"sft": _run_sft, "dpo": _run_dpo, "rl": _run_rl}[args.command](cfg, args.nproc)
     if args.command == "eval":
-        from megadare.eval import run_eval_command  # heavy: pulls megatron
-
-        return run_eval_command(spec, args.nproc)
-    from megadare.plan import run_plan_command  # heavy: pulls torch
-
-    return run_plan_command(cfg, arch)
+        return _module("eval").run_eval_command(spec, args.nproc)
+    return _module("plan").run_plan_command(cfg, arch)
 
 
 def _config_and_spec(args):
     """The run's config (file + overrides) and its resolved spec (checked; ``spec.arch`` is None when no model is
-    named)."""
-    from megadare.config import load_config  # heavy: pulls torch (keeps --help light)
-    from megadare.trainer.spec import resolve  # heavy: pulls megatron
-
+    named). The config's own checks (keys, types, values, model.hf_path, the rules between settings:
+    config/rules.py) run before the spec's module (torch) loads."""
     overrides = list(args.overrides)
     if args.command == "eval":
         if args.model:
@@ -399,16 +405,15 @@ def _config_and_spec(args):
                 raise ConfigError(f"--tasks {args.tasks!r} names no task; e.g. --tasks gsm8k,math500")
             overrides.append(f"eval.tasks=[{','.join(tasks)}]")
     cfg = load_config(args.config, overrides)
-    return cfg, resolve(cfg, job=args.command)
+    check_model_path(cfg)
+    check_rules(cfg)  # the cross-checks that need no model; validate (in resolve) runs them again, in its order
+    return cfg, _module("spec").resolve(cfg, job=args.command)
 
 
 def _dry_run(args, cfg, spec) -> int:
     """Pre-flight: check what the command would run (megadare/preflight.py), then print the resolved config."""
-    from megadare.config import to_yaml  # heavy: pulls torch (keeps --help light)
-    from megadare.preflight import preflight  # heavy: pulls megatron
-
     world = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "0")) or None
-    preflight(spec, config_only=args.config_only, world=world)
+    _module("preflight").preflight(spec, config_only=args.config_only, world=world)
     print(to_yaml(cfg), end="")
     checked = "the config and the memory plan" if args.config_only else "every check"
     print(f"pre-flight: {checked} passed; nothing started (the resolved config is on stdout)", file=sys.stderr)

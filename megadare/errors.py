@@ -7,6 +7,18 @@ class ConfigError(ValueError):
     """A bad config: the message names the dotted key and how to fix it."""
 
 
+class ModelConfigError(ValueError):
+    """A checkpoint's config.json is missing a key, has a bad value, or is of no known family (models/family.py)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing files, or names a tensor it does not hold (models/safetensors_io.py)."""
+
+
+class MegatronCheckpointError(ValueError):
+    """A directory is not a megadare/megatron distributed checkpoint, or lacks a tensor (convert/mcore_ckpt.py)."""
+
+
 class OutputError(ValueError):
     """An output path a command refuses to write: it holds what the command did not write, or a source."""
 

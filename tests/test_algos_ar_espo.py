@@ -285,7 +285,7 @@ def test_redrawn_corruptions_per_epoch():
 
 
 def test_config_check_refuses_what_justgrpo_and_espo_cannot_train():
-    from megadare.config import validate
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
     from megadare.models import get_family
 

@@ -363,7 +363,8 @@ def test_group_relative_advantages_with_one_sample_are_refused():
     """rl.n_samples=1 with grpo / rloo: every advantage would be 0 -- the config check refuses it naming both
     keys; reinforce_pp (verl: a group of one keeps its reward) and TraceRL with a value model still run; online
     VRPO needs two responses to pair."""
-    from megadare.config import load_config, validate
+    from megadare.config import load_config
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
 
     for adv in ("grpo", "rloo"):

@@ -116,7 +116,8 @@ def test_d_treerpo_local_advantages_exclude_the_node():
 
 def test_d_treerpo_fans_out_to_the_group_size_or_refuses_in_the_dry_run():
     from megadare.algos.d_treerpo import DTreeRPO
-    from megadare.config import load_config, validate
+    from megadare.config import load_config
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
 
     assert DTreeRPO().fanout(8) == 2 and DTreeRPO().fanout(16) == 4 and DTreeRPO({"root_fanout": 4}).fanout(16) == 4

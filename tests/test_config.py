@@ -9,7 +9,8 @@ from datetime import timedelta
 import pytest
 
 from megadare import cli
-from megadare.config import load_config, to_yaml, validate
+from megadare.config import load_config, to_yaml
+from megadare.trainer.checks import validate
 from megadare.parallel.layout import Layout
 from megadare.errors import ConfigError
 from megadare.models import get_family
@@ -81,7 +82,7 @@ SFT_BAD = [
 
 @pytest.mark.parametrize("overrides,message", SFT_BAD)
 def test_bad_training_settings(overrides, message):
-    from megadare.config import validate
+    from megadare.trainer.checks import validate
 
     with pytest.raises(ConfigError, match=message):
         cfg = load_config(None, ["model.family=sdar", "model.tiny=true"] + overrides)

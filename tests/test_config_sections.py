@@ -11,7 +11,8 @@ import os
 import pytest
 import yaml
 
-from megadare.config import CONFIG_ALIASES, Config, config_from_dict, load_config, to_yaml, validate
+from megadare.config import CONFIG_ALIASES, Config, config_from_dict, load_config, to_yaml
+from megadare.trainer.checks import validate
 from megadare.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import publisher_decoders
-from megadare.config import load_config, validate
+from megadare.config import load_config
+from megadare.trainer.checks import validate
 from megadare.errors import ConfigError
 from megadare.models import build_hf_model, get_family
 from megadare.rollout.dllm_step import ranking_confidence

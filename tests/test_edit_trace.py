@@ -190,7 +190,8 @@ def test_replayed_logprobs_of_every_commit_equal_the_engine():
 
 def _megatron_worker(rank, world, hf_dir):
     from megadare.algos import build_algorithm
-    from megadare.config import config_from_dict, validate
+    from megadare.config import config_from_dict
+    from megadare.trainer.checks import validate
     from megadare.models import load_hf_model
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.trainer.model_setup import resolve_model_source
@@ -423,7 +424,8 @@ def test_config_refuses_an_edited_trace_the_algorithm_cannot_replay(algo, params
     """rollout.algorithm=editing: each algorithm's own check_config refuses, before any process starts, what its
     trace replay cannot score (MDPO and d-TreeRPO rebuild states from the final tokens; TraceRL fragments of
     several steps would score two commits of one position from one state)."""
-    from megadare.config import config_from_dict, validate
+    from megadare.config import config_from_dict
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
     from megadare.models import get_family
 

@@ -424,7 +424,8 @@ def test_rollout_keys_reach_the_engine(tmp_path):
     """rollout.dtype / max_batch / compile -> the actors' engine factory -> the engine (loaded in its dtype)."""
     from types import SimpleNamespace
 
-    from megadare.config import load_config, validate
+    from megadare.config import load_config
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
     from megadare.rollout.manager import build_native_engine
     from megadare.rollout.setup import engine_spec
@@ -449,7 +450,8 @@ def test_full_attention_cache_key_reaches_the_engine_and_is_refused_where_it_can
     from types import SimpleNamespace
 
     from megadare.algos import build_algorithm
-    from megadare.config import load_config, validate
+    from megadare.config import load_config
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
     from megadare.models import get_family
     from megadare.rollout.setup import engine_spec
@@ -476,7 +478,8 @@ def test_full_attention_cache_key_reaches_the_engine_and_is_refused_where_it_can
 def test_evaluation_decodes_with_its_own_steps_per_block():
     """rollout.eval_steps_per_block (DARE validates with one token per step) -> the evaluation SamplingParams only;
     0 keeps steps_per_block; too many steps for the block are refused under the key the user set."""
-    from megadare.config import load_config, validate
+    from megadare.config import load_config
+    from megadare.trainer.checks import validate
     from megadare.errors import ConfigError
     from megadare.models import get_family
     from megadare.rollout.setup import sampling_params

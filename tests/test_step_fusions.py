@@ -16,7 +16,7 @@ import torch
 from tiny import write_tiny_hf
 
 from megadare.config import Config
-from megadare.config.checks import validate
+from megadare.trainer.checks import validate
 from megadare.errors import ConfigError
 from megadare.models import step_fusions
 

@@ -26,6 +26,7 @@ import torch
 from megadare.algos.base import LOSS_AGG, STEP_WIDTH, RLSample, SlotObjective, Slots, aggregation, views_to_row
 from megadare.algos.policy_loss import KL_ESTIMATORS, PPOClip, check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
+from megadare.ranges import in_range
 from megadare.models.family import ModelArch
 from megadare.data.rows import Row
 from megadare.diffusion.views import View
@@ -73,12 +74,6 @@ PARAM_RANGES: dict[str, tuple[str, str]] = {
     "lam": ("[0, 1]", "the GAE lambda"),
 }
 PARAM_ORDER = (("p_low", "p_high"), ("t_low", "t_high"))  # pairs that bound one range: low <= high
-
-
-def in_range(v: float, bounds: str) -> bool:
-    """Whether ``v`` lies within ``bounds``, an interval written "[lo, hi)" ("[" / "]" inclusive, "inf" allowed)."""
-    lo, hi = (float(x) for x in bounds[1:-1].split(","))
-    return (v >= lo if bounds[0] == "[" else v > lo) and (v <= hi if bounds[-1] == "]" else v < hi)
 
 
 def check_params(name: str, resolved: dict[str, Any], defaults: dict[str, Any]) -> None:

@@ -1,12 +1,14 @@
 """One typed config tree for every command: dataclasses + OmegaConf, a YAML file plus ``key=value`` overrides.
 
     cfg = load_config("examples/configs/sdar_tiny.yaml", ["parallel.tp=2", "model.dtype=bf16"])
-    validate(cfg, arch, world_size)   # layouts against the model, before any process starts
+    validate(cfg, arch, world_size)   # megadare.trainer.checks: layouts against the model, before any process starts
 
-Unknown keys, wrong types, bad choices and impossible layouts raise ``ConfigError`` naming the dotted key and
-the fix. Three files, one job each: ``sections.py`` (the schema: one dataclass per section, typed choices,
-``CONFIG_ALIASES``), ``loading.py`` (files, overrides, aliases, field checks) and ``checks.py`` (cross-checks
-against the model and the world size).
+Unknown keys, wrong types, bad choices and values out of range raise ``ConfigError`` naming the dotted key and
+the fix. One job a file: ``sections.py`` (the schema: one dataclass per section, typed choices,
+``CONFIG_ALIASES``), ``loading.py`` (files, overrides, aliases, field checks), ``foreign.py`` (other frameworks'
+keys), ``rules.py`` (settings against each other). The cross-checks against the
+model, the algorithm and the world size (``validate``) are trainer/checks.py: they need torch, and this package
+imports nothing that does (.importlinter), so a bad config is refused before torch loads.
 """
 
 from megadare.config.sections import (
@@ -32,6 +34,7 @@ from megadare.config.sections import (
     RewardsSection,
     Config,
     CONFIG_ALIASES,
+    resolve_sft_mode,
 )
 
 from megadare.config.loading import (
@@ -40,17 +43,13 @@ from megadare.config.loading import (
     check_choices,
     POSITIVE,
     canonical_keys,
+    check_model_path,
     config_from_dict,
     load_config,
     to_yaml,
 )
 
-from megadare.config.checks import (
-    resolve_sft_mode,
-    validate,
-    check_decoder,
-)
-
+from megadare.config.rules import check_rules
 
 __all__ = [
     "ModelSection",
@@ -80,10 +79,10 @@ __all__ = [
     "check_choices",
     "POSITIVE",
     "canonical_keys",
+    "check_model_path",
     "config_from_dict",
     "load_config",
     "to_yaml",
     "resolve_sft_mode",
-    "validate",
-    "check_decoder",
+    "check_rules",
 ]

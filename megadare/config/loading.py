@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
+import os
 import re
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
@@ -15,11 +16,11 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from megadare.algos.algorithm import in_range
 from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
 from megadare.config.foreign import foreign_fix
 from megadare.config.sections import CONFIG_ALIASES, Config
+from megadare.ranges import in_range
 
 
 def _literal_choices(annotation) -> Optional[tuple]:
@@ -383,6 +384,13 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         except OmegaConfBaseException as e:
             raise _translate(e, f"override {ov}", written) from None
     return _finish(conf, written)
+
+
+def check_model_path(cfg: Config) -> None:
+    """``model.hf_path``, when set, is a directory (an HF checkpoint). Every config command needs it there (its
+    config.json names the model the config is checked against); the CLI checks it before torch loads."""
+    if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
+        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r} is not a directory (expected an HF checkpoint)")
 
 
 def _unknown_in(data: dict, schema: Any, prefix: str = "") -> list[tuple[str, Any]]:

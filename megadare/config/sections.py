@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional
 
 
 from megadare.rewards.sandbox import ISOLATIONS
-from megadare.rollout.engine import (
+from megadare.rollout.choices import (
     ALGORITHMS,
     CONFIDENCES,
     ENGINE_DEVICES,
@@ -371,6 +371,16 @@ class Config:
 
 # Users' keys from before the sections by owner: permanent aliases {key as written: canonical key}. The loader
 # moves them (YAML files, key=value overrides, config_from_dict) before OmegaConf checks types and choices.
+def resolve_sft_mode(cfg: Config, arch: Any) -> str:
+    """sft.mode with 'auto' resolved: block diffusion for block-causal families, random masking otherwise. ``arch``:
+    the model's ``ModelArch`` (models/family.py, not imported: the config layer stays torch-free), None if unknown."""
+    if cfg.sft.mode != "auto":
+        return cfg.sft.mode
+    if arch is None:
+        return "auto"
+    return "block" if arch.is_block_diffusion else "random"
+
+
 CONFIG_ALIASES: dict[str, str] = {
     **{f"train.{f.name}": f"optim.{f.name}" for f in fields(OptimSection)},
     "rl.advantage": "advantage.estimator",

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megadare.convert.manifest import Verdict, check_checkpoint, write_manifest
 from megadare.convert.outputs import HF_SUBDIR, TRACKER, publish, staging_dir
+from megadare.errors import MegatronCheckpointError
 from megadare.models.safetensors_io import copy_passthrough_files
 
 SHARDED_SD_METADATA = {"singleton_local_shards": True}
@@ -51,10 +52,6 @@ _MCORE_METADATA = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-
-
-class MegatronCheckpointError(ValueError):
-    """A directory is not a megadare/megatron distributed checkpoint, or lacks a tensor."""
 
 
 @contextlib.contextmanager

@@ -14,14 +14,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from megadare.errors import ModelConfigError
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from megadare.models.mapping import ParamMap
-
-
-class ModelConfigError(ValueError):
-    """A checkpoint's config.json is missing a key, has a bad value, or is of no known family."""
 
 
 class MaskKind(str, Enum):

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megadare.errors import CheckpointError
 from megadare.files import OWNER, owned_name, sweep_dead
 from megadare.models.remote_code import write_remote_code
 
@@ -59,10 +60,6 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing files, or names a tensor it does not hold."""
 
 
 def _tensor_names(path: str) -> list[str]:

@@ -22,14 +22,9 @@ from typing import Any, Iterable, NamedTuple, Optional, Protocol
 
 import torch
 
-ALGORITHMS = ("low_confidence_static", "low_confidence_dynamic", "random", "editing")
-CONFIDENCES = ("model_prob", "maskgit_plus", "topk_margin", "entropy")
-SCHEDULES = ("even", "linspace", "linspace_first", "linspace_remaining")
+from megadare.rollout.choices import ALGORITHMS, CONFIDENCES, SCHEDULES
+
 FINISH_REASONS = ("eos", "length")
-WEIGHT_TRANSPORTS = ("auto", "distributed", "colocated", "object_store")  # rollout.weight_transport (weight_sync/)
-ENGINE_DEVICES = ("auto", "cpu", "cuda")  # rollout.device (built-in engine)
-ENGINE_DTYPES = ("auto", "float32", "bfloat16")  # rollout.dtype (built-in engine)
-FULL_ATTENTION_CACHES = ("none", "prefix", "dual")  # rollout.full_attention_cache (built-in engine, Fast-dLLM)
 _SEED_STRIDE = 1_000_003
 
 

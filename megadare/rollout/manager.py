@@ -32,7 +32,8 @@ import torch
 from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models import load_hf_model
 from megadare.models.family import family_of, read_hf_config
-from megadare.rollout.engine import ENGINE_DEVICES, ENGINE_DTYPES, SamplingParams, Trajectory, prompt_seed
+from megadare.rollout.choices import ENGINE_DEVICES, ENGINE_DTYPES
+from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.native import NativeEngine, NativeSettings
 from megadare.rollout.ray_health import GcsWatch, end_local_ray, ray_died
 from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip

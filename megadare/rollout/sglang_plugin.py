@@ -85,7 +85,8 @@ import torch
 
 from megadare.rollout.dllm_step import BlockState, BlockTrace, Streams, dllm_step
 from megadare.rollout.editing import Refinement
-from megadare.rollout.engine import ALGORITHMS, SamplingParams
+from megadare.rollout.choices import ALGORITHMS
+from megadare.rollout.engine import SamplingParams
 
 logger = logging.getLogger(__name__)
 

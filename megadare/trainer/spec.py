@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from megadare.algos import build_algorithm
 from megadare.algos.vrpo import VRPO
-from megadare.config import Config, validate
+from megadare.config import Config, check_model_path
+from megadare.trainer.checks import validate
 from megadare.errors import ConfigError
 from megadare.models.family import Family, ModelArch, family_of, get_family, read_hf_config
 from megadare.parallel.layout import Layout
@@ -86,9 +87,8 @@ def model_source(cfg: Config) -> Optional[ModelSource]:
     """The model a config names (``model.hf_path``, or ``model.family`` with its tiny config; None: no model).
     Reads config.json; writes nothing."""
     m = cfg.model
+    check_model_path(cfg)
     if m.hf_path:
-        if not os.path.isdir(m.hf_path):
-            raise ConfigError(f"model.hf_path={m.hf_path!r} is not a directory (expected an HF checkpoint)")
         return source_of(read_hf_config(m.hf_path), m.hf_path, m.block_size)
     if not m.family:
         return None

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(not CLUSTER, reason="needs a real Slurm: tests/s
 RL_TINY = (
     "model.tiny=true model.dtype=fp32 parallel.tp=1 parallel.sp=false parallel.pp=1 parallel.ep=1 "
     "parallel.etp=null train.seq_length=128 data.max_length=48 rl.prompts_per_step=2 rl.n_samples=4 "
-    "rl.mini_batches=2 "  # the example configs' 4 mini-batches need 4 prompt groups a step (config/checks.py)
+    "rl.mini_batches=2 "  # the example configs' 4 mini-batches need 4 prompt groups a step (trainer/checks.py)
     "rl.reward=slurm_reward:parity rl.truncated_as_wrong=false rollout.engine=native "
     "rollout.max_new_tokens=8 rollout.steps_per_block=4 "
     "rollout.device=cpu"

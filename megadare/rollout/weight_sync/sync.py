@@ -37,7 +37,7 @@ from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
 from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models.mapping import ParamMap
 from megadare.parallel.rank0 import trainer_rank
-from megadare.rollout.engine import WEIGHT_TRANSPORTS
+from megadare.rollout.choices import WEIGHT_TRANSPORTS
 from megadare.rollout.weight_sync.gather import stage_buckets
 from megadare.rollout.weight_sync.groups import DEFAULT_TIMEOUT, gpu_uuid, host_ip
 from megadare.rollout.weight_sync.plan import SyncPlan, Transform, build_plan, plain_hf

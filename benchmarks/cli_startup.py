@@ -1,0 +1,115 @@
+"""How fast ``megadare`` answers ``--help`` and refuses a bad config: CPU and wall seconds of one subprocess per case
+and the number of modules it imported, against a baseline that imports megadare's full stack (the trainers, the
+rollout, the CLI) in a subprocess of the same run. A config error that the config layer finds (a key, a type, a
+choice, a range, model.hf_path) is refused before torch loads, a small fraction of the baseline; a missing data
+file and the cross-checks (trainer/checks.py) are found after it. Prints a table; asserts nothing (timings depend
+on the machine's load).
+
+    python benchmarks/cli_startup.py            # every case once
+    python benchmarks/cli_startup.py --repeat 3 # the least CPU time of 3 runs per case
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_RL = os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml")
+README_SFT = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")  # README "Quick start"
+
+# the child: run ``megadare ARGS`` (as ``python -m megadare``) and write how many modules it imported, and
+# whether the heavy ones are among them, to the file named in MEGADARE_BENCH_OUT, at exit
+_CHILD = (
+    "import atexit, os, runpy, sys\n"
+    "def _count():\n"
+    "    heavy = [m for m in ('torch', 'megatron', 'ray', 'transformers') if m in sys.modules]\n"
+    "    open(os.environ['MEGADARE_BENCH_OUT'], 'w').write(f\"{len(sys.modules)} {','.join(heavy) or '-'}\")\n"
+    "atexit.register(_count)\n"
+    "sys.argv = ['megadare'] + sys.argv[1:]\n"
+    "runpy.run_module('megadare', run_name='__main__')\n"
+)
+_BASELINE = (
+    "import atexit, os, sys\n"
+    "import megadare.cli, megadare.trainer.rl, megadare.trainer.sft_loop, megadare.trainer.dpo_loop, megadare.eval\n"
+    "heavy = [m for m in ('torch', 'megatron', 'ray', 'transformers') if m in sys.modules]\n"
+    "open(os.environ['MEGADARE_BENCH_OUT'], 'w').write(f\"{len(sys.modules)} {','.join(heavy) or '-'}\")\n"
+)
+
+
+def _variant(src: str, out_dir: str, name: str, edit) -> str:
+    """A copy of the YAML config ``src`` with ``edit`` applied to its dict, written to ``out_dir/name.yaml``."""
+    with open(src) as f:
+        cfg = yaml.safe_load(f)
+    edit(cfg)
+    path = os.path.join(out_dir, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def _set(section: str, **kv):
+    def edit(cfg: dict) -> None:
+        cfg.setdefault(section, {}).update(kv)
+
+    return edit
+
+
+def cases(tmp: str) -> list[tuple[str, list[str]]]:
+    """(name, megadare arguments) of every case."""
+    missing = os.path.join(tmp, "no_such_file.jsonl")
+    typo = _variant(DEMO_RL, tmp, "rl_typo", _set("rollout", temprature=1.0))
+    bad = _variant(DEMO_RL, tmp, "rl_bad", _set("model", dtype="fp17"))
+    cross = _variant(DEMO_RL, tmp, "rl_cross", _set("optim", lr=-1.0))
+    no_data = _variant(DEMO_RL, tmp, "rl_nodata", _set("data", synthetic=None, path=missing))
+    sft_typo = _variant(README_SFT, tmp, "sft_typo", _set("optim", learning_rate=1e-4))
+    return [
+        ("megadare --help", ["--help"]),
+        ("megadare sft --help", ["sft", "--help"]),
+        ("rl demo_rl: unknown key", ["rl", "--config", typo]),
+        ("rl demo_rl: bad value", ["rl", "--config", bad]),
+        ("rl demo_rl: missing data file", ["rl", "--config", no_data]),  # found when the data loads (torch)
+        ("rl demo_rl: cross-check lr<0", ["rl", "--config", cross]),  # trainer/checks.py (torch)
+        ("sft README example: unknown key", ["sft", "--config", sft_typo]),
+    ]
+
+
+def measure(code: str, args: list[str], repeat: int) -> tuple[float, float, str, int]:
+    """(least CPU s, its wall s, modules imported + the heavy ones, exit status) of ``python -c code args``."""
+    best = None
+    with tempfile.NamedTemporaryFile("r", suffix=".txt") as out:
+        env = dict(os.environ, MEGADARE_BENCH_OUT=out.name)
+        for _ in range(repeat):
+            before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+            rc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, cwd=ROOT).returncode
+            wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+            if best is None or cpu < best[0]:
+                best = (cpu, wall, open(out.name).read().strip(), rc)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=1, help="runs per case; the least CPU time is shown")
+    repeat = ap.parse_args().repeat
+    load = os.getloadavg()[0]
+    print(f"load average (1 min) {load:.2f} on {os.cpu_count()} CPUs; least CPU time of {repeat} run(s)")
+    base_cpu, base_wall, base_mods, _ = measure(_BASELINE, [], repeat)
+    print(f"{'case':34s} {'rc':>3s} {'CPU s':>7s} {'wall s':>7s} {'x base':>7s}  modules (heavy ones)")
+    print(f"{'baseline: import the full stack':34s} {'':>3s} {base_cpu:7.2f} {base_wall:7.2f} {1:7.2f}  {base_mods}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, args in cases(tmp):
+            cpu, wall, mods, rc = measure(_CHILD, args, repeat)
+            print(f"{name:34s} {rc:3d} {cpu:7.2f} {wall:7.2f} {cpu / base_cpu:7.2f}  {mods}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A bad config is refused before torch loads (README "Config"): the config layer and the CLI's refusal path import
+none of torch, megatron, ray or transformers, so a newcomer's typo costs about a second, not the ~9 CPU-seconds of
+the full stack (benchmarks/cli_startup.py). Each case runs in a fresh interpreter: this test process has torch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_RL = os.path.join(REPO, "megadare", "configs", "demo_rl.yaml")
+HEAVY = ("torch", "megatron", "ray", "transformers")
+
+# runs ``code`` (which leaves ``rc``), then prints the exit status and the heavy modules loaded, last line
+_REPORT = "\nprint(rc, ','.join(m for m in {heavy!r} if m in sys.modules) or '-')"
+
+
+def _run(code: str) -> tuple[int, str, str]:
+    """(exit status of ``code``, the heavy modules it loaded, its stderr) in a fresh interpreter."""
+    out = subprocess.run(
+        [sys.executable, "-c", code + _REPORT.format(heavy=HEAVY)], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    rc, heavy = out.stdout.splitlines()[-1].split()
+    return int(rc), heavy, out.stderr
+
+
+def _demo_rl_with(tmp_path, section: str, **kv) -> str:
+    """demo_rl.yaml with ``section``'s ``kv`` set, as a new file."""
+    with open(DEMO_RL) as f:
+        cfg = yaml.safe_load(f)
+    cfg.setdefault(section, {}).update(kv)
+    path = tmp_path / "rl.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_the_config_layer_loads_no_torch():
+    rc, heavy, _ = _run("import sys\nimport megadare.config\nrc = 0")
+    assert heavy == "-", f"importing megadare.config loaded {heavy}"
+
+
+@pytest.mark.parametrize(
+    "section, kv, named",
+    [
+        ("rollout", {"temprature": 1.0}, "unknown config key 'rollout.temprature'"),  # a typo in a key
+        ("model", {"dtype": "fp17"}, "model.dtype"),  # a value outside the key's choices
+        ("optim", {"adam_beta2": 1.0}, "optim.adam_beta2=1.0 must be within [0, 1)"),  # a value out of its range
+        ("model", {"hf_path": "no_such_dir"}, "model.hf_path='no_such_dir' is not a directory"),  # no checkpoint
+        ("optim", {"lr": -1.0}, "optim.lr=-1.0, optim.min_lr=0.0: need 0 <= min_lr <= lr"),  # settings that clash
+        ("rl", {"mini_batches": 32}, "rl.mini_batches=32 > rl.prompts_per_step=16"),
+    ],
+)
+def test_a_bad_config_is_refused_before_torch_loads(tmp_path, section, kv, named):
+    path = _demo_rl_with(tmp_path, section, **kv)
+    code = f"import sys\nfrom megadare.cli import main\nrc = main(['rl', '--config', {path!r}])"
+    rc, heavy, err = _run(code)
+    lines = [ln for ln in err.splitlines() if ln.startswith("megadare: error:")]
+    assert rc == 2 and len(lines) == 1 and named in lines[0], err
+    assert heavy == "-", f"refusing {section}.{kv} loaded {heavy}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["sft", "--help"]])
+def test_help_loads_no_torch(argv):
+    code = (
+        f"import sys\nfrom megadare.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n    rc = e.code"
+    )
+    rc, heavy, _ = _run(code)
+    assert rc == 0 and heavy == "-", (rc, heavy)
