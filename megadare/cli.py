@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
     ins = dsub.add_parser(
         "inspect", help="schema, fields, lengths, a rendered prompt and the reward of the gold answers of data files"
     )
-    ins.add_argument("files", nargs="+", help=".jsonl / .parquet files")
+    ins.add_argument("files", nargs="+", help=".jsonl / .json / .parquet files")
     ins.add_argument("--reward", default="auto", help="reward that scores the gold answers (default: auto, per row)")
     ins.add_argument(
         "--model",

@@ -126,6 +126,26 @@ def test_load_rows_names_each_records_line(tmp_path):
     ]
 
 
+def test_load_json_array_and_json_lines_named_json(tmp_path):
+    """dLLM-RL ships its data as .json arrays of records ('unsupported extension' before); datasets' to_json
+    writes JSON lines under a .json name. Both read, each record named by its place; bad files fail in one line."""
+    from megadare.data.files import load_rows
+
+    arr = tmp_path / "dllm_rl.json"
+    arr.write_text("\ufeff" + json.dumps(RECORDS, indent=2), encoding="utf-8")
+    assert load_rows(str(arr)) == [(f"{arr}:row 1", RECORDS[0]), (f"{arr}:row 2", RECORDS[1])]
+    lines = tmp_path / "hf.json"
+    lines.write_text(json.dumps(RECORDS[0]) + "\n" + json.dumps(RECORDS[1]) + "\n")
+    assert load_rows(str(lines)) == [(f"{lines}:1", RECORDS[0]), (f"{lines}:2", RECORDS[1])]
+    bad = {"broken": '[{"a": 1},\n {"a": oops}]', "twice": '[{"a": 1, "a": 2}]', "scalar": '[{"a": 1}, 3]'}
+    expected = {"broken": r"broken\.json: invalid JSON .* line 2", "twice": "key 'a' appears twice",
+                "scalar": r"scalar\.json:row 2: expected a record object, got int"}  # fmt: skip
+    for name, text in bad.items():
+        (tmp_path / f"{name}.json").write_text(text)
+        with pytest.raises(DataError, match=expected[name]):
+            load_rows(str(tmp_path / f"{name}.json"))
+
+
 def test_load_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -145,7 +165,7 @@ def test_load_errors(tmp_path):
     arr.write_text("[1, 2]\n")
     with pytest.raises(DataError, match=r"arr\.jsonl:1: expected a JSON object"):
         load_records(str(arr))
-    with pytest.raises(DataError, match=r"data\.csv.*\.jsonl, \.parquet"):
+    with pytest.raises(DataError, match=r"data\.csv.*\.jsonl, \.json, \.parquet"):
         load_records(str(tmp_path / "data.csv"))
     with pytest.raises(DataError, match=r"missing\.jsonl: data file not found"):
         load_records(str(tmp_path / "missing.jsonl"))

@@ -106,7 +106,7 @@ DLLM_RL: dict[str, Fix] = {
     "experiment.eval_every": "rl.eval_interval={v}",
     "model.pretrained_model": "model.hf_path={v}",
     "model.model_base": "nothing: megadare reads the family from model.hf_path's config.json",
-    "dataset.train_dataset": "data.path=<a .jsonl / .parquet file> (a file, not a dataset name)",
+    "dataset.train_dataset": "data.path=<a .jsonl / .json / .parquet file> (a file, not a dataset name)",
     "rollout.num_task_per_step": "rl.prompts_per_step={v}",
     "rollout.num_response_per_task": "rl.n_samples={v}",
     "rollout.max_token": "rollout.max_new_tokens={v}",

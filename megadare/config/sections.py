@@ -96,7 +96,7 @@ class OptimSection:
 
 @dataclass
 class DataSection:
-    path: Any = None  # .jsonl / .parquet (or a list of them) with `messages`, prompt/response,
+    path: Any = None  # .jsonl / .json / .parquet (or a list of them) with `messages`, prompt/response,
     # *_ids fields, or verl/DARE rows (prompt messages + reward_model)
     synthetic: Optional[Literal["addition", "reverse"]] = None  # generated task (tests, demo) instead of a file
     synthetic_size: int = 512

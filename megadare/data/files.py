@@ -1,4 +1,4 @@
-"""Data files: .jsonl / .parquet records, each with where it came from, and the one error type of the data layer.
+"""Data files: .jsonl / .json / .parquet records, each with where it came from, and the one error type of the data layer.
 
 ``load_records(path)`` reads every record of one file; ``load_rows(path)`` pairs each with its location
 (``file:line`` for JSONL, ``file:row N`` for parquet, 1-based) so that every later error can name it;
@@ -14,7 +14,7 @@ from typing import Sequence, Union
 
 __all__ = ["DataError", "check_record", "SUPPORTED_EXTENSIONS", "load_records", "load_rows", "load_many", "as_paths"]
 
-SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
 BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors put at the start of a file
 
 
@@ -30,12 +30,12 @@ def check_record(rec: object, where: str) -> dict:
 
 
 def load_records(path: str) -> list[dict]:
-    """All records of a .jsonl or .parquet file, as dicts."""
+    """All records of a .jsonl, .json or .parquet file, as dicts."""
     return [rec for _, rec in load_rows(path)]
 
 
 def load_rows(path: str) -> list[tuple[str, dict]]:
-    """``(location, record)`` of every record of a .jsonl / .parquet file (one read of the file)."""
+    """``(location, record)`` of every record of a .jsonl / .json / .parquet file (one read of the file)."""
     ext = os.path.splitext(path)[1].lower()
     if ext not in SUPPORTED_EXTENSIONS:
         raise DataError(
@@ -45,6 +45,8 @@ def load_rows(path: str) -> list[tuple[str, dict]]:
         raise DataError(f"{path}: data file not found")
     if ext == ".jsonl":
         return _load_jsonl(path)
+    if ext == ".json":
+        return _load_json(path)
     return [(f"{path}:row {i + 1}", r) for i, r in enumerate(_load_parquet(path))]
 
 
@@ -73,6 +75,31 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             records.append((f"{path}:{lineno}", rec))
     return records
+
+
+def _load_json(path: str) -> list[tuple[str, dict]]:
+    """A .json file: one JSON array of records (dLLM-RL's data), or JSON lines under a .json name (what
+    ``datasets.Dataset.to_json`` writes)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).removeprefix(BOM).lstrip()
+    if not head.startswith(b"["):
+        return _load_jsonl(path)
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            records = json.load(f, object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e.reason})") from e
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
+    except _DuplicateKey as e:
+        raise DataError(
+            f"{path}: key {e.args[0]!r} appears twice in one object (JSON readers keep one of them silently); keep "
+            "the one you mean"
+        ) from None
+    rows = [(f"{path}:row {i + 1}", rec) for i, rec in enumerate(records)]
+    for where, rec in rows:
+        check_record(rec, where)
+    return rows
 
 
 class _DuplicateKey(Exception):

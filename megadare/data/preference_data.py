@@ -127,7 +127,7 @@ def build_preference_examples(
 def load_preference_examples(
     paths: Union[str, Sequence[str]], tok: Tokenizer, max_len: int, overlong: str = "truncate", **keys: str
 ) -> tuple[list[PreferenceExample], dict]:
-    """:func:`build_preference_examples` over one file or a list of files (.jsonl / .parquet), errors naming
+    """:func:`build_preference_examples` over one file or a list of files (.jsonl / .json / .parquet), errors naming
     ``file:row``."""
     located = load_many(paths)
     return build_preference_examples(

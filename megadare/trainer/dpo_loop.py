@@ -2,7 +2,7 @@
 
     megadare dpo --config FILE [key=value ...] [--dry-run]
 
-Each step takes ``train.global_batch_size`` (prompt, chosen, rejected) pairs (data.path: .jsonl / .parquet in
+Each step takes ``train.global_batch_size`` (prompt, chosen, rejected) pairs (data.path: .jsonl / .json / .parquet in
 DARE's ultrafeedback layout or with strings, data/preference_data.py). Per pair, algos/vrpo.py's estimator: for
 each response n = ``dpo.n_mc`` count-stratified masks (counts evenly spaced over [1, L] with a random offset, a
 uniform subset of each size, weight L / m_j), one row holding both responses; the frozen reference (the initial

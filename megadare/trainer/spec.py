@@ -132,7 +132,7 @@ def check_dpo(cfg: Config, arch: Optional[ModelArch]) -> VRPO:
     ``train.seq_length``; the data must be a file. Returns DPO's algorithm."""
     if not cfg.data.path:
         raise ConfigError(
-            "megadare dpo trains on a preference file: set data.path (.jsonl / .parquet with prompt, chosen, rejected)"
+            "megadare dpo trains on a preference file: set data.path (.jsonl / .json / .parquet with prompt, chosen, rejected)"
         )
     if cfg.lora.rank:  # one lora section serves SFT and RL; DPO has no LoRA path, so it must not look set
         raise ConfigError(
