@@ -186,17 +186,16 @@ def test_data_inspect_on_a_model_without_tokenizer_files_says_so(tmp_path):
         _inspect([_files(tmp_path)["math"]], model=hf)
 
 
-def test_data_inspect_on_a_benchmark_file_names_the_prompt_key_that_reads_it(tmp_path):
-    """A gsm8k / MATH file (`question` / `problem` + `answer`) was 'no known schema' with no way on: the line now
-    names the data.prompt_key that reads it, and that key does build the row as an RL prompt with its gold."""
+def test_data_inspect_reads_a_benchmark_file_with_the_default_keys(tmp_path):
+    """A gsm8k / MATH-500 / dLLM-RL file (`question` / `problem` + `answer`) was 'no known schema' and needed
+    data.prompt_key: the default keys read its prompt field now, in data inspect as in a run."""
     for key in ("question", "problem"):
         path = tmp_path / f"{key}.jsonl"
         row = {key: "What is 6 x 12?", "answer": "72"}
         path.write_text(json.dumps(row) + "\n")
         rc, lines = _inspect([str(path)])
-        assert rc == 1 and any(f"name its prompt field: data.prompt_key={key} " in line for line in lines), lines
-        assert f"schema: none megadare reads (keys answer, {key})" in lines, lines  # not "megadare rows", then an error
-        (prompt,) = build_prompts([row], ByteTokenizer(), str(path), PromptRules(prompt_key=key))
+        assert rc == 0 and f"RL prompts: prompt <- {key}, gold <- answer, reward auto" in lines, lines
+        (prompt,) = build_prompts([row], ByteTokenizer(), str(path))
         assert prompt.record["answer"] == "72" and prompt.prompt_ids
 
 

@@ -225,3 +225,31 @@ def test_live_code_battery_is_dllm_rls():
     """dLLM-RL's reward gives the recorded ``theirs`` column."""
     shares = D.code_shares([(r, row(m, t)) for _, m, r, t, _, _ in BATTERY])
     assert shares == pytest.approx([theirs for *_, theirs, _ in BATTERY])
+
+
+def test_dllm_rl_rows_load_and_score_with_no_key_overrides(tmp_path):
+    """dLLM-RL's rows ({question, ground_truth_answer} for math, {question, test_method, ...} for code) needed
+    data.prompt_key and rewards.answer_key pointed at its fields (for code rows: at a field the reward never reads);
+    with the default keys they load as DARE's rows do, and ``auto`` scores each by dLLM-RL's rule."""
+    import json
+
+    from megadare.config import load_config
+    from megadare.data.prompt_data import load_rl_prompts
+    from megadare.data.tokenizer import ByteTokenizer
+
+    rows = [
+        {"question": "What is 2 + 3?", "ground_truth_answer": "5"},
+        dict(row("function", ["assert f() == 1"]), question="Write f returning 1."),
+    ]
+    for r in rows:
+        r.pop("answer", None)
+    path = tmp_path / "dllm_rl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [f"data.path={path}", f"data.eval_path={path}"])
+    train, held = load_rl_prompts(cfg, ByteTokenizer())
+    assert len(train) == len(held) == 2
+    assert [auto_rule(p.record) for p in train] == ["dllm_rl_math", "code"]
+    responses = [r"so \boxed{5}", "```python\ndef f():\n    return 1\n```"]
+    got, stats = score_batch("auto", responses, [p.record for p in train], workers=1, timeout_s=120)
+    assert stats.failures == 0, stats.failed
+    assert got == [1.0, 1.0]

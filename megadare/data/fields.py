@@ -39,12 +39,18 @@ __all__ = [
     "is_verl_row",
     "renders_as_verl",
     "DARE_GOLD",
+    "GOLD_FALLBACKS",
+    "PROMPT_FALLBACKS",
     "DARE_SFT_PROMPT",
     "DARE_SFT_RESPONSE",
 ]
 
 MISSING: Any = object()
 DARE_GOLD = "reward_model.ground_truth"
+# Where other publishers' RL rows keep what the default keys name: verl / DARE's gold, dLLM-RL's math gold and code
+# tests (rewards/registry.py reads dLLM-RL's rows by the same names), dLLM-RL's prompt.
+GOLD_FALLBACKS = (DARE_GOLD, "ground_truth_answer", "test_method")
+PROMPT_FALLBACKS = ("question", "problem")  # dLLM-RL, gsm8k; MATH-500
 DARE_SFT_PROMPT, DARE_SFT_RESPONSE = "extra_info.question", "extra_info.answer"
 
 

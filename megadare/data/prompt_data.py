@@ -25,7 +25,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megadare.data.fields import DARE_GOLD, MISSING, get_field, prompt_messages, render_prompt, renders_as_verl
+from megadare.data.fields import (
+    GOLD_FALLBACKS,
+    MISSING,
+    PROMPT_FALLBACKS,
+    get_field,
+    prompt_messages,
+    render_prompt,
+    renders_as_verl,
+)
 from megadare.data.files import DataError, RecordSource, check_record, load_many, row_name
 from megadare.data.sft_data import int_list
 from megadare.data.synthetic import addition_task, reverse_task
@@ -72,11 +80,13 @@ def rl_keys(
     rec: dict, prompt_key: str = "prompt", answer_key: str = "answer", messages_key: str = "messages"
 ) -> tuple[Optional[str], Optional[str]]:
     """(prompt field, gold field) of an RL record: ``prompt_ids`` / ``messages_key`` / ``prompt_key``, and
-    ``answer_key``, else verl's ``reward_model.ground_truth`` when ``answer_key`` is the default; None if absent."""
-    prompt = next((k for k in ("prompt_ids", messages_key, prompt_key) if get_field(rec, k) is not MISSING), None)
-    gold = answer_key if get_field(rec, answer_key) is not MISSING else None
-    if gold is None and answer_key == "answer" and get_field(rec, DARE_GOLD) is not MISSING:
-        gold = DARE_GOLD
+    ``answer_key``; where a key is the default and the record lacks it, the field other publishers use (verl /
+    DARE's ``reward_model.ground_truth``, dLLM-RL's ``question``, ``ground_truth_answer`` and ``test_method``);
+    None if absent."""
+    prompts = ("prompt_ids", messages_key, prompt_key) + (PROMPT_FALLBACKS if prompt_key == "prompt" else ())
+    golds = (answer_key,) + (GOLD_FALLBACKS if answer_key == "answer" else ())
+    prompt = next((k for k in prompts if get_field(rec, k) is not MISSING), None)
+    gold = next((k for k in golds if get_field(rec, k) is not MISSING), None)
     return prompt, gold
 
 
