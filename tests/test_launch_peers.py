@@ -123,3 +123,51 @@ def test_an_engine_lost_mid_push_is_not_taken_for_a_lost_trainer_rank(monkeypatc
     with pytest.raises(PeerError) as err:
         launch.run_here(broke)
     assert err.value is push
+
+
+def test_under_torchrun_a_killed_rank_in_a_world_of_three_is_named(tmp_path):
+    """World 3, rank 2 SIGKILLed while ranks 0 and 1 wait for it in a collective: gloo's 'Connection reset by peer'
+    names no rank, and each survivor said only 'a peer of trainer rank 0 (...) died'. The ranks' pids are gathered
+    at start-up, so a survivor names the dead rank on its host."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "torchrun_peer.py")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--monitor-interval", "0.5"]
+    out = subprocess.run([*argv, script, "5", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: ")]
+    assert lines, out.stderr[-3000:]
+    for line in lines:  # each survivor that had its say before torchrun ended it
+        assert line.startswith("megadare: error: trainer rank 2 died (SIGKILL, "), line
+        assert " lost it in a collective (" in line and "resume from its last checkpoint" in line, line
+
+
+def _rank_stopped(rank: int, world: int) -> int:
+    """Rank 1 stops (SIGSTOP: Ctrl-Z, a debugger) in a train step while the others wait for it in a collective of
+    one of megatron's groups (its data-parallel group: the gradients' all-reduce)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megadare.parallel import init_distributed
+
+    init_distributed(timeout_s=3)  # parallel.collective_timeout_s=3
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1), group=parallel_state.get_data_parallel_group())
+    return rank
+
+
+def test_a_stopped_rank_ends_the_launch_after_the_collective_timeout_naming_it():
+    """A rank stopped (SIGSTOP) in a world of three: megatron's groups waited their own 30 minutes whatever
+    parallel.collective_timeout_s said, then gloo's traceback ('Timed out waiting ...ms for recv'). Now the run ends
+    after parallel.collective_timeout_s in one line naming the stopped rank (and the stopped process is killed)."""
+    with pytest.raises(PeerError) as err:
+        launch.spawn(_rank_stopped, 3, timeout_s=120)  # the launch's own timeout: 'timed out ... waiting for ranks'
+    msg = str(err.value)
+    assert msg.startswith("trainer rank 1 (pid ") and " is stopped (SIGSTOP, " in msg and "\n" not in msg, msg
+    assert "waited for it in a collective longer than parallel.collective_timeout_s" in msg, msg
+    assert "resume from its last checkpoint" in msg, msg

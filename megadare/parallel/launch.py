@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megadare.errors import RESUME, PeerError
+from megadare.parallel import peers
 
 
 class WorkerError(RuntimeError):
@@ -56,7 +57,7 @@ def _entry(rank: int, world: int, call, queue, env: dict) -> None:
     try:
         fn, args = pickle.loads(call) if isinstance(call, bytes) else call
         # plain pickle copies tensor data: torch's fd sharing would die with this process
-        queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+        queue.put((rank, True, pickle.dumps(run_here(fn, rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, (traceback.format_exc(), _one_line_error(e))))
 
@@ -79,38 +80,77 @@ _PEER_LOST = re.compile(
 )
 
 
+# what gloo says in a collective a peer did not answer within the process group's timeout
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for \w+ operation to complete")
+
+
 def run_here(run: Callable, *args: Any) -> Any:
-    """``run(*args)`` in this process, one rank of an outside launcher (torchrun, Slurm). A collective that fails
-    because another rank's process is gone (gloo: 'Connection reset by peer'; NCCL: 'remote process exited') is one
-    ``PeerError`` line (``lost_rank``), not torch's traceback; the launcher then ends the other ranks. megadare's own
-    ``PeerError`` (a rollout engine lost mid-push) passes as it is, whatever its cause says."""
+    """``run(*args)`` in this process, one rank of a launch (torchrun, Slurm, ``spawn``). A collective that fails
+    because another rank's process is gone (gloo: 'Connection reset by peer'; NCCL: 'remote process exited') or did
+    not answer within ``parallel.collective_timeout_s`` (gloo: 'Timed out waiting ...ms') is one ``PeerError``
+    line naming that rank where it can be told (``lost_rank``, ``silent_rank``), not torch's traceback; the launcher
+    then ends the other ranks. megadare's own ``PeerError`` (a rollout engine lost mid-push) passes as it is,
+    whatever its cause says."""
     try:
         return run(*args)
     except PeerError:
         raise
     except RuntimeError as e:
-        lost = _PEER_LOST.search(str(e))
-        if lost is None:
-            raise
-        raise PeerError(lost_rank(lost.group(0))) from e
+        lost, late = _PEER_LOST.search(str(e)), _TIMED_OUT.search(str(e))
+        if lost is not None:
+            raise PeerError(lost_rank(lost.group(0))) from e
+        if late is not None:
+            raise PeerError(silent_rank(late.group(0))) from e
+        raise
+
+
+def _me() -> tuple[str, str, str]:
+    """This rank, the world size and '(pid P on host)'."""
+    here = f"(pid {os.getpid()} on {socket.gethostname()})"
+    return os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", ""), here
+
+
+def _where_named() -> str:
+    return "torchrun's report ('Root Cause')" if "TORCHELASTIC_RUN_ID" in os.environ else "its log"
 
 
 def lost_rank(cause: str) -> str:
     """The line for this rank losing another in a collective (``cause``: gloo's or NCCL's words). Neither names the
-    dead rank; in a world of two it is the other one, else 'a peer of trainer rank R' (torchrun's 'Root Cause'
-    names it)."""
-    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "")
-    here = f"(pid {os.getpid()} on {socket.gethostname()})"
-    named = "torchrun's report ('Root Cause')" if "TORCHELASTIC_RUN_ID" in os.environ else "its log"
-    if world == "2" and rank in ("0", "1"):
-        dead, who = f"trainer rank {1 - int(rank)}", f"trainer rank {rank} {here} lost it"
+    dead rank: a dead one on this host is found (``peers.suspects``); else in a world of two it is the other one,
+    else 'a peer of trainer rank R' (torchrun's 'Root Cause' names it)."""
+    rank, world, here = _me()
+    named = _where_named()
+    dead = [r for r, _, _, state in peers.suspects(int(rank)) if state == "died"] if rank.isdigit() else []
+    if dead:
+        ranks = ", ".join(map(str, dead))
+        dead_s, who = f"trainer rank{'s' if len(dead) > 1 else ''} {ranks}", f"trainer rank {rank} {here} lost it"
+        named += " says why"
+    elif world == "2" and rank in ("0", "1"):
+        dead_s, who = f"trainer rank {1 - int(rank)}", f"trainer rank {rank} {here} lost it"
         named += " says why"
     else:
-        dead, who = f"a peer of trainer rank {rank} {here}", "that rank was lost"
+        dead_s, who = f"a peer of trainer rank {rank} {here}", "that rank was lost"
         named += " names it"
     return (
-        f"{dead} died (SIGKILL, the OOM killer, a segfault, a lost node) without an error of its own: {who} in a "
+        f"{dead_s} died (SIGKILL, the OOM killer, a segfault, a lost node) without an error of its own: {who} in a "
         f"collective ({cause}); {named}; {RESUME}"
+    )
+
+
+def silent_rank(cause: str) -> str:
+    """The line for this rank waiting in a collective past ``parallel.collective_timeout_s`` (``cause``: gloo's
+    words): the rank it waited for when it can be told (stopped or dead on this host, or the other of two)."""
+    rank, world, here = _me()
+    found = peers.suspects(int(rank)) if rank.isdigit() else []
+    if found:
+        who = f"{peers.named(found)}: trainer rank {rank} {here} waited for it"
+    elif world == "2" and rank in ("0", "1"):
+        who = f"trainer rank {1 - int(rank)} did not answer (hung): trainer rank {rank} {here} waited for it"
+    else:
+        who = f"a peer of trainer rank {rank} {here} did not answer (hung; {_where_named()} shows which): it waited"
+    return (
+        f"{who} in a collective longer than parallel.collective_timeout_s ({cause}); {RESUME} (raise "
+        "parallel.collective_timeout_s if a rank is only slow)"
     )
 
 
