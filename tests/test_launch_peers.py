@@ -171,3 +171,41 @@ def test_a_stopped_rank_ends_the_launch_after_the_collective_timeout_naming_it()
     assert msg.startswith("trainer rank 1 (pid ") and " is stopped (SIGSTOP, " in msg and "\n" not in msg, msg
     assert "waited for it in a collective longer than parallel.collective_timeout_s" in msg, msg
     assert "resume from its last checkpoint" in msg, msg
+
+
+# a rank's child as Ray's raylet is: it dies with the rank (PR_SET_PDEATHSIG), its own child (an agent) lives on
+RAYLET_LIKE = r"""
+import ctypes, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+agent = subprocess.Popen(["sleep", "600"])
+open(sys.argv[1], "w").write(str(agent.pid))
+time.sleep(600)
+"""
+
+
+def _rank_killed_with_a_raylet(rank: int, world: int, pid_file: str) -> int:
+    import subprocess
+    import sys
+
+    subprocess.Popen([sys.executable, "-c", RAYLET_LIKE, pid_file])
+    while not os.path.exists(pid_file) or not open(pid_file).read():
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_what_a_killed_rank_leaves_behind_is_ended(tmp_path):
+    """Rank 0 of `megadare rl --nproc 2` SIGKILLed (the OOM killer): its local Ray's raylet and GCS died with it,
+    but Ray's dashboard and runtime-env agents (the raylet's children) lived on under init, waiting for the GCS
+    forever. The launch adopts such orphans and ends them."""
+    import psutil
+
+    pid_file = str(tmp_path / "agent.pid")
+    with pytest.raises(PeerError):
+        launch.spawn(_rank_killed_with_a_raylet, 1, pid_file, timeout_s=120)
+    agent = int(open(pid_file).read())
+    try:
+        assert not psutil.pid_exists(agent), psutil.Process(agent).as_dict(["ppid", "status", "cmdline"])
+    finally:
+        if psutil.pid_exists(agent):
+            psutil.Process(agent).kill()

@@ -8,6 +8,7 @@ the parent with that rank's traceback (megadare's own one-line errors as themsel
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import queue as _q
@@ -194,6 +195,8 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, call, queue, env), daemon=False) for r in range(world_size)
     ]
+    known = _children()
+    reaper = _subreaper(True)  # what a killed rank's children leave (Ray's agents) becomes ours to end
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -208,7 +211,55 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
             if p.is_alive():
                 p.kill()
                 p.join()
+        if reaper:
+            _end_orphans(known | {p.pid for p in procs}, wait_s=2.0 if errors else 0.0)
+            _subreaper(False)
     return results, errors, own
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _subreaper(on: bool) -> bool:
+    """This process adopts its descendants' orphans (Linux ``PR_SET_CHILD_SUBREAPER``) while ``on``: a rank killed
+    (the OOM killer) takes its local Ray's raylet and GCS along (Ray's fate sharing), but their children, Ray's
+    dashboard and runtime-env agents, were left to init, waiting for the GCS forever. True when it took."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def _children() -> set[int]:
+    import psutil  # heavy: only around a launch
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _end_orphans(known: set[int], wait_s: float) -> list[int]:
+    """SIGKILL the processes adopted during the launch (this process's children other than ``known``, the ranks
+    and multiprocessing's own helpers) with their descendants, waiting up to ``wait_s`` for them to arrive (a
+    dead rank's raylet dies a moment after it) -> their pids."""
+    import psutil  # heavy: only around a launch
+
+    from multiprocessing import forkserver, resource_tracker
+
+    helpers = {getattr(forkserver._forkserver, "_forkserver_pid", None), resource_tracker._resource_tracker._pid}
+    end, ended = time.monotonic() + wait_s, []
+    while True:
+        for c in psutil.Process().children():
+            if c.pid in known or c.pid in helpers:
+                continue
+            for p in [*c.children(recursive=True), c]:
+                try:
+                    p.kill()
+                    p.wait(5)
+                    ended.append(p.pid)
+                except psutil.Error:  # already gone, or another's to reap
+                    pass
+        if time.monotonic() >= end:
+            return ended
+        time.sleep(0.2)
 
 
 def _collect(procs: list, queue, results: dict, errors: list, own: list, timeout_s: float) -> None:
