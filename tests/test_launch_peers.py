@@ -209,3 +209,41 @@ def test_what_a_killed_rank_leaves_behind_is_ended(tmp_path):
     finally:
         if psutil.pid_exists(agent):
             psutil.Process(agent).kill()
+
+
+def _rank_killed_holding_a_semaphore(rank: int, world: int) -> int:
+    import multiprocessing
+
+    lock = multiprocessing.get_context("spawn").Lock()  # registered with the launcher's resource tracker
+    os.kill(os.getpid(), signal.SIGKILL)
+    return rank if lock else rank
+
+
+KILLED_RANK_CLI = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_launch_peers import _rank_killed_holding_a_semaphore
+from megadare.cli import report_error
+from megadare.errors import PeerError
+from megadare.parallel import launch
+try:
+    launch.spawn(_rank_killed_holding_a_semaphore, 1, timeout_s=120)
+except PeerError as e:
+    report_error(e)
+    sys.exit(2)
+"""
+
+
+def test_the_error_line_of_a_killed_rank_is_the_runs_last_word():
+    """A rank SIGKILLed holding a semaphore (a multiprocessing lock of Ray's or torch's): after the run's one-line
+    error, multiprocessing's resource tracker said 'UserWarning: resource_tracker: There appear to be 1 leaked
+    semaphore objects to clean up at shutdown' (and its source line) as the process ended. It cleans them up
+    all the same; the warning is left out, so the error stays the last line."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", KILLED_RANK_CLI, tests], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("megadare: error: trainer rank 0 (pid ") and "was killed by SIGKILL" in last, out.stderr

@@ -15,6 +15,7 @@ import queue as _q
 import re
 import signal
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -186,6 +187,7 @@ def _pack(fn: Callable, args: tuple):
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     """One launch: (results by rank, error texts, megadare's own errors; a rank that died first)."""
+    _quiet_tracker()
     ctx = mp.get_context(_START["method"])
     if _START["preload"]:
         ctx.set_forkserver_preload(_START["preload"])
@@ -215,6 +217,17 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
             _end_orphans(known | {p.pid for p in procs}, wait_s=2.0 if errors else 0.0)
             _subreaper(False)
     return results, errors, own
+
+
+# multiprocessing's resource tracker (started with this process's -W options) warns as this process ends of what a
+# killed rank had not released, after the run's one-line error; it removes them all the same
+_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
+
+
+def _quiet_tracker() -> None:
+    """The resource tracker, once started by this launch, keeps its leak warning to itself (see ``_LEAK_WARNING``)."""
+    if _LEAK_WARNING not in sys.warnoptions:
+        sys.warnoptions.append(_LEAK_WARNING)
 
 
 PR_SET_CHILD_SUBREAPER = 36
