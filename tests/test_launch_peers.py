@@ -205,7 +205,10 @@ def test_what_a_killed_rank_leaves_behind_is_ended(tmp_path):
         launch.spawn(_rank_killed_with_a_raylet, 1, pid_file, timeout_s=120)
     agent = int(open(pid_file).read())
     try:
-        assert not psutil.pid_exists(agent), psutil.Process(agent).as_dict(["ppid", "status", "cmdline"])
+        with open(f"/proc/{agent}/stat") as f:  # raises when it is gone (reaped)
+            pytest.fail(f"the agent is left: {f.read()}")
+    except FileNotFoundError:
+        pass
     finally:
         if psutil.pid_exists(agent):
             psutil.Process(agent).kill()
@@ -247,3 +250,27 @@ def test_the_error_line_of_a_killed_rank_is_the_runs_last_word():
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("megadare: error: trainer rank 0 (pid ") and "was killed by SIGKILL" in last, out.stderr
+
+
+def _rank_with_a_double_forked_helper(rank: int, world: int) -> str:
+    """A helper process started by double fork (its parent gone at once) that ends a moment later: the launch,
+    which adopts orphans, must reap it while the ranks run on, not keep it as a zombie till the end."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '0.5']).pid)"],
+        capture_output=True,
+        text=True,
+    )
+    helper = int(out.stdout)
+    time.sleep(4)  # the helper ended 3.5 s ago; the launch reaps each second
+    try:
+        with open(f"/proc/{helper}/stat") as f:
+            return f.read().split(")")[-1].split()[0]  # 'Z': a zombie
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_an_adopted_process_that_ends_is_reaped_during_the_launch():
+    assert launch.spawn(_rank_with_a_double_forked_helper, 1, timeout_s=120) == ["gone"]

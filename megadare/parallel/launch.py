@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -201,6 +202,10 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     reaper = _subreaper(True)  # what a killed rank's children leave (Ray's agents) becomes ours to end
     for p in procs:
         p.start()
+    done = threading.Event()
+    if reaper:  # an adopted process that ends meanwhile (a double-forked helper) must not stay a zombie
+        keep = known | {p.pid for p in procs}
+        threading.Thread(target=_reap_adopted, args=(keep, done), name="megadare-reaper", daemon=True).start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     own: list[BaseException] = []
@@ -213,6 +218,7 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
             if p.is_alive():
                 p.kill()
                 p.join()
+        done.set()
         if reaper:
             _end_orphans(known | {p.pid for p in procs}, wait_s=2.0 if errors else 0.0)
             _subreaper(False)
@@ -249,21 +255,44 @@ def _children() -> set[int]:
     return {c.pid for c in psutil.Process().children()}
 
 
+def _reap_adopted(keep: set[int], done: threading.Event) -> None:
+    """Each second until ``done``: reap the adopted processes (children other than ``keep``, the ranks and
+    multiprocessing's helpers) that ended."""
+    import psutil  # heavy: only around a launch
+
+    while not done.wait(1.0):
+        for c in psutil.Process().children():
+            try:
+                if c.pid not in keep and c.status() == psutil.STATUS_ZOMBIE and c.pid not in _helpers():
+                    os.waitpid(c.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
+
+
+def _helpers() -> set:
+    """multiprocessing's forkserver and resource tracker (this process's children, never ended here)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    return {getattr(forkserver._forkserver, "_forkserver_pid", None), resource_tracker._resource_tracker._pid}
+
+
 def _end_orphans(known: set[int], wait_s: float) -> list[int]:
     """SIGKILL the processes adopted during the launch (this process's children other than ``known``, the ranks
     and multiprocessing's own helpers) with their descendants, waiting up to ``wait_s`` for them to arrive (a
     dead rank's raylet dies a moment after it) -> their pids."""
     import psutil  # heavy: only around a launch
 
-    from multiprocessing import forkserver, resource_tracker
-
-    helpers = {getattr(forkserver._forkserver, "_forkserver_pid", None), resource_tracker._resource_tracker._pid}
+    helpers = _helpers()
     end, ended = time.monotonic() + wait_s, []
     while True:
         for c in psutil.Process().children():
             if c.pid in known or c.pid in helpers:
                 continue
-            for p in [*c.children(recursive=True), c]:
+            try:
+                tree = [*c.children(recursive=True), c]
+            except psutil.Error:  # gone meanwhile
+                continue
+            for p in tree:
                 try:
                     p.kill()
                     p.wait(5)
