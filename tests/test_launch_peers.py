@@ -123,3 +123,154 @@ def test_an_engine_lost_mid_push_is_not_taken_for_a_lost_trainer_rank(monkeypatc
     with pytest.raises(PeerError) as err:
         launch.run_here(broke)
     assert err.value is push
+
+
+def test_under_torchrun_a_killed_rank_in_a_world_of_three_is_named(tmp_path):
+    """World 3, rank 2 SIGKILLed while ranks 0 and 1 wait for it in a collective: gloo's 'Connection reset by peer'
+    names no rank, and each survivor said only 'a peer of trainer rank 0 (...) died'. The ranks' pids are gathered
+    at start-up, so a survivor names the dead rank on its host."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "torchrun_peer.py")
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--monitor-interval", "0.5"]
+    out = subprocess.run([*argv, script, "5", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("megadare: error: ")]
+    assert lines, out.stderr[-3000:]
+    for line in lines:  # each survivor that had its say before torchrun ended it
+        assert line.startswith("megadare: error: trainer rank 2 died (SIGKILL, "), line
+        assert " lost it in a collective (" in line and "resume from its last checkpoint" in line, line
+
+
+def _rank_stopped(rank: int, world: int) -> int:
+    """Rank 1 stops (SIGSTOP: Ctrl-Z, a debugger) in a train step while the others wait for it in a collective of
+    one of megatron's groups (its data-parallel group: the gradients' all-reduce)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megadare.parallel import init_distributed
+
+    init_distributed(timeout_s=3)  # parallel.collective_timeout_s=3
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1), group=parallel_state.get_data_parallel_group())
+    return rank
+
+
+def test_a_stopped_rank_ends_the_launch_after_the_collective_timeout_naming_it():
+    """A rank stopped (SIGSTOP) in a world of three: megatron's groups waited their own 30 minutes whatever
+    parallel.collective_timeout_s said, then gloo's traceback ('Timed out waiting ...ms for recv'). Now the run ends
+    after parallel.collective_timeout_s in one line naming the stopped rank (and the stopped process is killed)."""
+    with pytest.raises(PeerError) as err:
+        launch.spawn(_rank_stopped, 3, timeout_s=120)  # the launch's own timeout: 'timed out ... waiting for ranks'
+    msg = str(err.value)
+    assert msg.startswith("trainer rank 1 (pid ") and " is stopped (SIGSTOP, " in msg and "\n" not in msg, msg
+    assert "waited for it in a collective longer than parallel.collective_timeout_s" in msg, msg
+    assert "resume from its last checkpoint" in msg, msg
+
+
+# a rank's child as Ray's raylet is: it dies with the rank (PR_SET_PDEATHSIG), its own child (an agent) lives on
+RAYLET_LIKE = r"""
+import ctypes, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+agent = subprocess.Popen(["sleep", "600"])
+open(sys.argv[1], "w").write(str(agent.pid))
+time.sleep(600)
+"""
+
+
+def _rank_killed_with_a_raylet(rank: int, world: int, pid_file: str) -> int:
+    import subprocess
+    import sys
+
+    subprocess.Popen([sys.executable, "-c", RAYLET_LIKE, pid_file])
+    while not os.path.exists(pid_file) or not open(pid_file).read():
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_what_a_killed_rank_leaves_behind_is_ended(tmp_path):
+    """Rank 0 of `megadare rl --nproc 2` SIGKILLed (the OOM killer): its local Ray's raylet and GCS died with it,
+    but Ray's dashboard and runtime-env agents (the raylet's children) lived on under init, waiting for the GCS
+    forever. The launch adopts such orphans and ends them."""
+    import psutil
+
+    pid_file = str(tmp_path / "agent.pid")
+    with pytest.raises(PeerError):
+        launch.spawn(_rank_killed_with_a_raylet, 1, pid_file, timeout_s=120)
+    agent = int(open(pid_file).read())
+    try:
+        with open(f"/proc/{agent}/stat") as f:  # raises when it is gone (reaped)
+            pytest.fail(f"the agent is left: {f.read()}")
+    except FileNotFoundError:
+        pass
+    finally:
+        if psutil.pid_exists(agent):
+            psutil.Process(agent).kill()
+
+
+def _rank_killed_holding_a_semaphore(rank: int, world: int) -> int:
+    import multiprocessing
+
+    lock = multiprocessing.get_context("spawn").Lock()  # registered with the launcher's resource tracker
+    os.kill(os.getpid(), signal.SIGKILL)
+    return rank if lock else rank
+
+
+KILLED_RANK_CLI = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_launch_peers import _rank_killed_holding_a_semaphore
+from megadare.cli import report_error
+from megadare.errors import PeerError
+from megadare.parallel import launch
+try:
+    launch.spawn(_rank_killed_holding_a_semaphore, 1, timeout_s=120)
+except PeerError as e:
+    report_error(e)
+    sys.exit(2)
+"""
+
+
+def test_the_error_line_of_a_killed_rank_is_the_runs_last_word():
+    """A rank SIGKILLed holding a semaphore (a multiprocessing lock of Ray's or torch's): after the run's one-line
+    error, multiprocessing's resource tracker said 'UserWarning: resource_tracker: There appear to be 1 leaked
+    semaphore objects to clean up at shutdown' (and its source line) as the process ended. It cleans them up
+    all the same; the warning is left out, so the error stays the last line."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", KILLED_RANK_CLI, tests], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("megadare: error: trainer rank 0 (pid ") and "was killed by SIGKILL" in last, out.stderr
+
+
+def _rank_with_a_double_forked_helper(rank: int, world: int) -> str:
+    """A helper process started by double fork (its parent gone at once) that ends a moment later: the launch,
+    which adopts orphans, must reap it while the ranks run on, not keep it as a zombie till the end."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '0.5']).pid)"],
+        capture_output=True,
+        text=True,
+    )
+    helper = int(out.stdout)
+    time.sleep(4)  # the helper ended 3.5 s ago; the launch reaps each second
+    try:
+        with open(f"/proc/{helper}/stat") as f:
+            return f.read().split(")")[-1].split()[0]  # 'Z': a zombie
+    except FileNotFoundError:
+        return "gone"
+
+
+def test_an_adopted_process_that_ends_is_reaped_during_the_launch():
+    assert launch.spawn(_rank_with_a_double_forked_helper, 1, timeout_s=120) == ["gone"]

@@ -336,3 +336,26 @@ def test_an_engine_that_answers_fewer_trajectories_than_prompts_stops_the_rollou
     msg = str(err.value)
     assert msg.startswith("rollout engine 0 answered a rollout request of 2 prompts (prompts ") and "\n" not in msg
     assert "with 1 trajectories: a broken engine" in msg and "resume from its last checkpoint" in msg, msg
+
+
+def test_an_engine_killed_by_a_signal_is_said_to_be_so():
+    """An engine process SIGKILLed (the OOM killer) mid-rollout: the restart line said only 'died (The actor died
+    unexpectedly before finishing this task.)'; it names the process and the likely cause."""
+    from ray.exceptions import ActorDiedError
+
+    from megadare.rollout.manager import engine_failure
+
+    class Killed(ActorDiedError):  # Ray's text for an actor whose process was SIGKILLed (ray 2.x)
+        def __str__(self):
+            return (
+                "The actor died unexpectedly before finishing this task.\n\tclass_name: _EngineActor\n\tpid: 11899\n"
+                "\tip: 10.0.0.2\nThe actor is dead because its worker process has died. Worker exit type: "
+                "SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of "
+                "file. Some common causes include: (1) the process was killed by the OOM killer ..."
+            )
+
+    said = engine_failure(Killed())
+    assert (
+        said
+        == "died (its process, pid 11899, ended without an error: killed by a signal, e.g. the OOM killer, or a crash)"
+    )

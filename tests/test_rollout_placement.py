@@ -144,3 +144,32 @@ def test_the_gcs_watch_rides_out_a_blip_and_names_a_lost_host(monkeypatch):
     assert watch(blips) is None
     assert "the Ray head (its GCS, gcs_server at h:1) died" in str(watch([None] * ray_health.GCS_MISSES))
     assert "gcs_server at h:1" in str(watch([True, False]))
+
+
+def test_a_gcs_gone_after_this_run_got_sigterm_is_said_to_have_got_it_too(monkeypatch):
+    """SIGTERM to every process of the job (Slurm's time limit, `kill -TERM -- -PGID`) during a rollout: the
+    local Ray's GCS stopped with it and the run stopped with 'the Ray head ... died (killed, or its host lost ...)',
+    as if something else had killed it. The line now says the SIGTERM did, and how to stop with a checkpoint."""
+    import signal
+    import threading
+
+    from megadare.rollout import ray_health
+    from megadare.trainer.signals import StopSignal
+
+    monkeypatch.setattr(ray_health, "_TERMINATED", [], raising=False)
+    stop = StopSignal((signal.SIGTERM,))
+    try:
+        stop._handle(signal.SIGTERM, None)  # what the handler does on the signal
+    finally:
+        stop.restore()
+    monkeypatch.setattr(ray_health, "gcs_reachable", lambda address: False)  # refused: nothing listens
+    monkeypatch.setattr(ray_health, "_still_joined", lambda address: True)
+    monkeypatch.setattr(ray_health, "ray_logs", lambda: "/logs")
+    done = threading.Event()
+    w = ray_health.GcsWatch("h:1", grace_s=60.0, probe_s=0.001, on_exit=lambda rc: done.set())
+    w._thread.join(timeout=0.5)
+    w.stop()
+    w._thread.join()
+    msg = str(w.error)
+    assert msg.startswith("the Ray head (its GCS, gcs_server at h:1) died (ended by the SIGTERM this run got too"), msg
+    assert "the step in flight is lost" in msg and "resume from its last checkpoint" in msg, msg

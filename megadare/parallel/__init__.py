@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megadare.errors import ConfigError
 from megadare.parallel.cpu import install_cpu_compat
+from megadare.parallel import peers
 from megadare.parallel.launch import free_port
 from megadare.parallel.layout import Layout
 
@@ -55,6 +56,7 @@ def init_distributed(
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
         )
+    peers.record()
     layout = placed(layout or Layout(), dist.get_world_size())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -63,6 +65,7 @@ def init_distributed(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=timeout_s / 60,  # its groups' timeout (30 min by default, whatever ours is)
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
@@ -83,6 +86,6 @@ def destroy_distributed() -> None:
     """Tear down megatron's groups and the process group, so a process can initialise again."""
     from megatron.core import parallel_state  # heavy: megadare.parallel imports without megatron
 
-    parallel_state.destroy_model_parallel()
+    parallel_state.destroy_model_parallel()  # peers' table stays: a failed collective is named after the teardown
     if dist.is_initialized():
         dist.destroy_process_group()

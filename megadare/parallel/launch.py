@@ -9,12 +9,15 @@ own ``spawn`` returns no results and waits for a hung rank forever: hence this o
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import queue as _q
 import re
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -23,6 +26,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megadare.errors import RESUME, PeerError
+from megadare.parallel import peers
 
 
 class WorkerError(RuntimeError):
@@ -57,7 +61,7 @@ def _entry(rank: int, world: int, call, queue, env: dict) -> None:
     try:
         fn, args = pickle.loads(call) if isinstance(call, bytes) else call
         # plain pickle copies tensor data: torch's fd sharing would die with this process
-        queue.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+        queue.put((rank, True, pickle.dumps(run_here(fn, rank, world, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, (traceback.format_exc(), _one_line_error(e))))
 
@@ -80,38 +84,77 @@ _PEER_LOST = re.compile(
 )
 
 
+# what gloo says in a collective a peer did not answer within the process group's timeout
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for \w+ operation to complete")
+
+
 def run_here(run: Callable, *args: Any) -> Any:
-    """``run(*args)`` in this process, one rank of an outside launcher (torchrun, Slurm). A collective that fails
-    because another rank's process is gone (gloo: 'Connection reset by peer'; NCCL: 'remote process exited') is one
-    ``PeerError`` line (``lost_rank``), not torch's traceback; the launcher then ends the other ranks. megadare's own
-    ``PeerError`` (a rollout engine lost mid-push) passes as it is, whatever its cause says."""
+    """``run(*args)`` in this process, one rank of a launch (torchrun, Slurm, ``spawn``). A collective that fails
+    because another rank's process is gone (gloo: 'Connection reset by peer'; NCCL: 'remote process exited') or did
+    not answer within ``parallel.collective_timeout_s`` (gloo: 'Timed out waiting ...ms') is one ``PeerError``
+    line naming that rank where it can be told (``lost_rank``, ``silent_rank``), not torch's traceback; the launcher
+    then ends the other ranks. megadare's own ``PeerError`` (a rollout engine lost mid-push) passes as it is,
+    whatever its cause says."""
     try:
         return run(*args)
     except PeerError:
         raise
     except RuntimeError as e:
-        lost = _PEER_LOST.search(str(e))
-        if lost is None:
-            raise
-        raise PeerError(lost_rank(lost.group(0))) from e
+        lost, late = _PEER_LOST.search(str(e)), _TIMED_OUT.search(str(e))
+        if lost is not None:
+            raise PeerError(lost_rank(lost.group(0))) from e
+        if late is not None:
+            raise PeerError(silent_rank(late.group(0))) from e
+        raise
+
+
+def _me() -> tuple[str, str, str]:
+    """This rank, the world size and '(pid P on host)'."""
+    here = f"(pid {os.getpid()} on {socket.gethostname()})"
+    return os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", ""), here
+
+
+def _where_named() -> str:
+    return "torchrun's report ('Root Cause')" if "TORCHELASTIC_RUN_ID" in os.environ else "its log"
 
 
 def lost_rank(cause: str) -> str:
     """The line for this rank losing another in a collective (``cause``: gloo's or NCCL's words). Neither names the
-    dead rank; in a world of two it is the other one, else 'a peer of trainer rank R' (torchrun's 'Root Cause'
-    names it)."""
-    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "")
-    here = f"(pid {os.getpid()} on {socket.gethostname()})"
-    named = "torchrun's report ('Root Cause')" if "TORCHELASTIC_RUN_ID" in os.environ else "its log"
-    if world == "2" and rank in ("0", "1"):
-        dead, who = f"trainer rank {1 - int(rank)}", f"trainer rank {rank} {here} lost it"
+    dead rank: a dead one on this host is found (``peers.suspects``); else in a world of two it is the other one,
+    else 'a peer of trainer rank R' (torchrun's 'Root Cause' names it)."""
+    rank, world, here = _me()
+    named = _where_named()
+    dead = [r for r, _, _, state in peers.suspects(int(rank)) if state == "died"] if rank.isdigit() else []
+    if dead:
+        ranks = ", ".join(map(str, dead))
+        dead_s, who = f"trainer rank{'s' if len(dead) > 1 else ''} {ranks}", f"trainer rank {rank} {here} lost it"
+        named += " says why"
+    elif world == "2" and rank in ("0", "1"):
+        dead_s, who = f"trainer rank {1 - int(rank)}", f"trainer rank {rank} {here} lost it"
         named += " says why"
     else:
-        dead, who = f"a peer of trainer rank {rank} {here}", "that rank was lost"
+        dead_s, who = f"a peer of trainer rank {rank} {here}", "that rank was lost"
         named += " names it"
     return (
-        f"{dead} died (SIGKILL, the OOM killer, a segfault, a lost node) without an error of its own: {who} in a "
+        f"{dead_s} died (SIGKILL, the OOM killer, a segfault, a lost node) without an error of its own: {who} in a "
         f"collective ({cause}); {named}; {RESUME}"
+    )
+
+
+def silent_rank(cause: str) -> str:
+    """The line for this rank waiting in a collective past ``parallel.collective_timeout_s`` (``cause``: gloo's
+    words): the rank it waited for when it can be told (stopped or dead on this host, or the other of two)."""
+    rank, world, here = _me()
+    found = peers.suspects(int(rank)) if rank.isdigit() else []
+    if found:
+        who = f"{peers.named(found)}: trainer rank {rank} {here} waited for it"
+    elif world == "2" and rank in ("0", "1"):
+        who = f"trainer rank {1 - int(rank)} did not answer (hung): trainer rank {rank} {here} waited for it"
+    else:
+        who = f"a peer of trainer rank {rank} {here} did not answer (hung; {_where_named()} shows which): it waited"
+    return (
+        f"{who} in a collective longer than parallel.collective_timeout_s ({cause}); {RESUME} (raise "
+        "parallel.collective_timeout_s if a rank is only slow)"
     )
 
 
@@ -146,6 +189,7 @@ def _pack(fn: Callable, args: tuple):
 
 def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     """One launch: (results by rank, error texts, megadare's own errors; a rank that died first)."""
+    _quiet_tracker()
     ctx = mp.get_context(_START["method"])
     if _START["preload"]:
         ctx.set_forkserver_preload(_START["preload"])
@@ -155,8 +199,14 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, call, queue, env), daemon=False) for r in range(world_size)
     ]
+    known = _children()
+    reaper = _subreaper(True)  # what a killed rank's children leave (Ray's agents) becomes ours to end
     for p in procs:
         p.start()
+    done = threading.Event()
+    if reaper:  # an adopted process that ends meanwhile (a double-forked helper) must not stay a zombie
+        keep = known | {p.pid for p in procs}
+        threading.Thread(target=_reap_adopted, args=(keep, done), name="megadare-reaper", daemon=True).start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     own: list[BaseException] = []
@@ -169,7 +219,90 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
             if p.is_alive():
                 p.kill()
                 p.join()
+        done.set()
+        if reaper:
+            _end_orphans(known | {p.pid for p in procs}, wait_s=2.0 if errors else 0.0)
+            _subreaper(False)
     return results, errors, own
+
+
+# multiprocessing's resource tracker (started with this process's -W options) warns as this process ends of what a
+# killed rank had not released, after the run's one-line error; it removes them all the same
+_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
+
+
+def _quiet_tracker() -> None:
+    """The resource tracker, once started by this launch, keeps its leak warning to itself (see ``_LEAK_WARNING``)."""
+    if _LEAK_WARNING not in sys.warnoptions:
+        sys.warnoptions.append(_LEAK_WARNING)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def _subreaper(on: bool) -> bool:
+    """This process adopts its descendants' orphans (Linux ``PR_SET_CHILD_SUBREAPER``) while ``on``: a rank killed
+    (the OOM killer) takes its local Ray's raylet and GCS along (Ray's fate sharing), but their children, Ray's
+    dashboard and runtime-env agents, were left to init, waiting for the GCS forever. True when it took."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def _children() -> set[int]:
+    import psutil  # heavy: only around a launch
+
+    return {c.pid for c in psutil.Process().children()}
+
+
+def _reap_adopted(keep: set[int], done: threading.Event) -> None:
+    """Each second until ``done``: reap the adopted processes (children other than ``keep``, the ranks and
+    multiprocessing's helpers) that ended."""
+    import psutil  # heavy: only around a launch
+
+    while not done.wait(1.0):
+        for c in psutil.Process().children():
+            try:
+                if c.pid not in keep and c.status() == psutil.STATUS_ZOMBIE and c.pid not in _helpers():
+                    os.waitpid(c.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
+
+
+def _helpers() -> set:
+    """multiprocessing's forkserver and resource tracker (this process's children, never ended here)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    return {getattr(forkserver._forkserver, "_forkserver_pid", None), resource_tracker._resource_tracker._pid}
+
+
+def _end_orphans(known: set[int], wait_s: float) -> list[int]:
+    """SIGKILL the processes adopted during the launch (this process's children other than ``known``, the ranks
+    and multiprocessing's own helpers) with their descendants, waiting up to ``wait_s`` for them to arrive (a
+    dead rank's raylet dies a moment after it) -> their pids."""
+    import psutil  # heavy: only around a launch
+
+    helpers = _helpers()
+    end, ended = time.monotonic() + wait_s, []
+    while True:
+        for c in psutil.Process().children():
+            if c.pid in known or c.pid in helpers:
+                continue
+            try:
+                tree = [*c.children(recursive=True), c]
+            except psutil.Error:  # gone meanwhile
+                continue
+            for p in tree:
+                try:
+                    p.kill()
+                    p.wait(5)
+                    ended.append(p.pid)
+                except psutil.Error:  # already gone, or another's to reap
+                    pass
+        if time.monotonic() >= end:
+            return ended
+        time.sleep(0.2)
 
 
 def _collect(procs: list, queue, results: dict, errors: list, own: list, timeout_s: float) -> None:

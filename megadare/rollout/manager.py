@@ -558,6 +558,10 @@ def engine_failure(e: BaseException) -> str:
     lines = [ln.strip() for ln in _ANSI.sub("", str(e)).strip().splitlines() if ln.strip()]
     if getattr(e, "actor_init_failed", False):  # its constructor raised: the last line is the exception
         return f"failed to start: raised {lines[-1][:300]}" if lines else "failed to start"
+    killed = "worker process has died" in str(e) and "unexpectedly exits" in str(e)
+    if killed:  # Ray's words for a process gone without an error: SIGKILL, the OOM killer, a segfault
+        pid = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("pid:")), "?")
+        return f"died (its process, pid {pid}, ended without an error: killed by a signal, e.g. the OOM killer, or a crash)"
     return f"died ({lines[0][:300]})" if lines else "died"
 
 

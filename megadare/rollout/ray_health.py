@@ -23,6 +23,26 @@ GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of
 GCS_GRACE_S = 10.0  # seconds the driver gets to raise the error itself before the watch prints it and exits
 
 
+_TERMINATED: list[bool] = []  # this process got SIGTERM (trainer/signals.py notes it): a local Ray may have too
+
+
+def note_sigterm() -> None:
+    """This process got SIGTERM: a GCS found dead afterwards most likely got it too (a signal to every process of
+    the job), which its error then says."""
+    _TERMINATED.append(True)
+
+
+def _gcs_end() -> str:
+    """How the GCS most likely ended, for its error line."""
+    if _TERMINATED:
+        return (
+            "ended by the SIGTERM this run got too: sent to every process of the job (Slurm's time limit, `kill "
+            "-TERM -- -PGID`) it stops a local Ray with the run, and the step in flight is lost; send it to "
+            "megadare's process alone to stop after the step with a checkpoint (the Slurm scripts do)"
+        )
+    return "killed, or its host lost"
+
+
 def ray_logs() -> str:
     """Where this Ray session's logs are (each node's raylet.out, gcs_server.out, the workers' output)."""
     import ray  # heavy: Ray
@@ -108,7 +128,7 @@ class GcsWatch:
         if not _still_joined(self.address):  # this process shut Ray down itself (ray.shutdown stops the GCS)
             return
         self.error = PeerError(
-            f"{ray_died(f'the Ray head (its GCS, gcs_server at {self.address})', 'killed, or its host lost')}: "
+            f"{ray_died(f'the Ray head (its GCS, gcs_server at {self.address})', _gcs_end())}: "
             f"no rollout engine can be reached through Ray any more; {RESUME} once Ray is up again"
         )
         if self._stop.wait(self.grace_s) or not _still_joined(self.address):  # the driver raised it in time

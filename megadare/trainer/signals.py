@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megadare.rollout.ray_health import note_sigterm
+
 
 class StopSignal:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
@@ -25,6 +27,8 @@ class StopSignal:
 
     def _handle(self, signum, frame) -> None:
         self.received = signum
+        if signum == signal.SIGTERM:
+            note_sigterm()
 
     def should_stop(self) -> bool:
         """True on every rank once any rank received a signal (collective when distributed)."""
