@@ -69,7 +69,9 @@ def load_examples(cfg: Config, tok) -> tuple[list, dict]:
         located = load_many(d.path, "data.path")
         records, sources, source = [r for _, r in located], [w for w, _ in located], str(d.path)
     else:
-        raise ConfigError("no data: set data.path (.jsonl / .json / .parquet, or a list of files) or data.synthetic=addition")
+        raise ConfigError(
+            "no data: set data.path (.jsonl / .json / .parquet, or a list of files) or data.synthetic=addition"
+        )
     return build_sft_examples(
         records,
         tok,
