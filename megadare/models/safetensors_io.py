@@ -132,6 +132,16 @@ class SafetensorsReader:
         start, header = self._header(fn)
         return fn, start, header[name]
 
+    def _dtype(self, fn: str, name: str, entry: dict) -> torch.dtype:
+        """The torch dtype of one header entry; a dtype outside ``_DTYPES`` raises CheckpointError naming it."""
+        code = entry.get("dtype")
+        if not isinstance(code, str) or code not in _DTYPES:
+            raise CheckpointError(
+                f"{os.path.join(self.path, fn)}: tensor {name!r} has dtype {code!r}, which megadare does not read "
+                f"(supported: {', '.join(_DTYPES)}); convert the checkpoint to one of these"
+            )
+        return _DTYPES[code]
+
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read with plain file reads into fresh memory (no mmap: file pages never pile up)."""
         fn, start, e = self._entry(name)
@@ -145,7 +155,7 @@ class SafetensorsReader:
                 f"{os.path.join(self.path, fn)}: truncated: tensor {name!r} needs bytes "
                 f"{start + begin}..{start + end}, the file ends at {start + begin + got}"
             )
-        dtype = _DTYPES[e["dtype"]]
+        dtype = self._dtype(fn, name, e)
         if not buf:
             return torch.empty(e["shape"], dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(e["shape"])
@@ -154,7 +164,8 @@ class SafetensorsReader:
         return list(self._entry(name)[2]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._entry(name)[2]["dtype"]]
+        fn, _, e = self._entry(name)
+        return self._dtype(fn, name, e)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.keys():
