@@ -60,3 +60,25 @@ def test_an_optimizer_with_state_is_left_as_it_is():
     opt.step()
     fuse_torch_adam(SimpleNamespace(optimizer=opt))
     assert not opt.param_groups[0].get("fused")
+
+
+def test_the_optimizer_settings_take_the_optim_sections_fields_and_defaults():
+    """One source of truth: OptimSettings' fields are the ``optim`` section's own (before, a copy of each with its
+    default repeated, free to drift), and ``optim_settings`` carries every section field, whatever it is set to."""
+    from dataclasses import fields
+
+    from megadare.config import Config
+    from megadare.config.sections import ModelSection, OptimSection
+    from megadare.trainer.optim import OptimSettings, optim_settings
+
+    section, settings = OptimSection.__dataclass_fields__, OptimSettings.__dataclass_fields__
+    assert all(settings[name] is f for name, f in section.items())
+    assert OptimSettings().dtype == ModelSection().dtype
+    cfg = Config()
+    for f in fields(OptimSection):  # a value unlike the default for every field
+        v = getattr(cfg.optim, f.name)
+        setattr(cfg.optim, f.name, not v if isinstance(v, bool) else "linear" if isinstance(v, str) else v + 3)
+    cfg.model.dtype = "bf16"
+    s = optim_settings(cfg, total_steps=7, lr=0.5)
+    assert {f.name: getattr(s, f.name) for f in fields(OptimSection)} == {**vars(cfg.optim), "lr": 0.5}
+    assert (s.total_steps, s.dtype) == (7, "bf16")

@@ -12,13 +12,15 @@ parameters are all on the CPU or all on CUDA; a TE / apex fused Adam is left as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megadare.config.sections import ModelSection, OptimSection
 
 
 class Trainable(Protocol):
@@ -31,42 +33,19 @@ class Trainable(Protocol):
 
 
 @dataclass
-class OptimSettings:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    lr_decay_style: str = "cosine"  # cosine | constant | linear
+class OptimSettings(OptimSection):
+    """The ``optim`` section's fields (their defaults are the section's: one source) plus what the optimizer
+    needs besides: the number of updates the LR schedule spans and the model's parameter dtype."""
+
     total_steps: int = 1
-    distributed_optimizer: bool = True
-    dtype: str = "fp32"
+    dtype: str = ModelSection.dtype  # the model section's default (fp32)
 
 
 def optim_settings(cfg, total_steps: int, **overrides) -> OptimSettings:
     """The ``optim`` section's optimizer settings for ``total_steps`` updates; ``overrides`` replace fields
     (e.g. the value model's own learning rate)."""
-    t = cfg.optim
-    return replace(
-        OptimSettings(
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2,
-            adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad,
-            warmup_steps=t.warmup_steps,
-            lr_decay_style=t.lr_decay_style,
-            total_steps=total_steps,
-            distributed_optimizer=t.distributed_optimizer,
-            dtype=cfg.model.dtype,
-        ),
-        **overrides,
-    )
+    section = {f.name: getattr(cfg.optim, f.name) for f in fields(OptimSection)}
+    return replace(OptimSettings(**section, total_steps=total_steps, dtype=cfg.model.dtype), **overrides)
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], distributed_optimizer: bool) -> list[DistributedDataParallel]:
