@@ -12,6 +12,7 @@ from typing import Optional
 
 from megadare.config import check_model_path, check_rules, load_config, to_yaml
 from megadare.config.loading import suggestion
+from megadare.console import end_open_line
 from megadare.data.files import DataError
 from megadare.errors import (
     CheckpointError,
@@ -301,6 +302,7 @@ def report_error(e: BaseException) -> None:
         except Exception:  # noqa: BLE001 - a Ray that cannot shut down still gets the line printed
             pass
     sys.stdout.flush()
+    end_open_line(sys.stderr)  # a progress bar left its line open (a killed rank's): the error starts its own
     print(f"megadare: error: {e}", file=sys.stderr, flush=True)
 
 

@@ -222,15 +222,30 @@ def _rank_killed_holding_a_semaphore(rank: int, world: int) -> int:
     return rank if lock else rank
 
 
+def _rank_killed_mid_bar(rank: int, world: int) -> int:
+    """Rank 0 killed while its progress bar's line is open (a ``\\r``-redrawn line, never ended)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from megadare.trainer.monitor import Monitor
+
+    logging = SimpleNamespace(run_dir=tempfile.mkdtemp(), jsonl=False, tensorboard=False, log_interval=1)
+    monitor = Monitor(logging, total_steps=2)
+    monitor.log(1, {"loss": 1.0, "eval/accuracy": 0.0})
+    monitor.bar.refresh()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
 KILLED_RANK_CLI = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from test_launch_peers import _rank_killed_holding_a_semaphore
+import test_launch_peers
 from megadare.cli import report_error
 from megadare.errors import PeerError
 from megadare.parallel import launch
 try:
-    launch.spawn(_rank_killed_holding_a_semaphore, 1, timeout_s=120)
+    launch.spawn(getattr(test_launch_peers, sys.argv[2]), 1, timeout_s=120)
 except PeerError as e:
     report_error(e)
     sys.exit(2)
@@ -246,10 +261,28 @@ def test_the_error_line_of_a_killed_rank_is_the_runs_last_word():
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", KILLED_RANK_CLI, tests], capture_output=True, text=True, timeout=300)
+    run = [sys.executable, "-c", KILLED_RANK_CLI, tests, "_rank_killed_holding_a_semaphore"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("megadare: error: trainer rank 0 (pid ") and "was killed by SIGKILL" in last, out.stderr
+
+
+def test_the_error_of_a_rank_killed_mid_progress_bar_starts_its_own_line():
+    """``--nproc``: rank 0 killed with its progress bar's line open (``\\r``-redrawn, not ended). The launcher's
+    error was glued onto it (``...eval/accuracy=0]megadare: error: ...``); now it starts a line of its own, and
+    the bar's line is kept above it."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = [sys.executable, "-c", KILLED_RANK_CLI, tests, "_rank_killed_mid_bar"]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.rstrip("\n").split("\n")  # lines as a terminal or a log ends them (a bar's \r does not)
+    assert lines[-1].startswith("megadare: error: trainer rank 0 (pid "), out.stderr
+    assert "was killed by SIGKILL" in lines[-1], out.stderr
+    assert lines[-2].endswith("eval/accuracy=0]"), out.stderr
 
 
 def _rank_with_a_double_forked_helper(rank: int, world: int) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from megadare.console import share
 from megadare.errors import RESUME, PeerError
 from megadare.parallel import peers
 
@@ -51,10 +52,11 @@ def preload_ranks(modules: list[str]) -> None:
     _START.update(method="forkserver", preload=list(modules))
 
 
-def _entry(rank: int, world: int, call, queue, env: dict) -> None:
+def _entry(rank: int, world: int, call, queue, env: dict, line) -> None:
     """Rank ``rank``: the launcher's environment ``env`` (a forkserver's rank starts with the server's, from before
     this launch) and torch.distributed's variables, then the result or error of ``call`` (``_pack``) into
-    ``queue``."""
+    ``queue``. ``line``: the launch's shared record of an open progress-bar line (megadare.console)."""
+    share(line)
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -196,8 +198,11 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     queue = ctx.Queue()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     call = _pack(fn, args)
+    line = ctx.RawValue("b", 0)  # a rank's progress bar left stderr's line open: the launcher's error ends it
+    share(line)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, call, queue, env), daemon=False) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, call, queue, env, line), daemon=False)
+        for r in range(world_size)
     ]
     known = _children()
     reaper = _subreaper(True)  # what a killed rank's children leave (Ray's agents) becomes ours to end

@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Callable, Optional
 
+from megadare.console import end_open_line
 from megadare.errors import RESUME, PeerError
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
@@ -133,6 +134,7 @@ class GcsWatch:
         )
         if self._stop.wait(self.grace_s) or not _still_joined(self.address):  # the driver raised it in time
             return
+        end_open_line(sys.stderr)  # a progress bar's line
         print(f"megadare: error: {self.error}", file=sys.stderr, flush=True)
         end_local_ray()  # os._exit runs no ray.shutdown, which could not end them anyway
         self.on_exit(2)

@@ -19,6 +19,7 @@ import yaml
 from tqdm import tqdm
 
 from megadare.config import to_yaml
+from megadare.console import progress_stream
 from megadare.errors import RunStateError
 from megadare.files import temp_of, write_text_atomic
 
@@ -49,7 +50,9 @@ class Monitor:
 
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
 
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True, file=progress_stream()
+        )
 
     def step_timer(self) -> float:
         """Seconds since the previous call (or construction)."""
