@@ -127,6 +127,35 @@ def test_partial_rope_leaves_tail_untouched():
     assert torch.equal(y[:, :, 0], x[:, :, 0])  # position 0 is not rotated
 
 
+@pytest.mark.parametrize("name", ["sdar", "llada2"])  # full RoPE | partial (rotary_percent < 1)
+def test_rope_frequencies_are_kept_per_device_and_the_logits_stay_bit_identical(name, monkeypatch):
+    """inv_freq was computed (and copied to the positions' device) at every forward, ~5% of the built-in engine's
+    time; now it is kept per (device, rot_dim, theta). The logits are the ones of the uncached formula, bit for
+    bit, and a second forward computes nothing new."""
+    from megadare.models.hf import common
+
+    _, m = _perturbed(name)
+    a = m.arch
+    rot_dim, theta = int(a.head_dim * a.rotary_percent), a.rope_theta
+    ids = torch.randint(0, 250, (2, S))
+
+    def uncached(device, rot_dim, theta):  # the formula as every forward computed it before
+        return (1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))).to(device)
+
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(common, "rope_inv_freq", uncached)
+        want = m(ids)
+    common._INV_FREQ.clear()
+    with torch.no_grad():
+        first = m(ids)
+        kept = common._INV_FREQ[(ids.device, rot_dim, float(theta))]
+        second = m(ids)
+    assert torch.equal(first, want) and torch.equal(second, want)
+    assert list(common._INV_FREQ) == [(ids.device, rot_dim, float(theta))]
+    assert common._INV_FREQ[(ids.device, rot_dim, float(theta))] is kept
+    assert torch.equal(kept, uncached("cpu", rot_dim, theta))
+
+
 def test_load_roundtrip_and_errors(tmp_path):
     cfg, m = _perturbed("llada2")
     d = str(tmp_path / "ck")

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megadare.models.mapping import HFNames, build_table
@@ -115,13 +116,31 @@ class Router(nn.Module):
             self.expert_bias = None
 
 
-def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, S, rot_dim] for positions [B, S]: inv_freq_j = theta^(-2j/rot_dim), halves duplicated.
+# inv_freq by (device, rot_dim, theta): it is float32 whatever the model's dtype, and its family has no RoPE scaling
+_INV_FREQ: dict[tuple[torch.device, int, float], torch.Tensor] = {}
 
-    inv_freq is computed on the CPU (as HF's rotary embedding computes its buffer) and then moved to the
-    positions' device, so the engine on a GPU uses the same frequencies bit for bit."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+
+def rope_inv_freq(device: torch.device, rot_dim: int, theta: float) -> torch.Tensor:
+    """inv_freq_j = theta^(-2j/rot_dim), float32 [rot_dim / 2] on ``device``: computed on the CPU (as HF's rotary
+    embedding computes its buffer) and then moved, so the engine on a GPU uses the same frequencies bit for bit.
+    Kept per device: computing and copying it at every forward was ~5% of the built-in engine's time. Under
+    torch.compile or a fake-tensor mode it is computed afresh (a traced value, a CUDA graph's output, a fake
+    tensor must not be kept)."""
+    key = (device, rot_dim, float(theta))
+    keep = not torch.compiler.is_compiling() and detect_fake_mode() is None
+    inv_freq = _INV_FREQ.get(key) if keep else None
+    if inv_freq is None:
+        with torch.inference_mode(False):  # an inference tensor kept here would be refused by a later autograd use
+            inv_freq = (1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))).to(device)
+        if keep:
+            _INV_FREQ[key] = inv_freq
+    return inv_freq
+
+
+def rope_cos_sin(positions: torch.Tensor, rot_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, S, rot_dim] for positions [B, S]: inv_freq (``rope_inv_freq``, on the positions' device),
+    halves duplicated."""
+    freqs = positions.to(torch.float32)[..., None] * rope_inv_freq(positions.device, rot_dim, theta)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
