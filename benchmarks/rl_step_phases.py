@@ -321,6 +321,7 @@ def rows_micro(rev: str, rounds: int) -> None:
             built = {}
             for tag, names, pack in [("baseline", old, old_pack), ("current", [], pack_rows)][:: 1 if r % 2 else -1]:
                 with swapped(names):
+                    gc.collect()  # each side starts from a clean heap (the other's garbage is not its cost)
                     t0 = time.process_time()
                     rows = algo.batch_rows(samples, arch, 4, lambda i: torch.Generator().manual_seed(i))
                     t1 = time.process_time()
