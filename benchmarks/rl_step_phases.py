@@ -24,6 +24,9 @@ alternate with the current code); f34a189 is the commit before the changes.
    mode on everywhere vs scoped out of the hot sections (parallel/cpu.py ``SCOPED``).
 4. ``score_batch`` of 128 exact-match responses, a thread per call (baseline) vs a pool.
 
+``--rows-only``: no run, only an RL step's rows and packing of the demo's shape (``rows_micro``) for tracerl, d1
+and coupled_grpo, the ``--baseline`` commit's row builders and packer vs the current ones (identical output).
+
 The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs;
 the load average is printed at the start and the end. On a loaded machine torch's intra-op threads wait for each
 other (a [512, 64] mean took 4-12 ms with 2 threads vs 0.1 ms with 1 at load 10 on 2 cores): ``OMP_NUM_THREADS=1``
@@ -36,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import inspect
 import os
 import statistics
 import subprocess
@@ -250,9 +255,20 @@ def baseline_rows(rev: str) -> list[tuple[Any, str, Any]]:
 
     old_base = baseline_module(rev, "megadare/algos/base.py", "_baseline_base")
     old_replay = baseline_module(rev, "megadare/diffusion/trace_replay.py", "_baseline_trace_replay")
-    return [(m, "views_to_row", old_base.views_to_row) for m in (algorithm, vrpo)] + [
-        (m, "replay_views", old_replay.replay_views) for m in (tracerl, cj_grpo)
-    ]
+    old_row = old_base.views_to_row
+    if "cols" not in inspect.signature(old_row).parameters:  # before SampleColumns: nothing shared per sample
+
+        def old_row(s, views, arch, slot_weight, denom, cols=None, _f=old_row):
+            return _f(s, views, arch, slot_weight, denom)
+
+        shared = [(algorithm, "SampleColumns", lambda s: None)]
+    else:
+        shared = [(algorithm, "SampleColumns", old_base.SampleColumns)]
+    return (
+        shared
+        + [(m, "views_to_row", old_row) for m in (algorithm, vrpo)]
+        + [(m, "replay_views", old_replay.replay_views) for m in (tracerl, cj_grpo)]
+    )
 
 
 def row_building(su, samples, rev: str, rounds: int) -> None:
@@ -281,6 +297,51 @@ def row_building(su, samples, rev: str, rounds: int) -> None:
         f"{rounds} alternated rounds): baseline {rev} {spent['baseline'] / rounds:.4f}, "
         f"current {spent['current'] / rounds:.4f}, speed-up x{spent['baseline'] / spent['current']:.2f}; rows identical"
     )
+
+
+def rows_micro(rev: str, rounds: int) -> None:
+    """``--rows-only``: an RL step's rows (``algo.batch_rows``) and their packing (``pack_rows``) for the demo's
+    shape (128 samples, 16-token prompts, 4-token responses, SDAR blocks of 4, seq_length 128, 4 rows a
+    micro-batch) without a run: commit ``rev``'s row builders and packer vs the current ones, rounds alternated,
+    process seconds; rows and micro-batches must be identical."""
+    import torch
+
+    from megadare.algos import build_algorithm
+    from megadare.data.rows import MB_COLUMNS, pack_rows
+    from megadare.models import get_family
+
+    fam = get_family("sdar")
+    arch = dataclasses.replace(fam.arch(fam.tiny_config()), block_size=4)
+    samples = long_samples(128, 16, 4, 4, arch.vocab_size)
+    old, old_pack = baseline_rows(rev), baseline_module(rev, "megadare/data/rows.py", "_baseline_rows").pack_rows
+    fields = ("tokens", "labels", "weight", "position_ids", "segment_ids", "stream_ids", "padding") + MB_COLUMNS
+    for name in ("tracerl", "d1", "coupled_grpo"):
+        algo, spent = build_algorithm(name), {k: [0.0, 0.0] for k in ("baseline", "current")}
+        for r in range(rounds + 1):  # round 0 warms up
+            built = {}
+            for tag, names, pack in [("baseline", old, old_pack), ("current", [], pack_rows)][:: 1 if r % 2 else -1]:
+                with swapped(names):
+                    gc.collect()  # each side starts from a clean heap (the other's garbage is not its cost)
+                    t0 = time.process_time()
+                    rows = algo.batch_rows(samples, arch, 4, lambda i: torch.Generator().manual_seed(i))
+                    t1 = time.process_time()
+                    mbs = pack(rows, 128, 4)
+                    t2 = time.process_time()
+                built[tag] = rows, mbs
+                if r:
+                    spent[tag][0] += t1 - t0
+                    spent[tag][1] += t2 - t1
+            (ra, ma), (rb, mb) = built["baseline"], built["current"]
+            if not same_rows(ra, rb) or len(ma) != len(mb):
+                raise SystemExit(f"{name}: the current code's rows differ from the baseline's")
+            if not all(_same_opt(getattr(x, f), getattr(y, f)) for x, y in zip(ma, mb) for f in fields):
+                raise SystemExit(f"{name}: the current code's packed micro-batches differ from the baseline's")
+        (rows_b, pack_b), (rows_c, pack_c) = ([v * 1e3 / rounds for v in spent[k]] for k in ("baseline", "current"))
+        print(
+            f"{name}: {len(samples)} samples -> {len(rb)} rows -> {len(mb)} micro-batches; ms per step "
+            f"(CPU, {rounds} alternated rounds), baseline {rev} vs current: rows {rows_b:.1f} -> {rows_c:.1f} "
+            f"(x{rows_b / rows_c:.2f}), packing {pack_b:.1f} -> {pack_c:.1f} (x{pack_b / pack_c:.2f}); identical"
+        )
 
 
 def reward_scoring(rev: str, rounds: int, n: int = 128) -> None:
@@ -343,6 +404,10 @@ def grid_mask(spec, S: int, n: int):
         n = 1
     b, q, k = torch.arange(n).view(-1, 1, 1), torch.arange(S).view(1, -1, 1), torch.arange(S).view(1, 1, -1)
     return spec.mask_mod(b, torch.zeros((), dtype=torch.long), q, k).expand(n, S, S).unsqueeze(1)
+
+
+def _same_opt(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch_equal(a, b))
 
 
 def torch_equal(a, b) -> bool:
@@ -453,8 +518,14 @@ def main() -> None:
     ap.add_argument(
         "--no-freeze", action="store_true", help="baseline: the steps run without the set-up heap frozen (rl.py)"
     )
+    ap.add_argument("--rows-only", action="store_true", help="only the rows and packing of a demo step, no run")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.rows_only:
+        print(f"load average {os.getloadavg()[0]:.2f} at the start, torch threads from OMP_NUM_THREADS")
+        rows_micro(a.baseline, a.rounds)
+        print(f"load average {os.getloadavg()[0]:.2f} at the end")
+        return
     if a.steps < 3:
         raise SystemExit(f"--steps {a.steps}: at least 3 (the first step warms up, the last runs the A/B rounds)")
     print(f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)

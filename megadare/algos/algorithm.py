@@ -23,7 +23,16 @@ from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
-from megadare.algos.base import LOSS_AGG, STEP_WIDTH, RLSample, SlotObjective, Slots, aggregation, views_to_row
+from megadare.algos.base import (
+    LOSS_AGG,
+    STEP_WIDTH,
+    RLSample,
+    SampleColumns,
+    SlotObjective,
+    Slots,
+    aggregation,
+    views_to_row,
+)
 from megadare.algos.policy_loss import KL_ESTIMATORS, PPOClip, check_dual_clip, kl_penalty, ppo_clip_loss
 from megadare.errors import ConfigError
 from megadare.ranges import in_range
@@ -117,9 +126,10 @@ def rows_for_views(
     if slot_weight is None or denom is None:
         slot_weight, denom = aggregation(loss_agg, per_view, len(s.response_ids), s.extra.get(STEP_WIDTH))
     shared = sum(len(x) for x in per_view) != len(set().union(*per_view)) if per_view else False
+    cols = SampleColumns(s)  # one sample's shared columns, for each of its rows
     if shared:
-        return [views_to_row(s, views, arch, slot_weight, denom)]
-    return [views_to_row(s, [v], arch, slot_weight, denom if i == 0 else 0.0) for i, v in enumerate(views)]
+        return [views_to_row(s, views, arch, slot_weight, denom, cols)]
+    return [views_to_row(s, [v], arch, slot_weight, denom if i == 0 else 0.0, cols) for i, v in enumerate(views)]
 
 
 @dataclass(frozen=True)

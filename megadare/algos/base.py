@@ -35,7 +35,7 @@ import torch.distributed.nn.functional as dist_nn
 
 from megadare.models.family import ModelArch
 from megadare.data.rows import MicroBatch, Row
-from megadare.diffusion.views import View
+from megadare.diffusion.views import View, list_tensor
 from megadare.rollout.engine import fields_from_extra
 
 SLOT_CONST = "per_slot_"  # row extras constant over a slot, handed to the slot loss in Slots.extra
@@ -82,67 +82,99 @@ class RLSample:
         return torch.full((L,), float(self.advantage))
 
 
-ROW_PARTS = ("tokens", "labels", "weight", "pos", "stream", "slot", "head", "adv", "tok")  # + "seg" per view
+LONG_COLS = ("tokens", "labels", "pos", "stream", "slot", "tok", "sample")  # a half-view's long columns, stacked
+
+
+class SampleColumns:
+    """What every view of one sample shares, built once per sample (not once per row): the advantage of each
+    position and ``LONG_COLS`` of a noisy half before a view's own (tokens and labels x_0, positions, stream 0, no
+    slot, the response token, the sample) and of a clean x_0 half (stream 1, no slot, no response token)."""
+
+    def __init__(self, sample: RLSample):
+        ids = list(sample.prompt_ids) + list(sample.response_ids)
+        P, N, i = len(sample.prompt_ids), len(ids), sample.index
+        pos, none = list(range(N)), [-1] * N
+        tok = [-1] * P + list(range(len(sample.response_ids)))
+        grid = ids + ids + pos + [0] * N + none + tok + [i] * N + ids + ids + pos + [1] * N + none + none + [i] * N
+        self.P, self.grid = P, list_tensor(grid, torch.long).view(14, N)
+        self.adv = torch.cat([torch.zeros(P), sample.token_advantages()])
+        self.zeros = torch.zeros(3, N)  # weight, head, adv of a clean half
+        self.cut: dict[int, tuple] = {}
+
+    def halves(self, n: int) -> tuple:
+        """The first ``n`` positions: the noisy half's ``LONG_COLS`` one by one, the clean half's [7, n] long and
+        [3, n] float columns, the advantages (once per view length, not once per view)."""
+        if n not in self.cut:
+            g = self.grid[:, :n]
+            self.cut[n] = (g[:7].unbind(0), g[7:], self.zeros[:, :n], self.adv[:n])
+        return self.cut[n]
 
 
 def views_to_row(
-    sample: RLSample, views: list[View], arch: ModelArch, slot_weight: dict[int, float], denom: float
+    sample: RLSample,
+    views: list[View],
+    arch: ModelArch,
+    slot_weight: dict[int, float],
+    denom: float,
+    cols: Optional[SampleColumns] = None,
 ) -> Row:
     """One row holding every view of a sample (one segment each; block-diffusion families: x_t ++ x_0).
 
     ``slot_weight[s]``: the aggregation weight of slot s (1 for token-mean, 1/L for sequence-mean ...), put on
     the slot's first position as ``head``; ``denom``: the sample's share of the global denominator. The
     advantage of each response token is the sample's (``RLSample.token_advantages``) unless a view carries its own.
-    Each column's pieces are joined by one ``torch.cat`` at the end (a row is built per sample per step: few
-    tensor operations per view keep it off the step's critical path).
+    ``cols``: the sample's ``SampleColumns`` (built here when None; a caller building several rows of one sample
+    passes one). A row is built per sample per step: each half-view is two stacked tensors (its long and its float
+    columns) joined by one ``torch.cat`` each; the row's columns are rows of those two tensors.
     """
     block_diffusion = arch.is_block_diffusion
-    x0 = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
-    P, N = len(sample.prompt_ids), len(x0)
-    adv_pos = torch.cat([torch.zeros(P), sample.token_advantages()])
-    tok_pos = torch.cat([torch.full((P,), -1, dtype=torch.long), torch.arange(len(sample.response_ids))])
-    zero, none = torch.zeros(N), torch.full((N,), -1, dtype=torch.long)
-    stream0, stream1 = torch.zeros(N, dtype=torch.long), torch.ones(N, dtype=torch.long)
-    index = torch.arange(N)
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ROW_PARTS + ("seg",)}
+    c = cols if cols is not None else SampleColumns(sample)
+    longs: list[torch.Tensor] = []
+    floats: list[torch.Tensor] = []
+    sizes: list[int] = []
     seen: set[int] = set()
-    for vi, v in enumerate(views):
+    for v in views:
         n = v.tokens.shape[0]
-        labels = x0[:n] if v.labels is None else v.labels
+        t, clean, zeros, adv_n = c.halves(n)
+        labels, tok = (t[1] if v.labels is None else v.labels), t[5]
         coef, slot = v.coef.float(), v.slot
-        adv = adv_pos[:n] if v.adv is None else v.adv.float()
-        tok = tok_pos[:n]  # which response token each position's target is (-1: prompt)
+        adv = adv_n if v.adv is None else v.adv.float()
         if arch.logits_shift:  # Dream: position k-1 predicts token k
-            if P == 0:
-                raise ValueError("a shifted-logit family (Dream) needs a non-empty prompt")
-            labels = torch.cat([labels[1:], labels[:1]])
-            coef, slot = torch.cat([coef[1:], zero[:1]]), torch.cat([slot[1:], none[:1]])
-            adv, tok = torch.cat([adv[1:], zero[:1]]), torch.cat([tok[1:], none[:1]])
+            labels, coef, slot, adv, tok = _shifted(c.P, labels, coef, slot, adv, tok)
         head = _slot_heads(slot, slot_weight, seen)
-        pieces = [v.tokens, labels, coef, index[:n], stream0[:n], slot, head, adv, tok]
+        longs.append(torch.stack([v.tokens, labels, t[2], t[3], slot, tok, t[6]]))
+        floats.append(torch.stack([coef, head, adv]))
         if block_diffusion:  # x_t ++ x_0: the clean half is context only
-            clean = [x0[:n], x0[:n], zero[:n], index[:n], stream1[:n], none[:n], zero[:n], zero[:n], none[:n]]
-            for k, a, b in zip(ROW_PARTS, pieces, clean):
-                parts[k] += [a, b]
-        else:
-            for k, a in zip(ROW_PARTS, pieces):
-                parts[k].append(a)
-        parts["seg"].append(torch.full(((2 if block_diffusion else 1) * n,), vi, dtype=torch.long))
-    cat_ = {k: torch.cat(v) for k, v in parts.items()}
+            longs += [clean]
+            floats += [zeros]
+        sizes.append((2 if block_diffusion else 1) * n)
+    tokens, labels, pos, stream, slot, tok, index = (torch.cat(longs, 1) if len(longs) > 1 else longs[0]).unbind(0)
+    weight, head, adv = (torch.cat(floats, 1) if len(floats) > 1 else floats[0]).unbind(0)
+    seg = torch.repeat_interleave(torch.arange(len(views)), list_tensor(sizes, torch.long)) if len(views) > 1 else None
     return Row(
-        tokens=cat_["tokens"],
-        labels=cat_["labels"],
-        weight=cat_["weight"],
-        position_ids=cat_["pos"],
-        stream_ids=cat_["stream"] if block_diffusion else None,
+        tokens=tokens,
+        labels=labels,
+        weight=weight,
+        position_ids=pos,
+        stream_ids=stream if block_diffusion else None,
         denom=denom,
-        segment_ids=cat_["seg"] if len(views) > 1 else None,
-        slot=cat_["slot"],
-        head=cat_["head"],
-        adv=cat_["adv"],
-        tok=cat_["tok"],
-        sample=torch.full_like(cat_["tok"], sample.index),
+        segment_ids=seg,
+        slot=slot,
+        head=head,
+        adv=adv,
+        tok=tok,
+        sample=index,
     )
+
+
+def _shifted(P: int, labels, coef, slot, adv, tok) -> tuple[torch.Tensor, ...]:
+    """Dream's shifted logits: each column one position left, the last position scoring nothing."""
+    if P == 0:
+        raise ValueError("a shifted-logit family (Dream) needs a non-empty prompt")
+    zero, none = torch.zeros(1), torch.full((1,), -1, dtype=torch.long)
+    labels = torch.cat([labels[1:], labels[:1]])
+    coef, slot = torch.cat([coef[1:], zero]), torch.cat([slot[1:], none])
+    return labels, coef, slot, torch.cat([adv[1:], zero]), torch.cat([tok[1:], none])
 
 
 def _slot_heads(slot: torch.Tensor, slot_weight: dict[int, float], seen: set[int]) -> torch.Tensor:
@@ -153,7 +185,7 @@ def _slot_heads(slot: torch.Tensor, slot_weight: dict[int, float], seen: set[int
         if s >= 0 and s not in seen:
             seen.add(s)
             head[i] = slot_weight.get(s, 0.0)
-    return torch.tensor(head)
+    return list_tensor(head, torch.float32)
 
 
 def aggregation(

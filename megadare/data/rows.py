@@ -137,17 +137,23 @@ class MicroBatch:
 
 def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shortest = min(lengths, default=0)
     bins: list[list[int]] = []
     free: list[int] = []
+    open_: list[int] = []  # the bins, in order, that can still take the shortest row (the others take none)
     for i in order:
-        for b, f in enumerate(free):
-            if lengths[i] <= f:
+        for b in open_:
+            if lengths[i] <= free[b]:
                 bins[b].append(i)
                 free[b] -= lengths[i]
                 break
         else:
+            b = len(bins)
             bins.append([i])
             free.append(capacity - lengths[i])
+            open_.append(b)
+        if free[b] < shortest:
+            open_.remove(b)
     return bins
 
 

@@ -41,7 +41,7 @@ from typing import Callable, NamedTuple, Optional, Protocol
 
 import torch
 
-from megadare.diffusion.views import View
+from megadare.diffusion.views import View, list_tensor
 
 
 class Trace(Protocol):
@@ -146,10 +146,10 @@ class _Replay:
                 steps.add(scored.step)
         long = torch.long
         view = View(
-            tokens=torch.tensor(tokens, dtype=long),
-            coef=torch.tensor(coef),
-            slot=torch.tensor(slot, dtype=long),
-            labels=torch.tensor(labels, dtype=long) if s.superseded else None,
+            tokens=list_tensor(tokens, long),
+            coef=list_tensor(coef, torch.float32),
+            slot=list_tensor(slot, long),
+            labels=list_tensor(labels, long) if s.superseded else None,
         )
         return view, sorted(steps)
 
