@@ -33,8 +33,10 @@ def test_errors_name_file_line_and_field(tmp_path):
         build_prompts(recs, TOK, str(p))
     with pytest.raises(DataError, match=r"mem:1: .*needs a message before an assistant prefill"):
         build_prompts([{"messages": [{"role": "assistant", "content": "b"}], "answer": "b"}], TOK, "mem")
-    with pytest.raises(DataError, match=r"mem:1: no prompt"):
-        build_prompts([{"question": "a", "answer": "b"}], TOK, "mem")
+    with pytest.raises(DataError, match=r"mem:1: no prompt: expected 'prompt', 'messages', 'prompt_ids'.*'question'"):
+        build_prompts([{"query": "a", "answer": "b"}], TOK, "mem")
+    (read,) = build_prompts([{"question": "a", "answer": "b"}], TOK, "mem")  # dLLM-RL's and gsm8k's prompt field
+    assert read.prompt_ids == TOK.chat_prompt([{"role": "user", "content": "a"}])
     with pytest.raises(DataError, match=r"mem:1: field 'prompt' must be a string or a list of"):
         build_prompts([{"prompt": 3, "answer": "b"}], TOK, "mem")
     with pytest.raises(DataError, match=r"mem:1: prompt has 10 tokens, more than 4"):  # role tokens + 7 + NL

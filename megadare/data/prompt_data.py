@@ -136,8 +136,9 @@ def build_prompts(
             )
         if pkey is None:
             raise DataError(
-                f"{where}: no prompt: expected {prompt_key!r}, {messages_key!r} or 'prompt_ids'; found "
-                f"keys {sorted(rec)}"
+                f"{where}: no prompt: expected {prompt_key!r}, {messages_key!r}, 'prompt_ids'"
+                f"{''.join(f', {k!r}' for k in PROMPT_FALLBACKS) if prompt_key == 'prompt' else ''} (set "
+                f"data.prompt_key to the field holding it); found keys {sorted(rec)}"
             )
         ids, prefill = _prompt_ids(rec, pkey, tok, where)
         if not ids:
