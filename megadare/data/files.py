@@ -67,10 +67,7 @@ def _load_jsonl(path: str) -> list[tuple[str, dict]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
             except _DuplicateKey as e:
-                raise DataError(
-                    f"{path}:{lineno}: key {e.args[0]!r} appears twice in one object (JSON readers keep one of them "
-                    "silently); keep the one you mean"
-                ) from None
+                raise e.error(f"{path}:{lineno}") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             records.append((f"{path}:{lineno}", rec))
@@ -92,10 +89,7 @@ def _load_json(path: str) -> list[tuple[str, dict]]:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: invalid JSON ({e.msg} at line {e.lineno} column {e.colno})") from e
     except _DuplicateKey as e:
-        raise DataError(
-            f"{path}: key {e.args[0]!r} appears twice in one object (JSON readers keep one of them silently); keep "
-            "the one you mean"
-        ) from None
+        raise e.error(path) from None
     rows = [(f"{path}:row {i + 1}", rec) for i, rec in enumerate(records)]
     for where, rec in rows:
         check_record(rec, where)
@@ -103,7 +97,11 @@ def _load_json(path: str) -> list[tuple[str, dict]]:
 
 
 class _DuplicateKey(Exception):
-    pass
+    def error(self, where: str) -> DataError:
+        return DataError(
+            f"{where}: key {self.args[0]!r} appears twice in one object (JSON readers keep one of them silently); "
+            "keep the one you mean"
+        )
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
