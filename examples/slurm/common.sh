@@ -33,7 +33,8 @@
 #   NUM_ENGINES         rl: rollout.num_engines (default: the rollout GPUs / ENGINE_GPUS)
 #   ENGINE_CPUS         rl: CPUs per engine actor (rollout.engine_resources num_cpus; default: the config's)
 #   HEAD_IP             Ray head and torch master address (default: `hostname --ip-address` on the first node)
-#   RAY_PORT (6379)  MASTER_PORT (29500)
+#   RAY_PORT (6379)  MASTER_PORT (29500): pick them outside Ray's random ports (10002-19999 and the kernel's
+#                       ephemeral range); a MASTER_PORT taken when the trainer starts ends the job in one line
 #   RAY_WAIT_TIMEOUT_S  seconds to wait for every node to join Ray (default 300)
 #   RAY_POLL_S          seconds between `ray status` polls (default 5)
 #   RAY_STOP_S          seconds each node's Ray gets to shut down at the end before its step is killed (default 60)
@@ -102,6 +103,7 @@ md_defaults() {
     MAX_REQUEUES; do
     [[ ${!v} =~ ^[0-9]+$ ]] || md_die "$v=${!v} must be a non-negative integer"
   done
+  [[ $RAY_PORT != "$MASTER_PORT" ]] || md_die "RAY_PORT and MASTER_PORT are both $RAY_PORT: give them different ports"
 }
 
 md_env() {  # NCCL / torch settings for every step: exported when set, dropped when empty
@@ -322,8 +324,22 @@ md_preflight() {  # the config, the overrides, the model, the data and the run d
   mv -f "$tmp" "$resolved"
 }
 
+md_port_taken() {  # md_port_taken HOST PORT: true when a process listens there (a connection is accepted)
+  timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
+}
+
+md_ephemeral_ports() {  # the kernel's range for ports bound to 0 ("32768-60999"), where Ray's random ports fall
+  local lo hi
+  read -r lo hi </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null && printf '%s-%s' "$lo" "$hi" || printf 'unknown'
+}
+
 md_launch_trainer() {  # one torchrun per trainer node, in one job step
   ((MD_STOPPING)) && exit 0
+  # checked after Ray is up: Ray's own ports are picked at random, and torchrun would end in a traceback
+  if md_port_taken "$HEAD_IP" "$MASTER_PORT"; then
+    md_die "MASTER_PORT=$MASTER_PORT is taken on $HEAD_IP (another process listens there): set MASTER_PORT to a \
+free port, outside Ray's ranges (worker ports 10002-19999 and the ephemeral range $(md_ephemeral_ports))"
+  fi
   md_log "trainer: $MD_TRAIN_NODES nodes x $GPUS_PER_NODE GPUs, master $HEAD_IP:$MASTER_PORT; resumes from the \
 newest checkpoint under $CKPT if there is one"
   export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # megatron's TP/SP overlap needs it

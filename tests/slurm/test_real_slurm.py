@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -43,9 +44,17 @@ NEVER = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadCons
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range and above Ray's worker ports (10002-19999): a port bound to 0
+    falls in the range where `ray start` later picks its own random ports, and one of them took the trainer's
+    MASTER_PORT once (torchrun: EADDRINUSE)."""
+    for port in random.Random().sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -371,3 +380,28 @@ def test_bad_config_fails_in_the_preflight(job, tiny):
     assert "ray:" not in out and "trainer:" not in out
     assert not list((j.run_dir / "slurm").glob("ray-*.log")) and not (j.run_dir / "ckpt").exists()
     assert j.ray_left() == []
+
+
+def test_a_taken_master_port_fails_in_one_line_after_ray_is_up(job, tiny):
+    """A process listening on MASTER_PORT (Ray's random ports can land there) ends the job in one line naming the
+    knob, before torchrun's traceback, and the job's Ray is stopped."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        j = job(
+            "rl_llada2_mini.sh",
+            1,
+            MODEL=tiny["llada2"],
+            DATA=tiny["math"],
+            ROLLOUT_NODES="0",
+            ENGINE_GPUS="1",
+            ENGINE_CPUS="1",
+            MASTER_PORT=str(port),
+            EXTRA_OVERRIDES=f"{RL_TINY} rl.steps=1",
+        )
+        assert j.run() == 1
+    out = j.output()
+    assert f"error: MASTER_PORT={port} is taken on 127.0.0.1" in out, out[-3000:]
+    assert "Traceback" not in out and "trainer:" not in out
+    assert "ray: stopped" in out and j.ray_left() == []
