@@ -69,3 +69,16 @@ def test_conflicting_and_unsupported_values_are_named():
         canonical_config({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "X")
     with pytest.raises(ModelConfigError, match=r"rope_theta=10000.0, rope_parameters.rope_theta=1000000.0"):
         get_family("sdar").arch({**get_family("sdar").tiny_config(), "rope_parameters": {"rope_theta": 1e6}})
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_every_family_refuses_rope_scaling(name):
+    """The publishers' code applies ``rope_scaling`` (LLaDA2's through transformers' ROPE_INIT_FUNCTIONS): a family
+    that ignored it would load a different model. Refused for every family, not only the Qwen-style ones; a null or
+    ``default`` scaling is plain RoPE."""
+    fam = get_family(name)
+    cfg = fam.tiny_config()
+    with pytest.raises(ModelConfigError, match=r"rope_scaling=\{'type': 'linear', 'factor': 2.0\} is not supported"):
+        fam.arch({**cfg, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    for plain in (None, {"rope_type": "default"}, {"type": "default"}):
+        assert fam.arch({**cfg, "rope_scaling": plain}) == fam.arch(cfg)

@@ -202,8 +202,15 @@ def canonical_config(cfg: dict, where: str) -> dict:
     """config.json with the keys megadare reads under their canonical names: a key written under an alias that
     transformers accepts for it (``KEY_ALIASES``) or inside transformers 5's ``rope_parameters`` is copied to its
     canonical name. The same key under two names with different values is an error; so is a ``rope_parameters``
-    of a ``rope_type`` other than ``default`` (a RoPE scaling megadare does not implement)."""
+    of a ``rope_type`` other than ``default`` or a ``rope_scaling`` (a RoPE scaling megadare does not implement),
+    for every family: the publishers' code applies it, so ignoring it would load a different model."""
     out = dict(cfg)
+    scaling = out.get("rope_scaling")
+    if scaling and not (isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default"):
+        raise ModelConfigError(
+            f"{where}: config.json rope_scaling={scaling!r} is not supported; megadare implements plain RoPE, as "
+            "the published dLLM checkpoints use: remove it, or train a model without it"
+        )
     found: dict[str, list[tuple[str, Any]]] = {}
     for key, names in KEY_ALIASES.items():
         for name in names:

@@ -57,11 +57,6 @@ NAMES = replace(
 
 def qwen_common(cfg: dict, where: str) -> dict:
     """The Qwen2/Qwen3-style keys shared by SDAR, SDAR-MoE and Dream."""
-    if cfg.get("rope_scaling"):
-        raise ModelConfigError(
-            f"{where}: config.json rope_scaling={cfg['rope_scaling']!r} is not supported; "
-            "remove it (the published dLLM checkpoints use plain RoPE)"
-        )
     heads = require(cfg, "num_attention_heads", int, where)
     hidden = require(cfg, "hidden_size", int, where)
     return dict(
