@@ -551,11 +551,17 @@ def test_no_realtime_priority(realtime_allowed):
 
 def test_scheduling_and_queue_limits_are_the_sandbox_own():
     """Whatever the trainer's limits: no real-time priority, no higher priority, no POSIX message queue memory
-    (the trainer here has RLIMIT_MSGQUEUE 800 KiB, which the program inherited)."""
+    (the trainer here has RLIMIT_MSGQUEUE 800 KiB, which the program inherited), no locked memory (the trainer's
+    RLIMIT_MEMLOCK, unlimited on GPU nodes, let a pure-Python mmap with MAP_LOCKED pin its memory)."""
     r = run_program(
         "import resource as r\nprint([r.getrlimit(k) for k in (r.RLIMIT_RTPRIO, r.RLIMIT_NICE, r.RLIMIT_MSGQUEUE)])"
     )
     assert r.stdout == "[(0, 0), (0, 0), (0, 0)]\n", r
+    r = run_program(
+        "import mmap\nm = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x2000)  # MAP_LOCKED\n"
+        "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('VmLck')])"
+    )
+    assert r.stdout == "" and r.status == "error", r  # the kernel refuses the locked mapping
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -363,6 +363,9 @@ def rlimits(
         ("rlimit_rtprio", resource.RLIMIT_RTPRIO, (0, 0)),
         ("rlimit_nice", resource.RLIMIT_NICE, (0, 0)),
         ("rlimit_msgqueue", resource.RLIMIT_MSGQUEUE, (0, 0)),
+        # no locked memory (mmap MAP_LOCKED, pure Python): GPU nodes run trainers with memlock unlimited (NCCL / RDMA),
+        # so 32 programs pinned up to their whole address space each, out of reach of swap and reclaim
+        ("rlimit_memlock", resource.RLIMIT_MEMLOCK, (0, 0)),
     ]
     if uid is not None:
         nproc = _user_task_count(uid) + max(1, max_processes) + _NPROC_SLACK
