@@ -339,3 +339,17 @@ def test_a_sandbox_without_its_seccomp_filter_says_so(monkeypatch):
     assert len(notes) == 1 and "no seccomp filter" in notes[0] and "README" in notes[0], notes
     assert registry.reward_notes("code", []) == notes
     assert registry.reward_notes("dare_math", [row]) == registry.reward_notes("auto", [{"answer": "5"}]) == []
+
+
+def test_humanevalplus_rows_say_their_pass_can_be_faked():
+    """DARE's humanevalplus harness preloads numpy: a wrong program read the one-time token through numpy's
+    ``__array_interface__`` and scored 1.0 (a known hole: no OS layer keeps a process from its own memory). The run's
+    start says so, counting those rows; other code rows say nothing of it."""
+    from megadare.rewards import registry
+
+    plus = {"data_source": "humanevalplus", "prompt": "def f():\n", "answer": "def check(c):\n    assert c()\n"}
+    other = dict(plus, data_source="humaneval")
+    notes = [n for n in registry.reward_notes("auto", [plus, other]) if "humanevalplus" in n]
+    assert len(notes) == 1 and "1 of 2 rows" in notes[0] and "numpy" in notes[0], notes
+    assert [n for n in registry.reward_notes("auto", [other]) if "numpy" in n] == []
+    assert registry.reward_notes("dare_math", [plus]) == []
