@@ -16,7 +16,8 @@ The attacks, in file order:
   outside the address space (SysV shared memory); threads that take the machine's pids; fds left to the program;
   children in new namespaces; i386 syscalls (int 0x80); trainer credentials in the environment; real-time priority
   and inherited scheduling / message-queue limits;
-- `process` isolation: a directory tree in its temp dir deeper than Python's recursion limit (the cleanup raised).
+- `process` isolation: a directory tree in its temp dir deeper than Python's recursion limit (the cleanup raised);
+- a program that sleeps on after its trainer was killed (the deadline was the trainer's).
 """
 
 import json
@@ -550,8 +551,53 @@ def test_no_realtime_priority(realtime_allowed):
 
 def test_scheduling_and_queue_limits_are_the_sandbox_own():
     """Whatever the trainer's limits: no real-time priority, no higher priority, no POSIX message queue memory
-    (the trainer here has RLIMIT_MSGQUEUE 800 KiB, which the program inherited)."""
+    (the trainer here has RLIMIT_MSGQUEUE 800 KiB, which the program inherited), no locked memory (the trainer's
+    RLIMIT_MEMLOCK, unlimited on GPU nodes, let a pure-Python mmap with MAP_LOCKED pin its memory)."""
     r = run_program(
         "import resource as r\nprint([r.getrlimit(k) for k in (r.RLIMIT_RTPRIO, r.RLIMIT_NICE, r.RLIMIT_MSGQUEUE)])"
     )
     assert r.stdout == "[(0, 0), (0, 0), (0, 0)]\n", r
+    r = run_program(
+        "import mmap\nm = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x2000)  # MAP_LOCKED\n"
+        "print([line.split()[1] for line in open('/proc/self/status') if line.startswith('VmLck')])"
+    )
+    assert r.stdout == "" and r.status == "error", r  # the kernel refuses the locked mapping
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Third red team: the trainer killed mid-run.
+# ------------------------------------------------------------------------------------------------------------------
+
+TRAINER = """
+import sys
+from megadare.rewards.sandbox import SandboxLimits, run_program
+run_program("import time\\ntime.sleep(120)\\n", limits=SandboxLimits(timeout_s=120, isolation=sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "process"])
+def test_no_program_outlives_a_killed_trainer(isolation, tmp_path):
+    """A trainer killed mid-run (kill -9, a Ray worker stopped): the deadline is the trainer's, so its keeper and a
+    program that sleeps (no CPU time to run out of) lived on, orphaned, for as long as the program liked."""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, isolation], env=dict(os.environ, TMPDIR=str(tmp_path)))
+    try:
+        running = []
+        for _ in range(200):  # the sandbox up: its keeper (and the program) name the workdir under tmp_path
+            running = _processes_in(str(tmp_path))
+            if len(running) >= (2 if isolation == "namespaces" else 1) or trainer.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert running, "the sandbox never started"
+        time.sleep(0.3)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    survivors = []
+    for _ in range(30):
+        survivors = _processes_in(str(tmp_path))
+        if not survivors:
+            break
+        time.sleep(0.1)
+    for pid in survivors:
+        os.kill(pid, 9)
+    assert survivors == [], f"{survivors} outlived the trainer"

@@ -323,3 +323,33 @@ def test_other_tasks_of_a_non_root_trainer_do_not_refuse_the_sandbox():
     assert got["uid"] == 65534 and got["stdout"].startswith("ran"), got
     assert "can't start new thread" in got["stderr"], got  # the program's own limit holds
     assert {"userns", "rlimit_nproc"} <= set(got["protections"]), got
+
+
+def test_a_sandbox_without_its_seccomp_filter_says_so(monkeypatch):
+    """The seccomp filter is x86-64 only: on an aarch64 node code rewards ran without it and without a word. The
+    run's start (reward_notes, printed by RL and evaluation) names what the sandbox lacks there; x86-64 says
+    nothing, nor does a reward that runs no code."""
+    from megadare.rewards import registry
+
+    row = {"data_source": "humaneval", "prompt": "def f():\n", "answer": "def check(c):\n    assert c()\n"}
+    if platform.machine() == "x86_64":
+        assert registry.reward_notes("auto", [row]) == []
+    monkeypatch.setattr(registry, "seccomp_denies_processes", lambda max_processes: None)
+    notes = registry.reward_notes("auto", [row])
+    assert len(notes) == 1 and "no seccomp filter" in notes[0] and "README" in notes[0], notes
+    assert registry.reward_notes("code", []) == notes
+    assert registry.reward_notes("dare_math", [row]) == registry.reward_notes("auto", [{"answer": "5"}]) == []
+
+
+def test_humanevalplus_rows_say_their_pass_can_be_faked():
+    """DARE's humanevalplus harness preloads numpy: a wrong program read the one-time token through numpy's
+    ``__array_interface__`` and scored 1.0 (a known hole: no OS layer keeps a process from its own memory). The run's
+    start says so, counting those rows; other code rows say nothing of it."""
+    from megadare.rewards import registry
+
+    plus = {"data_source": "humanevalplus", "prompt": "def f():\n", "answer": "def check(c):\n    assert c()\n"}
+    other = dict(plus, data_source="humaneval")
+    notes = [n for n in registry.reward_notes("auto", [plus, other]) if "humanevalplus" in n]
+    assert len(notes) == 1 and "1 of 2 rows" in notes[0] and "numpy" in notes[0], notes
+    assert [n for n in registry.reward_notes("auto", [other]) if "numpy" in n] == []
+    assert registry.reward_notes("dare_math", [plus]) == []

@@ -34,11 +34,13 @@ import difflib
 import importlib
 import json
 import math
+import platform
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.code import code_reward
-from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
+from megadare.rewards.code_forms import CODE_SOURCES, HUMANEVALPLUS, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
+from megadare.rewards.sandbox_kernel import seccomp_denies_processes
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.dare_math import dare_gold
 from megadare.rewards.dllm_rl_code import dllm_rl_code_reward
@@ -280,9 +282,11 @@ _ORIGIN_RULES = {
 def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
     """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than the project they come
     from would: ``math`` / ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to
-    ``dare_math``) or dLLM-RL's (``ground_truth_answer``: ``dllm_rl_math``), one line each."""
+    ``dare_math``) or dLLM-RL's (``ground_truth_answer``: ``dllm_rl_math``), one line each; and where ``reward``
+    runs code, one line for each hole of the code sandbox on this machine or these rows (:func:`_sandbox_notes`)."""
+    notes = _sandbox_notes(reward, records)
     if reward not in ("math", "gsm8k"):
-        return []
+        return notes
     counts = dict.fromkeys(_ORIGIN_RULES, 0)
     for record in records:
         try:
@@ -291,7 +295,7 @@ def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
             continue
         if rule in counts:
             counts[rule] += 1
-    return [
+    return notes + [
         f"rewards: rewards.name={reward} scores {n} of {len(records)} rows that are {origin} math rows {tag} by "
         "megadare's looser rule, which also takes an unboxed answer ('the answer is X', the last number); "
         f"{ref} reads the last \\boxed{{}} only: rewards.name={rule} (or auto) scores them as {origin} does"
@@ -299,6 +303,33 @@ def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
         if n
         for origin, tag, ref in [_ORIGIN_RULES[rule]]
     ]
+
+
+def _sandbox_notes(reward: str, records: Sequence[dict]) -> List[str]:
+    """What the code sandbox does not hold for these rows, said where it was silent: the seccomp filter is x86-64
+    only (elsewhere, aarch64 nodes, native code may call sync, io_uring, memfd_create, SysV shared memory and
+    unshare); DARE's humanevalplus rows preload numpy, whose ``__array_interface__`` reads any memory of the program's
+    process, so a wrong program there can fake its pass (a wrong ``add`` scored 1.0 through ``score_batch``)."""
+    if not runs_code(reward, records):
+        return []
+    notes = []
+    if seccomp_denies_processes(1) is None:
+        notes.append(
+            f"rewards: the code sandbox has no seccomp filter on {platform.machine()} (x86-64 only): programs run in "
+            "its namespaces as an unprivileged uid with no_new_privs, but native code may call sync, io_uring, "
+            "memfd_create, SysV shared memory and unshare, which x86-64 refuses (README 'Code sandbox')"
+        )
+    plus = sum(
+        str(r.get("data_source", "")).lower() == HUMANEVALPLUS and "tests" not in r and DLLM_RL_TESTS not in r
+        for r in records
+    )
+    if plus:
+        notes.append(
+            f"rewards: {plus} of {len(records)} rows are humanevalplus rows, whose harness preloads numpy: a program "
+            "can read its own memory through numpy (__array_interface__) and fake its pass there; the code sandbox "
+            "proves a pass only against programs without raw memory (README 'Code sandbox', It does not promise)"
+        )
+    return notes
 
 
 def runs_code(reward: str, records: Sequence[dict]) -> bool:

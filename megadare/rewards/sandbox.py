@@ -31,12 +31,14 @@ Both keep the other layers, outermost first:
 
 * parent side: scrubbed environment (minimal PATH, no proxies, HOME/TMPDIR = the temp dir), stdin from a memfd,
   stdout/stderr read with a size cap (default 1 MiB; an overflowing program is killed), a wall-clock deadline
-  after which the whole process group gets SIGKILL (``os.killpg``), and the group is killed after every run;
+  after which the whole process group gets SIGKILL (``os.killpg``), and the group is killed after every run; the
+  child gets SIGKILL when the trainer's thread that started it dies (``PR_SET_PDEATHSIG``: a killed trainer leaves
+  no program running);
   ``oom_score_adj`` 1000 (the OOM killer takes sandboxed programs before the trainer);
 * kernel side: ``RLIMIT_AS`` (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE``, ``RLIMIT_CORE=0``, ``RLIMIT_NOFILE``,
-  ``RLIMIT_RTPRIO=0``, ``RLIMIT_NICE=0``, ``RLIMIT_MSGQUEUE=0`` (whatever the trainer's limits allowed),
-  ``RLIMIT_NPROC`` (it counts every task, threads too, of the program's user, uid 65534 or the trainer's, so it is
-  set to the current count + ``max_processes`` + slack; the kernel ignores it for a root program, ``process``
+  ``RLIMIT_RTPRIO=0``, ``RLIMIT_NICE=0``, ``RLIMIT_MSGQUEUE=0``, ``RLIMIT_MEMLOCK=0`` (whatever the trainer's limits
+  allowed), ``RLIMIT_NPROC`` (it counts every task, threads too, of the program's user, uid 65534 or the trainer's, so
+  it is set to the current count + ``max_processes`` + slack; the kernel ignores it for a root program, ``process``
   isolation as root), set before exec; on x86-64 a seccomp filter: no new processes unless ``max_processes > 1``
   (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so threads fall back to clone; children allowed:
   clone into a new namespace -> EPERM), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,

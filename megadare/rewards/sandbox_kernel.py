@@ -265,7 +265,8 @@ def make_preexec(
     seccomp_deny_processes: Optional[bool],
     namespaces: bool,
 ) -> Callable[[], None]:
-    """The function run in the child between fork and exec: the limits and, in ``process`` isolation, a network
+    """The function run in the child between fork and exec: the limits, death with the trainer
+    (``PR_SET_PDEATHSIG``) and, in ``process`` isolation, a network
     namespace, an empty capability bounding set and seccomp (``namespaces`` isolation sets those up in the
     child's bootstrap, :mod:`.sandbox_jail`, where they must come after the mounts).
 
@@ -273,8 +274,10 @@ def make_preexec(
     setrlimit, unshare, prctl, and building the seccomp program (which needs the child's own pid).
     """
 
+    trainer = os.getpid()
+
     def preexec() -> None:
-        done = []
+        done = ["dies_with_trainer"] if _die_with(trainer) else []
         for name, res, val in limits:
             try:
                 resource.setrlimit(res, val)
@@ -291,6 +294,17 @@ def make_preexec(
             pass
 
     return preexec
+
+
+def _die_with(trainer: int) -> bool:
+    """SIGKILL this process (the keeper, or in ``process`` isolation the program) when the trainer's thread that
+    started it dies: a trainer killed mid-run (``kill -9``, a Ray worker stopped) left the keeper waiting on a program
+    that slept on for ever, outside any deadline (the deadline is the trainer's). A trainer already gone: exit."""
+    if _LIBC is None or _LIBC.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0) != 0:
+        return False
+    if os.getppid() != trainer:  # it died before the prctl: no signal will come
+        os._exit(137)
+    return True
 
 
 def _oom_first() -> bool:
@@ -349,6 +363,9 @@ def rlimits(
         ("rlimit_rtprio", resource.RLIMIT_RTPRIO, (0, 0)),
         ("rlimit_nice", resource.RLIMIT_NICE, (0, 0)),
         ("rlimit_msgqueue", resource.RLIMIT_MSGQUEUE, (0, 0)),
+        # no locked memory (mmap MAP_LOCKED, pure Python): GPU nodes run trainers with memlock unlimited (NCCL / RDMA),
+        # so 32 programs pinned up to their whole address space each, out of reach of swap and reclaim
+        ("rlimit_memlock", resource.RLIMIT_MEMLOCK, (0, 0)),
     ]
     if uid is not None:
         nproc = _user_task_count(uid) + max(1, max_processes) + _NPROC_SLACK

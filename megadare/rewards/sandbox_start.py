@@ -150,6 +150,7 @@ def required_layers(seccomp: bool) -> frozenset:
     trainer's own lower hard limit stands)."""
     return frozenset(
         ("netns", "pidns", "mntns", "ipcns", "read_only_root", "private_tmpfs", "no_capabilities", "no_new_privs")
+        + ("dies_with_trainer",)
         + (("seccomp",) if seccomp else ())
         # required of a root trainer's program (uid 65534: the kernel gives its /proc/self files to root). In a user
         # namespace they go to the machine's root too, reported, not required: the program itself in the tests'
