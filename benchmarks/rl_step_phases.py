@@ -21,11 +21,26 @@ alternate with the current code); f34a189 is the commit before the changes.
    the baseline's ``views_to_row`` / ``replay_views`` vs the current ones; the rows must be identical.
 3. The dense attention masks of the step's micro-batches: ``MaskSpec.dense`` vs its ``mask_mod`` on the whole
    grid (the construction before the block-diffusion fast path); and the last step's update with the CUDA-to-CPU
-   mode on everywhere vs scoped out of the hot sections (parallel/cpu.py ``SCOPED``).
+   mode on everywhere vs scoped out of the hot sections (parallel/cpu.py ``SCOPED``); and that update on the
+   process's torch intra-op threads vs on one (``threads_ab``; run with OMP_NUM_THREADS unset to see the default).
 4. ``score_batch`` of 128 exact-match responses, a thread per call (baseline) vs a pool.
 
-``--rows-only``: no run, only an RL step's rows and packing of the demo's shape (``rows_micro``) for tracerl, d1
-and coupled_grpo, the ``--baseline`` commit's row builders and packer vs the current ones (identical output).
+``--rows-only``: no run, only an RL step's views, rows and packing of the demo's shape and of ``--long``-token
+responses (``rows_micro``) for tracerl, d1 and coupled_grpo, the ``--baseline`` commit's samplers, row builders
+and packer vs the current ones (identical output).
+
+Measured (2-core machine shared with other jobs, load 9-40; CPU ms per step, median of alternated rounds):
+* 179fc7b -> bb41658, segment ids without ``repeat_interleave``: coupled_grpo's demo rows 904 -> 106 (x8.5) on 2
+  torch threads, 143 -> 118 (x1.21) on 1.
+* bb41658 -> 9ff7f91, views with scalar operands: demo views d1 20.3 -> 13.2 (x1.54), coupled_grpo 49.8 -> 36.7
+  (x1.36) (1 thread, 9 rounds); in the run below x1.28 and x1.05 (the load swings: read several runs).
+* 9ff7f91 -> 47a0367, an unedited trace's replay rounds as whole tensors (from 64 response tokens):
+  ``replay_views`` alone, 16 samples of 512 tokens, 91.9 -> 37.2 (x2.47, 9 rounds).
+* 179fc7b -> 47a0367 all together, ``--rows-only --long 512 --rounds 15``, OMP_NUM_THREADS=1, load 16-18:
+  demo tracerl rows 111.5 -> 108.5, d1 71.0 -> 68.2, coupled_grpo 113.3 -> 106.9; 512-token tracerl rows
+  96.0 -> 63.6 (x1.51), d1 17.6 -> 17.0, coupled_grpo 27.7 -> 29.4 (noise: packing, unchanged, read x0.99-1.21).
+* the demo's whole update (4 steps, last step's update, 5 rounds, OMP_NUM_THREADS unset): 2 threads CPU 11.05 s,
+  wall 25.0 s; 1 thread CPU 0.88 s, wall 2.13 s (x11.8 wall): cli.py now gives a one-process run one thread.
 
 The machine's cores may be shared: read the ratios (same process, rounds alternated), not seconds between runs;
 the load average is printed at the start and the end. On a loaded machine torch's intra-op threads wait for each
@@ -249,9 +264,10 @@ def swapped(names: list[tuple[Any, str, Any]]):
 
 
 def baseline_rows(rev: str) -> list[tuple[Any, str, Any]]:
-    """The row builders of commit ``rev`` where the algorithms look them up: ``views_to_row`` and the trace
-    replay's ``replay_views`` (with its own ``_Replay``)."""
-    from megadare.algos import algorithm, cj_grpo, tracerl, vrpo
+    """The row builders of commit ``rev`` where the algorithms look them up: ``views_to_row``, the trace
+    replay's ``replay_views`` (with its own ``_Replay``) and d1's / Coupled-GRPO's samplers (with their own
+    ``CleanSequence``)."""
+    from megadare.algos import algorithm, cj_grpo, coupled_grpo, d1, tracerl, vrpo
 
     old_base = baseline_module(rev, "megadare/algos/base.py", "_baseline_base")
     old_replay = baseline_module(rev, "megadare/diffusion/trace_replay.py", "_baseline_trace_replay")
@@ -264,6 +280,9 @@ def baseline_rows(rev: str) -> list[tuple[Any, str, Any]]:
         shared = [(algorithm, "SampleColumns", lambda s: None)]
     else:
         shared = [(algorithm, "SampleColumns", old_base.SampleColumns)]
+    corr = baseline_module(rev, "megadare/diffusion/corruption.py", "_baseline_corruption")
+    shared += [(d1, "one_step", corr.one_step), (coupled_grpo, "coupled", corr.coupled)]
+    shared += [(m, "CleanSequence", corr.CleanSequence) for m in (d1, coupled_grpo)]
     return (
         shared
         + [(m, "views_to_row", old_row) for m in (algorithm, vrpo)]
@@ -299,11 +318,12 @@ def row_building(su, samples, rev: str, rounds: int) -> None:
     )
 
 
-def rows_micro(rev: str, rounds: int) -> None:
-    """``--rows-only``: an RL step's rows (``algo.batch_rows``) and their packing (``pack_rows``) for the demo's
-    shape (128 samples, 16-token prompts, 4-token responses, SDAR blocks of 4, seq_length 128, 4 rows a
-    micro-batch) without a run: commit ``rev``'s row builders and packer vs the current ones, rounds alternated,
-    process seconds; rows and micro-batches must be identical."""
+def rows_micro(rev: str, rounds: int, long: int) -> None:
+    """``--rows-only``: an RL step's views (``algo.views`` of every sample), rows (``algo.batch_rows``) and their
+    packing (``pack_rows``) for the demo's shape (128 samples, 16-token prompts, 4-token responses, SDAR blocks of
+    4, seq_length 128, 4 rows a micro-batch), and of 16 ``long``-token responses after 64-token prompts
+    (seq_length 4096), without a run: commit ``rev``'s samplers, row builders and packer vs the current ones,
+    rounds alternated, process seconds, median over rounds; views, rows and micro-batches must be identical."""
     import torch
 
     from megadare.algos import build_algorithm
@@ -312,36 +332,55 @@ def rows_micro(rev: str, rounds: int) -> None:
 
     fam = get_family("sdar")
     arch = dataclasses.replace(fam.arch(fam.tiny_config()), block_size=4)
-    samples = long_samples(128, 16, 4, 4, arch.vocab_size)
+    demo = (long_samples(128, 16, 4, 4, arch.vocab_size), 128)
+    shapes = [demo] + ([(long_samples(16, 64, long, 4, arch.vocab_size), 4096)] if long else [])
     old, old_pack = baseline_rows(rev), baseline_module(rev, "megadare/data/rows.py", "_baseline_rows").pack_rows
     fields = ("tokens", "labels", "weight", "position_ids", "segment_ids", "stream_ids", "padding") + MB_COLUMNS
-    for name in ("tracerl", "d1", "coupled_grpo"):
-        algo, spent = build_algorithm(name), {k: [0.0, 0.0] for k in ("baseline", "current")}
+    gen = lambda i: torch.Generator().manual_seed(i)  # noqa: E731
+    for name, (samples, seq_length) in ((n, sh) for sh in shapes for n in ("tracerl", "d1", "coupled_grpo")):
+        algo = build_algorithm(name)
+        spent: dict[str, list[list[float]]] = {k: [[], [], []] for k in ("baseline", "current")}
         for r in range(rounds + 1):  # round 0 warms up
             built = {}
             for tag, names, pack in [("baseline", old, old_pack), ("current", [], pack_rows)][:: 1 if r % 2 else -1]:
                 with swapped(names):
                     gc.collect()  # each side starts from a clean heap (the other's garbage is not its cost)
                     t0 = time.process_time()
-                    rows = algo.batch_rows(samples, arch, 4, lambda i: torch.Generator().manual_seed(i))
+                    views = [algo.views(s, arch, 4, gen(s.index)) for s in samples] if name != "tracerl" else []
                     t1 = time.process_time()
-                    mbs = pack(rows, 128, 4)
+                    rows = algo.batch_rows(samples, arch, 4, gen)
                     t2 = time.process_time()
-                built[tag] = rows, mbs
+                    mbs = pack(rows, seq_length, 4)
+                    t3 = time.process_time()
+                built[tag] = views, rows, mbs
                 if r:
-                    spent[tag][0] += t1 - t0
-                    spent[tag][1] += t2 - t1
-            (ra, ma), (rb, mb) = built["baseline"], built["current"]
+                    for i, dt in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                        spent[tag][i].append(dt)
+            (va, ra, ma), (vb, rb, mb) = built["baseline"], built["current"]
+            if any(not _same_views(x, y) for x, y in zip(va, vb, strict=True)):
+                raise SystemExit(f"{name}: the current code's views differ from the baseline's")
             if not same_rows(ra, rb) or len(ma) != len(mb):
                 raise SystemExit(f"{name}: the current code's rows differ from the baseline's")
             if not all(_same_opt(getattr(x, f), getattr(y, f)) for x, y in zip(ma, mb) for f in fields):
                 raise SystemExit(f"{name}: the current code's packed micro-batches differ from the baseline's")
-        (rows_b, pack_b), (rows_c, pack_c) = ([v * 1e3 / rounds for v in spent[k]] for k in ("baseline", "current"))
-        print(
-            f"{name}: {len(samples)} samples -> {len(rb)} rows -> {len(mb)} micro-batches; ms per step "
-            f"(CPU, {rounds} alternated rounds), baseline {rev} vs current: rows {rows_b:.1f} -> {rows_c:.1f} "
-            f"(x{rows_b / rows_c:.2f}), packing {pack_b:.1f} -> {pack_c:.1f} (x{pack_b / pack_c:.2f}); identical"
+        (vw_b, rows_b, pack_b), (vw_c, rows_c, pack_c) = (
+            [statistics.median(v) * 1e3 for v in spent[k]] for k in ("baseline", "current")
         )
+        views = f"views {vw_b:.1f} -> {vw_c:.1f} (x{vw_b / vw_c:.2f}), " if name != "tracerl" else ""
+        print(
+            f"{name}: {len(samples)} samples of {len(samples[0].response_ids)} tokens -> {len(rb)} rows -> {len(mb)} micro-batches; ms per step "
+            f"(CPU, {rounds} alternated rounds, median), baseline {rev} vs current: {views}rows (views included) "
+            f"{rows_b:.1f} -> {rows_c:.1f} (x{rows_b / rows_c:.2f}), packing {pack_b:.1f} -> {pack_c:.1f} "
+            f"(x{pack_b / pack_c:.2f}); identical"
+        )
+
+
+def _same_views(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        _same_opt(getattr(x, f), getattr(y, f))
+        for x, y in zip(a, b)
+        for f in ("tokens", "coef", "slot", "labels", "adv")
+    )
 
 
 def reward_scoring(rev: str, rounds: int, n: int = 128) -> None:
@@ -449,6 +488,33 @@ def mode_ab(update, args: tuple, rounds: int) -> str:
     )
 
 
+def threads_ab(update, args: tuple, rounds: int) -> str:
+    """The step's whole update (optimizer steps: timing only) on torch's intra-op threads as the process has them
+    vs on one, alternated; CPU and wall seconds (spinning threads count in CPU time, a loaded machine in wall)."""
+    import torch
+
+    n = torch.get_num_threads()
+    spent: dict[int, dict[str, list[float]]] = {k: {"cpu": [], "wall": []} for k in (n, 1)}
+    for r in range(rounds + 1):  # round 0 warms up
+        for k in (n, 1) if r % 2 else (1, n):
+            torch.set_num_threads(k)
+            try:
+                t0, w0 = time.process_time(), time.perf_counter()
+                update(*args)
+                if r:
+                    spent[k]["cpu"].append(time.process_time() - t0)
+                    spent[k]["wall"].append(time.perf_counter() - w0)
+            finally:
+                torch.set_num_threads(n)
+    mid = {k: {m: statistics.median(v) for m, v in d.items()} for k, d in spent.items()}
+    return (
+        f"one whole update of the last step ({rounds} alternated rounds, median): {n} intra-op threads CPU "
+        f"{mid[n]['cpu']:.4f} s wall {mid[n]['wall']:.4f} s, 1 thread CPU {mid[1]['cpu']:.4f} s wall "
+        f"{mid[1]['wall']:.4f} s; ratio {n} / 1: CPU x{mid[n]['cpu'] / mid[1]['cpu']:.2f}, "
+        f"wall x{mid[n]['wall'] / mid[1]['wall']:.2f}"
+    )
+
+
 def update_ab(update, args: tuple, rev: str, rounds: int) -> str:
     """The step's whole update (rows, packing, Megatron steps; optimizer steps included: timing only) with the
     ``rev`` commit's row builders and a dense attention mask built per layer, vs the current code, alternated."""
@@ -523,7 +589,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.rows_only:
         print(f"load average {os.getloadavg()[0]:.2f} at the start, torch threads from OMP_NUM_THREADS")
-        rows_micro(a.baseline, a.rounds)
+        rows_micro(a.baseline, a.rounds, a.long)
         print(f"load average {os.getloadavg()[0]:.2f} at the end")
         return
     if a.steps < 3:
@@ -546,6 +612,7 @@ def main() -> None:
         if su.step == a.steps - 1:  # the last step: its whole update, old code vs new, before the real one
             captured["update"] = update_ab(update, (su, samples, *args), a.baseline, a.rounds)
             captured["mode"] = mode_ab(update, (su, samples, *args), a.rounds)
+            captured["threads"] = threads_ab(update, (su, samples, *args), a.rounds)
             captured["rollout"] = rollout_ab(captured["run"], a.chunk_before, a.rounds)
         return update(su, samples, *args, **kw)
 
@@ -575,6 +642,7 @@ def main() -> None:
     step_table(out["history"][1:-1], clock, a.steps)
     print(captured["update"])
     print(captured["mode"])
+    print(captured["threads"])
     print(captured["rollout"])
     su = captured["su"]
     row_building(su, captured["samples"], a.baseline, a.rounds)

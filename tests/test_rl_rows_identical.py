@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megadare.algos import algorithm, build_algorithm, vrpo
-from megadare.algos.base import RLSample
+from megadare.algos.base import RLSample, segment_ids
 from megadare.data.rows import MB_COLUMNS, Row, _first_fit_decreasing, pack_rows
 from megadare.diffusion.views import list_tensor
 from megadare.models import get_family
@@ -178,3 +178,13 @@ def test_first_fit_skips_only_full_bins(seed):
     lengths = [rng.randint(lo, 128) for _ in range(rng.randint(0, 300))]
     assert _first_fit_decreasing(lengths, 128) == reference_first_fit(lengths, 128)
     assert _first_fit_decreasing([40] * 50, 128) == reference_first_fit([40] * 50, 128)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_segment_ids_repeat_each_segment(seed):
+    rng = random.Random(seed)
+    for _ in range(20):
+        sizes = [rng.choice([0, 1, rng.randint(2, 300)]) for _ in range(rng.randint(1, 9))]
+        want = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
+        got = segment_ids(sizes)
+        assert got.dtype == want.dtype and torch.equal(got, want), sizes

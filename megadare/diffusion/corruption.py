@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megadare.diffusion.masking import complementary, mask_tokens
+from megadare.diffusion.masking import complementary
 from megadare.diffusion.views import View
 
 
@@ -65,31 +65,29 @@ class CleanSequence:
         return cls(x0, len(prompt), len(response), mask_id)
 
     def slots(self, scored: torch.Tensor, kind: str, view: int) -> torch.Tensor:
-        """Slot ids for the scored positions of view ``view`` (scored: [P + L] bool)."""
+        """Slot ids for the scored positions of view ``view`` (scored: [P + L] bool), -1 elsewhere."""
         P, L = self.P, self.L
-        k = torch.arange(P + L) - P
         if kind == "token":
-            s = k
-        elif kind == "view":
-            s = view * L + k
-        elif kind == "sequence_per_view":
-            s = torch.full((P + L,), view, dtype=torch.long)
-        elif kind == "sequence":
-            s = torch.zeros(P + L, dtype=torch.long)
-        else:
-            raise ValueError(f"slot kind {kind!r} unknown")
-        return torch.where(scored, s, torch.full_like(s, -1))
+            return torch.where(scored, torch.arange(-P, L), -1)
+        if kind == "view":
+            return torch.where(scored, torch.arange(view * L - P, view * L + L), -1)
+        if kind == "sequence_per_view":
+            return torch.where(scored, view, -1)
+        if kind == "sequence":
+            return torch.where(scored, 0, -1)
+        raise ValueError(f"slot kind {kind!r} unknown")
 
     def view(
         self, masked: torch.Tensor, coef: torch.Tensor, slots: str, vi: int, scored: torch.Tensor | None = None
     ) -> View:
-        """x_t = x_0 with ``masked`` replaced by M; ``scored`` (default: the masked response positions) carry
-        ``coef`` into slots of kind ``slots`` for view ``vi``."""
+        """x_t = x_0 with ``masked`` replaced by M; ``scored`` (default: the masked response positions; a given one
+        has its prompt positions cleared in place) carry ``coef`` into slots of kind ``slots`` for view ``vi``. A
+        view is built per sample per step: scalar operands and ``masked_fill``, not tensors of constants."""
         scored = masked.clone() if scored is None else scored
         scored[: self.P] = False
         return View(
-            tokens=mask_tokens(self.x0, masked, self.mask_id),
-            coef=torch.where(scored, coef, torch.zeros_like(coef)),
+            tokens=self.x0.masked_fill(masked, self.mask_id),
+            coef=torch.where(scored, coef, 0),
             slot=self.slots(scored, slots, vi),
         )
 
@@ -117,22 +115,19 @@ class BlockGrid:
 
 def one_step(seq: CleanSequence, g: torch.Generator, p_prompt: float = 0.15, slots: str = "token") -> list[View]:
     P, L = seq.P, seq.L
-    masked = torch.zeros(P + L, dtype=torch.bool)
-    masked[P:] = True
-    masked[:P] = torch.rand(P, generator=g, dtype=torch.float64) < p_prompt
+    masked = torch.cat([torch.rand(P, generator=g, dtype=torch.float64) < p_prompt, torch.ones(L, dtype=torch.bool)])
     return [seq.view(masked, torch.ones(P + L), slots, 0)]
 
 
 def coupled(seq: CleanSequence, g: torch.Generator, t_low: float = 0.2, t_high: float = 0.8) -> list[View]:
     P, L = seq.P, seq.L
     t = t_low + (t_high - t_low) * float(torch.rand((), generator=g, dtype=torch.float64))
-    u = torch.cat([torch.ones(P, dtype=torch.float64), torch.rand(L, generator=g, dtype=torch.float64)])
-    resp = torch.arange(P + L) >= P
-    full = resp.clone()
-    b = (u < t) & resp
+    resp = torch.cat([torch.zeros(P, dtype=torch.bool), torch.ones(L, dtype=torch.bool)])
+    b = resp.clone()
+    b[P:] = torch.rand(L, generator=g, dtype=torch.float64) < t
     c = complementary(b, resp)
     return [
-        seq.view(full, torch.full((P + L,), 0.5), "token", 0),
+        seq.view(resp, torch.full((P + L,), 0.5), "token", 0),
         seq.view(b, torch.full((P + L,), 0.5 / t), "token", 1),
         seq.view(c, torch.full((P + L,), 0.5 / (1.0 - t)), "token", 2),
     ]

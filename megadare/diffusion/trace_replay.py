@@ -154,6 +154,9 @@ class _Replay:
         return view, sorted(steps)
 
 
+WHOLE_ROUNDS_FROM = 64  # response tokens from which an unedited trace's rounds are built as whole tensors
+
+
 def replay_views(
     s: Trace, mask_id: int, block_size: int, shrink: int = 1, block_family: bool = True
 ) -> list[tuple[View, list[int]]]:
@@ -161,6 +164,8 @@ def replay_views(
     _require_trace(s, "trace-replay")
     P = len(s.prompt_ids)
     x0 = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
+    if not s.superseded and len(s.response_ids) >= WHOLE_ROUNDS_FROM and (block_size > 0 or not block_family):
+        return _unedited_rounds(s, x0, mask_id, block_size if block_family else 0, shrink)
     commits = trace_commits(s)
     chains: dict[int, list[Commit]] = {}
     for c in sorted(commits, key=lambda c: c.step):
@@ -186,6 +191,46 @@ def replay_views(
         replay.round_view(lambda k, g=g: g[0], lambda k, g=g: set(g), lambda c: c.step)
         for g in _groups([c.step for c in commits], shrink)
     ]
+
+
+def _unedited_rounds(s: Trace, x0: torch.Tensor, mask_id: int, block_size: int, shrink: int):
+    """``replay_views`` of a trace without edits (one commit a position: response token k, slot k), every round
+    at once as [rounds, P + L] tensors, not a Python loop over positions per round (from ``WHOLE_ROUNDS_FROM``
+    response tokens: below, torch's per-call cost outweighs the loop). Units: the blocks (``block_size`` > 0,
+    keyed by block step) or the whole response (global steps). A unit's groups are runs of its sorted distinct
+    steps, so position k is scored in round j iff the group's first step <= its step <= the group's last, and
+    holds its token in the input iff below the first; a unit without a round j keeps its final tokens, unscored."""
+    P, L = len(s.prompt_ids), len(s.response_ids)
+    step = [int(t) for t in s.commit_step]  # type: ignore[union-attr]
+    unit: Optional[torch.Tensor] = None
+    if block_size > 0:
+        key, first = [int(t) for t in s.block_step], P // block_size  # type: ignore[union-attr]
+        bounds = range(first * block_size - P, L, block_size)  # each block's first response position (<= 0 first)
+        unit_groups = [_groups(key[max(b, 0) : b + block_size], shrink) for b in bounds]
+        unit = torch.arange(P, P + L) // block_size - first
+    else:
+        key, unit_groups = step, [_groups(step, shrink)]
+    R = max((len(g) for g in unit_groups), default=0)
+    if R == 0:
+        return []
+    lo, hi = [], []  # [units, R] flattened: each unit's group bounds per round (0, -1: no such round)
+    for groups in unit_groups:
+        lo += [g[0] for g in groups] + [0] * (R - len(groups))
+        hi += [g[-1] for g in groups] + [-1] * (R - len(groups))
+    lo_t, hi_t = (list_tensor(x, torch.long).view(len(unit_groups), R) for x in (lo, hi))
+    if unit is not None:
+        lo_t, hi_t = lo_t[unit], hi_t[unit]
+    lo_t, hi_t = lo_t.T, hi_t.T
+    key_t = list_tensor(key, torch.long)
+    scored = (key_t >= lo_t) & (key_t <= hi_t)
+    masked = (key_t >= lo_t) & (lo_t <= hi_t)  # committed at or after the round's first step: masked in its input
+    tokens = torch.cat([x0[:P].expand(R, P), x0[P:].expand(R, L).masked_fill(masked, mask_id)], 1)
+    coef = torch.cat([torch.zeros(R, P), scored.float()], 1)
+    slot = torch.cat([torch.full((R, P), -1, dtype=torch.long), torch.where(scored, torch.arange(L), -1)], 1)
+    steps: list[set[int]] = [set() for _ in range(R)]
+    for j, k in zip(*(t.tolist() for t in scored.nonzero(as_tuple=True))):
+        steps[j].add(step[k])
+    return [(View(tokens=tokens[j], coef=coef[j], slot=slot[j]), sorted(steps[j])) for j in range(R)]
 
 
 def shrunk_steps(s: Trace, block_size: int, shrink: int = 1, block_family: bool = True) -> list[int]:
