@@ -185,14 +185,9 @@ def _dtype(name: str):
 
 
 def _launch(worker, run, cfg, nproc: int) -> dict:
-    """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes.
-    In this process torch gets one intra-op thread, as a spawned rank does, unless OMP_NUM_THREADS names a count:
-    torch's default (one per core) made the demo's RL update ~12x slower in wall time on a shared 2-core machine
-    (benchmarks/rl_step_phases.py), its threads spin-waiting for each other on the many small CPU ops of a step."""
+    """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _module("launch").spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
-    if not os.environ.get("OMP_NUM_THREADS"):
-        _module("torch").set_num_threads(1)
     return _module("launch").run_here(run, cfg)
 
 

@@ -332,24 +332,3 @@ def test_a_peer_error_is_the_last_line_after_what_ray_printed_on_stdout():
     assert out.returncode == 2, out.stdout
     assert lines[-1] == "megadare: error: rollout engine 0 cannot be placed: Ray node 10.0.0.3 died", lines
     assert any(ln.startswith("(raylet) Raylet is terminated") for ln in lines), lines
-
-
-@pytest.mark.parametrize("omp, want", [(None, 1), ("", 1), ("3", 2)])
-def test_a_single_process_run_gets_one_torch_thread_unless_omp_says(monkeypatch, omp, want):
-    """``megadare rl`` / ``sft`` / ``dpo`` in this process: one intra-op thread (as a spawned rank), unless
-    OMP_NUM_THREADS names a count (then torch's threads are left as they are)."""
-    import torch
-
-    from megadare import cli
-
-    if omp is None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("OMP_NUM_THREADS", omp)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert cli._launch(None, lambda cfg: torch.get_num_threads(), None, 1) == want
-    finally:
-        torch.set_num_threads(before)
