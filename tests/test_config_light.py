@@ -2,12 +2,16 @@
 none of torch, megatron, ray or transformers, so a newcomer's typo costs about a second, not the ~9 CPU-seconds of
 the full stack (benchmarks/cli_startup.py). Each case runs in a fresh interpreter: this test process has torch."""
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 
 import pytest
 import yaml
+
+from megadare.names import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_RL = os.path.join(REPO, "megadare", "configs", "demo_rl.yaml")
@@ -51,6 +55,7 @@ def test_the_config_layer_loads_no_torch():
         ("model", {"hf_path": "no_such_dir"}, "model.hf_path='no_such_dir' is not a directory"),  # no checkpoint
         ("optim", {"lr": -1.0}, "optim.lr=-1.0, optim.min_lr=0.0: need 0 <= min_lr <= lr"),  # settings that clash
         ("rl", {"mini_batches": 32}, "rl.mini_batches=32 > rl.prompts_per_step=16"),
+        ("algo", {"name": "tracrl"}, "algo.name='tracrl' unknown; did you mean algo.name=tracerl?"),  # a name typo
     ],
 )
 def test_a_bad_config_is_refused_before_torch_loads(tmp_path, section, kv, named):
@@ -69,3 +74,18 @@ def test_help_loads_no_torch(argv):
     )
     rc, heavy, _ = _run(code)
     assert rc == 0 and heavy == "-", (rc, heavy)
+
+
+def test_the_algorithm_table_is_the_registry():
+    """megadare.names.ALGORITHMS (torch-free, read by the config layer) and megadare.algos.REGISTRY hold the same
+    algorithms: every Algorithm subclass with a name in megadare/algos/ is in the table, under its own name."""
+    import megadare.algos as algos
+    from megadare.algos.algorithm import Algorithm
+
+    assert list(algos.REGISTRY) == list(ALGORITHMS)
+    assert all(cls.name == name for name, cls in algos.REGISTRY.items())
+    named = set()
+    for info in pkgutil.iter_modules(algos.__path__):
+        module = importlib.import_module(f"megadare.algos.{info.name}")
+        named |= {c.name for c in vars(module).values() if isinstance(c, type) and issubclass(c, Algorithm)}
+    assert named - {Algorithm.name} == set(ALGORITHMS)
