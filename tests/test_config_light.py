@@ -56,6 +56,7 @@ def test_the_config_layer_loads_no_torch():
         ("optim", {"lr": -1.0}, "optim.lr=-1.0, optim.min_lr=0.0: need 0 <= min_lr <= lr"),  # settings that clash
         ("rl", {"mini_batches": 32}, "rl.mini_batches=32 > rl.prompts_per_step=16"),
         ("algo", {"name": "tracrl"}, "algo.name='tracrl' unknown; did you mean algo.name=tracerl?"),  # a name typo
+        ("lora", {"rank": 8, "targets": ["linear_qkvv"]}, "lora.targets=['linear_qkvv'] names no linear"),
     ],
 )
 def test_a_bad_config_is_refused_before_torch_loads(tmp_path, section, kv, named):

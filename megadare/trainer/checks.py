@@ -14,14 +14,13 @@ from megadare.config import Config, check_choices, resolve_sft_mode
 from megadare.config.rules import (
     check_data_source,
     check_engine_split,
-    check_lora_scale,
+    check_lora,
     check_rl_filters,
     check_rollout_limits,
     check_schedule,
 )
 from megadare.models import step_fusions
 from megadare.models.family import ModelArch
-from megadare.models.lora import DEFAULT_TARGETS
 from megadare.parallel.layout import Layout
 from megadare.rollout.engine import (
     SamplingParams,
@@ -79,20 +78,6 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(missing)
 
     (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
-
-
-def check_lora(cfg: Config) -> None:
-    """LoRA adapters that can train: a rank >= 0, and with a rank a scale alpha / rank > 0 (else the adapters'
-    output and gradients are 0; config/rules.py) on linears the model has (a misspelt name wraps nothing and
-    trains nothing)."""
-    check_lora_scale(cfg)
-    lo, named = cfg.lora, cfg.as_written
-    if not lo.rank:
-        return
-    unknown = [t for t in lo.targets if t not in DEFAULT_TARGETS]
-    if unknown or not lo.targets:
-        what = f"names no linear {unknown}" if unknown else "is empty (no adapter would train)"
-        raise ConfigError(f"{named('lora.targets')}={list(lo.targets)} {what}; choose from {list(DEFAULT_TARGETS)}")
 
 
 def check_mode_keys(cfg: Config, arch: Optional[ModelArch]) -> None:
