@@ -408,8 +408,8 @@ def _config_and_spec(args):
             overrides.append(f"eval.tasks=[{','.join(tasks)}]")
     cfg = load_config(args.config, overrides)
     check_model_path(cfg)
-    check_rules(cfg)  # the cross-checks that need no model; validate (in resolve) runs them again, in its order
-    return cfg, _module("spec").resolve(cfg, job=args.command)
+    check_rules(cfg)  # the cross-checks that need no model, once: resolve's validate is told they ran
+    return cfg, _module("spec").resolve(cfg, job=args.command, rules_checked=True)
 
 
 def _dry_run(args, cfg, spec) -> int:

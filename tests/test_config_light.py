@@ -2,7 +2,9 @@
 none of torch, megatron, ray or transformers, so a newcomer's typo costs about a second, not the ~9 CPU-seconds of
 the full stack (benchmarks/cli_startup.py). Each case runs in a fresh interpreter: this test process has torch."""
 
+import contextlib
 import importlib
+import io
 import os
 import pkgutil
 import subprocess
@@ -11,6 +13,8 @@ import sys
 import pytest
 import yaml
 
+from megadare.config import check_rules, load_config
+from megadare.errors import ConfigError
 from megadare.names import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,3 +94,33 @@ def test_the_algorithm_table_is_the_registry():
         module = importlib.import_module(f"megadare.algos.{info.name}")
         named |= {c.name for c in vars(module).values() if isinstance(c, type) and issubclass(c, Algorithm)}
     assert named - {Algorithm.name} == set(ALGORITHMS)
+
+
+def test_the_rules_run_once_on_the_cli_path_and_for_library_callers(tmp_path, monkeypatch):
+    """The CLI checks the rules before torch loads; validate (in resolve) ran them again on the same config. A
+    library caller that skips the CLI still gets them from validate, also on a config it checked and then changed."""
+    import megadare.config.rules as rules
+    import megadare.trainer.checks as checks
+    from megadare.cli import main
+
+    calls = []
+    real = rules.check_schedule
+    for module in (rules, checks):  # the old validate imported the rules into trainer/checks.py by name
+
+        def counted(cfg, real=real):
+            calls.append(1)
+            real(cfg)
+
+        monkeypatch.setattr(module, "check_schedule", counted, raising=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["plan", "--config", DEMO_RL, f"logging.run_dir={tmp_path / 'run'}"])
+    assert rc == 0 and len(calls) == 1, (rc, calls)
+    cfg = load_config(DEMO_RL)
+    cfg.optim.lr = -1.0
+    with pytest.raises(ConfigError, match="optim.lr=-1.0"):
+        checks.validate(cfg, None)
+    cfg = load_config(DEMO_RL)
+    check_rules(cfg)
+    cfg.optim.lr = -1.0  # changed after a check of its own: validate checks it again
+    with pytest.raises(ConfigError, match="optim.lr=-1.0"):
+        checks.validate(cfg, None)

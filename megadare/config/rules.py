@@ -1,6 +1,6 @@
 """Checks of a whole config that need neither the model nor torch: settings that contradict each other. The CLI
 runs them (``check_rules``) right after loading, before any command module loads; trainer/checks.py's ``validate``
-runs each in its place among the checks against the model and the world."""
+runs them first for a caller that skipped the CLI (once: the CLI's ``resolve`` tells ``validate`` they ran)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from megadare.names import LORA_TARGETS
 
 
 def check_rules(cfg: Config) -> None:
-    """Every check of this module (each also runs in ``validate``, in its order there)."""
+    """Every check of this module: the CLI runs them before torch loads, ``validate`` (trainer/checks.py) for a
+    caller that did not (``resolve(..., rules_checked=True)`` says the CLI did)."""
     check_data_source(cfg)
     check_schedule(cfg)
     check_lora(cfg)
