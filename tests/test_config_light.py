@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from megadare.config import check_rules, load_config
+from megadare.config import check_data_files, check_rules, load_config
 from megadare.errors import ConfigError
 from megadare.names import ALGORITHMS
 
@@ -61,6 +61,9 @@ def test_the_config_layer_loads_no_torch():
         ("rl", {"mini_batches": 32}, "rl.mini_batches=32 > rl.prompts_per_step=16"),
         ("algo", {"name": "tracrl"}, "algo.name='tracrl' unknown; did you mean algo.name=tracerl?"),  # a name typo
         ("lora", {"rank": 8, "targets": ["linear_qkvv"]}, "lora.targets=['linear_qkvv'] names no linear"),
+        ("data", {"synthetic": None, "path": "no_such.jsonl"}, "no_such.jsonl: data file not found (data.path)"),
+        ("data", {"synthetic": None, "path": "README.md"}, "README.md: unsupported data file extension '.md'"),
+        ("data", {"synthetic": None, "path": "tests"}, "tests: unsupported data file extension"),
     ],
 )
 def test_a_bad_config_is_refused_before_torch_loads(tmp_path, section, kv, named):
@@ -79,6 +82,50 @@ def test_help_loads_no_torch(argv):
     )
     rc, heavy, _ = _run(code)
     assert rc == 0 and heavy == "-", (rc, heavy)
+
+
+def test_missing_prompt_and_eval_files_are_refused_before_torch_loads(tmp_path):
+    """RL's held-out prompts and eval's task files: each missing one named with its key, before torch loads."""
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    held = tmp_path / "held.jsonl"
+    cases = [
+        (
+            ["rl", "--config", DEMO_RL, "data.synthetic=null", f"data.path={train}", f"data.eval_path={held}"],
+            f"{held}: data file not found (data.eval_path)",
+        ),
+        (["eval", "--tasks", f"gsm8k,{held}"], f"{held}: data file not found (eval.tasks)"),
+        (["eval", "--tasks", "gsm8k", f"eval.paths.gsm8k={tmp_path}"], f"{tmp_path}: unsupported data file ext"),
+        (["eval", "--tasks", "gsm8k", f"eval.paths.gsm8k={tmp_path / 'dir.jsonl'}"], "data file not found"),
+    ]
+    (tmp_path / "d.jsonl").mkdir()
+    cases.append((["eval", "--tasks", "gsm8k", f"eval.paths.gsm8k={tmp_path / 'd.jsonl'}"], "is a directory"))
+    for argv, named in cases:
+        rc, heavy, err = _run(f"import sys\nfrom megadare.cli import main\nrc = main({argv!r})")
+        lines = [ln for ln in err.splitlines() if ln.startswith("megadare: error:")]
+        assert rc == 2 and len(lines) == 1 and named in lines[0], (argv, err)
+        assert heavy == "-", f"refusing {argv} loaded {heavy}"
+
+
+def test_config_only_dry_run_needs_no_data_file(tmp_path):
+    """``--dry-run --config-only`` checks a config written for another machine: its data files need not exist."""
+    from megadare.cli import main
+
+    path = _demo_rl_with(tmp_path, "data", synthetic=None, path=str(tmp_path / "elsewhere.jsonl"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["rl", "--dry-run", "--config-only", "--config", path])
+    assert rc == 0 and "pre-flight: the config and the memory plan passed" in err.getvalue(), err.getvalue()
+
+
+def test_an_unreadable_data_file_is_refused(tmp_path, monkeypatch):
+    """A file that exists but cannot be read (its permissions; root reads any, so os.access is stood in for)."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("{}\n")
+    cfg = load_config(DEMO_RL, ["data.synthetic=null", f"data.path={data}"])
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(ConfigError, match=r"p\.jsonl: data file cannot be read \(permission denied\) \(data\.path\)"):
+        check_data_files(cfg, "rl")
 
 
 def test_the_algorithm_table_is_the_registry():
