@@ -10,7 +10,7 @@ import sys
 from types import ModuleType
 from typing import Optional
 
-from megadare.config import check_model_path, check_rules, load_config, to_yaml
+from megadare.config import check_data_files, check_model_path, check_rules, load_config, to_yaml
 from megadare.config.loading import suggestion
 from megadare.console import end_open_line
 from megadare.data.files import DataError
@@ -395,8 +395,8 @@ def _dispatch(args) -> int:
 
 def _config_and_spec(args):
     """The run's config (file + overrides) and its resolved spec (checked; ``spec.arch`` is None when no model is
-    named). The config's own checks (keys, types, values, model.hf_path, the rules between settings:
-    config/rules.py) run before the spec's module (torch) loads."""
+    named). The config's own checks (keys, types, values, algo.name, model.hf_path, the rules between settings:
+    config/rules.py, the data files: config/data_files.py) run before the spec's module (torch) loads."""
     overrides = list(args.overrides)
     if args.command == "eval":
         if args.model:
@@ -408,8 +408,10 @@ def _config_and_spec(args):
             overrides.append(f"eval.tasks=[{','.join(tasks)}]")
     cfg = load_config(args.config, overrides)
     check_model_path(cfg)
-    check_rules(cfg)  # the cross-checks that need no model; validate (in resolve) runs them again, in its order
-    return cfg, _module("spec").resolve(cfg, job=args.command)
+    check_rules(cfg)  # the cross-checks that need no model, once: resolve's validate is told they ran
+    if not (args.dry_run and args.config_only):  # --config-only: the files it names need not exist here
+        check_data_files(cfg, args.command)
+    return cfg, _module("spec").resolve(cfg, job=args.command, rules_checked=True)
 
 
 def _dry_run(args, cfg, spec) -> int:

@@ -7,29 +7,18 @@ draw on are in megadare/diffusion/.
 
 from __future__ import annotations
 
-from megadare.algos.algorithm import Algorithm
-from megadare.errors import ConfigError
-from megadare.algos.bgpo import BGPO
-from megadare.algos.cj_grpo import CJGRPO
-from megadare.algos.coupled_grpo import CoupledGRPO
-from megadare.algos.d1 import D1
-from megadare.algos.d_treerpo import DTreeRPO
-from megadare.algos.ebpo import EBPO
-from megadare.algos.espo import ESPO
-from megadare.algos.justgrpo import JustGRPO
-from megadare.algos.mdpo import MDPO
-from megadare.algos.random_mask_rl import RandomMaskRL
-from megadare.algos.spg import SPG
-from megadare.algos.tracerl import TraceRL
-from megadare.algos.vrpo import VRPO
+import importlib
 
+from megadare.algos.algorithm import Algorithm
+from megadare.names import ALGORITHMS, check_algorithm_name
+
+# built from the torch-free name table (megadare/names.py), the one list of the algorithms: the config layer
+# refuses an unknown algo.name from it before torch loads
 REGISTRY: dict[str, type[Algorithm]] = {
-    cls.name: cls
-    for cls in (D1, CoupledGRPO, RandomMaskRL, TraceRL, CJGRPO, BGPO, EBPO, SPG, VRPO, MDPO, DTreeRPO, JustGRPO, ESPO)
+    name: getattr(importlib.import_module(module), cls) for name, (module, cls) in ALGORITHMS.items()
 }
 
 
 def build_algorithm(name: str, overrides: dict | None = None) -> Algorithm:
-    if name not in REGISTRY:
-        raise ConfigError(f"algo.name={name!r} unknown; choose one of {sorted(REGISTRY)}")
+    check_algorithm_name(name)
     return REGISTRY[name](overrides)

@@ -6,7 +6,7 @@
 Unknown keys, wrong types, bad choices and values out of range raise ``ConfigError`` naming the dotted key and
 the fix. One job a file: ``sections.py`` (the schema: one dataclass per section, typed choices,
 ``CONFIG_ALIASES``), ``loading.py`` (files, overrides, aliases, field checks), ``foreign.py`` (other frameworks'
-keys), ``rules.py`` (settings against each other). The cross-checks against the
+keys), ``rules.py`` (settings against each other), ``data_files.py`` (the data files a command reads). The cross-checks against the
 model, the algorithm and the world size (``validate``) are trainer/checks.py: they need torch, and this package
 imports nothing that does (.importlinter), so a bad config is refused before torch loads.
 """
@@ -50,6 +50,7 @@ from megadare.config.loading import (
 )
 
 from megadare.config.rules import check_rules
+from megadare.config.data_files import check_data_files
 
 __all__ = [
     "ModelSection",
@@ -85,4 +86,5 @@ __all__ = [
     "to_yaml",
     "resolve_sft_mode",
     "check_rules",
+    "check_data_files",
 ]

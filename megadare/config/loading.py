@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from megadare.data.files import DataError, as_paths
 from megadare.errors import ConfigError
+from megadare.names import check_algorithm_name
 from megadare.config.foreign import foreign_fix
 from megadare.config.sections import CONFIG_ALIASES, Config
 from megadare.ranges import in_range
@@ -477,6 +478,7 @@ def _finish(conf, written: dict[str, str]) -> Config:
                 "'model.tiny_config={hidden_size: 128}' (a space after each colon)"
             )
     check_choices(cfg)
+    check_algorithm_name(cfg.algo.name, cfg.as_written("algo.name"))  # from the name table: no algorithm imports
     for key in POSITIVE:
         v = _get(cfg, key)
         if v is not None and v < 1:

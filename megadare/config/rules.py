@@ -1,18 +1,20 @@
 """Checks of a whole config that need neither the model nor torch: settings that contradict each other. The CLI
 runs them (``check_rules``) right after loading, before any command module loads; trainer/checks.py's ``validate``
-runs each in its place among the checks against the model and the world."""
+runs them first for a caller that skipped the CLI (once: the CLI's ``resolve`` tells ``validate`` they ran)."""
 
 from __future__ import annotations
 
 from megadare.config.sections import Config
 from megadare.errors import ConfigError
+from megadare.names import LORA_TARGETS
 
 
 def check_rules(cfg: Config) -> None:
-    """Every check of this module (each also runs in ``validate``, in its order there)."""
+    """Every check of this module: the CLI runs them before torch loads, ``validate`` (trainer/checks.py) for a
+    caller that did not (``resolve(..., rules_checked=True)`` says the CLI did)."""
     check_data_source(cfg)
     check_schedule(cfg)
-    check_lora_scale(cfg)
+    check_lora(cfg)
     check_rl_filters(cfg)
     check_rollout_limits(cfg)
     check_engine_split(cfg)
@@ -34,9 +36,10 @@ def check_schedule(cfg: Config) -> None:
         raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
 
 
-def check_lora_scale(cfg: Config) -> None:
+def check_lora(cfg: Config) -> None:
     """LoRA adapters that can train: a rank >= 0, and with a rank a scale alpha / rank > 0 (else the adapters'
-    output and gradients are 0). Whether the targets name linears the model has: trainer/checks.py."""
+    output and gradients are 0) on linears the model has (a misspelt name wraps nothing and trains nothing; every
+    family's linears are megadare.names.LORA_TARGETS)."""
     lo, named = cfg.lora, cfg.as_written
     if lo.rank < 0:
         raise ConfigError(f"{named('lora.rank')}={lo.rank} must be >= 0 (0 = full fine-tuning)")
@@ -47,6 +50,10 @@ def check_lora_scale(cfg: Config) -> None:
             f"{named('lora.alpha')}={lo.alpha} with {named('lora.rank')}={lo.rank}: the adapters scale by "
             "alpha / rank, so they and their gradients are 0 and nothing learns; set lora.alpha > 0 (e.g. 16)"
         )
+    unknown = [t for t in lo.targets if t not in LORA_TARGETS]
+    if unknown or not lo.targets:
+        what = f"names no linear {unknown}" if unknown else "is empty (no adapter would train)"
+        raise ConfigError(f"{named('lora.targets')}={list(lo.targets)} {what}; choose from {list(LORA_TARGETS)}")
 
 
 def check_rollout_limits(cfg: Config) -> None:

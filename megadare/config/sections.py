@@ -176,7 +176,7 @@ class RolloutSection:
 
 @dataclass
 class AlgoSection:
-    name: str = "tracerl"  # see megadare.algos.REGISTRY
+    name: str = "tracerl"  # one of megadare.names.ALGORITHMS
     params: dict = field(default_factory=dict)  # the algorithm's hyper-parameters (eps_low, kl_coef, n_mc, ...);
     # unset keys take the published defaults
 

@@ -80,7 +80,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import unwrap_model
 
-DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+from megadare.names import LORA_TARGETS
+
+DEFAULT_TARGETS = LORA_TARGETS  # the one table (megadare/names.py): the config layer checks lora.targets by it
 ADAPTERS = ("lora_A", "lora_B")
 
 

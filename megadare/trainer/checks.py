@@ -10,18 +10,9 @@ from typing import Optional
 
 from megadare.algos import build_algorithm
 from megadare.errors import ConfigError
-from megadare.config import Config, check_choices, resolve_sft_mode
-from megadare.config.rules import (
-    check_data_source,
-    check_engine_split,
-    check_lora_scale,
-    check_rl_filters,
-    check_rollout_limits,
-    check_schedule,
-)
+from megadare.config import Config, check_choices, check_rules, resolve_sft_mode
 from megadare.models import step_fusions
 from megadare.models.family import ModelArch
-from megadare.models.lora import DEFAULT_TARGETS
 from megadare.parallel.layout import Layout
 from megadare.rollout.engine import (
     SamplingParams,
@@ -29,11 +20,15 @@ from megadare.rollout.engine import (
 from megadare.rollout.setup import resolve_canvas, rollout_block
 
 
-def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None) -> None:
+def validate(
+    cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None, rules: bool = True
+) -> None:
     """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
-    configured algorithm when the caller has built it (``trainer/spec.resolve``)."""
+    configured algorithm when the caller has built it (``trainer/spec.resolve``); ``rules``: False when the caller
+    ran config/rules.py's ``check_rules`` on this very config (the CLI, before torch loaded)."""
     check_choices(cfg)
-    check_data_source(cfg)
+    if rules:
+        check_rules(cfg)  # the settings against each other, before the model's and the world's checks
     p = cfg.parallel
     if arch is not None:  # the model's rules first (they name the key to change), then the world's
         Layout.of(p).check_model(arch)
@@ -54,11 +49,7 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
             )
     Layout.of(p, world_size or p.world_size)  # checks the sizes against the world
     t, named = cfg.train, cfg.as_written
-    check_schedule(cfg)
-    check_lora(cfg)
-    check_rl_filters(cfg)
     check_mode_keys(cfg, arch)
-    check_rollout_limits(cfg)
     row = cfg.data.max_length * (2 if resolve_sft_mode(cfg, arch) == "block" else 1)
     if row > t.seq_length:
         raise ConfigError(
@@ -66,7 +57,6 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
             f"rows hold x_t ++ x_0), more than train.seq_length={t.seq_length}; raise "
             "train.seq_length or lower data.max_length"
         )
-    check_engine_split(cfg)
     if resolve_canvas(cfg, arch) == "full" and cfg.offpolicy.partial_rollout:
         key = named("offpolicy.partial_rollout")
         raise ConfigError(
@@ -79,20 +69,6 @@ def validate(cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] =
         raise ConfigError(missing)
 
     (algo or build_algorithm(cfg.algo.name, dict(cfg.algo.params))).check_config(cfg, arch)
-
-
-def check_lora(cfg: Config) -> None:
-    """LoRA adapters that can train: a rank >= 0, and with a rank a scale alpha / rank > 0 (else the adapters'
-    output and gradients are 0; config/rules.py) on linears the model has (a misspelt name wraps nothing and
-    trains nothing)."""
-    check_lora_scale(cfg)
-    lo, named = cfg.lora, cfg.as_written
-    if not lo.rank:
-        return
-    unknown = [t for t in lo.targets if t not in DEFAULT_TARGETS]
-    if unknown or not lo.targets:
-        what = f"names no linear {unknown}" if unknown else "is empty (no adapter would train)"
-        raise ConfigError(f"{named('lora.targets')}={list(lo.targets)} {what}; choose from {list(DEFAULT_TARGETS)}")
 
 
 def check_mode_keys(cfg: Config, arch: Optional[ModelArch]) -> None:

@@ -58,9 +58,10 @@ class RunSpec:
         return None if self.source is None else self.source.arch
 
 
-def resolve(cfg: Config, world: Optional[int] = None, *, job: str) -> RunSpec:
+def resolve(cfg: Config, world: Optional[int] = None, *, job: str, rules_checked: bool = False) -> RunSpec:
     """The run's spec for ``job`` on ``world`` processes (None: ``parallel.world_size`` or not yet known); the
-    config is checked once here (``config.validate`` and the job's own checks). Raises ConfigError."""
+    config is checked once here (``config.validate`` and the job's own checks; ``rules_checked``: the caller ran
+    ``config.check_rules`` on ``cfg``, as the CLI does before torch loads). Raises ConfigError."""
     if job not in JOBS:
         raise ValueError(f"job={job!r} is not one of {JOBS}")
     if job == "rl":  # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the engines route with the
@@ -69,7 +70,7 @@ def resolve(cfg: Config, world: Optional[int] = None, *, job: str) -> RunSpec:
     source = model_source(cfg)
     arch = None if source is None else source.arch
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
-    validate(cfg, arch, world, algo=algo)
+    validate(cfg, arch, world, algo=algo, rules=not rules_checked)  # rl's replace above: no rule reads that key
     if job == "dpo":
         algo = check_dpo(cfg, arch)
     spec = RunSpec(cfg=cfg, job=job, layout=Layout.of(cfg.parallel, world or cfg.parallel.world_size), source=source)
