@@ -1,7 +1,7 @@
 """``megadare sft|dpo|rl|eval --dry-run``: everything that can be checked before Ray and torchrun start (the Slurm
 scripts run it first), each failure one line naming the file, row or key and the fix.
 
-* the config's shape (``config.validate``, the command's own checks) and the memory plan on the cluster it
+* the config's shape (``validate`` of trainer/checks.py, the command's own checks) and the memory plan on the cluster it
   declares (``plan.*``; on ``parallel.world_size`` trainer GPUs when that is set): DOES NOT FIT is an error that
   names the first change that fits;
 * the model: config.json, readable safetensors headers, a tokenizer (an HF model; tiny models use the byte

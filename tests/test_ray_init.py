@@ -36,3 +36,30 @@ def test_a_local_run_starts_its_own_ray_beside_another_clusters_address_file():
         shutil.rmtree(tmp, ignore_errors=True)
     assert r.returncode == 0, r.stderr
     assert "cpus 2.0" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("joined", [None, "10.0.0.7:6379"])
+def test_a_ray_that_does_not_start_is_one_line_naming_the_fix(monkeypatch, joined):
+    """Under load a local Ray's raylet / GCS came up late and ``megadare eval`` ended in Ray's 25-line traceback
+    (``Exception: The current node timed out during startup ...``); it is one PeerError line naming the fix."""
+    import ray
+
+    from megadare.errors import PeerError
+    from megadare.rollout.setup import init_ray
+
+    def fail(**kwargs):
+        raise Exception(
+            "The current node timed out during startup. This could happen because some of the raylet\n"
+            "failed to startup or the GCS has become overloaded."
+        )
+
+    monkeypatch.setattr(ray, "init", fail)
+    if joined:
+        monkeypatch.setenv("RAY_ADDRESS", joined)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(PeerError) as e:
+        init_ray(1)
+    msg = str(e.value)
+    assert "\n" not in msg and "timed out during startup" in msg
+    assert (f"RAY_ADDRESS={joined}" in msg) if joined else ("ray start --head" in msg and "did not come up" in msg)

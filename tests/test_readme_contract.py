@@ -39,6 +39,7 @@ from megadare.config import CONFIG_ALIASES, Config, load_config
 from megadare.config.foreign import foreign_fix
 from megadare.config.loading import _all_keys, suggestion
 from megadare.preflight import check_plan_fits, preflight
+from megadare.rollout.choices import CONFIDENCES, SCHEDULES
 from megadare.trainer.spec import resolve
 from readme_text import (
     backtick_spans,
@@ -614,3 +615,11 @@ def test_an_unrun_or_broken_example_config_is_named(tmp_path, monkeypatch):
         f.write("parallel: {tp: 3}\n")  # the tiny SDAR's 4 heads do not split 3 ways
     problems = example_config_problems(README, str(configs))
     assert [p for p in problems if p.startswith("megadare sft --config examples/configs/sft_sdar_tiny.yaml")], problems
+
+
+def test_readme_names_every_decoder_choice():
+    """The README's decoder paragraph lists ``rollout.confidence`` and ``rollout.schedule`` value by value; one
+    added to the config (``linspace_remaining``, DARE's MDPO for Dream) was missing from it."""
+    spans = set(backtick_spans(README))
+    missing = [v for v in (*CONFIDENCES, *SCHEDULES) if v not in spans]
+    assert not missing, f"README names no `{missing}` among rollout.confidence / rollout.schedule's values"

@@ -186,7 +186,7 @@ class Algorithm(ABC):
     # ------------------------------------------------------------------ rollout contract
     def check_config(self, cfg: Any, arch: ModelArch | None) -> None:
         """Refuse (ConfigError naming the key) a run config this algorithm cannot train on, before any process
-        starts (``config.validate``; ``arch`` is None when the model is not known yet)."""
+        starts (``validate`` of trainer/checks.py; ``arch`` is None when the model is not known yet)."""
         if self.needs_step_predictions and cfg.rollout.engine != "native":
             raise ConfigError(
                 f"algo.name={self.name} scores every intermediate answer and needs the per-step "

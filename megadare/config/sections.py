@@ -1,5 +1,6 @@
 """The config tree's schema: one dataclass per section, the typed choices as ``Literal`` annotations, and ``Config``
-holding them all. Loading (files, overrides, aliases) is :mod:`.loading`; cross-checks are :mod:`.checks`."""
+holding them all. Loading (files, overrides, aliases) is :mod:`.loading`; settings against each other are
+:mod:`.rules`; checks against the model and the world are megadare/trainer/checks.py."""
 
 from __future__ import annotations
 

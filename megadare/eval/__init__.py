@@ -1,4 +1,5 @@
-"""Benchmark evaluation of diffusion LMs: gsm8k, math500, aime24, aime25, humaneval, mbpp from local files.
+"""Benchmark evaluation of diffusion LMs: gsm8k, math500, aime24, aime25, humaneval, mbpp, countdown and sudoku (or
+any file of DARE rows given as a task) from local files; and ``megadare data inspect``.
 
     megadare eval --model /ckpt/hf --tasks gsm8k,math500 eval.data_dir=/data/bench eval.n_samples=4 eval.k=[1,4]
 
@@ -6,7 +7,8 @@
 * :mod:`.files`: locating ``<eval.data_dir>/<task>.jsonl|.parquet`` / ``eval.paths``, rows with their
   ``file:line``, atomic output files;
 * :mod:`.metrics`: mean@n, unbiased pass@k (Chen et al. 2021), maj@k, response length, forwards per token;
-* :mod:`.runner`: the command: Ray rollout engines (as in RL), the shared RL rewards, JSONL + summary.json.
+* :mod:`.runner`: the command: Ray rollout engines (as in RL), the shared RL rewards, JSONL + summary.json;
+* :mod:`.data_inspect`: ``megadare data inspect``, what a run would read from data files.
 """
 
 from megadare.eval.metrics import maj_at_k, majority_winner, pass_at_k, task_metrics

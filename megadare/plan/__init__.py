@@ -6,7 +6,7 @@
 params.py counts parameters (whole model, active per token, per GPU), memory.py the trainer's weights,
 gradients, optimizer states and activations (megatron DistributedOptimizer accounting; Korthikanti et al. 2022
 activation formulas), report.py the rollout engines and the verdict, advise.py which knob to turn when it does
-not fit. Every formula is in its module's docstring.
+not fit, table.py the printed plan. Every formula is in its module's docstring.
 """
 
 from __future__ import annotations

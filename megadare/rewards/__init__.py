@@ -4,16 +4,20 @@
   and MATH-style normalisation;
 * :mod:`.math_verify`: answer equivalence (normalised strings, then the ``math-verify`` package) and the killable
   :class:`VerifierPool` that runs it with a timeout;
-* :mod:`.sandbox` (+ :mod:`.sandbox_jail`, :mod:`.sandbox_child`): one untrusted Python program in new
+* :mod:`.dare_math`, :mod:`.dllm_rl_math`: DARE's and dLLM-RL's math rules, as those projects score;
+* :mod:`.sandbox` (+ :mod:`.sandbox_start`, :mod:`.sandbox_jail`, :mod:`.sandbox_kernel`, :mod:`.sandbox_output`,
+  :mod:`.sandbox_child`): one untrusted Python program in new
   namespaces with a read-only root and a private tmpfs (``rewards.code.isolation``), under rlimits, seccomp and an
   audit hook; a test mode that proves the tests ran to their end;
 * :mod:`.code`: stdin/stdout, call-based and assert-style test cases through the sandbox; :mod:`.code_forms`:
   DARE's code ground truths (humaneval, humanevalplus, mbpp, taco, LiveCodeBench) and MBPP's ``[BEGIN]``/``[DONE]``;
+  :mod:`.dllm_rl_code`: dLLM-RL's code rows;
 * :mod:`.planning`: DARE's countdown and sudoku rewards;
 * :mod:`.format`: ``\\boxed{}`` and ``<think>/<answer>`` format rewards;
 * :mod:`.registry`: ``RewardFn(response, record) -> float`` by name or import path, the per-row ``auto`` rule,
   weighted sums; :mod:`.scoring`: :func:`score_batch`, the scorer shared by RL and evaluation, and the stop when
-  rewards cannot be computed (:func:`check_reward_errors`).
+  rewards cannot be computed (:func:`check_reward_errors`); :mod:`.errors`: what a reward raises when it cannot
+  give a score.
 """
 
 from megadare.rewards.code import code_reward, extract_code, parse_tests, run_tests

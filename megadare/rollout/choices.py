@@ -1,6 +1,6 @@
 """The rollout settings' choices, torch-free: the config schema (config/sections.py) types its ``rollout.*`` keys
-with them before any engine module (and torch) loads; the engines (engine.py, native.py, weight_sync/) check
-against the same tuples."""
+with them before any engine module (and torch) loads; the engine side (engine.py, manager.py, sglang_plugin.py,
+weight_sync/) checks against the same tuples."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import os
 from typing import Optional
 
 from megadare.convert.outputs import EXPORT_MARK, read_export_mark
-from megadare.errors import ConfigError, OutputError
+from megadare.errors import ConfigError, OutputError, PeerError
 from megadare.models.family import ModelArch
 from megadare.rollout.engine import SamplingParams
 
@@ -172,17 +172,31 @@ def fp8_engine_model(run_dir: str, hf_dir: str) -> str:
 def init_ray(num_engines: int) -> None:
     """Join the Ray cluster of ``RAY_ADDRESS`` (the Slurm launcher's), else start a private local one. Not
     ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
-    the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback."""
+    the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback. A Ray
+    that does not come up (its raylet or GCS late on a loaded machine, a cluster that does not answer) is one
+    ``PeerError`` line, not Ray's traceback."""
     import ray  # heavy: Ray
 
     _quiet_ray_token_notice()
     joined = os.environ.get("RAY_ADDRESS")
-    ray.init(
-        address=joined or "local",
-        include_dashboard=False,
-        log_to_driver=False,
-        num_cpus=None if joined else max(2, num_engines + 1),
-    )
+    try:
+        ray.init(
+            address=joined or "local",
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=None if joined else max(2, num_engines + 1),
+        )
+    except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node does not start
+        why = " ".join(str(e).split()) or type(e).__name__
+        if joined:
+            raise PeerError(
+                f"could not join the Ray cluster at RAY_ADDRESS={joined}: {why}; check that `ray status` answers "
+                "there, or unset RAY_ADDRESS to start a local Ray"
+            ) from None
+        raise PeerError(
+            f"the local Ray this run starts did not come up: {why}; on a loaded machine run the same command "
+            "again, or start Ray yourself (`ray start --head`) and set RAY_ADDRESS to its address"
+        ) from None
 
 
 def start_engines(cfg, src, tok):

@@ -437,12 +437,25 @@ def load_train_checkpoint(
     if not has_train_state:
         return {}
     if with_opt:
-        optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(optimizer)
-        if scheduler is not None and state.get("scheduler"):
-            state["schedule_changes"] = schedule_changes(scheduler, state["scheduler"])
-            scheduler.override_opt_param_scheduler = True  # the run's settings, the checkpoint's step count
-            scheduler.load_state_dict(state["scheduler"])
+        _restore_optimizer(optimizer, scheduler, loaded["optimizer"], state)
+    _restore_rng(ckpt, state)
+    return state
+
+
+def _restore_optimizer(optimizer, scheduler, optimizer_state: dict, state: dict[str, Any]) -> None:
+    """Load the optimizer's state and the LR schedule's (this run's settings, the checkpoint's step count); the
+    settings that replaced the checkpoint's go to ``state["schedule_changes"]``."""
+    optimizer.load_state_dict(optimizer_state)
+    _unshare_adam_steps(optimizer)
+    if scheduler is not None and state.get("scheduler"):
+        state["schedule_changes"] = schedule_changes(scheduler, state["scheduler"])
+        scheduler.override_opt_param_scheduler = True  # the run's settings, the checkpoint's step count
+        scheduler.load_state_dict(state["scheduler"])
+
+
+def _restore_rng(ckpt: str, state: dict[str, Any]) -> None:
+    """This rank's random states from ``ckpt``, unless the layout changed since the save (each rank's streams
+    belong to its place in the saved layout): then fresh ones, said in ``state["rng_note"]``."""
     rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
     saved = {"world size": state.get("world_size"), **(state.get("layout") or {})}
@@ -450,9 +463,8 @@ def load_train_checkpoint(
     moved = [f"{k} {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
     if os.path.exists(rng_file) and not moved:
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    elif moved:  # each rank's random streams belong to its place in the saved layout: fresh ones, said
+    elif moved:
         state["rng_note"] = f"random states not restored, the layout changed: {', '.join(moved)}"
-    return state
 
 
 def _layout() -> dict[str, int]:
@@ -573,6 +585,49 @@ def _decided_on_rank0(make):
     return box[0]
 
 
+def _report_damaged(root: str, pick, companions) -> None:
+    """Say which checkpoints ``pick`` passed over; on rank 0 move them aside, point the tracker at the one picked
+    and set aside companion checkpoints newer than it. Raises when every checkpoint under ``root`` is damaged."""
+    if pick.tracker_problem:
+        _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")
+    for d, problem in pick.skipped:
+        _say(f"checkpoint: passing over {d}: {problem}")
+    if pick.path is not None and _rank() == 0:
+        for d, _ in pick.skipped:
+            _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
+        if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
+            _write_tracker(root, iteration_step(os.path.basename(pick.path)))
+    if (pick.path is not None or not pick.skipped) and _rank() == 0:
+        _set_aside_stale_companions(companions, iteration_step(os.path.basename(pick.path)) if pick.path else 0)
+    if pick.path is None and pick.skipped:
+        raise MegatronCheckpointError(
+            f"no intact checkpoint under {root} ({len(pick.skipped)} damaged, listed "
+            "above); move them aside to start the run over"
+        )
+
+
+def _check_same_run(root: str, ckpt: str, written_by: str, source: Optional[str], algo: Optional[str]) -> None:
+    """Refuse to resume ``ckpt`` when another command wrote it, or it trains another model source or algorithm."""
+    meta = read_json(os.path.join(ckpt, MEGADARE_META))
+    if meta.get("written_by") and meta["written_by"] != written_by:
+        raise RunStateError(
+            f"{ckpt} was written by {meta['written_by']}, this is {written_by}: start from it "
+            f"with checkpoint.load={root} and a new logging.run_dir / checkpoint.save"
+        )
+    if source and meta.get("source") and os.path.realpath(meta["source"]) != os.path.realpath(source):
+        raise RunStateError(
+            f"the run in {root} was trained from {meta['source']}, this config names model.hf_path="
+            f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
+            "start a new run (logging.run_dir / checkpoint.save)"
+        )
+    if algo and meta.get("algo") and meta["algo"] != algo:
+        raise RunStateError(
+            f"the run in {root} trains {meta['algo']}, this config names algo.name={algo}: resuming would go on "
+            f"from {meta['algo']}'s optimiser state and replay; set algo.name={meta['algo']}, or start a new run "
+            "(logging.run_dir / checkpoint.save, with checkpoint.load to start from its weights)"
+        )
+
+
 def resume_run(
     root: str,
     trained: Trainable,
@@ -592,44 +647,12 @@ def resume_run(
     random states left behind by a layout change)."""
     companions = trained.companion_roots(root) if hasattr(trained, "companion_roots") else ()
     pick = _decided_on_rank0(lambda: newest_intact(root, required=(TRAIN_STATE,), companions=companions))
-    if pick.tracker_problem:
-        _say(f"checkpoint: {pick.tracker_problem}; using the newest intact iter_* directory instead")
-    for d, problem in pick.skipped:
-        _say(f"checkpoint: passing over {d}: {problem}")
-    if pick.path is not None and _rank() == 0:
-        for d, _ in pick.skipped:
-            _say(f"checkpoint: moved it aside to {_move_aside(d)} (rename it back if the damage was passing)")
-        if pick.skipped:  # checkpoint.load=<root> of another run reads the tracker: it names what is there
-            _write_tracker(root, iteration_step(os.path.basename(pick.path)))
-    if (pick.path is not None or not pick.skipped) and _rank() == 0:
-        _set_aside_stale_companions(companions, iteration_step(os.path.basename(pick.path)) if pick.path else 0)
+    _report_damaged(root, pick, companions)
     if pick.path is None:
-        if pick.skipped:
-            raise MegatronCheckpointError(
-                f"no intact checkpoint under {root} ({len(pick.skipped)} damaged, listed "
-                "above); move them aside to start the run over"
-            )
         return {}
     if pick.legacy:
         _say(f"checkpoint: {pick.path} predates checkpoint manifests; checked its shards against .metadata only")
-    meta = read_json(os.path.join(pick.path, MEGADARE_META))
-    if meta.get("written_by") and meta["written_by"] != written_by:
-        raise RunStateError(
-            f"{pick.path} was written by {meta['written_by']}, this is {written_by}: start from it "
-            f"with checkpoint.load={root} and a new logging.run_dir / checkpoint.save"
-        )
-    if source and meta.get("source") and os.path.realpath(meta["source"]) != os.path.realpath(source):
-        raise RunStateError(
-            f"the run in {root} was trained from {meta['source']}, this config names model.hf_path="
-            f"{source}: resuming would keep the old model's weights; set model.hf_path back, or "
-            "start a new run (logging.run_dir / checkpoint.save)"
-        )
-    if algo and meta.get("algo") and meta["algo"] != algo:
-        raise RunStateError(
-            f"the run in {root} trains {meta['algo']}, this config names algo.name={algo}: resuming would go on "
-            f"from {meta['algo']}'s optimiser state and replay; set algo.name={meta['algo']}, or start a new run "
-            "(logging.run_dir / checkpoint.save, with checkpoint.load to start from its weights)"
-        )
+    _check_same_run(root, pick.path, written_by, source, algo)
     if hasattr(trained, "adapters"):
         check_same_adapters(pick.path, trained.adapters())
     optimizer, scheduler = trained.optimizer, trained.scheduler

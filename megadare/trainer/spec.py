@@ -1,6 +1,6 @@
 """Every fact of a run, worked out once from its config: ``resolve(cfg, world, job=...) -> RunSpec``.
 
-    spec = resolve(cfg, launched_world(), job="rl")   # checks the whole config (config.validate) on the way
+    spec = resolve(cfg, launched_world(), job="rl")   # checks the whole config (trainer/checks.py validate) on the way
     init_distributed(spec.layout, seed=cfg.seed)
 
 The spec holds the model source (an HF checkpoint, or a tiny random model of a family that rank 0 writes when
@@ -60,8 +60,8 @@ class RunSpec:
 
 def resolve(cfg: Config, world: Optional[int] = None, *, job: str, rules_checked: bool = False) -> RunSpec:
     """The run's spec for ``job`` on ``world`` processes (None: ``parallel.world_size`` or not yet known); the
-    config is checked once here (``config.validate`` and the job's own checks; ``rules_checked``: the caller ran
-    ``config.check_rules`` on ``cfg``, as the CLI does before torch loads). Raises ConfigError."""
+    config is checked once here (``validate`` of trainer/checks.py and the job's own checks; ``rules_checked``: the
+    caller ran ``config.check_rules`` on ``cfg``, as the CLI does before torch loads). Raises ConfigError."""
     if job not in JOBS:
         raise ValueError(f"job={job!r} is not one of {JOBS}")
     if job == "rl":  # aux-loss-free expert biases (LLaDA2) stay frozen during RL: the engines route with the
