@@ -639,3 +639,24 @@ def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, monk
     _fake_checkpoint(tmp_path / "iter_0000008", 8)
     checkpoint.prune_checkpoints(str(tmp_path), 2, 8)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000006", "iter_0000008"]
+
+
+def test_rotation_leaves_a_checkpoint_copied_in_from_another_run_alone(run, tmp_path):
+    """Every save records its root's id (inherited through the tracker, so a resumed run keeps it); rotation
+    deleted whatever iter_* was oldest, here another run's checkpoint copied in by hand. It is kept, and said."""
+    ckpt = run / "ckpt"
+    ids = {json.loads((ckpt / d / "megadare.json").read_text())["root_id"] for d in ("iter_0000002", "iter_0000004")}
+    assert len(ids) == 1
+    other = tmp_path / "other"
+    r = megadare(other, "train.steps=1", "checkpoint.save_interval=1")
+    assert r.returncode == 0, r.stderr
+    shutil.copytree(other / "ckpt" / "iter_0000001", ckpt / "iter_0000001")
+    r = megadare(run, "train.steps=6", "checkpoint.keep_last=2")
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint: rotation leaves {ckpt}/iter_0000001 alone: another checkpoint root saved it" in r.stderr
+    assert sorted(d for d in os.listdir(ckpt) if d.startswith("iter_")) == [
+        "iter_0000001",
+        "iter_0000004",
+        "iter_0000006",
+    ]
+    assert json.loads((ckpt / "iter_0000006" / "megadare.json").read_text())["root_id"] in ids

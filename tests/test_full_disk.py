@@ -4,6 +4,7 @@ the file, nothing deleted that the run did not write. Focused tests on the funct
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 from types import SimpleNamespace
@@ -11,7 +12,10 @@ from types import SimpleNamespace
 import pytest
 from tensorboard.compat.tensorflow_stub.io import gfile
 
+from megadare.convert.manifest import write_manifest
 from megadare.errors import RunStateError
+from megadare.trainer import checkpoint
+from megadare.trainer.checkpoint import ROOT_ID
 from megadare.trainer.monitor import Monitor
 
 
@@ -64,3 +68,50 @@ def test_a_full_disk_while_logging_tensorboard_is_one_line(tmp_path, monkeypatch
     ), e.value
     monitor.close()
     assert thread_tracebacks == []
+
+
+def _checkpoint(d, step: int, root_id=None) -> None:
+    """An intact-looking checkpoint directory (train state, meta with ``root_id``, manifest), no tensors."""
+    d.mkdir(parents=True)
+    (d / "train_state.json").write_text(json.dumps({"step": step}))
+    (d / "megadare.json").write_text(
+        json.dumps({"written_by": "megadare sft", **({ROOT_ID: root_id} if root_id else {})})
+    )
+    write_manifest(str(d))
+
+
+def test_rotation_deletes_only_the_checkpoints_this_root_saved(tmp_path, capsys):
+    """Rotation deleted the oldest iter_* whoever wrote it: a checkpoint of another run copied in by hand, a
+    directory without megadare.json, and it renamed a symbolic link (to a checkpoint kept elsewhere) to
+    iter_N.pruning for good. Now only those with this root's id (or none: an older megadare's) go; the others
+    are kept, each said once."""
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    _checkpoint(root / "iter_0000001", 1)  # an older megadare's: no root id, rotated as before
+    for step in (4, 6, 8):
+        _checkpoint(root / f"iter_{step:07d}", step, "ours")
+    _checkpoint(root / "iter_0000002", 2, "theirs")  # another run's, copied in
+    (root / "iter_0000003").mkdir()  # the user's own
+    (root / "iter_0000003" / "notes.txt").write_text("mine")
+    _checkpoint(elsewhere / "iter_0000005", 5, "ours")
+    os.symlink(elsewhere / "iter_0000005", root / "iter_0000005")
+    checkpoint.prune_checkpoints(str(root), 2, 8)
+    assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", "iter_0000005", "iter_0000006", "iter_0000008"]
+    assert os.path.islink(root / "iter_0000005") and (elsewhere / "iter_0000005" / "manifest.json").is_file()
+    err = capsys.readouterr().err
+    assert f"checkpoint: rotation leaves {root}/iter_0000002 alone: another checkpoint root saved it" in err, err
+    assert f"{root}/iter_0000003 alone: it has no readable megadare.json" in err
+    assert f"{root}/iter_0000005 alone: it is a symbolic link (to {elsewhere}/iter_0000005)" in err
+    checkpoint.prune_checkpoints(str(root), 2, 8)
+    assert "rotation leaves" not in capsys.readouterr().err  # said once
+
+
+def test_a_save_inherits_the_root_id_through_the_tracker(tmp_path):
+    """The id a save records is that of the checkpoint the tracker names (the run's last save or the step it
+    resumed), never that of a directory copied in."""
+    root = tmp_path / "ckpt"
+    _checkpoint(root / "iter_0000004", 4, "ours")
+    _checkpoint(root / "iter_0000006", 6, "theirs")  # copied in, newer
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    assert checkpoint._root_id(str(root)) == "ours"
+    fresh = checkpoint._root_id(str(tmp_path / "new"))
+    assert len(fresh) == 32 and fresh != checkpoint._root_id(str(tmp_path / "new"))
