@@ -10,6 +10,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from safetensors import SafetensorError
 from tensorboard.compat.tensorflow_stub.io import gfile
 
 from megadare.convert.manifest import write_manifest
@@ -17,6 +18,10 @@ from megadare.errors import RunStateError
 from megadare.trainer import checkpoint
 from megadare.trainer.checkpoint import ROOT_ID
 from megadare.trainer.monitor import Monitor
+
+CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples/configs/sft_sdar_tiny.yaml"
+)
 
 
 def _logging(run_dir) -> SimpleNamespace:
@@ -115,3 +120,47 @@ def test_a_save_inherits_the_root_id_through_the_tracker(tmp_path):
     assert checkpoint._root_id(str(root)) == "ours"
     fresh = checkpoint._root_id(str(tmp_path / "new"))
     assert len(fresh) == 32 and fresh != checkpoint._root_id(str(tmp_path / "new"))
+
+
+def test_a_full_disk_writing_the_run_config_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):
+    """config.yaml is written at each start: on a full disk (here its fsync refused, as a full disk refuses a
+    write-back) a raw OSError traceback came out; now one line naming the file, the previous config.yaml
+    intact and no temp file left."""
+    from megadare import files
+    from megadare.config import load_config
+    from megadare.trainer.monitor import write_run_config
+
+    cfg = load_config(CONFIG, [f"logging.run_dir={tmp_path}"])
+    write_run_config(cfg)
+    before = (tmp_path / "config.yaml").read_text()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(RunStateError) as e:
+        write_run_config(load_config(CONFIG, [f"logging.run_dir={tmp_path}", "train.steps=7"]))
+    assert str(e.value).startswith(
+        f"writing the run's resolved config to {tmp_path}/config.yaml failed: No space left on device; nothing"
+    ), e.value
+    assert (tmp_path / "config.yaml").read_text() == before and sorted(os.listdir(tmp_path)) == ["config.yaml"]
+
+
+def test_a_full_disk_writing_the_tiny_model_is_one_line(tmp_path, monkeypatch):
+    """A tiny model's run writes it to <run_dir>/init_hf first: on a full disk safetensors' own error (not even an
+    OSError) came out as a traceback; now one line naming the directory, and nothing left there."""
+    from megadare.config import load_config
+    from megadare.models import safetensors_io
+    from megadare.trainer import model_setup
+    from megadare.trainer.spec import model_source
+
+    cfg = load_config(CONFIG, [f"logging.run_dir={tmp_path}"])
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors_io, "save_file", full)
+    with pytest.raises(RunStateError) as e:
+        model_setup.materialise(model_source(cfg), cfg)
+    assert str(e.value).startswith(f"writing the tiny model to {tmp_path}/init_hf failed: Error while serializing")
+    assert "No space left on device" in str(e.value) and os.listdir(tmp_path) == []

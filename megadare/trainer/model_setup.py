@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 
 from megadare.config import Config
 from megadare.convert import load_hf_into_model
@@ -63,7 +64,14 @@ def _write_tiny(src: ModelSource, seed: int) -> None:
         with torch.no_grad():  # a non-trivial init: HF inits norms to 1 and biases to 0
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
-    save_hf_model(model, src.hf_config, src.hf_dir)
+    try:  # written aside and renamed into place: a failed write leaves nothing behind
+        save_hf_model(model, src.hf_config, src.hf_dir)
+    except (OSError, SafetensorError) as e:  # safetensors says a full disk in its own words
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise RunStateError(
+            f"writing the tiny model to {src.hf_dir} failed: {why}; free space (or make logging.run_dir writable), "
+            "then rerun the same command"
+        ) from None
 
 
 def _check_same_tiny(hf_dir: str, want: dict) -> None:

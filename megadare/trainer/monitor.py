@@ -247,6 +247,12 @@ def foreign_run_config(run_dir: str) -> Optional[str]:
 def write_run_config(cfg) -> None:
     """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first),
     replaced in one rename."""
-    os.makedirs(cfg.logging.run_dir, exist_ok=True)  # whole or not at all: an empty or torn config.yaml (a kill
-    # or a full disk mid-write) no longer reads as the user's own, refusing every later start of the run
-    write_text_atomic(os.path.join(cfg.logging.run_dir, "config.yaml"), RUN_CONFIG_HEADER + to_yaml(cfg))
+    path = os.path.join(cfg.logging.run_dir, "config.yaml")
+    try:  # whole or not at all: an empty or torn config.yaml (a kill or a full disk mid-write) no longer reads as
+        # the user's own, refusing every later start of the run
+        write_text_atomic(path, RUN_CONFIG_HEADER + to_yaml(cfg))
+    except OSError as e:
+        raise RunStateError(
+            f"writing the run's resolved config to {path} failed: {e.strerror or e}; nothing was trained and the "
+            "checkpoints are as they were: free space (or make the directory writable), then rerun the same command"
+        ) from None
