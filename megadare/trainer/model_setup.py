@@ -16,7 +16,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 
 from megadare.config import Config
 from megadare.convert import load_hf_into_model
@@ -66,11 +65,10 @@ def _write_tiny(src: ModelSource, seed: int) -> None:
                 p.add_(torch.randn_like(p) * 0.02)
     try:  # written aside and renamed into place: a failed write leaves nothing behind
         save_hf_model(model, src.hf_config, src.hf_dir)
-    except (OSError, SafetensorError) as e:  # safetensors says a full disk in its own words
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    except OSError as e:
         raise RunStateError(
-            f"writing the tiny model to {src.hf_dir} failed: {why}; free space (or make logging.run_dir writable), "
-            "then rerun the same command"
+            f"writing the tiny model to {src.hf_dir} failed: {e.strerror or e}; free space (or make "
+            "logging.run_dir writable), then rerun the same command"
         ) from None
 
 
