@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import resource
 import shutil
@@ -660,3 +661,15 @@ def test_rotation_leaves_a_checkpoint_copied_in_from_another_run_alone(run, tmp_
         "iter_0000006",
     ]
     assert json.loads((ckpt / "iter_0000006" / "megadare.json").read_text())["root_id"] in ids
+
+
+def test_a_changed_lr_on_resume_is_the_lr_trained_with(run):
+    """The resumed line said 'lr 0.003 -> 0.001' while the run trained on with 0.003: the optimiser's param groups
+    came back from the checkpoint with its max_lr, which the scheduler computes the lr from. The run's settings
+    (lr, Adam's betas) now apply, and the changed betas are named too."""
+    r = megadare(run, "train.steps=6", "optim.lr=1e-3", "optim.adam_beta2=0.95")
+    assert r.returncode == 0, r.stderr
+    assert "this run's settings replace the checkpoint's: lr 0.003 -> 0.001, decay steps 4 -> 6, adam betas" in r.stderr
+    assert "(0.9, 0.999) -> (0.9, 0.95)" in r.stderr
+    lr5 = [json.loads(line)["lr"] for line in open(run / "metrics.jsonl")][4]
+    assert lr5 == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 5)))  # cosine, warmup 1, 6 steps, at 4

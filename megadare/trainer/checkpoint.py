@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megadare.convert.ckpt_writers import writers_die_with_trainer
 from megadare.errors import RunStateError
 from megadare.models.family import ModelConfigError, family_of
+from megadare.trainer.optim_groups import group_settings, restore_group_settings
 from megadare.convert.mcore_ckpt import (
     HF_SUBDIR,
     MEGADARE_META,
@@ -484,10 +485,12 @@ def load_train_checkpoint(
     if not has_train_state:
         return {}
     if with_opt:
+        mine = group_settings(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
+        state["schedule_changes"] = restore_group_settings(optimizer, mine)  # before the scheduler sets the lr
         _unshare_adam_steps(optimizer)
         if scheduler is not None and state.get("scheduler"):
-            state["schedule_changes"] = schedule_changes(scheduler, state["scheduler"])
+            state["schedule_changes"][:0] = schedule_changes(scheduler, state["scheduler"])
             scheduler.override_opt_param_scheduler = True  # the run's settings, the checkpoint's step count
             scheduler.load_state_dict(state["scheduler"])
     rng_file = os.path.join(ckpt, "rng", f"rank_{_rank():05d}.pt")
