@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import resource
 import shutil
@@ -639,3 +640,36 @@ def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, monk
     _fake_checkpoint(tmp_path / "iter_0000008", 8)
     checkpoint.prune_checkpoints(str(tmp_path), 2, 8)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000006", "iter_0000008"]
+
+
+def test_rotation_leaves_a_checkpoint_copied_in_from_another_run_alone(run, tmp_path):
+    """Every save records its root's id (inherited through the tracker, so a resumed run keeps it); rotation
+    deleted whatever iter_* was oldest, here another run's checkpoint copied in by hand. It is kept, and said."""
+    ckpt = run / "ckpt"
+    ids = {json.loads((ckpt / d / "megadare.json").read_text())["root_id"] for d in ("iter_0000002", "iter_0000004")}
+    assert len(ids) == 1
+    other = tmp_path / "other"
+    r = megadare(other, "train.steps=1", "checkpoint.save_interval=1")
+    assert r.returncode == 0, r.stderr
+    shutil.copytree(other / "ckpt" / "iter_0000001", ckpt / "iter_0000001")
+    r = megadare(run, "train.steps=6", "checkpoint.keep_last=2")
+    assert r.returncode == 0, r.stderr
+    assert f"checkpoint: rotation leaves {ckpt}/iter_0000001 alone: another checkpoint root saved it" in r.stderr
+    assert sorted(d for d in os.listdir(ckpt) if d.startswith("iter_")) == [
+        "iter_0000001",
+        "iter_0000004",
+        "iter_0000006",
+    ]
+    assert json.loads((ckpt / "iter_0000006" / "megadare.json").read_text())["root_id"] in ids
+
+
+def test_a_changed_lr_on_resume_is_the_lr_trained_with(run):
+    """The resumed line said 'lr 0.003 -> 0.001' while the run trained on with 0.003: the optimiser's param groups
+    came back from the checkpoint with its max_lr, which the scheduler computes the lr from. The run's settings
+    (lr, Adam's betas) now apply, and the changed betas are named too."""
+    r = megadare(run, "train.steps=6", "optim.lr=1e-3", "optim.adam_beta2=0.95")
+    assert r.returncode == 0, r.stderr
+    assert "this run's settings replace the checkpoint's: lr 0.003 -> 0.001, decay steps 4 -> 6, adam betas" in r.stderr
+    assert "(0.9, 0.999) -> (0.9, 0.95)" in r.stderr
+    lr5 = [json.loads(line)["lr"] for line in open(run / "metrics.jsonl")][4]
+    assert lr5 == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 5)))  # cosine, warmup 1, 6 steps, at 4

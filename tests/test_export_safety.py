@@ -174,3 +174,31 @@ def test_the_fp8_engines_model_of_another_source_is_exported_again(tmp_path):
     assert fp8_engine_model(str(run), a) == path and tree(path) == first  # the same source: reused
     fp8_engine_model(str(run), b)
     assert json.load(open(mark))["sources"] == [os.path.abspath(b)] and tree(path) != first
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    """A 64 KiB tmpfs (a disk that fills up at once), unmounted however the test ends; root only."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_an_export_to_a_full_disk_is_one_line(sources, full_tmpfs, capsys):
+    """A real full disk: safetensors raises its own SafetensorError ('... (os error 28)'), not an OSError, which
+    came out as a traceback (the test above raises an OSError in its place). Now the one line, and nothing of
+    the export is left on the disk."""
+    hf, run = sources
+    out = full_tmpfs / "exported"
+    err = refused(capsys, ["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)])
+    assert f"writing --out {out} failed: No space left on device ({full_tmpfs}/.exported.tmp." in err, err
+    assert os.listdir(full_tmpfs) == []

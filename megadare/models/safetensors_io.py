@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megadare.errors import CheckpointError
@@ -247,7 +247,13 @@ class ShardedSafetensorsWriter:
             return
         i = len(self._shards)
         path = os.path.join(self.tmp_dir, f"shard-{i:05d}.part")
-        save_file(self._buf, path, metadata=self.metadata)
+        try:
+            save_file(self._buf, path, metadata=self.metadata)
+        except SafetensorError as e:  # an OS error in safetensors' words ("I/O error: ... (os error 28)")
+            code = re.search(r"\(os error ([0-9]+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
         os.chmod(path, 0o666 & ~_umask())  # safetensors >= 0.8 writes 0600 (safetensors#782): others could not serve it
         self._shards.append(list(self._buf))
         self._buf = {}

@@ -28,6 +28,7 @@ import re
 import resource
 import shutil
 import sys
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megadare.convert.ckpt_writers import writers_die_with_trainer
 from megadare.errors import RunStateError
 from megadare.models.family import ModelConfigError, family_of
+from megadare.trainer.optim_groups import group_settings, restore_group_settings
 from megadare.convert.mcore_ckpt import (
     HF_SUBDIR,
     MEGADARE_META,
@@ -56,6 +58,7 @@ from megadare.convert.mcore_ckpt import (
     iteration_step,
     newest_intact,
     load_into_chunks,
+    read_tracker,
     model_sharded_state_dict,
     read_json,
     resolve_checkpoint_dir,
@@ -63,6 +66,7 @@ from megadare.convert.mcore_ckpt import (
 )
 
 TRAIN_STATE = "train_state.json"
+ROOT_ID = "root_id"  # megadare.json: the id of the checkpoint root whose saves wrote it (rotation deletes only those)
 OPTIM_METADATA = {**SHARDED_SD_METADATA, "distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -174,6 +178,8 @@ def save_train_checkpoint(
     tmp = _tmp(final)
     hf = about.hf_files_from
     about = Provenance(dict(about.meta, **({"source": os.path.abspath(hf)} if hf else {})), hf)
+    if _rank() == 0:  # the one that writes megadare.json
+        about = Provenance(dict(about.meta, **{ROOT_ID: _root_id(root)}), hf)
     try:
         _write_train_checkpoint(tmp, root, step, trained, state, about)
         if _rank() == 0:
@@ -299,16 +305,58 @@ def latest_iteration(root: str) -> Optional[str]:
     return its[0] if its else None
 
 
+def _root_id(root: str) -> str:
+    """The id the checkpoints of ``root`` carry: that of the one its tracker names (the run's last save, or the
+    step it resumed: a directory copied in by hand never is), else a new one."""
+    try:
+        it = read_tracker(root)
+        meta = read_json(os.path.join(iteration_dir(root, int(it)), MEGADARE_META)) if it and it.isdigit() else {}
+    except (MegatronCheckpointError, OSError):
+        meta = {}
+    rid = meta.get(ROOT_ID) if isinstance(meta, dict) else None
+    return rid if isinstance(rid, str) else uuid.uuid4().hex
+
+
+def _not_this_roots(d: str, root_id: Optional[str]) -> Optional[str]:
+    """Why rotation must leave ``d`` alone (None: a save under this root wrote it, or a megadare before root ids):
+    a symbolic link, no megadare.json, or the id of another checkpoint root (copied or moved in by hand)."""
+    if os.path.islink(d):
+        return f"it is a symbolic link (to {os.readlink(d)})"
+    try:
+        meta = read_json(os.path.join(d, MEGADARE_META))
+    except MegatronCheckpointError:
+        return f"it has no readable {MEGADARE_META} (not a checkpoint megadare saved)"
+    theirs = meta.get(ROOT_ID) if isinstance(meta, dict) else None
+    if root_id and theirs and theirs != root_id:
+        return "another checkpoint root saved it (copied or moved in)"
+    return None
+
+
+_KEPT_SAID: set[str] = set()
+
+
 def prune_checkpoints(root: str, keep_last: int, current: int) -> None:
-    """Remove all but the newest ``keep_last`` ``iter_*`` under ``root`` (never ``current``; 0 keeps all); rank 0."""
+    """Remove all but the newest ``keep_last`` ``iter_*`` under ``root`` (never ``current``; 0 keeps all); rank 0.
+    Only checkpoints this root's saves wrote count (``_not_this_roots``): the others are kept, said once."""
     if keep_last <= 0 or _rank() != 0:
         return
     names = os.listdir(root)
     for d in names:  # what a killed rotation left
         if d.startswith("iter_") and d.endswith(".pruning"):
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    its = sorted(iteration_step(os.path.basename(d)) for d in iteration_dirs(root))
-    for it in its[:-keep_last]:
+    try:  # the id of the checkpoint just saved
+        root_id = read_json(os.path.join(iteration_dir(root, current), MEGADARE_META)).get(ROOT_ID)
+    except (MegatronCheckpointError, AttributeError):
+        root_id = None
+    its = []
+    for d in iteration_dirs(root):
+        why = _not_this_roots(d, root_id)
+        if why is None:
+            its.append(iteration_step(os.path.basename(d)))
+        elif d not in _KEPT_SAID:
+            _KEPT_SAID.add(d)
+            _say(f"checkpoint: rotation leaves {d} alone: {why}; remove it yourself when it is not needed")
+    for it in sorted(its)[:-keep_last]:
         if it != current:  # renamed out of the iter_* names first: a kill mid-delete leaves no half checkpoint
             doomed = iteration_dir(root, it) + ".pruning"  # that resume could take (its manifest gone first)
             try:
@@ -443,12 +491,15 @@ def load_train_checkpoint(
 
 
 def _restore_optimizer(optimizer, scheduler, optimizer_state: dict, state: dict[str, Any]) -> None:
-    """Load the optimizer's state and the LR schedule's (this run's settings, the checkpoint's step count); the
+    """Load the optimizer's state with this run's group settings put back (lr bounds, Adam's betas and eps: the load
+    restores the checkpoint's) before the LR schedule's (this run's settings, the checkpoint's step count); the
     settings that replaced the checkpoint's go to ``state["schedule_changes"]``."""
+    mine = group_settings(optimizer)
     optimizer.load_state_dict(optimizer_state)
+    state["schedule_changes"] = restore_group_settings(optimizer, mine)  # before the scheduler sets the lr
     _unshare_adam_steps(optimizer)
     if scheduler is not None and state.get("scheduler"):
-        state["schedule_changes"] = schedule_changes(scheduler, state["scheduler"])
+        state["schedule_changes"][:0] = schedule_changes(scheduler, state["scheduler"])
         scheduler.override_opt_param_scheduler = True  # the run's settings, the checkpoint's step count
         scheduler.load_state_dict(state["scheduler"])
 

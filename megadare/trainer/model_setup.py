@@ -63,7 +63,13 @@ def _write_tiny(src: ModelSource, seed: int) -> None:
         with torch.no_grad():  # a non-trivial init: HF inits norms to 1 and biases to 0
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.02)
-    save_hf_model(model, src.hf_config, src.hf_dir)
+    try:  # written aside and renamed into place: a failed write leaves nothing behind
+        save_hf_model(model, src.hf_config, src.hf_dir)
+    except OSError as e:
+        raise RunStateError(
+            f"writing the tiny model to {src.hf_dir} failed: {e.strerror or e}; free space (or make "
+            "logging.run_dir writable), then rerun the same command"
+        ) from None
 
 
 def _check_same_tiny(hf_dir: str, want: dict) -> None:

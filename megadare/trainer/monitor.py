@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Optional
 
@@ -37,6 +38,7 @@ class Monitor:
         self.enabled = _is_rank0() if enabled is None else enabled
         self.log_interval = max(1, logging.log_interval)
         self.writer = None
+        self._tb_errors: list[OSError] = []  # what tensorboard's writer thread failed to write
         self.jsonl_path = os.path.join(run_dir, "metrics.jsonl") if jsonl else None
         self.bar = None
         self._t0 = time.perf_counter()
@@ -46,9 +48,8 @@ class Monitor:
         if self.jsonl_path:
             roll_back_jsonl(self.jsonl_path, start_step)
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # heavy: tensorboard, only when logging asks for it
-
-            self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
+            self.writer = _open_tensorboard(os.path.join(run_dir, "tensorboard"), start_step)
+            self._tb_errors = _keep_write_errors(self.writer)
 
         self.bar = tqdm(
             total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True, file=progress_stream()
@@ -76,16 +77,21 @@ class Monitor:
             self.bar.set_postfix(shown, refresh=False)
         if advance and step % self.log_interval:
             return
+        writing = None
         try:
             if self.writer is not None:
+                writing = self.writer.get_logdir()
                 for k, v in metrics.items():
                     self.writer.add_scalar(k if "/" in k else f"train/{k}", v, step)
                 self.writer.flush()
+                if self._tb_errors:  # the thread's failed write of this step, known once flush() returns
+                    raise self._tb_errors[0]
             if self.jsonl_path:
+                writing = self.jsonl_path
                 with open(self.jsonl_path, "a") as f:
                     f.write(json.dumps({"step": step, **metrics}) + "\n")
         except OSError as e:  # a full disk, a file-size limit: one line, not a traceback from the middle of a step
-            where = e.filename or self.jsonl_path
+            where = e.filename or writing
             self.close()  # the bar ends its line: the error stands on its own
             raise RunStateError(
                 f"writing the metrics of step {step} to {where} failed: {e.strerror or e}; the steps since the "
@@ -95,8 +101,68 @@ class Monitor:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:  # its writer thread's failure again (each log flushes): that log said it in one line
+                pass
+
+
+def _open_tensorboard(log_dir: str, start_step: int):
+    """A SummaryWriter on ``log_dir`` purging the steps after ``start_step``; a directory that cannot be written
+    (a full disk: the first event is written at once) is one line naming it, not tensorboard's thread traceback."""
+    from torch.utils.tensorboard import SummaryWriter  # heavy: tensorboard, only when logging asks for it
+
+    _quiet_tensorboard_thread()
+    try:
+        return SummaryWriter(log_dir=log_dir, purge_step=start_step + 1)
+    except OSError as e:
+        raise RunStateError(
+            f"writing the tensorboard events to {e.filename or log_dir} failed: {e.strerror or e}; free space (or "
+            "set logging.tensorboard=false), then rerun the same command"
+        ) from None
+
+
+def _keep_write_errors(writer) -> list[OSError]:
+    """The list that collects the write errors of ``writer``'s event-file thread from now on (it lives on). Its
+    own record of an error is set only after ``flush()`` returns: a failed write went unsaid until the next step's,
+    and the last step's for good."""
+    errors: list[OSError] = []
+    try:
+        record_writer = writer.file_writer.event_writer._async_writer._writer
+    except AttributeError:  # another tensorboard: its thread's error is raised at a later write
+        return errors
+    for name in ("write", "flush"):
+
+        def kept(*args, _real=getattr(record_writer, name)):
+            try:
+                return _real(*args)
+            except OSError as e:
+                errors.append(e)
+
+        setattr(record_writer, name, kept)
+    return errors
+
+
+def _quiet_tensorboard_thread() -> None:
+    """tensorboard's writer thread dies of a write error (a full disk) with a traceback of its own on stderr, then
+    the trainer's next write raises that error again (``Monitor.log`` says it in one line): the thread's copy
+    is left unprinted. Other threads' errors print as before."""
+    try:
+        from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    except ImportError:  # another tensorboard: its traceback prints
+        return
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args):
+        if not (isinstance(args.thread, _AsyncWriterThread) and issubclass(args.exc_type, OSError)):
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
 
 
 ROLLED_BACK = "metrics.rolled_back.jsonl"
@@ -181,6 +247,12 @@ def foreign_run_config(run_dir: str) -> Optional[str]:
 def write_run_config(cfg) -> None:
     """``<run_dir>/config.yaml``: the resolved config of this run (rank 0; ``foreign_run_config`` checked first),
     replaced in one rename."""
-    os.makedirs(cfg.logging.run_dir, exist_ok=True)  # whole or not at all: an empty or torn config.yaml (a kill
-    # or a full disk mid-write) no longer reads as the user's own, refusing every later start of the run
-    write_text_atomic(os.path.join(cfg.logging.run_dir, "config.yaml"), RUN_CONFIG_HEADER + to_yaml(cfg))
+    path = os.path.join(cfg.logging.run_dir, "config.yaml")
+    try:  # whole or not at all: an empty or torn config.yaml (a kill or a full disk mid-write) no longer reads as
+        # the user's own, refusing every later start of the run
+        write_text_atomic(path, RUN_CONFIG_HEADER + to_yaml(cfg))
+    except OSError as e:
+        raise RunStateError(
+            f"writing the run's resolved config to {path} failed: {e.strerror or e}; nothing was trained and the "
+            "checkpoints are as they were: free space (or make the directory writable), then rerun the same command"
+        ) from None
