@@ -532,6 +532,7 @@ def test_a_value_checkpoint_of_rolled_back_steps_is_moved_aside(tmp_path, monkey
     model's iter_6, and a kill between the policy's and the value model's saves of step 8 paired the new policy
     with the old timeline's value model. It is now moved aside when the run resumes before it."""
     from megadare.trainer import checkpoint
+    from megadare.trainer import checkpoint_rotation
 
     policy, value = tmp_path / "ckpt", tmp_path / "ckpt_value"
     for step in (6, 8):
@@ -548,7 +549,7 @@ def test_a_value_checkpoint_of_rolled_back_steps_is_moved_aside(tmp_path, monkey
     state = checkpoint.resume_run(str(policy), Trained(), None, "megadare rl")
     assert state["step"] == 6
     assert sorted(os.listdir(value)) == ["iter_0000006", "iter_0000008.rolled-back"]
-    checkpoint.prune_checkpoints(str(value), 2, 7)  # the step-7 save's rotation keeps both real ones
+    checkpoint_rotation.prune_checkpoints(str(value), 2, 7)  # the step-7 save's rotation keeps both real ones
     assert (value / "iter_0000006").is_dir()
     # a fresh start (no policy checkpoint) sets aside every value checkpoint it finds
     shutil.rmtree(policy)
@@ -620,7 +621,7 @@ def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, monk
     left a checkpoint under its iter_* name that, without a manifest, passed the older-checkpoint check (shards
     against .metadata) and would resume without its random states. It is now renamed out of the iter_* names
     before the delete; a rerun's rotation removes what a killed one left."""
-    from megadare.trainer import checkpoint
+    from megadare.trainer import checkpoint_rotation
 
     for step in (2, 4, 6):
         _fake_checkpoint(tmp_path / f"iter_{step:07d}", step)
@@ -632,13 +633,13 @@ def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint(tmp_path, monk
             raise KeyboardInterrupt  # the kill
         return real(path, ignore_errors=ignore_errors)
 
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(checkpoint_rotation.shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.prune_checkpoints(str(tmp_path), 2, 6)
-    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+        checkpoint_rotation.prune_checkpoints(str(tmp_path), 2, 6)
+    monkeypatch.setattr(checkpoint_rotation.shutil, "rmtree", real)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002.pruning", "iter_0000004", "iter_0000006"]
     _fake_checkpoint(tmp_path / "iter_0000008", 8)
-    checkpoint.prune_checkpoints(str(tmp_path), 2, 8)
+    checkpoint_rotation.prune_checkpoints(str(tmp_path), 2, 8)
     assert sorted(os.listdir(tmp_path)) == ["iter_0000006", "iter_0000008"]
 
 

@@ -15,8 +15,8 @@ from tensorboard.compat.tensorflow_stub.io import gfile
 
 from megadare.convert.manifest import write_manifest
 from megadare.errors import RunStateError
-from megadare.trainer import checkpoint
-from megadare.trainer.checkpoint import ROOT_ID
+from megadare.trainer import checkpoint_rotation
+from megadare.trainer.checkpoint_rotation import ROOT_ID
 from megadare.trainer.monitor import Monitor
 
 CONFIG = os.path.join(
@@ -99,14 +99,14 @@ def test_rotation_deletes_only_the_checkpoints_this_root_saved(tmp_path, capsys)
     (root / "iter_0000003" / "notes.txt").write_text("mine")
     _checkpoint(elsewhere / "iter_0000005", 5, "ours")
     os.symlink(elsewhere / "iter_0000005", root / "iter_0000005")
-    checkpoint.prune_checkpoints(str(root), 2, 8)
+    checkpoint_rotation.prune_checkpoints(str(root), 2, 8)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", "iter_0000005", "iter_0000006", "iter_0000008"]
     assert os.path.islink(root / "iter_0000005") and (elsewhere / "iter_0000005" / "manifest.json").is_file()
     err = capsys.readouterr().err
     assert f"checkpoint: rotation leaves {root}/iter_0000002 alone: another checkpoint root saved it" in err, err
     assert f"{root}/iter_0000003 alone: it has no readable megadare.json" in err
     assert f"{root}/iter_0000005 alone: it is a symbolic link (to {elsewhere}/iter_0000005)" in err
-    checkpoint.prune_checkpoints(str(root), 2, 8)
+    checkpoint_rotation.prune_checkpoints(str(root), 2, 8)
     assert "rotation leaves" not in capsys.readouterr().err  # said once
 
 
@@ -117,9 +117,9 @@ def test_a_save_inherits_the_root_id_through_the_tracker(tmp_path):
     _checkpoint(root / "iter_0000004", 4, "ours")
     _checkpoint(root / "iter_0000006", 6, "theirs")  # copied in, newer
     (root / "latest_checkpointed_iteration.txt").write_text("4")
-    assert checkpoint._root_id(str(root)) == "ours"
-    fresh = checkpoint._root_id(str(tmp_path / "new"))
-    assert len(fresh) == 32 and fresh != checkpoint._root_id(str(tmp_path / "new"))
+    assert checkpoint_rotation.root_id(str(root)) == "ours"
+    fresh = checkpoint_rotation.root_id(str(tmp_path / "new"))
+    assert len(fresh) == 32 and fresh != checkpoint_rotation.root_id(str(tmp_path / "new"))
 
 
 def test_a_full_disk_writing_the_run_config_is_one_line_and_keeps_the_previous(tmp_path, monkeypatch):

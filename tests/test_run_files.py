@@ -25,7 +25,7 @@ def test_resume_and_rotation_count_the_same_checkpoint_names(tmp_path):
     checkpoint to resume but never rotated, and a name of non-ASCII digits (``iter_²``) made every resume and
     rotation die in int()'s ValueError traceback. One rule now (``iteration_step``): the names the trainer writes."""
     from megadare.convert.mcore_ckpt import MegatronCheckpointError, iteration_dirs, iteration_step, read_tracker
-    from megadare.trainer import checkpoint
+    from megadare.trainer import checkpoint_rotation
 
     for step in (2, 4, 6):
         _fake_checkpoint(tmp_path / f"iter_{step:07d}", step)
@@ -37,7 +37,7 @@ def test_resume_and_rotation_count_the_same_checkpoint_names(tmp_path):
         "iter_0000002",
     ]
     assert iteration_step("iter_12345678") == 12345678 and iteration_step("iter_0000006.rolled-back") is None
-    checkpoint.prune_checkpoints(str(tmp_path), 2, 6)
+    checkpoint_rotation.prune_checkpoints(str(tmp_path), 2, 6)
     assert sorted(os.listdir(tmp_path)) == [
         "iter_00000009",
         "iter_0000004",

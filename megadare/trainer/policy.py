@@ -28,13 +28,11 @@ from megadare.trainer import rl_update
 from megadare.trainer.checkpoint import (
     CheckpointState,
     Provenance,
-    drop_rolled_back,
-    iteration_dir,
     load_train_checkpoint,
-    prune_checkpoints,
     resume_run,
     save_train_checkpoint,
 )
+from megadare.trainer.checkpoint_rotation import drop_rolled_back, iteration_dir, prune_checkpoints
 from megadare.trainer.model_setup import build_training_chunks
 from megadare.trainer.optim import build_optimizer, optim_settings, wrap_ddp
 
