@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from megadare.console import end_open_line
 from megadare.errors import RESUME, PeerError
+from megadare.rollout.ray_guard import is_ray
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
 GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's 60 s)
@@ -67,9 +68,7 @@ def end_local_ray() -> list[int]:
     ours = []
     for p in psutil.Process().children(recursive=True):
         try:
-            cmd = p.cmdline()
-            name = os.path.basename(cmd[0]) if cmd else p.name()
-            if name in ("raylet", "gcs_server") or name.startswith("ray::") or "ray/dashboard" in " ".join(cmd):
+            if is_ray(p):
                 ours.append(p)
         except psutil.Error:  # already gone
             continue

@@ -14,6 +14,7 @@ from typing import Optional
 from megadare.convert.outputs import EXPORT_MARK, read_export_mark
 from megadare.errors import ConfigError, OutputError
 from megadare.models.family import ModelArch
+from megadare.rollout import ray_guard
 from megadare.rollout.engine import SamplingParams
 
 
@@ -171,12 +172,15 @@ def fp8_engine_model(run_dir: str, hf_dir: str) -> str:
 
 def init_ray(num_engines: int) -> None:
     """Join the Ray cluster of ``RAY_ADDRESS`` (the Slurm launcher's), else start a private local one. Not
-    ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
-    the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback."""
+        ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
+        the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback. A local
+    Ray gets a guard that ends it once this process is gone, SIGKILLed too (rollout/ray_guard.py)."""
     import ray  # heavy: Ray
 
     _quiet_ray_token_notice()
     joined = os.environ.get("RAY_ADDRESS")
+    if not joined:  # ours to end should this process be SIGKILLed
+        ray_guard.start()
     ray.init(
         address=joined or "local",
         include_dashboard=False,
