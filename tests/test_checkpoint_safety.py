@@ -406,6 +406,27 @@ def test_a_lock_that_cannot_be_written_leaves_no_empty_lock(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
+def test_the_lock_is_written_through_a_file_named_by_pid_and_host(tmp_path, monkeypatch):
+    """The lock was written to ``megadare.lock.<pid>.tmp`` first: two hosts' runs on a shared filesystem with the
+    same pid wrote, linked and removed one file; one SIGKILLed in between left it for good. The name now carries
+    ``<pid>@<host>`` (megadare/files.py's owned name) and a dead writer's file of this host goes at the next run;
+    another host's stays."""
+    from megadare.trainer import run_lock
+
+    host, linked, real_link = socket.gethostname(), [], os.link
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"{run_lock.LOCK}.{dead.pid}@{host}-tmp"
+    other = tmp_path / f"{run_lock.LOCK}.{os.getpid()}@another-node-tmp"
+    left.write_text("{}")
+    other.write_text("{}")
+    monkeypatch.setattr(run_lock.os, "link", lambda src, dst: (linked.append(src), real_link(src, dst)))
+    assert run_lock.acquire(str(tmp_path)) == ""
+    assert [os.path.basename(p) for p in linked] == [f"{run_lock.LOCK}.{os.getpid()}@{host}-tmp"]
+    assert sorted(os.listdir(tmp_path)) == sorted([run_lock.LOCK, other.name])
+    run_lock.release(str(tmp_path))
+
+
 def test_rotation_never_deletes_the_intact_checkpoint_behind_a_damaged_newer_one(run):
     """iter_4 is damaged, the run resumes from iter_2 and saves iter_3 with keep_last=2: rotation used to keep
     iter_3 and the damaged iter_4 and delete iter_2, leaving one intact checkpoint; the damaged one of the

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -63,3 +64,79 @@ def test_a_ray_that_does_not_start_is_one_line_naming_the_fix(monkeypatch, joine
     msg = str(e.value)
     assert "\n" not in msg and "timed out during startup" in msg
     assert (f"RAY_ADDRESS={joined}" in msg) if joined else ("ray start --head" in msg and "did not come up" in msg)
+
+
+UP = r"""
+from megadare.rollout.setup import init_ray
+init_ray(1)
+print("up", flush=True)
+import time
+time.sleep(300)
+"""
+
+
+def _ray_of(pid: int) -> list:
+    """The Ray processes among ``pid``'s descendants (psutil.Process)."""
+    import psutil
+
+    from megadare.rollout.ray_guard import is_ray
+
+    out = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if is_ray(p):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _alive(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.mark.timeout(300)  # Ray starts in seconds, a minute and more on a loaded machine
+def test_a_sigkilled_run_leaves_no_ray_process_of_its_own_and_ends_no_other():
+    """``megadare rl`` in one process (no --nproc), SIGKILLed: Ray's GCS and raylet died with it, but the raylet's
+    children, Ray's dashboard and runtime-env agents, stayed a minute and more, waiting for the dead GCS (under
+    --nproc the launcher, a subreaper, ends them). A local Ray now has a guard that ends the run's Ray processes
+    once it is gone; a Ray process that is not the run's (another Ray on the node) is left alone."""
+    import psutil
+
+    other = subprocess.Popen(["bash", "-c", "exec -a raylet sleep 120"])  # 'raylet', not the run's
+    driver = subprocess.Popen([sys.executable, "-c", UP], stdout=subprocess.PIPE, text=True)
+    ours: list = []
+    try:
+        assert driver.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            ours = _ray_of(driver.pid)
+            titles = {(p.cmdline() or [""])[0] for p in ours}  # a ray:: title: its first word, padded
+            if {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= titles:
+                break
+            time.sleep(0.2)
+        assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= titles, titles
+        time.sleep(2.0)  # the guard looks every ray_guard.PROBE_S (0.5 s)
+        driver.kill()
+        driver.wait()
+        left = ours
+        deadline = time.monotonic() + 15
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = [p for p in left if _alive(p)]
+        assert not left, f"left running after the run was SIGKILLed: {[' '.join(p.cmdline()) for p in left]}"
+        assert other.poll() is None, "a Ray process that was not the run's was ended"
+    finally:
+        for p in [*ours]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        driver.kill()
+        other.kill()
+        other.wait()

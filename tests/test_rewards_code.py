@@ -376,3 +376,33 @@ def test_extract_code_is_linear_and_matches_the_regexes_it_replaced():
         assert extract_code(text) == regex_extract(text), repr(text)
     scores, stats = score_batch("code", ["```" * 30_000], [{"tests": {"inputs": ["1"], "outputs": ["1"]}}])
     assert scores == [0.0] and stats.failures == 0, stats
+
+
+SCORER = """
+import sys
+from megadare.rewards.sandbox import SandboxLimits, run_program
+run_program("import time; time.sleep(60)", limits=SandboxLimits(timeout_s=120.0))
+"""
+
+
+def test_a_killed_scorers_sandbox_dir_goes_at_the_next_run(tmp_path, monkeypatch):
+    """A scorer SIGKILLed while its program ran left its /tmp/megadare_sbx_* directory for good, one more per kill.
+    The directory is now named by its owner's ``<pid>@<host>`` (megadare/files.py) and the next sandbox run on this
+    host removes those whose owner is gone."""
+    import subprocess
+    import sys
+    import tempfile
+
+    scorer = subprocess.Popen([sys.executable, "-c", SCORER], env=dict(os.environ, TMPDIR=str(tmp_path)))
+    deadline = time.monotonic() + 30
+    while not os.listdir(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = os.listdir(tmp_path)
+    assert len(left) == 1 and left[0].startswith("megadare_sbx_"), left
+    scorer.kill()
+    scorer.wait()
+    assert os.listdir(tmp_path) == left  # no clean-up ran
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = run_program("print('next')")
+    assert r.status == "ok" and r.stdout == "next\n", r
+    assert os.listdir(tmp_path) == []

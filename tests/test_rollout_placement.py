@@ -146,6 +146,27 @@ def test_the_gcs_watch_rides_out_a_blip_and_names_a_lost_host(monkeypatch):
     assert "gcs_server at h:1" in str(watch([True, False]))
 
 
+def test_after_a_sigterm_the_gcs_watch_leaves_the_stop_to_the_run(monkeypatch):
+    """A GCS gone after the run got SIGTERM (the group's signal ended Ray too): the watch ended the process after
+    ``grace_s`` (exit 2, the step in flight lost) while the step trained. It now only records the error, which the
+    RL loop takes for a stop on the signal (``lost_to_sigterm``) and saves without Ray."""
+    import threading
+
+    from megadare.rollout import ray_health
+
+    monkeypatch.setattr(ray_health, "_TERMINATED", [True], raising=False)
+    monkeypatch.setattr(ray_health, "gcs_reachable", lambda address: False)
+    monkeypatch.setattr(ray_health, "_still_joined", lambda address: True)
+    monkeypatch.setattr(ray_health, "ray_logs", lambda: "/logs")
+    exited = threading.Event()
+    w = ray_health.GcsWatch("h:1", grace_s=0.01, probe_s=0.001, on_exit=lambda rc: exited.set())
+    w._thread.join(timeout=30)
+    assert not w._thread.is_alive() and not exited.is_set()
+    assert ray_health.lost_to_sigterm(w.error), w.error
+    monkeypatch.setattr(ray_health, "_TERMINATED", [])
+    assert not ray_health.lost_to_sigterm(w.error)  # without the signal: an error of its own
+
+
 def test_a_gcs_gone_after_this_run_got_sigterm_is_said_to_have_got_it_too(monkeypatch):
     """SIGTERM to every process of the job (Slurm's time limit, `kill -TERM -- -PGID`) during a rollout: the
     local Ray's GCS stopped with it and the run stopped with 'the Ray head ... died (killed, or its host lost ...)',

@@ -208,6 +208,7 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     reaper = _subreaper(True)  # what a killed rank's children leave (Ray's agents) becomes ours to end
     for p in procs:
         p.start()
+    previous = _pass_sigterm_on(procs)
     done = threading.Event()
     if reaper:  # an adopted process that ends meanwhile (a double-forked helper) must not stay a zombie
         keep = known | {p.pid for p in procs}
@@ -225,10 +226,35 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
                 p.kill()
                 p.join()
         done.set()
+        _restore(previous)
         if reaper:
             _end_orphans(known | {p.pid for p in procs}, wait_s=2.0 if errors else 0.0)
             _subreaper(False)
     return results, errors, own
+
+
+def _pass_sigterm_on(procs: list) -> dict:
+    """While the ranks run, SIGTERM to this process goes on to them (each finishes its step, saves and answers):
+    it ended the launcher, so a SIGTERM to the whole job (Slurm's time limit, ``kill -TERM -- -PGID``) left the
+    ranks to save unseen, with no summary and exit -15. Returns the previous handler (``_restore``)."""
+
+    def pass_on(signum, frame) -> None:
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    try:
+        return {signal.SIGTERM: signal.signal(signal.SIGTERM, pass_on)}
+    except ValueError:  # not the main thread: leave handlers alone
+        return {}
+
+
+def _restore(previous: dict) -> None:
+    for s, h in previous.items():
+        signal.signal(s, h)
 
 
 # multiprocessing's resource tracker (started with this process's -W options) warns as this process ends of what a

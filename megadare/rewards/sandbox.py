@@ -82,11 +82,11 @@ import re
 import secrets
 import shutil
 import signal
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from megadare.files import owned_tempdir
 from megadare.rewards.sandbox_child import EXIT_MEMORY, EXIT_REFUSED, EXIT_SYSTEM_EXIT
 from megadare.rewards.sandbox_kernel import rlimits, seccomp_denies_processes
 from megadare.rewards.sandbox_output import SETUP_LIMIT_S, Collected, collect, drain, reap
@@ -304,7 +304,7 @@ def _run_once(
     """One try of :func:`run_program`; raises :class:`_Transient` where the kernel refused the start for a while."""
     mode = _checked_mode(tests is not None, limits)
     t0 = time.monotonic()
-    workdir = os.path.realpath(tempfile.mkdtemp(prefix="megadare_sbx_"))
+    workdir = os.path.realpath(owned_tempdir("megadare_sbx_"))  # a SIGKILLed scorer's dir goes at the next run
     fds = list(os.pipe()) + list(os.pipe()) + list(os.pipe())  # report, token, proof (read, write each)
     token = secrets.token_hex(16).encode()
     try:

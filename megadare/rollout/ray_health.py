@@ -5,7 +5,8 @@ and is then ended from Ray's C++ core (exit 1, ``Failed to connect to GCS within
 go on answering. ``GcsWatch`` probes the GCS port every second: refused (nothing listens: the process is gone) or
 unreachable for ``GCS_MISSES`` probes in a row (~30 s: a network blip Ray itself rides out does not end the run),
 it is dead. The manager's waits then raise its ``PeerError``; a driver busy elsewhere (a train step) gets the same
-line printed and exit 2 after ``grace_s``, ahead of Ray's end.
+line printed and exit 2 after ``grace_s``, ahead of Ray's end, unless it got SIGTERM: the signal reached Ray too,
+and the RL loop stops on it, saving without Ray (``lost_to_sigterm``, trainer/rl.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Callable, Optional
 
 from megadare.console import end_open_line
 from megadare.errors import RESUME, PeerError
+from megadare.rollout.ray_guard import is_ray
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
 GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's 60 s)
@@ -31,6 +33,21 @@ def note_sigterm() -> None:
     """This process got SIGTERM: a GCS found dead afterwards most likely got it too (a signal to every process of
     the job), which its error then says."""
     _TERMINATED.append(True)
+
+
+def terminated() -> bool:
+    """Whether this process got SIGTERM (``note_sigterm``)."""
+    return bool(_TERMINATED)
+
+
+def lost_to_sigterm(e: BaseException) -> bool:
+    """``e`` says the Ray head died (``GcsWatch``'s error, on rank 0 or passed on to the others) after this process
+    got SIGTERM: the signal reached every process of the job, Ray's too, and the run stops on it, saving without
+    Ray (trainer/rl.py)."""
+    return terminated() and isinstance(e, PeerError) and str(e).startswith(_HEAD)
+
+
+_HEAD = "the Ray head (its GCS"
 
 
 def _gcs_end() -> str:
@@ -67,9 +84,7 @@ def end_local_ray() -> list[int]:
     ours = []
     for p in psutil.Process().children(recursive=True):
         try:
-            cmd = p.cmdline()
-            name = os.path.basename(cmd[0]) if cmd else p.name()
-            if name in ("raylet", "gcs_server") or name.startswith("ray::") or "ray/dashboard" in " ".join(cmd):
+            if is_ray(p):
                 ours.append(p)
         except psutil.Error:  # already gone
             continue
@@ -128,10 +143,9 @@ class GcsWatch:
             return
         if not _still_joined(self.address):  # this process shut Ray down itself (ray.shutdown stops the GCS)
             return
-        self.error = PeerError(
-            f"{ray_died(f'the Ray head (its GCS, gcs_server at {self.address})', _gcs_end())}: "
-            f"no rollout engine can be reached through Ray any more; {RESUME} once Ray is up again"
-        )
+        self._dead()
+        if terminated():  # the driver stops on the signal, saving without Ray, once a wait on Ray raises the error
+            return
         if self._stop.wait(self.grace_s) or not _still_joined(self.address):  # the driver raised it in time
             return
         end_open_line(sys.stderr)  # a progress bar's line
@@ -139,8 +153,17 @@ class GcsWatch:
         end_local_ray()  # os._exit runs no ray.shutdown, which could not end them anyway
         self.on_exit(2)
 
+    def _dead(self) -> None:
+        self.error = PeerError(
+            f"{ray_died(f'{_HEAD}, gcs_server at {self.address})', _gcs_end())}: "
+            f"no rollout engine can be reached through Ray any more; {RESUME} once Ray is up again"
+        )
+
     def check(self) -> None:
-        """Raise the watch's ``PeerError`` (stopping the watch) once the GCS is found dead."""
+        """Raise the watch's ``PeerError`` (stopping the watch) once the GCS is found dead; after a SIGTERM, a GCS
+        that refuses now is dead at once (a call through it would wait until Ray ends this driver, 60 s)."""
+        if self.error is None and terminated() and gcs_reachable(self.address) is False:
+            self._dead()
         if self.error is not None:
             self._stop.set()
             raise self.error

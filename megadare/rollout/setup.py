@@ -14,6 +14,7 @@ from typing import Optional
 from megadare.convert.outputs import EXPORT_MARK, read_export_mark
 from megadare.errors import ConfigError, OutputError, PeerError
 from megadare.models.family import ModelArch
+from megadare.rollout import ray_guard
 from megadare.rollout.engine import SamplingParams
 
 
@@ -174,11 +175,14 @@ def init_ray(num_engines: int) -> None:
     ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
     the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback. A Ray
     that does not come up (its raylet or GCS late on a loaded machine, a cluster that does not answer) is one
-    ``PeerError`` line, not Ray's traceback."""
+    ``PeerError`` line, not Ray's traceback. A local Ray gets a guard that ends it once this process is gone,
+    SIGKILLed too (rollout/ray_guard.py)."""
     import ray  # heavy: Ray
 
     _quiet_ray_token_notice()
     joined = os.environ.get("RAY_ADDRESS")
+    if not joined:  # ours to end should this process be SIGKILLed, or Ray come up half
+        ray_guard.start()
     try:
         ray.init(
             address=joined or "local",

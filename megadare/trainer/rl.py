@@ -19,7 +19,9 @@ from typing import Any, Iterator, Optional
 from megadare.algos.sft import example_generator
 from megadare.config import Config
 from megadare.parallel import destroy_distributed, init_distributed
+from megadare.errors import PeerError
 from megadare.parallel.rank0 import run_on_rank0
+from megadare.rollout.ray_health import lost_to_sigterm
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table, oldest_needed, reindex, version_table
@@ -62,13 +64,13 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         cleanup.enter_context(set_up_heap_frozen())
         while loop.running(run.step):
             rl_step(run)
-            if loop.every(run.step, cfg.rl.eval_interval):
+            if loop.every(run.step, cfg.rl.eval_interval) and not run.ray_lost:
                 evaluate_at(run)  # before the save: the checkpoint knows it (a resumed run does not repeat it)
             if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
                 save_run(run)
             if loop.done(run.step):
                 break
-        if run.step == cfg.rl.steps and run.step not in run.evals:
+        if run.step == cfg.rl.steps and run.step not in run.evals and not run.ray_lost:
             evaluate_at(run)
         loop.close()
         return summary(run, loop.stopped)
@@ -103,16 +105,36 @@ def set_up_heap_frozen() -> Iterator[None]:
 
 
 def rl_step(run: RLRun) -> None:
-    """One RL step: generate and score -> (replay) -> train -> push the new weights -> log."""
+    """One RL step: generate and score -> (replay) -> train -> push the new weights -> log. Ray lost to a SIGTERM
+    (``unless_ray_lost``): before the update the step is dropped, after it only the push is."""
     run.monitor.step_timer()
-    samples, metrics = generate(run)
+    got = unless_ray_lost(run, generate)
+    if got is None:
+        return
+    samples, metrics = got
     samples, correction = add_replay(run, samples, metrics)
     t0 = time.perf_counter()
     metrics.update(train(run, samples, correction))
     metrics["train_s"] = time.perf_counter() - t0
     run.step += 1
-    metrics.update(push_weights(run))
+    metrics.update(unless_ray_lost(run, push_weights) or {})
     log_step(run, metrics)
+
+
+def unless_ray_lost(run: RLRun, work) -> Any:
+    """``work(run)``; None (and ``run.ray_lost``) when it raised because the Ray head died after this process got
+    SIGTERM: sent to every process of the job (Slurm's time limit, ``kill -TERM -- -PGID``), it ended the local
+    Ray too. The run then stops on the signal as on SIGINT, its checkpoint saved without Ray: no rollout, no
+    evaluation, no weight push (a resumed run pushes its weights into fresh engines)."""
+    if run.ray_lost:
+        return None
+    try:
+        return work(run)
+    except PeerError as e:
+        if not lost_to_sigterm(e):
+            raise
+        run.ray_lost = True
+        return None
 
 
 def summary(run: RLRun, stopped: bool) -> dict[str, Any]:
@@ -143,6 +165,7 @@ def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
     LoRA the engines get W + s B A); ``queued``: the rollout queue exists and its partial rollouts then continue
     on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
     t0 = time.perf_counter()
+    on_rank0(run, lambda: ray_check(run))  # every rank drops the push when Ray is gone
     stats = push_current(run)
     if queued:
         on_rank0(run, lambda: run.rollouts.queue.advance())
@@ -153,6 +176,13 @@ def push_current(run: RLRun) -> dict[str, float]:
     """The one push of the current weights as version ``run.step`` (collective), for the step's sync and for a
     repeat push to restarted engines alike: with LoRA inside ``merged_weights``, so the engines get W + s B A."""
     return run.policy.push(run.weight_sync, run.step)
+
+
+def ray_check(run: RLRun) -> None:
+    """Rank 0: raise the ``PeerError`` of a dead Ray head before a call through it (``GcsWatch.check``)."""
+    watch = getattr(run.manager, "gcs", None)
+    if watch is not None:
+        watch.check()
 
 
 def on_rank0(run: RLRun, work):
@@ -176,7 +206,7 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    samples, metrics = on_rank0(run, lambda: run.rollouts.collect(run.step))
+    samples, metrics = on_rank0(run, lambda: (ray_check(run), run.rollouts.collect(run.step))[1])
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 

@@ -52,6 +52,7 @@ class RLRun:
     monitor: Optional[Monitor] = None
     evals: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
+    ray_lost: bool = False  # Ray died with a SIGTERM the run got: it stops and saves without Ray (trainer/rl.py)
 
     @property
     def cfg(self) -> Config:
@@ -189,7 +190,10 @@ def save_run(run: RLRun) -> None:
     if cfg.lora.rank > 0:  # the export folds the adapters in (convert._merged_lora)
         meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}
     state = (
-        {"queue": run.rollouts.queue.drain(), "replay": run.buffer.state_dict() if run.buffer is not None else None}
+        {
+            "queue": run.rollouts.queue.drain(finish=not run.ray_lost),
+            "replay": run.buffer.state_dict() if run.buffer is not None else None,
+        }
         if run.rank0
         else None
     )

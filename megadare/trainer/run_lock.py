@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -26,9 +27,11 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from megadare.errors import RunStateError
+from megadare.files import OWNER, owned_name, sweep_dead
 from megadare.trainer.monitor import foreign_run_config
 
 LOCK = "megadare.lock"
+_TMP = re.escape(LOCK + ".") + OWNER + "-tmp"  # the private file a lock is written to before its link
 
 
 def _start_time(pid: int) -> Optional[float]:
@@ -81,7 +84,8 @@ def _read(path: str) -> dict:
 def _create(path: str, me: dict) -> None:
     """``path`` holding ``me``, created only if absent (FileExistsError otherwise), never seen half-written: written
     to a private file, then hard-linked into place (where links are refused: exclusive create, then write)."""
-    tmp = f"{path}.{me['pid']}.tmp"
+    sweep_dead(os.path.dirname(path), _TMP)  # what a writer killed between write and link left
+    tmp = owned_name(path + ".", "tmp")  # <pid>@<host>: two hosts' runs on a shared filesystem never share one
     try:
         with open(tmp, "w") as f:
             json.dump(me, f)

@@ -168,14 +168,16 @@ class RolloutQueue:
             if isinstance(self.queue[k].pending, PartialRollout):
                 self.queue[k].pending.advance()
 
-    def drain(self) -> dict[int, tuple[list[int], list]]:
+    def drain(self, finish: bool = True) -> dict[int, tuple[list[int], list]]:
         """Finish every queued rollout and return {step: (prompt indices, trajectories)} (for a checkpoint; the
-        queue keeps them, now finished)."""
+        queue keeps them, now finished). ``finish=False`` (the engines are gone): only those already finished;
+        a resumed run starts the others again."""
         out = {}
         for k, q in sorted(self.queue.items()):
-            if hasattr(q.pending, "result"):
+            if hasattr(q.pending, "result") and finish:
                 q.pending = q.pending.result()
-            out[k] = (q.batch_indices, q.pending)
+            if not hasattr(q.pending, "result"):
+                out[k] = (q.batch_indices, q.pending)
         return out
 
     def restore(self, state: dict[int, tuple[list[int], list]]) -> None:
