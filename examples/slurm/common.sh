@@ -324,8 +324,13 @@ md_preflight() {  # the config, the overrides, the model, the data and the run d
   mv -f "$tmp" "$resolved"
 }
 
-md_port_taken() {  # md_port_taken HOST PORT: true when a process listens there (a connection is accepted)
-  timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null
+md_port_taken() {  # md_port_taken PORT: true when a process on this host listens on TCP port PORT (any address;
+  # the kernel's socket tables, not a connection: a network that accepts every connection would answer for all)
+  local tables=() t
+  for t in /proc/net/tcp /proc/net/tcp6; do [[ -r $t ]] && tables+=("$t"); done
+  ((${#tables[@]})) || return 1
+  awk -v port="$(printf '%04X' "$1")" 'FNR > 1 && $4 == "0A" { n = split($2, a, ":"); if (a[n] == port) found = 1 }
+    END { exit !found }' "${tables[@]}"
 }
 
 md_ephemeral_ports() {  # the kernel's range for ports bound to 0 ("32768-60999"), where Ray's random ports fall
@@ -335,9 +340,10 @@ md_ephemeral_ports() {  # the kernel's range for ports bound to 0 ("32768-60999"
 
 md_launch_trainer() {  # one torchrun per trainer node, in one job step
   ((MD_STOPPING)) && exit 0
-  # checked after Ray is up: Ray's own ports are picked at random, and torchrun would end in a traceback
-  if md_port_taken "$HEAD_IP" "$MASTER_PORT"; then
-    md_die "MASTER_PORT=$MASTER_PORT is taken on $HEAD_IP (another process listens there): set MASTER_PORT to a \
+  # checked after Ray is up, on this node (the head: rank 0's torchrun listens here): Ray's own ports are picked at
+  # random, and torchrun would end in a traceback
+  if md_port_taken "$MASTER_PORT"; then
+    md_die "MASTER_PORT=$MASTER_PORT is taken on $(hostname) (another process listens there): set MASTER_PORT to a \
 free port, outside Ray's ranges (worker ports 10002-19999 and the ephemeral range $(md_ephemeral_ports))"
   fi
   md_log "trainer: $MD_TRAIN_NODES nodes x $GPUS_PER_NODE GPUs, master $HEAD_IP:$MASTER_PORT; resumes from the \

@@ -402,6 +402,6 @@ def test_a_taken_master_port_fails_in_one_line_after_ray_is_up(job, tiny):
         )
         assert j.run() == 1
     out = j.output()
-    assert f"error: MASTER_PORT={port} is taken on 127.0.0.1" in out, out[-3000:]
+    assert f"error: MASTER_PORT={port} is taken on " in out, out[-3000:]
     assert "Traceback" not in out and "trainer:" not in out
     assert "ray: stopped" in out and j.ray_left() == []
