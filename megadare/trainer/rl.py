@@ -178,6 +178,12 @@ def push_current(run: RLRun) -> dict[str, float]:
     return run.policy.push(run.weight_sync, run.step)
 
 
+def collect_checked(run: RLRun) -> tuple[list, dict[str, float]]:
+    """Rank 0: this step's rollouts, once the Ray head is known alive (``ray_check``)."""
+    ray_check(run)
+    return run.rollouts.collect(run.step)
+
+
 def ray_check(run: RLRun) -> None:
     """Rank 0: raise the ``PeerError`` of a dead Ray head before a call through it (``GcsWatch.check``)."""
     watch = getattr(run.manager, "gcs", None)
@@ -206,7 +212,7 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     if run.snapshots is not None:
         run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
         run.snapshots.take(run.step)
-    samples, metrics = on_rank0(run, lambda: (ray_check(run), run.rollouts.collect(run.step))[1])
+    samples, metrics = on_rank0(run, lambda: collect_checked(run))
     metrics["rollout_s"] = time.perf_counter() - t0
     return samples, metrics
 
