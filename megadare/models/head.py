@@ -16,14 +16,17 @@ in, per-token result out), and the last pipeline stage
        H_k = log S_k - D_k / S_k                      (= -sum_v p_kv log p_kv)
 
    with the per-position ``logit_scale`` s (1/temperature) and ``excluded_token`` of trainer/logprob.py.
-   Backward, per chunk: d log p_k/dz_k = e_{y_k} - p_k and dH_k/dz_k = -p_k (z_k - E_p z_k), so with upstream
-   grads (a_k, b_k) g_k = s_k (a_k (e_{y_k} - p_k) - b_k p_k (z_k - E_p z_k)); dh_k = g_k W (a partial sum over this
-   rank's rows, completed by the copy / gather region's all-reduce) and dW += g^T h (straight into megatron
-   DDP's fp32 ``main_grad``, as its fused grad accumulation does, so no [V/tp, h] gradient tensor is made; a
-   bf16 model's product goes through ``chunk_mb`` of vocabulary rows at a time). When
-   all scored tokens fit in one chunk the forward keeps p for backward (as megatron's cross entropy keeps its
-   softmax); otherwise every chunk's logits are recomputed in backward, so at most one chunk of [tokens, vocab]
-   exists at a time.
+   Backward: d log p_k/dz_k = e_{y_k} - p_k and dH_k/dz_k = -p_k (z_k - E_p z_k), so with upstream grads
+   (a_k, b_k) g_k = s_k (a_k (e_{y_k} - p_k) - b_k p_k (z_k - E_p z_k)); dh = g W (a partial sum over this rank's
+   rows, completed by the copy / gather region's all-reduce) and dW += g^T h. The forward's log S_k and E_p z_k
+   make p exact from any block of columns, so the backward runs over blocks of vocabulary rows with every token at
+   once: per block the logits are recomputed ([n, rows] fp32 within ``chunk_mb``), dW[rows] += g^T h goes
+   straight into megatron DDP's fp32 ``main_grad`` (as its fused grad accumulation does: no [V/tp, h] gradient
+   tensor; on CUDA one ``addmm(out_dtype=float32)`` from bf16, step_fusions.add_matmul_) with K = every token, so
+   each row of the buffer is written once per micro-batch, and dh is summed in fp32. (Per token chunk, the
+   [V/tp, h] fp32 buffer was read and written once a chunk: 23% of a bf16 SDAR-1.7B step on an H200.) When all
+   scored tokens fit in one chunk the forward keeps p for backward (as megatron's cross entropy keeps its
+   softmax) and the backward is one block; at most one chunk of [tokens, vocab] exists at a time.
 
 A value head (TraceRL's value model, algos/value_model.py: replicated weights, no vocabulary) runs on the same
 gathered hidden states; its output is [n, k] already.
@@ -42,6 +45,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megadare.models.step_fusions import add_matmul_
 
 HEAD_MODES = ("scored", "full")
 NEG = torch.finfo(torch.float32).min  # an excluded token's logit: exp() is exactly 0, 0 * NEG is 0 (no NaN)
@@ -162,7 +167,7 @@ def linear_logprobs(
         chunk=chunk,
         entropy=entropy,
         keep_probs=grad and hidden.shape[0] <= chunk,
-        wgrad_rows=max(1, int(chunk_mb * 2**20) // (hidden.shape[1] * weight.element_size())),
+        chunk_mb=chunk_mb,
     )
     scale = None if targets.logit_scale is None else targets.logit_scale.float()
     logp, ent = LinearLogProb.apply(hidden, weight, replace(targets, logit_scale=scale), vocab)
@@ -177,18 +182,20 @@ class _Vocab:
     chunk: int  # tokens per chunk
     entropy: bool  # also the entropy
     keep_probs: bool  # one chunk holds every token: keep p for backward instead of recomputing the logits
-    wgrad_rows: int  # bf16 / fp16 weight gradient: vocabulary rows per product (chunk_mb of model dtype)
+    chunk_mb: float  # the backward's vocabulary blocks: [tokens, rows] and [rows, h] fp32 at most this many MiB
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, scale, excluded, v: _Vocab) -> torch.Tensor:
-    """fp32 logits of one chunk over this rank's real rows (scaled, the excluded token at NEG)."""
+def _logits(h: torch.Tensor, w: torch.Tensor, scale, excluded, start: int) -> torch.Tensor:
+    """fp32 logits of ``h`` over vocabulary rows ``w`` (ids ``start``...; real rows only), scaled, each token's
+    excluded id at NEG where it falls in these rows."""
     z = (h @ w.t()).float()
     if scale is not None:
         z = z.mul_(scale.unsqueeze(1))
-    if excluded is not None and v.n_real:
-        local = excluded - v.start
-        hit = ((excluded >= 0) & (local >= 0) & (local < v.n_real)).unsqueeze(1)
-        col = local.clamp(0, v.n_real - 1).unsqueeze(1)
+    width = w.shape[0]
+    if excluded is not None and width:
+        local = excluded - start
+        hit = ((excluded >= 0) & (local >= 0) & (local < width)).unsqueeze(1)
+        col = local.clamp(0, width - 1).unsqueeze(1)
         z.scatter_(1, col, z.gather(1, col).masked_fill(hit, NEG))  # a miss writes its own value back
     return z
 
@@ -222,7 +229,7 @@ class LinearLogProb(torch.autograd.Function):
         kept = None
         for a in range(0, n, v.chunk):
             sl = slice(a, min(n, a + v.chunk))
-            z = _logits(hidden[sl], w, _part(scale, sl), _part(excluded, sl), v)
+            z = _logits(hidden[sl], w, _part(scale, sl), _part(excluded, sl), v.start)
             m = _all_reduce(z.amax(1) if v.n_real else z.new_full((z.shape[0],), NEG), v, dist.ReduceOp.MAX)
             tgt = _target(z, labels[sl], v)
             d = z.sub_(m.unsqueeze(1))  # z - m, in place
@@ -245,30 +252,34 @@ class LinearLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, _, scale, *_ = ctx.saved_tensors
-        v: _Vocab = ctx.v
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        w = weight[: v.n_real]
-        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = _weight_grad_buffer(weight) if need_w else None
-        n = hidden.shape[0] if (g_logp is not None or g_ent is not None) else 0
-        for a in range(0, n, v.chunk):
-            sl = slice(a, min(n, a + v.chunk))
-            g = _logit_grad(ctx, sl, _part(g_logp, sl), _part(g_ent, sl))
+        blocks = _row_blocks(ctx) if (g_logp is not None or g_ent is not None) else []
+        for rows in blocks:  # every token at once, a block of vocabulary rows at a time
+            g = _logit_grad(ctx, rows, g_logp, g_ent)
             if scale is not None:
-                g.mul_(scale[sl].unsqueeze(1))
+                g.mul_(scale.unsqueeze(1))
             g = g.to(weight.dtype)
             if need_h:
-                grad_h[sl] = g @ w
-            if need_w and weight.dtype == grad_w.dtype:
-                grad_w[: v.n_real].addmm_(g.t(), hidden[sl])
-            elif need_w:  # bf16 / fp16: the product in the model dtype, <= chunk_mb at a time, summed in fp32
-                for r in range(0, v.n_real, v.wgrad_rows):
-                    rs = slice(r, min(v.n_real, r + v.wgrad_rows))
-                    grad_w[rs] += g[:, rs].t() @ hidden[sl]
+                add_matmul_(grad_h, g, weight[rows])  # a partial sum over rows (module doc), in fp32
+            if need_w:
+                add_matmul_(grad_w[rows], g.t(), hidden)  # each row once per micro-batch, K = every token
             del g
+        grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
         if grad_w is None or grad_w is getattr(weight, "main_grad", None):
             return grad_h, None, None, None
         return grad_h, grad_w.to(weight.dtype), None, None
+
+
+def _row_blocks(ctx) -> list[slice]:
+    """The backward's blocks of this rank's real vocabulary rows: all of them when the forward kept p (or z),
+    else as many as keep [tokens, rows] and [rows, h] in fp32 within ``chunk_mb``."""
+    hidden, v = ctx.saved_tensors[0], ctx.v
+    if ctx.saved_tensors[-1] is not None:
+        return [slice(0, v.n_real)] if v.n_real else []
+    rows = max(1, int(v.chunk_mb * 2**20) // (4 * max(hidden.shape)))
+    return [slice(r, min(v.n_real, r + rows)) for r in range(0, v.n_real, rows)]
 
 
 def _weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
@@ -285,30 +296,31 @@ def _part(t: Optional[torch.Tensor], sl: slice) -> Optional[torch.Tensor]:
     return None if t is None else t[sl]
 
 
-def _logit_grad(ctx, sl: slice, g_logp, g_ent) -> torch.Tensor:
-    """d(sum_k a_k log p_k + b_k H_k)/dz of chunk ``sl`` (``g_logp`` / ``g_ent``: its incoming gradients a, b),
-    before the logit scale (module doc): from the logits kept by the forward (one chunk) or recomputed from its
-    saved tensors; p (and z when the entropy has a gradient) in place."""
+def _logit_grad(ctx, rows: slice, g_logp, g_ent) -> torch.Tensor:
+    """d(sum_k a_k log p_k + b_k H_k)/dz over vocabulary ``rows`` for every token (``g_logp`` / ``g_ent``: the
+    incoming gradients a, b), before the logit scale (module doc): from what the forward kept (all rows) or the
+    block's logits recomputed; p (and z when the entropy has a gradient) in place."""
     hidden, weight, labels, scale, excluded, lse, shift, mean_z, kept = ctx.saved_tensors
-    labels, lse, shift, mean_z = labels[sl], lse[sl], shift[sl], _part(mean_z, sl)
     v: _Vocab = ctx.v
-    if kept is not None and not v.entropy:
-        z, p = None, kept  # the forward kept p itself
+    start, width = v.start + rows.start, rows.stop - rows.start
+    if kept is None:  # z itself: shifted by 0
+        z = _logits(hidden, weight[rows], scale, excluded, start)
+        shift = torch.zeros_like(shift)
     else:
-        if kept is None:
-            z = _logits(hidden[sl], weight[: v.n_real], _part(scale, sl), _part(excluded, sl), v)
-            shift = torch.zeros_like(shift)
-        else:
-            z = kept  # z - shift
-        p = (z - (lse - shift).unsqueeze(1)).exp_() if g_ent is not None else z.sub_((lse - shift).unsqueeze(1)).exp_()
+        z = kept  # z - shift (entropy), or p itself
+    if kept is not None and not v.entropy:
+        z, p = None, kept
+    elif g_ent is not None:
+        p = (z - (lse - shift).unsqueeze(1)).exp_()
+    else:
+        p = z.sub_((lse - shift).unsqueeze(1)).exp_()
     g = None
     if g_ent is not None:  # -b p (z - E_p z)
         g = z.sub_((mean_z - shift).unsqueeze(1)).mul_(p).mul_(-g_ent.unsqueeze(1))
     if g_logp is None:
         return g
     p = p.mul_(-g_logp.unsqueeze(1))  # a (e_y - p)
-    if v.n_real:
-        local = labels - v.start
-        here = (local >= 0) & (local < v.n_real)
-        p.scatter_add_(1, local.clamp(0, v.n_real - 1).unsqueeze(1), (g_logp * here).unsqueeze(1).to(p.dtype))
+    local = labels - start
+    here = (local >= 0) & (local < width)
+    p.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1), (g_logp * here).unsqueeze(1).to(p.dtype))
     return p if g is None else p.add_(g)

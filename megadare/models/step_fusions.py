@@ -1,10 +1,11 @@
 """The training-step fusions that run without Transformer Engine or apex (``train.gradient_accumulation_fusion``,
-``train.fused_elementwise``); off by default until a GPU has measured them (benchmarks/GPU.md).
+``train.fused_elementwise``), measured on an H200 (benchmarks/GPU.md): the elementwise fusions are on by default
+for dense models on CUDA (``elementwise_on``), the gradient-accumulation fusion stays off (1.01x).
 
 **Gradient accumulation fusion.** Unfused, every linear layer's backward returns its weight gradient as a new
 tensor in the compute dtype and megatron's DDP hook adds it to the fp32 ``main_grad`` buffer: one GEMM output and
-one more elementwise pass over every weight, per micro-batch (17% of a bf16 SDAR-1.7B step on an H200 went to that
-``add_``). With ``TransformerConfig.gradient_accumulation_fusion`` megatron-core 0.16 (``tensor_parallel/layers.py``,
+one more elementwise pass over every weight, per micro-batch (1% of a bf16 SDAR-1.7B step at batch 4 on an H200;
+the 17% ``add_`` an earlier profile showed was the output layer's, models/head.py). With ``TransformerConfig.gradient_accumulation_fusion`` megatron-core 0.16 (``tensor_parallel/layers.py``,
 ``LinearWithGradAccumulationAndAsyncCommunication.backward``) instead calls apex's CUDA extension,
 ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)`` (``_fp16``
 when main_grad is bf16/fp16), that is ``main_grad += grad_output^T @ total_input`` on 2-D views, returns a dummy
@@ -59,18 +60,23 @@ from typing import Callable, Optional
 import torch
 
 
+def add_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` in place, summed in ``out``'s dtype: bf16/fp16 ``a, b`` into an fp32 ``out`` on CUDA in
+    one cuBLAS call where this torch can (module doc), never a bf16 product rounded before the sum."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif out.is_cuda and out.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        if cuda_accum_path() == "addmm_out_dtype":
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            out.add_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
+
+
 def _accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad += grad_output^T @ total_input ([tokens, out]^T @ [tokens, in] -> [out, in])."""
-    a, b = grad_output.t(), total_input
-    if a.dtype == main_grad.dtype:
-        main_grad.addmm_(a, b)
-    elif main_grad.is_cuda and main_grad.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
-        if cuda_accum_path() == "addmm_out_dtype":
-            torch.addmm(main_grad, a, b, out_dtype=torch.float32, out=main_grad)
-        else:
-            main_grad.add_(torch.mm(a, b, out_dtype=torch.float32))
-    else:
-        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
+    add_matmul_(main_grad, grad_output.t(), total_input)
 
 
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -103,8 +109,8 @@ def cuda_accum_path() -> str:
     except (RuntimeError, NotImplementedError, TypeError) as e:
         why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     warnings.warn(
-        f"train.gradient_accumulation_fusion: torch {torch.__version__}'s CUDA addmm does not accumulate bf16 "
-        f"products into an fp32 tensor ({why}); weight gradients take mm(out_dtype=float32) + add_, no faster"
+        f"torch {torch.__version__}'s CUDA addmm does not accumulate bf16 products into an fp32 tensor ({why}): "
+        "weight gradients (train.gradient_accumulation_fusion, the output layer's) take mm(out_dtype=float32) + add_"
     )
     return "mm_out_dtype_add"
 
@@ -208,6 +214,17 @@ def has_cuda_rms_norm_kernel() -> bool:
 def norm_path(device: torch.device) -> str:
     """Which RMSNorm ``FusedRMSNorm`` runs on ``device`` (bf16/fp16/fp32 weights in the input's dtype)."""
     return "aten_fused_rms_norm" if device.type == "cuda" and has_cuda_rms_norm_kernel() else "compiled"
+
+
+def elementwise_on(setting: Optional[bool], moe: bool, dtype: str) -> bool:
+    """``train.fused_elementwise`` as it runs: what the config says, or (None) on where an H200 measured it faster
+    (benchmarks/GPU.md, 2026-11-27): CUDA with triton, a dense model in bf16 / fp16 (SDAR-1.7B shape 1.17-1.23x,
+    same gradients). Off on a CPU (compiling costs more than it saves on a short run) and for MoE models (the small
+    SDAR-MoE shape: 0.68-0.81x with SDPA, 1.02x with flex)."""
+    if setting is not None:
+        return bool(setting)
+    gpu = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+    return gpu and not moe and dtype in ("bf16", "fp16")
 
 
 def unavailable(gradient_accumulation: bool, elementwise: bool, dtype: str) -> Optional[str]:

@@ -48,9 +48,10 @@ micro-batch's final norm n_sp * h * (4 + 2a) and its output layer + loss (``trai
     full     n * V_pad/t * (a + 4)                  model-dtype logits of every position and the fp32 softmax that
                                                     vocab-parallel cross entropy keeps for backward
     scored   c * V_pad/t * (4 + a' + 4e)            one chunk of fp32 logits (a' = a for bf16 / fp16: the matmul
-           + n_s * h * a + min(V_pad/t * h * a',    output before the cast; e = 1 with the entropy RL reports), the
-                               chunk_mb)            gathered scored hidden states, a bf16 weight-gradient product
-                                                    (fp32 models add it straight into DDP's main_grad)
+           + n_s * h * (a + 4)                      output before the cast; e = 1 with the entropy RL reports; the
+           + min(V_pad/t * h * a', chunk_mb)        backward's blocks of vocabulary rows are no larger), the gathered
+                                                    scored hidden states and the fp32 sum of their gradient, a bf16
+                                                    model's upcast block (on a CPU; a CUDA GEMM sums into fp32 itself)
 
 with n_s = n / 2 scored positions at most for x_t ++ x_0 rows (block SFT, RL on a block family: only x_t is
 scored), n otherwise, and c = min(n_s, chunk_tokens(V_pad/t, train.logits_chunk_mb)) tokens per chunk.
@@ -204,7 +205,7 @@ def logits_bytes(arch: ModelArch, lay: Layout, cfg: Config) -> float:
     cast = act if act < 4 else 0
     per_logit = 4 + cast + (4 if cfg.plan.job == "rl" else 0)
     wgrad = min(vocab * arch.hidden_size * cast, cfg.train.logits_chunk_mb * 2**20) if cast else 0.0
-    return chunk * vocab * per_logit + scored * arch.hidden_size * act + wgrad + norm
+    return chunk * vocab * per_logit + scored * arch.hidden_size * (act + 4) + wgrad + norm
 
 
 def logits_path(arch: ModelArch, lay: Layout, cfg: Config) -> str:
