@@ -263,6 +263,21 @@ def test_gradient_fusion_refused_without_out_dtype_gemm(monkeypatch):
     assert step_fusions.unavailable(True, False, "bf16") is None
 
 
+def test_fused_elementwise_default_is_on_where_a_gpu_measured_it_faster(monkeypatch):
+    """``train.fused_elementwise`` unset (None): on for a dense bf16/fp16 model on CUDA with triton (an H200: 1.17-1.23x
+    at the SDAR-1.7B shape), off on a CPU, for MoE (0.68-0.81x) and fp32; a value the config sets wins (the
+    trainer's TransformerConfig and norms follow it: the elementwise test below, its unset config unfused here)."""
+    assert Config().train.fused_elementwise is None
+    assert not step_fusions.elementwise_on(None, False, "bf16")  # this CPU
+    monkeypatch.setattr(step_fusions.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(step_fusions.importlib.util, "find_spec", lambda name: object())
+    assert step_fusions.elementwise_on(None, False, "bf16") and step_fusions.elementwise_on(None, False, "fp16")
+    assert not step_fusions.elementwise_on(None, True, "bf16") and not step_fusions.elementwise_on(None, False, "fp32")
+    assert not step_fusions.elementwise_on(False, False, "bf16") and step_fusions.elementwise_on(True, True, "fp32")
+    monkeypatch.setattr(step_fusions.importlib.util, "find_spec", lambda name: None)
+    assert not step_fusions.elementwise_on(None, False, "bf16")  # no triton: no compile on CUDA
+
+
 def test_compiled_rope_and_norm_equal_eager_and_fail_loudly():
     """The compiled RoPE on a partial rotary dim (LLaDA2's 0.5) and the F.rms_norm op of the CUDA path (its CPU
     composite here: the CUDA kernel needs a GPU) equal megatron's / HF-order eager functions, forward and

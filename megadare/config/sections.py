@@ -76,7 +76,8 @@ class TrainSection:
     moe_bias_update_rate: float = 1e-3  # aux-loss-free expert-bias balancing (families with expert bias)
     gradient_accumulation_fusion: bool = False  # weight grads accumulate into the fp32 main grads inside the GEMM
     # (megatron's flag without apex: models/step_fusions.py)
-    fused_elementwise: bool = False  # megatron's compiled SwiGLU and residual add (torch.compile: step_fusions.py)
+    fused_elementwise: Optional[bool] = None  # megatron's compiled SwiGLU and residual add, fused RMSNorm and RoPE
+    # (step_fusions.py); None = on where a GPU measured it faster: CUDA, a dense model in bf16 / fp16
 
 
 @dataclass

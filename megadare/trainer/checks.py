@@ -64,7 +64,8 @@ def validate(
             f"cannot decode one fixed canvas (rl.canvas=full); set rl.canvas=eos or {key}=0"
         )
     check_decoder(cfg, arch)
-    missing = step_fusions.unavailable(t.gradient_accumulation_fusion, t.fused_elementwise, cfg.model.dtype)
+    elementwise = t.fused_elementwise is True  # None (auto) turns itself off where it cannot run
+    missing = step_fusions.unavailable(t.gradient_accumulation_fusion, elementwise, cfg.model.dtype)
     if missing:
         raise ConfigError(missing)
 

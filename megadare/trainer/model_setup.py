@@ -104,7 +104,8 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
             moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
             moe_router_bias_update_rate=t.moe_bias_update_rate,
         )
-    over.update(step_fusions.config_overrides(t.gradient_accumulation_fusion, t.fused_elementwise))
+    elementwise = step_fusions.elementwise_on(t.fused_elementwise, arch.is_moe, cfg.model.dtype)
+    over.update(step_fusions.config_overrides(t.gradient_accumulation_fusion, elementwise))
     return transformer_config(arch, cfg.model.dtype, **over)
 
 
@@ -112,12 +113,13 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
     """This rank's model chunks with the source weights loaded (HF straight into the shards); their output layer
     runs as ``train.logits`` says (models/head.py), their norms fused under ``train.fused_elementwise``."""
     tcfg = training_transformer_config(cfg, src.arch)
+    fused = step_fusions.elementwise_on(cfg.train.fused_elementwise, src.arch.is_moe, cfg.model.dtype)
     chunks = build_model_chunks(
         src.arch,
         tcfg,
         attention_backend=cfg.model.attention_backend,
         head=HeadSettings(cfg.train.logits, cfg.train.logits_chunk_mb),
-        norm=FusedRMSNorm if cfg.train.fused_elementwise else RMSNorm,
+        norm=FusedRMSNorm if fused else RMSNorm,
     )
     load_hf_into_model(chunks, src.hf_dir)
     return chunks
