@@ -9,6 +9,7 @@ the in-process harness gives (parity on rows of DARE's shapes); a harness of ano
 
 from __future__ import annotations
 
+import hashlib
 import platform
 
 import pytest
@@ -150,6 +151,14 @@ TRUNC = plus_row("truncate_number", dare_harness("truncate_number", [[3.5], [1.3
 PAIR = plus_row(
     "sum_product", dare_harness("sum_product", [[[]], [[1, 2, 3]], [[3, 5, 7]]], [(0, 1), (6, 6), (15, 105)]), 8
 )
+SEQ_REF = "def ref_func(n):\n    return ' '.join(map(str, range(n + 1)))\n"
+SEQ = plus_row("string_sequence", dare_harness("string_sequence", [[3], [50000], [49999]], ref_func=SEQ_REF), 15)
+TRI_REF = (
+    "def ref_func(n):\n    ans = [1, 3]\n    for i in range(2, n + 1):\n"
+    "        ans.append(1 + i / 2 if i % 2 == 0 else ans[-1] + ans[-2] + 1 + (i + 1) / 2)\n    return ans\n"
+)
+TRI = plus_row("tri", dare_harness("tri", [[100], [101]], ref_func=TRI_REF), 130)
+TRI_RIGHT = TRI_REF.replace("ref_func", "tri")
 CLOSE = plus_row("close", dare_harness("close", [[1.0], [2.0]], [1.0, 2.0], atol=1e-06), 9)
 
 PARITY = [
@@ -172,6 +181,10 @@ PARITY = [
     (PAIR, "def sum_product(xs):\n    import math\n    return [sum(xs), math.prod(xs)]\n", 0.0),  # a list: != tuple
     (PREFIXES, PREFIXES_RIGHT, 1.0),
     (PREFIXES, "def all_prefixes(string):\n    return [string[:k] for k in range(len(string))]\n", 0.0),
+    (SEQ, "def string_sequence(n):\n    return ' '.join(str(k) for k in range(n + 1))\n", 1.0),  # 0.3 MB each
+    (SEQ, "def string_sequence(n):\n    return ' '.join(str(k) for k in range(n + 1 - (n > 49999)))\n", 0.0),
+    (TRI, TRI_RIGHT, 1.0),  # 100 values a call, ints first: packed as doubles
+    (TRI, TRI_RIGHT.replace("(i + 1) / 2", "i / 2"), 0.0),
     (CLOSE, "def close(x):\n    return x + 1e-9\n", 1.0),
     (CLOSE, "def close(x):\n    return x + 1e-3\n", 0.0),
     (CLOSE, "import numpy as np\ndef close(x):\n    return np.array([x])\n", 1.0),  # == gives [True]: truthy
@@ -212,7 +225,15 @@ def test_returned_values_decode_to_what_the_program_returned():
     import numpy as np
 
     assert decode_value({"t": [1, [2.5, None], {"s": ["a"]}]}) == (1, [2.5, None], {"a"})
-    assert decode_value({"d": [[{"t": [1, 2]}, {"h": hex(10**5000)}]]}) == {(1, 2): 10**5000}
+    big = {"z": ["int", hashlib.sha256(hex(10**5000).encode()).hexdigest()]}  # over 1024 bits: its SHA-256
+    assert decode_value({"d": [[{"t": [1, 2]}, big]]}) == {(1, 2): 10**5000} != {(1, 2): 10**5000 + 1}
+    text = {"z": ["str", hashlib.sha256(b"ab" * 1000).hexdigest()]}
+    assert decode_value([text]) == ["ab" * 1000] and decode_value(text) != b"ab" * 1000 and decode_value(text) != 1
+    import array
+    import base64
+
+    packed = base64.b64encode(array.array("d", [1.0, 2.5, float("-inf")]).tobytes()).decode()
+    assert [type(v) for v in decode_value({"F": [packed, [0]]})] == [int, float, float]  # the ints stay ints
     array = decode_value({"n": ["<f8", [2, 1], [1.0, 2.0]]})
     assert array.dtype == np.float64 and array.shape == (2, 1)
     assert type(decode_value({"g": ["<i8", 5]})) is np.int64

@@ -279,9 +279,9 @@ def dare_test_cases(record: dict) -> List[TestCase]:
 # the most a humanevalplus harness runs: below score_batch's 60 s per reward call (a harness of 70 inputs got 70 s, so
 # a program that loops ran past the call's limit, a reward failure that stops the run, not a wrong answer)
 HARNESS_TIMEOUT_CAP_S = BUDGET_S
-# the program's outputs on a harness's inputs come back on stdout: the largest ``results`` of DARE's rows is 0.4 MB
-# as text, the sandbox's usual cap 1 MiB
-HARNESS_OUTPUT_LIMIT = 16 << 20
+# the program's outputs on a harness's inputs come back on stdout (the sandbox's usual cap: 1 MiB): tri's, the
+# largest of DARE's rows, are 55 MB (a million floats per input, packed; large strs and ints travel as SHA-256s)
+HARNESS_OUTPUT_LIMIT = 256 << 20
 
 
 def _harness_timeout(n_inputs: int, base: float) -> float:

@@ -9,11 +9,12 @@ the harness) lets a program read and write its own memory through ``__array_inte
 
 Here the harness is read (:func:`parse_harness`) into its entry point, inputs, expected outputs and ``atol``; the
 sandbox runs the program on the inputs only and prints what each call returned (plain data: JSON with tags for
-tuples, sets, dicts, numpy scalars and arrays; any other object is a failed case); the trainer decodes those values
-and runs DARE's own ``assertion`` on them (:data:`DARE_HELPERS`, checked equal to the harness's). The expected
-outputs never enter the program's sandbox: the ``results`` literal is read here, and ``ref_func`` runs on its own
-in a sandbox of its own (trusted code only, its output cached per harness), so a program that reaches its memory
-can at best print outputs, which pass only when they are the right ones. A harness of any other shape raises one
+tuples, sets, dicts, numpy scalars and arrays, long lists of numbers packed as doubles, a str / bytes / int over
+:data:`BIG` as its SHA-256; any other object is a failed case); the trainer decodes those values and runs DARE's own
+``assertion`` on them (:data:`DARE_HELPERS`, checked equal to the harness's). The expected outputs never enter the
+program's sandbox: the ``results`` literal is read here, and ``ref_func`` runs alongside in a sandbox of its own
+(trusted code only, its output cached per harness), so a program that reaches its memory can at best print
+outputs, which pass only when they are the right ones. A harness of any other shape raises one
 ValueError line naming the row (no fallback to the in-process verdict: it would be a fakeable pass, silently).
 
 Parity with the in-process harness: the calls run in input order in one process, each return value encoded at
@@ -24,11 +25,15 @@ int, float, bool, None, tuples of them; in DARE it runs after the program's call
 
 from __future__ import annotations
 
+import array
 import ast
+import base64
 import builtins
 import functools
+import hashlib
 import json
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, List, Optional, Tuple
 
@@ -36,7 +41,7 @@ import numpy as np
 
 from megadare.rewards.sandbox import SandboxLimits, run_program
 
-__all__ = ["DARE_HELPERS", "Harness", "parse_harness", "harness_verdict", "decode_value"]
+__all__ = ["DARE_HELPERS", "Harness", "Digest", "parse_harness", "harness_verdict", "decode_value"]
 
 # evalplus' helpers as DARE's humanevalplus rows hold them (every row of DARE's test file): a harness's own copies
 # must equal these (as ASTs), and these decide the verdict in the trainer
@@ -83,25 +88,34 @@ _SHAPES = {ast.dump(ast.parse(src).body[0]): ref for src, ref in ((_LITERAL_CHEC
 # runs in the sandbox after the program (or the reference function): each return value as tagged JSON, one line
 # after the nonce at the end. Whatever the program does to it, the line can only claim outputs, never a verdict
 _DRIVER = """
-import json as _md_json, os as _md_os, sys as _md_sys
+import array as _md_array, base64 as _md_b64, hashlib as _md_hashlib, json as _md_json, os as _md_os, sys as _md_sys
 _md_np = _md_sys.modules.get("numpy")
-_MD_BIG = 1 << 14000
+_MD_EXACT = 1 << 53
+def _md_big(kind, data):
+    return {"z": [kind, _md_hashlib.sha256(data).hexdigest()]}
 def _md_enc(v):
     if _md_np is not None and isinstance(v, _md_np.ndarray):
         return {"n": [v.dtype.str, list(v.shape), [_md_enc(x) for x in v.ravel().tolist()]]}
     if _md_np is not None and isinstance(v, _md_np.generic):
         return {"g": [v.dtype.str, _md_enc(v.item())]}
-    if v is None or isinstance(v, (bool, str)):
+    if v is None or isinstance(v, bool):
         return v
+    if isinstance(v, str):
+        return v if len(v) <= %(big)d else _md_big("str", v.encode("utf-8", "surrogatepass"))
     if isinstance(v, int):
-        return int(v) if -_MD_BIG < v < _MD_BIG else {"h": hex(v)}
+        return int(v) if v.bit_length() <= %(big)d else _md_big("int", hex(v).encode())
     if isinstance(v, float):
         return float(v)
     if isinstance(v, complex):
         return {"c": [v.real, v.imag]}
     if isinstance(v, bytes):
-        return {"b": v.hex()}
+        return {"b": v.hex()} if len(v) <= %(big)d else _md_big("bytes", bytes(v))
     if isinstance(v, list):
+        exact = len(v) >= 64 and any(type(x) is float for x in v)
+        if exact and all(type(x) is float or (type(x) is int and -_MD_EXACT <= x <= _MD_EXACT) for x in v):
+            # packed as doubles, the ints' places kept: tri's outputs are 124 MB as JSON
+            ints = [k for k, x in enumerate(v) if type(x) is int]
+            return {"F": [_md_b64.b64encode(_md_array.array("d", v).tobytes()).decode(), ints]}
         return [_md_enc(x) for x in v]
     if isinstance(v, tuple):
         return {"t": [_md_enc(x) for x in v]}
@@ -223,6 +237,42 @@ def parse_harness(text: str, record: dict) -> Harness:
         ) from None
 
 
+# a str or bytes over this many characters, an int over this many bits, travels as its SHA-256 (and equals only
+# the same value of the same type): a row's outputs can be large (string_sequence's 135 inputs return 147 MB)
+BIG = 1024
+_DIGESTED = {
+    "str": lambda v: isinstance(v, str) and v.encode("utf-8", "surrogatepass"),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and hex(v).encode(),
+    "bytes": lambda v: isinstance(v, bytes) and bytes(v),
+}
+
+
+class Digest:
+    """A large str / int / bytes the program returned, as its SHA-256: equal to the value it stands for."""
+
+    __slots__ = ("kind", "sha")
+
+    def __init__(self, kind: str, sha: str):
+        self.kind, self.sha = kind, sha
+
+    def _key(self, other: Any) -> Optional[Tuple[str, str]]:
+        if isinstance(other, Digest):
+            return other.kind, other.sha
+        data = _DIGESTED[self.kind](other)
+        return None if data is False else (self.kind, hashlib.sha256(data).hexdigest())
+
+    def __eq__(self, other: Any) -> Any:
+        key = self._key(other)
+        return NotImplemented if key is None else key == (self.kind, self.sha)
+
+    def __ne__(self, other: Any) -> Any:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.sha))
+
+
 def decode_value(v: Any) -> Any:
     """A value as the driver encoded it (tagged JSON, decoded), back as the object; ValueError when malformed or
     not plain data (the case fails)."""
@@ -237,8 +287,15 @@ def decode_value(v: Any) -> Any:
         return {"t": tuple, "s": set, "f": frozenset}[tag](decode_value(i) for i in x)
     if tag == "d":
         return {decode_value(k): decode_value(i) for k, i in x}
-    if tag == "h":
-        return int(x, 16)
+    if tag == "z" and x[0] in _DIGESTED:
+        return Digest(str(x[0]), str(x[1]))
+    if tag == "F":
+        packed = array.array("d")
+        packed.frombytes(base64.b64decode(x[0], validate=True))
+        values = packed.tolist()
+        for k in x[1]:
+            values[k] = int(values[k])
+        return values
     if tag == "c":
         return complex(float(x[0]), float(x[1]))
     if tag == "b":
@@ -267,7 +324,7 @@ def _outputs(code: str, fn: str, inputs: str, limits: SandboxLimits, tests: bool
     """What ``fn`` returned on each input, run in the sandbox after ``code`` (in test mode when ``tests``: the
     program's names, the true builtins), decoded; None when the run did not end well or printed no such line."""
     nonce = "megadare-outputs-" + secrets.token_hex(16) + ":"
-    driver = _DRIVER % {"fn": fn, "inputs": inputs, "nonce": nonce}
+    driver = _DRIVER % {"fn": fn, "inputs": inputs, "nonce": nonce, "big": BIG}
     if tests:
         run = run_program(code, "", limits, tests=driver, tested=(fn,) if hasattr(builtins, fn) else ())
     else:
@@ -282,7 +339,7 @@ def _outputs(code: str, fn: str, inputs: str, limits: SandboxLimits, tests: bool
     return values if isinstance(values, list) else None
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=16)
 def _reference(prelude: str, inputs: str, limits: SandboxLimits, row: str) -> str:
     """The reference function's outputs (the encoded JSON of each), run alone in a sandbox (trusted code)."""
     values = _outputs(prelude, "ref_func", inputs, limits, tests=False)
@@ -293,16 +350,14 @@ def _reference(prelude: str, inputs: str, limits: SandboxLimits, row: str) -> st
 
 def harness_verdict(program: str, harness: Harness, limits: SandboxLimits) -> bool:
     """Does ``program`` pass ``harness``? Its outputs come from the sandbox, the verdict from DARE's ``assertion``
-    here (see the module docstring)."""
-    outputs = _outputs(program, harness.entry, harness.inputs, limits, tests=True)
+    here (see the module docstring). A ``ref_func`` row's reference runs at the same time, in a sandbox of its own
+    under the same limits (the call stays within one harness budget)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="harness-ref") as ex:
+        ref = None if harness.results is not None else ex.submit(_expected, harness, limits)
+        outputs = _outputs(program, harness.entry, harness.inputs, limits, tests=True)
+        expected = harness.results if ref is None else ref.result()
     if outputs is None or len(outputs) != harness.n_inputs:
         return False
-    expected = harness.results
-    if expected is None:
-        ref_limits = replace(limits, timeout_s=min(limits.timeout_s, 10.0), cpu_s=None)
-        expected = [
-            decode_value(v) for v in json.loads(_reference(harness.prelude, harness.inputs, ref_limits, harness.row))
-        ]
     with np.errstate(all="ignore"):
         for out, exp in zip(outputs, expected):
             try:
@@ -310,3 +365,7 @@ def harness_verdict(program: str, harness: Harness, limits: SandboxLimits) -> bo
             except Exception:  # a wrong value, or one DARE's assertion cannot compare: the harness fails, as there
                 return False
     return True
+
+
+def _expected(harness: Harness, limits: SandboxLimits) -> list:
+    return [decode_value(v) for v in json.loads(_reference(harness.prelude, harness.inputs, limits, harness.row))]
