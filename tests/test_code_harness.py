@@ -20,8 +20,6 @@ from megadare.rewards.code_forms import PREAMBLE, dare_code_reward, dare_test_ca
 from megadare.rewards.harness import DARE_HELPERS, decode_value, parse_harness
 from megadare.rewards.sandbox import SandboxLimits
 
-pytest.importorskip("numpy")
-
 
 def dare_harness(entry: str, inputs: list, results=None, atol=0, ref_func: str = "") -> str:
     """A harness as DARE's humanevalplus rows hold it (``results`` None: compared with ``ref_func``)."""
