@@ -341,15 +341,12 @@ def test_a_sandbox_without_its_seccomp_filter_says_so(monkeypatch):
     assert registry.reward_notes("dare_math", [row]) == registry.reward_notes("auto", [{"answer": "5"}]) == []
 
 
-def test_humanevalplus_rows_say_their_pass_can_be_faked():
+def test_humanevalplus_rows_no_longer_say_their_pass_can_be_faked():
     """DARE's humanevalplus harness preloads numpy: a wrong program read the one-time token through numpy's
-    ``__array_interface__`` and scored 1.0 (a known hole: no OS layer keeps a process from its own memory). The run's
-    start says so, counting those rows; other code rows say nothing of it."""
+    ``__array_interface__`` and scored 1.0, and the run's start said so for those rows. Their harness is judged
+    outside the program's process now (tests/test_code_harness.py), so no line says it."""
     from megadare.rewards import registry
 
     plus = {"data_source": "humanevalplus", "prompt": "def f():\n", "answer": "def check(c):\n    assert c()\n"}
     other = dict(plus, data_source="humaneval")
-    notes = [n for n in registry.reward_notes("auto", [plus, other]) if "humanevalplus" in n]
-    assert len(notes) == 1 and "1 of 2 rows" in notes[0] and "numpy" in notes[0], notes
-    assert [n for n in registry.reward_notes("auto", [other]) if "numpy" in n] == []
-    assert registry.reward_notes("dare_math", [plus]) == []
+    assert [n for n in registry.reward_notes("auto", [plus, other]) if "numpy" in n or "humanevalplus" in n] == []

@@ -25,6 +25,7 @@ import pytest
 
 from megadare.rewards.sandbox import run_program
 
+from test_code_harness import dare_harness
 from test_sandbox_escapes import _prog
 
 
@@ -387,6 +388,7 @@ def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch)
     import inspect
 
     from megadare.rewards import code, score_batch
+    from megadare.rewards import harness as harness_mod
 
     seen = []
 
@@ -394,9 +396,8 @@ def test_a_humanevalplus_harness_stays_within_the_reward_call_limit(monkeypatch)
         seen.append(limits.timeout_s)
         return code.SandboxResult("timeout", None, "", "", limits.timeout_s, tests_passed=False)
 
-    monkeypatch.setattr(code, "run_program", sandbox)
-    inputs = ", ".join(["[1, 2]"] * 1000)
-    harness = f"inputs = [{inputs}]\ndef check(candidate):\n    for i in inputs:\n        assert candidate(*i) == 3\n"
+    monkeypatch.setattr(harness_mod, "run_program", sandbox)
+    harness = dare_harness("add", [[1, 2]] * 1000, [3] * 1000)
     row = {"data_source": "humanevalplus", "prompt": "def add(a, b):\n", "entry_point": "add", "answer": harness}
     scores, stats = score_batch("auto", ["```python\ndef add(a, b):\n    while True:\n        pass\n```"], [row])
     limit = inspect.signature(score_batch).parameters["timeout_s"].default

@@ -11,6 +11,7 @@
   audit hook; a test mode that proves the tests ran to their end;
 * :mod:`.code`: stdin/stdout, call-based and assert-style test cases through the sandbox; :mod:`.code_forms`:
   DARE's code ground truths (humaneval, humanevalplus, mbpp, taco, LiveCodeBench) and MBPP's ``[BEGIN]``/``[DONE]``;
+  :mod:`.harness`: humanevalplus's harness judged outside the program's process;
   :mod:`.dllm_rl_code`: dLLM-RL's code rows;
 * :mod:`.planning`: DARE's countdown and sudoku rewards;
 * :mod:`.format`: ``\\boxed{}`` and ``<think>/<answer>`` format rewards;

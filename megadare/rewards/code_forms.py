@@ -6,7 +6,9 @@ DARE's RL rows keep the tests in ``reward_model.ground_truth`` (the record's ``a
 =====================================  =====================================================================
 humaneval                              test code defining ``check(candidate)``; DARE appends ``check(<entry>)``
                                        (here the ``entry_point`` field, else the last ``def`` of the prompt)
-humanevalplus                          a full harness (numpy, ``check(...)`` called at its end)
+humanevalplus                          a full harness (numpy, ``check(...)`` called at its end), judged outside
+                                       the program's process (:mod:`.harness`): the sandbox prints what the
+                                       program returned on the inputs, DARE's ``assertion`` runs in the trainer
 mbpp, kodcode                          a JSON list of ``assert`` lines (one case each)
 taco, apps, code_contests              ``{"inputs", "outputs"[, "fn_name"]}`` (JSON text or dict), read as DARE's
                                        ``taco_to_lcb_format`` reads them (a list output is its first element, empty
@@ -35,7 +37,8 @@ import re
 from typing import Any, Callable, List, Optional
 
 from megadare.rewards.code import BUDGET_S, TestCase, call_case, code_reward, parse_tests
-from megadare.rewards.sandbox import SandboxLimits
+from megadare.rewards.harness import harness_verdict, parse_harness
+from megadare.rewards.sandbox import OUTPUT_LIMIT, SandboxLimits
 
 __all__ = [
     "CODE_SOURCES",
@@ -255,7 +258,9 @@ def _io_dict(tests: Any) -> List[TestCase]:
 
 
 def dare_test_cases(record: dict) -> List[TestCase]:
-    """The test cases of a DARE code row (its ``answer`` = ``reward_model.ground_truth``; see the table above)."""
+    """The test cases of a DARE code row (its ``answer`` = ``reward_model.ground_truth``; see the table above). A
+    humanevalplus row's are its harness run in the program's process, as DARE runs it: :func:`dare_code_reward`
+    judges those rows outside it instead (:mod:`.harness`)."""
     source, gold = str(record.get("data_source", "")).lower(), record["answer"]
     if source == HUMANEVAL or source == HUMANEVALPLUS:
         return _humaneval(str(gold), record)
@@ -274,19 +279,15 @@ def dare_test_cases(record: dict) -> List[TestCase]:
 # the most a humanevalplus harness runs: below score_batch's 60 s per reward call (a harness of 70 inputs got 70 s, so
 # a program that loops ran past the call's limit, a reward failure that stops the run, not a wrong answer)
 HARNESS_TIMEOUT_CAP_S = BUDGET_S
+# the program's outputs on a harness's inputs come back on stdout (the sandbox's usual cap: 1 MiB): tri's, the
+# largest of DARE's rows, are 55 MB (a million floats per input, packed; large strs and ints travel as SHA-256s)
+HARNESS_OUTPUT_LIMIT = 256 << 20
 
 
-def _harness_timeout(test_code: str, base: float) -> float:
+def _harness_timeout(n_inputs: int, base: float) -> float:
     """DARE's humanevalplus budget: 1 s per entry of the harness's ``inputs`` list (at least ``base``), at most
     :data:`HARNESS_TIMEOUT_CAP_S` (a right program runs the harness in well under a second)."""
-    for node in ast.walk(ast.parse(test_code)):
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.List)
-            and any(isinstance(t, ast.Name) and t.id == "inputs" for t in node.targets)
-        ):
-            return max(base, min(HARNESS_TIMEOUT_CAP_S, float(len(node.value.elts))))
-    return base
+    return max(base, min(HARNESS_TIMEOUT_CAP_S, float(n_inputs)))
 
 
 def program_extractor(source: str) -> Callable[[str], Optional[str]]:
@@ -296,20 +297,25 @@ def program_extractor(source: str) -> Callable[[str], Optional[str]]:
 
 
 def dare_code_reward(response: str, record: dict, all_or_nothing: bool = True) -> float:
-    """DARE's code score of ``response`` (the prompt's prefill included) on the row's tests."""
+    """DARE's code score of ``response`` (the prompt's prefill included) on the row's tests; a humanevalplus row's
+    harness is judged outside the program's process (:mod:`.harness`)."""
     source = str(record.get("data_source", "")).lower()
-    cases = dare_test_cases(record)
+    plus = source == HUMANEVALPLUS  # its harness imports numpy
+    harness = parse_harness(str(record["answer"]), record) if plus else None
+    cases = None if plus else dare_test_cases(record)
     code = program_extractor(source)(response)
     timeout = float(record.get("timeout_s", 5.0))
-    if source == HUMANEVALPLUS:
-        timeout = _harness_timeout(str(record["answer"]), timeout)
-    plus = source == HUMANEVALPLUS  # its harness imports numpy
+    if harness is not None:
+        timeout = _harness_timeout(harness.n_inputs, timeout)
     limits = SandboxLimits(
         timeout_s=timeout,
         memory_mb=int(record.get("memory_mb", 1024)),
         allow_site_packages=plus,
         preload=("numpy",) if plus else (),
+        output_limit=HARNESS_OUTPUT_LIMIT if plus else OUTPUT_LIMIT,
     )
+    if harness is not None:
+        return 1.0 if code and code.strip() and harness_verdict(PREAMBLE + code, harness, limits) else 0.0
     return code_reward(
         response, cases, code=code or "", preamble=PREAMBLE, limits=limits, all_or_nothing=all_or_nothing
     )

@@ -38,7 +38,7 @@ import platform
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from megadare.rewards.code import code_reward
-from megadare.rewards.code_forms import CODE_SOURCES, HUMANEVALPLUS, dare_code_reward
+from megadare.rewards.code_forms import CODE_SOURCES, dare_code_reward
 from megadare.rewards.sandbox import SandboxLimits
 from megadare.rewards.sandbox_kernel import seccomp_denies_processes
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
@@ -308,8 +308,8 @@ def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
 def _sandbox_notes(reward: str, records: Sequence[dict]) -> List[str]:
     """What the code sandbox does not hold for these rows, said where it was silent: the seccomp filter is x86-64
     only (elsewhere, aarch64 nodes, native code may call sync, io_uring, memfd_create, SysV shared memory and
-    unshare); DARE's humanevalplus rows preload numpy, whose ``__array_interface__`` reads any memory of the program's
-    process, so a wrong program there can fake its pass (a wrong ``add`` scored 1.0 through ``score_batch``)."""
+    unshare). DARE's humanevalplus rows say nothing: their harness is judged outside the program's process
+    (:mod:`.harness`), so numpy's raw memory in there cannot fake a pass."""
     if not runs_code(reward, records):
         return []
     notes = []
@@ -318,16 +318,6 @@ def _sandbox_notes(reward: str, records: Sequence[dict]) -> List[str]:
             f"rewards: the code sandbox has no seccomp filter on {platform.machine()} (x86-64 only): programs run in "
             "its namespaces as an unprivileged uid with no_new_privs, but native code may call sync, io_uring, "
             "memfd_create, SysV shared memory and unshare, which x86-64 refuses (README 'Code sandbox')"
-        )
-    plus = sum(
-        str(r.get("data_source", "")).lower() == HUMANEVALPLUS and "tests" not in r and DLLM_RL_TESTS not in r
-        for r in records
-    )
-    if plus:
-        notes.append(
-            f"rewards: {plus} of {len(records)} rows are humanevalplus rows, whose harness preloads numpy: a program "
-            "can read its own memory through numpy (__array_interface__) and fake its pass there; the code sandbox "
-            "proves a pass only against programs without raw memory (README 'Code sandbox', It does not promise)"
         )
     return notes
 

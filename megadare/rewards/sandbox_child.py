@@ -24,7 +24,8 @@ sub-interpreters, native code of the program's own and hand-made code objects (i
 ``marshal.loads`` is refused too): the token cannot be read back from memory. As a second line, the hook accepts the
 proof only while the frame is at ``_boot``'s last line, where it is only after the tests ran to their end (a
 program holding the frame burns the token). Known limits: a program that reaches its own memory (numpy's
-``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass; and, as in DARE, evalplus
+``__array_interface__`` with a raw address, a CPython memory-safety bug) can fake a pass (humanevalplus, which
+preloads numpy, is therefore judged outside the process: :mod:`megadare.rewards.harness`); and, as in DARE, evalplus
 and OpenCompass, a program can return an object whose ``__eq__`` always says True, or patch an attribute of a module
 the tests use (``math.isclose``). A global of the program's named like a builtin (``abs``) is left out of the tests'
 copy of its namespace, so the tests call the true builtin, unless the parent names it as under test (a task whose
