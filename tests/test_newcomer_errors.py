@@ -322,3 +322,14 @@ def test_eval_without_a_model_says_it_scores_a_random_tiny_model(capsys, tmp_pat
     hf = write_tiny_hf(str(tmp_path / "hf"), "sdar", 0)
     assert main([*argv[:5], "--model", hf, *argv[5:]]) == 0
     assert "randomly initialised" not in capsys.readouterr().err
+
+
+def test_an_hf_path_that_does_not_exist_says_so(capsys, tmp_path):
+    """`hf_to_megatron.py --hf /ckpt/SDAR-30B-A3B-Chat` on a machine without it said 'no config.json found', as if
+    the directory were there but incomplete."""
+    missing = tmp_path / "SDAR-30B-A3B-Chat"
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", str(missing), "--out", str(tmp_path / "out"))
+    assert f"{missing}: does not exist; point to an HF checkpoint directory" in line, line
+    missing.mkdir()
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", str(missing), "--out", str(tmp_path / "out"))
+    assert f"{missing / 'config.json'}: no config.json found" in line, line
