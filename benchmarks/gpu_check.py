@@ -364,6 +364,15 @@ def step_env_vars(args, site: str) -> dict:
     return env
 
 
+def _has_gpu(env: dict) -> bool:
+    """Whether the steps' torch sees a CUDA GPU, or a GPU device exists (then a broken CUDA set-up is what the env
+    step is there to record)."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode == 0:
+        return True
+    return any(n.startswith("nvidia") for n in os.listdir("/dev")) if os.path.isdir("/dev") else False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -388,6 +397,13 @@ def main(argv=None) -> int:
     if args.carry:
         site = args.site
         print(install_carry(args.carry, site), flush=True)
+    if args.device == "cuda" and not _has_gpu(step_env_vars(args, site)):
+        print(
+            "megadare GPU check: --device cuda, but this machine has no CUDA GPU (torch.cuda.is_available() is "
+            "False, no /dev/nvidia*); run it on a GPU machine, or `--device cpu --tiny` for the CPU plumbing check",
+            file=sys.stderr,
+        )
+        return 2
     print(
         f"megadare GPU check: device {args.device}{' (tiny)' if args.tiny else ''}, steps {args.only}, budget "
         f"{args.budget:.0f} s, results in {args.out}",

@@ -35,7 +35,7 @@ from megadare.config import Config, load_config
 from megadare.errors import RunStateError
 from megadare.options import positive_int
 from megadare.parallel.launch import spawn
-from megadare.trainer.plots import plot_rl_curve
+from megadare.trainer.plots import plot_rl_curve, step_rewards
 from megadare.trainer.rl import rl_worker
 from megadare.trainer.sft_loop import sft_worker
 from megadare.trainer.spec import resolve
@@ -149,7 +149,7 @@ def run_demo(demo: DemoRun) -> dict:
     evals = out["evals"]
     first, last = min(evals), max(evals)
     png = plot_rl_curve(
-        out["history"],
+        step_rewards(rl_cfg.logging.run_dir),  # every step, also when this run resumed
         evals,
         os.path.join(demo.workdir, "reward_curve.png"),
         title=f"{demo.algo} on a tiny {demo.family} (reverse task)",

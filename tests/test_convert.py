@@ -234,6 +234,21 @@ def test_not_a_checkpoint(tmp_path):
         megatron_to_hf(str(tmp_path), str(tmp_path / "out"))
 
 
+def test_a_run_directory_or_hf_dir_given_as_checkpoint_names_what_to_give(tmp_path):
+    # `checkpoint.load=runs/demo/sft` (the run, not its ckpt/) or an HF export: the error says what to give
+    from megadare.convert.mcore_ckpt import MegatronCheckpointError, resolve_checkpoint_dir
+
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5")
+    with pytest.raises(MegatronCheckpointError, match=f"run directory: give its checkpoints, {run / 'ckpt'}$"):
+        resolve_checkpoint_dir(str(run))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(MegatronCheckpointError, match="an HF checkpoint \\(model.hf_path takes it"):
+        resolve_checkpoint_dir(str(tmp_path / "hf"))
+
+
 def test_cli_tools_convert(hf_dirs, tmp_path):
     import subprocess
     import sys

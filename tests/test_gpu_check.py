@@ -166,3 +166,16 @@ def test_cpu_tiny_train_variants(tmp_path):
     assert all(float(row[4]) > 0 for row in table), table  # tokens/s measured, not FAILED / OOM
     base, fused = (float(row[10]) for row in table)  # the first step's gradient norm: fp32, the same rows
     assert fused == pytest.approx(base, rel=1e-4), table
+
+
+def test_cuda_check_on_a_machine_without_a_gpu_refuses_in_one_line(tmp_path, capsys):
+    """`python benchmarks/gpu_check.py` on a CPU laptop ran every step for up to its 560 s budget, each failing or
+    quietly taking the CPU path; it now stops at once, saying why and what to run instead."""
+    import torch
+
+    if torch.cuda.is_available() or any(n.startswith("nvidia") for n in os.listdir("/dev")):
+        pytest.skip("this machine has a GPU")
+    rc = _gpu_check().main(["--only", "env", "--out", str(tmp_path / "out"), "--budget", "60"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "no CUDA GPU" in err[0] and "--device cpu --tiny" in err[0], err
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -307,3 +307,29 @@ def test_the_dry_run_names_a_damaged_shard(capsys, tmp_path):
     argv = ["sft", "--dry-run", "--config", SFT_TINY, f"model.hf_path={hf}", "model.family=null"]
     line = refused(capsys, *argv, f"logging.run_dir={tmp_path / 'run'}")
     assert f"{last}: not a complete safetensors file" in line, line
+
+
+def test_eval_without_a_model_says_it_scores_a_random_tiny_model(capsys, tmp_path, monkeypatch):
+    """`megadare eval --config examples/configs/sdar_tiny.yaml --tasks gsm8k ...` with --model forgotten printed a
+    table of zeros like a checkpoint's: the tiny config's random model was scored without a word."""
+    import megadare.eval.runner as runner
+
+    monkeypatch.setattr(runner, "_run_tasks", lambda *a: 0)  # what is scored is decided before the engines
+    argv = ["eval", "--config", SDAR_TINY, "--tasks", "gsm8k", f"eval.data_dir={EVAL}", f"logging.run_dir={tmp_path}"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "no --model given: scoring a randomly initialised tiny sdar" in err and "give --model DIR" in err, err
+    hf = write_tiny_hf(str(tmp_path / "hf"), "sdar", 0)
+    assert main([*argv[:5], "--model", hf, *argv[5:]]) == 0
+    assert "randomly initialised" not in capsys.readouterr().err
+
+
+def test_an_hf_path_that_does_not_exist_says_so(capsys, tmp_path):
+    """`hf_to_megatron.py --hf /ckpt/SDAR-30B-A3B-Chat` on a machine without it said 'no config.json found', as if
+    the directory were there but incomplete."""
+    missing = tmp_path / "SDAR-30B-A3B-Chat"
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", str(missing), "--out", str(tmp_path / "out"))
+    assert f"{missing}: does not exist; point to an HF checkpoint directory" in line, line
+    missing.mkdir()
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", str(missing), "--out", str(tmp_path / "out"))
+    assert f"{missing / 'config.json'}: no config.json found" in line, line

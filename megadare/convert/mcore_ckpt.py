@@ -157,7 +157,18 @@ def resolve_checkpoint_dir(path: str) -> str:
         raise MegatronCheckpointError(f"{tracker} points to {sub}, which is not a checkpoint")
     raise MegatronCheckpointError(
         f"{path}: not a Megatron distributed checkpoint (no metadata.json, no latest_checkpointed_iteration.txt)"
+        + _what_to_give_instead(path)
     )
+
+
+def _what_to_give_instead(path: str) -> str:
+    """The fix for the usual mix-ups: a run directory given for its checkpoint root, an HF checkpoint."""
+    root = os.path.join(path, "ckpt")
+    if os.path.exists(os.path.join(root, TRACKER)) or os.path.exists(os.path.join(root, "metadata.json")):
+        return f"; it is a run directory: give its checkpoints, {root}"
+    if os.path.exists(os.path.join(path, "config.json")):
+        return "; it is an HF checkpoint (model.hf_path takes it; megadare convert hf-to-megatron makes a Megatron one)"
+    return "; give a run's <run_dir>/ckpt or an iter_* in it"
 
 
 @dataclass

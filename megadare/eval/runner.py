@@ -253,6 +253,13 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     tasks, temperature = check_eval_config(cfg)
     e = cfg.eval
     src = materialise(spec.source, cfg)
+    if not cfg.model.hf_path:  # model.tiny=true and no --model: what is scored must not pass for a checkpoint
+        print(
+            f"eval: no --model given: scoring a randomly initialised tiny {src.family.name} ({src.hf_dir}); "
+            "give --model DIR (an HF checkpoint or export) to evaluate a trained one",
+            file=sys.stderr,
+            flush=True,
+        )
     tok = tokenizer_for(cfg, src, generates=True)
     files = {t.name: t.path or task_file(e.data_dir, dict(e.paths), t.name) for t in tasks}
     prompts = {t.name: load_task_prompts(t, files[t.name], e.limit, e.prompt_style, tok) for t in tasks}

@@ -142,7 +142,8 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
         _refuse_megatron_dir(p)
         p = os.path.join(p, "config.json")
     if not os.path.exists(p):
-        raise ModelConfigError(f"{p}: no config.json found; point to an HF checkpoint directory")
+        what = "no config.json found" if os.path.isdir(os.fspath(path_or_dict)) else "does not exist"
+        raise ModelConfigError(f"{p}: {what}; point to an HF checkpoint directory")
     with open(p) as f:
         try:
             hf = json.load(f)

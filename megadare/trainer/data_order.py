@@ -31,8 +31,8 @@ class StepSampler:
                 self._orders[epoch] = torch.randperm(self.n, generator=g)
             else:
                 self._orders[epoch] = torch.arange(self.n)
-            if len(self._orders) > 4:
-                self._orders.pop(min(self._orders))
+            if len(self._orders) > 4:  # the oldest cached epoch goes, never the one just made
+                self._orders.pop(next(iter(self._orders)))
         return self._orders[epoch]
 
     def batch(self, step: int) -> list[int]:

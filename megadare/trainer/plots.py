@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 
-def plot_rl_curve(
-    history: list[dict[str, float]], evals: dict[int, dict[str, float]], path: str, title: str = "RL"
-) -> str:
-    """Mean rollout reward per RL step, with held-out accuracy at the evaluated steps, written to ``path``."""
+def step_rewards(run_dir: str) -> dict[int, float]:
+    """Mean rollout reward of every RL step of a run, from its ``metrics.jsonl`` (each step once, across resumes:
+    a resumed run's own history holds only the steps it trained)."""
+    out: dict[int, float] = {}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if "reward" in row:
+                    out[int(row["step"])] = float(row["reward"])
+    return out
+
+
+def plot_rl_curve(rewards: dict[int, float], evals: dict[int, dict[str, float]], path: str, title: str = "RL") -> str:
+    """Mean rollout reward per RL step (``rewards``: step -> reward), with held-out accuracy at the evaluated
+    steps, written to ``path``."""
     import matplotlib  # heavy: only the demo plots
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after use("Agg"): headless
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    steps = list(range(1, len(history) + 1))
-    ax.plot(steps, [h.get("reward", float("nan")) for h in history], label="rollout reward (train prompts)")
+    steps = sorted(rewards)
+    ax.plot(steps, [rewards[s] for s in steps], label="rollout reward (train prompts)")
     if evals:
         xs = sorted(evals)
         ax.plot(xs, [evals[x]["accuracy"] for x in xs], "o--", label="held-out accuracy (greedy)")
