@@ -152,6 +152,8 @@ def build_steps(args, py: str) -> list[Step]:
             cmds = [[py, os.path.join(HERE, "gpu_steps.py"), name] + common + ["--budget", BUDGET]]
             if name == "profile":
                 cmds[0] += ["--variant", args.profile_variant]
+            if name == "env" and "rl" not in args.only:  # a training-only call carries no Ray
+                cmds[0] += ["--ray-optional"]
             rows = os.path.join(rows_dir, f"{name}.json")
         steps.append(Step(name, cmds, limits[name] * args.timeout_scale, rows))
     return steps

@@ -63,6 +63,7 @@ def step_env(rep: Report, args) -> None:
             rep.add(f"import {mod}", True, getattr(m, "__version__", "?"), where=os.path.dirname(m.__file__ or ""))
         except Exception as e:  # noqa: BLE001
             optional = mod in OPTIONAL or (mod == "triton" and args.device != "cuda")  # FlexAttention on CUDA
+            optional = optional or (mod == "ray" and args.ray_optional)  # only the rl step starts Ray
             rep.add(f"import {mod}", None if optional else False, "missing", error=one_line_error(e))
     import megatron.core.transformer.moe.moe_utils as mu  # before megadare's fixes are applied
 
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--budget", type=float, default=600, help="seconds this step may take (its subprocesses)")
+    ap.add_argument("--ray-optional", action="store_true", help="env: Ray missing is no failure (no rl step runs)")
     ap.add_argument("--variant", default="base", help="profile: the step fusions (train_throughput.py VARIANTS)")
     args = ap.parse_args()
     args.families = [f for f in args.families.split(",") if f]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -179,3 +180,27 @@ def test_cuda_check_on_a_machine_without_a_gpu_refuses_in_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "no CUDA GPU" in err[0] and "--device cpu --tiny" in err[0], err
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_env_fails_on_a_missing_ray_only_when_the_rl_step_runs(tmp_path):
+    """A training-only GPU call carries no Ray wheels (benchmarks/carry/base): its env step must not fail on
+    ``import ray``; a call with the rl step must."""
+    gc = _gpu_check()
+    (tmp_path / "noray").mkdir()
+    (tmp_path / "noray" / "ray.py").write_text("raise ImportError('ray is not carried')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "noray"), ROOT]), CUDA_VISIBLE_DEVICES="")
+    rcs = {}
+    for only in ("env,train", "env,rl"):
+        d = str(tmp_path / only)
+        args = types.SimpleNamespace(
+            device="cpu", tiny=True, only=only.split(","), out=d, rows_dir=d, families="sdar", profile_variant="base"
+        )
+        args.timeout_scale = 1.0
+        env_step = next(s for s in gc.build_steps(args, sys.executable) if s.name == "env")
+        cmd = [c.replace(gc.BUDGET, "120") for c in env_step.commands[0]]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert os.path.exists(os.path.join(d, "env.json")), out.stderr[-2000:]
+        rows = json.loads((tmp_path / only / "env.json").read_text())["rows"]
+        ray = next(r for r in rows if r["check"] == "import ray")
+        rcs[only] = (out.returncode, ray["ok"])
+    assert rcs == {"env,train": (0, None), "env,rl": (1, False)}
