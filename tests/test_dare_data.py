@@ -166,6 +166,16 @@ def test_data_inspect_on_each_schema(tmp_path):
     assert lines[-1] == "reward of gold answers: n/a over 0 records (auto)"
 
 
+def test_data_inspect_of_a_missing_file_prints_nothing_before_its_error(tmp_path):
+    """The report's first line (what lengths count) came before the error for a missing file: the error alone now."""
+    f = _files(tmp_path)
+    missing = str(tmp_path / "no_such.jsonl")
+    lines: list[str] = []
+    with pytest.raises(DataError, match=r"no_such\.jsonl: data file not found"):
+        inspect_command([f["sft"], missing], out=lines.append)
+    assert lines == []
+
+
 def test_data_inspect_help_says_what_lengths_count_without_model(tmp_path):
     """`megadare data inspect --help` said --model defaults to "the demo's" tokenizer; without it the lengths are
     UTF-8 bytes (README "RL", and the report's first line)."""

@@ -234,6 +234,9 @@ def inspect_command(
 ) -> int:
     """The command: a report per file, every record error, then the gold-answer line; 1 on record errors."""
     load_reward(reward)  # an unknown reward fails before any file is read
+    for path in paths:  # a missing file is the whole answer, before any report line
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: data file not found")
     tok = load_tokenizer(model)
     out(tokenizer_line(tok))
     scores: list[float] = []
