@@ -28,7 +28,7 @@ import time
 import warnings
 from importlib import resources
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from megadare import demo_foundation
 from megadare.config import Config, load_config
@@ -137,13 +137,15 @@ def check_workdir(demo: DemoRun) -> None:
             )
 
 
-def run_demo(demo: DemoRun) -> dict:
-    """SFT -> RL; returns {'sft_accuracy', 'rl_accuracy', 'history', 'evals', 'png', 'seconds'}."""
+def run_demo(demo: DemoRun, on_start: Callable[[], None] = lambda: None) -> dict:
+    """SFT -> RL (``on_start`` once both configs are accepted); returns {'sft_accuracy', 'rl_accuracy',
+    'history', 'evals', 'png', 'seconds'}."""
     check_workdir(demo)
     t0 = time.time()
     sft_cfg, rl_cfg = demo.configs()
     for cfg, job in ((sft_cfg, "sft"), (rl_cfg, "rl")):  # both stages' configs: a wrong RL one fails before SFT
         resolve(cfg, demo.nproc, job=job)
+    on_start()
     spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)
     out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
     evals = out["evals"]
@@ -193,8 +195,9 @@ def main(argv: Optional[list[str]] = None, ap: Optional[argparse.ArgumentParser]
     a.workdir = a.workdir or default_workdir(a.family, a.algo)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.filterwarnings("ignore")
-    print(f"megadare demo: SFT then RL ({a.algo}) of a tiny {a.family} on CPU; outputs in {a.workdir}", flush=True)
-    res = run_demo(DemoRun(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, tuple(a.overrides), a.family))
+    heading = f"megadare demo: SFT then RL ({a.algo}) of a tiny {a.family} on CPU; outputs in {a.workdir}"
+    demo = DemoRun(a.workdir, a.sft_steps, a.rl_steps, a.algo, a.nproc, tuple(a.overrides), a.family)
+    res = run_demo(demo, on_start=lambda: print(heading, flush=True))
     print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {a.workdir}; {res['seconds']:.0f} s")
     print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
     return 0

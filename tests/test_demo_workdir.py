@@ -47,6 +47,16 @@ def test_cli_demo_error_is_one_line(tmp_path, capsys, monkeypatch):
     assert err.startswith("megadare: error: ") and err.count("\n") == 1 and "--workdir NEW_DIR" in err
 
 
+def test_a_refused_demo_prints_its_error_alone(tmp_path, capsys, monkeypatch):
+    """`megadare demo --algo justgrpo` (a full-attention algorithm on the default block family) printed the demo's
+    "SFT then RL ..." heading, then the error: the refusal is now the only output."""
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    assert cli.main(["demo", "--workdir", str(tmp_path / "demo"), "--algo", "justgrpo"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("megadare: error: ") and out.err.count("\n") == 1
+    assert not os.path.exists(tmp_path / "demo")
+
+
 def test_a_short_sft_warms_up_for_its_own_length_at_most(tmp_path):
     """`megadare demo --sft-steps 3` was refused (demo_sft.yaml warms up for 10 steps): the warm-up now fits."""
     sft, _ = DemoRun(str(tmp_path / "demo"), sft_steps=3).configs()
