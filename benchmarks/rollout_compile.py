@@ -14,12 +14,15 @@ part at near-ties, as they do between any two bf16 engines.
 Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps them): tok/s of both (best of
 ``--rounds`` calls after the compiling one), the compile call's seconds, tokens / commit steps / whole rows equal.
 ``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time.
+``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
+32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
 Exit status 1 when fp32 trajectories differ.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -31,6 +34,15 @@ from megadare.rollout.native import NativeEngine, NativeSettings
 import rollout_timing as rt
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+SDPA = ("auto", "cudnn", "efficient", "math")
+
+
+def sdpa_kernels(name: str):
+    """A context that limits SDPA to one kernel (``auto``: no limit)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    return contextlib.nullcontext() if name == "auto" else sdpa_kernel([kinds[name]])
 
 
 def peaked_model(gpu: bool, dtype: torch.dtype, scale: float):
@@ -89,7 +101,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-scale", type=float, default=10.0, help="peaked distributions (see above)")
     ap.add_argument("--profile", action="store_true", help="one compiled call under torch.profiler")
+    ap.add_argument("--sdpa", choices=SDPA, default="auto", help="the one SDPA kernel allowed (see above)")
     args = ap.parse_args()
+    with sdpa_kernels(args.sdpa):
+        run(args)
+
+
+def run(args) -> None:
     gpu = torch.cuda.is_available()
     dev, dtype = ("cuda" if gpu else "cpu"), DTYPES[args.dtype]
     model, arch = peaked_model(gpu, dtype, args.head_scale)
@@ -112,7 +130,8 @@ def main() -> None:
     n = args.batch * args.new
     nll = sum(-lp for t in want for lp in t.logprobs) / n
     print(
-        f"rollout compile {args.dtype} on {dev}, batch {args.batch}, prompt {args.prompt}, {args.new} new, block 4, "
+        f"rollout compile {args.dtype} on {dev}, sdpa {args.sdpa}, batch {args.batch}, prompt {args.prompt}, "
+        f"{args.new} new, block 4, "
         f"4 steps/block, head x{args.head_scale:g} (mean -log p {nll:.2f}): compiled {n / t_compiled:.0f} tok/s, "
         f"eager {n / t_eager:.0f} tok/s ({t_eager / t_compiled:.2f}x); compile call {t_compile:.1f} s; "
         f"{agreement(want, got)}",
