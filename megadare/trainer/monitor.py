@@ -13,7 +13,7 @@ import json
 import os
 import threading
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 import yaml
@@ -168,6 +168,20 @@ def _quiet_tensorboard_thread() -> None:
 ROLLED_BACK = "metrics.rolled_back.jsonl"
 
 
+def jsonl_records(path: str) -> Iterator[tuple[str, Optional[dict]]]:
+    """Each non-blank line of a run's metrics file with its record (None: a torn last line of a killed run, not a
+    record of any step)."""
+    with open(path, errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            yield line, (record if isinstance(record, dict) else None)
+
+
 def roll_back_jsonl(path: str, step: int) -> int:
     """Keep the records of steps <= ``step`` in ``path``; append the others to ``metrics.rolled_back.jsonl`` beside it
     (nothing is lost, nothing doubled, whenever a kill strikes: ``_commit_roll_back``). Returns how many moved."""
@@ -176,15 +190,9 @@ def roll_back_jsonl(path: str, step: int) -> int:
     if not os.path.exists(path):
         return 0
     keep, later = [], []
-    with open(path, errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                s = json.loads(line).get("step")
-            except (ValueError, AttributeError):
-                s = None  # a torn last line of a killed run: not a record of any step
-            (keep if isinstance(s, int) and s <= step else later).append(line if line.endswith("\n") else line + "\n")
+    for line, record in jsonl_records(path):
+        s = None if record is None else record.get("step")
+        (keep if isinstance(s, int) and s <= step else later).append(line if line.endswith("\n") else line + "\n")
     if later:
         _commit_roll_back(path, rolled, keep, later)
     return len(later)

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+from megadare.trainer.monitor import jsonl_records
 
 
 def step_rewards(run_dir: str) -> dict[int, float]:
     """Mean rollout reward of every RL step of a run, from its ``metrics.jsonl`` (each step once, across resumes:
     a resumed run's own history holds only the steps it trained)."""
-    out: dict[int, float] = {}
     path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                row = json.loads(line)
-                if "reward" in row:
-                    out[int(row["step"])] = float(row["reward"])
-    return out
+    records = [r for _, r in jsonl_records(path)] if os.path.exists(path) else []
+    return {int(r["step"]): float(r["reward"]) for r in records if r is not None and "reward" in r}
 
 
 def plot_rl_curve(rewards: dict[int, float], evals: dict[int, dict[str, float]], path: str, title: str = "RL") -> str:
