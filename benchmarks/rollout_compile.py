@@ -16,7 +16,9 @@ Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps
 ``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time.
 ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
 32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
-Exit status 1 when fp32 trajectories differ.
+Each phase prints a ``[rollout_compile]`` line with its seconds as it ends (a run cut by a timeout still says how
+far it got and how fast eager was). Exit status 1 when fp32 trajectories differ, or (one line) when the kernel
+``--sdpa`` holds SDPA to cannot run the engine's attention call (torch's "No available kernel").
 """
 
 from __future__ import annotations
@@ -103,14 +105,28 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one compiled call under torch.profiler")
     ap.add_argument("--sdpa", choices=SDPA, default="auto", help="the one SDPA kernel allowed (see above)")
     args = ap.parse_args()
-    with sdpa_kernels(args.sdpa):
-        run(args)
+    try:
+        with sdpa_kernels(args.sdpa):
+            run(args)
+    except RuntimeError as e:
+        if not any(m in str(e) for m in ("No available kernel", "No viable backend")):  # CUDA's, the CPU's
+            raise
+        sys.exit(
+            f"rollout compile: SDPA held to {args.sdpa!r} has no kernel for the engine's attention call here "
+            f"(torch: {str(e).splitlines()[0].strip()}); time another --sdpa (on the H200, 2026-11-27, 'efficient' "
+            "had none: the engine passes grouped KV heads, enable_gqa)"
+        )
+
+
+def progress(t0: float, what: str) -> None:
+    print(f"[rollout_compile] {time.perf_counter() - t0:6.1f} s  {what}", file=sys.stderr, flush=True)
 
 
 def run(args) -> None:
-    gpu = torch.cuda.is_available()
+    gpu, start = torch.cuda.is_available(), time.perf_counter()
     dev, dtype = ("cuda" if gpu else "cpu"), DTYPES[args.dtype]
     model, arch = peaked_model(gpu, dtype, args.head_scale)
+    progress(start, f"model built ({args.dtype}, sdpa {args.sdpa})")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
     params = SamplingParams(
@@ -120,14 +136,17 @@ def run(args) -> None:
     compiled = NativeEngine(
         model, arch, eos_token_id=-1, device=dev, dtype=dtype, settings=NativeSettings(compile=True)
     )
+    n = args.batch * args.new
     eager.generate(prompts, params)
+    progress(start, "eager: first call done")
     t_eager, want = best_call(eager, prompts, params, args.rounds)
+    progress(start, f"eager: best of {args.rounds} calls {n / t_eager:.0f} tok/s; compiling")
     t0 = time.perf_counter()
     compiled.generate(prompts, params)
     rt.sync()
     t_compile = time.perf_counter() - t0
+    progress(start, f"compiled: first call (compiling) {t_compile:.1f} s")
     t_compiled, got = best_call(compiled, prompts, params, args.rounds)
-    n = args.batch * args.new
     nll = sum(-lp for t in want for lp in t.logprobs) / n
     print(
         f"rollout compile {args.dtype} on {dev}, sdpa {args.sdpa}, batch {args.batch}, prompt {args.prompt}, "

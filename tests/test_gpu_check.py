@@ -150,6 +150,20 @@ def test_rollout_compile_reproduces_eager_in_fp32():
     assert "tokens equal 16/16, commit steps equal 16/16, rows identical 2/2" in line, line
 
 
+def test_rollout_compile_names_an_sdpa_kernel_that_cannot_run():
+    """``--sdpa efficient`` (no such kernel on a CPU; on the H200 none for the engine's grouped-KV call): one line
+    naming the kernel and what to do, exit status 1, not torch's traceback; the progress line before it says how
+    far the run got."""
+    script = os.path.join(ROOT, "benchmarks", "rollout_compile.py")
+    small = ["--dtype", "fp32", "--batch", "2", "--prompt", "16", "--new", "8", "--rounds", "1", "--sdpa", "efficient"]
+    r = subprocess.run([sys.executable, script] + small, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("rollout compile: SDPA held to 'efficient' has no kernel") and "--sdpa" in last, last
+    assert "model built (fp32, sdpa efficient)" in r.stderr
+
+
 def test_cpu_tiny_train_variants(tmp_path):
     """The train step's command lines run on the CPU: the dense shape with the step fusions off and on
     (train_throughput.py --variants, models/step_fusions.py), one table row each, with the same gradient norm."""

@@ -24,7 +24,8 @@ in, per-token result out), and the last pipeline stage
    straight into megatron DDP's fp32 ``main_grad`` (as its fused grad accumulation does: no [V/tp, h] gradient
    tensor; on CUDA one ``addmm(out_dtype=float32)`` from bf16, step_fusions.add_matmul_) with K = every token, so
    each row of the buffer is written once per micro-batch, and dh is summed in fp32. (Per token chunk, the
-   [V/tp, h] fp32 buffer was read and written once a chunk: 23% of a bf16 SDAR-1.7B step on an H200.) When all
+   [V/tp, h] fp32 buffer was read and written once a chunk: 23% of a bf16 SDAR-1.7B step on an H200; the
+   blocked backward took that step from 16.7k to 21.1-21.3k tok/s, benchmarks/GPU.md.) When all
    scored tokens fit in one chunk the forward keeps p for backward (as megatron's cross entropy keeps its
    softmax) and the backward is one block; at most one chunk of [tokens, vocab] exists at a time.
 

@@ -219,10 +219,10 @@ def norm_path(device: torch.device) -> str:
 def elementwise_on(setting: Optional[bool], moe: bool, dtype: str) -> bool:
     """``train.fused_elementwise`` as it runs: what the config says, or (None) on where an H200 measured it faster
     (benchmarks/GPU.md, 2026-11-27): CUDA with triton, a dense model in bf16 / fp16 (SDAR-1.7B shape 1.17-1.23x,
-    same gradients). Off on a CPU (compiling costs more than it saves on a short run) and for MoE models (the small
-    SDAR-MoE shape: 0.68-0.81x with SDPA, 1.02x with flex; not profiled: training runs megatron's SequentialMLP, so
-    the compiled SwiGLU is called once per expert per layer on a few tokens, and a compiled call's fixed cost may
-    outweigh its kernel)."""
+    same gradients; 1.27-1.29x once the head's backward stopped dominating). Off on a CPU (compiling costs more
+    than it saves on a short run) and for MoE models (the small SDAR-MoE shape: 0.68-1.16x over five runs, the
+    base step itself moving 10.0-12.4k tok/s: no measured gain; training runs megatron's SequentialMLP, so the
+    compiled SwiGLU is called once per expert per layer on a few tokens)."""
     if setting is not None:
         return bool(setting)
     gpu = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
