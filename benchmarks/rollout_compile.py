@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import platform
 import sys
 import time
 
@@ -118,6 +120,16 @@ def main() -> None:
         )
 
 
+def host() -> str:
+    """The host CPU and its load: eager decoding is bound by the host launching kernels, and a busy or slower host
+    moved eager and compiled alike on the H200 (GPU.md, 2026-11-27)."""
+    model = platform.processor() or "?"
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+
+
 def progress(t0: float, what: str) -> None:
     print(f"[rollout_compile] {time.perf_counter() - t0:6.1f} s  {what}", file=sys.stderr, flush=True)
 
@@ -126,7 +138,7 @@ def run(args) -> None:
     gpu, start = torch.cuda.is_available(), time.perf_counter()
     dev, dtype = ("cuda" if gpu else "cpu"), DTYPES[args.dtype]
     model, arch = peaked_model(gpu, dtype, args.head_scale)
-    progress(start, f"model built ({args.dtype}, sdpa {args.sdpa})")
+    progress(start, f"model built ({args.dtype}, sdpa {args.sdpa}); host {host()}")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
     params = SamplingParams(

@@ -15,6 +15,15 @@
   ``RouterGatingLinearFunction`` reads the name whatever the router dtype: without TE (CPU, and GPU images
   without it) every MoE forward raises ``NameError``. The fix assigns None, what megatron itself assigns when TE
   lacks the function (the gating then takes its plain ``torch.mm`` path).
+* Without Transformer Engine or apex, gradient clipping (``optimizer/clip_grads.py``, every step with
+  ``optim.clip_grad``) takes megatron's ``local_multi_tensor_l2_norm`` and ``local_multi_tensor_scale``
+  (``utils.py``): the first builds ``torch.tensor([...])`` from one 0-dim norm per parameter, a device-to-host
+  copy and wait each (a few hundred per step: the GPU idles while the host collects them); the second scales each
+  gradient as ``dst.copy_(src * scale)``, a temporary as large as the gradient and two passes over it where one
+  in-place pass does. Replaced where megatron chose its local versions by the same operations through torch's
+  multi-tensor kernels: ``_foreach_norm`` then the norm of the norms, on the gradients' device; ``_foreach_mul_``
+  in place (``_foreach_copy_`` of the product when source and destination differ, as in the fp16 optimizer's
+  param copy). The same values (the product rounds once either way; the norm to fp32 summation order).
 
 Applied once, at import of models/gpt.py.
 """
@@ -25,6 +34,9 @@ from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core import utils as mcore_utils
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
@@ -70,6 +82,33 @@ def _checkpoint_tensors_only(original):
     return checkpoint
 
 
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """``local_multi_tensor_l2_norm``'s contract (the l2 norm of ``tensor_lists[0]`` as a [1] fp32 tensor, no
+    per-tensor norms) without a host round trip per tensor."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+    """``local_multi_tensor_scale``'s contract (``dst = src * scale`` for each pair), in place when the two lists
+    hold the same tensors (clipping), else the product copied (and cast) into ``dst``."""
+    src, dst = tensor_lists
+    if len(src) == len(dst) and all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _foreach_multi_tensor_ops() -> None:
+    """Swap megatron's local multi-tensor fallbacks (module doc) where it chose them: TE's or apex's fused
+    kernels, when imported, stay."""
+    if clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_l2_norm
+    for module in (clip_grads, mcore_optimizer):
+        if module.multi_tensor_scale_impl is mcore_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_scale
+
+
 def apply() -> None:
     global _APPLIED
     if _APPLIED:
@@ -81,4 +120,5 @@ def apply() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = _keep_step(
         DistributedOptimizer._set_main_param_and_optimizer_states
     )
+    _foreach_multi_tensor_ops()
     _APPLIED = True
