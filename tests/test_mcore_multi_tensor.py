@@ -61,6 +61,10 @@ def test_the_norm_is_the_float64_norm_of_every_gradient():
     norm, per_tensor = mcore_fixes.foreach_l2_norm(2048 * 32, None, [grads], False)
     assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
     assert abs(float(norm) - _norm64(grads)) <= 1e-6 * _norm64(grads)
+    mixed = grads[:5] + [g.to(torch.bfloat16) for g in grads[5:]]  # megatron's decoupled grads may be bf16
+    norm, _ = mcore_fixes.foreach_l2_norm(2048 * 32, None, [mixed], False)
+    assert norm.dtype == torch.float32 and abs(float(norm) - _norm64(mixed)) <= 1e-6 * _norm64(mixed)
+    assert float(mcore_fixes.foreach_l2_norm(0, None, [[]], False)[0]) == 0.0
 
 
 def test_scaling_in_place_and_into_other_tensors_rounds_as_src_times_scale():

@@ -85,8 +85,10 @@ def _checkpoint_tensors_only(original):
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """``local_multi_tensor_l2_norm``'s contract (the l2 norm of ``tensor_lists[0]`` as a [1] fp32 tensor, no
     per-tensor norms) without a host round trip per tensor."""
-    norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+    if not tensor_lists[0]:  # megatron calls it only with gradients; the local version's answer all the same
+        return torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu"), None
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)  # bf16 (decoupled) grads summed in fp32
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
