@@ -14,6 +14,9 @@ batch that runs out of memory is reported as OOM. FLOPs as in megadare/trainer/f
 (none), ``gradfusion`` (gradient_accumulation_fusion), ``fused`` (fused_elementwise), ``all`` (both), each against
 the same backend's ``base`` ("vs base"); with gradfusion on CUDA the row names the accumulation path that ran,
 with fused the RMSNorm (torch's fused CUDA kernel or compiled) and RoPE (compiled, or TE's) that ran.
+``fusedcnorm`` is ``fused`` with every RMSNorm compiled where CUDA would take torch's fused kernel (its backward,
+``GammaBetaBackward`` and ``layer_norm_grad_input``, was 4.5% of the H200's SDAR-1.7B step: GPU.md); the same on
+a CPU, where norms are compiled anyway.
 
 ``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
 of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:
@@ -85,7 +88,15 @@ SHAPES = {
     ),
 }
 # --variants: (train.gradient_accumulation_fusion, train.fused_elementwise)
-VARIANTS = {"base": (False, False), "gradfusion": (True, False), "fused": (False, True), "all": (True, True)}
+VARIANTS = {
+    "base": (False, False),
+    "gradfusion": (True, False),
+    "fused": (False, True),
+    "all": (True, True),
+    "fusedcnorm": (False, True),  # fused, with every RMSNorm compiled (below)
+}
+# variants that time another RMSNorm than the one models/step_fusions.py picks (its ``norm_path``)
+NORM_PATHS = {"fusedcnorm": "compiled"}
 CPU_SHAPE = dict(
     vocab_size=4096,
     hidden_size=256,
@@ -535,6 +546,8 @@ def case(args) -> None:
         torch.set_num_threads(args.threads)
     shape, backend, variant, batch = args.case.split(":")
     arch = SHAPES[shape] if gpu else cpu_shape(SHAPES[shape])
+    if variant in NORM_PATHS:  # this process only (each case has its own)
+        step_fusions.norm_path = lambda device, path=NORM_PATHS[variant]: path
     init_distributed()
     try:
         dtype = "bf16" if gpu else "fp32"

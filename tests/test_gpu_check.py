@@ -184,6 +184,25 @@ def test_cpu_tiny_train_variants(tmp_path):
     assert fused == pytest.approx(base, rel=1e-4), table
 
 
+def test_the_compiled_norm_variant_runs_compiled_norms_with_the_same_gradients():
+    """``--variants fusedcnorm`` (every RMSNorm compiled, for the GPU's next measurement) is a row of its own that
+    names the compiled norm and gives ``fused``'s first-step gradient norm."""
+    tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
+    args = ["--shape", "dense", "--batch", "1", "--backends", "sdpa", "--seq", "64", "--steps", "1"]
+    r = subprocess.run(
+        [sys.executable, tt, *args, "--variants", "fused", "fusedcnorm"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("dense ")]
+    assert [row[2] for row in rows] == ["fused", "fusedcnorm"], r.stdout
+    assert "norm: compiled" in " ".join(rows[1]), rows[1]
+    assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows
+
+
 def test_cuda_check_on_a_machine_without_a_gpu_refuses_in_one_line(tmp_path, capsys):
     """`python benchmarks/gpu_check.py` on a CPU laptop ran every step for up to its 560 s budget, each failing or
     quietly taking the CPU path; it now stops at once, saying why and what to run instead."""
