@@ -3,6 +3,7 @@ and the number of modules it imported, against a baseline that imports megadare'
 rollout, the CLI) in a subprocess of the same run. A config error that the config layer finds (a key, a type, a
 choice, a range, an algo.name or lora.targets name, model.hf_path, a missing data file) is refused before torch
 loads, a small fraction of the baseline; the cross-checks against the model (trainer/checks.py) are found after it.
+``megadare plan`` (README "Planner") runs to its table: torch loads, megatron and the checkpoint I/O do not.
 With ``--before DIR`` (a checkout of an older commit, e.g. ``git worktree add /tmp/old HEAD~3``) every case also
 runs on that code in the same run, for a before / after comparison under one load. Prints a table; asserts nothing
 (timings depend on the machine's load).
@@ -27,6 +28,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_RL = os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml")
 README_SFT = os.path.join(ROOT, "examples", "configs", "sft_sdar_tiny.yaml")  # README "Quick start"
+PLAN_SDAR30B = os.path.join(ROOT, "examples", "configs", "plan_sdar30b.yaml")  # README "Planner"
 
 # the child: run ``megadare ARGS`` (as ``python -m megadare``) and write how many modules it imported, and
 # whether the heavy ones are among them, to the file named in MEGADARE_BENCH_OUT, at exit
@@ -86,6 +88,7 @@ def cases(tmp: str) -> list[tuple[str, list[str]]]:
         ("eval demo_rl: missing task file", ["eval", "--config", DEMO_RL, "--tasks", missing]),
         ("rl demo_rl: cross-check lr<0", ["rl", "--config", cross]),  # config/rules.py
         ("sft README example: unknown key", ["sft", "--config", sft_typo]),
+        ("plan sdar30b (README Planner)", ["plan", "--config", PLAN_SDAR30B]),  # a whole plan: config.json only
     ]
 
 

@@ -107,12 +107,12 @@ def main() -> None:
     GiB = 2**30
     rows = []
     peak, base, sec = run_child(
-        "from megadare.convert import hf_to_megatron; from megadare.parallel.layout import Layout",
+        "from megadare.convert.hf_megatron import hf_to_megatron; from megadare.parallel.layout import Layout",
         f"hf_to_megatron({hf!r}, {ck!r}, Layout(tp=2, pp=2), progress=False)",
     )
     rows.append(("hf_to_megatron", peak, base, sec))
     peak, base, sec = run_child(
-        "from megadare.convert import megatron_to_hf",
+        "from megadare.convert.hf_megatron import megatron_to_hf",
         f"megatron_to_hf({ck!r}, {back!r}, max_shard_bytes={a.shard_mb << 20}, progress=False)",
     )
     rows.append(("megatron_to_hf", peak, base, sec))

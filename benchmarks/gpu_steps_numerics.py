@@ -100,7 +100,7 @@ def verdict(dtype: str, r: float, case: dict) -> dict:
 
 
 def megatron_logits(case: dict, dtype: str, backend: str, mask=None, position_ids=None, ids=None) -> torch.Tensor:
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models import gpt
     from megadare.trainer.forward import forward_logits
 

@@ -272,7 +272,7 @@ def block_samples(arch: ModelArch, seq: int, batch: int) -> list[dict]:
 
 def megadare_steps(hf_dir: str, logits: str, seq: int, batch: int, steps: int) -> list[dict]:
     """Timed train steps of megadare with per-phase marks (hooks on the decoder, the objective, the optimizer step)."""
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.data.rows import pack_rows
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config

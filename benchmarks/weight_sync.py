@@ -241,7 +241,7 @@ def _raw_broadcast(sync, manager, rank: int, nbytes: int, bucket_bytes: int) -> 
 def _case_worker(rank, world, family, layout, config, bucket_mb, paths):
     import ray
 
-    from megadare.convert import mapping_for
+    from megadare.convert.hf_megatron import mapping_for
     from megadare.models import get_family
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.parallel import Layout, destroy_distributed, init_distributed

@@ -54,7 +54,7 @@ _MODULES = {
     "rl": "megadare.trainer.rl",
     "eval": "megadare.eval",
     "plan": "megadare.plan",
-    "convert": "megadare.convert",
+    "convert": "megadare.convert.hf_megatron",
     "data inspect": "megadare.eval.data_inspect",
     "data tokenizer": "megadare.data.qwen_tokenizer",
     "demo": "megadare.demo",

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from megadare.convert import hf_to_megatron, megatron_to_hf
+from megadare.convert.hf_megatron import hf_to_megatron, megatron_to_hf
 from megadare.files import owned_tempdir
 from megadare.models import build_hf_model, get_family, save_hf_model, load_hf_model
 from megadare.models.attention import family_mask

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megadare.config import Config
-from megadare.convert import HFSource
+from megadare.convert.hf_megatron import HFSource
 from megadare.convert.mcore_ckpt import intact_checkpoint_dir, newest_intact
 from megadare.data.files import as_paths, load_many
 from megadare.data.preference_data import build_preference_examples

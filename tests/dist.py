@@ -9,7 +9,7 @@ from megadare.parallel.launch import spawn as run_distributed  # noqa: F401
 def tiny_trainer(layout: dict, hf_dir: str, lr: float = 1e-2):
     """(chunks, DDP model, optimizer, scheduler, arch, HF config) of the checkpoint ``hf_dir`` sharded under
     ``layout`` (distributed already initialised with it), before any step."""
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp

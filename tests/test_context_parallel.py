@@ -78,7 +78,7 @@ def _run(cases: list[dict]) -> dict:
     from megatron.core import parallel_state as ps
     import torch.distributed as dist
 
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models import gpt
     from megadare.models.family import family_of, read_hf_config
 

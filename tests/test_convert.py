@@ -68,7 +68,7 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_convert_roundtrip_bitwise(name, hf_dirs, tmp_path):
-    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.convert.hf_megatron import hf_to_megatron, megatron_to_hf
     from megadare.models.safetensors_io import SafetensorsReader
 
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
@@ -91,7 +91,7 @@ def test_exports_load_in_transformers(name, hf_dirs, tmp_path):
     AutoModelForCausalLM builds the same network (same logits under the block-causal mask); LLaDA2's carries
     megadare's configuration_llada2_moe.py."""
     transformers = pytest.importorskip("transformers")
-    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.convert.hf_megatron import hf_to_megatron, megatron_to_hf
     from megadare.models import load_hf_model
     from megadare.models.attention import block_causal
 
@@ -124,7 +124,7 @@ def test_exports_carry_the_publishers_remote_code(hf_dirs, tmp_path):
 
     from transformers import AutoConfig
 
-    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.convert.hf_megatron import hf_to_megatron, megatron_to_hf
 
     src = str(tmp_path / "publisher")
     shutil.copytree(hf_dirs["sdar"], src)
@@ -153,7 +153,7 @@ class _Buf(bytearray):
 @pytest.mark.parametrize("file_bytes", [1, 16 << 10])
 def test_converter_streams_with_bounded_memory(hf_dirs, tmp_path, file_bytes):
     """The writer asks for tensors one by one and frees each file's tensors once the file is written."""
-    from megadare.convert import HFSource
+    from megadare.convert.hf_megatron import HFSource
     from megadare.convert.mcore_ckpt import write_tensors
 
     src = HFSource(hf_dirs["sdar_moe"])
@@ -179,7 +179,7 @@ def test_converter_streams_with_bounded_memory(hf_dirs, tmp_path, file_bytes):
 
 
 def test_failed_write_leaves_previous_checkpoint_intact(hf_dirs, tmp_path):
-    from megadare.convert import HFSource, hf_to_megatron
+    from megadare.convert.hf_megatron import HFSource, hf_to_megatron
     from megadare.convert.mcore_ckpt import checkpoint_keys, write_tensors
 
     ck = str(tmp_path / "ck")
@@ -200,7 +200,7 @@ def test_failed_write_leaves_previous_checkpoint_intact(hf_dirs, tmp_path):
 
 
 def test_missing_and_unexpected_tensors_are_named(hf_dirs, tmp_path):
-    from megadare.convert import hf_to_megatron
+    from megadare.convert.hf_megatron import hf_to_megatron
     from megadare.models.safetensors_io import SafetensorsReader, save_hf_checkpoint
 
     src = hf_dirs["sdar"]
@@ -218,7 +218,7 @@ def test_missing_and_unexpected_tensors_are_named(hf_dirs, tmp_path):
 
 
 def test_bad_layout_fails_before_writing(hf_dirs, tmp_path):
-    from megadare.convert import hf_to_megatron
+    from megadare.convert.hf_megatron import hf_to_megatron
     from megadare.parallel.layout import Layout
 
     with pytest.raises(ValueError, match="tp"):
@@ -227,7 +227,7 @@ def test_bad_layout_fails_before_writing(hf_dirs, tmp_path):
 
 
 def test_not_a_checkpoint(tmp_path):
-    from megadare.convert import megatron_to_hf
+    from megadare.convert.hf_megatron import megatron_to_hf
     from megadare.convert.mcore_ckpt import MegatronCheckpointError
 
     with pytest.raises(MegatronCheckpointError, match="not a Megatron distributed checkpoint"):

@@ -54,7 +54,7 @@ def _record(out: dict, key: str, fn) -> None:
 
 
 def _megatron_cases(out: dict, name: str, hf_dir: str, ids: torch.Tensor, ref: torch.Tensor) -> None:
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models import gpt
     from megadare.models.attention import family_mask
     from megadare.models.family import family_of, read_hf_config

@@ -166,7 +166,7 @@ def test_dpo_refuses_a_lora_it_would_ignore(tmp_path, capsys):
 @pytest.mark.timeout(600)
 def test_dpo_run_margin_grows_and_exports(tmp_path):
     from megadare.config import load_config
-    from megadare.convert import megatron_to_hf
+    from megadare.convert.hf_megatron import megatron_to_hf
     from megadare.models import load_hf_model
     from megadare.parallel.launch import spawn
     from megadare.trainer.dpo_loop import dpo_worker

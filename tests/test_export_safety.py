@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -202,3 +205,21 @@ def test_an_export_to_a_full_disk_is_one_line(sources, full_tmpfs, capsys):
     err = refused(capsys, ["convert", "megatron-to-hf", "--ckpt", str(run / "ckpt"), "--out", str(out)])
     assert f"writing --out {out} failed: No space left on device ({full_tmpfs}/.exported.tmp." in err, err
     assert os.listdir(full_tmpfs) == []
+
+
+def test_the_sweep_line_does_not_join_the_progress_bar(sources, tmp_path, capsys):
+    """hf-to-megatron draws its bar's first frame (no newline) before it sweeps what a killed export left beside
+    --out; the sweep's "export: removed ..." line was glued onto that frame (``0/20 [...]export: removed ...``)
+    when stderr is piped into a log. It starts a line of its own."""
+    hf, _ = sources
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    out = tmp_path / "ck"
+    dead = tmp_path / f".ck.tmp.{gone.pid}@{socket.gethostname()}-abcd1234"
+    dead.mkdir()
+    assert main(["convert", "hf-to-megatron", "--hf", hf, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "hf -> megatron" in err, err  # the bar was drawn
+    swept = [line for line in err.splitlines() if "export: removed" in line]
+    assert swept == [f"export: removed {dead}, left by a killed export of {out}"], err
+    assert not dead.exists()

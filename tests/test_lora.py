@@ -99,7 +99,7 @@ def _worker(rank, world, runs, hf_dir, ids, steps):
 def _one_layout(layout, hf_dir, ids, steps, ckpt_dir, load_other):
     from megatron.core import parallel_state as ps
 
-    from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
+    from megadare.convert.hf_megatron import load_checkpoint, load_hf_into_model, save_checkpoint
     from megadare.convert.mcore_ckpt import model_sharded_state_dict
     from megadare.models.attention import family_mask
     from megadare.trainer.verify import _build

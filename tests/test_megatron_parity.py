@@ -146,7 +146,7 @@ def test_block_mask_matters(checkpoints):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_roundtrip_hf_megatron_tp2_pp2_ep2_hf_bitwise(name, checkpoints, tmp_path):
     """HF -> converter -> load + save by a TP2 PP2 (EP2 for MoE) sharded model -> converter -> HF: bitwise."""
-    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.convert.hf_megatron import hf_to_megatron, megatron_to_hf
     from megadare.parallel.layout import Layout
     from megadare.models.safetensors_io import SafetensorsReader
 

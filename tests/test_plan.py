@@ -4,6 +4,8 @@ activation memory of a real (gloo, CPU) Megatron model + distributed optimizer, 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,6 +245,28 @@ def test_cli_prints_the_table(monkeypatch, capsys):
         assert text in out, out
     assert main(["plan", "--config", "examples/configs/plan_sdar30b.yaml", "plan.gpu_memory_gb=40"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+# what the planner must not load: it does arithmetic on config.json (README "Planner"); megatron-core and the
+# checkpoint I/O (torch.distributed.checkpoint, which pulls torch's compiler) cost seconds a user sizing a
+# cluster waits for. Bare torch still loads (the algorithms and models/ import it at the top).
+_NOT_FOR_THE_PLAN = ("megatron", "ray", "transformers", "torch.distributed.checkpoint", "megadare.trainer.step")
+
+
+def test_plan_command_loads_neither_megatron_nor_the_checkpoint_io():
+    """``megadare plan`` in a fresh interpreter (this process has megatron loaded): the table, and none of
+    _NOT_FOR_THE_PLAN among the modules it imported."""
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['megadare', 'plan', '--config', 'examples/configs/plan_sdar30b.yaml']\n"
+        "try:\n    runpy.run_module('megadare', run_name='__main__')\n"
+        "except SystemExit as e:\n    rc = e.code\n"
+        f"print('loaded:', rc, sorted(m for m in {_NOT_FOR_THE_PLAN!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "total 30.53B, active 3.35B" in out.stdout and ": fits" in out.stdout, out.stdout
+    assert out.stdout.splitlines()[-1] == "loaded: 0 []", out.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples" / "configs").glob("*.yaml")), ids=lambda p: p.name)

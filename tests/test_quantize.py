@@ -92,7 +92,7 @@ def test_per_tensor_fp8_error_bound_and_exact_scale():
 def test_rollout_weights_follow_sglang_names(family):
     """Linear weights -> (weight fp8, weight_scale_inv) in stream order; everything else passes through as is.
     LLaDA2's fused query_key_value is one linear; LLaDA's LM head (transformer.ff_out) is not one."""
-    from megadare.convert import mapping_for
+    from megadare.convert.hf_megatron import mapping_for
     from megadare.models import build_hf_model, get_family
 
     cfg = get_family(family).tiny_config()
@@ -199,7 +199,7 @@ def test_fp8_block_checkpoint_matches_rollout_stream(sdar_dir, tmp_path):
 
 
 def test_megatron_checkpoint_source(sdar_dir, tmp_path):
-    from megadare.convert import hf_to_megatron
+    from megadare.convert.hf_megatron import hf_to_megatron
 
     ck = str(tmp_path / "ck")
     hf_to_megatron(sdar_dir, ck, progress=False)

@@ -154,7 +154,7 @@ def test_async_config_errors(tmp_path, over, match):
     from megadare.errors import ConfigError
     from megadare.models import get_family
     from megadare.trainer.offpolicy.queue import lookahead
-    from megadare.trainer.offpolicy.correction import check_correction_config
+    from megadare.trainer.offpolicy.settings import check_correction_config
 
     cfg = _rl_cfg(tmp_path, *over)
     fam = get_family("sdar")

@@ -36,7 +36,7 @@ def _worker(rank, world, hf_dir):
     from megadare.algos import build_algorithm
     from megadare.algos.sft import example_generator
     from megadare.config import config_from_dict
-    from megadare.convert import mapping_for
+    from megadare.convert.hf_megatron import mapping_for
     from megadare.models.lora import adapters_disabled, lora_parameters, merge_lora, merged_weights
     from megadare.parallel import destroy_distributed, init_distributed
     from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync

@@ -294,7 +294,7 @@ def _entropy_bonus(base, coef: float = 0.1):
 
 
 def _build(hf_dir: str, sp: bool, lora: bool, value: bool):
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp

@@ -174,7 +174,7 @@ def test_tiny_sft_lowers_the_loss_and_writes_tensorboard(tmp_path):
     assert len(lines) == 40 and json.loads(lines[0])["step"] == 1
 
     # the training checkpoint (with optimizer state) exports to HF and holds the trained weights
-    from megadare.convert import megatron_to_hf
+    from megadare.convert.hf_megatron import megatron_to_hf
     from megadare.models import load_hf_model
 
     out_dir = megatron_to_hf(os.path.join(cfg.logging.run_dir, "ckpt"), str(tmp_path / "hf_out"))
@@ -298,7 +298,7 @@ def test_lora_sft_exports_merged_weights(tmp_path):
         parallel__sp=True,
     )
     _run(cfg, 2)
-    from megadare.convert import megatron_to_hf
+    from megadare.convert.hf_megatron import megatron_to_hf
     from megadare.models import load_hf_model
     from megadare.models.attention import block_causal
 

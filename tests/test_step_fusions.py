@@ -56,7 +56,7 @@ def _rows(vocab: int, n: int = 4, length: int = 10):
 def _train(hf_dir: str, fused: bool, calls: list, elementwise: bool = False, length: int = 10):
     """Two optimizer steps on micro-batches of two ``length``-token rows: (losses, main_grad buffers after the first
     step, weights after the second, how many entries ``calls`` gained in the first step)."""
-    from megadare.convert import load_hf_into_model
+    from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
     from megadare.models.gpt import build_model_chunks, transformer_config
     from megadare.models.norm import FusedRMSNorm, RMSNorm

@@ -93,7 +93,7 @@ class _Recorder:
 
 
 def _layout_case(rank, family, layout, lr, hfs, ids, manager, version, extras):
-    from megadare.convert import mapping_for
+    from megadare.convert.hf_megatron import mapping_for
     from megadare.models.attention import family_mask
     from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
     from megadare.trainer.forward import forward_logits

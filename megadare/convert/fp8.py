@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 import torch
 
-from megadare.convert import mapping_for
+from megadare.convert.hf_megatron import mapping_for
 from megadare.models.family import read_hf_config
 
 FP8_DTYPE = torch.float8_e4m3fn

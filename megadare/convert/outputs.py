@@ -23,6 +23,7 @@ import shutil
 import sys
 from collections.abc import Iterable
 
+from megadare.console import end_open_line
 from megadare.errors import OutputError
 from megadare.models.safetensors_io import fresh_sibling, sweep_dead_siblings
 
@@ -161,6 +162,7 @@ def staging_dir(out: str) -> str:
     exports of ``out`` left beside it is removed (``sweep_dead_siblings``)."""
     out = os.fspath(out).rstrip(os.sep)
     for d in sweep_dead_siblings(out):
+        end_open_line(sys.stderr)  # the converter's progress bar has drawn its first frame: a line of its own
         print(f"export: removed {d}, left by a killed export of {out}", file=sys.stderr, flush=True)
     return fresh_sibling(out, "tmp", create=True)
 

@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megadare.convert import megatron_to_hf
+from megadare.convert.hf_megatron import megatron_to_hf
 from megadare.convert.fp8 import BLOCK, fp8_block_quant_config, fp8_rollout_weights, linear_hf_names
 from megadare.convert.mcore_ckpt import MegatronCheckpointError, resolve_checkpoint_dir
 from megadare.convert.outputs import check_export_target, mark_export, publish, staging_dir

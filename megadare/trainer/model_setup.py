@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megadare.config import Config
-from megadare.convert import load_hf_into_model
+from megadare.convert.hf_megatron import load_hf_into_model
 from megadare.data.tokenizer import VOCABULARY_FILES, ByteTokenizer, HFTokenizer
 from megadare.errors import ConfigError, RunStateError
 from megadare.models import build_hf_model, save_hf_model

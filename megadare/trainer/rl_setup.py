@@ -16,7 +16,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megadare.config import Config
-from megadare.convert import mapping_for
+from megadare.convert.hf_megatron import mapping_for
 from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
 from megadare.errors import ConfigError, RunStateError

@@ -24,7 +24,7 @@ from megadare.models.family import Family, ModelArch, family_of, get_family, rea
 from megadare.parallel.layout import Layout
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.setup import sampling_params
-from megadare.trainer.offpolicy.correction import check_correction_config
+from megadare.trainer.offpolicy.settings import check_correction_config
 from megadare.trainer.offpolicy.queue import lookahead
 
 JOBS = ("sft", "dpo", "rl", "eval", "plan")

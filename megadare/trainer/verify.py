@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
-from megadare.convert import load_checkpoint, load_hf_into_model, save_checkpoint
+from megadare.convert.hf_megatron import load_checkpoint, load_hf_into_model, save_checkpoint
 from megadare.models import gpt
 from megadare.models.attention import family_mask
 from megadare.models.family import family_of, read_hf_config

@@ -47,7 +47,7 @@ RESULTS: list[str] = []  # equality results, printed at the end of the run (conf
 def export_checkpoint(root: str, family: str, seed: int, export: bool = True, **over: Any) -> str:
     """Tiny ``family`` checkpoint (random, seeded) through megadare's export path (``export=False``: as written,
     e.g. a source of other weights); returns its directory."""
-    from megadare.convert import hf_to_megatron, megatron_to_hf
+    from megadare.convert.hf_megatron import hf_to_megatron, megatron_to_hf
     from tiny import write_tiny_hf
 
     hf = write_tiny_hf(
@@ -154,7 +154,7 @@ def _trainer(
     rank: int, world: int, layout: dict, hf_dir: str, calls: Any, answers: Any, version: int, bucket_bytes: int
 ) -> dict:
     from dist import stepped_trainer
-    from megadare.convert import mapping_for
+    from megadare.convert.hf_megatron import mapping_for
     from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.rollout.weight_sync.sync import SyncSettings, sync_weights
 

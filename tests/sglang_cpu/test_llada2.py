@@ -35,7 +35,7 @@ def _trainer_and_engine(rank, world, served, trainer_hf):
     from dist import stepped_trainer
     from real_sglang import EOS, engine_kwargs, native_engine
 
-    from megadare.convert import mapping_for
+    from megadare.convert.hf_megatron import mapping_for
     from megadare.parallel import Layout, destroy_distributed, init_distributed
     from megadare.rollout.manager import EngineSpec, RolloutManager
     from megadare.rollout.sglang_engine import build_sglang_engine

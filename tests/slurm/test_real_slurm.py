@@ -324,7 +324,7 @@ def converted(tiny, tmp_path_factory):
 def test_convert_hf_to_megatron_round_trips(converted, tiny, tmp_path):
     import torch
 
-    from megadare.convert import megatron_to_hf
+    from megadare.convert.hf_megatron import megatron_to_hf
     from megadare.models.safetensors_io import SafetensorsReader
 
     j, rc, out = converted
