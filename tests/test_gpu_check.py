@@ -203,6 +203,25 @@ def test_the_compiled_norm_variant_runs_compiled_norms_with_the_same_gradients()
     assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows
 
 
+def test_moe_experts_benchmark_compares_the_same_math():
+    """benchmarks/moe_experts.py (grouped GEMMs against megatron's SequentialMLP, for the GPU's next measurement)
+    on the CPU: three contenders timed, and the grouped ones give SequentialMLP's output, input gradient and fc1
+    weight gradient (fp32: to 1e-5), so a speed-up it prints is for the same layer."""
+    script = os.path.join(ROOT, "benchmarks", "moe_experts.py")
+    r = subprocess.run(
+        [sys.executable, script, "--tokens", "128", "--rounds", "1"],
+        cwd=os.path.join(ROOT, "benchmarks"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("  ")}
+    assert {"sequential", "grouped+stack", "grouped", "fc1"} <= set(rows), r.stdout
+    rel = [float(v.split()[0].rstrip(",")) for ln in rows.values() for v in ln.split("rel ")[1:]]
+    assert len(rel) == 7 and max(rel) < 1e-5, r.stdout
+
+
 def test_cuda_check_on_a_machine_without_a_gpu_refuses_in_one_line(tmp_path, capsys):
     """`python benchmarks/gpu_check.py` on a CPU laptop ran every step for up to its 560 s budget, each failing or
     quietly taking the CPU path; it now stops at once, saying why and what to run instead."""

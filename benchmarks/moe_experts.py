@@ -1,0 +1,131 @@
+"""Training MoE experts: megatron-core's ``SequentialMLP`` (what megadare trains with: one GEMM per expert and
+projection, and a host read of the token counts per layer) against grouped GEMMs (``torch._grouped_mm``, as the
+built-in engine decodes MoE models: models/hf/common.py) on the same weights and rows, forward + backward.
+
+    python benchmarks/moe_experts.py              # GPU: the small MoE shape of train_throughput.py, bf16
+                                                  # CPU: its CPU shape, fp32 (--rows to change)
+
+Rows are the routed copies of ``--tokens`` tokens (top-k each), spread over the experts by a random router. Three
+contenders, each ``--rounds`` timed rounds after a warm-up: ``sequential`` (layer 0's ``SequentialMLP`` from
+megadare's own model build), ``grouped+stack`` (grouped GEMMs over weights stacked from the experts' parameters
+inside the timed call: what keeping ``SequentialMLP``'s parameter layout would cost), ``grouped`` (the weights
+already stacked: a layout with one [experts, out, in] tensor per projection). Prints ms per forward + backward,
+the ratio to ``sequential``, and how far the outputs and gradients are from ``sequential``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+from megadare.models.gpt import build_model_chunks, transformer_config
+from megadare.models.hf.common import _grouped_swiglu, grouped_gemm_runs
+from megadare.parallel import destroy_distributed, init_distributed
+
+import train_throughput as tt
+
+
+def sequential_experts(arch, dtype: str):
+    """Layer 0's SequentialMLP of megadare's build of ``arch`` (the module a training step runs)."""
+    chunks = build_model_chunks(arch, transformer_config(arch, dtype), attention_backend="sdpa")
+    return chunks[0].decoder.layers[0].mlp.experts
+
+
+def routed_rows(arch, tokens: int, dev: str, dtype: torch.dtype, seed: int = 0):
+    """(rows sorted by expert [tokens * topk, hidden], tokens per expert, router probabilities per row)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = torch.randn(tokens, arch.num_experts, generator=g)
+    experts = logits.topk(arch.moe_topk, dim=1).indices.flatten()
+    counts = torch.bincount(experts, minlength=arch.num_experts)
+    n = int(counts.sum())
+    x = torch.randn(n, arch.hidden_size, generator=g).to(dev, dtype)
+    probs = torch.rand(n, generator=g).to(dev, torch.float32)
+    return x, counts.to(dev), probs
+
+
+def grouped(x, counts, probs, w1, w2):
+    """SequentialMLP's math through grouped GEMMs: fc1 = [gate; up] rows, SwiGLU, the router probability, fc2."""
+    f = w1.shape[1] // 2
+    ends = counts.cumsum(0).to(torch.int32)
+    return _grouped_swiglu(x, (w1[:, :f], w1[:, f:], w2), ends) * probs.unsqueeze(1).to(x.dtype)
+
+
+def contenders(experts):
+    fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+    fc2 = [e.linear_fc2.weight for e in experts.local_experts]
+    w1, w2 = torch.stack([w.detach() for w in fc1]).requires_grad_(), torch.stack([w.detach() for w in fc2])
+    w2.requires_grad_()
+    return {
+        "sequential": lambda x, c, p: experts(x, c, p)[0],
+        "grouped+stack": lambda x, c, p: grouped(x, c, p, torch.stack(fc1), torch.stack(fc2)),
+        "grouped": lambda x, c, p: grouped(x, c, p, w1, w2),
+    }, (w1, w2)
+
+
+def timed(fn, x, counts, probs, dy, rounds: int, sync):
+    """(best seconds of a forward + backward, output, grad of x)."""
+    best, out, gx = None, None, None
+    for r in range(rounds + 1):
+        xi = x.detach().requires_grad_()
+        sync()
+        t0 = time.perf_counter()
+        y = fn(xi, counts, probs)
+        y.backward(dy)
+        sync()
+        dt = time.perf_counter() - t0
+        if r and (best is None or dt < best):
+            best = dt
+        out, gx = y.detach(), xi.grad
+    return best, out, gx
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--tokens", type=int, default=8192 if gpu else 512, help="tokens before top-k routing")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    dev, dtype = ("cuda", "bf16") if gpu else ("cpu", "fp32")
+    arch = tt.SHAPES["moe"] if gpu else tt.cpu_shape(tt.SHAPES["moe"])
+    init_distributed()
+    try:
+        experts = sequential_experts(arch, dtype)
+        w = experts.local_experts[0].linear_fc1.weight
+        if not grouped_gemm_runs(w):
+            sys.exit(f"moe experts: grouped GEMMs do not run for {w.dtype} on {w.device} with this torch")
+        x, counts, probs = routed_rows(arch, args.tokens, dev, w.dtype)
+        dy = torch.randn_like(x)
+        sync = torch.cuda.synchronize if gpu else (lambda: None)
+        fns, stacked = contenders(experts)
+        res = {name: timed(fn, x, counts, probs, dy, args.rounds, sync) for name, fn in fns.items()}
+        dw = {}  # one more forward + backward each, from zeroed gradients: fc1's weight gradient
+        for name in ("sequential", "grouped"):
+            params = [stacked[0]] + [e.linear_fc1.weight for e in experts.local_experts]
+            for p in params:
+                p.grad = None
+            fns[name](x, counts, probs).backward(dy)
+            fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+            grads = [getattr(w, "main_grad", None) if w.grad is None else w.grad for w in fc1]
+            dw[name] = stacked[0].grad if name == "grouped" else torch.stack(grads)
+    finally:
+        destroy_distributed()
+    t0, y0, g0 = res["sequential"]
+    print(
+        f"moe experts on {dev} ({dtype}): {arch.num_experts} experts, hidden {arch.hidden_size}, expert ffn "
+        f"{arch.moe_ffn_hidden_size}, {x.shape[0]} routed rows ({args.tokens} tokens, top-{arch.moe_topk}), "
+        f"forward + backward, best of {args.rounds}"
+    )
+    for name, (t, y, gx) in res.items():
+        dy_rel = float((y - y0).abs().max() / y0.abs().max())
+        dx_rel = float((gx - g0).abs().max() / g0.abs().max())
+        print(f"  {name:14s} {t * 1e3:9.2f} ms  {t0 / t:6.2f}x  output rel {dy_rel:.1e}, input grad rel {dx_rel:.1e}")
+    dw_rel = float((dw["grouped"] - dw["sequential"]).abs().max() / dw["sequential"].abs().max())
+    print(f"  fc1 weight gradient, grouped vs sequential: rel {dw_rel:.1e}")
+
+
+if __name__ == "__main__":
+    main()
