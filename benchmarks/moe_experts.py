@@ -3,7 +3,7 @@ projection, and a host read of the token counts per layer) against grouped GEMMs
 built-in engine decodes MoE models: models/hf/common.py) on the same weights and rows, forward + backward.
 
     python benchmarks/moe_experts.py              # GPU: the small MoE shape of train_throughput.py, bf16
-                                                  # CPU: its CPU shape, fp32 (--rows to change)
+                                                  # CPU: its CPU shape, fp32 (--tokens to change)
 
 Rows are the routed copies of ``--tokens`` tokens (top-k each), spread over the experts by a random router. Three
 contenders, each ``--rounds`` timed rounds after a warm-up: ``sequential`` (layer 0's ``SequentialMLP`` from
@@ -20,7 +20,6 @@ import sys
 import time
 
 import torch
-
 
 from megadare.models.gpt import build_model_chunks, transformer_config
 from megadare.models.hf.common import _grouped_swiglu, grouped_gemm_runs
@@ -55,15 +54,27 @@ def grouped(x, counts, probs, w1, w2):
 
 
 def contenders(experts):
+    """The three forwards by name, and (sequential's fc1 weights, grouped's stacked fc1) whose gradients compare."""
     fc1 = [e.linear_fc1.weight for e in experts.local_experts]
     fc2 = [e.linear_fc2.weight for e in experts.local_experts]
-    w1, w2 = torch.stack([w.detach() for w in fc1]).requires_grad_(), torch.stack([w.detach() for w in fc2])
-    w2.requires_grad_()
+    w1 = torch.stack([w.detach() for w in fc1]).requires_grad_()
+    w2 = torch.stack([w.detach() for w in fc2]).requires_grad_()
     return {
         "sequential": lambda x, c, p: experts(x, c, p)[0],
         "grouped+stack": lambda x, c, p: grouped(x, c, p, torch.stack(fc1), torch.stack(fc2)),
         "grouped": lambda x, c, p: grouped(x, c, p, w1, w2),
-    }, (w1, w2)
+    }, (fc1, w1)
+
+
+def fc1_weight_grads(fns, fc1, w1, rows) -> dict:
+    """fc1's weight gradient of one more forward + backward of ``sequential`` and ``grouped``, from zeroed
+    gradients (the timed rounds accumulated into them)."""
+    x, counts, probs, dy = rows
+    for w in fc1 + [w1]:
+        w.grad = None
+    fns["sequential"](x, counts, probs).backward(dy)
+    fns["grouped"](x, counts, probs).backward(dy)
+    return {"sequential": torch.stack([w.grad for w in fc1]), "grouped": w1.grad}
 
 
 def timed(fn, x, counts, probs, dy, rounds: int, sync):
@@ -100,17 +111,9 @@ def main() -> None:
         x, counts, probs = routed_rows(arch, args.tokens, dev, w.dtype)
         dy = torch.randn_like(x)
         sync = torch.cuda.synchronize if gpu else (lambda: None)
-        fns, stacked = contenders(experts)
+        fns, (fc1, w1) = contenders(experts)
         res = {name: timed(fn, x, counts, probs, dy, args.rounds, sync) for name, fn in fns.items()}
-        dw = {}  # one more forward + backward each, from zeroed gradients: fc1's weight gradient
-        for name in ("sequential", "grouped"):
-            params = [stacked[0]] + [e.linear_fc1.weight for e in experts.local_experts]
-            for p in params:
-                p.grad = None
-            fns[name](x, counts, probs).backward(dy)
-            fc1 = [e.linear_fc1.weight for e in experts.local_experts]
-            grads = [getattr(w, "main_grad", None) if w.grad is None else w.grad for w in fc1]
-            dw[name] = stacked[0].grad if name == "grouped" else torch.stack(grads)
+        dw = fc1_weight_grads(fns, fc1, w1, (x, counts, probs, dy))
     finally:
         destroy_distributed()
     t0, y0, g0 = res["sequential"]
