@@ -1,16 +1,17 @@
-"""Training MoE experts: megatron-core's ``SequentialMLP`` (what megadare trains with: one GEMM per expert and
-projection, and a host read of the token counts per layer) against grouped GEMMs (``torch._grouped_mm``, as the
-built-in engine decodes MoE models: models/hf/common.py) on the same weights and rows, forward + backward.
+"""Training MoE experts: megatron-core's ``SequentialMLP`` (one GEMM per expert and projection, and a host read of
+the token counts per layer) against grouped GEMMs (``torch._grouped_mm``) on the same weights and rows, forward +
+backward.
 
     python benchmarks/moe_experts.py              # GPU: the small MoE shape of train_throughput.py, bf16
                                                   # CPU: its CPU shape, fp32 (--tokens to change)
 
 Rows are the routed copies of ``--tokens`` tokens (top-k each), spread over the experts by a random router. Three
 contenders, each ``--rounds`` timed rounds after a warm-up: ``sequential`` (layer 0's ``SequentialMLP`` from
-megadare's own model build), ``grouped+stack`` (grouped GEMMs over weights stacked from the experts' parameters
-inside the timed call: what keeping ``SequentialMLP``'s parameter layout would cost), ``grouped`` (the weights
-already stacked: a layout with one [experts, out, in] tensor per projection). Prints ms per forward + backward,
-the ratio to ``sequential``, and how far the outputs and gradients are from ``sequential``'s.
+megadare's own model build), ``GroupedExperts`` (the same layer built with models/experts.py's module,
+``train.grouped_experts``: grouped GEMMs over weights stacked from the experts' own parameters in the forward and
+again in the backward), ``grouped`` (the weights already stacked: what a layout with one [experts, out, in] tensor
+per projection would give). Prints ms per forward + backward, the ratio to ``sequential``, and how far the outputs
+and gradients are from ``sequential``'s.
 """
 
 from __future__ import annotations
@@ -21,17 +22,25 @@ import time
 
 import torch
 
-from megadare.models.gpt import build_model_chunks, transformer_config
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from megadare.models.experts import GroupedExperts
+from megadare.models.gpt import LayerModules, build_model_chunks, transformer_config
 from megadare.models.hf.common import _grouped_swiglu, grouped_gemm_runs
 from megadare.parallel import destroy_distributed, init_distributed
 
 import train_throughput as tt
 
 
-def sequential_experts(arch, dtype: str):
-    """Layer 0's SequentialMLP of megadare's build of ``arch`` (the module a training step runs)."""
-    chunks = build_model_chunks(arch, transformer_config(arch, dtype), attention_backend="sdpa")
-    return chunks[0].decoder.layers[0].mlp.experts
+def layer0_experts(arch, dtype: str, experts: type = SequentialMLP, like=None):
+    """Layer 0's experts module of megadare's build of ``arch`` (``experts``: the module class a training step runs,
+    ``like``: another such module whose weights it takes)."""
+    modules = LayerModules(experts=experts)
+    chunks = build_model_chunks(arch, transformer_config(arch, dtype), attention_backend="sdpa", modules=modules)
+    module = chunks[0].decoder.layers[0].mlp.experts
+    if like is not None:
+        module.load_state_dict(like.state_dict())
+    return module
 
 
 def routed_rows(arch, tokens: int, dev: str, dtype: torch.dtype, seed: int = 0):
@@ -53,7 +62,7 @@ def grouped(x, counts, probs, w1, w2):
     return _grouped_swiglu(x, (w1[:, :f], w1[:, f:], w2), ends) * probs.unsqueeze(1).to(x.dtype)
 
 
-def contenders(experts):
+def contenders(experts, grouped_experts):
     """The three forwards by name, and (sequential's fc1 weights, grouped's stacked fc1) whose gradients compare."""
     fc1 = [e.linear_fc1.weight for e in experts.local_experts]
     fc2 = [e.linear_fc2.weight for e in experts.local_experts]
@@ -61,7 +70,7 @@ def contenders(experts):
     w2 = torch.stack([w.detach() for w in fc2]).requires_grad_()
     return {
         "sequential": lambda x, c, p: experts(x, c, p)[0],
-        "grouped+stack": lambda x, c, p: grouped(x, c, p, torch.stack(fc1), torch.stack(fc2)),
+        "GroupedExperts": lambda x, c, p: grouped_experts(x, c, p)[0],
         "grouped": lambda x, c, p: grouped(x, c, p, w1, w2),
     }, (fc1, w1)
 
@@ -104,14 +113,15 @@ def main() -> None:
     arch = tt.SHAPES["moe"] if gpu else tt.cpu_shape(tt.SHAPES["moe"])
     init_distributed()
     try:
-        experts = sequential_experts(arch, dtype)
+        experts = layer0_experts(arch, dtype)
+        grouped_experts = layer0_experts(arch, dtype, GroupedExperts, like=experts)
         w = experts.local_experts[0].linear_fc1.weight
         if not grouped_gemm_runs(w):
             sys.exit(f"moe experts: grouped GEMMs do not run for {w.dtype} on {w.device} with this torch")
         x, counts, probs = routed_rows(arch, args.tokens, dev, w.dtype)
         dy = torch.randn_like(x)
         sync = torch.cuda.synchronize if gpu else (lambda: None)
-        fns, (fc1, w1) = contenders(experts)
+        fns, (fc1, w1) = contenders(experts, grouped_experts)
         res = {name: timed(fn, x, counts, probs, dy, args.rounds, sync) for name, fn in fns.items()}
         dw = fc1_weight_grads(fns, fc1, w1, (x, counts, probs, dy))
     finally:

@@ -14,7 +14,8 @@ batch that runs out of memory is reported as OOM. FLOPs as in megadare/trainer/f
 (none), ``gradfusion`` (gradient_accumulation_fusion), ``fused`` (fused_elementwise), ``all`` (both), each against
 the same backend's ``base`` ("vs base"); with gradfusion on CUDA the row names the accumulation path that ran,
 with fused the RMSNorm (torch's fused CUDA kernel or compiled) and RoPE (compiled, or TE's) that ran.
-``fusedcnorm`` is ``fused`` with every RMSNorm compiled where CUDA would take torch's fused kernel (its backward,
+``grouped`` / ``fusedgrouped`` are ``base`` / ``fused`` with MoE experts through grouped GEMMs (models/experts.py,
+``train.grouped_experts``; the row says which expert forward ran). ``fusedcnorm`` is ``fused`` with every RMSNorm compiled where CUDA would take torch's fused kernel (its backward,
 ``GammaBetaBackward`` and ``layer_norm_grad_input``, was 4.5% of the H200's SDAR-1.7B step: GPU.md); the same on
 a CPU, where norms are compiled anyway.
 
@@ -94,7 +95,11 @@ VARIANTS = {
     "fused": (False, True),
     "all": (True, True),
     "fusedcnorm": (False, True),  # fused, with every RMSNorm compiled (below)
+    "grouped": (False, False),  # base, MoE experts through grouped GEMMs (below)
+    "fusedgrouped": (False, True),  # fused and grouped
 }
+# variants whose MoE experts run through grouped GEMMs (models/experts.py, ``train.grouped_experts``)
+GROUPED_EXPERTS = {"grouped", "fusedgrouped"}
 # variants that time another RMSNorm than the one models/step_fusions.py picks (its ``norm_path``)
 NORM_PATHS = {"fusedcnorm": "compiled"}
 CPU_SHAPE = dict(
@@ -133,7 +138,8 @@ def run_backend(
     gradient norm: the same for every variant up to rounding, a check that a fusion neither doubles nor drops a
     gradient). ``on_step``: called after every step, warm-up ones included (a profiler's ``step``); ``variant``: a
     key of VARIANTS."""
-    from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.models.experts import GroupedExperts
+    from megadare.models.gpt import LayerModules, build_model_chunks, transformer_config
     from megadare.models.norm import FusedRMSNorm, RMSNorm
     from megadare.data.rows import Row, pack_rows
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
@@ -142,8 +148,11 @@ def run_backend(
 
     grad_fusion, elementwise = VARIANTS[variant]
     tcfg = transformer_config(arch, dtype, **step_fusions.config_overrides(grad_fusion, elementwise))
-    norm = FusedRMSNorm if elementwise else RMSNorm
-    chunks = build_model_chunks(arch, tcfg, attention_backend=backend, norm=norm)
+    modules = LayerModules(
+        norm=FusedRMSNorm if elementwise else RMSNorm,
+        experts=GroupedExperts if variant in GROUPED_EXPERTS else LayerModules.experts,
+    )
+    chunks = build_model_chunks(arch, tcfg, attention_backend=backend, modules=modules)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=steps + 2, dtype=dtype))
     g = torch.Generator().manual_seed(0)
@@ -537,6 +546,15 @@ def run_case(args, shape: str, backend: str, batch: int) -> dict:
     return {"error": "FAILED", "detail": err[:200]}
 
 
+def experts_path(arch: ModelArch, dtype: str) -> str:
+    """Which forward ``GroupedExperts`` runs for ``arch`` in ``dtype`` on this device (models/experts.py)."""
+    from megadare.models.experts import grouped_runs
+    from megadare.models.gpt import DTYPES, transformer_config
+
+    like = torch.empty(0, dtype=DTYPES[dtype], device="cuda" if torch.cuda.is_available() else "cpu")
+    return "grouped GEMMs" if grouped_runs(transformer_config(arch, dtype), like) else "sequential (no grouped GEMM)"
+
+
 def case(args) -> None:
     """The child of run_case: one case, its result as a ``CASE {json}`` line."""
     from megadare.parallel import destroy_distributed, init_distributed
@@ -559,6 +577,8 @@ def case(args) -> None:
         if VARIANTS[variant][1]:
             device = torch.device("cuda" if gpu else "cpu")
             paths.append(f"norm: {step_fusions.norm_path(device)}, rope: {step_fusions.rope_path()}")
+        if variant in GROUPED_EXPERTS and arch.is_moe:
+            paths.append(f"experts: {experts_path(arch, dtype)}")
         res["paths"] = ", ".join(paths)
     except torch.OutOfMemoryError:
         res = {"error": "OOM"}

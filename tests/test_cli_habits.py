@@ -54,6 +54,11 @@ OPTIONS = [
         "megadare: parallel.sp=true",
     ),
     (
+        ["--moe-grouped-gemm"],
+        "unknown option '--moe-grouped-gemm': config keys are set as key=value; that is Megatron-LM / torchrun's; "
+        "megadare: train.grouped_experts=true (torch's grouped GEMM over SequentialMLP's weights)",
+    ),
+    (
         ["--nproc_per_node", "2"],
         "unknown option '--nproc_per_node 2': that is Megatron-LM / torchrun's; "
         "megadare: --nproc 2 (or torchrun --nproc_per_node 2 -m megadare ...)",

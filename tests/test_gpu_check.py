@@ -217,7 +217,7 @@ def test_moe_experts_benchmark_compares_the_same_math():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("  ")}
-    assert {"sequential", "grouped+stack", "grouped", "fc1"} <= set(rows), r.stdout
+    assert {"sequential", "GroupedExperts", "grouped", "fc1"} <= set(rows), r.stdout
     rel = [float(v.split()[0].rstrip(",")) for ln in rows.values() for v in ln.split("rel ")[1:]]
     assert len(rel) == 7 and max(rel) < 1e-5, r.stdout
 

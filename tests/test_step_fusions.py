@@ -58,7 +58,7 @@ def _train(hf_dir: str, fused: bool, calls: list, elementwise: bool = False, len
     step, weights after the second, how many entries ``calls`` gained in the first step)."""
     from megadare.convert.hf_megatron import load_hf_into_model
     from megadare.models.family import family_of, read_hf_config
-    from megadare.models.gpt import build_model_chunks, transformer_config
+    from megadare.models.gpt import LayerModules, build_model_chunks, transformer_config
     from megadare.models.norm import FusedRMSNorm, RMSNorm
     from megadare.trainer.optim import OptimSettings, build_optimizer, wrap_ddp
     from megadare.trainer.policy import Policy
@@ -67,7 +67,8 @@ def _train(hf_dir: str, fused: bool, calls: list, elementwise: bool = False, len
     hf = read_hf_config(hf_dir)
     arch = family_of(hf).arch(hf)
     tcfg = transformer_config(arch, **step_fusions.config_overrides(fused, elementwise))
-    chunks = build_model_chunks(arch, tcfg, attention_backend="sdpa", norm=FusedRMSNorm if elementwise else RMSNorm)
+    modules = LayerModules(norm=FusedRMSNorm if elementwise else RMSNorm)
+    chunks = build_model_chunks(arch, tcfg, attention_backend="sdpa", modules=modules)
     load_hf_into_model(chunks, hf_dir)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=LR, total_steps=2, adam_eps=ADAM_EPS))

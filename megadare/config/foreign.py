@@ -163,6 +163,7 @@ FLAGS: dict[str, Fix] = {
     "no_gradient_accumulation_fusion": "train.gradient_accumulation_fusion=false (the default)",
     "no_bias_swiglu_fusion": "train.fused_elementwise=false (one key for SwiGLU, the residual add, RMSNorm, RoPE)",
     "no_bias_dropout_fusion": "train.fused_elementwise=false (one key for SwiGLU, the residual add, RMSNorm, RoPE)",
+    "moe_grouped_gemm": "train.grouped_experts=true (torch's grouped GEMM over SequentialMLP's weights)",
     "nproc_per_node": "--nproc {v} (or torchrun --nproc_per_node {v} -m megadare ...)",
 }
 

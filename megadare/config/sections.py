@@ -78,6 +78,8 @@ class TrainSection:
     # (megatron's flag without apex: models/step_fusions.py)
     fused_elementwise: Optional[bool] = None  # megatron's compiled SwiGLU and residual add, fused RMSNorm and RoPE
     # (step_fusions.py); None = on where a GPU measured it faster: CUDA, a dense model in bf16 / fp16
+    grouped_experts: Optional[bool] = None  # MoE experts through grouped GEMMs, SequentialMLP's weights
+    # (models/experts.py); None = on where measured faster: a CPU (a GPU: not yet measured)
 
 
 @dataclass

@@ -13,6 +13,7 @@ layer on the scored positions only when the trainer passes a ``ScoredTargets`` a
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -116,18 +117,28 @@ def transformer_config(arch: ModelArch, dtype: str = "fp32", **overrides) -> Tra
     return TransformerConfig(**kw)
 
 
+@dataclass(frozen=True)
+class LayerModules:
+    """The modules a training run may swap in a layer spec, the same weights either way: ``norm`` ``RMSNorm`` or
+    ``FusedRMSNorm`` (``train.fused_elementwise``), ``experts`` megatron's ``SequentialMLP`` or ``GroupedExperts``
+    (``train.grouped_experts``, models/experts.py)."""
+
+    norm: type = RMSNorm
+    experts: type = SequentialMLP
+
+
 def _dense_mlp() -> ModuleSpec:
     return ModuleSpec(
         module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     )
 
 
-def _moe_mlp() -> ModuleSpec:
+def _moe_mlp(experts: type) -> ModuleSpec:
     mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+            experts=ModuleSpec(module=experts, submodules=mlp),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp),
         ),
         metainfo={"fuse_pre_mlp_layernorm": False},
@@ -142,13 +153,16 @@ def _core_attention(backend: str):
     return functools.partial(DLLMCoreAttention, backend=backend)
 
 
-def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto", norm: type = RMSNorm) -> ModuleSpec:
-    """One transformer layer: RMSNorm -> attention (fused QKV, optional QK norm) -> RMSNorm -> MLP or MoE.
-    ``norm``: ``RMSNorm`` or ``FusedRMSNorm`` (``train.fused_elementwise``), the same weights.
+def layer_spec(
+    arch: ModelArch, moe: bool, attention_backend: str = "auto", modules: LayerModules = LayerModules()
+) -> ModuleSpec:
+    """One transformer layer: RMSNorm -> attention (fused QKV, optional QK norm) -> RMSNorm -> MLP or MoE, with
+    ``modules``' norm and experts.
 
     Checkpoint keys follow megatron's TE-spec names (input norm fused into linear_qkv, dense pre-MLP norm
     fused into linear_fc1), so our distributed checkpoints load into TE-spec models and back.
     """
+    norm = modules.norm
     keys_map = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
     if not moe:
         keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
@@ -169,7 +183,7 @@ def layer_spec(arch: ModelArch, moe: bool, attention_backend: str = "auto", norm
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=_moe_mlp() if moe else _dense_mlp(),
+            mlp=_moe_mlp(modules.experts) if moe else _dense_mlp(),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=keys_map,
         ),
@@ -181,14 +195,14 @@ def block_spec(
     config: TransformerConfig,
     vp_stage: Optional[int] = None,
     attention_backend: str = "auto",
-    norm: type = RMSNorm,
+    modules: LayerModules = LayerModules(),
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage (and virtual stage) builds, dense or MoE per layer."""
     moe_layers = set(arch.moe_layers())
-    specs = [layer_spec(arch, i in moe_layers, attention_backend, norm) for i in range(arch.num_layers)]
+    specs = [layer_spec(arch, i in moe_layers, attention_backend, modules) for i in range(arch.num_layers)]
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     n = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + n], layer_norm=norm)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + n], layer_norm=modules.norm)
 
 
 class DLLMGPTModel(GPTModel):
@@ -248,15 +262,15 @@ def build_model(
     vp_stage: Optional[int] = None,
     attention_backend: str = "auto",
     head: Optional[HeadSettings] = None,
-    norm: type = RMSNorm,
+    modules: LayerModules = LayerModules(),
 ) -> DLLMGPTModel:
-    """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered. ``norm``:
-    the RMSNorm module of every norm (``FusedRMSNorm`` under ``train.fused_elementwise``)."""
+    """The model chunk of this rank (and virtual stage). Logits stay vocab-parallel unless gathered. ``modules``:
+    the norm and experts modules (``LayerModules``)."""
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = DLLMGPTModel(
         config=config,
-        transformer_layer_spec=block_spec(arch, config, vp_stage, attention_backend, norm),
+        transformer_layer_spec=block_spec(arch, config, vp_stage, attention_backend, modules),
         vocab_size=padded_vocab_size(arch.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre,
@@ -278,15 +292,15 @@ def build_model_chunks(
     config: TransformerConfig,
     attention_backend: str = "auto",
     head: Optional[HeadSettings] = None,
-    norm: type = RMSNorm,
+    modules: LayerModules = LayerModules(),
 ) -> list[DLLMGPTModel]:
     """All model chunks of this rank: one per virtual pipeline stage (one without interleaving), on this rank's
     GPU when there is one. megatron creates most weights there already (``use_cpu_initialization=False``), but
     modules built by plain torch (our RMSNorm, the MoE router's weight) start on the CPU; megatron's own trainer
     moves every chunk with ``.cuda()`` as this does. ``head``: how a training step runs the output layer;
-    ``norm``: see ``build_model``."""
+    ``modules``: see ``build_model``."""
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend, head, norm) for i in range(vpp)]
+    chunks = [build_model(arch, config, i if vpp > 1 else None, attention_backend, head, modules) for i in range(vpp)]
     if torch.cuda.is_available():
         for c in chunks:
             c.cuda(torch.cuda.current_device())

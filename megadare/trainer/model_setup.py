@@ -23,7 +23,8 @@ from megadare.data.tokenizer import VOCABULARY_FILES, ByteTokenizer, HFTokenizer
 from megadare.errors import ConfigError, RunStateError
 from megadare.models import build_hf_model, save_hf_model
 from megadare.models.family import ModelArch, read_hf_config
-from megadare.models.gpt import transformer_config, build_model_chunks
+from megadare.models.experts import experts_module
+from megadare.models.gpt import DTYPES, LayerModules, transformer_config, build_model_chunks
 from megadare.models.norm import FusedRMSNorm, RMSNorm
 from megadare.models.head import HeadSettings
 from megadare.models import step_fusions
@@ -111,15 +112,20 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
 
 def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module]:
     """This rank's model chunks with the source weights loaded (HF straight into the shards); their output layer
-    runs as ``train.logits`` says (models/head.py), their norms fused under ``train.fused_elementwise``."""
+    runs as ``train.logits`` says (models/head.py), their norms fused under ``train.fused_elementwise``, their
+    MoE experts as ``train.grouped_experts`` says (models/experts.py)."""
     tcfg = training_transformer_config(cfg, src.arch)
     fused = step_fusions.elementwise_on(cfg.train.fused_elementwise, src.arch.is_moe, cfg.model.dtype)
+    experts = LayerModules.experts
+    if src.arch.is_moe:
+        like = torch.empty(0, dtype=DTYPES[cfg.model.dtype], device="cuda" if torch.cuda.is_available() else "cpu")
+        experts = experts_module(cfg.train.grouped_experts, tcfg, like)
     chunks = build_model_chunks(
         src.arch,
         tcfg,
         attention_backend=cfg.model.attention_backend,
         head=HeadSettings(cfg.train.logits, cfg.train.logits_chunk_mb),
-        norm=FusedRMSNorm if fused else RMSNorm,
+        modules=LayerModules(norm=FusedRMSNorm if fused else RMSNorm, experts=experts),
     )
     load_hf_into_model(chunks, src.hf_dir)
     return chunks

@@ -1,0 +1,135 @@
+"""Routed experts through grouped GEMMs, with megatron's ``SequentialMLP`` parameters (``train.grouped_experts``).
+
+megatron-core trains experts without Transformer Engine or the ``grouped_gemm`` package in ``SequentialMLP``: a
+Python loop over the local experts, each an ``MLP`` of two linear layers, so a layer costs 2 GEMMs per expert each
+way (3 with the weight gradients) and ~10 small kernels per expert around them. With 64-256 small experts per layer
+that is launch-bound on a GPU (the small SDAR-MoE shape trained at 2.2-2.6% MFU on an H200, benchmarks/GPU.md).
+``torch._grouped_mm`` does each projection of every expert in one call: rows sorted by expert, ``offs`` the
+cumulative row counts, a [E, in, out] weight.
+
+``GroupedExperts`` is ``SequentialMLP`` with its forward swapped (a spec module, not a fork): the parameters stay
+the experts' own ``local_experts.{i}.linear_fc1.weight`` [2F, H] ([gate; up]) and ``linear_fc2.weight`` [H, F], so
+checkpoints, converters, weight sync, LoRA and the optimizer see the same model. For rows x_e of expert e with
+router probabilities p_e (megatron's order of operations, MLP.forward):
+
+    h_e = x_e W1_e^T,   a_e = silu(h_e[:, :F]) * h_e[:, F:],   s_e = (a_e * p_e).to(dtype),   y_e = s_e W2_e^T
+
+The weights are stacked into [E, 2F, H] and [E, H, F] inside the forward and again in the backward instead of
+being kept (autograd would hold a copy of every expert weight from the forward to the backward). The backward
+(rows T, per expert e):
+
+    ds_e = dy_e W2_e          dW2_e = dy_e^T s_e
+    dh, dp = the autograd of the elementwise part (the same ops as the forward, so the same roundings)
+    dx_e = dh_e W1_e          dW1_e = dh_e^T x_e
+
+The weight gradients come from one grouped GEMM each ([E, out, in], offs along the rows), split per expert.
+Where the grouped GEMM does not run (a device or dtype without the kernel, strides not 16-byte aligned, an fp8
+recipe, biases, another activation) the module runs ``SequentialMLP``'s own forward (``grouped_runs``);
+``train.grouped_experts=true`` is refused there (``experts_module``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from megadare.errors import ConfigError
+from megadare.models.hf.common import _grouped_mm, grouped_gemm_runs
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """y = SwiGLU experts of token-sorted rows (module doc); inputs x, ends, probs, n, n fc1 then n fc2 weights."""
+
+    @staticmethod
+    def forward(ctx, x, ends, probs, n, *weights):
+        h = _grouped_mm(x, torch.stack(weights[:n]).transpose(1, 2), offs=ends)
+        scaled = _scaled_swiglu(h, probs)
+        y = _grouped_mm(scaled, torch.stack(weights[n:]).transpose(1, 2), offs=ends)
+        ctx.n = n
+        ctx.save_for_backward(x, ends, probs, h, scaled, *weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ends, probs, h, scaled, *weights = ctx.saved_tensors
+        n, weight_grads = ctx.n, any(ctx.needs_input_grad[4:])  # none under LoRA (frozen experts)
+        dy = dy.contiguous()
+        d_scaled = _grouped_mm(dy, torch.stack(weights[n:]), offs=ends)
+        dw2 = _grouped_mm(dy.t(), scaled, offs=ends).unbind(0) if weight_grads else (None,) * n
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_()
+            p_ = probs.detach().requires_grad_(ctx.needs_input_grad[2])
+            wrt = (h_, p_) if p_.requires_grad else (h_,)
+            dh, *dp = torch.autograd.grad(_scaled_swiglu(h_, p_), wrt, d_scaled)
+        dx = _grouped_mm(dh, torch.stack(weights[:n]), offs=ends)
+        dw1 = _grouped_mm(dh.t(), x, offs=ends).unbind(0) if weight_grads else (None,) * n
+        return (dx, None, dp[0] if dp else None, None, *dw1, *dw2)
+
+
+def _scaled_swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """MLP.forward's gated activation times the router probability, back in the compute dtype."""
+    gate, up = torch.chunk(h, 2, dim=-1)
+    act = F.silu(gate) * up
+    return (act * probs.unsqueeze(-1)).to(act.dtype)
+
+
+def grouped_runs(config, like: torch.Tensor) -> bool:
+    """Whether ``GroupedExperts`` of ``config`` takes the grouped path for weights like ``like`` (its device and
+    dtype): the layer is megatron's bias-free SwiGLU with nothing else in the MLP, and the kernel runs."""
+    plain = (
+        config.gated_linear_unit
+        and config.activation_func is F.silu
+        and not config.add_bias_linear
+        and getattr(config, "activation_func_clamp_value", None) is None
+        and not getattr(config, "glu_linear_offset", 0.0)
+        and not (config.fp8 or getattr(config, "fp4", None))
+        and not getattr(config, "use_te_activation_func", False)
+    )
+    return bool(plain) and kernel_refusal(config, like) is None
+
+
+def kernel_refusal(config, like: torch.Tensor) -> Optional[str]:
+    """Why the grouped GEMM cannot run the experts of ``config`` for weights like ``like``, or None: this torch has
+    no kernel for the device and dtype, or the rows of a projection are not 16-byte aligned (the kernel's stride
+    rule)."""
+    ffn = config.moe_ffn_hidden_size // config.expert_tensor_parallel_size
+    if any(d * like.element_size() % 16 for d in (config.hidden_size, ffn)):
+        return (
+            f"hidden size {config.hidden_size} or expert FFN width {ffn} (per expert-TP rank) is not a multiple of "
+            f"{16 // like.element_size()} {str(like.dtype).removeprefix('torch.')} values (16 bytes)"
+        )
+    if not grouped_gemm_runs(like):
+        return f"torch {torch.__version__} has no grouped GEMM for {like.dtype} on {like.device.type}"
+    return None
+
+
+def experts_module(setting: Optional[bool], config, like: torch.Tensor) -> type:
+    """The experts module of a training layer spec for ``train.grouped_experts``: True ``GroupedExperts`` (refused
+    where the grouped GEMM cannot run, ``like``: a tensor of the weights' device and dtype), False megatron's
+    ``SequentialMLP``, None (auto) ``GroupedExperts`` on a CPU, where it was measured faster (benchmarks/
+    train_throughput.py ``--variants grouped``), ``SequentialMLP`` on a GPU until one measures it."""
+    if setting is None:
+        setting = like.device.type == "cpu" and grouped_runs(config, like)
+    elif setting and (refusal := kernel_refusal(config, like)):
+        raise ConfigError(f"train.grouped_experts=true: {refusal}; set train.grouped_experts=false or leave it unset")
+    return GroupedExperts if setting else SequentialMLP
+
+
+class GroupedExperts(SequentialMLP):
+    """``SequentialMLP`` whose forward runs every local expert in two grouped GEMMs (module doc)."""
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        if self.num_local_experts == 1 or x.shape[0] == 0 or self.config.moe_apply_probs_on_input:
+            return super().forward(x, tokens_per_expert, permuted_probs)
+        if not hasattr(self, "_grouped"):  # decided once, on the first forward (the weights' device and dtype)
+            self._grouped = grouped_runs(self.config, self.local_experts[0].linear_fc1.weight)
+        if not self._grouped:
+            return super().forward(x, tokens_per_expert, permuted_probs)
+        ends = tokens_per_expert.to(device=x.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
+        fc1 = [e.linear_fc1.weight for e in self.local_experts]
+        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        return _GroupedSwiGLU.apply(x, ends, permuted_probs, len(fc1), *fc1, *fc2), None
