@@ -5,6 +5,10 @@ stderr is the launcher's) never closes its bar, and the launcher's ``megadare: e
 line (``...eval/accuracy=0]megadare: error: ...``). Bars write through ``progress_stream()``, which records whether
 the last write ended a line; ``spawn`` shares that record between the launcher and its ranks (``share``), and
 ``cli.report_error`` ends an open line first (``end_open_line``).
+
+Where stderr is no terminal (a Slurm log, a pipe), ``\\r`` redraws made one 'line' that grew with every frame,
+unreadable with ``less``/``grep``: ``progress_bar`` draws a bar there as whole lines instead (``_LineBar``), at
+most one each ``LINE_INTERVAL_S`` seconds, plus the first, the last and any explicit refresh.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import sys
 from typing import Any, TextIO
+
+from tqdm import tqdm
 
 # 1 while a bar's line is open; a launch replaces it by a byte in shared memory (multiprocessing RawValue)
 _line = {"open": ctypes.c_byte(0)}
@@ -52,3 +58,57 @@ class _Tracked:
 def progress_stream() -> TextIO:
     """stderr (as it is now, for a progress bar's ``file=``), its writes recorded (module doc)."""
     return _Tracked(sys.stderr)  # type: ignore[return-value]
+
+
+# the least seconds between two progress lines in a log (a bar on a terminal redraws as tqdm does)
+LINE_INTERVAL_S = 30.0
+
+
+class _LineBar(tqdm):
+    """A tqdm bar that prints each frame as a line of its own, ended by a newline, never ``\\r``-redrawn; the
+    frame is the bar's text less its bar glyphs (desc, percent, n/total, elapsed<ETA, rate, postfix)."""
+
+    def __init__(self, **kwargs: Any):
+        self._shown: Any = None  # (n, postfix) of the last line printed
+        # ncols=0: no bar glyphs; miniters=1: no tqdm monitor thread forcing a refresh between two intervals
+        kwargs.update(ncols=0, dynamic_ncols=False, mininterval=LINE_INTERVAL_S, miniters=1)
+        super().__init__(**kwargs)
+
+    @staticmethod
+    def status_printer(file: TextIO):
+        def print_line(text: str) -> None:
+            if text:  # '' clears a terminal's line: a log has none to clear
+                file.write(text + "\n")
+                getattr(file, "flush", lambda: None)()
+
+        return print_line
+
+    def display(self, msg: Any = None, pos: Any = None) -> bool:
+        if msg is None:
+            self._shown = (self.n, self.postfix)
+        super().display(msg, pos)
+        return False  # no line is left to clear (tqdm's close writes a CR after a clearing display that drew)
+
+    def update(self, n: float = 1) -> Any:
+        drawn = super().update(n)
+        if not drawn and not self.disable and self.total and self.n >= self.total:
+            self.refresh()  # the last step has its line at once, not only at close
+            drawn = True
+        return drawn
+
+    def close(self) -> None:
+        if not self.disable and self._shown != (self.n, self.postfix):
+            self.refresh()  # the last state, unless its line is out already
+        self.leave = False  # tqdm's close would end the (already ended) line with another newline
+        super().close()
+
+
+def progress_bar(**kwargs: Any) -> tqdm:
+    """A tqdm bar (``kwargs`` are tqdm's, less ``file``) on ``progress_stream()``: redrawn in place on a terminal,
+    printed as lines (``_LineBar``) where stderr is a file or a pipe."""
+    try:
+        terminal = sys.stderr.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream: no terminal
+        terminal = False
+    bar_class = tqdm if terminal else _LineBar
+    return bar_class(file=progress_stream(), **kwargs)

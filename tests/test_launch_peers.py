@@ -222,13 +222,29 @@ def _rank_killed_holding_a_semaphore(rank: int, world: int) -> int:
     return rank if lock else rank
 
 
+class _AsTerminal:
+    """A stream that says it is a terminal (``isatty``); everything else is the stream's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def _rank_killed_mid_bar(rank: int, world: int) -> int:
-    """Rank 0 killed while its progress bar's line is open (a ``\\r``-redrawn line, never ended)."""
+    """Rank 0 killed while its progress bar's line is open (a ``\\r``-redrawn line, never ended: a terminal's bar;
+    in a pipe the bar prints ended lines)."""
+    import sys
     import tempfile
     from types import SimpleNamespace
 
     from megadare.trainer.monitor import Monitor
 
+    sys.stderr = _AsTerminal(sys.stderr)
     logging = SimpleNamespace(run_dir=tempfile.mkdtemp(), jsonl=False, tensorboard=False, log_interval=1)
     monitor = Monitor(logging, total_steps=2)
     monitor.log(1, {"loss": 1.0, "eval/accuracy": 0.0})

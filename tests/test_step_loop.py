@@ -38,13 +38,13 @@ def test_a_step_that_raises_closes_the_bar_and_restores_sigint(tmp_path, monkeyp
     )
     run = SimpleNamespace(cfg=cfg, step=0, save_root=str(tmp_path / "ckpt"), examples=list(range(8)))
     bars = []
-    real_tqdm = __import__("megadare.trainer.monitor", fromlist=["tqdm"]).tqdm
+    real_progress_bar = __import__("megadare.trainer.monitor", fromlist=["progress_bar"]).progress_bar
 
-    def recording_tqdm(*args, **kwargs):
-        bars.append(real_tqdm(*args, **kwargs))
+    def recording_progress_bar(**kwargs):
+        bars.append(real_progress_bar(**kwargs))
         return bars[-1]
 
-    monkeypatch.setattr("megadare.trainer.monitor.tqdm", recording_tqdm)
+    monkeypatch.setattr("megadare.trainer.monitor.progress_bar", recording_progress_bar)
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(_Bang):
         train_steps(run, _step_fn(fail_at), lambda r: None, len(run.examples), "sft")

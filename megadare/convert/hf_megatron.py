@@ -15,9 +15,8 @@ import os
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 
-from megadare.console import progress_stream
+from megadare.console import progress_bar
 from megadare.models.mapping import ParamMap, check_table
 from megadare.convert.outputs import check_export_target, mark_export
 from megadare.convert.mcore_ckpt import (
@@ -54,7 +53,7 @@ __all__ = [
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True, file=progress_stream())
+    return progress_bar(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True)
 
 
 def mapping_for(hf_config: dict) -> tuple[Family, ModelArch, list[ParamMap]]:

@@ -27,10 +27,8 @@ import sys
 import time
 from typing import Any
 
-from tqdm import tqdm
-
 from megadare.config import Config
-from megadare.console import progress_stream
+from megadare.console import progress_bar
 from megadare.data.fields import is_verl_row
 from megadare.data.prompt_data import PromptRules, build_prompts
 from megadare.errors import ConfigError
@@ -326,12 +324,8 @@ def _eval_task(cfg, manager, tok, task, task_prompts, params) -> tuple[dict[str,
     """One task: ``eval.n_samples`` samples per prompt -> scored rows -> its metrics (``file`` is the caller's)."""
     e = cfg.eval
     t0 = time.perf_counter()
-    with tqdm(
-        total=len(task_prompts) * e.n_samples,
-        desc=f"eval {task.name}",
-        unit="sample",
-        dynamic_ncols=True,
-        file=progress_stream(),
+    with progress_bar(
+        total=len(task_prompts) * e.n_samples, desc=f"eval {task.name}", unit="sample", dynamic_ncols=True
     ) as bar:
         traj = generate_samples(manager, [p.prompt_ids for p in task_prompts], params, e.n_samples, cfg.rollout, bar)
         bar.set_postfix_str("scoring")

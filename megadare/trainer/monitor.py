@@ -17,10 +17,9 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 import yaml
-from tqdm import tqdm
 
 from megadare.config import to_yaml
-from megadare.console import progress_stream
+from megadare.console import progress_bar
 from megadare.errors import RunStateError
 from megadare.files import temp_of, write_text_atomic
 
@@ -51,9 +50,7 @@ class Monitor:
             self.writer = _open_tensorboard(os.path.join(run_dir, "tensorboard"), start_step)
             self._tb_errors = _keep_write_errors(self.writer)
 
-        self.bar = tqdm(
-            total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True, file=progress_stream()
-        )
+        self.bar = progress_bar(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
 
     def step_timer(self) -> float:
         """Seconds since the previous call (or construction)."""
@@ -67,14 +64,14 @@ class Monitor:
         if not self.enabled:
             return
         if self.bar is not None:
-            if advance:
-                self.bar.update(1)
             shown = {
                 k: f"{metrics[k]:.4g}"
                 for k in ("loss", "reward", "grad_norm", "lr", "tokens_per_s", "eval/accuracy")
                 if k in metrics
             }
-            self.bar.set_postfix(shown, refresh=False)
+            self.bar.set_postfix(shown, refresh=False)  # before the step: the frame it draws shows this step's
+            if advance:
+                self.bar.update(1)
         if advance and step % self.log_interval:
             return
         writing = None
