@@ -13,7 +13,8 @@ Steps, in order of value (``--only`` picks, the budget cuts from the end):
   sft        `megadare sft` 20 bf16 steps (the loss falls) and a resume
   train      benchmarks/train_throughput.py: SDAR-1.7B shape, seq 2048: first batch 4 with SDPA and each step fusion
              (--variants base gradfusion fused all: models/step_fusions.py; fused: SwiGLU, residual add, RMSNorm,
-             RoPE), flex and a small MoE with and without them, then batch 1 with local / sdpa / flex
+             RoPE), flex and a small MoE with and without them and its experts' grouped GEMMs (grouped,
+             fusedgrouped: models/experts.py), then batch 1 with local / sdpa / flex
   rollout    benchmarks/rollout_throughput.py: SDAR-1.7B shape, batch 32, 128 + 256 new tokens, block 4;
              benchmarks/rollout_compile.py: rollout.compile (CUDA graphs) == eager in fp32, its bf16 speed
   planner    megadare's planner vs torch.cuda.max_memory_allocated of the same train step
@@ -96,7 +97,22 @@ def train_commands(py: str, tiny: bool) -> list[list[str]]:
     return [  # the step's timeout cuts from the end: the backend sweep was measured in both earlier sessions
         dense_sdpa_variants + ["base", "gradfusion", "fused", "all", "--batch", "4"],
         [py, tt, "--shape", "dense", "--batch", "4", "--backends", "flex", "--variants", "base", "all"],
-        [py, tt, "--shape", "moe", "--batch", "4", "--backends", "sdpa", "flex", "--variants", "base", "all"],
+        [
+            py,
+            tt,
+            "--shape",
+            "moe",
+            "--batch",
+            "4",
+            "--backends",
+            "sdpa",
+            "--variants",
+            "base",
+            "grouped",
+            "all",
+            "fusedgrouped",
+        ],
+        [py, tt, "--shape", "moe", "--batch", "4", "--backends", "flex", "--variants", "base", "all"],
         [py, tt, "--shape", "dense", "--batch", "1", "--backends", "local", "sdpa", "flex"],
     ]
 

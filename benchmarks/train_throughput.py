@@ -100,6 +100,7 @@ VARIANTS = {
 }
 # variants whose MoE experts run through grouped GEMMs (models/experts.py, ``train.grouped_experts``)
 GROUPED_EXPERTS = {"grouped", "fusedgrouped"}
+RAN: dict[str, str] = {}  # what the last run_backend's model ran where a module decides it (its experts' forward)
 # variants that time another RMSNorm than the one models/step_fusions.py picks (its ``norm_path``)
 NORM_PATHS = {"fusedcnorm": "compiled"}
 CPU_SHAPE = dict(
@@ -195,6 +196,7 @@ def run_backend(
                 on_step()
         sync()
         dt = (time.perf_counter() - t0) / steps
+        RAN["experts"] = experts_forward(chunks)
         if torch.cuda.is_available():
             mem = torch.cuda.max_memory_allocated() / 2**30
         else:
@@ -546,13 +548,19 @@ def run_case(args, shape: str, backend: str, batch: int) -> dict:
     return {"error": "FAILED", "detail": err[:200]}
 
 
-def experts_path(arch: ModelArch, dtype: str) -> str:
-    """Which forward ``GroupedExperts`` runs for ``arch`` in ``dtype`` on this device (models/experts.py)."""
-    from megadare.models.experts import grouped_runs
-    from megadare.models.gpt import DTYPES, transformer_config
+def experts_forward(chunks) -> str:
+    """Which forward the MoE experts of ``chunks`` ran (models/experts.py ``GroupedExperts`` decides at its first
+    forward), or '' for a dense model."""
+    from megadare.models.experts import GroupedExperts
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
-    like = torch.empty(0, dtype=DTYPES[dtype], device="cuda" if torch.cuda.is_available() else "cpu")
-    return "grouped GEMMs" if grouped_runs(transformer_config(arch, dtype), like) else "sequential (no grouped GEMM)"
+    ran = {
+        "grouped GEMMs" if isinstance(m, GroupedExperts) and getattr(m, "_grouped", False) else "sequential"
+        for c in chunks
+        for m in c.modules()
+        if isinstance(m, SequentialMLP)
+    }
+    return ", ".join(sorted(ran))
 
 
 def case(args) -> None:
@@ -578,7 +586,7 @@ def case(args) -> None:
             device = torch.device("cuda" if gpu else "cpu")
             paths.append(f"norm: {step_fusions.norm_path(device)}, rope: {step_fusions.rope_path()}")
         if variant in GROUPED_EXPERTS and arch.is_moe:
-            paths.append(f"experts: {experts_path(arch, dtype)}")
+            paths.append(f"experts: {RAN['experts']}")
         res["paths"] = ", ".join(paths)
     except torch.OutOfMemoryError:
         res = {"error": "OOM"}

@@ -257,3 +257,22 @@ def test_env_fails_on_a_missing_ray_only_when_the_rl_step_runs(tmp_path):
         ray = next(r for r in rows if r["check"] == "import ray")
         rcs[only] = (out.returncode, ray["ok"])
     assert rcs == {"env,train": (0, None), "env,rl": (1, False)}
+
+
+def test_the_grouped_experts_variant_names_the_expert_forward_with_the_same_gradients():
+    """``--variants grouped`` (the MoE experts through grouped GEMMs, models/experts.py, for the GPU's next
+    measurement) names the expert forward that ran and gives ``base``'s first-step gradient norm (SequentialMLP)."""
+    tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
+    args = ["--shape", "moe", "--batch", "1", "--backends", "sdpa", "--seq", "64", "--steps", "1"]
+    r = subprocess.run(
+        [sys.executable, tt, *args, "--variants", "base", "grouped"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("moe ")]
+    assert [row[2] for row in rows] == ["base", "grouped"], r.stdout
+    assert "experts" not in " ".join(rows[0]) and "experts: grouped GEMMs" in " ".join(rows[1]), rows
+    assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows
