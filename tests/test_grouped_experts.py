@@ -132,3 +132,22 @@ def test_grouped_experts_fall_back_to_the_sequential_forward_where_the_kernel_ca
     ops = _ops(lambda: _forward_backward(grp, rows))
     assert "aten::_grouped_mm" not in ops
     torch.testing.assert_close(_forward_backward(grp, rows)[0], _forward_backward(seq, rows)[0])
+
+
+def test_grouped_experts_take_rows_of_any_strides(dist):
+    """SequentialMLP runs rows of any layout; the grouped GEMM refuses strides that are not 16-byte multiples (here
+    a column slice of a wider tensor, 65 floats per row), so the forward hands it contiguous rows."""
+    arch = _arch()
+    seq_chunk, seq = _experts(arch, SequentialMLP)
+    _, grp = _experts(arch, GroupedExperts, seq_chunk.state_dict())
+    x, counts, probs, dy = _rows(arch, seed=3)
+    outs = []
+    for layer in (seq, grp):
+        wide = torch.cat([torch.zeros(x.shape[0], 1), x], dim=1).requires_grad_()
+        rows = wide[:, 1:]
+        assert not rows.is_contiguous() and rows.stride(0) == x.shape[1] + 1
+        y, _ = layer(rows, counts, probs)
+        y.backward(dy)
+        outs.append((y.detach(), wide.grad[:, 1:]))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -130,6 +130,7 @@ class GroupedExperts(SequentialMLP):
         if not self._grouped:
             return super().forward(x, tokens_per_expert, permuted_probs)
         ends = tokens_per_expert.to(device=x.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
+        x = x.contiguous()  # the kernel refuses row strides that are not 16-byte multiples; SequentialMLP takes any
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
         return _GroupedSwiGLU.apply(x, ends, permuted_probs, len(fc1), *fc1, *fc2), None
