@@ -92,27 +92,14 @@ def train_commands(py: str, tiny: bool) -> list[list[str]]:
     """benchmarks/train_throughput.py through its command line (the one place that builds it)."""
     tt = os.path.join(HERE, "train_throughput.py")
     dense_sdpa_variants = [py, tt, "--shape", "dense", "--backends", "sdpa", "--variants"]
+    moe_backend = [py, tt, "--shape", "moe", "--batch", "4", "--backends"]
     if tiny:  # the variants' plumbing (both fusions in "all"), one step at seq 64
         return [dense_sdpa_variants + ["base", "all", "--batch", "1", "--seq", "64", "--steps", "1"]]
     return [  # the step's timeout cuts from the end: the backend sweep was measured in both earlier sessions
         dense_sdpa_variants + ["base", "gradfusion", "fused", "all", "--batch", "4"],
         [py, tt, "--shape", "dense", "--batch", "4", "--backends", "flex", "--variants", "base", "all"],
-        [
-            py,
-            tt,
-            "--shape",
-            "moe",
-            "--batch",
-            "4",
-            "--backends",
-            "sdpa",
-            "--variants",
-            "base",
-            "grouped",
-            "all",
-            "fusedgrouped",
-        ],
-        [py, tt, "--shape", "moe", "--batch", "4", "--backends", "flex", "--variants", "base", "all"],
+        moe_backend + ["sdpa", "--variants", "base", "grouped", "all", "fusedgrouped"],
+        moe_backend + ["flex", "--variants", "base", "all"],
         [py, tt, "--shape", "dense", "--batch", "1", "--backends", "local", "sdpa", "flex"],
     ]
 

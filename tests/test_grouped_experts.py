@@ -31,10 +31,10 @@ def dist():
     destroy_distributed()
 
 
-def _experts(arch, experts: type, state=None):
-    chunk = build_model_chunks(
-        arch, transformer_config(arch), attention_backend="sdpa", modules=LayerModules(experts=experts)
-    )[0]
+def _experts(arch, experts: type, state=None, tcfg=None):
+    tcfg = tcfg or transformer_config(arch)
+    modules = LayerModules(experts=experts)
+    chunk = build_model_chunks(arch, tcfg, attention_backend="sdpa", modules=modules)[0]
     if state is not None:
         chunk.load_state_dict(state)
     layer = next(m for m in chunk.modules() if isinstance(m, SequentialMLP))
@@ -120,8 +120,11 @@ def test_which_experts_module_a_run_gets(dist):
     assert experts_module(None, odd, cpu) is SequentialMLP
     with pytest.raises(ConfigError, match=r"train.grouped_experts=true: .*expert FFN width 9 .*grouped_experts=false"):
         experts_module(True, odd, cpu)
-    # megatron's other activations (here: no gated unit) keep SequentialMLP's own forward
-    assert not grouped_runs(dataclasses.replace(tcfg, gated_linear_unit=False), cpu)
+    # megatron's other activations (here: no gated unit) keep SequentialMLP's own forward, and true is refused
+    plain_mlp = dataclasses.replace(tcfg, gated_linear_unit=False)
+    assert not grouped_runs(plain_mlp, cpu) and experts_module(None, plain_mlp, cpu) is SequentialMLP
+    with pytest.raises(ConfigError, match="not megatron's bias-free SwiGLU MLP"):
+        experts_module(True, plain_mlp, cpu)
 
 
 def test_grouped_experts_fall_back_to_the_sequential_forward_where_the_kernel_cannot_run(dist):
@@ -151,3 +154,21 @@ def test_grouped_experts_take_rows_of_any_strides(dist):
         outs.append((y.detach(), wide.grad[:, 1:]))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_elementwise_runs_megatrons_fused_swiglu_in_the_grouped_experts(dist):
+    """Under ``train.fused_elementwise`` (``bias_activation_fusion``) SequentialMLP's experts run megatron's compiled
+    weighted SwiGLU; the grouped path runs the same function (not the unfused ops), with the same results."""
+    arch = _arch()
+    tcfg = transformer_config(arch, bias_activation_fusion=True)
+    seq_chunk, seq = _experts(arch, SequentialMLP, tcfg=tcfg)
+    _, grp = _experts(arch, GroupedExperts, seq_chunk.state_dict(), tcfg)
+    rows = _rows(arch, seed=3)
+    want = _forward_backward(seq, rows)
+    got = _forward_backward(grp, rows)
+    ops = _ops(lambda: _forward_backward(grp, rows))
+    assert "WeightedSwiGLUFunction" in ops and "aten::_grouped_mm" in ops, sorted(set(ops))
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for n in want[3]:
+        torch.testing.assert_close(got[3][n], want[3][n], rtol=1e-5, atol=1e-6, msg=n)

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megadare.errors import ConfigError
@@ -41,21 +42,22 @@ from megadare.models.hf.common import _grouped_mm, grouped_gemm_runs
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
-    """y = SwiGLU experts of token-sorted rows (module doc); inputs x, ends, probs, n, n fc1 then n fc2 weights."""
+    """y = SwiGLU experts of token-sorted rows (module doc); inputs x, ends, probs, fused, n, then n fc1 and n fc2
+    weights (``fused``: megatron's compiled weighted SwiGLU, ``train.fused_elementwise``)."""
 
     @staticmethod
-    def forward(ctx, x, ends, probs, n, *weights):
+    def forward(ctx, x, ends, probs, fused, n, *weights):
         h = _grouped_mm(x, torch.stack(weights[:n]).transpose(1, 2), offs=ends)
-        scaled = _scaled_swiglu(h, probs)
+        scaled = _scaled_swiglu(h, probs, fused)
         y = _grouped_mm(scaled, torch.stack(weights[n:]).transpose(1, 2), offs=ends)
-        ctx.n = n
+        ctx.n, ctx.fused = n, fused
         ctx.save_for_backward(x, ends, probs, h, scaled, *weights)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, ends, probs, h, scaled, *weights = ctx.saved_tensors
-        n, weight_grads = ctx.n, any(ctx.needs_input_grad[4:])  # none under LoRA (frozen experts)
+        n, weight_grads = ctx.n, any(ctx.needs_input_grad[5:])  # none under LoRA (frozen experts)
         dy = dy.contiguous()
         d_scaled = _grouped_mm(dy, torch.stack(weights[n:]), offs=ends)
         dw2 = _grouped_mm(dy.t(), scaled, offs=ends).unbind(0) if weight_grads else (None,) * n
@@ -63,14 +65,17 @@ class _GroupedSwiGLU(torch.autograd.Function):
             h_ = h.detach().requires_grad_()
             p_ = probs.detach().requires_grad_(ctx.needs_input_grad[2])
             wrt = (h_, p_) if p_.requires_grad else (h_,)
-            dh, *dp = torch.autograd.grad(_scaled_swiglu(h_, p_), wrt, d_scaled)
+            dh, *dp = torch.autograd.grad(_scaled_swiglu(h_, p_, ctx.fused), wrt, d_scaled)
         dx = _grouped_mm(dh, torch.stack(weights[:n]), offs=ends)
         dw1 = _grouped_mm(dh.t(), x, offs=ends).unbind(0) if weight_grads else (None,) * n
-        return (dx, None, dp[0] if dp else None, None, *dw1, *dw2)
+        return (dx, None, dp[0] if dp else None, None, None, *dw1, *dw2)
 
 
-def _scaled_swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """MLP.forward's gated activation times the router probability, back in the compute dtype."""
+def _scaled_swiglu(h: torch.Tensor, probs: torch.Tensor, fused: bool) -> torch.Tensor:
+    """MLP.forward's gated activation times the router probability, back in the compute dtype: megatron's compiled
+    ``weighted_bias_swiglu_impl`` where ``bias_activation_fusion`` is on, its unfused ops otherwise."""
+    if fused:
+        return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1))
     gate, up = torch.chunk(h, 2, dim=-1)
     act = F.silu(gate) * up
     return (act * probs.unsqueeze(-1)).to(act.dtype)
@@ -78,23 +83,26 @@ def _scaled_swiglu(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 def grouped_runs(config, like: torch.Tensor) -> bool:
     """Whether ``GroupedExperts`` of ``config`` takes the grouped path for weights like ``like`` (its device and
-    dtype): the layer is megatron's bias-free SwiGLU with nothing else in the MLP, and the kernel runs."""
-    plain = (
-        config.gated_linear_unit
-        and config.activation_func is F.silu
-        and not config.add_bias_linear
-        and getattr(config, "activation_func_clamp_value", None) is None
-        and not getattr(config, "glu_linear_offset", 0.0)
-        and not (config.fp8 or getattr(config, "fp4", None))
-        and not getattr(config, "use_te_activation_func", False)
-    )
-    return bool(plain) and kernel_refusal(config, like) is None
+    dtype)."""
+    return refusal(config, like) is None
 
 
-def kernel_refusal(config, like: torch.Tensor) -> Optional[str]:
-    """Why the grouped GEMM cannot run the experts of ``config`` for weights like ``like``, or None: this torch has
-    no kernel for the device and dtype, or the rows of a projection are not 16-byte aligned (the kernel's stride
-    rule)."""
+def refusal(config, like: torch.Tensor) -> Optional[str]:
+    """Why the grouped GEMM cannot run the experts of ``config`` for weights like ``like``, or None: the layer is
+    not megatron's bias-free SwiGLU with nothing else in the MLP, this torch has no kernel for the device and dtype,
+    or the rows of a projection are not 16-byte aligned (the kernel's stride rule)."""
+    swiglu = config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
+    extras = {
+        "fp8": config.fp8,
+        "fp4": getattr(config, "fp4", None),
+        "activation_func_clamp_value": getattr(config, "activation_func_clamp_value", None),
+        "glu_linear_offset": getattr(config, "glu_linear_offset", 0.0),
+        "use_te_activation_func": getattr(config, "use_te_activation_func", False),
+        "activation_func_fp8_input_store": getattr(config, "activation_func_fp8_input_store", False),
+    }
+    if not swiglu or any(extras.values()):
+        named = ", ".join(k for k, v in extras.items() if v) or "another activation or biases"
+        return f"the experts are not megatron's bias-free SwiGLU MLP ({named})"
     ffn = config.moe_ffn_hidden_size // config.expert_tensor_parallel_size
     if any(d * like.element_size() % 16 for d in (config.hidden_size, ffn)):
         return (
@@ -113,8 +121,8 @@ def experts_module(setting: Optional[bool], config, like: torch.Tensor) -> type:
     train_throughput.py ``--variants grouped``), ``SequentialMLP`` on a GPU until one measures it."""
     if setting is None:
         setting = like.device.type == "cpu" and grouped_runs(config, like)
-    elif setting and (refusal := kernel_refusal(config, like)):
-        raise ConfigError(f"train.grouped_experts=true: {refusal}; set train.grouped_experts=false or leave it unset")
+    elif setting and (why := refusal(config, like)):
+        raise ConfigError(f"train.grouped_experts=true: {why}; set train.grouped_experts=false or leave it unset")
     return GroupedExperts if setting else SequentialMLP
 
 
@@ -133,4 +141,5 @@ class GroupedExperts(SequentialMLP):
         x = x.contiguous()  # the kernel refuses row strides that are not 16-byte multiples; SequentialMLP takes any
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        return _GroupedSwiGLU.apply(x, ends, permuted_probs, len(fc1), *fc1, *fc2), None
+        fused = bool(self.config.bias_activation_fusion)
+        return _GroupedSwiGLU.apply(x, ends, permuted_probs, fused, len(fc1), *fc1, *fc2), None

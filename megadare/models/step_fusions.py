@@ -221,8 +221,9 @@ def elementwise_on(setting: Optional[bool], moe: bool, dtype: str) -> bool:
     (benchmarks/GPU.md, 2026-11-27): CUDA with triton, a dense model in bf16 / fp16 (SDAR-1.7B shape 1.17-1.23x,
     same gradients; 1.27-1.29x once the head's backward stopped dominating). Off on a CPU (compiling costs more
     than it saves on a short run) and for MoE models (the small SDAR-MoE shape: 0.68-1.16x over five runs, the
-    base step itself moving 10.0-12.4k tok/s: no measured gain; training runs megatron's SequentialMLP, so the
-    compiled SwiGLU is called once per expert per layer on a few tokens)."""
+    base step itself moving 10.0-12.4k tok/s: no measured gain, measured with megatron's SequentialMLP, which
+    calls the compiled SwiGLU once per expert per layer on a few tokens; models/experts.py's grouped experts call
+    it once per layer: ``train_throughput.py --variants fusedgrouped`` is the GPU's next measurement)."""
     if setting is not None:
         return bool(setting)
     gpu = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
