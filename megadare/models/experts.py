@@ -19,7 +19,8 @@ being kept (autograd would hold a copy of every expert weight from the forward t
 (rows T, per expert e):
 
     ds_e = dy_e W2_e          dW2_e = dy_e^T s_e
-    dh, dp = the autograd of the elementwise part (the same ops as the forward, so the same roundings)
+    dh, dp = the autograd of the elementwise part (the same ops as the forward, so the same roundings; megatron's
+             compiled weighted SwiGLU where ``bias_activation_fusion`` is on, as in MLP.forward)
     dx_e = dh_e W1_e          dW1_e = dh_e^T x_e
 
 The weight gradients come from one grouped GEMM each ([E, out, in], offs along the rows), split per expert.
