@@ -43,11 +43,12 @@ from megadare.models.hf.common import _grouped_mm, grouped_gemm_runs
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
-    """y = SwiGLU experts of token-sorted rows (module doc); inputs x, ends, probs, fused, n, then n fc1 and n fc2
+    """y = SwiGLU experts of token-sorted rows (module doc); inputs x, ends, probs, (n, fused), then n fc1 and n fc2
     weights (``fused``: megatron's compiled weighted SwiGLU, ``train.fused_elementwise``)."""
 
     @staticmethod
-    def forward(ctx, x, ends, probs, fused, n, *weights):
+    def forward(ctx, x, ends, probs, how, *weights):
+        n, fused = how
         h = _grouped_mm(x, torch.stack(weights[:n]).transpose(1, 2), offs=ends)
         scaled = _scaled_swiglu(h, probs, fused)
         y = _grouped_mm(scaled, torch.stack(weights[n:]).transpose(1, 2), offs=ends)
@@ -58,7 +59,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, ends, probs, h, scaled, *weights = ctx.saved_tensors
-        n, weight_grads = ctx.n, any(ctx.needs_input_grad[5:])  # none under LoRA (frozen experts)
+        n, weight_grads = ctx.n, any(ctx.needs_input_grad[4:])  # none under LoRA (frozen experts)
         dy = dy.contiguous()
         d_scaled = _grouped_mm(dy, torch.stack(weights[n:]), offs=ends)
         dw2 = _grouped_mm(dy.t(), scaled, offs=ends).unbind(0) if weight_grads else (None,) * n
@@ -69,7 +70,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             dh, *dp = torch.autograd.grad(_scaled_swiglu(h_, p_, ctx.fused), wrt, d_scaled)
         dx = _grouped_mm(dh, torch.stack(weights[:n]), offs=ends)
         dw1 = _grouped_mm(dh.t(), x, offs=ends).unbind(0) if weight_grads else (None,) * n
-        return (dx, None, dp[0] if dp else None, None, None, *dw1, *dw2)
+        return (dx, None, dp[0] if dp else None, None, *dw1, *dw2)
 
 
 def _scaled_swiglu(h: torch.Tensor, probs: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -142,5 +143,5 @@ class GroupedExperts(SequentialMLP):
         x = x.contiguous()  # the kernel refuses row strides that are not 16-byte multiples; SequentialMLP takes any
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
-        fused = bool(self.config.bias_activation_fusion)
-        return _GroupedSwiGLU.apply(x, ends, permuted_probs, fused, len(fc1), *fc1, *fc2), None
+        how = (len(fc1), bool(self.config.bias_activation_fusion))
+        return _GroupedSwiGLU.apply(x, ends, permuted_probs, how, *fc1, *fc2), None
