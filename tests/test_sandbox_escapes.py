@@ -278,7 +278,7 @@ def test_the_sandbox_is_the_first_oom_victim():
     assert r.stdout == "1000\n", r
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers / machine code")
 def test_syscalls_refused_to_native_code():
     """With the hook off (as native code would be): the syscalls the seccomp filter must refuse, each EPERM."""
     prog = _prog("""
@@ -407,7 +407,7 @@ def test_no_process_outlives_its_run(how):
     assert survivors == [], f"{how}: {survivors} outlived the run"
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers / machine code")
 def test_memory_cap_holds_outside_the_address_space():
     """SysV shared memory (and message queues) live in the IPC namespace, not in the program's address space: a
     program attaching, filling and detaching segments in turn would hold any amount of memory past RLIMIT_AS."""
@@ -471,7 +471,7 @@ def test_no_fd_but_what_the_program_needs():
     assert r.tests_passed and r.stdout == "1\n", r
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers / machine code")
 def test_i386_syscalls_kill_the_program():
     """The filter is per syscall number of one ABI: `int 0x80` (the i386 ABI, other numbers) from code the program
     maps executable (anonymous memory: RWX mmap is allowed) must not reach the kernel; the filter kills it."""
@@ -510,7 +510,7 @@ def test_trainer_secrets_do_not_reach_the_program(monkeypatch):
     assert r.status == "ok" and "PATH" in r.stdout and secret not in r.stdout + r.stderr, r
 
 
-@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the seccomp filter is x86-64 only")
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86-64 syscall numbers / machine code")
 def test_children_get_no_new_namespace():
     """With children allowed (max_processes > 1), clone(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET) gave a child
     every capability of a new user namespace: the mounts stay locked read-only, but the kernel surface those

@@ -43,7 +43,9 @@ def test_what_a_program_sees_inside():
     root = os.geteuid() == 0
     assert (seen["uid"], seen["gid"]) == ((65534, 65534) if root else (os.geteuid(), os.getegid()))
     assert seen["groups"] in ([], [seen["gid"]]) and seen["caps"] == [0, 0, 0, 0], seen
-    assert seen["no_new_privs"] == "1" and seen["seccomp"] == ("2" if platform.machine() == "x86_64" else "0")
+    assert seen["no_new_privs"] == "1" and seen["seccomp"] == (
+        "2" if platform.machine() in ("x86_64", "aarch64") else "0"
+    )
     assert seen["pid"] == 1 and seen["ppid"] == 0 and seen["pids"] == ["1"], seen  # its own PID namespace
     assert seen["host"] == "sandbox" and seen["cwd"] == seen["home"] and seen["cwd_files"] == ["main.py", "out"]
     assert not seen["repo_visible"], "the repository (like the run directory) must be hidden"
@@ -326,13 +328,13 @@ def test_other_tasks_of_a_non_root_trainer_do_not_refuse_the_sandbox():
 
 
 def test_a_sandbox_without_its_seccomp_filter_says_so(monkeypatch):
-    """The seccomp filter is x86-64 only: on an aarch64 node code rewards ran without it and without a word. The
-    run's start (reward_notes, printed by RL and evaluation) names what the sandbox lacks there; x86-64 says
-    nothing, nor does a reward that runs no code."""
+    """The seccomp filter exists for x86-64 and aarch64 only: elsewhere (riscv64, ppc64le) code rewards ran without
+    it and without a word. The run's start (reward_notes, printed by RL and evaluation) names what the sandbox lacks
+    there; x86-64 and aarch64 say nothing, nor does a reward that runs no code."""
     from megadare.rewards import registry
 
     row = {"data_source": "humaneval", "prompt": "def f():\n", "answer": "def check(c):\n    assert c()\n"}
-    if platform.machine() == "x86_64":
+    if platform.machine() in ("x86_64", "aarch64"):
         assert registry.reward_notes("auto", [row]) == []
     monkeypatch.setattr(registry, "seccomp_denies_processes", lambda max_processes: None)
     notes = registry.reward_notes("auto", [row])

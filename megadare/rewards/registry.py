@@ -306,18 +306,19 @@ def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
 
 
 def _sandbox_notes(reward: str, records: Sequence[dict]) -> List[str]:
-    """What the code sandbox does not hold for these rows, said where it was silent: the seccomp filter is x86-64
-    only (elsewhere, aarch64 nodes, native code may call sync, io_uring, memfd_create, SysV shared memory and
-    unshare). DARE's humanevalplus rows say nothing: their harness is judged outside the program's process
-    (:mod:`.harness`), so numpy's raw memory in there cannot fake a pass."""
+    """What the code sandbox does not hold for these rows, said where it was silent: the seccomp filter exists for
+    x86-64 and aarch64 only (elsewhere, riscv64 or ppc64le nodes, native code may call sync, io_uring, memfd_create,
+    SysV shared memory and unshare). DARE's humanevalplus rows say nothing: their harness is judged outside the
+    program's process (:mod:`.harness`), so numpy's raw memory in there cannot fake a pass."""
     if not runs_code(reward, records):
         return []
     notes = []
     if seccomp_denies_processes(1) is None:
         notes.append(
-            f"rewards: the code sandbox has no seccomp filter on {platform.machine()} (x86-64 only): programs run in "
-            "its namespaces as an unprivileged uid with no_new_privs, but native code may call sync, io_uring, "
-            "memfd_create, SysV shared memory and unshare, which x86-64 refuses (README 'Code sandbox')"
+            f"rewards: the code sandbox has no seccomp filter on {platform.machine()} (x86-64 and aarch64 only): "
+            "programs run in its namespaces as an unprivileged uid with no_new_privs, but native code may call sync, "
+            "io_uring, memfd_create, SysV shared memory and unshare, which the filter refuses there (README 'Code "
+            "sandbox')"
         )
     return notes
 

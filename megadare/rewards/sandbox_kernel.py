@@ -1,6 +1,6 @@
 """The sandbox's kernel layers, set in the child between fork and exec (:func:`make_preexec`): the rlimits
 (:func:`rlimits`), ``oom_score_adj`` and, in ``process`` isolation, a network namespace, an empty capability
-bounding set and the x86-64 seccomp filter (:func:`seccomp_program`; ``namespaces`` isolation installs the same
+bounding set and the seccomp filter of x86-64 and aarch64 (:func:`seccomp_program`; ``namespaces`` isolation installs the same
 filter from its jail, :mod:`.sandbox_jail`, after the mounts). What each layer refuses: :mod:`.sandbox`'s docstring.
 """
 
@@ -11,7 +11,7 @@ import os
 import platform
 import resource
 import struct
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 __all__ = ["make_preexec", "rlimits", "seccomp_program", "seccomp_denies_processes"]
 
@@ -25,11 +25,13 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _PR_CAPBSET_DROP = 24
 _SECCOMP_MODE_FILTER = 2
-_AUDIT_ARCH_X86_64 = 0xC000003E
+_AUDIT_ARCH_X86_64 = 0xC000003E  # EM_X86_64 (62) | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE (linux/audit.h)
+_AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 (183) | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE
+_X32_SYSCALL_BIT = 0x40000000
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _EPERM, _ENOSYS = 1, 38
-# x86-64 syscall numbers
-_NR = {
+# x86-64 syscall numbers (asm/unistd_64.h)
+_NR_X86_64 = {
     "socket": 41,
     "clone": 56,
     "fork": 57,
@@ -87,9 +89,72 @@ _NR = {
     "sync": 162,
     "syncfs": 306,
 }
+# aarch64 syscall numbers: the asm-generic table (asm-generic/unistd.h). It has no fork, vfork or mknod (glibc's
+# fork is clone, mknod is mknodat): no rule for those, the clone and mknodat rules cover them.
+_NR_AARCH64 = {
+    "socket": 198,
+    "clone": 220,
+    "kill": 129,
+    "ptrace": 117,
+    "syslog": 116,
+    "rt_sigqueueinfo": 138,
+    "prctl": 167,
+    "pivot_root": 41,
+    "chroot": 51,
+    "mount": 40,
+    "umount2": 39,
+    "swapon": 224,
+    "swapoff": 225,
+    "reboot": 142,
+    "init_module": 105,
+    "delete_module": 106,
+    "tkill": 130,
+    "tgkill": 131,
+    "kexec_load": 104,
+    "add_key": 217,
+    "request_key": 218,
+    "keyctl": 219,
+    "mknodat": 33,
+    "unshare": 97,
+    "perf_event_open": 241,
+    "name_to_handle_at": 264,
+    "open_by_handle_at": 265,
+    "setns": 268,
+    "process_vm_readv": 270,
+    "process_vm_writev": 271,
+    "finit_module": 273,
+    "kexec_file_load": 294,
+    "bpf": 280,
+    "userfaultfd": 282,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "clone3": 435,
+    "rt_tgsigqueueinfo": 240,
+    "memfd_create": 279,
+    "pidfd_send_signal": 424,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "pidfd_getfd": 438,
+    "memfd_secret": 447,
+    "shmget": 194,
+    "msgget": 186,
+    "sync": 81,
+    "syncfs": 267,
+}
+# per platform.machine(): (the one audit arch allowed (any other, the i386 / arm32 compat ABI, is killed), the
+# syscall numbers, the x32 bit whose numbers are refused (aarch64 has no such range))
+_ARCHES = {
+    "x86_64": (_AUDIT_ARCH_X86_64, _NR_X86_64, _X32_SYSCALL_BIT),
+    "aarch64": (_AUDIT_ARCH_AARCH64, _NR_AARCH64, None),
+}
 _ALWAYS_DENIED = (
     "ptrace",
-    "mknod",
+    "mknod",  # x86-64 only
     "mknodat",
     "pivot_root",
     "chroot",
@@ -149,41 +214,70 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
 
-def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> bytes:
-    """Classic-BPF seccomp filter for x86-64 (see the module docstring for what it refuses); ``pid`` is the
-    sandboxed process itself, the only target it may signal when ``deny_processes`` (with its own process group,
-    kill(0) / kill(-pid), when ``own_group``: in a PID namespace the group is the keeper's, and -1 is everyone)."""
+def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True, machine: Optional[str] = None) -> bytes:
+    """Classic-BPF seccomp filter for ``machine`` (default: this one's; x86-64 or aarch64, see the module docstring
+    for what it refuses); ``pid`` is the sandboxed process itself, the only target it may signal when
+    ``deny_processes`` (with its own process group, kill(0) / kill(-pid), when ``own_group``: in a PID namespace the
+    group is the keeper's, and -1 is everyone)."""
+    machine = machine or platform.machine()
+    if machine not in _ARCHES:
+        raise ValueError(f"sandbox_kernel: no seccomp filter for machine {machine!r} (only {', '.join(_ARCHES)})")
+    audit_arch, nr, x32_bit = _ARCHES[machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     errno = _RET_ERRNO | _EPERM
     p = [
         _bpf(ld, 4),  # A = arch
-        _bpf(jeq, _AUDIT_ARCH_X86_64, 1, 0),
-        _bpf(ret, _RET_KILL_PROCESS),  # i386 ABI: kill
+        _bpf(jeq, audit_arch, 1, 0),
+        _bpf(ret, _RET_KILL_PROCESS),  # another ABI (i386 on x86-64, arm32 compat on aarch64): kill
         _bpf(ld, 0),  # A = syscall nr
-        _bpf(jge, 0x40000000, 0, 1),
-        _bpf(ret, errno),
-    ]  # x32 ABI: refuse
+    ]
+    if x32_bit is not None:
+        p += [_bpf(jge, x32_bit, 0, 1), _bpf(ret, errno)]  # x32 ABI: refuse
     for name in _ALWAYS_DENIED:
-        p += [_bpf(jeq, _NR[name], 0, 1), _bpf(ret, errno)]
-    p += [_bpf(jeq, _NR["clone3"], 0, 1), _bpf(ret, _RET_ERRNO | _ENOSYS)]  # glibc falls back to clone
+        if name in nr:  # absent from this arch's table: no such syscall there
+            p += [_bpf(jeq, nr[name], 0, 1), _bpf(ret, errno)]
+    p += [_bpf(jeq, nr["clone3"], 0, 1), _bpf(ret, _RET_ERRNO | _ENOSYS)]  # glibc falls back to clone
     p += [
-        _bpf(jeq, _NR["socket"], 0, 4),
+        _bpf(jeq, nr["socket"], 0, 4),
         _bpf(ld, 16),  # socket(family, ...): AF_UNIX only
         _bpf(jeq, 1, 0, 1),
         _bpf(ret, _RET_ALLOW),
         _bpf(ret, errno),
     ]
     p += [
-        _bpf(jeq, _NR["prctl"], 0, 5),
+        _bpf(jeq, nr["prctl"], 0, 5),
         _bpf(ld, 16),  # prctl(option, ...): no core dumps (PR_SET_DUMPABLE), dies with the keeper (PR_SET_PDEATHSIG)
         _bpf(jeq, _PR_SET_DUMPABLE, 1, 0),
         _bpf(jeq, _PR_SET_PDEATHSIG, 0, 1),
         _bpf(ret, errno),
         _bpf(ret, _RET_ALLOW),
     ]
+    p += _signal_rules(nr, deny_processes, pid, own_group)
+    if deny_processes:
+        for name in ("fork", "vfork"):  # x86-64 only: aarch64 forks through clone
+            if name in nr:
+                p += [_bpf(jeq, nr[name], 0, 1), _bpf(ret, errno)]
+        p += [
+            _bpf(jeq, nr["clone"], 0, 4),
+            _bpf(ld, 16),  # clone(flags, ...): threads only
+            _bpf(jset, _CLONE_THREAD, 0, 1),
+            _bpf(ret, _RET_ALLOW),
+            _bpf(ret, errno),
+        ]
+    else:  # children, in no new namespace (the capabilities of a user namespace reach much more of the kernel)
+        p += [_bpf(jeq, nr["clone"], 0, 3), _bpf(ld, 16), _bpf(jset, _CLONE_NEW_NAMESPACES, 0, 1), _bpf(ret, errno)]
+    p.append(_bpf(ret, _RET_ALLOW))
+    return b"".join(p)
+
+
+def _signal_rules(nr: Dict[str, int], deny_processes: bool, pid: int, own_group: bool) -> List[bytes]:
+    """:func:`seccomp_program`'s rules for kill, tgkill and tkill."""
+    ld, jeq, ret = 0x20, 0x15, 0x06
+    errno = _RET_ERRNO | _EPERM
+    p = []
     if deny_processes and own_group:  # signals only to itself / its own group
         p += [
-            _bpf(jeq, _NR["kill"], 0, 6),
+            _bpf(jeq, nr["kill"], 0, 6),
             _bpf(ld, 16),
             _bpf(jeq, 0, 3, 0),
             _bpf(jeq, pid, 2, 0),
@@ -192,40 +286,25 @@ def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True) -> b
             _bpf(ret, _RET_ALLOW),
         ]
     if deny_processes and not own_group:  # signals only to itself
-        p += [_bpf(jeq, _NR["kill"], 0, 4), _bpf(ld, 16), _bpf(jeq, pid, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
+        p += [_bpf(jeq, nr["kill"], 0, 4), _bpf(ld, 16), _bpf(jeq, pid, 0, 1), _bpf(ret, _RET_ALLOW), _bpf(ret, errno)]
     if deny_processes:
         p += [
-            _bpf(jeq, _NR["tgkill"], 0, 4),
+            _bpf(jeq, nr["tgkill"], 0, 4),
             _bpf(ld, 16),
             _bpf(jeq, pid, 0, 1),
             _bpf(ret, _RET_ALLOW),
             _bpf(ret, errno),
         ]
-        p += [_bpf(jeq, _NR["tkill"], 0, 1), _bpf(ret, errno)]
+        p += [_bpf(jeq, nr["tkill"], 0, 1), _bpf(ret, errno)]
     else:  # children exist and may be signalled; only kill(-1, sig) is refused
         p += [
-            _bpf(jeq, _NR["kill"], 0, 4),
+            _bpf(jeq, nr["kill"], 0, 4),
             _bpf(ld, 16),
             _bpf(jeq, 0xFFFFFFFF, 0, 1),
             _bpf(ret, errno),
             _bpf(ret, _RET_ALLOW),
         ]
-    if deny_processes:
-        p += [
-            _bpf(jeq, _NR["fork"], 0, 1),
-            _bpf(ret, errno),
-            _bpf(jeq, _NR["vfork"], 0, 1),
-            _bpf(ret, errno),
-            _bpf(jeq, _NR["clone"], 0, 4),
-            _bpf(ld, 16),  # clone(flags, ...): threads only
-            _bpf(jset, _CLONE_THREAD, 0, 1),
-            _bpf(ret, _RET_ALLOW),
-            _bpf(ret, errno),
-        ]
-    else:  # children, in no new namespace (the capabilities of a user namespace reach much more of the kernel)
-        p += [_bpf(jeq, _NR["clone"], 0, 3), _bpf(ld, 16), _bpf(jset, _CLONE_NEW_NAMESPACES, 0, 1), _bpf(ret, errno)]
-    p.append(_bpf(ret, _RET_ALLOW))
-    return b"".join(p)
+    return p
 
 
 class _SockFprog(ctypes.Structure):
@@ -374,5 +453,6 @@ def rlimits(
 
 
 def seccomp_denies_processes(max_processes: int) -> Optional[bool]:
-    """The seccomp filter's ``deny_processes``, or None where the filter is not available (not x86-64)."""
-    return (max_processes <= 1) if platform.machine() == "x86_64" and _LIBC else None
+    """The seccomp filter's ``deny_processes``, or None where the filter is not available (neither x86-64 nor
+    aarch64)."""
+    return (max_processes <= 1) if platform.machine() in _ARCHES and _LIBC else None
