@@ -184,21 +184,23 @@ def test_cpu_tiny_train_variants(tmp_path):
     assert fused == pytest.approx(base, rel=1e-4), table
 
 
+def _variant_rows(shape: str, variants: list[str]) -> list[list[str]]:
+    """train_throughput.py's table rows of ``variants`` for one tiny step of ``shape`` with SDPA on this CPU."""
+    tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
+    args = ["--shape", shape, "--batch", "1", "--backends", "sdpa", "--seq", "64", "--steps", "1"]
+    r = subprocess.run(
+        [sys.executable, tt, *args, "--variants", *variants], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith(f"{shape} ")]
+    assert [row[2] for row in rows] == variants, r.stdout
+    return rows
+
+
 def test_the_compiled_norm_variant_runs_compiled_norms_with_the_same_gradients():
     """``--variants fusedcnorm`` (every RMSNorm compiled, for the GPU's next measurement) is a row of its own that
     names the compiled norm and gives ``fused``'s first-step gradient norm."""
-    tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
-    args = ["--shape", "dense", "--batch", "1", "--backends", "sdpa", "--seq", "64", "--steps", "1"]
-    r = subprocess.run(
-        [sys.executable, tt, *args, "--variants", "fused", "fusedcnorm"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("dense ")]
-    assert [row[2] for row in rows] == ["fused", "fusedcnorm"], r.stdout
+    rows = _variant_rows("dense", ["fused", "fusedcnorm"])
     assert "norm: compiled" in " ".join(rows[1]), rows[1]
     assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows
 
@@ -262,17 +264,6 @@ def test_env_fails_on_a_missing_ray_only_when_the_rl_step_runs(tmp_path):
 def test_the_grouped_experts_variant_names_the_expert_forward_with_the_same_gradients():
     """``--variants grouped`` (the MoE experts through grouped GEMMs, models/experts.py, for the GPU's next
     measurement) names the expert forward that ran and gives ``base``'s first-step gradient norm (SequentialMLP)."""
-    tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
-    args = ["--shape", "moe", "--batch", "1", "--backends", "sdpa", "--seq", "64", "--steps", "1"]
-    r = subprocess.run(
-        [sys.executable, tt, *args, "--variants", "base", "grouped"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("moe ")]
-    assert [row[2] for row in rows] == ["base", "grouped"], r.stdout
+    rows = _variant_rows("moe", ["base", "grouped"])
     assert "experts" not in " ".join(rows[0]) and "experts: grouped GEMMs" in " ".join(rows[1]), rows
     assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows

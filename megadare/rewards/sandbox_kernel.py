@@ -30,6 +30,22 @@ _AUDIT_ARCH_AARCH64 = 0xC00000B7  # EM_AARCH64 (183) | __AUDIT_ARCH_64BIT | __AU
 _X32_SYSCALL_BIT = 0x40000000
 _RET_ALLOW, _RET_ERRNO, _RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 _EPERM, _ENOSYS = 1, 38
+# syscalls added since Linux 5.1 (424 on) have one number on every architecture
+_NR_SINCE_5_1 = {
+    "pidfd_send_signal": 424,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "open_tree": 428,
+    "move_mount": 429,
+    "fsopen": 430,
+    "fsconfig": 431,
+    "fsmount": 432,
+    "fspick": 433,
+    "clone3": 435,
+    "pidfd_getfd": 438,
+    "memfd_secret": 447,
+}
 # x86-64 syscall numbers (asm/unistd_64.h)
 _NR_X86_64 = {
     "socket": 41,
@@ -69,25 +85,13 @@ _NR_X86_64 = {
     "kexec_file_load": 320,
     "bpf": 321,
     "userfaultfd": 323,
-    "open_tree": 428,
-    "move_mount": 429,
-    "fsopen": 430,
-    "fsconfig": 431,
-    "fsmount": 432,
-    "fspick": 433,
-    "clone3": 435,
     "rt_tgsigqueueinfo": 297,
     "memfd_create": 319,
-    "pidfd_send_signal": 424,
-    "io_uring_setup": 425,
-    "io_uring_enter": 426,
-    "io_uring_register": 427,
-    "pidfd_getfd": 438,
-    "memfd_secret": 447,
     "shmget": 29,
     "msgget": 68,
     "sync": 162,
     "syncfs": 306,
+    **_NR_SINCE_5_1,
 }
 # aarch64 syscall numbers: the asm-generic table (asm-generic/unistd.h). It has no fork, vfork or mknod (glibc's
 # fork is clone, mknod is mknodat): no rule for those, the clone and mknodat rules cover them.
@@ -126,25 +130,13 @@ _NR_AARCH64 = {
     "kexec_file_load": 294,
     "bpf": 280,
     "userfaultfd": 282,
-    "open_tree": 428,
-    "move_mount": 429,
-    "fsopen": 430,
-    "fsconfig": 431,
-    "fsmount": 432,
-    "fspick": 433,
-    "clone3": 435,
     "rt_tgsigqueueinfo": 240,
     "memfd_create": 279,
-    "pidfd_send_signal": 424,
-    "io_uring_setup": 425,
-    "io_uring_enter": 426,
-    "io_uring_register": 427,
-    "pidfd_getfd": 438,
-    "memfd_secret": 447,
     "shmget": 194,
     "msgget": 186,
     "sync": 81,
     "syncfs": 267,
+    **_NR_SINCE_5_1,
 }
 # per platform.machine(): (the one audit arch allowed (any other, the i386 / arm32 compat ABI, is killed), the
 # syscall numbers, the x32 bit whose numbers are refused (aarch64 has no such range))
