@@ -484,7 +484,7 @@ def main() -> None:
         "each case in a fresh process"
     )
     print(
-        f"{'shape':6} {'backend':8} {'variant':10} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'shape':6} {'backend':8} {'variant':12} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
         f"{'mem GiB' if gpu else 'RSS GiB':>8} {'vs local':>8} {'vs base':>8} {'gnorm 1':>10}",
         flush=True,
     )
@@ -498,14 +498,14 @@ def main() -> None:
                     res = run_case(args, name, f"{backend}:{variant}", batch)
                     if "error" in res:
                         print(
-                            f"{name:6} {backend:8} {variant:10} {batch:5d} {res['error']:>10} {res.get('detail', '')}",
+                            f"{name:6} {backend:8} {variant:12} {batch:5d} {res['error']:>10} {res.get('detail', '')}",
                             flush=True,
                         )
                         continue
                     tok_s = batch * args.seq / res["dt"]
                     local = local or (tok_s if backend == "local" and variant == "base" else None)
                     base = base or (tok_s if variant == "base" else None)
-                    print(f"{name:6} {backend:8} {variant:10} {batch:5d} " + _measures(arch, args, res, local, base))
+                    print(f"{name:6} {backend:8} {variant:12} {batch:5d} " + _measures(arch, args, res, local, base))
 
 
 def _measures(arch: ModelArch, args, res: dict, local: Optional[float], base: Optional[float]) -> str:
