@@ -153,6 +153,16 @@ def test_the_memory_plan_must_fit_and_plan_exits_nonzero_when_it_does_not(tmp_pa
     assert rc == 0 and ": fits" in out
 
 
+def test_grouped_experts_on_a_dense_model_is_refused(tmp_path, capsys):
+    """``train.grouped_experts`` chooses how MoE experts run (models/experts.py); on a dense model nothing reads it."""
+    argv = ["sft", "--dry-run", "--config", SFT, f"logging.run_dir={tmp_path / 'sft'}"]
+    assert dry(capsys, *argv)[0] == 0
+    err = refused(capsys, *argv, "train.grouped_experts=true")
+    assert "train.grouped_experts=true: the sdar model is dense and has no MoE experts" in err, err
+    moe = ["model.family=sdar_moe", "train.grouped_experts=false"]
+    assert dry(capsys, *argv, *moe)[0] == 0
+
+
 def test_eval_settings_and_files(tmp_path, capsys):
     fixtures = os.path.join(ROOT, "tests", "fixtures", "eval")
 

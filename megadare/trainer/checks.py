@@ -47,6 +47,11 @@ def validate(
                 f"model.block_size={cfg.model.block_size}: the {arch.family} family uses full "
                 "attention and has no denoising blocks; remove model.block_size"
             )
+        if cfg.train.grouped_experts is not None and not arch.is_moe:
+            raise ConfigError(
+                f"train.grouped_experts={str(cfg.train.grouped_experts).lower()}: the {arch.family} model is dense "
+                "and has no MoE experts to run; remove train.grouped_experts"
+            )
     Layout.of(p, world_size or p.world_size)  # checks the sizes against the world
     t, named = cfg.train, cfg.as_written
     check_mode_keys(cfg, arch)
