@@ -15,9 +15,10 @@ batch that runs out of memory is reported as OOM. FLOPs as in megadare/trainer/f
 the same backend's ``base`` ("vs base"); with gradfusion on CUDA the row names the accumulation path that ran,
 with fused the RMSNorm (torch's fused CUDA kernel or compiled) and RoPE (compiled, or TE's) that ran.
 ``grouped`` / ``fusedgrouped`` are ``base`` / ``fused`` with MoE experts through grouped GEMMs (models/experts.py,
-``train.grouped_experts``; the row says which expert forward ran). ``fusedcnorm`` is ``fused`` with every RMSNorm compiled where CUDA would take torch's fused kernel (its backward,
-``GammaBetaBackward`` and ``layer_norm_grad_input``, was 4.5% of the H200's SDAR-1.7B step: GPU.md); the same on
-a CPU, where norms are compiled anyway.
+``train.grouped_experts``; the row says which expert forward ran). ``fusedcnorm`` is ``fused`` with every RMSNorm
+compiled where CUDA would take torch's fused kernel (its backward, ``GammaBetaBackward`` and
+``layer_norm_grad_input``, was 4.5% of the H200's SDAR-1.7B step: GPU.md); the same on a CPU, where norms are
+compiled anyway.
 
 ``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
 of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:

@@ -1,7 +1,8 @@
 """The sandbox's kernel layers, set in the child between fork and exec (:func:`make_preexec`): the rlimits
 (:func:`rlimits`), ``oom_score_adj`` and, in ``process`` isolation, a network namespace, an empty capability
-bounding set and the seccomp filter of x86-64 and aarch64 (:func:`seccomp_program`; ``namespaces`` isolation installs the same
-filter from its jail, :mod:`.sandbox_jail`, after the mounts). What each layer refuses: :mod:`.sandbox`'s docstring.
+bounding set and the seccomp filter of x86-64 and aarch64 (:func:`seccomp_program`; ``namespaces`` isolation
+installs the same filter from its jail, :mod:`.sandbox_jail`, after the mounts). What each layer refuses:
+:mod:`.sandbox`'s docstring.
 """
 
 from __future__ import annotations
