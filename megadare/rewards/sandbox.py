@@ -41,7 +41,8 @@ Both keep the other layers, outermost first:
   it is set to the current count + ``max_processes`` + slack; the kernel ignores it for a root program, ``process``
   isolation as root), set before exec; on x86-64 and aarch64 a seccomp filter: no new processes unless
   ``max_processes > 1`` (fork/vfork/clone without CLONE_THREAD -> EPERM, clone3 -> ENOSYS so threads fall back to
-  clone; children allowed: clone into a new namespace -> EPERM), no sockets except AF_UNIX, no ptrace/process_vm_*/pidfd_getfd,
+  clone; children allowed: clone into a new namespace -> EPERM), no sockets except AF_UNIX, no
+  ptrace/process_vm_*/pidfd_getfd,
   mount/namespaces/chroot/mknod/modules/bpf/kexec/reboot, io_uring, memfd_create/memfd_secret, syslog,
   prctl(PR_SET_DUMPABLE / PR_SET_PDEATHSIG), SysV shared memory and message queues, sync/syncfs, signals only to
   itself (any pid but -1 when ``max_processes > 1``; never through pidfd_send_signal or rt_(tg)sigqueueinfo, whose
