@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megadare.models.experts import GroupedExperts
 from megadare.models.gpt import LayerModules, build_model_chunks, transformer_config
-from megadare.models.hf.common import _grouped_swiglu, grouped_gemm_runs
+from megadare.models.hf.common import grouped_swiglu, grouped_gemm_runs
 from megadare.parallel import destroy_distributed, init_distributed
 
 import train_throughput as tt
@@ -59,7 +59,7 @@ def grouped(x, counts, probs, w1, w2):
     """SequentialMLP's math through grouped GEMMs: fc1 = [gate; up] rows, SwiGLU, the router probability, fc2."""
     f = w1.shape[1] // 2
     ends = counts.cumsum(0).to(torch.int32)
-    return _grouped_swiglu(x, (w1[:, :f], w1[:, f:], w2), ends) * probs.unsqueeze(1).to(x.dtype)
+    return grouped_swiglu(x, (w1[:, :f], w1[:, f:], w2), ends) * probs.unsqueeze(1).to(x.dtype)
 
 
 def contenders(experts, grouped_experts):

@@ -258,7 +258,7 @@ def test_grouped_experts_only_where_the_probe_passes(monkeypatch):
         return torch.cat([a[:1] @ b[0], a[1:] @ b[1]])  # uses expert 1 for rows [1, 3): wrong
 
     for broken in (raises, skips_empty_groups):
-        monkeypatch.setattr(common, "_grouped_mm", broken)
+        monkeypatch.setattr(common, "grouped_mm", broken)
         assert not common.grouped_gemm_runs(like)
         model, arch = nt.build("sdar_moe")
         eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu")

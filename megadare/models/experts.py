@@ -39,7 +39,7 @@ from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from megadare.errors import ConfigError
-from megadare.models.hf.common import _grouped_mm, grouped_gemm_runs
+from megadare.models.hf.common import grouped_mm, grouped_gemm_runs
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -49,9 +49,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ends, probs, how, *weights):
         n, fused = how
-        h = _grouped_mm(x, torch.stack(weights[:n]).transpose(1, 2), offs=ends)
+        h = grouped_mm(x, torch.stack(weights[:n]).transpose(1, 2), offs=ends)
         scaled = _scaled_swiglu(h, probs, fused)
-        y = _grouped_mm(scaled, torch.stack(weights[n:]).transpose(1, 2), offs=ends)
+        y = grouped_mm(scaled, torch.stack(weights[n:]).transpose(1, 2), offs=ends)
         ctx.n, ctx.fused = n, fused
         ctx.save_for_backward(x, ends, probs, h, scaled, *weights)
         return y
@@ -61,15 +61,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
         x, ends, probs, h, scaled, *weights = ctx.saved_tensors
         n, weight_grads = ctx.n, any(ctx.needs_input_grad[4:])  # none under LoRA (frozen experts)
         dy = dy.contiguous()
-        d_scaled = _grouped_mm(dy, torch.stack(weights[n:]), offs=ends)
-        dw2 = _grouped_mm(dy.t(), scaled, offs=ends).unbind(0) if weight_grads else (None,) * n
+        d_scaled = grouped_mm(dy, torch.stack(weights[n:]), offs=ends)
+        dw2 = grouped_mm(dy.t(), scaled, offs=ends).unbind(0) if weight_grads else (None,) * n
         with torch.enable_grad():
             h_ = h.detach().requires_grad_()
             p_ = probs.detach().requires_grad_(ctx.needs_input_grad[2])
             wrt = (h_, p_) if p_.requires_grad else (h_,)
             dh, *dp = torch.autograd.grad(_scaled_swiglu(h_, p_, ctx.fused), wrt, d_scaled)
-        dx = _grouped_mm(dh, torch.stack(weights[:n]), offs=ends)
-        dw1 = _grouped_mm(dh.t(), x, offs=ends).unbind(0) if weight_grads else (None,) * n
+        dx = grouped_mm(dh, torch.stack(weights[:n]), offs=ends)
+        dw1 = grouped_mm(dh.t(), x, offs=ends).unbind(0) if weight_grads else (None,) * n
         return (dx, None, dp[0] if dp else None, None, *dw1, *dw2)
 
 

@@ -359,7 +359,7 @@ class DecoderLM(nn.Module):
         tok, slot = order // a.moe_topk, order % a.moe_topk
         counts = torch.bincount(flat, minlength=a.num_experts)
         if layer.stacked is not None:
-            out = _grouped_swiglu(x[tok], layer.stacked, counts.cumsum(0).to(torch.int32))
+            out = grouped_swiglu(x[tok], layer.stacked, counts.cumsum(0).to(torch.int32))
             y = torch.zeros_like(x, dtype=torch.float32).index_add_(0, tok, out.float() * topw[tok, slot, None])
         else:
             y = self._experts_one_by_one(x, layer, tok, slot, topw, counts.tolist())
@@ -407,15 +407,17 @@ class DecoderLM(nn.Module):
             layer.stacked = None
 
 
-def _grouped_swiglu(xs: torch.Tensor, stacked: tuple, ends: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu(xs: torch.Tensor, stacked: tuple, ends: torch.Tensor) -> torch.Tensor:
     """SwiGLU of token-sorted rows ``xs`` through each one's expert: rows [ends[e-1], ends[e]) use expert e of
     the stacked [experts, out, in] weights (gate, up, down)."""
     gate, up, down = stacked
-    h = F.silu(_grouped_mm(xs, gate.transpose(1, 2), offs=ends)) * _grouped_mm(xs, up.transpose(1, 2), offs=ends)
-    return _grouped_mm(h, down.transpose(1, 2), offs=ends)
+    h = F.silu(grouped_mm(xs, gate.transpose(1, 2), offs=ends)) * grouped_mm(xs, up.transpose(1, 2), offs=ends)
+    return grouped_mm(h, down.transpose(1, 2), offs=ends)
 
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# the grouped GEMM op (None in a torch without one): the engine's stacked experts here and the training experts
+# (models/experts.py) both call it
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def grouped_gemm_runs(like: torch.Tensor, traced: bool = False) -> bool:
@@ -423,7 +425,7 @@ def grouped_gemm_runs(like: torch.Tensor, traced: bool = False) -> bool:
     shapes a MoE layer gives them (groups of any size, an empty one among them; CUDA kernels exist for some GPUs and
     dtypes only). ``traced``: also under torch.compile, whose fake-tensor kernel of the op accepts fewer dtypes than
     the op itself (bfloat16 only in torch 2.13: float32 runs eagerly on the CPU, and fails to compile)."""
-    if _grouped_mm is None:
+    if grouped_mm is None:
         return False
     try:
         if not bool((_grouped_probe(like.device, like.dtype).float() == _GROUPED_WANT).all()):
@@ -449,7 +451,7 @@ def _grouped_probe(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     a = torch.ones(3, 16, dtype=dtype, device=device)
     b = torch.arange(1, 4, dtype=dtype, device=device)[:, None, None].expand(3, 16, 16).contiguous()
     ends = torch.tensor([1, 1, 3], dtype=torch.int32, device=device)  # rows 0 | none | 1, 2
-    return _grouped_mm(a, b.transpose(1, 2), offs=ends).cpu()
+    return grouped_mm(a, b.transpose(1, 2), offs=ends).cpu()
 
 
 class _Layer:
