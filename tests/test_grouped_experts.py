@@ -127,6 +127,31 @@ def test_which_experts_module_a_run_gets(dist):
         experts_module(True, plain_mlp, cpu)
 
 
+def test_the_grouped_gemm_probe_runs_once_per_device_and_dtype(dist, monkeypatch):
+    """The build's ``experts_module`` and every layer's first forward ask whether grouped GEMMs run: a tiny GEMM and
+    a host read each time, until the answer was kept per device and dtype."""
+    from megadare.models.hf import common
+
+    monkeypatch.setattr(common, "_GROUPED_RUNS", {}, raising=False)
+    probes = []
+    real_probe = common._grouped_probe
+
+    def counted_probe(device, dtype):
+        probes.append((device.type, dtype))
+        return real_probe(device, dtype)
+
+    monkeypatch.setattr(common, "_grouped_probe", counted_probe)
+    arch = _arch()
+    assert experts_module(None, transformer_config(arch), torch.empty(0)) is GroupedExperts
+    _, layers = zip(*(_experts(arch, GroupedExperts) for _ in range(2)))
+    for layer in layers:
+        _forward_backward(layer, _rows(arch))
+    assert common.grouped_gemm_runs(torch.zeros(3)) and probes == [("cpu", torch.float32)]
+    assert common.grouped_gemm_runs(torch.zeros(3, dtype=torch.bfloat16))  # another dtype: a probe of its own
+    assert common.grouped_gemm_runs(torch.zeros(3, dtype=torch.bfloat16))
+    assert probes == [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+
+
 def test_grouped_experts_fall_back_to_the_sequential_forward_where_the_kernel_cannot_run(dist):
     arch = _arch(moe_intermediate_size=9)
     seq_chunk, seq = _experts(arch, SequentialMLP)

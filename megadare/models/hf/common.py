@@ -420,15 +420,31 @@ def grouped_swiglu(xs: torch.Tensor, stacked: tuple, ends: torch.Tensor) -> torc
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+# grouped_gemm_runs's answers by (device, dtype, traced, the op): the probe is a tiny GEMM and a host read, asked
+# for by the engine's build, experts_module and every GroupedExperts layer's first forward
+_GROUPED_RUNS: dict[tuple[torch.device, torch.dtype, bool, Any], bool] = {}
+
+
 def grouped_gemm_runs(like: torch.Tensor, traced: bool = False) -> bool:
     """Whether grouped GEMMs run for tensors like ``like`` (device, dtype): tried once on a tiny problem with the
     shapes a MoE layer gives them (groups of any size, an empty one among them; CUDA kernels exist for some GPUs and
     dtypes only). ``traced``: also under torch.compile, whose fake-tensor kernel of the op accepts fewer dtypes than
-    the op itself (bfloat16 only in torch 2.13: float32 runs eagerly on the CPU, and fails to compile)."""
+    the op itself (bfloat16 only in torch 2.13: float32 runs eagerly on the CPU, and fails to compile). The answer
+    is kept per process (one probe per device, dtype and ``traced``), except one found while tracing."""
+    key = (like.device, like.dtype, traced, grouped_mm)
+    runs = _GROUPED_RUNS.get(key)
+    if runs is None:
+        runs = _probe_grouped_gemm(like.device, like.dtype, traced)
+        if not torch.compiler.is_compiling() and detect_fake_mode() is None:
+            _GROUPED_RUNS[key] = runs
+    return runs
+
+
+def _probe_grouped_gemm(device: torch.device, dtype: torch.dtype, traced: bool) -> bool:
     if grouped_mm is None:
         return False
     try:
-        if not bool((_grouped_probe(like.device, like.dtype).float() == _GROUPED_WANT).all()):
+        if not bool((_grouped_probe(device, dtype).float() == _GROUPED_WANT).all()):
             return False
         if traced:
             quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the refusal as an error
@@ -436,7 +452,7 @@ def grouped_gemm_runs(like: torch.Tensor, traced: bool = False) -> bool:
             quiet.setLevel(logging.CRITICAL)
             try:
                 with FakeTensorMode():
-                    _grouped_probe(like.device, like.dtype)
+                    _grouped_probe(device, dtype)
             finally:
                 quiet.setLevel(level)
         return True
