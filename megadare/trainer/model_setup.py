@@ -87,9 +87,10 @@ def _check_same_tiny(hf_dir: str, want: dict) -> None:
         )
 
 
-def training_transformer_config(cfg: Config, arch: ModelArch):
+def training_transformer_config(cfg: Config, arch: ModelArch, elementwise: Optional[bool] = None):
     """TransformerConfig for training: dtype, SP, recomputation, MoE balancing as the family specifies, the step
-    fusions asked for (models/step_fusions.py)."""
+    fusions asked for (models/step_fusions.py); ``elementwise``: ``train.fused_elementwise`` as it runs, where the
+    caller has it already (None: worked out here)."""
     over: dict[str, Any] = {"sequence_parallel": cfg.parallel.sp}
     t = cfg.train
     if t.recompute == "full":
@@ -105,7 +106,8 @@ def training_transformer_config(cfg: Config, arch: ModelArch):
             moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none",
             moe_router_bias_update_rate=t.moe_bias_update_rate,
         )
-    elementwise = step_fusions.elementwise_on(t.fused_elementwise, arch.is_moe, cfg.model.dtype)
+    if elementwise is None:
+        elementwise = step_fusions.elementwise_on(t.fused_elementwise, arch.is_moe, cfg.model.dtype)
     over.update(step_fusions.config_overrides(t.gradient_accumulation_fusion, elementwise))
     return transformer_config(arch, cfg.model.dtype, **over)
 
@@ -114,8 +116,8 @@ def build_training_chunks(cfg: Config, src: ModelSource) -> list[torch.nn.Module
     """This rank's model chunks with the source weights loaded (HF straight into the shards); their output layer
     runs as ``train.logits`` says (models/head.py), their norms fused under ``train.fused_elementwise``, their
     MoE experts as ``train.grouped_experts`` says (models/experts.py)."""
-    tcfg = training_transformer_config(cfg, src.arch)
     fused = step_fusions.elementwise_on(cfg.train.fused_elementwise, src.arch.is_moe, cfg.model.dtype)
+    tcfg = training_transformer_config(cfg, src.arch, fused)
     experts = LayerModules.experts
     if src.arch.is_moe:
         like = torch.empty(0, dtype=DTYPES[cfg.model.dtype], device="cuda" if torch.cuda.is_available() else "cpu")
