@@ -9,13 +9,19 @@ the last write ended a line; ``spawn`` shares that record between the launcher a
 Where stderr is no terminal (a Slurm log, a pipe), ``\\r`` redraws made one 'line' that grew with every frame,
 unreadable with ``less``/``grep``: ``progress_bar`` draws a bar there as whole lines instead (``_LineBar``), at
 most one each ``LINE_INTERVAL_S`` seconds, plus the first, the last and any explicit refresh.
+
+On a terminal that reports no size (a pty opened without one: ``script``, some CI runners) tqdm's
+``dynamic_ncols`` read the width and height as -1 and drew nothing; ``_TerminalBar`` takes the size
+``shutil.get_terminal_size`` falls back to there (``$COLUMNS``/``$LINES``, else 80 x 24).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
 import sys
-from typing import Any, TextIO
+from typing import Any, Optional, TextIO
 
 from tqdm import tqdm
 
@@ -103,6 +109,34 @@ class _LineBar(tqdm):
         super().close()
 
 
+def _terminal_shape(fp: Any) -> tuple[Optional[int], Optional[int]]:
+    """The (columns, lines) a bar on terminal ``fp`` may take, one less each as tqdm's own reading of them: the
+    terminal's size, ``shutil.get_terminal_size``'s where the terminal reports none (0), or (None, None) where it
+    cannot be asked (as tqdm: a bar of its default width)."""
+    try:
+        columns, lines = os.get_terminal_size(fp.fileno())
+    except (AttributeError, ValueError, OSError):  # no fileno, a closed stream, no terminal behind it
+        return None, None
+    if columns <= 0 or lines <= 0:
+        fallback = shutil.get_terminal_size()
+        columns, lines = columns if columns > 0 else fallback.columns, lines if lines > 0 else fallback.lines
+    return columns - 1, lines - 1
+
+
+class _TerminalBar(tqdm):
+    """A tqdm bar redrawn in place whose ``dynamic_ncols`` follows the terminal's size through ``_terminal_shape``
+    (tqdm's own reads a terminal without a size as -1 x -1 and draws nothing)."""
+
+    def __init__(self, **kwargs: Any):
+        follow = kwargs.get("dynamic_ncols", False)
+        if follow:  # the first frame is drawn inside tqdm's __init__: its size is given, then followed
+            columns, lines = _terminal_shape(kwargs["file"])
+            kwargs.update(dynamic_ncols=False, ncols=columns, nrows=lines)
+        super().__init__(**kwargs)
+        if follow:
+            self.dynamic_ncols = _terminal_shape
+
+
 def progress_bar(**kwargs: Any) -> tqdm:
     """A tqdm bar (``kwargs`` are tqdm's, less ``file``) on ``progress_stream()``: redrawn in place on a terminal,
     printed as lines (``_LineBar``) where stderr is a file or a pipe."""
@@ -110,5 +144,5 @@ def progress_bar(**kwargs: Any) -> tqdm:
         terminal = sys.stderr.isatty()
     except (AttributeError, ValueError):  # no isatty, or a closed stream: no terminal
         terminal = False
-    bar_class = tqdm if terminal else _LineBar
+    bar_class = _TerminalBar if terminal else _LineBar
     return bar_class(file=progress_stream(), **kwargs)

@@ -1,8 +1,14 @@
 """Progress bars where stderr is a log (a Slurm job's file, a pipe): ended lines at a sane rate, not ``\\r`` frames
 that grow one 'line' for the whole run; on a terminal the bar redraws as before."""
 
+import fcntl
 import io
+import os
+import pty
+import shutil
+import struct
 import sys
+import termios
 from types import SimpleNamespace
 
 import pytest
@@ -83,3 +89,30 @@ def test_a_bar_on_a_terminal_redraws_its_line(tmp_path, monkeypatch, clock):
     frames = text.split("\r")
     assert text.count("\n") == 1 and text.endswith("\n") and len(frames) >= 4, repr(text)
     assert "| 3/3 [" in frames[-1] and "loss=0.3333, lr=1e-05]" in frames[-1], repr(text)
+
+
+def test_a_bar_on_a_terminal_without_a_size_draws(tmp_path, monkeypatch, clock):
+    """A pty opened without a size (``script``, some CI runners) reads 0 x 0: tqdm's ``dynamic_ncols`` (the
+    Monitor's bar) took it as -1 columns and -1 lines and drew nothing; the bar takes the fallback size there."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+    controller, terminal_fd = pty.openpty()
+    fcntl.ioctl(terminal_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    assert os.get_terminal_size(terminal_fd) == (0, 0)
+    with open(terminal_fd, "w", buffering=1, closefd=True) as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        _train(tmp_path, clock, steps=3, seconds_per_step=1.0)
+        terminal.flush()
+    os.set_blocking(controller, False)
+    text = b""
+    try:
+        while chunk := os.read(controller, 65536):
+            text += chunk
+    except (BlockingIOError, OSError):  # nothing more to read (EIO: the terminal's side is closed)
+        pass
+    finally:
+        os.close(controller)
+    frames = text.decode().split("\r")
+    drawn = [f for f in frames if "/3 [" in f]
+    assert drawn and "| 3/3 [" in drawn[-1] and "loss=0.3333" in drawn[-1], repr(text)
+    assert all(len(f) < shutil.get_terminal_size().columns for f in drawn), repr(text)
