@@ -114,3 +114,28 @@ def relayout(layout: dict) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     init_distributed(Layout(**layout))
+
+
+def push_refused_on_every_rank(rank: int, world: int) -> str:
+    """Rank 0 cannot decide a push (its engines' check finds the Ray head gone, as after a SIGTERM to the job):
+    what each rank then raises."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megadare.errors import PeerError
+    from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
+
+    class HeadGone:  # a RolloutManager whose GcsWatch found the GCS dead
+        def check_engines(self) -> None:
+            raise PeerError("the Ray head is gone (gcs_server at 127.0.0.1:6379)")
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        engines = HeadGone() if rank == 0 else None
+        WeightSync([], [], engines, SyncSettings(transport="object_store")).push(1)
+    except PeerError as e:
+        return f"rank {rank}: {e}"
+    finally:
+        dist.destroy_process_group()
+    return f"rank {rank}: pushed"

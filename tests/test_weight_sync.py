@@ -20,7 +20,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from dist import relayout, run_distributed, stepped_trainer  # noqa: E402
+from dist import push_refused_on_every_rank, relayout, run_distributed, stepped_trainer  # noqa: E402
 from ray_fixture import ray_cluster  # noqa: E402,F401  (module-scoped local Ray cluster)
 from tiny import write_tiny_hf  # noqa: E402
 from megadare.models.mapping import ParamMap  # noqa: E402
@@ -405,6 +405,31 @@ def test_auto_transport_on_gpus_never_puts_two_nccl_ranks_on_one_gpu():
         resolve("distributed", ["GPU-a"], ["GPU-a"])
     with pytest.raises(ConfigError, match="colocated on GPUs needs every engine on the GPU"):
         resolve("colocated", ["GPU-a"], ["GPU-c"])
+
+
+def test_a_push_rank0_cannot_decide_fails_on_every_rank():
+    """The Ray head gone (a SIGTERM to the whole job): rank 0's check of the engines raises in the push's header,
+    which carries the error to every rank (rl's push_weights drops the push on all of them together, no broadcast
+    of its own before it); the other ranks waited on the header until the collective timeout."""
+    assert run_distributed(push_refused_on_every_rank, 2, timeout_s=120) == [
+        f"rank {r}: the Ray head is gone (gcs_server at 127.0.0.1:6379)" for r in (0, 1)
+    ]
+
+
+def test_the_engines_check_raises_a_dead_ray_head_before_asking_the_engines():
+    from types import SimpleNamespace
+
+    from megadare.errors import PeerError
+    from megadare.rollout.manager import RolloutManager
+
+    def dead():
+        raise PeerError("the Ray head died")
+
+    manager = RolloutManager.__new__(RolloutManager)  # no Ray: only what check_engines reads
+    manager.gcs = SimpleNamespace(check=dead)
+    manager.engine_info = lambda: pytest.fail("the engines were asked through a dead Ray head")
+    with pytest.raises(PeerError, match="the Ray head died"):
+        manager.check_engines()
 
 
 class _LostMember:

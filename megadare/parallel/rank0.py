@@ -39,7 +39,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
         try:
             result = work()
         except Exception as e:
-            tell("error", _picklable(e))
+            tell("error", picklable(e))
             raise
         finally:
             if manager is not None:
@@ -58,7 +58,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
             return value
 
 
-def _picklable(e: Exception) -> Exception:
+def picklable(e: Exception) -> Exception:
     """``e`` itself when it survives pickling, else a RuntimeError with its type and message."""
     try:
         pickle.loads(pickle.dumps(e))

@@ -340,7 +340,9 @@ class RolloutManager:
         return [self._get_one(ray, slot, ref, what) for slot, ref in enumerate(refs)]
 
     def check_engines(self) -> None:
-        """Replace every dead actor now (before a push, so the push reaches the replacement)."""
+        """Replace every dead actor now (before a push, so the push reaches the replacement); raise the
+        ``PeerError`` of a dead Ray head first (``GcsWatch.check``: after a SIGTERM the run drops the push)."""
+        self.gcs.check()
         self.engine_info()
 
     def weight_group_setup(self, how: str, trainer_device) -> tuple[int, str]:

@@ -165,8 +165,7 @@ def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
     LoRA the engines get W + s B A); ``queued``: the rollout queue exists and its partial rollouts then continue
     on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
     t0 = time.perf_counter()
-    on_rank0(run, lambda: ray_check(run))  # every rank drops the push when Ray is gone
-    stats = push_current(run)
+    stats = push_current(run)  # every rank drops it when Ray is gone (rank 0's check_engines, in the push's header)
     if queued:
         on_rank0(run, lambda: run.rollouts.queue.advance())
     return {**stats, "sync_s": time.perf_counter() - t0}

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megadare.convert.fp8 import fp8_rollout_weights, linear_hf_names
 from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models.mapping import ParamMap
-from megadare.parallel.rank0 import trainer_rank
+from megadare.parallel.rank0 import picklable, trainer_rank
 from megadare.rollout.choices import WEIGHT_TRANSPORTS
 from megadare.rollout.weight_sync.gather import stage_buckets
 from megadare.rollout.weight_sync.groups import DEFAULT_TIMEOUT, gpu_uuid, host_ip
@@ -165,35 +165,48 @@ class WeightSync:
     def _header(self) -> dict:
         """Rank 0's decision for this push, broadcast to every rank: transport, whether to (re)build the groups
         (first push, an engine restarted since, or the engines joined another sync's groups), the group size and
-        the groups' name."""
+        the groups' name. Where rank 0 cannot decide (the Ray head gone after a SIGTERM: ``check_engines``), the
+        header carries its error and every rank raises it: none waits on a push that never comes."""
         ranks = (
             gather_objects((host_ip(), gpu_uuid(self.device)))
             if self.requested != "object_store" and not self.transport_name
             else None
         )
         header: list[Any] = [None]
+        failed: Optional[Exception] = None
         if trainer_rank() == 0:
-            name = self.transport_name or self._resolve(ranks)
-            if not self.transport_name:
-                print(f"weight sync transport: {name} (rollout.weight_transport={self.requested})", flush=True)
-            if hasattr(self.engines, "check_engines"):
-                self.engines.check_engines()  # replace dead actors before the push reaches them
-            rebuild, world, backend = False, 0, "gloo"
-            rebuild = name in ("distributed", "colocated") and self.engines.weight_groups != self.generation
-            if rebuild:  # group size and backend matter only to a (re)build
-                world, backend = self.engines.weight_group_setup(_HOW[name], self.device)
-                self.generation = uuid.uuid4().hex[:12]
-            header[0] = {
-                "transport": name,
-                "rebuild": rebuild,
-                "world": world,
-                "backend": backend,
-                "generation": self.generation,
-            }
+            try:
+                header[0] = self._decide(ranks)
+            except Exception as e:  # noqa: BLE001 - any failure here: every rank raises it, none waits for a push
+                failed, header[0] = e, {"error": picklable(e)}
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(header, src=0)
+        if failed is not None:
+            raise failed
+        if "error" in header[0]:
+            raise header[0]["error"]
         self.transport_name = header[0]["transport"]
         return header[0]
+
+    def _decide(self, ranks: Optional[list[tuple[str, Optional[str]]]]) -> dict:
+        """Rank 0: the header of this push (``_header``), the engines checked (a dead actor replaced)."""
+        name = self.transport_name or self._resolve(ranks)
+        if not self.transport_name:
+            print(f"weight sync transport: {name} (rollout.weight_transport={self.requested})", flush=True)
+        if hasattr(self.engines, "check_engines"):
+            self.engines.check_engines()  # replace dead actors before the push reaches them
+        rebuild, world, backend = False, 0, "gloo"
+        rebuild = name in ("distributed", "colocated") and self.engines.weight_groups != self.generation
+        if rebuild:  # group size and backend matter only to a (re)build
+            world, backend = self.engines.weight_group_setup(_HOW[name], self.device)
+            self.generation = uuid.uuid4().hex[:12]
+        return {
+            "transport": name,
+            "rebuild": rebuild,
+            "world": world,
+            "backend": backend,
+            "generation": self.generation,
+        }
 
     def _resolve(self, ranks: Optional[list[tuple[str, Optional[str]]]]) -> str:
         """The transport ``auto`` stands for here, and a requested one checked to be possible. ``ranks``: every
