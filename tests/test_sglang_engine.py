@@ -509,6 +509,36 @@ def test_register_resolves_the_algorithm_and_delivers_traces(fake_sglang, fdfo):
     assert any(e[2] < 0 for e in trace1) and sorted(e[1] for e in trace1[-4:]) == [0, 1, 2, 3]  # 1 per step
 
 
+def test_a_requests_sampling_settings_are_built_once(fake_sglang, monkeypatch):
+    """sglang asks for a request's parameters at every run (FDFO: every forward) in ``init_step_state`` and again in
+    ``max_steps``; they are built at its first block and kept on the request, the YAML's once at the start."""
+    config = types.SimpleNamespace(
+        block_size=B, mask_id=MASK, first_done_first_out_mode=True, algorithm_config={"steps_per_block": 2}
+    )
+    reqs = _fake_reqs([(0.9, 5, None, None), (1.0, 1, 7, {"megadare": {"steps_per_block": 4, "seed": 3}})])
+    core = sp.BlockDenoiser(B, MASK, config.algorithm_config)  # the reference
+    want = [
+        core.params_for(0.9, 1.0, 5, None, None, "r0"),
+        core.params_for(1.0, 1.0, 1, reqs[1].sampling_params.custom_params, 7, "r1"),
+    ]
+    built = []
+    real_request_params = sp.request_params
+
+    def counted(block_size, defaults, request=sp.RequestSampling()):
+        built.append(request.rid or "defaults")
+        return real_request_params(block_size, defaults, request)
+
+    monkeypatch.setattr(sp, "request_params", counted)
+    algo = sp.algorithm_class()(config)
+    for _ in range(3):  # three runs: sglang's calls in each
+        algo.bind_requests(reqs)
+        assert algo.max_steps(B) == B + 1
+        states = algo.init_step_state(types.SimpleNamespace(batch_size=2))
+        assert [st.params for st in states] == want
+        algo.bind_requests(None)
+    assert built == ["defaults", "r0", "r1"]
+
+
 def test_engine_spec_tensor_parallel_engines(monkeypatch):
     """rollout.engine_tp reaches sglang's tp_size; a built-in engine or too few GPUs per actor are config errors."""
     from megadare.config import load_config

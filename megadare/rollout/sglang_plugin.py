@@ -44,7 +44,8 @@ client finds it in ``meta_info["megadare_trace"]``: ``[global_step, block_step, 
 token (``forwards_so_far``: denoising steps of the request up to and including the token's block; under token
 editing a fifth item lists the commits of that position an edit overwrote, ``[[global_step, block_step,
 logprob, token], ...]``). The step
-counter and the per-request random stream live on the ``Req`` (``_megadare_forwards``, ``_megadare_rng``).
+counter, the per-request random stream and the request's parameters (built at its first block) live on the ``Req``
+(``_megadare_forwards``, ``_megadare_rng``, ``_megadare_params``).
 
 Per-request parameters: ``temperature`` / ``top_p`` / ``top_k`` of sglang's ``SamplingParams`` (sglang turns
 temperature 0 into ``top_k=1``, which is greedy here too), the seed from ``custom_params["megadare"]["seed"]``,
@@ -78,7 +79,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -235,7 +236,7 @@ class BlockDenoiser:
                 f"{ALGORITHM_NAME}: config block_size={self.config['block_size']} but the engine "
                 f"decodes blocks of {self.block_size}"
             )
-        request_params(self.block_size, self.config)  # fail fast on bad defaults
+        self.defaults = request_params(self.block_size, self.config)  # the YAML's (raises on bad defaults)
 
     def params_for(
         self,
@@ -364,21 +365,33 @@ def _deliver(req: Any, state: RequestState) -> None:
     trace.extend(entries)
 
 
-def _request_params(core: BlockDenoiser, req: Any) -> SamplingParams:
+def _request_sampling(req: Any) -> RequestSampling:
+    """The sampling fields of sglang request ``req`` (its ``sampling_params`` and id)."""
     sp = req.sampling_params
-    rid = str(getattr(req, "rid", ""))
-    try:
-        return core.params_for(
-            sp.temperature,
-            sp.top_p,
-            sp.top_k,
-            getattr(sp, "custom_params", None),
-            getattr(sp, "sampling_seed", None),
-            rid,
-        )
-    except ValueError as e:  # validate_request rejects these before they get here; never crash the scheduler
-        logger.error("%s: request %s: %s; using the engine defaults", ALGORITHM_NAME, rid, e)
-        return core.params_for(sp.temperature, sp.top_p, sp.top_k, None, getattr(sp, "sampling_seed", None), rid)
+    return RequestSampling(
+        sp.temperature,
+        sp.top_p,
+        sp.top_k,
+        getattr(sp, "custom_params", None),
+        getattr(sp, "sampling_seed", None),
+        str(getattr(req, "rid", "")),
+    )
+
+
+def _request_params(core: BlockDenoiser, req: Any) -> SamplingParams:
+    """``req``'s megadare ``SamplingParams``, built at its first block and kept on it (``_megadare_params``): its
+    sampling fields stay as they are while it runs, and sglang asks at every block (FDFO: every forward) in
+    ``init_step_state`` and again in ``max_steps``."""
+    params = getattr(req, "_megadare_params", None)
+    if params is None:
+        request = _request_sampling(req)
+        try:
+            params = request_params(core.block_size, core.config, request)
+        except ValueError as e:  # validate_request rejects these before they get here; never crash the scheduler
+            logger.error("%s: request %s: %s; using the engine defaults", ALGORITHM_NAME, request.rid, e)
+            params = request_params(core.block_size, core.config, replace(request, custom_params=None))
+        req._megadare_params = params
+    return params
 
 
 def _request_state(core: BlockDenoiser, req: Any) -> RequestState:
@@ -408,7 +421,7 @@ class _AdapterMixin:
         """sglang's ``DllmAlgorithm.max_steps`` (0.5.21+; the synchronous loop's bound): room for token editing's
         refinement steps of the bound requests (the YAML defaults otherwise)."""
         params = [_request_params(self.core, r) for r in self._reqs or [] if getattr(r, "sampling_params", None)]
-        return self.core.max_steps(params + [self.core.params_for()])
+        return self.core.max_steps(params + [self.core.defaults])
 
     def bind_requests(self, reqs: Optional[Sequence[Any]]) -> None:
         """Set by the worker hook for the duration of one ``run``: the ``Req`` of every forward-batch row."""
@@ -421,14 +434,7 @@ class _AdapterMixin:
             return None
         block = getattr(getattr(req, "dllm_config", None), "block_size", None) or 1 << 20
         try:
-            request = RequestSampling(
-                sp.temperature,
-                sp.top_p,
-                sp.top_k,
-                getattr(sp, "custom_params", None),
-                getattr(sp, "sampling_seed", None),
-            )
-            request_params(block, {}, request)
+            request_params(block, {}, _request_sampling(req))
         except ValueError as e:
             return f"{ALGORITHM_NAME}: {e}"
         return None
