@@ -23,7 +23,7 @@ from megadare.errors import RESUME, PeerError
 from megadare.rollout.ray_guard import is_ray
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
-GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's 60 s)
+GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's limit)
 GCS_GRACE_S = 10.0  # seconds the driver gets to raise the error itself before the watch prints it and exits
 GCS_WAIT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"  # how long Ray lets a process live without its GCS (60 s)
 
