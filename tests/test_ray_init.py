@@ -140,3 +140,18 @@ def test_a_sigkilled_run_leaves_no_ray_process_of_its_own_and_ends_no_other():
         driver.kill()
         other.kill()
         other.wait()
+
+
+@pytest.mark.parametrize("set_s, inside", [(None, "3600"), ("3", "3600"), ("7200", "7200")])
+def test_the_driver_outlives_its_gcs_as_long_as_the_run_waits_and_the_setting_is_put_back(monkeypatch, set_s, inside):
+    """Around ``ray.init`` Ray's ``gcs_rpc_server_reconnect_timeout_s`` (60 s: then Ray ends the driver) is the
+    run's parallel.collective_timeout_s, or a longer one the user set; afterwards the environment is as it was."""
+    from megadare.rollout.ray_health import GCS_WAIT_ENV, outliving_the_gcs
+
+    if set_s is None:
+        monkeypatch.delenv(GCS_WAIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GCS_WAIT_ENV, set_s)
+    with outliving_the_gcs(3600):
+        assert os.environ[GCS_WAIT_ENV] == inside
+    assert os.environ.get(GCS_WAIT_ENV) == set_s

@@ -43,11 +43,39 @@ def hooked(run, *a):
 
 setattr(rl, WHERE, hooked)
 
+if os.environ.get("HOOK_SAVE_S"):  # a save without Ray that takes this long (a big model's)
+    real_save = rl.save_run
+
+    def slow_save(run):
+        if run.ray_lost:
+            time.sleep(float(os.environ["HOOK_SAVE_S"]))
+        return real_save(run)
+
+    rl.save_run = slow_save
+
 if __name__ == "__main__":
     from megadare.cli import main
 
     sys.exit(main(sys.argv[1:]))
 """
+
+
+def _rl_argv(run_dir, steps: int, nproc: int = 1) -> list[str]:
+    """``megadare rl`` on the demo: tiny steps, no evaluation but the last."""
+    return [
+        "rl",
+        "--config",
+        os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"),
+        f"logging.run_dir={run_dir}",
+        f"rl.steps={steps}",
+        "rl.eval_size=4",
+        "rl.eval_interval=0",
+        "rl.prompts_per_step=2",
+        "rl.n_samples=2",
+        "train.micro_batch_size=2",
+        "logging.tensorboard=false",
+        *(["--nproc", str(nproc)] if nproc > 1 else []),
+    ]
 
 
 def _ray_pids_of(session_pid: int) -> list[str]:
@@ -78,20 +106,7 @@ def test_a_sigterm_to_the_whole_job_keeps_what_it_can_and_says_so(tmp_path, wher
     hook = tmp_path / "hook.py"
     hook.write_text(HOOK)
     run = tmp_path / "rl"
-    argv = [
-        "rl",
-        "--config",
-        os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"),
-        f"logging.run_dir={run}",
-        "rl.steps=4",
-        "rl.eval_size=4",
-        "rl.eval_interval=0",
-        "rl.prompts_per_step=2",
-        "rl.n_samples=2",
-        "train.micro_batch_size=2",
-        "logging.tensorboard=false",
-        *(["--nproc", "2"] if nproc > 1 else []),
-    ]
+    argv = _rl_argv(run, 4, nproc)
     proc = subprocess.Popen(
         [sys.executable, str(hook), *argv],
         stdout=subprocess.PIPE,
@@ -109,3 +124,35 @@ def test_a_sigterm_to_the_whole_job_keeps_what_it_can_and_says_so(tmp_path, wher
     while _ray_pids_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _ray_pids_of(proc.pid) == []
+
+
+@pytest.mark.timeout(240)
+def test_a_save_longer_than_ray_lets_a_driver_outlive_its_gcs_still_lands_and_resumes(tmp_path):
+    """Ray ends a driver ``gcs_rpc_server_reconnect_timeout_s`` (60 s) after its GCS died, from its C++ core (exit
+    1, 'Failed to connect to GCS within 60 seconds'): a save without Ray after the group's SIGTERM that took longer
+    (a big model's) was cut, the interval's work lost. megadare's driver now outlives its GCS by
+    parallel.collective_timeout_s. Here Ray's limit is 3 s (its environment variable, a user's shorter setting is
+    raised too) and the save takes 8 s: it lands, and the next run resumes from it."""
+    hook = tmp_path / "hook.py"
+    hook.write_text(HOOK)
+    run = tmp_path / "rl"
+    env = dict(os.environ, HOOK_WHERE="generate", HOOK_SAVE_S="8", RAY_gcs_rpc_server_reconnect_timeout_s="3")
+    proc = subprocess.run(
+        [sys.executable, str(hook), *_rl_argv(run, 2)],
+        capture_output=True,
+        text=True,
+        env=env,
+        start_new_session=True,  # the group it signals is its own
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rl stopped by signal at step 1;" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert int(f.read()) == 1
+    resumed = subprocess.run(
+        [sys.executable, "-m", "megadare", *_rl_argv(run, 2)], capture_output=True, text=True, timeout=200
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 1 (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
+    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert int(f.read()) == 2

@@ -173,7 +173,7 @@ class RolloutManager:
         if not ray.is_initialized():
             raise RuntimeError("RolloutManager needs a running Ray (ray.init(...) or the Slurm launcher)")
         limits = limits or EngineLimits()
-        self.gcs = GcsWatch(ray.get_runtime_context().gcs_address)  # the head's GCS: Ray ends us 60 s after it dies
+        self.gcs = GcsWatch(ray.get_runtime_context().gcs_address)  # the head's GCS: its death stops the run
         self.spec, self.chunk_size, self.max_restarts = spec, chunk_size, limits.max_restarts
         self.timeout_s = limits.timeout_s  # rollout.timeout_s: the longest an engine may stay silent
         self.placement_s = limits.placement_s
@@ -250,7 +250,7 @@ class RolloutManager:
         ray = _ray()
         end = time.monotonic() + timeout_s
         while True:
-            self.gcs.check()  # the head's GCS gone: the engines still answer, but Ray ends this driver in 60 s
+            self.gcs.check()  # the head's GCS gone: the engines still answer, a wait would not end
             left = end - time.monotonic()
             ready, late = ray.wait(refs, num_returns=num_returns, timeout=max(0.0, min(left, 2.0)))
             if len(ready) >= num_returns or left <= 2.0:

@@ -6,7 +6,10 @@ more before they give up. Under ``--nproc`` the launcher adopts them (a child su
 process has no such parent. So a process that starts a local Ray also starts a guard (``start``): a small child
 that notes the driver's Ray processes (its descendants, never another Ray's on the node) each ``PROBE_S`` and,
 once the driver is gone, SIGKILLs those still there. It ignores SIGINT / SIGTERM (the run stops Ray itself then)
-and ends with its driver.
+and ends with its driver. A Ray process started after its last look is missed, which does not matter: a worker
+(an engine's) is ended by its raylet as that dies (Ray 2.60: within 0.5 s, a SIGSTOPped one too); the agents
+start within ``ray.init``, and one missed by a kill then gives up after ~60 s. No mark finds them once orphaned:
+the agents' /proc environ reads empty (their retitling), they share the driver's process group and session.
 
     python -m megadare.rollout.ray_guard <driver pid>
 """

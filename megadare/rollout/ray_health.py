@@ -2,7 +2,7 @@
 
 Ray's driver lives on without its GCS (the head's ``gcs_server``) for ``gcs_rpc_server_reconnect_timeout_s`` (60 s)
 and is then ended from Ray's C++ core (exit 1, ``Failed to connect to GCS within 60 seconds``), while its actors
-go on answering. ``GcsWatch`` probes the GCS port every second: refused (nothing listens: the process is gone) or
+go on answering; megadare's driver gets ``parallel.collective_timeout_s`` instead (``outliving_the_gcs``). ``GcsWatch`` probes the GCS port every second: refused (nothing listens: the process is gone) or
 unreachable for ``GCS_MISSES`` probes in a row (~30 s: a network blip Ray itself rides out does not end the run),
 it is dead. The manager's waits then raise its ``PeerError``; a driver busy elsewhere (a train step) gets the same
 line printed and exit 2 after ``grace_s``, ahead of Ray's end, unless it got SIGTERM: the signal reached Ray too,
@@ -15,15 +15,17 @@ import os
 import socket
 import sys
 import threading
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 from megadare.console import end_open_line
 from megadare.errors import RESUME, PeerError
 from megadare.rollout.ray_guard import is_ray
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
-GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's 60 s)
+GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's limit)
 GCS_GRACE_S = 10.0  # seconds the driver gets to raise the error itself before the watch prints it and exits
+GCS_WAIT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"  # how long Ray lets a process live without its GCS (60 s)
 
 
 _TERMINATED: list[bool] = []  # this process got SIGTERM (trainer/signals.py notes it): a local Ray may have too
@@ -96,6 +98,26 @@ def end_local_ray() -> list[int]:
     return [p.pid for p in ours]
 
 
+@contextmanager
+def outliving_the_gcs(wait_s: float) -> Iterator[None]:
+    """Around ``ray.init``: the driver it connects lives on ``wait_s`` (at least) without the head's GCS, not
+    Ray's 60 s (``GCS_WAIT_ENV``: its core reads it at ``ray.init``, never later). Ray then ended the driver from
+    its C++ core, cutting the checkpoint a run saves without Ray after a SIGTERM to the whole job (trainer/rl.py),
+    or the update before it, once longer; ``GcsWatch`` ends a driver whose GCS died in seconds instead, with its
+    line, unless the run stops on that SIGTERM. A local Ray's processes started meanwhile inherit it: megadare ends
+    them itself (``end_local_ray``, rollout/ray_guard.py)."""
+    before = os.environ.get(GCS_WAIT_ENV)
+    set_s = int(before) if before and before.strip().isdigit() else 0
+    os.environ[GCS_WAIT_ENV] = str(max(int(wait_s), set_s))  # a longer one set by the user stays
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GCS_WAIT_ENV, None)
+        else:
+            os.environ[GCS_WAIT_ENV] = before
+
+
 def gcs_reachable(address: str, timeout_s: float = 2.0) -> Optional[bool]:
     """True: the GCS port at ``host:port`` accepts a connection; False: refused (nothing listens there);
     None: no answer within ``timeout_s`` (a slow network or a lost host)."""
@@ -161,7 +183,7 @@ class GcsWatch:
 
     def check(self) -> None:
         """Raise the watch's ``PeerError`` (stopping the watch) once the GCS is found dead; after a SIGTERM, a GCS
-        that refuses now is dead at once (a call through it would wait until Ray ends this driver, 60 s)."""
+        that refuses now is dead at once (a call through it would wait until Ray ends this driver)."""
         if self.error is None and terminated() and gcs_reachable(self.address) is False:
             self._dead()
         if self.error is not None:

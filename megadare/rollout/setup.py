@@ -16,6 +16,7 @@ from megadare.errors import ConfigError, OutputError, PeerError
 from megadare.models.family import ModelArch
 from megadare.rollout import ray_guard
 from megadare.rollout.engine import SamplingParams
+from megadare.rollout.ray_health import outliving_the_gcs
 
 
 def resolve_canvas(cfg, arch: Optional[ModelArch]) -> str:
@@ -170,13 +171,14 @@ def fp8_engine_model(run_dir: str, hf_dir: str) -> str:
     return path
 
 
-def init_ray(num_engines: int) -> None:
+def init_ray(num_engines: int, gcs_wait_s: float = 3600.0) -> None:
     """Join the Ray cluster of ``RAY_ADDRESS`` (the Slurm launcher's), else start a private local one. Not
     ``address=None``: Ray then joins the cluster named in ``<tmp>/ray/ray_current_cluster`` (any ``ray start`` on
     the machine, another user's or one long dead), and with ``num_cpus`` given the run died in a traceback. A Ray
     that does not come up (its raylet or GCS late on a loaded machine, a cluster that does not answer) is one
     ``PeerError`` line, not Ray's traceback. A local Ray gets a guard that ends it once this process is gone,
-    SIGKILLed too (rollout/ray_guard.py)."""
+    SIGKILLed too (rollout/ray_guard.py). Ray lets this driver live ``gcs_wait_s`` without its head's GCS, not
+    60 s: a checkpoint saved without Ray after a SIGTERM to the whole job is not cut (``outliving_the_gcs``)."""
     import ray  # heavy: Ray
 
     _quiet_ray_token_notice()
@@ -184,12 +186,13 @@ def init_ray(num_engines: int) -> None:
     if not joined:  # ours to end should this process be SIGKILLed, or Ray come up half
         ray_guard.start()
     try:
-        ray.init(
-            address=joined or "local",
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=None if joined else max(2, num_engines + 1),
-        )
+        with outliving_the_gcs(gcs_wait_s):
+            ray.init(
+                address=joined or "local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=None if joined else max(2, num_engines + 1),
+            )
     except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node does not start
         why = " ".join(str(e).split()) or type(e).__name__
         if joined:
@@ -214,7 +217,7 @@ def start_engines(cfg, src, tok):
 
     spec = engine_spec(cfg, src, tok)
     if not ray.is_initialized():
-        init_ray(cfg.rollout.num_engines)
+        init_ray(cfg.rollout.num_engines, gcs_wait_s=cfg.parallel.collective_timeout_s)
     return RolloutManager(
         spec,
         num_engines=cfg.rollout.num_engines,
