@@ -7,10 +7,14 @@ stubbed, each by name below: ``tensordict.TensorDict`` and ``transformers.PreTra
 type hints by ``verl/utils/torch_functional.py``) and ``accelerate.utils.set_seed`` (seeds python, numpy and torch,
 as accelerate's does). A stub is installed only where the real package does not import, and the stubs and DARE's
 ``verl`` modules are taken out of ``sys.modules`` again after loading: the rest of the session never sees them.
+A caller may add named stand-ins of its own (``stand_ins``: d-TreeRPO's ``DataProto`` / ``compute_reward``).
+``dare_functions`` runs chosen top-level functions of a file whose imports cannot load here (the actors'
+module-level helpers). The fixtures at the end serve tests/test_dare_live*.py.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.machinery
 import importlib.util
@@ -46,6 +50,23 @@ def dare_file(relpath: str, name: str) -> types.ModuleType:
     return module
 
 
+def dare_functions(relpath: str, names: tuple[str, ...]) -> types.SimpleNamespace:
+    """The named top-level functions of one file of the checkout, executed alone with ``torch`` in scope: for the
+    actors' module-level helpers, whose files import verl's FSDP / ray stack (their code runs as written)."""
+    path = os.path.join(dare_src(), relpath)
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is not in the DARE checkout DARE_SRC names")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    picked = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {n.name for n in picked}
+    if missing:
+        pytest.fail(f"{relpath} of DARE_SRC has no function {sorted(missing)}: its code moved, update this test")
+    namespace: dict = {"torch": torch}
+    exec(compile(ast.Module(body=picked, type_ignores=[]), path, "exec"), namespace)  # DARE's own lines, from DARE_SRC
+    return types.SimpleNamespace(**{n: namespace[n] for n in names})
+
+
 def _accelerate_set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
     """Stub of ``accelerate.utils.set_seed``: the same three seeds (CPU)."""
     random.seed(seed)
@@ -79,8 +100,9 @@ def _bare_package(name: str, path: str) -> types.ModuleType:
     return package
 
 
-def dare_module(dotted: str) -> types.ModuleType:
-    """``verl.<...>`` of the checkout, imported with bare ``verl`` packages and the stubs above."""
+def dare_module(dotted: str, stand_ins: dict[str, dict[str, object]] | None = None) -> types.ModuleType:
+    """``verl.<...>`` of the checkout, imported with bare ``verl`` packages and the stubs above; ``stand_ins``
+    ({module: {name: object}}) adds the caller's named stand-ins (to a bare package, or as a module of its own)."""
     src = dare_src()
     before = set(sys.modules)
     if any(n == "verl" or n.startswith("verl.") for n in before):
@@ -92,6 +114,10 @@ def dare_module(dotted: str) -> types.ModuleType:
         installed[name] = _bare_package(name, os.path.join(src, *parts[:i]))
     for util in ("verl.utils",):  # verl/utils/__init__.py imports the tokenizers
         installed.setdefault(util, _bare_package(util, os.path.join(src, "verl", "utils")))
+    for name, attrs in (stand_ins or {}).items():
+        module = installed.setdefault(name, types.ModuleType(name))
+        for attr, value in attrs.items():
+            setattr(module, attr, value)
     sys.modules.update(installed)
     try:
         return importlib.import_module(dotted)
@@ -99,3 +125,35 @@ def dare_module(dotted: str) -> types.ModuleType:
         for name in set(sys.modules) - before:  # only ours: a torch submodule loaded meanwhile stays
             if name in installed or name == "verl" or name.startswith("verl."):
                 del sys.modules[name]
+
+
+# ------------------------------------------------------------------ fixtures of tests/test_dare_live*.py
+@pytest.fixture(autouse=True)
+def global_rng_restored():
+    """DARE's forward processes draw from (and ``set_seed`` reseeds) the global RNGs: put them back afterwards."""
+    states = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+
+
+@pytest.fixture(scope="module")
+def dllm():
+    """DARE's ``verl/trainer/ppo/dllm_core_algos.py`` (which re-exports its ``core_algos``)."""
+    return dare_module("verl.trainer.ppo.dllm_core_algos")
+
+
+@pytest.fixture(scope="module")
+def verl_core():
+    """DARE's ``verl/trainer/ppo/core_algos.py`` (verl's, as DARE ships it)."""
+    return dare_module("verl.trainer.ppo.core_algos")
+
+
+@pytest.fixture(scope="module")
+def mdpo_algos():
+    return dare_module("verl.trainer.ppo.mdpo_algos")
+
+
+def report(name: str, worst: float) -> None:
+    print(f"\nDARE live | {name}: max |diff| {worst:.3g}")

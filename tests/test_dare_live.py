@@ -1,24 +1,18 @@
 """DARE's own code, run live (``DARE_SRC``: a checkout of yjyddq/DARE, loaded by tests/dare_source.py; @83ae8a3 when
-this was written), against the transcriptions in tests/test_algos_dare_formulas.py and against megadare on the
-same inputs. Without ``DARE_SRC`` every test here is skipped, saying so in one line.
+this was written), against the transcriptions in tests/ and, with DARE's functions swapped in for them, megadare end
+to end. Without ``DARE_SRC`` every test here is skipped, saying so in one line. Each comparison prints its max
+|difference| (``pytest -s``); tests/test_dare_live_zoo.py covers what no transcription did.
 
 * the transcriptions, function by function: ``_forward_process_spg`` (exact, seeded), ``compute_policy_loss_spg``,
-  ``compute_policy_loss`` / ``compute_policy_loss_bgpo`` (dual clip, token-mean), ``compute_step_wise_advantage``,
-  ``compute_mdpo_policy_loss``, verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` and
-  ``kl_penalty`` (low_var_kl) as DARE ships them;
-* end to end, megadare's trainer loss and gradient against DARE's live functions: the formulas tests of
-  test_algos_dare_formulas.py rerun with DARE's functions swapped in for the transcribed ones (SPG, d1,
-  Coupled-GRPO, BGPO, CJ-GRPO, MDPO, REINFORCE++, k3);
-* what no transcription covered: the masked counts of DARE's ``_forward_process_bgpo`` / ``_forward_process_vrpo``
-  (enumerated over k) and ``_forward_process_espo`` against megadare's ESPO ``stratified_counts`` (enumerated over
-  k0), ``select_top_k_steps`` against megadare's MDPO ``top_steps``, megadare's ESPO / EBPO / VRPO slot losses
-  against ``compute_policy_loss_espo`` + ``compute_espo_kl``, ``compute_policy_loss_ebpo`` + ``compute_ebpo_kl``
-  (and ``compute_ebpo_composite_elbo``), ``compute_dpo_loss``, and MDPO's step advantages for rl.n_samples = 1, 2, 3
-  (a group of one keeps its scores in DARE: megadare gave 0 until this comparison found it).
+  ``compute_policy_loss`` / ``compute_policy_loss_bgpo`` (dual clip, token-mean), ``compute_step_wise_advantage``
+  (groups of one included), ``compute_mdpo_policy_loss``, verl's REINFORCE++-baseline and ``kl_penalty``
+  (low_var_kl) as DARE ships them, the CJ block weights and step states (``block_diffusion_utils.py``);
+* end to end, megadare's trainer loss and gradient in the formulas tests with DARE's live functions: SPG, d1,
+  Coupled-GRPO, BGPO, CJ-GRPO (full attention and blocks), MDPO, REINFORCE++, k3.
 
-Each comparison prints its max |difference| (``pytest -s``). The actors' in-method code (``llada_dp_actor_*.py``:
-the SPG per-sequence value, d-TreeRPO's update, the CJ block-parallel actor) and the MDPO rollouts need verl's
-FSDP / ray stack and a model: they stay transcription-only (their tests cite the lines).
+Still transcription-only: code inside the actors' methods (``llada_dp_actor_*.py``: the SPG per-sequence value,
+the d1 / Coupled / BGPO l estimators, d-TreeRPO's update) and the MDPO rollouts, which need verl's FSDP / ray
+stack and a model; their tests cite the lines.
 """
 
 from __future__ import annotations
@@ -27,36 +21,12 @@ import numpy as np
 import pytest
 import torch
 
-from megadare.algos import REGISTRY
-from megadare.algos.espo import stratified_counts
-from megadare.algos.mdpo import top_steps
-from megadare.algos.base import RLSample, Slots
-
+import test_algos_dare_cj_blocks as cj_blocks
 import test_algos_dare_formulas as formulas
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
-from algo_toy import MASK, view_logps
-from dare_source import dare_module
-
-
-@pytest.fixture(scope="module")
-def dllm():
-    """DARE's ``verl/trainer/ppo/dllm_core_algos.py`` (which re-exports its ``core_algos``)."""
-    return dare_module("verl.trainer.ppo.dllm_core_algos")
-
-
-@pytest.fixture(scope="module")
-def verl_core():
-    """DARE's ``verl/trainer/ppo/core_algos.py`` (verl's, as DARE ships it)."""
-    return dare_module("verl.trainer.ppo.core_algos")
-
-
-@pytest.fixture(scope="module")
-def mdpo_algos():
-    return dare_module("verl.trainer.ppo.mdpo_algos")
-
-
-def report(name: str, worst: float) -> None:
-    print(f"\nDARE live | {name}: max |diff| {worst:.3g}")
+from algo_toy import MASK, sample, view_logps
+from dare_source import dare_module, report
+from dare_source import dllm, global_rng_restored, mdpo_algos, verl_core  # noqa: F401  (fixtures)
 
 
 @pytest.fixture
@@ -292,181 +262,66 @@ def test_k3_megadare_is_dares_live_low_var_kl(verl_core, monkeypatch):
     report("k3: DARE live core_algos.kl_penalty(low_var_kl) vs transcription (no clamp of d at +-20 in DARE)", worst)
 
 
-# ================================================================== what no transcription covered
-@pytest.fixture
-def forced_randint(monkeypatch):
-    """``torch.randint`` returning ``value[0]`` (shaped as asked): the draw of k / k0 set by the test."""
-    value = [0]
-
-    def fixed(*args, **kwargs):
-        size = kwargs.get("size", args[-1] if args and isinstance(args[-1], tuple) else ())
-        return torch.full(size, value[0], dtype=torch.long)
-
-    monkeypatch.setattr(torch, "randint", fixed)
-    return value
+@pytest.fixture(scope="module")
+def block_utils():
+    return dare_module("verl.workers.actor.block_diffusion_utils")
 
 
-def test_bgpo_vrpo_counts_are_dares_live_forward_process(dllm, forced_randint):
-    """The masked counts and p_mask of DARE's ``_forward_process_bgpo`` / ``_forward_process_vrpo``, for every k,
-    equal the ``round(linspace)`` lines ``formulas.dare_count_distribution`` enumerates (which pin megadare's
-    deviation: uniform counts)."""
-    for fn in (dllm._forward_process_bgpo, dllm._forward_process_vrpo):
-        for n in (1, 2, 3, 4, 8):
-            for L in range(1, 25):
-                P = 2
-                batch, attention = torch.zeros(n, P + L, dtype=torch.long), torch.ones(P + L, dtype=torch.long)
-                for k in range(1, L + 1):
-                    forced_randint[0] = k
-                    _, mask, p_mask = fn(batch, attention, P, MASK_TOKEN_ID=7)
-                    x = torch.round(torch.linspace(float(k), k + (n - 1) * (L / n), steps=n)).long()
-                    x = ((x - 1) % L) + 1
-                    assert torch.equal(mask.sum(1), x) and not mask[:, :P].any(), (fn.__name__, n, L, k)
-                    assert torch.equal(p_mask[:, 0], x / L)
-    report("_forward_process_bgpo / _forward_process_vrpo counts vs the enumerated transcription", 0.0)
+def live_cj_token_weights(block_utils, traj: torch.Tensor, P: int) -> torch.Tensor:
+    """DARE's ``compute_cj_block_step_token_weights`` for one unpadded sample, ``block_origin='global'``."""
+    R = traj.shape[1] - P
+    weights, _ = block_utils.compute_cj_block_step_token_weights(
+        traj.unsqueeze(0),
+        torch.ones(1, R, dtype=torch.bool),
+        torch.ones(1, P + R, dtype=torch.bool),
+        prompt_section_length=P,
+        block_size=cj_blocks.B,
+        block_origin="global",
+    )
+    return weights[0].double()
 
 
-def test_espo_counts_are_dares_live_forward_process(dllm, forced_randint):
-    """megadare's ESPO ``stratified_counts`` (k_i = round(k0 + i (L+1) / B) mod (L+1)) == the masked counts of
-    DARE's ``_forward_process_espo`` (float32 ``linspace``, half to even) for every k0, B <= 16, L <= 40, and
-    DARE's p_mask is k / (L + 1)."""
-    mismatches = []
-    for B in (1, 2, 3, 4, 5, 6, 8, 16):
-        for L in range(1, 41):
-            P = 1
-            batch, attention = torch.zeros(B, P + L, dtype=torch.long), torch.ones(P + L, dtype=torch.long)
-            for k0 in range(L + 1):
-                forced_randint[0] = k0
-                _, mask, p_mask = dllm._forward_process_espo(batch, attention, P, MASK_TOKEN_ID=7)
-                want = mask.sum(1).tolist()
-                got = [c[0] for c in stratified_counts([L] * B, 1, torch.Generator())]
-                if got != want:
-                    mismatches.append((B, L, k0, got, want))
-                assert torch.allclose(p_mask[:, P], torch.tensor(want, dtype=torch.float32) / (L + 1))
-    assert not mismatches, f"{len(mismatches)} (B, L, k0) differ, e.g. {mismatches[:3]}"
-    report("ESPO stratified_counts vs DARE live _forward_process_espo counts (all k0, B<=16, L<=40)", 0.0)
+def live_step_state(block_utils, x0: torch.Tensor, traj: torch.Tensor, P: int, k: int) -> torch.Tensor:
+    state, _, _ = block_utils.build_block_parallel_cj_step_inputs(
+        clean_input_ids=x0.unsqueeze(0),
+        attention_mask=torch.ones(1, len(x0), dtype=torch.long),
+        trajectory=traj.unsqueeze(0),
+        response_length=len(x0) - P,
+        local_step=k,
+        mask_token_id=MASK,
+    )
+    return state[0]
 
 
-def test_mdpo_batch_top_k_is_dares_select_top_k_steps(mdpo_algos):
-    """megadare's ``top_steps(scope=batch)`` keeps the steps DARE's ``select_top_k_steps`` keeps (continuous
-    advantages: no ties)."""
-    g = torch.Generator().manual_seed(3)
-    for _ in range(50):
-        adv = torch.randn(6, 9, generator=g, dtype=torch.float64)
-        for K in (1, 3, 9, 12):
-            samples = [RLSample([1], [0], 0.0, 0.0, extra={"step_adv": dict(enumerate(row))}) for row in adv.tolist()]
-            top_steps(samples, K, "batch")
-            want = mdpo_algos.select_top_k_steps(adv, K).tolist()
-            assert all(s.extra["steps"] == want for s in samples), (K, want, samples[0].extra["steps"])
-    report("mdpo top_steps(batch) vs DARE live select_top_k_steps", 0.0)
+def test_cj_block_weights_and_states_transcriptions_are_dares(block_utils):
+    """The transcribed CJ block weights (1 / (tokens of the transition x transitions of the sample)) and step
+    states equal DARE's ``compute_cj_block_step_token_weights`` / ``build_block_parallel_cj_step_inputs`` on the
+    block traces of test_algos_dare_cj_blocks.py (prompts on and off the block grid, 1 or 2 tokens a step)."""
+    worst = 0.0
+    for seed in range(6):
+        for i, (c, y, _) in enumerate(cj_blocks.BLOCK_BATCH):
+            commit, bstep = cj_blocks.block_trace(len(c), len(y), seed=10 * seed + i)
+            s = sample(c, y, commit_step=commit, block_step=bstep)
+            P, traj, x0 = len(c), cj_blocks.dare_trajectory(s), torch.tensor(c + y)
+            want = live_cj_token_weights(block_utils, traj, P)
+            worst = max(worst, float((cj_blocks.dare_cj_token_weights(traj, P) - want).abs().max()))
+            for k in range(len(traj)):
+                assert torch.equal(
+                    cj_blocks.dare_step_state(x0, traj, P, k), live_step_state(block_utils, x0, traj, P, k)
+                )
+    assert worst < 1e-7  # DARE keeps the weights in fp32
+    report("CJ block token weights (transcription vs live; step states exact)", worst)
 
 
-def _slots(logp, old, adv, ref=None, **extra) -> Slots:
-    return Slots(logp=logp, old=old, ref=ref, adv=adv, weight=torch.ones(len(logp), dtype=torch.float64), extra=extra)
-
-
-def _random_sequences(g, B):
-    """Sequence values l, l_old, l_ref (log-ratios up to +-1.5: both clip sides), advantages of both signs."""
-    old = -3 * torch.rand(B, generator=g, dtype=torch.float64)
-    new = (old + 1.5 * (2 * torch.rand(B, generator=g, dtype=torch.float64) - 1)).requires_grad_(True)
-    ref = old + 0.8 * torch.randn(B, generator=g, dtype=torch.float64)
-    return new, old, ref, torch.randn(B, generator=g, dtype=torch.float64)
-
-
-@pytest.mark.parametrize("eps", [0.2, 0.0])
-def test_espo_slot_loss_is_dares_live_espo_loss_and_kl(dllm, eps):
-    """megadare's ESPO slot loss (mean over the sequences) == ``compute_policy_loss_espo`` on the per-token ELBO
-    l expanded over the canvas R + beta ``compute_espo_kl`` (k2 of R l vs R l_ref, / R), value and gradient in l."""
-    g = torch.Generator().manual_seed(4)
-    beta, worst = 1e-2, 0.0
-    algo = REGISTRY["espo"]({"eps_low": eps, "kl_coef": beta})
-    for _ in range(40):
-        B, R = 6, 5
-        new, old, ref, adv = _random_sequences(g, B)
-        canvas = torch.full((B,), float(R), dtype=torch.float64)
-        got = algo.slot_loss(_slots(new, old, adv, ref, canvas=canvas))[0].mean()
-        expand = lambda v: v.unsqueeze(-1).expand(B, R)  # noqa: E731
-        pg = dllm.compute_policy_loss_espo(expand(old), expand(new), expand(adv), torch.ones(B, R), cliprange=eps)[0]
-        want = pg + beta * dllm.compute_espo_kl(new * R, ref * R, R, kl_estimator="k2").mean()
-        worst = max(worst, abs(float(got - want)))
-        (gg,), (gw,) = torch.autograd.grad(got, new), torch.autograd.grad(want, new)
-        assert torch.allclose(gg, gw, rtol=1e-10, atol=1e-12)
-    assert worst < 1e-12
-    report(f"espo slot_loss vs DARE live compute_policy_loss_espo + compute_espo_kl (eps {eps})", worst)
-
-
-def test_ebpo_slot_loss_is_dares_live_ebpo_loss_and_kl(dllm):
-    """megadare's EBPO slot loss == ``compute_policy_loss_ebpo`` (log-domain clip, no dual clip, mean over the
-    samples) + beta ``compute_ebpo_kl`` (k2 of the composite ELBOs) on the composite ELBOs, value and gradient."""
-    g = torch.Generator().manual_seed(5)
-    beta, worst = 0.05, 0.0
-    algo = REGISTRY["ebpo"]({"kl_coef": beta})
-    for _ in range(40):
-        B = 6
-        new, old, ref, adv = _random_sequences(g, B)
-        got = algo.slot_loss(_slots(new, old, adv, ref))[0].mean()
-        pg = dllm.compute_policy_loss_ebpo(old, new, adv, torch.ones(B, dtype=torch.bool), cliprange=0.2)[0]
-        want = pg + beta * dllm.compute_ebpo_kl(new, ref, kl_estimator="k2").mean()
-        worst = max(worst, abs(float(got - want)))
-        (gg,), (gw,) = torch.autograd.grad(got, new), torch.autograd.grad(want, new)
-        assert torch.allclose(gg, gw, rtol=1e-10, atol=1e-12)
-    assert worst < 1e-12
-    report("ebpo slot_loss vs DARE live compute_policy_loss_ebpo + compute_ebpo_kl", worst)
-
-
-def test_ebpo_composite_elbo_is_dares_live(dllm):
-    """DARE's ``compute_ebpo_composite_elbo`` (mean over the N rows of the sum over the blocks' token terms) is
-    the l of megadare's EBPO docstring: (1/N) sum_n sum_b (|b| / count) sum_{masked} log p, on random terms."""
-    g = torch.Generator().manual_seed(6)
-    B, N, R = 3, 4, 8
-    token_elbo = torch.randn(B, N, R, generator=g, dtype=torch.float64)
-    mask = (torch.arange(R) < torch.tensor([[8], [5], [1]])).double()
-    want = dllm.compute_ebpo_composite_elbo(token_elbo, contribution_mask=mask[:, None, :])
-    got = (token_elbo * mask[:, None, :]).sum(-1).mean(-1)
-    worst = float((got - want).abs().max())
-    assert worst < 1e-12
-    report("compute_ebpo_composite_elbo vs (1/N) sum_n sum_tokens", worst)
-
-
-def test_vrpo_slot_loss_is_dares_live_dpo_loss(dllm):
-    """megadare's VRPO slot loss with ``margin_norm=canvas`` == ``compute_dpo_loss`` on the ELBOs B / R expanded
-    over the canvas (DARE's actor), per pair, value and gradient."""
-    g = torch.Generator().manual_seed(7)
-    R, worst = 6, 0.0
-    algo = REGISTRY["vrpo"]({"margin_norm": "canvas", "canvas_length": R})
-    for _ in range(40):
-        P = 4
-        B = (-8 * torch.rand(P, 2, generator=g, dtype=torch.float64)).requires_grad_(True)
-        B_ref = B.detach() + torch.randn(P, 2, generator=g, dtype=torch.float64)
-        sign = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(P)
-        loss = algo.slot_loss(_slots(B.view(-1), B_ref.view(-1), sign, B_ref.view(-1)))[0]
-        got = loss.sum() / P
-        per_token = lambda v: (v / R).unsqueeze(-1).expand(P, R)  # noqa: E731
-        want = dllm.compute_dpo_loss(
-            per_token(B[:, 0]), per_token(B[:, 1]), per_token(B_ref[:, 0]), per_token(B_ref[:, 1]), beta=0.2
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_cj_block_megadare_is_dares_live_weights_and_states(block_utils, monkeypatch, recorded, family):
+    monkeypatch.setattr(cj_blocks, "dare_cj_token_weights", lambda traj, P: live_cj_token_weights(block_utils, traj, P))
+    monkeypatch.setattr(cj_blocks, "dare_step_state", lambda *a: live_step_state(block_utils, *a))
+    monkeypatch.setattr(cj_blocks, "assert_same_loss_and_grad", formulas.assert_same_loss_and_grad)
+    cj_blocks.test_cj_grpo_block_loss_is_dares_block_parallel_actor_loss(family)
+    with pytest.raises(ValueError, match="contiguous local steps"):  # DARE refuses a hole inside a block
+        commit, bstep = cj_blocks.block_trace(2, 8, 0, gap=(1, 1))
+        live_cj_token_weights(
+            block_utils, cj_blocks.dare_trajectory(sample([2, 1], [1] * 8, commit_step=commit, block_step=bstep)), 2
         )
-        worst = max(worst, abs(float(got - want)))
-        (gg,), (gw,) = torch.autograd.grad(got, B), torch.autograd.grad(want, B)
-        assert torch.allclose(gg, gw, rtol=1e-10, atol=1e-12)
-    assert worst < 1e-12
-    report("vrpo slot_loss (margin_norm=canvas) vs DARE live compute_dpo_loss", worst)
-
-
-@pytest.mark.parametrize("G", [1, 2, 3])
-def test_mdpo_step_advantages_are_dares_live_for_any_group_size(mdpo_algos, G):
-    """megadare's MDPO step advantages == DARE's ``compute_step_wise_advantage`` on the same step rewards, with
-    rl.n_samples = G (DARE's uid grouping: a group of one keeps its score, / (1 + 1e-6))."""
-    g = torch.Generator().manual_seed(8)
-    algo, worst = REGISTRY["mdpo"]({"top_k_steps": 2}), 0.0
-    for _ in range(20):
-        groups = [i // G for i in range(3 * G)]
-        rewards = torch.randint(0, 3, (len(groups), 4), generator=g).double() / 2
-        samples = [formulas.mdpo_trace_sample(i, [1], [0, 2, 1, 1], i) for i in range(len(groups))]
-        for s, u in zip(samples, groups):
-            s.group = u
-        table = iter(rewards.tolist())
-        algo.prepare(samples, lambda answers, idx: next(table), group_size=G)
-        got = torch.tensor([[s.extra["step_adv"][t] for t in range(4)] for s in samples], dtype=torch.float64)
-        want = mdpo_algos.compute_step_wise_advantage(rewards.clone(), np.array(groups))
-        worst = max(worst, float((got - want).abs().max()))
-    assert worst < (1e-6 if G == 1 else 1e-12), worst  # DARE's std of a uid of one is fp32 ones: 1 + 1e-6 in fp32
-    report(f"mdpo step advantages vs DARE live compute_step_wise_advantage (n_samples={G})", worst)
+    report(f"cj_grpo block ({family}) megadare trainer loss vs DARE live CJ block weights + step states", max(recorded))
