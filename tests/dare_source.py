@@ -50,9 +50,10 @@ def dare_file(relpath: str, name: str) -> types.ModuleType:
     return module
 
 
-def dare_functions(relpath: str, names: tuple[str, ...]) -> types.SimpleNamespace:
-    """The named top-level functions of one file of the checkout, executed alone with ``torch`` in scope: for the
-    actors' module-level helpers, whose files import verl's FSDP / ray stack (their code runs as written)."""
+def dare_functions(relpath: str, names: tuple[str, ...], scope: dict | None = None) -> types.SimpleNamespace:
+    """The named top-level functions of one file of the checkout, executed alone with ``torch`` (and ``scope``: the
+    other names they use; the functions' globals are that very dict) in scope: for module-level helpers of files
+    that import verl's FSDP / ray stack (their code runs as written)."""
     path = os.path.join(dare_src(), relpath)
     if not os.path.isfile(path):
         pytest.skip(f"{path} is not in the DARE checkout DARE_SRC names")
@@ -62,7 +63,8 @@ def dare_functions(relpath: str, names: tuple[str, ...]) -> types.SimpleNamespac
     missing = set(names) - {n.name for n in picked}
     if missing:
         pytest.fail(f"{relpath} of DARE_SRC has no function {sorted(missing)}: its code moved, update this test")
-    namespace: dict = {"torch": torch}
+    namespace = scope if scope is not None else {}  # the caller's dict: it may rebind a name later
+    namespace.setdefault("torch", torch)
     exec(compile(ast.Module(body=picked, type_ignores=[]), path, "exec"), namespace)  # DARE's own lines, from DARE_SRC
     return types.SimpleNamespace(**{n: namespace[n] for n in names})
 
@@ -155,5 +157,6 @@ def mdpo_algos():
     return dare_module("verl.trainer.ppo.mdpo_algos")
 
 
-def report(name: str, worst: float) -> None:
-    print(f"\nDARE live | {name}: max |diff| {worst:.3g}")
+def report(name: str, worst: float | None = None) -> None:
+    """One line per comparison (``pytest -s``): its max |difference|, or ``exact`` (compared with equality)."""
+    print(f"\nDARE live | {name}: " + ("exact" if worst is None else f"max |diff| {worst:.3g}"))

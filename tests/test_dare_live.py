@@ -6,26 +6,34 @@ to end. Without ``DARE_SRC`` every test here is skipped, saying so in one line. 
 * the transcriptions, function by function: ``_forward_process_spg`` (exact, seeded), ``compute_policy_loss_spg``,
   ``compute_policy_loss`` / ``compute_policy_loss_bgpo`` (dual clip, token-mean), ``compute_step_wise_advantage``
   (groups of one included), ``compute_mdpo_policy_loss``, verl's REINFORCE++-baseline and ``kl_penalty``
-  (low_var_kl) as DARE ships them, the CJ block weights and step states (``block_diffusion_utils.py``);
+  (low_var_kl) as DARE ships them, the CJ block weights and step states (``block_diffusion_utils.py``),
+  ``get_num_transfer_tokens``;
 * end to end, megadare's trainer loss and gradient in the formulas tests with DARE's live functions: SPG, d1,
-  Coupled-GRPO, BGPO, CJ-GRPO (full attention and blocks), MDPO, REINFORCE++, k3.
+  Coupled-GRPO, BGPO, CJ-GRPO (full attention and blocks), MDPO, REINFORCE++, k3; and megadare's MDPO rollouts
+  against DARE's ``mdpo_diffusion_generate_llada`` / ``_dream`` run as written (``dare_functions``), their
+  ``Categorical`` draws replaying megadare's proposals as the transcription does.
 
 Still transcription-only: code inside the actors' methods (``llada_dp_actor_*.py``: the SPG per-sequence value,
-the d1 / Coupled / BGPO l estimators, d-TreeRPO's update) and the MDPO rollouts, which need verl's FSDP / ray
-stack and a model; their tests cite the lines.
+the d1 / Coupled / BGPO l estimators, d-TreeRPO's update), which need verl's FSDP / ray stack and a model;
+their tests cite the lines.
 """
 
 from __future__ import annotations
 
+import types
+import warnings
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import test_algos_dare_cj_blocks as cj_blocks
 import test_algos_dare_formulas as formulas
+import test_mdpo_rollout_dare as mdpo_rollout
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
 from algo_toy import MASK, sample, view_logps
-from dare_source import dare_module, report
+from dare_source import dare_functions, dare_module, report
 from dare_source import dllm, global_rng_restored, mdpo_algos, verl_core  # noqa: F401  (fixtures)
 
 
@@ -68,7 +76,7 @@ def test_spg_forward_process_transcription_is_dares(dllm, use_mask_prompt):
                 formulas.dare_forward_process_spg(x0, attention, P, **kw),
             ):
                 assert torch.equal(got, want), (P, R, valid, block, num_t, seed)
-    report(f"_forward_process_spg (use_mask_prompt={use_mask_prompt}), 300 draws", 0.0)
+    report(f"_forward_process_spg (use_mask_prompt={use_mask_prompt}), 300 draws")
 
 
 def test_spg_policy_loss_transcription_is_dares(dllm):
@@ -325,3 +333,89 @@ def test_cj_block_megadare_is_dares_live_weights_and_states(block_utils, monkeyp
             block_utils, cj_blocks.dare_trajectory(sample([2, 1], [1] * 8, commit_step=commit, block_step=bstep)), 2
         )
     report(f"cj_grpo block ({family}) megadare trainer loss vs DARE live CJ block weights + step states", max(recorded))
+
+
+# ================================================================== MDPO rollouts (test_mdpo_rollout_dare.py)
+def replaying(model, mask_id: int, x0_at, namespace: dict):
+    """DARE's rollout calls ``model(x, attention_mask=...).logits`` and ``dists.Categorical(probs=p).sample()``:
+    the model here, and a stand-in ``dists`` (set in the rollout function's globals) whose draw is ``x0_at``'s
+    replay of megadare's proposals at that step (the transcription's own replay)."""
+    seen: list[torch.Tensor] = []
+    draws: list[int] = []  # the steps whose draw was replayed (DARE falls back to argmax if a draw raises)
+
+    def call(x, attention_mask=None):
+        seen.append(x.clone())
+        return types.SimpleNamespace(logits=model(x))
+
+    def replay(step, state, probs):
+        x0 = x0_at(step, state == mask_id, probs)
+        draws.append(step)
+        return x0
+
+    def categorical(probs):
+        step, state = len(seen) - 1, seen[-1]
+        return types.SimpleNamespace(sample=lambda: replay(step, state, probs))
+
+    namespace["dists"] = types.SimpleNamespace(Categorical=categorical)
+    return call, seen, draws
+
+
+@pytest.fixture(scope="module")
+def mdpo_rollouts():
+    rollout = "verl/workers/rollout/"
+    transfer = dare_functions(rollout + "generate.py", ("get_num_transfer_tokens",))
+    scope = {"F": F, "np": np, "get_num_transfer_tokens": transfer.get_num_transfer_tokens}
+    llada_scope, dream_scope = dict(scope), dict(scope)  # (the rollouts are @torch.no_grad()-wrapped)
+    names = ("top_p_logits", "top_k_logits", "mdpo_diffusion_generate_llada")
+    llada = dare_functions(rollout + "mdpo_llada_rollout.py", names, llada_scope).mdpo_diffusion_generate_llada
+    dream = dare_functions(rollout + "mdpo_dream_rollout.py", ("mdpo_diffusion_generate_dream",), dream_scope)
+    return (llada, llada_scope), (dream.mdpo_diffusion_generate_dream, dream_scope), transfer
+
+
+@pytest.mark.parametrize("family", sorted(mdpo_rollout.CASES))
+@pytest.mark.parametrize("greedy", [False, True])
+def test_mdpo_rollout_megadare_is_dares_live_rollout(mdpo_rollouts, monkeypatch, family, greedy):
+    """test_mdpo_rollout_is_dares with DARE's ``mdpo_diffusion_generate_llada`` / ``_dream`` (and
+    ``get_num_transfer_tokens``) run as written for the transcribed ``dare_llada`` / ``dare_dream``: final tokens,
+    every step's input state, predictions and confidences agree with megadare's trajectory; and the transcribed
+    ``get_num_transfer_tokens`` is DARE's on every count and step number up to 40."""
+    llada, dream, transfer = mdpo_rollouts
+    for n in range(41):
+        for steps in range(1, 12):
+            counts = torch.tensor([[True] * n + [False] * (40 - n)])
+            assert torch.equal(
+                mdpo_rollout.get_num_transfer_tokens(counts, steps), transfer.get_num_transfer_tokens(counts, steps)
+            )
+    steps_seen = []
+
+    def live_llada(model, prompt, mask_id, steps, gen_length, block_length, temperature, x0_at):
+        call, seen, draws = replaying(model, mask_id, x0_at, llada[1])
+        out = llada[0](
+            call,
+            prompt,
+            mask_id,
+            steps=steps,
+            gen_length=gen_length,
+            block_length=block_length,
+            temperature=temperature,
+            conf_alg="llada",
+        )
+        steps_seen.append((len(seen), draws))
+        return out
+
+    def live_dream(model, prompt, mask_id, steps, gen_length, temperature, x0_at):
+        call, seen, draws = replaying(model, mask_id, x0_at, dream[1])
+        out = dream[0](
+            call, prompt, mask_id, steps=steps, gen_length=gen_length, temperature=temperature, conf_alg="entropy"
+        )
+        steps_seen.append((len(seen), draws))
+        return out
+
+    monkeypatch.setattr(mdpo_rollout, "dare_llada", live_llada)
+    monkeypatch.setattr(mdpo_rollout, "dare_dream", live_dream)
+    with warnings.catch_warnings():  # DARE's rollouts open a CUDA autocast, which CPU torch disables with a warning
+        warnings.simplefilter("ignore", UserWarning)
+        mdpo_rollout.test_mdpo_rollout_is_dares(family, greedy)
+    (n_steps, draws) = steps_seen[0]
+    assert n_steps > 0 and draws == ([] if greedy else list(range(n_steps)))
+    report(f"mdpo rollout ({family}, greedy={greedy}) vs DARE live: tokens, states, predictions (confidences to 1e-5)")
