@@ -59,7 +59,7 @@ def test_bgpo_vrpo_counts_are_dares_live_forward_process(dllm, forced_randint):
                     x = ((x - 1) % L) + 1
                     assert torch.equal(mask.sum(1), x) and not mask[:, :P].any(), (fn.__name__, n, L, k)
                     assert torch.equal(p_mask[:, 0], x / L)
-    report("_forward_process_bgpo / _forward_process_vrpo counts vs the enumerated transcription", 0.0)
+    report("_forward_process_bgpo / _forward_process_vrpo counts vs the enumerated transcription")
 
 
 def test_espo_counts_are_dares_live_forward_process(dllm, forced_randint):
@@ -80,7 +80,7 @@ def test_espo_counts_are_dares_live_forward_process(dllm, forced_randint):
                     mismatches.append((B, L, k0, got, want))
                 assert torch.allclose(p_mask[:, P], torch.tensor(want, dtype=torch.float32) / (L + 1))
     assert not mismatches, f"{len(mismatches)} (B, L, k0) differ, e.g. {mismatches[:3]}"
-    report("ESPO stratified_counts vs DARE live _forward_process_espo counts (all k0, B<=16, L<=40)", 0.0)
+    report("ESPO stratified_counts vs DARE live _forward_process_espo counts (all k0, B<=16, L<=40)")
 
 
 def test_mdpo_batch_top_k_is_dares_select_top_k_steps(mdpo_algos):
@@ -94,7 +94,7 @@ def test_mdpo_batch_top_k_is_dares_select_top_k_steps(mdpo_algos):
             top_steps(samples, K, "batch")
             want = mdpo_algos.select_top_k_steps(adv, K).tolist()
             assert all(s.extra["steps"] == want for s in samples), (K, want, samples[0].extra["steps"])
-    report("mdpo top_steps(batch) vs DARE live select_top_k_steps", 0.0)
+    report("mdpo top_steps(batch) vs DARE live select_top_k_steps")
 
 
 def _slots(logp, old, adv, ref=None, **extra) -> Slots:
