@@ -388,3 +388,33 @@ def test_d1_and_coupled_masks_are_distributed_as_dares_live(dllm):
     assert spread < 0.03, stats
     report("d1 per-position mask frequencies (3000 draws each)", worst)
     report("coupled_grpo view-2 masked fraction: mean and quartiles (1000 draws each)", spread)
+
+
+def test_ebpo_cell_counts_are_dares_live_forward_process(dllm, monkeypatch):
+    """megadare's EBPO ``block_elbo_views`` masks, in row n and block b, the count DARE's ``_forward_process_ebpo``
+    masks there (n_l = mc_num rows in one call, its recipes' setting; ``block_origin='global'``) for the same
+    cyclic offset: prompts on and off the block grid, blocks of 4 and 2, 1 to 16 rows."""
+    from megadare.algos.ebpo import block_elbo_views
+
+    rand, cells = torch.rand, 0
+    for c, y, block, n_mc in [
+        ([1, 2, 0], [0, 2, 1, 1, 2, 0, 1], 4, 16),
+        ([1], [2, 2, 0, 1, 1], 2, 3),
+        ([0, 1], [1] * 9, 4, 1),
+    ]:
+        for seed in range(20):
+            g = torch.Generator().manual_seed(seed)
+            offset = float(rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+            ours = torch.stack([v.tokens == MASK for v in block_elbo_views(c, y, MASK, g, block, n_mc)])
+            monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(offset, dtype=torch.float32))
+            batch = torch.tensor([c + y]).repeat(n_mc, 1)
+            _, dare, _ = dllm._forward_process_ebpo(
+                batch, torch.ones(len(c + y)), len(c), block_length=block, MASK_TOKEN_ID=MASK
+            )
+            monkeypatch.setattr(torch, "rand", rand)
+            grid = torch.arange(len(c + y)) // block
+            for b in grid[len(c) :].unique():
+                in_block = grid == b
+                assert torch.equal(ours[:, in_block].sum(1), dare[:, in_block].sum(1)), (c, y, seed, int(b))
+                cells += n_mc
+    report(f"ebpo (row, block) mask counts vs DARE live _forward_process_ebpo, {cells} cells")
