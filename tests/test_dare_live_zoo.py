@@ -1,9 +1,12 @@
 """What no transcription in tests/ covered, against DARE's own code run live (``DARE_SRC``, tests/dare_source.py;
 skipped without it, saying so): the masked counts of ``_forward_process_bgpo`` / ``_vrpo`` (every k) and ``_espo``
-against megadare's ESPO ``stratified_counts`` (every k0); megadare's ESPO / EBPO / VRPO slot losses against
+against megadare's ESPO ``stratified_counts`` (every k0) and ``_ebpo`` against megadare's EBPO cells (same
+offset); megadare's ESPO antithetic estimate against ``compute_espo_sequence_elbo``; its ESPO / EBPO / VRPO slot
+losses against
 ``compute_policy_loss_espo`` + ``compute_espo_kl``, ``compute_policy_loss_ebpo`` + ``compute_ebpo_kl`` (and
 ``compute_ebpo_composite_elbo``), ``compute_dpo_loss``; MDPO's ``select_top_k_steps`` and step advantages for
-rl.n_samples = 1, 2, 3 (a group of one keeps its scores in DARE: megadare gave 0 until this comparison found it);
+rl.n_samples = 1, 2, 3 (a group of one keeps its scores in DARE: megadare gave 0 until this comparison found it,
+as it found EBPO's levels permuted over the cells);
 d-TreeRPO's tree values and local advantages (``compute_dtreerpo_rewards_and_segments``, with ``DataProto`` and
 ``compute_reward`` stood in: they need ray); JustGRPO's module-level actor helpers (views and per-position PPO,
 run as written by ``dare_functions``); the mask distributions of ``_forward_process_d1`` / ``_coupled_grpo``.
@@ -24,7 +27,7 @@ from megadare.algos.mdpo import top_steps
 
 import test_algos_dare_formulas as formulas
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
-from algo_toy import MASK, sample, toy_archs
+from algo_toy import MASK, Toy, sample, toy_archs
 from dare_source import dare_functions, dare_module, report
 from dare_source import dllm, global_rng_restored, mdpo_algos  # noqa: F401  (fixtures)
 
@@ -418,3 +421,40 @@ def test_ebpo_cell_counts_are_dares_live_forward_process(dllm, monkeypatch):
                 assert torch.equal(ours[:, in_block].sum(1), dare[:, in_block].sum(1)), (c, y, seed, int(b))
                 cells += n_mc
     report(f"ebpo (row, block) mask counts vs DARE live _forward_process_ebpo, {cells} cells")
+
+
+def test_espo_antithetic_estimate_is_dares_live_sequence_elbo(dllm):
+    """megadare's ESPO slot estimate (antithetic views: (L+1)/k on the k masked, (L+1)/(L-k) on the complement,
+    / (2 n_mc R)) == the mean over the draws of DARE's ``compute_espo_sequence_elbo`` (variance-reduced, the
+    complement scored by ``coupled_logits``, p_mask = k / (L+1)) / R, on a toy model's logits, same masks."""
+    from megadare.diffusion.corruption import CleanSequence, antithetic_views
+
+    toy, worst = Toy(0), 0.0
+    for c, y, counts in [
+        ([1, 2], [0, 2, 1, 1], [1, 3]),
+        ([0], [2, 2, 0, 1, 1], [3, 2, 4]),
+        ([2, 1, 0], [1, 0], [1]),
+    ]:
+        P, L = len(c), len(y)
+        x0 = torch.tensor(c + y)
+        views = antithetic_views(CleanSequence.of(c, y, MASK), counts, torch.Generator().manual_seed(P + L), L)
+        assert len(views) == 2 * len(counts)
+        with torch.no_grad():
+            logits = [toy(v.tokens.unsqueeze(0))[0, : P + L] for v in views]
+            lp = [torch.log_softmax(z, -1).gather(-1, x0.unsqueeze(-1)).squeeze(-1) for z in logits]
+        ours = sum(float((v.coef * lp_v)[v.tokens == MASK].sum()) for v, lp_v in zip(views, lp))
+        want = 0.0
+        for d, k in enumerate(counts):
+            masked = views[2 * d].tokens == MASK
+            elbo = dllm.compute_espo_sequence_elbo(
+                logits[2 * d],
+                x0,
+                masked,
+                torch.full((P + L,), k / (L + 1), dtype=torch.float64),
+                torch.arange(P + L) >= P,
+                coupled_logits=logits[2 * d + 1],
+            )
+            want += float(elbo) / len(counts) / L
+        worst = max(worst, abs(ours - want))
+    assert worst < 1e-6, worst  # megadare's view coefficients are fp32
+    report("espo antithetic slot estimate vs DARE live compute_espo_sequence_elbo", worst)
