@@ -573,7 +573,8 @@ def test_cj_grpo_preset_loss_is_dares_actor_loss_on_the_same_trace():
 
 
 def dare_step_wise_advantage(rewards: torch.Tensor, uid: list[int], eps: float = 1e-6) -> torch.Tensor:
-    """``mdpo_algos.py::compute_step_wise_advantage`` (GRPO-normalised by uid, torch's unbiased std)."""
+    """``mdpo_algos.py::compute_step_wise_advantage`` (GRPO-normalised by uid, torch's unbiased std; a uid of one:
+    mean 0, std 1)."""
     T = rewards.shape[1]
     diffs = torch.cat([rewards[:, :1], rewards[:, 1:] - rewards[:, :-1]], -1) + 1.0
     avg_future = (rewards[:, 1:].flip(-1).cumsum(-1) / torch.arange(1, T, dtype=rewards.dtype)).flip(-1)
@@ -581,7 +582,8 @@ def dare_step_wise_advantage(rewards: torch.Tensor, uid: list[int], eps: float =
     out = scores.clone()
     for u in set(uid):
         rows = [i for i in range(len(uid)) if uid[i] == u]
-        out[rows] = (scores[rows] - scores[rows].mean(0)) / (scores[rows].std(0) + eps)
+        one = len(rows) == 1
+        out[rows] = (scores[rows] - (0 if one else scores[rows].mean(0))) / ((1 if one else scores[rows].std(0)) + eps)
     return out
 
 

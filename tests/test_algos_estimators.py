@@ -297,6 +297,26 @@ def test_block_wise_estimators_are_unbiased_for_the_block_elbo(how):
     assert target < ll and abs(mean - ll) > 3 * se  # a lower bound, and the test can tell
 
 
+def test_ebpo_noise_levels_run_over_the_cells_in_dares_row_major_order():
+    """EBPO's (row n, block b) cell masks DARE's count: ``_forward_process_ebpo`` (dllm_core_algos.py:765-797 @83ae8a3,
+    one call for the N = mc_num rows) gives cell i = n (blocks) + b the noise level t_i = (u + i / C) mod 1, u the
+    cyclic offset, and masks min(floor(t_i |b|) + 1, |b|) of its tokens: a row's blocks share one band of levels.
+    Enumerated over the offsets megadare draws (its first draw), prompts on and off the block grid."""
+    for c, y, block, n_mc in [([1, 2, 0], [0, 2, 1, 1, 2, 0, 1], 4, 16), ([1], [2, 2, 0, 1, 1], 2, 3)]:
+        grid = torch.arange(len(c + y)) // block
+        blocks = grid[len(c) :].unique().tolist()
+        cells = n_mc * len(blocks)
+        for seed in range(20):
+            u = float(torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+            views = block_elbo_views(c, y, MASK, torch.Generator().manual_seed(seed), block, n_mc)
+            for n, v in enumerate(views):
+                for i, b in enumerate(blocks):
+                    size = int(((grid == b) & (torch.arange(len(c + y)) >= len(c))).sum())
+                    t = (u + (n * len(blocks) + i) / cells) % 1.0
+                    want = min(math.floor(t * size) + 1, size)
+                    assert int((v.tokens[grid == b] == MASK).sum()) == want, (seed, n, b)
+
+
 # ================================================================== variance: coupled / antithetic masks
 def test_coupled_and_antithetic_masks_lower_the_variance():
     """Equal cost (two forwards): Coupled-GRPO's complementary b/c pair vs b and c views from independent draws,

@@ -52,6 +52,31 @@ def test_prepare_normalises_per_step_and_keeps_top_k():
         assert v.labels[masked].tolist() == [7] * int(masked.sum())
 
 
+def test_one_response_per_prompt_keeps_its_step_scores_as_dare():
+    """rl.n_samples=1: DARE's ``compute_step_wise_advantage`` (mdpo_algos.py:134-158 @83ae8a3) gives a uid of one
+    mean 0 and std 1, so each step keeps s_t / (1 + 1e-6) (megadare gave 0: MDPO never learned); a group of two
+    left with one response (the other empty, dropped) still gets 0. The config accepts n_samples=1 for MDPO with
+    grpo (its advantages are its own) and refuses rloo, which the rollout computes and refuses every step."""
+    from megadare.config import load_config
+    from megadare.errors import ConfigError
+    from megadare.trainer.checks import validate
+
+    algo = MDPO({"top_k_steps": 2})
+    good = _sample(0, 0, [[7, 7, 7], [7, 7, 7], [7, 7, 7]], [7, 7, 7])
+    bad = _sample(1, 1, [[7, 0, 0], [0, 0, 0], [0, 0, 0]], [7, 0, 0])
+    reward = lambda rs, idx: [float(r == [7, 7, 7]) for r in rs]  # noqa: E731
+    algo.prepare([good, bad], reward, group_size=1)
+    for s in (good, bad):
+        want = [x / (1 + 1e-6) for x in step_scores(s.extra["step_rewards"])]
+        assert [s.extra["step_adv"][t] for t in range(3)] == pytest.approx(want, rel=1e-12)
+    assert good.extra["step_adv"][0] == pytest.approx(3 / (1 + 1e-6))
+    algo.prepare([good], reward, group_size=2)
+    assert list(good.extra["step_adv"].values()) == [0.0, 0.0, 0.0]
+    validate(load_config(None, ["algo.name=mdpo", "rl.n_samples=1", "advantage.estimator=grpo"]), None)
+    with pytest.raises(ConfigError, match="rl.n_samples=1 with advantage.estimator=rloo"):
+        validate(load_config(None, ["algo.name=mdpo", "rl.n_samples=1", "advantage.estimator=rloo"]), None)
+
+
 def test_intermediate_answer_over_blocks():
     # tokens committed before t stay; step t's proposals fill the rest; the answer stops where t predicted nothing
     resp, commit = [1, 2, 3, 4, 5, 6], [0, 1, 2, 2, 3, 4]

@@ -12,13 +12,14 @@ on the battery (``test_battery_against_dare_source``); without it that test is s
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 
 import pytest
 
 from megadare.rewards import score_batch
+
+from dare_source import dare_file, dare_src
 
 MATH = [
     ("The answer is \\boxed{5}.", "5", 1.0),
@@ -313,15 +314,9 @@ def test_auto_scores_the_battery_as_dare(kind):
 
 
 def _dare_math_module():
-    src = os.environ.get("DARE_SRC", "")
-    path = os.path.join(src, "verl", "utils", "reward_score", "math_reward.py")
-    if not src or not os.path.isfile(path):
-        pytest.skip("DARE's source is not here: set DARE_SRC to a DARE checkout (github.com/yjyddq/DARE) to run it")
+    dare_src()  # skips, saying so, without DARE_SRC
     pytest.importorskip("pylatexenc", reason="DARE's math_reward.py imports pylatexenc")
-    spec = importlib.util.spec_from_file_location("dare_math_reward", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return dare_file(os.path.join("verl", "utils", "reward_score", "math_reward.py"), "dare_math_reward")
 
 
 def test_battery_against_dare_source():

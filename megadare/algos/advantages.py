@@ -19,8 +19,8 @@ contiguously). With r_i the reward of response i in its group g:
   of dropped groups (``filter_groups``) get n_i = 0: verl filters before computing advantages.
 
 A group of one response has no group baseline: ``grpo`` gives A = 0 (verl: A = r), ``rloo`` is refused; the
-config check refuses ``rl.n_samples=1`` with either for algorithms that train on these advantages
-(``Algorithm.check_config``).
+config check refuses ``rl.n_samples=1`` with either for algorithms that train on these advantages, and with
+``rloo`` for every algorithm, since the rollout computes it each step (``Algorithm.check_config``).
 
 ``filter_groups`` implements the dynamic-sampling filters: drop groups whose rewards are all equal (no learning
 signal under a group baseline) and groups whose accuracy lies outside a band (dLLM-RL keeps 0.2..0.8).

@@ -210,6 +210,12 @@ class Algorithm(ABC):
                 f"learn); set rl.n_samples >= 2, or {key}=reinforce_pp (verl's REINFORCE++-"
                 "baseline: a group of one keeps its reward, whitened over the batch)"
             )
+        if n < 2 and estimator == "rloo":  # unused by this algorithm, but computed (and refused) every step
+            key = cfg.as_written("advantage.estimator")
+            raise ConfigError(
+                f"rl.n_samples={n} with {key}=rloo: rloo leaves each response out of its group's mean and needs "
+                f"rl.n_samples >= 2 ({self.name} does not train on it: set {key}=grpo)"
+            )
         if self.p["kl_coef"] > 0 and self.p["kl_anchor"] == "none":  # the objective skips the KL term
             raise ConfigError(
                 f"algo.params.kl_coef={self.p['kl_coef']} with algo.params.kl_anchor=none ({self.name}'s default) "

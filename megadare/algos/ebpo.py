@@ -2,8 +2,9 @@
 ``compute_policy_loss_ebpo``; the original code is closed).
 
 Estimator: N Monte-Carlo rows, each corrupting every response block (x_t ++ x_0, all blocks in one forward);
-noise levels stratified over the (row, block) cells by a random cyclic offset; mask count floor(t |b|) + 1 in
-block b, p_mask = count / |b|. The sequence log-likelihood estimate is the composite block ELBO
+noise levels stratified over the C = N x (blocks) (row, block) cells by a random cyclic offset u, in DARE's
+row-major order: t_nb = (u + (n (blocks) + b) / C) mod 1, so a row's blocks share one stratum band (a row is one
+timestep of the composite ELBO); mask count floor(t |b|) + 1 in block b, p_mask = count / |b|. The sequence log-likelihood estimate is the composite block ELBO
 
     l = (1/N) sum_n sum_b (|b| / count_bn) sum_{k masked in b, row n} log p_theta(y_k | x_n),
 
@@ -34,13 +35,12 @@ def block_elbo_views(
     blocks = sorted({int(b) for b in (pos[P:] // block_size).tolist()})
     cells = n_mc * len(blocks)
     offset = float(torch.rand((), generator=g, dtype=torch.float64))
-    order = torch.randperm(cells, generator=g)
     views = []
     for n in range(n_mc):
         masked = torch.zeros(P + L, dtype=torch.bool)
         coef = torch.zeros(P + L)
         for bi, b in enumerate(blocks):
-            t = ((int(order[n * len(blocks) + bi]) + offset) / cells) % 1.0
+            t = (offset + (n * len(blocks) + bi) / cells) % 1.0  # DARE's cells in row-major order
             members = ((pos >= P) & (pos // block_size == b)).nonzero().flatten()
             count = min(len(members), int(t * len(members)) + 1)
             pick = members[torch.randperm(len(members), generator=g)[:count]]

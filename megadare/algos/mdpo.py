@@ -9,7 +9,10 @@ reward(a_t), a_t = the tokens committed before t, the step's proposals where the
 first position the step did not predict.
 
 Advantage (``compute_step_wise_advantage``): s_t = (r_t - r_{t-1}) + 1 + mean_{t' > t} r_{t'} (the last step uses
-r_T, r_{-1} = 0), GRPO-normalised per step across the prompt's group. Steps kept for training
+r_T, r_{-1} = 0), GRPO-normalised per step across the prompt's group. With ``rl.n_samples=1`` each response keeps
+s_t / (1 + 1e-6), as in DARE (a uid of one: mean 0, std 1, verl's rule), whatever ``advantage.estimator`` says
+(MDPO's advantages are its own); a larger group left with one response (an empty one dropped) gets 0, as does a
+step only one response's trace reaches (DARE's traces never differ in length). Steps kept for training
 (``select_top_k_steps``): ``top_k_scope=batch`` (DARE) the K step indices with the largest sum over the whole
 batch of |A_t|, the same steps for every sample; ``sample`` (an option) each sample's own K steps by |A_t|.
 K = 16 in DARE, 8 in the paper.
@@ -128,10 +131,18 @@ class MDPO(Algorithm):
             for t in range(T):
                 have = [m for m in members if t < len(m.extra["step_scores"])]
                 v = torch.tensor([m.extra["step_scores"][t] for m in have], dtype=torch.float64)
-                a = (v - v.mean()) / (v.std(unbiased=True) + 1e-6) if len(have) > 1 else v * 0
+                if group_size == 1:  # DARE's uid grouping: a group of one keeps its scores (mean 0, std 1)
+                    a = v / (1.0 + 1e-6)
+                elif len(have) > 1:
+                    a = (v - v.mean()) / (v.std(unbiased=True) + 1e-6)
+                else:  # a group left with one response (an empty one dropped) or one trace reaching step t: 0
+                    a = v * 0
                 for m, x in zip(have, a.tolist()):
                     m.extra.setdefault("step_adv", {})[t] = x
         top_steps(samples, self.p["top_k_steps"], self.p["top_k_scope"])
+
+    def uses_group_baseline(self) -> bool:
+        return False  # its step-wise advantages (prepare), never advantage.estimator's; a group of one keeps s_t
 
     def _views_and_weights(self, s: RLSample, arch) -> tuple[list[View], dict[int, float]]:
         if "steps" not in s.extra:
