@@ -190,7 +190,8 @@ def test_ratio_algos_megadare_is_dares_live_policy_loss(dllm, monkeypatch, recor
     formulas.test_dare_preset_loss_is_dares_actor_loss_on_the_same_masks(name)
     assert len(recorded) == 3
     report(
-        f"{name} megadare trainer loss vs DARE live {'compute_policy_loss_bgpo' if name == 'bgpo' else 'compute_policy_loss'}",
+        f"{name} megadare trainer loss vs DARE live "
+        f"{'compute_policy_loss_bgpo' if name == 'bgpo' else 'compute_policy_loss'}",
         max(recorded),
     )
 

@@ -4,7 +4,8 @@
 Estimator: N Monte-Carlo rows, each corrupting every response block (x_t ++ x_0, all blocks in one forward);
 noise levels stratified over the C = N x (blocks) (row, block) cells by a random cyclic offset u, in DARE's
 row-major order: t_nb = (u + (n (blocks) + b) / C) mod 1, so a row's blocks share one stratum band (a row is one
-timestep of the composite ELBO); mask count floor(t |b|) + 1 in block b, p_mask = count / |b|. The sequence log-likelihood estimate is the composite block ELBO
+timestep of the composite ELBO); mask count floor(t |b|) + 1 in block b, p_mask = count / |b|. The sequence
+log-likelihood estimate is the composite block ELBO
 
     l = (1/N) sum_n sum_b (|b| / count_bn) sum_{k masked in b, row n} log p_theta(y_k | x_n),
 
