@@ -139,3 +139,47 @@ def push_refused_on_every_rank(rank: int, world: int) -> str:
     finally:
         dist.destroy_process_group()
     return f"rank {rank}: pushed"
+
+
+def stale_push_failing(rank: int, world: int, failing: str, swallow: bool = False) -> tuple[str, str]:
+    """Inside ``run_on_rank0``, rank 0's rollout finds every engine restarted and calls for a push
+    (``manager.on_stale``) that raises on ``failing`` ranks ('every', 'rank0', 'others'); ``swallow``: the rollout
+    catches that error, asks again, catches it again and returns. (What this rank raised, what it got from rank 0's
+    next broadcast: a later collective that nothing stray may pair with.)"""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megadare.errors import PeerError
+    from megadare.parallel.rank0 import run_on_rank0
+
+    def push():
+        if failing == "every" or (rank == 0) == (failing == "rank0"):
+            raise PeerError(f"the weight push of version 3 broke on trainer rank {rank}")
+
+    manager = SimpleNamespace(on_stale=None)
+
+    def rollout():
+        for _ in range(2 if swallow else 1):
+            try:
+                manager.on_stale()  # every engine restarted: push the current weights again
+            except PeerError:
+                if not swallow:
+                    raise
+        return "trajectories"
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=10))
+    try:
+        try:
+            raised = f"returned {run_on_rank0(rollout, push, manager if rank == 0 else None)}"
+        except PeerError as e:
+            raised = str(e)
+        box = ["the next step's word" if rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as e:  # a broadcast left unpaired: gloo's timeout
+            box = [f"{type(e).__name__}: {str(e)[:40]}"]
+        return raised, str(box[0])
+    finally:
+        dist.destroy_process_group()

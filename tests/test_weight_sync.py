@@ -20,7 +20,13 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from dist import push_refused_on_every_rank, relayout, run_distributed, stepped_trainer  # noqa: E402
+from dist import (  # noqa: E402
+    push_refused_on_every_rank,
+    relayout,
+    run_distributed,
+    stale_push_failing,
+    stepped_trainer,
+)
 from ray_fixture import ray_cluster  # noqa: E402,F401  (module-scoped local Ray cluster)
 from tiny import write_tiny_hf  # noqa: E402
 from megadare.models.mapping import ParamMap  # noqa: E402
@@ -414,6 +420,23 @@ def test_a_push_rank0_cannot_decide_fails_on_every_rank():
     assert run_distributed(push_refused_on_every_rank, 2, timeout_s=120) == [
         f"rank {r}: the Ray head is gone (gcs_server at 127.0.0.1:6379)" for r in (0, 1)
     ]
+
+
+@pytest.mark.parametrize(
+    "failing,swallow,raised",
+    [
+        ("every", False, ["broke on trainer rank 0", "broke on trainer rank 1"]),  # the header's (Ray head gone)
+        ("rank0", False, ["broke on trainer rank 0"] * 2),
+        ("others", False, ["broke on trainer rank 1"] * 2),  # a transfer that broke on rank 1 only
+        ("others", True, ["broke on trainer rank 1"] * 2),  # the rollout caught it and asked again
+    ],
+)
+def test_a_repeat_push_that_fails_inside_a_rollout_ends_it_on_every_rank(failing, swallow, raised):
+    """Every engine restarted mid-rollout: rank 0 calls for a push inside ``run_on_rank0``. Should it raise on any
+    rank, every rank raises (rl's ``unless_ray_lost`` then saves: collectives) and rank 0 tells nothing more: no
+    stray 'error' or 'done' broadcast pairs with the next collective, none waits on one that never comes."""
+    got = run_distributed(stale_push_failing, 2, failing, swallow, timeout_s=120)
+    assert got == [(f"the weight push of version 3 {r}", "the next step's word") for r in raised]
 
 
 def test_the_engines_check_raises_a_dead_ray_head_before_asking_the_engines():

@@ -21,7 +21,8 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
     every rank. An exception on rank 0 is raised on every rank (the same exception when it pickles, e.g. a
     ``RewardError``), so no rank waits on a broadcast that never comes. With ``push`` and the rollout ``manager``:
     should the rollout find no engine holding the current weights (every one was restarted), rank 0 calls for a
-    push (``manager.on_stale``) and every rank runs ``push()`` before rank 0 goes on."""
+    push (``manager.on_stale``) and every rank runs ``push()`` before rank 0 goes on; a push that fails on any rank
+    ends this call on every rank with that error (``_push_on_every_rank``), and rank 0 tells nothing more."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
 
     def tell(kind: str, value: Any = None) -> None:
@@ -29,21 +30,31 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
             dist.broadcast_object_list([(kind, value)], src=0)
 
     if trainer_rank() == 0:
+        push_failed: list[Exception] = []  # every rank raised this push's error: none listens to rank 0 now
 
         def stale() -> None:
+            if push_failed:  # work() caught the push's error and asks again: the other ranks have left
+                raise push_failed[0]
             tell("push")
-            push()
+            try:
+                _push_on_every_rank(push)
+            except Exception as e:  # any failure: every rank raises it, so rank 0 tells nothing more (below)
+                push_failed.append(e)
+                raise
 
         if manager is not None and push is not None:
             manager.on_stale = stale
         try:
             result = work()
         except Exception as e:
-            tell("error", picklable(e))
+            if not push_failed:
+                tell("error", picklable(e))
             raise
         finally:
             if manager is not None:
                 manager.on_stale = None
+        if push_failed:  # work() swallowed the push's error: every other rank raised it, so rank 0 does too
+            raise push_failed[0]
         tell("done", result)
         return result
     while True:
@@ -51,11 +62,29 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
         _stand_by(box)
         kind, value = box[0]
         if kind == "push":
-            push()
+            _push_on_every_rank(push)
         elif kind == "error":
             raise value
         else:
             return value
+
+
+def _push_on_every_rank(push: Callable[[], Any]) -> None:
+    """``push()`` on every rank, then every rank's outcome to every rank: should it raise on any (on all, as a
+    header rank 0 could not decide; on rank 0 or on the others only, as a transfer that broke mid-way), it raises
+    on every rank (its own error where it failed, else the lowest failing rank's), so none goes on alone."""
+    failed: Optional[Exception] = None
+    try:
+        push()
+    except Exception as e:  # noqa: BLE001 - any failure: every rank learns of it below, then raises
+        failed = e
+    outcomes: list[Optional[Exception]] = [failed]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        outcomes = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, None if failed is None else picklable(failed))
+    first = failed or next((e for e in outcomes if e is not None), None)
+    if first is not None:
+        raise first
 
 
 def picklable(e: Exception) -> Exception:
@@ -64,7 +93,7 @@ def picklable(e: Exception) -> Exception:
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
-        return RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")
+        return RuntimeError(f"trainer rank {trainer_rank()} failed: {type(e).__name__}: {e}")
 
 
 def _stand_by(box: list) -> None:
