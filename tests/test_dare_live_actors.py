@@ -1,20 +1,22 @@
 """The code inside DARE's LLaDA actor methods, run live (``DARE_SRC``, tests/dare_source.py; skipped without it)
 against megadare's trainer loss on identical masks and draws: ``DLLMDataParallelPPOActor`` of
-``llada_dp_actor_{d1,coupled_grpo,bgpo,spg}.py`` is instantiated as DARE's workers do (its real base classes
-``dp_actor.DataParallelPPOActor`` / ``base.BasePPOActor``, an OmegaConf actor config built like DARE's
-recipe/llada/run_*_llada_8b_instruct.sh), on algo_toy's toy dLLM behind a packed-varlen ``forward(input_ids,
-cu_seqlens, max_seqlen).logits`` (what ``mdlm_sp_utils.get_packed_logits`` calls), and its own
-``compute_log_prob`` (old log-probs) and ``update_policy`` (``_forward_micro_batch``, the policy loss, the
-``backward`` calls, ``_optimizer_step``) run as written. The gradient the actor accumulates (captured at its
-optimizer's ``step``) and its loss are compared with megadare's. Each comparison prints its max |difference|.
+``llada_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,justgrpo}.py`` is instantiated as DARE's workers do (its
+real base classes ``dp_actor.DataParallelPPOActor`` / ``base.BasePPOActor``, an OmegaConf actor config built like
+DARE's recipe/llada/run_*_llada_8b_instruct.sh), on algo_toy's toy dLLM behind a packed-varlen
+``forward(input_ids, cu_seqlens, max_seqlen).logits`` (what ``mdlm_sp_utils.get_packed_logits`` calls), and its
+own ``compute_log_prob`` (old / reference log-probs) and ``update_policy`` (``_forward_micro_batch``, the policy
+loss, the ``backward`` calls, ``_optimizer_step``) run as written. The gradient the actor accumulates (captured
+at its optimizer's ``step``) and its loss are compared with megadare's. Each comparison prints its max
+|difference|.
 
 Stood in, by name, for what needs ray / FSDP / CUDA (nothing of the computation): ``verl.DataProto`` (a dict of
 tensors with ``select`` / ``split`` / ``to``), ``verl.utils.debug.GPUMemoryLogger`` (identity decorator),
 ``verl.utils.fsdp_utils`` (an ``FSDPModule`` class nothing is an instance of: the plain module path of
 ``_optimizer_step``), ``verl.utils.seqlen_balancing`` and ``verl.utils.ulysses`` (dynamic batch size and sequence
-parallelism are off, as in the recipes: never called), and the optimizer (records the gradients at ``step``).
-The FSDP wrapper is absent: the actor holds the plain module, which ``_optimizer_step`` handles as such.
-``grad_clip`` is 1e9 so the recipes' clip at 1.0 does not rescale the gradient compared.
+parallelism are off here, never called: where a recipe turns the dynamic batch size on, d-TreeRPO's and
+JustGRPO's, one micro-batch holding the whole batch stands in for its packing), and the optimizer (records the
+gradients at ``step``). The FSDP wrapper is absent: the actor holds the plain module, which ``_optimizer_step``
+handles as such. ``grad_clip`` is 1e9 so the recipes' clip does not rescale the gradient compared.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def actor_classes():
     )
     parent = STAND_INS | {"verl.workers.actor": {"DataParallelPPOActor": dp.DataParallelPPOActor}}
     files = ("llada_dp_actor_d1", "llada_dp_actor_coupled_grpo", "llada_dp_actor_bgpo", "llada_dp_actor_spg")
-    files += ("llada_dp_actor_dtreerpo",)
+    files += ("llada_dp_actor_dtreerpo", "llada_dp_actor_justgrpo")
     return {f: dare_module(f"verl.workers.actor.{f}", parent).DLLMDataParallelPPOActor for f in files}
 
 
@@ -396,6 +398,58 @@ def test_d_treerpo_actor_update_policy_is_megadares_loss(actor_classes, step):
         assert metrics["actor/sd_loss"][0] > 1e-3
     report(f"d_treerpo (step {step}): megadare trainer loss vs DARE live actor pg + kl + sd", abs(float(got) - want))
     report(f"d_treerpo (step {step}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+
+
+# ================================================================== JustGRPO: update_policy
+JUSTGRPO_BATCH = [([1, 2], [0, 2, 1, 1], 1.25), ([0], [2, 2, 0], -0.5), ([2, 1], [1, 0], -1.5), ([1], [0], 0.75)]
+
+
+def justgrpo_batch(batch) -> DataProtoStandIn:
+    """JustGRPO's batch: prompts left-padded, responses right-padded (attention 0 on both paddings)."""
+    P, R = max(len(c) for c, _, _ in batch), max(len(y) for _, y, _ in batch)
+    ids = torch.full((len(batch), P + R), PAD)
+    attention = torch.zeros(len(batch), P + R, dtype=torch.long)
+    for b, (c, y, _) in enumerate(batch):
+        ids[b, P - len(c) : P + len(y)] = torch.tensor(c + y)
+        attention[b, P - len(c) : P + len(y)] = 1
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "position_ids": torch.arange(P + R).expand(len(batch), P + R).contiguous(),
+        "responses": ids[:, P:],
+        "advantages": torch.tensor([[a] * R for _, _, a in batch], dtype=torch.float32),
+    }
+    return DataProtoStandIn(tensors, {"micro_batch_size": 1, "temperature": 0.6, "use_dynamic_bsz": False})
+
+
+def test_justgrpo_actor_update_policy_is_megadares_loss(actor_classes):
+    """DARE's JustGRPO actor (recipe: temperature 0.6, position chunks of 1, token-mean, eps 0.2, dual clip 3; one
+    micro-batch holding the batch, as its dynamic batch size packs a small one) ``compute_log_prob`` (old
+    weights) then ``update_policy`` on responses of 1 to 4 tokens == megadare's JustGRPO trainer gradient and loss
+    (rows scored at 1/T). The toy has no logit for the mask token, so megadare's leaving it out of the
+    normaliser (DARE keeps it) is not exercised here."""
+    actor_cls = actor_classes["llada_dp_actor_justgrpo"]
+    full, _ = toy_archs()
+    algo = REGISTRY["justgrpo"]({"eps_low": 0.2, "dual_clip": 3.0})
+    worst_loss = worst_grad = 0.0
+    for seed in range(3):
+        toy = Toy(seed)
+        old = formulas.perturbed(toy, seed + 99, 0.15)
+        rows = []
+        for i, (c, y, a) in enumerate(JUSTGRPO_BATCH):
+            s = sample(c, y, adv=a, index=i, extra={"sampling_temperature": 0.6})
+            rows += algo.rows(s, full, 0, torch.Generator())
+        got, _, _ = _trainer_loss(algo, toy, rows, 0, old_toy=old, ref=False)
+        data = justgrpo_batch(JUSTGRPO_BATCH)
+        config = recipe_config(1, len(JUSTGRPO_BATCH), len(JUSTGRPO_BATCH), justgrpo_position_chunk_size=1)
+        _, data.batch["old_log_probs"], _ = make_actor(actor_cls, old, config).compute_log_prob(data)
+        actor = make_actor(actor_cls, toy, config)
+        metrics = actor.update_policy(data)
+        worst_loss = max(worst_loss, abs(float(got) - sum(metrics["actor/pg_loss"])))
+        worst_grad = max(worst_grad, worst_grad_difference(actor, got, toy))
+    assert worst_loss < 1e-5, worst_loss
+    report("justgrpo: megadare trainer loss vs DARE live actor update_policy loss", worst_loss)
+    report("justgrpo: megadare gradient vs DARE live actor update_policy gradient", worst_grad)
 
 
 # ================================================================== DARE's KL with use_kl_loss (off in its recipes)
