@@ -13,9 +13,9 @@ to end. Without ``DARE_SRC`` every test here is skipped, saying so in one line. 
   against DARE's ``mdpo_diffusion_generate_llada`` / ``_dream`` run as written (``dare_functions``), their
   ``Categorical`` draws replaying megadare's proposals as the transcription does.
 
-Still transcription-only: code inside the actors' methods (``llada_dp_actor_*.py``: the SPG per-sequence value,
-the d1 / Coupled / BGPO l estimators, d-TreeRPO's update), which need verl's FSDP / ray stack and a model;
-their tests cite the lines.
+The code inside the LLaDA actors' methods (``llada_dp_actor_*.py``: the SPG per-sequence value, the d1 / Coupled /
+BGPO l estimators, d-TreeRPO's update) runs live in tests/test_dare_live_actors.py (the actors instantiated on
+the toy, their ``compute_log_prob`` / ``update_policy`` against megadare's gradient).
 """
 
 from __future__ import annotations

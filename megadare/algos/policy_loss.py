@@ -25,6 +25,11 @@ slot whose reference probability exceeds ~13.5x its current estimate (d > 2.6) a
 on the demo (30 steps at lr 5e-4, 4 denoising steps per block) d1 at its published KL 0.04 rose to 0.58-0.78
 held out and fell back to 0.29-0.45 by step 30 over 4 rollout seeds, its KL climbing to 1-3 nats per token;
 clamped it ends at 0.88-1.00. ``kl_penalty(..., k3_bound=None)`` is the plain k3 (a metric: verl's ``k3_kl``).
+DARE's ``kl_penalty`` is that k3 only where A <= 0: for A > 0 it puts log(1 + logp - logp_ref) in place of the
+log-ratio (BGPO's linearised ratio, "# kl = diff  # TODO" beside it), in every actor that imports it, d1's and
+Coupled-GRPO's too; NaN once logp - logp_ref <= -1 at any response position, whereupon the actor skips the update
+(non-finite grad norm). Its recipes leave the KL off; megadare keeps k3 for every sign (tests/test_dare_live_actors.py
+runs DARE's d1 actor with it on: the same gradient for A <= 0, the skipped update for A > 0).
 
 ``k3_exp10`` is k3 as dLLM-RL computes it (``train/rl_trado.py:749-754``, TraceRL and random-masking RL):
 exp(clamp(d, +-10)) - d - 1, the linear term not clamped and the estimate not bounded, so a slot with d > 2.6 keeps
