@@ -136,8 +136,9 @@ def _input(prompt=""):
         return next(_lines)
     except StopIteration:
         raise EOFError("No more input")
-_null = _os.open(_os.devnull, _os.O_RDONLY)
-_os.dup2(_null, 0)
+_empty, _w = _os.pipe()
+_os.close(_w)
+_os.dup2(_empty, 0)
 _real, _capture = _sys.stdout, _io.StringIO()
 _sys.stdout, _sys.stdin = _capture, _io.StringIO(_data)
 _sys.argv = ["rl_execute.py", "config=rl.yaml"]
