@@ -10,9 +10,9 @@ case); with ``DLLM_RL_SRC`` set ``test_live_*`` reruns it, else it is skipped, s
 Findings: before this change a dLLM-RL code row (``test_method``, ``test_list`` | ``test_input`` / ``test_output``)
 could not be scored (``code``: KeyError 'answer' from DARE's forms; ``auto``: exact match); megadare's own stdin
 rule also failed ``1 2`` for ``1\\n2``, and a ``sys.exit(1)`` after the right output, which dLLM-RL passes. Differs
-on purpose (ON_PURPOSE): each case runs in its own sandbox (dLLM-RL fails every assert of a row when one hangs, and
-carries state from one assert to the next), and exiting before the asserts ran fails them (dLLM-RL scores a bare
-``exit()`` full marks).
+on purpose (ON_PURPOSE): exiting before the asserts ran, or inside one, fails them (dLLM-RL scores a bare ``exit()``
+full marks). Each case used to run in its own sandbox with its own assert only (one hanging assert failed only
+itself, no state carried); it now runs the row's asserts in turn as dLLM-RL does (tests/test_dllm_rl_code_battery.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ BATTERY = [
         blk("def add(a, b):\n    if a == 0:\n        while True:\n            pass\n    return a + b"),
         T3,
         0,
-        2 / 3,
+        0,
     ),
     ("print_vs_return", "function", blk("def add(a, b):\n    print(a + b)"), T3, 0, 0),
     ("exit", "function", blk("import sys\nsys.exit(0)"), T3, 1, 0),
@@ -71,7 +71,7 @@ BATTERY = [
         blk("calls = []\ndef add(a, b):\n    calls.append(1)\n    return a + b if len(calls) < 2 else 0"),
         T3,
         2 / 3,
-        1,
+        2 / 3,
     ),
     ("pass", "stdio", blk("a, b = map(int, input().split())\nprint(a + b)"), (SUM_IN, SUM_OUT), 1, 1),
     (
@@ -163,11 +163,9 @@ BATTERY = [
     ("extract", "stdio", "print(3)", (["\n"], ["3\n"]), 0, 0),
 ]
 ON_PURPOSE = {
-    8: "one assert hangs: dLLM-RL fails all three (one process), megadare the one",
     10: "sys.exit(0) before the asserts: dLLM-RL passes all",
     11: "SystemExit raised inside each assert: dLLM-RL passes all",
     12: "exit() at the top level: dLLM-RL passes all",
-    19: "state carried from one assert to the next: dLLM-RL's third call sees the first two",
 }
 
 

@@ -3,15 +3,17 @@
 * The prediction is the content of the LAST ``\\boxed{`` and its matching ``}`` (``extract_final_boxed_answer`` of
   ``sample/*_rl_rollout.py``): ``\\boxed 5``, ``\\fbox{5}``, an unclosed last box, "The answer is 5": no answer, 0.
 * It equals the gold (``math_utils.is_equal``) when the Hendrycks MATH normalisations of both are equal, as floats
-  or as text (``is_equiv``: note that it drops EVERY comma, so ``1,00`` is 100 and ``1,2`` is 12), else when
-  Minerva's normalisations of both (``normalize_final_answer``: unit words, ``\\text{}``, ``$``) are equal, else when
-  an equivalence checker says so. dLLM-RL's checker is sympy's ``parse_latex``, which wants antlr4 4.11 while its
-  requirements (``math_verify``) install 4.13.2: there it raises, and the Minerva strings decide. Where it runs, it
-  has 1 s per comparison counted from when all of a step's comparisons were queued, on a cold sympy import (a fresh
-  process each step), so its verdicts depend on the machine's load. megadare's checker is math-verify in the
-  verifier pool (:func:`~megadare.rewards.math_verify.verify_answer`), as ``math`` uses it: it accepts every
-  equivalence parse_latex proved on tests/test_dllm_rl_math.py's battery, and a few more (sets in another order,
-  ``bmatrix`` for ``pmatrix``, ``x^2+2x+1`` for ``(x+1)^2``).
+  or as text (``is_equiv``: note that it drops EVERY comma, so ``1,00`` is 100 and ``1,2`` is 12), else (but not
+  for an answer over 128 characters that repeats itself) by dLLM-RL's ``_is_latex_equal``
+  (:mod:`megadare.rewards.dllm_rl_latex`): sympy's ``parse_latex`` where antlr4 4.11 is installed, else Minerva's
+  normalisations of both (``normalize_final_answer``: unit words, ``\\text{}``, ``$``) equal. dLLM-RL's requirements
+  install antlr4 4.9.3, so as installed dLLM-RL decides by the strings; megadare decides as dLLM-RL does in the same
+  environment (a pool worker runs sympy, with the pool's timeout: dLLM-RL gives each comparison 1 s counted from when
+  all of a step's comparisons were queued, on a cold sympy import, and scores one that runs past it 0, a verdict of
+  the machine's load; megadare's timeout raises AnswerTimeout, a reward error, not a 0). Any other checker would
+  decide otherwise: math-verify, which this rule used before, took 60 of 958 pairs dLLM-RL refuses with sympy
+  (``25%`` for 25, ``2\\frac{1}{2}`` for 5/2, ``Yes`` for yes) and refused 12 it takes (``A)`` for A, ``1\\,2``
+  for 12); tests/test_dllm_rl_math.py.
 
 The normalisations below are dLLM-RL's (``reward/math_utils.py``, Apache-2.0), kept step for step; the tests check
 them against its own functions (``DLLM_RL_SRC``).
@@ -19,10 +21,10 @@ them against its own functions (``DLLM_RL_SRC``).
 
 from __future__ import annotations
 
-import re
 from itertools import islice, zip_longest
 from typing import Optional
 
+from megadare.rewards.dllm_rl_latex import _minerva, sympy_latex_runs
 from megadare.rewards.math_verify import VerifierPool, verify_answer
 
 __all__ = ["dllm_rl_boxed", "dllm_rl_strings_equal", "dllm_rl_math_reward"]
@@ -114,82 +116,6 @@ def _is_equiv(pred: str, gold: str) -> bool:
         return a == b
 
 
-# ------------------------------------------------------------------ normalize_final_answer: the Minerva stage
-_SUBSTITUTIONS = [
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
-]  # fmt: skip
-_REMOVED = [
-    "square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units", "\\ldots", "sue",
-    "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges",
-    "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2",
-    "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"',
-    "\\dots",
-]  # fmt: skip
-
-
-def _first_math(s: str) -> str:
-    """``re.sub(r"(.*?)(\\$)(.*?)(\\$)(.*)", "$\\\\3$", s)`` in linear time: each line holding two ``$`` becomes its
-    first ``$...$``. The regex tried every start of a line with one ``$``: 20,000 characters took 12 s, 80,000
-    ~3 min, past score_batch's 60 s per call (a reward error any response could cause)."""
-    lines = s.split("\n")
-    for k, line in enumerate(lines):
-        first = line.find("$")
-        second = line.find("$", first + 1) if first >= 0 else -1
-        if second >= 0:
-            lines[k] = line[first : second + 1]
-    return "\n".join(lines)
-
-
-def _unwrap_first(s: str, opening: str) -> str:
-    """``re.sub(r"(OPENING)(.*?)(\\})", "\\\\2", s)`` in linear time: each ``opening`` with a ``}`` after it on its
-    line loses the opening and that ``}``. The regex scanned the rest of the line from each opening without one."""
-    out, at, close, newline = [], 0, -1, -1
-    while True:
-        start = s.find(opening, at)
-        if start < 0:
-            break
-        body = start + len(opening)
-        if close < body:
-            close = s.find("}", body)
-        if newline < body:
-            newline = s.find("\n", body) % (len(s) + 1)  # none: the end
-        if close < 0:
-            break
-        if newline < close:
-            out.append(s[at:newline])
-            at = newline
-            continue
-        out.append(s[at:start] + s[body:close])
-        at = close + 1
-    return "".join(out) + s[at:]
-
-
-def _unwrap_boxed(line: str) -> str:
-    """``re.sub(r"(\\\\boxed\\{)(.*)(\\})", "\\\\2", line)`` on one line: its first ``\\boxed{`` and its last ``}``
-    after it dropped."""
-    start = line.find("\\boxed{")
-    end = line.rfind("}") if start >= 0 else -1
-    if end < start + len("\\boxed{"):
-        return line
-    return line[:start] + line[start + len("\\boxed{") : end] + line[end + 1 :]
-
-
-def _minerva(s: str) -> str:
-    """dLLM-RL's ``normalize_final_answer`` (Minerva's, arXiv 2206.14858 p. 18)."""
-    for before, after in _SUBSTITUTIONS:
-        s = s.replace(before, after)
-    for expr in _REMOVED:
-        s = s.replace(expr, "")
-    s = _first_math(s)
-    for macro in ("\\text{", "\\textbf{", "\\overline{"):
-        s = _unwrap_first(s, macro)
-    s = "\n".join(_unwrap_boxed(line) for line in s.split("\n"))
-    s = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", s)
-    s = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", s).replace("$", "")
-    return s.replace(",", "") if s.replace(",", "").isdigit() else s
-
-
 def _ranks(xs: list) -> list:
     index = {v: i for i, v in enumerate(sorted(set(xs)))}
     return [index[v] for v in xs]
@@ -221,25 +147,32 @@ def _repetitive(s: str) -> bool:
     return total * 2 / (n * (n + 1)) > 0.2
 
 
+def _loops(pred: str, gold: str) -> bool:
+    """dLLM-RL's guard before its last stage: an answer over 128 characters that repeats itself is not compared."""
+    return any(len(x) > 128 and _repetitive(x) for x in (pred, gold))
+
+
 def dllm_rl_strings_equal(pred: str, gold: str) -> bool:
-    """dLLM-RL's ``is_equal`` without its equivalence checker: ``is_equiv`` (Hendrycks), else the Minerva strings
-    (not for an answer over 128 characters that repeats itself, as its sympy stage)."""
+    """dLLM-RL's ``is_equal`` where sympy's parse_latex does not run (its requirements' antlr4): ``is_equiv``
+    (Hendrycks), else the Minerva strings (not for an answer that loops, as its last stage)."""
     if _is_equiv(pred, gold):
         return True
-    if any(len(x) > 128 and _repetitive(x) for x in (pred, gold)):
-        return False
-    return _minerva(pred) == _minerva(gold)
+    return not _loops(pred, gold) and _minerva(pred) == _minerva(gold)
 
 
 def dllm_rl_math_reward(
     response: str, gold: object, pool: Optional[VerifierPool] = None, timeout: float = 5.0
 ) -> float:
-    """1.0 when the last ``\\boxed{}`` of ``response`` equals ``gold`` by dLLM-RL's rule (module docstring), its
-    equivalence checker being math-verify in the verifier pool; no closed box: 0.0."""
+    """1.0 when the last ``\\boxed{}`` of ``response`` equals ``gold`` by dLLM-RL's rule (module docstring): its
+    strings, and where parse_latex runs here, its sympy stage in the verifier pool; no closed box: 0.0."""
     pred = dllm_rl_boxed(response)
     if pred is None:
         return 0.0
     gold = str(gold)
-    if dllm_rl_strings_equal(pred, gold):
+    if not sympy_latex_runs():
+        return 1.0 if dllm_rl_strings_equal(pred, gold) else 0.0
+    if _is_equiv(pred, gold):
         return 1.0
-    return 1.0 if verify_answer(pred, gold, pool=pool, timeout=timeout) else 0.0
+    if _loops(pred, gold):
+        return 0.0
+    return 1.0 if verify_answer(pred, gold, pool=pool, timeout=timeout, rule="dllm_rl") else 0.0

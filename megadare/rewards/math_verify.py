@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megadare.rewards.dare_math import dare_answers_equal, dare_boxed, dare_gold, mathd_normalize
+from megadare.rewards.dllm_rl_latex import dllm_rl_latex_equal
 from megadare.rewards.errors import AnswerTimeout
 from megadare.rewards.math_answer import extract_answer, extract_boxed, normalize_answer
 
@@ -93,7 +94,8 @@ def answers_equal(pred: Optional[str], gold: Optional[str]) -> bool:
     return bool(g) and bool(p) and bool(mv_verify(g, p, timeout_seconds=t))
 
 
-RULES = {"math_verify": answers_equal, "dare": dare_answers_equal}  # what a pooled comparison decides with
+# what a pooled comparison decides with (dllm_rl: dLLM-RL's sympy stage, megadare.rewards.dllm_rl_math)
+RULES = {"math_verify": answers_equal, "dare": dare_answers_equal, "dllm_rl": dllm_rl_latex_equal}
 
 
 # ------------------------------------------------------------------------------------------------ process pool
@@ -289,8 +291,8 @@ def verify_answer(
     timeout: float = 5.0,
     rule: str = "math_verify",
 ) -> bool:
-    """:func:`answers_equal` (``rule="dare"``: DARE's :func:`dare_answers_equal`) with a timeout: normalised-string
-    matches are decided here, the rest in the pool.
+    """:func:`answers_equal` (``rule="dare"``: DARE's :func:`dare_answers_equal`; ``"dllm_rl"``: dLLM-RL's sympy
+    stage, all of it in the pool) with a timeout: normalised-string matches are decided here, the rest in the pool.
 
     Raises :class:`AnswerTimeout` when the comparison ran past ``timeout`` (its worker was killed) and RuntimeError
     when the worker died: neither is a verdict.
@@ -300,7 +302,7 @@ def verify_answer(
     if rule == "dare":
         if mathd_normalize(pred) == mathd_normalize(gold):
             return True
-    else:
+    elif rule == "math_verify":
         settled = _normalized_verdict(pred, gold)
         if settled is not None:
             return settled

@@ -10,7 +10,7 @@ prompt included) and the sample record (the dataset row, with its gold answer un
 ``dare_math``              DARE's ``math_rm``: the last ``\\boxed{}`` only, DARE's MATH / sympy grader
                            (:func:`dare_math_reward`)
 ``dllm_rl_math``           dLLM-RL's ``is_equal``: the last ``\\boxed{}`` only, its MATH / Minerva strings, then
-                           math-verify (:func:`dllm_rl_math_reward`)
+                           its sympy stage where antlr4 4.11 runs it (:func:`dllm_rl_math_reward`)
 ``exact_match``            stripped response == stripped ``answer``
 ``countdown``              DARE's rule on target ``answer`` and ``numbers`` (:func:`countdown_reward`)
 ``sudoku``                 DARE's rule on solution ``answer`` and ``puzzle`` (:func:`sudoku_reward`)
