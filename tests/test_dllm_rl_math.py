@@ -218,7 +218,7 @@ def test_live_string_stages_are_dllm_rls_on_random_answers():
     rng = random.Random(0)
     for i in range(3000):
         a = _random_answer(rng)
-        assert M._minerva(a) == mu.normalize_final_answer(a), a
+        assert L.normalize_final_answer(a) == mu.normalize_final_answer(a), a
         assert i % 10 or M._repetitive(a * 40) == bool(mu.repeatness(a * 40)), a
         assert _outcome(M._strip_string, a) == _outcome(mu._strip_string, a), a
         a, b = _random_answer(rng), _random_answer(rng)
@@ -236,7 +236,8 @@ def test_math_on_dllm_rl_rows_says_how_it_differs_from_dllm_rl():
     notes = reward_notes("math", [dllm_row, {"data_source": "math500", "answer": "5"}])
     assert len(notes) == 1 and "1 of 2 rows that are dLLM-RL math rows" in notes[0], notes
     assert "rewards.name=dllm_rl_math" in notes[0]
-    assert reward_notes("dllm_rl_math", [dllm_row]) == reward_notes("auto", [dllm_row]) == []
+    own = reward_notes("dllm_rl_math", [dllm_row])  # its own rule: only which last stage decides here
+    assert own == reward_notes("auto", [dllm_row]) and len(own) == 1 and "dllm_rl_math decides" in own[0], own
 
 
 def test_minerva_math_mode_is_linear_and_is_dllm_rls_regex():
@@ -272,3 +273,19 @@ def test_minerva_macros_and_repeat_guard_are_linear_and_dllm_rls():
     box = "".join("\\text{" + "".join(rng.choice(letters) for _ in range(10)) for _ in range(10_000))
     scores, stats = score_batch("dllm_rl_math", [bx(box)], [{"answer": "5"}], workers=1)
     assert scores == [0.0] and stats.failures == 0, stats
+
+
+@pytest.mark.parametrize("sympy_runs", [False, True])
+def test_a_run_scored_by_dllm_rl_math_says_which_last_stage_decides_here(monkeypatch, sympy_runs):
+    """dllm_rl_math's verdicts depend on the environment as dLLM-RL's do (antlr4 4.11 or not): a run that scores
+    with it, by name or through ``auto`` on dLLM-RL's rows, says which stage decides; other rows say nothing."""
+    from megadare.rewards import registry
+
+    monkeypatch.setattr(registry, "sympy_latex_runs", lambda: sympy_runs)
+    dllm_row = {"question": "1+1?", "ground_truth_answer": "2"}
+    stage = "sympy's parse_latex" if sympy_runs else "normalised strings"
+    for reward, rows in (("dllm_rl_math", []), ("auto", [{"data_source": "countdown"}, dllm_row])):
+        notes = [n for n in registry.reward_notes(reward, rows) if "dllm_rl_math decides" in n]
+        assert len(notes) == 1 and stage in notes[0], (reward, notes)
+    assert not [n for n in registry.reward_notes("auto", [{"data_source": "countdown"}]) if "dllm_rl_math" in n]
+    assert not [n for n in registry.reward_notes("math", [dllm_row]) if "dllm_rl_math decides" in n]

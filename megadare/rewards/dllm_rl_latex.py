@@ -18,7 +18,7 @@ import importlib.util
 import re
 from importlib import metadata
 
-__all__ = ["dllm_rl_latex_equal", "sympy_latex_runs"]
+__all__ = ["dllm_rl_latex_equal", "normalize_final_answer", "sympy_latex_runs"]
 
 
 # ------------------------------------------------------------------ normalize_final_answer: the Minerva stage
@@ -82,7 +82,7 @@ def _unwrap_boxed(line: str) -> str:
     return line[:start] + line[start + len("\\boxed{") : end] + line[end + 1 :]
 
 
-def _minerva(s: str) -> str:
+def normalize_final_answer(s: str) -> str:
     """dLLM-RL's ``normalize_final_answer`` (Minerva's, arXiv 2206.14858 p. 18)."""
     for before, after in _SUBSTITUTIONS:
         s = s.replace(before, after)
@@ -123,7 +123,7 @@ def dllm_rl_latex_equal(pred: str, gold: str) -> bool:
             return True
     except Exception:  # noqa: BLE001  (dLLM-RL catches all: ImportError, LaTeXParsingError, sympy's own errors)
         pass
-    norm1, norm2 = _minerva(pred), _minerva(gold)
+    norm1, norm2 = normalize_final_answer(pred), normalize_final_answer(gold)
     try:
         (sym1, val1), (sym2, val2) = _latex_eval(norm1), _latex_eval(norm2)
         return bool(sym1 == sym2 or val1 == val2)

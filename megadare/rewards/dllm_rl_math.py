@@ -24,7 +24,7 @@ from __future__ import annotations
 from itertools import islice, zip_longest
 from typing import Optional
 
-from megadare.rewards.dllm_rl_latex import _minerva, sympy_latex_runs
+from megadare.rewards.dllm_rl_latex import normalize_final_answer, sympy_latex_runs
 from megadare.rewards.math_verify import VerifierPool, verify_answer
 
 __all__ = ["dllm_rl_boxed", "dllm_rl_strings_equal", "dllm_rl_math_reward"]
@@ -157,7 +157,7 @@ def dllm_rl_strings_equal(pred: str, gold: str) -> bool:
     (Hendrycks), else the Minerva strings (not for an answer that loops, as its last stage)."""
     if _is_equiv(pred, gold):
         return True
-    return not _loops(pred, gold) and _minerva(pred) == _minerva(gold)
+    return not _loops(pred, gold) and normalize_final_answer(pred) == normalize_final_answer(gold)
 
 
 def dllm_rl_math_reward(

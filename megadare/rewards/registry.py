@@ -44,6 +44,7 @@ from megadare.rewards.sandbox_kernel import seccomp_denies_processes
 from megadare.rewards.format import boxed_format_reward, think_answer_format_reward
 from megadare.rewards.dare_math import dare_gold
 from megadare.rewards.dllm_rl_code import dllm_rl_code_reward
+from megadare.rewards.dllm_rl_latex import sympy_latex_runs
 from megadare.rewards.dllm_rl_math import dllm_rl_math_reward
 from megadare.rewards.math_answer import gsm8k_gold
 from megadare.rewards.math_verify import dare_math_reward, math_reward
@@ -283,16 +284,14 @@ def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
     """Lines to print at a run's start where ``reward`` scores ``records`` otherwise than the project they come
     from would: ``math`` / ``gsm8k`` on DARE's math rows (``extra_info.task == "math"``, which ``auto`` gives to
     ``dare_math``) or dLLM-RL's (``ground_truth_answer``: ``dllm_rl_math``), one line each; and where ``reward``
-    runs code, one line for each hole of the code sandbox on this machine or these rows (:func:`_sandbox_notes`)."""
-    notes = _sandbox_notes(reward, records)
+    runs code, one line for each hole of the code sandbox on this machine or these rows (:func:`_sandbox_notes`);
+    where ``dllm_rl_math`` scores, which of dLLM-RL's last stages decides here (:func:`_dllm_rl_math_note`)."""
+    notes = _sandbox_notes(reward, records) + _dllm_rl_math_note(reward, records)
     if reward not in ("math", "gsm8k"):
         return notes
     counts = dict.fromkeys(_ORIGIN_RULES, 0)
     for record in records:
-        try:
-            rule = auto_rule(record)
-        except ValueError:
-            continue
+        rule = _rule_or_none(record)
         if rule in counts:
             counts[rule] += 1
     return notes + [
@@ -303,6 +302,28 @@ def reward_notes(reward: str, records: Sequence[dict]) -> List[str]:
         if n
         for origin, tag, ref in [_ORIGIN_RULES[rule]]
     ]
+
+
+def _dllm_rl_math_note(reward: str, records: Sequence[dict]) -> List[str]:
+    """One line where ``dllm_rl_math`` scores these rows (named, or ``auto`` on dLLM-RL math rows): its verdicts
+    depend on this environment as dLLM-RL's do (sympy's parse_latex runs only under antlr4 4.11)."""
+    if reward != "dllm_rl_math" and not (reward == "auto" and any(_rule_or_none(r) == "dllm_rl_math" for r in records)):
+        return []
+    if sympy_latex_runs():
+        how = "sympy's parse_latex (antlr4 4.11 is installed here), as dLLM-RL grades where it is"
+    else:
+        how = (
+            "dLLM-RL's normalised strings (sympy's parse_latex needs antlr4 4.11, not installed here; nor by "
+            "dLLM-RL's own requirements), so 2/4 is not 1/2; rewards.name=math checks equivalence"
+        )
+    return [f"rewards: dllm_rl_math decides answers the Hendrycks strings leave open by {how}"]
+
+
+def _rule_or_none(record: dict) -> Optional[str]:
+    try:
+        return auto_rule(record)
+    except ValueError:
+        return None
 
 
 def _sandbox_notes(reward: str, records: Sequence[dict]) -> List[str]:
