@@ -412,6 +412,28 @@ def test_d_treerpo_actor_update_policy_is_megadares_loss(actor_classes, step, fa
     report(f"{tag}: megadare gradient vs DARE live actor update_policy gradient", worst_grad)
 
 
+# ================================================================== Dream's shift across packed samples
+def test_dream_shift_reads_the_previous_samples_last_logits_at_each_first_token(actor_classes):
+    """DARE's Dream actors shift the packed row as one (``get_packed_logits(shift_logits=True)``): a sample's first
+    position gets the last logits of the sample packed before it (the first sample's, its own). megadare scores
+    nothing at a first token (``base._shifted``). The two agree on every loss above because no loss of these
+    actors reads a first token: d1 / Coupled-GRPO / SPG score response positions (their ``loss_per_sample``, which
+    does read a masked first prompt token, is printed or dropped), BGPO's ELBO masks the response only, d-TreeRPO
+    scores the segment; SPG's ``use_mask_prompt`` masked a first prompt token in 12 of the draws of
+    test_spg_actor_update_policy_is_megadares_loss, which agree to 1e-7."""
+    actor = make_actor(actor_classes["dream_dp_actor_d1"], Toy(0), recipe_config(1, 2, 2))
+    rows = [torch.tensor([1, 2, MASK, 0]), torch.tensor([MASK, 1, MASK])]
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    shifted = actor._get_logits(actor.actor_module, torch.cat(rows).unsqueeze(0), cu, 4, torch.tensor([2, 1]))[0]
+    raw = [actor.actor_module.toy(r.unsqueeze(0))[0, : len(r)].float() for r in rows]
+    assert torch.equal(shifted[1:4], raw[0][:3]) and torch.equal(shifted[5:], raw[1][:2])  # k-1 predicts k
+    assert torch.equal(shifted[0], raw[0][0]) and torch.equal(shifted[4], raw[0][3])  # the first tokens
+    report(
+        "Dream shift: DARE's logits at sample 2's first token vs sample 1's last",
+        float((shifted[4] - raw[0][3]).abs().max()),
+    )
+
+
 # ================================================================== JustGRPO: update_policy
 JUSTGRPO_BATCH = [([1, 2], [0, 2, 1, 1], 1.25), ([0], [2, 2, 0], -0.5), ([2, 1], [1, 0], -1.5), ([1], [0], 0.75)]
 
