@@ -1,12 +1,12 @@
 """The code inside DARE's LLaDA actor methods, run live (``DARE_SRC``, tests/dare_source.py; skipped without it)
 against megadare's trainer loss on identical masks and draws: ``DLLMDataParallelPPOActor`` of
-``llada_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,justgrpo}.py`` is instantiated as DARE's workers do (its
+``llada_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,justgrpo,vrpo}.py`` is instantiated as DARE's workers do (its
 real base classes ``dp_actor.DataParallelPPOActor`` / ``base.BasePPOActor``, an OmegaConf actor config built like
 DARE's recipe/llada/run_*_llada_8b_instruct.sh), on algo_toy's toy dLLM behind a packed-varlen
 ``forward(input_ids, cu_seqlens, max_seqlen).logits`` (what ``mdlm_sp_utils.get_packed_logits`` calls), and its
 own ``compute_log_prob`` (old / reference log-probs) and ``update_policy`` (``_forward_micro_batch``, the policy
 loss, the ``backward`` calls, ``_optimizer_step``) run as written. DARE's Dream actors
-``dream_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo}.py`` (the LLaDA ones with ``get_packed_logits(...,
+``dream_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,vrpo}.py`` (the LLaDA ones with ``get_packed_logits(...,
 shift_logits=True)``: ``cat([logits[:, :1], logits[:, :-1]])`` over the packed row, as Dream's HF model leaves the
 shift to its caller) run the same way on the same toy, its raw output read as Dream's (position k-1 predicts token
 k), against megadare on the Dream family's arch (``logits_shift`` 1). The gradient the actor accumulates (captured
@@ -130,7 +130,7 @@ def actor_classes():
     )
     parent = STAND_INS | {"verl.workers.actor": {"DataParallelPPOActor": dp.DataParallelPPOActor}}
     files = ("llada_dp_actor_d1", "llada_dp_actor_coupled_grpo", "llada_dp_actor_bgpo", "llada_dp_actor_spg")
-    files += ("llada_dp_actor_dtreerpo", "llada_dp_actor_justgrpo")
+    files += ("llada_dp_actor_dtreerpo", "llada_dp_actor_justgrpo", "llada_dp_actor_vrpo")
     files += tuple(f.replace("llada", "dream") for f in files if "justgrpo" not in f)  # DARE has no Dream JustGRPO
     return {f: dare_module(f"verl.workers.actor.{f}", parent).DLLMDataParallelPPOActor for f in files}
 
@@ -410,6 +410,50 @@ def test_d_treerpo_actor_update_policy_is_megadares_loss(actor_classes, step, fa
     tag = f"d_treerpo (step {step}, {family})"
     report(f"{tag}: megadare trainer loss vs DARE live actor pg + kl + sd", abs(float(got) - want))
     report(f"{tag}: megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+
+
+# ================================================================== VRPO: update_policy
+VRPO_PAIRS = [  # (prompt, chosen, rejected): one response canvas R = 4
+    ([1, 2], [0, 2, 1, 1], [2, 2, 0, 1]),
+    ([0], [1, 0, 2, 0], [0, 0, 1, 2]),
+    ([2, 1], [1, 1, 2, 2], [0, 1, 1, 0]),
+]
+
+
+@pytest.mark.parametrize("family", list(FAMILY_ARCHS))
+def test_vrpo_actor_update_policy_is_megadares_loss(actor_classes, family):
+    """DARE's VRPO actor (recipe: beta 0.2, n = 4; pairs interleaved chosen / rejected, micro-batch 2 = one pair)
+    ``compute_log_prob`` (reference weights) then ``update_policy`` on megadare's stored masks (p_mask m / R) ==
+    megadare's VRPO (``margin_norm=canvas``: DARE's B / R) trainer loss and gradient, one pair per row."""
+    actor_cls = actor_classes[f"{family}_dp_actor_vrpo"]
+    full = FAMILY_ARCHS[family]()
+    algo = REGISTRY["vrpo"]({"n_mc": 4, "margin_norm": "canvas", "canvas_length": 4})
+    worst_loss = worst_grad = 0.0
+    for seed in range(3):
+        toy = Toy(seed)
+        ref = formulas.perturbed(toy, seed + 99, 0.15)
+        samples, views, p_masks, rows = [], [], [], []
+        for i, (c, y_w, y_l) in enumerate(VRPO_PAIRS):
+            pair = [sample(c, y, index=2 * i + k) for k, y in enumerate((y_w, y_l))]
+            gens = [torch.Generator().manual_seed(10 * seed + s.index) for s in pair]
+            rows.append(algo.pair_row(*pair, full, *gens))
+            for s in pair:
+                vs = algo.views(s, full, 0, torch.Generator().manual_seed(10 * seed + s.index))
+                samples.append(s)
+                views.append([v.tokens for v in vs])
+                p_masks.append(dare_p_masks("bgpo", s, vs, 0.0))  # _forward_process_vrpo's: m / R
+        got, _, _ = _trainer_loss(algo, toy, rows, 0, ref=True, ref_toy=ref)
+        data = actor_batch(samples, views, p_masks)
+        config = recipe_config(4, len(samples), 2, beta=0.2)
+        _, data.batch["ref_log_probs"], _ = make_actor(actor_cls, ref, config).compute_log_prob(data)
+        actor = make_actor(actor_cls, toy, config)
+        actor.update_policy(data)  # its metrics' pg_loss is the last micro-batch's only
+        worst_grad = max(worst_grad, worst_grad_difference(actor, got, toy))
+        want = sum(float(actor._compute_loss(data.batch.split(2)[i])) for i in range(len(VRPO_PAIRS)))
+        worst_loss = max(worst_loss, abs(float(got) - want / len(VRPO_PAIRS)))
+    assert worst_loss < 1e-5, worst_loss
+    report(f"vrpo ({family}): megadare trainer loss vs DARE live actor _compute_loss", worst_loss)
+    report(f"vrpo ({family}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
 
 
 # ================================================================== Dream's shift across packed samples
