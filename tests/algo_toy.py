@@ -74,6 +74,13 @@ def toy_archs(block_size: int = 2):
     return full, blk
 
 
+def toy_dream_arch():
+    """The full-attention arch of the Dream family (``logits_shift`` 1: position k-1 predicts token k) with the
+    toy's mask id: the toy's output at a position then scores the next token."""
+    fam = get_family("dream")
+    return replace(fam.arch(fam.tiny_config()), mask_token_id=MASK, vocab_size=V + 1)
+
+
 def sample(prompt, response, adv=1.0, index=0, **kw) -> RLSample:
     return RLSample(prompt_ids=list(prompt), response_ids=list(response), reward=0.0, advantage=adv, index=index, **kw)
 

@@ -1,11 +1,15 @@
 """The code inside DARE's LLaDA actor methods, run live (``DARE_SRC``, tests/dare_source.py; skipped without it)
 against megadare's trainer loss on identical masks and draws: ``DLLMDataParallelPPOActor`` of
-``llada_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,justgrpo}.py`` is instantiated as DARE's workers do (its
+``llada_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,justgrpo,vrpo}.py`` is instantiated as DARE's workers do (its
 real base classes ``dp_actor.DataParallelPPOActor`` / ``base.BasePPOActor``, an OmegaConf actor config built like
 DARE's recipe/llada/run_*_llada_8b_instruct.sh), on algo_toy's toy dLLM behind a packed-varlen
 ``forward(input_ids, cu_seqlens, max_seqlen).logits`` (what ``mdlm_sp_utils.get_packed_logits`` calls), and its
 own ``compute_log_prob`` (old / reference log-probs) and ``update_policy`` (``_forward_micro_batch``, the policy
-loss, the ``backward`` calls, ``_optimizer_step``) run as written. The gradient the actor accumulates (captured
+loss, the ``backward`` calls, ``_optimizer_step``) run as written. DARE's Dream actors
+``dream_dp_actor_{d1,coupled_grpo,bgpo,spg,dtreerpo,vrpo}.py`` (the LLaDA ones with ``get_packed_logits(...,
+shift_logits=True)``: ``cat([logits[:, :1], logits[:, :-1]])`` over the packed row, as Dream's HF model leaves the
+shift to its caller) run the same way on the same toy, its raw output read as Dream's (position k-1 predicts token
+k), against megadare on the Dream family's arch (``logits_shift`` 1). The gradient the actor accumulates (captured
 at its optimizer's ``step``) and its loss are compared with megadare's. Each comparison prints its max
 |difference|.
 
@@ -31,7 +35,7 @@ from megadare.algos import REGISTRY
 
 import test_algos_dare_formulas as formulas
 from algo_toy import one_thread  # noqa: F401  (autouse fixture)
-from algo_toy import MASK, Toy, sample, toy_archs
+from algo_toy import MASK, Toy, sample, toy_archs, toy_dream_arch
 from dare_source import dare_module, report
 from dare_source import dllm, global_rng_restored  # noqa: F401  (fixtures)
 from test_algos_objectives import _trainer_loss
@@ -126,8 +130,12 @@ def actor_classes():
     )
     parent = STAND_INS | {"verl.workers.actor": {"DataParallelPPOActor": dp.DataParallelPPOActor}}
     files = ("llada_dp_actor_d1", "llada_dp_actor_coupled_grpo", "llada_dp_actor_bgpo", "llada_dp_actor_spg")
-    files += ("llada_dp_actor_dtreerpo", "llada_dp_actor_justgrpo")
+    files += ("llada_dp_actor_dtreerpo", "llada_dp_actor_justgrpo", "llada_dp_actor_vrpo")
+    files += tuple(f.replace("llada", "dream") for f in files if "justgrpo" not in f)  # DARE has no Dream JustGRPO
     return {f: dare_module(f"verl.workers.actor.{f}", parent).DLLMDataParallelPPOActor for f in files}
+
+
+FAMILY_ARCHS = {"llada": lambda: toy_archs()[0], "dream": toy_dream_arch}  # DARE's actor file prefix: megadare arch
 
 
 def recipe_config(mc_num: int, mini_batch: int, micro_batch: int, **extra) -> OmegaConf:
@@ -240,16 +248,17 @@ def dare_p_masks(name: str, s, views, t: float) -> torch.Tensor:
     return (masks[:, P:].sum(1, keepdim=True) / R).expand(-1, P + R)
 
 
+@pytest.mark.parametrize("family", list(FAMILY_ARCHS))
 @pytest.mark.parametrize("name", list(RATIO_ALGOS))
-def test_ratio_actor_update_policy_is_megadares_loss(actor_classes, monkeypatch, name):
+def test_ratio_actor_update_policy_is_megadares_loss(actor_classes, monkeypatch, name, family):
     """DARE's actor ``compute_log_prob`` (old weights) then ``update_policy`` (current weights; recipe micro-batch
     1, mini-batch = the batch) on megadare's views of a 4-sample batch, off-policy as
     test_dare_preset_loss_is_dares_actor_loss_on_the_same_masks: its accumulated gradient and loss equal
     megadare's trainer loss (the DARE preset's params)."""
     file, params, mc_num, loss_name = RATIO_ALGOS[name]
-    actor_cls = actor_classes[file]
+    actor_cls = actor_classes[file.replace("llada", family)]
     pg_losses = recorded_policy_losses(monkeypatch, actor_cls, loss_name or "compute_policy_loss")
-    full, _ = toy_archs()
+    full = FAMILY_ARCHS[family]()
     algo = REGISTRY[name](params)
     worst_loss = worst_grad = 0.0
     for seed in range(3):
@@ -278,20 +287,21 @@ def test_ratio_actor_update_policy_is_megadares_loss(actor_classes, monkeypatch,
         worst_loss = max(worst_loss, abs(float(got) - want))
         worst_grad = max(worst_grad, worst_grad_difference(actor, got, toy))
     assert worst_loss < 1e-5, worst_loss
-    report(f"{name}: megadare trainer loss vs DARE live actor update_policy loss", worst_loss)
-    report(f"{name}: megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+    report(f"{name} ({family}): megadare trainer loss vs DARE live actor update_policy loss", worst_loss)
+    report(f"{name} ({family}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
 
 
 # ================================================================== SPG: _forward_micro_batch's per-sequence value
+@pytest.mark.parametrize("family", list(FAMILY_ARCHS))
 @pytest.mark.parametrize("n_mc", [1, 2])
-def test_spg_actor_update_policy_is_megadares_loss(actor_classes, dllm, monkeypatch, n_mc):
+def test_spg_actor_update_policy_is_megadares_loss(actor_classes, dllm, monkeypatch, n_mc, family):
     """DARE's SPG actor ``update_policy`` (``logp_estimation=mix``, its ``eubo_beta`` / mix weight defaults 1.5 /
     0.5, recipe micro-batch 1) on the corruptions of DARE's live ``_forward_process_spg`` (block 2, num_t = n_mc,
     seeded per sample) == megadare's SPG (``estimator=dare``) trainer loss and gradient on the same seeds,
     over test_algos_dare_formulas' SPG batches (advantages of both signs: the ELBO and the EUBO mix branch)."""
-    actor_cls = actor_classes["llada_dp_actor_spg"]
+    actor_cls = actor_classes[f"{family}_dp_actor_spg"]
     pg_losses = recorded_policy_losses(monkeypatch, actor_cls, "compute_policy_loss_spg")
-    full, _ = toy_archs()
+    full = FAMILY_ARCHS[family]()
     algo = REGISTRY["spg"]({"estimator": "dare", "block": 2, "n_mc": n_mc})
     worst_loss = worst_grad = 0.0
     for seed in range(4):
@@ -320,8 +330,8 @@ def test_spg_actor_update_policy_is_megadares_loss(actor_classes, dllm, monkeypa
             worst_loss = max(worst_loss, abs(float(got) - want))
             worst_grad = max(worst_grad, worst_grad_difference(actor, got, toy))
     assert worst_loss < 1e-5, worst_loss
-    report(f"spg (n_mc={n_mc}): megadare trainer loss vs DARE live actor update_policy loss", worst_loss)
-    report(f"spg (n_mc={n_mc}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+    report(f"spg (n_mc={n_mc}, {family}): megadare trainer loss vs DARE live actor update_policy loss", worst_loss)
+    report(f"spg (n_mc={n_mc}, {family}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
 
 
 # ================================================================== d-TreeRPO: update_policy
@@ -363,16 +373,17 @@ def tree_batch(nodes, step: int) -> DataProtoStandIn:
     return DataProtoStandIn(tensors, {"micro_batch_size": 1, "global_step": step})
 
 
+@pytest.mark.parametrize("family", list(FAMILY_ARCHS))
 @pytest.mark.parametrize("step", [0, 24000])
-def test_d_treerpo_actor_update_policy_is_megadares_loss(actor_classes, step):
+def test_d_treerpo_actor_update_policy_is_megadares_loss(actor_classes, step, family):
     """DARE's d-TreeRPO actor (recipe: eps 0.4, k3 KL 0.01 to the reference, self-distillation on with its
     defaults; one micro-batch holding the whole batch, as its dynamic batch size packs a small one) on the
     segments megadare scores (the parent state up to the segment: megadare's stated canvas deviation): its
     ``compute_log_prob`` (old and reference weights) then ``update_policy`` give megadare's gradient; at step 0
     (self-distillation's lambda 0) also its loss. Step 24000 of 30000: lambda_t 1.1e-3, siblings of 2 and 3
     with 1 or 2 positive advantages."""
-    actor_cls = actor_classes["llada_dp_actor_dtreerpo"]
-    full, _ = toy_archs()
+    actor_cls = actor_classes[f"{family}_dp_actor_dtreerpo"]
+    full = FAMILY_ARCHS[family]()
     algo = REGISTRY["d_treerpo"]({"eps_low": 0.4, "branch": 4, "depth": 2, "root_fanout": 4, "kl_coef": 0.01})
     toy = Toy(0)
     old, ref = formulas.perturbed(toy, 99, 0.15), formulas.perturbed(toy, 199, 0.3)
@@ -396,8 +407,75 @@ def test_d_treerpo_actor_update_policy_is_megadares_loss(actor_classes, step):
         assert abs(float(got) - want) < 1e-5, (float(got), want)
     else:  # the term is on; megadare's value of it omits KL(q || p)'s constant sum q log q (the gradient is exact)
         assert metrics["actor/sd_loss"][0] > 1e-3
-    report(f"d_treerpo (step {step}): megadare trainer loss vs DARE live actor pg + kl + sd", abs(float(got) - want))
-    report(f"d_treerpo (step {step}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+    tag = f"d_treerpo (step {step}, {family})"
+    report(f"{tag}: megadare trainer loss vs DARE live actor pg + kl + sd", abs(float(got) - want))
+    report(f"{tag}: megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+
+
+# ================================================================== VRPO: update_policy
+VRPO_PAIRS = [  # (prompt, chosen, rejected): one response canvas R = 4
+    ([1, 2], [0, 2, 1, 1], [2, 2, 0, 1]),
+    ([0], [1, 0, 2, 0], [0, 0, 1, 2]),
+    ([2, 1], [1, 1, 2, 2], [0, 1, 1, 0]),
+]
+
+
+@pytest.mark.parametrize("family", list(FAMILY_ARCHS))
+def test_vrpo_actor_update_policy_is_megadares_loss(actor_classes, family):
+    """DARE's VRPO actor (recipe: beta 0.2, n = 4; pairs interleaved chosen / rejected, micro-batch 2 = one pair)
+    ``compute_log_prob`` (reference weights) then ``update_policy`` on megadare's stored masks (p_mask m / R) ==
+    megadare's VRPO (``margin_norm=canvas``: DARE's B / R) trainer loss and gradient, one pair per row."""
+    actor_cls = actor_classes[f"{family}_dp_actor_vrpo"]
+    full = FAMILY_ARCHS[family]()
+    algo = REGISTRY["vrpo"]({"n_mc": 4, "margin_norm": "canvas", "canvas_length": 4})
+    worst_loss = worst_grad = 0.0
+    for seed in range(3):
+        toy = Toy(seed)
+        ref = formulas.perturbed(toy, seed + 99, 0.15)
+        samples, views, p_masks, rows = [], [], [], []
+        for i, (c, y_w, y_l) in enumerate(VRPO_PAIRS):
+            pair = [sample(c, y, index=2 * i + k) for k, y in enumerate((y_w, y_l))]
+            gens = [torch.Generator().manual_seed(10 * seed + s.index) for s in pair]
+            rows.append(algo.pair_row(*pair, full, *gens))
+            for s in pair:
+                vs = algo.views(s, full, 0, torch.Generator().manual_seed(10 * seed + s.index))
+                samples.append(s)
+                views.append([v.tokens for v in vs])
+                p_masks.append(dare_p_masks("bgpo", s, vs, 0.0))  # _forward_process_vrpo's: m / R
+        got, _, _ = _trainer_loss(algo, toy, rows, 0, ref=True, ref_toy=ref)
+        data = actor_batch(samples, views, p_masks)
+        config = recipe_config(4, len(samples), 2, beta=0.2)
+        _, data.batch["ref_log_probs"], _ = make_actor(actor_cls, ref, config).compute_log_prob(data)
+        actor = make_actor(actor_cls, toy, config)
+        actor.update_policy(data)  # its metrics' pg_loss is the last micro-batch's only
+        worst_grad = max(worst_grad, worst_grad_difference(actor, got, toy))
+        want = sum(float(actor._compute_loss(data.batch.split(2)[i])) for i in range(len(VRPO_PAIRS)))
+        worst_loss = max(worst_loss, abs(float(got) - want / len(VRPO_PAIRS)))
+    assert worst_loss < 1e-5, worst_loss
+    report(f"vrpo ({family}): megadare trainer loss vs DARE live actor _compute_loss", worst_loss)
+    report(f"vrpo ({family}): megadare gradient vs DARE live actor update_policy gradient", worst_grad)
+
+
+# ================================================================== Dream's shift across packed samples
+def test_dream_shift_reads_the_previous_samples_last_logits_at_each_first_token(actor_classes):
+    """DARE's Dream actors shift the packed row as one (``get_packed_logits(shift_logits=True)``): a sample's first
+    position gets the last logits of the sample packed before it (the first sample's, its own). megadare scores
+    nothing at a first token (``base._shifted``). The two agree on every loss above because no loss of these
+    actors reads a first token: d1 / Coupled-GRPO / SPG score response positions (their ``loss_per_sample``, which
+    does read a masked first prompt token, is printed or dropped), BGPO's ELBO masks the response only, d-TreeRPO
+    scores the segment; SPG's ``use_mask_prompt`` masked a first prompt token in 12 of the draws of
+    test_spg_actor_update_policy_is_megadares_loss, which agree to 1e-7."""
+    actor = make_actor(actor_classes["dream_dp_actor_d1"], Toy(0), recipe_config(1, 2, 2))
+    rows = [torch.tensor([1, 2, MASK, 0]), torch.tensor([MASK, 1, MASK])]
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    shifted = actor._get_logits(actor.actor_module, torch.cat(rows).unsqueeze(0), cu, 4, torch.tensor([2, 1]))[0]
+    raw = [actor.actor_module.toy(r.unsqueeze(0))[0, : len(r)].float() for r in rows]
+    assert torch.equal(shifted[1:4], raw[0][:3]) and torch.equal(shifted[5:], raw[1][:2])  # k-1 predicts k
+    assert torch.equal(shifted[0], raw[0][0]) and torch.equal(shifted[4], raw[0][3])  # the first tokens
+    report(
+        "Dream shift: DARE's logits at sample 2's first token vs sample 1's last",
+        float((shifted[4] - raw[0][3]).abs().max()),
+    )
 
 
 # ================================================================== JustGRPO: update_policy
