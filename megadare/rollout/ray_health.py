@@ -4,9 +4,10 @@ Ray's driver lives on without its GCS (the head's ``gcs_server``) for ``gcs_rpc_
 and is then ended from Ray's C++ core (exit 1, ``Failed to connect to GCS within 60 seconds``), while its actors
 go on answering; megadare's driver gets ``parallel.collective_timeout_s`` instead (``outliving_the_gcs``).
 ``GcsWatch`` probes the GCS port every second: refused (nothing listens: the process is gone) or unreachable for
-``GCS_MISSES`` probes in a row (~30 s: a network blip Ray itself rides out does not end the run), it is dead. The manager's waits then raise its ``PeerError``; a driver busy elsewhere (a train step) gets the same
-line printed and exit 2 after ``grace_s``, ahead of Ray's end, unless it got SIGTERM: the signal reached Ray too,
-and the RL loop stops on it, saving without Ray (``lost_to_sigterm``, trainer/rl.py).
+``GCS_MISSES`` probes in a row (~30 s: a network blip Ray itself rides out does not end the run), it is dead. The
+manager's waits then raise its ``PeerError``; a driver busy elsewhere (a train step) gets the same line printed and
+exit 2 after ``grace_s``, ahead of Ray's end, unless it got SIGTERM: the signal reached Ray too, and the RL loop
+stops on it, saving without Ray (``lost_to_sigterm``, trainer/rl.py).
 """
 
 from __future__ import annotations
