@@ -156,3 +156,103 @@ def test_a_save_longer_than_ray_lets_a_driver_outlive_its_gcs_still_lands_and_re
     assert "at step 1 (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
     with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert int(f.read()) == 2
+
+
+# megadare rl whose rank 0 sends SIGTERM to its whole process group inside the weight push of version 2 (after step
+# 1's update), at its first bucket, and waits until the signal has ended the local Ray's GCS: the transfer breaks
+# ('the weight push of version 2 broke: ...'), an error without the Ray head's words
+PUSH_HOOK = r"""
+import os, signal, sys, time
+from megadare.parallel.rank0 import trainer_rank
+from megadare.rollout.weight_sync import transport
+
+real_begin, real_send = transport.GroupTransport.begin, transport.GroupTransport.send
+
+
+def begin(self, version, device):
+    self.hook_version = version
+    return real_begin(self, version, device)
+
+
+def send(self, index, bucket, flats):
+    if self.hook_version == 2 and index == 0 and trainer_rank() == 0:
+        import ray
+        from megadare.rollout.ray_health import gcs_reachable
+
+        address = ray.get_runtime_context().gcs_address
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+        for _ in range(600):
+            if gcs_reachable(address, 1.0) is False:
+                break
+            time.sleep(0.1)
+    return real_send(self, index, bucket, flats)
+
+
+transport.GroupTransport.begin, transport.GroupTransport.send = begin, send
+
+if __name__ == "__main__":
+    from megadare.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(500)
+def test_a_sigterm_to_the_whole_job_mid_push_keeps_the_update_and_resumes(tmp_path):
+    """The group's SIGTERM inside the weight push after step 1's update, two ranks: the transfer broke on rank 0
+    ('the weight push of version 2 broke: ...'), an error without the Ray head's words, while rank 1 (which sends
+    nothing) went on to its next collective: the ranks paired wrongly and the run hung until killed, the update it
+    had made lost although the job was only being stopped. A push broken after a SIGTERM now counts as Ray lost
+    to it on every rank (the failing rank decides, the others learn its outcome): the update is kept, the run says
+    'stopped by signal at step 2', exit 0, and a rerun resumes from that checkpoint."""
+    hook = tmp_path / "hook.py"
+    hook.write_text(PUSH_HOOK)
+    run = tmp_path / "rl"
+    proc = subprocess.run(
+        [sys.executable, str(hook), *_rl_argv(run, 4, 2)],
+        capture_output=True,
+        text=True,
+        start_new_session=True,  # the group it signals is its own
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rl stopped by signal at step 2;" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert int(f.read()) == 2
+    resumed = subprocess.run(
+        [sys.executable, "-m", "megadare", *_rl_argv(run, 3, 2)], capture_output=True, text=True, timeout=200
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 2 (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
+    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert int(f.read()) == 3
+
+
+def test_a_broken_push_counts_as_lost_to_sigterm_only_after_one_and_on_every_rank(monkeypatch):
+    """A weight push broken after this process got SIGTERM (the transfer broke, an engine call failed: Ray went
+    down with the job) counts as Ray lost to the signal, whatever its words; the verdict travels with the error to
+    the other ranks (pickled, as ``on_every_rank`` passes it), which decide alike even without the signal noted
+    yet. Without a SIGTERM a broken push is its own error, as loud as before."""
+    import pickle
+    from types import SimpleNamespace
+
+    from megadare.errors import PeerError
+    from megadare.rollout import ray_health
+    from megadare.trainer import rl
+
+    broke = PeerError("the weight push of version 2 broke: a rollout engine left or stopped answering (x); resume")
+
+    def push(weight_sync, version):
+        raise broke
+
+    run = SimpleNamespace(policy=SimpleNamespace(push=push), weight_sync=None, step=2)
+    monkeypatch.setattr(ray_health, "_TERMINATED", [])
+    with pytest.raises(PeerError) as plain:
+        rl.push_or_lost(run)
+    assert plain.value is broke and not ray_health.lost_to_sigterm(plain.value)
+    monkeypatch.setattr(ray_health, "_TERMINATED", [True])
+    with pytest.raises(PeerError) as lost:
+        rl.push_or_lost(run)
+    assert str(lost.value) == str(broke) and ray_health.lost_to_sigterm(lost.value)
+    monkeypatch.setattr(ray_health, "_TERMINATED", [])  # another rank, its SIGTERM not handled yet
+    assert ray_health.lost_to_sigterm(pickle.loads(pickle.dumps(lost.value)))

@@ -22,7 +22,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
     ``RewardError``), so no rank waits on a broadcast that never comes. With ``push`` and the rollout ``manager``:
     should the rollout find no engine holding the current weights (every one was restarted), rank 0 calls for a
     push (``manager.on_stale``) and every rank runs ``push()`` before rank 0 goes on; a push that fails on any rank
-    ends this call on every rank with that error (``_push_on_every_rank``), and rank 0 tells nothing more."""
+    ends this call on every rank with that error (``on_every_rank``), and rank 0 tells nothing more."""
     multi = dist.is_initialized() and dist.get_world_size() > 1
 
     def tell(kind: str, value: Any = None) -> None:
@@ -37,7 +37,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
                 raise push_failed[0]
             tell("push")
             try:
-                _push_on_every_rank(push)
+                on_every_rank(push)
             except Exception as e:  # any failure: every rank raises it, so rank 0 tells nothing more (below)
                 push_failed.append(e)
                 raise
@@ -62,20 +62,22 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
         _stand_by(box)
         kind, value = box[0]
         if kind == "push":
-            _push_on_every_rank(push)
+            on_every_rank(push)
         elif kind == "error":
             raise value
         else:
             return value
 
 
-def _push_on_every_rank(push: Callable[[], Any]) -> None:
+def on_every_rank(push: Callable[[], Any]) -> Any:
     """``push()`` on every rank, then every rank's outcome to every rank: should it raise on any (on all, as a
     header rank 0 could not decide; on rank 0 or on the others only, as a transfer that broke mid-way), it raises
-    on every rank (its own error where it failed, else the lowest failing rank's), so none goes on alone."""
+    on every rank (its own error where it failed, else the lowest failing rank's), so none goes on alone; else
+    its result on this rank."""
     failed: Optional[Exception] = None
+    result = None
     try:
-        push()
+        result = push()
     except Exception as e:  # noqa: BLE001 - any failure: every rank learns of it below, then raises
         failed = e
     outcomes: list[Optional[Exception]] = [failed]
@@ -85,6 +87,7 @@ def _push_on_every_rank(push: Callable[[], Any]) -> None:
     first = failed or next((e for e in outcomes if e is not None), None)
     if first is not None:
         raise first
+    return result
 
 
 def picklable(e: Exception) -> Exception:

@@ -43,10 +43,18 @@ def terminated() -> bool:
     return bool(_TERMINATED)
 
 
+class PushLostToSigterm(PeerError):
+    """A weight push that broke on a rank after it got SIGTERM, whatever its words (the transfer broke, an engine
+    call failed): Ray went down with the job. Decided on the rank that failed and passed on to the others with its
+    outcome (``on_every_rank``, parallel/rank0.py), so every rank decides alike."""
+
+
 def lost_to_sigterm(e: BaseException) -> bool:
     """``e`` says the Ray head died (``GcsWatch``'s error, on rank 0 or passed on to the others) after this process
-    got SIGTERM: the signal reached every process of the job, Ray's too, and the run stops on it, saving without
-    Ray (trainer/rl.py)."""
+    got SIGTERM, or is a weight push broken after it (``PushLostToSigterm``): the signal reached every process of
+    the job, Ray's too, and the run stops on it, saving without Ray (trainer/rl.py)."""
+    if isinstance(e, PushLostToSigterm):
+        return True
     return terminated() and isinstance(e, PeerError) and str(e).startswith(_HEAD)
 
 

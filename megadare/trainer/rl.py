@@ -20,8 +20,8 @@ from megadare.algos.sft import example_generator
 from megadare.config import Config
 from megadare.parallel import destroy_distributed, init_distributed
 from megadare.errors import PeerError
-from megadare.parallel.rank0 import run_on_rank0
-from megadare.rollout.ray_health import lost_to_sigterm
+from megadare.parallel.rank0 import on_every_rank, run_on_rank0
+from megadare.rollout.ray_health import PushLostToSigterm, lost_to_sigterm, terminated
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table, oldest_needed, reindex, version_table
@@ -165,10 +165,22 @@ def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
     LoRA the engines get W + s B A); ``queued``: the rollout queue exists and its partial rollouts then continue
     on them. Returns the sync metrics (bytes, seconds, GB/s, buckets, wall seconds)."""
     t0 = time.perf_counter()
-    stats = push_current(run)  # every rank drops it when Ray is gone (rank 0's check_engines, in the push's header)
+    stats = on_every_rank(lambda: push_or_lost(run))  # a rank whose part broke: every rank raises its error
     if queued:
         on_rank0(run, lambda: run.rollouts.queue.advance())
     return {**stats, "sync_s": time.perf_counter() - t0}
+
+
+def push_or_lost(run: RLRun) -> dict[str, float]:
+    """``push_current``; broken after this process got SIGTERM, its error is ``PushLostToSigterm`` (the run stops
+    on the signal and saves: ``unless_ray_lost``). Every rank drops the push when Ray is gone before it (rank 0's
+    check_engines, in the push's header)."""
+    try:
+        return push_current(run)
+    except PeerError as e:
+        if not terminated() or isinstance(e, PushLostToSigterm):
+            raise
+        raise PushLostToSigterm(str(e)) from e
 
 
 def push_current(run: RLRun) -> dict[str, float]:
