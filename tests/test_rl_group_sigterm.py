@@ -78,6 +78,28 @@ def _rl_argv(run_dir, steps: int, nproc: int = 1) -> list[str]:
     ]
 
 
+def _stops_saves_and_resumes(hook, run, argv: list[str], resume_argv: list[str], step: int, env=None) -> None:
+    """``hook`` (a script sending the group SIGTERM) runs ``megadare argv`` in a session of its own: exit 0, stopped
+    by the signal at ``step`` with its checkpoint saved; ``megadare resume_argv`` then resumes from that step."""
+    proc = subprocess.run(
+        [sys.executable, str(hook), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        start_new_session=True,  # the group it signals is its own
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"rl stopped by signal at step {step};" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert int(f.read()) == step
+    resumed = subprocess.run(
+        [sys.executable, "-m", "megadare", *resume_argv], capture_output=True, text=True, timeout=200
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step} (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
+
+
 def _ray_pids_of(session_pid: int) -> list[str]:
     """Ray processes still running in the session ``session_pid`` leads (the run's own Ray)."""
     import psutil
@@ -137,23 +159,7 @@ def test_a_save_longer_than_ray_lets_a_driver_outlive_its_gcs_still_lands_and_re
     hook.write_text(HOOK)
     run = tmp_path / "rl"
     env = dict(os.environ, HOOK_WHERE="generate", HOOK_SAVE_S="8", RAY_gcs_rpc_server_reconnect_timeout_s="3")
-    proc = subprocess.run(
-        [sys.executable, str(hook), *_rl_argv(run, 2)],
-        capture_output=True,
-        text=True,
-        env=env,
-        start_new_session=True,  # the group it signals is its own
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rl stopped by signal at step 1;" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
-    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
-        assert int(f.read()) == 1
-    resumed = subprocess.run(
-        [sys.executable, "-m", "megadare", *_rl_argv(run, 2)], capture_output=True, text=True, timeout=200
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "at step 1 (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
+    _stops_saves_and_resumes(hook, run, _rl_argv(run, 2), _rl_argv(run, 2), step=1, env=env)
     with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert int(f.read()) == 2
 
@@ -208,22 +214,7 @@ def test_a_sigterm_to_the_whole_job_mid_push_keeps_the_update_and_resumes(tmp_pa
     hook = tmp_path / "hook.py"
     hook.write_text(PUSH_HOOK)
     run = tmp_path / "rl"
-    proc = subprocess.run(
-        [sys.executable, str(hook), *_rl_argv(run, 4, 2)],
-        capture_output=True,
-        text=True,
-        start_new_session=True,  # the group it signals is its own
-        timeout=200,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rl stopped by signal at step 2;" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
-    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
-        assert int(f.read()) == 2
-    resumed = subprocess.run(
-        [sys.executable, "-m", "megadare", *_rl_argv(run, 3, 2)], capture_output=True, text=True, timeout=200
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "at step 2 (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
+    _stops_saves_and_resumes(hook, run, _rl_argv(run, 4, 2), _rl_argv(run, 3, 2), step=2)
     with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert int(f.read()) == 3
 
