@@ -267,11 +267,13 @@ def _fmt(v) -> str:
 
 
 def summary_markdown(results: dict) -> str:
-    env = {r["check"]: r for r in results.get("env", {}).get("rows", [])}
-    gpu = env.get("gpu", {}).get("value", "no GPU")
-    torch_v = env.get("import torch", {}).get("value", "?")
+    if "env" not in results:  # a call of other steps only: its machine was not recorded, not found without a GPU
+        title = "machine not recorded (the env step did not run)"
+    else:
+        env = {r["check"]: r for r in results["env"].get("rows", [])}
+        title = f"{env.get('gpu', {}).get('value', 'no GPU')}, torch {env.get('import torch', {}).get('value', '?')}"
     lines = [
-        f"# megadare GPU check: {gpu}, torch {torch_v}",
+        f"# megadare GPU check: {title}",
         "",
         "| step | status | s | rows ok / failed / measured | first problem |",
         "|---|---|---|---|---|",

@@ -56,6 +56,20 @@ def test_runner_records_each_failure_and_goes_on(tmp_path):
     assert "| boom | fail |" in md and "| hang | timeout |" in md and "| after | ok |" in md
 
 
+def test_the_summary_title_says_the_machine_was_not_recorded_without_the_env_step():
+    """A call of ``--only profile`` on an H200 once titled its summary "no GPU, torch ?": a result it never measured."""
+    gc = _gpu_check()
+    profile_only = {"profile": {"status": "ok", "s": 31.3, "rows": []}}
+    assert gc.summary_markdown(profile_only).splitlines()[0] == (
+        "# megadare GPU check: machine not recorded (the env step did not run)"
+    )
+    env_rows = [{"check": "gpu", "value": "NVIDIA H200"}, {"check": "import torch", "value": "2.11.0"}]
+    with_env = {"env": {"status": "ok", "s": 1.0, "rows": env_rows}}
+    assert gc.summary_markdown(with_env).splitlines()[0] == "# megadare GPU check: NVIDIA H200, torch 2.11.0"
+    no_gpu = {"env": {"status": "ok", "s": 1.0, "rows": []}}
+    assert gc.summary_markdown(no_gpu).splitlines()[0] == "# megadare GPU check: no GPU, torch ?"
+
+
 def test_budget_skips_steps_that_no_longer_fit(tmp_path):
     gc = _gpu_check()
     steps = [

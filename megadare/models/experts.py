@@ -3,7 +3,8 @@
 megatron-core trains experts without Transformer Engine or the ``grouped_gemm`` package in ``SequentialMLP``: a
 Python loop over the local experts, each an ``MLP`` of two linear layers, so a layer costs 2 GEMMs per expert each
 way (3 with the weight gradients) and ~10 small kernels per expert around them. With 64-256 small experts per layer
-that is launch-bound on a GPU (the small SDAR-MoE shape trained at 2.2-2.6% MFU on an H200, benchmarks/GPU.md).
+that is launch-bound on a GPU (the small SDAR-MoE shape trained at 2.2-2.6% MFU on an H200, 8.3% with this module:
+benchmarks/GPU.md).
 ``torch._grouped_mm`` does each projection of every expert in one call: rows sorted by expert, ``offs`` the
 cumulative row counts, a [E, in, out] weight.
 
@@ -119,11 +120,12 @@ def refusal(config, like: torch.Tensor) -> Optional[str]:
 def experts_module(setting: Optional[bool], config, like: torch.Tensor) -> type:
     """The experts module of a training layer spec for ``train.grouped_experts``: True ``GroupedExperts`` (refused
     where the grouped GEMM cannot run, ``like``: a tensor of the weights' device and dtype), False megatron's
-    ``SequentialMLP``, None (auto) ``GroupedExperts`` on a CPU, where it was measured faster (the layer 1.32-1.45x,
-    benchmarks/moe_experts.py; the tiny MoE step 1.06x on average, train_throughput.py ``--variants grouped``) with
-    bitwise the same results, ``SequentialMLP`` on a GPU until one measures it."""
+    ``SequentialMLP``, None (auto) ``GroupedExperts`` wherever the grouped GEMM runs: measured faster on a CPU (the
+    layer 1.32-1.45x, benchmarks/moe_experts.py; the tiny MoE step 1.06x on average, train_throughput.py
+    ``--variants grouped``) with bitwise the same results, and on an H200 (the layer 6.0x, bitwise the same in bf16;
+    the small MoE step 3.23x, 2.6% -> 8.3% MFU, its first gradient norm within bf16 rounding)."""
     if setting is None:
-        setting = like.device.type == "cpu" and grouped_runs(config, like)
+        setting = grouped_runs(config, like)
     elif setting and (why := refusal(config, like)):
         raise ConfigError(f"train.grouped_experts=true: {why}; set train.grouped_experts=false or leave it unset")
     return GroupedExperts if setting else SequentialMLP
