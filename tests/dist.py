@@ -183,3 +183,40 @@ def stale_push_failing(rank: int, world: int, failing: str, swallow: bool = Fals
         return raised, str(box[0])
     finally:
         dist.destroy_process_group()
+
+
+def stale_push_interrupted(rank: int, world: int) -> tuple[str, str]:
+    """Inside ``run_on_rank0``, rank 0's rollout calls for a repeat push (``manager.on_stale``) whose part on rank 0
+    is interrupted (a ``BaseException``: KeyboardInterrupt) while the other ranks' parts return. (The type of what
+    this rank raised, what it got from rank 0's next broadcast: a later collective nothing stray may pair with.)"""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megadare.parallel.rank0 import run_on_rank0
+
+    def push():
+        if rank == 0:
+            raise KeyboardInterrupt
+
+    manager = SimpleNamespace(on_stale=None)
+
+    def rollout():
+        manager.on_stale()  # every engine restarted: push the current weights again
+        return "trajectories"
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=10))
+    try:
+        try:
+            raised = f"returned {run_on_rank0(rollout, push, manager if rank == 0 else None)}"
+        except BaseException as e:  # noqa: BLE001 - what each rank raised is the test's answer
+            raised = type(e).__name__
+        box = ["the next step's word" if rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError as e:  # a broadcast left unpaired: gloo's timeout
+            box = [f"{type(e).__name__}: {str(e)[:40]}"]
+        return raised, str(box[0])
+    finally:
+        dist.destroy_process_group()

@@ -247,3 +247,156 @@ def test_a_broken_push_counts_as_lost_to_sigterm_only_after_one_and_on_every_ran
     assert str(lost.value) == str(broke) and ray_health.lost_to_sigterm(lost.value)
     monkeypatch.setattr(ray_health, "_TERMINATED", [])  # another rank, its SIGTERM not handled yet
     assert ray_health.lost_to_sigterm(pickle.loads(pickle.dumps(lost.value)))
+
+
+# megadare rl whose rank 0 gets SIGTERM at step 1 (the second) and whose rollout then breaks with Ray's own raw
+# error, as an engine actor ended by the job's signal does (the local Ray itself lives on here: a cheap run)
+RAW_RAY_ERROR_HOOK = r"""
+import os, signal, sys
+from megadare.trainer import rl_rollout
+
+real = rl_rollout.Rollouts.collect
+
+
+def collect(self, step):
+    if step == 1:
+        from ray.exceptions import ActorDiedError
+
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise ActorDiedError()
+    return real(self, step)
+
+
+rl_rollout.Rollouts.collect = collect
+
+if __name__ == "__main__":
+    from megadare.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_raw_ray_error_after_a_sigterm_stops_the_run_with_its_checkpoint(tmp_path):
+    """A rollout broken with Ray's raw ``ActorDiedError`` after the run got SIGTERM ended it with a traceback, the
+    step's checkpoint unsaved; the run now stops on the signal as on SIGINT: 'stopped by signal at step 1', exit 0,
+    that step's checkpoint saved."""
+    hook = tmp_path / "hook.py"
+    hook.write_text(RAW_RAY_ERROR_HOOK)
+    run = tmp_path / "rl"
+    proc = subprocess.run([sys.executable, str(hook), *_rl_argv(run, 4)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rl stopped by signal at step 1;" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
+    with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
+        assert int(f.read()) == 1
+
+
+def _ray_or_transport_errors() -> list:
+    """What a call through Ray or a weight group raises, raw, once the job's SIGTERM took the engines down: gloo's
+    words for a peer gone, Ray's errors for a dead actor, its own processes gone, a get that timed out."""
+    from ray import exceptions as rx
+
+    return [
+        RuntimeError(
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41234: Connection reset by peer"
+        ),
+        rx.RayActorError(),
+        rx.ActorDiedError(),
+        rx.RaySystemError("the raylet died"),
+        rx.GetTimeoutError("Get timed out: some object(s) not ready."),
+    ]
+
+
+def _engines_raising(error: BaseException):
+    """A run whose every call through Ray raises ``error``: the weight push, the rollout, the evaluation."""
+    from types import SimpleNamespace
+
+    def raises(*a):
+        raise error
+
+    return SimpleNamespace(
+        step=2,
+        ray_lost=False,
+        snapshots=None,
+        manager=None,
+        weight_sync=None,
+        policy=SimpleNamespace(push=raises),
+        rollouts=SimpleNamespace(collect=raises, evaluate=raises),
+    )
+
+
+@pytest.mark.parametrize("error", _ray_or_transport_errors(), ids=lambda e: type(e).__name__)
+def test_a_ray_or_transport_error_after_a_sigterm_stops_and_saves_and_without_one_is_one_line(monkeypatch, error):
+    """After the job's SIGTERM, a weight push, a rollout or an evaluation that broke with gloo's raw RuntimeError (a
+    peer gone) or one of Ray's own errors (not megadare's PeerError) ended the run with a traceback, exit 2, the
+    checkpoint unsaved: only a PeerError counted as Ray lost to the signal. Each now counts (the run stops on the
+    signal and saves: ``unless_ray_lost`` says None), decided where it was raised. Without a SIGTERM it is the run's
+    error, one line naming what failed, not a traceback; a bug (no peer gone) is raised as it is either way."""
+    from megadare.errors import PeerError
+    from megadare.rollout import ray_health
+    from megadare.trainer import rl
+
+    steps = {"push": lambda r: rl.push_weights(r, queued=False), "rollout": rl.generate, "evaluation": rl.evaluate_at}
+    monkeypatch.setattr(ray_health, "_TERMINATED", [True])
+    for what, step in steps.items():
+        run = _engines_raising(error)
+        assert rl.unless_ray_lost(run, step) is None and run.ray_lost, what
+    monkeypatch.setattr(ray_health, "_TERMINATED", [])
+    for what, step in steps.items():
+        with pytest.raises(PeerError) as plain:
+            rl.unless_ray_lost(_engines_raising(error), step)
+        assert "\n" not in str(plain.value) and type(error).__name__ in str(plain.value), what
+        assert not ray_health.lost_to_sigterm(plain.value), what
+    monkeypatch.setattr(ray_health, "_TERMINATED", [True])  # a bug (a bad shape) is no peer gone: raised as it is
+    bug = RuntimeError("The size of tensor a (4) must match the size of tensor b (8) at non-singleton dimension 0")
+    for what, step in steps.items():
+        with pytest.raises(RuntimeError) as raised:
+            rl.unless_ray_lost(_engines_raising(bug), step)
+        assert raised.value is bug, what
+
+
+def test_a_checkpoint_after_a_sigterm_lands_when_its_queued_rollouts_can_no_longer_finish(monkeypatch, tmp_path):
+    """Ray going down with the job after the step's push went through (the SIGTERM came after it): the checkpoint
+    finished the queued rollouts through Ray first, which raised (a Ray error, raw), so the checkpoint the signal
+    asked for never landed (on rank 0 alone: the others waited in its save). It now keeps the rollouts already
+    finished (a resumed run starts the others again) and lands; without a SIGTERM the error is one line."""
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError
+
+    from megadare.config import load_config
+    from megadare.errors import PeerError
+    from megadare.rollout import ray_health
+    from megadare.trainer import rl_setup
+
+    class Queue:  # one rollout finished, one still on an engine that died with the job
+        def drain(self, finish: bool = True):
+            if finish:
+                raise ActorDiedError()
+            return {2: ([0, 1], ["finished"])}
+
+    saved = []
+    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), [])
+    run = SimpleNamespace(
+        cfg=cfg,
+        step=2,
+        rank0=True,
+        ray_lost=False,
+        evals={},
+        buffer=None,
+        snapshots=None,
+        save_root=str(tmp_path / "ckpt"),
+        algo=SimpleNamespace(name=cfg.algo.name),
+        spec=SimpleNamespace(
+            source=SimpleNamespace(family=SimpleNamespace(name="sdar"), hf_dir=None),
+            arch=SimpleNamespace(architecture="SDARForCausalLM"),
+        ),
+        rollouts=SimpleNamespace(queue=Queue(), sampler=SimpleNamespace(settings=lambda: {})),
+        policy=SimpleNamespace(save=lambda root, step, state, *a: saved.append(state)),
+    )
+    monkeypatch.setattr(ray_health, "_TERMINATED", [True])
+    rl_setup.save_run(run)
+    assert saved[0].objects["rl_async"]["queue"] == {2: ([0, 1], ["finished"])}
+    monkeypatch.setattr(ray_health, "_TERMINATED", [])
+    with pytest.raises(PeerError, match="finishing the queued rollouts for the checkpoint failed: ActorDiedError"):
+        rl_setup.save_run(run)

@@ -25,6 +25,7 @@ from dist import (  # noqa: E402
     relayout,
     run_distributed,
     stale_push_failing,
+    stale_push_interrupted,
     stepped_trainer,
 )
 from ray_fixture import ray_cluster  # noqa: E402,F401  (module-scoped local Ray cluster)
@@ -437,6 +438,15 @@ def test_a_repeat_push_that_fails_inside_a_rollout_ends_it_on_every_rank(failing
     stray 'error' or 'done' broadcast pairs with the next collective, none waits on one that never comes."""
     got = run_distributed(stale_push_failing, 2, failing, swallow, timeout_s=120)
     assert got == [(f"the weight push of version 3 {r}", "the next step's word") for r in raised]
+
+
+def test_a_repeat_push_interrupted_on_one_rank_ends_the_rollout_on_every_rank():
+    """A repeat push interrupted on rank 0 (KeyboardInterrupt, a BaseException) left ``on_every_rank`` and
+    ``run_on_rank0`` past their shared outcome: rank 0 raised it alone while rank 1 waited for rank 0's part of the
+    push's outcome until the collective timeout, and rank 0's next broadcast paired with nothing. Now every rank
+    raises it and the next collective pairs as it should."""
+    got = run_distributed(stale_push_interrupted, 2, timeout_s=120)
+    assert got == [("KeyboardInterrupt", "the next step's word")] * 2
 
 
 def test_the_engines_check_raises_a_dead_ray_head_before_asking_the_engines():

@@ -30,7 +30,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
             dist.broadcast_object_list([(kind, value)], src=0)
 
     if trainer_rank() == 0:
-        push_failed: list[Exception] = []  # every rank raised this push's error: none listens to rank 0 now
+        push_failed: list[BaseException] = []  # every rank raised this push's error: none listens to rank 0 now
 
         def stale() -> None:
             if push_failed:  # work() caught the push's error and asks again: the other ranks have left
@@ -38,7 +38,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
             tell("push")
             try:
                 on_every_rank(push)
-            except Exception as e:  # any failure: every rank raises it, so rank 0 tells nothing more (below)
+            except BaseException as e:  # any failure, an interrupt too: every rank raised it, rank 0 tells no more
                 push_failed.append(e)
                 raise
 
@@ -46,7 +46,7 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
             manager.on_stale = stale
         try:
             result = work()
-        except Exception as e:
+        except BaseException as e:  # an interrupt too: the other ranks wait for rank 0's word
             if not push_failed:
                 tell("error", picklable(e))
             raise
@@ -74,13 +74,13 @@ def on_every_rank(push: Callable[[], Any]) -> Any:
     header rank 0 could not decide; on rank 0 or on the others only, as a transfer that broke mid-way), it raises
     on every rank (its own error where it failed, else the lowest failing rank's), so none goes on alone; else
     its result on this rank."""
-    failed: Optional[Exception] = None
+    failed: Optional[BaseException] = None
     result = None
     try:
         result = push()
-    except Exception as e:  # noqa: BLE001 - any failure: every rank learns of it below, then raises
+    except BaseException as e:  # noqa: BLE001 - any failure, an interrupt too: every rank learns of it, then raises
         failed = e
-    outcomes: list[Optional[Exception]] = [failed]
+    outcomes: list[Optional[BaseException]] = [failed]
     if dist.is_initialized() and dist.get_world_size() > 1:
         outcomes = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, None if failed is None else picklable(failed))
@@ -90,7 +90,7 @@ def on_every_rank(push: Callable[[], Any]) -> Any:
     return result
 
 
-def picklable(e: Exception) -> Exception:
+def picklable(e: BaseException) -> BaseException:
     """``e`` itself when it survives pickling, else a RuntimeError with its type and message."""
     try:
         pickle.loads(pickle.dumps(e))

@@ -19,6 +19,8 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
+import torch.distributed as dist
+
 from megadare.console import end_open_line
 from megadare.errors import RESUME, PeerError
 from megadare.rollout.ray_guard import is_ray
@@ -43,19 +45,79 @@ def terminated() -> bool:
     return bool(_TERMINATED)
 
 
-class PushLostToSigterm(PeerError):
-    """A weight push that broke on a rank after it got SIGTERM, whatever its words (the transfer broke, an engine
-    call failed): Ray went down with the job. Decided on the rank that failed and passed on to the others with its
-    outcome (``on_every_rank``, parallel/rank0.py), so every rank decides alike."""
+class LostToSigterm(PeerError):
+    """A call through Ray or a weight group (a rollout, an evaluation, a weight push) that broke on a rank after it
+    got SIGTERM (``job_stop_error``): Ray went down with the job. Decided on the rank that failed and passed on to
+    the others with its outcome (``on_every_rank``, ``run_on_rank0``: parallel/rank0.py), so every rank decides
+    alike."""
 
 
 def lost_to_sigterm(e: BaseException) -> bool:
     """``e`` says the Ray head died (``GcsWatch``'s error, on rank 0 or passed on to the others) after this process
-    got SIGTERM, or is a weight push broken after it (``PushLostToSigterm``): the signal reached every process of
+    got SIGTERM, or is a call through Ray broken after it (``LostToSigterm``): the signal reached every process of
     the job, Ray's too, and the run stops on it, saving without Ray (trainer/rl.py)."""
-    if isinstance(e, PushLostToSigterm):
+    if isinstance(e, LostToSigterm):
         return True
     return terminated() and isinstance(e, PeerError) and str(e).startswith(_HEAD)
+
+
+def job_stop_error(e: Exception, what: str) -> Exception:
+    """The error to raise for ``e``, raised by ``what`` (a call through Ray or a weight group: a rollout, a push).
+    A peer gone or silent (``peer_gone``: megadare's ``PeerError``, any of Ray's errors, a torch.distributed
+    transport's loss) after this process got SIGTERM: a ``LostToSigterm`` (the engines went down with the job: the
+    run saves and stops). The same without a SIGTERM: a one-line ``PeerError`` when it is Ray's or the transport's
+    own (a traceback otherwise). Anything else (a bug, a bad reward): ``e`` itself."""
+    if isinstance(e, LostToSigterm) or not peer_gone(e):
+        return e
+    if terminated():
+        return LostToSigterm(str(e) if isinstance(e, PeerError) else _one_line(e, what))
+    return e if isinstance(e, PeerError) else PeerError(f"{_one_line(e, what)}; {RESUME}")
+
+
+@contextmanager
+def job_stop_errors(what: str) -> Iterator[None]:
+    """Around a call through Ray or a weight group on the rank that makes it: its error as ``job_stop_error``
+    says, the original as the cause."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - sorted by job_stop_error; anything else is raised unchanged
+        error = job_stop_error(e, what)
+        if error is e:
+            raise
+        raise error from e
+
+
+# gloo's / NCCL's words for a group whose member is gone or silent
+_PEER_LOST = (
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "broken pipe",
+    "timed out",
+    "pair closure",
+    "remote process exited",
+)
+
+
+def peer_lost(e: BaseException) -> bool:
+    """A torch.distributed error that means a member of the group is gone or silent (gloo / NCCL wording)."""
+    text = str(e).lower()
+    return any(w in text for w in _PEER_LOST)
+
+
+def peer_gone(e: BaseException) -> bool:
+    """``e`` is how a peer gone or silent surfaces: megadare's ``PeerError``, any of Ray's errors (an actor died,
+    Ray's own processes gone, a timed-out get), or a torch.distributed error of a group that lost a member."""
+    ray_errors = sys.modules.get("ray.exceptions")  # not loaded: no Ray call raised it
+    if isinstance(e, PeerError) or (ray_errors is not None and isinstance(e, ray_errors.RayError)):
+        return True
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and peer_lost(e))
+
+
+def _one_line(e: BaseException, what: str) -> str:
+    """'<what> failed: <its type>: <its first line>'."""
+    first = (str(e).strip().splitlines() or [""])[0][:300].rstrip(".")
+    return f"{what} failed: {type(e).__name__}: {first}"
 
 
 _HEAD = "the Ray head (its GCS"

@@ -21,7 +21,7 @@ from megadare.config import Config
 from megadare.parallel import destroy_distributed, init_distributed
 from megadare.errors import PeerError
 from megadare.parallel.rank0 import on_every_rank, run_on_rank0
-from megadare.rollout.ray_health import PushLostToSigterm, lost_to_sigterm, terminated
+from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table, oldest_needed, reindex, version_table
@@ -64,14 +64,14 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         cleanup.enter_context(set_up_heap_frozen())
         while loop.running(run.step):
             rl_step(run)
-            if loop.every(run.step, cfg.rl.eval_interval) and not run.ray_lost:
-                evaluate_at(run)  # before the save: the checkpoint knows it (a resumed run does not repeat it)
+            if loop.every(run.step, cfg.rl.eval_interval):  # before the save: a resumed run does not repeat it
+                unless_ray_lost(run, evaluate_at)
             if loop.checkpoint_due(run.step, cfg.checkpoint.save_interval):
                 save_run(run)
             if loop.done(run.step):
                 break
-        if run.step == cfg.rl.steps and run.step not in run.evals and not run.ray_lost:
-            evaluate_at(run)
+        if run.step == cfg.rl.steps and run.step not in run.evals:
+            unless_ray_lost(run, evaluate_at)
         loop.close()
         return summary(run, loop.stopped)
 
@@ -122,10 +122,11 @@ def rl_step(run: RLRun) -> None:
 
 
 def unless_ray_lost(run: RLRun, work) -> Any:
-    """``work(run)``; None (and ``run.ray_lost``) when it raised because the Ray head died after this process got
-    SIGTERM: sent to every process of the job (Slurm's time limit, ``kill -TERM -- -PGID``), it ended the local
-    Ray too. The run then stops on the signal as on SIGINT, its checkpoint saved without Ray: no rollout, no
-    evaluation, no weight push (a resumed run pushes its weights into fresh engines)."""
+    """``work(run)``; None (and ``run.ray_lost``) when it raised because Ray went down after this process got
+    SIGTERM (``lost_to_sigterm``: the Ray head died, or a call through Ray broke, ``job_stop_errors``): sent to
+    every process of the job (Slurm's time limit, ``kill -TERM -- -PGID``), it ended the local Ray too. The run
+    then stops on the signal as on SIGINT, its checkpoint saved without Ray: no rollout, no evaluation, no weight
+    push (a resumed run pushes its weights into fresh engines)."""
     if run.ray_lost:
         return None
     try:
@@ -167,20 +168,23 @@ def push_weights(run: RLRun, queued: bool = True) -> dict[str, float]:
     t0 = time.perf_counter()
     stats = on_every_rank(lambda: push_or_lost(run))  # a rank whose part broke: every rank raises its error
     if queued:
-        on_rank0(run, lambda: run.rollouts.queue.advance())
+        on_rank0(run, lambda: advance_queue(run))
     return {**stats, "sync_s": time.perf_counter() - t0}
 
 
 def push_or_lost(run: RLRun) -> dict[str, float]:
-    """``push_current``; broken after this process got SIGTERM, its error is ``PushLostToSigterm`` (the run stops
-    on the signal and saves: ``unless_ray_lost``). Every rank drops the push when Ray is gone before it (rank 0's
-    check_engines, in the push's header)."""
-    try:
+    """``push_current`` on this rank, the step's push and a repeat push alike; broken after this process got
+    SIGTERM, its error is ``LostToSigterm`` (``job_stop_errors``: the run stops on the signal and saves,
+    ``unless_ray_lost``). Every rank drops the push when Ray is gone before it (rank 0's check_engines, in the
+    push's header)."""
+    with job_stop_errors(f"the weight push of version {run.step}"):
         return push_current(run)
-    except PeerError as e:
-        if not terminated() or isinstance(e, PushLostToSigterm):
-            raise
-        raise PushLostToSigterm(str(e)) from e
+
+
+def advance_queue(run: RLRun) -> None:
+    """Rank 0: the rollout queue moves on to the pushed weights (it submits the next rollouts through Ray)."""
+    with job_stop_errors(f"the rollouts queued after the weight push of version {run.step}"):
+        run.rollouts.queue.advance()
 
 
 def push_current(run: RLRun) -> dict[str, float]:
@@ -190,9 +194,11 @@ def push_current(run: RLRun) -> dict[str, float]:
 
 
 def collect_checked(run: RLRun) -> tuple[list, dict[str, float]]:
-    """Rank 0: this step's rollouts, once the Ray head is known alive (``ray_check``)."""
-    ray_check(run)
-    return run.rollouts.collect(run.step)
+    """Rank 0: this step's rollouts, once the Ray head is known alive (``ray_check``); broken after a SIGTERM, its
+    error is ``LostToSigterm`` (``job_stop_errors``)."""
+    with job_stop_errors(f"the rollout of RL step {run.step + 1}"):
+        ray_check(run)
+        return run.rollouts.collect(run.step)
 
 
 def ray_check(run: RLRun) -> None:
@@ -205,7 +211,7 @@ def ray_check(run: RLRun) -> None:
 def on_rank0(run: RLRun, work):
     """``work()`` on rank 0 (the engines' owner) while the other ranks stand by to push the current weights again
     should every engine have been restarted meanwhile; its result on every rank."""
-    return run_on_rank0(work, lambda: push_current(run), run.manager)
+    return run_on_rank0(work, lambda: push_or_lost(run), run.manager)
 
 
 def start_loop(run: RLRun) -> None:
@@ -273,10 +279,17 @@ def log_step(run: RLRun, metrics: dict[str, float]) -> None:
 
 def evaluate_at(run: RLRun) -> None:
     """Held-out accuracy at ``run.step`` (rank 0 runs it on the engines; every rank records it)."""
-    res = on_rank0(run, run.rollouts.evaluate)
+    res = on_rank0(run, lambda: evaluate_checked(run))
     if res:
         run.evals[run.step] = res
         run.monitor.log(run.step, {f"eval/{k}": v for k, v in res.items()}, advance=False)
+
+
+def evaluate_checked(run: RLRun) -> dict[str, float]:
+    """Rank 0: the held-out evaluation (``RLRollouts.evaluate``); broken after a SIGTERM, its error is
+    ``LostToSigterm`` (``job_stop_errors``)."""
+    with job_stop_errors(f"the held-out evaluation at RL step {run.step}"):
+        return run.rollouts.evaluate()
 
 
 def _step_update(run: RLRun):

@@ -19,8 +19,9 @@ from megadare.config import Config
 from megadare.convert.hf_megatron import mapping_for
 from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
-from megadare.errors import ConfigError, RunStateError
+from megadare.errors import ConfigError, PeerError, RunStateError
 from megadare.rewards import check_isolation, gold_problem, load_reward, reward_notes, runs_code, set_isolation
+from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
 from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
@@ -191,7 +192,7 @@ def save_run(run: RLRun) -> None:
         meta["lora"] = {"rank": cfg.lora.rank, "alpha": cfg.lora.alpha}
     state = (
         {
-            "queue": run.rollouts.queue.drain(finish=not run.ray_lost),
+            "queue": queued_rollouts(run),
             "replay": run.buffer.state_dict() if run.buffer is not None else None,
         }
         if run.rank0
@@ -208,3 +209,17 @@ def save_run(run: RLRun) -> None:
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
     )
     pol.save(run.save_root, step, saved, Provenance(meta, run.spec.source.hf_dir), cfg.checkpoint.keep_last)
+
+
+def queued_rollouts(run: RLRun) -> dict:
+    """Rank 0: the queued rollouts for the checkpoint, finished first while Ray is up; Ray going down with the job
+    meanwhile (a SIGTERM: ``lost_to_sigterm``), only those already finished (a resumed run starts the others
+    again), so the checkpoint still lands."""
+    if not run.ray_lost:
+        try:
+            with job_stop_errors("finishing the queued rollouts for the checkpoint"):
+                return run.rollouts.queue.drain(finish=True)
+        except PeerError as e:
+            if not lost_to_sigterm(e):
+                raise
+    return run.rollouts.queue.drain(finish=False)

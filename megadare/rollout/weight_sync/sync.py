@@ -38,6 +38,7 @@ from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models.mapping import ParamMap
 from megadare.parallel.rank0 import picklable, trainer_rank
 from megadare.rollout.choices import WEIGHT_TRANSPORTS
+from megadare.rollout.ray_health import peer_lost
 from megadare.rollout.weight_sync.gather import stage_buckets
 from megadare.rollout.weight_sync.groups import DEFAULT_TIMEOUT, gpu_uuid, host_ip
 from megadare.rollout.weight_sync.plan import SyncPlan, Transform, build_plan, plain_hf
@@ -120,7 +121,7 @@ class WeightSync:
         try:
             self._send_all(header, version)
         except RuntimeError as e:
-            if isinstance(e, PeerError) or not _peer_lost(e):
+            if isinstance(e, PeerError) or not peer_lost(e):
                 raise
             raise self._broken(version, e) from e
         if trainer_rank() == 0 and hasattr(self.engines, "synced"):
@@ -284,12 +285,3 @@ def sync_weights(
         return sync.push(version)
     finally:
         sync.close()
-
-
-_PEER_LOST = ("connection reset", "connection closed", "broken pipe", "timed out")
-
-
-def _peer_lost(e: BaseException) -> bool:
-    """A torch.distributed error that means a member of the group is gone or silent (gloo / NCCL wording)."""
-    text = str(e).lower()
-    return any(w in text for w in _PEER_LOST)
