@@ -16,8 +16,11 @@ Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps
 ``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time.
 ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
 32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
+Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's sync does) and the compiled engine
+put to sleep and woken (a colocated engine's cycle): its ``after a weight push`` line says whether it still decodes
+what eager decodes, and how long its first call took after each (a CUDA graph re-recorded shows there).
 Each phase prints a ``[rollout_compile]`` line with its seconds as it ends (a run cut by a timeout still says how
-far it got and how fast eager was). Exit status 1 when fp32 trajectories differ, or (one line) when the kernel
+far it got and how fast eager was). Exit status 1 when fp32 trajectories differ (before or after the push), or (one line) when the kernel
 ``--sdpa`` holds SDPA to cannot run the engine's attention call (torch's "No available kernel").
 """
 
@@ -96,6 +99,48 @@ def profile_call(engine: NativeEngine, prompts, params) -> None:
     print(ops.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=60), flush=True)
 
 
+def pushed_weights(model: torch.nn.Module):
+    """Every parameter moved by 10% of its spread: a weight push whose trajectories differ from the old weights'."""
+    out = []
+    for name, p in model.named_parameters():
+        g = torch.Generator(device=p.device).manual_seed(2)
+        noise = torch.randn(p.shape, generator=g, device=p.device, dtype=torch.float32)
+        out.append((name, (p.float() + 0.1 * p.float().std() * noise).to(p.dtype)))
+    return out
+
+
+def after_push(eager: NativeEngine, compiled: NativeEngine, prompts, params, before) -> bool:
+    """RL's weight sync into a compiled engine: the push copies in place into the parameters the CUDA graphs
+    captured, and sleep / wake (colocated engines) moves them away and back. After each, the compiled engine must
+    decode what eager decodes with the new weights (both engines share one model). Prints one line; True when the
+    trajectories agree and the push changed them."""
+    compiled.update_weights(pushed_weights(compiled.model), version=1)
+    rt.sync()
+    t0 = time.perf_counter()
+    got = compiled.generate(prompts, params)
+    rt.sync()
+    t_push = time.perf_counter() - t0
+    want = eager.generate(prompts, params)
+    changed = sum((x.response_ids, x.commit_step) != (y.response_ids, y.commit_step) for x, y in zip(before, want))
+    compiled.sleep()
+    compiled.wake()
+    rt.sync()
+    t0 = time.perf_counter()
+    woken = compiled.generate(prompts, params)
+    rt.sync()
+    t_wake = time.perf_counter() - t0
+    print(
+        f"rollout compile after a weight push: first call {t_push:.2f} s, {agreement(want, got)}, rows changed by "
+        f"the push {changed}/{len(want)}; after sleep / wake: first call {t_wake:.2f} s, {agreement(want, woken)}",
+        flush=True,
+    )
+    return changed > 0 and all(same_traces(want, x) for x in (got, woken))
+
+
+def same_traces(a, b) -> bool:
+    return [(t.response_ids, t.commit_step) for t in a] == [(t.response_ids, t.commit_step) for t in b]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -170,9 +215,15 @@ def run(args) -> None:
     )
     if args.profile and gpu:
         profile_call(compiled, prompts, params)
-    traces = [(t.response_ids, t.commit_step) for t in want] == [(t.response_ids, t.commit_step) for t in got]
-    if args.dtype == "fp32" and not traces:
+    if args.dtype == "fp32" and not same_traces(want, got):
         sys.exit("rollout compile: in fp32 the compiled engine's trajectories differ from eager's (see above)")
+    pushed = after_push(eager, compiled, prompts, params, want)
+    progress(start, "compiled: after a weight push and a sleep / wake")
+    if args.dtype == "fp32" and not pushed:
+        sys.exit(
+            "rollout compile: in fp32, after a weight push or a sleep / wake the compiled engine decodes otherwise "
+            "than eager with the new weights, or the push changed nothing (see above)"
+        )
 
 
 if __name__ == "__main__":
