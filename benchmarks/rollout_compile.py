@@ -16,12 +16,13 @@ Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps
 ``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time.
 ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
 32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
-Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's sync does) and the compiled engine
-put to sleep and woken (a colocated engine's cycle): its ``after a weight push`` line says whether it still decodes
-what eager decodes, and how long its first call took after each (a CUDA graph re-recorded shows there).
+Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's sync does) and the
+compiled engine put to sleep and woken (a colocated engine's cycle): its ``after a weight push`` line says whether
+it still decodes what eager decodes, and how long its first call took after each (a re-recorded CUDA graph shows).
 Each phase prints a ``[rollout_compile]`` line with its seconds as it ends (a run cut by a timeout still says how
-far it got and how fast eager was). Exit status 1 when fp32 trajectories differ (before or after the push), or (one line) when the kernel
-``--sdpa`` holds SDPA to cannot run the engine's attention call (torch's "No available kernel").
+far it got and how fast eager was). Exit status 1 when fp32 trajectories differ (before or after the push), or
+(one line) when the kernel ``--sdpa`` holds SDPA to cannot run the engine's attention call (torch's "No available
+kernel").
 """
 
 from __future__ import annotations
