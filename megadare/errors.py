@@ -32,4 +32,10 @@ class PeerError(RuntimeError):
     the message names the peer, the cause and the fix (``RESUME``: the last checkpoint is intact)."""
 
 
+class JobStopping(PeerError):
+    """A peer lost because the whole job is stopping (its SIGTERM reached Ray too): the run saves and stops. Where
+    ranks' outcomes of one call differ, this one prevails (parallel/rank0.py ``on_every_rank``), so every rank
+    decides alike."""
+
+
 RESUME = "the run stops; run the same command again to resume from its last checkpoint"

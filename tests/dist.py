@@ -220,3 +220,29 @@ def stale_push_interrupted(rank: int, world: int) -> tuple[str, str]:
         return raised, str(box[0])
     finally:
         dist.destroy_process_group()
+
+
+def outcomes_differ_on_a_job_stop(rank: int, world: int) -> str:
+    """One push, broken on both ranks: rank 0 saw the job's SIGTERM (a ``LostToSigterm``), rank 1 did not yet (its
+    part broke first: a plain ``PeerError``). What each rank raises."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megadare.errors import PeerError
+    from megadare.parallel.rank0 import on_every_rank
+    from megadare.rollout.ray_health import LostToSigterm
+
+    def push() -> None:
+        if rank == 0:
+            raise LostToSigterm("the engines went down with the job")
+        raise PeerError("the weight push broke on trainer rank 1")
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        on_every_rank(push)
+    except PeerError as e:
+        return f"rank {rank}: {type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    return f"rank {rank}: no error"

@@ -51,7 +51,6 @@ ONLY_TESTS_CALL = {
     "versions_seen": "ReplayBuffer introspection (the buffer's state for a reader / debugger)",
     "size_per_version": "ReplayBuffer introspection",
     "denoise_block": "sglang_plugin.py: SGLang calls it (its dLLM algorithm interface)",
-    "wake": "rollout engine protocol (engine.py); RolloutManager.call_all dispatches by name",
     "health": "rollout engine protocol; RolloutManager.call_all dispatches by name",
     "RolloutEngine": "rollout/engine.py: the protocol every engine implements (documentation in code)",
     "sync_weights": "weight_sync/sync.py: one push without keeping the plan, for scripts of one's own",

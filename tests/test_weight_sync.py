@@ -21,6 +21,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from dist import (  # noqa: E402
+    outcomes_differ_on_a_job_stop,
     push_refused_on_every_rank,
     relayout,
     run_distributed,
@@ -420,6 +421,14 @@ def test_a_push_rank0_cannot_decide_fails_on_every_rank():
     of its own before it); the other ranks waited on the header until the collective timeout."""
     assert run_distributed(push_refused_on_every_rank, 2, timeout_s=120) == [
         f"rank {r}: the Ray head is gone (gcs_server at 127.0.0.1:6379)" for r in (0, 1)
+    ]
+
+
+def test_a_job_stop_on_one_rank_prevails_over_another_ranks_error():
+    """Rank 1's part of a push broke before it noted the job's SIGTERM, rank 0's after: rank 1 raised its plain
+    error and failed the run while rank 0 saved (on_every_rank raised each rank's own error first)."""
+    assert run_distributed(outcomes_differ_on_a_job_stop, 2, timeout_s=120) == [
+        f"rank {r}: LostToSigterm: the engines went down with the job" for r in (0, 1)
     ]
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from megadare.errors import RESUME, PeerError
+from megadare.errors import RESUME, JobStopping, PeerError
 
 
 def trainer_rank() -> int:
@@ -72,8 +72,9 @@ def run_on_rank0(work: Callable[[], Any], push: Optional[Callable[[], Any]] = No
 def on_every_rank(push: Callable[[], Any]) -> Any:
     """``push()`` on every rank, then every rank's outcome to every rank: should it raise on any (on all, as a
     header rank 0 could not decide; on rank 0 or on the others only, as a transfer that broke mid-way), it raises
-    on every rank (its own error where it failed, else the lowest failing rank's), so none goes on alone; else
-    its result on this rank."""
+    on every rank (its own error where it failed, else the lowest failing rank's; a ``JobStopping`` on any rank
+    before any other, so all decide to save and stop alike), so none goes on alone; else its result on this
+    rank."""
     failed: Optional[BaseException] = None
     result = None
     try:
@@ -84,6 +85,9 @@ def on_every_rank(push: Callable[[], Any]) -> Any:
     if dist.is_initialized() and dist.get_world_size() > 1:
         outcomes = [None] * dist.get_world_size()
         dist.all_gather_object(outcomes, None if failed is None else picklable(failed))
+    stopping = next((e for e in outcomes if isinstance(e, JobStopping)), None)
+    if stopping is not None and not isinstance(failed, JobStopping):
+        raise stopping from failed  # another rank saw the job stopping: so does this one
     first = failed or next((e for e in outcomes if e is not None), None)
     if first is not None:
         raise first

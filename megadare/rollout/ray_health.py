@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 import torch.distributed as dist
 
 from megadare.console import end_open_line
-from megadare.errors import RESUME, PeerError
+from megadare.errors import RESUME, JobStopping, PeerError
 from megadare.rollout.ray_guard import is_ray
 
 GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
@@ -45,7 +45,7 @@ def terminated() -> bool:
     return bool(_TERMINATED)
 
 
-class LostToSigterm(PeerError):
+class LostToSigterm(JobStopping):
     """A call through Ray or a weight group (a rollout, an evaluation, a weight push) that broke on a rank after it
     got SIGTERM (``job_stop_error``): Ray went down with the job. Decided on the rank that failed and passed on to
     the others with its outcome (``on_every_rank``, ``run_on_rank0``: parallel/rank0.py), so every rank decides
