@@ -16,24 +16,15 @@ puts and gets in this very process), so no Manager and no resource tracker are s
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import signal
-import sys
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-PR_SET_PDEATHSIG = 1
+from megadare.lifetime import die_with_parent
+
 _saving_pid: Optional[int] = None  # the trainer's pid while a save forks writers, else None
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def _in_forked_writer() -> None:
@@ -44,9 +35,7 @@ def _in_forked_writer() -> None:
         return
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    if os.getppid() != parent:  # the trainer died before the death signal was armed
-        os._exit(1)
+    die_with_parent(parent)  # a trainer that died before the death signal was armed: the writer exits now
 
 
 os.register_at_fork(after_in_child=_in_forked_writer)

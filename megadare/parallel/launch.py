@@ -4,7 +4,8 @@
 ``preload_ranks``), calls ``fn(rank, world_size, *args)`` in each, and returns the per-rank results. An exception in
 any rank is raised in the parent with that rank's traceback (megadare's own one-line errors as themselves, the
 traceback as their cause); a hung collective fails after ``timeout_s`` instead of hanging. (torch.multiprocessing's
-own ``spawn`` returns no results and waits for a hung rank forever: hence this one, on its processes.)
+own ``spawn`` returns no results and waits for a hung rank forever: hence this one, on its processes.) The ranks
+die with their launcher, SIGKILLed too (``_Launcher``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
+from multiprocessing import forkserver
 from typing import Any, Callable
 
 import torch
@@ -27,6 +30,7 @@ import torch.multiprocessing as mp
 
 from megadare.console import share
 from megadare.errors import RESUME, PeerError
+from megadare.lifetime import die_with_parent
 from megadare.parallel import peers
 
 
@@ -52,13 +56,48 @@ def preload_ranks(modules: list[str]) -> None:
     _START.update(method="forkserver", preload=list(modules))
 
 
-def _entry(rank: int, world: int, call, queue, env: dict, line) -> None:
-    """Rank ``rank``: the launcher's environment ``env`` (a forkserver's rank starts with the server's, from before
-    this launch) and torch.distributed's variables, then the result or error of ``call`` (``_pack``) into
-    ``queue``. ``line``: the launch's shared record of an open progress-bar line (megadare.console)."""
+@dataclass(frozen=True)
+class _Launcher:
+    """What a rank takes from its launcher: its environment ``env`` (a forkserver's rank starts with the server's,
+    from before this launch), and ``parent``, the pid of the process that starts the rank (the launcher, or its
+    forkserver), which the rank dies with (``_die_with_launcher``)."""
+
+    env: dict
+    parent: int
+
+
+def _launcher(method: str) -> _Launcher:
+    """This launch's ``_Launcher``: under 'forkserver' the ranks' parent is the server (started here if it is not
+    yet running; ``p.start()`` finds it so)."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if method != "forkserver":
+        return _Launcher(env, os.getpid())
+    forkserver.ensure_running()
+    return _Launcher(env, forkserver._forkserver._forkserver_pid)
+
+
+def _die_with_launcher(parent: int) -> None:
+    """This rank is SIGKILLed when its parent ends (``die_with_parent``; a parent already gone: it exits now): a
+    launcher SIGKILLed (the OOM killer, ``kill -9``, a harness's timeout) left its ranks running for good. 'spawn':
+    the parent is the launcher's thread that started the ranks, waiting for them in ``_spawn_once``. 'forkserver':
+    the server, which ends once every holder of its "alive" pipe is gone; multiprocessing gives each rank one, so a
+    server outlived its killed launcher (and the ranks it) while a rank held it: the rank closes its copy. (A
+    forkserver this rank starts later is one of its own, with a pipe of its own.)"""
+    die_with_parent(parent)
+    server = forkserver._forkserver
+    if server._forkserver_pid is None and server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+def _entry(rank: int, world: int, call, queue, launcher: _Launcher, line) -> None:
+    """Rank ``rank``: dies with its launcher (``_die_with_launcher``), takes its environment and torch.distributed's
+    variables, then puts the result or error of ``call`` (``_pack``) into ``queue``. ``line``: the launch's shared
+    record of an open progress-bar line (megadare.console)."""
+    _die_with_launcher(launcher.parent)
     share(line)
     os.environ.clear()
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(launcher.env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
         fn, args = pickle.loads(call) if isinstance(call, bytes) else call
@@ -196,12 +235,12 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     if _START["preload"]:
         ctx.set_forkserver_preload(_START["preload"])
     queue = ctx.Queue()
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    launcher = _launcher(_START["method"])
     call = _pack(fn, args)
     line = ctx.RawValue("b", 0)  # a rank's progress bar left stderr's line open: the launcher's error ends it
     share(line)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, call, queue, env, line), daemon=False)
+        ctx.Process(target=_entry, args=(r, world_size, call, queue, launcher, line), daemon=False)
         for r in range(world_size)
     ]
     known = _children()

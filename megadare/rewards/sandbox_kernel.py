@@ -14,6 +14,8 @@ import resource
 import struct
 from typing import Callable, Dict, List, Optional, Tuple
 
+from megadare.lifetime import PR_SET_PDEATHSIG, die_with_parent
+
 __all__ = ["make_preexec", "rlimits", "seccomp_program", "seccomp_denies_processes"]
 
 _NPROC_SLACK = 64  # RLIMIT_NPROC headroom for threads of other processes of the same (non-root) user
@@ -200,7 +202,7 @@ _ALWAYS_DENIED = (
     "sync",
     "syncfs",
 )
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
+_PR_SET_DUMPABLE = 4
 
 
 def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
@@ -241,7 +243,7 @@ def seccomp_program(deny_processes: bool, pid: int, own_group: bool = True, mach
         _bpf(jeq, nr["prctl"], 0, 5),
         _bpf(ld, 16),  # prctl(option, ...): no core dumps (PR_SET_DUMPABLE), dies with the keeper (PR_SET_PDEATHSIG)
         _bpf(jeq, _PR_SET_DUMPABLE, 1, 0),
-        _bpf(jeq, _PR_SET_PDEATHSIG, 0, 1),
+        _bpf(jeq, PR_SET_PDEATHSIG, 0, 1),
         _bpf(ret, errno),
         _bpf(ret, _RET_ALLOW),
     ]
@@ -372,11 +374,7 @@ def _die_with(trainer: int) -> bool:
     """SIGKILL this process (the keeper, or in ``process`` isolation the program) when the trainer's thread that
     started it dies: a trainer killed mid-run (``kill -9``, a Ray worker stopped) left the keeper waiting on a program
     that slept on for ever, outside any deadline (the deadline is the trainer's). A trainer already gone: exit."""
-    if _LIBC is None or _LIBC.prctl(_PR_SET_PDEATHSIG, 9, 0, 0, 0) != 0:
-        return False
-    if os.getppid() != trainer:  # it died before the prctl: no signal will come
-        os._exit(137)
-    return True
+    return die_with_parent(trainer, exit_code=137)
 
 
 def _oom_first() -> bool:
