@@ -20,6 +20,11 @@ compiled where CUDA would take torch's fused kernel (its backward, ``GammaBetaBa
 ``layer_norm_grad_input``, was 4.5% of the H200's SDAR-1.7B step: GPU.md); the same on a CPU, where norms are
 compiled anyway.
 
+``--op-counts`` counts instead of timing: the ops of one step after two warm-up ones, per case, by family (``sub_``,
+``add_``, ``copy_``, ``_to_copy``, ``_foreach``, ...) and by source (megadare's, megatron-core's or torch's
+optimizer code; the autograd node in a backward): benchmarks/op_census.py. ``--logits-chunk-mb`` sets the scored
+head's ``train.logits_chunk_mb`` (on a CPU's tiny vocabulary a small value gives the GPU's many chunks).
+
 ``--peer-repo PATH`` (a DARE checkout, read in place: benchmarks/dare_peer.py) times one block-diffusion SFT step
 of megadare (``train.logits`` full and scored) and of the publisher's ``modeling_sdar.py`` on DARE's loss path:
 the same SDAR-shaped weights (one HF checkpoint both load), the same rows (megadare's block recipe; DARE gets the
@@ -45,6 +50,9 @@ import torch
 from megadare.models import step_fusions
 from megadare.models.family import ModelArch
 from megadare.trainer.flops import peak_tflops, step_flops
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from op_census import StepCensus  # noqa: E402  (a benchmarks/ module beside this script)
 
 SHAPES = {
     # SDAR-1.7B-like dense (Qwen3 1.7B shape, ~1.8B params with embeddings)
@@ -104,6 +112,7 @@ GROUPED_EXPERTS = {"grouped", "fusedgrouped"}
 RAN: dict[str, str] = {}  # what the last run_backend's model ran where a module decides it (its experts' forward)
 # variants that time another RMSNorm than the one models/step_fusions.py picks (its ``norm_path``)
 NORM_PATHS = {"fusedcnorm": "compiled"}
+HEAD_CHUNK_MB: Optional[float] = None  # --logits-chunk-mb: the scored head's chunk (None: HeadSettings' default)
 CPU_SHAPE = dict(
     vocab_size=4096,
     hidden_size=256,
@@ -154,7 +163,7 @@ def run_backend(
         norm=FusedRMSNorm if elementwise else RMSNorm,
         experts=GroupedExperts if variant in GROUPED_EXPERTS else LayerModules.experts,
     )
-    chunks = build_model_chunks(arch, tcfg, attention_backend=backend, modules=modules)
+    chunks = build_model_chunks(arch, tcfg, attention_backend=backend, head=head_settings(), modules=modules)
     model = wrap_ddp(chunks, True)
     opt, sched = build_optimizer(model, OptimSettings(lr=1e-5, total_steps=steps + 2, dtype=dtype))
     g = torch.Generator().manual_seed(0)
@@ -211,6 +220,13 @@ def run_backend(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+
+
+def head_settings():
+    """The scored head's settings: ``--logits-chunk-mb`` where given, else None (the model's default)."""
+    from megadare.models.head import HeadSettings
+
+    return None if HEAD_CHUNK_MB is None else HeadSettings(chunk_mb=HEAD_CHUNK_MB)
 
 
 # ---------------------------------------------------------------------------------------------- against DARE
@@ -457,6 +473,9 @@ def main() -> None:
     ap.add_argument("--mask", default="bidirectional", choices=["bidirectional", "block_diffusion"])
     ap.add_argument("--variants", nargs="+", default=["base"], choices=list(VARIANTS), help="step fusions to time")
     ap.add_argument("--steps", type=int, default=5 if gpu else 3)
+    ap.add_argument("--op-counts", action="store_true", help="count one step's ops by family and source (no timing)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], help="model dtype (default: bf16 on a GPU, fp32 on a CPU)")
+    ap.add_argument("--logits-chunk-mb", type=float, help="the scored head's train.logits_chunk_mb")
     ap.add_argument("--peer-repo", help="a DARE checkout: time megadare against its SDAR model on DARE's loss path")
     ap.add_argument("--peer-python", default=sys.executable, help="python of the DARE environment (transformers 4.52)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -478,11 +497,12 @@ def main() -> None:
     args.seq = args.seq or (2048 if gpu else 256)
     if args.case:
         return case(args)
-    dtype = "bf16" if gpu else "fp32"
+    dtype = args.dtype or ("bf16" if gpu else "fp32")
     device = torch.cuda.get_device_name() if gpu else "CPU"
     print(
-        f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; {args.steps} timed steps; "
-        "each case in a fresh process"
+        f"device: {device}; dtype {dtype}; seq {args.seq}; mask {args.mask}; "
+        + ("one counted step after two; " if args.op_counts else f"{args.steps} timed steps; ")
+        + "each case in a fresh process"
     )
     print(
         f"{'shape':6} {'backend':8} {'variant':12} {'batch':>5} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} "
@@ -501,6 +521,11 @@ def main() -> None:
                         print(
                             f"{name:6} {backend:8} {variant:12} {batch:5d} {res['error']:>10} {res.get('detail', '')}",
                             flush=True,
+                        )
+                        continue
+                    if args.op_counts:
+                        print(
+                            f"{name:6} {backend:8} {variant:12} {batch:5d} ops of one step:\n{res['ops']}", flush=True
                         )
                         continue
                     tok_s = batch * args.seq / res["dt"]
@@ -541,6 +566,9 @@ def run_case(args, shape: str, backend: str, batch: int) -> dict:
         "--threads",
         str(args.threads),
     ]
+    cmd += ["--op-counts"] if args.op_counts else []
+    cmd += ["--dtype", args.dtype] if args.dtype else []
+    cmd += [] if args.logits_chunk_mb is None else ["--logits-chunk-mb", str(args.logits_chunk_mb)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE ")]
     if lines:
@@ -575,11 +603,19 @@ def case(args) -> None:
     arch = SHAPES[shape] if gpu else cpu_shape(SHAPES[shape])
     if variant in NORM_PATHS:  # this process only (each case has its own)
         step_fusions.norm_path = lambda device, path=NORM_PATHS[variant]: path
+    global HEAD_CHUNK_MB
+    HEAD_CHUNK_MB = args.logits_chunk_mb
     init_distributed()
     try:
-        dtype = "bf16" if gpu else "fp32"
-        dt, mem, gnorm = run_backend(arch, backend, int(batch), args.seq, args.mask, args.steps, dtype, variant=variant)
+        dtype = args.dtype or ("bf16" if gpu else "fp32")
+        census = StepCensus() if args.op_counts else None  # counts the third step (steps=1 below)
+        steps = 1 if census else args.steps
+        dt, mem, gnorm = run_backend(
+            arch, backend, int(batch), args.seq, args.mask, steps, dtype, on_step=census, variant=variant
+        )
         res = {"dt": dt, "mem": mem, "batch": int(batch), "grad_norm": gnorm}
+        if census:
+            res["ops"] = census.census.table()
         paths = []
         if gpu and VARIANTS[variant][0]:
             paths.append(f"accum: {step_fusions.cuda_accum_path()}")

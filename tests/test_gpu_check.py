@@ -284,3 +284,28 @@ def test_the_grouped_experts_variant_names_the_expert_forward_with_the_same_grad
     rows = _variant_rows("moe", ["base", "grouped"])
     assert "experts" not in " ".join(rows[0]) and "experts: grouped GEMMs" in " ".join(rows[1]), rows
     assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows
+
+
+def test_op_counts_attribute_a_steps_ops_to_their_sources():
+    """train_throughput.py --op-counts (benchmarks/op_census.py): one bf16 step's ops by family and source, the
+    printout the GPU session compares with its profile: the scored head's ``sub_`` (forward chunks and backward
+    blocks), megatron DDP's gradient ``add_`` and its distributed optimizer's weight ``copy_``, torch's fused AdamW."""
+    tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
+    args = ["--shape", "dense", "--batch", "2", "--backends", "sdpa", "--seq", "64", "--dtype", "bf16"]
+    r = subprocess.run(
+        [sys.executable, tt, *args, "--op-counts", "--logits-chunk-mb", "0.25"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "dense  sdpa     base             2 ops of one step:" in out, out
+    cells = [ln.split() for ln in out.splitlines() if ln[:1] not in ("", " ")]
+    rows = {c[0]: int(c[1]) for c in cells if len(c) == 3 and c[1].isdigit()}  # family, ops, k elements
+    assert rows["sub_"] == 8 + 16 and rows["_fused_adamw_"] == 2, out  # 8 chunks of 16 tokens, 16 blocks of 256 rows
+    sources = [ln.split(None, 2) for ln in out.splitlines() if ln.startswith("    ")]
+    assert ["8", "megadare/models/head.py:forward"] in [[c[0], c[2]] for c in sources], out
+    assert "AccumulateGrad (megatron/core/distributed/distributed_data_parallel.py:hook)" in out, out
+    assert "megatron/core/optimizer/distrib_optimizer.py:copy_group_params" in out, out

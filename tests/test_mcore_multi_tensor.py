@@ -105,3 +105,22 @@ def test_clipping_through_megatron_waits_on_the_host_once():
     assert ops.n.get("_foreach_norm") == 1 and ops.n.get("linalg_vector_norm") == 1, ops.n
     coeff = 1.0 / (total + 1.0e-6)
     assert all(torch.equal(p.grad, g * coeff) for p, g in zip(params, grads))
+
+
+def test_the_fp16_optimizers_param_copy_makes_no_fp32_temporary():
+    """megatron's Float16OptimizerWithFloat16Params copies its fp32 master weights into the bf16 model weights
+    through ``multi_tensor_scale_impl(..., 1.0)`` every step: one ``_foreach_copy_``, the values as cast by
+    ``copy_``; no ``_foreach_mul`` by 1.0 first (a temporary fp32 copy of every master weight, written and read
+    once more)."""
+    src = _grads(9, seed=4)
+    dst = [torch.zeros(s.shape, dtype=torch.bfloat16) for s in src]
+    ops = _OpCount()
+    with ops:
+        mcore_fixes.foreach_scale(0, None, [src, dst], 1.0)
+    assert ops.n == {"_foreach_copy_": 1}, ops.n
+    assert all(torch.equal(d, s.to(torch.bfloat16)) for s, d in zip(src, dst))
+    ops = _OpCount()
+    with ops:  # any other scale: the product, rounded once, then the copy
+        mcore_fixes.foreach_scale(0, None, [src, dst], 0.5)
+    assert ops.n == {"_foreach_mul": 1, "_foreach_copy_": 1}, ops.n
+    assert all(torch.equal(d, (s * 0.5).to(torch.bfloat16)) for s, d in zip(src, dst))

@@ -19,9 +19,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import types
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megadare.data.rows import PASSES
 from megadare.models import head
@@ -111,6 +114,90 @@ def test_bf16_weight_gradient_goes_into_main_grad():
     assert float((lp.double() - torch.log_softmax(h64 @ w64.t(), -1).gather(1, y[:, None])[:, 0]).abs().max()) < 0.1
     assert float((w.main_grad.double() - w64.grad).abs().max() / w64.grad.abs().max()) < 2e-2
     assert float((h.grad.double() - h64.grad).abs().max() / h64.grad.abs().max()) < 2e-2
+
+
+class _BigOps(TorchDispatchMode):
+    """(op, output dtype) of every op whose output has at least ``size`` elements: the passes over [tokens, rows]."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size, self.ops = size, Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.is_tensor(out) and out.numel() >= self.size:
+            self.ops[(func.overloadpacket.__name__, out.dtype)] += 1
+        return out
+
+
+def test_bf16_backward_writes_the_logit_gradient_in_bf16_by_its_product_pass():
+    """bf16 weights, logits recomputed in blocks: each block's gradient a (e_y - p) is written in bf16 by the product
+    itself (``torch.mul(..., out=bf16)``), not ``mul_`` in fp32 and then a cast (an H200 profile: 75 of each per
+    SDAR-1.7B step, [8192, 2048] fp32 each), and the results are the old ones bit for bit: every value rounds once
+    from the same fp32 value (the label's column, fp32 beside, overwrites its entry). The gradient of an fp32 head
+    is not cast at all."""
+    g = torch.Generator().manual_seed(3)
+    n, hid, vocab, chunk_mb = 40, 8, 512, 0.01
+    h = torch.randn(n, hid, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(vocab, hid, generator=g).bfloat16().requires_grad_()
+    w.main_grad = torch.zeros(vocab, hid)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    a = torch.randn(n, generator=g)
+    lp, _ = linear_logprobs(h, w, TokenTargets(y), vocab, chunk_mb)
+    blocks = len(
+        head._row_blocks(
+            types.SimpleNamespace(saved_tensors=(h, None), v=types.SimpleNamespace(n_real=vocab, chunk_mb=chunk_mb))
+        )
+    )
+    assert blocks > 1
+    ops = _BigOps(n * 16)
+    with ops:
+        (lp * a).sum().backward()
+    assert ops.ops[("mul", torch.bfloat16)] == blocks and ops.ops[("mul_", torch.float32)] == 0, ops.ops
+    assert ops.ops[("_to_copy", torch.bfloat16)] == 0, ops.ops  # (the recomputed logits' fp32 cast stays)
+    # the old formula: p * (-a) in fp32, a at the label, then the cast; the same GEMMs after it
+    h64 = h.detach().float()
+    z = (h.detach() @ w.detach().t()).float()
+    p = (z - torch.logsumexp(z, 1, keepdim=True)).exp()
+    old = p * -a[:, None]
+    old.scatter_add_(1, y[:, None], a[:, None])
+    old = old.bfloat16()
+    got = head._cast_label_grad(p, -a[:, None], y[:, None], a[:, None], torch.bfloat16)
+    assert torch.equal(got, old) and got.dtype == torch.bfloat16
+    assert float((w.main_grad - old.float().t() @ h64).abs().max()) <= 1e-2 * float(w.main_grad.abs().max())
+
+
+class _AllOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_forward_runs_few_small_kernels_per_chunk():
+    """Many token chunks without TP (an H200's SDAR-1.7B step: 75 chunks of 110 tokens per micro-batch, each small
+    op a kernel launch): the labels' columns are found once for all tokens (not ``sub, ge, lt, and, clamp`` per
+    chunk), no ``stack`` of the sums where no all-reduce needs them together, and the results are written into
+    their slices by the ops themselves (no ``copy_``); the values are those of test_linear_logprobs_match_full_logits
+    (the same ops on the same values)."""
+    g = torch.Generator().manual_seed(4)
+    n, hid, vocab, chunk_mb = 40, 8, 512, 0.01
+    h = torch.randn(n, hid, generator=g)
+    w = torch.randn(vocab, hid, generator=g)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    chunks = -(-n // chunk_tokens(vocab, chunk_mb))
+    assert chunks > 4
+    ops = _AllOps()
+    with ops:
+        lp, _ = linear_logprobs(h, w, TokenTargets(y), vocab, chunk_mb)
+    assert ops.ops["clamp"] == 1 and ops.ops["ge"] == 1 and ops.ops["lt"] == 1, ops.ops
+    assert ops.ops["copy_"] == 0 and ops.ops["stack"] == 0, ops.ops
+    assert ops.ops["mm"] == chunks and ops.ops["exp_"] == chunks, ops.ops
+    ref = torch.log_softmax(h.double() @ w.double().t(), -1).gather(1, y[:, None])[:, 0]
+    assert float((lp.double() - ref).abs().max() / ref.abs().max()) < TOL
 
 
 def test_backward_writes_each_weight_row_once_over_every_token(monkeypatch):

@@ -23,7 +23,9 @@
   in-place pass does. Replaced where megatron chose its local versions by the same operations through torch's
   multi-tensor kernels: ``_foreach_norm`` then the norm of the norms, on the gradients' device; ``_foreach_mul_``
   in place (``_foreach_copy_`` of the product when source and destination differ, as in the fp16 optimizer's
-  param copy). The same values (the product rounds once either way; the norm to fp32 summation order).
+  param copy; with megatron's scale 1.0 there, the copy alone: the product was a temporary fp32 copy of every
+  master weight, written and read once more per step). The same values (the product rounds once either way,
+  x * 1.0 is x; the norm to fp32 summation order).
 
 Applied once, at import of models/gpt.py.
 """
@@ -97,6 +99,8 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
     src, dst = tensor_lists
     if len(src) == len(dst) and all(a is b for a, b in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:  # the fp16 optimizer's main -> model param copy: x * 1.0 is x, no fp32 temporary
+        torch._foreach_copy_(dst, src)
     else:
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
