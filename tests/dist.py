@@ -175,12 +175,7 @@ def stale_push_failing(rank: int, world: int, failing: str, swallow: bool = Fals
             raised = f"returned {run_on_rank0(rollout, push, manager if rank == 0 else None)}"
         except PeerError as e:
             raised = str(e)
-        box = ["the next step's word" if rank == 0 else None]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except RuntimeError as e:  # a broadcast left unpaired: gloo's timeout
-            box = [f"{type(e).__name__}: {str(e)[:40]}"]
-        return raised, str(box[0])
+        return raised, _next_word(rank)
     finally:
         dist.destroy_process_group()
 
@@ -212,12 +207,7 @@ def stale_push_interrupted(rank: int, world: int) -> tuple[str, str]:
             raised = f"returned {run_on_rank0(rollout, push, manager if rank == 0 else None)}"
         except BaseException as e:  # noqa: BLE001 - what each rank raised is the test's answer
             raised = type(e).__name__
-        box = ["the next step's word" if rank == 0 else None]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except RuntimeError as e:  # a broadcast left unpaired: gloo's timeout
-            box = [f"{type(e).__name__}: {str(e)[:40]}"]
-        return raised, str(box[0])
+        return raised, _next_word(rank)
     finally:
         dist.destroy_process_group()
 
@@ -246,3 +236,16 @@ def outcomes_differ_on_a_job_stop(rank: int, world: int) -> str:
     finally:
         dist.destroy_process_group()
     return f"rank {rank}: no error"
+
+
+def _next_word(rank: int) -> str:
+    """What this rank gets from rank 0's next broadcast (a later collective nothing stray may pair with), or gloo's
+    timeout where the broadcast was left unpaired."""
+    import torch.distributed as dist
+
+    box = ["the next step's word" if rank == 0 else None]
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except RuntimeError as e:  # a broadcast left unpaired: gloo's timeout
+        box = [f"{type(e).__name__}: {str(e)[:40]}"]
+    return str(box[0])

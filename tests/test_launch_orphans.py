@@ -58,15 +58,20 @@ def test_ranks_die_with_a_sigkilled_launcher(method, tmp_path):
         left = _ranks_up(launcher, tmp_path, timeout_s=120)
         ranks = {int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)}
         assert ranks <= {p.pid for p in left}, "the ranks are not the launcher's descendants"
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(_gone(p) for p in left):
-            time.sleep(0.2)
-        alive = [f"{p.pid} ({p.cmdline()[-1][:60]})" for p in left if not _gone(p)]
-        assert not alive, f"processes outlived their SIGKILLed launcher by 10 s: {alive}"
+        _kill_and_expect_gone(launcher, left)
     finally:
         _end(launcher, left)
+
+
+def _kill_and_expect_gone(launcher: subprocess.Popen, left: list[psutil.Process]) -> None:
+    """SIGKILL the launcher; every process of ``left`` must be gone within 10 s."""
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_gone(p) for p in left):
+        time.sleep(0.2)
+    alive = [f"{p.pid} ({p.cmdline()[-1][:60]})" for p in left if not _gone(p)]
+    assert not alive, f"processes outlived their SIGKILLed launcher by 10 s: {alive}"
 
 
 def _end(launcher: subprocess.Popen, left: list[psutil.Process]) -> None:
@@ -99,13 +104,7 @@ def test_sft_ranks_die_with_a_sigkilled_megadare_nproc_2(tmp_path):
             time.sleep(0.5)
         left = psutil.Process(launcher.pid).children(recursive=True)
         assert len([p for p in left if "--multiprocessing-fork" in p.cmdline()]) == 2, "not 2 ranks"
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(_gone(p) for p in left):
-            time.sleep(0.2)
-        alive = [f"{p.pid} ({p.cmdline()[-1][:60]})" for p in left if not _gone(p)]
-        assert not alive, f"processes outlived their SIGKILLed launcher by 10 s: {alive}"
+        _kill_and_expect_gone(launcher, left)
     finally:
         _end(launcher, left)
         log.close()
