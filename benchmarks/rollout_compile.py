@@ -13,7 +13,12 @@ part at near-ties, as they do between any two bf16 engines.
 
 Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps them): tok/s of both (best of
 ``--rounds`` calls after the compiling one), the compile call's seconds, tokens / commit steps / whole rows equal.
-``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time.
+``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time; then
+the ``--ops`` count. ``--ops``: one more compiled call, the aten ops that run outside the compiled graphs (in the
+block loop per denoising step, and outside it: admission, eager prefill, results) and the host syncs among them
+(``tolist``, ``item``, ``tensor(list)``), by source function (a ``rollout compile ops`` line and two tables); on a
+CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts in a minute
+(``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
 ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
 32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
 Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's sync does) and the
@@ -28,6 +33,7 @@ kernel").
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import platform
@@ -142,6 +148,91 @@ def same_traces(a, b) -> bool:
     return [(t.response_ids, t.commit_step) for t in a] == [(t.response_ids, t.commit_step) for t in b]
 
 
+GRAPH_CALL = "## Call CompiledFxGraph"  # inductor's record_function around a compiled graph (a CUDA graph replay)
+READS = {"aten::item": "item/bool/int", "aten::resolve_conj": "tolist", "aten::lift_fresh": "tensor(list)"}
+
+
+def _outside_graphs(events) -> list:
+    """The aten ops of ``events`` that run eagerly: not inside a compiled graph nor inside another aten op."""
+    out = []
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        p, nested = e.cpu_parent, False
+        while p is not None and not nested:
+            nested = p.name.startswith(("aten::", GRAPH_CALL))
+            p = p.cpu_parent
+        if not nested:
+            out.append(e)
+    return out
+
+
+def _site(e) -> tuple[str, bool]:
+    """(innermost megadare function of an op, whether it runs inside the block loop ``Decoder.round``)."""
+    p, site, in_loop = e.cpu_parent, "", False
+    while p is not None:
+        if "megadare/" in p.name:
+            site = site or p.name.split("megadare/")[-1]
+            in_loop = in_loop or p.name.endswith(": round")
+        p = p.cpu_parent
+    return site or "?", in_loop
+
+
+def emulate_graphs_on_cpu(engine: NativeEngine) -> None:
+    """``--ops`` on a CPU: the engine's CUDA-graph path (static shapes, rows and key lengths bucketed) through dynamo
+    with the ``aot_eager`` backend (inductor's C++ build takes minutes here), each graph call marked as inductor
+    marks it, so that the counts are those of the GPU's path."""
+    compile_ = torch.compile
+
+    def backend(gm, inputs):
+        def call(*args):
+            with torch.profiler.record_function(f"{GRAPH_CALL} (aot_eager)"):
+                return gm.forward(*args)
+
+        return call
+
+    def marked(fn, **kw):
+        return compile_(fn, backend=backend, dynamic=kw.get("dynamic") if kw.get("mode") is None else False)
+
+    torch.compile = marked
+    try:
+        engine.graphs = True
+        engine._fn, engine.step, engine.dllm_step = engine._compiled()
+    finally:
+        torch.compile = compile_
+
+
+def count_ops(engine: NativeEngine, prompts, params) -> None:
+    """One generate call under the profiler (CPU events, Python frames): the aten ops that run outside the
+    compiled graphs, in the block loop (per denoising step: divided by the call's forwards) and outside it
+    (admission, prefill, results), and the host reads among them (``tolist``, ``item`` / ``bool`` / ``int``;
+    ``tensor(list)``: a host-to-device copy, blocking on CUDA, when made on the device): each a sync on CUDA."""
+    from torch.profiler import ProfilerActivity, profile
+
+    forwards, blocks = engine.forwards, -(-params.max_new_tokens // params.block_size)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        engine.generate(prompts, params)
+    events = prof.events()
+    forwards = engine.forwards - forwards - 1  # the prefill is one eager forward
+    graphs = sum(e.name.startswith(GRAPH_CALL) for e in events)
+    ops = [(e.name, *_site(e)) for e in _outside_graphs(events)]
+    loop = [o for o in ops if o[2]]
+    reads = [o for o in ops if o[0] in READS]
+    print(
+        f"rollout compile ops: {forwards} decode forwards, {blocks} blocks/row, {graphs} compiled-graph calls; "
+        f"eager ops outside graphs {len(ops)}: block loop {len(loop)} ({len(loop) / max(forwards, 1):.1f} per "
+        f"denoising step), outside it {len(ops) - len(loop)}; host syncs {len(reads)}: block loop "
+        f"{sum(o[2] for o in reads)} ({sum(o[2] for o in reads) / blocks:.1f} per block), outside it "
+        f"{sum(not o[2] for o in reads)}",
+        flush=True,
+    )
+    for title, chosen, top in (("block loop", loop, 20), ("host syncs", reads, 10)):
+        print(f"  {title}, by site (count; per denoising step):", flush=True)
+        for (site, name), k in collections.Counter((site, name) for name, site, _ in chosen).most_common(top):
+            sync = f"  (a sync on CUDA: {READS[name]})" if name in READS else ""
+            print(f"  {k:6d} {k / max(forwards, 1):6.2f}  {name:24s} {site}{sync}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -151,6 +242,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--head-scale", type=float, default=10.0, help="peaked distributions (see above)")
     ap.add_argument("--profile", action="store_true", help="one compiled call under torch.profiler")
+    ap.add_argument("--ops", action="store_true", help="count eager ops and host syncs of one compiled call")
+    ap.add_argument("--compiled-only", action="store_true", help="skip the eager baseline (saves device time)")
     ap.add_argument("--sdpa", choices=SDPA, default="auto", help="the one SDPA kernel allowed (see above)")
     args = ap.parse_args()
     try:
@@ -180,6 +273,25 @@ def progress(t0: float, what: str) -> None:
     print(f"[rollout_compile] {time.perf_counter() - t0:6.1f} s  {what}", file=sys.stderr, flush=True)
 
 
+def compiled_only(args, compiled: NativeEngine, prompts, params, start: float) -> None:
+    """``--compiled-only``: the compiled engine's speed and op counts without the eager baseline (device time)."""
+    compiled.generate(prompts, params)
+    rt.sync()
+    progress(start, "compiled: first call (compiling) done")
+    t_compiled, _ = best_call(compiled, prompts, params, args.rounds)
+    n = args.batch * args.new
+    print(
+        f"rollout compile {args.dtype} on {compiled.device}, sdpa {args.sdpa}, batch {args.batch}, prompt "
+        f"{args.prompt}, {args.new} new, block 4, 4 steps/block: compiled {n / t_compiled:.0f} tok/s "
+        f"({t_compiled * 1e3:.0f} ms per call; no eager baseline: --compiled-only)",
+        flush=True,
+    )
+    if args.profile and compiled.device.type == "cuda":
+        profile_call(compiled, prompts, params)
+    if args.ops or args.profile:
+        count_ops(compiled, prompts, params)
+
+
 def run(args) -> None:
     gpu, start = torch.cuda.is_available(), time.perf_counter()
     dev, dtype = ("cuda" if gpu else "cpu"), DTYPES[args.dtype]
@@ -194,6 +306,10 @@ def run(args) -> None:
     compiled = NativeEngine(
         model, arch, eos_token_id=-1, device=dev, dtype=dtype, settings=NativeSettings(compile=True)
     )
+    if args.ops and not gpu:
+        emulate_graphs_on_cpu(compiled)
+    if args.compiled_only:
+        return compiled_only(args, compiled, prompts, params, start)
     n = args.batch * args.new
     eager.generate(prompts, params)
     progress(start, "eager: first call done")
@@ -216,6 +332,8 @@ def run(args) -> None:
     )
     if args.profile and gpu:
         profile_call(compiled, prompts, params)
+    if args.ops or args.profile:
+        count_ops(compiled, prompts, params)
     if args.dtype == "fp32" and not same_traces(want, got):
         sys.exit("rollout compile: in fp32 the compiled engine's trajectories differ from eager's (see above)")
     pushed = after_push(eager, compiled, prompts, params, want)

@@ -73,8 +73,10 @@ class Decoder(ABC):
                 new = [queue.popleft() for _ in range(min(self.cap - live, len(queue)))]
                 self.admit(live, new)
             done = self.round(len(self.host["prompt"]))
-            for i in (i for i, d in enumerate(done) if d):
-                out[self.host["prompt"][i]] = self.trajectory(i)
+            if any(done):
+                rows = self.read_rows(len(done))
+                for i in (i for i, d in enumerate(done) if d):
+                    out[self.host["prompt"][i]] = self.trajectory(i, rows)
             self.compact([i for i, d in enumerate(done) if not d])
         return out  # type: ignore[return-value]
 
@@ -119,20 +121,25 @@ class Decoder(ABC):
         step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
         block_streams = Streams(self.dev["keys"][:n], self.dev["steps"][:n], self.dev["base"][:n])
         block_streams = block_streams.ahead(step_purposes(p), self.B, steps)  # a row steps at most once a forward
+        fused = refine is None and not trace.keep_history  # the step and its record: one compiled call
         for s in range(steps):
-            masked = cur == M
-            editable = refine.editable(cur, M) if refine is not None else None
+            if not (fused and self.static_steps):
+                masked = cur == M
+                editable = refine.editable(cur, M) if refine is not None else None
             if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
                 work = masked.any() if editable is None else masked.any() | editable.any()
                 if not bool(work):
                     break
+            if fused:
+                cur = self._fused_step(trace, block_streams, (n, cols, s, cur))
+                continue
             logits = self.block_logits(n, cols, s, cur)
             streams = block_streams.at(trace.count)
             later = None
             if logits.shape[1] > self.B:  # record_steps, full attention: the later blocks' predictions too
                 logits, ahead = logits[:, : self.B], logits[:, self.B :]
                 later = propose(ahead, p, streams, self.B, M)
-            step = self.e.step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
+            step = self.e.dllm_step(logits, BlockState(cur, masked, editable), step_index, p, streams, M)
             if refine is not None:
                 refine.after(masked, step)
             trace.add(step, step_index, later)
@@ -141,6 +148,18 @@ class Decoder(ABC):
         self.write_block(n, cols, cur)
         self.end_block(n, cols)
         return self.record(n, cols, cur, trace)
+
+    def _fused_step(
+        self, trace: BlockTrace, streams: Streams, at: tuple[int, torch.Tensor, int, torch.Tensor]
+    ) -> torch.Tensor:
+        """One denoising step of rows [0, n) (``at``: n, the block's columns, the block-local step, its tokens)
+        whose trace keeps no history: the forward, then sampling, commits and the record in one (compiled)
+        call, ``dllm_step.denoise_step`` (the step index lives in the trace). Returns the block's tokens."""
+        n, cols, s, cur = at
+        logits = self.block_logits(n, cols, s, cur)
+        step, state = self.e.step(logits, cur, trace.state(cur), self.params, streams, self.M)
+        trace.load(state)
+        return step.tokens
 
     def block_steps(self, n: int) -> int:
         """Forwards the block takes (static schedules): the most any live row needs."""
@@ -163,11 +182,10 @@ class Decoder(ABC):
                 self.record_history(n, trace)
             d["steps"][:n] += trace.count
         d["start"][:n] += self.B
-        eos = torch.zeros(n, dtype=torch.bool, device=cur.device)
+        flags = [False] * n  # without stop_at_eos no row ends early: no host read (a sync on CUDA) per block
         if self.params.stop_at_eos:
             in_resp = (cols - d["first"][:n, None]) >= d["resp"][:n, None]
-            eos = ((cur == self.e.eos) & in_resp).any(dim=1)
-        flags = eos.tolist()
+            flags = ((cur == self.e.eos) & in_resp).any(dim=1).tolist()
         for i in range(n):
             self.host["block"][i] += 1
             self.host["start"][i] += self.B
@@ -184,20 +202,27 @@ class Decoder(ABC):
                 self.host["preds"][i] += [(first[i], pr, cf) for pr, cf in zip(trace.preds[i], trace.confs[i])]
 
     # ------------------------------------------------------------------ result
-    def trajectory(self, i: int) -> Trajectory:
+    def read_rows(self, n: int) -> dict[str, list]:
+        """Rows [0, n) of the device buffers a trajectory reads, on the host: one read per buffer for all the
+        rows that finish at a block (a read per row and buffer was a host sync each on CUDA)."""
+        names = ("first", "resp", "steps", "tokens", "fwd", "bstep", "logp")
+        return {k: self.dev[k][:n].tolist() for k in names}
+
+    def trajectory(self, i: int, rows: dict[str, list]) -> Trajectory:
         """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens; without ``stop_at_eos``
-        the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended)."""
-        p, d = self.params, self.dev
-        first, resp = int(d["first"][i]), int(d["resp"][i])
+        the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended). ``rows``:
+        :meth:`read_rows`."""
+        p = self.params
+        first, resp = rows["first"][i], rows["resp"][i]
         cols = self.host["block"][i] * self.B - resp
-        toks = d["tokens"][i, first + resp : first + resp + cols].tolist()
+        toks = rows["tokens"][i][first + resp : first + resp + cols]
         end = min(len(toks), p.max_new_tokens)
         finish = "eos" if self.e.eos in toks[:end] else "length"
         if p.stop_at_eos and finish == "eos":
             end = toks.index(self.e.eos) + 1
-        fwd = d["fwd"][i, resp : resp + end].tolist()
-        bstep = d["bstep"][i, resp : resp + end].tolist()
-        logp = d["logp"][i, resp : resp + end].tolist()
+        fwd = rows["fwd"][i][resp : resp + end]
+        bstep = rows["bstep"][i][resp : resp + end]
+        logp = rows["logp"][i][resp : resp + end]
         superseded = [
             Superseded(c, tok, g, s, lp)
             for c in range(end)
@@ -210,7 +235,7 @@ class Decoder(ABC):
             block_step=bstep,
             logprobs=logp,
             finish_reason=finish,
-            num_forwards=int(d["steps"][i]),
+            num_forwards=rows["steps"][i],
             params=p,
             policy_version=self.e.version,
             superseded=superseded if p.algorithm == "editing" else None,
@@ -252,16 +277,16 @@ class BlockDiffusionDecoder(Decoder):
         width = max(q + k * B for q, k in zip(self.pre, self.need))
         super().__init__(engine, prompts, params, width, max(self.need) * B)
         self.host.update(pre=[], rem=[], pending=[])
+        self.dev["pending"] = torch.zeros(self.cap, dtype=torch.bool, device=engine.device)  # host["pending"]
         self.cache = engine.kv_cache(self.cap, width) if engine.use_cache else None
         self._allowed: Optional[torch.Tensor] = None
         self._first: Optional[tuple[torch.Tensor, ...]] = None
 
     def admit(self, start: int, indices: list[int]) -> None:
         d, dev = self.dev, self.e.device
-        for j, i in enumerate(indices):
-            row, p = start + j, self.prompts[i]
-            d["tokens"][row] = self.M
-            d["tokens"][row, : len(p)] = torch.tensor(p, dtype=torch.long, device=dev)
+        width = d["tokens"].shape[1]
+        tokens = [list(self.prompts[i]) + [self.M] * (width - len(self.prompts[i])) for i in indices]
+        d["tokens"][start : start + len(indices)] = torch.tensor(tokens, dtype=torch.long, device=dev)  # one copy
         pre = torch.tensor([self.pre[i] for i in indices], dtype=torch.long, device=dev)
         rows = slice(start, start + len(indices))
         d["start"][rows], d["first"][rows] = pre, pre
@@ -271,6 +296,7 @@ class BlockDiffusionDecoder(Decoder):
         self.host["start"] += [self.pre[i] for i in indices]
         self.host["blocks"] += [self.need[i] for i in indices]
         self.host["pending"] += [False] * len(indices)
+        d["pending"][rows].fill_(False)  # fill_: no host tensor to copy (a sync on CUDA)
         super().admit(start, indices)
         if self.cache is not None:
             self._prefill(start, indices)
@@ -310,7 +336,7 @@ class BlockDiffusionDecoder(Decoder):
         self._allowed = (keys < start[:, None] + B)[:, None, None, :]
         self._first = None
         if any(self.host["pending"][:n]):
-            pending = torch.tensor(self.host["pending"][:n], device=dev)
+            pending = self.dev["pending"][:n]  # host["pending"] on the device (no host-to-device copy, a sync on CUDA)
             prev = cols - B
             write = torch.cat([torch.where(pending[:, None], prev, self.cache.length), cols], dim=1)
             limit = torch.cat(
@@ -342,6 +368,7 @@ class BlockDiffusionDecoder(Decoder):
     def end_block(self, n: int, cols: torch.Tensor) -> None:
         """The block's keys/values are stored by the next block's first forward (``begin_block``)."""
         self.host["pending"][:n] = [self.cache is not None] * n
+        self.dev["pending"][:n].fill_(self.cache is not None)
 
 
 def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:

@@ -335,6 +335,60 @@ def propose(
     return torch.cat(proposals, dim=1), torch.cat(probability, dim=1)
 
 
+class TraceCounts(NamedTuple):
+    """A block's device records (:class:`BlockTrace`) as plain tensors, so a compiled step can update them:
+    ``count`` [n] steps each row took, ``forward`` / ``block_step`` / ``logprob`` [n, B] per committed position
+    the row's step count before the step, the block-local step index, the log-prob (-1 / -1 / 0: uncommitted),
+    ``next_step`` [n] the block-local index the next step runs with."""
+
+    count: torch.Tensor
+    forward: torch.Tensor
+    block_step: torch.Tensor
+    logprob: torch.Tensor
+    next_step: torch.Tensor
+
+    @classmethod
+    def start(cls, like: torch.Tensor) -> "TraceCounts":
+        """Nothing recorded yet for a block shaped as ``like`` [n, B]."""
+        dev = like.device
+        return cls(
+            torch.zeros(like.shape[0], dtype=torch.long, device=dev),
+            torch.full(like.shape, -1, dtype=torch.long, device=dev),
+            torch.full(like.shape, -1, dtype=torch.long, device=dev),
+            torch.zeros(like.shape, dtype=torch.float32, device=dev),
+            torch.zeros(like.shape[0], dtype=torch.long, device=dev),
+        )
+
+    def after(self, result: StepResult, step: torch.Tensor) -> "TraceCounts":
+        """The records with step ``result`` (block-local index ``step`` [n]) added; the next step ``step + 1``."""
+        c = result.committed & result.active[:, None]
+        return TraceCounts(
+            self.count + result.active.long(),
+            torch.where(c, self.count[:, None], self.forward),
+            torch.where(c, step[:, None], self.block_step),
+            torch.where(c, result.logprobs.float(), self.logprob),
+            step + 1,
+        )
+
+
+def denoise_step(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    trace: TraceCounts,
+    params: SamplingParams,
+    streams: Streams,
+    mask_token_id: int,
+) -> tuple[StepResult, TraceCounts]:
+    """One step of the built-in engine's block loop as one function (compiled: one graph, no eager op between
+    forwards): the masked positions of ``tokens``, :func:`dllm_step` at block-local step ``trace.next_step`` and
+    the rows' streams ``streams`` (:meth:`Streams.ahead` of the block) advanced by the steps they took, the step
+    recorded into ``trace``. The same numbers as those calls made one by one (``BlockTrace.add``)."""
+    masked = tokens == mask_token_id
+    step = trace.next_step
+    result = dllm_step(logits, BlockState(tokens, masked), step, params, streams.at(trace.count), mask_token_id)
+    return result, trace.after(result, step)
+
+
 class BlockTrace:
     """Per-row records of one block's denoising, kept on the device step by step and read once.
 
@@ -356,12 +410,21 @@ class BlockTrace:
         self.forward = self.block_step = self.logprob = None
         self._history: list[tuple[torch.Tensor, ...]] = []
         self._host: Optional[dict] = None
+        self._next: Optional[torch.Tensor] = None  # TraceCounts.next_step
 
     def _start(self, like: torch.Tensor) -> None:
-        self.count = torch.zeros(self.n, dtype=torch.long, device=like.device)
-        self.forward = torch.full(like.shape, -1, dtype=torch.long, device=like.device)
-        self.block_step = torch.full(like.shape, -1, dtype=torch.long, device=like.device)
-        self.logprob = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        self.load(TraceCounts.start(like))
+
+    def state(self, like: torch.Tensor) -> "TraceCounts":
+        """The device records so far (a fresh block's when nothing was added), for :func:`denoise_step`."""
+        if self.count is None:
+            self._start(like)
+        return TraceCounts(self.count, self.forward, self.block_step, self.logprob, self._next)  # type: ignore[arg-type]
+
+    def load(self, state: "TraceCounts") -> None:
+        """Take the records :func:`denoise_step` returned (what :meth:`add` would have made of its steps)."""
+        self.count, self.forward, self.block_step, self.logprob, self._next = state
+        self._host = None
 
     def add(
         self, result: StepResult, step: StepIndex, later: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -372,11 +435,8 @@ class BlockTrace:
         if self.count is None:
             self._start(result.tokens)
         s = step_tensor(step, self.n, result.tokens.device)
-        c = result.committed & result.active[:, None]
-        self.forward = torch.where(c, self.count[:, None], self.forward)
-        self.block_step = torch.where(c, s[:, None], self.block_step)
-        self.logprob = torch.where(c, result.logprobs.float(), self.logprob)
         if self.keep_history:
+            c = result.committed & result.active[:, None]
             proposals = result.proposals
             confidence = result.confidence if result.probability is None else result.probability
             if later is not None:
@@ -384,8 +444,7 @@ class BlockTrace:
             self._history.append(
                 (c, self.count.clone(), s, result.logprobs.float(), result.tokens, result.active, proposals, confidence)
             )
-        self.count = self.count + result.active.long()
-        self._host = None
+        self.load(self.state(result.tokens).after(result, s))
 
     # ------------------------------------------------------------------ host views
     def _read(self) -> dict:

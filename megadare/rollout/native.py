@@ -27,9 +27,11 @@ driver and the two decoders):
   the model's device; each prompt samples from its own counter-based stream keyed (seed, prompt index)
   (``engine.prompt_seed``), so its trajectory depends on neither the batch nor the engine. The trace (global
   step, block-local step, log-prob of every commit) is kept on the device; the host reads one row of flags per
-  block (who finished) and a finished row's trace once. A block's forwards run without a host read when the
-  schedule is static (the number of steps follows from the masked counts); the dynamic threshold and token
-  editing read one flag per step to stop early.
+  block (who finished; none without ``stop_at_eos``: no row ends early) and the rows that finish at a block once
+  per buffer. A block's forwards run without a host read when the schedule is static (the number of steps
+  follows from the masked counts); the dynamic threshold and token editing read one flag per step to stop early.
+  A step and its record are one call (``dllm_step.denoise_step``; compiled: one graph, no eager op between two
+  forwards) unless token editing or per-step records keep its history.
 * Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
   a row that finishes leaves at the end of its block, a queued prompt takes its place, and the batch is compacted
   so the forward never carries finished rows.
@@ -54,7 +56,7 @@ from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import DecoderLM, KVCache
 from megadare.rollout.decoders import BlockDiffusionDecoder, Decoder, SemiARDecoder
-from megadare.rollout.dllm_step import dllm_step
+from megadare.rollout.dllm_step import denoise_step, dllm_step
 from megadare.rollout.engine import SamplingParams, Trajectory, check_generate_call
 
 _KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
@@ -107,7 +109,9 @@ class NativeEngine:
         self.max_batch = settings.max_batch
         self.compile = settings.compile
         self.graphs = cuda_graphs(arch, settings, self.device)
-        self._fn, self.step = self._compiled() if settings.compile else (self.model, dllm_step)
+        self._fn, self.step, self.dllm_step = (
+            self._compiled() if settings.compile else (self.model, denoise_step, dllm_step)
+        )
         self._cache: Optional[KVCache] = None
         self.version = 0
         self.forwards = 0  # model forwards, all calls (benchmarks: forwards per token)
@@ -246,14 +250,16 @@ class NativeEngine:
             self.model.unstack_experts()
 
     def _compiled(self):
-        """The model forward and the denoising step through torch.compile: the cached block-diffusion forward on
-        CUDA with CUDA graphs (``reduce-overhead``, static shapes: rows and key lengths bucketed, one graph per
-        bucket), everything else with dynamic shapes (one graph for every batch and key length)."""
+        """The model forward and the denoising step through torch.compile (``step``: ``dllm_step.denoise_step``,
+        the step with its record, what a block's steps run; ``dllm_step``: the bare step, for token editing and
+        per-step records): the cached block-diffusion forward on CUDA with CUDA graphs (``reduce-overhead``,
+        static shapes: rows and key lengths bucketed, one graph per bucket), everything else with dynamic shapes
+        (one graph for every batch and key length)."""
         if self.graphs:
             model = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
         else:
             model = torch.compile(self.model, dynamic=True)
-        return model, torch.compile(dllm_step, dynamic=True)
+        return model, torch.compile(denoise_step, dynamic=True), torch.compile(dllm_step, dynamic=True)
 
 
 def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device) -> bool:
