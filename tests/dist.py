@@ -3,6 +3,8 @@ step (what the weight-sync tests push into engines)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megadare.parallel.launch import spawn as run_distributed  # noqa: F401
 
 
@@ -86,22 +88,32 @@ def fresh_update(cfg, src, algo, samples, block: int, kind: str) -> dict:
 
 def reward_error_on_every_rank(rank: int, world: int) -> str:
     """Rank 0 fails to score (RewardError) inside ``run_on_rank0``: what each rank then raises."""
-    import torch.distributed as dist
-
     from megadare.rewards import RewardError
     from megadare.parallel.rank0 import run_on_rank0
 
     def failing():
         raise RewardError("reward 'auto' failed at data.parquet:row 5")
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    raised = _raised_in_a_group(rank, world, lambda: run_on_rank0(failing), RewardError)
+    return f"rank {rank}: {raised if raised is not None else 'no error'}"
+
+
+def _raised_in_a_group(rank: int, world: int, call, caught: type, timeout_s: Optional[float] = None):
+    """What ``call()`` raised of type ``caught`` on this rank of a fresh gloo group (None: it returned); any other
+    error propagates. ``timeout_s``: the group's collective timeout (gloo's default where None)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", rank=rank, world_size=world, **timeout)
     try:
-        run_on_rank0(failing)
-    except RewardError as e:
-        return f"rank {rank}: {e}"
+        call()
+    except caught as e:
+        return e
     finally:
         dist.destroy_process_group()
-    return f"rank {rank}: no error"
+    return None
 
 
 def relayout(layout: dict) -> None:
@@ -215,10 +227,6 @@ def stale_push_interrupted(rank: int, world: int) -> tuple[str, str]:
 def outcomes_differ_on_a_job_stop(rank: int, world: int) -> str:
     """One push, broken on both ranks: rank 0 saw the job's SIGTERM (a ``LostToSigterm``), rank 1 did not yet (its
     part broke first: a plain ``PeerError``). What each rank raises."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from megadare.errors import PeerError
     from megadare.parallel.rank0 import on_every_rank
     from megadare.rollout.ray_health import LostToSigterm
@@ -228,14 +236,8 @@ def outcomes_differ_on_a_job_stop(rank: int, world: int) -> str:
             raise LostToSigterm("the engines went down with the job")
         raise PeerError("the weight push broke on trainer rank 1")
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
-    try:
-        on_every_rank(push)
-    except PeerError as e:
-        return f"rank {rank}: {type(e).__name__}: {e}"
-    finally:
-        dist.destroy_process_group()
-    return f"rank {rank}: no error"
+    raised = _raised_in_a_group(rank, world, lambda: on_every_rank(push), PeerError, timeout_s=30)
+    return f"rank {rank}: {'no error' if raised is None else f'{type(raised).__name__}: {raised}'}"
 
 
 def _next_word(rank: int) -> str:

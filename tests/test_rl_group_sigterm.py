@@ -15,12 +15,38 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# a hook's start: rank 0's SIGTERM to its whole process group (a session of its own), then a wait until the group's
+# signal has ended the local Ray's GCS
+_TERM_THE_JOB = r"""
+import os, signal, sys, time
+from megadare.parallel.rank0 import trainer_rank
+
+
+def term_the_job():
+    import ray
+    from megadare.rollout.ray_health import gcs_reachable
+
+    address = ray.get_runtime_context().gcs_address
+    os.killpg(os.getpgid(0), signal.SIGTERM)
+    for _ in range(600):
+        if gcs_reachable(address, 1.0) is False:
+            break
+        time.sleep(0.1)
+"""
+# a hook's end: the patched process runs megadare's command line
+_RUN_MEGADARE = r"""
+if __name__ == "__main__":
+    from megadare.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
 # megadare rl whose rank 0 sends SIGTERM to its whole process group (a session of its own) at step 1 (the second),
 # at the start of ``WHERE`` (train: the rollout came, the update runs; generate: before the rollout), and waits
 # until the group's signal has ended the local Ray's GCS; top level, so that spawned ranks (--nproc) patch too
-HOOK = r"""
-import os, signal, sys, time
-from megadare.parallel.rank0 import trainer_rank
+HOOK = (
+    _TERM_THE_JOB
+    + r"""
 from megadare.trainer import rl
 
 WHERE = os.environ["HOOK_WHERE"]
@@ -29,15 +55,7 @@ real = getattr(rl, WHERE)
 
 def hooked(run, *a):
     if run.step == 1 and trainer_rank() == 0:
-        import ray
-        from megadare.rollout.ray_health import gcs_reachable
-
-        address = ray.get_runtime_context().gcs_address
-        os.killpg(os.getpgid(0), signal.SIGTERM)
-        for _ in range(600):
-            if gcs_reachable(address, 1.0) is False:
-                break
-            time.sleep(0.1)
+        term_the_job()
     return real(run, *a)
 
 
@@ -53,11 +71,9 @@ if os.environ.get("HOOK_SAVE_S"):  # a save without Ray that takes this long (a 
 
     rl.save_run = slow_save
 
-if __name__ == "__main__":
-    from megadare.cli import main
-
-    sys.exit(main(sys.argv[1:]))
 """
+    + _RUN_MEGADARE
+)
 
 
 def _rl_argv(run_dir, steps: int, nproc: int = 1) -> list[str]:
@@ -167,9 +183,9 @@ def test_a_save_longer_than_ray_lets_a_driver_outlive_its_gcs_still_lands_and_re
 # megadare rl whose rank 0 sends SIGTERM to its whole process group inside the weight push of version 2 (after step
 # 1's update), at its first bucket, and waits until the signal has ended the local Ray's GCS: the transfer breaks
 # ('the weight push of version 2 broke: ...'), an error without the Ray head's words
-PUSH_HOOK = r"""
-import os, signal, sys, time
-from megadare.parallel.rank0 import trainer_rank
+PUSH_HOOK = (
+    _TERM_THE_JOB
+    + r"""
 from megadare.rollout.weight_sync import transport
 
 real_begin, real_send = transport.GroupTransport.begin, transport.GroupTransport.send
@@ -182,25 +198,15 @@ def begin(self, version, device):
 
 def send(self, index, bucket, flats):
     if self.hook_version == 2 and index == 0 and trainer_rank() == 0:
-        import ray
-        from megadare.rollout.ray_health import gcs_reachable
-
-        address = ray.get_runtime_context().gcs_address
-        os.killpg(os.getpgid(0), signal.SIGTERM)
-        for _ in range(600):
-            if gcs_reachable(address, 1.0) is False:
-                break
-            time.sleep(0.1)
+        term_the_job()
     return real_send(self, index, bucket, flats)
 
 
 transport.GroupTransport.begin, transport.GroupTransport.send = begin, send
 
-if __name__ == "__main__":
-    from megadare.cli import main
-
-    sys.exit(main(sys.argv[1:]))
 """
+    + _RUN_MEGADARE
+)
 
 
 @pytest.mark.timeout(500)
@@ -251,7 +257,8 @@ def test_a_broken_push_counts_as_lost_to_sigterm_only_after_one_and_on_every_ran
 
 # megadare rl whose rank 0 gets SIGTERM at step 1 (the second) and whose rollout then breaks with Ray's own raw
 # error, as an engine actor ended by the job's signal does (the local Ray itself lives on here: a cheap run)
-RAW_RAY_ERROR_HOOK = r"""
+RAW_RAY_ERROR_HOOK = (
+    r"""
 import os, signal, sys
 from megadare.trainer import rl_rollout
 
@@ -269,11 +276,9 @@ def collect(self, step):
 
 rl_rollout.Rollouts.collect = collect
 
-if __name__ == "__main__":
-    from megadare.cli import main
-
-    sys.exit(main(sys.argv[1:]))
 """
+    + _RUN_MEGADARE
+)
 
 
 @pytest.mark.timeout(200)
