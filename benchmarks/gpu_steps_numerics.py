@@ -334,7 +334,7 @@ def step_engine(rep: Report, args) -> None:
             m, arch = model_of(family)
             grouped = NativeEngine(m, arch, eos_token_id=253, device=dev, dtype=torch.bfloat16)
             loop = NativeEngine(model_of(family)[0], arch, eos_token_id=253, device=dev, dtype=torch.bfloat16)
-            loop._unstack_experts()
+            loop.model.unstack_experts()
             a, b = grouped.generate(prompts, params), loop.generate(prompts, params)
             agree = sum(x == y for s, t in zip(a, b) for x, y in zip(s.response_ids, t.response_ids))
             ran = "grouped GEMMs ran" if grouped.grouped_experts else "grouped GEMMs do not run here: loop only"

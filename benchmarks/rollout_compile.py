@@ -19,7 +19,8 @@ block loop per denoising step, and outside it: admission, eager prefill, results
 (``tolist``, ``item``, ``tensor(list)``), by source function (a ``rollout compile ops`` line and two tables); on a
 CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts in a minute
 (``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
-``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
+``--unfused``: the layout's separate q/k/v and gate/up GEMMs (``DecoderLM.unfuse_projections``; the engine fuses
+them by default), the A/B of that fusion. ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
 32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
 Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's sync does) and the
 compiled engine put to sleep and woken (a colocated engine's cycle): its ``after a weight push`` line says whether
@@ -244,6 +245,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one compiled call under torch.profiler")
     ap.add_argument("--ops", action="store_true", help="count eager ops and host syncs of one compiled call")
     ap.add_argument("--compiled-only", action="store_true", help="skip the eager baseline (saves device time)")
+    ap.add_argument("--unfused", action="store_true", help="q/k/v and gate/up as separate GEMMs (see above)")
     ap.add_argument("--sdpa", choices=SDPA, default="auto", help="the one SDPA kernel allowed (see above)")
     args = ap.parse_args()
     try:
@@ -269,6 +271,10 @@ def host() -> str:
     return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
 
+def projections(args) -> str:
+    return "projections unfused" if args.unfused else "projections fused"
+
+
 def progress(t0: float, what: str) -> None:
     print(f"[rollout_compile] {time.perf_counter() - t0:6.1f} s  {what}", file=sys.stderr, flush=True)
 
@@ -281,7 +287,7 @@ def compiled_only(args, compiled: NativeEngine, prompts, params, start: float) -
     t_compiled, _ = best_call(compiled, prompts, params, args.rounds)
     n = args.batch * args.new
     print(
-        f"rollout compile {args.dtype} on {compiled.device}, sdpa {args.sdpa}, batch {args.batch}, prompt "
+        f"rollout compile {args.dtype} on {compiled.device}, sdpa {args.sdpa}, {projections(args)}, batch {args.batch}, prompt "
         f"{args.prompt}, {args.new} new, block 4, 4 steps/block: compiled {n / t_compiled:.0f} tok/s "
         f"({t_compiled * 1e3:.0f} ms per call; no eager baseline: --compiled-only)",
         flush=True,
@@ -306,6 +312,8 @@ def run(args) -> None:
     compiled = NativeEngine(
         model, arch, eos_token_id=-1, device=dev, dtype=dtype, settings=NativeSettings(compile=True)
     )
+    if args.unfused:  # both engines decode the one model
+        model.unfuse_projections()
     if args.ops and not gpu:
         emulate_graphs_on_cpu(compiled)
     if args.compiled_only:
@@ -323,7 +331,7 @@ def run(args) -> None:
     t_compiled, got = best_call(compiled, prompts, params, args.rounds)
     nll = sum(-lp for t in want for lp in t.logprobs) / n
     print(
-        f"rollout compile {args.dtype} on {dev}, sdpa {args.sdpa}, batch {args.batch}, prompt {args.prompt}, "
+        f"rollout compile {args.dtype} on {dev}, sdpa {args.sdpa}, {projections(args)}, batch {args.batch}, prompt {args.prompt}, "
         f"{args.new} new, block 4, "
         f"4 steps/block, head x{args.head_scale:g} (mean -log p {nll:.2f}): compiled {n / t_compiled:.0f} tok/s, "
         f"eager {n / t_eager:.0f} tok/s ({t_eager / t_compiled:.2f}x); compile call {t_compile:.1f} s; "

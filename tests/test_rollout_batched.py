@@ -229,21 +229,28 @@ def test_full_canvas_reads_the_device_once_per_buffer_at_the_end():
     assert any(t.finish_reason == "eos" for t in with_eos)  # the per-block read still ends rows at their EOS
 
 
-@pytest.mark.parametrize("family", ["sdar_moe", "llada2"])
-def test_grouped_experts_decode_as_expert_by_expert_and_follow_weight_syncs(family):
-    """MoE experts stacked for grouped GEMMs (no host read per layer) give the trajectories of the expert-by-expert
-    loop; a weight sync writes the stacks (the experts' parameters are views of them), and sleep / wake keeps
-    that so."""
+@pytest.mark.parametrize("family", ["sdar", "dream", "sdar_moe", "llada2"])
+def test_packed_weights_decode_as_the_layout_and_follow_weight_syncs(family):
+    """The engine's packed weights (q/k/v and gate/up fused into one GEMM each; MoE experts stacked for grouped
+    GEMMs: no host read per layer) give the trajectories of the model as the HF layout has it; a weight sync
+    writes the fused weights and the stacks (the parameters are views of them), and sleep / wake keeps that so.
+    (sdar: separate q/k/v; dream: with biases; sdar_moe: experts; llada2: fused query_key_value, a dense first
+    layer and shared experts.)"""
     model, arch = nt.build(family)
-    loop_model, _ = nt.build(family)
+    plain_model, _ = nt.build(family)
     params = SamplingParams(max_new_tokens=8, block_size=4, steps_per_block=2, temperature=1.0, seed=5)
-    grouped = NativeEngine(model, arch, eos_token_id=-1, device="cpu")
-    loop = NativeEngine(loop_model, arch, eos_token_id=-1, device="cpu")
-    loop._unstack_experts()
-    assert grouped.grouped_experts and all(lay.stacked is not None for lay in model._layers if lay.moe)
+    packed = NativeEngine(model, arch, eos_token_id=-1, device="cpu")
+    plain = NativeEngine(plain_model, arch, eos_token_id=-1, device="cpu")
+    plain.model.unfuse_projections()
+    plain.model.unstack_experts()
+    first = model._layers[0]
+    assert (first.fused_qkv is None) == (first.qkv is not None)
+    assert all((lay.fused_gate_up is None) == lay.moe for lay in model._layers)
+    assert all((lay.fused_shared_gate_up is None) == (lay.shared is None) for lay in model._layers)
+    assert packed.grouped_experts == arch.is_moe and all(lay.stacked is not None for lay in model._layers if lay.moe)
 
     def same() -> None:
-        a, b = grouped.generate(nt.PROMPTS, params), loop.generate(nt.PROMPTS, params)
+        a, b = packed.generate(nt.PROMPTS, params), plain.generate(nt.PROMPTS, params)
         assert [t.response_ids for t in a] == [t.response_ids for t in b]
         assert [t.commit_step for t in a] == [t.commit_step for t in b]
         for x, y in zip(a, b):
@@ -251,16 +258,32 @@ def test_grouped_experts_decode_as_expert_by_expert_and_follow_weight_syncs(fami
 
     same()
     g = torch.Generator().manual_seed(7)
-    experts = {k: v for k, v in model.state_dict().items() if ".experts." in k}
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in experts.items()}
-    for eng in (grouped, loop):
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    for eng in (packed, plain):
         eng.update_weights(new.items(), version=1)
-    layer = next(lay for lay in model._layers if lay.moe)
-    assert torch.equal(layer.stacked[0][0], layer.experts[0][0].weight)  # the stack holds the synced weights
+    for lay in model._layers:  # the fused weights hold the synced ones
+        if lay.fused_gate_up is not None:
+            assert torch.equal(lay.fused_gate_up, torch.cat([new[k] for k in _names(model, *lay.mlp[:2])]))
+        if lay.fused_shared_gate_up is not None:
+            assert torch.equal(lay.fused_shared_gate_up, torch.cat([new[k] for k in _names(model, *lay.shared[:2])]))
+    if first.fused_qkv is not None:
+        qkv_names = _names(model, first.q, first.k, first.v)
+        assert torch.equal(first.fused_qkv[0], torch.cat([new[k] for k in qkv_names]))
+        if arch.qkv_bias:
+            biases = [k.replace(".weight", ".bias") for k in qkv_names]
+            assert torch.equal(first.fused_qkv[1], torch.cat([new[k] for k in biases]))
+    if arch.is_moe:
+        layer = next(lay for lay in model._layers if lay.moe)
+        assert torch.equal(layer.stacked[0][0], layer.experts[0][0].weight)  # the stack holds the synced weights
     same()
-    grouped.sleep()
-    grouped.wake()
+    packed.sleep()
+    packed.wake()
     same()
+
+
+def _names(model: torch.nn.Module, *linears: torch.nn.Module) -> list[str]:
+    """The HF names of the Linears' weights."""
+    return [next(n for n, p in model.named_parameters() if p is m.weight) for m in linears]
 
 
 def test_grouped_experts_only_where_the_probe_passes(monkeypatch):

@@ -104,7 +104,7 @@ class NativeEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = model.eval().to(self.device, self.dtype)
-        self.grouped_experts = self._stack_experts()
+        self.grouped_experts = self._pack_weights()
         self.use_cache = settings.use_cache
         self.max_batch = settings.max_batch
         self.compile = settings.compile
@@ -153,7 +153,7 @@ class NativeEngine:
 
     def sleep(self) -> None:
         """Release accelerator memory (weights and KV cache to host / freed) while the trainer uses the GPU."""
-        self._unstack_experts()  # a move copies parameters one by one: the stacks would keep the device copies
+        self._unpack_weights()
         self.model.to("cpu")
         self._cache = None
         if self.device.type == "cuda":
@@ -162,7 +162,7 @@ class NativeEngine:
 
     def wake(self) -> None:
         self.model.to(self.device)
-        self._stack_experts()
+        self._pack_weights()
         self.asleep = False
 
     @torch.no_grad()
@@ -240,13 +240,21 @@ class NativeEngine:
             return need
         return min(limit, _KEY_BUCKET << (-(-need // _KEY_BUCKET) - 1).bit_length())
 
-    def _stack_experts(self) -> bool:
-        """MoE experts as grouped GEMMs (``DecoderLM.stack_experts``: no host read per layer) where they run;
-        another model, or a device without grouped GEMMs, decodes expert by expert."""
-        return isinstance(self.model, DecoderLM) and self.model.stack_experts(traced=self.settings.compile)
+    def _pack_weights(self) -> bool:
+        """Each layer's projections fused (``DecoderLM.fuse_projections``: q/k/v and gate/up as one GEMM each) and
+        the MoE experts as grouped GEMMs (``DecoderLM.stack_experts``: no host read per layer) where they run;
+        another model, or a device without grouped GEMMs, decodes expert by expert. Returns whether the experts
+        are grouped."""
+        if not isinstance(self.model, DecoderLM):
+            return False
+        self.model.fuse_projections()
+        return self.model.stack_experts(traced=self.settings.compile)
 
-    def _unstack_experts(self) -> None:
+    def _unpack_weights(self) -> None:
+        """Undo :meth:`_pack_weights` (before a move: it copies parameters one by one, the fused weights and
+        stacks would keep the old copies)."""
         if isinstance(self.model, DecoderLM):
+            self.model.unfuse_projections()
             self.model.unstack_experts()
 
     def _compiled(self):
