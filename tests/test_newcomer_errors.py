@@ -3,6 +3,8 @@ before anything trains."""
 
 import os
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import megadare.cli
@@ -377,3 +379,16 @@ def test_nproc_below_one_is_refused_and_more_than_the_cores_is_said(capsys, monk
     with pytest.raises(_Launched):
         main(["sft", "--config", SFT_TINY, "--nproc", "2", f"logging.run_dir={tmp_path / 'run'}"])
     assert "CPU cores" not in capsys.readouterr().err
+
+
+def test_data_inspect_of_dare_rows_without_a_gold_says_where_it_goes(capsys, tmp_path):
+    """A DARE RL parquet whose rows lost their reward_model column (a filter or a join gone wrong) was 'no known
+    schema ... found keys [...]' with nothing saying which field was missing."""
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "extra_info": {"index": 0}}
+    path = tmp_path / "math_1.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), str(path))
+    assert main(["data", "inspect", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err, out.err
+    (line,) = [ln for ln in (out.out + out.err).splitlines() if ln.startswith("error:")]
+    assert f"{path}:row 1: no known schema" in line and "reward_model.ground_truth, which this row lacks" in line, line
