@@ -392,3 +392,21 @@ def test_data_inspect_of_dare_rows_without_a_gold_says_where_it_goes(capsys, tmp
     assert "Traceback" not in out.err, out.err
     (line,) = [ln for ln in (out.out + out.err).splitlines() if ln.startswith("error:")]
     assert f"{path}:row 1: no known schema" in line and "reward_model.ground_truth, which this row lacks" in line, line
+
+
+def test_a_recipe_placeholder_model_says_to_point_at_the_real_checkpoint(capsys, tmp_path):
+    """A DARE recipe run as shipped (`model.hf_path: examples/configs/hf/SDAR-1dot7B-Chat`, config.json only) said
+    '...: no model.safetensors, model.safetensors.index.json or *.safetensors files', naming neither the key nor
+    that the directory is a placeholder."""
+    recipe = os.path.join(REPO, "examples", "configs", "dare", "bgpo_sdar_1dot7b.yaml")
+    rows = tmp_path / "math_1.parquet"
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}]}
+    pq.write_table(pa.Table.from_pylist([{**row, "reward_model": {"ground_truth": "2"}}]), str(rows))
+    over = [f"data.path={rows}", f"data.eval_path={rows}", f"logging.run_dir={tmp_path / 'run'}"]
+    line = refused(capsys, "rl", "--dry-run", "--config", recipe, *over)
+    placeholder = "examples/configs/hf/SDAR-1dot7B-Chat: no model.safetensors"
+    assert placeholder in line and "point model.hf_path (--hf, --model) at the HF checkpoint directory" in line, line
+    hf = os.path.join(REPO, "examples", "configs", "hf", "SDAR-1dot7B-Chat")
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(tmp_path / "out"))
+    assert "the recipes' placeholders under examples/configs/hf/" in line, line
+    assert not (tmp_path / "out").exists()
