@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--nproc",
-            type=int,
+            type=positive_int,
             default=1,
             help="local processes to launch (under torchrun / Slurm leave at 1: WORLD_SIZE is used)",
         )
@@ -187,8 +187,22 @@ def _dtype(name: str):
 def _launch(worker, run, cfg, nproc: int) -> dict:
     """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        _say_if_oversubscribed(nproc)
         return _module("launch").spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
     return _module("launch").run_here(run, cfg)
+
+
+def _say_if_oversubscribed(nproc: int) -> None:
+    """More local ranks than CPU cores on a machine without a GPU (``--nproc 16`` on a laptop) run, each on a share
+    of a core and with its own copy of torch and megatron in memory: one line says so before they start."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores and not _module("torch").cuda.is_available():
+        print(
+            f"megadare: --nproc {nproc} starts {nproc} trainer processes on {cores} CPU cores and no GPU: each runs "
+            f"on a share of a core, with its own torch and megatron in memory; --nproc {cores} or fewer runs faster",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _run_sft(cfg, nproc: int) -> int:

@@ -3,9 +3,14 @@ before anything trains."""
 
 import os
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+import megadare.cli
 from megadare.cli import main
+from megadare.config.loading import CHOICES
+from megadare.models.family import FAMILIES, _ensure_loaded
 from tiny import write_tiny_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -333,3 +338,75 @@ def test_an_hf_path_that_does_not_exist_says_so(capsys, tmp_path):
     missing.mkdir()
     line = refused(capsys, "convert", "hf-to-megatron", "--hf", str(missing), "--out", str(tmp_path / "out"))
     assert f"{missing / 'config.json'}: no config.json found" in line, line
+
+
+def test_a_misspelt_model_family_is_refused_by_the_config_check(capsys, tmp_path):
+    """`model.family=sdra` loaded torch and megatron first (14 s on a loaded 2-core VM), then said "unknown family
+    'sdra'" without the key it came from."""
+    run = tmp_path / "run"
+    line = refused(capsys, "sft", "--config", SFT_TINY, "model.family=sdra", f"logging.run_dir={run}")
+    assert "model.family='sdra' is not one of null, dream, llada, llada2, sdar, sdar_moe" in line, line
+    assert not run.exists()
+    _ensure_loaded()
+    assert CHOICES["model.family"] == (None, *sorted(FAMILIES)), "model.family's Literal lists the registered families"
+
+
+class _Launched(Exception):
+    """Raised in place of starting ranks: the test stops where the launch would begin."""
+
+
+def test_nproc_below_one_is_refused_and_more_than_the_cores_is_said(capsys, monkeypatch, tmp_path):
+    """`--nproc 0` (or -1) trained in one process without a word; `--nproc 16` on a 2-core laptop started 16 ranks,
+    each with its own torch and megatron, with nothing saying why the run crawled."""
+
+    def launched(*args, **kwargs):
+        raise _Launched
+
+    monkeypatch.setattr(megadare.cli, "_launch", launched)
+    for nproc in ("0", "-1"):
+        with pytest.raises(SystemExit) as stop:
+            main(["sft", "--config", SFT_TINY, "--nproc", nproc, f"logging.run_dir={tmp_path / 'run'}"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and f"argument --nproc: {nproc} must be a positive integer" in err, err
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("megadare.parallel.launch.spawn", launched)
+    with pytest.raises(_Launched):
+        main(["sft", "--config", SFT_TINY, "--nproc", "3", f"logging.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert "--nproc 3 starts 3 trainer processes on 2 CPU cores and no GPU" in err and "--nproc 2 or fewer" in err, err
+    with pytest.raises(_Launched):
+        main(["sft", "--config", SFT_TINY, "--nproc", "2", f"logging.run_dir={tmp_path / 'run'}"])
+    assert "CPU cores" not in capsys.readouterr().err
+
+
+def test_data_inspect_of_dare_rows_without_a_gold_says_where_it_goes(capsys, tmp_path):
+    """A DARE RL parquet whose rows lost their reward_model column (a filter or a join gone wrong) was 'no known
+    schema ... found keys [...]' with nothing saying which field was missing."""
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "extra_info": {"index": 0}}
+    path = tmp_path / "math_1.parquet"
+    pq.write_table(pa.Table.from_pylist([row]), str(path))
+    assert main(["data", "inspect", str(path)]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err, out.err
+    (line,) = [ln for ln in (out.out + out.err).splitlines() if ln.startswith("error:")]
+    assert f"{path}:row 1: no known schema" in line and "reward_model.ground_truth, which this row lacks" in line, line
+
+
+def test_a_recipe_placeholder_model_says_to_point_at_the_real_checkpoint(capsys, tmp_path):
+    """A DARE recipe run as shipped (`model.hf_path: examples/configs/hf/SDAR-1dot7B-Chat`, config.json only) said
+    '...: no model.safetensors, model.safetensors.index.json or *.safetensors files', naming neither the key nor
+    that the directory is a placeholder."""
+    recipe = os.path.join(REPO, "examples", "configs", "dare", "bgpo_sdar_1dot7b.yaml")
+    rows = tmp_path / "math_1.parquet"
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}]}
+    pq.write_table(pa.Table.from_pylist([{**row, "reward_model": {"ground_truth": "2"}}]), str(rows))
+    over = [f"data.path={rows}", f"data.eval_path={rows}", f"logging.run_dir={tmp_path / 'run'}"]
+    line = refused(capsys, "rl", "--dry-run", "--config", recipe, *over)
+    placeholder = "examples/configs/hf/SDAR-1dot7B-Chat: no model.safetensors"
+    assert placeholder in line and "point model.hf_path (--hf, --model) at the HF checkpoint directory" in line, line
+    hf = os.path.join(REPO, "examples", "configs", "hf", "SDAR-1dot7B-Chat")
+    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(tmp_path / "out"))
+    assert "the recipes' placeholders under examples/configs/hf/" in line, line
+    assert not (tmp_path / "out").exists()

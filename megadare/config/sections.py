@@ -23,7 +23,9 @@ from megadare.rollout.choices import (
 @dataclass
 class ModelSection:
     hf_path: Optional[str] = None  # HF checkpoint directory (config.json + safetensors)
-    family: Optional[str] = None  # build a random tiny model of this family instead (tests, demo)
+    # build a random tiny model of this family instead (tests, demo); the names models/family.py registers
+    # (tests/test_newcomer_errors.py holds them equal), typed so a misspelt one is refused before torch loads
+    family: Optional[Literal["dream", "llada", "llada2", "sdar", "sdar_moe"]] = None
     tiny: bool = False
     tiny_config: dict = field(default_factory=dict)  # config.json overrides of the tiny model (e.g. num_hidden_layers)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16 keeps fp32 master weights

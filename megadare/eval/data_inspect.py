@@ -139,6 +139,16 @@ def _question_hint(rec: dict) -> str:
     )
 
 
+def _gold_hint(rec: dict) -> str:
+    """For a verl / DARE RL row (``data_source`` + ``prompt``) with no gold answer: where the gold goes."""
+    if "data_source" not in rec or "prompt" not in rec:
+        return ""
+    return (
+        "; a verl / DARE RL row holds its gold answer in reward_model.ground_truth, which this row lacks: add it "
+        "(a run reads another field with rewards.answer_key=FIELD)"
+    )
+
+
 def _assistant_ends(built: list, key: Optional[str]) -> str:
     """How many prompts end with an assistant message: a prefill the response continues, or (verl / DARE rows) a
     turn closed before the generation prompt, as verl renders it."""
@@ -189,7 +199,7 @@ def inspect_file(
     if not views:
         return [], [
             f"{rows[0][0]}: no known schema (RL prompt + gold, SFT prompt + response, or prompt + chosen + "
-            f"rejected); found keys {sorted(rows[0][1])}{_question_hint(rows[0][1])}"
+            f"rejected); found keys {sorted(rows[0][1])}{_question_hint(rows[0][1]) or _gold_hint(rows[0][1])}"
         ]
     gold: list[float] = []
     unit = _unit(tok)

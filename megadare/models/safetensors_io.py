@@ -71,6 +71,17 @@ def _tensor_names(path: str) -> list[str]:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def _fix(path: str) -> str:
+    """What to do about a directory with a config.json and no weights: the shipped recipes' model.hf_path
+    (examples/configs/hf/) holds config.json only, for the planner and --config-only."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return ""
+    return (
+        " (a config.json alone, like the recipes' placeholders under examples/configs/hf/); point model.hf_path "
+        "(--hf, --model) at the HF checkpoint directory that holds the weights"
+    )
+
+
 class SafetensorsReader:
     """Lazy reader over an HF checkpoint directory (single file or sharded with an index)."""
 
@@ -96,7 +107,9 @@ class SafetensorsReader:
                 else []
             )
             if not files:
-                raise CheckpointError(f"{self.path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files")
+                raise CheckpointError(
+                    f"{self.path}: no {SINGLE_NAME}, {INDEX_NAME} or *.safetensors files{_fix(self.path)}"
+                )
             self.weight_map = {}
             for fn in files:
                 for k in _tensor_names(os.path.join(self.path, fn)):
