@@ -33,6 +33,37 @@ def _steps_needed(params: SamplingParams, masked: int) -> int:
     return s
 
 
+class StopFlags:
+    """Which rows hold an EOS, on their way to the host without a wait: :meth:`send` starts the copy of the
+    device's flags at a block's end (CUDA: into pinned memory, ``non_blocking``, then an event), :meth:`receive`
+    takes them at the end of the next block, after that block's work is queued, so the host never drains the
+    GPU's queue to learn who finished (a blocking read per block left the GPU idle while the host launched the
+    next block). On a CPU the copy is immediate. Rows are those of the batch after the send's compaction; rows
+    admitted since were not sent and have not stopped."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(rows, dtype=torch.bool, pin_memory=self.cuda)
+        self.sent = 0
+        self.event: Optional[Any] = None
+
+    def send(self, flags: torch.Tensor) -> None:
+        self.sent = flags.shape[0]
+        self.host[: self.sent].copy_(flags, non_blocking=self.cuda)
+        if self.cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def receive(self, n: int) -> list[bool]:
+        """The flags of rows [0, n) as sent (False for rows admitted after the send); waits, on CUDA, only for
+        the copy queued a block earlier."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        got = self.host[: min(self.sent, n)].tolist() if self.sent else []
+        return got + [False] * (n - len(got))
+
+
 class Decoder(ABC):
     """The continuous-batching driver and the per-slot state both decoders share (``engine``: the
     ``native.NativeEngine`` that runs the forwards).
@@ -59,7 +90,9 @@ class Decoder(ABC):
             "fwd": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
             "bstep": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
             "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev),
+            "stopped": torch.zeros(cap, dtype=torch.bool, device=dev),  # an EOS in the response: frozen, leaving
         }
+        self.stops = StopFlags(cap, engine.device)
         self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
         self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
 
@@ -77,7 +110,10 @@ class Decoder(ABC):
                 rows = self.read_rows(len(done))
                 for i in (i for i, d in enumerate(done) if d):
                     out[self.host["prompt"][i]] = self.trajectory(i, rows)
-            self.compact([i for i, d in enumerate(done) if not d])
+            keep = [i for i, d in enumerate(done) if not d]
+            self.compact(keep)
+            if self.params.stop_at_eos:  # who found an EOS, for the host at the end of the next block
+                self.stops.send(self.dev["stopped"][: len(keep)])
         return out  # type: ignore[return-value]
 
     def admit(self, start: int, indices: list[int]) -> None:
@@ -88,6 +124,7 @@ class Decoder(ABC):
         self.dev["keys"][rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
         self.dev["base"][rows] = mix64(self.dev["keys"][rows])
         self.dev["steps"][rows] = 0
+        self.dev["stopped"][rows].fill_(False)
         self.host["prompt"] += indices
         self.host["block"] += [0] * len(indices)
         self.host["superseded"] += [{} for _ in indices]
@@ -114,7 +151,7 @@ class Decoder(ABC):
         p, M = self.params, self.M
         cols = self.dev["start"][:n, None] + torch.arange(self.B, device=self.e.device)
         self.begin_block(n, cols)
-        cur = self.dev["tokens"][:n].gather(1, cols)
+        cur = start_tokens = self.dev["tokens"][:n].gather(1, cols)
         trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
         refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
@@ -127,7 +164,7 @@ class Decoder(ABC):
                 masked = cur == M
                 editable = refine.editable(cur, M) if refine is not None else None
             if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
-                work = masked.any() if editable is None else masked.any() | editable.any()
+                work = _work_left(masked, editable, self.dev["stopped"][:n] if p.stop_at_eos else None)
                 if not bool(work):
                     break
             if fused:
@@ -145,6 +182,8 @@ class Decoder(ABC):
             trace.add(step, step_index, later)
             step_index = step_index + 1
             cur = step.tokens
+        if p.stop_at_eos:  # a row stopped a block ago keeps its tokens (it leaves at this block's end)
+            cur = torch.where(self.dev["stopped"][:n, None], start_tokens, cur)
         self.write_block(n, cols, cur)
         self.end_block(n, cols)
         return self.record(n, cols, cur, trace)
@@ -166,11 +205,18 @@ class Decoder(ABC):
         return max(_steps_needed(self.params, self.masked_at_start(i)) for i in range(n))
 
     def record(self, n: int, cols: torch.Tensor, cur: torch.Tensor, trace: BlockTrace) -> list[bool]:
-        """The block's trace into the rows' buffers (on the device), the host's per-block read, who finished."""
+        """The block's trace into the rows' buffers (on the device) and who finished. ``stop_at_eos``: a row whose
+        response holds an EOS is marked ``stopped`` on the device and the host learns it at the end of the next
+        block (:class:`StopFlags`: no wait for the block just launched); in that block the row changes nothing
+        (no commit, step or token recorded) and then leaves, so its trajectory is the one it had."""
         d = self.dev
+        frozen = self.stops.receive(n) if self.params.stop_at_eos else [False] * n
+        stopped = d["stopped"][:n]
         if trace.count is not None:
             dcols = cols - d["first"][:n, None]
             committed = trace.forward >= 0
+            if self.params.stop_at_eos:
+                committed = committed & ~stopped[:, None]
             for name, new in (
                 ("fwd", d["steps"][:n, None] + trace.forward),
                 ("bstep", trace.block_step),
@@ -179,23 +225,23 @@ class Decoder(ABC):
                 old = d[name][:n].gather(1, dcols)
                 d[name][:n].scatter_(1, dcols, torch.where(committed, new, old))
             if trace.keep_history:
-                self.record_history(n, trace)
-            d["steps"][:n] += trace.count
+                self.record_history(n, trace, frozen)
+            d["steps"][:n] += trace.count.masked_fill(stopped, 0) if self.params.stop_at_eos else trace.count
         d["start"][:n] += self.B
-        flags = [False] * n  # without stop_at_eos no row ends early: no host read (a sync on CUDA) per block
         if self.params.stop_at_eos:
             in_resp = (cols - d["first"][:n, None]) >= d["resp"][:n, None]
-            flags = ((cur == self.e.eos) & in_resp).any(dim=1).tolist()
-        for i in range(n):
+            stopped |= ((cur == self.e.eos) & in_resp).any(dim=1)
+        for i in (i for i in range(n) if not frozen[i]):
             self.host["block"][i] += 1
             self.host["start"][i] += self.B
-        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(flags)]
+        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(frozen)]
 
-    def record_history(self, n: int, trace: BlockTrace) -> None:
-        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block)."""
+    def record_history(self, n: int, trace: BlockTrace, frozen: list[bool]) -> None:
+        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block) of the rows
+        not ``frozen`` (stopped a block ago: :meth:`record`)."""
         before = self.dev["steps"][:n].tolist()
         first = (self.dev["start"][:n] - self.dev["first"][:n]).tolist()
-        for i in range(n):
+        for i in (i for i in range(n) if not frozen[i]):
             for c, chain in trace.superseded[i].items():
                 self.host["superseded"][i][c + first[i]] = [(before[i] + f, s, lp, tok) for f, s, lp, tok in chain]
             if trace.preds is not None and trace.confs is not None:
@@ -369,6 +415,15 @@ class BlockDiffusionDecoder(Decoder):
         """The block's keys/values are stored by the next block's first forward (``begin_block``)."""
         self.host["pending"][:n] = [self.cache is not None] * n
         self.dev["pending"][:n].fill_(self.cache is not None)
+
+
+def _work_left(masked: torch.Tensor, editable: Optional[torch.Tensor], stopped: Optional[torch.Tensor]) -> torch.Tensor:
+    """Whether a dynamic block has a position left to commit or edit (a device flag), in rows not ``stopped``
+    (a row stopped a block ago rides its last block frozen: it must not keep the block running)."""
+    work = masked if editable is None else masked | editable
+    if stopped is not None:
+        work = work & ~stopped[:, None]
+    return work.any()
 
 
 def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:
