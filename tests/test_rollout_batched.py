@@ -247,6 +247,39 @@ def test_stop_flags_reach_the_host_a_block_late_without_a_wait(family, eos, monk
     assert 0 < extra <= params.steps_per_block * stopped, (extra, stopped)
 
 
+@pytest.mark.parametrize("family,eos", [("sdar", 41), ("llada", 37)])
+def test_finished_rows_reach_the_host_after_the_next_block_is_queued(family, eos, monkeypatch):
+    """The rows that finish at a block are read (one read per buffer, each a sync on CUDA that waited for the
+    block just launched) only once the next block is queued (``FinishedRows``: copied aside and to pinned memory
+    without a wait), or at the call's end; their slots take queued prompts meanwhile."""
+    events: list[tuple[str, list[int]]] = []
+    round_, trajectory = decoders.Decoder.round, decoders.Decoder.trajectory
+
+    def logged_round(self, n):
+        done = round_(self, n)
+        events.append(("block", [self.host["prompt"][i] for i, d in enumerate(done) if d]))
+        return done
+
+    def logged_trajectory(self, *a):
+        t = trajectory(self, *a)
+        events.append(("read", [nt.PROMPTS.index(t.prompt_ids)]))
+        return t
+
+    monkeypatch.setattr(decoders.Decoder, "round", logged_round)
+    monkeypatch.setattr(decoders.Decoder, "trajectory", logged_trajectory)
+    model, arch = nt.build(family)
+    eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=2))
+    params = SamplingParams(max_new_tokens=16, block_size=4, steps_per_block=2, temperature=1.0, seed=1)
+    trajs = eng.generate(nt.PROMPTS, params)
+    blocks = [k for k, (kind, _) in enumerate(events) if kind == "block"]
+    read_at = {rows[0]: k for k, (kind, rows) in enumerate(events) if kind == "read"}
+    for b in blocks[:-1]:
+        queued = next(k for k in blocks if k > b)  # the next block
+        assert all(read_at[i] > queued for i in events[b][1]), (b, events)
+    assert sorted(read_at) == list(range(len(nt.PROMPTS))) and len(trajs) == len(nt.PROMPTS)
+    assert {t.finish_reason for t in trajs} == {"eos", "length"}
+
+
 def test_full_canvas_reads_the_device_once_per_buffer_at_the_end():
     """Without stop_at_eos no row ends early: a block needs no host read (each one a sync on CUDA, which drained
     the GPU's queue at every block boundary), and the rows that finish together are read once per buffer, not

@@ -29,8 +29,9 @@ driver and the two decoders):
   step, block-local step, log-prob of every commit) is kept on the device; the host reads one row of flags per
   block (who found an EOS; none without ``stop_at_eos``: no row ends early) a block late, from a copy started
   without a wait (``decoders.StopFlags``; the row rides that block frozen), and the rows that finish at a block
-  once per buffer. A block's forwards run without a host read when the schedule is static (the number of steps
-  follows from the masked counts); the dynamic threshold and token editing read one flag per step to stop early.
+  once per buffer, after the next block is queued (``decoders.FinishedRows``). A block's forwards run without a
+  host read when the schedule is static (the number of steps follows from the masked counts); the dynamic
+  threshold and token editing read one flag per step to stop early.
   A step and its record are one call (``dllm_step.denoise_step``; compiled: one graph, no eager op between two
   forwards) unless token editing or per-step records keep its history.
 * Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
