@@ -205,9 +205,79 @@ def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
         trajs = eng.generate(nt.PROMPTS, params)
     per_site = {site: reads.where.count(site) for site in set(reads.where)}
     assert not [s for s in per_site if s.split(":")[0] in ("dllm_step.py", "sampling.py", "common.py")], per_site
-    assert per_site.pop("decoders.py:record") == len(rounds) >= 3  # one read per block
+    assert 3 <= per_site.pop("decoders.py:receive") <= len(rounds)  # per block (once a row is sent), of the host copy
     assert set(per_site) <= {"decoders.py:<dictcomp>", "decoders.py:_steps_needed", "engine.py:validate"}, per_site
     assert len(trajs) == len(nt.PROMPTS)
+
+
+class ReadTensors(HostReads):
+    """Host reads by function, with the address of the tensor read."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            code = sys._getframe(1).f_code
+            self.where.append((f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}", args[0].data_ptr()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family,eos", [("sdar", 41), ("llada", 37)])
+def test_stop_flags_reach_the_host_a_block_late_without_a_wait(family, eos, monkeypatch):
+    """stop_at_eos (RL's 'eos' canvas, evaluation): the block loop reads no flag its own block computes (a
+    ``.tolist()`` of them was a sync per block on CUDA, after which the GPU idled while the host launched the next
+    block); it reads the host copy of the flags sent at the end of the previous block (``StopFlags``). A row found
+    finished rides one more block frozen, so the call's forwards exceed its rows' own (and the prefills) by at
+    most one block, S forwards, per row that stopped at an EOS (one row at a time: max_batch 1)."""
+    made = []
+    init = decoders.Decoder.__init__
+    monkeypatch.setattr(decoders.Decoder, "__init__", lambda self, *a: (made.append(self), init(self, *a))[1])
+    model, arch = nt.build(family)
+    eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=1))
+    params = SamplingParams(max_new_tokens=24, block_size=4, steps_per_block=2, temperature=1.0, seed=1)
+    with ReadTensors() as reads:
+        trajs = eng.generate(nt.PROMPTS, params)
+    stops = getattr(made[0], "stops", None)
+    host_flags = stops.host.data_ptr() if stops is not None else None
+    outside = ("decoders.py:<dictcomp>", "decoders.py:_steps_needed")  # finished rows' buffers; a host schedule
+    loop_reads = [r for r in reads.where if r[0].startswith("decoders.py:") and r[0] not in outside]
+    assert loop_reads and {ptr for _, ptr in loop_reads} == {host_flags}, (loop_reads, host_flags)
+    stopped = sum(t.finish_reason == "eos" for t in trajs)
+    assert 0 < stopped < len(trajs)
+    prefills = sum(len(p) >= 4 for p in nt.PROMPTS) if arch.is_block_diffusion else 0
+    extra = eng.forwards - prefills - sum(t.num_forwards for t in trajs)
+    assert 0 < extra <= params.steps_per_block * stopped, (extra, stopped)
+
+
+@pytest.mark.parametrize("family,eos", [("sdar", 41), ("llada", 37)])
+def test_finished_rows_reach_the_host_after_the_next_block_is_queued(family, eos, monkeypatch):
+    """The rows that finish at a block are read (one read per buffer, each a sync on CUDA that waited for the
+    block just launched) only once the next block is queued (``FinishedRows``: copied aside and to pinned memory
+    without a wait), or at the call's end; their slots take queued prompts meanwhile."""
+    events: list[tuple[str, list[int]]] = []
+    round_, trajectory = decoders.Decoder.round, decoders.Decoder.trajectory
+
+    def logged_round(self, n):
+        done = round_(self, n)
+        events.append(("block", [self.host["prompt"][i] for i, d in enumerate(done) if d]))
+        return done
+
+    def logged_trajectory(self, *a):
+        t = trajectory(self, *a)
+        events.append(("read", [nt.PROMPTS.index(t.prompt_ids)]))
+        return t
+
+    monkeypatch.setattr(decoders.Decoder, "round", logged_round)
+    monkeypatch.setattr(decoders.Decoder, "trajectory", logged_trajectory)
+    model, arch = nt.build(family)
+    eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=2))
+    params = SamplingParams(max_new_tokens=16, block_size=4, steps_per_block=2, temperature=1.0, seed=1)
+    trajs = eng.generate(nt.PROMPTS, params)
+    blocks = [k for k, (kind, _) in enumerate(events) if kind == "block"]
+    read_at = {rows[0]: k for k, (kind, rows) in enumerate(events) if kind == "read"}
+    for b in blocks[:-1]:
+        queued = next(k for k in blocks if k > b)  # the next block
+        assert all(read_at[i] > queued for i in events[b][1]), (b, events)
+    assert sorted(read_at) == list(range(len(nt.PROMPTS))) and len(trajs) == len(nt.PROMPTS)
+    assert {t.finish_reason for t in trajs} == {"eos", "length"}
 
 
 def test_full_canvas_reads_the_device_once_per_buffer_at_the_end():

@@ -33,6 +33,62 @@ def _steps_needed(params: SamplingParams, masked: int) -> int:
     return s
 
 
+class StopFlags:
+    """Which rows hold an EOS, on their way to the host without a wait: :meth:`send` starts the copy of the
+    device's flags at a block's end (CUDA: into pinned memory, ``non_blocking``, then an event), :meth:`receive`
+    takes them at the end of the next block, after that block's work is queued, so the host never drains the
+    GPU's queue to learn who finished (a blocking read per block left the GPU idle while the host launched the
+    next block). On a CPU the copy is immediate. Rows are those of the batch after the send's compaction; rows
+    admitted since were not sent and have not stopped."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.zeros(rows, dtype=torch.bool, pin_memory=self.cuda)
+        self.sent = 0
+        self.event: Optional[Any] = None
+
+    def send(self, flags: torch.Tensor) -> None:
+        self.sent = flags.shape[0]
+        self.host[: self.sent].copy_(flags, non_blocking=self.cuda)
+        if self.cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def receive(self, n: int) -> list[bool]:
+        """The flags of rows [0, n) as sent (False for rows admitted after the send); waits, on CUDA, only for
+        the copy queued a block earlier."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        got = self.host[: min(self.sent, n)].tolist() if self.sent else []
+        return got + [False] * (n - len(got))
+
+
+class FinishedRows:
+    """The rows that finished at a block, on their way to the host without a wait: their device buffers are copied
+    aside (their slots take queued prompts) and to the host (CUDA: pinned memory, ``non_blocking``, an event),
+    with their host lists; :meth:`read` takes them once the next block is queued (or at the call's end). A read
+    right away waited for the block just launched (a sync at every block where a row finished)."""
+
+    NAMES = ("first", "resp", "steps", "tokens", "fwd", "bstep", "logp")
+
+    def __init__(self, dev: dict[str, torch.Tensor], host: dict[str, list], rows: list[int]):
+        device = dev["steps"].device
+        index = _to_device(rows, torch.long, device)
+        cuda = device.type == "cuda"
+        self.tensors = {k: dev[k].index_select(0, index).to("cpu", non_blocking=cuda) for k in self.NAMES}
+        self.event: Optional[Any] = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
+        self.host = {k: [v[i] for i in rows] for k, v in host.items()}
+
+    def read(self) -> dict[str, list]:
+        """The rows' buffers and host lists, row j of each for :meth:`Decoder.trajectory` (one read per buffer)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return {**{k: t.tolist() for k, t in self.tensors.items()}, **self.host}
+
+
 class Decoder(ABC):
     """The continuous-batching driver and the per-slot state both decoders share (``engine``: the
     ``native.NativeEngine`` that runs the forwards).
@@ -59,7 +115,9 @@ class Decoder(ABC):
             "fwd": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
             "bstep": torch.zeros((cap, decode_cols), dtype=torch.long, device=dev),
             "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev),
+            "stopped": torch.zeros(cap, dtype=torch.bool, device=dev),  # an EOS in the response: frozen, leaving
         }
+        self.stops = StopFlags(cap, engine.device)
         self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
         self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
 
@@ -67,27 +125,39 @@ class Decoder(ABC):
     def run(self) -> list[Trajectory]:
         queue = deque(range(len(self.prompts)))
         out: list[Optional[Trajectory]] = [None] * len(self.prompts)
+        finished: Optional[FinishedRows] = None  # the previous block's, on their way to the host
         while queue or self.host["prompt"]:
             live = len(self.host["prompt"])
             if queue and live < self.cap:
                 new = [queue.popleft() for _ in range(min(self.cap - live, len(queue)))]
                 self.admit(live, new)
             done = self.round(len(self.host["prompt"]))
-            if any(done):
-                rows = self.read_rows(len(done))
-                for i in (i for i, d in enumerate(done) if d):
-                    out[self.host["prompt"][i]] = self.trajectory(i, rows)
-            self.compact([i for i, d in enumerate(done) if not d])
+            if finished is not None:  # now that this block is queued: no wait for it
+                self.deliver(finished, out)
+            finished = FinishedRows(self.dev, self.host, [i for i, d in enumerate(done) if d]) if any(done) else None
+            keep = [i for i, d in enumerate(done) if not d]
+            self.compact(keep)
+            if self.params.stop_at_eos:  # who found an EOS, for the host at the end of the next block
+                self.stops.send(self.dev["stopped"][: len(keep)])
+        if finished is not None:
+            self.deliver(finished, out)
         return out  # type: ignore[return-value]
+
+    def deliver(self, finished: FinishedRows, out: list[Optional[Trajectory]]) -> None:
+        """The trajectories of ``finished`` into ``out`` (by prompt index)."""
+        rows = finished.read()
+        for j, prompt in enumerate(rows["prompt"]):
+            out[prompt] = self.trajectory(j, rows)
 
     def admit(self, start: int, indices: list[int]) -> None:
         """Put prompts ``indices`` into slots [start, start + len): subclass fills tokens / columns first."""
         dev = self.e.device
         seeds = [prompt_seed(self.params.seed, i) for i in indices]
         rows = slice(start, start + len(indices))
-        self.dev["keys"][rows] = torch.tensor(seeds, dtype=torch.long, device=dev)
+        self.dev["keys"][rows] = _to_device(seeds, torch.long, dev)
         self.dev["base"][rows] = mix64(self.dev["keys"][rows])
         self.dev["steps"][rows] = 0
+        self.dev["stopped"][rows].fill_(False)
         self.host["prompt"] += indices
         self.host["block"] += [0] * len(indices)
         self.host["superseded"] += [{} for _ in indices]
@@ -97,8 +167,8 @@ class Decoder(ABC):
         """Keep rows ``keep`` (in order) as rows [0, len(keep))."""
         moved = [(s, d) for d, s in enumerate(keep) if s != d]
         if moved:
-            src = torch.tensor([s for s, _ in moved], device=self.e.device)
-            dst = torch.tensor([d for _, d in moved], device=self.e.device)
+            src = _to_device([s for s, _ in moved], torch.long, self.e.device)
+            dst = _to_device([d for _, d in moved], torch.long, self.e.device)
             for t in self.dev.values():
                 t.index_copy_(0, dst, t.index_select(0, src))
             self.move_cache(src, dst)
@@ -114,7 +184,7 @@ class Decoder(ABC):
         p, M = self.params, self.M
         cols = self.dev["start"][:n, None] + torch.arange(self.B, device=self.e.device)
         self.begin_block(n, cols)
-        cur = self.dev["tokens"][:n].gather(1, cols)
+        cur = start_tokens = self.dev["tokens"][:n].gather(1, cols)
         trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
         refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
@@ -127,7 +197,7 @@ class Decoder(ABC):
                 masked = cur == M
                 editable = refine.editable(cur, M) if refine is not None else None
             if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
-                work = masked.any() if editable is None else masked.any() | editable.any()
+                work = _work_left(masked, editable, self.dev["stopped"][:n] if p.stop_at_eos else None)
                 if not bool(work):
                     break
             if fused:
@@ -145,6 +215,8 @@ class Decoder(ABC):
             trace.add(step, step_index, later)
             step_index = step_index + 1
             cur = step.tokens
+        if p.stop_at_eos:  # a row stopped a block ago keeps its tokens (it leaves at this block's end)
+            cur = torch.where(self.dev["stopped"][:n, None], start_tokens, cur)
         self.write_block(n, cols, cur)
         self.end_block(n, cols)
         return self.record(n, cols, cur, trace)
@@ -166,11 +238,18 @@ class Decoder(ABC):
         return max(_steps_needed(self.params, self.masked_at_start(i)) for i in range(n))
 
     def record(self, n: int, cols: torch.Tensor, cur: torch.Tensor, trace: BlockTrace) -> list[bool]:
-        """The block's trace into the rows' buffers (on the device), the host's per-block read, who finished."""
+        """The block's trace into the rows' buffers (on the device) and who finished. ``stop_at_eos``: a row whose
+        response holds an EOS is marked ``stopped`` on the device and the host learns it at the end of the next
+        block (:class:`StopFlags`: no wait for the block just launched); in that block the row changes nothing
+        (no commit, step or token recorded) and then leaves, so its trajectory is the one it had."""
         d = self.dev
+        frozen = self.stops.receive(n) if self.params.stop_at_eos else [False] * n
+        stopped = d["stopped"][:n]
         if trace.count is not None:
             dcols = cols - d["first"][:n, None]
             committed = trace.forward >= 0
+            if self.params.stop_at_eos:
+                committed = committed & ~stopped[:, None]
             for name, new in (
                 ("fwd", d["steps"][:n, None] + trace.forward),
                 ("bstep", trace.block_step),
@@ -179,42 +258,36 @@ class Decoder(ABC):
                 old = d[name][:n].gather(1, dcols)
                 d[name][:n].scatter_(1, dcols, torch.where(committed, new, old))
             if trace.keep_history:
-                self.record_history(n, trace)
-            d["steps"][:n] += trace.count
+                self.record_history(n, trace, frozen)
+            d["steps"][:n] += trace.count.masked_fill(stopped, 0) if self.params.stop_at_eos else trace.count
         d["start"][:n] += self.B
-        flags = [False] * n  # without stop_at_eos no row ends early: no host read (a sync on CUDA) per block
         if self.params.stop_at_eos:
             in_resp = (cols - d["first"][:n, None]) >= d["resp"][:n, None]
-            flags = ((cur == self.e.eos) & in_resp).any(dim=1).tolist()
-        for i in range(n):
+            stopped |= ((cur == self.e.eos) & in_resp).any(dim=1)
+        for i in (i for i in range(n) if not frozen[i]):
             self.host["block"][i] += 1
             self.host["start"][i] += self.B
-        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(flags)]
+        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(frozen)]
 
-    def record_history(self, n: int, trace: BlockTrace) -> None:
-        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block)."""
+    def record_history(self, n: int, trace: BlockTrace, frozen: list[bool]) -> None:
+        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block) of the rows
+        not ``frozen`` (stopped a block ago: :meth:`record`)."""
         before = self.dev["steps"][:n].tolist()
         first = (self.dev["start"][:n] - self.dev["first"][:n]).tolist()
-        for i in range(n):
+        for i in (i for i in range(n) if not frozen[i]):
             for c, chain in trace.superseded[i].items():
                 self.host["superseded"][i][c + first[i]] = [(before[i] + f, s, lp, tok) for f, s, lp, tok in chain]
             if trace.preds is not None and trace.confs is not None:
                 self.host["preds"][i] += [(first[i], pr, cf) for pr, cf in zip(trace.preds[i], trace.confs[i])]
 
     # ------------------------------------------------------------------ result
-    def read_rows(self, n: int) -> dict[str, list]:
-        """Rows [0, n) of the device buffers a trajectory reads, on the host: one read per buffer for all the
-        rows that finish at a block (a read per row and buffer was a host sync each on CUDA)."""
-        names = ("first", "resp", "steps", "tokens", "fwd", "bstep", "logp")
-        return {k: self.dev[k][:n].tolist() for k in names}
-
     def trajectory(self, i: int, rows: dict[str, list]) -> Trajectory:
         """Response = decoded tokens up to the first EOS (inclusive) or max_new_tokens; without ``stop_at_eos``
-        the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended). ``rows``:
-        :meth:`read_rows`."""
+        the whole canvas of max_new_tokens (finish 'eos' when it holds an EOS: the answer ended). ``rows``: the
+        buffers and host lists of the rows that finished with it (:meth:`FinishedRows.read`), ``i`` its row."""
         p = self.params
         first, resp = rows["first"][i], rows["resp"][i]
-        cols = self.host["block"][i] * self.B - resp
+        cols = rows["block"][i] * self.B - resp
         toks = rows["tokens"][i][first + resp : first + resp + cols]
         end = min(len(toks), p.max_new_tokens)
         finish = "eos" if self.e.eos in toks[:end] else "length"
@@ -226,10 +299,10 @@ class Decoder(ABC):
         superseded = [
             Superseded(c, tok, g, s, lp)
             for c in range(end)
-            for g, s, lp, tok in self.host["superseded"][i].get(c + resp, [])
+            for g, s, lp, tok in rows["superseded"][i].get(c + resp, [])
         ]
         traj = Trajectory(
-            prompt_ids=list(self.prompts[self.host["prompt"][i]]),
+            prompt_ids=list(self.prompts[rows["prompt"][i]]),
             response_ids=toks[:end],
             commit_step=fwd,
             block_step=bstep,
@@ -241,7 +314,7 @@ class Decoder(ABC):
             superseded=superseded if p.algorithm == "editing" else None,
         )
         if p.record_steps:
-            traj.step_predictions, traj.step_confidences = _response_aligned(self.host["preds"][i], resp, end)
+            traj.step_predictions, traj.step_confidences = _response_aligned(rows["preds"][i], resp, end)
         return traj.validate()
 
     # ------------------------------------------------------------------ per decoder
@@ -286,11 +359,11 @@ class BlockDiffusionDecoder(Decoder):
         d, dev = self.dev, self.e.device
         width = d["tokens"].shape[1]
         tokens = [list(self.prompts[i]) + [self.M] * (width - len(self.prompts[i])) for i in indices]
-        d["tokens"][start : start + len(indices)] = torch.tensor(tokens, dtype=torch.long, device=dev)  # one copy
-        pre = torch.tensor([self.pre[i] for i in indices], dtype=torch.long, device=dev)
+        d["tokens"][start : start + len(indices)] = _to_device(tokens, torch.long, dev)  # one copy
+        pre = _to_device([self.pre[i] for i in indices], torch.long, dev)
         rows = slice(start, start + len(indices))
         d["start"][rows], d["first"][rows] = pre, pre
-        d["resp"][rows] = torch.tensor([self.rem[i] for i in indices], dtype=torch.long, device=dev)
+        d["resp"][rows] = _to_device([self.rem[i] for i in indices], torch.long, dev)
         self.host["pre"] += [self.pre[i] for i in indices]
         self.host["rem"] += [self.rem[i] for i in indices]
         self.host["start"] += [self.pre[i] for i in indices]
@@ -309,7 +382,7 @@ class BlockDiffusionDecoder(Decoder):
         dev, m = self.e.device, len(indices)
         ids = self.dev["tokens"][start : start + m, :Q]
         pos = torch.arange(Q, device=dev).expand(m, Q)
-        valid = pos < torch.tensor([self.pre[i] for i in indices], device=dev)[:, None]
+        valid = pos < _to_device([self.pre[i] for i in indices], torch.long, dev)[:, None]
         # padding queries see themselves (no NaN keys/values in the cache); real queries never see padding
         allowed = _bc_mask(pos, valid, pos, self.B) | torch.eye(Q, dtype=torch.bool, device=dev)
         self.cache.bind(start, pos, Q)
@@ -371,6 +444,22 @@ class BlockDiffusionDecoder(Decoder):
         self.dev["pending"][:n].fill_(self.cache is not None)
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ``values`` on ``device`` without a wait: on CUDA through pinned memory, ``non_blocking``
+    (``torch.tensor(values, device=...)`` copies from pageable memory and then waits for the GPU's queue)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _work_left(masked: torch.Tensor, editable: Optional[torch.Tensor], stopped: Optional[torch.Tensor]) -> torch.Tensor:
+    """Whether a dynamic block has a position left to commit or edit (a device flag), in rows not ``stopped``
+    (a row stopped a block ago rides its last block frozen: it must not keep the block running)."""
+    work = masked if editable is None else masked | editable
+    if stopped is not None:
+        work = work & ~stopped[:, None]
+    return work.any()
+
+
 def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:
     """Block-causal allowed mask [n, 1, Q, K] from positions on each sample's own grid + key validity."""
     allowed = (k_pos[:, None, :] // B) <= (q_pos[:, :, None] // B)
@@ -405,7 +494,7 @@ class SemiARDecoder(Decoder):
             pad = P - len(p)
             d["tokens"][row] = self.M
             d["tokens"][row, :pad] = self.e.pad
-            d["tokens"][row, pad:P] = torch.tensor(p, dtype=torch.long, device=dev)
+            d["tokens"][row, pad:P] = _to_device(p, torch.long, dev)
             d["valid"][row] = torch.arange(self.L, device=dev) >= pad
             d["pos"][row] = (torch.arange(self.L, device=dev) - pad).clamp(min=0)
         rows = slice(start, start + len(indices))
