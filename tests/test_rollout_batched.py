@@ -192,8 +192,13 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["at-once", "deferred"])
 @pytest.mark.parametrize("family", ["sdar", "llada", "sdar_moe", "llada2"])
-def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
+def test_no_host_read_inside_a_denoising_step(family, deferred, monkeypatch):
+    """One read of the stop flags per block: at once on a CPU, of the host copy sent a block earlier on CUDA
+    (``deferred``, forced here)."""
+    if deferred:
+        monkeypatch.setattr(decoders, "DEFERRED_STOP_READS", ("cpu", "cuda"))
     rounds = []
     monkeypatch.setattr(
         decoders.Decoder, "record", lambda self, *a, _r=decoders.Decoder.record: (rounds.append(1), _r(self, *a))[1]
@@ -205,7 +210,10 @@ def test_no_host_read_inside_a_denoising_step(family, monkeypatch):
         trajs = eng.generate(nt.PROMPTS, params)
     per_site = {site: reads.where.count(site) for site in set(reads.where)}
     assert not [s for s in per_site if s.split(":")[0] in ("dllm_step.py", "sampling.py", "common.py")], per_site
-    assert 3 <= per_site.pop("decoders.py:receive") <= len(rounds)  # per block (once a row is sent), of the host copy
+    if deferred:
+        assert 3 <= per_site.pop("decoders.py:receive") <= len(rounds)  # per block once a row is sent: the host copy
+    else:
+        assert per_site.pop("decoders.py:record") == len(rounds)  # one read per block
     assert set(per_site) <= {"decoders.py:<dictcomp>", "decoders.py:_steps_needed", "engine.py:validate"}, per_site
     assert len(trajs) == len(nt.PROMPTS)
 
@@ -222,19 +230,30 @@ class ReadTensors(HostReads):
 
 @pytest.mark.parametrize("family,eos", [("sdar", 41), ("llada", 37)])
 def test_stop_flags_reach_the_host_a_block_late_without_a_wait(family, eos, monkeypatch):
-    """stop_at_eos (RL's 'eos' canvas, evaluation): the block loop reads no flag its own block computes (a
-    ``.tolist()`` of them was a sync per block on CUDA, after which the GPU idled while the host launched the next
-    block); it reads the host copy of the flags sent at the end of the previous block (``StopFlags``). A row found
-    finished rides one more block frozen, so the call's forwards exceed its rows' own (and the prefills) by at
-    most one block, S forwards, per row that stopped at an EOS (one row at a time: max_batch 1)."""
-    made = []
-    init = decoders.Decoder.__init__
-    monkeypatch.setattr(decoders.Decoder, "__init__", lambda self, *a: (made.append(self), init(self, *a))[1])
+    """stop_at_eos (RL's 'eos' canvas, evaluation) on CUDA (forced here: ``DEFERRED_STOP_READS``): the block loop
+    reads no flag its own block computes (a ``.tolist()`` of them was a sync per block on CUDA, after which the GPU
+    idled while the host launched the next block); it reads the host copy of the flags sent at the end of the
+    previous block (``StopFlags``). A row found finished rides one more block frozen: the trajectories are the
+    CPU's (which reads at once) exactly, and the call's forwards exceed its rows' own (and the prefills) by at most
+    one block, S forwards, per row that stopped at an EOS (one row at a time: max_batch 1); at once, by none."""
     model, arch = nt.build(family)
     eng = NativeEngine(model, arch, eos_token_id=eos, device="cpu", settings=NativeSettings(max_batch=1))
     params = SamplingParams(max_new_tokens=24, block_size=4, steps_per_block=2, temperature=1.0, seed=1)
+    prefills = sum(len(p) >= 4 for p in nt.PROMPTS) if arch.is_block_diffusion else 0
+
+    def extra_forwards(trajs) -> int:
+        return eng.forwards - prefills - sum(t.num_forwards for t in trajs)
+
+    at_once = eng.generate(nt.PROMPTS, params)
+    assert extra_forwards(at_once) == 0
+    made = []
+    init = decoders.Decoder.__init__
+    monkeypatch.setattr(decoders.Decoder, "__init__", lambda self, *a: (made.append(self), init(self, *a))[1])
+    monkeypatch.setattr(decoders, "DEFERRED_STOP_READS", ("cpu", "cuda"))
+    eng.forwards = 0
     with ReadTensors() as reads:
         trajs = eng.generate(nt.PROMPTS, params)
+    assert [dataclasses.asdict(t) for t in trajs] == [dataclasses.asdict(t) for t in at_once]
     stops = getattr(made[0], "stops", None)
     host_flags = stops.host.data_ptr() if stops is not None else None
     outside = ("decoders.py:<dictcomp>", "decoders.py:_steps_needed")  # finished rows' buffers; a host schedule
@@ -242,9 +261,7 @@ def test_stop_flags_reach_the_host_a_block_late_without_a_wait(family, eos, monk
     assert loop_reads and {ptr for _, ptr in loop_reads} == {host_flags}, (loop_reads, host_flags)
     stopped = sum(t.finish_reason == "eos" for t in trajs)
     assert 0 < stopped < len(trajs)
-    prefills = sum(len(p) >= 4 for p in nt.PROMPTS) if arch.is_block_diffusion else 0
-    extra = eng.forwards - prefills - sum(t.num_forwards for t in trajs)
-    assert 0 < extra <= params.steps_per_block * stopped, (extra, stopped)
+    assert 0 < extra_forwards(trajs) <= params.steps_per_block * stopped, (extra_forwards(trajs), stopped)
 
 
 @pytest.mark.parametrize("family,eos", [("sdar", 41), ("llada", 37)])

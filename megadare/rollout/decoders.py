@@ -33,15 +33,21 @@ def _steps_needed(params: SamplingParams, masked: int) -> int:
     return s
 
 
+# device types whose reads wait for the device's queue: there ``stop_at_eos`` learns who found an EOS a block late
+# (StopFlags); elsewhere (a CPU) the flags are read at once, since a delay would only cost a block's forwards
+DEFERRED_STOP_READS = ("cuda",)
+
+
 class StopFlags:
     """Which rows hold an EOS, on their way to the host without a wait: :meth:`send` starts the copy of the
     device's flags at a block's end (CUDA: into pinned memory, ``non_blocking``, then an event), :meth:`receive`
     takes them at the end of the next block, after that block's work is queued, so the host never drains the
     GPU's queue to learn who finished (a blocking read per block left the GPU idle while the host launched the
-    next block). On a CPU the copy is immediate. Rows are those of the batch after the send's compaction; rows
-    admitted since were not sent and have not stopped."""
+    next block). ``deferred`` only on :data:`DEFERRED_STOP_READS`. Rows are those of the batch after the send's
+    compaction; rows admitted since were not sent and have not stopped."""
 
     def __init__(self, rows: int, device: torch.device):
+        self.deferred = device.type in DEFERRED_STOP_READS
         self.cuda = device.type == "cuda"
         self.host = torch.zeros(rows, dtype=torch.bool, pin_memory=self.cuda)
         self.sent = 0
@@ -118,6 +124,7 @@ class Decoder(ABC):
             "stopped": torch.zeros(cap, dtype=torch.bool, device=dev),  # an EOS in the response: frozen, leaving
         }
         self.stops = StopFlags(cap, engine.device)
+        self.freezes = params.stop_at_eos and self.stops.deferred  # a row found stopped rides a block frozen
         self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
         self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
 
@@ -137,7 +144,7 @@ class Decoder(ABC):
             finished = FinishedRows(self.dev, self.host, [i for i, d in enumerate(done) if d]) if any(done) else None
             keep = [i for i, d in enumerate(done) if not d]
             self.compact(keep)
-            if self.params.stop_at_eos:  # who found an EOS, for the host at the end of the next block
+            if self.freezes:  # who found an EOS, for the host at the end of the next block
                 self.stops.send(self.dev["stopped"][: len(keep)])
         if finished is not None:
             self.deliver(finished, out)
@@ -197,7 +204,7 @@ class Decoder(ABC):
                 masked = cur == M
                 editable = refine.editable(cur, M) if refine is not None else None
             if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
-                work = _work_left(masked, editable, self.dev["stopped"][:n] if p.stop_at_eos else None)
+                work = _work_left(masked, editable, self.dev["stopped"][:n] if self.freezes else None)
                 if not bool(work):
                     break
             if fused:
@@ -215,7 +222,7 @@ class Decoder(ABC):
             trace.add(step, step_index, later)
             step_index = step_index + 1
             cur = step.tokens
-        if p.stop_at_eos:  # a row stopped a block ago keeps its tokens (it leaves at this block's end)
+        if self.freezes:  # a row stopped a block ago keeps its tokens (it leaves at this block's end)
             cur = torch.where(self.dev["stopped"][:n, None], start_tokens, cur)
         self.write_block(n, cols, cur)
         self.end_block(n, cols)
@@ -239,16 +246,17 @@ class Decoder(ABC):
 
     def record(self, n: int, cols: torch.Tensor, cur: torch.Tensor, trace: BlockTrace) -> list[bool]:
         """The block's trace into the rows' buffers (on the device) and who finished. ``stop_at_eos``: a row whose
-        response holds an EOS is marked ``stopped`` on the device and the host learns it at the end of the next
-        block (:class:`StopFlags`: no wait for the block just launched); in that block the row changes nothing
-        (no commit, step or token recorded) and then leaves, so its trajectory is the one it had."""
+        response holds an EOS is marked ``stopped`` on the device; on a CPU the host reads the flags at once and the
+        row leaves at this block's end; on CUDA (``freezes``) it learns them at the end of the next block
+        (:class:`StopFlags`: no wait for the block just launched), in which the row changes nothing (no commit,
+        step or token recorded) and then leaves, so its trajectory is the one it had."""
         d = self.dev
-        frozen = self.stops.receive(n) if self.params.stop_at_eos else [False] * n
+        frozen = self.stops.receive(n) if self.freezes else [False] * n
         stopped = d["stopped"][:n]
         if trace.count is not None:
             dcols = cols - d["first"][:n, None]
             committed = trace.forward >= 0
-            if self.params.stop_at_eos:
+            if self.freezes:
                 committed = committed & ~stopped[:, None]
             for name, new in (
                 ("fwd", d["steps"][:n, None] + trace.forward),
@@ -259,15 +267,16 @@ class Decoder(ABC):
                 d[name][:n].scatter_(1, dcols, torch.where(committed, new, old))
             if trace.keep_history:
                 self.record_history(n, trace, frozen)
-            d["steps"][:n] += trace.count.masked_fill(stopped, 0) if self.params.stop_at_eos else trace.count
+            d["steps"][:n] += trace.count.masked_fill(stopped, 0) if self.freezes else trace.count
         d["start"][:n] += self.B
         if self.params.stop_at_eos:
             in_resp = (cols - d["first"][:n, None]) >= d["resp"][:n, None]
             stopped |= ((cur == self.e.eos) & in_resp).any(dim=1)
+        ends = frozen if self.freezes or not self.params.stop_at_eos else stopped.tolist()  # a read at once: CPU
         for i in (i for i in range(n) if not frozen[i]):
             self.host["block"][i] += 1
             self.host["start"][i] += self.B
-        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(frozen)]
+        return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(ends)]
 
     def record_history(self, n: int, trace: BlockTrace, frozen: list[bool]) -> None:
         """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block) of the rows
