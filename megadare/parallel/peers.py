@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Optional
 
 import torch.distributed as dist
@@ -56,6 +57,21 @@ def suspects(rank: int) -> list[tuple[int, int, str, str]]:
         if state is not None:
             found.append((r, pid, h, state))
     return found
+
+
+def dead_within(rank: int, wait_s: float) -> list[int]:
+    """The peers of ``rank`` on this host found dead, looking again for up to ``wait_s`` while none is. A SIGKILLed
+    process's sockets close before it shows as dead (the kernel's exit closes its files, then makes it a zombie):
+    a survivor that read 'Connection reset by peer' could look in between (a few ms, more on a loaded host), find
+    every peer running and name none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [r for r, _, _, state in suspects(rank) if state == "died"]
+        host = socket.gethostname()
+        others_here = any(r != rank and h == host for r, (_, h) in _PEERS.items())
+        if dead or not others_here or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def named(found: list[tuple[int, int, str, str]]) -> str:
