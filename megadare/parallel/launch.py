@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megadare.console import share
-from megadare.errors import RESUME, PeerError
+from megadare.errors import RESUME, PeerError, StoppedBeforeTheLoop
 from megadare.lifetime import die_with_parent
 from megadare.parallel import peers
 
@@ -109,8 +109,8 @@ def _entry(rank: int, world: int, call, queue, launcher: _Launcher, line) -> Non
 
 def _one_line_error(e: BaseException):
     """megadare's own one-line errors (ValueError subclasses defined in megadare: ConfigError, DataError, ...; a
-    ``PeerError``), pickled to be raised again in the parent as they are; None for anything else."""
-    if isinstance(e, (ValueError, PeerError)) and type(e).__module__.startswith("megadare."):
+    ``PeerError``; a SIGTERM before the loop, ``StoppedBeforeTheLoop``), pickled to be raised again in the parent as they are; None for anything else."""
+    if isinstance(e, (ValueError, PeerError, StoppedBeforeTheLoop)) and type(e).__module__.startswith("megadare."):
         try:
             return pickle.dumps(e)
         except Exception:  # noqa: BLE001 - an unpicklable error is reported by its traceback
