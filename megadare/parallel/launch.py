@@ -150,7 +150,7 @@ def run_here(run: Callable, *args: Any) -> Any:
 
 
 # how long a survivor looks again for the dead peer on its host (``peers.dead_within``) before naming none
-_SETTLE_S = 1.0
+_SETTLE_S = 0.5
 
 
 def _me() -> tuple[str, str, str]:

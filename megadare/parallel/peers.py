@@ -39,11 +39,26 @@ def _state(pid: int) -> Optional[str]:
         return "died"
     except psutil.Error:
         return None
-    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) or exiting(pid):
         return "died"
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return "is stopped (SIGSTOP, Ctrl-Z, a debugger)"
     return None
+
+
+_PF_EXITING = 0x4  # linux/sched.h: the process is in its exit (set before it closes its files)
+
+
+def exiting(pid: int, proc: str = "/proc") -> bool:
+    """Whether ``pid`` is in its exit (a SIGKILL delivered): its sockets may be closed already while it still
+    shows as running, not a zombie (``/proc/PID/stat``'s flags; False where they cannot be read)."""
+    try:
+        with open(os.path.join(proc, str(pid), "stat")) as f:
+            stat = f.read()
+        flags = int(stat[stat.rindex(")") + 2 :].split()[6])  # field 9; the name before it may hold ') '
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(flags & _PF_EXITING)
 
 
 def suspects(rank: int) -> list[tuple[int, int, str, str]]:
