@@ -22,6 +22,7 @@ from megadare.errors import (
     OutputError,
     PeerError,
     RunStateError,
+    StoppedBeforeTheLoop,
 )
 from megadare.options import positive_int, positive_number
 from megadare.rewards import RewardError, RewardSpecError
@@ -297,6 +298,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     except _ONE_LINE_ERRORS as e:
         report_error(e)
         return 2
+    except StoppedBeforeTheLoop:  # a run's SIGTERM while it set up: it ended as a run stopped in its loop does
+        command = argv[0] if argv else "megadare"
+        print(
+            f"{command} stopped by SIGTERM before its first step: nothing new to save; run the same command again to "
+            "resume from its newest checkpoint, if any",
+            flush=True,
+        )
+        return 0
     except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
         print(
             "\nmegadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any",

@@ -38,4 +38,11 @@ class JobStopping(PeerError):
     decides alike."""
 
 
+class StoppedBeforeTheLoop(BaseException):
+    """SIGTERM (Slurm's preemption, scancel) while a run set up, before its first step (trainer/signals.py): the
+    set-up unwinds (Ray, the checkpoint writers and the run lock end with it) and the command says so in one line,
+    exit 0 as a run stopped in its loop. A BaseException, as KeyboardInterrupt: no ``except Exception`` on its way
+    swallows it."""
+
+
 RESUME = "the run stops; run the same command again to resume from its last checkpoint"

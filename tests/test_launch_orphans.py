@@ -128,3 +128,43 @@ def test_a_rank_whose_launcher_died_before_the_death_signal_was_armed_exits_at_o
             os._exit(0)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 1 and not (tmp_path / "ran").exists()
+
+
+def test_the_ray_of_a_sigkilled_megadare_rl_nproc_2_goes_with_it(tmp_path):
+    """``megadare rl --nproc 2`` killed (SIGKILL) once its engines generate: the ranks die with the launcher
+    (PR_SET_PDEATHSIG), and the Ray rank 0 started (GCS, raylet, dashboard and agents, the engines' workers) must
+    go too: Ray fate-shares its GCS and raylet with the driver, the workers follow the raylet, the guard
+    (rollout/ray_guard.py) SIGKILLs the agents. Each is seen alive before the kill."""
+    from megadare.rollout.ray_guard import is_ray
+
+    run, log = tmp_path / "run", open(tmp_path / "rl.log", "w")
+    config = Path(__file__).parents[1] / "megadare" / "configs" / "demo_rl.yaml"
+    overrides = ["rl.steps=100000", "rl.eval_size=4", "rl.eval_interval=0", "rl.prompts_per_step=2", "rl.n_samples=2"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "megadare", "rl", "--config", str(config), "--nproc", "2", *overrides]
+        + [f"logging.run_dir={run}", "logging.tensorboard=false", "train.micro_batch_size=2"],
+        stdout=log,
+        stderr=log,
+    )
+    left: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):  # a step is done
+            assert launcher.poll() is None, (tmp_path / "rl.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no RL step within 240 s"
+            time.sleep(0.5)
+        left = psutil.Process(launcher.pid).children(recursive=True)
+        ray = [os.path.basename(p.cmdline()[0]) for p in left if _alive_ray(p, is_ray)]
+        assert "gcs_server" in ray and "raylet" in ray, ray
+        assert any(c.startswith("ray::") for c in ray), ray  # a worker: an engine's or an agent
+        _kill_and_expect_gone(launcher, left)
+    finally:
+        _end(launcher, left)
+        log.close()
+
+
+def _alive_ray(p: psutil.Process, is_ray) -> bool:
+    try:
+        return is_ray(p) and not _gone(p)
+    except psutil.Error:
+        return False

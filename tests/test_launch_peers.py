@@ -110,6 +110,48 @@ def test_a_lost_rank_in_a_larger_world_is_named_as_a_peer_of_the_survivor(monkey
     assert "that rank was lost in a collective (Read error [10.0.0.2]:4021: Connection reset by peer)" in msg, msg
 
 
+def test_a_peer_whose_socket_closed_before_it_showed_dead_is_still_named(monkeypatch):
+    """World 3 under torchrun on a loaded host: rank 2 SIGKILLed, and rank 0 said 'a peer of trainer rank 0 died'.
+    The kernel closes a killed process's sockets before it shows as dead (a zombie): the survivor read 'Connection
+    reset by peer' and looked in between, finding every peer running (the world-of-three test above
+    named no one 2 runs in 8 with four busy loops on two cores). Here the peer still runs when the survivor
+    looks and dies 0.2 s later: it is named."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from megadare.parallel import peers
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    threading.Timer(0.2, peer.kill).start()  # Popen's wait (below) reaps it meanwhile: gone, then
+    threading.Timer(0.25, peer.wait).start()
+    host = socket.gethostname()
+    monkeypatch.setattr(peers, "_PEERS", {0: (os.getpid(), host), 1: (1, "another-host"), 2: (peer.pid, host)})
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    try:
+        msg = launch.lost_rank("Connection reset by peer")
+    finally:
+        peer.kill()
+        peer.wait()
+    assert msg.startswith("trainer rank 2 died (SIGKILL, ") and ": trainer rank 0 (pid " in msg, msg
+
+
+def test_a_peer_in_its_exit_counts_as_dead_though_it_shows_running(tmp_path):
+    """The killed peer of the world of three, looked at between its sockets' close and its zombie state, shows
+    'running' (4 kills in 60 with two busy loops on two cores, each time with PF_EXITING set): its /proc flags say
+    it is in its exit. Read past a name holding ') ' (a process may call itself anything)."""
+    from megadare.parallel import peers
+
+    fields = "R 1 2 3 0 -1 {flags} 0 0 0 0 1 2 0 0 20 0 1 0 5 6 7"
+    for pid, flags in ((11, 0x404044), (12, 0x404040)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a) b) R (c) " + fields.format(flags=flags))
+    assert peers.exiting(11, proc=str(tmp_path)) and not peers.exiting(12, proc=str(tmp_path))
+    assert not peers.exiting(os.getpid()) and not peers.exiting(13, proc=str(tmp_path))
+
+
 def test_an_engine_lost_mid_push_is_not_taken_for_a_lost_trainer_rank(monkeypatch):
     """A weight push whose engine died says so itself (a PeerError whose cause is gloo's 'Connection reset by
     peer'); before, run_here took it for a lost trainer rank and replaced the line."""

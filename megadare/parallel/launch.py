@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megadare.console import share
-from megadare.errors import RESUME, PeerError
+from megadare.errors import RESUME, PeerError, StoppedBeforeTheLoop
 from megadare.lifetime import die_with_parent
 from megadare.parallel import peers
 
@@ -109,8 +109,8 @@ def _entry(rank: int, world: int, call, queue, launcher: _Launcher, line) -> Non
 
 def _one_line_error(e: BaseException):
     """megadare's own one-line errors (ValueError subclasses defined in megadare: ConfigError, DataError, ...; a
-    ``PeerError``), pickled to be raised again in the parent as they are; None for anything else."""
-    if isinstance(e, (ValueError, PeerError)) and type(e).__module__.startswith("megadare."):
+    ``PeerError``; a SIGTERM before the loop, ``StoppedBeforeTheLoop``), pickled to be raised again in the parent as they are; None for anything else."""
+    if isinstance(e, (ValueError, PeerError, StoppedBeforeTheLoop)) and type(e).__module__.startswith("megadare."):
         try:
             return pickle.dumps(e)
         except Exception:  # noqa: BLE001 - an unpicklable error is reported by its traceback
@@ -149,6 +149,10 @@ def run_here(run: Callable, *args: Any) -> Any:
         raise
 
 
+# how long a survivor looks again for the dead peer on its host (``peers.dead_within``) before naming none
+_SETTLE_S = 0.5
+
+
 def _me() -> tuple[str, str, str]:
     """This rank, the world size and '(pid P on host)'."""
     here = f"(pid {os.getpid()} on {socket.gethostname()})"
@@ -161,11 +165,11 @@ def _where_named() -> str:
 
 def lost_rank(cause: str) -> str:
     """The line for this rank losing another in a collective (``cause``: gloo's or NCCL's words). Neither names the
-    dead rank: a dead one on this host is found (``peers.suspects``); else in a world of two it is the other one,
+    dead rank: a dead one on this host is found (``peers.dead_within``); else in a world of two it is the other one,
     else 'a peer of trainer rank R' (torchrun's 'Root Cause' names it)."""
     rank, world, here = _me()
     named = _where_named()
-    dead = [r for r, _, _, state in peers.suspects(int(rank)) if state == "died"] if rank.isdigit() else []
+    dead = peers.dead_within(int(rank), _SETTLE_S) if rank.isdigit() else []
     if dead:
         ranks = ", ".join(map(str, dead))
         dead_s, who = f"trainer rank{'s' if len(dead) > 1 else ''} {ranks}", f"trainer rank {rank} {here} lost it"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Optional
 
 import torch.distributed as dist
@@ -38,11 +39,26 @@ def _state(pid: int) -> Optional[str]:
         return "died"
     except psutil.Error:
         return None
-    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) or exiting(pid):
         return "died"
     if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
         return "is stopped (SIGSTOP, Ctrl-Z, a debugger)"
     return None
+
+
+_PF_EXITING = 0x4  # linux/sched.h: the process is in its exit (set before it closes its files)
+
+
+def exiting(pid: int, proc: str = "/proc") -> bool:
+    """Whether ``pid`` is in its exit (a SIGKILL delivered): its sockets may be closed already while it still
+    shows as running, not a zombie (``/proc/PID/stat``'s flags; False where they cannot be read)."""
+    try:
+        with open(os.path.join(proc, str(pid), "stat")) as f:
+            stat = f.read()
+        flags = int(stat[stat.rindex(")") + 2 :].split()[6])  # field 9; the name before it may hold ') '
+    except (OSError, ValueError, IndexError):
+        return False
+    return bool(flags & _PF_EXITING)
 
 
 def suspects(rank: int) -> list[tuple[int, int, str, str]]:
@@ -56,6 +72,21 @@ def suspects(rank: int) -> list[tuple[int, int, str, str]]:
         if state is not None:
             found.append((r, pid, h, state))
     return found
+
+
+def dead_within(rank: int, wait_s: float) -> list[int]:
+    """The peers of ``rank`` on this host found dead, looking again for up to ``wait_s`` while none is. A SIGKILLed
+    process's sockets close before it shows as dead (the kernel's exit closes its files, then makes it a zombie):
+    a survivor that read 'Connection reset by peer' could look in between (a few ms, more on a loaded host), find
+    every peer running and name none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [r for r, _, _, state in suspects(rank) if state == "died"]
+        host = socket.gethostname()
+        others_here = any(r != rank and h == host for r, (_, h) in _PEERS.items())
+        if dead or not others_here or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def named(found: list[tuple[int, int, str, str]]) -> str:

@@ -430,7 +430,8 @@ class RolloutManager:
         from ray.exceptions import RayError  # heavy: Ray
         from ray.util.placement_group import remove_placement_group
 
-        for slot in sorted(self.unanswered) if self.gcs.error is None else []:
+        gcs_dead = self.gcs.found_dead()  # after a SIGTERM to the job (set-up stopped by it): at once
+        for slot in sorted(self.unanswered) if not gcs_dead else []:
             ray.kill(self.actors[slot])
         closing = [a.close.remote() for s, a in enumerate(self.actors) if s not in self.unanswered]
         try:
@@ -438,7 +439,7 @@ class RolloutManager:
         except RayError:  # a dead actor, an engine whose shutdown failed or hangs: killed below all the same
             pass
         self.gcs.stop()
-        if self.gcs.error is not None:
+        if gcs_dead or self.gcs.error is not None:
             end_local_ray()
             return
         for a in self.actors:

@@ -252,12 +252,16 @@ class GcsWatch:
             f"no rollout engine can be reached through Ray any more; {RESUME} once Ray is up again"
         )
 
-    def check(self) -> None:
-        """Raise the watch's ``PeerError`` (stopping the watch) once the GCS is found dead; after a SIGTERM, a GCS
-        that refuses now is dead at once (a call through it would wait until Ray ends this driver)."""
+    def found_dead(self) -> bool:
+        """Whether the GCS is found dead; after a SIGTERM, a GCS that refuses now is dead at once (a call through it
+        would wait until Ray ends this driver)."""
         if self.error is None and terminated() and gcs_reachable(self.address) is False:
             self._dead()
-        if self.error is not None:
+        return self.error is not None
+
+    def check(self) -> None:
+        """Raise the watch's ``PeerError`` (stopping the watch) once the GCS is found dead (``found_dead``)."""
+        if self.found_dead():
             self._stop.set()
             raise self.error
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 from megadare.convert.outputs import EXPORT_MARK, read_export_mark
 from megadare.errors import ConfigError, OutputError, PeerError
@@ -141,6 +144,19 @@ class _DropRayTokenNotice(logging.Filter):
         return not str(record.msg).startswith("Token authentication is enabled for this Ray cluster")
 
 
+@contextmanager
+def _own_sigterm_handler() -> Iterator[None]:
+    """Around ``ray.init``: megadare's SIGTERM handler (a run's set-up stopping, trainer/signals.py) is put back
+    after it, where Ray put its own (``sys.exit(15)``, noting nothing: the set-up's cleanup then went through the
+    GCS the same SIGTERM had ended). Ray's stays where megadare had none (evaluation)."""
+    before = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    finally:
+        if callable(before) and getattr(before, "__module__", "").startswith("megadare."):
+            signal.signal(signal.SIGTERM, before)
+
+
 def _quiet_ray_token_notice() -> None:
     log = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _DropRayTokenNotice) for f in log.filters):
@@ -185,8 +201,9 @@ def init_ray(num_engines: int, gcs_wait_s: float = 3600.0) -> None:
     joined = os.environ.get("RAY_ADDRESS")
     if not joined:  # ours to end should this process be SIGKILLed, or Ray come up half
         ray_guard.start()
+    kept = _own_sigterm_handler()
     try:
-        with outliving_the_gcs(gcs_wait_s):
+        with outliving_the_gcs(gcs_wait_s), kept:
             ray.init(
                 address=joined or "local",
                 include_dashboard=False,

@@ -30,6 +30,7 @@ from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 from megadare.trainer.rl_update import Correction, StepUpdate, TrainShape, replay_select
 from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.sft_loop import checkpoint_root
+from megadare.trainer.signals import stopping_before_the_loop
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 
 
@@ -49,6 +50,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     spec = resolve(cfg, launched_world(), job="rl")
     cfg = spec.cfg
     with ExitStack() as cleanup:
+        cleanup.enter_context(stopping_before_the_loop())  # exited last: after Ray's end and the lock's
         init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
         cleanup.callback(destroy_distributed)
         cleanup.enter_context(run_dir_lock(cfg.logging.run_dir, *checkpoint_roots(spec)))

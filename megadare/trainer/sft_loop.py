@@ -36,6 +36,7 @@ from megadare.trainer.moe_stats import MoELoadStats
 from megadare.trainer.monitor import Monitor, write_run_config
 from megadare.trainer.policy import Policy, build_policy, lora_of
 from megadare.trainer.run_lock import run_dir_lock
+from megadare.trainer.signals import stopping_before_the_loop
 from megadare.trainer.spec import RunSpec, launched_world, resolve
 from megadare.trainer.step import RowFormat, weighted_nll, train_step
 
@@ -121,14 +122,15 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     checkpoint unless a save interval falls there.
     """
     spec = resolve(cfg, launched_world(), job="sft")
-    layout = init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
-    try:
-        with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
-            run = setup_sft(spec)
-            out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
-        return {**out, "layout": {**asdict(layout), "dp": layout.dp}, "data": run.data_stats}
-    finally:
-        destroy_distributed()
+    with stopping_before_the_loop():
+        layout = init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
+        try:
+            with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
+                run = setup_sft(spec)
+                out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
+            return {**out, "layout": {**asdict(layout), "dp": layout.dp}, "data": run.data_stats}
+        finally:
+            destroy_distributed()
 
 
 def train_steps(run, step_fn, save, n_examples: int, desc: str, max_steps: Optional[int] = None) -> dict[str, Any]:
