@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -116,16 +117,39 @@ def _stops_saves_and_resumes(hook, run, argv: list[str], resume_argv: list[str],
     assert f"at step {step} (lr schedule" in resumed.stdout + resumed.stderr, (resumed.stdout, resumed.stderr[-3000:])
 
 
-def _ray_pids_of(session_pid: int) -> list[str]:
-    """Ray processes still running in the session ``session_pid`` leads (the run's own Ray)."""
-    import psutil
+def run_hooked(tmp_path, hook: str, argv: list[str], env: dict[str, str], timeout_s: float):
+    """``megadare ARGV`` run by the program ``hook`` (which signals its process group at some point) in a session
+    of its own, so the group it signals is its own: (the finished Popen, stdout, stderr)."""
+    program = tmp_path / "hook.py"
+    program.write_text(hook)
+    proc = subprocess.Popen(
+        [sys.executable, str(program), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, **env),
+        start_new_session=True,
+    )
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc, out, err
 
-    from megadare.rollout.ray_guard import is_ray
+
+def left_in_session(session_pid: int, within_s: float, only=None) -> list[str]:
+    """The processes of the session ``session_pid`` leads (the job's) still running after up to ``within_s``
+    seconds, those ``only`` keeps (all: None), as 'PID cmdline'."""
+    deadline = time.monotonic() + within_s
+    while (left := _in_session(session_pid, only)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _in_session(session_pid: int, only) -> list[str]:
+    import psutil
 
     left = []
     for p in psutil.process_iter():
         try:
-            if os.getsid(p.pid) == session_pid and is_ray(p) and p.status() != psutil.STATUS_ZOMBIE:
+            if os.getsid(p.pid) == session_pid and (only is None or only(p)) and p.status() != psutil.STATUS_ZOMBIE:
                 left.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
         except (psutil.Error, OSError):
             continue
@@ -139,29 +163,15 @@ def _ray_pids_of(session_pid: int) -> list[str]:
     ids=["mid-update", "before-rollout", "mid-update-nproc2"],
 )
 def test_a_sigterm_to_the_whole_job_keeps_what_it_can_and_says_so(tmp_path, where, nproc, stopped_at):
-    import time
-
-    hook = tmp_path / "hook.py"
-    hook.write_text(HOOK)
     run = tmp_path / "rl"
-    argv = _rl_argv(run, 4, nproc)
-    proc = subprocess.Popen(
-        [sys.executable, str(hook), *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, HOOK_WHERE=where),
-        start_new_session=True,  # the group it signals is its own
-    )
-    out, err = proc.communicate(timeout=280)
+    proc, out, err = run_hooked(tmp_path, HOOK, _rl_argv(run, 4, nproc), {"HOOK_WHERE": where}, 280)
     assert proc.returncode == 0, err[-3000:]
     assert f"rl stopped by signal at step {stopped_at};" in out, (out, err[-3000:])
     with open(run / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert int(f.read()) == stopped_at
-    deadline = time.monotonic() + 15
-    while _ray_pids_of(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _ray_pids_of(proc.pid) == []
+    from megadare.rollout.ray_guard import is_ray
+
+    assert left_in_session(proc.pid, 15, only=is_ray) == []  # the run's own Ray
 
 
 @pytest.mark.timeout(240)

@@ -7,11 +7,10 @@ one line and exits 0, as a run stopped in its loop does, and no process of the j
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
+
+from test_rl_group_sigterm import left_in_session, run_hooked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,20 +48,6 @@ _RL = [
 ]
 
 
-def _left_in_session(session: int) -> list[str]:
-    """The processes still running in the session ``session`` leads (the job's)."""
-    import psutil
-
-    left = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == session and p.status() != psutil.STATUS_ZOMBIE:
-                left.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
-        except (psutil.Error, OSError):
-            continue
-    return left
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "command, target, extra",
@@ -72,23 +57,10 @@ def _left_in_session(session: int) -> list[str]:
     ],
 )
 def test_a_sigterm_while_the_run_sets_up_ends_it_in_one_line_leaving_nothing(tmp_path, command, target, extra):
-    hook = tmp_path / "hook.py"
-    hook.write_text(HOOK)
     config = os.path.join(ROOT, "megadare", "configs", f"demo_{command}.yaml")
     argv = [command, "--config", config, f"logging.run_dir={tmp_path / 'run'}", "logging.tensorboard=false", *extra]
-    proc = subprocess.Popen(
-        [sys.executable, str(hook), *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, HOOK_TARGET=target),
-        start_new_session=True,  # the group it signals is its own
-    )
-    out, err = proc.communicate(timeout=220)
+    proc, out, err = run_hooked(tmp_path, HOOK, argv, {"HOOK_TARGET": target}, 220)
     assert proc.returncode == 0, (proc.returncode, out[-2000:], err[-3000:])
     assert f"{command} stopped by SIGTERM before its first step: nothing new to save;" in out, (out, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
-    deadline = time.monotonic() + 15
-    while _left_in_session(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _left_in_session(proc.pid) == []
+    assert left_in_session(proc.pid, 15) == []
