@@ -20,15 +20,17 @@ block loop per denoising step, and outside it: admission, eager prefill, results
 CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts in a minute
 (``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
 ``--unfused``: the layout's separate q/k/v and gate/up GEMMs (``DecoderLM.unfuse_projections``; the engine fuses
-them by default), the A/B of that fusion. ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike (``auto``: torch's choice, cuDNN on an H200,
-32 us per layer for a 4-query block in the 2026-11-27 profile; ``efficient``, ``math``: the alternatives to time).
-Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's sync does) and the
-compiled engine put to sleep and woken (a colocated engine's cycle): its ``after a weight push`` line says whether
-it still decodes what eager decodes, and how long its first call took after each (a re-recorded CUDA graph shows).
-Each phase prints a ``[rollout_compile]`` line with its seconds as it ends (a run cut by a timeout still says how
-far it got and how fast eager was). Exit status 1 when fp32 trajectories differ (before or after the push), or
-(one line) when the kernel ``--sdpa`` holds SDPA to cannot run the engine's attention call (torch's "No available
-kernel").
+them by default), the A/B of that fusion. ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike
+(``auto``: torch's choice, cuDNN on an H200, 32 us per layer for a 4-query block in the 2026-11-27 profile;
+``efficient``, ``math``: the alternatives to time). Then ``stop_at_eos`` (RL's 'eos' canvas): the flags read a block
+late, as on CUDA (``decoders.StopFlags``), must decode what reading them at once decodes, eager and compiled (its
+``stop at eos`` line). Then the weights are pushed (every parameter moved by 10% of its spread, in place, as RL's
+sync does) and the compiled engine put to sleep and woken (a colocated engine's cycle): its ``after a weight push``
+line says whether it still decodes what eager decodes, and how long its first call took after each (a re-recorded
+CUDA graph shows). Each phase prints a ``[rollout_compile]`` line with its seconds as it ends (a run cut by a
+timeout still says how far it got and how fast eager was). Exit status 1 when fp32 trajectories differ (before or
+after the push, or read a block late), or (one line) when the kernel ``--sdpa`` holds SDPA to cannot run the
+engine's attention call (torch's "No available kernel").
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
+from megadare.rollout import decoders
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
 
@@ -143,6 +147,39 @@ def after_push(eager: NativeEngine, compiled: NativeEngine, prompts, params, bef
         flush=True,
     )
     return changed > 0 and all(same_traces(want, x) for x in (got, woken))
+
+
+def stop_at_eos(eager: NativeEngine, compiled: NativeEngine, prompts, params, before) -> bool:
+    """``stop_at_eos`` (RL's 'eos' canvas) with the stop flags read a block late (``decoders.StopFlags``, what
+    CUDA does; forced here on any device) against read at once: the engines' EOS set to a token their trajectories
+    hold early, so rows stop at different blocks. Prints one line; True when eager and compiled, deferred, decode
+    what eager decodes reading at once (tokens, commit steps, finish reasons, forwards)."""
+    eos = before[0].response_ids[len(before[0].response_ids) // 4]
+    eos_params = replace(params, stop_at_eos=True)
+    runs = {}
+    for name, engine, deferred in (
+        ("at once", eager, ()),
+        ("eager", eager, ("cpu", "cuda")),
+        ("compiled", compiled, ("cpu", "cuda")),
+    ):
+        engine.eos, kept = eos, engine.eos
+        decoders.DEFERRED_STOP_READS, kept_reads = deferred, decoders.DEFERRED_STOP_READS
+        try:
+            runs[name] = [
+                (t.response_ids, t.commit_step, t.finish_reason, t.num_forwards)
+                for t in engine.generate(prompts, eos_params)
+            ]
+        finally:
+            engine.eos, decoders.DEFERRED_STOP_READS = kept, kept_reads
+    want = runs["at once"]
+    stopped = sum(finish == "eos" for _, _, finish, _ in want)
+    same = {k: sum(x == y for x, y in zip(want, v)) for k, v in runs.items() if k != "at once"}
+    print(
+        f"rollout compile stop at eos (token {eos}; {stopped}/{len(want)} rows stopped at it): read a block late == "
+        f"read at once: eager {same['eager']}/{len(want)} rows, compiled {same['compiled']}/{len(want)} rows",
+        flush=True,
+    )
+    return all(n == len(want) for n in same.values())
 
 
 def same_traces(a, b) -> bool:
@@ -344,6 +381,8 @@ def run(args) -> None:
         count_ops(compiled, prompts, params)
     if args.dtype == "fp32" and not same_traces(want, got):
         sys.exit("rollout compile: in fp32 the compiled engine's trajectories differ from eager's (see above)")
+    if not stop_at_eos(eager, compiled, prompts, params, want) and args.dtype == "fp32":
+        sys.exit("rollout compile: in fp32, stop_at_eos's flags read a block late decode otherwise than read at once")
     pushed = after_push(eager, compiled, prompts, params, want)
     progress(start, "compiled: after a weight push and a sleep / wake")
     if args.dtype == "fp32" and not pushed:

@@ -156,7 +156,8 @@ def test_rollout_compile_reproduces_eager_in_fp32():
     """benchmarks/rollout_compile.py (the GPU run's check that rollout.compile is the same decoder) on a CPU: the
     compiled engine's tokens and commit steps equal eager's, and the script says so in its result line (with SDPA
     held to its math kernel, the ``--sdpa`` switch the next GPU run times); and again after a weight push (which
-    changed them) and a sleep / wake."""
+    changed them) and a sleep / wake; with ``stop_at_eos`` the flags read a block late (CUDA's way) decode what
+    reading them at once does, eager and compiled."""
     script = os.path.join(ROOT, "benchmarks", "rollout_compile.py")
     small = ["--dtype", "fp32", "--batch", "2", "--prompt", "16", "--new", "8", "--rounds", "1", "--sdpa", "math"]
     r = subprocess.run([sys.executable, script] + small, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -165,6 +166,8 @@ def test_rollout_compile_reproduces_eager_in_fp32():
     assert "tokens equal 16/16, commit steps equal 16/16, rows identical 2/2" in line, line
     pushed = next(ln for ln in r.stdout.splitlines() if ln.startswith("rollout compile after a weight push"))
     assert pushed.count("rows identical 2/2") == 2 and "rows changed by the push 0/" not in pushed, pushed
+    eos = next(ln for ln in r.stdout.splitlines() if ln.startswith("rollout compile stop at eos"))
+    assert "read at once: eager 2/2 rows, compiled 2/2 rows" in eos and "; 0/2 rows stopped" not in eos, eos
 
 
 def test_rollout_compile_names_an_sdpa_kernel_that_cannot_run():
