@@ -49,7 +49,8 @@ class StopFlags:
     def __init__(self, rows: int, device: torch.device):
         self.deferred = device.type in DEFERRED_STOP_READS
         self.cuda = device.type == "cuda"
-        self.host = torch.zeros(rows, dtype=torch.bool, pin_memory=self.cuda)
+        host = torch.zeros(rows, dtype=torch.bool)
+        self.host = host.pin_memory() if self.cuda else host
         self.sent = 0
         self.event: Optional[Any] = None
 
