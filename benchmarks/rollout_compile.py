@@ -308,8 +308,13 @@ def host() -> str:
     return f"{model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
 
-def projections(args) -> str:
-    return "projections unfused" if args.unfused else "projections fused"
+def run_words(args, device) -> str:
+    """The result line's opening: what ran, on which device, with which kernels and shapes."""
+    projections = "unfused" if args.unfused else "fused"
+    return (
+        f"rollout compile {args.dtype} on {device}, sdpa {args.sdpa}, projections {projections}, batch {args.batch}, "
+        f"prompt {args.prompt}, {args.new} new, block 4, 4 steps/block"
+    )
 
 
 def progress(t0: float, what: str) -> None:
@@ -324,8 +329,7 @@ def compiled_only(args, compiled: NativeEngine, prompts, params, start: float) -
     t_compiled, _ = best_call(compiled, prompts, params, args.rounds)
     n = args.batch * args.new
     print(
-        f"rollout compile {args.dtype} on {compiled.device}, sdpa {args.sdpa}, {projections(args)}, batch {args.batch}, prompt "
-        f"{args.prompt}, {args.new} new, block 4, 4 steps/block: compiled {n / t_compiled:.0f} tok/s "
+        f"{run_words(args, compiled.device)}: compiled {n / t_compiled:.0f} tok/s "
         f"({t_compiled * 1e3:.0f} ms per call; no eager baseline: --compiled-only)",
         flush=True,
     )
@@ -368,9 +372,7 @@ def run(args) -> None:
     t_compiled, got = best_call(compiled, prompts, params, args.rounds)
     nll = sum(-lp for t in want for lp in t.logprobs) / n
     print(
-        f"rollout compile {args.dtype} on {dev}, sdpa {args.sdpa}, {projections(args)}, batch {args.batch}, prompt {args.prompt}, "
-        f"{args.new} new, block 4, "
-        f"4 steps/block, head x{args.head_scale:g} (mean -log p {nll:.2f}): compiled {n / t_compiled:.0f} tok/s, "
+        f"{run_words(args, dev)}, head x{args.head_scale:g} (mean -log p {nll:.2f}): compiled {n / t_compiled:.0f} tok/s, "
         f"eager {n / t_eager:.0f} tok/s ({t_eager / t_compiled:.2f}x); compile call {t_compile:.1f} s; "
         f"{agreement(want, got)}",
         flush=True,

@@ -109,7 +109,8 @@ def _entry(rank: int, world: int, call, queue, launcher: _Launcher, line) -> Non
 
 def _one_line_error(e: BaseException):
     """megadare's own one-line errors (ValueError subclasses defined in megadare: ConfigError, DataError, ...; a
-    ``PeerError``; a SIGTERM before the loop, ``StoppedBeforeTheLoop``), pickled to be raised again in the parent as they are; None for anything else."""
+    ``PeerError``; a SIGTERM before the loop, ``StoppedBeforeTheLoop``), pickled to be raised again in the parent as
+    they are; None for anything else."""
     if isinstance(e, (ValueError, PeerError, StoppedBeforeTheLoop)) and type(e).__module__.startswith("megadare."):
         try:
             return pickle.dumps(e)

@@ -80,10 +80,10 @@ def dead_within(rank: int, wait_s: float) -> list[int]:
     a survivor that read 'Connection reset by peer' could look in between (a few ms, more on a loaded host), find
     every peer running and name none."""
     deadline = time.monotonic() + wait_s
+    host = socket.gethostname()
+    others_here = any(r != rank and h == host for r, (_, h) in _PEERS.items())
     while True:
         dead = [r for r, _, _, state in suspects(rank) if state == "died"]
-        host = socket.gethostname()
-        others_here = any(r != rank and h == host for r, (_, h) in _PEERS.items())
         if dead or not others_here or time.monotonic() >= deadline:
             return dead
         time.sleep(0.01)

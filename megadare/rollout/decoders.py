@@ -43,11 +43,10 @@ class StopFlags:
     device's flags at a block's end (CUDA: into pinned memory, ``non_blocking``, then an event), :meth:`receive`
     takes them at the end of the next block, after that block's work is queued, so the host never drains the
     GPU's queue to learn who finished (a blocking read per block left the GPU idle while the host launched the
-    next block). ``deferred`` only on :data:`DEFERRED_STOP_READS`. Rows are those of the batch after the send's
+    next block). Used on :data:`DEFERRED_STOP_READS` only. Rows are those of the batch after the send's
     compaction; rows admitted since were not sent and have not stopped."""
 
     def __init__(self, rows: int, device: torch.device):
-        self.deferred = device.type in DEFERRED_STOP_READS
         self.cuda = device.type == "cuda"
         host = torch.zeros(rows, dtype=torch.bool)
         self.host = host.pin_memory() if self.cuda else host
@@ -124,8 +123,9 @@ class Decoder(ABC):
             "logp": torch.zeros((cap, decode_cols), dtype=torch.float32, device=dev),
             "stopped": torch.zeros(cap, dtype=torch.bool, device=dev),  # an EOS in the response: frozen, leaving
         }
-        self.stops = StopFlags(cap, engine.device)
-        self.freezes = params.stop_at_eos and self.stops.deferred  # a row found stopped rides a block frozen
+        # a row found stopped rides a block frozen: stop_at_eos where reads wait for the device (StopFlags)
+        self.freezes = params.stop_at_eos and engine.device.type in DEFERRED_STOP_READS
+        self.stops = StopFlags(cap, engine.device) if self.freezes else None
         self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
         self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
 

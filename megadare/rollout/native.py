@@ -27,16 +27,16 @@ driver and the two decoders):
   the model's device; each prompt samples from its own counter-based stream keyed (seed, prompt index)
   (``engine.prompt_seed``), so its trajectory depends on neither the batch nor the engine. The trace (global
   step, block-local step, log-prob of every commit) is kept on the device; the host reads one row of flags per
-  block (who found an EOS; none without ``stop_at_eos``: no row ends early) a block late, from a copy started
-  without a wait (``decoders.StopFlags``; the row rides that block frozen), and the rows that finish at a block
-  once per buffer, after the next block is queued (``decoders.FinishedRows``). A block's forwards run without a
+  block (who found an EOS; none without ``stop_at_eos``: no row ends early), on CUDA a block late, from a copy
+  started without a wait (``decoders.StopFlags``; the row rides that block frozen), and the rows that finish at
+  a block once per buffer, after the next block is queued (``decoders.FinishedRows``). A block's forwards run without a
   host read when the schedule is static (the number of steps follows from the masked counts); the dynamic
   threshold and token editing read one flag per step to stop early.
   A step and its record are one call (``dllm_step.denoise_step``; compiled: one graph, no eager op between two
   forwards) unless token editing or per-step records keep its history.
 * Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
-  a row that finishes leaves at the end of its block (at an EOS: of the next one), a queued prompt takes its
-  place, and the batch is compacted so the forward never carries finished rows.
+  a row that finishes leaves at the end of its block (at an EOS on CUDA: of the next one), a queued prompt takes
+  its place, and the batch is compacted so the forward never carries finished rows.
 * ``compile=True`` runs the model forward through ``torch.compile`` (CUDA graphs on CUDA via ``reduce-overhead``);
   the key length is padded to a multiple of 64 columns so few shapes occur. Off by default: not measured faster
   on CPU (benchmarks/rollout_throughput.py).

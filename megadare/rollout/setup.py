@@ -201,9 +201,8 @@ def init_ray(num_engines: int, gcs_wait_s: float = 3600.0) -> None:
     joined = os.environ.get("RAY_ADDRESS")
     if not joined:  # ours to end should this process be SIGKILLed, or Ray come up half
         ray_guard.start()
-    kept = _own_sigterm_handler()
     try:
-        with outliving_the_gcs(gcs_wait_s), kept:
+        with outliving_the_gcs(gcs_wait_s), _own_sigterm_handler():
             ray.init(
                 address=joined or "local",
                 include_dashboard=False,

@@ -155,14 +155,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
-def _mlp(x: torch.Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> torch.Tensor:
-    return down(F.silu(gate(x)) * up(x))
-
-
-def _fused_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: nn.Linear) -> torch.Tensor:
-    """``_mlp`` with gate and up as one GEMM (``DecoderLM.fuse_projections``)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return down(F.silu(gate) * up)
+def _mlp(x: torch.Tensor, linears: tuple, gate_up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SwiGLU through ``linears`` (gate, up, down); with ``gate_up`` (``DecoderLM.fuse_projections``) gate and up
+    as that one GEMM."""
+    gate, up, down = linears
+    if gate_up is None:
+        return down(F.silu(gate(x)) * up(x))
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return down(F.silu(g) * u)
 
 
 def route(logits: torch.Tensor, arch: ModelArch, expert_bias: Optional[torch.Tensor]):
@@ -327,7 +327,7 @@ class DecoderLM(nn.Module):
         for i, layer in enumerate(self._layers):
             x = x + self._attention(layer.input_norm(x), layer, allowed, rope, kv_cache, i)
             h = layer.post_norm(x)
-            x = x + (self._moe(h, layer) if layer.moe else layer.dense_mlp(h))
+            x = x + (self._moe(h, layer) if layer.moe else _mlp(h, layer.mlp, layer.fused_gate_up))
         if logits_index is not None:
             if logits_index.shape[1] == 0:
                 return None
@@ -372,17 +372,17 @@ class DecoderLM(nn.Module):
             y = self._experts_one_by_one(x, layer, tok, slot, topw, counts.tolist())
         y = y.to(h.dtype).view(B, S, C)
         if layer.shared is not None:
-            y = y + layer.shared_mlp(h)
+            y = y + _mlp(h, layer.shared, layer.fused_shared_gate_up)
         return y
 
     @staticmethod
     def _experts_one_by_one(x, layer: "_Layer", tok, slot, topw, counts: list[int]) -> torch.Tensor:
         y = torch.zeros_like(x, dtype=torch.float32)
         start = 0
-        for (gate, up, down), c in zip(layer.experts, counts):
+        for expert, c in zip(layer.experts, counts):
             if c:
                 t, sl = tok[start : start + c], slot[start : start + c]
-                y.index_add_(0, t, _mlp(x[t], gate, up, down).float() * topw[t, sl, None])
+                y.index_add_(0, t, _mlp(x[t], expert).float() * topw[t, sl, None])
             start += c
         return y
 
@@ -549,16 +549,6 @@ class _Layer:
         self.fused_qkv: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         self.fused_gate_up: Optional[torch.Tensor] = None
         self.fused_shared_gate_up: Optional[torch.Tensor] = None
-
-    def dense_mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is None:
-            return _mlp(h, *self.mlp)
-        return _fused_mlp(h, self.fused_gate_up, self.mlp[2])
-
-    def shared_mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if self.fused_shared_gate_up is None:
-            return _mlp(h, *self.shared)
-        return _fused_mlp(h, self.fused_shared_gate_up, self.shared[2])
 
 
 def decoder_family(
