@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -88,26 +89,36 @@ def _end(launcher: subprocess.Popen, left: list[psutil.Process]) -> None:
 
 def test_sft_ranks_die_with_a_sigkilled_megadare_nproc_2(tmp_path):
     """The command as users run it: ``megadare sft --nproc 2`` (start method 'spawn') killed once training started."""
-    run, log = tmp_path / "run", open(tmp_path / "sft.log", "w")
     config = Path(__file__).parents[1] / "examples" / "configs" / "sft_sdar_tiny.yaml"
-    command = [sys.executable, "-m", "megadare", "sft", "--config", str(config), "--nproc", "2"]
+    command = ["sft", "--config", str(config), "--nproc", "2"]
     overrides = ["data.synthetic_size=64", "train.global_batch_size=4", "train.steps=100000"]
-    launcher = subprocess.Popen(
-        [*command, *overrides, f"logging.run_dir={run}", "logging.tensorboard=false"], stdout=log, stderr=log
-    )
-    left: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 240
-        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):  # a step is done
-            assert launcher.poll() is None, (tmp_path / "sft.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no training step within 240 s"
-            time.sleep(0.5)
-        left = psutil.Process(launcher.pid).children(recursive=True)
+    with _megadare_after_a_step(tmp_path, [*command, *overrides], "training step") as (launcher, left):
         assert len([p for p in left if "--multiprocessing-fork" in p.cmdline()]) == 2, "not 2 ranks"
         _kill_and_expect_gone(launcher, left)
-    finally:
-        _end(launcher, left)
-        log.close()
+
+
+@contextmanager
+def _megadare_after_a_step(tmp_path, argv: list[str], step: str):
+    """``python -m megadare ARGV`` (run directory and log under ``tmp_path``) once its first ``step`` is done (a
+    line in metrics.jsonl; 240 s at most): (the launcher, its descendants then); nothing left after it (``_end``)."""
+    run, log_path = tmp_path / "run", tmp_path / "megadare.log"
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "megadare", *argv, f"logging.run_dir={run}", "logging.tensorboard=false"],
+            stdout=log,
+            stderr=log,
+        )
+        left: list[psutil.Process] = []
+        try:
+            deadline = time.monotonic() + 240
+            while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+                assert launcher.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"no {step} within 240 s"
+                time.sleep(0.5)
+            left = psutil.Process(launcher.pid).children(recursive=True)
+            yield launcher, left
+        finally:
+            _end(launcher, left)
 
 
 def _mark(rank: int, world: int, where: str) -> None:
@@ -137,30 +148,14 @@ def test_the_ray_of_a_sigkilled_megadare_rl_nproc_2_goes_with_it(tmp_path):
     (rollout/ray_guard.py) SIGKILLs the agents. Each is seen alive before the kill."""
     from megadare.rollout.ray_guard import is_ray
 
-    run, log = tmp_path / "run", open(tmp_path / "rl.log", "w")
     config = Path(__file__).parents[1] / "megadare" / "configs" / "demo_rl.yaml"
     overrides = ["rl.steps=100000", "rl.eval_size=4", "rl.eval_interval=0", "rl.prompts_per_step=2", "rl.n_samples=2"]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "megadare", "rl", "--config", str(config), "--nproc", "2", *overrides]
-        + [f"logging.run_dir={run}", "logging.tensorboard=false", "train.micro_batch_size=2"],
-        stdout=log,
-        stderr=log,
-    )
-    left: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 240
-        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):  # a step is done
-            assert launcher.poll() is None, (tmp_path / "rl.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no RL step within 240 s"
-            time.sleep(0.5)
-        left = psutil.Process(launcher.pid).children(recursive=True)
+    argv = ["rl", "--config", str(config), "--nproc", "2", *overrides, "train.micro_batch_size=2"]
+    with _megadare_after_a_step(tmp_path, argv, "RL step") as (launcher, left):
         ray = [os.path.basename(p.cmdline()[0]) for p in left if _alive_ray(p, is_ray)]
         assert "gcs_server" in ray and "raylet" in ray, ray
         assert any(c.startswith("ray::") for c in ray), ray  # a worker: an engine's or an agent
         _kill_and_expect_gone(launcher, left)
-    finally:
-        _end(launcher, left)
-        log.close()
 
 
 def _alive_ray(p: psutil.Process, is_ray) -> bool:
