@@ -16,7 +16,7 @@ from megadare.algos.base import RLSample
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.rollout.engine import SamplingParams, Trajectory
-from megadare.trainer.offpolicy.correction import correction_weights
+from megadare.trainer.offpolicy.correction import correction_weights, reindex
 from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
 from megadare.trainer.offpolicy.replay_scores import (
     balance_heuristic_weights,
@@ -450,6 +450,37 @@ def test_selection_levels_thresholds_and_filters():
         buf.select(2, 4, ReplayMatch(), generator=gen())
     with pytest.raises(ValueError, match="candidates"):
         buf.select(2, 4, ReplayMatch(log_ratios=lr), generator=gen())
+
+
+def _step_samples(version: int, prompts: int = 3, n: int = 2) -> list[RLSample]:
+    """One RL step's fresh samples: ``prompts`` groups of ``n``, prompt p's ids [version, p]."""
+    return [
+        RLSample([version, p], [1], 0.0, 0.0, index=p * n + i, group=p, policy_version=version)
+        for p in range(prompts)
+        for i in range(n)
+    ]
+
+
+def test_replayed_groups_stay_their_prompts_across_steps():
+    """The loop's order (rl.add_replay): select from the buffer, add the fresh samples, renumber the selected after
+    them. With replay.k=3 a version is a candidate at three steps; each step replays one whole group (the lowest
+    score: prompt 0, then prompt 1). Renumbered in place, prompts 0 and 1 of version 0 both became group 3 (the
+    first after the fresh ones) and step 3 pooled them as one group: a 2-sample selection took nothing, or four."""
+    buf = ReplayBuffer(k=3)
+    buf.add(_step_samples(0))
+    for step in (1, 2, 3):
+        cands = buf.entries(step)
+        favour = step - 1  # this step's best-matched prompt of version 0
+        scores = torch.tensor([0.0 if (e.version, e.sample.prompt_ids[1]) == (0, favour) else 1.0 for e in cands])
+        sel = buf.select(2, step, ReplayMatch(scores=scores), ReplayRule(level="group"))
+        assert [s.prompt_ids for s in sel.samples] == [[0, favour]] * 2, f"step {step}"
+        fresh = _step_samples(step)
+        buf.add(fresh)
+        replayed = reindex(list(sel.samples), fresh)
+        assert [(s.index, s.group) for s in replayed] == [(6, 3), (7, 3)]
+        # the buffer's own samples keep their prompt's group: one (version, group) key per prompt
+        keys = {(e.version, e.sample.group): tuple(e.sample.prompt_ids) for e in buf.entries()}
+        assert len(keys) == len({tuple(e.sample.prompt_ids) for e in buf.entries()})
 
 
 def test_scores_and_diagnostics():

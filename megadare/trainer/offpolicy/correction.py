@@ -26,6 +26,7 @@ weights, selections and metrics.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch
@@ -202,15 +203,21 @@ def bypass_rejection(cfg: Config):
 
 
 def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
-    """Replayed samples with indices and prompt groups after the fresh ones' (groups kept whole)."""
+    """Copies of the replayed samples with indices and prompt groups after the fresh ones' (groups kept whole).
+    Copies: the replay buffer keeps the originals, whose (version, group) key must stay the prompt's own in later
+    steps (renumbered in place, two prompts of one version renumbered at two steps would share a key, and be
+    pooled, selected and split into mini-batches as one group); ``extra`` is copied too, for the algorithms that
+    write into it per step."""
     first = max((s.index for s in fresh), default=-1) + 1
     gfirst = max((s.group for s in fresh), default=-1) + 1
     groups: dict[tuple[int, int], int] = {}
+    out = []
     for j, s in enumerate(replayed):
         key = (int(s.policy_version or 0), s.group)
-        s.group = groups.setdefault(key, gfirst + len(groups))
-        s.index = first + j
-    return replayed
+        c = copy.copy(s)
+        c.group, c.index, c.extra = groups.setdefault(key, gfirst + len(groups)), first + j, dict(s.extra)
+        out.append(c)
+    return out
 
 
 def oldest_needed(cfg: Config, step: int, ahead: int) -> int:
