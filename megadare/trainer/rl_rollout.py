@@ -115,8 +115,8 @@ class Rollouts:
         if max(stale) > off.max_staleness:
             oldest = min(t.policy_version for t in traj)
             raise RuntimeError(
-                f"rollout of step {step} used policy version {oldest}, staler than "
-                f"{cfg.as_written('offpolicy.max_staleness')}={off.max_staleness}"
+                f"the rollout of RL step {step + 1} used policy version {oldest} (the weights after {oldest} steps), "
+                f"staler than {cfg.as_written('offpolicy.max_staleness')}={off.max_staleness}"
             )
         _stamp_versions(samples, traj, step, off.behaviour_logp == "engine")
         metrics.update(staleness_metrics(stale))
