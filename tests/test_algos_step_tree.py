@@ -194,3 +194,36 @@ def test_d_treerpo_self_distillation_gradient_equals_dare_kl():
     (got,) = torch.autograd.grad(mine, logits)
     assert lam > 0 and torch.allclose(got, want, atol=1e-12)
     assert all(i != 9 for i, _ in coef) and all(sibs[i].advantage > 0 for i, _ in coef)
+
+
+def test_d_treerpo_replayed_tree_keeps_its_own_siblings():
+    """D-ARL replay brings nodes of an older step's tree into the batch, renumbered into a group of their own
+    (correction.reindex) but with their ``extra['parent']`` as built: (group in its step, level, node). A
+    replayed tree of prompt group 0 has the names of the fresh tree of group 0; self-distillation pooled the two
+    as one sibling family (the positive nodes of both trees in one softmax, distilled towards each other's
+    segments though their parent states are different prompts)."""
+    from megadare.algos.d_treerpo import DTreeRPO
+    from megadare.trainer.offpolicy.correction import reindex
+
+    def tree(prompt: int, version: int, adv: float) -> list[RLSample]:
+        return [
+            RLSample(
+                [prompt],
+                y,
+                0.0,
+                a,
+                index=i,
+                group=0,
+                policy_version=version,
+                extra={"parent": (0, 1, 0), "rollout_step": 4},
+            )
+            for i, (y, a) in enumerate([([5, 6], adv), ([7, 8], -adv)])
+        ]
+
+    fresh = tree(1, version=3, adv=1.0)
+    replayed = reindex(tree(2, version=2, adv=0.5), fresh)
+    algo = DTreeRPO({"sd_max_steps": 10})
+    got = algo.self_distillation(fresh + replayed)
+    apart = [RLSample(**{**vars(s), "extra": {**s.extra, "parent": ("another tree",)}}) for s in replayed]
+    assert got == algo.self_distillation(fresh + apart)
+    assert {i for i, _ in got} == {0, 2}  # each tree's positive node, as its family's only positive

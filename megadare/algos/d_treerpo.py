@@ -230,7 +230,8 @@ class DTreeRPO(Algorithm):
 
     def samples_from(self, trajectories, rewards: list[float], n_samples: int) -> list[RLSample]:
         """One sample per tree node with a non-empty segment (parent state -> segment), advantage = local
-        advantage; ``extra['parent']`` names the node's parent (siblings share it)."""
+        advantage; ``extra['parent']`` names the node's parent inside the sample's prompt group (siblings share
+        both; replay renumbers the group, offpolicy.correction.reindex, so trees of different steps never mix)."""
         f, b, d = self.fanout(n_samples), self.p["branch"], self.p["depth"]
         out = []
         for g in range(len(trajectories) // n_samples):
@@ -281,8 +282,8 @@ class DTreeRPO(Algorithm):
     def self_distillation(self, samples: list[RLSample]) -> dict[tuple[int, int], float]:
         """{(sample index, token j): c}: SD's gradient is -sum c grad log p(y_j | parent state) over the batch."""
         by_parent: dict[tuple, list[RLSample]] = {}
-        for s in samples:
-            by_parent.setdefault(s.extra["parent"], []).append(s)
+        for s in samples:  # parent names a node inside its tree: a replayed tree of another step has the same names
+            by_parent.setdefault((s.group, s.extra["parent"]), []).append(s)
         pairs: list[tuple[int, list[tuple[RLSample, float]], float]] = []  # (position, [(sibling, q)], lambda)
         for sibs in by_parent.values():
             pos = [s for s in sibs if float(s.advantage) > 0]
