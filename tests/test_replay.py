@@ -8,6 +8,7 @@ import math
 import pickle
 from dataclasses import dataclass
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from megadare.algos.base import RLSample
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.rollout.engine import SamplingParams, Trajectory
-from megadare.trainer.offpolicy.correction import correction_weights, reindex
+from megadare.trainer.offpolicy.correction import correction_weights, oldest_needed, reindex
+from megadare.trainer.offpolicy.queue import WeightSnapshots
 from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
 from megadare.trainer.offpolicy.replay_scores import (
     balance_heuristic_weights,
@@ -459,6 +461,26 @@ def _step_samples(version: int, prompts: int = 3, n: int = 2) -> list[RLSample]:
         for p in range(prompts)
         for i in range(n)
     ]
+
+
+@pytest.mark.parametrize("ahead,flat", [(0, {2}), (1, {2, 3})])
+def test_every_version_the_buffer_holds_keeps_its_weight_snapshot(ahead, flat):
+    """rl.generate's order: prune the weight snapshots to ``oldest_needed``, snapshot this step's weights, replay
+    from the buffer (a behaviour pass under each candidate's version), add the step's samples (rollouts ``ahead``
+    versions old). A step that collected nothing (``flat``: every group filtered) adds no version, so the buffer
+    (k=2, its window counted from its newest version) still held version 0 after the bound step - ahead - k had
+    dropped its snapshot: the replay's behaviour pass raised 'no weight snapshot of policy version 0'."""
+    cfg = SimpleNamespace(replay=SimpleNamespace(k=2, enable=True))
+    buf, snaps = ReplayBuffer(k=2), WeightSnapshots([torch.nn.Linear(2, 2)])
+    for step in range(6):
+        snaps.keep_from(oldest_needed(cfg, step, ahead, buf.versions))
+        snaps.take(step)
+        for v in buf.versions:
+            with snaps.swapped_in(v):
+                pass
+        if step not in flat:
+            buf.add([RLSample([1], [2], 0.0, 0.0, policy_version=max(step - ahead, 0))])
+    assert sorted(snaps.store) == list(range(3 - ahead, 6))  # the bound again once the buffer moved on
 
 
 def test_replayed_groups_stay_their_prompts_across_steps():

@@ -229,7 +229,8 @@ def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     With async correction, the weights of this version are snapshotted first (behaviour of rollouts queued now)."""
     t0 = time.perf_counter()
     if run.snapshots is not None:
-        run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead))
+        held = run.buffer.versions if run.buffer is not None else ()
+        run.snapshots.keep_from(oldest_needed(run.cfg, run.step, run.ahead, held))
         run.snapshots.take(run.step)
     samples, metrics = on_rank0(run, lambda: collect_checked(run))
     metrics["rollout_s"] = time.perf_counter() - t0

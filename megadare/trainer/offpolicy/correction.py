@@ -27,7 +27,7 @@ weights, selections and metrics.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -220,11 +220,13 @@ def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
     return out
 
 
-def oldest_needed(cfg: Config, step: int, ahead: int) -> int:
+def oldest_needed(cfg: Config, step: int, ahead: int, held: Iterable[int] = ()) -> int:
     """The oldest policy version a sample trained at ``step`` or later can still come from: a queued rollout is at
     most ``ahead`` versions old; the replay buffer holds k versions below its newest, which itself can be
-    ``ahead`` versions older than the step that added it (step - 1)."""
-    return step - ahead - (cfg.replay.k if cfg.replay.enable else 0)
+    ``ahead`` versions older than the step that added it (step - 1), and no later than the oldest version it
+    holds (``held``: ``ReplayBuffer.versions``): a step that collected nothing (every group filtered) adds no
+    version, and the buffer's window, counted from its newest version, then reaches further back."""
+    return min([step - ahead - (cfg.replay.k if cfg.replay.enable else 0), *held])
 
 
 def version_table(samples: list[Any]) -> dict[int, int]:
