@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megadare.algos.base import RLSample
+from megadare.algos.base import STEP_WIDTH, RLSample
+from megadare.algos.tracerl import stamp_step_width
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.rollout.engine import SamplingParams, Trajectory
-from megadare.trainer.offpolicy.correction import correction_weights, oldest_needed, reindex
+from megadare.trainer.offpolicy.correction import correction_weights, oldest_needed, reindex, with_replayed
 from megadare.trainer.offpolicy.queue import WeightSnapshots
 from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
 from megadare.trainer.offpolicy.replay_scores import (
@@ -503,6 +504,27 @@ def test_replayed_groups_stay_their_prompts_across_steps():
         # the buffer's own samples keep their prompt's group: one (version, group) key per prompt
         keys = {(e.version, e.sample.group): tuple(e.sample.prompt_ids) for e in buf.entries()}
         assert len(keys) == len({tuple(e.sample.prompt_ids) for e in buf.entries()})
+
+
+def test_a_replayed_sample_is_read_as_its_own_step_left_it():
+    """rl.add_replay's order (``with_replayed``): the fresh samples join the buffer, then the step trains on them
+    beside the replayed ones. TraceRL's ``batch_rows`` writes each mini-batch's longest response into the samples
+    it trains (``extra[STEP_WIDTH]``, the fragment_width denominator). When the buffer kept the very objects the
+    update trained on, a step-1 sample trained beside a long replayed step-0 one left the buffer with width 6,
+    and step 2 replayed it with that width, the longest response neither of its own step (2) nor of step 2 (3)."""
+
+    def collected(version: int, length: int) -> list[RLSample]:  # a step's samples after collect's prepare
+        out = [RLSample([9], [1] * length, 0.0, 0.0, index=i, group=0, policy_version=version) for i in range(2)]
+        stamp_step_width(out)
+        return out
+
+    buf = ReplayBuffer(k=2)
+    with_replayed(buf, collected(0, length=6), [])
+    stamp_step_width(with_replayed(buf, collected(1, length=2), buf.samples(0)))  # step 1 trains one mini-batch
+    assert [s.extra[STEP_WIDTH] for s in buf.samples(1)] == [2, 2]
+    step2 = with_replayed(buf, collected(2, length=3), buf.samples(1))
+    stamp_step_width(step2)
+    assert [s.extra[STEP_WIDTH] for s in step2] == [3, 3, 3, 3]
 
 
 def test_scores_and_diagnostics():

@@ -24,7 +24,13 @@ from megadare.parallel.rank0 import on_every_rank, run_on_rank0
 from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
 from megadare.trainer.loop import Loop
 from megadare.trainer.monitor import Monitor
-from megadare.trainer.offpolicy.correction import bypass_rejection, engine_table, oldest_needed, reindex, version_table
+from megadare.trainer.offpolicy.correction import (
+    bypass_rejection,
+    engine_table,
+    oldest_needed,
+    version_table,
+    with_replayed,
+)
 from megadare.trainer.policy import ValueModel
 from megadare.trainer.rl_setup import RLRun, save_run, setup_run
 from megadare.trainer.rl_update import Correction, StepUpdate, TrainShape, replay_select
@@ -247,8 +253,7 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
     if run.buffer is not None:
         want = int(round(cfg.replay.fraction * len(samples)))
         replayed = replay_select(_step_update(run), run.buffer, want, correction)
-        run.buffer.add(samples)
-        samples = samples + reindex(replayed, samples)
+        samples = with_replayed(run.buffer, samples, replayed)
         metrics.update(correction.metrics)
     correction.version_of = version_table(samples)
     correction.token_versions = {s.index: s.token_versions for s in samples if s.token_versions is not None}

@@ -202,6 +202,23 @@ def bypass_rejection(cfg: Config):
     return keep
 
 
+def with_replayed(buffer, fresh: list[Any], replayed: list[Any]) -> list[Any]:
+    """The step's training samples: ``fresh``, then copies of ``replayed`` renumbered after them (``reindex``);
+    ``buffer`` (offpolicy.replay.ReplayBuffer) keeps copies of the fresh ones as they were collected. Copies: the
+    step's update writes into the samples it trains on (TraceRL's ``batch_rows`` stamps the mini-batch's longest
+    response, replayed ones included, into ``extra``), and a later step replaying one must read it as its own
+    step left it, not as this step's mini-batch did."""
+    buffer.add([_own_copy(s) for s in fresh])
+    return fresh + reindex(replayed, fresh)
+
+
+def _own_copy(s: Any) -> Any:
+    """A shallow copy of sample ``s`` with its own ``extra`` dict (what the steps write into)."""
+    c = copy.copy(s)
+    c.extra = dict(s.extra)
+    return c
+
+
 def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
     """Copies of the replayed samples with indices and prompt groups after the fresh ones' (groups kept whole).
     Copies: the replay buffer keeps the originals, whose (version, group) key must stay the prompt's own in later
@@ -214,8 +231,8 @@ def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
     out = []
     for j, s in enumerate(replayed):
         key = (int(s.policy_version or 0), s.group)
-        c = copy.copy(s)
-        c.group, c.index, c.extra = groups.setdefault(key, gfirst + len(groups)), first + j, dict(s.extra)
+        c = _own_copy(s)
+        c.group, c.index = groups.setdefault(key, gfirst + len(groups)), first + j
         out.append(c)
     return out
 
@@ -248,6 +265,7 @@ __all__ = [
     "replay_scores",
     "needs_snapshots",
     "bypass_rejection",
+    "with_replayed",
     "reindex",
     "oldest_needed",
     "version_table",
