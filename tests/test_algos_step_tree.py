@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from megadare.algos.base import RLSample
+from megadare.algos.d_treerpo import DTreeRPO
 from megadare.algos.mdpo import MDPO, intermediate_answer, step_scores, top_steps
+from megadare.trainer.offpolicy.correction import reindex
 
 
 def test_step_scores_formula():
@@ -202,8 +204,6 @@ def test_d_treerpo_replayed_tree_keeps_its_own_siblings():
     replayed tree of prompt group 0 has the names of the fresh tree of group 0; self-distillation pooled the two
     as one sibling family (the positive nodes of both trees in one softmax, distilled towards each other's
     segments though their parent states are different prompts)."""
-    from megadare.algos.d_treerpo import DTreeRPO
-    from megadare.trainer.offpolicy.correction import reindex
 
     def tree(prompt: int, version: int, adv: float) -> list[RLSample]:
         return [
