@@ -26,6 +26,7 @@ from megadare.trainer.offpolicy.replay_scores import (
     chi2_ess,
     variance_guided_scores,
 )
+from megadare.trainer.rl_update import scoring_copies
 
 
 def own_behaviour_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
@@ -525,6 +526,20 @@ def test_a_replayed_sample_is_read_as_its_own_step_left_it():
     step2 = with_replayed(buf, collected(2, length=3), buf.samples(1))
     stamp_step_width(step2)
     assert [s.extra[STEP_WIDTH] for s in step2] == [3, 3, 3, 3]
+
+
+def test_replay_candidates_are_scored_in_their_own_prompt_groups():
+    """replay_select scores copies of the candidates; a step's prompt groups are numbered from 0, so versions
+    share group numbers and each (version, group) gets its own. The former base + group + 1000 * version gave
+    group 1000 of version 0 and group 0 of version 1 one number: rows that pair a group's responses (VRPO)
+    paired two prompts."""
+    buf = ReplayBuffer(k=2)
+    buf.add([RLSample([1000], [1], 1.0, 0.0, index=j, group=1000, policy_version=0) for j in range(2)])
+    buf.add([RLSample([0], [1], 0.0, 0.0, index=j, group=0, policy_version=1) for j in range(2)])
+    cands = buf.entries(2)
+    scored = scoring_copies(cands, base=100)
+    assert [(s.index, s.group) for s in scored] == [(100, 100), (101, 100), (102, 101), (103, 101)]
+    assert [e.sample.group for e in cands] == [1000, 1000, 0, 0]  # the buffer's own samples untouched
 
 
 def test_scores_and_diagnostics():

@@ -218,6 +218,20 @@ def update(
     return out
 
 
+def scoring_copies(cands, base: int) -> list:
+    """Copies of the replay candidates (``ReplayEntry``) for the scoring passes: candidate i is sample
+    ``base + i``, and each (version, prompt group) its own group from ``base`` on, since groups of different
+    versions share numbers (pairwise rows, VRPO, pair the responses of a group)."""
+    groups: dict[tuple[int, int], int] = {}
+    out = []
+    for i, e in enumerate(cands):
+        s = copy.copy(e.sample)
+        s.extra = dict(s.extra)
+        s.index, s.group = base + i, groups.setdefault((e.version, s.group), base + len(groups))
+        out.append(s)
+    return out
+
+
 def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> list:
     """Up to ``n`` replayed samples, chosen by ``ReplayBuffer.select`` with D-ARL's variance-guided score of each
     candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
@@ -228,12 +242,7 @@ def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> lis
     if n <= 0 or not cands or not buffer.ready:
         return []
     base = 10_000_000
-    scored = []
-    for i, e in enumerate(cands):
-        s = copy.copy(e.sample)
-        s.extra = dict(s.extra)
-        s.index, s.group = base + i, base + s.group + 1000 * e.version
-        scored.append(s)
+    scored = scoring_copies(cands, base)
     version_of = {s.index: e.version for s, e in zip(scored, cands)}
     mine, _, _ = _prepare(su, scored, need_old=True)
     if mine is None:
