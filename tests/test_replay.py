@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import math
@@ -18,7 +19,14 @@ from megadare.algos.tracerl import stamp_step_width
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.rollout.engine import SamplingParams, Trajectory
-from megadare.trainer.offpolicy.correction import correction_weights, oldest_needed, reindex, with_replayed
+from megadare.trainer.offpolicy import correction
+from megadare.trainer.offpolicy.correction import (
+    correction_weights,
+    oldest_needed,
+    reindex,
+    store_behaviour,
+    with_replayed,
+)
 from megadare.trainer.offpolicy.queue import WeightSnapshots
 from megadare.trainer.offpolicy.replay import ReplayBuffer, ReplayMatch, ReplayRule, sample_version
 from megadare.trainer.offpolicy.replay_scores import (
@@ -26,7 +34,7 @@ from megadare.trainer.offpolicy.replay_scores import (
     chi2_ess,
     variance_guided_scores,
 )
-from megadare.trainer.rl_update import scoring_copies
+from megadare.trainer.rl_update import Correction, scoring_copies, scoring_correction
 
 
 def own_behaviour_weights(target_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
@@ -540,6 +548,39 @@ def test_replay_candidates_are_scored_in_their_own_prompt_groups():
     scored = scoring_copies(cands, base=100)
     assert [(s.index, s.group) for s in scored] == [(100, 100), (101, 100), (102, 101), (103, 101)]
     assert [e.sample.group for e in cands] == [1000, 1000, 0, 0]  # the buffer's own samples untouched
+
+
+def test_replay_scores_a_partial_rollout_against_each_token_version(monkeypatch):
+    """The behaviour pass of replay_select (``scoring_correction`` -> store_behaviour) takes each token's version
+    of a partial rollout, as the training batch's correction does: token 0 decoded on version 0, token 1 on
+    version 1 after a weight update. It took the response's oldest version for every token (the candidate's
+    version, no token_versions), so the match score compared token 1 with weights that never decoded it."""
+
+    class Snapshots:
+        held: int | None = None
+
+        @contextlib.contextmanager
+        def swapped_in(self, v):
+            self.held = v
+            yield
+            self.held = None
+
+    snaps = Snapshots()
+    monkeypatch.setattr(correction, "outputs_of", lambda model, mbs, fmt: [torch.full((1, 2), -1.0 - snaps.held)])
+    buf = ReplayBuffer(k=2)
+    buf.add([RLSample([1], [2, 3], 1.0, 0.5, policy_version=0, token_versions=[0, 1])])
+    cands = buf.entries(2)
+    scored = scoring_copies(cands, base=100)
+    ctx, versions = scoring_correction(scored, cands, Correction({}, 2, snaps))
+    z = torch.zeros(1, 2, dtype=torch.long)
+    mb = MicroBatch(
+        tokens=z, labels=z, weight=torch.ones(1, 2), position_ids=z, segment_ids=z, slot=torch.tensor([[0, 1]]),
+        tok=torch.tensor([[0, 1]]), sample=torch.full((1, 2), 100), old=torch.zeros(1, 2),
+    )  # fmt: skip
+    store_behaviour(
+        SimpleNamespace(model=None, kind=None, block=1, arch=SimpleNamespace(vocab_size=8)), ctx, [mb], versions
+    )
+    assert versions == {0, 1} and mb.behave.tolist() == [[-1.0, -2.0]]
 
 
 def test_scores_and_diagnostics():

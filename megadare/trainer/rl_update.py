@@ -232,23 +232,33 @@ def scoring_copies(cands, base: int) -> list:
     return out
 
 
+def scoring_correction(scored: list, cands, correction: Correction) -> tuple[Correction, set[int]]:
+    """The behaviour of the candidates' scoring copies (``scoring_copies``) and the versions it needs: each
+    copy's version and, for a partial rollout, each token's (``token_versions``), as the training batch's
+    correction has them (rl.add_replay): a token decoded after a weight update is scored against the weights
+    that decoded it, not the oldest of its response."""
+    version_of = {s.index: e.version for s, e in zip(scored, cands)}
+    per_token = {s.index: s.token_versions for s in scored if s.token_versions is not None}
+    ctx = Correction(version_of, correction.current, correction.snapshots, token_versions=per_token)
+    return ctx, set(version_of.values()) | {v for vs in per_token.values() for v in vs}
+
+
 def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> list:
     """Up to ``n`` replayed samples, chosen by ``ReplayBuffer.select`` with D-ARL's variance-guided score of each
     candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
-    corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are copies
-    with new indices ``offset + j`` (the caller re-indexes them) and keep their version and advantage."""
+    corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are the
+    buffer's own (the caller renumbers copies of them, ``reindex``), with their version and advantage."""
     cfg, step = su.cfg, su.step
     cands = buffer.entries(step)
     if n <= 0 or not cands or not buffer.ready:
         return []
     base = 10_000_000
     scored = scoring_copies(cands, base)
-    version_of = {s.index: e.version for s, e in zip(scored, cands)}
     mine, _, _ = _prepare(su, scored, need_old=True)
     if mine is None:
         return []
-    ctx = Correction(version_of, correction.current, correction.snapshots)
-    _behaviour(ctx, mine, set(version_of.values()), su.shape)
+    ctx, versions = scoring_correction(scored, cands, correction)
+    _behaviour(ctx, mine, versions, su.shape)
     by_sample = replay_scores(mine, cfg.replay.score)
     scores = torch.tensor([by_sample.get(base + i, float("inf")) for i in range(len(cands))], dtype=torch.float64)
     sel = buffer.select(
