@@ -288,8 +288,8 @@ def evaluate_at(run: RLRun) -> None:
 
 
 def evaluate_checked(run: RLRun) -> dict[str, float]:
-    """Rank 0: the held-out evaluation (``RLRollouts.evaluate``); broken after a SIGTERM, its error is
-    ``LostToSigterm`` (``job_stop_errors``)."""
+    """Rank 0: the held-out evaluation (``Rollouts.evaluate``, trainer/rl_rollout.py); broken after a SIGTERM, its
+    error is ``LostToSigterm`` (``job_stop_errors``)."""
     with job_stop_errors(f"the held-out evaluation at RL step {run.step}"):
         return run.rollouts.evaluate()
 
