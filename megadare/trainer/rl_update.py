@@ -221,8 +221,9 @@ def update(
 def replay_select(su: StepUpdate, buffer, n: int, correction: Correction) -> list:
     """Up to ``n`` replayed samples, chosen by ``ReplayBuffer.select`` with D-ARL's variance-guided score of each
     candidate's per-slot log ratios (current policy vs its behaviour version, the same estimator on the same
-    corruptions). Costs a proximal and a behaviour pass over the candidates. The returned samples are copies
-    with new indices ``offset + j`` (the caller re-indexes them) and keep their version and advantage."""
+    corruptions). Costs a proximal and a behaviour pass over the candidates (scored as copies with indices
+    10,000,000 + j). The returned samples are the buffer's own objects, with their version and advantage; the
+    caller re-indexes them after the fresh ones (``offpolicy.correction.reindex``, in place)."""
     cfg, step = su.cfg, su.step
     cands = buffer.entries(step)
     if n <= 0 or not cands or not buffer.ready:
