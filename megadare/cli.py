@@ -331,7 +331,7 @@ def report_error(e: BaseException) -> None:
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """The arguments, a config command's ``key=value`` overrides wherever they stand: argparse takes only the
-    first run of them and refused the rest (``megadare eval --model X parallel.tp=2 --dry-run model.tiny=true``:
+    first run of them and refuses the rest (``megadare eval --model X parallel.tp=2 --dry-run model.tiny=true``:
     'unrecognized arguments: model.tiny=true')."""
     args, extra = parser.parse_known_args(argv)
     if args.command in CONFIG_COMMANDS:

@@ -12,10 +12,13 @@ N the number of fragments, w_f = 1/|f| on LLaDA/Dream (``loss_agg=fragment_mean`
 response, on block families (``fragment_width``); DllmRlLoss says where this follows dLLM-RL and where not and
 why. The log-ratio is clamped to +-10 and KL3 computed as dLLM-RL's block path does (``kl_estimator=k3_exp10``:
 exponent clamped to +-10, estimate unbounded; ``train/rl_trado.py:731-754``).
-Advantages: per-prompt z-score of 0/1 rewards with the population std (``advantage.std=population``), responses
-truncated at max length counted wrong, prompts with accuracy outside [0.2, 0.8] dropped (``advantage.accuracy_band``).
-Defaults (``configs/rl_trado.yaml``): eps 0.2, beta 0.01, shrink 1 for block families (8 for LLaDA/Dream), lr 1e-6,
-temperature 1.0, ``low_confidence_dynamic`` 0.9.
+Advantages (the paper's; set by the config, as examples/configs/rl_sdar30b.yaml does: ``algo.name=tracerl`` alone
+keeps the config's defaults, ``advantage.std=unbiased``, no band, truncated responses scored as written): per-prompt
+z-score of 0/1 rewards with the population std (``advantage.std=population``), responses truncated at max length
+counted wrong (``rewards.truncated_as_wrong``), prompts with accuracy outside [0.2, 0.8] dropped
+(``advantage.accuracy_band``). dLLM-RL's defaults (its ``configs/rl_trado.yaml``): eps 0.2, beta 0.01, shrink 1 for
+block families (8 for LLaDA/Dream) -- this algorithm's defaults too --, lr 1e-6, temperature 1.0,
+``low_confidence_dynamic`` 0.9 (megadare's ``optim.lr`` / ``rollout.*``: set them in the config).
 With ``value_model=true`` a second Megatron model (same backbone, zero-initialised scalar head, own optimizer,
 ``value_lr`` 5e-6) gives token-wise values and the advantages become TraceRL's step-level GAE
 (algos/value_model.py; gamma = lambda = 1 by default, value clip 0.2); otherwise they are group-relative.

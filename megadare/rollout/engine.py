@@ -4,8 +4,9 @@ A ``Trajectory`` records, for every response token, the global denoising step at
 (``commit_step``, counted over the whole generation, one model forward per step) and the step inside its block
 (``block_step``), plus the log-probability of the committed token under the sampling distribution of that step
 (temperature / top-k / top-p applied). TraceRL-style estimators replay those steps; IS corrections use the
-log-probs. ``validate`` checks the contract: exactly one step per token, steps within range and non-decreasing
-over blocks.
+log-probs. ``validate`` checks the contract: exactly one step and one log-prob per token, steps within range
+(global in [0, num_forwards), block-local below the block's step limit), a known finish reason, no positive
+log-prob; it does not check that the steps grow from block to block.
 
 Token editing (``algorithm="editing"``, LLaDA2.1) may commit a position more than once: the per-token lists then
 describe the commit that wrote the final token, and ``superseded`` lists every earlier commit that a later edit

@@ -6,10 +6,12 @@
     WeightSync(trainer_chunks, table, manager).push(version=step)  # weight_sync/ drives the engines' side here
 
 Placement: the actors live in one placement group (one bundle per engine; ``strategy='PACK'`` to colocate them
-with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``; each
-chunk goes to the engine with the fewest outstanding chunks; prompt j of the rollout samples from the stream
-``prompt_seed(params.seed, j)`` (chunk c is sent with the seed of its first prompt), so the trajectories equal one
-generate() call on one engine and a re-issued chunk reproduces its own. If an engine dies mid-rollout (RayActorError), the manager starts a
+with the trainer's GPUs, 'SPREAD' to give them their own). Prompts are cut into chunks of ``chunk_size``
+(``rollout.chunk_size``), dealt out evenly over the engines that hold the current weights (``PendingRollout.issue``:
+each chunk to the engine given the fewest of that call, so chunks re-issued after a death do not count those still
+running); prompt j of the rollout samples from the stream ``prompt_seed(params.seed, j)`` (chunk c is sent with
+the seed of its first prompt), so the trajectories equal one generate() call on one engine and a re-issued chunk
+reproduces its own. If an engine dies mid-rollout (RayActorError), the manager starts a
 replacement and re-issues the dead engine's chunks to engines that hold the current weights; the rollout still
 returns every trajectory exactly once. No copy of the model is kept anywhere: a replacement serves nothing until
 the next weight push reaches it (``fresh``), which rebuilds the weight groups with it; if no engine holds the
@@ -448,11 +450,11 @@ class RolloutManager:
 
 
 class PendingRollout:
-    """A rollout in flight: chunk c goes to the least-loaded fresh engine with seed ``prompt_seed(params.seed,
-    index of its first prompt)``, so prompt j of the rollout draws the stream ``prompt_seed(params.seed, j)``
-    whatever the chunking and the engine (the seeds are linear in the index): the trajectories equal one
-    ``generate`` call on one engine. ``result()`` collects them, restarting dead engines and re-issuing their
-    chunks to fresh ones."""
+    """A rollout in flight: chunk c goes to the fresh engine given the fewest chunks by the same ``issue`` call,
+    with seed ``prompt_seed(params.seed, index of its first prompt)``, so prompt j of the rollout draws the stream
+    ``prompt_seed(params.seed, j)`` whatever the chunking and the engine (the seeds are linear in the index): the
+    trajectories equal one ``generate`` call on one engine. ``result()`` collects them, restarting dead engines and
+    re-issuing their chunks to fresh ones."""
 
     def __init__(self, manager: RolloutManager, chunks: list[list[list[int]]], params: SamplingParams):
         self.manager, self.chunks, self.params = manager, chunks, params

@@ -4,9 +4,10 @@
 
 Each response is scored with the prompt's open assistant prefill in front, if any (the text the reward checks), by
 :func:`megadare.rewards.score_batch`; when more than ``rewards.max_error_fraction`` of the batch raised or ran
-past the time limit, :class:`~megadare.rewards.RewardError` names the reward, the first failing record's
-``file:row`` and its exception. Rank 0 scores; ``parallel.rank0.run_on_rank0`` carries its result, or that
-error, to every rank, so all ranks stop before the update instead of waiting on a broadcast that never comes.
+past the time limit (60 s a call, ``score_batch``'s default: no config key sets it),
+:class:`~megadare.rewards.RewardError` names the reward, the first failing record's ``file:row`` and its exception.
+Rank 0 scores; ``parallel.rank0.run_on_rank0`` carries its result, or that error, to every rank, so all ranks stop
+before the update instead of waiting on a broadcast that never comes.
 """
 
 from __future__ import annotations

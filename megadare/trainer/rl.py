@@ -3,10 +3,15 @@ Megatron train step(s) -> weight sync -> next step.
 
     megadare rl --config examples/configs/sdar_tiny.yaml [--nproc N] [key=value ...]
 
-Every rank runs this function (torchrun / Slurm / ``--nproc``); rank 0 owns the Ray engines, scores rewards and
-broadcasts the step's samples; all ranks build the same rows (corruptions seeded per (seed, step, sample)), take
-their data-parallel share, and train. Checkpoints hold model, optimizer, scheduler and the RL step; a restarted
-run resumes from the newest one and pushes its weights into fresh engines before the first rollout.
+Every rank runs ``run_rl`` (torchrun / Slurm / ``--nproc``); rank 0 owns the Ray engines, scores rewards and
+broadcasts the step's samples; all ranks build the same rows (corruptions seeded per (seed, step, sample, epoch)),
+take their data-parallel share, and train. Checkpoints hold model, optimizer, scheduler and the RL step; a
+restarted run resumes from the newest one and pushes its weights into fresh engines before the first rollout.
+
+Step numbers: ``run.step`` counts the steps trained so far. While a step runs it is the weight version the
+engines hold and the 0-based number of that step (its key in the rollout queue, its rollout and corruption
+seeds); messages name the step ``run.step + 1`` ("RL step 3" runs at ``run.step`` 2), and its metrics,
+evaluation and checkpoint are recorded under ``run.step`` after the increment (3).
 """
 
 from __future__ import annotations
@@ -232,7 +237,9 @@ def start_loop(run: RLRun) -> None:
 
 def generate(run: RLRun) -> tuple[list, dict[str, float]]:
     """The step's scored samples on every rank: rank 0 takes the queued rollout and scores it, then broadcasts.
-    With async correction, the weights of this version are snapshotted first (behaviour of rollouts queued now)."""
+    The rollout was started by the queue (``Rollouts.start`` through ``RolloutQueue.take``): by this very take in
+    sync mode and at a run's first step, else by an earlier step's take, so it ran while that step trained. With
+    async correction, the weights of this version are snapshotted first (behaviour of rollouts queued now)."""
     t0 = time.perf_counter()
     if run.snapshots is not None:
         held = run.buffer.versions if run.buffer is not None else ()
@@ -262,7 +269,9 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
 
 
 def train(run: RLRun, samples: list, correction) -> dict[str, float]:
-    """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples``."""
+    """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples`` (fewer mini-
+    batches when the step kept fewer prompt groups than ``rl.mini_batches``; the value model, if any, steps with
+    each)."""
     if not samples:
         return {}
     rl, off, pol = run.cfg.rl, run.cfg.offpolicy, run.policy
@@ -275,7 +284,8 @@ def train(run: RLRun, samples: list, correction) -> dict[str, float]:
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:
-    """Step time, idle ratios; into the history, tensorboard and JSONL."""
+    """Step time, idle ratios; into the history (every step), tensorboard and JSONL (every
+    ``logging.log_interval`` steps: ``Monitor.log``)."""
     metrics["step_time_s"] = step_s = run.monitor.step_timer()
     metrics["async/trainer_idle_ratio"] = metrics.get("rollout_wait_s", 0.0) / max(step_s, 1e-9)
     metrics["async/rollout_idle_ratio"] = max(
@@ -294,8 +304,8 @@ def evaluate_at(run: RLRun) -> None:
 
 
 def evaluate_checked(run: RLRun) -> dict[str, float]:
-    """Rank 0: the held-out evaluation (``RLRollouts.evaluate``); broken after a SIGTERM, its error is
-    ``LostToSigterm`` (``job_stop_errors``)."""
+    """Rank 0: the held-out evaluation (``Rollouts.evaluate``, trainer/rl_rollout.py); broken after a SIGTERM, its
+    error is ``LostToSigterm`` (``job_stop_errors``)."""
     with job_stop_errors(f"the held-out evaluation at RL step {run.step}"):
         return run.rollouts.evaluate()
 

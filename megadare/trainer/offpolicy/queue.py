@@ -1,8 +1,9 @@
 """Asynchronous RL plumbing: the rollout queue (how far rollouts run ahead of training) and the weight snapshots
 of the behaviour policies the trainer still needs.
 
-Modes (``offpolicy.mode``), counted in policy versions (version v = the weights after v optimizer updates; the engines
-hold version v while RL step v trains):
+Modes (``offpolicy.mode``), counted in policy versions (version v = the weights after v RL steps, each of
+``rl.ppo_epochs`` x ``rl.mini_batches`` optimizer updates; the engines hold version v while RL step v trains,
+counted from 0):
 
     sync          rollout of step k submitted at step k                      lookahead 0, staleness 0
     one_step_off  rollout of step k+1 submitted at step k, before training   lookahead 1, staleness <= 1
