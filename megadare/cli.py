@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from types import ModuleType
 from typing import Optional
 
-from megadare import stopping
+from megadare import demo_setup, stopping
 from megadare.config import check_data_files, check_model_path, check_rules, load_config, to_yaml
 from megadare.config.loading import suggestion
 from megadare.console import end_open_line
@@ -310,12 +310,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _command(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["demo"]:  # the demo parses its own options
-            demo = _module("demo")
-            demo_parser = demo.parser(_Parser)
+        if argv[:1] == ["demo"]:  # the demo parses its own options; its work directory is checked before torch
+            demo_parser = demo_setup.parser(_Parser)
             if "--foundation" not in argv:
                 _check_options(demo_parser._option_string_actions, argv[1:])
-            return demo.main(argv[1:], demo_parser)
+                demo_setup.check_workdir(demo_setup.demo_run(demo_parser.parse_args(argv[1:])))
+            return _module("demo").main(argv[1:], demo_parser)
         parser = _parser()
         if argv[:1] in [[c] for c in CONFIG_COMMANDS]:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
