@@ -7,9 +7,11 @@ import difflib
 import importlib
 import os
 import sys
+from contextlib import nullcontext
 from types import ModuleType
 from typing import Optional
 
+from megadare import demo_setup, stopping
 from megadare.config import check_data_files, check_model_path, check_rules, load_config, to_yaml
 from megadare.config.loading import suggestion
 from megadare.console import end_open_line
@@ -189,8 +191,18 @@ def _launch(worker, run, cfg, nproc: int) -> dict:
     """``run(cfg)`` in this process (torchrun / Slurm set WORLD_SIZE), or ``worker`` on ``nproc`` local processes."""
     if nproc > 1 and "WORLD_SIZE" not in os.environ:
         _say_if_oversubscribed(nproc)
-        return _module("launch").spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
-    return _module("launch").run_here(run, cfg)
+        out = _module("launch").spawn(worker, nproc, cfg, timeout_s=7 * 24 * 3600)[0]
+    else:
+        out = _module("launch").run_here(run, cfg)
+    stopping.loop_ended()  # the run returned: a SIGTERM from here on lets the summary be printed
+    return out
+
+
+def _summary(line: str) -> None:
+    """The run's last line, saying so when a SIGTERM came after its loop (its checkpoints written)."""
+    if stopping.sigterm_after_the_loop():
+        line += "; SIGTERM received after the last checkpoint was written: nothing lost"
+    print(line, flush=True)
 
 
 def _say_if_oversubscribed(nproc: int) -> None:
@@ -213,7 +225,7 @@ def _run_sft(cfg, nproc: int) -> int:
         return _nothing_done("sft", out)
     last = out["history"][-1]
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
-    print(f"sft {how} at step {out['step']}: loss {last['loss']:.4f}; checkpoints in {out['checkpoint_root']}")
+    _summary(f"sft {how} at step {out['step']}: loss {last['loss']:.4f}; checkpoints in {out['checkpoint_root']}")
     return 0
 
 
@@ -221,13 +233,13 @@ def _nothing_done(command: str, out: dict) -> int:
     """The summary of a run that trained no step (resumed at its last step, or stopped before its first)."""
     if out.get("already_finished"):
         key = "rl.steps" if command == "rl" else "train.steps"
-        print(
+        _summary(
             f"{command}: nothing to train: this run already finished at step {out['step']} (checkpoints in "
             f"{out['checkpoint_root']}); raise {key} above {out['step']} to continue it, or set a new "
             "logging.run_dir"
         )
     else:
-        print(f"{command}: stopped before its first step; checkpoints in {out['checkpoint_root']}")
+        _summary(f"{command}: stopped before its first step; checkpoints in {out['checkpoint_root']}")
     return 0
 
 
@@ -244,7 +256,7 @@ def _run_dpo(cfg, nproc: int) -> int:
         if h
         else ""
     )
-    print(f"dpo {how} at step {out['step']}{shown}; checkpoints in {out['checkpoint_root']}")
+    _summary(f"dpo {how} at step {out['step']}{shown}; checkpoints in {out['checkpoint_root']}")
     return 0
 
 
@@ -258,7 +270,7 @@ def _run_rl(cfg, nproc: int) -> int:
     acc = "; held-out accuracy " + " -> ".join(f"{evals[s]['accuracy']:.3f} at step {s}" for s in steps)
     acc = acc if evals else ""
     how = "stopped by signal" if out["stopped_by_signal"] else "done"
-    print(f"rl {how} at step {out['step']}{acc}; checkpoints in {out['checkpoint_root']}")
+    _summary(f"rl {how} at step {out['step']}{acc}; checkpoints in {out['checkpoint_root']}")
     return 0
 
 
@@ -282,15 +294,28 @@ def _run_convert(args) -> int:
     return 0
 
 
+RUN_COMMANDS = ("sft", "dpo", "rl")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command. A run's SIGTERM handling (megadare/stopping.py) starts first: before its config is read and
+    torch, megatron, ray load (seconds), a SIGTERM ended it by the default handler (exit 143, not a word)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["demo"]:  # the demo parses its own options
-            demo = _module("demo")
-            demo_parser = demo.parser(_Parser)
+        with stopping.watching() if argv[:1] in [[c] for c in RUN_COMMANDS] else nullcontext():
+            return _command(argv)
+    except StoppedBeforeTheLoop:  # a second chance: it came as the command's own handling of one ended
+        return _stopped_before_the_loop(argv)
+
+
+def _command(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["demo"]:  # the demo parses its own options; its work directory is checked before torch
+            demo_parser = demo_setup.parser(_Parser)
             if "--foundation" not in argv:
                 _check_options(demo_parser._option_string_actions, argv[1:])
-            return demo.main(argv[1:], demo_parser)
+                demo_setup.check_workdir(demo_setup.demo_run(demo_parser.parse_args(argv[1:])))
+            return _module("demo").main(argv[1:], demo_parser)
         parser = _parser()
         if argv[:1] in [[c] for c in CONFIG_COMMANDS]:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
@@ -299,19 +324,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         report_error(e)
         return 2
     except StoppedBeforeTheLoop:  # a run's SIGTERM while it set up: it ended as a run stopped in its loop does
-        command = argv[0] if argv else "megadare"
-        print(
-            f"{command} stopped by SIGTERM before its first step: nothing new to save; run the same command again to "
-            "resume from its newest checkpoint, if any",
-            flush=True,
-        )
-        return 0
+        return _stopped_before_the_loop(argv)
     except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
         print(
             "\nmegadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any",
             file=sys.stderr,
         )
         return 130
+
+
+def _stopped_before_the_loop(argv: list[str]) -> int:
+    command = argv[0] if argv else "megadare"
+    print(
+        f"{command} stopped by SIGTERM before its first step: nothing new to save; run the same command again to "
+        "resume from its newest checkpoint, if any",
+        flush=True,
+    )
+    return 0
 
 
 def report_error(e: BaseException) -> None:

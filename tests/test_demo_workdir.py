@@ -4,6 +4,8 @@ one line (a resumed run would report that demo's accuracy under this one's name)
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -81,3 +83,18 @@ def test_a_workdir_holding_files_no_demo_writes_is_refused(tmp_path):
     check_workdir(DemoRun(str(tmp_path / "new")))
     (tmp_path / "empty").mkdir()
     check_workdir(DemoRun(str(tmp_path / "empty")))
+
+
+def test_a_refused_workdir_is_refused_before_torch_loads(tmp_path):
+    """`megadare demo --workdir examples` (a directory of the user's) was refused only after torch, megatron and ray
+    loaded (6.7 s on a 2-core VM, ~37 s on a busy one): the work directory is now checked first, torch-free."""
+    wd = tmp_path / "project"
+    wd.mkdir()
+    (wd / "notes.txt").write_text("mine")
+    probe = (
+        "import sys; from megadare.cli import main; rc = main(['demo', '--workdir', sys.argv[1]]); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, str(wd)], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["2", "False"], (proc.stdout, proc.stderr[-2000:])
+    assert proc.stderr.startswith("megadare: error: ") and "which no demo writes" in proc.stderr, proc.stderr

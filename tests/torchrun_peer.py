@@ -14,9 +14,14 @@ import torch.distributed as dist
 from megadare.cli import _launch
 from megadare.errors import PeerError
 from megadare.parallel import peers
+from megadare.trainer.signals import StopSignal
 
 
 def work(cfg) -> None:
+    """One step of the loop: SIGTERM is the loop's (``StopSignal``: finish the step, save), as in a run. torchrun
+    ends the survivors by SIGTERM once it sees the killed rank: without the loop's handler they died of it, racing
+    their own line (gloo's reset seen, the dead rank looked for, the line printed), and a loaded machine saw none."""
+    StopSignal()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["timeout_s"]))  # parallel.collective_timeout_s
     peers.record()  # as init_distributed does
     dist.barrier()

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from megadare import stopping
 from megadare.console import share
 from megadare.errors import RESUME, PeerError, StoppedBeforeTheLoop
 from megadare.lifetime import die_with_parent
@@ -93,18 +94,20 @@ def _die_with_launcher(parent: int) -> None:
 def _entry(rank: int, world: int, call, queue, launcher: _Launcher, line) -> None:
     """Rank ``rank``: dies with its launcher (``_die_with_launcher``), takes its environment and torch.distributed's
     variables, then puts the result or error of ``call`` (``_pack``) into ``queue``. ``line``: the launch's shared
-    record of an open progress-bar line (megadare.console)."""
-    _die_with_launcher(launcher.parent)
-    share(line)
-    os.environ.clear()
-    os.environ.update(launcher.env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        fn, args = pickle.loads(call) if isinstance(call, bytes) else call
-        # plain pickle copies tensor data: torch's fd sharing would die with this process
-        queue.put((rank, True, pickle.dumps(run_here(fn, rank, world, *args))))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        queue.put((rank, False, (traceback.format_exc(), _one_line_error(e))))
+    record of an open progress-bar line (megadare.console). A SIGTERM from here on is the run's (set-up: stop, loop:
+    save, after it: finish; megadare/stopping.py), up to the answer put."""
+    with stopping.watching():
+        _die_with_launcher(launcher.parent)
+        share(line)
+        os.environ.clear()
+        os.environ.update(launcher.env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        torch.set_num_threads(1)
+        try:
+            fn, args = pickle.loads(call) if isinstance(call, bytes) else call
+            # plain pickle copies tensor data: torch's fd sharing would die with this process
+            queue.put((rank, True, pickle.dumps(run_here(fn, rank, world, *args))))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            queue.put((rank, False, (traceback.format_exc(), _one_line_error(e))))
 
 
 def _one_line_error(e: BaseException):
@@ -252,7 +255,8 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
     reaper = _subreaper(True)  # what a killed rank's children leave (Ray's agents) becomes ours to end
     for p in procs:
         p.start()
-    previous = _pass_sigterm_on(procs)
+    passed: list[int] = []  # the SIGTERMs passed on to the ranks
+    previous = _pass_sigterm_on(procs, passed)
     done = threading.Event()
     if reaper:  # an adopted process that ends meanwhile (a double-forked helper) must not stay a zombie
         keep = known | {p.pid for p in procs}
@@ -274,15 +278,27 @@ def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float):
         if reaper:
             _end_orphans(known | {p.pid for p in procs}, wait_s=2.0 if errors else 0.0)
             _subreaper(False)
+    if passed and _killed_by_sigterm_alone(procs):
+        own[:] = [StoppedBeforeTheLoop(signal.SIGTERM)]
     return results, errors, own
 
 
-def _pass_sigterm_on(procs: list) -> dict:
-    """While the ranks run, SIGTERM to this process goes on to them (each finishes its step, saves and answers):
-    it ended the launcher, so a SIGTERM to the whole job (Slurm's time limit, ``kill -TERM -- -PGID``) left the
-    ranks to save unseen, with no summary and exit -15. Returns the previous handler (``_restore``)."""
+def _killed_by_sigterm_alone(procs: list) -> bool:
+    """Whether the ranks that died did so by SIGTERM (and some did): the job's SIGTERM, passed on, reached them
+    before their handler (``_entry``: a rank sets up from there; the interpreter's start and the imports of this
+    module come first), a stop before the loop, not a crash."""
+    died = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+    return bool(died) and all(code == -signal.SIGTERM for code in died)
+
+
+def _pass_sigterm_on(procs: list, passed: list[int]) -> dict:
+    """While the ranks run, SIGTERM to this process goes on to them (each finishes its step, saves and answers),
+    noted in ``passed``: it ended the launcher, so a SIGTERM to the whole job (Slurm's time limit, ``kill -TERM --
+    -PGID``) left the ranks to save unseen, with no summary and exit -15. Returns the previous handler
+    (``_restore``)."""
 
     def pass_on(signum, frame) -> None:
+        passed.append(signum)
         for p in procs:
             if p.pid is not None and p.exitcode is None:
                 try:

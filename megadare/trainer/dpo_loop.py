@@ -53,8 +53,9 @@ def run_dpo(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     spec = resolve(cfg, launched_world(), job="dpo")
     init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
     try:
+        data = dpo_data(spec)  # before the lock and the tiny model: bad data leaves the run directory as it was
         with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
-            run = setup_dpo(spec)
+            run = setup_dpo(spec, data)
             out = train_steps(
                 run, DPOStep(run), partial(save_sft, written_by="megadare dpo"), len(run.examples), "dpo", max_steps
             )
@@ -68,20 +69,21 @@ def preference_record_keys(cfg: Config) -> dict[str, str]:
     return {"prompt_key": cfg.data.prompt_key, "chosen_key": cfg.dpo.chosen_key, "rejected_key": cfg.dpo.rejected_key}
 
 
-def setup_dpo(spec: RunSpec) -> DPORun:
-    """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
-    preference pairs; resumed from the newest checkpoint of the run when there is one."""
+def dpo_data(spec: RunSpec) -> tuple[Any, list, dict]:
+    """(tokenizer, preference pairs, their stats): read before the run writes anything (its lock's ``ckpt/``, a
+    tiny model's ``init_hf/``), so a data file the run refuses leaves none of them behind."""
     cfg = spec.cfg
+    tok, d = tokenizer_for(cfg, spec.source), cfg.data
+    return (tok, *load_preference_examples(d.path, tok, d.max_length, d.overlong, **preference_record_keys(cfg)))
+
+
+def setup_dpo(spec: RunSpec, data: Optional[tuple[Any, list, dict]] = None) -> DPORun:
+    """Policy and frozen reference (both the initial weights: ``checkpoint.load`` or the HF model), optimizer,
+    preference pairs (``dpo_data``, read now if not given); resumed from the newest checkpoint of the run when there
+    is one."""
+    cfg = spec.cfg
+    tok, examples, stats = dpo_data(spec) if data is None else data
     src = materialise(spec.source, cfg)
-    tok = tokenizer_for(cfg, src)
-    d = cfg.data
-    examples, stats = load_preference_examples(
-        d.path,
-        tok,
-        d.max_length,
-        d.overlong,
-        **preference_record_keys(cfg),
-    )
     policy = build_policy(cfg, src, updates=cfg.train.steps, reference=True)
     block = src.arch.is_block_diffusion
     run = DPORun(

@@ -37,7 +37,7 @@ from megadare.trainer.offpolicy.correction import (
     with_replayed,
 )
 from megadare.trainer.policy import ValueModel
-from megadare.trainer.rl_setup import RLRun, save_run, setup_run
+from megadare.trainer.rl_setup import RLRun, rl_data, save_run, setup_run
 from megadare.trainer.rl_update import Correction, StepUpdate, TrainShape, replay_select
 from megadare.trainer.run_lock import run_dir_lock
 from megadare.trainer.sft_loop import checkpoint_root
@@ -64,8 +64,9 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
         cleanup.enter_context(stopping_before_the_loop())  # exited last: after Ray's end and the lock's
         init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
         cleanup.callback(destroy_distributed)
+        data = rl_data(spec)  # before the lock and the tiny model: bad data leaves the run directory as it was
         cleanup.enter_context(run_dir_lock(cfg.logging.run_dir, *checkpoint_roots(spec)))
-        run = cleanup.enter_context(rl_run(spec))
+        run = cleanup.enter_context(rl_run(spec, data))
         if run.step >= cfg.rl.steps:
             return finished_run(run)
         push_weights(run, queued=False)
@@ -90,9 +91,10 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
 
 
 @contextmanager
-def rl_run(spec: RunSpec) -> Iterator[RLRun]:
-    """The run (``setup_run``); its weight-sync groups and engines are closed when it ends."""
-    run = setup_run(spec)
+def rl_run(spec: RunSpec, data: Optional[tuple] = None) -> Iterator[RLRun]:
+    """The run (``setup_run``, of ``data``: ``rl_data``); its weight-sync groups and engines are closed when it
+    ends."""
+    run = setup_run(spec, data)
     try:
         yield run
     finally:

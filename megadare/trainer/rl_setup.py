@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -77,12 +77,19 @@ class RLRun:
         return self.rollouts.ahead
 
 
-def setup_run(spec: RunSpec) -> RLRun:
-    """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines."""
+def rl_data(spec: RunSpec) -> tuple[Any, list, list]:
+    """(tokenizer, training prompts, held-out prompts): read before the run writes anything (its lock's ``ckpt/``, a
+    tiny model's ``init_hf/``), so a data file the run refuses leaves none of them behind."""
+    tok = tokenizer_for(spec.cfg, spec.source, generates=True)
+    return (tok, *_prompts(spec.cfg, tok))
+
+
+def setup_run(spec: RunSpec, data: Optional[tuple[Any, list, list]] = None) -> RLRun:
+    """Build the run on this rank (torch.distributed is initialised); rank 0 also starts the engines. ``data``:
+    ``rl_data``, read now if not given."""
     cfg = spec.cfg
+    tok, train_prompts, held_prompts = rl_data(spec) if data is None else data
     spec = replace(spec, source=materialise(spec.source, cfg))
-    tok = tokenizer_for(cfg, spec.source, generates=True)
-    train_prompts, held_prompts = _prompts(cfg, tok)
     set_isolation(cfg.rewards.code.isolation)
     if runs_code(cfg.rewards.name, [p.record for p in train_prompts + held_prompts]):
         check_isolation()  # refuse now, not at the first scored step, where the kernel refuses the sandbox

@@ -125,8 +125,9 @@ def run_sft(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
     with stopping_before_the_loop():
         layout = init_distributed(spec.layout, seed=cfg.seed, timeout_s=cfg.parallel.collective_timeout_s)
         try:
+            data = sft_data(spec)  # before the lock and the tiny model: bad data leaves the run directory as it was
             with run_dir_lock(cfg.logging.run_dir, checkpoint_root(cfg)):
-                run = setup_sft(spec)
+                run = setup_sft(spec, data)
                 out = train_steps(run, SFTStep(run), save_sft, len(run.examples), "sft", max_steps)
             return {**out, "layout": {**asdict(layout), "dp": layout.dp}, "data": run.data_stats}
         finally:
@@ -172,14 +173,20 @@ def sampler_of(run, n_examples: Optional[int] = None) -> StepSampler:
     return StepSampler(n, cfg.train.global_batch_size, cfg.seed, cfg.data.shuffle)
 
 
-def setup_sft(spec: RunSpec) -> SFTRun:
-    """Model (from ``checkpoint.load``, with LoRA adapters if asked), optimizer, data; resumed from the newest
-    checkpoint of the run when there is one."""
+def sft_data(spec: RunSpec) -> tuple[Any, list, dict]:
+    """(tokenizer, examples, their stats): read before the run writes anything (its lock's ``ckpt/``, a tiny
+    model's ``init_hf/``), so a data file the run refuses (a missing key) leaves none of them behind."""
+    tok = tokenizer_for(spec.cfg, spec.source)
+    return (tok, *load_examples(spec.cfg, tok))
+
+
+def setup_sft(spec: RunSpec, data: Optional[tuple[Any, list, dict]] = None) -> SFTRun:
+    """Model (from ``checkpoint.load``, with LoRA adapters if asked), optimizer, data (``sft_data``, read now if not
+    given); resumed from the newest checkpoint of the run when there is one."""
     cfg = spec.cfg
+    tok, examples, data_stats = sft_data(spec) if data is None else data
     src = materialise(spec.source, cfg)
     recipe = sft_recipe(cfg, src.arch)
-    tok = tokenizer_for(cfg, src)
-    examples, data_stats = load_examples(cfg, tok)
     policy = build_policy(cfg, src, updates=cfg.train.steps, lora=lora_of(cfg.lora))
     run = SFTRun(
         cfg=cfg,

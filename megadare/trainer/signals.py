@@ -7,60 +7,37 @@ step and takes part in the final checkpoint even if the signal reached only some
 from __future__ import annotations
 
 import signal
-import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from megadare import stopping
 from megadare.errors import StoppedBeforeTheLoop
 from megadare.rollout.ray_health import note_sigterm
-
-# set up and not yet in its loop (``stopping_before_the_loop``), and whether the SIGTERM came meanwhile
-_SETTING_UP = {"on": False, "stopped": False}
-
-
-def _stop_the_set_up(signum, frame) -> None:
-    """SIGTERM while a run sets up: its set-up unwinds (once: a second SIGTERM, the launcher passing the job's on,
-    must not break the unwinding); after it, what SIG_DFL does."""
-    if not _SETTING_UP["on"]:
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
-        return
-    note_sigterm()
-    if not _SETTING_UP["stopped"]:
-        _SETTING_UP["stopped"] = True
-        raise StoppedBeforeTheLoop(signum)
 
 
 @contextmanager
 def stopping_before_the_loop() -> Iterator[None]:
     """Around a run (``run_rl``, ``run_sft``): a SIGTERM before its loop (``StopSignal``) takes over ends the set-up
     by ``StoppedBeforeTheLoop``, its cleanup run, not by the default handler (exit 143, a silent death, the run
-    lock left to go stale). ``ray.init`` puts in Ray's own handler (``sys.exit(15)``): its SystemExit before the
-    loop is the same stop."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _stop_the_set_up)
-    _SETTING_UP.update(on=True, stopped=False)
-    try:
-        yield
-    except SystemExit as e:
-        if _SETTING_UP["on"] and e.code == signal.SIGTERM:  # Ray's handler, from ray.init on
-            note_sigterm()
-            raise StoppedBeforeTheLoop(signal.SIGTERM) from None
-        raise
-    finally:
-        _SETTING_UP["on"] = False
-        signal.signal(signal.SIGTERM, previous)
+    lock left to go stale); one after the loop lets the cleanup finish (megadare/stopping.py). ``ray.init`` puts in
+    Ray's own handler (``sys.exit(15)``): its SystemExit before the loop is the same stop."""
+    with stopping.watching(note=note_sigterm):
+        try:
+            yield
+        except SystemExit as e:
+            if stopping.setting_up() and e.code == signal.SIGTERM:  # Ray's handler, from ray.init on
+                note_sigterm()
+                raise StoppedBeforeTheLoop(signal.SIGTERM) from None
+            raise
 
 
 class StopSignal:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
         self.received: Optional[int] = None
-        _SETTING_UP["on"] = False  # from here on a SIGTERM finishes the step and saves
+        stopping.loop_began()  # from here on a SIGTERM finishes the step and saves
         self._previous = {}
         for s in signals:
             try:
@@ -83,5 +60,9 @@ class StopSignal:
         return bool(flag.item())
 
     def restore(self) -> None:
+        """The handlers from before the loop; SIGTERM's, while the run is watched, the one that lets the cleanup
+        after the loop finish (megadare/stopping.py): the previous one (SIG_DFL, Ray's ``sys.exit(15)``) turned a
+        SIGTERM there, the checkpoint written, into a silent death."""
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            if not (s == signal.SIGTERM and stopping.loop_ended()):
+                signal.signal(s, h)
