@@ -304,8 +304,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         with stopping.watching() if argv[:1] in [[c] for c in RUN_COMMANDS] else nullcontext():
             return _command(argv)
-    except StoppedBeforeTheLoop:  # a second chance: it came as the command's own handling of one ended
-        return _stopped_before_the_loop(argv)
+    except StoppedBeforeTheLoop as e:  # a second chance: it came as the command's own handling of one ended
+        return _stopped_before_the_loop(argv, e)
 
 
 def _command(argv: list[str]) -> int:
@@ -321,10 +321,11 @@ def _command(argv: list[str]) -> int:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
         return _dispatch(_parse(parser, argv))
     except _ONE_LINE_ERRORS as e:
+        stopping.loop_ended()  # a SIGTERM now lets the line be printed: the run ends by its error, not a stop
         report_error(e)
         return 2
-    except StoppedBeforeTheLoop:  # a run's SIGTERM while it set up: it ended as a run stopped in its loop does
-        return _stopped_before_the_loop(argv)
+    except StoppedBeforeTheLoop as e:  # a run's SIGTERM while it set up: it ended as a run stopped in its loop does
+        return _stopped_before_the_loop(argv, e)
     except KeyboardInterrupt:  # Ctrl-C outside a training step (a step's signal handler checkpoints instead)
         print(
             "\nmegadare: interrupted (Ctrl-C); run the same command again to resume from its newest checkpoint, if any",
@@ -333,7 +334,13 @@ def _command(argv: list[str]) -> int:
         return 130
 
 
-def _stopped_before_the_loop(argv: list[str]) -> int:
+def _stopped_before_the_loop(argv: list[str], stop: StoppedBeforeTheLoop) -> int:
+    """The stop's line, exit 0; unless the SIGTERM came while one of our errors was on its way out (the stop's
+    context; only ours: an ImportError a library's import caught and handled is a context too): the error ended
+    the run, so it is reported as without the SIGTERM, exit 2."""
+    if isinstance(stop.__context__, _ONE_LINE_ERRORS):
+        report_error(stop.__context__)
+        return 2
     command = argv[0] if argv else "megadare"
     print(
         f"{command} stopped by SIGTERM before its first step: nothing new to save; run the same command again to "

@@ -11,6 +11,7 @@ handler of the run's was in place yet or any more:
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -81,3 +82,33 @@ def test_a_sigterm_after_the_last_checkpoint_keeps_the_finished_run(tmp_path):
     assert "sft done at step 2" in out and "SIGTERM received after the last checkpoint was written" in out, out
     assert "Traceback" not in err, err[-3000:]
     assert os.path.isdir(tmp_path / "run" / "ckpt" / "iter_0000002"), sorted(os.listdir(tmp_path / "run" / "ckpt"))
+
+
+@pytest.mark.parametrize("when", ["unwinding", "printing"])
+def test_a_sigterm_on_an_error_on_its_way_out_keeps_the_error(monkeypatch, capsys, when):
+    """A run refused in its set-up (a one-line error) that gets the job's SIGTERM while the error unwinds the
+    set-up's cleanup, or while its line is printed, ends by that error (exit 2, the line), not as a stop (exit 0):
+    the stop would hide why the run could not start."""
+    from megadare import cli
+    from megadare.errors import ConfigError
+
+    def refused(args):
+        try:
+            raise ConfigError("data.path=x.jsonl: no such file")
+        finally:  # the set-up's cleanup, which the SIGTERM interrupts
+            if when == "unwinding":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    printed = cli.report_error
+
+    def report_while_signalled(e):
+        if when == "printing":
+            os.kill(os.getpid(), signal.SIGTERM)
+        printed(e)
+
+    monkeypatch.setattr(cli, "_dispatch", refused)
+    monkeypatch.setattr(cli, "report_error", report_while_signalled)
+    assert cli.main(["sft", "--config", os.path.join(ROOT, "examples/configs/sft_sdar_tiny.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("megadare: error: data.path=x.jsonl: no such file") == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
