@@ -470,20 +470,15 @@ class BlockTrace:
 
     def _read_history(self, h: dict) -> None:
         """Overwritten commits (a position committed again replaces its record) and per-step proposals."""
-        steps = [[t.tolist() for t in entry] for entry in self._history]
-        last: list[dict[int, tuple]] = [dict() for _ in range(self.n)]
-        for committed, count, s, logp, tokens, active, proposals, confidence in steps:
-            for b in range(self.n):
-                if not active[b]:
-                    continue
-                for c, hit in enumerate(committed[b]):
-                    if hit:
-                        if c in last[b]:
-                            h["superseded"][b].setdefault(c, []).append(last[b][c])
-                        last[b][c] = (count[b], s[b], logp[b][c], tokens[b][c])
-                if self.record_steps:
-                    h["preds"][b].append(proposals[b])
-                    h["confs"][b].append(confidence[b])
+        fields = [t.tolist() for t in self.stacked_history()]
+        h["superseded"], h["preds"], h["confs"] = history_from_host(fields, self.n, self.record_steps)
+
+    def stacked_history(self) -> tuple[torch.Tensor, ...]:
+        """The kept steps as device tensors [S, n, ...], one per field (committed, step count before the step,
+        block-local step, log-prob, tokens, active; with ``record_steps`` also proposals and confidences): what
+        :func:`history_from_host` reads, in one copy per field (the caller may send them without a wait)."""
+        width = len(self._history[0]) if self.record_steps else 6
+        return tuple(torch.stack([entry[k] for entry in self._history]) for k in range(width))
 
     @property
     def records(self) -> list[dict[int, tuple[int, int, float]]]:
@@ -520,3 +515,28 @@ class BlockTrace:
     def superseded_entries(self, b: int, position: int, forwards_before: int = 0) -> list[list]:
         """The overwritten commits of row ``b`` at ``position``: ``[global step, block step, log-prob, token]``."""
         return [[forwards_before + f, s, lp, tok] for f, s, lp, tok in self.superseded[b].get(position, [])]
+
+
+def history_from_host(fields: list[list], n: int, record_steps: bool) -> tuple[list[dict], list[list], list[list]]:
+    """A block's kept steps (:meth:`BlockTrace.stacked_history`, read as lists ``fields[k][step][row]``) as host
+    records of its ``n`` rows: the overwritten commits of each position, ``(forward, block_step, logprob,
+    token)`` in order (a position committed again replaces its record), and with ``record_steps`` the proposals
+    and confidences of every step the row took."""
+    superseded: list[dict] = [dict() for _ in range(n)]
+    preds: list[list] = [[] for _ in range(n)]
+    confs: list[list] = [[] for _ in range(n)]
+    last: list[dict[int, tuple]] = [dict() for _ in range(n)]
+    for step in zip(*fields):
+        committed, count, s, logp, tokens, active = step[:6]
+        for b in range(n):
+            if not active[b]:
+                continue
+            for c, hit in enumerate(committed[b]):
+                if hit:
+                    if c in last[b]:
+                        superseded[b].setdefault(c, []).append(last[b][c])
+                    last[b][c] = (count[b], s[b], logp[b][c], tokens[b][c])
+            if record_steps:
+                preds[b].append(step[6][b])
+                confs[b].append(step[7][b])
+    return superseded, preds, confs

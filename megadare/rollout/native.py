@@ -115,6 +115,7 @@ class NativeEngine:
             self._compiled() if settings.compile else (self.model, denoise_step, dllm_step)
         )
         self._cache: Optional[KVCache] = None
+        self._padded = PaddedRows()
         self.version = 0
         self.forwards = 0  # model forwards, all calls (benchmarks: forwards per token)
         self.asleep = False
@@ -204,8 +205,9 @@ class NativeEngine:
             return fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
         n = ids.shape[0]
         rows = self.graph_rows(n)
-        ids, pos, logits_index = (_pad_rows(t, rows, 0) for t in (ids, pos, logits_index))
-        allowed = _pad_rows(allowed, rows, True)
+        pad = self._padded
+        ids, pos = pad.rows("ids", ids, rows, 0), pad.rows("pos", pos, rows, 0)
+        logits_index, allowed = pad.rows("index", logits_index, rows, 0), pad.rows("allowed", allowed, rows, True)
         torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
         with torch._dynamo.config.patch(_graph_limits(cache)):
             out = self._fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
@@ -214,7 +216,9 @@ class NativeEngine:
     def bind(self, cache: KVCache, write_cols: torch.Tensor, key_len: int) -> None:
         """Bind ``cache`` for a decode forward of rows [0, n) (``KVCache.bind``); under CUDA graphs for
         :meth:`graph_rows` rows, the padding rows writing the scratch column."""
-        cache.bind(0, _pad_rows(write_cols, self.graph_rows(write_cols.shape[0]), cache.length), key_len)
+        cache.bind(
+            0, self._padded.rows("write", write_cols, self.graph_rows(write_cols.shape[0]), cache.length), key_len
+        )
 
     def graph_rows(self, n: int) -> int:
         """Rows a forward runs: ``n``; under CUDA graphs the next power of two (one graph per bucket, not per
@@ -281,11 +285,34 @@ def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device)
     return settings.compile and torch.device(device).type == "cuda" and cached_blocks
 
 
-def _pad_rows(t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
-    """``t`` with rows appended up to ``rows`` (dim 0), filled with ``value``."""
-    if t is None or t.shape[0] >= rows:
-        return t
-    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+class PaddedRows:
+    """A forward's inputs padded with rows up to a CUDA graph's row bucket, without rebuilding what a block's
+    steps share: the padding rows of a shape and fill are made once (never written: ``cat`` copies them), and an
+    input passed again unchanged (a block's columns, its attention mask: the same tensor at every step, same
+    version counter) reuses its padded copy. Padding each input anew cost two eager ops per input per step
+    (``new_full``, ``cat``) between two graph replays on CUDA; now one per step (the block's tokens)."""
+
+    def __init__(self) -> None:
+        self._tails: dict[tuple, torch.Tensor] = {}
+        self._last: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] = {}  # input, version, rows, padded
+
+    def rows(self, slot: str, t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
+        """``t`` with rows appended up to ``rows`` (dim 0), filled with ``value`` (``slot``: which input it is,
+        e.g. the forward's positions; the last input of a slot is remembered)."""
+        if t is None or t.shape[0] >= rows:
+            return t
+        last = self._last.get(slot)
+        if last is not None and last[0] is t and last[1:3] == (t._version, rows):
+            return last[3]
+        shape = (rows - t.shape[0], *t.shape[1:])
+        key = (shape, t.dtype, t.device, value)
+        if key not in self._tails:
+            if len(self._tails) >= 64:  # shapes are bucketed: a few per call; bounded all the same
+                self._tails.clear()
+            self._tails[key] = t.new_full(shape, value)
+        padded = torch.cat([t, self._tails[key]])
+        self._last[slot] = (t, t._version, rows, padded)
+        return padded
 
 
 def _graph_limits(cache: Optional[KVCache]) -> dict[str, Any]:
