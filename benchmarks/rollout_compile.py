@@ -16,9 +16,9 @@ Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps
 ``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time; then
 the ``--ops`` count. ``--ops``: one more compiled call, the aten ops that run outside the compiled graphs (in the
 block loop per denoising step, and outside it: admission, eager prefill, results) and the host syncs among them
-(``tolist``, ``item``, ``tensor(list)``), by source function (a ``rollout compile ops`` line and two tables); on a
-CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts in a minute
-(``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
+(``tolist``, ``item``, ``bool``, ``tensor(list)``), by source function (a ``rollout compile ops`` line and two
+tables); on a CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts
+in a minute (``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
 ``--algorithm`` (the commit rule: ``low_confidence_dynamic``, threshold decoding, and ``editing``, LLaDA2.1's token
 editing, read a flag per step) and ``--record-steps`` (MDPO's per-step records) time and count those decoders.
 ``--unfused``: the layout's separate q/k/v and gate/up GEMMs (``DecoderLM.unfuse_projections``; the engine fuses
@@ -190,7 +190,12 @@ def same_traces(a, b) -> bool:
 
 
 GRAPH_CALL = "## Call CompiledFxGraph"  # inductor's record_function around a compiled graph (a CUDA graph replay)
-READS = {"aten::item": "item/bool/int", "aten::resolve_conj": "tolist", "aten::lift_fresh": "tensor(list)"}
+READS = {
+    "aten::item": "item/int",
+    "aten::is_nonzero": "bool",
+    "aten::resolve_conj": "tolist",
+    "aten::lift_fresh": "tensor(list)",
+}
 
 
 def _outside_graphs(events) -> list:
@@ -238,7 +243,7 @@ def emulate_graphs_on_cpu(engine: NativeEngine) -> None:
     torch.compile = marked
     try:
         engine.graphs = True
-        engine._fn, engine.step, engine.dllm_step = engine._compiled()
+        engine._fn, engine.step, engine.dllm_step, engine.draw_ahead = engine._compiled()
     finally:
         torch.compile = compile_
 
@@ -246,7 +251,7 @@ def emulate_graphs_on_cpu(engine: NativeEngine) -> None:
 def count_ops(engine: NativeEngine, prompts, params) -> None:
     """One generate call under the profiler (CPU events, Python frames): the aten ops that run outside the
     compiled graphs, in the block loop (per denoising step: divided by the call's forwards) and outside it
-    (admission, prefill, results), and the host reads among them (``tolist``, ``item`` / ``bool`` / ``int``;
+    (admission, prefill, results), and the host reads among them (``tolist``, ``item`` / ``int``, ``bool``;
     ``tensor(list)``: a host-to-device copy, blocking on CUDA, when made on the device): each a sync on CUDA."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -5,7 +5,9 @@ each read of a device value is a sync on CUDA, after which the GPU idles while t
   at a block's end without a wait (``decoders.BlockHistory``) and read when a row finishes, not in the loop; the
   recorded traces exactly, through a batch of two and with the stop flags read a block late (frozen rows);
 * under CUDA graphs (emulated) a batch that is not a power of two pads its rows without rebuilding, per step,
-  the padding of what the block's steps share (``native.PaddedRows``).
+  the padding of what the block's steps share (``native.PaddedRows``);
+* a compiled step makes no tensor of its float settings at each call (``native._float_constants``);
+* a block's random numbers are one compiled call and binding the cache makes no tensor (per-block eager ops).
 """
 
 from __future__ import annotations
@@ -120,23 +122,8 @@ def test_padding_rows_for_cuda_graphs_costs_one_op_per_step(monkeypatch):
     graph replays); now the block's positions and mask, the same tensors at every step, are padded once per block
     and the tokens' padding row is made once: one ``cat`` per step, and the logits' slice to the live rows.
     Counted as the difference between 4 and 2 steps per block: eager ops per extra forward."""
-    compile_ = torch.compile
-
-    def marked(fn, **kw):
-        def backend(gm, inputs):
-            def call(*args):
-                with torch.profiler.record_function("compiled graph"):
-                    return gm.forward(*args)
-
-            return call
-
-        return compile_(fn, backend=backend, dynamic=False)
-
-    monkeypatch.setattr(torch, "compile", marked)
-    torch._dynamo.reset()
     model, arch = nt.build("sdar")
-    eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu", settings=NativeSettings(compile=True))
-    eng.graphs = True
+    eng = _graphs_emulated(model, arch, monkeypatch)
     short = min(len(p) for p in nt.PROMPTS[:3])
     prompts = [p[:short] for p in nt.PROMPTS[:3]]  # 3 rows that finish together: one padding row throughout
     counts, trajs = {}, {}
@@ -151,3 +138,104 @@ def test_padding_rows_for_cuda_graphs_costs_one_op_per_step(monkeypatch):
     (ops4, fwd4), (ops2, fwd2) = counts[4], counts[2]
     assert fwd4 > fwd2, counts
     assert (ops4 - ops2) / (fwd4 - fwd2) <= 2, counts
+
+
+def _graphs_emulated(model, arch, monkeypatch) -> NativeEngine:
+    """A compiled engine on the CUDA-graph path, emulated on the CPU as benchmarks/rollout_compile.py ``--ops``
+    does: dynamo's aot_eager, the forward with static shapes, the steps as compiled (dynamic), each graph call
+    marked for the profiler (``_eager_ops``)."""
+    compile_ = torch.compile
+
+    def marked(fn, **kw):
+        def backend(gm, inputs):
+            def call(*args):
+                with torch.profiler.record_function("compiled graph"):
+                    return gm.forward(*args)
+
+            return call
+
+        return compile_(fn, backend=backend, dynamic=kw.get("dynamic") if kw.get("mode") is None else False)
+
+    monkeypatch.setattr(torch, "compile", marked)
+    torch._dynamo.reset()
+    eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu", settings=NativeSettings(compile=True))
+    eng.graphs = True
+    eng._fn, eng.step, eng.dllm_step, eng.draw_ahead = eng._compiled()  # as on CUDA: the forward's graphs static
+    return eng
+
+
+def _tensors_made_by_steps(eng: NativeEngine, prompts, params) -> tuple[int, int]:
+    """(tensors made from Python values, ``aten::lift_fresh``, inside the compiled steps' calls; the calls) in one
+    generate call."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def marked(step):
+        def call(*args, **kwargs):
+            with record_function("step call"):
+                return step(*args, **kwargs)
+
+        return call
+
+    compiled = (eng.step, eng.dllm_step)
+    eng.step, eng.dllm_step = (marked(f) for f in compiled)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            eng.generate(prompts, params)
+    finally:
+        eng.step, eng.dllm_step = compiled
+    made = 0
+    for e in prof.events():
+        p = e.cpu_parent
+        while p is not None and p.name != "step call":
+            p = p.cpu_parent
+        made += e.name == "aten::lift_fresh" and p is not None
+    return made, sum(e.name == "step call" for e in prof.events())
+
+
+@pytest.mark.parametrize("algorithm", ["low_confidence_static", "low_confidence_dynamic", "editing"])
+def test_a_compiled_step_makes_no_tensor_of_its_settings(algorithm, monkeypatch):
+    """Dynamo made every float a compiled step uses (temperature, threshold, editing_threshold) a graph input and
+    wrapped it in a new tensor at every call: ``torch.tensor`` + ``to`` + ``empty`` per float per step between
+    two forwards (on CUDA a host-to-device copy if it went to the GPU). Traced as constants, a step makes none.
+    Same tokens as eager."""
+    model, arch = nt.build("sdar")
+    eng = _graphs_emulated(model, arch, monkeypatch)
+    prompts = [p[:4] for p in nt.PROMPTS[:4]]
+    params = SamplingParams(
+        max_new_tokens=8, block_size=4, temperature=0.7, threshold=0.5, seed=1, stop_at_eos=False, algorithm=algorithm
+    )
+    got = eng.generate(prompts, params)  # compiles
+    made, calls = _tensors_made_by_steps(eng, prompts, params)
+    assert calls > 0 and made == 0, (made, calls)
+    eager = NativeEngine(model, arch, eos_token_id=-1, device="cpu").generate(prompts, params)
+    assert [_exact(t) for t in got] == [_exact(t) for t in eager]
+
+
+def test_a_blocks_numbers_and_cache_binding_run_no_eager_op(monkeypatch):
+    """Per block, outside the compiled step: ``Streams.ahead`` drew the block's numbers in ~30 eager ops (the
+    counters, ``repeat_interleave``, SplitMix64's shifts and products per purpose) and every ``KVCache.bind``
+    made its row index anew (``arange`` + a view). Now the numbers are one compiled call
+    (``dllm_step.draw_ahead``, integer arithmetic: the same numbers) and the row index is made once per shape:
+    no eager op of either runs in the block loop (admission still mixes the keys once). Same tokens as eager."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, arch = nt.build("sdar")
+    eng = _graphs_emulated(model, arch, monkeypatch)
+    prompts = [p[:4] for p in nt.PROMPTS[:4]]
+    params = SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=2, temperature=0.7, seed=1)
+    got = eng.generate(prompts, params)  # compiles
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        eng.generate(prompts, params)
+    sites = []
+    for e in prof.events():
+        p, nested, site = e.cpu_parent, False, []
+        while p is not None and not nested:
+            nested = p.name.startswith(("aten::", "compiled graph"))
+            site.append(p.name)
+            p = p.cpu_parent
+        in_loop = any("decoders.py" in f and f.endswith(": round") for f in site)  # the block loop
+        if e.name.startswith("aten::") and not nested and in_loop:
+            sites += [f for f in site if "sampling.py" in f or f.endswith(": bind") and "common.py" in f]
+    assert not sites, sorted(set(sites))
+    eager = NativeEngine(model, arch, eos_token_id=-1, device="cpu").generate(prompts, params)
+    assert [_exact(t) for t in got] == [_exact(t) for t in eager]

@@ -257,7 +257,8 @@ class Decoder(ABC):
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
         step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
         block_streams = Streams(self.dev["keys"][:n], self.dev["steps"][:n], self.dev["base"][:n])
-        block_streams = block_streams.ahead(step_purposes(p), self.B, steps)  # a row steps at most once a forward
+        # a row steps at most once a forward: ``steps`` numbers ahead per row
+        block_streams = block_streams.ahead(step_purposes(p), self.B, steps, self.e.draw_ahead)
         fused = refine is None and not trace.keep_history  # the step and its record: one compiled call
         for s in range(steps):
             if not (fused and self.static_steps):

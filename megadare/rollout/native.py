@@ -31,7 +31,10 @@ driver and the two decoders):
   started without a wait (``decoders.StopFlags``; the row rides that block frozen), and the rows that finish at
   a block once per buffer, after the next block is queued (``decoders.FinishedRows``). A block's forwards run without a
   host read when the schedule is static (the number of steps follows from the masked counts); the dynamic
-  threshold and token editing read one flag per step to stop early.
+  threshold and token editing read one flag per step to stop early (it must reach the host before the next
+  forward is launched or not: reading it a step late would run a wasted forward per block, a whole forward of
+  GPU work against the launch gap the read leaves). Token editing's overwritten commits and MDPO's per-step
+  records go to the host without a wait and are read when their row finishes (``decoders.BlockHistory``).
   A step and its record are one call (``dllm_step.denoise_step``; compiled: one graph, no eager op between two
   forwards) unless token editing or per-step records keep its history.
 * Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
@@ -58,7 +61,7 @@ from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import DecoderLM, KVCache
 from megadare.rollout.decoders import BlockDiffusionDecoder, Decoder, SemiARDecoder
-from megadare.rollout.dllm_step import denoise_step, dllm_step
+from megadare.rollout.dllm_step import denoise_step, dllm_step, draw_ahead
 from megadare.rollout.engine import SamplingParams, Trajectory, check_generate_call
 
 _KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
@@ -111,8 +114,8 @@ class NativeEngine:
         self.max_batch = settings.max_batch
         self.compile = settings.compile
         self.graphs = cuda_graphs(arch, settings, self.device)
-        self._fn, self.step, self.dllm_step = (
-            self._compiled() if settings.compile else (self.model, denoise_step, dllm_step)
+        self._fn, self.step, self.dllm_step, self.draw_ahead = (
+            self._compiled() if settings.compile else (self.model, denoise_step, dllm_step, draw_ahead)
         )
         self._cache: Optional[KVCache] = None
         self._padded = PaddedRows()
@@ -268,12 +271,28 @@ class NativeEngine:
         the step with its record, what a block's steps run; ``dllm_step``: the bare step, for token editing and
         per-step records): the cached block-diffusion forward on CUDA with CUDA graphs (``reduce-overhead``,
         static shapes: rows and key lengths bucketed, one graph per bucket), everything else with dynamic shapes
-        (one graph for every batch and key length)."""
+        (one graph for every batch and key length). The steps' float settings are constants of their graphs
+        (:func:`_float_constants`). ``draw_ahead``: a block's random numbers (``dllm_step.draw_ahead``), one graph
+        (integer arithmetic: exact on every backend)."""
         if self.graphs:
             model = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
         else:
             model = torch.compile(self.model, dynamic=True)
-        return model, torch.compile(denoise_step, dynamic=True), torch.compile(dllm_step, dynamic=True)
+        steps = (torch.compile(denoise_step, dynamic=True), torch.compile(dllm_step, dynamic=True))
+        return model, *(_float_constants(f) for f in steps), torch.compile(draw_ahead, dynamic=True)
+
+
+def _float_constants(compiled):
+    """``compiled`` (a step) with the floats it is given (``SamplingParams``: temperature, threshold,
+    editing_threshold, top_p, ...) traced as constants of its graph: dynamo otherwise makes each one a graph input
+    and wraps it in a new tensor at every call (``torch.tensor`` + ``to``: three eager ops per float per step on
+    the host, between two forwards). A call's settings are fixed: a new value compiles once more."""
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device) -> bool:
