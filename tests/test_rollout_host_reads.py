@@ -239,3 +239,19 @@ def test_a_blocks_numbers_and_cache_binding_run_no_eager_op(monkeypatch):
     assert not sites, sorted(set(sites))
     eager = NativeEngine(model, arch, eos_token_id=-1, device="cpu").generate(prompts, params)
     assert [_exact(t) for t in got] == [_exact(t) for t in eager]
+
+
+def test_padded_rows_are_reused_only_for_the_same_input_fill_and_version():
+    """``PaddedRows`` hands back its padded copy of a slot's last input only when the input is the same tensor,
+    unchanged (version counter), padded to the same rows with the same fill (``bind`` pads with the cache's
+    scratch column: another cache, another fill)."""
+    from megadare.rollout.native import PaddedRows
+
+    pad = PaddedRows()
+    t = torch.arange(6).view(3, 2)
+    zeros = pad.rows("x", t, 4, 0)
+    assert pad.rows("x", t, 4, 0) is zeros and zeros[3].tolist() == [0, 0]
+    assert pad.rows("x", t, 4, 9)[3].tolist() == [9, 9]
+    t.add_(1)
+    assert pad.rows("x", t, 4, 9)[:, 0].tolist() == [1, 3, 5, 9]
+    assert pad.rows("x", t, 3, 9) is t

@@ -162,6 +162,7 @@ class NativeEngine:
         self._unpack_weights()
         self.model.to("cpu")
         self._cache = None
+        self._padded = PaddedRows()  # its padding rows live on the device too
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -313,7 +314,7 @@ class PaddedRows:
 
     def __init__(self) -> None:
         self._tails: dict[tuple, torch.Tensor] = {}
-        self._last: dict[str, tuple[torch.Tensor, int, int, torch.Tensor]] = {}  # input, version, rows, padded
+        self._last: dict[str, tuple] = {}  # slot -> (input, its version, rows, fill, padded)
 
     def rows(self, slot: str, t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
         """``t`` with rows appended up to ``rows`` (dim 0), filled with ``value`` (``slot``: which input it is,
@@ -321,8 +322,8 @@ class PaddedRows:
         if t is None or t.shape[0] >= rows:
             return t
         last = self._last.get(slot)
-        if last is not None and last[0] is t and last[1:3] == (t._version, rows):
-            return last[3]
+        if last is not None and last[0] is t and last[1:4] == (t._version, rows, value):
+            return last[4]
         shape = (rows - t.shape[0], *t.shape[1:])
         key = (shape, t.dtype, t.device, value)
         if key not in self._tails:
@@ -330,7 +331,7 @@ class PaddedRows:
                 self._tails.clear()
             self._tails[key] = t.new_full(shape, value)
         padded = torch.cat([t, self._tails[key]])
-        self._last[slot] = (t, t._version, rows, padded)
+        self._last[slot] = (t, t._version, rows, value, padded)
         return padded
 
 
