@@ -16,9 +16,11 @@ Every result line starts with ``rollout compile`` (benchmarks/gpu_check.py keeps
 ``--profile``: one compiled call under torch.profiler, wall vs GPU-busy time and the top ops by GPU time; then
 the ``--ops`` count. ``--ops``: one more compiled call, the aten ops that run outside the compiled graphs (in the
 block loop per denoising step, and outside it: admission, eager prefill, results) and the host syncs among them
-(``tolist``, ``item``, ``tensor(list)``), by source function (a ``rollout compile ops`` line and two tables); on a
-CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts in a minute
-(``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
+(``tolist``, ``item``, ``bool``, ``tensor(list)``), by source function (a ``rollout compile ops`` line and two
+tables); on a CPU through dynamo's ``aot_eager`` with the CUDA-graph path's static shapes, so a small shape counts
+in a minute (``--dtype fp32 --batch 4 --prompt 8 --new 16 --rounds 1 --ops``). ``--compiled-only``: no eager baseline.
+``--algorithm`` (the commit rule: ``low_confidence_dynamic``, threshold decoding, and ``editing``, LLaDA2.1's token
+editing, read a flag per step) and ``--record-steps`` (MDPO's per-step records) time and count those decoders.
 ``--unfused``: the layout's separate q/k/v and gate/up GEMMs (``DecoderLM.unfuse_projections``; the engine fuses
 them by default), the A/B of that fusion. ``--sdpa``: which kernel SDPA may pick, for eager and compiled alike
 (``auto``: torch's choice, cuDNN on an H200, 32 us per layer for a 4-query block in the 2026-11-27 profile;
@@ -47,6 +49,7 @@ from dataclasses import replace
 import torch
 
 from megadare.rollout import decoders
+from megadare.rollout.choices import ALGORITHMS
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
 
@@ -187,7 +190,12 @@ def same_traces(a, b) -> bool:
 
 
 GRAPH_CALL = "## Call CompiledFxGraph"  # inductor's record_function around a compiled graph (a CUDA graph replay)
-READS = {"aten::item": "item/bool/int", "aten::resolve_conj": "tolist", "aten::lift_fresh": "tensor(list)"}
+READS = {
+    "aten::item": "item/int",
+    "aten::is_nonzero": "bool",
+    "aten::resolve_conj": "tolist",
+    "aten::lift_fresh": "tensor(list)",
+}
 
 
 def _outside_graphs(events) -> list:
@@ -235,7 +243,7 @@ def emulate_graphs_on_cpu(engine: NativeEngine) -> None:
     torch.compile = marked
     try:
         engine.graphs = True
-        engine._fn, engine.step, engine.dllm_step = engine._compiled()
+        engine._fn, engine.step, engine.dllm_step, engine.draw_ahead = engine._compiled()
     finally:
         torch.compile = compile_
 
@@ -243,7 +251,7 @@ def emulate_graphs_on_cpu(engine: NativeEngine) -> None:
 def count_ops(engine: NativeEngine, prompts, params) -> None:
     """One generate call under the profiler (CPU events, Python frames): the aten ops that run outside the
     compiled graphs, in the block loop (per denoising step: divided by the call's forwards) and outside it
-    (admission, prefill, results), and the host reads among them (``tolist``, ``item`` / ``bool`` / ``int``;
+    (admission, prefill, results), and the host reads among them (``tolist``, ``item`` / ``int``, ``bool``;
     ``tensor(list)``: a host-to-device copy, blocking on CUDA, when made on the device): each a sync on CUDA."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -284,6 +292,8 @@ def main() -> None:
     ap.add_argument("--compiled-only", action="store_true", help="skip the eager baseline (saves device time)")
     ap.add_argument("--unfused", action="store_true", help="q/k/v and gate/up as separate GEMMs (see above)")
     ap.add_argument("--sdpa", choices=SDPA, default="auto", help="the one SDPA kernel allowed (see above)")
+    ap.add_argument("--algorithm", choices=ALGORITHMS, default="low_confidence_static", help="the commit rule")
+    ap.add_argument("--record-steps", action="store_true", help="MDPO's per-step records (keep_history)")
     args = ap.parse_args()
     try:
         with sdpa_kernels(args.sdpa):
@@ -313,7 +323,8 @@ def run_words(args, device) -> str:
     projections = "unfused" if args.unfused else "fused"
     return (
         f"rollout compile {args.dtype} on {device}, sdpa {args.sdpa}, projections {projections}, batch {args.batch}, "
-        f"prompt {args.prompt}, {args.new} new, block 4, 4 steps/block"
+        f"prompt {args.prompt}, {args.new} new, block 4, 4 steps/block, {args.algorithm}"
+        + (", record_steps" if args.record_steps else "")
     )
 
 
@@ -347,7 +358,14 @@ def run(args) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
     params = SamplingParams(
-        max_new_tokens=args.new, block_size=4, steps_per_block=4, temperature=1.0, stop_at_eos=False, seed=1
+        max_new_tokens=args.new,
+        block_size=4,
+        steps_per_block=4,
+        temperature=1.0,
+        stop_at_eos=False,
+        seed=1,
+        algorithm=args.algorithm,
+        record_steps=args.record_steps,
     )
     eager = NativeEngine(model, arch, eos_token_id=-1, device=dev, dtype=dtype)
     compiled = NativeEngine(

@@ -15,7 +15,15 @@ from typing import Any, Optional
 
 import torch
 
-from megadare.rollout.dllm_step import BlockState, BlockTrace, commit_counts, propose, step_purposes, Streams
+from megadare.rollout.dllm_step import (
+    BlockState,
+    BlockTrace,
+    commit_counts,
+    history_from_host,
+    propose,
+    step_purposes,
+    Streams,
+)
 from megadare.rollout.editing import Refinement
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
@@ -95,6 +103,58 @@ class FinishedRows:
         return {**{k: t.tolist() for k, t in self.tensors.items()}, **self.host}
 
 
+class BlockHistory:
+    """One block's kept steps (token editing's overwritten commits, MDPO's per-step proposals) of rows [0, n), on
+    their way to the host without a wait: copied at the block's end (CUDA: ``non_blocking``, then an event) with
+    each row's step count before the block and the decode column of the block's first position; read when a row
+    that took part finishes (:meth:`Decoder.trajectory`), long after the copy. Read at the block's end, they cost
+    4 + 8 * steps blocking reads per block on CUDA (``BlockTrace.superseded``, ``.preds``), with the next block
+    not yet launched."""
+
+    def __init__(self, trace: BlockTrace, before: torch.Tensor, first: torch.Tensor):
+        cuda = before.device.type == "cuda"
+        tensors = (before, first, *trace.stacked_history())
+        self.tensors = [t.to("cpu", non_blocking=cuda, copy=True) for t in tensors]  # a copy: steps moves on
+        self.event: Optional[Any] = torch.cuda.Event() if cuda else None
+        if self.event is not None:
+            self.event.record()
+        self.n, self.record_steps = before.shape[0], trace.record_steps
+        self.rows: Optional[list[tuple[dict, list]]] = None
+
+    def row(self, i: int) -> tuple[dict, list]:
+        """Row ``i``'s overwritten commits by decode column, ``(global step, block step, log-prob, token)`` each,
+        and its ``(decode column of the block, proposals, confidences)`` per step (the block's rows read once)."""
+        if self.rows is None:
+            if self.event is not None:
+                self.event.synchronize()
+            before, first, *fields = (t.tolist() for t in self.tensors)
+            superseded, preds, confs = history_from_host(fields, self.n, self.record_steps)
+            self.rows = [
+                (
+                    {
+                        c + first[b]: [(before[b] + f, s, lp, tok) for f, s, lp, tok in chain]
+                        for c, chain in sup.items()
+                    },
+                    [(first[b], pr, cf) for pr, cf in zip(preds[b], confs[b])],
+                )
+                for b, sup in enumerate(superseded)
+            ]
+            self.tensors = []
+        return self.rows[i]
+
+
+def _row_history(blocks: list[tuple[BlockHistory, int]]) -> tuple[dict, list]:
+    """A row's overwritten commits (by decode column) and per-step proposals over its blocks ``blocks``
+    (:class:`BlockHistory` and the row's index in it, in block order)."""
+    superseded: dict = {}
+    preds: list = []
+    for block, i in blocks:
+        sup, pr = block.row(i)
+        superseded.update(sup)
+        preds += pr
+    return superseded, preds
+
+
 class Decoder(ABC):
     """The continuous-batching driver and the per-slot state both decoders share (``engine``: the
     ``native.NativeEngine`` that runs the forwards).
@@ -126,7 +186,7 @@ class Decoder(ABC):
         # a row found stopped rides a block frozen: stop_at_eos where reads wait for the device (StopFlags)
         self.freezes = params.stop_at_eos and engine.device.type in DEFERRED_STOP_READS
         self.stops = StopFlags(cap, engine.device) if self.freezes else None
-        self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "superseded", "preds")}
+        self.host: dict[str, list] = {k: [] for k in ("prompt", "block", "blocks", "start", "history")}
         self.static_steps = params.algorithm not in ("low_confidence_dynamic", "editing")
 
     # ------------------------------------------------------------------ driver
@@ -168,8 +228,7 @@ class Decoder(ABC):
         self.dev["stopped"][rows].fill_(False)
         self.host["prompt"] += indices
         self.host["block"] += [0] * len(indices)
-        self.host["superseded"] += [{} for _ in indices]
-        self.host["preds"] += [[] for _ in indices]
+        self.host["history"] += [[] for _ in indices]  # (BlockHistory, row in it) per block
 
     def compact(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (in order) as rows [0, len(keep))."""
@@ -198,7 +257,8 @@ class Decoder(ABC):
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
         step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
         block_streams = Streams(self.dev["keys"][:n], self.dev["steps"][:n], self.dev["base"][:n])
-        block_streams = block_streams.ahead(step_purposes(p), self.B, steps)  # a row steps at most once a forward
+        # a row steps at most once a forward: ``steps`` numbers ahead per row
+        block_streams = block_streams.ahead(step_purposes(p), self.B, steps, self.e.draw_ahead)
         fused = refine is None and not trace.keep_history  # the step and its record: one compiled call
         for s in range(steps):
             if not (fused and self.static_steps):
@@ -280,15 +340,12 @@ class Decoder(ABC):
         return [f or self.host["block"][i] >= self.host["blocks"][i] for i, f in enumerate(ends)]
 
     def record_history(self, n: int, trace: BlockTrace, frozen: list[bool]) -> None:
-        """Token editing's overwritten commits and MDPO's per-step proposals (host, once per block) of the rows
-        not ``frozen`` (stopped a block ago: :meth:`record`)."""
-        before = self.dev["steps"][:n].tolist()
-        first = (self.dev["start"][:n] - self.dev["first"][:n]).tolist()
+        """Token editing's overwritten commits and MDPO's per-step proposals of the rows not ``frozen`` (stopped
+        a block ago: :meth:`record`): sent to the host without a wait (:class:`BlockHistory`), read when the row
+        finishes."""
+        sent = BlockHistory(trace, self.dev["steps"][:n], self.dev["start"][:n] - self.dev["first"][:n])
         for i in (i for i in range(n) if not frozen[i]):
-            for c, chain in trace.superseded[i].items():
-                self.host["superseded"][i][c + first[i]] = [(before[i] + f, s, lp, tok) for f, s, lp, tok in chain]
-            if trace.preds is not None and trace.confs is not None:
-                self.host["preds"][i] += [(first[i], pr, cf) for pr, cf in zip(trace.preds[i], trace.confs[i])]
+            self.host["history"][i].append((sent, i))
 
     # ------------------------------------------------------------------ result
     def trajectory(self, i: int, rows: dict[str, list]) -> Trajectory:
@@ -306,11 +363,8 @@ class Decoder(ABC):
         fwd = rows["fwd"][i][resp : resp + end]
         bstep = rows["bstep"][i][resp : resp + end]
         logp = rows["logp"][i][resp : resp + end]
-        superseded = [
-            Superseded(c, tok, g, s, lp)
-            for c in range(end)
-            for g, s, lp, tok in rows["superseded"][i].get(c + resp, [])
-        ]
+        history, step_preds = _row_history(rows["history"][i])
+        superseded = [Superseded(c, tok, g, s, lp) for c in range(end) for g, s, lp, tok in history.get(c + resp, [])]
         traj = Trajectory(
             prompt_ids=list(self.prompts[rows["prompt"][i]]),
             response_ids=toks[:end],
@@ -324,7 +378,7 @@ class Decoder(ABC):
             superseded=superseded if p.algorithm == "editing" else None,
         )
         if p.record_steps:
-            traj.step_predictions, traj.step_confidences = _response_aligned(rows["preds"][i], resp, end)
+            traj.step_predictions, traj.step_confidences = _response_aligned(step_preds, resp, end)
         return traj.validate()
 
     # ------------------------------------------------------------------ per decoder

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -110,15 +110,13 @@ class Streams:
             return table.index_select(0, self.rows)
         return stream_uniforms(self.keys, self.counters, purpose, width, self.base)
 
-    def ahead(self, purposes: Sequence[int], width: int, steps: int) -> "Streams":
+    def ahead(self, purposes: Sequence[int], width: int, steps: int, draw: Optional[Callable] = None) -> "Streams":
         """These streams with the numbers of counters ``counters`` .. ``counters + steps - 1`` drawn now for
-        ``purposes`` at ``width`` positions (a block's steps); read them through :meth:`at`."""
-        n = self.keys.shape[0]
+        ``purposes`` at ``width`` positions (a block's steps); read them through :meth:`at`. ``draw``:
+        :func:`draw_ahead` or the engine's compiled copy of it (one graph instead of ~30 eager ops a block)."""
         base = mix64(self.keys.long()) if self.base is None else self.base
-        counters = (self.counters[:, None] + torch.arange(steps, device=self.keys.device)).reshape(-1)
-        keys, base = self.keys.repeat_interleave(steps), base.repeat_interleave(steps)
-        drawn = {(p, width): stream_uniforms(keys, counters, p, width, base) for p in purposes}
-        rows = torch.arange(n, device=self.keys.device) * steps
+        *tables, rows = (draw or draw_ahead)(self.keys, self.counters, base, tuple(purposes), width, steps)
+        drawn = {(p, width): t for p, t in zip(purposes, tables)}
         return Streams(self.keys, self.counters, base=self.base, drawn=drawn, rows=rows)
 
     def at(self, advanced: Optional[torch.Tensor]) -> "Streams":
@@ -128,6 +126,18 @@ class Streams:
             return self
         rows = None if self.rows is None else self.rows + advanced
         return Streams(self.keys, self.counters + advanced, self.base, self.drawn, rows)
+
+
+def draw_ahead(
+    keys: torch.Tensor, counters: torch.Tensor, base: torch.Tensor, purposes: tuple[int, ...], width: int, steps: int
+) -> tuple[torch.Tensor, ...]:
+    """The numbers of :meth:`Streams.ahead`: per purpose the rows' numbers at counters ``counters`` ..
+    ``counters + steps - 1`` ([n * steps, width], row r's at rows r * steps ..), then those rows' starts [n]."""
+    n = keys.shape[0]
+    at = (counters[:, None] + torch.arange(steps, device=keys.device)).reshape(-1)
+    keys, base = keys.repeat_interleave(steps), base.repeat_interleave(steps)
+    tables = tuple(stream_uniforms(keys, at, p, width, base) for p in purposes)
+    return (*tables, torch.arange(n, device=keys.device) * steps)
 
 
 def step_purposes(params: SamplingParams) -> tuple[int, ...]:
@@ -470,20 +480,15 @@ class BlockTrace:
 
     def _read_history(self, h: dict) -> None:
         """Overwritten commits (a position committed again replaces its record) and per-step proposals."""
-        steps = [[t.tolist() for t in entry] for entry in self._history]
-        last: list[dict[int, tuple]] = [dict() for _ in range(self.n)]
-        for committed, count, s, logp, tokens, active, proposals, confidence in steps:
-            for b in range(self.n):
-                if not active[b]:
-                    continue
-                for c, hit in enumerate(committed[b]):
-                    if hit:
-                        if c in last[b]:
-                            h["superseded"][b].setdefault(c, []).append(last[b][c])
-                        last[b][c] = (count[b], s[b], logp[b][c], tokens[b][c])
-                if self.record_steps:
-                    h["preds"][b].append(proposals[b])
-                    h["confs"][b].append(confidence[b])
+        fields = [t.tolist() for t in self.stacked_history()]
+        h["superseded"], h["preds"], h["confs"] = history_from_host(fields, self.n, self.record_steps)
+
+    def stacked_history(self) -> tuple[torch.Tensor, ...]:
+        """The kept steps as device tensors [S, n, ...], one per field (committed, step count before the step,
+        block-local step, log-prob, tokens, active; with ``record_steps`` also proposals and confidences): what
+        :func:`history_from_host` reads, in one copy per field (the caller may send them without a wait)."""
+        width = len(self._history[0]) if self.record_steps else 6
+        return tuple(torch.stack([entry[k] for entry in self._history]) for k in range(width))
 
     @property
     def records(self) -> list[dict[int, tuple[int, int, float]]]:
@@ -520,3 +525,28 @@ class BlockTrace:
     def superseded_entries(self, b: int, position: int, forwards_before: int = 0) -> list[list]:
         """The overwritten commits of row ``b`` at ``position``: ``[global step, block step, log-prob, token]``."""
         return [[forwards_before + f, s, lp, tok] for f, s, lp, tok in self.superseded[b].get(position, [])]
+
+
+def history_from_host(fields: list[list], n: int, record_steps: bool) -> tuple[list[dict], list[list], list[list]]:
+    """A block's kept steps (:meth:`BlockTrace.stacked_history`, read as lists ``fields[k][step][row]``) as host
+    records of its ``n`` rows: the overwritten commits of each position, ``(forward, block_step, logprob,
+    token)`` in order (a position committed again replaces its record), and with ``record_steps`` the proposals
+    and confidences of every step the row took."""
+    superseded: list[dict] = [dict() for _ in range(n)]
+    preds: list[list] = [[] for _ in range(n)]
+    confs: list[list] = [[] for _ in range(n)]
+    last: list[dict[int, tuple]] = [dict() for _ in range(n)]
+    for step in zip(*fields):
+        committed, count, s, logp, tokens, active = step[:6]
+        for b in range(n):
+            if not active[b]:
+                continue
+            for c, hit in enumerate(committed[b]):
+                if hit:
+                    if c in last[b]:
+                        superseded[b].setdefault(c, []).append(last[b][c])
+                    last[b][c] = (count[b], s[b], logp[b][c], tokens[b][c])
+            if record_steps:
+                preds[b].append(step[6][b])
+                confs[b].append(step[7][b])
+    return superseded, preds, confs

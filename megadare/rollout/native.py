@@ -31,7 +31,10 @@ driver and the two decoders):
   started without a wait (``decoders.StopFlags``; the row rides that block frozen), and the rows that finish at
   a block once per buffer, after the next block is queued (``decoders.FinishedRows``). A block's forwards run without a
   host read when the schedule is static (the number of steps follows from the masked counts); the dynamic
-  threshold and token editing read one flag per step to stop early.
+  threshold and token editing read one flag per step to stop early (it must reach the host before the next
+  forward is launched or not: reading it a step late would run a wasted forward per block, a whole forward of
+  GPU work against the launch gap the read leaves). Token editing's overwritten commits and MDPO's per-step
+  records go to the host without a wait and are read when their row finishes (``decoders.BlockHistory``).
   A step and its record are one call (``dllm_step.denoise_step``; compiled: one graph, no eager op between two
   forwards) unless token editing or per-step records keep its history.
 * Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
@@ -58,7 +61,7 @@ from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import DecoderLM, KVCache
 from megadare.rollout.decoders import BlockDiffusionDecoder, Decoder, SemiARDecoder
-from megadare.rollout.dllm_step import denoise_step, dllm_step
+from megadare.rollout.dllm_step import denoise_step, dllm_step, draw_ahead
 from megadare.rollout.engine import SamplingParams, Trajectory, check_generate_call
 
 _KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
@@ -111,10 +114,11 @@ class NativeEngine:
         self.max_batch = settings.max_batch
         self.compile = settings.compile
         self.graphs = cuda_graphs(arch, settings, self.device)
-        self._fn, self.step, self.dllm_step = (
-            self._compiled() if settings.compile else (self.model, denoise_step, dllm_step)
+        self._fn, self.step, self.dllm_step, self.draw_ahead = (
+            self._compiled() if settings.compile else (self.model, denoise_step, dllm_step, draw_ahead)
         )
         self._cache: Optional[KVCache] = None
+        self._padded = PaddedRows()
         self.version = 0
         self.forwards = 0  # model forwards, all calls (benchmarks: forwards per token)
         self.asleep = False
@@ -158,6 +162,7 @@ class NativeEngine:
         self._unpack_weights()
         self.model.to("cpu")
         self._cache = None
+        self._padded = PaddedRows()  # its padding rows live on the device too
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -204,8 +209,9 @@ class NativeEngine:
             return fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
         n = ids.shape[0]
         rows = self.graph_rows(n)
-        ids, pos, logits_index = (_pad_rows(t, rows, 0) for t in (ids, pos, logits_index))
-        allowed = _pad_rows(allowed, rows, True)
+        pad = self._padded
+        ids, pos = pad.rows("ids", ids, rows, 0), pad.rows("pos", pos, rows, 0)
+        logits_index, allowed = pad.rows("index", logits_index, rows, 0), pad.rows("allowed", allowed, rows, True)
         torch.compiler.cudagraph_mark_step_begin()  # the previous forward's logits are consumed
         with torch._dynamo.config.patch(_graph_limits(cache)):
             out = self._fn(ids, attention_mask=allowed, position_ids=pos, kv_cache=cache, logits_index=logits_index)
@@ -214,7 +220,9 @@ class NativeEngine:
     def bind(self, cache: KVCache, write_cols: torch.Tensor, key_len: int) -> None:
         """Bind ``cache`` for a decode forward of rows [0, n) (``KVCache.bind``); under CUDA graphs for
         :meth:`graph_rows` rows, the padding rows writing the scratch column."""
-        cache.bind(0, _pad_rows(write_cols, self.graph_rows(write_cols.shape[0]), cache.length), key_len)
+        cache.bind(
+            0, self._padded.rows("write", write_cols, self.graph_rows(write_cols.shape[0]), cache.length), key_len
+        )
 
     def graph_rows(self, n: int) -> int:
         """Rows a forward runs: ``n``; under CUDA graphs the next power of two (one graph per bucket, not per
@@ -264,12 +272,28 @@ class NativeEngine:
         the step with its record, what a block's steps run; ``dllm_step``: the bare step, for token editing and
         per-step records): the cached block-diffusion forward on CUDA with CUDA graphs (``reduce-overhead``,
         static shapes: rows and key lengths bucketed, one graph per bucket), everything else with dynamic shapes
-        (one graph for every batch and key length)."""
+        (one graph for every batch and key length). The steps' float settings are constants of their graphs
+        (:func:`_float_constants`). ``draw_ahead``: a block's random numbers (``dllm_step.draw_ahead``), one graph
+        (integer arithmetic: exact on every backend)."""
         if self.graphs:
             model = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
         else:
             model = torch.compile(self.model, dynamic=True)
-        return model, torch.compile(denoise_step, dynamic=True), torch.compile(dllm_step, dynamic=True)
+        steps = (torch.compile(denoise_step, dynamic=True), torch.compile(dllm_step, dynamic=True))
+        return model, *(_float_constants(f) for f in steps), torch.compile(draw_ahead, dynamic=True)
+
+
+def _float_constants(compiled):
+    """``compiled`` (a step) with the floats it is given (``SamplingParams``: temperature, threshold,
+    editing_threshold, top_p, ...) traced as constants of its graph: dynamo otherwise makes each one a graph input
+    and wraps it in a new tensor at every call (``torch.tensor`` + ``to``: three eager ops per float per step on
+    the host, between two forwards). A call's settings are fixed: a new value compiles once more."""
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device) -> bool:
@@ -281,11 +305,34 @@ def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device)
     return settings.compile and torch.device(device).type == "cuda" and cached_blocks
 
 
-def _pad_rows(t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
-    """``t`` with rows appended up to ``rows`` (dim 0), filled with ``value``."""
-    if t is None or t.shape[0] >= rows:
-        return t
-    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+class PaddedRows:
+    """A forward's inputs padded with rows up to a CUDA graph's row bucket, without rebuilding what a block's
+    steps share: the padding rows of a shape and fill are made once (never written: ``cat`` copies them), and an
+    input passed again unchanged (a block's columns, its attention mask: the same tensor at every step, same
+    version counter) reuses its padded copy. Padding each input anew cost two eager ops per input per step
+    (``new_full``, ``cat``) between two graph replays on CUDA; now one per step (the block's tokens)."""
+
+    def __init__(self) -> None:
+        self._tails: dict[tuple, torch.Tensor] = {}
+        self._last: dict[str, tuple] = {}  # slot -> (input, its version, rows, fill, padded)
+
+    def rows(self, slot: str, t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:
+        """``t`` with rows appended up to ``rows`` (dim 0), filled with ``value`` (``slot``: which input it is,
+        e.g. the forward's positions; the last input of a slot is remembered)."""
+        if t is None or t.shape[0] >= rows:
+            return t
+        last = self._last.get(slot)
+        if last is not None and last[0] is t and last[1:4] == (t._version, rows, value):
+            return last[4]
+        shape = (rows - t.shape[0], *t.shape[1:])
+        key = (shape, t.dtype, t.device, value)
+        if key not in self._tails:
+            if len(self._tails) >= 64:  # shapes are bucketed: a few per call; bounded all the same
+                self._tails.clear()
+            self._tails[key] = t.new_full(shape, value)
+        padded = torch.cat([t, self._tails[key]])
+        self._last[slot] = (t, t._version, rows, value, padded)
+        return padded
 
 
 def _graph_limits(cache: Optional[KVCache]) -> dict[str, Any]:

@@ -46,6 +46,7 @@ class KVCache:
         self.rows, self.length, self.dtype = rows, length, dtype
         self._rows = slice(0, 0)
         self._row_index: Optional[torch.Tensor] = None  # [n, 1] cache rows of the bound forward
+        self._row_indices: dict[tuple, torch.Tensor] = {}  # (start, n, device) -> _row_index, made once (never written)
         self._cols: Optional[torch.Tensor] = None  # [n, W] the cache column of each query
         self._keys = 0
 
@@ -65,7 +66,10 @@ class KVCache:
                 f"({self.rows} rows x {self.length} columns)"
             )
         self._rows = slice(start, start + n)
-        self._row_index = torch.arange(start, start + n, device=write_cols.device)[:, None]
+        key = (start, n, write_cols.device)
+        if key not in self._row_indices:  # a decode binds every block: arange + view were 2 eager ops each time
+            self._row_indices[key] = torch.arange(start, start + n, device=write_cols.device)[:, None]
+        self._row_index = self._row_indices[key]
         self._cols = write_cols
         self._keys = key_len
 
