@@ -642,13 +642,10 @@ def _eager_ops(eng: NativeEngine, prompts, params) -> tuple[int, int]:
     return count, eng.forwards - forwards
 
 
-def test_a_compiled_denoising_step_runs_no_eager_op_between_forwards(monkeypatch):
-    """Under rollout.compile (the CUDA-graph path emulated: static shapes, dynamo's aot_eager) a block's step is
-    the forward and one compiled call: sampling, commits, the trace record, the next step index and the streams'
-    advance. Before, ~15 eager ops ran per step between the two graphs (BlockTrace.add's wheres, the step index,
-    the masked positions, the streams' counters): each a kernel launch from Python on CUDA, where the H200 profile
-    showed the GPU idle a quarter of a call. Counted as the difference between 4 and 2 steps per block (the
-    blocks, the prefill and the results the same): eager ops per extra forward."""
+def graphs_emulated(model, arch, monkeypatch) -> NativeEngine:
+    """A compiled engine on the CUDA-graph path, emulated on the CPU as benchmarks/rollout_compile.py ``--ops``
+    does: dynamo's aot_eager, the forward with static shapes, the steps as compiled (dynamic), each graph call
+    marked for the profiler (``_eager_ops``)."""
     compile_ = torch.compile
 
     def marked(fn, **kw):
@@ -659,13 +656,25 @@ def test_a_compiled_denoising_step_runs_no_eager_op_between_forwards(monkeypatch
 
             return call
 
-        return compile_(fn, backend=backend, dynamic=False)
+        return compile_(fn, backend=backend, dynamic=kw.get("dynamic") if kw.get("mode") is None else False)
 
     monkeypatch.setattr(torch, "compile", marked)
     torch._dynamo.reset()
-    model, arch = nt.build("sdar")
     eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu", settings=NativeSettings(compile=True))
     eng.graphs = True
+    eng._fn, eng.step, eng.dllm_step, eng.draw_ahead = eng._compiled()  # as on CUDA: the forward's graphs static
+    return eng
+
+
+def test_a_compiled_denoising_step_runs_no_eager_op_between_forwards(monkeypatch):
+    """Under rollout.compile (the CUDA-graph path emulated: static shapes, dynamo's aot_eager) a block's step is
+    the forward and one compiled call: sampling, commits, the trace record, the next step index and the streams'
+    advance. Before, ~15 eager ops ran per step between the two graphs (BlockTrace.add's wheres, the step index,
+    the masked positions, the streams' counters): each a kernel launch from Python on CUDA, where the H200 profile
+    showed the GPU idle a quarter of a call. Counted as the difference between 4 and 2 steps per block (the
+    blocks, the prefill and the results the same): eager ops per extra forward."""
+    model, arch = nt.build("sdar")
+    eng = graphs_emulated(model, arch, monkeypatch)
     short = min(len(p) for p in nt.PROMPTS[:4])
     prompts = [p[:short] for p in nt.PROMPTS[:4]]  # 4 rows that finish together: no padding rows (a power of two)
     counts = {}

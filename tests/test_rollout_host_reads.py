@@ -22,7 +22,7 @@ import native_traces as nt
 from megadare.rollout import decoders
 from megadare.rollout.engine import SamplingParams
 from megadare.rollout.native import NativeEngine, NativeSettings
-from test_rollout_batched import _eager_ops, _same_as_recorded
+from test_rollout_batched import _eager_ops, _same_as_recorded, graphs_emulated
 
 
 class LoopReads(TorchFunctionMode):
@@ -123,7 +123,7 @@ def test_padding_rows_for_cuda_graphs_costs_one_op_per_step(monkeypatch):
     and the tokens' padding row is made once: one ``cat`` per step, and the logits' slice to the live rows.
     Counted as the difference between 4 and 2 steps per block: eager ops per extra forward."""
     model, arch = nt.build("sdar")
-    eng = _graphs_emulated(model, arch, monkeypatch)
+    eng = graphs_emulated(model, arch, monkeypatch)
     short = min(len(p) for p in nt.PROMPTS[:3])
     prompts = [p[:short] for p in nt.PROMPTS[:3]]  # 3 rows that finish together: one padding row throughout
     counts, trajs = {}, {}
@@ -138,30 +138,6 @@ def test_padding_rows_for_cuda_graphs_costs_one_op_per_step(monkeypatch):
     (ops4, fwd4), (ops2, fwd2) = counts[4], counts[2]
     assert fwd4 > fwd2, counts
     assert (ops4 - ops2) / (fwd4 - fwd2) <= 2, counts
-
-
-def _graphs_emulated(model, arch, monkeypatch) -> NativeEngine:
-    """A compiled engine on the CUDA-graph path, emulated on the CPU as benchmarks/rollout_compile.py ``--ops``
-    does: dynamo's aot_eager, the forward with static shapes, the steps as compiled (dynamic), each graph call
-    marked for the profiler (``_eager_ops``)."""
-    compile_ = torch.compile
-
-    def marked(fn, **kw):
-        def backend(gm, inputs):
-            def call(*args):
-                with torch.profiler.record_function("compiled graph"):
-                    return gm.forward(*args)
-
-            return call
-
-        return compile_(fn, backend=backend, dynamic=kw.get("dynamic") if kw.get("mode") is None else False)
-
-    monkeypatch.setattr(torch, "compile", marked)
-    torch._dynamo.reset()
-    eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu", settings=NativeSettings(compile=True))
-    eng.graphs = True
-    eng._fn, eng.step, eng.dllm_step, eng.draw_ahead = eng._compiled()  # as on CUDA: the forward's graphs static
-    return eng
 
 
 def _tensors_made_by_steps(eng: NativeEngine, prompts, params) -> tuple[int, int]:
@@ -199,7 +175,7 @@ def test_a_compiled_step_makes_no_tensor_of_its_settings(algorithm, monkeypatch)
     two forwards (on CUDA a host-to-device copy if it went to the GPU). Traced as constants, a step makes none.
     Same tokens as eager."""
     model, arch = nt.build("sdar")
-    eng = _graphs_emulated(model, arch, monkeypatch)
+    eng = graphs_emulated(model, arch, monkeypatch)
     prompts = [p[:4] for p in nt.PROMPTS[:4]]
     params = SamplingParams(
         max_new_tokens=8, block_size=4, temperature=0.7, threshold=0.5, seed=1, stop_at_eos=False, algorithm=algorithm
@@ -220,7 +196,7 @@ def test_a_blocks_numbers_and_cache_binding_run_no_eager_op(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 
     model, arch = nt.build("sdar")
-    eng = _graphs_emulated(model, arch, monkeypatch)
+    eng = graphs_emulated(model, arch, monkeypatch)
     prompts = [p[:4] for p in nt.PROMPTS[:4]]
     params = SamplingParams(max_new_tokens=12, block_size=4, steps_per_block=2, temperature=0.7, seed=1)
     got = eng.generate(prompts, params)  # compiles
