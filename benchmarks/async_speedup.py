@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
-    from megadare.demo import DemoRun
+    from megadare.demo_setup import DemoRun
     from megadare.parallel.launch import spawn
     from megadare.trainer.rl import rl_worker
     from megadare.trainer.sft_loop import sft_worker

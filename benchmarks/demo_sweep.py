@@ -1,5 +1,5 @@
 """The demo task for every algorithm of the zoo: one SFT checkpoint per model family (megadare/configs/demo_sft.yaml),
-then the demo's RL stage (demo_rl.yaml, 30 steps, with the algorithm's own demo settings, megadare.demo.ALGO_DEMO)
+then the demo's RL stage (demo_rl.yaml, 30 steps, with the algorithm's own demo settings, megadare.demo_setup.ALGO_DEMO)
 for each algorithm from it; prints per algorithm the held-out accuracy before -> after, the gain and the minutes.
 
     python benchmarks/demo_sweep.py [--algos d1,tracerl] [--workdir runs/sweep] [--rl-steps 30] [key=value ...]
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     from megadare.algos import REGISTRY
-    from megadare.demo import DemoRun
+    from megadare.demo_setup import DemoRun
     from megadare.parallel.launch import spawn
     from megadare.trainer.rl import rl_worker
     from megadare.trainer.sft_loop import sft_worker

@@ -12,15 +12,7 @@ import warnings
 from typing import Callable, Optional
 
 from megadare import demo_foundation
-from megadare.demo_setup import (  # noqa: F401 - the demo's names, as tests and benchmarks import them from here
-    ALGO_DEMO,
-    FAMILIES,
-    DemoRun,
-    check_workdir,
-    default_workdir,
-    demo_run,
-    parser,
-)
+from megadare.demo_setup import DemoRun, check_workdir, demo_run, parser
 from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve, step_rewards
 from megadare.trainer.rl import rl_worker

@@ -11,7 +11,7 @@ import pytest
 
 from megadare import cli
 from megadare.config import to_yaml
-from megadare.demo import DemoRun, check_workdir, default_workdir
+from megadare.demo_setup import DemoRun, check_workdir, default_workdir
 from megadare.errors import RunStateError
 
 

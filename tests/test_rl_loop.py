@@ -36,7 +36,8 @@ def _events(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_demo_rl_improves_over_sft(tmp_path):
-    from megadare.demo import DemoRun, run_demo
+    from megadare.demo import run_demo
+    from megadare.demo_setup import DemoRun
 
     res = run_demo(
         DemoRun(str(tmp_path), sft_steps=300, rl_steps=10, overrides=("rl.eval_size=64", "rl.eval_interval=0"))
