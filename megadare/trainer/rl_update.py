@@ -5,7 +5,6 @@ Also the distribution-matched replay selection, which needs the same passes on t
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from megadare.parallel.cpu import hot_section
 from megadare.trainer.offpolicy.replay import ReplayMatch, ReplayRule
 from megadare.trainer.offpolicy.correction import (
     correction_weights,
+    own_copy,
     replay_scores,
     store_behaviour,
     store_engine_behaviour,
@@ -225,8 +225,7 @@ def scoring_copies(cands, base: int) -> list:
     groups: dict[tuple[int, int], int] = {}
     out = []
     for i, e in enumerate(cands):
-        s = copy.copy(e.sample)
-        s.extra = dict(s.extra)
+        s = own_copy(e.sample)
         s.index, s.group = base + i, groups.setdefault((e.version, s.group), base + len(groups))
         out.append(s)
     return out

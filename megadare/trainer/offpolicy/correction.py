@@ -208,11 +208,11 @@ def with_replayed(buffer, fresh: list[Any], replayed: list[Any]) -> list[Any]:
     step's update writes into the samples it trains on (TraceRL's ``batch_rows`` stamps the mini-batch's longest
     response, replayed ones included, into ``extra``), and a later step replaying one must read it as its own
     step left it, not as this step's mini-batch did."""
-    buffer.add([_own_copy(s) for s in fresh])
+    buffer.add([own_copy(s) for s in fresh])
     return fresh + reindex(replayed, fresh)
 
 
-def _own_copy(s: Any) -> Any:
+def own_copy(s: Any) -> Any:
     """A shallow copy of sample ``s`` with its own ``extra`` dict (what the steps write into)."""
     c = copy.copy(s)
     c.extra = dict(s.extra)
@@ -231,7 +231,7 @@ def reindex(replayed: list[Any], fresh: list[Any]) -> list[Any]:
     out = []
     for j, s in enumerate(replayed):
         key = (int(s.policy_version or 0), s.group)
-        c = _own_copy(s)
+        c = own_copy(s)
         c.group, c.index = groups.setdefault(key, gfirst + len(groups)), first + j
         out.append(c)
     return out
@@ -266,6 +266,7 @@ __all__ = [
     "needs_snapshots",
     "bypass_rejection",
     "with_replayed",
+    "own_copy",
     "reindex",
     "oldest_needed",
     "version_table",
