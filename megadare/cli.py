@@ -467,7 +467,7 @@ def _config_and_spec(args):
             overrides.append(f"eval.tasks=[{','.join(tasks)}]")
     cfg = load_config(args.config, overrides)
     check_model_path(cfg)
-    check_rules(cfg)  # the cross-checks that need no model, once: resolve's validate is told they ran
+    check_rules(cfg, args.command)  # the cross-checks that need no model, once: resolve's validate is told they ran
     if not (args.dry_run and args.config_only):  # --config-only: the files it names need not exist here
         check_data_files(cfg, args.command)
     return cfg, _module("spec").resolve(cfg, job=args.command, rules_checked=True)

@@ -167,6 +167,12 @@ OVERRIDES = [
         "unknown config key 'config' (config=configs/rl_sdar.yaml): that is dLLM-RL's; "
         "megadare: --config configs/rl_sdar.yaml",
     ),
+    (  # verl steps its schedule once per RL step, megadare once per optimizer update
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+        "unknown config key 'actor_rollout_ref.actor.optim.lr_warmup_steps' "
+        "(actor_rollout_ref.actor.optim.lr_warmup_steps=10): that is verl/DARE's; megadare: "
+        "optim.warmup_steps=<10 x rl.ppo_epochs x rl.mini_batches> (verl counts RL steps, megadare optimizer updates)",
+    ),
     ("trainer.seed=1", "unknown config key 'trainer.seed' (trainer.seed=1): did you mean seed=1?"),
     (
         "rl.foo=1",
@@ -186,6 +192,25 @@ OVERRIDES = [
 def test_a_wrong_override_names_what_to_write(capsys, override, line):
     assert _error_line(capsys, ["rl", "--config", DEMO, override, "--dry-run", "--config-only"]) == (
         f"megadare: error: {line}"
+    )
+
+
+def test_the_warmup_is_bounded_by_the_updates_of_the_command_that_runs(capsys):
+    """``optim.warmup_steps`` counts optimizer updates: an RL run makes rl.steps x ppo_epochs x mini_batches of them
+    (the demo: 30 x 1 x 2 = 60), an SFT run train.steps. The bound once was SFT's train.steps (100) for every
+    command: a warmup over 2/3 of this RL run was refused naming train.steps, one 10x longer than it passed."""
+    assert (
+        main(["rl", "--config", DEMO, "rl.mini_batches=2", "optim.warmup_steps=60", "--dry-run", "--config-only"]) == 0
+    )
+    capsys.readouterr()
+    assert _error_line(capsys, ["rl", "--config", DEMO, "optim.warmup_steps=90", "--dry-run", "--config-only"]) == (
+        "megadare: error: optim.warmup_steps=90 counts optimizer updates and must be within [0, 30] "
+        "(rl.steps=30 x rl.ppo_epochs=1 x rl.mini_batches=1: the updates of this run)"
+    )
+    sft = ["sft", "--config", "megadare/configs/demo_sft.yaml", "train.steps=20", "--dry-run", "--config-only"]
+    assert _error_line(capsys, [*sft, "optim.warmup_steps=21"]) == (
+        "megadare: error: optim.warmup_steps=21 counts optimizer updates and must be within [0, 20] "
+        "(train.steps=20: the updates of this run)"
     )
 
 

@@ -154,9 +154,9 @@ def test_the_rules_run_once_on_the_cli_path_and_for_library_callers(tmp_path, mo
     real = rules.check_schedule
     for module in (rules, checks):  # the old validate imported the rules into trainer/checks.py by name
 
-        def counted(cfg, real=real):
+        def counted(cfg, job=None, real=real):
             calls.append(1)
-            real(cfg)
+            real(cfg, job)
 
         monkeypatch.setattr(module, "check_schedule", counted, raising=False)
     with contextlib.redirect_stdout(io.StringIO()):

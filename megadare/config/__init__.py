@@ -49,7 +49,7 @@ from megadare.config.loading import (
     to_yaml,
 )
 
-from megadare.config.rules import check_rules
+from megadare.config.rules import check_rules, optimizer_updates
 from megadare.config.data_files import check_data_files
 
 __all__ = [
@@ -86,5 +86,6 @@ __all__ = [
     "to_yaml",
     "resolve_sft_mode",
     "check_rules",
+    "optimizer_updates",
     "check_data_files",
 ]

@@ -37,7 +37,12 @@ VERL: dict[str, Fix] = {
     },
     f"{_ACTOR}.optim.lr": "optim.lr={v}",
     f"{_ACTOR}.optim.weight_decay": "optim.weight_decay={v}",
-    f"{_ACTOR}.optim.lr_warmup_steps": "optim.warmup_steps={v}",
+    f"{_ACTOR}.optim.lr_warmup_steps": (
+        "optim.warmup_steps=<{v} x rl.ppo_epochs x rl.mini_batches> (verl counts RL steps, megadare optimizer updates)"
+    ),
+    f"{_ACTOR}.optim.lr_warmup_steps_ratio": (
+        "optim.warmup_steps=<{v} x rl.steps x rl.ppo_epochs x rl.mini_batches> (optimizer updates)"
+    ),
     f"{_ACTOR}.optim.warmup_style": "optim.lr_decay_style={v}",
     f"{_ACTOR}.optim.min_lr_ratio": "optim.min_lr=<{v} x optim.lr> (an absolute learning rate)",
     f"{_ACTOR}.grad_clip": "optim.clip_grad={v}",

@@ -4,24 +4,37 @@ runs them first for a caller that skipped the CLI (once: the CLI's ``resolve`` t
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megadare.config.sections import Config
 from megadare.errors import ConfigError
 from megadare.names import LORA_TARGETS
 
 
-def check_rules(cfg: Config) -> None:
+def check_rules(cfg: Config, job: Optional[str] = None) -> None:
     """Every check of this module: the CLI runs them before torch loads, ``validate`` (trainer/checks.py) for a
-    caller that did not (``resolve(..., rules_checked=True)`` says the CLI did)."""
+    caller that did not (``resolve(..., rules_checked=True)`` says the CLI did). ``job``: the command that runs
+    (sft, dpo, rl, ...; None: not known, the checks that depend on it take the loosest bound)."""
     check_data_source(cfg)
-    check_schedule(cfg)
+    check_schedule(cfg, job)
     check_lora(cfg)
     check_rl_filters(cfg)
     check_rollout_limits(cfg)
     check_engine_split(cfg)
 
 
-def check_schedule(cfg: Config) -> None:
-    """The SFT noise band and the learning-rate schedule."""
+def optimizer_updates(cfg: Config, job: str) -> int:
+    """The optimizer updates ``job`` runs, the unit of the learning-rate schedule (``optim.warmup_steps`` and the
+    decay): ``train.steps`` for SFT / DPO; for RL one per mini-batch per epoch per RL step. verl counts its
+    schedule in RL steps instead (one scheduler step per RL step): the two agree when an RL step makes one update."""
+    if job == "rl":
+        return cfg.rl.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
+    return cfg.train.steps
+
+
+def check_schedule(cfg: Config, job: Optional[str] = None) -> None:
+    """The SFT noise band and the learning-rate schedule: a warmup longer than the updates of the job never
+    reaches ``optim.lr`` (``job`` None: the longer of the SFT and the RL schedules)."""
     t, sft = cfg.train, cfg.sft
     if not 0.0 < sft.noise_low <= sft.noise_high <= 1.0:
         raise ConfigError(
@@ -32,8 +45,19 @@ def check_schedule(cfg: Config) -> None:
         raise ConfigError(
             f"{named('optim.lr')}={o.lr}, {named('optim.min_lr')}={o.min_lr}: need 0 <= min_lr <= lr and lr > 0"
         )
-    if o.warmup_steps < 0 or o.warmup_steps > t.steps:
-        raise ConfigError(f"{named('optim.warmup_steps')}={o.warmup_steps} must be within [0, train.steps={t.steps}]")
+    rl = cfg.rl
+    counted = {
+        "sft": f"train.steps={t.steps}",
+        "dpo": f"train.steps={t.steps}",
+        "rl": f"rl.steps={rl.steps} x rl.ppo_epochs={rl.ppo_epochs} x rl.mini_batches={rl.mini_batches}",
+    }
+    longest = max([job] if job in counted else ["sft", "rl"], key=lambda j: optimizer_updates(cfg, j))
+    updates = optimizer_updates(cfg, longest)
+    if o.warmup_steps < 0 or o.warmup_steps > updates:
+        raise ConfigError(
+            f"{named('optim.warmup_steps')}={o.warmup_steps} counts optimizer updates and must be within "
+            f"[0, {updates}] ({counted[longest]}: the updates of this run)"
+        )
 
 
 def check_lora(cfg: Config) -> None:

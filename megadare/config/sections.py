@@ -90,7 +90,7 @@ class OptimSection:
 
     lr: float = 1e-5
     min_lr: float = 0.0
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # optimizer updates (RL: rl.steps x rl.ppo_epochs x rl.mini_batches in all)
     lr_decay_style: Literal["cosine", "constant", "linear"] = "cosine"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

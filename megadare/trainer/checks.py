@@ -21,14 +21,21 @@ from megadare.rollout.setup import resolve_canvas, rollout_block
 
 
 def validate(
-    cfg: Config, arch: Optional[ModelArch], world_size: Optional[int] = None, *, algo=None, rules: bool = True
+    cfg: Config,
+    arch: Optional[ModelArch],
+    world_size: Optional[int] = None,
+    *,
+    algo=None,
+    rules: bool = True,
+    job: Optional[str] = None,
 ) -> None:
     """Cross-checks of a whole config against the model (when known) and the world size; ``algo``: the
     configured algorithm when the caller has built it (``trainer/spec.resolve``); ``rules``: False when the caller
-    ran config/rules.py's ``check_rules`` on this very config (the CLI, before torch loaded)."""
+    ran config/rules.py's ``check_rules`` on this very config (the CLI, before torch loaded); ``job``: the command
+    that runs (sft, dpo, rl, eval; the learning-rate schedule counts its updates)."""
     check_choices(cfg)
     if rules:
-        check_rules(cfg)  # the settings against each other, before the model's and the world's checks
+        check_rules(cfg, job)  # the settings against each other, before the model's and the world's checks
     p = cfg.parallel
     if arch is not None:  # the model's rules first (they name the key to change), then the world's
         Layout.of(p).check_model(arch)

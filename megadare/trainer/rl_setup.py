@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megadare.config import Config
+from megadare.config import Config, optimizer_updates
 from megadare.convert.hf_megatron import mapping_for
 from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
@@ -153,10 +153,13 @@ def prompt_budget(cfg: Config) -> int:
 def rl_policy(cfg: Config, src, algo) -> Policy:
     """The RL policy (LoRA adapters with ``lora.rank``) over every update of the run, with the reference /
     value model when the algorithm asks for them."""
-    rl = cfg.rl
-    updates = rl.steps * rl.ppo_epochs * rl.mini_batches
     return build_policy(
-        cfg, src, updates=updates, lora=lora_of(cfg.lora), reference=algo.needs_ref, value=algo.value_model
+        cfg,
+        src,
+        updates=optimizer_updates(cfg, "rl"),
+        lora=lora_of(cfg.lora),
+        reference=algo.needs_ref,
+        value=algo.value_model,
     )
 
 
