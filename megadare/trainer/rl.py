@@ -272,17 +272,28 @@ def add_replay(run: RLRun, samples: list, metrics: dict) -> tuple[list, Any]:
 
 def train(run: RLRun, samples: list, correction) -> dict[str, float]:
     """``rl.ppo_epochs`` x ``rl.mini_batches`` Megatron steps on the algorithm's rows of ``samples`` (fewer mini-
-    batches when the step kept fewer prompt groups than ``rl.mini_batches``; the value model, if any, steps with
-    each)."""
-    if not samples:
-        return {}
+    batches when the step kept fewer prompt groups than ``rl.mini_batches``, none when it kept none; the value
+    model, if any, steps with each). The learning-rate schedule then stands where this step's end is due."""
     rl, off, pol = run.cfg.rl, run.cfg.offpolicy, run.policy
-    objective = run.algo.objective(
-        on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and off.loss_mode == "ppo"), loss_mode=off.loss_mode
-    )
-    if off.loss_mode == "bypass" and off.rollout_is is not None:
-        objective.reject = bypass_rejection(run.cfg)
-    return pol.update(_step_update(run), samples, objective, correction)
+    out: dict[str, float] = {}
+    if samples:
+        objective = run.algo.objective(
+            on_policy=(rl.ppo_epochs * rl.mini_batches == 1 and off.loss_mode == "ppo"), loss_mode=off.loss_mode
+        )
+        if off.loss_mode == "bypass" and off.rollout_is is not None:
+            objective.reject = bypass_rejection(run.cfg)
+        out = pol.update(_step_update(run), samples, objective, correction)
+    catch_up_schedule(pol.scheduler, (run.step + 1) * rl.ppo_epochs * rl.mini_batches)
+    return out
+
+
+def catch_up_schedule(scheduler, due: int) -> None:
+    """Move the learning-rate schedule (megatron's ``OptimizerParamScheduler``, sized for rl.steps x ppo_epochs x
+    mini_batches updates) on to the ``due`` updates of the RL steps done so far: a step whose filters kept fewer
+    prompt groups than ``rl.mini_batches`` (or none) makes fewer updates, and without this the warmup and decay
+    would lag behind the RL steps for the rest of the run (the decay never reaching ``optim.min_lr``)."""
+    if scheduler.num_steps < due:
+        scheduler.step(increment=due - scheduler.num_steps)
 
 
 def log_step(run: RLRun, metrics: dict[str, float]) -> None:
