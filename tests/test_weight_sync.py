@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -456,6 +457,55 @@ def test_a_repeat_push_interrupted_on_one_rank_ends_the_rollout_on_every_rank():
     raises it and the next collective pairs as it should."""
     got = run_distributed(stale_push_interrupted, 2, timeout_s=120)
     assert got == [("KeyboardInterrupt", "the next step's word")] * 2
+
+
+class _Call:
+    """An actor method's ``.remote``: records the call, returns a stand-in ref."""
+
+    def __init__(self, calls: list, name: str):
+        self.calls, self.name = calls, name
+
+    def remote(self, *args):
+        self.calls.append(self.name)
+        return f"{self.name} ref"
+
+
+@pytest.mark.parametrize("transport", ["distributed", "object_store"])
+def test_engines_a_push_broke_half_way_serve_nothing_until_a_whole_push(monkeypatch, transport):
+    """A push that broke after some buckets reached the engines (their receive raised mid-way; object_store: the
+    second bucket failed) left every engine counted as holding the last whole version, so a rollout asked next was
+    served from half-pushed weights, stamped with either version. Now no engine is fresh from the push's start
+    until ``synced``: the rollout waits for a whole push (``on_stale``), or fails naming the version."""
+    import megadare.rollout.manager as manager_module
+    from megadare.errors import PeerError
+    from megadare.rollout.manager import RolloutManager
+
+    calls: list = []
+    manager = RolloutManager.__new__(RolloutManager)  # no Ray: only what a push and fresh_slots touch
+    manager.actors = [SimpleNamespace(receive_weights=_Call(calls, "receive"), load_flats=_Call(calls, "load"))] * 2
+    manager.version, manager.fresh, manager.on_stale = 3, [True, True], None
+    flat = Flat(torch.float32, ("w",), ((4,),))
+    if transport == "distributed":
+        manager.start_receive("broadcast", [("megadare_w_s0", [[flat], [flat]])], 4)  # the push of v4 then broke
+    else:
+        monkeypatch.setattr(manager_module, "_ray", lambda: SimpleNamespace(put=lambda buf: buf))
+        answers = iter([None, PeerError("rollout engine 1 raised while loading")])
+
+        def gather(refs, what):  # the first bucket reaches both engines, the second breaks
+            error = next(answers)
+            if error is not None:
+                raise error
+            return [None] * len(refs)
+
+        manager.gather = gather
+        manager.load_flats([flat], [torch.zeros(16, dtype=torch.uint8)], 4)
+        with pytest.raises(PeerError):
+            manager.load_flats([flat], [torch.zeros(16, dtype=torch.uint8)], 4)
+    assert calls and manager.version == 3
+    with pytest.raises(RuntimeError, match="no rollout engine holds weight version 3"):
+        manager.fresh_slots()
+    manager.on_stale = lambda: manager.synced(4)  # the RL driver pushes the current weights again, whole
+    assert manager.fresh_slots() == [0, 1] and manager.version == 4
 
 
 def test_the_engines_check_raises_a_dead_ray_head_before_asking_the_engines():

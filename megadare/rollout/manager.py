@@ -14,7 +14,8 @@ the seed of its first prompt), so the trajectories equal one generate() call on 
 reproduces its own. If an engine dies mid-rollout (RayActorError), the manager starts a
 replacement and re-issues the dead engine's chunks to engines that hold the current weights; the rollout still
 returns every trajectory exactly once. No copy of the model is kept anywhere: a replacement serves nothing until
-the next weight push reaches it (``fresh``), which rebuilds the weight groups with it; if no engine holds the
+the next weight push reaches it (``fresh``), which rebuilds the weight groups with it; nor does any engine while
+a push is under way (one that broke half-way left them all half-pushed); if no engine holds the
 current weights any more, the rollout waits for that push (``on_stale``: the RL driver pushes the current
 version again) or fails with a message. Before every push ``check_engines`` replaces dead actors, so an engine
 that died between steps gets the new version with the others.
@@ -367,7 +368,14 @@ class RolloutManager:
         return refs
 
     def start_receive(self, how: str, plan: Sequence[GroupPlan], version: int, handles=None) -> list:
+        self._weights_in_flight()
         return [a.receive_weights.remote(how, plan, version, handles) for a in self.actors]
+
+    def _weights_in_flight(self) -> None:
+        """A push has started to overwrite the engines' weights: none holds a whole version until ``synced``. A
+        push that breaks half-way leaves every engine stale, so no rollout is served from half-pushed weights
+        (stamped with either version): the next one waits for a whole push (``fresh_slots``)."""
+        self.fresh = [False] * len(self.actors)
 
     def wait(self, refs: list) -> list:
         return self.gather(refs, "the weight push")
@@ -375,6 +383,7 @@ class RolloutManager:
     def load_flats(self, flats: Sequence[Flat], bufs: list, version: int) -> None:
         """Object-store fallback: one bucket into every engine; its objects are released right after."""
         ray = _ray()
+        self._weights_in_flight()
         refs = [ray.put(b) for b in bufs]
         self.gather([a.load_flats.remote(list(flats), version, *refs) for a in self.actors], "the weight push")
         del refs
