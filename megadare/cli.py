@@ -316,7 +316,7 @@ def _inode(path: str) -> Optional[int]:
 
 
 RUN_COMMANDS = ("sft", "dpo", "rl")
-WATCHED_COMMANDS = (*RUN_COMMANDS, "eval", "convert")  # a SIGTERM stops them in one line (stopping.py), exit 0
+WATCHED_COMMANDS = (*RUN_COMMANDS, "eval", "convert", "plan")  # a SIGTERM stops them in one line, exit 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -364,7 +364,7 @@ def _stopped_before_the_loop(argv: list[str], stop: StoppedBeforeTheLoop) -> int
         report_error(stop.__context__)
         return 2
     command = argv[0] if argv else "megadare"
-    if command not in RUN_COMMANDS:  # eval, convert: no checkpoint to resume from
+    if command in ("eval", "convert", "plan"):  # no checkpoint to resume from
         print(f"{command} stopped by SIGTERM before it wrote anything; run the same command again", flush=True)
         return 0
     print(
