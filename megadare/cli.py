@@ -276,6 +276,7 @@ def _run_rl(cfg, nproc: int) -> int:
 
 def _run_convert(args) -> int:
     convert = _module("convert")
+    before = _inode(args.out)
     try:
         if args.direction == "hf-to-megatron":
             layout = _module("layout").Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, etp=args.etp)
@@ -290,11 +291,32 @@ def _run_convert(args) -> int:
             f"writing --out {args.out} failed: {e.strerror or e}{where}; nothing of this export was "
             f"kept and {args.out} is as it was"
         ) from None
+    except StoppedBeforeTheLoop as stop:  # the export's staging directory was removed on its way out
+        if isinstance(stop.__context__, _ONE_LINE_ERRORS):  # one of ours was on its way out: it ends the command
+            raise
+        if _inode(args.out) in (None, before):
+            print(
+                f"convert stopped by SIGTERM: nothing of this export was kept and {args.out} is as it was; run the "
+                "same command again",
+                flush=True,
+            )
+            return 0
+        print(f"wrote {args.out}; SIGTERM received after the export was in place: nothing lost", flush=True)
+        return 0
     print(f"wrote {out}")
     return 0
 
 
+def _inode(path: str) -> Optional[int]:
+    """``path``'s inode, None where there is none: an export put in place (``publish``, a rename) changes it."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
 RUN_COMMANDS = ("sft", "dpo", "rl")
+WATCHED_COMMANDS = (*RUN_COMMANDS, "eval", "convert", "plan")  # a SIGTERM stops them in one line, exit 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -302,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch, megatron, ray load (seconds), a SIGTERM ended it by the default handler (exit 143, not a word)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        with stopping.watching() if argv[:1] in [[c] for c in RUN_COMMANDS] else nullcontext():
+        with stopping.watching() if argv[:1] in [[c] for c in WATCHED_COMMANDS] else nullcontext():
             return _command(argv)
     except StoppedBeforeTheLoop as e:  # a second chance: it came as the command's own handling of one ended
         return _stopped_before_the_loop(argv, e)
@@ -342,6 +364,9 @@ def _stopped_before_the_loop(argv: list[str], stop: StoppedBeforeTheLoop) -> int
         report_error(stop.__context__)
         return 2
     command = argv[0] if argv else "megadare"
+    if command in ("eval", "convert", "plan"):  # no checkpoint to resume from
+        print(f"{command} stopped by SIGTERM before it wrote anything; run the same command again", flush=True)
+        return 0
     print(
         f"{command} stopped by SIGTERM before its first step: nothing new to save; run the same command again to "
         "resume from its newest checkpoint, if any",

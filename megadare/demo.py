@@ -22,15 +22,20 @@ from megadare.trainer.spec import resolve
 
 def run_demo(demo: DemoRun, on_start: Callable[[], None] = lambda: None) -> dict:
     """SFT -> RL (``on_start`` once both configs are accepted); returns {'sft_accuracy', 'rl_accuracy',
-    'history', 'evals', 'png', 'seconds'}."""
+    'history', 'evals', 'png', 'seconds'}, or {'stopped': the stage and step} where a SIGTERM stopped a stage (it
+    saved a checkpoint; the demo's rerun resumes it): the next stage did not start."""
     check_workdir(demo)
     t0 = time.time()
     sft_cfg, rl_cfg = demo.configs()
     for cfg, job in ((sft_cfg, "sft"), (rl_cfg, "rl")):  # both stages' configs: a wrong RL one fails before SFT
         resolve(cfg, demo.nproc, job=job)
     on_start()
-    spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)
+    sft = spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)[0]
+    if sft["stopped_by_signal"]:  # a SIGTERM (scancel): the stage saved and stopped, and so does the demo
+        return {"stopped": f"SFT at step {sft['step']}"}
     out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
+    if out["stopped_by_signal"]:
+        return {"stopped": f"RL at step {out['step']}"}
     evals = out["evals"]
     first, last = min(evals), max(evals)
     png = plot_rl_curve(
@@ -59,6 +64,13 @@ def main(argv: Optional[list[str]] = None, ap: Optional[argparse.ArgumentParser]
     warnings.filterwarnings("ignore")
     heading = f"megadare demo: SFT then RL ({demo.algo}) of a tiny {demo.family} on CPU; outputs in {demo.workdir}"
     res = run_demo(demo, on_start=lambda: print(heading, flush=True))
+    if "stopped" in res:
+        print(
+            f"demo stopped by SIGTERM during {res['stopped']} (its checkpoint saved); run the same command again "
+            "to resume it",
+            flush=True,
+        )
+        return 0
     print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {demo.workdir}; {res['seconds']:.0f} s")
     print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
     return 0

@@ -1,7 +1,9 @@
 """What a SIGTERM (Slurm's preemption or time limit, ``scancel``) does to a run's process, by the phase it is in:
 
 * set-up (from the start of ``megadare sft|dpo|rl``, of a launched rank, before the loop): the set-up unwinds by
-  ``StoppedBeforeTheLoop`` (once), its cleanup run, and the command says so in one line, exit 0;
+  ``StoppedBeforeTheLoop`` (once), its cleanup run, and the command says so in one line, exit 0; ``megadare eval``
+  and ``megadare convert``, which have no loop, are in this phase throughout (what they wrote half is removed,
+  what they finished is kept, and they say which in one line);
 * the loop: trainer/signals.py's ``StopSignal`` takes over (finish the step, save, stop);
 * after the loop (its last checkpoint written): the cleanup finishes and the summary says the SIGTERM came after
   the checkpoint; nothing is lost, so the run is not turned into an error;
@@ -72,6 +74,21 @@ def watching(note: Optional[Callable[[], None]] = None) -> Iterator[None]:
             _STATE.update(phase=None, previous=None)
         else:  # the level outside goes on watching (ray.init put in a handler of its own meanwhile)
             signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """A SIGTERM meanwhile waits (blocked) until the block ends, then acts: around renames that must not be cut
+    between two steps (an export put in place: convert/outputs.py ``publish``). Outside the main thread:
+    nothing (a thread's mask does not hold the signal back from the main thread)."""
+    if not _main_thread():
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def setting_up() -> bool:

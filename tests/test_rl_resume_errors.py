@@ -112,3 +112,54 @@ def test_resume_with_the_value_model_turned_on_or_off_is_refused_naming_the_key(
     value.mkdir(parents=True)
     with pytest.raises(RunStateError, match=r"trained with one value model .*algo.params.value_model=false"):
         Policy([], None, None).resume(str(root), None, "megadare rl", None, algo="tracerl")
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["offpolicy.max_staleness=1"], "2 versions stale\\), more than offpolicy.max_staleness=1"),
+        (
+            ["offpolicy.mode=one_step_off"],
+            "2 versions stale\\), whose weight snapshot offpolicy.mode=one_step_off does not keep",
+        ),
+    ],
+)
+def test_a_resume_that_cannot_train_its_queued_rollouts_is_refused_naming_the_keys(
+    tmp_path, monkeypatch, overrides, match
+):
+    """A checkpoint of fully_async with max_staleness 2 queues the rollout of RL step 3 made by version 0. Resumed
+    with offpolicy.max_staleness=1 it stopped at that step in a bare RuntimeError ('... staler than
+    offpolicy.max_staleness=1'); resumed with offpolicy.mode=one_step_off (one version ahead) the first step
+    dropped version 0's weight snapshot and the step's behaviour pass stopped in 'RuntimeError: no weight snapshot
+    of policy version 0'. Both are refused at the resume, in one line naming the keys."""
+    from megadare.trainer import rl_setup
+    from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
+
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    base = ["offpolicy.mode=fully_async", "offpolicy.max_staleness=2", "offpolicy.loss_mode=decoupled"]
+    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), base + overrides)
+    sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+    state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
+    saved = {  # the queue after step 2's take: steps 2 and 3, started on versions 0 and 1
+        "rl_async": {
+            "queue": {2: ([0], [SimpleNamespace(policy_version=0)]), 3: ([1], [SimpleNamespace(policy_version=1)])}
+        },
+        "weight_snapshots": {0: [], 1: []},
+    }
+    monkeypatch.setattr(rl_setup, "load_checkpoint_object", lambda path, name, per_rank=False: saved[name])
+    run = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(resume=lambda *a, **k: state),
+        spec=SimpleNamespace(source=None),
+        algo=SimpleNamespace(name=cfg.algo.name),
+        save_root=str(tmp_path / "ckpt"),
+        rollouts=SimpleNamespace(sampler=sampler),
+        snapshots=WeightSnapshots([]),
+        ahead=lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness),
+        buffer=None,
+    )
+    with pytest.raises(
+        RunStateError, match=f"{ckpt}: the queued rollout of RL step 3 comes from policy version 0 \\({match}"
+    ):
+        rl_setup._resume(run)

@@ -113,3 +113,15 @@ def test_a_sigterm_on_an_error_on_its_way_out_keeps_the_error(monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("megadare: error: data.path=x.jsonl: no such file") == 1
     assert signal.getsignal(signal.SIGTERM) is before  # the command's handling put back what it found
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_while_plan_reads_its_config_stops_it_in_one_line(tmp_path):
+    """``megadare plan`` died by the default handler (exit 143, not a word); it writes nothing, and says so."""
+    argv = ["plan", "model.family=sdar", "model.tiny=true"]
+    proc, out, err = run_hooked(tmp_path, HOOK, argv, {"HOOK_TARGET": "megadare.cli.load_config"}, 50)
+    assert (proc.returncode, out, err) == (
+        0,
+        "plan stopped by SIGTERM before it wrote anything; run the same command again\n",
+        "",
+    ), (proc.returncode, out, err[-2000:])

@@ -23,6 +23,7 @@ import shutil
 import sys
 from collections.abc import Iterable
 
+from megadare import stopping
 from megadare.console import end_open_line
 from megadare.errors import OutputError
 from megadare.models.safetensors_io import fresh_sibling, sweep_dead_siblings
@@ -179,16 +180,16 @@ def publish(staging: str, out: str) -> str:
     removed once the new one is in place. Returns ``out``. (Moving aside, then renaming, left no ``out`` at all
     when a kill fell between the two.)"""
     out = os.fspath(out).rstrip(os.sep)
-    if os.path.isdir(out):
-        if _exchange(staging, out):  # ``staging`` now holds the previous export
+    with stopping.held():  # a SIGTERM (megadare convert stops on it at once) waits until ``out`` is in place
+        if not os.path.isdir(out):
+            os.replace(staging, out)
+        elif _exchange(staging, out):  # ``staging`` now holds the previous export
             shutil.rmtree(staging, ignore_errors=True)
-            return out
-        old = fresh_sibling(out, "old", create=False)
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out)
+        else:
+            old = fresh_sibling(out, "old", create=False)
+            os.replace(out, old)
+            os.replace(staging, out)
+            shutil.rmtree(old, ignore_errors=True)
     return out
 
 

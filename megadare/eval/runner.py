@@ -14,7 +14,14 @@ Outputs in ``eval.output_dir`` (default ``<logging.run_dir>/eval``), each writte
 correct, reward, reward_error, length, forwards, finish_reason) and ``summary.json`` (settings + per-task metrics,
 :mod:`megadare.eval.metrics`); at the end the per-task table is printed and written as ``summary.csv``. A task's
 rewards that could not be computed for more than ``rewards.max_error_fraction`` of its samples stop the command
-(:func:`megadare.rewards.check_reward_errors`, naming the first failing row's file:row).
+(:func:`megadare.rewards.check_reward_errors`, naming the first failing row's file:row). ``summary.json`` names
+the tasks not done yet (``tasks_left``: empty once all are): a run that did not finish says so in its summary.
+
+A SIGTERM (Slurm's time limit, ``scancel``) stops the command at once, exit 0 (megadare/stopping.py: the tasks
+are the command's set-up phase, it has no loop): the tasks finished are kept, the one cut leaves nothing of its
+own (a task's file is written once it is done), and one line names both and how to run the rest. A rerun does
+not skip finished tasks (it redoes them all); before its first task it removes the outputs of these tasks that
+an earlier eval left in ``eval.output_dir``, so that no older file passes for one of this run.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from megadare.config import Config
 from megadare.console import progress_bar
 from megadare.data.fields import is_verl_row
 from megadare.data.prompt_data import PromptRules, build_prompts
-from megadare.errors import ConfigError
+from megadare import stopping
+from megadare.errors import ConfigError, StoppedBeforeTheLoop
 from megadare.eval.files import (
     claim_output_dir,
     load_rows,
@@ -44,6 +52,7 @@ from megadare.eval.metrics import task_metrics
 from megadare.eval.tasks import PROMPT_STYLES, TASKS, TaskSpec, task_spec
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.run_lock import run_dir_lock
+from megadare.trainer.signals import stopping_before_the_loop
 from megadare.trainer.spec import RunSpec
 from megadare.rewards import (
     check_isolation,
@@ -54,6 +63,7 @@ from megadare.rewards import (
     score_batch,
     set_isolation,
 )
+from megadare.rollout.ray_health import end_local_ray
 from megadare.rollout.setup import start_engines
 
 __all__ = [
@@ -270,8 +280,8 @@ def run_eval_command(spec: RunSpec, nproc: int = 1) -> int:
     params = dataclasses.replace(spec.eval_sampling, temperature=temperature)
     out_dir = e.output_dir or os.path.join(cfg.logging.run_dir, "eval")
     claim_output_dir(out_dir, ["summary.json", "summary.csv", *(f"samples_{t.name}.jsonl" for t in tasks)])
-    with run_dir_lock(out_dir, key="eval.output_dir"):  # a second eval there would rewrite the same files
-        return _run_tasks(spec, src, tok, (tasks, files, prompts), params, out_dir)
+    with stopping_before_the_loop(), run_dir_lock(out_dir, key="eval.output_dir"):  # a second eval there would
+        return _run_tasks(spec, src, tok, (tasks, files, prompts), params, out_dir)  # rewrite the same files
 
 
 def _run_tasks(spec: RunSpec, src, tok, work: tuple, params, out_dir: str) -> int:
@@ -289,21 +299,68 @@ def _run_tasks(spec: RunSpec, src, tok, work: tuple, params, out_dir: str) -> in
         "seed": cfg.seed,
         "sampling": dataclasses.asdict(params),
         "tasks": {},
+        "tasks_left": [t.name for t in tasks],
     }
     manager = start_engines(cfg, src, tok)
+    stopped = False
     try:
+        _begin_outputs(out_dir, summary)
         for task in tasks:
             metrics, rows = _eval_task(cfg, manager, tok, task, prompts[task.name], params)
             metrics["file"] = files[task.name]
             summary["tasks"][task.name] = metrics
+            summary["tasks_left"].remove(task.name)
             write_jsonl_atomic(os.path.join(out_dir, f"samples_{task.name}.jsonl"), rows)
             write_json_atomic(os.path.join(out_dir, "summary.json"), summary)
             _print_task(task.name, metrics)
+    except StoppedBeforeTheLoop as stop:
+        if type(stop.__context__).__module__.startswith("megadare."):  # one of our errors was on its way out: it
+            raise  # ends the command (cli.py); a library's, caught and handled, is not one
+        stopped = True
     finally:
-        manager.shutdown()
+        stopping.loop_ended()  # a SIGTERM from here on lets the engines go and the last line be printed
+        _end_engines(manager, stopped)
+    if stopped:
+        print(_stopped_line(out_dir, list(summary["tasks"]), summary["tasks_left"]), flush=True)
+        return 0
     csv_path = write_summary(out_dir, summary["tasks"])
     print(f"eval: wrote {os.path.join(out_dir, 'summary.json')}, {csv_path} and samples_<task>.jsonl")
     return 0
+
+
+def _end_engines(manager, stopped: bool) -> None:
+    """Shut the engines down; after a SIGTERM to the job (``stopped``), which reached Ray's processes too, end the
+    local Ray instead: the shutdown waited for the dead raylet forever (``remove_placement_group``)."""
+    if not stopped:
+        manager.shutdown()
+        return
+    manager.gcs.stop()
+    end_local_ray()
+
+
+def _begin_outputs(out_dir: str, summary: dict[str, Any]) -> None:
+    """Before the first task: remove what an earlier eval wrote for these tasks (``claim_output_dir`` checked that
+    megadare eval wrote the directory), and write the summary naming every task as left."""
+    names = ["summary.csv", *(f"samples_{name}.jsonl" for name in summary["tasks_left"])]
+    for name in names:
+        if os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+    write_json_atomic(os.path.join(out_dir, "summary.json"), summary)
+
+
+def _stopped_line(out_dir: str, done: list[str], left: list[str]) -> str:
+    """The line of an eval stopped by SIGTERM: the tasks finished (kept), the one cut, those not started, and how
+    to run the rest."""
+    kept = (
+        f"{', '.join(done)} finished and kept in {out_dir} (samples_<task>.jsonl, summary.json)"
+        if done
+        else f"no task finished (nothing kept in {out_dir})"
+    )
+    not_started = f", {', '.join(left[1:])} not started" if len(left) > 1 else ""
+    return (
+        f"eval stopped by SIGTERM: {kept}; {left[0]} cut (nothing of it written){not_started}; run the rest with "
+        f"--tasks {','.join(left)} and a new eval.output_dir (a rerun does not skip finished tasks)"
+    )
 
 
 def _refuse_trainer_options(cfg, nproc: int) -> None:

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from megadare import stopping
 from megadare.errors import CheckpointError
 from megadare.files import OWNER, owned_name, sweep_dead
 from megadare.models.remote_code import write_remote_code
@@ -286,14 +287,15 @@ class ShardedSafetensorsWriter:
         if n > 1:
             with open(os.path.join(self.tmp_dir, INDEX_NAME), "w") as f:
                 json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
-        if os.path.exists(self.out_dir):  # callers decide whether out_dir may be replaced (convert.outputs)
-            old = fresh_sibling(self.out_dir, "old", create=False)
-            os.replace(self.out_dir, old)
-            os.replace(self.tmp_dir, self.out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(self.tmp_dir, self.out_dir)
-        self._closed = True
+        with stopping.held():  # a SIGTERM (megadare convert stops on it at once) waits until out_dir is in place
+            if os.path.exists(self.out_dir):  # callers decide whether out_dir may be replaced (convert.outputs)
+                old = fresh_sibling(self.out_dir, "old", create=False)
+                os.replace(self.out_dir, old)
+                os.replace(self.tmp_dir, self.out_dir)
+                shutil.rmtree(old)
+            else:
+                os.replace(self.tmp_dir, self.out_dir)
+            self._closed = True
         return self.out_dir
 
     def abort(self) -> None:

@@ -116,7 +116,9 @@ class Rollouts:
             oldest = min(t.policy_version for t in traj)
             raise RuntimeError(
                 f"the rollout of RL step {step + 1} used policy version {oldest} (the weights after {oldest} steps), "
-                f"staler than {cfg.as_written('offpolicy.max_staleness')}={off.max_staleness}"
+                f"staler than {cfg.as_written('offpolicy.max_staleness')}={off.max_staleness}: a bug of megadare's "
+                "(the queue runs at most that far ahead, and a resume checks the rollouts it restores); please "
+                "report it with the run's config.yaml"
             )
         _stamp_versions(samples, traj, step, off.behaviour_logp == "engine")
         metrics.update(staleness_metrics(stale))

@@ -20,6 +20,7 @@ from megadare.convert.hf_megatron import mapping_for
 from megadare.data.files import DataError
 from megadare.data.prompt_data import load_rl_prompts
 from megadare.errors import ConfigError, PeerError, RunStateError
+from megadare.parallel.rank0 import run_on_rank0
 from megadare.rewards import check_isolation, gold_problem, load_reward, reward_notes, runs_code, set_isolation
 from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
 from megadare.rollout.setup import start_engines
@@ -28,7 +29,7 @@ from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkp
 from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
-from megadare.trainer.offpolicy.correction import needs_snapshots
+from megadare.trainer.offpolicy.correction import needs_snapshots, restored_queue_problem
 from megadare.trainer.offpolicy.queue import WeightSnapshots
 from megadare.trainer.offpolicy.replay import ReplayBuffer
 from megadare.trainer.policy import Policy, build_policy, lora_of
@@ -187,6 +188,21 @@ def _resume(run: RLRun) -> None:
         run.snapshots.load_state_dict(snaps or {})
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
+    run_on_rank0(lambda: _check_restored_queue(run, resume_from))  # rank 0 holds the queue; every rank stops
+
+
+def _check_restored_queue(run: RLRun, resume_from: str) -> None:
+    """Rank 0: refuse, in one line naming the settings, queued rollouts of the checkpoint the resumed settings
+    cannot train (``restored_queue_problem``)."""
+    queue = (run.async_state or {}).get("queue") or {}
+    held = run.buffer.versions if run.buffer is not None else ()
+    problem = restored_queue_problem(run.cfg, queue, run.ahead, held, run.snapshots)
+    if problem:
+        raise RunStateError(
+            f"{resume_from}: {problem}: it was saved with a deeper rollout queue; resume with the "
+            f"{run.cfg.as_written('offpolicy.mode')} and {run.cfg.as_written('offpolicy.max_staleness')} it was saved "
+            "with, or start a new run from its weights (checkpoint.load with a new logging.run_dir)"
+        )
 
 
 def save_run(run: RLRun) -> None:

@@ -246,6 +246,28 @@ def oldest_needed(cfg: Config, step: int, ahead: int, held: Iterable[int] = ()) 
     return min([step - ahead - (cfg.replay.k if cfg.replay.enable else 0), *held])
 
 
+def restored_queue_problem(cfg: Config, queue: dict, ahead: int, held: Iterable[int], snapshots) -> Optional[str]:
+    """What a resumed run's settings cannot train of the queued rollouts its checkpoint restores (``queue``: step
+    -> (prompt indices, trajectories)), else None: a rollout staler than ``offpolicy.max_staleness``, or (with
+    ``snapshots``, the loaded ``WeightSnapshots``) one whose behaviour snapshot is missing or dropped at once under
+    the resumed lookahead ``ahead`` (``oldest_needed``). Both follow a smaller ``offpolicy.mode`` /
+    ``offpolicy.max_staleness`` than the checkpoint was saved with, and failed mid-run in a raw RuntimeError."""
+    o = cfg.offpolicy
+    for step, (_, traj) in sorted((int(k), v) for k, v in queue.items()):
+        version = min((int(t.policy_version) for t in traj), default=step)
+        stale = f"the queued rollout of RL step {step + 1} comes from policy version {version} ({step - version} "
+        if step - version > o.max_staleness:
+            return stale + f"versions stale), more than {cfg.as_written('offpolicy.max_staleness')}={o.max_staleness}"
+        if snapshots is not None and (
+            version not in snapshots.store or version < oldest_needed(cfg, step, ahead, held)
+        ):
+            return stale + (
+                f"versions stale), whose weight snapshot {cfg.as_written('offpolicy.mode')}={o.mode} does not keep "
+                f"({ahead} version(s) ahead)"
+            )
+    return None
+
+
 def version_table(samples: list[Any]) -> dict[int, int]:
     return {s.index: int(s.policy_version or 0) for s in samples}
 
@@ -264,6 +286,7 @@ __all__ = [
     "correction_weights",
     "replay_scores",
     "needs_snapshots",
+    "restored_queue_problem",
     "bypass_rejection",
     "with_replayed",
     "own_copy",

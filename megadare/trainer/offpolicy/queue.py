@@ -204,7 +204,10 @@ class WeightSnapshots:
     def swapped_in(self, version: int) -> Iterator[None]:
         """The model holds version ``version``'s weights inside the block and its own weights again after it."""
         if version not in self.store:
-            raise RuntimeError(f"no weight snapshot of policy version {version} (have {sorted(self.store)})")
+            raise RuntimeError(  # a resume that would get here is refused (correction.restored_queue_problem)
+                f"no weight snapshot of policy version {version} (have {sorted(self.store)}): a bug of megadare's "
+                "(the snapshots kept do not cover the samples trained); please report it with the run's config.yaml"
+            )
         saved = [p.detach().clone() for p in self.params]
         try:
             with torch.no_grad():
