@@ -20,6 +20,9 @@ the global batch by one denominator; ``sft.normalize`` picks it: ``answer_length
 ``micro_batch_size_per_gpu=1`` (its recipes' setting), ``masked_tokens_per_sample`` the others' at 1,
 ``masked_tokens`` theirs with one micro-batch a step. The tests check exactly those equalities.
 
+The datasets' padding (every sample padded to ``data.max_length``, the pads scored as answer tokens: LLaDA with
+eos, SDAR with the pad id) is compared with ``sft.pad_response`` on DARE's ``__getitem__`` as written.
+
 Stand-ins (named, minimal): ``create_block_mask`` (flex-attention's, CUDA) -> the dense bool mask of its mask_mod;
 the FSDP model -> megadare's tiny model with autocast off (DARE's bf16 autocast is a GPU precision setting, not the
 objective); the trainers' ``self`` -> the attributes the loss code reads.
@@ -418,3 +421,63 @@ def test_llada2_block_loss_is_dares():
         want,
         model,
     )
+
+
+# ------------------------------------------------------------------ the datasets' padding (sft.pad_response)
+class _CharTokenizer:
+    """Stand-in of a HF tokenizer for DARE's ``__getitem__``: one id per character (megadare's ByteTokenizer ids:
+    eos 253, pad 254), no chat template."""
+
+    eos_token, eos_token_id, pad_token_id = "\x00", 253, 254
+
+    def encode(self, text: str) -> list[int]:
+        return [self.eos_token_id if c == self.eos_token else ord(c) % 200 for c in text]
+
+    def apply_chat_template(self, chat, add_generation_prompt=True, tokenize=False):
+        return chat[0]["content"]
+
+    def __call__(self, text, return_tensors="pt", add_special_tokens=False):
+        ids = torch.tensor([self.encode(text)])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+@pytest.mark.parametrize("family,pad", [("sdar", "pad"), ("llada", "eos")])
+def test_dare_sft_datasets_pad_as_sft_pad_response(family, pad):
+    """DARE's SFT datasets (``__getitem__`` as written) pad every sample to data.max_length and score the pads as
+    answer tokens: megadare's ``sft.pad_response`` gives the same tokens, the same answer positions and (SDAR) the
+    same answer length. One difference stays: SDAR's pads all take the last answer token's position id (verl's
+    ``compute_position_id_with_mask`` over an attention mask of 0 there), megadare numbers them on."""
+    from megadare.data.sft_data import SFTExample, pad_responses
+
+    tok, max_len = _CharTokenizer(), 24
+    utils = dare_functions("verl/utils/model.py", ("compute_position_id_with_mask",))
+    rel = f"verl/utils/dataset/{family}_sft_dataset.py"
+    names = ("__getitem__",) + (("_forward_process",) if family == "llada" else ())
+    methods = dare_methods(
+        rel, "dLLMSFTDataset", names, {"compute_position_id_with_mask": utils.compute_position_id_with_mask}
+    )
+    me = types.SimpleNamespace(
+        tokenizer=tok, max_length=max_len, truncation="error", eval=False, mask_token_id=255, prompts=[], responses=[]
+    )
+    if family == "llada":
+        me._forward_process = types.MethodType(methods._forward_process, me)
+    for prompt, response in [("what is 2+3?", "5"), ("reverse abc", "cba, done")]:
+        me.prompts, me.responses = [prompt], [response]
+        item = methods.__getitem__(me, 0)
+        ex = SFTExample(tok.encode(prompt), tok.encode(response) + [tok.eos_token_id])
+        (padded,) = pad_responses([ex], pad, tok, max_len)
+        ours = torch.tensor(padded.prompt_ids + padded.response_ids)
+        P = len(padded.prompt_ids)
+        if family == "sdar":
+            assert torch.equal(item["input_ids"], ours)
+            assert torch.equal(item["labels"] != -100, torch.arange(max_len) >= P)  # the answer: every position >= P
+            assert int((item["labels"] != -100).sum()) == len(padded.response_ids)  # SDAR's answer_len
+            last = len(ex) - 1
+            assert item["position_ids"][len(ex) :].tolist() == [last] * (max_len - len(ex))  # the difference kept
+        else:
+            masked = item["loss_mask"]
+            assert torch.equal(torch.where(masked, item["labels"], item["input_ids"]), ours)
+            assert not masked[:P].any()  # any position >= P, pads included, may be masked:
+            pads = torch.arange(max_len) >= len(ex)
+            assert any(bool((methods.__getitem__(me, 0)["loss_mask"] & pads).any()) for _ in range(20))
+    report(f"{family} SFT dataset padding vs sft.pad_response={pad}")

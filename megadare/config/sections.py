@@ -127,6 +127,8 @@ class SFTSection:
     normalize: Literal["answer_length", "masked_tokens", "masked_tokens_per_sample"] = "answer_length"
     t_per: Literal["block", "sample"] = "block"  # block mode: one t per block | per sample
     trace_shrink: int = 1
+    # pad every response to data.max_length and train on the pads (DARE: LLaDA with eos, SDAR with the pad id)
+    pad_response: Literal["none", "eos", "pad"] = "none"
 
 
 @dataclass
