@@ -69,6 +69,28 @@ def dare_functions(relpath: str, names: tuple[str, ...], scope: dict | None = No
     return types.SimpleNamespace(**{n: namespace[n] for n in names})
 
 
+def dare_methods(relpath: str, cls: str, names: tuple[str, ...], scope: dict | None = None) -> types.SimpleNamespace:
+    """The named methods of class ``cls`` of one file of the checkout, as plain functions (decorators dropped; the
+    first argument is the instance: a stand-in of the caller's), executed as ``dare_functions`` runs functions: for
+    a trainer's or a model's loss code whose class cannot be built here (FSDP, flash-attn)."""
+    path = os.path.join(dare_src(), relpath)
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} is not in the DARE checkout DARE_SRC names")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    body = next((n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), [])
+    picked = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
+    missing = set(names) - {n.name for n in picked}
+    if missing:
+        pytest.fail(f"{relpath} of DARE_SRC has no method {cls}.{sorted(missing)}: its code moved, update this test")
+    for node in picked:
+        node.decorator_list = []
+    namespace = scope if scope is not None else {}
+    namespace.setdefault("torch", torch)
+    exec(compile(ast.Module(body=picked, type_ignores=[]), path, "exec"), namespace)  # DARE's own lines, from DARE_SRC
+    return types.SimpleNamespace(**{n: namespace[n] for n in names})
+
+
 def _accelerate_set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
     """Stub of ``accelerate.utils.set_seed``: the same three seeds (CPU)."""
     random.seed(seed)

@@ -104,6 +104,7 @@ REFUSED = [
     (RL, "rl", ["offpolicy.max_staleness=4"], "offpolicy.max_staleness=4 bounds how many versions"),
     (RL, "rl", ["rl.max_staleness=4"], "rl.max_staleness=4 bounds how many versions queued rollouts lag; rl.mode=sync"),
     (SFT, "sft", ["sft.trace_shrink=4"], "sft.trace_shrink=4 groups the decoding steps of a trace (sft.mode=trace); "),
+    (SFT, "sft", ["sft.mode=trace", "sft.pad_response=eos"], "sft.pad_response=eos pads responses, but sft.mode=trace"),
     (RL, "rl", ["data.eval_path=held.jsonl"], "data.eval_path='held.jsonl' and data.synthetic='reverse' are both set"),
     # a band no group of rl.n_samples 0-or-1 rewards can fall into
     (
@@ -138,6 +139,7 @@ ACCEPTED = [
     (RL, "rl", ["offpolicy.mode=fully_async", "offpolicy.max_staleness=4", "offpolicy.loss_mode=decoupled"]),
     (RL, "rl", ["offpolicy.mode=one_step_off", "offpolicy.max_staleness=2"]),  # an old run's config.yaml
     (SFT, "sft", ["sft.mode=trace", "sft.trace_shrink=4"]),
+    (SFT, "sft", ["sft.pad_response=pad", "sft.t_per=sample"]),  # DARE's SDAR SFT
     (SFT, "sft", ["optim.adam_eps=1e-12"]),
     (RL, "rl", ["rollout.algorithm=low_confidence_dynamic", "rollout.confidence=entropy", "rollout.threshold=-0.5"]),
     (RL, "rl", ["rl.n_samples=4", "advantage.accuracy_band=[0.3,0.5]"]),  # 0.5 is reachable

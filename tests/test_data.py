@@ -305,3 +305,22 @@ def test_exact_match():
     assert exact_match(" 19\n", "19")
     assert not exact_match("190", "19")
     assert not exact_match("", "19")
+
+
+def test_pad_responses_pads_to_max_length_as_dares_sft_datasets():
+    """DARE's SFT datasets (@83ae8a3) pad input_ids to data.max_length, LLaDA's with eos and attended
+    (verl/utils/dataset/llada_sft_dataset.py:214-218), SDAR's with the pad id (sdar_sft_dataset.py:214-218), and score
+    the pads as answer tokens (LLaDA: every position >= prompt_length may be masked, :169-171; SDAR: labels keep them,
+    :239-240). ``sft.pad_response`` gives the same canvas; ``none`` leaves the examples alone."""
+    from megadare.data.sft_data import SFTExample, pad_responses
+
+    examples = [SFTExample([1, 2, 3], [4, 5, TOK.eos_token_id]), SFTExample([1], [6, TOK.eos_token_id])]
+    eos = pad_responses(examples, "eos", TOK, 8)
+    assert [len(ex) for ex in eos] == [8, 8]
+    assert eos[0].response_ids == [4, 5] + [TOK.eos_token_id] * 3
+    assert eos[1].response_ids == [6] + [TOK.eos_token_id] * 6 and eos[1].prompt_ids == [1]
+    pad = pad_responses(examples, "pad", TOK, 8)
+    assert pad[0].response_ids == [4, 5, TOK.eos_token_id, TOK.pad_token_id, TOK.pad_token_id]
+    assert pad_responses(examples, "none", TOK, 8) is examples
+    with pytest.raises(ValueError, match="sft.pad_response='zeros'"):
+        pad_responses(examples, "zeros", TOK, 8)

@@ -195,3 +195,54 @@ def test_trace_rows_score_every_token_once_from_the_recorded_state(family):
     assert mask_kind(recipe, arch) == ("block_causal" if family == "sdar" else "bidirectional")
     with pytest.raises(ValueError, match="steps"):
         example_rows(_example(), arch, recipe, torch.Generator())
+
+
+def test_block_rows_draw_t_again_until_a_token_is_masked_as_sdar_does():
+    """SDAR's rule (DARE @83ae8a3, models/SDAR-1dot7B-Chat/modeling_sdar.py:235-259, ``forward_add_noise_packed``):
+    while no eligible token is masked, t and the mask are drawn again (up to 10 times), then one token is forced.
+    On a 2-token answer E[sum_masked 1/t] / L is then 1 / P(>= 1 masked) = 1 / (1 - E(1 - t)^2) = 1.4985; forcing
+    a token at the first empty draw kept its tiny t (weight 1/t up to 1000) and gave ~3.7."""
+    _, arch = _arch("sdar", block_size=4)
+    recipe = SFTRecipe("block", block_size=4, schedule=NoiseSchedule(1e-3, 1.0), t_per="sample")
+    ex = _example(P=3, L=2)
+    total = 0.0
+    for s in range(6000):
+        (row,) = example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))
+        assert (row.tokens[3:5] == arch.mask_token_id).any()  # at least one answer token masked
+        total += float(row.weight.sum())  # sum_masked 1/(t L)
+    want = 1.0 / (1.0 - (1 - 1e-3) ** 2 / 3)
+    assert abs(total / 6000 - want) < 0.12, (total / 6000, want)
+
+
+def _dare_micro_batch_loss(ce, masked, t) -> torch.Tensor:
+    """DARE's LLaDA / Dream / LLaDA2 SFT loss of one micro-batch (verl/trainer/llada_fsdp_sft_trainer.py:344-345,
+    410, 423 @83ae8a3, one rank): sum(CE / t * loss_mask) / (sum(loss_mask) + 1e-8)."""
+    loss = ce / t.unsqueeze(-1)
+    loss = loss * masked
+    return torch.sum(loss) / (torch.sum(masked) + 1e-8)
+
+
+@pytest.mark.parametrize("normalize,micro", [("masked_tokens", 4), ("masked_tokens_per_sample", 1)])
+def test_masked_token_normalisations_are_dares_micro_batch_means(normalize, micro):
+    """DARE averages its micro-batches' losses (``training_step``: loss / n_micro_batches, :442): megadare's
+    ``masked_tokens`` is that with one micro-batch a step, ``masked_tokens_per_sample`` at micro_batch_size_per_gpu=1
+    (a sample with nothing masked counts 0 in both)."""
+    _, arch = _arch("llada")
+    recipe = SFTRecipe("random", schedule=NoiseSchedule(0.4, 0.4), normalize=normalize)
+    examples = [_example(P=3, L=L, seed=L) for L in (1, 5, 9, 13)]
+    rows = [example_rows(ex, arch, recipe, torch.Generator().manual_seed(i))[0] for i, ex in enumerate(examples)]
+    ce = [torch.rand(len(r), generator=torch.Generator().manual_seed(7 + i)) for i, r in enumerate(rows)]
+    ours = sum(float((r.weight * c).sum()) for r, c in zip(rows, ce)) / sum(r.denom for r in rows)
+    groups = [range(i, min(i + micro, len(rows))) for i in range(0, len(rows), micro)]
+    dare = 0.0
+    for g in groups:
+        width = max(len(rows[i]) for i in g)
+        pad = [torch.nn.functional.pad(x, (0, width - len(x))) for x in (ce[i] for i in g)]
+        masked = [
+            torch.nn.functional.pad((rows[i].tokens == arch.mask_token_id).float(), (0, width - len(rows[i])))
+            for i in g
+        ]
+        dare += float(_dare_micro_batch_loss(torch.stack(pad), torch.stack(masked), torch.full((len(g),), 0.4))) / len(
+            groups
+        )
+    assert abs(ours - dare) < 1e-6, (ours, dare)

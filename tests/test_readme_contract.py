@@ -64,7 +64,11 @@ NOT_OURS = {
 }
 # Dotted keys the README shows on purpose although they are not megadare's: each must be in config/foreign.py's
 # table (the line refusing it names the megadare key).
-FOREIGN_KEYS = {"rollout.num_task_per_step": "dLLM-RL's key, shown as refused (README Config)"}
+FOREIGN_KEYS = {
+    "rollout.num_task_per_step": "dLLM-RL's key, shown as refused (README Config)",
+    "data.micro_batch_size_per_gpu": "DARE's SFT key, the setting megadare's normalisations match (README SFT)",
+    "data.balance_dp_token": "DARE's SFT key, the setting megadare's normalisations match (README SFT)",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,11 +8,14 @@ Notation: prompt c (never masked), response y of length L, mask token M, t the m
 
       L = 1/|batch| * sum_samples (1/L) * sum_{k masked} w(t) * -log p(y_k | c, y_t),   w(t) = 1/t
 
-  (``normalize='masked_tokens'`` divides by the number of masked tokens instead, as DARE does).
+  (``normalize='masked_tokens'`` divides by the number of masked tokens of the global batch instead;
+  ``'masked_tokens_per_sample'`` by each sample's own: DARE's trainers divide each micro-batch by its masked tokens
+  and average the micro-batches, which is the latter at ``micro_batch_size_per_gpu=1``).
 * ``block`` -- block-diffusion SFT (SDAR / BD3-LM arXiv:2503.09573; LLaDA2, TraDo): blocks of ``block_size``
   on the global prompt+response grid; t per block (or per sample); the row is x_t ++ x_0 with the
   block-diffusion mask, so every block's term  sum_b E_t [ w(t_b) sum_{k in b masked} CE_k ]  comes from one
-  forward; at least one response token is masked per sample (SDAR's rule).
+  forward; at least one response token is masked per sample by SDAR's rule (modeling_sdar.py
+  ``forward_add_noise_packed``): t and the mask are drawn again, up to 10 times, then one token is forced.
 * ``semi_ar`` -- semi-autoregressive SFT with sliced data for full-attention models (dLLM-RL ``semi-ar``):
   one response block b drawn uniformly per sample, the row is c ++ y_{<b} (clean) ++ y_b (masked with prob.
   t), later blocks sliced off; weighted by n_blocks so the expectation over b is the sum over blocks.
@@ -39,7 +42,8 @@ from megadare.models.family import MaskKind, ModelArch
 from megadare.data.rows import Row
 
 SFT_MODES = ("random", "block", "semi_ar", "trace")
-NORMALIZE = ("answer_length", "masked_tokens")
+NORMALIZE = ("answer_length", "masked_tokens", "masked_tokens_per_sample")
+SDAR_MASK_TRIES = 10  # forward_add_noise_packed(max_tries=10) in SDAR's modeling_sdar.py
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ def _norm(recipe: SFTRecipe, L: int, n_scored: int) -> tuple[float, float]:
     """(weight divisor, denominator share) of one sample under the recipe's normalisation."""
     if recipe.normalize == "answer_length":
         return float(L), 1.0
+    if recipe.normalize == "masked_tokens_per_sample":
+        return float(max(n_scored, 1)), 1.0
     return 1.0, float(n_scored)
 
 
@@ -115,6 +121,22 @@ def _random(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) -
     return [Row(tokens=xt, labels=x0, weight=w, position_ids=torch.arange(len(x0)), denom=denom)]
 
 
+def _block_draw(
+    r: SFTRecipe, eligible: torch.Tensor, blocks: torch.Tensor, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked, t per position) of a block row by SDAR's rule: draw t and the mask again while nothing is masked,
+    up to ``SDAR_MASK_TRIES`` times, then force one eligible token (keeping the last t). Forcing a token at once
+    would keep a tiny t and weight that token by 1/t (up to 1/noise_low): a heavy, biased term for short responses."""
+    n_blocks = int(blocks[-1]) + 1
+    for _ in range(SDAR_MASK_TRIES):
+        t_blocks = r.schedule.sample(n_blocks if r.t_per == "block" else 1, g).expand(n_blocks)
+        t_tok = t_blocks[blocks]
+        masked = iid_mask(eligible, t_tok, g)
+        if masked.any() or not eligible.any():
+            return masked, t_tok
+    return iid_mask(eligible, 0.0, g, force_one=True), t_tok
+
+
 def _block(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) -> list[Row]:
     c = torch.tensor(ex.prompt_ids, dtype=torch.long)
     y = torch.tensor(ex.response_ids, dtype=torch.long)
@@ -122,11 +144,7 @@ def _block(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) ->
     n, P = len(x0), len(c)
     pos = torch.arange(n)
     blocks = block_index(pos, r.block_size)
-    n_blocks = int(blocks[-1]) + 1
-    t_blocks = r.schedule.sample(n_blocks if r.t_per == "block" else 1, g).expand(n_blocks)
-    t_tok = t_blocks[blocks]
-    eligible = pos >= P
-    masked = iid_mask(eligible, t_tok, g, force_one=True)
+    masked, t_tok = _block_draw(r, pos >= P, blocks, g)
     xt = mask_tokens(x0, masked, arch.mask_token_id)
     div, denom = _norm(r, len(y), int(masked.sum()))
     w = masked.float() * r.schedule.weight(t_tok) / div
@@ -189,8 +207,9 @@ def _trace(ex: SFTExample, arch: ModelArch, r: SFTRecipe, g: torch.Generator) ->
             end = min(L, (last_pos // r.block_size + 1) * r.block_size - P)
         x0 = torch.cat([c, y[:end]])
         xt = torch.cat([c, state[:end]])
-        w = torch.cat([torch.zeros(P), scored[:end].float() / (L if r.normalize == "answer_length" else 1.0)])
-        denom = (1.0 if gi == 0 else 0.0) if r.normalize == "answer_length" else float(scored.sum())
+        per_sample = r.normalize != "masked_tokens"  # every response token is scored once: its masked tokens are L
+        w = torch.cat([torch.zeros(P), scored[:end].float() / (L if per_sample else 1.0)])
+        denom = (1.0 if gi == 0 else 0.0) if per_sample else float(scored.sum())
         rows.append(Row(tokens=xt, labels=x0, weight=w, position_ids=torch.arange(len(x0)), denom=denom))
     return rows
 

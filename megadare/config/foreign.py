@@ -100,6 +100,25 @@ VERL: dict[str, Fix] = {
     "trainer.save_freq": "checkpoint.save_interval={v}",
     "trainer.default_local_dir": "checkpoint.save={v}",
     "trainer.n_gpus_per_node": "--nproc {v} (under torchrun or Slurm: their process count)",
+    # DARE's SFT trainers (verl/trainer/{sdar,llada,llada2,dream}_fsdp_sft_trainer.py, config/sft_trainer.yaml,
+    # recipe/*/run_sft_*.sh; compared live by tests/test_dare_live_sft.py): each micro-batch is divided by its own
+    # token count and the micro-batches averaged; megadare divides the global batch once (sft.normalize).
+    "data.micro_batch_size_per_gpu": {
+        "1": (
+            "sft.normalize=masked_tokens_per_sample (LLaDA, LLaDA2, Dream; SDAR: sft.normalize=answer_length): "
+            "DARE's loss at one sample a micro-batch"
+        ),
+        "*": (
+            "sft.normalize=masked_tokens (LLaDA, LLaDA2, Dream; SDAR: answer_length): DARE averages micro-batches of "
+            "{v}, each over its own tokens; megadare takes one mean over the global batch"
+        ),
+    },
+    "data.balance_dp_token": {
+        "true": "sft.normalize=masked_tokens (the masked tokens of the global batch)",
+        "false": "sft.normalize=masked_tokens_per_sample (each sample's masked tokens, as DARE at one a micro-batch)",
+    },
+    "data.noise_range_low": "sft.noise_low={v} sft.weighting=none (DARE's LLaDA2 SFT: t ~ U(low, high), no 1/t)",
+    "data.noise_range_high": "sft.noise_high={v} sft.weighting=none (DARE's LLaDA2 SFT: t ~ U(low, high), no 1/t)",
 }
 
 # dLLM-RL (Gen-Verse/dLLM-RL @10b4fd1: configs/rl_*.yaml, rl.py, sample/*_rl_rollout.py, train/rl_*.py). Its

@@ -123,9 +123,12 @@ class SFTSection:
     noise_low: float = 1e-3  # t ~ U(noise_low, noise_high)
     noise_high: float = 1.0
     weighting: Literal["inv_t", "none"] = "inv_t"  # inv_t: ELBO
-    normalize: Literal["answer_length", "masked_tokens"] = "answer_length"  # LLaDA | DARE
+    # LLaDA | the global batch's masked tokens | each sample's (DARE's trainers at micro_batch_size_per_gpu=1)
+    normalize: Literal["answer_length", "masked_tokens", "masked_tokens_per_sample"] = "answer_length"
     t_per: Literal["block", "sample"] = "block"  # block mode: one t per block | per sample
     trace_shrink: int = 1
+    # pad every response to data.max_length and train on the pads (DARE: LLaDA with eos, SDAR with the pad id)
+    pad_response: Literal["none", "eos", "pad"] = "none"
 
 
 @dataclass

@@ -211,3 +211,19 @@ def build_sft_examples(
         if outcome == "truncated":
             stats["truncated"] += 1
     return examples, stats
+
+
+PAD_RESPONSE = ("none", "eos", "pad")
+
+
+def pad_responses(examples: list[SFTExample], pad: str, tok: Tokenizer, max_len: int) -> list[SFTExample]:
+    """Every response padded to ``max_len`` prompt + response tokens with eos or the pad id, trained on as answer
+    tokens (``sft.pad_response``): what DARE's SFT datasets do (verl/utils/dataset/llada_sft_dataset.py pads with
+    eos, sdar_sft_dataset.py with the pad id, both counted as answer tokens; LLaDA's paper pads with eos so that the
+    model learns to fill a fixed-length canvas). ``none`` leaves the examples as they are."""
+    if pad not in PAD_RESPONSE:
+        raise ValueError(f"sft.pad_response={pad!r} is not one of {', '.join(PAD_RESPONSE)}")
+    if pad == "none":
+        return examples
+    pad_id = tok.eos_token_id if pad == "eos" else tok.pad_token_id
+    return [SFTExample(ex.prompt_ids, ex.response_ids + [pad_id] * (max_len - len(ex)), ex.steps) for ex in examples]

@@ -100,6 +100,11 @@ def check_mode_keys(cfg: Config, arch: Optional[ModelArch]) -> None:
             f"sft.trace_shrink={cfg.sft.trace_shrink} groups the decoding steps of a trace (sft.mode=trace); "
             f"sft.mode={shown} trains on no trace and ignores it: remove it or set sft.mode=trace"
         )
+    if cfg.sft.pad_response != "none" and mode == "trace":
+        raise ConfigError(
+            f"sft.pad_response={cfg.sft.pad_response} pads responses, but sft.mode=trace scores the recorded "
+            "decoding steps of each response token and pads have none: remove sft.pad_response"
+        )
 
 
 _SAMPLER_KEYS = (

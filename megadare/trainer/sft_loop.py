@@ -21,7 +21,7 @@ from megadare.config import Config, resolve_sft_mode
 from megadare.data.files import load_many
 from megadare.data.prompt_data import synthetic_split
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
-from megadare.data.sft_data import build_sft_examples
+from megadare.data.sft_data import build_sft_examples, pad_responses
 from megadare.diffusion.schedule import NoiseSchedule
 from megadare.errors import ConfigError
 from megadare.models.family import MaskKind
@@ -73,7 +73,7 @@ def load_examples(cfg: Config, tok) -> tuple[list, dict]:
         raise ConfigError(
             "no data: set data.path (.jsonl / .json / .parquet, or a list of files) or data.synthetic=addition"
         )
-    return build_sft_examples(
+    examples, stats = build_sft_examples(
         records,
         tok,
         d.max_length,
@@ -81,6 +81,7 @@ def load_examples(cfg: Config, tok) -> tuple[list, dict]:
         source=source if sources is None else sources,
         **sft_record_keys(cfg),
     )
+    return pad_responses(examples, cfg.sft.pad_response, tok, d.max_length), stats
 
 
 def _memory_gib() -> float:
