@@ -219,9 +219,10 @@ def save_run(run: RLRun) -> None:
 
 
 def queued_rollouts(run: RLRun) -> dict:
-    """Rank 0: the queued rollouts for the checkpoint, finished first while Ray is up; Ray going down with the job
-    meanwhile (a SIGTERM: ``lost_to_sigterm``), only those already finished (a resumed run starts the others
-    again), so the checkpoint still lands."""
+    """Rank 0: the queued rollouts for the checkpoint, finished first while Ray is up (a partial rollout: its
+    running segments, ``RolloutQueue.drain``); Ray going down with the job meanwhile (a SIGTERM:
+    ``lost_to_sigterm``), only those already finished (a resumed run starts the others again), so the checkpoint
+    still lands."""
     if not run.ray_lost:
         try:
             with job_stop_errors("finishing the queued rollouts for the checkpoint"):
