@@ -39,6 +39,46 @@ def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
         _resume(run)
 
 
+def test_queued_rollouts_under_settings_they_do_not_fit_are_refused_naming_the_key(tmp_path):
+    """A one-step-off checkpoint holds the rollout queued for the next step, made with the saved rl.n_samples;
+    resumed with more, its responses were scored against the wrong prompts (4 per prompt read as 8: most against a
+    neighbouring prompt's gold) and grouped wrongly without a word; with fewer the step died of a raw IndexError.
+    A shorter queue (a lower max_staleness) found it too stale. Both are refused in one line naming the keys; a
+    longer queue takes it."""
+    import torch
+
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    torch.save({"queue": {2: ([0, 1], ["trajectories"])}, "replay": None}, ckpt / "rl_async.pt")
+
+    def resume(saved: dict, *over: str):
+        cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), list(over))
+        sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+        state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings(), "queued_with": saved}
+        run = SimpleNamespace(
+            cfg=cfg,
+            policy=SimpleNamespace(resume=lambda *a, **k: state),
+            spec=SimpleNamespace(source=None),
+            algo=SimpleNamespace(name=cfg.algo.name),
+            save_root=str(tmp_path / "ckpt"),
+            rollouts=SimpleNamespace(sampler=sampler),
+            snapshots=None,
+            buffer=None,
+        )
+        _resume(run)
+        return run
+
+    one_step_off = {"rl.n_samples": 4, "offpolicy.mode": "one_step_off", "offpolicy.max_staleness": 1}
+    with pytest.raises(RunStateError, match=r"queued for RL steps 3..3, made with rl.n_samples=4 \(this config: 8\)"):
+        resume(one_step_off, "rl.mode=one_step_off", "rl.n_samples=8")
+    two_ahead = dict(one_step_off, **{"offpolicy.mode": "fully_async", "offpolicy.max_staleness": 2})
+    with pytest.raises(RunStateError, match=r"made with rl.max_staleness=2 \(this config: 1\)"):
+        resume(two_ahead, "rl.mode=fully_async", "rl.max_staleness=1", "rl.n_samples=4")
+    longer = resume(one_step_off, "rl.mode=fully_async", "rl.max_staleness=2", "rl.n_samples=4")
+    assert longer.step == 2
+
+
 # megadare rl with the second checkpoint write of a step (policy or value model) killing the process (SIGKILL)
 KILL_AT_SECOND_SAVE = r"""
 import os, signal, sys

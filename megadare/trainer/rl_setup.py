@@ -29,7 +29,7 @@ from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
 from megadare.trainer.offpolicy.correction import needs_snapshots
-from megadare.trainer.offpolicy.queue import WeightSnapshots
+from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
 from megadare.trainer.offpolicy.replay import ReplayBuffer
 from megadare.trainer.policy import Policy, build_policy, lora_of
 from megadare.trainer.rl_rollout import Rollouts
@@ -184,6 +184,38 @@ def _resume(run: RLRun) -> None:
         run.snapshots.load_state_dict(snaps or {})
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
+    check_queued_with(state, run.async_state, cfg)
+
+
+# the settings a queued rollout was made with that it must be trained under: responses per prompt (its groups) and
+# how far ahead it ran (its staleness)
+QUEUE_KEYS = ("rl.n_samples", "offpolicy.mode", "offpolicy.max_staleness")
+
+
+def queue_settings(cfg: Config) -> dict[str, Any]:
+    """The ``QUEUE_KEYS`` of ``cfg`` (saved with the queued rollouts, ``save_run``)."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in QUEUE_KEYS}
+
+
+def check_queued_with(state: dict, async_state: Optional[dict], cfg: Config) -> None:
+    """Refuse (RunStateError, one line naming the keys) to train a checkpoint's queued rollouts under settings
+    they do not fit: another rl.n_samples scored them against the wrong prompts and grouped them wrongly
+    (silently, or an IndexError steps later); a shorter queue (offpolicy.mode / max_staleness) holds them
+    staler than it allows. A longer queue takes them as they are."""
+    queued = sorted(int(k) for k in ((async_state or {}).get("queue") or {}))
+    saved, now = state.get("queued_with") or {}, queue_settings(cfg)
+    if not queued or not saved:  # nothing queued, or a checkpoint from before the settings were saved
+        return
+    changed = [k for k in QUEUE_KEYS if saved.get(k, now[k]) != now[k]]
+    ahead = lookahead(saved.get("offpolicy.mode", "sync"), saved.get("offpolicy.max_staleness", 0))
+    shorter = ahead > lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness)
+    diff = [f"{cfg.as_written(k)}={saved[k]} (this config: {now[k]})" for k in changed if shorter or k == QUEUE_KEYS[0]]
+    if diff:
+        raise RunStateError(
+            f"{state['resumed_from']} holds the rollouts queued for RL steps {queued[0] + 1}..{queued[-1] + 1}, made "
+            f"with {', '.join(diff)}: they cannot train under these settings; set them back to resume, or start a "
+            "new run from its weights (checkpoint.load=<that checkpoint> with a new logging.run_dir)"
+        )
 
 
 def save_run(run: RLRun) -> None:
@@ -211,6 +243,7 @@ def save_run(run: RLRun) -> None:
             "consumed_prompts": step * cfg.rl.prompts_per_step,
             "evals": run.evals,
             "data_order": run.rollouts.sampler.settings(),
+            "queued_with": queue_settings(cfg),
         },
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
