@@ -79,6 +79,40 @@ def test_queued_rollouts_under_settings_they_do_not_fit_are_refused_naming_the_k
     assert longer.step == 2
 
 
+def test_weight_snapshots_of_another_layout_are_refused_naming_it(tmp_path):
+    """Resumed in another layout of the same world size (tp 2 -> dp 2), each rank found a snapshots file of its
+    rank number holding another layout's shards and took it: the first stale step's behaviour pass copied them into
+    the parameters and died of a raw shape error (or, had the shapes matched, corrected with the wrong weights).
+    Refused at the resume in one line naming the layout."""
+    import torch
+
+    from megadare.trainer.offpolicy.queue import WeightSnapshots
+
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    (ckpt / "weight_snapshots").mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    halves = {2: [torch.zeros(2, 4), torch.zeros(2)]}  # rank 0's tensor-parallel half of a 4x4 linear layer
+    torch.save(halves, ckpt / "weight_snapshots" / "rank_00000.pt")
+    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), [])
+    sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+    state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
+    run = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(resume=lambda *a, **k: state),
+        spec=SimpleNamespace(source=None),
+        algo=SimpleNamespace(name=cfg.algo.name),
+        save_root=str(tmp_path / "ckpt"),
+        rollouts=SimpleNamespace(sampler=sampler),
+        snapshots=WeightSnapshots([torch.nn.Linear(4, 4)]),  # this layout: the whole layer on the rank
+        ahead=1,
+        buffer=None,
+    )
+    with pytest.raises(RunStateError, match=r"its snapshot of policy version 2 holds 2 tensors, this rank has 2 "):
+        _resume(run)
+    with pytest.raises(RunStateError, match=r"\(the 0th: \(2, 4\) vs \(4, 4\)\): it was saved under another parallel"):
+        _resume(run)
+
+
 # megadare rl with the second checkpoint write of a step (policy or value model) killing the process (SIGKILL)
 KILL_AT_SECOND_SAVE = r"""
 import os, signal, sys

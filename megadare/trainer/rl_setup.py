@@ -173,18 +173,33 @@ def _resume(run: RLRun) -> None:
     run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
     if run.snapshots is not None:
-        snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
-        if snaps is None and run.ahead:
-            raise RunStateError(
-                f"{resume_from} has no weight snapshots for this rank (a different layout or "
-                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected; resume "
-                "with the layout and offpolicy settings it was saved with, or start a new run from its weights "
-                "(checkpoint.load with a new logging.run_dir)"
-            )
-        run.snapshots.load_state_dict(snaps or {})
+        _load_snapshots(run, resume_from)
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
     check_queued_with(state, run.async_state, cfg)
+
+
+def _load_snapshots(run: RLRun, resume_from: str) -> None:
+    """This rank's weight snapshots from ``resume_from``; refused (RunStateError, one line) when it has none while
+    stale rollouts are queued, or ones of another layout's shards (the same world size in another layout: the
+    first stale step's behaviour pass copied them into the parameters and died of a raw shape error)."""
+    cfg = run.cfg
+    snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
+    if snaps is None and run.ahead:
+        raise RunStateError(
+            f"{resume_from} has no weight snapshots for this rank (a different layout or "
+            f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected; resume "
+            "with the layout and offpolicy settings it was saved with, or start a new run from its weights "
+            "(checkpoint.load with a new logging.run_dir)"
+        )
+    misfit = run.snapshots.misfit(snaps or {})
+    if misfit:
+        raise RunStateError(
+            f"{resume_from}: {misfit}: it was saved under another parallel layout (parallel.tp / pp / vpp / ep), "
+            "so the stale rollouts it queued cannot be corrected; resume with the layout it was saved with, or "
+            "start a new run from its weights (checkpoint.load with a new logging.run_dir)"
+        )
+    run.snapshots.load_state_dict(snaps or {})
 
 
 # the settings a queued rollout was made with that it must be trained under: responses per prompt (its groups) and

@@ -263,6 +263,23 @@ class WeightSnapshots:
     def load_state_dict(self, state: dict[int, list[torch.Tensor]]) -> None:
         self.store = {int(k): v for k, v in state.items()}
 
+    def misfit(self, state: dict[int, list[torch.Tensor]]) -> Optional[str]:
+        """Why ``state`` (a checkpoint's ``state_dict``) is not snapshots of this rank's shards, in words (another
+        parallel layout shards the parameters otherwise); None when it fits."""
+        want = [tuple(p.shape) for p in self.params]
+        for version, tensors in sorted(state.items()):
+            got = [tuple(t.shape) for t in tensors]
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                shapes = (
+                    f"{got[first] if first < len(got) else 'none'} vs {want[first] if first < len(want) else 'none'}"
+                )
+                return (
+                    f"its snapshot of policy version {version} holds {len(got)} tensors, this rank has {len(want)} "
+                    f"parameters (the {first}th: {shapes})"
+                )
+        return None
+
 
 def staleness_metrics(stale: list[int], prefix: str = "async/") -> dict[str, float]:
     """Mean / max and the histogram (one scalar per staleness value) of the trajectories' staleness."""
