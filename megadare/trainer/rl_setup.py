@@ -24,7 +24,13 @@ from megadare.rewards import check_isolation, gold_problem, load_reward, reward_
 from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
-from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
+from megadare.trainer.checkpoint import (
+    CheckpointState,
+    Provenance,
+    config_record,
+    load_checkpoint_object,
+    said_setting_changes,
+)
 from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
@@ -177,6 +183,7 @@ def _resume(run: RLRun) -> None:
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
     check_queued_with(state, run.async_state, cfg)
+    said_setting_changes(state, cfg)
 
 
 def _load_snapshots(run: RLRun, resume_from: str) -> None:
@@ -259,6 +266,7 @@ def save_run(run: RLRun) -> None:
             "evals": run.evals,
             "data_order": run.rollouts.sampler.settings(),
             "queued_with": queue_settings(cfg),
+            "config": config_record(cfg),
         },
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
