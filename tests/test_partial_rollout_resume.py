@@ -83,3 +83,20 @@ def test_a_checkpoint_between_segments_changes_nothing_and_resumes_exactly():
     resumed.restore(saved, resumed_engines.submit)
     _push(resumed_engines, resumed, 2)
     assert _finished(resumed) == expected
+
+
+def test_each_steps_rollout_is_started_once_and_the_queue_holds_only_steps_ahead():
+    """Taking step k's rollout topped the queue up from step k again: every step started a second rollout of the
+    step just taken (engines generating each sync step twice, the next rollout waiting behind the copy), which
+    stayed queued for good: ``async/queue_depth`` grew by one a step, and every checkpoint finished and saved all
+    of them. A checkpoint's copies of steps already trained are dropped when the run takes a later step."""
+    for ahead in (0, 1, 2):
+        started: list[int] = []
+        queue = RolloutQueue(lambda k: started.append(k) or ([k], [f"rollout {k}"]), ahead=ahead, last_step=5)
+        for step in range(5):
+            assert queue.take(step)[1] == [f"rollout {step}"]
+            assert sorted(queue.queue) == list(range(step + 1, min(step + ahead, 4) + 1)), (ahead, step)
+        assert started == [0, 1, 2, 3, 4], (ahead, started)
+    restored = RolloutQueue(lambda k: ([k], [f"rollout {k}"]), ahead=1, last_step=5)
+    restored.restore({1: ([1], ["copy of 1"]), 2: ([2], ["rollout 2"])})  # an older megadare's checkpoint at 2
+    assert restored.take(2)[1] == ["rollout 2"] and sorted(restored.queue) == [3]

@@ -180,9 +180,12 @@ class RolloutQueue:
     def take(self, step: int) -> tuple[QueuedRollout, list, float]:
         """(the queued rollout of ``step``, its trajectories, seconds waited); then tops the queue up to
         ``step + ahead`` on the weights the engines hold now (before this step's update)."""
+        for k in [k for k in self.queue if k < step]:  # a checkpoint's of steps already trained (older megadare)
+            del self.queue[k]
         self.floor = step
         self._ensure(step)
         q = self.queue.pop(step)
+        self.floor = step + 1  # taken: topping up starts the steps after it, never this one again
         t0 = time.perf_counter()
         fut = q.pending
         traj = fut.result() if hasattr(fut, "result") else fut
