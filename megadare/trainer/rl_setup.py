@@ -224,7 +224,7 @@ def check_queued_with(state: dict, async_state: Optional[dict], cfg: Config) -> 
     they do not fit: another rl.n_samples scored them against the wrong prompts and grouped them wrongly
     (silently, or an IndexError steps later); a shorter queue (offpolicy.mode / max_staleness) holds them
     staler than it allows. A longer queue takes them as they are."""
-    queued = sorted(int(k) for k in ((async_state or {}).get("queue") or {}))
+    queued = sorted(k for k in map(int, (async_state or {}).get("queue") or {}) if k >= int(state["step"]))
     saved, now = state.get("queued_with") or {}, queue_settings(cfg)
     if not queued or not saved:  # nothing queued, or a checkpoint from before the settings were saved
         return
