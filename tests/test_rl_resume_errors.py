@@ -10,6 +10,7 @@ import pytest
 from megadare.config import load_config
 from megadare.errors import RunStateError
 from megadare.trainer.data_order import StepSampler
+from megadare.trainer.offpolicy.queue import lookahead
 from megadare.trainer.rl_setup import _resume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +37,78 @@ def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
         buffer=None,
     )
     with pytest.raises(RunStateError, match=f"{ckpt} has no weight snapshots for this rank"):
+        _resume(run)
+
+
+def test_queued_rollouts_under_settings_they_do_not_fit_are_refused_naming_the_key(tmp_path):
+    """A one-step-off checkpoint holds the rollout queued for the next step, made with the saved rl.n_samples;
+    resumed with more, its responses were scored against the wrong prompts (4 per prompt read as 8: most against a
+    neighbouring prompt's gold) and grouped wrongly without a word; with fewer the step died of a raw IndexError.
+    Refused in one line naming the key (a queue too short for it: the next test); a longer queue takes it."""
+    import torch
+
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    made_by_version_1 = SimpleNamespace(policy_version=1)
+    torch.save({"queue": {2: ([0, 1], [made_by_version_1])}, "replay": None}, ckpt / "rl_async.pt")
+
+    def resume(saved: dict, *over: str):
+        cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), list(over))
+        sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+        state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings(), "queued_with": saved}
+        run = SimpleNamespace(
+            cfg=cfg,
+            policy=SimpleNamespace(resume=lambda *a, **k: state),
+            spec=SimpleNamespace(source=None),
+            algo=SimpleNamespace(name=cfg.algo.name),
+            save_root=str(tmp_path / "ckpt"),
+            rollouts=SimpleNamespace(sampler=sampler),
+            snapshots=None,
+            buffer=None,
+            ahead=lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness),
+        )
+        _resume(run)
+        return run
+
+    one_step_off = {"rl.n_samples": 4, "offpolicy.mode": "one_step_off", "offpolicy.max_staleness": 1}
+    with pytest.raises(RunStateError, match=r"queued for RL steps 3..3, made with rl.n_samples=4 \(this config: 8\)"):
+        resume(one_step_off, "rl.mode=one_step_off", "rl.n_samples=8")
+    longer = resume(one_step_off, "rl.mode=fully_async", "rl.max_staleness=2", "rl.n_samples=4")
+    assert longer.step == 2
+
+
+def test_weight_snapshots_of_another_layout_are_refused_naming_it(tmp_path):
+    """Resumed in another layout of the same world size (tp 2 -> dp 2), each rank found a snapshots file of its
+    rank number holding another layout's shards and took it: the first stale step's behaviour pass copied them into
+    the parameters and died of a raw shape error (or, had the shapes matched, corrected with the wrong weights).
+    Refused at the resume in one line naming the layout."""
+    import torch
+
+    from megadare.trainer.offpolicy.queue import WeightSnapshots
+
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    (ckpt / "weight_snapshots").mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    halves = {2: [torch.zeros(2, 4), torch.zeros(2)]}  # rank 0's tensor-parallel half of a 4x4 linear layer
+    torch.save(halves, ckpt / "weight_snapshots" / "rank_00000.pt")
+    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), [])
+    sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
+    state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
+    run = SimpleNamespace(
+        cfg=cfg,
+        policy=SimpleNamespace(resume=lambda *a, **k: state),
+        spec=SimpleNamespace(source=None),
+        algo=SimpleNamespace(name=cfg.algo.name),
+        save_root=str(tmp_path / "ckpt"),
+        rollouts=SimpleNamespace(sampler=sampler),
+        snapshots=WeightSnapshots([torch.nn.Linear(4, 4)]),  # this layout: the whole layer on the rank
+        ahead=1,
+        buffer=None,
+    )
+    with pytest.raises(RunStateError, match=r"its snapshot of policy version 2 holds 2 tensors, this rank has 2 "):
+        _resume(run)
+    with pytest.raises(RunStateError, match=r"\(the 0th: \(2, 4\) vs \(4, 4\)\): it was saved under another parallel"):
         _resume(run)
 
 
@@ -133,7 +206,7 @@ def test_a_resume_that_cannot_train_its_queued_rollouts_is_refused_naming_the_ke
     dropped version 0's weight snapshot and the step's behaviour pass stopped in 'RuntimeError: no weight snapshot
     of policy version 0'. Both are refused at the resume, in one line naming the keys."""
     from megadare.trainer import rl_setup
-    from megadare.trainer.offpolicy.queue import WeightSnapshots, lookahead
+    from megadare.trainer.offpolicy.queue import WeightSnapshots
 
     ckpt = tmp_path / "ckpt" / "iter_0000002"
     ckpt.mkdir(parents=True)

@@ -28,7 +28,7 @@ import re
 import resource
 import shutil
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -476,6 +476,44 @@ def describe_schedule(scheduler, optimizer) -> str:
         f"{scheduler.lr_decay_style}, lr {scheduler.max_lr:g} -> {scheduler.min_lr:g}, warmup "
         f"{scheduler.lr_warmup_steps}, over {scheduler.lr_decay_steps} steps; lr now {lr:.3g}"
     )
+
+
+# settings a resumed run changes without changing what it trains: where it writes, how long it runs
+_UNSAID_SETTINGS = ("logging.", "checkpoint.", "plan.", "train.steps", "rl.steps")
+
+
+def config_record(cfg) -> dict[str, Any]:
+    """The run's resolved config (a dataclass) as ``{"section.key": value}`` for its checkpoints' train state, as
+    JSON reads it back (``said_setting_changes`` compares it with the resumed run's)."""
+
+    def flat(d: dict, prefix: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+        return out
+
+    return json.loads(json.dumps(flat(asdict(cfg), ""), default=str))
+
+
+def said_setting_changes(state: dict[str, Any], cfg) -> None:
+    """Say in one line which settings of the resumed run differ from those its checkpoint ``state`` was trained
+    with (they apply from the resumed step on; the data order, model and LoRA settings are refused before this),
+    so a resume with another algorithm setting is never a silently different run. Nothing for a checkpoint
+    from before the config was recorded."""
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        return
+    now = config_record(cfg)
+    changed = [
+        f"{k} {saved[k]!r} -> {now[k]!r}"
+        for k in sorted(now)
+        if k in saved and saved[k] != now[k] and not k.startswith(_UNSAID_SETTINGS)
+    ]
+    if changed:
+        _say(
+            f"resume: this run's settings differ from those {state.get('resumed_from', 'its checkpoint')} was "
+            f"trained with and apply from step {state.get('step')} on: {', '.join(changed)}"
+        )
 
 
 def _move_aside(damaged: str, why: str = "damaged") -> str:

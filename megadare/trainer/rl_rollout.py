@@ -54,7 +54,7 @@ class Rollouts:
         """Rank 0: the rollout queue, restored from the checkpoint's queued rollouts (``restored``) when given."""
         self.queue = RolloutQueue(self.start, self.ahead, self.cfg.rl.steps)
         if restored is not None:
-            self.queue.restore(restored.get("queue", {}))
+            self.queue.restore(restored.get("queue", {}), self.manager.submit if self.manager is not None else None)
 
     def start(self, at: int):
         """Rank 0: starts the rollout of RL step ``at`` -> (prompt indices, rollout in flight): ``rl.n_samples``

@@ -25,7 +25,13 @@ from megadare.rewards import check_isolation, gold_problem, load_reward, reward_
 from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
 from megadare.rollout.setup import start_engines
 from megadare.rollout.weight_sync.sync import SyncSettings, WeightSync
-from megadare.trainer.checkpoint import CheckpointState, Provenance, load_checkpoint_object
+from megadare.trainer.checkpoint import (
+    CheckpointState,
+    Provenance,
+    config_record,
+    load_checkpoint_object,
+    said_setting_changes,
+)
 from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
@@ -177,24 +183,42 @@ def _resume(run: RLRun) -> None:
     run.evals = {int(k): v for k, v in (state.get("evals") or {}).items()}
     run.async_state = load_checkpoint_object(resume_from, "rl_async")
     if run.snapshots is not None:
-        snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
-        if snaps is None and run.ahead:
-            raise RunStateError(
-                f"{resume_from} has no weight snapshots for this rank (a different layout or "
-                f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected; resume "
-                "with the layout and offpolicy settings it was saved with, or start a new run from its weights "
-                "(checkpoint.load with a new logging.run_dir)"
-            )
-        run.snapshots.load_state_dict(snaps or {})
+        _load_snapshots(run, resume_from)
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
+    check_queued_with(state, run.async_state, cfg)
     run_on_rank0(lambda: _check_restored_queue(run, resume_from))  # rank 0 holds the queue; every rank stops
+    said_setting_changes(state, cfg)
+
+
+def _load_snapshots(run: RLRun, resume_from: str) -> None:
+    """This rank's weight snapshots from ``resume_from``; refused (RunStateError, one line) when it has none while
+    stale rollouts are queued, or ones of another layout's shards (the same world size in another layout: the
+    first stale step's behaviour pass copied them into the parameters and died of a raw shape error)."""
+    cfg = run.cfg
+    snaps = load_checkpoint_object(resume_from, "weight_snapshots", per_rank=True)
+    if snaps is None and run.ahead:
+        raise RunStateError(
+            f"{resume_from} has no weight snapshots for this rank (a different layout or "
+            f"{cfg.as_written('offpolicy.loss_mode')}?): the queued stale rollouts cannot be corrected; resume "
+            "with the layout and offpolicy settings it was saved with, or start a new run from its weights "
+            "(checkpoint.load with a new logging.run_dir)"
+        )
+    misfit = run.snapshots.misfit(snaps or {})
+    if misfit:
+        raise RunStateError(
+            f"{resume_from}: {misfit}: it was saved under another parallel layout (parallel.tp / pp / vpp / ep), "
+            "so the stale rollouts it queued cannot be corrected; resume with the layout it was saved with, or "
+            "start a new run from its weights (checkpoint.load with a new logging.run_dir)"
+        )
+    run.snapshots.load_state_dict(snaps or {})
 
 
 def _check_restored_queue(run: RLRun, resume_from: str) -> None:
     """Rank 0: refuse, in one line naming the settings, queued rollouts of the checkpoint the resumed settings
-    cannot train (``restored_queue_problem``)."""
-    queue = (run.async_state or {}).get("queue") or {}
+    cannot train (``restored_queue_problem``: staler than a shorter queue allows, or their behaviour snapshot not
+    kept under it)."""
+    queue = {k: v for k, v in ((run.async_state or {}).get("queue") or {}).items() if int(k) >= run.step}
     held = run.buffer.versions if run.buffer is not None else ()
     problem = restored_queue_problem(run.cfg, queue, run.ahead, held, run.snapshots)
     if problem:
@@ -202,6 +226,35 @@ def _check_restored_queue(run: RLRun, resume_from: str) -> None:
             f"{resume_from}: {problem}: it was saved with a deeper rollout queue; resume with the "
             f"{run.cfg.as_written('offpolicy.mode')} and {run.cfg.as_written('offpolicy.max_staleness')} it was saved "
             "with, or start a new run from its weights (checkpoint.load with a new logging.run_dir)"
+        )
+
+
+# the setting a queued rollout was made with that it must be trained under: responses per prompt (its groups; how
+# stale it may be, _check_restored_queue reads from the rollouts themselves)
+QUEUE_KEYS = ("rl.n_samples",)
+
+
+def queue_settings(cfg: Config) -> dict[str, Any]:
+    """The ``QUEUE_KEYS`` of ``cfg`` (saved with the queued rollouts, ``save_run``)."""
+    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in QUEUE_KEYS}
+
+
+def check_queued_with(state: dict, async_state: Optional[dict], cfg: Config) -> None:
+    """Refuse (RunStateError, one line naming the key) to train a checkpoint's queued rollouts under another
+    rl.n_samples: it scored them against the wrong prompts and grouped them wrongly (silently, or an IndexError
+    steps later)."""
+    queued = sorted(k for k in map(int, (async_state or {}).get("queue") or {}) if k >= int(state["step"]))
+    saved, now = state.get("queued_with") or {}, queue_settings(cfg)
+    if not queued or not saved:  # nothing queued, or a checkpoint from before the settings were saved
+        return
+    diff = [
+        f"{cfg.as_written(k)}={saved[k]} (this config: {now[k]})" for k in QUEUE_KEYS if saved.get(k, now[k]) != now[k]
+    ]
+    if diff:
+        raise RunStateError(
+            f"{state['resumed_from']} holds the rollouts queued for RL steps {queued[0] + 1}..{queued[-1] + 1}, made "
+            f"with {', '.join(diff)}: they cannot train under these settings; set them back to resume, or start a "
+            "new run from its weights (checkpoint.load=<that checkpoint> with a new logging.run_dir)"
         )
 
 
@@ -230,6 +283,8 @@ def save_run(run: RLRun) -> None:
             "consumed_prompts": step * cfg.rl.prompts_per_step,
             "evals": run.evals,
             "data_order": run.rollouts.sampler.settings(),
+            "queued_with": queue_settings(cfg),
+            "config": config_record(cfg),
         },
         objects={"rl_async": state} if run.rank0 else None,
         rank_objects={"weight_snapshots": run.snapshots.state_dict()} if run.snapshots is not None else None,
@@ -238,9 +293,10 @@ def save_run(run: RLRun) -> None:
 
 
 def queued_rollouts(run: RLRun) -> dict:
-    """Rank 0: the queued rollouts for the checkpoint, finished first while Ray is up; Ray going down with the job
-    meanwhile (a SIGTERM: ``lost_to_sigterm``), only those already finished (a resumed run starts the others
-    again), so the checkpoint still lands."""
+    """Rank 0: the queued rollouts for the checkpoint, finished first while Ray is up (a partial rollout: its
+    running segments, ``RolloutQueue.drain``); Ray going down with the job meanwhile (a SIGTERM:
+    ``lost_to_sigterm``), only those already finished (a resumed run starts the others again), so the checkpoint
+    still lands."""
     if not run.ray_lost:
         try:
             with job_stop_errors("finishing the queued rollouts for the checkpoint"):

@@ -29,7 +29,7 @@ from megadare.parallel import destroy_distributed, init_distributed
 from megadare.parallel.layout import Layout
 from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.flops import peak_tflops, step_flops
-from megadare.trainer.checkpoint import CheckpointState, Provenance
+from megadare.trainer.checkpoint import CheckpointState, Provenance, config_record, said_setting_changes
 from megadare.trainer.loop import Loop
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.moe_stats import MoELoadStats
@@ -217,6 +217,7 @@ def resume(run, written_by: str) -> dict:
     state = run.policy.resume(run.save_root, run.src, written_by, None if cfg.model.tiny else cfg.model.hf_path)
     if state:
         check_same_order(state, sampler_of(run), "train.global_batch_size", "consumed_examples")
+        said_setting_changes(state, cfg)
     run.step = int(state.get("step", 0))
     if dist.get_rank() == 0:
         write_run_config(cfg)
@@ -290,6 +291,7 @@ def save_sft(run: SFTRun, written_by: str = "megadare sft") -> None:
         "consumed_examples": run.step * cfg.train.global_batch_size,
         "data": run.data_stats,
         "data_order": sampler_of(run).settings(),
+        "config": config_record(cfg),
     }
     run.policy.save(
         run.save_root, run.step, CheckpointState(state), Provenance(meta, run.src.hf_dir), cfg.checkpoint.keep_last

@@ -33,11 +33,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 LOOKAHEAD = {"sync": 0, "one_step_off": 1}
+PARTIAL_STATE = "partial_rollout"  # the key of a checkpointed partial rollout (``PartialRollout.state_dict``)
 
 
 def lookahead(mode: str, max_staleness: int) -> int:
@@ -87,20 +88,46 @@ class PartialRollout:
             self.inflight.append((idx, self.submit(prompts, params)))
         self.rounds += 1
 
-    def advance(self) -> None:
-        if not self.inflight:
-            return
+    def collect(self) -> None:
+        """Wait for the running segments and keep them, submitting nothing: what ``advance`` does first, and a
+        checkpoint's whole part (the next segments go on the weights of the next update, as without it)."""
         for idx, fut in self.inflight:
             for i, tr in zip(idx, fut.result()):
                 self.parts[i].append(tr)
                 if tr.finish_reason != "length" or not tr.response_ids:
                     self.done[i] = True
+        self.inflight = []
+
+    def finished(self) -> bool:
+        return not self.inflight and all(
+            d or self.params.max_new_tokens <= self._length(i) for i, d in enumerate(self.done)
+        )
+
+    def advance(self) -> None:
+        if self.finished():
+            return
+        self.collect()
         self._submit_next()
 
     def result(self) -> list:
-        while self.inflight:
+        while not self.finished():
             self.advance()
         return [self._stitch(i) for i in range(len(self.prompts))]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollout for a checkpoint (``collect`` first: nothing running): prompts, parameters, segments so far."""
+        assert not self.inflight, "collect() the running segments first"
+        keep = ("prompts", "params", "first", "every", "parts", "done", "rounds")
+        return {PARTIAL_STATE: {k: getattr(self, k) for k in keep}}
+
+    @classmethod
+    def from_state(cls, submit: Callable, state: dict[str, Any]) -> "PartialRollout":
+        """A checkpoint's rollout (``state_dict``) going on through ``submit``: its next segment at the next
+        ``advance`` / ``result``, on the weights the engines then hold (as the saved run's would have been)."""
+        out = cls.__new__(cls)
+        out.submit, out.inflight = submit, []
+        out.__dict__.update(state[PARTIAL_STATE])
+        return out
 
     def _stitch(self, i: int):
         segs = self.parts[i]
@@ -153,9 +180,12 @@ class RolloutQueue:
     def take(self, step: int) -> tuple[QueuedRollout, list, float]:
         """(the queued rollout of ``step``, its trajectories, seconds waited); then tops the queue up to
         ``step + ahead`` on the weights the engines hold now (before this step's update)."""
+        for k in [k for k in self.queue if k < step]:  # a checkpoint's of steps already trained (older megadare)
+            del self.queue[k]
         self.floor = step
         self._ensure(step)
         q = self.queue.pop(step)
+        self.floor = step + 1  # taken: topping up starts the steps after it, never this one again
         t0 = time.perf_counter()
         fut = q.pending
         traj = fut.result() if hasattr(fut, "result") else fut
@@ -169,20 +199,34 @@ class RolloutQueue:
             if isinstance(self.queue[k].pending, PartialRollout):
                 self.queue[k].pending.advance()
 
-    def drain(self, finish: bool = True) -> dict[int, tuple[list[int], list]]:
-        """Finish every queued rollout and return {step: (prompt indices, trajectories)} (for a checkpoint; the
-        queue keeps them, now finished). ``finish=False`` (the engines are gone): only those already finished;
-        a resumed run starts the others again."""
+    def drain(self, finish: bool = True) -> dict[int, tuple[list[int], Any]]:
+        """The queued rollouts for a checkpoint: {step: (prompt indices, trajectories)}, each finished first (the
+        queue keeps them, now finished); a partial rollout only collects its running segments and is saved as
+        ``PartialRollout.state_dict`` (finished here, its later segments ran on older weights than without the
+        checkpoint: a run saving at another step trained on other rollouts). ``finish=False`` (the engines are
+        gone): only those already finished or between segments; a resumed run starts the others again."""
         out = {}
         for k, q in sorted(self.queue.items()):
+            if isinstance(q.pending, PartialRollout):
+                if finish:
+                    q.pending.collect()
+                if not q.pending.inflight:
+                    out[k] = (q.batch_indices, q.pending.state_dict())
+                continue
             if hasattr(q.pending, "result") and finish:
                 q.pending = q.pending.result()
             if not hasattr(q.pending, "result"):
                 out[k] = (q.batch_indices, q.pending)
         return out
 
-    def restore(self, state: dict[int, tuple[list[int], list]]) -> None:
+    def restore(self, state: dict[int, tuple[list[int], Any]], submit: Optional[Callable] = None) -> None:
+        """The queued rollouts of a checkpoint (``drain``); its partial rollouts go on through ``submit``
+        (``RolloutManager.submit``)."""
         for k, (indices, traj) in state.items():
+            if isinstance(traj, dict) and PARTIAL_STATE in traj:
+                if submit is None:
+                    raise ValueError("restoring a partial rollout needs the engines' submit")
+                traj = PartialRollout.from_state(submit, traj)
             self.queue[int(k)] = QueuedRollout(int(k), list(indices), traj)
 
 
@@ -224,6 +268,23 @@ class WeightSnapshots:
 
     def load_state_dict(self, state: dict[int, list[torch.Tensor]]) -> None:
         self.store = {int(k): v for k, v in state.items()}
+
+    def misfit(self, state: dict[int, list[torch.Tensor]]) -> Optional[str]:
+        """Why ``state`` (a checkpoint's ``state_dict``) is not snapshots of this rank's shards, in words (another
+        parallel layout shards the parameters otherwise); None when it fits."""
+        want = [tuple(p.shape) for p in self.params]
+        for version, tensors in sorted(state.items()):
+            got = [tuple(t.shape) for t in tensors]
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                shapes = (
+                    f"{got[first] if first < len(got) else 'none'} vs {want[first] if first < len(want) else 'none'}"
+                )
+                return (
+                    f"its snapshot of policy version {version} holds {len(got)} tensors, this rank has {len(want)} "
+                    f"parameters (the {first}th: {shapes})"
+                )
+        return None
 
 
 def staleness_metrics(stale: list[int], prefix: str = "async/") -> dict[str, float]:
