@@ -273,13 +273,15 @@ def test_padded_rows_are_reused_only_for_the_same_input_fill_and_version():
     assert pad.rows("x", t, 3, 9) is t
 
 
-def test_a_token_editing_step_runs_one_compiled_call_between_forwards(monkeypatch):
+@pytest.mark.parametrize("record_steps", [False, True], ids=["editing", "editing-mdpo"])
+def test_a_token_editing_step_runs_one_compiled_call_between_forwards(record_steps, monkeypatch):
     """Token editing (LLaDA2.1) under rollout.compile (the CUDA-graph path emulated): between two forwards the
     refinement's bookkeeping (post steps, closed rows, the editable positions), the streams' advance, the trace
     record and its history entry ran eagerly around the compiled step: ~70 eager ops per step, each a kernel
     launch from Python on CUDA. Now one compiled call (``editing.editing_step``) and the read of its work flag.
     Counted as the difference between committing 1 and 2 tokens a step (5 and 3 forwards a block; thresholds
-    of 0.99: a random model's predictions pass neither): eager ops per extra forward. Same trajectories as eager."""
+    of 0.99: a random model's predictions pass neither): eager ops per extra forward; with MDPO's per-step records
+    too (block diffusion: no predictions past the block). Same trajectories as eager."""
     model, arch = nt.build("sdar")
     eng = graphs_emulated(model, arch, monkeypatch)
     short = min(len(p) for p in nt.PROMPTS[:4])
@@ -295,6 +297,7 @@ def test_a_token_editing_step_runs_one_compiled_call_between_forwards(monkeypatc
             threshold=0.99,
             editing_threshold=0.99,
             num_to_transfer=per_step,
+            record_steps=record_steps,
         )
         got = eng.generate(prompts, params)  # compiles, fills the host-side caches
         counts[per_step] = _eager_ops(eng, prompts, params)

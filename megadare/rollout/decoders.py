@@ -257,7 +257,7 @@ class Decoder(ABC):
         block_streams = Streams(self.dev["keys"][:n], self.dev["steps"][:n], self.dev["base"][:n])
         # a row steps at most once a forward: ``steps`` numbers ahead per row
         block_streams = block_streams.ahead(step_purposes(p), self.B, steps, self.e.draw_ahead)
-        if p.algorithm == "editing" and not p.record_steps:
+        if p.algorithm == "editing" and not self.predicts_later():
             cur = self._editing_steps(trace, block_streams, (n, cols, steps, cur))
         else:
             cur = self._steps(trace, block_streams, (n, cols, steps, cur))
@@ -271,8 +271,9 @@ class Decoder(ABC):
         self, trace: BlockTrace, block_streams: Streams, at: tuple[int, torch.Tensor, int, torch.Tensor]
     ) -> torch.Tensor:
         """The block's steps (``at``: n, the block's columns, its most steps, its tokens): a static schedule's as
-        one compiled call each (:meth:`_fused_step`); the dynamic threshold's, and token editing's with per-step
-        records, step by step, one flag read per step. Returns the block's tokens."""
+        one compiled call each (:meth:`_fused_step`); the dynamic threshold's, per-step records', and token
+        editing's with predictions of later blocks (:meth:`predicts_later`), step by step, one flag read per step.
+        Returns the block's tokens."""
         p, M = self.params, self.M
         n, cols, steps, cur = at
         refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
@@ -416,6 +417,10 @@ class Decoder(ABC):
     # ------------------------------------------------------------------ per decoder
     def masked_at_start(self, i: int) -> int:
         return self.B
+
+    def predicts_later(self) -> bool:
+        """Whether a step's forward may also predict columns after the block (full attention's MDPO records)."""
+        return False
 
     def begin_block(self, n: int, cols: torch.Tensor) -> None:
         """Once per block, before its forwards (bind the cache, build the masks)."""
@@ -589,6 +594,9 @@ class SemiARDecoder(Decoder):
         self.host["start"] += [P] * len(indices)
         self.host["blocks"] += [self.n_blocks] * len(indices)
         super().admit(start, indices)
+
+    def predicts_later(self) -> bool:
+        return self.params.record_steps
 
     def _predicted(self, n: int, cols: torch.Tensor) -> torch.Tensor:
         """The columns a forward predicts: the block; with ``record_steps`` (MDPO) also every later column, as
