@@ -243,7 +243,7 @@ def emulate_graphs_on_cpu(engine: NativeEngine) -> None:
     torch.compile = marked
     try:
         engine.graphs = True
-        engine._fn, engine.step, engine.dllm_step, engine.draw_ahead = engine._compiled()
+        engine.use_compiled()
     finally:
         torch.compile = compile_
 

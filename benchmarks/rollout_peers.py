@@ -24,13 +24,49 @@ from rollout_timing import ForwardClock, Runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE_REF = "ce9edaf"  # main before issue 27 (per-row host sampling, growing KV cache)
-BASELINE_FILES = {
+BASELINE_FILES = {  # the files of today's engine, copied together: each imports the others' copies, not the package's
     "common": "megadare/models/hf/common.py",
     "sampling": "megadare/rollout/sampling.py",
     "dllm_step": "megadare/rollout/dllm_step.py",
     "editing": "megadare/rollout/editing.py",
+    "decoders": "megadare/rollout/decoders.py",
     "native": "megadare/rollout/native.py",
 }
+# files a ref may predate: skipped where no other file of the copy imports them (decoders.py left native.py at 967ce25)
+LATER_FILES = ("decoders",)
+
+
+def _git_show(ref: str, path: str) -> tuple[Optional[str], str]:
+    """(``path`` at ``ref``, or None; git's reason when None)."""
+    try:
+        return subprocess.run(
+            ["git", "-C", REPO, "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
+        ).stdout, ""
+    except (OSError, subprocess.CalledProcessError) as e:
+        return None, (str(getattr(e, "stderr", "") or e).strip().splitlines() or ["git failed"])[0][:120]
+
+
+def _module(path: str) -> str:
+    return path[:-3].replace("/", ".")
+
+
+def _baseline_sources(ref: str) -> Optional[dict[str, str]]:
+    """The sources of :data:`BASELINE_FILES` at ``ref`` (a :data:`LATER_FILES` one absent there and imported by
+    none of the others left out); None (and a note) when the checkout cannot show them (no git, a shallow clone)."""
+    sources, missing = {}, {}
+    for name, path in BASELINE_FILES.items():
+        sources[name], missing[name] = _git_show(ref, path)
+    for name in LATER_FILES:
+        if sources[name] is None and not any(_module(BASELINE_FILES[name]) in s for s in sources.values() if s):
+            del sources[name]
+    for name, src in sources.items():
+        if src is None:
+            print(
+                f"baseline: cannot read {BASELINE_FILES[name]} at {ref} ({missing[name]}); skipping today's engine "
+                "(a shallow clone: git fetch --unshallow; or --baseline-ref none)"
+            )
+            return None
+    return sources
 
 
 # ---------------------------------------------------------------------------------------------- today's engine
@@ -42,24 +78,16 @@ def load_baseline(ref: str) -> Optional[types.SimpleNamespace]:
     atexit.register(shutil.rmtree, root, True)  # the private copy lives as long as the run
     os.makedirs(os.path.join(root, pkg))
     open(os.path.join(root, pkg, "__init__.py"), "w").close()
-    for name, path in BASELINE_FILES.items():
-        try:
-            src = subprocess.run(
-                ["git", "-C", REPO, "show", f"{ref}:{path}"], check=True, capture_output=True, text=True
-            ).stdout
-        except (OSError, subprocess.CalledProcessError) as e:
-            why = (str(getattr(e, "stderr", "") or e).strip().splitlines() or ["git failed"])[0][:120]
-            print(
-                f"baseline: cannot read {path} at {ref} ({why}); skipping today's engine "
-                "(a shallow clone: git fetch --unshallow; or --baseline-ref none)"
-            )
-            return None
-        for mod in BASELINE_FILES:
-            src = src.replace(f"megadare.{BASELINE_FILES[mod][9:-3].replace('/', '.')}", f"{pkg}.{mod}")
+    sources = _baseline_sources(ref)
+    if sources is None:
+        return None
+    for name, src in sources.items():
+        for mod in sources:
+            src = src.replace(f"{_module(BASELINE_FILES[mod])}", f"{pkg}.{mod}")
         with open(os.path.join(root, pkg, f"{name}.py"), "w") as f:
             f.write(src)
     sys.path.insert(0, root)
-    return types.SimpleNamespace(**{m: importlib.import_module(f"{pkg}.{m}") for m in BASELINE_FILES})
+    return types.SimpleNamespace(**{m: importlib.import_module(f"{pkg}.{m}") for m in sources})
 
 
 def baseline_model(base: types.SimpleNamespace, model: torch.nn.Module) -> torch.nn.Module:

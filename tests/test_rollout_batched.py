@@ -662,7 +662,7 @@ def graphs_emulated(model, arch, monkeypatch) -> NativeEngine:
     torch._dynamo.reset()
     eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu", settings=NativeSettings(compile=True))
     eng.graphs = True
-    eng._fn, eng.step, eng.dllm_step, eng.draw_ahead = eng._compiled()  # as on CUDA: the forward's graphs static
+    eng.use_compiled()  # as on CUDA: the forward's graphs static
     return eng
 
 

@@ -1,5 +1,6 @@
 """benchmarks/rollout_throughput.py's baseline: today's engine read from git into a private copy, which must not
-outlive the run, and a checkout that cannot show it (a shallow clone) is one line with the fix, not a traceback."""
+outlive the run, and a checkout that cannot show it (a shallow clone) is one line with the fix, not a traceback; the
+copy's decoders are its own (a ref since decoders.py left native.py), and a ref before that split still loads."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def _load(ref: str, tmp_path) -> subprocess.CompletedProcess:
         f"base = rp.load_baseline({ref!r})\n"
         "print('loaded', base is not None and hasattr(base.native, 'NativeEngine'))\n"
         "print('copy', sys.path[0])\n"
+        "decoder = getattr(getattr(base, 'native', None), 'BlockDiffusionDecoder', None)\n"
+        "print('decoders', getattr(decoder, '__module__', None))\n"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     return subprocess.run(
@@ -50,3 +53,17 @@ def test_a_baseline_copy_lives_as_long_as_the_run(tmp_path):
     assert r.returncode == 0 and "loaded True" in r.stdout, r.stdout + r.stderr
     copy = r.stdout.split("copy ", 1)[1].strip()
     assert copy.startswith(str(tmp_path)) and not os.path.exists(copy) and not _copies(tmp_path)
+
+
+def test_a_baseline_decodes_with_its_own_decoders(tmp_path):
+    """native.py imports its decoders from decoders.py (issue 27's split): the copy's native must run the copy's
+    decoders, not the package's (which run the package's step, the engine being measured). A ref before the
+    split (the default, ce9edaf) has no decoders.py and still loads."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the baseline is read with git show")
+    r = _load("HEAD", tmp_path)
+    assert "loaded True" in r.stdout and "decoders _megadare_baseline_HEAD.decoders" in r.stdout, r.stdout + r.stderr
+    if subprocess.run(["git", "-C", ROOT, "cat-file", "-e", "ce9edaf"], capture_output=True).returncode:
+        pytest.skip("ce9edaf is not in this checkout (a shallow clone)")
+    r = _load("ce9edaf", tmp_path)
+    assert "loaded True" in r.stdout, r.stdout + r.stderr

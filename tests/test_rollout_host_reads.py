@@ -6,7 +6,8 @@ each read of a device value is a sync on CUDA, after which the GPU idles while t
   recorded traces exactly, through a batch of two and with the stop flags read a block late (frozen rows);
 * under CUDA graphs (emulated) a batch that is not a power of two pads its rows without rebuilding, per step,
   the padding of what the block's steps share (``native.PaddedRows``);
-* a compiled step makes no tensor of its float settings at each call (``native._float_constants``);
+* a compiled step makes no tensor of its float settings at each call, and a new value of one compiles nothing
+  (``native.FloatInputs``: 0-dim tensors the engine owns);
 * a block's random numbers are one compiled call and binding the cache makes no tensor (per-block eager ops).
 """
 
@@ -58,7 +59,8 @@ def test_kept_histories_reach_the_host_when_their_rows_finish(case_id, deferred,
     """Token editing's ``superseded`` and MDPO's step records: before, ``record_history`` read the block's trace
     at its end (``BlockTrace.superseded`` / ``.preds``: 4 + 8 reads per step of the block, each a sync on CUDA)
     and two more buffers, before the next block was launched. Now the block loop reads nothing of them (only the
-    per-step work flag of the editing decoder, in ``round``, and the stop flags); the traces are those recorded."""
+    per-step work flag of the editing decoder, in ``_editing_steps`` or ``_steps``, and the stop flags); the
+    traces are those recorded."""
     if deferred:
         monkeypatch.setattr(decoders, "DEFERRED_STOP_READS", ("cpu", "cuda"))
     case = next(c for c in nt.CASES if c[0] == case_id)
@@ -66,7 +68,8 @@ def test_kept_histories_reach_the_host_when_their_rows_finish(case_id, deferred,
         got = nt.run_case(case, max_batch=2)
     history_sites = [s for s in reads.where if s.startswith("dllm_step.py") or s.endswith(":record_history")]
     assert not history_sites, sorted(set(history_sites))
-    allowed = {"decoders.py:round", "decoders.py:record", "decoders.py:receive", "decoders.py:_steps_needed"}
+    allowed = {"decoders.py:_editing_steps", "decoders.py:_steps", "decoders.py:record", "decoders.py:receive"}
+    allowed |= {"decoders.py:_steps_needed"}
     assert set(reads.where) <= allowed, sorted(set(reads.where))
     _same_as_recorded(case_id, got)
 
@@ -98,7 +101,8 @@ def test_frozen_rows_keep_no_history_of_their_last_block(record_steps, monkeypat
     monkeypatch.setattr(decoders, "DEFERRED_STOP_READS", ("cpu", "cuda"))
     with LoopReads(monkeypatch) as reads:
         deferred = run(eos)
-    assert set(reads.where) <= {"decoders.py:round", "decoders.py:receive"}, sorted(set(reads.where))
+    loops = {"decoders.py:_editing_steps", "decoders.py:_steps"}  # the work flag
+    assert set(reads.where) <= loops | {"decoders.py:receive"}, sorted(set(reads.where))
     for a, b in zip(deferred, at_once):  # a frozen row changes the batch's shape: float rounding may move
         assert _exact(a) == _exact(b)
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
@@ -152,13 +156,13 @@ def _tensors_made_by_steps(eng: NativeEngine, prompts, params) -> tuple[int, int
 
         return call
 
-    compiled = (eng.step, eng.dllm_step)
-    eng.step, eng.dllm_step = (marked(f) for f in compiled)
+    compiled = (eng.step, eng.dllm_step, eng.editing_step)
+    eng.step, eng.dllm_step, eng.editing_step = (marked(f) for f in compiled)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             eng.generate(prompts, params)
     finally:
-        eng.step, eng.dllm_step = compiled
+        eng.step, eng.dllm_step, eng.editing_step = compiled
     made = 0
     for e in prof.events():
         p = e.cpu_parent
@@ -185,6 +189,42 @@ def test_a_compiled_step_makes_no_tensor_of_its_settings(algorithm, monkeypatch)
     assert calls > 0 and made == 0, (made, calls)
     eager = NativeEngine(model, arch, eos_token_id=-1, device="cpu").generate(prompts, params)
     assert [_exact(t) for t in got] == [_exact(t) for t in eager]
+
+
+def test_new_float_settings_compile_no_step_again(monkeypatch):
+    """The step's floats were constants of its graph: each new temperature (threshold, top_p, editing_threshold)
+    compiled the step again, and past dynamo's recompile limit (8; an eval sweeping temperatures, a schedule) the
+    step silently ran eager for the rest of the run. Now they are graph inputs: 10 distinct temperatures and
+    thresholds through one compiled engine compile no step after the first call, and each decodes what the eager
+    engine decodes at that value (tokens, steps, log-probs, finish, forwards, edits: exactly)."""
+    compiles: dict[str, int] = {}
+    compile_ = torch.compile
+
+    def counted(fn, **kw):
+        def backend(gm, inputs):
+            name = getattr(fn, "__name__", "forward")
+            compiles[name] = compiles.get(name, 0) + 1
+            return gm.forward
+
+        return compile_(fn, backend=backend, dynamic=kw.get("dynamic"))
+
+    monkeypatch.setattr(torch, "compile", counted)
+    torch._dynamo.reset()
+    model, arch = nt.build("sdar")
+    eng = NativeEngine(model, arch, eos_token_id=-1, device="cpu", settings=NativeSettings(compile=True))
+    ref = NativeEngine(model, arch, eos_token_id=-1, device="cpu")
+    prompts = [p[:4] for p in nt.PROMPTS[:2]]
+    first = None
+    for i, temperature in enumerate([0.3 + 0.15 * k for k in range(10)]):
+        params = SamplingParams(
+            max_new_tokens=4, temperature=temperature, threshold=0.3 + 0.05 * i, top_p=0.95, seed=1, stop_at_eos=False
+        )
+        got = eng.generate(prompts, params)
+        first = first or dict(compiles)
+        assert [_exact(t) + (t.logprobs,) for t in got] == [
+            _exact(t) + (t.logprobs,) for t in ref.generate(prompts, params)
+        ]
+    assert compiles == first, (first, compiles)
 
 
 def test_a_blocks_numbers_and_cache_binding_run_no_eager_op(monkeypatch):
@@ -231,3 +271,40 @@ def test_padded_rows_are_reused_only_for_the_same_input_fill_and_version():
     t.add_(1)
     assert pad.rows("x", t, 4, 9)[:, 0].tolist() == [1, 3, 5, 9]
     assert pad.rows("x", t, 3, 9) is t
+
+
+@pytest.mark.parametrize("record_steps", [False, True], ids=["editing", "editing-mdpo"])
+def test_a_token_editing_step_runs_one_compiled_call_between_forwards(record_steps, monkeypatch):
+    """Token editing (LLaDA2.1) under rollout.compile (the CUDA-graph path emulated): between two forwards the
+    refinement's bookkeeping (post steps, closed rows, the editable positions), the streams' advance, the trace
+    record and its history entry ran eagerly around the compiled step: ~70 eager ops per step, each a kernel
+    launch from Python on CUDA. Now one compiled call (``editing.editing_step``) and the read of its work flag.
+    Counted as the difference between committing 1 and 2 tokens a step (5 and 3 forwards a block; thresholds
+    of 0.99: a random model's predictions pass neither): eager ops per extra forward; with MDPO's per-step records
+    too (block diffusion: no predictions past the block). Same trajectories as eager."""
+    model, arch = nt.build("sdar")
+    eng = graphs_emulated(model, arch, monkeypatch)
+    short = min(len(p) for p in nt.PROMPTS[:4])
+    prompts = [p[:short] for p in nt.PROMPTS[:4]]  # 4 rows that finish together: no padding rows (a power of two)
+    counts = {}
+    for per_step in (1, 2):
+        params = SamplingParams(
+            max_new_tokens=8,
+            temperature=0.7,
+            seed=1,
+            stop_at_eos=False,
+            algorithm="editing",
+            threshold=0.99,
+            editing_threshold=0.99,
+            num_to_transfer=per_step,
+            record_steps=record_steps,
+        )
+        got = eng.generate(prompts, params)  # compiles, fills the host-side caches
+        counts[per_step] = _eager_ops(eng, prompts, params)
+        eager = NativeEngine(model, arch, eos_token_id=-1, device="cpu").generate(prompts, params)
+        assert [_exact(t) for t in got] == [_exact(t) for t in eager]
+        for a, b in zip(got, eager):  # aot_eager's decomposed forward rounds otherwise (1e-6)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    (ops1, fwd1), (ops2, fwd2) = counts[1], counts[2]
+    assert fwd1 > fwd2, counts
+    assert (ops1 - ops2) / (fwd1 - fwd2) <= 3, counts  # the work flag's read, the logits' slice to the live rows

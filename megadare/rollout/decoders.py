@@ -24,7 +24,7 @@ from megadare.rollout.dllm_step import (
     step_purposes,
     Streams,
 )
-from megadare.rollout.editing import Refinement
+from megadare.rollout.editing import Refinement, work_left
 from megadare.rollout.engine import SamplingParams, Superseded, Trajectory, prompt_seed
 from megadare.rollout.sampling import mix64
 
@@ -248,24 +248,43 @@ class Decoder(ABC):
     # ------------------------------------------------------------------ one block of every live row
     def round(self, n: int) -> list[bool]:
         """Decode the current block of rows [0, n); returns per row whether it finished."""
-        p, M = self.params, self.M
+        p = self.params
         cols = self.dev["start"][:n, None] + torch.arange(self.B, device=self.e.device)
         self.begin_block(n, cols)
         cur = start_tokens = self.dev["tokens"][:n].gather(1, cols)
         trace = BlockTrace(n, p.record_steps, keep_history=p.algorithm == "editing")
-        refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
         steps = self.block_steps(n) if self.static_steps else p.block_forwards()
-        step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
         block_streams = Streams(self.dev["keys"][:n], self.dev["steps"][:n], self.dev["base"][:n])
         # a row steps at most once a forward: ``steps`` numbers ahead per row
         block_streams = block_streams.ahead(step_purposes(p), self.B, steps, self.e.draw_ahead)
+        if p.algorithm == "editing" and not self.predicts_later():
+            cur = self._editing_steps(trace, block_streams, (n, cols, steps, cur))
+        else:
+            cur = self._steps(trace, block_streams, (n, cols, steps, cur))
+        if self.freezes:  # a row stopped a block ago keeps its tokens (it leaves at this block's end)
+            cur = torch.where(self.dev["stopped"][:n, None], start_tokens, cur)
+        self.write_block(n, cols, cur)
+        self.end_block(n, cols)
+        return self.record(n, cols, cur, trace)
+
+    def _steps(
+        self, trace: BlockTrace, block_streams: Streams, at: tuple[int, torch.Tensor, int, torch.Tensor]
+    ) -> torch.Tensor:
+        """The block's steps (``at``: n, the block's columns, its most steps, its tokens): a static schedule's as
+        one compiled call each (:meth:`_fused_step`); the dynamic threshold's, per-step records', and token
+        editing's with predictions of later blocks (:meth:`predicts_later`), step by step, one flag read per step.
+        Returns the block's tokens."""
+        p, M = self.params, self.M
+        n, cols, steps, cur = at
+        refine = Refinement(cur == M, p) if p.algorithm == "editing" else None
+        step_index = torch.zeros(n, dtype=torch.long, device=self.e.device)  # a tensor: no recompile per step
         fused = refine is None and not trace.keep_history  # the step and its record: one compiled call
         for s in range(steps):
             if not (fused and self.static_steps):
                 masked = cur == M
                 editable = refine.editable(cur, M) if refine is not None else None
             if not self.static_steps:  # dynamic threshold / token editing: one flag read per step
-                work = _work_left(masked, editable, self.dev["stopped"][:n] if self.freezes else None)
+                work = work_left(BlockState(cur, masked, editable), self.dev["stopped"][:n] if self.freezes else None)
                 if not bool(work):
                     break
             if fused:
@@ -283,11 +302,25 @@ class Decoder(ABC):
             trace.add(step, step_index, later)
             step_index = step_index + 1
             cur = step.tokens
-        if self.freezes:  # a row stopped a block ago keeps its tokens (it leaves at this block's end)
-            cur = torch.where(self.dev["stopped"][:n, None], start_tokens, cur)
-        self.write_block(n, cols, cur)
-        self.end_block(n, cols)
-        return self.record(n, cols, cur, trace)
+        return cur
+
+    def _editing_steps(
+        self, trace: BlockTrace, block_streams: Streams, at: tuple[int, torch.Tensor, int, torch.Tensor]
+    ) -> torch.Tensor:
+        """Token editing's block (``at`` as :meth:`_steps`): per step a forward, one compiled call
+        (``editing.editing_step``: the step, its history entry, the refinement's bookkeeping and the next step's
+        editable positions; ~70 eager ops a step when run one by one) and the read of its work flag (whether to
+        launch another forward). The same numbers as :meth:`_steps`. Returns the block's tokens."""
+        n, cols, steps, cur = at
+        stopped = self.dev["stopped"][:n] if self.freezes else None
+        block, state, work = self.e.editing_start(cur, stopped, self.M, self.params.max_post_steps)
+        for s in range(steps):
+            if not bool(work):
+                break
+            logits = self.block_logits(n, cols, s, block.tokens)
+            block, state, work, entry = self.e.editing_step(logits, block, state, self.params, block_streams, self.M)
+            trace.keep(entry, state.trace)
+        return block.tokens
 
     def _fused_step(
         self, trace: BlockTrace, streams: Streams, at: tuple[int, torch.Tensor, int, torch.Tensor]
@@ -384,6 +417,10 @@ class Decoder(ABC):
     # ------------------------------------------------------------------ per decoder
     def masked_at_start(self, i: int) -> int:
         return self.B
+
+    def predicts_later(self) -> bool:
+        """Whether a step's forward may also predict columns after the block (full attention's MDPO records)."""
+        return False
 
     def begin_block(self, n: int, cols: torch.Tensor) -> None:
         """Once per block, before its forwards (bind the cache, build the masks)."""
@@ -515,15 +552,6 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def _work_left(masked: torch.Tensor, editable: Optional[torch.Tensor], stopped: Optional[torch.Tensor]) -> torch.Tensor:
-    """Whether a dynamic block has a position left to commit or edit (a device flag), in rows not ``stopped``
-    (a row stopped a block ago rides its last block frozen: it must not keep the block running)."""
-    work = masked if editable is None else masked | editable
-    if stopped is not None:
-        work = work & ~stopped[:, None]
-    return work.any()
-
-
 def _bc_mask(q_pos: torch.Tensor, k_valid: torch.Tensor, k_pos: torch.Tensor, B: int) -> torch.Tensor:
     """Block-causal allowed mask [n, 1, Q, K] from positions on each sample's own grid + key validity."""
     allowed = (k_pos[:, None, :] // B) <= (q_pos[:, :, None] // B)
@@ -566,6 +594,9 @@ class SemiARDecoder(Decoder):
         self.host["start"] += [P] * len(indices)
         self.host["blocks"] += [self.n_blocks] * len(indices)
         super().admit(start, indices)
+
+    def predicts_later(self) -> bool:
+        return self.params.record_steps
 
     def _predicted(self, n: int, cols: torch.Tensor) -> torch.Tensor:
         """The columns a forward predicts: the block; with ``record_steps`` (MDPO) also every later column, as

@@ -40,7 +40,7 @@ each position, with which log-prob) and turns them into per-token host records o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -50,6 +50,7 @@ from megadare.rollout.sampling import (
     REMASK,
     SAMPLE,
     CommitRule,
+    Setting,
     SamplingRule,
     dream_confidence,
     linspace_counts,
@@ -191,7 +192,7 @@ def ranking_confidence(
     logits: torch.Tensor,
     proposals: torch.Tensor,
     model_prob: torch.Tensor,
-    params: SamplingParams,
+    params: Union[SamplingParams, "TracedParams"],
     probs: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """What the commit rule ranks: ``model_prob`` (the model probability of the proposal, from
@@ -199,12 +200,13 @@ def ranking_confidence(
     ``x0_p``: the model probability when greedy, the probability under the sampling distribution otherwise
     (``_sample_with_temperature_topk_topp`` of its ``modeling_llada2_moe.py``). ``probs``: the sampling
     distribution when ``sample_tokens`` built it (temperature > 0)."""
+    params, floats = split_floats(params)
     rule = params.confidence
     if params.algorithm == "editing":
         rule = "model_prob" if params.temperature == 0 else "maskgit_plus"
     if rule == "model_prob":
         return model_prob
-    sampling = SamplingRule(params.temperature, params.top_k, params.top_p)
+    sampling = SamplingRule(floats.temperature, params.top_k, floats.top_p)
     return dream_confidence(logits, proposals.to(logits.device), rule, sampling, probs)
 
 
@@ -252,6 +254,62 @@ def _token_index(token: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([token], device=device)
 
 
+class StepFloats(NamedTuple):
+    """The float settings a step computes with (``SamplingParams``' fields of these names): Python floats, or
+    one-element tensors on the step's device in the dtype the step computes them in (what a compiled step takes:
+    :class:`TracedParams`)."""
+
+    temperature: Setting
+    top_p: Setting
+    threshold: Setting
+    editing_threshold: Setting
+    alg_temp: Setting
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> "StepFloats":
+        return cls(*(float(getattr(params, name)) for name in cls._fields))
+
+
+class TracedParams(NamedTuple):
+    """A step's settings as a compiled step takes them: ``params`` (:func:`branch_params`: the floats replaced by
+    what the step's branches tell apart) and ``floats`` (their values, one-element tensors the engine owns). Dynamo
+    guards on ``params``, so a new temperature, threshold, top_p ... compiles nothing and makes no tensor per call
+    (as a constant it compiled the step again per value, and past dynamo's recompile limit the step ran eager)."""
+
+    params: SamplingParams
+    floats: StepFloats
+
+
+@functools.lru_cache(maxsize=256)
+def branch_params(params: SamplingParams) -> SamplingParams:
+    """``params`` with the floats of :class:`StepFloats` replaced by one value per branch a step takes on them:
+    temperature 0 (greedy), 1 (unscaled) or other, top_p 1 or below, alg_temp 0 or above; the thresholds are
+    compared on the device only. ``eps`` (the linspace schedule's points) stays: the step builds its table of it."""
+    return replace(
+        params,
+        temperature=params.temperature if params.temperature in (0.0, 1.0) else 0.5,
+        top_p=1.0 if params.top_p >= 1.0 else 0.5,
+        threshold=0.5,
+        editing_threshold=0.5,
+        alg_temp=0.0 if params.alg_temp <= 0 else 1.0,
+    )
+
+
+def split_floats(params: Union[SamplingParams, TracedParams]) -> tuple[SamplingParams, StepFloats]:
+    """(the params a step branches on, the float values it computes with): a Python float for a value a branch
+    tests for (temperature 0 or 1, top_p 1, alg_temp 0), the tensor otherwise (``sampling._is``)."""
+    if isinstance(params, SamplingParams):
+        return params, StepFloats.of(params)
+    p, f = params
+    return p, StepFloats(
+        temperature=p.temperature if p.temperature in (0.0, 1.0) else f.temperature,
+        top_p=1.0 if p.top_p >= 1.0 else f.top_p,
+        threshold=f.threshold,
+        editing_threshold=f.editing_threshold,
+        alg_temp=0.0 if p.alg_temp <= 0 else f.alg_temp,
+    )
+
+
 class BlockState(NamedTuple):
     """The block a step denoises: ``tokens`` [n, B], ``masked`` [n, B] bool (positions that may be committed: the
     still-masked ones of requests that are still decoding) and, under token editing only, ``editable`` [n, B]
@@ -267,7 +325,7 @@ def dllm_step(
     logits: torch.Tensor,
     block: BlockState,
     step: StepIndex,
-    params: SamplingParams,
+    params: Union[SamplingParams, TracedParams],
     streams: Streams,
     mask_token_id: Optional[int] = None,
 ) -> StepResult:
@@ -277,8 +335,11 @@ def dllm_step(
     positions (:class:`BlockState`), step: the block-local step index (one int for all rows, or one per row),
     params: temperature / top_k / top_p / algorithm / threshold / block_size / steps_per_block, streams: the rows'
     random streams (:class:`Streams`, on the logits' device), mask_token_id: if given, the mask token is never a
-    prediction. Everything runs on the logits' device; the result too.
+    prediction. Everything runs on the logits' device; the result too. ``params`` may come as
+    :class:`TracedParams` (a compiled step: the floats as tensors).
     """
+    settings = params
+    params, floats = split_floats(params)
     tokens, masked, editable = block
     _check(logits, tokens, masked, params, streams)
     dev, B = logits.device, tokens.shape[1]
@@ -288,10 +349,10 @@ def dllm_step(
     purposes = step_purposes(params)
     draws = streams.uniforms(SAMPLE, B) if SAMPLE in purposes else None
     dist: Optional[list] = [] if params.confidence != "model_prob" or params.algorithm == "editing" else None
-    proposals, logp, model_prob = sample_tokens(logits, params.temperature, params.top_k, params.top_p, draws, dist)
-    conf = ranking_confidence(logits, proposals, model_prob, params, dist[0] if dist else None)
+    proposals, logp, model_prob = sample_tokens(logits, floats.temperature, params.top_k, floats.top_p, draws, dist)
+    conf = ranking_confidence(logits, proposals, model_prob, settings, dist[0] if dist else None)
     picks = streams.uniforms(REMASK, B) if REMASK in purposes else None
-    rule = CommitRule(params.algorithm, params.threshold, params.alg_temp)
+    rule = CommitRule(params.algorithm, floats.threshold, floats.alg_temp)
     committed = select_commits(conf, masked, commit_counts(masked, step, params), rule, picks)
     committed = block_start_commit(committed, masked, step, params)
     proposals = torch.where(work[:, None], proposals, tokens)
@@ -299,7 +360,7 @@ def dllm_step(
     conf = torch.where(work[:, None], conf, 0.0)
     edited = None
     if editable is not None:
-        edited = editable.to(dev) & (conf > params.editing_threshold) & (proposals != tokens)
+        edited = editable.to(dev) & (conf > floats.editing_threshold) & (proposals != tokens)
         committed = committed | edited
     new_tokens = torch.where(committed, proposals, tokens)
     active = work if edited is None else masked.any(dim=1) | edited.any(dim=1)
@@ -385,7 +446,7 @@ def denoise_step(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     trace: TraceCounts,
-    params: SamplingParams,
+    params: Union[SamplingParams, TracedParams],
     streams: Streams,
     mask_token_id: int,
 ) -> tuple[StepResult, TraceCounts]:
@@ -397,6 +458,23 @@ def denoise_step(
     step = trace.next_step
     result = dllm_step(logits, BlockState(tokens, masked), step, params, streams.at(trace.count), mask_token_id)
     return result, trace.after(result, step)
+
+
+def history_entry(
+    result: StepResult,
+    count: torch.Tensor,
+    step: torch.Tensor,
+    later: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, ...]:
+    """What :class:`BlockTrace` keeps of a step (``count``: the rows' step counts before it, ``step``: its
+    block-local index [n], ``later``: :meth:`BlockTrace.add`'s): committed, count, step, log-prob, tokens, active,
+    proposals, confidences (:meth:`BlockTrace.stacked_history`)."""
+    c = result.committed & result.active[:, None]
+    proposals = result.proposals
+    confidence = result.confidence if result.probability is None else result.probability
+    if later is not None:
+        proposals, confidence = torch.cat([proposals, later[0]], 1), torch.cat([confidence, later[1]], 1)
+    return (c, count.clone(), step, result.logprobs.float(), result.tokens, result.active, proposals, confidence)
 
 
 class BlockTrace:
@@ -446,15 +524,15 @@ class BlockTrace:
             self._start(result.tokens)
         s = step_tensor(step, self.n, result.tokens.device)
         if self.keep_history:
-            c = result.committed & result.active[:, None]
-            proposals = result.proposals
-            confidence = result.confidence if result.probability is None else result.probability
-            if later is not None:
-                proposals, confidence = torch.cat([proposals, later[0]], 1), torch.cat([confidence, later[1]], 1)
-            self._history.append(
-                (c, self.count.clone(), s, result.logprobs.float(), result.tokens, result.active, proposals, confidence)
-            )
+            self._history.append(history_entry(result, self.count, s, later))
         self.load(self.state(result.tokens).after(result, s))
+
+    def keep(self, entry: tuple[torch.Tensor, ...], state: "TraceCounts") -> None:
+        """Record a step made elsewhere (``editing.editing_step``): its :func:`history_entry` and the records after
+        it (what :meth:`add` would have made of it)."""
+        if self.keep_history:
+            self._history.append(entry)
+        self.load(state)
 
     # ------------------------------------------------------------------ host views
     def _read(self) -> dict:

@@ -36,7 +36,9 @@ driver and the two decoders):
   GPU work against the launch gap the read leaves). Token editing's overwritten commits and MDPO's per-step
   records go to the host without a wait and are read when their row finishes (``decoders.BlockHistory``).
   A step and its record are one call (``dllm_step.denoise_step``; compiled: one graph, no eager op between two
-  forwards) unless token editing or per-step records keep its history.
+  forwards), token editing's with its history entry and its bookkeeping too (``editing.editing_step``); per-step
+  records (MDPO) run step by step. The compiled steps take their float settings (temperature, thresholds, top_p)
+  as tensors the engine owns (:class:`FloatInputs`): a new value compiles nothing.
 * Continuous batching at block boundaries: at most ``max_batch`` rows decode together (0: all prompts of a call);
   a row that finishes leaves at the end of its block (at an EOS on CUDA: of the next one), a queued prompt takes
   its place, and the batch is compacted so the forward never carries finished rows.
@@ -61,7 +63,8 @@ from megadare.models.attention import family_mask
 from megadare.models.family import ModelArch
 from megadare.models.hf.common import DecoderLM, KVCache
 from megadare.rollout.decoders import BlockDiffusionDecoder, Decoder, SemiARDecoder
-from megadare.rollout.dllm_step import denoise_step, dllm_step, draw_ahead
+from megadare.rollout.dllm_step import StepFloats, TracedParams, branch_params, denoise_step, dllm_step, draw_ahead
+from megadare.rollout.editing import editing_start, editing_step
 from megadare.rollout.engine import SamplingParams, Trajectory, check_generate_call
 
 _KEY_BUCKET = 64  # compiled forwards: key lengths padded to a multiple of this (fewer shapes)
@@ -114,9 +117,10 @@ class NativeEngine:
         self.max_batch = settings.max_batch
         self.compile = settings.compile
         self.graphs = cuda_graphs(arch, settings, self.device)
-        self._fn, self.step, self.dllm_step, self.draw_ahead = (
-            self._compiled() if settings.compile else (self.model, denoise_step, dllm_step, draw_ahead)
-        )
+        self._fn, self.step, self.dllm_step, self.draw_ahead = self.model, denoise_step, dllm_step, draw_ahead
+        self.editing_start, self.editing_step = editing_start, editing_step
+        if settings.compile:
+            self.use_compiled()
         self._cache: Optional[KVCache] = None
         self._padded = PaddedRows()
         self.version = 0
@@ -267,33 +271,69 @@ class NativeEngine:
             self.model.unfuse_projections()
             self.model.unstack_experts()
 
-    def _compiled(self):
-        """The model forward and the denoising step through torch.compile (``step``: ``dllm_step.denoise_step``,
-        the step with its record, what a block's steps run; ``dllm_step``: the bare step, for token editing and
-        per-step records): the cached block-diffusion forward on CUDA with CUDA graphs (``reduce-overhead``,
-        static shapes: rows and key lengths bucketed, one graph per bucket), everything else with dynamic shapes
-        (one graph for every batch and key length). The steps' float settings are constants of their graphs
-        (:func:`_float_constants`). ``draw_ahead``: a block's random numbers (``dllm_step.draw_ahead``), one graph
-        (integer arithmetic: exact on every backend)."""
+    def use_compiled(self) -> None:
+        """The model forward and the denoising steps through torch.compile (``step``: ``dllm_step.denoise_step``,
+        the step with its record, what a static block's steps run; ``dllm_step``: the bare step, for the dynamic
+        threshold and per-step records; ``editing_start`` / ``editing_step``: token editing's block start and step
+        with its bookkeeping, ``editing.py``): the cached block-diffusion forward on CUDA with CUDA graphs
+        (``reduce-overhead``, static shapes: rows and key lengths bucketed, one graph per bucket), everything else
+        with dynamic shapes (one graph for every batch and key length). The steps' float settings are inputs of
+        their graphs, one-element tensors the engine owns (:class:`FloatInputs`). ``draw_ahead``: a block's random
+        numbers (``dllm_step.draw_ahead``), one graph (integer arithmetic: exact on every backend)."""
         if self.graphs:
             model = torch.compile(self.model, mode="reduce-overhead", dynamic=False)
         else:
             model = torch.compile(self.model, dynamic=True)
-        steps = (torch.compile(denoise_step, dynamic=True), torch.compile(dllm_step, dynamic=True))
-        return model, *(_float_constants(f) for f in steps), torch.compile(draw_ahead, dynamic=True)
+        floats = FloatInputs(self.device)
+        self._fn, self.draw_ahead = model, torch.compile(draw_ahead, dynamic=True)
+        self.step, self.dllm_step, self.editing_step = (
+            floats.wrap(torch.compile(f, dynamic=True)) for f in (denoise_step, dllm_step, editing_step)
+        )
+        self.editing_start = torch.compile(editing_start, dynamic=True)
 
 
-def _float_constants(compiled):
-    """``compiled`` (a step) with the floats it is given (``SamplingParams``: temperature, threshold,
-    editing_threshold, top_p, ...) traced as constants of its graph: dynamo otherwise makes each one a graph input
-    and wraps it in a new tensor at every call (``torch.tensor`` + ``to``: three eager ops per float per step on
-    the host, between two forwards). A call's settings are fixed: a new value compiles once more."""
+class FloatInputs:
+    """The compiled steps' float settings (``dllm_step.StepFloats``: temperature, top_p, threshold,
+    editing_threshold, alg_temp) as one-element tensors on the engine's device: made once (stable addresses),
+    filled only when a call's value changes, passed as graph inputs with ``dllm_step.branch_params`` (what dynamo
+    guards on). Before, the floats were constants of the step's graph (``specialize_float``): each new value
+    compiled the step again, and past dynamo's recompile limit (8: a temperature sweep, a schedule) the step ran
+    eager for the rest of the run; as plain floats dynamo would wrap each in a new tensor at every call (three
+    eager ops per float per step). In the dtype the step computes them in (float32; alg_temp float64), as it
+    rounds a Python float; shape [1], not 0-dim: dynamo reads a 0-dim CPU tensor as a float it guards with an
+    ``item()`` at every call."""
 
-    def call(*args, **kwargs):
-        with torch._dynamo.config.patch(specialize_float=True):
-            return compiled(*args, **kwargs)
+    def __init__(self, device: torch.device):
+        dtypes = {"alg_temp": torch.float64}  # its division runs in float64; the others meet float32 tensors
+        self.values = StepFloats(
+            *(torch.zeros(1, dtype=dtypes.get(name, torch.float32), device=device) for name in StepFloats._fields)
+        )
+        self._held: Optional[tuple[float, ...]] = None
+        self._last: Optional[tuple[SamplingParams, TracedParams]] = None
 
-    return call
+    def traced(self, params: SamplingParams) -> TracedParams:
+        """``params`` for a compiled step: its floats written into the tensors (only those that changed)."""
+        if self._last is not None and self._last[0] is params:  # a block's steps: the call's params
+            return self._last[1]
+        values = StepFloats.of(params)
+        if values != self._held:
+            for t, v, old in zip(self.values, values, self._held or (None,) * len(values)):
+                if v != old:
+                    t.fill_(v)
+            self._held = values
+        self._last = (params, TracedParams(branch_params(params), self.values))
+        return self._last[1]
+
+    def wrap(self, compiled):
+        """``compiled`` (a step: ``dllm_step.denoise_step``, ``dllm_step.dllm_step`` or ``editing.editing_step``,
+        its ``SamplingParams`` the fourth argument of six) called with :meth:`traced` params; its other floats
+        (``eps``, the branch values) traced as constants."""
+
+        def call(a, b, c, params: SamplingParams, streams, mask_token_id):
+            with torch._dynamo.config.patch(specialize_float=True):
+                return compiled(a, b, c, self.traced(params), streams, mask_token_id)
+
+        return call
 
 
 def cuda_graphs(arch: ModelArch, settings: NativeSettings, device: torch.device) -> bool:

@@ -37,7 +37,7 @@ streams are Mersenne-Twister state that only a per-row loop can advance. The dis
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -124,12 +124,27 @@ def categorical(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, t
     return k * C + j, cum[:, -1]
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """-inf outside the top-k logits and outside the smallest set with cumulative probability >= top_p."""
+Setting = Union[float, torch.Tensor]  # a float setting: a Python float, or a [1] tensor (a compiled step's input)
+
+
+def _is(setting: Setting, value: float) -> bool:
+    """Whether ``setting`` is the Python float ``value``. A tensor setting is never one of the values a branch
+    tests for: the caller passes those as Python floats (``dllm_step.split_floats``)."""
+    return not isinstance(setting, torch.Tensor) and setting == value
+
+
+def _positive(setting: Setting) -> bool:
+    """``setting > 0`` for a Python float; a tensor setting is positive (``dllm_step.split_floats``)."""
+    return isinstance(setting, torch.Tensor) or setting > 0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: Setting = 1.0) -> torch.Tensor:
+    """-inf outside the top-k logits and outside the smallest set with cumulative probability >= top_p (a tensor
+    ``top_p``: below 1)."""
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
+    if isinstance(top_p, torch.Tensor) or top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
         drop = cum > top_p
@@ -145,18 +160,19 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def sample_tokens(
     logits: torch.Tensor,
-    temperature: float,
+    temperature: Setting,
     top_k: int,
-    top_p: float,
+    top_p: Setting,
     uniforms: Optional[torch.Tensor],
     probs: Optional[list] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, log-prob under the sampling distribution, model confidence) for logits [..., V]; ``uniforms``
     [...] (one per position, from the row's stream; unused when greedy). ``probs``: a list that receives the
-    sampling distribution [..., V] when one was built (temperature > 0; Dream's rules rank on it)."""
+    sampling distribution [..., V] when one was built (temperature > 0; Dream's rules rank on it). A tensor
+    ``temperature`` / ``top_p`` ([1]) is neither 0 nor 1 / below 1 (:func:`_is`)."""
     shape = logits.shape[:-1]
     flat = logits.float().reshape(-1, logits.shape[-1])
-    if temperature == 0:
+    if _is(temperature, 0):
         tokens = filter_logits(flat, top_k, top_p).argmax(dim=-1)
         conf = (_at(flat, tokens) - torch.logsumexp(flat, dim=-1)).exp()
         return tokens.view(shape), torch.zeros(shape, device=logits.device), conf.view(shape)
@@ -164,14 +180,15 @@ def sample_tokens(
         raise ValueError(
             f"sample_tokens: temperature {temperature} needs one uniform number per position {tuple(shape)}"
         )
-    z = filter_logits(flat / temperature if temperature != 1.0 else flat, top_k, top_p)
+    z = filter_logits(flat if _is(temperature, 1.0) else flat / temperature, top_k, top_p)
     top = z.amax(dim=-1, keepdim=True)
     weights = (z - top).exp_()
     tokens, total = categorical(weights, uniforms.reshape(-1))
     logp = _at(z, tokens) - top.squeeze(-1) - total.log().float()
     if probs is not None:
         probs.append(weights.div_(total.float()[:, None]).view(*shape, -1))
-    if temperature == 1.0 and top_k == 0 and top_p >= 1.0:  # the sampling distribution is the model's
+    unfiltered = top_k == 0 and not isinstance(top_p, torch.Tensor) and top_p >= 1.0
+    if _is(temperature, 1.0) and unfiltered:  # the sampling distribution is the model's
         conf = logp.exp()
     else:
         conf = (_at(flat, tokens) - torch.logsumexp(flat, dim=-1)).exp()
@@ -201,9 +218,9 @@ class SamplingRule(NamedTuple):
     """The sampling distribution softmax(filter(logits / temperature)) (temperature 0: the logits unscaled), with
     top-k / top-p truncation (``filter_logits``)."""
 
-    temperature: float
+    temperature: Setting
     top_k: int
-    top_p: float
+    top_p: Setting
 
 
 def dream_confidence(
@@ -221,7 +238,8 @@ def dream_confidence(
         temperature = sampling.temperature
         logits = logits.float()
         probs = F.softmax(
-            filter_logits(logits / temperature if temperature > 0 else logits, sampling.top_k, sampling.top_p), dim=-1
+            filter_logits(logits / temperature if _positive(temperature) else logits, sampling.top_k, sampling.top_p),
+            dim=-1,
         )
     if rule == "maskgit_plus":
         return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -244,8 +262,8 @@ class CommitRule(NamedTuple):
     ``threshold`` of low_confidence_dynamic / editing, and ``alg_temp`` (> 0: Gumbel-top-k draws)."""
 
     algorithm: str
-    threshold: float = 0.9
-    alg_temp: float = 0.0
+    threshold: Setting = 0.9
+    alg_temp: Setting = 0.0
 
 
 def select_commits(
@@ -259,7 +277,7 @@ def select_commits(
     uniforms [B, L] in (0, 1) from the rows' streams (``random`` and ``alg_temp`` > 0 only)."""
     algorithm, threshold, alg_temp = rule
     k = torch.minimum(n.to(masked.device), masked.sum(dim=1))
-    if algorithm == "random" or alg_temp > 0:
+    if algorithm == "random" or _positive(alg_temp):
         if uniforms is None:
             raise ValueError(
                 f"select_commits: algorithm={algorithm!r}, alg_temp={alg_temp} draws positions: pass uniforms"
