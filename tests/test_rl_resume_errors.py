@@ -16,26 +16,33 @@ from megadare.trainer.rl_setup import _resume
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
-    """A checkpoint without this rank's weight snapshots (another layout) while stale rollouts are queued: the
-    run cannot correct them. This raised a bare RuntimeError (a traceback); it is a one-line RunStateError."""
-    ckpt = tmp_path / "ckpt" / "iter_0000002"
-    ckpt.mkdir(parents=True)
-    (ckpt / "metadata.json").write_text("{}")
-    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), [])
+def _run_resuming(tmp_path, ckpt, overrides=(), queued_with=None, **fields) -> SimpleNamespace:
+    """The parts of an RLRun ``_resume`` reads, of the demo's config with ``overrides``, whose policy resumes step 2
+    from ``ckpt`` (its train_state naming ``queued_with``); ``fields``: snapshots, ahead, buffer and the like."""
+    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), list(overrides))
     sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
     state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
-    run = SimpleNamespace(
+    if queued_with is not None:
+        state["queued_with"] = queued_with
+    parts = dict(snapshots=None, ahead=lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness), buffer=None)
+    return SimpleNamespace(
         cfg=cfg,
         policy=SimpleNamespace(resume=lambda *a, **k: state),
         spec=SimpleNamespace(source=None),
         algo=SimpleNamespace(name=cfg.algo.name),
         save_root=str(tmp_path / "ckpt"),
         rollouts=SimpleNamespace(sampler=sampler),
-        snapshots=SimpleNamespace(load_state_dict=lambda s: None),
-        ahead=1,
-        buffer=None,
+        **{**parts, **fields},
     )
+
+
+def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
+    """A checkpoint without this rank's weight snapshots (another layout) while stale rollouts are queued: the
+    run cannot correct them. This raised a bare RuntimeError (a traceback); it is a one-line RunStateError."""
+    ckpt = tmp_path / "ckpt" / "iter_0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text("{}")
+    run = _run_resuming(tmp_path, ckpt, snapshots=SimpleNamespace(load_state_dict=lambda s: None), ahead=1)
     with pytest.raises(RunStateError, match=f"{ckpt} has no weight snapshots for this rank"):
         _resume(run)
 
@@ -54,20 +61,7 @@ def test_queued_rollouts_under_settings_they_do_not_fit_are_refused_naming_the_k
     torch.save({"queue": {2: ([0, 1], [made_by_version_1])}, "replay": None}, ckpt / "rl_async.pt")
 
     def resume(saved: dict, *over: str):
-        cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), list(over))
-        sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
-        state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings(), "queued_with": saved}
-        run = SimpleNamespace(
-            cfg=cfg,
-            policy=SimpleNamespace(resume=lambda *a, **k: state),
-            spec=SimpleNamespace(source=None),
-            algo=SimpleNamespace(name=cfg.algo.name),
-            save_root=str(tmp_path / "ckpt"),
-            rollouts=SimpleNamespace(sampler=sampler),
-            snapshots=None,
-            buffer=None,
-            ahead=lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness),
-        )
+        run = _run_resuming(tmp_path, ckpt, over, queued_with=saved)
         _resume(run)
         return run
 
@@ -92,20 +86,8 @@ def test_weight_snapshots_of_another_layout_are_refused_naming_it(tmp_path):
     (ckpt / "metadata.json").write_text("{}")
     halves = {2: [torch.zeros(2, 4), torch.zeros(2)]}  # rank 0's tensor-parallel half of a 4x4 linear layer
     torch.save(halves, ckpt / "weight_snapshots" / "rank_00000.pt")
-    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), [])
-    sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
-    state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
-    run = SimpleNamespace(
-        cfg=cfg,
-        policy=SimpleNamespace(resume=lambda *a, **k: state),
-        spec=SimpleNamespace(source=None),
-        algo=SimpleNamespace(name=cfg.algo.name),
-        save_root=str(tmp_path / "ckpt"),
-        rollouts=SimpleNamespace(sampler=sampler),
-        snapshots=WeightSnapshots([torch.nn.Linear(4, 4)]),  # this layout: the whole layer on the rank
-        ahead=1,
-        buffer=None,
-    )
+    # this layout: the whole layer on the rank
+    run = _run_resuming(tmp_path, ckpt, snapshots=WeightSnapshots([torch.nn.Linear(4, 4)]), ahead=1)
     with pytest.raises(RunStateError, match=r"its snapshot of policy version 2 holds 2 tensors, this rank has 2 "):
         _resume(run)
     with pytest.raises(RunStateError, match=r"\(the 0th: \(2, 4\) vs \(4, 4\)\): it was saved under another parallel"):
@@ -211,9 +193,6 @@ def test_a_resume_that_cannot_train_its_queued_rollouts_is_refused_naming_the_ke
     ckpt = tmp_path / "ckpt" / "iter_0000002"
     ckpt.mkdir(parents=True)
     base = ["offpolicy.mode=fully_async", "offpolicy.max_staleness=2", "offpolicy.loss_mode=decoupled"]
-    cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), base + overrides)
-    sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
-    state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
     saved = {  # the queue after step 2's take: steps 2 and 3, started on versions 0 and 1
         "rl_async": {
             "queue": {2: ([0], [SimpleNamespace(policy_version=0)]), 3: ([1], [SimpleNamespace(policy_version=1)])}
@@ -221,17 +200,7 @@ def test_a_resume_that_cannot_train_its_queued_rollouts_is_refused_naming_the_ke
         "weight_snapshots": {0: [], 1: []},
     }
     monkeypatch.setattr(rl_setup, "load_checkpoint_object", lambda path, name, per_rank=False: saved[name])
-    run = SimpleNamespace(
-        cfg=cfg,
-        policy=SimpleNamespace(resume=lambda *a, **k: state),
-        spec=SimpleNamespace(source=None),
-        algo=SimpleNamespace(name=cfg.algo.name),
-        save_root=str(tmp_path / "ckpt"),
-        rollouts=SimpleNamespace(sampler=sampler),
-        snapshots=WeightSnapshots([]),
-        ahead=lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness),
-        buffer=None,
-    )
+    run = _run_resuming(tmp_path, ckpt, base + overrides, snapshots=WeightSnapshots([]))
     with pytest.raises(
         RunStateError, match=f"{ckpt}: the queued rollout of RL step 3 comes from policy version 0 \\({match}"
     ):
