@@ -205,3 +205,19 @@ def test_a_resume_that_cannot_train_its_queued_rollouts_is_refused_naming_the_ke
         RunStateError, match=f"{ckpt}: the queued rollout of RL step 3 comes from policy version 0 \\({match}"
     ):
         rl_setup._resume(run)
+
+
+def test_a_queued_partial_rollout_is_checked_by_the_versions_of_its_segments():
+    """A checkpoint saves a queued partial rollout between its segments (``PartialRollout.state_dict``, a dict);
+    the resume's check of the queued rollouts read every entry as a list of trajectories and died of an
+    AttributeError on the dict's key. It reads the segments generated so far: the oldest names its staleness."""
+    from megadare.trainer.offpolicy.correction import restored_queue_problem
+    from megadare.trainer.offpolicy.queue import PARTIAL_STATE
+
+    segments = [[SimpleNamespace(policy_version=1), SimpleNamespace(policy_version=2)], []]  # prompt 1: none yet
+    queue = {3: ([0, 1], {PARTIAL_STATE: {"parts": segments}})}
+    for staleness, problem in [(1, "comes from policy version 1 (2 versions stale), more than "), (2, None)]:
+        over = ["offpolicy.mode=fully_async", f"offpolicy.max_staleness={staleness}"]
+        cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), over)
+        got = restored_queue_problem(cfg, queue, lookahead(cfg.offpolicy.mode, staleness), (), None)
+        assert (got if got is None else got.split("RL step 4 ")[1][: len(problem)]) == problem, got

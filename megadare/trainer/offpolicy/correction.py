@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megadare.config import Config
 from megadare.data.rows import MicroBatch
 from megadare.trainer.offpolicy.importance import RolloutIS, rollout_is_weights
+from megadare.trainer.offpolicy.queue import PARTIAL_STATE
 from megadare.trainer.offpolicy.replay_scores import balance_heuristic_weights, chi2_ess, variance_guided_scores
 from megadare.trainer.step import RowFormat, outputs_of
 
@@ -254,7 +255,7 @@ def restored_queue_problem(cfg: Config, queue: dict, ahead: int, held: Iterable[
     ``offpolicy.max_staleness`` than the checkpoint was saved with, and failed mid-run in a raw RuntimeError."""
     o = cfg.offpolicy
     for step, (_, traj) in sorted((int(k), v) for k, v in queue.items()):
-        version = min((int(t.policy_version) for t in traj), default=step)
+        version = min((int(t.policy_version) for t in queued_trajectories(traj)), default=step)
         stale = f"the queued rollout of RL step {step + 1} comes from policy version {version} ({step - version} "
         if step - version > o.max_staleness:
             return stale + f"versions stale), more than {cfg.as_written('offpolicy.max_staleness')}={o.max_staleness}"
@@ -266,6 +267,15 @@ def restored_queue_problem(cfg: Config, queue: dict, ahead: int, held: Iterable[
                 f"({ahead} version(s) ahead)"
             )
     return None
+
+
+def queued_trajectories(traj: Any) -> list:
+    """The trajectories of a queued rollout as a checkpoint holds it: a list, or a partial rollout's state
+    (``PartialRollout.state_dict``: the segments generated so far; its later ones go on the weights of the resumed
+    run)."""
+    if isinstance(traj, dict) and PARTIAL_STATE in traj:
+        return [seg for segs in traj[PARTIAL_STATE]["parts"] for seg in segs]
+    return list(traj)
 
 
 def version_table(samples: list[Any]) -> dict[int, int]:
