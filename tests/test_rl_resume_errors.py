@@ -16,14 +16,12 @@ from megadare.trainer.rl_setup import _resume
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_resuming(tmp_path, ckpt, overrides=(), queued_with=None, **fields) -> SimpleNamespace:
+def _run_resuming(tmp_path, ckpt, overrides=(), **fields) -> SimpleNamespace:
     """The parts of an RLRun ``_resume`` reads, of the demo's config with ``overrides``, whose policy resumes step 2
-    from ``ckpt`` (its train_state naming ``queued_with``); ``fields``: snapshots, ahead, buffer and the like."""
+    from ``ckpt``; ``fields``: snapshots, ahead, buffer and the like."""
     cfg = load_config(os.path.join(ROOT, "megadare", "configs", "demo_rl.yaml"), list(overrides))
     sampler = StepSampler(8, cfg.rl.prompts_per_step, cfg.seed, cfg.data.shuffle)
     state = {"step": 2, "resumed_from": str(ckpt), "data_order": sampler.settings()}
-    if queued_with is not None:
-        state["queued_with"] = queued_with
     parts = dict(snapshots=None, ahead=lookahead(cfg.offpolicy.mode, cfg.offpolicy.max_staleness), buffer=None)
     return SimpleNamespace(
         cfg=cfg,
@@ -48,7 +46,7 @@ def test_missing_weight_snapshots_on_resume_is_a_run_state_error(tmp_path):
 
 
 def test_queued_rollouts_under_settings_they_do_not_fit_are_refused_naming_the_key(tmp_path):
-    """A one-step-off checkpoint holds the rollout queued for the next step, made with the saved rl.n_samples;
+    """A one-step-off checkpoint holds the rollout queued for the next step, 4 responses for each of 2 prompts;
     resumed with more, its responses were scored against the wrong prompts (4 per prompt read as 8: most against a
     neighbouring prompt's gold) and grouped wrongly without a word; with fewer the step died of a raw IndexError.
     Refused in one line naming the key (a queue too short for it: the next test); a longer queue takes it."""
@@ -58,17 +56,16 @@ def test_queued_rollouts_under_settings_they_do_not_fit_are_refused_naming_the_k
     ckpt.mkdir(parents=True)
     (ckpt / "metadata.json").write_text("{}")
     made_by_version_1 = SimpleNamespace(policy_version=1)
-    torch.save({"queue": {2: ([0, 1], [made_by_version_1])}, "replay": None}, ckpt / "rl_async.pt")
+    torch.save({"queue": {2: ([0, 1], [made_by_version_1] * 8)}, "replay": None}, ckpt / "rl_async.pt")
 
-    def resume(saved: dict, *over: str):
-        run = _run_resuming(tmp_path, ckpt, over, queued_with=saved)
+    def resume(*over: str):
+        run = _run_resuming(tmp_path, ckpt, over)
         _resume(run)
         return run
 
-    one_step_off = {"rl.n_samples": 4, "offpolicy.mode": "one_step_off", "offpolicy.max_staleness": 1}
     with pytest.raises(RunStateError, match=r"queued for RL steps 3..3, made with rl.n_samples=4 \(this config: 8\)"):
-        resume(one_step_off, "rl.mode=one_step_off", "rl.n_samples=8")
-    longer = resume(one_step_off, "rl.mode=fully_async", "rl.max_staleness=2", "rl.n_samples=4")
+        resume("rl.mode=one_step_off", "rl.n_samples=8")
+    longer = resume("rl.mode=fully_async", "rl.max_staleness=2", "rl.n_samples=4")
     assert longer.step == 2
 
 
@@ -193,9 +190,12 @@ def test_a_resume_that_cannot_train_its_queued_rollouts_is_refused_naming_the_ke
     ckpt = tmp_path / "ckpt" / "iter_0000002"
     ckpt.mkdir(parents=True)
     base = ["offpolicy.mode=fully_async", "offpolicy.max_staleness=2", "offpolicy.loss_mode=decoupled"]
-    saved = {  # the queue after step 2's take: steps 2 and 3, started on versions 0 and 1
+    saved = {  # the queue after step 2's take: steps 2 and 3, started on versions 0 and 1 (the demo's 8 samples)
         "rl_async": {
-            "queue": {2: ([0], [SimpleNamespace(policy_version=0)]), 3: ([1], [SimpleNamespace(policy_version=1)])}
+            "queue": {
+                2: ([0], [SimpleNamespace(policy_version=0)] * 8),
+                3: ([1], [SimpleNamespace(policy_version=1)] * 8),
+            }
         },
         "weight_snapshots": {0: [], 1: []},
     }

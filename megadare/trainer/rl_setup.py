@@ -35,7 +35,7 @@ from megadare.trainer.checkpoint import (
 from megadare.trainer.data_order import StepSampler, check_same_order
 from megadare.trainer.model_setup import materialise, tokenizer_for
 from megadare.trainer.monitor import Monitor, write_run_config
-from megadare.trainer.offpolicy.correction import needs_snapshots, restored_queue_problem
+from megadare.trainer.offpolicy.correction import needs_snapshots, queued_samples_per_prompt, restored_queue_problem
 from megadare.trainer.offpolicy.queue import WeightSnapshots
 from megadare.trainer.offpolicy.replay import ReplayBuffer
 from megadare.trainer.policy import Policy, build_policy, lora_of
@@ -186,7 +186,6 @@ def _resume(run: RLRun) -> None:
         _load_snapshots(run, resume_from)
     if run.buffer is not None and run.async_state is not None and run.async_state.get("replay"):
         run.buffer.load_state_dict(run.async_state["replay"])
-    check_queued_with(state, run.async_state, cfg)
     run_on_rank0(lambda: _check_restored_queue(run, resume_from))  # rank 0 holds the queue; every rank stops
     said_setting_changes(state, cfg)
 
@@ -216,45 +215,26 @@ def _load_snapshots(run: RLRun, resume_from: str) -> None:
 
 def _check_restored_queue(run: RLRun, resume_from: str) -> None:
     """Rank 0: refuse, in one line naming the settings, queued rollouts of the checkpoint the resumed settings
-    cannot train (``restored_queue_problem``: staler than a shorter queue allows, or their behaviour snapshot not
-    kept under it)."""
-    queue = {k: v for k, v in ((run.async_state or {}).get("queue") or {}).items() if int(k) >= run.step}
+    cannot train: made with another rl.n_samples (scored against the wrong prompts and grouped wrongly, silently,
+    or an IndexError steps later), or ``restored_queue_problem`` (staler than a shorter queue allows, or their
+    behaviour snapshot not kept under it)."""
+    cfg = run.cfg
+    queue = {int(k): v for k, v in ((run.async_state or {}).get("queue") or {}).items() if int(k) >= run.step}
+    made = sorted({queued_samples_per_prompt(*v) for v in queue.values()} - {cfg.rl.n_samples})
+    if made:
+        raise RunStateError(
+            f"{resume_from} holds the rollouts queued for RL steps {min(queue) + 1}..{max(queue) + 1}, made with "
+            f"{cfg.as_written('rl.n_samples')}={made[0]} (this config: {cfg.rl.n_samples}): they cannot train under "
+            "these settings; set them back to resume, or start a new run from its weights (checkpoint.load=<that "
+            "checkpoint> with a new logging.run_dir)"
+        )
     held = run.buffer.versions if run.buffer is not None else ()
-    problem = restored_queue_problem(run.cfg, queue, run.ahead, held, run.snapshots)
+    problem = restored_queue_problem(cfg, queue, run.ahead, held, run.snapshots)
     if problem:
         raise RunStateError(
             f"{resume_from}: {problem}: it was saved with a deeper rollout queue; resume with the "
-            f"{run.cfg.as_written('offpolicy.mode')} and {run.cfg.as_written('offpolicy.max_staleness')} it was saved "
+            f"{cfg.as_written('offpolicy.mode')} and {cfg.as_written('offpolicy.max_staleness')} it was saved "
             "with, or start a new run from its weights (checkpoint.load with a new logging.run_dir)"
-        )
-
-
-# the setting a queued rollout was made with that it must be trained under: responses per prompt (its groups; how
-# stale it may be, _check_restored_queue reads from the rollouts themselves)
-QUEUE_KEYS = ("rl.n_samples",)
-
-
-def queue_settings(cfg: Config) -> dict[str, Any]:
-    """The ``QUEUE_KEYS`` of ``cfg`` (saved with the queued rollouts, ``save_run``)."""
-    return {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in QUEUE_KEYS}
-
-
-def check_queued_with(state: dict, async_state: Optional[dict], cfg: Config) -> None:
-    """Refuse (RunStateError, one line naming the key) to train a checkpoint's queued rollouts under another
-    rl.n_samples: it scored them against the wrong prompts and grouped them wrongly (silently, or an IndexError
-    steps later)."""
-    queued = sorted(k for k in map(int, (async_state or {}).get("queue") or {}) if k >= int(state["step"]))
-    saved, now = state.get("queued_with") or {}, queue_settings(cfg)
-    if not queued or not saved:  # nothing queued, or a checkpoint from before the settings were saved
-        return
-    diff = [
-        f"{cfg.as_written(k)}={saved[k]} (this config: {now[k]})" for k in QUEUE_KEYS if saved.get(k, now[k]) != now[k]
-    ]
-    if diff:
-        raise RunStateError(
-            f"{state['resumed_from']} holds the rollouts queued for RL steps {queued[0] + 1}..{queued[-1] + 1}, made "
-            f"with {', '.join(diff)}: they cannot train under these settings; set them back to resume, or start a "
-            "new run from its weights (checkpoint.load=<that checkpoint> with a new logging.run_dir)"
         )
 
 
@@ -283,7 +263,6 @@ def save_run(run: RLRun) -> None:
             "consumed_prompts": step * cfg.rl.prompts_per_step,
             "evals": run.evals,
             "data_order": run.rollouts.sampler.settings(),
-            "queued_with": queue_settings(cfg),
             "config": config_record(cfg),
         },
         objects={"rl_async": state} if run.rank0 else None,

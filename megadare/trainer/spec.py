@@ -70,9 +70,8 @@ def resolve(cfg: Config, world: Optional[int] = None, *, job: str, rules_checked
     source = model_source(cfg)
     arch = None if source is None else source.arch
     algo = build_algorithm(cfg.algo.name, dict(cfg.algo.params))
-    validate(
-        cfg, arch, world, algo=algo, rules=not rules_checked, job=job
-    )  # rl's replace above: no rule reads that key
+    # rl's replace above: no rule reads that key
+    validate(cfg, arch, world, algo=algo, rules=not rules_checked, job=job)
     if job == "dpo":
         algo = check_dpo(cfg, arch)
     spec = RunSpec(cfg=cfg, job=job, layout=Layout.of(cfg.parallel, world or cfg.parallel.world_size), source=source)

@@ -278,6 +278,13 @@ def queued_trajectories(traj: Any) -> list:
     return list(traj)
 
 
+def queued_samples_per_prompt(indices: list[int], traj: Any) -> int:
+    """The responses per prompt of a queued rollout as a checkpoint holds it (its rl.n_samples when it started):
+    its trajectories, or a partial rollout's prompts (one per response), over its prompt indices."""
+    n = len(traj[PARTIAL_STATE]["prompts"]) if isinstance(traj, dict) and PARTIAL_STATE in traj else len(traj)
+    return n // max(len(indices), 1)
+
+
 def version_table(samples: list[Any]) -> dict[int, int]:
     return {s.index: int(s.policy_version or 0) for s in samples}
 
@@ -297,6 +304,7 @@ __all__ = [
     "replay_scores",
     "needs_snapshots",
     "restored_queue_problem",
+    "queued_samples_per_prompt",
     "bypass_rejection",
     "with_replayed",
     "own_copy",
