@@ -144,11 +144,13 @@ def run_backend(
     *,
     on_step: Optional[Callable[[], None]] = None,
     variant: str = "base",
+    micro_batches: int = 1,
 ):
     """``steps`` timed train steps after two warm-up ones; (seconds per timed step, peak GiB, the first step's
     gradient norm: the same for every variant up to rounding, a check that a fusion neither doubles nor drops a
     gradient). ``on_step``: called after every step, warm-up ones included (a profiler's ``step``); ``variant``: a
-    key of VARIANTS."""
+    key of VARIANTS; ``micro_batches``: micro-batches of ``batch`` rows accumulated into one optimizer step (a real
+    run's global batch: the optimizer's and clipping's passes, once a step, spread over more tokens)."""
     from megadare.models.experts import GroupedExperts
     from megadare.models.gpt import LayerModules, build_model_chunks, transformer_config
     from megadare.models.norm import FusedRMSNorm, RMSNorm
@@ -169,7 +171,7 @@ def run_backend(
     g = torch.Generator().manual_seed(0)
     n = seq // 2 if mask == "block_diffusion" else seq
     rows = []
-    for _ in range(batch):
+    for _ in range(batch * micro_batches):
         toks = torch.randint(0, arch.vocab_size - 1, (n,), generator=g)
         if mask == "block_diffusion":
             rows.append(
@@ -197,7 +199,7 @@ def run_backend(
             metrics = train_step(
                 Policy(model, opt, sched),
                 mbs,
-                float(batch * n),
+                float(batch * micro_batches * n),
                 RowFormat(mask, arch.block_size, arch.vocab_size, mask_fn),
             )
             if i == 0:
@@ -476,6 +478,12 @@ def main() -> None:
     ap.add_argument("--op-counts", action="store_true", help="count one step's ops by family and source (no timing)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], help="model dtype (default: bf16 on a GPU, fp32 on a CPU)")
     ap.add_argument("--logits-chunk-mb", type=float, help="the scored head's train.logits_chunk_mb")
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches of --batch rows a step (gradient accumulation: a real run's global batch)",
+    )
     ap.add_argument("--peer-repo", help="a DARE checkout: time megadare against its SDAR model on DARE's loss path")
     ap.add_argument("--peer-python", default=sys.executable, help="python of the DARE environment (transformers 4.52)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -512,6 +520,7 @@ def main() -> None:
     for name in args.shape:
         arch = SHAPES[name] if gpu else cpu_shape(SHAPES[name])
         for batch in args.batch:
+            label = f"{batch}x{args.micro_batches}" if args.micro_batches > 1 else str(batch)  # rows x micro-batches
             local = None
             for backend in args.backends:
                 base = None
@@ -519,26 +528,25 @@ def main() -> None:
                     res = run_case(args, name, f"{backend}:{variant}", batch)
                     if "error" in res:
                         print(
-                            f"{name:6} {backend:8} {variant:12} {batch:5d} {res['error']:>10} {res.get('detail', '')}",
+                            f"{name:6} {backend:8} {variant:12} {label:>5} {res['error']:>10} {res.get('detail', '')}",
                             flush=True,
                         )
                         continue
                     if args.op_counts:
                         print(
-                            f"{name:6} {backend:8} {variant:12} {batch:5d} ops of one step:\n{res['ops']}", flush=True
+                            f"{name:6} {backend:8} {variant:12} {label:>5} ops of one step:\n{res['ops']}", flush=True
                         )
                         continue
-                    tok_s = batch * args.seq / res["dt"]
+                    tok_s = res["rows"] * args.seq / res["dt"]
                     local = local or (tok_s if backend == "local" and variant == "base" else None)
                     base = base or (tok_s if variant == "base" else None)
-                    print(f"{name:6} {backend:8} {variant:12} {batch:5d} " + _measures(arch, args, res, local, base))
+                    print(f"{name:6} {backend:8} {variant:12} {label:>5} " + _measures(arch, args, res, local, base))
 
 
 def _measures(arch: ModelArch, args, res: dict, local: Optional[float], base: Optional[float]) -> str:
     """tok/s, TFLOP/s, MFU, memory and the ratios of one case's table row (and the fusion paths it ran)."""
-    batch = int(res["batch"])
-    tok_s = batch * args.seq / res["dt"]
-    tflops = step_flops(arch, [args.seq] * batch) / res["dt"] / 1e12
+    tok_s = res["rows"] * args.seq / res["dt"]
+    tflops = step_flops(arch, [args.seq] * res["rows"]) / res["dt"] / 1e12
     peak = peak_tflops()
     mfu = f"{tflops / peak:6.1%}" if peak else "   n/a"
     ratios = "".join(f"{tok_s / r:8.2f}x" if r else "       -" for r in (local, base))
@@ -569,6 +577,7 @@ def run_case(args, shape: str, backend: str, batch: int) -> dict:
     cmd += ["--op-counts"] if args.op_counts else []
     cmd += ["--dtype", args.dtype] if args.dtype else []
     cmd += [] if args.logits_chunk_mb is None else ["--logits-chunk-mb", str(args.logits_chunk_mb)]
+    cmd += ["--micro-batches", str(args.micro_batches)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("CASE ")]
     if lines:
@@ -611,9 +620,18 @@ def case(args) -> None:
         census = StepCensus() if args.op_counts else None  # counts the third step (steps=1 below)
         steps = 1 if census else args.steps
         dt, mem, gnorm = run_backend(
-            arch, backend, int(batch), args.seq, args.mask, steps, dtype, on_step=census, variant=variant
+            arch,
+            backend,
+            int(batch),
+            args.seq,
+            args.mask,
+            steps,
+            dtype,
+            on_step=census,
+            variant=variant,
+            micro_batches=args.micro_batches,
         )
-        res = {"dt": dt, "mem": mem, "batch": int(batch), "grad_norm": gnorm}
+        res = {"dt": dt, "mem": mem, "rows": int(batch) * args.micro_batches, "grad_norm": gnorm}
         if census:
             res["ops"] = census.census.table()
         paths = []

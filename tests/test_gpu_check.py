@@ -204,10 +204,10 @@ def test_cpu_tiny_train_variants(tmp_path):
     assert fused == pytest.approx(base, rel=1e-4), table
 
 
-def _variant_rows(shape: str, variants: list[str]) -> list[list[str]]:
+def _variant_rows(shape: str, variants: list[str], batch: str = "1", *extra: str) -> list[list[str]]:
     """train_throughput.py's table rows of ``variants`` for one tiny step of ``shape`` with SDPA on this CPU."""
     tt = os.path.join(ROOT, "benchmarks", "train_throughput.py")
-    args = ["--shape", shape, "--batch", "1", "--backends", "sdpa", "--seq", "64", "--steps", "1"]
+    args = ["--shape", shape, "--batch", batch, "--backends", "sdpa", "--seq", "64", "--steps", "1", *extra]
     r = subprocess.run(
         [sys.executable, tt, *args, "--variants", *variants], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -223,6 +223,16 @@ def test_the_compiled_norm_variant_runs_compiled_norms_with_the_same_gradients()
     rows = _variant_rows("dense", ["fused", "fusedcnorm"])
     assert "norm: compiled" in " ".join(rows[1]), rows[1]
     assert float(rows[1][10]) == pytest.approx(float(rows[0][10]), rel=1e-5), rows
+
+
+def test_micro_batches_accumulate_into_one_step_of_the_whole_batch():
+    """``--micro-batches 2`` (the next GPU call's MFU with a real run's gradient accumulation): two micro-batches of
+    one row train the step that one micro-batch of both rows trains (the first step's gradient norm, fp32), and the
+    row counts both micro-batches' tokens (its label ``1x2``)."""
+    (whole,) = _variant_rows("dense", ["base"], "2")
+    (accumulated,) = _variant_rows("dense", ["base"], "1", "--micro-batches", "2")
+    assert accumulated[3] == "1x2", accumulated
+    assert float(accumulated[10]) == pytest.approx(float(whole[10]), rel=1e-5), (whole, accumulated)
 
 
 def test_moe_experts_benchmark_compares_the_same_math():
