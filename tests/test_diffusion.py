@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from megadare.algos.sft import SFTRecipe, example_rows, mask_kind, trace_groups
+from megadare.config import Config
 from megadare.data.sft_data import SFTExample
 from megadare.diffusion.masking import complementary, iid_mask, mask_tokens
 from megadare.diffusion.schedule import NoiseSchedule, elbo_weight
 from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec, block_causal
 from megadare.data.rows import pack_rows
+from megadare.trainer.sft_loop import sft_recipe
 
 MASK = 255
 
@@ -212,6 +214,18 @@ def test_block_rows_draw_t_again_until_a_token_is_masked_as_sdar_does():
         total += float(row.weight.sum())  # sum_masked 1/(t L)
     want = 1.0 / (1.0 - (1 - 1e-3) ** 2 / 3)
     assert abs(total / 6000 - want) < 0.12, (total / 6000, want)
+
+
+@pytest.mark.parametrize("family,t_per", [("sdar", "sample"), ("sdar_moe", "sample"), ("llada2", "sample")])
+def test_sft_t_per_defaults_to_the_family_publishers_draw(family, t_per):
+    """sft.t_per unset (auto) takes the family's declared draw: SDAR's ``forward_add_noise_packed`` and DARE's
+    LLaDA2 dataset draw one t per sample (tests/test_dare_live_sft.py compares the draws live); an explicit
+    setting wins."""
+    _, arch = _arch(family, block_size=4)
+    assert sft_recipe(Config(), arch).t_per == t_per
+    cfg = Config()
+    cfg.sft.t_per = "block"
+    assert sft_recipe(cfg, arch).t_per == "block"
 
 
 def _dare_micro_batch_loss(ce, masked, t) -> torch.Tensor:
