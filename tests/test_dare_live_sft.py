@@ -264,11 +264,11 @@ def _masked_count_variance(masked: torch.Tensor) -> float:
     return float(masked.sum(dim=1).double().var())
 
 
-@pytest.mark.parametrize("family", ["sdar", "sdar_moe", "llada2"])
+@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
 def test_default_sft_draws_t_per_sample_as_the_publishers(family):
     """With no sft.t_per set (the default, and what importing DARE's SFT recipes gives), megadare's block rows draw
-    the masking probability as SDAR's own code (``forward_add_noise_packed``) and DARE's LLaDA2 dataset do: one t per
-    sample, shared by all its blocks. An 8-token answer over two blocks of 4, at least one token masked: the count is
+    the masking probability as SDAR's own code (``forward_add_noise_packed``) does: one t per sample, shared by all
+    its blocks (LLaDA2: test_llada2_draw_is_dares_dataset). An 8-token answer over two blocks of 4, at least one token masked: the count is
     uniform on 1..8 per sample, Var = 63/12 = 5.25; per block (megadare's default before) two uniform counts on
     0..4 summed, Var = 3.47."""
     fns, _ = _sdar()
@@ -290,6 +290,40 @@ def test_default_sft_draws_t_per_sample_as_the_publishers(family):
         abs(dare_var - our_var),
     )
     assert abs(dare_var - our_var) < 0.7, (dare_var, our_var)
+
+
+def _llada2_draws(P: int, L: int, n_draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n_draws, L] masked answer positions of DARE's LLaDA2 dataset (``_forward_process``) and of megadare's LLaDA2
+    rows (block size 4) under the imported recipe (sft.noise_low=0.3 sft.noise_high=0.8 sft.weighting=none)."""
+    methods = dare_methods("verl/utils/dataset/llada2_sft_dataset.py", "dLLMSFTDataset", ("_forward_process",), {})
+    me = types.SimpleNamespace(eval=False, noise_range_low=0.3, noise_range_high=0.8, mask_token_id=255)
+    torch.manual_seed(0)
+    ids, attention = torch.zeros(P + L, dtype=torch.long), torch.ones(P + L, dtype=torch.long)
+    dare = torch.stack([methods._forward_process(me, ids, attention, P, 0)[2][P:] for _ in range(n_draws)])
+    _, arch = _tiny("llada2", block_size=4)
+    cfg = Config()
+    cfg.sft.noise_low, cfg.sft.noise_high, cfg.sft.weighting = 0.3, 0.8, "none"
+    recipe = sft_recipe(cfg, arch)
+    (ex,) = _examples([(P, L)])
+    rows = [example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))[0] for s in range(n_draws)]
+    return dare, torch.stack([r.tokens[P : P + L] == arch.mask_token_id for r in rows])
+
+
+def test_llada2_draw_is_dares_dataset():
+    """DARE's LLaDA2 dataset draws one t ~ U(0.3, 0.8) per sample and keeps a draw that masks nothing (the sample
+    scores nothing); megadare's LLaDA2 rows under the imported recipe draw the same: on a 2-token answer
+    P(nothing masked) = E[(1 - t)^2] = 0.223 (SDAR's redraw rule, megadare's before for every block family, gave
+    0); on 8 tokens over two blocks Var(masked count) = 8 E[t(1-t)] + 64 Var(t) = 3.15 (one t per block: 2.48)."""
+    dare, ours = _llada2_draws(3, 2, 4000)
+    dare_empty, our_empty = float((~dare.any(1)).double().mean()), float((~ours.any(1)).double().mean())
+    want = (0.7**3 - 0.2**3) / 3 / 0.5
+    report(f"LLaDA2 P(nothing masked): DARE {dare_empty:.3f}, megadare {our_empty:.3f}, exact {want:.3f}")
+    assert abs(dare_empty - want) < 0.03 and abs(our_empty - want) < 0.03, (dare_empty, our_empty, want)
+    dare, ours = _llada2_draws(4, 8, 4000)
+    dare_var, our_var = _masked_count_variance(dare), _masked_count_variance(ours)
+    want = 8 * (0.55 - (0.8**3 - 0.3**3) / 1.5) + 64 * 0.5**2 / 12
+    report(f"LLaDA2 Var(masked count): DARE {dare_var:.3f}, megadare {our_var:.3f}, exact {want:.3f}")
+    assert abs(dare_var - want) < 0.3 and abs(our_var - want) < 0.3, (dare_var, our_var, want)
 
 
 # ------------------------------------------------------------------ the trainers' _compute_loss_and_backward

@@ -228,6 +228,21 @@ def test_sft_t_per_defaults_to_the_family_publishers_draw(family, t_per):
     assert sft_recipe(cfg, arch).t_per == "block"
 
 
+@pytest.mark.parametrize("family,redraw", [("sdar", True), ("llada2", False)])
+def test_block_rows_redraw_an_empty_mask_as_the_family_publisher_does(family, redraw):
+    """SDAR's code draws t again while nothing is masked; DARE's LLaDA2 dataset keeps the empty draw (the sample
+    scores nothing): on a 1-token answer with t ~ U(0.3, 0.8), 45% of LLaDA2's draws mask nothing, none of SDAR's."""
+    _, arch = _arch(family, block_size=4)
+    cfg = Config()
+    cfg.sft.noise_low, cfg.sft.noise_high = 0.3, 0.8
+    recipe = sft_recipe(cfg, arch)
+    assert recipe.redraw_empty is redraw
+    ex = _example(P=3, L=1)
+    rows = [example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))[0] for s in range(400)]
+    empty = sum(float(r.weight.sum()) == 0.0 for r in rows) / len(rows)
+    assert (abs(empty - 0.45) < 0.08) if not redraw else empty == 0.0, empty
+
+
 def _dare_micro_batch_loss(ce, masked, t) -> torch.Tensor:
     """DARE's LLaDA / Dream / LLaDA2 SFT loss of one micro-batch (verl/trainer/llada_fsdp_sft_trainer.py:344-345,
     410, 423 @83ae8a3, one rank): sum(CE / t * loss_mask) / (sum(loss_mask) + 1e-8)."""

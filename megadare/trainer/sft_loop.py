@@ -42,14 +42,18 @@ from megadare.trainer.step import RowFormat, weighted_nll, train_step
 
 
 def sft_recipe(cfg: Config, arch):
+    """The SFT recipe of the config for this model; what the config leaves to the family (sft.t_per=auto, the
+    block draw's redraw rule) is the family's declaration (models/<family>.py ``sft_*``)."""
     s = cfg.sft
+    declared = get_family(arch.family).extra
     return SFTRecipe(
         mode=resolve_sft_mode(cfg, arch),
         block_size=arch.block_size or 1,
         schedule=NoiseSchedule(s.noise_low, s.noise_high, s.weighting),
         normalize=s.normalize,
-        t_per=resolve_sft_t_per(cfg, get_family(arch.family).extra.get("sft_t_per")),
+        t_per=resolve_sft_t_per(cfg, declared.get("sft_t_per")),
         trace_shrink=s.trace_shrink,
+        redraw_empty=declared.get("sft_redraw_empty", True),
     )
 
 
