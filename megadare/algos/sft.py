@@ -19,7 +19,9 @@ Notation: prompt c (never masked), response y of length L, mask token M, t the m
   (``redraw_empty``; off, an empty draw stays and scores nothing, as DARE's LLaDA2 dataset draws).
 * ``semi_ar`` -- semi-autoregressive SFT with sliced data for full-attention models (dLLM-RL ``semi-ar``):
   one response block b drawn uniformly per sample, the row is c ++ y_{<b} (clean) ++ y_b (masked with prob.
-  t), later blocks sliced off; weighted by n_blocks so the expectation over b is the sum over blocks.
+  t), later blocks sliced off; weighted by n_blocks so the expectation over b is the sum over blocks. Not dLLM-RL's
+  objective as its train/sft_llada.py codes it: a row per block, the later blocks kept in the input as masks, each
+  token masked with its own p ~ U(lower_p, upper_p), no 1/t, each row divided by its masked tokens.
 * ``trace`` -- trace SFT (TraDo/TraceRL arXiv:2509.06949, dLLM-RL ``trace``): a recorded decoding trace gives
   the step s_k at which each response token was committed; steps are grouped ``shrink`` at a time; for each
   group g one row holds the state before g (tokens committed earlier clean, the rest masked) and scores the

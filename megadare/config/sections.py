@@ -129,7 +129,7 @@ class SFTSection:
     # sample) | one t per block | one t per sample
     t_per: Literal["auto", "block", "sample"] = "auto"
     trace_shrink: int = 1
-    # pad every response to data.max_length and train on the pads (DARE: LLaDA with eos, SDAR with the pad id)
+    # pad every response to data.max_length and train on the pads (DARE: LLaDA with eos, SDAR, Dream with the pad id)
     pad_response: Literal["none", "eos", "pad"] = "none"
 
 
