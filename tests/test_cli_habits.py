@@ -162,6 +162,19 @@ OVERRIDES = [
         "unknown config key 'training.method' (training.method=coupled): that is dLLM-RL's; "
         "megadare: algo.name=random_mask_rl algo.params.couple=true",
     ),
+    (  # DARE's SFT recipes: its datasets train on the pads, megadare only when told
+        "model.partial_pretrain=models/SDAR-8B-Chat",
+        "unknown config key 'model.partial_pretrain' (model.partial_pretrain=models/SDAR-8B-Chat): that is "
+        "verl/DARE's; megadare: model.hf_path=models/SDAR-8B-Chat (DARE's SFT datasets pad every answer to "
+        "data.max_length and train on the pads: sft.pad_response=eos for LLaDA, pad for SDAR and Dream; LLaDA2's "
+        "pads are not trained)",
+    ),
+    (  # dLLM-RL's SFT configs (configs/sft_*.yaml) use the RL keys for the SFT objective
+        "training.lower_p=0.1",
+        "unknown config key 'training.lower_p' (training.lower_p=0.1): that is dLLM-RL's; megadare: "
+        "algo.params.p_low=0.1 (algo.name=random_mask_rl; in its SFT, the masking probability's low end: "
+        "sft.noise_low=0.1 sft.weighting=none)",
+    ),
     (
         "config=configs/rl_sdar.yaml",
         "unknown config key 'config' (config=configs/rl_sdar.yaml): that is dLLM-RL's; "

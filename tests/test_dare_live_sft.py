@@ -41,10 +41,12 @@ import megadare.algos.sft as sft
 from dare_source import DARE_COMMIT, dare_functions, dare_methods, report
 from dare_source import global_rng_restored  # noqa: F401  (fixture)
 from megadare.algos.sft import SFTRecipe, example_rows
+from megadare.config import Config
 from megadare.data.sft_data import SFTExample
 from megadare.diffusion.schedule import NoiseSchedule
 from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec
+from megadare.trainer.sft_loop import sft_recipe
 
 SDAR_MODELING = "models/SDAR-1dot7B-Chat/modeling_sdar.py"  # extract it from the DARE repository into DARE_SRC
 TOL = 1e-5
@@ -256,6 +258,80 @@ def test_sdar_noise_draw_is_dares_in_distribution():
     assert abs(dare - want) < 0.12 and abs(ours - want) < 0.12
 
 
+def _masked_count_variance(masked: torch.Tensor) -> float:
+    """Var of the masked answer tokens of a draw (rows: draws): one t per sample spreads the count far wider than
+    one t per block, whose blocks are masked independently."""
+    return float(masked.sum(dim=1).double().var())
+
+
+@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
+def test_default_sft_draws_t_per_sample_as_the_publishers(family):
+    """With no sft.t_per set (the default, and what importing DARE's SFT recipes gives), megadare's block rows draw
+    the masking probability as SDAR's own code (``forward_add_noise_packed``) does: one t per sample, shared by all
+    its blocks (LLaDA2: test_llada2_draw_is_dares_dataset). An 8-token answer over two blocks of 4, at least one token masked: the count is
+    uniform on 1..8 per sample, Var = 63/12 = 5.25; per block (megadare's default before) two uniform counts on
+    0..4 summed, Var = 3.47."""
+    fns, _ = _sdar()
+    P, L, bs, n_draws = 4, 8, 4, 4000
+    torch.manual_seed(0)
+    prompt = torch.zeros(n_draws, P + L, dtype=torch.bool)
+    prompt[:, :P] = True
+    _, dare_masked, _ = fns.forward_add_noise_packed(
+        torch.zeros(n_draws, P + L, dtype=torch.long), [torch.tensor([P + L])] * n_draws, prompt, mask_id=1
+    )
+    _, arch = _tiny(family, block_size=bs)
+    recipe = sft_recipe(Config(), arch)
+    (ex,) = _examples([(P, L)])
+    rows = [example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))[0] for s in range(n_draws)]
+    ours = torch.stack([r.tokens[: P + L] == arch.mask_token_id for r in rows])
+    dare_var, our_var = _masked_count_variance(dare_masked), _masked_count_variance(ours)
+    report(
+        f"{family} default t_per={recipe.t_per}: Var(masked count) DARE {dare_var:.3f}, megadare {our_var:.3f}",
+        abs(dare_var - our_var),
+    )
+    assert abs(dare_var - our_var) < 0.7, (dare_var, our_var)
+
+
+def _llada2_draws(P: int, L: int, n_draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n_draws, L] masked answer positions of DARE's LLaDA2 dataset (``_forward_process``) and of megadare's LLaDA2
+    rows (block size 4) under the imported recipe (sft.noise_low=0.3 sft.noise_high=0.8 sft.weighting=none)."""
+    methods = dare_methods("verl/utils/dataset/llada2_sft_dataset.py", "dLLMSFTDataset", ("_forward_process",), {})
+    me = types.SimpleNamespace(eval=False, noise_range_low=0.3, noise_range_high=0.8, mask_token_id=255)
+    torch.manual_seed(0)
+    ids, attention = torch.zeros(P + L, dtype=torch.long), torch.ones(P + L, dtype=torch.long)
+    dare = torch.stack([methods._forward_process(me, ids, attention, P, 0)[2][P:] for _ in range(n_draws)])
+    _, arch = _tiny("llada2", block_size=4)
+    cfg = Config()
+    cfg.sft.noise_low, cfg.sft.noise_high, cfg.sft.weighting = 0.3, 0.8, "none"
+    recipe = sft_recipe(cfg, arch)
+    (ex,) = _examples([(P, L)])
+    rows = [example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))[0] for s in range(n_draws)]
+    return dare, torch.stack([r.tokens[P : P + L] == arch.mask_token_id for r in rows])
+
+
+def test_llada2_draw_is_dares_dataset():
+    """DARE's LLaDA2 dataset draws one t ~ U(0.3, 0.8) per sample and keeps a draw that masks nothing (the sample
+    scores nothing); megadare's LLaDA2 rows under the imported recipe draw the same: on a 2-token answer
+    P(nothing masked) = E[(1 - t)^2] = 0.223 (SDAR's redraw rule, megadare's before for every block family, gave
+    0); on 8 tokens over two blocks Var(masked count) = 8 E[t(1-t)] + 64 Var(t) = 3.15 (one t per block: 2.48)."""
+    dare, ours = _llada2_draws(3, 2, 4000)
+    dare_empty, our_empty = float((~dare.any(1)).double().mean()), float((~ours.any(1)).double().mean())
+    want = (0.7**3 - 0.2**3) / 3 / 0.5
+    report(
+        f"LLaDA2 P(nothing masked): DARE {dare_empty:.3f}, megadare {our_empty:.3f}, exact {want:.3f}",
+        abs(dare_empty - our_empty),
+    )
+    assert abs(dare_empty - want) < 0.03 and abs(our_empty - want) < 0.03, (dare_empty, our_empty, want)
+    dare, ours = _llada2_draws(4, 8, 4000)
+    dare_var, our_var = _masked_count_variance(dare), _masked_count_variance(ours)
+    want = 8 * (0.55 - (0.8**3 - 0.3**3) / 1.5) + 64 * 0.5**2 / 12
+    report(
+        f"LLaDA2 Var(masked count): DARE {dare_var:.3f}, megadare {our_var:.3f}, exact {want:.3f}",
+        abs(dare_var - our_var),
+    )
+    assert abs(dare_var - want) < 0.3 and abs(our_var - want) < 0.3, (dare_var, our_var, want)
+
+
 # ------------------------------------------------------------------ the trainers' _compute_loss_and_backward
 def _trainer_loss(relpath: str, model, config: dict, extra: dict | None = None, cls: str = "FSDPdLLMSFTTrainer"):
     """DARE's ``_compute_loss_and_backward`` of one trainer file (and the helper methods ``config['methods']`` names,
@@ -441,25 +517,27 @@ class _CharTokenizer:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-@pytest.mark.parametrize("family,pad", [("sdar", "pad"), ("llada", "eos")])
+@pytest.mark.parametrize("family,pad", [("sdar", "pad"), ("llada", "eos"), ("dream", "pad"), ("llada2", "none")])
 def test_dare_sft_datasets_pad_as_sft_pad_response(family, pad):
     """DARE's SFT datasets (``__getitem__`` as written) pad every sample to data.max_length and score the pads as
-    answer tokens: megadare's ``sft.pad_response`` gives the same tokens, the same answer positions and (SDAR) the
-    same answer length. One difference stays: SDAR's pads all take the last answer token's position id (verl's
-    ``compute_position_id_with_mask`` over an attention mask of 0 there), megadare numbers them on."""
+    answer tokens (SDAR, LLaDA, Dream; LLaDA2 never masks them): megadare's ``sft.pad_response`` gives the same
+    tokens, the same answer positions and (SDAR) the same answer length. One difference stays: SDAR's pads all take
+    the last answer token's position id (verl's ``compute_position_id_with_mask`` over an attention mask of 0
+    there), megadare numbers them on."""
     from megadare.data.sft_data import SFTExample, pad_responses
 
     tok, max_len = _CharTokenizer(), 24
     utils = dare_functions("verl/utils/model.py", ("compute_position_id_with_mask",))
     rel = f"verl/utils/dataset/{family}_sft_dataset.py"
-    names = ("__getitem__",) + (("_forward_process",) if family == "llada" else ())
+    names = ("__getitem__",) + (("_forward_process",) if family in ("llada", "llada2") else ())
     methods = dare_methods(
         rel, "dLLMSFTDataset", names, {"compute_position_id_with_mask": utils.compute_position_id_with_mask}
     )
     me = types.SimpleNamespace(
         tokenizer=tok, max_length=max_len, truncation="error", eval=False, mask_token_id=255, prompts=[], responses=[]
     )
-    if family == "llada":
+    me.noise_range_low, me.noise_range_high = 0.3, 0.8  # LLaDA2's dataset defaults
+    if family in ("llada", "llada2"):
         me._forward_process = types.MethodType(methods._forward_process, me)
     for prompt, response in [("what is 2+3?", "5"), ("reverse abc", "cba, done")]:
         me.prompts, me.responses = [prompt], [response]
@@ -474,6 +552,12 @@ def test_dare_sft_datasets_pad_as_sft_pad_response(family, pad):
             assert int((item["labels"] != -100).sum()) == len(padded.response_ids)  # SDAR's answer_len
             last = len(ex) - 1
             assert item["position_ids"][len(ex) :].tolist() == [last] * (max_len - len(ex))  # the difference kept
+        elif family == "dream":  # q_sample masks in the trainer: every loss_mask position may be masked and scored
+            assert torch.equal(item["input_ids"], ours)
+            assert torch.equal(item["loss_mask"].bool(), torch.arange(max_len) >= P)
+        elif family == "llada2":  # pads carry attention 0: never masked, never scored, as megadare's unpadded rows
+            assert torch.equal(item["clean_input_ids"][: len(ours)], ours)
+            assert not item["loss_mask"][len(ours) :].any() and not item["loss_mask"][:P].any()
         else:
             masked = item["loss_mask"]
             assert torch.equal(torch.where(masked, item["labels"], item["input_ids"]), ours)

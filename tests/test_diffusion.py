@@ -7,12 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from megadare.algos.sft import SFTRecipe, example_rows, mask_kind, trace_groups
+from megadare.config import Config
 from megadare.data.sft_data import SFTExample
 from megadare.diffusion.masking import complementary, iid_mask, mask_tokens
 from megadare.diffusion.schedule import NoiseSchedule, elbo_weight
 from megadare.models import build_hf_model, get_family
 from megadare.models.attention import MaskSpec, block_causal
 from megadare.data.rows import pack_rows
+from megadare.trainer.sft_loop import sft_recipe
 
 MASK = 255
 
@@ -212,6 +214,33 @@ def test_block_rows_draw_t_again_until_a_token_is_masked_as_sdar_does():
         total += float(row.weight.sum())  # sum_masked 1/(t L)
     want = 1.0 / (1.0 - (1 - 1e-3) ** 2 / 3)
     assert abs(total / 6000 - want) < 0.12, (total / 6000, want)
+
+
+@pytest.mark.parametrize("family,t_per", [("sdar", "sample"), ("sdar_moe", "sample"), ("llada2", "sample")])
+def test_sft_t_per_defaults_to_the_family_publishers_draw(family, t_per):
+    """sft.t_per unset (auto) takes the family's declared draw: SDAR's ``forward_add_noise_packed`` and DARE's
+    LLaDA2 dataset draw one t per sample (tests/test_dare_live_sft.py compares the draws live); an explicit
+    setting wins."""
+    _, arch = _arch(family, block_size=4)
+    assert sft_recipe(Config(), arch).t_per == t_per
+    cfg = Config()
+    cfg.sft.t_per = "block"
+    assert sft_recipe(cfg, arch).t_per == "block"
+
+
+@pytest.mark.parametrize("family,redraw", [("sdar", True), ("llada2", False)])
+def test_block_rows_redraw_an_empty_mask_as_the_family_publisher_does(family, redraw):
+    """SDAR's code draws t again while nothing is masked; DARE's LLaDA2 dataset keeps the empty draw (the sample
+    scores nothing): on a 1-token answer with t ~ U(0.3, 0.8), 45% of LLaDA2's draws mask nothing, none of SDAR's."""
+    _, arch = _arch(family, block_size=4)
+    cfg = Config()
+    cfg.sft.noise_low, cfg.sft.noise_high = 0.3, 0.8
+    recipe = sft_recipe(cfg, arch)
+    assert recipe.redraw_empty is redraw
+    ex = _example(P=3, L=1)
+    rows = [example_rows(ex, arch, recipe, torch.Generator().manual_seed(s))[0] for s in range(400)]
+    empty = sum(float(r.weight.sum()) == 0.0 for r in rows) / len(rows)
+    assert (abs(empty - 0.45) < 0.08) if not redraw else empty == 0.0, empty
 
 
 def _dare_micro_batch_loss(ce, masked, t) -> torch.Tensor:

@@ -15,10 +15,13 @@ Notation: prompt c (never masked), response y of length L, mask token M, t the m
   on the global prompt+response grid; t per block (or per sample); the row is x_t ++ x_0 with the
   block-diffusion mask, so every block's term  sum_b E_t [ w(t_b) sum_{k in b masked} CE_k ]  comes from one
   forward; at least one response token is masked per sample by SDAR's rule (modeling_sdar.py
-  ``forward_add_noise_packed``): t and the mask are drawn again, up to 10 times, then one token is forced.
+  ``forward_add_noise_packed``): t and the mask are drawn again, up to 10 times, then one token is forced
+  (``redraw_empty``; off, an empty draw stays and scores nothing, as DARE's LLaDA2 dataset draws).
 * ``semi_ar`` -- semi-autoregressive SFT with sliced data for full-attention models (dLLM-RL ``semi-ar``):
   one response block b drawn uniformly per sample, the row is c ++ y_{<b} (clean) ++ y_b (masked with prob.
-  t), later blocks sliced off; weighted by n_blocks so the expectation over b is the sum over blocks.
+  t), later blocks sliced off; weighted by n_blocks so the expectation over b is the sum over blocks. Not dLLM-RL's
+  objective as its train/sft_llada.py codes it: a row per block, the later blocks kept in the input as masks, each
+  token masked with its own p ~ U(lower_p, upper_p), no 1/t, each row divided by its masked tokens.
 * ``trace`` -- trace SFT (TraDo/TraceRL arXiv:2509.06949, dLLM-RL ``trace``): a recorded decoding trace gives
   the step s_k at which each response token was committed; steps are grouped ``shrink`` at a time; for each
   group g one row holds the state before g (tokens committed earlier clean, the rest masked) and scores the
@@ -54,6 +57,7 @@ class SFTRecipe:
     normalize: str = "answer_length"
     t_per: str = "block"  # block mode: one t per block or per sample
     trace_shrink: int = 1
+    redraw_empty: bool = True  # block mode: SDAR's rule, draw again while nothing is masked (False: keep it)
 
     def __post_init__(self) -> None:
         if self.mode not in SFT_MODES:
@@ -128,11 +132,11 @@ def _block_draw(
     up to ``SDAR_MASK_TRIES`` times, then force one eligible token (keeping the last t). Forcing a token at once
     would keep a tiny t and weight that token by 1/t (up to 1/noise_low): a heavy, biased term for short responses."""
     n_blocks = int(blocks[-1]) + 1
-    for _ in range(SDAR_MASK_TRIES):
+    for _ in range(SDAR_MASK_TRIES if r.redraw_empty else 1):
         t_blocks = r.schedule.sample(n_blocks if r.t_per == "block" else 1, g).expand(n_blocks)
         t_tok = t_blocks[blocks]
         masked = iid_mask(eligible, t_tok, g)
-        if masked.any() or not eligible.any():
+        if masked.any() or not eligible.any() or not r.redraw_empty:
             return masked, t_tok
     return iid_mask(eligible, 0.0, g, force_one=True), t_tok
 

@@ -35,6 +35,7 @@ from megadare.config.sections import (
     Config,
     CONFIG_ALIASES,
     resolve_sft_mode,
+    resolve_sft_t_per,
 )
 
 from megadare.config.loading import (
@@ -85,6 +86,7 @@ __all__ = [
     "load_config",
     "to_yaml",
     "resolve_sft_mode",
+    "resolve_sft_t_per",
     "check_rules",
     "optimizer_updates",
     "check_data_files",

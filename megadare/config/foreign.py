@@ -117,6 +117,12 @@ VERL: dict[str, Fix] = {
         "true": "sft.normalize=masked_tokens (the masked tokens of the global batch)",
         "false": "sft.normalize=masked_tokens_per_sample (each sample's masked tokens, as DARE at one a micro-batch)",
     },
+    # DARE's SFT recipes name the model so (the RL ones actor_rollout_ref.model.path); its SFT datasets pad every
+    # answer to data.max_length and train on the pads, megadare only when told (sft.pad_response)
+    "model.partial_pretrain": (
+        "model.hf_path={v} (DARE's SFT datasets pad every answer to data.max_length and train on the pads: "
+        "sft.pad_response=eos for LLaDA, pad for SDAR and Dream; LLaDA2's pads are not trained)"
+    ),
     "data.noise_range_low": "sft.noise_low={v} sft.weighting=none (DARE's LLaDA2 SFT: t ~ U(low, high), no 1/t)",
     "data.noise_range_high": "sft.noise_high={v} sft.weighting=none (DARE's LLaDA2 SFT: t ~ U(low, high), no 1/t)",
 }
@@ -137,15 +143,26 @@ DLLM_RL: dict[str, Fix] = {
     "rollout.denoising_steps_per_block": "rollout.steps_per_block={v}",
     "rollout.remasking_strategy": "rollout.algorithm={v}",
     "rollout.dynamic_threshold": "rollout.threshold={v}",
+    # rl.py's methods, and train/sft_*.py's (configs/sft_*.yaml): the same keys mean the SFT objective there
     "training.method": {
         "tracerl": "algo.name=tracerl",
-        "random_masking": "algo.name=random_mask_rl",
+        "random_masking": (
+            "algo.name=random_mask_rl (rl.py; its SFT, train/sft_llada.py / sft_dream.py, is sft.mode=random "
+            "sft.weighting=none sft.normalize=masked_tokens_per_sample with t ~ U(lower_p, upper_p))"
+        ),
         "coupled": "algo.name=random_mask_rl algo.params.couple=true",
-        "*": "algo.name=<one of tracerl, random_mask_rl>",
+        "semi-ar": (
+            "sft.mode=block sft.weighting=none (SDAR / TraDo; dLLM-RL masks each answer token with its own "
+            "p ~ U(lower_p, upper_p) and divides by the answer length padded to the data set's longest; LLaDA / "
+            "Dream: no megadare mode is its semi-ar, which keeps the later blocks masked in the input where "
+            "sft.mode=semi_ar slices them off)"
+        ),
+        "trace": "sft.mode=trace (training.shrink: sft.trace_shrink)",
+        "*": "algo.name=<one of tracerl, random_mask_rl> (SFT: sft.mode=<one of random, block, semi_ar, trace>)",
     },
     "training.eps": "algo.params.eps_low={v}",
     "training.beta": "algo.params.kl_coef={v}",
-    "training.shrink": "algo.params.shrink={v}",
+    "training.shrink": "algo.params.shrink={v} (its SFT's trace mode: sft.trace_shrink={v})",
     "training.post_num": "algo.params.post_num={v}",
     "training.mask_times_per_sample": "algo.params.n_views={v} (algo.name=random_mask_rl)",
     "training.use_kl_estimator_k3": {
@@ -159,8 +176,14 @@ DLLM_RL: dict[str, Fix] = {
     "optimizer.params.value_learning_rate": "algo.params.value_lr={v} (algo.params.value_model=true)",
     "rollout.max_gen_length": "rollout.max_new_tokens={v}",
     "rollout.steps": "rollout.steps_per_block=<{v} x rollout.block_size / rollout.max_new_tokens> (per block)",
-    "training.lower_p": "algo.params.p_low={v} (algo.name=random_mask_rl)",
-    "training.upper_p": "algo.params.p_high={v} (algo.name=random_mask_rl)",
+    "training.lower_p": (
+        "algo.params.p_low={v} (algo.name=random_mask_rl; in its SFT, the masking probability's low end: "
+        "sft.noise_low={v} sft.weighting=none)"
+    ),
+    "training.upper_p": (
+        "algo.params.p_high={v} (algo.name=random_mask_rl; in its SFT, the masking probability's high end: "
+        "sft.noise_high={v} sft.weighting=none)"
+    ),
     "training.max_grad_norm": "optim.clip_grad={v}",
     "training.seed": "seed={v}",
     "training.mixed_precision": {"bf16": "model.dtype=bf16", "fp16": "model.dtype=fp16", "no": "model.dtype=fp32"},

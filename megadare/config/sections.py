@@ -125,9 +125,11 @@ class SFTSection:
     weighting: Literal["inv_t", "none"] = "inv_t"  # inv_t: ELBO
     # LLaDA | the global batch's masked tokens | each sample's (DARE's trainers at micro_batch_size_per_gpu=1)
     normalize: Literal["answer_length", "masked_tokens", "masked_tokens_per_sample"] = "answer_length"
-    t_per: Literal["block", "sample"] = "block"  # block mode: one t per block | per sample
+    # block mode: auto (the family's publisher draw, models/<family>.py ``sft_t_per``: SDAR, LLaDA2 one t per
+    # sample) | one t per block | one t per sample
+    t_per: Literal["auto", "block", "sample"] = "auto"
     trace_shrink: int = 1
-    # pad every response to data.max_length and train on the pads (DARE: LLaDA with eos, SDAR with the pad id)
+    # pad every response to data.max_length and train on the pads (DARE: LLaDA with eos, SDAR, Dream with the pad id)
     pad_response: Literal["none", "eos", "pad"] = "none"
 
 
@@ -388,6 +390,14 @@ def resolve_sft_mode(cfg: Config, arch: Any) -> str:
     if arch is None:
         return "auto"
     return "block" if arch.is_block_diffusion else "random"
+
+
+def resolve_sft_t_per(cfg: Config, family_t_per: Optional[str]) -> str:
+    """sft.t_per with 'auto' resolved: the family's declared draw (``family_t_per``, its publisher's SFT code),
+    else one t per block."""
+    if cfg.sft.t_per != "auto":
+        return cfg.sft.t_per
+    return family_t_per or "block"
 
 
 CONFIG_ALIASES: dict[str, str] = {

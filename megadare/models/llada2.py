@@ -34,6 +34,11 @@ from megadare.models.hf import decoder_family
 
 MASK_TOKEN_ID = 156895
 BLOCK_SIZE = 32
+# SFT's noise draw (sft.t_per=auto): one t per sample, as DARE's LLaDA2 SFT (verl/utils/dataset/llada2_sft_dataset.py
+# _forward_process: t ~ U(noise_range_low, noise_range_high) per sample)
+SFT_T_PER = "sample"
+# and keeps a draw that masks nothing (it scores nothing), where SDAR's rule draws again
+SFT_REDRAW_EMPTY = False
 # transformers has no llada2_moe: configs megadare writes name its own configuration file (models/remote_code/),
 # which save_hf_model puts beside them, so AutoConfig (SGLang) reads them with trust_remote_code
 AUTO_MAP = {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig"}
@@ -155,4 +160,8 @@ def tiny_config(**over) -> dict:
     return cfg
 
 
-LLADA2 = register(decoder_family("llada2", "LLaDA2MoeModelLM", arch, NAMES, tiny_config))
+LLADA2 = register(
+    decoder_family(
+        "llada2", "LLaDA2MoeModelLM", arch, NAMES, tiny_config, sft_t_per=SFT_T_PER, sft_redraw_empty=SFT_REDRAW_EMPTY
+    )
+)

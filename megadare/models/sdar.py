@@ -29,6 +29,9 @@ from megadare.models.hf import decoder_family
 
 MASK_TOKEN_ID = 151669
 BLOCK_SIZE = 4
+# SFT's noise draw (sft.t_per=auto): one t per sample, as SDAR's own training code (modeling_sdar.py
+# forward_add_noise_packed, one t per packed sample; DARE's sdar_fsdp_sft_trainer.py) draws it
+SFT_T_PER = "sample"
 _L = "model.layers.{i}."
 QWEN_NAMES = HFNames(  # Qwen2 / Qwen3 layers as HF names them; SDAR adds QK norms and experts, Dream QKV biases
     embed="model.embed_tokens.weight",
@@ -146,6 +149,7 @@ def _family(name: str, architecture: str, moe: bool) -> Family:
         NAMES,
         lambda **o: _tiny(moe, **o),
         ignore_hf=("rotary_emb.inv_freq",),
+        sft_t_per=SFT_T_PER,
     )
 
 

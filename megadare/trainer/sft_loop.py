@@ -17,14 +17,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megadare.algos.sft import SFTRecipe, mask_kind, example_generator, example_rows
-from megadare.config import Config, resolve_sft_mode
+from megadare.config import Config, resolve_sft_mode, resolve_sft_t_per
 from megadare.data.files import load_many
 from megadare.data.prompt_data import synthetic_split
 from megadare.data.rows import pack_rows, split_for_data_parallel, global_denominator
 from megadare.data.sft_data import build_sft_examples, pad_responses
 from megadare.diffusion.schedule import NoiseSchedule
 from megadare.errors import ConfigError
-from megadare.models.family import MaskKind
+from megadare.models.family import MaskKind, get_family
 from megadare.parallel import destroy_distributed, init_distributed
 from megadare.parallel.layout import Layout
 from megadare.trainer.data_order import StepSampler, check_same_order
@@ -42,14 +42,18 @@ from megadare.trainer.step import RowFormat, weighted_nll, train_step
 
 
 def sft_recipe(cfg: Config, arch):
+    """The SFT recipe of the config for this model; what the config leaves to the family (sft.t_per=auto, the
+    block draw's redraw rule) is the family's declaration (models/<family>.py ``sft_*``)."""
     s = cfg.sft
+    declared = get_family(arch.family).extra
     return SFTRecipe(
         mode=resolve_sft_mode(cfg, arch),
         block_size=arch.block_size or 1,
         schedule=NoiseSchedule(s.noise_low, s.noise_high, s.weighting),
         normalize=s.normalize,
-        t_per=s.t_per,
+        t_per=resolve_sft_t_per(cfg, declared.get("sft_t_per")),
         trace_shrink=s.trace_shrink,
+        redraw_empty=declared.get("sft_redraw_empty", True),
     )
 
 
