@@ -59,3 +59,15 @@ def test_a_sigterm_between_the_demos_stages_keeps_sft_and_says_so(tmp_path):
     ), (out, err[-3000:])
     assert "Traceback" not in err and not os.path.exists(work / "rl"), (out, err[-3000:])
     assert os.path.isdir(work / "sft" / "ckpt" / "iter_0000002")
+
+
+@pytest.mark.timeout(200)
+def test_a_sigterm_during_the_foundation_demo_stops_it_in_one_line(tmp_path):
+    # the first family's checkpoint converted, in the demo's temporary work directory: the whole job gets SIGTERM
+    env = {"HOOK_TARGET": "megadare.demo_foundation.hf_to_megatron", "TMPDIR": str(tmp_path)}
+    proc, out, err = run_hooked(tmp_path, HOOK, ["demo", "--foundation"], env, 150)
+    assert proc.returncode == 0, (proc.returncode, out, err[-3000:])
+    assert out.strip().splitlines()[-1] == (
+        "demo stopped by SIGTERM before it wrote anything; run the same command again"
+    ), (out, err[-3000:])
+    assert "Traceback" not in err and not [p for p in os.listdir(tmp_path) if p.startswith("megadare_demo")]
