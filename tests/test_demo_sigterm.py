@@ -71,3 +71,16 @@ def test_a_sigterm_during_the_foundation_demo_stops_it_in_one_line(tmp_path):
         "demo stopped by SIGTERM before it wrote anything; run the same command again"
     ), (out, err[-3000:])
     assert "Traceback" not in err and not [p for p in os.listdir(tmp_path) if p.startswith("megadare_demo")]
+
+
+@pytest.mark.timeout(300)
+def test_a_sigterm_after_the_demos_rl_lets_it_finish(tmp_path):
+    work = tmp_path / "demo"
+    argv = ["demo", "--workdir", str(work), "--sft-steps", "2", "--rl-steps", "1"]
+    # RL's last checkpoint written and its ranks ended, the curve drawn: then the whole job gets SIGTERM
+    proc, out, err = run_hooked(tmp_path, HOOK, argv, {"HOOK_TARGET": "megadare.demo.plot_rl_curve"}, 250)
+    assert proc.returncode == 0, (proc.returncode, out, err[-3000:])
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("held-out accuracy: SFT "), (out, err[-3000:])
+    assert last.endswith("; SIGTERM received after the last checkpoint was written: nothing lost"), out
+    assert os.path.isfile(work / "reward_curve.png") and "Traceback" not in err, err[-3000:]
