@@ -316,7 +316,7 @@ def _inode(path: str) -> Optional[int]:
 
 
 RUN_COMMANDS = ("sft", "dpo", "rl")
-WATCHED_COMMANDS = (*RUN_COMMANDS, "eval", "convert", "plan")  # a SIGTERM stops them in one line, exit 0
+WATCHED_COMMANDS = (*RUN_COMMANDS, "eval", "convert", "plan", "demo")  # a SIGTERM stops them in one line, exit 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -332,12 +332,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _command(argv: list[str]) -> int:
     try:
-        if argv[:1] == ["demo"]:  # the demo parses its own options; its work directory is checked before torch
-            demo_parser = demo_setup.parser(_Parser)
-            if "--foundation" not in argv:
-                _check_options(demo_parser._option_string_actions, argv[1:])
-                demo_setup.check_workdir(demo_setup.demo_run(demo_parser.parse_args(argv[1:])))
-            return _module("demo").main(argv[1:], demo_parser)
+        if argv[:1] == ["demo"]:
+            return _run_demo(argv[1:])
         parser = _parser()
         if argv[:1] in [[c] for c in CONFIG_COMMANDS]:
             _check_options(_subcommand(parser, argv[0])._option_string_actions, argv[1:])
@@ -356,6 +352,25 @@ def _command(argv: list[str]) -> int:
         return 130
 
 
+def _run_demo(argv: list[str]) -> int:
+    """``megadare demo``: it parses its own options; its work directory is checked before torch. A SIGTERM outside
+    its stages' loops (its set-up, between SFT and RL) stops it as one in a stage does: one line naming what its
+    stages saved (``demo_setup.stopped_line``), exit 0."""
+    demo_parser = demo_setup.parser(_Parser)
+    if "--foundation" in argv:
+        return _module("demo").main(argv, demo_parser)
+    _check_options(demo_parser._option_string_actions, argv)
+    demo = demo_setup.demo_run(demo_parser.parse_args(argv))
+    try:
+        demo_setup.check_workdir(demo)
+        return _module("demo").main(argv, demo_parser)
+    except StoppedBeforeTheLoop as stop:
+        if isinstance(stop.__context__, _ONE_LINE_ERRORS):  # the error ended the demo (``_stopped_before_the_loop``)
+            raise
+        print(demo_setup.stopped_line(demo), flush=True)
+        return 0
+
+
 def _stopped_before_the_loop(argv: list[str], stop: StoppedBeforeTheLoop) -> int:
     """The stop's line, exit 0; unless the SIGTERM came while one of our errors was on its way out (the stop's
     context; only ours: an ImportError a library's import caught and handled is a context too): the error ended
@@ -364,7 +379,7 @@ def _stopped_before_the_loop(argv: list[str], stop: StoppedBeforeTheLoop) -> int
         report_error(stop.__context__)
         return 2
     command = argv[0] if argv else "megadare"
-    if command in ("eval", "convert", "plan"):  # no checkpoint to resume from
+    if command in ("eval", "convert", "plan", "demo"):  # no checkpoint to resume from (the demo's: ``_run_demo``)
         print(f"{command} stopped by SIGTERM before it wrote anything; run the same command again", flush=True)
         return 0
     print(

@@ -11,7 +11,7 @@ import time
 import warnings
 from typing import Callable, Optional
 
-from megadare import demo_foundation
+from megadare import demo_foundation, stopping
 from megadare.demo_setup import DemoRun, check_workdir, demo_run, parser
 from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve, step_rewards
@@ -34,6 +34,7 @@ def run_demo(demo: DemoRun, on_start: Callable[[], None] = lambda: None) -> dict
     if sft["stopped_by_signal"]:  # a SIGTERM (scancel): the stage saved and stopped, and so does the demo
         return {"stopped": f"SFT at step {sft['step']}"}
     out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
+    stopping.loop_ended()  # RL saved its last checkpoint: a SIGTERM from here on lets the curve and summary finish
     if out["stopped_by_signal"]:
         return {"stopped": f"RL at step {out['step']}"}
     evals = out["evals"]
@@ -72,5 +73,10 @@ def main(argv: Optional[list[str]] = None, ap: Optional[argparse.ArgumentParser]
         )
         return 0
     print(f"reward curve: {res['png']}; tensorboard: tensorboard --logdir {demo.workdir}; {res['seconds']:.0f} s")
-    print(f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}")
+    late = "; SIGTERM received after the last checkpoint was written: nothing lost"
+    print(
+        f"held-out accuracy: SFT {res['sft_accuracy']:.2f} -> RL {res['rl_accuracy']:.2f}"
+        + (late if stopping.sigterm_after_the_loop() else ""),
+        flush=True,
+    )
     return 0

@@ -157,3 +157,22 @@ def demo_run(args: argparse.Namespace) -> DemoRun:
     """The run ``parser()``'s ``args`` ask for (``--workdir``: the demo's own by default)."""
     workdir = args.workdir or default_workdir(args.family, args.algo)
     return DemoRun(workdir, args.sft_steps, args.rl_steps, args.algo, args.nproc, tuple(args.overrides), args.family)
+
+
+def stopped_line(demo: DemoRun) -> str:
+    """The line of a demo a SIGTERM (``scancel``) stopped outside its stages' loops (its set-up, between SFT and
+    RL): what its stages saved (each ``<stage>/ckpt``'s newest checkpoint) is kept, and a rerun resumes it."""
+    kept = []
+    for stage in ("sft", "rl"):
+        tracker = os.path.join(demo.workdir, stage, "ckpt", "latest_checkpointed_iteration.txt")
+        try:
+            with open(tracker) as f:
+                kept.append(f"{stage.upper()} at step {int(f.read().strip())}")
+        except (OSError, ValueError):  # none written yet (or unreadable: the rerun's resume says why)
+            continue
+    if not kept:
+        return "demo stopped by SIGTERM before its first step: nothing to save; run the same command again"
+    return (
+        f"demo stopped by SIGTERM between steps: nothing new to save, its checkpoints kept ({', '.join(kept)}); run "
+        "the same command again to resume it"
+    )

@@ -3,7 +3,8 @@
 * set-up (from the start of ``megadare sft|dpo|rl``, of a launched rank, before the loop): the set-up unwinds by
   ``StoppedBeforeTheLoop`` (once), its cleanup run, and the command says so in one line, exit 0; ``megadare eval``
   and ``megadare convert``, which have no loop, are in this phase throughout (what they wrote half is removed,
-  what they finished is kept, and they say which in one line);
+  what they finished is kept, and they say which in one line), ``megadare demo`` outside its stages' loops (its
+  set-up, between SFT and RL: one line naming the checkpoints its stages kept) and the quantize tool likewise;
 * the loop: trainer/signals.py's ``StopSignal`` takes over (finish the step, save, stop);
 * after the loop (its last checkpoint written): the cleanup finishes and the summary says the SIGTERM came after
   the checkpoint; nothing is lost, so the run is not turned into an error;

@@ -172,6 +172,20 @@ def test_rl_resume_matches_straight_run(tmp_path):
     assert all(h["sync_bytes"] > 0 and h["sync_buckets"] >= 1 for h in straight["history"])
 
 
+def test_a_resumed_run_evaluates_the_steps_a_straight_one_does(tmp_path):
+    """Stopped after its checkpoint at step 1 (no evaluation due: rl.eval_interval=2), the resumed run evaluated at
+    its start step anyway (an evaluation a straight run never makes, its minutes spent again at every resume);
+    stopped after its checkpoint at step 2 (evaluated before it), the resumed run does not evaluate step 2 again.
+    Each evaluated step is logged once: metrics.jsonl and tensorboard hold steps 0, 2 and 3, as a straight run's."""
+    cfg = _rl_cfg(tmp_path, "rl.steps=3", "rl.eval_interval=2")
+    assert _run(cfg, max_steps=1)["step"] == 1
+    assert sorted(_run(cfg, max_steps=1)["evals"]) == [0, 2]
+    assert sorted(_run(cfg)["evals"]) == [0, 2, 3]
+    logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in logged if "eval/accuracy" in m] == [0, 2, 3], logged
+    assert [step for step, _ in _events(str(tmp_path))["eval/accuracy"]] == [0, 2, 3]
+
+
 def test_rl_tp2_matches_tp1(tmp_path):
     """Also the multi-update path: 2 PPO epochs x 2 mini-batches, old log-probs from a separate pass; the TP2 run
     pushes its weights over the distributed transport (a gloo group with the engine), the TP1 run colocated."""

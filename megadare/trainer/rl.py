@@ -27,7 +27,7 @@ from megadare.parallel import destroy_distributed, init_distributed
 from megadare.errors import PeerError
 from megadare.parallel.rank0 import on_every_rank, run_on_rank0
 from megadare.rollout.ray_health import job_stop_errors, lost_to_sigterm
-from megadare.trainer.loop import Loop
+from megadare.trainer.loop import Loop, every
 from megadare.trainer.monitor import Monitor
 from megadare.trainer.offpolicy.correction import (
     bypass_rejection,
@@ -71,7 +71,7 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             return finished_run(run)
         push_weights(run, queued=False)
         start_loop(run)
-        if run.step not in run.evals:  # a resumed run evaluated this step before its checkpoint
+        if evaluation_due_at_start(run):
             evaluate_at(run)
         loop = Loop(cfg.rl.steps, run.step, run.monitor, max_steps)
         cleanup.callback(loop.close)  # an error too: the bar ends its line, Ctrl-C is Python's again
@@ -88,6 +88,15 @@ def run_rl(cfg: Config, max_steps: Optional[int] = None) -> dict[str, Any]:
             unless_ray_lost(run, evaluate_at)
         loop.close()
         return summary(run, loop.stopped)
+
+
+def evaluation_due_at_start(run: RLRun) -> bool:
+    """Whether the run evaluates before its first step: a fresh run (the step-0 baseline), or a resumed one whose
+    start step was due an evaluation (``rl.eval_interval``) that its checkpoint does not hold (Ray lost before it).
+    One the run logged before its checkpoint is not repeated (two points at one step), and none is added at a step
+    that was due none: where the run stopped does not change which steps are evaluated."""
+    step, rl_cfg = run.step, run.cfg.rl
+    return step not in run.evals and (step == 0 or every(step, rl_cfg.eval_interval, rl_cfg.steps))
 
 
 @contextmanager
