@@ -87,7 +87,27 @@ def load_baseline(ref: str) -> Optional[types.SimpleNamespace]:
         with open(os.path.join(root, pkg, f"{name}.py"), "w") as f:
             f.write(src)
     sys.path.insert(0, root)
-    return types.SimpleNamespace(**{m: importlib.import_module(f"{pkg}.{m}") for m in sources})
+    try:
+        return types.SimpleNamespace(**{m: importlib.import_module(f"{pkg}.{m}") for m in sources})
+    except ImportError as e:  # the copy imports megadare's other modules (engine.py, models/) from this checkout
+        raise SystemExit(_unloadable(ref, e, os.path.join(root, pkg))) from e
+
+
+def _unloadable(ref: str, e: ImportError, copy: str) -> str:
+    """The line refusing ``ref``: the file of the copy whose import failed, and what it could not import."""
+    names, tb = [], e.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if os.path.dirname(path) == copy and os.path.basename(path)[:-3] in BASELINE_FILES:
+            names.append(os.path.basename(path)[:-3])
+        tb = tb.tb_next
+    where = BASELINE_FILES[names[-1]] if names else "today's engine"
+    what = (str(e).splitlines() or [type(e).__name__])[0].split(" (/")[0]
+    return (
+        f"baseline: {where} at {ref} does not load against this checkout ({what}): the copy takes the files it "
+        f"does not list in BASELINE_FILES (benchmarks/rollout_peers.py) from this checkout; pick a ref that loads "
+        f"(HEAD, the default {BASELINE_REF}) or --baseline-ref none"
+    )
 
 
 def baseline_model(base: types.SimpleNamespace, model: torch.nn.Module) -> torch.nn.Module:

@@ -75,7 +75,7 @@ def timed_engines(args, cache: str, model, arch, base, **over) -> dict[str, tupl
     if base is not None:
         kw = {"full_attention_cache": cache} if arch.attention != "block_causal" else {}
         old = base.native.NativeEngine(baseline_model(base, model), arch, eos_token_id=args.eos, device=dev, **kw)
-        out["old"] = (old, ForwardClock(old, "_forward"))
+        out["old"] = (old, ForwardClock(old, "_forward" if hasattr(old, "_forward") else "forward"))  # renamed later
     return out
 
 

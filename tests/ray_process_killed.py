@@ -2,7 +2,9 @@
 a local Ray as ``megadare rl`` starts it, one engine, then ``raylet`` (its node's raylet: rollouts go on until Ray
 finds the node dead) or ``gcs rollout`` / ``gcs busy`` (the head's ``gcs_server``: rollouts go on, the engine still
 answering; or the driver works elsewhere, a train step). The run's error is printed as the CLI prints it
-(``report_error``). The ``gcs`` driver prints the pids of Ray's processes first (the test checks none is left)."""
+(``report_error``). Or ``gcs stopped``: the ``gcs_server`` SIGSTOPped (alive, its port open, answering nothing) and
+the run ends, shutting its engines down. The ``gcs`` driver prints the pids of Ray's processes first (the test
+checks none is left)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,19 @@ from test_rollout_placement import _echo_engine  # noqa: E402
 from megadare.cli import report_error  # noqa: E402
 from megadare.errors import PeerError  # noqa: E402
 from megadare.rollout.engine import SamplingParams  # noqa: E402
+from megadare.rollout import manager as manager_module  # noqa: E402
 from megadare.rollout.manager import EngineLimits, EngineSpec, RolloutManager  # noqa: E402
+
+
+def _end_with_a_stopped_gcs(manager) -> None:
+    """SIGSTOP the GCS, then end the run as rl_run does (the engines shut down), within a short release deadline."""
+    manager_module.RELEASE_S = 3.0
+    for p in psutil.Process().children(recursive=True):
+        if p.name() == "gcs_server":
+            p.suspend()
+    manager.shutdown(timeout_s=1)
+    sys.exit(0)
+
 
 if __name__ == "__main__":
     victim, rollouts = sys.argv[1], sys.argv[1] == "raylet" or sys.argv[2] == "rollout"
@@ -31,6 +45,8 @@ if __name__ == "__main__":
     manager.generate([[1]], params)
     if victim == "gcs":
         print(" ".join(str(p.pid) for p in psutil.Process().children(recursive=True)), flush=True)  # Ray's processes
+    if sys.argv[2:] == ["stopped"]:
+        _end_with_a_stopped_gcs(manager)
     for p in psutil.Process().children(recursive=True):
         if ("gcs_server" if victim == "gcs" else "raylet") in p.name():
             p.kill()

@@ -67,3 +67,53 @@ def test_a_baseline_decodes_with_its_own_decoders(tmp_path):
         pytest.skip("ce9edaf is not in this checkout (a shallow clone)")
     r = _load("ce9edaf", tmp_path)
     assert "loaded True" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_recent_baseline_ref_runs_in_the_benchmark(tmp_path):
+    """A ref after ce9edaf (HEAD here) died in the clock of its forwards: its engine's ``_forward`` became
+    ``forward``. It runs now, on a shape that takes seconds."""
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the baseline is read with git show")
+    tiny = ["--batch", "2", "--prompt", "8", "--new", "8", "--rounds", "1", "--layers", "1", "--vocab", "256"]
+    r = subprocess.run(
+        [sys.executable, "rollout_throughput.py", "--baseline-ref", "HEAD", "--threads", "1", *tiny],
+        cwd=os.path.join(ROOT, "benchmarks"),
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rollout megadare today (HEAD) " in r.stdout, r.stdout
+
+
+def test_a_ref_that_does_not_load_is_refused_in_one_line_naming_it_and_the_file(tmp_path):
+    """The copy imports what BASELINE_FILES does not list (rollout/engine.py, models/) from this checkout: a ref
+    whose files import a name the checkout no longer has ended in an ImportError traceback. Now one line names the
+    ref, the file and the name."""
+    code = (
+        "import rollout_peers as rp\n"
+        "real = rp._git_show\n"
+        "def show(ref, path):\n"
+        "    src, why = real('HEAD', path)\n"
+        "    if path.endswith('native.py'):\n"
+        "        src = src.replace('\\nfrom megadare.', '\\nfrom megadare.rollout.engine import GoneSince\\nfrom megadare.', 1)\n"
+        "    return src, why\n"
+        "rp._git_show = show\n"
+        "rp.load_baseline('abc1234')\n"
+    )
+    if subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: the baseline is read with git show")
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.join(ROOT, "benchmarks"),
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("baseline: megadare/rollout/native.py at abc1234 does not load"), lines[0]
+    assert "GoneSince" in lines[0] and "megadare.rollout.engine" in lines[0] and "--baseline-ref none" in lines[0]
+    assert not _copies(tmp_path)

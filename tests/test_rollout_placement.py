@@ -122,6 +122,53 @@ def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_proce
     assert not left, [(p.pid, p.status(), p.name()) for p in left]
 
 
+@pytest.mark.timeout(200)
+def test_a_run_ends_in_bounded_time_when_its_gcs_takes_calls_but_answers_none():
+    """The head's gcs_server alive but answering nothing (SIGSTOPped here; swamped, or waiting for a lost node):
+    its port still accepts, so the GCS watch sees it alive, and the engines' shutdown at the run's end waited in
+    ``remove_placement_group`` forever (the old code: the run never ended). Now the release gets RELEASE_S, then
+    the local Ray the run started is ended and one line says so."""
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "ray_process_killed.py")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
+    proc = subprocess.Popen(
+        [sys.executable, script, "gcs", "stopped"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        out, err = proc.communicate(timeout=150)  # set-up ~20 s on a loaded 2-core machine, the release 3 s
+    finally:
+        if proc.poll() is None:  # the old code: hung in remove_placement_group
+            proc.kill()
+            out, err = proc.communicate()
+        left = _ray_left([int(p) for p in out.split()])
+        for p in left:  # its Ray's processes, stopped GCS included, end with this test either way
+            p.kill()
+    assert proc.returncode == 0, (proc.returncode, err[-3000:])
+    lines = [ln for ln in err.splitlines() if ln.startswith("megadare: ")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("megadare: Ray's GCS did not release the rollout engines (1 actor, placement group ")
+    assert "within 3 s (" in lines[0] and "Ray's logs: " in lines[0], lines[0]
+    assert lines[0].endswith(" processes)") and "ended the local Ray this run started (" in lines[0], lines[0]
+    assert out.split() and not left, (out, [(p.pid, p.name()) for p in left])
+
+
+def _ray_left(pids: list[int]) -> list:
+    """Those of ``pids`` still running after 10 s (psutil.Process; zombies and the gone left out)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    return [p for p in alive if p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
+
+
 def test_the_gcs_watch_rides_out_a_blip_and_names_a_lost_host(monkeypatch):
     """A GCS port that timed out three probes in a row (~9 s: a congested network Ray itself rides out for 60 s)
     ended the run; now it takes GCS_MISSES (~30 s) in a row, and a refused port (nothing listens) at once."""

@@ -63,7 +63,6 @@ from megadare.rewards import (
     score_batch,
     set_isolation,
 )
-from megadare.rollout.ray_health import end_local_ray
 from megadare.rollout.setup import start_engines
 
 __all__ = [
@@ -319,23 +318,13 @@ def _run_tasks(spec: RunSpec, src, tok, work: tuple, params, out_dir: str) -> in
         stopped = True
     finally:
         stopping.loop_ended()  # a SIGTERM from here on lets the engines go and the last line be printed
-        _end_engines(manager, stopped)
+        manager.shutdown(ray_stopped=stopped)  # the job's SIGTERM reached Ray too: its local Ray is ended
     if stopped:
         print(_stopped_line(out_dir, list(summary["tasks"]), summary["tasks_left"]), flush=True)
         return 0
     csv_path = write_summary(out_dir, summary["tasks"])
     print(f"eval: wrote {os.path.join(out_dir, 'summary.json')}, {csv_path} and samples_<task>.jsonl")
     return 0
-
-
-def _end_engines(manager, stopped: bool) -> None:
-    """Shut the engines down; after a SIGTERM to the job (``stopped``), which reached Ray's processes too, end the
-    local Ray instead: the shutdown waited for the dead raylet forever (``remove_placement_group``)."""
-    if not stopped:
-        manager.shutdown()
-        return
-    manager.gcs.stop()
-    end_local_ray()
 
 
 def _begin_outputs(out_dir: str, summary: dict[str, Any]) -> None:

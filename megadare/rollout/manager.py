@@ -32,13 +32,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from megadare.console import end_open_line
 from megadare.errors import RESUME, ConfigError, PeerError
 from megadare.models import load_hf_model
 from megadare.models.family import family_of, read_hf_config
 from megadare.rollout.choices import ENGINE_DEVICES, ENGINE_DTYPES
 from megadare.rollout.engine import SamplingParams, Trajectory, prompt_seed
 from megadare.rollout.native import NativeEngine, NativeSettings
-from megadare.rollout.ray_health import GcsWatch, end_local_ray, ray_died
+from megadare.rollout.ray_health import RELEASE_S, GcsWatch, end_local_ray, left_to_ray, ray_died, within
 from megadare.rollout.weight_sync.groups import GroupPlan, GroupSpec, WeightReceiver, gpu_uuid, host_ip
 from megadare.rollout.weight_sync.plan import Flat
 
@@ -431,31 +432,53 @@ class RolloutManager:
         """Call an engine method on every actor (sleep, wake, health, logits, ...)."""
         return self.gather([a.call.remote(method, *args) for a in self.actors], f"{method}()")
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = 30.0, ray_stopped: bool = False) -> None:
         """Each engine shuts itself down (at most ``timeout_s`` for all), then the actors are killed and their
         placement group removed. An engine that hung, raised or died (``unanswered``) is killed first, without
         being asked: its close would wait behind the call it hangs in, delaying the run's error by ``timeout_s``.
         With the head's GCS dead, the engines are only asked to close: killing actors and removing the group go
-        through the GCS and would wait for Ray to end this driver (the actors end with their raylet)."""
+        through the GCS and would wait for Ray to end this driver (the actors end with their raylet); the local Ray
+        is ended. ``ray_stopped``: the job's SIGTERM reached Ray's processes too (an eval stopped by it): nothing is
+        asked through Ray, the local Ray is ended. A GCS alive but not answering: ``_release``."""
+        gcs_dead = ray_stopped or self.gcs.found_dead()  # after a SIGTERM to the job (set-up stopped by it): at once
+        if not ray_stopped:
+            self._close_engines(timeout_s, kill_first=not gcs_dead)
+        self.gcs.stop()
+        if gcs_dead or self.gcs.error is not None:
+            end_local_ray()
+            return
+        self._release()
+
+    def _close_engines(self, timeout_s: float, kill_first: bool) -> None:
         ray = _ray()
         from ray.exceptions import RayError  # heavy: Ray
-        from ray.util.placement_group import remove_placement_group
 
-        gcs_dead = self.gcs.found_dead()  # after a SIGTERM to the job (set-up stopped by it): at once
-        for slot in sorted(self.unanswered) if not gcs_dead else []:
+        for slot in sorted(self.unanswered) if kill_first else []:
             ray.kill(self.actors[slot])
         closing = [a.close.remote() for s, a in enumerate(self.actors) if s not in self.unanswered]
         try:
             ray.get(closing, timeout=timeout_s)
         except RayError:  # a dead actor, an engine whose shutdown failed or hangs: killed below all the same
             pass
-        self.gcs.stop()
-        if gcs_dead or self.gcs.error is not None:
-            end_local_ray()
+
+    def _release(self) -> None:
+        """Kill the actors and remove their placement group, within ``RELEASE_S``: a GCS that takes the call and
+        never answers (stopped, swamped) held the run's end in ``remove_placement_group`` forever. Past it, the
+        local Ray this run started is ended (never one it joined), and one line says so or what is left."""
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group  # heavy: Ray
+
+        def release() -> None:
+            for a in self.actors:
+                ray.kill(a)
+            remove_placement_group(self.pg)
+
+        if within(RELEASE_S, release):
             return
-        for a in self.actors:
-            ray.kill(a)
-        remove_placement_group(self.pg)
+        n = len(self.actors)
+        what = f"the rollout engines ({n} actor{'s' * (n != 1)}, placement group {self.pg.id.hex()})"
+        end_open_line(sys.stderr)
+        print(f"megadare: {left_to_ray(what, RELEASE_S, end_local_ray())}", file=sys.stderr, flush=True)
 
 
 class PendingRollout:

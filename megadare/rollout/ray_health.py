@@ -29,6 +29,7 @@ GCS_PROBE_S = 1.0  # seconds between two probes of the GCS port
 GCS_MISSES = 10  # probes that time out in a row (2 s each + 1 s apart: ~30 s of a lost host, inside Ray's limit)
 GCS_GRACE_S = 10.0  # seconds the driver gets to raise the error itself before the watch prints it and exits
 GCS_WAIT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"  # how long Ray lets a process live without its GCS (60 s)
+RELEASE_S = 20.0  # seconds the engines' actors and placement group get to be released through the GCS at the end
 
 
 _TERMINATED: list[bool] = []  # this process got SIGTERM (trainer/signals.py notes it): a local Ray may have too
@@ -167,6 +168,41 @@ def end_local_ray() -> list[int]:
         except psutil.Error:
             pass
     return [p.pid for p in ours]
+
+
+def within(deadline_s: float, work: Callable[[], None]) -> bool:
+    """Run ``work`` in a daemon thread -> whether it returned within ``deadline_s`` (its error is raised here). A call
+    through Ray's GCS waits as long as the GCS takes it and never answers (a stopped or swamped ``gcs_server``: its
+    port still accepts, so ``GcsWatch`` sees it alive); past the deadline it is left to its thread."""
+    done, raised = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, raised there
+            raised.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="megadare-ray-release", daemon=True).start()
+    if not done.wait(deadline_s):
+        return False
+    if raised:
+        raise raised[0]
+    return True
+
+
+def left_to_ray(what: str, deadline_s: float, ended: list[int]) -> str:
+    """The line of a release through the GCS that did not end within ``deadline_s``: the local Ray this process
+    started was ended (``ended``: its pids), or, of a Ray it only joined (nothing to end: never another's), what is
+    left there."""
+    head = (
+        f"Ray's GCS did not release {what} within {deadline_s:.0f} s (it takes calls but answers none: stopped, "
+        f"swamped, or waiting for a lost node; Ray's logs: {ray_logs()})"
+    )
+    if ended:
+        return f"{head}: ended the local Ray this run started ({len(ended)} processes)"
+    return f"{head}: they hold their resources on the Ray cluster until it frees them (`ray stop` on its nodes)"
 
 
 @contextmanager
