@@ -17,8 +17,10 @@ low-confidence remasking; LLaDA: blocks of ``--full-block``, the same; Dream: DA
 response with the linspace schedule and entropy ranking); ratios are medians over ``--rounds`` alternated rounds.
 
 * today's engine: ``--baseline-ref`` (default: main before issue 27) is read with ``git show`` from this checkout
-  and imported as a private copy (its hf/ model, sampling, step, editing and engine files); nothing of it is kept
-  in the package. ``--baseline-ref none`` skips it.
+  and imported as a private copy (its hf/ model, sampling, step, editing, decoder and engine files: rollout_peers.py
+  ``BASELINE_FILES``; the rest, ``engine.py``'s ``SamplingParams`` among them, is this checkout's), so any ref whose
+  copy imports only what this checkout still has runs, HEAD included; another is refused in one line naming the
+  file and the name. Nothing of it is kept in the package. ``--baseline-ref none`` skips it.
 * DARE (``--peer-repo``: a checkout of yjyddq/DARE; never vendored): SDAR ``block_diffusion_generate``
   (opencompass/opencompass/models/sdar_generate.py) per prompt as shipped, and on the whole batch (it allocates its
   canvas for one prompt: that one line is patched); LLaDA

@@ -10,7 +10,8 @@ import pytest
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # a Ray of its own (address="local"): a bare ray.init() joins any cluster already up on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     old = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     yield

@@ -26,6 +26,7 @@ def _hf(path, seed: int, name: str = "sdar") -> str:
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(
+        address="local",  # a Ray of its own, not a cluster already up on this machine
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
