@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from megadare import demo_foundation
 from megadare.demo_setup import DemoRun, check_workdir, demo_run, parser
+from megadare.errors import StoppedBeforeTheLoop
 from megadare.parallel.launch import spawn
 from megadare.trainer.plots import plot_rl_curve, step_rewards
 from megadare.trainer.rl import rl_worker
@@ -33,7 +34,12 @@ def run_demo(demo: DemoRun, on_start: Callable[[], None] = lambda: None) -> dict
     sft = spawn(sft_worker, demo.nproc, sft_cfg, timeout_s=3600)[0]
     if sft["stopped_by_signal"]:  # a SIGTERM (scancel): the stage saved and stopped, and so does the demo
         return {"stopped": f"SFT at step {sft['step']}"}
-    out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
+    try:
+        out = spawn(rl_worker, demo.nproc, rl_cfg, timeout_s=3600)[0]
+    except StoppedBeforeTheLoop as stop:  # SFT finished and saved: not the command's "nothing new to save"
+        if stop.__context__ is not None:  # an error was on its way out: the command reports it
+            raise
+        return {"stopped": f"RL's set-up, after SFT finished at step {sft['step']}"}
     if out["stopped_by_signal"]:
         return {"stopped": f"RL at step {out['step']}"}
     evals = out["evals"]

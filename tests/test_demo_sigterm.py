@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+import megadare.demo as demo_module
+from megadare.errors import StoppedBeforeTheLoop
 from test_rl_group_sigterm import run_hooked
 from test_sigterm_edges import HOOK
 
@@ -27,3 +29,21 @@ def test_a_sigterm_during_the_demos_sft_stops_the_demo_there(tmp_path):
     ), (out, err[-3000:])
     assert "held-out accuracy" not in out and not os.path.exists(work / "rl"), out
     assert os.path.isdir(work / "sft" / "ckpt" / "iter_0000001")
+
+
+def test_a_sigterm_during_the_rl_set_up_says_sft_was_saved(tmp_path, monkeypatch, capsys):
+    """A SIGTERM after SFT finished, while RL set up (Ray starting): the demo said 'demo stopped by SIGTERM before
+    its first step: nothing new to save', though SFT's 500 steps were saved and a rerun goes straight to RL."""
+
+    def stage(worker, nproc, cfg, timeout_s):
+        if worker is demo_module.sft_worker:
+            return [{"stopped_by_signal": False, "step": 4}]
+        raise StoppedBeforeTheLoop()  # what the RL worker raises on a SIGTERM before its first step
+
+    monkeypatch.setattr(demo_module, "spawn", stage)
+    argv = ["--workdir", str(tmp_path / "demo"), "--sft-steps", "4", "--rl-steps", "2"]
+    assert demo_module.main(argv) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "demo stopped by SIGTERM during RL's set-up, after SFT finished at step 4 (its checkpoint saved); run the "
+        "same command again to resume it"
+    )
