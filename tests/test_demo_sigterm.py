@@ -5,10 +5,12 @@ exit 0) that never said it was stopped. Now it stops after the stage's checkpoin
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 import megadare.demo as demo_module
+from megadare import stopping
 from megadare.errors import StoppedBeforeTheLoop
 from test_rl_group_sigterm import run_hooked
 from test_sigterm_edges import HOOK
@@ -47,3 +49,21 @@ def test_a_sigterm_during_the_rl_set_up_says_sft_was_saved(tmp_path, monkeypatch
         "demo stopped by SIGTERM during RL's set-up, after SFT finished at step 4 (its checkpoint saved); run the "
         "same command again to resume it"
     )
+
+
+def test_a_sigterm_in_the_demos_second_run_stops_its_set_up():
+    """The demo runs RL after SFT in one process: a SIGTERM while RL set up (Ray, the engines starting), or between
+    the stages, was taken for one after SFT's loop (nothing to do) and the demo trained all of RL, ignoring it."""
+    with stopping.watching():  # the command
+        with stopping.watching():  # SFT
+            stopping.loop_began()
+            stopping.loop_ended()
+        with stopping.watching(), pytest.raises(StoppedBeforeTheLoop):  # RL's set-up
+            signal.raise_signal(signal.SIGTERM)
+    with stopping.watching():
+        with stopping.watching():
+            stopping.loop_began()
+            stopping.loop_ended()
+        signal.raise_signal(signal.SIGTERM)  # between the stages
+        with pytest.raises(StoppedBeforeTheLoop), stopping.watching():
+            pass
