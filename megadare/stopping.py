@@ -10,6 +10,9 @@
   the checkpoint; nothing is lost, so the run is not turned into an error;
 * outside any run (``watching`` not entered): what SIG_DFL does.
 
+A run entered after another one finished in the same command (the demo's RL after its SFT) has a set-up phase of
+its own; a SIGTERM between the two stops it as it enters.
+
 Torch-free, on the floor: the command installs it before its heavy imports (cli.py), a rank before its own
 (parallel/launch.py), the trainer around its set-up (trainer/signals.py). ``watching`` nests: the outermost one
 installs the handler and puts back what was there before.
@@ -60,6 +63,10 @@ def watching(note: Optional[Callable[[], None]] = None) -> Iterator[None]:
         return
     if _STATE["depth"] == 0:
         _STATE.update(previous=signal.getsignal(signal.SIGTERM), phase=SET_UP, stopped=False, late=False)
+    elif _STATE["phase"] == FINISHED:  # a run after one that finished (the demo's RL after its SFT): its own set-up
+        _STATE.update(phase=SET_UP, stopped=_STATE["late"])
+        if _STATE["late"]:  # the job's SIGTERM came between the two: this one does not start
+            raise StoppedBeforeTheLoop(signal.SIGTERM)
     _STATE["depth"] += 1
     if note is not None:
         _STATE["notes"].append(note)

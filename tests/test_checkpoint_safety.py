@@ -19,11 +19,13 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
 from megadare.errors import RunStateError
+from megadare.trainer.checkpoint import describe_schedule
 
 LOCK_FILE = "megadare.lock"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -695,3 +697,12 @@ def test_a_changed_lr_on_resume_is_the_lr_trained_with(run):
     assert "(0.9, 0.999) -> (0.9, 0.95)" in r.stderr
     lr5 = [json.loads(line)["lr"] for line in open(run / "metrics.jsonl")][4]
     assert lr5 == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 3 / 5)))  # cosine, warmup 1, 6 steps, at 4
+
+
+def test_a_constant_schedule_is_not_said_to_decay():
+    """A resumed demo RL run (constant lr) said 'lr schedule: constant, lr 0.0005 -> 0', as if it decayed to 0."""
+    shape = dict(max_lr=5e-4, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=12)
+    constant = SimpleNamespace(lr_decay_style="constant", **shape)
+    assert describe_schedule(constant, None) == "constant, lr 0.0005, warmup 0, over 12 steps; lr now 0.0005"
+    cosine = SimpleNamespace(lr_decay_style="cosine", **shape)
+    assert describe_schedule(cosine, None).startswith("cosine, lr 0.0005 -> 0, warmup 0")

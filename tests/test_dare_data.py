@@ -287,6 +287,17 @@ def test_eval_stops_when_rewards_fail(tmp_path):
         )
 
 
+def test_a_file_task_of_an_unknown_source_says_what_eval_reads(tmp_path):
+    """eval scores a file task by auto alone: the refusal must not send the user to rewards.name, which eval's
+    file tasks ignore (the README's user set it, and got the same error again)."""
+    odd = write_parquet(tmp_path / "reverse_1.parquet", [rl_row("reverse", "abc>", "cba", 0, task="reverse")])
+    with pytest.raises(DataError) as refused:
+        task_spec(odd)
+    assert str(refused.value).startswith(f"{odd}:row 1: megadare eval scores a file task by its rows' data_source")
+    assert "another rewards.name does not apply to it" in str(refused.value)
+    assert "data_source='reverse'" in str(refused.value)
+
+
 def test_rows_without_a_gold_answer_are_refused_or_left_out_when_asked(tmp_path, capsys):
     rows = math_rows(3)
     rows[1]["reward_model"]["ground_truth"] = None

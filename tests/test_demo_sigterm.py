@@ -9,9 +9,13 @@ there as ``megadare sft`` does: one line naming the checkpoints its stages kept,
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
+import megadare.demo as demo_module
+from megadare import cli, stopping
+from megadare.errors import StoppedBeforeTheLoop
 from test_rl_group_sigterm import run_hooked
 from test_sigterm_edges import HOOK
 
@@ -84,3 +88,41 @@ def test_a_sigterm_after_the_demos_rl_lets_it_finish(tmp_path):
     assert last.startswith("held-out accuracy: SFT "), (out, err[-3000:])
     assert last.endswith("; SIGTERM received after the last checkpoint was written: nothing lost"), out
     assert os.path.isfile(work / "reward_curve.png") and "Traceback" not in err, err[-3000:]
+
+
+def test_a_sigterm_during_the_rl_set_up_says_sft_was_saved(tmp_path, monkeypatch, capsys):
+    """A SIGTERM after SFT finished, while RL set up (Ray starting): the demo said 'demo stopped by SIGTERM before
+    its first step: nothing new to save', though SFT's steps were saved and a rerun goes straight to RL."""
+    work = tmp_path / "demo"
+
+    def stage(worker, nproc, cfg, timeout_s):
+        if worker is demo_module.sft_worker:  # SFT finished: its checkpoint's tracker, as the stage writes it
+            os.makedirs(work / "sft" / "ckpt")
+            (work / "sft" / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
+            return [{"stopped_by_signal": False, "step": 4}]
+        raise StoppedBeforeTheLoop()  # what the RL worker raises on a SIGTERM before its first step
+
+    monkeypatch.setattr(demo_module, "spawn", stage)
+    assert cli.main(["demo", "--workdir", str(work), "--sft-steps", "4", "--rl-steps", "2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "demo stopped by SIGTERM between steps: nothing new to save, its checkpoints kept (SFT at step 4); run the "
+        "same command again to resume it"
+    )
+
+
+def test_a_sigterm_in_the_demos_second_run_stops_its_set_up():
+    """The demo runs RL after SFT in one process: a SIGTERM while RL set up (Ray, the engines starting), or between
+    the stages, was taken for one after SFT's loop (nothing to do) and the demo trained all of RL, ignoring it."""
+    with stopping.watching():  # the command
+        with stopping.watching():  # SFT
+            stopping.loop_began()
+            stopping.loop_ended()
+        with stopping.watching(), pytest.raises(StoppedBeforeTheLoop):  # RL's set-up
+            signal.raise_signal(signal.SIGTERM)
+    with stopping.watching():
+        with stopping.watching():
+            stopping.loop_began()
+            stopping.loop_ended()
+        signal.raise_signal(signal.SIGTERM)  # between the stages
+        with pytest.raises(StoppedBeforeTheLoop), stopping.watching():
+            pass

@@ -12,8 +12,8 @@
 #
 # SDAR-30B-A3B RL with TraceRL on math prompts (math reward; examples/configs/rl_sdar30b.yaml). The Megatron actor
 # (TP 2 + sequence parallel, PP 2, EP 8, ETP 1: a multiple of 16 GPUs, default 2 x 8) trains on the first nodes,
-# SGLang rollout engines (one per GPU) run on the last ROLLOUT_NODES nodes; one Ray cluster spans the allocation
-# and megadare's rank 0 drives the engines through it.
+# SGLang rollout engines (ENGINE_GPUS=2 GPUs each) run on the last ROLLOUT_NODES nodes; one Ray cluster spans the
+# allocation and megadare's rank 0 drives the engines through it.
 #
 #   sbatch examples/slurm/rl_sdar30b.sh                          # from the repository root
 #   MODEL=/ckpt/SDAR-30B-A3B-Chat DATA=/data/math_train.jsonl sbatch -p gpu -A proj examples/slurm/rl_sdar30b.sh

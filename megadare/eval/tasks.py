@@ -324,12 +324,16 @@ def file_task(path: str) -> TaskSpec:
     where, first = rows[0]
     if not is_verl_row(first):
         _unbuildable(first, where, "")
+    source = str(first.get("data_source", "")).lower()
     try:
         rule = auto_rule(first)
-    except ValueError as e:
-        raise DataError(f"{where}: {e}") from e
+    except ValueError as e:  # eval scores a file task by auto alone: rewards.name would not help here
+        raise DataError(
+            f"{where}: megadare eval scores a file task by its rows' data_source (rewards.name=auto; another "
+            f"rewards.name does not apply to it) and has no rule for data_source={source!r}: give the rows one it "
+            f"knows (gsm8k, math..., countdown, sudoku, a code source) or extra_info.task=math|code"
+        ) from e
     name = os.path.splitext(os.path.basename(path))[0]
-    source = str(first.get("data_source", "")).lower()
     if rule in ("math", "dare_math", "gsm8k"):
         return TaskSpec(
             name,

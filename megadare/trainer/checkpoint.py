@@ -472,8 +472,9 @@ def schedule_changes(scheduler, saved: dict) -> list[str]:
 def describe_schedule(scheduler, optimizer) -> str:
     """The LR schedule in words, with the learning rate of the next step."""
     lr = scheduler.get_lr(optimizer.param_groups[0]) if optimizer is not None else scheduler.max_lr
+    decays = "" if scheduler.lr_decay_style == "constant" else f" -> {scheduler.min_lr:g}"  # constant: never min_lr
     return (
-        f"{scheduler.lr_decay_style}, lr {scheduler.max_lr:g} -> {scheduler.min_lr:g}, warmup "
+        f"{scheduler.lr_decay_style}, lr {scheduler.max_lr:g}{decays}, warmup "
         f"{scheduler.lr_warmup_steps}, over {scheduler.lr_decay_steps} steps; lr now {lr:.3g}"
     )
 
