@@ -6,6 +6,7 @@ import argparse
 import difflib
 import importlib
 import os
+import re
 import sys
 from contextlib import nullcontext
 from types import ModuleType
@@ -95,12 +96,14 @@ def _add_convert(sub) -> None:
     for k in ("tp", "pp", "ep"):
         h2m.add_argument(
             f"--{k}",
-            type=int,
+            type=positive_int,
             default=1,
             help=f"target {k.upper()} size (validated; the checkpoint itself loads under any layout)",
         )
-    h2m.add_argument("--vpp", type=int, default=None, help="target virtual pipeline stages per PP rank (validated)")
-    h2m.add_argument("--etp", type=int, default=None, help="expert TP size (default: --tp)")
+    h2m.add_argument(
+        "--vpp", type=positive_int, default=None, help="target virtual pipeline stages per PP rank (validated)"
+    )
+    h2m.add_argument("--etp", type=positive_int, default=None, help="expert TP size (default: --tp)")
     h2m.add_argument(
         "--dtype",
         choices=("keep", "fp32", "bf16", "fp16"),
@@ -279,8 +282,7 @@ def _run_convert(args) -> int:
     before = _inode(args.out)
     try:
         if args.direction == "hf-to-megatron":
-            layout = _module("layout").Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, etp=args.etp)
-            out = convert.hf_to_megatron(args.hf, args.out, layout, dtype=_dtype(args.dtype))
+            out = _hf_to_megatron(convert, args)
         else:
             out = convert.megatron_to_hf(
                 args.ckpt, args.out, dtype=_dtype(args.dtype), max_shard_bytes=int(args.max_shard_gb * 2**30)
@@ -305,6 +307,19 @@ def _run_convert(args) -> int:
         return 0
     print(f"wrote {out}")
     return 0
+
+
+_LAYOUT_KEYS = re.compile(r"\bparallel\.(tp|pp|ep|vpp|etp)\b")  # the layout's messages name its config keys
+
+
+def _hf_to_megatron(convert: ModuleType, args) -> str:
+    """``convert hf-to-megatron``: the layout's errors (``parallel.tp=3: MLP width ...``) name the options the
+    user typed (``--tp=3``), not the config keys of a training run's layout."""
+    try:
+        layout = _module("layout").Layout(tp=args.tp, pp=args.pp, ep=args.ep, vpp=args.vpp, etp=args.etp)
+        return convert.hf_to_megatron(args.hf, args.out, layout, dtype=_dtype(args.dtype))
+    except ConfigError as e:
+        raise ConfigError(_LAYOUT_KEYS.sub(r"--\1", str(e))) from None
 
 
 def _inode(path: str) -> Optional[int]:
@@ -496,16 +511,18 @@ def _config_and_spec(args):
     """The run's config (file + overrides) and its resolved spec (checked; ``spec.arch`` is None when no model is
     named). The config's own checks (keys, types, values, algo.name, model.hf_path, the rules between settings:
     config/rules.py, the data files: config/data_files.py) run before the spec's module (torch) loads."""
-    overrides = list(args.overrides)
+    overrides, flags = list(args.overrides), {}
     if args.command == "eval":
         if args.model:
             overrides.append(f"model.hf_path={args.model}")
+            flags["model.hf_path"] = "--model"
         if args.tasks is not None:
             tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
             if not tasks:
                 raise ConfigError(f"--tasks {args.tasks!r} names no task; e.g. --tasks gsm8k,math500")
             overrides.append(f"eval.tasks=[{','.join(tasks)}]")
-    cfg = load_config(args.config, overrides)
+            flags["eval.tasks"] = "--tasks"
+    cfg = load_config(args.config, overrides, flags)
     check_model_path(cfg)
     check_rules(cfg, args.command)  # the cross-checks that need no model, once: resolve's validate is told they ran
     if not (args.dry_run and args.config_only):  # --config-only: the files it names need not exist here

@@ -12,8 +12,8 @@ scripts run it first), each failure one line naming the file, row or key and the
 * eval: the eval section (``eval.k <= eval.n_samples`` ...) and each task's data file;
 * the run directory: not held by another live run; what a start would resume from.
 
-``--config-only`` keeps to the first point (a config for a cluster checked from a laptop: its paths are the
-cluster's).
+``--config-only`` keeps to the first point, eval's section (less its files) and a built-in reward's name (a config
+for a cluster checked from a laptop: its paths are the cluster's).
 """
 
 from __future__ import annotations
@@ -243,6 +243,10 @@ def preflight(spec: RunSpec, config_only: bool = False, world: Optional[int] = N
     if arch is not None and command in ("sft", "dpo", "rl"):
         check_plan_fits(cfg, arch, world)
     if config_only:
+        if command == "eval":  # its task names and settings are config; its files need not exist here
+            check_eval_config(cfg, files_here=False)
+        if command == "rl" and ":" not in cfg.rewards.name:  # a built-in's name (an import path: the cluster's)
+            named_reward(cfg)
         return
     if command == "eval":
         check_eval(cfg)

@@ -375,3 +375,81 @@ def test_a_peer_error_is_the_last_line_after_what_ray_printed_on_stdout():
     assert out.returncode == 2, out.stdout
     assert lines[-1] == "megadare: error: rollout engine 0 cannot be placed: Ray node 10.0.0.3 died", lines
     assert any(ln.startswith("(raylet) Raylet is terminated") for ln in lines), lines
+
+
+VALUES_AS_TYPED = [
+    # a value given by an option is named by that option, not by the config key it sets
+    (["eval", "--model", "/no/such/ckpt"], "--model '/no/such/ckpt' is not a directory; point it at an HF checkpoint"),
+    (
+        ["eval", "--model", "/no/such/ckpt", "--dry-run", "--config-only"],
+        "--model '/no/such/ckpt' is not a directory",
+    ),
+    (["eval", "model.hf_path=/no/such/ckpt"], "model.hf_path='/no/such/ckpt' is not a directory"),
+    (["convert", "hf-to-megatron", "--hf", "/no/such", "--out", "x", "--tp", "0"], "argument --tp: 0 must be a"),
+    (["convert", "hf-to-megatron", "--hf", "/no/such", "--out", "x", "--vpp", "-1"], "argument --vpp: -1 must be"),
+    (["convert", "hf-to-megatron", "--hf", "/no/such", "--out", "x", "--vpp", "2"], "--vpp=2 needs --pp > 1"),
+]
+
+
+@pytest.mark.parametrize("argv, named", VALUES_AS_TYPED)
+def test_a_value_is_named_as_the_user_typed_it(capsys, argv, named):
+    line = _error_line(capsys, argv)
+    assert named in line and (argv[1] != "--model" or "model.hf_path" not in line), line
+
+
+def test_a_relative_model_path_says_what_it_is_relative_to(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _error_line(capsys, ["eval", "--model", "ckpt/hf"])
+    assert f"--model 'ckpt/hf' is not a directory (relative to the current directory {tmp_path})" in line
+
+
+@pytest.mark.parametrize(
+    "path, said",
+    [
+        (
+            "data/preprocessed/sft/x.jsonl",
+            "in the current directory {cwd}; DARE's example paths are relative to a DARE checkout: run from the",
+        ),
+        ("nope.jsonl", "nope.jsonl: data file not found in the current directory {cwd}; check the path"),
+        ("/no/such.jsonl", "/no/such.jsonl: data file not found; check the path"),
+        (".", ".: is a directory, not a data file; name a .jsonl / .json / .parquet file in it"),
+    ],
+)
+def test_data_inspect_says_which_path_and_what_to_do(capsys, tmp_path, monkeypatch, path, said):
+    monkeypatch.chdir(tmp_path)
+    line = _error_line(capsys, ["data", "inspect", path])
+    assert said.format(cwd=tmp_path) in line, line
+
+
+def test_an_unknown_task_given_by_tasks_is_named_by_the_option(capsys, tmp_path):
+    argv = [
+        "eval",
+        "--tasks",
+        "gsm8kk",
+        "--dry-run",
+        "model.family=sdar",
+        "model.tiny=true",
+        f"eval.data_dir={tmp_path}",
+    ]
+    line = _error_line(capsys, argv)
+    assert "--tasks: unknown task 'gsm8kk'; did you mean 'gsm8k'?" in line and "eval.tasks" not in line, line
+
+
+def test_a_config_only_dry_run_refuses_an_unknown_task(capsys):
+    """`eval --tasks gsm8kk --dry-run --config-only` passed: the task names were checked with the task files only."""
+    line = _error_line(capsys, ["eval", "--tasks", "gsm8kk", "--dry-run", "--config-only"])
+    assert "--tasks: unknown task 'gsm8kk'; did you mean 'gsm8k'?" in line, line
+    assert main(["eval", "--tasks", "gsm8k,/cluster/held.jsonl", "--dry-run", "--config-only"]) == 0  # not here
+
+
+def test_a_config_only_dry_run_refuses_an_unknown_built_in_reward(capsys):
+    """`rl --dry-run --config-only rewards.name=gsm8kk` passed: the reward's name was checked with the data only."""
+    argv = ["rl", "--config", DEMO, "--dry-run", "--config-only", "rewards.name=gsm8kk"]
+    assert "rewards.name: unknown reward 'gsm8kk': did you mean 'gsm8k'?" in _error_line(capsys, argv)
+
+
+def test_data_inspect_names_the_reward_option(capsys, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    line = _error_line(capsys, ["data", "inspect", str(rows), "--reward", "gsm8kk"])
+    assert "--reward gsm8kk: unknown reward 'gsm8kk': did you mean 'gsm8k'?" in line, line

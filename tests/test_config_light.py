@@ -94,7 +94,7 @@ def test_missing_prompt_and_eval_files_are_refused_before_torch_loads(tmp_path):
             ["rl", "--config", DEMO_RL, "data.synthetic=null", f"data.path={train}", f"data.eval_path={held}"],
             f"{held}: data file not found (data.eval_path)",
         ),
-        (["eval", "--tasks", f"gsm8k,{held}"], f"{held}: data file not found (eval.tasks)"),
+        (["eval", "--tasks", f"gsm8k,{held}"], f"{held}: data file not found (--tasks)"),
         (["eval", "--tasks", "gsm8k", f"eval.paths.gsm8k={tmp_path}"], f"{tmp_path}: unsupported data file ext"),
         (["eval", "--tasks", "gsm8k", f"eval.paths.gsm8k={tmp_path / 'dir.jsonl'}"], "data file not found"),
     ]

@@ -290,8 +290,10 @@ def test_convert_vpp_below_one_is_refused(capsys, tmp_path, vpp):
     """--vpp 0 or -2 was read as 'no virtual stages' without a word (the config's parallel.vpp refuses them)."""
     hf = write_tiny_hf(tmp_path, "sdar", seed=1, block_size=4)
     out = tmp_path / "out"
-    line = refused(capsys, "convert", "hf-to-megatron", "--hf", hf, "--out", str(out), "--pp", "2", "--vpp", vpp)
-    assert f"vpp={vpp} must be a positive integer" in line, line
+    with pytest.raises(SystemExit) as refusal:  # argparse's one line: the option as typed, not parallel.vpp
+        main(["convert", "hf-to-megatron", "--hf", hf, "--out", str(out), "--pp", "2", "--vpp", vpp])
+    err = capsys.readouterr().err
+    assert refusal.value.code == 2 and f"argument --vpp: {vpp} must be a positive integer" in err, err
     assert not out.exists()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from megadare.config.sections import Config
-from megadare.data.files import SUPPORTED_EXTENSIONS, as_paths
+from megadare.data.files import SUPPORTED_EXTENSIONS, as_paths, missing_file
 from megadare.errors import ConfigError
 
 FILE_TASK_EXTENSIONS = (".jsonl", ".parquet")  # an eval.tasks entry ending so is a file (eval/tasks.py task_spec)
@@ -34,12 +34,12 @@ def check_data_files(cfg: Config, job: str) -> None:
         ext = os.path.splitext(path)[1].lower()
         if ext not in SUPPORTED_EXTENSIONS:
             raise ConfigError(
-                f"{path}: unsupported data file extension {ext or '(none)'!r} ({key}); supported: "
+                f"{path}: unsupported data file extension {ext or '(none)'!r} ({cfg.as_written(key)}); supported: "
                 f"{', '.join(SUPPORTED_EXTENSIONS)}"
             )
-        if not os.path.exists(path):
-            raise ConfigError(f"{path}: data file not found ({key}); point {key} at an existing file")
         if not os.path.isfile(path):
-            raise ConfigError(f"{path}: is a directory, not a data file ({key}); name a file in it")
+            raise ConfigError(missing_file(path, cfg.as_written(key)))
         if not os.access(path, os.R_OK):
-            raise ConfigError(f"{path}: data file cannot be read (permission denied) ({key}); fix its permissions")
+            raise ConfigError(
+                f"{path}: data file cannot be read (permission denied) ({cfg.as_written(key)}); fix its permissions"
+            )

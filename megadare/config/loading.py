@@ -362,9 +362,12 @@ def config_from_dict(data: dict, source: str = "<dict>") -> Config:
     return _finish(merged, written)
 
 
-def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+def load_config(
+    path: Optional[str] = None, overrides: Optional[list[str]] = None, flags: Optional[dict[str, str]] = None
+) -> Config:
     """YAML file (optional) then dotted ``key=value`` overrides; users' old keys (CONFIG_ALIASES) moved to their
-    canonical keys first; checked field by field."""
+    canonical keys first; checked field by field. ``flags``: {config key: the command's option that set it
+    (``model.hf_path``: ``--model``)}, so that a message about its value names the option the user typed."""
     conf = OmegaConf.structured(Config)
     written: dict[str, str] = {}
     seen: dict[str, tuple[str, str]] = {}
@@ -384,14 +387,19 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
             conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([f"{canonical}={value}"]))
         except OmegaConfBaseException as e:
             raise _translate(e, f"override {ov}", written) from None
+    written.update(flags or {})
     return _finish(conf, written)
 
 
 def check_model_path(cfg: Config) -> None:
     """``model.hf_path``, when set, is a directory (an HF checkpoint). Every config command needs it there (its
     config.json names the model the config is checked against); the CLI checks it before torch loads."""
-    if cfg.model.hf_path and not os.path.isdir(cfg.model.hf_path):
-        raise ConfigError(f"model.hf_path={cfg.model.hf_path!r} is not a directory (expected an HF checkpoint)")
+    path = cfg.model.hf_path
+    if path and not os.path.isdir(path):
+        named = cfg.as_written("model.hf_path")
+        how = f"{named} {path!r}" if named.startswith("-") else f"{named}={path!r}"  # an option, or a key
+        where = "" if os.path.isabs(path) else f" (relative to the current directory {os.getcwd()})"
+        raise ConfigError(f"{how} is not a directory{where}; point it at an HF checkpoint (its config.json)")
 
 
 def _unknown_in(data: dict, schema: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -34,6 +34,25 @@ def load_records(path: str) -> list[dict]:
     return [rec for _, rec in load_rows(path)]
 
 
+def missing_file(path: str, key: str = "") -> str:
+    """Why ``path`` (named by ``key``, an option or config key, when given) is not a data file here, and what to do:
+    a relative path is named with the directory it is relative to (the current one); DARE's example paths
+    (``data/preprocessed/...``) are relative to a DARE checkout."""
+    by = f" ({key})" if key else ""
+    if os.path.isdir(path):
+        return f"{path}: is a directory, not a data file{by}; name a .jsonl / .json / .parquet file in it"
+    fix = f"point {key} at an existing file" if key else "check the path"
+    if os.path.isabs(path):
+        return f"{path}: data file not found{by}; {fix}"
+    where = f"{path}: data file not found{by} in the current directory {os.getcwd()}"
+    if os.path.normpath(path).startswith(os.path.join("data", "preprocessed")):
+        return (
+            f"{where}; DARE's example paths are relative to a DARE checkout: run from the DARE checkout or give "
+            "the file's absolute path"
+        )
+    return f"{where}; {fix} (relative to that directory, or absolute)"
+
+
 def load_rows(path: str) -> list[tuple[str, dict]]:
     """``(location, record)`` of every record of a .jsonl / .json / .parquet file (one read of the file)."""
     ext = os.path.splitext(path)[1].lower()
@@ -42,7 +61,7 @@ def load_rows(path: str) -> list[tuple[str, dict]]:
             f"{path}: unsupported data file extension {ext or '(none)'!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)}"
         )
     if not os.path.isfile(path):
-        raise DataError(f"{path}: data file not found")
+        raise DataError(missing_file(path))
     if ext == ".jsonl":
         return _load_jsonl(path)
     if ext == ".json":

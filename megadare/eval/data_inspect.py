@@ -21,13 +21,13 @@ import os
 from typing import Callable, Optional
 
 from megadare.data.fields import MISSING, get_field, is_verl_row, renders_as_verl
-from megadare.data.files import DataError, load_rows
+from megadare.data.files import DataError, load_rows, missing_file
 from megadare.data.preference_data import record_to_preference
 from megadare.data.prompt_data import build_prompts, rl_keys
 from megadare.data.sft_data import record_to_example, sft_keys
 from megadare.data.tokenizer import VOCABULARY_FILES, ByteTokenizer, HFTokenizer, Tokenizer, Utf8ByteTokenizer
 from megadare.models import family_of, read_hf_config
-from megadare.rewards import auto_rule, gold_response, load_reward, score_batch
+from megadare.rewards import RewardSpecError, auto_rule, gold_response, load_reward, score_batch
 
 __all__ = ["inspect_command", "inspect_file", "percentiles", "load_tokenizer"]
 
@@ -243,10 +243,13 @@ def inspect_command(
     out: Callable[[str], None] = print,
 ) -> int:
     """The command: a report per file, every record error, then the gold-answer line; 1 on record errors."""
-    load_reward(reward)  # an unknown reward fails before any file is read
+    try:  # an unknown reward fails before any file is read
+        load_reward(reward)
+    except RewardSpecError as e:
+        raise RewardSpecError(f"--reward {reward}: {e}") from None
     for path in paths:  # a missing file is the whole answer, before any report line
         if not os.path.isfile(path):
-            raise DataError(f"{path}: data file not found")
+            raise DataError(missing_file(path))
     tok = load_tokenizer(model)
     out(tokenizer_line(tok))
     scores: list[float] = []

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from megadare.config import Config
+from megadare.config.data_files import FILE_TASK_EXTENSIONS
 from megadare.console import progress_bar
 from megadare.data.fields import is_verl_row
 from megadare.data.prompt_data import PromptRules, build_prompts
@@ -79,13 +80,16 @@ __all__ = [
 SEED_STRIDE = 1_000_003  # seed distance between sample rounds (more than any task's number of engine chunks)
 
 
-def check_eval_config(cfg: Config) -> tuple[list[TaskSpec], float]:
-    """(tasks, sampling temperature) of the eval section; ConfigErrors name the key to fix."""
+def check_eval_config(cfg: Config, files_here: bool = True) -> tuple[list[TaskSpec], float]:
+    """(tasks, sampling temperature) of the eval section; ConfigErrors name the key to fix. ``files_here`` False
+    (``--dry-run --config-only``: the files a config names need not exist here): file tasks are left out of the
+    tasks, the benchmarks' names still checked (``--tasks gsm8kk`` passed a config-only dry run)."""
     e = cfg.eval
     names = list(e.tasks)
     if not names:
         raise ConfigError(f"eval.tasks is empty; choose from {', '.join(TASKS)}")
-    specs = [task_spec(str(n)) for n in dict.fromkeys(names)]
+    names = [str(n) for n in dict.fromkeys(names) if files_here or not str(n).lower().endswith(FILE_TASK_EXTENSIONS)]
+    specs = [task_spec(n, cfg.as_written("eval.tasks")) for n in names]
     seen = [s.name for s in specs]
     if len(set(seen)) < len(seen):
         twice = sorted({n for n in seen if seen.count(n) > 1})

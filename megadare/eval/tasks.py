@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 
 from megadare.config import CHOICES
 from megadare.data.fields import is_verl_row
-from megadare.data.files import DataError, load_rows
+from megadare.data.files import DataError, load_rows, missing_file
 from megadare.errors import ConfigError
 from megadare.rewards import (
     auto_rule,
@@ -351,17 +351,17 @@ def file_task(path: str) -> TaskSpec:
     return TaskSpec(name, "planning", "auto", "answer", _unbuildable, last_answer_tag, str, None, path)
 
 
-def task_spec(name: str) -> TaskSpec:
-    """The registered task ``name``, or the file task of a data file path; a ConfigError naming ``eval.tasks``
-    otherwise."""
+def task_spec(name: str, key: str = "eval.tasks") -> TaskSpec:
+    """The registered task ``name``, or the file task of a data file path; a ConfigError naming ``key`` (the config
+    key or the option, ``--tasks``, the user wrote) otherwise."""
     if name in TASKS:
         return TASKS[name]
     if str(name).lower().endswith((".jsonl", ".parquet")):
         if not os.path.isfile(name):
-            raise DataError(f"{name}: data file given in eval.tasks not found")
+            raise DataError(missing_file(name, key))
         return file_task(str(name))
     close = difflib.get_close_matches(str(name), list(TASKS), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(
-        f"eval.tasks: unknown task {name!r}{hint} (known: {', '.join(TASKS)}, or a .jsonl / .parquet file of DARE rows)"
+        f"{key}: unknown task {name!r}{hint} (known: {', '.join(TASKS)}, or a .jsonl / .parquet file of DARE rows)"
     )
