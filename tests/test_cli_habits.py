@@ -453,3 +453,12 @@ def test_data_inspect_names_the_reward_option(capsys, tmp_path):
     rows.write_text('{"prompt": "1+1?", "answer": "2"}\n')
     line = _error_line(capsys, ["data", "inspect", str(rows), "--reward", "gsm8kk"])
     assert "--reward gsm8kk: unknown reward 'gsm8kk': did you mean 'gsm8k'?" in line, line
+
+
+def test_a_file_given_for_an_hf_checkpoint_says_the_fix(capsys, tmp_path):
+    """`convert hf-to-megatron --hf weights.bin` said only 'not valid JSON (Expecting value ...)'."""
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"\x00\x01")
+    argv = ["convert", "hf-to-megatron", "--hf", str(weights), "--out", str(tmp_path / "out")]
+    line = _error_line(capsys, argv)
+    assert f"{weights}: not valid JSON" in line and "point to an HF checkpoint directory (its config.json)" in line

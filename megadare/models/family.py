@@ -148,7 +148,12 @@ def read_hf_config(path_or_dict: str | os.PathLike | dict) -> dict:
         try:
             hf = json.load(f)
         except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{p}: not valid JSON ({e})") from e
+            fix = (
+                "put the checkpoint's own config.json there"
+                if os.path.isdir(os.fspath(path_or_dict))
+                else "point to an HF checkpoint directory (its config.json)"
+            )
+            raise ModelConfigError(f"{p}: not valid JSON ({e}); {fix}") from e
     if not isinstance(hf, dict):
         raise ModelConfigError(
             f"{p}: holds a JSON {type(hf).__name__}, not an object of the model's settings (architectures, "
