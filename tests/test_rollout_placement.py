@@ -99,8 +99,6 @@ def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_proce
     import subprocess
     import sys
 
-    import psutil
-
     script = os.path.join(os.path.dirname(__file__), "ray_process_killed.py")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not this module's
     out = subprocess.run([sys.executable, script, "gcs", driver], capture_output=True, text=True, timeout=380, env=env)
@@ -111,14 +109,7 @@ def test_a_killed_gcs_ends_the_run_in_one_line_naming_it_and_leaves_no_ray_proce
     assert out.stderr.count("megadare: error: ") == 1, out.stderr[-3000:]
     pids = [int(p) for p in out.stdout.split()]
     assert pids, out.stdout
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)  # killed ones may take a moment to go
-    left = [p for p in alive if p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
+    left = _ray_left(pids)  # killed ones may take a moment to go
     assert not left, [(p.pid, p.status(), p.name()) for p in left]
 
 
