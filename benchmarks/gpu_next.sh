@@ -5,7 +5,7 @@
 #
 #     bash benchmarks/gpu_next.sh
 #
-# Every run is time-boxed (about 420 s in all) and logs under $OUT (four files; a call brings back at most eight);
+# Every run is time-boxed (about 470 s in all) and logs under $OUT (four files; a call brings back at most eight);
 # each phase prints its start second, so a call cut short still says how far it got.
 set -uo pipefail
 P=/opt/torch/.venv/bin/python3
@@ -32,6 +32,7 @@ phase "train: a real run's global batch, 2 and 4 micro-batches of 4 rows a step 
 {
   timeout 75 "$P" train_throughput.py --shape dense --batch 4 --backends sdpa --variants fused --micro-batches 2
   timeout 100 "$P" train_throughput.py --shape dense --batch 4 --backends sdpa --variants fused --micro-batches 4
+  timeout 75 "$P" train_throughput.py --shape dense --batch 8 --backends sdpa --variants fused
 } >"$OUT/train_accum.log" 2>&1
 grep -E "^dense" "$OUT/train_accum.log"
 
