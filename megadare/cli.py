@@ -17,6 +17,7 @@ from megadare.config import check_data_files, check_model_path, check_rules, loa
 from megadare.config.loading import suggestion
 from megadare.console import end_open_line
 from megadare.data.files import DataError
+from megadare.files import inode_of
 from megadare.errors import (
     CheckpointError,
     ConfigError,
@@ -279,7 +280,7 @@ def _run_rl(cfg, nproc: int) -> int:
 
 def _run_convert(args) -> int:
     convert = _module("convert")
-    before = _inode(args.out)
+    before = inode_of(args.out)
     try:
         if args.direction == "hf-to-megatron":
             out = _hf_to_megatron(convert, args)
@@ -296,7 +297,7 @@ def _run_convert(args) -> int:
     except StoppedBeforeTheLoop as stop:  # the export's staging directory was removed on its way out
         if isinstance(stop.__context__, _ONE_LINE_ERRORS):  # one of ours was on its way out: it ends the command
             raise
-        if _inode(args.out) in (None, before):
+        if inode_of(args.out) in (None, before):
             print(
                 f"convert stopped by SIGTERM: nothing of this export was kept and {args.out} is as it was; run the "
                 "same command again",
@@ -320,14 +321,6 @@ def _hf_to_megatron(convert: ModuleType, args) -> str:
         return convert.hf_to_megatron(args.hf, args.out, layout, dtype=_dtype(args.dtype))
     except ConfigError as e:
         raise ConfigError(_LAYOUT_KEYS.sub(r"--\1", str(e))) from None
-
-
-def _inode(path: str) -> Optional[int]:
-    """``path``'s inode, None where there is none: an export put in place (``publish``, a rename) changes it."""
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
 
 
 RUN_COMMANDS = ("sft", "dpo", "rl")

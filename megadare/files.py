@@ -16,7 +16,17 @@ import socket
 import tempfile
 from typing import Optional
 
-__all__ = ["write_text_atomic", "temp_of", "OWNER", "owner_tag", "owned_name", "owned_tempdir", "sweep_dead", "running"]
+__all__ = [
+    "write_text_atomic",
+    "temp_of",
+    "OWNER",
+    "owner_tag",
+    "owned_name",
+    "owned_tempdir",
+    "sweep_dead",
+    "running",
+    "inode_of",
+]
 
 OWNER = r"([0-9]+)@([^/]+?)"  # the ``<pid>@<host>`` of an owned name, as a regex (groups: pid, host)
 
@@ -94,3 +104,12 @@ def owned_tempdir(prefix: str, parent: Optional[str] = None) -> str:
     parent = parent or tempfile.gettempdir()
     sweep_dead(parent, re.escape(prefix) + OWNER + r"-[a-z0-9_]{8}")
     return tempfile.mkdtemp(prefix=owned_name(prefix, ""), dir=parent)
+
+
+def inode_of(path: str) -> Optional[int]:
+    """``path``'s inode, None where there is none: an output put in place by a rename (``publish``) changes it, so
+    a command stopped at its end can tell whether its output landed."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None

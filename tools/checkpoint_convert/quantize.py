@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Optional, Sequence, Union
 
 from megadare import stopping
 from megadare.errors import StoppedBeforeTheLoop
+from megadare.files import inode_of
 
 
 def read_calib_prompts(path: str) -> list[Union[str, list[int]]]:
@@ -83,12 +83,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The export; a SIGTERM (Slurm's time limit, ``scancel``) stops it in one line, exit 0, as ``megadare
     convert``: the export's staging (and the HF copy of a --ckpt source) removed, --out as it was."""
     args = parse_args(argv)
-    before = _inode(args.out)
+    before = inode_of(args.out)
     try:
         with stopping.watching():  # before torch loads (seconds): a SIGTERM meanwhile is the same stop
             return _export(args)
     except StoppedBeforeTheLoop:  # what the export wrote aside was removed on its way out
-        if _inode(args.out) not in (None, before):  # put in place (``publish``) before the stop was acted on
+        if inode_of(args.out) not in (None, before):  # put in place (``publish``) before the stop was acted on
             print(f"wrote {args.format} checkpoint {args.out}; SIGTERM received after it was in place: nothing lost")
             return 0
         print(
@@ -97,14 +97,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             flush=True,
         )
         return 0
-
-
-def _inode(path: str) -> Optional[int]:
-    """``path``'s inode, None where there is none: an export put in place (a rename) changes it."""
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
 
 
 def _export(args: argparse.Namespace) -> int:
