@@ -8,7 +8,6 @@ test works on a copy of its run directory."""
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -24,7 +23,6 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from megadare.errors import RunStateError
 from megadare.trainer.checkpoint import describe_schedule
 
 LOCK_FILE = "megadare.lock"
@@ -383,50 +381,6 @@ def test_two_runs_sharing_one_checkpoint_root_are_refused(run, tmp_path):
     finally:
         holder.kill()
         holder.wait()
-
-
-def test_a_lock_that_cannot_be_written_leaves_no_empty_lock(tmp_path, monkeypatch):
-    """ENOSPC (or a SIGKILL) between creating the lock and writing its holder left an empty megadare.lock that
-    refused every later run as 'in use by pid ? on ?'. The lock is now written aside and linked into place; an
-    empty or garbled lock (left by an older megadare) names no live holder and is taken over."""
-    from megadare.trainer import run_lock
-
-    real_dump = json.dump
-
-    def full_disk(obj, f, *a, **k):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(run_lock.json, "dump", full_disk)
-    with pytest.raises(RunStateError, match="cannot take the run lock: No space left on device;"):
-        run_lock.acquire(str(tmp_path))
-    monkeypatch.setattr(run_lock.json, "dump", real_dump)
-    assert os.listdir(tmp_path) == []
-    (tmp_path / run_lock.LOCK).write_text("")  # what the old code left
-    assert run_lock.holder_alive(str(tmp_path)) is None
-    assert "names no holder" in run_lock.acquire(str(tmp_path))
-    run_lock.release(str(tmp_path))
-    assert os.listdir(tmp_path) == []
-
-
-def test_the_lock_is_written_through_a_file_named_by_pid_and_host(tmp_path, monkeypatch):
-    """The lock was written to ``megadare.lock.<pid>.tmp`` first: two hosts' runs on a shared filesystem with the
-    same pid wrote, linked and removed one file; one SIGKILLed in between left it for good. The name now carries
-    ``<pid>@<host>`` (megadare/files.py's owned name) and a dead writer's file of this host goes at the next run;
-    another host's stays."""
-    from megadare.trainer import run_lock
-
-    host, linked, real_link = socket.gethostname(), [], os.link
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    left = tmp_path / f"{run_lock.LOCK}.{dead.pid}@{host}-tmp"
-    other = tmp_path / f"{run_lock.LOCK}.{os.getpid()}@another-node-tmp"
-    left.write_text("{}")
-    other.write_text("{}")
-    monkeypatch.setattr(run_lock.os, "link", lambda src, dst: (linked.append(src), real_link(src, dst)))
-    assert run_lock.acquire(str(tmp_path)) == ""
-    assert [os.path.basename(p) for p in linked] == [f"{run_lock.LOCK}.{os.getpid()}@{host}-tmp"]
-    assert sorted(os.listdir(tmp_path)) == sorted([run_lock.LOCK, other.name])
-    run_lock.release(str(tmp_path))
 
 
 def test_rotation_never_deletes_the_intact_checkpoint_behind_a_damaged_newer_one(run):
